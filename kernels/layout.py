@@ -1,0 +1,48 @@
+"""State layout shared by every backend: page states, counter slots, sentinels.
+
+Note: the pool's whole state is five tensors allocated once (see
+``tpool.pool.PoolState``). ``counters`` is an int64 vector whose slots are
+named below; free and cached counts live there too, so one kernel launch
+reads and updates them without a host round trip.
+"""
+
+# Page states (int8, one per page).
+FREE = 0      # on the free stack
+USED = 1      # reference count >= 1
+CACHED = 2    # reference count 0, content kept, evictable; carries an LRU stamp
+
+NULL_PAGE = -1  # padding in every page-id tensor, in and out
+
+# Slots of the int64 ``counters`` vector.
+FREE_COUNT = 0       # pages on the free stack (stack top = FREE_COUNT)
+CACHED_COUNT = 1     # pages in state CACHED
+CLOCK = 2            # device clock: +1 per mutating call
+USED_PEAK = 3        # peak of pages in state USED
+CACHED_PEAK = 4      # peak of CACHED_COUNT
+ALLOCATED = 5        # pages handed out by alloc, total
+FREED = 6            # pages whose last reference was dropped, total
+FAILED_REQUESTS = 7  # alloc requests answered ok=False, total
+EVICTED = 8          # cached pages turned free by eviction, total
+REVIVED = 9          # cached pages taken back into use by incref (prefix hits)
+# Error counters: misuse, counted and never used as an address.
+ERR_INVALID_PAGE = 10    # page id outside [0, num_pages) and not -1
+ERR_DOUBLE_FREE = 11     # free of a page that holds no reference
+ERR_USE_AFTER_FREE = 12  # incref / touch of a FREE page
+ERR_BAD_COUNT = 13       # negative count passed to alloc / extend
+ERR_OUT_OVERFLOW = 14    # alloc output buffer too small for grantable requests
+ERR_BAD_REQUEST = 15     # page table: request id out of range
+ERR_TABLE_OVERFLOW = 16  # page table: request would exceed max_pages_per_request
+ERR_BAD_LENGTH = 17      # page table: truncate/fork to an invalid length
+NUM_COUNTERS = 18
+
+FIRST_ERROR = ERR_INVALID_PAGE
+ERROR_NAMES = {
+    ERR_INVALID_PAGE: "invalid_page",
+    ERR_DOUBLE_FREE: "double_free",
+    ERR_USE_AFTER_FREE: "use_after_free",
+    ERR_BAD_COUNT: "bad_count",
+    ERR_OUT_OVERFLOW: "out_overflow",
+    ERR_BAD_REQUEST: "bad_request",
+    ERR_TABLE_OVERFLOW: "table_overflow",
+    ERR_BAD_LENGTH: "bad_length",
+}

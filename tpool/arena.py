@@ -1,0 +1,218 @@
+"""A preallocated byte arena: first-fit blocks inside one uint8 buffer.
+
+Note:
+    The arena allocates ONE ``uint8`` buffer of ``capacity_bytes`` at
+    construction and never asks the caching allocator for more, so whatever
+    lives in it cannot make ``memory_reserved`` grow. Blocks are carved
+    first-fit (lowest offset that fits); every block starts at a multiple of
+    ``alignment`` and its size is the request rounded up to ``alignment``, so
+    a typed view of any dtype at the block start is aligned. Freeing merges a
+    block with free neighbours at once (coalescing), so two adjacent free
+    ranges never exist. Allocated and free byte counts are kept as running
+    sums (O(1)); ``fragmentation`` is ``1 - largest free block / free bytes``
+    (0 when nothing is free or the free bytes are one block).
+
+    A handle is a :class:`Block` ``(offset, size, serial)``; the serial makes a
+    stale handle (already freed, or its offset reused since) fail loudly.
+    The arena does not track tensor references: a view obtained from a block
+    reads whatever is written there after the block is freed and reused.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Arena", "Block"]
+
+DEFAULT_ALIGNMENT = 256  # bytes; the start of every block is a multiple of this
+
+
+@dataclass(frozen=True)
+class Block:
+    """An allocated range ``[offset, offset + size)`` of an arena's buffer (bytes)."""
+
+    offset: int  # bytes from the buffer start; a multiple of the alignment
+    size: int  # bytes; the request rounded up to the alignment
+    serial: int  # unique per allocation in its arena
+
+
+class Arena:
+    """One preallocated uint8 buffer with first-fit, coalescing block allocation.
+
+    Parameters
+    ----------
+    capacity_bytes : int
+        Size of the buffer, > 0.
+    device : torch.device or str
+        Where the buffer lives.
+    alignment : int
+        Power of two, in bytes; block starts and sizes are multiples of it.
+
+    Example
+    -------
+    >>> arena = Arena(4096, "cpu", alignment=256)
+    >>> a = arena.alloc(100); b = arena.alloc(300)       # sizes 256 and 512
+    >>> (a.offset, b.offset, arena.allocated_bytes)
+    (0, 256, 768)
+    >>> arena.free(a); arena.fragmentation               # 256 at 0, 3328 at 768
+    0.0714...
+    """
+
+    def __init__(self, capacity_bytes: int, device: torch.device | str, *, alignment: int = DEFAULT_ALIGNMENT):
+        if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a positive power of two, got {alignment!r}")
+        self.capacity_bytes = capacity_bytes
+        self.alignment = alignment
+        self.buffer = torch.empty(capacity_bytes, dtype=torch.uint8, device=device)
+        self.device = self.buffer.device
+        self._free_offsets: list[int] = [0]  # sorted starts of free ranges
+        self._free_sizes: dict[int, int] = {0: capacity_bytes}  # start -> size
+        self._blocks: dict[int, Block] = {}  # start -> live block
+        self._allocated = 0
+        self._serial = 0
+
+    # -- counts -------------------------------------------------------------
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes in live blocks (sizes after rounding)."""
+        return self._allocated
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes not in any live block."""
+        return self.capacity_bytes - self._allocated
+
+    @property
+    def largest_free_block(self) -> int:
+        """Size of the largest free range, in bytes."""
+        return max(self._free_sizes.values(), default=0)
+
+    @property
+    def fragmentation(self) -> float:
+        """``1 - largest free block / free bytes``; 0.0 when nothing is free."""
+        free = self.free_bytes
+        return 0.0 if free == 0 else 1.0 - self.largest_free_block / free
+
+    @property
+    def num_blocks(self) -> int:
+        """Number of live blocks."""
+        return len(self._blocks)
+
+    def free_ranges(self) -> list[tuple[int, int]]:
+        """Free ``(offset, size)`` ranges in offset order (for tests and reports)."""
+        return [(o, self._free_sizes[o]) for o in self._free_offsets]
+
+    def block_size(self, nbytes: int) -> int:
+        """Bytes a request of ``nbytes`` occupies: rounded up to the alignment."""
+        if not isinstance(nbytes, int) or nbytes <= 0:
+            raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
+        return -(-nbytes // self.alignment) * self.alignment
+
+    # -- allocation ---------------------------------------------------------
+    def alloc(self, nbytes: int) -> Block | None:
+        """Take the lowest free range that holds ``nbytes``; ``None`` if none does."""
+        size = self.block_size(nbytes)
+        for offset in self._free_offsets:
+            have = self._free_sizes[offset]
+            if have >= size:
+                break
+        else:
+            return None
+        i = bisect.bisect_left(self._free_offsets, offset)
+        del self._free_offsets[i], self._free_sizes[offset]
+        if have > size:
+            self._free_offsets.insert(i, offset + size)
+            self._free_sizes[offset + size] = have - size
+        self._serial += 1
+        block = Block(offset, size, self._serial)
+        self._blocks[offset] = block
+        self._allocated += size
+        return block
+
+    def can_alloc(self, nbytes: int, *, also_free: Iterable[Block] = ()) -> bool:
+        """Whether ``alloc(nbytes)`` would succeed, optionally as if ``also_free`` were freed."""
+        size = self.block_size(nbytes)
+        extra = sorted((self._check_live(b).offset, b.size) for b in also_free)
+        if not extra:
+            return self.largest_free_block >= size
+        ranges = sorted(self.free_ranges() + extra)
+        start, end = ranges[0][0], ranges[0][0]
+        for o, s in ranges:  # merge touching ranges, track the longest
+            start, end = (start, o + s) if o == end else (o, o + s)
+            if end - start >= size:
+                return True
+        return False
+
+    def free(self, block: Block) -> None:
+        """Return ``block`` to the free ranges, merging it with free neighbours."""
+        self._check_live(block)
+        del self._blocks[block.offset]
+        self._allocated -= block.size
+        offset, size = block.offset, block.size
+        i = bisect.bisect_left(self._free_offsets, offset)
+        if i < len(self._free_offsets) and self._free_offsets[i] == offset + size:  # merge right
+            size += self._free_sizes.pop(offset + size)
+            del self._free_offsets[i]
+        if i > 0:  # merge left
+            left = self._free_offsets[i - 1]
+            if left + self._free_sizes[left] == offset:
+                self._free_sizes[left] += size
+                return
+        self._free_offsets.insert(i, offset)
+        self._free_sizes[offset] = size
+
+    def is_live(self, block: Block) -> bool:
+        """Whether ``block`` is a live block of this arena."""
+        return isinstance(block, Block) and self._blocks.get(block.offset) == block
+
+    def _check_live(self, block: Block) -> Block:
+        if not isinstance(block, Block):
+            raise TypeError(f"expected an arena Block, got {type(block).__name__}")
+        if not self.is_live(block):
+            raise ValueError(f"{block} is not a live block of this arena (freed twice, stale, or foreign)")
+        return block
+
+    # -- views --------------------------------------------------------------
+    def bytes_of(self, block: Block, nbytes: int | None = None, *, offset: int = 0) -> torch.Tensor:
+        """The uint8 range ``[offset, offset + nbytes)`` of ``block`` (default: all of it).
+
+        Returns
+        -------
+        torch.Tensor
+            Shape ``[nbytes]``, uint8, on ``self.device``; a view of the buffer.
+        """
+        self._check_live(block)
+        nbytes = block.size - offset if nbytes is None else nbytes
+        if offset < 0 or nbytes < 0 or offset + nbytes > block.size:
+            raise ValueError(f"range [{offset}, {offset + nbytes}) does not fit in a block of {block.size} bytes")
+        start = block.offset + offset
+        return self.buffer[start : start + nbytes]
+
+    def view(self, block: Block, dtype: torch.dtype, shape: Sequence[int], *, offset: int = 0) -> torch.Tensor:
+        """A contiguous tensor of ``dtype`` and ``shape`` at byte ``offset`` of ``block``.
+
+        Returns
+        -------
+        torch.Tensor
+            Shape ``shape``, dtype ``dtype``, on ``self.device``; a view of the
+            buffer (no copy), valid while ``block`` is live.
+        """
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if (block.offset + offset) % itemsize:
+            raise ValueError(f"byte offset {offset} is not aligned to {dtype} ({itemsize} bytes)")
+        numel = 1
+        for n in shape:
+            numel *= n
+        return self.bytes_of(block, numel * itemsize, offset=offset).view(dtype).view(tuple(shape))
+
+    def __repr__(self) -> str:
+        return (
+            f"Arena(capacity_bytes={self.capacity_bytes}, device={self.device}, alignment={self.alignment}, "
+            f"allocated={self._allocated}, blocks={len(self._blocks)}, fragmentation={self.fragmentation:.3f})"
+        )

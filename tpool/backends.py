@@ -1,0 +1,115 @@
+"""Backend dispatch: the same five operations over a PoolState, three ways.
+
+Note: ``reference`` is plain torch (the oracle), ``numba`` runs the kernels'
+numba twins on host memory, ``triton`` launches the Triton kernels (on a CPU
+only under ``TRITON_INTERPRET=1``, set before triton is imported). ``auto``
+picks triton for CUDA pools and numba for CPU pools; the environment variable
+``TPOOL_BACKEND`` overrides ``auto``.
+"""
+
+import os
+
+import torch
+
+from tpool import reference
+from tpool.state import PoolState
+
+BACKENDS = ("reference", "numba", "triton")
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """The backend a pool on ``device`` uses for ``name`` (``auto`` or one of BACKENDS)."""
+    if name == "auto":
+        name = os.environ.get("TPOOL_BACKEND") or ("triton" if device.type == "cuda" else "numba")
+    if name not in BACKENDS:
+        raise ValueError(f"backend: expected 'auto' or one of {BACKENDS}, got {name!r}")
+    if name == "numba" and device.type != "cpu":
+        raise ValueError(f"backend 'numba' runs on host memory: expected device cpu, got {device}")
+    if name == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("backend 'triton' on a CPU pool needs TRITON_INTERPRET=1 set before triton is imported")
+    return name
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def __init__(self, st: PoolState):
+        self.st = st
+
+    def alloc(self, counts, out, evict):
+        reference.alloc(self.st, counts, out.pages, out.indptr, out.ok, out.evicted, evict)
+
+    def free(self, pages, cache):
+        reference.free(self.st, pages, cache)
+
+    def incref(self, pages):
+        reference.incref(self.st, pages)
+
+    def touch(self, pages):
+        reference.touch(self.st, pages)
+
+    def evict(self, out):
+        reference.evict(self.st, out)
+
+
+class NumbaBackend:
+    name = "numba"
+
+    def __init__(self, st: PoolState):
+        from tpool.kernels import alloc, evict, free, incref, touch
+        from tpool.kernels._numba_util import numpy_view
+
+        self.st = st
+        self._alloc, self._free, self._incref = alloc.alloc_numba, free.free_numba, incref.incref_numba
+        self._touch, self._evict = touch.touch_numba, evict.evict_numba
+        v = {name: numpy_view(t) for name, t in st.tensors().items()}
+        self._stack, self._rc, self._state = v["free_stack"], v["refcount"], v["page_state"]
+        self._stamp, self._counters, self._occur, self._keys = v["stamp"], v["counters"], v["occur"], v["keys"]
+
+    def alloc(self, counts, out, evict):
+        self._alloc(counts.data_ptr(), counts.numel(), out.pages_ptr, out.max_pages, out.indptr_ptr,
+                    out.ok_ptr, out.max_batch, out.evicted_ptr, evict, self._stack, self._rc,
+                    self._state, self._stamp, self._counters, self._keys)
+
+    def free(self, pages, cache):
+        self._free(pages.data_ptr(), pages.numel(), cache, self._stack, self._rc, self._state,
+                   self._stamp, self._counters, self._occur)
+
+    def incref(self, pages):
+        self._incref(pages.data_ptr(), pages.numel(), self._rc, self._state, self._counters, self._occur)
+
+    def touch(self, pages):
+        self._touch(pages.data_ptr(), pages.numel(), self._state, self._stamp, self._counters, self._occur)
+
+    def evict(self, out):
+        self._evict(out.data_ptr(), out.numel(), self._stack, self._state, self._stamp,
+                    self._counters, self._keys)
+
+
+class TritonBackend:
+    name = "triton"
+
+    def __init__(self, st: PoolState):
+        from tpool.kernels import alloc, evict, free, incref, touch
+
+        self.st = st
+        self._k = (alloc, free, incref, touch, evict)
+
+    def alloc(self, counts, out, evict):
+        self._k[0].alloc_triton(counts, out.pages, out.indptr, out.ok, out.evicted, evict, self.st)
+
+    def free(self, pages, cache):
+        self._k[1].free_triton(pages, cache, self.st)
+
+    def incref(self, pages):
+        self._k[2].incref_triton(pages, self.st)
+
+    def touch(self, pages):
+        self._k[3].touch_triton(pages, self.st)
+
+    def evict(self, out):
+        self._k[4].evict_triton(out, self.st)
+
+
+def make_backend(name: str, st: PoolState):
+    return {"reference": ReferenceBackend, "numba": NumbaBackend, "triton": TritonBackend}[name](st)

@@ -1,0 +1,69 @@
+"""Free groups: deferred frees that own their input.
+
+Note (ownership rule): a deferred free COPIES its page ids into a
+pool-owned, fixed-capacity device buffer the moment ``free`` is called; no
+code path keeps the caller's tensor. A caller may pass a view of a table row
+and overwrite that row before the group ends: the pages freed are the ones
+that were passed. (SGLang's PR #34067 fixed the bug this prevents: its
+deferred queue held views of ``req_to_token`` rows that were later
+overwritten, so the wrong pages were freed.)
+
+Order and overflow: the host always knows how many ids the buffer holds (the
+sum of the shapes enqueued), so overflow needs no device read. At exit, and
+whenever an enqueue would not fit, the buffered frees are applied: first all
+plain frees in enqueue order as one pass, then all ``cache=True`` frees as
+another. An enqueue larger than the whole buffer is applied at once (after
+flushing what is buffered). No free is ever lost, and the schedule of
+flushes depends only on shapes, so it is deterministic.
+"""
+
+import torch
+
+from tpool.kernels import layout as L
+
+
+class FreeGroup:
+    """Context manager made by :meth:`PagePool.free_group`; see the module note."""
+
+    def __init__(self, pool, capacity: int):
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity: expected a positive int, got {capacity!r}")
+        self.pool, self.capacity = pool, capacity
+        # One buffer per cache flag; index 0: plain frees, 1: cached frees.
+        self._buf = torch.full((2, capacity), L.NULL_PAGE, dtype=torch.int32, device=pool.device)
+        self._fill = [0, 0]
+        self.flushes = 0  # how many passes were applied (host-side, for tests and stats)
+
+    def __enter__(self):
+        if self.pool._group is not None:
+            raise RuntimeError("free groups do not nest: this pool already has an open group")
+        self.pool._group = self
+        return self
+
+    def __exit__(self, *exc):
+        self.pool._group = None
+        self.flush()
+        return False
+
+    def enqueue(self, pages: torch.Tensor, cache: bool) -> None:
+        """Copy ``pages`` (int32 ``[N]``, checked by the pool) into the buffer."""
+        n, flag = pages.numel(), int(bool(cache))
+        if self._fill[0] + self._fill[1] + n > self.capacity:
+            self.flush()
+        if n > self.capacity:
+            self.pool._apply_free(pages, bool(cache))  # applied now: nothing is kept
+            self.flushes += 1
+            return
+        start = self._fill[flag]
+        self._buf[flag, start:start + n].copy_(pages)
+        self._fill[flag] = start + n
+
+    def flush(self) -> None:
+        """Apply every buffered free now (plain frees first, then cached ones)."""
+        for flag in (0, 1):
+            n = self._fill[flag]
+            if n:
+                self.pool._apply_free(self._buf[flag, :n], bool(flag))
+                self._buf[flag, :n].fill_(L.NULL_PAGE)
+                self._fill[flag] = 0
+                self.flushes += 1

@@ -1,0 +1,282 @@
+"""Byte counting and view-to-owned compaction.
+
+Note:
+    A view keeps its WHOLE backing storage alive. Split a ``[1000, 4096]``
+    bf16 batch (7.81 MiB) into ten ``[100, 4096]`` items and keep one: its
+    payload is 0.78 MiB, but 7.81 MiB stays resident. So this module counts
+    three numbers per tensor:
+
+    * payload  = ``numel * element_size`` (what the values need),
+    * storage  = ``untyped_storage().nbytes()`` (what stays alive),
+    * compact  = the fewest bytes that can hold the tensor with its values:
+      ``min(payload, span)``, where span is the byte range its strides reach
+      (smaller than the payload only for overlapping views such as
+      ``expand``, whose stride 0 repeats memory).
+
+    A tensor *owns* its storage when storage <= compact: a whole tensor, its
+    transpose, ``x.view(-1)``, an ``expand`` of a whole tensor. Only then is
+    it kept as is; otherwise :func:`own` copies it into storage of exactly
+    ``compact`` bytes (a contiguous clone, or for an overlapping view a copy
+    of the reachable range with the strides kept, so an expanded row stays
+    one row). A copy is therefore never larger than the storage it replaces.
+
+    Copies are new autograd leaves: ``requires_grad`` is kept, the history is
+    not (it could keep the source's saved tensors alive). Storage identity is
+    ``(device, storage data_ptr)``, so :func:`retained_bytes` counts a storage
+    shared by many views once. Tensors without ordinary storage (sparse,
+    mkldnn, meta, nested, quantized, dispatch subclasses) raise ``TypeError``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+__all__ = [
+    "payload_bytes",
+    "storage_bytes",
+    "compact_bytes",
+    "storage_key",
+    "retained_bytes",
+    "needs_compaction",
+    "own",
+    "compact",
+    "iter_tensors",
+    "map_tensors",
+]
+
+StorageKey = tuple[str, int, int]  # (device type, device index or -1, storage data_ptr)
+
+
+def check_ownable(t: Any) -> torch.Tensor:
+    """Return ``t`` if it is a dense strided tensor with real storage, else raise.
+
+    Raises
+    ------
+    TypeError
+        ``t`` is not a tensor, or its kind has no countable storage.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+    kind = None
+    if t.layout != torch.strided:
+        kind = f"layout {t.layout}"
+    elif t.is_nested:
+        kind = "nested tensor"
+    elif t.is_quantized:
+        kind = "quantized tensor"
+    elif t.is_meta:
+        kind = "meta tensor (it holds no data)"
+    elif type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        kind = f"tensor subclass {type(t).__name__} with __torch_dispatch__"
+    elif torch._C._functorch.is_functorch_wrapped_tensor(t):
+        kind = "functorch-wrapped tensor (vmap/grad)"
+    if kind is not None:
+        raise TypeError(f"expected a dense strided tensor with its own storage, got a {kind}")
+    return t
+
+
+def payload_bytes(t: torch.Tensor) -> int:
+    """Bytes the values need: ``numel * element_size``.
+
+    Parameters
+    ----------
+    t : torch.Tensor
+        Any shape and dtype, any device; dense strided.
+    """
+    t = check_ownable(t)
+    return t.numel() * t.element_size()
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    """Bytes of the backing storage that ``t`` keeps alive (``untyped_storage().nbytes()``)."""
+    return check_ownable(t).untyped_storage().nbytes()
+
+
+def _span_elems(t: torch.Tensor) -> int:
+    """Elements from the first to the last one the strides can reach (0 if empty)."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+def compact_bytes(t: torch.Tensor) -> int:
+    """Fewest bytes an owned copy of ``t`` needs: ``min(payload, span)``.
+
+    The span is below the payload only for overlapping views (``expand``);
+    a copy of the span keeps the strides, so the repetition stays free.
+    """
+    t = check_ownable(t)
+    return min(t.numel(), _span_elems(t)) * t.element_size()
+
+
+def storage_key(t: torch.Tensor) -> StorageKey:
+    """Identity of ``t``'s storage: ``(device type, device index or -1, data_ptr)``."""
+    t = check_ownable(t)
+    index = -1 if t.device.index is None else t.device.index
+    return (t.device.type, index, t.untyped_storage().data_ptr())
+
+
+def needs_compaction(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage is larger than :func:`compact_bytes` of ``t``.
+
+    Example: an item ``[100, 4096]`` of a split ``[1000, 4096]`` bf16 batch
+    has storage 8_192_000 and compact 819_200 bytes: True. The batch itself,
+    its transpose, or ``torch.ones(4096).expand(1000, 4096)``: False.
+    """
+    return storage_bytes(t) > compact_bytes(t)
+
+
+def compact(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy ``t`` into storage of exactly :func:`compact_bytes` bytes.
+
+    Parameters
+    ----------
+    t : torch.Tensor
+        Any shape and dtype; dense strided.
+    out : torch.Tensor, optional
+        Shape ``[compact_bytes(t)]``, uint8, on ``t.device``, its start
+        aligned to ``t.element_size()``: where to put the copy (an arena
+        block). By default a fresh tensor is allocated.
+
+    Returns
+    -------
+    torch.Tensor
+        Same shape, dtype, device, values and ``requires_grad`` as ``t``; a
+        new autograd leaf. Contiguous, or for an overlapping view the strides
+        of ``t`` over a copy of its reachable range.
+    """
+    t = check_ownable(t)
+    span = _span_elems(t)
+    keep_strides = span < t.numel()
+    n = span if keep_strides else t.numel()
+    if out is None:
+        flat = torch.empty(n, dtype=t.dtype, device=t.device)
+    else:
+        want = n * t.element_size()
+        if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != want or out.device != t.device:
+            raise ValueError(
+                f"out must be uint8 of shape [{want}] on {t.device}, "
+                f"got {out.dtype} {list(out.shape)} on {out.device}"
+            )
+        flat = out.view(t.dtype)
+    with torch.no_grad():
+        if keep_strides:
+            flat.copy_(t.as_strided((span,), (1,), t.storage_offset()))
+            result = flat.as_strided(t.shape, t.stride(), flat.storage_offset())
+        else:
+            result = flat.view(t.shape)
+            result.copy_(t)
+    if t.requires_grad:
+        result.requires_grad_(True)
+    return result
+
+
+def own(t: torch.Tensor) -> torch.Tensor:
+    """Return ``t`` itself if it owns its storage, else :func:`compact` of it.
+
+    Parameters
+    ----------
+    t : torch.Tensor
+        Any shape and dtype, any device; dense strided.
+
+    Example
+    -------
+    >>> batch = torch.zeros(1000, 4096, dtype=torch.bfloat16)   # 8_192_000 B
+    >>> item = own(batch.split(100)[3])
+    >>> storage_bytes(item)
+    819200
+    >>> own(batch) is batch
+    True
+    """
+    return compact(t) if needs_compaction(t) else t
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Yield every tensor in ``obj``: a tensor, or nested dicts (values), lists,
+    tuples, sets and dataclass instances holding tensors. Other leaves are skipped.
+    """
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from iter_tensors(v)
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for v in obj:
+            yield from iter_tensors(v)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name))
+
+
+def retained_bytes(tensors: torch.Tensor | Iterable[Any]) -> int:
+    """Bytes of storage kept alive by ``tensors``, each storage counted once.
+
+    Parameters
+    ----------
+    tensors : torch.Tensor or iterable
+        A tensor, or any iterable (list, generator, dict values, dataclass…)
+        of tensors and nested containers; tensors may be on any devices.
+
+    Example
+    -------
+    >>> batch = torch.zeros(1000, 4096, dtype=torch.bfloat16)
+    >>> retained_bytes(batch.split(100)[:2])    # two views, one storage
+    8192000
+    """
+    if isinstance(tensors, (str, bytes)) or not isinstance(tensors, (torch.Tensor, Iterable)):
+        if not (dataclasses.is_dataclass(tensors) and not isinstance(tensors, type)):
+            raise TypeError(f"expected a tensor or an iterable of tensors, got {type(tensors).__name__}")
+    if not isinstance(tensors, (torch.Tensor, Mapping, list, tuple, set, frozenset)):
+        tensors = list(tensors) if isinstance(tensors, Iterable) else [tensors]  # generator, dataclass
+    seen: dict[StorageKey, int] = {}
+    for t in iter_tensors(tensors):
+        key = storage_key(t)
+        seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
+    return sum(seen.values())
+
+
+_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Rebuild ``obj`` with every tensor ``t`` replaced by ``fn(t)``.
+
+    Containers: dicts (values; subclasses keep their type), lists, tuples
+    (named tuples too), sets, and dataclass instances (copied, fields set
+    directly, so frozen ones work). Leaves: tensors and plain scalars
+    (None, bool, int, float, complex, str, bytes, dtype, device, Enum).
+
+    Raises
+    ------
+    TypeError
+        A leaf of another type: its bytes could not be counted.
+    """
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, _LEAVES):
+        return obj
+    if isinstance(obj, dict):
+        new = copy.copy(obj)
+        for k, v in obj.items():
+            new[k] = map_tensors(v, fn)
+        return new
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        items = [map_tensors(v, fn) for v in obj]
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            return type(obj)(*items)
+        return type(obj)(items)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        new = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(new, f.name, map_tensors(getattr(obj, f.name), fn))
+        return new
+    raise TypeError(
+        f"cannot count the bytes held by a {type(obj).__name__}; expected tensors in dicts, "
+        "lists, tuples, sets or dataclasses, with scalar leaves"
+    )

@@ -1,0 +1,182 @@
+"""Reference backend: the pool's semantics in plain torch ops. The oracle.
+
+Note: every function here is fixed-shape and reads nothing back on the host,
+so it runs on any device (and could be captured in a CUDA graph), but it is
+written to be read, not to be fast. The numba and Triton backends must give
+the same outputs and the same state, bit for bit. The rules:
+
+* Every call first advances the device clock by one; stamps written by a call
+  carry the new clock value.
+* ``alloc``: request ``i`` is granted iff no count in ``counts[:i+1]`` is
+  negative and ``counts[0] + ... + counts[i]`` is at most the pages available
+  (free, plus cached when ``evict``) and at most the output capacity. Granted
+  pages are popped from the top of the free stack in request order. With
+  ``evict``, the shortfall ``max(0, granted - free)`` is evicted first (see
+  ``evict``), then popped like any free page.
+* ``free`` / ``incref`` / ``touch`` act per distinct page; a page named ``k``
+  times counts ``k`` times. ``-1`` is padding; any other id outside
+  ``[0, num_pages)`` is an ``invalid_page`` error. Releasing more references
+  than a page holds is a ``double_free`` per excess entry. Pages whose count
+  reaches 0 are pushed on the free stack in the order of their first
+  occurrence in the input (or become CACHED with the call's stamp).
+* ``evict``: the cached pages with the smallest ``(stamp, page id)`` go first;
+  they are returned oldest first and pushed on the free stack in that order.
+"""
+
+import torch
+
+from tpool.kernels import layout as L
+
+INT64_MAX = 2**63 - 1
+
+
+def _put(dst: torch.Tensor, idx: torch.Tensor, val, mask: torch.Tensor) -> None:
+    """``dst[idx[mask]] = val[mask]`` with fixed shapes (masked lanes hit a spare slot)."""
+    n = dst.numel()
+    ext = torch.cat([dst, dst.new_zeros(1)])
+    val = torch.as_tensor(val, device=dst.device).to(dst.dtype).expand(idx.shape)
+    ext.index_put_((torch.where(mask, idx.long(), n),), val)
+    dst.copy_(ext[:n])
+
+
+def _update_peaks(st) -> None:
+    c = st.counters
+    used = st.num_pages - c[L.FREE_COUNT] - c[L.CACHED_COUNT]
+    c[L.USED_PEAK] = torch.maximum(c[L.USED_PEAK], used)
+    c[L.CACHED_PEAK] = torch.maximum(c[L.CACHED_PEAK], c[L.CACHED_COUNT])
+
+
+def _lanes(st, pages: torch.Tensor):
+    """Per input lane: page index (clamped), first-occurrence flag, occurrences, invalid flag."""
+    P, N = st.num_pages, pages.numel()
+    p = pages.long()
+    valid = (p >= 0) & (p < P)
+    invalid = (p != L.NULL_PAGE) & ~valid
+    idx = torch.where(valid, p, P)
+    lane = torch.arange(N, device=p.device)
+    occ = torch.zeros(P + 1, dtype=torch.int64, device=p.device).scatter_add_(0, idx, torch.ones_like(idx))
+    first = torch.full((P + 1,), N, dtype=torch.int64, device=p.device).scatter_reduce_(0, idx, lane, "amin")
+    is_first = valid & (first[idx] == lane)
+    return idx.clamp(max=P - 1), is_first, occ[idx], invalid
+
+
+def _push(st, pages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Push ``pages[mask]`` on the free stack in lane order; mark them FREE. Returns how many."""
+    c = st.counters
+    pos = c[L.FREE_COUNT] + torch.cumsum(mask.long(), 0) - mask.long()
+    _put(st.free_stack, pos.clamp(max=st.num_pages - 1), pages, mask)
+    _put(st.page_state, pages, L.FREE, mask)
+    n = mask.sum()
+    c[L.FREE_COUNT] += n
+    return n
+
+
+def _evict_oldest(st, out: torch.Tensor, n) -> None:
+    """Evict the ``min(n, cached)`` oldest cached pages into ``out`` (padded with -1)."""
+    P, c = st.num_pages, st.counters
+    ids = torch.arange(P, device=out.device)
+    key = torch.where(st.page_state == L.CACHED, st.stamp * P + ids, INT64_MAX)
+    k = min(out.numel(), P)
+    vals, order = torch.topk(key, k, largest=False, sorted=True)
+    take = (torch.arange(k, device=out.device) < n) & (vals != INT64_MAX)
+    pages = torch.where(take, order, L.NULL_PAGE)
+    out.fill_(L.NULL_PAGE)
+    out[:k] = pages
+    m = _push(st, pages.clamp(min=0), take)
+    c[L.CACHED_COUNT] -= m
+    c[L.EVICTED] += m
+
+
+def alloc(st, counts, out_pages, out_indptr, out_ok, out_evicted, evict: bool) -> None:
+    """Grant ``counts[i]`` pages per request, first come first served (see module note)."""
+    c = st.counters
+    c[L.CLOCK] += 1
+    B, M = counts.numel(), out_pages.numel()
+    n = counts.long()
+    neg = n < 0
+    bad = torch.cumsum(neg.long(), 0) > 0
+    csum = torch.cumsum(n.clamp(min=0), 0)
+    free = c[L.FREE_COUNT].clone()
+    avail = free + c[L.CACHED_COUNT] if evict else free
+    fits = ~bad & (csum <= avail)
+    ok = fits & (csum <= M)
+    granted = torch.where(ok, n, 0)
+    total = granted.sum()
+    c[L.ERR_BAD_COUNT] += neg.sum()
+    c[L.ERR_OUT_OVERFLOW] += (fits & ~ok).sum()
+    c[L.FAILED_REQUESTS] += (~ok).sum()
+    out_ok.fill_(False)
+    out_ok[:B] = ok
+    out_indptr.fill_(0)
+    out_indptr[1:B + 1] = torch.cumsum(granted, 0)
+    out_indptr[B + 1:] = total
+    if evict:
+        _evict_oldest(st, out_evicted, (total - free).clamp(min=0))
+    else:
+        out_evicted.fill_(L.NULL_PAGE)
+    j = torch.arange(M, device=out_pages.device)
+    take = j < total
+    pos = (c[L.FREE_COUNT] - 1 - j).clamp(min=0)
+    pages = torch.where(take, st.free_stack[pos].long(), L.NULL_PAGE)
+    out_pages.copy_(pages)
+    idx = pages.clamp(min=0)
+    _put(st.refcount, idx, 1, take)
+    _put(st.page_state, idx, L.USED, take)
+    c[L.FREE_COUNT] -= total
+    c[L.ALLOCATED] += total
+    _update_peaks(st)
+
+
+def free(st, pages, cache: bool) -> None:
+    """Drop one reference per entry; pages reaching 0 go FREE (or CACHED with ``cache``)."""
+    c = st.counters
+    c[L.CLOCK] += 1
+    idx, first, k, invalid = _lanes(st, pages)
+    c[L.ERR_INVALID_PAGE] += invalid.sum()
+    used = first & (st.page_state[idx] == L.USED)
+    rc = st.refcount[idx].long()
+    d = torch.where(used, torch.minimum(k, rc), 0)
+    c[L.ERR_DOUBLE_FREE] += torch.where(first, k - d, 0).sum()
+    _put(st.refcount, idx, rc - d, used)
+    zero = used & (rc == d)
+    c[L.FREED] += zero.sum()
+    if cache:
+        _put(st.page_state, idx, L.CACHED, zero)
+        _put(st.stamp, idx, c[L.CLOCK], zero)
+        c[L.CACHED_COUNT] += zero.sum()
+    else:
+        _push(st, idx, zero)
+    _update_peaks(st)
+
+
+def incref(st, pages) -> None:
+    """Add one reference per entry; a CACHED page is revived, a FREE page is an error."""
+    c = st.counters
+    c[L.CLOCK] += 1
+    idx, first, k, invalid = _lanes(st, pages)
+    c[L.ERR_INVALID_PAGE] += invalid.sum()
+    state = st.page_state[idx]
+    used, cached = first & (state == L.USED), first & (state == L.CACHED)
+    c[L.ERR_USE_AFTER_FREE] += torch.where(first & (state == L.FREE), k, 0).sum()
+    _put(st.refcount, idx, st.refcount[idx].long() + k, used | cached)
+    _put(st.page_state, idx, L.USED, cached)
+    c[L.CACHED_COUNT] -= cached.sum()
+    c[L.REVIVED] += cached.sum()
+    _update_peaks(st)
+
+
+def touch(st, pages) -> None:
+    """Stamp USED and CACHED pages with the clock (LRU refresh); a FREE page is an error."""
+    c = st.counters
+    c[L.CLOCK] += 1
+    idx, first, k, invalid = _lanes(st, pages)
+    c[L.ERR_INVALID_PAGE] += invalid.sum()
+    state = st.page_state[idx]
+    c[L.ERR_USE_AFTER_FREE] += torch.where(first & (state == L.FREE), k, 0).sum()
+    _put(st.stamp, idx, c[L.CLOCK], first & (state != L.FREE))
+
+
+def evict(st, out) -> None:
+    """Evict up to ``out.numel()`` cached pages, oldest first, into ``out``."""
+    st.counters[L.CLOCK] += 1
+    _evict_oldest(st, out, out.numel())
