@@ -108,7 +108,6 @@ class PagePool:
         self.backend = resolve_backend(backend, self.device)
         self.state = PoolState.create(num_pages, self.device)
         self._impl = make_backend(self.backend, self.state)
-        self._dev_index = _checks.device_index(self.device)
         self._errors_seen = [0] * L.NUM_COUNTERS
         self._group = None
 
@@ -118,7 +117,7 @@ class PagePool:
 
     # ------------------------------------------------------------ hot path
     def _vector(self, t, name, max_len=None, dtype=torch.int32):
-        return _checks.check_vector(t, name, dtype, self.device, self._dev_index, max_len)
+        return _checks.check_vector(t, name, dtype, self.device, max_len)
 
     def alloc_out(self, max_batch: int | None = None, max_pages: int | None = None) -> AllocOut:
         """Preallocate outputs for ``alloc(..., out=)`` (graph capture, no per-call allocation)."""

@@ -1,0 +1,63 @@
+"""Shared fixtures. Triton runs under its interpreter when there is no GPU.
+
+TRITON_INTERPRET must be set before triton is imported (kernels are
+decorated at import), so it is set here, before any test module loads tpool.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib.util  # noqa: E402
+
+import pytest  # noqa: E402
+
+import tpool  # noqa: E402
+from tpool.testing import no_host_sync  # noqa: E402
+
+
+def _triton_ready() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    from tpool.kernels import alloc
+    return hasattr(alloc, "alloc_triton")
+
+
+HAS_TRITON = _triton_ready()
+HAS_CUDA = torch.cuda.is_available()
+CPU_BACKENDS = ["reference", "numba"] + (["triton"] if HAS_TRITON else [])
+
+
+def i32(values, device="cpu"):
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+@pytest.fixture(params=CPU_BACKENDS)
+def backend(request):
+    return request.param
+
+
+@pytest.fixture
+def make_pool(backend):
+    """Build a CPU pool on the test's backend."""
+    def make(num_pages, **kwargs):
+        return tpool.PagePool(num_pages, device="cpu", backend=backend, **kwargs)
+    return make
+
+
+@pytest.fixture
+def guard():
+    """The host-sync guard; every hot-path call in the tests runs inside it."""
+    return no_host_sync
+
+
+@pytest.fixture
+def seed():
+    torch.manual_seed(1234)
+    return 1234
+
+
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")

@@ -1,0 +1,144 @@
+"""Cached pages, LRU stamps, revival and eviction on every CPU backend."""
+
+import pytest
+
+import tpool
+from conftest import i32
+from model import PoolModel
+
+
+def test_cached_pages_are_not_free_and_keep_their_stamp(make_pool, guard):
+    pool = make_pool(8)
+    with guard():
+        pool.alloc(i32([4]))            # clock 1
+        pool.free(i32([1, 3]), cache=True)  # clock 2
+    s = pool.stats()
+    assert pool.available() == 4 and s["pages.cached.current"] == 2 and s["pages.used.current"] == 2
+    assert pool.state.stamp[[1, 3]].tolist() == [2, 2]
+    assert pool.state.page_state.tolist()[:4] == [1, 2, 1, 2]
+    pool.check_invariants()
+
+
+def test_evict_oldest_first_ties_by_page_id(make_pool, guard):
+    pool = make_pool(8)
+    with guard():
+        pool.alloc(i32([6]))                     # clock 1: pages 0..5
+        pool.free(i32([5, 2]), cache=True)       # clock 2: stamps 2
+        pool.free(i32([4]), cache=True)          # clock 3
+        pool.free(i32([0, 3]), cache=True)       # clock 4
+        pool.touch(i32([2]))                     # clock 5: page 2 is now the youngest
+        out = pool.evict(4)
+    assert out.tolist() == [5, 4, 0, 3]
+    with guard():
+        rest = pool.evict(3)
+    assert rest.tolist() == [2, -1, -1]
+    assert pool.available() == 7 and pool.stats()["pages.evicted"] == 5
+    pool.check_invariants()
+
+
+def test_evicted_pages_are_pushed_oldest_first(make_pool, guard):
+    pool = make_pool(4)
+    with guard():
+        pool.alloc(i32([4]))
+        pool.free(i32([2]), cache=True)
+        pool.free(i32([0]), cache=True)
+        pool.evict(2)                    # pushes 2 then 0
+        r = pool.alloc(i32([2]))
+    assert r.pages.tolist()[:2] == [0, 2]
+
+
+def test_used_pages_are_never_evicted(make_pool, guard):
+    pool = make_pool(4)
+    with guard():
+        pool.alloc(i32([4]))
+        pool.free(i32([0, 1]), cache=True)
+        pool.incref(i32([0]))            # a prefix hit revives page 0: pinned again
+        out = pool.evict(4)
+    assert out.tolist() == [1, -1, -1, -1]
+    s = pool.stats()
+    assert s["pages.revived"] == 1 and s["pages.used.current"] == 3
+    assert pool.state.refcount[0].item() == 1
+    pool.check_invariants()
+
+
+def test_evict_more_than_the_pool(make_pool, guard):
+    pool = make_pool(3)
+    with guard():
+        pool.alloc(i32([3]))
+        pool.free(i32([2, 1, 0]), cache=True)
+        out = pool.evict(5)
+    assert out.tolist() == [0, 1, 2, -1, -1]
+
+
+def test_alloc_with_evict_takes_only_the_shortfall(make_pool, guard):
+    pool = make_pool(8)
+    with guard():
+        pool.alloc(i32([8]))                        # clock 1
+        pool.free(i32([6, 7]))                      # 2 free
+        pool.free(i32([3]), cache=True)             # clock 3
+        pool.free(i32([1, 5]), cache=True)          # clock 4
+        r = pool.alloc(i32([2, 2]), evict=True)     # needs 4: 2 free + 2 oldest cached
+    assert r.ok.tolist() == [True, True]
+    assert r.evicted.tolist() == [3, 1, -1, -1, -1, -1, -1, -1]
+    # evicted 3, 1 pushed above the free 6, 7 ; pops: 1, 3, 7, 6
+    assert r.pages.tolist()[:4] == [1, 3, 7, 6]
+    s = pool.stats()
+    assert s["pages.cached.current"] == 1 and s["pages.evicted"] == 2 and pool.available() == 0
+    pool.check_invariants()
+
+
+def test_alloc_without_evict_ignores_cached_pages(make_pool, guard):
+    pool = make_pool(4)
+    with guard():
+        pool.alloc(i32([4]))
+        pool.free(i32([0, 1]), cache=True)
+        r = pool.alloc(i32([1]))
+        r2 = pool.alloc(i32([3]), evict=True)   # 2 cached: not enough, nothing evicted
+    assert r.ok.tolist() == [False] and r2.ok.tolist() == [False]
+    assert r2.evicted.tolist() == [-1] * 4
+    assert pool.stats()["pages.cached.current"] == 2
+
+
+def test_free_of_cached_page_is_double_free(make_pool, guard):
+    pool = make_pool(4)
+    with guard():
+        pool.alloc(i32([1]))
+        pool.free(i32([0]), cache=True)
+        pool.free(i32([0]))
+    with pytest.raises(tpool.DoubleFree):
+        pool.check()
+    assert pool.stats()["pages.cached.current"] == 1
+
+
+def test_random_cache_workload_matches_model(make_pool, guard, seed):
+    import random
+    rng = random.Random(seed)
+    P = 24
+    pool, model = make_pool(P, max_alloc_pages=P), PoolModel(P)
+    live = []
+    for _ in range(60):
+        op = rng.choice(["alloc", "alloc_evict", "free", "free_cache", "incref", "touch", "evict"])
+        if op.startswith("alloc"):
+            counts = [rng.randint(0, 5) for _ in range(rng.randint(1, 3))]
+            with guard():
+                r = pool.alloc(i32(counts), evict=op == "alloc_evict")
+            exp = model.alloc(counts, P, evict=op == "alloc_evict")
+            assert (r.pages.tolist(), r.indptr.tolist(), r.ok.tolist(), r.evicted.tolist()) == exp
+            live += [p for p in r.pages.tolist() if p >= 0]
+        elif op == "evict":
+            k = rng.randint(0, 6)
+            with guard():
+                out = pool.evict(k)
+            assert out.tolist() == model.evict(k)
+        else:
+            ids = rng.sample(range(P), 3) + live[:2]
+            call = {"free": pool.free, "free_cache": lambda t: pool.free(t, cache=True),
+                    "incref": pool.incref, "touch": pool.touch}[op]
+            with guard():
+                call(i32(ids))
+            {"free": model.free, "free_cache": lambda x: model.free(x, cache=True),
+             "incref": model.incref, "touch": model.touch}[op](ids)
+            if op.startswith("free"):
+                live = live[2:]
+        model.assert_matches(pool)
+        pool.check_invariants()

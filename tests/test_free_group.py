@@ -1,0 +1,79 @@
+"""Free groups: deferred frees that own their input (SGLang PR #34067 regression)."""
+
+import pytest
+import torch
+
+from conftest import i32
+from model import PoolModel
+
+
+def test_overwritten_view_frees_the_pages_that_were_passed(make_pool, guard):
+    pool = make_pool(16)
+    table = torch.full((2, 4), -1, dtype=torch.int32)
+    with guard():
+        r = pool.alloc(i32([4, 4, 1]))
+    table.view(-1).copy_(r.pages[:8])
+    row = table[0]                                # a view of the table row
+    with pool.free_group():
+        with guard():
+            pool.free(row)
+            table[0].copy_(table[1])              # the row is overwritten (rematch)
+        assert pool.available() == 7              # still deferred
+    with guard():
+        with pool.free_group():
+            pool.free(r.pages[8:9])               # the exit flush runs under the guard too
+    assert pool.available() == 12
+    state = pool.state.page_state.tolist()
+    assert state[:4] == [0, 0, 0, 0]              # the original pages 0..3 are free
+    assert state[4:8] == [1, 1, 1, 1]             # the ids written over the row are untouched
+    pool.check()
+    pool.check_invariants()
+
+
+def test_group_keeps_the_cache_flag_and_applies_plain_then_cached(make_pool, guard):
+    pool, model = make_pool(8), PoolModel(8)
+    with guard():
+        pool.alloc(i32([6]))
+        with pool.free_group():
+            pool.free(i32([0, 1]), cache=True)
+            pool.free(i32([2]))
+            pool.free(i32([3]), cache=True)
+    model.alloc([6], 8)
+    model.free([2])
+    model.free([0, 1, 3], cache=True)
+    model.assert_matches(pool)
+
+
+def test_overflow_flushes_early_and_loses_nothing(make_pool, guard):
+    pool = make_pool(32)
+    with guard():
+        r = pool.alloc(i32([20]))
+        with pool.free_group(capacity=4) as group:
+            pool.free(r.pages[0:3])
+            pool.free(r.pages[3:6])      # 3 + 3 > 4: the first three are applied now
+            assert group.flushes == 1
+            pool.free(r.pages[6:16])     # larger than the buffer: applied at once
+            assert group.flushes == 3
+    assert group.flushes == 3            # nothing left at exit
+    assert pool.available() == 28
+    pool.check()
+    pool.check_invariants()
+
+
+def test_group_matches_ungrouped_frees_and_double_free_is_still_counted(make_pool, guard):
+    pool = make_pool(8)
+    with guard():
+        pool.alloc(i32([3]))
+        with pool.free_group():
+            pool.free(i32([0]))
+            pool.free(i32([0, 1]))
+    assert pool.available() == 7
+    assert pool.stats()["errors.double_free"] == 1
+
+
+def test_groups_do_not_nest(make_pool):
+    pool = make_pool(4)
+    with pool.free_group():
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with pool.free_group():
+                pass

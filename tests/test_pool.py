@@ -1,0 +1,264 @@
+"""Unit tests of PagePool on every CPU backend, with hand-worked expectations."""
+
+import pytest
+import torch
+
+import tpool
+from conftest import i32
+from model import PoolModel
+
+
+def test_alloc_fcfs_hand_worked(make_pool, guard):
+    pool = make_pool(8)
+    with guard():
+        r = pool.alloc(i32([2, 3, 9]))
+    assert r.pages.tolist() == [0, 1, 2, 3, 4, -1, -1, -1]
+    assert r.indptr.tolist() == [0, 2, 5, 5]
+    assert r.ok.tolist() == [True, True, False]
+    assert pool.available() == 3
+    assert pool.stats()["requests.failed"] == 1
+    pool.check_invariants()
+
+
+def test_exact_fit_then_exhaustion(make_pool, guard):
+    pool = make_pool(8)
+    with guard():
+        a = pool.alloc(i32([3, 5]))
+        b = pool.alloc(i32([1]))
+    assert a.ok.tolist() == [True, True] and a.indptr.tolist() == [0, 3, 8]
+    assert sorted(a.pages.tolist()) == list(range(8))
+    assert b.ok.tolist() == [False] and b.pages.tolist() == [-1] * 8
+    assert pool.available() == 0
+    pool.check_invariants()
+
+
+def test_once_a_request_fails_all_later_fail(make_pool, guard):
+    pool = make_pool(6)
+    with guard():
+        r = pool.alloc(i32([5, 1, 2, 0]))
+    # 5 + 1 = 6 fits; 8 does not; the zero-count request after it fails too.
+    assert r.ok.tolist() == [True, True, False, False]
+    assert r.indptr.tolist() == [0, 5, 6, 6, 6]
+    assert pool.stats()["requests.failed"] == 2
+
+
+def test_zero_counts(make_pool, guard):
+    pool = make_pool(4)
+    with guard():
+        r = pool.alloc(i32([0, 2, 0]))
+    assert r.ok.tolist() == [True, True, True]
+    assert r.indptr.tolist() == [0, 0, 2, 2]
+    assert r.pages.tolist() == [0, 1, -1, -1]
+
+
+def test_empty_batch(make_pool, guard):
+    pool = make_pool(4)
+    with guard():
+        r = pool.alloc(i32([]))
+        pool.free(i32([]))
+    assert r.indptr.tolist() == [0] and r.ok.tolist() == [] and r.pages.tolist() == [-1] * 4
+    assert pool.available() == 4
+
+
+def test_out_buffers_padding_and_reuse(make_pool, guard):
+    pool = make_pool(16)
+    out = pool.alloc_out(max_batch=4, max_pages=6)
+    with guard():
+        r1 = pool.alloc(i32([1, 2]), out=out)
+    assert r1.pages.tolist() == [0, 1, 2, -1, -1, -1]
+    assert r1.indptr.tolist() == [0, 1, 3, 3, 3]
+    assert r1.ok.tolist() == [True, True, False, False]
+    with guard():
+        r2 = pool.alloc(i32([2]), out=out)
+    assert r2.pages is r1.pages  # same tensors: graph-safe, overwritten per call
+    assert r2.pages.tolist() == [3, 4, -1, -1, -1, -1]
+    assert r2.indptr.tolist() == [0, 2, 2, 2, 2] and r2.ok.tolist() == [True, False, False, False]
+    assert pool.stats()["requests.failed"] == 0  # padding lanes are not failures
+
+
+def test_out_overflow_is_counted_and_raised(make_pool, guard):
+    pool = make_pool(8)
+    out = pool.alloc_out(max_batch=2, max_pages=4)
+    with guard():
+        r = pool.alloc(i32([3, 2]), out=out)
+    assert r.ok.tolist() == [True, False]
+    assert pool.available() == 5  # the failed request changed nothing
+    with pytest.raises(tpool.OutputOverflow) as e:
+        pool.check()
+    assert e.value.counts == {"out_overflow": 1}
+
+
+def test_negative_count(make_pool, guard):
+    pool = make_pool(8)
+    with guard():
+        r = pool.alloc(i32([1, -1, 1]))
+    assert r.ok.tolist() == [True, False, False]
+    assert pool.available() == 7
+    with pytest.raises(tpool.InvalidCount):
+        pool.check()
+
+
+def test_free_pushes_in_first_occurrence_order_lifo(make_pool, guard):
+    pool = make_pool(8)
+    with guard():
+        pool.alloc(i32([4]))
+        pool.free(i32([2, -1, 0]))
+        r = pool.alloc(i32([3]))
+    # 2 then 0 pushed; popping from the top gives 0, 2, then the untouched 4.
+    assert r.pages.tolist()[:3] == [0, 2, 4]
+    pool.check_invariants()
+
+
+def test_double_free_in_one_call_and_across_calls(make_pool, guard):
+    pool = make_pool(4)
+    with guard():
+        pool.alloc(i32([2]))
+        pool.free(i32([1, 1]))   # refcount 1: one release, one double free
+        pool.free(i32([1]))      # already free
+    assert pool.available() == 3
+    assert pool.stats()["errors.double_free"] == 2
+    pool.check_invariants()
+    with pytest.raises(tpool.DoubleFree) as e:
+        pool.check()
+    assert e.value.counts == {"double_free": 2}
+    pool.check()  # errors are reported once
+
+
+def test_shared_page_needs_every_reference_dropped(make_pool, guard):
+    pool = make_pool(4)
+    with guard():
+        pool.alloc(i32([1]))
+        pool.incref(i32([0, 0]))   # refcount 3
+        pool.free(i32([0, 0]))
+    assert pool.state.refcount[0].item() == 1 and pool.available() == 3
+    with guard():
+        pool.free(i32([0]))
+    assert pool.available() == 4
+    pool.check()
+    pool.check_invariants()
+
+
+def test_invalid_ids_are_counted_never_used(make_pool, guard):
+    pool = make_pool(8)
+    with guard():
+        pool.alloc(i32([2]))
+        pool.free(i32([-5, 8, 1000, -1, 1]))
+        pool.incref(i32([2**31 - 1]))
+    assert pool.available() == 7
+    assert pool.stats()["errors.invalid_page"] == 4
+    pool.check_invariants()
+    with pytest.raises(tpool.InvalidPage):
+        pool.check()
+
+
+def test_incref_of_free_page_is_use_after_free(make_pool, guard):
+    pool = make_pool(4)
+    with guard():
+        pool.incref(i32([3, 3]))
+        pool.touch(i32([2]))
+    assert pool.stats()["errors.use_after_free"] == 3
+    assert pool.state.refcount.tolist() == [0, 0, 0, 0]
+    with pytest.raises(tpool.UseAfterFree):
+        pool.check()
+
+
+def test_check_names_every_kind(make_pool, guard):
+    pool = make_pool(4)
+    with guard():
+        pool.free(i32([9, 0]))
+    with pytest.raises(tpool.InvalidPage) as e:  # first kind in slot order
+        pool.check()
+    assert e.value.counts == {"invalid_page": 1, "double_free": 1}
+    assert "double_free: 1" in str(e.value)
+
+
+def test_stats_follow_a_sequence(make_pool, guard):
+    pool = make_pool(10)
+    with guard():
+        pool.alloc(i32([3, 4]))
+        pool.free(i32([0, 1, 2]))
+        pool.alloc(i32([2]))
+    s = pool.stats()
+    assert (s["pages.allocated"], s["pages.freed"], s["pages.used.current"], s["pages.used.peak"]) == (9, 3, 6, 7)
+    assert s["pages.free.current"] == 4 and s["clock"] == 3
+
+
+@pytest.mark.parametrize("num_pages", [1, 3, 17, 64])
+def test_random_ops_match_model(make_pool, guard, num_pages, seed):
+    g = torch.Generator().manual_seed(seed + num_pages)
+    pool, model = make_pool(num_pages, max_alloc_pages=num_pages + 2), PoolModel(num_pages)
+    live = []
+    for step in range(40):
+        op = int(torch.randint(0, 4, (1,), generator=g))
+        if op == 0:
+            counts = torch.randint(-1 if step % 7 == 0 else 0, 4, (int(torch.randint(0, 5, (1,), generator=g)),),
+                                   generator=g, dtype=torch.int32)
+            with guard():
+                r = pool.alloc(counts)
+            exp = model.alloc(counts.tolist(), num_pages + 2)
+            assert (r.pages.tolist(), r.indptr.tolist(), r.ok.tolist()) == exp[:3]
+            live += [p for p in r.pages.tolist() if p >= 0]
+        else:
+            ids = torch.tensor(live[:4] + [num_pages, -1, 0], dtype=torch.int32)
+            ids = ids[torch.randperm(len(ids), generator=g)]
+            with guard():
+                (pool.free if op == 1 else pool.incref if op == 2 else pool.touch)(ids)
+            (model.free if op == 1 else model.incref if op == 2 else model.touch)(ids.tolist())
+            live = live[2:] if op == 1 else live
+        model.assert_matches(pool)
+        pool.check_invariants()
+
+
+# ------------------------------------------------------------- input checks
+@pytest.mark.parametrize("bad, match", [
+    (torch.zeros(2, dtype=torch.int64), "expected dtype torch.int32, got torch.int64"),
+    (torch.zeros(2, 2, dtype=torch.int32), r"expected a 1-D tensor, got shape \(2, 2\)"),
+    (torch.zeros(4, dtype=torch.int32)[::2], "expected a contiguous tensor"),
+    (torch.zeros(2, dtype=torch.int32, device="meta"), "expected device cpu, got meta"),
+    ([1, 2], "expected a torch.Tensor, got list"),
+])
+def test_bad_inputs_raise_before_launch(make_pool, bad, match):
+    pool = make_pool(4)
+    before = pool.state.counters.clone()
+    for call in (pool.alloc, pool.free, pool.incref, pool.touch):
+        with pytest.raises(ValueError, match=match):
+            call(bad)
+    assert torch.equal(pool.state.counters, before)  # nothing launched
+
+
+def test_capacity_checks(make_pool):
+    pool = make_pool(4, max_batch=2)
+    with pytest.raises(ValueError, match="counts: expected at most 2 entries, got 3"):
+        pool.alloc(i32([1, 1, 1]))
+    out = pool.alloc_out(max_batch=1, max_pages=2)
+    with pytest.raises(ValueError, match="counts: expected at most 1 entries, got 2"):
+        pool.alloc(i32([1, 1]), out=out)
+    with pytest.raises(ValueError, match="expected an AllocOut"):
+        pool.alloc(i32([1]), out=(torch.zeros(1),))
+
+
+def test_constructor_checks():
+    with pytest.raises(ValueError, match="num_pages: expected a positive int, got 0"):
+        tpool.PagePool(0, device="cpu")
+    with pytest.raises(ValueError, match="backend: expected 'auto' or one of"):
+        tpool.PagePool(4, device="cpu", backend="cuda-magic")
+    with pytest.raises(ValueError, match="expected device cpu"):
+        tpool.PagePool(4, device="meta", backend="numba")
+
+
+def test_auto_backend_and_env_override(monkeypatch):
+    monkeypatch.delenv("TPOOL_BACKEND", raising=False)
+    assert tpool.PagePool(4, device="cpu").backend == "numba"
+    monkeypatch.setenv("TPOOL_BACKEND", "reference")
+    assert tpool.PagePool(4, device="cpu").backend == "reference"
+
+
+def test_state_tensors_never_rebound(make_pool, guard):
+    pool = make_pool(8)
+    ptrs = {k: v.data_ptr() for k, v in pool.state.tensors().items()}
+    with guard():
+        pool.alloc(i32([3]))
+        pool.free(i32([0, 1]), cache=True)
+        pool.evict(1)
+        pool.alloc(i32([6]), evict=True)
+    assert {k: v.data_ptr() for k, v in pool.state.tensors().items()} == ptrs

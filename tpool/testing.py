@@ -1,0 +1,114 @@
+"""Test helpers for engines that embed tpool: a host-sync guard.
+
+Note: torch has no CPU equivalent of ``torch.cuda.set_sync_debug_mode``, so
+``no_host_sync()`` builds one. Inside it, any construct that would make the
+host wait for the device raises :class:`HostSyncError`:
+
+* ops seen by a ``TorchDispatchMode``: ``aten._local_scalar_dense``
+  (``.item()``, ``bool(t)``, ``int(t)``, ``float(t)``), ``is_nonzero``,
+  ``nonzero``/``argwhere``, ``unique`` in all forms, ``masked_select``,
+  boolean-mask indexing (``t[mask]``, ``t[mask] = v``), ``bincount``,
+  ``repeat_interleave`` without ``output_size``, ``equal``;
+* methods that read memory without dispatch, patched for the duration:
+  ``Tensor.tolist``, ``Tensor.numpy``, ``Tensor.cpu``, ``Tensor.item``.
+
+Wrap every hot-path call in it; read results after the block. Under
+``TRITON_INTERPRET=1`` the interpreter stands in for the GPU and copies
+kernel arguments to numpy around each launch; those copies are the simulated
+device's, not the host's, so the guard is suspended inside a launch.
+"""
+
+import contextlib
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+
+class HostSyncError(RuntimeError):
+    """A host read of device data happened inside ``no_host_sync()``."""
+
+
+_BANNED = {
+    aten._local_scalar_dense: "a scalar read (.item(), bool(t), int(t))",
+    aten.is_nonzero: "bool(t)",
+    aten.nonzero: "nonzero (data-dependent shape)",
+    aten.masked_select: "masked_select (data-dependent shape)",
+    aten.bincount: "bincount (data-dependent shape)",
+    aten.equal: "torch.equal (returns a host bool)",
+    aten._unique: "unique", aten._unique2: "unique", aten.unique_dim: "unique",
+    aten.unique_consecutive: "unique_consecutive",
+}
+_MASK_INDEX = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
+
+
+def _has_bool_index(args) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+
+
+_in_device = [0]  # depth of simulated (interpreted) kernel launches
+
+
+class _Guard(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _in_device[0]:
+            return func(*args, **(kwargs or {}))
+        packet = func.overloadpacket
+        if packet in _BANNED:
+            raise HostSyncError(f"host sync on the hot path: {_BANNED[packet]} ({func})")
+        if packet is aten.repeat_interleave and (kwargs or {}).get("output_size") is None:
+            raise HostSyncError(f"host sync on the hot path: repeat_interleave without output_size ({func})")
+        if packet in _MASK_INDEX and _has_bool_index(args):
+            raise HostSyncError(f"host sync on the hot path: boolean-mask indexing ({func})")
+        return func(*args, **(kwargs or {}))
+
+
+def _refuse(name, original):
+    def method(self, *args, **kwargs):
+        if _in_device[0]:
+            return original(self, *args, **kwargs)
+        raise HostSyncError(f"host sync on the hot path: Tensor.{name}()")
+    return method
+
+
+def _interpreter_executor():
+    """Triton's interpreted launcher class when TRITON_INTERPRET=1 and triton is loaded, else None."""
+    import os
+    import sys
+    if os.environ.get("TRITON_INTERPRET") != "1" or "triton" not in sys.modules:
+        return None
+    from triton.runtime import interpreter
+    return interpreter.GridExecutor
+
+
+def _device_region(call):
+    def launch(*args, **kwargs):
+        _in_device[0] += 1
+        try:
+            return call(*args, **kwargs)
+        finally:
+            _in_device[0] -= 1
+    return launch
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Raise :class:`HostSyncError` on any host read of tensor data inside the block."""
+    names = ("tolist", "numpy", "cpu", "item")
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+    executor = _interpreter_executor()
+    launch = executor.__call__ if executor is not None else None
+    try:
+        for name in names:
+            setattr(torch.Tensor, name, _refuse(name, saved[name]))
+        if executor is not None:
+            executor.__call__ = _device_region(launch)
+        with _Guard():
+            yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+        if executor is not None:
+            executor.__call__ = launch
