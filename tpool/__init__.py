@@ -5,13 +5,22 @@ counters) lives in tensors on the pool's device and is updated by fixed-shape
 kernel passes that never read device memory back on the host.
 """
 
+from tpool.arena import Arena, Block
 from tpool.errors import (DoubleFree, InvalidCount, InvalidLength, InvalidPage, InvalidRequest,
                           InvariantViolation, OutputOverflow, PoolError, TableOverflow, UseAfterFree)
 from tpool.free_group import FreeGroup
+from tpool.memory_report import MemoryReport, format_report, memory_report
+from tpool.owned_cache import CacheStats, OwnedCache
+from tpool.ownership import (OwnershipPlan, compact_bytes, needs_compaction, own, payload_bytes,
+                             plan_ownership, retained_bytes, storage_bytes)
+from tpool.planner import PagePlan, PlanError, plan_pages
 from tpool.pool import AllocOut, AllocResult, PagePool
 
 __all__ = [
     "PagePool", "AllocOut", "AllocResult", "FreeGroup",
     "PoolError", "InvalidPage", "DoubleFree", "UseAfterFree", "InvalidCount", "OutputOverflow",
     "InvalidRequest", "TableOverflow", "InvalidLength", "InvariantViolation",
+    "payload_bytes", "storage_bytes", "compact_bytes", "retained_bytes", "needs_compaction", "own",
+    "plan_ownership", "OwnershipPlan", "OwnedCache", "CacheStats", "Arena", "Block",
+    "memory_report", "format_report", "MemoryReport", "plan_pages", "PagePlan", "PlanError",
 ]

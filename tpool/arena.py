@@ -21,6 +21,7 @@ Note:
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ import torch
 __all__ = ["Arena", "Block"]
 
 DEFAULT_ALIGNMENT = 256  # bytes; the start of every block is a multiple of this
+_SERIALS = itertools.count(1)  # shared by all arenas, so a foreign handle never matches
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ class Block:
 
     offset: int  # bytes from the buffer start; a multiple of the alignment
     size: int  # bytes; the request rounded up to the alignment
-    serial: int  # unique per allocation in its arena
+    serial: int  # unique per allocation, across all arenas
 
 
 class Arena:
@@ -75,7 +77,6 @@ class Arena:
         self._free_sizes: dict[int, int] = {0: capacity_bytes}  # start -> size
         self._blocks: dict[int, Block] = {}  # start -> live block
         self._allocated = 0
-        self._serial = 0
 
     # -- counts -------------------------------------------------------------
     @property
@@ -129,8 +130,7 @@ class Arena:
         if have > size:
             self._free_offsets.insert(i, offset + size)
             self._free_sizes[offset + size] = have - size
-        self._serial += 1
-        block = Block(offset, size, self._serial)
+        block = Block(offset, size, next(_SERIALS))
         self._blocks[offset] = block
         self._allocated += size
         return block

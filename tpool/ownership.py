@@ -1,30 +1,26 @@
 """Byte counting and view-to-owned compaction.
 
 Note:
-    A view keeps its WHOLE backing storage alive. Split a ``[1000, 4096]``
-    bf16 batch (7.81 MiB) into ten ``[100, 4096]`` items and keep one: its
-    payload is 0.78 MiB, but 7.81 MiB stays resident. So this module counts
-    three numbers per tensor:
+    A view keeps its WHOLE storage alive: keep one ``[100, 4096]`` item of a
+    split ``[1000, 4096]`` bf16 batch and 7.81 MiB stays resident for a
+    0.78 MiB payload. Three numbers per tensor, in bytes:
 
-    * payload  = ``numel * element_size`` (what the values need),
-    * storage  = ``untyped_storage().nbytes()`` (what stays alive),
-    * compact  = the fewest bytes that can hold the tensor with its values:
-      ``min(payload, span)``, where span is the byte range its strides reach
-      (smaller than the payload only for overlapping views such as
-      ``expand``, whose stride 0 repeats memory).
+    * payload = ``numel * element_size``: what the values need;
+    * storage = ``untyped_storage().nbytes()``: what stays alive;
+    * compact = ``min(payload, span)``: the fewest bytes that hold the values,
+      where span is the range the strides reach (below the payload only for
+      overlapping views such as ``expand``, whose stride 0 repeats memory).
 
-    A tensor *owns* its storage when storage <= compact: a whole tensor, its
-    transpose, ``x.view(-1)``, an ``expand`` of a whole tensor. Only then is
-    it kept as is; otherwise :func:`own` copies it into storage of exactly
-    ``compact`` bytes (a contiguous clone, or for an overlapping view a copy
-    of the reachable range with the strides kept, so an expanded row stays
-    one row). A copy is therefore never larger than the storage it replaces.
-
-    Copies are new autograd leaves: ``requires_grad`` is kept, the history is
-    not (it could keep the source's saved tensors alive). Storage identity is
-    ``(device, storage data_ptr)``, so :func:`retained_bytes` counts a storage
-    shared by many views once. Tensors without ordinary storage (sparse,
-    mkldnn, meta, nested, quantized, dispatch subclasses) raise ``TypeError``.
+    A tensor *owns* its storage when storage <= compact (a whole tensor, its
+    transpose, ``x.view(-1)``, an ``expand`` of a whole tensor) and is kept
+    as is. Otherwise :func:`own` copies it into exactly ``compact`` bytes: a
+    contiguous clone, or for an overlapping view a copy of the reachable
+    range with its strides, so an expanded row stays one row. A copy is never
+    larger than the storage it replaces. Copies are new autograd leaves
+    (``requires_grad`` kept, history dropped: it could keep saved tensors
+    alive). Storage identity is ``(device, storage data_ptr)``. Tensors
+    without ordinary storage (sparse, mkldnn, meta, nested, quantized,
+    dispatch subclasses) raise ``TypeError``.
 """
 
 from __future__ import annotations
@@ -37,18 +33,9 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "payload_bytes",
-    "storage_bytes",
-    "compact_bytes",
-    "storage_key",
-    "retained_bytes",
-    "needs_compaction",
-    "own",
-    "compact",
-    "iter_tensors",
-    "map_tensors",
-]
+__all__ = ["payload_bytes", "storage_bytes", "compact_bytes", "storage_key", "retained_bytes",
+           "needs_compaction", "own", "compact", "iter_tensors", "map_tensors", "plan_ownership",
+           "OwnershipPlan", "check_ownable"]
 
 StorageKey = tuple[str, int, int]  # (device type, device index or -1, storage data_ptr)
 
@@ -64,10 +51,10 @@ def check_ownable(t: Any) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
     kind = None
-    if t.layout != torch.strided:
+    if t.is_nested:
+        kind = f"nested tensor (layout {t.layout})"
+    elif t.layout != torch.strided:
         kind = f"layout {t.layout}"
-    elif t.is_nested:
-        kind = "nested tensor"
     elif t.is_quantized:
         kind = "quantized tensor"
     elif t.is_meta:
@@ -82,13 +69,7 @@ def check_ownable(t: Any) -> torch.Tensor:
 
 
 def payload_bytes(t: torch.Tensor) -> int:
-    """Bytes the values need: ``numel * element_size``.
-
-    Parameters
-    ----------
-    t : torch.Tensor
-        Any shape and dtype, any device; dense strided.
-    """
+    """Bytes the values need: ``numel * element_size`` (``t``: any dense strided tensor)."""
     t = check_ownable(t)
     return t.numel() * t.element_size()
 
@@ -197,6 +178,10 @@ def own(t: torch.Tensor) -> torch.Tensor:
     return compact(t) if needs_compaction(t) else t
 
 
+def _is_dataclass(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Yield every tensor in ``obj``: a tensor, or nested dicts (values), lists,
     tuples, sets and dataclass instances holding tensors. Other leaves are skipped.
@@ -209,7 +194,7 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, (list, tuple, set, frozenset)):
         for v in obj:
             yield from iter_tensors(v)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+    elif _is_dataclass(obj):
         for f in dataclasses.fields(obj):
             yield from iter_tensors(getattr(obj, f.name))
 
@@ -229,11 +214,10 @@ def retained_bytes(tensors: torch.Tensor | Iterable[Any]) -> int:
     >>> retained_bytes(batch.split(100)[:2])    # two views, one storage
     8192000
     """
-    if isinstance(tensors, (str, bytes)) or not isinstance(tensors, (torch.Tensor, Iterable)):
-        if not (dataclasses.is_dataclass(tensors) and not isinstance(tensors, type)):
-            raise TypeError(f"expected a tensor or an iterable of tensors, got {type(tensors).__name__}")
-    if not isinstance(tensors, (torch.Tensor, Mapping, list, tuple, set, frozenset)):
-        tensors = list(tensors) if isinstance(tensors, Iterable) else [tensors]  # generator, dataclass
+    if isinstance(tensors, (str, bytes)) or not (isinstance(tensors, Iterable) or _is_dataclass(tensors)):
+        raise TypeError(f"expected a tensor or an iterable of tensors, got {type(tensors).__name__}")
+    if isinstance(tensors, Iterable) and not isinstance(tensors, (torch.Tensor, Mapping, list, tuple, set)):
+        tensors = list(tensors)  # a generator or another one-shot iterable
     seen: dict[StorageKey, int] = {}
     for t in iter_tensors(tensors):
         key = storage_key(t)
@@ -271,7 +255,7 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         if isinstance(obj, tuple) and hasattr(obj, "_fields"):
             return type(obj)(*items)
         return type(obj)(items)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+    if _is_dataclass(obj):
         new = copy.copy(obj)
         for f in dataclasses.fields(obj):
             object.__setattr__(new, f.name, map_tensors(getattr(obj, f.name), fn))
@@ -280,3 +264,74 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         f"cannot count the bytes held by a {type(obj).__name__}; expected tensors in dicts, "
         "lists, tuples, sets or dataclasses, with scalar leaves"
     )
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    """What makes two views read the same values: storage, offset, shape, strides, dtype, flags."""
+    return (storage_key(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+            t.requires_grad, t.is_conj(), t.is_neg())
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnershipPlan:
+    """What owning every tensor of ``value`` costs, known before anything is copied."""
+
+    value: Any
+    views: dict[tuple, torch.Tensor]  # signature -> tensor: the distinct views, in value order
+    copy: tuple[tuple, ...]  # signatures of the views to copy
+    keep: dict[StorageKey, int]  # storages kept as they are -> their nbytes
+    copy_bytes: int  # bytes of the copies, each rounded up to ``align``
+    retained_bytes: int  # storage the value keeps alive as given
+    payload_bytes: int
+    align: int  # bytes
+
+    def apply(self, out: torch.Tensor | None = None) -> Any:
+        """Make the copies and return ``value`` rebuilt around them (:func:`map_tensors`).
+
+        Parameters
+        ----------
+        out : torch.Tensor, optional
+            Shape ``[copy_bytes]``, uint8, on the tensors' device, start
+            aligned to ``align``: the copies are packed in it at offsets that
+            are multiples of ``align``. By default each copy is a fresh tensor.
+        """
+        owned, offset = {}, 0
+        for sig in self.copy:
+            t = self.views[sig]
+            n = compact_bytes(t)
+            owned[sig] = compact(t, out=None if out is None else out[offset:offset + n])
+            offset += _round_up(n, self.align)
+        return map_tensors(self.value, lambda t: owned.get(_signature(t), t))
+
+
+def plan_ownership(value: Any, *, copy_all: bool = False, align: int = 1) -> OwnershipPlan:
+    """Decide which tensors of ``value`` to copy so that it owns its memory.
+
+    Identical views are copied once and stay shared. Views that share a
+    storage are copied only if their compact copies are together smaller than
+    the storage (all ten items of a split batch: kept; two of them: copied).
+    ``copy_all`` copies every view (to move a value into an arena). Nothing is
+    copied until :meth:`OwnershipPlan.apply`; every leaf is checked here
+    (``TypeError`` from :func:`map_tensors` and :func:`check_ownable`).
+    """
+    views: dict[tuple, torch.Tensor] = {}
+    map_tensors(value, lambda t: views.setdefault(_signature(t), t))
+    groups: dict[StorageKey, list[tuple]] = {}
+    for sig in views:
+        groups.setdefault(sig[0], []).append(sig)
+    to_copy, keep, copy_bytes, retained = [], {}, 0, 0
+    for skey, sigs in groups.items():
+        nbytes = views[sigs[0]].untyped_storage().nbytes()
+        sizes = [compact_bytes(views[s]) for s in sigs]
+        retained += nbytes
+        if not copy_all and nbytes <= sum(sizes):
+            keep[skey] = nbytes
+        else:
+            to_copy += sigs
+            copy_bytes += sum(_round_up(n, align) for n in sizes)
+    payload = sum(t.numel() * t.element_size() for t in views.values())
+    return OwnershipPlan(value, views, tuple(to_copy), keep, copy_bytes, retained, payload, align)

@@ -1,0 +1,149 @@
+"""Arena: first-fit, alignment, coalescing, counts (tpool.arena)."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tpool.arena import Arena, Block
+
+
+def test_hand_worked_first_fit_and_fragmentation():
+    arena = Arena(4096, "cpu", alignment=256)
+    a, b, c = arena.alloc(100), arena.alloc(300), arena.alloc(256)
+    assert [(x.offset, x.size) for x in (a, b, c)] == [(0, 256), (256, 512), (768, 256)]
+    assert (arena.allocated_bytes, arena.free_bytes, arena.num_blocks) == (1024, 3072, 3)
+    arena.free(b)  # free: [256, 768) and [1024, 4096)
+    assert arena.free_ranges() == [(256, 512), (1024, 3072)]
+    assert arena.fragmentation == pytest.approx(1 - 3072 / 3584)
+    d = arena.alloc(512)  # first fit: the hole, not the tail
+    assert d.offset == 256 and arena.free_ranges() == [(1024, 3072)] and arena.fragmentation == 0.0
+
+
+def test_coalescing_left_right_and_both():
+    arena = Arena(1024, "cpu", alignment=256)
+    blocks = [arena.alloc(256) for _ in range(4)]
+    assert arena.alloc(1) is None and arena.free_bytes == 0 and arena.fragmentation == 0.0
+    arena.free(blocks[0])
+    arena.free(blocks[2])
+    assert arena.free_ranges() == [(0, 256), (512, 256)] and arena.fragmentation == 0.5
+    arena.free(blocks[1])  # merges with both neighbours
+    assert arena.free_ranges() == [(0, 768)]
+    arena.free(blocks[3])  # merges left into the whole buffer
+    assert arena.free_ranges() == [(0, 1024)] and arena.allocated_bytes == 0
+
+
+@pytest.mark.parametrize("alignment", [1, 8, 64, 256, 512])
+def test_alignment_of_offsets_and_sizes(alignment):
+    arena = Arena(10_000, "cpu", alignment=alignment)
+    for n in (1, 7, 100, 513, 3):
+        b = arena.alloc(n)
+        assert b.offset % alignment == 0 and b.size == -(-n // alignment) * alignment
+    assert arena.allocated_bytes == sum(arena.block_size(n) for n in (1, 7, 100, 513, 3))
+
+
+def test_bad_frees_and_arguments_raise():
+    arena = Arena(1024, "cpu")
+    b = arena.alloc(10)
+    arena.free(b)
+    with pytest.raises(ValueError, match="not a live block"):
+        arena.free(b)  # double free
+    again = arena.alloc(10)  # same offset and size, new serial
+    assert (again.offset, again.size) == (b.offset, b.size)
+    with pytest.raises(ValueError, match="not a live block"):
+        arena.free(b)  # stale handle of a reused range
+    with pytest.raises(ValueError, match="not a live block"):
+        Arena(1024, "cpu").free(again)  # foreign handle
+    with pytest.raises(ValueError, match="not a live block"):
+        arena.free(Block(512, 256, 1))  # never allocated
+    with pytest.raises(TypeError):
+        arena.free((0, 256))
+    for bad in (0, -5, 1.5):
+        with pytest.raises(ValueError):
+            arena.alloc(bad)
+    with pytest.raises(ValueError, match="power of two"):
+        Arena(1024, "cpu", alignment=3)
+    with pytest.raises(ValueError, match="capacity"):
+        Arena(0, "cpu")
+    assert arena.num_blocks == 1
+
+
+def test_typed_views_share_the_buffer():
+    arena = Arena(2048, "cpu", alignment=256)
+    a, b = arena.alloc(64), arena.alloc(512)
+    v = arena.view(b, torch.float32, (4, 8))
+    v.fill_(1.5)
+    assert v.data_ptr() == arena.buffer.data_ptr() + 256
+    assert torch.equal(arena.buffer[256:384].view(torch.float32), torch.full((32,), 1.5))
+    w = arena.view(b, torch.int64, (2,), offset=128)
+    assert w.data_ptr() == v.data_ptr() + 128
+    with pytest.raises(ValueError, match="does not fit"):
+        arena.view(a, torch.float64, (64,))  # 512 B in a 256 B block
+    with pytest.raises(ValueError, match="not aligned"):
+        arena.view(b, torch.float32, (2,), offset=2)
+    arena.free(a)
+    with pytest.raises(ValueError, match="not a live block"):
+        arena.view(a, torch.uint8, (1,))
+
+
+def test_can_alloc_as_if_freed():
+    arena = Arena(1024, "cpu", alignment=256)
+    blocks = [arena.alloc(256) for _ in range(4)]
+    assert not arena.can_alloc(512)
+    assert not arena.can_alloc(512, also_free=[blocks[0], blocks[2]])  # two separate holes
+    assert arena.can_alloc(512, also_free=[blocks[1], blocks[2]])
+    arena.free(blocks[3])
+    assert arena.can_alloc(512, also_free=[blocks[2]]) and not arena.can_alloc(512)
+
+
+def _model_alloc(used, n, alignment):
+    """Lowest aligned offset with n rounded-up free bytes, in a byte-per-flag model."""
+    size = -(-n // alignment) * alignment
+    for o in range(0, len(used) - size + 1, alignment):
+        if not used[o:o + size].any():
+            used[o:o + size] = True
+            return o, size
+    return None
+
+
+def _model_free_ranges(used):
+    edges = np.flatnonzero(np.diff(np.concatenate([[1], used.astype(np.int8), [1]])))
+    return [(int(s), int(e - s)) for s, e in zip(edges[::2], edges[1::2])]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([1, 16, 64]), st.integers(1, 1200),
+       st.lists(st.tuples(st.booleans(), st.integers(1, 300), st.integers(0, 50)), max_size=60))
+def test_random_alloc_free_match_interval_model(alignment, capacity, ops):
+    arena = Arena(capacity, "cpu", alignment=alignment)
+    used = np.zeros(capacity, dtype=bool)
+    live = []
+    for is_alloc, n, pick in ops:
+        if is_alloc or not live:
+            block, want = arena.alloc(n), _model_alloc(used, n, alignment)
+            assert (None if block is None else (block.offset, block.size)) == want
+            if block is not None:
+                live.append(block)
+        else:
+            block = live.pop(pick % len(live))
+            arena.free(block)
+            used[block.offset:block.offset + block.size] = False
+        ranges = _model_free_ranges(used)
+        assert arena.free_ranges() == ranges
+        assert (arena.allocated_bytes, arena.free_bytes) == (int(used.sum()), int((~used).sum()))
+        largest = max((s for _, s in ranges), default=0)
+        assert arena.fragmentation == (0.0 if not ranges else 1 - largest / int((~used).sum()))
+        assert arena.num_blocks == len(live)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_arena_allocates_once():
+    before = torch.cuda.memory_allocated()
+    arena = Arena(16 << 20, "cuda")
+    assert torch.cuda.memory_allocated() - before == 16 << 20
+    blocks = [arena.alloc(1 << 20) for _ in range(16)]
+    arena.view(blocks[3], torch.bfloat16, (512, 1024)).fill_(2.0)
+    assert torch.cuda.memory_allocated() - before == 16 << 20
+    assert arena.buffer.data_ptr() % 256 == 0 and arena.device.type == "cuda"

@@ -1,0 +1,126 @@
+"""The three ledgers and the report CLI (tpool.memory_report)."""
+
+import json
+
+import pytest
+import torch
+
+from tpool.memory_report import MemoryReport, format_report, main, memory_report
+from tpool.owned_cache import OwnedCache
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+class FakePool:
+    name = "kv"
+
+    def memory_bytes(self):
+        return {"state_bytes": 4096, "pages_bytes": 1 << 20, "backend": "numba"}
+
+
+def _cache():
+    cache = OwnedCache(2 << 20)
+    cache.name = "mm"
+    cache.put("img", torch.zeros(1000, 4096, dtype=torch.bfloat16).split(100)[3])
+    return cache
+
+
+def test_cpu_report_structure():
+    report = memory_report("cpu", pools=[FakePool()], caches=[_cache()])
+    assert isinstance(report, MemoryReport) and report.device == "cpu"
+    assert report.tracked.caches["mm"]["payload_bytes"] == 819_200
+    assert report.tracked.caches["mm"]["storage_bytes"] == 819_200
+    assert report.tracked.pools == {"kv": {"state_bytes": 4096, "pages_bytes": 1 << 20, "backend": "numba"}}
+    a, d = report.allocator, report.driver
+    assert {a.allocated_bytes, a.reserved_bytes, a.peak_allocated_bytes, a.peak_reserved_bytes,
+            a.inactive_split_bytes} == {None} and "cpu" in a.unavailable
+    assert {d.total_bytes, d.free_bytes, d.used_bytes, d.non_pytorch_bytes} == {None} and "cpu" in d.unavailable
+    assert report.process.rss_bytes > 1 << 20 and report.process.peak_rss_bytes >= report.process.rss_bytes
+
+
+def test_process_rss_sees_a_big_host_allocation():
+    before = memory_report("cpu").process.rss_bytes
+    big = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
+    after = memory_report("cpu").process.rss_bytes
+    assert after - before >= 48 << 20
+    del big
+
+
+def test_to_dict_is_json_and_complete():
+    d = memory_report("cpu", caches=[_cache()]).to_dict()
+    assert set(d) == {"device", "tracked", "allocator", "driver", "process"}
+    assert set(d["driver"]) == {"total_bytes", "free_bytes", "used_bytes", "non_pytorch_bytes", "unavailable"}
+    assert json.loads(json.dumps(d)) == d
+
+
+def test_names_default_and_collide():
+    a, b = OwnedCache(10), OwnedCache(10)
+    assert list(memory_report("cpu", caches=[a, b]).tracked.caches) == ["OwnedCache[0]", "OwnedCache[1]"]
+    a.name = b.name = "mm"
+    assert list(memory_report("cpu", caches=[a, b]).tracked.caches) == ["mm", "mm[1]"]
+
+
+@pytest.mark.parametrize("bad, match", [
+    (object(), "memory_bytes"),
+    (type("P", (), {"memory_bytes": lambda s: [1]})(), "dict"),
+    (type("P", (), {"memory_bytes": lambda s: {"t": torch.zeros(1)}})(), "dict"),
+])
+def test_pools_must_offer_memory_bytes(bad, match):
+    with pytest.raises(TypeError, match=match):
+        memory_report("cpu", pools=[bad])
+
+
+def test_format_report_table():
+    text = format_report(memory_report("cpu", pools=[FakePool()], caches=[_cache()]))
+    lines = text.splitlines()
+    assert lines[0] == "tpool memory report: cpu"
+    row = next(line for line in lines if "cache mm: storage_bytes" in line)
+    assert "819,200" in row and row.rstrip().endswith("0.78")
+    assert any(line.startswith("allocator") and "n/a" in line and "statistics" in line for line in lines)
+    assert any(line.startswith("driver") and "n/a" in line for line in lines)
+    assert any("pool kv: pages_bytes" in line and "1.00" in line for line in lines)
+    assert any("pool kv: backend" in line and line.rstrip().endswith("numba") for line in lines)
+
+
+def test_cli_json_and_table(capsys):
+    assert main(["report", "--json", "--device", "cpu"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["device"] == "cpu" and out["allocator"]["allocated_bytes"] is None
+    assert main(["--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("tpool memory report: cpu")
+
+
+@no_cuda
+def test_cuda_requested_without_cuda(capsys):
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        memory_report("cuda:0")
+    assert main(["report", "--device", "cuda"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_ledgers_are_consistent():
+    r = memory_report("cuda")
+    a, d = r.allocator, r.driver
+    assert a.unavailable is None and d.unavailable is None
+    assert 0 <= a.allocated_bytes <= a.reserved_bytes <= a.peak_reserved_bytes
+    assert d.used_bytes == d.total_bytes - d.free_bytes
+    assert d.non_pytorch_bytes == d.used_bytes - a.reserved_bytes > 0  # the CUDA context at least
+    assert r.device == f"cuda:{torch.cuda.current_device()}"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_freed_blocks_stay_reserved():
+    torch.cuda.synchronize()
+    before = memory_report("cuda").allocator
+    x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    during = memory_report("cuda").allocator
+    del x
+    after = memory_report("cuda").allocator
+    assert during.allocated_bytes - before.allocated_bytes == 64 << 20
+    assert after.allocated_bytes == before.allocated_bytes
+    assert after.reserved_bytes == during.reserved_bytes >= before.reserved_bytes
+    assert during.peak_allocated_bytes >= during.allocated_bytes

@@ -1,0 +1,427 @@
+"""OwnedCache: admission order, LRU, pins, counting (tpool.owned_cache)."""
+
+import collections
+import dataclasses
+import gc
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from tpool import ownership
+from tpool.arena import Arena
+from tpool.errors import InvariantViolation
+from tpool.owned_cache import OwnedCache
+from tpool.ownership import retained_bytes, storage_bytes
+
+BATCH_BYTES = 8_192_000  # [1000, 4096] bf16 = 7.81 MiB
+ITEM_BYTES = 819_200  # [100, 4096] bf16 = 0.78 MiB
+UNIT = 1024  # bytes: one [256] float32 tensor
+
+
+def full(units=1):
+    """A tensor that owns its storage: units * UNIT bytes."""
+    return torch.randn(units * 256)
+
+
+def sliced(units=1):
+    """A view that needs a copy: payload units * UNIT, storage twice that."""
+    return torch.randn(2 * units * 256)[units * 256:]
+
+
+class CopyLog(list):
+    """(cache charge at the moment of the copy, bytes copied) per copy."""
+
+    cache = None
+
+
+@pytest.fixture
+def copies(monkeypatch):
+    """Record every copy the cache makes, through the helper it calls."""
+    log, real = CopyLog(), ownership.compact
+
+    def spy(t, out=None):
+        log.append((log.cache.stats().current_bytes if log.cache else None, ownership.compact_bytes(t)))
+        return real(t, out=out)
+
+    monkeypatch.setattr(ownership, "compact", spy)
+    return log
+
+
+def test_split_item_end_to_end():
+    batch = torch.randn(1000, 4096, dtype=torch.bfloat16)
+    items = batch.split(100)
+    assert retained_bytes([items[3]]) == BATCH_BYTES  # without compaction
+    expected = items[3].clone()
+    alive = StorageWeakRef(batch.untyped_storage())
+    cache = OwnedCache(budget_bytes=2 * ITEM_BYTES)
+    assert cache.put("img", items[3])
+    del batch, items
+    gc.collect()
+    assert alive.expired()
+    s = cache.stats()
+    assert (s.current_bytes, s.compactions, s.bytes_saved) == (ITEM_BYTES, 1, BATCH_BYTES - ITEM_BYTES)
+    assert torch.equal(cache.get("img"), expected)
+    assert retained_bytes([cache.get("img")]) == ITEM_BYTES
+    cache.check_invariants()
+
+
+def test_owned_tensor_is_stored_without_copy(copies):
+    t = full(2)
+    cache = OwnedCache(4 * UNIT)
+    assert cache.put("a", t) and cache.get("a") is t
+    assert copies == [] and cache.stats().current_bytes == 2 * UNIT
+
+
+def test_duplicate_key_is_a_noop_without_copy(copies):
+    cache = OwnedCache(4 * UNIT)
+    first = sliced()
+    cache.put("a", first)
+    cache.put("b", full())
+    assert len(copies) == 1
+    assert cache.put("a", sliced(3))  # different value, same key: kept, no copy
+    assert len(copies) == 1 and torch.equal(cache.get("a"), first)
+    assert cache.keys() == ["b", "a"]  # recency refreshed
+    assert cache.stats().duplicates == 1 and cache.stats().current_bytes == 2 * UNIT
+
+
+def test_too_large_is_rejected_without_copy_or_eviction(copies):
+    cache = OwnedCache(4 * UNIT)
+    cache.put("a", full())
+    cache.put("b", full())
+    assert not cache.put("big", sliced(5))
+    assert copies == [] and cache.keys() == ["a", "b"]
+    s = cache.stats()
+    assert (s.rejections, s.evictions, s.current_bytes) == (1, 0, 2 * UNIT)
+
+
+def test_pinned_entries_block_admission_without_eviction(copies):
+    cache = OwnedCache(3 * UNIT)
+    cache.put("pinned", full(2))
+    cache.put("free", full())
+    cache.pin("pinned")
+    assert not cache.put("c", sliced(2))  # would need evicting the pinned entry
+    assert cache.keys() == ["pinned", "free"] and copies == []
+    assert cache.put("d", sliced(1))  # fits after evicting "free"
+    assert cache.keys() == ["pinned", "d"] and cache.stats().evictions == 1
+
+
+def test_evicts_before_copying(copies):
+    cache = OwnedCache(4 * UNIT)
+    copies.cache = cache
+    for k in "abcd":
+        cache.put(k, full())
+    assert cache.put("e", sliced(3))
+    assert copies == [(UNIT, 3 * UNIT)]  # a, b, c gone before the copy was made
+    assert cache.keys() == ["d", "e"] and cache.stats().evictions == 3
+    assert cache.stats().peak_bytes == 4 * UNIT
+
+
+def test_lru_order_follows_get():
+    cache = OwnedCache(3 * UNIT)
+    for k in "abc":
+        cache.put(k, full())
+    assert cache.get("a") is not None and cache.get("zz") is None
+    cache.put("d", full())
+    assert cache.keys() == ["c", "a", "d"]  # b was least recently used
+    s = cache.stats()
+    assert (s.hits, s.misses, s.evictions) == (1, 1, 1)
+
+
+def test_pins_are_reference_counts():
+    cache = OwnedCache(2 * UNIT)
+    cache.put("a", full())
+    cache.pin("a")
+    cache.pin("a")
+    cache.unpin("a")
+    assert cache.pins("a") == 1
+    cache.put("b", full())
+    cache.put("c", full())  # evicts b, never the pinned a
+    assert cache.keys() == ["a", "c"]
+    cache.unpin("a")
+    with pytest.raises(ValueError, match="0 pins"):
+        cache.unpin("a")
+    with pytest.raises(KeyError):
+        cache.pin("missing")
+    with cache.pinned("c") as value:
+        assert cache.pins("c") == 1 and value is cache.get("c")
+    assert cache.pins("c") == 0
+
+
+def test_pop_remove_clear():
+    cache = OwnedCache(4 * UNIT)
+    a = full()
+    cache.put("a", a)
+    cache.put("b", full())
+    cache.put("c", full())
+    assert cache.pop("a") is a and "a" not in cache
+    assert cache.pop("a", None) is None
+    with pytest.raises(KeyError):
+        cache.pop("a")
+    cache.pin("b")
+    with pytest.raises(ValueError, match="pinned"):
+        cache.remove("b")
+    with pytest.raises(ValueError, match="pinned"):
+        cache.clear()
+    assert len(cache) == 2  # clear removed nothing
+    cache.unpin("b")
+    cache.remove("c")
+    cache.clear()
+    assert len(cache) == 0 and cache.stats().current_bytes == 0
+    cache.check_invariants()
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    pixels: torch.Tensor
+    tokens: list
+    name: str = "img"
+
+
+Pair = collections.namedtuple("Pair", "left right")
+
+
+@pytest.mark.parametrize("wrap", [
+    lambda x, y: Features(x, [y, 3]),
+    lambda x, y: {"x": x, "nested": {"y": (y, None)}},
+    lambda x, y: Pair(x, y),
+    lambda x, y: [x, y],
+])
+def test_containers_are_rebuilt_around_owned_tensors(wrap):
+    base = torch.randn(4096)
+    x, y = base[:256], full()
+    value = wrap(x, y)
+    cache = OwnedCache(8 * UNIT)
+    assert cache.put("k", value)
+    stored = cache.get("k")
+    assert type(stored) is type(value) and stored is not value
+    got = list(ownership.iter_tensors(stored))
+    assert torch.equal(got[0], x) and storage_bytes(got[0]) == UNIT and got[1] is y
+    assert list(ownership.iter_tensors(value))[0] is x  # the caller's value is untouched
+    assert cache.stats().current_bytes == retained_bytes(stored) == 2 * UNIT
+    cache.check_invariants()
+
+
+def test_shared_storage_within_an_entry():
+    batch = torch.randn(1000, 4096, dtype=torch.bfloat16)
+    items = batch.split(100)
+    cache = OwnedCache(4 * BATCH_BYTES)
+    assert cache.put("all", list(items))  # together they cover the storage: no copy
+    assert cache.stats().compactions == 0 and cache.stats().current_bytes == BATCH_BYTES
+    assert cache.put("two", (items[0], items[5]))  # two small views: copied each
+    assert cache.stats().current_bytes == BATCH_BYTES + 2 * ITEM_BYTES
+    t = sliced()
+    assert cache.put("twice", (t, t))  # the same view twice: one copy, shared
+    stored = cache.get("twice")
+    assert stored[0] is stored[1] and cache.stats().compactions == 3
+    cache.check_invariants()
+
+
+def test_same_storage_under_two_keys_counts_once():
+    t = full(2)
+    cache = OwnedCache(3 * UNIT)
+    assert cache.put("a", t) and cache.put("b", {"again": t})
+    assert cache.stats().current_bytes == 2 * UNIT
+    assert cache.put("c", full())  # 3 units fit because t is counted once
+    cache.remove("a")
+    assert cache.stats().current_bytes == 3 * UNIT  # b still holds t
+    cache.remove("b")
+    assert cache.stats().current_bytes == UNIT
+    cache.check_invariants()
+
+
+def test_unsupported_values_raise_before_anything(copies):
+    cache = OwnedCache(4 * UNIT)
+    cache.put("a", full())
+    with pytest.raises(TypeError, match="ndarray"):
+        cache.put("b", [sliced(), np.zeros(3)])
+    with pytest.raises(TypeError, match="layout"):
+        cache.put("b", torch.randn(3, 3).to_sparse())
+    assert copies == [] and cache.keys() == ["a"]
+    with pytest.raises(ValueError):
+        OwnedCache(-1)
+
+
+def test_check_invariants_detects_tampering():
+    cache = OwnedCache(4 * UNIT)
+    t = full()
+    cache.put("a", t)
+    t.resize_(512)  # the caller grows the cached tensor's storage behind the cache's back
+    with pytest.raises(InvariantViolation, match="storages"):
+        cache.check_invariants()
+
+
+# -- arena-backed ------------------------------------------------------------
+def test_arena_entries_live_in_the_arena_and_count_block_size():
+    arena = Arena(4096, "cpu", alignment=256)
+    cache = OwnedCache(4096, arena=arena)
+    x = torch.randn(25)  # 100 B: owned, still copied in
+    e = torch.randn(1, 8).expand(4, 8)
+    assert cache.put("k", {"x": x, "e": e})
+    stored = cache.get("k")
+    assert all(t.untyped_storage().data_ptr() == arena.buffer.data_ptr() for t in stored.values())
+    assert torch.equal(stored["x"], x) and torch.equal(stored["e"], e) and stored["e"].stride() == (0, 1)
+    assert cache.stats().current_bytes == arena.allocated_bytes == 512  # 256 + 256 (32 B aligned)
+    popped = cache.pop("k")
+    assert torch.equal(popped["x"], x) and storage_bytes(popped["x"]) == 100  # copied out
+    assert arena.allocated_bytes == 0
+    cache.check_invariants()
+
+
+def test_arena_packs_mixed_dtypes_at_aligned_offsets():
+    arena = Arena(1 << 16, "cpu", alignment=64)
+    cache = OwnedCache(1 << 16, arena=arena)
+    value = [torch.arange(3, dtype=torch.int8), torch.randn(5, dtype=torch.complex128),
+             torch.randn(7, 3, dtype=torch.bfloat16)[2:5], torch.tensor([True, False, True]),
+             torch.randn(0, 4), torch.randn(2, 9, dtype=torch.float64).t()]
+    assert cache.put("mix", value)
+    stored = cache.get("mix")
+    base = arena.buffer.data_ptr()
+    for got, want in zip(stored, value):
+        assert torch.equal(got, want) and got.dtype == want.dtype
+        assert (got.data_ptr() - base) % 64 == 0
+    # 3 B -> 64, 80 B -> 128, 18 B -> 64, 3 B -> 64, 0 B -> 0, 144 B -> 192
+    assert cache.stats().current_bytes == arena.allocated_bytes == 512
+    cache.check_invariants()
+    with pytest.raises(ValueError, match="alignment"):
+        OwnedCache(100, arena=Arena(1024, "cpu", alignment=8))
+
+
+def test_arena_fragmentation_evicts_further():
+    arena = Arena(1024, "cpu", alignment=256)
+    cache = OwnedCache(1024, arena=arena)
+    for k in "abcd":
+        cache.put(k, torch.randn(64))  # 256 B each
+    cache.remove("a")
+    cache.remove("c")  # free: [0, 256) and [512, 768): 512 B, fragmented
+    assert arena.fragmentation == 0.5
+    assert cache.put("e", torch.randn(128))  # 512 B: bytes fit, no range does: evict b
+    assert cache.keys() == ["d", "e"] and arena.free_ranges() == [(512, 256)]
+    s = cache.stats()
+    assert (s.evictions, s.fragmentation_evictions) == (1, 1)
+    cache.check_invariants()
+
+
+def test_arena_rejects_when_pinned_blocks_leave_no_range(copies):
+    arena = Arena(1024, "cpu", alignment=256)
+    cache = OwnedCache(4096, arena=arena)  # the budget is not what binds here
+    for k in "abc":
+        cache.put(k, torch.randn(64))  # a [0, 256), b [256, 512), c [512, 768)
+    cache.pin("a")
+    cache.pin("c")
+    n = len(copies)
+    assert not cache.put("f", torch.randn(128))  # 512 B free even without b, in two pieces
+    assert len(copies) == n and cache.keys() == ["a", "b", "c"]  # b was not evicted for nothing
+    assert cache.stats().rejections == 1
+    cache.unpin("c")
+    assert cache.put("f", torch.randn(128)) and cache.keys() == ["a", "f"]  # b and c go, in LRU order
+    cache.check_invariants()
+
+
+# -- random operation sequences against a model ------------------------------
+OPS = st.lists(st.tuples(st.sampled_from(["put", "put", "get", "pin", "unpin", "pop"]),
+                         st.integers(0, 5), st.integers(0, 5), st.booleans()), max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(OPS)
+def test_random_ops_match_an_lru_model(ops):
+    budget = 6 * UNIT
+    cache = OwnedCache(budget)
+    order, size, pins = [], {}, {}  # the model
+    evictions = rejections = 0
+    for op, k, units, view in ops:
+        if op == "put":
+            ok = cache.put(k, (sliced if view else full)(units))
+            if k in size:
+                order.remove(k)
+                order.append(k)
+            elif units * UNIT + sum(size[p] for p in order if pins[p]) > budget:
+                rejections += 1
+            else:
+                while sum(size.values()) + units * UNIT > budget:
+                    victim = next(p for p in order if not pins[p])
+                    order.remove(victim)
+                    del size[victim], pins[victim]
+                    evictions += 1
+                order.append(k)
+                size[k], pins[k] = units * UNIT, 0
+            assert ok == (k in size)
+        elif op == "get":
+            assert (cache.get(k) is None) == (k not in size)
+            if k in size:
+                order.remove(k)
+                order.append(k)
+        elif op == "pin" and k in size:
+            cache.pin(k)
+            pins[k] += 1
+        elif op == "unpin" and k in size and pins[k]:
+            cache.unpin(k)
+            pins[k] -= 1
+        elif op == "pop" and k in size and not pins[k]:
+            cache.pop(k)
+            order.remove(k)
+            del size[k], pins[k]
+        cache.check_invariants()
+        assert cache.keys() == order
+        s = cache.stats()
+        assert (s.current_bytes, s.evictions, s.rejections) == (sum(size.values()), evictions, rejections)
+
+
+@settings(max_examples=100, deadline=None)
+@given(OPS)
+def test_random_ops_with_an_arena_keep_invariants(ops):
+    arena = Arena(8 * UNIT, "cpu", alignment=256)
+    cache = OwnedCache(6 * UNIT, arena=arena)
+    for op, k, units, view in ops:
+        if op == "put":
+            t, new = (sliced if view else full)(units), k not in cache
+            ok = cache.put(k, t)
+            assert ok == (k in cache) and cache.keys()[-1:] == ([k] if ok else cache.keys()[-1:])
+            if ok and new:
+                assert torch.equal(cache.get(k), t)
+        elif op == "get":
+            cache.get(k)
+        elif op == "pin" and k in cache:
+            cache.pin(k)
+        elif op == "unpin" and k in cache and cache.pins(k):
+            cache.unpin(k)
+        elif op == "pop" and k in cache and not cache.pins(k):
+            cache.pop(k)
+        cache.check_invariants()
+        assert cache.stats().current_bytes == arena.allocated_bytes <= 6 * UNIT
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_arena_cache_does_not_grow_reserved_memory():
+    arena = Arena(64 << 20, "cuda")
+    cache = OwnedCache(64 << 20, arena=arena)
+    batch = torch.randn(1000, 4096, dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    for i, item in enumerate(batch.split(100) * 20):
+        assert cache.put(i, item)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() == reserved
+    assert torch.equal(cache.get(199), batch[900:])
+    cache.check_invariants()
+    with pytest.raises(ValueError, match="cannot enter an arena"):
+        cache.put("cpu", torch.zeros(4))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_split_item_end_to_end():
+    batch = torch.randn(1000, 4096, dtype=torch.bfloat16, device="cuda")
+    cache = OwnedCache(2 * ITEM_BYTES)
+    cache.put("img", batch.split(100)[3])
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    del batch
+    gc.collect()
+    assert torch.cuda.memory_allocated() == before - BATCH_BYTES
+    assert cache.stats().current_bytes == ITEM_BYTES

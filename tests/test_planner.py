@@ -1,0 +1,123 @@
+"""Capacity planning from a static memory fraction (tpool.planner)."""
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tpool.planner import PagePlan, PlanError, plan_pages
+
+GIB = 1 << 30
+MIB = 1 << 20
+PAGE = 2 * MIB  # 16 tokens x 128 KiB per token (Llama-3-8B: 32 layers x 8 heads x 128 x K,V x bf16)
+
+
+def test_hand_worked_80_gib():
+    # 80 GiB device, 60 GiB free after the weights, fraction 0.8:
+    # static 64 GiB, in use 20 GiB, reserve 16 GiB, pool 44 GiB = 22_528 pages of 2 MiB.
+    p = plan_pages(PAGE, 0.8, total_bytes=80 * GIB, free_bytes=60 * GIB)
+    assert dataclasses.astuple(p) == (
+        PAGE, 0.8, 80 * GIB, 60 * GIB, 0, 20 * GIB, 64 * GIB, 16 * GIB, 0, 44 * GIB, 22_528, 44 * GIB, "given")
+    text = p.explain()
+    for number in ("85,899,345,920", "68,719,476,736", "47,244,640,256", "22,528 pages"):
+        assert number in text
+
+
+def test_hand_worked_pending_weights_and_extra_reserve():
+    # 24 GiB, 20 GiB free BEFORE 14 GiB of weights load, fraction 0.9, 1 GiB extra reserve:
+    # static floor(25_769_803_776 x 0.9) = 23_192_823_398; in use 4 + 14 = 18 GiB = 19_327_352_832;
+    # pool budget 23_192_823_398 - 19_327_352_832 - 1_073_741_824 = 2_791_728_742 -> 1331 pages.
+    p = plan_pages(PAGE, 0.9, total_bytes=24 * GIB, free_bytes=20 * GIB, weights_bytes=14 * GIB,
+                   reserve_bytes=GIB)
+    assert (p.static_budget_bytes, p.used_bytes, p.pool_budget_bytes) == (23_192_823_398, 18 * GIB, 2_791_728_742)
+    assert (p.num_pages, p.pool_bytes, p.runtime_reserve_bytes) == (1331, 1331 * PAGE, 24 * GIB - 23_192_823_398)
+    assert p.pool_budget_bytes == p.free_bytes - p.pending_weights_bytes - p.runtime_reserve_bytes - GIB
+
+
+def test_fraction_is_read_as_its_decimal():
+    assert 100 * 0.29 < 29  # binary floating point: 28.999999999999996
+    assert plan_pages(1, 0.29, total_bytes=100, free_bytes=100).static_budget_bytes == 29
+
+
+def test_max_pages_caps():
+    p = plan_pages(PAGE, 0.8, total_bytes=80 * GIB, free_bytes=60 * GIB, max_pages=1000)
+    assert (p.num_pages, p.pool_bytes, p.pool_budget_bytes) == (1000, 1000 * PAGE, 44 * GIB)
+
+
+def test_weights_exceed_static_budget_suggests_fraction():
+    # 24 GiB device, 22 GiB in use after the weights, fraction 0.88: static 21.12 GiB < 22 GiB.
+    # Needed: (22 GiB + one 2 MiB page) / 24 GiB = 0.91675 -> 0.92.
+    with pytest.raises(PlanError, match=r"mem_fraction_static >= 0\.92") as info:
+        plan_pages(PAGE, 0.88, total_bytes=24 * GIB, free_bytes=2 * GIB)
+    assert info.value.suggested_fraction == 0.92 and isinstance(info.value, ValueError)
+    assert plan_pages(PAGE, 0.92, total_bytes=24 * GIB, free_bytes=2 * GIB).num_pages == 40
+
+
+def test_min_pages_counts_in_the_suggestion():
+    with pytest.raises(PlanError) as info:
+        plan_pages(PAGE, 0.8, total_bytes=80 * GIB, free_bytes=60 * GIB, min_pages=30_000)
+    # (20 GiB + 30_000 x 2 MiB) / 80 GiB = 0.9824 -> 0.99
+    assert info.value.suggested_fraction == 0.99
+
+
+def test_impossible_even_at_fraction_one():
+    with pytest.raises(PlanError, match="even mem_fraction_static=1.0") as info:
+        plan_pages(PAGE, 0.9, total_bytes=24 * GIB, free_bytes=20 * GIB, weights_bytes=30 * GIB)
+    assert info.value.suggested_fraction is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 1 << 24), st.integers(1, 100), st.integers(1 << 20, 1 << 40), st.data())
+def test_suggested_fraction_is_the_smallest_that_works(page, percent, total, data):
+    free = data.draw(st.integers(0, total))
+    kw = dict(total_bytes=total, free_bytes=free)
+    try:
+        plan = plan_pages(page, percent / 100, **kw)
+    except PlanError as e:
+        if e.suggested_fraction is not None:
+            assert e.suggested_fraction > percent / 100
+            assert plan_pages(page, e.suggested_fraction, **kw).num_pages >= 1
+            if e.suggested_fraction > 0.01:
+                with pytest.raises(PlanError):
+                    plan_pages(page, round(e.suggested_fraction - 0.01, 2), **kw)
+    else:
+        assert plan.num_pages >= 1 and plan.pool_bytes <= plan.pool_budget_bytes < plan.pool_bytes + page
+        assert plan.used_bytes + plan.pool_budget_bytes <= plan.static_budget_bytes <= total
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(bytes_per_page=0), "bytes_per_page"),
+    (dict(mem_fraction_static=0.0), "mem_fraction_static"),
+    (dict(mem_fraction_static=1.5), "mem_fraction_static"),
+    (dict(free_bytes=100 * GIB), "free_bytes must be <= total_bytes"),
+    (dict(reserve_bytes=-1), "reserve_bytes"),
+    (dict(weights_bytes=-1), "weights_bytes"),
+    (dict(max_pages=0, min_pages=1), "max_pages"),
+])
+def test_bad_arguments(kwargs, match):
+    args = dict(bytes_per_page=PAGE, mem_fraction_static=0.8, total_bytes=80 * GIB, free_bytes=60 * GIB)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        plan_pages(args.pop("bytes_per_page"), args.pop("mem_fraction_static"), **args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_cpu_requires_explicit_budget():
+    with pytest.raises(ValueError, match="total_bytes and free_bytes are required"):
+        plan_pages(PAGE, 0.8)
+    with pytest.raises(ValueError, match="required on cpu"):
+        plan_pages(PAGE, 0.8, device="cpu", total_bytes=80 * GIB)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_reads_mem_get_info():
+    free, total = torch.cuda.mem_get_info()
+    p = plan_pages(PAGE, 0.9, device="cuda", max_pages=10)
+    assert isinstance(p, PagePlan) and p.total_bytes == total and "mem_get_info" in p.source
+    assert abs(p.free_bytes - free) < 256 * MIB  # other work may move it a little
+    assert p.num_pages == 10
+    q = plan_pages(PAGE, 1.0, device="cuda", free_bytes=GIB)  # partial: total comes from the device
+    assert q.total_bytes == total and q.free_bytes == GIB and q.num_pages == GIB // PAGE

@@ -1,0 +1,229 @@
+"""The three memory ledgers in one report, and the ``report`` CLI command.
+
+Note:
+    Each metric sees one layer only, so the report keeps them apart:
+
+    * references (``tracked``): what tpool objects hold: each cache's payload
+      vs the storage bytes it keeps alive, and whatever each pool's
+      ``memory_bytes()`` returns (a dict of byte counts, read duck-typed);
+    * caching allocator (``allocator``): ``torch.cuda.memory_stats``:
+      allocated, reserved, their peaks, inactive split bytes. Freed blocks
+      stay reserved, so reserved >= allocated;
+    * driver (``driver``): ``torch.cuda.mem_get_info``: total and free on the
+      device. ``used = total - free`` is device-wide (other processes too);
+      ``non_pytorch = used - reserved``: CUDA context, NCCL, other libraries,
+      and other processes' memory;
+    * process: resident set size from ``/proc/self/statm`` (current) and
+      ``resource`` (peak), on every device.
+
+    A number that cannot be measured is ``None`` with a reason string; the
+    report never invents one. On a CPU only the references and the process
+    ledger exist. Reading CUDA numbers creates a CUDA context if there was none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["memory_report", "format_report", "main", "MemoryReport", "Tracked", "Allocator", "Driver", "Process"]
+
+MIB = 1 << 20  # bytes in a MiB, for format_report
+_SCALARS = (int, float, str, bool, type(None))  # what memory_bytes() values may be (JSON scalars)
+_CUDA_STATS = {  # field -> torch.cuda.memory_stats key
+    "allocated_bytes": "allocated_bytes.all.current",
+    "reserved_bytes": "reserved_bytes.all.current",
+    "peak_allocated_bytes": "allocated_bytes.all.peak",
+    "peak_reserved_bytes": "reserved_bytes.all.peak",
+    "inactive_split_bytes": "inactive_split_bytes.all.current",
+}
+
+
+@dataclass(frozen=True)
+class Tracked:
+    """References ledger: ``caches`` and ``pools`` map a name to the object's ``memory_bytes()``."""
+
+    caches: dict[str, dict[str, Any]]
+    pools: dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Allocator:
+    """Caching allocator ledger (bytes; None with ``unavailable`` when not measurable)."""
+
+    allocated_bytes: int | None
+    reserved_bytes: int | None
+    peak_allocated_bytes: int | None
+    peak_reserved_bytes: int | None
+    inactive_split_bytes: int | None
+    unavailable: str | None = None
+
+
+@dataclass(frozen=True)
+class Driver:
+    """Driver ledger (bytes; None with ``unavailable`` when not measurable)."""
+
+    total_bytes: int | None
+    free_bytes: int | None
+    used_bytes: int | None  # total - free: device-wide, every process
+    non_pytorch_bytes: int | None  # used - reserved: context, other libraries, other processes
+    unavailable: str | None = None
+
+
+@dataclass(frozen=True)
+class Process:
+    """This process on the host (bytes; None with ``unavailable`` when not measurable)."""
+
+    rss_bytes: int | None
+    peak_rss_bytes: int | None
+    unavailable: str | None = None
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """The ledgers of one device, as :func:`memory_report` measured them."""
+
+    device: str
+    tracked: Tracked
+    allocator: Allocator
+    driver: Driver
+    process: Process
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dicts (JSON-serialisable)."""
+        return asdict(self)
+
+
+def _name(obj: Any, i: int, names: set[str]) -> str:
+    name = getattr(obj, "name", None)
+    name = name if isinstance(name, str) and name else f"{type(obj).__name__}[{i}]"
+    return name if name not in names else f"{name}[{i}]"
+
+
+def _tracked(objs: Any, kind: str) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for i, obj in enumerate(objs):
+        fn = getattr(obj, "memory_bytes", None)
+        if not callable(fn):
+            raise TypeError(f"{kind}[{i}]: expected an object with memory_bytes(), got {type(obj).__name__}")
+        numbers = fn()
+        if not isinstance(numbers, dict) or not all(
+                isinstance(k, str) and isinstance(v, _SCALARS) for k, v in numbers.items()):
+            raise TypeError(f"{kind}[{i}].memory_bytes(): expected a dict of str -> int (or another "
+                            f"JSON scalar), got {numbers!r}")
+        out[_name(obj, i, set(out))] = dict(numbers)
+    return out
+
+
+def _process() -> Process:
+    rss = peak = None
+    reasons = []
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        reasons.append("rss: /proc/self/statm unreadable")
+    try:
+        import resource
+
+        scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB elsewhere
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+        peak = peak if rss is None else max(peak, rss)  # ru_maxrss can lag the current RSS
+    except (ImportError, OSError):
+        reasons.append("peak rss: module resource unavailable")
+    return Process(rss, peak, "; ".join(reasons) or None)
+
+
+def _resolve(device: torch.device | str | int | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device} requested, but CUDA is not available")
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if not 0 <= index < torch.cuda.device_count():
+            raise ValueError(f"device index in [0, {torch.cuda.device_count()}) expected, got {index}")
+        device = torch.device("cuda", index)
+    return device
+
+
+def memory_report(device: torch.device | str | int | None = None, *, pools=(), caches=()) -> MemoryReport:
+    """Measure the ledgers of ``device`` (default: the current CUDA device, else the CPU).
+
+    Parameters
+    ----------
+    device : torch.device, str or int, optional
+        ``"cuda:0"``, ``0``, ``"cpu"``… A CUDA device needs CUDA (ValueError).
+    pools, caches : iterables
+        Objects with ``memory_bytes() -> dict[str, int]`` (e.g. ``OwnedCache``),
+        reported by their ``name`` attribute or ``Type[i]``.
+    """
+    device = _resolve(device)
+    tracked = Tracked(caches=_tracked(caches, "caches"), pools=_tracked(pools, "pools"))
+    if device.type != "cuda":
+        why = f"no caching-allocator statistics for device type {device.type!r}"
+        allocator = Allocator(None, None, None, None, None, why)
+        driver = Driver(None, None, None, None, f"no driver memory query for device type {device.type!r}")
+        return MemoryReport(str(device), tracked, allocator, driver, _process())
+    stats = torch.cuda.memory_stats(device)
+    allocator = Allocator(**{name: int(stats.get(key, 0)) for name, key in _CUDA_STATS.items()})
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    driver = Driver(total, free, used, used - allocator.reserved_bytes)
+    return MemoryReport(str(device), tracked, allocator, driver, _process())
+
+
+def _rows(report: MemoryReport) -> list[tuple[str, str, Any, str]]:
+    rows = []
+    for kind, objs in (("cache", report.tracked.caches), ("pool", report.tracked.pools)):
+        for name, numbers in objs.items():
+            rows += [("references", f"{kind} {name}: {k}", v, "") for k, v in numbers.items()]
+    if not rows:
+        rows.append(("references", "(no caches or pools passed)", None, ""))
+    for ledger, obj in (("allocator", report.allocator), ("driver", report.driver), ("process", report.process)):
+        numbers = {k: v for k, v in asdict(obj).items() if k != "unavailable"}
+        if all(v is None for v in numbers.values()):
+            rows.append((ledger, "(unavailable)", None, obj.unavailable or ""))
+        else:
+            rows += [(ledger, k, v, (obj.unavailable or "") if v is None else "") for k, v in numbers.items()]
+    return rows
+
+
+def format_report(report: MemoryReport) -> str:
+    """A readable table: ledger, quantity, bytes, MiB (``n/a`` and the reason when unmeasured)."""
+    lines = [f"tpool memory report: {report.device}",
+             f"{'ledger':<11} {'quantity':<40} {'bytes':>16} {'MiB':>11}"]
+    for ledger, what, value, why in _rows(report):
+        if value is None:
+            lines.append(f"{ledger:<11} {what:<40} {'n/a':>16} {'':>11}  {why}".rstrip())
+        elif isinstance(value, int) and not isinstance(value, bool):
+            shown = f"{value / MIB:11.2f}" if what.endswith("bytes") else f"{'':>11}"
+            lines.append(f"{ledger:<11} {what:<40} {value:>16,} {shown}")
+        else:
+            lines.append(f"{ledger:<11} {what:<40} {value!s:>16}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``tpool report [--json] [--device DEV]``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["report"]:
+        argv = argv[1:]
+    parser = argparse.ArgumentParser(prog="tpool report", description="Print the memory ledgers of a device.")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--device", default=None, help="cuda:N or cpu (default: current CUDA device, else cpu)")
+    args = parser.parse_args(argv)
+    try:
+        report = memory_report(args.device)
+    except (ValueError, RuntimeError) as exc:
+        print(f"tpool report: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
+    return 0

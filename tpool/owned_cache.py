@@ -1,0 +1,328 @@
+"""A byte-budgeted key -> tensor cache that owns (compacts) what it admits.
+
+Note:
+    Admission (``put``) runs in this order, so memory never peaks at
+    budget + entry + copy and nothing is copied for an entry that is refused:
+
+    1. duplicate key: no-op (no copy, old value kept), recency refreshed;
+    2. plan (:func:`tpool.ownership.plan_ownership`): check every leaf and
+       price the entry, copying nothing;
+    3. reject, evicting nothing, if it cannot fit even with every unpinned
+       entry gone (budget; with an arena also a free range between pinned
+       blocks);
+    4. evict unpinned entries, least recently used first, until it fits;
+    5. copy what does not own its storage, rebuild the container, insert.
+
+    Without an arena the cache charges the storage bytes it keeps alive,
+    each storage once across the cache (reference counted by identity), so
+    a tensor cached under two keys counts once. With an arena every tensor
+    is copied into ONE block per entry; its storage is then the whole arena
+    buffer, so an entry is charged its block size instead, and a tensor from
+    ``get`` is a view of a block that is reused once the entry is evicted:
+    pin (``pin``/``unpin`` count in-flight readers) while reading it. Pinned
+    entries are never evicted, popped or cleared. Not thread-safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tpool import ownership
+from tpool.arena import Arena, Block
+from tpool.errors import InvariantViolation
+from tpool.ownership import OwnershipPlan, StorageKey
+
+__all__ = ["OwnedCache", "CacheStats"]
+
+_MISSING = object()
+MIN_ARENA_ALIGNMENT = 16  # bytes: the largest element size (complex128), so any dtype can be viewed
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Counters of an :class:`OwnedCache` (bytes are storage bytes charged)."""
+
+    hits: int
+    misses: int
+    insertions: int
+    duplicates: int  # puts of a key already present
+    rejections: int
+    evictions: int  # LRU evictions to make room (all causes)
+    fragmentation_evictions: int  # of those, made when bytes fit but no arena range did
+    compactions: int  # tensors copied at admission
+    bytes_saved: int  # storage the admitted values kept alive minus what the cache charges
+    current_bytes: int
+    peak_bytes: int
+    budget_bytes: int
+    entries: int
+    pinned_entries: int
+
+    def to_dict(self) -> dict[str, int]:
+        """The fields as a plain dict."""
+        return asdict(self)
+
+
+@dataclass
+class _Entry:
+    value: Any
+    nbytes: int  # charged: this entry's storages (plain) or block size (arena)
+    payload: int
+    storages: dict[StorageKey, int]  # plain mode: storage key -> nbytes held
+    block: Block | None = None
+    pins: int = 0
+
+
+class OwnedCache:
+    """Key -> tensor (or dataclass/dict/tuple/list of tensors) with a byte budget.
+
+    Parameters
+    ----------
+    budget_bytes : int
+        Most storage bytes the cache may charge, >= 0.
+    arena : Arena, optional
+        Store entries in this arena (tensors must be on ``arena.device``).
+
+    Example
+    -------
+    >>> batch = torch.randn(1000, 4096, dtype=torch.bfloat16)     # 8_192_000 B
+    >>> cache = OwnedCache(budget_bytes=2 << 20)
+    >>> cache.put("img0", batch.split(100)[3])                   # copies 819_200 B
+    True
+    >>> cache.stats().current_bytes
+    819200
+    """
+
+    def __init__(self, budget_bytes: int, *, arena: Arena | None = None):
+        if not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be an int >= 0, got {budget_bytes!r}")
+        if arena is not None and not isinstance(arena, Arena):
+            raise TypeError(f"arena must be an Arena, got {type(arena).__name__}")
+        if arena is not None and arena.alignment < MIN_ARENA_ALIGNMENT:
+            raise ValueError(f"arena.alignment must be >= {MIN_ARENA_ALIGNMENT}, got {arena.alignment}")
+        self.budget_bytes = budget_bytes
+        self.arena = arena
+        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()  # LRU first
+        self._ledger: dict[StorageKey, list[int]] = {}  # plain mode: key -> [nbytes, refs]
+        self._current = self._peak = 0
+        self._counts = dict.fromkeys(
+            ("hits", "misses", "insertions", "duplicates", "rejections", "evictions",
+             "fragmentation_evictions", "compactions", "bytes_saved"), 0)
+
+    # -- admission ----------------------------------------------------------
+    def put(self, key: Hashable, value: Any) -> bool:
+        """Admit ``value`` under ``key``; return whether ``key`` is cached afterwards.
+
+        ``value`` is a tensor (dense, strided, on ``arena.device`` with an
+        arena) or a dataclass / dict / list / tuple / set holding tensors and
+        scalars. A duplicate ``key`` keeps the old value and returns True.
+        """
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            self._counts["duplicates"] += 1
+            return True
+        plan = self._plan(value)
+        if not self._fits(plan, without_unpinned=True):
+            self._counts["rejections"] += 1
+            return False
+        while not self._fits(plan):
+            victim = next(k for k, e in self._entries.items() if e.pins == 0)
+            if self._current + self._cost(plan) <= self.budget_bytes:
+                self._counts["fragmentation_evictions"] += 1
+            self._drop(victim)
+            self._counts["evictions"] += 1
+        entry = self._materialize(plan)
+        self._entries[key] = entry
+        self._counts["insertions"] += 1
+        self._counts["compactions"] += len(plan.copy)
+        self._counts["bytes_saved"] += max(0, plan.retained_bytes - entry.nbytes)
+        self._peak = max(self._peak, self._current)
+        return True
+
+    def _plan(self, value: Any) -> OwnershipPlan:
+        """Check every leaf and price the entry; copies nothing."""
+        align = 1 if self.arena is None else self.arena.alignment
+        plan = ownership.plan_ownership(value, copy_all=self.arena is not None, align=align)
+        for t in plan.views.values():
+            if self.arena is not None and t.device != self.arena.device:
+                raise ValueError(f"tensor on {t.device} cannot enter an arena on {self.arena.device}")
+        return plan
+
+    def _cost(self, plan: OwnershipPlan, held: dict | None = None) -> int:
+        """Bytes ``plan`` adds to the charge when the storages in ``held`` are already counted."""
+        held = self._ledger if held is None else held
+        return plan.copy_bytes + sum(n for k, n in plan.keep.items() if k not in held)
+
+    def _fits(self, plan: OwnershipPlan, *, without_unpinned: bool = False) -> bool:
+        """Whether ``plan`` fits now, or once every unpinned entry is gone."""
+        held, base, gone = self._ledger, self._current, []
+        if without_unpinned:
+            stay = [e for e in self._entries.values() if e.pins > 0]
+            held = {k: n for e in stay for k, n in e.storages.items()}
+            base = sum(held.values()) + sum(e.nbytes for e in stay if e.block)
+            gone = [e.block for e in self._entries.values() if e.pins == 0 and e.block]
+        if base + self._cost(plan, held) > self.budget_bytes:
+            return False
+        return self.arena is None or plan.copy_bytes == 0 or self.arena.can_alloc(plan.copy_bytes, also_free=gone)
+
+    def _materialize(self, plan: OwnershipPlan) -> _Entry:
+        block = self.arena.alloc(plan.copy_bytes) if self.arena is not None and plan.copy_bytes else None
+        value = plan.apply(None if block is None else self.arena.bytes_of(block, plan.copy_bytes))
+        storages = {} if block else {ownership.storage_key(t): t.untyped_storage().nbytes()
+                                     for t in ownership.iter_tensors(value)}
+        for skey, nbytes in storages.items():
+            slot = self._ledger.setdefault(skey, [nbytes, 0])
+            self._current += nbytes if slot[1] == 0 else 0
+            slot[1] += 1
+        self._current += block.size if block else 0
+        return _Entry(value, block.size if block else sum(storages.values()), plan.payload_bytes, storages, block)
+
+    def _drop(self, key: Hashable) -> _Entry:
+        entry = self._entries.pop(key)
+        for skey in entry.storages:
+            slot = self._ledger[skey]
+            slot[1] -= 1
+            if slot[1] == 0:
+                del self._ledger[skey]
+                self._current -= slot[0]
+        if entry.block is not None:
+            self.arena.free(entry.block)
+            self._current -= entry.block.size
+        return entry
+
+    # -- lookup, pins, removal ----------------------------------------------
+    def get(self, key: Hashable, default: Any = None) -> Any:
+        """The value under ``key`` (refreshing its recency), or ``default``."""
+        entry = self._entries.get(key)
+        if entry is None:
+            self._counts["misses"] += 1
+            return default
+        self._counts["hits"] += 1
+        self._entries.move_to_end(key)
+        return entry.value
+
+    def pin(self, key: Hashable) -> None:
+        """Add one in-flight reader of ``key``; a pinned entry is never evicted."""
+        self._entry(key).pins += 1
+
+    def unpin(self, key: Hashable) -> None:
+        """Remove one in-flight reader of ``key``; raises ValueError below zero."""
+        entry = self._entry(key)
+        if entry.pins == 0:
+            raise ValueError(f"unpin({key!r}): the entry has 0 pins")
+        entry.pins -= 1
+
+    @contextlib.contextmanager
+    def pinned(self, key: Hashable) -> Iterator[Any]:
+        """``with cache.pinned(key) as value:`` pins ``key`` for the block (no recency change)."""
+        self.pin(key)
+        try:
+            yield self._entries[key].value
+        finally:
+            self.unpin(key)
+
+    def pins(self, key: Hashable) -> int:
+        """Current pin count of ``key``."""
+        return self._entry(key).pins
+
+    def pop(self, key: Hashable, default: Any = _MISSING) -> Any:
+        """Remove ``key`` and return its value (with an arena: a copy out of it).
+
+        Raises KeyError if absent and no default, ValueError if pinned.
+        """
+        if key not in self._entries:
+            if default is _MISSING:
+                raise KeyError(key)
+            return default
+        entry = self._entries[key]
+        self._check_unpinned([key])
+        value = entry.value
+        if entry.block is not None:  # copy out of the block before it is reused
+            value = ownership.plan_ownership(value, copy_all=True).apply()
+        self._drop(key)
+        return value
+
+    def remove(self, key: Hashable) -> None:
+        """Remove ``key`` (KeyError if absent, ValueError if pinned)."""
+        self._entry(key)
+        self._check_unpinned([key])
+        self._drop(key)
+
+    def clear(self) -> None:
+        """Remove every entry; ValueError (and nothing removed) if any is pinned."""
+        self._check_unpinned(list(self._entries))
+        for key in list(self._entries):
+            self._drop(key)
+
+    def _entry(self, key: Hashable) -> _Entry:
+        try:
+            return self._entries[key]
+        except KeyError:
+            raise KeyError(f"{key!r} is not in the cache") from None
+
+    def _check_unpinned(self, keys: list) -> None:
+        pinned = [k for k in keys if self._entries[k].pins > 0]
+        if pinned:
+            raise ValueError(f"entries {pinned!r} are pinned (in-flight readers); unpin them first")
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> list[Hashable]:
+        """Keys from least to most recently used."""
+        return list(self._entries)
+
+    # -- accounting ---------------------------------------------------------
+    def stats(self) -> CacheStats:
+        """A snapshot of the counters and byte counts."""
+        pinned = sum(1 for e in self._entries.values() if e.pins > 0)
+        return CacheStats(**self._counts, current_bytes=self._current, peak_bytes=self._peak,
+                          budget_bytes=self.budget_bytes, entries=len(self._entries), pinned_entries=pinned)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Payload vs charged storage bytes (the protocol :func:`tpool.memory_report` reads)."""
+        payload = sum(e.payload for e in self._entries.values())
+        return {"entries": len(self._entries), "payload_bytes": payload, "storage_bytes": self._current,
+                "budget_bytes": self.budget_bytes, "peak_bytes": self._peak}
+
+    def check_invariants(self) -> None:
+        """Recount everything held; raise :class:`InvariantViolation` on any mismatch."""
+        held: dict[StorageKey, int] = {}
+        refs: dict[StorageKey, int] = {}
+        in_blocks = 0
+        buf = None if self.arena is None else self.arena.buffer
+        for key, e in self._entries.items():
+            tensors = list(ownership.iter_tensors(e.value))
+            _require(e.pins >= 0, f"{key!r} has {e.pins} pins")
+            if e.block is None:
+                storages = {ownership.storage_key(t): t.untyped_storage().nbytes() for t in tensors}
+                _require(storages == e.storages and e.nbytes == sum(storages.values()),
+                         f"{key!r} holds storages {storages}, recorded {e.storages} ({e.nbytes} B)")
+                held.update(storages)
+                for skey in storages:
+                    refs[skey] = refs.get(skey, 0) + 1
+                continue
+            lo = buf.data_ptr() + e.block.offset
+            _require(self.arena.is_live(e.block) and e.nbytes == e.block.size and all(
+                t.untyped_storage().data_ptr() == buf.data_ptr() and (t.numel() == 0 or  # data_ptr() is 0 then
+                lo <= t.data_ptr() <= t.data_ptr() + ownership.compact_bytes(t) <= lo + e.block.size)
+                for t in tensors), f"{key!r}: its block {e.block} is dead, mis-sized or not where its tensors are")
+            in_blocks += e.nbytes
+        _require(self._ledger == {k: [n, refs[k]] for k, n in held.items()},
+                 f"ledger {self._ledger} != storages held {held} with references {refs}")
+        _require(self._current == sum(held.values()) + in_blocks,
+                 f"current_bytes {self._current} != recounted {sum(held.values()) + in_blocks}")
+        _require(0 <= self._current <= self._peak <= self.budget_bytes,
+                 f"not 0 <= current {self._current} <= peak {self._peak} <= budget {self.budget_bytes}")
+        _require(min(self._counts.values()) >= 0, f"negative counter in {self._counts}")
+
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        raise InvariantViolation(f"OwnedCache invariant broken: {what}")
