@@ -113,3 +113,38 @@ class TritonBackend:
 
 def make_backend(name: str, st: PoolState):
     return {"reference": ReferenceBackend, "numba": NumbaBackend, "triton": TritonBackend}[name](st)
+
+
+class ReferenceTableBackend:
+    name = "reference"
+
+    def __init__(self, st: PoolState, ts):
+        from tpool import reference_table
+        self.st, self.ts, self._ops = st, ts, reference_table
+
+    def extend(self, req_ids, num_tokens, slots, ok):
+        self._ops.extend(self.st, self.ts, req_ids, num_tokens, slots, ok)
+
+    def release(self, req_ids, cache):
+        self._ops.release(self.st, self.ts, req_ids, cache)
+
+    def truncate(self, req_ids, new_lens):
+        self._ops.truncate(self.st, self.ts, req_ids, new_lens)
+
+    def fork(self, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
+        self._ops.fork(self.st, self.ts, src_ids, dst_ids, lens, ok, cow_src, cow_dst)
+
+    def csr(self, req_ids, indptr, indices, last_page_len):
+        self._ops.csr(self.st, self.ts, req_ids, indptr, indices, last_page_len)
+
+    def rows(self, req_ids, out):
+        self._ops.rows(self.ts, req_ids, out)
+
+
+TABLE_BACKENDS = {"reference": ReferenceTableBackend}
+
+
+def make_table_backend(name: str, st: PoolState, ts):
+    if name not in TABLE_BACKENDS:
+        raise NotImplementedError(f"page tables are not implemented yet on the {name!r} backend")
+    return TABLE_BACKENDS[name](st, ts)

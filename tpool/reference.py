@@ -129,8 +129,13 @@ def alloc(st, counts, out_pages, out_indptr, out_ok, out_evicted, evict: bool) -
 
 def free(st, pages, cache: bool) -> None:
     """Drop one reference per entry; pages reaching 0 go FREE (or CACHED with ``cache``)."""
+    st.counters[L.CLOCK] += 1
+    free_pages(st, pages, cache)
+
+
+def free_pages(st, pages, cache: bool) -> None:
+    """``free`` without the clock tick (page tables call it inside their own step)."""
     c = st.counters
-    c[L.CLOCK] += 1
     idx, first, k, invalid = _lanes(st, pages)
     c[L.ERR_INVALID_PAGE] += invalid.sum()
     used = first & (st.page_state[idx] == L.USED)
@@ -151,8 +156,13 @@ def free(st, pages, cache: bool) -> None:
 
 def incref(st, pages) -> None:
     """Add one reference per entry; a CACHED page is revived, a FREE page is an error."""
+    st.counters[L.CLOCK] += 1
+    incref_pages(st, pages)
+
+
+def incref_pages(st, pages) -> None:
+    """``incref`` without the clock tick."""
     c = st.counters
-    c[L.CLOCK] += 1
     idx, first, k, invalid = _lanes(st, pages)
     c[L.ERR_INVALID_PAGE] += invalid.sum()
     state = st.page_state[idx]

@@ -1,0 +1,179 @@
+"""A pure-Python model of PageTable on top of PoolModel, from the documented rules only."""
+
+from model import USED, PoolModel
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+class TableModel:
+    def __init__(self, pool: PoolModel, R, MP, ps):
+        self.pool, self.R, self.MP, self.ps = pool, R, MP, ps
+        self.rows = [[] for _ in range(R)]
+        self.lens = [0] * R
+
+    def _lanes(self, ids, dedupe=True):
+        """(lane, request or None) with bad ids counted; None = padding or bad."""
+        seen, out = set(), []
+        for r in ids:
+            if r == -1:
+                out.append(None)
+            elif not (0 <= r < self.R) or (dedupe and r in seen):
+                self.pool.errors["bad_request"] = self.pool.errors.get("bad_request", 0) + 1
+                out.append(None)
+            else:
+                seen.add(r)
+                out.append(r)
+        return out
+
+    def _err(self, kind):
+        self.pool.errors[kind] = self.pool.errors.get(kind, 0) + 1
+
+    def _pop(self, n):
+        pages = [self.pool.stack.pop() for _ in range(n)]
+        for p in pages:
+            self.pool.rc[p], self.pool.state[p] = 1, USED
+        self.pool.allocated += n
+        return pages
+
+    def extend(self, ids, ntok, max_tokens):
+        P = self.pool
+        P.clock += 1
+        lanes = self._lanes(ids)
+        ok, slots, csum, tok_end, free = [], [], 0, 0, len(P.stack)
+        plan = []
+        for r, n in zip(lanes, ntok):
+            tok_end += max(n, 0)
+            good = r is not None
+            if good and n < 0:
+                self._err("bad_count")
+                good = False
+            if good and cdiv(self.lens[r] + n, self.ps) > self.MP:
+                self._err("table_overflow")
+                good = False
+            need = cdiv(self.lens[r] + n, self.ps) - cdiv(self.lens[r], self.ps) if good else 0
+            csum += need
+            fits = good and csum <= free
+            granted = fits and tok_end <= max_tokens
+            if fits and not granted:
+                self._err("out_overflow")
+            if ids[len(ok)] != -1 and not granted:
+                P.failed += 1
+            ok.append(granted)
+            plan.append((r, max(n, 0), need, granted))
+        for r, n, need, granted in plan:
+            if granted:
+                self.rows[r] += self._pop(need)
+                L = self.lens[r]
+                slots += [self.rows[r][(L + t) // self.ps] * self.ps + (L + t) % self.ps for t in range(n)]
+                self.lens[r] = L + n
+            else:
+                slots += [-1] * n
+        P._peaks()
+        slots = (slots + [-1] * max_tokens)[:max_tokens]
+        return slots, ok
+
+    def _free_flat(self, flat, cache):
+        clock = self.pool.clock
+        self.pool.clock -= 1          # free() ticks; the table call already did
+        self.pool.free(flat, cache)
+        assert self.pool.clock == clock
+
+    def release(self, ids, cache=False):
+        self.pool.clock += 1
+        flat = []
+        for r in self._lanes(ids):
+            if r is not None:
+                flat += self.rows[r]
+                self.rows[r], self.lens[r] = [], 0
+        self._free_flat(flat, cache)
+
+    def truncate(self, ids, new_lens):
+        self.pool.clock += 1
+        flat = []
+        for r, n in zip(self._lanes(ids), new_lens):
+            if r is None:
+                continue
+            if n < 0 or n > self.lens[r]:
+                self._err("bad_length")
+                continue
+            keep = cdiv(n, self.ps)
+            flat += self.rows[r][keep:]
+            self.rows[r], self.lens[r] = self.rows[r][:keep], n
+        self._free_flat(flat, False)
+
+    def fork(self, src, dst, lens):
+        P = self.pool
+        P.clock += 1
+        dl = self._lanes(dst)
+        lanes, csum, free = [], 0, len(P.stack)
+        start_lens = list(self.lens)
+        for i, (s, d, n) in enumerate(zip(src, dst, lens)):
+            if d == -1:
+                lanes.append(None)
+                continue
+            if dl[i] is None or not (0 <= s < self.R) or s == d or start_lens[d] != 0:
+                if dl[i] is not None:  # bad ids were counted by _lanes already
+                    self._err("bad_request")
+                P.failed += 1
+                lanes.append(None)
+                continue
+            if n < 0 or n > start_lens[s]:
+                self._err("bad_length")
+                P.failed += 1
+                lanes.append(None)
+                continue
+            part = n % self.ps != 0
+            csum += part
+            if csum > free:
+                P.failed += 1
+                lanes.append(None)
+                continue
+            lanes.append((s, d, n, part))
+        src_rows = [list(row) for row in self.rows]
+        shared = []
+        for lane in lanes:
+            if lane:
+                s, d, n, part = lane
+                shared += src_rows[s][:n // self.ps]
+        clock = P.clock
+        P.clock -= 1
+        P.incref(shared)
+        assert P.clock == clock
+        ok, cow_src, cow_dst = [], [], []
+        for lane in lanes:
+            if not lane:
+                ok.append(False), cow_src.append(-1), cow_dst.append(-1)
+                continue
+            s, d, n, part = lane
+            row = src_rows[s][:n // self.ps]
+            if part:
+                new = self._pop(1)[0]
+                cow_src.append(src_rows[s][n // self.ps]), cow_dst.append(new)
+                row = row + [new]
+            else:
+                cow_src.append(-1), cow_dst.append(-1)
+            self.rows[d], self.lens[d] = row, n
+            ok.append(True)
+        P._peaks()
+        return ok, cow_src, cow_dst
+
+    def csr(self, ids):
+        indptr, indices, last = [0], [], []
+        for r in ids:
+            good = 0 <= r < self.R
+            if r != -1 and not good:
+                self._err("bad_request")
+            L = self.lens[r] if good else 0
+            n = cdiv(L, self.ps)
+            indices += self.rows[r] if good else []
+            indptr.append(indptr[-1] + n)
+            last.append(L - (n - 1) * self.ps)
+        return indptr, indices, last
+
+    def assert_matches(self, table):
+        assert table.seq_lens.tolist() == self.lens
+        expect = [row + [-1] * (self.MP - len(row)) for row in self.rows]
+        assert table.block_table.tolist() == expect
+        self.pool.assert_matches(table.pool)

@@ -1,0 +1,205 @@
+"""PageTable on every CPU backend: hand-worked cases, layouts, and random workloads vs the model."""
+
+import random
+
+import pytest
+import torch
+
+import tpool
+from conftest import CPU_BACKENDS, i32
+from model import PoolModel
+from table_model import TableModel
+from tpool.backends import TABLE_BACKENDS
+
+BACKENDS = [b for b in CPU_BACKENDS if b in TABLE_BACKENDS]
+
+
+@pytest.fixture(params=BACKENDS)
+def make_table(request):
+    def make(num_pages, page_size, R, MP):
+        pool = tpool.PagePool(num_pages, page_size, device="cpu", backend=request.param)
+        return tpool.PageTable(pool, R, MP)
+    return make
+
+
+def test_prefill_then_decode_slots(make_table, guard):
+    table = make_table(16, 4, 3, 4)
+    with guard():
+        r = table.extend(i32([0, 1]), i32([6, 1]), max_tokens=8)
+    assert r.slots.tolist() == [0, 1, 2, 3, 4, 5, 8, -1]
+    assert r.ok.tolist() == [True, True]
+    with guard():
+        d = table.extend(i32([0, 1, -1]), i32([1, 1, 0]))
+    assert d.slots.tolist() == [6, 9, -1] and d.ok.tolist() == [True, True, False]
+    assert table.block_table.tolist() == [[0, 1, -1, -1], [2, -1, -1, -1], [-1] * 4]
+    assert table.seq_lens.tolist() == [7, 2, 0]
+    table.pool.check()
+    table.check_invariants()
+
+
+def test_extend_crossing_a_boundary_allocates_in_the_same_call(make_table, guard):
+    table = make_table(8, 2, 2, 4)
+    with guard():
+        table.extend(i32([0]), i32([2]), max_tokens=2)   # exactly one full page
+        r = table.extend(i32([0]), i32([1]))      # crosses into a second page
+    assert r.slots.tolist() == [2] and table.block_table[0].tolist() == [0, 1, -1, -1]
+
+
+def test_extend_fcfs_failure_leaves_request_unchanged(make_table, guard):
+    table = make_table(4, 2, 3, 8)
+    with guard():
+        r = table.extend(i32([0, 1, 2]), i32([4, 6, 1]), max_tokens=11)
+    # 0 needs 2 pages, 1 needs 3 (5 > 4: fails), 2 needs 1 but comes after a failure.
+    assert r.ok.tolist() == [True, False, False]
+    assert r.slots.tolist() == [0, 1, 2, 3] + [-1] * 7
+    assert table.seq_lens.tolist() == [4, 0, 0] and table.pool.available() == 2
+    assert table.pool.stats()["requests.failed"] == 2
+    table.check_invariants()
+
+
+def test_misuse_is_counted_and_skipped(make_table, guard):
+    table = make_table(8, 2, 2, 2)
+    with guard():
+        r = table.extend(i32([0, 0, 5, 1]), i32([1, 1, 1, 5]), max_tokens=8)
+    # lane 1 repeats request 0, lane 2 is out of range, lane 3 needs 3 pages > 2.
+    assert r.ok.tolist() == [True, False, False, False]
+    s = table.pool.stats()
+    assert (s["errors.bad_request"], s["errors.table_overflow"]) == (2, 1)
+    with guard():
+        table.truncate(i32([0]), i32([5]))        # longer than the request
+    assert table.pool.stats()["errors.bad_length"] == 1
+    with pytest.raises(tpool.InvalidRequest) as e:
+        table.pool.check()
+    assert e.value.counts == {"bad_request": 2, "table_overflow": 1, "bad_length": 1}
+    table.check_invariants()
+
+
+def test_release_keeps_shared_pages_alive(make_table, guard):
+    table = make_table(16, 4, 3, 4)
+    with guard():
+        table.extend(i32([0]), i32([8]), max_tokens=8)   # pages 0, 1
+        f = table.fork(i32([0]), i32([1]), i32([8]))     # whole pages shared
+        table.release(i32([0]))
+    assert f.ok.tolist() == [True] and f.cow_src.tolist() == [-1]
+    assert table.block_table[1].tolist()[:2] == [0, 1] and table.pool.available() == 14
+    with guard():
+        table.release(i32([1]))
+    assert table.pool.available() == 16
+    table.check_invariants()
+
+
+def test_fork_inside_a_page_returns_the_copy_pair(make_table, guard):
+    table = make_table(16, 4, 3, 4)
+    with guard():
+        table.extend(i32([0]), i32([7]), max_tokens=7)   # pages 0, 1
+        f = table.fork(i32([0, 0]), i32([1, 2]), i32([5, 4]))
+    assert f.ok.tolist() == [True, True]
+    assert f.cow_src.tolist() == [1, -1] and f.cow_dst.tolist() == [2, -1]
+    assert table.block_table.tolist()[1][:2] == [0, 2] and table.block_table.tolist()[2][:1] == [0]
+    assert table.seq_lens.tolist() == [7, 5, 4]
+    assert table.pool.state.refcount[:3].tolist() == [3, 1, 1]
+    table.check_invariants()
+
+
+def test_truncate_frees_pages_past_the_new_length(make_table, guard):
+    table = make_table(8, 2, 1, 4)
+    with guard():
+        table.extend(i32([0]), i32([7]), max_tokens=7)   # pages 0..3
+        table.truncate(i32([0]), i32([3]))
+    assert table.block_table[0].tolist() == [0, 1, -1, -1] and table.seq_lens.tolist() == [3]
+    assert table.pool.available() == 6
+    with guard():
+        r = table.extend(i32([0]), i32([1]))
+    assert r.slots.tolist() == [3]                       # continues inside page 1
+    table.check_invariants()
+
+
+def test_release_with_cache_keeps_pages_cached(make_table, guard):
+    table = make_table(8, 2, 2, 4)
+    with guard():
+        table.extend(i32([0]), i32([4]), max_tokens=4)
+        table.release(i32([0]), cache=True)
+    s = table.pool.stats()
+    assert s["pages.cached.current"] == 2 and table.pool.available() == 6
+    table.check_invariants()
+
+
+def test_flashinfer_csr_matches_hand_built(make_table, guard):
+    table = make_table(32, 4, 4, 4)
+    with guard():
+        table.extend(i32([0, 1, 2]), i32([5, 4, 9]), max_tokens=18)
+        csr = table.flashinfer_csr(i32([2, -1, 0, 3, 1]))
+    bt, lens = table.block_table.tolist(), table.seq_lens.tolist()
+    indptr, indices, last = [0], [], []
+    for r in [2, -1, 0, 3, 1]:                           # built by hand on the host
+        n = (lens[r] + 3) // 4 if r >= 0 else 0
+        indices += bt[r][:n]
+        indptr.append(indptr[-1] + n)
+        last.append(lens[r] - (n - 1) * 4 if n else 4)
+    assert csr.indptr.tolist() == indptr == [0, 3, 3, 5, 5, 6]
+    assert csr.indices.tolist()[:indptr[-1]] == indices
+    assert csr.indices.tolist()[indptr[-1]:] == [-1] * (20 - indptr[-1])
+    assert csr.last_page_len.tolist() == last == [1, 4, 1, 4, 4]
+    with guard():
+        rows = table.block_table_rows(i32([1, -1]))
+    assert rows.tolist() == [bt[1], [-1] * 4]
+
+
+def test_outputs_are_table_owned_and_reused(make_table, guard):
+    table = make_table(16, 4, 2, 4)
+    with guard():
+        a = table.extend(i32([0, 1]), i32([1, 1]))
+        b = table.extend(i32([0, 1]), i32([1, 1]))
+    assert a.slots is b.slots and b.slots.tolist() == [1, 5]
+
+
+def test_bad_inputs(make_table):
+    table = make_table(8, 2, 2, 2)
+    with pytest.raises(ValueError, match="num_tokens: expected 2 entries"):
+        table.extend(i32([0, 1]), i32([1]))
+    with pytest.raises(ValueError, match="req_ids: expected dtype torch.int32, got torch.int64"):
+        table.release(torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="req_ids: expected at most 4096 entries, got 4097"):
+        table.truncate(torch.zeros(4097, dtype=torch.int32), torch.zeros(4097, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("ps", [1, 3, 16])
+def test_random_workload_matches_model(make_table, guard, ps, seed):
+    rng = random.Random(seed + ps)
+    P, R, MP = 40, 6, 5
+    table = make_table(P, ps, R, MP)
+    model = TableModel(PoolModel(P), R, MP, ps)
+    for _ in range(50):
+        op = rng.choice(["extend", "extend", "decode", "release", "truncate", "fork", "csr"])
+        ids = rng.sample(range(-1, R + 1), rng.randint(1, 4))
+        if op in ("extend", "decode"):
+            ntok = [1] * len(ids) if op == "decode" else [rng.randint(-1, 2 * ps + 1) for _ in ids]
+            cap = sum(max(n, 0) for n in ntok) + rng.randint(-1, 2)
+            cap = max(cap, 0)
+            with guard():
+                r = table.extend(i32(ids), i32(ntok), max_tokens=cap)
+            assert (r.slots.tolist(), r.ok.tolist()) == model.extend(ids, ntok, cap)
+        elif op == "release":
+            cache = rng.random() < 0.5
+            with guard():
+                table.release(i32(ids), cache=cache)
+            model.release(ids, cache)
+        elif op == "truncate":
+            lens = [max(0, model.lens[r] - rng.randint(-1, 2 * ps)) if 0 <= r < R else 0 for r in ids]
+            with guard():
+                table.truncate(i32(ids), i32(lens))
+            model.truncate(ids, lens)
+        elif op == "fork":
+            src = [rng.randrange(R) for _ in ids]
+            lens = [rng.randint(0, model.lens[s] + 1) for s in src]
+            with guard():
+                f = table.fork(i32(src), i32(ids), i32(lens))
+            assert (f.ok.tolist(), f.cow_src.tolist(), f.cow_dst.tolist()) == model.fork(src, ids, lens)
+        else:
+            with guard():
+                c = table.flashinfer_csr(i32(ids))
+            indptr, indices, last = model.csr(ids)
+            assert c.indptr.tolist() == indptr and c.last_page_len.tolist() == last
+            assert c.indices.tolist()[:indptr[-1]] == indices
+        model.assert_matches(table)
+        table.check_invariants()

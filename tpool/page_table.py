@@ -1,0 +1,247 @@
+"""PageTable: per-request page maps on the pool's device, updated without host syncs.
+
+Note: the table holds one pool reference per entry of ``block_table``.
+``block_table[r, :ceil(seq_lens[r] / page_size)]`` are request ``r``'s pages
+in token order and every entry past that is -1. Slot of token ``t`` of
+request ``r``: ``block_table[r, t // page_size] * page_size + t % page_size``.
+Hot-path calls take ``req_ids`` int32 ``[B]`` with -1 as padding, so a
+captured graph can run a partly empty batch. Outputs live in buffers owned
+by the table, one set per call shape, reused by the next call of the same
+shape (what a CUDA graph needs); clone a result to keep it. Misuse is
+counted in the pool's error counters and raised by ``pool.check()``. The
+exact rules are in :mod:`tpool.reference_table`.
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from tpool import _checks
+from tpool.backends import make_table_backend
+from tpool.errors import InvariantViolation
+from tpool.kernels import layout as L
+from tpool.state import INT32_MAX
+
+
+@dataclass(frozen=True)
+class TableState:
+    """Tensors of one table, on the pool's device."""
+
+    max_requests: int
+    max_pages: int
+    page_size: int
+    block_table: torch.Tensor  # int32 [max_requests, max_pages], -1 past each length
+    seq_lens: torch.Tensor     # int32 [max_requests], tokens per request
+    claim: torch.Tensor        # int32 [max_requests] scratch, INT32_MAX between calls
+
+
+class ExtendResult(NamedTuple):
+    """slots : int32 ``[max_tokens]``: slot of every new token in lane order, -1 for padding,
+    failures and unused capacity (vLLM's ``slot_mapping``). ok : bool ``[B]``."""
+
+    slots: torch.Tensor
+    ok: torch.Tensor
+
+
+class ForkResult(NamedTuple):
+    """ok : bool ``[B]``; cow_src, cow_dst : int32 ``[B]``: for a fork that ends inside a
+    page, copy the KV of page ``cow_src[i]`` into the fresh page ``cow_dst[i]`` (-1 otherwise)."""
+
+    ok: torch.Tensor
+    cow_src: torch.Tensor
+    cow_dst: torch.Tensor
+
+
+class PagedKVCSR(NamedTuple):
+    """FlashInfer's paged-KV layout for a batch: ``indptr`` int32 ``[B+1]``, ``indices`` int32
+    ``[capacity]`` (pages in request order, -1 past ``indptr[B]``), ``last_page_len`` int32 ``[B]``."""
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    last_page_len: torch.Tensor
+
+
+class PageTable:
+    """Page maps for up to ``max_requests`` requests of ``max_pages_per_request`` pages each.
+
+    Parameters
+    ----------
+    pool : PagePool
+        Where pages come from; the table uses the pool's device and backend.
+    max_requests : int
+        Rows of ``block_table``; request ids are ``0 .. max_requests - 1``.
+    max_pages_per_request : int
+        Columns of ``block_table``.
+
+    Example
+    -------
+    >>> pool = PagePool(16, page_size=4, device="cpu", backend="reference")
+    >>> table = PageTable(pool, max_requests=2, max_pages_per_request=4)
+    >>> r = table.extend(i32([0, 1]), i32([6, 1]), max_tokens=8)   # two prefills
+    >>> r.slots.tolist(), r.ok.tolist()        # request 0: pages 0, 1; request 1: page 2
+    ([0, 1, 2, 3, 4, 5, 8, -1], [True, True])
+    >>> table.extend(i32([0, 1]), i32([1, 1])).slots.tolist()    # a decode step
+    [6, 9]
+    """
+
+    def __init__(self, pool, max_requests: int, max_pages_per_request: int):
+        for name, v in (("max_requests", max_requests), ("max_pages_per_request", max_pages_per_request)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        self.pool, self.device = pool, pool.device
+        self.max_requests, self.max_pages, self.page_size = max_requests, max_pages_per_request, pool.page_size
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self.state = TableState(
+            max_requests=max_requests, max_pages=max_pages_per_request, page_size=pool.page_size,
+            block_table=torch.full((max_requests, max_pages_per_request), L.NULL_PAGE, **i32),
+            seq_lens=torch.zeros(max_requests, **i32),
+            claim=torch.full((max_requests,), INT32_MAX, **i32),
+        )
+        self.block_table, self.seq_lens = self.state.block_table, self.state.seq_lens
+        self._impl = make_table_backend(pool.backend, pool.state, self.state)
+        self._bufs = {}
+
+    def __repr__(self):
+        return (f"PageTable(max_requests={self.max_requests}, max_pages_per_request={self.max_pages}, "
+                f"page_size={self.page_size}, pool={self.pool!r})")
+
+    def _ids(self, t, name="req_ids"):
+        return _checks.check_vector(t, name, torch.int32, self.device, self.pool.max_batch)
+
+    def _lane_vector(self, t, name, b):
+        n = _checks.check_vector(t, name, torch.int32, self.device, self.pool.max_batch)
+        if n != b:
+            raise ValueError(f"{name}: expected {b} entries (one per request id), got {n}")
+
+    def _buffers(self, key, make):
+        bufs = self._bufs.get(key)
+        if bufs is None:
+            bufs = self._bufs[key] = make()
+        return bufs
+
+    # ------------------------------------------------------------ hot path
+    def extend(self, req_ids: torch.Tensor, num_tokens: torch.Tensor, *, max_tokens: int | None = None) -> ExtendResult:
+        """Append ``num_tokens[i]`` tokens to request ``req_ids[i]``; allocate pages as needed.
+
+        A request that crosses page boundaries takes its new pages from the pool
+        in the same pass, first come first served over the lanes; one that cannot
+        get them (or would exceed ``max_pages_per_request``) is left unchanged and
+        reported in ``ok``.
+
+        Parameters
+        ----------
+        req_ids : torch.Tensor  shape ``[B]``, int32, on the table's device; -1 = padding.
+        num_tokens : torch.Tensor  shape ``[B]``, int32, on the table's device.
+        max_tokens : int, optional
+            Length of ``slots`` (the batch's token budget, known to the scheduler);
+            default ``B`` (one token per request: a decode step).
+
+        Returns
+        -------
+        ExtendResult ``(slots, ok)`` in table-owned buffers (overwritten by the next
+        call of the same shape).
+        """
+        b = self._ids(req_ids)
+        self._lane_vector(num_tokens, "num_tokens", b)
+        t = b if max_tokens is None else max_tokens
+        res = self._buffers(("extend", b, t), lambda: ExtendResult(
+            torch.full((t,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
+            torch.zeros(b, dtype=torch.bool, device=self.device)))
+        self._impl.extend(req_ids, num_tokens, res.slots, res.ok)
+        return res
+
+    def release(self, req_ids: torch.Tensor, *, cache: bool = False) -> None:
+        """Drop every page reference of these requests and reset their rows.
+
+        Pages shared with other requests survive while others hold them; with
+        ``cache=True`` pages whose last reference goes become CACHED (a prefix cache
+        keeps them), else FREE.
+
+        req_ids : torch.Tensor  shape ``[B]``, int32, on the table's device; -1 = padding.
+        """
+        self._ids(req_ids)
+        self._impl.release(req_ids, cache)
+
+    def truncate(self, req_ids: torch.Tensor, new_lens: torch.Tensor) -> None:
+        """Roll requests back to ``new_lens[i]`` tokens (rejected speculative tokens).
+
+        Pages past the new length are freed. A new length above the current one
+        (or below 0) is a ``bad_length`` error and leaves that request unchanged.
+
+        req_ids, new_lens : torch.Tensor  shape ``[B]``, int32, on the table's device.
+        """
+        b = self._ids(req_ids)
+        self._lane_vector(new_lens, "new_lens", b)
+        self._impl.truncate(req_ids, new_lens)
+
+    def fork(self, src_ids: torch.Tensor, dst_ids: torch.Tensor, lens: torch.Tensor) -> ForkResult:
+        """Let empty request ``dst_ids[i]`` share the first ``lens[i]`` tokens of ``src_ids[i]``.
+
+        Whole pages are shared (reference counts go up). If ``lens[i]`` ends inside a
+        page, ``dst`` gets a fresh page for it and the pair is returned so the caller
+        copies the KV data (copy-on-write). Padding: ``dst_ids[i] == -1``.
+
+        src_ids, dst_ids, lens : torch.Tensor  shape ``[B]``, int32, on the table's device.
+        """
+        b = self._ids(dst_ids, "dst_ids")
+        self._lane_vector(src_ids, "src_ids", b)
+        self._lane_vector(lens, "lens", b)
+        res = self._buffers(("fork", b), lambda: ForkResult(
+            torch.zeros(b, dtype=torch.bool, device=self.device),
+            torch.full((b,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
+            torch.full((b,), L.NULL_PAGE, dtype=torch.int32, device=self.device)))
+        self._impl.fork(src_ids, dst_ids, lens, res.ok, res.cow_src, res.cow_dst)
+        return res
+
+    # -------------------------------------------------------------- layouts
+    def flashinfer_csr(self, req_ids: torch.Tensor, *, capacity: int | None = None) -> PagedKVCSR:
+        """FlashInfer's paged-KV CSR for the batch ``req_ids`` (see the README's layouts).
+
+        ``indptr[i+1] - indptr[i] = ceil(seq_len / page_size)``;
+        ``last_page_len = seq_len - (num_pages - 1) * page_size``, in ``[1, page_size]``;
+        an empty or padding request has no pages and ``last_page_len = page_size``, so
+        ``(num_pages - 1) * page_size + last_page_len = 0`` still gives its length.
+        ``capacity`` (default ``B * max_pages_per_request``, always enough) sizes ``indices``.
+        """
+        b = self._ids(req_ids)
+        cap = b * self.max_pages if capacity is None else capacity
+        res = self._buffers(("csr", b, cap), lambda: PagedKVCSR(
+            torch.zeros(b + 1, dtype=torch.int32, device=self.device),
+            torch.full((cap,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
+            torch.zeros(b, dtype=torch.int32, device=self.device)))
+        self._impl.csr(req_ids, res.indptr, res.indices, res.last_page_len)
+        return res
+
+    def block_table_rows(self, req_ids: torch.Tensor) -> torch.Tensor:
+        """vLLM-style block table for the batch: int32 ``[B, max_pages_per_request]``, -1 padded."""
+        b = self._ids(req_ids)
+        out = self._buffers(("rows", b), lambda: torch.full(
+            (b, self.max_pages), L.NULL_PAGE, dtype=torch.int32, device=self.device))
+        self._impl.rows(req_ids, out)
+        return out
+
+    # ---------------------------------------------------------- sync points
+    def check_invariants(self, *, exclusive: bool = True) -> None:
+        """Verify the table against the pool (a sync point, for tests and debugging).
+
+        Entries past each length are -1, entries before it are USED pages, and each
+        page's reference count is at least (``exclusive``: exactly) the number of
+        table entries naming it.
+        """
+        self.pool.check_invariants()
+        bt, lens = self.block_table.cpu().long(), self.seq_lens.cpu().long()
+        npages = (lens + self.page_size - 1) // self.page_size
+        col = torch.arange(self.max_pages)
+        inside = col[None, :] < npages[:, None]
+        if not bool((lens >= 0).all()) or not bool((npages <= self.max_pages).all()):
+            raise InvariantViolation("invariant broken: seq_lens within [0, max_pages * page_size]")
+        if not bool((bt[~inside] == L.NULL_PAGE).all()):
+            raise InvariantViolation("invariant broken: entries past a request's length are -1")
+        pages = bt[inside]
+        if not bool(((pages >= 0) & (pages < self.pool.num_pages)).all()):
+            raise InvariantViolation("invariant broken: entries within a request's length are page ids")
+        held = torch.zeros(self.pool.num_pages, dtype=torch.long).scatter_add_(0, pages, torch.ones_like(pages))
+        rc = self.pool.state.refcount.cpu().long()
+        if not bool((rc >= held).all() if not exclusive else (rc == held).all()):
+            raise InvariantViolation("invariant broken: reference counts match table entries")

@@ -1,0 +1,208 @@
+"""Reference page-table operations in plain torch ops: the oracle for the table kernels.
+
+Note: one call is one step of the device clock, whatever pool work it does
+inside. Request ids are rows of ``block_table``; ``-1`` is padding (nothing
+happens, ``ok`` is False, no error). An id outside ``[0, R)`` or named twice
+in one call (after its first occurrence) is a ``bad_request`` and skipped.
+Every state read happens before any write, so a call behaves as if all its
+lanes saw the table as it was when the call began.
+
+* ``extend``: lane ``i`` appends ``n_i`` tokens; it needs
+  ``ceil((L+n)/ps) - ceil(L/ps)`` new pages, granted first come first served
+  over the lanes (as ``PagePool.alloc``), popped from the free stack in lane
+  order. Tokens are laid out in lane order, ``n_i`` slots per lane including
+  padding and failed lanes (their slots are -1); a lane whose tokens do not
+  fit the slot buffer fails with ``out_overflow``.
+* ``release`` / ``truncate``: the pages past the new length (all of them for
+  release) are freed as ONE ``free`` over the lanes' pages, lane by lane, in
+  table order; their entries become -1.
+* ``fork``: ``dst`` (empty at call start) takes the first ``lens`` tokens of
+  ``src``: whole pages are shared (one reference each), a partial last page
+  gets a fresh page (popped in lane order, first come first served) whose
+  pair ``(src page, dst page)`` is returned for the KV copy.
+"""
+
+import torch
+
+from tpool.kernels import layout as L
+from tpool.reference import _put, _update_peaks, free_pages, incref_pages
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _requests(ts, ids, dedupe=True):
+    """Per lane: clamped row, valid flag, padding flag, bad flag (counted as bad_request)."""
+    R, B = ts.max_requests, ids.numel()
+    r = ids.long()
+    pad = r == L.NULL_PAGE
+    inr = (r >= 0) & (r < R)
+    idx = torch.where(inr, r, R)
+    valid = inr
+    if dedupe:
+        lane = torch.arange(B, device=r.device)
+        first = torch.full((R + 1,), B, dtype=torch.int64, device=r.device).scatter_reduce_(0, idx, lane, "amin")
+        valid = inr & (first[idx] == lane)
+    return idx.clamp(max=R - 1), valid, pad, ~pad & ~valid
+
+
+def _pop(st, offsets, mask):
+    """Pages at stack offsets ``offsets`` from the top (masked), marked USED with one reference."""
+    pos = (st.counters[L.FREE_COUNT] - 1 - offsets).clamp(min=0)
+    pages = torch.where(mask, st.free_stack[pos].long(), L.NULL_PAGE)
+    idx = pages.clamp(min=0)
+    _put(st.refcount, idx, 1, mask)
+    _put(st.page_state, idx, L.USED, mask)
+    return pages
+
+
+def _take(st, n):
+    c = st.counters
+    c[L.FREE_COUNT] -= n
+    c[L.ALLOCATED] += n
+    _update_peaks(st)
+
+
+def extend(st, ts, req_ids, num_tokens, slots, ok):
+    c, R, MP, ps = st.counters, ts.max_requests, ts.max_pages, ts.page_size
+    c[L.CLOCK] += 1
+    B, T, dev = req_ids.numel(), slots.numel(), slots.device
+    if B == 0:
+        slots.fill_(L.NULL_PAGE)
+        return
+    rr, valid, pad, bad = _requests(ts, req_ids)
+    c[L.ERR_BAD_REQUEST] += bad.sum()
+    n = num_tokens.long()
+    neg = valid & (n < 0)
+    c[L.ERR_BAD_COUNT] += neg.sum()
+    n = n.clamp(min=0)
+    Ln = ts.seq_lens[rr].long()
+    have, want = _cdiv(Ln, ps), _cdiv(Ln + n, ps)
+    over = valid & ~neg & (want > MP)
+    c[L.ERR_TABLE_OVERFLOW] += over.sum()
+    cand = valid & ~neg & ~over
+    need = torch.where(cand, want - have, 0)
+    csum = torch.cumsum(need, 0)
+    tok_end = torch.cumsum(n, 0)
+    fits = cand & (csum <= c[L.FREE_COUNT])
+    okv = fits & (tok_end <= T)
+    c[L.ERR_OUT_OVERFLOW] += (fits & ~okv).sum()
+    c[L.FAILED_REQUESTS] += (~pad & ~okv).sum()
+    # New pages, lane by lane: [B, MP] grid, lane i takes k < need_i.
+    k = torch.arange(MP, device=dev)
+    take = okv[:, None] & (k < need[:, None])
+    pages = _pop(st, (csum - need)[:, None] + k, take)
+    cell = rr[:, None] * MP + (have[:, None] + k).clamp(max=MP - 1)
+    _put(ts.block_table.view(-1), cell.flatten(), pages.flatten(), take.flatten())
+    _take(st, torch.where(okv, need, 0).sum())
+    # Slots: token u belongs to the lane whose token range holds it.
+    u = torch.arange(T, device=dev)
+    lane = torch.searchsorted(tok_end, u, right=True).clamp(max=B - 1)
+    t = u - (tok_end - n)[lane]
+    s_ok = (u < tok_end[-1]) & okv[lane]
+    pos = Ln[lane] + t
+    page = ts.block_table[rr[lane], (pos // ps).clamp(max=MP - 1)].long()
+    slots.copy_(torch.where(s_ok, page * ps + pos % ps, L.NULL_PAGE))
+    _put(ts.seq_lens, rr, Ln + n, okv)
+    ok.copy_(okv)
+
+
+def _drop_tail(st, ts, rr, act, keep_tokens, cache):
+    """Free the pages of rows ``rr`` past ``keep_tokens`` (lanes in ``act``); reset those entries."""
+    MP, ps = ts.max_pages, ts.page_size
+    rows = ts.block_table[rr].long()
+    have = _cdiv(ts.seq_lens[rr].long(), ps)
+    k = torch.arange(MP, device=rows.device)
+    drop = act[:, None] & (k >= _cdiv(keep_tokens, ps)[:, None]) & (k < have[:, None])
+    free_pages(st, torch.where(drop, rows, L.NULL_PAGE).flatten(), cache)
+    cell = (rr[:, None] * MP + k).flatten()
+    _put(ts.block_table.view(-1), cell, L.NULL_PAGE, drop.flatten())
+    _put(ts.seq_lens, rr, keep_tokens, act)
+    _update_peaks(st)
+
+
+def release(st, ts, req_ids, cache):
+    st.counters[L.CLOCK] += 1
+    if req_ids.numel() == 0:
+        return
+    rr, valid, _, bad = _requests(ts, req_ids)
+    st.counters[L.ERR_BAD_REQUEST] += bad.sum()
+    _drop_tail(st, ts, rr, valid, torch.zeros_like(rr), cache)
+
+
+def truncate(st, ts, req_ids, new_lens):
+    c = st.counters
+    c[L.CLOCK] += 1
+    if req_ids.numel() == 0:
+        return
+    rr, valid, _, bad = _requests(ts, req_ids)
+    c[L.ERR_BAD_REQUEST] += bad.sum()
+    n = new_lens.long()
+    badlen = valid & ((n < 0) | (n > ts.seq_lens[rr]))
+    c[L.ERR_BAD_LENGTH] += badlen.sum()
+    _drop_tail(st, ts, rr, valid & ~badlen, n.clamp(min=0), False)
+
+
+def fork(st, ts, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
+    c, R, MP, ps = st.counters, ts.max_requests, ts.max_pages, ts.page_size
+    c[L.CLOCK] += 1
+    B = dst_ids.numel()
+    if B == 0:
+        return
+    rd, vd, pad, _ = _requests(ts, dst_ids)
+    rs, vs, _, _ = _requests(ts, src_ids, dedupe=False)
+    bad = ~pad & ~(vd & vs & (rs != rd) & (ts.seq_lens[rd] == 0))
+    c[L.ERR_BAD_REQUEST] += bad.sum()
+    n = lens.long()
+    badlen = ~pad & ~bad & ((n < 0) | (n > ts.seq_lens[rs]))
+    c[L.ERR_BAD_LENGTH] += badlen.sum()
+    cand = ~pad & ~bad & ~badlen
+    n = n.clamp(min=0)
+    full, part = n // ps, cand & (n % ps != 0)
+    need = part.long()
+    csum = torch.cumsum(need, 0)
+    okv = cand & (csum <= c[L.FREE_COUNT])
+    c[L.FAILED_REQUESTS] += (~pad & ~okv).sum()
+    src_rows = ts.block_table[rs].long()
+    k = torch.arange(MP, device=src_rows.device)
+    shared = okv[:, None] & (k < full[:, None])
+    incref_pages(st, torch.where(shared, src_rows, L.NULL_PAGE).flatten())
+    copy = okv & part
+    new = _pop(st, csum - need, copy)
+    dst_cells = (rd[:, None] * MP + k).flatten()
+    _put(ts.block_table.view(-1), dst_cells, src_rows.flatten(), shared.flatten())
+    _put(ts.block_table.view(-1), rd * MP + full.clamp(max=MP - 1), new, copy)
+    _take(st, copy.sum())
+    _put(ts.seq_lens, rd, n, okv)
+    ok.copy_(okv)
+    cow_src.copy_(torch.where(copy, src_rows.gather(1, full.clamp(max=MP - 1)[:, None])[:, 0], L.NULL_PAGE))
+    cow_dst.copy_(new)
+
+
+def csr(st, ts, req_ids, indptr, indices, last_page_len):
+    """FlashInfer's paged-KV CSR for a batch (read-only: no clock step)."""
+    c, R, MP, ps = st.counters, ts.max_requests, ts.max_pages, ts.page_size
+    B, cap = req_ids.numel(), indices.numel()
+    indptr.zero_()
+    if B == 0:
+        indices.fill_(L.NULL_PAGE)
+        return
+    rr, valid, pad, bad = _requests(ts, req_ids, dedupe=False)
+    c[L.ERR_BAD_REQUEST] += bad.sum()
+    Ln = torch.where(valid, ts.seq_lens[rr].long(), 0)
+    npages = _cdiv(Ln, ps)
+    end = torch.cumsum(npages, 0)
+    c[L.ERR_OUT_OVERFLOW] += (end[-1] > cap).long()
+    indptr[1:] = end
+    last_page_len.copy_(Ln - (npages - 1) * ps)
+    u = torch.arange(cap, device=indices.device)
+    lane = torch.searchsorted(end, u, right=True).clamp(max=B - 1)
+    col = (u - (end - npages)[lane]).clamp(min=0, max=MP - 1)
+    indices.copy_(torch.where(u < end[-1], ts.block_table[rr[lane], col], L.NULL_PAGE))
+
+
+def rows(ts, req_ids, out):
+    """vLLM-style block-table rows for a batch (``-1`` rows for padding and bad ids)."""
+    rr, valid, _, _ = _requests(ts, req_ids, dedupe=False)
+    out.copy_(torch.where(valid[:, None], ts.block_table[rr], L.NULL_PAGE))
