@@ -148,3 +148,47 @@ def make_table_backend(name: str, st: PoolState, ts):
     if name not in TABLE_BACKENDS:
         raise NotImplementedError(f"page tables are not implemented yet on the {name!r} backend")
     return TABLE_BACKENDS[name](st, ts)
+
+
+class NumbaTableBackend:
+    name = "numba"
+
+    def __init__(self, st: PoolState, ts):
+        from tpool.kernels import csr, extend, fork, release
+        from tpool.kernels._numba_util import numpy_view
+
+        self._extend, self._release, self._truncate = extend.extend_numba, release.release_numba, release.truncate_numba
+        self._fork, self._csr, self._rows = fork.fork_numba, csr.csr_numba, csr.rows_numba
+        self.ps = ts.page_size
+        self._bt, self._lens, self._claim = numpy_view(ts.block_table), numpy_view(ts.seq_lens), numpy_view(ts.claim)
+        v = {name: numpy_view(t) for name, t in st.tensors().items()}
+        self._stack, self._rc, self._state = v["free_stack"], v["refcount"], v["page_state"]
+        self._stamp, self._counters, self._occur = v["stamp"], v["counters"], v["occur"]
+
+    def extend(self, req_ids, num_tokens, slots, ok):
+        self._extend(req_ids.data_ptr(), num_tokens.data_ptr(), req_ids.numel(), slots.data_ptr(), slots.numel(),
+                     ok.data_ptr(), self.ps, self._bt, self._lens, self._claim, self._stack, self._rc,
+                     self._state, self._counters)
+
+    def release(self, req_ids, cache):
+        self._release(req_ids.data_ptr(), req_ids.numel(), cache, self.ps, self._bt, self._lens, self._claim,
+                      self._stack, self._rc, self._state, self._stamp, self._counters, self._occur)
+
+    def truncate(self, req_ids, new_lens):
+        self._truncate(req_ids.data_ptr(), new_lens.data_ptr(), req_ids.numel(), self.ps, self._bt, self._lens,
+                       self._claim, self._stack, self._rc, self._state, self._stamp, self._counters, self._occur)
+
+    def fork(self, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
+        self._fork(src_ids.data_ptr(), dst_ids.data_ptr(), lens.data_ptr(), dst_ids.numel(), ok.data_ptr(),
+                   cow_src.data_ptr(), cow_dst.data_ptr(), self.ps, self._bt, self._lens, self._claim,
+                   self._stack, self._rc, self._state, self._counters)
+
+    def csr(self, req_ids, indptr, indices, last_page_len):
+        self._csr(req_ids.data_ptr(), req_ids.numel(), indptr.data_ptr(), indices.data_ptr(), indices.numel(),
+                  last_page_len.data_ptr(), self.ps, self._bt, self._lens, self._counters)
+
+    def rows(self, req_ids, out):
+        self._rows(req_ids.data_ptr(), req_ids.numel(), out.data_ptr(), self._bt)
+
+
+TABLE_BACKENDS["numba"] = NumbaTableBackend
