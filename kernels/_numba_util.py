@@ -73,3 +73,66 @@ def numpy_view(t):
 
 
 __all__ = ["i32_array", "u8_array", "update_peaks", "count_lanes", "numpy_view", "np"]
+
+
+INT32_MAX = 2**31 - 1
+
+
+@numba.njit(nogil=True)
+def claim_requests(ids, R, claim, counters, count_bad):
+    """Mark each request's first lane in ``claim`` (scratch); count the other non-padding lanes as bad."""
+    for i in range(ids.shape[0]):
+        r = ids[i]
+        if r >= 0 and r < R and claim[r] == INT32_MAX:
+            claim[r] = i
+    if count_bad:
+        for i in range(ids.shape[0]):
+            r = ids[i]
+            if r != L.NULL_PAGE and not lane_valid(ids, i, R, claim):
+                counters[L.ERR_BAD_REQUEST] += 1
+
+
+@numba.njit(nogil=True, inline="always")
+def lane_valid(ids, i, R, claim):
+    r = ids[i]
+    return r >= 0 and r < R and claim[r] == i
+
+
+@numba.njit(nogil=True)
+def reset_claims(ids, R, claim):
+    for i in range(ids.shape[0]):
+        r = ids[i]
+        if r >= 0 and r < R:
+            claim[r] = INT32_MAX
+
+
+@numba.njit(nogil=True, inline="always")
+def release_page(p, k, cache, clock, top, free_stack, refcount, page_state, stamp, counters):
+    """Drop ``k`` references of page ``p`` (one distinct page of a free); return the new stack top."""
+    if page_state[p] != L.USED:
+        counters[L.ERR_DOUBLE_FREE] += k
+        return top
+    rc = refcount[p]
+    d = min(k, rc)
+    counters[L.ERR_DOUBLE_FREE] += k - d
+    refcount[p] = rc - d
+    if rc == d:
+        counters[L.FREED] += 1
+        if cache:
+            page_state[p] = L.CACHED
+            stamp[p] = clock
+            counters[L.CACHED_COUNT] += 1
+        else:
+            page_state[p] = L.FREE
+            free_stack[top] = p
+            top += 1
+    return top
+
+
+@numba.njit(nogil=True, inline="always")
+def pop_page(j, free_stack, refcount, page_state, counters):
+    """The ``j``-th page from the top of the free stack, marked USED with one reference."""
+    p = free_stack[counters[L.FREE_COUNT] - 1 - j]
+    refcount[p] = 1
+    page_state[p] = L.USED
+    return p
