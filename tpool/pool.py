@@ -200,12 +200,12 @@ class PagePool:
         padded with -1, so a prefix cache can drop their keys. ``out`` (int32
         ``[k]``) may be passed for graph capture.
         """
+        if not isinstance(k, int) or k < 0:
+            raise ValueError(f"k: expected a non-negative int, got {k!r}")
         if out is None:
-            if not isinstance(k, int) or k < 0:
-                raise ValueError(f"k: expected a non-negative int, got {k!r}")
             out = torch.empty(k, dtype=torch.int32, device=self.device)
-        else:
-            self._vector(out, "out")
+        elif self._vector(out, "out") != k:
+            raise ValueError(f"out: expected {k} entries (k), got {out.numel()}")
         self._impl.evict(out)
         return out
 

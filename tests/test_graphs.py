@@ -1,0 +1,130 @@
+"""Graph helpers: warm-up leaves no trace (CPU); capture and replay (GPU only)."""
+
+import pytest
+import torch
+
+import tpool
+from conftest import i32, requires_cuda
+from tpool.graphs import capture, preserved, state_tensors
+
+
+def test_preserved_restores_pool_and_table_state(make_pool):
+    pool = make_pool(16)
+    table = tpool.PageTable(pool, 4, 4)
+    table.extend(i32([0, 1]), i32([1, 1]))
+    before = [t.clone() for t in state_tensors(table)]
+    with preserved(table):
+        table.extend(i32([0, 1, 2]), i32([3, 3, 3]), max_tokens=9)
+        pool.alloc(i32([5]))
+        assert not torch.equal(table.seq_lens, before[1])
+    after = state_tensors(table)
+    assert len(after) == len(before) == len(tpool.graphs.state_tensors(pool)) + 3
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+
+
+def test_capture_needs_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        capture(lambda: None)
+
+
+# ----------------------------------------------------------------- GPU only
+GPU_BACKENDS = ["triton", "reference"]
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_graph_alloc_free_replay_matches_eager(backend):
+    dev = "cuda"
+    pools = [tpool.PagePool(1024, device=dev, backend=backend) for _ in range(2)]
+    counts = torch.tensor([3, 5, 0, 7], dtype=torch.int32, device=dev)
+    outs = [p.alloc_out(max_batch=4, max_pages=16) for p in pools]
+    hold = [torch.full((16,), -1, dtype=torch.int32, device=dev) for _ in pools]
+
+    def step(i):
+        pool, out = pools[i], outs[i]
+        pool.free(hold[i])                 # last step's pages
+        pool.alloc(counts, out=out)
+        hold[i].copy_(out.pages)           # keep this step's pages for the next free
+    graph = capture(lambda: step(0), pools[0])
+    for _ in range(300):
+        graph.replay()
+        step(1)
+    torch.cuda.synchronize()
+    for a, b in zip(state_tensors(pools[0]), state_tensors(pools[1])):
+        assert torch.equal(a, b)
+    for p in pools:
+        p.check()
+        p.check_invariants()
+    assert pools[0].stats()["pages.allocated"] == 300 * 15
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_graph_decode_step_1000_replays_match_eager(backend):
+    dev = "cuda"
+    tables = []
+    for _ in range(2):
+        pool = tpool.PagePool(8192, page_size=16, device=dev, backend=backend)
+        tables.append(tpool.PageTable(pool, 64, 128))
+    ids = torch.arange(64, dtype=torch.int32, device=dev)
+    ids[60:] = -1                                   # a partly empty batch
+    prompts = torch.randint(1, 300, (64,), dtype=torch.int32, generator=torch.Generator().manual_seed(0)).to(dev)
+    for t in tables:
+        t.extend(ids, prompts, max_tokens=64 * 300)
+    ones = torch.ones(64, dtype=torch.int32, device=dev)
+
+    def step(t):
+        t.extend(ids, ones)
+        t.flashinfer_csr(ids)
+    graph = capture(lambda: step(tables[0]), tables[0])
+    for _ in range(1000):
+        graph.replay()
+        step(tables[1])
+    torch.cuda.synchronize()
+    for a, b in zip(state_tensors(tables[0]), state_tensors(tables[1])):
+        assert torch.equal(a, b)
+    for x, y in zip(tables[0].flashinfer_csr(ids), tables[1].flashinfer_csr(ids)):
+        assert torch.equal(x, y)
+    tables[0].pool.check()
+    tables[0].check_invariants()
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_hot_path_under_cuda_sync_debug_error(backend):
+    dev = "cuda"
+    pool = tpool.PagePool(256, page_size=4, device=dev, backend=backend)
+    table = tpool.PageTable(pool, 8, 16)
+    ids = torch.arange(8, dtype=torch.int32, device=dev)
+    n = torch.full((8,), 5, dtype=torch.int32, device=dev)
+    out = pool.alloc_out(max_batch=2, max_pages=8)
+    counts = torch.tensor([2, 3], dtype=torch.int32, device=dev)
+    # Warm up (compile) first: compilation may synchronise.
+    with preserved(table):
+        pool.alloc(counts, out=out, evict=True); pool.free(out.pages, cache=True)
+        pool.incref(out.pages); pool.touch(out.pages); pool.evict(4, out=torch.empty(4, dtype=torch.int32, device=dev))
+        table.extend(ids, n, max_tokens=40); table.truncate(ids, n - 2); table.fork(ids, ids, n)
+        table.flashinfer_csr(ids); table.block_table_rows(ids); table.release(ids, cache=True)
+    torch.cuda.synchronize()
+    evict_out = torch.empty(4, dtype=torch.int32, device=dev)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pool.alloc(counts, out=out, evict=True)
+        pool.free(out.pages, cache=True)
+        pool.incref(out.pages)
+        pool.touch(out.pages)
+        pool.evict(4, out=evict_out)
+        table.extend(ids, n, max_tokens=40)
+        table.truncate(ids, n - 2)
+        table.flashinfer_csr(ids)
+        table.block_table_rows(ids)
+        table.release(ids, cache=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    pool.check()
+    table.check_invariants()
