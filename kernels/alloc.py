@@ -9,10 +9,15 @@ are popped from the top of the free stack in request order; entries of
 """
 
 import numba
+import triton
+import triton.language as tl
 
 from . import layout as L
 from ._numba_util import i32_array, u8_array, update_peaks
-from .evict import evict_oldest
+from ._triton_util import (ALLOCATED, CACHED_COUNT, ERR_BAD_COUNT, ERR_OUT_OVERFLOW, EVICTED,
+                           FAILED_REQUESTS, FREE_COUNT, NULL_PAGE, USED, counter_add, counter_get,
+                           load_counters, raise_peaks, settings, store_counters, tick)
+from .evict import evict_oldest, evict_oldest_triton
 
 
 @numba.njit(nogil=True)
@@ -77,3 +82,108 @@ def alloc_numba(
     counters[L.FREE_COUNT] -= total
     counters[L.ALLOCATED] += total
     update_peaks(counters, page_state.shape[0])
+
+
+# ---------------------------------------------------------------------- Triton
+# One program: a plan pass over the requests (prefix sums give each request its
+# offset; the stack top moves once, by the total), the eviction of the
+# shortfall (see ``evict.evict_oldest``), then a pop pass over the output.
+
+
+@triton.jit
+def alloc_kernel(
+    counts_ptr,      # *int32 [B]: pages wanted per request
+    B,               # batch size
+    pages_ptr,       # *int32 [M]: granted pages, request by request, -1 padded
+    M,               # output capacity in pages
+    indptr_ptr,      # *int32 [BO + 1]: request i got pages[indptr[i]:indptr[i+1]]
+    ok_ptr,          # *bool [BO]: request granted
+    BO,              # output batch capacity, BO >= B
+    evicted_ptr,     # *int32 [M]: pages evicted to cover the shortfall, oldest first, -1 padded
+    free_stack_ptr,  # *int32 [P]
+    refcount_ptr,    # *int32 [P]
+    page_state_ptr,  # *int8 [P]
+    stamp_ptr,       # *int64 [P]
+    counters_ptr,    # *int64 [NUM_COUNTERS]
+    num_pages,       # P
+    # Meta-parameters
+    HAS_EVICT: tl.constexpr,   # cached pages may be evicted to cover the request
+    BLOCK: tl.constexpr,       # lanes per chunk
+    RANK_BLOCK: tl.constexpr,  # side of the tile that ranks the evicted pages
+):
+    """ok[i] = no negative in counts[:i+1] and cumsum(counts)[i] <= min(avail, M); pop the granted total."""
+    lanes = tl.arange(0, BLOCK)
+    c = load_counters(counters_ptr)
+    c, _ = tick(c)
+    free = counter_get(c, FREE_COUNT)
+    if HAS_EVICT:
+        avail = free + counter_get(c, CACHED_COUNT)
+    else:
+        avail = free
+    # Plan: running carries across chunks make the prefix sums global.
+    negs = tl.zeros((), tl.int32)      # negative counts so far
+    csum = tl.zeros((), tl.int64)      # sum of non-negative counts so far
+    total = tl.zeros((), tl.int64)     # pages granted so far
+    failed = tl.zeros((), tl.int32)
+    overflow = tl.zeros((), tl.int32)
+    tl.store(indptr_ptr + lanes, tl.zeros((BLOCK,), tl.int32), mask=lanes < 1)
+    for start in range(0, B, BLOCK):
+        i = start + lanes
+        live = i < B
+        n = tl.load(counts_ptr + i, mask=live, other=0).to(tl.int64)
+        neg = (n < 0).to(tl.int32)
+        cs = csum + tl.cumsum(tl.maximum(n, 0), 0)
+        fits = (negs + tl.cumsum(neg, 0) == 0) & (cs <= avail)
+        ok = fits & (cs <= M)
+        granted = tl.where(ok, n, 0)
+        tl.store(ok_ptr + i, ok, mask=live & (i < BO))  # BO >= B is the caller's contract
+        tl.store(indptr_ptr + i + 1, (total + tl.cumsum(granted, 0)).to(tl.int32), mask=live & (i < BO))
+        negs += tl.sum(neg)
+        csum += tl.sum(tl.maximum(n, 0))
+        total += tl.sum(granted)
+        failed += tl.sum((live & ~ok).to(tl.int32))
+        overflow += tl.sum((live & fits & ~ok).to(tl.int32))
+    for start in range((B // BLOCK) * BLOCK, BO, BLOCK):
+        i = start + lanes
+        pad = (i >= B) & (i < BO)
+        tl.store(ok_ptr + i, tl.zeros((BLOCK,), tl.int1), mask=pad)
+        tl.store(indptr_ptr + i + 1, tl.zeros((BLOCK,), tl.int32) + total.to(tl.int32), mask=pad)
+    if HAS_EVICT:
+        m = evict_oldest_triton(total - free, evicted_ptr, M, free_stack_ptr, page_state_ptr, stamp_ptr,
+                                num_pages, free, BLOCK, RANK_BLOCK)
+        c = counter_add(c, FREE_COUNT, m)
+        c = counter_add(c, CACHED_COUNT, -m)
+        c = counter_add(c, EVICTED, m)
+        tl.debug_barrier()  # the pop below reads stack slots the eviction wrote
+    else:
+        for start in range(0, M, BLOCK):
+            j = start + lanes
+            tl.store(evicted_ptr + j, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=j < M)
+    # Pop: pages[j] = stack[top - 1 - j] for j < total.
+    top = counter_get(c, FREE_COUNT)
+    for start in range(0, M, BLOCK):
+        j = start + lanes
+        pos = top - 1 - j
+        take = (j < total) & (pos >= 0)
+        p = tl.load(free_stack_ptr + pos, mask=take, other=NULL_PAGE)
+        tl.store(pages_ptr + j, p, mask=j < M)
+        take = take & (p >= 0) & (p < num_pages)
+        tl.store(refcount_ptr + p, tl.full((BLOCK,), 1, tl.int32), mask=take)
+        tl.store(page_state_ptr + p, tl.full((BLOCK,), USED, tl.int8), mask=take)
+    c = counter_add(c, FREE_COUNT, -total)
+    c = counter_add(c, ALLOCATED, total)
+    c = counter_add(c, ERR_BAD_COUNT, negs)
+    c = counter_add(c, ERR_OUT_OVERFLOW, overflow)
+    c = counter_add(c, FAILED_REQUESTS, failed)
+    c = raise_peaks(c, num_pages)
+    store_counters(counters_ptr, c)
+
+
+def alloc_triton(counts, pages, indptr, ok, evicted, evict, st) -> None:
+    """Grant ``counts[i]`` pages per request, first come first served (one launch; see module note)."""
+    B, M, BO = counts.numel(), pages.numel(), ok.numel()
+    alloc_kernel[(1,)](
+        counts, B, pages, M, indptr, ok, BO, evicted,
+        st.free_stack, st.refcount, st.page_state, st.stamp, st.counters, st.num_pages,
+        HAS_EVICT=bool(evict), **settings(max(B, M, BO, st.num_pages if evict else 1), rank=True),
+    )

@@ -6,9 +6,14 @@ order (padded with -1) and pushed on the free stack in that order.
 
 import numba
 import numpy as np
+import triton
+import triton.language as tl
 
 from . import layout as L
 from ._numba_util import i32_array, update_peaks
+from ._triton_util import (CACHED, CACHED_COUNT, EVICTED, FREE, FREE_COUNT, INT64_MAX,
+                           NULL_PAGE, counter_add, counter_get, load_counters, settings,
+                           store_counters, tick)
 
 
 @numba.njit(nogil=True)
@@ -53,3 +58,145 @@ def evict_numba(
     counters[L.CLOCK] += 1
     evict_oldest(K, i32_array(out_ptr, K), free_stack, page_state, stamp, counters, keys)
     update_peaks(counters, page_state.shape[0])
+
+
+# ---------------------------------------------------------------------- Triton
+# Selection without sorting the pool: a census pass (cached count, min/max
+# stamp), radix rounds that histogram one 8-bit digit of ``stamp - min`` to find
+# the threshold stamp ``t`` (everything older is taken whole; of the pages
+# stamped ``t``, the lowest ids), a collect pass that lists the chosen pages in
+# id order, and a rank pass that orders only those ``m`` pages by
+# ``(stamp, id)``. Positions come from prefix sums and ranks, never atomics.
+
+
+DIGIT_BITS = tl.constexpr(8)  # stamp bits settled per radix round
+RADIX = tl.constexpr(256)     # histogram bins per round (2**DIGIT_BITS)
+
+
+@triton.jit
+def evict_oldest_triton(
+    n,               # int64 scalar: pages wanted
+    out_ptr,         # *int32 [K]: evicted ids oldest first, -1 padded
+    K,               # capacity of out
+    free_stack_ptr,  # *int32 [P]
+    page_state_ptr,  # *int8 [P]
+    stamp_ptr,       # *int64 [P]
+    num_pages,       # P
+    top,             # int64 scalar: FREE_COUNT before the call
+    # Meta-parameters
+    BLOCK: tl.constexpr,       # pages per chunk
+    RANK_BLOCK: tl.constexpr,  # side of the tile that ranks the chosen pages
+):
+    """Evict the m = min(n, cached, K) smallest (stamp, id) CACHED pages: out[:m], stack[top:top+m]; returns m."""
+    lanes = tl.arange(0, BLOCK)
+    # Census: how many pages are cached, and their stamp range.
+    cnt = tl.zeros((), tl.int64)
+    smin = tl.full((), INT64_MAX, tl.int64)
+    smax = tl.zeros((), tl.int64)
+    for start in range(0, tl.where(n > 0, num_pages, 0), BLOCK):
+        i = start + lanes
+        cached = tl.load(page_state_ptr + i, mask=i < num_pages, other=FREE) == CACHED
+        s = tl.load(stamp_ptr + i, mask=cached, other=0)
+        cnt += tl.sum(cached.to(tl.int64))
+        smin = tl.minimum(smin, tl.min(tl.where(cached, s, INT64_MAX)))
+        smax = tl.maximum(smax, tl.max(tl.where(cached, s, 0)))
+    m = tl.minimum(tl.minimum(tl.maximum(n, 0), cnt), K)
+    m = tl.maximum(tl.minimum(m, num_pages - top), 0)  # no-op on a consistent state; keeps writes in bounds
+    # Radix select of the threshold stamp t: #(stamp < t) < m <= #(stamp <= t);
+    # afterwards `need` is how many pages stamped t are taken (lowest ids first).
+    span = tl.where(m < cnt, smax - smin, 0)
+    rounds = tl.zeros((), tl.int32)
+    while span > 0:
+        span = span >> DIGIT_BITS
+        rounds += 1
+    need = m
+    prefix = tl.zeros((), tl.int64)  # digits of t - smin settled so far
+    bins = tl.arange(0, RADIX)
+    for r in range(rounds):
+        shift = (rounds - 1 - r) * DIGIT_BITS
+        hist = tl.zeros((RADIX,), tl.int32)
+        for start in range(0, num_pages, BLOCK):
+            i = start + lanes
+            cached = tl.load(page_state_ptr + i, mask=i < num_pages, other=FREE) == CACHED
+            d = (tl.load(stamp_ptr + i, mask=cached, other=0) - smin) >> shift
+            match = cached & ((d >> DIGIT_BITS) == prefix)
+            hist += tl.histogram((d & (RADIX - 1)).to(tl.int32), RADIX, mask=match)
+        # The bucket holding the need-th oldest: first bin whose inclusive count reaches need.
+        b = tl.sum((tl.cumsum(hist, 0) < need).to(tl.int32))
+        need -= tl.sum(tl.where(bins < b, hist, 0))
+        prefix = (prefix << DIGIT_BITS) + b
+    t = tl.where(m < cnt, smin + prefix, smax)
+    # Collect the chosen pages in id order into the stack slots they will occupy.
+    taken = tl.zeros((), tl.int64)
+    ties = tl.zeros((), tl.int64)
+    for start in range(0, tl.where(m > 0, num_pages, 0), BLOCK):
+        i = start + lanes
+        cached = tl.load(page_state_ptr + i, mask=i < num_pages, other=FREE) == CACHED
+        s = tl.load(stamp_ptr + i, mask=cached, other=0)
+        eq = (cached & (s == t)).to(tl.int64)
+        chosen = (cached & (s < t)) | ((eq != 0) & (ties + tl.cumsum(eq, 0) <= need))
+        c = chosen.to(tl.int64)
+        pos = top + taken + tl.cumsum(c, 0) - c
+        tl.store(free_stack_ptr + pos, i, mask=chosen & (pos < num_pages))
+        ties += tl.sum(eq)
+        taken += tl.sum(c)
+    tl.debug_barrier()
+    # Rank each chosen page among the chosen by (stamp, id); out[rank] = page.
+    rows = tl.arange(0, RANK_BLOCK)
+    for a_start in range(0, m, RANK_BLOCK):
+        ia = a_start + rows
+        pa = tl.load(free_stack_ptr + top + ia, mask=ia < m, other=0)
+        sa = tl.load(stamp_ptr + pa, mask=ia < m, other=0)
+        rank = tl.zeros((RANK_BLOCK,), tl.int64)
+        for b_start in range(0, m, RANK_BLOCK):
+            ib = b_start + rows
+            pb = tl.load(free_stack_ptr + top + ib, mask=ib < m, other=0)
+            sb = tl.load(stamp_ptr + pb, mask=ib < m, other=INT64_MAX)  # lanes past m are never older
+            sa2, sb2 = sa[:, None], sb[None, :]
+            older = (sb2 < sa2) | ((sb2 == sa2) & (pb[None, :] < pa[:, None]))
+            rank += tl.sum(older.to(tl.int64), axis=1)
+        tl.store(out_ptr + rank, pa, mask=ia < m)
+    tl.debug_barrier()
+    # Copy the ordered pages onto the stack, mark them FREE, pad out with -1.
+    for start in range(0, m, BLOCK):
+        j = start + lanes
+        p = tl.load(out_ptr + j, mask=j < m, other=0)
+        tl.store(free_stack_ptr + top + j, p, mask=j < m)
+        tl.store(page_state_ptr + p, tl.full((BLOCK,), FREE, tl.int8), mask=j < m)
+    for start in range((m // BLOCK) * BLOCK, K, BLOCK):
+        j = start + lanes
+        tl.store(out_ptr + j, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=(j >= m) & (j < K))
+    return m
+
+
+@triton.jit
+def evict_kernel(
+    out_ptr,         # *int32 [K]: evicted ids oldest first, -1 padded
+    K,               # capacity of out: pages to evict at most
+    free_stack_ptr,  # *int32 [P]
+    page_state_ptr,  # *int8 [P]
+    stamp_ptr,       # *int64 [P]
+    counters_ptr,    # *int64 [NUM_COUNTERS]
+    num_pages,       # P
+    # Meta-parameters
+    BLOCK: tl.constexpr,       # lanes per chunk
+    RANK_BLOCK: tl.constexpr,  # side of the tile that ranks the chosen pages
+):
+    """out[:m] = the m = min(K, cached) oldest CACHED pages by (stamp, id), pushed on the stack in that order."""
+    c = load_counters(counters_ptr)
+    c, _ = tick(c)
+    top = counter_get(c, FREE_COUNT)
+    m = evict_oldest_triton(tl.zeros((), tl.int64) + K, out_ptr, K, free_stack_ptr, page_state_ptr,
+                            stamp_ptr, num_pages, top, BLOCK, RANK_BLOCK)
+    c = counter_add(c, FREE_COUNT, m)
+    c = counter_add(c, CACHED_COUNT, -m)
+    c = counter_add(c, EVICTED, m)
+    store_counters(counters_ptr, c)
+
+
+def evict_triton(out, st) -> None:
+    """Evict up to ``out.numel()`` cached pages, oldest first, into ``out`` (one launch)."""
+    evict_kernel[(1,)](
+        out, out.numel(), st.free_stack, st.page_state, st.stamp, st.counters, st.num_pages,
+        **settings(max(st.num_pages, out.numel()), rank=True),
+    )

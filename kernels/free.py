@@ -8,9 +8,15 @@ clock. ``-1`` is padding; other ids outside ``[0, P)`` count ``invalid_page``.
 """
 
 import numba
+import triton
+import triton.language as tl
 
 from . import layout as L
 from ._numba_util import count_lanes, i32_array, update_peaks
+from ._triton_util import (CACHED, CACHED_COUNT, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREE, FREED,
+                           FREE_COUNT, USED, claim_lanes, counter_add, counter_get, first_lanes,
+                           load_counters, raise_peaks, release_lanes, settings, store_counters,
+                           tick)
 
 
 @numba.njit(nogil=True)
@@ -59,3 +65,73 @@ def free_numba(
         counters[L.CACHED_COUNT] += released
     counters[L.FREE_COUNT] = top
     update_peaks(counters, P)
+
+
+# ---------------------------------------------------------------------- Triton
+# One program, three passes over the entries: claim (first lane and
+# occurrences per page), apply (first occurrences only; released pages take
+# stack slots from a running prefix sum, in first-occurrence order), release
+# (scratch back to INT32_MAX / 0). Barriers separate the passes.
+
+
+@triton.jit
+def free_kernel(
+    pages_ptr,       # *int32 [N]: pages to release, -1 padded
+    n_pages,         # N
+    free_stack_ptr,  # *int32 [P]
+    refcount_ptr,    # *int32 [P]
+    page_state_ptr,  # *int8 [P]
+    stamp_ptr,       # *int64 [P]
+    counters_ptr,    # *int64 [NUM_COUNTERS]
+    claim_ptr,       # *int32 [P] scratch, INT32_MAX between calls
+    occur_ptr,       # *int32 [P] scratch, 0 between calls
+    num_pages,       # P
+    # Meta-parameters
+    CACHE: tl.constexpr,  # released pages become CACHED (stamped) instead of FREE
+    BLOCK: tl.constexpr,  # lanes per chunk
+):
+    """Per distinct page named k times: refcount -= d = min(k, refcount); k - d double frees; 0 -> FREE/CACHED."""
+    c = load_counters(counters_ptr)
+    c, clock = tick(c)
+    invalid = claim_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
+    tl.debug_barrier()
+    top = counter_get(c, FREE_COUNT)
+    double = tl.zeros((), tl.int64)
+    released = tl.zeros((), tl.int64)
+    for start in range(0, n_pages, BLOCK):
+        p, first, k = first_lanes(pages_ptr, start, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
+        used = first & (tl.load(page_state_ptr + p, mask=first, other=FREE) == USED)
+        rc = tl.load(refcount_ptr + p, mask=used, other=0)
+        d = tl.where(used, tl.minimum(k, rc), 0)
+        double += tl.sum(tl.where(first, k - d, 0).to(tl.int64))
+        tl.store(refcount_ptr + p, rc - d, mask=used)
+        zero = used & (rc == d)
+        z = zero.to(tl.int64)
+        if CACHE:
+            tl.store(page_state_ptr + p, tl.full((BLOCK,), CACHED, tl.int8), mask=zero)
+            tl.store(stamp_ptr + p, tl.zeros((BLOCK,), tl.int64) + clock, mask=zero)
+        else:
+            pos = top + released + tl.cumsum(z, 0) - z
+            tl.store(free_stack_ptr + pos, p, mask=zero & (pos < num_pages))
+            tl.store(page_state_ptr + p, tl.full((BLOCK,), FREE, tl.int8), mask=zero)
+        released += tl.sum(z)
+    tl.debug_barrier()
+    release_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
+    c = counter_add(c, ERR_INVALID_PAGE, invalid)
+    c = counter_add(c, ERR_DOUBLE_FREE, double)
+    c = counter_add(c, FREED, released)
+    if CACHE:
+        c = counter_add(c, CACHED_COUNT, released)
+    else:
+        c = counter_add(c, FREE_COUNT, released)
+    c = raise_peaks(c, num_pages)
+    store_counters(counters_ptr, c)
+
+
+def free_triton(pages, cache, st) -> None:
+    """Drop one reference per entry of ``pages`` (one launch; see module note)."""
+    free_kernel[(1,)](
+        pages, pages.numel(), st.free_stack, st.refcount, st.page_state, st.stamp, st.counters,
+        st.claim, st.occur, st.num_pages,
+        CACHE=bool(cache), **settings(pages.numel()),
+    )

@@ -6,9 +6,14 @@ per entry. ``-1`` is padding; other ids outside ``[0, P)`` count ``invalid_page`
 """
 
 import numba
+import triton
+import triton.language as tl
 
 from . import layout as L
 from ._numba_util import count_lanes, i32_array, update_peaks
+from ._triton_util import (CACHED, CACHED_COUNT, ERR_INVALID_PAGE, ERR_USE_AFTER_FREE, FREE,
+                           REVIVED, USED, claim_lanes, counter_add, first_lanes, load_counters,
+                           raise_peaks, release_lanes, settings, store_counters, tick)
 
 
 @numba.njit(nogil=True)
@@ -40,3 +45,55 @@ def incref_numba(
             counters[L.REVIVED] += 1
         refcount[p] += k
     update_peaks(counters, P)
+
+
+# ---------------------------------------------------------------------- Triton
+# One program: claim / apply (first occurrences only) / release, as in free.
+
+
+@triton.jit
+def incref_kernel(
+    pages_ptr,       # *int32 [N]: pages to reference, -1 padded
+    n_pages,         # N
+    refcount_ptr,    # *int32 [P]
+    page_state_ptr,  # *int8 [P]
+    counters_ptr,    # *int64 [NUM_COUNTERS]
+    claim_ptr,       # *int32 [P] scratch, INT32_MAX between calls
+    occur_ptr,       # *int32 [P] scratch, 0 between calls
+    num_pages,       # P
+    # Meta-parameters
+    BLOCK: tl.constexpr,  # lanes per chunk
+):
+    """Per distinct page named k times: USED/CACHED -> refcount += k (CACHED revived); FREE -> k use-after-free."""
+    c = load_counters(counters_ptr)
+    c, _ = tick(c)
+    invalid = claim_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
+    tl.debug_barrier()
+    uaf = tl.zeros((), tl.int64)
+    revived = tl.zeros((), tl.int64)
+    for start in range(0, n_pages, BLOCK):
+        p, first, k = first_lanes(pages_ptr, start, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
+        state = tl.load(page_state_ptr + p, mask=first, other=FREE)
+        uaf += tl.sum(tl.where(first & (state == FREE), k, 0).to(tl.int64))
+        cached = first & (state == CACHED)
+        live = (first & (state == USED)) | cached
+        rc = tl.load(refcount_ptr + p, mask=live, other=0)
+        tl.store(refcount_ptr + p, rc + k, mask=live)
+        tl.store(page_state_ptr + p, tl.full((BLOCK,), USED, tl.int8), mask=cached)
+        revived += tl.sum(cached.to(tl.int64))
+    tl.debug_barrier()
+    release_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
+    c = counter_add(c, ERR_INVALID_PAGE, invalid)
+    c = counter_add(c, ERR_USE_AFTER_FREE, uaf)
+    c = counter_add(c, CACHED_COUNT, -revived)
+    c = counter_add(c, REVIVED, revived)
+    c = raise_peaks(c, num_pages)
+    store_counters(counters_ptr, c)
+
+
+def incref_triton(pages, st) -> None:
+    """Add one reference per entry of ``pages`` (one launch; see module note)."""
+    incref_kernel[(1,)](
+        pages, pages.numel(), st.refcount, st.page_state, st.counters, st.claim, st.occur, st.num_pages,
+        **settings(pages.numel()),
+    )

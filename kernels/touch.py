@@ -5,9 +5,14 @@ outside ``[0, P)`` count ``invalid_page``.
 """
 
 import numba
+import triton
+import triton.language as tl
 
 from . import layout as L
 from ._numba_util import count_lanes, i32_array
+from ._triton_util import (ERR_INVALID_PAGE, ERR_USE_AFTER_FREE, FREE, claim_lanes,
+                           counter_add, first_lanes, load_counters, release_lanes, settings,
+                           store_counters, tick)
 
 
 @numba.njit(nogil=True)
@@ -34,3 +39,46 @@ def touch_numba(
             counters[L.ERR_USE_AFTER_FREE] += k
         else:
             stamp[p] = clock
+
+
+# ---------------------------------------------------------------------- Triton
+# One program: claim / apply (first occurrences only) / release, as in free.
+
+
+@triton.jit
+def touch_kernel(
+    pages_ptr,       # *int32 [N]: pages to stamp, -1 padded
+    n_pages,         # N
+    page_state_ptr,  # *int8 [P]
+    stamp_ptr,       # *int64 [P]
+    counters_ptr,    # *int64 [NUM_COUNTERS]
+    claim_ptr,       # *int32 [P] scratch, INT32_MAX between calls
+    occur_ptr,       # *int32 [P] scratch, 0 between calls
+    num_pages,       # P
+    # Meta-parameters
+    BLOCK: tl.constexpr,  # lanes per chunk
+):
+    """stamp[p] = clock for each distinct USED/CACHED page named; a FREE page named k times: k use-after-free."""
+    c = load_counters(counters_ptr)
+    c, clock = tick(c)
+    invalid = claim_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
+    tl.debug_barrier()
+    uaf = tl.zeros((), tl.int64)
+    for start in range(0, n_pages, BLOCK):
+        p, first, k = first_lanes(pages_ptr, start, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
+        state = tl.load(page_state_ptr + p, mask=first, other=FREE)
+        uaf += tl.sum(tl.where(first & (state == FREE), k, 0).to(tl.int64))
+        tl.store(stamp_ptr + p, tl.zeros((BLOCK,), tl.int64) + clock, mask=first & (state != FREE))
+    tl.debug_barrier()
+    release_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
+    c = counter_add(c, ERR_INVALID_PAGE, invalid)
+    c = counter_add(c, ERR_USE_AFTER_FREE, uaf)
+    store_counters(counters_ptr, c)
+
+
+def touch_triton(pages, st) -> None:
+    """Stamp the USED and CACHED pages of ``pages`` with the clock (one launch; see module note)."""
+    touch_kernel[(1,)](
+        pages, pages.numel(), st.page_state, st.stamp, st.counters, st.claim, st.occur, st.num_pages,
+        **settings(pages.numel()),
+    )

@@ -1,0 +1,154 @@
+"""Helpers for the Triton kernels: launch settings, counters in registers, lane passes.
+
+Note: every tpool kernel runs as ONE program (grid ``(1,)``) that loops over
+fixed-size chunks and separates its phases with ``tl.debug_barrier()``.
+Programs of one launch cannot wait for each other, and a single program
+carries running offsets (stack top, prefix sums) from chunk to chunk, so the
+result never depends on scheduling or on the order in which atomics land.
+The ``counters`` vector is loaded once into registers, updated with
+``counter_add`` / ``counter_set`` and stored once at the end.
+
+Duplicates in a batch (``claim_lanes`` / ``release_lanes``): lane ``i``
+naming page ``p`` does ``atomic_min(claim[p], i)`` and
+``atomic_add(occur[p], 1)``; after a barrier, the lane with
+``claim[p] == i`` is the page's first occurrence and ``occur[p]`` its number
+of occurrences. Both are order-free (a minimum and a count), and their
+returned old values are never used. ``release_lanes`` restores
+``claim = INT32_MAX`` and ``occur = 0``.
+"""
+
+import triton
+import triton.language as tl
+
+from . import layout as L
+
+MIN_BLOCK = 32     # lanes per chunk, at least one warp's worth
+MAX_BLOCK = 2048   # lanes per chunk, at most (16 warps x 4 lanes per thread)
+RANK_BLOCK = 64    # side of the comparison tile that orders the pages an eviction chose
+
+# Layout constants as constexpr globals (jit code may only read constexpr globals).
+FREE = tl.constexpr(L.FREE)
+USED = tl.constexpr(L.USED)
+CACHED = tl.constexpr(L.CACHED)
+NULL_PAGE = tl.constexpr(L.NULL_PAGE)
+FREE_COUNT = tl.constexpr(L.FREE_COUNT)
+CACHED_COUNT = tl.constexpr(L.CACHED_COUNT)
+CLOCK = tl.constexpr(L.CLOCK)
+USED_PEAK = tl.constexpr(L.USED_PEAK)
+CACHED_PEAK = tl.constexpr(L.CACHED_PEAK)
+ALLOCATED = tl.constexpr(L.ALLOCATED)
+FREED = tl.constexpr(L.FREED)
+FAILED_REQUESTS = tl.constexpr(L.FAILED_REQUESTS)
+EVICTED = tl.constexpr(L.EVICTED)
+REVIVED = tl.constexpr(L.REVIVED)
+ERR_INVALID_PAGE = tl.constexpr(L.ERR_INVALID_PAGE)
+ERR_DOUBLE_FREE = tl.constexpr(L.ERR_DOUBLE_FREE)
+ERR_USE_AFTER_FREE = tl.constexpr(L.ERR_USE_AFTER_FREE)
+ERR_BAD_COUNT = tl.constexpr(L.ERR_BAD_COUNT)
+ERR_OUT_OVERFLOW = tl.constexpr(L.ERR_OUT_OVERFLOW)
+NUM_COUNTERS = tl.constexpr(L.NUM_COUNTERS)
+COUNTER_BLOCK = tl.constexpr(triton.next_power_of_2(L.NUM_COUNTERS))
+INT32_MAX = tl.constexpr(2**31 - 1)
+INT64_MAX = tl.constexpr(2**63 - 1)
+
+
+def settings(n: int, rank: bool = False) -> dict:
+    """Launch settings for chunks over ``n`` lanes: ``BLOCK`` (next power of two in
+    [MIN_BLOCK, MAX_BLOCK]), ``num_warps`` (4 lanes per thread, 1 to 16 warps) and, for
+    kernels that evict (``rank=True``), ``RANK_BLOCK``. Deterministic; no autotuning (graph capture)."""
+    block = min(max(triton.next_power_of_2(max(n, 1)), MIN_BLOCK), MAX_BLOCK)
+    meta = dict(BLOCK=block, num_warps=min(max(block // 128, 1), 16))
+    if rank:
+        meta["RANK_BLOCK"] = RANK_BLOCK
+    return meta
+
+
+# ------------------------------------------------------------------ counters
+@triton.jit
+def load_counters(counters_ptr):
+    """The int64 ``counters`` vector as a register block of COUNTER_BLOCK slots."""
+    slots = tl.arange(0, COUNTER_BLOCK)
+    return tl.load(counters_ptr + slots, mask=slots < NUM_COUNTERS, other=0)
+
+
+@triton.jit
+def store_counters(counters_ptr, c):
+    """Write the register block back to ``counters``."""
+    slots = tl.arange(0, COUNTER_BLOCK)
+    tl.store(counters_ptr + slots, c, mask=slots < NUM_COUNTERS)
+
+
+@triton.jit
+def counter_get(c, SLOT: tl.constexpr):
+    """Slot ``SLOT`` of the register block, as an int64 scalar."""
+    slots = tl.arange(0, COUNTER_BLOCK)
+    return tl.sum(tl.where(slots == SLOT, c, 0))
+
+
+@triton.jit
+def counter_add(c, SLOT: tl.constexpr, delta):
+    """``c[SLOT] += delta``, returned as a new block."""
+    slots = tl.arange(0, COUNTER_BLOCK)
+    return tl.where(slots == SLOT, c + delta.to(tl.int64), c)
+
+
+@triton.jit
+def counter_set(c, SLOT: tl.constexpr, value):
+    """``c[SLOT] = value``, returned as a new block."""
+    slots = tl.arange(0, COUNTER_BLOCK)
+    return tl.where(slots == SLOT, value.to(tl.int64), c)
+
+
+@triton.jit
+def tick(c):
+    """Advance the device clock by one; return ``(c, clock)``."""
+    c = counter_add(c, CLOCK, tl.full((), 1, tl.int64))
+    return c, counter_get(c, CLOCK)
+
+
+@triton.jit
+def raise_peaks(c, num_pages):
+    """Raise USED_PEAK and CACHED_PEAK to the current used and cached counts."""
+    cached = counter_get(c, CACHED_COUNT)
+    used = num_pages - counter_get(c, FREE_COUNT) - cached
+    c = counter_set(c, USED_PEAK, tl.maximum(counter_get(c, USED_PEAK), used))
+    return counter_set(c, CACHED_PEAK, tl.maximum(counter_get(c, CACHED_PEAK), cached))
+
+
+# --------------------------------------------------------------- lane passes
+@triton.jit
+def claim_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK: tl.constexpr):
+    """Pass 1 of free/incref/touch: first lane and occurrences per page; returns #invalid ids."""
+    lanes = tl.arange(0, BLOCK)
+    invalid = tl.zeros((), tl.int32)
+    for start in range(0, n_pages, BLOCK):
+        i = start + lanes
+        p = tl.load(pages_ptr + i, mask=i < n_pages, other=NULL_PAGE)
+        valid = (p >= 0) & (p < num_pages)
+        invalid += tl.sum(((p != NULL_PAGE) & ~valid).to(tl.int32))
+        tl.atomic_min(claim_ptr + p, i, mask=valid, sem="relaxed")
+        tl.atomic_add(occur_ptr + p, 1, mask=valid, sem="relaxed")
+    return invalid
+
+
+@triton.jit
+def first_lanes(pages_ptr, start, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK: tl.constexpr):
+    """Pass 2 helper: ``(page, first occurrence?, occurrences)`` for one chunk of lanes."""
+    i = start + tl.arange(0, BLOCK)
+    p = tl.load(pages_ptr + i, mask=i < n_pages, other=NULL_PAGE)
+    valid = (p >= 0) & (p < num_pages)
+    first = valid & (tl.load(claim_ptr + p, mask=valid, other=-1) == i)
+    k = tl.load(occur_ptr + p, mask=first, other=0)
+    return p, first, k
+
+
+@triton.jit
+def release_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK: tl.constexpr):
+    """Pass 3 of free/incref/touch: restore ``claim = INT32_MAX`` and ``occur = 0``."""
+    lanes = tl.arange(0, BLOCK)
+    for start in range(0, n_pages, BLOCK):
+        i = start + lanes
+        p = tl.load(pages_ptr + i, mask=i < n_pages, other=NULL_PAGE)
+        valid = (p >= 0) & (p < num_pages)
+        tl.store(claim_ptr + p, tl.full((BLOCK,), INT32_MAX, tl.int32), mask=valid)
+        tl.store(occur_ptr + p, tl.zeros((BLOCK,), tl.int32), mask=valid)
