@@ -1,0 +1,98 @@
+"""Benchmark: evict the k least recently used cached pages from a pool where half the pages are cached.
+
+Each sample: one ``evict(k)`` timed alone; then, untimed, the evicted pages are
+allocated again and released to the cache (newest stamps), so every sample
+sees the same number of cached pages. Baseline, in the same run:
+``numpy-argpartition``, the vectorised host answer (select the k smallest
+(stamp, id) keys among the cached pages with ``np.argpartition``, then sort
+those k), run on the same state.
+
+    python benchmarks/bench_evict.py [--pages 65536 1048576] [--k 1 64 4096] [--json out.json]
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import print_table, quantiles, write_json  # noqa: E402
+
+import tpool  # noqa: E402
+from tpool.kernels import layout as L  # noqa: E402
+
+CACHE_CALLS = 256  # distinct stamps among the cached pages
+
+
+def cached_pool(P, backend, device):
+    pool = tpool.PagePool(P, device=device, backend=backend, max_alloc_pages=P)
+    pages = pool.alloc(torch.tensor([P], dtype=torch.int32, device=device)).pages
+    half = pages[: P // 2].view(CACHE_CALLS, -1)
+    for row in half[torch.randperm(CACHE_CALLS, generator=torch.Generator().manual_seed(0))]:
+        pool.free(row.contiguous(), cache=True)
+    return pool
+
+
+def numpy_select(state, stamp, k):
+    ids = np.flatnonzero(state == L.CACHED)
+    keys = stamp[ids] * len(state) + ids
+    k = min(k, len(ids))
+    part = np.argpartition(keys, k - 1)[:k]
+    return ids[part[np.argsort(keys[part])]]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pages", type=int, nargs="+", default=[65536, 1048576])
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 64, 4096])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--backends", nargs="+", default=None)
+    ap.add_argument("--samples", type=int, default=20)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    backends = args.backends or (["triton", "reference"] if device.type == "cuda" else ["numba", "reference"])
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rows, table = [], []
+    for P in args.pages:
+        pools = {be: cached_pool(P, be, device) for be in backends}
+        for k in args.k:
+            ref_pool = pools[backends[0]]
+            st = ref_pool.state.page_state.cpu().numpy()
+            sp = ref_pool.state.stamp.cpu().numpy()
+            times = {"numpy-argpartition": []}
+            for _ in range(args.samples):
+                t0 = time.perf_counter_ns()
+                numpy_select(st, sp, k)
+                times["numpy-argpartition"].append((time.perf_counter_ns() - t0) / 1e3)
+            for be, pool in pools.items():
+                out = torch.empty(k, dtype=torch.int32, device=device)
+                counts = torch.tensor([k], dtype=torch.int32, device=device)
+                ts = times[f"tpool-{be}"] = []
+                samples = args.samples if be != "reference" else max(3, args.samples // 5)
+                for i in range(samples + 1):
+                    sync()
+                    t0 = time.perf_counter_ns()
+                    pool.evict(k, out=out)
+                    sync()
+                    if i:  # the first call compiles
+                        ts.append((time.perf_counter_ns() - t0) / 1e3)
+                    pool.free(pool.alloc(counts).pages, cache=True)
+                pool.check()
+            base = None
+            for name, ts in times.items():
+                med, p20, p80 = quantiles(ts)
+                base = base or med
+                rows.append(dict(pages=P, k=k, impl=name, median_us=med, p20_us=p20, p80_us=p80,
+                                 vs_numpy=base / med, device=str(device)))
+                table.append([P, k, name, f"{med:.1f}", f"{p20:.1f}", f"{p80:.1f}", f"{base / med:.2f}x"])
+    print_table(f"evict k of the oldest cached pages (half the pool cached), on {device} (us per call)",
+                ["pages", "k", "impl", "median", "p20", "p80", "vs numpy"], table)
+    write_json(args.json, "bench_evict", rows)
+
+
+if __name__ == "__main__":
+    main()
