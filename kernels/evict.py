@@ -16,26 +16,94 @@ from ._triton_util import (CACHED, CACHED_COUNT, EVICTED, FREE, FREE_COUNT, INT6
                            store_counters, tick)
 
 
+HIST_BINS = 4096  # histogram bins per radix round of the numba select
+
+
+@numba.njit(nogil=True)
+def _select_threshold(m, ids, c, lo, hi, stamp, hist):
+    """Radix select over the ``c`` cached pages ``ids[:c]``: the stamp ``t`` of the ``m``-th oldest.
+
+    Each round histograms ``(stamp - base) >> shift`` over the pages with stamps
+    in ``[base, base + span]`` and narrows to the bucket holding the ``m``-th
+    page. Returns ``(t, older, exact)``: ``older`` pages have stamps below
+    ``t``; ``exact`` means one round settled it, and ``hist[:t - lo + 1]``
+    then holds the count of every stamp up to ``t``.
+    """
+    H = hist.shape[0]
+    base, span, older, rounds = lo, hi - lo, 0, 0
+    while True:
+        shift = 0
+        while (span >> shift) >= H:
+            shift += 1
+        hist[:(span >> shift) + 1] = 0
+        for j in range(c):
+            d = stamp[ids[j]] - base
+            if d >= 0 and d <= span:
+                hist[d >> shift] += 1
+        rounds += 1
+        tb = 0
+        while older + hist[tb] < m:
+            older += hist[tb]
+            tb += 1
+        if shift == 0:
+            return base + tb, older, rounds == 1
+        base += tb << shift
+        span = (1 << shift) - 1
+
+
 @numba.njit(nogil=True)
 def evict_oldest(n, out, free_stack, page_state, stamp, counters, keys):
-    """Evict ``min(n, cached)`` pages into ``out[:m]``; pad the rest of ``out`` with -1."""
+    """Evict ``min(n, cached, len(out))`` pages into ``out[:m]``; pad the rest of ``out`` with -1.
+
+    No sort of the pool: one branch-free pass lists the cached pages (in
+    ``keys``), then a radix select over their stamps finds the threshold (one
+    round when their stamps span fewer than HIST_BINS clock values). Pages are
+    placed in ``(stamp, id)`` order by counting positions when one round
+    settled it, else the ``m`` chosen keys are sorted.
+    """
     P = page_state.shape[0]
-    m = 0
-    if n > 0 and counters[L.CACHED_COUNT] > 0:
-        cnt = 0
-        for i in range(P):
-            if page_state[i] == L.CACHED:
-                keys[cnt] = stamp[i] * P + i
-                cnt += 1
-        m = min(n, cnt, out.shape[0])
-        if m < cnt:
-            sel = np.sort(np.partition(keys[:cnt], m - 1)[:m])
+    m = min(n, counters[L.CACHED_COUNT], out.shape[0]) if n > 0 else 0
+    if m > 0:
+        ids = keys
+        c = 0
+        for i in range(P):  # branch-free compaction of the cached page ids
+            ids[c] = i
+            c += page_state[i] == L.CACHED
+        lo = hi = stamp[ids[0]]
+        for j in range(c):
+            s = stamp[ids[j]]
+            lo = min(lo, s)
+            hi = max(hi, s)
+        hist = np.empty(min(c, HIST_BINS), np.int64)
+        t, older, exact = _select_threshold(m, ids, c, lo, hi, stamp, hist)
+        if exact:  # hist holds per-stamp counts up to t: turn them into start positions
+            pos = 0
+            for b in range(t - lo + 1):
+                k = hist[b]
+                hist[b] = pos
+                pos += k
+            for j in range(c):  # ids ascending: ties by id come out in order
+                i = ids[j]
+                if stamp[i] <= t:
+                    b = stamp[i] - lo
+                    if hist[b] < m:
+                        out[hist[b]] = i
+                    hist[b] += 1
         else:
-            sel = np.sort(keys[:cnt])
+            at_t, r = m - older, 0
+            for j in range(c):  # ids[:r] are done with, so keys can be refilled in place
+                i = ids[j]
+                s = stamp[i]
+                if s < t or (s == t and at_t > 0):
+                    at_t -= s == t
+                    keys[r] = s * P + i
+                    r += 1
+            sel = np.sort(keys[:m])
+            for r in range(m):
+                out[r] = sel[r] % P
         top = counters[L.FREE_COUNT]
         for r in range(m):
-            p = sel[r] % P
-            out[r] = p
+            p = out[r]
             page_state[p] = L.FREE
             free_stack[top + r] = p
         counters[L.FREE_COUNT] = top + m

@@ -142,3 +142,35 @@ def test_random_cache_workload_matches_model(make_pool, guard, seed):
                 live = live[2:]
         model.assert_matches(pool)
         pool.check_invariants()
+
+
+@pytest.mark.parametrize("jump", [5000, 3 * 2**40])
+def test_eviction_order_when_stamps_span_far(make_pool, guard, jump):
+    """Stamps spread over more clock values than one histogram round covers (radix rounds)."""
+    import random
+    rng = random.Random(jump)
+    P = 48
+    pool, model = make_pool(P, max_alloc_pages=P), PoolModel(P)
+    with guard():
+        pool.alloc(i32([P]))
+    model.alloc([P], P)
+    pages = list(range(P))
+    rng.shuffle(pages)
+    for chunk in range(6):
+        ids = pages[chunk * 7:(chunk + 1) * 7]
+        with guard():
+            pool.free(i32(ids), cache=True)
+        model.free(ids, cache=True)
+        pool.state.counters[2] += jump        # the clock (layout.CLOCK) moves far between releases
+        model.clock += jump
+    for k in (1, 5, 9, 40):
+        with guard():
+            out = pool.evict(k)
+        assert out.tolist() == model.evict(k)
+        model.assert_matches(pool)
+        with guard():
+            r = pool.alloc(i32([3]))
+            pool.free(r.pages[:3].clone(), cache=True)
+        exp = model.alloc([3], P)
+        model.free(exp[0][:3], cache=True)
+    pool.check_invariants()
