@@ -9,9 +9,14 @@ batch counts ``out_overflow`` (entries past the capacity are dropped).
 """
 
 import numba
+import triton
+import triton.language as tl
 
 from . import layout as L
 from ._numba_util import i32_array
+from ._triton_table_util import ERR_BAD_REQUEST, cdiv
+from ._triton_util import (ERR_OUT_OVERFLOW, NULL_PAGE, counter_add, load_counters, settings,
+                           store_counters)
 
 
 @numba.njit(nogil=True)
@@ -67,3 +72,107 @@ def rows_numba(
         r = ids[i]
         for k in range(MP):
             out[i * MP + k] = block_table[r, k] if (r >= 0 and r < R) else L.NULL_PAGE
+
+
+# ---------------------------------------------------------------------- Triton
+# csr: one program, two phases: the lanes (indptr as a running prefix sum,
+# last_page_len, W = the most pages of a lane), then the entries: entry
+# (i, k), flat index i * W + k, copies block_table[r_i, k] to
+# indices[indptr[i] + k] for k < indptr[i+1] - indptr[i]; positions past the
+# total are -1. rows: one pass over the B * MP output cells.
+
+
+@triton.jit
+def csr_kernel(
+    req_ids_ptr,        # *int32 [B]: request ids, -1 = padding
+    B,                  # batch size
+    indptr_ptr,         # *int32 [B + 1]
+    indices_ptr,        # *int32 [cap]: pages in request order, -1 past indptr[B]
+    cap,                # capacity of indices
+    last_page_len_ptr,  # *int32 [B]
+    block_table_ptr,    # *int32 [R, MP]
+    seq_lens_ptr,       # *int32 [R]
+    counters_ptr,       # *int64 [NUM_COUNTERS]
+    R,                  # rows of block_table
+    MP,                 # columns of block_table
+    page_size,          # tokens per page
+    # Meta-parameters
+    BLOCK: tl.constexpr,  # lanes / entries / positions per chunk
+):
+    """indptr[i+1] = sum_{j<=i} cdiv(L_j, ps); indices[indptr[i] + k] = block_table[r_i, k]; last = L - (n-1)*ps."""
+    lanes = tl.arange(0, BLOCK)
+    tl.store(indptr_ptr + lanes, tl.zeros((BLOCK,), tl.int32), mask=lanes < 1)
+    end = tl.zeros((), tl.int64)
+    W = tl.zeros((), tl.int64)
+    bad = tl.zeros((), tl.int64)
+    for start in range(0, B, BLOCK):
+        i = start + lanes
+        live = i < B
+        r = tl.load(req_ids_ptr + i, mask=live, other=NULL_PAGE)
+        valid = live & (r >= 0) & (r < R)
+        bad += tl.sum((live & (r != NULL_PAGE) & ~valid).to(tl.int64))
+        length = tl.load(seq_lens_ptr + r, mask=valid, other=0).to(tl.int64)
+        n = cdiv(length, page_size)
+        tl.store(indptr_ptr + i + 1, (end + tl.cumsum(n, 0)).to(tl.int32), mask=live)
+        tl.store(last_page_len_ptr + i, (length - (n - 1) * page_size).to(tl.int32), mask=live)
+        end += tl.sum(n)
+        W = tl.maximum(W, tl.max(n))
+    tl.debug_barrier()
+    for start in range(0, W * B, BLOCK):
+        f = start + lanes
+        i = f // W
+        k = f % W
+        live = i < B
+        lo = tl.load(indptr_ptr + i, mask=live, other=0)
+        u = lo + k
+        copy = live & (k < tl.load(indptr_ptr + i + 1, mask=live, other=0) - lo) & (u < cap)
+        r = tl.load(req_ids_ptr + i, mask=copy, other=0).to(tl.int64)
+        page = tl.load(block_table_ptr + r * MP + tl.minimum(k, MP - 1), mask=copy, other=NULL_PAGE)
+        tl.store(indices_ptr + u, page, mask=copy)
+    tail = tl.minimum(end, cap).to(tl.int32)
+    for start in range((tail // BLOCK) * BLOCK, cap, BLOCK):
+        u = start + lanes
+        tl.store(indices_ptr + u, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=(u >= tail) & (u < cap))
+    c = load_counters(counters_ptr)
+    c = counter_add(c, ERR_BAD_REQUEST, bad)
+    c = counter_add(c, ERR_OUT_OVERFLOW, (end > cap).to(tl.int64))
+    store_counters(counters_ptr, c)
+
+
+def csr_triton(req_ids, indptr, indices, last_page_len, st, ts) -> None:
+    """FlashInfer's paged-KV CSR for the batch ``req_ids`` (one launch; read-only but for error counters)."""
+    B, cap = req_ids.numel(), indices.numel()
+    R, MP = ts.block_table.shape
+    csr_kernel[(1,)](
+        req_ids, B, indptr, indices, cap, last_page_len, ts.block_table, ts.seq_lens, st.counters,
+        R, MP, ts.page_size,
+        **settings(max(B, cap)),
+    )
+
+
+@triton.jit
+def rows_kernel(
+    req_ids_ptr,      # *int32 [B]: request ids, -1 = padding
+    n_cells,          # B * MP
+    out_ptr,          # *int32 [B, MP]: rows, -1 for padding and bad ids
+    block_table_ptr,  # *int32 [R, MP]
+    R,                # rows of block_table
+    MP,               # columns of block_table
+    # Meta-parameters
+    BLOCK: tl.constexpr,  # cells per chunk
+):
+    """out[i, k] = block_table[r_i, k] for r_i in [0, R), else -1."""
+    lanes = tl.arange(0, BLOCK)
+    for start in range(0, n_cells, BLOCK):
+        f = (start + lanes).to(tl.int64)
+        live = f < n_cells
+        r = tl.load(req_ids_ptr + f // MP, mask=live, other=NULL_PAGE)
+        valid = live & (r >= 0) & (r < R)
+        page = tl.load(block_table_ptr + r.to(tl.int64) * MP + f % MP, mask=valid, other=NULL_PAGE)
+        tl.store(out_ptr + f, page, mask=live)
+
+
+def rows_triton(req_ids, out, ts) -> None:
+    """vLLM-style block-table rows for the batch ``req_ids`` into ``out`` (one launch)."""
+    R, MP = ts.block_table.shape
+    rows_kernel[(1,)](req_ids, out.numel(), out, ts.block_table, R, MP, **settings(out.numel()))

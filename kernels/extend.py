@@ -9,9 +9,18 @@ total). Misuse (bad or repeated request id, negative count, more than
 """
 
 import numba
+import triton
+import triton.language as tl
 
 from . import layout as L
 from ._numba_util import claim_requests, i32_array, lane_valid, pop_page, reset_claims, u8_array, update_peaks
+from ._triton_table_util import (ERR_BAD_REQUEST, ERR_TABLE_OVERFLOW, cdiv, claim_rows, release_rows,
+                                 request_lanes)
+from ._triton_util import (ALLOCATED, ERR_BAD_COUNT, ERR_OUT_OVERFLOW, FAILED_REQUESTS, FREE_COUNT,
+                           NULL_PAGE, USED, counter_add, counter_get, load_counters, raise_peaks,
+                           settings, store_counters, tick)
+
+MAX_TILE = 64  # side of the token x lane tiles of the prefill slot pass
 
 
 @numba.njit(nogil=True)
@@ -84,3 +93,156 @@ def extend_numba(
     counters[L.FREE_COUNT] -= popped
     counters[L.ALLOCATED] += popped
     update_peaks(counters, refcount.shape[0])
+
+
+# ---------------------------------------------------------------------- Triton
+# One program. Claim the request rows. Plan the lanes in chunks (running
+# carries make the FCFS page sum and the token offsets global prefix sums),
+# pop each lane's pages at its stack offset, write the table, the lengths,
+# ``ok`` and the slot of every one-token lane. If some lane has more tokens (a
+# prefill), a second lane pass writes every token's slot: each chunk of TILE
+# lanes walks its own token range in TILE x TILE tiles where token u takes the
+# values of the lane with start <= u < end (a one-hot sum, no search, no
+# atomics), so the work is linear in B + T. A decode step skips that pass.
+# Last, the -1 tail and the claims.
+
+
+@triton.jit
+def extend_kernel(
+    req_ids_ptr,      # *int32 [B]: request ids, -1 = padding
+    num_tokens_ptr,   # *int32 [B]: tokens to append per lane
+    B,                # batch size
+    slots_ptr,        # *int32 [T]: slot of every new token in lane order, -1 padded
+    T,                # slot capacity
+    ok_ptr,           # *bool [B]: lane granted
+    block_table_ptr,  # *int32 [R, MP]
+    seq_lens_ptr,     # *int32 [R]
+    claim_ptr,        # *int32 [R] scratch, INT32_MAX between calls
+    free_stack_ptr,   # *int32 [P]
+    refcount_ptr,     # *int32 [P]
+    page_state_ptr,   # *int8 [P]
+    counters_ptr,     # *int64 [NUM_COUNTERS]
+    R,                # rows of block_table
+    MP,               # columns of block_table
+    num_pages,        # P
+    page_size,        # tokens per page
+    # Meta-parameters
+    BLOCK: tl.constexpr,  # lanes per chunk (plan) and tokens per chunk (tail)
+    TILE: tl.constexpr,   # side of the token x lane tiles of the prefill slot pass
+):
+    """Lane i appends n_i tokens to row r_i: pops cdiv(L+n, ps) - cdiv(L, ps) pages FCFS; slots in lane order."""
+    lanes = tl.arange(0, BLOCK)
+    c = load_counters(counters_ptr)
+    c, _ = tick(c)
+    free = counter_get(c, FREE_COUNT)
+    claim_rows(req_ids_ptr, B, claim_ptr, R, BLOCK)
+    tl.debug_barrier()
+    csum = tl.zeros((), tl.int64)    # pages needed by candidate lanes so far
+    tok = tl.zeros((), tl.int64)     # tokens of all lanes so far
+    popped = tl.zeros((), tl.int64)  # pages granted so far
+    max_n = tl.zeros((), tl.int64)
+    bad = tl.zeros((), tl.int64)
+    neg_count = tl.zeros((), tl.int64)
+    overflow = tl.zeros((), tl.int64)
+    out_overflow = tl.zeros((), tl.int64)
+    failed = tl.zeros((), tl.int64)
+    for start in range(0, B, BLOCK):
+        i = start + lanes
+        r, valid, pad, live = request_lanes(req_ids_ptr, i, B, claim_ptr, R)
+        n = tl.load(num_tokens_ptr + i, mask=live, other=0).to(tl.int64)
+        neg = valid & (n < 0)
+        n = tl.maximum(n, 0)
+        length = tl.load(seq_lens_ptr + r, mask=valid, other=0).to(tl.int64)
+        have = cdiv(length, page_size)
+        want = cdiv(length + n, page_size)
+        over = valid & ~neg & (want > MP)
+        cand = valid & ~neg & ~over
+        need = tl.where(cand, want - have, 0)
+        need_end = csum + tl.cumsum(need, 0)
+        tok_end = tok + tl.cumsum(n, 0)
+        fits = cand & (need_end <= free)
+        ok = fits & (tok_end <= T)
+        tl.store(ok_ptr + i, ok, mask=live)
+        # Pop: lane i takes stack offsets need_end - need + k from the top, k < need.
+        off = need_end - need
+        grant = tl.where(ok, need, 0)
+        row = r.to(tl.int64) * MP
+        for k in range(0, tl.max(grant)):
+            take = k < grant
+            p = tl.load(free_stack_ptr + (free - 1 - off - k), mask=take, other=NULL_PAGE)
+            tl.store(block_table_ptr + row + have + k, p, mask=take)
+            take = take & (p >= 0) & (p < num_pages)
+            tl.store(refcount_ptr + p, tl.full((BLOCK,), 1, tl.int32), mask=take)
+            tl.store(page_state_ptr + p, tl.full((BLOCK,), USED, tl.int8), mask=take)
+        # One-token lanes: the slot comes from the table (old page) or the page just popped.
+        one = live & (n == 1)
+        col = length // page_size
+        old = tl.load(block_table_ptr + row + col, mask=one & ok & (col < have), other=NULL_PAGE)
+        new = tl.load(free_stack_ptr + (free - 1 - off), mask=one & ok & (col >= have), other=NULL_PAGE)
+        page = tl.where(col < have, old, new).to(tl.int64)
+        slot = tl.where(ok, page * page_size + length % page_size, NULL_PAGE)
+        u = tok_end - n
+        tl.store(slots_ptr + u, slot.to(tl.int32), mask=one & (u < T))
+        tl.store(seq_lens_ptr + r, (length + n).to(tl.int32), mask=ok)
+        csum += tl.sum(need)
+        tok += tl.sum(n)
+        popped += tl.sum(grant)
+        max_n = tl.maximum(max_n, tl.max(n))
+        bad += tl.sum((live & ~pad & ~valid).to(tl.int64))
+        neg_count += tl.sum(neg.to(tl.int64))
+        overflow += tl.sum(over.to(tl.int64))
+        out_overflow += tl.sum((fits & ~ok).to(tl.int64))
+        failed += tl.sum((live & ~pad & ~ok).to(tl.int64))
+    tl.debug_barrier()
+    if max_n > 1:
+        tiles = tl.arange(0, TILE)
+        end = tl.zeros((), tl.int64)  # tokens of the lanes before this chunk
+        for start in range(0, B, TILE):
+            j = start + tiles
+            live = j < B
+            n = tl.maximum(tl.load(num_tokens_ptr + j, mask=live, other=0).to(tl.int64), 0)
+            lane_end = end + tl.cumsum(n, 0)
+            lane_start = lane_end - n
+            ok = tl.load(ok_ptr + j, mask=live, other=0).to(tl.int1) & live
+            r = tl.load(req_ids_ptr + j, mask=ok, other=0).to(tl.int64)
+            # Token u of lane j sits at position u + shift_j of row r_j (seq_lens already holds L + n).
+            shift = tl.load(seq_lens_ptr + r, mask=ok, other=0) - n - lane_start
+            chunk_end = end + tl.sum(n)
+            for t0 in range((end // TILE) * TILE, tl.minimum(chunk_end, T), TILE):
+                u = t0 + tiles
+                own = (lane_start[None, :] <= u[:, None]) & (u[:, None] < lane_end[None, :])
+                granted = tl.sum((own & ok[None, :]).to(tl.int32), axis=1) > 0
+                row = tl.sum(tl.where(own, r[None, :], 0), axis=1)
+                pos = u + tl.sum(tl.where(own, shift[None, :], 0), axis=1)
+                page = tl.load(block_table_ptr + row * MP + pos // page_size, mask=granted, other=NULL_PAGE)
+                slot = tl.where(granted, page.to(tl.int64) * page_size + pos % page_size, NULL_PAGE)
+                tl.store(slots_ptr + u, slot.to(tl.int32), mask=(u >= end) & (u < chunk_end) & (u < T))
+            end = chunk_end
+    # Every token below min(tok, T) is written; pad the rest.
+    tail = tl.minimum(tok, T).to(tl.int32)
+    for start in range((tail // BLOCK) * BLOCK, T, BLOCK):
+        u = start + lanes
+        tl.store(slots_ptr + u, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=(u >= tail) & (u < T))
+    release_rows(req_ids_ptr, B, claim_ptr, R, BLOCK)
+    c = counter_add(c, ERR_BAD_REQUEST, bad)
+    c = counter_add(c, ERR_BAD_COUNT, neg_count)
+    c = counter_add(c, ERR_TABLE_OVERFLOW, overflow)
+    c = counter_add(c, ERR_OUT_OVERFLOW, out_overflow)
+    c = counter_add(c, FAILED_REQUESTS, failed)
+    c = counter_add(c, FREE_COUNT, -popped)
+    c = counter_add(c, ALLOCATED, popped)
+    if B > 0:
+        c = raise_peaks(c, num_pages)
+    store_counters(counters_ptr, c)
+
+
+def extend_triton(req_ids, num_tokens, slots, ok, st, ts) -> None:
+    """Append ``num_tokens[i]`` tokens to request ``req_ids[i]`` (one launch; see module note)."""
+    B, T = req_ids.numel(), slots.numel()
+    R, MP = ts.block_table.shape
+    meta = settings(max(B, T))
+    extend_kernel[(1,)](
+        req_ids, num_tokens, B, slots, T, ok, ts.block_table, ts.seq_lens, ts.claim,
+        st.free_stack, st.refcount, st.page_state, st.counters, R, MP, st.num_pages, ts.page_size,
+        TILE=min(meta["BLOCK"], MAX_TILE), **meta,
+    )

@@ -9,9 +9,16 @@ empty, or equal to ``src``) is ``bad_request``; ``lens`` outside
 """
 
 import numba
+import triton
+import triton.language as tl
 
 from . import layout as L
 from ._numba_util import claim_requests, i32_array, lane_valid, pop_page, reset_claims, u8_array, update_peaks
+from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, claim_pages, claim_rows, first_pages,
+                                 release_rows, request_lanes, reset_pages)
+from ._triton_util import (ALLOCATED, CACHED, CACHED_COUNT, ERR_INVALID_PAGE, ERR_USE_AFTER_FREE,
+                           FAILED_REQUESTS, FREE, FREE_COUNT, NULL_PAGE, REVIVED, USED, counter_add,
+                           counter_get, load_counters, raise_peaks, settings, store_counters, tick)
 
 
 @numba.njit(nogil=True)
@@ -84,3 +91,161 @@ def fork_numba(
     counters[L.FREE_COUNT] -= popped
     counters[L.ALLOCATED] += popped
     update_peaks(counters, refcount.shape[0])
+
+
+# ---------------------------------------------------------------------- Triton
+# One program. Lanes: claim the dst rows, decide every lane on the state at
+# call start (FCFS prefix sum of the partial pages against the free count) and
+# write ``ok``, which later phases read back. Shared pages: entry (i, k) is
+# column k < lens_i // ps of src_i's row, flat index ``i * W + k`` (W the
+# widest share); three passes run the pool's ``incref`` over them (claim;
+# apply to first occurrences and copy the entries into the dst rows; restore
+# the scratch). Last, lanes ending inside a page pop a fresh page (offsets from
+# a prefix sum), the copy pairs and lengths are written and the claims restored.
+
+
+@triton.jit
+def _shared(f, W, src_ptr, dst_ptr, lens_ptr, B, ok_ptr, block_table_ptr, MP, page_size):
+    """Entries ``f``: ``(dst cell, page, shared?)``; a shared entry is a whole page of the src row."""
+    i = f // W
+    ok = tl.load(ok_ptr + i, mask=i < B, other=0).to(tl.int1) & (i < B)
+    s = tl.load(src_ptr + i, mask=ok, other=0).to(tl.int64)
+    d = tl.load(dst_ptr + i, mask=ok, other=0).to(tl.int64)
+    k = f % W
+    shared = ok & (k < tl.load(lens_ptr + i, mask=ok, other=0) // page_size)
+    p = tl.load(block_table_ptr + s * MP + k, mask=shared, other=NULL_PAGE)
+    return d * MP + k, p, shared
+
+
+@triton.jit
+def fork_kernel(
+    src_ptr,          # *int32 [B]: source requests
+    dst_ptr,          # *int32 [B]: destination requests, -1 = padding
+    lens_ptr,         # *int32 [B]: tokens to share
+    B,                # batch size
+    ok_ptr,           # *bool [B]: lane granted
+    cow_src_ptr,      # *int32 [B]: page to copy from, -1 if none
+    cow_dst_ptr,      # *int32 [B]: fresh page to copy into, -1 if none
+    block_table_ptr,  # *int32 [R, MP]
+    seq_lens_ptr,     # *int32 [R]
+    claim_ptr,        # *int32 [R] scratch, INT32_MAX between calls
+    free_stack_ptr,   # *int32 [P]
+    refcount_ptr,     # *int32 [P]
+    page_state_ptr,   # *int8 [P]
+    counters_ptr,     # *int64 [NUM_COUNTERS]
+    page_claim_ptr,   # *int32 [P] scratch, INT32_MAX between calls
+    occur_ptr,        # *int32 [P] scratch, 0 between calls
+    R,                # rows of block_table
+    MP,               # columns of block_table
+    num_pages,        # P
+    page_size,        # tokens per page
+    # Meta-parameters
+    BLOCK: tl.constexpr,  # lanes / entries per chunk
+):
+    """dst_i shares the lens_i // ps whole pages of src_i (incref) and pops a page for a partial one, FCFS."""
+    lanes = tl.arange(0, BLOCK)
+    c = load_counters(counters_ptr)
+    c, _ = tick(c)
+    free = counter_get(c, FREE_COUNT)
+    claim_rows(dst_ptr, B, claim_ptr, R, BLOCK)
+    tl.debug_barrier()
+    csum = tl.zeros((), tl.int64)  # partial pages wanted by candidate lanes so far
+    W = tl.zeros((), tl.int64)     # widest share, in pages
+    bad = tl.zeros((), tl.int64)
+    bad_len = tl.zeros((), tl.int64)
+    failed = tl.zeros((), tl.int64)
+    for start in range(0, B, BLOCK):
+        i = start + lanes
+        d, vd, pad, live = request_lanes(dst_ptr, i, B, claim_ptr, R)
+        s = tl.load(src_ptr + i, mask=live, other=NULL_PAGE)
+        vs = (s >= 0) & (s < R)
+        empty = tl.load(seq_lens_ptr + d, mask=vd, other=1) == 0
+        good = vd & vs & (s != d) & empty
+        n = tl.load(lens_ptr + i, mask=live, other=0).to(tl.int64)
+        src_len = tl.load(seq_lens_ptr + s, mask=good, other=0)
+        wrong = live & ~pad & good & ((n < 0) | (n > src_len))
+        cand = live & ~pad & good & ~wrong
+        n = tl.maximum(n, 0)
+        part = (cand & (n % page_size != 0)).to(tl.int64)
+        ok = cand & (csum + tl.cumsum(part, 0) <= free)
+        tl.store(ok_ptr + i, ok, mask=live)
+        W = tl.maximum(W, tl.max(tl.where(ok, n // page_size, 0)))
+        csum += tl.sum(part)
+        bad += tl.sum((live & ~pad & ~good).to(tl.int64))
+        bad_len += tl.sum(wrong.to(tl.int64))
+        failed += tl.sum((live & ~pad & ~ok).to(tl.int64))
+    tl.debug_barrier()
+    entries = B * W
+    invalid = tl.zeros((), tl.int64)
+    for start in range(0, entries, BLOCK):
+        f = start + lanes
+        _, p, shared = _shared(f, W, src_ptr, dst_ptr, lens_ptr, B, ok_ptr, block_table_ptr, MP, page_size)
+        invalid += claim_pages(p, f, shared, page_claim_ptr, occur_ptr, num_pages)
+    tl.debug_barrier()
+    uaf = tl.zeros((), tl.int64)
+    revived = tl.zeros((), tl.int64)
+    for start in range(0, entries, BLOCK):
+        f = start + lanes
+        cell, p, shared = _shared(f, W, src_ptr, dst_ptr, lens_ptr, B, ok_ptr, block_table_ptr, MP, page_size)
+        first, k = first_pages(p, f, shared, page_claim_ptr, occur_ptr, num_pages)
+        state = tl.load(page_state_ptr + p, mask=first, other=FREE)
+        uaf += tl.sum(tl.where(first & (state == FREE), k, 0).to(tl.int64))
+        cached = first & (state == CACHED)
+        held = (first & (state == USED)) | cached
+        rc = tl.load(refcount_ptr + p, mask=held, other=0)
+        tl.store(refcount_ptr + p, rc + k, mask=held)
+        tl.store(page_state_ptr + p, tl.full((BLOCK,), USED, tl.int8), mask=cached)
+        revived += tl.sum(cached.to(tl.int64))
+        tl.store(block_table_ptr + cell, p, mask=shared)  # dst rows were empty: no lane reads them
+    tl.debug_barrier()
+    for start in range(0, entries, BLOCK):
+        f = start + lanes
+        _, p, shared = _shared(f, W, src_ptr, dst_ptr, lens_ptr, B, ok_ptr, block_table_ptr, MP, page_size)
+        reset_pages(p, shared, page_claim_ptr, occur_ptr, num_pages)
+    popped = tl.zeros((), tl.int64)
+    for start in range(0, B, BLOCK):
+        i = start + lanes
+        live = i < B
+        ok = tl.load(ok_ptr + i, mask=live, other=0).to(tl.int1) & live
+        s = tl.load(src_ptr + i, mask=ok, other=0).to(tl.int64)
+        d = tl.load(dst_ptr + i, mask=ok, other=0).to(tl.int64)
+        n = tl.load(lens_ptr + i, mask=ok, other=0)
+        col = tl.minimum(n // page_size, MP - 1)
+        copy = ok & (n % page_size != 0)
+        z = copy.to(tl.int64)
+        off = popped + tl.cumsum(z, 0) - z
+        new = tl.load(free_stack_ptr + (free - 1 - off), mask=copy, other=NULL_PAGE)
+        take = copy & (new >= 0) & (new < num_pages)
+        tl.store(refcount_ptr + new, tl.full((BLOCK,), 1, tl.int32), mask=take)
+        tl.store(page_state_ptr + new, tl.full((BLOCK,), USED, tl.int8), mask=take)
+        tl.store(block_table_ptr + d * MP + col, new, mask=copy)
+        old = tl.load(block_table_ptr + s * MP + col, mask=copy, other=NULL_PAGE)
+        tl.store(cow_src_ptr + i, old, mask=live)
+        tl.store(cow_dst_ptr + i, new, mask=live)
+        tl.store(seq_lens_ptr + d, n, mask=ok)
+        popped += tl.sum(z)
+    release_rows(dst_ptr, B, claim_ptr, R, BLOCK)
+    c = counter_add(c, ERR_BAD_REQUEST, bad)
+    c = counter_add(c, ERR_BAD_LENGTH, bad_len)
+    c = counter_add(c, FAILED_REQUESTS, failed)
+    c = counter_add(c, ERR_INVALID_PAGE, invalid)
+    c = counter_add(c, ERR_USE_AFTER_FREE, uaf)
+    c = counter_add(c, CACHED_COUNT, -revived)
+    c = counter_add(c, REVIVED, revived)
+    c = counter_add(c, FREE_COUNT, -popped)
+    c = counter_add(c, ALLOCATED, popped)
+    if B > 0:
+        c = raise_peaks(c, num_pages)
+    store_counters(counters_ptr, c)
+
+
+def fork_triton(src_ids, dst_ids, lens, ok, cow_src, cow_dst, st, ts) -> None:
+    """Let empty requests ``dst_ids`` share the first ``lens`` tokens of ``src_ids`` (one launch)."""
+    B = dst_ids.numel()
+    R, MP = ts.block_table.shape
+    fork_kernel[(1,)](
+        src_ids, dst_ids, lens, B, ok, cow_src, cow_dst, ts.block_table, ts.seq_lens, ts.claim,
+        st.free_stack, st.refcount, st.page_state, st.counters, st.claim, st.occur,
+        R, MP, st.num_pages, ts.page_size,
+        **settings(max(B, B * MP)),
+    )

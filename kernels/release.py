@@ -8,10 +8,17 @@ become -1 and the length is set. Truncating to a length above the current one
 """
 
 import numba
+import triton
+import triton.language as tl
 
 from . import layout as L
 from ._numba_util import (claim_requests, i32_array, lane_valid, release_page, reset_claims,
                           update_peaks)
+from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, cdiv, claim_pages, claim_rows,
+                                 first_pages, request_lanes, reset_pages)
+from ._triton_util import (CACHED, CACHED_COUNT, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREE, FREE_COUNT,
+                           FREED, INT32_MAX, NULL_PAGE, USED, counter_add, counter_get, load_counters,
+                           raise_peaks, settings, store_counters, tick)
 
 
 @numba.njit(nogil=True)
@@ -100,3 +107,163 @@ def truncate_numba(
 ):
     _drop_tail(i32_array(req_ids_ptr, B), i32_array(lens_ptr, B), True, False, page_size, block_table,
                seq_lens, claim, free_stack, refcount, page_state, stamp, counters, occur)
+
+
+# ---------------------------------------------------------------------- Triton
+# One program. Lanes: claim the rows, decide each lane (valid = the row's
+# first lane; truncate: new length in [0, L]), find W, the widest drop in
+# pages. Dropped pages: entry (i, j) is column ``ceil(keep_i / ps) + j`` of lane
+# i's row, flat index ``i * W + j``, so flat order is the reference's (lane,
+# column) order; each pass recomputes an entry from the inputs, the claims and
+# the lengths, which change only in the last pass. Three passes over the
+# entries run the pool's ``free`` (claim; apply to first occurrences, pushes
+# placed by a running prefix sum; restore the scratch and reset the entries),
+# then each valid lane writes its length and restores its row's claim.
+
+
+@triton.jit
+def _lanes(ids_ptr, new_lens_ptr, i, B, claim_ptr, seq_lens_ptr, R, HAS_LENS: tl.constexpr):
+    """``(row, valid, pad, live, length, act, keep)``: act = the lane drops its tail past ``keep`` tokens."""
+    r, valid, pad, live = request_lanes(ids_ptr, i, B, claim_ptr, R)
+    length = tl.load(seq_lens_ptr + r, mask=valid, other=0)
+    if HAS_LENS:
+        keep = tl.load(new_lens_ptr + i, mask=valid, other=0)
+        act = valid & (keep >= 0) & (keep <= length)
+    else:
+        keep = tl.zeros_like(length)
+        act = valid
+    return r, valid, pad, live, length, act, keep
+
+
+@triton.jit
+def _dropped(f, W, ids_ptr, new_lens_ptr, B, claim_ptr, seq_lens_ptr, block_table_ptr, R, MP, page_size,
+             HAS_LENS: tl.constexpr):
+    """Entries ``f``: ``(table cell, page, dropped?)``; cell = row * MP + column, int64."""
+    i = f // W
+    r, _, _, _, length, act, keep = _lanes(ids_ptr, new_lens_ptr, i, B, claim_ptr, seq_lens_ptr, R, HAS_LENS)
+    k = cdiv(keep, page_size) + f % W
+    drop = act & (k < cdiv(length, page_size)) & (k < MP)
+    cell = r.to(tl.int64) * MP + k
+    return cell, tl.load(block_table_ptr + cell, mask=drop, other=NULL_PAGE), drop
+
+
+@triton.jit
+def release_kernel(
+    req_ids_ptr,      # *int32 [B]: request ids, -1 = padding
+    new_lens_ptr,     # *int32 [B]: new lengths (HAS_LENS only)
+    B,                # batch size
+    block_table_ptr,  # *int32 [R, MP]
+    seq_lens_ptr,     # *int32 [R]
+    claim_ptr,        # *int32 [R] scratch, INT32_MAX between calls
+    free_stack_ptr,   # *int32 [P]
+    refcount_ptr,     # *int32 [P]
+    page_state_ptr,   # *int8 [P]
+    stamp_ptr,        # *int64 [P]
+    counters_ptr,     # *int64 [NUM_COUNTERS]
+    page_claim_ptr,   # *int32 [P] scratch, INT32_MAX between calls
+    occur_ptr,        # *int32 [P] scratch, 0 between calls
+    R,                # rows of block_table
+    MP,               # columns of block_table
+    num_pages,        # P
+    page_size,        # tokens per page
+    # Meta-parameters
+    HAS_LENS: tl.constexpr,  # truncate to new_lens (else release: length 0)
+    CACHE: tl.constexpr,     # pages reaching 0 references become CACHED (else FREE)
+    BLOCK: tl.constexpr,     # lanes / entries per chunk
+):
+    """Free block_table[r_i, cdiv(keep_i, ps):cdiv(L_i, ps)] as one pool free in (lane, column) order; L_i = keep_i."""
+    lanes = tl.arange(0, BLOCK)
+    c = load_counters(counters_ptr)
+    c, clock = tick(c)
+    claim_rows(req_ids_ptr, B, claim_ptr, R, BLOCK)
+    tl.debug_barrier()
+    bad = tl.zeros((), tl.int64)
+    bad_len = tl.zeros((), tl.int64)
+    W = tl.zeros((), tl.int32)  # widest drop, in pages
+    for start in range(0, B, BLOCK):
+        i = start + lanes
+        _, valid, pad, live, length, act, keep = _lanes(req_ids_ptr, new_lens_ptr, i, B, claim_ptr,
+                                                        seq_lens_ptr, R, HAS_LENS)
+        bad += tl.sum((live & ~pad & ~valid).to(tl.int64))
+        bad_len += tl.sum((valid & ~act).to(tl.int64))
+        W = tl.maximum(W, tl.max(tl.where(act, cdiv(length, page_size) - cdiv(keep, page_size), 0)))
+    entries = W.to(tl.int64) * B
+    invalid = tl.zeros((), tl.int64)
+    for start in range(0, entries, BLOCK):
+        f = start + lanes
+        _, p, drop = _dropped(f, W, req_ids_ptr, new_lens_ptr, B, claim_ptr, seq_lens_ptr, block_table_ptr,
+                              R, MP, page_size, HAS_LENS)
+        invalid += claim_pages(p, f, drop, page_claim_ptr, occur_ptr, num_pages)
+    tl.debug_barrier()
+    top = counter_get(c, FREE_COUNT)
+    double = tl.zeros((), tl.int64)
+    released = tl.zeros((), tl.int64)
+    for start in range(0, entries, BLOCK):
+        f = start + lanes
+        _, p, drop = _dropped(f, W, req_ids_ptr, new_lens_ptr, B, claim_ptr, seq_lens_ptr, block_table_ptr,
+                              R, MP, page_size, HAS_LENS)
+        first, k = first_pages(p, f, drop, page_claim_ptr, occur_ptr, num_pages)
+        used = first & (tl.load(page_state_ptr + p, mask=first, other=FREE) == USED)
+        rc = tl.load(refcount_ptr + p, mask=used, other=0)
+        d = tl.where(used, tl.minimum(k, rc), 0)
+        double += tl.sum(tl.where(first, k - d, 0).to(tl.int64))
+        tl.store(refcount_ptr + p, rc - d, mask=used)
+        zero = used & (rc == d)
+        z = zero.to(tl.int64)
+        if CACHE:
+            tl.store(page_state_ptr + p, tl.full((BLOCK,), CACHED, tl.int8), mask=zero)
+            tl.store(stamp_ptr + p, tl.zeros((BLOCK,), tl.int64) + clock, mask=zero)
+        else:
+            pos = top + released + tl.cumsum(z, 0) - z
+            tl.store(free_stack_ptr + pos, p, mask=zero & (pos < num_pages))
+            tl.store(page_state_ptr + p, tl.full((BLOCK,), FREE, tl.int8), mask=zero)
+        released += tl.sum(z)
+    tl.debug_barrier()
+    for start in range(0, entries, BLOCK):
+        f = start + lanes
+        cell, p, drop = _dropped(f, W, req_ids_ptr, new_lens_ptr, B, claim_ptr, seq_lens_ptr, block_table_ptr,
+                                 R, MP, page_size, HAS_LENS)
+        reset_pages(p, drop, page_claim_ptr, occur_ptr, num_pages)
+        tl.store(block_table_ptr + cell, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=drop)
+    tl.debug_barrier()  # every pass above reads the claims and the lengths
+    for start in range(0, B, BLOCK):
+        i = start + lanes
+        r, valid, _, _, _, act, keep = _lanes(req_ids_ptr, new_lens_ptr, i, B, claim_ptr, seq_lens_ptr, R,
+                                              HAS_LENS)
+        # Only the row's own (valid) lane writes it: a repeated lane reads either its claim or
+        # INT32_MAX, never its own index, whichever order the lanes run in.
+        tl.store(seq_lens_ptr + r, keep, mask=act)
+        tl.store(claim_ptr + r, tl.full((BLOCK,), INT32_MAX, tl.int32), mask=valid)
+    c = counter_add(c, ERR_BAD_REQUEST, bad)
+    c = counter_add(c, ERR_BAD_LENGTH, bad_len)
+    c = counter_add(c, ERR_INVALID_PAGE, invalid)
+    c = counter_add(c, ERR_DOUBLE_FREE, double)
+    c = counter_add(c, FREED, released)
+    if CACHE:
+        c = counter_add(c, CACHED_COUNT, released)
+    else:
+        c = counter_add(c, FREE_COUNT, released)
+    if B > 0:
+        c = raise_peaks(c, num_pages)
+    store_counters(counters_ptr, c)
+
+
+def _launch(req_ids, new_lens, cache, st, ts) -> None:
+    B = req_ids.numel()
+    R, MP = ts.block_table.shape
+    release_kernel[(1,)](
+        req_ids, req_ids if new_lens is None else new_lens, B, ts.block_table, ts.seq_lens, ts.claim,
+        st.free_stack, st.refcount, st.page_state, st.stamp, st.counters, st.claim, st.occur,
+        R, MP, st.num_pages, ts.page_size,
+        HAS_LENS=new_lens is not None, CACHE=bool(cache), **settings(max(B, B * MP)),
+    )
+
+
+def release_triton(req_ids, cache, st, ts) -> None:
+    """Drop every page of requests ``req_ids``, lengths to 0 (one launch; see module note)."""
+    _launch(req_ids, None, cache, st, ts)
+
+
+def truncate_triton(req_ids, new_lens, st, ts) -> None:
+    """Roll requests ``req_ids`` back to ``new_lens`` tokens (one launch; see module note)."""
+    _launch(req_ids, new_lens, False, st, ts)

@@ -192,3 +192,36 @@ class NumbaTableBackend:
 
 
 TABLE_BACKENDS["numba"] = NumbaTableBackend
+
+
+class TritonTableBackend:
+    name = "triton"
+
+    def __init__(self, st: PoolState, ts):
+        from tpool.kernels import csr, extend, fork, release
+
+        self.st, self.ts = st, ts
+        self._extend, self._fork = extend.extend_triton, fork.fork_triton
+        self._release, self._truncate = release.release_triton, release.truncate_triton
+        self._csr, self._rows = csr.csr_triton, csr.rows_triton
+
+    def extend(self, req_ids, num_tokens, slots, ok):
+        self._extend(req_ids, num_tokens, slots, ok, self.st, self.ts)
+
+    def release(self, req_ids, cache):
+        self._release(req_ids, cache, self.st, self.ts)
+
+    def truncate(self, req_ids, new_lens):
+        self._truncate(req_ids, new_lens, self.st, self.ts)
+
+    def fork(self, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
+        self._fork(src_ids, dst_ids, lens, ok, cow_src, cow_dst, self.st, self.ts)
+
+    def csr(self, req_ids, indptr, indices, last_page_len):
+        self._csr(req_ids, indptr, indices, last_page_len, self.st, self.ts)
+
+    def rows(self, req_ids, out):
+        self._rows(req_ids, out, self.ts)
+
+
+TABLE_BACKENDS["triton"] = TritonTableBackend

@@ -1,0 +1,94 @@
+"""Helpers for the page-table Triton kernels: request claims and page lists.
+
+Note: like the pool kernels (see ``_triton_util``), every table kernel is ONE
+program that loops over fixed-size chunks and separates its phases with
+``tl.debug_barrier()``. Three patterns recur:
+
+* Request ids are deduplicated by ``atomic_min(claim[r], lane)``; after a
+  barrier the lane with ``claim[r] == lane`` is ``r``'s first (valid) lane.
+  Claims go back to INT32_MAX after the last phase that reads them, either
+  write-only for every id (``release_rows``) or by each row's valid lane
+  itself, so no lane mistakes a reset claim for its own.
+* Pages a call frees or shares form a list in (lane, column) order. Entry
+  ``(i, j)`` gets the flat index ``f = i * W + j``, where ``W`` is the widest
+  lane of the call (``j < W``), so ``f`` grows with that order, and pages are
+  deduplicated like the pool's ``free``: ``atomic_min(claim[p], f)`` picks the
+  first occurrence, ``atomic_add(occur[p], 1)`` counts them (both order-free).
+* No kernel keeps per-lane results in scratch: later phases read them back
+  from the call's outputs (``ok``, ``indptr``) or recompute them from the
+  inputs and from state that only the last phase writes.
+"""
+
+import triton
+import triton.language as tl
+
+from . import layout as L
+from ._triton_util import INT32_MAX, NULL_PAGE
+
+ERR_BAD_REQUEST = tl.constexpr(L.ERR_BAD_REQUEST)
+ERR_TABLE_OVERFLOW = tl.constexpr(L.ERR_TABLE_OVERFLOW)
+ERR_BAD_LENGTH = tl.constexpr(L.ERR_BAD_LENGTH)
+
+
+@triton.jit
+def cdiv(a, b):
+    """``ceil(a / b)`` for ``a >= 0``, ``b > 0``."""
+    return (a + b - 1) // b
+
+
+# ------------------------------------------------------------------- requests
+@triton.jit
+def claim_rows(ids_ptr, B, claim_ptr, R, BLOCK: tl.constexpr):
+    """Claim pass: ``claim[r] = min(lanes naming r)`` for every in-range request id."""
+    lanes = tl.arange(0, BLOCK)
+    for start in range(0, B, BLOCK):
+        i = start + lanes
+        r = tl.load(ids_ptr + i, mask=i < B, other=NULL_PAGE)
+        inr = (r >= 0) & (r < R)
+        tl.atomic_min(claim_ptr + r, i, mask=inr, sem="relaxed")
+
+
+@triton.jit
+def request_lanes(ids_ptr, i, B, claim_ptr, R):
+    """``(row, valid, pad, live)`` for lanes ``i``: valid = in range and the row's first lane."""
+    live = i < B
+    r = tl.load(ids_ptr + i, mask=live, other=NULL_PAGE)
+    inr = (r >= 0) & (r < R)
+    valid = inr & (tl.load(claim_ptr + r, mask=inr, other=-1) == i)
+    return r, valid, live & (r == NULL_PAGE), live
+
+
+@triton.jit
+def release_rows(ids_ptr, B, claim_ptr, R, BLOCK: tl.constexpr):
+    """Restore ``claim = INT32_MAX`` for every in-range request id (write-only)."""
+    lanes = tl.arange(0, BLOCK)
+    for start in range(0, B, BLOCK):
+        i = start + lanes
+        r = tl.load(ids_ptr + i, mask=i < B, other=NULL_PAGE)
+        tl.store(claim_ptr + r, tl.full((BLOCK,), INT32_MAX, tl.int32), mask=(r >= 0) & (r < R))
+
+
+# ---------------------------------------------------------------- page lists
+@triton.jit
+def claim_pages(p, f, m, claim_ptr, occur_ptr, num_pages):
+    """First entry (min ``f``) and occurrences per page for entries ``m``; returns #invalid ids."""
+    ok = m & (p >= 0) & (p < num_pages)
+    tl.atomic_min(claim_ptr + p, f.to(tl.int32), mask=ok, sem="relaxed")
+    tl.atomic_add(occur_ptr + p, 1, mask=ok, sem="relaxed")
+    return tl.sum((m & (p != NULL_PAGE) & ~ok).to(tl.int64))
+
+
+@triton.jit
+def first_pages(p, f, m, claim_ptr, occur_ptr, num_pages):
+    """``(first occurrence?, occurrences)`` of entries ``m`` (after ``claim_pages`` and a barrier)."""
+    ok = m & (p >= 0) & (p < num_pages)
+    first = ok & (tl.load(claim_ptr + p, mask=ok, other=-1) == f)
+    return first, tl.load(occur_ptr + p, mask=first, other=0)
+
+
+@triton.jit
+def reset_pages(p, m, claim_ptr, occur_ptr, num_pages):
+    """Restore ``claim = INT32_MAX`` and ``occur = 0`` for the pages of entries ``m``."""
+    ok = m & (p >= 0) & (p < num_pages)
+    tl.store(claim_ptr + p, tl.zeros_like(p).to(tl.int32) + INT32_MAX, mask=ok)
+    tl.store(occur_ptr + p, tl.zeros_like(p).to(tl.int32), mask=ok)
