@@ -31,6 +31,14 @@ def _pointer_intrinsic(elem):
 
 _i32_ptr = _pointer_intrinsic(types.int32)
 _u8_ptr = _pointer_intrinsic(types.uint8)
+_i8_ptr = _pointer_intrinsic(types.int8)
+_i64_ptr = _pointer_intrinsic(types.int64)
+
+# Slots of a pool's state descriptor (int64 [STATE_DESC_LEN]): the addresses of its
+# state tensors and the page count. One array argument instead of seven keeps
+# numba's per-call dispatch short (~60 ns per array argument).
+SD_FREE_STACK, SD_REFCOUNT, SD_PAGE_STATE, SD_STAMP, SD_COUNTERS, SD_OCCUR, SD_KEYS, SD_PAGES = range(8)
+STATE_DESC_LEN = 8
 
 
 @numba.njit(nogil=True, inline="always")
@@ -43,6 +51,27 @@ def i32_array(addr, n):
 def u8_array(addr, n):
     """uint8 ``[n]`` array over a contiguous bool tensor's ``data_ptr()``."""
     return numba.carray(_u8_ptr(addr), (n,))
+
+
+@numba.njit(nogil=True, inline="always")
+def state_arrays(sd):
+    """(free_stack, refcount, page_state, stamp, counters, occur, keys) over a state descriptor."""
+    P = sd[SD_PAGES]
+    return (numba.carray(_i32_ptr(sd[SD_FREE_STACK]), (P,)), numba.carray(_i32_ptr(sd[SD_REFCOUNT]), (P,)),
+            numba.carray(_i8_ptr(sd[SD_PAGE_STATE]), (P,)), numba.carray(_i64_ptr(sd[SD_STAMP]), (P,)),
+            numba.carray(_i64_ptr(sd[SD_COUNTERS]), (L.NUM_COUNTERS,)),
+            numba.carray(_i32_ptr(sd[SD_OCCUR]), (P,)), numba.carray(_i64_ptr(sd[SD_KEYS]), (P,)))
+
+
+def state_descriptor(st):
+    """The int64 descriptor of a PoolState (built once per pool; see SD_* slots)."""
+    d = np.zeros(STATE_DESC_LEN, np.int64)
+    for slot, t in ((SD_FREE_STACK, st.free_stack), (SD_REFCOUNT, st.refcount), (SD_PAGE_STATE, st.page_state),
+                    (SD_STAMP, st.stamp), (SD_COUNTERS, st.counters), (SD_OCCUR, st.occur), (SD_KEYS, st.keys)):
+        assert t.is_contiguous() and t.device.type == "cpu"
+        d[slot] = t.data_ptr()
+    d[SD_PAGES] = st.num_pages
+    return d
 
 
 @numba.njit(nogil=True)

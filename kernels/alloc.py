@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import i32_array, u8_array, update_peaks
+from ._numba_util import i32_array, state_arrays, u8_array, update_peaks
 from ._triton_util import (ALLOCATED, CACHED_COUNT, ERR_BAD_COUNT, ERR_OUT_OVERFLOW, EVICTED,
                            FAILED_REQUESTS, FREE_COUNT, NULL_PAGE, USED, counter_add, counter_get,
                            load_counters, raise_peaks, settings, store_counters, tick)
@@ -82,6 +82,18 @@ def alloc_numba(
     counters[L.FREE_COUNT] -= total
     counters[L.ALLOCATED] += total
     update_peaks(counters, page_state.shape[0])
+
+
+# Slots of an AllocOut descriptor (int64 [6]): output addresses and capacities.
+OD_PAGES, OD_MAX_PAGES, OD_INDPTR, OD_OK, OD_MAX_BATCH, OD_EVICTED = range(6)
+
+
+@numba.njit(nogil=True)
+def alloc_numba_entry(counts_ptr, B, od, evict, sd):
+    """``alloc_numba`` with its outputs and state passed as descriptors (fast dispatch)."""
+    stack, rc, state, stamp, counters, _, keys = state_arrays(sd)
+    alloc_numba(counts_ptr, B, od[OD_PAGES], od[OD_MAX_PAGES], od[OD_INDPTR], od[OD_OK], od[OD_MAX_BATCH],
+                od[OD_EVICTED], evict, stack, rc, state, stamp, counters, keys)
 
 
 # ---------------------------------------------------------------------- Triton

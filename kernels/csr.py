@@ -31,7 +31,13 @@ def csr_numba(
     block_table,        # int32 [R, MP]
     seq_lens,           # int32 [R]
     counters,           # int64 [NUM_COUNTERS]
+    written,            # entries of indices that may be != -1 (from the last call on this buffer)
 ):
+    """Returns how many entries of ``indices`` it wrote (pass it as ``written`` next time).
+
+    Only ``indices[total:written]`` needs padding again, so a decode step costs
+    O(pages in the batch), not O(capacity).
+    """
     ids, indptr = i32_array(req_ids_ptr, B), i32_array(indptr_ptr, B + 1)
     indices, last = i32_array(indices_ptr, cap), i32_array(last_page_len_ptr, B)
     R = block_table.shape[0]
@@ -44,9 +50,8 @@ def csr_numba(
         if r >= 0 and r < R:
             length = seq_lens[r]
             n = (length + page_size - 1) // page_size
-            for k in range(n):
-                if pos + k < cap:
-                    indices[pos + k] = block_table[r, k]
+            k = max(0, min(n, cap - pos))
+            indices[pos:pos + k] = block_table[r, :k]
         elif r != L.NULL_PAGE:
             counters[L.ERR_BAD_REQUEST] += 1
         pos += n
@@ -54,8 +59,9 @@ def csr_numba(
         last[i] = length - (n - 1) * page_size
     if pos > cap:
         counters[L.ERR_OUT_OVERFLOW] += 1
-    for u in range(pos, cap):
-        indices[u] = L.NULL_PAGE
+    total = min(pos, cap)
+    indices[total:max(total, min(written, cap))] = L.NULL_PAGE
+    return total
 
 
 @numba.njit(nogil=True)

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import i32_array, update_peaks
+from ._numba_util import i32_array, state_arrays, update_peaks
 from ._triton_util import (CACHED, CACHED_COUNT, EVICTED, FREE, FREE_COUNT, INT64_MAX,
                            NULL_PAGE, counter_add, counter_get, load_counters, settings,
                            store_counters, tick)
@@ -126,6 +126,13 @@ def evict_numba(
     counters[L.CLOCK] += 1
     evict_oldest(K, i32_array(out_ptr, K), free_stack, page_state, stamp, counters, keys)
     update_peaks(counters, page_state.shape[0])
+
+
+@numba.njit(nogil=True)
+def evict_numba_entry(out_ptr, K, sd):
+    """``evict_numba`` with the state passed as a descriptor (fast dispatch)."""
+    stack, _, state, stamp, counters, _, keys = state_arrays(sd)
+    evict_numba(out_ptr, K, stack, state, stamp, counters, keys)
 
 
 # ---------------------------------------------------------------------- Triton

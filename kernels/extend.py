@@ -43,6 +43,14 @@ def extend_numba(
     ids, ntok = i32_array(req_ids_ptr, B), i32_array(ntok_ptr, B)
     slots, ok = i32_array(slots_ptr, T), u8_array(ok_ptr, B)
     R, MP = block_table.shape[0], block_table.shape[1]
+    # Powers of two (the usual page sizes) divide by shifting: an integer division per
+    # lane and per token would cost more than the rest of a decode step.
+    shift = -1
+    if page_size & (page_size - 1) == 0:
+        shift = 0
+        while (1 << shift) < page_size:
+            shift += 1
+    mask = page_size - 1
     counters[L.CLOCK] += 1
     claim_requests(ids, R, claim, counters, True)
     free = counters[L.FREE_COUNT]
@@ -62,8 +70,12 @@ def extend_numba(
         if valid:
             r = ids[i]
             length = seq_lens[r]
-            have = (length + page_size - 1) // page_size
-            want = (length + n + page_size - 1) // page_size
+            if shift >= 0:
+                have = (length + mask) >> shift
+                want = (length + n + mask) >> shift
+            else:
+                have = (length + page_size - 1) // page_size
+                want = (length + n + page_size - 1) // page_size
             if want > MP:
                 counters[L.ERR_TABLE_OVERFLOW] += 1
             else:
@@ -79,7 +91,10 @@ def extend_numba(
                 popped += 1
             for t in range(n):
                 pos = length + t
-                slots[start + t] = block_table[r, pos // page_size] * page_size + pos % page_size
+                if shift >= 0:
+                    slots[start + t] = (block_table[r, pos >> shift] << shift) + (pos & mask)
+                else:
+                    slots[start + t] = block_table[r, pos // page_size] * page_size + pos % page_size
             seq_lens[r] = length + n
         else:
             if ids[i] != L.NULL_PAGE:

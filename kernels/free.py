@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import count_lanes, i32_array, update_peaks
+from ._numba_util import count_lanes, i32_array, state_arrays, update_peaks
 from ._triton_util import (CACHED, CACHED_COUNT, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREE, FREED,
                            FREE_COUNT, USED, claim_lanes, counter_add, counter_get, first_lanes,
                            load_counters, raise_peaks, release_lanes, settings, store_counters,
@@ -65,6 +65,13 @@ def free_numba(
         counters[L.CACHED_COUNT] += released
     counters[L.FREE_COUNT] = top
     update_peaks(counters, P)
+
+
+@numba.njit(nogil=True)
+def free_numba_entry(pages_ptr, N, cache, sd):
+    """``free_numba`` with the state passed as a descriptor (fast dispatch)."""
+    stack, rc, state, stamp, counters, occur, _ = state_arrays(sd)
+    free_numba(pages_ptr, N, cache, stack, rc, state, stamp, counters, occur)
 
 
 # ---------------------------------------------------------------------- Triton

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import count_lanes, i32_array, update_peaks
+from ._numba_util import count_lanes, i32_array, state_arrays, update_peaks
 from ._triton_util import (CACHED, CACHED_COUNT, ERR_INVALID_PAGE, ERR_USE_AFTER_FREE, FREE,
                            REVIVED, USED, claim_lanes, counter_add, first_lanes, load_counters,
                            raise_peaks, release_lanes, settings, store_counters, tick)
@@ -45,6 +45,13 @@ def incref_numba(
             counters[L.REVIVED] += 1
         refcount[p] += k
     update_peaks(counters, P)
+
+
+@numba.njit(nogil=True)
+def incref_numba_entry(pages_ptr, N, sd):
+    """``incref_numba`` with the state passed as a descriptor (fast dispatch)."""
+    _, rc, state, _, counters, occur, _ = state_arrays(sd)
+    incref_numba(pages_ptr, N, rc, state, counters, occur)
 
 
 # ---------------------------------------------------------------------- Triton

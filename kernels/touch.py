@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import count_lanes, i32_array
+from ._numba_util import count_lanes, i32_array, state_arrays
 from ._triton_util import (ERR_INVALID_PAGE, ERR_USE_AFTER_FREE, FREE, claim_lanes,
                            counter_add, first_lanes, load_counters, release_lanes, settings,
                            store_counters, tick)
@@ -39,6 +39,13 @@ def touch_numba(
             counters[L.ERR_USE_AFTER_FREE] += k
         else:
             stamp[p] = clock
+
+
+@numba.njit(nogil=True)
+def touch_numba_entry(pages_ptr, N, sd):
+    """``touch_numba`` with the state passed as a descriptor (fast dispatch)."""
+    _, _, state, stamp, counters, occur, _ = state_arrays(sd)
+    touch_numba(pages_ptr, N, state, stamp, counters, occur)
 
 
 # ---------------------------------------------------------------------- Triton

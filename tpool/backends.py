@@ -53,37 +53,40 @@ class ReferenceBackend:
 
 
 class NumbaBackend:
+    """Closures over the state descriptor: a call is one Python frame plus the kernel.
+
+    The kernels' ``*_entry`` functions take the state as one int64 descriptor of
+    addresses (built once, the tensors never move) and ``AllocOut`` buffers as
+    another, so numba's dispatch checks two arrays per call instead of eight.
+    """
+
     name = "numba"
 
     def __init__(self, st: PoolState):
         from tpool.kernels import alloc, evict, free, incref, touch
-        from tpool.kernels._numba_util import numpy_view
+        from tpool.kernels._numba_util import state_descriptor
 
         self.st = st
-        self._alloc, self._free, self._incref = alloc.alloc_numba, free.free_numba, incref.incref_numba
-        self._touch, self._evict = touch.touch_numba, evict.evict_numba
-        v = {name: numpy_view(t) for name, t in st.tensors().items()}
-        self._stack, self._rc, self._state = v["free_stack"], v["refcount"], v["page_state"]
-        self._stamp, self._counters, self._occur, self._keys = v["stamp"], v["counters"], v["occur"], v["keys"]
+        sd = self.sd = state_descriptor(st)
+        alloc_k, free_k, incref_k = alloc.alloc_numba_entry, free.free_numba_entry, incref.incref_numba_entry
+        touch_k, evict_k = touch.touch_numba_entry, evict.evict_numba_entry
 
-    def alloc(self, counts, out, evict):
-        self._alloc(counts.data_ptr(), counts.numel(), out.pages_ptr, out.max_pages, out.indptr_ptr,
-                    out.ok_ptr, out.max_batch, out.evicted_ptr, evict, self._stack, self._rc,
-                    self._state, self._stamp, self._counters, self._keys)
+        def alloc_(counts, out, evict):
+            alloc_k(counts.data_ptr(), counts.numel(), out.desc, evict, sd)
 
-    def free(self, pages, cache):
-        self._free(pages.data_ptr(), pages.numel(), cache, self._stack, self._rc, self._state,
-                   self._stamp, self._counters, self._occur)
+        def free_(pages, cache):
+            free_k(pages.data_ptr(), pages.numel(), cache, sd)
 
-    def incref(self, pages):
-        self._incref(pages.data_ptr(), pages.numel(), self._rc, self._state, self._counters, self._occur)
+        def incref_(pages):
+            incref_k(pages.data_ptr(), pages.numel(), sd)
 
-    def touch(self, pages):
-        self._touch(pages.data_ptr(), pages.numel(), self._state, self._stamp, self._counters, self._occur)
+        def touch_(pages):
+            touch_k(pages.data_ptr(), pages.numel(), sd)
 
-    def evict(self, out):
-        self._evict(out.data_ptr(), out.numel(), self._stack, self._state, self._stamp,
-                    self._counters, self._keys)
+        def evict_(out):
+            evict_k(out.data_ptr(), out.numel(), sd)
+
+        self.alloc, self.free, self.incref, self.touch, self.evict = alloc_, free_, incref_, touch_, evict_
 
 
 class TritonBackend:
@@ -160,6 +163,7 @@ class NumbaTableBackend:
         self._extend, self._release, self._truncate = extend.extend_numba, release.release_numba, release.truncate_numba
         self._fork, self._csr, self._rows = fork.fork_numba, csr.csr_numba, csr.rows_numba
         self.ps = ts.page_size
+        self._csr_written = {}  # indices buffer address -> entries the last CSR call wrote
         self._bt, self._lens, self._claim = numpy_view(ts.block_table), numpy_view(ts.seq_lens), numpy_view(ts.claim)
         v = {name: numpy_view(t) for name, t in st.tensors().items()}
         self._stack, self._rc, self._state = v["free_stack"], v["refcount"], v["page_state"]
@@ -184,8 +188,12 @@ class NumbaTableBackend:
                    self._stack, self._rc, self._state, self._counters)
 
     def csr(self, req_ids, indptr, indices, last_page_len):
-        self._csr(req_ids.data_ptr(), req_ids.numel(), indptr.data_ptr(), indices.data_ptr(), indices.numel(),
-                  last_page_len.data_ptr(), self.ps, self._bt, self._lens, self._counters)
+        # Host memory: the kernel reports how far it wrote, so the next call pads only that far.
+        key = indices.data_ptr()
+        self._csr_written[key] = self._csr(
+            req_ids.data_ptr(), req_ids.numel(), indptr.data_ptr(), key, indices.numel(),
+            last_page_len.data_ptr(), self.ps, self._bt, self._lens, self._counters,
+            self._csr_written.get(key, indices.numel()))
 
     def rows(self, req_ids, out):
         self._rows(req_ids.data_ptr(), req_ids.numel(), out.data_ptr(), self._bt)

@@ -12,6 +12,7 @@ ties by page id).
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from tpool import _checks
@@ -57,8 +58,9 @@ class AllocOut:
             evicted=torch.full((max_pages,), L.NULL_PAGE, **i32),
         )
         self.pages, self.indptr, self.ok, self.evicted = self.result
-        self.pages_ptr, self.indptr_ptr = self.pages.data_ptr(), self.indptr.data_ptr()
-        self.ok_ptr, self.evicted_ptr = self.ok.data_ptr(), self.evicted.data_ptr()
+        # Addresses and capacities for the numba kernels (slots OD_* of tpool.kernels.alloc).
+        self.desc = np.array([self.pages.data_ptr(), max_pages, self.indptr.data_ptr(), self.ok.data_ptr(),
+                              max_batch, self.evicted.data_ptr()], dtype=np.int64)
 
 
 class PagePool:
@@ -119,6 +121,11 @@ class PagePool:
     def _vector(self, t, name, max_len=None, dtype=torch.int32):
         return _checks.check_vector(t, name, dtype, self.device, max_len)
 
+    def _pages_ok(self, t) -> bool:
+        """The common case of the ``pages`` check, inline (it runs on every call)."""
+        return (type(t) is torch.Tensor and t.dtype is torch.int32 and t.device == self.device
+                and t.dim() == 1 and t.is_contiguous())
+
     def alloc_out(self, max_batch: int | None = None, max_pages: int | None = None) -> AllocOut:
         """Preallocate outputs for ``alloc(..., out=)`` (graph capture, no per-call allocation)."""
         return AllocOut(max_batch or self.max_batch, max_pages or self.max_alloc_pages, self.device)
@@ -150,10 +157,11 @@ class PagePool:
         if out is None:
             b = self._vector(counts, "counts", self.max_batch)
             out = AllocOut(b, self.max_alloc_pages, self.device)
-        elif type(out) is not AllocOut or out.device != self.device:
-            raise ValueError(f"out: expected an AllocOut from pool.alloc_out(), got {type(out).__name__}")
-        else:
-            self._vector(counts, "counts", out.max_batch)
+        elif type(out) is not AllocOut or (out.device is not self.device and out.device != self.device):
+            raise ValueError(f"out: expected an AllocOut from pool.alloc_out() on {self.device}, "
+                             f"got {type(out).__name__}")
+        elif not (self._pages_ok(counts) and counts.numel() <= out.max_batch):
+            self._vector(counts, "counts", out.max_batch)  # raises with the expected and actual values
         self._impl.alloc(counts, out, evict)
         return out.result
 
@@ -168,11 +176,12 @@ class PagePool:
 
         pages : torch.Tensor  shape ``[N]``, int32, on the pool's device.
         """
-        self._vector(pages, "pages")
-        if self._group is not None:
-            self._group.enqueue(pages, cache)
-        else:
+        if not self._pages_ok(pages):
+            self._vector(pages, "pages")  # raises with the expected and actual values
+        if self._group is None:
             self._impl.free(pages, cache)
+        else:
+            self._group.enqueue(pages, cache)
 
     def _apply_free(self, pages: torch.Tensor, cache: bool) -> None:
         self._impl.free(pages, cache)
