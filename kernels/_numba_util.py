@@ -63,6 +63,28 @@ def state_arrays(sd):
             numba.carray(_i32_ptr(sd[SD_OCCUR]), (P,)), numba.carray(_i64_ptr(sd[SD_KEYS]), (P,)))
 
 
+# Slots of a page table's descriptor (int64 [TABLE_DESC_LEN]).
+TD_BLOCK_TABLE, TD_REQUESTS, TD_MAX_PAGES, TD_SEQ_LENS, TD_CLAIM, TD_PAGE_SIZE = range(6)
+TABLE_DESC_LEN = 6
+
+
+@numba.njit(nogil=True, inline="always")
+def table_arrays(td):
+    """(block_table [R, MP], seq_lens, claim, page_size) over a table descriptor."""
+    R = td[TD_REQUESTS]
+    return (numba.carray(_i32_ptr(td[TD_BLOCK_TABLE]), (R, td[TD_MAX_PAGES])),
+            numba.carray(_i32_ptr(td[TD_SEQ_LENS]), (R,)), numba.carray(_i32_ptr(td[TD_CLAIM]), (R,)),
+            td[TD_PAGE_SIZE])
+
+
+def table_descriptor(ts):
+    """The int64 descriptor of a TableState (built once per table; see TD_* slots)."""
+    for t in (ts.block_table, ts.seq_lens, ts.claim):
+        assert t.is_contiguous() and t.device.type == "cpu"
+    return np.array([ts.block_table.data_ptr(), ts.max_requests, ts.max_pages, ts.seq_lens.data_ptr(),
+                     ts.claim.data_ptr(), ts.page_size], dtype=np.int64)
+
+
 def state_descriptor(st):
     """The int64 descriptor of a PoolState (built once per pool; see SD_* slots)."""
     d = np.zeros(STATE_DESC_LEN, np.int64)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import i32_array
+from ._numba_util import i32_array, state_arrays, table_arrays
 from ._triton_table_util import ERR_BAD_REQUEST, cdiv
 from ._triton_util import (ERR_OUT_OVERFLOW, NULL_PAGE, counter_add, load_counters, settings,
                            store_counters)
@@ -78,6 +78,21 @@ def rows_numba(
         r = ids[i]
         for k in range(MP):
             out[i * MP + k] = block_table[r, k] if (r >= 0 and r < R) else L.NULL_PAGE
+
+
+@numba.njit(nogil=True)
+def csr_numba_entry(req_ids_ptr, B, indptr_ptr, indices_ptr, cap, last_page_len_ptr, written, td, sd):
+    """``csr_numba`` with table and pool state passed as descriptors (fast dispatch)."""
+    bt, lens, _, ps = table_arrays(td)
+    counters = state_arrays(sd)[4]
+    return csr_numba(req_ids_ptr, B, indptr_ptr, indices_ptr, cap, last_page_len_ptr, ps, bt, lens, counters,
+                     written)
+
+
+@numba.njit(nogil=True)
+def rows_numba_entry(req_ids_ptr, B, out_ptr, td):
+    """``rows_numba`` with the table passed as a descriptor (fast dispatch)."""
+    rows_numba(req_ids_ptr, B, out_ptr, table_arrays(td)[0])
 
 
 # ---------------------------------------------------------------------- Triton

@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import claim_requests, i32_array, lane_valid, pop_page, reset_claims, u8_array, update_peaks
+from ._numba_util import (claim_requests, i32_array, lane_valid, pop_page, reset_claims, state_arrays, table_arrays,
+                          u8_array, update_peaks)
 from ._triton_table_util import (ERR_BAD_REQUEST, ERR_TABLE_OVERFLOW, cdiv, claim_rows, release_rows,
                                  request_lanes)
 from ._triton_util import (ALLOCATED, ERR_BAD_COUNT, ERR_OUT_OVERFLOW, FAILED_REQUESTS, FREE_COUNT,
@@ -108,6 +109,14 @@ def extend_numba(
     counters[L.FREE_COUNT] -= popped
     counters[L.ALLOCATED] += popped
     update_peaks(counters, refcount.shape[0])
+
+
+@numba.njit(nogil=True)
+def extend_numba_entry(req_ids_ptr, ntok_ptr, B, slots_ptr, T, ok_ptr, td, sd):
+    """``extend_numba`` with table and pool state passed as descriptors (fast dispatch)."""
+    bt, lens, claim, ps = table_arrays(td)
+    stack, rc, state, _, counters, _, _ = state_arrays(sd)
+    extend_numba(req_ids_ptr, ntok_ptr, B, slots_ptr, T, ok_ptr, ps, bt, lens, claim, stack, rc, state, counters)
 
 
 # ---------------------------------------------------------------------- Triton

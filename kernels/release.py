@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import (claim_requests, i32_array, lane_valid, release_page, reset_claims,
-                          update_peaks)
+from ._numba_util import (claim_requests, i32_array, lane_valid, release_page, reset_claims, state_arrays,
+                          table_arrays, update_peaks)
 from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, cdiv, claim_pages, claim_rows,
                                  first_pages, request_lanes, reset_pages)
 from ._triton_util import (CACHED, CACHED_COUNT, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREE, FREE_COUNT,
@@ -107,6 +107,22 @@ def truncate_numba(
 ):
     _drop_tail(i32_array(req_ids_ptr, B), i32_array(lens_ptr, B), True, False, page_size, block_table,
                seq_lens, claim, free_stack, refcount, page_state, stamp, counters, occur)
+
+
+@numba.njit(nogil=True)
+def release_numba_entry(req_ids_ptr, B, cache, td, sd):
+    """``release_numba`` with table and pool state passed as descriptors (fast dispatch)."""
+    bt, lens, claim, ps = table_arrays(td)
+    stack, rc, state, stamp, counters, occur, _ = state_arrays(sd)
+    release_numba(req_ids_ptr, B, cache, ps, bt, lens, claim, stack, rc, state, stamp, counters, occur)
+
+
+@numba.njit(nogil=True)
+def truncate_numba_entry(req_ids_ptr, lens_ptr, B, td, sd):
+    """``truncate_numba`` with table and pool state passed as descriptors (fast dispatch)."""
+    bt, lens, claim, ps = table_arrays(td)
+    stack, rc, state, stamp, counters, occur, _ = state_arrays(sd)
+    truncate_numba(req_ids_ptr, lens_ptr, B, ps, bt, lens, claim, stack, rc, state, stamp, counters, occur)
 
 
 # ---------------------------------------------------------------------- Triton

@@ -154,49 +154,45 @@ def make_table_backend(name: str, st: PoolState, ts):
 
 
 class NumbaTableBackend:
+    """Closures over the table and pool descriptors (see NumbaBackend)."""
+
     name = "numba"
 
     def __init__(self, st: PoolState, ts):
         from tpool.kernels import csr, extend, fork, release
-        from tpool.kernels._numba_util import numpy_view
+        from tpool.kernels._numba_util import state_descriptor, table_descriptor
 
-        self._extend, self._release, self._truncate = extend.extend_numba, release.release_numba, release.truncate_numba
-        self._fork, self._csr, self._rows = fork.fork_numba, csr.csr_numba, csr.rows_numba
-        self.ps = ts.page_size
-        self._csr_written = {}  # indices buffer address -> entries the last CSR call wrote
-        self._bt, self._lens, self._claim = numpy_view(ts.block_table), numpy_view(ts.seq_lens), numpy_view(ts.claim)
-        v = {name: numpy_view(t) for name, t in st.tensors().items()}
-        self._stack, self._rc, self._state = v["free_stack"], v["refcount"], v["page_state"]
-        self._stamp, self._counters, self._occur = v["stamp"], v["counters"], v["occur"]
+        sd, td = state_descriptor(st), table_descriptor(ts)
+        self.sd, self.td = sd, td
+        extend_k, release_k, truncate_k = extend.extend_numba_entry, release.release_numba_entry, release.truncate_numba_entry
+        fork_k, csr_k, rows_k = fork.fork_numba_entry, csr.csr_numba_entry, csr.rows_numba_entry
+        written = {}  # indices buffer address -> entries the last CSR call wrote (host memory)
 
-    def extend(self, req_ids, num_tokens, slots, ok):
-        self._extend(req_ids.data_ptr(), num_tokens.data_ptr(), req_ids.numel(), slots.data_ptr(), slots.numel(),
-                     ok.data_ptr(), self.ps, self._bt, self._lens, self._claim, self._stack, self._rc,
-                     self._state, self._counters)
+        def extend_(req_ids, num_tokens, slots, ok):
+            extend_k(req_ids.data_ptr(), num_tokens.data_ptr(), req_ids.numel(), slots.data_ptr(), slots.numel(),
+                     ok.data_ptr(), td, sd)
 
-    def release(self, req_ids, cache):
-        self._release(req_ids.data_ptr(), req_ids.numel(), cache, self.ps, self._bt, self._lens, self._claim,
-                      self._stack, self._rc, self._state, self._stamp, self._counters, self._occur)
+        def release_(req_ids, cache):
+            release_k(req_ids.data_ptr(), req_ids.numel(), cache, td, sd)
 
-    def truncate(self, req_ids, new_lens):
-        self._truncate(req_ids.data_ptr(), new_lens.data_ptr(), req_ids.numel(), self.ps, self._bt, self._lens,
-                       self._claim, self._stack, self._rc, self._state, self._stamp, self._counters, self._occur)
+        def truncate_(req_ids, new_lens):
+            truncate_k(req_ids.data_ptr(), new_lens.data_ptr(), req_ids.numel(), td, sd)
 
-    def fork(self, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
-        self._fork(src_ids.data_ptr(), dst_ids.data_ptr(), lens.data_ptr(), dst_ids.numel(), ok.data_ptr(),
-                   cow_src.data_ptr(), cow_dst.data_ptr(), self.ps, self._bt, self._lens, self._claim,
-                   self._stack, self._rc, self._state, self._counters)
+        def fork_(src_ids, dst_ids, lens, ok, cow_src, cow_dst):
+            fork_k(src_ids.data_ptr(), dst_ids.data_ptr(), lens.data_ptr(), dst_ids.numel(), ok.data_ptr(),
+                   cow_src.data_ptr(), cow_dst.data_ptr(), td, sd)
 
-    def csr(self, req_ids, indptr, indices, last_page_len):
-        # Host memory: the kernel reports how far it wrote, so the next call pads only that far.
-        key = indices.data_ptr()
-        self._csr_written[key] = self._csr(
-            req_ids.data_ptr(), req_ids.numel(), indptr.data_ptr(), key, indices.numel(),
-            last_page_len.data_ptr(), self.ps, self._bt, self._lens, self._counters,
-            self._csr_written.get(key, indices.numel()))
+        def csr_(req_ids, indptr, indices, last_page_len):
+            # The kernel reports how far it wrote, so the next call on this buffer pads only that far.
+            key = indices.data_ptr()
+            written[key] = csr_k(req_ids.data_ptr(), req_ids.numel(), indptr.data_ptr(), key, indices.numel(),
+                                 last_page_len.data_ptr(), written.get(key, indices.numel()), td, sd)
 
-    def rows(self, req_ids, out):
-        self._rows(req_ids.data_ptr(), req_ids.numel(), out.data_ptr(), self._bt)
+        def rows_(req_ids, out):
+            rows_k(req_ids.data_ptr(), req_ids.numel(), out.data_ptr(), td)
+
+        self.extend, self.release, self.truncate = extend_, release_, truncate_
+        self.fork, self.csr, self.rows = fork_, csr_, rows_
 
 
 TABLE_BACKENDS["numba"] = NumbaTableBackend

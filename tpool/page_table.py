@@ -107,11 +107,16 @@ class PageTable:
                 f"page_size={self.page_size}, pool={self.pool!r})")
 
     def _ids(self, t, name="req_ids"):
+        """Length of a request-id vector; the common case is one inline condition."""
+        if self.pool._pages_ok(t):
+            n = t.numel()
+            if n <= self.pool.max_batch:
+                return n
         return _checks.check_vector(t, name, torch.int32, self.device, self.pool.max_batch)
 
     def _lane_vector(self, t, name, b):
-        n = _checks.check_vector(t, name, torch.int32, self.device, self.pool.max_batch)
-        if n != b:
+        if not (self.pool._pages_ok(t) and t.numel() == b):
+            n = _checks.check_vector(t, name, torch.int32, self.device, self.pool.max_batch)
             raise ValueError(f"{name}: expected {b} entries (one per request id), got {n}")
 
     def _buffers(self, key, make):
@@ -145,9 +150,11 @@ class PageTable:
         b = self._ids(req_ids)
         self._lane_vector(num_tokens, "num_tokens", b)
         t = b if max_tokens is None else max_tokens
-        res = self._buffers(("extend", b, t), lambda: ExtendResult(
-            torch.full((t,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
-            torch.zeros(b, dtype=torch.bool, device=self.device)))
+        res = self._bufs.get(("extend", b, t))
+        if res is None:
+            res = self._buffers(("extend", b, t), lambda: ExtendResult(
+                torch.full((t,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
+                torch.zeros(b, dtype=torch.bool, device=self.device)))
         self._impl.extend(req_ids, num_tokens, res.slots, res.ok)
         return res
 
@@ -206,7 +213,7 @@ class PageTable:
         """
         b = self._ids(req_ids)
         cap = b * self.max_pages if capacity is None else capacity
-        res = self._buffers(("csr", b, cap), lambda: PagedKVCSR(
+        res = self._bufs.get(("csr", b, cap)) or self._buffers(("csr", b, cap), lambda: PagedKVCSR(
             torch.zeros(b + 1, dtype=torch.int32, device=self.device),
             torch.full((cap,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
             torch.zeros(b, dtype=torch.int32, device=self.device)))
