@@ -1,7 +1,9 @@
 """Benchmark: a decode step on a PageTable, and a step with finishes and admissions.
 
 decode step = ``extend(ids, ones)`` (pages for requests crossing a boundary,
-slot mapping for the new tokens) + ``flashinfer_csr(ids)`` for the batch.
+slot mapping for the new tokens) + ``flashinfer_csr(ids)`` for the batch; the
+two parts are also timed alone ("extend only", "csr only": the CSR copies
+every page id of the batch, ~80 per request at these prompt lengths).
 turnover step = the decode step, plus 2 requests released and 2 admitted
 with prompts of 512-2048 tokens (prefill extend).
 Baseline, measured in the same run: ``host-blocks``, per-request Python lists
@@ -101,6 +103,8 @@ def main(argv=None):
                 table.extend(ids, ones)
                 table.flashinfer_csr(ids)
             impls[f"tpool-{be}"] = (decode, table)
+            impls[f"tpool-{be} extend only"] = (lambda table=table, ids=ids, ones=ones: table.extend(ids, ones), table)
+            impls[f"tpool-{be} csr only"] = (lambda table=table, ids=ids: table.flashinfer_csr(ids), None)
 
             # Turnover: k = min(2, B) requests finish and k are admitted (prefill), then decode.
             # Inputs for the two alternating phases are built once: building them is the caller's cost.

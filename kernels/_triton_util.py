@@ -152,3 +152,28 @@ def release_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK: tl
         valid = (p >= 0) & (p < num_pages)
         tl.store(claim_ptr + p, tl.full((BLOCK,), INT32_MAX, tl.int32), mask=valid)
         tl.store(occur_ptr + p, tl.zeros((BLOCK,), tl.int32), mask=valid)
+
+
+@triton.jit
+def release_distinct(p, first, k, top, clock, free_stack_ptr, refcount_ptr, page_state_ptr, stamp_ptr, num_pages,
+                     CACHE: tl.constexpr, BLOCK: tl.constexpr):
+    """Drop k references of each distinct page p (lanes ``first``): the pool's free rule for one chunk.
+
+    Pages reaching 0 become CACHED stamped ``clock`` (CACHE) or are pushed at
+    ``top + rank`` in lane order. Returns (double frees, pages released).
+    """
+    used = first & (tl.load(page_state_ptr + p, mask=first, other=FREE) == USED)
+    rc = tl.load(refcount_ptr + p, mask=used, other=0)
+    d = tl.where(used, tl.minimum(k, rc), 0)
+    double = tl.sum(tl.where(first, k - d, 0).to(tl.int64))
+    tl.store(refcount_ptr + p, rc - d, mask=used)
+    zero = used & (rc == d)
+    z = zero.to(tl.int64)
+    if CACHE:
+        tl.store(page_state_ptr + p, tl.full((BLOCK,), CACHED, tl.int8), mask=zero)
+        tl.store(stamp_ptr + p, tl.zeros((BLOCK,), tl.int64) + clock, mask=zero)
+    else:
+        pos = top + tl.cumsum(z, 0) - z
+        tl.store(free_stack_ptr + pos, p, mask=zero & (pos < num_pages))
+        tl.store(page_state_ptr + p, tl.full((BLOCK,), FREE, tl.int8), mask=zero)
+    return double, tl.sum(z)

@@ -13,10 +13,10 @@ import triton.language as tl
 
 from . import layout as L
 from ._numba_util import count_lanes, i32_array, state_arrays, update_peaks
-from ._triton_util import (CACHED, CACHED_COUNT, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREE, FREED,
-                           FREE_COUNT, USED, claim_lanes, counter_add, counter_get, first_lanes,
-                           load_counters, raise_peaks, release_lanes, settings, store_counters,
-                           tick)
+from ._triton_util import (CACHED_COUNT, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREED,
+                           FREE_COUNT, claim_lanes, counter_add, counter_get, first_lanes,
+                           load_counters, raise_peaks, release_distinct, release_lanes, settings,
+                           store_counters, tick)
 
 
 @numba.njit(nogil=True)
@@ -107,21 +107,10 @@ def free_kernel(
     released = tl.zeros((), tl.int64)
     for start in range(0, n_pages, BLOCK):
         p, first, k = first_lanes(pages_ptr, start, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
-        used = first & (tl.load(page_state_ptr + p, mask=first, other=FREE) == USED)
-        rc = tl.load(refcount_ptr + p, mask=used, other=0)
-        d = tl.where(used, tl.minimum(k, rc), 0)
-        double += tl.sum(tl.where(first, k - d, 0).to(tl.int64))
-        tl.store(refcount_ptr + p, rc - d, mask=used)
-        zero = used & (rc == d)
-        z = zero.to(tl.int64)
-        if CACHE:
-            tl.store(page_state_ptr + p, tl.full((BLOCK,), CACHED, tl.int8), mask=zero)
-            tl.store(stamp_ptr + p, tl.zeros((BLOCK,), tl.int64) + clock, mask=zero)
-        else:
-            pos = top + released + tl.cumsum(z, 0) - z
-            tl.store(free_stack_ptr + pos, p, mask=zero & (pos < num_pages))
-            tl.store(page_state_ptr + p, tl.full((BLOCK,), FREE, tl.int8), mask=zero)
-        released += tl.sum(z)
+        dbl, rel = release_distinct(p, first, k, top + released, clock, free_stack_ptr, refcount_ptr, page_state_ptr,
+                                    stamp_ptr, num_pages, CACHE, BLOCK)
+        double += dbl
+        released += rel
     tl.debug_barrier()
     release_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
     c = counter_add(c, ERR_INVALID_PAGE, invalid)

@@ -16,9 +16,9 @@ from ._numba_util import (claim_requests, i32_array, lane_valid, release_page, r
                           table_arrays, update_peaks)
 from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, cdiv, claim_pages, claim_rows,
                                  first_pages, request_lanes, reset_pages)
-from ._triton_util import (CACHED, CACHED_COUNT, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREE, FREE_COUNT,
-                           FREED, INT32_MAX, NULL_PAGE, USED, counter_add, counter_get, load_counters,
-                           raise_peaks, settings, store_counters, tick)
+from ._triton_util import (CACHED_COUNT, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREE_COUNT,
+                           FREED, INT32_MAX, NULL_PAGE, counter_add, counter_get, load_counters,
+                           raise_peaks, release_distinct, settings, store_counters, tick)
 
 
 @numba.njit(nogil=True)
@@ -61,10 +61,7 @@ def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens,
                     top = release_page(p, kk, cache, clock, top, free_stack, refcount, page_state, stamp, counters)
             seq_lens[r] = keep_tokens
     counters[L.FREE_COUNT] = top
-    for i in range(B):
-        r = ids[i]
-        if r >= 0 and r < R:
-            claim[r] = 2**31 - 1
+    reset_claims(ids, R, claim)
     update_peaks(counters, P)
 
 
@@ -219,21 +216,10 @@ def release_kernel(
         _, p, drop = _dropped(f, W, req_ids_ptr, new_lens_ptr, B, claim_ptr, seq_lens_ptr, block_table_ptr,
                               R, MP, page_size, HAS_LENS)
         first, k = first_pages(p, f, drop, page_claim_ptr, occur_ptr, num_pages)
-        used = first & (tl.load(page_state_ptr + p, mask=first, other=FREE) == USED)
-        rc = tl.load(refcount_ptr + p, mask=used, other=0)
-        d = tl.where(used, tl.minimum(k, rc), 0)
-        double += tl.sum(tl.where(first, k - d, 0).to(tl.int64))
-        tl.store(refcount_ptr + p, rc - d, mask=used)
-        zero = used & (rc == d)
-        z = zero.to(tl.int64)
-        if CACHE:
-            tl.store(page_state_ptr + p, tl.full((BLOCK,), CACHED, tl.int8), mask=zero)
-            tl.store(stamp_ptr + p, tl.zeros((BLOCK,), tl.int64) + clock, mask=zero)
-        else:
-            pos = top + released + tl.cumsum(z, 0) - z
-            tl.store(free_stack_ptr + pos, p, mask=zero & (pos < num_pages))
-            tl.store(page_state_ptr + p, tl.full((BLOCK,), FREE, tl.int8), mask=zero)
-        released += tl.sum(z)
+        dbl, rel = release_distinct(p, first, k, top + released, clock, free_stack_ptr, refcount_ptr, page_state_ptr,
+                                    stamp_ptr, num_pages, CACHE, BLOCK)
+        double += dbl
+        released += rel
     tl.debug_barrier()
     for start in range(0, entries, BLOCK):
         f = start + lanes

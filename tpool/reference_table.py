@@ -65,7 +65,7 @@ def _take(st, n):
 
 
 def extend(st, ts, req_ids, num_tokens, slots, ok):
-    c, R, MP, ps = st.counters, ts.max_requests, ts.max_pages, ts.page_size
+    c, MP, ps = st.counters, ts.max_pages, ts.page_size
     c[L.CLOCK] += 1
     B, T, dev = req_ids.numel(), slots.numel(), slots.device
     if B == 0:
@@ -145,7 +145,7 @@ def truncate(st, ts, req_ids, new_lens):
 
 
 def fork(st, ts, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
-    c, R, MP, ps = st.counters, ts.max_requests, ts.max_pages, ts.page_size
+    c, MP, ps = st.counters, ts.max_pages, ts.page_size
     c[L.CLOCK] += 1
     B = dst_ids.numel()
     if B == 0:
@@ -182,7 +182,7 @@ def fork(st, ts, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
 
 def csr(st, ts, req_ids, indptr, indices, last_page_len):
     """FlashInfer's paged-KV CSR for a batch (read-only: no clock step)."""
-    c, R, MP, ps = st.counters, ts.max_requests, ts.max_pages, ts.page_size
+    c, MP, ps = st.counters, ts.max_pages, ts.page_size
     B, cap = req_ids.numel(), indices.numel()
     indptr.zero_()
     if B == 0:
