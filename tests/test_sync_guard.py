@@ -1,0 +1,71 @@
+"""The host-sync guard catches every construct it promises to, and lets fixed-shape code through."""
+
+import pytest
+import torch
+
+import tpool
+from conftest import i32
+from tpool.testing import HostSyncError, no_host_sync
+
+t = torch.arange(6)
+mask = t > 2
+
+CONSTRUCTS = {
+    "item": lambda: t[0].item(),
+    "bool": lambda: bool(t[0]),
+    "if on a tensor": lambda: 1 if t[1] else 0,
+    "int": lambda: int(t[0]),
+    "float": lambda: float(t[0]),
+    "tolist": lambda: t.tolist(),
+    "numpy": lambda: t.numpy(),
+    "cpu": lambda: t.cpu(),
+    "nonzero": lambda: torch.nonzero(t),
+    "argwhere": lambda: torch.argwhere(t),
+    "unique": lambda: torch.unique(t),
+    "unique_consecutive": lambda: torch.unique_consecutive(t),
+    "mask index": lambda: t[mask],
+    "mask assign": lambda: t.clone().__setitem__(mask, 0),
+    "masked_select": lambda: torch.masked_select(t, mask),
+    "equal": lambda: torch.equal(t, t),
+    "bincount": lambda: torch.bincount(t),
+    "repeat_interleave": lambda: torch.repeat_interleave(t, t),
+}
+
+
+@pytest.mark.parametrize("name", list(CONSTRUCTS))
+def test_guard_catches(name):
+    with pytest.raises(HostSyncError):
+        with no_host_sync():
+            CONSTRUCTS[name]()
+
+
+def test_guard_allows_fixed_shape_code_and_restores_methods():
+    with no_host_sync():
+        x = t[t.clamp(max=3)]                      # integer-tensor indexing
+        y = torch.where(mask, t, 0).cumsum(0)
+        z = torch.repeat_interleave(t, t, output_size=15)
+        t.clone()[torch.tensor([1])] = 3
+    assert x.tolist() == [0, 1, 2, 3, 3, 3] and y[-1].item() == 12 and z.numel() == 15
+    assert t.numpy().shape == (6,)                 # patched methods are back
+
+
+def test_guard_sees_a_sync_inside_pool_code(monkeypatch):
+    """A host read slipped into a backend would be caught (checked by planting one)."""
+    pool = tpool.PagePool(8, device="cpu", backend="reference")
+    original = tpool.reference.alloc
+
+    def leaky(st, counts, *rest):
+        if counts.sum() > 0:                       # a Python branch on device data
+            original(st, counts, *rest)
+    monkeypatch.setattr(tpool.reference, "alloc", leaky)
+    with pytest.raises(HostSyncError):
+        with no_host_sync():
+            pool.alloc(i32([1]))
+
+
+def test_memory_report_counts_pool_state():
+    pool = tpool.PagePool(1024, device="cpu", backend="numba")
+    report = tpool.memory_report("cpu", pools=[pool])
+    tracked = report.to_dict()["tracked"]["pools"]
+    # per page: free stack, refcount, state, stamp, two int32 scratch, int64 keys; plus 18 counters
+    assert [v["state_bytes"] for v in tracked.values()] == [1024 * (4 + 4 + 1 + 8 + 4 + 4 + 8) + 8 * 18]
