@@ -124,3 +124,13 @@ def test_cuda_freed_blocks_stay_reserved():
     assert after.allocated_bytes == before.allocated_bytes
     assert after.reserved_bytes == during.reserved_bytes >= before.reserved_bytes
     assert during.peak_allocated_bytes >= during.allocated_bytes
+
+
+def test_memory_report_counts_pool_state():
+    import tpool
+
+    pool = tpool.PagePool(1024, device="cpu", backend="numba")
+    report = tpool.memory_report("cpu", pools=[pool])
+    tracked = report.to_dict()["tracked"]["pools"]
+    # per page: free stack, refcount, state, stamp, two int32 scratch, int64 keys; plus 18 counters
+    assert [v["state_bytes"] for v in tracked.values()] == [1024 * (4 + 4 + 1 + 8 + 4 + 4 + 8) + 8 * 18]
