@@ -62,11 +62,12 @@ def capture(step, *owners, warmup: int = 2) -> "torch.cuda.CUDAGraph":
     if not torch.cuda.is_available():
         raise RuntimeError("tpool.graphs.capture needs CUDA; on a CPU call the step directly")
     side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with preserved(*owners), torch.cuda.stream(side):
-        for _ in range(warmup):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
+    side.wait_stream(torch.cuda.current_stream())      # the snapshot is taken first
+    with preserved(*owners):
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                step()
+        torch.cuda.current_stream().wait_stream(side)  # restore only after the warm-up ran
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
