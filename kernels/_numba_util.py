@@ -158,26 +158,27 @@ def reset_claims(ids, R, claim):
 
 
 @numba.njit(nogil=True, inline="always")
-def release_page(p, k, cache, clock, top, free_stack, refcount, page_state, stamp, counters):
-    """Drop ``k`` references of page ``p`` (one distinct page of a free); return the new stack top."""
+def release_page(p, k, cache, clock, top, free_stack, refcount, page_state, stamp):
+    """Drop ``k`` references of page ``p`` (one distinct page of a free).
+
+    Returns ``2 * double_frees + released``; a page whose count reaches 0 is stamped
+    CACHED (``cache``) or pushed at ``free_stack[top]`` (the caller then moves
+    ``top`` up by ``released``). Counters are the caller's to add.
+    """
     if page_state[p] != L.USED:
-        counters[L.ERR_DOUBLE_FREE] += k
-        return top
+        return 2 * k
     rc = refcount[p]
     d = min(k, rc)
-    counters[L.ERR_DOUBLE_FREE] += k - d
     refcount[p] = rc - d
-    if rc == d:
-        counters[L.FREED] += 1
-        if cache:
-            page_state[p] = L.CACHED
-            stamp[p] = clock
-            counters[L.CACHED_COUNT] += 1
-        else:
-            page_state[p] = L.FREE
-            free_stack[top] = p
-            top += 1
-    return top
+    if rc != d:
+        return 2 * (k - d)
+    if cache:
+        page_state[p] = L.CACHED
+        stamp[p] = clock
+    else:
+        page_state[p] = L.FREE
+        free_stack[top] = p
+    return 2 * (k - d) + 1
 
 
 @numba.njit(nogil=True, inline="always")

@@ -47,6 +47,8 @@ def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens,
                 else:
                     counters[L.ERR_INVALID_PAGE] += 1
     top = counters[L.FREE_COUNT]
+    double = 0
+    released = 0
     for i in range(B):  # pass 2: release in order, reset entries
         if lane_valid(ids, i, R, claim):
             r = ids[i]
@@ -58,9 +60,18 @@ def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens,
                 if p >= 0 and p < P and occur[p] > 0:
                     kk = occur[p]
                     occur[p] = 0
-                    top = release_page(p, kk, cache, clock, top, free_stack, refcount, page_state, stamp, counters)
+                    v = release_page(p, kk, cache, clock, top, free_stack, refcount, page_state, stamp)
+                    double += v >> 1
+                    rel = v & 1
+                    released += rel
+                    if not cache:
+                        top += rel
             seq_lens[r] = keep_tokens
     counters[L.FREE_COUNT] = top
+    counters[L.ERR_DOUBLE_FREE] += double
+    counters[L.FREED] += released
+    if cache:
+        counters[L.CACHED_COUNT] += released
     reset_claims(ids, R, claim)
     update_peaks(counters, P)
 

@@ -160,7 +160,8 @@ class PagePool:
         elif type(out) is not AllocOut or (out.device is not self.device and out.device != self.device):
             raise ValueError(f"out: expected an AllocOut from pool.alloc_out() on {self.device}, "
                              f"got {type(out).__name__}")
-        elif not (self._pages_ok(counts) and counts.numel() <= out.max_batch):
+        elif not (type(counts) is torch.Tensor and counts.dtype is torch.int32 and counts.device == self.device
+                  and counts.dim() == 1 and counts.is_contiguous() and counts.numel() <= out.max_batch):
             self._vector(counts, "counts", out.max_batch)  # raises with the expected and actual values
         self._impl.alloc(counts, out, evict)
         return out.result
@@ -176,7 +177,8 @@ class PagePool:
 
         pages : torch.Tensor  shape ``[N]``, int32, on the pool's device.
         """
-        if not self._pages_ok(pages):
+        if not (type(pages) is torch.Tensor and pages.dtype is torch.int32 and pages.device == self.device
+                and pages.dim() == 1 and pages.is_contiguous()):
             self._vector(pages, "pages")  # raises with the expected and actual values
         if self._group is None:
             self._impl.free(pages, cache)
