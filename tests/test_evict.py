@@ -174,3 +174,21 @@ def test_eviction_order_when_stamps_span_far(make_pool, guard, jump):
         exp = model.alloc([3], P)
         model.free(exp[0][:3], cache=True)
     pool.check_invariants()
+
+
+def test_reused_alloc_out_is_repadded(make_pool, guard):
+    """A reused AllocOut shows only this call's pages and evictions (numba pads only what it wrote)."""
+    pool = make_pool(8)
+    out = pool.alloc_out(max_batch=1, max_pages=8)
+    with guard():
+        pool.alloc(i32([8]))
+        pool.free(i32([0, 1, 2, 3, 4]), cache=True)
+        a = pool.alloc(i32([5]), out=out, evict=True)
+    assert a.evicted.tolist()[:5] == [0, 1, 2, 3, 4] and a.pages.tolist()[5:] == [-1] * 3
+    with guard():
+        pool.free(i32([0, 1, 2, 3, 4]))
+        b = pool.alloc(i32([2]), out=out, evict=True)     # free pages suffice: nothing evicted
+    assert b.evicted.tolist() == [-1] * 8 and b.pages.tolist()[2:] == [-1] * 6
+    with guard():
+        c = pool.alloc(i32([1]), out=out)
+    assert c.evicted.tolist() == [-1] * 8 and c.pages.tolist()[1:] == [-1] * 7
