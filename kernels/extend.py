@@ -53,14 +53,16 @@ def extend_numba(
             shift += 1
     mask = page_size - 1
     counters[L.CLOCK] += 1
-    claim_requests(ids, R, claim, counters, True)
+    claim_requests(ids, R, claim, counters, False)  # bad ids are counted in the lane loop
     free = counters[L.FREE_COUNT]
+    bad_ids = 0
     csum = 0
     popped = 0
     tok = 0
     for i in range(B):
         n = ntok[i]
         valid = lane_valid(ids, i, R, claim)
+        bad_ids += (not valid) and ids[i] != L.NULL_PAGE
         if valid and n < 0:
             counters[L.ERR_BAD_COUNT] += 1
             valid = False
@@ -106,6 +108,7 @@ def extend_numba(
     for u in range(tok, T):
         slots[u] = L.NULL_PAGE
     reset_claims(ids, R, claim)
+    counters[L.ERR_BAD_REQUEST] += bad_ids
     counters[L.FREE_COUNT] -= popped
     counters[L.ALLOCATED] += popped
     update_peaks(counters, refcount.shape[0])

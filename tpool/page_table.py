@@ -147,8 +147,15 @@ class PageTable:
         ExtendResult ``(slots, ok)`` in table-owned buffers (overwritten by the next
         call of the same shape).
         """
-        b = self._ids(req_ids)
-        self._lane_vector(num_tokens, "num_tokens", b)
+        dev, i32, T = self.device, torch.int32, torch.Tensor
+        if (type(req_ids) is T and type(num_tokens) is T and req_ids.dtype is i32 and num_tokens.dtype is i32
+                and req_ids.device == dev and num_tokens.device == dev and req_ids.dim() == 1 and num_tokens.dim() == 1
+                and req_ids.is_contiguous() and num_tokens.is_contiguous()
+                and (b := req_ids.numel()) == num_tokens.numel() and b <= self.pool.max_batch):
+            pass  # the common case, checked inline: this runs every decode step
+        else:
+            b = self._ids(req_ids)
+            self._lane_vector(num_tokens, "num_tokens", b)
         t = b if max_tokens is None else max_tokens
         res = self._bufs.get(("extend", b, t))
         if res is None:
