@@ -120,7 +120,7 @@ def run(requests=256, batch=64, num_pages=4096, page_size=16, seed=0, device=Non
         f"(p20 {statistics.quantiles(decode_us, n=10)[1]:.1f}, p80 {statistics.quantiles(decode_us, n=10)[7]:.1f}); "
         f"admission median {statistics.median(admit_us):.1f} us")
     out(f"pages allocated {s['pages.allocated']}, freed {s['pages.freed']}, peak in use {s['pages.used.peak']} "
-        f"of {num_pages}; failed admissions {failed_admissions} (retried later), preemptions {preempted}; "
+        f"of {num_pages}; failed admissions {failed_admissions}, preemptions {preempted} (requeued, recomputed); "
         f"no errors, invariants hold")
     return s
 
