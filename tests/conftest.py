@@ -28,6 +28,9 @@ def _triton_ready() -> bool:
 
 HAS_TRITON = _triton_ready()
 HAS_CUDA = torch.cuda.is_available()
+# Where the Triton differential tests run: compiled on a GPU, else interpreted on the CPU.
+TRITON_DEVICE = ("cuda" if HAS_CUDA else "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None) \
+    if HAS_TRITON else None
 CPU_BACKENDS = ["reference", "numba"] + (["triton"] if HAS_TRITON else [])
 
 

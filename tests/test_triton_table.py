@@ -8,34 +8,22 @@ forgets to write shows up as a mismatch. On a CPU the kernels run under
 Triton's interpreter.
 """
 
-import os
+import random
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (as conftest does)
+from conftest import TRITON_DEVICE
 
-import random  # noqa: E402
-
-import pytest  # noqa: E402
-
-pytest.importorskip("triton")
+if TRITON_DEVICE is None:
+    pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
 import tpool  # noqa: E402
 from tpool.kernels import _triton_util  # noqa: E402
-from tpool.kernels import alloc, free, incref  # noqa: E402
 from tpool.kernels import layout as L  # noqa: E402
 from tpool.testing import no_host_sync  # noqa: E402
 
-if not all(hasattr(m, f"{m.__name__.rsplit('.', 1)[1]}_triton") for m in (alloc, free, incref)):
-    pytest.skip("the pool's Triton kernels are not there yet", allow_module_level=True)
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEVICE = "cpu"
-else:
-    pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
-
+DEVICE = TRITON_DEVICE
 SENTINEL = 12345  # written into output buffers before a call; must never survive it
 
 
