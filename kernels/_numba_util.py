@@ -157,28 +157,49 @@ def reset_claims(ids, R, claim):
             claim[r] = INT32_MAX
 
 
-@numba.njit(nogil=True, inline="always")
-def release_page(p, k, cache, clock, top, free_stack, refcount, page_state, stamp):
-    """Drop ``k`` references of page ``p`` (one distinct page of a free).
+@numba.njit(nogil=True)
+def free_list(pages, cache, clock, free_stack, refcount, page_state, stamp, counters, occur):
+    """The pool's free rule over ``pages`` (any int array, -1 = padding), without the clock tick.
 
-    Returns ``2 * double_frees + released``; a page whose count reaches 0 is stamped
-    CACHED (``cache``) or pushed at ``free_stack[top]`` (the caller then moves
-    ``top`` up by ``released``). Counters are the caller's to add.
+    Per distinct page named ``k`` times: ``d = min(k, refcount)`` references are
+    dropped and ``k - d`` entries count as ``double_free`` (all ``k`` when the
+    page is not USED); pages reaching 0 are pushed in the order of their first
+    occurrence, or with ``cache`` become CACHED stamped ``clock``. Used by
+    ``free`` and by the page table's ``release`` / ``truncate``.
     """
-    if page_state[p] != L.USED:
-        return 2 * k
-    rc = refcount[p]
-    d = min(k, rc)
-    refcount[p] = rc - d
-    if rc != d:
-        return 2 * (k - d)
+    P = refcount.shape[0]
+    count_lanes(pages, P, occur, counters)
+    top = counters[L.FREE_COUNT]
+    released = 0
+    double = 0
+    for i in range(pages.shape[0]):
+        p = pages[i]
+        if p < 0 or p >= P or occur[p] == 0:
+            continue  # padding, invalid, or not the first occurrence
+        k = occur[p]
+        occur[p] = 0
+        if page_state[p] != L.USED:
+            double += k
+            continue
+        rc = refcount[p]
+        d = min(k, rc)
+        double += k - d
+        refcount[p] = rc - d
+        if rc == d:
+            released += 1
+            if cache:
+                page_state[p] = L.CACHED
+                stamp[p] = clock
+            else:
+                page_state[p] = L.FREE
+                free_stack[top] = p
+                top += 1
+    counters[L.ERR_DOUBLE_FREE] += double
+    counters[L.FREED] += released
     if cache:
-        page_state[p] = L.CACHED
-        stamp[p] = clock
-    else:
-        page_state[p] = L.FREE
-        free_stack[top] = p
-    return 2 * (k - d) + 1
+        counters[L.CACHED_COUNT] += released
+    counters[L.FREE_COUNT] = top
+    update_peaks(counters, P)
 
 
 @numba.njit(nogil=True, inline="always")

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import count_lanes, i32_array, state_arrays, update_peaks
+from ._numba_util import free_list, i32_array, state_arrays
 from ._triton_util import (CACHED_COUNT, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREED,
                            FREE_COUNT, claim_lanes, counter_add, counter_get, first_lanes,
                            load_counters, raise_peaks, release_distinct, release_lanes, settings,
@@ -31,44 +31,9 @@ def free_numba(
     counters,    # int64 [NUM_COUNTERS]
     occur,       # int32 [P] scratch, zero between calls
 ):
-    pages = i32_array(pages_ptr, N)
-    P = refcount.shape[0]
     counters[L.CLOCK] += 1
-    clock = counters[L.CLOCK]
-    count_lanes(pages, P, occur, counters)
-    top = counters[L.FREE_COUNT]
-    released = 0
-    double = 0
-    for i in range(N):
-        p = pages[i]
-        if p < 0 or p >= P or occur[p] == 0:
-            continue  # padding, invalid, or not the first occurrence
-        k = occur[p]
-        occur[p] = 0
-        # The rule of _numba_util.release_page, written out: on this hottest loop a
-        # helper taking the state arrays costs ~9 ns per page.
-        if page_state[p] != L.USED:
-            double += k
-            continue
-        rc = refcount[p]
-        d = min(k, rc)
-        double += k - d
-        refcount[p] = rc - d
-        if rc == d:
-            released += 1
-            if cache:
-                page_state[p] = L.CACHED
-                stamp[p] = clock
-            else:
-                page_state[p] = L.FREE
-                free_stack[top] = p
-                top += 1
-    counters[L.ERR_DOUBLE_FREE] += double
-    counters[L.FREED] += released
-    if cache:
-        counters[L.CACHED_COUNT] += released
-    counters[L.FREE_COUNT] = top
-    update_peaks(counters, P)
+    free_list(i32_array(pages_ptr, N), cache, counters[L.CLOCK], free_stack, refcount, page_state, stamp,
+              counters, occur)
 
 
 @numba.njit(nogil=True)

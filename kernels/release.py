@@ -8,12 +8,13 @@ become -1 and the length is set. Truncating to a length above the current one
 """
 
 import numba
+import numpy as np
 import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import (claim_requests, i32_array, lane_valid, release_page, reset_claims, state_arrays,
-                          table_arrays, update_peaks)
+from ._numba_util import (claim_requests, free_list, i32_array, lane_valid, reset_claims, state_arrays,
+                          table_arrays)
 from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, cdiv, claim_pages, claim_rows,
                                  first_pages, request_lanes, reset_pages)
 from ._triton_util import (CACHED_COUNT, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREE_COUNT,
@@ -25,7 +26,6 @@ from ._triton_util import (CACHED_COUNT, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREE
 def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens, claim,
                free_stack, refcount, page_state, stamp, counters, occur):
     R = block_table.shape[0]
-    P = refcount.shape[0]
     counters[L.CLOCK] += 1
     clock = counters[L.CLOCK]
     claim_requests(ids, R, claim, counters, True)
@@ -36,44 +36,24 @@ def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens,
             if n < 0 or n > seq_lens[ids[i]]:
                 counters[L.ERR_BAD_LENGTH] += 1
                 claim[ids[i]] = -1
-    for i in range(B):  # pass 1: occurrences of every dropped page
+    count = 0
+    for i in range(B):  # how many entries are dropped
         if lane_valid(ids, i, R, claim):
-            r = ids[i]
             keep = (new_lens[i] + page_size - 1) // page_size if use_lens else 0
-            for k in range(keep, (seq_lens[r] + page_size - 1) // page_size):
-                p = block_table[r, k]
-                if p >= 0 and p < P:
-                    occur[p] += 1
-                else:
-                    counters[L.ERR_INVALID_PAGE] += 1
-    top = counters[L.FREE_COUNT]
-    double = 0
-    released = 0
-    for i in range(B):  # pass 2: release in order, reset entries
+            count += max(0, (seq_lens[ids[i]] + page_size - 1) // page_size - keep)
+    dropped = np.empty(count, np.int32)
+    j = 0
+    for i in range(B):  # gather them lane by lane, in table order; reset the entries
         if lane_valid(ids, i, R, claim):
             r = ids[i]
             keep_tokens = new_lens[i] if use_lens else 0
-            keep = (keep_tokens + page_size - 1) // page_size
-            for k in range(keep, (seq_lens[r] + page_size - 1) // page_size):
-                p = block_table[r, k]
+            for k in range((keep_tokens + page_size - 1) // page_size, (seq_lens[r] + page_size - 1) // page_size):
+                dropped[j] = block_table[r, k]
                 block_table[r, k] = L.NULL_PAGE
-                if p >= 0 and p < P and occur[p] > 0:
-                    kk = occur[p]
-                    occur[p] = 0
-                    v = release_page(p, kk, cache, clock, top, free_stack, refcount, page_state, stamp)
-                    double += v >> 1
-                    rel = v & 1
-                    released += rel
-                    if not cache:
-                        top += rel
+                j += 1
             seq_lens[r] = keep_tokens
-    counters[L.FREE_COUNT] = top
-    counters[L.ERR_DOUBLE_FREE] += double
-    counters[L.FREED] += released
-    if cache:
-        counters[L.CACHED_COUNT] += released
     reset_claims(ids, R, claim)
-    update_peaks(counters, P)
+    free_list(dropped, cache, clock, free_stack, refcount, page_state, stamp, counters, occur)
 
 
 @numba.njit(nogil=True)
