@@ -8,7 +8,9 @@ an address; state arrays are numpy views taken once when a pool is built.
 
 import numba
 import numpy as np
+import llvmlite.ir as llvm_ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import layout as L
@@ -39,6 +41,25 @@ _i64_ptr = _pointer_intrinsic(types.int64)
 # numba's per-call dispatch short (~60 ns per array argument).
 SD_FREE_STACK, SD_REFCOUNT, SD_PAGE_STATE, SD_STAMP, SD_COUNTERS, SD_OCCUR, SD_KEYS, SD_PAGES = range(8)
 STATE_DESC_LEN = 8
+
+
+@intrinsic
+def copy_i32(typingctx, dst_addr, src_addr, n):
+    """memcpy of ``n`` int32 from address ``src_addr`` to ``dst_addr`` (non-overlapping).
+
+    numba does not vectorise a copy between two arrays it cannot prove apart;
+    the CSR export copies every page id of a batch, and this is ~4x faster.
+    """
+    sig = types.void(types.int64, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        dst, src, count = args
+        byte_ptr = llvm_ir.IntType(8).as_pointer()
+        nbytes = builder.mul(count, llvm_ir.Constant(llvm_ir.IntType(64), 4))
+        cgutils.raw_memcpy(builder, builder.inttoptr(dst, byte_ptr), builder.inttoptr(src, byte_ptr), nbytes, 1)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @numba.njit(nogil=True, inline="always")
@@ -96,6 +117,28 @@ def state_descriptor(st):
     return d
 
 
+@numba.njit(nogil=True, inline="always")
+def page_shift(page_size):
+    """log2(page_size) when it is a power of two (the usual case), else -1."""
+    if page_size & (page_size - 1) != 0:
+        return -1
+    s = 0
+    while (1 << s) < page_size:
+        s += 1
+    return s
+
+
+@numba.njit(nogil=True, inline="always")
+def pages_for(tokens, page_size, shift):
+    """ceil(tokens / page_size): a shift instead of an integer division when ``shift >= 0``.
+
+    A division per request is a visible share of a decode step on a CPU.
+    """
+    if shift >= 0:
+        return (tokens + page_size - 1) >> shift
+    return (tokens + page_size - 1) // page_size
+
+
 @numba.njit(nogil=True)
 def update_peaks(counters, num_pages):
     used = num_pages - counters[L.FREE_COUNT] - counters[L.CACHED_COUNT]
@@ -123,7 +166,7 @@ def numpy_view(t):
     return a
 
 
-__all__ = ["i32_array", "u8_array", "update_peaks", "count_lanes", "numpy_view", "np"]
+__all__ = ["i32_array", "u8_array", "copy_i32", "update_peaks", "count_lanes", "numpy_view", "np"]
 
 
 INT32_MAX = 2**31 - 1

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import i32_array, state_arrays, table_arrays
+from ._numba_util import copy_i32, i32_array, page_shift, pages_for, state_arrays, table_arrays
 from ._triton_table_util import ERR_BAD_REQUEST, cdiv
 from ._triton_util import (ERR_OUT_OVERFLOW, NULL_PAGE, counter_add, load_counters, settings,
                            store_counters)
@@ -40,7 +40,8 @@ def csr_numba(
     """
     ids, indptr = i32_array(req_ids_ptr, B), i32_array(indptr_ptr, B + 1)
     indices, last = i32_array(indices_ptr, cap), i32_array(last_page_len_ptr, B)
-    R = block_table.shape[0]
+    R, MP = block_table.shape[0], block_table.shape[1]
+    shift = page_shift(page_size)
     pos = 0
     indptr[0] = 0
     for i in range(B):
@@ -49,9 +50,9 @@ def csr_numba(
         length = 0
         if r >= 0 and r < R:
             length = seq_lens[r]
-            n = (length + page_size - 1) // page_size
+            n = pages_for(length, page_size, shift)
             k = max(0, min(n, cap - pos))
-            indices[pos:pos + k] = block_table[r, :k]
+            copy_i32(indices_ptr + 4 * pos, block_table.ctypes.data + 4 * r * MP, k)
         elif r != L.NULL_PAGE:
             counters[L.ERR_BAD_REQUEST] += 1
         pos += n
@@ -76,8 +77,10 @@ def rows_numba(
     out = i32_array(out_ptr, B * MP)
     for i in range(B):
         r = ids[i]
-        for k in range(MP):
-            out[i * MP + k] = block_table[r, k] if (r >= 0 and r < R) else L.NULL_PAGE
+        if r >= 0 and r < R:
+            copy_i32(out_ptr + 4 * i * MP, block_table.ctypes.data + 4 * r * MP, MP)
+        else:
+            out[i * MP:(i + 1) * MP] = L.NULL_PAGE
 
 
 @numba.njit(nogil=True)

@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import (claim_requests, i32_array, lane_valid, pop_page, reset_claims, state_arrays, table_arrays,
-                          u8_array, update_peaks)
+from ._numba_util import (claim_requests, i32_array, lane_valid, page_shift, pages_for, pop_page, reset_claims,
+                          state_arrays, table_arrays, u8_array, update_peaks)
 from ._triton_table_util import (ERR_BAD_REQUEST, ERR_TABLE_OVERFLOW, cdiv, claim_rows, release_rows,
                                  request_lanes)
 from ._triton_util import (ALLOCATED, ERR_BAD_COUNT, ERR_OUT_OVERFLOW, FAILED_REQUESTS, FREE_COUNT,
@@ -46,11 +46,7 @@ def extend_numba(
     R, MP = block_table.shape[0], block_table.shape[1]
     # Powers of two (the usual page sizes) divide by shifting: an integer division per
     # lane and per token would cost more than the rest of a decode step.
-    shift = -1
-    if page_size & (page_size - 1) == 0:
-        shift = 0
-        while (1 << shift) < page_size:
-            shift += 1
+    shift = page_shift(page_size)
     mask = page_size - 1
     counters[L.CLOCK] += 1
     claim_requests(ids, R, claim, counters, False)  # bad ids are counted in the lane loop
@@ -73,12 +69,8 @@ def extend_numba(
         if valid:
             r = ids[i]
             length = seq_lens[r]
-            if shift >= 0:
-                have = (length + mask) >> shift
-                want = (length + n + mask) >> shift
-            else:
-                have = (length + page_size - 1) // page_size
-                want = (length + n + page_size - 1) // page_size
+            have = pages_for(length, page_size, shift)
+            want = pages_for(length + n, page_size, shift)
             if want > MP:
                 counters[L.ERR_TABLE_OVERFLOW] += 1
             else:
