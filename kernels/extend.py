@@ -47,7 +47,6 @@ def extend_numba(
     # Powers of two (the usual page sizes) divide by shifting: an integer division per
     # lane and per token would cost more than the rest of a decode step.
     shift = page_shift(page_size)
-    mask = page_size - 1
     counters[L.CLOCK] += 1
     claim_requests(ids, R, claim, counters, False)  # bad ids are counted in the lane loop
     free = counters[L.FREE_COUNT]
@@ -84,12 +83,15 @@ def extend_numba(
             for k in range(have, want):
                 block_table[r, k] = pop_page(popped, free_stack, refcount, page_state, counters)
                 popped += 1
-            for t in range(n):
-                pos = length + t
-                if shift >= 0:
-                    slots[start + t] = (block_table[r, pos >> shift] << shift) + (pos & mask)
-                else:
-                    slots[start + t] = block_table[r, pos // page_size] * page_size + pos % page_size
+            pos, u = length, start
+            while pos < length + n:  # page by page: the inner loop is base + offset
+                k = pos >> shift if shift >= 0 else pos // page_size
+                base = block_table[r, k] * page_size - k * page_size
+                stop = min(length + n, (k + 1) * page_size)
+                for q in range(pos, stop):
+                    slots[u + q - pos] = base + q
+                u += stop - pos
+                pos = stop
             seq_lens[r] = length + n
         else:
             if ids[i] != L.NULL_PAGE:
