@@ -22,6 +22,8 @@ from tpool.free_group import FreeGroup
 from tpool.kernels import layout as L
 from tpool.state import INT32_MAX, PoolState
 
+_Tensor, _int32 = torch.Tensor, torch.int32  # module globals: read on every hot-path call
+
 DEFAULT_MAX_BATCH = 4096        # requests per alloc call
 DEFAULT_MAX_ALLOC_PAGES = 4096  # pages per alloc call without an out= buffer
 
@@ -123,7 +125,7 @@ class PagePool:
 
     def _pages_ok(self, t) -> bool:
         """The common case of the ``pages`` check, inline (it runs on every call)."""
-        return (type(t) is torch.Tensor and t.dtype is torch.int32 and t.device == self.device
+        return (type(t) is _Tensor and t.dtype is _int32 and t.device == self.device
                 and t.dim() == 1 and t.is_contiguous())
 
     def alloc_out(self, max_batch: int | None = None, max_pages: int | None = None) -> AllocOut:
@@ -160,7 +162,7 @@ class PagePool:
         elif type(out) is not AllocOut or (out.device is not self.device and out.device != self.device):
             raise ValueError(f"out: expected an AllocOut from pool.alloc_out() on {self.device}, "
                              f"got {type(out).__name__}")
-        elif not (type(counts) is torch.Tensor and counts.dtype is torch.int32 and counts.device == self.device
+        elif not (type(counts) is _Tensor and counts.dtype is _int32 and counts.device == self.device
                   and counts.dim() == 1 and counts.is_contiguous() and counts.numel() <= out.max_batch):
             self._vector(counts, "counts", out.max_batch)  # raises with the expected and actual values
         self._impl.alloc(counts, out, evict)
@@ -177,7 +179,7 @@ class PagePool:
 
         pages : torch.Tensor  shape ``[N]``, int32, on the pool's device.
         """
-        if not (type(pages) is torch.Tensor and pages.dtype is torch.int32 and pages.device == self.device
+        if not (type(pages) is _Tensor and pages.dtype is _int32 and pages.device == self.device
                 and pages.dim() == 1 and pages.is_contiguous()):
             self._vector(pages, "pages")  # raises with the expected and actual values
         if self._group is None:
