@@ -244,6 +244,10 @@ def test_constructor_checks():
         tpool.PagePool(4, device="cpu", backend="cuda-magic")
     with pytest.raises(ValueError, match="expected device cpu"):
         tpool.PagePool(4, device="meta", backend="numba")
+    with pytest.raises(ValueError, match="max_alloc_pages: expected a positive int or None, got -3"):
+        tpool.PagePool(4, device="cpu", max_alloc_pages=-3)
+    with pytest.raises(ValueError, match="max_pages: expected a positive int or None, got 0"):
+        tpool.PagePool(4, device="cpu").alloc_out(max_batch=2, max_pages=0)
 
 
 def test_auto_backend_and_env_override(monkeypatch):

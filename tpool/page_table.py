@@ -76,6 +76,7 @@ class PageTable:
 
     Example
     -------
+    >>> i32 = lambda v: torch.tensor(v, dtype=torch.int32)
     >>> pool = PagePool(16, page_size=4, device="cpu", backend="reference")
     >>> table = PageTable(pool, max_requests=2, max_pages_per_request=4)
     >>> r = table.extend(i32([0, 1]), i32([6, 1]), max_tokens=8)   # two prefills

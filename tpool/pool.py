@@ -108,6 +108,8 @@ class PagePool:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_pages, self.page_size, self.max_batch = num_pages, page_size, max_batch
+        if max_alloc_pages is not None and (not isinstance(max_alloc_pages, int) or max_alloc_pages < 1):
+            raise ValueError(f"max_alloc_pages: expected a positive int or None, got {max_alloc_pages!r}")
         self.max_alloc_pages = max_alloc_pages or min(num_pages, DEFAULT_MAX_ALLOC_PAGES)
         self.backend = resolve_backend(backend, self.device)
         self.state = PoolState.create(num_pages, self.device)
@@ -129,7 +131,15 @@ class PagePool:
                 and t.dim() == 1 and t.is_contiguous())
 
     def alloc_out(self, max_batch: int | None = None, max_pages: int | None = None) -> AllocOut:
-        """Preallocate outputs for ``alloc(..., out=)`` (graph capture, no per-call allocation)."""
+        """Preallocate outputs for ``alloc(..., out=)`` (graph capture, no per-call allocation).
+
+        ``max_batch`` (default ``self.max_batch``) sizes ``indptr``/``ok``, which are
+        padded past the batch on every call: size it to the batches you run.
+        ``max_pages`` (default ``self.max_alloc_pages``) sizes ``pages``/``evicted``.
+        """
+        for name, v in (("max_batch", max_batch), ("max_pages", max_pages)):
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name}: expected a positive int or None, got {v!r}")
         return AllocOut(max_batch or self.max_batch, max_pages or self.max_alloc_pages, self.device)
 
     def alloc(self, counts: torch.Tensor, *, out: AllocOut | None = None, evict: bool = False) -> AllocResult:
