@@ -96,22 +96,23 @@ class TritonBackend:
         from tpool.kernels import alloc, evict, free, incref, touch
 
         self.st = st
-        self._k = (alloc, free, incref, touch, evict)
+        self._alloc, self._free, self._incref = alloc.alloc_triton, free.free_triton, incref.incref_triton
+        self._touch, self._evict = touch.touch_triton, evict.evict_triton
 
     def alloc(self, counts, out, evict):
-        self._k[0].alloc_triton(counts, out.pages, out.indptr, out.ok, out.evicted, evict, self.st)
+        self._alloc(counts, out.pages, out.indptr, out.ok, out.evicted, evict, self.st)
 
     def free(self, pages, cache):
-        self._k[1].free_triton(pages, cache, self.st)
+        self._free(pages, cache, self.st)
 
     def incref(self, pages):
-        self._k[2].incref_triton(pages, self.st)
+        self._incref(pages, self.st)
 
     def touch(self, pages):
-        self._k[3].touch_triton(pages, self.st)
+        self._touch(pages, self.st)
 
     def evict(self, out):
-        self._k[4].evict_triton(out, self.st)
+        self._evict(out, self.st)
 
 
 def make_backend(name: str, st: PoolState):
