@@ -62,6 +62,25 @@ def copy_i32(typingctx, dst_addr, src_addr, n):
     return sig, codegen
 
 
+@intrinsic
+def fill_null_i32(typingctx, addr, n):
+    """Set ``n`` int32 at address ``addr`` to -1 (NULL_PAGE): a memset of 0xFF bytes.
+
+    numba leaves such padding loops scalar (~0.4 ns per entry); a memset is ~10x faster.
+    """
+    assert L.NULL_PAGE == -1  # all bytes 0xFF
+    sig = types.void(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        dst, count = args
+        byte_ptr = llvm_ir.IntType(8).as_pointer()
+        nbytes = builder.mul(count, llvm_ir.Constant(llvm_ir.IntType(64), 4))
+        cgutils.memset(builder, builder.inttoptr(dst, byte_ptr), nbytes, 0xFF)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @numba.njit(nogil=True, inline="always")
 def i32_array(addr, n):
     """int32 ``[n]`` array over a contiguous tensor's ``data_ptr()``."""

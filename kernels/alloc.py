@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import i32_array, state_arrays, u8_array, update_peaks
+from ._numba_util import fill_null_i32, i32_array, state_arrays, u8_array, update_peaks
 from ._triton_util import (ALLOCATED, CACHED_COUNT, ERR_BAD_COUNT, ERR_OUT_OVERFLOW, EVICTED,
                            FAILED_REQUESTS, FREE_COUNT, NULL_PAGE, USED, counter_add, counter_get,
                            load_counters, raise_peaks, settings, store_counters, tick)
@@ -77,8 +77,8 @@ def alloc_numba(
         pages[j] = p
         refcount[p] = 1
         page_state[p] = L.USED
-    for j in range(total, M):
-        pages[j] = L.NULL_PAGE
+    if total < M:
+        fill_null_i32(pages_ptr + 4 * total, M - total)
     counters[L.FREE_COUNT] -= total
     counters[L.ALLOCATED] += total
     update_peaks(counters, page_state.shape[0])

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import i32_array, state_arrays, update_peaks
+from ._numba_util import fill_null_i32, i32_array, state_arrays, update_peaks
 from ._triton_util import (CACHED, CACHED_COUNT, EVICTED, FREE, FREE_COUNT, INT64_MAX,
                            NULL_PAGE, counter_add, counter_get, load_counters, settings,
                            store_counters, tick)
@@ -109,8 +109,8 @@ def evict_oldest(n, out, free_stack, page_state, stamp, counters, keys):
         counters[L.FREE_COUNT] = top + m
         counters[L.CACHED_COUNT] -= m
         counters[L.EVICTED] += m
-    for r in range(m, out.shape[0]):
-        out[r] = L.NULL_PAGE
+    if m < out.shape[0]:
+        fill_null_i32(out.ctypes.data + 4 * m, out.shape[0] - m)
 
 
 @numba.njit(nogil=True)
