@@ -77,3 +77,18 @@ def test_groups_do_not_nest(make_pool):
         with pytest.raises(RuntimeError, match="do not nest"):
             with pool.free_group():
                 pass
+
+
+def test_group_buffer_is_pool_owned_and_reused(make_pool, guard):
+    pool = make_pool(8)
+    with guard():
+        pool.alloc(i32([4]))
+    with pool.free_group() as g1:
+        with guard():
+            pool.free(i32([0, 1]))
+    with pool.free_group() as g2:
+        with guard():
+            pool.free(i32([2]), cache=True)
+    assert g1._buf.data_ptr() == g2._buf.data_ptr()
+    assert g2._buf.eq(-1).all()                    # left clean for the next group
+    assert pool.available() == 6 and pool.stats()["pages.cached.current"] == 1

@@ -30,7 +30,12 @@ class FreeGroup:
             raise ValueError(f"capacity: expected a positive int, got {capacity!r}")
         self.pool, self.capacity = pool, capacity
         # One buffer per cache flag; index 0: plain frees, 1: cached frees.
-        self._buf = torch.full((2, capacity), L.NULL_PAGE, dtype=torch.int32, device=pool.device)
+        # Pool-owned and kept across groups of the same capacity: no allocation per group,
+        # and a graph that captured a group keeps valid addresses. Always -1 between groups.
+        self._buf = pool._group_buffers.get(capacity)
+        if self._buf is None:
+            self._buf = pool._group_buffers[capacity] = torch.full(
+                (2, capacity), L.NULL_PAGE, dtype=torch.int32, device=pool.device)
         self._fill = [0, 0]
         self.flushes = 0  # how many passes were applied (host-side, for tests and stats)
 

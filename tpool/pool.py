@@ -116,6 +116,7 @@ class PagePool:
         self._impl = make_backend(self.backend, self.state)
         self._errors_seen = [0] * L.NUM_COUNTERS
         self._group = None
+        self._group_buffers = {}  # capacity -> int32 [2, capacity], see FreeGroup
 
     def __repr__(self):
         return (f"PagePool(num_pages={self.num_pages}, page_size={self.page_size}, "
