@@ -3,7 +3,9 @@
 Note: the numba kernels take per-call tensors as (address, length) pairs so
 that a call costs a ``data_ptr()`` (~0.1 us) instead of a ``.numpy()``
 (~0.7 us). The façade checks dtype, device and contiguity before it passes
-an address; state arrays are numpy views taken once when a pool is built.
+an address. The state of a pool (and of a table) reaches the kernels as one
+int64 descriptor of addresses, built once (``state_descriptor``,
+``table_descriptor``), because numba checks every array argument on each call.
 """
 
 import numba
@@ -176,16 +178,6 @@ def count_lanes(pages, num_pages, occur, counters):
             occur[p] += 1
         elif p != L.NULL_PAGE:
             counters[L.ERR_INVALID_PAGE] += 1
-
-
-def numpy_view(t):
-    """Zero-copy numpy view of a CPU tensor (taken once per state tensor)."""
-    a = t.numpy()
-    assert a.flags.c_contiguous
-    return a
-
-
-__all__ = ["i32_array", "u8_array", "copy_i32", "update_peaks", "count_lanes", "numpy_view", "np"]
 
 
 INT32_MAX = 2**31 - 1
