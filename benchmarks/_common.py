@@ -10,12 +10,19 @@ import time
 import torch
 
 
-def sample_us(fn, *, inner: int, samples: int, sync=None) -> list:
-    """Run ``fn`` ``inner`` times per sample; return per-call microseconds for each sample."""
+def sample_us(fn, *, inner: int, samples: int, sync=None, reset=None) -> list:
+    """Run ``fn`` ``inner`` times per sample; return per-call microseconds for each sample.
+
+    ``reset`` (untimed) runs before each sample: steps that grow state (a decode
+    step lengthens every request) then measure the same workload each sample
+    instead of one that drifts as the samples go on.
+    """
     for _ in range(max(1, inner // 4)):  # warm-up (JIT compile, caches)
         fn()
     out = []
     for _ in range(samples):
+        if reset:
+            reset()
         if sync:
             sync()
         t0 = time.perf_counter_ns()

@@ -1,11 +1,16 @@
 """Benchmark: a decode step on a PageTable, and a step with finishes and admissions.
 
-decode step = ``extend(ids, ones)`` (pages for requests crossing a boundary,
-slot mapping for the new tokens) + ``flashinfer_csr(ids)`` for the batch; the
-two parts are also timed alone ("extend only", "csr only": the CSR copies
-every page id of the batch, ~80 per request at these prompt lengths).
-turnover step = the decode step, plus 2 requests released and 2 admitted
-with prompts of 512-2048 tokens (prefill extend).
+decode step = ``table.step(ids, ones)``: extend every request by one token
+(pages for requests crossing a boundary, the slot mapping) and export the
+batch's FlashInfer CSR, in one call. Also timed: the same as two calls
+(``extend`` then ``flashinfer_csr``) and each part alone. The CSR copies
+every page id of the batch (~80 per request at these prompt lengths), so a
+floor is timed too: one ``np.copyto`` of that many int32.
+turnover step = 2 requests released, then one ``step`` over the batch in
+which the 2 admitted requests carry their prompts (512-2048 tokens, a
+prefill) and the others one token.
+Each sample starts from the same table (restored untimed before it), so the
+requests do not grow over the run.
 Baseline, measured in the same run: ``host-blocks``, per-request Python lists
 of block ids with a host free list, the slot mapping and CSR built on the
 host and copied into tensors, the shape of vLLM's block pool + block table.
@@ -18,15 +23,18 @@ import os
 import random
 import sys
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import print_table, quantiles, sample_us, write_json  # noqa: E402
 
 import tpool  # noqa: E402
+from tpool.graphs import state_tensors  # noqa: E402
 
 PAGE_SIZE = 16
 PROMPTS = (512, 2048)
+TURNOVER_PHASES = 16  # even: the first k requests finish; odd: the k spare ones do
 
 
 class HostBlocks:
@@ -98,42 +106,54 @@ def main(argv=None):
             pool, table, _, prompts = setup(B, be, device, random.Random(B))
             ids = torch.arange(B, dtype=torch.int32, device=device)
             ones = torch.ones(B, dtype=torch.int32, device=device)
+            impls[f"tpool-{be} step"] = (lambda table=table, ids=ids, ones=ones: table.step(ids, ones), table)
 
-            def decode(table=table, ids=ids, ones=ones):
+            def two_calls(table=table, ids=ids, ones=ones):
                 table.extend(ids, ones)
                 table.flashinfer_csr(ids)
-            impls[f"tpool-{be}"] = (decode, table)
+            impls[f"tpool-{be} extend + csr"] = (two_calls, table)
             impls[f"tpool-{be} extend only"] = (lambda table=table, ids=ids, ones=ones: table.extend(ids, ones), table)
-            impls[f"tpool-{be} csr only"] = (lambda table=table, ids=ids: table.flashinfer_csr(ids), None)
+            impls[f"tpool-{be} csr only"] = (lambda table=table, ids=ids: table.flashinfer_csr(ids), table)
 
-            # Turnover: k = min(2, B) requests finish and k are admitted (prefill), then decode.
-            # Inputs for the two alternating phases are built once: building them is the caller's cost.
+            # Turnover: k = min(2, B) requests finish and k are admitted. The finished ones are
+            # those admitted the step before (ids alternate between two sets), and each of
+            # TURNOVER_PHASES steps draws its own prompts, so a sample averages over 2 * 16
+            # prompt lengths. The inputs are built once (building them is the caller's cost).
             k = min(2, B)
             spare, first = list(range(B, B + k)), list(range(k))
             t32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
-            phases = [(t32(first), t32(spare), t32(spare + list(range(k, B)))),
-                      (t32(spare), t32(first), t32(first + list(range(k, B))))]
-            plens = t32([rng.randint(*PROMPTS) for _ in range(k)])
+            phases = []
+            for j in range(TURNOVER_PHASES):
+                gone, admitted = (first, spare) if j % 2 == 0 else (spare, first)
+                plens = [rng.randint(*PROMPTS) for _ in range(k)]
+                phases.append((t32(gone), t32(admitted + list(range(k, B))), t32(plens + [1] * (B - k))))
             step_no = [0]
 
-            def turnover(table=table, phases=phases, plens=plens, ones=ones, step_no=step_no):
-                gone, admitted, batch = phases[step_no[0] % 2]
+            def turnover(table=table, phases=phases, step_no=step_no, T=B + k * PROMPTS[1]):
+                gone, batch, ntok = phases[step_no[0] % TURNOVER_PHASES]
                 step_no[0] += 1
                 table.release(gone)
-                table.extend(admitted, plens, max_tokens=2 * PROMPTS[1])
-                table.extend(batch, ones)
-                table.flashinfer_csr(batch)
+                table.step(batch, ntok, max_tokens=T)
+            turnover.restart = lambda step_no=step_no: step_no.__setitem__(0, 0)  # with the table's state
             impls[f"tpool-{be} turnover"] = (turnover, table)
+        npages = sum(-(-p // PAGE_SIZE) for p in prompts[:B])
+        src, dst = np.arange(npages, dtype=np.int32), np.empty(npages, dtype=np.int32)
+        impls["floor: np.copyto of the CSR's page ids"] = (lambda: np.copyto(dst, src), None)
         base = None
         for name, (fn, tbl) in impls.items():
-            if tbl is not None:
-                from tpool.graphs import preserved
-                ctx = preserved(tbl)    # steps grow the table; restore it after timing
-            else:
-                import contextlib
-                ctx = contextlib.nullcontext()
-            with ctx:
-                med, p20, p80 = quantiles(sample_us(fn, inner=args.inner, samples=args.samples, sync=sync))
+            reset = None
+            if tbl is not None:  # steps grow the table: each sample starts from the same state
+                tensors = state_tensors(tbl)
+                saved = [t.clone() for t in tensors]
+
+                def reset(tensors=tensors, saved=saved, restart=getattr(fn, "restart", None)):
+                    for t, s in zip(tensors, saved):
+                        t.copy_(s)
+                    if restart:
+                        restart()
+            med, p20, p80 = quantiles(sample_us(fn, inner=args.inner, samples=args.samples, sync=sync, reset=reset))
+            if reset:
+                reset()
             base = base or med
             rows.append(dict(batch=B, impl=name, median_us=med, p20_us=p20, p80_us=p80,
                              vs_host_blocks=base / med, device=str(device)))

@@ -65,6 +65,22 @@ def copy_i32(typingctx, dst_addr, src_addr, n):
 
 
 @intrinsic
+def copy8_i32(typingctx, dst_addr, src_addr):
+    """Copy 8 int32 (32 bytes) from ``src_addr`` to ``dst_addr``: a fixed-size memcpy,
+    which LLVM turns into one vector load and store instead of a call into libc."""
+    sig = types.void(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        dst, src = args
+        byte_ptr = llvm_ir.IntType(8).as_pointer()
+        cgutils.raw_memcpy(builder, builder.inttoptr(dst, byte_ptr), builder.inttoptr(src, byte_ptr),
+                           llvm_ir.Constant(llvm_ir.IntType(64), 32), 1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def fill_null_i32(typingctx, addr, n):
     """Set ``n`` int32 at address ``addr`` to -1 (NULL_PAGE): a memset of 0xFF bytes.
 
@@ -135,6 +151,32 @@ def state_descriptor(st):
         assert t.is_contiguous() and t.device.type == "cpu"
         d[slot] = t.data_ptr()
     d[SD_PAGES] = st.num_pages
+    return d
+
+
+# Slots of a bound call's descriptor (int64 [CALL_DESC_LEN]): the table descriptor,
+# the pool's state descriptor, then the addresses of the output buffers the call
+# writes (fixed: the buffers belong to the table). One array argument in place of
+# ten keeps numba's dispatch at ~0.25 us. CD_CSR_WRITTEN is written by the kernel:
+# how far the last export wrote ``indices``, so the next one pads only that far.
+CD_STATE = TABLE_DESC_LEN
+CD_OUT = TABLE_DESC_LEN + STATE_DESC_LEN
+(CD_SLOTS, CD_SLOTS_LEN, CD_OK, CD_INDPTR, CD_INDICES, CD_INDICES_LEN, CD_LAST_PAGE_LEN,
+ CD_CSR_WRITTEN) = range(CD_OUT, CD_OUT + 8)
+CALL_DESC_LEN = CD_OUT + 8
+
+
+def call_descriptor(td, sd, slots=None, ok=None, csr=None):
+    """The descriptor of one bound call (see CD_* slots): ``slots``/``ok`` for extend,
+    ``csr`` = (indptr, indices, last_page_len) for the CSR export; unused slots are 0."""
+    d = np.zeros(CALL_DESC_LEN, np.int64)
+    d[:CD_STATE], d[CD_STATE:CD_OUT] = td, sd
+    if slots is not None:
+        d[CD_SLOTS], d[CD_SLOTS_LEN], d[CD_OK] = slots.data_ptr(), slots.numel(), ok.data_ptr()
+    if csr is not None:
+        indptr, indices, last = csr
+        d[CD_INDPTR], d[CD_INDICES], d[CD_INDICES_LEN] = indptr.data_ptr(), indices.data_ptr(), indices.numel()
+        d[CD_LAST_PAGE_LEN], d[CD_CSR_WRITTEN] = last.data_ptr(), indices.numel()  # unknown: pad it all once
     return d
 
 

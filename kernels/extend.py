@@ -13,8 +13,9 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import (claim_requests, i32_array, lane_valid, page_shift, pages_for, pop_page, reset_claims,
-                          state_arrays, table_arrays, u8_array, update_peaks)
+from ._numba_util import (CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, claim_requests, fill_null_i32, i32_array, lane_valid,
+                          page_shift, pages_for, pop_page, reset_claims, state_arrays, table_arrays, u8_array,
+                          update_peaks)
 from ._triton_table_util import (ERR_BAD_REQUEST, ERR_TABLE_OVERFLOW, cdiv, claim_rows, release_rows,
                                  request_lanes)
 from ._triton_util import (ALLOCATED, ERR_BAD_COUNT, ERR_OUT_OVERFLOW, FAILED_REQUESTS, FREE_COUNT,
@@ -83,24 +84,28 @@ def extend_numba(
             for k in range(have, want):
                 block_table[r, k] = pop_page(popped, free_stack, refcount, page_state, counters)
                 popped += 1
-            pos, u = length, start
-            while pos < length + n:  # page by page: the inner loop is base + offset
-                k = pos >> shift if shift >= 0 else pos // page_size
-                base = block_table[r, k] * page_size - k * page_size
-                stop = min(length + n, (k + 1) * page_size)
-                for q in range(pos, stop):
-                    slots[u + q - pos] = base + q
-                u += stop - pos
-                pos = stop
+            if n == 1:  # a decode lane: one slot, no loop (most lanes of most steps)
+                k = length >> shift if shift >= 0 else length // page_size
+                slots[start] = block_table[r, k] * page_size + (length - k * page_size)
+            else:
+                pos, u = length, start
+                while pos < length + n:  # page by page: the inner loop is base + offset
+                    k = pos >> shift if shift >= 0 else pos // page_size
+                    base = block_table[r, k] * page_size - k * page_size
+                    stop = min(length + n, (k + 1) * page_size)
+                    for q in range(pos, stop):
+                        slots[u + q - pos] = base + q
+                    u += stop - pos
+                    pos = stop
             seq_lens[r] = length + n
         else:
             if ids[i] != L.NULL_PAGE:
                 counters[L.FAILED_REQUESTS] += 1
-            for u in range(start, min(tok, T)):
-                slots[u] = L.NULL_PAGE
+            if min(tok, T) > start:
+                fill_null_i32(slots_ptr + 4 * start, min(tok, T) - start)
         ok[i] = granted
-    for u in range(tok, T):
-        slots[u] = L.NULL_PAGE
+    if T > tok:
+        fill_null_i32(slots_ptr + 4 * tok, T - tok)
     reset_claims(ids, R, claim)
     counters[L.ERR_BAD_REQUEST] += bad_ids
     counters[L.FREE_COUNT] -= popped
@@ -109,11 +114,12 @@ def extend_numba(
 
 
 @numba.njit(nogil=True)
-def extend_numba_entry(req_ids_ptr, ntok_ptr, B, slots_ptr, T, ok_ptr, td, sd):
-    """``extend_numba`` with table and pool state passed as descriptors (fast dispatch)."""
-    bt, lens, claim, ps = table_arrays(td)
-    stack, rc, state, _, counters, _, _ = state_arrays(sd)
-    extend_numba(req_ids_ptr, ntok_ptr, B, slots_ptr, T, ok_ptr, ps, bt, lens, claim, stack, rc, state, counters)
+def extend_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
+    """``extend_numba`` for a bound call: outputs, table and pool state in the call descriptor ``cd``."""
+    bt, lens, claim, ps = table_arrays(cd[:CD_STATE])
+    stack, rc, state, _, counters, _, _ = state_arrays(cd[CD_STATE:CD_OUT])
+    extend_numba(req_ids_ptr, ntok_ptr, B, cd[CD_SLOTS], cd[CD_SLOTS_LEN], cd[CD_OK], ps, bt, lens, claim,
+                 stack, rc, state, counters)
 
 
 # ---------------------------------------------------------------------- Triton

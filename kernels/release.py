@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import (claim_requests, free_list, i32_array, lane_valid, reset_claims, state_arrays,
-                          table_arrays)
+from ._numba_util import (CD_OUT, CD_STATE, claim_requests, free_list, i32_array, lane_valid, reset_claims,
+                          state_arrays, table_arrays)
 from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, cdiv, claim_pages, claim_rows,
                                  first_pages, request_lanes, reset_pages)
 from ._triton_util import (CACHED_COUNT, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREE_COUNT,
@@ -24,7 +24,7 @@ from ._triton_util import (CACHED_COUNT, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREE
 
 @numba.njit(nogil=True)
 def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens, claim,
-               free_stack, refcount, page_state, stamp, counters, occur):
+               free_stack, refcount, page_state, stamp, counters, occur, keys):
     R = block_table.shape[0]
     counters[L.CLOCK] += 1
     clock = counters[L.CLOCK]
@@ -41,7 +41,9 @@ def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens,
         if lane_valid(ids, i, R, claim):
             keep = (new_lens[i] + page_size - 1) // page_size if use_lens else 0
             count += max(0, (seq_lens[ids[i]] + page_size - 1) // page_size - keep)
-    dropped = np.empty(count, np.int32)
+    # The pool's eviction scratch holds the dropped entries unless pages shared between
+    # the released rows make them more than the pool has pages.
+    dropped = keys[:count] if count <= keys.shape[0] else np.empty(count, np.int64)
     j = 0
     for i in range(B):  # gather them lane by lane, in table order; reset the entries
         if lane_valid(ids, i, R, claim):
@@ -71,10 +73,11 @@ def release_numba(
     stamp,        # int64 [P]
     counters,     # int64 [NUM_COUNTERS]
     occur,        # int32 [P] scratch
+    keys,         # int64 [P] scratch
 ):
     ids = i32_array(req_ids_ptr, B)
     _drop_tail(ids, ids, False, cache, page_size, block_table, seq_lens, claim,
-               free_stack, refcount, page_state, stamp, counters, occur)
+               free_stack, refcount, page_state, stamp, counters, occur, keys)
 
 
 @numba.njit(nogil=True)
@@ -92,25 +95,27 @@ def truncate_numba(
     stamp,        # int64 [P]
     counters,     # int64 [NUM_COUNTERS]
     occur,        # int32 [P] scratch
+    keys,         # int64 [P] scratch
 ):
     _drop_tail(i32_array(req_ids_ptr, B), i32_array(lens_ptr, B), True, False, page_size, block_table,
-               seq_lens, claim, free_stack, refcount, page_state, stamp, counters, occur)
+               seq_lens, claim, free_stack, refcount, page_state, stamp, counters, occur, keys)
 
 
 @numba.njit(nogil=True)
-def release_numba_entry(req_ids_ptr, B, cache, td, sd):
-    """``release_numba`` with table and pool state passed as descriptors (fast dispatch)."""
-    bt, lens, claim, ps = table_arrays(td)
-    stack, rc, state, stamp, counters, occur, _ = state_arrays(sd)
-    release_numba(req_ids_ptr, B, cache, ps, bt, lens, claim, stack, rc, state, stamp, counters, occur)
+def release_numba_entry(req_ids_ptr, B, cache, cd):
+    """``release_numba`` with table and pool state in the call descriptor ``cd`` (fast dispatch)."""
+    bt, lens, claim, ps = table_arrays(cd[:CD_STATE])
+    stack, rc, state, stamp, counters, occur, keys = state_arrays(cd[CD_STATE:CD_OUT])
+    release_numba(req_ids_ptr, B, cache, ps, bt, lens, claim, stack, rc, state, stamp, counters, occur, keys)
 
 
 @numba.njit(nogil=True)
-def truncate_numba_entry(req_ids_ptr, lens_ptr, B, td, sd):
-    """``truncate_numba`` with table and pool state passed as descriptors (fast dispatch)."""
-    bt, lens, claim, ps = table_arrays(td)
-    stack, rc, state, stamp, counters, occur, _ = state_arrays(sd)
-    truncate_numba(req_ids_ptr, lens_ptr, B, ps, bt, lens, claim, stack, rc, state, stamp, counters, occur)
+def truncate_numba_entry(req_ids_ptr, lens_ptr, B, cd):
+    """``truncate_numba`` with table and pool state in the call descriptor ``cd`` (fast dispatch)."""
+    bt, lens, claim, ps = table_arrays(cd[:CD_STATE])
+    stack, rc, state, stamp, counters, occur, keys = state_arrays(cd[CD_STATE:CD_OUT])
+    truncate_numba(req_ids_ptr, lens_ptr, B, ps, bt, lens, claim, stack, rc, state, stamp, counters, occur,
+                   keys)
 
 
 # ---------------------------------------------------------------------- Triton

@@ -159,7 +159,9 @@ class TableModel:
         P._peaks()
         return ok, cow_src, cow_dst
 
-    def csr(self, ids):
+    def csr(self, ids, cap=None):
+        """(indptr, indices, last_page_len); with ``cap``, indices is the whole buffer of that
+        length: the pages that fit, then -1 (more pages than fit is an ``out_overflow``)."""
         indptr, indices, last = [0], [], []
         for r in ids:
             good = 0 <= r < self.R
@@ -170,6 +172,10 @@ class TableModel:
             indices += self.rows[r] if good else []
             indptr.append(indptr[-1] + n)
             last.append(L - (n - 1) * self.ps)
+        if cap is not None:
+            if len(indices) > cap:
+                self._err("out_overflow")
+            indices = indices[:cap] + [-1] * max(0, cap - len(indices))
         return indptr, indices, last
 
     def assert_matches(self, table):

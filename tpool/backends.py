@@ -119,7 +119,25 @@ def make_backend(name: str, st: PoolState):
     return {"reference": ReferenceBackend, "numba": NumbaBackend, "triton": TritonBackend}[name](st)
 
 
-class ReferenceTableBackend:
+class _BoundByTensors:
+    """Bound calls of a backend whose ops take the output tensors on every call."""
+
+    def bind_extend(self, res):
+        return lambda req_ids, num_tokens, b: self.extend(req_ids, num_tokens, res.slots, res.ok)
+
+    def bind_csr(self, res):
+        return lambda req_ids, b: self.csr(req_ids, res.indptr, res.indices, res.last_page_len)
+
+    def bind_step(self, res):
+        csr = res.csr
+
+        def step(req_ids, num_tokens, b):
+            self.extend(req_ids, num_tokens, res.slots, res.ok)
+            self.csr(req_ids, csr.indptr, csr.indices, csr.last_page_len)
+        return step
+
+
+class ReferenceTableBackend(_BoundByTensors):
     name = "reference"
 
     def __init__(self, st: PoolState, ts):
@@ -155,51 +173,61 @@ def make_table_backend(name: str, st: PoolState, ts):
 
 
 class NumbaTableBackend:
-    """Closures over the table and pool descriptors (see NumbaBackend)."""
+    """Closures over the table and pool descriptors (see NumbaBackend).
+
+    The hot calls (extend, the CSR export, the fused step) are bound to their
+    output buffers once (``bind_*``): each bound call owns a call descriptor
+    holding the output addresses, so a call passes two addresses, a length and
+    one array to numba.
+    """
 
     name = "numba"
 
     def __init__(self, st: PoolState, ts):
-        from tpool.kernels import csr, extend, fork, release
-        from tpool.kernels._numba_util import state_descriptor, table_descriptor
+        from tpool.kernels import csr, extend, fork, release, step
+        from tpool.kernels._numba_util import call_descriptor, state_descriptor, table_descriptor
 
         sd, td = state_descriptor(st), table_descriptor(ts)
         self.sd, self.td = sd, td
-        extend_k, release_k, truncate_k = extend.extend_numba_entry, release.release_numba_entry, release.truncate_numba_entry
-        fork_k, csr_k, rows_k = fork.fork_numba_entry, csr.csr_numba_entry, csr.rows_numba_entry
-        written = {}  # indices buffer address -> entries the last CSR call wrote (host memory)
+        extend_k, csr_k, step_k = extend.extend_numba_entry, csr.csr_numba_entry, step.step_numba_entry
+        release_k, truncate_k = release.release_numba_entry, release.truncate_numba_entry
+        fork_k, rows_k = fork.fork_numba_entry, csr.rows_numba_entry
 
-        def extend_(req_ids, num_tokens, slots, ok):
-            extend_k(req_ids.data_ptr(), num_tokens.data_ptr(), req_ids.numel(), slots.data_ptr(), slots.numel(),
-                     ok.data_ptr(), td, sd)
+        def bind_extend(res):
+            cd = call_descriptor(td, sd, slots=res.slots, ok=res.ok)
+            return lambda req_ids, num_tokens, b: extend_k(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd)
+
+        def bind_csr(res):
+            cd = call_descriptor(td, sd, csr=res)
+            return lambda req_ids, b: csr_k(req_ids.data_ptr(), b, cd)
+
+        def bind_step(res):
+            cd = call_descriptor(td, sd, slots=res.slots, ok=res.ok, csr=res.csr)
+            return lambda req_ids, num_tokens, b: step_k(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd)
+
+        cd = call_descriptor(td, sd)  # ops without table-owned outputs
 
         def release_(req_ids, cache):
-            release_k(req_ids.data_ptr(), req_ids.numel(), cache, td, sd)
+            release_k(req_ids.data_ptr(), req_ids.numel(), cache, cd)
 
         def truncate_(req_ids, new_lens):
-            truncate_k(req_ids.data_ptr(), new_lens.data_ptr(), req_ids.numel(), td, sd)
+            truncate_k(req_ids.data_ptr(), new_lens.data_ptr(), req_ids.numel(), cd)
 
         def fork_(src_ids, dst_ids, lens, ok, cow_src, cow_dst):
             fork_k(src_ids.data_ptr(), dst_ids.data_ptr(), lens.data_ptr(), dst_ids.numel(), ok.data_ptr(),
-                   cow_src.data_ptr(), cow_dst.data_ptr(), td, sd)
-
-        def csr_(req_ids, indptr, indices, last_page_len):
-            # The kernel reports how far it wrote, so the next call on this buffer pads only that far.
-            key = indices.data_ptr()
-            written[key] = csr_k(req_ids.data_ptr(), req_ids.numel(), indptr.data_ptr(), key, indices.numel(),
-                                 last_page_len.data_ptr(), written.get(key, indices.numel()), td, sd)
+                   cow_src.data_ptr(), cow_dst.data_ptr(), cd)
 
         def rows_(req_ids, out):
-            rows_k(req_ids.data_ptr(), req_ids.numel(), out.data_ptr(), td)
+            rows_k(req_ids.data_ptr(), req_ids.numel(), out.data_ptr(), cd)
 
-        self.extend, self.release, self.truncate = extend_, release_, truncate_
-        self.fork, self.csr, self.rows = fork_, csr_, rows_
+        self.bind_extend, self.bind_csr, self.bind_step = bind_extend, bind_csr, bind_step
+        self.release, self.truncate, self.fork, self.rows = release_, truncate_, fork_, rows_
 
 
 TABLE_BACKENDS["numba"] = NumbaTableBackend
 
 
-class TritonTableBackend:
+class TritonTableBackend(_BoundByTensors):
     name = "triton"
 
     def __init__(self, st: PoolState, ts):

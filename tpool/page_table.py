@@ -23,6 +23,8 @@ from tpool.errors import InvariantViolation
 from tpool.kernels import layout as L
 from tpool.state import INT32_MAX
 
+_Tensor, _int32 = torch.Tensor, torch.int32
+
 
 @dataclass(frozen=True)
 class TableState:
@@ -60,6 +62,16 @@ class PagedKVCSR(NamedTuple):
     indptr: torch.Tensor
     indices: torch.Tensor
     last_page_len: torch.Tensor
+
+
+class StepResult(NamedTuple):
+    """One scheduler step (:meth:`PageTable.step`): ``slots`` int32 ``[max_tokens]`` and ``ok``
+    bool ``[B]`` as in :class:`ExtendResult`, and ``csr``, the batch's :class:`PagedKVCSR`
+    after the extend."""
+
+    slots: torch.Tensor
+    ok: torch.Tensor
+    csr: PagedKVCSR
 
 
 class PageTable:
@@ -101,7 +113,8 @@ class PageTable:
         )
         self.block_table, self.seq_lens = self.state.block_table, self.state.seq_lens
         self._impl = make_table_backend(pool.backend, pool.state, self.state)
-        self._bufs = {}
+        self._bufs = {}   # (op, shape) -> output buffers
+        self._bound = {}  # (op, shape) -> (output buffers, backend call bound to them)
 
     def __repr__(self):
         return (f"PageTable(max_requests={self.max_requests}, max_pages_per_request={self.max_pages}, "
@@ -119,6 +132,37 @@ class PageTable:
         if not (self.pool._pages_ok(t) and t.numel() == b):
             n = _checks.check_vector(t, name, torch.int32, self.device, self.pool.max_batch)
             raise ValueError(f"{name}: expected {b} entries (one per request id), got {n}")
+
+    def _lanes(self, req_ids, num_tokens) -> int:
+        """Batch size of an (ids, per-lane int32) pair, both checked; the valid case is inline."""
+        if (type(req_ids) is _Tensor and type(num_tokens) is _Tensor and req_ids.dtype is _int32
+                and num_tokens.dtype is _int32 and req_ids.device == self.device and num_tokens.device == self.device
+                and req_ids.dim() == 1 and num_tokens.dim() == 1 and req_ids.is_contiguous()
+                and num_tokens.is_contiguous() and (b := req_ids.numel()) == num_tokens.numel()
+                and b <= self.pool.max_batch):
+            return b  # the common case: this runs every decode step
+        b = self._ids(req_ids)
+        self._lane_vector(num_tokens, "num_tokens", b)
+        return b
+
+    def _extend_out(self, b, t):
+        if not isinstance(t, int) or t < 0:
+            raise ValueError(f"max_tokens: expected a non-negative int, got {t!r}")
+        return (torch.full((t,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
+                torch.zeros(b, dtype=torch.bool, device=self.device))
+
+    def _csr_out(self, b, cap):
+        if not isinstance(cap, int) or cap < 0:
+            raise ValueError(f"capacity: expected a non-negative int, got {cap!r}")
+        return PagedKVCSR(torch.zeros(b + 1, dtype=torch.int32, device=self.device),
+                          torch.full((cap,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
+                          torch.zeros(b, dtype=torch.int32, device=self.device))
+
+    def _bind(self, key, bind, make):
+        """Output buffers for a call shape, and the backend's call bound to them (made once)."""
+        res = make()
+        bound = self._bound[key] = (res, bind(res))
+        return bound
 
     def _buffers(self, key, make):
         bufs = self._bufs.get(key)
@@ -148,23 +192,43 @@ class PageTable:
         ExtendResult ``(slots, ok)`` in table-owned buffers (overwritten by the next
         call of the same shape).
         """
-        dev, i32, T = self.device, torch.int32, torch.Tensor
-        if (type(req_ids) is T and type(num_tokens) is T and req_ids.dtype is i32 and num_tokens.dtype is i32
-                and req_ids.device == dev and num_tokens.device == dev and req_ids.dim() == 1 and num_tokens.dim() == 1
-                and req_ids.is_contiguous() and num_tokens.is_contiguous()
-                and (b := req_ids.numel()) == num_tokens.numel() and b <= self.pool.max_batch):
-            pass  # the common case, checked inline: this runs every decode step
-        else:
-            b = self._ids(req_ids)
-            self._lane_vector(num_tokens, "num_tokens", b)
+        b = self._lanes(req_ids, num_tokens)
         t = b if max_tokens is None else max_tokens
-        res = self._bufs.get(("extend", b, t))
-        if res is None:
-            res = self._buffers(("extend", b, t), lambda: ExtendResult(
-                torch.full((t,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
-                torch.zeros(b, dtype=torch.bool, device=self.device)))
-        self._impl.extend(req_ids, num_tokens, res.slots, res.ok)
-        return res
+        bound = self._bound.get(("extend", b, t))
+        if bound is None:
+            bound = self._bind(("extend", b, t), self._impl.bind_extend, lambda: ExtendResult(*self._extend_out(b, t)))
+        bound[1](req_ids, num_tokens, b)
+        return bound[0]
+
+    def step(self, req_ids: torch.Tensor, num_tokens: torch.Tensor, *, max_tokens: int | None = None,
+             capacity: int | None = None) -> StepResult:
+        """One scheduler step: :meth:`extend`, then :meth:`flashinfer_csr` of the same batch.
+
+        Same results as the two calls one after the other (the CSR includes the pages
+        the extend just added), in one call: on numba one dispatch, on triton two
+        launches a graph captures together. A decode step is
+        ``table.step(ids, ones)``.
+
+        Parameters
+        ----------
+        req_ids, num_tokens, max_tokens : as in :meth:`extend`.
+        capacity : int, optional
+            Length of ``csr.indices``, as in :meth:`flashinfer_csr`.
+
+        Returns
+        -------
+        StepResult ``(slots, ok, csr)`` in table-owned buffers (overwritten by the next
+        step of the same shape).
+        """
+        b = self._lanes(req_ids, num_tokens)
+        t = b if max_tokens is None else max_tokens
+        cap = b * self.max_pages if capacity is None else capacity
+        bound = self._bound.get(("step", b, t, cap))
+        if bound is None:
+            bound = self._bind(("step", b, t, cap), self._impl.bind_step,
+                               lambda: StepResult(*self._extend_out(b, t), self._csr_out(b, cap)))
+        bound[1](req_ids, num_tokens, b)
+        return bound[0]
 
     def release(self, req_ids: torch.Tensor, *, cache: bool = False) -> None:
         """Drop every page reference of these requests and reset their rows.
@@ -221,12 +285,11 @@ class PageTable:
         """
         b = self._ids(req_ids)
         cap = b * self.max_pages if capacity is None else capacity
-        res = self._bufs.get(("csr", b, cap)) or self._buffers(("csr", b, cap), lambda: PagedKVCSR(
-            torch.zeros(b + 1, dtype=torch.int32, device=self.device),
-            torch.full((cap,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
-            torch.zeros(b, dtype=torch.int32, device=self.device)))
-        self._impl.csr(req_ids, res.indptr, res.indices, res.last_page_len)
-        return res
+        bound = self._bound.get(("csr", b, cap))
+        if bound is None:
+            bound = self._bind(("csr", b, cap), self._impl.bind_csr, lambda: self._csr_out(b, cap))
+        bound[1](req_ids, b)
+        return bound[0]
 
     def block_table_rows(self, req_ids: torch.Tensor) -> torch.Tensor:
         """vLLM-style block table for the batch: int32 ``[B, max_pages_per_request]``, -1 padded."""
