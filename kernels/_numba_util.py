@@ -157,27 +157,36 @@ def state_descriptor(st):
 # Slots of a bound call's descriptor (int64 [CALL_DESC_LEN]): the table descriptor,
 # the pool's state descriptor, then the addresses of the output buffers the call
 # writes (fixed: the buffers belong to the table). One array argument in place of
-# ten keeps numba's dispatch at ~0.25 us. CD_CSR_WRITTEN is written by the kernel:
-# how far the last export wrote ``indices``, so the next one pads only that far.
+# ten keeps numba's dispatch at ~0.25 us. CD_CSR_WRITTEN_AT is the address of an
+# int64 cell kept with the ``indices`` buffer: how far the last export into that
+# buffer wrote, so the next one (by any call bound to it) pads only that far.
 CD_STATE = TABLE_DESC_LEN
 CD_OUT = TABLE_DESC_LEN + STATE_DESC_LEN
 (CD_SLOTS, CD_SLOTS_LEN, CD_OK, CD_INDPTR, CD_INDICES, CD_INDICES_LEN, CD_LAST_PAGE_LEN,
- CD_CSR_WRITTEN) = range(CD_OUT, CD_OUT + 8)
+ CD_CSR_WRITTEN_AT) = range(CD_OUT, CD_OUT + 8)
 CALL_DESC_LEN = CD_OUT + 8
 
 
-def call_descriptor(td, sd, slots=None, ok=None, csr=None):
+def call_descriptor(td, sd, slots=None, ok=None, csr=None, written=None):
     """The descriptor of one bound call (see CD_* slots): ``slots``/``ok`` for extend,
-    ``csr`` = (indptr, indices, last_page_len) for the CSR export; unused slots are 0."""
+    ``csr`` = (indptr, indices, last_page_len) for the CSR export with ``written``, the
+    int64 ``[1]`` cell of that ``indices`` buffer; unused slots are 0."""
     d = np.zeros(CALL_DESC_LEN, np.int64)
     d[:CD_STATE], d[CD_STATE:CD_OUT] = td, sd
     if slots is not None:
         d[CD_SLOTS], d[CD_SLOTS_LEN], d[CD_OK] = slots.data_ptr(), slots.numel(), ok.data_ptr()
     if csr is not None:
         indptr, indices, last = csr
+        assert written is not None and written.dtype == np.int64 and written.shape == (1,)
         d[CD_INDPTR], d[CD_INDICES], d[CD_INDICES_LEN] = indptr.data_ptr(), indices.data_ptr(), indices.numel()
-        d[CD_LAST_PAGE_LEN], d[CD_CSR_WRITTEN] = last.data_ptr(), indices.numel()  # unknown: pad it all once
+        d[CD_LAST_PAGE_LEN], d[CD_CSR_WRITTEN_AT] = last.data_ptr(), written.ctypes.data
     return d
+
+
+@numba.njit(nogil=True, inline="always")
+def i64_cell(addr):
+    """int64 ``[1]`` array over the cell at ``addr``."""
+    return numba.carray(_i64_ptr(addr), (1,))
 
 
 @numba.njit(nogil=True, inline="always")

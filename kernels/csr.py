@@ -13,9 +13,9 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import (CD_CSR_WRITTEN, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_LAST_PAGE_LEN, CD_OUT,
-                          CD_STATE, copy8_i32, copy_i32, fill_null_i32, i32_array, page_shift, pages_for,
-                          state_arrays, table_arrays)
+from ._numba_util import (CD_CSR_WRITTEN_AT, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_LAST_PAGE_LEN, CD_OUT,
+                          CD_STATE, copy8_i32, copy_i32, fill_null_i32, i32_array, i64_cell, page_shift,
+                          pages_for, state_arrays, table_arrays)
 from ._triton_table_util import ERR_BAD_REQUEST, cdiv
 from ._triton_util import (ERR_OUT_OVERFLOW, NULL_PAGE, counter_add, load_counters, settings,
                            store_counters)
@@ -103,8 +103,9 @@ def csr_numba_entry(req_ids_ptr, B, cd):
     """``csr_numba`` for a bound call: outputs, table and pool state in the call descriptor ``cd``."""
     bt, lens, _, ps = table_arrays(cd[:CD_STATE])
     counters = state_arrays(cd[CD_STATE:CD_OUT])[4]
-    cd[CD_CSR_WRITTEN] = csr_numba(req_ids_ptr, B, cd[CD_INDPTR], cd[CD_INDICES], cd[CD_INDICES_LEN],
-                                   cd[CD_LAST_PAGE_LEN], ps, bt, lens, counters, cd[CD_CSR_WRITTEN])
+    written = i64_cell(cd[CD_CSR_WRITTEN_AT])
+    written[0] = csr_numba(req_ids_ptr, B, cd[CD_INDPTR], cd[CD_INDICES], cd[CD_INDICES_LEN], cd[CD_LAST_PAGE_LEN],
+                           ps, bt, lens, counters, written[0])
 
 
 @numba.njit(nogil=True)

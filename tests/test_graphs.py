@@ -61,21 +61,26 @@ def test_graph_alloc_free_replay_matches_eager(backend):
     assert pools[0].stats()["pages.allocated"] == 300 * 15
 
 
+def _twin_tables(backend, num_pages, B, max_pages, seed):
+    """Two identical tables on CUDA with B - 4 prefilled requests (a partly empty batch of B)."""
+    dev = "cuda"
+    tables = []
+    for _ in range(2):
+        pool = tpool.PagePool(num_pages, page_size=16, device=dev, backend=backend)
+        tables.append(tpool.PageTable(pool, B, max_pages))
+    ids = torch.arange(B, dtype=torch.int32, device=dev)
+    ids[B - 4:] = -1
+    prompts = torch.randint(1, 300, (B,), dtype=torch.int32, generator=torch.Generator().manual_seed(seed)).to(dev)
+    for t in tables:
+        t.extend(ids, prompts, max_tokens=B * 300)
+    return tables, ids, torch.ones(B, dtype=torch.int32, device=dev)
+
+
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_graph_decode_step_1000_replays_match_eager(backend):
-    dev = "cuda"
-    tables = []
-    for _ in range(2):
-        pool = tpool.PagePool(8192, page_size=16, device=dev, backend=backend)
-        tables.append(tpool.PageTable(pool, 64, 128))
-    ids = torch.arange(64, dtype=torch.int32, device=dev)
-    ids[60:] = -1                                   # a partly empty batch
-    prompts = torch.randint(1, 300, (64,), dtype=torch.int32, generator=torch.Generator().manual_seed(0)).to(dev)
-    for t in tables:
-        t.extend(ids, prompts, max_tokens=64 * 300)
-    ones = torch.ones(64, dtype=torch.int32, device=dev)
+    tables, ids, ones = _twin_tables(backend, 8192, 64, 128, seed=0)
 
     def step(t):
         t.extend(ids, ones)
@@ -89,6 +94,27 @@ def test_graph_decode_step_1000_replays_match_eager(backend):
         assert torch.equal(a, b)
     for x, y in zip(tables[0].flashinfer_csr(ids), tables[1].flashinfer_csr(ids)):
         assert torch.equal(x, y)
+    tables[0].pool.check()
+    tables[0].check_invariants()
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_graph_fused_step_replays_match_two_eager_calls(backend):
+    """``table.step`` captured once and replayed = ``extend`` + ``flashinfer_csr`` run eagerly."""
+    tables, ids, ones = _twin_tables(backend, 4096, 32, 64, seed=1)
+    graph = capture(lambda: tables[0].step(ids, ones), tables[0])
+    with preserved(tables[0]):   # the buffers the graph writes (table-owned, one set per shape)
+        res = tables[0].step(ids, ones)
+    for _ in range(300):
+        graph.replay()
+        e = tables[1].extend(ids, ones)
+        c = tables[1].flashinfer_csr(ids)
+        torch.cuda.synchronize()
+        assert torch.equal(res.slots, e.slots) and torch.equal(res.ok, e.ok)
+        for x, y in zip(res.csr, c):
+            assert torch.equal(x, y)
     tables[0].pool.check()
     tables[0].check_invariants()
 
@@ -110,6 +136,7 @@ def test_hot_path_under_cuda_sync_debug_error(backend):
         pool.incref(out.pages); pool.touch(out.pages); pool.evict(4, out=torch.empty(4, dtype=torch.int32, device=dev))
         table.extend(ids, n, max_tokens=40); table.truncate(ids, n - 2); table.fork(ids, ids, n)
         table.flashinfer_csr(ids); table.block_table_rows(ids); table.release(ids, cache=True)
+        table.step(ids, n, max_tokens=40)
     torch.cuda.synchronize()
     evict_out = torch.empty(4, dtype=torch.int32, device=dev)
     torch.cuda.set_sync_debug_mode("error")
@@ -124,6 +151,7 @@ def test_hot_path_under_cuda_sync_debug_error(backend):
         table.flashinfer_csr(ids)
         table.block_table_rows(ids)
         table.release(ids, cache=True)
+        table.step(ids, n, max_tokens=40)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     pool.check()

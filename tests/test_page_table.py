@@ -145,6 +145,38 @@ def test_flashinfer_csr_matches_hand_built(make_table, guard):
     assert rows.tolist() == [bt[1], [-1] * 4]
 
 
+def test_step_exports_the_pages_it_just_added(make_table, guard):
+    table = make_table(16, 4, 2, 4)
+    table.extend(i32([0, 1]), i32([4, 2]), max_tokens=6)   # request 0: page 0 (full); 1: page 1
+    with guard():
+        s = table.step(i32([0, 1]), i32([1, 1]))            # request 0 crosses into page 2
+    assert s.slots.tolist() == [8, 6] and s.ok.tolist() == [True, True]
+    assert s.csr.indptr.tolist() == [0, 2, 3]
+    assert s.csr.indices.tolist() == [0, 2, 1, -1, -1, -1, -1, -1]
+    assert s.csr.last_page_len.tolist() == [1, 3]
+    with guard():
+        again = table.step(i32([0, 1]), i32([1, 1]))
+    assert again.csr.indices is s.csr.indices and again.slots.tolist() == [9, 7]
+    table.check_invariants()
+
+
+def test_step_buffers_per_shape_and_size_arguments(make_table, guard):
+    import numpy as np
+    table = make_table(32, 4, 2, 4)
+    a = table.step(i32([0, 1]), i32([5, 1]), max_tokens=np.int64(6))   # numpy ints are sizes too
+    assert a.slots.tolist() == [0, 1, 2, 3, 4, 8] and a.csr.indices.tolist()[:4] == [0, 1, 2, -1]
+    b = table.step(i32([1, -1]), i32([1, 0]), max_tokens=2)
+    assert a.csr.indices is b.csr.indices          # the CSR depends on (B, capacity) only,
+    assert a.slots is not b.slots and b.slots.tolist() == [9, -1]
+    assert b.csr.indices.tolist() == [2, -1, -1, -1, -1, -1, -1, -1]  # so the shorter export re-pads it
+    assert b.csr.indptr.tolist() == [0, 1, 1] and b.csr.last_page_len.tolist() == [2, 4]
+    for bad in (True, -1, 2.0):
+        with pytest.raises(ValueError, match="max_tokens: expected a non-negative int"):
+            table.step(i32([0]), i32([1]), max_tokens=bad)
+    with pytest.raises(ValueError, match="capacity: expected a non-negative int"):
+        table.flashinfer_csr(i32([0]), capacity=-3)
+
+
 def test_outputs_are_table_owned_and_reused(make_table, guard):
     table = make_table(16, 4, 2, 4)
     with guard():

@@ -1,6 +1,15 @@
 """Input checks from tensor metadata only (no host sync), shared by the façade."""
 
+import numbers
+
 import torch
+
+
+def check_size(v, name: str) -> int:
+    """A buffer length given by the caller: a non-negative integer (numpy integers too), as int."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+        raise ValueError(f"{name}: expected a non-negative int, got {v!r}")
+    return int(v)
 
 
 def check_vector(t, name: str, dtype: torch.dtype, device: torch.device, max_len: int | None = None) -> int:

@@ -9,6 +9,7 @@ picks triton for CUDA pools and numba for CPU pools; the environment variable
 
 import os
 
+import numpy as np
 import torch
 
 from tpool import reference
@@ -197,12 +198,20 @@ class NumbaTableBackend:
             cd = call_descriptor(td, sd, slots=res.slots, ok=res.ok)
             return lambda req_ids, num_tokens, b: extend_k(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd)
 
+        written = {}  # indices buffer address -> int64 [1] cell: how far the last export wrote it
+
+        def written_cell(indices):
+            key = indices.data_ptr()
+            if key not in written:
+                written[key] = np.array([indices.numel()], np.int64)  # unknown at first: pad it all
+            return written[key]
+
         def bind_csr(res):
-            cd = call_descriptor(td, sd, csr=res)
+            cd = call_descriptor(td, sd, csr=res, written=written_cell(res.indices))
             return lambda req_ids, b: csr_k(req_ids.data_ptr(), b, cd)
 
         def bind_step(res):
-            cd = call_descriptor(td, sd, slots=res.slots, ok=res.ok, csr=res.csr)
+            cd = call_descriptor(td, sd, slots=res.slots, ok=res.ok, csr=res.csr, written=written_cell(res.csr.indices))
             return lambda req_ids, num_tokens, b: step_k(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd)
 
         cd = call_descriptor(td, sd)  # ops without table-owned outputs

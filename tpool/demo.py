@@ -36,8 +36,7 @@ def run(requests=256, batch=64, num_pages=4096, page_size=16, seed=0, device=Non
     from tpool.graphs import preserved
     with preserved(table):
         table.extend(t32([0]), t32([page_size + 1]), max_tokens=page_size + 1)
-        table.extend(t32([0]), t32([1]))
-        table.flashinfer_csr(t32([0]))
+        table.step(t32([0]), t32([1]))
         table.release(t32([0]))
 
     waiting = list(range(requests))
@@ -79,8 +78,7 @@ def run(requests=256, batch=64, num_pages=4096, page_size=16, seed=0, device=Non
             ones = torch.ones(len(running), dtype=torch.int32, device=dev)
             sync()
             t0 = time.perf_counter()
-            dec = table.extend(ids, ones)
-            table.flashinfer_csr(ids)
+            dec = table.step(ids, ones)     # extend by one token + the batch's FlashInfer CSR
             sync()
             decode_us.append((time.perf_counter() - t0) * 1e6)
             window.append(decode_us[-1])

@@ -146,14 +146,12 @@ class PageTable:
         return b
 
     def _extend_out(self, b, t):
-        if not isinstance(t, int) or t < 0:
-            raise ValueError(f"max_tokens: expected a non-negative int, got {t!r}")
+        t = _checks.check_size(t, "max_tokens")
         return (torch.full((t,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
                 torch.zeros(b, dtype=torch.bool, device=self.device))
 
     def _csr_out(self, b, cap):
-        if not isinstance(cap, int) or cap < 0:
-            raise ValueError(f"capacity: expected a non-negative int, got {cap!r}")
+        cap = _checks.check_size(cap, "capacity")
         return PagedKVCSR(torch.zeros(b + 1, dtype=torch.int32, device=self.device),
                           torch.full((cap,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
                           torch.zeros(b, dtype=torch.int32, device=self.device))
@@ -217,16 +215,18 @@ class PageTable:
 
         Returns
         -------
-        StepResult ``(slots, ok, csr)`` in table-owned buffers (overwritten by the next
-        step of the same shape).
+        StepResult ``(slots, ok, csr)`` in table-owned buffers: ``slots``/``ok`` are
+        shared by steps of the same ``(B, max_tokens)``, ``csr`` by steps of the same
+        ``(B, capacity)``; the next such step overwrites them.
         """
         b = self._lanes(req_ids, num_tokens)
         t = b if max_tokens is None else max_tokens
         cap = b * self.max_pages if capacity is None else capacity
         bound = self._bound.get(("step", b, t, cap))
-        if bound is None:
-            bound = self._bind(("step", b, t, cap), self._impl.bind_step,
-                               lambda: StepResult(*self._extend_out(b, t), self._csr_out(b, cap)))
+        if bound is None:  # slots/ok per (B, max_tokens) and the CSR per (B, capacity), shared by steps
+            bound = self._bind(("step", b, t, cap), self._impl.bind_step, lambda: StepResult(
+                *self._buffers(("step", b, t), lambda: self._extend_out(b, t)),
+                self._buffers(("step-csr", b, cap), lambda: self._csr_out(b, cap))))
         bound[1](req_ids, num_tokens, b)
         return bound[0]
 

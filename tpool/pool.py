@@ -224,8 +224,7 @@ class PagePool:
         padded with -1, so a prefix cache can drop their keys. ``out`` (int32
         ``[k]``) may be passed for graph capture.
         """
-        if not isinstance(k, int) or k < 0:
-            raise ValueError(f"k: expected a non-negative int, got {k!r}")
+        k = _checks.check_size(k, "k")
         if out is None:
             out = torch.empty(k, dtype=torch.int32, device=self.device)
         elif self._vector(out, "out") != k:
