@@ -9,11 +9,12 @@ are popped from the top of the free stack in request order; entries of
 """
 
 import numba
+import numpy as np
 import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import fill_null_i32, i32_array, state_arrays, u8_array, update_peaks
+from ._numba_util import STATE_DESC_LEN, fill_null_i32, i32_array, state_arrays, u8_array, update_peaks
 from ._triton_util import (ALLOCATED, CACHED_COUNT, ERR_BAD_COUNT, ERR_OUT_OVERFLOW, EVICTED,
                            FAILED_REQUESTS, FREE_COUNT, NULL_PAGE, USED, counter_add, counter_get,
                            load_counters, raise_peaks, settings, store_counters, tick)
@@ -84,16 +85,27 @@ def alloc_numba(
     update_peaks(counters, page_state.shape[0])
 
 
-# Slots of an AllocOut descriptor (int64 [6]): output addresses and capacities.
-OD_PAGES, OD_MAX_PAGES, OD_INDPTR, OD_OK, OD_MAX_BATCH, OD_EVICTED = range(6)
+# Slots of a bound alloc's descriptor (int64 [AD_LEN]): the pool's state descriptor,
+# then the AllocOut's output addresses and capacities. One array argument.
+AD_PAGES, AD_MAX_PAGES, AD_INDPTR, AD_OK, AD_MAX_BATCH, AD_EVICTED = range(STATE_DESC_LEN, STATE_DESC_LEN + 6)
+AD_LEN = STATE_DESC_LEN + 6
+
+
+def alloc_descriptor(sd, out):
+    """The descriptor of ``alloc`` bound to the buffers of ``out`` (an AllocOut) on the pool ``sd``."""
+    d = np.zeros(AD_LEN, np.int64)
+    d[:STATE_DESC_LEN] = sd
+    d[AD_PAGES], d[AD_MAX_PAGES], d[AD_INDPTR] = out.pages.data_ptr(), out.max_pages, out.indptr.data_ptr()
+    d[AD_OK], d[AD_MAX_BATCH], d[AD_EVICTED] = out.ok.data_ptr(), out.max_batch, out.evicted.data_ptr()
+    return d
 
 
 @numba.njit(nogil=True)
-def alloc_numba_entry(counts_ptr, B, od, evict, sd):
-    """``alloc_numba`` with its outputs and state passed as descriptors (fast dispatch)."""
-    stack, rc, state, stamp, counters, _, keys = state_arrays(sd)
-    alloc_numba(counts_ptr, B, od[OD_PAGES], od[OD_MAX_PAGES], od[OD_INDPTR], od[OD_OK], od[OD_MAX_BATCH],
-                od[OD_EVICTED], evict, stack, rc, state, stamp, counters, keys)
+def alloc_numba_entry(counts_ptr, B, ad, evict):
+    """``alloc_numba`` bound to its outputs: state and output addresses in the descriptor ``ad``."""
+    stack, rc, state, stamp, counters, _, keys = state_arrays(ad[:STATE_DESC_LEN])
+    alloc_numba(counts_ptr, B, ad[AD_PAGES], ad[AD_MAX_PAGES], ad[AD_INDPTR], ad[AD_OK], ad[AD_MAX_BATCH],
+                ad[AD_EVICTED], evict, stack, rc, state, stamp, counters, keys)
 
 
 # ---------------------------------------------------------------------- Triton

@@ -185,6 +185,20 @@ def test_outputs_are_table_owned_and_reused(make_table, guard):
     assert a.slots is b.slots and b.slots.tolist() == [1, 5]
 
 
+def test_table_and_pool_refuse_copies_and_oversized_slot_space():
+    import copy
+    import pickle
+    pool = tpool.PagePool(8, page_size=2, device="cpu")
+    table = tpool.PageTable(pool, 2, 2)
+    for obj in (pool, table):
+        for clone in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match="cannot be copied or pickled"):
+                clone(obj)
+    big = tpool.PagePool(2, page_size=2**30, device="cpu", backend="reference")  # 2**31 slots
+    with pytest.raises(ValueError, match="slots are int32"):
+        tpool.PageTable(big, 1, 1)
+
+
 def test_bad_inputs(make_table):
     table = make_table(8, 2, 2, 2)
     with pytest.raises(ValueError, match="num_tokens: expected 2 entries"):

@@ -250,6 +250,16 @@ def test_constructor_checks():
         tpool.PagePool(4, device="cpu").alloc_out(max_batch=2, max_pages=0)
 
 
+def test_alloc_out_belongs_to_its_pool(make_pool):
+    a, b = make_pool(8), make_pool(8)
+    out = a.alloc_out(max_batch=1, max_pages=2)
+    with pytest.raises(ValueError, match="expected an AllocOut from this pool's alloc_out\\(\\), got one from another pool"):
+        b.alloc(i32([2]), out=out)
+    with pytest.raises(ValueError, match="got tuple"):
+        b.alloc(i32([2]), out=(1, 2))
+    assert a.alloc(i32([2]), out=out).pages.tolist() == [0, 1]
+
+
 def test_auto_backend_and_env_override(monkeypatch):
     monkeypatch.delenv("TPOOL_BACKEND", raising=False)
     assert tpool.PagePool(4, device="cpu").backend == "numba"

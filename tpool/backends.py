@@ -37,8 +37,9 @@ class ReferenceBackend:
     def __init__(self, st: PoolState):
         self.st = st
 
-    def alloc(self, counts, out, evict):
-        reference.alloc(self.st, counts, out.pages, out.indptr, out.ok, out.evicted, evict)
+    def bind_alloc(self, out):
+        return lambda counts, b, evict: reference.alloc(self.st, counts, out.pages, out.indptr, out.ok,
+                                                        out.evicted, evict)
 
     def free(self, pages, cache):
         reference.free(self.st, pages, cache)
@@ -72,8 +73,9 @@ class NumbaBackend:
         alloc_k, free_k, incref_k = alloc.alloc_numba_entry, free.free_numba_entry, incref.incref_numba_entry
         touch_k, evict_k = touch.touch_numba_entry, evict.evict_numba_entry
 
-        def alloc_(counts, out, evict):
-            alloc_k(counts.data_ptr(), counts.numel(), out.desc, evict, sd)
+        def bind_alloc(out):
+            cd = alloc.alloc_descriptor(sd, out)
+            return lambda counts, b, evict: alloc_k(counts.data_ptr(), b, cd, evict)
 
         def free_(pages, cache):
             free_k(pages.data_ptr(), pages.numel(), cache, sd)
@@ -87,7 +89,7 @@ class NumbaBackend:
         def evict_(out):
             evict_k(out.data_ptr(), out.numel(), sd)
 
-        self.alloc, self.free, self.incref, self.touch, self.evict = alloc_, free_, incref_, touch_, evict_
+        self.bind_alloc, self.free, self.incref, self.touch, self.evict = bind_alloc, free_, incref_, touch_, evict_
 
 
 class TritonBackend:
@@ -100,8 +102,9 @@ class TritonBackend:
         self._alloc, self._free, self._incref = alloc.alloc_triton, free.free_triton, incref.incref_triton
         self._touch, self._evict = touch.touch_triton, evict.evict_triton
 
-    def alloc(self, counts, out, evict):
-        self._alloc(counts, out.pages, out.indptr, out.ok, out.evicted, evict, self.st)
+    def bind_alloc(self, out):
+        return lambda counts, b, evict: self._alloc(counts, out.pages, out.indptr, out.ok, out.evicted, evict,
+                                                    self.st)
 
     def free(self, pages, cache):
         self._free(pages, cache, self.st)

@@ -102,6 +102,9 @@ class PageTable:
         for name, v in (("max_requests", max_requests), ("max_pages_per_request", max_pages_per_request)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if pool.num_pages * pool.page_size > INT32_MAX:
+            raise ValueError(f"pool: slots are int32, so num_pages * page_size must be at most {INT32_MAX}, "
+                             f"got {pool.num_pages} * {pool.page_size}")
         self.pool, self.device = pool, pool.device
         self.max_requests, self.max_pages, self.page_size = max_requests, max_pages_per_request, pool.page_size
         i32 = dict(dtype=torch.int32, device=self.device)
@@ -115,6 +118,10 @@ class PageTable:
         self._impl = make_table_backend(pool.backend, pool.state, self.state)
         self._bufs = {}   # (op, shape) -> output buffers
         self._bound = {}  # (op, shape) -> (output buffers, backend call bound to them)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a PageTable cannot be copied or pickled: its kernels are bound to the addresses of "
+                        "its state and output tensors; make a new PageTable")
 
     def __repr__(self):
         return (f"PageTable(max_requests={self.max_requests}, max_pages_per_request={self.max_pages}, "

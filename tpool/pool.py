@@ -50,9 +50,10 @@ class AllocOut:
     CUDA graph can capture an alloc that writes them; each call overwrites them.
     """
 
-    def __init__(self, max_batch: int, max_pages: int, device: torch.device):
+    def __init__(self, pool: "PagePool", max_batch: int, max_pages: int):
+        device = pool.device
         i32 = dict(dtype=torch.int32, device=device)
-        self.max_batch, self.max_pages, self.device = max_batch, max_pages, device
+        self.pool, self.max_batch, self.max_pages, self.device = pool, max_batch, max_pages, device
         self.result = AllocResult(
             pages=torch.full((max_pages,), L.NULL_PAGE, **i32),
             indptr=torch.zeros(max_batch + 1, **i32),
@@ -60,9 +61,8 @@ class AllocOut:
             evicted=torch.full((max_pages,), L.NULL_PAGE, **i32),
         )
         self.pages, self.indptr, self.ok, self.evicted = self.result
-        # Addresses and capacities for the numba kernels (slots OD_* of tpool.kernels.alloc).
-        self.desc = np.array([self.pages.data_ptr(), max_pages, self.indptr.data_ptr(), self.ok.data_ptr(),
-                              max_batch, self.evicted.data_ptr()], dtype=np.int64)
+        # The pool's alloc bound to these buffers: run(counts, B, evict).
+        self.run = pool._impl.bind_alloc(self)
 
 
 class PagePool:
@@ -118,6 +118,10 @@ class PagePool:
         self._group = None
         self._group_buffers = {}  # capacity -> int32 [2, capacity], see FreeGroup
 
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a PagePool cannot be copied or pickled: its kernels are bound to the addresses of "
+                        "its state tensors; make a new PagePool (tpool.graphs.preserved snapshots state)")
+
     def __repr__(self):
         return (f"PagePool(num_pages={self.num_pages}, page_size={self.page_size}, "
                 f"device={self.device}, backend={self.backend!r})")
@@ -141,7 +145,7 @@ class PagePool:
         for name, v in (("max_batch", max_batch), ("max_pages", max_pages)):
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name}: expected a positive int or None, got {v!r}")
-        return AllocOut(max_batch or self.max_batch, max_pages or self.max_alloc_pages, self.device)
+        return AllocOut(self, max_batch or self.max_batch, max_pages or self.max_alloc_pages)
 
     def alloc(self, counts: torch.Tensor, *, out: AllocOut | None = None, evict: bool = False) -> AllocResult:
         """Grant ``counts[i]`` pages to each request, first come first served.
@@ -158,8 +162,9 @@ class PagePool:
         counts : torch.Tensor
             shape ``[B]``, int32, on the pool's device, ``B <= out.max_batch``.
         out : AllocOut, optional
-            Buffers to write (see :meth:`alloc_out`); default fresh tensors with
-            ``max_batch = B`` and ``max_pages = self.max_alloc_pages``.
+            Buffers to write, made by this pool's :meth:`alloc_out` (the pool's kernel
+            is bound to them); default fresh tensors with ``max_batch = B`` and
+            ``max_pages = self.max_alloc_pages``.
         evict : bool
             May evict cached pages to cover the request.
 
@@ -169,14 +174,14 @@ class PagePool:
         """
         if out is None:
             b = self._vector(counts, "counts", self.max_batch)
-            out = AllocOut(b, self.max_alloc_pages, self.device)
-        elif type(out) is not AllocOut or (out.device is not self.device and out.device != self.device):
-            raise ValueError(f"out: expected an AllocOut from pool.alloc_out() on {self.device}, "
-                             f"got {type(out).__name__}")
+            out = AllocOut(self, b, self.max_alloc_pages)
+        elif type(out) is not AllocOut or out.pool is not self:
+            raise ValueError(f"out: expected an AllocOut from this pool's alloc_out(), got "
+                             f"{'one from another pool' if type(out) is AllocOut else type(out).__name__}")
         elif not (type(counts) is _Tensor and counts.dtype is _int32 and counts.device == self.device
-                  and counts.dim() == 1 and counts.is_contiguous() and counts.numel() <= out.max_batch):
-            self._vector(counts, "counts", out.max_batch)  # raises with the expected and actual values
-        self._impl.alloc(counts, out, evict)
+                  and counts.dim() == 1 and counts.is_contiguous() and (b := counts.numel()) <= out.max_batch):
+            b = self._vector(counts, "counts", out.max_batch)  # raises with the expected and actual values
+        out.run(counts, b, evict)
         return out.result
 
     def free(self, pages: torch.Tensor, *, cache: bool = False) -> None:
