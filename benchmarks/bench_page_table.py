@@ -2,8 +2,9 @@
 
 decode step = ``table.step(ids, ones)``: extend every request by one token
 (pages for requests crossing a boundary, the slot mapping) and export the
-batch's FlashInfer CSR, in one call. Also timed: the same as two calls
-(``extend`` then ``flashinfer_csr``) and each part alone. The CSR copies
+batch's FlashInfer CSR, in one call. Also timed: the same step bound to its
+input tensors once (``table.bind_step(ids, ones)``, no per-call argument
+checks), as two calls (``extend`` then ``flashinfer_csr``), and each part alone. The CSR copies
 every page id of the batch (~80 per request at these prompt lengths), so a
 floor is timed too: one ``np.copyto`` of that many int32.
 turnover step = 2 requests released, then one ``step`` over the batch in
@@ -107,6 +108,7 @@ def main(argv=None):
             ids = torch.arange(B, dtype=torch.int32, device=device)
             ones = torch.ones(B, dtype=torch.int32, device=device)
             impls[f"tpool-{be} step"] = (lambda table=table, ids=ids, ones=ones: table.step(ids, ones), table)
+            impls[f"tpool-{be} bound step"] = (table.bind_step(ids, ones), table)
 
             def two_calls(table=table, ids=ids, ones=ones):
                 table.extend(ids, ones)

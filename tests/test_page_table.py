@@ -160,6 +160,27 @@ def test_step_exports_the_pages_it_just_added(make_table, guard):
     table.check_invariants()
 
 
+def test_bound_step_matches_step_with_inputs_filled_in_place(make_table, guard):
+    tables = [make_table(64, 4, 4, 8) for _ in range(2)]
+    ids, ntok = i32([0, 1, 2, -1]), i32([5, 2, 9, 0])
+    run = tables[0].bind_step(ids, ntok, max_tokens=16)
+    rng = random.Random(3)
+    for _ in range(12):
+        with guard():
+            got = run()
+        want = tables[1].step(ids, ntok, max_tokens=16)
+        for x, y in zip((got.slots, got.ok, *got.csr), (want.slots, want.ok, *want.csr)):
+            assert x.tolist() == y.tolist()
+        ids.copy_(i32(rng.sample([0, 1, 2, 3, -1, -1], 4)))      # the scheduler refills the inputs
+        ntok.copy_(i32([rng.randint(0, 3) for _ in range(4)]))
+    assert tables[0].seq_lens.tolist() == tables[1].seq_lens.tolist()
+    ids.set_(torch.zeros(4, dtype=torch.int32).untyped_storage())  # new memory: the binding is stale
+    with pytest.raises(ValueError, match="no longer own the memory they were bound with"):
+        run()
+    with pytest.raises(ValueError, match="num_tokens: expected 4 entries"):
+        tables[0].bind_step(ids, i32([1]))
+
+
 def test_step_buffers_per_shape_and_size_arguments(make_table, guard):
     import numpy as np
     table = make_table(32, 4, 2, 4)

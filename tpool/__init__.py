@@ -14,12 +14,12 @@ from tpool.owned_cache import CacheStats, OwnedCache
 from tpool.ownership import (OwnershipPlan, compact_bytes, needs_compaction, own, payload_bytes,
                              plan_ownership, retained_bytes, storage_bytes)
 from tpool.planner import PagePlan, PlanError, plan_pages
-from tpool.page_table import ExtendResult, ForkResult, PagedKVCSR, PageTable, StepResult
+from tpool.page_table import BoundStep, ExtendResult, ForkResult, PagedKVCSR, PageTable, StepResult
 from tpool.pool import AllocOut, AllocResult, PagePool
 
 __all__ = [
     "PagePool", "AllocOut", "AllocResult", "FreeGroup",
-    "PageTable", "ExtendResult", "StepResult", "ForkResult", "PagedKVCSR",
+    "PageTable", "ExtendResult", "StepResult", "BoundStep", "ForkResult", "PagedKVCSR",
     "PoolError", "InvalidPage", "DoubleFree", "UseAfterFree", "InvalidCount", "OutputOverflow",
     "InvalidRequest", "TableOverflow", "InvalidLength", "InvariantViolation",
     "payload_bytes", "storage_bytes", "compact_bytes", "retained_bytes", "needs_compaction", "own",

@@ -140,6 +140,10 @@ class _BoundByTensors:
             self.csr(req_ids, csr.indptr, csr.indices, csr.last_page_len)
         return step
 
+    def bind_step_inputs(self, res, req_ids, num_tokens, b):
+        step = self.bind_step(res)
+        return lambda: step(req_ids, num_tokens, b)
+
 
 class ReferenceTableBackend(_BoundByTensors):
     name = "reference"
@@ -217,6 +221,11 @@ class NumbaTableBackend:
             cd = call_descriptor(td, sd, slots=res.slots, ok=res.ok, csr=res.csr, written=written_cell(res.csr.indices))
             return lambda req_ids, num_tokens, b: step_k(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd)
 
+        def bind_step_inputs(res, req_ids, num_tokens, b):  # the inputs' addresses too (BoundStep checks them)
+            cd = call_descriptor(td, sd, slots=res.slots, ok=res.ok, csr=res.csr, written=written_cell(res.csr.indices))
+            ids_at, ntok_at = req_ids.data_ptr(), num_tokens.data_ptr()
+            return lambda: step_k(ids_at, ntok_at, b, cd)
+
         cd = call_descriptor(td, sd)  # ops without table-owned outputs
 
         def release_(req_ids, cache):
@@ -233,6 +242,7 @@ class NumbaTableBackend:
             rows_k(req_ids.data_ptr(), req_ids.numel(), out.data_ptr(), cd)
 
         self.bind_extend, self.bind_csr, self.bind_step = bind_extend, bind_csr, bind_step
+        self.bind_step_inputs = bind_step_inputs
         self.release, self.truncate, self.fork, self.rows = release_, truncate_, fork_, rows_
 
 
