@@ -4,9 +4,10 @@ decode step = ``table.step(ids, ones)``: extend every request by one token
 (pages for requests crossing a boundary, the slot mapping) and export the
 batch's FlashInfer CSR, in one call. Also timed: the same step bound to its
 input tensors once (``table.bind_step(ids, ones)``, no per-call argument
-checks), as two calls (``extend`` then ``flashinfer_csr``), and each part alone. The CSR copies
-every page id of the batch (~80 per request at these prompt lengths), so a
-floor is timed too: one ``np.copyto`` of that many int32.
+checks), as two calls (``extend`` then ``flashinfer_csr``), and each part
+alone; on CUDA also the step captured in a CUDA graph and replayed (eager vs
+graph). The CSR copies every page id of the batch (~80 per request at these
+prompt lengths), so a floor is timed too: one ``np.copyto`` of that many int32.
 turnover step = 2 requests released, then one ``step`` over the batch in
 which the 2 admitted requests carry their prompts (512-2048 tokens, a
 prefill) and the others one token.
@@ -31,7 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import print_table, quantiles, sample_us, write_json  # noqa: E402
 
 import tpool  # noqa: E402
-from tpool.graphs import state_tensors  # noqa: E402
+from tpool.graphs import capture, state_tensors  # noqa: E402
 
 PAGE_SIZE = 16
 PROMPTS = (512, 2048)
@@ -109,6 +110,9 @@ def main(argv=None):
             ones = torch.ones(B, dtype=torch.int32, device=device)
             impls[f"tpool-{be} step"] = (lambda table=table, ids=ids, ones=ones: table.step(ids, ones), table)
             impls[f"tpool-{be} bound step"] = (table.bind_step(ids, ones), table)
+            if device.type == "cuda":  # the same step captured once, then replayed
+                graph = capture(lambda table=table, ids=ids, ones=ones: table.step(ids, ones), table)
+                impls[f"tpool-{be} step, graph replay"] = (graph.replay, table)
 
             def two_calls(table=table, ids=ids, ones=ones):
                 table.extend(ids, ones)
@@ -138,9 +142,10 @@ def main(argv=None):
                 table.step(batch, ntok, max_tokens=T)
             turnover.restart = lambda step_no=step_no: step_no.__setitem__(0, 0)  # with the table's state
             impls[f"tpool-{be} turnover"] = (turnover, table)
-        npages = sum(-(-p // PAGE_SIZE) for p in prompts[:B])
-        src, dst = np.arange(npages, dtype=np.int32), np.empty(npages, dtype=np.int32)
-        impls["floor: np.copyto of the CSR's page ids"] = (lambda: np.copyto(dst, src), None)
+        if device.type == "cpu":  # what copying the CSR's page ids once costs on this machine
+            npages = sum(-(-p // PAGE_SIZE) for p in prompts[:B])
+            src, dst = np.arange(npages, dtype=np.int32), np.empty(npages, dtype=np.int32)
+            impls["floor: np.copyto of the CSR's page ids"] = (lambda src=src, dst=dst: np.copyto(dst, src), None)
         base = None
         for name, (fn, tbl) in impls.items():
             reset = None
