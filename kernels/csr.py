@@ -116,10 +116,11 @@ def rows_numba_entry(req_ids_ptr, B, out_ptr, cd):
 
 # ---------------------------------------------------------------------- Triton
 # csr: one program, two phases: the lanes (indptr as a running prefix sum,
-# last_page_len, W = the most pages of a lane), then the entries: entry
-# (i, k), flat index i * W + k, copies block_table[r_i, k] to
-# indices[indptr[i] + k] for k < indptr[i+1] - indptr[i]; positions past the
-# total are -1. rows: one pass over the B * MP output cells.
+# last_page_len), then the entries: output position u < total belongs to lane
+# i, the last one with indptr[i] <= u (a binary search over indptr, SEARCH
+# steps), and takes block_table[r_i, u - indptr[i]]. The work is linear in the
+# batch's pages, whatever the widest request; positions past the total are -1.
+# rows: one pass over the B * MP output cells.
 
 
 @triton.jit
@@ -136,6 +137,7 @@ def csr_kernel(
     R,                  # rows of block_table
     MP,                 # columns of block_table
     page_size,          # tokens per page
+    SEARCH,             # steps of the binary search over indptr: B.bit_length()
     # Meta-parameters
     BLOCK: tl.constexpr,  # lanes / entries / positions per chunk
 ):
@@ -143,7 +145,6 @@ def csr_kernel(
     lanes = tl.arange(0, BLOCK)
     tl.store(indptr_ptr + lanes, tl.zeros((BLOCK,), tl.int32), mask=lanes < 1)
     end = tl.zeros((), tl.int64)
-    W = tl.zeros((), tl.int64)
     bad = tl.zeros((), tl.int64)
     for start in range(0, B, BLOCK):
         i = start + lanes
@@ -156,23 +157,26 @@ def csr_kernel(
         tl.store(indptr_ptr + i + 1, (end + tl.cumsum(n, 0)).to(tl.int32), mask=live)
         tl.store(last_page_len_ptr + i, (length - (n - 1) * page_size).to(tl.int32), mask=live)
         end += tl.sum(n)
-        W = tl.maximum(W, tl.max(n))
     tl.debug_barrier()
-    for start in range(0, W * B, BLOCK):
-        f = start + lanes
-        i = f // W
-        k = f % W
-        live = i < B
-        lo = tl.load(indptr_ptr + i, mask=live, other=0)
-        u = lo + k
-        copy = live & (k < tl.load(indptr_ptr + i + 1, mask=live, other=0) - lo) & (u < cap)
-        r = tl.load(req_ids_ptr + i, mask=copy, other=0).to(tl.int64)
-        page = tl.load(block_table_ptr + r * MP + tl.minimum(k, MP - 1), mask=copy, other=NULL_PAGE)
-        tl.store(indices_ptr + u, page, mask=copy)
-    tail = tl.minimum(end, cap).to(tl.int32)
-    for start in range((tail // BLOCK) * BLOCK, cap, BLOCK):
+    total = tl.minimum(end, cap).to(tl.int32)
+    for start in range(0, total, BLOCK):
         u = start + lanes
-        tl.store(indices_ptr + u, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=(u >= tail) & (u < cap))
+        live = u < total
+        # indptr[lo] <= u < indptr[hi] holds throughout (indptr[0] = 0, indptr[B] = end > u).
+        lo = tl.zeros((BLOCK,), tl.int32)
+        hi = tl.full((BLOCK,), B, tl.int32)
+        for _ in range(SEARCH):
+            mid = (lo + hi) // 2
+            go = tl.load(indptr_ptr + mid, mask=live, other=0) <= u
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid)
+        k = u - tl.load(indptr_ptr + lo, mask=live, other=0)
+        r = tl.load(req_ids_ptr + lo, mask=live, other=0).to(tl.int64)
+        page = tl.load(block_table_ptr + r * MP + tl.minimum(k, MP - 1), mask=live, other=NULL_PAGE)
+        tl.store(indices_ptr + u, page, mask=live)
+    for start in range((total // BLOCK) * BLOCK, cap, BLOCK):
+        u = start + lanes
+        tl.store(indices_ptr + u, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=(u >= total) & (u < cap))
     c = load_counters(counters_ptr)
     c = counter_add(c, ERR_BAD_REQUEST, bad)
     c = counter_add(c, ERR_OUT_OVERFLOW, (end > cap).to(tl.int64))
@@ -185,7 +189,7 @@ def csr_triton(req_ids, indptr, indices, last_page_len, st, ts) -> None:
     R, MP = ts.block_table.shape
     csr_kernel[(1,)](
         req_ids, B, indptr, indices, cap, last_page_len, ts.block_table, ts.seq_lens, st.counters,
-        R, MP, ts.page_size,
+        R, MP, ts.page_size, B.bit_length(),
         **settings(max(B, cap)),
     )
 
