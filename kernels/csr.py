@@ -134,6 +134,7 @@ def csr_kernel(
     block_table_ptr,    # *int32 [R, MP]
     seq_lens_ptr,       # *int32 [R]
     counters_ptr,       # *int64 [NUM_COUNTERS]
+    written_ptr,        # *int64 [1]: entries of indices that may be != -1; this call sets it to its total
     R,                  # rows of block_table
     MP,                 # columns of block_table
     page_size,          # tokens per page
@@ -174,21 +175,29 @@ def csr_kernel(
         r = tl.load(req_ids_ptr + lo, mask=live, other=0).to(tl.int64)
         page = tl.load(block_table_ptr + r * MP + tl.minimum(k, MP - 1), mask=live, other=NULL_PAGE)
         tl.store(indices_ptr + u, page, mask=live)
-    for start in range((total // BLOCK) * BLOCK, cap, BLOCK):
+    # Only what the last call on this buffer wrote past this total needs -1 again.
+    stop = tl.minimum(tl.load(written_ptr), cap).to(tl.int32)
+    for start in range((total // BLOCK) * BLOCK, stop, BLOCK):
         u = start + lanes
-        tl.store(indices_ptr + u, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=(u >= total) & (u < cap))
+        tl.store(indices_ptr + u, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=(u >= total) & (u < stop))
+    tl.store(written_ptr, total.to(tl.int64))
     c = load_counters(counters_ptr)
     c = counter_add(c, ERR_BAD_REQUEST, bad)
     c = counter_add(c, ERR_OUT_OVERFLOW, (end > cap).to(tl.int64))
     store_counters(counters_ptr, c)
 
 
-def csr_triton(req_ids, indptr, indices, last_page_len, st, ts) -> None:
-    """FlashInfer's paged-KV CSR for the batch ``req_ids`` (one launch; read-only but for error counters)."""
+def csr_triton(req_ids, indptr, indices, last_page_len, written, st, ts) -> None:
+    """FlashInfer's paged-KV CSR for the batch ``req_ids`` (one launch; read-only but for error counters).
+
+    ``written`` (int64 ``[1]`` on the device, kept with ``indices``; start it at
+    ``indices.numel()``) tracks how far ``indices`` holds pages, so a call pads
+    only what the previous one wrote past its own total, not the whole capacity.
+    """
     B, cap = req_ids.numel(), indices.numel()
     R, MP = ts.block_table.shape
     csr_kernel[(1,)](
-        req_ids, B, indptr, indices, cap, last_page_len, ts.block_table, ts.seq_lens, st.counters,
+        req_ids, B, indptr, indices, cap, last_page_len, ts.block_table, ts.seq_lens, st.counters, written,
         R, MP, ts.page_size, B.bit_length(),
         **settings(max(B, cap)),
     )

@@ -126,18 +126,23 @@ def make_backend(name: str, st: PoolState):
 class _BoundByTensors:
     """Bound calls of a backend whose ops take the output tensors on every call."""
 
+    def _csr_call(self, csr):
+        """The CSR export bound to the table-owned buffers ``csr`` (indptr, indices, last_page_len)."""
+        return lambda req_ids: self.csr(req_ids, *csr)
+
     def bind_extend(self, res):
         return lambda req_ids, num_tokens, b: self.extend(req_ids, num_tokens, res.slots, res.ok)
 
     def bind_csr(self, res):
-        return lambda req_ids, b: self.csr(req_ids, res.indptr, res.indices, res.last_page_len)
+        csr = self._csr_call(res)
+        return lambda req_ids, b: csr(req_ids)
 
     def bind_step(self, res):
-        csr = res.csr
+        csr = self._csr_call(res.csr)
 
         def step(req_ids, num_tokens, b):
             self.extend(req_ids, num_tokens, res.slots, res.ok)
-            self.csr(req_ids, csr.indptr, csr.indices, csr.last_page_len)
+            csr(req_ids)
         return step
 
     def bind_step_inputs(self, res, req_ids, num_tokens, b):
@@ -259,6 +264,7 @@ class TritonTableBackend(_BoundByTensors):
         self._extend, self._fork = extend.extend_triton, fork.fork_triton
         self._release, self._truncate = release.release_triton, release.truncate_triton
         self._csr, self._rows = csr.csr_triton, csr.rows_triton
+        self._written = {}  # indices buffer address -> int64 [1] device cell
 
     def extend(self, req_ids, num_tokens, slots, ok):
         self._extend(req_ids, num_tokens, slots, ok, self.st, self.ts)
@@ -273,7 +279,19 @@ class TritonTableBackend(_BoundByTensors):
         self._fork(src_ids, dst_ids, lens, ok, cow_src, cow_dst, self.st, self.ts)
 
     def csr(self, req_ids, indptr, indices, last_page_len):
-        self._csr(req_ids, indptr, indices, last_page_len, self.st, self.ts)
+        """Unbound export into any buffers: ``indices`` is padded whole."""
+        written = torch.full((1,), indices.numel(), dtype=torch.int64, device=indices.device)
+        self._csr(req_ids, indptr, indices, last_page_len, written, self.st, self.ts)
+
+    def _csr_call(self, csr):
+        # A device cell per table-owned indices buffer, shared by every call bound to it:
+        # how far the last export wrote it, so the next pads only that far (see csr_triton).
+        indptr, indices, last = csr
+        written = self._written.get(indices.data_ptr())
+        if written is None:
+            written = self._written[indices.data_ptr()] = torch.full(
+                (1,), indices.numel(), dtype=torch.int64, device=indices.device)
+        return lambda req_ids: self._csr(req_ids, indptr, indices, last, written, self.st, self.ts)
 
     def rows(self, req_ids, out):
         self._rows(req_ids, out, self.ts)
