@@ -220,6 +220,20 @@ def test_table_and_pool_refuse_copies_and_oversized_slot_space():
         tpool.PageTable(big, 1, 1)
 
 
+def test_one_element_inputs_with_any_stride_are_accepted(make_table, guard):
+    table = make_table(8, 2, 2, 4)
+    odd = lambda v: i32([v, 0, 0, 0])[::3][:1]   # shape (1,), stride (3,): contiguous all the same
+    assert odd(5).stride() == (3,) and odd(5).is_contiguous()
+    with guard():
+        r = table.extend(odd(1), odd(3), max_tokens=3)
+        table.truncate(odd(1), odd(1))
+    assert r.slots.tolist() == [0, 1, 2] and table.seq_lens.tolist() == [0, 1]
+    with guard():
+        table.pool.free(odd(7))                   # a FREE page: counted, not raised here
+        table.pool.alloc(odd(1), out=table.pool.alloc_out(max_batch=1, max_pages=1))
+    assert table.pool.stats()["errors.double_free"] == 1
+
+
 def test_bad_inputs(make_table):
     table = make_table(8, 2, 2, 2)
     with pytest.raises(ValueError, match="num_tokens: expected 2 entries"):

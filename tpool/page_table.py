@@ -24,6 +24,7 @@ from tpool.kernels import layout as L
 from tpool.state import INT32_MAX
 
 _Tensor, _int32 = torch.Tensor, torch.int32
+_UNIT_STRIDE = (1,)  # see tpool.pool: 1-D and contiguous in one metadata call
 
 
 @dataclass(frozen=True)
@@ -158,14 +159,15 @@ class PageTable:
     def _lane_vector(self, t, name, b):
         if not (self.pool._pages_ok(t) and t.numel() == b):
             n = _checks.check_vector(t, name, torch.int32, self.device, self.pool.max_batch)
-            raise ValueError(f"{name}: expected {b} entries (one per request id), got {n}")
+            if n != b:
+                raise ValueError(f"{name}: expected {b} entries (one per request id), got {n}")
 
     def _lanes(self, req_ids, num_tokens) -> int:
         """Batch size of an (ids, per-lane int32) pair, both checked; the valid case is inline."""
         if (type(req_ids) is _Tensor and type(num_tokens) is _Tensor and req_ids.dtype is _int32
                 and num_tokens.dtype is _int32 and req_ids.device == self.device and num_tokens.device == self.device
-                and req_ids.dim() == 1 and num_tokens.dim() == 1 and req_ids.is_contiguous()
-                and num_tokens.is_contiguous() and (b := req_ids.numel()) == num_tokens.numel()
+                and req_ids.stride() == _UNIT_STRIDE and num_tokens.stride() == _UNIT_STRIDE
+                and (b := req_ids.numel()) == num_tokens.numel()
                 and b <= self.pool.max_batch):
             return b  # the common case: this runs every decode step
         b = self._ids(req_ids)

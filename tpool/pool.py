@@ -23,6 +23,9 @@ from tpool.kernels import layout as L
 from tpool.state import INT32_MAX, PoolState
 
 _Tensor, _int32 = torch.Tensor, torch.int32  # module globals: read on every hot-path call
+# ``t.stride() == (1,)``: 1-D and contiguous in one metadata call. It misses only 1-D
+# tensors of at most one element with another stride; those take the full check.
+_UNIT_STRIDE = (1,)
 
 DEFAULT_MAX_BATCH = 4096        # requests per alloc call
 DEFAULT_MAX_ALLOC_PAGES = 4096  # pages per alloc call without an out= buffer
@@ -131,9 +134,10 @@ class PagePool:
         return _checks.check_vector(t, name, dtype, self.device, max_len)
 
     def _pages_ok(self, t) -> bool:
-        """The common case of the ``pages`` check, inline (it runs on every call)."""
+        """The common case of the ``pages`` check (it runs on every call); False sends a
+        tensor to the full check, which decides."""
         return (type(t) is _Tensor and t.dtype is _int32 and t.device == self.device
-                and t.dim() == 1 and t.is_contiguous())
+                and t.stride() == _UNIT_STRIDE)
 
     def alloc_out(self, max_batch: int | None = None, max_pages: int | None = None) -> AllocOut:
         """Preallocate outputs for ``alloc(..., out=)`` (graph capture, no per-call allocation).
@@ -179,7 +183,7 @@ class PagePool:
             raise ValueError(f"out: expected an AllocOut from this pool's alloc_out(), got "
                              f"{'one from another pool' if type(out) is AllocOut else type(out).__name__}")
         elif not (type(counts) is _Tensor and counts.dtype is _int32 and counts.device == self.device
-                  and counts.dim() == 1 and counts.is_contiguous() and (b := counts.numel()) <= out.max_batch):
+                  and counts.stride() == _UNIT_STRIDE and (b := counts.numel()) <= out.max_batch):
             b = self._vector(counts, "counts", out.max_batch)  # raises with the expected and actual values
         out.run(counts, b, evict)
         return out.result
@@ -196,7 +200,7 @@ class PagePool:
         pages : torch.Tensor  shape ``[N]``, int32, on the pool's device.
         """
         if not (type(pages) is _Tensor and pages.dtype is _int32 and pages.device == self.device
-                and pages.dim() == 1 and pages.is_contiguous()):
+                and pages.stride() == _UNIT_STRIDE):
             self._vector(pages, "pages")  # raises with the expected and actual values
         if self._group is None:
             self._impl.free(pages, cache)
