@@ -11,8 +11,8 @@ prompt lengths), so a floor is timed too: one ``np.copyto`` of that many int32.
 turnover step = 2 requests released, then one ``step`` over the batch in
 which the 2 admitted requests carry their prompts (512-2048 tokens, a
 prefill) and the others one token.
-Each sample starts from the same table (restored untimed before it), so the
-requests do not grow over the run.
+Each sample starts from the same table, and the baseline from the same
+lists (restored untimed before it), so the requests do not grow over the run.
 Baseline, measured in the same run: ``host-blocks``, per-request Python lists
 of block ids with a host free list, the slot mapping and CSR built on the
 host and copied into tensors, the shape of vLLM's block pool + block table.
@@ -66,8 +66,15 @@ class HostBlocks:
             indices += self.blocks[r]
             indptr.append(len(indices))
             last.append(self.lens[r] - (len(self.blocks[r]) - 1) * PAGE_SIZE)
-        return (torch.tensor(slots, dtype=torch.int32), torch.tensor(indptr, dtype=torch.int32),
-                torch.tensor(indices, dtype=torch.int32), torch.tensor(last, dtype=torch.int32))
+        return tuple(torch.tensor(v, dtype=torch.int32, device=self.device) for v in (slots, indptr, indices, last))
+
+    def snapshot(self):
+        """A reset for the benchmark: puts the lists back as they are now."""
+        saved = (list(self.free_ids), [list(b) for b in self.blocks], list(self.lens))
+
+        def reset():
+            self.free_ids, self.blocks, self.lens = saved[0][:], [b[:] for b in saved[1]], saved[2][:]
+        return reset
 
 
 def setup(B, backend, device, rng):
@@ -103,7 +110,7 @@ def main(argv=None):
         impls = {}
         pool, table, host, prompts = setup(B, backends[0], device, rng)
         hb = list(range(B))
-        impls["host-blocks"] = (lambda: host.decode(hb), None)
+        impls["host-blocks"] = (lambda: host.decode(hb), host)
         for be in backends:
             pool, table, _, prompts = setup(B, be, device, random.Random(B))
             ids = torch.arange(B, dtype=torch.int32, device=device)
@@ -149,7 +156,9 @@ def main(argv=None):
         base = None
         for name, (fn, tbl) in impls.items():
             reset = None
-            if tbl is not None:  # steps grow the table: each sample starts from the same state
+            if isinstance(tbl, HostBlocks):  # the baseline grows too: it restarts the same way
+                reset = tbl.snapshot()
+            elif tbl is not None:  # steps grow the table: each sample starts from the same state
                 tensors = state_tensors(tbl)
                 saved = [t.clone() for t in tensors]
 

@@ -144,6 +144,8 @@ def csr_kernel(
 ):
     """indptr[i+1] = sum_{j<=i} cdiv(L_j, ps); indices[indptr[i] + k] = block_table[r_i, k]; last = L - (n-1)*ps."""
     lanes = tl.arange(0, BLOCK)
+    # Read before the barrier below: the store at the end must not overtake any thread's read.
+    written = tl.minimum(tl.load(written_ptr), cap).to(tl.int32)
     tl.store(indptr_ptr + lanes, tl.zeros((BLOCK,), tl.int32), mask=lanes < 1)
     end = tl.zeros((), tl.int64)
     bad = tl.zeros((), tl.int64)
@@ -176,10 +178,9 @@ def csr_kernel(
         page = tl.load(block_table_ptr + r * MP + tl.minimum(k, MP - 1), mask=live, other=NULL_PAGE)
         tl.store(indices_ptr + u, page, mask=live)
     # Only what the last call on this buffer wrote past this total needs -1 again.
-    stop = tl.minimum(tl.load(written_ptr), cap).to(tl.int32)
-    for start in range((total // BLOCK) * BLOCK, stop, BLOCK):
+    for start in range((total // BLOCK) * BLOCK, written, BLOCK):
         u = start + lanes
-        tl.store(indices_ptr + u, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=(u >= total) & (u < stop))
+        tl.store(indices_ptr + u, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=(u >= total) & (u < written))
     tl.store(written_ptr, total.to(tl.int64))
     c = load_counters(counters_ptr)
     c = counter_add(c, ERR_BAD_REQUEST, bad)

@@ -122,6 +122,25 @@ def test_graph_fused_step_replays_match_two_eager_calls(backend):
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_first_call_of_a_shape_inside_capture_is_refused(backend):
+    """Output buffers made inside capture would hold garbage until the first replay."""
+    pool = tpool.PagePool(64, page_size=4, device="cuda", backend=backend)
+    table = tpool.PageTable(pool, 4, 4)
+    ids = torch.arange(4, dtype=torch.int32, device="cuda")
+    ones = torch.ones_like(ids)
+    with preserved(table):
+        table.extend(ids, ones)                      # compiles the kernel; shape (B=4, max_tokens=4)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="inside CUDA graph capture"):
+        with torch.cuda.graph(graph):
+            table.extend(ids, ones, max_tokens=8)    # a shape never run before
+    assert table.seq_lens.tolist() == [0, 0, 0, 0]
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_hot_path_under_cuda_sync_debug_error(backend):
     dev = "cuda"
     pool = tpool.PagePool(256, page_size=4, device=dev, backend=backend)

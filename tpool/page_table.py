@@ -84,13 +84,17 @@ class BoundStep:
         cap = b * table.max_pages if capacity is None else capacity
         self.result = (table._bound.get(("step", b, t, cap)) or table._step_bound(b, t, cap))[0]
         self.req_ids, self.num_tokens = req_ids, num_tokens
-        self._ptrs = (req_ids.data_ptr(), num_tokens.data_ptr())
+        self._bound_to = self._where()
         self._run = table._impl.bind_step_inputs(self.result, req_ids, num_tokens, b)
 
+    def _where(self):
+        ids, ntok = self.req_ids, self.num_tokens
+        return ids.data_ptr(), ntok.data_ptr(), ids.numel(), ntok.numel()
+
     def __call__(self) -> StepResult:
-        if (self.req_ids.data_ptr(), self.num_tokens.data_ptr()) != self._ptrs:
-            raise ValueError("bind_step: req_ids or num_tokens no longer own the memory they were bound with "
-                             "(reassigned or resized); fill them in place, or bind again")
+        if self._where() != self._bound_to:
+            raise ValueError("bind_step: req_ids or num_tokens no longer have the memory or the length they were "
+                             "bound with (reassigned or resized); fill them in place, or bind again")
         self._run()
         return self.result
 
@@ -187,6 +191,7 @@ class PageTable:
 
     def _bind(self, key, bind, make):
         """Output buffers for a call shape, and the backend's call bound to them (made once)."""
+        self._not_capturing(key)
         res = make()
         bound = self._bound[key] = (res, bind(res))
         return bound
@@ -194,8 +199,15 @@ class PageTable:
     def _buffers(self, key, make):
         bufs = self._bufs.get(key)
         if bufs is None:
+            self._not_capturing(key)
             bufs = self._bufs[key] = make()
         return bufs
+
+    def _not_capturing(self, key):
+        """New output buffers (and their bookkeeping) must be made and filled outside graph capture."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"PageTable: the first call of shape {key} is inside CUDA graph capture; run each "
+                               "call shape once before capturing (tpool.graphs.capture does that)")
 
     # ------------------------------------------------------------ hot path
     def extend(self, req_ids: torch.Tensor, num_tokens: torch.Tensor, *, max_tokens: int | None = None) -> ExtendResult:
