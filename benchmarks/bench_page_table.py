@@ -6,8 +6,9 @@ batch's FlashInfer CSR, in one call. Also timed: the same step bound to its
 input tensors once (``table.bind_step(ids, ones)``, no per-call argument
 checks), as two calls (``extend`` then ``flashinfer_csr``), and each part
 alone; on CUDA also the step captured in a CUDA graph and replayed (eager vs
-graph). The CSR copies every page id of the batch (~80 per request at these
-prompt lengths), so a floor is timed too: one ``np.copyto`` of that many int32.
+graph); on CPU also the reference backend's step (the oracle, for scale).
+The CSR copies every page id of the batch (~80 per request at these prompt
+lengths), so a floor is timed too: one ``np.copyto`` of that many int32.
 turnover step = 2 requests released, then one ``step`` over the batch in
 which the 2 admitted requests carry their prompts (512-2048 tokens, a
 prefill) and the others one token.
@@ -149,6 +150,11 @@ def main(argv=None):
                 table.step(batch, ntok, max_tokens=T)
             turnover.restart = lambda step_no=step_no: step_no.__setitem__(0, 0)  # with the table's state
             impls[f"tpool-{be} turnover"] = (turnover, table)
+        if device.type == "cpu" and "reference" not in backends:  # the oracle's step, for scale
+            _, ref_table, _, _ = setup(B, "reference", device, random.Random(B))
+            ids = torch.arange(B, dtype=torch.int32, device=device)
+            ones = torch.ones(B, dtype=torch.int32, device=device)
+            impls["tpool-reference step"] = (lambda t=ref_table, ids=ids, ones=ones: t.step(ids, ones), ref_table)
         if device.type == "cpu":  # what copying the CSR's page ids once costs on this machine
             npages = sum(-(-p // PAGE_SIZE) for p in prompts[:B])
             src, dst = np.arange(npages, dtype=np.int32), np.empty(npages, dtype=np.int32)
