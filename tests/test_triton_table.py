@@ -300,6 +300,18 @@ def test_large_batches_span_chunks(chunking):
     tw.release([-1] * 33 + [5, 4, 3, 2, 1, 0], cache=True)
 
 
+def test_csr_of_one_long_request_among_short_ones(chunking):
+    """Each output position finds its lane by a search over indptr: a wide lane, empty and
+    padding lanes, and lanes in different chunks must all land where the reference puts them."""
+    tw = Twin(256, 2, 40, 64)
+    tw.extend(list(range(40)), [1 + (r % 3) for r in range(40)], T=120)    # 1 or 2 pages each
+    tw.extend([7], [120], T=120)                                           # request 7: 61 pages
+    ids = [7 if k == 33 else (k if k % 5 else -1) for k in range(40)]     # padding; 7 late
+    indptr, indices, _ = tw.csr(ids)
+    assert indptr[34] - indptr[33] == 61 and indices[indptr[-1]:] == [-1] * (40 * 64 - indptr[-1])
+    tw.csr(ids, cap=indptr[33] + 5)                       # overflow inside the long request
+
+
 def test_pushes_and_pops_carry_across_chunks(chunking):
     """Valid lanes far apart: pages freed and popped by lanes in different chunks share one stack."""
     tw = Twin(40, 2, 6, 5)
