@@ -9,14 +9,17 @@ program that loops over fixed-size chunks and separates its phases with
   Claims go back to INT32_MAX after the last phase that reads them, either
   write-only for every id (``release_rows``) or by each row's valid lane
   itself, so no lane mistakes a reset claim for its own.
-* Pages a call frees or shares form a list in (lane, column) order. Entry
-  ``(i, j)`` gets the flat index ``f = i * W + j``, where ``W`` is the widest
-  lane of the call (``j < W``), so ``f`` grows with that order, and pages are
-  deduplicated like the pool's ``free``: ``atomic_min(claim[p], f)`` picks the
-  first occurrence, ``atomic_add(occur[p], 1)`` counts them (both order-free).
-* No kernel keeps per-lane results in scratch: later phases read them back
-  from the call's outputs (``ok``, ``indptr``) or recompute them from the
-  inputs and from state that only the last phase writes.
+* Pages a call frees or shares form a list in (lane, column) order. The lane
+  pass writes each lane's running end into the ``lane_end`` scratch; entry
+  ``f`` of the list belongs to the first lane whose end exceeds ``f``
+  (``list_lane``, a binary search), so passes over the list cost its length,
+  not the batch times its widest lane. Pages are deduplicated like the pool's
+  ``free``: ``atomic_min(claim[p], f)`` picks the first occurrence,
+  ``atomic_add(occur[p], 1)`` counts them (both order-free).
+* Besides ``lane_end``, no kernel keeps per-lane results in scratch: later
+  phases read them back from the call's outputs (``ok``, ``indptr``) or
+  recompute them from the inputs and from state that only the last phase
+  writes.
 """
 
 import triton
@@ -69,6 +72,22 @@ def release_rows(ids_ptr, B, claim_ptr, R, BLOCK: tl.constexpr):
 
 
 # ---------------------------------------------------------------- page lists
+@triton.jit
+def list_lane(f, live, lane_end_ptr, B, SEARCH):
+    """``(lane, first entry of that lane)`` of list entries ``f`` (``live``: ``f`` < the list's
+    length): the smallest ``i`` with ``lane_end[i] > f``, by SEARCH = B.bit_length() halvings."""
+    lo = tl.zeros(f.shape, tl.int32)
+    hi = tl.zeros(f.shape, tl.int32) + B
+    for _ in range(SEARCH):  # the answer stays in [lo, hi]; mid < hi <= B, so loads stay in range
+        mid = (lo + hi) // 2
+        active = live & (lo < hi)
+        right = tl.load(lane_end_ptr + mid, mask=active, other=0) <= f
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    start = tl.load(lane_end_ptr + lo - 1, mask=live & (lo > 0), other=0)
+    return lo, start
+
+
 @triton.jit
 def claim_pages(p, f, m, claim_ptr, occur_ptr, num_pages):
     """First entry (min ``f``) and occurrences per page for entries ``m``; returns #invalid ids."""

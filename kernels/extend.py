@@ -13,9 +13,9 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import (CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, claim_requests, fill_null_i32, i32_array, lane_valid,
-                          page_shift, pages_for, pop_page, reset_claims, state_arrays, table_arrays, u8_array,
-                          update_peaks)
+from ._numba_util import (CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, claim_requests, fill_null_i32,
+                          i32_array, lane_valid, page_shift, pages_for, pop_page, reset_claims, state_arrays,
+                          table_arrays, u8_array, update_peaks)
 from ._triton_table_util import (ERR_BAD_REQUEST, ERR_TABLE_OVERFLOW, cdiv, claim_rows, release_rows,
                                  request_lanes)
 from ._triton_util import (ALLOCATED, ERR_BAD_COUNT, ERR_OUT_OVERFLOW, FAILED_REQUESTS, FREE_COUNT,

@@ -16,7 +16,7 @@ from . import layout as L
 from ._numba_util import (CD_OUT, CD_STATE, claim_requests, i32_array, lane_valid, pop_page, reset_claims,
                           state_arrays, table_arrays, u8_array, update_peaks)
 from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, claim_pages, claim_rows, first_pages,
-                                 release_rows, request_lanes, reset_pages)
+                                 list_lane, release_rows, request_lanes, reset_pages)
 from ._triton_util import (ALLOCATED, CACHED, CACHED_COUNT, ERR_INVALID_PAGE, ERR_USE_AFTER_FREE,
                            FAILED_REQUESTS, FREE, FREE_COUNT, NULL_PAGE, REVIVED, USED, counter_add,
                            counter_get, load_counters, raise_peaks, settings, store_counters, tick)
@@ -106,22 +106,25 @@ def fork_numba_entry(src_ptr, dst_ptr, lens_ptr, B, ok_ptr, cow_src_ptr, cow_dst
 # ---------------------------------------------------------------------- Triton
 # One program. Lanes: claim the dst rows, decide every lane on the state at
 # call start (FCFS prefix sum of the partial pages against the free count) and
-# write ``ok``, which later phases read back. Shared pages: entry (i, k) is
-# column k < lens_i // ps of src_i's row, flat index ``i * W + k`` (W the
-# widest share); three passes run the pool's ``incref`` over them (claim;
-# apply to first occurrences and copy the entries into the dst rows; restore
-# the scratch). Last, lanes ending inside a page pop a fresh page (offsets from
-# a prefix sum), the copy pairs and lengths are written and the claims restored.
+# write ``ok``, which later phases read back, and each lane's running end in
+# the shared-page list to ``lane_end``. Entry f of the list is column
+# ``f - start_i`` (< lens_i // ps) of src_i's row (``list_lane``); three passes
+# run the pool's ``incref`` over them (claim; apply to first occurrences and
+# copy the entries into the dst rows; restore the scratch). Last, lanes ending
+# inside a page pop a fresh page (offsets from a prefix sum), the copy pairs
+# and lengths are written and the claims restored.
 
 
 @triton.jit
-def _shared(f, W, src_ptr, dst_ptr, lens_ptr, B, ok_ptr, block_table_ptr, MP, page_size):
-    """Entries ``f``: ``(dst cell, page, shared?)``; a shared entry is a whole page of the src row."""
-    i = f // W
-    ok = tl.load(ok_ptr + i, mask=i < B, other=0).to(tl.int1) & (i < B)
+def _shared(f, total, lane_end_ptr, SEARCH, src_ptr, dst_ptr, lens_ptr, B, ok_ptr, block_table_ptr, MP,
+            page_size):
+    """List entries ``f``: ``(dst cell, page, shared?)``; a shared entry is a whole page of the src row."""
+    live = f < total
+    i, start = list_lane(f, live, lane_end_ptr, B, SEARCH)
+    ok = tl.load(ok_ptr + i, mask=live, other=0).to(tl.int1) & live
     s = tl.load(src_ptr + i, mask=ok, other=0).to(tl.int64)
     d = tl.load(dst_ptr + i, mask=ok, other=0).to(tl.int64)
-    k = f % W
+    k = f - start
     shared = ok & (k < tl.load(lens_ptr + i, mask=ok, other=0) // page_size)
     p = tl.load(block_table_ptr + s * MP + k, mask=shared, other=NULL_PAGE)
     return d * MP + k, p, shared
@@ -145,10 +148,12 @@ def fork_kernel(
     counters_ptr,     # *int64 [NUM_COUNTERS]
     page_claim_ptr,   # *int32 [P] scratch, INT32_MAX between calls
     occur_ptr,        # *int32 [P] scratch, 0 between calls
+    lane_end_ptr,     # *int32 [>= B] scratch: running end of each lane's shared pages
     R,                # rows of block_table
     MP,               # columns of block_table
     num_pages,        # P
     page_size,        # tokens per page
+    SEARCH,           # B.bit_length(): steps of the lane search
     # Meta-parameters
     BLOCK: tl.constexpr,  # lanes / entries per chunk
 ):
@@ -160,7 +165,7 @@ def fork_kernel(
     claim_rows(dst_ptr, B, claim_ptr, R, BLOCK)
     tl.debug_barrier()
     csum = tl.zeros((), tl.int64)  # partial pages wanted by candidate lanes so far
-    W = tl.zeros((), tl.int64)     # widest share, in pages
+    total = tl.zeros((), tl.int32)  # entries of the shared-page list
     bad = tl.zeros((), tl.int64)
     bad_len = tl.zeros((), tl.int64)
     failed = tl.zeros((), tl.int64)
@@ -179,24 +184,27 @@ def fork_kernel(
         part = (cand & (n % page_size != 0)).to(tl.int64)
         ok = cand & (csum + tl.cumsum(part, 0) <= free)
         tl.store(ok_ptr + i, ok, mask=live)
-        W = tl.maximum(W, tl.max(tl.where(ok, n // page_size, 0)))
+        shares = tl.where(ok, n // page_size, 0).to(tl.int32)
+        tl.store(lane_end_ptr + i, total + tl.cumsum(shares, 0), mask=live)
+        total += tl.sum(shares)
         csum += tl.sum(part)
         bad += tl.sum((live & ~pad & ~good).to(tl.int64))
         bad_len += tl.sum(wrong.to(tl.int64))
         failed += tl.sum((live & ~pad & ~ok).to(tl.int64))
     tl.debug_barrier()
-    entries = B * W
     invalid = tl.zeros((), tl.int64)
-    for start in range(0, entries, BLOCK):
+    for start in range(0, total, BLOCK):
         f = start + lanes
-        _, p, shared = _shared(f, W, src_ptr, dst_ptr, lens_ptr, B, ok_ptr, block_table_ptr, MP, page_size)
+        _, p, shared = _shared(f, total, lane_end_ptr, SEARCH, src_ptr, dst_ptr, lens_ptr, B, ok_ptr,
+                               block_table_ptr, MP, page_size)
         invalid += claim_pages(p, f, shared, page_claim_ptr, occur_ptr, num_pages)
     tl.debug_barrier()
     uaf = tl.zeros((), tl.int64)
     revived = tl.zeros((), tl.int64)
-    for start in range(0, entries, BLOCK):
+    for start in range(0, total, BLOCK):
         f = start + lanes
-        cell, p, shared = _shared(f, W, src_ptr, dst_ptr, lens_ptr, B, ok_ptr, block_table_ptr, MP, page_size)
+        cell, p, shared = _shared(f, total, lane_end_ptr, SEARCH, src_ptr, dst_ptr, lens_ptr, B, ok_ptr,
+                                  block_table_ptr, MP, page_size)
         first, k = first_pages(p, f, shared, page_claim_ptr, occur_ptr, num_pages)
         state = tl.load(page_state_ptr + p, mask=first, other=FREE)
         uaf += tl.sum(tl.where(first & (state == FREE), k, 0).to(tl.int64))
@@ -208,9 +216,10 @@ def fork_kernel(
         revived += tl.sum(cached.to(tl.int64))
         tl.store(block_table_ptr + cell, p, mask=shared)  # dst rows were empty: no lane reads them
     tl.debug_barrier()
-    for start in range(0, entries, BLOCK):
+    for start in range(0, total, BLOCK):
         f = start + lanes
-        _, p, shared = _shared(f, W, src_ptr, dst_ptr, lens_ptr, B, ok_ptr, block_table_ptr, MP, page_size)
+        _, p, shared = _shared(f, total, lane_end_ptr, SEARCH, src_ptr, dst_ptr, lens_ptr, B, ok_ptr,
+                               block_table_ptr, MP, page_size)
         reset_pages(p, shared, page_claim_ptr, occur_ptr, num_pages)
     popped = tl.zeros((), tl.int64)
     for start in range(0, B, BLOCK):
@@ -255,7 +264,7 @@ def fork_triton(src_ids, dst_ids, lens, ok, cow_src, cow_dst, st, ts) -> None:
     R, MP = ts.block_table.shape
     fork_kernel[(1,)](
         src_ids, dst_ids, lens, B, ok, cow_src, cow_dst, ts.block_table, ts.seq_lens, ts.claim,
-        st.free_stack, st.refcount, st.page_state, st.counters, st.claim, st.occur,
-        R, MP, st.num_pages, ts.page_size,
+        st.free_stack, st.refcount, st.page_state, st.counters, st.claim, st.occur, ts.lane_end,
+        R, MP, st.num_pages, ts.page_size, B.bit_length(),
         **settings(max(B, B * MP)),
     )

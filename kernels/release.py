@@ -16,7 +16,7 @@ from . import layout as L
 from ._numba_util import (CD_OUT, CD_STATE, claim_requests, free_list, i32_array, lane_valid, reset_claims,
                           state_arrays, table_arrays)
 from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, cdiv, claim_pages, claim_rows,
-                                 first_pages, request_lanes, reset_pages)
+                                 first_pages, list_lane, request_lanes, reset_pages)
 from ._triton_util import (CACHED_COUNT, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREE_COUNT,
                            FREED, INT32_MAX, NULL_PAGE, counter_add, counter_get, load_counters,
                            raise_peaks, release_distinct, settings, store_counters, tick)
@@ -120,11 +120,12 @@ def truncate_numba_entry(req_ids_ptr, lens_ptr, B, cd):
 
 # ---------------------------------------------------------------------- Triton
 # One program. Lanes: claim the rows, decide each lane (valid = the row's
-# first lane; truncate: new length in [0, L]), find W, the widest drop in
-# pages. Dropped pages: entry (i, j) is column ``ceil(keep_i / ps) + j`` of lane
-# i's row, flat index ``i * W + j``, so flat order is the reference's (lane,
-# column) order; each pass recomputes an entry from the inputs, the claims and
-# the lengths, which change only in the last pass. Three passes over the
+# first lane; truncate: new length in [0, L]) and write its running end in
+# the dropped-page list to ``lane_end``. Entry f of the list is column
+# ``ceil(keep_i / ps) + f - start_i`` of lane i's row (``list_lane``), so list
+# order is the reference's (lane, column) order; each pass recomputes an entry
+# from the inputs, the claims and the lengths, which change only in the last
+# pass. Three passes over the
 # entries run the pool's ``free`` (claim; apply to first occurrences, pushes
 # placed by a running prefix sum; restore the scratch and reset the entries),
 # then each valid lane writes its length and restores its row's claim.
@@ -145,13 +146,14 @@ def _lanes(ids_ptr, new_lens_ptr, i, B, claim_ptr, seq_lens_ptr, R, HAS_LENS: tl
 
 
 @triton.jit
-def _dropped(f, W, ids_ptr, new_lens_ptr, B, claim_ptr, seq_lens_ptr, block_table_ptr, R, MP, page_size,
-             HAS_LENS: tl.constexpr):
-    """Entries ``f``: ``(table cell, page, dropped?)``; cell = row * MP + column, int64."""
-    i = f // W
+def _dropped(f, total, lane_end_ptr, SEARCH, ids_ptr, new_lens_ptr, B, claim_ptr, seq_lens_ptr, block_table_ptr,
+             R, MP, page_size, HAS_LENS: tl.constexpr):
+    """List entries ``f``: ``(table cell, page, dropped?)``; cell = row * MP + column, int64."""
+    live = f < total
+    i, start = list_lane(f, live, lane_end_ptr, B, SEARCH)
     r, _, _, _, length, act, keep = _lanes(ids_ptr, new_lens_ptr, i, B, claim_ptr, seq_lens_ptr, R, HAS_LENS)
-    k = cdiv(keep, page_size) + f % W
-    drop = act & (k < cdiv(length, page_size)) & (k < MP)
+    k = cdiv(keep, page_size) + f - start
+    drop = live & act & (k < cdiv(length, page_size)) & (k < MP)
     cell = r.to(tl.int64) * MP + k
     return cell, tl.load(block_table_ptr + cell, mask=drop, other=NULL_PAGE), drop
 
@@ -171,10 +173,12 @@ def release_kernel(
     counters_ptr,     # *int64 [NUM_COUNTERS]
     page_claim_ptr,   # *int32 [P] scratch, INT32_MAX between calls
     occur_ptr,        # *int32 [P] scratch, 0 between calls
+    lane_end_ptr,     # *int32 [>= B] scratch: running end of each lane's dropped pages
     R,                # rows of block_table
     MP,               # columns of block_table
     num_pages,        # P
     page_size,        # tokens per page
+    SEARCH,           # B.bit_length(): steps of the lane search
     # Meta-parameters
     HAS_LENS: tl.constexpr,  # truncate to new_lens (else release: length 0)
     CACHE: tl.constexpr,     # pages reaching 0 references become CACHED (else FREE)
@@ -188,39 +192,41 @@ def release_kernel(
     tl.debug_barrier()
     bad = tl.zeros((), tl.int64)
     bad_len = tl.zeros((), tl.int64)
-    W = tl.zeros((), tl.int32)  # widest drop, in pages
+    total = tl.zeros((), tl.int32)  # entries of the dropped-page list
     for start in range(0, B, BLOCK):
         i = start + lanes
         _, valid, pad, live, length, act, keep = _lanes(req_ids_ptr, new_lens_ptr, i, B, claim_ptr,
                                                         seq_lens_ptr, R, HAS_LENS)
         bad += tl.sum((live & ~pad & ~valid).to(tl.int64))
         bad_len += tl.sum((valid & ~act).to(tl.int64))
-        W = tl.maximum(W, tl.max(tl.where(act, cdiv(length, page_size) - cdiv(keep, page_size), 0)))
-    entries = W.to(tl.int64) * B
+        n = tl.where(act, cdiv(length, page_size) - cdiv(keep, page_size), 0)
+        tl.store(lane_end_ptr + i, total + tl.cumsum(n, 0), mask=live)
+        total += tl.sum(n)
+    tl.debug_barrier()
     invalid = tl.zeros((), tl.int64)
-    for start in range(0, entries, BLOCK):
+    for start in range(0, total, BLOCK):
         f = start + lanes
-        _, p, drop = _dropped(f, W, req_ids_ptr, new_lens_ptr, B, claim_ptr, seq_lens_ptr, block_table_ptr,
-                              R, MP, page_size, HAS_LENS)
+        _, p, drop = _dropped(f, total, lane_end_ptr, SEARCH, req_ids_ptr, new_lens_ptr, B, claim_ptr,
+                              seq_lens_ptr, block_table_ptr, R, MP, page_size, HAS_LENS)
         invalid += claim_pages(p, f, drop, page_claim_ptr, occur_ptr, num_pages)
     tl.debug_barrier()
     top = counter_get(c, FREE_COUNT)
     double = tl.zeros((), tl.int64)
     released = tl.zeros((), tl.int64)
-    for start in range(0, entries, BLOCK):
+    for start in range(0, total, BLOCK):
         f = start + lanes
-        _, p, drop = _dropped(f, W, req_ids_ptr, new_lens_ptr, B, claim_ptr, seq_lens_ptr, block_table_ptr,
-                              R, MP, page_size, HAS_LENS)
+        _, p, drop = _dropped(f, total, lane_end_ptr, SEARCH, req_ids_ptr, new_lens_ptr, B, claim_ptr,
+                              seq_lens_ptr, block_table_ptr, R, MP, page_size, HAS_LENS)
         first, k = first_pages(p, f, drop, page_claim_ptr, occur_ptr, num_pages)
         dbl, rel = release_distinct(p, first, k, top + released, clock, free_stack_ptr, refcount_ptr, page_state_ptr,
                                     stamp_ptr, num_pages, CACHE, BLOCK)
         double += dbl
         released += rel
     tl.debug_barrier()
-    for start in range(0, entries, BLOCK):
+    for start in range(0, total, BLOCK):
         f = start + lanes
-        cell, p, drop = _dropped(f, W, req_ids_ptr, new_lens_ptr, B, claim_ptr, seq_lens_ptr, block_table_ptr,
-                                 R, MP, page_size, HAS_LENS)
+        cell, p, drop = _dropped(f, total, lane_end_ptr, SEARCH, req_ids_ptr, new_lens_ptr, B, claim_ptr,
+                                 seq_lens_ptr, block_table_ptr, R, MP, page_size, HAS_LENS)
         reset_pages(p, drop, page_claim_ptr, occur_ptr, num_pages)
         tl.store(block_table_ptr + cell, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=drop)
     tl.debug_barrier()  # every pass above reads the claims and the lengths
@@ -251,8 +257,8 @@ def _launch(req_ids, new_lens, cache, st, ts) -> None:
     R, MP = ts.block_table.shape
     release_kernel[(1,)](
         req_ids, req_ids if new_lens is None else new_lens, B, ts.block_table, ts.seq_lens, ts.claim,
-        st.free_stack, st.refcount, st.page_state, st.stamp, st.counters, st.claim, st.occur,
-        R, MP, st.num_pages, ts.page_size,
+        st.free_stack, st.refcount, st.page_state, st.stamp, st.counters, st.claim, st.occur, ts.lane_end,
+        R, MP, st.num_pages, ts.page_size, B.bit_length(),
         HAS_LENS=new_lens is not None, CACHE=bool(cache), **settings(max(B, B * MP)),
     )
 

@@ -253,7 +253,7 @@ def test_constructor_checks():
 def test_alloc_out_belongs_to_its_pool(make_pool):
     a, b = make_pool(8), make_pool(8)
     out = a.alloc_out(max_batch=1, max_pages=2)
-    with pytest.raises(ValueError, match="expected an AllocOut from this pool's alloc_out\\(\\), got one from another pool"):
+    with pytest.raises(ValueError, match=r"expected an AllocOut from this pool's alloc_out\(\), got one from another"):
         b.alloc(i32([2]), out=out)
     with pytest.raises(ValueError, match="got tuple"):
         b.alloc(i32([2]), out=(1, 2))

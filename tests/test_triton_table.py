@@ -312,6 +312,20 @@ def test_csr_of_one_long_request_among_short_ones(chunking):
     tw.csr(ids, cap=indptr[33] + 5)                       # overflow inside the long request
 
 
+def test_page_lists_with_one_long_lane(chunking):
+    """Fork, truncate and release walk a page list whose lanes are found by a search over their
+    ends: one long lane among short, empty, padding and repeated lanes, across chunks."""
+    tw = Twin(512, 2, 48, 64)
+    tw.extend(list(range(40)), [1 + (r % 4) for r in range(40)], T=160)
+    tw.extend([5], [110], T=110)                                            # request 5: 57 pages
+    src = [5 if k == 30 else k % 40 for k in range(40)]
+    dst = [40 + k // 5 if k % 5 == 0 else -1 for k in range(40)]
+    dst[30] = 47
+    tw.fork(src, dst, [2 * (k % 3) + 1 if k != 30 else 111 for k in range(40)])  # 30: 55 pages shared
+    tw.truncate([-1] * 20 + [5, 47] + [-1] * 15 + [1, 2, 2], [0] * 20 + [9, 30] + [0] * 15 + [1, 0, 0])
+    tw.release([k if k % 3 else -1 for k in range(48)] + [47, 5], cache=True)
+
+
 def test_pushes_and_pops_carry_across_chunks(chunking):
     """Valid lanes far apart: pages freed and popped by lanes in different chunks share one stack."""
     tw = Twin(40, 2, 6, 5)

@@ -37,6 +37,7 @@ class TableState:
     block_table: torch.Tensor  # int32 [max_requests, max_pages], -1 past each length
     seq_lens: torch.Tensor     # int32 [max_requests], tokens per request
     claim: torch.Tensor        # int32 [max_requests] scratch, INT32_MAX between calls
+    lane_end: torch.Tensor     # int32 [max_batch] scratch (triton): per-lane ends of a call's page list
 
 
 class ExtendResult(NamedTuple):
@@ -138,6 +139,7 @@ class PageTable:
             block_table=torch.full((max_requests, max_pages_per_request), L.NULL_PAGE, **i32),
             seq_lens=torch.zeros(max_requests, **i32),
             claim=torch.full((max_requests,), INT32_MAX, **i32),
+            lane_end=torch.zeros(max(pool.max_batch, 1), **i32),
         )
         self.block_table, self.seq_lens = self.state.block_table, self.state.seq_lens
         self._impl = make_table_backend(pool.backend, pool.state, self.state)
