@@ -124,7 +124,7 @@ def rows_numba_entry(req_ids_ptr, B, out_ptr, cd):
 
 
 @triton.jit
-def csr_kernel(
+def csr_body(
     req_ids_ptr,        # *int32 [B]: request ids, -1 = padding
     B,                  # batch size
     indptr_ptr,         # *int32 [B + 1]
@@ -142,7 +142,9 @@ def csr_kernel(
     # Meta-parameters
     BLOCK: tl.constexpr,  # lanes / entries / positions per chunk
 ):
-    """indptr[i+1] = sum_{j<=i} cdiv(L_j, ps); indices[indptr[i] + k] = block_table[r_i, k]; last = L - (n-1)*ps."""
+    """indptr[i+1] = sum_{j<=i} cdiv(L_j, ps); indices[indptr[i] + k] = block_table[r_i, k]; last = L - (n-1)*ps.
+
+    The body of ``csr_kernel``, also run by ``step_kernel`` after the extend."""
     lanes = tl.arange(0, BLOCK)
     # Read before the barrier below: the store at the end must not overtake any thread's read.
     written = tl.minimum(tl.load(written_ptr), cap).to(tl.int32)
@@ -186,6 +188,14 @@ def csr_kernel(
     c = counter_add(c, ERR_BAD_REQUEST, bad)
     c = counter_add(c, ERR_OUT_OVERFLOW, (end > cap).to(tl.int64))
     store_counters(counters_ptr, c)
+
+
+@triton.jit
+def csr_kernel(req_ids_ptr, B, indptr_ptr, indices_ptr, cap, last_page_len_ptr, block_table_ptr, seq_lens_ptr,
+               counters_ptr, written_ptr, R, MP, page_size, SEARCH, BLOCK: tl.constexpr):
+    """One launch of ``csr_body`` (arguments documented there)."""
+    csr_body(req_ids_ptr, B, indptr_ptr, indices_ptr, cap, last_page_len_ptr, block_table_ptr, seq_lens_ptr,
+             counters_ptr, written_ptr, R, MP, page_size, SEARCH, BLOCK)
 
 
 def csr_triton(req_ids, indptr, indices, last_page_len, written, st, ts) -> None:

@@ -135,7 +135,7 @@ def extend_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
 
 
 @triton.jit
-def extend_kernel(
+def extend_body(
     req_ids_ptr,      # *int32 [B]: request ids, -1 = padding
     num_tokens_ptr,   # *int32 [B]: tokens to append per lane
     B,                # batch size
@@ -157,7 +157,9 @@ def extend_kernel(
     BLOCK: tl.constexpr,  # lanes per chunk (plan) and tokens per chunk (tail)
     TILE: tl.constexpr,   # side of the token x lane tiles of the prefill slot pass
 ):
-    """Lane i appends n_i tokens to row r_i: pops cdiv(L+n, ps) - cdiv(L, ps) pages FCFS; slots in lane order."""
+    """Lane i appends n_i tokens to row r_i: pops cdiv(L+n, ps) - cdiv(L, ps) pages FCFS; slots in lane order.
+
+    The body of ``extend_kernel``, also run by ``step_kernel`` before the CSR export."""
     lanes = tl.arange(0, BLOCK)
     c = load_counters(counters_ptr)
     c, _ = tick(c)
@@ -261,6 +263,15 @@ def extend_kernel(
     if B > 0:
         c = raise_peaks(c, num_pages)
     store_counters(counters_ptr, c)
+
+
+@triton.jit
+def extend_kernel(req_ids_ptr, num_tokens_ptr, B, slots_ptr, T, ok_ptr, block_table_ptr, seq_lens_ptr, claim_ptr,
+                  free_stack_ptr, refcount_ptr, page_state_ptr, counters_ptr, R, MP, num_pages, page_size,
+                  BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """One launch of ``extend_body`` (arguments documented there)."""
+    extend_body(req_ids_ptr, num_tokens_ptr, B, slots_ptr, T, ok_ptr, block_table_ptr, seq_lens_ptr, claim_ptr,
+                free_stack_ptr, refcount_ptr, page_state_ptr, counters_ptr, R, MP, num_pages, page_size, BLOCK, TILE)
 
 
 def extend_triton(req_ids, num_tokens, slots, ok, st, ts) -> None:

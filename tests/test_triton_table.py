@@ -362,6 +362,9 @@ def test_every_call_is_one_launch(monkeypatch):
     tw.release([0, 1, 2])
     assert launches == ["extend_kernel", "extend_kernel", "fork_kernel", "release_kernel", "csr_kernel",
                         "rows_kernel", "release_kernel"]
+    launches.clear()
+    tw.tri.step(i32([0, 1]), i32([2, 1]), max_tokens=3)   # extend + CSR: one launch too
+    assert launches == ["step_kernel"]
 
 
 # ------------------------------------------------------------------ random

@@ -258,10 +258,10 @@ class TritonTableBackend(_BoundByTensors):
     name = "triton"
 
     def __init__(self, st: PoolState, ts):
-        from tpool.kernels import csr, extend, fork, release
+        from tpool.kernels import csr, extend, fork, release, step
 
         self.st, self.ts = st, ts
-        self._extend, self._fork = extend.extend_triton, fork.fork_triton
+        self._extend, self._fork, self._step = extend.extend_triton, fork.fork_triton, step.step_triton
         self._release, self._truncate = release.release_triton, release.truncate_triton
         self._csr, self._rows = csr.csr_triton, csr.rows_triton
         self._written = {}  # indices buffer address -> int64 [1] device cell
@@ -283,15 +283,25 @@ class TritonTableBackend(_BoundByTensors):
         written = torch.full((1,), indices.numel(), dtype=torch.int64, device=indices.device)
         self._csr(req_ids, indptr, indices, last_page_len, written, self.st, self.ts)
 
-    def _csr_call(self, csr):
-        # A device cell per table-owned indices buffer, shared by every call bound to it:
-        # how far the last export wrote it, so the next pads only that far (see csr_triton).
-        indptr, indices, last = csr
+    def _written_cell(self, indices):
+        """A device cell per table-owned indices buffer, shared by every call bound to it: how
+        far the last export wrote it, so the next pads only that far (see csr_triton)."""
         written = self._written.get(indices.data_ptr())
         if written is None:
             written = self._written[indices.data_ptr()] = torch.full(
                 (1,), indices.numel(), dtype=torch.int64, device=indices.device)
+        return written
+
+    def _csr_call(self, csr):
+        indptr, indices, last = csr
+        written = self._written_cell(indices)
         return lambda req_ids: self._csr(req_ids, indptr, indices, last, written, self.st, self.ts)
+
+    def bind_step(self, res):  # one launch: extend, barrier, CSR
+        indptr, indices, last = res.csr
+        written = self._written_cell(indices)
+        return lambda req_ids, num_tokens, b: self._step(req_ids, num_tokens, res.slots, res.ok, indptr, indices,
+                                                         last, written, self.st, self.ts)
 
     def rows(self, req_ids, out):
         self._rows(req_ids, out, self.ts)

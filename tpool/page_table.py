@@ -246,9 +246,8 @@ class PageTable:
         """One scheduler step: :meth:`extend`, then :meth:`flashinfer_csr` of the same batch.
 
         Same results as the two calls one after the other (the CSR includes the pages
-        the extend just added), in one call: on numba one dispatch, on triton two
-        launches a graph captures together. A decode step is
-        ``table.step(ids, ones)``.
+        the extend just added), in one call: on numba one dispatch, on triton one
+        launch. A decode step is ``table.step(ids, ones)``.
 
         Parameters
         ----------
