@@ -72,6 +72,12 @@ def release_rows(ids_ptr, B, claim_ptr, R, BLOCK: tl.constexpr):
 
 
 # ---------------------------------------------------------------- page lists
+def check_lane_scratch(B: int, ts) -> None:
+    """The lane pass writes B entries of ``lane_end`` (host-side check, before the launch)."""
+    if B > ts.lane_end.numel():
+        raise ValueError(f"req_ids: expected at most {ts.lane_end.numel()} entries (the pool's max_batch), got {B}")
+
+
 @triton.jit
 def list_lane(f, live, lane_end_ptr, B, SEARCH):
     """``(lane, first entry of that lane)`` of list entries ``f`` (``live``: ``f`` < the list's

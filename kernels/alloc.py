@@ -138,7 +138,7 @@ def alloc_kernel(
     """ok[i] = no negative in counts[:i+1] and cumsum(counts)[i] <= min(avail, M); pop the granted total."""
     lanes = tl.arange(0, BLOCK)
     c = load_counters(counters_ptr)
-    c, _ = tick(c)
+    c, _clock = tick(c)
     free = counter_get(c, FREE_COUNT)
     if HAS_EVICT:
         avail = free + counter_get(c, CACHED_COUNT)

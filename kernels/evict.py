@@ -259,7 +259,7 @@ def evict_kernel(
 ):
     """out[:m] = the m = min(K, cached) oldest CACHED pages by (stamp, id), pushed on the stack in that order."""
     c = load_counters(counters_ptr)
-    c, _ = tick(c)
+    c, _clock = tick(c)
     top = counter_get(c, FREE_COUNT)
     m = evict_oldest_triton(tl.zeros((), tl.int64) + K, out_ptr, K, free_stack_ptr, page_state_ptr,
                             stamp_ptr, num_pages, top, BLOCK, RANK_BLOCK)

@@ -162,7 +162,7 @@ def extend_body(
     The body of ``extend_kernel``, also run by ``step_kernel`` before the CSR export."""
     lanes = tl.arange(0, BLOCK)
     c = load_counters(counters_ptr)
-    c, _ = tick(c)
+    c, _clock = tick(c)
     free = counter_get(c, FREE_COUNT)
     claim_rows(req_ids_ptr, B, claim_ptr, R, BLOCK)
     tl.debug_barrier()

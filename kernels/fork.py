@@ -15,8 +15,8 @@ import triton.language as tl
 from . import layout as L
 from ._numba_util import (CD_OUT, CD_STATE, claim_requests, i32_array, lane_valid, pop_page, reset_claims,
                           state_arrays, table_arrays, u8_array, update_peaks)
-from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, claim_pages, claim_rows, first_pages,
-                                 list_lane, release_rows, request_lanes, reset_pages)
+from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, check_lane_scratch, claim_pages,
+                                 claim_rows, first_pages, list_lane, release_rows, request_lanes, reset_pages)
 from ._triton_util import (ALLOCATED, CACHED, CACHED_COUNT, ERR_INVALID_PAGE, ERR_USE_AFTER_FREE,
                            FAILED_REQUESTS, FREE, FREE_COUNT, NULL_PAGE, REVIVED, USED, counter_add,
                            counter_get, load_counters, raise_peaks, settings, store_counters, tick)
@@ -160,7 +160,7 @@ def fork_kernel(
     """dst_i shares the lens_i // ps whole pages of src_i (incref) and pops a page for a partial one, FCFS."""
     lanes = tl.arange(0, BLOCK)
     c = load_counters(counters_ptr)
-    c, _ = tick(c)
+    c, _clock = tick(c)  # (not "_": a loop below rebinds "_" to a block, which Triton rejects)
     free = counter_get(c, FREE_COUNT)
     claim_rows(dst_ptr, B, claim_ptr, R, BLOCK)
     tl.debug_barrier()
@@ -261,6 +261,7 @@ def fork_kernel(
 def fork_triton(src_ids, dst_ids, lens, ok, cow_src, cow_dst, st, ts) -> None:
     """Let empty requests ``dst_ids`` share the first ``lens`` tokens of ``src_ids`` (one launch)."""
     B = dst_ids.numel()
+    check_lane_scratch(B, ts)
     R, MP = ts.block_table.shape
     fork_kernel[(1,)](
         src_ids, dst_ids, lens, B, ok, cow_src, cow_dst, ts.block_table, ts.seq_lens, ts.claim,

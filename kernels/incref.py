@@ -73,7 +73,7 @@ def incref_kernel(
 ):
     """Per distinct page named k times: USED/CACHED -> refcount += k (CACHED revived); FREE -> k use-after-free."""
     c = load_counters(counters_ptr)
-    c, _ = tick(c)
+    c, _clock = tick(c)
     invalid = claim_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
     tl.debug_barrier()
     uaf = tl.zeros((), tl.int64)

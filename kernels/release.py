@@ -16,7 +16,7 @@ from . import layout as L
 from ._numba_util import (CD_OUT, CD_STATE, claim_requests, free_list, i32_array, lane_valid, reset_claims,
                           state_arrays, table_arrays)
 from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, cdiv, claim_pages, claim_rows,
-                                 first_pages, list_lane, request_lanes, reset_pages)
+                                 check_lane_scratch, first_pages, list_lane, request_lanes, reset_pages)
 from ._triton_util import (CACHED_COUNT, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREE_COUNT,
                            FREED, INT32_MAX, NULL_PAGE, counter_add, counter_get, load_counters,
                            raise_peaks, release_distinct, settings, store_counters, tick)
@@ -254,6 +254,7 @@ def release_kernel(
 
 def _launch(req_ids, new_lens, cache, st, ts) -> None:
     B = req_ids.numel()
+    check_lane_scratch(B, ts)
     R, MP = ts.block_table.shape
     release_kernel[(1,)](
         req_ids, req_ids if new_lens is None else new_lens, B, ts.block_table, ts.seq_lens, ts.claim,

@@ -326,6 +326,17 @@ def test_page_lists_with_one_long_lane(chunking):
     tw.release([k if k % 3 else -1 for k in range(48)] + [47, 5], cache=True)
 
 
+def test_lane_scratch_bounds_the_batch_at_the_backend():
+    """The façade caps B at the pool's max_batch; the kernels' lane_end scratch has that many
+    entries, so a direct backend call with more lanes is refused before the launch."""
+    table = tpool.PageTable(tpool.PagePool(16, 2, device=DEVICE, backend="triton", max_batch=2), 8, 4)
+    for call in (lambda: table._impl.release(i32(list(range(3))), False),
+                 lambda: table._impl.fork(i32([0, 1, 2]), i32([3, 4, 5]), i32([0, 0, 0]),
+                                          torch.zeros(3, dtype=torch.bool, device=DEVICE), _full(3), _full(3))):
+        with pytest.raises(ValueError, match="expected at most 2 entries"):
+            call()
+
+
 def test_pushes_and_pops_carry_across_chunks(chunking):
     """Valid lanes far apart: pages freed and popped by lanes in different chunks share one stack."""
     tw = Twin(40, 2, 6, 5)

@@ -1,0 +1,96 @@
+"""Every Triton kernel, as launched by the library, compiles for a GPU (sm_90), even on a CPU.
+
+The interpreter runs kernels as Python: it accepts code the compiler rejects (a
+loop that rebinds a scalar to a block, for one). This test records every launch
+of a workload under the interpreter (kernel, argument types, meta-parameters)
+and compiles each distinct one for sm_90 in a subprocess without
+TRITON_INTERPRET. It needs no GPU; on a GPU machine the other tests compile
+the kernels anyway.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import TRITON_DEVICE, i32
+
+if TRITON_DEVICE != "cpu":
+    pytest.skip("compiles from the interpreter's launches; on a GPU the tests compile every kernel",
+                allow_module_level=True)
+
+import tpool  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+_PTR = {torch.int32: "*i32", torch.int64: "*i64", torch.int8: "*i8", torch.bool: "*i1"}
+
+
+def _record(monkeypatch):
+    launches = {}
+    original = interpreter.GridExecutor.__call__
+
+    def recording(self, *args, **kwargs):
+        sig, consts = {}, {}
+        for name, value in zip(self.arg_names, list(args) + [kwargs.get(n) for n in self.arg_names[len(args):]]):
+            if name in self.constexprs:
+                sig[name], consts[name] = "constexpr", kwargs[name]
+            elif isinstance(value, torch.Tensor):
+                sig[name] = _PTR[value.dtype]
+            elif isinstance(value, bool):
+                sig[name] = "i1"
+            else:
+                sig[name] = "i32" if -2**31 <= int(value) < 2**31 else "i64"
+        rec = dict(module=self.fn.__module__, name=self.fn.__name__, signature=sig, constexprs=consts,
+                   num_warps=kwargs.get("num_warps", 4))
+        launches[json.dumps(rec, sort_keys=True)] = rec
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", recording)
+    return launches
+
+
+def _workload():
+    """Every pool and table call, with each meta-parameter branch the library takes."""
+    pool = tpool.PagePool(64, page_size=4, device="cpu", backend="triton")
+    out = pool.alloc_out(max_batch=2, max_pages=8)
+    pool.alloc(i32([2, 3]), out=out)
+    pool.free(out.pages[:2], cache=True)
+    pool.incref(out.pages[2:4])
+    pool.touch(out.pages[2:4])
+    pool.alloc(i32([60]), out=pool.alloc_out(max_batch=1, max_pages=64), evict=True)
+    pool.free(out.pages)
+    pool.evict(2)
+    pool.free(out.pages)
+    pool.evict(0)
+    table = tpool.PageTable(tpool.PagePool(128, page_size=4, device="cpu", backend="triton"), 4, 8)
+    ids = i32([0, 1, 2, -1])
+    table.extend(ids, i32([5, 3, 9, 0]), max_tokens=17)    # prefill: the tile pass
+    table.extend(ids, i32([1, 1, 1, 0]))                    # decode
+    table.step(ids, i32([1, 1, 1, 0]))
+    table.flashinfer_csr(ids)
+    table.block_table_rows(ids)
+    table.fork(i32([0, 2]), i32([3, -1]), i32([6, 0]))
+    table.truncate(i32([2]), i32([3]))
+    table.release(i32([0, 3]), cache=True)
+    table.release(i32([1]))
+    with pool.free_group(8):
+        pool.free(out.pages[:1])
+
+
+def test_every_launched_kernel_compiles_for_sm90(monkeypatch, tmp_path):
+    launches = _record(monkeypatch)
+    _workload()
+    names = {rec["name"] for rec in launches.values()}
+    assert {"alloc_kernel", "free_kernel", "incref_kernel", "touch_kernel", "evict_kernel", "extend_kernel",
+            "step_kernel", "csr_kernel", "rows_kernel", "fork_kernel", "release_kernel"} <= names, names
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps(list(launches.values())))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    helper = os.path.join(os.path.dirname(__file__), "_compile_kernels.py")
+    proc = subprocess.run([sys.executable, helper, str(path)], capture_output=True, text=True, env=env,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("compiled") == len(launches)
