@@ -7,7 +7,8 @@ request ``r``: ``block_table[r, t // page_size] * page_size + t % page_size``.
 Hot-path calls take ``req_ids`` int32 ``[B]`` with -1 as padding, so a
 captured graph can run a partly empty batch. Outputs live in buffers owned
 by the table, one set per call shape, reused by the next call of the same
-shape (what a CUDA graph needs); clone a result to keep it. Misuse is
+shape (what a CUDA graph needs); treat them as read-only and clone a result
+to keep or edit it. Misuse is
 counted in the pool's error counters and raised by ``pool.check()``. The
 exact rules are in :mod:`tpool.reference_table`.
 """
@@ -80,10 +81,8 @@ class BoundStep:
     """``PageTable.step`` bound to fixed input tensors (see :meth:`PageTable.bind_step`)."""
 
     def __init__(self, table, req_ids, num_tokens, max_tokens, capacity):
-        b = table._lanes(req_ids, num_tokens)
-        t = b if max_tokens is None else max_tokens
-        cap = b * table.max_pages if capacity is None else capacity
-        self.result = (table._bound.get(("step", b, t, cap)) or table._step_bound(b, t, cap))[0]
+        b, bound = table._step_shape(req_ids, num_tokens, max_tokens, capacity)
+        self.result = bound[0]
         self.req_ids, self.num_tokens = req_ids, num_tokens
         self._bound_to = self._where()
         self._run = table._impl.bind_step_inputs(self.result, req_ids, num_tokens, b)
@@ -122,6 +121,9 @@ class PageTable:
     ([0, 1, 2, 3, 4, 5, 8, -1], [True, True])
     >>> table.extend(i32([0, 1]), i32([1, 1])).slots.tolist()    # a decode step
     [6, 9]
+    >>> s = table.step(i32([0, 1]), i32([1, 1]))                  # the next one, with its CSR
+    >>> s.slots.tolist(), s.csr.indptr.tolist(), s.csr.indices[:3].tolist()
+    ([7, 10], [0, 2, 3], [0, 1, 2])
     """
 
     def __init__(self, pool, max_requests: int, max_pages_per_request: int):
@@ -261,18 +263,22 @@ class PageTable:
         shared by steps of the same ``(B, max_tokens)``, ``csr`` by steps of the same
         ``(B, capacity)``; the next such step overwrites them.
         """
-        b = self._lanes(req_ids, num_tokens)
-        t = b if max_tokens is None else max_tokens
-        cap = b * self.max_pages if capacity is None else capacity
-        bound = self._bound.get(("step", b, t, cap)) or self._step_bound(b, t, cap)
+        b, bound = self._step_shape(req_ids, num_tokens, max_tokens, capacity)
         bound[1](req_ids, num_tokens, b)
         return bound[0]
 
-    def _step_bound(self, b, t, cap):
-        """slots/ok per (B, max_tokens) and the CSR per (B, capacity), shared by the steps of that shape."""
-        return self._bind(("step", b, t, cap), self._impl.bind_step, lambda: StepResult(
-            *self._buffers(("step", b, t), lambda: self._extend_out(b, t)),
-            self._buffers(("step-csr", b, cap), lambda: self._csr_out(b, cap))))
+    def _step_shape(self, req_ids, num_tokens, max_tokens, capacity):
+        """``(B, (buffers, bound call))`` of a step: slots/ok per (B, max_tokens) and the CSR per
+        (B, capacity), shared by the steps of that shape."""
+        b = self._lanes(req_ids, num_tokens)
+        t = b if max_tokens is None else max_tokens
+        cap = b * self.max_pages if capacity is None else capacity
+        bound = self._bound.get(("step", b, t, cap))
+        if bound is None:
+            bound = self._bind(("step", b, t, cap), self._impl.bind_step, lambda: StepResult(
+                *self._buffers(("step", b, t), lambda: self._extend_out(b, t)),
+                self._buffers(("step-csr", b, cap), lambda: self._csr_out(b, cap))))
+        return b, bound
 
     def bind_step(self, req_ids: torch.Tensor, num_tokens: torch.Tensor, *, max_tokens: int | None = None,
                   capacity: int | None = None) -> "BoundStep":
