@@ -170,16 +170,16 @@ CALL_DESC_LEN = CD_OUT + 8
 def call_descriptor(td, sd, slots=None, ok=None, csr=None, written=None):
     """The descriptor of one bound call (see CD_* slots): ``slots``/``ok`` for extend,
     ``csr`` = (indptr, indices, last_page_len) for the CSR export with ``written``, the
-    int64 ``[1]`` cell of that ``indices`` buffer; unused slots are 0."""
+    int64 ``[1]`` tensor the table keeps with those buffers; unused slots are 0."""
     d = np.zeros(CALL_DESC_LEN, np.int64)
     d[:CD_STATE], d[CD_STATE:CD_OUT] = td, sd
     if slots is not None:
         d[CD_SLOTS], d[CD_SLOTS_LEN], d[CD_OK] = slots.data_ptr(), slots.numel(), ok.data_ptr()
     if csr is not None:
         indptr, indices, last = csr
-        assert written is not None and written.dtype == np.int64 and written.shape == (1,)
+        assert written.numel() == 1 and written.element_size() == 8 and written.device.type == "cpu"  # int64 [1]
         d[CD_INDPTR], d[CD_INDICES], d[CD_INDICES_LEN] = indptr.data_ptr(), indices.data_ptr(), indices.numel()
-        d[CD_LAST_PAGE_LEN], d[CD_CSR_WRITTEN_AT] = last.data_ptr(), written.ctypes.data
+        d[CD_LAST_PAGE_LEN], d[CD_CSR_WRITTEN_AT] = last.data_ptr(), written.data_ptr()
     return d
 
 

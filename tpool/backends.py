@@ -9,7 +9,6 @@ picks triton for CUDA pools and numba for CPU pools; the environment variable
 
 import os
 
-import numpy as np
 import torch
 
 from tpool import reference
@@ -126,27 +125,28 @@ def make_backend(name: str, st: PoolState):
 class _BoundByTensors:
     """Bound calls of a backend whose ops take the output tensors on every call."""
 
-    def _csr_call(self, csr):
-        """The CSR export bound to the table-owned buffers ``csr`` (indptr, indices, last_page_len)."""
+    def _csr_call(self, csr, written):
+        """The CSR export bound to the table-owned buffers ``csr`` (indptr, indices, last_page_len);
+        ``written`` is their cell (see ``PageTable._csr_out``), which a full re-pad does without."""
         return lambda req_ids: self.csr(req_ids, *csr)
 
     def bind_extend(self, res):
         return lambda req_ids, num_tokens, b: self.extend(req_ids, num_tokens, res.slots, res.ok)
 
-    def bind_csr(self, res):
-        csr = self._csr_call(res)
+    def bind_csr(self, res, written):
+        csr = self._csr_call(res, written)
         return lambda req_ids, b: csr(req_ids)
 
-    def bind_step(self, res):
-        csr = self._csr_call(res.csr)
+    def bind_step(self, res, written):
+        csr = self._csr_call(res.csr, written)
 
         def step(req_ids, num_tokens, b):
             self.extend(req_ids, num_tokens, res.slots, res.ok)
             csr(req_ids)
         return step
 
-    def bind_step_inputs(self, res, req_ids, num_tokens, b):
-        step = self.bind_step(res)
+    def bind_step_inputs(self, res, written, req_ids, num_tokens, b):
+        step = self.bind_step(res, written)
         return lambda: step(req_ids, num_tokens, b)
 
 
@@ -210,24 +210,16 @@ class NumbaTableBackend:
             cd = call_descriptor(td, sd, slots=res.slots, ok=res.ok)
             return lambda req_ids, num_tokens, b: extend_k(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd)
 
-        written = {}  # indices buffer address -> int64 [1] cell: how far the last export wrote it
-
-        def written_cell(indices):
-            key = indices.data_ptr()
-            if key not in written:
-                written[key] = np.array([indices.numel()], np.int64)  # unknown at first: pad it all
-            return written[key]
-
-        def bind_csr(res):
-            cd = call_descriptor(td, sd, csr=res, written=written_cell(res.indices))
+        def bind_csr(res, written):
+            cd = call_descriptor(td, sd, csr=res, written=written)
             return lambda req_ids, b: csr_k(req_ids.data_ptr(), b, cd)
 
-        def bind_step(res):
-            cd = call_descriptor(td, sd, slots=res.slots, ok=res.ok, csr=res.csr, written=written_cell(res.csr.indices))
+        def bind_step(res, written):
+            cd = call_descriptor(td, sd, slots=res.slots, ok=res.ok, csr=res.csr, written=written)
             return lambda req_ids, num_tokens, b: step_k(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd)
 
-        def bind_step_inputs(res, req_ids, num_tokens, b):  # the inputs' addresses too (BoundStep checks them)
-            cd = call_descriptor(td, sd, slots=res.slots, ok=res.ok, csr=res.csr, written=written_cell(res.csr.indices))
+        def bind_step_inputs(res, written, req_ids, num_tokens, b):  # the inputs' addresses baked in too
+            cd = call_descriptor(td, sd, slots=res.slots, ok=res.ok, csr=res.csr, written=written)
             ids_at, ntok_at = req_ids.data_ptr(), num_tokens.data_ptr()
             return lambda: step_k(ids_at, ntok_at, b, cd)
 
@@ -264,7 +256,6 @@ class TritonTableBackend(_BoundByTensors):
         self._extend, self._fork, self._step = extend.extend_triton, fork.fork_triton, step.step_triton
         self._release, self._truncate = release.release_triton, release.truncate_triton
         self._csr, self._rows = csr.csr_triton, csr.rows_triton
-        self._written = {}  # indices buffer address -> int64 [1] device cell
 
     def extend(self, req_ids, num_tokens, slots, ok):
         self._extend(req_ids, num_tokens, slots, ok, self.st, self.ts)
@@ -283,23 +274,12 @@ class TritonTableBackend(_BoundByTensors):
         written = torch.full((1,), indices.numel(), dtype=torch.int64, device=indices.device)
         self._csr(req_ids, indptr, indices, last_page_len, written, self.st, self.ts)
 
-    def _written_cell(self, indices):
-        """A device cell per table-owned indices buffer, shared by every call bound to it: how
-        far the last export wrote it, so the next pads only that far (see csr_triton)."""
-        written = self._written.get(indices.data_ptr())
-        if written is None:
-            written = self._written[indices.data_ptr()] = torch.full(
-                (1,), indices.numel(), dtype=torch.int64, device=indices.device)
-        return written
-
-    def _csr_call(self, csr):
+    def _csr_call(self, csr, written):  # pads only as far as the last export into csr wrote
         indptr, indices, last = csr
-        written = self._written_cell(indices)
         return lambda req_ids: self._csr(req_ids, indptr, indices, last, written, self.st, self.ts)
 
-    def bind_step(self, res):  # one launch: extend, barrier, CSR
+    def bind_step(self, res, written):  # one launch: extend, barrier, CSR
         indptr, indices, last = res.csr
-        written = self._written_cell(indices)
         return lambda req_ids, num_tokens, b: self._step(req_ids, num_tokens, res.slots, res.ok, indptr, indices,
                                                          last, written, self.st, self.ts)
 

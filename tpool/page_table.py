@@ -81,11 +81,10 @@ class BoundStep:
     """``PageTable.step`` bound to fixed input tensors (see :meth:`PageTable.bind_step`)."""
 
     def __init__(self, table, req_ids, num_tokens, max_tokens, capacity):
-        b, bound = table._step_shape(req_ids, num_tokens, max_tokens, capacity)
-        self.result = bound[0]
+        b, (self.result, _, written) = table._step_shape(req_ids, num_tokens, max_tokens, capacity)
         self.req_ids, self.num_tokens = req_ids, num_tokens
         self._bound_to = self._where()
-        self._run = table._impl.bind_step_inputs(self.result, req_ids, num_tokens, b)
+        self._run = table._impl.bind_step_inputs(self.result, written, req_ids, num_tokens, b)
 
     def _where(self):
         ids, ntok = self.req_ids, self.num_tokens
@@ -146,7 +145,7 @@ class PageTable:
         self.block_table, self.seq_lens = self.state.block_table, self.state.seq_lens
         self._impl = make_table_backend(pool.backend, pool.state, self.state)
         self._bufs = {}   # (op, shape) -> output buffers
-        self._bound = {}  # (op, shape) -> (output buffers, backend call bound to them)
+        self._bound = {}  # (op, shape) -> (output buffers, backend call bound to them[, written cell])
 
     def __reduce_ex__(self, protocol):
         raise TypeError("a PageTable cannot be copied or pickled: its kernels are bound to the addresses of "
@@ -188,17 +187,13 @@ class PageTable:
                 torch.zeros(b, dtype=torch.bool, device=self.device))
 
     def _csr_out(self, b, cap):
+        """CSR buffers of one shape and their written cell, int64 ``[1]`` on the device: how far
+        the last export into them wrote ``indices``, so the next export re-pads only that far."""
         cap = _checks.check_size(cap, "capacity")
-        return PagedKVCSR(torch.zeros(b + 1, dtype=torch.int32, device=self.device),
-                          torch.full((cap,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
-                          torch.zeros(b, dtype=torch.int32, device=self.device))
-
-    def _bind(self, key, bind, make):
-        """Output buffers for a call shape, and the backend's call bound to them (made once)."""
-        self._not_capturing(key)
-        res = make()
-        bound = self._bound[key] = (res, bind(res))
-        return bound
+        return (PagedKVCSR(torch.zeros(b + 1, dtype=torch.int32, device=self.device),
+                           torch.full((cap,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
+                           torch.zeros(b, dtype=torch.int32, device=self.device)),
+                torch.full((1,), cap, dtype=torch.int64, device=self.device))
 
     def _buffers(self, key, make):
         bufs = self._bufs.get(key)
@@ -239,7 +234,8 @@ class PageTable:
         t = b if max_tokens is None else max_tokens
         bound = self._bound.get(("extend", b, t))
         if bound is None:
-            bound = self._bind(("extend", b, t), self._impl.bind_extend, lambda: ExtendResult(*self._extend_out(b, t)))
+            res = self._buffers(("extend", b, t), lambda: ExtendResult(*self._extend_out(b, t)))
+            bound = self._bound[("extend", b, t)] = (res, self._impl.bind_extend(res))
         bound[1](req_ids, num_tokens, b)
         return bound[0]
 
@@ -268,16 +264,16 @@ class PageTable:
         return bound[0]
 
     def _step_shape(self, req_ids, num_tokens, max_tokens, capacity):
-        """``(B, (buffers, bound call))`` of a step: slots/ok per (B, max_tokens) and the CSR per
-        (B, capacity), shared by the steps of that shape."""
+        """``(B, (buffers, bound call, written cell))`` of a step: slots/ok per (B, max_tokens) and
+        the CSR per (B, capacity), shared by the steps of that shape."""
         b = self._lanes(req_ids, num_tokens)
         t = b if max_tokens is None else max_tokens
         cap = b * self.max_pages if capacity is None else capacity
         bound = self._bound.get(("step", b, t, cap))
         if bound is None:
-            bound = self._bind(("step", b, t, cap), self._impl.bind_step, lambda: StepResult(
-                *self._buffers(("step", b, t), lambda: self._extend_out(b, t)),
-                self._buffers(("step-csr", b, cap), lambda: self._csr_out(b, cap))))
+            csr, written = self._buffers(("step-csr", b, cap), lambda: self._csr_out(b, cap))
+            res = StepResult(*self._buffers(("step", b, t), lambda: self._extend_out(b, t)), csr)
+            bound = self._bound[("step", b, t, cap)] = (res, self._impl.bind_step(res, written), written)
         return b, bound
 
     def bind_step(self, req_ids: torch.Tensor, num_tokens: torch.Tensor, *, max_tokens: int | None = None,
@@ -350,7 +346,8 @@ class PageTable:
         cap = b * self.max_pages if capacity is None else capacity
         bound = self._bound.get(("csr", b, cap))
         if bound is None:
-            bound = self._bind(("csr", b, cap), self._impl.bind_csr, lambda: self._csr_out(b, cap))
+            csr, written = self._buffers(("csr", b, cap), lambda: self._csr_out(b, cap))
+            bound = self._bound[("csr", b, cap)] = (csr, self._impl.bind_csr(csr, written))
         bound[1](req_ids, b)
         return bound[0]
 
