@@ -10,6 +10,7 @@ int64 descriptor of addresses, built once (``state_descriptor``,
 
 import numba
 import numpy as np
+import torch
 import llvmlite.ir as llvm_ir
 from numba import types
 from numba.core import cgutils
@@ -45,23 +46,32 @@ SD_FREE_STACK, SD_REFCOUNT, SD_PAGE_STATE, SD_STAMP, SD_COUNTERS, SD_OCCUR, SD_K
 STATE_DESC_LEN = 8
 
 
-@intrinsic
-def copy_i32(typingctx, dst_addr, src_addr, n):
-    """memcpy of ``n`` int32 from address ``src_addr`` to ``dst_addr`` (non-overlapping).
+def _int32_copy(raw_copy):
+    """An intrinsic ``f(dst_addr, src_addr, n)`` copying ``n`` int32 with ``raw_copy``
+    (``cgutils.raw_memcpy`` or ``raw_memmove``): one libc call."""
 
-    numba does not vectorise a copy between two arrays it cannot prove apart;
-    the CSR export copies every page id of a batch, and this is ~4x faster.
-    """
-    sig = types.void(types.int64, types.int64, types.int64)
+    @intrinsic
+    def copy(typingctx, dst_addr, src_addr, n):
+        sig = types.void(types.int64, types.int64, types.int64)
 
-    def codegen(context, builder, signature, args):
-        dst, src, count = args
-        byte_ptr = llvm_ir.IntType(8).as_pointer()
-        nbytes = builder.mul(count, llvm_ir.Constant(llvm_ir.IntType(64), 4))
-        cgutils.raw_memcpy(builder, builder.inttoptr(dst, byte_ptr), builder.inttoptr(src, byte_ptr), nbytes, 1)
-        return context.get_dummy_value()
+        def codegen(context, builder, signature, args):
+            dst, src, count = args
+            byte_ptr = llvm_ir.IntType(8).as_pointer()
+            nbytes = builder.mul(count, llvm_ir.Constant(llvm_ir.IntType(64), 4))
+            raw_copy(builder, builder.inttoptr(dst, byte_ptr), builder.inttoptr(src, byte_ptr), nbytes, 1)
+            return context.get_dummy_value()
 
-    return sig, codegen
+        return sig, codegen
+
+    return copy
+
+
+# memcpy of ``n`` int32 from address ``src_addr`` to ``dst_addr`` (non-overlapping).
+# numba does not vectorise a copy between two arrays it cannot prove apart; the
+# CSR export copies every page id of a batch, and this is ~4x faster.
+copy_i32 = _int32_copy(cgutils.raw_memcpy)
+# memmove of ``n`` int32 (the ranges may overlap): the step's CSR grows in place.
+move_i32 = _int32_copy(cgutils.raw_memmove)
 
 
 @intrinsic
@@ -121,9 +131,13 @@ def state_arrays(sd):
             numba.carray(_i32_ptr(sd[SD_OCCUR]), (P,)), numba.carray(_i64_ptr(sd[SD_KEYS]), (P,)))
 
 
-# Slots of a page table's descriptor (int64 [TABLE_DESC_LEN]).
-TD_BLOCK_TABLE, TD_REQUESTS, TD_MAX_PAGES, TD_SEQ_LENS, TD_CLAIM, TD_PAGE_SIZE = range(6)
-TABLE_DESC_LEN = 6
+# Slots of a page table's descriptor (int64 [TABLE_DESC_LEN]). TD_VERSION is the address of
+# the table's ``version`` cell (a state tensor, so a restored snapshot brings its version
+# back) and TD_VERSION_SOURCE that of a counter the table keeps outside its state (never
+# restored): every numba call that may change the table sets version = ++source, so equal
+# versions mean equal tables (see ``new_version``).
+TD_BLOCK_TABLE, TD_REQUESTS, TD_MAX_PAGES, TD_SEQ_LENS, TD_CLAIM, TD_PAGE_SIZE, TD_VERSION, TD_VERSION_SOURCE = range(8)
+TABLE_DESC_LEN = 8
 
 
 @numba.njit(nogil=True, inline="always")
@@ -135,12 +149,30 @@ def table_arrays(td):
             td[TD_PAGE_SIZE])
 
 
-def table_descriptor(ts):
-    """The int64 descriptor of a TableState (built once per table; see TD_* slots)."""
-    for t in (ts.block_table, ts.seq_lens, ts.claim):
+@numba.njit(nogil=True, inline="always")
+def new_version(td):
+    """Give the table a version no earlier table content had; returns it.
+
+    Called by every numba entry point that may change ``block_table`` or
+    ``seq_lens``. The source is not part of the table's state, so restoring
+    a snapshot (which puts the old version back with the old content) never
+    makes two different contents share a version.
+    """
+    source = i64_cell(td[TD_VERSION_SOURCE])
+    source[0] += 1
+    i64_cell(td[TD_VERSION])[0] = source[0]
+    return source[0]
+
+
+def table_descriptor(ts, version_source):
+    """The int64 descriptor of a TableState (built once per table; see TD_* slots);
+    ``version_source`` is the table's int64 ``[1]`` version counter outside its state."""
+    for t in (ts.block_table, ts.seq_lens, ts.claim, ts.version, version_source):
         assert t.is_contiguous() and t.device.type == "cpu"
+    assert ts.version.dtype == version_source.dtype == torch.int64
     return np.array([ts.block_table.data_ptr(), ts.max_requests, ts.max_pages, ts.seq_lens.data_ptr(),
-                     ts.claim.data_ptr(), ts.page_size], dtype=np.int64)
+                     ts.claim.data_ptr(), ts.page_size, ts.version.data_ptr(), version_source.data_ptr()],
+                    dtype=np.int64)
 
 
 def state_descriptor(st):
@@ -157,29 +189,27 @@ def state_descriptor(st):
 # Slots of a bound call's descriptor (int64 [CALL_DESC_LEN]): the table descriptor,
 # the pool's state descriptor, then the addresses of the output buffers the call
 # writes (fixed: the buffers belong to the table). One array argument in place of
-# ten keeps numba's dispatch at ~0.25 us. CD_CSR_WRITTEN_AT is the address of an
-# int64 cell kept with the ``indices`` buffer: how far the last export into that
-# buffer wrote, so the next one (by any call bound to it) pads only that far.
+# ten keeps numba's dispatch at ~0.25 us. CD_CSR_MEMO is the address of the CSR
+# memo kept with the ``indices`` buffer (see MEMO_*), shared by every call bound to it.
 CD_STATE = TABLE_DESC_LEN
 CD_OUT = TABLE_DESC_LEN + STATE_DESC_LEN
 (CD_SLOTS, CD_SLOTS_LEN, CD_OK, CD_INDPTR, CD_INDICES, CD_INDICES_LEN, CD_LAST_PAGE_LEN,
- CD_CSR_WRITTEN_AT) = range(CD_OUT, CD_OUT + 8)
+ CD_CSR_MEMO) = range(CD_OUT, CD_OUT + 8)
 CALL_DESC_LEN = CD_OUT + 8
 
-
-def call_descriptor(td, sd, slots=None, ok=None, csr=None, written=None):
+def call_descriptor(td, sd, slots=None, ok=None, csr=None, memo=None):
     """The descriptor of one bound call (see CD_* slots): ``slots``/``ok`` for extend,
-    ``csr`` = (indptr, indices, last_page_len) for the CSR export with ``written``, the
-    int64 ``[1]`` tensor the table keeps with those buffers; unused slots are 0."""
+    ``csr`` = (indptr, indices, last_page_len) for the CSR export with ``memo``, the
+    int64 tensor the table keeps with those buffers; unused slots are 0."""
     d = np.zeros(CALL_DESC_LEN, np.int64)
     d[:CD_STATE], d[CD_STATE:CD_OUT] = td, sd
     if slots is not None:
         d[CD_SLOTS], d[CD_SLOTS_LEN], d[CD_OK] = slots.data_ptr(), slots.numel(), ok.data_ptr()
     if csr is not None:
         indptr, indices, last = csr
-        assert written.numel() == 1 and written.element_size() == 8 and written.device.type == "cpu"  # int64 [1]
+        assert memo.dtype == torch.int64 and memo.numel() == L.memo_len(last.numel()) and memo.device.type == "cpu"
         d[CD_INDPTR], d[CD_INDICES], d[CD_INDICES_LEN] = indptr.data_ptr(), indices.data_ptr(), indices.numel()
-        d[CD_LAST_PAGE_LEN], d[CD_CSR_WRITTEN_AT] = last.data_ptr(), written.data_ptr()
+        d[CD_LAST_PAGE_LEN], d[CD_CSR_MEMO] = last.data_ptr(), memo.data_ptr()
     return d
 
 
@@ -187,6 +217,12 @@ def call_descriptor(td, sd, slots=None, ok=None, csr=None, written=None):
 def i64_cell(addr):
     """int64 ``[1]`` array over the cell at ``addr``."""
     return numba.carray(_i64_ptr(addr), (1,))
+
+
+@numba.njit(nogil=True, inline="always")
+def i64_array(addr, n):
+    """int64 ``[n]`` array over a contiguous tensor's ``data_ptr()``."""
+    return numba.carray(_i64_ptr(addr), (n,))
 
 
 @numba.njit(nogil=True, inline="always")

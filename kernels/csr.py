@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import (CD_CSR_WRITTEN_AT, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_LAST_PAGE_LEN, CD_OUT,
+from ._numba_util import (CD_CSR_MEMO, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_LAST_PAGE_LEN, CD_OUT,
                           CD_STATE, copy8_i32, copy_i32, fill_null_i32, i32_array, i64_cell, page_shift,
                           pages_for, state_arrays, table_arrays)
 from ._triton_table_util import ERR_BAD_REQUEST, cdiv
@@ -103,7 +103,7 @@ def csr_numba_entry(req_ids_ptr, B, cd):
     """``csr_numba`` for a bound call: outputs, table and pool state in the call descriptor ``cd``."""
     bt, lens, _, ps = table_arrays(cd[:CD_STATE])
     counters = state_arrays(cd[CD_STATE:CD_OUT])[4]
-    written = i64_cell(cd[CD_CSR_WRITTEN_AT])
+    written = i64_cell(cd[CD_CSR_MEMO])  # its MEMO_WRITTEN slot
     written[0] = csr_numba(req_ids_ptr, B, cd[CD_INDPTR], cd[CD_INDICES], cd[CD_INDICES_LEN], cd[CD_LAST_PAGE_LEN],
                            ps, bt, lens, counters, written[0])
 

@@ -13,9 +13,9 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import (CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, claim_requests, fill_null_i32,
-                          i32_array, lane_valid, page_shift, pages_for, pop_page, reset_claims, state_arrays,
-                          table_arrays, u8_array, update_peaks)
+from ._numba_util import (CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, INT32_MAX, fill_null_i32, i32_array,
+                          i64_array, new_version, page_shift, pages_for, reset_claims, state_arrays, table_arrays,
+                          u8_array, update_peaks)
 from ._triton_table_util import (ERR_BAD_REQUEST, ERR_TABLE_OVERFLOW, cdiv, claim_rows, release_rows,
                                  request_lanes)
 from ._triton_util import (ALLOCATED, ERR_BAD_COUNT, ERR_OUT_OVERFLOW, FAILED_REQUESTS, FREE_COUNT,
@@ -41,76 +41,135 @@ def extend_numba(
     refcount,     # int32 [P]
     page_state,   # int8 [P]
     counters,     # int64 [NUM_COUNTERS]
+    track,        # also write the CSR's indptr and last_page_len (a step) and list the lanes given pages
+    indptr,       # int32 [B + 1] when track
+    last,         # int32 [B] when track
+    ins,          # int64 [MEMO_INS_WIDTH * B] when track: (lane, old CSR end, pages before, after) per grown lane
 ):
+    """Returns ``(clean, pages, grown)`` for a tracked call: ``clean`` when every lane is padding
+    or a request's first lane, ``pages`` the batch's pages after the call (the CSR's total),
+    ``grown`` the entries listed in ``ins``."""
     ids, ntok = i32_array(req_ids_ptr, B), i32_array(ntok_ptr, B)
     slots, ok = i32_array(slots_ptr, T), u8_array(ok_ptr, B)
     R, MP = block_table.shape[0], block_table.shape[1]
     # Powers of two (the usual page sizes) divide by shifting: an integer division per
     # lane and per token would cost more than the rest of a decode step.
     shift = page_shift(page_size)
+    limit = MP * page_size  # a length at or past it has no page to write in (a corrupt row)
     counters[L.CLOCK] += 1
-    claim_requests(ids, R, claim, counters, False)  # bad ids are counted in the lane loop
     free = counters[L.FREE_COUNT]
-    bad_ids = 0
-    csum = 0
-    popped = 0
-    tok = 0
+    top = free  # the stack top as pages are popped
+    bad_ids = bad_count = overflow = out_over = failed = 0
+    csum = 0      # pages asked for by the lanes so far (first come first served)
+    tok = 0       # slots of the lanes so far
+    clean = True
+    pos = 0       # pages of the lanes so far, after the call (tracked)
+    old_pos = 0   # the same before the call
+    grown = 0
     for i in range(B):
+        r = ids[i]
         n = ntok[i]
-        valid = lane_valid(ids, i, R, claim)
-        bad_ids += (not valid) and ids[i] != L.NULL_PAGE
-        if valid and n < 0:
-            counters[L.ERR_BAD_COUNT] += 1
-            valid = False
-        n = max(n, 0)
-        start = tok
-        tok += n
-        granted = False
-        if valid:
-            r = ids[i]
+        if r >= 0 and r < R and claim[r] == INT32_MAX:  # a request's first lane (later ones are bad)
+            claim[r] = i
             length = seq_lens[r]
+            if shift >= 0:
+                k, off = length >> shift, length & (page_size - 1)
+            else:
+                k = length // page_size
+                off = length - k * page_size
+            if n == 1 and off != 0 and length < limit and csum <= free and tok < T:
+                # A decode lane inside its last page: no new page, one slot (most lanes of most steps).
+                slots[tok] = block_table[r, k] * page_size + off
+                seq_lens[r] = length + 1
+                ok[i] = True
+                tok += 1
+                if track:
+                    old_pos += k + 1
+                    pos += k + 1
+                    indptr[i + 1] = pos
+                    last[i] = off + 1
+                continue
+            start = tok
             have = pages_for(length, page_size, shift)
-            want = pages_for(length + n, page_size, shift)
-            if want > MP:
-                counters[L.ERR_TABLE_OVERFLOW] += 1
+            want = have
+            granted = False
+            if n < 0:
+                bad_count += 1
             else:
-                csum += want - have
-                if csum <= free:
-                    if tok <= T:
-                        granted = True
-                    else:
-                        counters[L.ERR_OUT_OVERFLOW] += 1
-        if granted:
-            for k in range(have, want):
-                block_table[r, k] = pop_page(popped, free_stack, refcount, page_state, counters)
-                popped += 1
-            if n == 1:  # a decode lane: one slot, no loop (most lanes of most steps)
-                k = length >> shift if shift >= 0 else length // page_size
-                slots[start] = block_table[r, k] * page_size + (length - k * page_size)
-            else:
-                pos, u = length, start
-                while pos < length + n:  # page by page: the inner loop is base + offset
-                    k = pos >> shift if shift >= 0 else pos // page_size
+                tok += n
+                want = pages_for(length + n, page_size, shift)
+                if want > MP:
+                    overflow += 1
+                else:
+                    csum += want - have
+                    if csum <= free:
+                        if tok <= T:
+                            granted = True
+                        else:
+                            out_over += 1
+            if granted:
+                for k in range(have, want):
+                    top -= 1
+                    p = free_stack[top]
+                    refcount[p] = 1
+                    page_state[p] = L.USED
+                    block_table[r, k] = p
+                pos_t, u = length, start
+                while pos_t < length + n:  # page by page: the inner loop is base + offset
+                    k = pos_t >> shift if shift >= 0 else pos_t // page_size
                     base = block_table[r, k] * page_size - k * page_size
                     stop = min(length + n, (k + 1) * page_size)
-                    for q in range(pos, stop):
-                        slots[u + q - pos] = base + q
-                    u += stop - pos
-                    pos = stop
-            seq_lens[r] = length + n
-        else:
-            if ids[i] != L.NULL_PAGE:
-                counters[L.FAILED_REQUESTS] += 1
+                    for q in range(pos_t, stop):
+                        slots[u + q - pos_t] = base + q
+                    u += stop - pos_t
+                    pos_t = stop
+                length += n
+                seq_lens[r] = length
+            else:
+                want = have
+                failed += 1
+                if min(tok, T) > start:
+                    fill_null_i32(slots_ptr + 4 * start, min(tok, T) - start)
+            ok[i] = granted
+            if track:
+                old_pos += have
+                if want > have:
+                    ins[grown * L.MEMO_INS_WIDTH] = i
+                    ins[grown * L.MEMO_INS_WIDTH + 1] = old_pos
+                    ins[grown * L.MEMO_INS_WIDTH + 2] = have
+                    ins[grown * L.MEMO_INS_WIDTH + 3] = want
+                    grown += 1
+                pos += want
+                indptr[i + 1] = pos
+                last[i] = length - (want - 1) * page_size
+        else:  # padding, an unknown request, or a request's second lane
+            start = tok
+            tok += max(n, 0)
+            if r != L.NULL_PAGE:
+                bad_ids += 1
+                failed += 1
+                clean = False
             if min(tok, T) > start:
                 fill_null_i32(slots_ptr + 4 * start, min(tok, T) - start)
-        ok[i] = granted
+            ok[i] = False
+            if track:
+                indptr[i + 1] = pos
+                last[i] = page_size
     if T > tok:
         fill_null_i32(slots_ptr + 4 * tok, T - tok)
     reset_claims(ids, R, claim)
+    popped = free - top
     counters[L.ERR_BAD_REQUEST] += bad_ids
-    counters[L.FREE_COUNT] -= popped
+    counters[L.ERR_BAD_COUNT] += bad_count
+    counters[L.ERR_TABLE_OVERFLOW] += overflow
+    counters[L.ERR_OUT_OVERFLOW] += out_over
+    counters[L.FAILED_REQUESTS] += failed
+    counters[L.FREE_COUNT] = top
     counters[L.ALLOCATED] += popped
     update_peaks(counters, refcount.shape[0])
+    if track:
+        indptr[0] = 0
+    return clean, pos, grown
 
 
 @numba.njit(nogil=True)
@@ -118,8 +177,10 @@ def extend_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
     """``extend_numba`` for a bound call: outputs, table and pool state in the call descriptor ``cd``."""
     bt, lens, claim, ps = table_arrays(cd[:CD_STATE])
     stack, rc, state, _, counters, _, _ = state_arrays(cd[CD_STATE:CD_OUT])
+    new_version(cd[:CD_STATE])
+    untracked = i32_array(0, 0)
     extend_numba(req_ids_ptr, ntok_ptr, B, cd[CD_SLOTS], cd[CD_SLOTS_LEN], cd[CD_OK], ps, bt, lens, claim,
-                 stack, rc, state, counters)
+                 stack, rc, state, counters, False, untracked, untracked, i64_array(0, 0))
 
 
 # ---------------------------------------------------------------------- Triton

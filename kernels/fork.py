@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import (CD_OUT, CD_STATE, claim_requests, i32_array, lane_valid, pop_page, reset_claims,
-                          state_arrays, table_arrays, u8_array, update_peaks)
+from ._numba_util import (CD_OUT, CD_STATE, claim_requests, i32_array, lane_valid, new_version, pop_page,
+                          reset_claims, state_arrays, table_arrays, u8_array, update_peaks)
 from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, check_lane_scratch, claim_pages,
                                  claim_rows, first_pages, list_lane, release_rows, request_lanes, reset_pages)
 from ._triton_util import (ALLOCATED, CACHED, CACHED_COUNT, ERR_INVALID_PAGE, ERR_USE_AFTER_FREE,
@@ -98,6 +98,7 @@ def fork_numba(
 def fork_numba_entry(src_ptr, dst_ptr, lens_ptr, B, ok_ptr, cow_src_ptr, cow_dst_ptr, cd):
     """``fork_numba`` with table and pool state in the call descriptor ``cd`` (fast dispatch)."""
     bt, lens, claim, ps = table_arrays(cd[:CD_STATE])
+    new_version(cd[:CD_STATE])
     stack, rc, state, _, counters, _, _ = state_arrays(cd[CD_STATE:CD_OUT])
     fork_numba(src_ptr, dst_ptr, lens_ptr, B, ok_ptr, cow_src_ptr, cow_dst_ptr, ps, bt, lens, claim,
                stack, rc, state, counters)

@@ -46,3 +46,17 @@ ERROR_NAMES = {
     ERR_TABLE_OVERFLOW: "table_overflow",
     ERR_BAD_LENGTH: "bad_length",
 }
+
+# A page table's CSR memo: int64 [memo_len(B)], made by the table with each set of
+# CSR output buffers (one per call shape).
+#   MEMO_WRITTEN: how far the last export into ``indices`` wrote, so the next one
+#     re-pads only that far (every backend).
+#   MEMO_VERSION: the table version the buffers hold the CSR of, -1 if none (numba step).
+#   MEMO_IDS: [B] the batch they hold it for (numba step).
+#   then [MEMO_INS_WIDTH * B] scratch: the lanes a step gave pages (numba step).
+MEMO_WRITTEN, MEMO_VERSION, MEMO_IDS = 0, 1, 2
+MEMO_INS_WIDTH = 4  # lane, end of its old pages in the old CSR, pages before, pages after
+
+
+def memo_len(b: int) -> int:
+    return MEMO_IDS + (1 + MEMO_INS_WIDTH) * b

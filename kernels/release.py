@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import (CD_OUT, CD_STATE, claim_requests, free_list, i32_array, lane_valid, reset_claims,
-                          state_arrays, table_arrays)
+from ._numba_util import (CD_OUT, CD_STATE, claim_requests, free_list, i32_array, lane_valid, new_version,
+                          reset_claims, state_arrays, table_arrays)
 from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, cdiv, claim_pages, claim_rows,
                                  check_lane_scratch, first_pages, list_lane, request_lanes, reset_pages)
 from ._triton_util import (CACHED_COUNT, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREE_COUNT,
@@ -105,6 +105,7 @@ def truncate_numba(
 def release_numba_entry(req_ids_ptr, B, cache, cd):
     """``release_numba`` with table and pool state in the call descriptor ``cd`` (fast dispatch)."""
     bt, lens, claim, ps = table_arrays(cd[:CD_STATE])
+    new_version(cd[:CD_STATE])
     stack, rc, state, stamp, counters, occur, keys = state_arrays(cd[CD_STATE:CD_OUT])
     release_numba(req_ids_ptr, B, cache, ps, bt, lens, claim, stack, rc, state, stamp, counters, occur, keys)
 
@@ -113,6 +114,7 @@ def release_numba_entry(req_ids_ptr, B, cache, cd):
 def truncate_numba_entry(req_ids_ptr, lens_ptr, B, cd):
     """``truncate_numba`` with table and pool state in the call descriptor ``cd`` (fast dispatch)."""
     bt, lens, claim, ps = table_arrays(cd[:CD_STATE])
+    new_version(cd[:CD_STATE])
     stack, rc, state, stamp, counters, occur, keys = state_arrays(cd[CD_STATE:CD_OUT])
     truncate_numba(req_ids_ptr, lens_ptr, B, ps, bt, lens, claim, stack, rc, state, stamp, counters, occur,
                    keys)

@@ -5,22 +5,91 @@ pays one façade call and one numba dispatch, or one Triton launch, per step.
 The CSR is built after the extend, so it lists the pages the step just added:
 the semantics are those of the two calls made one after the other (the
 reference backend makes them).
+
+Note: on numba a step updates the CSR in place when it can. The CSR of a
+decode batch holds every page of every request (~20,000 ids at B=256), and
+copying them is most of a step on a CPU; from one step to the next, a
+request gains at most a page at the end of its run, so the previous CSR,
+with runs shifted right and new pages written in, is the new one. A step
+does that when the buffers hold the CSR of the same batch at the table's
+current version (``MEMO_VERSION``, ``MEMO_IDS`` in :mod:`layout`); every numba call that may
+change the table gives it a fresh version first, and a restored snapshot
+brings back its own, so any other change in between (a release, a truncate,
+another shape's step, a restore) makes the next step rebuild the CSR. So
+does a batch with an unknown or repeated request id, or one whose pages do
+not fit ``indices``. Triton rebuilds it every step (a GPU copies it in
+little time) and writes no versions.
 """
 
 import numba
 import triton
 import triton.language as tl
 
+from . import layout as L
+from ._numba_util import (CD_CSR_MEMO, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_LAST_PAGE_LEN, CD_OK, CD_OUT,
+                          CD_SLOTS, CD_SLOTS_LEN, CD_STATE, TD_VERSION, copy_i32, i32_array, i64_array, i64_cell,
+                          move_i32, new_version, state_arrays, table_arrays)
 from ._triton_util import settings
-from .csr import csr_body, csr_numba_entry
-from .extend import MAX_TILE, extend_body, extend_numba_entry
+from .csr import csr_body, csr_numba
+from .extend import MAX_TILE, extend_body, extend_numba
+
+
+@numba.njit(nogil=True)
+def grow_csr(indices_ptr, ins, grown, total, ids, block_table):
+    """Turn the CSR of the batch before a step into the one after it, in place.
+
+    ``ins`` lists the lanes that gained pages, in lane order, with the end of
+    their run in the old CSR and their page counts before and after; ``total``
+    is the new length. From the last lane back, the entries past a lane's old
+    run move right by the pages gained at or before it, then its new pages are
+    copied in from its row. Every position is below ``total``.
+    """
+    MP = block_table.shape[1]
+    table_addr = block_table.ctypes.data
+    shift = 0
+    for g in range(grown):
+        shift += ins[g * L.MEMO_INS_WIDTH + 3] - ins[g * L.MEMO_INS_WIDTH + 2]
+    end = total - shift  # the old CSR's length
+    for g in range(grown - 1, -1, -1):
+        lane, old_end = ins[g * L.MEMO_INS_WIDTH], ins[g * L.MEMO_INS_WIDTH + 1]
+        have, want = ins[g * L.MEMO_INS_WIDTH + 2], ins[g * L.MEMO_INS_WIDTH + 3]
+        if end > old_end:
+            move_i32(indices_ptr + 4 * (old_end + shift), indices_ptr + 4 * old_end, end - old_end)
+        shift -= want - have
+        copy_i32(indices_ptr + 4 * (old_end + shift), table_addr + 4 * (ids[lane] * MP + have), want - have)
+        end = old_end
 
 
 @numba.njit(nogil=True)
 def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
-    """extend then csr for a bound call (outputs, table and pool state in the call descriptor ``cd``)."""
-    extend_numba_entry(req_ids_ptr, ntok_ptr, B, cd)
-    csr_numba_entry(req_ids_ptr, B, cd)
+    """extend then the CSR for a bound call (outputs, table and pool state in the call descriptor ``cd``);
+    the CSR grows in place when the buffers hold the batch's CSR at the table's version (module note)."""
+    td = cd[:CD_STATE]
+    bt, lens, claim, ps = table_arrays(td)
+    stack, rc, state, _, counters, _, _ = state_arrays(cd[CD_STATE:CD_OUT])
+    ids = i32_array(req_ids_ptr, B)
+    memo = i64_array(cd[CD_CSR_MEMO], L.MEMO_IDS + (1 + L.MEMO_INS_WIDTH) * B)  # L.memo_len(B)
+    same = memo[L.MEMO_VERSION] == i64_cell(td[TD_VERSION])[0]
+    if same:
+        for i in range(B):
+            if memo[L.MEMO_IDS + i] != ids[i]:
+                same = False
+                break
+    version = new_version(td)
+    indptr, last = i32_array(cd[CD_INDPTR], B + 1), i32_array(cd[CD_LAST_PAGE_LEN], B)
+    ins = memo[L.MEMO_IDS + B:]
+    clean, total, grown = extend_numba(req_ids_ptr, ntok_ptr, B, cd[CD_SLOTS], cd[CD_SLOTS_LEN], cd[CD_OK], ps, bt,
+                                       lens, claim, stack, rc, state, counters, True, indptr, last, ins)
+    cap = cd[CD_INDICES_LEN]
+    if same and clean and total <= cap:  # indptr and last_page_len are written: grow indices
+        grow_csr(cd[CD_INDICES], ins, grown, total, ids, bt)
+        memo[L.MEMO_WRITTEN] = max(memo[L.MEMO_WRITTEN], total)
+    else:
+        memo[L.MEMO_WRITTEN] = csr_numba(req_ids_ptr, B, cd[CD_INDPTR], cd[CD_INDICES], cap, cd[CD_LAST_PAGE_LEN],
+                                       ps, bt, lens, counters, memo[L.MEMO_WRITTEN])
+        for i in range(B):
+            memo[L.MEMO_IDS + i] = ids[i]
+    memo[L.MEMO_VERSION] = version if clean and total <= cap else -1
 
 
 @triton.jit

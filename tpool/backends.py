@@ -125,28 +125,28 @@ def make_backend(name: str, st: PoolState):
 class _BoundByTensors:
     """Bound calls of a backend whose ops take the output tensors on every call."""
 
-    def _csr_call(self, csr, written):
+    def _csr_call(self, csr, memo):
         """The CSR export bound to the table-owned buffers ``csr`` (indptr, indices, last_page_len);
-        ``written`` is their cell (see ``PageTable._csr_out``), which a full re-pad does without."""
+        ``memo`` is their bookkeeping (see ``PageTable._csr_out``), which a full re-pad does without."""
         return lambda req_ids: self.csr(req_ids, *csr)
 
     def bind_extend(self, res):
         return lambda req_ids, num_tokens, b: self.extend(req_ids, num_tokens, res.slots, res.ok)
 
-    def bind_csr(self, res, written):
-        csr = self._csr_call(res, written)
+    def bind_csr(self, res, memo):
+        csr = self._csr_call(res, memo)
         return lambda req_ids, b: csr(req_ids)
 
-    def bind_step(self, res, written):
-        csr = self._csr_call(res.csr, written)
+    def bind_step(self, res, memo):
+        csr = self._csr_call(res.csr, memo)
 
         def step(req_ids, num_tokens, b):
             self.extend(req_ids, num_tokens, res.slots, res.ok)
             csr(req_ids)
         return step
 
-    def bind_step_inputs(self, res, written, req_ids, num_tokens, b):
-        step = self.bind_step(res, written)
+    def bind_step_inputs(self, res, memo, req_ids, num_tokens, b):
+        step = self.bind_step(res, memo)
         return lambda: step(req_ids, num_tokens, b)
 
 
@@ -200,7 +200,10 @@ class NumbaTableBackend:
         from tpool.kernels import csr, extend, fork, release, step
         from tpool.kernels._numba_util import call_descriptor, state_descriptor, table_descriptor
 
-        sd, td = state_descriptor(st), table_descriptor(ts)
+        # The table's version counter (see kernels/_numba_util.new_version); it lives here, outside
+        # the table's state, so restoring a snapshot of the state never rewinds it.
+        self.version_source = torch.zeros(1, dtype=torch.int64)
+        sd, td = state_descriptor(st), table_descriptor(ts, self.version_source)
         self.sd, self.td = sd, td
         extend_k, csr_k, step_k = extend.extend_numba_entry, csr.csr_numba_entry, step.step_numba_entry
         release_k, truncate_k = release.release_numba_entry, release.truncate_numba_entry
@@ -210,16 +213,16 @@ class NumbaTableBackend:
             cd = call_descriptor(td, sd, slots=res.slots, ok=res.ok)
             return lambda req_ids, num_tokens, b: extend_k(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd)
 
-        def bind_csr(res, written):
-            cd = call_descriptor(td, sd, csr=res, written=written)
+        def bind_csr(res, memo):
+            cd = call_descriptor(td, sd, csr=res, memo=memo)
             return lambda req_ids, b: csr_k(req_ids.data_ptr(), b, cd)
 
-        def bind_step(res, written):
-            cd = call_descriptor(td, sd, slots=res.slots, ok=res.ok, csr=res.csr, written=written)
+        def bind_step(res, memo):
+            cd = call_descriptor(td, sd, slots=res.slots, ok=res.ok, csr=res.csr, memo=memo)
             return lambda req_ids, num_tokens, b: step_k(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd)
 
-        def bind_step_inputs(res, written, req_ids, num_tokens, b):  # the inputs' addresses baked in too
-            cd = call_descriptor(td, sd, slots=res.slots, ok=res.ok, csr=res.csr, written=written)
+        def bind_step_inputs(res, memo, req_ids, num_tokens, b):  # the inputs' addresses baked in too
+            cd = call_descriptor(td, sd, slots=res.slots, ok=res.ok, csr=res.csr, memo=memo)
             ids_at, ntok_at = req_ids.data_ptr(), num_tokens.data_ptr()
             return lambda: step_k(ids_at, ntok_at, b, cd)
 
@@ -274,14 +277,14 @@ class TritonTableBackend(_BoundByTensors):
         written = torch.full((1,), indices.numel(), dtype=torch.int64, device=indices.device)
         self._csr(req_ids, indptr, indices, last_page_len, written, self.st, self.ts)
 
-    def _csr_call(self, csr, written):  # pads only as far as the last export into csr wrote
+    def _csr_call(self, csr, memo):  # pads only as far as the last export into csr wrote (memo[0])
         indptr, indices, last = csr
-        return lambda req_ids: self._csr(req_ids, indptr, indices, last, written, self.st, self.ts)
+        return lambda req_ids: self._csr(req_ids, indptr, indices, last, memo, self.st, self.ts)
 
-    def bind_step(self, res, written):  # one launch: extend, barrier, CSR
+    def bind_step(self, res, memo):  # one launch: extend, barrier, CSR
         indptr, indices, last = res.csr
         return lambda req_ids, num_tokens, b: self._step(req_ids, num_tokens, res.slots, res.ok, indptr, indices,
-                                                         last, written, self.st, self.ts)
+                                                         last, memo, self.st, self.ts)
 
     def rows(self, req_ids, out):
         self._rows(req_ids, out, self.ts)

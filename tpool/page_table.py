@@ -39,6 +39,7 @@ class TableState:
     seq_lens: torch.Tensor     # int32 [max_requests], tokens per request
     claim: torch.Tensor        # int32 [max_requests] scratch, INT32_MAX between calls
     lane_end: torch.Tensor     # int32 [max_batch] scratch (triton): per-lane ends of a call's page list
+    version: torch.Tensor      # int64 [1] (numba): which contents the table has; a step's CSR memo names it
 
 
 class ExtendResult(NamedTuple):
@@ -81,10 +82,10 @@ class BoundStep:
     """``PageTable.step`` bound to fixed input tensors (see :meth:`PageTable.bind_step`)."""
 
     def __init__(self, table, req_ids, num_tokens, max_tokens, capacity):
-        b, (self.result, _, written) = table._step_shape(req_ids, num_tokens, max_tokens, capacity)
+        b, (self.result, _, memo) = table._step_shape(req_ids, num_tokens, max_tokens, capacity)
         self.req_ids, self.num_tokens = req_ids, num_tokens
         self._bound_to = self._where()
-        self._run = table._impl.bind_step_inputs(self.result, written, req_ids, num_tokens, b)
+        self._run = table._impl.bind_step_inputs(self.result, memo, req_ids, num_tokens, b)
 
     def _where(self):
         ids, ntok = self.req_ids, self.num_tokens
@@ -141,11 +142,12 @@ class PageTable:
             seq_lens=torch.zeros(max_requests, **i32),
             claim=torch.full((max_requests,), INT32_MAX, **i32),
             lane_end=torch.zeros(max(pool.max_batch, 1), **i32),
+            version=torch.zeros(1, dtype=torch.int64, device=self.device),
         )
         self.block_table, self.seq_lens = self.state.block_table, self.state.seq_lens
         self._impl = make_table_backend(pool.backend, pool.state, self.state)
         self._bufs = {}   # (op, shape) -> output buffers
-        self._bound = {}  # (op, shape) -> (output buffers, backend call bound to them[, written cell])
+        self._bound = {}  # (op, shape) -> (output buffers, backend call bound to them[, CSR memo])
 
     def __reduce_ex__(self, protocol):
         raise TypeError("a PageTable cannot be copied or pickled: its kernels are bound to the addresses of "
@@ -187,13 +189,17 @@ class PageTable:
                 torch.zeros(b, dtype=torch.bool, device=self.device))
 
     def _csr_out(self, b, cap):
-        """CSR buffers of one shape and their written cell, int64 ``[1]`` on the device: how far
-        the last export into them wrote ``indices``, so the next export re-pads only that far."""
+        """CSR buffers of one shape and their memo, int64 ``[L.memo_len(b)]`` on the device:
+        ``memo[0]`` is how far the last export into them wrote ``indices``, so the next
+        export re-pads only that far; the numba step keeps there which batch and table
+        version the buffers hold, to grow the CSR in place (see ``tpool.kernels.step``)."""
         cap = _checks.check_size(cap, "capacity")
+        memo = torch.full((L.memo_len(b),), -1, dtype=torch.int64, device=self.device)
+        memo[L.MEMO_WRITTEN] = cap
         return (PagedKVCSR(torch.zeros(b + 1, dtype=torch.int32, device=self.device),
                            torch.full((cap,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
                            torch.zeros(b, dtype=torch.int32, device=self.device)),
-                torch.full((1,), cap, dtype=torch.int64, device=self.device))
+                memo)
 
     def _buffers(self, key, make):
         bufs = self._bufs.get(key)
@@ -264,16 +270,16 @@ class PageTable:
         return bound[0]
 
     def _step_shape(self, req_ids, num_tokens, max_tokens, capacity):
-        """``(B, (buffers, bound call, written cell))`` of a step: slots/ok per (B, max_tokens) and
+        """``(B, (buffers, bound call, CSR memo))`` of a step: slots/ok per (B, max_tokens) and
         the CSR per (B, capacity), shared by the steps of that shape."""
         b = self._lanes(req_ids, num_tokens)
         t = b if max_tokens is None else max_tokens
         cap = b * self.max_pages if capacity is None else capacity
         bound = self._bound.get(("step", b, t, cap))
         if bound is None:
-            csr, written = self._buffers(("step-csr", b, cap), lambda: self._csr_out(b, cap))
+            csr, memo = self._buffers(("step-csr", b, cap), lambda: self._csr_out(b, cap))
             res = StepResult(*self._buffers(("step", b, t), lambda: self._extend_out(b, t)), csr)
-            bound = self._bound[("step", b, t, cap)] = (res, self._impl.bind_step(res, written), written)
+            bound = self._bound[("step", b, t, cap)] = (res, self._impl.bind_step(res, memo), memo)
         return b, bound
 
     def bind_step(self, req_ids: torch.Tensor, num_tokens: torch.Tensor, *, max_tokens: int | None = None,
@@ -346,8 +352,8 @@ class PageTable:
         cap = b * self.max_pages if capacity is None else capacity
         bound = self._bound.get(("csr", b, cap))
         if bound is None:
-            csr, written = self._buffers(("csr", b, cap), lambda: self._csr_out(b, cap))
-            bound = self._bound[("csr", b, cap)] = (csr, self._impl.bind_csr(csr, written))
+            csr, memo = self._buffers(("csr", b, cap), lambda: self._csr_out(b, cap))
+            bound = self._bound[("csr", b, cap)] = (csr, self._impl.bind_csr(csr, memo))
         bound[1](req_ids, b)
         return bound[0]
 

@@ -1,0 +1,152 @@
+"""The numba step's CSR grows in place between steps of the same batch: it must always equal a rebuilt one.
+
+The oracle is a reference table fed the same calls. The workloads mix what
+must make the next step rebuild (a release, a truncate, a fork, a plain
+extend, another shape's step, a restored snapshot, a new batch, a repeated or
+unknown id, a CSR too small) with runs of steps on one batch, the case that
+grows the CSR; the test checks that those runs happened.
+"""
+
+import random
+
+import pytest
+import torch
+
+import tpool
+from conftest import i32
+from tpool.graphs import state_tensors
+from tpool.kernels import layout as L
+
+R, MP, PS, B = 12, 10, 4, 6
+
+
+def twins(num_pages):
+    """A numba table and the reference table it must match."""
+    return [tpool.PageTable(tpool.PagePool(num_pages, PS, device="cpu", backend=be), R, MP)
+            for be in ("numba", "reference")]
+
+
+def same_state(a, b):
+    assert a.block_table.tolist() == b.block_table.tolist() and a.seq_lens.tolist() == b.seq_lens.tolist()
+    for name in ("free_stack", "refcount", "page_state", "counters"):
+        x, y = getattr(a.pool.state, name), getattr(b.pool.state, name)
+        if name == "free_stack":  # only the live part of the stack is state
+            n = int(a.pool.state.counters[L.FREE_COUNT])
+            x, y = x[:n], y[:n]
+        assert x.tolist() == y.tolist(), name
+
+
+def will_grow(table, ids, cap):
+    """True when the numba step about to run may grow the CSR it made last time (its memo says so)."""
+    bound = table._bound.get(("step", len(ids), len(ids), cap))
+    if bound is None:
+        return False
+    memo = bound[2]
+    return (int(memo[L.MEMO_VERSION]) == int(table.state.version[0])
+            and memo[L.MEMO_IDS:L.MEMO_IDS + len(ids)].tolist() == ids)
+
+
+def step_both(tables, ids, ntok, cap, guard):
+    outs = []
+    for t in tables:
+        with guard():
+            outs.append(t.step(i32(ids), i32(ntok), max_tokens=len(ids), capacity=cap))
+    got, want = outs
+    for x, y, name in zip((got.slots, got.ok, *got.csr), (want.slots, want.ok, *want.csr),
+                          ("slots", "ok", "indptr", "indices", "last_page_len")):
+        assert x.tolist() == y.tolist(), name
+    same_state(*tables)
+    return got
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_grown_csr_equals_rebuilt_csr_over_random_workloads(seed, guard):
+    rng = random.Random(seed)
+    tables = twins(num_pages=rng.choice([40, 70, 120]))
+    batch = [0, 1, 2, 3, 4, -1]
+    for r in range(5):
+        n = rng.randint(1, 14)
+        for t in tables:
+            t.extend(i32([r]), i32([n]), max_tokens=14)
+    snapshots = []
+    grown = 0
+    for _ in range(160):
+        op = rng.choices(["decode", "prefill", "batch", "release", "truncate", "extend", "fork", "snapshot",
+                          "restore", "other", "dup", "bad", "small"],
+                         [40, 6, 5, 4, 4, 4, 3, 4, 5, 3, 2, 2, 3])[0]
+        if op in ("decode", "prefill"):
+            ntok = [0 if r < 0 else 1 for r in batch]
+            if op == "prefill":  # some lanes take several pages in one step
+                ntok = [n * rng.choice([1, 5, 9]) for n in ntok]
+            grown += will_grow(tables[0], batch, B * MP)
+            step_both(tables, batch, ntok, B * MP, guard)
+        elif op == "batch":
+            batch = rng.sample(range(R), B - 1) + [-1]
+            rng.shuffle(batch)
+        elif op in ("dup", "bad", "small"):  # rebuilds: a repeated id, an unknown id, a CSR too small
+            ids = list(batch)
+            ids[rng.randrange(B)] = rng.choice([r for r in ids if r >= 0]) if op == "dup" else R + 3
+            cap = B * MP if op != "small" else 9
+            for _ in range(2):  # twice: the second step must rebuild as well
+                step_both(tables, batch if op == "small" else ids, [1] * B, cap, guard)
+        elif op == "other":  # another shape's step, on rows the batch may hold
+            ids = rng.sample(range(R), 2)
+            step_both(tables, ids, [1, 1], 2 * MP, guard)
+        elif op == "snapshot":
+            snapshots.append([[x.clone() for x in state_tensors(t)] for t in tables])
+        elif op == "restore" and snapshots:
+            saved = rng.choice(snapshots)
+            for t, s in zip(tables, saved):
+                for x, y in zip(state_tensors(t), s):
+                    x.copy_(y)
+        else:
+            r = rng.choice([r for r in batch if r >= 0])
+            length = int(tables[1].seq_lens[r])
+            new_len, n = rng.randint(0, length), rng.randint(1, 6)
+            free_rows = [d for d in range(R) if int(tables[1].seq_lens[d]) == 0 and d != r]
+            for t in tables:
+                with guard():
+                    if op == "release":
+                        t.release(i32([r]))
+                    elif op == "truncate":
+                        t.truncate(i32([r]), i32([new_len]))
+                    elif op == "extend":
+                        t.extend(i32([r]), i32([n]), max_tokens=6)
+                    elif free_rows:  # fork into an empty row, so a later batch may hold it
+                        t.fork(i32([r]), i32([free_rows[0]]), i32([length]))
+            same_state(*tables)
+    assert grown >= 20  # the in-place path ran, not only rebuilds
+    assert tables[0].pool.stats() == tables[1].pool.stats()  # the errors the workload made, counted alike
+    for t in tables:
+        t.check_invariants()
+
+
+def test_a_restored_snapshot_then_another_change_rebuilds(guard):
+    """The case a version kept only in the table's state would get wrong: after a restore,
+    one other change brings the table to as many changes as the CSR was made after."""
+    tables = twins(num_pages=60)
+    batch, ones = [0, 1, 2], [1, 1, 1]
+    for t in tables:
+        t.extend(i32(batch), i32([4, 8, 3]), max_tokens=15)
+    saved = [[x.clone() for x in state_tensors(t)] for t in tables]
+    step_both(tables, batch, ones, 3 * MP, guard)      # lengths 5, 9, 4: the CSR of that table
+    for t, s in zip(tables, saved):                     # back to 4, 8, 3 ...
+        for x, y in zip(state_tensors(t), s):
+            x.copy_(y)
+    for t in tables:                                    # ... and one other change: 5, 9, 5
+        t.extend(i32(batch), i32([1, 1, 2]), max_tokens=4)
+    got = step_both(tables, batch, ones, 3 * MP, guard)
+    assert got.csr.indptr.tolist() == [0, 2, 5, 7]
+
+
+def test_decode_run_grows_pages_at_every_boundary(guard):
+    """A long run of decode steps on one batch: every step after the first grows the CSR."""
+    tables = twins(num_pages=80)
+    batch = [3, -1, 0, 7, 5, 1]
+    for t in tables:
+        t.extend(i32([r for r in batch if r >= 0]), i32([1, 4, 7, 2, 5]), max_tokens=19)
+    ntok = [0 if r < 0 else 1 for r in batch]
+    for i in range(24):
+        assert will_grow(tables[0], batch, B * MP) == (i > 0)
+        got = step_both(tables, batch, ntok, B * MP, guard)
+    assert got.csr.indptr.tolist()[-1] == sum(-(-(n + 24) // PS) for n in (1, 4, 7, 2, 5))
