@@ -9,6 +9,7 @@ total). Misuse (bad or repeated request id, negative count, more than
 """
 
 import numba
+import numpy as np
 import triton
 import triton.language as tl
 
@@ -23,6 +24,15 @@ from ._triton_util import (ALLOCATED, ERR_BAD_COUNT, ERR_OUT_OVERFLOW, FAILED_RE
                            settings, store_counters, tick)
 
 MAX_TILE = 64  # side of the token x lane tiles of the prefill slot pass
+
+
+@numba.njit(nogil=True, inline="always")
+def list_growth(ins, grown, lane, old_end, have, want):
+    """Entry ``grown`` of a step's growth list: lane ``lane`` went from ``have`` to ``want``
+    pages, and its run ended at ``old_end`` in the previous CSR. Returns ``grown + 1``."""
+    at = grown * L.MEMO_INS_WIDTH
+    ins[at], ins[at + 1], ins[at + 2], ins[at + 3] = lane, old_end, have, want
+    return grown + 1
 
 
 @numba.njit(nogil=True)
@@ -42,6 +52,7 @@ def extend_numba(
     page_state,   # int8 [P]
     counters,     # int64 [NUM_COUNTERS]
     track,        # also write the CSR's indptr and last_page_len (a step) and list the lanes given pages
+    distinct,     # the caller knows every id is -1 or a distinct request id in range: no claims
     indptr,       # int32 [B + 1] when track
     last,         # int32 [B] when track
     ins,          # int64 [MEMO_INS_WIDTH * B] when track: (lane, old CSR end, pages before, after) per grown lane
@@ -64,13 +75,14 @@ def extend_numba(
     tok = 0       # slots of the lanes so far
     clean = True
     pos = 0       # pages of the lanes so far, after the call (tracked)
-    old_pos = 0   # the same before the call
+    gained = 0    # pages the lanes so far were given (so pos - gained is the same before the call)
     grown = 0
     for i in range(B):
         r = ids[i]
         n = ntok[i]
-        if r >= 0 and r < R and claim[r] == INT32_MAX:  # a request's first lane (later ones are bad)
-            claim[r] = i
+        if r >= 0 and r < R and (distinct or claim[r] == INT32_MAX):  # a request's first lane
+            if not distinct:
+                claim[r] = i
             length = seq_lens[r]
             if shift >= 0:
                 k, off = length >> shift, length & (page_size - 1)
@@ -79,15 +91,16 @@ def extend_numba(
                 off = length - k * page_size
             if n == 1 and off != 0 and length < limit and csum <= free and tok < T:
                 # A decode lane inside its last page: no new page, one slot (most lanes of most steps).
-                slots[tok] = block_table[r, k] * page_size + off
-                seq_lens[r] = length + 1
-                ok[i] = True
+                # Unsigned indices (all are known >= 0 here) spare numba's negative-index fixups.
+                ur, uk, ui = np.uint64(r), np.uint64(k), np.uint64(i)
+                slots[np.uint64(tok)] = block_table[ur, uk] * page_size + off
+                seq_lens[ur] = length + 1
+                ok[ui] = True
                 tok += 1
                 if track:
-                    old_pos += k + 1
                     pos += k + 1
-                    indptr[i + 1] = pos
-                    last[i] = off + 1
+                    indptr[ui + np.uint64(1)] = pos
+                    last[ui] = off + 1
                 continue
             start = tok
             have = pages_for(length, page_size, shift)
@@ -132,13 +145,9 @@ def extend_numba(
                     fill_null_i32(slots_ptr + 4 * start, min(tok, T) - start)
             ok[i] = granted
             if track:
-                old_pos += have
                 if want > have:
-                    ins[grown * L.MEMO_INS_WIDTH] = i
-                    ins[grown * L.MEMO_INS_WIDTH + 1] = old_pos
-                    ins[grown * L.MEMO_INS_WIDTH + 2] = have
-                    ins[grown * L.MEMO_INS_WIDTH + 3] = want
-                    grown += 1
+                    grown = list_growth(ins, grown, i, pos - gained + have, have, want)
+                    gained += want - have
                 pos += want
                 indptr[i + 1] = pos
                 last[i] = length - (want - 1) * page_size
@@ -157,7 +166,8 @@ def extend_numba(
                 last[i] = page_size
     if T > tok:
         fill_null_i32(slots_ptr + 4 * tok, T - tok)
-    reset_claims(ids, R, claim)
+    if not distinct:
+        reset_claims(ids, R, claim)
     popped = free - top
     counters[L.ERR_BAD_REQUEST] += bad_ids
     counters[L.ERR_BAD_COUNT] += bad_count
@@ -180,7 +190,7 @@ def extend_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
     new_version(cd[:CD_STATE])
     untracked = i32_array(0, 0)
     extend_numba(req_ids_ptr, ntok_ptr, B, cd[CD_SLOTS], cd[CD_SLOTS_LEN], cd[CD_OK], ps, bt, lens, claim,
-                 stack, rc, state, counters, False, untracked, untracked, i64_array(0, 0))
+                 stack, rc, state, counters, False, False, untracked, untracked, i64_array(0, 0))
 
 
 # ---------------------------------------------------------------------- Triton

@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import (CD_CSR_MEMO, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_LAST_PAGE_LEN, CD_OK, CD_OUT,
-                          CD_SLOTS, CD_SLOTS_LEN, CD_STATE, TD_VERSION, copy_i32, i32_array, i64_array, i64_cell,
+from ._numba_util import (CALL_DESC_LEN, CD_CSR_MEMO, CD_IDS, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_LANES,
+                          CD_LAST_PAGE_LEN, CD_NTOK, CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, TD_VERSION, copy_i32, i32_array, i64_array, i64_cell,
                           move_i32, new_version, state_arrays, table_arrays)
 from ._triton_util import settings
 from .csr import csr_body, csr_numba
@@ -71,15 +71,15 @@ def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
     memo = i64_array(cd[CD_CSR_MEMO], L.MEMO_IDS + (1 + L.MEMO_INS_WIDTH) * B)  # L.memo_len(B)
     same = memo[L.MEMO_VERSION] == i64_cell(td[TD_VERSION])[0]
     if same:
-        for i in range(B):
-            if memo[L.MEMO_IDS + i] != ids[i]:
-                same = False
-                break
+        diff = 0
+        for i in range(B):  # no early exit: the loop vectorises
+            diff |= memo[L.MEMO_IDS + i] ^ ids[i]
+        same = diff == 0
     version = new_version(td)
     indptr, last = i32_array(cd[CD_INDPTR], B + 1), i32_array(cd[CD_LAST_PAGE_LEN], B)
     ins = memo[L.MEMO_IDS + B:]
     clean, total, grown = extend_numba(req_ids_ptr, ntok_ptr, B, cd[CD_SLOTS], cd[CD_SLOTS_LEN], cd[CD_OK], ps, bt,
-                                       lens, claim, stack, rc, state, counters, True, indptr, last, ins)
+                                       lens, claim, stack, rc, state, counters, True, same, indptr, last, ins)
     cap = cd[CD_INDICES_LEN]
     if same and clean and total <= cap:  # indptr and last_page_len are written: grow indices
         grow_csr(cd[CD_INDICES], ins, grown, total, ids, bt)
@@ -90,6 +90,13 @@ def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
         for i in range(B):
             memo[L.MEMO_IDS + i] = ids[i]
     memo[L.MEMO_VERSION] = version if clean and total <= cap else -1
+
+
+@numba.njit(nogil=True)
+def step_bound_numba_entry(cd_addr):
+    """``step_numba_entry`` for a call bound to its inputs too: everything in the descriptor at ``cd_addr``."""
+    cd = i64_array(cd_addr, CALL_DESC_LEN)
+    step_numba_entry(cd[CD_IDS], cd[CD_NTOK], cd[CD_LANES], cd)
 
 
 @triton.jit

@@ -186,6 +186,35 @@ def test_bound_step_matches_step_with_inputs_filled_in_place(make_table, guard):
         tables[0].bind_step(ids, i32([1]))
 
 
+def test_step_on_the_same_tensors_binds_them_and_still_checks_them(make_table, guard):
+    """table.step with the same two tensor objects each step (filled in place) runs bound from
+    the second step on; resized, reassigned or retyped tensors are checked like new ones."""
+    tables = [make_table(64, 4, 4, 8) for _ in range(2)]
+    ids, ntok = i32([0, 1, 2, -1]), i32([5, 2, 9, 0])
+    rng = random.Random(5)
+    for _ in range(10):
+        with guard():
+            got = tables[0].step(ids, ntok, max_tokens=16)
+        want = tables[1].step(ids.clone(), ntok.clone(), max_tokens=16)   # new tensors: never bound
+        for x, y in zip((got.slots, got.ok, *got.csr), (want.slots, want.ok, *want.csr)):
+            assert x.tolist() == y.tolist()
+        ids.copy_(i32(rng.sample([0, 1, 2, 3, -1, -1], 4)))
+        ntok.copy_(i32([rng.randint(0, 3) for _ in range(4)]))
+    assert tables[0]._repeat[4] is not None    # it did bind them
+    ids.resize_(2)                              # fewer lanes, same memory: checked as new inputs
+    with pytest.raises(ValueError, match="num_tokens: expected 2 entries"):
+        tables[0].step(ids, ntok, max_tokens=16)
+    ids.resize_(4)
+    ids.set_(i32([3, -1, -1, -1]).untyped_storage())   # new memory: the step reads it
+    with guard():
+        got = tables[0].step(ids, ntok, max_tokens=16)
+        tables[0].step(ids, ntok, max_tokens=16)  # bound again
+    assert got.ok.tolist()[1:] == [False] * 3 and tables[0]._repeat[4] is not None
+    ids.data = ids.view(torch.float32)         # same memory and length, another dtype
+    with pytest.raises(ValueError, match="req_ids: expected dtype torch.int32"):
+        tables[0].step(ids, ntok, max_tokens=16)
+
+
 def test_step_buffers_per_shape_and_size_arguments(make_table, guard):
     import numpy as np
     table = make_table(32, 4, 2, 4)
