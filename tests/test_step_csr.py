@@ -56,6 +56,7 @@ def step_both(tables, ids, ntok, cap, guard):
                           ("slots", "ok", "indptr", "indices", "last_page_len")):
         assert x.tolist() == y.tolist(), name
     same_state(*tables)
+    tables[0].check_invariants()  # also: a CSR the next step may grow is its batch's CSR
     return got
 
 
@@ -150,3 +151,16 @@ def test_decode_run_grows_pages_at_every_boundary(guard):
         assert will_grow(tables[0], batch, B * MP) == (i > 0)
         got = step_both(tables, batch, ntok, B * MP, guard)
     assert got.csr.indptr.tolist()[-1] == sum(-(-(n + 24) // PS) for n in (1, 4, 7, 2, 5))
+
+
+def test_check_invariants_catches_a_step_csr_written_to(guard):
+    """The next step would grow a CSR a caller wrote into: check_invariants says so."""
+    table = twins(num_pages=40)[0]
+    table.extend(i32([0, 1]), i32([9, 3]), max_tokens=12)
+    for _ in range(2):
+        with guard():
+            s = table.step(i32([0, 1]), i32([1, 1]))
+    table.check_invariants()
+    s.csr.indices[1] = 39
+    with pytest.raises(tpool.InvariantViolation, match="the CSR of step shape"):
+        table.check_invariants()

@@ -405,7 +405,8 @@ class PageTable:
 
         Entries past each length are -1, entries before it are USED pages, and each
         page's reference count is at least (``exclusive``: exactly) the number of
-        table entries naming it.
+        table entries naming it. A step's CSR buffers that the next step of the same
+        batch would grow in place (numba) still hold that batch's CSR.
         """
         self.pool.check_invariants()
         bt, lens = self.block_table.cpu().long(), self.seq_lens.cpu().long()
@@ -423,3 +424,15 @@ class PageTable:
         rc = self.pool.state.refcount.cpu().long()
         if not bool((rc >= held).all() if not exclusive else (rc == held).all()):
             raise InvariantViolation("invariant broken: reference counts match table entries")
+        # A step's CSR that the next step of its batch may grow in place (its memo names the
+        # table's current version, numba only) must still be that batch's CSR.
+        version = int(self.state.version[0])
+        for key, (csr, memo) in ((k, v) for k, v in self._bufs.items() if k[0] == "step-csr"):
+            b = key[1]
+            if int(memo[L.MEMO_VERSION]) != version:
+                continue
+            rows = [bt[r, :int(npages[r])].tolist() for r in memo[L.MEMO_IDS:L.MEMO_IDS + b].tolist() if r >= 0]
+            want = [p for row in rows for p in row]
+            if csr.indices[:len(want)].tolist() != want:
+                raise InvariantViolation(f"invariant broken: the CSR of step shape {key[1:]} is its batch's CSR (the next "
+                                         "step grows it in place: were its indices written to?)")
