@@ -8,6 +8,8 @@ int64 descriptor of addresses, built once (``state_descriptor``,
 ``table_descriptor``), because numba checks every array argument on each call.
 """
 
+import os
+
 import numba
 import numpy as np
 import torch
@@ -133,9 +135,7 @@ def state_arrays(sd):
 
 # Slots of a page table's descriptor (int64 [TABLE_DESC_LEN]). TD_VERSION is the address of
 # the table's ``version`` cell (a state tensor, so a restored snapshot brings its version
-# back) and TD_VERSION_SOURCE that of a counter the table keeps outside its state (never
-# restored): every numba call that may change the table sets version = ++source, so equal
-# versions mean equal tables (see ``new_version``).
+# back) and TD_VERSION_SOURCE that of VERSION_SOURCE (see ``new_version``).
 TD_BLOCK_TABLE, TD_REQUESTS, TD_MAX_PAGES, TD_SEQ_LENS, TD_CLAIM, TD_PAGE_SIZE, TD_VERSION, TD_VERSION_SOURCE = range(8)
 TABLE_DESC_LEN = 8
 
@@ -149,14 +149,24 @@ def table_arrays(td):
             td[TD_PAGE_SIZE])
 
 
+# The one version counter of all numba tables in the process: outside every table's state,
+# so never restored, and started at a random 62-bit value, so versions do not repeat across
+# tables or processes (a state copied in from another table or a checkpoint brings a version
+# this process's tables have not used). int64 [1], read and bumped by ``new_version``.
+VERSION_SOURCE = torch.tensor([int.from_bytes(os.urandom(8), "little") >> 2], dtype=torch.int64)
+
+
 @numba.njit(nogil=True, inline="always")
 def new_version(td):
-    """Give the table a version no earlier table content had; returns it.
+    """Give the table a version no table content had before; returns it.
 
     Called by every numba entry point that may change ``block_table`` or
-    ``seq_lens``. The source is not part of the table's state, so restoring
-    a snapshot (which puts the old version back with the old content) never
-    makes two different contents share a version.
+    ``seq_lens``. The source is not part of any table's state, so restoring a
+    snapshot (which puts the old version back with the old contents) never
+    makes two different contents share a version; a step's CSR memo relies on
+    that (see ``kernels/step.py``). Contents changed by hand (not through
+    tpool calls or a whole-state restore) keep their version: call
+    ``PageTable.invalidate_csr`` after such edits.
     """
     source = i64_cell(td[TD_VERSION_SOURCE])
     source[0] += 1
@@ -164,14 +174,13 @@ def new_version(td):
     return source[0]
 
 
-def table_descriptor(ts, version_source):
-    """The int64 descriptor of a TableState (built once per table; see TD_* slots);
-    ``version_source`` is the table's int64 ``[1]`` version counter outside its state."""
-    for t in (ts.block_table, ts.seq_lens, ts.claim, ts.version, version_source):
+def table_descriptor(ts):
+    """The int64 descriptor of a TableState (built once per table; see TD_* slots)."""
+    for t in (ts.block_table, ts.seq_lens, ts.claim, ts.version):
         assert t.is_contiguous() and t.device.type == "cpu"
-    assert ts.version.dtype == version_source.dtype == torch.int64
+    assert ts.version.dtype == torch.int64
     return np.array([ts.block_table.data_ptr(), ts.max_requests, ts.max_pages, ts.seq_lens.data_ptr(),
-                     ts.claim.data_ptr(), ts.page_size, ts.version.data_ptr(), version_source.data_ptr()],
+                     ts.claim.data_ptr(), ts.page_size, ts.version.data_ptr(), VERSION_SOURCE.data_ptr()],
                     dtype=np.int64)
 
 

@@ -89,7 +89,7 @@ def extend_numba(
             else:
                 k = length // page_size
                 off = length - k * page_size
-            if n == 1 and off != 0 and length < limit and csum <= free and tok < T:
+            if n == 1 and off != 0 and 0 < length < limit and csum <= free and tok < T:  # (0 <: a corrupt row)
                 # A decode lane inside its last page: no new page, one slot (most lanes of most steps).
                 # Unsigned indices (all are known >= 0 here) spare numba's negative-index fixups.
                 ur, uk, ui = np.uint64(r), np.uint64(k), np.uint64(i)

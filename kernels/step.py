@@ -9,7 +9,7 @@ reference backend makes them).
 Note: on numba a step updates the CSR in place when it can. The CSR of a
 decode batch holds every page of every request (~20,000 ids at B=256), and
 copying them is most of a step on a CPU; from one step to the next, a
-request gains at most a page at the end of its run, so the previous CSR,
+request only gains pages at the end of its run, so the previous CSR,
 with runs shifted right and new pages written in, is the new one. A step
 does that when the buffers hold the CSR of the same batch at the table's
 current version (``MEMO_VERSION``, ``MEMO_IDS`` in :mod:`layout`); every numba call that may

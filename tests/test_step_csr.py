@@ -164,3 +164,35 @@ def test_check_invariants_catches_a_step_csr_written_to(guard):
     s.csr.indices[1] = 39
     with pytest.raises(tpool.InvariantViolation, match="the CSR of step shape"):
         table.check_invariants()
+
+
+def test_state_copied_from_another_table_or_edited_by_hand(guard):
+    """Versions do not repeat across tables (a state copied in rebuilds the CSR); edits by hand
+    need invalidate_csr(), and check_invariants catches them without it."""
+    a, ref = twins(num_pages=40)
+    b = tpool.PageTable(tpool.PagePool(40, PS, device="cpu", backend="numba"), R, MP)
+    for t, lens in ((a, [3, 5]), (ref, [3, 5]), (b, [2, 9])):
+        t.extend(i32([0, 1]), i32(lens), max_tokens=11)
+    for t in (a, b):
+        t.step(i32([0, 1]), i32([1, 1]))   # a's CSR memo names a's version; b does as many changes
+    for x, y in zip(state_tensors(a), state_tensors(b)):
+        x.copy_(y)
+    for x, y in zip(state_tensors(ref), state_tensors(b)):
+        x.copy_(y)
+    ref.step(i32([0, 1]), i32([1, 1]))    # the reference already stands at b's contents; align a
+    with guard():
+        got = a.step(i32([0, 1]), i32([1, 1]))
+    assert got.csr.indices.tolist() == ref._bound[("step", 2, 2, 2 * MP)][0].csr.indices.tolist()
+
+    saved = [x.clone() for x in (a.block_table, a.seq_lens)]
+    a.step(i32([0, 1]), i32([1, 1]))
+    for x, y in zip((a.block_table, a.seq_lens), saved):  # a hand edit: the version stays
+        x.copy_(y)
+    with pytest.raises(tpool.InvariantViolation, match="edited by hand"):
+        a.check_invariants(exclusive=False)
+    a.invalidate_csr()
+    a.check_invariants(exclusive=False)
+    with guard():
+        got = a.step(i32([0, 1]), i32([1, 1]))
+    want = [p for r in (0, 1) for p in a.block_table[r, :-(-int(a.seq_lens[r]) // PS)].tolist()]
+    assert got.csr.indices.tolist()[:len(want)] == want

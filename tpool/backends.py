@@ -203,10 +203,7 @@ class NumbaTableBackend:
         from tpool.kernels import csr, extend, fork, release, step
         from tpool.kernels._numba_util import call_descriptor, state_descriptor, table_descriptor
 
-        # The table's version counter (see kernels/_numba_util.new_version); it lives here, outside
-        # the table's state, so restoring a snapshot of the state never rewinds it.
-        self.version_source = torch.zeros(1, dtype=torch.int64)
-        sd, td = state_descriptor(st), table_descriptor(ts, self.version_source)
+        sd, td = state_descriptor(st), table_descriptor(ts)
         self.sd, self.td = sd, td
         extend_k, csr_k, step_k = extend.extend_numba_entry, csr.csr_numba_entry, step.step_numba_entry
         step_bound_k = step.step_bound_numba_entry

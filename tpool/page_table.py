@@ -284,7 +284,8 @@ class PageTable:
         Note: a decode loop that passes the same two tensor objects every step (filled
         in place) gets :meth:`bind_step`'s speed without asking: from the second such
         step on, the table keeps them bound and a step only checks that they still
-        have their memory, length and dtype. The table holds a reference to the last
+        have their memory, length and dtype (an in-place restride such as
+        ``as_strided_`` goes unnoticed). The table holds a reference to the last
         step's inputs.
         """
         last = self._repeat
@@ -399,6 +400,17 @@ class PageTable:
         self._impl.rows(req_ids, out)
         return out
 
+    def invalidate_csr(self) -> None:
+        """Make the next step of every shape rebuild its CSR instead of growing the last one.
+
+        Only needed after writing ``block_table`` or ``seq_lens`` by hand: tpool's own calls,
+        and restoring a whole snapshot of the table's state (``tpool.graphs.state_tensors``,
+        ``version`` included), are tracked by the table's version. Not a hot-path call.
+        """
+        for key, bufs in self._bufs.items():
+            if key[0] == "step-csr":
+                bufs[1][L.MEMO_VERSION] = -1
+
     # ---------------------------------------------------------- sync points
     def check_invariants(self, *, exclusive: bool = True) -> None:
         """Verify the table against the pool (a sync point, for tests and debugging).
@@ -435,4 +447,5 @@ class PageTable:
             want = [p for row in rows for p in row]
             if csr.indices[:len(want)].tolist() != want:
                 raise InvariantViolation(f"invariant broken: the CSR of step shape {key[1:]} is its batch's CSR (the next "
-                                         "step grows it in place: were its indices written to?)")
+                                         "step grows it in place: were its indices written to, or the table's state "
+                                         "edited by hand without invalidate_csr()?)")
