@@ -89,7 +89,8 @@ def extend_numba(
             else:
                 k = length // page_size
                 off = length - k * page_size
-            if n == 1 and off != 0 and 0 < length < limit and csum <= free and tok < T:  # (0 <: a corrupt row)
+            # 0 < length < limit in one unsigned compare (a length <= 0 here is a corrupt row)
+            if n == 1 and off != 0 and np.uint64(length - 1) < np.uint64(limit - 1) and csum <= free and tok < T:
                 # A decode lane inside its last page: no new page, one slot (most lanes of most steps).
                 # Unsigned indices (all are known >= 0 here) spare numba's negative-index fixups.
                 ur, uk, ui = np.uint64(r), np.uint64(k), np.uint64(i)

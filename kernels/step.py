@@ -27,8 +27,8 @@ import triton.language as tl
 
 from . import layout as L
 from ._numba_util import (CALL_DESC_LEN, CD_CSR_MEMO, CD_IDS, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_LANES,
-                          CD_LAST_PAGE_LEN, CD_NTOK, CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, TD_VERSION, copy_i32, i32_array, i64_array, i64_cell,
-                          move_i32, new_version, state_arrays, table_arrays)
+                          CD_LAST_PAGE_LEN, CD_NTOK, CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, TD_VERSION,
+                          i32_array, i64_array, i64_cell, move_i32, new_version, state_arrays, table_arrays)
 from ._triton_util import settings
 from .csr import csr_body, csr_numba
 from .extend import MAX_TILE, extend_body, extend_numba
@@ -44,8 +44,7 @@ def grow_csr(indices_ptr, ins, grown, total, ids, block_table):
     run move right by the pages gained at or before it, then its new pages are
     copied in from its row. Every position is below ``total``.
     """
-    MP = block_table.shape[1]
-    table_addr = block_table.ctypes.data
+    indices = i32_array(indices_ptr, total)
     shift = 0
     for g in range(grown):
         shift += ins[g * L.MEMO_INS_WIDTH + 3] - ins[g * L.MEMO_INS_WIDTH + 2]
@@ -56,7 +55,9 @@ def grow_csr(indices_ptr, ins, grown, total, ids, block_table):
         if end > old_end:
             move_i32(indices_ptr + 4 * (old_end + shift), indices_ptr + 4 * old_end, end - old_end)
         shift -= want - have
-        copy_i32(indices_ptr + 4 * (old_end + shift), table_addr + 4 * (ids[lane] * MP + have), want - have)
+        r = ids[lane]
+        for k in range(have, want):  # usually one page: a loop, not a libc call
+            indices[old_end + shift + k - have] = block_table[r, k]
         end = old_end
 
 

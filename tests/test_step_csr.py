@@ -10,7 +10,6 @@ grows the CSR; the test checks that those runs happened.
 import random
 
 import pytest
-import torch
 
 import tpool
 from conftest import i32

@@ -446,6 +446,6 @@ class PageTable:
             rows = [bt[r, :int(npages[r])].tolist() for r in memo[L.MEMO_IDS:L.MEMO_IDS + b].tolist() if r >= 0]
             want = [p for row in rows for p in row]
             if csr.indices[:len(want)].tolist() != want:
-                raise InvariantViolation(f"invariant broken: the CSR of step shape {key[1:]} is its batch's CSR (the next "
-                                         "step grows it in place: were its indices written to, or the table's state "
-                                         "edited by hand without invalidate_csr()?)")
+                raise InvariantViolation(f"invariant broken: the CSR of step shape {key[1:]} is its batch's CSR (the "
+                                         "next step grows it in place: were its indices written to, or the table's "
+                                         "state edited by hand without invalidate_csr()?)")
