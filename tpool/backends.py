@@ -65,13 +65,20 @@ class NumbaBackend:
     name = "numba"
 
     def __init__(self, st: PoolState):
+        from numba import types
+
         from tpool.kernels import alloc, evict, free, incref, touch
         from tpool.kernels._numba_util import state_descriptor
 
         self.st = st
         sd = self.sd = state_descriptor(st)
-        alloc_k, free_k, incref_k = alloc.alloc_numba_entry, free.free_numba_entry, incref.incref_numba_entry
-        touch_k, evict_k = touch.touch_numba_entry, evict.evict_numba_entry
+        # alloc and free, the calls a scheduler makes every step, go straight to their compiled
+        # entry points for the argument types passed below (Dispatcher.compile returns them):
+        # no type matching per call, ~70 ns each. The others keep numba's dispatch.
+        desc = types.int64[::1]
+        alloc_k = alloc.alloc_numba_entry.compile((types.int64, types.int64, desc, types.boolean))
+        free_k = free.free_numba_entry.compile((types.int64, types.int64, types.boolean, desc))
+        incref_k, touch_k, evict_k = incref.incref_numba_entry, touch.touch_numba_entry, evict.evict_numba_entry
 
         def bind_alloc(out):
             cd = alloc.alloc_descriptor(sd, out)
