@@ -212,10 +212,15 @@ class NumbaTableBackend:
 
         sd, td = state_descriptor(st), table_descriptor(ts)
         self.sd, self.td = sd, td
-        extend_k, csr_k, step_k = extend.extend_numba_entry, csr.csr_numba_entry, step.step_numba_entry
-        step_bound_k = step.step_bound_numba_entry
-        release_k, truncate_k = release.release_numba_entry, release.truncate_numba_entry
-        fork_k, rows_k = fork.fork_numba_entry, csr.rows_numba_entry
+        # The per-step calls go straight to their compiled entry points for the argument types
+        # passed below (see NumbaBackend); truncate, fork and rows keep numba's dispatch.
+        i64, desc = numba.types.int64, numba.types.int64[::1]
+        extend_k = extend.extend_numba_entry.compile((i64, i64, i64, desc))
+        csr_k = csr.csr_numba_entry.compile((i64, i64, desc))
+        step_k = step.step_numba_entry.compile((i64, i64, i64, desc))
+        step_bound_k = step.step_bound_numba_entry.compile((i64,))
+        release_k = release.release_numba_entry.compile((i64, i64, numba.types.boolean, desc))
+        truncate_k, fork_k, rows_k = release.truncate_numba_entry, fork.fork_numba_entry, csr.rows_numba_entry
 
         def bind_extend(res):
             cd = call_descriptor(td, sd, slots=res.slots, ok=res.ok)
@@ -232,9 +237,7 @@ class NumbaTableBackend:
         def bind_step_inputs(res, memo, req_ids, num_tokens, b):  # the inputs' addresses baked in too
             cd = call_descriptor(td, sd, slots=res.slots, ok=res.ok, csr=res.csr, memo=memo,
                                  inputs=(req_ids, num_tokens))
-            # numba gets one int, and the compiled function is called without the dispatcher's
-            # type matching (Dispatcher.compile returns its CPython entry point): ~70 ns less.
-            run = functools.partial(step_bound_k.compile((numba.types.int64,)), cd.ctypes.data)
+            run = functools.partial(step_bound_k, cd.ctypes.data)  # numba gets one int
             run.descriptor = cd  # kept alive with the call
             return run
 
