@@ -93,6 +93,19 @@ def copy8_i32(typingctx, dst_addr, src_addr):
 
 
 @intrinsic
+def fetch_add_i64(typingctx, addr, n):
+    """Atomically add ``n`` to the int64 at ``addr``; returns the value before. Two threads
+    bumping the same counter (numba kernels release the GIL) each get their own value."""
+    sig = types.int64(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        cell = builder.inttoptr(args[0], llvm_ir.IntType(64).as_pointer())
+        return builder.atomic_rmw("add", cell, args[1], "seq_cst")
+
+    return sig, codegen
+
+
+@intrinsic
 def fill_null_i32(typingctx, addr, n):
     """Set ``n`` int32 at address ``addr`` to -1 (NULL_PAGE): a memset of 0xFF bytes.
 
@@ -168,10 +181,9 @@ def new_version(td):
     tpool calls or a whole-state restore) keep their version: call
     ``PageTable.invalidate_csr`` after such edits.
     """
-    source = i64_cell(td[TD_VERSION_SOURCE])
-    source[0] += 1
-    i64_cell(td[TD_VERSION])[0] = source[0]
-    return source[0]
+    version = fetch_add_i64(td[TD_VERSION_SOURCE], 1) + 1  # atomic: kernels run without the GIL
+    i64_cell(td[TD_VERSION])[0] = version
+    return version
 
 
 def table_descriptor(ts):
@@ -198,11 +210,11 @@ def state_descriptor(st):
 # Slots of a bound call's descriptor (int64 [CALL_DESC_LEN]): the table descriptor,
 # the pool's state descriptor, then the addresses of the output buffers the call
 # writes (fixed: the buffers belong to the table). One array argument in place of
-# ten keeps numba's dispatch at ~0.25 us. CD_CSR_MEMO is the address of the CSR
+# ten keeps a call short (numba checks each array argument). CD_CSR_MEMO is the address of the CSR
 # memo kept with the ``indices`` buffer (see MEMO_* in layout), shared by every call
 # bound to it. A call bound to its input tensors too (``PageTable.bind_step``) keeps
 # their addresses and the batch size in CD_IDS, CD_NTOK, CD_LANES and passes numba
-# only the descriptor's address (~0.16 us).
+# only the descriptor's address.
 CD_STATE = TABLE_DESC_LEN
 CD_OUT = TABLE_DESC_LEN + STATE_DESC_LEN
 (CD_SLOTS, CD_SLOTS_LEN, CD_OK, CD_INDPTR, CD_INDICES, CD_INDICES_LEN, CD_LAST_PAGE_LEN,

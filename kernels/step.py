@@ -1,7 +1,7 @@
 """step: one scheduler step on a page table: extend, then the FlashInfer CSR of the batch.
 
 The two passes of :mod:`extend` and :mod:`csr` in one call, so a decode loop
-pays one façade call and one numba dispatch, or one Triton launch, per step.
+pays one façade call and one numba kernel call, or one Triton launch, per step.
 The CSR is built after the extend, so it lists the pages the step just added:
 the semantics are those of the two calls made one after the other (the
 reference backend makes them).

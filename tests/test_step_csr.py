@@ -195,3 +195,35 @@ def test_state_copied_from_another_table_or_edited_by_hand(guard):
         got = a.step(i32([0, 1]), i32([1, 1]))
     want = [p for r in (0, 1) for p in a.block_table[r, :-(-int(a.seq_lens[r]) // PS)].tolist()]
     assert got.csr.indices.tolist()[:len(want)] == want
+
+
+def test_version_counter_is_atomic_across_threads():
+    """numba kernels run without the GIL: two threads taking versions at once must never get the
+    same one (a lost update could hand a table a version it had already used)."""
+    import threading
+
+    import numba
+    import numpy as np
+
+    from tpool.kernels._numba_util import fetch_add_i64
+
+    @numba.njit(nogil=True)
+    def take(addr, seen, n):
+        for _ in range(n):  # the store may alias the counter, so the loop is not folded into one add
+            seen[fetch_add_i64(addr, 1) & 1023] += 1
+
+    cell = np.zeros(1, np.int64)
+    take(cell.ctypes.data, np.zeros(1024, np.int64), 1)
+    start = threading.Barrier(2)
+
+    def run():
+        seen = np.zeros(1024, np.int64)
+        start.wait()  # both threads enter the kernel together
+        take(cell.ctypes.data, seen, 10_000_000)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert cell[0] == 1 + 20_000_000

@@ -284,14 +284,15 @@ class PageTable:
         Note: a decode loop that passes the same two tensor objects every step (filled
         in place) gets :meth:`bind_step`'s speed without asking: from the second such
         step on, the table keeps them bound and a step only checks that they still
-        have their memory and length, as a bound step does. What goes unnoticed is a
-        tensor reinterpreted in place over the same memory (``t.data = t.view(dtype)``,
-        ``as_strided_``): its lanes then read other values, which the device counts as
-        bad requests or counts where out of range, never out of bounds. The table
-        holds a reference to the last step's inputs.
+        have their memory and length, as a bound step does (``max_tokens`` and
+        ``capacity`` must be the same objects too, as a constant or None is). What
+        goes unnoticed is a tensor reinterpreted in place over the same memory
+        (``t.data = t.view(dtype)``, ``as_strided_``): on numba the kernel then reads
+        the same bits as int32 and range-checks them as ids, never out of bounds. The
+        table holds a reference to the last step's inputs.
         """
         last = self._repeat
-        if req_ids is last[0] and num_tokens is last[1] and max_tokens == last[2] and capacity == last[3]:
+        if req_ids is last[0] and num_tokens is last[1] and max_tokens is last[2] and capacity is last[3]:
             run = last[4]
             if run is None:  # the second step in a row on these tensors: bind them (checked once, there)
                 run = BoundStep(self, req_ids, num_tokens, max_tokens, capacity)
