@@ -125,6 +125,13 @@ def fill_null_i32(typingctx, addr, n):
 
 
 @numba.njit(nogil=True, inline="always")
+def fill_null_range(addr, start, stop):
+    """Set the int32 entries ``[start, stop)`` of the array at ``addr`` to -1; nothing if ``stop <= start``."""
+    if stop > start:
+        fill_null_i32(addr + 4 * start, stop - start)
+
+
+@numba.njit(nogil=True, inline="always")
 def i32_array(addr, n):
     """int32 ``[n]`` array over a contiguous tensor's ``data_ptr()``."""
     return numba.carray(_i32_ptr(addr), (n,))
@@ -374,9 +381,10 @@ def free_list(pages, cache, clock, free_stack, refcount, page_state, stamp, coun
 
 
 @numba.njit(nogil=True, inline="always")
-def pop_page(j, free_stack, refcount, page_state, counters):
-    """The ``j``-th page from the top of the free stack, marked USED with one reference."""
-    p = free_stack[counters[L.FREE_COUNT] - 1 - j]
+def pop_page(at, free_stack, refcount, page_state):
+    """The page at ``free_stack[at]``, marked USED with one reference. Callers pop from the top
+    (``at`` = free count - 1 - pages popped so far) and lower the free count once at the end."""
+    p = free_stack[at]
     refcount[p] = 1
     page_state[p] = L.USED
     return p

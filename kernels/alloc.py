@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import STATE_DESC_LEN, fill_null_i32, i32_array, state_arrays, u8_array, update_peaks
+from ._numba_util import (STATE_DESC_LEN, fill_null_range, i32_array, pop_page, state_arrays, u8_array,
+                          update_peaks)
 from ._triton_util import (ALLOCATED, CACHED_COUNT, ERR_BAD_COUNT, ERR_OUT_OVERFLOW, EVICTED,
                            FAILED_REQUESTS, FREE_COUNT, NULL_PAGE, USED, counter_add, counter_get,
                            load_counters, raise_peaks, settings, store_counters, tick)
@@ -74,12 +75,8 @@ def alloc_numba(
     evict_oldest(total - free if evict else 0, evicted, free_stack, page_state, stamp, counters, keys)
     top = counters[L.FREE_COUNT] - 1
     for j in range(total):
-        p = free_stack[top - j]
-        pages[j] = p
-        refcount[p] = 1
-        page_state[p] = L.USED
-    if total < M:
-        fill_null_i32(pages_ptr + 4 * total, M - total)
+        pages[j] = pop_page(top - j, free_stack, refcount, page_state)
+    fill_null_range(pages_ptr, total, M)
     counters[L.FREE_COUNT] -= total
     counters[L.ALLOCATED] += total
     update_peaks(counters, page_state.shape[0])

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from . import layout as L
 from ._numba_util import (CD_CSR_MEMO, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_LAST_PAGE_LEN, CD_OUT,
-                          CD_STATE, copy8_i32, copy_i32, fill_null_i32, i32_array, i64_cell, page_shift,
+                          CD_STATE, copy8_i32, copy_i32, fill_null_range, i32_array, i64_cell, page_shift,
                           pages_for, state_arrays, table_arrays)
 from ._triton_table_util import ERR_BAD_REQUEST, cdiv
 from ._triton_util import (ERR_OUT_OVERFLOW, NULL_PAGE, counter_add, load_counters, settings,
@@ -74,9 +74,7 @@ def csr_numba(
     if pos > cap:
         counters[L.ERR_OUT_OVERFLOW] += 1
     total = min(pos, cap)
-    stop = min(max(written, reach), cap)
-    if stop > total:
-        fill_null_i32(indices_ptr + 4 * total, stop - total)
+    fill_null_range(indices_ptr, total, min(max(written, reach), cap))
     return total
 
 

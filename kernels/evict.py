@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import fill_null_i32, i32_array, state_arrays, update_peaks
+from ._numba_util import fill_null_range, i32_array, state_arrays, update_peaks
 from ._triton_util import (CACHED, CACHED_COUNT, EVICTED, FREE, FREE_COUNT, INT64_MAX,
                            NULL_PAGE, counter_add, counter_get, load_counters, settings,
                            store_counters, tick)
@@ -109,8 +109,7 @@ def evict_oldest(n, out, free_stack, page_state, stamp, counters, keys):
         counters[L.FREE_COUNT] = top + m
         counters[L.CACHED_COUNT] -= m
         counters[L.EVICTED] += m
-    if m < out.shape[0]:
-        fill_null_i32(out.ctypes.data + 4 * m, out.shape[0] - m)
+    fill_null_range(out.ctypes.data, m, out.shape[0])
 
 
 @numba.njit(nogil=True)

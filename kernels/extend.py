@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import (CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, INT32_MAX, fill_null_i32, i32_array,
-                          i64_array, new_version, page_shift, pages_for, reset_claims, state_arrays, table_arrays,
+from ._numba_util import (CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, INT32_MAX, fill_null_range, i32_array,
+                          i64_array, new_version, page_shift, pages_for, pop_page, reset_claims, state_arrays, table_arrays,
                           u8_array, update_peaks)
 from ._triton_table_util import (ERR_BAD_REQUEST, ERR_TABLE_OVERFLOW, cdiv, claim_rows, release_rows,
                                  request_lanes)
@@ -124,10 +124,7 @@ def extend_numba(
             if granted:
                 for k in range(have, want):
                     top -= 1
-                    p = free_stack[top]
-                    refcount[p] = 1
-                    page_state[p] = L.USED
-                    block_table[r, k] = p
+                    block_table[r, k] = pop_page(top, free_stack, refcount, page_state)
                 pos_t, u = length, start
                 while pos_t < length + n:  # page by page: the inner loop is base + offset
                     k = pos_t >> shift if shift >= 0 else pos_t // page_size
@@ -142,8 +139,7 @@ def extend_numba(
             else:
                 want = have
                 failed += 1
-                if min(tok, T) > start:
-                    fill_null_i32(slots_ptr + 4 * start, min(tok, T) - start)
+                fill_null_range(slots_ptr, start, min(tok, T))
             ok[i] = granted
             if track:
                 if want > have:
@@ -159,14 +155,12 @@ def extend_numba(
                 bad_ids += 1
                 failed += 1
                 clean = False
-            if min(tok, T) > start:
-                fill_null_i32(slots_ptr + 4 * start, min(tok, T) - start)
+            fill_null_range(slots_ptr, start, min(tok, T))
             ok[i] = False
             if track:
                 indptr[i + 1] = pos
                 last[i] = page_size
-    if T > tok:
-        fill_null_i32(slots_ptr + 4 * tok, T - tok)
+    fill_null_range(slots_ptr, tok, T)
     if not distinct:
         reset_claims(ids, R, claim)
     popped = free - top

@@ -82,7 +82,7 @@ def fork_numba(
             refcount[p] += 1
             block_table[d, k] = p
         if n % page_size != 0:
-            new = pop_page(popped, free_stack, refcount, page_state, counters)
+            new = pop_page(counters[L.FREE_COUNT] - 1 - popped, free_stack, refcount, page_state)
             popped += 1
             block_table[d, full] = new
             cow_src[i] = block_table[s, full]

@@ -34,6 +34,9 @@ from .csr import csr_body, csr_numba
 from .extend import MAX_TILE, extend_body, extend_numba
 
 
+_memo_len = numba.njit(nogil=True, inline="always")(L.memo_len)  # the table's own formula, in numba
+
+
 @numba.njit(nogil=True)
 def grow_csr(indices_ptr, ins, grown, total, ids, block_table):
     """Turn the CSR of the batch before a step into the one after it, in place.
@@ -69,7 +72,7 @@ def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
     bt, lens, claim, ps = table_arrays(td)
     stack, rc, state, _, counters, _, _ = state_arrays(cd[CD_STATE:CD_OUT])
     ids = i32_array(req_ids_ptr, B)
-    memo = i64_array(cd[CD_CSR_MEMO], L.MEMO_IDS + (1 + L.MEMO_INS_WIDTH) * B)  # L.memo_len(B)
+    memo = i64_array(cd[CD_CSR_MEMO], _memo_len(B))
     same = memo[L.MEMO_VERSION] == i64_cell(td[TD_VERSION])[0]
     if same:
         diff = 0
