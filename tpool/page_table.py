@@ -266,7 +266,7 @@ class PageTable:
         """One scheduler step: :meth:`extend`, then :meth:`flashinfer_csr` of the same batch.
 
         Same results as the two calls one after the other (the CSR includes the pages
-        the extend just added), in one call: on numba one dispatch, on triton one
+        the extend just added), in one call: on numba one kernel call, on triton one
         launch. A decode step is ``table.step(ids, ones)``.
 
         Parameters
@@ -326,8 +326,8 @@ class PageTable:
         For a decode loop that keeps its inputs in persistent tensors and fills them in
         place each step (as a CUDA graph's static inputs). ``run = table.bind_step(ids,
         ntok)`` checks dtype, device and shape here; ``run()`` then only checks that the
-        two tensors still own the same memory (a ``ValueError`` if not) and runs the
-        step: on numba that saves the per-call argument checks (~1 us per step on a
+        two tensors still have the same memory and length (``StaleBinding``, a
+        ``ValueError``, if not) and runs the step: on numba that saves the per-call argument checks (~1 us per step on a
         CPU). It returns the same table-owned buffers as ``step`` for this shape.
         """
         return BoundStep(self, req_ids, num_tokens, max_tokens, capacity)
