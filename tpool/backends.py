@@ -60,9 +60,8 @@ class NumbaBackend:
     The kernels' ``*_entry`` functions take the state as one int64 descriptor of
     addresses (built once, the tensors never move) and ``AllocOut`` buffers as
     another, so a call unboxes two arrays instead of eight. Note: the compiled
-    entry points (``Dispatcher.compile``) do not check their arguments' types, so
-    every call site passes exactly the compiled ones: Python ints, int64
-    C-contiguous descriptors, bools.
+    entry points (``kernels._numba_util.entry_point``) do not check their
+    arguments' types, so every call site passes exactly the compiled ones.
     """
 
     name = "numba"
@@ -71,23 +70,28 @@ class NumbaBackend:
         from numba import types
 
         from tpool.kernels import alloc, evict, free, incref, touch
-        from tpool.kernels._numba_util import state_descriptor
+        from tpool.kernels._numba_util import entry_point, state_descriptor
 
         self.st = st
         sd = self.sd = state_descriptor(st)
         # alloc and free, the calls a scheduler makes every step, go straight to their compiled
-        # entry points for the argument types passed below (Dispatcher.compile returns them):
-        # no type matching per call, ~70 ns each. The others keep numba's dispatch.
-        desc = types.int64[::1]
-        alloc_k = alloc.alloc_numba_entry.compile((types.int64, types.int64, desc, types.boolean))
-        free_k = free.free_numba_entry.compile((types.int64, types.int64, types.boolean, desc))
+        # entry points for the argument types passed below (see ``entry_point``): no type
+        # matching per call, ~70 ns each. Each is compiled at its first use (binding an AllocOut,
+        # the first free), as numba's dispatch would, not when the pool is made. The others keep
+        # numba's dispatch.
+        i64, flag, desc = types.int64, types.boolean, types.int64[::1]
+        free_k = None
         incref_k, touch_k, evict_k = incref.incref_numba_entry, touch.touch_numba_entry, evict.evict_numba_entry
 
         def bind_alloc(out):
             cd = alloc.alloc_descriptor(sd, out)
+            alloc_k = entry_point(alloc.alloc_numba_entry, i64, i64, desc, flag)
             return lambda counts, b, evict: alloc_k(counts.data_ptr(), b, cd, evict)
 
         def free_(pages, cache):
+            nonlocal free_k
+            if free_k is None:
+                free_k = entry_point(free.free_numba_entry, i64, i64, flag, desc)
             free_k(pages.data_ptr(), pages.numel(), cache, sd)
 
         def incref_(pages):
@@ -211,42 +215,45 @@ class NumbaTableBackend:
         import numba
 
         from tpool.kernels import csr, extend, fork, release, step
-        from tpool.kernels._numba_util import call_descriptor, state_descriptor, table_descriptor
+        from tpool.kernels._numba_util import call_descriptor, entry_point, state_descriptor, table_descriptor
 
         sd, td = state_descriptor(st), table_descriptor(ts)
         self.sd, self.td = sd, td
         # The per-step calls go straight to their compiled entry points for the argument types
-        # passed below (see NumbaBackend); truncate, fork and rows keep numba's dispatch.
-        i64, desc = numba.types.int64, numba.types.int64[::1]
-        extend_k = extend.extend_numba_entry.compile((i64, i64, i64, desc))
-        csr_k = csr.csr_numba_entry.compile((i64, i64, desc))
-        step_k = step.step_numba_entry.compile((i64, i64, i64, desc))
-        step_bound_k = step.step_bound_numba_entry.compile((i64,))
-        release_k = release.release_numba_entry.compile((i64, i64, numba.types.boolean, desc))
+        # passed below (see NumbaBackend), each compiled at its first use (the first binding of
+        # its kind, the first release); truncate, fork and rows keep numba's dispatch.
+        i64, flag, desc = numba.types.int64, numba.types.boolean, numba.types.int64[::1]
+        release_k = None
         truncate_k, fork_k, rows_k = release.truncate_numba_entry, fork.fork_numba_entry, csr.rows_numba_entry
 
         def bind_extend(res):
             cd = call_descriptor(td, sd, slots=res.slots, ok=res.ok)
+            extend_k = entry_point(extend.extend_numba_entry, i64, i64, i64, desc)
             return lambda req_ids, num_tokens, b: extend_k(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd)
 
         def bind_csr(res, memo):
             cd = call_descriptor(td, sd, csr=res, memo=memo)
+            csr_k = entry_point(csr.csr_numba_entry, i64, i64, desc)
             return lambda req_ids, b: csr_k(req_ids.data_ptr(), b, cd)
 
         def bind_step(res, memo):
             cd = call_descriptor(td, sd, slots=res.slots, ok=res.ok, csr=res.csr, memo=memo)
+            step_k = entry_point(step.step_numba_entry, i64, i64, i64, desc)
             return lambda req_ids, num_tokens, b: step_k(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd)
 
         def bind_step_inputs(res, memo, req_ids, num_tokens, b):  # the inputs' addresses baked in too
             cd = call_descriptor(td, sd, slots=res.slots, ok=res.ok, csr=res.csr, memo=memo,
                                  inputs=(req_ids, num_tokens))
-            run = functools.partial(step_bound_k, cd.ctypes.data)  # numba gets one int
+            run = functools.partial(entry_point(step.step_bound_numba_entry, i64), cd.ctypes.data)  # one int
             run.descriptor = cd  # kept alive with the call
             return run
 
         cd = call_descriptor(td, sd)  # ops without table-owned outputs
 
         def release_(req_ids, cache):
+            nonlocal release_k
+            if release_k is None:
+                release_k = entry_point(release.release_numba_entry, i64, i64, flag, desc)
             release_k(req_ids.data_ptr(), req_ids.numel(), cache, cd)
 
         def truncate_(req_ids, new_lens):
