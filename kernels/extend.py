@@ -104,7 +104,7 @@ def extend_numba(
                     last[ui] = off + 1
                 continue
             start = tok
-            have = pages_for(length, page_size, shift)
+            have = k + (off != 0)  # pages_for(length)
             want = have
             granted = False
             if n < 0:
