@@ -1,25 +1,26 @@
-"""Helpers for the numba twins: arrays over raw addresses, shared passes.
+"""Helpers for the numba twins: arrays over raw addresses, and the passes kernels share.
 
-Note: the numba kernels take per-call tensors as (address, length) pairs so
-that a call costs a ``data_ptr()`` (~0.1 us) instead of a ``.numpy()``
-(~0.7 us). The façade checks dtype, device and contiguity before it passes
-an address. The state of a pool (and of a table) reaches the kernels as one
-int64 descriptor of addresses, built once (``state_descriptor``,
-``table_descriptor``), because numba checks every array argument on each call.
+Note: the numba kernels take per-call tensors as (address, length) pairs, so
+a call costs a ``data_ptr()`` instead of a ``.numpy()``. The façade checks
+dtype, device and contiguity before it passes an address. The state of a pool
+(and of a table) reaches the kernels as one int64 descriptor of addresses
+(slots ``SD_*``, ``TD_*``, ``CD_*`` in :mod:`layout`), built once by
+``tpool.backends.numba``, because numba checks every array argument on each
+call. Helpers named like a Triton helper (``count_pages``, ``apply_free``,
+``raise_peaks``, ``claim_requests``, ``reset_requests``) do the same thing on
+the same data; kernel modules call these as ``nu.<name>``.
 """
 
-import functools
-import os
-
 import numba
-import numpy as np
-import torch
 import llvmlite.ir as llvm_ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import layout as L
+from .layout import (INT32_MAX, SD_COUNTERS, SD_FREE_STACK, SD_KEYS, SD_OCCUR, SD_PAGE_STATE, SD_PAGES,
+                     SD_REFCOUNT, SD_STAMP, TD_BLOCK_TABLE, TD_CLAIM, TD_MAX_PAGES, TD_PAGE_SIZE, TD_REQUESTS,
+                     TD_SEQ_LENS, TD_VERSION, TD_VERSION_SOURCE)
 
 
 def _pointer_intrinsic(elem):
@@ -41,13 +42,6 @@ _i32_ptr = _pointer_intrinsic(types.int32)
 _u8_ptr = _pointer_intrinsic(types.uint8)
 _i8_ptr = _pointer_intrinsic(types.int8)
 _i64_ptr = _pointer_intrinsic(types.int64)
-
-# Slots of a pool's state descriptor (int64 [STATE_DESC_LEN]): the addresses of its
-# state tensors and the page count. One array argument instead of seven keeps
-# numba's per-call dispatch short (~60 ns per array argument).
-SD_FREE_STACK, SD_REFCOUNT, SD_PAGE_STATE, SD_STAMP, SD_COUNTERS, SD_OCCUR, SD_KEYS, SD_PAGES = range(8)
-STATE_DESC_LEN = 8
-
 
 def _int32_copy(raw_copy):
     """An intrinsic ``f(dst_addr, src_addr, n)`` copying ``n`` int32 with ``raw_copy``
@@ -154,13 +148,6 @@ def state_arrays(sd):
             numba.carray(_i32_ptr(sd[SD_OCCUR]), (P,)), numba.carray(_i64_ptr(sd[SD_KEYS]), (P,)))
 
 
-# Slots of a page table's descriptor (int64 [TABLE_DESC_LEN]). TD_VERSION is the address of
-# the table's ``version`` cell (a state tensor, so a restored snapshot brings its version
-# back) and TD_VERSION_SOURCE that of VERSION_SOURCE (see ``new_version``).
-TD_BLOCK_TABLE, TD_REQUESTS, TD_MAX_PAGES, TD_SEQ_LENS, TD_CLAIM, TD_PAGE_SIZE, TD_VERSION, TD_VERSION_SOURCE = range(8)
-TABLE_DESC_LEN = 8
-
-
 @numba.njit(nogil=True, inline="always")
 def table_arrays(td):
     """(block_table [R, MP], seq_lens, claim, page_size) over a table descriptor."""
@@ -168,13 +155,6 @@ def table_arrays(td):
     return (numba.carray(_i32_ptr(td[TD_BLOCK_TABLE]), (R, td[TD_MAX_PAGES])),
             numba.carray(_i32_ptr(td[TD_SEQ_LENS]), (R,)), numba.carray(_i32_ptr(td[TD_CLAIM]), (R,)),
             td[TD_PAGE_SIZE])
-
-
-# The one version counter of all numba tables in the process: outside every table's state,
-# so never restored, and started at a random 62-bit value, so versions do not repeat across
-# tables or processes (a state copied in from another table or a checkpoint brings a version
-# this process's tables have not used). int64 [1], read and bumped by ``new_version``.
-VERSION_SOURCE = torch.tensor([int.from_bytes(os.urandom(8), "little") >> 2], dtype=torch.int64)
 
 
 @numba.njit(nogil=True, inline="always")
@@ -192,74 +172,6 @@ def new_version(td):
     version = fetch_add_i64(td[TD_VERSION_SOURCE], 1) + 1  # atomic: kernels run without the GIL
     i64_cell(td[TD_VERSION])[0] = version
     return version
-
-
-@functools.cache
-def entry_point(dispatcher, *argtypes):
-    """The CPython entry point of ``dispatcher`` compiled for exactly ``argtypes``, compiled on the
-    first request and remembered (``Dispatcher.compile`` itself costs ~12 us even when cached).
-
-    Calling it skips numba's per-call type matching (~70 ns), and also its type checks: a
-    caller passes exactly these types (Python ints for int64, bools, int64 C-contiguous arrays).
-    """
-    return dispatcher.compile(argtypes)
-
-
-def table_descriptor(ts):
-    """The int64 descriptor of a TableState (built once per table; see TD_* slots)."""
-    for t in (ts.block_table, ts.seq_lens, ts.claim, ts.version):
-        assert t.is_contiguous() and t.device.type == "cpu"
-    assert ts.version.dtype == torch.int64
-    return np.array([ts.block_table.data_ptr(), ts.max_requests, ts.max_pages, ts.seq_lens.data_ptr(),
-                     ts.claim.data_ptr(), ts.page_size, ts.version.data_ptr(), VERSION_SOURCE.data_ptr()],
-                    dtype=np.int64)
-
-
-def state_descriptor(st):
-    """The int64 descriptor of a PoolState (built once per pool; see SD_* slots)."""
-    d = np.zeros(STATE_DESC_LEN, np.int64)
-    for slot, t in ((SD_FREE_STACK, st.free_stack), (SD_REFCOUNT, st.refcount), (SD_PAGE_STATE, st.page_state),
-                    (SD_STAMP, st.stamp), (SD_COUNTERS, st.counters), (SD_OCCUR, st.occur), (SD_KEYS, st.keys)):
-        assert t.is_contiguous() and t.device.type == "cpu"
-        d[slot] = t.data_ptr()
-    d[SD_PAGES] = st.num_pages
-    return d
-
-
-# Slots of a bound call's descriptor (int64 [CALL_DESC_LEN]): the table descriptor,
-# the pool's state descriptor, then the addresses of the output buffers the call
-# writes (fixed: the buffers belong to the table). One array argument in place of
-# ten keeps a call short (numba checks each array argument). CD_CSR_MEMO is the address of the CSR
-# memo kept with the ``indices`` buffer (see MEMO_* in layout), shared by every call
-# bound to it. A call bound to its input tensors too (``PageTable.bind_step``) keeps
-# their addresses and the batch size in CD_IDS, CD_NTOK, CD_LANES and passes numba
-# only the descriptor's address.
-CD_STATE = TABLE_DESC_LEN
-CD_OUT = TABLE_DESC_LEN + STATE_DESC_LEN
-(CD_SLOTS, CD_SLOTS_LEN, CD_OK, CD_INDPTR, CD_INDICES, CD_INDICES_LEN, CD_LAST_PAGE_LEN,
- CD_CSR_MEMO, CD_IDS, CD_NTOK, CD_LANES) = range(CD_OUT, CD_OUT + 11)
-CALL_DESC_LEN = CD_OUT + 11
-
-
-def call_descriptor(td, sd, slots=None, ok=None, csr=None, memo=None, inputs=None):
-    """The descriptor of one bound call (see CD_* slots): ``slots``/``ok`` for extend,
-    ``csr`` = (indptr, indices, last_page_len) for the CSR export with ``memo``, the
-    int64 tensor the table keeps with those buffers, ``inputs`` = (req_ids, num_tokens)
-    for a call bound to its inputs; unused slots are 0."""
-    d = np.zeros(CALL_DESC_LEN, np.int64)
-    d[:CD_STATE], d[CD_STATE:CD_OUT] = td, sd
-    if slots is not None:
-        d[CD_SLOTS], d[CD_SLOTS_LEN], d[CD_OK] = slots.data_ptr(), slots.numel(), ok.data_ptr()
-    if csr is not None:
-        indptr, indices, last = csr
-        assert memo.dtype == torch.int64 and memo.numel() == L.memo_len(last.numel()) and memo.device.type == "cpu"
-        d[CD_INDPTR], d[CD_INDICES], d[CD_INDICES_LEN] = indptr.data_ptr(), indices.data_ptr(), indices.numel()
-        d[CD_LAST_PAGE_LEN], d[CD_CSR_MEMO] = last.data_ptr(), memo.data_ptr()
-    if inputs is not None:
-        ids, ntok = inputs
-        assert ids.numel() == ntok.numel() and ids.device.type == ntok.device.type == "cpu"
-        d[CD_IDS], d[CD_NTOK], d[CD_LANES] = ids.data_ptr(), ntok.data_ptr(), ids.numel()
-    return d
 
 
 @numba.njit(nogil=True, inline="always")
@@ -297,7 +209,7 @@ def pages_for(tokens, page_size, shift):
 
 
 @numba.njit(nogil=True)
-def update_peaks(counters, num_pages):
+def raise_peaks(counters, num_pages):
     used = num_pages - counters[L.FREE_COUNT] - counters[L.CACHED_COUNT]
     if used > counters[L.USED_PEAK]:
         counters[L.USED_PEAK] = used
@@ -306,7 +218,7 @@ def update_peaks(counters, num_pages):
 
 
 @numba.njit(nogil=True)
-def count_lanes(pages, num_pages, occur, counters):
+def count_pages(pages, num_pages, occur, counters):
     """Pass 1 of free/incref/touch: occurrences per page into ``occur``; count invalid ids."""
     for i in range(pages.shape[0]):
         p = pages[i]
@@ -315,8 +227,6 @@ def count_lanes(pages, num_pages, occur, counters):
         elif p != L.NULL_PAGE:
             counters[L.ERR_INVALID_PAGE] += 1
 
-
-INT32_MAX = 2**31 - 1
 
 
 @numba.njit(nogil=True)
@@ -340,7 +250,7 @@ def lane_valid(ids, i, R, claim):
 
 
 @numba.njit(nogil=True)
-def reset_claims(ids, R, claim):
+def reset_requests(ids, R, claim):
     for i in range(ids.shape[0]):
         r = ids[i]
         if r >= 0 and r < R:
@@ -348,7 +258,7 @@ def reset_claims(ids, R, claim):
 
 
 @numba.njit(nogil=True)
-def free_list(pages, cache, clock, free_stack, refcount, page_state, stamp, counters, occur):
+def apply_free(pages, cache, clock, free_stack, refcount, page_state, stamp, counters, occur):
     """The pool's free rule over ``pages`` (any int array, -1 = padding), without the clock tick.
 
     Per distinct page named ``k`` times: ``d = min(k, refcount)`` references are
@@ -358,7 +268,7 @@ def free_list(pages, cache, clock, free_stack, refcount, page_state, stamp, coun
     ``free`` and by the page table's ``release`` / ``truncate``.
     """
     P = refcount.shape[0]
-    count_lanes(pages, P, occur, counters)
+    count_pages(pages, P, occur, counters)
     top = counters[L.FREE_COUNT]
     released = 0
     double = 0
@@ -389,7 +299,7 @@ def free_list(pages, cache, clock, free_stack, refcount, page_state, stamp, coun
     if cache:
         counters[L.CACHED_COUNT] += released
     counters[L.FREE_COUNT] = top
-    update_peaks(counters, P)
+    raise_peaks(counters, P)
 
 
 @numba.njit(nogil=True, inline="always")

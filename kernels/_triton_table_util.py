@@ -7,7 +7,7 @@ program that loops over fixed-size chunks and separates its phases with
 * Request ids are deduplicated by ``atomic_min(claim[r], lane)``; after a
   barrier the lane with ``claim[r] == lane`` is ``r``'s first (valid) lane.
   Claims go back to INT32_MAX after the last phase that reads them, either
-  write-only for every id (``release_rows``) or by each row's valid lane
+  write-only for every id (``reset_requests``) or by each row's valid lane
   itself, so no lane mistakes a reset claim for its own.
 * Pages a call frees or shares form a list in (lane, column) order. The lane
   pass writes each lane's running end into the ``lane_end`` scratch; entry
@@ -41,7 +41,7 @@ def cdiv(a, b):
 
 # ------------------------------------------------------------------- requests
 @triton.jit
-def claim_rows(ids_ptr, B, claim_ptr, R, BLOCK: tl.constexpr):
+def claim_requests(ids_ptr, B, claim_ptr, R, BLOCK: tl.constexpr):
     """Claim pass: ``claim[r] = min(lanes naming r)`` for every in-range request id."""
     lanes = tl.arange(0, BLOCK)
     for start in range(0, B, BLOCK):
@@ -62,7 +62,7 @@ def request_lanes(ids_ptr, i, B, claim_ptr, R):
 
 
 @triton.jit
-def release_rows(ids_ptr, B, claim_ptr, R, BLOCK: tl.constexpr):
+def reset_requests(ids_ptr, B, claim_ptr, R, BLOCK: tl.constexpr):
     """Restore ``claim = INT32_MAX`` for every in-range request id (write-only)."""
     lanes = tl.arange(0, BLOCK)
     for start in range(0, B, BLOCK):

@@ -8,12 +8,12 @@ result never depends on scheduling or on the order in which atomics land.
 The ``counters`` vector is loaded once into registers, updated with
 ``counter_add`` / ``counter_set`` and stored once at the end.
 
-Duplicates in a batch (``claim_lanes`` / ``release_lanes``): lane ``i``
+Duplicates in a batch (``count_pages`` / ``reset_lanes``): lane ``i``
 naming page ``p`` does ``atomic_min(claim[p], i)`` and
 ``atomic_add(occur[p], 1)``; after a barrier, the lane with
 ``claim[p] == i`` is the page's first occurrence and ``occur[p]`` its number
 of occurrences. Both are order-free (a minimum and a count), and their
-returned old values are never used. ``release_lanes`` restores
+returned old values are never used. ``reset_lanes`` restores
 ``claim = INT32_MAX`` and ``occur = 0``.
 """
 
@@ -48,8 +48,8 @@ ERR_BAD_COUNT = tl.constexpr(L.ERR_BAD_COUNT)
 ERR_OUT_OVERFLOW = tl.constexpr(L.ERR_OUT_OVERFLOW)
 NUM_COUNTERS = tl.constexpr(L.NUM_COUNTERS)
 COUNTER_BLOCK = tl.constexpr(triton.next_power_of_2(L.NUM_COUNTERS))
-INT32_MAX = tl.constexpr(2**31 - 1)
-INT64_MAX = tl.constexpr(2**63 - 1)
+INT32_MAX = tl.constexpr(L.INT32_MAX)
+INT64_MAX = tl.constexpr(L.INT64_MAX)
 
 
 def settings(n: int, rank: bool = False) -> dict:
@@ -117,7 +117,7 @@ def raise_peaks(c, num_pages):
 
 # --------------------------------------------------------------- lane passes
 @triton.jit
-def claim_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK: tl.constexpr):
+def count_pages(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK: tl.constexpr):
     """Pass 1 of free/incref/touch: first lane and occurrences per page; returns #invalid ids."""
     lanes = tl.arange(0, BLOCK)
     invalid = tl.zeros((), tl.int32)
@@ -143,7 +143,7 @@ def first_lanes(pages_ptr, start, n_pages, claim_ptr, occur_ptr, num_pages, BLOC
 
 
 @triton.jit
-def release_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK: tl.constexpr):
+def reset_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK: tl.constexpr):
     """Pass 3 of free/incref/touch: restore ``claim = INT32_MAX`` and ``occur = 0``."""
     lanes = tl.arange(0, BLOCK)
     for start in range(0, n_pages, BLOCK):
@@ -155,7 +155,7 @@ def release_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK: tl
 
 
 @triton.jit
-def release_distinct(p, first, k, top, clock, free_stack_ptr, refcount_ptr, page_state_ptr, stamp_ptr, num_pages,
+def apply_free(p, first, k, top, clock, free_stack_ptr, refcount_ptr, page_state_ptr, stamp_ptr, num_pages,
                      CACHE: tl.constexpr, BLOCK: tl.constexpr):
     """Drop k references of each distinct page p (lanes ``first``): the pool's free rule for one chunk.
 

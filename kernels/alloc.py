@@ -9,17 +9,17 @@ are popped from the top of the free stack in request order; entries of
 """
 
 import numba
-import numpy as np
 import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import (STATE_DESC_LEN, fill_null_range, i32_array, pop_page, state_arrays, u8_array,
-                          update_peaks)
+from . import _numba_util as nu
+from ._numba_util import fill_null_range, i32_array, pop_page, state_arrays, u8_array
+from .layout import AD_EVICTED, AD_INDPTR, AD_MAX_BATCH, AD_MAX_PAGES, AD_OK, AD_PAGES, STATE_DESC_LEN
 from ._triton_util import (ALLOCATED, CACHED_COUNT, ERR_BAD_COUNT, ERR_OUT_OVERFLOW, EVICTED,
                            FAILED_REQUESTS, FREE_COUNT, NULL_PAGE, USED, counter_add, counter_get,
                            load_counters, raise_peaks, settings, store_counters, tick)
-from .evict import evict_oldest, evict_oldest_triton
+from .evict import evict_oldest_numba, evict_oldest_body
 
 
 @numba.njit(nogil=True)
@@ -72,29 +72,14 @@ def alloc_numba(
     for i in range(B, BO):
         ok[i] = False
         indptr[i + 1] = total
-    evict_oldest(total - free if evict else 0, evicted, free_stack, page_state, stamp, counters, keys)
+    evict_oldest_numba(total - free if evict else 0, evicted, free_stack, page_state, stamp, counters, keys)
     top = counters[L.FREE_COUNT] - 1
     for j in range(total):
         pages[j] = pop_page(top - j, free_stack, refcount, page_state)
     fill_null_range(pages_ptr, total, M)
     counters[L.FREE_COUNT] -= total
     counters[L.ALLOCATED] += total
-    update_peaks(counters, page_state.shape[0])
-
-
-# Slots of a bound alloc's descriptor (int64 [AD_LEN]): the pool's state descriptor,
-# then the AllocOut's output addresses and capacities. One array argument.
-AD_PAGES, AD_MAX_PAGES, AD_INDPTR, AD_OK, AD_MAX_BATCH, AD_EVICTED = range(STATE_DESC_LEN, STATE_DESC_LEN + 6)
-AD_LEN = STATE_DESC_LEN + 6
-
-
-def alloc_descriptor(sd, out):
-    """The descriptor of ``alloc`` bound to the buffers of ``out`` (an AllocOut) on the pool ``sd``."""
-    d = np.zeros(AD_LEN, np.int64)
-    d[:STATE_DESC_LEN] = sd
-    d[AD_PAGES], d[AD_MAX_PAGES], d[AD_INDPTR] = out.pages.data_ptr(), out.max_pages, out.indptr.data_ptr()
-    d[AD_OK], d[AD_MAX_BATCH], d[AD_EVICTED] = out.ok.data_ptr(), out.max_batch, out.evicted.data_ptr()
-    return d
+    nu.raise_peaks(counters, page_state.shape[0])
 
 
 @numba.njit(nogil=True)
@@ -108,7 +93,7 @@ def alloc_numba_entry(counts_ptr, B, ad, evict):
 # ---------------------------------------------------------------------- Triton
 # One program: a plan pass over the requests (prefix sums give each request its
 # offset; the stack top moves once, by the total), the eviction of the
-# shortfall (see ``evict.evict_oldest``), then a pop pass over the output.
+# shortfall (see ``evict.evict_oldest_body``), then a pop pass over the output.
 
 
 @triton.jit
@@ -170,7 +155,7 @@ def alloc_kernel(
         tl.store(ok_ptr + i, tl.zeros((BLOCK,), tl.int1), mask=pad)
         tl.store(indptr_ptr + i + 1, tl.zeros((BLOCK,), tl.int32) + total.to(tl.int32), mask=pad)
     if HAS_EVICT:
-        m = evict_oldest_triton(total - free, evicted_ptr, M, free_stack_ptr, page_state_ptr, stamp_ptr,
+        m = evict_oldest_body(total - free, evicted_ptr, M, free_stack_ptr, page_state_ptr, stamp_ptr,
                                 num_pages, free, BLOCK, RANK_BLOCK)
         c = counter_add(c, FREE_COUNT, m)
         c = counter_add(c, CACHED_COUNT, -m)
@@ -200,7 +185,7 @@ def alloc_kernel(
     store_counters(counters_ptr, c)
 
 
-def alloc_triton(counts, pages, indptr, ok, evicted, evict, st) -> None:
+def alloc_triton(st, counts, pages, indptr, ok, evicted, evict) -> None:
     """Grant ``counts[i]`` pages per request, first come first served (one launch; see module note)."""
     B, M, BO = counts.numel(), pages.numel(), ok.numel()
     alloc_kernel[(1,)](

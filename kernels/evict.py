@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import fill_null_range, i32_array, state_arrays, update_peaks
+from . import _numba_util as nu
+from ._numba_util import fill_null_range, i32_array, state_arrays
 from ._triton_util import (CACHED, CACHED_COUNT, EVICTED, FREE, FREE_COUNT, INT64_MAX,
                            NULL_PAGE, counter_add, counter_get, load_counters, settings,
                            store_counters, tick)
@@ -52,7 +53,7 @@ def _select_threshold(m, ids, c, lo, hi, stamp, hist):
 
 
 @numba.njit(nogil=True)
-def evict_oldest(n, out, free_stack, page_state, stamp, counters, keys):
+def evict_oldest_numba(n, out, free_stack, page_state, stamp, counters, keys):
     """Evict ``min(n, cached, len(out))`` pages into ``out[:m]``; pad the rest of ``out`` with -1.
 
     No sort of the pool: one branch-free pass lists the cached pages (in
@@ -123,8 +124,8 @@ def evict_numba(
     keys,        # int64 [P] scratch
 ):
     counters[L.CLOCK] += 1
-    evict_oldest(K, i32_array(out_ptr, K), free_stack, page_state, stamp, counters, keys)
-    update_peaks(counters, page_state.shape[0])
+    evict_oldest_numba(K, i32_array(out_ptr, K), free_stack, page_state, stamp, counters, keys)
+    nu.raise_peaks(counters, page_state.shape[0])
 
 
 @numba.njit(nogil=True)
@@ -148,7 +149,7 @@ RADIX = tl.constexpr(256)     # histogram bins per round (2**DIGIT_BITS)
 
 
 @triton.jit
-def evict_oldest_triton(
+def evict_oldest_body(
     n,               # int64 scalar: pages wanted
     out_ptr,         # *int32 [K]: evicted ids oldest first, -1 padded
     K,               # capacity of out
@@ -260,7 +261,7 @@ def evict_kernel(
     c = load_counters(counters_ptr)
     c, _clock = tick(c)
     top = counter_get(c, FREE_COUNT)
-    m = evict_oldest_triton(tl.zeros((), tl.int64) + K, out_ptr, K, free_stack_ptr, page_state_ptr,
+    m = evict_oldest_body(tl.zeros((), tl.int64) + K, out_ptr, K, free_stack_ptr, page_state_ptr,
                             stamp_ptr, num_pages, top, BLOCK, RANK_BLOCK)
     c = counter_add(c, FREE_COUNT, m)
     c = counter_add(c, CACHED_COUNT, -m)
@@ -268,7 +269,7 @@ def evict_kernel(
     store_counters(counters_ptr, c)
 
 
-def evict_triton(out, st) -> None:
+def evict_triton(st, out) -> None:
     """Evict up to ``out.numel()`` cached pages, oldest first, into ``out`` (one launch)."""
     evict_kernel[(1,)](
         out, out.numel(), st.free_stack, st.page_state, st.stamp, st.counters, st.num_pages,

@@ -14,10 +14,11 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import (CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, INT32_MAX, fill_null_range, i32_array,
-                          i64_array, new_version, page_shift, pages_for, pop_page, reset_claims, state_arrays, table_arrays,
-                          u8_array, update_peaks)
-from ._triton_table_util import (ERR_BAD_REQUEST, ERR_TABLE_OVERFLOW, cdiv, claim_rows, release_rows,
+from . import _numba_util as nu
+from ._numba_util import (fill_null_range, i32_array, i64_array, new_version, page_shift, pages_for, pop_page,
+                          state_arrays, table_arrays, u8_array)
+from .layout import CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, INT32_MAX
+from ._triton_table_util import (ERR_BAD_REQUEST, ERR_TABLE_OVERFLOW, cdiv, claim_requests, reset_requests,
                                  request_lanes)
 from ._triton_util import (ALLOCATED, ERR_BAD_COUNT, ERR_OUT_OVERFLOW, FAILED_REQUESTS, FREE_COUNT,
                            NULL_PAGE, USED, counter_add, counter_get, load_counters, raise_peaks,
@@ -162,7 +163,7 @@ def extend_numba(
                 last[i] = page_size
     fill_null_range(slots_ptr, tok, T)
     if not distinct:
-        reset_claims(ids, R, claim)
+        nu.reset_requests(ids, R, claim)
     popped = free - top
     counters[L.ERR_BAD_REQUEST] += bad_ids
     counters[L.ERR_BAD_COUNT] += bad_count
@@ -171,7 +172,7 @@ def extend_numba(
     counters[L.FAILED_REQUESTS] += failed
     counters[L.FREE_COUNT] = top
     counters[L.ALLOCATED] += popped
-    update_peaks(counters, refcount.shape[0])
+    nu.raise_peaks(counters, refcount.shape[0])
     if track:
         indptr[0] = 0
     return clean, pos, grown
@@ -230,7 +231,7 @@ def extend_body(
     c = load_counters(counters_ptr)
     c, _clock = tick(c)
     free = counter_get(c, FREE_COUNT)
-    claim_rows(req_ids_ptr, B, claim_ptr, R, BLOCK)
+    claim_requests(req_ids_ptr, B, claim_ptr, R, BLOCK)
     tl.debug_barrier()
     csum = tl.zeros((), tl.int64)    # pages needed by candidate lanes so far
     tok = tl.zeros((), tl.int64)     # tokens of all lanes so far
@@ -318,7 +319,7 @@ def extend_body(
     for start in range((tail // BLOCK) * BLOCK, T, BLOCK):
         u = start + lanes
         tl.store(slots_ptr + u, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=(u >= tail) & (u < T))
-    release_rows(req_ids_ptr, B, claim_ptr, R, BLOCK)
+    reset_requests(req_ids_ptr, B, claim_ptr, R, BLOCK)
     c = counter_add(c, ERR_BAD_REQUEST, bad)
     c = counter_add(c, ERR_BAD_COUNT, neg_count)
     c = counter_add(c, ERR_TABLE_OVERFLOW, overflow)

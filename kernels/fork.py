@@ -13,10 +13,11 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import (CD_OUT, CD_STATE, claim_requests, i32_array, lane_valid, new_version, pop_page,
-                          reset_claims, state_arrays, table_arrays, u8_array, update_peaks)
+from . import _numba_util as nu
+from ._numba_util import i32_array, lane_valid, new_version, pop_page, state_arrays, table_arrays, u8_array
+from .layout import CD_OUT, CD_STATE
 from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, check_lane_scratch, claim_pages,
-                                 claim_rows, first_pages, list_lane, release_rows, request_lanes, reset_pages)
+                                 claim_requests, first_pages, list_lane, reset_requests, request_lanes, reset_pages)
 from ._triton_util import (ALLOCATED, CACHED, CACHED_COUNT, ERR_INVALID_PAGE, ERR_USE_AFTER_FREE,
                            FAILED_REQUESTS, FREE, FREE_COUNT, NULL_PAGE, REVIVED, USED, counter_add,
                            counter_get, load_counters, raise_peaks, settings, store_counters, tick)
@@ -44,7 +45,7 @@ def fork_numba(
     ok, cow_src, cow_dst = u8_array(ok_ptr, B), i32_array(cow_src_ptr, B), i32_array(cow_dst_ptr, B)
     R = block_table.shape[0]
     counters[L.CLOCK] += 1
-    claim_requests(dst, R, claim, counters, False)
+    nu.claim_requests(dst, R, claim, counters, False)
     free = counters[L.FREE_COUNT]
     csum = 0
     for i in range(B):  # decide every lane on the state at call start
@@ -88,10 +89,10 @@ def fork_numba(
             cow_src[i] = block_table[s, full]
             cow_dst[i] = new
         seq_lens[d] = n
-    reset_claims(dst, R, claim)
+    nu.reset_requests(dst, R, claim)
     counters[L.FREE_COUNT] -= popped
     counters[L.ALLOCATED] += popped
-    update_peaks(counters, refcount.shape[0])
+    nu.raise_peaks(counters, refcount.shape[0])
 
 
 @numba.njit(nogil=True)
@@ -163,7 +164,7 @@ def fork_kernel(
     c = load_counters(counters_ptr)
     c, _clock = tick(c)  # (not "_": a loop below rebinds "_" to a block, which Triton rejects)
     free = counter_get(c, FREE_COUNT)
-    claim_rows(dst_ptr, B, claim_ptr, R, BLOCK)
+    claim_requests(dst_ptr, B, claim_ptr, R, BLOCK)
     tl.debug_barrier()
     csum = tl.zeros((), tl.int64)  # partial pages wanted by candidate lanes so far
     total = tl.zeros((), tl.int32)  # entries of the shared-page list
@@ -244,7 +245,7 @@ def fork_kernel(
         tl.store(cow_dst_ptr + i, new, mask=live)
         tl.store(seq_lens_ptr + d, n, mask=ok)
         popped += tl.sum(z)
-    release_rows(dst_ptr, B, claim_ptr, R, BLOCK)
+    reset_requests(dst_ptr, B, claim_ptr, R, BLOCK)
     c = counter_add(c, ERR_BAD_REQUEST, bad)
     c = counter_add(c, ERR_BAD_LENGTH, bad_len)
     c = counter_add(c, FAILED_REQUESTS, failed)

@@ -12,10 +12,11 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import free_list, i32_array, state_arrays
+from . import _numba_util as nu
+from ._numba_util import i32_array, state_arrays
 from ._triton_util import (CACHED_COUNT, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREED,
-                           FREE_COUNT, claim_lanes, counter_add, counter_get, first_lanes,
-                           load_counters, raise_peaks, release_distinct, release_lanes, settings,
+                           FREE_COUNT, count_pages, counter_add, counter_get, first_lanes,
+                           load_counters, raise_peaks, apply_free, reset_lanes, settings,
                            store_counters, tick)
 
 
@@ -32,7 +33,7 @@ def free_numba(
     occur,       # int32 [P] scratch, zero between calls
 ):
     counters[L.CLOCK] += 1
-    free_list(i32_array(pages_ptr, N), cache, counters[L.CLOCK], free_stack, refcount, page_state, stamp,
+    nu.apply_free(i32_array(pages_ptr, N), cache, counters[L.CLOCK], free_stack, refcount, page_state, stamp,
               counters, occur)
 
 
@@ -69,19 +70,19 @@ def free_kernel(
     """Per distinct page named k times: refcount -= d = min(k, refcount); k - d double frees; 0 -> FREE/CACHED."""
     c = load_counters(counters_ptr)
     c, clock = tick(c)
-    invalid = claim_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
+    invalid = count_pages(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
     tl.debug_barrier()
     top = counter_get(c, FREE_COUNT)
     double = tl.zeros((), tl.int64)
     released = tl.zeros((), tl.int64)
     for start in range(0, n_pages, BLOCK):
         p, first, k = first_lanes(pages_ptr, start, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
-        dbl, rel = release_distinct(p, first, k, top + released, clock, free_stack_ptr, refcount_ptr, page_state_ptr,
+        dbl, rel = apply_free(p, first, k, top + released, clock, free_stack_ptr, refcount_ptr, page_state_ptr,
                                     stamp_ptr, num_pages, CACHE, BLOCK)
         double += dbl
         released += rel
     tl.debug_barrier()
-    release_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
+    reset_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
     c = counter_add(c, ERR_INVALID_PAGE, invalid)
     c = counter_add(c, ERR_DOUBLE_FREE, double)
     c = counter_add(c, FREED, released)
@@ -93,7 +94,7 @@ def free_kernel(
     store_counters(counters_ptr, c)
 
 
-def free_triton(pages, cache, st) -> None:
+def free_triton(st, pages, cache) -> None:
     """Drop one reference per entry of ``pages`` (one launch; see module note)."""
     free_kernel[(1,)](
         pages, pages.numel(), st.free_stack, st.refcount, st.page_state, st.stamp, st.counters,

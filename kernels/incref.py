@@ -10,10 +10,11 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import count_lanes, i32_array, state_arrays, update_peaks
+from . import _numba_util as nu
+from ._numba_util import i32_array, state_arrays
 from ._triton_util import (CACHED, CACHED_COUNT, ERR_INVALID_PAGE, ERR_USE_AFTER_FREE, FREE,
-                           REVIVED, USED, claim_lanes, counter_add, first_lanes, load_counters,
-                           raise_peaks, release_lanes, settings, store_counters, tick)
+                           REVIVED, USED, count_pages, counter_add, first_lanes, load_counters,
+                           raise_peaks, reset_lanes, settings, store_counters, tick)
 
 
 @numba.njit(nogil=True)
@@ -28,7 +29,7 @@ def incref_numba(
     pages = i32_array(pages_ptr, N)
     P = refcount.shape[0]
     counters[L.CLOCK] += 1
-    count_lanes(pages, P, occur, counters)
+    nu.count_pages(pages, P, occur, counters)
     for i in range(N):
         p = pages[i]
         if p < 0 or p >= P or occur[p] == 0:
@@ -44,7 +45,7 @@ def incref_numba(
             counters[L.CACHED_COUNT] -= 1
             counters[L.REVIVED] += 1
         refcount[p] += k
-    update_peaks(counters, P)
+    nu.raise_peaks(counters, P)
 
 
 @numba.njit(nogil=True)
@@ -74,7 +75,7 @@ def incref_kernel(
     """Per distinct page named k times: USED/CACHED -> refcount += k (CACHED revived); FREE -> k use-after-free."""
     c = load_counters(counters_ptr)
     c, _clock = tick(c)
-    invalid = claim_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
+    invalid = count_pages(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
     tl.debug_barrier()
     uaf = tl.zeros((), tl.int64)
     revived = tl.zeros((), tl.int64)
@@ -89,7 +90,7 @@ def incref_kernel(
         tl.store(page_state_ptr + p, tl.full((BLOCK,), USED, tl.int8), mask=cached)
         revived += tl.sum(cached.to(tl.int64))
     tl.debug_barrier()
-    release_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
+    reset_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
     c = counter_add(c, ERR_INVALID_PAGE, invalid)
     c = counter_add(c, ERR_USE_AFTER_FREE, uaf)
     c = counter_add(c, CACHED_COUNT, -revived)
@@ -98,7 +99,7 @@ def incref_kernel(
     store_counters(counters_ptr, c)
 
 
-def incref_triton(pages, st) -> None:
+def incref_triton(st, pages) -> None:
     """Add one reference per entry of ``pages`` (one launch; see module note)."""
     incref_kernel[(1,)](
         pages, pages.numel(), st.refcount, st.page_state, st.counters, st.claim, st.occur, st.num_pages,

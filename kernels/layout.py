@@ -1,10 +1,15 @@
-"""State layout shared by every backend: page states, counter slots, sentinels.
+"""Layout shared by every backend: page states, counter slots, sentinels, descriptor slots.
 
-Note: the pool's whole state is five tensors allocated once (see
-``tpool.pool.PoolState``). ``counters`` is an int64 vector whose slots are
-named below; free and cached counts live there too, so one kernel launch
-reads and updates them without a host round trip.
+Note: a pool's whole state is a handful of tensors allocated once (see
+``tpool.state.PoolState``; a table's: ``tpool.state.TableState``).
+``counters`` is an int64 vector whose slots are named below; free and cached
+counts live there too, so one kernel launch reads and updates them without a
+host round trip. The numba kernels receive addresses packed in int64
+descriptors; their slots are named at the end of this module.
 """
+
+INT32_MAX = 2**31 - 1  # the claim scratch between calls; the largest page id + 1
+INT64_MAX = 2**63 - 1
 
 # Page states (int8, one per page).
 FREE = 0      # on the free stack
@@ -35,7 +40,6 @@ ERR_TABLE_OVERFLOW = 16  # page table: request would exceed max_pages_per_reques
 ERR_BAD_LENGTH = 17      # page table: truncate/fork to an invalid length
 NUM_COUNTERS = 18
 
-FIRST_ERROR = ERR_INVALID_PAGE
 ERROR_NAMES = {
     ERR_INVALID_PAGE: "invalid_page",
     ERR_DOUBLE_FREE: "double_free",
@@ -60,3 +64,36 @@ MEMO_INS_WIDTH = 4  # lane, end of its old pages in the old CSR, pages before, p
 
 def memo_len(b: int) -> int:
     return MEMO_IDS + (1 + MEMO_INS_WIDTH) * b
+
+
+# Descriptors of the numba kernels. A numba call checks every array argument (~60 ns
+# each), so the addresses a kernel needs reach it packed in one int64 array, built once
+# by ``tpool.backends.numba`` (the tensors never move).
+#
+# A pool's state descriptor (int64 [STATE_DESC_LEN]): addresses of its state tensors
+# and the page count.
+SD_FREE_STACK, SD_REFCOUNT, SD_PAGE_STATE, SD_STAMP, SD_COUNTERS, SD_OCCUR, SD_KEYS, SD_PAGES = range(8)
+STATE_DESC_LEN = 8
+
+# A bound alloc's descriptor (int64 [AD_LEN]): the state descriptor, then an AllocOut's
+# output addresses and capacities.
+AD_PAGES, AD_MAX_PAGES, AD_INDPTR, AD_OK, AD_MAX_BATCH, AD_EVICTED = range(STATE_DESC_LEN, STATE_DESC_LEN + 6)
+AD_LEN = STATE_DESC_LEN + 6
+
+# A page table's descriptor (int64 [TABLE_DESC_LEN]). TD_VERSION is the address of the
+# table's ``version`` cell (state, so a restored snapshot brings its version back) and
+# TD_VERSION_SOURCE that of the process-wide version counter (see ``new_version``).
+(TD_BLOCK_TABLE, TD_REQUESTS, TD_MAX_PAGES, TD_SEQ_LENS, TD_CLAIM, TD_PAGE_SIZE, TD_VERSION,
+ TD_VERSION_SOURCE) = range(8)
+TABLE_DESC_LEN = 8
+
+# A table call's descriptor (int64 [CALL_DESC_LEN]): the table descriptor, the pool's
+# state descriptor, then the addresses of the table-owned output buffers the call writes.
+# CD_CSR_MEMO is the address of the CSR memo kept with the ``indices`` buffer (MEMO_*
+# above). A step bound to its input tensors too keeps their addresses and the batch size
+# in CD_IDS, CD_NTOK, CD_LANES, and numba gets only the descriptor's address.
+CD_STATE = TABLE_DESC_LEN
+CD_OUT = TABLE_DESC_LEN + STATE_DESC_LEN
+(CD_SLOTS, CD_SLOTS_LEN, CD_OK, CD_INDPTR, CD_INDICES, CD_INDICES_LEN, CD_LAST_PAGE_LEN,
+ CD_CSR_MEMO, CD_IDS, CD_NTOK, CD_LANES) = range(CD_OUT, CD_OUT + 11)
+CALL_DESC_LEN = CD_OUT + 11

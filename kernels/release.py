@@ -13,13 +13,14 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import (CD_OUT, CD_STATE, claim_requests, free_list, i32_array, lane_valid, new_version,
-                          reset_claims, state_arrays, table_arrays)
-from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, cdiv, claim_pages, claim_rows,
+from . import _numba_util as nu
+from ._numba_util import i32_array, lane_valid, new_version, state_arrays, table_arrays
+from .layout import CD_OUT, CD_STATE
+from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, cdiv, claim_pages, claim_requests,
                                  check_lane_scratch, first_pages, list_lane, request_lanes, reset_pages)
 from ._triton_util import (CACHED_COUNT, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREE_COUNT,
                            FREED, INT32_MAX, NULL_PAGE, counter_add, counter_get, load_counters,
-                           raise_peaks, release_distinct, settings, store_counters, tick)
+                           raise_peaks, apply_free, settings, store_counters, tick)
 
 
 @numba.njit(nogil=True)
@@ -28,7 +29,7 @@ def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens,
     R = block_table.shape[0]
     counters[L.CLOCK] += 1
     clock = counters[L.CLOCK]
-    claim_requests(ids, R, claim, counters, True)
+    nu.claim_requests(ids, R, claim, counters, True)
     B = ids.shape[0]
     for i in range(B):  # decide each lane; mark rejected lanes by dropping their claim
         if lane_valid(ids, i, R, claim) and use_lens:
@@ -54,8 +55,8 @@ def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens,
                 block_table[r, k] = L.NULL_PAGE
                 j += 1
             seq_lens[r] = keep_tokens
-    reset_claims(ids, R, claim)
-    free_list(dropped, cache, clock, free_stack, refcount, page_state, stamp, counters, occur)
+    nu.reset_requests(ids, R, claim)
+    nu.apply_free(dropped, cache, clock, free_stack, refcount, page_state, stamp, counters, occur)
 
 
 @numba.njit(nogil=True)
@@ -190,7 +191,7 @@ def release_kernel(
     lanes = tl.arange(0, BLOCK)
     c = load_counters(counters_ptr)
     c, clock = tick(c)
-    claim_rows(req_ids_ptr, B, claim_ptr, R, BLOCK)
+    claim_requests(req_ids_ptr, B, claim_ptr, R, BLOCK)
     tl.debug_barrier()
     bad = tl.zeros((), tl.int64)
     bad_len = tl.zeros((), tl.int64)
@@ -220,7 +221,7 @@ def release_kernel(
         _, p, drop = _dropped(f, total, lane_end_ptr, SEARCH, req_ids_ptr, new_lens_ptr, B, claim_ptr,
                               seq_lens_ptr, block_table_ptr, R, MP, page_size, HAS_LENS)
         first, k = first_pages(p, f, drop, page_claim_ptr, occur_ptr, num_pages)
-        dbl, rel = release_distinct(p, first, k, top + released, clock, free_stack_ptr, refcount_ptr, page_state_ptr,
+        dbl, rel = apply_free(p, first, k, top + released, clock, free_stack_ptr, refcount_ptr, page_state_ptr,
                                     stamp_ptr, num_pages, CACHE, BLOCK)
         double += dbl
         released += rel

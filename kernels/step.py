@@ -26,11 +26,11 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import (CALL_DESC_LEN, CD_CSR_MEMO, CD_IDS, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_LANES,
-                          CD_LAST_PAGE_LEN, CD_NTOK, CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, TD_VERSION,
-                          i32_array, i64_array, i64_cell, move_i32, new_version, state_arrays, table_arrays)
+from ._numba_util import i32_array, i64_array, i64_cell, move_i32, new_version, state_arrays, table_arrays
+from .layout import (CALL_DESC_LEN, CD_CSR_MEMO, CD_IDS, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_LANES,
+                     CD_LAST_PAGE_LEN, CD_NTOK, CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, TD_VERSION)
 from ._triton_util import settings
-from .csr import csr_body, csr_numba
+from .flashinfer_csr import flashinfer_csr_body, flashinfer_csr_numba
 from .extend import MAX_TILE, extend_body, extend_numba
 
 
@@ -89,8 +89,8 @@ def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
         grow_csr(cd[CD_INDICES], ins, grown, total, ids, bt)
         memo[L.MEMO_WRITTEN] = max(memo[L.MEMO_WRITTEN], total)
     else:
-        memo[L.MEMO_WRITTEN] = csr_numba(req_ids_ptr, B, cd[CD_INDPTR], cd[CD_INDICES], cap, cd[CD_LAST_PAGE_LEN],
-                                       ps, bt, lens, counters, memo[L.MEMO_WRITTEN])
+        memo[L.MEMO_WRITTEN] = flashinfer_csr_numba(req_ids_ptr, B, cd[CD_INDPTR], cd[CD_INDICES], cap,
+                                                    cd[CD_LAST_PAGE_LEN], ps, bt, lens, counters, memo[L.MEMO_WRITTEN])
         for i in range(B):
             memo[L.MEMO_IDS + i] = ids[i]
     memo[L.MEMO_VERSION] = version if clean and total <= cap else -1
@@ -107,16 +107,16 @@ def step_bound_numba_entry(cd_addr):
 def step_kernel(req_ids_ptr, num_tokens_ptr, B, slots_ptr, T, ok_ptr, indptr_ptr, indices_ptr, cap, last_page_len_ptr,
                 written_ptr, block_table_ptr, seq_lens_ptr, claim_ptr, free_stack_ptr, refcount_ptr, page_state_ptr,
                 counters_ptr, R, MP, num_pages, page_size, SEARCH, BLOCK: tl.constexpr, TILE: tl.constexpr):
-    """``extend_body`` then ``csr_body`` in one program (arguments documented there)."""
+    """``extend_body`` then ``flashinfer_csr_body`` in one program (arguments documented there)."""
     extend_body(req_ids_ptr, num_tokens_ptr, B, slots_ptr, T, ok_ptr, block_table_ptr, seq_lens_ptr, claim_ptr,
                 free_stack_ptr, refcount_ptr, page_state_ptr, counters_ptr, R, MP, num_pages, page_size, BLOCK, TILE)
     tl.debug_barrier()  # the export reads the lengths, rows and counters the extend wrote
-    csr_body(req_ids_ptr, B, indptr_ptr, indices_ptr, cap, last_page_len_ptr, block_table_ptr, seq_lens_ptr,
-             counters_ptr, written_ptr, R, MP, page_size, SEARCH, BLOCK)
+    flashinfer_csr_body(req_ids_ptr, B, indptr_ptr, indices_ptr, cap, last_page_len_ptr, block_table_ptr,
+                        seq_lens_ptr, counters_ptr, written_ptr, R, MP, page_size, SEARCH, BLOCK)
 
 
 def step_triton(req_ids, num_tokens, slots, ok, indptr, indices, last_page_len, written, st, ts) -> None:
-    """extend then the CSR export in one launch; ``written`` as in ``csr_triton``."""
+    """extend then the CSR export in one launch; ``written`` as in ``flashinfer_csr_triton``."""
     B, T, cap = req_ids.numel(), slots.numel(), indices.numel()
     R, MP = ts.block_table.shape
     meta = settings(max(B, T, cap))

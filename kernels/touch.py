@@ -9,9 +9,10 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import count_lanes, i32_array, state_arrays
-from ._triton_util import (ERR_INVALID_PAGE, ERR_USE_AFTER_FREE, FREE, claim_lanes,
-                           counter_add, first_lanes, load_counters, release_lanes, settings,
+from . import _numba_util as nu
+from ._numba_util import i32_array, state_arrays
+from ._triton_util import (ERR_INVALID_PAGE, ERR_USE_AFTER_FREE, FREE, count_pages,
+                           counter_add, first_lanes, load_counters, reset_lanes, settings,
                            store_counters, tick)
 
 
@@ -28,7 +29,7 @@ def touch_numba(
     P = page_state.shape[0]
     counters[L.CLOCK] += 1
     clock = counters[L.CLOCK]
-    count_lanes(pages, P, occur, counters)
+    nu.count_pages(pages, P, occur, counters)
     for i in range(N):
         p = pages[i]
         if p < 0 or p >= P or occur[p] == 0:
@@ -68,7 +69,7 @@ def touch_kernel(
     """stamp[p] = clock for each distinct USED/CACHED page named; a FREE page named k times: k use-after-free."""
     c = load_counters(counters_ptr)
     c, clock = tick(c)
-    invalid = claim_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
+    invalid = count_pages(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
     tl.debug_barrier()
     uaf = tl.zeros((), tl.int64)
     for start in range(0, n_pages, BLOCK):
@@ -77,13 +78,13 @@ def touch_kernel(
         uaf += tl.sum(tl.where(first & (state == FREE), k, 0).to(tl.int64))
         tl.store(stamp_ptr + p, tl.zeros((BLOCK,), tl.int64) + clock, mask=first & (state != FREE))
     tl.debug_barrier()
-    release_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
+    reset_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
     c = counter_add(c, ERR_INVALID_PAGE, invalid)
     c = counter_add(c, ERR_USE_AFTER_FREE, uaf)
     store_counters(counters_ptr, c)
 
 
-def touch_triton(pages, st) -> None:
+def touch_triton(st, pages) -> None:
     """Stamp the USED and CACHED pages of ``pages`` with the clock (one launch; see module note)."""
     touch_kernel[(1,)](
         pages, pages.numel(), st.page_state, st.stamp, st.counters, st.claim, st.occur, st.num_pages,

@@ -1,6 +1,6 @@
 """A pure-Python model of PageTable on top of PoolModel, from the documented rules only."""
 
-from model import USED, PoolModel
+from pool_model import USED, PoolModel
 
 
 def cdiv(a, b):

@@ -1,4 +1,4 @@
-"""Arena: first-fit, alignment, coalescing, counts (tpool.arena)."""
+"""Arena: first-fit, alignment, coalescing, counts (tpool.memory.arena)."""
 
 import numpy as np
 import pytest
@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpool.arena import Arena, Block
+from tpool.memory.arena import Arena, Block
 
 
 def test_hand_worked_first_fit_and_fragmentation():

@@ -4,7 +4,7 @@ import pytest
 
 import tpool
 from conftest import i32
-from model import PoolModel
+from pool_model import PoolModel
 
 
 def test_cached_pages_are_not_free_and_keep_their_stamp(make_pool, guard):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import i32
-from model import PoolModel
+from pool_model import PoolModel
 
 
 def test_overwritten_view_frees_the_pages_that_were_passed(make_pool, guard):
@@ -89,6 +89,6 @@ def test_group_buffer_is_pool_owned_and_reused(make_pool, guard):
     with pool.free_group() as g2:
         with guard():
             pool.free(i32([2]), cache=True)
-    assert g1._buf.data_ptr() == g2._buf.data_ptr()
-    assert g2._buf.eq(-1).all()                    # left clean for the next group
+    assert g1.buffer.data_ptr() == g2.buffer.data_ptr()
+    assert g2.buffer.eq(-1).all()                    # left clean for the next group
     assert pool.available() == 6 and pool.stats()["pages.cached.current"] == 1

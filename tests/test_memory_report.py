@@ -1,12 +1,12 @@
-"""The three ledgers and the report CLI (tpool.memory_report)."""
+"""The three ledgers and the report CLI (tpool.memory.report)."""
 
 import json
 
 import pytest
 import torch
 
-from tpool.memory_report import MemoryReport, format_report, main, memory_report
-from tpool.owned_cache import OwnedCache
+from tpool.memory.report import MemoryReport, format_report, main, memory_report
+from tpool.memory.owned_cache import OwnedCache
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,4 +1,4 @@
-"""OwnedCache: admission order, LRU, pins, counting (tpool.owned_cache)."""
+"""OwnedCache: admission order, LRU, pins, counting (tpool.memory.owned_cache)."""
 
 import collections
 import dataclasses
@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from tpool import ownership
-from tpool.arena import Arena
+from tpool.memory import ownership
+from tpool.memory.arena import Arena
 from tpool.errors import InvariantViolation
-from tpool.owned_cache import OwnedCache
-from tpool.ownership import retained_bytes, storage_bytes
+from tpool.memory.owned_cache import OwnedCache
+from tpool.memory.ownership import retained_bytes, storage_bytes
 
 BATCH_BYTES = 8_192_000  # [1000, 4096] bf16 = 7.81 MiB
 ITEM_BYTES = 819_200  # [100, 4096] bf16 = 0.78 MiB

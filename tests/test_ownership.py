@@ -1,4 +1,4 @@
-"""Byte counting and view-to-owned compaction (tpool.ownership)."""
+"""Byte counting and view-to-owned compaction (tpool.memory.ownership)."""
 
 import dataclasses
 import gc
@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from tpool import ownership
-from tpool.ownership import (compact_bytes, map_tensors, needs_compaction, own, payload_bytes, plan_ownership,
+from tpool.memory import ownership
+from tpool.memory.ownership import (compact_bytes, map_tensors, needs_compaction, own, payload_bytes, plan_ownership,
                              retained_bytes, storage_bytes, storage_key)
 
 BATCH_BYTES = 1000 * 4096 * 2  # a [1000, 4096] bf16 batch: 8_192_000 B = 7.81 MiB

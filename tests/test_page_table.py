@@ -7,11 +7,10 @@ import torch
 
 import tpool
 from conftest import CPU_BACKENDS, i32
-from model import PoolModel
+from pool_model import PoolModel
 from table_model import TableModel
-from tpool.backends import TABLE_BACKENDS
 
-BACKENDS = [b for b in CPU_BACKENDS if b in TABLE_BACKENDS]
+BACKENDS = CPU_BACKENDS
 
 
 @pytest.fixture(params=BACKENDS)
@@ -200,7 +199,7 @@ def test_step_on_the_same_tensors_binds_them_and_still_checks_them(make_table, g
             assert x.tolist() == y.tolist()
         ids.copy_(i32(rng.sample([0, 1, 2, 3, -1, -1], 4)))
         ntok.copy_(i32([rng.randint(0, 3) for _ in range(4)]))
-    assert tables[0]._repeat[4] is not None    # it did bind them
+    assert tables[0].step_binding is not None  # it did bind them
     ids.resize_(2)                              # fewer lanes, same memory: checked as new inputs
     with pytest.raises(ValueError, match="num_tokens: expected 2 entries"):
         tables[0].step(ids, ntok, max_tokens=16)
@@ -209,7 +208,7 @@ def test_step_on_the_same_tensors_binds_them_and_still_checks_them(make_table, g
     with guard():
         got = tables[0].step(ids, ntok, max_tokens=16)
         tables[0].step(ids, ntok, max_tokens=16)  # bound again
-    assert got.ok.tolist()[1:] == [False] * 3 and tables[0]._repeat[4] is not None
+    assert got.ok.tolist()[1:] == [False] * 3 and tables[0].step_binding is not None
     if tables[0].pool.backend == "numba":      # (the others hand the tensor itself to their ops)
         ids.copy_(i32([1, 2, -1, 1 << 20]))
         ids.data = ids.view(torch.float32)     # same memory and length, another dtype: not noticed,

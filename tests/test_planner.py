@@ -1,4 +1,4 @@
-"""Capacity planning from a static memory fraction (tpool.planner)."""
+"""Capacity planning from a static memory fraction (tpool.memory.planner)."""
 
 import dataclasses
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpool.planner import PagePlan, PlanError, plan_pages
+from tpool.memory.planner import PagePlan, PlanError, plan_pages
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -5,7 +5,7 @@ import torch
 
 import tpool
 from conftest import i32
-from model import PoolModel
+from pool_model import PoolModel
 
 
 def test_alloc_fcfs_hand_worked(make_pool, guard):

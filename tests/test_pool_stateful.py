@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import tpool
 from conftest import CPU_BACKENDS, i32
-from model import PoolModel
+from pool_model import PoolModel
 from tpool.testing import no_host_sync
 
 BUDGET = {"reference": (50, 50), "numba": (50, 50), "triton": (6, 20)}

@@ -5,6 +5,7 @@ import torch
 
 import tpool
 from conftest import i32
+from tpool.backends import reference
 from tpool.testing import HostSyncError, no_host_sync
 
 t = torch.arange(6)
@@ -52,12 +53,16 @@ def test_guard_allows_fixed_shape_code_and_restores_methods():
 def test_guard_sees_a_sync_inside_pool_code(monkeypatch):
     """A host read slipped into a backend would be caught (checked by planting one)."""
     pool = tpool.PagePool(8, device="cpu", backend="reference")
-    original = tpool.reference.alloc
+    original = reference.Pool.alloc_into
 
-    def leaky(st, counts, *rest):
-        if counts.sum() > 0:                       # a Python branch on device data
-            original(st, counts, *rest)
-    monkeypatch.setattr(tpool.reference, "alloc", leaky)
+    def leaky_into(ops, out):
+        run = original(ops, out)
+
+        def leaky(counts, *rest):
+            if counts.sum() > 0:                   # a Python branch on device data
+                run(counts, *rest)
+        return leaky
+    monkeypatch.setattr(reference.Pool, "alloc_into", leaky_into)
     with pytest.raises(HostSyncError):
         with no_host_sync():
             pool.alloc(i32([1]))

@@ -85,7 +85,8 @@ def test_every_launched_kernel_compiles_for_sm90(monkeypatch, tmp_path):
     _workload()
     names = {rec["name"] for rec in launches.values()}
     assert {"alloc_kernel", "free_kernel", "incref_kernel", "touch_kernel", "evict_kernel", "extend_kernel",
-            "step_kernel", "csr_kernel", "rows_kernel", "fork_kernel", "release_kernel"} <= names, names
+            "step_kernel", "flashinfer_csr_kernel", "block_table_rows_kernel", "fork_kernel",
+            "release_kernel"} <= names, names
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(list(launches.values())))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -17,7 +17,7 @@ from conftest import TRITON_DEVICE
 if TRITON_DEVICE is None:
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-from tpool import reference  # noqa: E402
+from tpool.backends import reference  # noqa: E402
 from tpool.kernels import _triton_util, alloc, evict, free, incref, touch  # noqa: E402
 from tpool.kernels import layout as L  # noqa: E402
 from tpool.state import PoolState  # noqa: E402
@@ -62,7 +62,7 @@ class Twin:
                 fn(st, counts, pages, indptr, ok, evicted, evict)
             else:
                 with no_host_sync():
-                    alloc.alloc_triton(counts, pages, indptr, ok, evicted, evict, st)
+                    alloc.alloc_triton(st, counts, pages, indptr, ok, evicted, evict)
             outs.append((pages, indptr, ok, evicted))
         what = f"alloc({counts.tolist()}, M={M}, BO={BO}, evict={evict})"
         for name, r, t in zip(("pages", "indptr", "ok", "evicted"), *outs):
@@ -74,12 +74,12 @@ class Twin:
         pages = i32(pages)
         ref_fn(self.ref, pages.clone())
         with no_host_sync():
-            tri_fn(pages, self.tri)
+            tri_fn(self.tri, pages)
         self.compare(f"{name}({pages.tolist()})")
 
     def free(self, pages, cache=False):
         self._pages_op(f"free[cache={cache}]", pages, lambda st, p: reference.free(st, p, cache),
-                       lambda p, st: free.free_triton(p, cache, st))
+                       lambda st, p: free.free_triton(st, p, cache))
 
     def incref(self, pages):
         self._pages_op("incref", pages, reference.incref, incref.incref_triton)
@@ -95,7 +95,7 @@ class Twin:
                 reference.evict(st, out)
             else:
                 with no_host_sync():
-                    evict.evict_triton(out, st)
+                    evict.evict_triton(st, out)
             outs.append(out)
         self._same(f"evict({k})", "out", *outs)
         self.compare(f"evict({k})")

@@ -42,7 +42,7 @@ class Twin:
         self.MP = MP
         self.tables = [tpool.PageTable(tpool.PagePool(num_pages, page_size, device=DEVICE, backend=b), R, MP)
                        for b in ("reference", "triton")]
-        assert [t._impl.name for t in self.tables] == ["reference", "triton"]
+        assert [t.ops.name for t in self.tables] == ["reference", "triton"]
 
     @property
     def tri(self):
@@ -58,11 +58,11 @@ class Twin:
         results = []
         for table in self.tables:
             outs = make_outs()
-            if table._impl.name == "triton":
+            if table.ops.name == "triton":
                 with no_host_sync():
-                    call(table._impl, *outs)
+                    call(table.ops, *outs)
             else:
-                call(table._impl, *outs)
+                call(table.ops, *outs)
             results.append(outs)
         for k, (r, t) in enumerate(zip(*results)):
             assert torch.equal(r, t), f"{what}: output {k} differs\nreference {r.tolist()}\ntriton    {t.tolist()}"
@@ -94,11 +94,11 @@ class Twin:
     def csr(self, ids, cap=None):
         cap = len(ids) * self.MP if cap is None else cap
         return self._run(f"csr({ids}, cap={cap})",
-                         lambda impl, *outs: impl.csr(i32(ids), *outs),
+                         lambda impl, *outs: impl.flashinfer_csr(i32(ids), *outs),
                          lambda: (_full(len(ids) + 1), _full(cap), _full(len(ids))))
 
     def rows(self, ids):
-        out = self._run(f"rows({ids})", lambda impl, out: impl.rows(i32(ids), out.view(len(ids), self.MP)),
+        out = self._run(f"rows({ids})", lambda impl, out: impl.block_table_rows(i32(ids), out.view(len(ids), self.MP)),
                         lambda: (_full(len(ids) * self.MP),))
         return [out[0][k * self.MP:(k + 1) * self.MP] for k in range(len(ids))]
 
@@ -330,8 +330,8 @@ def test_lane_scratch_bounds_the_batch_at_the_backend():
     """The façade caps B at the pool's max_batch; the kernels' lane_end scratch has that many
     entries, so a direct backend call with more lanes is refused before the launch."""
     table = tpool.PageTable(tpool.PagePool(16, 2, device=DEVICE, backend="triton", max_batch=2), 8, 4)
-    for call in (lambda: table._impl.release(i32(list(range(3))), False),
-                 lambda: table._impl.fork(i32([0, 1, 2]), i32([3, 4, 5]), i32([0, 0, 0]),
+    for call in (lambda: table.ops.release(i32(list(range(3))), False),
+                 lambda: table.ops.fork(i32([0, 1, 2]), i32([3, 4, 5]), i32([0, 0, 0]),
                                           torch.zeros(3, dtype=torch.bool, device=DEVICE), _full(3), _full(3))):
         with pytest.raises(ValueError, match="expected at most 2 entries"):
             call()
@@ -371,8 +371,8 @@ def test_every_call_is_one_launch(monkeypatch):
     tw.csr([0, 1])
     tw.rows([0, 1])
     tw.release([0, 1, 2])
-    assert launches == ["extend_kernel", "extend_kernel", "fork_kernel", "release_kernel", "csr_kernel",
-                        "rows_kernel", "release_kernel"]
+    assert launches == ["extend_kernel", "extend_kernel", "fork_kernel", "release_kernel",
+                        "flashinfer_csr_kernel", "block_table_rows_kernel", "release_kernel"]
     launches.clear()
     tw.tri.step(i32([0, 1]), i32([2, 1]), max_tokens=3)   # extend + CSR: one launch too
     assert launches == ["step_kernel"]

@@ -21,7 +21,7 @@ def main(argv=None):
         demo.main(rest)
         return 0
     if cmd == "report":
-        from tpool.memory_report import main as report_main
+        from tpool.memory.report import main as report_main
         return report_main(rest) or 0
     print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2

@@ -4,6 +4,23 @@ import numbers
 
 import torch
 
+_Tensor, _int32 = torch.Tensor, torch.int32  # module globals: read on every hot-path call
+# ``t.stride() == (1,)``: 1-D and contiguous in one metadata call. It misses only 1-D
+# tensors of at most one element with another stride; those take the full check.
+_UNIT_STRIDE = (1,)
+
+
+def i32_len(t, device: torch.device) -> int:
+    """Length of ``t`` if it is a plain 1-D contiguous int32 tensor on ``device``, else -1.
+
+    The valid case of every hot-path input, in one condition; on -1 the caller runs
+    :func:`check_vector`, which raises naming the expected and the actual value (or
+    accepts the rare valid tensor this misses, see ``_UNIT_STRIDE``).
+    """
+    if type(t) is _Tensor and t.dtype is _int32 and t.device == device and t.stride() == _UNIT_STRIDE:
+        return t.numel()
+    return -1
+
 
 def check_size(v, name: str) -> int:
     """A buffer length given by the caller: a non-negative integer (numpy integers too), as int."""

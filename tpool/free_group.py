@@ -29,12 +29,12 @@ class FreeGroup:
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity: expected a positive int, got {capacity!r}")
         self.pool, self.capacity = pool, capacity
-        # One buffer per cache flag; index 0: plain frees, 1: cached frees.
+        # ``buffer``: int32 [2, capacity]; row 0: plain frees, row 1: cached frees.
         # Pool-owned and kept across groups of the same capacity: no allocation per group,
         # and a graph that captured a group keeps valid addresses. Always -1 between groups.
-        self._buf = pool._group_buffers.get(capacity)
-        if self._buf is None:
-            self._buf = pool._group_buffers[capacity] = torch.full(
+        self.buffer = pool._group_buffers.get(capacity)
+        if self.buffer is None:
+            self.buffer = pool._group_buffers[capacity] = torch.full(
                 (2, capacity), L.NULL_PAGE, dtype=torch.int32, device=pool.device)
         self._fill = [0, 0]
         self.flushes = 0  # how many passes were applied (host-side, for tests and stats)
@@ -60,7 +60,7 @@ class FreeGroup:
             self.flushes += 1
             return
         start = self._fill[flag]
-        self._buf[flag, start:start + n].copy_(pages)
+        self.buffer[flag, start:start + n].copy_(pages)
         self._fill[flag] = start + n
 
     def flush(self) -> None:
@@ -68,7 +68,7 @@ class FreeGroup:
         for flag in (0, 1):
             n = self._fill[flag]
             if n:
-                self.pool._apply_free(self._buf[flag, :n], bool(flag))
-                self._buf[flag, :n].fill_(L.NULL_PAGE)
+                self.pool._apply_free(self.buffer[flag, :n], bool(flag))
+                self.buffer[flag, :n].fill_(L.NULL_PAGE)
                 self._fill[flag] = 0
                 self.flushes += 1

@@ -14,33 +14,16 @@ exact rules are in :mod:`tpool.reference_table`.
 """
 
 import functools
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from tpool import _checks
-from tpool.backends import make_table_backend
+from tpool._checks import i32_len
+from tpool.backends import make_table_ops
 from tpool.errors import InvariantViolation
 from tpool.kernels import layout as L
-from tpool.state import INT32_MAX
-
-_Tensor, _int32 = torch.Tensor, torch.int32
-_UNIT_STRIDE = (1,)  # see tpool.pool: 1-D and contiguous in one metadata call
-
-
-@dataclass(frozen=True)
-class TableState:
-    """Tensors of one table, on the pool's device."""
-
-    max_requests: int
-    max_pages: int
-    page_size: int
-    block_table: torch.Tensor  # int32 [max_requests, max_pages], -1 past each length
-    seq_lens: torch.Tensor     # int32 [max_requests], tokens per request
-    claim: torch.Tensor        # int32 [max_requests] scratch, INT32_MAX between calls
-    lane_end: torch.Tensor     # int32 [max_batch] scratch (triton): per-lane ends of a call's page list
-    version: torch.Tensor      # int64 [1] (numba): which contents the table has; a step's CSR memo names it
+from tpool.state import INT32_MAX, CsrMemo, TableState
 
 
 class ExtendResult(NamedTuple):
@@ -95,7 +78,7 @@ class BoundStep(functools.partial):
 
     def __new__(cls, table, req_ids, num_tokens, max_tokens, capacity):
         b, (result, _, memo) = table._step_shape(req_ids, num_tokens, max_tokens, capacity)
-        run = table._impl.bind_step_inputs(result, memo, req_ids, num_tokens, b)
+        run = table.ops.bind_step(result, memo, req_ids, num_tokens, b)
         ids_at, ntok_at, ids_len, ntok_len = req_ids.data_ptr, num_tokens.data_ptr, req_ids.numel, num_tokens.numel
         at_ids, at_ntok = ids_at(), ntok_at()
 
@@ -150,17 +133,10 @@ class PageTable:
                              f"got {pool.num_pages} * {pool.page_size}")
         self.pool, self.device = pool, pool.device
         self.max_requests, self.max_pages, self.page_size = max_requests, max_pages_per_request, pool.page_size
-        i32 = dict(dtype=torch.int32, device=self.device)
-        self.state = TableState(
-            max_requests=max_requests, max_pages=max_pages_per_request, page_size=pool.page_size,
-            block_table=torch.full((max_requests, max_pages_per_request), L.NULL_PAGE, **i32),
-            seq_lens=torch.zeros(max_requests, **i32),
-            claim=torch.full((max_requests,), INT32_MAX, **i32),
-            lane_end=torch.zeros(max(pool.max_batch, 1), **i32),
-            version=torch.zeros(1, dtype=torch.int64, device=self.device),
-        )
+        self.state = TableState.create(max_requests, max_pages_per_request, pool.page_size, pool.max_batch,
+                                       self.device)
         self.block_table, self.seq_lens = self.state.block_table, self.state.seq_lens
-        self._impl = make_table_backend(pool.backend, pool.state, self.state)
+        self.ops = make_table_ops(pool.backend, pool.state, self.state)  # the backend's TableOps (tpool.backends)
         self._bufs = {}   # (op, shape) -> output buffers
         self._bound = {}  # (op, shape) -> (output buffers, backend call bound to them[, CSR memo])
         self._repeat = (None,) * 5  # the last step's (req_ids, num_tokens, max_tokens, capacity, BoundStep or None)
@@ -174,27 +150,20 @@ class PageTable:
                 f"page_size={self.page_size}, pool={self.pool!r})")
 
     def _ids(self, t, name="req_ids"):
-        """Length of a request-id vector; the common case is one inline condition."""
-        if self.pool._pages_ok(t):
-            n = t.numel()
-            if n <= self.pool.max_batch:
-                return n
+        """Length of a request-id vector, checked (at most the pool's ``max_batch``)."""
+        if 0 <= (n := i32_len(t, self.device)) <= self.pool.max_batch:
+            return n
         return _checks.check_vector(t, name, torch.int32, self.device, self.pool.max_batch)
 
     def _lane_vector(self, t, name, b):
-        if not (self.pool._pages_ok(t) and t.numel() == b):
+        """Check a per-lane int32 vector of ``b`` entries."""
+        if i32_len(t, self.device) != b:
             n = _checks.check_vector(t, name, torch.int32, self.device, self.pool.max_batch)
             if n != b:
                 raise ValueError(f"{name}: expected {b} entries (one per request id), got {n}")
 
     def _lanes(self, req_ids, num_tokens) -> int:
-        """Batch size of an (ids, per-lane int32) pair, both checked; the valid case is inline."""
-        if (type(req_ids) is _Tensor and type(num_tokens) is _Tensor and req_ids.dtype is _int32
-                and num_tokens.dtype is _int32 and req_ids.device == self.device and num_tokens.device == self.device
-                and req_ids.stride() == _UNIT_STRIDE and num_tokens.stride() == _UNIT_STRIDE
-                and (b := req_ids.numel()) == num_tokens.numel()
-                and b <= self.pool.max_batch):
-            return b  # the common case: this runs every decode step
+        """Batch size of an (ids, per-lane int32) pair, both checked."""
         b = self._ids(req_ids)
         self._lane_vector(num_tokens, "num_tokens", b)
         return b
@@ -205,17 +174,12 @@ class PageTable:
                 torch.zeros(b, dtype=torch.bool, device=self.device))
 
     def _csr_out(self, b, cap):
-        """CSR buffers of one shape and their memo, int64 ``[L.memo_len(b)]`` on the device:
-        ``memo[0]`` is how far the last export into them wrote ``indices``, so the next
-        export re-pads only that far; the numba step keeps there which batch and table
-        version the buffers hold, to grow the CSR in place (see ``tpool.kernels.step``)."""
+        """CSR buffers of one shape and their :class:`~tpool.state.CsrMemo`."""
         cap = _checks.check_size(cap, "capacity")
-        memo = torch.full((L.memo_len(b),), -1, dtype=torch.int64, device=self.device)
-        memo[L.MEMO_WRITTEN] = cap
         return (PagedKVCSR(torch.zeros(b + 1, dtype=torch.int32, device=self.device),
                            torch.full((cap,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
                            torch.zeros(b, dtype=torch.int32, device=self.device)),
-                memo)
+                CsrMemo(b, cap, self.device))
 
     def _buffers(self, key, make):
         bufs = self._bufs.get(key)
@@ -257,7 +221,7 @@ class PageTable:
         bound = self._bound.get(("extend", b, t))
         if bound is None:
             res = self._buffers(("extend", b, t), lambda: ExtendResult(*self._extend_out(b, t)))
-            bound = self._bound[("extend", b, t)] = (res, self._impl.bind_extend(res))
+            bound = self._bound[("extend", b, t)] = (res, self.ops.extend_into(res))
         bound[1](req_ids, num_tokens, b)
         return bound[0]
 
@@ -316,7 +280,7 @@ class PageTable:
         if bound is None:
             csr, memo = self._buffers(("step-csr", b, cap), lambda: self._csr_out(b, cap))
             res = StepResult(*self._buffers(("step", b, t), lambda: self._extend_out(b, t)), csr)
-            bound = self._bound[("step", b, t, cap)] = (res, self._impl.bind_step(res, memo), memo)
+            bound = self._bound[("step", b, t, cap)] = (res, self.ops.step_into(res, memo), memo)
         return b, bound
 
     def bind_step(self, req_ids: torch.Tensor, num_tokens: torch.Tensor, *, max_tokens: int | None = None,
@@ -342,7 +306,7 @@ class PageTable:
         req_ids : torch.Tensor  shape ``[B]``, int32, on the table's device; -1 = padding.
         """
         self._ids(req_ids)
-        self._impl.release(req_ids, cache)
+        self.ops.release(req_ids, cache)
 
     def truncate(self, req_ids: torch.Tensor, new_lens: torch.Tensor) -> None:
         """Roll requests back to ``new_lens[i]`` tokens (rejected speculative tokens).
@@ -354,7 +318,7 @@ class PageTable:
         """
         b = self._ids(req_ids)
         self._lane_vector(new_lens, "new_lens", b)
-        self._impl.truncate(req_ids, new_lens)
+        self.ops.truncate(req_ids, new_lens)
 
     def fork(self, src_ids: torch.Tensor, dst_ids: torch.Tensor, lens: torch.Tensor) -> ForkResult:
         """Let empty request ``dst_ids[i]`` share the first ``lens[i]`` tokens of ``src_ids[i]``.
@@ -372,7 +336,7 @@ class PageTable:
             torch.zeros(b, dtype=torch.bool, device=self.device),
             torch.full((b,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
             torch.full((b,), L.NULL_PAGE, dtype=torch.int32, device=self.device)))
-        self._impl.fork(src_ids, dst_ids, lens, res.ok, res.cow_src, res.cow_dst)
+        self.ops.fork(src_ids, dst_ids, lens, res.ok, res.cow_src, res.cow_dst)
         return res
 
     # -------------------------------------------------------------- layouts
@@ -390,7 +354,7 @@ class PageTable:
         bound = self._bound.get(("csr", b, cap))
         if bound is None:
             csr, memo = self._buffers(("csr", b, cap), lambda: self._csr_out(b, cap))
-            bound = self._bound[("csr", b, cap)] = (csr, self._impl.bind_csr(csr, memo))
+            bound = self._bound[("csr", b, cap)] = (csr, self.ops.flashinfer_csr_into(csr, memo))
         bound[1](req_ids, b)
         return bound[0]
 
@@ -399,8 +363,36 @@ class PageTable:
         b = self._ids(req_ids)
         out = self._buffers(("rows", b), lambda: torch.full(
             (b, self.max_pages), L.NULL_PAGE, dtype=torch.int32, device=self.device))
-        self._impl.rows(req_ids, out)
+        self.ops.block_table_rows(req_ids, out)
         return out
+
+    @property
+    def step_binding(self) -> "BoundStep | None":
+        """The :class:`BoundStep` that :meth:`step` runs for the inputs it was given twice in a row
+        (see the note in :meth:`step`), or None when the last step's inputs are not bound."""
+        return self._repeat[4]
+
+    def step_grows_csr(self, req_ids: torch.Tensor, *, max_tokens: int | None = None,
+                       capacity: int | None = None) -> bool:
+        """Whether a :meth:`step` of this batch and shape would grow its CSR in place (numba) rather
+        than rebuild it: the buffers of that shape hold this batch's CSR at the table's current
+        version. A sync point (reads the memo and the batch), for tests and profiling.
+
+        Parameters
+        ----------
+        req_ids : torch.Tensor
+            shape ``[B]``, int32, on the table's device: the batch the step would run.
+        max_tokens, capacity : int, optional
+            As in :meth:`step` (they pick the buffers).
+
+        Returns
+        -------
+        bool
+        """
+        b = self._ids(req_ids)
+        cap = b * self.max_pages if capacity is None else capacity
+        bufs = self._bufs.get(("step-csr", b, cap))
+        return bufs is not None and bufs[1].growable_batch(int(self.state.version[0])) == req_ids.tolist()
 
     def invalidate_csr(self) -> None:
         """Make the next step of every shape rebuild its CSR instead of growing the last one.
@@ -409,9 +401,8 @@ class PageTable:
         and restoring a whole snapshot of the table's state (``tpool.graphs.state_tensors``,
         ``version`` included), are tracked by the table's version. Not a hot-path call.
         """
-        for key, bufs in self._bufs.items():
-            if key[0] == "step-csr":
-                bufs[1][L.MEMO_VERSION] = -1
+        for key, (_, memo) in self._step_csrs():
+            memo.invalidate()
 
     # ---------------------------------------------------------- sync points
     def check_invariants(self, *, exclusive: bool = True) -> None:
@@ -441,13 +432,16 @@ class PageTable:
         # A step's CSR that the next step of its batch may grow in place (its memo names the
         # table's current version, numba only) must still be that batch's CSR.
         version = int(self.state.version[0])
-        for key, (csr, memo) in ((k, v) for k, v in self._bufs.items() if k[0] == "step-csr"):
-            b = key[1]
-            if int(memo[L.MEMO_VERSION]) != version:
+        for key, (csr, memo) in self._step_csrs():
+            batch = memo.growable_batch(version)
+            if batch is None:
                 continue
-            rows = [bt[r, :int(npages[r])].tolist() for r in memo[L.MEMO_IDS:L.MEMO_IDS + b].tolist() if r >= 0]
-            want = [p for row in rows for p in row]
+            want = [p for r in batch if r >= 0 for p in bt[r, :int(npages[r])].tolist()]
             if csr.indices[:len(want)].tolist() != want:
                 raise InvariantViolation(f"invariant broken: the CSR of step shape {key[1:]} is its batch's CSR (the "
                                          "next step grows it in place: were its indices written to, or the table's "
                                          "state edited by hand without invalidate_csr()?)")
+
+    def _step_csrs(self):
+        """``(key, (PagedKVCSR, CsrMemo))`` of every step shape's CSR buffers."""
+        return [(k, v) for k, v in self._bufs.items() if k[0] == "step-csr"]

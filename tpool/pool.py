@@ -16,16 +16,12 @@ import numpy as np
 import torch
 
 from tpool import _checks
-from tpool.backends import make_backend, resolve_backend
+from tpool._checks import i32_len
+from tpool.backends import make_pool_ops, resolve_backend
 from tpool.errors import InvariantViolation, raise_for_errors
 from tpool.free_group import FreeGroup
 from tpool.kernels import layout as L
 from tpool.state import INT32_MAX, PoolState
-
-_Tensor, _int32 = torch.Tensor, torch.int32  # module globals: read on every hot-path call
-# ``t.stride() == (1,)``: 1-D and contiguous in one metadata call. It misses only 1-D
-# tensors of at most one element with another stride; those take the full check.
-_UNIT_STRIDE = (1,)
 
 DEFAULT_MAX_BATCH = 4096        # requests per alloc call
 DEFAULT_MAX_ALLOC_PAGES = 4096  # pages per alloc call without an out= buffer
@@ -65,7 +61,7 @@ class AllocOut:
         )
         self.pages, self.indptr, self.ok, self.evicted = self.result
         # The pool's alloc bound to these buffers: run(counts, B, evict).
-        self.run = pool._impl.bind_alloc(self)
+        self.run = pool.ops.alloc_into(self)
 
 
 class PagePool:
@@ -116,7 +112,7 @@ class PagePool:
         self.max_alloc_pages = max_alloc_pages or min(num_pages, DEFAULT_MAX_ALLOC_PAGES)
         self.backend = resolve_backend(backend, self.device)
         self.state = PoolState.create(num_pages, self.device)
-        self._impl = make_backend(self.backend, self.state)
+        self.ops = make_pool_ops(self.backend, self.state)  # the backend's PoolOps (tpool.backends)
         self._errors_seen = [0] * L.NUM_COUNTERS
         self._group = None
         self._group_buffers = {}  # capacity -> int32 [2, capacity], see FreeGroup
@@ -132,12 +128,6 @@ class PagePool:
     # ------------------------------------------------------------ hot path
     def _vector(self, t, name, max_len=None, dtype=torch.int32):
         return _checks.check_vector(t, name, dtype, self.device, max_len)
-
-    def _pages_ok(self, t) -> bool:
-        """The common case of the ``pages`` check (it runs on every call); False sends a
-        tensor to the full check, which decides."""
-        return (type(t) is _Tensor and t.dtype is _int32 and t.device == self.device
-                and t.stride() == _UNIT_STRIDE)
 
     def alloc_out(self, max_batch: int | None = None, max_pages: int | None = None) -> AllocOut:
         """Preallocate outputs for ``alloc(..., out=)`` (graph capture, no per-call allocation).
@@ -182,8 +172,7 @@ class PagePool:
         elif type(out) is not AllocOut or out.pool is not self:
             raise ValueError(f"out: expected an AllocOut from this pool's alloc_out(), got "
                              f"{'one from another pool' if type(out) is AllocOut else type(out).__name__}")
-        elif not (type(counts) is _Tensor and counts.dtype is _int32 and counts.device == self.device
-                  and counts.stride() == _UNIT_STRIDE and (b := counts.numel()) <= out.max_batch):
+        elif not 0 <= (b := i32_len(counts, self.device)) <= out.max_batch:
             b = self._vector(counts, "counts", out.max_batch)  # raises with the expected and actual values
         out.run(counts, b, evict)
         return out.result
@@ -199,16 +188,15 @@ class PagePool:
 
         pages : torch.Tensor  shape ``[N]``, int32, on the pool's device.
         """
-        if not (type(pages) is _Tensor and pages.dtype is _int32 and pages.device == self.device
-                and pages.stride() == _UNIT_STRIDE):
+        if i32_len(pages, self.device) < 0:
             self._vector(pages, "pages")  # raises with the expected and actual values
         if self._group is None:
-            self._impl.free(pages, cache)
+            self.ops.free(pages, cache)
         else:
             self._group.enqueue(pages, cache)
 
     def _apply_free(self, pages: torch.Tensor, cache: bool) -> None:
-        self._impl.free(pages, cache)
+        self.ops.free(pages, cache)
 
     def incref(self, pages: torch.Tensor) -> None:
         """Add one reference per entry (prefix sharing). A CACHED page is revived.
@@ -216,7 +204,7 @@ class PagePool:
         pages : torch.Tensor  shape ``[N]``, int32, on the pool's device.
         """
         self._vector(pages, "pages")
-        self._impl.incref(pages)
+        self.ops.incref(pages)
 
     def touch(self, pages: torch.Tensor) -> None:
         """Stamp USED or CACHED pages with the current clock (LRU refresh).
@@ -224,7 +212,7 @@ class PagePool:
         pages : torch.Tensor  shape ``[N]``, int32, on the pool's device.
         """
         self._vector(pages, "pages")
-        self._impl.touch(pages)
+        self.ops.touch(pages)
 
     def evict(self, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Free up to ``k`` CACHED pages, least recently stamped first (ties by id).
@@ -238,7 +226,7 @@ class PagePool:
             out = torch.empty(k, dtype=torch.int32, device=self.device)
         elif self._vector(out, "out") != k:
             raise ValueError(f"out: expected {k} entries (k), got {out.numel()}")
-        self._impl.evict(out)
+        self.ops.evict(out)
         return out
 
     def free_group(self, capacity: int = 4096) -> FreeGroup:
@@ -320,6 +308,6 @@ class PagePool:
              "allocated + revived - freed == used")
 
     def memory_bytes(self) -> dict:
-        """Bytes held by the pool's state tensors (for ``tpool.memory_report``)."""
+        """Bytes held by the pool's state tensors (for :func:`tpool.memory_report`)."""
         n = sum(t.untyped_storage().nbytes() for t in self.state.tensors().values())
         return {"name": repr(self), "state_bytes": n}

@@ -1,32 +1,46 @@
-"""The pool's state: five device tensors and two scratch vectors, allocated once.
+"""State types: a pool's tensors, a table's tensors, and a CSR buffer set's memo.
 
-Note: no hot-path call reallocates or rebinds any of these tensors, so the
-addresses a captured CUDA graph recorded stay valid for the pool's lifetime.
-Page ``i`` is in exactly one state (``page_state[i]``): FREE (its id sits in
-``free_stack[:counters[FREE_COUNT]]``), USED (``refcount[i] >= 1``) or CACHED
-(``refcount[i] == 0``, content kept, evictable, LRU stamp in ``stamp[i]``).
-The stack is popped from the top: a fresh pool hands out pages 0, 1, 2, ...
+Note: every tensor here is allocated once and never reallocated or rebound by
+a hot-path call, so the addresses a captured CUDA graph (or a numba
+descriptor) recorded stay valid for the owner's lifetime.
+
+* Pool: page ``i`` is in exactly one state (``page_state[i]``): FREE (its id
+  sits in ``free_stack[:counters[FREE_COUNT]]``), USED (``refcount[i] >= 1``)
+  or CACHED (``refcount[i] == 0``, content kept, evictable, LRU stamp in
+  ``stamp[i]``). The stack is popped from the top: a fresh pool hands out
+  pages 0, 1, 2, ...
+* Table: ``block_table[r, :ceil(seq_lens[r] / page_size)]`` are request
+  ``r``'s pages in token order, every entry past them is -1; the table holds
+  one pool reference per entry.
+* Scratch tensors (``claim``, ``occur``, ``keys``, ``lane_end``) carry nothing
+  between calls: ``claim`` is INT32_MAX and ``occur`` 0 whenever no call runs.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
-from tpool.kernels import layout
-
-INT32_MAX = 2**31 - 1
+from tpool.kernels import layout as L
+from tpool.kernels.layout import INT32_MAX, INT64_MAX  # noqa: F401  (defined once, in layout)
 
 
 @dataclass(frozen=True)
-class PoolState:
-    """Tensors of one pool; all on ``device``, shapes fixed by ``num_pages``."""
+class _Tensors:
+    def tensors(self) -> dict:
+        """Every state tensor by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+
+
+@dataclass(frozen=True)
+class PoolState(_Tensors):
+    """Tensors of one pool; all on one device, shapes fixed by ``num_pages``."""
 
     num_pages: int
     free_stack: torch.Tensor  # int32 [num_pages]
     refcount: torch.Tensor    # int32 [num_pages]
     page_state: torch.Tensor  # int8  [num_pages]: FREE / USED / CACHED
     stamp: torch.Tensor       # int64 [num_pages]: clock at last release or touch
-    counters: torch.Tensor    # int64 [NUM_COUNTERS], slots in layout
+    counters: torch.Tensor    # int64 [NUM_COUNTERS], slots in tpool.kernels.layout
     claim: torch.Tensor       # int32 [num_pages] scratch, INT32_MAX between calls
     occur: torch.Tensor       # int32 [num_pages] scratch, 0 between calls
     keys: torch.Tensor        # int64 [num_pages] scratch for eviction
@@ -34,8 +48,8 @@ class PoolState:
     @classmethod
     def create(cls, num_pages: int, device: torch.device) -> "PoolState":
         i32 = dict(dtype=torch.int32, device=device)
-        counters = torch.zeros(layout.NUM_COUNTERS, dtype=torch.int64, device=device)
-        counters[layout.FREE_COUNT] = num_pages
+        counters = torch.zeros(L.NUM_COUNTERS, dtype=torch.int64, device=device)
+        counters[L.FREE_COUNT] = num_pages
         return cls(
             num_pages=num_pages,
             free_stack=torch.arange(num_pages - 1, -1, -1, **i32),
@@ -48,7 +62,65 @@ class PoolState:
             keys=torch.zeros(num_pages, dtype=torch.int64, device=device),
         )
 
-    def tensors(self) -> dict:
-        """Every state tensor by name."""
-        return {name: getattr(self, name) for name in
-                ("free_stack", "refcount", "page_state", "stamp", "counters", "claim", "occur", "keys")}
+
+@dataclass(frozen=True)
+class TableState(_Tensors):
+    """Tensors of one page table, on its pool's device."""
+
+    max_requests: int
+    max_pages: int
+    page_size: int
+    block_table: torch.Tensor  # int32 [max_requests, max_pages], -1 past each length
+    seq_lens: torch.Tensor     # int32 [max_requests], tokens per request
+    claim: torch.Tensor        # int32 [max_requests] scratch, INT32_MAX between calls
+    lane_end: torch.Tensor     # int32 [max_batch] scratch (triton): per-lane ends of a call's page list
+    version: torch.Tensor      # int64 [1] (numba): which contents the table has; a step's CSR memo names it
+
+    @classmethod
+    def create(cls, max_requests: int, max_pages: int, page_size: int, max_batch: int,
+               device: torch.device) -> "TableState":
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(
+            max_requests=max_requests, max_pages=max_pages, page_size=page_size,
+            block_table=torch.full((max_requests, max_pages), L.NULL_PAGE, **i32),
+            seq_lens=torch.zeros(max_requests, **i32),
+            claim=torch.full((max_requests,), INT32_MAX, **i32),
+            lane_end=torch.zeros(max(max_batch, 1), **i32),
+            version=torch.zeros(1, dtype=torch.int64, device=device),
+        )
+
+
+class CsrMemo:
+    """The bookkeeping kept with one set of CSR output buffers (one per call shape).
+
+    ``tensor`` is int64 ``[layout.memo_len(B)]`` on the table's device, read and
+    written by the kernels (slots ``MEMO_*`` in :mod:`tpool.kernels.layout`):
+
+    * ``MEMO_WRITTEN``: how far the last export into ``indices`` wrote, so the
+      next export re-pads only that far (every backend);
+    * ``MEMO_VERSION``: the table version whose CSR the buffers hold, -1 if none,
+      and ``MEMO_IDS``: the batch it is for. A numba step whose batch and version
+      match grows the CSR in place instead of rebuilding it (``kernels/step.py``);
+    * then scratch where a numba step's extend notes the lanes it gave pages.
+
+    Everything but the kernels goes through this class.
+    """
+
+    __slots__ = ("batch", "tensor")
+
+    def __init__(self, batch: int, capacity: int, device: torch.device):
+        self.batch = batch
+        self.tensor = torch.full((L.memo_len(batch),), -1, dtype=torch.int64, device=device)
+        self.tensor[L.MEMO_WRITTEN] = capacity  # a fresh indices buffer is -1 throughout
+
+    def invalidate(self) -> None:
+        """Make the next step on these buffers rebuild the CSR instead of growing it."""
+        self.tensor[L.MEMO_VERSION] = -1
+
+    def growable_batch(self, version: int) -> list | None:
+        """The request ids whose CSR the next step may grow in place, if the buffers hold the
+        CSR of table version ``version``; else None. A sync point (for ``check_invariants``)."""
+        memo = self.tensor.tolist()
+        if memo[L.MEMO_VERSION] != version:
+            return None
+        return memo[L.MEMO_IDS:L.MEMO_IDS + self.batch]

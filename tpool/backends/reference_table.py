@@ -25,14 +25,14 @@ lanes saw the table as it was when the call began.
 import torch
 
 from tpool.kernels import layout as L
-from tpool.reference import _put, _update_peaks, free_pages, incref_pages
+from tpool.backends.reference import _put, apply_free, apply_incref, raise_peaks
 
 
 def _cdiv(a, b):
     return (a + b - 1) // b
 
 
-def _requests(ts, ids, dedupe=True):
+def claim_requests(ts, ids, dedupe=True):
     """Per lane: clamped row, valid flag, padding flag, bad flag (counted as bad_request)."""
     R, B = ts.max_requests, ids.numel()
     r = ids.long()
@@ -61,7 +61,7 @@ def _take(st, n):
     c = st.counters
     c[L.FREE_COUNT] -= n
     c[L.ALLOCATED] += n
-    _update_peaks(st)
+    raise_peaks(st)
 
 
 def extend(st, ts, req_ids, num_tokens, slots, ok):
@@ -71,7 +71,7 @@ def extend(st, ts, req_ids, num_tokens, slots, ok):
     if B == 0:
         slots.fill_(L.NULL_PAGE)
         return
-    rr, valid, pad, bad = _requests(ts, req_ids)
+    rr, valid, pad, bad = claim_requests(ts, req_ids)
     c[L.ERR_BAD_REQUEST] += bad.sum()
     n = num_tokens.long()
     neg = valid & (n < 0)
@@ -115,18 +115,18 @@ def _drop_tail(st, ts, rr, act, keep_tokens, cache):
     have = _cdiv(ts.seq_lens[rr].long(), ps)
     k = torch.arange(MP, device=rows.device)
     drop = act[:, None] & (k >= _cdiv(keep_tokens, ps)[:, None]) & (k < have[:, None])
-    free_pages(st, torch.where(drop, rows, L.NULL_PAGE).flatten(), cache)
+    apply_free(st, torch.where(drop, rows, L.NULL_PAGE).flatten(), cache)
     cell = (rr[:, None] * MP + k).flatten()
     _put(ts.block_table.view(-1), cell, L.NULL_PAGE, drop.flatten())
     _put(ts.seq_lens, rr, keep_tokens, act)
-    _update_peaks(st)
+    raise_peaks(st)
 
 
 def release(st, ts, req_ids, cache):
     st.counters[L.CLOCK] += 1
     if req_ids.numel() == 0:
         return
-    rr, valid, _, bad = _requests(ts, req_ids)
+    rr, valid, _, bad = claim_requests(ts, req_ids)
     st.counters[L.ERR_BAD_REQUEST] += bad.sum()
     _drop_tail(st, ts, rr, valid, torch.zeros_like(rr), cache)
 
@@ -136,7 +136,7 @@ def truncate(st, ts, req_ids, new_lens):
     c[L.CLOCK] += 1
     if req_ids.numel() == 0:
         return
-    rr, valid, _, bad = _requests(ts, req_ids)
+    rr, valid, _, bad = claim_requests(ts, req_ids)
     c[L.ERR_BAD_REQUEST] += bad.sum()
     n = new_lens.long()
     badlen = valid & ((n < 0) | (n > ts.seq_lens[rr]))
@@ -150,8 +150,8 @@ def fork(st, ts, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
     B = dst_ids.numel()
     if B == 0:
         return
-    rd, vd, pad, _ = _requests(ts, dst_ids)
-    rs, vs, _, _ = _requests(ts, src_ids, dedupe=False)
+    rd, vd, pad, _ = claim_requests(ts, dst_ids)
+    rs, vs, _, _ = claim_requests(ts, src_ids, dedupe=False)
     bad = ~pad & ~(vd & vs & (rs != rd) & (ts.seq_lens[rd] == 0))
     c[L.ERR_BAD_REQUEST] += bad.sum()
     n = lens.long()
@@ -167,7 +167,7 @@ def fork(st, ts, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
     src_rows = ts.block_table[rs].long()
     k = torch.arange(MP, device=src_rows.device)
     shared = okv[:, None] & (k < full[:, None])
-    incref_pages(st, torch.where(shared, src_rows, L.NULL_PAGE).flatten())
+    apply_incref(st, torch.where(shared, src_rows, L.NULL_PAGE).flatten())
     copy = okv & part
     new = _pop(st, csum - need, copy)
     dst_cells = (rd[:, None] * MP + k).flatten()
@@ -180,7 +180,7 @@ def fork(st, ts, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
     cow_dst.copy_(new)
 
 
-def csr(st, ts, req_ids, indptr, indices, last_page_len):
+def flashinfer_csr(st, ts, req_ids, indptr, indices, last_page_len):
     """FlashInfer's paged-KV CSR for a batch (read-only: no clock step)."""
     c, MP, ps = st.counters, ts.max_pages, ts.page_size
     B, cap = req_ids.numel(), indices.numel()
@@ -188,7 +188,7 @@ def csr(st, ts, req_ids, indptr, indices, last_page_len):
     if B == 0:
         indices.fill_(L.NULL_PAGE)
         return
-    rr, valid, pad, bad = _requests(ts, req_ids, dedupe=False)
+    rr, valid, pad, bad = claim_requests(ts, req_ids, dedupe=False)
     c[L.ERR_BAD_REQUEST] += bad.sum()
     Ln = torch.where(valid, ts.seq_lens[rr].long(), 0)
     npages = _cdiv(Ln, ps)
@@ -202,7 +202,7 @@ def csr(st, ts, req_ids, indptr, indices, last_page_len):
     indices.copy_(torch.where(u < end[-1], ts.block_table[rr[lane], col], L.NULL_PAGE))
 
 
-def rows(ts, req_ids, out):
+def block_table_rows(ts, req_ids, out):
     """vLLM-style block-table rows for a batch (``-1`` rows for padding and bad ids)."""
-    rr, valid, _, _ = _requests(ts, req_ids, dedupe=False)
+    rr, valid, _, _ = claim_requests(ts, req_ids, dedupe=False)
     out.copy_(torch.where(valid[:, None], ts.block_table[rr], L.NULL_PAGE))

@@ -1,6 +1,6 @@
-"""Layouts for attention kernels: FlashInfer's paged-KV CSR and vLLM-style block-table rows.
+"""flashinfer_csr: FlashInfer's paged-KV CSR of a batch, the layout attention kernels read.
 
-CSR: ``indptr[i+1] - indptr[i] = ceil(len / page_size)``, ``indices`` holds
+``indptr[i+1] - indptr[i] = ceil(len / page_size)``, ``indices`` holds
 the pages in request order (-1 past ``indptr[B]``), ``last_page_len = len -
 (num_pages - 1) * page_size`` in ``[1, page_size]``; an empty or padding
 request has no pages and ``last_page_len = page_size``. Read-only: no clock
@@ -13,16 +13,16 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from ._numba_util import (CD_CSR_MEMO, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_LAST_PAGE_LEN, CD_OUT,
-                          CD_STATE, copy8_i32, copy_i32, fill_null_range, i32_array, i64_cell, page_shift,
-                          pages_for, state_arrays, table_arrays)
+from ._numba_util import (copy8_i32, copy_i32, fill_null_range, i32_array, i64_cell, page_shift, pages_for,
+                          state_arrays, table_arrays)
+from .layout import CD_CSR_MEMO, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_LAST_PAGE_LEN, CD_OUT, CD_STATE
 from ._triton_table_util import ERR_BAD_REQUEST, cdiv
 from ._triton_util import (ERR_OUT_OVERFLOW, NULL_PAGE, counter_add, load_counters, settings,
                            store_counters)
 
 
 @numba.njit(nogil=True)
-def csr_numba(
+def flashinfer_csr_numba(
     req_ids_ptr,        # address of int32 [B], request ids, -1 = padding
     B,                  # batch size
     indptr_ptr,         # address of int32 [B + 1]
@@ -79,50 +79,25 @@ def csr_numba(
 
 
 @numba.njit(nogil=True)
-def rows_numba(
-    req_ids_ptr,  # address of int32 [B], request ids, -1 = padding
-    B,            # batch size
-    out_ptr,      # address of int32 [B, MP], rows, -1 for padding and bad ids
-    block_table,  # int32 [R, MP]
-):
-    ids = i32_array(req_ids_ptr, B)
-    R, MP = block_table.shape[0], block_table.shape[1]
-    out = i32_array(out_ptr, B * MP)
-    for i in range(B):
-        r = ids[i]
-        if r >= 0 and r < R:
-            copy_i32(out_ptr + 4 * i * MP, block_table.ctypes.data + 4 * r * MP, MP)
-        else:
-            out[i * MP:(i + 1) * MP] = L.NULL_PAGE
-
-
-@numba.njit(nogil=True)
-def csr_numba_entry(req_ids_ptr, B, cd):
-    """``csr_numba`` for a bound call: outputs, table and pool state in the call descriptor ``cd``."""
+def flashinfer_csr_numba_entry(req_ids_ptr, B, cd):
+    """``flashinfer_csr_numba`` for a bound call: outputs, table and pool state in the call descriptor ``cd``."""
     bt, lens, _, ps = table_arrays(cd[:CD_STATE])
     counters = state_arrays(cd[CD_STATE:CD_OUT])[4]
     written = i64_cell(cd[CD_CSR_MEMO])  # its MEMO_WRITTEN slot
-    written[0] = csr_numba(req_ids_ptr, B, cd[CD_INDPTR], cd[CD_INDICES], cd[CD_INDICES_LEN], cd[CD_LAST_PAGE_LEN],
+    written[0] = flashinfer_csr_numba(req_ids_ptr, B, cd[CD_INDPTR], cd[CD_INDICES], cd[CD_INDICES_LEN], cd[CD_LAST_PAGE_LEN],
                            ps, bt, lens, counters, written[0])
 
 
-@numba.njit(nogil=True)
-def rows_numba_entry(req_ids_ptr, B, out_ptr, cd):
-    """``rows_numba`` with the table in the call descriptor ``cd`` (fast dispatch)."""
-    rows_numba(req_ids_ptr, B, out_ptr, table_arrays(cd[:CD_STATE])[0])
-
-
 # ---------------------------------------------------------------------- Triton
-# csr: one program, two phases: the lanes (indptr as a running prefix sum,
+# One program, two phases: the lanes (indptr as a running prefix sum,
 # last_page_len), then the entries: output position u < total belongs to lane
 # i, the last one with indptr[i] <= u (a binary search over indptr, SEARCH
 # steps), and takes block_table[r_i, u - indptr[i]]. The work is linear in the
 # batch's pages, whatever the widest request; positions past the total are -1.
-# rows: one pass over the B * MP output cells.
 
 
 @triton.jit
-def csr_body(
+def flashinfer_csr_body(
     req_ids_ptr,        # *int32 [B]: request ids, -1 = padding
     B,                  # batch size
     indptr_ptr,         # *int32 [B + 1]
@@ -142,7 +117,7 @@ def csr_body(
 ):
     """indptr[i+1] = sum_{j<=i} cdiv(L_j, ps); indices[indptr[i] + k] = block_table[r_i, k]; last = L - (n-1)*ps.
 
-    The body of ``csr_kernel``, also run by ``step_kernel`` after the extend."""
+    The body of ``flashinfer_csr_kernel``, also run by ``step_kernel`` after the extend."""
     lanes = tl.arange(0, BLOCK)
     # Read before the barrier below: the store at the end must not overtake any thread's read.
     written = tl.minimum(tl.load(written_ptr), cap).to(tl.int32)
@@ -189,14 +164,14 @@ def csr_body(
 
 
 @triton.jit
-def csr_kernel(req_ids_ptr, B, indptr_ptr, indices_ptr, cap, last_page_len_ptr, block_table_ptr, seq_lens_ptr,
+def flashinfer_csr_kernel(req_ids_ptr, B, indptr_ptr, indices_ptr, cap, last_page_len_ptr, block_table_ptr, seq_lens_ptr,
                counters_ptr, written_ptr, R, MP, page_size, SEARCH, BLOCK: tl.constexpr):
-    """One launch of ``csr_body`` (arguments documented there)."""
-    csr_body(req_ids_ptr, B, indptr_ptr, indices_ptr, cap, last_page_len_ptr, block_table_ptr, seq_lens_ptr,
+    """One launch of ``flashinfer_csr_body`` (arguments documented there)."""
+    flashinfer_csr_body(req_ids_ptr, B, indptr_ptr, indices_ptr, cap, last_page_len_ptr, block_table_ptr, seq_lens_ptr,
              counters_ptr, written_ptr, R, MP, page_size, SEARCH, BLOCK)
 
 
-def csr_triton(req_ids, indptr, indices, last_page_len, written, st, ts) -> None:
+def flashinfer_csr_triton(req_ids, indptr, indices, last_page_len, written, st, ts) -> None:
     """FlashInfer's paged-KV CSR for the batch ``req_ids`` (one launch; read-only but for error counters).
 
     ``written`` (int64 ``[1]`` on the device, kept with ``indices``; start it at
@@ -205,36 +180,8 @@ def csr_triton(req_ids, indptr, indices, last_page_len, written, st, ts) -> None
     """
     B, cap = req_ids.numel(), indices.numel()
     R, MP = ts.block_table.shape
-    csr_kernel[(1,)](
+    flashinfer_csr_kernel[(1,)](
         req_ids, B, indptr, indices, cap, last_page_len, ts.block_table, ts.seq_lens, st.counters, written,
         R, MP, ts.page_size, B.bit_length(),
         **settings(max(B, cap)),
     )
-
-
-@triton.jit
-def rows_kernel(
-    req_ids_ptr,      # *int32 [B]: request ids, -1 = padding
-    n_cells,          # B * MP
-    out_ptr,          # *int32 [B, MP]: rows, -1 for padding and bad ids
-    block_table_ptr,  # *int32 [R, MP]
-    R,                # rows of block_table
-    MP,               # columns of block_table
-    # Meta-parameters
-    BLOCK: tl.constexpr,  # cells per chunk
-):
-    """out[i, k] = block_table[r_i, k] for r_i in [0, R), else -1."""
-    lanes = tl.arange(0, BLOCK)
-    for start in range(0, n_cells, BLOCK):
-        f = (start + lanes).to(tl.int64)
-        live = f < n_cells
-        r = tl.load(req_ids_ptr + f // MP, mask=live, other=NULL_PAGE)
-        valid = live & (r >= 0) & (r < R)
-        page = tl.load(block_table_ptr + r.to(tl.int64) * MP + f % MP, mask=valid, other=NULL_PAGE)
-        tl.store(out_ptr + f, page, mask=live)
-
-
-def rows_triton(req_ids, out, ts) -> None:
-    """vLLM-style block-table rows for the batch ``req_ids`` into ``out`` (one launch)."""
-    R, MP = ts.block_table.shape
-    rows_kernel[(1,)](req_ids, out.numel(), out, ts.block_table, R, MP, **settings(out.numel()))

@@ -25,9 +25,9 @@ the same outputs and the same state, bit for bit. The rules:
 
 import torch
 
+from tpool.backends.contract import BoundByTensors, PoolByFunctions
 from tpool.kernels import layout as L
-
-INT64_MAX = 2**63 - 1
+from tpool.kernels.layout import INT64_MAX
 
 
 def _put(dst: torch.Tensor, idx: torch.Tensor, val, mask: torch.Tensor) -> None:
@@ -39,14 +39,14 @@ def _put(dst: torch.Tensor, idx: torch.Tensor, val, mask: torch.Tensor) -> None:
     dst.copy_(ext[:n])
 
 
-def _update_peaks(st) -> None:
+def raise_peaks(st) -> None:
     c = st.counters
     used = st.num_pages - c[L.FREE_COUNT] - c[L.CACHED_COUNT]
     c[L.USED_PEAK] = torch.maximum(c[L.USED_PEAK], used)
     c[L.CACHED_PEAK] = torch.maximum(c[L.CACHED_PEAK], c[L.CACHED_COUNT])
 
 
-def _lanes(st, pages: torch.Tensor):
+def count_pages(st, pages: torch.Tensor):
     """Per input lane: page index (clamped), first-occurrence flag, occurrences, invalid flag."""
     P, N = st.num_pages, pages.numel()
     p = pages.long()
@@ -71,7 +71,7 @@ def _push(st, pages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return n
 
 
-def _evict_oldest(st, out: torch.Tensor, n) -> None:
+def evict_oldest(st, out: torch.Tensor, n) -> None:
     """Evict the ``min(n, cached)`` oldest cached pages into ``out`` (padded with -1)."""
     P, c = st.num_pages, st.counters
     ids = torch.arange(P, device=out.device)
@@ -111,7 +111,7 @@ def alloc(st, counts, out_pages, out_indptr, out_ok, out_evicted, evict: bool) -
     out_indptr[1:B + 1] = torch.cumsum(granted, 0)
     out_indptr[B + 1:] = total
     if evict:
-        _evict_oldest(st, out_evicted, (total - free).clamp(min=0))
+        evict_oldest(st, out_evicted, (total - free).clamp(min=0))
     else:
         out_evicted.fill_(L.NULL_PAGE)
     j = torch.arange(M, device=out_pages.device)
@@ -124,19 +124,19 @@ def alloc(st, counts, out_pages, out_indptr, out_ok, out_evicted, evict: bool) -
     _put(st.page_state, idx, L.USED, take)
     c[L.FREE_COUNT] -= total
     c[L.ALLOCATED] += total
-    _update_peaks(st)
+    raise_peaks(st)
 
 
 def free(st, pages, cache: bool) -> None:
     """Drop one reference per entry; pages reaching 0 go FREE (or CACHED with ``cache``)."""
     st.counters[L.CLOCK] += 1
-    free_pages(st, pages, cache)
+    apply_free(st, pages, cache)
 
 
-def free_pages(st, pages, cache: bool) -> None:
+def apply_free(st, pages, cache: bool) -> None:
     """``free`` without the clock tick (page tables call it inside their own step)."""
     c = st.counters
-    idx, first, k, invalid = _lanes(st, pages)
+    idx, first, k, invalid = count_pages(st, pages)
     c[L.ERR_INVALID_PAGE] += invalid.sum()
     used = first & (st.page_state[idx] == L.USED)
     rc = st.refcount[idx].long()
@@ -151,19 +151,19 @@ def free_pages(st, pages, cache: bool) -> None:
         c[L.CACHED_COUNT] += zero.sum()
     else:
         _push(st, idx, zero)
-    _update_peaks(st)
+    raise_peaks(st)
 
 
 def incref(st, pages) -> None:
     """Add one reference per entry; a CACHED page is revived, a FREE page is an error."""
     st.counters[L.CLOCK] += 1
-    incref_pages(st, pages)
+    apply_incref(st, pages)
 
 
-def incref_pages(st, pages) -> None:
+def apply_incref(st, pages) -> None:
     """``incref`` without the clock tick."""
     c = st.counters
-    idx, first, k, invalid = _lanes(st, pages)
+    idx, first, k, invalid = count_pages(st, pages)
     c[L.ERR_INVALID_PAGE] += invalid.sum()
     state = st.page_state[idx]
     used, cached = first & (state == L.USED), first & (state == L.CACHED)
@@ -172,14 +172,14 @@ def incref_pages(st, pages) -> None:
     _put(st.page_state, idx, L.USED, cached)
     c[L.CACHED_COUNT] -= cached.sum()
     c[L.REVIVED] += cached.sum()
-    _update_peaks(st)
+    raise_peaks(st)
 
 
 def touch(st, pages) -> None:
     """Stamp USED and CACHED pages with the clock (LRU refresh); a FREE page is an error."""
     c = st.counters
     c[L.CLOCK] += 1
-    idx, first, k, invalid = _lanes(st, pages)
+    idx, first, k, invalid = count_pages(st, pages)
     c[L.ERR_INVALID_PAGE] += invalid.sum()
     state = st.page_state[idx]
     c[L.ERR_USE_AFTER_FREE] += torch.where(first & (state == L.FREE), k, 0).sum()
@@ -189,4 +189,44 @@ def touch(st, pages) -> None:
 def evict(st, out) -> None:
     """Evict up to ``out.numel()`` cached pages, oldest first, into ``out``."""
     st.counters[L.CLOCK] += 1
-    _evict_oldest(st, out, out.numel())
+    evict_oldest(st, out, out.numel())
+
+
+# ------------------------------------------------------------------ the backend
+class Pool(PoolByFunctions):
+    """The pool's operations as plain torch calls (the contract: ``tpool.backends.contract.PoolOps``)."""
+
+    name = "reference"
+
+    def __init__(self, st):
+        super().__init__(st, alloc, free, incref, touch, evict)
+
+
+class Table(BoundByTensors):
+    """A page table's operations as plain torch calls (rules: :mod:`tpool.backends.reference_table`)."""
+
+    name = "reference"
+
+    def __init__(self, st, ts):
+        self.st, self.ts = st, ts
+
+    def extend(self, req_ids, num_tokens, slots, ok):
+        reference_table.extend(self.st, self.ts, req_ids, num_tokens, slots, ok)
+
+    def release(self, req_ids, cache):
+        reference_table.release(self.st, self.ts, req_ids, cache)
+
+    def truncate(self, req_ids, new_lens):
+        reference_table.truncate(self.st, self.ts, req_ids, new_lens)
+
+    def fork(self, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
+        reference_table.fork(self.st, self.ts, src_ids, dst_ids, lens, ok, cow_src, cow_dst)
+
+    def flashinfer_csr(self, req_ids, indptr, indices, last_page_len):
+        reference_table.flashinfer_csr(self.st, self.ts, req_ids, indptr, indices, last_page_len)
+
+    def block_table_rows(self, req_ids, out):
+        reference_table.block_table_rows(self.ts, req_ids, out)
+
+
+from tpool.backends import reference_table  # noqa: E402  (it imports the pool rules above)

@@ -5,7 +5,7 @@ Note:
     budget + entry + copy and nothing is copied for an entry that is refused:
 
     1. duplicate key: no-op (no copy, old value kept), recency refreshed;
-    2. plan (:func:`tpool.ownership.plan_ownership`): check every leaf and
+    2. plan (:func:`tpool.memory.ownership.plan_ownership`): check every leaf and
        price the entry, copying nothing;
     3. reject, evicting nothing, if it cannot fit even with every unpinned
        entry gone (budget; with an arena also a free range between pinned
@@ -31,10 +31,10 @@ from collections.abc import Hashable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tpool import ownership
-from tpool.arena import Arena, Block
+from tpool.memory import ownership
+from tpool.memory.arena import Arena, Block
 from tpool.errors import InvariantViolation
-from tpool.ownership import OwnershipPlan, StorageKey
+from tpool.memory.ownership import OwnershipPlan, StorageKey
 
 __all__ = ["OwnedCache", "CacheStats"]
 

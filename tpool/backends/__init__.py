@@ -1,0 +1,52 @@
+"""Backends: one contract (:mod:`tpool.backends.contract`), three implementations, one registry.
+
+Note: ``reference`` is plain torch (the oracle, :mod:`tpool.backends.reference`),
+``numba`` runs the kernels' numba twins on host memory
+(:mod:`tpool.backends.numba`), ``triton`` launches the Triton kernels
+(:mod:`tpool.backends.triton`; on a CPU only under ``TRITON_INTERPRET=1``,
+set before triton is imported). ``auto`` picks triton for CUDA pools and
+numba for CPU pools; the environment variable ``TPOOL_BACKEND`` overrides
+``auto``. A backend's module is imported only when a pool asks for it, so a
+CPU pool never imports the Triton launchers.
+"""
+
+import importlib
+import os
+
+import torch
+
+from tpool.backends.contract import PoolOps, TableOps
+from tpool.state import PoolState, TableState
+
+# name -> module defining ``Pool`` (a PoolOps) and ``Table`` (a TableOps)
+REGISTRY = {
+    "reference": "tpool.backends.reference",
+    "numba": "tpool.backends.numba",
+    "triton": "tpool.backends.triton",
+}
+BACKENDS = tuple(REGISTRY)
+
+__all__ = ["BACKENDS", "REGISTRY", "PoolOps", "TableOps", "make_pool_ops", "make_table_ops", "resolve_backend"]
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """The backend a pool on ``device`` uses for ``name`` (``auto`` or one of BACKENDS)."""
+    if name == "auto":
+        name = os.environ.get("TPOOL_BACKEND") or ("triton" if device.type == "cuda" else "numba")
+    if name not in REGISTRY:
+        raise ValueError(f"backend: expected 'auto' or one of {BACKENDS}, got {name!r}")
+    if name == "numba" and device.type != "cpu":
+        raise ValueError(f"backend 'numba' runs on host memory: expected device cpu, got {device}")
+    if name == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("backend 'triton' on a CPU pool needs TRITON_INTERPRET=1 set before triton is imported")
+    return name
+
+
+def make_pool_ops(name: str, st: PoolState) -> PoolOps:
+    """The pool operations of backend ``name`` over the state ``st``."""
+    return importlib.import_module(REGISTRY[name]).Pool(st)
+
+
+def make_table_ops(name: str, st: PoolState, ts: TableState) -> TableOps:
+    """The page-table operations of backend ``name`` over a table's state ``ts`` and its pool's ``st``."""
+    return importlib.import_module(REGISTRY[name]).Table(st, ts)

@@ -1,0 +1,137 @@
+"""The backend contract: every operation a backend runs, and its bound form.
+
+Note: the façade (``PagePool``, ``PageTable``) checks every input from
+tensor metadata, owns every output buffer, and then calls one of these
+methods; a backend never validates and never allocates on the hot path.
+All tensors are on the pool's device; ids and counts are int32 ``[B]``
+vectors, contiguous, with -1 as padding.
+
+An operation whose outputs are buffers owned by the façade also has a
+*bound form* ``<op>_into(outputs)``: the backend takes the buffers once and
+returns a call that writes them (numba packs their addresses into a
+descriptor at that point, so a call passes one array instead of many). A
+*bound step* (``bind_step``) also takes the step's input tensors, as
+``PageTable.bind_step`` does at the façade: its call takes no argument.
+"""
+
+from typing import Callable, Protocol
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class PoolOps(Protocol):
+    """The pool's operations (rules: :mod:`tpool.backends.reference`)."""
+
+    name: str
+
+    def alloc_into(self, out) -> Callable[[Tensor, int, bool], None]:
+        """``alloc`` bound to an ``AllocOut``'s buffers; the call takes ``(counts, B, evict)``."""
+
+    def free(self, pages: Tensor, cache: bool) -> None:
+        """Drop one reference per entry; pages reaching 0 become FREE (CACHED with ``cache``)."""
+
+    def incref(self, pages: Tensor) -> None:
+        """Add one reference per entry; a CACHED page is revived."""
+
+    def touch(self, pages: Tensor) -> None:
+        """Stamp USED or CACHED pages with the clock."""
+
+    def evict(self, out: Tensor) -> None:
+        """Free up to ``out.numel()`` CACHED pages, oldest first, and write them to ``out``."""
+
+
+class TableOps(Protocol):
+    """A page table's operations (rules: :mod:`tpool.backends.reference_table`)."""
+
+    name: str
+
+    def extend(self, req_ids: Tensor, num_tokens: Tensor, slots: Tensor, ok: Tensor) -> None:
+        """Append tokens, taking pages as lanes cross page boundaries; write ``slots`` and ``ok``."""
+
+    def extend_into(self, res) -> Callable[[Tensor, Tensor, int], None]:
+        """``extend`` bound to an ``ExtendResult``'s buffers; the call takes ``(req_ids, num_tokens, B)``."""
+
+    def flashinfer_csr(self, req_ids: Tensor, indptr: Tensor, indices: Tensor, last_page_len: Tensor) -> None:
+        """The batch's FlashInfer CSR into any buffers (``indices`` re-padded whole)."""
+
+    def flashinfer_csr_into(self, csr, memo) -> Callable[[Tensor, int], None]:
+        """The CSR export bound to a ``PagedKVCSR``'s buffers and their ``CsrMemo``; the call takes
+        ``(req_ids, B)`` and re-pads ``indices`` only as far as the previous export wrote."""
+
+    def step_into(self, res, memo) -> Callable[[Tensor, Tensor, int], None]:
+        """``extend`` then the CSR export, bound to a ``StepResult``'s buffers; the call takes
+        ``(req_ids, num_tokens, B)``."""
+
+    def bind_step(self, res, memo, req_ids: Tensor, num_tokens: Tensor, b: int) -> Callable[[], None]:
+        """``step_into(res, memo)`` bound to its input tensors too: the call takes nothing."""
+
+    def release(self, req_ids: Tensor, cache: bool) -> None:
+        """Drop every page reference of these requests and reset their rows."""
+
+    def truncate(self, req_ids: Tensor, new_lens: Tensor) -> None:
+        """Roll requests back to ``new_lens`` tokens, freeing the pages past them."""
+
+    def fork(self, src_ids: Tensor, dst_ids: Tensor, lens: Tensor, ok: Tensor, cow_src: Tensor,
+             cow_dst: Tensor) -> None:
+        """Let empty ``dst`` share the first ``lens`` tokens of ``src``; write the copy-on-write pairs."""
+
+    def block_table_rows(self, req_ids: Tensor, out: Tensor) -> None:
+        """vLLM-style rows of the batch into ``out`` (int32 ``[B, max_pages]``)."""
+
+
+class PoolByFunctions:
+    """The pool operations of a backend made of functions of the state (reference, triton):
+    ``alloc(st, counts, pages, indptr, ok, evicted, evict)``, ``free(st, pages, cache)``,
+    ``incref(st, pages)``, ``touch(st, pages)``, ``evict(st, out)``."""
+
+    def __init__(self, st, alloc, free, incref, touch, evict):
+        self.st = st
+        self._alloc, self._free, self._incref, self._touch, self._evict = alloc, free, incref, touch, evict
+
+    def alloc_into(self, out):
+        alloc, st, pages, indptr, ok, evicted = self._alloc, self.st, out.pages, out.indptr, out.ok, out.evicted
+        return lambda counts, b, evict: alloc(st, counts, pages, indptr, ok, evicted, evict)
+
+    def free(self, pages, cache):
+        self._free(self.st, pages, cache)
+
+    def incref(self, pages):
+        self._incref(self.st, pages)
+
+    def touch(self, pages):
+        self._touch(self.st, pages)
+
+    def evict(self, out):
+        self._evict(self.st, out)
+
+
+class BoundByTensors:
+    """The bound forms of a table backend whose unbound ops take the output tensors themselves
+    (reference, triton): each bound call closes over the buffers and calls the unbound op."""
+
+    def extend_into(self, res):
+        extend, slots, ok = self.extend, res.slots, res.ok
+        return lambda req_ids, num_tokens, b: extend(req_ids, num_tokens, slots, ok)
+
+    def flashinfer_csr_into(self, csr, memo):
+        export = self._csr_call(csr, memo)
+        return lambda req_ids, b: export(req_ids)
+
+    def _csr_call(self, csr, memo):
+        """The export into ``csr``; ``memo`` (how far it wrote) is bookkeeping a full re-pad does without."""
+        export = self.flashinfer_csr
+        return lambda req_ids: export(req_ids, *csr)
+
+    def step_into(self, res, memo):
+        extend, export, slots, ok = self.extend, self._csr_call(res.csr, memo), res.slots, res.ok
+
+        def step(req_ids, num_tokens, b):
+            extend(req_ids, num_tokens, slots, ok)
+            export(req_ids)
+        return step
+
+    def bind_step(self, res, memo, req_ids, num_tokens, b):
+        step = self.step_into(res, memo)
+        return lambda: step(req_ids, num_tokens, b)

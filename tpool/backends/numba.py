@@ -1,0 +1,188 @@
+"""The numba backend: the kernels' numba twins on host memory, called through descriptors.
+
+Note: a numba call checks every array argument it is given, so the
+addresses a kernel needs are packed once into int64 descriptors (slots
+``SD_*``, ``AD_*``, ``TD_*``, ``CD_*`` in :mod:`tpool.kernels.layout`) and
+per-call tensors travel as ``data_ptr()`` integers. The per-step calls go
+straight to the CPython entry point numba compiled for exactly the argument
+types passed here (:func:`entry_point`), skipping numba's per-call type
+matching, and each is compiled at its first use (the first binding of its
+kind, the first free or release), not when a pool or table is made.
+Because descriptors hold addresses, whatever holds one also holds the
+tensors it points into; pools and tables refuse copy and pickle.
+"""
+
+import functools
+import os
+
+import numba
+import numpy as np
+import torch
+
+from tpool.kernels import alloc, block_table_rows, evict, extend, flashinfer_csr, fork, free, incref, release, step
+from tpool.kernels import layout as L
+from tpool.kernels import touch
+from tpool.state import CsrMemo
+
+_i64, _flag, _desc = numba.types.int64, numba.types.boolean, numba.types.int64[::1]
+
+# The one version counter of all numba tables in the process (see ``kernels._numba_util.new_version``):
+# outside every table's state, so never restored with a snapshot, and started at a random 62-bit
+# value, so versions do not repeat across tables or processes (a state copied in from another
+# table or a checkpoint brings a version this process's tables have not used). int64 [1].
+VERSION_SOURCE = torch.tensor([int.from_bytes(os.urandom(8), "little") >> 2], dtype=torch.int64)
+
+
+@functools.cache
+def entry_point(dispatcher, *argtypes):
+    """The CPython entry point of ``dispatcher`` compiled for exactly ``argtypes``, compiled on the
+    first request and remembered (``Dispatcher.compile`` is not free even when cached).
+
+    Calling it skips numba's per-call type matching, and also its type checks: a caller
+    passes exactly these types (Python ints for int64, bools, int64 C-contiguous arrays).
+    """
+    return dispatcher.compile(argtypes)
+
+
+def _addr(t: torch.Tensor) -> int:
+    assert t.is_contiguous() and t.device.type == "cpu"
+    return t.data_ptr()
+
+
+def state_descriptor(st) -> np.ndarray:
+    """The int64 descriptor of a ``PoolState`` (``SD_*`` slots; built once per pool)."""
+    d = np.zeros(L.STATE_DESC_LEN, np.int64)
+    for slot, t in ((L.SD_FREE_STACK, st.free_stack), (L.SD_REFCOUNT, st.refcount), (L.SD_PAGE_STATE, st.page_state),
+                    (L.SD_STAMP, st.stamp), (L.SD_COUNTERS, st.counters), (L.SD_OCCUR, st.occur),
+                    (L.SD_KEYS, st.keys)):
+        d[slot] = _addr(t)
+    d[L.SD_PAGES] = st.num_pages
+    return d
+
+
+def alloc_descriptor(sd: np.ndarray, out) -> np.ndarray:
+    """The descriptor of ``alloc`` bound to the buffers of ``out`` (an ``AllocOut``; ``AD_*`` slots)."""
+    d = np.zeros(L.AD_LEN, np.int64)
+    d[:L.STATE_DESC_LEN] = sd
+    d[L.AD_PAGES], d[L.AD_MAX_PAGES], d[L.AD_INDPTR] = _addr(out.pages), out.max_pages, _addr(out.indptr)
+    d[L.AD_OK], d[L.AD_MAX_BATCH], d[L.AD_EVICTED] = _addr(out.ok), out.max_batch, _addr(out.evicted)
+    return d
+
+
+def table_descriptor(ts) -> np.ndarray:
+    """The int64 descriptor of a ``TableState`` (``TD_*`` slots; built once per table)."""
+    assert ts.version.dtype == torch.int64
+    return np.array([_addr(ts.block_table), ts.max_requests, ts.max_pages, _addr(ts.seq_lens), _addr(ts.claim),
+                     ts.page_size, _addr(ts.version), VERSION_SOURCE.data_ptr()], dtype=np.int64)
+
+
+def call_descriptor(td, sd, slots=None, ok=None, csr=None, memo=None, inputs=None) -> np.ndarray:
+    """The descriptor of one table call (``CD_*`` slots): ``slots``/``ok`` for extend, ``csr`` =
+    (indptr, indices, last_page_len) for the CSR export with its ``CsrMemo``, ``inputs`` =
+    (req_ids, num_tokens) for a call bound to its inputs; unused slots are 0."""
+    d = np.zeros(L.CALL_DESC_LEN, np.int64)
+    d[:L.CD_STATE], d[L.CD_STATE:L.CD_OUT] = td, sd
+    if slots is not None:
+        d[L.CD_SLOTS], d[L.CD_SLOTS_LEN], d[L.CD_OK] = _addr(slots), slots.numel(), _addr(ok)
+    if csr is not None:
+        indptr, indices, last = csr
+        assert memo.tensor.numel() == L.memo_len(last.numel())
+        d[L.CD_INDPTR], d[L.CD_INDICES], d[L.CD_INDICES_LEN] = _addr(indptr), _addr(indices), indices.numel()
+        d[L.CD_LAST_PAGE_LEN], d[L.CD_CSR_MEMO] = _addr(last), _addr(memo.tensor)
+    if inputs is not None:
+        ids, ntok = inputs
+        assert ids.numel() == ntok.numel()
+        d[L.CD_IDS], d[L.CD_NTOK], d[L.CD_LANES] = _addr(ids), _addr(ntok), ids.numel()
+    return d
+
+
+class Pool:
+    """The pool's operations on numba (the contract: ``tpool.backends.contract.PoolOps``)."""
+
+    name = "numba"
+
+    def __init__(self, st):
+        self.st = st
+        self.sd = state_descriptor(st)
+        self._free = None  # compiled at the first free
+
+    def alloc_into(self, out):
+        ad = alloc_descriptor(self.sd, out)
+        run = entry_point(alloc.alloc_numba_entry, _i64, _i64, _desc, _flag)
+        return lambda counts, b, evict_: run(counts.data_ptr(), b, ad, evict_)
+
+    def free(self, pages, cache):
+        if self._free is None:
+            self._free = entry_point(free.free_numba_entry, _i64, _i64, _flag, _desc)
+        self._free(pages.data_ptr(), pages.numel(), cache, self.sd)
+
+    def incref(self, pages):
+        incref.incref_numba_entry(pages.data_ptr(), pages.numel(), self.sd)
+
+    def touch(self, pages):
+        touch.touch_numba_entry(pages.data_ptr(), pages.numel(), self.sd)
+
+    def evict(self, out):
+        evict.evict_numba_entry(out.data_ptr(), out.numel(), self.sd)
+
+
+class Table:
+    """A page table's operations on numba (the contract: ``tpool.backends.contract.TableOps``).
+
+    The hot calls (extend, the CSR export, the step) are bound to their output buffers
+    once: each bound call owns a call descriptor holding the output addresses, so a call
+    passes two addresses, a length and one array.
+    """
+
+    name = "numba"
+
+    def __init__(self, st, ts):
+        self.st, self.ts = st, ts
+        self.sd, self.td = state_descriptor(st), table_descriptor(ts)
+        self.cd = call_descriptor(self.td, self.sd)  # for the ops without table-owned outputs
+        self._release = None  # compiled at the first release
+
+    def extend(self, req_ids, num_tokens, slots, ok):
+        cd = call_descriptor(self.td, self.sd, slots=slots, ok=ok)
+        extend.extend_numba_entry(req_ids.data_ptr(), num_tokens.data_ptr(), req_ids.numel(), cd)
+
+    def extend_into(self, res):
+        cd = call_descriptor(self.td, self.sd, slots=res.slots, ok=res.ok)
+        run = entry_point(extend.extend_numba_entry, _i64, _i64, _i64, _desc)
+        return lambda req_ids, num_tokens, b: run(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd)
+
+    def flashinfer_csr(self, req_ids, indptr, indices, last_page_len):
+        memo = CsrMemo(req_ids.numel(), indices.numel(), indices.device)  # a fresh memo: re-pads every entry
+        self.flashinfer_csr_into((indptr, indices, last_page_len), memo)(req_ids, req_ids.numel())
+
+    def flashinfer_csr_into(self, csr, memo):
+        cd = call_descriptor(self.td, self.sd, csr=csr, memo=memo)
+        run = entry_point(flashinfer_csr.flashinfer_csr_numba_entry, _i64, _i64, _desc)
+        return lambda req_ids, b: run(req_ids.data_ptr(), b, cd)
+
+    def step_into(self, res, memo):
+        cd = call_descriptor(self.td, self.sd, slots=res.slots, ok=res.ok, csr=res.csr, memo=memo)
+        run = entry_point(step.step_numba_entry, _i64, _i64, _i64, _desc)
+        return lambda req_ids, num_tokens, b: run(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd)
+
+    def bind_step(self, res, memo, req_ids, num_tokens, b):
+        cd = call_descriptor(self.td, self.sd, slots=res.slots, ok=res.ok, csr=res.csr, memo=memo,
+                             inputs=(req_ids, num_tokens))
+        run = functools.partial(entry_point(step.step_bound_numba_entry, _i64), cd.ctypes.data)  # one int
+        run.descriptor = cd  # kept alive with the call
+        return run
+
+    def release(self, req_ids, cache):
+        if self._release is None:
+            self._release = entry_point(release.release_numba_entry, _i64, _i64, _flag, _desc)
+        self._release(req_ids.data_ptr(), req_ids.numel(), cache, self.cd)
+
+    def truncate(self, req_ids, new_lens):
+        release.truncate_numba_entry(req_ids.data_ptr(), new_lens.data_ptr(), req_ids.numel(), self.cd)
+
+    def fork(self, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
+        fork.fork_numba_entry(src_ids.data_ptr(), dst_ids.data_ptr(), lens.data_ptr(), dst_ids.numel(),
+                              ok.data_ptr(), cow_src.data_ptr(), cow_dst.data_ptr(), self.cd)
+
+    def block_table_rows(self, req_ids, out):
+        block_table_rows.block_table_rows_numba_entry(req_ids.data_ptr(), req_ids.numel(), out.data_ptr(), self.cd)

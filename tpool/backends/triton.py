@@ -1,0 +1,63 @@
+"""The triton backend: one launch of a single-program Triton kernel per call.
+
+Note: every kernel runs as one program that loops over fixed-size chunks
+(see ``tpool.kernels._triton_util``), so results never depend on the order
+in which atomics land. On a CPU it runs only under ``TRITON_INTERPRET=1``
+(for tests). ``step`` is one launch: the extend, a barrier, the CSR export.
+"""
+
+import torch
+
+from tpool.backends.contract import BoundByTensors, PoolByFunctions
+from tpool.kernels import alloc, block_table_rows, evict, extend, flashinfer_csr, fork, free, incref, release, step
+from tpool.kernels import touch
+
+
+class Pool(PoolByFunctions):
+    """The pool's operations on Triton (the contract: ``tpool.backends.contract.PoolOps``)."""
+
+    name = "triton"
+
+    def __init__(self, st):
+        super().__init__(st, alloc.alloc_triton, free.free_triton, incref.incref_triton, touch.touch_triton,
+                         evict.evict_triton)
+
+
+class Table(BoundByTensors):
+    """A page table's operations on Triton (the contract: ``tpool.backends.contract.TableOps``)."""
+
+    name = "triton"
+
+    def __init__(self, st, ts):
+        self.st, self.ts = st, ts
+
+    def extend(self, req_ids, num_tokens, slots, ok):
+        extend.extend_triton(req_ids, num_tokens, slots, ok, self.st, self.ts)
+
+    def release(self, req_ids, cache):
+        release.release_triton(req_ids, cache, self.st, self.ts)
+
+    def truncate(self, req_ids, new_lens):
+        release.truncate_triton(req_ids, new_lens, self.st, self.ts)
+
+    def fork(self, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
+        fork.fork_triton(src_ids, dst_ids, lens, ok, cow_src, cow_dst, self.st, self.ts)
+
+    def flashinfer_csr(self, req_ids, indptr, indices, last_page_len):
+        """Export into any buffers: ``indices`` is re-padded whole."""
+        written = torch.full((1,), indices.numel(), dtype=torch.int64, device=indices.device)
+        flashinfer_csr.flashinfer_csr_triton(req_ids, indptr, indices, last_page_len, written, self.st, self.ts)
+
+    def _csr_call(self, csr, memo):  # re-pads only as far as the last export into csr wrote (the memo)
+        indptr, indices, last = csr
+        st, ts, written = self.st, self.ts, memo.tensor
+        return lambda req_ids: flashinfer_csr.flashinfer_csr_triton(req_ids, indptr, indices, last, written, st, ts)
+
+    def step_into(self, res, memo):  # one launch: extend, barrier, CSR
+        (indptr, indices, last), slots, ok = res.csr, res.slots, res.ok
+        st, ts, written = self.st, self.ts, memo.tensor
+        return lambda req_ids, num_tokens, b: step.step_triton(req_ids, num_tokens, slots, ok, indptr, indices, last,
+                                                               written, st, ts)
+
+    def block_table_rows(self, req_ids, out):
+        block_table_rows.block_table_rows_triton(req_ids, out, self.ts)
