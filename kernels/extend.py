@@ -58,9 +58,23 @@ def extend_numba(
     last,         # int32 [B] when track
     ins,          # int64 [MEMO_INS_WIDTH * B] when track: (lane, old CSR end, pages before, after) per grown lane
 ):
-    """Returns ``(clean, pages, grown)`` for a tracked call: ``clean`` when every lane is padding
-    or a request's first lane, ``pages`` the batch's pages after the call (the CSR's total),
-    ``grown`` the entries listed in ``ins``."""
+    """The extend of a batch; with ``track``, also a step's CSR bookkeeping, in the same pass.
+
+    The one lane pass grants pages (first come first served), writes the table, the
+    lengths, ``ok`` and the slots. With ``track`` (a step) it also writes the CSR's
+    lane side as it goes, since each lane's page count after the call is known there:
+    ``indptr[i + 1]`` (a running sum of the lanes' pages after the call) and
+    ``last[i]``, and it lists in ``ins`` every lane that was given pages: its lane,
+    where its run ended in the previous CSR (``pos - gained``: pages of the lanes
+    before it, minus those they gained in this call), its pages before and after. The
+    step then only moves those runs (``kernels/step.py``) instead of rebuilding
+    ``indices``. ``distinct`` (the step's memo already knows the batch has no repeated
+    or unknown id) skips the claim passes.
+
+    Returns ``(clean, pages, grown)``: ``clean`` when every lane is padding or a
+    request's first lane, ``pages`` the batch's pages after the call (the CSR's total),
+    ``grown`` the entries listed in ``ins``. Untracked calls ignore them.
+    """
     ids, ntok = i32_array(req_ids_ptr, B), i32_array(ntok_ptr, B)
     slots, ok = i32_array(slots_ptr, T), u8_array(ok_ptr, B)
     R, MP = block_table.shape[0], block_table.shape[1]

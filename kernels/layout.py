@@ -66,8 +66,8 @@ def memo_len(b: int) -> int:
     return MEMO_IDS + (1 + MEMO_INS_WIDTH) * b
 
 
-# Descriptors of the numba kernels. A numba call checks every array argument (~60 ns
-# each), so the addresses a kernel needs reach it packed in one int64 array, built once
+# Descriptors of the numba kernels. A numba call checks every array argument it is
+# given, so the addresses a kernel needs reach it packed in one int64 array, built once
 # by ``tpool.backends.numba`` (the tensors never move).
 #
 # A pool's state descriptor (int64 [STATE_DESC_LEN]): addresses of its state tensors

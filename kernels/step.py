@@ -1,14 +1,14 @@
 """step: one scheduler step on a page table: extend, then the FlashInfer CSR of the batch.
 
-The two passes of :mod:`extend` and :mod:`csr` in one call, so a decode loop
+The two passes of :mod:`extend` and :mod:`flashinfer_csr` in one call, so a decode loop
 pays one façade call and one numba kernel call, or one Triton launch, per step.
 The CSR is built after the extend, so it lists the pages the step just added:
 the semantics are those of the two calls made one after the other (the
 reference backend makes them).
 
 Note: on numba a step updates the CSR in place when it can. The CSR of a
-decode batch holds every page of every request (~20,000 ids at B=256), and
-copying them is most of a step on a CPU; from one step to the next, a
+decode batch holds every page of every request (tens of thousands of ids
+at B=256), and copying them is most of a step on a CPU; from one step to the next, a
 request only gains pages at the end of its run, so the previous CSR,
 with runs shifted right and new pages written in, is the new one. A step
 does that when the buffers hold the CSR of the same batch at the table's

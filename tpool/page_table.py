@@ -72,8 +72,9 @@ class BoundStep(functools.partial):
     Calling it checks that ``req_ids`` and ``num_tokens`` keep the memory and length they
     were bound with (``StaleBinding``, a ValueError, if not) and runs the step; it returns
     ``result``, the table-owned ``StepResult`` of this shape. The call is a closure over
-    local values behind ``functools.partial``'s C call: a decode step is ~3 us on a CPU,
-    and a Python method with attribute lookups would add a tenth to it.
+    local values behind ``functools.partial``'s C call: on a CPU a decode step costs only
+    a few microseconds, and a Python method with attribute lookups would add to it
+    visibly. It holds the table, so the state it points into stays alive with it.
     """
 
     def __new__(cls, table, req_ids, num_tokens, max_tokens, capacity):
@@ -205,16 +206,19 @@ class PageTable:
 
         Parameters
         ----------
-        req_ids : torch.Tensor  shape ``[B]``, int32, on the table's device; -1 = padding.
-        num_tokens : torch.Tensor  shape ``[B]``, int32, on the table's device.
+        req_ids : torch.Tensor
+            shape ``[B]``, int32, on the table's device; -1 = padding.
+        num_tokens : torch.Tensor
+            shape ``[B]``, int32, on the table's device: tokens to append per lane.
         max_tokens : int, optional
             Length of ``slots`` (the batch's token budget, known to the scheduler);
             default ``B`` (one token per request: a decode step).
 
         Returns
         -------
-        ExtendResult ``(slots, ok)`` in table-owned buffers (overwritten by the next
-        call of the same shape).
+        ExtendResult
+            ``slots`` int32 ``[max_tokens]`` and ``ok`` bool ``[B]``, on the table's device,
+            in table-owned buffers overwritten by the next call of the same shape.
         """
         b = self._lanes(req_ids, num_tokens)
         t = b if max_tokens is None else max_tokens
@@ -235,25 +239,34 @@ class PageTable:
 
         Parameters
         ----------
-        req_ids, num_tokens, max_tokens : as in :meth:`extend`.
+        req_ids : torch.Tensor
+            shape ``[B]``, int32, on the table's device; -1 = padding.
+        num_tokens : torch.Tensor
+            shape ``[B]``, int32, on the table's device: tokens to append per lane.
+        max_tokens : int, optional
+            Length of ``slots``, as in :meth:`extend`; default ``B``.
         capacity : int, optional
             Length of ``csr.indices``, as in :meth:`flashinfer_csr`.
 
         Returns
         -------
-        StepResult ``(slots, ok, csr)`` in table-owned buffers: ``slots``/``ok`` are
-        shared by steps of the same ``(B, max_tokens)``, ``csr`` by steps of the same
-        ``(B, capacity)``; the next such step overwrites them.
+        StepResult
+            ``slots`` int32 ``[max_tokens]``, ``ok`` bool ``[B]`` and ``csr`` (a
+            :class:`PagedKVCSR`), on the table's device, in table-owned buffers:
+            ``slots``/``ok`` are shared by steps of the same ``(B, max_tokens)``, ``csr`` by
+            steps of the same ``(B, capacity)``; the next such step overwrites them.
 
-        Note: a decode loop that passes the same two tensor objects every step (filled
-        in place) gets :meth:`bind_step`'s speed without asking: from the second such
-        step on, the table keeps them bound and a step only checks that they still
-        have their memory and length, as a bound step does (``max_tokens`` and
-        ``capacity`` must be the same objects too, as a constant or None is). What
-        goes unnoticed is a tensor reinterpreted in place over the same memory
-        (``t.data = t.view(dtype)``, ``as_strided_``): on numba the kernel then reads
-        the same bits as int32 and range-checks them as ids, never out of bounds. The
-        table holds a reference to the last step's inputs.
+        Notes
+        -----
+        A decode loop that passes the same two tensor objects every step (filled in
+        place) gets :meth:`bind_step`'s speed without asking: from the second such step
+        on, the table keeps them bound (:attr:`step_binding`) and a step only checks
+        that they still have their memory and length, as a bound step does
+        (``max_tokens`` and ``capacity`` must be the same objects too, as a constant or
+        None is). What goes unnoticed is a tensor reinterpreted in place over the same
+        memory (``t.data = t.view(dtype)``, ``as_strided_``): on numba the kernel then
+        reads the same bits as int32 and range-checks them as ids, never out of bounds.
+        The table holds a reference to the last step's inputs.
         """
         last = self._repeat
         if req_ids is last[0] and num_tokens is last[1] and max_tokens is last[2] and capacity is last[3]:
@@ -290,9 +303,25 @@ class PageTable:
         For a decode loop that keeps its inputs in persistent tensors and fills them in
         place each step (as a CUDA graph's static inputs). ``run = table.bind_step(ids,
         ntok)`` checks dtype, device and shape here; ``run()`` then only checks that the
-        two tensors still have the same memory and length (``StaleBinding``, a
-        ``ValueError``, if not) and runs the step: on numba that saves the per-call argument checks (~1 us per step on a
-        CPU). It returns the same table-owned buffers as ``step`` for this shape.
+        two tensors still have the same memory and length (:class:`StaleBinding`, a
+        ``ValueError``, if not) and runs the step: on numba that saves the per-call
+        argument checks.
+
+        Parameters
+        ----------
+        req_ids : torch.Tensor
+            shape ``[B]``, int32, on the table's device; -1 = padding. Filled in place
+            before each ``run()``.
+        num_tokens : torch.Tensor
+            shape ``[B]``, int32, on the table's device. Filled in place before each ``run()``.
+        max_tokens, capacity : int, optional
+            As in :meth:`step`.
+
+        Returns
+        -------
+        BoundStep
+            ``run()`` performs the step and returns the table-owned :class:`StepResult`
+            of this shape (the same buffers as ``step`` returns).
         """
         return BoundStep(self, req_ids, num_tokens, max_tokens, capacity)
 
@@ -303,7 +332,12 @@ class PageTable:
         ``cache=True`` pages whose last reference goes become CACHED (a prefix cache
         keeps them), else FREE.
 
-        req_ids : torch.Tensor  shape ``[B]``, int32, on the table's device; -1 = padding.
+        Parameters
+        ----------
+        req_ids : torch.Tensor
+            shape ``[B]``, int32, on the table's device; -1 = padding.
+        cache : bool
+            Keep pages whose last reference goes as CACHED.
         """
         self._ids(req_ids)
         self.ops.release(req_ids, cache)
@@ -314,7 +348,12 @@ class PageTable:
         Pages past the new length are freed. A new length above the current one
         (or below 0) is a ``bad_length`` error and leaves that request unchanged.
 
-        req_ids, new_lens : torch.Tensor  shape ``[B]``, int32, on the table's device.
+        Parameters
+        ----------
+        req_ids : torch.Tensor
+            shape ``[B]``, int32, on the table's device; -1 = padding.
+        new_lens : torch.Tensor
+            shape ``[B]``, int32, on the table's device: each request's length after the call.
         """
         b = self._ids(req_ids)
         self._lane_vector(new_lens, "new_lens", b)
@@ -325,9 +364,22 @@ class PageTable:
 
         Whole pages are shared (reference counts go up). If ``lens[i]`` ends inside a
         page, ``dst`` gets a fresh page for it and the pair is returned so the caller
-        copies the KV data (copy-on-write). Padding: ``dst_ids[i] == -1``.
+        copies the KV data (copy-on-write).
 
-        src_ids, dst_ids, lens : torch.Tensor  shape ``[B]``, int32, on the table's device.
+        Parameters
+        ----------
+        src_ids : torch.Tensor
+            shape ``[B]``, int32, on the table's device: the requests to share from.
+        dst_ids : torch.Tensor
+            shape ``[B]``, int32, on the table's device: empty requests; -1 = padding.
+        lens : torch.Tensor
+            shape ``[B]``, int32, on the table's device: tokens to share, at most ``src``'s length.
+
+        Returns
+        -------
+        ForkResult
+            ``ok`` bool ``[B]``, ``cow_src`` and ``cow_dst`` int32 ``[B]`` (-1 where no copy is
+            needed), on the table's device, in table-owned buffers.
         """
         b = self._ids(dst_ids, "dst_ids")
         self._lane_vector(src_ids, "src_ids", b)
@@ -347,7 +399,22 @@ class PageTable:
         ``last_page_len = seq_len - (num_pages - 1) * page_size``, in ``[1, page_size]``;
         an empty or padding request has no pages and ``last_page_len = page_size``, so
         ``(num_pages - 1) * page_size + last_page_len = 0`` still gives its length.
-        ``capacity`` (default ``B * max_pages_per_request``, always enough) sizes ``indices``.
+        Read-only: no clock step.
+
+        Parameters
+        ----------
+        req_ids : torch.Tensor
+            shape ``[B]``, int32, on the table's device; -1 = padding.
+        capacity : int, optional
+            Length of ``indices``; default ``B * max_pages_per_request``, always enough. A
+            batch with more pages counts ``out_overflow`` and is cut at the capacity.
+
+        Returns
+        -------
+        PagedKVCSR
+            ``indptr`` int32 ``[B + 1]``, ``indices`` int32 ``[capacity]`` (-1 past
+            ``indptr[B]``), ``last_page_len`` int32 ``[B]``, on the table's device, in
+            table-owned buffers.
         """
         b = self._ids(req_ids)
         cap = b * self.max_pages if capacity is None else capacity
@@ -359,7 +426,19 @@ class PageTable:
         return bound[0]
 
     def block_table_rows(self, req_ids: torch.Tensor) -> torch.Tensor:
-        """vLLM-style block table for the batch: int32 ``[B, max_pages_per_request]``, -1 padded."""
+        """vLLM-style block table for the batch: each request's row, -1 padded.
+
+        Parameters
+        ----------
+        req_ids : torch.Tensor
+            shape ``[B]``, int32, on the table's device; -1 = padding.
+
+        Returns
+        -------
+        torch.Tensor
+            shape ``[B, max_pages_per_request]``, int32, on the table's device (a table-owned
+            buffer); a row of -1 for padding and for ids outside ``[0, max_requests)``.
+        """
         b = self._ids(req_ids)
         out = self._buffers(("rows", b), lambda: torch.full(
             (b, self.max_pages), L.NULL_PAGE, dtype=torch.int32, device=self.device))
@@ -412,6 +491,15 @@ class PageTable:
         page's reference count is at least (``exclusive``: exactly) the number of
         table entries naming it. A step's CSR buffers that the next step of the same
         batch would grow in place (numba) still hold that batch's CSR.
+
+        Parameters
+        ----------
+        exclusive : bool
+            The table holds every reference (no other owner of pages): counts must match exactly.
+
+        Raises
+        ------
+        InvariantViolation
         """
         self.pool.check_invariants()
         bt, lens = self.block_table.cpu().long(), self.seq_lens.cpu().long()

@@ -132,9 +132,21 @@ class PagePool:
     def alloc_out(self, max_batch: int | None = None, max_pages: int | None = None) -> AllocOut:
         """Preallocate outputs for ``alloc(..., out=)`` (graph capture, no per-call allocation).
 
-        ``max_batch`` (default ``self.max_batch``) sizes ``indptr``/``ok``, which are
-        padded past the batch on every call: size it to the batches you run.
-        ``max_pages`` (default ``self.max_alloc_pages``) sizes ``pages``/``evicted``.
+        Parameters
+        ----------
+        max_batch : int, optional
+            Sizes ``indptr`` (``[max_batch + 1]``) and ``ok`` (``[max_batch]``), which are
+            padded past the batch on every call: size it to the batches you run. Default
+            ``self.max_batch``.
+        max_pages : int, optional
+            Sizes ``pages`` and ``evicted`` (``[max_pages]``): the most pages one call can
+            grant. Default ``self.max_alloc_pages``.
+
+        Returns
+        -------
+        AllocOut
+            Buffers on the pool's device, bound to this pool's kernel; every ``alloc`` that
+            gets them overwrites them.
         """
         for name, v in (("max_batch", max_batch), ("max_pages", max_pages)):
             if v is not None and (not isinstance(v, int) or v < 1):
@@ -181,12 +193,17 @@ class PagePool:
         """Drop one reference per entry of ``pages``; pages reaching 0 become FREE.
 
         With ``cache=True`` they become CACHED instead: content kept, evictable,
-        stamped with the clock. Inside a :meth:`free_group` the call is
-        deferred (its ids are copied at once). ``-1`` entries are ignored; a
-        page without references counts as ``double_free``, an id outside
-        ``[0, num_pages)`` as ``invalid_page`` (raised by :meth:`check`).
+        stamped with the clock. Inside a :meth:`free_group` the call is deferred
+        (its ids are copied at once). A page without references counts as
+        ``double_free``, an id outside ``[0, num_pages)`` as ``invalid_page``
+        (raised by :meth:`check`).
 
-        pages : torch.Tensor  shape ``[N]``, int32, on the pool's device.
+        Parameters
+        ----------
+        pages : torch.Tensor
+            shape ``[N]``, int32, on the pool's device; -1 entries are padding.
+        cache : bool
+            Keep freed pages as CACHED (a prefix cache) instead of FREE.
         """
         if i32_len(pages, self.device) < 0:
             self._vector(pages, "pages")  # raises with the expected and actual values
@@ -201,7 +218,12 @@ class PagePool:
     def incref(self, pages: torch.Tensor) -> None:
         """Add one reference per entry (prefix sharing). A CACHED page is revived.
 
-        pages : torch.Tensor  shape ``[N]``, int32, on the pool's device.
+        A FREE page counts ``use_after_free`` and is left alone.
+
+        Parameters
+        ----------
+        pages : torch.Tensor
+            shape ``[N]``, int32, on the pool's device; -1 entries are padding.
         """
         self._vector(pages, "pages")
         self.ops.incref(pages)
@@ -209,17 +231,32 @@ class PagePool:
     def touch(self, pages: torch.Tensor) -> None:
         """Stamp USED or CACHED pages with the current clock (LRU refresh).
 
-        pages : torch.Tensor  shape ``[N]``, int32, on the pool's device.
+        A FREE page counts ``use_after_free``.
+
+        Parameters
+        ----------
+        pages : torch.Tensor
+            shape ``[N]``, int32, on the pool's device; -1 entries are padding.
         """
         self._vector(pages, "pages")
         self.ops.touch(pages)
 
     def evict(self, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Free up to ``k`` CACHED pages, least recently stamped first (ties by id).
+        """Free up to ``k`` CACHED pages, least recently stamped first (ties by page id).
 
-        Returns int32 ``[k]`` on the pool's device: the evicted ids oldest first,
-        padded with -1, so a prefix cache can drop their keys. ``out`` (int32
-        ``[k]``) may be passed for graph capture.
+        Parameters
+        ----------
+        k : int
+            Most pages to evict.
+        out : torch.Tensor, optional
+            shape ``[k]``, int32, on the pool's device: where to write the result (for graph
+            capture); default a fresh tensor.
+
+        Returns
+        -------
+        torch.Tensor
+            shape ``[k]``, int32, on the pool's device: the evicted ids oldest first, -1
+            padded, so a prefix cache can drop their keys.
         """
         k = _checks.check_size(k, "k")
         if out is None:
@@ -232,9 +269,19 @@ class PagePool:
     def free_group(self, capacity: int = 4096) -> FreeGroup:
         """A context in which ``free`` calls are deferred and applied in one pass at exit.
 
-        Every deferred ``pages`` tensor is copied into a pool-owned buffer of
-        ``capacity`` ids when ``free`` is called, so callers may overwrite the
-        tensors they passed. See :class:`tpool.free_group.FreeGroup`.
+        Every deferred ``pages`` tensor is copied into a pool-owned buffer when
+        ``free`` is called, so callers may overwrite the tensors they passed. See
+        :class:`tpool.free_group.FreeGroup`.
+
+        Parameters
+        ----------
+        capacity : int
+            Page ids the group buffers before it applies them (a fuller group flushes early).
+
+        Returns
+        -------
+        FreeGroup
+            The context manager; groups do not nest.
         """
         return FreeGroup(self, capacity)
 
@@ -243,11 +290,24 @@ class PagePool:
         return self.state.counters.tolist()
 
     def available(self) -> int:
-        """Pages on the free stack. A sync point: reads the device."""
+        """Pages on the free stack. A sync point: reads the device.
+
+        Returns
+        -------
+        int
+        """
         return int(self.state.counters[L.FREE_COUNT])
 
     def stats(self) -> dict:
-        """Counters in the style of ``torch.cuda.memory_stats``. A sync point."""
+        """Counters in the style of ``torch.cuda.memory_stats``. A sync point.
+
+        Returns
+        -------
+        dict
+            ``pages.total``, ``pages.{free,used,cached}.current``, ``pages.{used,cached}.peak``,
+            ``pages.{allocated,freed,evicted,revived}`` (totals), ``requests.failed``, ``clock``
+            and ``errors.<kind>`` for every error kind, all ints.
+        """
         c = self._read_counters()
         used = self.num_pages - c[L.FREE_COUNT] - c[L.CACHED_COUNT]
         s = {
@@ -272,6 +332,13 @@ class PagePool:
         """Raise the :class:`tpool.PoolError` subclass for errors counted since the last check.
 
         A sync point. The exception's ``counts`` names every kind seen and its count.
+
+        Raises
+        ------
+        PoolError
+            ``InvalidPage``, ``DoubleFree``, ``UseAfterFree``, ``InvalidCount``,
+            ``OutputOverflow``, ``InvalidRequest``, ``TableOverflow`` or ``InvalidLength``
+            (the most frequent kind), naming every kind counted.
         """
         c = self._read_counters()
         delta = {slot: c[slot] - self._errors_seen[slot] for slot in L.ERROR_NAMES}
@@ -281,7 +348,13 @@ class PagePool:
     def check_invariants(self) -> None:
         """Verify the whole state; raise :class:`InvariantViolation` on the first breach.
 
-        A sync point meant for tests and debugging (reads every state tensor).
+        A sync point meant for tests and debugging (reads every state tensor):
+        page states, counts, the free stack, reference counts, peaks, totals, and that
+        the scratch a later call relies on is reset.
+
+        Raises
+        ------
+        InvariantViolation
         """
         st = {k: v.cpu() for k, v in self.state.tensors().items()}
         c = st["counters"].tolist()
@@ -308,6 +381,12 @@ class PagePool:
              "allocated + revived - freed == used")
 
     def memory_bytes(self) -> dict:
-        """Bytes held by the pool's state tensors (for :func:`tpool.memory_report`)."""
+        """Bytes held by the pool's state tensors (for :func:`tpool.memory_report`).
+
+        Returns
+        -------
+        dict
+            ``{"name": repr(self), "state_bytes": int}``.
+        """
         n = sum(t.untyped_storage().nbytes() for t in self.state.tensors().values())
         return {"name": repr(self), "state_bytes": n}
