@@ -1,6 +1,7 @@
 """Cached pages, LRU stamps, revival and eviction on every CPU backend."""
 
 import pytest
+import torch
 
 import tpool
 from conftest import i32
@@ -66,8 +67,11 @@ def test_evict_more_than_the_pool(make_pool, guard):
     with guard():
         pool.alloc(i32([3]))
         pool.free(i32([2, 1, 0]), cache=True)
-        out = pool.evict(5)
-    assert out.tolist() == [0, 1, 2, -1, -1]
+        out = pool.evict(5)                    # never longer than the pool: [min(k, num_pages)]
+        pool.alloc(i32([3]))
+        pool.free(i32([0, 1, 2]), cache=True)
+        given = pool.evict(5, out=torch.full((5,), 7, dtype=torch.int32))
+    assert out.tolist() == [0, 1, 2] and given.tolist() == [0, 1, 2, -1, -1]
 
 
 def test_alloc_with_evict_takes_only_the_shortfall(make_pool, guard):

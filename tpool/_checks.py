@@ -22,11 +22,33 @@ def i32_len(t, device: torch.device) -> int:
     return -1
 
 
-def check_size(v, name: str) -> int:
-    """A buffer length given by the caller: a non-negative integer (numpy integers too), as int."""
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
-        raise ValueError(f"{name}: expected a non-negative int, got {v!r}")
+def _describe(v) -> str:
+    """``v`` for an error message without reading tensor data (a repr of a tensor would sync)."""
+    return f"a {type(v).__name__}" if isinstance(v, torch.Tensor) or not isinstance(v, (int, float, str)) else repr(v)
+
+
+def check_size(v, name: str, minimum: int = 0) -> int:
+    """A size given by the caller: an integer (numpy integers too, never a bool or a tensor)
+    of at least ``minimum``, as int."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
+        what = {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
+        raise ValueError(f"{name}: expected {what}, got {_describe(v)}")
     return int(v)
+
+
+def written_storages(tensors) -> frozenset:
+    """Base addresses of the storages of ``tensors`` (buffers a call writes), for :func:`check_not_written`."""
+    return frozenset(a for t in tensors if (a := t.untyped_storage().data_ptr()) != 0)
+
+
+def check_not_written(t, name: str, written: frozenset) -> None:
+    """Raise if input ``t`` shares storage with a buffer the call writes (``written``, from
+    :func:`written_storages`): a kernel would read an input it is overwriting, and the
+    backends would disagree. Every tpool-owned tensor has a storage of its own, so sharing
+    a storage is overlapping. Metadata only, no sync."""
+    if t.untyped_storage().data_ptr() in written:
+        raise ValueError(f"{name}: shares memory with a buffer this call writes (a pool or table state tensor, "
+                         "or this call's own output buffer); pass a copy (.clone())")
 
 
 def check_vector(t, name: str, dtype: torch.dtype, device: torch.device, max_len: int | None = None) -> int:
@@ -46,7 +68,7 @@ def check_vector(t, name: str, dtype: torch.dtype, device: torch.device, max_len
         if max_len is None or n <= max_len:
             return n
         raise ValueError(f"{name}: expected at most {max_len} entries, got {n}")
-    if not isinstance(t, torch.Tensor):
+    if type(t) is not torch.Tensor:  # subclasses too: a FakeTensor or a wrapper has no memory to read
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype is not dtype:
         raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")

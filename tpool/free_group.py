@@ -15,10 +15,16 @@ plain frees in enqueue order as one pass, then all ``cache=True`` frees as
 another. An enqueue larger than the whole buffer is applied at once (after
 flushing what is buffered). No free is ever lost, and the schedule of
 flushes depends only on shapes, so it is deterministic.
+
+Threads: a group belongs to the thread that opened it. Frees from other
+threads while it is open are applied at once, as if no group were open.
 """
+
+import threading
 
 import torch
 
+from tpool._checks import check_size
 from tpool.kernels import layout as L
 
 
@@ -26,8 +32,8 @@ class FreeGroup:
     """Context manager made by :meth:`PagePool.free_group`; see the module note."""
 
     def __init__(self, pool, capacity: int):
-        if not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"capacity: expected a positive int, got {capacity!r}")
+        capacity = check_size(capacity, "capacity", 1)
+        self.thread = threading.get_ident()
         self.pool, self.capacity = pool, capacity
         # ``buffer``: int32 [2, capacity]; row 0: plain frees, row 1: cached frees.
         # Pool-owned and kept across groups of the same capacity: no allocation per group,
@@ -38,6 +44,10 @@ class FreeGroup:
                 (2, capacity), L.NULL_PAGE, dtype=torch.int32, device=pool.device)
         self._fill = [0, 0]
         self.flushes = 0  # how many passes were applied (host-side, for tests and stats)
+
+    def owned_here(self) -> bool:
+        """Whether the calling thread opened this group (its frees are deferred; others' are not)."""
+        return threading.get_ident() == self.thread
 
     def __enter__(self):
         if self.pool._group is not None:

@@ -71,4 +71,7 @@ def capture(step, *owners, warmup: int = 2) -> "torch.cuda.CUDAGraph":
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
+    for owner in owners:  # the graph writes these buffers on every replay: never drop them
+        if hasattr(owner, "pin_shapes"):
+            owner.pin_shapes()
     return graph

@@ -21,6 +21,7 @@ import torch
 from tpool import _checks
 from tpool._checks import i32_len
 from tpool.backends import make_table_ops
+from tpool.buffers import DEFAULT_MAX_SHAPES, ShapeBuffers
 from tpool.errors import InvariantViolation
 from tpool.kernels import layout as L
 from tpool.state import INT32_MAX, CsrMemo, TableState
@@ -78,7 +79,7 @@ class BoundStep(functools.partial):
     """
 
     def __new__(cls, table, req_ids, num_tokens, max_tokens, capacity):
-        b, (result, _, memo) = table._step_shape(req_ids, num_tokens, max_tokens, capacity)
+        b, (result, _, memo, _) = table._step_shape(req_ids, num_tokens, max_tokens, capacity)
         run = table.ops.bind_step(result, memo, req_ids, num_tokens, b)
         ids_at, ntok_at, ids_len, ntok_len = req_ids.data_ptr, num_tokens.data_ptr, req_ids.numel, num_tokens.numel
         at_ids, at_ntok = ids_at(), ntok_at()
@@ -91,7 +92,7 @@ class BoundStep(functools.partial):
             return result
 
         self = super().__new__(cls, step)
-        self.result, self.req_ids, self.num_tokens = result, req_ids, num_tokens
+        self.table, self.result, self.req_ids, self.num_tokens = table, result, req_ids, num_tokens
         return self
 
     def __repr__(self):
@@ -109,6 +110,10 @@ class PageTable:
         Rows of ``block_table``; request ids are ``0 .. max_requests - 1``.
     max_pages_per_request : int
         Columns of ``block_table``.
+    max_shapes : int
+        Call shapes (batch size, ``max_tokens``, ``capacity``) whose output buffers the
+        table keeps, least recently used dropped first; shapes used in a captured CUDA
+        graph are never dropped (see :mod:`tpool.buffers`). Bucket a loop's shapes.
 
     Example
     -------
@@ -125,10 +130,14 @@ class PageTable:
     ([7, 10], [0, 2, 3], [0, 1, 2])
     """
 
-    def __init__(self, pool, max_requests: int, max_pages_per_request: int):
-        for name, v in (("max_requests", max_requests), ("max_pages_per_request", max_pages_per_request)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    def __init__(self, pool, max_requests: int, max_pages_per_request: int, *,
+                 max_shapes: int = DEFAULT_MAX_SHAPES):
+        max_requests, max_pages_per_request, max_shapes = (_checks.check_size(v, name, 1) for name, v in (
+            ("max_requests", max_requests), ("max_pages_per_request", max_pages_per_request),
+            ("max_shapes", max_shapes)))
+        if max_requests >= INT32_MAX or max_requests * max_pages_per_request >= INT32_MAX:
+            raise ValueError(f"max_requests * max_pages_per_request: expected < {INT32_MAX} table entries, got "
+                             f"{max_requests} * {max_pages_per_request}")
         if pool.num_pages * pool.page_size > INT32_MAX:
             raise ValueError(f"pool: slots are int32, so num_pages * page_size must be at most {INT32_MAX}, "
                              f"got {pool.num_pages} * {pool.page_size}")
@@ -138,8 +147,10 @@ class PageTable:
                                        self.device)
         self.block_table, self.seq_lens = self.state.block_table, self.state.seq_lens
         self.ops = make_table_ops(pool.backend, pool.state, self.state)  # the backend's TableOps (tpool.backends)
-        self._bufs = {}   # (op, shape) -> output buffers
-        self._bound = {}  # (op, shape) -> (output buffers, backend call bound to them[, CSR memo])
+        # Output buffers per call shape, at most max_shapes of them (tpool.buffers); every call
+        # writes the pool's and the table's state, so no input may share memory with those.
+        self._written = pool._written | _checks.written_storages(self.state.tensors().values())
+        self._shapes = ShapeBuffers(self.device, max_shapes, self._written)
         self._repeat = (None,) * 5  # the last step's (req_ids, num_tokens, max_tokens, capacity, BoundStep or None)
 
     def __reduce_ex__(self, protocol):
@@ -182,18 +193,12 @@ class PageTable:
                            torch.zeros(b, dtype=torch.int32, device=self.device)),
                 CsrMemo(b, cap, self.device))
 
-    def _buffers(self, key, make):
-        bufs = self._bufs.get(key)
-        if bufs is None:
-            self._not_capturing(key)
-            bufs = self._bufs[key] = make()
-        return bufs
-
-    def _not_capturing(self, key):
-        """New output buffers (and their bookkeeping) must be made and filled outside graph capture."""
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"PageTable: the first call of shape {key} is inside CUDA graph capture; run each "
-                               "call shape once before capturing (tpool.graphs.capture does that)")
+    @staticmethod
+    def _not_written(entry, *inputs):
+        """Refuse inputs that share memory with what the call of ``entry`` writes (``ValueError``)."""
+        for name, t in inputs:
+            if t.untyped_storage().data_ptr() in entry[3]:
+                _checks.check_not_written(t, name, entry[3])
 
     # ------------------------------------------------------------ hot path
     def extend(self, req_ids: torch.Tensor, num_tokens: torch.Tensor, *, max_tokens: int | None = None) -> ExtendResult:
@@ -222,12 +227,14 @@ class PageTable:
         """
         b = self._lanes(req_ids, num_tokens)
         t = b if max_tokens is None else max_tokens
-        bound = self._bound.get(("extend", b, t))
-        if bound is None:
-            res = self._buffers(("extend", b, t), lambda: ExtendResult(*self._extend_out(b, t)))
-            bound = self._bound[("extend", b, t)] = (res, self.ops.extend_into(res))
-        bound[1](req_ids, num_tokens, b)
-        return bound[0]
+        key = ("extend", b, t)
+        entry = self._shapes.get(key)
+        if entry is None:
+            res = self._shapes.buffer(key, lambda: ExtendResult(*self._extend_out(b, t)))
+            entry = self._shapes.add(key, (key,), res, self.ops.extend_into(res))
+        self._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))
+        entry[1](req_ids, num_tokens, b)
+        return entry[0]
 
     def step(self, req_ids: torch.Tensor, num_tokens: torch.Tensor, *, max_tokens: int | None = None,
              capacity: int | None = None) -> StepResult:
@@ -278,23 +285,26 @@ class PageTable:
                 return run()
             except StaleBinding:  # reassigned or resized since: check them as new inputs
                 pass
-        b, bound = self._step_shape(req_ids, num_tokens, max_tokens, capacity)
+        b, entry = self._step_shape(req_ids, num_tokens, max_tokens, capacity)
         self._repeat = (req_ids, num_tokens, max_tokens, capacity, None)
-        bound[1](req_ids, num_tokens, b)
-        return bound[0]
+        entry[1](req_ids, num_tokens, b)
+        return entry[0]
 
     def _step_shape(self, req_ids, num_tokens, max_tokens, capacity):
-        """``(B, (buffers, bound call, CSR memo))`` of a step: slots/ok per (B, max_tokens) and
-        the CSR per (B, capacity), shared by the steps of that shape."""
+        """``(B, Entry)`` of a step, its inputs checked: slots/ok per (B, max_tokens) and the CSR
+        per (B, capacity), each buffer set shared by the steps of that shape."""
         b = self._lanes(req_ids, num_tokens)
         t = b if max_tokens is None else max_tokens
         cap = b * self.max_pages if capacity is None else capacity
-        bound = self._bound.get(("step", b, t, cap))
-        if bound is None:
-            csr, memo = self._buffers(("step-csr", b, cap), lambda: self._csr_out(b, cap))
-            res = StepResult(*self._buffers(("step", b, t), lambda: self._extend_out(b, t)), csr)
-            bound = self._bound[("step", b, t, cap)] = (res, self.ops.step_into(res, memo), memo)
-        return b, bound
+        key = ("step", b, t, cap)
+        entry = self._shapes.get(key)
+        if entry is None:
+            csr_key, out_key = ("step-csr", b, cap), ("step", b, t)
+            csr, memo = self._shapes.buffer(csr_key, lambda: self._csr_out(b, cap))
+            res = StepResult(*self._shapes.buffer(out_key, lambda: self._extend_out(b, t)), csr)
+            entry = self._shapes.add(key, (out_key, csr_key), res, self.ops.step_into(res, memo), memo)
+        self._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))
+        return b, entry
 
     def bind_step(self, req_ids: torch.Tensor, num_tokens: torch.Tensor, *, max_tokens: int | None = None,
                   capacity: int | None = None) -> "BoundStep":
@@ -384,10 +394,15 @@ class PageTable:
         b = self._ids(dst_ids, "dst_ids")
         self._lane_vector(src_ids, "src_ids", b)
         self._lane_vector(lens, "lens", b)
-        res = self._buffers(("fork", b), lambda: ForkResult(
-            torch.zeros(b, dtype=torch.bool, device=self.device),
-            torch.full((b,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
-            torch.full((b,), L.NULL_PAGE, dtype=torch.int32, device=self.device)))
+        key = ("fork", b)
+        entry = self._shapes.get(key)
+        if entry is None:
+            entry = self._shapes.add(key, (key,), self._shapes.buffer(key, lambda: ForkResult(
+                torch.zeros(b, dtype=torch.bool, device=self.device),
+                torch.full((b,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
+                torch.full((b,), L.NULL_PAGE, dtype=torch.int32, device=self.device))))
+        self._not_written(entry, ("src_ids", src_ids), ("dst_ids", dst_ids), ("lens", lens))
+        res = entry[0]
         self.ops.fork(src_ids, dst_ids, lens, res.ok, res.cow_src, res.cow_dst)
         return res
 
@@ -418,12 +433,14 @@ class PageTable:
         """
         b = self._ids(req_ids)
         cap = b * self.max_pages if capacity is None else capacity
-        bound = self._bound.get(("csr", b, cap))
-        if bound is None:
-            csr, memo = self._buffers(("csr", b, cap), lambda: self._csr_out(b, cap))
-            bound = self._bound[("csr", b, cap)] = (csr, self.ops.flashinfer_csr_into(csr, memo))
-        bound[1](req_ids, b)
-        return bound[0]
+        key = ("csr", b, cap)
+        entry = self._shapes.get(key)
+        if entry is None:
+            csr, memo = self._shapes.buffer(key, lambda: self._csr_out(b, cap))
+            entry = self._shapes.add(key, (key,), csr, self.ops.flashinfer_csr_into(csr, memo), memo)
+        self._not_written(entry, ("req_ids", req_ids))
+        entry[1](req_ids, b)
+        return entry[0]
 
     def block_table_rows(self, req_ids: torch.Tensor) -> torch.Tensor:
         """vLLM-style block table for the batch: each request's row, -1 padded.
@@ -440,10 +457,14 @@ class PageTable:
             buffer); a row of -1 for padding and for ids outside ``[0, max_requests)``.
         """
         b = self._ids(req_ids)
-        out = self._buffers(("rows", b), lambda: torch.full(
-            (b, self.max_pages), L.NULL_PAGE, dtype=torch.int32, device=self.device))
-        self.ops.block_table_rows(req_ids, out)
-        return out
+        key = ("rows", b)
+        entry = self._shapes.get(key)
+        if entry is None:
+            entry = self._shapes.add(key, (key,), self._shapes.buffer(key, lambda: torch.full(
+                (b, self.max_pages), L.NULL_PAGE, dtype=torch.int32, device=self.device)))
+        self._not_written(entry, ("req_ids", req_ids))
+        self.ops.block_table_rows(req_ids, entry[0])
+        return entry[0]
 
     @property
     def step_binding(self) -> "BoundStep | None":
@@ -470,7 +491,7 @@ class PageTable:
         """
         b = self._ids(req_ids)
         cap = b * self.max_pages if capacity is None else capacity
-        bufs = self._bufs.get(("step-csr", b, cap))
+        bufs = self._shapes.buffers.get(("step-csr", b, cap))
         return bufs is not None and bufs[1].growable_batch(int(self.state.version[0])) == req_ids.tolist()
 
     def invalidate_csr(self) -> None:
@@ -480,7 +501,7 @@ class PageTable:
         and restoring a whole snapshot of the table's state (``tpool.graphs.state_tensors``,
         ``version`` included), are tracked by the table's version. Not a hot-path call.
         """
-        for key, (_, memo) in self._step_csrs():
+        for memo in list(self._shapes.memos):  # every memo alive, kept by the table or by a BoundStep
             memo.invalidate()
 
     # ---------------------------------------------------------- sync points
@@ -532,4 +553,13 @@ class PageTable:
 
     def _step_csrs(self):
         """``(key, (PagedKVCSR, CsrMemo))`` of every step shape's CSR buffers."""
-        return [(k, v) for k, v in self._bufs.items() if k[0] == "step-csr"]
+        return [(k, v) for k, v in self._shapes.buffers.items() if k[0] == "step-csr"]
+
+    def pin_shapes(self) -> None:
+        """Keep the buffers of every call shape made so far for the table's lifetime.
+
+        Shapes used inside CUDA graph capture are pinned when the call is made;
+        :func:`tpool.graphs.capture` also pins every shape after capturing. Call this after
+        capturing a graph by other means if any shape the graph uses ran only before capture.
+        """
+        self._shapes.pin_all()

@@ -60,8 +60,10 @@ class AllocOut:
             evicted=torch.full((max_pages,), L.NULL_PAGE, **i32),
         )
         self.pages, self.indptr, self.ok, self.evicted = self.result
-        # The pool's alloc bound to these buffers: run(counts, B, evict).
-        self.run = pool.ops.alloc_into(self)
+        # What an alloc into these buffers writes: counts must not share memory with any of it.
+        self._written = pool._written | _checks.written_storages(self.result)
+        # The pool's alloc bound to these buffers: _run(counts, B, evict), B checked by the pool.
+        self._run = pool.ops.alloc_into(self)
 
 
 class PagePool:
@@ -96,22 +98,27 @@ class PagePool:
 
     def __init__(self, num_pages: int, page_size: int = 1, *, device=None, backend: str = "auto",
                  max_batch: int = DEFAULT_MAX_BATCH, max_alloc_pages: int | None = None):
-        for name, v in (("num_pages", num_pages), ("page_size", page_size), ("max_batch", max_batch)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        num_pages, page_size, max_batch = (_checks.check_size(v, name, 1) for name, v in (
+            ("num_pages", num_pages), ("page_size", page_size), ("max_batch", max_batch)))
         if num_pages >= INT32_MAX:
             raise ValueError(f"num_pages: expected < {INT32_MAX}, got {num_pages}")
+        if max_batch >= INT32_MAX:
+            raise ValueError(f"max_batch: expected < {INT32_MAX}, got {max_batch}")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device: expected a cpu or cuda device, got {self.device} (a pool needs memory "
+                             "its kernels can read and write)")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_pages, self.page_size, self.max_batch = num_pages, page_size, max_batch
-        if max_alloc_pages is not None and (not isinstance(max_alloc_pages, int) or max_alloc_pages < 1):
-            raise ValueError(f"max_alloc_pages: expected a positive int or None, got {max_alloc_pages!r}")
-        self.max_alloc_pages = max_alloc_pages or min(num_pages, DEFAULT_MAX_ALLOC_PAGES)
+        if max_alloc_pages is None:
+            max_alloc_pages = min(DEFAULT_MAX_ALLOC_PAGES, num_pages)
+        self.max_alloc_pages = self._max_pages(max_alloc_pages, "max_alloc_pages")
         self.backend = resolve_backend(backend, self.device)
         self.state = PoolState.create(num_pages, self.device)
+        self._written = _checks.written_storages(self.state.tensors().values())  # what every call may write
         self.ops = make_pool_ops(self.backend, self.state)  # the backend's PoolOps (tpool.backends)
         self._errors_seen = [0] * L.NUM_COUNTERS
         self._group = None
@@ -128,6 +135,12 @@ class PagePool:
     # ------------------------------------------------------------ hot path
     def _vector(self, t, name, max_len=None, dtype=torch.int32):
         return _checks.check_vector(t, name, dtype, self.device, max_len)
+
+    def _pages(self, t, name="pages") -> int:
+        """Check a page-id vector the call reads (never one of the buffers it writes); its length."""
+        n = _checks.check_vector(t, name, torch.int32, self.device)
+        _checks.check_not_written(t, name, self._written)
+        return n
 
     def alloc_out(self, max_batch: int | None = None, max_pages: int | None = None) -> AllocOut:
         """Preallocate outputs for ``alloc(..., out=)`` (graph capture, no per-call allocation).
@@ -148,10 +161,20 @@ class PagePool:
             Buffers on the pool's device, bound to this pool's kernel; every ``alloc`` that
             gets them overwrites them.
         """
-        for name, v in (("max_batch", max_batch), ("max_pages", max_pages)):
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name}: expected a positive int or None, got {v!r}")
-        return AllocOut(self, max_batch or self.max_batch, max_pages or self.max_alloc_pages)
+        max_batch = self.max_batch if max_batch is None else _checks.check_size(max_batch, "max_batch", 1)
+        max_pages = self.max_alloc_pages if max_pages is None else self._max_pages(max_pages, "max_pages")
+        if max_batch >= INT32_MAX:
+            raise ValueError(f"max_batch: expected < {INT32_MAX}, got {max_batch}")
+        return AllocOut(self, max_batch, max_pages)
+
+    def _max_pages(self, v, name) -> int:
+        """An output length in pages: a call never grants more than the pool has, so a longer
+        buffer would be memory for nothing (``max_alloc_pages=10**9`` would take GBs)."""
+        v = _checks.check_size(v, name, 1)
+        if v > self.num_pages:
+            raise ValueError(f"{name}: expected at most num_pages = {self.num_pages} (no call grants more), "
+                             f"got {v}")
+        return v
 
     def alloc(self, counts: torch.Tensor, *, out: AllocOut | None = None, evict: bool = False) -> AllocResult:
         """Grant ``counts[i]`` pages to each request, first come first served.
@@ -186,7 +209,9 @@ class PagePool:
                              f"{'one from another pool' if type(out) is AllocOut else type(out).__name__}")
         elif not 0 <= (b := i32_len(counts, self.device)) <= out.max_batch:
             b = self._vector(counts, "counts", out.max_batch)  # raises with the expected and actual values
-        out.run(counts, b, evict)
+        if counts.untyped_storage().data_ptr() in out._written:
+            _checks.check_not_written(counts, "counts", out._written)
+        out._run(counts, b, evict)
         return out.result
 
     def free(self, pages: torch.Tensor, *, cache: bool = False) -> None:
@@ -207,7 +232,9 @@ class PagePool:
         """
         if i32_len(pages, self.device) < 0:
             self._vector(pages, "pages")  # raises with the expected and actual values
-        if self._group is None:
+        if pages.untyped_storage().data_ptr() in self._written:
+            _checks.check_not_written(pages, "pages", self._written)
+        if self._group is None or not self._group.owned_here():
             self.ops.free(pages, cache)
         else:
             self._group.enqueue(pages, cache)
@@ -225,7 +252,7 @@ class PagePool:
         pages : torch.Tensor
             shape ``[N]``, int32, on the pool's device; -1 entries are padding.
         """
-        self._vector(pages, "pages")
+        self._pages(pages)
         self.ops.incref(pages)
 
     def touch(self, pages: torch.Tensor) -> None:
@@ -238,7 +265,7 @@ class PagePool:
         pages : torch.Tensor
             shape ``[N]``, int32, on the pool's device; -1 entries are padding.
         """
-        self._vector(pages, "pages")
+        self._pages(pages)
         self.ops.touch(pages)
 
     def evict(self, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -250,18 +277,19 @@ class PagePool:
             Most pages to evict.
         out : torch.Tensor, optional
             shape ``[k]``, int32, on the pool's device: where to write the result (for graph
-            capture); default a fresh tensor.
+            capture); default a fresh tensor of ``min(k, num_pages)`` entries (no call can
+            evict more pages than the pool has).
 
         Returns
         -------
         torch.Tensor
-            shape ``[k]``, int32, on the pool's device: the evicted ids oldest first, -1
-            padded, so a prefix cache can drop their keys.
+            ``out``, or shape ``[min(k, num_pages)]``, int32, on the pool's device: the
+            evicted ids oldest first, -1 padded, so a prefix cache can drop their keys.
         """
         k = _checks.check_size(k, "k")
         if out is None:
-            out = torch.empty(k, dtype=torch.int32, device=self.device)
-        elif self._vector(out, "out") != k:
+            out = torch.empty(min(k, self.num_pages), dtype=torch.int32, device=self.device)
+        elif self._pages(out, "out") != k:
             raise ValueError(f"out: expected {k} entries (k), got {out.numel()}")
         self.ops.evict(out)
         return out

@@ -12,11 +12,14 @@ descriptor) recorded stay valid for the owner's lifetime.
 * Table: ``block_table[r, :ceil(seq_lens[r] / page_size)]`` are request
   ``r``'s pages in token order, every entry past them is -1; the table holds
   one pool reference per entry.
+* Threads: every call on a pool or its tables is atomic with respect to other
+  threads (``PoolState.lock`` on reference and triton, the GIL on numba).
 * Scratch tensors (``claim``, ``occur``, ``keys``, ``lane_end``) carry nothing
   between calls: ``claim`` is INT32_MAX and ``occur`` 0 whenever no call runs.
 """
 
-from dataclasses import dataclass, fields
+import threading
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -44,6 +47,9 @@ class PoolState(_Tensors):
     claim: torch.Tensor       # int32 [num_pages] scratch, INT32_MAX between calls
     occur: torch.Tensor       # int32 [num_pages] scratch, 0 between calls
     keys: torch.Tensor        # int64 [num_pages] scratch for eviction
+    # Held by the reference and triton backends around every call on this pool or its tables, so
+    # two threads never interleave inside one; numba calls hold the GIL instead (tpool.backends).
+    lock: threading.RLock = field(default_factory=threading.RLock, compare=False, repr=False)
 
     @classmethod
     def create(cls, num_pages: int, device: torch.device) -> "PoolState":
@@ -106,7 +112,7 @@ class CsrMemo:
     Everything but the kernels goes through this class.
     """
 
-    __slots__ = ("batch", "tensor")
+    __slots__ = ("batch", "tensor", "__weakref__")
 
     def __init__(self, batch: int, capacity: int, device: torch.device):
         self.batch = batch

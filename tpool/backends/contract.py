@@ -14,11 +14,22 @@ descriptor at that point, so a call passes one array instead of many). A
 ``PageTable.bind_step`` does at the façade: its call takes no argument.
 """
 
+import functools
 from typing import Callable, Protocol
 
 import torch
 
 Tensor = torch.Tensor
+
+
+def locked(op):
+    """Run the backend method ``op`` holding its pool's ``state.lock``: a call on a pool or its
+    tables is atomic with respect to other threads (reference and triton; numba holds the GIL)."""
+    @functools.wraps(op)
+    def call(self, *args):
+        with self.st.lock:
+            return op(self, *args)
+    return call
 
 
 class PoolOps(Protocol):
@@ -92,32 +103,45 @@ class PoolByFunctions:
 
     def alloc_into(self, out):
         alloc, st, pages, indptr, ok, evicted = self._alloc, self.st, out.pages, out.indptr, out.ok, out.evicted
-        return lambda counts, b, evict: alloc(st, counts, pages, indptr, ok, evicted, evict)
 
+        def run(counts, b, evict):
+            with st.lock:
+                alloc(st, counts, pages, indptr, ok, evicted, evict)
+        return run
+
+    @locked
     def free(self, pages, cache):
         self._free(self.st, pages, cache)
 
+    @locked
     def incref(self, pages):
         self._incref(self.st, pages)
 
+    @locked
     def touch(self, pages):
         self._touch(self.st, pages)
 
+    @locked
     def evict(self, out):
         self._evict(self.st, out)
 
 
 class BoundByTensors:
     """The bound forms of a table backend whose unbound ops take the output tensors themselves
-    (reference, triton): each bound call closes over the buffers and calls the unbound op."""
+    (reference, triton): each bound call closes over the buffers and calls the unbound op.
+    Their unbound ops are ``@locked``."""
 
     def extend_into(self, res):
         extend, slots, ok = self.extend, res.slots, res.ok
         return lambda req_ids, num_tokens, b: extend(req_ids, num_tokens, slots, ok)
 
     def flashinfer_csr_into(self, csr, memo):
-        export = self._csr_call(csr, memo)
-        return lambda req_ids, b: export(req_ids)
+        export, lock = self._csr_call(csr, memo), self.st.lock
+
+        def run(req_ids, b):
+            with lock:
+                export(req_ids)
+        return run
 
     def _csr_call(self, csr, memo):
         """The export into ``csr``; ``memo`` (how far it wrote) is bookkeeping a full re-pad does without."""
@@ -125,11 +149,12 @@ class BoundByTensors:
         return lambda req_ids: export(req_ids, *csr)
 
     def step_into(self, res, memo):
-        extend, export, slots, ok = self.extend, self._csr_call(res.csr, memo), res.slots, res.ok
+        extend, export, slots, ok, lock = self.extend, self._csr_call(res.csr, memo), res.slots, res.ok, self.st.lock
 
         def step(req_ids, num_tokens, b):
-            extend(req_ids, num_tokens, slots, ok)
-            export(req_ids)
+            with lock:  # one call: no other thread's change between the extend and the export
+                extend(req_ids, num_tokens, slots, ok)
+                export(req_ids)
         return step
 
     def bind_step(self, res, memo, req_ids, num_tokens, b):

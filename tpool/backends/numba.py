@@ -8,8 +8,15 @@ straight to the CPython entry point numba compiled for exactly the argument
 types passed here (:func:`entry_point`), skipping numba's per-call type
 matching, and each is compiled at its first use (the first binding of its
 kind, the first free or release), not when a pool or table is made.
-Because descriptors hold addresses, whatever holds one also holds the
-tensors it points into; pools and tables refuse copy and pickle.
+
+Lifetimes: descriptors hold addresses, so every call this module returns
+holds the tensors its descriptor points into (the state and the output
+buffers), and pools and tables refuse copy and pickle.
+
+Threads: the kernels are compiled here to keep the GIL while they run
+(:func:`kernel`), so one call on a pool or its tables is atomic with respect
+to other Python threads (a call is one kernel call), at no cost: releasing
+and taking back the GIL would cost more than these kernels' short runs gain.
 """
 
 import functools
@@ -34,14 +41,21 @@ VERSION_SOURCE = torch.tensor([int.from_bytes(os.urandom(8), "little") >> 2], dt
 
 
 @functools.cache
+def kernel(dispatcher):
+    """The numba entry ``dispatcher`` (a ``*_numba_entry`` of ``tpool.kernels``) compiled to keep
+    the GIL while it runs: a call is then atomic with respect to other Python threads."""
+    return numba.njit(dispatcher.py_func)
+
+
+@functools.cache
 def entry_point(dispatcher, *argtypes):
-    """The CPython entry point of ``dispatcher`` compiled for exactly ``argtypes``, compiled on the
-    first request and remembered (``Dispatcher.compile`` is not free even when cached).
+    """The CPython entry point of :func:`kernel` ``(dispatcher)`` compiled for exactly ``argtypes``,
+    compiled on the first request and remembered (``Dispatcher.compile`` is not free even when cached).
 
     Calling it skips numba's per-call type matching, and also its type checks: a caller
     passes exactly these types (Python ints for int64, bools, int64 C-contiguous arrays).
     """
-    return dispatcher.compile(argtypes)
+    return kernel(dispatcher).compile(argtypes)
 
 
 def _addr(t: torch.Tensor) -> int:
@@ -108,8 +122,11 @@ class Pool:
 
     def alloc_into(self, out):
         ad = alloc_descriptor(self.sd, out)
-        run = entry_point(alloc.alloc_numba_entry, _i64, _i64, _desc, _flag)
-        return lambda counts, b, evict_: run(counts.data_ptr(), b, ad, evict_)
+        run, held = entry_point(alloc.alloc_numba_entry, _i64, _i64, _desc, _flag), (self.st, out)
+
+        def call(counts, b, evict_, held=held):  # ``held``: what ``ad`` points into stays alive with it
+            run(counts.data_ptr(), b, ad, evict_)
+        return call
 
     def free(self, pages, cache):
         if self._free is None:
@@ -117,13 +134,13 @@ class Pool:
         self._free(pages.data_ptr(), pages.numel(), cache, self.sd)
 
     def incref(self, pages):
-        incref.incref_numba_entry(pages.data_ptr(), pages.numel(), self.sd)
+        kernel(incref.incref_numba_entry)(pages.data_ptr(), pages.numel(), self.sd)
 
     def touch(self, pages):
-        touch.touch_numba_entry(pages.data_ptr(), pages.numel(), self.sd)
+        kernel(touch.touch_numba_entry)(pages.data_ptr(), pages.numel(), self.sd)
 
     def evict(self, out):
-        evict.evict_numba_entry(out.data_ptr(), out.numel(), self.sd)
+        kernel(evict.evict_numba_entry)(out.data_ptr(), out.numel(), self.sd)
 
 
 class Table:
@@ -144,12 +161,15 @@ class Table:
 
     def extend(self, req_ids, num_tokens, slots, ok):
         cd = call_descriptor(self.td, self.sd, slots=slots, ok=ok)
-        extend.extend_numba_entry(req_ids.data_ptr(), num_tokens.data_ptr(), req_ids.numel(), cd)
+        kernel(extend.extend_numba_entry)(req_ids.data_ptr(), num_tokens.data_ptr(), req_ids.numel(), cd)
 
     def extend_into(self, res):
         cd = call_descriptor(self.td, self.sd, slots=res.slots, ok=res.ok)
-        run = entry_point(extend.extend_numba_entry, _i64, _i64, _i64, _desc)
-        return lambda req_ids, num_tokens, b: run(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd)
+        run, held = entry_point(extend.extend_numba_entry, _i64, _i64, _i64, _desc), (self.st, self.ts, res)
+
+        def call(req_ids, num_tokens, b, held=held):  # ``held``: what ``cd`` points into
+            run(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd)
+        return call
 
     def flashinfer_csr(self, req_ids, indptr, indices, last_page_len):
         memo = CsrMemo(req_ids.numel(), indices.numel(), indices.device)  # a fresh memo: re-pads every entry
@@ -157,19 +177,26 @@ class Table:
 
     def flashinfer_csr_into(self, csr, memo):
         cd = call_descriptor(self.td, self.sd, csr=csr, memo=memo)
-        run = entry_point(flashinfer_csr.flashinfer_csr_numba_entry, _i64, _i64, _desc)
-        return lambda req_ids, b: run(req_ids.data_ptr(), b, cd)
+        run, held = entry_point(flashinfer_csr.flashinfer_csr_numba_entry, _i64, _i64, _desc), (self.st, self.ts,
+                                                                                               csr, memo)
+
+        def call(req_ids, b, held=held):  # ``held``: what ``cd`` points into
+            run(req_ids.data_ptr(), b, cd)
+        return call
 
     def step_into(self, res, memo):
         cd = call_descriptor(self.td, self.sd, slots=res.slots, ok=res.ok, csr=res.csr, memo=memo)
-        run = entry_point(step.step_numba_entry, _i64, _i64, _i64, _desc)
-        return lambda req_ids, num_tokens, b: run(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd)
+        run, held = entry_point(step.step_numba_entry, _i64, _i64, _i64, _desc), (self.st, self.ts, res, memo)
+
+        def call(req_ids, num_tokens, b, held=held):  # ``held``: what ``cd`` points into
+            run(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd)
+        return call
 
     def bind_step(self, res, memo, req_ids, num_tokens, b):
         cd = call_descriptor(self.td, self.sd, slots=res.slots, ok=res.ok, csr=res.csr, memo=memo,
                              inputs=(req_ids, num_tokens))
         run = functools.partial(entry_point(step.step_bound_numba_entry, _i64), cd.ctypes.data)  # one int
-        run.descriptor = cd  # kept alive with the call
+        run.held = (cd, self.st, self.ts, res, memo, req_ids, num_tokens)  # everything cd points into
         return run
 
     def release(self, req_ids, cache):
@@ -178,11 +205,11 @@ class Table:
         self._release(req_ids.data_ptr(), req_ids.numel(), cache, self.cd)
 
     def truncate(self, req_ids, new_lens):
-        release.truncate_numba_entry(req_ids.data_ptr(), new_lens.data_ptr(), req_ids.numel(), self.cd)
+        kernel(release.truncate_numba_entry)(req_ids.data_ptr(), new_lens.data_ptr(), req_ids.numel(), self.cd)
 
     def fork(self, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
-        fork.fork_numba_entry(src_ids.data_ptr(), dst_ids.data_ptr(), lens.data_ptr(), dst_ids.numel(),
-                              ok.data_ptr(), cow_src.data_ptr(), cow_dst.data_ptr(), self.cd)
+        kernel(fork.fork_numba_entry)(src_ids.data_ptr(), dst_ids.data_ptr(), lens.data_ptr(), dst_ids.numel(),
+                                      ok.data_ptr(), cow_src.data_ptr(), cow_dst.data_ptr(), self.cd)
 
     def block_table_rows(self, req_ids, out):
-        block_table_rows.block_table_rows_numba_entry(req_ids.data_ptr(), req_ids.numel(), out.data_ptr(), self.cd)
+        kernel(block_table_rows.block_table_rows_numba_entry)(req_ids.data_ptr(), req_ids.numel(), out.data_ptr(), self.cd)

@@ -25,7 +25,7 @@ the same outputs and the same state, bit for bit. The rules:
 
 import torch
 
-from tpool.backends.contract import BoundByTensors, PoolByFunctions
+from tpool.backends.contract import BoundByTensors, PoolByFunctions, locked
 from tpool.kernels import layout as L
 from tpool.kernels.layout import INT64_MAX
 
@@ -210,21 +210,27 @@ class Table(BoundByTensors):
     def __init__(self, st, ts):
         self.st, self.ts = st, ts
 
+    @locked
     def extend(self, req_ids, num_tokens, slots, ok):
         reference_table.extend(self.st, self.ts, req_ids, num_tokens, slots, ok)
 
+    @locked
     def release(self, req_ids, cache):
         reference_table.release(self.st, self.ts, req_ids, cache)
 
+    @locked
     def truncate(self, req_ids, new_lens):
         reference_table.truncate(self.st, self.ts, req_ids, new_lens)
 
+    @locked
     def fork(self, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
         reference_table.fork(self.st, self.ts, src_ids, dst_ids, lens, ok, cow_src, cow_dst)
 
+    @locked
     def flashinfer_csr(self, req_ids, indptr, indices, last_page_len):
         reference_table.flashinfer_csr(self.st, self.ts, req_ids, indptr, indices, last_page_len)
 
+    @locked
     def block_table_rows(self, req_ids, out):
         reference_table.block_table_rows(self.ts, req_ids, out)
 

@@ -8,7 +8,7 @@ in which atomics land. On a CPU it runs only under ``TRITON_INTERPRET=1``
 
 import torch
 
-from tpool.backends.contract import BoundByTensors, PoolByFunctions
+from tpool.backends.contract import BoundByTensors, PoolByFunctions, locked
 from tpool.kernels import alloc, block_table_rows, evict, extend, flashinfer_csr, fork, free, incref, release, step
 from tpool.kernels import touch
 
@@ -31,18 +31,23 @@ class Table(BoundByTensors):
     def __init__(self, st, ts):
         self.st, self.ts = st, ts
 
+    @locked
     def extend(self, req_ids, num_tokens, slots, ok):
         extend.extend_triton(req_ids, num_tokens, slots, ok, self.st, self.ts)
 
+    @locked
     def release(self, req_ids, cache):
         release.release_triton(req_ids, cache, self.st, self.ts)
 
+    @locked
     def truncate(self, req_ids, new_lens):
         release.truncate_triton(req_ids, new_lens, self.st, self.ts)
 
+    @locked
     def fork(self, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
         fork.fork_triton(src_ids, dst_ids, lens, ok, cow_src, cow_dst, self.st, self.ts)
 
+    @locked
     def flashinfer_csr(self, req_ids, indptr, indices, last_page_len):
         """Export into any buffers: ``indices`` is re-padded whole."""
         written = torch.full((1,), indices.numel(), dtype=torch.int64, device=indices.device)
@@ -56,8 +61,12 @@ class Table(BoundByTensors):
     def step_into(self, res, memo):  # one launch: extend, barrier, CSR
         (indptr, indices, last), slots, ok = res.csr, res.slots, res.ok
         st, ts, written = self.st, self.ts, memo.tensor
-        return lambda req_ids, num_tokens, b: step.step_triton(req_ids, num_tokens, slots, ok, indptr, indices, last,
-                                                               written, st, ts)
 
+        def run(req_ids, num_tokens, b):
+            with st.lock:
+                step.step_triton(req_ids, num_tokens, slots, ok, indptr, indices, last, written, st, ts)
+        return run
+
+    @locked
     def block_table_rows(self, req_ids, out):
         block_table_rows.block_table_rows_triton(req_ids, out, self.ts)

@@ -1,0 +1,197 @@
+"""Issue 11's façade findings: every way in that could make a kernel touch memory it was not
+given, or make the backends disagree, is refused with a ValueError before any kernel runs.
+
+Crash-prone reproducers run in a subprocess, so a segfault fails the test instead of pytest.
+"""
+
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import tpool
+from conftest import CPU_BACKENDS, i32
+from tpool.testing import no_host_sync
+
+
+def run_isolated(code: str, backend: str) -> subprocess.CompletedProcess:
+    env_code = "import os; os.environ.setdefault('TRITON_INTERPRET', '1')\n" + textwrap.dedent(code)
+    return subprocess.run([sys.executable, "-c", env_code, backend], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_bound_step_keeps_its_table_alive(backend):
+    """Finding 1: the last reference to a table is a bound step; its state must outlive the scope."""
+    proc = run_isolated("""
+        import gc, sys, torch, tpool
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32)
+        def make():
+            pool = tpool.PagePool(256, 4, device="cpu", backend=sys.argv[1])
+            table = tpool.PageTable(pool, 8, 16)
+            ids, ntok = i32([0, 1, 2, 3]), i32([5, 5, 5, 5])
+            return table.bind_step(ids, ntok, max_tokens=20), ids, ntok
+        run, ids, ntok = make()
+        gc.collect()
+        junk = [torch.full((4096,), 7, dtype=torch.int32) for _ in range(64)]  # reuse freed memory
+        res = run()
+        ntok.fill_(1)
+        res = run()
+        assert res.ok.tolist() == [True] * 4 and res.csr.indptr.tolist() == [0, 2, 4, 6, 8], res
+        run.table.pool.check()
+        print("ok")
+    """, backend)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_alloc_out_run_is_not_public_and_batch_is_checked(backend):
+    """Finding 2: ``AllocOut.run(counts, B)`` with B > max_batch wrote past ``ok``; the bound call
+    is private now and the pool checks B against the buffers."""
+    pool = tpool.PagePool(16, device="cpu", backend=backend)
+    out = pool.alloc_out(max_batch=2, max_pages=4)
+    assert not hasattr(out, "run")
+    with pytest.raises(ValueError, match="counts: expected at most 2 entries, got 3"):
+        pool.alloc(i32([1, 1, 1]), out=out)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_tensors_without_real_memory_are_refused(backend):
+    """Finding 2: a FakeTensor or a wrapper subclass has no memory to read (data_ptr 0)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    pool = tpool.PagePool(16, 4, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 4, 4)
+    with FakeTensorMode():
+        fake = torch.zeros(3, dtype=torch.int32)
+
+    class Wrapped(torch.Tensor):
+        pass
+
+    wrapped = i32([0, 1]).as_subclass(Wrapped)
+    for bad, name in ((fake, "FakeTensor"), (wrapped, "Wrapped"), (torch.nn.Parameter(i32([1]), False), "Parameter")):
+        for call in (lambda: pool.free(bad), lambda: pool.alloc(bad), lambda: pool.incref(bad),
+                     lambda: table.extend(bad, bad), lambda: table.flashinfer_csr(bad), lambda: table.release(bad)):
+            with pytest.raises(ValueError, match=f"expected a torch.Tensor, got {name}"):
+                call()
+    pool.check()
+    assert pool.available() == 16
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_outputs_passed_back_as_inputs_are_refused(backend):
+    """Finding 5: an input that shares memory with a buffer the call writes (its own outputs, the
+    pool's or the table's state) is refused, so no backend reads what it is overwriting."""
+    pool = tpool.PagePool(32, 1, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 4, 8)
+    out = pool.alloc_out(max_batch=4, max_pages=8)
+    pool.alloc(i32([1, 2, 3]), out=out)
+    with pytest.raises(ValueError, match="counts: shares memory with a buffer this call writes"):
+        pool.alloc(out.indptr[:3], out=out)
+    with pytest.raises(ValueError, match="pages: shares memory"):
+        pool.free(pool.state.free_stack[:2])
+    with pytest.raises(ValueError, match="pages: shares memory"):
+        pool.incref(pool.state.free_stack[:2])
+    with pytest.raises(ValueError, match="out: shares memory"):
+        pool.evict(2, out=pool.state.free_stack[:2])
+    pool.free(out.pages)                           # reading an alloc's output is fine: free does not write it
+    table.extend(i32([0, 1]), i32([2, 2]), max_tokens=4)
+    res = table.fork(i32([0]), i32([2]), i32([1]))
+    with pytest.raises(ValueError, match="dst_ids: shares memory"):
+        table.fork(i32([0]), res.cow_dst, i32([1]))
+    with pytest.raises(ValueError, match="num_tokens: shares memory"):
+        table.extend(i32([0, 1]), table.seq_lens[:2])
+    step = table.step(i32([0, 1]), i32([1, 1]))
+    with pytest.raises(ValueError, match="num_tokens: shares memory"):
+        table.step(i32([0, 1]), step.slots)
+    with pytest.raises(ValueError, match="req_ids: shares memory"):
+        table.bind_step(step.csr.indptr[:2], i32([1, 1]))
+    with pytest.raises(ValueError, match="req_ids: shares memory"):
+        table.block_table_rows(table.block_table[0, :2])
+    pool.check()                                   # nothing ran: no error, no dirty scratch
+    table.check_invariants()
+    assert table.extend(i32([0, 1]), i32([1, 1])).ok.tolist() == [True, True]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_two_threads_one_pool(backend):
+    """Finding 6: every call is atomic with respect to other threads (lock, or the GIL on numba)."""
+    pool = tpool.PagePool(64, device="cpu", backend=backend)
+    pairs = 20_000 if backend == "numba" else 300
+    failures = []
+
+    def work():
+        out = pool.alloc_out(max_batch=1, max_pages=2)
+        counts = i32([2])
+        try:
+            for _ in range(pairs):
+                pool.free(pool.alloc(counts, out=out).pages)
+        except Exception as e:  # pragma: no cover - reported below
+            failures.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+    pool.check()
+    pool.check_invariants()
+    stats = pool.stats()
+    assert pool.available() == 64 and stats["pages.allocated"] == stats["pages.freed"] == 2 * 2 * pairs
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_free_group_belongs_to_its_thread(backend):
+    pool = tpool.PagePool(8, device="cpu", backend=backend)
+    pages = pool.alloc(i32([4])).pages[:4].clone()
+    with pool.free_group():
+        t = threading.Thread(target=lambda: pool.free(pages[2:].clone()))
+        t.start()
+        t.join()
+        assert pool.available() == 6               # the other thread's free was applied at once
+        pool.free(pages[:2].clone())
+        assert pool.available() == 6               # this thread's is deferred
+    assert pool.available() == 8
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_output_buffers_are_bounded(backend):
+    """Finding 8: one buffer set per call shape, at most max_shapes of them, least recently used first out."""
+    pool = tpool.PagePool(64, 1, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 8, 4, max_shapes=4)
+    hot = table.extend(i32([0]), i32([1]))
+    for b in range(2, 12):
+        table.extend(i32([-1] * b), i32([0] * b))
+        assert table.extend(i32([0]), i32([1])) is hot     # the hot shape stays: it is used every round
+        assert len(table._shapes.entries) <= 4 and len(table._shapes.buffers) <= 4
+    table.step(i32([0]), i32([1]))
+    table.pin_shapes()
+    for b in range(2, 12):
+        table.step(i32([-1] * b), i32([0] * b))
+    assert ("step", 1, 1, 4) in table._shapes.entries      # pinned shapes are never dropped
+    table.check_invariants()
+
+
+def test_small_input_checks():
+    """Finding 9."""
+    with pytest.raises(ValueError, match="num_pages: expected a positive int, got True"):
+        tpool.PagePool(True, device="cpu")
+    pool = tpool.PagePool(np.int64(16), np.int32(4), device="cpu", max_batch=np.int16(8))  # numpy ints: accepted
+    assert (pool.num_pages, pool.page_size, pool.max_batch) == (16, 4, 8) and type(pool.num_pages) is int
+    table = tpool.PageTable(pool, np.int64(4), np.int64(4), max_shapes=np.int8(3))
+    with pytest.raises(ValueError, match="device: expected a cpu or cuda device, got meta"):
+        tpool.PagePool(4, device="meta")
+    assert pool.evict(2**40).shape == (16,)                # clamped to the pool, not 2**40 entries
+    with pytest.raises(ValueError, match="max_alloc_pages: expected at most num_pages = 16"):
+        tpool.PagePool(16, device="cpu", max_alloc_pages=10**9)
+    with pytest.raises(ValueError, match="max_pages: expected at most num_pages = 16"):
+        pool.alloc_out(max_pages=17)
+    with no_host_sync():                                   # a tensor as a size: ValueError, never a sync
+        with pytest.raises(ValueError, match="max_tokens: expected a non-negative int, got a Tensor"):
+            table.extend(i32([0]), i32([1]), max_tokens=torch.tensor(4))
+        with pytest.raises(ValueError, match="capacity: expected a non-negative int, got a Tensor"):
+            table.flashinfer_csr(i32([0]), capacity=torch.tensor(4))

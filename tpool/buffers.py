@@ -1,0 +1,103 @@
+"""Table-owned output buffers: one set per call shape, a bounded number of shapes kept.
+
+Note (what a loop should know):
+
+* A call of a new shape (batch size, ``max_tokens``, ``capacity``) makes its
+  output buffers and binds the backend's call to them; later calls of that
+  shape reuse them, which is what a CUDA graph needs (the addresses it
+  recorded stay valid). A loop should bucket its shapes: pad the batch to a
+  few sizes (e.g. powers of two, or the sizes it captured graphs for) and
+  pass a fixed ``max_tokens`` per bucket, so a handful of shapes serve it.
+* At most ``max_shapes`` shapes are kept (least recently used first out).
+  A shape used while a CUDA graph was being captured is pinned: it is never
+  dropped, since the graph writes its buffers on every replay. A dropped
+  shape's buffers stay alive as long as something else holds them (a
+  :class:`~tpool.page_table.BoundStep`, a result the caller kept).
+* Every entry also knows the storages its call writes (the pool's and the
+  table's state, and its own buffers), so an input that shares memory with
+  one of them is refused before the call (``_checks.check_not_written``).
+"""
+
+import collections
+import weakref
+
+import torch
+
+from tpool import _checks
+
+DEFAULT_MAX_SHAPES = 64  # call shapes a table keeps buffers for
+
+
+class Entry(tuple):
+    """``(result, call, memo, written)``: the output buffers, the backend call bound to them (or
+    None), their :class:`~tpool.state.CsrMemo` (or None), and the storages the call writes."""
+
+    __slots__ = ()
+
+    def __new__(cls, result, call, memo, written):
+        return super().__new__(cls, (result, call, memo, written))
+
+
+class ShapeBuffers:
+    """The output buffers of one table (see the module note)."""
+
+    def __init__(self, device: torch.device, max_shapes: int, written: frozenset):
+        self.device, self.max_shapes, self.written = device, max_shapes, written
+        self._cuda = device.type == "cuda"
+        self.entries = collections.OrderedDict()  # call key -> Entry, least recently used first
+        self.buffers = {}                         # buffer key -> buffers (shared by call shapes)
+        self.uses = {}                            # call key -> the buffer keys its entry uses
+        self.pinned = set()                       # call keys used inside CUDA graph capture
+        self.memos = weakref.WeakSet()            # every CSR memo still alive (invalidate_csr reaches all)
+
+    def get(self, key):
+        """The entry of call shape ``key``, or None; marks it most recently used."""
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+            if self._cuda and torch.cuda.is_current_stream_capturing():
+                self.pinned.add(key)
+        return entry
+
+    def buffer(self, key, make):
+        """The buffer set ``key``, made by ``make()`` on first use (never inside graph capture)."""
+        bufs = self.buffers.get(key)
+        if bufs is None:
+            if self._cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"PageTable: the first call of shape {key} is inside CUDA graph capture; run "
+                                   "each call shape once before capturing (tpool.graphs.capture does that)")
+            bufs = self.buffers[key] = make()
+        return bufs
+
+    def add(self, key, uses, result, call=None, memo=None) -> Entry:
+        """Record the entry of call shape ``key`` built on the buffer sets ``uses``; drop the least
+        recently used unpinned shapes past ``max_shapes``."""
+        if memo is not None:
+            self.memos.add(memo)
+        tensors = [t for k in uses for t in _tensors(self.buffers[k])]
+        entry = self.entries[key] = Entry(result, call, memo, self.written | _checks.written_storages(tensors))
+        self.uses[key] = uses
+        self._shrink(keep=key)
+        return entry
+
+    def pin_all(self) -> None:
+        """Pin every shape kept now (``tpool.graphs.capture`` does this after capturing)."""
+        self.pinned.update(self.entries)
+
+    def _shrink(self, keep):
+        for key in [k for k in self.entries if k not in self.pinned and k != keep]:
+            if len(self.entries) <= self.max_shapes:
+                break
+            del self.entries[key]
+            self.uses.pop(key)
+        live = {b for uses in self.uses.values() for b in uses}
+        for b in [b for b in self.buffers if b not in live]:
+            del self.buffers[b]
+
+
+def _tensors(bufs):
+    if isinstance(bufs, torch.Tensor):
+        return [bufs]
+    if hasattr(bufs, "tensor"):  # a CsrMemo
+        return [bufs.tensor]
+    return [t for x in bufs for t in _tensors(x)]
