@@ -29,7 +29,42 @@ from tpool.kernels import layout as L
 
 
 class FreeGroup:
-    """Context manager made by :meth:`PagePool.free_group`; see the module note."""
+    """Context manager made by :meth:`PagePool.free_group`; see the module note.
+
+    Parameters
+    ----------
+    pool : PagePool
+        The pool whose ``free`` calls are deferred while the group is open.
+    capacity : int
+        Page ids the buffer holds, > 0; groups of one capacity share one
+        pool-owned buffer (int32 ``[2, capacity]`` on the pool's device).
+
+    Attributes
+    ----------
+    buffer : torch.Tensor
+        shape ``[2, capacity]``, int32, on the pool's device: row 0 the
+        plain frees, row 1 the ``cache=True`` frees, -1 where empty.
+    flushes : int
+        Passes applied so far (host-side count).
+
+    Raises
+    ------
+    ValueError
+        ``capacity`` is not a positive int.
+    RuntimeError
+        On entering, when the pool already has an open group (groups do not
+        nest).
+
+    Example
+    -------
+    >>> pool = PagePool(8, device="cpu", backend="reference")
+    >>> row = pool.alloc(torch.tensor([3], dtype=torch.int32)).pages[:3]
+    >>> with pool.free_group(capacity=4) as group:
+    ...     pool.free(row)
+    ...     _ = row.fill_(-1)      # the ids were copied: overwriting is safe
+    >>> pool.available(), group.flushes
+    (8, 1)
+    """
 
     def __init__(self, pool, capacity: int):
         capacity = check_size(capacity, "capacity", 1)
@@ -61,7 +96,21 @@ class FreeGroup:
         return False
 
     def enqueue(self, pages: torch.Tensor, cache: bool) -> None:
-        """Copy ``pages`` (int32 ``[N]``, checked by the pool) into the buffer."""
+        """Copy ``pages`` into the buffer; called by ``pool.free`` inside the group.
+
+        If the ids would overflow the buffer, what it holds is applied first
+        (:meth:`flush`); ``pages`` longer than ``capacity`` are then applied
+        at once instead of being buffered.
+
+        Parameters
+        ----------
+        pages : torch.Tensor
+            shape ``[N]``, int32, on the pool's device (checked by
+            :meth:`PagePool.free`, not here); -1 entries are ignored when
+            applied. Copied, never kept.
+        cache : bool
+            Free into the CACHED state (see :meth:`PagePool.free`).
+        """
         n, flag = pages.numel(), int(bool(cache))
         if self._fill[0] + self._fill[1] + n > self.capacity:
             self.flush()

@@ -18,7 +18,27 @@ import torch
 
 
 def state_tensors(*owners) -> list:
-    """Every state tensor of the given pools and tables (tables include their pool's)."""
+    """Every state tensor of the given pools and tables (tables include their pool's).
+
+    Parameters
+    ----------
+    *owners : PagePool or PageTable
+        Objects with a ``state`` dataclass; a table (an object with ``pool``)
+        adds its pool's state.
+
+    Returns
+    -------
+    list of torch.Tensor
+        Each tensor field of each state, once (by identity) in the order
+        met; the tensors themselves, not copies (their shapes and dtypes
+        are the state's own, see :mod:`tpool.state`), on the owners' devices.
+
+    Example
+    -------
+    >>> pool = PagePool(8, device="cpu", backend="reference")
+    >>> len(state_tensors(pool, pool)) == len(state_tensors(pool))
+    True
+    """
     out, seen = [], set()
     for owner in owners:
         parts = [owner.state] + ([owner.pool.state] if hasattr(owner, "pool") else [])
@@ -33,7 +53,29 @@ def state_tensors(*owners) -> list:
 
 @contextlib.contextmanager
 def preserved(*owners):
-    """Run the block, then put every state tensor of ``owners`` back as it was (in place)."""
+    """Run the block, then put every state tensor of ``owners`` back as it was (in place).
+
+    The state is cloned on entry and copied back at exit, also when the block
+    raises; the tensors keep their addresses, so bound kernels and captured
+    graphs stay valid. Outputs the block wrote elsewhere are not restored.
+
+    Parameters
+    ----------
+    *owners : PagePool or PageTable
+        Whose state to restore (see :func:`state_tensors`).
+
+    Yields
+    ------
+    None
+
+    Example
+    -------
+    >>> pool = PagePool(8, device="cpu", backend="reference")
+    >>> with preserved(pool):
+    ...     r = pool.alloc(torch.tensor([3], dtype=torch.int32))
+    >>> pool.available()
+    8
+    """
     tensors = state_tensors(*owners)
     saved = [t.clone() for t in tensors]
     try:
@@ -52,12 +94,22 @@ def capture(step, *owners, warmup: int = 2) -> "torch.cuda.CUDAGraph":
         The hot-path calls to capture, e.g. ``lambda: table.extend(ids, ones)``. Its
         inputs must be tensors that live as long as the graph (fill them before
         each replay).
-    owners : PagePool or PageTable
+    *owners : PagePool or PageTable
         Whose state the warm-up may change (restored before capture).
+    warmup : int
+        How many times ``step`` runs for real, on a side stream, before the
+        capture (compiles the kernels).
 
     Returns
     -------
-    torch.cuda.CUDAGraph; call ``.replay()`` once per step.
+    torch.cuda.CUDAGraph
+        The captured step (capturing it does not run it); call ``.replay()``
+        once per step.
+
+    Raises
+    ------
+    RuntimeError
+        CUDA is not available.
     """
     if not torch.cuda.is_available():
         raise RuntimeError("tpool.graphs.capture needs CUDA; on a CPU call the step directly")

@@ -95,7 +95,36 @@ def _device_region(call):
 
 @contextlib.contextmanager
 def no_host_sync():
-    """Raise :class:`HostSyncError` on any host read of tensor data inside the block."""
+    """Raise :class:`HostSyncError` on any host read of tensor data inside the block.
+
+    Patches ``Tensor.tolist``, ``numpy``, ``cpu`` and ``item`` and enters a
+    dispatch mode for the ops of the module note; both are undone at exit,
+    also when the block raises. The method patches are process-wide: another
+    thread calling them meanwhile raises too.
+
+    Yields
+    ------
+    None
+
+    Raises
+    ------
+    HostSyncError
+        From inside the block, at the first construct that would make the host
+        wait for the device.
+
+    Example
+    -------
+    >>> t = torch.arange(4)
+    >>> with no_host_sync():
+    ...     u = t + 1                   # device work only
+    >>> u.tolist()                      # read after the block
+    [1, 2, 3, 4]
+    >>> with no_host_sync():
+    ...     t.sum().item()
+    Traceback (most recent call last):
+    ...
+    tpool.testing.HostSyncError: host sync on the hot path: Tensor.item()
+    """
     names = ("tolist", "numpy", "cpu", "item")
     saved = {name: getattr(torch.Tensor, name) for name in names}
     executor = _interpreter_executor()

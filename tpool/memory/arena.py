@@ -54,14 +54,22 @@ class Arena:
     alignment : int
         Power of two, in bytes; block starts and sizes are multiples of it.
 
+    Raises
+    ------
+    ValueError
+        ``capacity_bytes`` is not a positive int, or ``alignment`` is not a
+        positive power of two.
+
     Example
     -------
     >>> arena = Arena(4096, "cpu", alignment=256)
     >>> a = arena.alloc(100); b = arena.alloc(300)       # sizes 256 and 512
     >>> (a.offset, b.offset, arena.allocated_bytes)
     (0, 256, 768)
-    >>> arena.free(a); arena.fragmentation               # 256 at 0, 3328 at 768
-    0.0714...
+    >>> arena.free(a); arena.free_ranges()               # 1 - 3328 / 3584 fragmented
+    [(0, 256), (768, 3328)]
+    >>> round(arena.fragmentation, 4)
+    0.0714
     """
 
     def __init__(self, capacity_bytes: int, device: torch.device | str, *, alignment: int = DEFAULT_ALIGNMENT):
@@ -106,18 +114,64 @@ class Arena:
         return len(self._blocks)
 
     def free_ranges(self) -> list[tuple[int, int]]:
-        """Free ``(offset, size)`` ranges in offset order (for tests and reports)."""
+        """Free ``(offset, size)`` ranges in offset order (for tests and reports).
+
+        Returns
+        -------
+        list of (int, int)
+            Byte offset and size of each free range; no two touch (freeing
+            coalesces). Empty when the arena is full.
+        """
         return [(o, self._free_sizes[o]) for o in self._free_offsets]
 
     def block_size(self, nbytes: int) -> int:
-        """Bytes a request of ``nbytes`` occupies: rounded up to the alignment."""
+        """Bytes a request of ``nbytes`` occupies: rounded up to the alignment.
+
+        Parameters
+        ----------
+        nbytes : int
+            Requested bytes, > 0.
+
+        Returns
+        -------
+        int
+            The smallest multiple of ``alignment`` that is >= ``nbytes``.
+
+        Raises
+        ------
+        ValueError
+            ``nbytes`` is not a positive int.
+
+        Example
+        -------
+        >>> Arena(4096, "cpu", alignment=256).block_size(300)
+        512
+        """
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
         return -(-nbytes // self.alignment) * self.alignment
 
     # -- allocation ---------------------------------------------------------
     def alloc(self, nbytes: int) -> Block | None:
-        """Take the lowest free range that holds ``nbytes``; ``None`` if none does."""
+        """Take the lowest free range that holds ``nbytes``; ``None`` if none does.
+
+        Parameters
+        ----------
+        nbytes : int
+            Requested bytes, > 0; the block takes :meth:`block_size` bytes.
+
+        Returns
+        -------
+        Block or None
+            The new block (at the start of the first free range that fits,
+            the rest of the range staying free), or None when no free range
+            is large enough; nothing changes then.
+
+        Raises
+        ------
+        ValueError
+            ``nbytes`` is not a positive int.
+        """
         size = self.block_size(nbytes)
         for offset in self._free_offsets:
             have = self._free_sizes[offset]
@@ -136,7 +190,32 @@ class Arena:
         return block
 
     def can_alloc(self, nbytes: int, *, also_free: Iterable[Block] = ()) -> bool:
-        """Whether ``alloc(nbytes)`` would succeed, optionally as if ``also_free`` were freed."""
+        """Whether ``alloc(nbytes)`` would succeed, optionally as if ``also_free`` were freed.
+
+        Nothing is allocated or freed.
+
+        Parameters
+        ----------
+        nbytes : int
+            Requested bytes, > 0.
+        also_free : iterable of Block
+            Live blocks of this arena to count as free, merged with the free
+            ranges they touch (e.g. the blocks an eviction would release).
+
+        Returns
+        -------
+        bool
+            True if some free range, after the merge, holds
+            :meth:`block_size` of ``nbytes``.
+
+        Raises
+        ------
+        ValueError
+            ``nbytes`` is not a positive int, or a block in ``also_free`` is
+            not live in this arena.
+        TypeError
+            An item of ``also_free`` is not a :class:`Block`.
+        """
         size = self.block_size(nbytes)
         extra = sorted((self._check_live(b).offset, b.size) for b in also_free)
         if not extra:
@@ -150,7 +229,24 @@ class Arena:
         return False
 
     def free(self, block: Block) -> None:
-        """Return ``block`` to the free ranges, merging it with free neighbours."""
+        """Return ``block`` to the free ranges, merging it with free neighbours.
+
+        Views of the block stay valid tensors and read whatever is written
+        there next.
+
+        Parameters
+        ----------
+        block : Block
+            A live block of this arena.
+
+        Raises
+        ------
+        TypeError
+            ``block`` is not a :class:`Block`.
+        ValueError
+            ``block`` is not live here: freed already, stale (its offset
+            reused since) or from another arena.
+        """
         self._check_live(block)
         del self._blocks[block.offset]
         self._allocated -= block.size
@@ -168,7 +264,18 @@ class Arena:
         self._free_sizes[offset] = size
 
     def is_live(self, block: Block) -> bool:
-        """Whether ``block`` is a live block of this arena."""
+        """Whether ``block`` is a live block of this arena.
+
+        Parameters
+        ----------
+        block : Block
+            Any object; a non-Block gives False.
+
+        Returns
+        -------
+        bool
+            False for a freed, stale or foreign handle.
+        """
         return isinstance(block, Block) and self._blocks.get(block.offset) == block
 
     def _check_live(self, block: Block) -> Block:
@@ -182,10 +289,26 @@ class Arena:
     def bytes_of(self, block: Block, nbytes: int | None = None, *, offset: int = 0) -> torch.Tensor:
         """The uint8 range ``[offset, offset + nbytes)`` of ``block`` (default: all of it).
 
+        Parameters
+        ----------
+        block : Block
+            A live block of this arena.
+        nbytes : int, optional
+            Bytes in the range; default ``block.size - offset``.
+        offset : int
+            Bytes from the block start, >= 0.
+
         Returns
         -------
         torch.Tensor
             Shape ``[nbytes]``, uint8, on ``self.device``; a view of the buffer.
+
+        Raises
+        ------
+        TypeError
+            ``block`` is not a :class:`Block`.
+        ValueError
+            ``block`` is not live here, or the range does not fit in it.
         """
         self._check_live(block)
         nbytes = block.size - offset if nbytes is None else nbytes
@@ -197,11 +320,36 @@ class Arena:
     def view(self, block: Block, dtype: torch.dtype, shape: Sequence[int], *, offset: int = 0) -> torch.Tensor:
         """A contiguous tensor of ``dtype`` and ``shape`` at byte ``offset`` of ``block``.
 
+        Parameters
+        ----------
+        block : Block
+            A live block of this arena.
+        dtype : torch.dtype
+            Element type of the view.
+        shape : sequence of int
+            Shape of the view; its bytes must fit in the block after ``offset``.
+        offset : int
+            Bytes from the block start, >= 0, a multiple of ``dtype``'s
+            element size (block starts are aligned to ``alignment``).
+
         Returns
         -------
         torch.Tensor
             Shape ``shape``, dtype ``dtype``, on ``self.device``; a view of the
             buffer (no copy), valid while ``block`` is live.
+
+        Raises
+        ------
+        ValueError
+            ``block.offset + offset`` is not a multiple of ``dtype``'s element
+            size, ``block`` is not live here, or the view does not fit in it.
+
+        Example
+        -------
+        >>> arena = Arena(1024, "cpu")
+        >>> block = arena.alloc(64)
+        >>> arena.view(block, torch.float32, (2, 8)).shape
+        torch.Size([2, 8])
         """
         itemsize = torch.empty((), dtype=dtype).element_size()
         if (block.offset + offset) % itemsize:

@@ -62,7 +62,13 @@ class CacheStats:
     pinned_entries: int
 
     def to_dict(self) -> dict[str, int]:
-        """The fields as a plain dict."""
+        """The fields as a plain dict.
+
+        Returns
+        -------
+        dict of str to int
+            Field name -> value, in field order.
+        """
         return asdict(self)
 
 
@@ -84,7 +90,16 @@ class OwnedCache:
     budget_bytes : int
         Most storage bytes the cache may charge, >= 0.
     arena : Arena, optional
-        Store entries in this arena (tensors must be on ``arena.device``).
+        Store entries in this arena (tensors must be on ``arena.device``); its
+        alignment must be at least ``MIN_ARENA_ALIGNMENT`` (16 bytes).
+
+    Raises
+    ------
+    ValueError
+        ``budget_bytes`` is not an int >= 0, or the arena's alignment is
+        below 16 bytes.
+    TypeError
+        ``arena`` is not an :class:`~tpool.memory.arena.Arena`.
 
     Example
     -------
@@ -116,9 +131,38 @@ class OwnedCache:
     def put(self, key: Hashable, value: Any) -> bool:
         """Admit ``value`` under ``key``; return whether ``key`` is cached afterwards.
 
-        ``value`` is a tensor (dense, strided, on ``arena.device`` with an
-        arena) or a dataclass / dict / list / tuple / set holding tensors and
-        scalars. A duplicate ``key`` keeps the old value and returns True.
+        Runs the admission order of the module note: a duplicate ``key`` keeps
+        the old value (nothing copied) and refreshes its recency; a value that
+        cannot fit even with every unpinned entry gone is refused with nothing
+        evicted; otherwise unpinned entries are evicted, least recently used
+        first, until it fits. What is stored is ``value`` rebuilt (new
+        containers) around owned copies of the views that do not own their
+        storage (:func:`~tpool.memory.ownership.plan_ownership`; with an
+        arena every tensor is copied); a tensor kept as it is stays the
+        caller's object, so in-place writes to it reach the cache.
+
+        Parameters
+        ----------
+        key : Hashable
+            The entry's key.
+        value : Any
+            A tensor (any shape and dtype; dense strided; any device, or
+            ``arena.device`` with an arena) or a dataclass / dict / list /
+            tuple / set holding tensors and plain scalars.
+
+        Returns
+        -------
+        bool
+            True if ``key`` is cached afterwards (admitted now, or already
+            present); False if the value was refused.
+
+        Raises
+        ------
+        TypeError
+            A leaf that is neither a tensor nor a plain scalar, or a tensor
+            without ordinary storage (checked before anything is evicted).
+        ValueError
+            With an arena, a tensor on another device than ``arena.device``.
         """
         if key in self._entries:
             self._entries.move_to_end(key)
@@ -195,7 +239,23 @@ class OwnedCache:
 
     # -- lookup, pins, removal ----------------------------------------------
     def get(self, key: Hashable, default: Any = None) -> Any:
-        """The value under ``key`` (refreshing its recency), or ``default``."""
+        """The value under ``key`` (refreshing its recency), or ``default``.
+
+        Parameters
+        ----------
+        key : Hashable
+            The entry's key.
+        default : Any
+            Returned when ``key`` is absent (counted as a miss).
+
+        Returns
+        -------
+        Any
+            The stored value (the same object on every call), or ``default``.
+            With an arena its tensors are views of the entry's block, reused
+            once the entry is evicted: :meth:`pin` (or :meth:`pinned`) while
+            reading them.
+        """
         entry = self._entries.get(key)
         if entry is None:
             self._counts["misses"] += 1
@@ -205,11 +265,38 @@ class OwnedCache:
         return entry.value
 
     def pin(self, key: Hashable) -> None:
-        """Add one in-flight reader of ``key``; a pinned entry is never evicted."""
+        """Add one in-flight reader of ``key``; a pinned entry is never evicted.
+
+        Pinned entries are also never popped, removed or cleared. Recency and
+        the hit counter are unchanged.
+
+        Parameters
+        ----------
+        key : Hashable
+            The entry's key.
+
+        Raises
+        ------
+        KeyError
+            ``key`` is not in the cache.
+        """
         self._entry(key).pins += 1
 
     def unpin(self, key: Hashable) -> None:
-        """Remove one in-flight reader of ``key``; raises ValueError below zero."""
+        """Remove one in-flight reader of ``key``.
+
+        Parameters
+        ----------
+        key : Hashable
+            The entry's key.
+
+        Raises
+        ------
+        KeyError
+            ``key`` is not in the cache.
+        ValueError
+            The entry has no pins.
+        """
         entry = self._entry(key)
         if entry.pins == 0:
             raise ValueError(f"unpin({key!r}): the entry has 0 pins")
@@ -217,7 +304,23 @@ class OwnedCache:
 
     @contextlib.contextmanager
     def pinned(self, key: Hashable) -> Iterator[Any]:
-        """``with cache.pinned(key) as value:`` pins ``key`` for the block (no recency change)."""
+        """``with cache.pinned(key) as value:`` pins ``key`` for the block (no recency change).
+
+        Parameters
+        ----------
+        key : Hashable
+            The entry's key.
+
+        Yields
+        ------
+        Any
+            The stored value, as :meth:`get` returns it (not counted as a hit).
+
+        Raises
+        ------
+        KeyError
+            ``key`` is not in the cache (on entering the block).
+        """
         self.pin(key)
         try:
             yield self._entries[key].value
@@ -225,13 +328,51 @@ class OwnedCache:
             self.unpin(key)
 
     def pins(self, key: Hashable) -> int:
-        """Current pin count of ``key``."""
+        """Current pin count of ``key``.
+
+        Parameters
+        ----------
+        key : Hashable
+            The entry's key.
+
+        Returns
+        -------
+        int
+            Pins minus unpins so far, >= 0.
+
+        Raises
+        ------
+        KeyError
+            ``key`` is not in the cache.
+        """
         return self._entry(key).pins
 
     def pop(self, key: Hashable, default: Any = _MISSING) -> Any:
         """Remove ``key`` and return its value (with an arena: a copy out of it).
 
-        Raises KeyError if absent and no default, ValueError if pinned.
+        Not counted as a hit or a miss.
+
+        Parameters
+        ----------
+        key : Hashable
+            The entry's key.
+        default : Any, optional
+            Returned when ``key`` is absent; without it an absent key raises.
+
+        Returns
+        -------
+        Any
+            The stored value; with an arena, the same structure rebuilt with
+            each tensor copied out of the block into its own compact storage
+            (same shapes, dtypes, device and values), since the block is
+            reused. Or ``default``.
+
+        Raises
+        ------
+        KeyError
+            ``key`` is absent and no ``default`` was given.
+        ValueError
+            The entry is pinned (nothing removed).
         """
         if key not in self._entries:
             if default is _MISSING:
@@ -246,13 +387,32 @@ class OwnedCache:
         return value
 
     def remove(self, key: Hashable) -> None:
-        """Remove ``key`` (KeyError if absent, ValueError if pinned)."""
+        """Remove ``key`` and release what it holds.
+
+        Parameters
+        ----------
+        key : Hashable
+            The entry's key.
+
+        Raises
+        ------
+        KeyError
+            ``key`` is not in the cache.
+        ValueError
+            The entry is pinned (nothing removed).
+        """
         self._entry(key)
         self._check_unpinned([key])
         self._drop(key)
 
     def clear(self) -> None:
-        """Remove every entry; ValueError (and nothing removed) if any is pinned."""
+        """Remove every entry.
+
+        Raises
+        ------
+        ValueError
+            Some entry is pinned (nothing removed).
+        """
         self._check_unpinned(list(self._entries))
         for key in list(self._entries):
             self._drop(key)
@@ -275,24 +435,56 @@ class OwnedCache:
         return len(self._entries)
 
     def keys(self) -> list[Hashable]:
-        """Keys from least to most recently used."""
+        """Keys from least to most recently used.
+
+        Returns
+        -------
+        list of Hashable
+            A new list; the first key is the next eviction candidate (unless
+            pinned).
+        """
         return list(self._entries)
 
     # -- accounting ---------------------------------------------------------
     def stats(self) -> CacheStats:
-        """A snapshot of the counters and byte counts."""
+        """A snapshot of the counters and byte counts.
+
+        Returns
+        -------
+        CacheStats
+            Frozen; later cache operations do not change it.
+        """
         pinned = sum(1 for e in self._entries.values() if e.pins > 0)
         return CacheStats(**self._counts, current_bytes=self._current, peak_bytes=self._peak,
                           budget_bytes=self.budget_bytes, entries=len(self._entries), pinned_entries=pinned)
 
     def memory_bytes(self) -> dict[str, int]:
-        """Payload vs charged storage bytes (the protocol :func:`tpool.memory_report` reads)."""
+        """Payload vs charged storage bytes (the protocol :func:`tpool.memory_report` reads).
+
+        Returns
+        -------
+        dict of str to int
+            ``entries``; ``payload_bytes`` (what the values need);
+            ``storage_bytes`` (what the cache charges: storages held, or
+            block sizes with an arena); ``budget_bytes``; ``peak_bytes``.
+        """
         payload = sum(e.payload for e in self._entries.values())
         return {"entries": len(self._entries), "payload_bytes": payload, "storage_bytes": self._current,
                 "budget_bytes": self.budget_bytes, "peak_bytes": self._peak}
 
     def check_invariants(self) -> None:
-        """Recount everything held; raise :class:`InvariantViolation` on any mismatch."""
+        """Recount everything held; raise :class:`InvariantViolation` on any mismatch.
+
+        Checks each entry's storages (or, with an arena, that its block is live,
+        of the charged size and holds its tensors), the storage ledger and its
+        reference counts, ``0 <= current <= peak <= budget``, and that no
+        counter is negative.
+
+        Raises
+        ------
+        InvariantViolation
+            Names the first broken invariant.
+        """
         held: dict[StorageKey, int] = {}
         refs: dict[StorageKey, int] = {}
         in_blocks = 0

@@ -43,10 +43,23 @@ StorageKey = tuple[str, int, int]  # (device type, device index or -1, storage d
 def check_ownable(t: Any) -> torch.Tensor:
     """Return ``t`` if it is a dense strided tensor with real storage, else raise.
 
+    Parameters
+    ----------
+    t : Any
+        The object to check; a tensor passes if it is dense and strided, of
+        any shape and dtype, on any device.
+
+    Returns
+    -------
+    torch.Tensor
+        ``t`` itself.
+
     Raises
     ------
     TypeError
-        ``t`` is not a tensor, or its kind has no countable storage.
+        ``t`` is not a tensor, or its kind has no countable storage (nested,
+        sparse or another non-strided layout, quantized, meta, a subclass with
+        ``__torch_dispatch__``, a functorch-wrapped tensor).
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
@@ -69,13 +82,58 @@ def check_ownable(t: Any) -> torch.Tensor:
 
 
 def payload_bytes(t: torch.Tensor) -> int:
-    """Bytes the values need: ``numel * element_size`` (``t``: any dense strided tensor)."""
+    """Bytes the values of ``t`` need: ``numel * element_size``.
+
+    Parameters
+    ----------
+    t : torch.Tensor
+        any shape and dtype, any device; dense strided.
+
+    Returns
+    -------
+    int
+        Bytes, whatever the strides: an ``expand`` counts every repeated
+        element; 0 for an empty tensor.
+
+    Raises
+    ------
+    TypeError
+        ``t`` has no ordinary storage (see :func:`check_ownable`).
+
+    Example
+    -------
+    >>> batch = torch.zeros(1000, 4096, dtype=torch.bfloat16)
+    >>> payload_bytes(batch.split(100)[3])      # 100 * 4096 * 2
+    819200
+    """
     t = check_ownable(t)
     return t.numel() * t.element_size()
 
 
 def storage_bytes(t: torch.Tensor) -> int:
-    """Bytes of the backing storage that ``t`` keeps alive (``untyped_storage().nbytes()``)."""
+    """Bytes of the backing storage that ``t`` keeps alive (``untyped_storage().nbytes()``).
+
+    Parameters
+    ----------
+    t : torch.Tensor
+        any shape and dtype, any device; dense strided.
+
+    Returns
+    -------
+    int
+        Bytes of the whole storage, however little of it ``t`` reads.
+
+    Raises
+    ------
+    TypeError
+        ``t`` has no ordinary storage (see :func:`check_ownable`).
+
+    Example
+    -------
+    >>> batch = torch.zeros(1000, 4096, dtype=torch.bfloat16)
+    >>> storage_bytes(batch.split(100)[3])      # the whole batch stays alive
+    8192000
+    """
     return check_ownable(t).untyped_storage().nbytes()
 
 
@@ -89,15 +147,54 @@ def _span_elems(t: torch.Tensor) -> int:
 def compact_bytes(t: torch.Tensor) -> int:
     """Fewest bytes an owned copy of ``t`` needs: ``min(payload, span)``.
 
-    The span is below the payload only for overlapping views (``expand``);
-    a copy of the span keeps the strides, so the repetition stays free.
+    The span (the elements from the first to the last one the strides reach)
+    is below the payload only for overlapping views (``expand``); a copy of
+    the span keeps the strides, so the repetition stays free.
+
+    Parameters
+    ----------
+    t : torch.Tensor
+        any shape and dtype, any device; dense strided.
+
+    Returns
+    -------
+    int
+        Bytes; 0 for an empty tensor.
+
+    Raises
+    ------
+    TypeError
+        ``t`` has no ordinary storage (see :func:`check_ownable`).
+
+    Example
+    -------
+    >>> compact_bytes(torch.ones(4096).expand(1000, 4096))   # one float32 row
+    16384
     """
     t = check_ownable(t)
     return min(t.numel(), _span_elems(t)) * t.element_size()
 
 
 def storage_key(t: torch.Tensor) -> StorageKey:
-    """Identity of ``t``'s storage: ``(device type, device index or -1, data_ptr)``."""
+    """Identity of ``t``'s storage: ``(device type, device index or -1, data_ptr)``.
+
+    Parameters
+    ----------
+    t : torch.Tensor
+        any shape and dtype, any device; dense strided.
+
+    Returns
+    -------
+    tuple of (str, int, int)
+        Equal for two views of one storage. Two live storages with bytes
+        never share one; a freed storage's address can be reused, and empty
+        storages all have ``data_ptr`` 0.
+
+    Raises
+    ------
+    TypeError
+        ``t`` has no ordinary storage (see :func:`check_ownable`).
+    """
     t = check_ownable(t)
     index = -1 if t.device.index is None else t.device.index
     return (t.device.type, index, t.untyped_storage().data_ptr())
@@ -106,9 +203,34 @@ def storage_key(t: torch.Tensor) -> StorageKey:
 def needs_compaction(t: torch.Tensor) -> bool:
     """Whether ``t``'s storage is larger than :func:`compact_bytes` of ``t``.
 
-    Example: an item ``[100, 4096]`` of a split ``[1000, 4096]`` bf16 batch
-    has storage 8_192_000 and compact 819_200 bytes: True. The batch itself,
-    its transpose, or ``torch.ones(4096).expand(1000, 4096)``: False.
+    Parameters
+    ----------
+    t : torch.Tensor
+        any shape and dtype, any device; dense strided.
+
+    Returns
+    -------
+    bool
+        True when :func:`own` would copy ``t``.
+
+    Raises
+    ------
+    TypeError
+        ``t`` has no ordinary storage (see :func:`check_ownable`).
+
+    Example
+    -------
+    An item ``[100, 4096]`` of a split ``[1000, 4096]`` bf16 batch has storage
+    8_192_000 and compact 819_200 bytes; the batch itself, its transpose and an
+    ``expand`` of a whole tensor own their storage.
+
+    >>> batch = torch.zeros(1000, 4096, dtype=torch.bfloat16)
+    >>> needs_compaction(batch.split(100)[3])
+    True
+    >>> needs_compaction(batch), needs_compaction(batch.t())
+    (False, False)
+    >>> needs_compaction(torch.ones(4096).expand(1000, 4096))
+    False
     """
     return storage_bytes(t) > compact_bytes(t)
 
@@ -130,7 +252,17 @@ def compact(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     torch.Tensor
         Same shape, dtype, device, values and ``requires_grad`` as ``t``; a
         new autograd leaf. Contiguous, or for an overlapping view the strides
-        of ``t`` over a copy of its reachable range.
+        of ``t`` over a copy of its reachable range. With ``out``, a view of
+        ``out``'s storage.
+
+    Raises
+    ------
+    TypeError
+        ``t`` has no ordinary storage (see :func:`check_ownable`).
+    ValueError
+        ``out`` is not uint8 of shape ``[compact_bytes(t)]`` on ``t.device``.
+        (A start of ``out`` not aligned to ``t.element_size()`` is not checked
+        here; torch's ``view(dtype)`` raises ``RuntimeError`` for it.)
     """
     t = check_ownable(t)
     span = _span_elems(t)
@@ -166,6 +298,18 @@ def own(t: torch.Tensor) -> torch.Tensor:
     t : torch.Tensor
         Any shape and dtype, any device; dense strided.
 
+    Returns
+    -------
+    torch.Tensor
+        ``t`` itself when it owns its storage (``not needs_compaction(t)``),
+        else a new tensor of ``t``'s shape, dtype, device and values, in
+        exactly :func:`compact_bytes` bytes (see :func:`compact`).
+
+    Raises
+    ------
+    TypeError
+        ``t`` has no ordinary storage (see :func:`check_ownable`).
+
     Example
     -------
     >>> batch = torch.zeros(1000, 4096, dtype=torch.bfloat16)   # 8_192_000 B
@@ -183,8 +327,20 @@ def _is_dataclass(obj: Any) -> bool:
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Yield every tensor in ``obj``: a tensor, or nested dicts (values), lists,
-    tuples, sets and dataclass instances holding tensors. Other leaves are skipped.
+    """Yield every tensor in ``obj``, depth first, in container order.
+
+    Parameters
+    ----------
+    obj : Any
+        A tensor, or nested mappings (their values), lists, tuples, sets and
+        dataclass instances holding tensors. Other leaves are skipped, never
+        raised on (unlike :func:`map_tensors`).
+
+    Yields
+    ------
+    torch.Tensor
+        Each tensor as it is found (any shape, dtype and device); a tensor
+        held twice is yielded twice.
     """
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -207,6 +363,19 @@ def retained_bytes(tensors: torch.Tensor | Iterable[Any]) -> int:
     tensors : torch.Tensor or iterable
         A tensor, or any iterable (list, generator, dict values, dataclass…)
         of tensors and nested containers; tensors may be on any devices.
+        Non-tensor leaves are skipped.
+
+    Returns
+    -------
+    int
+        Sum over the distinct storages (by :func:`storage_key`) of their
+        ``nbytes``.
+
+    Raises
+    ------
+    TypeError
+        ``tensors`` is a str or bytes, or neither iterable nor a dataclass
+        instance; or a tensor in it has no ordinary storage.
 
     Example
     -------
@@ -231,10 +400,21 @@ _LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """Rebuild ``obj`` with every tensor ``t`` replaced by ``fn(t)``.
 
-    Containers: dicts (values; subclasses keep their type), lists, tuples
-    (named tuples too), sets, and dataclass instances (copied, fields set
-    directly, so frozen ones work). Leaves: tensors and plain scalars
-    (None, bool, int, float, complex, str, bytes, dtype, device, Enum).
+    Parameters
+    ----------
+    obj : Any
+        Containers: dicts (values; subclasses keep their type), lists, tuples
+        (named tuples too), sets, and dataclass instances (copied, fields set
+        directly, so frozen ones work). Leaves: tensors and plain scalars
+        (None, bool, int, float, complex, str, bytes, dtype, device, Enum).
+    fn : callable
+        ``torch.Tensor -> torch.Tensor``, called once per tensor occurrence.
+
+    Returns
+    -------
+    Any
+        ``fn(obj)`` for a tensor; the scalar itself for a scalar leaf; else a
+        new container of the same type (``obj`` is not modified).
 
     Raises
     ------
@@ -278,7 +458,12 @@ def _signature(t: torch.Tensor) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class OwnershipPlan:
-    """What owning every tensor of ``value`` costs, known before anything is copied."""
+    """What owning every tensor of ``value`` costs, known before anything is copied.
+
+    Made by :func:`plan_ownership`; :meth:`apply` makes the copies. Views are
+    keyed by a signature (storage, offset, shape, strides, dtype and flags),
+    so identical views count and copy once.
+    """
 
     value: Any
     views: dict[tuple, torch.Tensor]  # signature -> tensor: the distinct views, in value order
@@ -298,6 +483,19 @@ class OwnershipPlan:
             Shape ``[copy_bytes]``, uint8, on the tensors' device, start
             aligned to ``align``: the copies are packed in it at offsets that
             are multiples of ``align``. By default each copy is a fresh tensor.
+
+        Returns
+        -------
+        Any
+            ``value`` rebuilt by :func:`map_tensors`: each view in ``copy``
+            replaced by its owned copy (one copy per distinct view, shared by
+            its occurrences), every other tensor kept as the same object.
+
+        Raises
+        ------
+        ValueError
+            ``out`` is not uint8, 1-D, on the tensors' device, or too short
+            to hold ``copy_bytes``.
         """
         owned, offset = {}, 0
         for sig in self.copy:
@@ -315,8 +513,41 @@ def plan_ownership(value: Any, *, copy_all: bool = False, align: int = 1) -> Own
     storage are copied only if their compact copies are together smaller than
     the storage (all ten items of a split batch: kept; two of them: copied).
     ``copy_all`` copies every view (to move a value into an arena). Nothing is
-    copied until :meth:`OwnershipPlan.apply`; every leaf is checked here
-    (``TypeError`` from :func:`map_tensors` and :func:`check_ownable`).
+    copied until :meth:`OwnershipPlan.apply`; every leaf is checked here.
+
+    Parameters
+    ----------
+    value : Any
+        A tensor (any shape and dtype, any device; dense strided) or a
+        container of them as :func:`map_tensors` accepts.
+    copy_all : bool
+        Copy every view, even those that own their storage.
+    align : int
+        Positive, in bytes: each copy's size is rounded up to a multiple of it
+        in ``copy_bytes`` (an arena's alignment; 1 packs them tight).
+
+    Returns
+    -------
+    OwnershipPlan
+        The distinct views, those to copy, the storages kept, and the bytes:
+        ``copy_bytes`` the copies need, ``retained_bytes`` the value keeps
+        alive as given, ``payload_bytes`` its values need.
+
+    Raises
+    ------
+    TypeError
+        A leaf that is neither a tensor nor a plain scalar
+        (:func:`map_tensors`), or a tensor without ordinary storage
+        (:func:`check_ownable`).
+
+    Example
+    -------
+    >>> batch = torch.zeros(1000, 4096, dtype=torch.bfloat16)   # 8_192_000 B
+    >>> plan = plan_ownership(batch.split(100)[:2])              # two items
+    >>> plan.copy_bytes, plan.retained_bytes
+    (1638400, 8192000)
+    >>> plan_ownership(batch.split(100)).copy_bytes              # all ten: kept
+    0
     """
     views: dict[tuple, torch.Tensor] = {}
     map_tensors(value, lambda t: views.setdefault(_signature(t), t))

@@ -61,7 +61,28 @@ class PagePlan:
     source: str  # where total and free came from
 
     def explain(self) -> str:
-        """The arithmetic, one line per step, with bytes and GiB."""
+        """The arithmetic, one line per step, with bytes and GiB.
+
+        Returns
+        -------
+        str
+            Eight lines: total, free, in use, static budget, runtime reserve,
+            extra reserve, pool budget, pool; each with its bytes, GiB and
+            where it comes from.
+
+        Example
+        -------
+        >>> plan = plan_pages(2 << 20, 0.8, total_bytes=80 << 30, free_bytes=60 << 30)
+        >>> print(plan.explain())
+        total                  85,899,345,920 B     80.00 GiB   given
+        free                   64,424,509,440 B     60.00 GiB   measured after the weights
+        in use                 21,474,836,480 B     20.00 GiB   total - free + pending weights (weights, context, other)
+        static budget          68,719,476,736 B     64.00 GiB   total x 0.8
+        runtime reserve        17,179,869,184 B     16.00 GiB   total - static budget (activations, graphs)
+        extra reserve                       0 B      0.00 GiB   kept back inside the static budget
+        pool budget            47,244,640,256 B     44.00 GiB   static budget - in use - extra reserve
+        pool                   47,244,640,256 B     44.00 GiB   22,528 pages x 2,097,152 B
+        """
         rows = [
             ("total", self.total_bytes, self.source),
             ("free", self.free_bytes, "measured after the weights" if not self.pending_weights_bytes
@@ -107,15 +128,37 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
     mem_fraction_static : float
         In (0, 1]: share of total device memory for weights + pool.
     device : torch.device or str, optional
-        CUDA device to measure when total/free are not given.
+        CUDA device to measure (``torch.cuda.mem_get_info``) when total or
+        free is not given; default the current CUDA device. Unused when both
+        are given.
     total_bytes, free_bytes : int, optional
-        Device total and free memory; required on a CPU.
+        Device total (>= 1) and free (>= 0, <= total) memory in bytes; each
+        one not given is measured. Both are required without CUDA.
     reserve_bytes : int
-        Extra memory kept back inside the static budget (default 0).
+        Extra memory kept back inside the static budget, >= 0 (default 0).
     weights_bytes : int, optional
-        Weights NOT yet loaded when ``free_bytes`` was measured (None: loaded).
-    min_pages, max_pages : int
-        Fewest pages accepted (else :class:`PlanError`); most pages wanted.
+        Weights NOT yet loaded when ``free_bytes`` was measured, >= 0
+        (None: loaded).
+    min_pages : int
+        Fewest pages accepted, >= 0 (else :class:`PlanError`); default 1.
+    max_pages : int, optional
+        Most pages wanted, >= ``min_pages``; default no cap.
+
+    Returns
+    -------
+    PagePlan
+        Every number of the arithmetic in the module note; ``num_pages`` is
+        the answer and :meth:`PagePlan.explain` prints the steps.
+
+    Raises
+    ------
+    PlanError
+        Fewer than ``min_pages`` pages fit; its ``suggested_fraction`` is the
+        smallest fraction (rounded up to 0.01) that gives ``min_pages``, or
+        None if even 1.0 does not. A subclass of ``ValueError``.
+    ValueError
+        An argument out of its range, ``free_bytes > total_bytes``, or total
+        or free not given and no CUDA device to measure them on.
 
     Example
     -------

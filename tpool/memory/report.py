@@ -96,7 +96,13 @@ class MemoryReport:
     process: Process
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain nested dicts (JSON-serialisable)."""
+        """Plain nested dicts (JSON-serialisable).
+
+        Returns
+        -------
+        dict of str to Any
+            ``device`` and the four ledgers, each a dict of its fields.
+        """
         return asdict(self)
 
 
@@ -160,10 +166,29 @@ def memory_report(device: torch.device | str | int | None = None, *, pools=(), c
     Parameters
     ----------
     device : torch.device, str or int, optional
-        ``"cuda:0"``, ``0``, ``"cpu"``… A CUDA device needs CUDA (ValueError).
+        ``"cuda:0"``, ``0`` (an int is a CUDA index), ``"cpu"``… Default the
+        current CUDA device, else the CPU.
     pools, caches : iterables
-        Objects with ``memory_bytes() -> dict[str, int]`` (e.g. ``OwnedCache``),
-        reported by their ``name`` attribute or ``Type[i]``.
+        Objects with ``memory_bytes() -> dict[str, int]`` (e.g. ``OwnedCache``;
+        other JSON scalars are accepted as values), reported by their ``name``
+        attribute or ``Type[i]`` (``name[i]`` when a name repeats).
+
+    Returns
+    -------
+    MemoryReport
+        The references ledger, and for a CUDA device the caching allocator
+        and driver ledgers (on any other device those are None with the
+        reason in ``unavailable``); the process ledger on every device.
+
+    Raises
+    ------
+    ValueError
+        A CUDA device without CUDA, or a CUDA index out of range.
+    RuntimeError
+        ``device`` is a string torch does not parse as a device.
+    TypeError
+        An object without a callable ``memory_bytes``, or one whose
+        ``memory_bytes()`` is not a dict of str to JSON scalars.
     """
     device = _resolve(device)
     tracked = Tracked(caches=_tracked(caches, "caches"), pools=_tracked(pools, "pools"))
@@ -197,7 +222,20 @@ def _rows(report: MemoryReport) -> list[tuple[str, str, Any, str]]:
 
 
 def format_report(report: MemoryReport) -> str:
-    """A readable table: ledger, quantity, bytes, MiB (``n/a`` and the reason when unmeasured)."""
+    """A readable table: ledger, quantity, bytes, MiB (``n/a`` and the reason when unmeasured).
+
+    Parameters
+    ----------
+    report : MemoryReport
+        As :func:`memory_report` returns it.
+
+    Returns
+    -------
+    str
+        A title line naming the device, a header, then one line per number:
+        integers with thousands separators, and MiB for quantities whose name
+        ends in ``bytes``; a ledger with nothing measured is one ``n/a`` line.
+    """
     lines = [f"tpool memory report: {report.device}",
              f"{'ledger':<11} {'quantity':<40} {'bytes':>16} {'MiB':>11}"]
     for ledger, what, value, why in _rows(report):
@@ -212,7 +250,29 @@ def format_report(report: MemoryReport) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``tpool report [--json] [--device DEV]``; returns the exit status."""
+    """``tpool report [--json] [--device DEV]``; returns the exit status.
+
+    Also reached as ``python -m tpool report``. Prints :func:`format_report`
+    (or the JSON of :meth:`MemoryReport.to_dict` with ``--json``) of
+    :func:`memory_report` on the device, with no caches or pools.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        The arguments; default ``sys.argv[1:]``. A leading ``"report"`` is
+        dropped.
+
+    Returns
+    -------
+    int
+        0 when the report was printed; 2 when the device could not be
+        measured (the reason goes to stderr).
+
+    Raises
+    ------
+    SystemExit
+        From argparse, for ``--help`` or an unknown option.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["report"]:
         argv = argv[1:]
