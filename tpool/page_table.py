@@ -107,7 +107,8 @@ class BoundStep(functools.partial):
             return result
 
         self = super().__new__(cls, step)
-        self.result, self.req_ids, self.num_tokens = result, req_ids, num_tokens
+        # The compiled step holds raw addresses of the table's and pool's tensors: keep them alive.
+        self.result, self.req_ids, self.num_tokens, self.table = result, req_ids, num_tokens, table
         return self
 
     def __repr__(self):
