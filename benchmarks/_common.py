@@ -5,6 +5,7 @@ workloads under pytest-benchmark (calibration, ``--benchmark-compare``, histogra
 """
 
 import datetime
+import gc
 import json
 import os
 import platform
@@ -29,6 +30,17 @@ torch.set_num_threads(1)
 def progress(msg: str) -> None:
     """One line on stderr with the seconds since the script started (stdout keeps the table)."""
     print(f"[{time.perf_counter() - _T0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def gc_quiet() -> None:
+    """Move every object made so far out of the garbage collector's view (``gc.unfreeze()`` undoes it).
+
+    A host baseline over a pool of 16M pages holds Python lists of 16M ids; each
+    full collection would walk them, and that time would land on whichever row
+    happened to allocate when it ran.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def calibrate(fn, *, sync=None, target_us: float = SAMPLE_TARGET_US, reset=None, max_inner: int = MAX_INNER) -> int:

@@ -31,6 +31,7 @@ each call (outside the timed region), and shows warm and cold side by side.
 """
 
 import argparse
+import gc
 import functools
 import os
 import random
@@ -40,8 +41,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (COLD_BYTES, CacheFlusher, default_device, plot_lines, print_table,  # noqa: E402
-                     progress, quantiles, sample_cold_us, sample_us, sync_of, write_json)
+from _common import (COLD_BYTES, CacheFlusher, default_device, gc_quiet, plot_lines,  # noqa: E402
+                     print_table, progress, quantiles, sample_cold_us, sample_us, sync_of, write_json)
 
 import tpool  # noqa: E402
 
@@ -260,6 +261,7 @@ def main(argv=None):
                 continue
             progress(f"{where}: setting up")
             impls = workloads(B, backends, device, num_pages=P, extras=P is None)
+            gc_quiet()  # the baselines' P-element Python lists must not slow every GC pass
             base = {}
             for name, (fn, owner, kind) in impls.items():
                 progress(f"{where}: {name}")
@@ -292,6 +294,7 @@ def main(argv=None):
                         if cold else ["", "", "", ""]
                 table_rows.append(cells)
             del impls
+            gc.unfreeze()
     header = ["B"] + (["pool pages"] if args.pool_sizes else []) + ["impl", "median", "p20", "p80", "vs host-blocks"]
     if args.cold:
         header += ["cold median", "cold p20", "cold p80", "cold vs host-blocks"]

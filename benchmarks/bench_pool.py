@@ -12,14 +12,15 @@ baseline's time over the row's time (above 1: faster than the baseline).
 """
 
 import argparse
+import gc
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (default_device, plot_lines, print_table, progress, quantiles, sample_us,  # noqa: E402
-                     sync_of, write_json)
+from _common import (default_device, gc_quiet, plot_lines, print_table, progress, quantiles,  # noqa: E402
+                     sample_us, sync_of, write_json)
 
 import tpool  # noqa: E402
 
@@ -110,6 +111,7 @@ def main(argv=None):
             if n > P:
                 continue
             fns = pair_fns(n, P, device, backends)
+            gc_quiet()  # the baselines' P-element Python lists must not slow every GC pass
             med_of = {}
             for name, fn in fns.items():
                 progress(f"pool {P:,} pages, N={n}: {name}")
@@ -118,6 +120,7 @@ def main(argv=None):
                 rows.append(dict(num_pages=P, pages=n, impl=name, median_us=med, p20_us=p20, p80_us=p80,
                                  pages_per_s=2 * n / med * 1e6, device=str(device)))
             del fns
+            gc.unfreeze()
             for r in rows[-len(med_of):]:
                 r["vs_host_list"] = med_of["host-list"] / r["median_us"]
                 r["vs_torch_slice"] = med_of["torch-slice"] / r["median_us"]
