@@ -4,6 +4,7 @@ The scripts print a newcomer's table; ``benchmarks/test_bench_*.py`` run the sam
 workloads under pytest-benchmark (calibration, ``--benchmark-compare``, histograms).
 """
 
+import argparse
 import datetime
 import gc
 import json
@@ -30,6 +31,16 @@ torch.set_num_threads(1)
 def progress(msg: str) -> None:
     """One line on stderr with the seconds since the script started (stdout keeps the table)."""
     print(f"[{time.perf_counter() - _T0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, unless its help says it already or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default" in text or action.default in (None, "", False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
 
 
 def gc_quiet() -> None:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (default_device, plot_lines, print_table, progress, quantiles,  # noqa: E402
+from _common import (HelpFormatter, default_device, plot_lines, print_table, progress, quantiles,  # noqa: E402
                      write_json)
 
 import tpool  # noqa: E402
@@ -47,10 +47,11 @@ def numpy_select(state, stamp, k):
     return ids[part[np.argsort(keys[part])]]
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help and default."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  epilog="Progress goes to stderr, one line per row.",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--pool-sizes", "--pages", dest="pages", type=int, nargs="+", default=[65536, 1048576],
                     metavar="P", help="pages in the pool, half of them cached (eviction is linear in P)")
     ap.add_argument("--k", type=int, nargs="+", default=[1, 64, 4096], help="pages evicted per call")
@@ -61,7 +62,11 @@ def main(argv=None):
                     help="calls timed per row, one call each (the reference backend: a fifth, at least 3)")
     ap.add_argument("--json", default="", metavar="PATH", help="also write the rows as JSON")
     ap.add_argument("--plot", default="", metavar="PATH", help="also write a PNG: us against the pool size")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     device = torch.device(args.device)
     backends = args.backends or (["triton", "reference"] if device.type == "cuda" else ["numba", "reference"])
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

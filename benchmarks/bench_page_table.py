@@ -41,8 +41,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (COLD_BYTES, CacheFlusher, default_device, gc_quiet, plot_lines,  # noqa: E402
-                     print_table, progress, quantiles, sample_cold_us, sample_us, sync_of, write_json)
+from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, default_device, gc_quiet, plot_lines,  # noqa: E402
+                     print_table, progress, quantiles, sample_cold_us, sample_us, sync_of,
+                     write_json)
 
 import tpool  # noqa: E402
 
@@ -224,9 +225,10 @@ def make_reset(fn, owner):
     return reset
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help and default."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EPILOG,
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256, 1024], metavar="B",
                     help="requests in the batch (one group of rows per B)")
     ap.add_argument("--device", default=default_device(), help="torch device of the pool and table")
@@ -242,11 +244,16 @@ def main(argv=None):
     ap.add_argument("--cold-bytes", type=int, default=COLD_BYTES, help="bytes written between two cold calls")
     ap.add_argument("--pool-sizes", type=int, nargs="+", default=None, metavar="P",
                     help="sweep the pool size (pages) instead of sizing the pool to the batch, e.g. "
-                         "65536 1048576 16777216: only the decode and turnover rows, to show they stay flat")
+                         "65536 1048576 16777216: only the decode and turnover rows, to show they stay flat "
+                         "(default: (B + 2) x 384 pages, sized to the batch)")
     ap.add_argument("--json", default="", metavar="PATH", help="also write the rows as JSON")
     ap.add_argument("--plot", default="", metavar="PATH",
                     help="also write a PNG: us against B, or against the pool size with --pool-sizes")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     device = torch.device(args.device)
     backends = args.backends or (["triton"] if device.type == "cuda" else ["numba"])
     sync = sync_of(device)

@@ -19,8 +19,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (default_device, gc_quiet, plot_lines, print_table, progress, quantiles,  # noqa: E402
-                     sample_us, sync_of, write_json)
+from _common import (HelpFormatter, default_device, gc_quiet, plot_lines, print_table, progress,  # noqa: E402
+                     quantiles, sample_us, sync_of, write_json)
 
 import tpool  # noqa: E402
 
@@ -82,15 +82,16 @@ def pair_fns(n, num_pages, device, backends):
     return fns
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help and default."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EPILOG,
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 256, 4096], metavar="N",
                     help="pages per alloc (one row per size and implementation)")
     ap.add_argument("--num-pages", type=int, default=65536, help="pages in the pool (without --pool-sizes)")
     ap.add_argument("--pool-sizes", type=int, nargs="+", default=None, metavar="P",
                     help="sweep the pool size instead of --num-pages, e.g. 65536 262144 1048576 4194304 "
-                         "16777216 (alloc/free should stay flat)")
+                         "16777216 (alloc/free should stay flat; default: --num-pages alone)")
     ap.add_argument("--device", default=default_device(), help="torch device of the pools")
     ap.add_argument("--backends", nargs="+", default=None,
                     help="tpool backends to time (default: numba and reference on CPU; triton and reference on CUDA)")
@@ -100,7 +101,11 @@ def main(argv=None):
     ap.add_argument("--json", default="", metavar="PATH", help="also write the rows as JSON")
     ap.add_argument("--plot", default="", metavar="PATH",
                     help="also write a PNG: us against N, or against the pool size with --pool-sizes")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     device = torch.device(args.device)
     backends = args.backends or (["triton", "reference"] if device.type == "cuda" else ["numba", "reference"])
     sync = sync_of(device)

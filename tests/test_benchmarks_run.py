@@ -1,5 +1,6 @@
 """The benchmark scripts run and print their tables (tiny sizes; timings are not checked)."""
 
+import argparse
 import importlib.util
 import json
 import os
@@ -42,15 +43,16 @@ def test_benchmark_prints_its_table_and_progress(name, header, tmp_path, capsys)
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_help_explains_every_option_and_its_default(name):
+    module = load(name)
+    parser = module.parser()
+    formatter = module.HelpFormatter(prog=name)
+    for action in parser._actions:
+        assert action.help, f"{action.option_strings} has no help text"
+        if action.default not in (None, "", False, argparse.SUPPRESS):
+            assert "(default" in formatter._get_help_string(action), action.option_strings
     r = subprocess.run([sys.executable, os.path.join(BENCH, f"{name}.py"), "--help"],
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    parser_actions = [a for a in load(name).main.__code__.co_consts if isinstance(a, str) and a.startswith("--")]
-    assert parser_actions
-    text = " ".join(r.stdout.split())
-    for option in parser_actions:
-        assert option in text
-    assert text.count("(default:") >= len(parser_actions) - 2  # flags without a value show none
+    assert r.returncode == 0 and "--json" in r.stdout and "stderr" in r.stdout, r.stderr
 
 
 def test_page_table_cold_mode_reports_warm_and_cold(tmp_path, capsys):
