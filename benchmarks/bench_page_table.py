@@ -13,7 +13,8 @@ turnover step = 2 requests released, then one ``step`` over the batch in
 which the 2 admitted requests carry their prompts (512-2048 tokens, a
 prefill) and the others one token.
 Each sample starts from the same table, and the baseline from the same
-lists (restored untimed before it), so the requests do not grow over the run.
+lists (restored untimed before it, then one untimed call), so the requests do
+not grow over the run and a warm sample times the steady state.
 Baseline, measured in the same run: ``host-blocks``, per-request Python lists
 of block ids with a host free list, the slot mapping and CSR built on the
 host and copied into tensors, the shape of vLLM's block pool + block table;
@@ -274,7 +275,7 @@ def main(argv=None):
                 progress(f"{where}: {name}")
                 reset = make_reset(fn, owner)
                 warm = quantiles(sample_us(fn, inner=args.inner, samples=args.samples, sync=sync, reset=reset,
-                                           max_inner=MAX_INNER))
+                                           max_inner=MAX_INNER, settle=True))
                 if reset:
                     reset()
                 cold = None
