@@ -132,13 +132,20 @@ class CacheFlusher:
         self.buf.fill(self.value)
 
 
-def sample_cold_us(fn, *, samples: int, flush: CacheFlusher, sync=None, reset=None) -> list:
-    """Time ``fn`` once per sample, right after ``reset`` and ``flush`` (both untimed); microseconds per call."""
+def sample_cold_us(fn, *, samples: int, flush: CacheFlusher, sync=None, reset=None, settle: bool = False) -> list:
+    """Time ``fn`` once per sample, right after ``reset`` and ``flush`` (both untimed); microseconds per call.
+
+    ``settle``: one untimed call between the reset and the flush, so the timed
+    call is a steady-state call (for a decode step: one that grows the CSR the
+    previous step left, not one that rebuilds it) that finds the caches cold.
+    """
     fn()  # compile
     out = []
     for _ in range(samples):
         if reset:
             reset()
+        if settle:
+            fn()
         flush()
         if sync:
             sync()

@@ -25,6 +25,8 @@ against the baseline of its kind (decode or turnover).
 scheduler steps. This mode also times the decode and turnover rows (and their
 baselines) one call at a time with 64 MiB written into a numpy buffer before
 each call (outside the timed region), and shows warm and cold side by side.
+Each cold sample: restore the table, one untimed step, write 64 MiB, time one
+step (so the timed step grows the CSR of the step before, as in a decode loop).
 
     python benchmarks/bench_page_table.py                       # the table, about a minute
     python benchmarks/bench_page_table.py --batch 256 --cold    # warm vs cold at B=256
@@ -281,7 +283,7 @@ def main(argv=None):
                 cold = None
                 if flush and kind != "other":
                     cold = quantiles(sample_cold_us(fn, samples=args.cold_samples, flush=flush, sync=sync,
-                                                    reset=reset))
+                                                    reset=reset, settle=True))
                 if name.startswith("host-blocks"):
                     base[kind] = (warm[0], cold[0] if cold else None)
                 row = dict(batch=B, num_pages=P or impls_pages(impls), impl=name, kind=kind,
