@@ -1,28 +1,114 @@
-"""Shared helpers for the benchmark scripts: timing, quantiles, table, JSON rows."""
+"""Shared helpers for the benchmark scripts: timing (warm and cold), quantiles, progress, table, JSON, plots.
 
+The scripts print a newcomer's table; ``benchmarks/test_bench_*.py`` run the same
+workloads under pytest-benchmark (calibration, ``--benchmark-compare``, histograms).
+"""
+
+import argparse
 import datetime
+import gc
 import json
 import os
 import platform
 import statistics
+import sys
 import time
 
+import numpy as np
 import torch
 
+SAMPLE_TARGET_US = 2000.0  # auto calibration: calls per sample so one sample takes about this long
+MAX_INNER = 10_000         # at most this many calls per sample
+COLD_BYTES = 64 << 20      # bytes written between two cold calls (64 MiB)
 
-def sample_us(fn, *, inner: int, samples: int, sync=None, reset=None) -> list:
+_T0 = time.perf_counter()
+
+# One intra-op thread: timings of small torch ops on a shared machine are otherwise dominated by
+# thread-pool wake-ups and by other processes competing for the cores.
+torch.set_num_threads(1)
+
+
+def progress(msg: str) -> None:
+    """One line on stderr with the seconds since the script started (stdout keeps the table)."""
+    print(f"[{time.perf_counter() - _T0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, unless its help says it already or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default" in text or action.default in (None, "", False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+def gc_quiet() -> None:
+    """Move every object made so far out of the garbage collector's view (``gc.unfreeze()`` undoes it).
+
+    A host baseline over a pool of 16M pages holds Python lists of 16M ids; each
+    full collection would walk them, and that time would land on whichever row
+    happened to allocate when it ran.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+def calibrate(fn, *, sync=None, target_us: float = SAMPLE_TARGET_US, reset=None, max_inner: int = MAX_INNER) -> int:
+    """Calls per sample so that a sample takes about ``target_us``.
+
+    Three warm-up calls first: the first calls may compile or bind (``table.step``
+    binds its inputs on the second call on them), and one slow call measured
+    here would give a sample of one call, whose time is then mostly the first
+    call after ``reset``. The search runs twice and the larger answer wins.
+    """
+    for _ in range(3):
+        fn()
+    best = 1
+    for _ in range(2):
+        if reset:
+            reset()
+        n = 1
+        while True:
+            if sync:
+                sync()
+            t0 = time.perf_counter_ns()
+            for _ in range(n):
+                fn()
+            if sync:
+                sync()
+            elapsed = (time.perf_counter_ns() - t0) / 1e3
+            if reset:
+                reset()
+            if elapsed >= target_us / 10 or n >= max_inner:
+                break
+            n = min(n * 10, max_inner)
+        best = max(best, min(max_inner, round(n * target_us / max(elapsed, 1e-3))))
+    return best
+
+
+def sample_us(fn, *, inner: int | None, samples: int, sync=None, reset=None, max_inner: int = MAX_INNER,
+              settle: bool = False) -> list:
     """Run ``fn`` ``inner`` times per sample; return per-call microseconds for each sample.
 
-    ``reset`` (untimed) runs before each sample: steps that grow state (a decode
-    step lengthens every request) then measure the same workload each sample
-    instead of one that drifts as the samples go on.
+    ``inner=None`` calibrates it (:func:`calibrate`, at most ``max_inner``). ``reset`` (untimed) runs
+    before each sample: steps that grow state (a decode step lengthens every
+    request) then measure the same workload each sample instead of one that
+    drifts as the samples go on. ``settle`` adds one untimed call after each
+    reset: a reset that rewrites a large state leaves the caches and TLB full of
+    it, and a table restored under its CSR makes the next step rebuild the CSR;
+    settled samples time the steady state alone, whatever the size of the pool.
     """
+    if inner is None:
+        inner = calibrate(fn, sync=sync, reset=reset, max_inner=max_inner)
     for _ in range(max(1, inner // 4)):  # warm-up (JIT compile, caches)
         fn()
     out = []
     for _ in range(samples):
         if reset:
             reset()
+        if settle:
+            fn()
         if sync:
             sync()
         t0 = time.perf_counter_ns()
@@ -34,10 +120,69 @@ def sample_us(fn, *, inner: int, samples: int, sync=None, reset=None) -> list:
     return out
 
 
+class CacheFlusher:
+    """Writes ``nbytes`` of a numpy buffer: the CPU caches are cold after a call (as after a forward pass)."""
+
+    def __init__(self, nbytes: int = COLD_BYTES):
+        self.buf = np.zeros(max(1, nbytes // 8), dtype=np.int64)
+        self.value = 0
+
+    def __call__(self) -> None:
+        self.value += 1
+        self.buf.fill(self.value)
+
+
+def sample_cold_us(fn, *, samples: int, flush: CacheFlusher, sync=None, reset=None, settle: bool = False) -> list:
+    """Time ``fn`` once per sample, right after ``reset`` and ``flush`` (both untimed); microseconds per call.
+
+    ``settle``: one untimed call between the reset and the flush, so the timed
+    call is a steady-state call (for a decode step: one that grows the CSR the
+    previous step left, not one that rebuilds it) that finds the caches cold.
+    """
+    fn()  # compile
+    out = []
+    for _ in range(samples):
+        if reset:
+            reset()
+        if settle:
+            fn()
+        flush()
+        if sync:
+            sync()
+        t0 = time.perf_counter_ns()
+        fn()
+        if sync:
+            sync()
+        out.append((time.perf_counter_ns() - t0) / 1e3)
+    if reset:
+        reset()
+    return out
+
+
 def quantiles(xs: list) -> tuple:
     """(median, p20, p80) of ``xs``."""
+    if len(xs) == 1:
+        return xs[0], xs[0], xs[0]
     q = statistics.quantiles(xs, n=10, method="inclusive")
     return statistics.median(xs), q[1], q[7]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def sync_of(device: torch.device):
+    return torch.cuda.synchronize if device.type == "cuda" else None
+
+
+def _cache_sizes() -> dict:
+    sizes = {}
+    for level in ("LEVEL2_CACHE_SIZE", "LEVEL3_CACHE_SIZE"):
+        try:
+            sizes[level.split("_")[0].lower()] = os.sysconf(f"SC_{level}")
+        except (ValueError, OSError):
+            pass
+    return sizes
 
 
 def machine() -> dict:
@@ -48,10 +193,14 @@ def machine() -> dict:
     except (OSError, StopIteration):
         pass
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    import numba
-    import triton
-    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "python": platform.python_version(),
-            "torch": torch.__version__, "triton": triton.__version__, "numba": numba.__version__,
+    versions = {}
+    for name in ("numba", "triton"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            versions[name] = None
+    return {"cpu": cpu, "cores": os.cpu_count(), "caches": _cache_sizes(), "gpu": gpu,
+            "python": platform.python_version(), "torch": torch.__version__, **versions,
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -68,4 +217,44 @@ def write_json(path: str, name: str, rows: list) -> None:
         return
     with open(path, "w") as f:
         json.dump({"benchmark": name, "machine": machine(), "rows": rows}, f, indent=2)
+    print(f"\nwrote {path}")
+
+
+def plot_lines(path: str, series: dict, *, title: str, xlabel: str, ylabel: str = "µs per call",
+               logx: bool = True, logy: bool = True) -> None:
+    """One line per series with a p20-p80 band: ``series[name] = [(x, median, p20, p80), ...]``;
+    a series named "X, cold" is dashed, in the colour of "X, warm".
+
+    Writes a PNG at ``path`` (matplotlib, the ``bench`` extra: ``pip install -e ".[bench]"``).
+    """
+    if not path:
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 5), dpi=120)
+    # A series named "X, cold" is drawn dashed in the colour of "X, warm" (or "X").
+    bases = list(dict.fromkeys(n.removesuffix(", cold").removesuffix(", warm") for n in series))
+    colors = plt.get_cmap("tab10" if len(bases) <= 10 else "tab20")
+    for name, points in series.items():
+        base = name.removesuffix(", cold").removesuffix(", warm")
+        color = colors(bases.index(base) % colors.N)
+        points = sorted(points)
+        xs, med, lo, hi = (np.array(v, dtype=float) for v in zip(*points))
+        style = "--" if name.endswith(", cold") else "-"
+        ax.plot(xs, med, style, marker="o", color=color, label=name)
+        ax.fill_between(xs, lo, hi, color=color, alpha=0.15)
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
     print(f"\nwrote {path}")

@@ -7,7 +7,9 @@ sees the same number of cached pages. Baseline, in the same run:
 (stamp, id) keys among the cached pages with ``np.argpartition``, then sort
 those k), run on the same state.
 
-    python benchmarks/bench_evict.py [--pages 65536 1048576] [--k 1 64 4096] [--json out.json]
+    python benchmarks/bench_evict.py                   # the table, about 30 s
+    python benchmarks/bench_evict.py --pool-sizes 65536 262144 1048576 4194304 16777216 \
+        --backends numba --plot evict.png                # linear in the pool size
 """
 
 import argparse
@@ -19,7 +21,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import print_table, quantiles, write_json  # noqa: E402
+from _common import (HelpFormatter, default_device, plot_lines, print_table, progress, quantiles,  # noqa: E402
+                     write_json)
 
 import tpool  # noqa: E402
 from tpool.kernels import layout as L  # noqa: E402
@@ -44,22 +47,35 @@ def numpy_select(state, stamp, k):
     return ids[part[np.argsort(keys[part])]]
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help and default."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 epilog="Progress goes to stderr, one line per row.",
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--pool-sizes", "--pages", dest="pages", type=int, nargs="+", default=[65536, 1048576],
+                    metavar="P", help="pages in the pool, half of them cached (eviction is linear in P)")
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 64, 4096], help="pages evicted per call")
+    ap.add_argument("--device", default=default_device(), help="torch device of the pools")
+    ap.add_argument("--backends", nargs="+", default=None,
+                    help="tpool backends to time (default: numba and reference on CPU; triton and reference on CUDA)")
+    ap.add_argument("--samples", type=int, default=20,
+                    help="calls timed per row, one call each (the reference backend: a fifth, at least 3)")
+    ap.add_argument("--json", default="", metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument("--plot", default="", metavar="PATH", help="also write a PNG: us against the pool size")
+    return ap
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pages", type=int, nargs="+", default=[65536, 1048576])
-    ap.add_argument("--k", type=int, nargs="+", default=[1, 64, 4096])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--backends", nargs="+", default=None)
-    ap.add_argument("--samples", type=int, default=20)
-    ap.add_argument("--json", default="")
-    args = ap.parse_args(argv)
+    args = parser().parse_args(argv)
     device = torch.device(args.device)
     backends = args.backends or (["triton", "reference"] if device.type == "cuda" else ["numba", "reference"])
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows, table = [], []
     for P in args.pages:
+        progress(f"pool {P:,} pages: caching half of them")
         pools = {be: cached_pool(P, be, device) for be in backends}
         for k in args.k:
+            progress(f"pool {P:,} pages, k={k}")
             ref_pool = pools[backends[0]]
             st = ref_pool.state.page_state.cpu().numpy()
             sp = ref_pool.state.stamp.cpu().numpy()
@@ -88,10 +104,16 @@ def main(argv=None):
                 base = base or med
                 rows.append(dict(pages=P, k=k, impl=name, median_us=med, p20_us=p20, p80_us=p80,
                                  vs_numpy=base / med, device=str(device)))
-                table.append([P, k, name, f"{med:.1f}", f"{p20:.1f}", f"{p80:.1f}", f"{base / med:.2f}x"])
+                table.append([f"{P:,}", k, name, f"{med:.1f}", f"{p20:.1f}", f"{p80:.1f}", f"{base / med:.2f}x"])
+        del pools
     print_table(f"evict k of the oldest cached pages (half the pool cached), on {device} (us per call)",
                 ["pages", "k", "impl", "median", "p20", "p80", "vs numpy"], table)
     write_json(args.json, "bench_evict", rows)
+    series = {}
+    for r in rows:
+        series.setdefault(f"{r['impl']}, k={r['k']}", []).append((r["pages"], r["median_us"], r["p20_us"], r["p80_us"]))
+    plot_lines(args.plot, series, xlabel="pool size (pages, half cached)",
+               title=f"evict k oldest cached pages on {device} against pool size")
 
 
 if __name__ == "__main__":

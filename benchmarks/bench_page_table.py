@@ -13,15 +13,28 @@ turnover step = 2 requests released, then one ``step`` over the batch in
 which the 2 admitted requests carry their prompts (512-2048 tokens, a
 prefill) and the others one token.
 Each sample starts from the same table, and the baseline from the same
-lists (restored untimed before it), so the requests do not grow over the run.
+lists (restored untimed before it, then one untimed call), so the requests do
+not grow over the run and a warm sample times the steady state.
 Baseline, measured in the same run: ``host-blocks``, per-request Python lists
 of block ids with a host free list, the slot mapping and CSR built on the
-host and copied into tensors, the shape of vLLM's block pool + block table.
+host and copied into tensors, the shape of vLLM's block pool + block table;
+its turnover row releases and admits the same requests. Each row's ratio is
+against the baseline of its kind (decode or turnover).
 
-    python benchmarks/bench_page_table.py [--batch 1 64 256 1024] [--json out.json]
+``--cold``: in a serving loop the forward pass evicts the CPU caches between two
+scheduler steps. This mode also times the decode and turnover rows (and their
+baselines) one call at a time with 64 MiB written into a numpy buffer before
+each call (outside the timed region), and shows warm and cold side by side.
+Each cold sample: restore the table, one untimed step, write 64 MiB, time one
+step (so the timed step grows the CSR of the step before, as in a decode loop).
+
+    python benchmarks/bench_page_table.py                       # the table, about a minute
+    python benchmarks/bench_page_table.py --batch 256 --cold    # warm vs cold at B=256
+    python benchmarks/bench_page_table.py --batch 256 --pool-sizes 65536 1048576 16777216 --plot step.png
 """
 
 import argparse
+import gc
 import functools
 import os
 import random
@@ -31,14 +44,21 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import print_table, quantiles, sample_us, write_json  # noqa: E402
+from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, default_device, gc_quiet, plot_lines,  # noqa: E402
+                     print_table, progress, quantiles, sample_cold_us, sample_us, sync_of,
+                     write_json)
 
 import tpool  # noqa: E402
+
+EPILOG = ("Progress goes to stderr, one line per row. Rows: host-blocks (the baseline), tpool's step, bound "
+          "step, extend + csr, extend only, csr only, turnover, the reference step and an np.copyto floor (CPU).")
 from tpool.graphs import capture, state_tensors  # noqa: E402
 
 PAGE_SIZE = 16
 PROMPTS = (512, 2048)
 TURNOVER_PHASES = 16  # even: the first k requests finish; odd: the k spare ones do
+MAX_INNER = 1000      # calls per sample at most: each decode call adds a token to every request
+HEADROOM = 4096       # tokens a request may grow by during a sample, beyond its longest prompt
 
 
 class HostBlocks:
@@ -62,7 +82,12 @@ class HostBlocks:
         self.blocks[r], self.lens[r] = [], 0
 
     def decode(self, batch):
-        slots = [self.extend(r, 1)[0] for r in batch]
+        return self.step(batch, [1] * len(batch))
+
+    def step(self, batch, ntoks):
+        slots = []
+        for r, n in zip(batch, ntoks):
+            slots += self.extend(r, n)
         indptr, indices, last = [0], [], []
         for r in batch:
             indices += self.blocks[r]
@@ -79,10 +104,10 @@ class HostBlocks:
         return reset
 
 
-def setup(B, backend, device, rng):
+def setup(B, backend, device, rng, num_pages=None):
     R = B + 2
-    MP = (PROMPTS[1] + 4096) // PAGE_SIZE
-    num_pages = R * MP
+    MP = (PROMPTS[1] + HEADROOM) // PAGE_SIZE
+    num_pages = num_pages or R * MP
     pool = tpool.PagePool(num_pages, PAGE_SIZE, device=device, backend=backend)
     table = tpool.PageTable(pool, R, MP)
     prompts = [rng.randint(*PROMPTS) for _ in range(R)]
@@ -94,98 +119,223 @@ def setup(B, backend, device, rng):
     return pool, table, host, prompts
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256, 1024])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--backends", nargs="+", default=None)
-    ap.add_argument("--samples", type=int, default=30)
-    ap.add_argument("--inner", type=int, default=50)
-    ap.add_argument("--json", default="")
-    args = ap.parse_args(argv)
-    device = torch.device(args.device)
-    backends = args.backends or (["triton"] if device.type == "cuda" else ["numba"])
-    sync = torch.cuda.synchronize if device.type == "cuda" else None
-    rows, table_rows = [], []
-    for B in args.batch:
-        rng = random.Random(B)
-        impls = {}
-        pool, table, host, prompts = setup(B, backends[0], device, rng)
-        hb = list(range(B))
-        impls["host-blocks"] = (lambda: host.decode(hb), host)
-        for be in backends:
-            pool, table, _, prompts = setup(B, be, device, random.Random(B))
-            ids = torch.arange(B, dtype=torch.int32, device=device)
-            ones = torch.ones(B, dtype=torch.int32, device=device)
-            # functools.partial rather than a lambda: the harness adds a C call, not a Python frame.
-            impls[f"tpool-{be} step"] = (functools.partial(table.step, ids, ones), table)
-            impls[f"tpool-{be} bound step"] = (table.bind_step(ids, ones), table)
-            if device.type == "cuda":  # the same step captured once, then replayed
-                graph = capture(lambda table=table, ids=ids, ones=ones: table.step(ids, ones), table)
-                impls[f"tpool-{be} step, graph replay"] = (graph.replay, table)
+def pages_needed(B):
+    """A safe bound on the pages one configuration uses (prompts, growth in a sample, admissions)."""
+    return (B + 2) * (-(-(PROMPTS[1] + MAX_INNER) // PAGE_SIZE) + 1)
 
+
+def turnover_phases(B, rng):
+    """TURNOVER_PHASES of (finished ids, batch ids, tokens per lane) as lists.
+
+    k = min(2, B) requests finish and k are admitted. The finished ones are those
+    admitted the step before (ids alternate between two sets), and each phase
+    draws its own prompts, so a sample averages over 2 * 16 prompt lengths.
+    """
+    k = min(2, B)
+    spare, first = list(range(B, B + k)), list(range(k))
+    phases = []
+    for j in range(TURNOVER_PHASES):
+        gone, admitted = (first, spare) if j % 2 == 0 else (spare, first)
+        plens = [rng.randint(*PROMPTS) for _ in range(k)]
+        phases.append((gone, admitted + list(range(k, B)), plens + [1] * (B - k)))
+    return phases
+
+
+class Turnover:
+    """One turnover step per call, cycling through the phases; ``restart`` goes back to phase 0."""
+
+    def __init__(self, step_fn, phases):
+        self.step_fn, self.phases, self.n = step_fn, phases, 0
+
+    def __call__(self):
+        self.step_fn(*self.phases[self.n % TURNOVER_PHASES])
+        self.n += 1
+
+    def restart(self):
+        self.n = 0
+
+
+def workloads(B, backends, device, *, num_pages=None, extras=True):
+    """name -> (fn, owner, kind): owner is restored before each sample; kind is decode, turnover or other."""
+    impls = {}
+    _, _, host, prompts = setup(B, backends[0], device, random.Random(B), num_pages)
+    hb = list(range(B))
+    impls["host-blocks"] = (functools.partial(host.decode, hb), host, "decode")
+    _, _, host2, _ = setup(B, backends[0], device, random.Random(B), num_pages)
+
+    def host_turn(gone, batch, ntok, host=host2):
+        for r in gone:
+            host.release(r)
+        host.step(batch, ntok)
+    impls["host-blocks turnover"] = (Turnover(host_turn, turnover_phases(B, random.Random(B + 1))), host2,
+                                     "turnover")
+    for be in backends:
+        _, table, _, _ = setup(B, be, device, random.Random(B), num_pages)
+        ids = torch.arange(B, dtype=torch.int32, device=device)
+        ones = torch.ones(B, dtype=torch.int32, device=device)
+        # functools.partial rather than a lambda: the harness adds a C call, not a Python frame.
+        impls[f"tpool-{be} step"] = (functools.partial(table.step, ids, ones), table, "decode")
+        impls[f"tpool-{be} bound step"] = (table.bind_step(ids, ones), table, "decode")
+        if device.type == "cuda":  # the same step captured once, then replayed
+            graph = capture(lambda table=table, ids=ids, ones=ones: table.step(ids, ones), table)
+            impls[f"tpool-{be} step, graph replay"] = (graph.replay, table, "decode")
+        if extras:
             def two_calls(table=table, ids=ids, ones=ones):
                 table.extend(ids, ones)
                 table.flashinfer_csr(ids)
-            impls[f"tpool-{be} extend + csr"] = (two_calls, table)
-            impls[f"tpool-{be} extend only"] = (functools.partial(table.extend, ids, ones), table)
-            impls[f"tpool-{be} csr only"] = (functools.partial(table.flashinfer_csr, ids), table)
+            impls[f"tpool-{be} extend + csr"] = (two_calls, table, "decode")
+            impls[f"tpool-{be} extend only"] = (functools.partial(table.extend, ids, ones), table, "other")
+            impls[f"tpool-{be} csr only"] = (functools.partial(table.flashinfer_csr, ids), table, "other")
+        # The turnover inputs are built once as tensors (building them is the caller's cost).
+        t32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+        phases = [tuple(t32(v) for v in ph) for ph in turnover_phases(B, random.Random(B + 1))]
 
-            # Turnover: k = min(2, B) requests finish and k are admitted. The finished ones are
-            # those admitted the step before (ids alternate between two sets), and each of
-            # TURNOVER_PHASES steps draws its own prompts, so a sample averages over 2 * 16
-            # prompt lengths. The inputs are built once (building them is the caller's cost).
-            k = min(2, B)
-            spare, first = list(range(B, B + k)), list(range(k))
-            t32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
-            phases = []
-            for j in range(TURNOVER_PHASES):
-                gone, admitted = (first, spare) if j % 2 == 0 else (spare, first)
-                plens = [rng.randint(*PROMPTS) for _ in range(k)]
-                phases.append((t32(gone), t32(admitted + list(range(k, B))), t32(plens + [1] * (B - k))))
-            step_no = [0]
+        def turn(gone, batch, ntok, table=table, T=B + min(2, B) * PROMPTS[1]):
+            table.release(gone)
+            table.step(batch, ntok, max_tokens=T)
+        impls[f"tpool-{be} turnover"] = (Turnover(turn, phases), table, "turnover")
+    if extras and device.type == "cpu" and "reference" not in backends:  # the oracle's step, for scale
+        _, ref_table, _, _ = setup(B, "reference", device, random.Random(B), num_pages)
+        ids = torch.arange(B, dtype=torch.int32, device=device)
+        ones = torch.ones(B, dtype=torch.int32, device=device)
+        impls["tpool-reference step"] = (functools.partial(ref_table.step, ids, ones), ref_table, "decode")
+    if extras and device.type == "cpu":  # what copying the CSR's page ids once costs on this machine
+        npages = sum(-(-p // PAGE_SIZE) for p in prompts[:B])
+        src, dst = np.arange(npages, dtype=np.int32), np.empty(npages, dtype=np.int32)
+        impls["floor: np.copyto of the CSR's page ids"] = (functools.partial(np.copyto, dst, src), None, "other")
+    return impls
 
-            def turnover(table=table, phases=phases, step_no=step_no, T=B + k * PROMPTS[1]):
-                gone, batch, ntok = phases[step_no[0] % TURNOVER_PHASES]
-                step_no[0] += 1
-                table.release(gone)
-                table.step(batch, ntok, max_tokens=T)
-            turnover.restart = lambda step_no=step_no: step_no.__setitem__(0, 0)  # with the table's state
-            impls[f"tpool-{be} turnover"] = (turnover, table)
-        if device.type == "cpu" and "reference" not in backends:  # the oracle's step, for scale
-            _, ref_table, _, _ = setup(B, "reference", device, random.Random(B))
-            ids = torch.arange(B, dtype=torch.int32, device=device)
-            ones = torch.ones(B, dtype=torch.int32, device=device)
-            impls["tpool-reference step"] = (functools.partial(ref_table.step, ids, ones), ref_table)
-        if device.type == "cpu":  # what copying the CSR's page ids once costs on this machine
-            npages = sum(-(-p // PAGE_SIZE) for p in prompts[:B])
-            src, dst = np.arange(npages, dtype=np.int32), np.empty(npages, dtype=np.int32)
-            impls["floor: np.copyto of the CSR's page ids"] = (functools.partial(np.copyto, dst, src), None)
-        base = None
-        for name, (fn, tbl) in impls.items():
-            reset = None
-            if isinstance(tbl, HostBlocks):  # the baseline grows too: it restarts the same way
-                reset = tbl.snapshot()
-            elif tbl is not None:  # steps grow the table: each sample starts from the same state
-                tensors = state_tensors(tbl)
-                saved = [t.clone() for t in tensors]
 
-                def reset(tensors=tensors, saved=saved, restart=getattr(fn, "restart", None)):
-                    for t, s in zip(tensors, saved):
-                        t.copy_(s)
-                    if restart:
-                        restart()
-            med, p20, p80 = quantiles(sample_us(fn, inner=args.inner, samples=args.samples, sync=sync, reset=reset))
-            if reset:
-                reset()
-            base = base or med
-            rows.append(dict(batch=B, impl=name, median_us=med, p20_us=p20, p80_us=p80,
-                             vs_host_blocks=base / med, device=str(device)))
-            table_rows.append([B, name, f"{med:.2f}", f"{p20:.2f}", f"{p80:.2f}", f"{base / med:.2f}x"])
+def make_reset(fn, owner):
+    """An untimed reset putting ``owner`` (a table or HostBlocks) back as it is now, or None."""
+    restart = getattr(fn, "restart", None)
+    if isinstance(owner, HostBlocks):  # the baseline grows too: it restarts the same way
+        restore = owner.snapshot()
+    elif owner is not None:  # steps grow the table: each sample starts from the same state
+        tensors = state_tensors(owner)
+        saved = [t.clone() for t in tensors]
+
+        def restore():
+            for t, s in zip(tensors, saved):
+                t.copy_(s)
+    else:
+        return None
+
+    def reset():
+        restore()
+        if restart:
+            restart()
+    return reset
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help and default."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EPILOG,
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256, 1024], metavar="B",
+                    help="requests in the batch (one group of rows per B)")
+    ap.add_argument("--device", default=default_device(), help="torch device of the pool and table")
+    ap.add_argument("--backends", nargs="+", default=None,
+                    help="tpool backends to time (default: numba on CPU, triton on CUDA)")
+    ap.add_argument("--samples", type=int, default=30, help="samples per row (median, p20, p80 over them)")
+    ap.add_argument("--inner", type=int, default=None,
+                    help=f"calls per warm sample (default: calibrated to about 2 ms a sample, at most {MAX_INNER})")
+    ap.add_argument("--cold", action="store_true",
+                    help="also time decode and turnover rows one call at a time with --cold-bytes written "
+                         "between calls (cold CPU caches)")
+    ap.add_argument("--cold-samples", type=int, default=100, help="calls timed per row in --cold mode")
+    ap.add_argument("--cold-bytes", type=int, default=COLD_BYTES, help="bytes written between two cold calls")
+    ap.add_argument("--pool-sizes", type=int, nargs="+", default=None, metavar="P",
+                    help="sweep the pool size (pages) instead of sizing the pool to the batch, e.g. "
+                         "65536 1048576 16777216: only the decode and turnover rows, to show they stay flat "
+                         "(default: (B + 2) x 384 pages, sized to the batch)")
+    ap.add_argument("--json", default="", metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument("--plot", default="", metavar="PATH",
+                    help="also write a PNG: us against B, or against the pool size with --pool-sizes")
+    return ap
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    device = torch.device(args.device)
+    backends = args.backends or (["triton"] if device.type == "cuda" else ["numba"])
+    sync = sync_of(device)
+    flush = CacheFlusher(args.cold_bytes) if args.cold else None
+    pool_sizes = args.pool_sizes or [None]
+    rows, table_rows = [], []
+    for P in pool_sizes:
+        for B in args.batch:
+            where = f"B={B}" + (f", pool {P:,} pages" if P else "")
+            if P and P < pages_needed(B):
+                progress(f"{where}: skipped, needs {pages_needed(B):,} pages")
+                continue
+            progress(f"{where}: setting up")
+            impls = workloads(B, backends, device, num_pages=P, extras=P is None)
+            gc_quiet()  # the baselines' P-element Python lists must not slow every GC pass
+            base = {}
+            for name, (fn, owner, kind) in impls.items():
+                progress(f"{where}: {name}")
+                reset = make_reset(fn, owner)
+                warm = quantiles(sample_us(fn, inner=args.inner, samples=args.samples, sync=sync, reset=reset,
+                                           max_inner=MAX_INNER, settle=True))
+                if reset:
+                    reset()
+                cold = None
+                if flush and kind != "other":
+                    cold = quantiles(sample_cold_us(fn, samples=args.cold_samples, flush=flush, sync=sync,
+                                                    reset=reset, settle=True))
+                if name.startswith("host-blocks"):
+                    base[kind] = (warm[0], cold[0] if cold else None)
+                row = dict(batch=B, num_pages=P or impls_pages(impls), impl=name, kind=kind,
+                           median_us=warm[0], p20_us=warm[1], p80_us=warm[2], device=str(device))
+                if kind in base:
+                    row["vs_host_blocks"] = base[kind][0] / warm[0]
+                if cold:
+                    row.update(cold_median_us=cold[0], cold_p20_us=cold[1], cold_p80_us=cold[2])
+                    if base.get(kind, (0, None))[1]:
+                        row["cold_vs_host_blocks"] = base[kind][1] / cold[0]
+                rows.append(row)
+                cells = [B] + ([f"{P:,}"] if args.pool_sizes else []) + [
+                    name, f"{warm[0]:.2f}", f"{warm[1]:.2f}", f"{warm[2]:.2f}",
+                    f"{row['vs_host_blocks']:.2f}x" if "vs_host_blocks" in row else ""]
+                if args.cold:
+                    cells += [f"{cold[0]:.2f}", f"{cold[1]:.2f}", f"{cold[2]:.2f}",
+                              f"{row['cold_vs_host_blocks']:.2f}x" if "cold_vs_host_blocks" in row else ""] \
+                        if cold else ["", "", "", ""]
+                table_rows.append(cells)
+            del impls
+            gc.unfreeze()
+    header = ["B"] + (["pool pages"] if args.pool_sizes else []) + ["impl", "median", "p20", "p80", "vs host-blocks"]
+    if args.cold:
+        header += ["cold median", "cold p20", "cold p80", "cold vs host-blocks"]
     print_table(f"decode step (extend 1 token + slot mapping + FlashInfer CSR), page size {PAGE_SIZE}, "
-                f"prompts {PROMPTS[0]}-{PROMPTS[1]} tokens, on {device} (us per step)",
-                ["B", "impl", "median", "p20", "p80", "vs host-blocks"], table_rows)
+                f"prompts {PROMPTS[0]}-{PROMPTS[1]} tokens, on {device} (us per step"
+                + (f"; cold: {args.cold_bytes >> 20} MiB written before each call" if args.cold else "") + ")",
+                header, table_rows)
     write_json(args.json, "bench_page_table", rows)
+    if args.plot:
+        sweep = args.pool_sizes is not None
+        series = {}
+        for r in rows:
+            if r["kind"] == "other" or r["impl"].startswith("tpool-reference"):
+                continue
+            x = r["num_pages"] if sweep else r["batch"]
+            label = r["impl"] + (f", B={r['batch']}" if sweep and len(args.batch) > 1 else "")
+            series.setdefault(label + (", warm" if args.cold else ""), []).append(
+                (x, r["median_us"], r["p20_us"], r["p80_us"]))
+            if "cold_median_us" in r:
+                series.setdefault(label + ", cold", []).append(
+                    (x, r["cold_median_us"], r["cold_p20_us"], r["cold_p80_us"]))
+        plot_lines(args.plot, series, xlabel="pool size (pages)" if sweep else "batch size B (requests)",
+                   title="decode and turnover step on " + str(device) + (" against pool size" if sweep else ""))
+
+
+def impls_pages(impls):
+    """The pool size of a configuration sized to its batch (for the JSON rows)."""
+    for fn, owner, kind in impls.values():
+        if isinstance(owner, tpool.PageTable):
+            return owner.pool.num_pages
+    return None
 
 
 if __name__ == "__main__":

@@ -7,19 +7,26 @@ of free pages sliced on alloc and concatenated on free, the shape of SGLang's
 paged allocator without its ``torch.unique``. The ratio column is the
 baseline's time over the row's time (above 1: faster than the baseline).
 
-    python benchmarks/bench_pool.py [--sizes 1 16 256 4096] [--json out.json]
+    python benchmarks/bench_pool.py                      # the table, about 20 s
+    python benchmarks/bench_pool.py --pool-sizes 65536 1048576 16777216 --sizes 1 256 --plot pool.png
 """
 
 import argparse
+import gc
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import print_table, quantiles, sample_us, write_json  # noqa: E402
+from _common import (HelpFormatter, default_device, gc_quiet, plot_lines, print_table, progress,  # noqa: E402
+                     quantiles, sample_us, sync_of, write_json)
 
 import tpool  # noqa: E402
+
+EPILOG = ("Progress goes to stderr, one line per row. The tpool rows pass out=pool.alloc_out(...) "
+          "(the hot path); 'tpool-numba (no out=)' is the default alloc, which makes fresh output "
+          "tensors of max_alloc_pages each call.")
 
 
 class HostListPool:
@@ -60,50 +67,85 @@ def pair_fns(n, num_pages, device, backends):
     fns["torch-slice"] = lambda: sl.free(sl.alloc(n))
     counts = torch.tensor([n], dtype=torch.int32, device=device)
     for be in backends:
-        pool = tpool.PagePool(num_pages, device=device, backend=be)
+        pool = tpool.PagePool(num_pages, device=device, backend=be, max_alloc_pages=max(n, 1))
         out = pool.alloc_out(max_batch=1, max_pages=n)
 
         def pair(pool=pool, out=out):
             pool.free(pool.alloc(counts, out=out).pages)
         fns[f"tpool-{be}"] = pair
+        if be != "reference":  # the default alloc: fresh output tensors of max_alloc_pages each call
+            pool2 = tpool.PagePool(num_pages, device=device, backend=be)
+
+            def fresh(pool=pool2):
+                pool.free(pool.alloc(counts).pages)
+            fns[f"tpool-{be} (no out=)"] = fresh
     return fns
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 256, 4096])
-    ap.add_argument("--num-pages", type=int, default=65536)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+def parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help and default."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EPILOG,
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 256, 4096], metavar="N",
+                    help="pages per alloc (one row per size and implementation)")
+    ap.add_argument("--num-pages", type=int, default=65536, help="pages in the pool (without --pool-sizes)")
+    ap.add_argument("--pool-sizes", type=int, nargs="+", default=None, metavar="P",
+                    help="sweep the pool size instead of --num-pages, e.g. 65536 262144 1048576 4194304 "
+                         "16777216 (alloc/free should stay flat; default: --num-pages alone)")
+    ap.add_argument("--device", default=default_device(), help="torch device of the pools")
     ap.add_argument("--backends", nargs="+", default=None,
-                    help="default: numba and reference on CPU; triton and reference on CUDA")
-    ap.add_argument("--samples", type=int, default=30)
-    ap.add_argument("--inner", type=int, default=200)
-    ap.add_argument("--json", default="")
-    args = ap.parse_args(argv)
+                    help="tpool backends to time (default: numba and reference on CPU; triton and reference on CUDA)")
+    ap.add_argument("--samples", type=int, default=30, help="samples per row (median, p20, p80 over them)")
+    ap.add_argument("--inner", type=int, default=None,
+                    help="calls per sample (default: calibrated so a sample takes about 2 ms)")
+    ap.add_argument("--json", default="", metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument("--plot", default="", metavar="PATH",
+                    help="also write a PNG: us against N, or against the pool size with --pool-sizes")
+    return ap
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     device = torch.device(args.device)
     backends = args.backends or (["triton", "reference"] if device.type == "cuda" else ["numba", "reference"])
-    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    sync = sync_of(device)
+    pool_sizes = args.pool_sizes or [args.num_pages]
     rows, table = [], []
-    for n in args.sizes:
-        fns = pair_fns(n, args.num_pages, device, backends)
-        base = {}
-        for name, fn in fns.items():
-            inner = max(1, args.inner // 20) if name == "tpool-reference" else args.inner
-            med, p20, p80 = quantiles(sample_us(fn, inner=inner, samples=args.samples, sync=sync))
-            base.setdefault("host-list", med)
-            rows.append(dict(pages=n, impl=name, median_us=med, p20_us=p20, p80_us=p80,
-                             pages_per_s=2 * n / med * 1e6, device=str(device)))
-        host = next(r["median_us"] for r in rows if r["pages"] == n and r["impl"] == "host-list")
-        sl = next(r["median_us"] for r in rows if r["pages"] == n and r["impl"] == "torch-slice")
-        for r in rows:
-            if r["pages"] == n:
-                r["vs_host_list"], r["vs_torch_slice"] = host / r["median_us"], sl / r["median_us"]
-                table.append([n, r["impl"], f"{r['median_us']:.2f}", f"{r['p20_us']:.2f}", f"{r['p80_us']:.2f}",
-                              f"{r['pages_per_s'] / 1e6:.1f}", f"{r['vs_host_list']:.2f}x",
+    for P in pool_sizes:
+        for n in args.sizes:
+            if n > P:
+                continue
+            fns = pair_fns(n, P, device, backends)
+            gc_quiet()  # the baselines' P-element Python lists must not slow every GC pass
+            med_of = {}
+            for name, fn in fns.items():
+                progress(f"pool {P:,} pages, N={n}: {name}")
+                med, p20, p80 = quantiles(sample_us(fn, inner=args.inner, samples=args.samples, sync=sync))
+                med_of[name] = med
+                rows.append(dict(num_pages=P, pages=n, impl=name, median_us=med, p20_us=p20, p80_us=p80,
+                                 pages_per_s=2 * n / med * 1e6, device=str(device)))
+            del fns
+            gc.unfreeze()
+            for r in rows[-len(med_of):]:
+                r["vs_host_list"] = med_of["host-list"] / r["median_us"]
+                r["vs_torch_slice"] = med_of["torch-slice"] / r["median_us"]
+                table.append([f"{P:,}", n, r["impl"], f"{r['median_us']:.2f}", f"{r['p20_us']:.2f}",
+                              f"{r['p80_us']:.2f}", f"{r['pages_per_s'] / 1e6:.1f}", f"{r['vs_host_list']:.2f}x",
                               f"{r['vs_torch_slice']:.2f}x"])
-    print_table(f"alloc + free of N pages, pool of {args.num_pages} pages on {device} (us per pair)",
-                ["N", "impl", "median", "p20", "p80", "Mpages/s", "vs host-list", "vs torch-slice"], table)
+    print_table(f"alloc + free of N pages on {device} (us per pair; ratio = baseline's median / row's median)",
+                ["pool pages", "N", "impl", "median", "p20", "p80", "Mpages/s", "vs host-list", "vs torch-slice"],
+                table)
     write_json(args.json, "bench_pool", rows)
+    if args.plot:
+        sweep = len(pool_sizes) > 1
+        series = {}
+        for r in rows:
+            key = f"{r['impl']}, N={r['pages']}" if sweep else r["impl"]
+            series.setdefault(key, []).append((r["num_pages"] if sweep else r["pages"],
+                                               r["median_us"], r["p20_us"], r["p80_us"]))
+        plot_lines(args.plot, series, xlabel="pool size (pages)" if sweep else "N (pages per alloc)",
+                   title=f"alloc + free on {device}" + (" against pool size" if sweep else
+                                                         f", pool of {pool_sizes[0]:,} pages"))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,16 @@
 """The benchmark scripts run and print their tables (tiny sizes; timings are not checked)."""
 
+import argparse
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+SCRIPTS = ["bench_pool", "bench_page_table", "bench_evict"]
 
 
 def load(name):
@@ -16,17 +20,66 @@ def load(name):
     return module
 
 
-@pytest.mark.parametrize("name, argv, header", [
-    ("bench_pool", ["--sizes", "1", "4", "--num-pages", "64", "--samples", "3", "--inner", "2",
-                    "--backends", "numba"], "alloc + free of N pages"),
-    ("bench_page_table", ["--batch", "1", "3", "--samples", "3", "--inner", "2", "--backends", "numba"],
-     "decode step"),
-    ("bench_evict", ["--pages", "512", "--k", "1", "8", "--samples", "3", "--backends", "numba"], "evict k"),
+TINY = {
+    "bench_pool": ["--sizes", "1", "4", "--num-pages", "64", "--samples", "3", "--inner", "2",
+                   "--backends", "numba"],
+    "bench_page_table": ["--batch", "1", "3", "--samples", "3", "--inner", "2", "--backends", "numba"],
+    "bench_evict": ["--pool-sizes", "512", "--k", "1", "8", "--samples", "3", "--backends", "numba"],
+}
+
+
+@pytest.mark.parametrize("name, header", [
+    ("bench_pool", "alloc + free of N pages"), ("bench_page_table", "decode step"), ("bench_evict", "evict k"),
 ])
-def test_benchmark_prints_its_table(name, argv, header, tmp_path, capsys):
+def test_benchmark_prints_its_table_and_progress(name, header, tmp_path, capsys):
     out = tmp_path / f"{name}.json"
-    load(name).main(argv + ["--json", str(out)])
-    text = capsys.readouterr().out
-    assert header in text and "median" in text and "p20" in text
+    load(name).main(TINY[name] + ["--json", str(out)])
+    captured = capsys.readouterr()
+    assert header in captured.out and "median" in captured.out and "p20" in captured.out
+    assert captured.err.count("\n") >= 2 and " s] " in captured.err  # a progress line per configuration
     rows = json.loads(out.read_text())["rows"]
     assert rows and all(r["median_us"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_explains_every_option_and_its_default(name):
+    module = load(name)
+    parser = module.parser()
+    formatter = module.HelpFormatter(prog=name)
+    for action in parser._actions:
+        assert action.help, f"{action.option_strings} has no help text"
+        if action.default not in (None, "", False, argparse.SUPPRESS):
+            assert "(default" in formatter._get_help_string(action), action.option_strings
+    r = subprocess.run([sys.executable, os.path.join(BENCH, f"{name}.py"), "--help"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "--json" in r.stdout and "stderr" in r.stdout, r.stderr
+
+
+def test_page_table_cold_mode_reports_warm_and_cold(tmp_path, capsys):
+    out = tmp_path / "pt.json"
+    load("bench_page_table").main(TINY["bench_page_table"][:2] + [
+        "--samples", "3", "--inner", "2", "--backends", "numba", "--cold", "--cold-samples", "3",
+        "--cold-bytes", str(1 << 20), "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "cold median" in text and "cold vs host-blocks" in text and "1 MiB written" in text
+    rows = {(r["batch"], r["impl"]): r for r in json.loads(out.read_text())["rows"]}
+    for impl in ("host-blocks", "host-blocks turnover", "tpool-numba step", "tpool-numba turnover"):
+        assert rows[(1, impl)]["cold_median_us"] > 0
+    assert "cold_median_us" not in rows[(1, "tpool-numba extend only")]
+    assert rows[(1, "tpool-numba turnover")]["kind"] == "turnover" and "cold_vs_host_blocks" in rows[
+        (1, "tpool-numba turnover")]
+
+
+def test_pool_size_sweeps_and_plots(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    pool_png, step_png, evict_png = (tmp_path / f"{n}.png" for n in ("pool", "step", "evict"))
+    load("bench_pool").main(["--sizes", "1", "--pool-sizes", "64", "256", "--samples", "3", "--inner", "2",
+                             "--backends", "numba", "--plot", str(pool_png)])
+    load("bench_page_table").main(["--batch", "1", "--pool-sizes", "512", "1024", "2048", "--samples", "3",
+                                   "--inner", "2", "--backends", "numba", "--plot", str(step_png)])
+    load("bench_evict").main(["--pool-sizes", "1024", "2048", "--k", "1", "--samples", "3", "--backends", "numba",
+                              "--plot", str(evict_png)])
+    text = capsys.readouterr().out
+    assert "pool pages" in text and "1,024" in text
+    for png in (pool_png, step_png, evict_png):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -1,7 +1,7 @@
 """Triton kernels against the reference backend, bit for bit, at the kernel level.
 
 Every case runs the same operation on two ``PoolState`` objects, one through
-``tpool.reference`` and one through the ``*_triton`` launchers, and compares
+``tpool.backends.reference`` and one through the ``*_triton`` launchers, and compares
 every output and every state tensor (scratch included) with ``==``. Output
 buffers start filled with a sentinel, so a lane a kernel forgets to write
 shows up as a mismatch. On a CPU the kernels run under Triton's interpreter.

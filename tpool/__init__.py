@@ -5,6 +5,7 @@ counters) lives in tensors on the pool's device and is updated by fixed-shape
 kernel passes that never read device memory back on the host.
 """
 
+from tpool._version import __version__
 from tpool.errors import (DoubleFree, InvalidCount, InvalidLength, InvalidPage, InvalidRequest,
                           InvariantViolation, OutputOverflow, PoolError, TableOverflow, UseAfterFree)
 from tpool.free_group import FreeGroup
@@ -18,6 +19,7 @@ from tpool.page_table import BoundStep, ExtendResult, ForkResult, PagedKVCSR, Pa
 from tpool.pool import AllocOut, AllocResult, PagePool
 
 __all__ = [
+    "__version__",
     "PagePool", "AllocOut", "AllocResult", "FreeGroup",
     "PageTable", "ExtendResult", "StepResult", "BoundStep", "StaleBinding", "ForkResult", "PagedKVCSR",
     "PoolError", "InvalidPage", "DoubleFree", "UseAfterFree", "InvalidCount", "OutputOverflow",

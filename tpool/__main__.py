@@ -1,30 +1,64 @@
-"""Command line: ``python -m tpool demo`` and ``python -m tpool report``."""
+"""Command line: ``python -m tpool demo``, ``python -m tpool report`` (also installed as ``tpool``)."""
 
+import os
 import sys
 
-USAGE = """usage: python -m tpool COMMAND [options]
+USAGE = """usage: python -m tpool [-h] [--version] COMMAND [options]
 
 commands:
-  demo     run the demo (batched alloc/free on a pool, with a table)
-  report   print the memory report: references, caching allocator, driver (--json)
+  demo     simulate an inference server's decode loop on a PageTable: 256 requests
+           (prompt and output lengths from a fixed seed) share up to 64 rows and
+           4,096 pages of 16 tokens; each step admits waiting requests (a prefill
+           extend), decodes one token for the running batch (table.step) and
+           releases finished ones, preempting when the pool runs out. Prints a row
+           of counts and step times every few steps and checks the pool at the end.
+           `python -m tpool demo --help` lists its options.
+  report   print the memory ledgers of a device: what tpool's caches and pools
+           hold, the caching allocator, the driver and the process (--json for
+           JSON, --device cuda:N or cpu). `python -m tpool report --help`.
+
+options:
+  -h, --help  show this message and exit
+  --version   print tpool's version and exit
 """
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
+def _dispatch(argv):
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
+        return 0
+    if argv[0] == "--version":
+        from tpool._version import __version__
+        print(f"tpool {__version__}")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo":
         from tpool import demo
-        demo.main(rest)
-        return 0
+        return demo.main(rest) or 0
     if cmd == "report":
         from tpool.memory.report import main as report_main
         return report_main(rest) or 0
-    print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    print(f"tpool: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2
+
+
+def main(argv=None):
+    """Run one command; returns the exit status.
+
+    A reader that closes the pipe early (``python -m tpool report | head -3``)
+    ends the command quietly: the rest of the output is dropped, no traceback.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        status = _dispatch(argv)
+        sys.stdout.flush()  # a broken pipe surfaces here, inside the handler, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        # Python's recipe (docs: signal, "Note on SIGPIPE"): point stdout at devnull so the
+        # flush at exit does not raise a second time, and exit as a process killed by SIGPIPE would.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

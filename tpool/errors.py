@@ -17,35 +17,40 @@ class PoolError(RuntimeError):
 
 
 class InvalidPage(PoolError):
-    """A page id outside ``[0, num_pages)`` (and not the padding id -1)."""
+    """A page id outside ``[0, num_pages)`` (and not the padding id -1) was passed to
+    ``free``, ``incref`` or ``touch``; the entry was skipped."""
 
 
 class DoubleFree(PoolError):
-    """A reference was released from a page that held none."""
+    """A reference was released from a page that held none (``free`` or a table's
+    ``release``/``truncate``); the extra release was skipped."""
 
 
 class UseAfterFree(PoolError):
-    """``incref`` or ``touch`` named a FREE page."""
+    """``incref`` or ``touch`` named a FREE page; the entry was skipped."""
 
 
 class InvalidCount(PoolError):
-    """``alloc`` or ``extend`` received a negative count."""
+    """``alloc`` or ``extend`` received a negative count; that request and all later
+    ones in the call failed."""
 
 
 class OutputOverflow(PoolError):
-    """An alloc output buffer was too small for requests the pool could grant."""
+    """An output buffer was too small for what the pool could grant; those requests
+    failed (the state is untouched). Pass a larger ``max_alloc_pages`` /
+    ``out=pool.alloc_out(max_pages=...)`` / ``max_tokens`` / ``capacity``."""
 
 
 class InvalidRequest(PoolError):
-    """A page-table request id outside ``[0, max_requests)`` (and not -1)."""
+    """A page-table request id outside ``[0, max_requests)`` (and not -1); the lane was skipped."""
 
 
 class TableOverflow(PoolError):
-    """A request would need more than ``max_pages_per_request`` pages."""
+    """A request would need more than ``max_pages_per_request`` pages; it failed, unchanged."""
 
 
 class InvalidLength(PoolError):
-    """``truncate`` or ``fork`` asked for a length the request does not have."""
+    """``truncate`` or ``fork`` asked for a length the request does not have; the lane was skipped."""
 
 
 class InvariantViolation(PoolError):
@@ -64,12 +69,55 @@ ERROR_CLASSES = {
 }
 
 
+# What each kind means and which argument to change, shown under the counts by check().
+HINTS = {
+    L.ERR_INVALID_PAGE: (
+        "a page id outside [0, num_pages) (and not the padding id -1) was passed to free, incref or touch; "
+        "the entry was skipped. Pass only ids this pool's alloc returned, or -1 for padding."),
+    L.ERR_DOUBLE_FREE: (
+        "a page lost more references than it held (free or a table's release/truncate of a page already "
+        "freed); the extra release was skipped. Free each granted page once per reference (incref adds one), "
+        "and do not free pages a PageTable holds: release the request instead."),
+    L.ERR_USE_AFTER_FREE: (
+        "incref or touch named a FREE page (freed earlier, or never allocated); the entry was skipped. "
+        "Keep a reference (or cache=True on free) while the page is in use."),
+    L.ERR_BAD_COUNT: (
+        "alloc or extend received a negative count; that request and every later one in the call failed. "
+        "Pass counts and num_tokens >= 0 (0 for padding lanes)."),
+    L.ERR_OUT_OVERFLOW: (
+        "an output buffer was too small for what the pool could grant; those requests failed and the state "
+        "is untouched. Size the buffer to the call: PagePool.alloc without out= writes at most "
+        "max_alloc_pages pages (default min(num_pages, 4096)): pass PagePool(..., max_alloc_pages=N) or "
+        "out=pool.alloc_out(max_pages=N); PageTable.extend/step write at most max_tokens slots (default one "
+        "per lane, a decode step): pass max_tokens= the batch's total tokens for a prefill; "
+        "flashinfer_csr/step write at most capacity page ids: pass a larger capacity (or None, always enough)."),
+    L.ERR_BAD_REQUEST: (
+        "a page-table request id outside [0, max_requests) (and not the padding id -1); the lane was "
+        "skipped. Pass ids below max_requests, or a PageTable with a larger max_requests."),
+    L.ERR_TABLE_OVERFLOW: (
+        "a request would need more than max_pages_per_request pages; it failed and is unchanged. Make the "
+        "PageTable with a larger max_pages_per_request (at least ceil(longest sequence / page_size)), or "
+        "stop the request before it reaches that length."),
+    L.ERR_BAD_LENGTH: (
+        "truncate or fork asked for a length the request does not have (negative, or longer than it is); "
+        "the lane was skipped. Pass 0 <= length <= the request's current length (seq_lens)."),
+}
+
+
+def describe(counts: dict) -> str:
+    """The message for ``counts`` (kind name -> count): one line of counts, then one line per kind."""
+    slot_of = {name: slot for slot, name in L.ERROR_NAMES.items()}
+    head = ", ".join(f"{name}: {n}" for name, n in counts.items())
+    lines = [f"tpool: errors since the last check: {head}"]
+    lines += [f"  {name} ({n}): {HINTS[slot_of[name]]}" for name, n in counts.items()]
+    return "\n".join(lines)
+
+
 def raise_for_errors(delta: dict) -> None:
-    """Raise the class of the first kind (in slot order) with a nonzero count; list all kinds."""
+    """Raise the class of the first kind (in slot order) with a nonzero count; describe all kinds."""
     seen = {slot: n for slot, n in sorted(delta.items()) if n}
     if not seen:
         return
     names = {L.ERROR_NAMES[slot]: n for slot, n in seen.items()}
-    text = ", ".join(f"{name}: {n}" for name, n in names.items())
     cls = ERROR_CLASSES[next(iter(seen))]
-    raise cls(f"tpool: errors since the last check: {text}", names)
+    raise cls(describe(names), names)

@@ -1,0 +1,58 @@
+"""pytest-benchmark suite: evict the k oldest cached pages (half the pool cached), tpool and numpy.
+
+    pytest benchmarks/test_bench_evict.py --benchmark-only
+    pytest benchmarks/ --benchmark-disable          # each workload once (smoke)
+
+Each round is one ``evict(k)``; the evicted pages are allocated again and
+cached (untimed, after the round), so every round sees as many cached pages.
+Baseline in the same groups: ``numpy-argpartition`` on the same state (see
+bench_evict.py). Eviction is linear in the pool size.
+"""
+
+import pytest
+import torch
+
+from _common import default_device
+from bench_evict import cached_pool, numpy_select
+
+DEVICE = default_device()
+BACKENDS = ["triton", "reference"] if DEVICE == "cuda" else ["numba", "reference"]
+POOL_SIZES = [65536, 1048576, 16777216]
+ROUNDS = 20
+
+
+def evict_one(benchmark, impl, P, k, group):
+    benchmark.group = group
+    benchmark.extra_info.update(device=DEVICE, num_pages=P, k=k, impl=impl)
+    backend = BACKENDS[0] if impl == "numpy-argpartition" else impl.removeprefix("tpool-")
+    pool = cached_pool(P, backend, DEVICE)
+    if impl == "numpy-argpartition":
+        st, sp = pool.state.page_state.cpu().numpy(), pool.state.stamp.cpu().numpy()
+        benchmark.pedantic(numpy_select, args=(st, sp, k), rounds=ROUNDS, warmup_rounds=1)
+        return
+    out = torch.empty(k, dtype=torch.int32, device=DEVICE)
+    counts = torch.tensor([k], dtype=torch.int32, device=DEVICE)
+    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+
+    def evict():
+        pool.evict(k, out=out)
+        sync()
+
+    def refill():  # untimed: the evicted pages come back as the newest cached ones
+        pool.free(pool.alloc(counts).pages, cache=True)
+
+    rounds = ROUNDS if impl != "tpool-reference" else 5
+    benchmark.pedantic(evict, teardown=refill, rounds=rounds, warmup_rounds=1)
+    pool.check()
+
+
+@pytest.mark.parametrize("impl", ["numpy-argpartition"] + [f"tpool-{be}" for be in BACKENDS])
+@pytest.mark.parametrize("k", [1, 64, 4096])
+def test_evict(benchmark, impl, k):
+    evict_one(benchmark, impl, 65536, k, f"evict k={k}, pool of 65536 pages")
+
+
+@pytest.mark.parametrize("impl", ["numpy-argpartition", f"tpool-{BACKENDS[0]}"])
+@pytest.mark.parametrize("P", POOL_SIZES)
+def test_evict_against_pool_size(benchmark, impl, P):
+    evict_one(benchmark, impl, P, 64, "evict k=64 against pool size")

@@ -1,0 +1,44 @@
+"""pytest-benchmark suite: one alloc of N pages + one free of them, tpool and its baselines.
+
+    pytest benchmarks/test_bench_pool.py --benchmark-only                 # calibrated timings
+    pytest benchmarks/ --benchmark-only --benchmark-autosave              # save, then later:
+    pytest benchmarks/ --benchmark-only --benchmark-compare               # compare with the last save
+    pytest benchmarks/ --benchmark-only --benchmark-histogram=hist        # SVG histograms per group
+    pytest benchmarks/ --benchmark-disable                                # each workload once (smoke)
+
+Baselines are separate benchmarks in the same group (``host-list``,
+``torch-slice``; see bench_pool.py), so the table, comparisons and histograms
+show them side by side. ``python benchmarks/bench_pool.py`` prints the same
+workloads as one table with ratios.
+"""
+
+import pytest
+
+from _common import default_device
+from bench_pool import pair_fns
+
+DEVICE = default_device()
+BACKENDS = ["triton", "reference"] if DEVICE == "cuda" else ["numba", "reference"]
+FAST = BACKENDS[0]
+IMPLS = ["host-list", "torch-slice"] + [f"tpool-{be}" for be in BACKENDS] + [f"tpool-{FAST} (no out=)"]
+NUM_PAGES = 65536
+POOL_SIZES = [65536, 1048576, 16777216]  # alloc/free should stay flat
+
+
+def run(benchmark, impl, n, num_pages, group):
+    fn = pair_fns(n, num_pages, DEVICE, BACKENDS)[impl]
+    benchmark.group = group
+    benchmark.extra_info.update(pages=n, num_pages=num_pages, impl=impl, device=DEVICE)
+    benchmark(fn)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("n", [1, 256, 4096])
+def test_alloc_free(benchmark, impl, n):
+    run(benchmark, impl, n, NUM_PAGES, f"alloc+free N={n}, pool of {NUM_PAGES} pages")
+
+
+@pytest.mark.parametrize("impl", ["host-list", f"tpool-{FAST}"])
+@pytest.mark.parametrize("num_pages", POOL_SIZES)
+def test_alloc_free_against_pool_size(benchmark, impl, num_pages):
+    run(benchmark, impl, 256, num_pages, "alloc+free N=256 against pool size")

@@ -1,0 +1,69 @@
+"""The command line as a user meets it: help, version, an early-closed pipe, unknown commands."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import tpool
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def tpool_cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "tpool", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+def test_help_describes_each_command_and_option():
+    r = tpool_cli("--help")
+    assert r.returncode == 0 and r.stderr == ""
+    for words in ("demo", "decode loop", "PageTable", "256 requests", "4,096 pages", "report", "--json",
+                  "--device", "--version", "--help"):
+        assert words in r.stdout
+
+
+def test_version():
+    r = tpool_cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"tpool {tpool.__version__}"
+
+
+# The demo's options are its owner's (tpool/demo.py); add "demo" here once each has a help text.
+@pytest.mark.parametrize("command", ["report"])
+def test_subcommand_help_explains_every_option(command):
+    r = tpool_cli(command, "--help")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    options = [i for i, line in enumerate(lines) if line.strip().startswith("--")]
+    assert options
+    for i in options:  # argparse puts the help on the option's line or the next, more indented one
+        line = lines[i].strip()
+        has_text = len(line.split("  ", 1)) == 2 and line.split("  ", 1)[1].strip()
+        nxt = lines[i + 1] if i + 1 < len(lines) else ""
+        assert has_text or (nxt.startswith(" " * 10) and not nxt.strip().startswith("-")), line
+
+
+def test_report_into_a_closed_pipe_ends_quietly():
+    """`tpool report | head -3`: the reader is gone before the report is written (deterministic)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write into the pipe now fails with EPIPE
+    try:
+        r = subprocess.run([sys.executable, "-m", "tpool", "report"], cwd=ROOT, stdout=write_end,
+                           stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in r.stderr and "BrokenPipeError" not in r.stderr, r.stderr
+    assert r.stderr == "" and r.returncode == 141
+
+
+def test_report_piped_into_head():
+    r = subprocess.run(f"{sys.executable} -m tpool report | head -3", shell=True, cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout.splitlines()[0].startswith("tpool memory report:") and len(r.stdout.splitlines()) == 3
+
+
+def test_unknown_command_is_an_error_with_the_usage():
+    r = tpool_cli("frobnicate")
+    assert r.returncode == 2 and "unknown command 'frobnicate'" in r.stderr and "usage:" in r.stderr

@@ -1,0 +1,123 @@
+"""check() says what went wrong and which argument to change, for every error kind.
+
+Each test makes the mistake a user makes (through the public calls, on every CPU
+backend), and checks the class, the counts and the advice in the message.
+"""
+
+import pytest
+
+import tpool
+from tpool.errors import HINTS, describe
+from tpool.kernels import layout as L
+
+from conftest import i32
+
+
+def raised(pool, cls):
+    with pytest.raises(cls) as e:
+        pool.check()
+    return e.value, str(e.value)
+
+
+def test_every_kind_has_advice():
+    assert set(HINTS) == set(L.ERROR_NAMES)
+    text = describe({name: 1 for name in L.ERROR_NAMES.values()})
+    assert len(text.splitlines()) == 1 + len(L.ERROR_NAMES)
+    for name in L.ERROR_NAMES.values():
+        assert f"  {name} (1): " in text
+
+
+def test_alloc_larger_than_max_alloc_pages_names_the_arguments(make_pool, guard):
+    pool = make_pool(65536)
+    with guard():
+        r = pool.alloc(i32([5000]))  # the default output holds min(num_pages, 4096) pages
+    assert not r.ok[0]
+    e, text = raised(pool, tpool.OutputOverflow)
+    assert e.counts == {"out_overflow": 1}
+    assert text.startswith("tpool: errors since the last check: out_overflow: 1\n")
+    for advice in ("output buffer was too small", "max_alloc_pages", "default min(num_pages, 4096)",
+                   "out=pool.alloc_out(max_pages=N)"):
+        assert advice in text
+    out = pool.alloc_out(max_pages=5000)  # the advice works
+    with guard():
+        r = pool.alloc(i32([5000]), out=out)
+    assert r.ok[0]
+    pool.check()
+
+
+def test_prefill_without_max_tokens_says_pass_max_tokens(make_pool, guard):
+    pool = make_pool(64, page_size=4)
+    table = tpool.PageTable(pool, 2, 8)
+    with guard():
+        r = table.extend(i32([0]), i32([6]))  # 6 tokens, a 1-slot buffer (default: one per lane)
+    assert not r.ok[0]
+    _, text = raised(pool, tpool.OutputOverflow)
+    assert "max_tokens" in text and "prefill" in text
+    with guard():
+        r = table.extend(i32([0]), i32([6]), max_tokens=6)
+    assert r.ok[0]
+    pool.check()
+
+
+def test_csr_capacity_too_small_says_capacity(make_pool, guard):
+    pool = make_pool(64, page_size=4)
+    table = tpool.PageTable(pool, 2, 8)
+    with guard():
+        table.extend(i32([0, 1]), i32([9, 9]), max_tokens=18)  # 3 pages each
+        table.flashinfer_csr(i32([0, 1]), capacity=4)
+    _, text = raised(pool, tpool.OutputOverflow)
+    assert "capacity" in text
+
+
+def test_double_free_and_invalid_page_both_explained(make_pool, guard):
+    pool = make_pool(4)
+    with guard():
+        pool.free(i32([9, 0]))
+    e, text = raised(pool, tpool.InvalidPage)  # the first kind in slot order picks the class
+    assert e.counts == {"invalid_page": 1, "double_free": 1}
+    assert "[0, num_pages)" in text and "Free each granted page once" in text
+
+
+def test_use_after_free(make_pool, guard):
+    pool = make_pool(4)
+    with guard():
+        pool.incref(i32([2]))
+    _, text = raised(pool, tpool.UseAfterFree)
+    assert "FREE page" in text and "Keep a reference" in text
+
+
+def test_negative_count(make_pool, guard):
+    pool = make_pool(4)
+    with guard():
+        pool.alloc(i32([-1]))
+    _, text = raised(pool, tpool.InvalidCount)
+    assert "negative count" in text and ">= 0" in text
+
+
+def test_bad_request_id(make_pool, guard):
+    pool = make_pool(16, page_size=4)
+    table = tpool.PageTable(pool, 2, 4)
+    with guard():
+        table.extend(i32([5]), i32([1]))
+    _, text = raised(pool, tpool.InvalidRequest)
+    assert "[0, max_requests)" in text and "larger max_requests" in text
+
+
+def test_request_longer_than_its_row(make_pool, guard):
+    pool = make_pool(16, page_size=4)
+    table = tpool.PageTable(pool, 2, 2)
+    with guard():
+        r = table.extend(i32([0]), i32([9]), max_tokens=9)  # 3 pages, the row holds 2
+    assert not r.ok[0]
+    _, text = raised(pool, tpool.TableOverflow)
+    assert "max_pages_per_request" in text and "ceil(longest sequence / page_size)" in text
+
+
+def test_truncate_past_the_length(make_pool, guard):
+    pool = make_pool(16, page_size=4)
+    table = tpool.PageTable(pool, 2, 4)
+    with guard():
+        table.extend(i32([0]), i32([3]), max_tokens=3)
+        table.truncate(i32([0]), i32([7]))
+    _, text = raised(pool, tpool.InvalidLength)
+    assert "0 <= length <=" in text

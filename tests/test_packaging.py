@@ -1,0 +1,44 @@
+"""Packaging basics: the license text, one version, py.typed and the license in the wheel."""
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+import tpool
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def test_license_is_the_full_apache_2_text():
+    text = open(os.path.join(ROOT, "LICENSE")).read()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    for section in ("1. Definitions.", "4. Redistribution.", "9. Accepting Warranty", "END OF TERMS AND CONDITIONS"):
+        assert section in text
+    assert 'license = "Apache-2.0"' in open(os.path.join(ROOT, "pyproject.toml")).read()
+
+
+def test_version_is_single_sourced():
+    assert tpool.__version__ == importlib.metadata.version("tpool")
+    pyproject = open(os.path.join(ROOT, "pyproject.toml")).read()
+    assert 'dynamic = ["version"]' in pyproject and 'attr = "tpool._version.__version__"' in pyproject
+    assert f"## {tpool.__version__}" in open(os.path.join(ROOT, "CHANGELOG.md")).read()
+
+
+def test_wheels_are_ignored_by_git():
+    assert "*.whl" in open(os.path.join(ROOT, ".gitignore")).read().split()
+
+
+def test_wheel_ships_py_typed_license_and_version(tmp_path):
+    pytest.importorskip("setuptools")  # --no-build-isolation builds with the installed setuptools
+    cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", ROOT, "-w", str(tmp_path)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("tpool-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "tpool/py.typed" in names and "tpool/kernels/layout.py" in names
+    assert f"tpool-{tpool.__version__}.dist-info/licenses/LICENSE" in names
+    meta = zipfile.ZipFile(wheel).read(f"tpool-{tpool.__version__}.dist-info/METADATA").decode()
+    assert "License-Expression: Apache-2.0" in meta and f"Version: {tpool.__version__}" in meta

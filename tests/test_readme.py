@@ -1,0 +1,95 @@
+"""Every ```python block of README.md runs as written, on its own, and shows the values it claims.
+
+Each block runs in a fresh namespace (nothing carried over from an earlier block).
+A bare expression followed by a comment that starts with a Python literal
+(``r.ok       # [True, True, False]   9 more pages ...``) is checked: its value
+(tensors as lists) must equal that literal. A block containing the comment
+``# needs CUDA`` is skipped without a CUDA device.
+"""
+
+import ast
+import io
+import os
+import re
+import tokenize
+
+import pytest
+import torch
+
+README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+NEEDS_CUDA = "# needs CUDA"
+
+
+def python_blocks(path=README):
+    """(first line number, source) of each ```python block."""
+    text = open(path).read()
+    return [(text[:m.start()].count("\n") + 2, m.group(1))
+            for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M)]
+
+
+def claimed_literal(comment: str):
+    """The longest prefix of ``comment`` that is a Python literal, or raise ValueError."""
+    comment = comment.strip()
+    for cut in range(len(comment), 0, -1):
+        try:
+            return ast.literal_eval(comment[:cut].strip().rstrip(":"))
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            continue
+    raise ValueError("no literal")
+
+
+def plain(value):
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, tuple):
+        return tuple(plain(v) for v in value)
+    return value
+
+
+def comments_by_line(source: str) -> dict:
+    return {tok.start[0]: tok.string[1:] for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+            if tok.type == tokenize.COMMENT}
+
+
+def run_block(source: str) -> int:
+    """Run ``source`` statement by statement; check claimed values; return how many were checked."""
+    comments, namespace, checked = comments_by_line(source), {"__name__": "readme_block"}, 0
+    for stmt in ast.parse(source).body:
+        if isinstance(stmt, ast.Expr):
+            value = eval(compile(ast.Expression(stmt.value), "<README>", "eval"), namespace)
+            comment = comments.get(stmt.end_lineno)
+            if value is None or comment is None:
+                continue
+            try:
+                claim = claimed_literal(comment)
+            except ValueError:
+                continue
+            assert plain(value) == claim, f"line {stmt.lineno}: {ast.unparse(stmt)} is {plain(value)!r}, " \
+                                          f"the README says {claim!r}"
+            checked += 1
+        else:
+            exec(compile(ast.Module([stmt], []), "<README>", "exec"), namespace)
+    return checked
+
+
+BLOCKS = python_blocks()
+
+
+def test_the_readme_has_python_blocks():
+    assert len(BLOCKS) >= 4
+
+
+@pytest.mark.parametrize("line, source", BLOCKS, ids=[f"line{n}" for n, _ in BLOCKS])
+def test_readme_block_runs_on_its_own(line, source):
+    if NEEDS_CUDA in source and not torch.cuda.is_available():
+        pytest.skip("the block needs CUDA")
+    run_block(source)
+
+
+def test_claimed_values_are_checked():
+    """The checker itself: a right claim passes, a wrong one fails, prose is not a claim."""
+    assert run_block("x = [1, 2]\nx    # [1, 2]   the list\nlen(x)  # 2: its length\nprint  # prints\n") == 2
+    with pytest.raises(AssertionError, match=r"is \[1, 2\], the README says \[1, 3\]"):
+        run_block("x = [1, 2]\nx    # [1, 3]\n")
+    with pytest.raises(NameError):  # a block cannot lean on an earlier one
+        run_block("y = undefined_in_this_block + 1\n")
