@@ -148,23 +148,22 @@ def no_host_sync():
 
 class HostReads:
     """What :func:`count_host_reads` saw: ``reads`` (device reads) and ``snapshot_reads``, each a
-    list of ``(what, where)``; ``where`` is the innermost ``(file, function)`` outside torch and
-    this module, so a test can say which call made each read."""
+    list of ``(what, stack)``; ``stack`` names the ``(file, function)`` frames outside torch and
+    this module, innermost first, so a test can say which call made each read."""
 
     def __init__(self):
         self.reads, self.snapshot_reads = [], []
 
-    def _where(self):
-        for frame in reversed(traceback.extract_stack()):
-            if "/torch/" not in frame.filename and not frame.filename.endswith("testing.py"):
-                return frame.filename, frame.name
-        return "?", "?"
+    @staticmethod
+    def _stack():
+        return [(f.filename, f.name) for f in reversed(traceback.extract_stack())
+                if "/torch/" not in f.filename and not f.filename.endswith("testing.py")]
 
     def add(self, what):
-        self.reads.append((what, self._where()))
+        self.reads.append((what, self._stack()))
 
     def add_snapshot(self, what):
-        self.snapshot_reads.append((what, self._where()))
+        self.snapshot_reads.append((what, self._stack()))
 
 
 @contextlib.contextmanager

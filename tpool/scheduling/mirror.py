@@ -39,6 +39,12 @@ class WouldNotFit(ValueError):
     """The mirror cannot prove the call fits the pool (or the table); nothing was done."""
 
 
+def _bucket(tokens):
+    """A call's token budget rounded up to a power of two: the table keeps one set of output
+    buffers per shape, so a few shapes serve every batch instead of one per total."""
+    return 1 << max(tokens - 1, 0).bit_length()
+
+
 def _cdiv(a, ps):
     return -(-a // ps)
 
@@ -257,7 +263,7 @@ class HostMirror:
         self._start(r, p, self.capacity if max_lens is None else np.asarray(max_lens, dtype=np.int64), 0)
         self.free -= int(_cdiv(p, self.page_size).sum())
         self._top_up(r)
-        self.table.extend(self._tensor(rows), self._tensor(p), max_tokens=int(p.sum()))
+        self.table.extend(self._tensor(rows), self._tensor(p), max_tokens=_bucket(int(p.sum())))
         return rows
 
     def decode(self, rows, n=1):
@@ -293,7 +299,7 @@ class HostMirror:
             ntok = np.broadcast_to(n, r.shape)
             self._decode_key = (key, self._tensor(r), self._tensor(ntok), int(ntok.sum()))
         _, ids, ntok, total = self._decode_key
-        return self.table.step(ids, ntok, max_tokens=total if n.ndim or n != 1 else None)
+        return self.table.step(ids, ntok, max_tokens=_bucket(total) if n.ndim or n != 1 else None)
 
     def _drop(self, r, keep_lo, cache):
         """Credit the pages of rows ``r`` past ``keep_lo`` tokens that are surely theirs alone."""
