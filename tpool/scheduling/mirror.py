@@ -32,6 +32,7 @@ from what was asked. What the mirror promises:
 import numpy as np
 import torch
 
+from tpool.scheduling._decode import EMPTY, NO_ROOM, PAST_MAX_LEN, decode_accounting
 from tpool.scheduling.snapshot import MirrorSnapshot, reconcile
 
 
@@ -46,7 +47,7 @@ def _bucket(tokens):
 
 
 def _cdiv(a, ps):
-    return -(-a // ps)
+    return (a + (ps - 1)) // ps
 
 
 class HostMirror:
@@ -97,8 +98,11 @@ class HostMirror:
         # ``cached``): what reconciliation adds to the truth at a snapshot.
         self._cached_flow = 0
         R = table.max_requests
-        z = lambda: np.zeros(R, dtype=np.int64)  # noqa: E731
-        self.lo, self.hi, self.limit, self.shared, self.res, self.gen = z(), z(), z(), z(), z(), z()
+        # Per row, one int64 record (a decode gathers and scatters the batch's records once):
+        # lo, hi (length bounds), limit (max_len), shared (leading pages possibly shared),
+        # res (pages reserved), gen (bumped when the row's request ends).
+        self._st = np.zeros((R, 6), dtype=np.int64)
+        self.lo, self.hi, self.limit, self.shared, self.res, self.gen = (self._st[:, i] for i in range(6))
         self.live = np.zeros(R, dtype=bool)
         self.uncertain_at = np.full(R, -1, dtype=np.int64)  # op number of the row's last rollback
         self.exact_at = np.full(R, -1, dtype=np.int64)      # ... of the last call that set its length outright
@@ -106,6 +110,11 @@ class HostMirror:
         self._seq = 0                     # one number per mirror call, for reconciliation
         self._free_inexact_at = self._cached_inexact_at = -1
         self._decode_key = None           # (rows, n) of the last decode and its device tensors
+        self._members = 0                 # bumped whenever a row starts or stops running
+        self._checked = (None, -1)        # (rows bytes, _members) of the last batch that passed the checks
+        self._full = None                 # rows bytes of a batch whose every row holds its full reservation
+        self._scratch = np.zeros(R, dtype=np.int64)
+        self._acct = np.zeros(5, dtype=np.int64)  # decode_accounting's results
 
     # ----------------------------------------------------------- queries (host only)
     @property
@@ -164,7 +173,7 @@ class HostMirror:
 
     def fits(self, rows, n=1) -> bool:
         """Whether ``decode(rows, n)`` would run (True) or raise ``WouldNotFit``."""
-        r, n = self._batch(rows, n)
+        r, n, _ = self._batch(rows, n)
         return bool(np.all(self.hi[r] + n <= self.limit[r])) and self._extra(r, n) <= self.unreserved
 
     def _extra(self, r, n):
@@ -176,9 +185,12 @@ class HostMirror:
 
         ``priority[i]`` (higher is more important) belongs to ``rows[i]``; ties go to the
         later row (the end of the running queue, as vLLM preempts). Empty when the step
-        fits. Release them (``finish``, and requeue) before the step.
+        fits. Release them (``finish``, and requeue) before the step. O(1) when every
+        row of this batch holds its full reservation and ``n <= lookahead``.
         """
-        r, n = self._batch(rows, n)
+        r, n, key = self._batch(rows, n)
+        if key == self._full and n.ndim == 0 and n <= self.lookahead:
+            return []
         need = self._need(r, n)
         extra = need - np.minimum(need, self.res[r])
         deficit = int(extra.sum()) - self.unreserved
@@ -194,13 +206,25 @@ class HostMirror:
         return out
 
     def _batch(self, rows, n):
-        r = np.asarray(rows, dtype=np.int64).reshape(-1)
+        """Rows as int64 numpy, n as int64 (0-d or one per row), and the rows' bytes; checked
+        unless this is the batch checked last and no row started or stopped since."""
+        r = rows if type(rows) is np.ndarray and rows.dtype == np.int64 else np.asarray(rows, dtype=np.int64)
+        r = r.reshape(-1)
+        key = r.tobytes()
+        if self._checked != (key, self._members):
+            if r.size and (r.min() < 0 or r.max() >= self.live.size or not self.live[r].all()):
+                raise ValueError(f"rows: expected running rows, got {r.tolist()}")
+            lanes = np.arange(r.size)
+            self._scratch[r] = lanes
+            if not (self._scratch[r] == lanes).all():
+                raise ValueError(f"rows: expected distinct rows, got {r.tolist()}")
+            self._checked = (key, self._members)
+        if type(n) is int and n >= 0:
+            return r, np.int64(n), key
         n = np.asarray(n, dtype=np.int64)
-        if r.size and (not self.live[r].all() or np.unique(r).size != r.size):
-            raise ValueError(f"rows: expected distinct running rows, got {r.tolist()}")
         if n.ndim and n.shape != r.shape or (n < 0).any():
             raise ValueError(f"n: expected a non-negative int or one per row, got {n.tolist()}")
-        return r, n
+        return r, n, key
 
     # ------------------------------------------------------ reservations
     def reserve(self, row: int, tokens: int) -> int:
@@ -215,15 +239,30 @@ class HostMirror:
 
     def unreserve(self, row: int) -> None:
         """Give back ``row``'s reserved pages."""
+        self._full = None
         self.reserved -= int(self.res[row])
         self.res[row] = 0
 
-    def _top_up(self, r):
-        want = np.maximum(self._target(r) - self.res[r], 0)
-        before = np.cumsum(want) - want
-        got = np.clip(self.unreserved - before, 0, want)
-        self.res[r] += got
+    def _top_up(self, r, res=None):
+        """Raise the reservations of rows ``r`` toward their targets, in order, from unreserved
+        pages; ``res`` is ``self.res[r]`` if the caller has it. True if every row got its target."""
+        if res is None:
+            res = self.res[r]
+        want = self._target(r) - res
+        np.maximum(want, 0, out=want)
+        total = int(want.sum())
+        if total == 0:
+            self.res[r] = res
+            return True
+        room = self.unreserved
+        if total <= room:
+            self.res[r] = res + want
+            self.reserved += total
+            return True
+        got = np.minimum(np.maximum(room - (np.cumsum(want) - want), 0), want)
+        self.res[r] = res + got
         self.reserved += int(got.sum())
+        return False
 
     # ------------------------------------------------------ calls (table + mirror)
     def _tensor(self, values):
@@ -241,6 +280,7 @@ class HostMirror:
         self.lo[rows] = self.hi[rows] = length
         self.limit[rows], self.shared[rows] = limit, shared
         self.live[rows] = True
+        self._members += 1
         self.uncertain_at[rows] = -1
         self.exact_at[rows] = self._seq
 
@@ -257,6 +297,7 @@ class HostMirror:
         if k == 0:
             return []
         self._seq += 1
+        self._full = None
         rows = self._take_rows(k)
         p = np.asarray(prompt_lens, dtype=np.int64)
         r = np.asarray(rows, dtype=np.int64)
@@ -274,30 +315,30 @@ class HostMirror:
         step fits, so every lane of the step succeeds and ``ok`` need not be read. Then
         tops reservations back up, in the order of ``rows``. Returns the ``StepResult``.
         """
-        r, n = self._batch(rows, n)
+        r, n, key = self._batch(rows, n)
         if not r.size:
             return None
-        if not np.all(self.hi[r] + n <= self.limit[r]):
+        out = self._acct
+        per_row = n.ndim > 0
+        code = decode_accounting(self._st, r, n if per_row else EMPTY, 0 if per_row else int(n), self.page_size,
+                                 self.lookahead, self.unreserved, out)
+        if code == PAST_MAX_LEN:
             raise WouldNotFit(f"decode: rows {r[self.hi[r] + n > self.limit[r]].tolist()} would pass their max_len")
-        need = self._need(r, n)
-        use = np.minimum(need, self.res[r])
-        if int((need - use).sum()) > self.unreserved:
-            raise WouldNotFit(f"decode: needs {int((need - use).sum())} pages beyond reservations, "
-                              f"{self.unreserved} unreserved (ask preemption first)")
+        if code == NO_ROOM:
+            need = self._need(r, n)
+            raise WouldNotFit(f"decode: needs {int((need - np.minimum(need, self.res[r])).sum())} pages beyond "
+                              f"reservations, {self.unreserved} unreserved (ask preemption first)")
         self._seq += 1
-        uncertain = self.lo[r] != self.hi[r]
-        if uncertain.any():
+        taken, used, granted, full, uncertain = out.tolist()
+        if uncertain:
             self._free_inexact_at = self._seq
-        self.free -= int(need.sum())
-        self.res[r] -= use
-        self.reserved -= int(use.sum())
-        self.lo[r] += n
-        self.hi[r] += n
-        self._top_up(r)
-        key = (r.tobytes(), n.tobytes(), n.shape)
-        if self._decode_key is None or self._decode_key[0] != key:  # same batch: same tensors (a bound step)
+        self.free -= taken
+        self.reserved += granted - used
+        self._full = key if full else None
+        dkey = (key, n.tobytes(), n.shape)
+        if self._decode_key is None or self._decode_key[0] != dkey:  # same batch: same tensors (a bound step)
             ntok = np.broadcast_to(n, r.shape)
-            self._decode_key = (key, self._tensor(r), self._tensor(ntok), int(ntok.sum()))
+            self._decode_key = (dkey, self._tensor(r), self._tensor(ntok), int(ntok.sum()))
         _, ids, ntok, total = self._decode_key
         return self.table.step(ids, ntok, max_tokens=_bucket(total) if n.ndim or n != 1 else None)
 
@@ -323,26 +364,29 @@ class HostMirror:
         With ``cache=True`` their pages become CACHED (``free`` is unchanged; ``cached``
         grows by the pages surely theirs alone).
         """
-        r, _ = self._batch(rows, 0)
+        r, _, _ = self._batch(rows, 0)
         if not r.size:
             return
         self._seq += 1
+        self._full = None
         self._drop(r, np.zeros_like(r), cache)
         self.reserved -= int(self.res[r].sum())
         self.res[r] = 0
         self.live[r] = False
+        self._members += 1
         self.gen[r] += 1
         self._free_rows.extend(r[::-1].tolist())
         self.table.release(self._tensor(r), cache=cache)
 
     def truncate(self, rows, new_lens) -> None:
         """Roll rows back to host-known lengths (``new_lens[i] <= `` the row's sure length)."""
-        r, _ = self._batch(rows, 0)
+        r, _, _ = self._batch(rows, 0)
         nl = np.asarray(new_lens, dtype=np.int64).reshape(-1)
         if nl.shape != r.shape or (nl < 0).any() or (nl > self.lo[r]).any():
             raise ValueError(f"new_lens: expected one per row within [0, lo], got {nl.tolist()} "
                              f"(lo {self.lo[r].tolist()})")
         self._seq += 1
+        self._full = None
         self._drop(r, nl, False)
         self.lo[r] = self.hi[r] = nl
         self.exact_at[r] = self._seq
@@ -359,11 +403,12 @@ class HostMirror:
             length still ``hi``) until the next reconciliation releases the difference.
         min_lens : sequence of int, host-known lower bounds.
         """
-        r, _ = self._batch(rows, 0)
+        r, _, _ = self._batch(rows, 0)
         ml = np.asarray(min_lens, dtype=np.int64).reshape(-1)
         if ml.shape != r.shape or (ml < 0).any() or (ml > self.hi[r]).any():
             raise ValueError(f"min_lens: expected one per row within [0, hi], got {ml.tolist()}")
         self._seq += 1
+        self._full = None
         self._free_inexact_at = self._seq
         self.lo[r] = np.minimum(self.lo[r], ml)
         self.uncertain_at[r] = self._seq
@@ -383,6 +428,7 @@ class HostMirror:
         if cow + int(self._target_new(n_tokens, m)) > self.unreserved:
             raise WouldNotFit(f"fork: needs {cow} page(s) and a reservation, {self.unreserved} unreserved")
         self._seq += 1
+        self._full = None
         (row,) = self._take_rows(1)
         self._start(np.array([row]), n_tokens, m, n_tokens // ps)
         self.shared[src] = max(int(self.shared[src]), n_tokens // ps)
@@ -413,6 +459,7 @@ class HostMirror:
         if self._target_new(n_tokens, m) > self.unreserved:
             raise WouldNotFit(f"revive: its reservation needs pages, {self.unreserved} unreserved")
         self._seq += 1
+        self._full = None
         (row,) = self._take_rows(1)
         self._start(np.array([row]), n_tokens, m, k)
         self.cached = max(self.cached - k, 0)
@@ -428,6 +475,7 @@ class HostMirror:
     def evict(self, k: int) -> torch.Tensor:
         """``pool.evict(k)``: turn up to ``k`` cached pages FREE; returns their ids (device, -1 padded)."""
         self._seq += 1
+        self._full = None
         got = min(k, self.cached)
         self.free += got
         self.cached -= got

@@ -67,6 +67,7 @@ def reconcile(m, snap: MirrorSnapshot) -> dict:
         raise MirrorError(f"the mirror promised {snap.free} free and {snap.cached} cached pages, the device had "
                           f"{true_free} and {true_cached} (a call made around the mirror, or a broken contract)")
     m.free += true_free - snap.free
+    m._full = None
     m.cached = max(true_cached + m._cached_flow - snap.cached_flow, 0)
     if m._free_inexact_at <= snap.seq:
         m._free_inexact_at = -1
