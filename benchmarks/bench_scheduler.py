@@ -27,7 +27,7 @@ admissions per second (timed admission blocks: ``can_admit`` + ``admit``,
 be 0), and the gap over time (``--plot PATH`` draws it with matplotlib, if
 installed).
 
-    python benchmarks/bench_scheduler.py [--steps 2000] [--plot gap.png] [--json out.json]
+    python benchmarks/bench_scheduler.py [--steps 4000] [--plot gap.png] [--json out.json]
 """
 
 import argparse
@@ -37,6 +37,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -89,10 +90,11 @@ def run_mirror(args, scenario, device, rng, progress):
             rows += new
             if step >= args.warmup:
                 admit_us.append((time.perf_counter_ns() - ta) / 1e3)
-        victims = m.preemption(rows, [-i for i in range(len(rows))])
-        if victims:
+        if step % args.every == 0:                    # the batch changed: new arrays (kept between turnovers)
+            batch, prio = np.asarray(rows, dtype=np.int64), -np.arange(len(rows))
+        if m.preemption(batch, prio):
             raise SystemExit(f"the pool is too small for the churn ({args.num_pages} pages): raise --num-pages")
-        m.decode(rows)
+        m.decode(batch)
         if step >= args.warmup:
             step_us.append((time.perf_counter_ns() - t0) / 1e3)
         if step % args.snapshot_every == 0:
@@ -165,9 +167,11 @@ def plot(path, results):
     for name, r in results.items():
         if r["gaps"]:
             a.plot([g[0] for g in r["gaps"]], [g[1] for g in r["gaps"]], label=name)
-        b.plot(r["step_us"], label=name, linewidth=0.5)
+        xs = r["step_us"]
+        w = 64   # a rolling median over 64 steps: one turnover in 8 is a prefill, the rest are decode steps
+        b.plot(range(w, len(xs) + 1), [statistics.median(xs[i - w:i]) for i in range(w, len(xs) + 1)], label=name)
     a.set(xlabel="step", ylabel="device free - mirror free (pages)", title="the mirror's gap to the device")
-    b.set(xlabel="step", ylabel="host µs per step", yscale="log", title="step time (churn: 2 out, 2 in / 8 steps)")
+    b.set(xlabel="step", ylabel="host µs per step", title="step time, median of the last 64 steps")
     a.legend()
     b.legend()
     fig.tight_layout()
@@ -178,7 +182,7 @@ def plot(path, results):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Each option's default is in its help text.")
-    ap.add_argument("--steps", type=int, default=2000, help="timed steps per scheduler (default 2000)")
+    ap.add_argument("--steps", type=int, default=4000, help="timed steps per scheduler (default 4000)")
     ap.add_argument("--warmup", type=int, default=64, help="untimed steps first, for compilation (default 64)")
     ap.add_argument("--requests", type=int, default=256, help="running requests (default 256)")
     ap.add_argument("--turnover", type=int, default=2, help="requests finished and admitted each --every steps "
@@ -218,7 +222,7 @@ def main(argv=None):
     print_table(f"churn: {args.requests} running, prompts {PROMPTS[0]}-{PROMPTS[1]} tokens, pages of {PAGE_SIZE}, "
                 f"{args.turnover} out / {args.turnover} in every {args.every} steps, {args.steps} steps, "
                 f"{args.backend} on {device}",
-                ["scheduler", "step us", "p20", "p80", "x read-ok", "admissions/s", "failed extends",
+                ["scheduler", "median us", "p20", "p80", "x read-ok", "admissions/s", "failed extends",
                  "gap median / max"], rows)
     if args.plot:
         plot(args.plot, results)

@@ -311,6 +311,26 @@ def test_count_host_reads_counts_each_read_once_and_sees_snapshots():
             t.tolist()
 
 
+def test_bench_scheduler_runs_without_failed_extends(tmp_path, capsys):
+    import importlib.util
+    import json
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_scheduler.py")
+    spec = importlib.util.spec_from_file_location("bench_scheduler", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "sched.json"
+    bench.main(["--steps", "200", "--warmup", "8", "--requests", "24", "--num-pages", "8192", "--snapshot-every", "4",
+                "--reconcile-every", "64", "--backend", "numba", "--json", str(out)])
+    assert "median us" in capsys.readouterr().out
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"read-ok", "mirror-plain", "mirror-shared"}
+    assert all(r["failed_extends"] == 0 for r in rows.values())
+    assert rows["mirror-plain"]["gap"] and all(g == 0 for _, g in rows["mirror-plain"]["gap"])
+    gaps = [g for _, g in rows["mirror-shared"]["gap"]]
+    assert min(gaps) >= 0 and max(gaps) > 0 and rows["mirror-shared"]["forked"] > 0
+
+
 @requires_cuda
 def test_gpu_decode_loop_with_stats_async_every_step_never_syncs():
     pool = tpool.PagePool(4096, 16, device="cuda")
