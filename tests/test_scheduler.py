@@ -355,3 +355,28 @@ def test_gpu_decode_loop_with_stats_async_every_step_never_syncs():
     assert m.free == pool.available() and m.exact
     assert pool.stats()["requests.failed"] == 0
 
+
+
+def test_docstring_examples_of_the_mirror_and_stats_async():
+    import doctest
+
+    from tpool import stats_async
+    from tpool.scheduling import mirror
+    globs = {"torch": torch, "PagePool": tpool.PagePool, "PageTable": tpool.PageTable, "HostMirror": HostMirror}
+    for module, least in ((mirror, 8), (stats_async, 2)):
+        result = doctest.testmod(module, extraglobs=globs, optionflags=doctest.NORMALIZE_WHITESPACE)
+        assert result.attempted >= least and result.failed == 0
+
+
+def test_readme_example_gives_its_numbers(backend):
+    pool = tpool.PagePool(64, page_size=16, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, max_requests=8, max_pages_per_request=64)
+    m = HostMirror(table, lookahead=1, free=64, cached=0)
+    with no_host_sync():
+        assert m.can_admit([100, 300, 900]) == 2
+        rows = m.admit([100, 300], max_lens=[150, 400])
+        for _ in range(10):
+            assert m.preemption(rows, priority=[1, 0]) == []
+            m.decode(rows)
+        m.finish([rows[0]])
+    assert rows == [0, 1] and (m.free, m.reserved, m.exact) == (44, 0, True) and pool.available() == 44

@@ -49,15 +49,15 @@ def run(requests=256, batch=64, num_pages=4096, page_size=16, seed=0, device=Non
     outputs = [rng.randint(16, 384) for _ in range(requests)]
     max_pages = (max(prompts) + max(outputs)) // page_size + 1
     pool, table = _build(num_pages, page_size, device, backend, batch, max_pages)
-    dev = pool.device
-    t32 = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
 
-    # Warm up every kernel once (compilation), leaving no trace in the state.
+    # Warm up every kernel once (compilation: the table's and the mirror's), leaving no trace in the state.
     from tpool.graphs import preserved
     with preserved(table):
-        table.extend(t32([0]), t32([page_size + 1]), max_tokens=page_size + 1)
-        table.step(t32([0]), t32([1]))
-        table.release(t32([0]))
+        warm = HostMirror(table, lookahead=LOOKAHEAD, free=num_pages, cached=0)
+        rows = warm.admit([1], [page_size + 2])
+        warm.preemption(rows, [0])
+        warm.decode(rows)
+        warm.finish(rows)
     mirror = HostMirror(table, lookahead=LOOKAHEAD, free=num_pages, cached=0)  # a fresh pool: nothing to read
 
     out(f"tpool demo: {requests} requests, up to {batch} running, {pool!r}", flush=True)
