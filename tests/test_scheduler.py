@@ -247,6 +247,21 @@ def test_rollback_assumes_every_draft_was_accepted(backend):
     assert pool.available() == 0 and pool.stats()["requests.failed"] == 0
 
 
+def test_a_snapshot_counts_once_and_older_ones_change_nothing(backend):
+    pool, table, m = _setup(backend, num_pages=20, rows=4)
+    with no_host_sync():
+        a = m.admit([8])
+        b = m.fork(a[0], 8)                       # shares 2 pages
+        m.finish([a[0]])                          # credits nothing: they may be shared (b holds them)
+        old = m.snapshot()
+        m.finish([b])                             # now they come back on the device, not in the mirror
+        new = m.snapshot()
+        m.reconcile(new)
+        m.reconcile(new)                          # again: no double count
+        m.reconcile(old)                          # older: its truth is already in
+    assert m.free == pool.available() == 20 and m.exact
+
+
 def test_reconcile_raises_when_the_contract_is_broken(backend):
     pool, table, m = _setup(backend, num_pages=20, rows=2)
     with no_host_sync():

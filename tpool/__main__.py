@@ -5,7 +5,7 @@ import sys
 USAGE = """usage: python -m tpool COMMAND [options]
 
 commands:
-  demo     run the demo (batched alloc/free on a pool, with a table)
+  demo     a decode loop scheduled on a host mirror of the pool, no device read per step (demo --help)
   report   print the memory report: references, caching allocator, driver (--json)
 """
 

@@ -46,6 +46,7 @@ class Accounting:
         self._full = None                 # rows bytes of a batch whose every row holds its full reservation
         self._scratch = np.zeros(R, dtype=np.int64)
         self._acct = np.zeros(5, dtype=np.int64)  # decode_accounting's results
+        self._reconciled_at, self._reconciled = -1, None  # the last snapshot reconciled, and its op number
 
     # ----------------------------------------------------------- queries (host only)
     @property

@@ -217,8 +217,9 @@ class HostMirror(Accounting):
         table's ``fork`` returns the pair). ``n_tokens`` must be within ``src``'s sure length.
         """
         ps, m = self.page_size, self.capacity if max_len is None else max_len
-        if not self.live[src] or not 0 <= n_tokens <= self.lo[src] or not n_tokens <= m <= self.capacity:
-            raise ValueError(f"fork: expected running src and 0 <= n_tokens <= {int(self.lo[src])} <= max_len, got "
+        if not (0 <= src < self.live.size and self.live[src] and 0 <= n_tokens <= self.lo[src]
+                and n_tokens <= m <= self.capacity):
+            raise ValueError(f"fork: expected a running src and 0 <= n_tokens <= its sure length <= max_len, got "
                              f"src={src}, n_tokens={n_tokens}, max_len={max_len}")
         cow = int(n_tokens % ps != 0)
         if cow + int(self._target_new(n_tokens, m)) > self.unreserved:

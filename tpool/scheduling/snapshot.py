@@ -13,7 +13,8 @@ it brings back:
 * per request: its true length, which settles a device-decided ``rollback``.
 
 ``reconcile`` sets each number to ``truth at the snapshot + what the mirror
-itself changed since`` (the changes since are bounds of the same kind, so the
+itself changed since`` (a snapshot older than the last one reconciled, or that
+same one again, changes nothing: apply them in any order, each once or more) (the changes since are bounds of the same kind, so the
 result is still a safe bound, and exact when nothing inexact was asked since).
 It does not learn which pages are shared (that would take the reference
 counts): a request's possibly-shared prefix stays as it was, so its release
@@ -62,6 +63,10 @@ class MirrorSnapshot:
 def reconcile(m, snap: MirrorSnapshot) -> dict:
     """Correct mirror ``m`` from ``snap`` (see the module note); returns the snapshot's stats."""
     counters, lens = snap._get()
+    if snap.seq < m._reconciled_at or snap is m._reconciled:
+        # Older than (or the same as) the last snapshot reconciled: its truth is in the mirror already.
+        return stats_from_counters(snap.num_pages, counters)
+    m._reconciled_at, m._reconciled = snap.seq, snap
     true_free, true_cached = counters[L.FREE_COUNT], counters[L.CACHED_COUNT]
     if true_free < snap.free or true_cached < snap.cached:
         raise MirrorError(f"the mirror promised {snap.free} free and {snap.cached} cached pages, the device had "
