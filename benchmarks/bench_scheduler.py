@@ -22,8 +22,9 @@ every admission and every step (one host read each). On a CPU that read is
 cheap; on a GPU each one waits for the queue to drain, which is what the mirror
 removes. Reported: host µs per step (median, p20, p80; the step's kernels
 included on a CPU, since numba runs them inline), the ratio to the baseline,
-admissions per second (timed admission blocks: ``can_admit`` + ``admit``,
-2 prompts), failed extends (``requests.failed`` on the device at the end: must
+device reads per step (blocking reads of ``ok``; the mirror's
+snapshots do not wait and are not counted), admissions per second (timed
+admission blocks: ``can_admit`` + ``admit``, 2 prompts), failed extends (``requests.failed`` on the device at the end: must
 be 0), and the gap over time (``--plot PATH`` draws it with matplotlib, if
 installed).
 
@@ -108,7 +109,7 @@ def run_mirror(args, scenario, device, rng, progress):
             progress(f"  {scenario}: step {step}/{args.warmup + args.steps}")
     s = pool.stats()
     pool.check()
-    return dict(step_us=step_us, admit_us=admit_us, gaps=gaps, failed=s["requests.failed"], forked=forked,
+    return dict(step_us=step_us, admit_us=admit_us, gaps=gaps, failed=s["requests.failed"], reads=0, forked=forked,
                 evictions=evicted, cached=s["pages.cached.current"])
 
 
@@ -152,7 +153,8 @@ def run_read_ok(args, device, rng, progress):
         if step % 500 == 0:
             progress(f"  read-ok: step {step}/{args.warmup + args.steps}")
     pool.check()
-    return dict(step_us=step_us, admit_us=admit_us, gaps=[], failed=failed)
+    reads = args.warmup + args.steps + len(range(0, args.warmup + args.steps, args.every))
+    return dict(step_us=step_us, admit_us=admit_us, gaps=[], failed=failed, reads=reads)
 
 
 def plot(path, results):
@@ -215,14 +217,16 @@ def main(argv=None):
         gaps = [g for _, g in r["gaps"]]
         gap = f"{statistics.median(gaps):.0f} / {max(gaps)}" if gaps else "-"
         rows.append([name, f"{med:.1f}", f"{p20:.1f}", f"{p80:.1f}", f"{med / base:.2f}",
+                     f"{r['reads'] / (args.warmup + args.steps):.3f}",
                      f"{args.turnover / amed * 1e6:,.0f}", r["failed"], gap])
         out.append(dict(name=name, step_us_median=med, step_us_p20=p20, step_us_p80=p80, ratio_to_read_ok=med / base,
                         admissions_per_s=args.turnover / amed * 1e6, failed_extends=r["failed"],
+                        device_reads=r["reads"],
                         gap=r["gaps"], **{k: r[k] for k in ("forked", "evictions", "cached") if k in r}))
     print_table(f"churn: {args.requests} running, prompts {PROMPTS[0]}-{PROMPTS[1]} tokens, pages of {PAGE_SIZE}, "
                 f"{args.turnover} out / {args.turnover} in every {args.every} steps, {args.steps} steps, "
                 f"{args.backend} on {device}",
-                ["scheduler", "median us", "p20", "p80", "x read-ok", "admissions/s", "failed extends",
+                ["scheduler", "median us", "p20", "p80", "x read-ok", "device reads/step", "admissions/s", "failed extends",
                  "gap median / max"], rows)
     if args.plot:
         plot(args.plot, results)
