@@ -5,9 +5,9 @@ Note: the hot-path calls (``alloc``, ``free``, ``incref``, ``touch``,
 kernel pass, and return without reading device memory on the host. Whether a
 request succeeded is device data (``ok``); misuse is counted on the device.
 The host learns results only at the sync points ``available()``, ``stats()``,
-``check()`` and ``check_invariants()``, or without a stall from ``stats_async()``. The device clock advances by one per
-hot-path call (a call's LRU stamps all carry the same value; eviction breaks
-ties by page id).
+``check()`` and ``check_invariants()``, or without a stall from
+``stats_async()``. The device clock advances by one per hot-path call (a
+call's LRU stamps all carry the same value; eviction breaks ties by page id).
 """
 
 from typing import NamedTuple
