@@ -24,8 +24,8 @@ removes. Reported: host µs per step (median, p20, p80; the step's kernels
 included on a CPU, since numba runs them inline), the ratio to the baseline,
 device reads per step (blocking reads of ``ok``; the mirror's
 snapshots do not wait and are not counted), admissions per second (timed
-admission blocks: ``can_admit`` + ``admit``, 2 prompts), failed extends (``requests.failed`` on the device at the end: must
-be 0), and the gap over time (``--plot PATH`` draws it with matplotlib, if
+admission blocks: ``can_admit`` + ``admit``, 2 prompts), failed extends
+(``requests.failed`` on the device at the end: must be 0), and the gap over time (``--plot PATH`` draws it with matplotlib, if
 installed).
 
     python benchmarks/bench_scheduler.py [--steps 4000] [--plot gap.png] [--json out.json]
@@ -182,7 +182,8 @@ def plot(path, results):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Each option's default is in its help text.")
     ap.add_argument("--steps", type=int, default=4000, help="timed steps per scheduler (default 4000)")
     ap.add_argument("--warmup", type=int, default=64, help="untimed steps first, for compilation (default 64)")
@@ -226,8 +227,8 @@ def main(argv=None):
     print_table(f"churn: {args.requests} running, prompts {PROMPTS[0]}-{PROMPTS[1]} tokens, pages of {PAGE_SIZE}, "
                 f"{args.turnover} out / {args.turnover} in every {args.every} steps, {args.steps} steps, "
                 f"{args.backend} on {device}",
-                ["scheduler", "median us", "p20", "p80", "x read-ok", "device reads/step", "admissions/s", "failed extends",
-                 "gap median / max"], rows)
+                ["scheduler", "median us", "p20", "p80", "x read-ok", "device reads/step", "admissions/s",
+                 "failed extends", "gap median / max"], rows)
     if args.plot:
         plot(args.plot, results)
     write_json(args.json, "bench_scheduler", out)

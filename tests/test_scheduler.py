@@ -320,7 +320,8 @@ def test_count_host_reads_counts_each_read_once_and_sees_snapshots():
         t[t > 1]
         pool.stats_async().get()
     assert [w for w, _ in seen.reads] == ["Tensor.tolist()", seen.reads[1][0], seen.reads[2][0]]
-    assert len(seen.snapshot_reads) == 1 and seen.reads[0][1][0][1] == "test_count_host_reads_counts_each_read_once_and_sees_snapshots"
+    assert len(seen.snapshot_reads) == 1
+    assert seen.reads[0][1][0][1] == "test_count_host_reads_counts_each_read_once_and_sees_snapshots"
     with pytest.raises(HostSyncError):
         with no_host_sync():
             t.tolist()

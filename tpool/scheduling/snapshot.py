@@ -13,9 +13,10 @@ it brings back:
 * per request: its true length, which settles a device-decided ``rollback``.
 
 ``reconcile`` sets each number to ``truth at the snapshot + what the mirror
-itself changed since`` (a snapshot older than the last one reconciled, or that
-same one again, changes nothing: apply them in any order, each once or more) (the changes since are bounds of the same kind, so the
+itself changed since`` (the changes since are bounds of the same kind, so the
 result is still a safe bound, and exact when nothing inexact was asked since).
+A snapshot older than the last one reconciled, or that same one again,
+changes nothing: snapshots may be applied in any order, any number of times.
 It does not learn which pages are shared (that would take the reference
 counts): a request's possibly-shared prefix stays as it was, so its release
 keeps under-crediting until the next reconciliation. A truth below the
@@ -43,7 +44,8 @@ class MirrorSnapshot:
     def __init__(self, mirror):
         self._read = AsyncRead([mirror.pool.state.counters, mirror.table.seq_lens])
         self.num_pages = mirror.pool.num_pages
-        self.seq, self.free, self.cached, self.cached_flow = mirror._seq, mirror.free, mirror.cached, mirror._cached_flow
+        self.seq, self.free, self.cached = mirror._seq, mirror.free, mirror.cached
+        self.cached_flow = mirror._cached_flow
         self.gen, self.live = mirror.gen.copy(), mirror.live.copy()
         self.lo, self.hi = mirror.lo.copy(), mirror.hi.copy()
         self._values = None
