@@ -215,6 +215,21 @@ def test_reservations_cover_lookahead_steps(backend):
     assert pool.available() == m.free == 1 and pool.stats()["requests.failed"] == 0
 
 
+def test_reserve_and_unreserve_hold_pages_back_from_admission(backend):
+    pool, table, m = _setup(backend, num_pages=10, rows=4, lookahead=0)
+    with no_host_sync():
+        (row,) = m.admit([4])                     # 1 page, nothing reserved (lookahead 0)
+        assert m.reserve(row, 12) == 3 and m.unreserved == 6    # tokens 5..16: 3 pages
+        assert m.can_admit([24]) == 1 and m.can_admit([28]) == 0
+        assert m.reserve(row, 100) == 9 and m.unreserved == 0   # all that is left
+        for _ in range(12):
+            m.decode([row])                       # 16 tokens, paid from the reservation
+        assert m.res[row] == 6 and m.free == 6
+        m.unreserve(row)
+        assert m.reserved == 0 and m.can_admit([24]) == 1
+    assert pool.available() == m.free == 6
+
+
 def test_rollback_is_worst_case_until_reconciled(backend):
     pool, table, m = _setup(backend, num_pages=20, rows=2, lookahead=0)
     with no_host_sync():
@@ -347,6 +362,7 @@ def test_bench_scheduler_runs_without_failed_extends(tmp_path, capsys):
     assert min(gaps) >= 0 and max(gaps) > 0 and rows["mirror-shared"]["forked"] > 0
 
 
+@pytest.mark.gpu
 @requires_cuda
 def test_gpu_decode_loop_with_stats_async_every_step_never_syncs():
     pool = tpool.PagePool(4096, 16, device="cuda")
