@@ -238,9 +238,14 @@ class HostMirror(Accounting):
         """A new request on cached pages (a prefix-cache hit): ``incref`` them into a fresh row.
 
         pages : torch.Tensor  shape ``[ceil(n_tokens / page_size)]``, int32, on the table's
-            device: pages the caller knows are CACHED or USED (not evicted since it kept
-            them). They are revived (``pool.incref``) and written into the row by hand
-            (``table.invalidate_csr()`` follows). The mirror counts them as possibly shared.
+            device. They are revived (``pool.incref``) and written into the row by hand
+            (``table.invalidate_csr()`` follows); the mirror counts them as possibly shared.
+
+        The caller's contract (``reconcile`` raises ``MirrorError`` if it was broken): every
+        page is CACHED (released with ``cache=True`` and not evicted since: the pool hands
+        out only FREE pages, so a CACHED page keeps its content), or USED only by requests
+        that themselves came from ``revive`` or ``fork`` of it. A page that a running
+        request holds alone must not be revived: that request's release would credit it.
         """
         ps, m = self.page_size, self.capacity if max_len is None else max_len
         k = _cdiv(n_tokens, ps)
