@@ -371,19 +371,24 @@ def test_gpu_decode_loop_with_stats_async_every_step_never_syncs():
     rows = m.admit([100] * 32)
     m.decode(rows)                                        # compile outside the check
     torch.cuda.synchronize()
-    handles = []
+    handles, stats, seen = [], [], 0
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(200):
             m.decode(rows)
-            handles.append(m.snapshot())
+            stats.append(pool.stats_async())          # the pool's counters, every step
+            handles.append(m.snapshot())              # the mirror's reconciliation, every step
             if handles[0].ready():
                 m.reconcile(handles.pop(0))
+            if stats[0].ready():
+                seen = max(seen, stats.pop(0).get()["clock"])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     for h in handles:
         m.reconcile(h)
+    last = stats[-1].get() if stats else pool.stats()
+    assert last == pool.stats() and last["clock"] >= seen
     assert m.free == pool.available() and m.exact
     assert pool.stats()["requests.failed"] == 0
 
