@@ -135,7 +135,7 @@ def _check(sim, *, reconciled=False):
     lens = sim.table.seq_lens.tolist()
     for r in m.running():
         assert m.lo[r] <= lens[r] <= m.hi[r]
-        if reconciled and m.uncertain_at[r] < 0:
+        if reconciled:                             # nothing asked since the snapshot: every length settled
             assert m.lo[r] == m.hi[r] == lens[r]
     pool.check()
 
