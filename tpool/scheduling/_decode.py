@@ -32,14 +32,14 @@ def decode_accounting(st, rows, n, n_scalar, ps, lookahead, unreserved, out):
     taken = used = 0
     uncertain = 0
     for i in range(B):
-        s = st[rows[i]]
+        q = rows[i]
         k = n[i] if per_row else n_scalar
-        lo, hi = s[LO], s[HI]
-        if hi + k > s[LIMIT]:
+        lo, hi, res = st[q, LO], st[q, HI], st[q, RES]
+        if hi + k > st[q, LIMIT]:
             return PAST_MAX_LEN
         need = min((hi + k + ps - 1) // ps - (lo + ps - 1) // ps, (k + ps - 1) // ps)
         taken += need
-        used += min(need, s[RES])
+        used += min(need, res)
         if lo != hi:
             uncertain = 1
     if taken - used > unreserved:
@@ -48,12 +48,14 @@ def decode_accounting(st, rows, n, n_scalar, ps, lookahead, unreserved, out):
     granted = 0
     full = 1
     for i in range(B):
-        s = st[rows[i]]
+        q = rows[i]
         k = n[i] if per_row else n_scalar
-        lo, hi = s[LO] + k, s[HI] + k
-        need = min((hi + ps - 1) // ps - (s[LO] + ps - 1) // ps, (k + ps - 1) // ps)
-        res = s[RES] - min(need, s[RES])
-        ahead = min(s[LIMIT] - hi, lookahead)
+        lo0, hi = st[q, LO], st[q, HI] + k
+        lo = lo0 + k
+        need = min((hi + ps - 1) // ps - (lo0 + ps - 1) // ps, (k + ps - 1) // ps)
+        res = st[q, RES]
+        res -= min(need, res)
+        ahead = min(st[q, LIMIT] - hi, lookahead)
         target = min((hi + ahead + ps - 1) // ps - (lo + ps - 1) // ps, (ahead + ps - 1) // ps)
         want = max(target - res, 0)
         got = min(want, room)
@@ -61,7 +63,7 @@ def decode_accounting(st, rows, n, n_scalar, ps, lookahead, unreserved, out):
             full = 0
         room -= got
         granted += got
-        s[LO], s[HI], s[RES] = lo, hi, res + got
+        st[q, LO], st[q, HI], st[q, RES] = lo, hi, res + got
     out[0], out[1], out[2], out[3], out[4] = taken, used, granted, full, uncertain
     return FITS
 
