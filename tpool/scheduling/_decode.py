@@ -14,6 +14,12 @@ LO, HI, LIMIT, SHARED, RES = 0, 1, 2, 3, 4
 FITS, PAST_MAX_LEN, NO_ROOM = 0, 1, 2
 
 
+@numba.njit(inline="always")
+def _cdiv(a, ps, shift):
+    """ceil(a / ps) for a >= 0; a shift when ``ps`` is a power of two (``shift >= 0``)."""
+    return (a + ps - 1) >> shift if shift >= 0 else (a + ps - 1) // ps
+
+
 @numba.njit(cache=False, nogil=True)
 def decode_accounting(st, rows, n, n_scalar, ps, lookahead, unreserved, out):
     """Account ``n`` more tokens for each row of ``rows`` (int64 ``[B]``) in records ``st``.
@@ -28,6 +34,11 @@ def decode_accounting(st, rows, n, n_scalar, ps, lookahead, unreserved, out):
     1 if some row has ``lo != hi``.
     """
     B = rows.shape[0]
+    shift = -1
+    if ps & (ps - 1) == 0:
+        shift = 0
+        while (1 << shift) < ps:
+            shift += 1
     per_row = n.shape[0] > 0
     taken = used = 0
     uncertain = 0
@@ -37,7 +48,7 @@ def decode_accounting(st, rows, n, n_scalar, ps, lookahead, unreserved, out):
         lo, hi, res = st[q, LO], st[q, HI], st[q, RES]
         if hi + k > st[q, LIMIT]:
             return PAST_MAX_LEN
-        need = min((hi + k + ps - 1) // ps - (lo + ps - 1) // ps, (k + ps - 1) // ps)
+        need = min(_cdiv(hi + k, ps, shift) - _cdiv(lo, ps, shift), _cdiv(k, ps, shift))
         taken += need
         used += min(need, res)
         if lo != hi:
@@ -52,11 +63,11 @@ def decode_accounting(st, rows, n, n_scalar, ps, lookahead, unreserved, out):
         k = n[i] if per_row else n_scalar
         lo0, hi = st[q, LO], st[q, HI] + k
         lo = lo0 + k
-        need = min((hi + ps - 1) // ps - (lo0 + ps - 1) // ps, (k + ps - 1) // ps)
+        need = min(_cdiv(hi, ps, shift) - _cdiv(lo0, ps, shift), _cdiv(k, ps, shift))
         res = st[q, RES]
         res -= min(need, res)
         ahead = min(st[q, LIMIT] - hi, lookahead)
-        target = min((hi + ahead + ps - 1) // ps - (lo + ps - 1) // ps, (ahead + ps - 1) // ps)
+        target = min(_cdiv(hi + ahead, ps, shift) - _cdiv(lo, ps, shift), _cdiv(ahead, ps, shift))
         want = max(target - res, 0)
         got = min(want, room)
         if got < want:
