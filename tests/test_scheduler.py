@@ -29,6 +29,7 @@ class Sim:
 
     def __init__(self, backend, seed, mode):
         self.rng = random.Random(seed)
+        self.gen = torch.Generator().manual_seed(seed)
         self.mode = mode
         self.pool, self.table, self.m = _setup(backend, self.rng.randint(20, 40), lookahead=self.rng.randint(1, 3),
                                                page_size=PS if seed % 2 == 0 else 3)
@@ -40,8 +41,9 @@ class Sim:
 
     def admit(self):
         p = self.rng.randint(0, 30)
-        if self.m.can_admit([p], [p + 12]) == 1:
-            (row,) = self.m.admit([p], [p + 12])
+        m = min(p + 12, self.m.capacity)
+        if self.m.can_admit([p], [m]) == 1:
+            (row,) = self.m.admit([p], [m])
             self.prio[row] = self.arrivals = self.arrivals + 1
 
     def decode(self, n=1):
@@ -78,7 +80,7 @@ class Sim:
         rows = self.decode(d + 1)
         if rows:
             ids = torch.tensor(rows, dtype=torch.int32)
-            accepted = torch.randint(1, d + 2, (len(rows),), dtype=torch.int32)  # decided "on the device"
+            accepted = torch.randint(1, d + 2, (len(rows),), dtype=torch.int32, generator=self.gen)  # "on the device"
             new_lens = self.table.seq_lens[ids.long()] - (d + 1) + accepted
             self.m.rollback(rows, new_lens, [int(self.m.lo[r]) - d for r in rows])
 
@@ -88,7 +90,7 @@ class Sim:
             src = self.rng.choice(rows)
             n = self.rng.randint(0, int(self.m.lo[src]))
             try:
-                row = self.m.fork(src, n, n + 12)
+                row = self.m.fork(src, n, min(n + 12, self.m.capacity))
             except WouldNotFit:
                 return
             self.prio[row] = self.arrivals = self.arrivals + 1
@@ -100,7 +102,7 @@ class Sim:
             i = self.rng.choice(live)
             entry = self.cache[i]
             try:
-                row = self.m.revive(entry[0], entry[1], entry[1] + 12)
+                row = self.m.revive(entry[0], entry[1], min(entry[1] + 12, self.m.capacity))
             except WouldNotFit:
                 return
             del self.cache[i]               # its pages are now this row's
@@ -170,7 +172,8 @@ def _run(backend, seed, mode, steps):
 
 @pytest.mark.parametrize("mode", ["plain", "shared"])
 def test_random_schedules_never_fail_and_never_over_promise(backend, mode):
-    steps, seeds = (60, 2) if backend == "triton" else (250, 6)
+    # numba is fast: many seeds (seed 46 once found a bug the first 6 missed); the others check agreement.
+    steps, seeds = {"triton": (60, 2), "reference": (250, 6)}.get(backend, (250, 60))
     for seed in range(seeds):
         sim = _run(backend, seed, mode, steps)
         assert sim.arrivals > 0

@@ -282,7 +282,7 @@ class HostMirror(Accounting):
             self._cached_flow -= got
         else:   # the device may evict up to k, more than the mirror knew of
             self._cached_flow -= k
-            self._free_inexact_at = self._seq
+            self._free_inexact_at = self._cached_inexact_at = self._seq
         return self.pool.evict(k)
 
     # ------------------------------------------------------ reconciliation
