@@ -17,4 +17,6 @@ python -m pytest -q tests/test_triton_kernels.py tests/test_triton_table.py 2>&1
 python benchmarks/bench_pool.py --device cuda --json "$out/pool.json" 2>&1 | tee "$out/pool.txt"
 python benchmarks/bench_page_table.py --device cuda --json "$out/page_table.json" 2>&1 | tee "$out/page_table.txt"
 python benchmarks/bench_evict.py --device cuda --samples 10 --json "$out/evict.json" 2>&1 | tee "$out/evict.txt"
+python benchmarks/bench_scheduler.py --device cuda --json "$out/scheduler.json" --plot "$out/scheduler.png" 2>&1 \
+    | tee "$out/scheduler.txt"
 exit $status

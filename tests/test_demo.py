@@ -1,9 +1,15 @@
-"""The README's demo command runs to the end: every request finishes, every page comes back."""
+"""The demo: runs to the end, schedules without reading the device, never loops forever, fails cleanly."""
 
 import os
 import re
 import subprocess
 import sys
+
+import pytest
+import torch
+
+from tpool import demo
+from tpool.testing import count_host_reads
 
 
 def test_demo_command_runs_to_completion():
@@ -15,4 +21,62 @@ def test_demo_command_runs_to_completion():
     assert last.endswith("no errors, invariants hold"), last
     allocated, freed = map(int, re.search(r"pages allocated (\d+), freed (\d+)", last).groups())
     assert allocated == freed > 0
-    assert re.search(r"^\s*\d+\s+0\s+0\s+256\s+0\s", proc.stdout, re.M), "the last row: nothing running or waiting"
+    assert "failed extends 0" in last and int(re.search(r"preemptions (\d+)", last).group(1)) > 0
+    assert demo.HEADER in proc.stdout and "columns:" in proc.stdout
+    assert re.search(r"^\s*\d+\s+0\s+0\s+256\s+0\s+0\s+4096\s+4096\s", proc.stdout, re.M), \
+        "the last row: nothing running or waiting, every page free on the device and in the mirror"
+
+
+def _rows(lines):
+    return [line for line in lines if re.match(r"^\s*\d+\s+\d+\s+\d+\s", line)]
+
+
+def test_demo_reads_the_device_only_at_report_rows_and_the_final_check():
+    lines = []
+    with count_host_reads() as seen:
+        demo.run(requests=40, batch=12, num_pages=700, every=10, backend="numba", out=lambda s, **_: lines.append(s))
+    rows = _rows(lines)
+    steps = int(re.search(r"^(\d+) steps", lines[-2].strip()).group(1))
+    assert steps > 100 and len(rows) == (steps - 1) // 10 + 2
+    assert int(re.search(r"preemptions (\d+)", lines[-1]).group(1)) > 0, "the run exercises preemption"
+    functions = lambda stack: {name for _, name in stack}  # noqa: E731
+    # Device reads: only in the final check. Each report row reads one snapshot, nothing else.
+    assert seen.reads and all("_final_check" in functions(stack) for _, stack in seen.reads), \
+        [(what, stack[:3]) for what, stack in seen.reads if "_final_check" not in functions(stack)][:3]
+    assert len(seen.snapshot_reads) == 2 * len(rows)   # one snapshot per row: the counters and the lengths
+    assert all("_report" in functions(stack) for _, stack in seen.snapshot_reads)
+    for row in rows:     # the mirror equals the device's free count at every row
+        cols = row.split()
+        assert cols[6] == cols[7], row
+
+
+def test_a_pool_too_small_rejects_instead_of_looping():
+    lines = []
+    demo.run(num_pages=10, backend="numba", out=lambda s, **_: lines.append(s))
+    text = "\n".join(lines)
+    assert "rejected request 0: it needs" in text and "and 253 more requests rejected" in text
+    assert "nothing to run" in text and lines[-1].endswith("no errors, invariants hold")
+
+
+def test_some_requests_rejected_the_rest_finish():
+    lines = []
+    demo.run(requests=30, batch=8, num_pages=100, backend="numba", out=lambda s, **_: lines.append(s))
+    done, rejected = map(int, re.search(r"requests done (\d+), rejected (\d+)", lines[-1]).groups())
+    assert rejected > 0 and done > 0 and done + rejected == 30
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_cuda_without_cuda_is_a_clean_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--device", "cuda"])
+    assert e.value.code == 2 and "CUDA is not available here" in capsys.readouterr().err
+
+
+def test_help_gives_every_option_a_default(capsys):
+    with pytest.raises(SystemExit):
+        demo.main(["--help"])
+    text = capsys.readouterr().out
+    options = re.findall(r"^\s+(--[a-z-]+)", text, re.M)
+    assert len(options) == 8
+    blocks = re.split(r"\n\s+(?=--[a-z])", text.split("options:")[1])[1:]
+    assert all("default" in b for b in blocks), blocks

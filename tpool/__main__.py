@@ -6,12 +6,12 @@ import sys
 USAGE = """usage: python -m tpool [-h] [--version] COMMAND [options]
 
 commands:
-  demo     simulate an inference server's decode loop on a PageTable: 256 requests
-           (prompt and output lengths from a fixed seed) share up to 64 rows and
-           4,096 pages of 16 tokens; each step admits waiting requests (a prefill
-           extend), decodes one token for the running batch (table.step) and
-           releases finished ones, preempting when the pool runs out. Prints a row
-           of counts and step times every few steps and checks the pool at the end.
+  demo     simulate an inference server's decode loop on a PageTable, scheduled on a
+           host mirror of the pool (tpool.scheduling.HostMirror): 256 requests share
+           up to 64 rows and 4,096 pages of 16 tokens; each step admits, decodes one
+           token for the running batch (table.step) and releases finished requests,
+           preempting before a step that would not fit, with no device read per step.
+           Prints a row every few steps and checks the pool at the end.
            `python -m tpool demo --help` lists its options.
   report   print the memory ledgers of a device: what tpool's caches and pools
            hold, the caching allocator, the driver and the process (--json for

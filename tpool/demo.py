@@ -1,141 +1,205 @@
-"""``python -m tpool demo``: a decode loop on a PageTable, with admissions, finishes and a table.
+"""``python -m tpool demo``: a decode loop scheduled on a host mirror of the pool, never reading the device.
 
-256 requests (prompt and output lengths from a fixed seed) wait in a queue;
-up to ``--batch`` run at once. Each step admits waiting requests into free
-rows (a prefill ``extend``), runs one decode step for the running batch
-(``extend`` by one token + the FlashInfer CSR export) and releases the
-requests that finished. The scheduler knows every length on the host; the
-only device data it reads is the ``ok`` of its admissions, after the timed
-calls, as an engine would at the sync point after its forward pass.
+Requests (prompt and output lengths from a fixed seed) wait in a queue; up to
+``--batch`` run at once. Each step admits waiting requests in arrival order
+while the mirror says their prompts and reservations fit (a prefill
+``extend``), preempts the newest running requests if the mirror says the
+decode step would not fit (released before the step, requeued, recomputed
+later, as vLLM does), decodes one token for the running batch (``step``:
+extend + FlashInfer CSR) and releases the requests that finished. Every
+decision is made on host integers (:class:`tpool.scheduling.HostMirror`):
+no step reads the device. A report row every ``--every`` steps is the
+loop's one sync point (an async snapshot of the counters, read at once); the
+run ends with ``pool.check()`` and ``check_invariants()``. A request that
+could never fit (more pages than the pool or a table row holds) is rejected
+with a message instead of waiting forever.
 """
 
 import argparse
 import random
 import statistics
+import sys
 import time
 
 import torch
 
 from tpool.page_table import PageTable
 from tpool.pool import PagePool
+from tpool.scheduling import HostMirror
+
+ADMIT_PER_STEP = 4   # most requests admitted in one step (one prefill extend)
+LOOKAHEAD = 1        # tokens of growth reserved for every running request
+SHOW_REJECTED = 3    # rejected requests named one by one; the rest are counted
+
+HEADER = (f"{'step':>6} {'running':>7} {'waiting':>7} {'done':>5} {'rejected':>8} {'used':>6} {'free':>6} "
+          f"{'mirror':>6} {'reserved':>8} {'preempted':>9} {'step us':>8} {'progress':>8}")
+LEGEND = """columns: running / waiting / done / rejected = requests; used, free = pages on the device,
+read at this row (the loop's only sync point); mirror = free pages the scheduler counts on the host
+(never read from the device; equal to free here, since nothing is shared or cached); reserved = pages
+held for the next token of every running request; preempted = requests released to make room, total;
+step us = median host time of a scheduler step since the last row (admit + plan + decode + finish,
+no device sync: on CUDA the kernels run behind it); progress = requests done or rejected, of all."""
 
 
 def run(requests=256, batch=64, num_pages=4096, page_size=16, seed=0, device=None, backend="auto",
         every=25, out=print):
+    """Run the demo; returns the pool's final ``stats()``. ``out`` prints a line (``flush=`` accepted)."""
     rng = random.Random(seed)
     prompts = [rng.randint(128, 2048) for _ in range(requests)]
     outputs = [rng.randint(16, 384) for _ in range(requests)]
     max_pages = (max(prompts) + max(outputs)) // page_size + 1
-    pool = PagePool(num_pages, page_size, device=device, backend=backend)
-    table = PageTable(pool, batch, max_pages)
-    dev = pool.device
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    t32 = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
+    pool, table = _build(num_pages, page_size, device, backend, batch, max_pages)
 
-    # Warm up every kernel once (compilation), leaving no trace in the state.
+    # Warm up every kernel once (compilation: the table's and the mirror's), leaving no trace in the state.
     from tpool.graphs import preserved
     with preserved(table):
-        table.extend(t32([0]), t32([page_size + 1]), max_tokens=page_size + 1)
-        table.step(t32([0]), t32([1]))
-        table.release(t32([0]))
+        warm = HostMirror(table, lookahead=LOOKAHEAD, free=num_pages, cached=0)
+        rows = warm.admit([1], [page_size + 2])
+        warm.preemption(rows, [0])
+        warm.decode(rows)
+        warm.finish(rows)
+    mirror = HostMirror(table, lookahead=LOOKAHEAD, free=num_pages, cached=0)  # a fresh pool: nothing to read
 
-    waiting = list(range(requests))
-    row_of, generated, free_rows = {}, {}, list(range(batch - 1, -1, -1))
-    failed_admissions = finished = preempted = step = 0
-    decode_us, admit_us, window = [], [], []
-    out(f"tpool demo: {requests} requests, up to {batch} running, {pool!r}\n", flush=True)
-    out(f"{'step':>5} {'running':>7} {'waiting':>7} {'done':>5} {'pages used':>10} {'failed adm':>10} "
-        f"{'preempted':>9} {'decode us':>9} {'admit us':>8}")
+    out(f"tpool demo: {requests} requests, up to {batch} running, {pool!r}", flush=True)
+    limit = min(num_pages, max_pages) * page_size
+    rejected = [q for q in range(requests) if prompts[q] + outputs[q] > limit]
+    for q in rejected[:SHOW_REJECTED]:
+        out(f"rejected request {q}: it needs {mirror.pages_for(prompts[q] + outputs[q])} pages (prompt {prompts[q]} "
+            f"+ output {outputs[q]} tokens of {page_size}), the pool has {num_pages}")
+    if len(rejected) > SHOW_REJECTED:
+        out(f"... and {len(rejected) - SHOW_REJECTED} more requests rejected for the same reason")
+    if len(rejected) < requests:
+        out(LEGEND + "\n")
+        out(HEADER)
+    waiting = sorted(set(range(requests)) - set(rejected))   # arrival order = priority
+    row_of, req_of, generated = {}, {}, {}
+    finished = preempted = step = 0
+    step_us, window = [], []
     while waiting or row_of:
-        # Admit: up to 4 waiting requests into free rows (prefill extend), if the pages fit.
-        used = sum(-(-(prompts[q] + generated[q]) // page_size) for q in row_of)
-        room = num_pages - used - len(row_of)   # keep one page of growth per running request
-        admit = []
-        for q in waiting[:min(4, len(free_rows))]:
-            need = -(-prompts[q] // page_size)
-            if need + 1 > room:
-                break
-            admit.append(q)
-            room -= need + 1
-        if admit:
-            rows = [free_rows[-1 - i] for i in range(len(admit))]
-            sync()
-            t0 = time.perf_counter()
-            res = table.extend(t32(rows), t32([prompts[q] for q in admit]), max_tokens=sum(prompts[q] for q in admit))
-            sync()
-            admit_us.append((time.perf_counter() - t0) * 1e6)
-            for q, r, ok in zip(admit, rows, res.ok.tolist()):  # a sync point: read the admissions
-                if ok:
-                    waiting.remove(q)
-                    free_rows.remove(r)
-                    row_of[q], generated[q] = r, 0
-                else:
-                    failed_admissions += 1
-        # Decode one token for every running request.
-        running = list(row_of)
-        if running:
-            ids = t32([row_of[q] for q in running])
-            ones = torch.ones(len(running), dtype=torch.int32, device=dev)
-            sync()
-            t0 = time.perf_counter()
-            dec = table.step(ids, ones)     # extend by one token + the batch's FlashInfer CSR
-            sync()
-            decode_us.append((time.perf_counter() - t0) * 1e6)
-            window.append(decode_us[-1])
-            stalled = []
-            for q, ok in zip(running, dec.ok.tolist()):
-                generated[q] += ok
-                if not ok:
-                    stalled.append(q)
-            # Out of pages: preempt the stalled requests (release, back to the queue, recompute
-            # later), as vLLM does, so the others can make progress.
-            if stalled:
-                table.release(t32([row_of[q] for q in stalled]))
-                for q in stalled:
-                    free_rows.append(row_of.pop(q))
-                    waiting.insert(0, q)
-                    generated[q] = 0
-                preempted += len(stalled)
-        # Finish: release requests that produced all their tokens.
-        done = [q for q in row_of if generated[q] >= outputs[q]]
+        t0 = time.perf_counter()
+        # Admit in arrival order while the prompts and their reservations fit.
+        head = waiting[:min(ADMIT_PER_STEP, mirror.rows_free)]
+        k = mirror.can_admit([prompts[q] for q in head], [prompts[q] + outputs[q] for q in head])
+        if k:
+            for q, r in zip(head[:k], mirror.admit([prompts[q] for q in head[:k]],
+                                                   [prompts[q] + outputs[q] for q in head[:k]])):
+                row_of[q], req_of[r], generated[q] = r, q, 0
+            del waiting[:k]
+        # Plan the decode step on the host; preempt the newest requests if it would not fit.
+        running = sorted(row_of)                       # oldest first
+        rows = [row_of[q] for q in running]
+        victims = mirror.preemption(rows, [-q for q in running])
+        if victims:
+            back = [req_of.pop(r) for r in victims]
+            mirror.finish(victims)
+            for q in back:
+                del row_of[q]
+                generated[q] = 0                       # recomputed from the prompt when readmitted
+            waiting = sorted(waiting + back)
+            preempted += len(victims)
+            rows = [r for r in rows if r in req_of]
+        if rows:
+            mirror.decode(rows)                        # every lane fits: the mirror proved it
+            for r in rows:
+                generated[req_of[r]] += 1
+        # Finish the requests that produced all their tokens.
+        done = [r for r in rows if generated[req_of[r]] >= outputs[req_of[r]]]
         if done:
-            table.release(t32([row_of[q] for q in done]))
-            for q in done:
-                free_rows.append(row_of.pop(q))
-                finished += 1
+            mirror.finish(done)
+            for r in done:
+                del row_of[req_of.pop(r)]
+            finished += len(done)
+        window.append((time.perf_counter() - t0) * 1e6)
         if step % every == 0 or not (waiting or row_of):
-            s = pool.stats()
-            med = statistics.median(window) if window else 0.0
-            adm = statistics.median(admit_us[-every:]) if admit_us else 0.0
-            out(f"{step:>5} {len(row_of):>7} {len(waiting):>7} {finished:>5} {s['pages.used.current']:>10} "
-                f"{failed_admissions:>10} {preempted:>9} {med:>9.1f} {adm:>8.1f}", flush=True)
+            _report(out, mirror, step, len(row_of), len(waiting), finished, len(rejected), preempted, window,
+                    (finished + len(rejected)) / requests)
+            step_us += window
             window = []
         step += 1
-    pool.check()
-    table.check_invariants()
-    s = pool.stats()
-    out(f"\n{step} steps; decode step median {statistics.median(decode_us):.1f} us "
-        f"(p20 {statistics.quantiles(decode_us, n=10)[1]:.1f}, p80 {statistics.quantiles(decode_us, n=10)[7]:.1f}); "
-        f"admission median {statistics.median(admit_us):.1f} us")
+    s = _final_check(pool, table, mirror)
+    if step == 0:
+        out("\nno request fits this pool: nothing to run (raise --num-pages or lower --page-size)")
+    else:
+        q = statistics.quantiles(step_us, n=10) if len(step_us) > 1 else step_us * 9
+        out(f"\n{step} steps; scheduler step median {statistics.median(step_us):.1f} us "
+            f"(p20 {q[1]:.1f}, p80 {q[7]:.1f}), no device read inside a step")
     out(f"pages allocated {s['pages.allocated']}, freed {s['pages.freed']}, peak in use {s['pages.used.peak']} "
-        f"of {num_pages}; failed admissions {failed_admissions}, preemptions {preempted} (requeued, recomputed); "
-        f"no errors, invariants hold")
+        f"of {num_pages}; requests done {finished}, rejected {len(rejected)}, preemptions {preempted} "
+        f"(requeued, recomputed); failed extends {s['requests.failed']}; no errors, invariants hold")
     return s
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m tpool demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--num-pages", type=int, default=4096)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--every", type=int, default=25, help="print a row every N steps")
-    a = ap.parse_args(argv)
-    run(a.requests, a.batch, a.num_pages, a.page_size, a.seed, a.device, a.backend, a.every)
+def _report(out, mirror, step, running, waiting, done, rejected, preempted, window, progress):
+    """One report row: the loop's sync point (the snapshot is read at once), which also reconciles."""
+    s = mirror.reconcile(mirror.snapshot())
+    med = statistics.median(window) if window else 0.0
+    out(f"{step:>6} {running:>7} {waiting:>7} {done:>5} {rejected:>8} {s['pages.used.current']:>6} "
+        f"{s['pages.free.current']:>6} {mirror.free:>6} {mirror.reserved:>8} {preempted:>9} {med:>8.1f} "
+        f"{progress:>8.0%}", flush=True)
 
+
+def _final_check(pool, table, mirror):
+    """The end of the run: device errors, invariants, and the mirror against the device."""
+    pool.check()
+    table.check_invariants()
+    s = pool.stats()
+    if mirror.free != s["pages.free.current"] or s["requests.failed"]:
+        raise AssertionError(f"mirror {mirror.free} free pages, device {s['pages.free.current']}; "
+                             f"failed extends {s['requests.failed']}")
+    return s
+
+
+def _positive(text):
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text}")
+    return v
+
+
+class OptionError(ValueError):
+    """The options describe a pool or table that cannot be made (the message says why)."""
+
+
+def _build(num_pages, page_size, device, backend, batch, max_pages):
+    try:
+        pool = PagePool(num_pages, page_size, device=device, backend=backend)
+        return pool, PageTable(pool, batch, max_pages)
+    except ValueError as e:
+        raise OptionError(str(e)) from e
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(
+        prog="python -m tpool demo",
+        description="A decode loop scheduled on a host mirror of the pool: admissions, preemptions, decode steps "
+                    "and finishes decided on host integers, never reading the device inside a step.")
+    ap.add_argument("--requests", type=_positive, default=256, help="requests in the queue (default 256)")
+    ap.add_argument("--batch", type=_positive, default=64, help="most requests running at once, the table's rows "
+                    "(default 64)")
+    ap.add_argument("--num-pages", type=_positive, default=4096, help="pages in the pool (default 4096)")
+    ap.add_argument("--page-size", type=_positive, default=16, help="tokens per page (default 16)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the prompt (128-2048) and output (16-384) "
+                    "lengths (default 0)")
+    ap.add_argument("--device", default=None, help="torch device of the pool, e.g. cpu, cuda, cuda:1 "
+                    "(default: cuda if available, else cpu)")
+    ap.add_argument("--backend", default="auto", choices=["auto", "reference", "numba", "triton"],
+                    help="kernels (default auto: triton on CUDA, numba on a CPU)")
+    ap.add_argument("--every", type=_positive, default=25, help="print a report row every N steps (default 25)")
+    a = ap.parse_args(argv)
+    if a.device is not None:
+        try:
+            dev = torch.device(a.device)
+        except RuntimeError as e:
+            ap.error(f"--device {a.device}: {e}")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            ap.error(f"--device {a.device}: CUDA is not available here (torch {torch.__version__}, "
+                     f"torch.cuda.is_available() is False); use --device cpu")
+    try:
+        run(a.requests, a.batch, a.num_pages, a.page_size, a.seed, a.device, a.backend, a.every)
+    except BrokenPipeError:       # `python -m tpool demo | head`
+        sys.stderr.close()
+    except OptionError as e:
+        ap.error(str(e))
 
 if __name__ == "__main__":
     main()

@@ -5,9 +5,9 @@ Note: the hot-path calls (``alloc``, ``free``, ``incref``, ``touch``,
 kernel pass, and return without reading device memory on the host. Whether a
 request succeeded is device data (``ok``); misuse is counted on the device.
 The host learns results only at the sync points ``available()``, ``stats()``,
-``check()`` and ``check_invariants()``. The device clock advances by one per
-hot-path call (a call's LRU stamps all carry the same value; eviction breaks
-ties by page id).
+``check()`` and ``check_invariants()``, or without a stall from
+``stats_async()``. The device clock advances by one per hot-path call (a
+call's LRU stamps all carry the same value; eviction breaks ties by page id).
 """
 
 from typing import NamedTuple
@@ -22,6 +22,7 @@ from tpool.errors import InvariantViolation, raise_for_errors
 from tpool.free_group import FreeGroup
 from tpool.kernels import layout as L
 from tpool.state import INT32_MAX, PoolState
+from tpool.stats_async import StatsHandle, stats_from_counters
 
 DEFAULT_MAX_BATCH = 4096        # requests per alloc call
 DEFAULT_MAX_ALLOC_PAGES = 4096  # pages per alloc call without an out= buffer
@@ -336,25 +337,17 @@ class PagePool:
             ``pages.{allocated,freed,evicted,revived}`` (totals), ``requests.failed``, ``clock``
             and ``errors.<kind>`` for every error kind, all ints.
         """
-        c = self._read_counters()
-        used = self.num_pages - c[L.FREE_COUNT] - c[L.CACHED_COUNT]
-        s = {
-            "pages.total": self.num_pages,
-            "pages.free.current": c[L.FREE_COUNT],
-            "pages.used.current": used,
-            "pages.used.peak": c[L.USED_PEAK],
-            "pages.cached.current": c[L.CACHED_COUNT],
-            "pages.cached.peak": c[L.CACHED_PEAK],
-            "pages.allocated": c[L.ALLOCATED],
-            "pages.freed": c[L.FREED],
-            "pages.evicted": c[L.EVICTED],
-            "pages.revived": c[L.REVIVED],
-            "requests.failed": c[L.FAILED_REQUESTS],
-            "clock": c[L.CLOCK],
-        }
-        for slot, name in L.ERROR_NAMES.items():
-            s[f"errors.{name}"] = c[slot]
-        return s
+        return stats_from_counters(self.num_pages, self._read_counters())
+
+    def stats_async(self) -> StatsHandle:
+        """Start a non-blocking copy of the counters; the handle's ``get()`` is :meth:`stats` as of now.
+
+        Not a sync point: on CUDA the counters go to pinned host memory with a recorded
+        event (``handle.ready()`` asks it without waiting); on a CPU the copy is done
+        at once. ``get()`` waits only if called before ``ready()``. See
+        :mod:`tpool.stats_async`.
+        """
+        return StatsHandle(self)
 
     def check(self) -> None:
         """Raise the :class:`tpool.PoolError` subclass for errors counted since the last check.

@@ -12,16 +12,21 @@ host wait for the device raises :class:`HostSyncError`:
 * methods that read memory without dispatch, patched for the duration:
   ``Tensor.tolist``, ``Tensor.numpy``, ``Tensor.cpu``, ``Tensor.item``.
 
-Wrap every hot-path call in it; read results after the block. Under
+Wrap every hot-path call in it; read results after the block.
+``count_host_reads()`` is the same guard counting reads instead of raising
+(to check that a whole loop reads the device only at its sync points). Under
 ``TRITON_INTERPRET=1`` the interpreter stands in for the GPU and copies
 kernel arguments to numpy around each launch; those copies are the simulated
 device's, not the host's, so the guard is suspended inside a launch.
 """
 
 import contextlib
+import traceback
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from tpool.stats_async import HOST_SNAPSHOT_ATTR
 
 aten = torch.ops.aten
 
@@ -51,25 +56,42 @@ def _has_bool_index(args) -> bool:
 _in_device = [0]  # depth of simulated (interpreted) kernel launches
 
 
+def _raise(what):
+    raise HostSyncError(f"host sync on the hot path: {what}")
+
+
 class _Guard(TorchDispatchMode):
+    def __init__(self, report=_raise):
+        super().__init__()
+        self.report = report
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if _in_device[0]:
             return func(*args, **(kwargs or {}))
         packet = func.overloadpacket
         if packet in _BANNED:
-            raise HostSyncError(f"host sync on the hot path: {_BANNED[packet]} ({func})")
-        if packet is aten.repeat_interleave and (kwargs or {}).get("output_size") is None:
-            raise HostSyncError(f"host sync on the hot path: repeat_interleave without output_size ({func})")
-        if packet in _MASK_INDEX and _has_bool_index(args):
-            raise HostSyncError(f"host sync on the hot path: boolean-mask indexing ({func})")
+            self.report(f"{_BANNED[packet]} ({func})")
+        elif packet is aten.repeat_interleave and (kwargs or {}).get("output_size") is None:
+            self.report(f"repeat_interleave without output_size ({func})")
+        elif packet in _MASK_INDEX and _has_bool_index(args):
+            self.report(f"boolean-mask indexing ({func})")
         return func(*args, **(kwargs or {}))
 
 
-def _refuse(name, original):
+def _refuse(name, original, report=_raise, on_snapshot=None):
     def method(self, *args, **kwargs):
         if _in_device[0]:
             return original(self, *args, **kwargs)
-        raise HostSyncError(f"host sync on the hot path: Tensor.{name}()")
+        if getattr(self, HOST_SNAPSHOT_ATTR, False):  # host memory an AsyncRead filled: no device read
+            if on_snapshot is not None:
+                on_snapshot(f"Tensor.{name}() of a host snapshot")
+        else:
+            report(f"Tensor.{name}()")
+        _in_device[0] += 1  # the read itself (reached only when counting): its inner ops are not new reads
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _in_device[0] -= 1
     return method
 
 
@@ -94,13 +116,35 @@ def _device_region(call):
 
 
 @contextlib.contextmanager
+def _guarded(report=_raise, on_snapshot=None):
+    names = ("tolist", "numpy", "cpu", "item")
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+    executor = _interpreter_executor()
+    launch = executor.__call__ if executor is not None else None
+    try:
+        for name in names:
+            setattr(torch.Tensor, name, _refuse(name, saved[name], report, on_snapshot))
+        if executor is not None:
+            executor.__call__ = _device_region(launch)
+        with _Guard(report):
+            yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+        if executor is not None:
+            executor.__call__ = launch
+
+
+@contextlib.contextmanager
 def no_host_sync():
     """Raise :class:`HostSyncError` on any host read of tensor data inside the block.
 
     Patches ``Tensor.tolist``, ``numpy``, ``cpu`` and ``item`` and enters a
     dispatch mode for the ops of the module note; both are undone at exit,
     also when the block raises. The method patches are process-wide: another
-    thread calling them meanwhile raises too.
+    thread calling them meanwhile raises too. Reading a host snapshot that
+    :class:`tpool.stats_async.AsyncRead` filled (what ``PagePool.stats_async().get()``
+    does) is a read of host memory and is allowed.
 
     Yields
     ------
@@ -125,19 +169,41 @@ def no_host_sync():
     ...
     tpool.testing.HostSyncError: host sync on the hot path: Tensor.item()
     """
-    names = ("tolist", "numpy", "cpu", "item")
-    saved = {name: getattr(torch.Tensor, name) for name in names}
-    executor = _interpreter_executor()
-    launch = executor.__call__ if executor is not None else None
-    try:
-        for name in names:
-            setattr(torch.Tensor, name, _refuse(name, saved[name]))
-        if executor is not None:
-            executor.__call__ = _device_region(launch)
-        with _Guard():
-            yield
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
-        if executor is not None:
-            executor.__call__ = launch
+    with _guarded():
+        yield
+
+
+class HostReads:
+    """What :func:`count_host_reads` saw: ``reads`` (device reads) and ``snapshot_reads``, each a
+    list of ``(what, stack)``; ``stack`` names the ``(file, function)`` frames outside torch and
+    this module, innermost first, so a test can say which call made each read."""
+
+    def __init__(self):
+        self.reads, self.snapshot_reads = [], []
+
+    @staticmethod
+    def _stack():
+        return [(f.filename, f.name) for f in reversed(traceback.extract_stack())
+                if "/torch/" not in f.filename and not f.filename.endswith("testing.py")]
+
+    def add(self, what):
+        self.reads.append((what, self._stack()))
+
+    def add_snapshot(self, what):
+        self.snapshot_reads.append((what, self._stack()))
+
+
+@contextlib.contextmanager
+def count_host_reads():
+    """Like :func:`no_host_sync`, but count the reads (a :class:`HostReads`) instead of raising.
+
+    Every construct that ``no_host_sync`` refuses counts once (``t.tolist()`` is one read,
+    not one per element) and then runs. Example::
+
+        with count_host_reads() as seen:
+            run_the_loop()
+        assert len(seen.reads) == expected_sync_points
+    """
+    seen = HostReads()
+    with _guarded(seen.add, seen.add_snapshot):
+        yield seen

@@ -1,0 +1,229 @@
+"""The host integers behind a HostMirror: per-request length bounds, reservations, and the
+queries a scheduler asks of them (admission, pages needed, preemption). No table calls here:
+:class:`tpool.scheduling.HostMirror` makes those and updates these numbers in the same place.
+See :mod:`tpool.scheduling.mirror` for what the numbers promise.
+"""
+
+import numpy as np
+
+
+class WouldNotFit(ValueError):
+    """The mirror cannot prove the call fits the pool (or the table); nothing was done."""
+
+
+def _cdiv(a, ps):
+    return (a + (ps - 1)) // ps
+
+
+class Accounting:
+    """Host state of a mirror over ``R`` table rows of at most ``capacity`` tokens each.
+
+    ``free``/``cached``: lower bounds on the pool's FREE/CACHED pages; ``reserved``: pages set
+    aside from ``free``; per row ``lo <= length <= hi``, ``limit`` (max_len), ``shared``
+    (leading pages possibly held by another request too), ``res`` (pages reserved).
+    """
+
+    def __init__(self, R, page_size, lookahead, capacity, free, cached):
+        self.page_size, self.lookahead, self.capacity = page_size, lookahead, capacity
+        self.free, self.cached, self.reserved = int(free), int(cached), 0
+        # Sum of the bounds on every change of the CACHED count (never floored at 0, unlike
+        # ``cached``): what reconciliation adds to the truth at a snapshot.
+        self._cached_flow = 0
+        # Per row, one int64 record (a decode gathers and scatters the batch's records once):
+        # lo, hi (length bounds), limit (max_len), shared (leading pages possibly shared),
+        # res (pages reserved), gen (bumped when the row's request ends).
+        self._st = np.zeros((R, 6), dtype=np.int64)
+        self.lo, self.hi, self.limit, self.shared, self.res, self.gen = (self._st[:, i] for i in range(6))
+        self.live = np.zeros(R, dtype=bool)
+        self.uncertain_at = np.full(R, -1, dtype=np.int64)  # op number of the row's last rollback
+        self.exact_at = np.full(R, -1, dtype=np.int64)      # ... of the last call that set its length outright
+        self._free_rows = list(range(R - 1, -1, -1))
+        self._seq = 0                     # one number per mirror call, for reconciliation
+        self._free_inexact_at = self._cached_inexact_at = -1
+        self._decode_key = None           # (rows, n) of the last decode and its device tensors
+        self._members = 0                 # bumped whenever a row starts or stops running
+        self._checked = (None, -1)        # (rows bytes, _members) of the last batch that passed the checks
+        self._full = None                 # rows bytes of a batch whose every row holds its full reservation
+        self._scratch = np.zeros(R, dtype=np.int64)
+        self._acct = np.zeros(5, dtype=np.int64)  # decode_accounting's results
+        self._reconciled_at, self._reconciled = -1, None  # the last snapshot reconciled, and its op number
+
+    # ----------------------------------------------------------- queries (host only)
+    @property
+    def exact(self) -> bool:
+        """``free`` equals the pool's FREE pages right now (else it is a lower bound)."""
+        return self._free_inexact_at < 0
+
+    @property
+    def cached_exact(self) -> bool:
+        return self._cached_inexact_at < 0
+
+    @property
+    def unreserved(self) -> int:
+        """Pages an admission, fork or unreserved growth may take."""
+        return self.free - self.reserved
+
+    @property
+    def rows_free(self) -> int:
+        return len(self._free_rows)
+
+    def running(self) -> list:
+        return np.flatnonzero(self.live).tolist()
+
+    def pages_for(self, tokens: int) -> int:
+        return _cdiv(tokens, self.page_size)
+
+    def pages_needed(self, row: int, n: int) -> int:
+        """Pages request ``row`` may need for ``n`` more tokens (exact unless its length is uncertain)."""
+        return int(self._need(np.array([row]), np.int64(n))[0])
+
+    def _need(self, r, n):
+        ps = self.page_size
+        return np.minimum(_cdiv(self.hi[r] + n, ps) - _cdiv(self.lo[r], ps), _cdiv(n, ps))
+
+    def _target(self, r):
+        """Pages the reservation of rows ``r`` should hold: their next ``lookahead`` tokens, capped."""
+        k = np.minimum(self.lookahead, self.limit[r] - self.hi[r])
+        return self._need(r, k)
+
+    def can_admit(self, prompt_lens, max_lens=None) -> int:
+        """How many of these prompts, in order, fit now (rows, pages, reservations).
+
+        prompt_lens, max_lens : sequences of int; ``max_lens[i]`` (default the table's
+        capacity) is the most tokens request ``i`` may reach (prompt + output).
+        """
+        room, ps, n = self.unreserved, self.page_size, 0
+        for i, p in enumerate(prompt_lens[:self.rows_free]):
+            m = self.capacity if max_lens is None else max_lens[i]
+            if not 0 <= p <= m <= self.capacity:
+                break
+            room -= _cdiv(p, ps) + self._target_new(p, m)
+            if room < 0:
+                break
+            n += 1
+        return n
+
+    def fits(self, rows, n=1) -> bool:
+        """Whether ``decode(rows, n)`` would run (True) or raise ``WouldNotFit``."""
+        r, n, _ = self._batch(rows, n)
+        return bool(np.all(self.hi[r] + n <= self.limit[r])) and self._extra(r, n) <= self.unreserved
+
+    def _extra(self, r, n):
+        need = self._need(r, n)
+        return int((need - np.minimum(need, self.res[r])).sum())
+
+    def preemption(self, rows, priority, n=1) -> list:
+        """Which of ``rows`` to release so that ``decode`` of the rest fits: lowest priority first.
+
+        ``priority[i]`` (higher is more important) belongs to ``rows[i]``; ties go to the
+        later row (the end of the running queue, as vLLM preempts). Empty when the step
+        fits. Release them (``finish``, and requeue) before the step. O(1) when every
+        row of this batch holds its full reservation and ``n <= lookahead``.
+        """
+        r, n, key = self._batch(rows, n)
+        if key == self._full and n.ndim == 0 and n <= self.lookahead:
+            return []
+        need = self._need(r, n)
+        extra = need - np.minimum(need, self.res[r])
+        deficit = int(extra.sum()) - self.unreserved
+        out = []
+        if deficit <= 0:
+            return out
+        back = np.maximum(_cdiv(self.lo[r], self.page_size) - self.shared[r], 0) + self.res[r] + extra
+        for i in sorted(range(len(r)), key=lambda i: (priority[i], -i)):
+            out.append(int(r[i]))
+            deficit -= int(back[i])
+            if deficit <= 0:
+                break
+        return out
+
+    def _batch(self, rows, n):
+        """Rows as int64 numpy, n as int64 (0-d or one per row), and the rows' bytes; checked
+        unless this is the batch checked last and no row started or stopped since."""
+        r = rows if type(rows) is np.ndarray and rows.dtype == np.int64 else np.asarray(rows, dtype=np.int64)
+        r = r.reshape(-1)
+        key = r.tobytes()
+        if self._checked != (key, self._members):
+            if r.size and (r.min() < 0 or r.max() >= self.live.size or not self.live[r].all()):
+                raise ValueError(f"rows: expected running rows, got {r.tolist()}")
+            lanes = np.arange(r.size)
+            self._scratch[r] = lanes
+            if not (self._scratch[r] == lanes).all():
+                raise ValueError(f"rows: expected distinct rows, got {r.tolist()}")
+            self._checked = (key, self._members)
+        if type(n) is int and n >= 0:
+            return r, np.int64(n), key
+        n = np.asarray(n, dtype=np.int64)
+        if n.ndim and n.shape != r.shape or (n < 0).any():
+            raise ValueError(f"n: expected a non-negative int or one per row, got {n.tolist()}")
+        return r, n, key
+
+    # ------------------------------------------------------ reservations
+    def reserve(self, row: int, tokens: int) -> int:
+        """Set aside pages for ``tokens`` more tokens of ``row`` (at least its current ones);
+        returns the pages it now holds reserved (less than asked if unreserved pages run out)."""
+        r = np.array([row])
+        want = max(int(self._need(r, np.int64(tokens))[0]) - int(self.res[row]), 0)
+        got = min(want, max(self.unreserved, 0))
+        self.res[row] += got
+        self.reserved += got
+        return int(self.res[row])
+
+    def unreserve(self, row: int) -> None:
+        """Give back ``row``'s reserved pages."""
+        self._full = None
+        self.reserved -= int(self.res[row])
+        self.res[row] = 0
+
+    def _top_up(self, r, res=None):
+        """Raise the reservations of rows ``r`` toward their targets, in order, from unreserved
+        pages; ``res`` is ``self.res[r]`` if the caller has it. True if every row got its target."""
+        if res is None:
+            res = self.res[r]
+        want = self._target(r) - res
+        np.maximum(want, 0, out=want)
+        total = int(want.sum())
+        if total == 0:
+            self.res[r] = res
+            return True
+        room = self.unreserved
+        if total <= room:
+            self.res[r] = res + want
+            self.reserved += total
+            return True
+        got = np.minimum(np.maximum(room - (np.cumsum(want) - want), 0), want)
+        self.res[r] = res + got
+        self.reserved += int(got.sum())
+        return False
+
+    def _take_rows(self, k):
+        if k > len(self._free_rows):
+            raise WouldNotFit(f"rows: {k} requests need rows, {len(self._free_rows)} are free")
+        return [self._free_rows.pop() for _ in range(k)]
+
+    def _start(self, rows, length, limit, shared):
+        self.lo[rows] = self.hi[rows] = length
+        self.limit[rows], self.shared[rows] = limit, shared
+        self.live[rows] = True
+        self._members += 1
+        self.uncertain_at[rows] = -1
+        self.exact_at[rows] = self._seq
+
+    def _drop(self, r, keep_lo, cache):
+        """Credit the pages of rows ``r`` past ``keep_lo`` tokens that are surely theirs alone."""
+        ps = self.page_size
+        first = np.maximum(_cdiv(keep_lo, ps), self.shared[r])
+        back = int(np.maximum(_cdiv(self.lo[r], ps) - first, 0).sum())
+        unsure = (self.lo[r] != self.hi[r]) | (self.shared[r] > _cdiv(keep_lo, ps))
+        if cache:
+            self.cached += back
+            self._cached_flow += back
+            if unsure.any():
+                self._cached_inexact_at = self._seq
+        else:
+            self.free += back
+            if unsure.any():
+                self._free_inexact_at = self._seq
+
+    def _target_new(self, length, max_len):
+        return _cdiv(min(length + self.lookahead, max_len), self.page_size) - _cdiv(length, self.page_size)

@@ -1,0 +1,298 @@
+"""HostMirror: a page table a scheduler drives through a host mirror of the pool's capacity.
+
+Note: the mirror is kept only from what the scheduler asks for, never from a
+device read. Every call goes through it (``admit``, ``decode``, ``finish``,
+``truncate``, ``rollback``, ``fork``, ``revive``, ``evict``), which calls the
+table and updates the host integers in the same place, so they cannot drift
+from what was asked. What the mirror promises:
+
+* ``free`` is a lower bound on the pool's FREE pages (what ``extend`` and
+  ``fork`` take; ``extend`` never evicts). It is exact (``exact`` is True and
+  ``free == pool.available()``) while nothing is shared, cached-and-evicted,
+  revived or rolled back by a device-known amount. Otherwise it may
+  under-promise, never over-promise: a release credits only the pages past a
+  request's possibly-shared prefix, a device-decided rollback credits none,
+  an eviction credits at most the cached pages known for sure.
+* ``cached`` is a lower bound on the CACHED pages (same rules).
+* Per request, ``lo <= true length <= hi``; equal unless a rollback by a
+  device-known count is not reconciled yet. Pages a request still needs are
+  counted from ``hi`` (worst case), pages it frees from ``lo``.
+* Reservations: ``reserved`` pages of ``free`` are set aside for the next
+  ``lookahead`` tokens of every running request (capped by its ``max_len``).
+  Admissions take only unreserved pages, so while every running request
+  holds its full reservation, a ``decode`` of at most ``lookahead`` tokens
+  per request cannot fail. ``decode`` refuses (``WouldNotFit``, before any
+  device work) a step the mirror cannot prove fits; ``preemption`` names the
+  requests to release first, lowest priority first.
+* Reconciliation (:meth:`snapshot`, :meth:`reconcile`) corrects the bounds to
+  the device's truth at the snapshot plus what was asked since; see
+  :mod:`tpool.scheduling.snapshot`.
+"""
+
+import numpy as np
+import torch
+
+from tpool.scheduling._decode import EMPTY, NO_ROOM, PAST_MAX_LEN, decode_accounting
+from tpool.scheduling.accounting import Accounting, WouldNotFit, _cdiv
+from tpool.scheduling.snapshot import MirrorSnapshot, reconcile
+
+__all__ = ["HostMirror", "WouldNotFit"]
+
+
+def _bucket(tokens):
+    """A call's token budget rounded up to a power of two: the table keeps one set of output
+    buffers per shape, so a few shapes serve every batch instead of one per total."""
+    return 1 << max(tokens - 1, 0).bit_length()
+
+
+class HostMirror(Accounting):
+    """A :class:`tpool.PageTable` driven through a host mirror of the pool's capacity.
+
+    Parameters
+    ----------
+    table : PageTable
+        Empty when the mirror is made; afterwards change it only through the mirror.
+    lookahead : int
+        Tokens of growth reserved for every running request (k decode steps of one
+        token = k; speculative steps of d drafts = k * (d + 1)). Default 1.
+    free, cached : int, optional
+        The pool's FREE and CACHED pages now. Default: read once here with
+        ``pool.stats()`` (a sync point at construction, never again). Pass both for a
+        fresh pool (``free=pool.num_pages, cached=0``) to read nothing at all.
+
+    Example
+    -------
+    >>> pool = PagePool(8, page_size=4, device="cpu", backend="reference")
+    >>> m = HostMirror(PageTable(pool, 4, 4), free=8, cached=0)
+    >>> m.can_admit([8, 9, 9])         # 2 pages + 1 reserved, 3 + 0, then 3 more: no
+    2
+    >>> rows = m.admit([8, 9]); rows, m.free, m.reserved
+    ([0, 1], 3, 1)
+    >>> res = m.decode(rows)           # row 0 takes its reserved page; nothing new to reserve
+    >>> m.free, m.reserved, m.pages_needed(0, 4), m.exact
+    (2, 0, 1, True)
+    >>> m.finish([1]); m.free          # its 3 pages are back
+    5
+    >>> m.free == pool.available()     # a sync point, to show the mirror is exact here
+    True
+    """
+
+    def __init__(self, table, *, lookahead: int = 1, free: int | None = None, cached: int | None = None):
+        if not isinstance(lookahead, int) or lookahead < 0:
+            raise ValueError(f"lookahead: expected a non-negative int, got {lookahead!r}")
+        if (free is None) != (cached is None):
+            raise ValueError(f"free, cached: pass both or neither, got free={free!r}, cached={cached!r}")
+        self.table, self.pool, self.device = table, table.pool, table.device
+        self.last_fork = None  # the ForkResult of the last fork (its copy-on-write pair)
+        if free is None:
+            s = self.pool.stats()
+            free, cached = s["pages.free.current"], s["pages.cached.current"]
+        super().__init__(table.max_requests, table.page_size, lookahead, table.max_pages * table.page_size,
+                         free, cached)
+
+    # ------------------------------------------------------ calls (table + mirror)
+    def _tensor(self, values):
+        t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32))
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def admit(self, prompt_lens, max_lens=None) -> list:
+        """Admit requests with these prompts (one prefill ``extend``); returns their rows.
+
+        Raises ``WouldNotFit`` unless ``can_admit`` says all of them fit. The prompts'
+        pages and each request's reservation are taken from the unreserved pages.
+        """
+        k = len(prompt_lens)
+        if self.can_admit(prompt_lens, max_lens) < k:
+            raise WouldNotFit(f"admit: {k} prompts {list(prompt_lens)[:8]} do not all fit: {self.rows_free} rows and "
+                              f"{self.unreserved} unreserved pages free (ask can_admit first)")
+        if k == 0:
+            return []
+        self._seq += 1
+        self._full = None
+        rows = self._take_rows(k)
+        p = np.asarray(prompt_lens, dtype=np.int64)
+        r = np.asarray(rows, dtype=np.int64)
+        self._start(r, p, self.capacity if max_lens is None else np.asarray(max_lens, dtype=np.int64), 0)
+        self.free -= int(_cdiv(p, self.page_size).sum())
+        self._top_up(r)
+        self.table.extend(self._tensor(rows), self._tensor(p), max_tokens=_bucket(int(p.sum())))
+        return rows
+
+    def decode(self, rows, n=1):
+        """One ``table.step`` appending ``n`` tokens (an int, or one per row) to each running row.
+
+        Pages come from each row's reservation first, then from the unreserved ones;
+        raises ``WouldNotFit`` (before any device work) when the mirror cannot prove the
+        step fits, so every lane of the step succeeds and ``ok`` need not be read. Then
+        tops reservations back up, in the order of ``rows``. Returns the ``StepResult``.
+        """
+        r, n, key = self._batch(rows, n)
+        if not r.size:
+            return None
+        out = self._acct
+        per_row = n.ndim > 0
+        code = decode_accounting(self._st, r, n if per_row else EMPTY, 0 if per_row else int(n), self.page_size,
+                                 self.lookahead, self.unreserved, out)
+        if code == PAST_MAX_LEN:
+            raise WouldNotFit(f"decode: rows {r[self.hi[r] + n > self.limit[r]].tolist()} would pass their max_len")
+        if code == NO_ROOM:
+            need = self._need(r, n)
+            raise WouldNotFit(f"decode: needs {int((need - np.minimum(need, self.res[r])).sum())} pages beyond "
+                              f"reservations, {self.unreserved} unreserved (ask preemption first)")
+        self._seq += 1
+        taken, used, granted, full, uncertain = out.tolist()
+        if uncertain:
+            self._free_inexact_at = self._seq
+        self.free -= taken
+        self.reserved += granted - used
+        self._full = key if full else None
+        dkey = (key, n.tobytes(), n.shape)
+        if self._decode_key is None or self._decode_key[0] != dkey:  # same batch: same tensors (a bound step)
+            ntok = np.broadcast_to(n, r.shape)
+            self._decode_key = (dkey, self._tensor(r), self._tensor(ntok), int(ntok.sum()))
+        _, ids, ntok, total = self._decode_key
+        return self.table.step(ids, ntok, max_tokens=_bucket(total) if n.ndim or n != 1 else None)
+
+    def finish(self, rows, cache: bool = False) -> None:
+        """Release these requests (``table.release``) and free their rows and reservations.
+
+        With ``cache=True`` their pages become CACHED (``free`` is unchanged; ``cached``
+        grows by the pages surely theirs alone).
+        """
+        r, _, _ = self._batch(rows, 0)
+        if not r.size:
+            return
+        self._seq += 1
+        self._full = None
+        self._drop(r, np.zeros_like(r), cache)
+        self.reserved -= int(self.res[r].sum())
+        self.res[r] = 0
+        self.live[r] = False
+        self._members += 1
+        self.gen[r] += 1
+        self._free_rows.extend(r[::-1].tolist())
+        self.table.release(self._tensor(r), cache=cache)
+
+    def truncate(self, rows, new_lens) -> None:
+        """Roll rows back to host-known lengths (``new_lens[i] <= `` the row's sure length)."""
+        r, _, _ = self._batch(rows, 0)
+        nl = np.asarray(new_lens, dtype=np.int64).reshape(-1)
+        if nl.shape != r.shape or (nl < 0).any() or (nl > self.lo[r]).any():
+            raise ValueError(f"new_lens: expected one per row within [0, lo], got {nl.tolist()} "
+                             f"(lo {self.lo[r].tolist()})")
+        self._seq += 1
+        self._full = None
+        self._drop(r, nl, False)
+        self.lo[r] = self.hi[r] = nl
+        self.exact_at[r] = self._seq
+        self.shared[r] = np.minimum(self.shared[r], _cdiv(nl, self.page_size))
+        self._top_up(r)
+        self.table.truncate(self._tensor(r), self._tensor(nl))
+
+    def rollback(self, rows, new_lens: torch.Tensor, min_lens) -> None:
+        """Truncate to lengths known only on the device (accepted speculative tokens).
+
+        new_lens : torch.Tensor  shape ``[B]``, int32, on the table's device; the caller
+            promises ``min_lens[i] <= new_lens[i] <= `` the row's length, which
+            :meth:`reconcile` checks. The mirror assumes the worst case (nothing freed,
+            length still ``hi``) until the next reconciliation releases the difference.
+        min_lens : sequence of int, host-known lower bounds.
+        """
+        r, _, _ = self._batch(rows, 0)
+        ml = np.asarray(min_lens, dtype=np.int64).reshape(-1)
+        if ml.shape != r.shape or (ml < 0).any() or (ml > self.hi[r]).any():
+            raise ValueError(f"min_lens: expected one per row within [0, hi], got {ml.tolist()}")
+        self._seq += 1
+        self._full = None
+        self._free_inexact_at = self._seq
+        self.lo[r] = np.minimum(self.lo[r], ml)
+        self.uncertain_at[r] = self._seq
+        self.table.truncate(self._tensor(r), new_lens)
+
+    def fork(self, src: int, n_tokens: int, max_len: int | None = None) -> int:
+        """A new request sharing the first ``n_tokens`` tokens of running ``src``; returns its row.
+
+        Whole pages are shared; a partial last page is copied into a fresh page: the
+        table's :class:`~tpool.page_table.ForkResult` is kept in :attr:`last_fork` (device
+        tensors, table-owned) so the caller copies the KV of ``cow_src`` into ``cow_dst``.
+        ``n_tokens`` must be within ``src``'s sure length.
+        """
+        ps, m = self.page_size, self.capacity if max_len is None else max_len
+        if not (0 <= src < self.live.size and self.live[src] and 0 <= n_tokens <= self.lo[src]
+                and n_tokens <= m <= self.capacity):
+            raise ValueError(f"fork: expected a running src and 0 <= n_tokens <= its sure length <= max_len, got "
+                             f"src={src}, n_tokens={n_tokens}, max_len={max_len}")
+        cow = int(n_tokens % ps != 0)
+        if cow + int(self._target_new(n_tokens, m)) > self.unreserved:
+            raise WouldNotFit(f"fork: needs {cow} page(s) and a reservation, {self.unreserved} unreserved")
+        self._seq += 1
+        self._full = None
+        (row,) = self._take_rows(1)
+        self._start(np.array([row]), n_tokens, m, n_tokens // ps)
+        self.shared[src] = max(int(self.shared[src]), n_tokens // ps)
+        self.free -= cow
+        self._top_up(np.array([row]))
+        self.last_fork = self.table.fork(self._tensor([src]), self._tensor([row]), self._tensor([n_tokens]))
+        return row
+
+    def revive(self, pages: torch.Tensor, n_tokens: int, max_len: int | None = None) -> int:
+        """A new request on cached pages (a prefix-cache hit): ``incref`` them into a fresh row.
+
+        pages : torch.Tensor  shape ``[ceil(n_tokens / page_size)]``, int32, on the table's
+            device. They are revived (``pool.incref``) and written into the row by hand
+            (``table.invalidate_csr()`` follows); the mirror counts them as possibly shared.
+
+        The caller's contract (``reconcile`` raises ``MirrorError`` if it was broken): every
+        page is CACHED (released with ``cache=True`` and not evicted since: the pool hands
+        out only FREE pages, so a CACHED page keeps its content), or USED only by requests
+        that themselves came from ``revive`` or ``fork`` of it. A page that a running
+        request holds alone must not be revived: that request's release would credit it.
+        """
+        ps, m = self.page_size, self.capacity if max_len is None else max_len
+        k = _cdiv(n_tokens, ps)
+        if not (isinstance(pages, torch.Tensor) and pages.dtype == torch.int32 and pages.device == self.device
+                and pages.shape == (k,)):
+            raise ValueError(f"pages: expected int32 [{k}] on {self.device}, got "
+                             f"{getattr(pages, 'dtype', type(pages).__name__)} {tuple(getattr(pages, 'shape', ()))}")
+        if not 0 <= n_tokens <= m <= self.capacity:
+            raise ValueError(f"revive: expected 0 <= n_tokens <= max_len <= {self.capacity}, got {n_tokens}, {m}")
+        if self._target_new(n_tokens, m) > self.unreserved:
+            raise WouldNotFit(f"revive: its reservation needs pages, {self.unreserved} unreserved")
+        self._seq += 1
+        self._full = None
+        (row,) = self._take_rows(1)
+        self._start(np.array([row]), n_tokens, m, k)
+        self.cached = max(self.cached - k, 0)
+        self._cached_flow -= k
+        self._cached_inexact_at = self._seq
+        self._top_up(np.array([row]))
+        self.pool.incref(pages)
+        self.table.block_table[row, :k] = pages
+        self.table.seq_lens[row:row + 1].fill_(n_tokens)
+        self.table.invalidate_csr()
+        return row
+
+    def evict(self, k: int) -> torch.Tensor:
+        """``pool.evict(k)``: turn up to ``k`` cached pages FREE; returns their ids (device, -1 padded)."""
+        self._seq += 1
+        self._full = None
+        got = min(k, self.cached)
+        self.free += got
+        self.cached -= got
+        if self.cached_exact:
+            self._cached_flow -= got
+        else:   # the device may evict up to k, more than the mirror knew of
+            self._cached_flow -= k
+            self._free_inexact_at = self._cached_inexact_at = self._seq
+        return self.pool.evict(k)
+
+    # ------------------------------------------------------ reconciliation
+    def snapshot(self) -> MirrorSnapshot:
+        """Start a non-blocking copy of the pool's counters and the table's lengths."""
+        return MirrorSnapshot(self)
+
+    def reconcile(self, snap: MirrorSnapshot) -> dict:
+        """Correct the mirror to the truth of ``snap`` plus what was asked since; returns its stats."""
+        return reconcile(self, snap)

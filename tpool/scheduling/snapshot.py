@@ -1,0 +1,99 @@
+"""Reconciling a HostMirror with the device, without a stall.
+
+Note: what "truth" is. A snapshot copies, without waiting, the pool's counters
+and the table's ``seq_lens`` as they are after every call issued before it
+(stream order), and notes the mirror's own numbers at that moment. The truth
+it brings back:
+
+* ``free``: pages on the pool's free stack (``pages.free.current``), what
+  ``extend`` and ``fork`` can take. Cached pages are not in it, and a page
+  shared by several requests is one USED page until its last holder lets go.
+* ``cached``: pages in state CACHED (``pages.cached.current``), which only an
+  eviction turns FREE.
+* per request: its true length, which settles a device-decided ``rollback``.
+
+``reconcile`` sets each number to ``truth at the snapshot + what the mirror
+itself changed since`` (the changes since are bounds of the same kind, so the
+result is still a safe bound, and exact when nothing inexact was asked since).
+A snapshot older than the last one reconciled, or that same one again,
+changes nothing: snapshots may be applied in any order, any number of times.
+It does not learn which pages are shared (that would take the reference
+counts): a request's possibly-shared prefix stays as it was, so its release
+keeps under-crediting until the next reconciliation. A truth below the
+mirror's number means the mirror over-promised (a bug, or a broken contract:
+a ``rollback`` below its ``min_lens``, a ``revive`` of evicted pages, a table
+call made around the mirror); ``reconcile`` raises :class:`MirrorError`.
+"""
+
+import numpy as np
+
+from tpool.kernels import layout as L
+from tpool.stats_async import AsyncRead, stats_from_counters
+
+
+class MirrorError(RuntimeError):
+    """The device holds less than the mirror promised (found at reconciliation)."""
+
+
+class MirrorSnapshot:
+    """A started copy of the pool's counters and the table's lengths (:meth:`HostMirror.snapshot`).
+
+    ``ready()`` never waits; ``stats()`` is the pool's ``stats()`` dict at the snapshot.
+    """
+
+    def __init__(self, mirror):
+        self._read = AsyncRead([mirror.pool.state.counters, mirror.table.seq_lens])
+        self.num_pages = mirror.pool.num_pages
+        self.seq, self.free, self.cached = mirror._seq, mirror.free, mirror.cached
+        self.cached_flow = mirror._cached_flow
+        self.gen, self.live = mirror.gen.copy(), mirror.live.copy()
+        self.lo, self.hi = mirror.lo.copy(), mirror.hi.copy()
+        self._values = None
+
+    def ready(self) -> bool:
+        return self._read.ready()
+
+    def _get(self):
+        if self._values is None:
+            self._values = self._read.values()
+        return self._values
+
+    def stats(self) -> dict:
+        return stats_from_counters(self.num_pages, self._get()[0])
+
+
+def reconcile(m, snap: MirrorSnapshot) -> dict:
+    """Correct mirror ``m`` from ``snap`` (see the module note); returns the snapshot's stats."""
+    counters, lens = snap._get()
+    if snap.seq < m._reconciled_at or snap is m._reconciled:
+        # Older than (or the same as) the last snapshot reconciled: its truth is in the mirror already.
+        return stats_from_counters(snap.num_pages, counters)
+    m._reconciled_at, m._reconciled = snap.seq, snap
+    true_free, true_cached = counters[L.FREE_COUNT], counters[L.CACHED_COUNT]
+    if true_free < snap.free or true_cached < snap.cached:
+        raise MirrorError(f"the mirror promised {snap.free} free and {snap.cached} cached pages, the device had "
+                          f"{true_free} and {true_cached} (a call made around the mirror, or a broken contract)")
+    m.free += true_free - snap.free
+    m._full = None
+    m.cached = max(true_cached + m._cached_flow - snap.cached_flow, 0)
+    if m._free_inexact_at <= snap.seq:
+        m._free_inexact_at = -1
+    if m._cached_inexact_at <= snap.seq:
+        m._cached_inexact_at = -1
+    # Lengths: rows running then and now, not set outright since, with a bound to settle.
+    same = snap.live & m.live & (snap.gen == m.gen) & (m.exact_at <= snap.seq) & (snap.lo != snap.hi)
+    r = np.flatnonzero(same)
+    if r.size:
+        true = np.asarray(lens, dtype=np.int64)[r]
+        bad = (true < snap.lo[r]) | (true > snap.hi[r])
+        if bad.any():
+            raise MirrorError(f"rows {r[bad].tolist()}: true lengths {true[bad].tolist()} outside the mirror's bounds "
+                              f"[{snap.lo[r][bad].tolist()}, {snap.hi[r][bad].tolist()}] (a rollback below min_lens?)")
+        m.hi[r] -= snap.hi[r] - true
+        settled = r[m.uncertain_at[r] <= snap.seq]
+        m.lo[settled] = m.hi[settled]
+        # Reservations were sized from the wider bounds: give back what the settled rows no longer need.
+        keep = np.minimum(m.res[settled], m._target(settled))
+        m.reserved -= int((m.res[settled] - keep).sum())
+        m.res[settled] = keep
+    return stats_from_counters(snap.num_pages, counters)

@@ -1,0 +1,110 @@
+"""Asynchronous reads of device tensors: start a copy now, read it later without a stall.
+
+Note: on CUDA, :class:`AsyncRead` copies each tensor into pinned host memory with
+``non_blocking=True`` on the current stream and records an event after the
+copies; ``ready()`` asks the event (``cudaEventQuery``, never a wait) and
+``values()`` reads the host copies, waiting on the event only if they are not
+ready yet (the one case that stalls: ask ``ready()`` first). On a CPU the copy
+is done at once and ``ready()`` is always True. The copies are taken in stream
+order: they show the state after every call issued before the read started,
+and none issued after it.
+
+The host copies carry the attribute :data:`HOST_SNAPSHOT_ATTR`, so the test
+guards in :mod:`tpool.testing` know that reading them is a read of host memory
+filled by a finished copy, not a read of device data.
+"""
+
+import torch
+
+from tpool.kernels import layout as L
+
+HOST_SNAPSHOT_ATTR = "_tpool_host_snapshot"  # set on host copies that AsyncRead filled
+
+
+class AsyncRead:
+    """A non-blocking device-to-host copy of some tensors.
+
+    Parameters
+    ----------
+    tensors : sequence of torch.Tensor
+        Any shapes and dtypes, all on one device (CUDA or CPU).
+
+    Example
+    -------
+    >>> r = AsyncRead([torch.arange(3)])
+    >>> r.ready(), r.values()
+    (True, [[0, 1, 2]])
+    """
+
+    def __init__(self, tensors):
+        tensors = list(tensors)
+        if not tensors:
+            raise ValueError("tensors: expected at least one tensor, got none")
+        device = tensors[0].device
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.device != device:
+                raise ValueError(f"tensors: expected tensors on one device ({device}), got "
+                                 f"{t.device if isinstance(t, torch.Tensor) else type(t).__name__}")
+        self.device = device
+        if device.type == "cuda":
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for h, t in zip(self._host, tensors):
+                h.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = [t.clone() for t in tensors]
+            self._event = None
+        for h in self._host:
+            setattr(h, HOST_SNAPSHOT_ATTR, True)
+
+    def ready(self) -> bool:
+        """True once the copies have landed (never waits)."""
+        return self._event is None or self._event.query()
+
+    def values(self) -> list:
+        """The copied tensors as nested Python lists; waits for the copy if it is not ready."""
+        if self._event is not None and not self._event.query():
+            self._event.synchronize()
+        return [h.tolist() for h in self._host]
+
+
+def stats_from_counters(num_pages: int, c: list) -> dict:
+    """The dict of :meth:`tpool.PagePool.stats` from a list of the pool's counters."""
+    used = num_pages - c[L.FREE_COUNT] - c[L.CACHED_COUNT]
+    s = {
+        "pages.total": num_pages,
+        "pages.free.current": c[L.FREE_COUNT],
+        "pages.used.current": used,
+        "pages.used.peak": c[L.USED_PEAK],
+        "pages.cached.current": c[L.CACHED_COUNT],
+        "pages.cached.peak": c[L.CACHED_PEAK],
+        "pages.allocated": c[L.ALLOCATED],
+        "pages.freed": c[L.FREED],
+        "pages.evicted": c[L.EVICTED],
+        "pages.revived": c[L.REVIVED],
+        "requests.failed": c[L.FAILED_REQUESTS],
+        "clock": c[L.CLOCK],
+    }
+    for slot, name in L.ERROR_NAMES.items():
+        s[f"errors.{name}"] = c[slot]
+    return s
+
+
+class StatsHandle:
+    """What :meth:`tpool.PagePool.stats_async` returns: ``ready()`` and ``get()``.
+
+    ``get()`` returns the dict :meth:`~tpool.PagePool.stats` would have returned
+    when ``stats_async()`` was called (later calls do not show in it). On a CPU
+    it is ready at once; on CUDA ask ``ready()`` before ``get()`` to never stall.
+    """
+
+    def __init__(self, pool):
+        self.num_pages = pool.num_pages
+        self._read = AsyncRead([pool.state.counters])
+
+    def ready(self) -> bool:
+        return self._read.ready()
+
+    def get(self) -> dict:
+        return stats_from_counters(self.num_pages, self._read.values()[0])
