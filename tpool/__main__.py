@@ -5,7 +5,8 @@ import sys
 USAGE = """usage: python -m tpool COMMAND [options]
 
 commands:
-  demo     run the demo (batched alloc/free on a pool, with a table)
+  demo     run the demo (batched alloc/free on a pool, with a table);
+           with --model llama|gpt-neox: serve a tiny transformers model on tpool pages (needs tpool[hf])
   report   print the memory report: references, caching allocator, driver (--json)
 """
 
@@ -16,6 +17,9 @@ def main(argv=None):
         print(USAGE)
         return 0
     cmd, rest = argv[0], argv[1:]
+    if cmd == "demo" and any(a == "--model" or a.startswith("--model=") for a in rest):
+        from tpool.serving.engine import main as serve_main
+        return serve_main(rest) or 0
     if cmd == "demo":
         from tpool import demo
         demo.main(rest)
