@@ -146,6 +146,11 @@ class Engine:
 
     def run(self, requests, out=None):
         """Serve ``requests`` (a list of :class:`Request`) to completion; return ``{rid: tokens}``."""
+        cap = min(self.max_pages, self.pool.num_pages) * self.ps
+        for r in requests:
+            if len(r.prompt) + r.max_new + self.draft_len > cap:
+                raise ValueError(f"request {r.rid}: expected prompt + max_new + draft_len <= {cap} tokens "
+                                 f"(max_pages and the pool), got {len(r.prompt) + r.max_new + self.draft_len}")
         by_id = {r.rid: r for r in requests}
         waiting = sorted(requests, key=lambda r: (r.arrival, r.rid))
         running, free_rows, step = [], list(range(self.max_batch - 1, -1, -1)), 0
@@ -297,9 +302,10 @@ def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, p
     """
     lm = tiny_model(model, seed=seed)
     reqs = make_requests(requests, seed=seed, vocab_size=lm.config.vocab_size)
-    max_pages = -(-(40 + 8 + 16 + 4) // page_size)
+    draft_len = 3
+    max_pages = -(-max(len(r.prompt) + r.max_new + draft_len for r in reqs) // page_size)
     eng = Engine(lm, num_pages=num_pages, page_size=page_size, max_batch=max_batch, max_pages=max_pages,
-                 backend=backend)
+                 backend=backend, draft_len=draft_len)
     if out:
         out(f"tpool serving demo: {model}, {requests} requests, {eng.pool!r}, {eng.cache!r}", flush=True)
     got = eng.run(reqs, out=out)
