@@ -293,7 +293,8 @@ def reference_tokens(model, requests):
 
 
 def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, page_size: int = 4,
-             max_batch: int = 8, backend: str = "auto", seed: int = 0, out=print) -> dict:
+             max_batch: int = 8, max_new: tuple = (4, 16), backend: str = "auto", seed: int = 0,
+             out=print) -> dict:
     """Serve ``requests`` random prompts with a tiny random ``model`` on tpool pages; check against generate.
 
     Returns a dict of counts (steps, preemptions, forks, rollbacks, drafts accepted, tokens) and
@@ -301,7 +302,7 @@ def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, p
     ``AssertionError`` if any differ, pages are left in use, or the pool's checks fail.
     """
     lm = tiny_model(model, seed=seed)
-    reqs = make_requests(requests, seed=seed, vocab_size=lm.config.vocab_size)
+    reqs = make_requests(requests, seed=seed, vocab_size=lm.config.vocab_size, max_new=max_new)
     draft_len = 3
     max_pages = -(-max(len(r.prompt) + r.max_new + draft_len for r in reqs) // page_size)
     eng = Engine(lm, num_pages=num_pages, page_size=page_size, max_batch=max_batch, max_pages=max_pages,
