@@ -237,3 +237,21 @@ def test_decode_step_and_forward_in_one_cuda_graph_match_eager(backend):
     assert torch.stack(eager).T.tolist() == [want[i] for i in range(n_lanes)]
     for p in (pool_e, pool_g):
         p.check()
+
+
+def test_bench_e2e_prints_its_table(tmp_path, capsys):
+    import importlib.util as iu
+    import json
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_e2e.py")
+    spec = iu.spec_from_file_location("bench_e2e", path)
+    mod = iu.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "e2e.json"
+    mod.main(["--batch", "2", "3", "--samples", "3", "--inner", "2", "--prompt", "5", "--hidden", "32",
+              "--layers", "1", "--heads", "4", "--vocab", "64", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "decode step, end to end" in text and "tpool share" in text and "p20 / p80" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [2, 3]
+    assert all(r["tokens_per_s"] > 0 and 0 < r["tpool_share"] < 1 and r["baseline_tokens_per_s"] > 0 for r in rows)
