@@ -40,10 +40,10 @@ def test_greedy_tokens_identical_to_generate(backend, arch, models):
 
 def test_a_longer_run_and_the_cli(capsys):
     from tpool.__main__ import main
-    assert main(["demo", "--model", "gpt-neox", "--requests", "16", "--num-pages", "24", "--max-batch", "6",
+    assert main(["demo", "--model", "gpt-neox", "--requests", "10", "--num-pages", "20", "--max-batch", "4",
                  "--backend", "numba"]) == 0
     out = capsys.readouterr().out
-    assert "requests matching generate: 16/16" in out and "pages in use at the end 0" in out
+    assert "requests matching generate: 10/10" in out and "pages in use at the end 0" in out
 
 
 def test_skipping_the_copy_on_write_copy_changes_tokens(monkeypatch):

@@ -187,3 +187,21 @@ def test_paged_attention_rejects_mismatched_heads():
         paged_attention(torch.zeros(1, 3, 4), cache.k[0], cache.v[0], meta)
     with pytest.raises(ValueError, match="expected 1 tokens .*got 2"):
         paged_attention(torch.zeros(2, 4, 4), cache.k[0], cache.v[0], meta)
+
+
+@pytest.mark.parametrize("module", ["kv", "attention"])
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+    mod = importlib.import_module(f"tpool.serving.{module}")
+    globs = {"torch": torch, "PagePool": tpool.PagePool, "PageTable": tpool.PageTable}
+    result = doctest.testmod(mod, extraglobs=globs, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted >= 3 and result.failed == 0
+
+
+def test_tpool_and_its_serving_core_never_import_transformers():
+    import subprocess
+    import sys
+    code = ("import sys, tpool, tpool.serving, tpool.serving.kv, tpool.serving.attention; "
+            "assert 'transformers' not in sys.modules, 'transformers imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -63,9 +63,14 @@ def step_metadata(table, step, req_ids: torch.Tensor, num_tokens: torch.Tensor) 
 
     Example
     -------
-    Request 0 holds 3 tokens and decodes 1, request 1 is a prefill of 2, one padding lane,
-    ``max_tokens=4``: ``qo_indptr = [0, 1, 3, 3]``, ``kv_lens = [4, 2, 0]``,
-    ``positions = [3, 0, 1, -1]`` (the last slot is unused capacity).
+    >>> i32 = lambda v: torch.tensor(v, dtype=torch.int32)
+    >>> pool = PagePool(8, page_size=4, device="cpu", backend="reference")
+    >>> table = PageTable(pool, max_requests=4, max_pages_per_request=4)
+    >>> _ = table.extend(i32([0]), i32([3]), max_tokens=3)     # request 0 holds 3 tokens
+    >>> ids, ntok = i32([0, 1, -1]), i32([1, 2, 0])            # decode 1, prefill 2, a padding lane
+    >>> m = step_metadata(table, table.step(ids, ntok, max_tokens=4), ids, ntok)
+    >>> m.positions.tolist(), m.qo_indptr.tolist(), m.kv_lens.tolist()   # slot 3: unused capacity
+    ([3, 0, 1, -1], [0, 1, 3, 3], [4, 2, 0])
     """
     slots = step.slots
     b, t, dev = req_ids.numel(), slots.numel(), slots.device
@@ -189,6 +194,9 @@ class FlashInferAttention:
         window_left = -1 if sliding_window is None else sliding_window - 1
         csr = meta.csr
         common = dict(window_left=window_left, q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=scale)
+        if decode and meta.positions.numel() != meta.kv_lens.numel():
+            raise ValueError(f"decode=True: expected one token per lane (max_tokens == B == {meta.kv_lens.numel()}), "
+                             f"got max_tokens {meta.positions.numel()}")
         if decode:
             self._decode.plan(csr.indptr, csr.indices, csr.last_page_len, num_qo_heads, num_kv_heads, head_dim,
                               page_size, **common)
