@@ -255,3 +255,29 @@ def test_bench_e2e_prints_its_table(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [2, 3]
     assert all(r["tokens_per_s"] > 0 and 0 < r["tpool_share"] < 1 and r["baseline_tokens_per_s"] > 0 for r in rows)
+
+
+def test_a_sliding_window_model_matches_generate_and_the_window_matters():
+    """Mistral passes ``sliding_window`` to the attention function; prompts are longer than the window."""
+    from transformers import AttentionInterface, MistralConfig, MistralForCausalLM
+    from tpool.serving import hf
+    cfg = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.25,
+                        sliding_window=6, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    model = MistralForCausalLM._from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+
+    def serve():
+        eng = engine.Engine(model, num_pages=16, page_size=4, max_batch=4, max_pages=20, backend="reference")
+        return eng.run(engine.make_requests(6, max_new=(4, 10)))
+
+    want = engine.reference_tokens(model, engine.make_requests(6, max_new=(4, 10)))
+    assert serve() == want
+    AttentionInterface.register(ATTN_IMPLEMENTATION, lambda *a, **k: hf.paged_attention_forward(
+        *a, **{**k, "sliding_window": None}))
+    try:
+        without = serve()
+    finally:
+        hf.register()
+    assert without != want
