@@ -102,10 +102,6 @@ class PagedKVCache:
                 f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
                 f"device={self.device}, layout={NHD})")
 
-    @property
-    def name(self) -> str:  # how tpool.memory_report names it
-        return repr(self)
-
     def layer(self, i: int):
         """``(k, v)`` of layer ``i``, each ``[num_pages, page_size, num_kv_heads, head_dim]``."""
         return self.k[i], self.v[i]
@@ -174,4 +170,4 @@ class PagedKVCache:
         storage = sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in (self._k, self._v)}.values())
         per_page = 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * self._k.element_size()
         return {"name": repr(self), "storage_bytes": storage, "page_bytes": per_page * self.num_pages,
-                "bytes_per_page": per_page, "layout": NHD}
+                "bytes_per_page": per_page}
