@@ -3,7 +3,6 @@
 Tested with transformers 5.24.0 (the ``tpool[hf]`` extra); skipped without transformers.
 """
 
-import dataclasses
 import importlib.util
 
 import pytest
