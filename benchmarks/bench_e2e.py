@@ -69,7 +69,8 @@ def run_tpool(model, prompts, a):
             ta = time.perf_counter()
             res = table.step(ids, ones)
             tm = time.perf_counter()
-            meta = step_metadata(table, res, ids, ones)     # interim: the step will return these
+            # interim: replaced by StepResult.positions/qo_indptr/kv_lens
+            meta = step_metadata(table, res, ids, ones)
             tb = time.perf_counter()
             with torch.no_grad():
                 nxt = forward_step(model, tok, PagedContext(cache, meta)).argmax(-1)
@@ -145,14 +146,15 @@ def main(argv=None):
         fwd_ms = statistics.median(s[2] for s in tp) * 1e3
         base_step = quantiles(base)[0]
         rows.append(dict(batch=b, tokens_per_s=b / step, step_ms=step * 1e3, step_p20_ms=p20 * 1e3,
-                         step_p80_ms=p80 * 1e3, tpool_us=tpool_us, table_step_us=step_us, metadata_us=meta_us, tpool_share=share, forward_ms=fwd_ms,
+                         step_p80_ms=p80 * 1e3, tpool_us=tpool_us, table_step_us=step_us, metadata_us=meta_us,
+                         tpool_share=share, forward_ms=fwd_ms,
                          baseline_tokens_per_s=b / base_step, baseline_step_ms=base_step * 1e3,
                          ratio=base_step / step))
     print_table(f"decode step, end to end (Llama {a.layers}x{a.hidden}, {a.heads}/{a.kv_heads} heads, prompt "
                 f"{a.prompt}, page {a.page_size}, {a.backend}, {a.threads} thread; median over {a.samples} "
                 f"samples of {a.inner} steps; p20/p80 of the step)",
-                ["B", "tok/s", "step ms", "p20 / p80", "tpool us", "= table.step", "+ metadata", "tpool share", "forward ms",
-                 "baseline tok/s", "ratio"],
+                ["B", "tok/s", "step ms", "p20 / p80", "tpool us", "= table.step", "+ metadata", "tpool share",
+                 "forward ms", "baseline tok/s", "ratio"],
                 [[r["batch"], f"{r['tokens_per_s']:.0f}", f"{r['step_ms']:.2f}",
                   f"{r['step_p20_ms']:.2f} / {r['step_p80_ms']:.2f}", f"{r['tpool_us']:.0f}",
                   f"{r['table_step_us']:.1f}", f"{r['metadata_us']:.0f}",

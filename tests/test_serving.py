@@ -28,8 +28,13 @@ def models():
 
 @pytest.mark.parametrize("arch", engine.MODELS)
 def test_greedy_tokens_identical_to_generate(backend, arch, models):
-    if backend == "triton" and arch != "llama":
-        pytest.skip("interpreted Triton: one short run (llama) keeps the file well under a minute")
+    if backend == "triton":   # interpreted: one short run keeps the file well under a minute
+        if arch != "llama":
+            pytest.skip("interpreted Triton: one short run (llama)")
+        r = engine.run_demo(arch, backend=backend, out=None, requests=4, num_pages=14, page_size=4, max_batch=4,
+                            max_new=(3, 6))
+        assert r["mismatches"] == 0 and r["pages_in_use"] == 0 and r["rollbacks"] > 0
+        return
     r = engine.run_demo(arch, backend=backend, out=None, **SMALL)   # raises if any request differs
     assert r["mismatches"] == 0 and r["pages_in_use"] == 0
     # The run did what it is meant to check: preemption, a shared prefix, speculative rollback.
@@ -56,16 +61,16 @@ def test_the_loop_never_reads_a_steps_ok(monkeypatch):
 
 def test_a_longer_run_and_the_cli(capsys):
     from tpool.__main__ import main
-    assert main(["demo", "--model", "gpt-neox", "--requests", "10", "--num-pages", "20", "--max-batch", "4",
+    assert main(["demo", "--model", "gpt-neox", "--requests", "6", "--num-pages", "16", "--max-batch", "4",
                  "--backend", "numba"]) == 0
     out = capsys.readouterr().out
-    assert "requests matching generate: 10/10" in out and "pages in use at the end 0" in out
+    assert "requests matching generate: 6/6" in out and "pages in use at the end 0" in out
 
 
 def test_skipping_the_copy_on_write_copy_changes_tokens(monkeypatch):
     monkeypatch.setattr(PagedKVCache, "copy_pages", lambda self, src, dst: None)
     with pytest.raises(AssertionError, match="differ from generate"):
-        engine.run_demo("llama", backend="reference", out=None, **SMALL)
+        engine.run_demo("llama", backend="numba", out=None, **SMALL)
 
 
 def _prefill_and_decode(model, prompts, backend, shift=0, steps=4):
@@ -85,7 +90,8 @@ def _prefill_and_decode(model, prompts, backend, shift=0, steps=4):
         meta = step_metadata(table, res, ids, ntok)
         x = torch.tensor([tok for f in feed for tok in f])
         with torch.no_grad():
-            out = model(input_ids=x[None], position_ids=(meta.positions.long() + (shift if s else 0))[None], use_cache=False,
+            pos = meta.positions.long() + (shift if s else 0)
+            out = model(input_ids=x[None], position_ids=pos[None], use_cache=False,
                         tpool_context=PagedContext(cache, meta)).logits[0]
         if s == 0:
             logits = out

@@ -46,11 +46,11 @@ class StepMetadata:
     max_pages: int
 
 
+# interim: replaced by StepResult.positions/qo_indptr/kv_lens
 def step_metadata(table, step, req_ids: torch.Tensor, num_tokens: torch.Tensor) -> StepMetadata:
     """The attention metadata of a step that just ran (``step = table.step(req_ids, num_tokens, ...)``).
 
-    # interim: replaced by StepResult.positions/qo_indptr/kv_lens
-    The step kernels will return ``positions``, ``qo_indptr`` and ``kv_lens`` themselves;
+    Interim: the step kernels will return ``positions``, ``qo_indptr`` and ``kv_lens`` themselves;
     until then this rebuilds them on the device from the step's ``slots`` and the table's
     ``seq_lens`` after the step, with fixed-shape torch ops (cumsum, searchsorted, gather),
     no host sync. Call it right after the step, before another call changes ``seq_lens``.
