@@ -12,6 +12,8 @@ commands:
            token for the running batch (table.step) and releases finished requests,
            preempting before a step that would not fit, with no device read per step.
            Prints a row every few steps and checks the pool at the end.
+           With --model llama|gpt-neox: serve a tiny random-weight transformers model
+           on tpool pages and check its tokens against generate (needs tpool[hf]).
            `python -m tpool demo --help` lists its options.
   report   print the memory ledgers of a device: what tpool's caches and pools
            hold, the caching allocator, the driver and the process (--json for
@@ -32,6 +34,9 @@ def _dispatch(argv):
         print(f"tpool {__version__}")
         return 0
     cmd, rest = argv[0], argv[1:]
+    if cmd == "demo" and any(a == "--model" or a.startswith("--model=") for a in rest):
+        from tpool.serving.engine import main as serve_main
+        return serve_main(rest) or 0
     if cmd == "demo":
         from tpool import demo
         return demo.main(rest) or 0

@@ -1,0 +1,305 @@
+"""Serving a transformers model on tpool pages: token-identical to generate, logits, sync-free hot path.
+
+Tested with transformers 5.24.0 (the ``tpool[hf]`` extra); skipped without transformers.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+import tpool
+from conftest import i32, requires_cuda
+
+pytest.importorskip("transformers")
+
+from tpool.serving import PagedKVCache, paged_attention, step_metadata  # noqa: E402
+from tpool.serving import engine  # noqa: E402
+from tpool.serving.hf import ATTN_IMPLEMENTATION, PagedContext, forward_step, paged_attention_forward  # noqa: E402
+
+LOGITS_ATOL = 1e-4  # float32 paged forward vs transformers' eager forward (observed ~1e-5)
+SMALL = dict(requests=6, num_pages=16, page_size=4, max_batch=4)  # preempts, forks (with a CoW page), rolls back
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: engine.tiny_model(name, seed=0) for name in engine.MODELS}
+
+
+@pytest.mark.parametrize("arch", engine.MODELS)
+def test_greedy_tokens_identical_to_generate(backend, arch, models):
+    if backend == "triton":   # interpreted: one short run keeps the file well under a minute
+        if arch != "llama":
+            pytest.skip("interpreted Triton: one short run (llama)")
+        r = engine.run_demo(arch, backend=backend, out=None, requests=4, num_pages=14, page_size=4, max_batch=4,
+                            max_new=(3, 6))
+        assert r["mismatches"] == 0 and r["pages_in_use"] == 0 and r["rollbacks"] > 0
+        return
+    r = engine.run_demo(arch, backend=backend, out=None, **SMALL)   # raises if any request differs
+    assert r["mismatches"] == 0 and r["pages_in_use"] == 0
+    # The run did what it is meant to check: preemption, a shared prefix, speculative rollback.
+    assert r["preemptions"] > 0 and r["forks"] > 0 and r["rollbacks"] > 0 and 0 < r["accepted"] < r["drafted"]
+    assert r["tokens"] == sum(q.max_new for q in engine.make_requests(SMALL["requests"], max_new=(4, 16)))
+
+
+class _Unreadable:
+    """Stands in for a step's ``ok``: any use of it fails the test."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the loop read a step's ok ({name})")
+
+    def __bool__(self):
+        raise AssertionError("the loop read a step's ok")
+
+
+def test_the_loop_never_reads_a_steps_ok(monkeypatch):
+    step = tpool.PageTable.step
+    monkeypatch.setattr(tpool.PageTable, "step", lambda self, *a, **k: step(self, *a, **k)._replace(ok=_Unreadable()))
+    r = engine.run_demo("llama", backend="numba", out=None, **SMALL)
+    assert r["mismatches"] == 0 and r["preemptions"] > 0
+
+
+def test_a_longer_run_and_the_cli(capsys):
+    from tpool.__main__ import main
+    assert main(["demo", "--model", "gpt-neox", "--requests", "6", "--num-pages", "16", "--max-batch", "4",
+                 "--backend", "numba"]) == 0
+    out = capsys.readouterr().out
+    assert "requests matching generate: 6/6" in out and "pages in use at the end 0" in out
+
+
+def test_skipping_the_copy_on_write_copy_changes_tokens(monkeypatch):
+    monkeypatch.setattr(PagedKVCache, "copy_pages", lambda self, src, dst: None)
+    with pytest.raises(AssertionError, match="differ from generate"):
+        engine.run_demo("llama", backend="numba", out=None, **SMALL)
+
+
+def _prefill_and_decode(model, prompts, backend, shift=0, steps=4):
+    """Greedy decode of ``prompts`` packed in one batch (prefills, then decode steps) on tpool pages.
+    ``shift`` adds to the positions the model sees in the decode steps (a deliberate off-by-one: a
+    shift of every position alike would change nothing, rotary embeddings being relative)."""
+    pool = tpool.PagePool(64, 4, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, len(prompts), 16)
+    cache = PagedKVCache.from_pool(pool, *engine.kv_shape(model.config),
+                                   dtype=torch.float32)
+    ids = i32(list(range(len(prompts))))
+    feed, toks, logits = [list(p) for p in prompts], [[] for _ in prompts], None
+    for s in range(steps):
+        ntok = i32([len(f) for f in feed])
+        t = sum(len(f) for f in feed)
+        res = table.step(ids, ntok, max_tokens=t)
+        meta = step_metadata(table, res, ids, ntok)
+        x = torch.tensor([tok for f in feed for tok in f])
+        with torch.no_grad():
+            pos = meta.positions.long() + (shift if s else 0)
+            out = model(input_ids=x[None], position_ids=pos[None], use_cache=False,
+                        tpool_context=PagedContext(cache, meta)).logits[0]
+        if s == 0:
+            logits = out
+        ends = meta.qo_indptr[1:].tolist()
+        for i, e in enumerate(ends):
+            toks[i].append(int(out[e - 1].argmax()))
+        feed = [[tk[-1]] for tk in toks]
+    pool_used = pool.stats()["pages.used.current"]
+    table.release(ids)
+    pool.check()
+    assert pool.stats()["pages.used.current"] == 0 and pool_used > 0
+    return toks, logits
+
+
+@pytest.mark.parametrize("arch", engine.MODELS)
+def test_logits_of_a_packed_batch_match_eager_within_tolerance(arch, models):
+    model = models[arch]
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (7, 1, 13)]
+    _, logits = _prefill_and_decode(model, prompts, "reference", steps=1)
+    model.set_attn_implementation("eager")
+    try:
+        start = 0
+        for p in prompts:
+            with torch.no_grad():
+                want = model(torch.tensor([p])).logits[0]
+            got = logits[start:start + len(p)]
+            assert (got - want).abs().max() < LOGITS_ATOL
+            start += len(p)
+    finally:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+@pytest.mark.parametrize("arch", engine.MODELS)
+def test_a_position_off_by_one_changes_tokens(arch, models):
+    """The check is sharp: with the initializer range used, a shifted position changes greedy tokens."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (9, 5, 17, 3)]
+    right, _ = _prefill_and_decode(models[arch], prompts, "numba")
+    wrong, _ = _prefill_and_decode(models[arch], prompts, "numba", shift=1)
+    want = engine.reference_tokens(models[arch], [engine.Request(i, p, 4) for i, p in enumerate(prompts)])
+    assert right == [want[i] for i in range(len(prompts))]
+    assert wrong != right
+
+
+def test_the_hot_path_has_no_host_sync(backend, models, guard):
+    model = models["llama"]
+    pool = tpool.PagePool(32, 4, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 4, 8)
+    cache = PagedKVCache.from_pool(pool, *engine.kv_shape(model.config), dtype=torch.float32)
+    ids, ntok = i32([0, 1, -1]), i32([5, 3, 0])
+    x = torch.randint(1, 256, (8,))
+    table.step(ids, ntok, max_tokens=8)     # first call of the shape (buffers), outside the guard
+    table.release(i32([0, 1]))
+    fork = table.fork(i32([0]), i32([1]), i32([0]))
+    with guard():
+        res = table.step(ids, ntok, max_tokens=8)
+        meta = step_metadata(table, res, ids, ntok)
+        with torch.no_grad():
+            logits = forward_step(model, x, PagedContext(cache, meta))   # K/V writes + paged attention, each layer
+        out = paged_attention(torch.zeros(8, 4, 16), cache.k[0], cache.v[0], meta)
+        cache.copy_pages(fork.cow_src, fork.cow_dst)
+    assert logits.shape == (8, 256) and out.shape == (8, 4, 16)
+    assert (cache.k[0] != 0).any()
+    pool.check()
+
+
+def test_no_mask_is_built_and_the_context_is_required(models):
+    from transformers.masking_utils import create_causal_mask
+    model = models["gpt-neox"]
+    emb = torch.zeros(1, 5, 64)
+    assert create_causal_mask(config=model.config, inputs_embeds=emb, attention_mask=None, cache=None,
+                              position_ids=torch.arange(5)[None]) is None
+    attn = model.gpt_neox.layers[0].attention
+    q = torch.zeros(1, 4, 2, 16)
+    with pytest.raises(ValueError, match="expected the forward keyword tpool_context"):
+        paged_attention_forward(attn, q, q, q, None)
+
+
+# ----------------------------------------------------------------- GPU only
+HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_FLASHINFER, reason="needs flashinfer")
+@pytest.mark.parametrize("decode", [False, True])
+def test_flashinfer_matches_reference_attention(decode):
+    from tpool.serving import FlashInferAttention
+    torch.manual_seed(0)
+    dev, ps, hq, hkv, d = "cuda", 16, 8, 2, 128
+    pool = tpool.PagePool(256, ps, device=dev, backend="triton")
+    table = tpool.PageTable(pool, 8, 32)
+    cache = PagedKVCache.from_pool(pool, 1, hkv, d, dtype=torch.float16)
+    t32 = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
+    pre = table.extend(t32(list(range(4))), t32([37, 5, 100, 16]), max_tokens=158)
+    cache.write(0, pre.slots, torch.randn(158, hkv, d, device=dev, dtype=torch.float16),
+                torch.randn(158, hkv, d, device=dev, dtype=torch.float16))
+    ids = t32([0, 1, 2, 3])
+    ntok = t32([1, 1, 1, 1]) if decode else t32([1, 9, 1, 30])
+    t = 4 if decode else 48
+    res = table.step(ids, ntok, max_tokens=t)
+    meta = step_metadata(table, res, ids, ntok)
+    cache.write(0, meta.slots, torch.randn(t, hkv, d, device=dev, dtype=torch.float16),
+                torch.randn(t, hkv, d, device=dev, dtype=torch.float16))
+    q = torch.randn(t, hq, d, device=dev, dtype=torch.float16)
+    for window in (None, 24):
+        fi = FlashInferAttention(dev)
+        fi.plan(meta, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps, q_dtype=torch.float16,
+                kv_dtype=torch.float16, scale=d ** -0.5, sliding_window=window, decode=decode)
+        got = fi.run(q, cache.k[0], cache.v[0])
+        want = paged_attention(q, cache.k[0], cache.v[0], meta, scale=d ** -0.5, sliding_window=window)
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_decode_step_and_forward_in_one_cuda_graph_match_eager(backend):
+    """forward + step captured once; every decode step of a whole generation is a replay."""
+    from tpool.graphs import capture
+    dev, n_lanes, steps = "cuda", 4, 24
+    model = engine.tiny_model("llama", seed=0).to(dev)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (9, 5, 17, 3)]
+
+    def setup():
+        pool = tpool.PagePool(64, 4, device=dev, backend=backend)
+        table = tpool.PageTable(pool, n_lanes, 16)
+        cache = PagedKVCache.from_pool(pool, *engine.kv_shape(model.config), dtype=torch.float32)
+        ids = torch.arange(n_lanes, dtype=torch.int32, device=dev)
+        ntok = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=dev)
+        total = int(ntok.sum())
+        res = table.step(ids, ntok, max_tokens=total)
+        meta = step_metadata(table, res, ids, ntok)
+        x = torch.tensor([t for p in prompts for t in p], device=dev)
+        with torch.no_grad():
+            logits = forward_step(model, x, PagedContext(cache, meta))
+        first = logits[meta.qo_indptr[1:].long() - 1].argmax(-1)
+        return pool, table, cache, ids, first
+
+    def decode(table, cache, ids, ones, tok):
+        res = table.step(ids, ones)
+        meta = step_metadata(table, res, ids, ones)
+        with torch.no_grad():
+            tok.copy_(forward_step(model, tok, PagedContext(cache, meta)).argmax(-1))
+
+    ones = torch.ones(n_lanes, dtype=torch.int32, device=dev)
+    pool_e, table_e, cache_e, ids_e, tok_e = setup()
+    eager = [tok_e.clone()]
+    for _ in range(steps):
+        decode(table_e, cache_e, ids_e, ones, tok_e)
+        eager.append(tok_e.clone())
+    pool_g, table_g, cache_g, ids_g, tok_g = setup()
+    start = tok_g.clone()
+    graph = capture(lambda: decode(table_g, cache_g, ids_g, ones, tok_g), table_g)
+    tok_g.copy_(start)                        # the warm-up ran the step; its state was restored, the tokens not
+    graphed = [tok_g.clone()]
+    for _ in range(steps):
+        graph.replay()
+        graphed.append(tok_g.clone())
+    torch.cuda.synchronize()
+    assert torch.equal(torch.stack(graphed), torch.stack(eager))
+    want = engine.reference_tokens(model.cpu(), [engine.Request(i, p, steps + 1) for i, p in enumerate(prompts)])
+    assert torch.stack(eager).T.tolist() == [want[i] for i in range(n_lanes)]
+    for p in (pool_e, pool_g):
+        p.check()
+
+
+def test_bench_e2e_prints_its_table(tmp_path, capsys):
+    import importlib.util as iu
+    import json
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_e2e.py")
+    spec = iu.spec_from_file_location("bench_e2e", path)
+    mod = iu.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "e2e.json"
+    mod.main(["--batch", "2", "3", "--samples", "3", "--inner", "2", "--prompt", "5", "--hidden", "32",
+              "--layers", "1", "--heads", "4", "--vocab", "64", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "decode step, end to end" in text and "tpool share" in text and "p20 / p80" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [2, 3]
+    assert all(r["tokens_per_s"] > 0 and 0 < r["tpool_share"] < 1 and r["baseline_tokens_per_s"] > 0 for r in rows)
+
+
+def test_a_sliding_window_model_matches_generate_and_the_window_matters():
+    """Mistral passes ``sliding_window`` to the attention function; prompts are longer than the window."""
+    from transformers import AttentionInterface, MistralConfig, MistralForCausalLM
+    from tpool.serving import hf
+    cfg = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.25,
+                        sliding_window=6, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    model = MistralForCausalLM._from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+
+    def serve():
+        eng = engine.Engine(model, num_pages=16, page_size=4, max_batch=4, max_pages=20, backend="reference")
+        return eng.run(engine.make_requests(6, max_new=(4, 10)))
+
+    want = engine.reference_tokens(model, engine.make_requests(6, max_new=(4, 10)))
+    assert serve() == want
+    AttentionInterface.register(ATTN_IMPLEMENTATION, lambda *a, **k: hf.paged_attention_forward(
+        *a, **{**k, "sliding_window": None}))
+    try:
+        without = serve()
+    finally:
+        hf.register()
+    assert without != want

@@ -1,0 +1,207 @@
+"""Paged K/V storage, step metadata and the reference paged attention (torch only, no transformers)."""
+
+import math
+
+import pytest
+import torch
+
+import tpool
+from conftest import i32
+from tpool.serving import PagedKVCache, paged_attention, step_metadata
+from tpool.serving.kv import SCRATCH_PAGES
+
+
+def _cache(num_pages=6, page_size=4, layers=2, heads=2, dim=3, dtype=torch.float32):
+    pool = tpool.PagePool(num_pages, page_size, device="cpu", backend="reference")
+    return PagedKVCache.from_pool(pool, layers, heads, dim, dtype=dtype)
+
+
+def test_views_are_nhd_and_contiguous_per_layer():
+    c = _cache()
+    assert c.layout == "NHD"
+    for t in c.k + c.v:
+        assert t.shape == (6, 4, 2, 3) and t.is_contiguous()
+    assert c.k[1].data_ptr() != c.k[0].data_ptr()
+
+
+def test_write_puts_tokens_at_their_slots_and_never_writes_padding(guard):
+    c = _cache()
+    slots = i32([5, -1, 23, 0, -1, 24, -7])   # 24 and -7 are outside [0, 24): treated as padding too
+    k = torch.arange(7 * 2 * 3, dtype=torch.float32).view(7, 2, 3) + 1
+    v = -k
+    with guard():
+        c.write(1, slots, k, v)
+    rows_k, rows_v = c.k[1].reshape(-1, 2, 3), c.v[1].reshape(-1, 2, 3)
+    for i, s in enumerate([5, None, 23, 0, None, None, None]):
+        if s is not None:
+            assert torch.equal(rows_k[s], k[i]) and torch.equal(rows_v[s], v[i])
+    written = torch.zeros(24, dtype=torch.bool)
+    written[[5, 23, 0]] = True
+    assert (rows_k[~written] == 0).all() and (rows_v[~written] == 0).all()   # incl. the last slot, 23 only as given
+    assert (c.k[0] == 0).all() and (c.v[0] == 0).all()                          # other layers untouched
+    # What the scratch page prevents: torch wraps -1 to the last slot of the last page.
+    naive = torch.zeros(24, 2, 3)
+    naive[i32([5, -1]).long()] = k[:2]
+    assert torch.equal(naive[23], k[1])
+
+
+def test_write_accepts_transposed_inputs(guard):
+    c = _cache(layers=1)
+    k = torch.randn(2, 4, 3).transpose(0, 1)     # [4, 2, 3], non-contiguous, as a model hands it
+    with guard():
+        c.write(0, i32([1, 2, 3, 4]), k, k)
+    assert torch.equal(c.k[0].reshape(-1, 2, 3)[1:5], k)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(k=torch.zeros(3, 2, 3, dtype=torch.float64)), "expected dtype torch.float32.*got torch.float64"),
+    (dict(k=torch.zeros(3, 2, 4)), r"expected shape \(3, 2, 3\).*got \(3, 2, 4\)"),
+    (dict(slots=torch.zeros(3, dtype=torch.int64)), "slots: expected dtype torch.int32, got torch.int64"),
+    (dict(layer=2), r"layer: expected an int in \[0, 2\), got 2"),
+])
+def test_write_rejects_bad_input_naming_expected_and_actual(bad, match):
+    c = _cache()
+    args = dict(layer=0, slots=i32([0, 1, 2]), k=torch.zeros(3, 2, 3), v=torch.zeros(3, 2, 3)) | bad
+    with pytest.raises(ValueError, match=match):
+        c.write(args["layer"], args["slots"], args["k"], args["v"])
+    assert all((t == 0).all() for t in c.k + c.v)
+
+
+def test_copy_pages_copies_every_layer_and_skips_minus_one(guard):
+    c = _cache()
+    torch.manual_seed(0)
+    for t in c.k + c.v:
+        t.copy_(torch.randn_like(t))
+    before_k, before_v = [t.clone() for t in c.k], [t.clone() for t in c.v]
+    with guard():
+        c.copy_pages(i32([1, -1, 4, 2]), i32([3, 0, -1, 5]))
+    for layer in range(2):
+        want_k, want_v = before_k[layer].clone(), before_v[layer].clone()
+        want_k[3], want_v[3] = before_k[layer][1], before_v[layer][1]
+        want_k[5], want_v[5] = before_k[layer][2], before_v[layer][2]
+        assert torch.equal(c.k[layer], want_k) and torch.equal(c.v[layer], want_v)
+    with pytest.raises(ValueError, match="dst: expected 2 entries, got 1"):
+        c.copy_pages(i32([1, 2]), i32([3]))
+
+
+def test_memory_bytes_counts_storage_and_shows_in_the_report():
+    c = _cache(num_pages=6, page_size=4, layers=2, heads=2, dim=3)
+    m = c.memory_bytes()
+    per_page = 2 * 2 * 4 * 2 * 3 * 4                       # K and V, layers, tokens, heads, dim, fp32
+    assert m["bytes_per_page"] == per_page and m["page_bytes"] == 6 * per_page
+    assert m["storage_bytes"] == (6 + SCRATCH_PAGES) * per_page
+    report = tpool.memory_report("cpu", pools=[c])
+    assert list(report.tracked.pools.values())[0]["storage_bytes"] == m["storage_bytes"]
+
+
+# ------------------------------------------------------------------ metadata
+def test_step_metadata_by_hand(make_pool, guard):
+    pool = make_pool(8, page_size=4)
+    table = tpool.PageTable(pool, 4, 4)
+    table.extend(i32([0]), i32([3]), max_tokens=3)          # request 0 holds 3 tokens
+    ids, ntok = i32([0, 1, -1]), i32([1, 2, 0])             # decode 1, prefill 2, a padding lane
+    with guard():
+        step = table.step(ids, ntok, max_tokens=4)
+        meta = step_metadata(table, step, ids, ntok)
+    assert meta.positions.tolist() == [3, 0, 1, -1]          # the last slot is unused capacity
+    assert meta.qo_indptr.tolist() == [0, 1, 3, 3]
+    assert meta.kv_lens.tolist() == [4, 2, 0]
+    assert meta.csr.indptr.tolist() == [0, 1, 2, 2] and meta.max_pages == 4
+    assert all(t.dtype == torch.int32 for t in (meta.positions, meta.qo_indptr, meta.kv_lens))
+
+
+def test_step_metadata_of_a_failed_lane(make_pool, guard):
+    pool = make_pool(4, page_size=2)
+    table = tpool.PageTable(pool, 4, 4)
+    table.extend(i32([0, 1]), i32([3, 1]), max_tokens=4)    # 2 pages + 1 page; 1 page left
+    ids, ntok = i32([0, 1, 2]), i32([1, 4, 1])              # lane 1 needs 2 pages: fails, and so does lane 2
+    with guard():
+        step = table.step(ids, ntok, max_tokens=6)
+        meta = step_metadata(table, step, ids, ntok)
+    assert step.ok.tolist() == [True, False, False]
+    assert meta.positions.tolist() == [3, -1, -1, -1, -1, -1]   # a failed lane's tokens are padding
+    assert meta.qo_indptr.tolist() == [0, 1, 5, 6]
+    assert meta.kv_lens.tolist() == [4, 1, 0]                   # a failed lane keeps its length
+
+
+# ------------------------------------------------------------------ attention
+def _dense(q, ks, vs, positions, scale, window):
+    """One sequence: q [n, Hq, D] at ``positions``, keys/values [L, Hkv, D] of the whole sequence."""
+    hq, hkv = q.shape[1], ks.shape[1]
+    k, v = ks.repeat_interleave(hq // hkv, 1), vs.repeat_interleave(hq // hkv, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    key = torch.arange(ks.shape[0])
+    mask = key[None, :] <= positions[:, None]
+    if window is not None:
+        mask &= key[None, :] > positions[:, None] - window
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_paged_attention_matches_dense_attention_per_sequence(make_pool, guard, window):
+    torch.manual_seed(0)
+    ps, hq, hkv, d = 4, 6, 2, 8
+    pool = make_pool(32, page_size=ps)
+    table = tpool.PageTable(pool, 4, 6)
+    cache = PagedKVCache.from_pool(pool, 1, hkv, d, dtype=torch.float32)
+    history = {0: 9, 2: 5}                                     # requests 0 and 2 already hold tokens
+    full_k = {r: torch.randn(24, hkv, d) for r in range(4)}
+    full_v = {r: torch.randn(24, hkv, d) for r in range(4)}
+    for r, n in history.items():
+        res = table.extend(i32([r]), i32([n]), max_tokens=n)
+        cache.write(0, res.slots, full_k[r][:n], full_v[r][:n])
+    ids, ntok = i32([2, 0, 1, -1, 3]), i32([1, 2, 7, 0, 1])    # decode, 2 drafted, prefill, padding, prefill of 1
+    lens0 = {2: 5, 0: 9, 1: 0, 3: 0}
+    t = 12
+    step = table.step(ids, ntok, max_tokens=t)
+    meta = step_metadata(table, step, ids, ntok)
+    k_new = torch.cat([full_k[r][lens0[r]:lens0[r] + n] for r, n in ((2, 1), (0, 2), (1, 7), (3, 1))])
+    v_new = torch.cat([full_v[r][lens0[r]:lens0[r] + n] for r, n in ((2, 1), (0, 2), (1, 7), (3, 1))])
+    pad = t - k_new.shape[0]
+    q = torch.randn(t, hq, d)
+    scale = 0.3
+    with guard():
+        cache.write(0, meta.slots, torch.cat([k_new, torch.zeros(pad, hkv, d)]),
+                    torch.cat([v_new, torch.zeros(pad, hkv, d)]))
+        out = paged_attention(q, cache.k[0], cache.v[0], meta, scale=scale, sliding_window=window)
+    start = 0
+    for r, n in ((2, 1), (0, 2), (1, 7), (3, 1)):
+        L = lens0[r] + n
+        pos = torch.arange(lens0[r], L)
+        want = _dense(q[start:start + n], full_k[r][:L], full_v[r][:L], pos, scale, window)
+        torch.testing.assert_close(out[start:start + n], want, atol=1e-5, rtol=1e-5)
+        start += n
+    assert (out[start:] == 0).all()                             # padding tokens get zeros
+    default = paged_attention(q, cache.k[0], cache.v[0], meta, sliding_window=window)
+    assert not torch.allclose(default, out) and math.isclose(1 / math.sqrt(d), d ** -0.5)
+
+
+def test_paged_attention_rejects_mismatched_heads():
+    pool = tpool.PagePool(4, 2, device="cpu", backend="reference")
+    table = tpool.PageTable(pool, 2, 2)
+    cache = PagedKVCache.from_pool(pool, 1, 2, 4, dtype=torch.float32)
+    ids, ntok = i32([0]), i32([1])
+    meta = step_metadata(table, table.step(ids, ntok), ids, ntok)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads 2, got 3"):
+        paged_attention(torch.zeros(1, 3, 4), cache.k[0], cache.v[0], meta)
+    with pytest.raises(ValueError, match="expected 1 tokens .*got 2"):
+        paged_attention(torch.zeros(2, 4, 4), cache.k[0], cache.v[0], meta)
+
+
+@pytest.mark.parametrize("module", ["kv", "attention"])
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+    mod = importlib.import_module(f"tpool.serving.{module}")
+    globs = {"torch": torch, "PagePool": tpool.PagePool, "PageTable": tpool.PageTable}
+    result = doctest.testmod(mod, extraglobs=globs, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted >= 3 and result.failed == 0
+
+
+def test_tpool_and_its_serving_core_never_import_transformers():
+    import subprocess
+    import sys
+    code = ("import sys, tpool, tpool.serving, tpool.serving.kv, tpool.serving.attention; "
+            "assert 'transformers' not in sys.modules, 'transformers imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,216 @@
+"""Paged attention over a packed batch, read through a step's metadata.
+
+Note: a step packs every lane's new tokens one after the other (lane ``i``'s
+are rows ``qo_indptr[i]:qo_indptr[i+1]`` of ``q``), prefill lanes (many new
+tokens) and decode lanes (one) mixed. A token at position ``p`` of its
+sequence attends to the keys at positions ``0..p`` of its own lane (causal),
+or only ``p - sliding_window + 1 .. p`` with a window (transformers'
+``sliding_window``; FlashInfer's ``window_left = sliding_window - 1``).
+Query head ``h`` reads key/value head ``h // (Hq // Hkv)`` (grouped-query,
+as transformers' ``repeat_kv``). Padding tokens (position -1: unused
+capacity, padding lanes, failed lanes) get zeros.
+
+:func:`paged_attention` is the reference in plain torch: fixed shapes from
+static capacities (``max_pages`` per request), no host sync, so it runs on
+any device and inside a CUDA graph; it gathers each lane's pages, which costs
+memory ``T * max_pages * page_size * Hkv * D``: an oracle, not a fast path.
+:class:`FlashInferAttention` is the CUDA path (FlashInfer's paged wrappers
+fed the step's CSR as it is).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tpool.page_table import PagedKVCSR
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """What attention needs from one step, all int32 on the table's device.
+
+    slots : ``[T]``, slot of each packed token, -1 = padding (the step's ``slots``).
+    positions : ``[T]``, position of each packed token in its sequence, -1 = padding.
+    qo_indptr : ``[B+1]``, lane ``i``'s tokens are rows ``qo_indptr[i]:qo_indptr[i+1]``.
+    kv_lens : ``[B]``, each lane's length after the step (a failed lane keeps its length; padding 0).
+    csr : the step's FlashInfer CSR (``indptr`` ``[B+1]``, ``indices``, ``last_page_len`` ``[B]``).
+    max_pages : int, static: pages per request at most (the table's ``max_pages_per_request``).
+    """
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_lens: torch.Tensor
+    csr: PagedKVCSR
+    max_pages: int
+
+
+# interim: replaced by StepResult.positions/qo_indptr/kv_lens
+def step_metadata(table, step, req_ids: torch.Tensor, num_tokens: torch.Tensor) -> StepMetadata:
+    """The attention metadata of a step that just ran (``step = table.step(req_ids, num_tokens, ...)``).
+
+    Interim: the step kernels will return ``positions``, ``qo_indptr`` and ``kv_lens`` themselves;
+    until then this rebuilds them on the device from the step's ``slots`` and the table's
+    ``seq_lens`` after the step, with fixed-shape torch ops (cumsum, searchsorted, gather),
+    no host sync. Call it right after the step, before another call changes ``seq_lens``.
+
+    Parameters
+    ----------
+    table : PageTable
+    step : StepResult  the result of ``table.step(req_ids, num_tokens, ...)``.
+    req_ids, num_tokens : torch.Tensor  shape ``[B]``, int32, on the table's device: the step's inputs.
+
+    Example
+    -------
+    >>> i32 = lambda v: torch.tensor(v, dtype=torch.int32)
+    >>> pool = PagePool(8, page_size=4, device="cpu", backend="reference")
+    >>> table = PageTable(pool, max_requests=4, max_pages_per_request=4)
+    >>> _ = table.extend(i32([0]), i32([3]), max_tokens=3)     # request 0 holds 3 tokens
+    >>> ids, ntok = i32([0, 1, -1]), i32([1, 2, 0])            # decode 1, prefill 2, a padding lane
+    >>> m = step_metadata(table, table.step(ids, ntok, max_tokens=4), ids, ntok)
+    >>> m.positions.tolist(), m.qo_indptr.tolist(), m.kv_lens.tolist()   # slot 3: unused capacity
+    ([3, 0, 1, -1], [0, 1, 3, 3], [4, 2, 0])
+    """
+    slots = step.slots
+    b, t, dev = req_ids.numel(), slots.numel(), slots.device
+    n = num_tokens.long().clamp(min=0)
+    ends = torch.cumsum(n, 0)
+    qo_indptr = torch.zeros(b + 1, dtype=torch.int32, device=dev)
+    qo_indptr[1:] = ends.clamp(max=t)
+    r = req_ids.long()
+    valid = (r >= 0) & (r < table.max_requests)
+    kv_lens = torch.where(valid, table.seq_lens[r.clamp(0, table.max_requests - 1)].long(), 0)
+    if b == 0:
+        positions = torch.full((t,), -1, dtype=torch.int32, device=dev)
+    else:
+        u = torch.arange(t, device=dev)
+        lane = torch.searchsorted(ends, u, right=True).clamp(max=b - 1)
+        first = kv_lens - n                      # position of each lane's first new token
+        positions = torch.where(slots >= 0, first[lane] + u - (ends - n)[lane], -1).to(torch.int32)
+    return StepMetadata(slots, positions, qo_indptr, kv_lens.to(torch.int32), step.csr, table.max_pages)
+
+
+def _check(q, k_cache, v_cache, meta):
+    if not (isinstance(q, torch.Tensor) and q.dim() == 3):
+        raise ValueError(f"q: expected a [T, num_qo_heads, head_dim] tensor, got "
+                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache, v_cache: expected two [num_pages, page_size, num_kv_heads, head_dim] tensors "
+                         f"of one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    t, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"k_cache: expected head_dim {d} (q's), got {k_cache.shape[3]}")
+    if hq % hkv:
+        raise ValueError(f"q: expected num_qo_heads a multiple of num_kv_heads {hkv}, got {hq}")
+    if meta.positions.numel() != t:
+        raise ValueError(f"q: expected {meta.positions.numel()} tokens (the step's max_tokens), got {t}")
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.device != meta.positions.device:
+            raise ValueError(f"{name}: expected device {meta.positions.device} (the metadata's), got {x.device}")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata, *,
+                    scale: float | None = None, sliding_window: int | None = None) -> torch.Tensor:
+    """Reference paged attention (plain torch) for a packed batch of prefill and decode lanes.
+
+    Parameters
+    ----------
+    q : torch.Tensor  shape ``[T, num_qo_heads, head_dim]``, on the cache's device
+        The step's new tokens, packed as ``meta.qo_indptr`` says (T = the step's ``max_tokens``).
+    k_cache, v_cache : torch.Tensor  shape ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD)
+        One layer of a :class:`~tpool.serving.kv.PagedKVCache`, the new tokens already written.
+    meta : StepMetadata
+    scale : float, optional
+        Softmax scale, default ``1 / sqrt(head_dim)``.
+    sliding_window : int, optional
+        Attend to the last ``sliding_window`` positions only (the token itself included).
+
+    Returns
+    -------
+    torch.Tensor  shape ``[T, num_qo_heads, head_dim]``, q's dtype; zeros for padding tokens.
+    Computed in float32.
+    """
+    _check(q, k_cache, v_cache, meta)
+    t, hq, d = q.shape
+    num_pages, ps, hkv, _ = k_cache.shape
+    b, mp = meta.kv_lens.numel(), meta.max_pages
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if b == 0 or t == 0:
+        return torch.zeros_like(q)
+    dev = q.device
+    # Each lane's pages, [B, max_pages]: indices[indptr[i] + j] for j < its page count.
+    indptr, indices = meta.csr.indptr.long(), meta.csr.indices
+    j = torch.arange(mp, device=dev)
+    at = (indptr[:-1, None] + j).clamp(max=indices.numel() - 1)
+    mine = j < (indptr[1:] - indptr[:-1])[:, None]
+    pages = torch.where(mine, indices[at].long(), 0).clamp(0, num_pages - 1)
+    # Each token's lane and its keys/values: [T, max_pages * page_size, Hkv, D].
+    u = torch.arange(t, device=dev)
+    lane = torch.searchsorted(meta.qo_indptr[1:].long(), u, right=True).clamp(max=b - 1)
+    k = k_cache[pages].reshape(b, mp * ps, hkv, d)[lane].float()
+    v = v_cache[pages].reshape(b, mp * ps, hkv, d)[lane].float()
+    pos = meta.positions.long()[:, None]
+    key = torch.arange(mp * ps, device=dev)[None, :]
+    allowed = (key <= pos) & (key < meta.kv_lens.long()[lane][:, None]) & (pos >= 0)
+    if sliding_window is not None:
+        allowed &= key > pos - sliding_window
+    qg = q.float().reshape(t, hkv, hq // hkv, d)
+    scores = torch.einsum("thgd,tshd->thgs", qg, k) * scale
+    scores = scores.masked_fill(~allowed[:, None, None, :], torch.finfo(torch.float32).min)
+    p = torch.softmax(scores, dim=-1) * allowed[:, None, None, :]   # a row with no key: all zeros
+    out = torch.einsum("thgs,tshd->thgd", p, v)
+    return out.reshape(t, hq, d).to(q.dtype)
+
+
+class FlashInferAttention:
+    """FlashInfer's paged attention on CUDA, fed a step's CSR as it is (NHD pages).
+
+    ``plan`` once per step (outside a CUDA graph: FlashInfer's ``plan`` reads
+    ``qo_indptr`` and ``indptr`` on the host, its own sync point), then ``run`` per
+    layer. Mixed batches use ``BatchPrefillWithPagedKVCacheWrapper``; ``decode=True``
+    (every lane one token, ``T == B``) uses ``BatchDecodeWithPagedKVCacheWrapper``.
+
+    Parameters
+    ----------
+    device : torch.device or str  a CUDA device.
+    workspace_bytes : int  FlashInfer's float workspace (default 128 MiB).
+    """
+
+    def __init__(self, device, workspace_bytes: int = 128 << 20):
+        import flashinfer  # an optional dependency: only this class needs it
+        self._fi = flashinfer
+        self.device = torch.device(device)
+        self._workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self._wrapper, self._rows, self._decode_mode = None, 0, False
+
+    def plan(self, meta: StepMetadata, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+             q_dtype: torch.dtype, kv_dtype: torch.dtype, scale: float | None = None,
+             sliding_window: int | None = None, decode: bool = False) -> None:
+        """Plan the step's attention (every layer of the step shares the plan)."""
+        window_left = -1 if sliding_window is None else sliding_window - 1
+        csr = meta.csr
+        common = dict(window_left=window_left, q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=scale)
+        if decode and meta.positions.numel() != meta.kv_lens.numel():
+            raise ValueError(f"decode=True: expected one token per lane (max_tokens == B == {meta.kv_lens.numel()}), "
+                             f"got max_tokens {meta.positions.numel()}")
+        if decode:
+            self._decode.plan(csr.indptr, csr.indices, csr.last_page_len, num_qo_heads, num_kv_heads, head_dim,
+                              page_size, **common)
+            self._wrapper, self._rows = self._decode, meta.kv_lens.numel()
+        else:
+            self._prefill.plan(meta.qo_indptr, csr.indptr, csr.indices, csr.last_page_len, num_qo_heads,
+                               num_kv_heads, head_dim, page_size, causal=True, **common)
+            self._wrapper, self._rows = self._prefill, int(meta.qo_indptr[-1])  # plan read it on the host too
+        self._decode_mode = decode
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q`` (``[T, Hq, D]``, packed as planned) over one layer's pages; zeros past the rows."""
+        if self._wrapper is None:
+            raise RuntimeError("FlashInferAttention.run: call plan() for this step first")
+        out = torch.zeros_like(q)
+        out[:self._rows] = self._wrapper.run(q[:self._rows], (k_cache, v_cache))
+        return out

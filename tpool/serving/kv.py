@@ -1,0 +1,173 @@
+"""Paged K/V storage sized from a pool: one K and one V tensor per layer, NHD.
+
+Note: the layout is FlashInfer's default ``NHD``: layer ``l``'s keys are
+``k[l]`` of shape ``[num_pages, page_size, num_kv_heads, head_dim]``, and the
+token at slot ``s = page * page_size + offset`` (the slot a ``PageTable``
+hands out) is ``k[l][page, offset]``, i.e. row ``s`` of
+``k[l].view(-1, num_kv_heads, head_dim)``. Behind each layer's pages sits one
+scratch page that no exported view covers. A write sends every padding slot
+(-1) and every slot outside ``[0, num_pages * page_size)`` there, with a
+``torch.where`` on the device: no host sync, no data-dependent shape, and no
+page a request owns is ever touched by padding. (``cache.view(-1, H, D)[slots]
+= k`` would instead write each padding token into the last slot of the last
+page, since torch wraps -1.) ``copy_pages`` sends its -1 pairs to the scratch
+page the same way.
+"""
+
+import torch
+
+NHD = "NHD"   # the only layout: [num_pages, page_size, num_kv_heads, head_dim]
+SCRATCH_PAGES = 1  # pages per layer behind the exported views; padding writes land there
+
+
+def _vector(t, name, device, n=None):
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype is not torch.int32:
+        raise ValueError(f"{name}: expected dtype torch.int32, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if t.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(t.shape)}")
+    if n is not None and t.numel() != n:
+        raise ValueError(f"{name}: expected {n} entries, got {t.numel()}")
+
+
+class PagedKVCache:
+    """K and V pages for ``num_layers`` layers, addressed by the slots of a ``PageTable``.
+
+    Parameters
+    ----------
+    num_layers, num_pages, page_size, num_kv_heads, head_dim : int
+        Shape of the storage; ``num_pages`` and ``page_size`` must match the pool whose
+        page ids index it (:meth:`from_pool` takes them from the pool).
+    dtype : torch.dtype
+        Element type of K and V (e.g. ``torch.bfloat16``).
+    device : torch.device or str
+        Where the pages live (the pool's device, for a table's slots to index them).
+
+    Attributes
+    ----------
+    k, v : list of torch.Tensor
+        Per layer, ``[num_pages, page_size, num_kv_heads, head_dim]`` views (NHD), each
+        contiguous: pass ``(cache.k[l], cache.v[l])`` as FlashInfer's ``paged_kv_cache``.
+
+    Example
+    -------
+    >>> pool = PagePool(4, page_size=2, device="cpu", backend="reference")
+    >>> cache = PagedKVCache.from_pool(pool, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
+    >>> slots = torch.tensor([3, -1, 0], dtype=torch.int32)       # token 1 is padding
+    >>> x = torch.tensor([1.0, 2.0, 3.0]).view(3, 1, 1)
+    >>> cache.write(0, slots, x, x)
+    >>> cache.k[0].flatten().tolist()                           # padding wrote nothing
+    [3.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    """
+
+    layout = NHD
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *,
+                 dtype: torch.dtype, device):
+        for name, val in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
+                          ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name}: expected a positive int, got {val!r}")
+        if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype.itemsize == 1):
+            raise ValueError(f"dtype: expected a floating torch.dtype (or a 1-byte type for fp8), got {dtype!r}")
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        shape = (num_layers, num_pages + SCRATCH_PAGES, page_size, num_kv_heads, head_dim)
+        # One allocation each for K and V; zeros, so a test can see that nothing was written.
+        self._k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k = [self._k[i, :num_pages] for i in range(num_layers)]
+        self.v = [self._v[i, :num_pages] for i in range(num_layers)]
+        rows = (num_layers, (num_pages + SCRATCH_PAGES) * page_size, num_kv_heads, head_dim)
+        self._k_rows, self._v_rows = self._k.view(rows), self._v.view(rows)
+        self._num_slots = num_pages * page_size  # slots >= this (the scratch page) are never exported
+        self._scratch = torch.tensor(self._num_slots, dtype=torch.int64, device=self.device)
+        self._scratch_page = torch.tensor(num_pages, dtype=torch.int64, device=self.device)
+
+    @classmethod
+    def from_pool(cls, pool, num_layers: int, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype = torch.float16,
+                  device=None) -> "PagedKVCache":
+        """Storage for every page of ``pool`` (its ``num_pages``, ``page_size``; its device by default)."""
+        return cls(num_layers, pool.num_pages, pool.page_size, num_kv_heads, head_dim, dtype=dtype,
+                   device=pool.device if device is None else device)
+
+    def __repr__(self):
+        return (f"PagedKVCache(layers={self.num_layers}, pages={self.num_pages}, page_size={self.page_size}, "
+                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
+                f"device={self.device}, layout={NHD})")
+
+    def layer(self, i: int):
+        """``(k, v)`` of layer ``i``, each ``[num_pages, page_size, num_kv_heads, head_dim]``."""
+        return self.k[i], self.v[i]
+
+    # ------------------------------------------------------------ hot path
+    def _check_kv(self, name, t, n):
+        want = (n, self.num_kv_heads, self.head_dim)
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name}: expected shape {want} ([T, num_kv_heads, head_dim]), got {tuple(t.shape)}")
+        if t.dtype != self.dtype:
+            raise ValueError(f"{name}: expected dtype {self.dtype} (the cache's), got {t.dtype}")
+        if t.device != self.device:
+            raise ValueError(f"{name}: expected device {self.device}, got {t.device}")
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the keys and values of ``T`` tokens of ``layer`` at their slots.
+
+        Parameters
+        ----------
+        layer : int
+            In ``[0, num_layers)``.
+        slots : torch.Tensor  shape ``[T]``, int32, on the cache's device
+            A step's ``slots``: -1 (padding, a failed lane, unused capacity) writes nothing
+            the views show; so does a slot outside ``[0, num_pages * page_size)``.
+        k, v : torch.Tensor  shape ``[T, num_kv_heads, head_dim]``, the cache's dtype and device
+            Any strides (a transposed model output is fine).
+        """
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
+        _vector(slots, "slots", self.device)
+        n = slots.numel()
+        self._check_kv("k", k, n)
+        self._check_kv("v", v, n)
+        s = slots.long()
+        dst = torch.where((s >= 0) & (s < self._num_slots), s, self._scratch)
+        self._k_rows[layer].index_put_((dst,), k)
+        self._v_rows[layer].index_put_((dst,), v)
+
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy page ``src[i]`` into page ``dst[i]`` in every layer, K and V (copy-on-write).
+
+        Parameters
+        ----------
+        src, dst : torch.Tensor  shape ``[B]``, int32, on the cache's device
+            ``PageTable.fork``'s ``cow_src`` / ``cow_dst``. A pair with a -1 (or an id
+            outside ``[0, num_pages)``) on either side is skipped.
+        """
+        _vector(src, "src", self.device)
+        _vector(dst, "dst", self.device, src.numel())
+        s, d = src.long(), dst.long()
+        ok = (s >= 0) & (s < self.num_pages) & (d >= 0) & (d < self.num_pages)
+        s, d = torch.where(ok, s, self._scratch_page), torch.where(ok, d, self._scratch_page)
+        for store in (self._k, self._v):   # index_select copies first, so src and dst may overlap
+            store.index_copy_(1, d, store.index_select(1, s))
+
+    # ---------------------------------------------------------- sync points
+    def memory_bytes(self) -> dict:
+        """Bytes of the K/V storage (for ``tpool.memory_report(pools=[...])``).
+
+        ``storage_bytes``: what the two allocations keep alive (``untyped_storage().nbytes()``),
+        scratch pages included; ``page_bytes``: the exported pages alone; ``bytes_per_page``:
+        one page of K and V over all layers.
+        """
+        storage = sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in (self._k, self._v)}.values())
+        per_page = 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * self._k.element_size()
+        return {"name": repr(self), "storage_bytes": storage, "page_bytes": per_page * self.num_pages,
+                "bytes_per_page": per_page}
