@@ -20,11 +20,13 @@ and taking back the GIL would cost more than these kernels' short runs gain.
 """
 
 import functools
+import hashlib
 import os
 
 import numba
 import numpy as np
 import torch
+from numba.core import caching
 
 from tpool.kernels import alloc, block_table_rows, evict, extend, flashinfer_csr, fork, free, incref, release, step
 from tpool.kernels import layout as L
@@ -43,8 +45,52 @@ VERSION_SOURCE = torch.tensor([int.from_bytes(os.urandom(8), "little") >> 2], dt
 @functools.cache
 def kernel(dispatcher):
     """The numba entry ``dispatcher`` (a ``*_numba_entry`` of ``tpool.kernels``) compiled to keep
-    the GIL while it runs: a call is then atomic with respect to other Python threads."""
-    return numba.njit(dispatcher.py_func)
+    the GIL while it runs (a call is then atomic with respect to other Python threads), and
+    cached on disk (a later process loads it instead of compiling; see :func:`kernels_stamp`)."""
+    return numba.njit(dispatcher.py_func, cache=True)
+
+
+# ---------------------------------------------------------------- the compile cache
+# numba's cache checks only the source file of the function it caches, but an entry point
+# compiles in helpers from other kernel modules (_numba_util.py, ...). The kernels' cache
+# entries are therefore stamped with a hash of every kernel module: any change to any of them
+# recompiles every entry. Where the entries go is numba's usual choice (NUMBA_CACHE_DIR if
+# set, else __pycache__ beside the kernels, else a per-user cache directory when the package
+# directory is read-only).
+_KERNELS_DIR = os.path.dirname(os.path.abspath(alloc.__file__))
+
+
+@functools.cache
+def kernels_stamp() -> str:
+    """sha256 of every kernel module's source and of numba's version."""
+    h = hashlib.sha256(numba.__version__.encode())
+    for name in sorted(os.listdir(_KERNELS_DIR)):
+        if name.endswith(".py"):
+            with open(os.path.join(_KERNELS_DIR, name), "rb") as f:
+                h.update(name.encode() + b"\0" + f.read())
+    return h.hexdigest()
+
+
+def _stamped(base):
+    class KernelLocator(base):
+        """numba's ``{base}`` for tpool's kernels, stamped with :func:`kernels_stamp`."""
+
+        def get_source_stamp(self):
+            return kernels_stamp()
+
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            if not py_func.__module__.startswith("tpool.kernels"):
+                return None
+            return super().from_function(py_func, py_file)
+
+    KernelLocator.__name__ = KernelLocator.__qualname__ = "Kernel" + base.__name__
+    return KernelLocator
+
+
+if not any(c.__name__.startswith("Kernel") for c in caching.CacheImpl._locator_classes):
+    caching.CacheImpl._locator_classes[:0] = [_stamped(b) for b in (
+        caching.UserProvidedCacheLocator, caching.InTreeCacheLocator, caching.UserWideCacheLocator)]
 
 
 @functools.cache
