@@ -332,3 +332,51 @@ def test_random_workload_matches_model(make_table, guard, ps, MP, seed):
             assert (c.indptr.tolist(), c.indices.tolist(), c.last_page_len.tolist()) == (indptr, indices, last)
         model.assert_matches(table)
         table.check_invariants()
+
+
+def test_truncate_by_tokens_to_drop_matches_the_absolute_form(make_table, guard):
+    """Speculative decoding knows how many drafts it rejected, not the absolute length."""
+    tables = [make_table(64, 4, 4, 8) for _ in range(2)]
+    for t in tables:
+        t.extend(i32([0, 1, 2]), i32([9, 5, 13]), max_tokens=27)
+    with guard():
+        tables[0].truncate(i32([0, -1, 2, 1]), drop=i32([3, 0, 13, 6]))   # 6 > request 1's 5 tokens
+    tables[1].truncate(i32([0, -1, 2, 1]), i32([6, 0, 0, -1]))
+    assert tables[0].seq_lens.tolist() == tables[1].seq_lens.tolist() == [6, 5, 0, 0]
+    assert tables[0].block_table.tolist() == tables[1].block_table.tolist()
+    for t in tables:
+        with pytest.raises(tpool.InvalidLength):
+            t.pool.check()
+        t.check_invariants()
+    with pytest.raises(ValueError, match="exactly one of new_lens and drop"):
+        tables[0].truncate(i32([0]))
+    with pytest.raises(ValueError, match="exactly one of new_lens and drop"):
+        tables[0].truncate(i32([0]), i32([1]), drop=i32([1]))
+
+
+def test_step_into_caller_owned_outputs(make_table, guard):
+    """Two StepOuts alternate (overlap scheduling): step N+1 leaves step N's outputs as they were."""
+    table, ref = make_table(64, 4, 4, 8), make_table(64, 4, 4, 8)
+    outs = [table.step_out(2, max_tokens=8), table.step_out(2, max_tokens=8)]
+    ids = i32([0, 1])
+    kept = None
+    for n, ntok in enumerate(([5, 3], [1, 1], [1, 1], [4, 1], [1, 1])):
+        with guard():
+            got = table.step(ids, i32(ntok), max_tokens=8, out=outs[n % 2])
+        want = ref.step(ids, i32(ntok), max_tokens=8)
+        assert got is outs[n % 2].result
+        for x, y in zip((got.slots, got.ok, *got.csr), (want.slots, want.ok, *want.csr)):
+            assert x.tolist() == y.tolist()
+        if kept is not None:   # the other buffer set still holds the previous step
+            assert [x.tolist() for x in (outs[(n + 1) % 2].result.slots, *outs[(n + 1) % 2].result.csr)] == kept
+        kept = [x.tolist() for x in (got.slots, *got.csr)]
+    table.check_invariants()
+    with pytest.raises(ValueError, match="max_tokens: expected 8"):
+        table.step(ids, i32([1, 1]), max_tokens=4, out=outs[0])
+    with pytest.raises(ValueError, match="batch: expected 2"):
+        table.step(i32([0]), i32([1]), out=outs[0])
+    with pytest.raises(ValueError, match="num_tokens: shares memory"):
+        table.step(ids, outs[0].result.slots[:2], out=outs[0])
+    table.step(ids, outs[1].result.slots[:2].clone(), out=outs[0])   # a copy is fine
+    with pytest.raises(ValueError, match="one from another table"):
+        ref.step(ids, i32([1, 1]), out=outs[0])

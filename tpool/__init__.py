@@ -15,13 +15,14 @@ from tpool.memory.ownership import (OwnershipPlan, compact_bytes, needs_compacti
                                     plan_ownership, retained_bytes, storage_bytes)
 from tpool.memory.planner import PagePlan, PlanError, plan_pages
 from tpool.memory.report import MemoryReport, format_report, memory_report
-from tpool.page_table import BoundStep, ExtendResult, ForkResult, PagedKVCSR, PageTable, StaleBinding, StepResult
+from tpool.page_table import (BoundStep, ExtendResult, ForkResult, PagedKVCSR, PageTable, StaleBinding, StepOut,
+                              StepResult)
 from tpool.pool import AllocOut, AllocResult, PagePool
 
 __all__ = [
     "__version__",
     "PagePool", "AllocOut", "AllocResult", "FreeGroup",
-    "PageTable", "ExtendResult", "StepResult", "BoundStep", "StaleBinding", "ForkResult", "PagedKVCSR",
+    "PageTable", "ExtendResult", "StepResult", "BoundStep", "StaleBinding", "StepOut", "ForkResult", "PagedKVCSR",
     "PoolError", "InvalidPage", "DoubleFree", "UseAfterFree", "InvalidCount", "OutputOverflow",
     "InvalidRequest", "TableOverflow", "InvalidLength", "InvariantViolation",
     "payload_bytes", "storage_bytes", "compact_bytes", "retained_bytes", "needs_compaction", "own",

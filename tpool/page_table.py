@@ -63,6 +63,29 @@ class StepResult(NamedTuple):
     csr: PagedKVCSR
 
 
+class StepOut:
+    """Caller-owned outputs for :meth:`PageTable.step` (``out=``), made by :meth:`PageTable.step_out`.
+
+    A scheduler that prepares step N+1 while the forward pass still reads step N's
+    outputs (overlap scheduling) makes two and alternates; each is a :class:`StepResult`
+    in ``result`` with its own CSR memo and its own bound backend call. The table never
+    drops them (they live as long as the caller holds them), so they also bound the
+    caller's memory themselves.
+    """
+
+    def __init__(self, table: "PageTable", batch: int, max_tokens: int, capacity: int):
+        self.table, self.batch, self.max_tokens, self.capacity = table, batch, max_tokens, capacity
+        slots, ok = table._extend_out(batch, max_tokens)
+        csr, self.memo = table._csr_out(batch, capacity)
+        self.result = StepResult(slots, ok, csr)
+        table._shapes.memos.add(self.memo)  # invalidate_csr reaches it
+        self._written = table._written | _checks.written_storages([slots, ok, *csr, self.memo.tensor])
+        self._run = table.ops.step_into(self.result, self.memo)
+
+    def __repr__(self):
+        return f"StepOut(batch={self.batch}, max_tokens={self.max_tokens}, capacity={self.capacity})"
+
+
 class StaleBinding(ValueError):
     """A bound step's input tensors no longer have the memory or length they were bound with."""
 
@@ -237,7 +260,7 @@ class PageTable:
         return entry[0]
 
     def step(self, req_ids: torch.Tensor, num_tokens: torch.Tensor, *, max_tokens: int | None = None,
-             capacity: int | None = None) -> StepResult:
+             capacity: int | None = None, out: StepOut | None = None) -> StepResult:
         """One scheduler step: :meth:`extend`, then :meth:`flashinfer_csr` of the same batch.
 
         Same results as the two calls one after the other (the CSR includes the pages
@@ -254,6 +277,10 @@ class PageTable:
             Length of ``slots``, as in :meth:`extend`; default ``B``.
         capacity : int, optional
             Length of ``csr.indices``, as in :meth:`flashinfer_csr`.
+        out : StepOut, optional
+            Caller-owned outputs from :meth:`step_out` to write instead of the table's
+            (overlap scheduling: alternate two, so step N+1 never overwrites what the
+            forward of step N still reads).
 
         Returns
         -------
@@ -275,6 +302,8 @@ class PageTable:
         reads the same bits as int32 and range-checks them as ids, never out of bounds.
         The table holds a reference to the last step's inputs.
         """
+        if out is not None:
+            return self._step_into(req_ids, num_tokens, max_tokens, capacity, out)
         last = self._repeat
         if req_ids is last[0] and num_tokens is last[1] and max_tokens is last[2] and capacity is last[3]:
             run = last[4]
@@ -289,6 +318,45 @@ class PageTable:
         self._repeat = (req_ids, num_tokens, max_tokens, capacity, None)
         entry[1](req_ids, num_tokens, b)
         return entry[0]
+
+    def _step_into(self, req_ids, num_tokens, max_tokens, capacity, out):
+        """:meth:`step` into caller-owned outputs."""
+        if type(out) is not StepOut or out.table is not self:
+            raise ValueError(f"out: expected a StepOut from this table's step_out(), got "
+                             f"{'one from another table' if type(out) is StepOut else type(out).__name__}")
+        b = self._lanes(req_ids, num_tokens)
+        for name, given, have in (("batch", b, out.batch), ("max_tokens", max_tokens, out.max_tokens),
+                                  ("capacity", capacity, out.capacity)):
+            if given is not None and given != have:
+                raise ValueError(f"{name}: expected {have} (the StepOut's), got {given}")
+        for name, t in (("req_ids", req_ids), ("num_tokens", num_tokens)):
+            _checks.check_not_written(t, name, out._written)
+        out._run(req_ids, num_tokens, b)
+        return out.result
+
+    def step_out(self, batch: int, *, max_tokens: int | None = None, capacity: int | None = None) -> StepOut:
+        """Caller-owned outputs for ``step(..., out=)``: make two to overlap scheduling with the forward.
+
+        Parameters
+        ----------
+        batch : int
+            ``B``, the number of lanes of the steps that will write it.
+        max_tokens : int, optional
+            Length of ``slots``; default ``B``.
+        capacity : int, optional
+            Length of ``csr.indices``; default ``B * max_pages_per_request``.
+
+        Returns
+        -------
+        StepOut
+            ``out.result`` is the :class:`StepResult` every ``step(..., out=out)`` writes.
+        """
+        b = _checks.check_size(batch, "batch", 0)
+        if b > self.pool.max_batch:
+            raise ValueError(f"batch: expected at most {self.pool.max_batch} (the pool's max_batch), got {b}")
+        t = b if max_tokens is None else _checks.check_size(max_tokens, "max_tokens")
+        cap = b * self.max_pages if capacity is None else _checks.check_size(capacity, "capacity")
+        return StepOut(self, b, t, cap)
 
     def _step_shape(self, req_ids, num_tokens, max_tokens, capacity):
         """``(B, Entry)`` of a step, its inputs checked: slots/ok per (B, max_tokens) and the CSR
@@ -350,10 +418,12 @@ class PageTable:
             Keep pages whose last reference goes as CACHED.
         """
         self._ids(req_ids)
+        _checks.check_not_written(req_ids, "req_ids", self._written)
         self.ops.release(req_ids, cache)
 
-    def truncate(self, req_ids: torch.Tensor, new_lens: torch.Tensor) -> None:
-        """Roll requests back to ``new_lens[i]`` tokens (rejected speculative tokens).
+    def truncate(self, req_ids: torch.Tensor, new_lens: torch.Tensor | None = None, *,
+                 drop: torch.Tensor | None = None) -> None:
+        """Roll requests back to ``new_lens[i]`` tokens, or by ``drop[i]`` tokens (rejected speculative tokens).
 
         Pages past the new length are freed. A new length above the current one
         (or below 0) is a ``bad_length`` error and leaves that request unchanged.
@@ -362,11 +432,26 @@ class PageTable:
         ----------
         req_ids : torch.Tensor
             shape ``[B]``, int32, on the table's device; -1 = padding.
-        new_lens : torch.Tensor
+        new_lens : torch.Tensor, optional
             shape ``[B]``, int32, on the table's device: each request's length after the call.
+        drop : torch.Tensor, optional
+            shape ``[B]``, int32, on the table's device: tokens to remove from the end of each
+            request (what speculative decoding knows: how many drafts it rejected). Give
+            exactly one of ``new_lens`` and ``drop``. The new lengths are worked out on the
+            device (``seq_lens[req_ids] - drop``, one gather, no sync); a drop larger than the
+            length is a ``bad_length``.
         """
         b = self._ids(req_ids)
-        self._lane_vector(new_lens, "new_lens", b)
+        if (new_lens is None) == (drop is None):
+            raise ValueError("truncate: expected exactly one of new_lens and drop")
+        if drop is not None:
+            self._lane_vector(drop, "drop", b)
+            rows = req_ids.long().clamp(0, self.max_requests - 1)  # bad ids: the kernel counts them and skips
+            new_lens = (self.seq_lens[rows] - drop).to(torch.int32)
+        else:
+            self._lane_vector(new_lens, "new_lens", b)
+            _checks.check_not_written(new_lens, "new_lens", self._written)
+        _checks.check_not_written(req_ids, "req_ids", self._written)
         self.ops.truncate(req_ids, new_lens)
 
     def fork(self, src_ids: torch.Tensor, dst_ids: torch.Tensor, lens: torch.Tensor) -> ForkResult:
