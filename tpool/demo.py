@@ -185,6 +185,9 @@ def main(argv=None):
     ap.add_argument("--backend", default="auto", choices=["auto", "reference", "numba", "triton"],
                     help="kernels (default auto: triton on CUDA, numba on a CPU)")
     ap.add_argument("--every", type=_positive, default=25, help="print a report row every N steps (default 25)")
+    ap.add_argument("--model", choices=["llama", "gpt-neox"], default=None,
+                    help="serve a tiny random-weight transformers model on tpool pages instead and check its "
+                         "tokens against generate (needs tpool[hf]; `demo --model llama --help` lists its options)")
     a = ap.parse_args(argv)
     if a.device is not None:
         try:
