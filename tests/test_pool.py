@@ -276,3 +276,30 @@ def test_state_tensors_never_rebound(make_pool, guard):
         pool.evict(1)
         pool.alloc(i32([6]), evict=True)
     assert {k: v.data_ptr() for k, v in pool.state.tensors().items()} == ptrs
+
+
+def test_bound_alloc_and_free_match_the_plain_calls(make_pool, guard):
+    """bind_alloc / bind_free: inputs checked once, filled in place between calls, same results."""
+    pool, ref = make_pool(16), make_pool(16)
+    out, ref_out = pool.alloc_out(max_batch=2, max_pages=4), ref.alloc_out(max_batch=2, max_pages=4)
+    counts = i32([1, 2])
+    alloc, free = pool.bind_alloc(counts, out=out), pool.bind_free(out.pages)
+    for n in ([1, 2], [3, 0], [0, 0], [2, 2], [3, 1]):
+        counts.copy_(i32(n))
+        with guard():
+            got = alloc()
+        want = ref.alloc(i32(n), out=ref_out)
+        assert got is out.result and [t.tolist() for t in got] == [t.tolist() for t in want]
+        with guard():
+            assert free() is None
+        ref.free(ref_out.pages)
+        assert pool.available() == ref.available()
+    counts.resize_(3)
+    with pytest.raises(tpool.StaleBinding):
+        alloc()
+    with pytest.raises(ValueError, match="counts: shares memory"):
+        pool.bind_alloc(out.indptr[:2], out=out)
+    with pytest.raises(ValueError, match="pages: shares memory"):
+        pool.bind_free(pool.state.free_stack[:2])
+    pool.check()
+    pool.check_invariants()

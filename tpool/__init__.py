@@ -17,11 +17,11 @@ from tpool.memory.planner import PagePlan, PlanError, plan_pages
 from tpool.memory.report import MemoryReport, format_report, memory_report
 from tpool.page_table import (BoundStep, ExtendResult, ForkResult, PagedKVCSR, PageTable, StaleBinding, StepOut,
                               StepResult)
-from tpool.pool import AllocOut, AllocResult, PagePool
+from tpool.pool import AllocOut, AllocResult, BoundCall, PagePool
 
 __all__ = [
     "__version__",
-    "PagePool", "AllocOut", "AllocResult", "FreeGroup",
+    "PagePool", "AllocOut", "AllocResult", "BoundCall", "FreeGroup",
     "PageTable", "ExtendResult", "StepResult", "BoundStep", "StaleBinding", "StepOut", "ForkResult", "PagedKVCSR",
     "PoolError", "InvalidPage", "DoubleFree", "UseAfterFree", "InvalidCount", "OutputOverflow",
     "InvalidRequest", "TableOverflow", "InvalidLength", "InvariantViolation",

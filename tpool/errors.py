@@ -121,3 +121,8 @@ def raise_for_errors(delta: dict) -> None:
     names = {L.ERROR_NAMES[slot]: n for slot, n in seen.items()}
     cls = ERROR_CLASSES[next(iter(seen))]
     raise cls(describe(names), names)
+
+
+class StaleBinding(ValueError):
+    """A bound call's input tensors no longer have the memory or length they were bound with
+    (``PageTable.bind_step``, ``PagePool.bind_alloc``, ``PagePool.bind_free``)."""

@@ -22,7 +22,7 @@ from tpool import _checks
 from tpool._checks import i32_len
 from tpool.backends import make_table_ops
 from tpool.buffers import DEFAULT_MAX_SHAPES, ShapeBuffers
-from tpool.errors import InvariantViolation
+from tpool.errors import InvariantViolation, StaleBinding
 from tpool.kernels import layout as L
 from tpool.state import INT32_MAX, CsrMemo, TableState
 
@@ -84,10 +84,6 @@ class StepOut:
 
     def __repr__(self):
         return f"StepOut(batch={self.batch}, max_tokens={self.max_tokens}, capacity={self.capacity})"
-
-
-class StaleBinding(ValueError):
-    """A bound step's input tensors no longer have the memory or length they were bound with."""
 
 
 class BoundStep(functools.partial):

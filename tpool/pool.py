@@ -10,6 +10,7 @@ The host learns results only at the sync points ``available()``, ``stats()``,
 call's LRU stamps all carry the same value; eviction breaks ties by page id).
 """
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch
 from tpool import _checks
 from tpool._checks import i32_len
 from tpool.backends import make_pool_ops, resolve_backend
-from tpool.errors import InvariantViolation, raise_for_errors
+from tpool.errors import InvariantViolation, StaleBinding, raise_for_errors
 from tpool.free_group import FreeGroup
 from tpool.kernels import layout as L
 from tpool.state import INT32_MAX, PoolState
@@ -65,6 +66,31 @@ class AllocOut:
         self._written = pool._written | _checks.written_storages(self.result)
         # The pool's alloc bound to these buffers: _run(counts, B, evict), B checked by the pool.
         self._run = pool.ops.alloc_into(self)
+
+
+class BoundCall(functools.partial):
+    """A pool call bound to its input tensor (:meth:`PagePool.bind_alloc`, :meth:`PagePool.bind_free`).
+
+    Calling it checks that the input keeps the memory and length it was bound with
+    (:class:`~tpool.errors.StaleBinding`, a ``ValueError``, if not: a resized or
+    reassigned tensor would leave the kernel an address it was not given) and runs the
+    call; it returns ``result`` (the ``AllocResult`` for an alloc, None for a free). It
+    holds the pool and the tensors the call points into.
+    """
+
+    def __new__(cls, pool, run, t, result):
+        at, numel, addr, n = t.data_ptr, t.numel, t.data_ptr(), t.numel()
+
+        def call():
+            if at() != addr or numel() != n:
+                raise StaleBinding("bound call: its input no longer has the memory or the length it was bound "
+                                   "with (reassigned or resized); fill it in place, or bind again")
+            run()
+            return result
+
+        self = super().__new__(cls, call)
+        self.pool, self.input, self.result = pool, t, result
+        return self
 
 
 class PagePool:
@@ -214,6 +240,55 @@ class PagePool:
             _checks.check_not_written(counts, "counts", out._written)
         out._run(counts, b, evict)
         return out.result
+
+    def bind_alloc(self, counts: torch.Tensor, *, out: AllocOut, evict: bool = False) -> BoundCall:
+        """:meth:`alloc` on a fixed ``counts`` tensor and ``out``, checked once; call the result each time.
+
+        For a loop that refills ``counts`` in place (as a CUDA graph's static input): a call
+        then only checks that ``counts`` keeps its memory and length.
+
+        Parameters
+        ----------
+        counts : torch.Tensor
+            shape ``[B]``, int32, on the pool's device, ``B <= out.max_batch``; filled in place
+            before each call.
+        out : AllocOut
+            The buffers every call writes (from this pool's :meth:`alloc_out`).
+        evict : bool
+            May evict cached pages to cover the request.
+
+        Returns
+        -------
+        BoundCall
+            ``run()`` grants the pages and returns ``out.result`` (an :class:`AllocResult`).
+        """
+        if type(out) is not AllocOut or out.pool is not self:
+            raise ValueError(f"out: expected an AllocOut from this pool's alloc_out(), got {type(out).__name__}")
+        b = self._vector(counts, "counts", out.max_batch)
+        _checks.check_not_written(counts, "counts", out._written)
+        return BoundCall(self, self.ops.bind_alloc(out, counts, b, bool(evict)), counts, out.result)
+
+    def bind_free(self, pages: torch.Tensor, *, cache: bool = False) -> BoundCall:
+        """:meth:`free` on a fixed ``pages`` tensor, checked once; call the result each time.
+
+        Bound frees are never deferred by a free group (their input is the caller's
+        fixed tensor, which a group would have to copy anyway).
+
+        Parameters
+        ----------
+        pages : torch.Tensor
+            shape ``[N]``, int32, on the pool's device; -1 entries are padding. An
+            ``AllocOut``'s ``pages`` is a good input: ``pool.bind_free(out.pages)``.
+        cache : bool
+            Keep freed pages as CACHED instead of FREE.
+
+        Returns
+        -------
+        BoundCall
+            ``run()`` frees the pages and returns None.
+        """
+        self._pages(pages)
+        return BoundCall(self, self.ops.bind_free(pages, bool(cache)), pages, None)
 
     def free(self, pages: torch.Tensor, *, cache: bool = False) -> None:
         """Drop one reference per entry of ``pages``; pages reaching 0 become FREE.

@@ -40,8 +40,14 @@ class PoolOps(Protocol):
     def alloc_into(self, out) -> Callable[[Tensor, int, bool], None]:
         """``alloc`` bound to an ``AllocOut``'s buffers; the call takes ``(counts, B, evict)``."""
 
+    def bind_alloc(self, out, counts: Tensor, b: int, evict: bool) -> Callable[[], None]:
+        """``alloc_into(out)`` bound to its input too (``PagePool.bind_alloc``): the call takes nothing."""
+
     def free(self, pages: Tensor, cache: bool) -> None:
         """Drop one reference per entry; pages reaching 0 become FREE (CACHED with ``cache``)."""
+
+    def bind_free(self, pages: Tensor, cache: bool) -> Callable[[], None]:
+        """``free`` bound to its input (``PagePool.bind_free``): the call takes nothing."""
 
     def incref(self, pages: Tensor) -> None:
         """Add one reference per entry; a CACHED page is revived."""
@@ -109,9 +115,16 @@ class PoolByFunctions:
                 alloc(st, counts, pages, indptr, ok, evicted, evict)
         return run
 
+    def bind_alloc(self, out, counts, b, evict):
+        run = self.alloc_into(out)
+        return lambda: run(counts, b, evict)
+
     @locked
     def free(self, pages, cache):
         self._free(self.st, pages, cache)
+
+    def bind_free(self, pages, cache):
+        return lambda: self.free(pages, cache)
 
     @locked
     def incref(self, pages):

@@ -174,10 +174,23 @@ class Pool:
             run(counts.data_ptr(), b, ad, evict_)
         return call
 
+    def bind_alloc(self, out, counts, b, evict_):
+        ad = alloc_descriptor(self.sd, out)
+        run = functools.partial(entry_point(alloc.alloc_numba_entry, _i64, _i64, _desc, _flag), counts.data_ptr(),
+                                b, ad, bool(evict_))
+        run.held = (self.st, out, counts)  # everything the call's addresses point into
+        return run
+
     def free(self, pages, cache):
         if self._free is None:
             self._free = entry_point(free.free_numba_entry, _i64, _i64, _flag, _desc)
         self._free(pages.data_ptr(), pages.numel(), cache, self.sd)
+
+    def bind_free(self, pages, cache):
+        run = functools.partial(entry_point(free.free_numba_entry, _i64, _i64, _flag, _desc), pages.data_ptr(),
+                                pages.numel(), bool(cache), self.sd)
+        run.held = (self.st, pages)
+        return run
 
     def incref(self, pages):
         kernel(incref.incref_numba_entry)(pages.data_ptr(), pages.numel(), self.sd)
