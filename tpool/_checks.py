@@ -10,12 +10,24 @@ _Tensor, _int32 = torch.Tensor, torch.int32  # module globals: read on every hot
 _UNIT_STRIDE = (1,)
 
 
-def i32_len(t, device: torch.device) -> int:
+def input_len(t, device: torch.device, written: frozenset) -> int:
+    """:func:`i32_len` and :func:`check_not_written` in one condition: the length of a valid
+    hot-path input that shares no memory with ``written``, else -1 (the caller then runs the
+    full checks, which raise)."""
+    if (type(t) is _Tensor and t.dtype is _int32 and t.device == device and t.stride() == _UNIT_STRIDE
+            and t.untyped_storage().data_ptr() not in written):
+        return t.numel()
+    return -1
+
+
+def i32_len(t, device: torch.device, written=None) -> int:
     """Length of ``t`` if it is a plain 1-D contiguous int32 tensor on ``device``, else -1.
 
     The valid case of every hot-path input, in one condition; on -1 the caller runs
     :func:`check_vector`, which raises naming the expected and the actual value (or
-    accepts the rare valid tensor this misses, see ``_UNIT_STRIDE``).
+    accepts the rare valid tensor this misses, see ``_UNIT_STRIDE``). ``written`` is
+    ignored: this stands in for :func:`input_len` where the backend's compiled calls
+    refuse overlapping inputs themselves.
     """
     if type(t) is _Tensor and t.dtype is _int32 and t.device == device and t.stride() == _UNIT_STRIDE:
         return t.numel()

@@ -98,7 +98,9 @@ class BoundStep(functools.partial):
     """
 
     def __new__(cls, table, req_ids, num_tokens, max_tokens, capacity):
-        b, (result, _, memo, _) = table._step_shape(req_ids, num_tokens, max_tokens, capacity)
+        b, entry = table._step_shape(req_ids, num_tokens, max_tokens, capacity)
+        table._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))  # checked once, here
+        result, memo = entry[0], entry[2]
         run = table.ops.bind_step(result, memo, req_ids, num_tokens, b)
         ids_at, ntok_at, ids_len, ntok_len = req_ids.data_ptr, num_tokens.data_ptr, req_ids.numel, num_tokens.numel
         at_ids, at_ntok = ids_at(), ntok_at()
@@ -170,6 +172,7 @@ class PageTable:
         # writes the pool's and the table's state, so no input may share memory with those.
         self._written = pool._written | _checks.written_storages(self.state.tensors().values())
         self._shapes = ShapeBuffers(self.device, max_shapes, self._written)
+        self._check_written = not self.ops.checks_overlap  # numba's compiled hot calls check it themselves
         self._repeat = (None,) * 5  # the last step's (req_ids, num_tokens, max_tokens, capacity, BoundStep or None)
 
     def __reduce_ex__(self, protocol):
@@ -251,7 +254,8 @@ class PageTable:
         if entry is None:
             res = self._shapes.buffer(key, lambda: ExtendResult(*self._extend_out(b, t)))
             entry = self._shapes.add(key, (key,), res, self.ops.extend_into(res))
-        self._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))
+        if self._check_written:
+            self._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))
         entry[1](req_ids, num_tokens, b)
         return entry[0]
 
@@ -367,7 +371,8 @@ class PageTable:
             csr, memo = self._shapes.buffer(csr_key, lambda: self._csr_out(b, cap))
             res = StepResult(*self._shapes.buffer(out_key, lambda: self._extend_out(b, t)), csr)
             entry = self._shapes.add(key, (out_key, csr_key), res, self.ops.step_into(res, memo), memo)
-        self._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))
+        if self._check_written:
+            self._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))
         return b, entry
 
     def bind_step(self, req_ids: torch.Tensor, num_tokens: torch.Tensor, *, max_tokens: int | None = None,
@@ -519,7 +524,8 @@ class PageTable:
         if entry is None:
             csr, memo = self._shapes.buffer(key, lambda: self._csr_out(b, cap))
             entry = self._shapes.add(key, (key,), csr, self.ops.flashinfer_csr_into(csr, memo), memo)
-        self._not_written(entry, ("req_ids", req_ids))
+        if self._check_written:
+            self._not_written(entry, ("req_ids", req_ids))
         entry[1](req_ids, b)
         return entry[0]
 

@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from tpool import _checks
-from tpool._checks import i32_len
 from tpool.backends import make_pool_ops, resolve_backend
 from tpool.errors import InvariantViolation, StaleBinding, raise_for_errors
 from tpool.free_group import FreeGroup
@@ -147,6 +146,8 @@ class PagePool:
         self.state = PoolState.create(num_pages, self.device)
         self._written = _checks.written_storages(self.state.tensors().values())  # what every call may write
         self.ops = make_pool_ops(self.backend, self.state)  # the backend's PoolOps (tpool.backends)
+        # The hot-path input check: with overlap too, unless the backend's compiled calls check that.
+        self._input_len = _checks.i32_len if self.ops.checks_overlap else _checks.input_len
         self._errors_seen = [0] * L.NUM_COUNTERS
         self._group = None
         self._group_buffers = {}  # capacity -> int32 [2, capacity], see FreeGroup
@@ -234,9 +235,8 @@ class PagePool:
         elif type(out) is not AllocOut or out.pool is not self:
             raise ValueError(f"out: expected an AllocOut from this pool's alloc_out(), got "
                              f"{'one from another pool' if type(out) is AllocOut else type(out).__name__}")
-        elif not 0 <= (b := i32_len(counts, self.device)) <= out.max_batch:
+        elif not 0 <= (b := self._input_len(counts, self.device, out._written)) <= out.max_batch:
             b = self._vector(counts, "counts", out.max_batch)  # raises with the expected and actual values
-        if counts.untyped_storage().data_ptr() in out._written:
             _checks.check_not_written(counts, "counts", out._written)
         out._run(counts, b, evict)
         return out.result
@@ -306,10 +306,8 @@ class PagePool:
         cache : bool
             Keep freed pages as CACHED (a prefix cache) instead of FREE.
         """
-        if i32_len(pages, self.device) < 0:
-            self._vector(pages, "pages")  # raises with the expected and actual values
-        if pages.untyped_storage().data_ptr() in self._written:
-            _checks.check_not_written(pages, "pages", self._written)
+        if self._input_len(pages, self.device, self._written) < 0:
+            self._pages(pages)  # raises with the expected and actual values
         if self._group is None or not self._group.owned_here():
             self.ops.free(pages, cache)
         else:

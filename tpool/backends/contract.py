@@ -36,6 +36,7 @@ class PoolOps(Protocol):
     """The pool's operations (rules: :mod:`tpool.backends.reference`)."""
 
     name: str
+    checks_overlap: bool  # its hot calls refuse (ValueError) an input sharing memory with what they write
 
     def alloc_into(self, out) -> Callable[[Tensor, int, bool], None]:
         """``alloc`` bound to an ``AllocOut``'s buffers; the call takes ``(counts, B, evict)``."""
@@ -63,6 +64,7 @@ class TableOps(Protocol):
     """A page table's operations (rules: :mod:`tpool.backends.reference_table`)."""
 
     name: str
+    checks_overlap: bool  # extend_into, flashinfer_csr_into and step_into refuse overlapping inputs
 
     def extend(self, req_ids: Tensor, num_tokens: Tensor, slots: Tensor, ok: Tensor) -> None:
         """Append tokens, taking pages as lanes cross page boundaries; write ``slots`` and ``ok``."""
@@ -102,6 +104,8 @@ class PoolByFunctions:
     """The pool operations of a backend made of functions of the state (reference, triton):
     ``alloc(st, counts, pages, indptr, ok, evicted, evict)``, ``free(st, pages, cache)``,
     ``incref(st, pages)``, ``touch(st, pages)``, ``evict(st, out)``."""
+
+    checks_overlap = False  # the façade checks that inputs share no memory with what a call writes
 
     def __init__(self, st, alloc, free, incref, touch, evict):
         self.st = st
@@ -143,6 +147,8 @@ class BoundByTensors:
     """The bound forms of a table backend whose unbound ops take the output tensors themselves
     (reference, triton): each bound call closes over the buffers and calls the unbound op.
     Their unbound ops are ``@locked``."""
+
+    checks_overlap = False  # the façade checks that inputs share no memory with what a call writes
 
     def extend_into(self, res):
         extend, slots, ok = self.extend, res.slots, res.ok

@@ -62,12 +62,12 @@ _KERNELS_DIR = os.path.dirname(os.path.abspath(alloc.__file__))
 
 @functools.cache
 def kernels_stamp() -> str:
-    """sha256 of every kernel module's source and of numba's version."""
+    """sha256 of every kernel module's source, of this module's, and of numba's version."""
     h = hashlib.sha256(numba.__version__.encode())
-    for name in sorted(os.listdir(_KERNELS_DIR)):
-        if name.endswith(".py"):
-            with open(os.path.join(_KERNELS_DIR, name), "rb") as f:
-                h.update(name.encode() + b"\0" + f.read())
+    paths = [os.path.join(_KERNELS_DIR, n) for n in sorted(os.listdir(_KERNELS_DIR)) if n.endswith(".py")]
+    for path in paths + [os.path.abspath(__file__)]:
+        with open(path, "rb") as f:
+            h.update(os.path.basename(path).encode() + b"\0" + f.read())
     return h.hexdigest()
 
 
@@ -80,7 +80,7 @@ def _stamped(base):
 
         @classmethod
         def from_function(cls, py_func, py_file):
-            if not py_func.__module__.startswith("tpool.kernels"):
+            if not py_func.__module__.startswith(("tpool.kernels", __name__)):
                 return None
             return super().from_function(py_func, py_file)
 
@@ -156,22 +156,110 @@ def call_descriptor(td, sd, slots=None, ok=None, csr=None, memo=None, inputs=Non
     return d
 
 
+# ------------------------------------------------------------- overlap guards
+# The hot calls check in the compiled code that an input shares no memory with what the call
+# writes (the façade's storage check would cost more than these calls' own work): the byte
+# ranges [lo, hi) of every storage the call writes follow the call's descriptor, and a guard
+# returns which input overlapped (0: none, the kernel ran). Other calls are checked by the façade.
+_OVERLAP = ("{}: shares memory with a buffer this call writes (a pool or table state tensor, or this call's "
+            "own output buffer); pass a copy (.clone())")
+
+
+def storage_ranges(tensors) -> np.ndarray:
+    """int64 ``[2k]``: the byte ranges ``[lo, hi)`` of the distinct storages of ``tensors``."""
+    seen = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.nbytes():
+            seen[s.data_ptr()] = s.data_ptr() + s.nbytes()
+    return np.array([x for lo, hi in sorted(seen.items()) for x in (lo, hi)], dtype=np.int64)
+
+
+def _with_ranges(desc, tensors) -> np.ndarray:
+    return np.concatenate([desc, storage_ranges(tensors)])
+
+
+def _raise_overlap(code, names):
+    raise ValueError(_OVERLAP.format(names[code - 1]))
+
+
+@numba.njit(cache=True, inline="always")
+def _overlaps(addr, nbytes, desc, start):
+    for i in range(start, desc.shape[0], 2):
+        if addr < desc[i + 1] and addr + nbytes > desc[i]:
+            return True
+    return False
+
+
+@numba.njit(cache=True)
+def alloc_guarded(counts_ptr, B, ad, evict):
+    if _overlaps(counts_ptr, 4 * B, ad, L.AD_LEN):
+        return 1
+    alloc.alloc_numba_entry(counts_ptr, B, ad, evict)
+    return 0
+
+
+@numba.njit(cache=True)
+def free_guarded(pages_ptr, N, cache, fd):
+    if _overlaps(pages_ptr, 4 * N, fd, L.STATE_DESC_LEN):
+        return 1
+    free.free_numba_entry(pages_ptr, N, cache, fd)
+    return 0
+
+
+@numba.njit(cache=True)
+def extend_guarded(ids_ptr, ntok_ptr, B, cd):
+    if _overlaps(ids_ptr, 4 * B, cd, L.CALL_DESC_LEN):
+        return 1
+    if _overlaps(ntok_ptr, 4 * B, cd, L.CALL_DESC_LEN):
+        return 2
+    extend.extend_numba_entry(ids_ptr, ntok_ptr, B, cd)
+    return 0
+
+
+@numba.njit(cache=True)
+def step_guarded(ids_ptr, ntok_ptr, B, cd):
+    if _overlaps(ids_ptr, 4 * B, cd, L.CALL_DESC_LEN):
+        return 1
+    if _overlaps(ntok_ptr, 4 * B, cd, L.CALL_DESC_LEN):
+        return 2
+    step.step_numba_entry(ids_ptr, ntok_ptr, B, cd)
+    return 0
+
+
+@numba.njit(cache=True)
+def csr_guarded(ids_ptr, B, cd):
+    if _overlaps(ids_ptr, 4 * B, cd, L.CALL_DESC_LEN):
+        return 1
+    flashinfer_csr.flashinfer_csr_numba_entry(ids_ptr, B, cd)
+    return 0
+
+
+@functools.cache
+def guard_point(dispatcher, *argtypes):
+    """The CPython entry point of a guard compiled for exactly ``argtypes`` (see :func:`entry_point`)."""
+    return dispatcher.compile(argtypes)
+
+
 class Pool:
     """The pool's operations on numba (the contract: ``tpool.backends.contract.PoolOps``)."""
 
     name = "numba"
+    checks_overlap = True  # alloc and free refuse overlapping inputs in the compiled code
 
     def __init__(self, st):
         self.st = st
         self.sd = state_descriptor(st)
+        self._fd = _with_ranges(self.sd, st.tensors().values())  # free's: the state and what it writes
         self._free = None  # compiled at the first free
 
     def alloc_into(self, out):
-        ad = alloc_descriptor(self.sd, out)
-        run, held = entry_point(alloc.alloc_numba_entry, _i64, _i64, _desc, _flag), (self.st, out)
+        ad = _with_ranges(alloc_descriptor(self.sd, out), [*self.st.tensors().values(), *out.result])
+        run, held = guard_point(alloc_guarded, _i64, _i64, _desc, _flag), (self.st, out)
 
         def call(counts, b, evict_, held=held):  # ``held``: what ``ad`` points into stays alive with it
-            run(counts.data_ptr(), b, ad, evict_)
+            if run(counts.data_ptr(), b, ad, evict_):
+                _raise_overlap(1, ("counts",))
         return call
 
     def bind_alloc(self, out, counts, b, evict_):
@@ -183,8 +271,9 @@ class Pool:
 
     def free(self, pages, cache):
         if self._free is None:
-            self._free = entry_point(free.free_numba_entry, _i64, _i64, _flag, _desc)
-        self._free(pages.data_ptr(), pages.numel(), cache, self.sd)
+            self._free = guard_point(free_guarded, _i64, _i64, _flag, _desc)
+        if self._free(pages.data_ptr(), pages.numel(), cache, self._fd):
+            _raise_overlap(1, ("pages",))
 
     def bind_free(self, pages, cache):
         run = functools.partial(entry_point(free.free_numba_entry, _i64, _i64, _flag, _desc), pages.data_ptr(),
@@ -211,6 +300,7 @@ class Table:
     """
 
     name = "numba"
+    checks_overlap = True  # extend, the CSR export and step refuse overlapping inputs in the compiled code
 
     def __init__(self, st, ts):
         self.st, self.ts = st, ts
@@ -222,12 +312,16 @@ class Table:
         cd = call_descriptor(self.td, self.sd, slots=slots, ok=ok)
         kernel(extend.extend_numba_entry)(req_ids.data_ptr(), num_tokens.data_ptr(), req_ids.numel(), cd)
 
+    def _written(self, *outputs):
+        return [*self.st.tensors().values(), *self.ts.tensors().values(), *outputs]
+
     def extend_into(self, res):
-        cd = call_descriptor(self.td, self.sd, slots=res.slots, ok=res.ok)
-        run, held = entry_point(extend.extend_numba_entry, _i64, _i64, _i64, _desc), (self.st, self.ts, res)
+        cd = _with_ranges(call_descriptor(self.td, self.sd, slots=res.slots, ok=res.ok), self._written(*res))
+        run, held = guard_point(extend_guarded, _i64, _i64, _i64, _desc), (self.st, self.ts, res)
 
         def call(req_ids, num_tokens, b, held=held):  # ``held``: what ``cd`` points into
-            run(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd)
+            if code := run(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd):
+                _raise_overlap(code, ("req_ids", "num_tokens"))
         return call
 
     def flashinfer_csr(self, req_ids, indptr, indices, last_page_len):
@@ -235,20 +329,22 @@ class Table:
         self.flashinfer_csr_into((indptr, indices, last_page_len), memo)(req_ids, req_ids.numel())
 
     def flashinfer_csr_into(self, csr, memo):
-        cd = call_descriptor(self.td, self.sd, csr=csr, memo=memo)
-        run, held = entry_point(flashinfer_csr.flashinfer_csr_numba_entry, _i64, _i64, _desc), (self.st, self.ts,
-                                                                                               csr, memo)
+        cd = _with_ranges(call_descriptor(self.td, self.sd, csr=csr, memo=memo), self._written(*csr, memo.tensor))
+        run, held = guard_point(csr_guarded, _i64, _i64, _desc), (self.st, self.ts, csr, memo)
 
         def call(req_ids, b, held=held):  # ``held``: what ``cd`` points into
-            run(req_ids.data_ptr(), b, cd)
+            if run(req_ids.data_ptr(), b, cd):
+                _raise_overlap(1, ("req_ids",))
         return call
 
     def step_into(self, res, memo):
-        cd = call_descriptor(self.td, self.sd, slots=res.slots, ok=res.ok, csr=res.csr, memo=memo)
-        run, held = entry_point(step.step_numba_entry, _i64, _i64, _i64, _desc), (self.st, self.ts, res, memo)
+        cd = _with_ranges(call_descriptor(self.td, self.sd, slots=res.slots, ok=res.ok, csr=res.csr, memo=memo),
+                          self._written(res.slots, res.ok, *res.csr, memo.tensor))
+        run, held = guard_point(step_guarded, _i64, _i64, _i64, _desc), (self.st, self.ts, res, memo)
 
         def call(req_ids, num_tokens, b, held=held):  # ``held``: what ``cd`` points into
-            run(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd)
+            if code := run(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd):
+                _raise_overlap(code, ("req_ids", "num_tokens"))
         return call
 
     def bind_step(self, res, memo, req_ids, num_tokens, b):
