@@ -46,8 +46,12 @@ def alloc_numba(
     ok = u8_array(ok_ptr, BO)
     evicted = i32_array(evicted_ptr, M)
     counters[L.CLOCK] += 1
-    free = counters[L.FREE_COUNT]
-    avail = free + counters[L.CACHED_COUNT] if evict else free
+    P = page_state.shape[0]
+    free, cached = counters[L.FREE_COUNT], counters[L.CACHED_COUNT]
+    if free < 0 or free > P or cached < 0 or cached > P - free:  # corrupt counts: the pool looks empty
+        counters[L.ERR_CORRUPT_STATE] += 1
+        free = cached = 0
+    avail = free + cached if evict else free
     bad = False
     csum = 0
     total = 0
@@ -75,7 +79,7 @@ def alloc_numba(
     evict_oldest_numba(total - free if evict else 0, evicted, free_stack, page_state, stamp, counters, keys)
     top = counters[L.FREE_COUNT] - 1
     for j in range(total):
-        pages[j] = pop_page(top - j, free_stack, refcount, page_state)
+        pages[j] = pop_page(top - j, free_stack, refcount, page_state, counters)
     fill_null_range(pages_ptr, total, M)
     counters[L.FREE_COUNT] -= total
     counters[L.ALLOCATED] += total

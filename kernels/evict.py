@@ -63,13 +63,18 @@ def evict_oldest_numba(n, out, free_stack, page_state, stamp, counters, keys):
     settled it, else the ``m`` chosen keys are sorted.
     """
     P = page_state.shape[0]
-    m = min(n, counters[L.CACHED_COUNT], out.shape[0]) if n > 0 else 0
+    m = max(0, min(n, counters[L.CACHED_COUNT], out.shape[0])) if n > 0 else 0
+    top = counters[L.FREE_COUNT]
     if m > 0:
         ids = keys
         c = 0
         for i in range(P):  # branch-free compaction of the cached page ids
             ids[c] = i
             c += page_state[i] == L.CACHED
+        if top < 0 or top + m > P or c < m:  # corrupt counts: evict nothing
+            counters[L.ERR_CORRUPT_STATE] += 1
+            m = 0
+    if m > 0:
         lo = hi = stamp[ids[0]]
         for j in range(c):
             s = stamp[ids[j]]
@@ -102,7 +107,6 @@ def evict_oldest_numba(n, out, free_stack, page_state, stamp, counters, keys):
             sel = np.sort(keys[:m])
             for r in range(m):
                 out[r] = sel[r] % P
-        top = counters[L.FREE_COUNT]
         for r in range(m):
             p = out[r]
             page_state[p] = L.FREE

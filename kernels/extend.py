@@ -83,9 +83,9 @@ def extend_numba(
     shift = page_shift(page_size)
     limit = MP * page_size  # a length at or past it has no page to write in (a corrupt row)
     counters[L.CLOCK] += 1
-    free = counters[L.FREE_COUNT]
+    free = nu.gated_free(counters, refcount.shape[0]) if B > 0 else 0  # a corrupt free count: empty
     top = free  # the stack top as pages are popped
-    bad_ids = bad_count = overflow = out_over = failed = 0
+    bad_ids = bad_count = overflow = out_over = failed = corrupt = 0
     csum = 0      # pages asked for by the lanes so far (first come first served)
     tok = 0       # slots of the lanes so far
     clean = True
@@ -119,6 +119,17 @@ def extend_numba(
                     last[ui] = off + 1
                 continue
             start = tok
+            if length < 0 or length > limit:  # corrupt state: the lane fails, the row is left alone
+                corrupt += 1
+                failed += 1
+                clean = False
+                tok += max(n, 0)
+                fill_null_range(slots_ptr, start, min(tok, T))
+                ok[i] = False
+                if track:
+                    indptr[i + 1] = pos
+                    last[i] = page_size
+                continue
             have = k + (off != 0)  # pages_for(length)
             want = have
             granted = False
@@ -139,7 +150,7 @@ def extend_numba(
             if granted:
                 for k in range(have, want):
                     top -= 1
-                    block_table[r, k] = pop_page(top, free_stack, refcount, page_state)
+                    block_table[r, k] = pop_page(top, free_stack, refcount, page_state, counters)
                 pos_t, u = length, start
                 while pos_t < length + n:  # page by page: the inner loop is base + offset
                     k = pos_t >> shift if shift >= 0 else pos_t // page_size
@@ -184,7 +195,8 @@ def extend_numba(
     counters[L.ERR_TABLE_OVERFLOW] += overflow
     counters[L.ERR_OUT_OVERFLOW] += out_over
     counters[L.FAILED_REQUESTS] += failed
-    counters[L.FREE_COUNT] = top
+    counters[L.ERR_CORRUPT_STATE] += corrupt
+    counters[L.FREE_COUNT] -= popped
     counters[L.ALLOCATED] += popped
     nu.raise_peaks(counters, refcount.shape[0])
     if track:

@@ -47,6 +47,7 @@ def flashinfer_csr_numba(
     R, MP = block_table.shape[0], block_table.shape[1]
     table_addr = block_table.ctypes.data
     shift = page_shift(page_size)
+    limit = MP * page_size  # a longer (or negative) length is corrupt state: exported as empty
     pos = 0
     reach = 0  # end of what the block copies wrote
     indptr[0] = 0
@@ -56,6 +57,9 @@ def flashinfer_csr_numba(
         length = 0
         if r >= 0 and r < R:
             length = seq_lens[r]
+            if length < 0 or length > limit:
+                counters[L.ERR_CORRUPT_STATE] += 1
+                length = 0
             n = pages_for(length, page_size, shift)
             k = max(0, min(n, cap - pos))
             dst, src = indices_ptr + 4 * pos, table_addr + 4 * r * MP

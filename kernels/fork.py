@@ -15,7 +15,7 @@ import triton.language as tl
 from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import i32_array, lane_valid, new_version, pop_page, state_arrays, table_arrays, u8_array
-from .layout import CD_OUT, CD_STATE
+from .layout import CD_OUT, CD_STATE, INT32_MAX
 from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, check_lane_scratch, claim_pages,
                                  claim_requests, first_pages, list_lane, reset_requests, request_lanes, reset_pages)
 from ._triton_util import (ALLOCATED, CACHED, CACHED_COUNT, ERR_INVALID_PAGE, ERR_USE_AFTER_FREE,
@@ -43,10 +43,11 @@ def fork_numba(
 ):
     src, dst, lens = i32_array(src_ptr, B), i32_array(dst_ptr, B), i32_array(lens_ptr, B)
     ok, cow_src, cow_dst = u8_array(ok_ptr, B), i32_array(cow_src_ptr, B), i32_array(cow_dst_ptr, B)
-    R = block_table.shape[0]
+    R, P = block_table.shape[0], refcount.shape[0]
+    limit = block_table.shape[1] * page_size
     counters[L.CLOCK] += 1
     nu.claim_requests(dst, R, claim, counters, False)
-    free = counters[L.FREE_COUNT]
+    free = nu.gated_free(counters, P) if B > 0 else 0  # a corrupt free count: an empty stack
     csum = 0
     for i in range(B):  # decide every lane on the state at call start
         granted = False
@@ -54,11 +55,24 @@ def fork_numba(
         if d != L.NULL_PAGE:
             if not (lane_valid(dst, i, R, claim) and s >= 0 and s < R and s != d and seq_lens[d] == 0):
                 counters[L.ERR_BAD_REQUEST] += 1
+            elif not nu.length_ok(seq_lens[s], limit):
+                counters[L.ERR_CORRUPT_STATE] += 1
             elif n < 0 or n > seq_lens[s]:
                 counters[L.ERR_BAD_LENGTH] += 1
             else:
-                csum += 1 if n % page_size != 0 else 0
-                granted = csum <= free
+                wild = False  # an id outside [0, P) in the shared range: corrupt state
+                stale = 0     # pages of the shared range that are not USED: freed under the row
+                for k in range(n // page_size):
+                    p = block_table[s, k]
+                    if p < 0 or p >= P:
+                        wild = True
+                    elif page_state[p] != L.USED:
+                        stale += 1
+                counters[L.ERR_CORRUPT_STATE] += wild
+                counters[L.ERR_USE_AFTER_FREE] += stale
+                if not wild and stale == 0:
+                    csum += 1 if n % page_size != 0 else 0
+                    granted = csum <= free
             if not granted:
                 counters[L.FAILED_REQUESTS] += 1
         ok[i] = granted
@@ -80,10 +94,13 @@ def fork_numba(
                 page_state[p] = L.USED
                 counters[L.CACHED_COUNT] -= 1
                 counters[L.REVIVED] += 1
-            refcount[p] += 1
+            if refcount[p] < INT32_MAX:
+                refcount[p] += 1
+            else:  # saturated
+                counters[L.ERR_REFCOUNT_OVERFLOW] += 1
             block_table[d, k] = p
         if n % page_size != 0:
-            new = pop_page(counters[L.FREE_COUNT] - 1 - popped, free_stack, refcount, page_state)
+            new = pop_page(free - 1 - popped, free_stack, refcount, page_state, counters)
             popped += 1
             block_table[d, full] = new
             cow_src[i] = block_table[s, full]

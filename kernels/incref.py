@@ -6,12 +6,14 @@ per entry. ``-1`` is padding; other ids outside ``[0, P)`` count ``invalid_page`
 """
 
 import numba
+import numpy as np
 import triton
 import triton.language as tl
 
 from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import i32_array, state_arrays
+from .layout import INT32_MAX
 from ._triton_util import (CACHED, CACHED_COUNT, ERR_INVALID_PAGE, ERR_USE_AFTER_FREE, FREE,
                            REVIVED, USED, count_pages, counter_add, first_lanes, load_counters,
                            raise_peaks, reset_lanes, settings, store_counters, tick)
@@ -44,7 +46,11 @@ def incref_numba(
             page_state[p] = L.USED
             counters[L.CACHED_COUNT] -= 1
             counters[L.REVIVED] += 1
-        refcount[p] += k
+        rc = refcount[p] + np.int64(k)
+        if rc > INT32_MAX:  # saturate; count the references that could not be added
+            counters[L.ERR_REFCOUNT_OVERFLOW] += rc - INT32_MAX
+            rc = INT32_MAX
+        refcount[p] = rc
     nu.raise_peaks(counters, P)
 
 

@@ -31,8 +31,12 @@ def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens,
     clock = counters[L.CLOCK]
     nu.claim_requests(ids, R, claim, counters, True)
     B = ids.shape[0]
+    limit = block_table.shape[1] * page_size
     for i in range(B):  # decide each lane; mark rejected lanes by dropping their claim
-        if lane_valid(ids, i, R, claim) and use_lens:
+        if lane_valid(ids, i, R, claim) and not nu.length_ok(seq_lens[ids[i]], limit):
+            counters[L.ERR_CORRUPT_STATE] += 1  # a corrupt length: the row is left alone
+            claim[ids[i]] = -1
+        elif lane_valid(ids, i, R, claim) and use_lens:
             n = new_lens[i]
             if n < 0 or n > seq_lens[ids[i]]:
                 counters[L.ERR_BAD_LENGTH] += 1

@@ -5,6 +5,7 @@ counters) lives in tensors on the pool's device and is updated by fixed-shape
 kernel passes that never read device memory back on the host.
 """
 
+from tpool.errors import CorruptState, RefcountOverflow  # noqa: F401  (issue 11: corrupt state, saturated counts)
 from tpool.errors import (DoubleFree, InvalidCount, InvalidLength, InvalidPage, InvalidRequest,
                           InvariantViolation, OutputOverflow, PoolError, TableOverflow, UseAfterFree)
 from tpool.free_group import FreeGroup

@@ -48,6 +48,17 @@ class InvalidLength(PoolError):
     """``truncate`` or ``fork`` asked for a length the request does not have."""
 
 
+class CorruptState(PoolError):
+    """A stored value (a request's length, the free or cached count, a free-stack entry, a table
+    entry a fork shares) was outside its static bounds, so the lane or call using it was skipped.
+    Only hand edits of the state (or a bug) produce it; no kernel reads or writes past its tensors."""
+
+
+class RefcountOverflow(PoolError):
+    """An ``incref`` or a ``fork`` would have taken a page's reference count past INT32_MAX; the
+    count stays at INT32_MAX."""
+
+
 class InvariantViolation(PoolError):
     """``check_invariants()`` found the state inconsistent (a bug, please report)."""
 
@@ -61,6 +72,8 @@ ERROR_CLASSES = {
     L.ERR_BAD_REQUEST: InvalidRequest,
     L.ERR_TABLE_OVERFLOW: TableOverflow,
     L.ERR_BAD_LENGTH: InvalidLength,
+    L.ERR_CORRUPT_STATE: CorruptState,
+    L.ERR_REFCOUNT_OVERFLOW: RefcountOverflow,
 }
 
 
