@@ -12,7 +12,7 @@ import triton.language as tl
 from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import fill_null_range, i32_array, state_arrays
-from ._triton_util import (CACHED, CACHED_COUNT, EVICTED, FREE, FREE_COUNT, INT64_MAX,
+from ._triton_util import (CACHED, CACHED_COUNT, ERR_CORRUPT_STATE, EVICTED, FREE, FREE_COUNT, INT64_MAX,
                            NULL_PAGE, counter_add, counter_get, load_counters, settings,
                            store_counters, tick)
 
@@ -162,11 +162,15 @@ def evict_oldest_body(
     stamp_ptr,       # *int64 [P]
     num_pages,       # P
     top,             # int64 scalar: FREE_COUNT before the call
+    cached_count,    # int64 scalar: CACHED_COUNT before the call
     # Meta-parameters
     BLOCK: tl.constexpr,       # pages per chunk
     RANK_BLOCK: tl.constexpr,  # side of the tile that ranks the chosen pages
 ):
-    """Evict the m = min(n, cached, K) smallest (stamp, id) CACHED pages: out[:m], stack[top:top+m]; returns m."""
+    """Evict the m = min(n, cached, K) smallest (stamp, id) CACHED pages: out[:m], stack[top:top+m].
+
+    Returns ``(m, corrupt)``: when the m pages cannot be pushed (``top < 0`` or ``top + m > P``)
+    or fewer than m pages are CACHED, nothing is evicted and ``corrupt`` is 1."""
     lanes = tl.arange(0, BLOCK)
     # Census: how many pages are cached, and their stamp range.
     cnt = tl.zeros((), tl.int64)
@@ -179,8 +183,9 @@ def evict_oldest_body(
         cnt += tl.sum(cached.to(tl.int64))
         smin = tl.minimum(smin, tl.min(tl.where(cached, s, INT64_MAX)))
         smax = tl.maximum(smax, tl.max(tl.where(cached, s, 0)))
-    m = tl.minimum(tl.minimum(tl.maximum(n, 0), cnt), K)
-    m = tl.maximum(tl.minimum(m, num_pages - top), 0)  # no-op on a consistent state; keeps writes in bounds
+    m = tl.maximum(tl.minimum(tl.minimum(n, cached_count), K), 0)
+    corrupt = (m > 0) & ((top < 0) | (top + m > num_pages) | (cnt < m))
+    m = tl.where(corrupt, 0, m)
     # Radix select of the threshold stamp t: #(stamp < t) < m <= #(stamp <= t);
     # afterwards `need` is how many pages stamped t are taken (lowest ids first).
     span = tl.where(m < cnt, smax - smin, 0)
@@ -245,7 +250,7 @@ def evict_oldest_body(
     for start in range((m // BLOCK) * BLOCK, K, BLOCK):
         j = start + lanes
         tl.store(out_ptr + j, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=(j >= m) & (j < K))
-    return m
+    return m, corrupt.to(tl.int64)
 
 
 @triton.jit
@@ -265,8 +270,9 @@ def evict_kernel(
     c = load_counters(counters_ptr)
     c, _clock = tick(c)
     top = counter_get(c, FREE_COUNT)
-    m = evict_oldest_body(tl.zeros((), tl.int64) + K, out_ptr, K, free_stack_ptr, page_state_ptr,
-                            stamp_ptr, num_pages, top, BLOCK, RANK_BLOCK)
+    m, corrupt = evict_oldest_body(tl.zeros((), tl.int64) + K, out_ptr, K, free_stack_ptr, page_state_ptr,
+                                   stamp_ptr, num_pages, top, counter_get(c, CACHED_COUNT), BLOCK, RANK_BLOCK)
+    c = counter_add(c, ERR_CORRUPT_STATE, corrupt)
     c = counter_add(c, FREE_COUNT, m)
     c = counter_add(c, CACHED_COUNT, -m)
     c = counter_add(c, EVICTED, m)

@@ -20,7 +20,7 @@ from ._numba_util import (fill_null_range, i32_array, i64_array, new_version, pa
 from .layout import CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, INT32_MAX
 from ._triton_table_util import (ERR_BAD_REQUEST, ERR_TABLE_OVERFLOW, cdiv, claim_requests, reset_requests,
                                  request_lanes)
-from ._triton_util import (ALLOCATED, ERR_BAD_COUNT, ERR_OUT_OVERFLOW, FAILED_REQUESTS, FREE_COUNT,
+from ._triton_util import (ALLOCATED, ERR_BAD_COUNT, ERR_CORRUPT_STATE, gate_free, pop_check, ERR_OUT_OVERFLOW, FAILED_REQUESTS, FREE_COUNT,
                            NULL_PAGE, USED, counter_add, counter_get, load_counters, raise_peaks,
                            settings, store_counters, tick)
 
@@ -256,7 +256,7 @@ def extend_body(
     lanes = tl.arange(0, BLOCK)
     c = load_counters(counters_ptr)
     c, _clock = tick(c)
-    free = counter_get(c, FREE_COUNT)
+    c, free = gate_free(c, num_pages, B > 0)  # a corrupt free count: an empty stack
     claim_requests(req_ids_ptr, B, claim_ptr, R, BLOCK)
     tl.debug_barrier()
     csum = tl.zeros((), tl.int64)    # pages needed by candidate lanes so far
@@ -268,17 +268,22 @@ def extend_body(
     overflow = tl.zeros((), tl.int64)
     out_overflow = tl.zeros((), tl.int64)
     failed = tl.zeros((), tl.int64)
+    wrong = tl.zeros((), tl.int64)  # corrupt state: lengths out of bounds, bad stack entries
     for start in range(0, B, BLOCK):
         i = start + lanes
         r, valid, pad, live = request_lanes(req_ids_ptr, i, B, claim_ptr, R)
         n = tl.load(num_tokens_ptr + i, mask=live, other=0).to(tl.int64)
-        neg = valid & (n < 0)
-        n = tl.maximum(n, 0)
         length = tl.load(seq_lens_ptr + r, mask=valid, other=0).to(tl.int64)
+        corrupt = valid & ((length < 0) | (length > MP * page_size))  # the lane fails, its row is left alone
+        wrong += tl.sum(corrupt.to(tl.int64))
+        lv = valid & ~corrupt
+        length = tl.where(corrupt, 0, length)
+        neg = lv & (n < 0)
+        n = tl.maximum(n, 0)
         have = cdiv(length, page_size)
         want = cdiv(length + n, page_size)
-        over = valid & ~neg & (want > MP)
-        cand = valid & ~neg & ~over
+        over = lv & ~neg & (want > MP)
+        cand = lv & ~neg & ~over
         need = tl.where(cand, want - have, 0)
         need_end = csum + tl.cumsum(need, 0)
         tok_end = tok + tl.cumsum(n, 0)
@@ -291,11 +296,10 @@ def extend_body(
         row = r.to(tl.int64) * MP
         for k in range(0, tl.max(grant)):
             take = k < grant
-            p = tl.load(free_stack_ptr + (free - 1 - off - k), mask=take, other=NULL_PAGE)
+            p, bad_pop = pop_check(free - 1 - off - k, take, free_stack_ptr, refcount_ptr, page_state_ptr,
+                                   num_pages)
             tl.store(block_table_ptr + row + have + k, p, mask=take)
-            take = take & (p >= 0) & (p < num_pages)
-            tl.store(refcount_ptr + p, tl.full((BLOCK,), 1, tl.int32), mask=take)
-            tl.store(page_state_ptr + p, tl.full((BLOCK,), USED, tl.int8), mask=take)
+            wrong += bad_pop
         # One-token lanes: the slot comes from the table (old page) or the page just popped.
         one = live & (n == 1)
         col = length // page_size
@@ -351,6 +355,7 @@ def extend_body(
     c = counter_add(c, ERR_TABLE_OVERFLOW, overflow)
     c = counter_add(c, ERR_OUT_OVERFLOW, out_overflow)
     c = counter_add(c, FAILED_REQUESTS, failed)
+    c = counter_add(c, ERR_CORRUPT_STATE, wrong)
     c = counter_add(c, FREE_COUNT, -popped)
     c = counter_add(c, ALLOCATED, popped)
     if B > 0:

@@ -14,7 +14,7 @@ from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import i32_array, state_arrays
 from .layout import INT32_MAX
-from ._triton_util import (CACHED, CACHED_COUNT, ERR_INVALID_PAGE, ERR_USE_AFTER_FREE, FREE,
+from ._triton_util import (CACHED, CACHED_COUNT, ERR_INVALID_PAGE, ERR_REFCOUNT_OVERFLOW, INT32_MAX as T_INT32_MAX, ERR_USE_AFTER_FREE, FREE,
                            REVIVED, USED, count_pages, counter_add, first_lanes, load_counters,
                            raise_peaks, reset_lanes, settings, store_counters, tick)
 
@@ -85,14 +85,16 @@ def incref_kernel(
     tl.debug_barrier()
     uaf = tl.zeros((), tl.int64)
     revived = tl.zeros((), tl.int64)
+    over = tl.zeros((), tl.int64)
     for start in range(0, n_pages, BLOCK):
         p, first, k = first_lanes(pages_ptr, start, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
         state = tl.load(page_state_ptr + p, mask=first, other=FREE)
         uaf += tl.sum(tl.where(first & (state == FREE), k, 0).to(tl.int64))
         cached = first & (state == CACHED)
         live = (first & (state == USED)) | cached
-        rc = tl.load(refcount_ptr + p, mask=live, other=0)
-        tl.store(refcount_ptr + p, rc + k, mask=live)
+        rc = tl.load(refcount_ptr + p, mask=live, other=0).to(tl.int64) + k
+        over += tl.sum(tl.where(live, tl.maximum(rc - T_INT32_MAX, 0), 0))
+        tl.store(refcount_ptr + p, tl.minimum(rc, T_INT32_MAX).to(tl.int32), mask=live)  # saturated
         tl.store(page_state_ptr + p, tl.full((BLOCK,), USED, tl.int8), mask=cached)
         revived += tl.sum(cached.to(tl.int64))
     tl.debug_barrier()
@@ -101,6 +103,7 @@ def incref_kernel(
     c = counter_add(c, ERR_USE_AFTER_FREE, uaf)
     c = counter_add(c, CACHED_COUNT, -revived)
     c = counter_add(c, REVIVED, revived)
+    c = counter_add(c, ERR_REFCOUNT_OVERFLOW, over)
     c = raise_peaks(c, num_pages)
     store_counters(counters_ptr, c)
 

@@ -84,7 +84,7 @@ def _push(st, pages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     c = st.counters
     top = c[L.FREE_COUNT]
     pos = top + torch.cumsum(mask.long(), 0) - mask.long()
-    fit = mask & (top >= 0) & (pos < st.num_pages)
+    fit = mask & (pos >= 0) & (pos < st.num_pages)
     _put(st.free_stack, pos.clamp(min=0, max=st.num_pages - 1), pages, fit)
     _put(st.page_state, pages, L.FREE, mask)
     n = mask.sum()
