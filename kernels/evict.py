@@ -129,7 +129,7 @@ def evict_numba(
 ):
     counters[L.CLOCK] += 1
     evict_oldest_numba(K, i32_array(out_ptr, K), free_stack, page_state, stamp, counters, keys)
-    nu.raise_peaks(counters, page_state.shape[0])
+    # no raise_peaks: an eviction only lowers the cached count (as the reference and Triton)
 
 
 @numba.njit(nogil=True)

@@ -110,7 +110,8 @@ def fork_numba(
     nu.reset_requests(dst, R, claim)
     counters[L.FREE_COUNT] -= popped
     counters[L.ALLOCATED] += popped
-    nu.raise_peaks(counters, refcount.shape[0])
+    if B > 0:  # an empty batch touches nothing (as the reference and Triton)
+        nu.raise_peaks(counters, refcount.shape[0])
 
 
 @numba.njit(nogil=True)

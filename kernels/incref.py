@@ -14,7 +14,7 @@ from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import i32_array, state_arrays
 from .layout import INT32_MAX
-from ._triton_util import (CACHED, CACHED_COUNT, ERR_INVALID_PAGE, ERR_REFCOUNT_OVERFLOW, INT32_MAX as T_INT32_MAX, ERR_USE_AFTER_FREE, FREE,
+from ._triton_util import (CACHED, CACHED_COUNT, ERR_CORRUPT_STATE, ERR_INVALID_PAGE, ERR_REFCOUNT_OVERFLOW, INT32_MAX as T_INT32_MAX, ERR_USE_AFTER_FREE, FREE,
                            REVIVED, USED, count_pages, counter_add, first_lanes, load_counters,
                            raise_peaks, reset_lanes, settings, store_counters, tick)
 
@@ -41,6 +41,9 @@ def incref_numba(
         state = page_state[p]
         if state == L.FREE:
             counters[L.ERR_USE_AFTER_FREE] += k
+            continue
+        if state != L.USED and state != L.CACHED:  # no such state: corrupt, left alone
+            counters[L.ERR_CORRUPT_STATE] += k
             continue
         if state == L.CACHED:
             page_state[p] = L.USED
@@ -86,10 +89,12 @@ def incref_kernel(
     uaf = tl.zeros((), tl.int64)
     revived = tl.zeros((), tl.int64)
     over = tl.zeros((), tl.int64)
+    wrong = tl.zeros((), tl.int64)  # pages in no known state: corrupt, left alone
     for start in range(0, n_pages, BLOCK):
         p, first, k = first_lanes(pages_ptr, start, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
         state = tl.load(page_state_ptr + p, mask=first, other=FREE)
         uaf += tl.sum(tl.where(first & (state == FREE), k, 0).to(tl.int64))
+        wrong += tl.sum(tl.where(first & (state != FREE) & (state != USED) & (state != CACHED), k, 0).to(tl.int64))
         cached = first & (state == CACHED)
         live = (first & (state == USED)) | cached
         rc = tl.load(refcount_ptr + p, mask=live, other=0).to(tl.int64) + k
@@ -104,6 +109,7 @@ def incref_kernel(
     c = counter_add(c, CACHED_COUNT, -revived)
     c = counter_add(c, REVIVED, revived)
     c = counter_add(c, ERR_REFCOUNT_OVERFLOW, over)
+    c = counter_add(c, ERR_CORRUPT_STATE, wrong)
     c = raise_peaks(c, num_pages)
     store_counters(counters_ptr, c)
 

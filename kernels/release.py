@@ -60,7 +60,8 @@ def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens,
                 j += 1
             seq_lens[r] = keep_tokens
     nu.reset_requests(ids, R, claim)
-    nu.apply_free(dropped, cache, clock, free_stack, refcount, page_state, stamp, counters, occur)
+    if B > 0:  # an empty batch touches nothing (as the reference and Triton)
+        nu.apply_free(dropped, cache, clock, free_stack, refcount, page_state, stamp, counters, occur)
 
 
 @numba.njit(nogil=True)

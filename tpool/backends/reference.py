@@ -223,6 +223,8 @@ def apply_incref(st, pages) -> None:
     state = st.page_state[idx]
     used, cached = first & (state == L.USED), first & (state == L.CACHED)
     c[L.ERR_USE_AFTER_FREE] += torch.where(first & (state == L.FREE), k, 0).sum()
+    unknown = first & (state != L.FREE) & (state != L.USED) & (state != L.CACHED)
+    c[L.ERR_CORRUPT_STATE] += torch.where(unknown, k, 0).sum()
     rc = st.refcount[idx].long() + k
     c[L.ERR_REFCOUNT_OVERFLOW] += torch.where(used | cached, (rc - INT32_MAX).clamp(min=0), 0).sum()
     _put(st.refcount, idx, rc.clamp(max=INT32_MAX), used | cached)
