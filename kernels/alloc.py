@@ -165,7 +165,8 @@ def alloc_kernel(
         tl.store(indptr_ptr + i + 1, tl.zeros((BLOCK,), tl.int32) + total.to(tl.int32), mask=pad)
     if HAS_EVICT:
         m, bad_evict = evict_oldest_body(total - free, evicted_ptr, M, free_stack_ptr, page_state_ptr, stamp_ptr,
-                                         num_pages, counter_get(c, FREE_COUNT), cached, BLOCK, RANK_BLOCK)
+                                         num_pages, counter_get(c, FREE_COUNT), cached, _clock, BLOCK,
+                                         RANK_BLOCK)
         c = counter_add(c, ERR_CORRUPT_STATE, bad_evict)
         c = counter_add(c, FREE_COUNT, m)
         c = counter_add(c, CACHED_COUNT, -m)

@@ -71,15 +71,16 @@ def evict_oldest_numba(n, out, free_stack, page_state, stamp, counters, keys):
         for i in range(P):  # branch-free compaction of the cached page ids
             ids[c] = i
             c += page_state[i] == L.CACHED
-        if top < 0 or top + m > P or c < m:  # corrupt counts: evict nothing
-            counters[L.ERR_CORRUPT_STATE] += 1
-            m = 0
-    if m > 0:
         lo = hi = stamp[ids[0]]
         for j in range(c):
             s = stamp[ids[j]]
             lo = min(lo, s)
             hi = max(hi, s)
+        # Corrupt counts, or a stamp outside [0, clock] (its span could overflow): evict nothing.
+        if top < 0 or top + m > P or c < m or lo < 0 or hi > counters[L.CLOCK]:
+            counters[L.ERR_CORRUPT_STATE] += 1
+            m = 0
+    if m > 0:
         hist = np.empty(min(c, HIST_BINS), np.int64)
         t, older, exact = _select_threshold(m, ids, c, lo, hi, stamp, hist)
         if exact:  # hist holds per-stamp counts up to t: turn them into start positions
@@ -163,6 +164,7 @@ def evict_oldest_body(
     num_pages,       # P
     top,             # int64 scalar: FREE_COUNT before the call
     cached_count,    # int64 scalar: CACHED_COUNT before the call
+    clock,           # int64 scalar: the call's clock (no stamp is later)
     # Meta-parameters
     BLOCK: tl.constexpr,       # pages per chunk
     RANK_BLOCK: tl.constexpr,  # side of the tile that ranks the chosen pages
@@ -170,7 +172,8 @@ def evict_oldest_body(
     """Evict the m = min(n, cached, K) smallest (stamp, id) CACHED pages: out[:m], stack[top:top+m].
 
     Returns ``(m, corrupt)``: when the m pages cannot be pushed (``top < 0`` or ``top + m > P``)
-    or fewer than m pages are CACHED, nothing is evicted and ``corrupt`` is 1."""
+    or fewer than m pages are CACHED, or a CACHED page's stamp is outside ``[0, clock]``, nothing
+    is evicted and ``corrupt`` is 1."""
     lanes = tl.arange(0, BLOCK)
     # Census: how many pages are cached, and their stamp range.
     cnt = tl.zeros((), tl.int64)
@@ -184,7 +187,7 @@ def evict_oldest_body(
         smin = tl.minimum(smin, tl.min(tl.where(cached, s, INT64_MAX)))
         smax = tl.maximum(smax, tl.max(tl.where(cached, s, 0)))
     m = tl.maximum(tl.minimum(tl.minimum(n, cached_count), K), 0)
-    corrupt = (m > 0) & ((top < 0) | (top + m > num_pages) | (cnt < m))
+    corrupt = (m > 0) & ((top < 0) | (top + m > num_pages) | (cnt < m) | (smin < 0) | (smax > clock))
     m = tl.where(corrupt, 0, m)
     # Radix select of the threshold stamp t: #(stamp < t) < m <= #(stamp <= t);
     # afterwards `need` is how many pages stamped t are taken (lowest ids first).
@@ -268,10 +271,11 @@ def evict_kernel(
 ):
     """out[:m] = the m = min(K, cached) oldest CACHED pages by (stamp, id), pushed on the stack in that order."""
     c = load_counters(counters_ptr)
-    c, _clock = tick(c)
+    c, clock = tick(c)
     top = counter_get(c, FREE_COUNT)
     m, corrupt = evict_oldest_body(tl.zeros((), tl.int64) + K, out_ptr, K, free_stack_ptr, page_state_ptr,
-                                   stamp_ptr, num_pages, top, counter_get(c, CACHED_COUNT), BLOCK, RANK_BLOCK)
+                                   stamp_ptr, num_pages, top, counter_get(c, CACHED_COUNT), clock, BLOCK,
+                                   RANK_BLOCK)
     c = counter_add(c, ERR_CORRUPT_STATE, corrupt)
     c = counter_add(c, FREE_COUNT, m)
     c = counter_add(c, CACHED_COUNT, -m)

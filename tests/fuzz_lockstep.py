@@ -4,7 +4,8 @@ Each episode builds one small pool and table per backend (same sizes), then runs
 random operations on all of them in lockstep: valid calls, misuse (bad and
 repeated ids, negative counts, double frees), hand edits of the state followed by
 ``invalidate_csr()`` (any value into ``seq_lens``, ``block_table``, ``free_stack``,
-the counters, ``refcount``, ``page_state``), and snapshot restores
+the free and cached counts and the clock, ``refcount``, ``page_state``,
+``stamp``), and snapshot restores
 (``tpool.graphs.state_tensors``). After every operation every output and every
 state tensor (scratch excepted) must be equal on all backends (``torch.equal``);
 an exception must be the same type on all of them.
@@ -27,6 +28,7 @@ import time
 import torch
 
 OPS_PER_EPISODE = 150  # operations on one set of pools before a fresh one (default)
+EDIT_COUNTERS = (0, 1, 2)  # FREE_COUNT, CACHED_COUNT, CLOCK
 EDIT_VALUES = (-10**9, -6, -2, -1, 0, 1, 2, 3, 5, 7, 10**6, 2**31 - 2, 2**31 - 1)
 SCRATCH = {"keys", "lane_end", "version"}  # per-backend scratch, not compared
 
@@ -76,10 +78,12 @@ def gen_op(rng: random.Random, cfg: dict, edits: bool) -> tuple:
     if kind == "fork":
         return (kind, _ids(rng, cfg, b), _ids(rng, cfg, b), [rng.randint(-1, MP * cfg["page_size"]) for _ in range(b)])
     if kind == "edit":
-        name = rng.choice(["seq_lens", "block_table", "free_stack", "counters", "refcount", "page_state"])
+        name = rng.choice(["seq_lens", "block_table", "free_stack", "counters", "refcount", "page_state", "stamp"])
         size = {"seq_lens": R, "block_table": R * MP, "free_stack": P, "refcount": P, "page_state": P,
-                "counters": 2}[name]
+                "stamp": P, "counters": len(EDIT_COUNTERS)}[name]
         value = rng.choice(EDIT_VALUES + tuple(range(-1, P + 2)))
+        if name == "stamp":
+            value = rng.choice([-2**62, -1, 0, 1, 5, 40, 2**62])
         if name == "page_state":
             value = rng.choice([0, 1, 2, 0, 1, 2, 5, -1])
         return (kind, name, rng.randrange(size), value)
@@ -145,10 +149,10 @@ class System:
                 _, name, at, value = op
                 t = {"seq_lens": table.seq_lens, "block_table": table.block_table.view(-1),
                      "free_stack": pool.state.free_stack, "refcount": pool.state.refcount,
-                     "page_state": pool.state.page_state,
-                     "counters": pool.state.counters[[L.FREE_COUNT, L.CACHED_COUNT]]}[name]
+                     "page_state": pool.state.page_state, "stamp": pool.state.stamp,
+                     "counters": pool.state.counters}[name]
                 if name == "counters":
-                    pool.state.counters[[L.FREE_COUNT, L.CACHED_COUNT][at]] = value
+                    t[EDIT_COUNTERS[at]] = value
                 else:
                     t[at] = value
                 table.invalidate_csr()

@@ -128,14 +128,19 @@ def pop_pages(st, depth: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def evict_oldest(st, out: torch.Tensor, n) -> None:
     """Evict the ``min(n, cached)`` oldest cached pages into ``out`` (padded with -1)."""
     P, c = st.num_pages, st.counters
-    ids = torch.arange(P, device=out.device)
     cached = st.page_state == L.CACHED
-    key = torch.where(cached, st.stamp * P + ids, INT64_MAX)
+    # (stamp, id) order without a product that could overflow: a stable sort by stamp of the
+    # cached pages (ids ascending), then the other pages.
+    by_stamp = torch.argsort(torch.where(cached, st.stamp, 0), stable=True)
+    order = by_stamp[torch.argsort((~cached[by_stamp]).to(torch.int8), stable=True)]
     k = min(out.numel(), P)
-    vals, order = torch.topk(key, k, largest=False, sorted=True)
+    order = order[:k]
+    vals = torch.where(cached[order], 0, INT64_MAX)
     f = c[L.FREE_COUNT]
     m = torch.minimum(torch.as_tensor(n, device=out.device).long(), c[L.CACHED_COUNT]).clamp(min=0, max=out.numel())
-    bad = (m > 0) & ((f < 0) | (f + m > P) | (cached.sum() < m))
+    stamps = torch.where(cached, st.stamp, 0)
+    wild = ((stamps < 0) | (stamps > c[L.CLOCK])).any()  # a stamp outside [0, clock]
+    bad = (m > 0) & ((f < 0) | (f + m > P) | (cached.sum() < m) | wild)
     c[L.ERR_CORRUPT_STATE] += bad.long()
     m = torch.where(bad, 0, m)
     take = (torch.arange(k, device=out.device) < m) & (vals != INT64_MAX)
