@@ -16,9 +16,9 @@ from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import fill_null_range, i32_array, pop_page, state_arrays, u8_array
 from .layout import AD_EVICTED, AD_INDPTR, AD_MAX_BATCH, AD_MAX_PAGES, AD_OK, AD_PAGES, STATE_DESC_LEN
-from ._triton_util import (ALLOCATED, CACHED_COUNT, ERR_BAD_COUNT, ERR_CORRUPT_STATE, pop_check, ERR_OUT_OVERFLOW, EVICTED,
-                           FAILED_REQUESTS, FREE_COUNT, NULL_PAGE, USED, counter_add, counter_get,
-                           load_counters, raise_peaks, settings, store_counters, tick)
+from ._triton_util import (ALLOCATED, CACHED_COUNT, ERR_BAD_COUNT, ERR_CORRUPT_STATE, ERR_OUT_OVERFLOW, EVICTED,
+                           FAILED_REQUESTS, FREE_COUNT, NULL_PAGE, counter_add, counter_get, load_counters,
+                           pop_check, raise_peaks, settings, store_counters, tick)
 from .evict import evict_oldest_numba, evict_oldest_body
 
 

@@ -10,7 +10,6 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from . import _numba_util as nu
 from ._numba_util import fill_null_range, i32_array, state_arrays
 from ._triton_util import (CACHED, CACHED_COUNT, ERR_CORRUPT_STATE, EVICTED, FREE, FREE_COUNT, INT64_MAX,
                            NULL_PAGE, counter_add, counter_get, load_counters, settings,

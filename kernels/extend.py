@@ -20,9 +20,9 @@ from ._numba_util import (fill_null_range, i32_array, i64_array, new_version, pa
 from .layout import CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, INT32_MAX
 from ._triton_table_util import (ERR_BAD_REQUEST, ERR_TABLE_OVERFLOW, cdiv, claim_requests, reset_requests,
                                  request_lanes)
-from ._triton_util import (ALLOCATED, ERR_BAD_COUNT, ERR_CORRUPT_STATE, gate_free, pop_check, ERR_OUT_OVERFLOW, FAILED_REQUESTS, FREE_COUNT,
-                           NULL_PAGE, USED, counter_add, counter_get, load_counters, raise_peaks,
-                           settings, store_counters, tick)
+from ._triton_util import (ALLOCATED, ERR_BAD_COUNT, ERR_CORRUPT_STATE, ERR_OUT_OVERFLOW, FAILED_REQUESTS,
+                           FREE_COUNT, NULL_PAGE, counter_add, gate_free, load_counters, pop_check,
+                           raise_peaks, settings, store_counters, tick)
 
 MAX_TILE = 64  # side of the token x lane tiles of the prefill slot pass
 

@@ -18,10 +18,11 @@ from ._numba_util import i32_array, lane_valid, new_version, pop_page, state_arr
 from .layout import CD_OUT, CD_STATE, INT32_MAX
 from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, check_lane_scratch, claim_pages,
                                  claim_requests, first_pages, list_lane, reset_requests, request_lanes, reset_pages)
-from ._triton_util import (ERR_CORRUPT_STATE, ERR_REFCOUNT_OVERFLOW, INT32_MAX as T_INT32_MAX, gate_free, pop_check)
-from ._triton_util import (ALLOCATED, CACHED, CACHED_COUNT, ERR_INVALID_PAGE, ERR_USE_AFTER_FREE,
-                           FAILED_REQUESTS, FREE, FREE_COUNT, NULL_PAGE, REVIVED, USED, counter_add,
-                           counter_get, load_counters, raise_peaks, settings, store_counters, tick)
+from ._triton_util import INT32_MAX as T_INT32_MAX
+from ._triton_util import (ALLOCATED, CACHED, CACHED_COUNT, ERR_CORRUPT_STATE, ERR_INVALID_PAGE,
+                           ERR_REFCOUNT_OVERFLOW, ERR_USE_AFTER_FREE, FAILED_REQUESTS, FREE, FREE_COUNT,
+                           NULL_PAGE, REVIVED, USED, counter_add, gate_free, load_counters,
+                           pop_check, raise_peaks, settings, store_counters, tick)
 
 
 @numba.njit(nogil=True)

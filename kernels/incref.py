@@ -14,9 +14,10 @@ from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import i32_array, state_arrays
 from .layout import INT32_MAX
-from ._triton_util import (CACHED, CACHED_COUNT, ERR_CORRUPT_STATE, ERR_INVALID_PAGE, ERR_REFCOUNT_OVERFLOW, INT32_MAX as T_INT32_MAX, ERR_USE_AFTER_FREE, FREE,
-                           REVIVED, USED, count_pages, counter_add, first_lanes, load_counters,
-                           raise_peaks, reset_lanes, settings, store_counters, tick)
+from ._triton_util import INT32_MAX as T_INT32_MAX
+from ._triton_util import (CACHED, CACHED_COUNT, ERR_CORRUPT_STATE, ERR_INVALID_PAGE, ERR_REFCOUNT_OVERFLOW,
+                           ERR_USE_AFTER_FREE, FREE, REVIVED, USED, count_pages, counter_add, first_lanes,
+                           load_counters, raise_peaks, reset_lanes, settings, store_counters, tick)
 
 
 @numba.njit(nogil=True)

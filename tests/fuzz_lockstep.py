@@ -76,7 +76,8 @@ def gen_op(rng: random.Random, cfg: dict, edits: bool) -> tuple:
     if kind == "truncate":
         return (kind, _ids(rng, cfg, b), [rng.randint(-1, MP * cfg["page_size"]) for _ in range(b)])
     if kind == "fork":
-        return (kind, _ids(rng, cfg, b), _ids(rng, cfg, b), [rng.randint(-1, MP * cfg["page_size"]) for _ in range(b)])
+        lens = [rng.randint(-1, MP * cfg["page_size"]) for _ in range(b)]
+        return (kind, _ids(rng, cfg, b), _ids(rng, cfg, b), lens)
     if kind == "edit":
         name = rng.choice(["seq_lens", "block_table", "free_stack", "counters", "refcount", "page_state", "stamp"])
         size = {"seq_lens": R, "block_table": R * MP, "free_stack": P, "refcount": P, "page_state": P,
@@ -116,7 +117,6 @@ class System:
     def apply(self, op) -> list:
         """Run ``op``; returns its outputs (cloned) or the exception's type name."""
         from tpool.graphs import state_tensors
-        from tpool.kernels import layout as L
         kind, pool, table = op[0], self.pool, self.table
         try:
             if kind == "alloc":
@@ -182,7 +182,8 @@ def run_ops(backends, cfg, ops):
         for b, s in zip(backends[1:], systems[1:]):
             for name, t in s.state().items():
                 if not torch.equal(t, want[name]):
-                    return k, f"state {name} differs after {op[0]}: {backends[0]} {want[name].tolist()} vs {b} {t.tolist()}"
+                    return k, (f"state {name} differs after {op[0]}: "
+                               f"{backends[0]} {want[name].tolist()} vs {b} {t.tolist()}")
     return None
 
 
@@ -204,8 +205,10 @@ def shrink(backends, cfg, ops):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ops", type=int, default=2000, help="operations in all, over all episodes (default 2000)")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ops", type=int, default=2000,
+                    help="operations in all, over all episodes (default 2000)")
     ap.add_argument("--backends", default="reference,numba",
                     help="comma-separated backends; the first is the oracle (default reference,numba)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the first episode (default 0)")

@@ -64,6 +64,15 @@ def main(backend: str) -> dict:
         b = pool.alloc(i32([2]))
     out["stack"] = dict(first_ok=a.ok[:1].tolist(), pages=b.pages.tolist(), corrupt=err(pool, L.ERR_CORRUPT_STATE),
                         free=int(pool.state.counters[L.FREE_COUNT]))
+    # A cached page's stamp outside [0, clock]: numba's radix select read past its histogram.
+    pool = tpool.PagePool(8, 1, device="cpu", backend=backend)
+    a = pool.alloc(i32([3]))
+    pool.free(a.pages[:3].clone(), cache=True)
+    pool.state.stamp[0], pool.state.stamp[1] = -2**62, 2**62
+    with no_host_sync():
+        ev = pool.evict(2)
+    out["stamp"] = dict(evicted=ev.tolist(), corrupt=err(pool, L.ERR_CORRUPT_STATE),
+                        cached=pool.stats()["pages.cached.current"])
     # Finding 4: fork from a row holding a page freed through the pool (page size 1).
     pool = tpool.PagePool(8, 1, device="cpu", backend=backend)
     t = tpool.PageTable(pool, 4, 4)

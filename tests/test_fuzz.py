@@ -19,7 +19,8 @@ FUZZ = Path(__file__).parent / "fuzz_lockstep.py"
 def fuzz(*args, timeout=900, triton=False):
     env = dict(os.environ, TRITON_INTERPRET="1") if triton else dict(os.environ)
     p = subprocess.run([sys.executable, str(FUZZ), *args], capture_output=True, text=True, env=env, timeout=timeout)
-    assert p.returncode == 0, f"exit {p.returncode} (negative: killed by a signal)\n{p.stdout[-4000:]}\n{p.stderr[-3000:]}"
+    assert p.returncode == 0, \
+        f"exit {p.returncode} (negative: killed by a signal)\n{p.stdout[-4000:]}\n{p.stderr[-3000:]}"
     assert p.stdout.startswith("ok:"), p.stdout
 
 

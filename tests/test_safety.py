@@ -57,6 +57,12 @@ def test_corrupt_free_count_and_stack_entry(backend):
     assert r["pages"] == [99, 1, -1, -1] and r["corrupt"] == 2 and r["free"] == 2
 
 
+def test_evict_with_a_wild_stamp(backend):
+    """A CACHED page stamped outside [0, clock]: nothing is evicted, one corrupt_state."""
+    r = repro(backend)["stamp"]
+    assert r["evicted"] == [-1, -1] and r["corrupt"] == 1 and r["cached"] == 3
+
+
 def test_fork_from_a_row_holding_a_freed_page(backend):
     """Finding 4: the fork fails, dst stays empty, nothing is increffed; one use_after_free."""
     r = repro(backend)["fork"]
