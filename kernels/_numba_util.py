@@ -329,6 +329,20 @@ def pop_page(at, free_stack, refcount, page_state, counters):
 
 
 @numba.njit(nogil=True, inline="always")
+def stack_run_ok(free_stack, lo, hi, num_pages):
+    """Whether ``free_stack[lo:hi]`` lies within the stack and holds page ids in ``[0, P)``: one
+    vectorised min/max pass, so a pop of many pages checks them before it writes any."""
+    if lo < 0 or hi > free_stack.shape[0]:
+        return lo >= hi
+    mn, mx = 0, 0
+    for j in range(lo, hi):
+        v = free_stack[j]
+        mn = min(mn, v)
+        mx = max(mx, v)
+    return mn >= 0 and mx < num_pages
+
+
+@numba.njit(nogil=True, inline="always")
 def gated_free(counters, num_pages):
     """The free count if it is within ``[0, P]``; else 0, counting ``corrupt_state``."""
     f = counters[L.FREE_COUNT]

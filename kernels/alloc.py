@@ -14,7 +14,7 @@ import triton.language as tl
 
 from . import layout as L
 from . import _numba_util as nu
-from ._numba_util import fill_null_range, i32_array, pop_page, state_arrays, u8_array
+from ._numba_util import fill_null_range, i32_array, pop_page, stack_run_ok, state_arrays, u8_array
 from .layout import AD_EVICTED, AD_INDPTR, AD_MAX_BATCH, AD_MAX_PAGES, AD_OK, AD_PAGES, STATE_DESC_LEN
 from ._triton_util import (ALLOCATED, CACHED_COUNT, ERR_BAD_COUNT, ERR_CORRUPT_STATE, ERR_OUT_OVERFLOW, EVICTED,
                            FAILED_REQUESTS, FREE_COUNT, NULL_PAGE, counter_add, counter_get, load_counters,
@@ -78,8 +78,16 @@ def alloc_numba(
         indptr[i + 1] = total
     evict_oldest_numba(total - free if evict else 0, evicted, free_stack, page_state, stamp, counters, keys)
     top = counters[L.FREE_COUNT] - 1
-    for j in range(total):
-        pages[j] = pop_page(top - j, free_stack, refcount, page_state, counters)
+    P = refcount.shape[0]
+    if stack_run_ok(free_stack, top - total + 1, top + 1, P):  # the usual case: no check per page
+        for j in range(total):
+            p = free_stack[top - j]
+            refcount[p] = 1
+            page_state[p] = L.USED
+            pages[j] = p
+    else:  # corrupt state on the way: the checked pop
+        for j in range(total):
+            pages[j] = pop_page(top - j, free_stack, refcount, page_state, counters)
     fill_null_range(pages_ptr, total, M)
     counters[L.FREE_COUNT] -= total
     counters[L.ALLOCATED] += total

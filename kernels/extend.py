@@ -16,7 +16,7 @@ import triton.language as tl
 from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import (fill_null_range, i32_array, i64_array, new_version, page_shift, pages_for, pop_page,
-                          state_arrays, table_arrays, u8_array)
+                          stack_run_ok, state_arrays, table_arrays, u8_array)
 from .layout import CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, INT32_MAX
 from ._triton_table_util import (ERR_BAD_REQUEST, ERR_TABLE_OVERFLOW, cdiv, claim_requests, reset_requests,
                                  request_lanes)
@@ -85,6 +85,8 @@ def extend_numba(
     counters[L.CLOCK] += 1
     free = nu.gated_free(counters, refcount.shape[0]) if B > 0 else 0  # a corrupt free count: empty
     top = free  # the stack top as pages are popped
+    P = refcount.shape[0]
+    checked = top  # stack slots [checked, free) are known to hold page ids in [0, P)
     bad_ids = bad_count = overflow = out_over = failed = corrupt = 0
     csum = 0      # pages asked for by the lanes so far (first come first served)
     tok = 0       # slots of the lanes so far
@@ -148,9 +150,19 @@ def extend_numba(
                         else:
                             out_over += 1
             if granted:
+                lo = top - (want - have)  # the lowest stack slot this lane pops
+                fast = lo >= checked or stack_run_ok(free_stack, lo, checked, P)
+                if fast:  # the slots down to lo hold page ids: no check per page
+                    checked = min(checked, lo)
                 for k in range(have, want):
                     top -= 1
-                    block_table[r, k] = pop_page(top, free_stack, refcount, page_state, counters)
+                    if fast:
+                        p = free_stack[top]
+                        refcount[p] = 1
+                        page_state[p] = L.USED
+                        block_table[r, k] = p
+                    else:
+                        block_table[r, k] = pop_page(top, free_stack, refcount, page_state, counters)
                 pos_t, u = length, start
                 while pos_t < length + n:  # page by page: the inner loop is base + offset
                     k = pos_t >> shift if shift >= 0 else pos_t // page_size
