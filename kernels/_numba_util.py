@@ -271,6 +271,7 @@ def apply_free(pages, cache, clock, free_stack, refcount, page_state, stamp, cou
     count_pages(pages, P, occur, counters)
     top = counters[L.FREE_COUNT]
     pos = top  # the slot of the next released page (a push needs 0 <= pos < P)
+    safe = top >= 0 and top + pages.shape[0] <= P  # no push can leave the stack: skip the check
     released = 0
     double = 0
     lost = 0
@@ -294,7 +295,7 @@ def apply_free(pages, cache, clock, free_stack, refcount, page_state, stamp, cou
                 stamp[p] = clock
             else:
                 page_state[p] = L.FREE
-                if pos >= 0 and pos < P:  # pushed; else a corrupt free count: FREE, unpushed
+                if safe or (pos >= 0 and pos < P):  # pushed; else a corrupt free count: FREE, unpushed
                     free_stack[pos] = p
                     top += 1
                 else:
