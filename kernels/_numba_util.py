@@ -270,8 +270,11 @@ def apply_free(pages, cache, clock, free_stack, refcount, page_state, stamp, cou
     P = refcount.shape[0]
     count_pages(pages, P, occur, counters)
     top = counters[L.FREE_COUNT]
+    pos = top  # the slot of the next released page (a push needs 0 <= pos < P)
+    safe = top >= 0 and top + pages.shape[0] <= P  # no push can leave the stack: skip the check
     released = 0
     double = 0
+    lost = 0
     for i in range(pages.shape[0]):
         p = pages[i]
         if p < 0 or p >= P or occur[p] == 0:
@@ -292,9 +295,14 @@ def apply_free(pages, cache, clock, free_stack, refcount, page_state, stamp, cou
                 stamp[p] = clock
             else:
                 page_state[p] = L.FREE
-                free_stack[top] = p
-                top += 1
+                if safe or (pos >= 0 and pos < P):  # pushed; else a corrupt free count: FREE, unpushed
+                    free_stack[pos] = p
+                    top += 1
+                else:
+                    lost += 1
+                pos += 1
     counters[L.ERR_DOUBLE_FREE] += double
+    counters[L.ERR_CORRUPT_STATE] += lost
     counters[L.FREED] += released
     if cache:
         counters[L.CACHED_COUNT] += released
@@ -303,10 +311,49 @@ def apply_free(pages, cache, clock, free_stack, refcount, page_state, stamp, cou
 
 
 @numba.njit(nogil=True, inline="always")
-def pop_page(at, free_stack, refcount, page_state):
+def pop_page(at, free_stack, refcount, page_state, counters):
     """The page at ``free_stack[at]``, marked USED with one reference. Callers pop from the top
-    (``at`` = free count - 1 - pages popped so far) and lower the free count once at the end."""
+    (``at`` = free count - 1 - pages popped so far) and lower the free count once at the end.
+
+    Corrupt state (counted): ``at < 0`` yields -1; an entry outside ``[0, P)`` is returned as
+    it is and touches no page."""
+    if at < 0:
+        counters[L.ERR_CORRUPT_STATE] += 1
+        return L.NULL_PAGE
     p = free_stack[at]
-    refcount[p] = 1
-    page_state[p] = L.USED
+    if p >= 0 and p < refcount.shape[0]:
+        refcount[p] = 1
+        page_state[p] = L.USED
+    else:
+        counters[L.ERR_CORRUPT_STATE] += 1
     return p
+
+
+@numba.njit(nogil=True, inline="always")
+def stack_run_ok(free_stack, lo, hi, num_pages):
+    """Whether ``free_stack[lo:hi]`` lies within the stack and holds page ids in ``[0, P)``: one
+    vectorised min/max pass, so a pop of many pages checks them before it writes any."""
+    if lo < 0 or hi > free_stack.shape[0]:
+        return lo >= hi
+    mn, mx = 0, 0
+    for j in range(lo, hi):
+        v = free_stack[j]
+        mn = min(mn, v)
+        mx = max(mx, v)
+    return mn >= 0 and mx < num_pages
+
+
+@numba.njit(nogil=True, inline="always")
+def gated_free(counters, num_pages):
+    """The free count if it is within ``[0, P]``; else 0, counting ``corrupt_state``."""
+    f = counters[L.FREE_COUNT]
+    if f < 0 or f > num_pages:
+        counters[L.ERR_CORRUPT_STATE] += 1
+        return 0
+    return f
+
+
+@numba.njit(nogil=True, inline="always")
+def length_ok(length, limit):
+    """A request length a row can hold: ``0 <= length <= limit`` (max_pages * page_size)."""
+    return length >= 0 and length <= limit

@@ -46,6 +46,8 @@ ERR_DOUBLE_FREE = tl.constexpr(L.ERR_DOUBLE_FREE)
 ERR_USE_AFTER_FREE = tl.constexpr(L.ERR_USE_AFTER_FREE)
 ERR_BAD_COUNT = tl.constexpr(L.ERR_BAD_COUNT)
 ERR_OUT_OVERFLOW = tl.constexpr(L.ERR_OUT_OVERFLOW)
+ERR_CORRUPT_STATE = tl.constexpr(L.ERR_CORRUPT_STATE)
+ERR_REFCOUNT_OVERFLOW = tl.constexpr(L.ERR_REFCOUNT_OVERFLOW)
 NUM_COUNTERS = tl.constexpr(L.NUM_COUNTERS)
 COUNTER_BLOCK = tl.constexpr(triton.next_power_of_2(L.NUM_COUNTERS))
 INT32_MAX = tl.constexpr(L.INT32_MAX)
@@ -160,7 +162,8 @@ def apply_free(p, first, k, top, clock, free_stack_ptr, refcount_ptr, page_state
     """Drop k references of each distinct page p (lanes ``first``): the pool's free rule for one chunk.
 
     Pages reaching 0 become CACHED stamped ``clock`` (CACHE) or are pushed at
-    ``top + rank`` in lane order. Returns (double frees, pages released).
+    ``top + rank`` in lane order; a slot outside ``[0, P)`` (a corrupt free count)
+    leaves the page FREE unpushed. Returns (double frees, pages released, pages pushed).
     """
     used = first & (tl.load(page_state_ptr + p, mask=first, other=FREE) == USED)
     rc = tl.load(refcount_ptr + p, mask=used, other=0)
@@ -172,8 +175,35 @@ def apply_free(p, first, k, top, clock, free_stack_ptr, refcount_ptr, page_state
     if CACHE:
         tl.store(page_state_ptr + p, tl.full((BLOCK,), CACHED, tl.int8), mask=zero)
         tl.store(stamp_ptr + p, tl.zeros((BLOCK,), tl.int64) + clock, mask=zero)
+        pushed = tl.sum(z)
     else:
         pos = top + tl.cumsum(z, 0) - z
-        tl.store(free_stack_ptr + pos, p, mask=zero & (pos < num_pages))
+        fit = zero & (pos >= 0) & (pos < num_pages)
+        tl.store(free_stack_ptr + pos, p, mask=fit)
         tl.store(page_state_ptr + p, tl.full((BLOCK,), FREE, tl.int8), mask=zero)
-    return double, tl.sum(z)
+        pushed = tl.sum(fit.to(tl.int64))
+    return double, tl.sum(z), pushed
+
+
+@triton.jit
+def gate_free(c, num_pages, ACTIVE):
+    """``(c, free)``: the free count if it is within ``[0, P]``, else 0 and one ``corrupt_state``
+    (counted only when ``ACTIVE``, a call with lanes)."""
+    free = counter_get(c, FREE_COUNT)
+    good = (free >= 0) & (free <= num_pages)
+    c = counter_add(c, ERR_CORRUPT_STATE, (~good & ACTIVE).to(tl.int64))
+    return c, tl.where(good, free, 0)
+
+
+@triton.jit
+def pop_check(pos, take, free_stack_ptr, refcount_ptr, page_state_ptr, num_pages):
+    """Pop the stack entries at ``pos`` (lanes ``take``), marking them USED with one reference.
+
+    Returns ``(pages, corrupt)``: a position below 0 yields -1 and an entry outside
+    ``[0, P)`` is returned as it is without touching a page; each counts in ``corrupt``."""
+    inpos = take & (pos >= 0)
+    p = tl.load(free_stack_ptr + pos, mask=inpos, other=NULL_PAGE)
+    good = take & (p >= 0) & (p < num_pages)
+    tl.store(refcount_ptr + p, tl.zeros_like(p) + 1, mask=good)
+    tl.store(page_state_ptr + p, tl.full(p.shape, USED, tl.int8), mask=good)
+    return p, tl.sum((take & ~good).to(tl.int64))

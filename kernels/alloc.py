@@ -14,11 +14,11 @@ import triton.language as tl
 
 from . import layout as L
 from . import _numba_util as nu
-from ._numba_util import fill_null_range, i32_array, pop_page, state_arrays, u8_array
+from ._numba_util import fill_null_range, i32_array, pop_page, stack_run_ok, state_arrays, u8_array
 from .layout import AD_EVICTED, AD_INDPTR, AD_MAX_BATCH, AD_MAX_PAGES, AD_OK, AD_PAGES, STATE_DESC_LEN
-from ._triton_util import (ALLOCATED, CACHED_COUNT, ERR_BAD_COUNT, ERR_OUT_OVERFLOW, EVICTED,
-                           FAILED_REQUESTS, FREE_COUNT, NULL_PAGE, USED, counter_add, counter_get,
-                           load_counters, raise_peaks, settings, store_counters, tick)
+from ._triton_util import (ALLOCATED, CACHED_COUNT, ERR_BAD_COUNT, ERR_CORRUPT_STATE, ERR_OUT_OVERFLOW, EVICTED,
+                           FAILED_REQUESTS, FREE_COUNT, NULL_PAGE, counter_add, counter_get, load_counters,
+                           pop_check, raise_peaks, settings, store_counters, tick)
 from .evict import evict_oldest_numba, evict_oldest_body
 
 
@@ -46,8 +46,12 @@ def alloc_numba(
     ok = u8_array(ok_ptr, BO)
     evicted = i32_array(evicted_ptr, M)
     counters[L.CLOCK] += 1
-    free = counters[L.FREE_COUNT]
-    avail = free + counters[L.CACHED_COUNT] if evict else free
+    P = page_state.shape[0]
+    free, cached = counters[L.FREE_COUNT], counters[L.CACHED_COUNT]
+    if free < 0 or free > P or cached < 0 or cached > P - free:  # corrupt counts: the pool looks empty
+        counters[L.ERR_CORRUPT_STATE] += 1
+        free = cached = 0
+    avail = free + cached if evict else free
     bad = False
     csum = 0
     total = 0
@@ -74,8 +78,16 @@ def alloc_numba(
         indptr[i + 1] = total
     evict_oldest_numba(total - free if evict else 0, evicted, free_stack, page_state, stamp, counters, keys)
     top = counters[L.FREE_COUNT] - 1
-    for j in range(total):
-        pages[j] = pop_page(top - j, free_stack, refcount, page_state)
+    P = refcount.shape[0]
+    if stack_run_ok(free_stack, top - total + 1, top + 1, P):  # the usual case: no check per page
+        for j in range(total):
+            p = free_stack[top - j]
+            refcount[p] = 1
+            page_state[p] = L.USED
+            pages[j] = p
+    else:  # corrupt state on the way: the checked pop
+        for j in range(total):
+            pages[j] = pop_page(top - j, free_stack, refcount, page_state, counters)
     fill_null_range(pages_ptr, total, M)
     counters[L.FREE_COUNT] -= total
     counters[L.ALLOCATED] += total
@@ -122,8 +134,13 @@ def alloc_kernel(
     c = load_counters(counters_ptr)
     c, _clock = tick(c)
     free = counter_get(c, FREE_COUNT)
+    cached = counter_get(c, CACHED_COUNT)
+    gate = (free >= 0) & (free <= num_pages) & (cached >= 0) & (cached <= num_pages - free)
+    c = counter_add(c, ERR_CORRUPT_STATE, (~gate).to(tl.int64))  # corrupt counts: the pool looks empty
+    free = tl.where(gate, free, 0)
+    cached = tl.where(gate, cached, 0)
     if HAS_EVICT:
-        avail = free + counter_get(c, CACHED_COUNT)
+        avail = free + cached
     else:
         avail = free
     # Plan: running carries across chunks make the prefix sums global.
@@ -155,8 +172,10 @@ def alloc_kernel(
         tl.store(ok_ptr + i, tl.zeros((BLOCK,), tl.int1), mask=pad)
         tl.store(indptr_ptr + i + 1, tl.zeros((BLOCK,), tl.int32) + total.to(tl.int32), mask=pad)
     if HAS_EVICT:
-        m = evict_oldest_body(total - free, evicted_ptr, M, free_stack_ptr, page_state_ptr, stamp_ptr,
-                                num_pages, free, BLOCK, RANK_BLOCK)
+        m, bad_evict = evict_oldest_body(total - free, evicted_ptr, M, free_stack_ptr, page_state_ptr, stamp_ptr,
+                                         num_pages, counter_get(c, FREE_COUNT), cached, _clock, BLOCK,
+                                         RANK_BLOCK)
+        c = counter_add(c, ERR_CORRUPT_STATE, bad_evict)
         c = counter_add(c, FREE_COUNT, m)
         c = counter_add(c, CACHED_COUNT, -m)
         c = counter_add(c, EVICTED, m)
@@ -167,15 +186,13 @@ def alloc_kernel(
             tl.store(evicted_ptr + j, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=j < M)
     # Pop: pages[j] = stack[top - 1 - j] for j < total.
     top = counter_get(c, FREE_COUNT)
+    wrong = tl.zeros((), tl.int64)
     for start in range(0, M, BLOCK):
         j = start + lanes
-        pos = top - 1 - j
-        take = (j < total) & (pos >= 0)
-        p = tl.load(free_stack_ptr + pos, mask=take, other=NULL_PAGE)
+        p, bad_pop = pop_check(top - 1 - j, j < total, free_stack_ptr, refcount_ptr, page_state_ptr, num_pages)
         tl.store(pages_ptr + j, p, mask=j < M)
-        take = take & (p >= 0) & (p < num_pages)
-        tl.store(refcount_ptr + p, tl.full((BLOCK,), 1, tl.int32), mask=take)
-        tl.store(page_state_ptr + p, tl.full((BLOCK,), USED, tl.int8), mask=take)
+        wrong += bad_pop
+    c = counter_add(c, ERR_CORRUPT_STATE, wrong)
     c = counter_add(c, FREE_COUNT, -total)
     c = counter_add(c, ALLOCATED, total)
     c = counter_add(c, ERR_BAD_COUNT, negs)

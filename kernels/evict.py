@@ -10,9 +10,8 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from . import _numba_util as nu
 from ._numba_util import fill_null_range, i32_array, state_arrays
-from ._triton_util import (CACHED, CACHED_COUNT, EVICTED, FREE, FREE_COUNT, INT64_MAX,
+from ._triton_util import (CACHED, CACHED_COUNT, ERR_CORRUPT_STATE, EVICTED, FREE, FREE_COUNT, INT64_MAX,
                            NULL_PAGE, counter_add, counter_get, load_counters, settings,
                            store_counters, tick)
 
@@ -63,7 +62,8 @@ def evict_oldest_numba(n, out, free_stack, page_state, stamp, counters, keys):
     settled it, else the ``m`` chosen keys are sorted.
     """
     P = page_state.shape[0]
-    m = min(n, counters[L.CACHED_COUNT], out.shape[0]) if n > 0 else 0
+    m = max(0, min(n, counters[L.CACHED_COUNT], out.shape[0])) if n > 0 else 0
+    top = counters[L.FREE_COUNT]
     if m > 0:
         ids = keys
         c = 0
@@ -75,6 +75,11 @@ def evict_oldest_numba(n, out, free_stack, page_state, stamp, counters, keys):
             s = stamp[ids[j]]
             lo = min(lo, s)
             hi = max(hi, s)
+        # Corrupt counts, or a stamp outside [0, clock] (its span could overflow): evict nothing.
+        if top < 0 or top + m > P or c < m or lo < 0 or hi > counters[L.CLOCK]:
+            counters[L.ERR_CORRUPT_STATE] += 1
+            m = 0
+    if m > 0:
         hist = np.empty(min(c, HIST_BINS), np.int64)
         t, older, exact = _select_threshold(m, ids, c, lo, hi, stamp, hist)
         if exact:  # hist holds per-stamp counts up to t: turn them into start positions
@@ -102,7 +107,6 @@ def evict_oldest_numba(n, out, free_stack, page_state, stamp, counters, keys):
             sel = np.sort(keys[:m])
             for r in range(m):
                 out[r] = sel[r] % P
-        top = counters[L.FREE_COUNT]
         for r in range(m):
             p = out[r]
             page_state[p] = L.FREE
@@ -125,7 +129,7 @@ def evict_numba(
 ):
     counters[L.CLOCK] += 1
     evict_oldest_numba(K, i32_array(out_ptr, K), free_stack, page_state, stamp, counters, keys)
-    nu.raise_peaks(counters, page_state.shape[0])
+    # no raise_peaks: an eviction only lowers the cached count (as the reference and Triton)
 
 
 @numba.njit(nogil=True)
@@ -158,11 +162,17 @@ def evict_oldest_body(
     stamp_ptr,       # *int64 [P]
     num_pages,       # P
     top,             # int64 scalar: FREE_COUNT before the call
+    cached_count,    # int64 scalar: CACHED_COUNT before the call
+    clock,           # int64 scalar: the call's clock (no stamp is later)
     # Meta-parameters
     BLOCK: tl.constexpr,       # pages per chunk
     RANK_BLOCK: tl.constexpr,  # side of the tile that ranks the chosen pages
 ):
-    """Evict the m = min(n, cached, K) smallest (stamp, id) CACHED pages: out[:m], stack[top:top+m]; returns m."""
+    """Evict the m = min(n, cached, K) smallest (stamp, id) CACHED pages: out[:m], stack[top:top+m].
+
+    Returns ``(m, corrupt)``: when the m pages cannot be pushed (``top < 0`` or ``top + m > P``)
+    or fewer than m pages are CACHED, or a CACHED page's stamp is outside ``[0, clock]``, nothing
+    is evicted and ``corrupt`` is 1."""
     lanes = tl.arange(0, BLOCK)
     # Census: how many pages are cached, and their stamp range.
     cnt = tl.zeros((), tl.int64)
@@ -175,8 +185,9 @@ def evict_oldest_body(
         cnt += tl.sum(cached.to(tl.int64))
         smin = tl.minimum(smin, tl.min(tl.where(cached, s, INT64_MAX)))
         smax = tl.maximum(smax, tl.max(tl.where(cached, s, 0)))
-    m = tl.minimum(tl.minimum(tl.maximum(n, 0), cnt), K)
-    m = tl.maximum(tl.minimum(m, num_pages - top), 0)  # no-op on a consistent state; keeps writes in bounds
+    m = tl.maximum(tl.minimum(tl.minimum(n, cached_count), K), 0)
+    corrupt = (m > 0) & ((top < 0) | (top + m > num_pages) | (cnt < m) | (smin < 0) | (smax > clock))
+    m = tl.where(corrupt, 0, m)
     # Radix select of the threshold stamp t: #(stamp < t) < m <= #(stamp <= t);
     # afterwards `need` is how many pages stamped t are taken (lowest ids first).
     span = tl.where(m < cnt, smax - smin, 0)
@@ -241,7 +252,7 @@ def evict_oldest_body(
     for start in range((m // BLOCK) * BLOCK, K, BLOCK):
         j = start + lanes
         tl.store(out_ptr + j, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=(j >= m) & (j < K))
-    return m
+    return m, corrupt.to(tl.int64)
 
 
 @triton.jit
@@ -259,10 +270,12 @@ def evict_kernel(
 ):
     """out[:m] = the m = min(K, cached) oldest CACHED pages by (stamp, id), pushed on the stack in that order."""
     c = load_counters(counters_ptr)
-    c, _clock = tick(c)
+    c, clock = tick(c)
     top = counter_get(c, FREE_COUNT)
-    m = evict_oldest_body(tl.zeros((), tl.int64) + K, out_ptr, K, free_stack_ptr, page_state_ptr,
-                            stamp_ptr, num_pages, top, BLOCK, RANK_BLOCK)
+    m, corrupt = evict_oldest_body(tl.zeros((), tl.int64) + K, out_ptr, K, free_stack_ptr, page_state_ptr,
+                                   stamp_ptr, num_pages, top, counter_get(c, CACHED_COUNT), clock, BLOCK,
+                                   RANK_BLOCK)
+    c = counter_add(c, ERR_CORRUPT_STATE, corrupt)
     c = counter_add(c, FREE_COUNT, m)
     c = counter_add(c, CACHED_COUNT, -m)
     c = counter_add(c, EVICTED, m)

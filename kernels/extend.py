@@ -16,13 +16,13 @@ import triton.language as tl
 from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import (fill_null_range, i32_array, i64_array, new_version, page_shift, pages_for, pop_page,
-                          state_arrays, table_arrays, u8_array)
+                          stack_run_ok, state_arrays, table_arrays, u8_array)
 from .layout import CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, INT32_MAX
 from ._triton_table_util import (ERR_BAD_REQUEST, ERR_TABLE_OVERFLOW, cdiv, claim_requests, reset_requests,
                                  request_lanes)
-from ._triton_util import (ALLOCATED, ERR_BAD_COUNT, ERR_OUT_OVERFLOW, FAILED_REQUESTS, FREE_COUNT,
-                           NULL_PAGE, USED, counter_add, counter_get, load_counters, raise_peaks,
-                           settings, store_counters, tick)
+from ._triton_util import (ALLOCATED, ERR_BAD_COUNT, ERR_CORRUPT_STATE, ERR_OUT_OVERFLOW, FAILED_REQUESTS,
+                           FREE_COUNT, NULL_PAGE, counter_add, gate_free, load_counters, pop_check,
+                           raise_peaks, settings, store_counters, tick)
 
 MAX_TILE = 64  # side of the token x lane tiles of the prefill slot pass
 
@@ -83,9 +83,11 @@ def extend_numba(
     shift = page_shift(page_size)
     limit = MP * page_size  # a length at or past it has no page to write in (a corrupt row)
     counters[L.CLOCK] += 1
-    free = counters[L.FREE_COUNT]
+    free = nu.gated_free(counters, refcount.shape[0]) if B > 0 else 0  # a corrupt free count: empty
     top = free  # the stack top as pages are popped
-    bad_ids = bad_count = overflow = out_over = failed = 0
+    P = refcount.shape[0]
+    checked = top  # stack slots [checked, free) are known to hold page ids in [0, P)
+    bad_ids = bad_count = overflow = out_over = failed = corrupt = 0
     csum = 0      # pages asked for by the lanes so far (first come first served)
     tok = 0       # slots of the lanes so far
     clean = True
@@ -119,6 +121,17 @@ def extend_numba(
                     last[ui] = off + 1
                 continue
             start = tok
+            if length < 0 or length > limit:  # corrupt state: the lane fails, the row is left alone
+                corrupt += 1
+                failed += 1
+                clean = False
+                tok += max(n, 0)
+                fill_null_range(slots_ptr, start, min(tok, T))
+                ok[i] = False
+                if track:
+                    indptr[i + 1] = pos
+                    last[i] = page_size
+                continue
             have = k + (off != 0)  # pages_for(length)
             want = have
             granted = False
@@ -137,9 +150,19 @@ def extend_numba(
                         else:
                             out_over += 1
             if granted:
+                lo = top - (want - have)  # the lowest stack slot this lane pops
+                fast = lo >= checked or stack_run_ok(free_stack, lo, checked, P)
+                if fast:  # the slots down to lo hold page ids: no check per page
+                    checked = min(checked, lo)
                 for k in range(have, want):
                     top -= 1
-                    block_table[r, k] = pop_page(top, free_stack, refcount, page_state)
+                    if fast:
+                        p = free_stack[top]
+                        refcount[p] = 1
+                        page_state[p] = L.USED
+                        block_table[r, k] = p
+                    else:
+                        block_table[r, k] = pop_page(top, free_stack, refcount, page_state, counters)
                 pos_t, u = length, start
                 while pos_t < length + n:  # page by page: the inner loop is base + offset
                     k = pos_t >> shift if shift >= 0 else pos_t // page_size
@@ -184,9 +207,11 @@ def extend_numba(
     counters[L.ERR_TABLE_OVERFLOW] += overflow
     counters[L.ERR_OUT_OVERFLOW] += out_over
     counters[L.FAILED_REQUESTS] += failed
-    counters[L.FREE_COUNT] = top
+    counters[L.ERR_CORRUPT_STATE] += corrupt
+    counters[L.FREE_COUNT] -= popped
     counters[L.ALLOCATED] += popped
-    nu.raise_peaks(counters, refcount.shape[0])
+    if B > 0:  # an empty batch touches nothing (as the reference and Triton)
+        nu.raise_peaks(counters, refcount.shape[0])
     if track:
         indptr[0] = 0
     return clean, pos, grown
@@ -244,7 +269,7 @@ def extend_body(
     lanes = tl.arange(0, BLOCK)
     c = load_counters(counters_ptr)
     c, _clock = tick(c)
-    free = counter_get(c, FREE_COUNT)
+    c, free = gate_free(c, num_pages, B > 0)  # a corrupt free count: an empty stack
     claim_requests(req_ids_ptr, B, claim_ptr, R, BLOCK)
     tl.debug_barrier()
     csum = tl.zeros((), tl.int64)    # pages needed by candidate lanes so far
@@ -256,17 +281,22 @@ def extend_body(
     overflow = tl.zeros((), tl.int64)
     out_overflow = tl.zeros((), tl.int64)
     failed = tl.zeros((), tl.int64)
+    wrong = tl.zeros((), tl.int64)  # corrupt state: lengths out of bounds, bad stack entries
     for start in range(0, B, BLOCK):
         i = start + lanes
         r, valid, pad, live = request_lanes(req_ids_ptr, i, B, claim_ptr, R)
         n = tl.load(num_tokens_ptr + i, mask=live, other=0).to(tl.int64)
-        neg = valid & (n < 0)
-        n = tl.maximum(n, 0)
         length = tl.load(seq_lens_ptr + r, mask=valid, other=0).to(tl.int64)
+        corrupt = valid & ((length < 0) | (length > MP * page_size))  # the lane fails, its row is left alone
+        wrong += tl.sum(corrupt.to(tl.int64))
+        lv = valid & ~corrupt
+        length = tl.where(corrupt, 0, length)
+        neg = lv & (n < 0)
+        n = tl.maximum(n, 0)
         have = cdiv(length, page_size)
         want = cdiv(length + n, page_size)
-        over = valid & ~neg & (want > MP)
-        cand = valid & ~neg & ~over
+        over = lv & ~neg & (want > MP)
+        cand = lv & ~neg & ~over
         need = tl.where(cand, want - have, 0)
         need_end = csum + tl.cumsum(need, 0)
         tok_end = tok + tl.cumsum(n, 0)
@@ -279,11 +309,10 @@ def extend_body(
         row = r.to(tl.int64) * MP
         for k in range(0, tl.max(grant)):
             take = k < grant
-            p = tl.load(free_stack_ptr + (free - 1 - off - k), mask=take, other=NULL_PAGE)
+            p, bad_pop = pop_check(free - 1 - off - k, take, free_stack_ptr, refcount_ptr, page_state_ptr,
+                                   num_pages)
             tl.store(block_table_ptr + row + have + k, p, mask=take)
-            take = take & (p >= 0) & (p < num_pages)
-            tl.store(refcount_ptr + p, tl.full((BLOCK,), 1, tl.int32), mask=take)
-            tl.store(page_state_ptr + p, tl.full((BLOCK,), USED, tl.int8), mask=take)
+            wrong += bad_pop
         # One-token lanes: the slot comes from the table (old page) or the page just popped.
         one = live & (n == 1)
         col = length // page_size
@@ -339,6 +368,7 @@ def extend_body(
     c = counter_add(c, ERR_TABLE_OVERFLOW, overflow)
     c = counter_add(c, ERR_OUT_OVERFLOW, out_overflow)
     c = counter_add(c, FAILED_REQUESTS, failed)
+    c = counter_add(c, ERR_CORRUPT_STATE, wrong)
     c = counter_add(c, FREE_COUNT, -popped)
     c = counter_add(c, ALLOCATED, popped)
     if B > 0:

@@ -17,7 +17,7 @@ from ._numba_util import (copy8_i32, copy_i32, fill_null_range, i32_array, i64_c
                           state_arrays, table_arrays)
 from .layout import CD_CSR_MEMO, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_LAST_PAGE_LEN, CD_OUT, CD_STATE
 from ._triton_table_util import ERR_BAD_REQUEST, cdiv
-from ._triton_util import (ERR_OUT_OVERFLOW, NULL_PAGE, counter_add, load_counters, settings,
+from ._triton_util import (ERR_CORRUPT_STATE, ERR_OUT_OVERFLOW, NULL_PAGE, counter_add, load_counters, settings,
                            store_counters)
 
 
@@ -47,6 +47,7 @@ def flashinfer_csr_numba(
     R, MP = block_table.shape[0], block_table.shape[1]
     table_addr = block_table.ctypes.data
     shift = page_shift(page_size)
+    limit = MP * page_size  # a longer (or negative) length is corrupt state: exported as empty
     pos = 0
     reach = 0  # end of what the block copies wrote
     indptr[0] = 0
@@ -56,6 +57,9 @@ def flashinfer_csr_numba(
         length = 0
         if r >= 0 and r < R:
             length = seq_lens[r]
+            if length < 0 or length > limit:
+                counters[L.ERR_CORRUPT_STATE] += 1
+                length = 0
             n = pages_for(length, page_size, shift)
             k = max(0, min(n, cap - pos))
             dst, src = indices_ptr + 4 * pos, table_addr + 4 * r * MP
@@ -124,6 +128,7 @@ def flashinfer_csr_body(
     tl.store(indptr_ptr + lanes, tl.zeros((BLOCK,), tl.int32), mask=lanes < 1)
     end = tl.zeros((), tl.int64)
     bad = tl.zeros((), tl.int64)
+    wrong = tl.zeros((), tl.int64)
     for start in range(0, B, BLOCK):
         i = start + lanes
         live = i < B
@@ -131,6 +136,9 @@ def flashinfer_csr_body(
         valid = live & (r >= 0) & (r < R)
         bad += tl.sum((live & (r != NULL_PAGE) & ~valid).to(tl.int64))
         length = tl.load(seq_lens_ptr + r, mask=valid, other=0).to(tl.int64)
+        corrupt = valid & ((length < 0) | (length > MP * page_size))  # exported as empty
+        wrong += tl.sum(corrupt.to(tl.int64))
+        length = tl.where(corrupt, 0, length)
         n = cdiv(length, page_size)
         tl.store(indptr_ptr + i + 1, (end + tl.cumsum(n, 0)).to(tl.int32), mask=live)
         tl.store(last_page_len_ptr + i, (length - (n - 1) * page_size).to(tl.int32), mask=live)
@@ -159,6 +167,7 @@ def flashinfer_csr_body(
     tl.store(written_ptr, total.to(tl.int64))
     c = load_counters(counters_ptr)
     c = counter_add(c, ERR_BAD_REQUEST, bad)
+    c = counter_add(c, ERR_CORRUPT_STATE, wrong)
     c = counter_add(c, ERR_OUT_OVERFLOW, (end > cap).to(tl.int64))
     store_counters(counters_ptr, c)
 

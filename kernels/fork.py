@@ -15,12 +15,14 @@ import triton.language as tl
 from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import i32_array, lane_valid, new_version, pop_page, state_arrays, table_arrays, u8_array
-from .layout import CD_OUT, CD_STATE
+from .layout import CD_OUT, CD_STATE, INT32_MAX
 from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, check_lane_scratch, claim_pages,
                                  claim_requests, first_pages, list_lane, reset_requests, request_lanes, reset_pages)
-from ._triton_util import (ALLOCATED, CACHED, CACHED_COUNT, ERR_INVALID_PAGE, ERR_USE_AFTER_FREE,
-                           FAILED_REQUESTS, FREE, FREE_COUNT, NULL_PAGE, REVIVED, USED, counter_add,
-                           counter_get, load_counters, raise_peaks, settings, store_counters, tick)
+from ._triton_util import INT32_MAX as T_INT32_MAX
+from ._triton_util import (ALLOCATED, CACHED, CACHED_COUNT, ERR_CORRUPT_STATE, ERR_INVALID_PAGE,
+                           ERR_REFCOUNT_OVERFLOW, ERR_USE_AFTER_FREE, FAILED_REQUESTS, FREE, FREE_COUNT,
+                           NULL_PAGE, REVIVED, USED, counter_add, gate_free, load_counters,
+                           pop_check, raise_peaks, settings, store_counters, tick)
 
 
 @numba.njit(nogil=True)
@@ -43,10 +45,11 @@ def fork_numba(
 ):
     src, dst, lens = i32_array(src_ptr, B), i32_array(dst_ptr, B), i32_array(lens_ptr, B)
     ok, cow_src, cow_dst = u8_array(ok_ptr, B), i32_array(cow_src_ptr, B), i32_array(cow_dst_ptr, B)
-    R = block_table.shape[0]
+    R, P = block_table.shape[0], refcount.shape[0]
+    limit = block_table.shape[1] * page_size
     counters[L.CLOCK] += 1
     nu.claim_requests(dst, R, claim, counters, False)
-    free = counters[L.FREE_COUNT]
+    free = nu.gated_free(counters, P) if B > 0 else 0  # a corrupt free count: an empty stack
     csum = 0
     for i in range(B):  # decide every lane on the state at call start
         granted = False
@@ -54,11 +57,24 @@ def fork_numba(
         if d != L.NULL_PAGE:
             if not (lane_valid(dst, i, R, claim) and s >= 0 and s < R and s != d and seq_lens[d] == 0):
                 counters[L.ERR_BAD_REQUEST] += 1
+            elif not nu.length_ok(seq_lens[s], limit):
+                counters[L.ERR_CORRUPT_STATE] += 1
             elif n < 0 or n > seq_lens[s]:
                 counters[L.ERR_BAD_LENGTH] += 1
             else:
-                csum += 1 if n % page_size != 0 else 0
-                granted = csum <= free
+                wild = False  # an id outside [0, P) in the shared range: corrupt state
+                stale = 0     # pages of the shared range that are not USED: freed under the row
+                for k in range(n // page_size):
+                    p = block_table[s, k]
+                    if p < 0 or p >= P:
+                        wild = True
+                    elif page_state[p] != L.USED:
+                        stale += 1
+                counters[L.ERR_CORRUPT_STATE] += wild
+                counters[L.ERR_USE_AFTER_FREE] += stale
+                if not wild and stale == 0:
+                    csum += 1 if n % page_size != 0 else 0
+                    granted = csum <= free
             if not granted:
                 counters[L.FAILED_REQUESTS] += 1
         ok[i] = granted
@@ -80,10 +96,13 @@ def fork_numba(
                 page_state[p] = L.USED
                 counters[L.CACHED_COUNT] -= 1
                 counters[L.REVIVED] += 1
-            refcount[p] += 1
+            if refcount[p] < INT32_MAX:
+                refcount[p] += 1
+            else:  # saturated
+                counters[L.ERR_REFCOUNT_OVERFLOW] += 1
             block_table[d, k] = p
         if n % page_size != 0:
-            new = pop_page(counters[L.FREE_COUNT] - 1 - popped, free_stack, refcount, page_state)
+            new = pop_page(free - 1 - popped, free_stack, refcount, page_state, counters)
             popped += 1
             block_table[d, full] = new
             cow_src[i] = block_table[s, full]
@@ -92,7 +111,8 @@ def fork_numba(
     nu.reset_requests(dst, R, claim)
     counters[L.FREE_COUNT] -= popped
     counters[L.ALLOCATED] += popped
-    nu.raise_peaks(counters, refcount.shape[0])
+    if B > 0:  # an empty batch touches nothing (as the reference and Triton)
+        nu.raise_peaks(counters, refcount.shape[0])
 
 
 @numba.njit(nogil=True)
@@ -163,7 +183,7 @@ def fork_kernel(
     lanes = tl.arange(0, BLOCK)
     c = load_counters(counters_ptr)
     c, _clock = tick(c)  # (not "_": a loop below rebinds "_" to a block, which Triton rejects)
-    free = counter_get(c, FREE_COUNT)
+    c, free = gate_free(c, num_pages, B > 0)  # a corrupt free count: an empty stack
     claim_requests(dst_ptr, B, claim_ptr, R, BLOCK)
     tl.debug_barrier()
     csum = tl.zeros((), tl.int64)  # partial pages wanted by candidate lanes so far
@@ -171,6 +191,8 @@ def fork_kernel(
     bad = tl.zeros((), tl.int64)
     bad_len = tl.zeros((), tl.int64)
     failed = tl.zeros((), tl.int64)
+    wrong_state = tl.zeros((), tl.int64)  # corrupt src lengths and shared ranges with wild ids
+    uaf = tl.zeros((), tl.int64)          # shared-range pages that are not USED (the lane fails)
     for start in range(0, B, BLOCK):
         i = start + lanes
         d, vd, pad, live = request_lanes(dst_ptr, i, B, claim_ptr, R)
@@ -180,9 +202,26 @@ def fork_kernel(
         good = vd & vs & (s != d) & empty
         n = tl.load(lens_ptr + i, mask=live, other=0).to(tl.int64)
         src_len = tl.load(seq_lens_ptr + s, mask=good, other=0)
-        wrong = live & ~pad & good & ((n < 0) | (n > src_len))
-        cand = live & ~pad & good & ~wrong
+        corrupt = live & ~pad & good & ((src_len < 0) | (src_len > MP * page_size))
+        wrong = live & ~pad & good & ~corrupt & ((n < 0) | (n > src_len))
+        cand = live & ~pad & good & ~corrupt & ~wrong
         n = tl.maximum(n, 0)
+        # The shared range must hold live pages: a wild id is corrupt state, a page that is
+        # not USED was freed under the row (use after free); either fails the lane.
+        full = tl.where(cand, n // page_size, 0)
+        wild = cand & False
+        stale = tl.zeros((BLOCK,), tl.int64)
+        srow = s.to(tl.int64) * MP
+        for k in range(0, tl.max(full)):
+            m = k < full
+            p = tl.load(block_table_ptr + srow + k, mask=m, other=0)
+            pid_ok = (p >= 0) & (p < num_pages)
+            wild = wild | (m & ~pid_ok)
+            held = tl.load(page_state_ptr + p, mask=m & pid_ok, other=USED) == USED
+            stale += (m & pid_ok & ~held).to(tl.int64)
+        wrong_state += tl.sum(corrupt.to(tl.int64)) + tl.sum(wild.to(tl.int64))
+        uaf += tl.sum(stale)
+        cand = cand & ~wild & (stale == 0)
         part = (cand & (n % page_size != 0)).to(tl.int64)
         ok = cand & (csum + tl.cumsum(part, 0) <= free)
         tl.store(ok_ptr + i, ok, mask=live)
@@ -201,8 +240,8 @@ def fork_kernel(
                                block_table_ptr, MP, page_size)
         invalid += claim_pages(p, f, shared, page_claim_ptr, occur_ptr, num_pages)
     tl.debug_barrier()
-    uaf = tl.zeros((), tl.int64)
     revived = tl.zeros((), tl.int64)
+    over = tl.zeros((), tl.int64)
     for start in range(0, total, BLOCK):
         f = start + lanes
         cell, p, shared = _shared(f, total, lane_end_ptr, SEARCH, src_ptr, dst_ptr, lens_ptr, B, ok_ptr,
@@ -212,8 +251,9 @@ def fork_kernel(
         uaf += tl.sum(tl.where(first & (state == FREE), k, 0).to(tl.int64))
         cached = first & (state == CACHED)
         held = (first & (state == USED)) | cached
-        rc = tl.load(refcount_ptr + p, mask=held, other=0)
-        tl.store(refcount_ptr + p, rc + k, mask=held)
+        rc = tl.load(refcount_ptr + p, mask=held, other=0).to(tl.int64) + k
+        over += tl.sum(tl.where(held, tl.maximum(rc - T_INT32_MAX, 0), 0))
+        tl.store(refcount_ptr + p, tl.minimum(rc, T_INT32_MAX).to(tl.int32), mask=held)  # saturated
         tl.store(page_state_ptr + p, tl.full((BLOCK,), USED, tl.int8), mask=cached)
         revived += tl.sum(cached.to(tl.int64))
         tl.store(block_table_ptr + cell, p, mask=shared)  # dst rows were empty: no lane reads them
@@ -235,10 +275,8 @@ def fork_kernel(
         copy = ok & (n % page_size != 0)
         z = copy.to(tl.int64)
         off = popped + tl.cumsum(z, 0) - z
-        new = tl.load(free_stack_ptr + (free - 1 - off), mask=copy, other=NULL_PAGE)
-        take = copy & (new >= 0) & (new < num_pages)
-        tl.store(refcount_ptr + new, tl.full((BLOCK,), 1, tl.int32), mask=take)
-        tl.store(page_state_ptr + new, tl.full((BLOCK,), USED, tl.int8), mask=take)
+        new, bad_pop = pop_check(free - 1 - off, copy, free_stack_ptr, refcount_ptr, page_state_ptr, num_pages)
+        wrong_state += bad_pop
         tl.store(block_table_ptr + d * MP + col, new, mask=copy)
         old = tl.load(block_table_ptr + s * MP + col, mask=copy, other=NULL_PAGE)
         tl.store(cow_src_ptr + i, old, mask=live)
@@ -251,6 +289,8 @@ def fork_kernel(
     c = counter_add(c, FAILED_REQUESTS, failed)
     c = counter_add(c, ERR_INVALID_PAGE, invalid)
     c = counter_add(c, ERR_USE_AFTER_FREE, uaf)
+    c = counter_add(c, ERR_CORRUPT_STATE, wrong_state)
+    c = counter_add(c, ERR_REFCOUNT_OVERFLOW, over)
     c = counter_add(c, CACHED_COUNT, -revived)
     c = counter_add(c, REVIVED, revived)
     c = counter_add(c, FREE_COUNT, -popped)

@@ -14,7 +14,7 @@ import triton.language as tl
 from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import i32_array, state_arrays
-from ._triton_util import (CACHED_COUNT, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREED,
+from ._triton_util import (CACHED_COUNT, ERR_CORRUPT_STATE, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREED,
                            FREE_COUNT, count_pages, counter_add, counter_get, first_lanes,
                            load_counters, raise_peaks, apply_free, reset_lanes, settings,
                            store_counters, tick)
@@ -75,12 +75,14 @@ def free_kernel(
     top = counter_get(c, FREE_COUNT)
     double = tl.zeros((), tl.int64)
     released = tl.zeros((), tl.int64)
+    pushed = tl.zeros((), tl.int64)
     for start in range(0, n_pages, BLOCK):
         p, first, k = first_lanes(pages_ptr, start, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
-        dbl, rel = apply_free(p, first, k, top + released, clock, free_stack_ptr, refcount_ptr, page_state_ptr,
-                                    stamp_ptr, num_pages, CACHE, BLOCK)
+        dbl, rel, push = apply_free(p, first, k, top + released, clock, free_stack_ptr, refcount_ptr,
+                                    page_state_ptr, stamp_ptr, num_pages, CACHE, BLOCK)
         double += dbl
         released += rel
+        pushed += push
     tl.debug_barrier()
     reset_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
     c = counter_add(c, ERR_INVALID_PAGE, invalid)
@@ -89,7 +91,8 @@ def free_kernel(
     if CACHE:
         c = counter_add(c, CACHED_COUNT, released)
     else:
-        c = counter_add(c, FREE_COUNT, released)
+        c = counter_add(c, FREE_COUNT, pushed)
+        c = counter_add(c, ERR_CORRUPT_STATE, released - pushed)
     c = raise_peaks(c, num_pages)
     store_counters(counters_ptr, c)
 

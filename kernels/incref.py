@@ -6,15 +6,18 @@ per entry. ``-1`` is padding; other ids outside ``[0, P)`` count ``invalid_page`
 """
 
 import numba
+import numpy as np
 import triton
 import triton.language as tl
 
 from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import i32_array, state_arrays
-from ._triton_util import (CACHED, CACHED_COUNT, ERR_INVALID_PAGE, ERR_USE_AFTER_FREE, FREE,
-                           REVIVED, USED, count_pages, counter_add, first_lanes, load_counters,
-                           raise_peaks, reset_lanes, settings, store_counters, tick)
+from .layout import INT32_MAX
+from ._triton_util import INT32_MAX as T_INT32_MAX
+from ._triton_util import (CACHED, CACHED_COUNT, ERR_CORRUPT_STATE, ERR_INVALID_PAGE, ERR_REFCOUNT_OVERFLOW,
+                           ERR_USE_AFTER_FREE, FREE, REVIVED, USED, count_pages, counter_add, first_lanes,
+                           load_counters, raise_peaks, reset_lanes, settings, store_counters, tick)
 
 
 @numba.njit(nogil=True)
@@ -40,11 +43,18 @@ def incref_numba(
         if state == L.FREE:
             counters[L.ERR_USE_AFTER_FREE] += k
             continue
+        if state != L.USED and state != L.CACHED:  # no such state: corrupt, left alone
+            counters[L.ERR_CORRUPT_STATE] += k
+            continue
         if state == L.CACHED:
             page_state[p] = L.USED
             counters[L.CACHED_COUNT] -= 1
             counters[L.REVIVED] += 1
-        refcount[p] += k
+        rc = refcount[p] + np.int64(k)
+        if rc > INT32_MAX:  # saturate; count the references that could not be added
+            counters[L.ERR_REFCOUNT_OVERFLOW] += rc - INT32_MAX
+            rc = INT32_MAX
+        refcount[p] = rc
     nu.raise_peaks(counters, P)
 
 
@@ -79,14 +89,18 @@ def incref_kernel(
     tl.debug_barrier()
     uaf = tl.zeros((), tl.int64)
     revived = tl.zeros((), tl.int64)
+    over = tl.zeros((), tl.int64)
+    wrong = tl.zeros((), tl.int64)  # pages in no known state: corrupt, left alone
     for start in range(0, n_pages, BLOCK):
         p, first, k = first_lanes(pages_ptr, start, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
         state = tl.load(page_state_ptr + p, mask=first, other=FREE)
         uaf += tl.sum(tl.where(first & (state == FREE), k, 0).to(tl.int64))
+        wrong += tl.sum(tl.where(first & (state != FREE) & (state != USED) & (state != CACHED), k, 0).to(tl.int64))
         cached = first & (state == CACHED)
         live = (first & (state == USED)) | cached
-        rc = tl.load(refcount_ptr + p, mask=live, other=0)
-        tl.store(refcount_ptr + p, rc + k, mask=live)
+        rc = tl.load(refcount_ptr + p, mask=live, other=0).to(tl.int64) + k
+        over += tl.sum(tl.where(live, tl.maximum(rc - T_INT32_MAX, 0), 0))
+        tl.store(refcount_ptr + p, tl.minimum(rc, T_INT32_MAX).to(tl.int32), mask=live)  # saturated
         tl.store(page_state_ptr + p, tl.full((BLOCK,), USED, tl.int8), mask=cached)
         revived += tl.sum(cached.to(tl.int64))
     tl.debug_barrier()
@@ -95,6 +109,8 @@ def incref_kernel(
     c = counter_add(c, ERR_USE_AFTER_FREE, uaf)
     c = counter_add(c, CACHED_COUNT, -revived)
     c = counter_add(c, REVIVED, revived)
+    c = counter_add(c, ERR_REFCOUNT_OVERFLOW, over)
+    c = counter_add(c, ERR_CORRUPT_STATE, wrong)
     c = raise_peaks(c, num_pages)
     store_counters(counters_ptr, c)
 

@@ -38,7 +38,9 @@ ERR_OUT_OVERFLOW = 14    # alloc output buffer too small for grantable requests
 ERR_BAD_REQUEST = 15     # page table: request id out of range
 ERR_TABLE_OVERFLOW = 16  # page table: request would exceed max_pages_per_request
 ERR_BAD_LENGTH = 17      # page table: truncate/fork to an invalid length
-NUM_COUNTERS = 18
+ERR_CORRUPT_STATE = 18   # a stored value (length, free count, stack entry) outside its static bounds
+ERR_REFCOUNT_OVERFLOW = 19  # an incref or a fork would take a reference count past INT32_MAX
+NUM_COUNTERS = 20
 
 ERROR_NAMES = {
     ERR_INVALID_PAGE: "invalid_page",
@@ -49,6 +51,8 @@ ERROR_NAMES = {
     ERR_BAD_REQUEST: "bad_request",
     ERR_TABLE_OVERFLOW: "table_overflow",
     ERR_BAD_LENGTH: "bad_length",
+    ERR_CORRUPT_STATE: "corrupt_state",
+    ERR_REFCOUNT_OVERFLOW: "refcount_overflow",
 }
 
 # A page table's CSR memo: int64 [memo_len(B)], made by the table with each set of

@@ -18,7 +18,7 @@ from ._numba_util import i32_array, lane_valid, new_version, state_arrays, table
 from .layout import CD_OUT, CD_STATE
 from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, cdiv, claim_pages, claim_requests,
                                  check_lane_scratch, first_pages, list_lane, request_lanes, reset_pages)
-from ._triton_util import (CACHED_COUNT, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREE_COUNT,
+from ._triton_util import (CACHED_COUNT, ERR_CORRUPT_STATE, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREE_COUNT,
                            FREED, INT32_MAX, NULL_PAGE, counter_add, counter_get, load_counters,
                            raise_peaks, apply_free, settings, store_counters, tick)
 
@@ -31,8 +31,12 @@ def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens,
     clock = counters[L.CLOCK]
     nu.claim_requests(ids, R, claim, counters, True)
     B = ids.shape[0]
+    limit = block_table.shape[1] * page_size
     for i in range(B):  # decide each lane; mark rejected lanes by dropping their claim
-        if lane_valid(ids, i, R, claim) and use_lens:
+        if lane_valid(ids, i, R, claim) and not nu.length_ok(seq_lens[ids[i]], limit):
+            counters[L.ERR_CORRUPT_STATE] += 1  # a corrupt length: the row is left alone
+            claim[ids[i]] = -1
+        elif lane_valid(ids, i, R, claim) and use_lens:
             n = new_lens[i]
             if n < 0 or n > seq_lens[ids[i]]:
                 counters[L.ERR_BAD_LENGTH] += 1
@@ -56,7 +60,8 @@ def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens,
                 j += 1
             seq_lens[r] = keep_tokens
     nu.reset_requests(ids, R, claim)
-    nu.apply_free(dropped, cache, clock, free_stack, refcount, page_state, stamp, counters, occur)
+    if B > 0:  # an empty batch touches nothing (as the reference and Triton)
+        nu.apply_free(dropped, cache, clock, free_stack, refcount, page_state, stamp, counters, occur)
 
 
 @numba.njit(nogil=True)
@@ -135,17 +140,19 @@ def truncate_numba_entry(req_ids_ptr, lens_ptr, B, cd):
 
 
 @triton.jit
-def _lanes(ids_ptr, new_lens_ptr, i, B, claim_ptr, seq_lens_ptr, R, HAS_LENS: tl.constexpr):
-    """``(row, valid, pad, live, length, act, keep)``: act = the lane drops its tail past ``keep`` tokens."""
+def _lanes(ids_ptr, new_lens_ptr, i, B, claim_ptr, seq_lens_ptr, R, limit, HAS_LENS: tl.constexpr):
+    """``(row, valid, pad, live, length, act, keep, corrupt)``: act = the lane drops its tail past
+    ``keep`` tokens; corrupt = a valid lane whose length is outside ``[0, limit]`` (left alone)."""
     r, valid, pad, live = request_lanes(ids_ptr, i, B, claim_ptr, R)
     length = tl.load(seq_lens_ptr + r, mask=valid, other=0)
+    corrupt = valid & ((length < 0) | (length > limit))
     if HAS_LENS:
         keep = tl.load(new_lens_ptr + i, mask=valid, other=0)
-        act = valid & (keep >= 0) & (keep <= length)
+        act = valid & ~corrupt & (keep >= 0) & (keep <= length)
     else:
         keep = tl.zeros_like(length)
-        act = valid
-    return r, valid, pad, live, length, act, keep
+        act = valid & ~corrupt
+    return r, valid, pad, live, length, act, keep, corrupt
 
 
 @triton.jit
@@ -154,7 +161,8 @@ def _dropped(f, total, lane_end_ptr, SEARCH, ids_ptr, new_lens_ptr, B, claim_ptr
     """List entries ``f``: ``(table cell, page, dropped?)``; cell = row * MP + column, int64."""
     live = f < total
     i, start = list_lane(f, live, lane_end_ptr, B, SEARCH)
-    r, _, _, _, length, act, keep = _lanes(ids_ptr, new_lens_ptr, i, B, claim_ptr, seq_lens_ptr, R, HAS_LENS)
+    r, _, _, _, length, act, keep, _c = _lanes(ids_ptr, new_lens_ptr, i, B, claim_ptr, seq_lens_ptr, R,
+                                                MP * page_size, HAS_LENS)
     k = cdiv(keep, page_size) + f - start
     drop = live & act & (k < cdiv(length, page_size)) & (k < MP)
     cell = r.to(tl.int64) * MP + k
@@ -195,13 +203,15 @@ def release_kernel(
     tl.debug_barrier()
     bad = tl.zeros((), tl.int64)
     bad_len = tl.zeros((), tl.int64)
+    wrong = tl.zeros((), tl.int64)  # lanes with a corrupt length
     total = tl.zeros((), tl.int32)  # entries of the dropped-page list
     for start in range(0, B, BLOCK):
         i = start + lanes
-        _, valid, pad, live, length, act, keep = _lanes(req_ids_ptr, new_lens_ptr, i, B, claim_ptr,
-                                                        seq_lens_ptr, R, HAS_LENS)
+        _, valid, pad, live, length, act, keep, corrupt = _lanes(req_ids_ptr, new_lens_ptr, i, B, claim_ptr,
+                                                                 seq_lens_ptr, R, MP * page_size, HAS_LENS)
         bad += tl.sum((live & ~pad & ~valid).to(tl.int64))
-        bad_len += tl.sum((valid & ~act).to(tl.int64))
+        bad_len += tl.sum((valid & ~corrupt & ~act).to(tl.int64))
+        wrong += tl.sum(corrupt.to(tl.int64))
         n = tl.where(act, cdiv(length, page_size) - cdiv(keep, page_size), 0)
         tl.store(lane_end_ptr + i, total + tl.cumsum(n, 0), mask=live)
         total += tl.sum(n)
@@ -216,15 +226,17 @@ def release_kernel(
     top = counter_get(c, FREE_COUNT)
     double = tl.zeros((), tl.int64)
     released = tl.zeros((), tl.int64)
+    pushed = tl.zeros((), tl.int64)
     for start in range(0, total, BLOCK):
         f = start + lanes
         _, p, drop = _dropped(f, total, lane_end_ptr, SEARCH, req_ids_ptr, new_lens_ptr, B, claim_ptr,
                               seq_lens_ptr, block_table_ptr, R, MP, page_size, HAS_LENS)
         first, k = first_pages(p, f, drop, page_claim_ptr, occur_ptr, num_pages)
-        dbl, rel = apply_free(p, first, k, top + released, clock, free_stack_ptr, refcount_ptr, page_state_ptr,
-                                    stamp_ptr, num_pages, CACHE, BLOCK)
+        dbl, rel, push = apply_free(p, first, k, top + released, clock, free_stack_ptr, refcount_ptr,
+                                    page_state_ptr, stamp_ptr, num_pages, CACHE, BLOCK)
         double += dbl
         released += rel
+        pushed += push
     tl.debug_barrier()
     for start in range(0, total, BLOCK):
         f = start + lanes
@@ -235,21 +247,23 @@ def release_kernel(
     tl.debug_barrier()  # every pass above reads the claims and the lengths
     for start in range(0, B, BLOCK):
         i = start + lanes
-        r, valid, _, _, _, act, keep = _lanes(req_ids_ptr, new_lens_ptr, i, B, claim_ptr, seq_lens_ptr, R,
-                                              HAS_LENS)
+        r, valid, _, _, _, act, keep, _c = _lanes(req_ids_ptr, new_lens_ptr, i, B, claim_ptr, seq_lens_ptr, R,
+                                                  MP * page_size, HAS_LENS)
         # Only the row's own (valid) lane writes it: a repeated lane reads either its claim or
         # INT32_MAX, never its own index, whichever order the lanes run in.
         tl.store(seq_lens_ptr + r, keep, mask=act)
         tl.store(claim_ptr + r, tl.full((BLOCK,), INT32_MAX, tl.int32), mask=valid)
     c = counter_add(c, ERR_BAD_REQUEST, bad)
     c = counter_add(c, ERR_BAD_LENGTH, bad_len)
+    c = counter_add(c, ERR_CORRUPT_STATE, wrong)
     c = counter_add(c, ERR_INVALID_PAGE, invalid)
     c = counter_add(c, ERR_DOUBLE_FREE, double)
     c = counter_add(c, FREED, released)
     if CACHE:
         c = counter_add(c, CACHED_COUNT, released)
     else:
-        c = counter_add(c, FREE_COUNT, released)
+        c = counter_add(c, FREE_COUNT, pushed)
+        c = counter_add(c, ERR_CORRUPT_STATE, released - pushed)
     if B > 0:
         c = raise_peaks(c, num_pages)
     store_counters(counters_ptr, c)

@@ -66,3 +66,13 @@ def seed():
 
 
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``stress`` runs (a million fuzzed operations) only when asked for: ``-m stress``."""
+    if "stress" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="stress run: select it with -m stress")
+    for item in items:
+        if "stress" in item.keywords:
+            item.add_marker(skip)

@@ -16,7 +16,7 @@ class PoolModel:
         self.stamp = [0] * num_pages
         self.clock = 0
         self.errors = dict(invalid_page=0, double_free=0, use_after_free=0, bad_count=0, out_overflow=0,
-                           bad_request=0, table_overflow=0, bad_length=0)
+                           bad_request=0, table_overflow=0, bad_length=0, corrupt_state=0, refcount_overflow=0)
         self.failed = self.allocated = self.freed = self.evicted = self.revived = 0
         self.used_peak = self.cached_peak = 0
 

@@ -124,6 +124,12 @@ class TableModel:
                 P.failed += 1
                 lanes.append(None)
                 continue
+            stale = sum(P.state[p] != 1 for p in self.rows[s][:n // self.ps])  # not USED (issue 11)
+            if stale:  # a page freed or cached under the row: use after free, the lane fails
+                P.errors["use_after_free"] = P.errors.get("use_after_free", 0) + stale
+                P.failed += 1
+                lanes.append(None)
+                continue
             part = n % self.ps != 0
             csum += part
             if csum > free:

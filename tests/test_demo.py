@@ -77,6 +77,6 @@ def test_help_gives_every_option_a_default(capsys):
         demo.main(["--help"])
     text = capsys.readouterr().out
     options = re.findall(r"^\s+(--[a-z-]+)", text, re.M)
-    assert len(options) == 8
+    assert len(options) == 9
     blocks = re.split(r"\n\s+(?=--[a-z])", text.split("options:")[1])[1:]
     assert all("default" in b for b in blocks), blocks

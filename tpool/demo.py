@@ -187,7 +187,8 @@ def main(argv=None):
     ap.add_argument("--every", type=_positive, default=25, help="print a report row every N steps (default 25)")
     ap.add_argument("--model", choices=["llama", "gpt-neox"], default=None,
                     help="serve a tiny random-weight transformers model on tpool pages instead and check its "
-                         "tokens against generate (needs tpool[hf]; `demo --model llama --help` lists its options)")
+                         "tokens against generate (needs tpool[hf]; `demo --model llama --help` lists its options; "
+                         "default: none, the simulation)")
     a = ap.parse_args(argv)
     if a.device is not None:
         try:

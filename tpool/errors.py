@@ -53,6 +53,17 @@ class InvalidLength(PoolError):
     """``truncate`` or ``fork`` asked for a length the request does not have; the lane was skipped."""
 
 
+class CorruptState(PoolError):
+    """A stored value (a request's length, the free or cached count, a free-stack entry, a table
+    entry a fork shares) was outside its static bounds, so the lane or call using it was skipped.
+    Only hand edits of the state (or a bug) produce it; no kernel reads or writes past its tensors."""
+
+
+class RefcountOverflow(PoolError):
+    """An ``incref`` or a ``fork`` would have taken a page's reference count past INT32_MAX; the
+    count stays at INT32_MAX."""
+
+
 class InvariantViolation(PoolError):
     """``check_invariants()`` found the state inconsistent (a bug, please report)."""
 
@@ -66,6 +77,8 @@ ERROR_CLASSES = {
     L.ERR_BAD_REQUEST: InvalidRequest,
     L.ERR_TABLE_OVERFLOW: TableOverflow,
     L.ERR_BAD_LENGTH: InvalidLength,
+    L.ERR_CORRUPT_STATE: CorruptState,
+    L.ERR_REFCOUNT_OVERFLOW: RefcountOverflow,
 }
 
 
@@ -101,6 +114,16 @@ HINTS = {
     L.ERR_BAD_LENGTH: (
         "truncate or fork asked for a length the request does not have (negative, or longer than it is); "
         "the lane was skipped. Pass 0 <= length <= the request's current length (seq_lens)."),
+    L.ERR_CORRUPT_STATE: (
+        "a stored value (a request length, a free or cached count, a free-stack entry, a stamp, a page "
+        "state) was outside its bounds, so the lane or call that met it was skipped: the state was edited "
+        "by hand or overwritten. Restore a snapshot (tpool.graphs.preserved) or rebuild the pool; "
+        "check_invariants() names the broken invariant. After a deliberate edit of block_table or seq_lens, "
+        "call table.invalidate_csr()."),
+    L.ERR_REFCOUNT_OVERFLOW: (
+        "an incref (or a fork's sharing) would take a page's reference count past 2**31 - 1; the count "
+        "stays there and those references were not added. Drop references you no longer need (free) "
+        "before adding more."),
 }
 
 

@@ -21,13 +21,29 @@ the same outputs and the same state, bit for bit. The rules:
   occurrence in the input (or become CACHED with the call's stamp).
 * ``evict``: the cached pages with the smallest ``(stamp, page id)`` go first;
   they are returned oldest first and pushed on the free stack in that order.
+* ``incref`` saturates: a count that would pass INT32_MAX stays at INT32_MAX;
+  each reference that could not be added counts one ``refcount_overflow``.
+
+Corrupt state (hand edits; every value used as an index is bounded first, and
+each case counts ``corrupt_state``):
+
+* the free count ``F`` outside ``[0, P]`` or the cached count ``C`` outside
+  ``[0, P - F]``: ``alloc`` sees an empty pool (one count per call);
+* a pop (alloc, extend, fork) whose stack position is below 0 yields -1, and
+  a popped entry outside ``[0, P)`` is handed out as it is without touching
+  any page (one count each);
+* a page whose last reference is dropped when the stack is full (or ``F < 0``)
+  becomes FREE without being pushed (one count each);
+* an eviction of ``m = min(n, C, out)`` pages that cannot be pushed
+  (``F < 0`` or ``F + m > P``) or finds fewer than ``m`` CACHED pages evicts
+  nothing (one count).
 """
 
 import torch
 
 from tpool.backends.contract import BoundByTensors, PoolByFunctions, locked
 from tpool.kernels import layout as L
-from tpool.kernels.layout import INT64_MAX
+from tpool.kernels.layout import INT32_MAX, INT64_MAX
 
 
 def _put(dst: torch.Tensor, idx: torch.Tensor, val, mask: torch.Tensor) -> None:
@@ -61,24 +77,73 @@ def count_pages(st, pages: torch.Tensor):
 
 
 def _push(st, pages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Push ``pages[mask]`` on the free stack in lane order; mark them FREE. Returns how many."""
+    """Push ``pages[mask]`` on the free stack in lane order; mark them FREE. Returns how many.
+
+    A page whose stack slot would fall outside ``[0, P)`` (a corrupt free count) becomes
+    FREE unpushed and counts ``corrupt_state``."""
     c = st.counters
-    pos = c[L.FREE_COUNT] + torch.cumsum(mask.long(), 0) - mask.long()
-    _put(st.free_stack, pos.clamp(max=st.num_pages - 1), pages, mask)
+    top = c[L.FREE_COUNT]
+    pos = top + torch.cumsum(mask.long(), 0) - mask.long()
+    fit = mask & (pos >= 0) & (pos < st.num_pages)
+    _put(st.free_stack, pos.clamp(min=0, max=st.num_pages - 1), pages, fit)
     _put(st.page_state, pages, L.FREE, mask)
     n = mask.sum()
-    c[L.FREE_COUNT] += n
+    c[L.FREE_COUNT] += fit.sum()
+    c[L.ERR_CORRUPT_STATE] += (mask & ~fit).sum()
     return n
+
+
+def pool_gate(st):
+    """``(ok, free, cached)``: the free and cached counts if they are within bounds, else zeros."""
+    c, P = st.counters, st.num_pages
+    f, k = c[L.FREE_COUNT], c[L.CACHED_COUNT]
+    ok = (f >= 0) & (f <= P) & (k >= 0) & (k <= P - f)
+    return ok, torch.where(ok, f, 0), torch.where(ok, k, 0)
+
+
+def free_gate(st):
+    """``(ok, free)``: the free count if it is within ``[0, P]``, else 0."""
+    f = st.counters[L.FREE_COUNT]
+    ok = (f >= 0) & (f <= st.num_pages)
+    return ok, torch.where(ok, f, 0)
+
+
+def pop_pages(st, depth: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Pages at ``depth`` below the stack top (masked; -1 elsewhere), marked USED with one reference.
+
+    A position below 0 yields -1 and an entry outside ``[0, P)`` is returned as it is
+    without touching any page; each counts ``corrupt_state``."""
+    P = st.num_pages
+    q = st.counters[L.FREE_COUNT] - 1 - depth
+    inpos = mask & (q >= 0) & (q < P)
+    pages = torch.where(inpos, st.free_stack[q.clamp(min=0, max=P - 1)].long(), L.NULL_PAGE)
+    good = mask & (pages >= 0) & (pages < P)
+    st.counters[L.ERR_CORRUPT_STATE] += (mask & ~good).sum()
+    idx = pages.clamp(min=0, max=P - 1)
+    _put(st.refcount, idx, 1, good)
+    _put(st.page_state, idx, L.USED, good)
+    return pages
 
 
 def evict_oldest(st, out: torch.Tensor, n) -> None:
     """Evict the ``min(n, cached)`` oldest cached pages into ``out`` (padded with -1)."""
     P, c = st.num_pages, st.counters
-    ids = torch.arange(P, device=out.device)
-    key = torch.where(st.page_state == L.CACHED, st.stamp * P + ids, INT64_MAX)
+    cached = st.page_state == L.CACHED
+    # (stamp, id) order without a product that could overflow: a stable sort by stamp of the
+    # cached pages (ids ascending), then the other pages.
+    by_stamp = torch.argsort(torch.where(cached, st.stamp, 0), stable=True)
+    order = by_stamp[torch.argsort((~cached[by_stamp]).to(torch.int8), stable=True)]
     k = min(out.numel(), P)
-    vals, order = torch.topk(key, k, largest=False, sorted=True)
-    take = (torch.arange(k, device=out.device) < n) & (vals != INT64_MAX)
+    order = order[:k]
+    vals = torch.where(cached[order], 0, INT64_MAX)
+    f = c[L.FREE_COUNT]
+    m = torch.minimum(torch.as_tensor(n, device=out.device).long(), c[L.CACHED_COUNT]).clamp(min=0, max=out.numel())
+    stamps = torch.where(cached, st.stamp, 0)
+    wild = ((stamps < 0) | (stamps > c[L.CLOCK])).any()  # a stamp outside [0, clock]
+    bad = (m > 0) & ((f < 0) | (f + m > P) | (cached.sum() < m) | wild)
+    c[L.ERR_CORRUPT_STATE] += bad.long()
+    m = torch.where(bad, 0, m)
+    take = (torch.arange(k, device=out.device) < m) & (vals != INT64_MAX)
     pages = torch.where(take, order, L.NULL_PAGE)
     out.fill_(L.NULL_PAGE)
     out[:k] = pages
@@ -96,8 +161,9 @@ def alloc(st, counts, out_pages, out_indptr, out_ok, out_evicted, evict: bool) -
     neg = n < 0
     bad = torch.cumsum(neg.long(), 0) > 0
     csum = torch.cumsum(n.clamp(min=0), 0)
-    free = c[L.FREE_COUNT].clone()
-    avail = free + c[L.CACHED_COUNT] if evict else free
+    gate, free, cached = pool_gate(st)
+    c[L.ERR_CORRUPT_STATE] += (~gate).long()
+    avail = free + cached if evict else free
     fits = ~bad & (csum <= avail)
     ok = fits & (csum <= M)
     granted = torch.where(ok, n, 0)
@@ -115,13 +181,7 @@ def alloc(st, counts, out_pages, out_indptr, out_ok, out_evicted, evict: bool) -
     else:
         out_evicted.fill_(L.NULL_PAGE)
     j = torch.arange(M, device=out_pages.device)
-    take = j < total
-    pos = (c[L.FREE_COUNT] - 1 - j).clamp(min=0)
-    pages = torch.where(take, st.free_stack[pos].long(), L.NULL_PAGE)
-    out_pages.copy_(pages)
-    idx = pages.clamp(min=0)
-    _put(st.refcount, idx, 1, take)
-    _put(st.page_state, idx, L.USED, take)
+    out_pages.copy_(pop_pages(st, j, j < total))
     c[L.FREE_COUNT] -= total
     c[L.ALLOCATED] += total
     raise_peaks(st)
@@ -168,7 +228,11 @@ def apply_incref(st, pages) -> None:
     state = st.page_state[idx]
     used, cached = first & (state == L.USED), first & (state == L.CACHED)
     c[L.ERR_USE_AFTER_FREE] += torch.where(first & (state == L.FREE), k, 0).sum()
-    _put(st.refcount, idx, st.refcount[idx].long() + k, used | cached)
+    unknown = first & (state != L.FREE) & (state != L.USED) & (state != L.CACHED)
+    c[L.ERR_CORRUPT_STATE] += torch.where(unknown, k, 0).sum()
+    rc = st.refcount[idx].long() + k
+    c[L.ERR_REFCOUNT_OVERFLOW] += torch.where(used | cached, (rc - INT32_MAX).clamp(min=0), 0).sum()
+    _put(st.refcount, idx, rc.clamp(max=INT32_MAX), used | cached)
     _put(st.page_state, idx, L.USED, cached)
     c[L.CACHED_COUNT] -= cached.sum()
     c[L.REVIVED] += cached.sum()

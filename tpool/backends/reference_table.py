@@ -19,13 +19,25 @@ lanes saw the table as it was when the call began.
 * ``fork``: ``dst`` (empty at call start) takes the first ``lens`` tokens of
   ``src``: whole pages are shared (one reference each), a partial last page
   gets a fresh page (popped in lane order, first come first served) whose
-  pair ``(src page, dst page)`` is returned for the KV copy.
+  pair ``(src page, dst page)`` is returned for the KV copy. A shared range
+  holding a page that is not USED (freed or cached through the pool while the
+  row still names it) fails the lane: ``ok`` False, ``dst`` left empty,
+  nothing increffed, one ``use_after_free`` per such entry. Sharing saturates
+  reference counts like ``incref`` (``refcount_overflow``).
+
+Corrupt state (hand edits), counted as ``corrupt_state`` and never used as an
+index: a request length outside ``[0, max_pages * page_size]`` makes its lane
+fail and leaves its row alone (every operation; ``flashinfer_csr`` exports it
+as empty); a fork whose shared range holds an id outside ``[0, P)`` fails
+(one count per lane); a free count outside ``[0, P]`` makes ``extend`` and
+``fork`` see an empty stack (one count per call with lanes); pops and pushes
+follow the pool's rules (:mod:`tpool.backends.reference`).
 """
 
 import torch
 
 from tpool.kernels import layout as L
-from tpool.backends.reference import _put, apply_free, apply_incref, raise_peaks
+from tpool.backends.reference import _put, apply_free, apply_incref, free_gate, pop_pages, raise_peaks
 
 
 def _cdiv(a, b):
@@ -49,12 +61,12 @@ def claim_requests(ts, ids, dedupe=True):
 
 def _pop(st, offsets, mask):
     """Pages at stack offsets ``offsets`` from the top (masked), marked USED with one reference."""
-    pos = (st.counters[L.FREE_COUNT] - 1 - offsets).clamp(min=0)
-    pages = torch.where(mask, st.free_stack[pos].long(), L.NULL_PAGE)
-    idx = pages.clamp(min=0)
-    _put(st.refcount, idx, 1, mask)
-    _put(st.page_state, idx, L.USED, mask)
-    return pages
+    return pop_pages(st, offsets, mask)
+
+
+def length_ok(ts, lengths):
+    """Lengths a row can hold: ``[0, max_pages * page_size]`` (others are corrupt state)."""
+    return (lengths >= 0) & (lengths <= ts.max_pages * ts.page_size)
 
 
 def _take(st, n):
@@ -73,11 +85,16 @@ def extend(st, ts, req_ids, num_tokens, slots, ok):
         return
     rr, valid, pad, bad = claim_requests(ts, req_ids)
     c[L.ERR_BAD_REQUEST] += bad.sum()
+    Ln = ts.seq_lens[rr].long()
+    lok = length_ok(ts, Ln)
+    c[L.ERR_CORRUPT_STATE] += (valid & ~lok).sum()
+    valid = valid & lok
+    gate, free = free_gate(st)
+    c[L.ERR_CORRUPT_STATE] += (~gate).long()
     n = num_tokens.long()
     neg = valid & (n < 0)
     c[L.ERR_BAD_COUNT] += neg.sum()
     n = n.clamp(min=0)
-    Ln = ts.seq_lens[rr].long()
     have, want = _cdiv(Ln, ps), _cdiv(Ln + n, ps)
     over = valid & ~neg & (want > MP)
     c[L.ERR_TABLE_OVERFLOW] += over.sum()
@@ -85,7 +102,7 @@ def extend(st, ts, req_ids, num_tokens, slots, ok):
     need = torch.where(cand, want - have, 0)
     csum = torch.cumsum(need, 0)
     tok_end = torch.cumsum(n, 0)
-    fits = cand & (csum <= c[L.FREE_COUNT])
+    fits = cand & (csum <= free)
     okv = fits & (tok_end <= T)
     c[L.ERR_OUT_OVERFLOW] += (fits & ~okv).sum()
     c[L.FAILED_REQUESTS] += (~pad & ~okv).sum()
@@ -102,7 +119,7 @@ def extend(st, ts, req_ids, num_tokens, slots, ok):
     t = u - (tok_end - n)[lane]
     s_ok = (u < tok_end[-1]) & okv[lane]
     pos = Ln[lane] + t
-    page = ts.block_table[rr[lane], (pos // ps).clamp(max=MP - 1)].long()
+    page = ts.block_table[rr[lane], (pos // ps).clamp(min=0, max=MP - 1)].long()
     slots.copy_(torch.where(s_ok, page * ps + pos % ps, L.NULL_PAGE))
     _put(ts.seq_lens, rr, Ln + n, okv)
     ok.copy_(okv)
@@ -128,7 +145,9 @@ def release(st, ts, req_ids, cache):
         return
     rr, valid, _, bad = claim_requests(ts, req_ids)
     st.counters[L.ERR_BAD_REQUEST] += bad.sum()
-    _drop_tail(st, ts, rr, valid, torch.zeros_like(rr), cache)
+    lok = length_ok(ts, ts.seq_lens[rr].long())
+    st.counters[L.ERR_CORRUPT_STATE] += (valid & ~lok).sum()
+    _drop_tail(st, ts, rr, valid & lok, torch.zeros_like(rr), cache)
 
 
 def truncate(st, ts, req_ids, new_lens):
@@ -138,6 +157,9 @@ def truncate(st, ts, req_ids, new_lens):
         return
     rr, valid, _, bad = claim_requests(ts, req_ids)
     c[L.ERR_BAD_REQUEST] += bad.sum()
+    lok = length_ok(ts, ts.seq_lens[rr].long())
+    c[L.ERR_CORRUPT_STATE] += (valid & ~lok).sum()
+    valid = valid & lok
     n = new_lens.long()
     badlen = valid & ((n < 0) | (n > ts.seq_lens[rr]))
     c[L.ERR_BAD_LENGTH] += badlen.sum()
@@ -154,18 +176,33 @@ def fork(st, ts, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
     rs, vs, _, _ = claim_requests(ts, src_ids, dedupe=False)
     bad = ~pad & ~(vd & vs & (rs != rd) & (ts.seq_lens[rd] == 0))
     c[L.ERR_BAD_REQUEST] += bad.sum()
+    Ls = ts.seq_lens[rs].long()
+    lok = length_ok(ts, Ls)
+    c[L.ERR_CORRUPT_STATE] += (~pad & ~bad & ~lok).sum()
     n = lens.long()
-    badlen = ~pad & ~bad & ((n < 0) | (n > ts.seq_lens[rs]))
+    badlen = ~pad & ~bad & lok & ((n < 0) | (n > Ls))
     c[L.ERR_BAD_LENGTH] += badlen.sum()
-    cand = ~pad & ~bad & ~badlen
+    cand = ~pad & ~bad & lok & ~badlen
     n = n.clamp(min=0)
-    full, part = n // ps, cand & (n % ps != 0)
-    need = part.long()
-    csum = torch.cumsum(need, 0)
-    okv = cand & (csum <= c[L.FREE_COUNT])
-    c[L.FAILED_REQUESTS] += (~pad & ~okv).sum()
+    full = n // ps
     src_rows = ts.block_table[rs].long()
     k = torch.arange(MP, device=src_rows.device)
+    # The shared range must hold live pages: an id outside [0, P) is corrupt state, a page
+    # that is not USED was freed under the row (use after free); either fails the lane.
+    inr = cand[:, None] & (k < full[:, None])
+    pid_ok = (src_rows >= 0) & (src_rows < st.num_pages)
+    wild = (inr & ~pid_ok).any(1)
+    stale = inr & pid_ok & (st.page_state[src_rows.clamp(min=0, max=st.num_pages - 1)] != L.USED)
+    c[L.ERR_CORRUPT_STATE] += wild.sum()
+    c[L.ERR_USE_AFTER_FREE] += stale.sum()
+    cand = cand & ~wild & ~stale.any(1)
+    gate, free = free_gate(st)
+    c[L.ERR_CORRUPT_STATE] += (~gate).long()
+    part = cand & (n % ps != 0)
+    need = part.long()
+    csum = torch.cumsum(need, 0)
+    okv = cand & (csum <= free)
+    c[L.FAILED_REQUESTS] += (~pad & ~okv).sum()
     shared = okv[:, None] & (k < full[:, None])
     apply_incref(st, torch.where(shared, src_rows, L.NULL_PAGE).flatten())
     copy = okv & part
@@ -190,7 +227,10 @@ def flashinfer_csr(st, ts, req_ids, indptr, indices, last_page_len):
         return
     rr, valid, pad, bad = claim_requests(ts, req_ids, dedupe=False)
     c[L.ERR_BAD_REQUEST] += bad.sum()
-    Ln = torch.where(valid, ts.seq_lens[rr].long(), 0)
+    Ln = ts.seq_lens[rr].long()
+    lok = length_ok(ts, Ln)
+    c[L.ERR_CORRUPT_STATE] += (valid & ~lok).sum()
+    Ln = torch.where(valid & lok, Ln, 0)
     npages = _cdiv(Ln, ps)
     end = torch.cumsum(npages, 0)
     c[L.ERR_OUT_OVERFLOW] += (end[-1] > cap).long()

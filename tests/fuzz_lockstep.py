@@ -1,0 +1,246 @@
+"""Lockstep differential fuzzer: the same random calls on every backend, compared after each one.
+
+Each episode builds one small pool and table per backend (same sizes), then runs
+random operations on all of them in lockstep: valid calls, misuse (bad and
+repeated ids, negative counts, double frees), hand edits of the state followed by
+``invalidate_csr()`` (any value into ``seq_lens``, ``block_table``, ``free_stack``,
+the free and cached counts and the clock, ``refcount``, ``page_state``,
+``stamp``), and snapshot restores
+(``tpool.graphs.state_tensors``). After every operation every output and every
+state tensor (scratch excepted) must be equal on all backends (``torch.equal``);
+an exception must be the same type on all of them.
+
+A divergence is shrunk to a minimal operation list (delta debugging: drop chunks
+of operations while the failure stays) and printed as a reproducer; the exit
+status is 1. A crash (a kernel touching memory it was not given) kills the
+process: run it in a subprocess, as ``tests/test_fuzz.py`` does.
+
+Usage: ``python tests/fuzz_lockstep.py --ops 20000 --backends reference,numba --seed 0``
+(``--help`` lists every option). Triton needs ``TRITON_INTERPRET=1`` without a GPU.
+"""
+
+import argparse
+import os
+import random
+import sys
+import time
+
+import torch
+
+OPS_PER_EPISODE = 150  # operations on one set of pools before a fresh one (default)
+EDIT_COUNTERS = (0, 1, 2)  # FREE_COUNT, CACHED_COUNT, CLOCK
+EDIT_VALUES = (-10**9, -6, -2, -1, 0, 1, 2, 3, 5, 7, 10**6, 2**31 - 2, 2**31 - 1)
+SCRATCH = {"keys", "lane_end", "version"}  # per-backend scratch, not compared
+
+
+# ------------------------------------------------------------------ generation
+def episode_config(rng: random.Random) -> dict:
+    return dict(num_pages=rng.choice([4, 6, 9, 16, 24]), page_size=rng.choice([1, 2, 3, 4]),
+                max_requests=rng.choice([3, 4, 6]), max_pages=rng.choice([2, 3, 5]), max_batch=8)
+
+
+def _ids(rng, cfg, b):
+    R = cfg["max_requests"]
+    return [rng.choice([-1, R, R + 3, -5] if rng.random() < 0.1 else range(R)) for _ in range(b)]
+
+
+def _pages(rng, cfg, b):
+    P = cfg["num_pages"]
+    return [rng.choice([-1, P, P + 7, -3] if rng.random() < 0.1 else range(P)) for _ in range(b)]
+
+
+def _counts(rng, b, hi):
+    return [rng.choice([-1, -4]) if rng.random() < 0.05 else rng.randint(0, hi) for _ in range(b)]
+
+
+def gen_op(rng: random.Random, cfg: dict, edits: bool) -> tuple:
+    """One operation as plain data (so a failing sequence prints as a reproducer)."""
+    b = rng.randint(0, 5)
+    P, R, MP = cfg["num_pages"], cfg["max_requests"], cfg["max_pages"]
+    kind = rng.choices(["alloc", "free", "incref", "touch", "evict", "extend", "step", "csr", "rows",
+                        "release", "truncate", "fork", "edit", "snapshot", "restore"],
+                       weights=[8, 8, 4, 3, 3, 12, 12, 5, 2, 6, 4, 6, 6 if edits else 0, 2, 2])[0]
+    if kind == "alloc":
+        return (kind, _counts(rng, b, 3), rng.random() < 0.4)
+    if kind in ("free", "incref", "touch"):
+        return (kind, _pages(rng, cfg, b), rng.random() < 0.4)
+    if kind == "evict":
+        return (kind, rng.randint(0, P + 2))
+    if kind in ("extend", "step"):
+        ntok = _counts(rng, b, rng.choice([1, 1, 3, 7]))
+        return (kind, _ids(rng, cfg, b), ntok, max(sum(max(n, 0) for n in ntok), 1) + rng.randint(-2, 2))
+    if kind in ("csr", "rows"):
+        return (kind, _ids(rng, cfg, b), rng.randint(0, b * MP + 2))
+    if kind == "release":
+        return (kind, _ids(rng, cfg, b), rng.random() < 0.4)
+    if kind == "truncate":
+        return (kind, _ids(rng, cfg, b), [rng.randint(-1, MP * cfg["page_size"]) for _ in range(b)])
+    if kind == "fork":
+        lens = [rng.randint(-1, MP * cfg["page_size"]) for _ in range(b)]
+        return (kind, _ids(rng, cfg, b), _ids(rng, cfg, b), lens)
+    if kind == "edit":
+        name = rng.choice(["seq_lens", "block_table", "free_stack", "counters", "refcount", "page_state", "stamp"])
+        size = {"seq_lens": R, "block_table": R * MP, "free_stack": P, "refcount": P, "page_state": P,
+                "stamp": P, "counters": len(EDIT_COUNTERS)}[name]
+        value = rng.choice(EDIT_VALUES + tuple(range(-1, P + 2)))
+        if name == "stamp":
+            value = rng.choice([-2**62, -1, 0, 1, 5, 40, 2**62])
+        if name == "page_state":
+            value = rng.choice([0, 1, 2, 0, 1, 2, 5, -1])
+        return (kind, name, rng.randrange(size), value)
+    return (kind, rng.randrange(2))
+
+
+# ------------------------------------------------------------------ execution
+def i32(v):
+    return torch.tensor(v, dtype=torch.int32)
+
+
+class System:
+    """One backend's pool and table, and its snapshots."""
+
+    def __init__(self, backend: str, cfg: dict):
+        import tpool
+        self.pool = tpool.PagePool(cfg["num_pages"], cfg["page_size"], device="cpu", backend=backend,
+                                   max_batch=cfg["max_batch"])
+        self.table = tpool.PageTable(self.pool, cfg["max_requests"], cfg["max_pages"])
+        self.snaps = {}
+
+    def state(self) -> dict:
+        out = {}
+        for prefix, st in (("pool.", self.pool.state), ("table.", self.table.state)):
+            for name, t in st.tensors().items():
+                if name not in SCRATCH:
+                    out[prefix + name] = t
+        return out
+
+    def apply(self, op) -> list:
+        """Run ``op``; returns its outputs (cloned) or the exception's type name."""
+        from tpool.graphs import state_tensors
+        kind, pool, table = op[0], self.pool, self.table
+        try:
+            if kind == "alloc":
+                r = pool.alloc(i32(op[1]), evict=op[2])
+                return [t.clone() for t in r]
+            if kind == "free":
+                pool.free(i32(op[1]), cache=op[2])
+            elif kind == "incref":
+                pool.incref(i32(op[1]))
+            elif kind == "touch":
+                pool.touch(i32(op[1]))
+            elif kind == "evict":
+                return [pool.evict(op[1]).clone()]
+            elif kind == "extend":
+                return [t.clone() for t in table.extend(i32(op[1]), i32(op[2]), max_tokens=op[3])]
+            elif kind == "step":
+                r = table.step(i32(op[1]), i32(op[2]), max_tokens=op[3])
+                return [t.clone() for t in (r.slots, r.ok, *r.csr)]
+            elif kind == "csr":
+                return [t.clone() for t in table.flashinfer_csr(i32(op[1]), capacity=op[2])]
+            elif kind == "rows":
+                return [table.block_table_rows(i32(op[1])).clone()]
+            elif kind == "release":
+                table.release(i32(op[1]), cache=op[2])
+            elif kind == "truncate":
+                table.truncate(i32(op[1]), i32(op[2]))
+            elif kind == "fork":
+                return [t.clone() for t in table.fork(i32(op[1]), i32(op[2]), i32(op[3]))]
+            elif kind == "edit":
+                _, name, at, value = op
+                t = {"seq_lens": table.seq_lens, "block_table": table.block_table.view(-1),
+                     "free_stack": pool.state.free_stack, "refcount": pool.state.refcount,
+                     "page_state": pool.state.page_state, "stamp": pool.state.stamp,
+                     "counters": pool.state.counters}[name]
+                if name == "counters":
+                    t[EDIT_COUNTERS[at]] = value
+                else:
+                    t[at] = value
+                table.invalidate_csr()
+            elif kind == "snapshot":
+                self.snaps[op[1]] = [t.clone() for t in state_tensors(table)]
+            elif kind == "restore":
+                if op[1] in self.snaps:
+                    for t, s in zip(state_tensors(table), self.snaps[op[1]]):
+                        t.copy_(s)
+        except (ValueError, RuntimeError, TypeError) as e:  # the façade's checks: same on every backend
+            return [type(e).__name__]
+        return []
+
+
+def run_ops(backends, cfg, ops):
+    """Replay ``ops`` on fresh systems; returns None, or ``(index, message)`` of the first divergence."""
+    systems = [System(b, cfg) for b in backends]
+    for k, op in enumerate(ops):
+        outs = [s.apply(op) for s in systems]
+        ref = outs[0]
+        for b, out in zip(backends[1:], outs[1:]):
+            if len(out) != len(ref) or any(
+                    (type(x) is not type(y)) or (x != y if isinstance(x, str) else not torch.equal(x, y))
+                    for x, y in zip(ref, out)):
+                return k, f"output of {op[0]} differs: {backends[0]} {ref} vs {b} {out}"
+        want = systems[0].state()
+        for b, s in zip(backends[1:], systems[1:]):
+            for name, t in s.state().items():
+                if not torch.equal(t, want[name]):
+                    return k, (f"state {name} differs after {op[0]}: "
+                               f"{backends[0]} {want[name].tolist()} vs {b} {t.tolist()}")
+    return None
+
+
+def shrink(backends, cfg, ops):
+    """Delta debugging over the op list: the smallest sub-list (by chunk removal) that still diverges."""
+    n = 2
+    while len(ops) >= 2:
+        chunk = max(len(ops) // n, 1)
+        for start in range(0, len(ops), chunk):
+            trial = ops[:start] + ops[start + chunk:]
+            if run_ops(backends, cfg, trial):
+                ops, n = trial, max(n - 1, 2)
+                break
+        else:
+            if chunk == 1:
+                break
+            n = min(n * 2, len(ops))
+    return ops
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ops", type=int, default=2000,
+                    help="operations in all, over all episodes (default 2000)")
+    ap.add_argument("--backends", default="reference,numba",
+                    help="comma-separated backends; the first is the oracle (default reference,numba)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the first episode (default 0)")
+    ap.add_argument("--episode", type=int, default=OPS_PER_EPISODE,
+                    help=f"operations per episode, each on fresh pools (default {OPS_PER_EPISODE})")
+    ap.add_argument("--no-edits", action="store_true", help="no hand edits of the state (default: edits on)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    backends = args.backends.split(",")
+    t0, done, seed = time.time(), 0, args.seed
+    while done < args.ops:
+        rng = random.Random(seed)
+        cfg = episode_config(rng)
+        n = min(args.episode, args.ops - done)
+        ops = [gen_op(rng, cfg, not args.no_edits) for _ in range(n)]
+        bad = run_ops(backends, cfg, ops)
+        if bad:
+            small = shrink(backends, cfg, ops[:bad[0] + 1])
+            print(f"DIVERGENCE (seed {seed}): {bad[1]}")
+            print(f"minimal reproducer ({len(small)} ops), config {cfg}:")
+            for op in small:
+                print("   ", op)
+            print("   ->", run_ops(backends, cfg, small)[1])
+            return 1
+        done += n
+        seed += 1
+    print(f"ok: {done} operations on {','.join(backends)} in {time.time() - t0:.1f} s "
+          f"(seeds {args.seed}..{seed - 1})")
+    return 0
+
+
+if __name__ == "__main__":
+    if "triton" in sys.argv[-1] or any("triton" in a for a in sys.argv):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    sys.exit(main())

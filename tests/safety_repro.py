@@ -1,0 +1,106 @@
+"""The smallest reproducers of issue 11's kernel findings, run on one backend; prints JSON.
+
+Run as ``python tests/safety_repro.py BACKEND`` (``TRITON_INTERPRET=1`` for Triton without a
+GPU). Several of these crashed the process before the fix (a numba kernel reading or
+writing past its tensors), so ``tests/test_safety.py`` runs this in a subprocess: a
+crash fails the test instead of killing pytest.
+"""
+
+import json
+import sys
+
+import torch
+
+
+def i32(v):
+    return torch.tensor(v, dtype=torch.int32)
+
+
+def main(backend: str) -> dict:
+    import tpool
+    from tpool.kernels import layout as L
+    from tpool.testing import no_host_sync
+    torch.set_num_threads(1)
+    out = {}
+
+    def table(P=16, ps=4, R=4, MP=4):
+        pool = tpool.PagePool(P, ps, device="cpu", backend=backend)
+        return pool, tpool.PageTable(pool, R, MP)
+
+    def err(pool, slot):
+        return int(pool.state.counters[slot])
+
+    # Finding 3a: a length past the row, then the CSR export (numba read past block_table).
+    for bad in (1_000_000, 2**31 - 1):
+        pool, t = table()
+        t.extend(i32([0, 1]), i32([5, 3]), max_tokens=8)
+        t.seq_lens[0] = bad
+        t.invalidate_csr()
+        with no_host_sync():
+            csr = t.flashinfer_csr(i32([0, 1]))
+        out[f"csr_{bad}"] = dict(indptr=csr.indptr.tolist(), indices=csr.indices.tolist(),
+                                 last=csr.last_page_len.tolist(), corrupt=err(pool, L.ERR_CORRUPT_STATE))
+    # Finding 3b: a negative length, then extend (numba wrote into request 0's row).
+    for bad in (-6, -10**9):
+        pool, t = table()
+        t.extend(i32([0, 1]), i32([5, 3]), max_tokens=8)
+        t.seq_lens[1] = bad
+        t.invalidate_csr()
+        with no_host_sync():
+            r = t.extend(i32([1]), i32([3]), max_tokens=3)
+            s = t.step(i32([1, 0]), i32([1, 1]))
+        out[f"extend_{bad}"] = dict(ok=r.ok.tolist(), slots=r.slots.tolist(), step_ok=s.ok.tolist(),
+                                    step_indptr=s.csr.indptr.tolist(), rows=t.block_table.tolist(),
+                                    lens=t.seq_lens.tolist(), corrupt=err(pool, L.ERR_CORRUPT_STATE),
+                                    free=pool.available())
+    # Corrupt free count / free-stack entry: alloc pops nothing past the stack.
+    pool = tpool.PagePool(4, 1, device="cpu", backend=backend)
+    pool.state.counters[L.FREE_COUNT] = 100
+    with no_host_sync():
+        a = pool.alloc(i32([1]))
+    pool.state.counters[L.FREE_COUNT] = 4
+    pool.state.free_stack[3] = 99
+    with no_host_sync():
+        b = pool.alloc(i32([2]))
+    out["stack"] = dict(first_ok=a.ok[:1].tolist(), pages=b.pages.tolist(), corrupt=err(pool, L.ERR_CORRUPT_STATE),
+                        free=int(pool.state.counters[L.FREE_COUNT]))
+    # A cached page's stamp outside [0, clock]: numba's radix select read past its histogram.
+    pool = tpool.PagePool(8, 1, device="cpu", backend=backend)
+    a = pool.alloc(i32([3]))
+    pool.free(a.pages[:3].clone(), cache=True)
+    pool.state.stamp[0], pool.state.stamp[1] = -2**62, 2**62
+    with no_host_sync():
+        ev = pool.evict(2)
+    out["stamp"] = dict(evicted=ev.tolist(), corrupt=err(pool, L.ERR_CORRUPT_STATE),
+                        cached=pool.stats()["pages.cached.current"])
+    # Finding 4: fork from a row holding a page freed through the pool (page size 1).
+    pool = tpool.PagePool(8, 1, device="cpu", backend=backend)
+    t = tpool.PageTable(pool, 4, 4)
+    t.extend(i32([0]), i32([2]), max_tokens=2)
+    pool.free(i32([0]))
+    with no_host_sync():
+        f = t.fork(i32([0]), i32([1]), i32([2]))
+    out["fork"] = dict(ok=f.ok.tolist(), row=t.block_table[1].tolist(), lens=t.seq_lens.tolist(),
+                       uaf=err(pool, L.ERR_USE_AFTER_FREE), refcount=pool.state.refcount[:2].tolist())
+    # Finding 7: reference counts saturate at INT32_MAX instead of wrapping.
+    pool = tpool.PagePool(4, 1, device="cpu", backend=backend)
+    pool.alloc(i32([1]))
+    pool.state.refcount[0] = 2**31 - 6  # as if after 2**31 - 7 increfs
+    with no_host_sync():
+        pool.incref(i32([0] * 10))
+        pool.free(i32([0]))
+    out["saturate"] = dict(refcount=int(pool.state.refcount[0]), state=int(pool.state.page_state[0]),
+                           overflow=err(pool, L.ERR_REFCOUNT_OVERFLOW), free=pool.available())
+    pool = tpool.PagePool(8, 2, device="cpu", backend=backend)
+    t = tpool.PageTable(pool, 4, 4)
+    t.extend(i32([0]), i32([3]), max_tokens=3)
+    pool.state.refcount[int(t.block_table[0, 0])] = 2**31 - 1
+    with no_host_sync():
+        f = t.fork(i32([0, 0]), i32([1, 2]), i32([2, 3]))
+    out["fork_saturate"] = dict(ok=f.ok.tolist(), refcount=pool.state.refcount[:3].tolist(),
+                                overflow=err(pool, L.ERR_REFCOUNT_OVERFLOW))
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1])))

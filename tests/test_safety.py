@@ -1,0 +1,85 @@
+"""Issue 11, kernel half: no stored value makes a kernel touch memory it was not given.
+
+Each finding's smallest reproducer (``tests/safety_repro.py``) runs on every backend in a
+subprocess, so a kernel that reads or writes past its tensors fails the test (nonzero
+exit) instead of killing pytest; the outcomes must be the stated ones and equal on all
+backends, bit for bit.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import CPU_BACKENDS
+
+HERE = Path(__file__).parent
+INT32_MAX = 2**31 - 1
+_runs = {}
+
+
+def repro(backend: str) -> dict:
+    """The reproducers' outcomes on ``backend`` (one subprocess per backend, cached)."""
+    if backend not in _runs:
+        env = dict(os.environ, TRITON_INTERPRET="1") if backend == "triton" else dict(os.environ)
+        p = subprocess.run([sys.executable, str(HERE / "safety_repro.py"), backend], capture_output=True,
+                           text=True, env=env, timeout=600)
+        assert p.returncode == 0, f"{backend}: exit {p.returncode} (a negative code is a signal)\n{p.stderr[-3000:]}"
+        _runs[backend] = json.loads(p.stdout.strip().splitlines()[-1])
+    return _runs[backend]
+
+
+@pytest.mark.parametrize("bad", [1_000_000, INT32_MAX])
+def test_csr_of_a_length_past_the_row(backend, bad):
+    """seq_lens[0] = 1e6 / INT32_MAX then flashinfer_csr: the lane is exported empty, counted once."""
+    r = repro(backend)[f"csr_{bad}"]
+    assert r["indptr"] == [0, 0, 1] and r["indices"] == [2] + [-1] * 7
+    assert r["last"] == [4, 3] and r["corrupt"] == 1
+
+
+@pytest.mark.parametrize("bad", [-6, -10**9])
+def test_extend_of_a_negative_length(backend, bad):
+    """seq_lens[1] = -6 / -1e9 then extend and step of request 1: the lane fails, no row changes."""
+    r = repro(backend)[f"extend_{bad}"]
+    assert r["ok"] == [False] and r["slots"] == [-1, -1, -1]
+    assert r["rows"][0] == [0, 1, -1, -1] and r["rows"][1] == [2, -1, -1, -1]  # request 0's row untouched
+    assert r["lens"][:2] == [6, bad] and r["step_ok"] == [False, True] and r["step_indptr"] == [0, 0, 2]
+    assert r["corrupt"] == 3 and r["free"] == 13  # extend, the step's extend and its CSR; no page taken
+
+
+def test_corrupt_free_count_and_stack_entry(backend):
+    """A free count past the stack makes the pool look empty; a wild stack entry touches no page."""
+    r = repro(backend)["stack"]
+    assert r["first_ok"] == [False]
+    assert r["pages"] == [99, 1, -1, -1] and r["corrupt"] == 2 and r["free"] == 2
+
+
+def test_evict_with_a_wild_stamp(backend):
+    """A CACHED page stamped outside [0, clock]: nothing is evicted, one corrupt_state."""
+    r = repro(backend)["stamp"]
+    assert r["evicted"] == [-1, -1] and r["corrupt"] == 1 and r["cached"] == 3
+
+
+def test_fork_from_a_row_holding_a_freed_page(backend):
+    """Finding 4: the fork fails, dst stays empty, nothing is increffed; one use_after_free."""
+    r = repro(backend)["fork"]
+    assert r["ok"] == [False] and r["row"] == [-1] * 4 and r["lens"] == [2, 0, 0, 0]
+    assert r["uaf"] == 1 and r["refcount"] == [0, 1]
+
+
+def test_reference_counts_saturate(backend):
+    """Finding 7: an incref past INT32_MAX saturates and counts; one free does not free the page."""
+    r = repro(backend)["saturate"]
+    assert r["refcount"] == INT32_MAX - 1 and r["state"] == 1 and r["overflow"] == 5 and r["free"] == 3
+    r = repro(backend)["fork_saturate"]
+    assert r["ok"] == [True, True] and r["refcount"][0] == INT32_MAX and r["overflow"] == 2
+
+
+def test_backends_agree_on_corrupt_state():
+    """Every output and count of the reproducers is the same on every backend."""
+    want = repro("reference")
+    for b in CPU_BACKENDS[1:]:
+        assert repro(b) == want, b
