@@ -173,6 +173,7 @@ class PageTable:
         self._written = pool._written | _checks.written_storages(self.state.tensors().values())
         self._shapes = ShapeBuffers(self.device, max_shapes, self._written)
         self._check_written = not self.ops.checks_overlap  # numba's compiled hot calls check it themselves
+        self._seen_ids, self._seen_lanes = (None, 0), (None, None, 0, 0)  # the inputs the last call checked
         self._repeat = (None,) * 5  # the last step's (req_ids, num_tokens, max_tokens, capacity, BoundStep or None)
 
     def __reduce_ex__(self, protocol):
@@ -185,9 +186,13 @@ class PageTable:
 
     def _ids(self, t, name="req_ids"):
         """Length of a request-id vector, checked (at most the pool's ``max_batch``)."""
-        if 0 <= (n := i32_len(t, self.device)) <= self.pool.max_batch:
-            return n
-        return _checks.check_vector(t, name, torch.int32, self.device, self.pool.max_batch)
+        s = self._seen_ids
+        if t is s[0] and t.data_ptr() == s[1] and (n := t.numel()) <= self.pool.max_batch:
+            return n  # the tensor the last call checked, same memory (see _lanes)
+        if not 0 <= (n := i32_len(t, self.device)) <= self.pool.max_batch:
+            n = _checks.check_vector(t, name, torch.int32, self.device, self.pool.max_batch)
+        self._seen_ids = (t, t.data_ptr())
+        return n
 
     def _lane_vector(self, t, name, b):
         """Check a per-lane int32 vector of ``b`` entries."""
@@ -197,9 +202,20 @@ class PageTable:
                 raise ValueError(f"{name}: expected {b} entries (one per request id), got {n}")
 
     def _lanes(self, req_ids, num_tokens) -> int:
-        """Batch size of an (ids, per-lane int32) pair, both checked."""
+        """Batch size of an (ids, per-lane int32) pair, both checked.
+
+        The pair the last call checked, with the same memory and lengths, is not checked again
+        (a loop refilling its inputs in place, as ``step`` binds them). A tensor reinterpreted in
+        place over the same memory goes unnoticed, as in :meth:`step`: the kernel reads the same
+        bits as int32 and range-checks them, never out of bounds.
+        """
+        s = self._seen_lanes
+        if (req_ids is s[0] and num_tokens is s[1] and req_ids.data_ptr() == s[2] and num_tokens.data_ptr() == s[3]
+                and (b := req_ids.numel()) == num_tokens.numel() and b <= self.pool.max_batch):
+            return b
         b = self._ids(req_ids)
         self._lane_vector(num_tokens, "num_tokens", b)
+        self._seen_lanes = (req_ids, num_tokens, req_ids.data_ptr(), num_tokens.data_ptr())
         return b
 
     def _extend_out(self, b, t):

@@ -63,6 +63,7 @@ class AllocOut:
         self.pages, self.indptr, self.ok, self.evicted = self.result
         # What an alloc into these buffers writes: counts must not share memory with any of it.
         self._written = pool._written | _checks.written_storages(self.result)
+        self._seen, self._seen_at = None, 0  # the last counts tensor checked (see PagePool.free)
         # The pool's alloc bound to these buffers: _run(counts, B, evict), B checked by the pool.
         self._run = pool.ops.alloc_into(self)
 
@@ -148,6 +149,11 @@ class PagePool:
         self.ops = make_pool_ops(self.backend, self.state)  # the backend's PoolOps (tpool.backends)
         # The hot-path input check: with overlap too, unless the backend's compiled calls check that.
         self._input_len = _checks.i32_len if self.ops.checks_overlap else _checks.input_len
+        # The last tensor free checked and its address: a loop freeing the same buffer (an AllocOut's
+        # pages) skips the checks while the tensor keeps its memory. A tensor reinterpreted in place
+        # over the same memory (``t.data = t.view(dtype)``) goes unnoticed, as in PageTable.step: the
+        # kernel reads the same bits as int32 ids and range-checks them, never out of bounds.
+        self._seen, self._seen_at = None, 0
         self._errors_seen = [0] * L.NUM_COUNTERS
         self._group = None
         self._group_buffers = {}  # capacity -> int32 [2, capacity], see FreeGroup
@@ -232,12 +238,17 @@ class PagePool:
         if out is None:
             b = self._vector(counts, "counts", self.max_batch)
             out = AllocOut(self, b, self.max_alloc_pages)
+        elif (type(out) is AllocOut and out.pool is self and counts is out._seen and counts.data_ptr() == out._seen_at
+              and (b := counts.numel()) <= out.max_batch):
+            pass  # the tensor the last call checked, same memory (a loop refilling its counts in place)
         elif type(out) is not AllocOut or out.pool is not self:
             raise ValueError(f"out: expected an AllocOut from this pool's alloc_out(), got "
                              f"{'one from another pool' if type(out) is AllocOut else type(out).__name__}")
-        elif not 0 <= (b := self._input_len(counts, self.device, out._written)) <= out.max_batch:
-            b = self._vector(counts, "counts", out.max_batch)  # raises with the expected and actual values
-            _checks.check_not_written(counts, "counts", out._written)
+        else:
+            if not 0 <= (b := self._input_len(counts, self.device, out._written)) <= out.max_batch:
+                b = self._vector(counts, "counts", out.max_batch)  # raises with the expected and actual values
+                _checks.check_not_written(counts, "counts", out._written)
+            out._seen, out._seen_at = counts, counts.data_ptr()
         out._run(counts, b, evict)
         return out.result
 
@@ -306,8 +317,10 @@ class PagePool:
         cache : bool
             Keep freed pages as CACHED (a prefix cache) instead of FREE.
         """
-        if self._input_len(pages, self.device, self._written) < 0:
-            self._pages(pages)  # raises with the expected and actual values
+        if pages is not self._seen or pages.data_ptr() != self._seen_at:  # else: checked by the last free
+            if self._input_len(pages, self.device, self._written) < 0:
+                self._pages(pages)  # raises with the expected and actual values
+            self._seen, self._seen_at = pages, pages.data_ptr()
         if self._group is None or not self._group.owned_here():
             self.ops.free(pages, cache)
         else:
