@@ -58,8 +58,8 @@ def gen_op(rng: random.Random, cfg: dict, edits: bool) -> tuple:
     b = rng.randint(0, 5)
     P, R, MP = cfg["num_pages"], cfg["max_requests"], cfg["max_pages"]
     kind = rng.choices(["alloc", "free", "incref", "touch", "evict", "extend", "step", "csr", "rows",
-                        "release", "truncate", "fork", "edit", "snapshot", "restore"],
-                       weights=[8, 8, 4, 3, 3, 12, 12, 5, 2, 6, 4, 6, 6 if edits else 0, 2, 2])[0]
+                        "release", "truncate", "fork", "edit", "snapshot", "restore", "alias"],
+                       weights=[8, 8, 4, 3, 3, 12, 12, 5, 2, 6, 4, 6, 6 if edits else 0, 2, 2, 2])[0]
     if kind == "alloc":
         return (kind, _counts(rng, b, 3), rng.random() < 0.4)
     if kind in ("free", "incref", "touch"):
@@ -88,7 +88,23 @@ def gen_op(rng: random.Random, cfg: dict, edits: bool) -> tuple:
         if name == "page_state":
             value = rng.choice([0, 1, 2, 0, 1, 2, 5, -1])
         return (kind, name, rng.randrange(size), value)
+    if kind == "alias":
+        return (kind, rng.randrange(len(ALIASES)))
     return (kind, rng.randrange(2))
+
+
+# Aliasing attempts: an input that shares memory with what the call writes. Every backend must
+# refuse it (ValueError) before touching anything; the state comparison after the op checks that.
+ALIASES = (
+    lambda pool, table, out: pool.free(pool.state.free_stack[:2]),
+    lambda pool, table, out: pool.incref(pool.state.refcount[:1]),
+    lambda pool, table, out: pool.alloc(out.indptr[:2], out=out),
+    lambda pool, table, out: table.extend(i32([0, 1]), table.seq_lens[:2]),
+    lambda pool, table, out: table.step(i32([0]), table.step(i32([0]), i32([0])).slots[:1]),
+    lambda pool, table, out: table.fork(i32([0]), table.fork(i32([-1]), i32([-1]), i32([0])).cow_dst, i32([0])),
+    lambda pool, table, out: table.flashinfer_csr(table.block_table[0, :1]),
+    lambda pool, table, out: table.release(table.seq_lens[:1]),
+)
 
 
 # ------------------------------------------------------------------ execution
@@ -104,6 +120,7 @@ class System:
         self.pool = tpool.PagePool(cfg["num_pages"], cfg["page_size"], device="cpu", backend=backend,
                                    max_batch=cfg["max_batch"])
         self.table = tpool.PageTable(self.pool, cfg["max_requests"], cfg["max_pages"])
+        self.alloc_out = self.pool.alloc_out(max_batch=2, max_pages=cfg["num_pages"])  # for aliasing attempts
         self.snaps = {}
 
     def state(self) -> dict:
@@ -158,6 +175,8 @@ class System:
                 table.invalidate_csr()
             elif kind == "snapshot":
                 self.snaps[op[1]] = [t.clone() for t in state_tensors(table)]
+            elif kind == "alias":
+                ALIASES[op[1]](pool, table, self.alloc_out)
             elif kind == "restore":
                 if op[1] in self.snaps:
                     for t, s in zip(state_tensors(table), self.snaps[op[1]]):

@@ -626,6 +626,8 @@ class PageTable:
         InvariantViolation
         """
         self.pool.check_invariants()
+        if not bool((self.state.claim == INT32_MAX).all()):  # the next call's request dedup relies on it
+            raise InvariantViolation("invariant broken: the table's claim scratch is reset (INT32_MAX)")
         bt, lens = self.block_table.cpu().long(), self.seq_lens.cpu().long()
         npages = (lens + self.page_size - 1) // self.page_size
         col = torch.arange(self.max_pages)
