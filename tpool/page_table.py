@@ -660,6 +660,11 @@ class PageTable:
         """``(key, (PagedKVCSR, CsrMemo))`` of every step shape's CSR buffers."""
         return [(k, v) for k, v in self._shapes.buffers.items() if k[0] == "step-csr"]
 
+    def kept_shapes(self) -> tuple:
+        """The call shapes whose output buffers the table keeps now, least recently used first, and how
+        many buffer sets they use: ``(keys, n_buffer_sets)``; a key is ``(op, B, ...)``."""
+        return tuple(self._shapes.entries), len(self._shapes.buffers)
+
     def pin_shapes(self) -> None:
         """Keep the buffers of every call shape made so far for the table's lifetime.
 
