@@ -54,6 +54,18 @@ def gc_quiet() -> None:
     gc.freeze()
 
 
+def time_calls_us(fn, n: int, sync=None) -> float:
+    """Microseconds for ``n`` calls of ``fn`` in a row (``sync`` before and after, for a device)."""
+    if sync:
+        sync()
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        fn()
+    if sync:
+        sync()
+    return (time.perf_counter_ns() - t0) / 1e3
+
+
 def calibrate(fn, *, sync=None, target_us: float = SAMPLE_TARGET_US, reset=None, max_inner: int = MAX_INNER) -> int:
     """Calls per sample so that a sample takes about ``target_us``.
 
@@ -70,14 +82,7 @@ def calibrate(fn, *, sync=None, target_us: float = SAMPLE_TARGET_US, reset=None,
             reset()
         n = 1
         while True:
-            if sync:
-                sync()
-            t0 = time.perf_counter_ns()
-            for _ in range(n):
-                fn()
-            if sync:
-                sync()
-            elapsed = (time.perf_counter_ns() - t0) / 1e3
+            elapsed = time_calls_us(fn, n, sync)
             if reset:
                 reset()
             if elapsed >= target_us / 10 or n >= max_inner:
@@ -109,14 +114,7 @@ def sample_us(fn, *, inner: int | None, samples: int, sync=None, reset=None, max
             reset()
         if settle:
             fn()
-        if sync:
-            sync()
-        t0 = time.perf_counter_ns()
-        for _ in range(inner):
-            fn()
-        if sync:
-            sync()
-        out.append((time.perf_counter_ns() - t0) / inner / 1e3)
+        out.append(time_calls_us(fn, inner, sync) / inner)
     return out
 
 
@@ -147,13 +145,7 @@ def sample_cold_us(fn, *, samples: int, flush: CacheFlusher, sync=None, reset=No
         if settle:
             fn()
         flush()
-        if sync:
-            sync()
-        t0 = time.perf_counter_ns()
-        fn()
-        if sync:
-            sync()
-        out.append((time.perf_counter_ns() - t0) / 1e3)
+        out.append(time_calls_us(fn, 1, sync))
     if reset:
         reset()
     return out

@@ -11,13 +11,11 @@ _UNIT_STRIDE = (1,)
 
 
 def input_len(t, device: torch.device, written: frozenset) -> int:
-    """:func:`i32_len` and :func:`check_not_written` in one condition: the length of a valid
+    """:func:`i32_len`, then :func:`check_not_written` without raising: the length of a valid
     hot-path input that shares no memory with ``written``, else -1 (the caller then runs the
     full checks, which raise)."""
-    if (type(t) is _Tensor and t.dtype is _int32 and t.device == device and t.stride() == _UNIT_STRIDE
-            and t.untyped_storage().data_ptr() not in written):
-        return t.numel()
-    return -1
+    n = i32_len(t, device)
+    return n if n >= 0 and t.untyped_storage().data_ptr() not in written else -1
 
 
 def i32_len(t, device: torch.device, written=None) -> int:
@@ -48,9 +46,25 @@ def check_size(v, name: str, minimum: int = 0) -> int:
     return int(v)
 
 
+def storage_spans(tensors) -> dict:
+    """``{start: end}``, the byte range of each distinct non-empty storage behind ``tensors``."""
+    spans = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.nbytes():
+            spans[s.data_ptr()] = s.data_ptr() + s.nbytes()
+    return spans
+
+
 def written_storages(tensors) -> frozenset:
     """Base addresses of the storages of ``tensors`` (buffers a call writes), for :func:`check_not_written`."""
-    return frozenset(a for t in tensors if (a := t.untyped_storage().data_ptr()) != 0)
+    return frozenset(storage_spans(tensors))
+
+
+def overlap_error(name: str) -> ValueError:
+    """The error for input ``name`` sharing memory with what its call writes (every backend raises this)."""
+    return ValueError(f"{name}: shares memory with a buffer this call writes (a pool or table state tensor, "
+                      "or this call's own output buffer); pass a copy (.clone())")
 
 
 def check_not_written(t, name: str, written: frozenset) -> None:
@@ -59,8 +73,7 @@ def check_not_written(t, name: str, written: frozenset) -> None:
     backends would disagree. Every tpool-owned tensor has a storage of its own, so sharing
     a storage is overlapping. Metadata only, no sync."""
     if t.untyped_storage().data_ptr() in written:
-        raise ValueError(f"{name}: shares memory with a buffer this call writes (a pool or table state tensor, "
-                         "or this call's own output buffer); pass a copy (.clone())")
+        raise overlap_error(name)
 
 
 def check_vector(t, name: str, dtype: torch.dtype, device: torch.device, max_len: int | None = None) -> int:

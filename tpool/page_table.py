@@ -99,7 +99,8 @@ class BoundStep(functools.partial):
 
     def __new__(cls, table, req_ids, num_tokens, max_tokens, capacity):
         b, entry = table._step_shape(req_ids, num_tokens, max_tokens, capacity)
-        table._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))  # checked once, here
+        if not table._check_written:  # numba checks each unbound step in compiled code, a bound one only here
+            table._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))
         result, memo = entry[0], entry[2]
         run = table.ops.bind_step(result, memo, req_ids, num_tokens, b)
         ids_at, ntok_at, ids_len, ntok_len = req_ids.data_ptr, num_tokens.data_ptr, req_ids.numel, num_tokens.numel

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from numba.core import caching
 
+from tpool._checks import overlap_error, storage_spans
 from tpool.kernels import alloc, block_table_rows, evict, extend, flashinfer_csr, fork, free, incref, release, step
 from tpool.kernels import layout as L
 from tpool.kernels import touch
@@ -161,18 +162,10 @@ def call_descriptor(td, sd, slots=None, ok=None, csr=None, memo=None, inputs=Non
 # writes (the façade's storage check would cost more than these calls' own work): the byte
 # ranges [lo, hi) of every storage the call writes follow the call's descriptor, and a guard
 # returns which input overlapped (0: none, the kernel ran). Other calls are checked by the façade.
-_OVERLAP = ("{}: shares memory with a buffer this call writes (a pool or table state tensor, or this call's "
-            "own output buffer); pass a copy (.clone())")
-
-
 def storage_ranges(tensors) -> np.ndarray:
     """int64 ``[2k]``: the byte ranges ``[lo, hi)`` of the distinct storages of ``tensors``."""
-    seen = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        if s.nbytes():
-            seen[s.data_ptr()] = s.data_ptr() + s.nbytes()
-    return np.array([x for lo, hi in sorted(seen.items()) for x in (lo, hi)], dtype=np.int64)
+    spans = storage_spans(tensors)
+    return np.array([x for lo in sorted(spans) for x in (lo, spans[lo])], dtype=np.int64)
 
 
 def _with_ranges(desc, tensors) -> np.ndarray:
@@ -180,7 +173,7 @@ def _with_ranges(desc, tensors) -> np.ndarray:
 
 
 def _raise_overlap(code, names):
-    raise ValueError(_OVERLAP.format(names[code - 1]))
+    raise overlap_error(names[code - 1])
 
 
 @numba.njit(cache=True, inline="always")
