@@ -2,8 +2,8 @@
 
 A random-weight Llama (grouped-query attention) decodes B requests at once:
 each step is ``table.step`` (one token per lane: pages, slots, CSR), the step
-metadata (positions, qo_indptr, kv_lens; interim glue until the step returns
-them), the model forward through the ``tpool_paged`` attention function (K/V
+metadata (positions, qo_indptr, kv_lens: written by the step itself, so this
+part only packs them), the model forward through the ``tpool_paged`` attention function (K/V
 writes + reference paged attention in every layer) and greedy sampling (the
 step's host read). Reported: tokens/s, the share of step time spent in tpool
 calls (step + metadata) against the forward, each part's median. Baseline in
@@ -56,8 +56,7 @@ def run_tpool(model, prompts, a):
     prompt_ntok = torch.full((b,), plen, dtype=torch.int32)
     with torch.no_grad():
         res = table.step(ids, prompt_ntok, max_tokens=b * plen)
-        logits = forward_step(model, prompts.flatten(), PagedContext(cache, step_metadata(table, res, ids,
-                                                                                               prompt_ntok)))
+        logits = forward_step(model, prompts.flatten(), PagedContext(cache, step_metadata(table, res)))
         first = logits[plen - 1::plen].argmax(-1)
     lens = torch.full((b,), plen, dtype=torch.int32)
     samples = []
@@ -69,8 +68,7 @@ def run_tpool(model, prompts, a):
             ta = time.perf_counter()
             res = table.step(ids, ones)
             tm = time.perf_counter()
-            # interim: replaced by StepResult.positions/qo_indptr/kv_lens
-            meta = step_metadata(table, res, ids, ones)
+            meta = step_metadata(table, res)
             tb = time.perf_counter()
             with torch.no_grad():
                 nxt = forward_step(model, tok, PagedContext(cache, meta)).argmax(-1)

@@ -2,10 +2,18 @@
 
 Lane ``i`` appends ``n_i`` tokens to request ``r_i``; it needs
 ``ceil((L+n)/ps) - ceil(L/ps)`` pages, granted first come first served over
-the lanes and popped from the free stack in lane order. Slots are laid out in
-lane order (``n_i`` per lane, -1 for padding and failed lanes, -1 past the
-total). Misuse (bad or repeated request id, negative count, more than
+the lanes that need pages and popped from the free stack in lane order. A lane
+that needs no page is never refused for want of pages (a decode lane inside its
+last page runs even when an earlier prefill could not get its pages). Slots are
+laid out in lane order (``n_i`` per lane, -1 for padding and failed lanes, -1
+past the total). Misuse (bad or repeated request id, negative count, more than
 ``max_pages`` pages, too small a slot buffer) is counted and the lane fails.
+
+A step (``kernels/step.py``) also writes the attention metadata in the same
+pass: ``positions`` (each slot's position in its sequence, -1 where the slot
+is -1), ``qo_indptr`` (where each lane's tokens start in the packed batch,
+capped at the slot buffer's length) and ``kv_lens`` (each lane's length after
+the call; a failed lane keeps its length; padding, bad ids and corrupt rows 0).
 """
 
 import numba
@@ -52,11 +60,14 @@ def extend_numba(
     refcount,     # int32 [P]
     page_state,   # int8 [P]
     counters,     # int64 [NUM_COUNTERS]
-    track,        # also write the CSR's indptr and last_page_len (a step) and list the lanes given pages
+    track,        # a step: also the CSR's indptr and last_page_len, the attention metadata, the grown lanes
     distinct,     # the caller knows every id is -1 or a distinct request id in range: no claims
     indptr,       # int32 [B + 1] when track
     last,         # int32 [B] when track
     ins,          # int64 [MEMO_INS_WIDTH * B] when track: (lane, old CSR end, pages before, after) per grown lane
+    pos_ptr,      # address of int32 [T] when track: position of every new token, -1 where its slot is -1
+    qo,           # int32 [B + 1] when track: qo_indptr
+    kvl,          # int32 [B] when track: kv_lens
 ):
     """The extend of a batch; with ``track``, also a step's CSR bookkeeping, in the same pass.
 
@@ -64,7 +75,8 @@ def extend_numba(
     lengths, ``ok`` and the slots. With ``track`` (a step) it also writes the CSR's
     lane side as it goes, since each lane's page count after the call is known there:
     ``indptr[i + 1]`` (a running sum of the lanes' pages after the call) and
-    ``last[i]``, and it lists in ``ins`` every lane that was given pages: its lane,
+    ``last[i]``, the attention metadata (``positions`` at ``pos_ptr``, ``qo``, ``kvl``;
+    module note), and it lists in ``ins`` every lane that was given pages: its lane,
     where its run ended in the previous CSR (``pos - gained``: pages of the lanes
     before it, minus those they gained in this call), its pages before and after. The
     step then only moves those runs (``kernels/step.py``) instead of rebuilding
@@ -77,6 +89,7 @@ def extend_numba(
     """
     ids, ntok = i32_array(req_ids_ptr, B), i32_array(ntok_ptr, B)
     slots, ok = i32_array(slots_ptr, T), u8_array(ok_ptr, B)
+    positions = i32_array(pos_ptr, T if track else 0)
     R, MP = block_table.shape[0], block_table.shape[1]
     # Powers of two (the usual page sizes) divide by shifting: an integer division per
     # lane and per token would cost more than the rest of a decode step.
@@ -107,11 +120,11 @@ def extend_numba(
                 k = length // page_size
                 off = length - k * page_size
             # 0 < length < limit in one unsigned compare (a length <= 0 here is a corrupt row)
-            if n == 1 and off != 0 and np.uint64(length - 1) < np.uint64(limit - 1) and csum <= free and tok < T:
+            if n == 1 and off != 0 and np.uint64(length - 1) < np.uint64(limit - 1) and tok < T:
                 # A decode lane inside its last page: no new page, one slot (most lanes of most steps).
                 # Unsigned indices (all are known >= 0 here) spare numba's negative-index fixups.
-                ur, uk, ui = np.uint64(r), np.uint64(k), np.uint64(i)
-                slots[np.uint64(tok)] = block_table[ur, uk] * page_size + off
+                ur, uk, ui, ut = np.uint64(r), np.uint64(k), np.uint64(i), np.uint64(tok)
+                slots[ut] = block_table[ur, uk] * page_size + off
                 seq_lens[ur] = length + 1
                 ok[ui] = True
                 tok += 1
@@ -119,6 +132,9 @@ def extend_numba(
                     pos += k + 1
                     indptr[ui + np.uint64(1)] = pos
                     last[ui] = off + 1
+                    positions[ut] = length
+                    qo[ui + np.uint64(1)] = tok
+                    kvl[ui] = length + 1
                 continue
             start = tok
             if length < 0 or length > limit:  # corrupt state: the lane fails, the row is left alone
@@ -131,6 +147,9 @@ def extend_numba(
                 if track:
                     indptr[i + 1] = pos
                     last[i] = page_size
+                    fill_null_range(pos_ptr, start, min(tok, T))
+                    qo[i + 1] = min(tok, T)
+                    kvl[i] = 0
                 continue
             have = k + (off != 0)  # pages_for(length)
             want = have
@@ -144,7 +163,7 @@ def extend_numba(
                     overflow += 1
                 else:
                     csum += want - have
-                    if csum <= free:
+                    if want == have or csum <= free:  # a lane needing no page never waits on others
                         if tok <= T:
                             granted = True
                         else:
@@ -172,14 +191,21 @@ def extend_numba(
                         slots[u + q - pos_t] = base + q
                     u += stop - pos_t
                     pos_t = stop
+                if track:
+                    for q in range(n):
+                        positions[start + q] = length + q
                 length += n
                 seq_lens[r] = length
             else:
                 want = have
                 failed += 1
                 fill_null_range(slots_ptr, start, min(tok, T))
+                if track:
+                    fill_null_range(pos_ptr, start, min(tok, T))
             ok[i] = granted
             if track:
+                qo[i + 1] = min(tok, T)
+                kvl[i] = length
                 if want > have:
                     grown = list_growth(ins, grown, i, pos - gained + have, have, want)
                     gained += want - have
@@ -198,6 +224,9 @@ def extend_numba(
             if track:
                 indptr[i + 1] = pos
                 last[i] = page_size
+                fill_null_range(pos_ptr, start, min(tok, T))
+                qo[i + 1] = min(tok, T)
+                kvl[i] = 0
     fill_null_range(slots_ptr, tok, T)
     if not distinct:
         nu.reset_requests(ids, R, claim)
@@ -214,6 +243,8 @@ def extend_numba(
         nu.raise_peaks(counters, refcount.shape[0])
     if track:
         indptr[0] = 0
+        qo[0] = 0
+        fill_null_range(pos_ptr, tok, T)
     return clean, pos, grown
 
 
@@ -225,7 +256,8 @@ def extend_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
     new_version(cd[:CD_STATE])
     untracked = i32_array(0, 0)
     extend_numba(req_ids_ptr, ntok_ptr, B, cd[CD_SLOTS], cd[CD_SLOTS_LEN], cd[CD_OK], ps, bt, lens, claim,
-                 stack, rc, state, counters, False, False, untracked, untracked, i64_array(0, 0))
+                 stack, rc, state, counters, False, False, untracked, untracked, i64_array(0, 0), 0, untracked,
+                 untracked)
 
 
 # ---------------------------------------------------------------------- Triton
@@ -259,9 +291,13 @@ def extend_body(
     MP,               # columns of block_table
     num_pages,        # P
     page_size,        # tokens per page
+    positions_ptr,    # *int32 [T]: a step's positions (META), -1 where the slot is -1
+    qo_indptr_ptr,    # *int32 [B + 1]: a step's qo_indptr (META)
+    kv_lens_ptr,      # *int32 [B]: a step's kv_lens (META)
     # Meta-parameters
     BLOCK: tl.constexpr,  # lanes per chunk (plan) and tokens per chunk (tail)
     TILE: tl.constexpr,   # side of the token x lane tiles of the prefill slot pass
+    META: tl.constexpr,   # also write the attention metadata (a step)
 ):
     """Lane i appends n_i tokens to row r_i: pops cdiv(L+n, ps) - cdiv(L, ps) pages FCFS; slots in lane order.
 
@@ -270,6 +306,8 @@ def extend_body(
     c = load_counters(counters_ptr)
     c, _clock = tick(c)
     c, free = gate_free(c, num_pages, B > 0)  # a corrupt free count: an empty stack
+    if META:
+        tl.store(qo_indptr_ptr, 0)
     claim_requests(req_ids_ptr, B, claim_ptr, R, BLOCK)
     tl.debug_barrier()
     csum = tl.zeros((), tl.int64)    # pages needed by candidate lanes so far
@@ -300,7 +338,7 @@ def extend_body(
         need = tl.where(cand, want - have, 0)
         need_end = csum + tl.cumsum(need, 0)
         tok_end = tok + tl.cumsum(n, 0)
-        fits = cand & (need_end <= free)
+        fits = cand & ((need == 0) | (need_end <= free))  # a lane needing no page never waits on others
         ok = fits & (tok_end <= T)
         tl.store(ok_ptr + i, ok, mask=live)
         # Pop: lane i takes stack offsets need_end - need + k from the top, k < need.
@@ -323,6 +361,11 @@ def extend_body(
         u = tok_end - n
         tl.store(slots_ptr + u, slot.to(tl.int32), mask=one & (u < T))
         tl.store(seq_lens_ptr + r, (length + n).to(tl.int32), mask=ok)
+        if META:
+            tl.store(positions_ptr + u, tl.where(ok, length, NULL_PAGE).to(tl.int32), mask=one & (u < T))
+            tl.store(qo_indptr_ptr + i + 1, tl.minimum(tok_end, T).to(tl.int32), mask=live)
+            kv_len = tl.where(ok, length + n, tl.where(lv, length, 0))  # a failed lane keeps its length
+            tl.store(kv_lens_ptr + i, kv_len.to(tl.int32), mask=live)
         csum += tl.sum(need)
         tok += tl.sum(n)
         popped += tl.sum(grant)
@@ -355,13 +398,18 @@ def extend_body(
                 pos = u + tl.sum(tl.where(own, shift[None, :], 0), axis=1)
                 page = tl.load(block_table_ptr + row * MP + pos // page_size, mask=granted, other=NULL_PAGE)
                 slot = tl.where(granted, page.to(tl.int64) * page_size + pos % page_size, NULL_PAGE)
-                tl.store(slots_ptr + u, slot.to(tl.int32), mask=(u >= end) & (u < chunk_end) & (u < T))
+                mine = (u >= end) & (u < chunk_end) & (u < T)
+                tl.store(slots_ptr + u, slot.to(tl.int32), mask=mine)
+                if META:
+                    tl.store(positions_ptr + u, tl.where(granted, pos, NULL_PAGE).to(tl.int32), mask=mine)
             end = chunk_end
     # Every token below min(tok, T) is written; pad the rest.
     tail = tl.minimum(tok, T).to(tl.int32)
     for start in range((tail // BLOCK) * BLOCK, T, BLOCK):
         u = start + lanes
         tl.store(slots_ptr + u, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=(u >= tail) & (u < T))
+        if META:
+            tl.store(positions_ptr + u, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=(u >= tail) & (u < T))
     reset_requests(req_ids_ptr, B, claim_ptr, R, BLOCK)
     c = counter_add(c, ERR_BAD_REQUEST, bad)
     c = counter_add(c, ERR_BAD_COUNT, neg_count)
@@ -379,19 +427,23 @@ def extend_body(
 @triton.jit
 def extend_kernel(req_ids_ptr, num_tokens_ptr, B, slots_ptr, T, ok_ptr, block_table_ptr, seq_lens_ptr, claim_ptr,
                   free_stack_ptr, refcount_ptr, page_state_ptr, counters_ptr, R, MP, num_pages, page_size,
-                  BLOCK: tl.constexpr, TILE: tl.constexpr):
+                  positions_ptr, qo_indptr_ptr, kv_lens_ptr,
+                  BLOCK: tl.constexpr, TILE: tl.constexpr, META: tl.constexpr):
     """One launch of ``extend_body`` (arguments documented there)."""
     extend_body(req_ids_ptr, num_tokens_ptr, B, slots_ptr, T, ok_ptr, block_table_ptr, seq_lens_ptr, claim_ptr,
-                free_stack_ptr, refcount_ptr, page_state_ptr, counters_ptr, R, MP, num_pages, page_size, BLOCK, TILE)
+                free_stack_ptr, refcount_ptr, page_state_ptr, counters_ptr, R, MP, num_pages, page_size,
+                positions_ptr, qo_indptr_ptr, kv_lens_ptr, BLOCK, TILE, META)
 
 
-def extend_triton(req_ids, num_tokens, slots, ok, st, ts) -> None:
-    """Append ``num_tokens[i]`` tokens to request ``req_ids[i]`` (one launch; see module note)."""
+def extend_triton(req_ids, num_tokens, slots, ok, st, ts, meta=None) -> None:
+    """Append ``num_tokens[i]`` tokens to request ``req_ids[i]`` (one launch; see module note);
+    ``meta``: a step's ``(positions, qo_indptr, kv_lens)`` to write too, or None."""
     B, T = req_ids.numel(), slots.numel()
     R, MP = ts.block_table.shape
-    meta = settings(max(B, T))
+    config = settings(max(B, T))
+    positions, qo_indptr, kv_lens = (slots, slots, slots) if meta is None else meta  # unused without META
     extend_kernel[(1,)](
         req_ids, num_tokens, B, slots, T, ok, ts.block_table, ts.seq_lens, ts.claim,
         st.free_stack, st.refcount, st.page_state, st.counters, R, MP, st.num_pages, ts.page_size,
-        TILE=min(meta["BLOCK"], MAX_TILE), **meta,
+        positions, qo_indptr, kv_lens, TILE=min(config["BLOCK"], MAX_TILE), META=meta is not None, **config,
     )

@@ -27,8 +27,9 @@ import triton.language as tl
 
 from . import layout as L
 from ._numba_util import i32_array, i64_array, i64_cell, move_i32, new_version, state_arrays, table_arrays
-from .layout import (CALL_DESC_LEN, CD_CSR_MEMO, CD_IDS, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_LANES,
-                     CD_LAST_PAGE_LEN, CD_NTOK, CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, TD_VERSION)
+from .layout import (CALL_DESC_LEN, CD_CSR_MEMO, CD_IDS, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_KV_LENS,
+                     CD_LANES, CD_LAST_PAGE_LEN, CD_NTOK, CD_OK, CD_OUT, CD_POSITIONS, CD_QO_INDPTR, CD_SLOTS,
+                     CD_SLOTS_LEN, CD_STATE, TD_VERSION)
 from ._triton_util import settings
 from .flashinfer_csr import flashinfer_csr_body, flashinfer_csr_numba
 from .extend import MAX_TILE, extend_body, extend_numba
@@ -82,8 +83,10 @@ def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
     version = new_version(td)
     indptr, last = i32_array(cd[CD_INDPTR], B + 1), i32_array(cd[CD_LAST_PAGE_LEN], B)
     ins = memo[L.MEMO_IDS + B:]
+    qo, kvl = i32_array(cd[CD_QO_INDPTR], B + 1), i32_array(cd[CD_KV_LENS], B)
     clean, total, grown = extend_numba(req_ids_ptr, ntok_ptr, B, cd[CD_SLOTS], cd[CD_SLOTS_LEN], cd[CD_OK], ps, bt,
-                                       lens, claim, stack, rc, state, counters, True, same, indptr, last, ins)
+                                       lens, claim, stack, rc, state, counters, True, same, indptr, last, ins,
+                                       cd[CD_POSITIONS], qo, kvl)
     cap = cd[CD_INDICES_LEN]
     if same and clean and total <= cap:  # indptr and last_page_len are written: grow indices
         grow_csr(cd[CD_INDICES], ins, grown, total, ids, bt)
@@ -104,24 +107,30 @@ def step_bound_numba_entry(cd_addr):
 
 
 @triton.jit
-def step_kernel(req_ids_ptr, num_tokens_ptr, B, slots_ptr, T, ok_ptr, indptr_ptr, indices_ptr, cap, last_page_len_ptr,
-                written_ptr, block_table_ptr, seq_lens_ptr, claim_ptr, free_stack_ptr, refcount_ptr, page_state_ptr,
-                counters_ptr, R, MP, num_pages, page_size, SEARCH, BLOCK: tl.constexpr, TILE: tl.constexpr):
-    """``extend_body`` then ``flashinfer_csr_body`` in one program (arguments documented there)."""
+def step_kernel(req_ids_ptr, num_tokens_ptr, B, slots_ptr, T, ok_ptr, positions_ptr, qo_indptr_ptr, kv_lens_ptr,
+                indptr_ptr, indices_ptr, cap, last_page_len_ptr, written_ptr, block_table_ptr, seq_lens_ptr, claim_ptr,
+                free_stack_ptr, refcount_ptr, page_state_ptr, counters_ptr, R, MP, num_pages, page_size, SEARCH,
+                BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """``extend_body`` (with the attention metadata) then ``flashinfer_csr_body`` in one program
+    (arguments documented there)."""
     extend_body(req_ids_ptr, num_tokens_ptr, B, slots_ptr, T, ok_ptr, block_table_ptr, seq_lens_ptr, claim_ptr,
-                free_stack_ptr, refcount_ptr, page_state_ptr, counters_ptr, R, MP, num_pages, page_size, BLOCK, TILE)
+                free_stack_ptr, refcount_ptr, page_state_ptr, counters_ptr, R, MP, num_pages, page_size,
+                positions_ptr, qo_indptr_ptr, kv_lens_ptr, BLOCK, TILE, True)
     tl.debug_barrier()  # the export reads the lengths, rows and counters the extend wrote
     flashinfer_csr_body(req_ids_ptr, B, indptr_ptr, indices_ptr, cap, last_page_len_ptr, block_table_ptr,
                         seq_lens_ptr, counters_ptr, written_ptr, R, MP, page_size, SEARCH, BLOCK)
 
 
-def step_triton(req_ids, num_tokens, slots, ok, indptr, indices, last_page_len, written, st, ts) -> None:
-    """extend then the CSR export in one launch; ``written`` as in ``flashinfer_csr_triton``."""
+def step_triton(req_ids, num_tokens, slots, ok, meta, indptr, indices, last_page_len, written, st, ts) -> None:
+    """extend (``meta``: the ``(positions, qo_indptr, kv_lens)`` it writes too) then the CSR export
+    in one launch; ``written`` as in ``flashinfer_csr_triton``."""
     B, T, cap = req_ids.numel(), slots.numel(), indices.numel()
     R, MP = ts.block_table.shape
+    positions, qo_indptr, kv_lens = meta
     meta = settings(max(B, T, cap))
     step_kernel[(1,)](
-        req_ids, num_tokens, B, slots, T, ok, indptr, indices, cap, last_page_len, written,
+        req_ids, num_tokens, B, slots, T, ok, positions, qo_indptr, kv_lens, indptr, indices, cap, last_page_len,
+        written,
         ts.block_table, ts.seq_lens, ts.claim, st.free_stack, st.refcount, st.page_state, st.counters,
         R, MP, st.num_pages, ts.page_size, B.bit_length(),
         TILE=min(meta["BLOCK"], MAX_TILE), **meta,

@@ -151,7 +151,7 @@ class System:
                 return [t.clone() for t in table.extend(i32(op[1]), i32(op[2]), max_tokens=op[3])]
             elif kind == "step":
                 r = table.step(i32(op[1]), i32(op[2]), max_tokens=op[3])
-                return [t.clone() for t in (r.slots, r.ok, *r.csr)]
+                return [t.clone() for t in (r.slots, r.ok, *r.csr, *r.metadata)]
             elif kind == "csr":
                 return [t.clone() for t in table.flashinfer_csr(i32(op[1]), capacity=op[2])]
             elif kind == "rows":

@@ -54,7 +54,7 @@ class TableModel:
                 good = False
             need = cdiv(self.lens[r] + n, self.ps) - cdiv(self.lens[r], self.ps) if good else 0
             csum += need
-            fits = good and csum <= free
+            fits = good and (need == 0 or csum <= free)  # a lane needing no page never waits on others
             granted = fits and tok_end <= max_tokens
             if fits and not granted:
                 self._err("out_overflow")
@@ -62,16 +62,23 @@ class TableModel:
                 P.failed += 1
             ok.append(granted)
             plan.append((r, max(n, 0), need, granted))
+        positions, qo_indptr, kv_lens = [], [0], []
         for r, n, need, granted in plan:
             if granted:
                 self.rows[r] += self._pop(need)
                 L = self.lens[r]
                 slots += [self.rows[r][(L + t) // self.ps] * self.ps + (L + t) % self.ps for t in range(n)]
+                positions += [L + t for t in range(n)]
                 self.lens[r] = L + n
             else:
                 slots += [-1] * n
+                positions += [-1] * n
+            qo_indptr.append(min(len(slots), max_tokens))
+            kv_lens.append(self.lens[r] if r is not None else 0)
         P._peaks()
         slots = (slots + [-1] * max_tokens)[:max_tokens]
+        # A step's attention metadata (see StepResult)
+        self.meta = ((positions + [-1] * max_tokens)[:max_tokens], qo_indptr, kv_lens)
         return slots, ok
 
     def _free_flat(self, flat, cache):

@@ -306,6 +306,7 @@ def test_random_workload_matches_model(make_table, guard, ps, MP, seed):
                     r = table.extend(i32(ids), i32(ntok), max_tokens=cap)
             assert (r.slots.tolist(), r.ok.tolist()) == model.extend(ids, ntok, cap)
             if op == "step":
+                assert (r.positions.tolist(), r.qo_indptr.tolist(), r.kv_lens.tolist()) == model.meta
                 indptr, indices, last = model.csr(ids, csr_cap if csr_cap is not None else len(ids) * MP)
                 assert (r.csr.indptr.tolist(), r.csr.indices.tolist(), r.csr.last_page_len.tolist()) == (
                     indptr, indices, last)

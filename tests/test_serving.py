@@ -87,7 +87,7 @@ def _prefill_and_decode(model, prompts, backend, shift=0, steps=4):
         ntok = i32([len(f) for f in feed])
         t = sum(len(f) for f in feed)
         res = table.step(ids, ntok, max_tokens=t)
-        meta = step_metadata(table, res, ids, ntok)
+        meta = step_metadata(table, res)
         x = torch.tensor([tok for f in feed for tok in f])
         with torch.no_grad():
             pos = meta.positions.long() + (shift if s else 0)
@@ -149,7 +149,7 @@ def test_the_hot_path_has_no_host_sync(backend, models, guard):
     fork = table.fork(i32([0]), i32([1]), i32([0]))
     with guard():
         res = table.step(ids, ntok, max_tokens=8)
-        meta = step_metadata(table, res, ids, ntok)
+        meta = step_metadata(table, res)
         with torch.no_grad():
             logits = forward_step(model, x, PagedContext(cache, meta))   # K/V writes + paged attention, each layer
         out = paged_attention(torch.zeros(8, 4, 16), cache.k[0], cache.v[0], meta)
@@ -194,7 +194,7 @@ def test_flashinfer_matches_reference_attention(decode):
     ntok = t32([1, 1, 1, 1]) if decode else t32([1, 9, 1, 30])
     t = 4 if decode else 48
     res = table.step(ids, ntok, max_tokens=t)
-    meta = step_metadata(table, res, ids, ntok)
+    meta = step_metadata(table, res)
     cache.write(0, meta.slots, torch.randn(t, hkv, d, device=dev, dtype=torch.float16),
                 torch.randn(t, hkv, d, device=dev, dtype=torch.float16))
     q = torch.randn(t, hq, d, device=dev, dtype=torch.float16)
@@ -226,7 +226,7 @@ def test_decode_step_and_forward_in_one_cuda_graph_match_eager(backend):
         ntok = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=dev)
         total = int(ntok.sum())
         res = table.step(ids, ntok, max_tokens=total)
-        meta = step_metadata(table, res, ids, ntok)
+        meta = step_metadata(table, res)
         x = torch.tensor([t for p in prompts for t in p], device=dev)
         with torch.no_grad():
             logits = forward_step(model, x, PagedContext(cache, meta))
@@ -235,7 +235,7 @@ def test_decode_step_and_forward_in_one_cuda_graph_match_eager(backend):
 
     def decode(table, cache, ids, ones, tok):
         res = table.step(ids, ones)
-        meta = step_metadata(table, res, ids, ones)
+        meta = step_metadata(table, res)
         with torch.no_grad():
             tok.copy_(forward_step(model, tok, PagedContext(cache, meta)).argmax(-1))
 

@@ -102,7 +102,7 @@ def test_step_metadata_by_hand(make_pool, guard):
     ids, ntok = i32([0, 1, -1]), i32([1, 2, 0])             # decode 1, prefill 2, a padding lane
     with guard():
         step = table.step(ids, ntok, max_tokens=4)
-        meta = step_metadata(table, step, ids, ntok)
+        meta = step_metadata(table, step)
     assert meta.positions.tolist() == [3, 0, 1, -1]          # the last slot is unused capacity
     assert meta.qo_indptr.tolist() == [0, 1, 3, 3]
     assert meta.kv_lens.tolist() == [4, 2, 0]
@@ -117,7 +117,7 @@ def test_step_metadata_of_a_failed_lane(make_pool, guard):
     ids, ntok = i32([0, 1, 2]), i32([1, 4, 1])              # lane 1 needs 2 pages: fails, and so does lane 2
     with guard():
         step = table.step(ids, ntok, max_tokens=6)
-        meta = step_metadata(table, step, ids, ntok)
+        meta = step_metadata(table, step)
     assert step.ok.tolist() == [True, False, False]
     assert meta.positions.tolist() == [3, -1, -1, -1, -1, -1]   # a failed lane's tokens are padding
     assert meta.qo_indptr.tolist() == [0, 1, 5, 6]
@@ -155,7 +155,7 @@ def test_paged_attention_matches_dense_attention_per_sequence(make_pool, guard, 
     lens0 = {2: 5, 0: 9, 1: 0, 3: 0}
     t = 12
     step = table.step(ids, ntok, max_tokens=t)
-    meta = step_metadata(table, step, ids, ntok)
+    meta = step_metadata(table, step)
     k_new = torch.cat([full_k[r][lens0[r]:lens0[r] + n] for r, n in ((2, 1), (0, 2), (1, 7), (3, 1))])
     v_new = torch.cat([full_v[r][lens0[r]:lens0[r] + n] for r, n in ((2, 1), (0, 2), (1, 7), (3, 1))])
     pad = t - k_new.shape[0]
@@ -182,7 +182,7 @@ def test_paged_attention_rejects_mismatched_heads():
     table = tpool.PageTable(pool, 2, 2)
     cache = PagedKVCache.from_pool(pool, 1, 2, 4, dtype=torch.float32)
     ids, ntok = i32([0]), i32([1])
-    meta = step_metadata(table, table.step(ids, ntok), ids, ntok)
+    meta = step_metadata(table, table.step(ids, ntok))
     with pytest.raises(ValueError, match="multiple of num_kv_heads 2, got 3"):
         paged_attention(torch.zeros(1, 3, 4), cache.k[0], cache.v[0], meta)
     with pytest.raises(ValueError, match="expected 1 tokens .*got 2"):

@@ -114,8 +114,8 @@ def capture(step, *owners, warmup: int = 2) -> "torch.cuda.CUDAGraph":
     if not torch.cuda.is_available():
         raise RuntimeError("tpool.graphs.capture needs CUDA; on a CPU call the step directly")
     side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())      # the snapshot is taken first
-    with preserved(*owners):
+    with preserved(*owners):  # queues the snapshot's clones on the current stream
+        side.wait_stream(torch.cuda.current_stream())  # so the warm-up starts after the clones, not before
         with torch.cuda.stream(side):
             for _ in range(warmup):
                 step()

@@ -54,13 +54,39 @@ class PagedKVCSR(NamedTuple):
 
 
 class StepResult(NamedTuple):
-    """One scheduler step (:meth:`PageTable.step`): ``slots`` int32 ``[max_tokens]`` and ``ok``
-    bool ``[B]`` as in :class:`ExtendResult`, and ``csr``, the batch's :class:`PagedKVCSR`
-    after the extend."""
+    """One scheduler step (:meth:`PageTable.step`), everything attention needs, all written
+    by the step's one pass, on the table's device:
+
+    slots : int32 ``[max_tokens]``
+        Slot of every new token in lane order, -1 for padding, failed lanes and unused
+        capacity (vLLM's ``slot_mapping``), as in :class:`ExtendResult`.
+    ok : bool ``[B]``
+        Lane granted.
+    csr : PagedKVCSR
+        The batch's pages after the extend (FlashInfer's ``paged_kv_indptr``,
+        ``paged_kv_indices``, ``paged_kv_last_page_len``).
+    positions : int32 ``[max_tokens]``
+        Position in its sequence of each slot's token; -1 wherever ``slots`` is -1.
+    qo_indptr : int32 ``[B+1]``
+        Lane ``i``'s new tokens are ``slots[qo_indptr[i]:qo_indptr[i+1]]`` (FlashInfer's
+        ``qo_indptr``, vLLM's ``query_start_loc``): a running sum of ``max(num_tokens, 0)``
+        over every lane (failed and padding lanes included), capped at ``max_tokens``.
+    kv_lens : int32 ``[B]``
+        Each lane's length after the step; a failed lane keeps its length; padding, a bad
+        or repeated request id and a corrupt row give 0.
+    """
 
     slots: torch.Tensor
     ok: torch.Tensor
     csr: PagedKVCSR
+    positions: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_lens: torch.Tensor
+
+    @property
+    def metadata(self) -> tuple:
+        """``(positions, qo_indptr, kv_lens)``."""
+        return self.positions, self.qo_indptr, self.kv_lens
 
 
 class StepOut:
@@ -75,11 +101,11 @@ class StepOut:
 
     def __init__(self, table: "PageTable", batch: int, max_tokens: int, capacity: int):
         self.table, self.batch, self.max_tokens, self.capacity = table, batch, max_tokens, capacity
-        slots, ok = table._extend_out(batch, max_tokens)
+        slots, ok, *meta = table._step_out(batch, max_tokens)
         csr, self.memo = table._csr_out(batch, capacity)
-        self.result = StepResult(slots, ok, csr)
+        self.result = StepResult(slots, ok, csr, *meta)
         table._shapes.memos.add(self.memo)  # invalidate_csr reaches it
-        self._written = table._written | _checks.written_storages([slots, ok, *csr, self.memo.tensor])
+        self._written = table._written | _checks.written_storages([slots, ok, *csr, *meta, self.memo.tensor])
         self._run = table.ops.step_into(self.result, self.memo)
 
     def __repr__(self):
@@ -224,6 +250,12 @@ class PageTable:
         return (torch.full((t,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
                 torch.zeros(b, dtype=torch.bool, device=self.device))
 
+    def _step_out(self, b, t):
+        """A step's ``slots``, ``ok``, ``positions``, ``qo_indptr``, ``kv_lens`` for ``(B, max_tokens)``."""
+        slots, ok = self._extend_out(b, t)
+        return (slots, ok, torch.full_like(slots, L.NULL_PAGE), torch.zeros(b + 1, dtype=torch.int32, device=self.device),
+                torch.zeros(b, dtype=torch.int32, device=self.device))
+
     def _csr_out(self, b, cap):
         """CSR buffers of one shape and their :class:`~tpool.state.CsrMemo`."""
         cap = _checks.check_size(cap, "capacity")
@@ -244,9 +276,10 @@ class PageTable:
         """Append ``num_tokens[i]`` tokens to request ``req_ids[i]``; allocate pages as needed.
 
         A request that crosses page boundaries takes its new pages from the pool
-        in the same pass, first come first served over the lanes; one that cannot
-        get them (or would exceed ``max_pages_per_request``) is left unchanged and
-        reported in ``ok``.
+        in the same pass, first come first served over the lanes that need pages;
+        one that cannot get them (or would exceed ``max_pages_per_request``) is left
+        unchanged and reported in ``ok``. A lane that needs no new page is never
+        refused because an earlier lane could not get its pages.
 
         Parameters
         ----------
@@ -302,10 +335,24 @@ class PageTable:
         Returns
         -------
         StepResult
-            ``slots`` int32 ``[max_tokens]``, ``ok`` bool ``[B]`` and ``csr`` (a
-            :class:`PagedKVCSR`), on the table's device, in table-owned buffers:
-            ``slots``/``ok`` are shared by steps of the same ``(B, max_tokens)``, ``csr`` by
-            steps of the same ``(B, capacity)``; the next such step overwrites them.
+            ``slots`` int32 ``[max_tokens]``, ``ok`` bool ``[B]``, ``csr`` (a
+            :class:`PagedKVCSR`) and the attention metadata ``positions`` int32
+            ``[max_tokens]``, ``qo_indptr`` int32 ``[B+1]``, ``kv_lens`` int32 ``[B]``, on the
+            table's device, in table-owned buffers: all but ``csr`` are shared by steps of
+            the same ``(B, max_tokens)``, ``csr`` by steps of the same ``(B, capacity)``;
+            the next such step overwrites them.
+
+        Examples
+        --------
+        Request 0 holds 3 tokens; lane 0 decodes it, lane 1 prefills request 1 with
+        2 tokens, lane 2 is padding; ``max_tokens=4`` leaves one slot unused:
+
+        >>> i32 = lambda v: torch.tensor(v, dtype=torch.int32)
+        >>> table = PageTable(PagePool(8, page_size=4, device="cpu"), max_requests=4, max_pages_per_request=4)
+        >>> _ = table.extend(i32([0]), i32([3]), max_tokens=3)
+        >>> r = table.step(i32([0, 1, -1]), i32([1, 2, 0]), max_tokens=4)
+        >>> r.positions.tolist(), r.qo_indptr.tolist(), r.kv_lens.tolist()
+        ([3, 0, 1, -1], [0, 1, 3, 3], [4, 2, 0])
 
         Notes
         -----
@@ -386,7 +433,8 @@ class PageTable:
         if entry is None:
             csr_key, out_key = ("step-csr", b, cap), ("step", b, t)
             csr, memo = self._shapes.buffer(csr_key, lambda: self._csr_out(b, cap))
-            res = StepResult(*self._shapes.buffer(out_key, lambda: self._extend_out(b, t)), csr)
+            slots, ok, *meta = self._shapes.buffer(out_key, lambda: self._step_out(b, t))
+            res = StepResult(slots, ok, csr, *meta)
             entry = self._shapes.add(key, (out_key, csr_key), res, self.ops.step_into(res, memo), memo)
         if self._check_written:
             self._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))

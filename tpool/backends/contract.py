@@ -80,8 +80,8 @@ class TableOps(Protocol):
         ``(req_ids, B)`` and re-pads ``indices`` only as far as the previous export wrote."""
 
     def step_into(self, res, memo) -> Callable[[Tensor, Tensor, int], None]:
-        """``extend`` then the CSR export, bound to a ``StepResult``'s buffers; the call takes
-        ``(req_ids, num_tokens, B)``."""
+        """``extend`` (with the attention metadata) then the CSR export, bound to a ``StepResult``'s
+        buffers; the call takes ``(req_ids, num_tokens, B)``."""
 
     def bind_step(self, res, memo, req_ids: Tensor, num_tokens: Tensor, b: int) -> Callable[[], None]:
         """``step_into(res, memo)`` bound to its input tensors too: the call takes nothing."""
@@ -146,7 +146,8 @@ class PoolByFunctions:
 class BoundByTensors:
     """The bound forms of a table backend whose unbound ops take the output tensors themselves
     (reference, triton): each bound call closes over the buffers and calls the unbound op.
-    Their unbound ops are ``@locked``."""
+    Their unbound ops are ``@locked``; their ``extend`` also takes ``meta``, a step's
+    ``(positions, qo_indptr, kv_lens)`` to write in the same pass."""
 
     checks_overlap = False  # the façade checks that inputs share no memory with what a call writes
 
@@ -168,11 +169,12 @@ class BoundByTensors:
         return lambda req_ids: export(req_ids, *csr)
 
     def step_into(self, res, memo):
-        extend, export, slots, ok, lock = self.extend, self._csr_call(res.csr, memo), res.slots, res.ok, self.st.lock
+        extend, export, lock = self.extend, self._csr_call(res.csr, memo), self.st.lock
+        slots, ok, meta = res.slots, res.ok, res.metadata
 
         def step(req_ids, num_tokens, b):
             with lock:  # one call: no other thread's change between the extend and the export
-                extend(req_ids, num_tokens, slots, ok)
+                extend(req_ids, num_tokens, slots, ok, meta)
                 export(req_ids)
         return step
 

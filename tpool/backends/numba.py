@@ -137,10 +137,11 @@ def table_descriptor(ts) -> np.ndarray:
                      ts.page_size, _addr(ts.version), VERSION_SOURCE.data_ptr()], dtype=np.int64)
 
 
-def call_descriptor(td, sd, slots=None, ok=None, csr=None, memo=None, inputs=None) -> np.ndarray:
+def call_descriptor(td, sd, slots=None, ok=None, csr=None, memo=None, inputs=None, meta=None) -> np.ndarray:
     """The descriptor of one table call (``CD_*`` slots): ``slots``/``ok`` for extend, ``csr`` =
     (indptr, indices, last_page_len) for the CSR export with its ``CsrMemo``, ``inputs`` =
-    (req_ids, num_tokens) for a call bound to its inputs; unused slots are 0."""
+    (req_ids, num_tokens) for a call bound to its inputs, ``meta`` = (positions, qo_indptr,
+    kv_lens) for a step; unused slots are 0."""
     d = np.zeros(L.CALL_DESC_LEN, np.int64)
     d[:L.CD_STATE], d[L.CD_STATE:L.CD_OUT] = td, sd
     if slots is not None:
@@ -154,6 +155,10 @@ def call_descriptor(td, sd, slots=None, ok=None, csr=None, memo=None, inputs=Non
         ids, ntok = inputs
         assert ids.numel() == ntok.numel()
         d[L.CD_IDS], d[L.CD_NTOK], d[L.CD_LANES] = _addr(ids), _addr(ntok), ids.numel()
+    if meta is not None:
+        positions, qo_indptr, kv_lens = meta
+        assert positions.numel() == slots.numel() and qo_indptr.numel() == kv_lens.numel() + 1
+        d[L.CD_POSITIONS], d[L.CD_QO_INDPTR], d[L.CD_KV_LENS] = _addr(positions), _addr(qo_indptr), _addr(kv_lens)
     return d
 
 
@@ -331,8 +336,9 @@ class Table:
         return call
 
     def step_into(self, res, memo):
-        cd = _with_ranges(call_descriptor(self.td, self.sd, slots=res.slots, ok=res.ok, csr=res.csr, memo=memo),
-                          self._written(res.slots, res.ok, *res.csr, memo.tensor))
+        cd = _with_ranges(call_descriptor(self.td, self.sd, slots=res.slots, ok=res.ok, csr=res.csr, memo=memo,
+                                          meta=res.metadata),
+                          self._written(res.slots, res.ok, *res.csr, *res.metadata, memo.tensor))
         run, held = guard_point(step_guarded, _i64, _i64, _i64, _desc), (self.st, self.ts, res, memo)
 
         def call(req_ids, num_tokens, b, held=held):  # ``held``: what ``cd`` points into
@@ -342,7 +348,7 @@ class Table:
 
     def bind_step(self, res, memo, req_ids, num_tokens, b):
         cd = call_descriptor(self.td, self.sd, slots=res.slots, ok=res.ok, csr=res.csr, memo=memo,
-                             inputs=(req_ids, num_tokens))
+                             inputs=(req_ids, num_tokens), meta=res.metadata)
         run = functools.partial(entry_point(step.step_bound_numba_entry, _i64), cd.ctypes.data)  # one int
         run.held = (cd, self.st, self.ts, res, memo, req_ids, num_tokens)  # everything cd points into
         return run

@@ -275,8 +275,8 @@ class Table(BoundByTensors):
         self.st, self.ts = st, ts
 
     @locked
-    def extend(self, req_ids, num_tokens, slots, ok):
-        reference_table.extend(self.st, self.ts, req_ids, num_tokens, slots, ok)
+    def extend(self, req_ids, num_tokens, slots, ok, meta=None):
+        reference_table.extend(self.st, self.ts, req_ids, num_tokens, slots, ok, meta)
 
     @locked
     def release(self, req_ids, cache):

@@ -9,10 +9,17 @@ lanes saw the table as it was when the call began.
 
 * ``extend``: lane ``i`` appends ``n_i`` tokens; it needs
   ``ceil((L+n)/ps) - ceil(L/ps)`` new pages, granted first come first served
-  over the lanes (as ``PagePool.alloc``), popped from the free stack in lane
-  order. Tokens are laid out in lane order, ``n_i`` slots per lane including
-  padding and failed lanes (their slots are -1); a lane whose tokens do not
-  fit the slot buffer fails with ``out_overflow``.
+  over the lanes that need pages (as ``PagePool.alloc``), popped from the free
+  stack in lane order: once a lane's pages do not fit, no later lane that
+  needs pages gets any, but a lane that needs none is never refused for want
+  of pages. Tokens are laid out in lane order, ``n_i`` slots per lane
+  including padding and failed lanes (their slots are -1); a lane whose tokens
+  do not fit the slot buffer fails with ``out_overflow``. A step also writes
+  the attention metadata: ``positions`` (each slot's position in its
+  sequence, -1 where the slot is -1), ``qo_indptr`` (the running sum of
+  ``max(n_i, 0)``, capped at the slot buffer's length) and ``kv_lens`` (each
+  lane's length after the call; a failed lane keeps its length; padding, bad
+  ids and corrupt rows 0).
 * ``release`` / ``truncate``: the pages past the new length (all of them for
   release) are freed as ONE ``free`` over the lanes' pages, lane by lane, in
   table order; their entries become -1.
@@ -76,12 +83,16 @@ def _take(st, n):
     raise_peaks(st)
 
 
-def extend(st, ts, req_ids, num_tokens, slots, ok):
+def extend(st, ts, req_ids, num_tokens, slots, ok, meta=None):
+    """``meta``: a step's ``(positions, qo_indptr, kv_lens)`` to write too, or None."""
     c, MP, ps = st.counters, ts.max_pages, ts.page_size
     c[L.CLOCK] += 1
     B, T, dev = req_ids.numel(), slots.numel(), slots.device
     if B == 0:
         slots.fill_(L.NULL_PAGE)
+        if meta is not None:
+            meta[0].fill_(L.NULL_PAGE)
+            meta[1].zero_()
         return
     rr, valid, pad, bad = claim_requests(ts, req_ids)
     c[L.ERR_BAD_REQUEST] += bad.sum()
@@ -102,7 +113,7 @@ def extend(st, ts, req_ids, num_tokens, slots, ok):
     need = torch.where(cand, want - have, 0)
     csum = torch.cumsum(need, 0)
     tok_end = torch.cumsum(n, 0)
-    fits = cand & (csum <= free)
+    fits = cand & ((need == 0) | (csum <= free))  # a lane needing no page never waits on others
     okv = fits & (tok_end <= T)
     c[L.ERR_OUT_OVERFLOW] += (fits & ~okv).sum()
     c[L.FAILED_REQUESTS] += (~pad & ~okv).sum()
@@ -123,6 +134,12 @@ def extend(st, ts, req_ids, num_tokens, slots, ok):
     slots.copy_(torch.where(s_ok, page * ps + pos % ps, L.NULL_PAGE))
     _put(ts.seq_lens, rr, Ln + n, okv)
     ok.copy_(okv)
+    if meta is not None:
+        positions, qo_indptr, kv_lens = meta
+        positions.copy_(torch.where(s_ok, pos, L.NULL_PAGE))
+        qo_indptr[0] = 0
+        qo_indptr[1:] = tok_end.clamp(max=T)
+        kv_lens.copy_(torch.where(okv, Ln + n, torch.where(valid, Ln, 0)))
 
 
 def _drop_tail(st, ts, rr, act, keep_tokens, cache):

@@ -32,8 +32,8 @@ class Table(BoundByTensors):
         self.st, self.ts = st, ts
 
     @locked
-    def extend(self, req_ids, num_tokens, slots, ok):
-        extend.extend_triton(req_ids, num_tokens, slots, ok, self.st, self.ts)
+    def extend(self, req_ids, num_tokens, slots, ok, meta=None):
+        extend.extend_triton(req_ids, num_tokens, slots, ok, self.st, self.ts, meta)
 
     @locked
     def release(self, req_ids, cache):
@@ -59,12 +59,12 @@ class Table(BoundByTensors):
         return lambda req_ids: flashinfer_csr.flashinfer_csr_triton(req_ids, indptr, indices, last, written, st, ts)
 
     def step_into(self, res, memo):  # one launch: extend, barrier, CSR
-        (indptr, indices, last), slots, ok = res.csr, res.slots, res.ok
+        (indptr, indices, last), slots, ok, meta = res.csr, res.slots, res.ok, res.metadata
         st, ts, written = self.st, self.ts, memo.tensor
 
         def run(req_ids, num_tokens, b):
             with st.lock:
-                step.step_triton(req_ids, num_tokens, slots, ok, indptr, indices, last, written, st, ts)
+                step.step_triton(req_ids, num_tokens, slots, ok, meta, indptr, indices, last, written, st, ts)
         return run
 
     @locked

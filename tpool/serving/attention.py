@@ -46,20 +46,17 @@ class StepMetadata:
     max_pages: int
 
 
-# interim: replaced by StepResult.positions/qo_indptr/kv_lens
-def step_metadata(table, step, req_ids: torch.Tensor, num_tokens: torch.Tensor) -> StepMetadata:
-    """The attention metadata of a step that just ran (``step = table.step(req_ids, num_tokens, ...)``).
+def step_metadata(table, step) -> StepMetadata:
+    """What attention reads from a step that just ran (``step = table.step(...)``).
 
-    Interim: the step kernels will return ``positions``, ``qo_indptr`` and ``kv_lens`` themselves;
-    until then this rebuilds them on the device from the step's ``slots`` and the table's
-    ``seq_lens`` after the step, with fixed-shape torch ops (cumsum, searchsorted, gather),
-    no host sync. Call it right after the step, before another call changes ``seq_lens``.
+    No device work: ``positions``, ``qo_indptr`` and ``kv_lens`` are written by the step
+    itself, in the same pass as its slots (:class:`tpool.page_table.StepResult`); this
+    packs them with the CSR and the table's static ``max_pages_per_request``.
 
     Parameters
     ----------
     table : PageTable
-    step : StepResult  the result of ``table.step(req_ids, num_tokens, ...)``.
-    req_ids, num_tokens : torch.Tensor  shape ``[B]``, int32, on the table's device: the step's inputs.
+    step : StepResult  the result of ``table.step(req_ids, num_tokens, ...)`` (or ``out.result``).
 
     Example
     -------
@@ -68,27 +65,11 @@ def step_metadata(table, step, req_ids: torch.Tensor, num_tokens: torch.Tensor) 
     >>> table = PageTable(pool, max_requests=4, max_pages_per_request=4)
     >>> _ = table.extend(i32([0]), i32([3]), max_tokens=3)     # request 0 holds 3 tokens
     >>> ids, ntok = i32([0, 1, -1]), i32([1, 2, 0])            # decode 1, prefill 2, a padding lane
-    >>> m = step_metadata(table, table.step(ids, ntok, max_tokens=4), ids, ntok)
+    >>> m = step_metadata(table, table.step(ids, ntok, max_tokens=4))
     >>> m.positions.tolist(), m.qo_indptr.tolist(), m.kv_lens.tolist()   # slot 3: unused capacity
     ([3, 0, 1, -1], [0, 1, 3, 3], [4, 2, 0])
     """
-    slots = step.slots
-    b, t, dev = req_ids.numel(), slots.numel(), slots.device
-    n = num_tokens.long().clamp(min=0)
-    ends = torch.cumsum(n, 0)
-    qo_indptr = torch.zeros(b + 1, dtype=torch.int32, device=dev)
-    qo_indptr[1:] = ends.clamp(max=t)
-    r = req_ids.long()
-    valid = (r >= 0) & (r < table.max_requests)
-    kv_lens = torch.where(valid, table.seq_lens[r.clamp(0, table.max_requests - 1)].long(), 0)
-    if b == 0:
-        positions = torch.full((t,), -1, dtype=torch.int32, device=dev)
-    else:
-        u = torch.arange(t, device=dev)
-        lane = torch.searchsorted(ends, u, right=True).clamp(max=b - 1)
-        first = kv_lens - n                      # position of each lane's first new token
-        positions = torch.where(slots >= 0, first[lane] + u - (ends - n)[lane], -1).to(torch.int32)
-    return StepMetadata(slots, positions, qo_indptr, kv_lens.to(torch.int32), step.csr, table.max_pages)
+    return StepMetadata(step.slots, step.positions, step.qo_indptr, step.kv_lens, step.csr, table.max_pages)
 
 
 def _check(q, k_cache, v_cache, meta):

@@ -213,8 +213,7 @@ class Engine:
             x[:total] = torch.tensor([t for r in lanes for t in feed[r.rid]], dtype=torch.long)
             t0 = time.perf_counter()
             res = self.table.step(ids, nt, max_tokens=t_max)
-            # interim: replaced by StepResult.positions/qo_indptr/kv_lens
-            meta = step_metadata(self.table, res, ids, nt)
+            meta = step_metadata(self.table, res)
             t1 = time.perf_counter()
             with torch.no_grad():
                 preds = forward_step(self.model, x, PagedContext(self.cache, meta)).argmax(-1).tolist()
