@@ -10,8 +10,7 @@ total). Misuse (bad or repeated request id, negative count, more than
 
 import numba
 import numpy as np
-import triton
-import triton.language as tl
+from ._triton_shim import tl, triton
 
 from . import layout as L
 from . import _numba_util as nu
