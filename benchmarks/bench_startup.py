@@ -53,7 +53,7 @@ names = ("torch", "import tpool", "PagePool", "first alloc", "PageTable", "first
 phases = dict(zip(names, (b - a for a, b in zip(t, t[1:]))))
 phases["in-process total"] = t[-1] - t[0]
 phases["CPU time (process)"] = time.process_time()  # less sensitive than wall time to other processes' load
-print(json.dumps(dict(end=end, phases=phases, triton="triton" in sys.modules)))
+print(json.dumps(dict(end=end, phases=phases, triton="triton" in sys.modules, tpool=tpool.__file__)))
 """
 
 
@@ -85,7 +85,10 @@ def run_child(code: str, cache_dir: str) -> dict:
     if cache_dir:
         env["NUMBA_CACHE_DIR"] = cache_dir
     start = time.time()
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
+    # cwd: a neutral directory, so that ``python -c`` (which puts the working directory first on sys.path)
+    # imports the installed tpool, not a source tree the benchmark happens to be started from
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900,
+                          cwd=tempfile.gettempdir())
     if proc.returncode != 0:
         raise SystemExit(f"the child process failed:\n{proc.stdout}{proc.stderr}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -108,7 +111,8 @@ def main(argv=None):
     code = CHILD.format(num_pages=args.num_pages, page_size=args.page_size, batch=args.batch, torch_only=False)
     torch_code = CHILD.format(num_pages=0, page_size=0, batch=0, torch_only=True)
     progress("one untimed run fills the numba cache the warm runs load from")
-    run_child(code, args.cache_dir)
+    first = run_child(code, args.cache_dir)
+    progress(f"tpool measured: {os.path.dirname(first['tpool'])}")
     warm, base_runs = [], []
     for i in range(args.runs):  # interleaved, so both see the same machine load
         progress(f"warm run {i + 1}/{args.runs}, then torch-only run {i + 1}/{args.runs}")
