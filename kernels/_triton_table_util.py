@@ -22,8 +22,7 @@ program that loops over fixed-size chunks and separates its phases with
   writes.
 """
 
-import triton
-import triton.language as tl
+from ._triton_shim import tl, triton
 
 from . import layout as L
 from ._triton_util import INT32_MAX, NULL_PAGE

@@ -17,8 +17,7 @@ returned old values are never used. ``reset_lanes`` restores
 ``claim = INT32_MAX`` and ``occur = 0``.
 """
 
-import triton
-import triton.language as tl
+from ._triton_shim import tl, triton
 
 from . import layout as L
 

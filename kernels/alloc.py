@@ -9,8 +9,7 @@ are popped from the top of the free stack in request order; entries of
 """
 
 import numba
-import triton
-import triton.language as tl
+from ._triton_shim import tl, triton
 
 from . import layout as L
 from . import _numba_util as nu

@@ -6,8 +6,7 @@ no error counted (the rows of bad ids are simply -1).
 """
 
 import numba
-import triton
-import triton.language as tl
+from ._triton_shim import tl, triton
 
 from . import layout as L
 from ._numba_util import copy_i32, i32_array, table_arrays

@@ -6,8 +6,7 @@ order (padded with -1) and pushed on the free stack in that order.
 
 import numba
 import numpy as np
-import triton
-import triton.language as tl
+from ._triton_shim import tl, triton
 
 from . import layout as L
 from ._numba_util import fill_null_range, i32_array, state_arrays

@@ -18,8 +18,7 @@ the call; a failed lane keeps its length; padding, bad ids and corrupt rows 0).
 
 import numba
 import numpy as np
-import triton
-import triton.language as tl
+from ._triton_shim import tl, triton
 
 from . import layout as L
 from . import _numba_util as nu

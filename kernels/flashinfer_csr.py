@@ -9,8 +9,7 @@ batch counts ``out_overflow`` (entries past the capacity are dropped).
 """
 
 import numba
-import triton
-import triton.language as tl
+from ._triton_shim import tl, triton
 
 from . import layout as L
 from ._numba_util import (copy8_i32, copy_i32, fill_null_range, i32_array, i64_cell, page_shift, pages_for,

@@ -9,8 +9,7 @@ empty, or equal to ``src``) is ``bad_request``; ``lens`` outside
 """
 
 import numba
-import triton
-import triton.language as tl
+from ._triton_shim import tl, triton
 
 from . import layout as L
 from . import _numba_util as nu

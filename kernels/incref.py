@@ -7,8 +7,7 @@ per entry. ``-1`` is padding; other ids outside ``[0, P)`` count ``invalid_page`
 
 import numba
 import numpy as np
-import triton
-import triton.language as tl
+from ._triton_shim import tl, triton
 
 from . import layout as L
 from . import _numba_util as nu

@@ -9,8 +9,7 @@ become -1 and the length is set. Truncating to a length above the current one
 
 import numba
 import numpy as np
-import triton
-import triton.language as tl
+from ._triton_shim import tl, triton
 
 from . import layout as L
 from . import _numba_util as nu

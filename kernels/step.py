@@ -22,8 +22,7 @@ little time) and writes no versions.
 """
 
 import numba
-import triton
-import triton.language as tl
+from ._triton_shim import tl, triton
 
 from . import layout as L
 from ._numba_util import i32_array, i64_array, i64_cell, move_i32, new_version, state_arrays, table_arrays

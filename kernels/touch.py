@@ -5,8 +5,7 @@ outside ``[0, P)`` count ``invalid_page``.
 """
 
 import numba
-import triton
-import triton.language as tl
+from ._triton_shim import tl, triton
 
 from . import layout as L
 from . import _numba_util as nu

@@ -42,3 +42,10 @@ def test_wheel_ships_py_typed_license_and_version(tmp_path):
     assert f"tpool-{tpool.__version__}.dist-info/licenses/LICENSE" in names
     meta = zipfile.ZipFile(wheel).read(f"tpool-{tpool.__version__}.dist-info/METADATA").decode()
     assert "License-Expression: Apache-2.0" in meta and f"Version: {tpool.__version__}" in meta
+    assert "tpool/kernels/_triton_shim.py" in names
+    # triton is optional: required only by the extras that name it (the numba backend runs without it)
+    requires = [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")]
+    assert 'triton>=3.0; extra == "triton"' in requires
+    assert [r for r in requires if r.startswith("triton")] == ['triton>=3.0; extra == "triton"',
+                                                               'triton>=3.0; extra == "dev"']
+    assert any(r.startswith("numba") and "extra" not in r for r in requires)

@@ -5,20 +5,53 @@ counters) lives in tensors on the pool's device and is updated by fixed-shape
 kernel passes that never read device memory back on the host.
 """
 
+from typing import TYPE_CHECKING
+
 from tpool._version import __version__
 from tpool.errors import (CorruptState, DoubleFree, InvalidCount, InvalidLength, InvalidPage, InvalidRequest,
                           InvariantViolation, OutputOverflow, PoolError, RefcountOverflow, StaleBinding,
                           TableOverflow, UseAfterFree)
 from tpool.free_group import FreeGroup
-from tpool.memory.arena import Arena, Block
-from tpool.memory.owned_cache import CacheStats, OwnedCache
-from tpool.memory.ownership import (OwnershipPlan, compact_bytes, needs_compaction, own, payload_bytes,
-                                    plan_ownership, retained_bytes, storage_bytes)
-from tpool.memory.planner import PagePlan, PlanError, plan_pages
-from tpool.memory.report import MemoryReport, format_report, memory_report
 from tpool.page_table import (BoundStep, ExtendResult, ForkResult, PagedKVCSR, PageTable, StepOut,
                               StepResult)
 from tpool.pool import AllocOut, AllocResult, BoundCall, PagePool
+
+# The memory tools are imported at their first use (``tpool.Arena`` imports tpool.memory.arena),
+# so that ``import tpool`` costs a process only what a pool and a table need.
+_LAZY = {
+    "tpool.memory.arena": ("Arena", "Block"),
+    "tpool.memory.owned_cache": ("CacheStats", "OwnedCache"),
+    "tpool.memory.ownership": ("OwnershipPlan", "compact_bytes", "needs_compaction", "own", "payload_bytes",
+                               "plan_ownership", "retained_bytes", "storage_bytes"),
+    "tpool.memory.planner": ("PagePlan", "PlanError", "plan_pages"),
+    "tpool.memory.report": ("MemoryReport", "format_report", "memory_report"),
+}
+_LAZY_NAMES = {name: module for module, names in _LAZY.items() for name in names}
+
+if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
+    from tpool.memory.arena import Arena, Block
+    from tpool.memory.owned_cache import CacheStats, OwnedCache
+    from tpool.memory.ownership import (OwnershipPlan, compact_bytes, needs_compaction, own, payload_bytes,
+                                        plan_ownership, retained_bytes, storage_bytes)
+    from tpool.memory.planner import PagePlan, PlanError, plan_pages
+    from tpool.memory.report import MemoryReport, format_report, memory_report
+
+
+def __getattr__(name):
+    import importlib
+    if name == "memory":  # the subpackage, an attribute of tpool as when it was imported eagerly
+        return importlib.import_module("tpool.memory")
+    module = _LAZY_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tpool' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_NAMES))
+
 
 __all__ = [
     "__version__",

@@ -7,7 +7,9 @@ Note: ``reference`` is plain torch (the oracle, :mod:`tpool.backends.reference`)
 set before triton is imported). ``auto`` picks triton for CUDA pools and
 numba for CPU pools; the environment variable ``TPOOL_BACKEND`` overrides
 ``auto``. A backend's module is imported only when a pool asks for it, so a
-CPU pool never imports the Triton launchers.
+CPU pool never imports the Triton launchers, nor triton itself: triton is an
+optional dependency (``pip install 'tpool[triton]'``), and asking for the
+triton backend without it raises :class:`ImportError` naming that extra.
 """
 
 import importlib
@@ -37,9 +39,17 @@ def resolve_backend(name: str, device: torch.device) -> str:
         raise ValueError(f"backend: expected 'auto' or one of {BACKENDS}, got {name!r}")
     if name == "numba" and device.type != "cpu":
         raise ValueError(f"backend 'numba' runs on host memory: expected device cpu, got {device}")
+    if name == "triton" and not _triton_installed():
+        raise ImportError(f"backend 'triton' needs triton, which is not installed: pip install 'tpool[triton]' "
+                          f"(or pass backend='reference'{'' if device.type == 'cuda' else ', or numba on a CPU'})")
     if name == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend 'triton' on a CPU pool needs TRITON_INTERPRET=1 set before triton is imported")
     return name
+
+
+def _triton_installed() -> bool:
+    from tpool.kernels import _triton_shim  # imports no triton
+    return _triton_shim.available()
 
 
 def make_pool_ops(name: str, st: PoolState) -> PoolOps:

@@ -27,6 +27,7 @@ import numba
 import numpy as np
 import torch
 from numba.core import caching
+from numba.core.runtime import nrt
 
 from tpool._checks import overlap_error, storage_spans
 from tpool.kernels import alloc, block_table_rows, evict, extend, flashinfer_csr, fork, free, incref, release, step
@@ -48,7 +49,33 @@ def kernel(dispatcher):
     """The numba entry ``dispatcher`` (a ``*_numba_entry`` of ``tpool.kernels``) compiled to keep
     the GIL while it runs (a call is then atomic with respect to other Python threads), and
     cached on disk (a later process loads it instead of compiling; see :func:`kernels_stamp`)."""
-    return numba.njit(dispatcher.py_func, cache=True)
+    return cached_njit(dispatcher.py_func)
+
+
+class KernelCache(caching.FunctionCache):
+    """numba's on-disk cache of one function, whose hits load without refreshing numba's target.
+
+    numba refreshes its CPU target before every cache load, which imports and registers its
+    whole library of typing and lowering rules (numpy, random, typed containers...): ~0.15 s,
+    most of what a process's first kernel call costs when the cache is warm. Machine code
+    loaded from the cache uses none of them; it may link against the numba runtime (NRT),
+    whose symbols are registered here. A miss compiles as usual, and compiling refreshes
+    the target itself (``numba.core.compiler``).
+    """
+
+    def load_overload(self, sig, target_context):
+        nrt.rtsys.initialize(target_context)
+        with self._guard_against_spurious_io_errors():
+            return self._load_overload(sig, target_context)
+
+
+def cached_njit(fn=None, **options):
+    """``numba.njit(fn, cache=True, **options)``, its disk cache a :class:`KernelCache`."""
+    if fn is None:
+        return functools.partial(cached_njit, **options)
+    dispatcher = numba.njit(fn, cache=True, **options)
+    dispatcher._cache = KernelCache(dispatcher.py_func)
+    return dispatcher
 
 
 # ---------------------------------------------------------------- the compile cache
@@ -189,7 +216,7 @@ def _overlaps(addr, nbytes, desc, start):
     return False
 
 
-@numba.njit(cache=True)
+@cached_njit
 def alloc_guarded(counts_ptr, B, ad, evict):
     if _overlaps(counts_ptr, 4 * B, ad, L.AD_LEN):
         return 1
@@ -197,7 +224,7 @@ def alloc_guarded(counts_ptr, B, ad, evict):
     return 0
 
 
-@numba.njit(cache=True)
+@cached_njit
 def free_guarded(pages_ptr, N, cache, fd):
     if _overlaps(pages_ptr, 4 * N, fd, L.STATE_DESC_LEN):
         return 1
@@ -205,7 +232,7 @@ def free_guarded(pages_ptr, N, cache, fd):
     return 0
 
 
-@numba.njit(cache=True)
+@cached_njit
 def extend_guarded(ids_ptr, ntok_ptr, B, cd):
     if _overlaps(ids_ptr, 4 * B, cd, L.CALL_DESC_LEN):
         return 1
@@ -215,7 +242,7 @@ def extend_guarded(ids_ptr, ntok_ptr, B, cd):
     return 0
 
 
-@numba.njit(cache=True)
+@cached_njit
 def step_guarded(ids_ptr, ntok_ptr, B, cd):
     if _overlaps(ids_ptr, 4 * B, cd, L.CALL_DESC_LEN):
         return 1
@@ -225,7 +252,7 @@ def step_guarded(ids_ptr, ntok_ptr, B, cd):
     return 0
 
 
-@numba.njit(cache=True)
+@cached_njit
 def csr_guarded(ids_ptr, B, cd):
     if _overlaps(ids_ptr, 4 * B, cd, L.CALL_DESC_LEN):
         return 1

@@ -4,13 +4,19 @@ Note: every kernel runs as one program that loops over fixed-size chunks
 (see ``tpool.kernels._triton_util``), so results never depend on the order
 in which atomics land. On a CPU it runs only under ``TRITON_INTERPRET=1``
 (for tests). ``step`` is one launch: the extend, a barrier, the CSR export.
+Importing this module imports triton (``tpool.kernels._triton_shim.load``),
+so the kernels are real Triton kernels before the first launch (and before
+any graph capture).
 """
 
 import torch
 
 from tpool.backends.contract import BoundByTensors, PoolByFunctions, locked
+from tpool.kernels import _triton_shim
 from tpool.kernels import alloc, block_table_rows, evict, extend, flashinfer_csr, fork, free, incref, release, step
 from tpool.kernels import touch
+
+_triton_shim.load()  # raises ImportError naming the extra when triton is not installed
 
 
 class Pool(PoolByFunctions):

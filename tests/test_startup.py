@@ -1,0 +1,153 @@
+"""Start-up: a second process loads the compiled kernels from numba's disk cache instead of compiling them.
+
+Each test runs fresh interpreters (a process's first calls are the point) on the
+numba path: a pool, its first alloc, a table and its first step. The first
+process compiles and writes the cache; the second must load every kernel it
+uses from it (numba's per-dispatcher ``stats``: hits, no misses) and compute
+the same results. Where the cache goes is numba's choice, which tpool's
+locators keep (``tpool.backends.numba``): ``NUMBA_CACHE_DIR`` when set, else
+``__pycache__`` beside the code, else a per-user directory when the package
+directory is read-only (an installed wheel in a system site-packages).
+Timings are never asserted (``benchmarks/bench_startup.py`` measures them).
+"""
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+FIRST_STEP = textwrap.dedent("""
+    import json, sys
+    import torch
+    import tpool
+    from tpool.backends import numba as nb
+    from tpool.kernels import release
+
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)
+    pool = tpool.PagePool(256, 16, device="cpu", backend="numba")
+    a = pool.alloc(i32([2, 3]))
+    table = tpool.PageTable(pool, max_requests=4, max_pages_per_request=8)
+    s = table.step(i32([0, 1]), i32([20, 3]))
+    table.release(i32([0]))
+    used = {"alloc_guarded": nb.alloc_guarded, "step_guarded": nb.step_guarded,
+            "release": nb.kernel(release.release_numba_entry)}
+    print(json.dumps(dict(
+        file=tpool.__file__,
+        triton="triton" in sys.modules,
+        results=[a.pages.tolist(), a.indptr.tolist(), s.slots.tolist(), [t.tolist() for t in s.csr],
+                 pool.stats()],
+        stats={k: dict(path=d.stats.cache_path, hits=sum(d.stats.cache_hits.values()),
+                       misses=sum(d.stats.cache_misses.values())) for k, d in used.items()})))
+""")
+
+
+def _first_step(env_changes, cwd=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "TRITON_INTERPRET", "TPOOL_BACKEND")}
+    env.update(env_changes)
+    proc = subprocess.run([sys.executable, "-c", FIRST_STEP], capture_output=True, text=True, env=env, cwd=cwd,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _cold_then_warm(env, cwd=None):
+    """Two processes in a row: the first compiles (misses), the second loads everything (hits)."""
+    cold, warm = _first_step(env, cwd), _first_step(env, cwd)
+    assert all(s["misses"] == 1 and s["hits"] == 0 for s in cold["stats"].values()), cold["stats"]
+    assert all(s["misses"] == 0 and s["hits"] == 1 for s in warm["stats"].values()), warm["stats"]
+    assert warm["results"] == cold["results"] and not warm["triton"]
+    return warm
+
+
+def _cache_files(directory):
+    return [os.path.join(d, f) for d, _, fs in os.walk(directory) for f in fs if f.endswith((".nbi", ".nbc"))]
+
+
+def test_a_second_process_loads_the_kernels_from_numba_cache_dir(tmp_path):
+    warm = _cold_then_warm({"NUMBA_CACHE_DIR": str(tmp_path)})
+    assert all(s["path"].startswith(str(tmp_path)) for s in warm["stats"].values())
+    assert {os.path.basename(p).split("-")[0] for p in _cache_files(tmp_path)} >= {
+        "numba.alloc_guarded", "numba.step_guarded", "release.release_numba_entry"}
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """tpool built as a wheel and installed (not editable) into a fresh directory."""
+    pytest.importorskip("setuptools")  # --no-build-isolation builds with the installed setuptools
+    base = tmp_path_factory.mktemp("wheel")
+    run = dict(check=True, capture_output=True, timeout=600)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", ROOT,
+                    "-w", str(base / "dist")], **run)
+    (wheel,) = (base / "dist").glob("tpool-*.whl")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(base / "site"),
+                    str(wheel)], **run)
+    return base / "site"
+
+
+def test_an_installed_wheel_caches_beside_its_kernels(installed, tmp_path):
+    warm = _cold_then_warm({"PYTHONPATH": str(installed), "XDG_CACHE_HOME": str(tmp_path / "user")}, cwd=tmp_path)
+    assert warm["file"] == str(installed / "tpool" / "__init__.py")
+    paths = {k: s["path"] for k, s in warm["stats"].items()}
+    assert paths["release"] == str(installed / "tpool" / "kernels" / "__pycache__")
+    assert paths["alloc_guarded"] == str(installed / "tpool" / "backends" / "__pycache__")
+    assert not _cache_files(tmp_path / "user")
+
+
+@contextlib.contextmanager
+def _read_only(directories):
+    """The directories refuse writes: mode 555, and for root (who writes anyway) the immutable attribute."""
+    root = hasattr(os, "geteuid") and os.geteuid() == 0
+    for d in directories:
+        os.chmod(d, 0o555)
+        if root:
+            subprocess.run(["chattr", "+i", str(d)], capture_output=True)
+    try:
+        probe = directories[0] / "probe"
+        try:
+            probe.write_text("")
+        except OSError:
+            pass
+        else:
+            probe.unlink()
+            pytest.skip("cannot make a directory read-only here (root without chattr)")
+        yield
+    finally:
+        for d in directories:
+            if root:
+                subprocess.run(["chattr", "-i", str(d)], capture_output=True)
+            os.chmod(d, 0o755)
+
+
+def test_a_read_only_installed_wheel_caches_per_user(installed, tmp_path):
+    package = installed / "tpool"
+    dirs = [package / sub / "__pycache__" for sub in ("kernels", "backends")]
+    for d in dirs:
+        d.mkdir(exist_ok=True)
+    with _read_only([*dirs, package / "kernels", package / "backends"]):
+        user = tmp_path / "user"
+        warm = _cold_then_warm({"PYTHONPATH": str(installed), "XDG_CACHE_HOME": str(user)}, cwd=tmp_path)
+        assert all(s["path"].startswith(str(user)) for s in warm["stats"].values()), warm["stats"]
+        assert _cache_files(user)
+
+
+def test_the_startup_benchmark_prints_its_table(tmp_path, capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_startup", os.path.join(ROOT, "benchmarks", "bench_startup.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "startup.json"
+    bench.main(["--runs", "1", "--cold", "0", "--num-pages", "256", "--cache-dir", str(tmp_path / "cache"),
+                "--json", str(out)])
+    captured = capsys.readouterr()
+    assert "launch to first step" in captured.out and "median" in captured.out and "vs torch" in captured.out
+    assert " s] warm run 1/1" in captured.err
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["cache"] for r in rows} == {"torch only", "warm"}
+    (ratio,) = [r["vs_torch_import"] for r in rows if r["phase"] == "launch to first step"]
+    assert ratio > 0
