@@ -86,13 +86,20 @@ class Accounting:
         k = np.minimum(self.lookahead, self.limit[r] - self.hi[r])
         return self._need(r, k)
 
-    def can_admit(self, prompt_lens, max_lens=None) -> int:
+    def can_admit(self, prompt_lens, max_lens=None, rows=None, n=1) -> int:
         """How many of these prompts, in order, fit now (rows, pages, reservations).
 
         prompt_lens, max_lens : sequences of int; ``max_lens[i]`` (default the table's
         capacity) is the most tokens request ``i`` may reach (prompt + output).
+        rows, n : optional; the prompts are to be admitted in the step that decodes ``n``
+        tokens (an int, or one per row) of each of these running rows (``step(rows, n,
+        prompts)``): the pages those lanes need beyond their reservations come first.
         """
-        room, ps, n = self.unreserved, self.page_size, 0
+        room, ps, n_fit = self.unreserved, self.page_size, 0
+        if rows is not None:
+            r, nn, _ = self._batch(rows, n)
+            if r.size:
+                room -= self._extra(r, nn)
         for i, p in enumerate(prompt_lens[:self.rows_free]):
             m = self.capacity if max_lens is None else max_lens[i]
             if not 0 <= p <= m <= self.capacity:
@@ -100,8 +107,8 @@ class Accounting:
             room -= _cdiv(p, ps) + self._target_new(p, m)
             if room < 0:
                 break
-            n += 1
-        return n
+            n_fit += 1
+        return n_fit
 
     def fits(self, rows, n=1) -> bool:
         """Whether ``decode(rows, n)`` would run (True) or raise ``WouldNotFit``."""

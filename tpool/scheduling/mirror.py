@@ -1,7 +1,7 @@
 """HostMirror: a page table a scheduler drives through a host mirror of the pool's capacity.
 
 Note: the mirror is kept only from what the scheduler asks for, never from a
-device read. Every call goes through it (``admit``, ``decode``, ``finish``,
+device read. Every call goes through it (``admit``, ``decode``, ``step``, ``finish``,
 ``truncate``, ``rollback``, ``fork``, ``revive``, ``evict``), which calls the
 table and updates the host integers in the same place, so they cannot drift
 from what was asked. What the mirror promises:
@@ -34,6 +34,7 @@ import torch
 
 from tpool.scheduling._decode import EMPTY, NO_ROOM, PAST_MAX_LEN, decode_accounting
 from tpool.scheduling.accounting import Accounting, WouldNotFit, _cdiv
+from tpool.scheduling.mixed import MixedSteps
 from tpool.scheduling.snapshot import MirrorSnapshot, reconcile
 
 __all__ = ["HostMirror", "WouldNotFit"]
@@ -45,7 +46,7 @@ def _bucket(tokens):
     return 1 << max(tokens - 1, 0).bit_length()
 
 
-class HostMirror(Accounting):
+class HostMirror(MixedSteps, Accounting):
     """A :class:`tpool.PageTable` driven through a host mirror of the pool's capacity.
 
     Parameters
