@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from tpool.scheduling._decode import EMPTY, FITS, decode_accounting
+from tpool.scheduling._decode import EMPTY, FITS, NO_ROOM, PAST_MAX_LEN, decode_accounting
 from tpool.scheduling.accounting import WouldNotFit, _cdiv
 
 
@@ -77,40 +77,44 @@ class MixedSteps:
         True
 
         """
-        r, nn, key = self._batch(rows, n)
-        p = np.asarray(prompt_lens, dtype=np.int64).reshape(-1)
-        k = p.size
-        lim = np.full(k, self.capacity, dtype=np.int64) if max_lens is None else \
-            np.asarray(max_lens, dtype=np.int64).reshape(-1)
-        if lim.shape != p.shape or (p < 0).any() or (p > lim).any() or (lim > self.capacity).any():
+        r, nn, _ = self._batch(rows, n)
+        ps, k = self.page_size, len(prompt_lens)
+        p = np.asarray(prompt_lens, dtype=np.int64).reshape(-1) if k else EMPTY
+        lim = (np.full(k, self.capacity, dtype=np.int64) if max_lens is None else
+               np.asarray(max_lens, dtype=np.int64).reshape(-1)) if k else EMPTY
+        if k and (lim.shape != p.shape or (p < 0).any() or (p > lim).any() or (lim > self.capacity).any()):
             raise ValueError(f"prompt_lens, max_lens: expected one max_len per prompt, 0 <= prompt <= max_len <= "
                              f"{self.capacity}, got {p.tolist()[:8]}, {lim.tolist()[:8]}")
-        lanes = r.size + k
-        if width is not None and not (isinstance(width, int) and lanes <= width):
+        b = r.size
+        lanes = b + k
+        w = lanes if width is None else width
+        if not (isinstance(w, int) and lanes <= w):
             raise ValueError(f"width: expected an int >= {lanes} (the step's lanes), got {width!r}")
-        ntok = np.concatenate([np.broadcast_to(nn, r.shape), p])
+        ids = np.full(w, -1, dtype=np.int32)
+        ntok = np.zeros(w, dtype=np.int32)
+        ntok[:b] = nn
+        ntok[b:lanes] = p
         total = int(ntok.sum())
         if max_tokens is not None and not (isinstance(max_tokens, int) and total <= max_tokens):
             raise ValueError(f"max_tokens: expected an int >= {total} (the step's tokens), got {max_tokens!r}")
         if k > self.rows_free:
             raise WouldNotFit(f"step: {k} prompts need rows, {self.rows_free} are free")
-        if (self.hi[r] + nn > self.limit[r]).any():
+        admit = int(_cdiv(np.minimum(p + self.lookahead, lim), ps).sum()) if k else 0  # prompt pages + reservations
+        per_row = nn.ndim > 0
+        out = self._acct
+        # Decode lanes first, leaving the admissions' pages and reservations unreserved; writes only if it fits.
+        code = decode_accounting(self._st, r, nn if per_row else EMPTY, 0 if per_row else int(nn), ps,
+                                 self.lookahead, self.unreserved - admit, out) if b else \
+            (NO_ROOM if admit > self.unreserved else FITS)
+        if code == PAST_MAX_LEN:
             raise WouldNotFit(f"step: rows {r[self.hi[r] + nn > self.limit[r]].tolist()} would pass their max_len")
-        ps = self.page_size
-        admit = int(_cdiv(np.minimum(p + self.lookahead, lim), ps).sum())   # prompt pages + reservations
-        extra = self._extra(r, nn) if r.size else 0
-        if extra + admit > self.unreserved:
-            raise WouldNotFit(f"step: the decode lanes need {extra} pages beyond their reservations and the "
-                              f"{k} prompts {admit} with theirs, {self.unreserved} unreserved (ask can_admit with "
-                              f"these rows, and preemption, first)")
+        if code == NO_ROOM:
+            raise WouldNotFit(f"step: the decode lanes need {max(self._extra(r, nn), 0)} pages beyond their "
+                              f"reservations and the {k} prompts {admit} with theirs, {self.unreserved} unreserved "
+                              f"(ask can_admit with these rows, and preemption, first)")
         self._seq += 1
         self._full = None
-        if r.size:   # decode lanes first, leaving the admissions' pages and reservations unreserved
-            per_row = nn.ndim > 0
-            out = self._acct
-            code = decode_accounting(self._st, r, nn if per_row else EMPTY, 0 if per_row else int(nn), ps,
-                                     self.lookahead, self.unreserved - admit, out)
-            assert code == FITS, code   # checked above
+        if b:
             taken, used, granted, _, uncertain = out.tolist()
             if uncertain:
                 self._free_inexact_at = self._seq
@@ -122,9 +126,8 @@ class MixedSteps:
             self._start(nr, p, lim, 0)
             self.free -= int(_cdiv(p, ps).sum())
             self._top_up(nr)
-        ids = np.concatenate([r, np.asarray(new, dtype=np.int64)])
-        pad = (width or lanes) - lanes
-        ids_t = self._tensor(np.concatenate([ids, np.full(pad, -1, dtype=np.int64)]))
-        ntok_t = self._tensor(np.concatenate([ntok, np.zeros(pad, dtype=np.int64)]))
+        ids[:b] = r
+        ids[b:lanes] = new
+        ids_t, ntok_t = self._tensor(ids), self._tensor(ntok)
         t = max_tokens if max_tokens is not None else 1 << max(total - 1, 0).bit_length()
         return MixedStep(new, self.table.step(ids_t, ntok_t, max_tokens=t), ids_t, ntok_t)
