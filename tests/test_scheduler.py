@@ -240,6 +240,21 @@ def test_a_mixed_step_decodes_then_admits_and_refuses_before_device_work(backend
     assert table.seq_lens.tolist()[:2] == [17, 8] and (m.free, m.reserved) == (3, 2) and m.free == pool.available()
 
 
+def test_truncate_tops_reservations_up_only_from_what_is_unreserved_or_credited(backend):
+    pool, table, m = _setup(backend, num_pages=4, rows=2, lookahead=4)
+    with no_host_sync():
+        a, b = m.admit([4, 4], [40, 40])          # 1 page + 1 reserved each: nothing unreserved
+        m.decode([a], 4)                          # a takes its reserved page; none left to reserve again
+        assert (m.free, m.reserved, m.res[a]) == (1, 1, 0)
+        m.truncate([a], [6])                      # credits no page; wants 1 reserved, none unreserved
+        assert (m.free, m.reserved, m.res[a]) == (1, 1, 0)
+        m.truncate([a], [4])                      # credits its second page, which it reserves again
+        assert (m.free, m.reserved, m.res[a]) == (2, 2, 1)
+        with pytest.raises(ValueError, match="new_lens"):
+            m.truncate([a], [5])                  # longer than it is: nothing changes
+    assert (m.free, m.reserved) == (2, 2) and m.free == pool.available() and m.exact
+
+
 def test_preemption_lowest_priority_first_before_the_step(backend):
     pool, table, m = _setup(backend, num_pages=9, rows=4)
     with no_host_sync():
