@@ -155,17 +155,20 @@ def test_gpu_engine_run_never_syncs_but_for_the_sampled_tokens(monkeypatch):
         handles.append(self.pool.stats_async())           # every step, still in "error" mode
         while handles and handles[0].ready():
             seen_clock[0] = max(seen_clock[0], handles.pop(0).get()["clock"])
+        mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("default")
         try:
             return sample(self, logits)                    # the step's one sync point
         finally:
-            torch.cuda.set_sync_debug_mode("error")
+            torch.cuda.set_sync_debug_mode(mode)
 
     monkeypatch.setattr(engine.Engine, "sample", read)
 
     warm = _engine(model, "triton", reqs, device="cuda", **SMALL)
     warm.run(engine.make_requests(10))                     # compiles every kernel shape outside the check
     torch.cuda.synchronize()
+    handles.clear()
+    seen_clock[0] = 0
     eng = _engine(model, "triton", reqs, device="cuda", **SMALL)
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -174,4 +177,5 @@ def test_gpu_engine_run_never_syncs_but_for_the_sampled_tokens(monkeypatch):
         torch.cuda.set_sync_debug_mode("default")
     stats = eng.check()
     assert got == want and stats["requests.failed"] == 0 and eng.stats.preemptions > 0
-    assert seen_clock[0] <= stats["clock"]
+    # Each step's snapshot had landed by the next step (after its sampled-token read): read without a wait.
+    assert 0 < seen_clock[0] <= stats["clock"]

@@ -5,8 +5,9 @@ Note: the loop schedules on a host mirror of the pool
 integers kept from what the loop itself asked for, never from a device read,
 and the loop never reads a step's ``ok``. Each running request holds a
 reservation of the pages its next ``1 + draft_len`` tokens need (the worst
-case of a speculative lane; a lane that turns out shorter, or drafts the
-model rejects, give the difference back at ``truncate``). Before a step the
+case of a speculative lane: every draft accepted), so no step can fail for
+lack of pages; the pages of drafts the model rejects come back at
+``truncate``, and the reservation is topped up again from there. Before a step the
 mirror names the requests to preempt if the step's lanes would not fit
 (lowest priority first: the most recently admitted), and they are released
 before the step and requeued, to be recomputed (prefill over prompt + tokens
