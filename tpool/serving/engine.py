@@ -154,7 +154,7 @@ class Engine:
     def _max_len(self, r):
         """The most tokens ``r`` ever holds in the table: its last token is never fed, a
         speculative lane feeds up to ``draft_len`` drafts past it."""
-        return len(r.prompt) + r.max_new - 1 + (self.draft_len if self._spec(r) else 0)
+        return len(r.prompt) + max(r.max_new - 1, 0) + (self.draft_len if self._spec(r) else 0)
 
     def _draft(self, r):
         toks = r.tokens
@@ -374,7 +374,8 @@ def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, p
     if out:
         out(f"{s.steps} steps, {s.tokens_out} tokens; preemptions {s.preemptions}, forks {s.forks}, rollbacks "
             f"{s.rollbacks} ({s.accepted}/{s.drafted} drafts accepted); peak pages {report['peak_pages']} of "
-            f"{num_pages}; pages in use at the end {used}; requests matching generate: "
+            f"{num_pages}; pages in use at the end {used}; failed extends {report['failed_extends']}; "
+            f"requests matching generate: "
             f"{len(got) - len(bad)}/{len(got)}")
     assert not bad, f"requests {bad} differ from generate"
     assert used == 0, f"{used} pages still in use"
