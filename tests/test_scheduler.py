@@ -143,8 +143,33 @@ def _check(sim, *, reconciled=False):
     pool.check()
 
 
-def _run(backend, seed, mode, steps):
-    sim = Sim(backend, seed, mode)
+class MixedSim(Sim):
+    """Sim plus mixed steps: decode lanes (some past the lookahead) and admissions in one table step."""
+
+    def mixed(self):
+        m = self.m
+        rows = [r for r in m.running() if m.hi[r] < m.limit[r]]
+        n = [self.rng.randint(1, int(min(6, m.limit[r] - m.hi[r]))) for r in rows]
+        victims = m.preemption(rows, [self.prio[r] for r in rows], n)
+        if victims:
+            m.finish(victims)
+            n = [k for r, k in zip(rows, n) if r not in victims]
+            rows = [r for r in rows if r not in victims]
+        prompts = [self.rng.randint(0, 30) for _ in range(self.rng.randint(0, 3))]
+        max_lens = [min(p + 12, m.capacity) for p in prompts]
+        k = m.can_admit(prompts, max_lens, rows, n)
+        if rows or k:
+            res = m.step(rows, n, prompts[:k], max_lens[:k], width=self.table.max_requests)
+            self.last = res.result.ok[:len(rows) + k]
+            for row in res.rows:
+                self.prio[row] = self.arrivals = self.arrivals + 1
+
+    def ops(self):
+        return super().ops() + [self.mixed] * 3
+
+
+def _run(backend, seed, mode, steps, cls=Sim):
+    sim = cls(backend, seed, mode)
     ops = sim.ops()
     snap = None
     for i in range(steps):
@@ -177,6 +202,57 @@ def test_random_schedules_never_fail_and_never_over_promise(backend, mode):
     for seed in range(seeds):
         sim = _run(backend, seed, mode, steps)
         assert sim.arrivals > 0
+
+
+@pytest.mark.parametrize("mode", ["plain", "shared"])
+def test_random_mixed_steps_never_fail_and_never_over_promise(backend, mode):
+    steps, seeds = {"triton": (60, 1), "reference": (250, 3)}.get(backend, (250, 30))
+    for seed in range(seeds):
+        sim = _run(backend, seed, mode, steps, MixedSim)
+        assert sim.arrivals > 0
+
+
+def test_a_mixed_step_decodes_then_admits_and_refuses_before_device_work(backend):
+    pool, table, m = _setup(backend, num_pages=10, rows=4, lookahead=4)
+    with no_host_sync():
+        (a,) = m.admit([5], [40])                 # 2 pages + 1 reserved (tokens 6..9): 7 unreserved
+        assert m.can_admit([8, 8], None) == 2     # 2 + 1 reserved each
+        assert m.can_admit([8, 8], None, [a], 12) == 1  # a's 12 tokens: its reserved page + 2 more first
+        counters = pool.state.counters.clone()
+        before = (m.free, m.reserved, m.hi[a])
+        with pytest.raises(WouldNotFit, match="beyond their reservations"):
+            m.step([a], 12, [8, 8])
+        with pytest.raises(WouldNotFit, match="max_len"):
+            m.step([a], 36)
+        with pytest.raises(ValueError, match="width"):
+            m.step([a], 1, [8], width=1)
+        with pytest.raises(ValueError, match="max_tokens"):
+            m.step([a], 1, [8], max_tokens=8)
+        with pytest.raises(ValueError, match="max_len"):
+            m.step([a], 1, [8], [4])
+    assert torch.equal(pool.state.counters, counters), "a refused step did no device work"
+    assert (m.free, m.reserved, m.hi[a]) == before
+    with no_host_sync():
+        res = m.step([a], 12, [8], [12], width=4)  # 12 tokens for a, a prompt of 8 (max_len 12)
+    assert res.req_ids.tolist() == [a, res.rows[0], -1, -1] and res.num_tokens.tolist() == [12, 8, 0, 0]
+    assert res.result.ok.tolist()[:2] == [True, True] and res.result.slots.numel() == 32
+    # a: 17 tokens (5 pages) + 1 reserved (tokens 18..21); the prompt: 2 pages + 1 reserved (9..12).
+    assert table.seq_lens.tolist()[:2] == [17, 8] and (m.free, m.reserved) == (3, 2) and m.free == pool.available()
+
+
+def test_truncate_tops_reservations_up_only_from_what_is_unreserved_or_credited(backend):
+    pool, table, m = _setup(backend, num_pages=4, rows=2, lookahead=4)
+    with no_host_sync():
+        a, b = m.admit([4, 4], [40, 40])          # 1 page + 1 reserved each: nothing unreserved
+        m.decode([a], 4)                          # a takes its reserved page; none left to reserve again
+        assert (m.free, m.reserved, m.res[a]) == (1, 1, 0)
+        m.truncate([a], [6])                      # credits no page; wants 1 reserved, none unreserved
+        assert (m.free, m.reserved, m.res[a]) == (1, 1, 0)
+        m.truncate([a], [4])                      # credits its second page, which it reserves again
+        assert (m.free, m.reserved, m.res[a]) == (2, 2, 1)
+        with pytest.raises(ValueError, match="new_lens"):
+            m.truncate([a], [5])                  # longer than it is: nothing changes
+    assert (m.free, m.reserved) == (2, 2) and m.free == pool.available() and m.exact
 
 
 def test_preemption_lowest_priority_first_before_the_step(backend):
@@ -404,7 +480,8 @@ def test_docstring_examples_of_the_mirror_and_stats_async():
     from tpool import stats_async
     from tpool.scheduling import mirror
     globs = {"torch": torch, "PagePool": tpool.PagePool, "PageTable": tpool.PageTable, "HostMirror": HostMirror}
-    for module, least in ((mirror, 8), (stats_async, 2)):
+    from tpool.scheduling import mixed
+    for module, least in ((mirror, 8), (mixed, 5), (stats_async, 2)):
         result = doctest.testmod(module, extraglobs=globs, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.attempted >= least and result.failed == 0
 

@@ -6,6 +6,7 @@ what it promises and :mod:`tpool.scheduling.snapshot` for reconciliation.
 """
 
 from tpool.scheduling.mirror import HostMirror, WouldNotFit
+from tpool.scheduling.mixed import MixedStep
 from tpool.scheduling.snapshot import MirrorError, MirrorSnapshot
 
-__all__ = ["HostMirror", "WouldNotFit", "MirrorError", "MirrorSnapshot"]
+__all__ = ["HostMirror", "MixedStep", "WouldNotFit", "MirrorError", "MirrorSnapshot"]

@@ -1,7 +1,10 @@
-"""The mirror's accounting of one decode step, as one compiled loop over the batch.
+"""The mirror's per-batch accounting (a decode step, a truncate, a step's extra pages, the row
+checks), each as one compiled loop over the batch.
 
 Note: the same arithmetic in numpy takes ~25 array operations (~30 us at B=256
 on a CPU, ten times the step it accounts for); one numba loop takes ~1 us.
+At the small batches of a model loop the numpy versions cost 10-20 us each
+too, one array operation being ~1 us whatever its length.
 Records are the rows of ``HostMirror._st``: ``lo, hi, limit, shared, res, gen``.
 """
 
@@ -20,6 +23,17 @@ def _cdiv(a, ps, shift):
     return (a + ps - 1) >> shift if shift >= 0 else (a + ps - 1) // ps
 
 
+@numba.njit(inline="always")
+def _shift(ps):
+    """log2(ps) when ``ps`` is a power of two, else -1 (``_cdiv`` divides)."""
+    shift = -1
+    if ps & (ps - 1) == 0:
+        shift = 0
+        while (1 << shift) < ps:
+            shift += 1
+    return shift
+
+
 @numba.njit(cache=False, nogil=True)
 def decode_accounting(st, rows, n, n_scalar, ps, lookahead, unreserved, out):
     """Account ``n`` more tokens for each row of ``rows`` (int64 ``[B]``) in records ``st``.
@@ -34,11 +48,7 @@ def decode_accounting(st, rows, n, n_scalar, ps, lookahead, unreserved, out):
     1 if some row has ``lo != hi``.
     """
     B = rows.shape[0]
-    shift = -1
-    if ps & (ps - 1) == 0:
-        shift = 0
-        while (1 << shift) < ps:
-            shift += 1
+    shift = _shift(ps)
     per_row = n.shape[0] > 0
     taken = used = 0
     uncertain = 0
@@ -77,6 +87,85 @@ def decode_accounting(st, rows, n, n_scalar, ps, lookahead, unreserved, out):
         st[q, LO], st[q, HI], st[q, RES] = lo, hi, res + got
     out[0], out[1], out[2], out[3], out[4] = taken, used, granted, full, uncertain
     return FITS
+
+
+@numba.njit(cache=False, nogil=True)
+def extra_pages(st, rows, n, n_scalar, ps):
+    """Pages ``n`` more tokens of each row need beyond the row's reservation (``n`` as for
+    :func:`decode_accounting`), or -1 if a row would pass its limit. Writes nothing."""
+    shift = _shift(ps)
+    per_row = n.shape[0] > 0
+    extra = 0
+    for i in range(rows.shape[0]):
+        q = rows[i]
+        k = n[i] if per_row else n_scalar
+        hi = st[q, HI]
+        if hi + k > st[q, LIMIT]:
+            return -1
+        need = min(_cdiv(hi + k, ps, shift) - _cdiv(st[q, LO], ps, shift), _cdiv(k, ps, shift))
+        extra += max(need - st[q, RES], 0)
+    return extra
+
+
+@numba.njit(cache=False, nogil=True)
+def check_rows(rows, live, scratch):
+    """0 if ``rows`` are distinct running rows; 1 if one is out of range or not running; 2 if
+    one repeats. ``scratch`` (int64 ``[R]``) is overwritten."""
+    R = live.shape[0]
+    for i in range(rows.shape[0]):
+        q = rows[i]
+        if q < 0 or q >= R or not live[q]:
+            return 1
+        scratch[q] = i
+    for i in range(rows.shape[0]):
+        if scratch[rows[i]] != i:
+            return 2
+    return 0
+
+
+@numba.njit(cache=False, nogil=True)
+def truncate_accounting(st, rows, new_lens, ps, lookahead, unreserved, out):
+    """Roll rows back to ``new_lens`` (int64 ``[B]``, each within ``[0, lo]``; else returns 1 and
+    writes nothing). Credits the pages past each new length that are surely the row's alone
+    (past its possibly-shared prefix), sets ``lo = hi = new length``, trims the shared prefix,
+    then tops the reservations back up to the next ``lookahead`` tokens, in row order, from
+    ``unreserved`` plus the pages credited. ``out`` (int64 ``[5]``) gets: pages credited,
+    reserved pages granted, 1 if a credit may be short (a length was uncertain or a shared
+    prefix was cut). Returns 0.
+    """
+    B = rows.shape[0]
+    shift = _shift(ps)
+    for i in range(B):
+        if new_lens[i] < 0 or new_lens[i] > st[rows[i], LO]:
+            return 1
+    back = 0
+    unsure = 0
+    for i in range(B):
+        q = rows[i]
+        keep = new_lens[i]
+        kp = _cdiv(keep, ps, shift)
+        shared = st[q, SHARED]
+        lo = st[q, LO]
+        back += max(_cdiv(lo, ps, shift) - max(kp, shared), 0)
+        if lo != st[q, HI] or shared > kp:
+            unsure = 1
+        st[q, LO] = keep
+        st[q, HI] = keep
+        st[q, SHARED] = min(shared, kp)
+    room = unreserved + back
+    granted = 0
+    for i in range(B):
+        q = rows[i]
+        keep = st[q, HI]
+        ahead = min(st[q, LIMIT] - keep, lookahead)
+        target = min(_cdiv(keep + ahead, ps, shift) - _cdiv(keep, ps, shift), _cdiv(ahead, ps, shift))
+        want = max(target - st[q, RES], 0)
+        got = min(want, max(room, 0))
+        room -= got
+        granted += got
+        st[q, RES] += got
+    out[0], out[1], out[2] = back, granted, unsure
+    return 0
 
 
 EMPTY = np.zeros(0, dtype=np.int64)

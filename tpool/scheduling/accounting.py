@@ -6,6 +6,8 @@ See :mod:`tpool.scheduling.mirror` for what the numbers promise.
 
 import numpy as np
 
+from tpool.scheduling._decode import EMPTY, check_rows, extra_pages
+
 
 class WouldNotFit(ValueError):
     """The mirror cannot prove the call fits the pool (or the table); nothing was done."""
@@ -86,13 +88,23 @@ class Accounting:
         k = np.minimum(self.lookahead, self.limit[r] - self.hi[r])
         return self._need(r, k)
 
-    def can_admit(self, prompt_lens, max_lens=None) -> int:
+    def can_admit(self, prompt_lens, max_lens=None, rows=None, n=1) -> int:
         """How many of these prompts, in order, fit now (rows, pages, reservations).
 
         prompt_lens, max_lens : sequences of int; ``max_lens[i]`` (default the table's
         capacity) is the most tokens request ``i`` may reach (prompt + output).
+        rows, n : optional; the prompts are to be admitted in the step that decodes ``n``
+        tokens (an int, or one per row) of each of these running rows (``step(rows, n,
+        prompts)``): the pages those lanes need beyond their reservations come first
+        (0 if one of those rows would pass its max_len: that step would be refused).
         """
-        room, ps, n = self.unreserved, self.page_size, 0
+        room, ps, n_fit = self.unreserved, self.page_size, 0
+        if rows is not None:
+            r, nn, _ = self._batch(rows, n)
+            extra = self._extra(r, nn)
+            if extra < 0:          # a row would pass its max_len: the step would be refused
+                return 0
+            room -= extra
         for i, p in enumerate(prompt_lens[:self.rows_free]):
             m = self.capacity if max_lens is None else max_lens[i]
             if not 0 <= p <= m <= self.capacity:
@@ -100,17 +112,19 @@ class Accounting:
             room -= _cdiv(p, ps) + self._target_new(p, m)
             if room < 0:
                 break
-            n += 1
-        return n
+            n_fit += 1
+        return n_fit
 
     def fits(self, rows, n=1) -> bool:
         """Whether ``decode(rows, n)`` would run (True) or raise ``WouldNotFit``."""
         r, n, _ = self._batch(rows, n)
-        return bool(np.all(self.hi[r] + n <= self.limit[r])) and self._extra(r, n) <= self.unreserved
+        return 0 <= self._extra(r, n) <= self.unreserved
 
     def _extra(self, r, n):
-        need = self._need(r, n)
-        return int((need - np.minimum(need, self.res[r])).sum())
+        """Pages beyond their reservations that ``n`` more tokens of rows ``r`` need; -1 if a row
+        would pass its max_len."""
+        per_row = n.ndim > 0
+        return extra_pages(self._st, r, n if per_row else EMPTY, 0 if per_row else int(n), self.page_size)
 
     def preemption(self, rows, priority, n=1) -> list:
         """Which of ``rows`` to release so that ``decode`` of the rest fits: lowest priority first.
@@ -122,6 +136,8 @@ class Accounting:
         """
         r, n, key = self._batch(rows, n)
         if key == self._full and n.ndim == 0 and n <= self.lookahead:
+            return []
+        if 0 <= self._extra(r, n) <= self.unreserved:
             return []
         need = self._need(r, n)
         extra = need - np.minimum(need, self.res[r])
@@ -144,12 +160,9 @@ class Accounting:
         r = r.reshape(-1)
         key = r.tobytes()
         if self._checked != (key, self._members):
-            if r.size and (r.min() < 0 or r.max() >= self.live.size or not self.live[r].all()):
-                raise ValueError(f"rows: expected running rows, got {r.tolist()}")
-            lanes = np.arange(r.size)
-            self._scratch[r] = lanes
-            if not (self._scratch[r] == lanes).all():
-                raise ValueError(f"rows: expected distinct rows, got {r.tolist()}")
+            code = check_rows(r, self.live, self._scratch)
+            if code:
+                raise ValueError(f"rows: expected {'distinct' if code == 2 else 'running'} rows, got {r.tolist()}")
             self._checked = (key, self._members)
         if type(n) is int and n >= 0:
             return r, np.int64(n), key

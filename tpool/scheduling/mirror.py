@@ -1,7 +1,7 @@
 """HostMirror: a page table a scheduler drives through a host mirror of the pool's capacity.
 
 Note: the mirror is kept only from what the scheduler asks for, never from a
-device read. Every call goes through it (``admit``, ``decode``, ``finish``,
+device read. Every call goes through it (``admit``, ``decode``, ``step``, ``finish``,
 ``truncate``, ``rollback``, ``fork``, ``revive``, ``evict``), which calls the
 table and updates the host integers in the same place, so they cannot drift
 from what was asked. What the mirror promises:
@@ -32,8 +32,9 @@ from what was asked. What the mirror promises:
 import numpy as np
 import torch
 
-from tpool.scheduling._decode import EMPTY, NO_ROOM, PAST_MAX_LEN, decode_accounting
+from tpool.scheduling._decode import EMPTY, NO_ROOM, PAST_MAX_LEN, decode_accounting, truncate_accounting
 from tpool.scheduling.accounting import Accounting, WouldNotFit, _cdiv
+from tpool.scheduling.mixed import MixedSteps
 from tpool.scheduling.snapshot import MirrorSnapshot, reconcile
 
 __all__ = ["HostMirror", "WouldNotFit"]
@@ -45,7 +46,7 @@ def _bucket(tokens):
     return 1 << max(tokens - 1, 0).bit_length()
 
 
-class HostMirror(Accounting):
+class HostMirror(MixedSteps, Accounting):
     """A :class:`tpool.PageTable` driven through a host mirror of the pool's capacity.
 
     Parameters
@@ -179,16 +180,19 @@ class HostMirror(Accounting):
         """Roll rows back to host-known lengths (``new_lens[i] <= `` the row's sure length)."""
         r, _, _ = self._batch(rows, 0)
         nl = np.asarray(new_lens, dtype=np.int64).reshape(-1)
-        if nl.shape != r.shape or (nl < 0).any() or (nl > self.lo[r]).any():
+        out = self._acct
+        if nl.shape != r.shape or truncate_accounting(self._st, r, nl, self.page_size, self.lookahead,
+                                                      self.unreserved, out):
             raise ValueError(f"new_lens: expected one per row within [0, lo], got {nl.tolist()} "
                              f"(lo {self.lo[r].tolist()})")
         self._seq += 1
         self._full = None
-        self._drop(r, nl, False)
-        self.lo[r] = self.hi[r] = nl
+        back, granted, unsure = int(out[0]), int(out[1]), int(out[2])
+        self.free += back
+        self.reserved += granted
+        if unsure:
+            self._free_inexact_at = self._seq
         self.exact_at[r] = self._seq
-        self.shared[r] = np.minimum(self.shared[r], _cdiv(nl, self.page_size))
-        self._top_up(r)
         self.table.truncate(self._tensor(r), self._tensor(nl))
 
     def rollback(self, rows, new_lens: torch.Tensor, min_lens) -> None:

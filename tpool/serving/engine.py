@@ -1,24 +1,34 @@
 """A continuous-batching loop: a transformers model whose K/V lives in tpool pages.
 
-Note: the scheduler keeps every length on the host (what it asked for) and
-never reads a step's ``ok``: before a step it sizes the step's page need from
-host lengths (``cdiv(len + n, page_size) - cdiv(len, page_size)`` per lane)
-against a host count of pages in use that can only over-count (a page shared
-by a fork counts once per holder), so a step it schedules cannot fail. When
-the running batch needs more pages than that count allows, the most recently
-admitted requests are preempted: released and requeued, to be recomputed
-(prefill over prompt + tokens so far) later, as vLLM does. The one host read
-per step is the sampled tokens (greedy ``argmax``), the model loop's own sync
-point. Every request's tokens are then checked against the model's own
-``generate`` (eager attention, same weights).
+Note: the loop schedules on a host mirror of the pool
+(:class:`tpool.scheduling.HostMirror`): every decision is made on host
+integers kept from what the loop itself asked for, never from a device read,
+and the loop never reads a step's ``ok``. Each running request holds a
+reservation of the pages its next ``1 + draft_len`` tokens need (the worst
+case of a speculative lane: every draft accepted), so no step can fail for
+lack of pages; the pages of drafts the model rejects come back at
+``truncate``, and the reservation is topped up again from there. Before a step the
+mirror names the requests to preempt if the step's lanes would not fit
+(lowest priority first: the most recently admitted), and they are released
+before the step and requeued, to be recomputed (prefill over prompt + tokens
+so far) later, as vLLM does. Admissions take only unreserved pages, after the
+decode lanes' own need; a request that shares a running request's prompt
+prefix ``fork``s it through the mirror and copies the copy-on-write page with
+``PagedKVCache.copy_pages``. A release of a forked prefix credits the mirror
+only what was surely the request's own (a safe under-count); a snapshot of
+the pool's counters, taken without waiting and applied once it has landed
+(``HostMirror.snapshot``/``reconcile``), gives the rest back. The one host
+read per step is the sampled tokens (greedy ``argmax``, :meth:`Engine.sample`),
+the model loop's own sync point. Every request's tokens are then checked
+against the model's own ``generate`` (eager attention, same weights).
 
-Each step: admissions (arrived requests, first come first served, into free
-rows; a request that shares a running request's prompt prefix ``fork``s it and
-copies the copy-on-write page with ``PagedKVCache.copy_pages``), one
-``table.step`` for every lane (prefill lanes carry their prompt, decode lanes
-one token, speculative lanes their last token plus drafted tokens), the
-forward over the packed batch, greedy sampling, a ``truncate`` for rejected
-drafts, and one ``release`` for the finished requests.
+Each step: reconcile the snapshots that have landed, preempt (if needed),
+admit arrived requests (first come first served, into free rows), one
+``HostMirror.step`` for every lane (prefill lanes carry their prompt, decode
+lanes one token, speculative lanes their last token plus drafted tokens, a
+forked request the rest of its prompt), the forward over the packed batch,
+greedy sampling, a ``truncate`` for rejected drafts, and one ``finish``
+(release) for the finished requests.
 """
 
 import argparse
@@ -30,6 +40,7 @@ import torch
 
 from tpool.page_table import PageTable
 from tpool.pool import PagePool
+from tpool.scheduling import HostMirror
 from tpool.serving.attention import step_metadata
 from tpool.serving.hf import ATTN_IMPLEMENTATION, PagedContext, forward_step
 from tpool.serving.kv import PagedKVCache
@@ -99,7 +110,7 @@ class Stats:
     accepted: int = 0
     rollbacks: int = 0
     tokens_out: int = 0
-    tpool_s: float = 0.0     # table calls (step, release, truncate, fork), copy_pages, step metadata
+    tpool_s: float = 0.0     # mirror calls (its host accounting + the table calls), copy_pages, step metadata
     forward_s: float = 0.0   # the model forward (K/V writes and paged attention included) and argmax
     step_s: list = field(default_factory=list)
 
@@ -111,6 +122,9 @@ class Engine:
     ``spec_every``: requests whose id is a multiple of it decode speculatively, drafting
     ``draft_len`` tokens by prompt lookup (the tokens that followed the last earlier
     occurrence of the last token) and rolling back the rejected ones with ``truncate``.
+    The loop schedules on ``mirror`` (a :class:`tpool.scheduling.HostMirror` of the table,
+    reserving ``lookahead`` = ``1 + draft_len`` tokens per running request, or 1 without
+    speculation).
     """
 
     def __init__(self, model, *, num_pages: int, page_size: int, max_batch: int, max_pages: int,
@@ -118,24 +132,29 @@ class Engine:
         self.model = model
         self.pool = PagePool(num_pages, page_size, device=device, backend=backend)
         self.table = PageTable(self.pool, max_batch, max_pages)
+        self.lookahead = 1 + draft_len if spec_every else 1
+        self.mirror = HostMirror(self.table, lookahead=self.lookahead, free=num_pages, cached=0)  # a fresh pool
         layers, kv_heads, head_dim = kv_shape(model.config)
         self.cache = PagedKVCache.from_pool(self.pool, layers, kv_heads, head_dim, dtype=model.dtype)
         self.ps, self.max_batch, self.max_pages = page_size, max_batch, max_pages
         self.spec_every, self.draft_len = spec_every, draft_len
         self.dev = self.pool.device
         self.stats = Stats()
+        self._snapshots = []   # started snapshots of the pool, oldest first, applied once landed
 
-    def _i32(self, values):
-        return torch.tensor(values, dtype=torch.int32, device=self.dev)
-
-    def _pages(self, n):
-        return -(-n // self.ps)
-
-    def _timed(self, fn, *args):
+    def _timed(self, fn, *args, **kwargs):
         t0 = time.perf_counter()
-        res = fn(*args)
+        res = fn(*args, **kwargs)
         self.stats.tpool_s += time.perf_counter() - t0
         return res
+
+    def _spec(self, r):
+        return bool(self.spec_every) and r.rid % self.spec_every == 0
+
+    def _max_len(self, r):
+        """The most tokens ``r`` ever holds in the table: its last token is never fed, a
+        speculative lane feeds up to ``draft_len`` drafts past it."""
+        return len(r.prompt) + max(r.max_new - 1, 0) + (self.draft_len if self._spec(r) else 0)
 
     def _draft(self, r):
         toks = r.tokens
@@ -144,6 +163,23 @@ class Engine:
                 return toks[i + 1:i + 1 + self.draft_len]
         return toks[-self.draft_len:]
 
+    def sample(self, logits: torch.Tensor) -> list:
+        """Greedy tokens of a step: the loop's one host read per step (its sync point).
+
+        logits : torch.Tensor  shape ``[max_tokens, vocab]``, float, on the model's device.
+        Returns the ``argmax`` of every row as a list of ints.
+        """
+        return logits.argmax(-1).tolist()
+
+    def _reconcile(self, wait=False):
+        """Start a snapshot of the pool if the mirror is inexact (a forked prefix was released) and
+        none is on its way; apply those that have landed (never waits unless ``wait``: a sync point)."""
+        m = self.mirror
+        if not m.exact and not self._snapshots:
+            self._snapshots.append(self._timed(m.snapshot))
+        while self._snapshots and (wait or self._snapshots[0].ready()):
+            self._timed(m.reconcile, self._snapshots.pop(0))
+
     def run(self, requests, out=None):
         """Serve ``requests`` (a list of :class:`Request`) to completion; return ``{rid: tokens}``."""
         cap = min(self.max_pages, self.pool.num_pages) * self.ps
@@ -151,78 +187,85 @@ class Engine:
             if len(r.prompt) + r.max_new + self.draft_len > cap:
                 raise ValueError(f"request {r.rid}: expected prompt + max_new + draft_len <= {cap} tokens "
                                  f"(max_pages and the pool), got {len(r.prompt) + r.max_new + self.draft_len}")
+        m = self.mirror
         by_id = {r.rid: r for r in requests}
         waiting = sorted(requests, key=lambda r: (r.arrival, r.rid))
-        running, free_rows, step = [], list(range(self.max_batch - 1, -1, -1)), 0
-        in_use = lambda: sum(self._pages(r.cached) for r in running)  # noqa: E731  (over-counts shared pages)
+        running, step = [], 0                       # running: admission order, the newest last
         while waiting or running:
             t_step = time.perf_counter()
+            self._reconcile()
             # 1. Lanes of the running requests: what each feeds this step.
             feed = {}
             for r in running:
                 pending = r.tokens[r.cached:]
-                spec = self.spec_every and r.rid % self.spec_every == 0 and r.out and len(pending) == 1
+                spec = self._spec(r) and r.out and len(pending) == 1
                 feed[r.rid] = pending + (self._draft(r) if spec else [])
-            need = lambda r: self._pages(r.cached + len(feed[r.rid])) - self._pages(r.cached)  # noqa: E731
-            # 2. Preempt the newest running requests until the rest fit (release, recompute later).
-            while running and in_use() + sum(need(r) for r in running) > self.pool.num_pages:
-                victim = running.pop()
-                self._timed(self.table.release, self._i32([victim.row]))
-                free_rows.append(victim.row)
-                victim.row, victim.cached = None, 0
-                feed.pop(victim.rid)
-                waiting.insert(0, victim)
-                self.stats.preemptions += 1
-            # 3. Admit arrived requests into free rows while their pages fit (prefix: fork the parent).
-            budget = self.pool.num_pages - in_use() - sum(need(r) for r in running)
-            forks = []
-            for r in [w for w in waiting if w.arrival <= step]:
-                if not free_rows:
-                    break
+            # 2. Preemption, decided on the mirror before the step: the newest first, released now.
+            rows, ntok = [r.row for r in running], [len(feed[r.rid]) for r in running]
+            victims = self._timed(m.preemption, rows, [-i for i in range(len(running))], ntok) if running else []
+            if victims:
+                self._timed(m.finish, victims)
+                gone = set(victims)
+                back = [r for r in running if r.row in gone]
+                for v in back:
+                    running.remove(v)
+                    feed.pop(v.rid)
+                    v.row, v.cached = None, 0
+                waiting[:0] = back                  # requeued first, oldest first; recomputed when readmitted
+                self.stats.preemptions += len(back)
+                rows, ntok = [r.row for r in running], [len(feed[r.rid]) for r in running]
+            # 3. Admissions, in arrival order while the mirror says they fit after the decode lanes. A fork
+            #    costs at most what admitting its whole prompt costs, so the same question covers it.
+            arrived = [w for w in waiting if w.arrival <= step][:m.rows_free]
+            k = self._timed(m.can_admit, [len(w.tokens) for w in arrived], [self._max_len(w) for w in arrived],
+                            rows, ntok) if arrived else 0
+            decode, prefill = list(running), []
+            for r in arrived[:k]:
                 parent = by_id.get(r.parent) if r.parent is not None else None
                 share = (r.shared if parent is not None and parent.row is not None and not r.out
-                         and parent.cached >= r.shared else 0)
-                cost = self._pages(len(r.tokens)) + (1 if share % self.ps else 0)
-                if cost > budget:
-                    break
-                budget -= cost
-                r.row = free_rows.pop()
+                         and parent.cached >= r.shared and r.shared < len(r.prompt) else 0)
                 if share:
-                    forks.append((parent.row, r.row, share))
+                    r.row = self._timed(m.fork, parent.row, share, self._max_len(r))
+                    fork = m.last_fork
+                    self._timed(self.cache.copy_pages, fork.cow_src, fork.cow_dst)
                     r.cached = share
+                    feed[r.rid] = r.tokens[share:]
+                    decode.append(r)
+                    rows.append(r.row)
+                    ntok.append(len(feed[r.rid]))
+                    self.stats.forks += 1
+                else:
+                    feed[r.rid] = r.tokens
+                    prefill.append(r)
                 waiting.remove(r)
                 running.append(r)
-                feed[r.rid] = r.tokens[r.cached:]
-            if forks:
-                src, dst, lens = (self._i32(list(c)) for c in zip(*forks))
-                res = self._timed(self.table.fork, src, dst, lens)
-                self._timed(self.cache.copy_pages, res.cow_src, res.cow_dst)
-                self.stats.forks += len(forks)
             if not running:
                 step += 1
                 continue
             # 4. One step for every lane, the forward, greedy sampling (the host read of the step).
-            lanes = running
-            ntok = [len(feed[r.rid]) for r in lanes]
-            total = sum(ntok)
+            lanes = decode + prefill                # the mirror's lane order: decode rows, then admissions
+            total = sum(len(feed[r.rid]) for r in lanes)
             t_max = max(MIN_TOKEN_BUCKET, 1 << (total - 1).bit_length())
-            pad = self.max_batch - len(lanes)
-            ids = self._i32([r.row for r in lanes] + [-1] * pad)
-            nt = self._i32(ntok + [0] * pad)
-            x = torch.zeros(t_max, dtype=torch.long, device=self.dev)
+            x = torch.zeros(t_max, dtype=torch.long)
             x[:total] = torch.tensor([t for r in lanes for t in feed[r.rid]], dtype=torch.long)
+            if self.dev.type != "cpu":
+                x = x.pin_memory().to(self.dev, non_blocking=True)
             t0 = time.perf_counter()
-            res = self.table.step(ids, nt, max_tokens=t_max)
-            meta = step_metadata(self.table, res)
+            res = m.step(rows, ntok, [len(feed[r.rid]) for r in prefill], [self._max_len(r) for r in prefill],
+                         width=self.max_batch, max_tokens=t_max)
+            for r, row in zip(prefill, res.rows):
+                r.row = row
+            meta = step_metadata(self.table, res.result)
             t1 = time.perf_counter()
             with torch.no_grad():
-                preds = forward_step(self.model, x, PagedContext(self.cache, meta)).argmax(-1).tolist()
+                preds = self.sample(forward_step(self.model, x, PagedContext(self.cache, meta)))
             t2 = time.perf_counter()
             self.stats.tpool_s += t1 - t0
             self.stats.forward_s += t2 - t1
             # 5. Host bookkeeping: accept tokens, roll back rejected drafts, release finished requests.
             start, rollback, done = 0, [], []
-            for r, n in zip(lanes, ntok):
+            for r in lanes:
+                n = len(feed[r.rid])
                 pending = len(r.tokens) - r.cached
                 got = preds[start + pending - 1:start + n]     # predictions after each fed token
                 drafts = feed[r.rid][pending:]
@@ -241,24 +284,34 @@ class Engine:
                 if len(r.out) >= r.max_new:
                     done.append(r)
                 start += n
-            if rollback:
-                self._timed(self.table.truncate, self._i32([r.row for r in rollback]),
-                            self._i32([r.cached for r in rollback]))
+            if rollback:       # host-known lengths: the mirror credits the rejected drafts' pages at once
+                self._timed(m.truncate, [r.row for r in rollback], [r.cached for r in rollback])
                 self.stats.rollbacks += len(rollback)
             if done:
-                self._timed(self.table.release, self._i32([r.row for r in done]))
+                self._timed(m.finish, [r.row for r in done])
                 for r in done:
                     running.remove(r)
-                    free_rows.append(r.row)
                     r.row = None
             self.stats.steps += 1
             self.stats.step_s.append(time.perf_counter() - t_step)
             if out is not None and step % 10 == 0:
                 out(f"step {step:>4}: running {len(running):>2}, waiting {len(waiting):>2}, "
                     f"tokens this step {total:>3}, preemptions {self.stats.preemptions}, forks {self.stats.forks}, "
-                    f"rollbacks {self.stats.rollbacks}", flush=True)
+                    f"rollbacks {self.stats.rollbacks}, free pages (mirror) {m.free}", flush=True)
             step += 1
         return {r.rid: list(r.out) for r in requests}
+
+    def check(self) -> dict:
+        """The end of a run (a sync point): the pool's and the table's checks, no failed extend,
+        and the mirror equal to the device's free pages. Returns the pool's ``stats()``."""
+        self._reconcile(wait=True)
+        self.pool.check()
+        self.table.check_invariants()
+        s = self.pool.stats()
+        if s["requests.failed"] or self.mirror.free != s["pages.free.current"] or not self.mirror.exact:
+            raise AssertionError(f"failed extends {s['requests.failed']}; the mirror counts {self.mirror.free} free "
+                                 f"pages (exact: {self.mirror.exact}), the device has {s['pages.free.current']}")
+        return s
 
 
 def make_requests(n: int = 32, *, seed: int = 0, vocab_size: int = 256, max_new: tuple = (4, 16),
@@ -310,18 +363,18 @@ def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, p
     if out:
         out(f"tpool serving demo: {model}, {requests} requests, {eng.pool!r}, {eng.cache!r}", flush=True)
     got = eng.run(reqs, out=out)
+    ps = eng.check()
     want = reference_tokens(lm, reqs)
     bad = [rid for rid in got if got[rid] != want[rid]]
-    eng.pool.check()
-    eng.table.check_invariants()
-    s, used = eng.stats, eng.pool.stats()["pages.used.current"]
+    s, used = eng.stats, ps["pages.used.current"]
     report = dict(steps=s.steps, preemptions=s.preemptions, forks=s.forks, rollbacks=s.rollbacks,
                   drafted=s.drafted, accepted=s.accepted, tokens=s.tokens_out, mismatches=len(bad),
-                  pages_in_use=used, peak_pages=eng.pool.stats()["pages.used.peak"])
+                  pages_in_use=used, peak_pages=ps["pages.used.peak"], failed_extends=ps["requests.failed"])
     if out:
         out(f"{s.steps} steps, {s.tokens_out} tokens; preemptions {s.preemptions}, forks {s.forks}, rollbacks "
             f"{s.rollbacks} ({s.accepted}/{s.drafted} drafts accepted); peak pages {report['peak_pages']} of "
-            f"{num_pages}; pages in use at the end {used}; requests matching generate: "
+            f"{num_pages}; pages in use at the end {used}; failed extends {report['failed_extends']}; "
+            f"requests matching generate: "
             f"{len(got) - len(bad)}/{len(got)}")
     assert not bad, f"requests {bad} differ from generate"
     assert used == 0, f"{used} pages still in use"

@@ -1,0 +1,181 @@
+"""The model loop schedules on the host mirror: one host read per step (the sampled tokens), no failed
+extend, the mirror a safe bound at every step, preemption of the newest before the step.
+
+Tested with transformers 5.24.0 (the ``tpool[hf]`` extra); skipped without transformers.
+"""
+
+import pytest
+import torch
+
+from conftest import requires_cuda
+from tpool.scheduling import HostMirror
+from tpool.testing import count_host_reads
+
+pytest.importorskip("transformers")
+
+from tpool.serving import engine  # noqa: E402
+
+SMALL = dict(num_pages=16, page_size=4, max_batch=4)   # preempts, forks (with a CoW page), rolls back
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return engine.tiny_model("llama", seed=0)
+
+
+def _engine(model, backend, requests, **kw):
+    draft = 3
+    max_pages = -(-max(len(r.prompt) + r.max_new + draft for r in requests) // kw["page_size"])
+    return engine.Engine(model, backend=backend, max_pages=max_pages, draft_len=draft, **kw)
+
+
+def _functions(stack):
+    return {name for _, name in stack}
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_a_whole_run_reads_the_device_once_per_step_for_the_sampled_tokens(llama, backend):
+    reqs = engine.make_requests(6)
+    eng = _engine(llama, backend, reqs, **SMALL)
+    with count_host_reads() as seen:
+        got = eng.run(reqs)
+        stats = eng.check()
+    steps = eng.stats.steps
+    in_check = [s for _, s in seen.reads if "check" in _functions(s)]
+    sampled = [s for _, s in seen.reads if "check" not in _functions(s)]
+    # One read per step, each of them the sampled tokens; the rest are the final check's.
+    assert len(sampled) == steps > 30 and all("sample" in _functions(s) for s in sampled), \
+        [(w, s[:3]) for w, s in seen.reads if "sample" not in _functions(s) and "check" not in _functions(s)][:3]
+    assert in_check and len(seen.reads) == steps + len(in_check)
+    # Snapshots (host memory an async copy filled) only where the mirror reconciles.
+    assert all("_reconcile" in _functions(s) for _, s in seen.snapshot_reads)
+    assert stats["requests.failed"] == 0 and stats["pages.used.current"] == 0
+    s = eng.stats
+    assert s.preemptions > 0 and s.forks > 0 and s.rollbacks > 0 and 0 < s.accepted < s.drafted
+    assert got == engine.reference_tokens(llama, reqs)
+
+
+def test_the_mirror_is_a_safe_bound_at_every_step_and_exact_without_shared_prefixes(llama, monkeypatch):
+    """Checked before each step's reconciliation and at its sync point (reading the device there is
+    the test's, not the loop's)."""
+    seen = []
+    sample, reconcile = engine.Engine.sample, engine.Engine._reconcile
+
+    def check(self):
+        m = self.mirror
+        seen.append((m.free, self.pool.available(), m.exact))
+        assert m.reserved <= m.free <= seen[-1][1]
+
+    monkeypatch.setattr(engine.Engine, "sample", lambda self, logits: (check(self), sample(self, logits))[1])
+    monkeypatch.setattr(engine.Engine, "_reconcile", lambda self, **k: (check(self), reconcile(self, **k))[1])
+    for share_every, forks in ((5, True), (0, False)):
+        seen.clear()
+        reqs = engine.make_requests(10, share_every=share_every)
+        eng = _engine(llama, "numba", reqs, **{**SMALL, "num_pages": 24})
+        assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
+        eng.check()
+        assert all(free == avail for free, avail, exact in seen if exact)
+        # A released forked prefix leaves the mirror under-counting until a snapshot lands.
+        assert any(free < avail for free, avail, _ in seen) == forks == (eng.stats.forks > 0)
+        assert eng.stats.preemptions > 0
+
+
+def test_preemption_releases_the_newest_running_requests_before_the_step(llama, monkeypatch):
+    order = []   # ("preempt", rows, priority, victims), ("finish", rows), ("step", decode rows), in call order
+    preemption, finish, step = HostMirror.preemption, HostMirror.finish, HostMirror.step
+
+    def spy_preemption(self, rows, priority, n=1):
+        victims = preemption(self, rows, priority, n)
+        order.append(("preempt", list(rows), list(priority), victims))
+        return victims
+
+    monkeypatch.setattr(HostMirror, "preemption", spy_preemption)
+    monkeypatch.setattr(HostMirror, "finish", lambda self, rows, **k: (order.append(("finish", list(rows))),
+                                                                       finish(self, rows, **k))[1])
+    monkeypatch.setattr(HostMirror, "step", lambda self, *a, **k: (order.append(("step", list(a[0]))),
+                                                                   step(self, *a, **k))[1])
+    reqs = engine.make_requests(10)
+    eng = _engine(llama, "numba", reqs, **{**SMALL, "num_pages": 24})
+    assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
+    preempting = [i for i, e in enumerate(order) if e[0] == "preempt" and e[3]]
+    assert preempting and eng.stats.preemptions == sum(len(order[i][3]) for i in preempting)
+    for i in preempting:
+        _, rows, prio, victims = order[i]
+        assert prio == sorted(prio, reverse=True)                         # admission order: the newest last
+        assert sorted(victims) == sorted(r for _, r in sorted(zip(prio, rows))[:len(victims)])
+        assert order[i + 1] == ("finish", victims)                       # released before the step ...
+        nxt = order[i + 2] if i + 2 < len(order) else None
+        assert nxt is None or nxt[0] != "step" or not set(victims) & set(nxt[1])   # ... which runs without them
+    assert eng.check()["requests.failed"] == 0
+
+
+def test_reservations_hold_the_worst_case_draft_and_truncate_gives_the_rest_back(llama, monkeypatch):
+    reqs = engine.make_requests(6, share_every=0)      # no forks: the mirror stays exact
+    eng = _engine(llama, "numba", reqs, **SMALL)
+    assert eng.mirror.lookahead == 1 + eng.draft_len
+    truncated = []
+    truncate = HostMirror.truncate
+
+    def spy(self, rows, new_lens):
+        before = (self.free, self.reserved, self.hi[rows].tolist())
+        truncate(self, rows, new_lens)
+        truncated.append((before, (self.free, self.reserved), list(new_lens)))
+        assert self.free == eng.pool.available()    # exact here: host-known lengths
+
+    monkeypatch.setattr(HostMirror, "truncate", spy)
+    assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
+    assert truncated
+    # Some rollback freed a page the drafts had taken (a draft past a page boundary, rejected).
+    assert any(after[0] > before[0] for before, after, _ in truncated)
+    eng.check()
+
+
+def test_the_demo_command_prints_the_mirror_and_no_failed_extend(capsys):
+    from tpool.__main__ import main
+    assert main(["demo", "--model", "llama", "--requests", "8", "--num-pages", "16", "--max-batch", "4",
+                 "--backend", "numba"]) == 0
+    out = capsys.readouterr().out
+    assert "free pages (mirror)" in out and "requests matching generate: 8/8" in out
+
+
+# ----------------------------------------------------------------- GPU only
+@requires_cuda
+@pytest.mark.gpu
+def test_gpu_engine_run_never_syncs_but_for_the_sampled_tokens(monkeypatch):
+    """The whole loop under ``set_sync_debug_mode("error")``, with ``pool.stats_async()`` every step;
+    only the sampled-token read (``Engine.sample``) runs outside it."""
+    model = engine.tiny_model("llama", seed=0)
+    reqs = engine.make_requests(10)
+    want = engine.reference_tokens(model, reqs)
+    model = model.cuda()
+    handles, seen_clock = [], [0]
+    sample = engine.Engine.sample
+
+    def read(self, logits):
+        handles.append(self.pool.stats_async())           # every step, still in "error" mode
+        while handles and handles[0].ready():
+            seen_clock[0] = max(seen_clock[0], handles.pop(0).get()["clock"])
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return sample(self, logits)                    # the step's one sync point
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+
+    monkeypatch.setattr(engine.Engine, "sample", read)
+
+    warm = _engine(model, "triton", reqs, device="cuda", **SMALL)
+    warm.run(engine.make_requests(10))                     # compiles every kernel shape outside the check
+    torch.cuda.synchronize()
+    handles.clear()
+    seen_clock[0] = 0
+    eng = _engine(model, "triton", reqs, device="cuda", **SMALL)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = eng.run(engine.make_requests(10))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stats = eng.check()
+    assert got == want and stats["requests.failed"] == 0 and eng.stats.preemptions > 0
+    # Each step's snapshot had landed by the next step (after its sampled-token read): read without a wait.
+    assert 0 < seen_clock[0] <= stats["clock"]

@@ -1,0 +1,133 @@
+"""One table step that decodes the running requests and admits new ones (prefill lanes) at once.
+
+Note: a continuous-batching engine packs prefill lanes (the prompts it admits)
+and decode lanes (running requests, one or more tokens each) into one
+``table.step`` and one forward. :meth:`MixedSteps.step` is that call on the
+mirror: the decode lanes take their pages from their reservations first, then
+from the unreserved pages; the admissions take their prompt pages and their
+reservations from what is left. It is checked on host integers before any
+device work (``WouldNotFit`` otherwise), so every lane of the step succeeds
+and ``ok`` need not be read. Ask :meth:`Accounting.can_admit` with the same
+``rows`` and ``n`` first: it counts the decode lanes' pages beyond their
+reservations before the prompts.
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from tpool.scheduling._decode import EMPTY, FITS, NO_ROOM, PAST_MAX_LEN, decode_accounting
+from tpool.scheduling.accounting import WouldNotFit, _cdiv
+
+
+class MixedStep(NamedTuple):
+    """What :meth:`MixedSteps.step` returns.
+
+    rows : list of int, the rows of the admitted requests, in the order of ``prompt_lens``.
+    result : StepResult, the table's.
+    req_ids, num_tokens : torch.Tensor  shape ``[width]``, int32, on the table's device: the
+        step's inputs (lanes: the decode rows, then the admitted rows, then padding -1 / 0).
+    """
+
+    rows: list
+    result: object
+    req_ids: torch.Tensor
+    num_tokens: torch.Tensor
+
+
+class MixedSteps:
+    """The mixed admit + decode step of :class:`tpool.scheduling.HostMirror`."""
+
+    def step(self, rows, n=1, prompt_lens=(), max_lens=None, *, width: int | None = None,
+             max_tokens: int | None = None) -> MixedStep:
+        """One ``table.step``: ``n`` tokens (an int, or one per row) for each running row, and one
+        prefill lane per prompt, admitting those requests.
+
+        Parameters
+        ----------
+        rows : sequence of int, running rows (decode lanes, any ``n`` within their ``max_len``).
+        prompt_lens, max_lens : sequences of int, as for :meth:`admit`.
+        width : int, optional
+            Lanes of the step (padded with ``-1``; default no padding): a fixed width keeps
+            the table's call shapes, and so its buffers, few.
+        max_tokens : int, optional
+            Slots of the step (at least the tokens of every lane; default the total rounded
+            up to a power of two).
+
+        Raises ``WouldNotFit`` (before any device work and without changing the mirror) unless
+        every lane fits: no row passes its ``max_len``, and the decode lanes' pages beyond their
+        reservations plus each prompt's pages and reservation fit the unreserved pages.
+        Then the decode rows' reservations are topped back up (in the order of ``rows``) from
+        what the admissions leave.
+
+        Example
+        -------
+        >>> pool = PagePool(8, page_size=4, device="cpu", backend="reference")
+        >>> m = HostMirror(PageTable(pool, 4, 4), free=8, cached=0)
+        >>> (a,) = m.admit([4])                # 1 page, 1 reserved for its next token
+        >>> m.can_admit([9, 9], rows=[a], n=5) # a's 5 tokens: its reserved page + 1; then 3 + 0 each
+        1
+        >>> s = m.step([a], 5, [9], width=3)
+        >>> s.rows, s.req_ids.tolist(), s.num_tokens.tolist(), m.free, m.reserved
+        ([1], [0, 1, -1], [5, 9, 0], 2, 0)
+        >>> s.result.slots.tolist()            # a's 5 tokens (pages 1, 2), the prompt's 9 (pages 3-5), padding
+        [4, 5, 6, 7, 8, 12, 13, 14, 15, 16, 17, 18, 19, 20, -1, -1]
+        >>> m.free == pool.available()
+        True
+
+        """
+        r, nn, _ = self._batch(rows, n)
+        ps, k = self.page_size, len(prompt_lens)
+        p = np.asarray(prompt_lens, dtype=np.int64).reshape(-1) if k else EMPTY
+        lim = (np.full(k, self.capacity, dtype=np.int64) if max_lens is None else
+               np.asarray(max_lens, dtype=np.int64).reshape(-1)) if k else EMPTY
+        if k and (lim.shape != p.shape or (p < 0).any() or (p > lim).any() or (lim > self.capacity).any()):
+            raise ValueError(f"prompt_lens, max_lens: expected one max_len per prompt, 0 <= prompt <= max_len <= "
+                             f"{self.capacity}, got {p.tolist()[:8]}, {lim.tolist()[:8]}")
+        b = r.size
+        lanes = b + k
+        w = lanes if width is None else width
+        if not (isinstance(w, int) and lanes <= w):
+            raise ValueError(f"width: expected an int >= {lanes} (the step's lanes), got {width!r}")
+        ids = np.full(w, -1, dtype=np.int32)
+        ntok = np.zeros(w, dtype=np.int32)
+        ntok[:b] = nn
+        ntok[b:lanes] = p
+        total = int(ntok.sum())
+        if max_tokens is not None and not (isinstance(max_tokens, int) and total <= max_tokens):
+            raise ValueError(f"max_tokens: expected an int >= {total} (the step's tokens), got {max_tokens!r}")
+        if k > self.rows_free:
+            raise WouldNotFit(f"step: {k} prompts need rows, {self.rows_free} are free")
+        admit = int(_cdiv(np.minimum(p + self.lookahead, lim), ps).sum()) if k else 0  # prompt pages + reservations
+        per_row = nn.ndim > 0
+        out = self._acct
+        # Decode lanes first, leaving the admissions' pages and reservations unreserved; writes only if it fits.
+        code = decode_accounting(self._st, r, nn if per_row else EMPTY, 0 if per_row else int(nn), ps,
+                                 self.lookahead, self.unreserved - admit, out) if b else \
+            (NO_ROOM if admit > self.unreserved else FITS)
+        if code == PAST_MAX_LEN:
+            raise WouldNotFit(f"step: rows {r[self.hi[r] + nn > self.limit[r]].tolist()} would pass their max_len")
+        if code == NO_ROOM:
+            raise WouldNotFit(f"step: the decode lanes need {max(self._extra(r, nn), 0)} pages beyond their "
+                              f"reservations and the {k} prompts {admit} with theirs, {self.unreserved} unreserved "
+                              f"(ask can_admit with these rows, and preemption, first)")
+        self._seq += 1
+        self._full = None
+        if b:
+            taken, used, granted, _, uncertain = out.tolist()
+            if uncertain:
+                self._free_inexact_at = self._seq
+            self.free -= taken
+            self.reserved += granted - used
+        new = self._take_rows(k)
+        if k:
+            nr = np.asarray(new, dtype=np.int64)
+            self._start(nr, p, lim, 0)
+            self.free -= int(_cdiv(p, ps).sum())
+            self._top_up(nr)
+        ids[:b] = r
+        ids[b:lanes] = new
+        ids_t, ntok_t = self._tensor(ids), self._tensor(ntok)
+        t = max_tokens if max_tokens is not None else 1 << max(total - 1, 0).bit_length()
+        return MixedStep(new, self.table.step(ids_t, ntok_t, max_tokens=t), ids_t, ntok_t)
