@@ -17,11 +17,15 @@ Rows, from the floor up:
 * ``touch: + CSR shift``: also moves the CSR's page ids right by one from the first lane that
   gained a page (what growing the CSR in place costs: the runs after a grown lane move).
 * ``kernel alone``: the compiled step entry called directly with the bound call's descriptor.
-* ``façade only``: ``BoundStep``'s Python part with the kernel replaced by the no-op.
+* ``façade only``: ``BoundStep``'s Python part (``page_table._bound_step``) around the no-op
+  instead of the kernel; ``..., as a closure (before)``: the same check as the closure it was.
 * ``bound step``: ``table.bind_step(ids, ones)()``.
 * ``step``: ``table.step(ids, ones)`` (bound on its own from the second call).
 * ``prototype kernel``: ``proto/step_tail.py``: the step with each lane's length and last page
-  kept in the step memo, so it reads no block-table row (a proposal for ``kernels/step.py``).
+  kept in the step memo, so it reads no block-table row (a proposal for ``kernels/step.py``);
+  ``prototype: up to the memo check`` / ``up to the extend`` return early (where its time goes).
+* ``prefetch prototype kernel``: ``proto/step_prefetch.py``: the current step after a pass that
+  prefetches each lane's block-table line.
 
     python benchmarks/cold_breakdown.py                 # B=256, 200 samples a row, ~1 min
     python benchmarks/cold_breakdown.py --batch 64 256 --samples 400 --json cold.json
@@ -42,12 +46,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, print_table, progress, quantiles,  # noqa: E402
                      write_json)
 from bench_page_table import PAGE_SIZE, make_reset, setup  # noqa: E402
+from proto.step_prefetch import step_prefetch_bound_entry  # noqa: E402
 from proto.step_tail import step_tail_bound_entry, tail_memo_len  # noqa: E402
 
 from tpool.kernels import layout as L  # noqa: E402
-from tpool.kernels._numba_util import i32_array, i64_array, move_i32, table_arrays, u8_array  # noqa: E402
+from tpool.kernels._numba_util import (i32_array, i64_array, move_i32, page_shift, table_arrays,  # noqa: E402
+                                       u8_array)
 from tpool.backends.numba import call_descriptor, entry_point  # noqa: E402
 from tpool.errors import StaleBinding  # noqa: E402
+from tpool.page_table import _bound_step  # noqa: E402
 
 _i64 = numba.types.int64
 
@@ -84,10 +91,11 @@ def touch_lanes(cd_addr, rows, shift):
         diff |= memo[L.MEMO_IDS + i] ^ ids[i]
     pos = 0
     first = -1
+    shift = page_shift(ps)  # a power of two here: shifts, as the kernel (a division per lane would dominate)
     for i in range(B):
-        r = ids[i]
+        r = np.uint64(ids[i])
         length = lens[r]
-        k, off = length // ps, length % ps
+        k, off = np.uint64(length >> shift), length & (ps - 1)
         page = bt[r, k] if rows else 7
         slots[i] = page * ps + off
         lens[r] = length  # written back unchanged: the table stays as it is
@@ -102,8 +110,8 @@ def touch_lanes(cd_addr, rows, shift):
     return diff
 
 
-def facade_only(req_ids, num_tokens, b, run):
-    """``BoundStep``'s Python part (tpool/page_table.py) around ``run``."""
+def closure_facade(req_ids, num_tokens, b, run):
+    """``BoundStep``'s Python part as it was before ``page_table._bound_step``: a closure (nine cells)."""
     ids_at, ntok_at, ids_len, ntok_len = req_ids.data_ptr, num_tokens.data_ptr, req_ids.numel, num_tokens.numel
     at_ids, at_ntok = ids_at(), ntok_at()
     result = object()
@@ -116,32 +124,36 @@ def facade_only(req_ids, num_tokens, b, run):
     return step
 
 
+def bound_run(bound):
+    """The numba backend's bound call inside a ``BoundStep`` (its ``run``, whose ``held[0]`` is the descriptor)."""
+    return next(a for a in bound.args if isinstance(a, functools.partial) and hasattr(a, "held"))
+
+
 def rows_for(B):
-    """name -> (fn, reset) for one batch size (module note)."""
+    """name -> (fn, reset, settle) for one batch size (module note), and what they need kept alive."""
     dev = torch.device("cpu")
     _, table, _, _ = setup(B, "numba", dev, random.Random(B))
     ids = torch.arange(B, dtype=torch.int32)
     ones = torch.ones(B, dtype=torch.int32)
     bound = table.bind_step(ids, ones)
     step = functools.partial(table.step, ids, ones)
-    cd = bound.func.__closure__  # the BoundStep closure holds ``run``; take its descriptor back
-    run = next(c.cell_contents for c in cd if isinstance(c.cell_contents, functools.partial))
+    run = bound_run(bound)
     cd_arr = run.held[0]
     addr = int(cd_arr.ctypes.data)
     reset = make_reset(bound, table)
 
-    # The prototype on its own table (same prompts), with a memo of its own.
-    _, ptable, _, _ = setup(B, "numba", dev, random.Random(B))
-    pb = ptable.bind_step(ids, ones)  # makes the shape's buffers
-    pcd_cells = pb.func.__closure__
-    prun = next(c.cell_contents for c in pcd_cells if isinstance(c.cell_contents, functools.partial))
+    # The prototype on the same table, with a memo of its own (its settle call leaves it valid): the
+    # rows then differ only in their code and memo, not in where the table's state happens to lie.
     pmemo = torch.full((tail_memo_len(B),), -1, dtype=torch.int64)
-    pmemo[L.MEMO_WRITTEN] = pb.result.csr.indices.numel()
-    pcd = prun.held[0].copy()
+    pmemo[L.MEMO_WRITTEN] = bound.result.csr.indices.numel()
+    pcd = cd_arr.copy()
     pcd[L.CD_CSR_MEMO] = pmemo.data_ptr()
-    proto = functools.partial(entry_point(step_tail_bound_entry, _i64), int(pcd.ctypes.data))
-    proto.held = (pcd, pmemo, prun.held)
-    preset = make_reset(pb, ptable)
+    tail_entry = entry_point(step_tail_bound_entry, _i64, _i64)
+    proto = functools.partial(tail_entry, int(pcd.ctypes.data), 0)
+    proto.held = (pcd, pmemo, run.held)
+    proto_memo = functools.partial(tail_entry, int(pcd.ctypes.data), 1)  # returns after the memo check
+    proto_extend = functools.partial(tail_entry, int(pcd.ctypes.data), 2)  # returns after the extend pass
+    prefetch = functools.partial(entry_point(step_prefetch_bound_entry, _i64), addr)
 
     noop_run = functools.partial(entry_point(noop, _i64), addr)
     out = {
@@ -156,12 +168,18 @@ def rows_for(B):
         "touch: + CSR shift": (functools.partial(entry_point(touch_lanes, _i64, numba.types.boolean,
                                                              numba.types.boolean), addr, True, True), reset),
         "kernel alone": (run, reset),
-        "façade only": (facade_only(ids, ones, B, noop_run), None),
+        "façade only": (functools.partial(_bound_step, ids.data_ptr, ones.data_ptr, ids.numel, ones.numel,
+                                          ids.data_ptr(), ones.data_ptr(), B, noop_run, bound.result), None),
+        "façade only, as a closure (before)": (closure_facade(ids, ones, B, noop_run), None),
         "bound step": (bound, reset),
         "step": (step, reset),
-        "prototype kernel": (proto, preset),
+        "prototype kernel": (proto, reset),
+        "prototype: up to the memo check": (proto_memo, reset, proto),
+        "prototype: up to the extend": (proto_extend, reset, proto),
+        "prefetch prototype kernel": (prefetch, reset),
     }
-    return out, (table, ptable, ids, ones, bound, pb)
+    out = {name: v + (v[0],) if len(v) == 2 else v for name, v in out.items()}  # (fn, reset, settle)
+    return out, (table, ids, ones, bound, pmemo, pcd)
 
 
 def check_prototype(B, steps=64):
@@ -173,12 +191,12 @@ def check_prototype(B, steps=64):
     ids = torch.arange(B, dtype=torch.int32)
     ones = torch.ones(B, dtype=torch.int32)
     b1, b2 = t1.bind_step(ids, ones), t2.bind_step(ids, ones)
-    prun = next(c.cell_contents for c in b2.func.__closure__ if isinstance(c.cell_contents, functools.partial))
+    prun = bound_run(b2)
     pmemo = torch.full((tail_memo_len(B),), -1, dtype=torch.int64)
     pmemo[L.MEMO_WRITTEN] = b2.result.csr.indices.numel()
     pcd = prun.held[0].copy()
     pcd[L.CD_CSR_MEMO] = pmemo.data_ptr()
-    proto = entry_point(step_tail_bound_entry, _i64)
+    proto = entry_point(step_tail_bound_entry, _i64, _i64)
     rng = random.Random(1)
     for s in range(steps):
         if s % 8 == 7:  # two finish, and come back with a prompt, outside the bound step
@@ -188,7 +206,7 @@ def check_prototype(B, steps=64):
                 t.release(gone)
                 t.extend(gone, plen, max_tokens=600)
         b1()
-        proto(int(pcd.ctypes.data))
+        proto(int(pcd.ctypes.data), 0)
         r1, r2 = b1.result, b2.result
         for a, b in ((r1.slots, r2.slots), (r1.ok, r2.ok), *zip(r1.csr, r2.csr),
                      (t1.state.seq_lens, t2.state.seq_lens), (t1.state.block_table, t2.state.block_table)):
@@ -199,7 +217,9 @@ def check_prototype(B, steps=64):
 
 
 def parser():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter,
+                                 epilog="Progress goes to stderr. Before timing, the prototype is checked against "
+                                        "the current step (same outputs and table over 64 steps with turnovers).")
     ap.add_argument("--batch", type=int, nargs="+", default=[256], metavar="B", help="requests in the batch")
     ap.add_argument("--samples", type=int, default=200, help="cold calls timed per row")
     ap.add_argument("--cold-bytes", type=int, default=COLD_BYTES, help="bytes written before each timed call")
@@ -216,7 +236,7 @@ def main(argv=None):
         check_prototype(B)
         progress(f"B={B}: setting up and compiling")
         rows, keep = rows_for(B)
-        for fn, reset in rows.values():  # compile, bind
+        for fn, reset, settle in rows.values():  # compile, bind
             fn()
             fn()
             if reset:
@@ -224,17 +244,17 @@ def main(argv=None):
         times = {name: [] for name in rows}
         progress(f"B={B}: {args.samples} cold samples of {len(rows)} rows, in turns")
         for s in range(args.samples):
-            for name, (fn, reset) in rows.items():
+            for name, (fn, reset, settle) in rows.items():
                 if reset:
                     reset()
-                fn()  # settle: the timed call grows the CSR this one left
+                settle()  # untimed: the timed call grows the CSR this one left
                 flush()
                 t0 = time.perf_counter_ns()
                 fn()
                 times[name].append((time.perf_counter_ns() - t0) / 1e3)
             if s % 50 == 49:
                 progress(f"B={B}: sample {s + 1}/{args.samples}")
-        for reset in {r for _, r in rows.values() if r}:
+        for reset in {r for _, r, _ in rows.values() if r}:
             reset()
         base = quantiles(times["bound step"])[0]
         for name, xs in times.items():
