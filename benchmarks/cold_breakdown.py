@@ -26,6 +26,9 @@ Rows, from the floor up:
   ``prototype: up to the memo check`` / ``up to the extend`` return early (where its time goes).
 * ``prefetch prototype kernel``: ``proto/step_prefetch.py``: the current step after a pass that
   prefetches each lane's block-table line.
+* ``CSR-tail prototype kernel``: ``proto/step_csr_tail.py``: each lane's length and last page read
+  from the CSR the previous step left (``indptr``, ``last_page_len``, ``indices``) when the memo
+  allows it: no block-table row read and no new state.
 
     python benchmarks/cold_breakdown.py                 # B=256, 200 samples a row, ~1 min
     python benchmarks/cold_breakdown.py --batch 64 256 --samples 400 --json cold.json
@@ -47,6 +50,7 @@ from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, print_table, progr
                      write_json)
 from bench_page_table import PAGE_SIZE, make_reset, setup  # noqa: E402
 from proto.step_prefetch import step_prefetch_bound_entry  # noqa: E402
+from proto.step_csr_tail import step_csr_tail_bound_entry  # noqa: E402
 from proto.step_tail import step_tail_bound_entry, tail_memo_len  # noqa: E402
 
 from tpool.kernels import layout as L  # noqa: E402
@@ -154,6 +158,8 @@ def rows_for(B):
     proto_memo = functools.partial(tail_entry, int(pcd.ctypes.data), 1)  # returns after the memo check
     proto_extend = functools.partial(tail_entry, int(pcd.ctypes.data), 2)  # returns after the extend pass
     prefetch = functools.partial(entry_point(step_prefetch_bound_entry, _i64), addr)
+    csr_entry = entry_point(step_csr_tail_bound_entry, _i64, _i64)
+    csr_tail = functools.partial(csr_entry, addr, 0)  # the table's own descriptor and memo
 
     noop_run = functools.partial(entry_point(noop, _i64), addr)
     out = {
@@ -177,6 +183,8 @@ def rows_for(B):
         "prototype: up to the memo check": (proto_memo, reset, proto),
         "prototype: up to the extend": (proto_extend, reset, proto),
         "prefetch prototype kernel": (prefetch, reset),
+        "CSR-tail prototype kernel": (csr_tail, reset),
+        "CSR-tail prototype: up to the extend": (functools.partial(csr_entry, addr, 2), reset, csr_tail),
     }
     out = {name: v + (v[0],) if len(v) == 2 else v for name, v in out.items()}  # (fn, reset, settle)
     return out, (table, ids, ones, bound, pmemo, pcd)
@@ -197,23 +205,29 @@ def check_prototype(B, steps=64):
     pcd = prun.held[0].copy()
     pcd[L.CD_CSR_MEMO] = pmemo.data_ptr()
     proto = entry_point(step_tail_bound_entry, _i64, _i64)
+    _, t3, _, _ = setup(B, "numba", dev, random.Random(B))
+    b3 = t3.bind_step(ids, ones)
+    csr_tail = functools.partial(entry_point(step_csr_tail_bound_entry, _i64, _i64),
+                                 int(bound_run(b3).held[0].ctypes.data), 0)
     rng = random.Random(1)
     for s in range(steps):
         if s % 8 == 7:  # two finish, and come back with a prompt, outside the bound step
             gone = torch.tensor(rng.sample(range(B), 2), dtype=torch.int32)
             plen = torch.tensor([rng.randint(1, 300)] * 2, dtype=torch.int32)
-            for t in (t1, t2):
+            for t in (t1, t2, t3):
                 t.release(gone)
                 t.extend(gone, plen, max_tokens=600)
         b1()
         proto(int(pcd.ctypes.data), 0)
-        r1, r2 = b1.result, b2.result
-        for a, b in ((r1.slots, r2.slots), (r1.ok, r2.ok), *zip(r1.csr, r2.csr),
-                     (t1.state.seq_lens, t2.state.seq_lens), (t1.state.block_table, t2.state.block_table)):
-            if not torch.equal(a, b):
-                raise AssertionError(f"prototype differs from the current step at step {s}")
-    t1.pool.check()
-    t2.pool.check()
+        csr_tail()
+        r1 = b1.result
+        for t, r in ((t2, b2.result), (t3, b3.result)):
+            for a, b in ((r1.slots, r.slots), (r1.ok, r.ok), *zip(r1.csr, r.csr),
+                         (t1.state.seq_lens, t.state.seq_lens), (t1.state.block_table, t.state.block_table)):
+                if not torch.equal(a, b):
+                    raise AssertionError(f"a prototype differs from the current step at step {s}")
+    for t in (t1, t2, t3):
+        t.pool.check()
 
 
 def parser():
