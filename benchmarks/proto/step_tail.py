@@ -53,7 +53,7 @@ def extend_tail_numba(
     indptr,       # int32 [B + 1] when track
     last,         # int32 [B] when track
     ins,          # int64 [MEMO_INS_WIDTH * B] when track: (lane, old CSR end, pages before, after) per grown lane
-    tails,        # int64 [B]: per lane (last page << 32) | length after the call; read when distinct (same memo)
+    tails,        # int64 [B] when track: per lane (last page << 32) | length after the call; read when distinct
 ):
     """The extend of a batch; with ``track``, also a step's CSR bookkeeping, in the same pass.
 
@@ -116,10 +116,10 @@ def extend_tail_numba(
                 page = tail_page if distinct else np.int64(block_table[ur, uk])
                 slots[np.uint64(tok)] = page * page_size + off
                 seq_lens[ur] = length + 1
-                tails[ui] = (page << 32) | (length + 1)
                 ok[ui] = True
                 tok += 1
                 if track:
+                    tails[ui] = (page << 32) | (length + 1)
                     pos += k + 1
                     indptr[ui + np.uint64(1)] = pos
                     last[ui] = off + 1
@@ -132,8 +132,8 @@ def extend_tail_numba(
                 tok += max(n, 0)
                 fill_null_range(slots_ptr, start, min(tok, T))
                 ok[i] = False
-                tails[i] = 0
                 if track:
+                    tails[i] = 0
                     indptr[i + 1] = pos
                     last[i] = page_size
                 continue
@@ -184,8 +184,8 @@ def extend_tail_numba(
                 failed += 1
                 fill_null_range(slots_ptr, start, min(tok, T))
             ok[i] = granted
-            tails[i] = ((np.int64(block_table[r, want - 1]) if want > 0 else np.int64(-1)) << 32) | length
             if track:
+                tails[i] = ((np.int64(block_table[r, want - 1]) if want > 0 else np.int64(-1)) << 32) | length
                 if want > have:
                     grown = list_growth(ins, grown, i, pos - gained + have, have, want)
                     gained += want - have
