@@ -26,7 +26,8 @@ import tpool  # noqa: E402
 
 EPILOG = ("Progress goes to stderr, one line per row. The tpool rows pass out=pool.alloc_out(...) "
           "(the hot path); 'tpool-numba (no out=)' is the default alloc, which makes fresh output "
-          "tensors of max_alloc_pages each call.")
+          "tensors of max_alloc_pages each call; 'tpool-numba bound' binds the alloc and the free to "
+          "their tensors once (pool.bind_alloc / pool.bind_free) and calls them.")
 
 
 class HostListPool:
@@ -79,6 +80,15 @@ def pair_fns(n, num_pages, device, backends):
             def fresh(pool=pool2):
                 pool.free(pool.alloc(counts).pages)
             fns[f"tpool-{be} (no out=)"] = fresh
+            pool3 = tpool.PagePool(num_pages, device=device, backend=be, max_alloc_pages=max(n, 1))
+            out3 = pool3.alloc_out(max_batch=1, max_pages=n)
+            counts3 = torch.tensor([n], dtype=torch.int32, device=device)
+            alloc, free = pool3.bind_alloc(counts3, out=out3), pool3.bind_free(out3.pages)
+
+            def bound(alloc=alloc, free=free):  # inputs and outputs bound once (pool.bind_alloc / bind_free)
+                alloc()
+                free()
+            fns[f"tpool-{be} bound"] = bound
     return fns
 
 

@@ -25,10 +25,16 @@ included on a CPU, since numba runs them inline), the ratio to the baseline,
 device reads per step (blocking reads of ``ok``; the mirror's
 snapshots do not wait and are not counted), admissions per second (timed
 admission blocks: ``can_admit`` + ``admit``, 2 prompts), failed extends
-(``requests.failed`` on the device at the end: must be 0), and the gap over time (``--plot PATH`` draws it with matplotlib, if
-installed).
+(``requests.failed`` on the device at the end: must be 0), and the gap over time.
 
-    python benchmarks/bench_scheduler.py [--steps 4000] [--plot gap.png] [--json out.json]
+``--cold``: in a serving loop the forward pass evicts the CPU caches between two
+scheduler steps. This mode runs every scheduler again with 64 MiB written into a
+numpy buffer before each step (outside the timed region) and reports warm and
+cold side by side. ``--plot PATH`` (matplotlib, the ``bench`` extra) draws the
+gap over time and the time of every step, warm and cold.
+
+    python benchmarks/bench_scheduler.py                                   # warm, about 20 s
+    python benchmarks/bench_scheduler.py --cold --plot churn.png           # warm and cold, about a minute
 """
 
 import argparse
@@ -42,7 +48,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import print_table, quantiles, write_json  # noqa: E402
+from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, print_table, progress, quantiles,  # noqa: E402
+                     write_json)
 
 import tpool  # noqa: E402
 from tpool.scheduling import HostMirror  # noqa: E402
@@ -60,177 +67,258 @@ def setup(args, device):
     return pool, table
 
 
-def run_mirror(args, scenario, device, rng, progress):
-    pool, table = setup(args, device)
-    m = HostMirror(table, lookahead=args.lookahead, free=args.num_pages, cached=0)
-    prompts = lambda k: [rng.randint(*PROMPTS) for _ in range(k)]  # noqa: E731
-    rows = []
-    while len(rows) < args.requests:
-        rows += m.admit(prompts(min(16, args.requests - len(rows))))
-    step_us, admit_us, gaps, snaps = [], [], [], []
-    evicted = forked = 0
-    for step in range(args.warmup + args.steps):
-        t0 = time.perf_counter_ns()
+class MirrorChurn:
+    """The churn scheduled by a :class:`HostMirror`: ``step(i)`` runs step ``i`` (turnover every
+    ``--every`` steps, then the decode step); ``timed`` in microseconds of its last call's scheduling part."""
+
+    def __init__(self, args, scenario, device, rng):
+        self.args, self.scenario, self.rng = args, scenario, rng
+        self.pool, self.table = setup(args, device)
+        self.m = HostMirror(self.table, lookahead=args.lookahead, free=args.num_pages, cached=0)
+        self.rows = []
+        while len(self.rows) < args.requests:
+            self.rows += self.m.admit(self.prompts(min(16, args.requests - len(self.rows))))
+        self.admit_us, self.gaps, self.snaps = None, [], []
+        self.evicted = self.forked = 0
+        self.batch = self.prio = None
+
+    def prompts(self, k):
+        return [self.rng.randint(*PROMPTS) for _ in range(k)]
+
+    def step(self, step):
+        """One churn step (the timed part); returns the µs its admissions took, or None."""
+        args, m, rng = self.args, self.m, self.rng
+        admit_us = None
         if step % args.every == 0:
-            done = rng.sample(rows, args.turnover)
-            cache = scenario == "shared" and rng.random() < CACHE
+            done = rng.sample(self.rows, args.turnover)
+            cache = self.scenario == "shared" and rng.random() < CACHE
             m.finish(done, cache=cache)
-            rows = [r for r in rows if r not in done]
+            self.rows = [r for r in self.rows if r not in done]
             ta = time.perf_counter_ns()
             new = []
-            for p in prompts(args.turnover):
-                if scenario == "shared" and rng.random() < SHARE:
-                    src = rng.choice(rows)
+            for p in self.prompts(args.turnover):
+                if self.scenario == "shared" and rng.random() < SHARE:
+                    src = rng.choice(self.rows)
                     new.append(m.fork(src, min(p, int(m.lo[src]))))
-                    forked += 1
+                    self.forked += 1
                     continue
                 if m.can_admit([p]) == 0 and m.cached:   # room is short: evict cached pages first
                     m.evict(m.pages_for(p) + 1)
-                    evicted += 1
+                    self.evicted += 1
                 new += m.admit([p])
-            rows += new
-            if step >= args.warmup:
-                admit_us.append((time.perf_counter_ns() - ta) / 1e3)
-        if step % args.every == 0:                    # the batch changed: new arrays (kept between turnovers)
-            batch, prio = np.asarray(rows, dtype=np.int64), -np.arange(len(rows))
-        if m.preemption(batch, prio):
+            self.rows += new
+            admit_us = (time.perf_counter_ns() - ta) / 1e3
+            # the batch changed: new arrays (kept between turnovers)
+            self.batch, self.prio = np.asarray(self.rows, dtype=np.int64), -np.arange(len(self.rows))
+        if m.preemption(self.batch, self.prio):
             raise SystemExit(f"the pool is too small for the churn ({args.num_pages} pages): raise --num-pages")
-        m.decode(batch)
-        if step >= args.warmup:
-            step_us.append((time.perf_counter_ns() - t0) / 1e3)
+        m.decode(self.batch)
+        return admit_us
+
+    def after(self, step):
+        """Untimed bookkeeping after step ``step``: snapshots, the gap, reconciliation."""
+        args, m = self.args, self.m
         if step % args.snapshot_every == 0:
-            snaps.append((step, m.snapshot()))
-        while snaps and snaps[0][1].ready():
-            s_step, snap = snaps.pop(0)
-            gaps.append((s_step, snap.stats()["pages.free.current"] - snap.free))
+            self.snaps.append((step, m.snapshot()))
+        while self.snaps and self.snaps[0][1].ready():
+            s_step, snap = self.snaps.pop(0)
+            self.gaps.append((s_step, snap.stats()["pages.free.current"] - snap.free))
             if s_step % args.reconcile_every == 0:
                 m.reconcile(snap)
-        if step % 500 == 0:
-            progress(f"  {scenario}: step {step}/{args.warmup + args.steps}")
-    s = pool.stats()
-    pool.check()
-    return dict(step_us=step_us, admit_us=admit_us, gaps=gaps, failed=s["requests.failed"], reads=0, forked=forked,
-                evictions=evicted, cached=s["pages.cached.current"])
 
 
-def run_read_ok(args, device, rng, progress):
-    """The baseline: host lengths, direct table calls, ``ok`` read after every call."""
-    pool, table = setup(args, device)
-    t32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
-    free_rows = list(range(table.max_requests - 1, -1, -1))
-    rows, failed = [], 0
+class ReadOkChurn:
+    """The baseline: host lengths, direct table calls, ``ok`` read after every call (module note)."""
 
-    def admit(ps):
-        nonlocal failed
-        got = [free_rows.pop() for _ in ps]
-        res = table.extend(t32(got), t32(ps), max_tokens=sum(ps))
+    def __init__(self, args, device, rng):
+        self.args, self.device, self.rng = args, device, rng
+        self.pool, self.table = setup(args, device)
+        self.free_rows = list(range(self.table.max_requests - 1, -1, -1))
+        self.rows, self.failed = [], 0
+        self.ids = self.ones = None
+        while len(self.rows) < args.requests:
+            self.admit([rng.randint(*PROMPTS) for _ in range(min(16, args.requests - len(self.rows)))])
+
+    def t32(self, v):
+        return torch.tensor(v, dtype=torch.int32, device=self.device)
+
+    def admit(self, ps):
+        got = [self.free_rows.pop() for _ in ps]
+        res = self.table.extend(self.t32(got), self.t32(ps), max_tokens=sum(ps))
         for r, ok in zip(got, res.ok.tolist()):   # a host read
             if ok:
-                rows.append(r)
+                self.rows.append(r)
             else:
-                failed += 1
-                free_rows.append(r)
-    while len(rows) < args.requests:
-        admit([rng.randint(*PROMPTS) for _ in range(min(16, args.requests - len(rows)))])
-    step_us, admit_us = [], []
-    ids = ones = None
-    for step in range(args.warmup + args.steps):
-        t0 = time.perf_counter_ns()
+                self.failed += 1
+                self.free_rows.append(r)
+
+    def step(self, step):
+        args, rng = self.args, self.rng
+        admit_us = None
         if step % args.every == 0:
-            done = rng.sample(rows, args.turnover)
-            table.release(t32(done))
-            free_rows.extend(done)
-            rows[:] = [r for r in rows if r not in done]
+            done = rng.sample(self.rows, args.turnover)
+            self.table.release(self.t32(done))
+            self.free_rows.extend(done)
+            self.rows[:] = [r for r in self.rows if r not in done]
             ta = time.perf_counter_ns()
-            admit([rng.randint(*PROMPTS) for _ in range(args.turnover)])
-            if step >= args.warmup:
-                admit_us.append((time.perf_counter_ns() - ta) / 1e3)
-            ids, ones = t32(rows), torch.ones(len(rows), dtype=torch.int32, device=device)
-        res = table.step(ids, ones)
-        failed += len(rows) - sum(res.ok.tolist())   # a host read every step
+            self.admit([rng.randint(*PROMPTS) for _ in range(args.turnover)])
+            admit_us = (time.perf_counter_ns() - ta) / 1e3
+            self.ids = self.t32(self.rows)
+            self.ones = torch.ones(len(self.rows), dtype=torch.int32, device=self.device)
+        res = self.table.step(self.ids, self.ones)
+        self.failed += len(self.rows) - sum(res.ok.tolist())   # a host read every step
+        return admit_us
+
+    def after(self, step):
+        pass
+
+
+def run(churn, name, args, steps, flush=None):
+    """Run ``churn`` for ``--warmup`` + ``steps`` steps; µs per step (with ``flush``: CPU caches
+    evicted before each step, untimed) and per admission block, after the warm-up."""
+    step_us, admit_us = [], []
+    for step in range(args.warmup + steps):
+        if flush:
+            flush()
+        t0 = time.perf_counter_ns()
+        a_us = churn.step(step)
+        t1 = time.perf_counter_ns()
         if step >= args.warmup:
-            step_us.append((time.perf_counter_ns() - t0) / 1e3)
-        if step % 500 == 0:
-            progress(f"  read-ok: step {step}/{args.warmup + args.steps}")
-    pool.check()
-    reads = args.warmup + args.steps + len(range(0, args.warmup + args.steps, args.every))
-    return dict(step_us=step_us, admit_us=admit_us, gaps=[], failed=failed, reads=reads)
+            step_us.append((t1 - t0) / 1e3)
+            if a_us is not None:
+                admit_us.append(a_us)
+        churn.after(step)
+        if step % 1000 == 0:
+            progress(f"{name}: step {step}/{args.warmup + steps}")
+    return step_us, admit_us
 
 
-def plot(path, results):
+def run_mirror(args, scenario, device, rng, steps, flush=None):
+    name = f"mirror-{scenario}" + (", cold" if flush else "")
+    churn = MirrorChurn(args, scenario, device, rng)
+    step_us, admit_us = run(churn, name, args, steps, flush)
+    s = churn.pool.stats()
+    churn.pool.check()
+    return dict(step_us=step_us, admit_us=admit_us, gaps=churn.gaps, failed=s["requests.failed"], reads=0,
+                forked=churn.forked, evictions=churn.evicted, cached=s["pages.cached.current"])
+
+
+def run_read_ok(args, device, rng, steps, flush=None):
+    churn = ReadOkChurn(args, device, rng)
+    step_us, admit_us = run(churn, "read-ok" + (", cold" if flush else ""), args, steps, flush)
+    churn.pool.check()
+    total = args.warmup + steps
+    reads = total + len(range(0, total, args.every))
+    return dict(step_us=step_us, admit_us=admit_us, gaps=[], failed=churn.failed, reads=reads / total)
+
+
+def rolling_median(xs, w):
+    """(positions, medians) of the full windows of ``w`` steps."""
+    return range(w, len(xs) + 1), [statistics.median(xs[i - w:i]) for i in range(w, len(xs) + 1)]
+
+
+def plot(path, results, every):
+    """Two panels: the mirror's gap over time; every step's time (dots) with a rolling median (line),
+    warm solid and cold dashed, on a log scale (a turnover step, with its prefill, is the tall dots)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"\nmatplotlib is not installed: no plot written to {path} (pip install matplotlib)")
+        print(f"\nmatplotlib is not installed: no plot written to {path} (pip install -e \".[bench]\")")
         return
-    fig, (a, b) = plt.subplots(2, 1, figsize=(8, 7))
+    fig, (a, b) = plt.subplots(2, 1, figsize=(10, 8), dpi=120, gridspec_kw=dict(height_ratios=[1, 2]))
+    bases = list(dict.fromkeys(n.removesuffix(", cold") for n in results))
+    colors = plt.get_cmap("tab10")
     for name, r in results.items():
-        if r["gaps"]:
-            a.plot([g[0] for g in r["gaps"]], [g[1] for g in r["gaps"]], label=name)
+        color = colors(bases.index(name.removesuffix(", cold")) % 10)
+        cold = name.endswith(", cold")
+        if r["gaps"] and not cold:
+            a.plot([g[0] for g in r["gaps"]], [g[1] for g in r["gaps"]], color=color, label=name)
         xs = r["step_us"]
-        w = 64   # a rolling median over 64 steps: one turnover in 8 is a prefill, the rest are decode steps
-        b.plot(range(w, len(xs) + 1), [statistics.median(xs[i - w:i]) for i in range(w, len(xs) + 1)], label=name)
+        b.plot(range(len(xs)), xs, ".", ms=1.5, alpha=0.25, color=color)
+        b.plot(*rolling_median(xs, 8 * every), "--" if cold else "-", color=color,
+               label=f"{name} (median of the last {8 * every} steps)")
     a.set(xlabel="step", ylabel="device free - mirror free (pages)", title="the mirror's gap to the device")
-    b.set(xlabel="step", ylabel="host µs per step", title="step time, median of the last 64 steps")
-    a.legend()
-    b.legend()
+    b.set(xlabel="step (after the warm-up)", ylabel="host µs per step", yscale="log",
+          title=f"time of every step (dots; a turnover every {every} steps is the upper band)")
+    b.grid(True, which="both", alpha=0.3)
+    if a.get_legend_handles_labels()[0]:
+        a.legend(fontsize=7)
+    b.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path)
+    plt.close(fig)
     print(f"\nwrote {path}")
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="Each option's default is in its help text.")
-    ap.add_argument("--steps", type=int, default=4000, help="timed steps per scheduler (default 4000)")
-    ap.add_argument("--warmup", type=int, default=64, help="untimed steps first, for compilation (default 64)")
-    ap.add_argument("--requests", type=int, default=256, help="running requests (default 256)")
-    ap.add_argument("--turnover", type=int, default=2, help="requests finished and admitted each --every steps "
-                    "(default 2)")
-    ap.add_argument("--every", type=int, default=8, help="steps between turnovers (default 8)")
-    ap.add_argument("--num-pages", type=int, default=65536, help="pages in the pool (default 65536)")
-    ap.add_argument("--lookahead", type=int, default=1, help="tokens reserved per running request (default 1)")
-    ap.add_argument("--snapshot-every", type=int, default=16, help="steps between async snapshots (default 16)")
-    ap.add_argument("--reconcile-every", type=int, default=256, help="steps between reconciliations; a multiple of "
-                    "--snapshot-every (default 256)")
+def parser():
+    """The command line: every option with its help and default."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
+                                 epilog="Progress goes to stderr. With --cold, each scheduler runs twice: warm "
+                                        "(--steps steps), then cold (--cold-steps steps, --cold-bytes written "
+                                        "before each step, untimed).")
+    ap.add_argument("--steps", type=int, default=4000, help="timed steps per scheduler (warm)")
+    ap.add_argument("--warmup", type=int, default=64, help="untimed steps first, for compilation")
+    ap.add_argument("--requests", type=int, default=256, help="running requests")
+    ap.add_argument("--turnover", type=int, default=2, help="requests finished and admitted each --every steps")
+    ap.add_argument("--every", type=int, default=8, help="steps between turnovers")
+    ap.add_argument("--num-pages", type=int, default=65536, help="pages in the pool")
+    ap.add_argument("--lookahead", type=int, default=1, help="tokens reserved per running request")
+    ap.add_argument("--snapshot-every", type=int, default=16, help="steps between async snapshots")
+    ap.add_argument("--reconcile-every", type=int, default=256,
+                    help="steps between reconciliations; a multiple of --snapshot-every")
     ap.add_argument("--scenarios", nargs="+", default=["plain", "shared"], choices=["plain", "shared"],
                     help="mirror scenarios to run (default: plain shared)")
-    ap.add_argument("--backend", default="auto", help="pool backend (default auto: numba on a CPU, triton on CUDA)")
+    ap.add_argument("--cold", action="store_true",
+                    help="also run every scheduler with the CPU caches evicted before each step (a forward "
+                         "pass's worth of memory written, outside the timed region); warm and cold side by side")
+    ap.add_argument("--cold-steps", type=int, default=1000, help="timed steps per scheduler in --cold mode")
+    ap.add_argument("--cold-bytes", type=int, default=COLD_BYTES, help="bytes written before each cold step")
+    ap.add_argument("--backend", default="auto", help="pool backend (auto: numba on a CPU, triton on CUDA)")
     ap.add_argument("--device", default=None, help="device (default cuda if available, else cpu)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the workload (default 0)")
-    ap.add_argument("--plot", default=None, help="write the gap and step-time plot to this PNG (default: none)")
-    ap.add_argument("--json", default=None, help="write the result rows to this JSON file (default: none)")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(1)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the workload")
+    ap.add_argument("--plot", default="", metavar="PATH",
+                    help="write a PNG: the mirror's gap over time and the time of every step (warm solid, cold "
+                         "dashed)")
+    ap.add_argument("--json", default="", metavar="PATH", help="write the result rows to this JSON file")
+    return ap
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    progress = lambda s: print(s, flush=True)  # noqa: E731
-    results = {"read-ok": run_read_ok(args, device, random.Random(args.seed), progress)}
-    for sc in args.scenarios:
-        results[f"mirror-{sc}"] = run_mirror(args, sc, device, random.Random(args.seed), progress)
-    base = statistics.median(results["read-ok"]["step_us"])
+    modes = [("", args.steps, None)]
+    if args.cold:
+        modes.append((", cold", args.cold_steps, CacheFlusher(args.cold_bytes)))
+    results = {}
+    for suffix, steps, flush in modes:
+        results["read-ok" + suffix] = run_read_ok(args, device, random.Random(args.seed), steps, flush)
+        for sc in args.scenarios:
+            results[f"mirror-{sc}" + suffix] = run_mirror(args, sc, device, random.Random(args.seed), steps, flush)
     rows, out = [], []
     for name, r in results.items():
+        cold = name.endswith(", cold")
+        base = statistics.median(results["read-ok" + (", cold" if cold else "")]["step_us"])
         med, p20, p80 = quantiles(r["step_us"])
         amed = statistics.median(r["admit_us"])
         gaps = [g for _, g in r["gaps"]]
         gap = f"{statistics.median(gaps):.0f} / {max(gaps)}" if gaps else "-"
-        rows.append([name, f"{med:.1f}", f"{p20:.1f}", f"{p80:.1f}", f"{med / base:.2f}",
-                     f"{r['reads'] / (args.warmup + args.steps):.3f}",
+        rows.append([name, f"{med:.1f}", f"{p20:.1f}", f"{p80:.1f}", f"{base / med:.2f}x", f"{r['reads']:.3f}",
                      f"{args.turnover / amed * 1e6:,.0f}", r["failed"], gap])
-        out.append(dict(name=name, step_us_median=med, step_us_p20=p20, step_us_p80=p80, ratio_to_read_ok=med / base,
-                        admissions_per_s=args.turnover / amed * 1e6, failed_extends=r["failed"],
-                        device_reads=r["reads"],
+        out.append(dict(name=name, cold=cold, step_us_median=med, step_us_p20=p20, step_us_p80=p80,
+                        vs_read_ok=base / med, admissions_per_s=args.turnover / amed * 1e6,
+                        failed_extends=r["failed"], device_reads_per_step=r["reads"], step_us=r["step_us"],
                         gap=r["gaps"], **{k: r[k] for k in ("forked", "evictions", "cached") if k in r}))
     print_table(f"churn: {args.requests} running, prompts {PROMPTS[0]}-{PROMPTS[1]} tokens, pages of {PAGE_SIZE}, "
-                f"{args.turnover} out / {args.turnover} in every {args.every} steps, {args.steps} steps, "
-                f"{args.backend} on {device}",
-                ["scheduler", "median us", "p20", "p80", "x read-ok", "device reads/step", "admissions/s",
+                f"{args.turnover} out / {args.turnover} in every {args.every} steps, {args.steps} steps"
+                + (f" ({args.cold_steps} cold, {args.cold_bytes >> 20} MiB written before each)" if args.cold else "")
+                + f", {args.backend} on {device} (host us per step; ratio = read-ok's median / row's median, "
+                  "warm against warm, cold against cold)",
+                ["scheduler", "median us", "p20", "p80", "vs read-ok", "device reads/step", "admissions/s",
                  "failed extends", "gap median / max"], rows)
     if args.plot:
-        plot(args.plot, results)
+        plot(args.plot, results, args.every)
     write_json(args.json, "bench_scheduler", out)
 
 

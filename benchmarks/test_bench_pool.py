@@ -20,7 +20,8 @@ from bench_pool import pair_fns
 DEVICE = default_device()
 BACKENDS = ["triton", "reference"] if DEVICE == "cuda" else ["numba", "reference"]
 FAST = BACKENDS[0]
-IMPLS = ["host-list", "torch-slice"] + [f"tpool-{be}" for be in BACKENDS] + [f"tpool-{FAST} (no out=)"]
+IMPLS = (["host-list", "torch-slice"] + [f"tpool-{be}" for be in BACKENDS]
+         + [f"tpool-{FAST} (no out=)", f"tpool-{FAST} bound"])
 NUM_PAGES = 65536
 POOL_SIZES = [65536, 1048576, 16777216]  # alloc/free should stay flat
 
@@ -38,7 +39,8 @@ def test_alloc_free(benchmark, impl, n):
     run(benchmark, impl, n, NUM_PAGES, f"alloc+free N={n}, pool of {NUM_PAGES} pages")
 
 
-@pytest.mark.parametrize("impl", ["host-list", f"tpool-{FAST}"])
+@pytest.mark.parametrize("impl", ["host-list", f"tpool-{FAST}", f"tpool-{FAST} bound"])
 @pytest.mark.parametrize("num_pages", POOL_SIZES)
-def test_alloc_free_against_pool_size(benchmark, impl, num_pages):
-    run(benchmark, impl, 256, num_pages, "alloc+free N=256 against pool size")
+@pytest.mark.parametrize("n", [1, 256])
+def test_alloc_free_against_pool_size(benchmark, impl, num_pages, n):
+    run(benchmark, impl, n, num_pages, f"alloc+free N={n} against pool size")

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
-SCRIPTS = ["bench_pool", "bench_page_table", "bench_evict"]
+SCRIPTS = ["bench_pool", "bench_page_table", "bench_evict", "bench_scheduler", "cold_breakdown"]
 
 
 def load(name):
@@ -83,3 +83,31 @@ def test_pool_size_sweeps_and_plots(tmp_path, capsys):
     assert "pool pages" in text and "1,024" in text
     for png in (pool_png, step_png, evict_png):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_churn_cold_mode_reports_warm_and_cold_and_plots_every_step(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "churn.json", tmp_path / "churn.png"
+    load("bench_scheduler").main(["--requests", "8", "--steps", "40", "--warmup", "8", "--num-pages", "4096",
+                                  "--scenarios", "plain", "--cold", "--cold-steps", "16", "--cold-bytes",
+                                  str(1 << 20), "--json", str(out), "--plot", str(png)])
+    captured = capsys.readouterr()
+    assert "churn: 8 running" in captured.out and "1 MiB written" in captured.out
+    assert " s] " in captured.err  # progress
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"read-ok", "mirror-plain", "read-ok, cold", "mirror-plain, cold"}
+    assert len(rows["mirror-plain"]["step_us"]) == 40 and len(rows["mirror-plain, cold"]["step_us"]) == 16
+    assert all(r["failed_extends"] == 0 and r["step_us_median"] > 0 for r in rows.values())
+    assert rows["read-ok, cold"]["vs_read_ok"] == 1.0 and rows["mirror-plain"]["cold"] is False
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_cold_breakdown_checks_its_prototype_and_prints_every_row(tmp_path, capsys):
+    out = tmp_path / "cold.json"
+    load("cold_breakdown").main(["--batch", "8", "--samples", "3", "--cold-bytes", str(1 << 20), "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "cold decode step" in text
+    rows = json.loads(out.read_text())["rows"]
+    names = [r["row"] for r in rows]
+    assert {"python call", "kernel alone", "bound step", "step", "prototype kernel"} <= set(names)
+    assert all(r["cold_median_us"] > 0 for r in rows)

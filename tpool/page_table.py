@@ -117,10 +117,11 @@ class BoundStep(functools.partial):
 
     Calling it checks that ``req_ids`` and ``num_tokens`` keep the memory and length they
     were bound with (``StaleBinding``, a ValueError, if not) and runs the step; it returns
-    ``result``, the table-owned ``StepResult`` of this shape. The call is a closure over
-    local values behind ``functools.partial``'s C call: on a CPU a decode step costs only
-    a few microseconds, and a Python method with attribute lookups would add to it
-    visibly. It holds the table, so the state it points into stays alive with it.
+    ``result``, the table-owned ``StepResult`` of this shape. The call is ``functools.partial``'s
+    C call of a module function (``_bound_step``) with every value stored in the partial's
+    arguments: on a CPU a decode step costs only a few microseconds, and a Python method
+    with attribute lookups, or a closure's cells, would add to it visibly (more so with
+    cold caches). It holds the table, so the state it points into stays alive with it.
     """
 
     def __new__(cls, table, req_ids, num_tokens, max_tokens, capacity):
@@ -129,22 +130,29 @@ class BoundStep(functools.partial):
             table._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))
         result, memo = entry[0], entry[2]
         run = table.ops.bind_step(result, memo, req_ids, num_tokens, b)
-        ids_at, ntok_at, ids_len, ntok_len = req_ids.data_ptr, num_tokens.data_ptr, req_ids.numel, num_tokens.numel
-        at_ids, at_ntok = ids_at(), ntok_at()
-
-        def step():
-            if ids_at() != at_ids or ntok_at() != at_ntok or ids_len() != b or ntok_len() != b:
-                raise StaleBinding("bind_step: req_ids or num_tokens no longer have the memory or the length they "
-                                   "were bound with (reassigned or resized); fill them in place, or bind again")
-            run()
-            return result
-
-        self = super().__new__(cls, step)
+        self = super().__new__(cls, _bound_step, req_ids.data_ptr, num_tokens.data_ptr, req_ids.numel,
+                               num_tokens.numel, req_ids.data_ptr(), num_tokens.data_ptr(), b, run, result)
         self.table, self.result, self.req_ids, self.num_tokens = table, result, req_ids, num_tokens
         return self
 
     def __repr__(self):
         return f"BoundStep(batch={self.result.ok.numel()}, max_tokens={self.result.slots.numel()})"
+
+
+def _bound_step(ids_at, ntok_at, ids_len, ntok_len, at_ids, at_ntok, b, run, result):
+    """What a :class:`BoundStep` runs: check the inputs' memory and length, ``run()``, return ``result``.
+
+    Every value arrives as an argument that ``functools.partial`` stores in one tuple,
+    not in nine closure cells: a call reads one object instead of nine, which shows
+    when the caches are cold (a forward pass between two steps; about 0.9 µs a step
+    in ``benchmarks/cold_breakdown.py``). A caller passing arguments of its own gets a
+    ``TypeError`` (too many positional arguments), as with a closure.
+    """
+    if ids_at() != at_ids or ntok_at() != at_ntok or ids_len() != b or ntok_len() != b:
+        raise StaleBinding("bind_step: req_ids or num_tokens no longer have the memory or the length they "
+                           "were bound with (reassigned or resized); fill them in place, or bind again")
+    run()
+    return result
 
 
 class PageTable:

@@ -1,0 +1,284 @@
+"""Where a cold decode step's time goes: façade, kernel, memory it touches, and floors, in one run.
+
+A decode step at B=256 (``bench_page_table.py``'s workload: prompts 512-2048 tokens,
+pages of 16) timed one call at a time with 64 MiB written before each call, as in
+``bench_page_table.py --cold``. Every row below is timed the same way and the rows
+take turns sample by sample, so the machine's noise falls on all of them alike.
+
+Rows, from the floor up:
+
+* ``python call``: a plain Python function call (the timing loop's own cost).
+* ``numba no-op``: a numba entry point called with one int (what calling any kernel costs).
+* ``touch: inputs``: a numba function reading the call descriptor, ``req_ids`` and ``num_tokens``.
+* ``touch: + lengths, outputs, memo``: also reads and writes ``seq_lens`` of every lane, writes
+  ``slots``, ``ok``, ``indptr``, ``last_page_len`` and reads the memo's ids (everything a
+  decode step touches but the block table and the CSR's page ids).
+* ``touch: + block-table rows``: also reads each lane's last page from its row (one line per lane).
+* ``touch: + CSR shift``: also moves the CSR's page ids right by one from the first lane that
+  gained a page (what growing the CSR in place costs: the runs after a grown lane move).
+* ``kernel alone``: the compiled step entry called directly with the bound call's descriptor.
+* ``façade only``: ``BoundStep``'s Python part (``page_table._bound_step``) around the no-op
+  instead of the kernel; ``..., as a closure (before)``: the same check as the closure it was.
+* ``bound step``: ``table.bind_step(ids, ones)()``.
+* ``step``: ``table.step(ids, ones)`` (bound on its own from the second call).
+* ``prototype kernel``: ``proto/step_tail.py``: the step with each lane's length and last page
+  kept in the step memo, so it reads no block-table row (a proposal for ``kernels/step.py``);
+  ``prototype: up to the memo check`` / ``up to the extend`` return early (where its time goes).
+* ``prefetch prototype kernel``: ``proto/step_prefetch.py``: the current step after a pass that
+  prefetches each lane's block-table line.
+* ``CSR-tail prototype kernel``: ``proto/step_csr_tail.py``: each lane's length and last page read
+  from the CSR the previous step left (``indptr``, ``last_page_len``, ``indices``) when the memo
+  allows it: no block-table row read and no new state.
+
+    python benchmarks/cold_breakdown.py                 # B=256, 200 samples a row, ~1 min
+    python benchmarks/cold_breakdown.py --batch 64 256 --samples 400 --json cold.json
+"""
+
+import argparse
+import functools
+import os
+import random
+import sys
+import time
+
+import numba
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, print_table, progress, quantiles,  # noqa: E402
+                     write_json)
+from bench_page_table import PAGE_SIZE, make_reset, setup  # noqa: E402
+from proto.step_prefetch import step_prefetch_bound_entry  # noqa: E402
+from proto.step_csr_tail import step_csr_tail_bound_entry  # noqa: E402
+from proto.step_tail import step_tail_bound_entry, tail_memo_len  # noqa: E402
+
+from tpool.kernels import layout as L  # noqa: E402
+from tpool.kernels._numba_util import (i32_array, i64_array, move_i32, page_shift, table_arrays,  # noqa: E402
+                                       u8_array)
+from tpool.backends.numba import call_descriptor, entry_point  # noqa: E402
+from tpool.errors import StaleBinding  # noqa: E402
+from tpool.page_table import _bound_step  # noqa: E402
+
+_i64 = numba.types.int64
+
+
+@numba.njit(nogil=True)
+def noop(x):
+    return x
+
+
+@numba.njit(nogil=True)
+def touch_inputs(cd_addr):
+    cd = i64_array(cd_addr, L.CALL_DESC_LEN)
+    B = cd[L.CD_LANES]
+    ids, ntok = i32_array(cd[L.CD_IDS], B), i32_array(cd[L.CD_NTOK], B)
+    s = 0
+    for i in range(B):
+        s += ids[i] + ntok[i]
+    return s
+
+
+@numba.njit(nogil=True)
+def touch_lanes(cd_addr, rows, shift):
+    """Reads and writes what a decode step does; ``rows``: also the block-table rows; ``shift``: also
+    moves the CSR's ids right by one past the first lane whose length is a multiple of the page size."""
+    cd = i64_array(cd_addr, L.CALL_DESC_LEN)
+    B = cd[L.CD_LANES]
+    bt, lens, _, ps = table_arrays(cd[:L.CD_STATE])
+    ids, ntok = i32_array(cd[L.CD_IDS], B), i32_array(cd[L.CD_NTOK], B)
+    slots, ok = i32_array(cd[L.CD_SLOTS], B), u8_array(cd[L.CD_OK], B)
+    indptr, last = i32_array(cd[L.CD_INDPTR], B + 1), i32_array(cd[L.CD_LAST_PAGE_LEN], B)
+    memo = i64_array(cd[L.CD_CSR_MEMO], L.MEMO_IDS + B)
+    diff = 0
+    for i in range(B):
+        diff |= memo[L.MEMO_IDS + i] ^ ids[i]
+    pos = 0
+    first = -1
+    shift = page_shift(ps)  # a power of two here: shifts, as the kernel (a division per lane would dominate)
+    for i in range(B):
+        r = np.uint64(ids[i])
+        length = lens[r]
+        k, off = np.uint64(length >> shift), length & (ps - 1)
+        page = bt[r, k] if rows else 7
+        slots[i] = page * ps + off
+        lens[r] = length  # written back unchanged: the table stays as it is
+        ok[i] = ntok[i] == 1
+        pos += k + 1
+        indptr[i + 1] = pos
+        last[i] = off + 1
+        if first < 0 and off == 0:
+            first = pos
+    if shift and first >= 0:  # move [first, pos) right by one and back: the same bytes, same state
+        move_i32(cd[L.CD_INDICES] + 4 * (first + 1), cd[L.CD_INDICES] + 4 * first, pos - first - 1)
+    return diff
+
+
+def closure_facade(req_ids, num_tokens, b, run):
+    """``BoundStep``'s Python part as it was before ``page_table._bound_step``: a closure (nine cells)."""
+    ids_at, ntok_at, ids_len, ntok_len = req_ids.data_ptr, num_tokens.data_ptr, req_ids.numel, num_tokens.numel
+    at_ids, at_ntok = ids_at(), ntok_at()
+    result = object()
+
+    def step():
+        if ids_at() != at_ids or ntok_at() != at_ntok or ids_len() != b or ntok_len() != b:
+            raise StaleBinding("moved")
+        run()
+        return result
+    return step
+
+
+def bound_run(bound):
+    """The numba backend's bound call inside a ``BoundStep`` (its ``run``, whose ``held[0]`` is the descriptor)."""
+    return next(a for a in bound.args if isinstance(a, functools.partial) and hasattr(a, "held"))
+
+
+def rows_for(B):
+    """name -> (fn, reset, settle) for one batch size (module note), and what they need kept alive."""
+    dev = torch.device("cpu")
+    _, table, _, _ = setup(B, "numba", dev, random.Random(B))
+    ids = torch.arange(B, dtype=torch.int32)
+    ones = torch.ones(B, dtype=torch.int32)
+    bound = table.bind_step(ids, ones)
+    step = functools.partial(table.step, ids, ones)
+    run = bound_run(bound)
+    cd_arr = run.held[0]
+    addr = int(cd_arr.ctypes.data)
+    reset = make_reset(bound, table)
+
+    # The prototype on the same table, with a memo of its own (its settle call leaves it valid): the
+    # rows then differ only in their code and memo, not in where the table's state happens to lie.
+    pmemo = torch.full((tail_memo_len(B),), -1, dtype=torch.int64)
+    pmemo[L.MEMO_WRITTEN] = bound.result.csr.indices.numel()
+    pcd = cd_arr.copy()
+    pcd[L.CD_CSR_MEMO] = pmemo.data_ptr()
+    tail_entry = entry_point(step_tail_bound_entry, _i64, _i64)
+    proto = functools.partial(tail_entry, int(pcd.ctypes.data), 0)
+    proto.held = (pcd, pmemo, run.held)
+    proto_memo = functools.partial(tail_entry, int(pcd.ctypes.data), 1)  # returns after the memo check
+    proto_extend = functools.partial(tail_entry, int(pcd.ctypes.data), 2)  # returns after the extend pass
+    prefetch = functools.partial(entry_point(step_prefetch_bound_entry, _i64), addr)
+    csr_entry = entry_point(step_csr_tail_bound_entry, _i64, _i64)
+    csr_tail = functools.partial(csr_entry, addr, 0)  # the table's own descriptor and memo
+
+    noop_run = functools.partial(entry_point(noop, _i64), addr)
+    out = {
+        "python call": (lambda: None, None),
+        "numba no-op": (noop_run, None),
+        "touch: inputs": (functools.partial(entry_point(touch_inputs, _i64), addr), None),
+        "touch: + lengths, outputs, memo": (functools.partial(entry_point(touch_lanes, _i64, numba.types.boolean,
+                                                                          numba.types.boolean), addr, False, False),
+                                            reset),
+        "touch: + block-table rows": (functools.partial(entry_point(touch_lanes, _i64, numba.types.boolean,
+                                                                    numba.types.boolean), addr, True, False), reset),
+        "touch: + CSR shift": (functools.partial(entry_point(touch_lanes, _i64, numba.types.boolean,
+                                                             numba.types.boolean), addr, True, True), reset),
+        "kernel alone": (run, reset),
+        "façade only": (functools.partial(_bound_step, ids.data_ptr, ones.data_ptr, ids.numel, ones.numel,
+                                          ids.data_ptr(), ones.data_ptr(), B, noop_run, bound.result), None),
+        "façade only, as a closure (before)": (closure_facade(ids, ones, B, noop_run), None),
+        "bound step": (bound, reset),
+        "step": (step, reset),
+        "prototype kernel": (proto, reset),
+        "prototype: up to the memo check": (proto_memo, reset, proto),
+        "prototype: up to the extend": (proto_extend, reset, proto),
+        "prefetch prototype kernel": (prefetch, reset),
+        "CSR-tail prototype kernel": (csr_tail, reset),
+        "CSR-tail prototype: up to the extend": (functools.partial(csr_entry, addr, 2), reset, csr_tail),
+    }
+    out = {name: v + (v[0],) if len(v) == 2 else v for name, v in out.items()}  # (fn, reset, settle)
+    return out, (table, ids, ones, bound, pmemo, pcd)
+
+
+def check_prototype(B, steps=64):
+    """The prototype's outputs and table equal the current step's over ``steps`` decode steps
+    with a turnover every 8 (releases + prefills), from the same start."""
+    dev = torch.device("cpu")
+    _, t1, _, _ = setup(B, "numba", dev, random.Random(B))
+    _, t2, _, _ = setup(B, "numba", dev, random.Random(B))
+    ids = torch.arange(B, dtype=torch.int32)
+    ones = torch.ones(B, dtype=torch.int32)
+    b1, b2 = t1.bind_step(ids, ones), t2.bind_step(ids, ones)
+    prun = bound_run(b2)
+    pmemo = torch.full((tail_memo_len(B),), -1, dtype=torch.int64)
+    pmemo[L.MEMO_WRITTEN] = b2.result.csr.indices.numel()
+    pcd = prun.held[0].copy()
+    pcd[L.CD_CSR_MEMO] = pmemo.data_ptr()
+    proto = entry_point(step_tail_bound_entry, _i64, _i64)
+    _, t3, _, _ = setup(B, "numba", dev, random.Random(B))
+    b3 = t3.bind_step(ids, ones)
+    csr_tail = functools.partial(entry_point(step_csr_tail_bound_entry, _i64, _i64),
+                                 int(bound_run(b3).held[0].ctypes.data), 0)
+    rng = random.Random(1)
+    for s in range(steps):
+        if s % 8 == 7:  # two finish, and come back with a prompt, outside the bound step
+            gone = torch.tensor(rng.sample(range(B), 2), dtype=torch.int32)
+            plen = torch.tensor([rng.randint(1, 300)] * 2, dtype=torch.int32)
+            for t in (t1, t2, t3):
+                t.release(gone)
+                t.extend(gone, plen, max_tokens=600)
+        b1()
+        proto(int(pcd.ctypes.data), 0)
+        csr_tail()
+        r1 = b1.result
+        for t, r in ((t2, b2.result), (t3, b3.result)):
+            for a, b in ((r1.slots, r.slots), (r1.ok, r.ok), *zip(r1.csr, r.csr),
+                         (t1.state.seq_lens, t.state.seq_lens), (t1.state.block_table, t.state.block_table)):
+                if not torch.equal(a, b):
+                    raise AssertionError(f"a prototype differs from the current step at step {s}")
+    for t in (t1, t2, t3):
+        t.pool.check()
+
+
+def parser():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter,
+                                 epilog="Progress goes to stderr. Before timing, the prototype is checked against "
+                                        "the current step (same outputs and table over 64 steps with turnovers).")
+    ap.add_argument("--batch", type=int, nargs="+", default=[256], metavar="B", help="requests in the batch")
+    ap.add_argument("--samples", type=int, default=200, help="cold calls timed per row")
+    ap.add_argument("--cold-bytes", type=int, default=COLD_BYTES, help="bytes written before each timed call")
+    ap.add_argument("--json", default="", metavar="PATH", help="also write the rows as JSON")
+    return ap
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    flush = CacheFlusher(args.cold_bytes)
+    out, table_rows = [], []
+    for B in args.batch:
+        progress(f"B={B}: checking the prototype against the current step")
+        check_prototype(B)
+        progress(f"B={B}: setting up and compiling")
+        rows, keep = rows_for(B)
+        for fn, reset, settle in rows.values():  # compile, bind
+            fn()
+            fn()
+            if reset:
+                reset()
+        times = {name: [] for name in rows}
+        progress(f"B={B}: {args.samples} cold samples of {len(rows)} rows, in turns")
+        for s in range(args.samples):
+            for name, (fn, reset, settle) in rows.items():
+                if reset:
+                    reset()
+                settle()  # untimed: the timed call grows the CSR this one left
+                flush()
+                t0 = time.perf_counter_ns()
+                fn()
+                times[name].append((time.perf_counter_ns() - t0) / 1e3)
+            if s % 50 == 49:
+                progress(f"B={B}: sample {s + 1}/{args.samples}")
+        for reset in {r for _, r, _ in rows.values() if r}:
+            reset()
+        base = quantiles(times["bound step"])[0]
+        for name, xs in times.items():
+            med, p20, p80 = quantiles(xs)
+            out.append(dict(batch=B, row=name, cold_median_us=med, cold_p20_us=p20, cold_p80_us=p80))
+            table_rows.append([B, name, f"{med:.2f}", f"{p20:.2f}", f"{p80:.2f}", f"{med / base:.2f}"])
+    print_table(f"cold decode step, {args.cold_bytes >> 20} MiB written before each call, pages of {PAGE_SIZE} "
+                f"(us per call)", ["B", "row", "cold median", "p20", "p80", "x bound step"], table_rows)
+    write_json(args.json, "cold_breakdown", out)
+
+
+if __name__ == "__main__":
+    main()
