@@ -4,7 +4,9 @@ The pages dropped by one call are freed as ONE ``free`` over the lanes' pages,
 lane by lane in table order (so a page shared by two released requests loses
 two references, and pushes follow first occurrence). Their table entries
 become -1 and the length is set. Truncating to a length above the current one
-(or below 0) is ``bad_length`` and leaves that request unchanged.
+(or below 0), or to a length that ends inside a page another request also holds
+(its next token would overwrite that request's K/V), is ``bad_length`` and leaves
+that request unchanged.
 """
 
 import numba
@@ -37,9 +39,18 @@ def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens,
             claim[ids[i]] = -1
         elif lane_valid(ids, i, R, claim) and use_lens:
             n = new_lens[i]
-            if n < 0 or n > seq_lens[ids[i]]:
+            length = seq_lens[ids[i]]
+            if n < 0 or n > length:
                 counters[L.ERR_BAD_LENGTH] += 1
                 claim[ids[i]] = -1
+            elif n < length and n % page_size != 0:
+                # Ending inside a page another request holds: the next token would overwrite
+                # its K/V. A bad length (as the reference's ends_in_shared_page).
+                # n // page_size < MP: n < length <= limit.
+                page = block_table[ids[i], n // page_size]
+                if 0 <= page < refcount.shape[0] and refcount[page] > 1:
+                    counters[L.ERR_BAD_LENGTH] += 1
+                    claim[ids[i]] = -1
     count = 0
     for i in range(B):  # how many entries are dropped
         if lane_valid(ids, i, R, claim):
@@ -286,5 +297,9 @@ def release_triton(req_ids, cache, st, ts) -> None:
 
 
 def truncate_triton(req_ids, new_lens, st, ts) -> None:
-    """Roll requests ``req_ids`` back to ``new_lens`` tokens (one launch; see module note)."""
+    """Roll requests ``req_ids`` back to ``new_lens`` tokens (one launch; see module note).
+
+    The caller refuses lanes that would end inside a shared page beforehand (the triton
+    backend gives them length -1), since the kernel's own frees change the reference counts.
+    """
     _launch(req_ids, new_lens, False, st, ts)

@@ -105,6 +105,9 @@ class TableModel:
             if n < 0 or n > self.lens[r]:
                 self._err("bad_length")
                 continue
+            if n < self.lens[r] and n % self.ps and self.pool.rc[self.rows[r][n // self.ps]] > 1:
+                self._err("bad_length")  # it would end inside a page another request holds
+                continue
             keep = cdiv(n, self.ps)
             flat += self.rows[r][keep:]
             self.rows[r], self.lens[r] = self.rows[r][:keep], n

@@ -113,6 +113,31 @@ def test_truncate_frees_pages_past_the_new_length(make_table, guard):
     table.check_invariants()
 
 
+def test_truncate_inside_a_shared_page_is_refused(make_table, guard):
+    """A truncate may not end inside a page another request holds: the next token would land there."""
+    table = make_table(16, 4, 3, 4)
+    with guard():
+        table.extend(i32([0]), i32([8]), max_tokens=8)   # pages 0, 1
+        table.fork(i32([0]), i32([1]), i32([8]))          # request 1 shares both whole pages
+        table.truncate(i32([0, 1]), i32([6, 4]))          # 0: inside shared page 1, refused; 1: a boundary
+    with pytest.raises(tpool.InvalidLength, match="bad_length: 1"):
+        table.pool.check()
+    assert table.seq_lens.tolist() == [8, 4, 0]
+    assert table.block_table[:2].tolist() == [[0, 1, -1, -1], [0, -1, -1, -1]]
+    assert table.pool.state.refcount[:2].tolist() == [2, 1]
+    with guard():
+        table.truncate(i32([1]), drop=i32([2]))           # inside page 0, still shared: refused
+        table.truncate(i32([0]), drop=i32([2]))           # page 1 is request 0's alone now
+    with pytest.raises(tpool.InvalidLength, match="bad_length: 1"):
+        table.pool.check()
+    assert table.seq_lens.tolist() == [6, 4, 0]
+    with guard():
+        r = table.extend(i32([0]), i32([1]))
+    assert r.slots.tolist() == [6]                       # continues inside its own page 1
+    table.pool.check()
+    table.check_invariants()
+
+
 def test_release_with_cache_keeps_pages_cached(make_table, guard):
     table = make_table(8, 2, 2, 4)
     with guard():

@@ -64,16 +64,20 @@ class Sim:
         row = self.rng.choice(rows)
         cache = self.mode != "plain" and self.rng.random() < 0.5
         lo, hi = self.m.lo[row], self.m.hi[row]
-        if cache and self.m.shared[row] == 0 and lo == hi and lo > 0:
-            k = self.m.pages_for(int(lo))
-            self.cache.append((self.table.block_table[row, :k].clone(), int(lo), self.epoch))
+        whole = int(lo) // self.m.page_size * self.m.page_size  # a prefix cache keeps whole pages only
+        if cache and self.m.shared[row] == 0 and lo == hi and whole > 0:
+            k = self.m.pages_for(whole)
+            self.cache.append((self.table.block_table[row, :k].clone(), whole, self.epoch))
         self.m.finish([row], cache=cache)
 
     def truncate(self):
         rows = self.m.running()
         if rows:
-            row = self.rng.choice(rows)
-            self.m.truncate([row], [self.rng.randint(0, int(self.m.lo[row]))])
+            row, ps = self.rng.choice(rows), self.m.page_size
+            n = self.rng.randint(0, int(self.m.lo[row]))
+            if n // ps < self.m.shared[row]:
+                n -= n % ps  # not inside a page it may share (the mirror refuses that: test below)
+            self.m.truncate([row], [n])
 
     def speculate(self):
         d = self.rng.randint(1, 3)
@@ -384,6 +388,25 @@ def test_bad_calls_raise_before_device_work(backend):
     with pytest.raises(ValueError):
         HostMirror(table, free=8)
     assert pool.stats()["clock"] == 1                     # only the admission ran
+
+
+def test_mirror_refuses_to_end_a_row_inside_a_page_it_may_share(backend):
+    pool, table, m = _setup(backend, num_pages=16, rows=3)
+    (a,) = m.admit([8])                                   # two whole pages
+    b = m.fork(a, 8)                                      # shares both
+    clock = pool.stats()["clock"]
+    with no_host_sync():
+        with pytest.raises(ValueError, match="may share"):
+            m.truncate([b], [6])
+        with pytest.raises(ValueError, match="may share"):
+            m.rollback([b], i32([6]), [6])
+        with pytest.raises(ValueError, match="whole pages"):
+            m.revive(table.block_table[a, :2].clone(), 6)
+    assert pool.stats()["clock"] == clock                 # refused before any device work
+    with no_host_sync():
+        m.truncate([b], [4])                              # a page boundary: allowed
+    pool.check()
+    assert table.seq_lens[:2].tolist() == [8, 4]
 
 
 def test_mirror_reads_the_pool_once_when_not_told(backend):

@@ -112,8 +112,11 @@ HINTS = {
         "PageTable with a larger max_pages_per_request (at least ceil(longest sequence / page_size)), or "
         "stop the request before it reaches that length."),
     L.ERR_BAD_LENGTH: (
-        "truncate or fork asked for a length the request does not have (negative, or longer than it is); "
-        "the lane was skipped. Pass 0 <= length <= the request's current length (seq_lens)."),
+        "truncate or fork asked for a length the request does not have (negative, or longer than it is), "
+        "or a truncate would end inside a page another request also holds (a fork's shared prefix, a "
+        "revived page: the next token would overwrite that request's K/V); the lane was skipped. Pass "
+        "0 <= length <= the request's current length (seq_lens), and truncate a request that shares "
+        "pages only to a page boundary or past the shared pages."),
     L.ERR_CORRUPT_STATE: (
         "a stored value (a request length, a free or cached count, a free-stack entry, a stamp, a page "
         "state) was outside its bounds, so the lane or call that met it was skipped: the state was edited "

@@ -500,7 +500,11 @@ class PageTable:
         """Roll requests back to ``new_lens[i]`` tokens, or by ``drop[i]`` tokens (rejected speculative tokens).
 
         Pages past the new length are freed. A new length above the current one
-        (or below 0) is a ``bad_length`` error and leaves that request unchanged.
+        (or below 0) is a ``bad_length`` error and leaves that request unchanged, and so
+        is a new length that ends inside a page another request also holds (a page shared
+        by ``fork`` or revived by ``pool.incref``): the request's next token would be
+        written into that page, over the other holder's K/V. Rolling a fork back to its
+        fork point never meets this (``fork`` shares whole pages and copies a partial one).
 
         Parameters
         ----------

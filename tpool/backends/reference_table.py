@@ -178,9 +178,26 @@ def truncate(st, ts, req_ids, new_lens):
     c[L.ERR_CORRUPT_STATE] += (valid & ~lok).sum()
     valid = valid & lok
     n = new_lens.long()
-    badlen = valid & ((n < 0) | (n > ts.seq_lens[rr]))
+    length = ts.seq_lens[rr].long()
+    badlen = valid & ((n < 0) | (n > length))
+    badlen = badlen | (valid & ~badlen & ends_in_shared_page(st, ts, rr, n, length))
     c[L.ERR_BAD_LENGTH] += badlen.sum()
     _drop_tail(st, ts, rr, valid & ~badlen, n.clamp(min=0), False)
+
+
+def ends_in_shared_page(st, ts, rr, n, length):
+    """Lanes whose truncate to ``n`` would end inside a page another request also holds.
+
+    The request's next token would be written into that page, over the other holder's
+    K/V (a fork's shared prefix, a revived cached page): such a truncate is a
+    ``bad_length`` and leaves the request unchanged. Lanes with ``0 <= n <= length``
+    are the ones asked about; a page id outside the pool is not read (not shared).
+    """
+    ps, MP, P = ts.page_size, ts.max_pages, st.num_pages
+    inside = (n >= 0) & (n < length) & (n % ps != 0)
+    page = ts.block_table[rr, (n.clamp(min=0) // ps).clamp(max=MP - 1)].long()
+    known = (page >= 0) & (page < P)
+    return inside & known & (st.refcount[page.clamp(0, P - 1)] > 1)
 
 
 def fork(st, ts, src_ids, dst_ids, lens, ok, cow_src, cow_dst):

@@ -12,6 +12,7 @@ any graph capture).
 import torch
 
 from tpool.backends.contract import BoundByTensors, PoolByFunctions, locked
+from tpool.backends.reference_table import ends_in_shared_page
 from tpool.kernels import _triton_shim
 from tpool.kernels import alloc, block_table_rows, evict, extend, flashinfer_csr, fork, free, incref, release, step
 from tpool.kernels import touch
@@ -47,7 +48,16 @@ class Table(BoundByTensors):
 
     @locked
     def truncate(self, req_ids, new_lens):
-        release.truncate_triton(req_ids, new_lens, self.st, self.ts)
+        # A lane that would end inside a shared page gets length -1 (a bad_length), decided on
+        # the reference counts as the call starts (the kernel's frees change them): a few
+        # gathers, no host read.
+        st, ts = self.st, self.ts
+        if req_ids.numel():
+            rr = req_ids.long().clamp(0, ts.block_table.shape[0] - 1)  # bad ids, padding: skipped by the kernel
+            n = new_lens.long()
+            shared = ends_in_shared_page(st, ts, rr, n, ts.seq_lens[rr].long())
+            new_lens = torch.where(shared, -1, n).to(torch.int32)
+        release.truncate_triton(req_ids, new_lens, st, ts)
 
     @locked
     def fork(self, src_ids, dst_ids, lens, ok, cow_src, cow_dst):

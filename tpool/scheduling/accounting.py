@@ -77,7 +77,16 @@ class Accounting:
 
     def pages_needed(self, row: int, n: int) -> int:
         """Pages request ``row`` may need for ``n`` more tokens (exact unless its length is uncertain)."""
-        return int(self._need(np.array([row]), np.int64(n))[0])
+        return int(self._need(self._row(row, n, "pages_needed"), np.int64(n))[0])
+
+    def _row(self, row, n, what):
+        """``row`` as a one-row array after checking it is a running row and ``n`` a count."""
+        if not (isinstance(row, (int, np.integer)) and 0 <= row < self.live.size and self.live[row]):
+            raise ValueError(f"{what}: expected a running row (an int in [0, {self.live.size}) that holds a "
+                             f"request), got {row!r}")
+        if not (isinstance(n, (int, np.integer)) and n >= 0):
+            raise ValueError(f"{what}: expected a non-negative int of tokens, got {n!r}")
+        return np.array([row], dtype=np.int64)
 
     def _need(self, r, n):
         ps = self.page_size
@@ -175,7 +184,7 @@ class Accounting:
     def reserve(self, row: int, tokens: int) -> int:
         """Set aside pages for ``tokens`` more tokens of ``row`` (at least its current ones);
         returns the pages it now holds reserved (less than asked if unreserved pages run out)."""
-        r = np.array([row])
+        r = self._row(row, tokens, "reserve")
         want = max(int(self._need(r, np.int64(tokens))[0]) - int(self.res[row]), 0)
         got = min(want, max(self.unreserved, 0))
         self.res[row] += got
@@ -184,6 +193,7 @@ class Accounting:
 
     def unreserve(self, row: int) -> None:
         """Give back ``row``'s reserved pages."""
+        self._row(row, 0, "unreserve")
         self._full = None
         self.reserved -= int(self.res[row])
         self.res[row] = 0

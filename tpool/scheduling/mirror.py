@@ -180,9 +180,11 @@ class HostMirror(MixedSteps, Accounting):
         """Roll rows back to host-known lengths (``new_lens[i] <= `` the row's sure length)."""
         r, _, _ = self._batch(rows, 0)
         nl = np.asarray(new_lens, dtype=np.int64).reshape(-1)
-        out = self._acct
-        if nl.shape != r.shape or truncate_accounting(self._st, r, nl, self.page_size, self.lookahead,
-                                                      self.unreserved, out):
+        out, ps = self._acct, self.page_size
+        if nl.shape == r.shape:  # checked before the accounting, which updates the rows
+            self._refuse_shared_ends(r, (nl < self.hi[r]) & (nl % ps != 0) & (nl // ps < self.shared[r]),
+                                     "new_lens")
+        if nl.shape != r.shape or truncate_accounting(self._st, r, nl, ps, self.lookahead, self.unreserved, out):
             raise ValueError(f"new_lens: expected one per row within [0, lo], got {nl.tolist()} "
                              f"(lo {self.lo[r].tolist()})")
         self._seq += 1
@@ -208,12 +210,29 @@ class HostMirror(MixedSteps, Accounting):
         ml = np.asarray(min_lens, dtype=np.int64).reshape(-1)
         if ml.shape != r.shape or (ml < 0).any() or (ml > self.hi[r]).any():
             raise ValueError(f"min_lens: expected one per row within [0, hi], got {ml.tolist()}")
+        # Any length in [min_lens, hi] may come out: none may end inside a possibly-shared page.
+        ps = self.page_size
+        self._refuse_shared_ends(r, (ps > 1) & (ml < self.hi[r]) & (ml < self.shared[r] * ps), "min_lens")
         self._seq += 1
         self._full = None
         self._free_inexact_at = self._seq
         self.lo[r] = np.minimum(self.lo[r], ml)
         self.uncertain_at[r] = self._seq
         self.table.truncate(self._tensor(r), new_lens)
+
+    def _refuse_shared_ends(self, r, into, what):
+        """Raise before the table call if a row would end inside one of its possibly-shared pages.
+
+        Its next token would be written into a page that a fork or a revive shares (another
+        request's K/V); the table refuses such a truncate as a ``bad_length``, and the mirror,
+        which does not read the device, refuses it here first. ``shared`` is a bound: a row
+        stays "possibly shared" after the other holder lets go, until it is truncated below.
+        """
+        if into.any():
+            raise ValueError(f"{what}: rows {r[into].tolist()} would end inside a page they may share with "
+                             f"another request (their first {self.shared[r][into].tolist()} pages came from "
+                             f"a fork or a revive; the next token would overwrite its K/V). Truncate to a "
+                             f"multiple of page_size ({self.page_size}) there, or past the shared pages")
 
     def fork(self, src: int, n_tokens: int, max_len: int | None = None) -> int:
         """A new request sharing the first ``n_tokens`` tokens of running ``src``; returns its row.
@@ -248,6 +267,10 @@ class HostMirror(MixedSteps, Accounting):
             device. They are revived (``pool.incref``) and written into the row by hand
             (``table.invalidate_csr()`` follows); the mirror counts them as possibly shared.
 
+        Only whole pages are revived (``n_tokens`` a multiple of ``page_size``), as a prefix
+        cache shares only full blocks: the request's next token goes to a fresh page, never
+        into a page another revive of the same prefix also holds.
+
         The caller's contract (``reconcile`` raises ``MirrorError`` if it was broken): every
         page is CACHED (released with ``cache=True`` and not evicted since: the pool hands
         out only FREE pages, so a CACHED page keeps its content), or USED only by requests
@@ -262,6 +285,10 @@ class HostMirror(MixedSteps, Accounting):
                              f"{getattr(pages, 'dtype', type(pages).__name__)} {tuple(getattr(pages, 'shape', ()))}")
         if not 0 <= n_tokens <= m <= self.capacity:
             raise ValueError(f"revive: expected 0 <= n_tokens <= max_len <= {self.capacity}, got {n_tokens}, {m}")
+        if n_tokens % ps:
+            raise ValueError(f"revive: expected whole pages (n_tokens a multiple of page_size {ps}), got "
+                             f"{n_tokens}: a revived page may be shared, and the next token would be written "
+                             f"into a partial last one. Revive the whole pages and extend the rest")
         if self._target_new(n_tokens, m) > self.unreserved:
             raise WouldNotFit(f"revive: its reservation needs pages, {self.unreserved} unreserved")
         self._seq += 1
