@@ -21,14 +21,11 @@ Rows, from the floor up:
   instead of the kernel; ``..., as a closure (before)``: the same check as the closure it was.
 * ``bound step``: ``table.bind_step(ids, ones)()``.
 * ``step``: ``table.step(ids, ones)`` (bound on its own from the second call).
-* ``prototype kernel``: ``proto/step_tail.py``: the step with each lane's length and last page
-  kept in the step memo, so it reads no block-table row (a proposal for ``kernels/step.py``);
-  ``prototype: up to the memo check`` / ``up to the extend`` return early (where its time goes).
-* ``prefetch prototype kernel``: ``proto/step_prefetch.py``: the current step after a pass that
-  prefetches each lane's block-table line.
-* ``CSR-tail prototype kernel``: ``proto/step_csr_tail.py``: each lane's length and last page read
-  from the CSR the previous step left (``indptr``, ``last_page_len``, ``indices``) when the memo
-  allows it: no block-table row read and no new state.
+The step reads each decode lane's length and last page from the step memo's tails (written
+by the step before), not from ``seq_lens`` and the block-table rows; the ``touch: + block-table
+rows`` row shows what reading the rows cost it before. Prototypes measured earlier and not
+taken (reading lengths from the previous CSR, a prefetch pass over the rows) are described in
+the README's benchmark section.
 
     python benchmarks/cold_breakdown.py                 # B=256, 200 samples a row, ~1 min
     python benchmarks/cold_breakdown.py --batch 64 256 --samples 400 --json cold.json
@@ -49,9 +46,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, print_table, progress, quantiles,  # noqa: E402
                      write_json)
 from bench_page_table import PAGE_SIZE, make_reset, setup  # noqa: E402
-from proto.step_prefetch import step_prefetch_bound_entry  # noqa: E402
-from proto.step_csr_tail import step_csr_tail_bound_entry  # noqa: E402
-from proto.step_tail import step_tail_bound_entry, tail_memo_len  # noqa: E402
 
 from tpool.kernels import layout as L  # noqa: E402
 from tpool.kernels._numba_util import (i32_array, i64_array, move_i32, page_shift, table_arrays,  # noqa: E402
@@ -146,21 +140,6 @@ def rows_for(B):
     addr = int(cd_arr.ctypes.data)
     reset = make_reset(bound, table)
 
-    # The prototype on the same table, with a memo of its own (its settle call leaves it valid): the
-    # rows then differ only in their code and memo, not in where the table's state happens to lie.
-    pmemo = torch.full((tail_memo_len(B),), -1, dtype=torch.int64)
-    pmemo[L.MEMO_WRITTEN] = bound.result.csr.indices.numel()
-    pcd = cd_arr.copy()
-    pcd[L.CD_CSR_MEMO] = pmemo.data_ptr()
-    tail_entry = entry_point(step_tail_bound_entry, _i64, _i64)
-    proto = functools.partial(tail_entry, int(pcd.ctypes.data), 0)
-    proto.held = (pcd, pmemo, run.held)
-    proto_memo = functools.partial(tail_entry, int(pcd.ctypes.data), 1)  # returns after the memo check
-    proto_extend = functools.partial(tail_entry, int(pcd.ctypes.data), 2)  # returns after the extend pass
-    prefetch = functools.partial(entry_point(step_prefetch_bound_entry, _i64), addr)
-    csr_entry = entry_point(step_csr_tail_bound_entry, _i64, _i64)
-    csr_tail = functools.partial(csr_entry, addr, 0)  # the table's own descriptor and memo
-
     noop_run = functools.partial(entry_point(noop, _i64), addr)
     out = {
         "python call": (lambda: None, None),
@@ -179,61 +158,14 @@ def rows_for(B):
         "façade only, as a closure (before)": (closure_facade(ids, ones, B, noop_run), None),
         "bound step": (bound, reset),
         "step": (step, reset),
-        "prototype kernel": (proto, reset),
-        "prototype: up to the memo check": (proto_memo, reset, proto),
-        "prototype: up to the extend": (proto_extend, reset, proto),
-        "prefetch prototype kernel": (prefetch, reset),
-        "CSR-tail prototype kernel": (csr_tail, reset),
-        "CSR-tail prototype: up to the extend": (functools.partial(csr_entry, addr, 2), reset, csr_tail),
     }
     out = {name: v + (v[0],) if len(v) == 2 else v for name, v in out.items()}  # (fn, reset, settle)
-    return out, (table, ids, ones, bound, pmemo, pcd)
-
-
-def check_prototype(B, steps=64):
-    """The prototype's outputs and table equal the current step's over ``steps`` decode steps
-    with a turnover every 8 (releases + prefills), from the same start."""
-    dev = torch.device("cpu")
-    _, t1, _, _ = setup(B, "numba", dev, random.Random(B))
-    _, t2, _, _ = setup(B, "numba", dev, random.Random(B))
-    ids = torch.arange(B, dtype=torch.int32)
-    ones = torch.ones(B, dtype=torch.int32)
-    b1, b2 = t1.bind_step(ids, ones), t2.bind_step(ids, ones)
-    prun = bound_run(b2)
-    pmemo = torch.full((tail_memo_len(B),), -1, dtype=torch.int64)
-    pmemo[L.MEMO_WRITTEN] = b2.result.csr.indices.numel()
-    pcd = prun.held[0].copy()
-    pcd[L.CD_CSR_MEMO] = pmemo.data_ptr()
-    proto = entry_point(step_tail_bound_entry, _i64, _i64)
-    _, t3, _, _ = setup(B, "numba", dev, random.Random(B))
-    b3 = t3.bind_step(ids, ones)
-    csr_tail = functools.partial(entry_point(step_csr_tail_bound_entry, _i64, _i64),
-                                 int(bound_run(b3).held[0].ctypes.data), 0)
-    rng = random.Random(1)
-    for s in range(steps):
-        if s % 8 == 7:  # two finish, and come back with a prompt, outside the bound step
-            gone = torch.tensor(rng.sample(range(B), 2), dtype=torch.int32)
-            plen = torch.tensor([rng.randint(1, 300)] * 2, dtype=torch.int32)
-            for t in (t1, t2, t3):
-                t.release(gone)
-                t.extend(gone, plen, max_tokens=600)
-        b1()
-        proto(int(pcd.ctypes.data), 0)
-        csr_tail()
-        r1 = b1.result
-        for t, r in ((t2, b2.result), (t3, b3.result)):
-            for a, b in ((r1.slots, r.slots), (r1.ok, r.ok), *zip(r1.csr, r.csr),
-                         (t1.state.seq_lens, t.state.seq_lens), (t1.state.block_table, t.state.block_table)):
-                if not torch.equal(a, b):
-                    raise AssertionError(f"a prototype differs from the current step at step {s}")
-    for t in (t1, t2, t3):
-        t.pool.check()
+    return out, (table, ids, ones, bound)
 
 
 def parser():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter,
-                                 epilog="Progress goes to stderr. Before timing, the prototype is checked against "
-                                        "the current step (same outputs and table over 64 steps with turnovers).")
+                                 epilog="Progress goes to stderr.")
     ap.add_argument("--batch", type=int, nargs="+", default=[256], metavar="B", help="requests in the batch")
     ap.add_argument("--samples", type=int, default=200, help="cold calls timed per row")
     ap.add_argument("--cold-bytes", type=int, default=COLD_BYTES, help="bytes written before each timed call")
@@ -246,8 +178,6 @@ def main(argv=None):
     flush = CacheFlusher(args.cold_bytes)
     out, table_rows = [], []
     for B in args.batch:
-        progress(f"B={B}: checking the prototype against the current step")
-        check_prototype(B)
         progress(f"B={B}: setting up and compiling")
         rows, keep = rows_for(B)
         for fn, reset, settle in rows.values():  # compile, bind

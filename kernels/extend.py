@@ -67,6 +67,7 @@ def extend_numba(
     pos_ptr,      # address of int32 [T] when track: position of every new token, -1 where its slot is -1
     qo,           # int32 [B + 1] when track: qo_indptr
     kvl,          # int32 [B] when track: kv_lens
+    tails,        # int64 [B] when track: per lane (last page << 32) | length after the call; read when distinct
 ):
     """The extend of a batch; with ``track``, also a step's CSR bookkeeping, in the same pass.
 
@@ -81,6 +82,14 @@ def extend_numba(
     step then only moves those runs (``kernels/step.py``) instead of rebuilding
     ``indices``. ``distinct`` (the step's memo already knows the batch has no repeated
     or unknown id) skips the claim passes.
+
+    With ``track`` every request's lane also writes its word of ``tails``: the request's
+    last page and length after the call. With ``distinct`` (the memo holds this batch at
+    the table's version, so the words are exact) a lane reads its length there, and a
+    decode lane inside its last page its page too, instead of ``seq_lens[r]`` and the row
+    ``block_table[r]``: one contiguous read instead of a line per lane, which is most of
+    a decode step's cost when a forward pass has cooled the caches. The table stays the
+    truth (``seq_lens`` and the rows are still written).
 
     Returns ``(clean, pages, grown)``: ``clean`` when every lane is padding or a
     request's first lane, ``pages`` the batch's pages after the call (the CSR's total),
@@ -112,7 +121,12 @@ def extend_numba(
         if r >= 0 and r < R and (distinct or claim[r] == INT32_MAX):  # a request's first lane
             if not distinct:
                 claim[r] = i
-            length = seq_lens[r]
+                length = seq_lens[r]
+                tail_page = np.int64(-1)
+            else:  # the step before left this lane's length and last page in the memo
+                packed = tails[i]
+                length = np.int32(packed & 0xFFFFFFFF)
+                tail_page = packed >> 32
             if shift >= 0:
                 k, off = length >> shift, length & (page_size - 1)
             else:
@@ -123,11 +137,13 @@ def extend_numba(
                 # A decode lane inside its last page: no new page, one slot (most lanes of most steps).
                 # Unsigned indices (all are known >= 0 here) spare numba's negative-index fixups.
                 ur, uk, ui, ut = np.uint64(r), np.uint64(k), np.uint64(i), np.uint64(tok)
-                slots[ut] = block_table[ur, uk] * page_size + off
+                page = tail_page if distinct else np.int64(block_table[ur, uk])
+                slots[ut] = page * page_size + off
                 seq_lens[ur] = length + 1
                 ok[ui] = True
                 tok += 1
                 if track:
+                    tails[ui] = (page << 32) | (length + 1)
                     pos += k + 1
                     indptr[ui + np.uint64(1)] = pos
                     last[ui] = off + 1
@@ -149,6 +165,7 @@ def extend_numba(
                     fill_null_range(pos_ptr, start, min(tok, T))
                     qo[i + 1] = min(tok, T)
                     kvl[i] = 0
+                    tails[i] = 0  # never read: a corrupt lane makes the call unclean (no memo)
                 continue
             have = k + (off != 0)  # pages_for(length)
             want = have
@@ -205,6 +222,7 @@ def extend_numba(
             if track:
                 qo[i + 1] = min(tok, T)
                 kvl[i] = length
+                tails[i] = ((np.int64(block_table[r, want - 1]) if want > 0 else np.int64(-1)) << 32) | length
                 if want > have:
                     grown = list_growth(ins, grown, i, pos - gained + have, have, want)
                     gained += want - have
@@ -256,7 +274,7 @@ def extend_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
     untracked = i32_array(0, 0)
     extend_numba(req_ids_ptr, ntok_ptr, B, cd[CD_SLOTS], cd[CD_SLOTS_LEN], cd[CD_OK], ps, bt, lens, claim,
                  stack, rc, state, counters, False, False, untracked, untracked, i64_array(0, 0), 0, untracked,
-                 untracked)
+                 untracked, i64_array(0, 0))
 
 
 # ---------------------------------------------------------------------- Triton

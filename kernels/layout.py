@@ -62,12 +62,19 @@ ERROR_NAMES = {
 #   MEMO_VERSION: the table version the buffers hold the CSR of, -1 if none (numba step).
 #   MEMO_IDS: [B] the batch they hold it for (numba step).
 #   then [MEMO_INS_WIDTH * B] scratch: the lanes a step gave pages (numba step).
+#   then [B] tails, from memo_tails(B): each lane's ``(last page << 32) | length`` after the
+#     step (numba step), valid whenever MEMO_VERSION and MEMO_IDS are: the next step of the
+#     batch reads a lane's length and last page there instead of in the table's rows.
 MEMO_WRITTEN, MEMO_VERSION, MEMO_IDS = 0, 1, 2
 MEMO_INS_WIDTH = 4  # lane, end of its old pages in the old CSR, pages before, pages after
 
 
-def memo_len(b: int) -> int:
+def memo_tails(b: int) -> int:
     return MEMO_IDS + (1 + MEMO_INS_WIDTH) * b
+
+
+def memo_len(b: int) -> int:
+    return MEMO_IDS + (2 + MEMO_INS_WIDTH) * b  # memo_tails(b) + b, written out (numba compiles it)
 
 
 # Descriptors of the numba kernels. A numba call checks every array argument it is

@@ -12,7 +12,9 @@ at B=256), and copying them is most of a step on a CPU; from one step to the nex
 request only gains pages at the end of its run, so the previous CSR,
 with runs shifted right and new pages written in, is the new one. A step
 does that when the buffers hold the CSR of the same batch at the table's
-current version (``MEMO_VERSION``, ``MEMO_IDS`` in :mod:`layout`); every numba call that may
+current version (``MEMO_VERSION``, ``MEMO_IDS`` in :mod:`layout`; then each lane's
+length and last page are in the memo's tails too, and the step reads no
+block-table row for a decode lane inside its last page); every numba call that may
 change the table gives it a fresh version first, and a restored snapshot
 brings back its own, so any other change in between (a release, a truncate,
 another shape's step, a restore) makes the next step rebuild the CSR. So
@@ -34,7 +36,8 @@ from .flashinfer_csr import flashinfer_csr_body, flashinfer_csr_numba
 from .extend import MAX_TILE, extend_body, extend_numba
 
 
-_memo_len = numba.njit(nogil=True, inline="always")(L.memo_len)  # the table's own formula, in numba
+_memo_len = numba.njit(nogil=True, inline="always")(L.memo_len)  # the table's own formulas, in numba
+_memo_tails = numba.njit(nogil=True, inline="always")(L.memo_tails)
 
 
 @numba.njit(nogil=True)
@@ -81,11 +84,12 @@ def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
         same = diff == 0
     version = new_version(td)
     indptr, last = i32_array(cd[CD_INDPTR], B + 1), i32_array(cd[CD_LAST_PAGE_LEN], B)
-    ins = memo[L.MEMO_IDS + B:]
+    tails_at = _memo_tails(B)
+    ins, tails = memo[L.MEMO_IDS + B:tails_at], memo[tails_at:]
     qo, kvl = i32_array(cd[CD_QO_INDPTR], B + 1), i32_array(cd[CD_KV_LENS], B)
     clean, total, grown = extend_numba(req_ids_ptr, ntok_ptr, B, cd[CD_SLOTS], cd[CD_SLOTS_LEN], cd[CD_OK], ps, bt,
                                        lens, claim, stack, rc, state, counters, True, same, indptr, last, ins,
-                                       cd[CD_POSITIONS], qo, kvl)
+                                       cd[CD_POSITIONS], qo, kvl, tails)
     cap = cd[CD_INDICES_LEN]
     if same and clean and total <= cap:  # indptr and last_page_len are written: grow indices
         grow_csr(cd[CD_INDICES], ins, grown, total, ids, bt)

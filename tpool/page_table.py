@@ -656,7 +656,8 @@ class PageTable:
         b = self._ids(req_ids)
         cap = b * self.max_pages if capacity is None else capacity
         bufs = self._shapes.buffers.get(("step-csr", b, cap))
-        return bufs is not None and bufs[1].growable_batch(int(self.state.version[0])) == req_ids.tolist()
+        grows = bufs[1].growable_batch(int(self.state.version[0])) if bufs is not None else None
+        return grows is not None and grows[0] == req_ids.tolist()
 
     def invalidate_csr(self) -> None:
         """Make the next step of every shape rebuild its CSR instead of growing the last one.
@@ -708,14 +709,20 @@ class PageTable:
         # table's current version, numba only) must still be that batch's CSR.
         version = int(self.state.version[0])
         for key, (csr, memo) in self._step_csrs():
-            batch = memo.growable_batch(version)
-            if batch is None:
+            grows = memo.growable_batch(version)
+            if grows is None:
                 continue
+            batch, tails = grows
             want = [p for r in batch if r >= 0 for p in bt[r, :int(npages[r])].tolist()]
             if csr.indices[:len(want)].tolist() != want:
                 raise InvariantViolation(f"invariant broken: the CSR of step shape {key[1:]} is its batch's CSR (the "
                                          "next step grows it in place: were its indices written to, or the table's "
                                          "state edited by hand without invalidate_csr()?)")
+            truth = [(int(bt[r, npages[r] - 1]) if npages[r] > 0 else -1, int(lens[r])) for r in batch if r >= 0]
+            if [t for r, t in zip(batch, tails) if r >= 0] != truth:
+                raise InvariantViolation(f"invariant broken: the step memo of shape {key[1:]} holds each request's "
+                                         "length and last page (the next step reads them instead of the table: "
+                                         "was the state edited by hand without invalidate_csr()?)")
 
     def _step_csrs(self):
         """``(key, (PagedKVCSR, CsrMemo))`` of every step shape's CSR buffers."""

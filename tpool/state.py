@@ -107,7 +107,10 @@ class CsrMemo:
     * ``MEMO_VERSION``: the table version whose CSR the buffers hold, -1 if none,
       and ``MEMO_IDS``: the batch it is for. A numba step whose batch and version
       match grows the CSR in place instead of rebuilding it (``kernels/step.py``);
-    * then scratch where a numba step's extend notes the lanes it gave pages.
+    * then scratch where a numba step's extend notes the lanes it gave pages;
+    * then the tails (from ``memo_tails(B)``): each lane's ``(last page << 32) | length``
+      after the last numba step, which the next step of the batch reads instead of the
+      table's rows while the version and the batch match.
 
     Everything but the kernels goes through this class.
     """
@@ -123,10 +126,12 @@ class CsrMemo:
         """Make the next step on these buffers rebuild the CSR instead of growing it."""
         self.tensor[L.MEMO_VERSION] = -1
 
-    def growable_batch(self, version: int) -> list | None:
-        """The request ids whose CSR the next step may grow in place, if the buffers hold the
-        CSR of table version ``version``; else None. A sync point (for ``check_invariants``)."""
+    def growable_batch(self, version: int) -> tuple[list, list] | None:
+        """``(request ids, tails)`` the next step may grow the CSR of in place and read lengths
+        and last pages from, if the buffers hold the CSR of table version ``version``; else
+        None. Each tail is ``(last page, length)``. A sync point (for ``check_invariants``)."""
         memo = self.tensor.tolist()
         if memo[L.MEMO_VERSION] != version:
             return None
-        return memo[L.MEMO_IDS:L.MEMO_IDS + self.batch]
+        at = L.memo_tails(self.batch)
+        return memo[L.MEMO_IDS:L.MEMO_IDS + self.batch], [(w >> 32, w & 0xFFFFFFFF) for w in memo[at:]]
