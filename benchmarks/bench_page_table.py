@@ -4,7 +4,8 @@ decode step = ``table.step(ids, ones)``: extend every request by one token
 (pages for requests crossing a boundary, the slot mapping) and export the
 batch's FlashInfer CSR, in one call. Also timed: the same step bound to its
 input tensors once (``table.bind_step(ids, ones)``, no per-call argument
-checks), as two calls (``extend`` then ``flashinfer_csr``), and each part
+checks; on CPU also ``table.bind_step(batch=B)``, inputs the table makes, no
+check at all), as two calls (``extend`` then ``flashinfer_csr``), and each part
 alone; on CUDA also the step captured in a CUDA graph and replayed (eager vs
 graph); on CPU also the reference backend's step (the oracle, for scale).
 The CSR copies every page id of the batch (~80 per request at these prompt
@@ -179,6 +180,11 @@ def workloads(B, backends, device, *, num_pages=None, extras=True):
         # functools.partial rather than a lambda: the harness adds a C call, not a Python frame.
         impls[f"tpool-{be} step"] = (functools.partial(table.step, ids, ones), table, "decode")
         impls[f"tpool-{be} bound step"] = (table.bind_step(ids, ones), table, "decode")
+        if device.type == "cpu":  # inputs the table makes: memory that cannot move, so no check per call
+            fixed = table.bind_step(batch=B)
+            fixed.req_ids.copy_(ids)
+            fixed.num_tokens.copy_(ones)
+            impls[f"tpool-{be} bound step, table-made inputs"] = (fixed, table, "decode")
         if device.type == "cuda":  # the same step captured once, then replayed
             graph = capture(lambda table=table, ids=ids, ones=ones: table.step(ids, ones), table)
             impls[f"tpool-{be} step, graph replay"] = (graph.replay, table, "decode")

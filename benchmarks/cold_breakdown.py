@@ -19,7 +19,8 @@ Rows, from the floor up:
 * ``kernel alone``: the compiled step entry called directly with the bound call's descriptor.
 * ``façade only``: ``BoundStep``'s Python part (``page_table._bound_step``) around the no-op
   instead of the kernel; ``..., as a closure (before)``: the same check as the closure it was.
-* ``bound step``: ``table.bind_step(ids, ones)()``.
+* ``bound step``: ``table.bind_step(ids, ones)()``; ``..., table-made inputs``: ``table.bind_step(batch=B)``
+  filled with the same ids and counts, whose call checks nothing (no torch call).
 * ``step``: ``table.step(ids, ones)`` (bound on its own from the second call).
 The step reads each decode lane's length and last page from the step memo's tails (written
 by the step before), not from ``seq_lens`` and the block-table rows; the ``touch: + block-table
@@ -134,6 +135,9 @@ def rows_for(B):
     ids = torch.arange(B, dtype=torch.int32)
     ones = torch.ones(B, dtype=torch.int32)
     bound = table.bind_step(ids, ones)
+    fixed = table.bind_step(batch=B)  # the same shape's buffers and memo as ``bound``
+    fixed.req_ids.copy_(ids)
+    fixed.num_tokens.copy_(ones)
     step = functools.partial(table.step, ids, ones)
     run = bound_run(bound)
     cd_arr = run.held[0]
@@ -157,10 +161,11 @@ def rows_for(B):
                                           ids.data_ptr(), ones.data_ptr(), B, noop_run, bound.result), None),
         "façade only, as a closure (before)": (closure_facade(ids, ones, B, noop_run), None),
         "bound step": (bound, reset),
+        "bound step, table-made inputs": (fixed, reset),
         "step": (step, reset),
     }
     out = {name: v + (v[0],) if len(v) == 2 else v for name, v in out.items()}  # (fn, reset, settle)
-    return out, (table, ids, ones, bound)
+    return out, (table, ids, ones, bound, fixed)
 
 
 def parser():

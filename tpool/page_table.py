@@ -16,6 +16,7 @@ exact rules are in :mod:`tpool.reference_table`.
 import functools
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from tpool import _checks
@@ -124,14 +125,21 @@ class BoundStep(functools.partial):
     cold caches). It holds the table, so the state it points into stays alive with it.
     """
 
-    def __new__(cls, table, req_ids, num_tokens, max_tokens, capacity):
+    def __new__(cls, table, req_ids, num_tokens, max_tokens, capacity, fixed=None):
         b, entry = table._step_shape(req_ids, num_tokens, max_tokens, capacity)
         if not table._check_written:  # numba checks each unbound step in compiled code, a bound one only here
             table._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))
         result, memo = entry[0], entry[2]
-        run = table.ops.bind_step(result, memo, req_ids, num_tokens, b)
-        self = super().__new__(cls, _bound_step, req_ids.data_ptr, num_tokens.data_ptr, req_ids.numel,
-                               num_tokens.numel, req_ids.data_ptr(), num_tokens.data_ptr(), b, run, result)
+        if fixed is not None:  # memory that cannot move or go away: nothing to check per call
+            # The step reads tensors of its own over that memory, so re-pointing the caller's
+            # tensors changes what no backend reads.
+            run = table.ops.bind_step(result, memo, *map(torch.from_numpy, fixed), b)
+            run.fixed = fixed
+            self = super().__new__(cls, _fixed_step, run, result)
+        else:
+            run = table.ops.bind_step(result, memo, req_ids, num_tokens, b)
+            self = super().__new__(cls, _bound_step, req_ids.data_ptr, num_tokens.data_ptr, req_ids.numel,
+                                   num_tokens.numel, req_ids.data_ptr(), num_tokens.data_ptr(), b, run, result)
         self.table, self.result, self.req_ids, self.num_tokens = table, result, req_ids, num_tokens
         return self
 
@@ -153,6 +161,25 @@ def _bound_step(ids_at, ntok_at, ids_len, ntok_len, at_ids, at_ntok, b, run, res
                            "were bound with (reassigned or resized); fill them in place, or bind again")
     run()
     return result
+
+
+def _fixed_step(run, result):
+    """What a :class:`BoundStep` on table-made CPU inputs runs: ``run()``, return ``result``.
+
+    Their memory is numpy's, which the binding holds and torch cannot resize, so no
+    call can make it move or go away and there is nothing to check: no torch call at
+    all, which saves ~6 µs a step when a forward pass has cooled the caches.
+    """
+    run()
+    return result
+
+
+def fixed_inputs(batch: int):
+    """``(req_ids, num_tokens, arrays)``: int32 ``[batch]`` CPU tensors filled with -1 and 0 whose
+    memory is the numpy ``arrays`` (a storage torch refuses to resize; whoever holds ``arrays``
+    keeps the memory alive whatever is done to the tensors)."""
+    arrays = (np.full(batch, -1, dtype=np.int32), np.zeros(batch, dtype=np.int32))
+    return torch.from_numpy(arrays[0]), torch.from_numpy(arrays[1]), arrays
 
 
 class PageTable:
@@ -448,7 +475,8 @@ class PageTable:
             self._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))
         return b, entry
 
-    def bind_step(self, req_ids: torch.Tensor, num_tokens: torch.Tensor, *, max_tokens: int | None = None,
+    def bind_step(self, req_ids: torch.Tensor | None = None, num_tokens: torch.Tensor | None = None, *,
+                  batch: int | None = None, max_tokens: int | None = None,
                   capacity: int | None = None) -> "BoundStep":
         """:meth:`step` on fixed input tensors, checked once; call the result every step.
 
@@ -459,13 +487,23 @@ class PageTable:
         ``ValueError``, if not) and runs the step: on numba that saves the per-call
         argument checks.
 
+        ``run = table.bind_step(batch=B)`` makes the two inputs itself (``run.req_ids``
+        filled with -1, ``run.num_tokens`` with 0; fill them in place). On a CPU their
+        memory is numpy's, held by ``run`` and not resizable by torch, so ``run()``
+        checks nothing at all: the fastest step when the caches are cold (a forward
+        pass between two steps). The step always reads that memory, as a captured graph
+        reads its static inputs: a tensor re-pointed elsewhere (``set_``, ``.data =``)
+        is not seen, a resize past ``B`` raises torch's ``RuntimeError``.
+
         Parameters
         ----------
-        req_ids : torch.Tensor
+        req_ids : torch.Tensor, optional
             shape ``[B]``, int32, on the table's device; -1 = padding. Filled in place
             before each ``run()``.
-        num_tokens : torch.Tensor
+        num_tokens : torch.Tensor, optional
             shape ``[B]``, int32, on the table's device. Filled in place before each ``run()``.
+        batch : int, optional
+            Instead of the two tensors: ``B``, and the table makes them.
         max_tokens, capacity : int, optional
             As in :meth:`step`.
 
@@ -474,8 +512,29 @@ class PageTable:
         BoundStep
             ``run()`` performs the step and returns the table-owned :class:`StepResult`
             of this shape (the same buffers as ``step`` returns).
+
+        Example
+        -------
+        >>> pool = PagePool(16, page_size=4, device="cpu", backend="numba")
+        >>> table = PageTable(pool, max_requests=2, max_pages_per_request=4)
+        >>> run = table.bind_step(batch=2)
+        >>> run.req_ids[:] = torch.tensor([0, 1])
+        >>> _ = run.num_tokens.fill_(1)
+        >>> run().slots.tolist(), run().slots.tolist()      # two decode steps
+        ([0, 4], [1, 5])
         """
-        return BoundStep(self, req_ids, num_tokens, max_tokens, capacity)
+        if batch is None:
+            if req_ids is None or num_tokens is None:
+                raise ValueError("bind_step: expected req_ids and num_tokens, or batch=B alone")
+            return BoundStep(self, req_ids, num_tokens, max_tokens, capacity)
+        if req_ids is not None or num_tokens is not None:
+            raise ValueError("bind_step: expected req_ids and num_tokens, or batch=B alone, got both")
+        b = _checks.check_size(batch, "batch", 0)
+        if self.device.type == "cpu":
+            req_ids, num_tokens, arrays = fixed_inputs(b)
+            return BoundStep(self, req_ids, num_tokens, max_tokens, capacity, fixed=arrays)
+        fill = dict(dtype=torch.int32, device=self.device)
+        return BoundStep(self, torch.full((b,), -1, **fill), torch.zeros(b, **fill), max_tokens, capacity)
 
     def release(self, req_ids: torch.Tensor, *, cache: bool = False) -> None:
         """Drop every page reference of these requests and reset their rows.
