@@ -182,8 +182,8 @@ def workloads(B, backends, device, *, num_pages=None, extras=True):
         impls[f"tpool-{be} bound step"] = (table.bind_step(ids, ones), table, "decode")
         if device.type == "cpu":  # inputs the table makes: memory that cannot move, so no check per call
             fixed = table.bind_step(batch=B)
-            fixed.req_ids.copy_(ids)
-            fixed.num_tokens.copy_(ones)
+            fixed.req_ids[:] = ids.numpy()  # numpy arrays on a CPU
+            fixed.num_tokens[:] = 1
             impls[f"tpool-{be} bound step, table-made inputs"] = (fixed, table, "decode")
         if device.type == "cuda":  # the same step captured once, then replayed
             graph = capture(lambda table=table, ids=ids, ones=ones: table.step(ids, ones), table)

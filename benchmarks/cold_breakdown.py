@@ -136,8 +136,8 @@ def rows_for(B):
     ones = torch.ones(B, dtype=torch.int32)
     bound = table.bind_step(ids, ones)
     fixed = table.bind_step(batch=B)  # the same shape's buffers and memo as ``bound``
-    fixed.req_ids.copy_(ids)
-    fixed.num_tokens.copy_(ones)
+    fixed.req_ids[:] = ids.numpy()  # numpy arrays on a CPU
+    fixed.num_tokens[:] = 1
     step = functools.partial(table.step, ids, ones)
     run = bound_run(bound)
     cd_arr = run.held[0]

@@ -1,6 +1,7 @@
 """A BoundStep's call (``functools.partial`` over ``page_table._bound_step``): it takes no
 arguments of its own, and a stale binding raises before the step touches the table."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,11 +42,11 @@ def test_a_step_bound_to_inputs_the_table_makes_matches_plain_steps(backend, gua
     """``bind_step(batch=B)``: the table makes the inputs; run() checks nothing and steps as table.step does."""
     tables = [tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend=backend), 4, 8) for _ in range(2)]
     run = tables[0].bind_step(batch=3, max_tokens=8)
+    assert isinstance(run.req_ids, np.ndarray) and run.req_ids.dtype == run.num_tokens.dtype == np.int32
     assert run.req_ids.tolist() == [-1, -1, -1] and run.num_tokens.tolist() == [0, 0, 0]
-    assert run.req_ids.dtype == run.num_tokens.dtype == torch.int32
     for ids, ntok in (([0, 1, 2], [5, 1, 2]), ([0, 1, 2], [1, 1, 1]), ([2, -1, 0], [4, 0, 1]), ([0, 1, 2], [1] * 3)):
-        run.req_ids.copy_(i32(ids))
-        run.num_tokens.copy_(i32(ntok))
+        run.req_ids[:] = ids
+        run.num_tokens[:] = ntok
         with guard():
             got = run()
             want = tables[1].step(i32(ids), i32(ntok), max_tokens=8)
@@ -61,21 +62,20 @@ def test_a_step_bound_to_inputs_the_table_makes_matches_plain_steps(backend, gua
 def test_the_inputs_the_table_makes_keep_their_memory_whatever_is_done_to_them(backend):
     table = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend=backend), 4, 8)
     run = table.bind_step(batch=2)
-    run.req_ids.copy_(i32([0, 1]))
-    run.num_tokens.fill_(1)
-    with pytest.raises(RuntimeError, match="not resizable"):
-        run.req_ids.resize_(1 << 20)                    # torch refuses: the memory cannot move
+    run.req_ids[:] = [0, 1]
+    run.num_tokens[:] = 1
+    with pytest.raises(ValueError):
+        run.req_ids.resize(1 << 20)                     # numpy refuses: the step's tensors use the memory
     ids = run.req_ids
-    ids.set_(i32([3, 3]).untyped_storage())           # re-pointed: the step still reads its own memory
-    del ids
+    del run.req_ids, run.num_tokens, ids, table       # the step holds its memory and its table
     assert run().ok.tolist() == [True, True]
-    assert table.seq_lens.tolist() == [1, 1, 0, 0]
-    table.pool.check()
+    assert run().kv_lens.tolist() == [2, 2]
+    run.table.pool.check()
 
 
 def test_bind_step_takes_the_tensors_or_a_batch():
-    table = tpool.PageTable(tpool.PagePool(16, 4, device="cpu", backend="reference"), 2, 4)
+    table = tpool.PageTable(tpool.PagePool(16, 4, device="cpu", backend="reference", max_batch=8), 2, 4)
     for args, kw in (((), {}), ((i32([0]),), {}), ((i32([0]), i32([1])), {"batch": 1}), ((), {"batch": -1}),
-                     ((), {"batch": True})):
+                     ((), {"batch": True}), ((), {"batch": 9})):
         with pytest.raises(ValueError):
             table.bind_step(*args, **kw)

@@ -381,8 +381,10 @@ def test_bad_calls_raise_before_device_work(backend):
     with pytest.raises(ValueError):
         m.decode([0])                                     # not running
     (row,) = m.admit([4])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="within"):
         m.truncate([row], [5])                            # longer than it is
+    with pytest.raises(ValueError, match="within"):
+        m.truncate([row], [-1])                           # negative: a range error, not a shared page
     with pytest.raises(ValueError):
         m.revive(torch.zeros(2, dtype=torch.int64), 8)
     with pytest.raises(ValueError):

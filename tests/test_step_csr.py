@@ -222,3 +222,24 @@ def test_version_counter_is_atomic_across_threads():
     for t in threads:
         t.join()
     assert cell[0] == 1 + 20_000_000
+
+
+@pytest.mark.parametrize("caller_owned", [False, True])
+def test_check_invariants_finds_a_hand_edit_the_next_step_would_trust(caller_owned, guard):
+    """A numba step reads each lane's length from its memo: a hand edit without invalidate_csr()
+    makes that stale, for the table's own buffers and for caller-owned ones (step(out=)) alike."""
+    table = twins(num_pages=60)[0]
+    out = table.step_out(2, max_tokens=2) if caller_owned else None
+    with guard():
+        table.extend(i32([0, 1]), i32([3, 6]), max_tokens=9)
+        for _ in range(2):
+            table.step(i32([0, 1]), i32([1, 1]), out=out)
+    table.check_invariants()
+    table.seq_lens[1] = 5                      # same page count: only the memo's tail is stale now
+    with pytest.raises(tpool.InvariantViolation, match="invalidate_csr"):
+        table.check_invariants()
+    table.invalidate_csr()
+    table.check_invariants()
+    with guard():
+        r = table.step(i32([0, 1]), i32([1, 1]), out=out)
+    assert r.slots.tolist()[1] == int(table.block_table[1, 1]) * PS + 1   # position 5 of request 1

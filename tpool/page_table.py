@@ -125,22 +125,22 @@ class BoundStep(functools.partial):
     cold caches). It holds the table, so the state it points into stays alive with it.
     """
 
-    def __new__(cls, table, req_ids, num_tokens, max_tokens, capacity, fixed=None):
+    def __new__(cls, table, req_ids, num_tokens, max_tokens, capacity, fixed=False):
+        held = (req_ids, num_tokens)
+        if fixed:  # numpy arrays: the step reads tensors of its own over their memory
+            req_ids, num_tokens = torch.from_numpy(req_ids), torch.from_numpy(num_tokens)
         b, entry = table._step_shape(req_ids, num_tokens, max_tokens, capacity)
         if not table._check_written:  # numba checks each unbound step in compiled code, a bound one only here
             table._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))
         result, memo = entry[0], entry[2]
-        if fixed is not None:  # memory that cannot move or go away: nothing to check per call
-            # The step reads tensors of its own over that memory, so re-pointing the caller's
-            # tensors changes what no backend reads.
-            run = table.ops.bind_step(result, memo, *map(torch.from_numpy, fixed), b)
-            run.fixed = fixed
+        run = table.ops.bind_step(result, memo, req_ids, num_tokens, b)
+        if fixed:  # memory that cannot move or go away: nothing to check per call
+            run.fixed = held
             self = super().__new__(cls, _fixed_step, run, result)
         else:
-            run = table.ops.bind_step(result, memo, req_ids, num_tokens, b)
             self = super().__new__(cls, _bound_step, req_ids.data_ptr, num_tokens.data_ptr, req_ids.numel,
                                    num_tokens.numel, req_ids.data_ptr(), num_tokens.data_ptr(), b, run, result)
-        self.table, self.result, self.req_ids, self.num_tokens = table, result, req_ids, num_tokens
+        self.table, self.result, (self.req_ids, self.num_tokens) = table, result, held
         return self
 
     def __repr__(self):
@@ -166,20 +166,13 @@ def _bound_step(ids_at, ntok_at, ids_len, ntok_len, at_ids, at_ntok, b, run, res
 def _fixed_step(run, result):
     """What a :class:`BoundStep` on table-made CPU inputs runs: ``run()``, return ``result``.
 
-    Their memory is numpy's, which the binding holds and torch cannot resize, so no
-    call can make it move or go away and there is nothing to check: no torch call at
-    all, which saves ~6 µs a step when a forward pass has cooled the caches.
+    The inputs are numpy arrays that the binding holds; numpy neither resizes nor
+    re-points an array whose memory others use, so that memory cannot move or go away
+    and there is nothing to check: no torch call at all, which saves ~6 µs a step
+    when a forward pass has cooled the caches.
     """
     run()
     return result
-
-
-def fixed_inputs(batch: int):
-    """``(req_ids, num_tokens, arrays)``: int32 ``[batch]`` CPU tensors filled with -1 and 0 whose
-    memory is the numpy ``arrays`` (a storage torch refuses to resize; whoever holds ``arrays``
-    keeps the memory alive whatever is done to the tensors)."""
-    arrays = (np.full(batch, -1, dtype=np.int32), np.zeros(batch, dtype=np.int32))
-    return torch.from_numpy(arrays[0]), torch.from_numpy(arrays[1]), arrays
 
 
 class PageTable:
@@ -294,10 +287,10 @@ class PageTable:
     def _csr_out(self, b, cap):
         """CSR buffers of one shape and their :class:`~tpool.state.CsrMemo`."""
         cap = _checks.check_size(cap, "capacity")
-        return (PagedKVCSR(torch.zeros(b + 1, dtype=torch.int32, device=self.device),
-                           torch.full((cap,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
-                           torch.zeros(b, dtype=torch.int32, device=self.device)),
-                CsrMemo(b, cap, self.device))
+        csr = PagedKVCSR(torch.zeros(b + 1, dtype=torch.int32, device=self.device),
+                         torch.full((cap,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
+                         torch.zeros(b, dtype=torch.int32, device=self.device))
+        return csr, CsrMemo(b, cap, self.device, csr)
 
     @staticmethod
     def _not_written(entry, *inputs):
@@ -488,12 +481,13 @@ class PageTable:
         argument checks.
 
         ``run = table.bind_step(batch=B)`` makes the two inputs itself (``run.req_ids``
-        filled with -1, ``run.num_tokens`` with 0; fill them in place). On a CPU their
-        memory is numpy's, held by ``run`` and not resizable by torch, so ``run()``
-        checks nothing at all: the fastest step when the caches are cold (a forward
-        pass between two steps). The step always reads that memory, as a captured graph
-        reads its static inputs: a tensor re-pointed elsewhere (``set_``, ``.data =``)
-        is not seen, a resize past ``B`` raises torch's ``RuntimeError``.
+        filled with -1, ``run.num_tokens`` with 0; fill them in place). On a CPU they
+        are numpy int32 arrays ``[B]`` held by ``run``: numpy refuses to resize or
+        re-point an array whose memory others use, so ``run()`` checks nothing at all
+        and makes no torch call, the fastest step when the caches are cold (a forward
+        pass between two steps). Every call runs exactly ``B`` lanes from that memory,
+        as a captured graph reads its static inputs. On CUDA they are tensors under the
+        checked binding above.
 
         Parameters
         ----------
@@ -503,7 +497,8 @@ class PageTable:
         num_tokens : torch.Tensor, optional
             shape ``[B]``, int32, on the table's device. Filled in place before each ``run()``.
         batch : int, optional
-            Instead of the two tensors: ``B``, and the table makes them.
+            Instead of the two tensors: ``B`` (at most the pool's ``max_batch``), and the
+            table makes them: numpy int32 arrays on a CPU, int32 tensors on CUDA.
         max_tokens, capacity : int, optional
             As in :meth:`step`.
 
@@ -518,8 +513,8 @@ class PageTable:
         >>> pool = PagePool(16, page_size=4, device="cpu", backend="numba")
         >>> table = PageTable(pool, max_requests=2, max_pages_per_request=4)
         >>> run = table.bind_step(batch=2)
-        >>> run.req_ids[:] = torch.tensor([0, 1])
-        >>> _ = run.num_tokens.fill_(1)
+        >>> run.req_ids[:] = [0, 1]                          # numpy arrays on a CPU
+        >>> run.num_tokens[:] = 1
         >>> run().slots.tolist(), run().slots.tolist()      # two decode steps
         ([0, 4], [1, 5])
         """
@@ -530,9 +525,11 @@ class PageTable:
         if req_ids is not None or num_tokens is not None:
             raise ValueError("bind_step: expected req_ids and num_tokens, or batch=B alone, got both")
         b = _checks.check_size(batch, "batch", 0)
+        if b > self.pool.max_batch:  # before allocating anything
+            raise ValueError(f"batch: expected at most max_batch={self.pool.max_batch} lanes, got {b}")
         if self.device.type == "cpu":
-            req_ids, num_tokens, arrays = fixed_inputs(b)
-            return BoundStep(self, req_ids, num_tokens, max_tokens, capacity, fixed=arrays)
+            ids, ntok = np.full(b, -1, dtype=np.int32), np.zeros(b, dtype=np.int32)
+            return BoundStep(self, ids, ntok, max_tokens, capacity, fixed=True)
         fill = dict(dtype=torch.int32, device=self.device)
         return BoundStep(self, torch.full((b,), -1, **fill), torch.zeros(b, **fill), max_tokens, capacity)
 
@@ -767,25 +764,22 @@ class PageTable:
         # A step's CSR that the next step of its batch may grow in place (its memo names the
         # table's current version, numba only) must still be that batch's CSR.
         version = int(self.state.version[0])
-        for key, (csr, memo) in self._step_csrs():
-            grows = memo.growable_batch(version)
+        for memo in list(self._shapes.memos):  # the table's and every live StepOut's and BoundStep's
+            grows = memo.growable_batch(version) if memo.csr is not None else None
             if grows is None:
                 continue
+            csr, key = memo.csr, (memo.batch, memo.csr.indices.numel())
             batch, tails = grows
             want = [p for r in batch if r >= 0 for p in bt[r, :int(npages[r])].tolist()]
             if csr.indices[:len(want)].tolist() != want:
-                raise InvariantViolation(f"invariant broken: the CSR of step shape {key[1:]} is its batch's CSR (the "
+                raise InvariantViolation(f"invariant broken: the CSR of step shape {key} is its batch's CSR (the "
                                          "next step grows it in place: were its indices written to, or the table's "
                                          "state edited by hand without invalidate_csr()?)")
             truth = [(int(bt[r, npages[r] - 1]) if npages[r] > 0 else -1, int(lens[r])) for r in batch if r >= 0]
             if [t for r, t in zip(batch, tails) if r >= 0] != truth:
-                raise InvariantViolation(f"invariant broken: the step memo of shape {key[1:]} holds each request's "
+                raise InvariantViolation(f"invariant broken: the step memo of shape {key} holds each request's "
                                          "length and last page (the next step reads them instead of the table: "
                                          "was the state edited by hand without invalidate_csr()?)")
-
-    def _step_csrs(self):
-        """``(key, (PagedKVCSR, CsrMemo))`` of every step shape's CSR buffers."""
-        return [(k, v) for k, v in self._shapes.buffers.items() if k[0] == "step-csr"]
 
     def kept_shapes(self) -> tuple:
         """The call shapes whose output buffers the table keeps now, least recently used first, and how

@@ -115,10 +115,10 @@ class CsrMemo:
     Everything but the kernels goes through this class.
     """
 
-    __slots__ = ("batch", "tensor", "__weakref__")
+    __slots__ = ("batch", "csr", "tensor", "__weakref__")
 
-    def __init__(self, batch: int, capacity: int, device: torch.device):
-        self.batch = batch
+    def __init__(self, batch: int, capacity: int, device: torch.device, csr=None):
+        self.batch, self.csr = batch, csr  # csr: the buffers it describes (check_invariants reads them)
         self.tensor = torch.full((L.memo_len(batch),), -1, dtype=torch.int64, device=device)
         self.tensor[L.MEMO_WRITTEN] = capacity  # a fresh indices buffer is -1 throughout
 

@@ -182,8 +182,8 @@ class HostMirror(MixedSteps, Accounting):
         nl = np.asarray(new_lens, dtype=np.int64).reshape(-1)
         out, ps = self._acct, self.page_size
         if nl.shape == r.shape:  # checked before the accounting, which updates the rows
-            self._refuse_shared_ends(r, (nl < self.hi[r]) & (nl % ps != 0) & (nl // ps < self.shared[r]),
-                                     "new_lens")
+            inside = (nl >= 0) & (nl < self.hi[r]) & (nl % ps != 0)  # a negative length: the range check below
+            self._refuse_shared_ends(r, inside & (nl // ps < self.shared[r]), "new_lens")
         if nl.shape != r.shape or truncate_accounting(self._st, r, nl, ps, self.lookahead, self.unreserved, out):
             raise ValueError(f"new_lens: expected one per row within [0, lo], got {nl.tolist()} "
                              f"(lo {self.lo[r].tolist()})")
