@@ -2,7 +2,8 @@
 # All GPU checks in one run, for a machine with CUDA (run from the repository root):
 # the GPU-only tests, the compiled Triton differential tests, and the three
 # benchmarks on CUDA. Results go to ${OUT:-gpu_results}/ as logs and JSON.
-# Install first: a CUDA build of torch, then `pip install -e ".[dev]"`.
+# Install first: a CUDA build of torch, then `pip install -e ".[dev,hf]" flashinfer-python` (without
+# transformers or flashinfer some GPU tests skip, and the script then reports failure).
 set -uo pipefail
 out=${OUT:-gpu_results}
 mkdir -p "$out"
@@ -11,7 +12,10 @@ nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 python -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" \
     | tee "$out/versions.txt"
 status=0
-python -m pytest -q -m gpu tests/ 2>&1 | tee "$out/gpu_tests.txt" || status=1
+python -m pytest -q -rs -m gpu tests/ 2>&1 | tee "$out/gpu_tests.txt" || status=1
+if grep -q "skipped" "$out/gpu_tests.txt"; then  # every GPU test must run here (-rs says why one did not)
+    echo "gpu_checks: some GPU tests were skipped" | tee -a "$out/gpu_tests.txt"; status=1
+fi
 python -m pytest -q tests/test_triton_kernels.py tests/test_triton_table.py 2>&1 \
     | tee "$out/triton_compiled_tests.txt" || status=1
 python benchmarks/bench_pool.py --device cuda --json "$out/pool.json" 2>&1 | tee "$out/pool.txt"

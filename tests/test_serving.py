@@ -190,8 +190,10 @@ def test_flashinfer_matches_reference_attention(decode):
     pre = table.extend(t32(list(range(4))), t32([37, 5, 100, 16]), max_tokens=158)
     cache.write(0, pre.slots, torch.randn(158, hkv, d, device=dev, dtype=torch.float16),
                 torch.randn(158, hkv, d, device=dev, dtype=torch.float16))
-    ids = t32([0, 1, 2, 3])
-    ntok = t32([1, 1, 1, 1]) if decode else t32([1, 9, 1, 30])
+    # The mixed batch has a padding lane (no pages: FlashInfer must see a KV length of 0) and
+    # rows past its tokens (positions -1: zeros, as from the reference).
+    ids = t32([0, 1, 2, 3]) if decode else t32([0, 1, -1, 2, 3])
+    ntok = t32([1, 1, 1, 1]) if decode else t32([1, 9, 0, 1, 30])
     t = 4 if decode else 48
     res = table.step(ids, ntok, max_tokens=t)
     meta = step_metadata(table, res)

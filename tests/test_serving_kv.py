@@ -205,3 +205,47 @@ def test_tpool_and_its_serving_core_never_import_transformers():
     code = ("import sys, tpool, tpool.serving, tpool.serving.kv, tpool.serving.attention; "
             "assert 'transformers' not in sys.modules, 'transformers imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class _RecordingWrapper:
+    """Stands in for one of flashinfer's wrapper classes on a CPU: records what ``plan`` is given
+    and returns ones from ``run``. It checks only tpool's side of the call (the arguments it
+    builds from a step); FlashInfer's kernels run in test_serving.py's GPU test."""
+
+    def __init__(self, workspace, layout):
+        assert layout == "NHD" and workspace.dtype == torch.uint8
+        self.planned = None
+
+    def plan(self, *args, **kwargs):
+        self.planned = args, kwargs
+
+    def run(self, q, kv):
+        return torch.ones_like(q)
+
+
+def test_flashinfer_plan_gives_empty_lanes_no_kv_and_zeroes_failed_rows(monkeypatch):
+    import sys
+    import types
+    flashinfer = types.ModuleType("flashinfer")
+    flashinfer.BatchPrefillWithPagedKVCacheWrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper = _RecordingWrapper
+    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer)
+    from tpool.serving import FlashInferAttention
+    pool = tpool.PagePool(8, page_size=4, device="cpu", backend="numba")
+    table = tpool.PageTable(pool, 4, 4)
+    table.extend(i32([0]), i32([3]), max_tokens=3)
+    step = table.step(i32([0, 1, -1]), i32([1, 2, 0]), max_tokens=4)   # decode, prefill, padding
+    meta = step_metadata(table, step)
+    fi = FlashInferAttention("cpu", workspace_bytes=16)
+    plan = dict(num_qo_heads=2, num_kv_heads=1, head_dim=8, page_size=4, q_dtype=torch.float16,
+                kv_dtype=torch.float16)
+    fi.plan(meta, **plan)
+    args, kwargs = fi._prefill.planned
+    assert args[0].tolist() == [0, 1, 3, 3] and args[1].tolist() == [0, 1, 2, 2]
+    assert args[3].tolist() == [4, 2, 0]            # the padding lane: last page length 0 (CSR says 4)
+    assert meta.csr.last_page_len.tolist() == [4, 2, 4] and kwargs["causal"] is True
+    out = fi.run(torch.zeros(4, 2, 8, dtype=torch.float16), None, None)
+    assert out[:, 0, 0].tolist() == [1, 1, 1, 0]     # the unused row (position -1) is zeros
+    with pytest.raises(ValueError, match="exactly one token per lane"):
+        fi.plan(meta, **plan, decode=True)
+    with pytest.raises(ValueError, match="float16"):
+        fi.plan(meta, **{**plan, "q_dtype": torch.float32})

@@ -1,5 +1,7 @@
 """The host-sync guard catches every construct it promises to, and lets fixed-shape code through."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -67,3 +69,46 @@ def test_guard_sees_a_sync_inside_pool_code(monkeypatch):
         with no_host_sync():
             pool.alloc(i32([1]))
 
+
+
+def test_host_data_mode_refuses_tensors_built_from_host_values():
+    with no_host_sync():
+        torch.tensor([1, 2])                           # allowed by default (free on a CPU)
+    for build in (lambda: torch.tensor([1, 2]), lambda: torch.as_tensor(3)):
+        with pytest.raises(HostSyncError, match="host data"):
+            with no_host_sync(host_data=True):
+                build()
+    with no_host_sync(host_data=True):
+        torch.full((3,), 5)                            # a fill on the device: no host data
+        torch.as_tensor(t)                             # a tensor already: no copy
+        t.clone()[0] = 7                               # a scalar set: a fill on CUDA too
+
+
+def test_hot_paths_build_no_tensor_from_host_data(backend):
+    """On CUDA a tensor made from a Python value is a pageable copy that syncs; no hot path makes one
+    (the first call of a shape makes its buffers: the sequence runs once unguarded first)."""
+    pool = tpool.PagePool(32, 4, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 4, 8)
+    counts, rows = i32([2, 1]), i32([0, 1, 2])
+    ids, ntok, prompts, lens, drop = i32([0, 1]), i32([1, 1]), i32([6, 9]), i32([5, 8]), i32([1, 1])
+    src, dst, flen = i32([0]), i32([2]), i32([4])
+    out = pool.alloc_out(2, 8)
+    for guarded in (False, True):
+        with no_host_sync(host_data=True) if guarded else contextlib.nullcontext():
+            r = pool.alloc(counts, out=out)
+            pool.incref(r.pages[:2])
+            pool.touch(r.pages[:2])
+            pool.free(r.pages[:2], cache=True)
+            pool.free(r.pages[:3], cache=True)
+            pool.evict(2)
+            pool.alloc(counts, out=out, evict=True)
+            pool.free(out.pages)
+            table.extend(ids, prompts, max_tokens=15)
+            table.step(ids, ntok)
+            table.truncate(ids, lens)
+            table.truncate(ids, drop=drop)
+            table.fork(src, dst, flen)
+            table.flashinfer_csr(ids)
+            table.block_table_rows(ids)
+            table.release(rows, cache=True)
+        pool.check()

@@ -48,10 +48,11 @@ class AsyncRead:
         self.device = device
         if device.type == "cuda":
             self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-            for h, t in zip(self._host, tensors):
-                h.copy_(t, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
+            with torch.cuda.device(device):  # the copies and the event on the tensors' device's stream
+                for h, t in zip(self._host, tensors):
+                    h.copy_(t, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record()
         else:
             self._host = [t.clone() for t in tensors]
             self._event = None

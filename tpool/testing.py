@@ -95,6 +95,16 @@ def _refuse(name, original, report=_raise, on_snapshot=None):
     return method
 
 
+def _from_host(name, original, report):
+    """``torch.tensor`` / ``torch.as_tensor`` reporting a tensor built from Python data (not from a tensor)."""
+    def build(data, *args, **kwargs):
+        if not _in_device[0] and not isinstance(data, torch.Tensor):
+            report(f"torch.{name}() of host data (on CUDA a copy from pageable memory, which waits for the "
+                   f"stream; use torch.full or a tensor made beforehand)")
+        return original(data, *args, **kwargs)
+    return build
+
+
 def _interpreter_executor():
     """Triton's interpreted launcher class when TRITON_INTERPRET=1 and triton is loaded, else None."""
     import os
@@ -116,9 +126,10 @@ def _device_region(call):
 
 
 @contextlib.contextmanager
-def _guarded(report=_raise, on_snapshot=None):
+def _guarded(report=_raise, on_snapshot=None, host_data=False):
     names = ("tolist", "numpy", "cpu", "item")
     saved = {name: getattr(torch.Tensor, name) for name in names}
+    built = {name: getattr(torch, name) for name in ("tensor", "as_tensor")}
     executor = _interpreter_executor()
     launch = executor.__call__ if executor is not None else None
     try:
@@ -126,17 +137,22 @@ def _guarded(report=_raise, on_snapshot=None):
             setattr(torch.Tensor, name, _refuse(name, saved[name], report, on_snapshot))
         if executor is not None:
             executor.__call__ = _device_region(launch)
+        if host_data:
+            for name in ("tensor", "as_tensor"):
+                setattr(torch, name, _from_host(name, built[name], report))
         with _Guard(report):
             yield
     finally:
         for name, method in saved.items():
             setattr(torch.Tensor, name, method)
+        for name, fn in built.items():
+            setattr(torch, name, fn)
         if executor is not None:
             executor.__call__ = launch
 
 
 @contextlib.contextmanager
-def no_host_sync():
+def no_host_sync(*, host_data: bool = False):
     """Raise :class:`HostSyncError` on any host read of tensor data inside the block.
 
     Patches ``Tensor.tolist``, ``numpy``, ``cpu`` and ``item`` and enters a
@@ -145,6 +161,11 @@ def no_host_sync():
     thread calling them meanwhile raises too. Reading a host snapshot that
     :class:`tpool.stats_async.AsyncRead` filled (what ``PagePool.stats_async().get()``
     does) is a read of host memory and is allowed.
+
+    With ``host_data=True`` it also refuses ``torch.tensor`` / ``torch.as_tensor``
+    of host data (a Python number, list or array; patched for the duration): free on
+    a CPU, but on CUDA a copy from pageable memory that waits for the stream, so a CPU
+    test sees the syncs a GPU would have. Build the call's inputs before the block.
 
     Yields
     ------
@@ -169,7 +190,7 @@ def no_host_sync():
     ...
     tpool.testing.HostSyncError: host sync on the hot path: Tensor.item()
     """
-    with _guarded():
+    with _guarded(host_data=host_data):
         yield
 
 

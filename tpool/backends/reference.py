@@ -50,7 +50,10 @@ def _put(dst: torch.Tensor, idx: torch.Tensor, val, mask: torch.Tensor) -> None:
     """``dst[idx[mask]] = val[mask]`` with fixed shapes (masked lanes hit a spare slot)."""
     n = dst.numel()
     ext = torch.cat([dst, dst.new_zeros(1)])
-    val = torch.as_tensor(val, device=dst.device).to(dst.dtype).expand(idx.shape)
+    # A Python number becomes a device tensor by a fill, never by a host-to-device copy (on
+    # CUDA, torch.as_tensor of an int copies pageable memory and syncs the stream).
+    val = (val.to(dst.dtype).expand(idx.shape) if isinstance(val, torch.Tensor)
+           else torch.full(idx.shape, val, dtype=dst.dtype, device=dst.device))
     ext.index_put_((torch.where(mask, idx.long(), n),), val)
     dst.copy_(ext[:n])
 
@@ -137,7 +140,8 @@ def evict_oldest(st, out: torch.Tensor, n) -> None:
     order = order[:k]
     vals = torch.where(cached[order], 0, INT64_MAX)
     f = c[L.FREE_COUNT]
-    m = torch.minimum(torch.as_tensor(n, device=out.device).long(), c[L.CACHED_COUNT]).clamp(min=0, max=out.numel())
+    n = n.long() if isinstance(n, torch.Tensor) else torch.full((), n, dtype=torch.int64, device=out.device)
+    m = torch.minimum(n, c[L.CACHED_COUNT]).clamp(min=0, max=out.numel())
     stamps = torch.where(cached, st.stamp, 0)
     wild = ((stamps < 0) | (stamps > c[L.CLOCK])).any()  # a stamp outside [0, clock]
     bad = (m > 0) & ((f < 0) | (f + m > P) | (cached.sum() < m) | wild)

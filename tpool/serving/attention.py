@@ -151,7 +151,18 @@ class FlashInferAttention:
     ``plan`` once per step (outside a CUDA graph: FlashInfer's ``plan`` reads
     ``qo_indptr`` and ``indptr`` on the host, its own sync point), then ``run`` per
     layer. Mixed batches use ``BatchPrefillWithPagedKVCacheWrapper``; ``decode=True``
-    (every lane one token, ``T == B``) uses ``BatchDecodeWithPagedKVCacheWrapper``.
+    (every lane exactly one token: ``qo_indptr == arange(B + 1)``) uses
+    ``BatchDecodeWithPagedKVCacheWrapper``. Eager only: a plan holds host-side
+    scheduling for one step, so ``run`` captured in a CUDA graph and replayed for
+    later steps would use a stale plan (FlashInfer: "the plan method cannot be used
+    in Cuda Graph"); use the reference attention, or FlashInfer's CUDA-graph
+    wrappers re-planned before each replay, inside a graph. FlashInfer computes in
+    fp16, bf16 or fp8, not float32.
+
+    tpool's CSR gives an empty lane (padding, a failed admission) ``last_page_len =
+    page_size``; FlashInfer derives a lane's KV length from its page count and last
+    page length, so ``plan`` passes 0 for lanes without pages. Rows of tokens whose
+    ``positions`` are -1 (a failed lane's) come back as zeros, as from the reference.
 
     Parameters
     ----------
@@ -166,26 +177,32 @@ class FlashInferAttention:
         self._workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
-        self._wrapper, self._rows, self._decode_mode = None, 0, False
+        self._wrapper, self._rows, self._decode_mode, self._valid = None, 0, False, None
 
     def plan(self, meta: StepMetadata, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
              q_dtype: torch.dtype, kv_dtype: torch.dtype, scale: float | None = None,
              sliding_window: int | None = None, decode: bool = False) -> None:
         """Plan the step's attention (every layer of the step shares the plan)."""
+        if q_dtype not in (torch.float16, torch.bfloat16) and "float8" not in str(q_dtype):
+            raise ValueError(f"q_dtype: FlashInfer expects float16, bfloat16 or a float8 type, got {q_dtype}")
         window_left = -1 if sliding_window is None else sliding_window - 1
         csr = meta.csr
         common = dict(window_left=window_left, q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=scale)
-        if decode and meta.positions.numel() != meta.kv_lens.numel():
-            raise ValueError(f"decode=True: expected one token per lane (max_tokens == B == {meta.kv_lens.numel()}), "
-                             f"got max_tokens {meta.positions.numel()}")
+        b = meta.kv_lens.numel()
+        # A lane with no pages has KV length 0, not page_size (FlashInfer reads the length from these two).
+        last = torch.where(csr.indptr[1:] > csr.indptr[:-1], csr.last_page_len, 0)
+        if decode and not torch.equal(meta.qo_indptr.cpu(), torch.arange(b + 1, dtype=torch.int32)):
+            raise ValueError(f"decode=True: expected exactly one token per lane (qo_indptr == arange({b + 1})), got "
+                             f"qo_indptr {meta.qo_indptr.tolist()}")
         if decode:
-            self._decode.plan(csr.indptr, csr.indices, csr.last_page_len, num_qo_heads, num_kv_heads, head_dim,
-                              page_size, **common)
-            self._wrapper, self._rows = self._decode, meta.kv_lens.numel()
+            self._decode.plan(csr.indptr, csr.indices, last, num_qo_heads, num_kv_heads, head_dim, page_size,
+                              **common)
+            self._wrapper, self._rows = self._decode, b
         else:
-            self._prefill.plan(meta.qo_indptr, csr.indptr, csr.indices, csr.last_page_len, num_qo_heads,
-                               num_kv_heads, head_dim, page_size, causal=True, **common)
+            self._prefill.plan(meta.qo_indptr, csr.indptr, csr.indices, last, num_qo_heads, num_kv_heads,
+                               head_dim, page_size, causal=True, **common)
             self._wrapper, self._rows = self._prefill, int(meta.qo_indptr[-1])  # plan read it on the host too
+        self._valid = meta.positions >= 0  # [T]: rows of tokens that belong to a granted lane
         self._decode_mode = decode
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -194,4 +211,4 @@ class FlashInferAttention:
             raise RuntimeError("FlashInferAttention.run: call plan() for this step first")
         out = torch.zeros_like(q)
         out[:self._rows] = self._wrapper.run(q[:self._rows], (k_cache, v_cache))
-        return out
+        return torch.where(self._valid[:, None, None], out, 0)  # a failed lane's tokens: zeros

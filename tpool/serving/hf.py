@@ -38,7 +38,9 @@ class PagedContext:
     attend : callable, optional
         ``attend(q, k_cache, v_cache, meta, scale=, sliding_window=)`` ->
         ``[T, Hq, D]``; default :func:`tpool.serving.attention.paged_attention`.
-        A planned FlashInfer path: ``lambda q, k, v, meta, **_: fi.run(q, k, v)``.
+        A planned FlashInfer path (eager only, see
+        :class:`~tpool.serving.attention.FlashInferAttention`):
+        ``lambda q, k, v, meta, **_: fi.run(q, k, v)``.
     """
 
     cache: PagedKVCache
