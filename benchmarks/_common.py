@@ -6,6 +6,7 @@ workloads under pytest-benchmark (calibration, ``--benchmark-compare``, histogra
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import os
@@ -170,7 +171,8 @@ def default_device() -> str:
 
 
 def sync_of(device: torch.device):
-    return torch.cuda.synchronize if device.type == "cuda" else None
+    """What waits for ``device``'s work before a clock is read (None on a CPU): that device's, not the current one's."""
+    return functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else None
 
 
 def _cache_sizes() -> dict:

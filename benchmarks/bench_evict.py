@@ -13,6 +13,7 @@ those k), run on the same state.
 """
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -69,7 +70,7 @@ def main(argv=None):
     args = parser().parse_args(argv)
     device = torch.device(args.device)
     backends = args.backends or (["triton", "reference"] if device.type == "cuda" else ["numba", "reference"])
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else (lambda: None)
     rows, table = [], []
     for P in args.pages:
         progress(f"pool {P:,} pages: caching half of them")

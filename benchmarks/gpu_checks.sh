@@ -2,8 +2,8 @@
 # All GPU checks in one run, for a machine with CUDA (run from the repository root):
 # the GPU-only tests, the compiled Triton differential tests, and the three
 # benchmarks on CUDA. Results go to ${OUT:-gpu_results}/ as logs and JSON.
-# Install first: a CUDA build of torch, then `pip install -e ".[dev,hf]" flashinfer-python` (without
-# transformers or flashinfer some GPU tests skip, and the script then reports failure).
+# Install first: a CUDA build of torch, then `pip install -e ".[dev,hf,bench]" flashinfer-python` (without
+# transformers or flashinfer some GPU tests skip, and the script then reports failure; bench: the plots).
 set -uo pipefail
 out=${OUT:-gpu_results}
 mkdir -p "$out"

@@ -303,3 +303,29 @@ def test_bound_alloc_and_free_match_the_plain_calls(make_pool, guard):
         pool.bind_free(pool.state.free_stack[:2])
     pool.check()
     pool.check_invariants()
+
+
+def test_call_lock_makes_a_cuda_pools_device_current_and_restores_it(monkeypatch):
+    """Triton launches on the current device: a call on a pool on cuda:1 runs with cuda:1 current."""
+    from tpool.state import CallLock
+    current, calls = [0], []
+
+    def set_device(i):
+        calls.append(i)
+        current[0] = i
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    lock = CallLock(torch.device("cuda", 1))
+    with lock:
+        assert current[0] == 1
+        with lock:                       # reentrant (a step around its extend): already current
+            assert current[0] == 1
+        assert current[0] == 1
+    assert current[0] == 0 and calls == [1, 0]
+    with pytest.raises(KeyError):
+        with lock:
+            raise KeyError("a call that raises")
+    assert current[0] == 0 and calls == [1, 0, 1, 0]
+    with CallLock(torch.device("cpu")):  # a CPU pool touches no device
+        pass
+    assert calls == [1, 0, 1, 0]

@@ -198,6 +198,9 @@ def main(argv=None):
         if dev.type == "cuda" and not torch.cuda.is_available():
             ap.error(f"--device {a.device}: CUDA is not available here (torch {torch.__version__}, "
                      f"torch.cuda.is_available() is False); use --device cpu")
+        if dev.type == "cuda" and dev.index is not None and not dev.index < torch.cuda.device_count():
+            ap.error(f"--device {a.device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                     f"indices 0 to {torch.cuda.device_count() - 1}")
     try:
         run(a.requests, a.batch, a.num_pages, a.page_size, a.seed, a.device, a.backend, a.every)
     except BrokenPipeError:       # `python -m tpool demo | head`

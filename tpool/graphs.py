@@ -113,16 +113,21 @@ def capture(step, *owners, warmup: int = 2) -> "torch.cuda.CUDAGraph":
     """
     if not torch.cuda.is_available():
         raise RuntimeError("tpool.graphs.capture needs CUDA; on a CPU call the step directly")
-    side = torch.cuda.Stream()
-    with preserved(*owners):  # queues the snapshot's clones on the current stream
-        side.wait_stream(torch.cuda.current_stream())  # so the warm-up starts after the clones, not before
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                step()
-        torch.cuda.current_stream().wait_stream(side)  # restore only after the warm-up ran
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    device = next((o.device for o in owners if getattr(o, "device", None) is not None
+                   and o.device.type == "cuda"), None)
+    with torch.cuda.device(device):  # the owners' device, whatever device is current (None: as it is)
+        side = torch.cuda.Stream()
+        with preserved(*owners):  # queues the snapshot's clones on the current stream
+            side.wait_stream(torch.cuda.current_stream())  # so the warm-up starts after the clones, not before
+            try:
+                with torch.cuda.stream(side):
+                    for _ in range(warmup):
+                        step()
+            finally:  # restore only after the warm-up ran, also when it raised
+                torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
     for owner in owners:  # the graph writes these buffers on every replay: never drop them
         if hasattr(owner, "pin_shapes"):
             owner.pin_shapes()

@@ -34,6 +34,37 @@ class _Tensors:
         return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
 
 
+class CallLock:
+    """The lock held around every call on a pool or its tables (reentrant: a step holds it
+    around its extend and export). On a CUDA pool it also makes the pool's device the
+    current one for the call: Triton launches on the current device, whatever device the
+    tensors it is given live on, so a pool on ``cuda:1`` must not run with ``cuda:0`` current."""
+
+    __slots__ = ("_lock", "_index", "_restore")
+
+    def __init__(self, device: torch.device | None = None):
+        self._lock = threading.RLock()
+        self._index = device.index if device is not None and device.type == "cuda" else None
+        self._restore = []  # per nesting level: the device to make current again, or None
+
+    def __enter__(self):
+        self._lock.acquire()
+        prev = None
+        if self._index is not None and torch.cuda.current_device() != self._index:
+            prev = torch.cuda.current_device()
+            torch.cuda.set_device(self._index)
+        self._restore.append(prev)
+        return self
+
+    def __exit__(self, *exc):
+        prev = self._restore.pop()
+        try:
+            if prev is not None:
+                torch.cuda.set_device(prev)
+        finally:
+            self._lock.release()
+
+
 @dataclass(frozen=True)
 class PoolState(_Tensors):
     """Tensors of one pool; all on one device, shapes fixed by ``num_pages``."""
@@ -49,7 +80,7 @@ class PoolState(_Tensors):
     keys: torch.Tensor        # int64 [num_pages] scratch for eviction
     # Held by the reference and triton backends around every call on this pool or its tables, so
     # two threads never interleave inside one; numba calls hold the GIL instead (tpool.backends).
-    lock: threading.RLock = field(default_factory=threading.RLock, compare=False, repr=False)
+    lock: CallLock = field(default_factory=CallLock, compare=False, repr=False)
 
     @classmethod
     def create(cls, num_pages: int, device: torch.device) -> "PoolState":
@@ -66,6 +97,7 @@ class PoolState(_Tensors):
             claim=torch.full((num_pages,), INT32_MAX, **i32),
             occur=torch.zeros(num_pages, **i32),
             keys=torch.zeros(num_pages, dtype=torch.int64, device=device),
+            lock=CallLock(counters.device),
         )
 
 
