@@ -52,7 +52,7 @@ def _put(dst: torch.Tensor, idx: torch.Tensor, val, mask: torch.Tensor) -> None:
     ext = torch.cat([dst, dst.new_zeros(1)])
     # A Python number becomes a device tensor by a fill, never by a host-to-device copy (on
     # CUDA, torch.as_tensor of an int copies pageable memory and syncs the stream).
-    val = (val.to(dst.dtype).expand(idx.shape) if isinstance(val, torch.Tensor)
+    val = (val.to(dst.device, dst.dtype).expand(idx.shape) if isinstance(val, torch.Tensor)
            else torch.full(idx.shape, val, dtype=dst.dtype, device=dst.device))
     ext.index_put_((torch.where(mask, idx.long(), n),), val)
     dst.copy_(ext[:n])
