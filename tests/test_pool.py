@@ -329,3 +329,22 @@ def test_call_lock_makes_a_cuda_pools_device_current_and_restores_it(monkeypatch
     with CallLock(torch.device("cpu")):  # a CPU pool touches no device
         pass
     assert calls == [1, 0, 1, 0]
+
+
+def test_call_lock_is_released_when_the_device_switch_fails(monkeypatch):
+    import threading
+    from tpool.state import CallLock
+
+    def broken(i):
+        raise RuntimeError("a sticky CUDA error")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", broken)
+    lock = CallLock(torch.device("cuda", 1))
+    with pytest.raises(RuntimeError, match="sticky"):
+        with lock:
+            pass
+    got = []
+    t = threading.Thread(target=lambda: got.append(lock._lock.acquire(timeout=2)))
+    t.start()
+    t.join()
+    assert got == [True]                 # another thread can take it

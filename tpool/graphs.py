@@ -126,7 +126,7 @@ def capture(step, *owners, warmup: int = 2) -> "torch.cuda.CUDAGraph":
             finally:  # restore only after the warm-up ran, also when it raised
                 torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=side):  # torch's default capture stream may be another device's
             step()
     for owner in owners:  # the graph writes these buffers on every replay: never drop them
         if hasattr(owner, "pin_shapes"):

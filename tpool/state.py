@@ -49,11 +49,15 @@ class CallLock:
 
     def __enter__(self):
         self._lock.acquire()
-        prev = None
-        if self._index is not None and torch.cuda.current_device() != self._index:
-            prev = torch.cuda.current_device()
-            torch.cuda.set_device(self._index)
-        self._restore.append(prev)
+        try:  # a failing device switch must not leave the lock held (no __exit__ follows)
+            prev = None
+            if self._index is not None and torch.cuda.current_device() != self._index:
+                prev = torch.cuda.current_device()
+                torch.cuda.set_device(self._index)
+            self._restore.append(prev)
+        except BaseException:
+            self._lock.release()
+            raise
         return self
 
     def __exit__(self, *exc):
