@@ -164,7 +164,7 @@ def rows_for(B):
         "bound step, table-made inputs": (fixed, reset),
         "step": (step, reset),
     }
-    out = {name: v + (v[0],) if len(v) == 2 else v for name, v in out.items()}  # (fn, reset, settle)
+    out = {name: (fn, reset, fn) for name, (fn, reset) in out.items()}  # (fn, reset, settle): each settles itself
     return out, (table, ids, ones, bound, fixed)
 
 
