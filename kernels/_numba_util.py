@@ -20,7 +20,7 @@ from numba.extending import intrinsic
 from . import layout as L
 from .layout import (INT32_MAX, SD_COUNTERS, SD_FREE_STACK, SD_KEYS, SD_OCCUR, SD_PAGE_STATE, SD_PAGES,
                      SD_REFCOUNT, SD_STAMP, TD_BLOCK_TABLE, TD_CLAIM, TD_MAX_PAGES, TD_PAGE_SIZE, TD_REQUESTS,
-                     TD_SEQ_LENS, TD_VERSION, TD_VERSION_SOURCE)
+                     TD_ROW_VERSION, TD_SEQ_LENS, TD_VERSION, TD_VERSION_SOURCE)
 
 
 def _pointer_intrinsic(elem):
@@ -172,6 +172,29 @@ def new_version(td):
     version = fetch_add_i64(td[TD_VERSION_SOURCE], 1) + 1  # atomic: kernels run without the GIL
     i64_cell(td[TD_VERSION])[0] = version
     return version
+
+
+@numba.njit(nogil=True, inline="always")
+def row_versions(td):
+    """int64 ``[R]``: the version of the call that last changed each row's pages (see ``stamp_rows``)."""
+    return numba.carray(_i64_ptr(td[TD_ROW_VERSION]), (td[TD_REQUESTS],))
+
+
+@numba.njit(nogil=True)
+def stamp_rows(td, ids_ptr, B, version):
+    """``row_version[r] = version`` for every request id ``r`` of a call that may change rows.
+
+    A step's CSR memo notes each lane's stamp; a later step keeps a request's run of the old
+    CSR only while its row still has that stamp, so every numba call that may change a row's
+    pages other than a step's growth (extend, release, truncate, fork's targets) stamps the
+    rows it names, granted or not. Steps stamp the rows they grow themselves. Versions never
+    repeat, so a restored snapshot brings back its rows' stamps with their contents.
+    """
+    stamps, ids, R = row_versions(td), i32_array(ids_ptr, B), td[TD_REQUESTS]
+    for i in range(B):
+        r = ids[i]
+        if r >= 0 and r < R:
+            stamps[r] = version
 
 
 @numba.njit(nogil=True, inline="always")

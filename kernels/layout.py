@@ -65,6 +65,13 @@ ERROR_NAMES = {
 #   then [B] tails, from memo_tails(B): each lane's ``(last page << 32) | length`` after the
 #     step (numba step), valid whenever MEMO_VERSION and MEMO_IDS are: the next step of the
 #     batch reads a lane's length and last page there instead of in the table's rows.
+#   then [B] stamps, from memo_stamps(B): each lane's row version (the table's
+#     ``row_version[r]``) when the step wrote the CSR (numba step). A later step on these
+#     buffers, whatever its batch, keeps the run of every lane that names the same request
+#     whose row still has that stamp (its pages are unchanged, so its run in the old CSR is
+#     a prefix of its new one).
+#   then [B] plan: scratch where such a step notes, per lane, where the run it keeps starts in
+#     the old CSR and how many pages it has.
 MEMO_WRITTEN, MEMO_VERSION, MEMO_IDS = 0, 1, 2
 MEMO_INS_WIDTH = 4  # lane, end of its old pages in the old CSR, pages before, pages after
 
@@ -73,8 +80,16 @@ def memo_tails(b: int) -> int:
     return MEMO_IDS + (1 + MEMO_INS_WIDTH) * b
 
 
-def memo_len(b: int) -> int:
+def memo_stamps(b: int) -> int:
     return MEMO_IDS + (2 + MEMO_INS_WIDTH) * b  # memo_tails(b) + b, written out (numba compiles it)
+
+
+def memo_plan(b: int) -> int:
+    return MEMO_IDS + (3 + MEMO_INS_WIDTH) * b
+
+
+def memo_len(b: int) -> int:
+    return MEMO_IDS + (4 + MEMO_INS_WIDTH) * b
 
 
 # Descriptors of the numba kernels. A numba call checks every array argument it is
@@ -92,11 +107,13 @@ AD_PAGES, AD_MAX_PAGES, AD_INDPTR, AD_OK, AD_MAX_BATCH, AD_EVICTED = range(STATE
 AD_LEN = STATE_DESC_LEN + 6
 
 # A page table's descriptor (int64 [TABLE_DESC_LEN]). TD_VERSION is the address of the
-# table's ``version`` cell (state, so a restored snapshot brings its version back) and
-# TD_VERSION_SOURCE that of the process-wide version counter (see ``new_version``).
+# table's ``version`` cell (state, so a restored snapshot brings its version back),
+# TD_VERSION_SOURCE that of the process-wide version counter (see ``new_version``) and
+# TD_ROW_VERSION that of ``row_version`` (int64 [R], state: the version of the call that last
+# changed each row's pages, see ``stamp_rows``).
 (TD_BLOCK_TABLE, TD_REQUESTS, TD_MAX_PAGES, TD_SEQ_LENS, TD_CLAIM, TD_PAGE_SIZE, TD_VERSION,
- TD_VERSION_SOURCE) = range(8)
-TABLE_DESC_LEN = 8
+ TD_VERSION_SOURCE, TD_ROW_VERSION) = range(9)
+TABLE_DESC_LEN = 9
 
 # A table call's descriptor (int64 [CALL_DESC_LEN]): the table descriptor, the pool's
 # state descriptor, then the addresses of the table-owned output buffers the call writes.

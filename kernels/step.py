@@ -16,18 +16,31 @@ current version (``MEMO_VERSION``, ``MEMO_IDS`` in :mod:`layout`; then each lane
 length and last page are in the memo's tails too, and the step reads no
 block-table row for a decode lane inside its last page); every numba call that may
 change the table gives it a fresh version first, and a restored snapshot
-brings back its own, so any other change in between (a release, a truncate,
-another shape's step, a restore) makes the next step rebuild the CSR. So
-does a batch with an unknown or repeated request id, or one whose pages do
-not fit ``indices``. Triton rebuilds it every step (a GPU copies it in
-little time) and writes no versions.
+brings back its own.
+
+After any other change in between (a release, a truncate, another shape's step,
+a restore, a new batch) the step still keeps what it can: every call that may
+change a row's pages stamps the row with its version (``row_version``; a step
+stamps the rows it gives pages), and the memo notes each lane's stamp. A lane
+that names the same request as in the CSR the buffers hold, whose row still has
+that stamp, keeps its run: the runs move in place to their new starts
+(``splice_csr``) and only the other lanes' pages are copied from the table. So
+when a request finishes and a new one takes its lane (a persistent batch), or
+when two ``StepOut`` buffers alternate, the step copies the new request's pages
+and moves the rest, instead of copying every page of the batch from 256 rows,
+which is most of a step when a forward pass has cooled the caches. A lane that
+moved to another lane counts as new. A batch with an unknown or repeated request
+id, or one whose pages do not fit ``indices``, rebuilds the CSR. Triton rebuilds
+it every step (a GPU copies it in little time) and writes no versions.
 """
 
 import numba
+import numpy as np
 from ._triton_shim import tl, triton
 
 from . import layout as L
-from ._numba_util import i32_array, i64_array, i64_cell, move_i32, new_version, state_arrays, table_arrays
+from ._numba_util import (fill_null_range, i32_array, i64_array, i64_cell, move_i32, new_version, page_shift,
+                          pages_for, row_versions, state_arrays, table_arrays)
 from .layout import (CALL_DESC_LEN, CD_CSR_MEMO, CD_IDS, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_KV_LENS,
                      CD_LANES, CD_LAST_PAGE_LEN, CD_NTOK, CD_OK, CD_OUT, CD_POSITIONS, CD_QO_INDPTR, CD_SLOTS,
                      CD_SLOTS_LEN, CD_STATE, TD_VERSION)
@@ -38,6 +51,9 @@ from .extend import MAX_TILE, extend_body, extend_numba
 
 _memo_len = numba.njit(nogil=True, inline="always")(L.memo_len)  # the table's own formulas, in numba
 _memo_tails = numba.njit(nogil=True, inline="always")(L.memo_tails)
+_memo_stamps = numba.njit(nogil=True, inline="always")(L.memo_stamps)
+_memo_plan = numba.njit(nogil=True, inline="always")(L.memo_plan)
+_LOW32 = 0xFFFFFFFF
 
 
 @numba.njit(nogil=True)
@@ -68,37 +84,125 @@ def grow_csr(indices_ptr, ins, grown, total, ids, block_table):
 
 
 @numba.njit(nogil=True)
+def plan_kept_runs(ids, B, old_ids, old_tails, old_stamps, row_version, plan, page_size, cap):
+    """Before a step's extend: which runs of the CSR the buffers hold (batch ``old_ids``) the step keeps.
+
+    Lane ``i`` keeps the run it had in the old CSR when it names the same request as it did
+    then and that request's row still has the stamp the memo noted (its pages are those of
+    the run, and the step can only append to them). ``plan[i]`` is then ``(start << 32) |
+    pages`` of that run in the old CSR, else -1. Old runs start where the pages of the old
+    lanes before them end (their lengths are the memo's tails). Returns the old CSR's
+    length, or -1 when the memo cannot be right (then nothing is kept).
+    """
+    R = row_version.shape[0]
+    shift = page_shift(page_size)
+    old_total = 0
+    for i in range(B):
+        r, n = old_ids[i], 0
+        plan[i] = -1
+        if r >= 0 and r < R:
+            n = pages_for(old_tails[i] & _LOW32, page_size, shift)
+            if ids[i] == r and old_stamps[i] == row_version[r]:
+                plan[i] = (old_total << 32) | n
+        old_total += n
+    return old_total if old_total <= cap else -1
+
+
+@numba.njit(nogil=True)
+def splice_csr(indices_ptr, indptr, B, plan, blocks, old_total, total, ids, block_table):
+    """Turn the CSR the buffers hold into the batch's new one, in place, keeping the runs ``plan`` names.
+
+    ``indptr`` is the new batch's (the extend wrote it). A kept run of ``k`` pages moves
+    from its old start to its lane's new start (runs next to each other in both CSRs move
+    as one block, listed in ``blocks``: source, destination, length); the entries of each
+    lane past its kept pages are copied from its row. Blocks that move left go first, from
+    the first one, then those that move right, from the last one: kept runs keep their
+    order, so no block overwrites one that has not moved yet. What the old CSR had past
+    the new total becomes -1. Every position is below ``max(old_total, total)``, which the
+    caller checked against the buffer's capacity.
+    """
+    indices = i32_array(indices_ptr, max(old_total, total))
+    n = 0
+    for i in range(B):
+        p = plan[i]
+        if p >= 0:
+            src, dst = p >> 32, np.int64(indptr[i])
+            k = min(p & _LOW32, np.int64(indptr[i + 1]) - dst)
+            if k > 0:
+                at = 3 * (n - 1)
+                if n > 0 and blocks[at] + blocks[at + 2] == src and blocks[at + 1] + blocks[at + 2] == dst:
+                    blocks[at + 2] += k
+                else:
+                    blocks[3 * n], blocks[3 * n + 1], blocks[3 * n + 2] = src, dst, k
+                    n += 1
+    for b in range(n):  # left moves, first to last
+        if blocks[3 * b + 1] < blocks[3 * b]:
+            move_i32(indices_ptr + 4 * blocks[3 * b + 1], indices_ptr + 4 * blocks[3 * b], blocks[3 * b + 2])
+    for b in range(n - 1, -1, -1):  # right moves, last to first
+        if blocks[3 * b + 1] > blocks[3 * b]:
+            move_i32(indices_ptr + 4 * blocks[3 * b + 1], indices_ptr + 4 * blocks[3 * b], blocks[3 * b + 2])
+    for i in range(B):
+        start, stop = indptr[i], indptr[i + 1]
+        k = 0
+        if plan[i] >= 0:
+            k = min(plan[i] & _LOW32, stop - start)
+        if stop - start > k:
+            r = ids[i]
+            for c in range(k, stop - start):
+                indices[start + c] = block_table[r, c]
+    fill_null_range(indices_ptr, total, old_total)
+
+
+@numba.njit(nogil=True)
 def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
     """extend then the CSR for a bound call (outputs, table and pool state in the call descriptor ``cd``);
-    the CSR grows in place when the buffers hold the batch's CSR at the table's version (module note)."""
+    the CSR grows in place when the buffers hold the batch's CSR at the table's version, and keeps
+    the runs of unchanged rows when they hold another CSR (module note)."""
     td = cd[:CD_STATE]
     bt, lens, claim, ps = table_arrays(td)
+    row_version = row_versions(td)
     stack, rc, state, _, counters, _, _ = state_arrays(cd[CD_STATE:CD_OUT])
     ids = i32_array(req_ids_ptr, B)
     memo = i64_array(cd[CD_CSR_MEMO], _memo_len(B))
+    cap = cd[CD_INDICES_LEN]
     same = memo[L.MEMO_VERSION] == i64_cell(td[TD_VERSION])[0]
     if same:
         diff = 0
         for i in range(B):  # no early exit: the loop vectorises
             diff |= memo[L.MEMO_IDS + i] ^ ids[i]
         same = diff == 0
+    tails_at, stamps_at, plan_at = _memo_tails(B), _memo_stamps(B), _memo_plan(B)
+    ins, tails = memo[L.MEMO_IDS + B:tails_at], memo[tails_at:stamps_at]
+    stamps, plan = memo[stamps_at:plan_at], memo[plan_at:]
+    old_total = -1  # the old CSR's length when the step keeps some of its runs
+    if not same and memo[L.MEMO_VERSION] != -1 and B > 0:
+        old_total = plan_kept_runs(ids, B, memo[L.MEMO_IDS:L.MEMO_IDS + B], tails, stamps, row_version, plan,
+                                   ps, cap)
     version = new_version(td)
     indptr, last = i32_array(cd[CD_INDPTR], B + 1), i32_array(cd[CD_LAST_PAGE_LEN], B)
-    tails_at = _memo_tails(B)
-    ins, tails = memo[L.MEMO_IDS + B:tails_at], memo[tails_at:]
     qo, kvl = i32_array(cd[CD_QO_INDPTR], B + 1), i32_array(cd[CD_KV_LENS], B)
     clean, total, grown = extend_numba(req_ids_ptr, ntok_ptr, B, cd[CD_SLOTS], cd[CD_SLOTS_LEN], cd[CD_OK], ps, bt,
                                        lens, claim, stack, rc, state, counters, True, same, indptr, last, ins,
                                        cd[CD_POSITIONS], qo, kvl, tails)
-    cap = cd[CD_INDICES_LEN]
+    for g in range(grown):  # the rows this step gave pages
+        lane = ins[g * L.MEMO_INS_WIDTH]
+        row_version[ids[lane]] = version
+        stamps[lane] = version
     if same and clean and total <= cap:  # indptr and last_page_len are written: grow indices
         grow_csr(cd[CD_INDICES], ins, grown, total, ids, bt)
         memo[L.MEMO_WRITTEN] = max(memo[L.MEMO_WRITTEN], total)
     else:
-        memo[L.MEMO_WRITTEN] = flashinfer_csr_numba(req_ids_ptr, B, cd[CD_INDPTR], cd[CD_INDICES], cap,
-                                                    cd[CD_LAST_PAGE_LEN], ps, bt, lens, counters, memo[L.MEMO_WRITTEN])
+        if old_total >= 0 and clean and total <= cap:  # keep the runs of unchanged rows, copy the rest
+            splice_csr(cd[CD_INDICES], indptr, B, plan, ins, old_total, total, ids, bt)
+            memo[L.MEMO_WRITTEN] = max(memo[L.MEMO_WRITTEN], total)
+        else:
+            memo[L.MEMO_WRITTEN] = flashinfer_csr_numba(req_ids_ptr, B, cd[CD_INDPTR], cd[CD_INDICES], cap,
+                                                        cd[CD_LAST_PAGE_LEN], ps, bt, lens, counters,
+                                                        memo[L.MEMO_WRITTEN])
         for i in range(B):
-            memo[L.MEMO_IDS + i] = ids[i]
+            r = ids[i]
+            memo[L.MEMO_IDS + i] = r
+            stamps[i] = row_version[r] if r >= 0 and r < bt.shape[0] else -1
     memo[L.MEMO_VERSION] = version if clean and total <= cap else -1
 
 

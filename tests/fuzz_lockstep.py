@@ -30,7 +30,7 @@ import torch
 OPS_PER_EPISODE = 150  # operations on one set of pools before a fresh one (default)
 EDIT_COUNTERS = (0, 1, 2)  # FREE_COUNT, CACHED_COUNT, CLOCK
 EDIT_VALUES = (-10**9, -6, -2, -1, 0, 1, 2, 3, 5, 7, 10**6, 2**31 - 2, 2**31 - 1)
-SCRATCH = {"keys", "lane_end", "version"}  # per-backend scratch, not compared
+SCRATCH = {"keys", "lane_end", "version", "row_version"}  # per-backend scratch, not compared
 
 
 # ------------------------------------------------------------------ generation

@@ -40,6 +40,27 @@ def will_grow(table, ids, cap):
     return table.step_grows_csr(i32(ids), max_tokens=len(ids), capacity=cap)
 
 
+def will_keep(table, ids, cap):
+    """Lanes whose run the numba step about to run keeps from the CSR its buffers hold (0: none)."""
+    return table.step_keeps_csr(i32(ids), max_tokens=len(ids), capacity=cap)
+
+
+def turn_over(tables, batch, rng, compact):
+    """A request of the batch finishes (released) and a new one takes its place, with a prompt:
+    in its lane (a persistent batch), or at the end after the others move up one lane (a
+    compacted batch). Returns the new batch and each lane's tokens."""
+    lanes = [i for i, r in enumerate(batch) if r >= 0]
+    i = rng.choice(lanes)
+    free_rows = [d for d in range(R) if d not in batch and int(tables[1].seq_lens[d]) == 0]
+    for t in tables:
+        t.release(i32([batch[i]]))
+    if not free_rows:
+        return batch, [0 if r < 0 else 1 for r in batch]
+    new = free_rows[0]
+    batch = batch[:i] + batch[i + 1:] + [new] if compact else batch[:i] + [new] + batch[i + 1:]
+    return batch, [0 if r < 0 else (rng.randint(1, 2) if r == new else 1) for r in batch]
+
+
 def step_both(tables, ids, ntok, cap, guard):
     outs = []
     for t in tables:
@@ -64,12 +85,16 @@ def test_grown_csr_equals_rebuilt_csr_over_random_workloads(seed, guard):
         for t in tables:
             t.extend(i32([r]), i32([n]), max_tokens=14)
     snapshots = []
-    grown = 0
+    grown = kept = 0
     for _ in range(160):
         op = rng.choices(["decode", "prefill", "batch", "release", "truncate", "extend", "fork", "snapshot",
-                          "restore", "other", "dup", "bad", "small"],
-                         [40, 6, 5, 4, 4, 4, 3, 4, 5, 3, 2, 2, 3])[0]
-        if op in ("decode", "prefill"):
+                          "restore", "other", "dup", "bad", "small", "replace", "compact"],
+                         [40, 6, 5, 4, 4, 4, 3, 4, 5, 3, 2, 2, 3, 6, 6])[0]
+        if op in ("replace", "compact"):  # a finished request leaves, a new one joins: the kept runs move
+            batch, ntok = turn_over(tables, batch, rng, op == "compact")
+            kept += will_keep(tables[0], batch, B * MP) > 0
+            step_both(tables, batch, ntok, B * MP, guard)
+        elif op in ("decode", "prefill"):
             ntok = [0 if r < 0 else 1 for r in batch]
             if op == "prefill":  # some lanes take several pages in one step
                 ntok = [n * rng.choice([1, 5, 9]) for n in ntok]
@@ -111,6 +136,7 @@ def test_grown_csr_equals_rebuilt_csr_over_random_workloads(seed, guard):
                         t.fork(i32([r]), i32([free_rows[0]]), i32([length]))
             same_state(*tables)
     assert grown >= 20  # the in-place path ran, not only rebuilds
+    assert kept >= 5    # and steps on a changed batch or changed rows kept the runs of unchanged rows
     assert tables[0].pool.stats() == tables[1].pool.stats()  # the errors the workload made, counted alike
     for t in tables:
         t.check_invariants()
@@ -243,3 +269,65 @@ def test_check_invariants_finds_a_hand_edit_the_next_step_would_trust(caller_own
     with guard():
         r = table.step(i32([0, 1]), i32([1, 1]), out=out)
     assert r.slots.tolist()[1] == int(table.block_table[1, 1]) * PS + 1   # position 5 of request 1
+
+
+def test_a_turnover_step_keeps_the_runs_of_the_requests_that_stay(guard):
+    """A request finishes and a new one takes its lane (a persistent batch): the step after keeps
+    every other run. In a compacted batch (the others move up one lane, it joins at the end) only
+    the lanes before the one that left keep theirs."""
+    for compact in (False, True):
+        tables = twins(num_pages=90)
+        batch = [0, 1, 2, 3, 4, 5]
+        for t in tables:
+            t.extend(i32(batch), i32([5, 9, 2, 12, 7, 4]), max_tokens=39)
+        for _ in range(3):
+            step_both(tables, batch, [1] * B, B * MP, guard)
+        for t in tables:
+            t.release(i32([2]))
+        batch = [0, 1, 3, 4, 5, 6] if compact else [0, 1, 6, 3, 4, 5]
+        assert will_keep(tables[0], batch, B * MP) == (2 if compact else 5)  # lanes naming the same request
+        got = step_both(tables, batch, [1] * B, B * MP, guard)  # the new request's first token: a new page
+        assert got.csr.indptr.tolist()[-1] == sum(-(-(n + 4) // PS) for n in (5, 9, 12, 7, 4)) + 1
+
+
+def test_alternating_step_outs_keep_the_rows_the_other_step_did_not_grow(guard):
+    """Overlap scheduling writes two StepOuts in turn: each step finds the CSR of two steps ago, and
+    keeps the run of every request the step in between gave no page."""
+    tables = twins(num_pages=90)
+    batch = [0, 1, 2, 3, 4, 5]
+    for t in tables:
+        t.extend(i32(batch), i32([5, 9, 2, 12, 7, 4]), max_tokens=39)
+    outs = [[t.step_out(B, capacity=B * MP) for t in tables] for _ in range(2)]
+    for n in range(12):
+        ids, ones = i32(batch), i32([1] * B)
+        kept = len(outs[n % 2][0].memo.kept_lanes(batch, tables[0].state.row_version.tolist()))
+        before = [-(-int(x) // PS) for x in tables[1].seq_lens[:B].tolist()]
+        res = []
+        for t, out in zip(tables, outs[n % 2]):
+            with guard():
+                res.append(t.step(ids, ones, out=out))
+        got, want = res
+        for x, y in zip(got.csr, want.csr):
+            assert x.tolist() == y.tolist()
+        same_state(*tables)
+        tables[0].check_invariants()
+        if n >= 2:  # the lanes whose pages the step in between did not change keep their runs
+            assert kept == sum(1 for r in batch if before[r] == prev_before[r]) and kept > 0
+        prev_before = before
+
+
+def test_check_invariants_catches_a_kept_run_edited_by_hand(guard):
+    """After a release the next step keeps the other runs: a row edited by hand without
+    invalidate_csr() would be exported stale, and check_invariants says so."""
+    table = twins(num_pages=40)[0]
+    table.extend(i32([0, 1, 2]), i32([9, 3, 6]), max_tokens=18)
+    with guard():
+        table.step(i32([0, 1, 2]), i32([1, 1, 1]))
+    table.release(i32([1]))
+    table.check_invariants()
+    table.block_table[2, 0], table.block_table[2, 1] = table.block_table[2, 1].item(), table.block_table[2, 0].item()
+    with pytest.raises(tpool.InvariantViolation, match="stamp says they are unchanged"):
+        table.check_invariants()
+    table.invalidate_csr()
+    table.check_invariants()
+    assert table.step_keeps_csr(i32([0, 3, 2])) == 0

@@ -715,12 +715,40 @@ class PageTable:
         grows = bufs[1].growable_batch(int(self.state.version[0])) if bufs is not None else None
         return grows is not None and grows[0] == req_ids.tolist()
 
+    def step_keeps_csr(self, req_ids: torch.Tensor, *, max_tokens: int | None = None,
+                       capacity: int | None = None) -> int:
+        """How many lanes of a :meth:`step` of this batch would keep their run of the CSR its buffers
+        hold (numba), moving it instead of copying it from the table: 0 when the step would rebuild
+        the CSR, or grow it in place (:meth:`step_grows_csr`). A lane keeps its request's run when
+        the request was in the batch of the CSR the buffers hold and its row has not changed since
+        (a release, truncate, fork or extend changes the rows it names; a step those it gives pages).
+        A sync point (reads the memo, the batch and the rows' stamps), for tests and profiling.
+
+        Parameters
+        ----------
+        req_ids : torch.Tensor
+            shape ``[B]``, int32, on the table's device: the batch the step would run.
+        max_tokens, capacity : int, optional
+            As in :meth:`step` (they pick the buffers).
+
+        Returns
+        -------
+        int
+        """
+        b = self._ids(req_ids)
+        cap = b * self.max_pages if capacity is None else capacity
+        bufs = self._shapes.buffers.get(("step-csr", b, cap))
+        if bufs is None or self.step_grows_csr(req_ids, max_tokens=max_tokens, capacity=capacity):
+            return 0
+        return len(bufs[1].kept_lanes(req_ids.tolist(), self.state.row_version.tolist()))
+
     def invalidate_csr(self) -> None:
         """Make the next step of every shape rebuild its CSR instead of growing the last one.
 
         Only needed after writing ``block_table`` or ``seq_lens`` by hand: tpool's own calls,
         and restoring a whole snapshot of the table's state (``tpool.graphs.state_tensors``,
-        ``version`` included), are tracked by the table's version. Not a hot-path call.
+        ``version`` and ``row_version`` included), are tracked by the table's version and its
+        rows' stamps. Not a hot-path call.
         """
         for memo in list(self._shapes.memos):  # every memo alive, kept by the table or by a BoundStep
             memo.invalidate()
@@ -780,6 +808,18 @@ class PageTable:
                 raise InvariantViolation(f"invariant broken: the step memo of shape {key} holds each request's "
                                          "length and last page (the next step reads them instead of the table: "
                                          "was the state edited by hand without invalidate_csr()?)")
+        # The runs a step of any batch would keep from such a CSR (rows that still have the stamp
+        # the memo noted) must still be those rows' pages.
+        row_version = self.state.row_version.tolist()
+        for memo in list(self._shapes.memos):
+            if memo.csr is None:
+                continue
+            for r, start, n in memo.kept_runs(row_version, self.page_size):
+                if n != int(npages[r]) or memo.csr.indices[start:start + n].tolist() != bt[r, :n].tolist():
+                    raise InvariantViolation(
+                        f"invariant broken: the CSR of step shape {(memo.batch, memo.csr.indices.numel())} holds "
+                        f"request {r}'s pages where its row's stamp says they are unchanged (the next step keeps "
+                        "them: were its indices written to, or the state edited by hand without invalidate_csr()?)")
 
     def kept_shapes(self) -> tuple:
         """The call shapes whose output buffers the table keeps now, least recently used first, and how

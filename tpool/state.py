@@ -117,6 +117,7 @@ class TableState(_Tensors):
     claim: torch.Tensor        # int32 [max_requests] scratch, INT32_MAX between calls
     lane_end: torch.Tensor     # int32 [max_batch] scratch (triton): per-lane ends of a call's page list
     version: torch.Tensor      # int64 [1] (numba): which contents the table has; a step's CSR memo names it
+    row_version: torch.Tensor  # int64 [max_requests] (numba): version of the call that last changed each row's pages
 
     @classmethod
     def create(cls, max_requests: int, max_pages: int, page_size: int, max_batch: int,
@@ -129,6 +130,7 @@ class TableState(_Tensors):
             claim=torch.full((max_requests,), INT32_MAX, **i32),
             lane_end=torch.zeros(max(max_batch, 1), **i32),
             version=torch.zeros(1, dtype=torch.int64, device=device),
+            row_version=torch.zeros(max_requests, dtype=torch.int64, device=device),
         )
 
 
@@ -146,7 +148,12 @@ class CsrMemo:
     * then scratch where a numba step's extend notes the lanes it gave pages;
     * then the tails (from ``memo_tails(B)``): each lane's ``(last page << 32) | length``
       after the last numba step, which the next step of the batch reads instead of the
-      table's rows while the version and the batch match.
+      table's rows while the version and the batch match;
+    * then the stamps (from ``memo_stamps(B)``): each lane's ``row_version`` when the
+      step wrote the CSR. While ``MEMO_VERSION`` is not -1, a numba step of any batch on
+      these buffers keeps (moves) the run of every lane that names the same request as
+      then, whose row still has its stamp, and copies only the other runs from the table;
+    * then scratch for that step's plan.
 
     Everything but the kernels goes through this class.
     """
@@ -170,4 +177,38 @@ class CsrMemo:
         if memo[L.MEMO_VERSION] != version:
             return None
         at = L.memo_tails(self.batch)
-        return memo[L.MEMO_IDS:L.MEMO_IDS + self.batch], [(w >> 32, w & 0xFFFFFFFF) for w in memo[at:]]
+        return memo[L.MEMO_IDS:L.MEMO_IDS + self.batch], [(w >> 32, w & 0xFFFFFFFF) for w in memo[at:at + self.batch]]
+
+    def kept_lanes(self, ids: list, row_version: list) -> list:
+        """The lanes of batch ``ids`` whose run a numba step would keep from the CSR these buffers
+        hold (as ``kernels/step.py: plan_kept_runs`` picks them: the lane names the request it
+        named then, and that request's row still has its stamp). A sync point."""
+        memo = self.tensor.tolist()
+        if memo[L.MEMO_VERSION] == -1:
+            return []
+        b = self.batch
+        old = memo[L.MEMO_IDS:L.MEMO_IDS + b]
+        stamps = memo[L.memo_stamps(b):L.memo_stamps(b) + b]
+        return [i for i, (r, o, st) in enumerate(zip(ids, old, stamps))
+                if r == o and 0 <= r < len(row_version) and st == row_version[r]]
+
+    def kept_runs(self, row_version: list, page_size: int) -> list:
+        """``(request, start, pages)`` of every run of the CSR these buffers hold that the next
+        numba step would keep for that request (its row still has the stamp the memo noted), in
+        lane order; ``start`` is where the run begins in ``indices``. Empty when the buffers
+        hold no CSR a step may reuse. A sync point (for ``check_invariants`` and tests)."""
+        memo = self.tensor.tolist()
+        if memo[L.MEMO_VERSION] == -1:
+            return []
+        b = self.batch
+        ids = memo[L.MEMO_IDS:L.MEMO_IDS + b]
+        tails = memo[L.memo_tails(b):L.memo_tails(b) + b]
+        stamps = memo[L.memo_stamps(b):L.memo_stamps(b) + b]
+        runs, start = [], 0
+        for r, tail, stamp in zip(ids, tails, stamps):
+            if 0 <= r < len(row_version):
+                pages = -(-(tail & 0xFFFFFFFF) // page_size)
+                if stamp == row_version[r]:
+                    runs.append((r, start, pages))
+                start += pages
+        return runs

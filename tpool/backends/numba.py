@@ -159,9 +159,10 @@ def alloc_descriptor(sd: np.ndarray, out) -> np.ndarray:
 
 def table_descriptor(ts) -> np.ndarray:
     """The int64 descriptor of a ``TableState`` (``TD_*`` slots; built once per table)."""
-    assert ts.version.dtype == torch.int64
+    assert ts.version.dtype == ts.row_version.dtype == torch.int64
     return np.array([_addr(ts.block_table), ts.max_requests, ts.max_pages, _addr(ts.seq_lens), _addr(ts.claim),
-                     ts.page_size, _addr(ts.version), VERSION_SOURCE.data_ptr()], dtype=np.int64)
+                     ts.page_size, _addr(ts.version), VERSION_SOURCE.data_ptr(), _addr(ts.row_version)],
+                    dtype=np.int64)
 
 
 def call_descriptor(td, sd, slots=None, ok=None, csr=None, memo=None, inputs=None, meta=None) -> np.ndarray:
