@@ -223,7 +223,9 @@ class _RecordingWrapper:
         return torch.ones_like(q)
 
 
-def test_flashinfer_plan_gives_empty_lanes_no_kv_and_zeroes_failed_rows(monkeypatch):
+def _recorded_flashinfer_plan(monkeypatch):
+    """A FlashInferAttention on recording wrappers, planned for a step of 4 tokens (decode, prefill,
+    padding lane, unused row) with 2 query heads, 1 KV head, head_dim 8, pages of 4, float16."""
     import sys
     import types
     flashinfer = types.ModuleType("flashinfer")
@@ -239,13 +241,43 @@ def test_flashinfer_plan_gives_empty_lanes_no_kv_and_zeroes_failed_rows(monkeypa
     plan = dict(num_qo_heads=2, num_kv_heads=1, head_dim=8, page_size=4, q_dtype=torch.float16,
                 kv_dtype=torch.float16)
     fi.plan(meta, **plan)
+    return fi, meta, plan
+
+
+def test_flashinfer_plan_gives_empty_lanes_no_kv_and_zeroes_failed_rows(monkeypatch):
+    fi, meta, plan = _recorded_flashinfer_plan(monkeypatch)
     args, kwargs = fi._prefill.planned
     assert args[0].tolist() == [0, 1, 3, 3] and args[1].tolist() == [0, 1, 2, 2]
     assert args[3].tolist() == [4, 2, 0]            # the padding lane: last page length 0 (CSR says 4)
     assert meta.csr.last_page_len.tolist() == [4, 2, 4] and kwargs["causal"] is True
-    out = fi.run(torch.zeros(4, 2, 8, dtype=torch.float16), None, None)
+    cache = torch.zeros(8, 4, 1, 8, dtype=torch.float16)
+    out = fi.run(torch.zeros(4, 2, 8, dtype=torch.float16), cache, cache)
     assert out[:, 0, 0].tolist() == [1, 1, 1, 0]     # the unused row (position -1) is zeros
     with pytest.raises(ValueError, match="exactly one token per lane"):
         fi.plan(meta, **plan, decode=True)
     with pytest.raises(ValueError, match="float16"):
         fi.plan(meta, **{**plan, "q_dtype": torch.float32})
+
+
+def test_flashinfer_run_refuses_inputs_that_differ_from_the_plan(monkeypatch):
+    """A q or a cache that does not match the plan gets a ValueError naming both sizes, not torch's
+    broadcast error, and FlashInfer is never called with it."""
+    fi, meta, plan = _recorded_flashinfer_plan(monkeypatch)
+    calls = []
+    fi._prefill.run = lambda q, kv: calls.append(q.shape) or torch.ones_like(q)
+    q = torch.zeros(4, 2, 8, dtype=torch.float16)
+    cache = torch.zeros(8, 4, 1, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"q: expected 4 tokens .*got 3"):
+        fi.run(q[:3], cache, cache)                          # fewer rows than the step's tokens
+    with pytest.raises(ValueError, match=r"q: expected 4 tokens .*got 5"):
+        fi.run(torch.zeros(5, 2, 8, dtype=torch.float16), cache, cache)
+    with pytest.raises(ValueError, match=r"q: expected \[T, 2, 8\] torch.float16 .*got \[4, 4, 8\]"):
+        fi.run(torch.zeros(4, 4, 8, dtype=torch.float16), cache, cache)   # 4 query heads, planned 2
+    with pytest.raises(ValueError, match=r"got \[4, 2, 8\] torch.bfloat16"):
+        fi.run(q.bfloat16(), cache, cache)
+    with pytest.raises(ValueError, match=r"k_cache, v_cache: expected \[num_pages, 4, 1, 8\] .*got \[8, 2, 1, 8\]"):
+        fi.run(q, cache[:, :2], cache[:, :2])                # pages of 2, planned 4
+    with pytest.raises(ValueError, match=r"k_cache, v_cache: expected two .* got \(8, 4, 1, 8\) and \(8, 4, 2, 8\)"):
+        fi.run(q, cache, torch.zeros(8, 4, 2, 8, dtype=torch.float16))
+    assert calls == []
+    assert fi.run(q, cache, cache)[:, 0, 0].tolist() == [1, 1, 1, 0] and calls == [(3, 2, 8)]

@@ -1,6 +1,8 @@
 """The host-sync guard catches every construct it promises to, and lets fixed-shape code through."""
 
 import contextlib
+import threading
+import warnings
 
 import pytest
 import torch
@@ -8,10 +10,27 @@ import torch
 import tpool
 from conftest import i32
 from tpool.backends import reference
-from tpool.testing import HostSyncError, no_host_sync
+from tpool.testing import HostSyncError, _interpreter_executor, count_host_reads, no_host_sync
 
 t = torch.arange(6)
 mask = t > 2
+
+
+def _patch_points():
+    """Everything a guard patches, as it is now."""
+    found = {f"Tensor.{n}": getattr(torch.Tensor, n) for n in ("tolist", "numpy", "cpu", "item")}
+    found.update({f"torch.{n}": getattr(torch, n) for n in ("tensor", "as_tensor")})
+    executor = _interpreter_executor()                 # conftest loaded triton, if it is installed
+    if executor is not None:
+        found["GridExecutor.__call__"] = executor.__call__
+    return found
+
+
+ORIGINALS = _patch_points()                            # at import: no guard is active
+
+
+def _still_patched():
+    return [name for name, now in _patch_points().items() if now is not ORIGINALS[name]]
 
 CONSTRUCTS = {
     "item": lambda: t[0].item(),
@@ -50,6 +69,7 @@ def test_guard_allows_fixed_shape_code_and_restores_methods():
         t.clone()[torch.tensor([1])] = 3
     assert x.tolist() == [0, 1, 2, 3, 3, 3] and y[-1].item() == 12 and z.numel() == 15
     assert t.numpy().shape == (6,)                 # patched methods are back
+    assert _still_patched() == []
 
 
 def test_guard_sees_a_sync_inside_pool_code(monkeypatch):
@@ -112,3 +132,136 @@ def test_hot_paths_build_no_tensor_from_host_data(backend):
             table.block_table_rows(ids)
             table.release(rows, cache=True)
         pool.check()
+
+
+def _in_threads(*targets):
+    """Run each target in a thread of its own, in step through ``steps`` (a barrier they share);
+    re-raise the first failure. A failing thread breaks the barrier so the others stop too."""
+    steps = threading.Barrier(len(targets), timeout=30)
+    errors = []
+
+    def run(target):
+        try:
+            target(steps)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the test's thread
+            errors.append(e)
+            steps.abort()
+    threads = [threading.Thread(target=run, args=(target,)) for target in targets]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not any(th.is_alive() for th in threads)
+    errors.sort(key=lambda e: isinstance(e, threading.BrokenBarrierError))   # the cause first
+    if errors:
+        raise errors[0]
+
+
+def test_guards_leaving_out_of_order_in_two_threads_put_back_the_originals():
+    """A enters, B enters, A leaves, B leaves: B's guard holds until B leaves, and then every
+    patched function is the one there was before any guard."""
+    def a(steps):
+        with no_host_sync():
+            steps.wait()                               # 1: A is in
+            steps.wait()                               # 2: B is in
+        steps.wait()                                   # 3: A is out
+
+    def b(steps):
+        steps.wait()
+        with no_host_sync(host_data=True):
+            steps.wait()
+            steps.wait()
+            with pytest.raises(HostSyncError):
+                t.tolist()                             # B's guard outlives A's
+            with pytest.raises(HostSyncError):
+                torch.tensor([1, 2])
+    _in_threads(a, b)
+    assert _still_patched() == []
+    assert "tolist" not in vars(torch.Tensor)          # inherited again, not a copy set on the class
+
+
+def test_a_thread_without_a_guard_reads_freely_while_another_holds_one():
+    def guarded(steps):
+        with no_host_sync(host_data=True):
+            steps.wait()                               # 1: the guard is on
+            steps.wait()                               # 2: the other thread has read
+            with pytest.raises(HostSyncError):
+                t.tolist()
+            with pytest.raises(HostSyncError):
+                t[1].item()
+
+    def free(steps):
+        steps.wait()
+        assert t.tolist() == [0, 1, 2, 3, 4, 5] and t[1].item() == 1 and bool(t[1])
+        assert t.numpy().sum() == 15 and t.cpu() is t and torch.unique(t[mask]).tolist() == [3, 4, 5]
+        assert torch.tensor([1, 2]).tolist() == [1, 2] and torch.as_tensor(3).item() == 3
+        steps.wait()
+    _in_threads(guarded, free)
+
+
+def test_counting_in_one_thread_while_another_raises():
+    """Each thread's reads go to its own guard: B counts B's reads only, A's still raise."""
+    seen = []
+
+    def raising(steps):
+        with no_host_sync():
+            steps.wait()                               # 1: A's guard is on
+            steps.wait()                               # 2: B's is on
+            with pytest.raises(HostSyncError):
+                t.tolist()
+            with pytest.raises(HostSyncError):
+                bool(t[1])
+            steps.wait()                               # 3: A has tried, B reads now
+            steps.wait()                               # 4: B is out
+
+    def counting(steps):
+        steps.wait()
+        with count_host_reads() as reads:
+            steps.wait()
+            steps.wait()
+            t.tolist()
+            t[1].item()
+            torch.unique(t)
+        seen.extend(reads.reads)
+        steps.wait()
+    _in_threads(raising, counting)
+    assert [what.split(" (")[0] for what, _ in seen] == ["Tensor.tolist()", "Tensor.item()", "unique"]
+    assert all(stack[0][1] == "counting" for _, stack in seen)
+
+
+def test_nested_guards_the_innermost_decides():
+    with no_host_sync():
+        with count_host_reads() as seen:
+            t.tolist()
+            t[0].item()
+            torch.unique(t)                            # a dispatched op: counted once, not raised by the outer
+            bool(t[1])
+        with pytest.raises(HostSyncError):
+            t.tolist()                                 # the outer guard decides again
+    assert [what.split(" (")[0] for what, _ in seen.reads] == \
+        ["Tensor.tolist()", "Tensor.item()", "unique", "a scalar read"]
+    with count_host_reads() as seen:
+        for read in (t.tolist, lambda: torch.unique(t), lambda: t[mask]):
+            with pytest.raises(HostSyncError):
+                with no_host_sync():
+                    read()
+        t.numpy()
+    assert [what for what, _ in seen.reads] == ["Tensor.numpy()"]   # the raised reads are not counted
+    assert _still_patched() == []
+
+
+def test_count_host_reads_counts_tensors_built_from_host_data():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)   # torch.tensor(a tensor) suggests clone().detach()
+        with count_host_reads(host_data=True) as seen:
+            torch.tensor([1, 2])
+            torch.as_tensor(3)
+            torch.tensor(t)                            # a tensor already: no copy from the host
+            torch.as_tensor(t)
+        with count_host_reads() as plain:
+            torch.tensor([1, 2])                       # host_data off: not a read
+        with no_host_sync(host_data=True):
+            with count_host_reads() as inner:
+                torch.tensor([1, 2])                   # the innermost guard has host_data off
+    assert [what.split()[0] for what, _ in seen.reads] == ["torch.tensor()", "torch.as_tensor()"]
+    assert plain.reads == [] and inner.reads == []

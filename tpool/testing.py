@@ -9,8 +9,10 @@ host wait for the device raises :class:`HostSyncError`:
   ``nonzero``/``argwhere``, ``unique`` in all forms, ``masked_select``,
   boolean-mask indexing (``t[mask]``, ``t[mask] = v``), ``bincount``,
   ``repeat_interleave`` without ``output_size``, ``equal``;
-* methods that read memory without dispatch, patched for the duration:
-  ``Tensor.tolist``, ``Tensor.numpy``, ``Tensor.cpu``, ``Tensor.item``.
+* methods that read memory without dispatch, patched while any guard is
+  active: ``Tensor.tolist``, ``Tensor.numpy``, ``Tensor.cpu``,
+  ``Tensor.item`` (and ``torch.tensor`` / ``torch.as_tensor`` of host data
+  for a guard with ``host_data=True``).
 
 Wrap every hot-path call in it; read results after the block.
 ``count_host_reads()`` is the same guard counting reads instead of raising
@@ -18,9 +20,22 @@ Wrap every hot-path call in it; read results after the block.
 ``TRITON_INTERPRET=1`` the interpreter stands in for the GPU and copies
 kernel arguments to numpy around each launch; those copies are the simulated
 device's, not the host's, so the guard is suspended inside a launch.
+
+Threads: a guard sees only the thread that entered it. The patches are
+installed by the first guard entered in the process and removed by the last
+one to exit (a count under a lock), whatever the order in which threads
+leave; the patched functions ask the calling thread's stack of active guards
+what to do. A thread with no active guard runs the original functions, and a
+thread's innermost guard decides whether a read raises or is counted and
+whether host data counts (a ``count_host_reads`` inside a ``no_host_sync``
+counts; a ``no_host_sync`` inside it raises). The dispatch mode is entered
+once per thread, by its outermost guard (torch keeps its mode stack per
+thread), and the simulated-launch depth is per thread too.
 """
 
 import contextlib
+import functools
+import threading
 import traceback
 
 import torch
@@ -46,6 +61,8 @@ _BANNED = {
     aten.unique_consecutive: "unique_consecutive",
 }
 _MASK_INDEX = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
+_METHODS = ("tolist", "numpy", "cpu", "item")  # Tensor methods that read memory without dispatch
+_BUILDERS = ("tensor", "as_tensor")             # torch functions that copy host data
 
 
 def _has_bool_index(args) -> bool:
@@ -53,56 +70,103 @@ def _has_bool_index(args) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
 
 
-_in_device = [0]  # depth of simulated (interpreted) kernel launches
+def _banned(func, args, kwargs):
+    """What makes ``func`` a host sync (a phrase), or None."""
+    packet = func.overloadpacket
+    if packet in _BANNED:
+        return _BANNED[packet]
+    if packet is aten.repeat_interleave and kwargs.get("output_size") is None:
+        return "repeat_interleave without output_size"
+    if packet in _MASK_INDEX and _has_bool_index(args):
+        return "boolean-mask indexing"
+    return None
 
 
 def _raise(what):
     raise HostSyncError(f"host sync on the hot path: {what}")
 
 
+class _Active:
+    """One active guard: how it reports a read, a snapshot read, and whether host data counts."""
+
+    def __init__(self, report, on_snapshot, host_data):
+        self.report, self.on_snapshot, self.host_data = report, on_snapshot, host_data
+
+
+class _ThreadState(threading.local):
+    def __init__(self):
+        self.guards = []     # this thread's active guards, innermost last
+        self.in_device = 0   # depth of simulated (interpreted) launches and of reads being made
+
+
+_thread = _ThreadState()
+
+
+def _innermost(guards):
+    """The guard that decides for the calling thread, or None (no guard, or inside a launch or a read)."""
+    return guards[-1] if guards and not _thread.in_device else None
+
+
 class _Guard(TorchDispatchMode):
-    def __init__(self, report=_raise):
+    """A thread's dispatch mode; its owner thread's innermost guard decides (also where torch carries
+    the mode into a worker thread, as autograd does)."""
+
+    def __init__(self, guards):
         super().__init__()
-        self.report = report
+        self.guards = guards
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _in_device[0]:
-            return func(*args, **(kwargs or {}))
-        packet = func.overloadpacket
-        if packet in _BANNED:
-            self.report(f"{_BANNED[packet]} ({func})")
-        elif packet is aten.repeat_interleave and (kwargs or {}).get("output_size") is None:
-            self.report(f"repeat_interleave without output_size ({func})")
-        elif packet in _MASK_INDEX and _has_bool_index(args):
-            self.report(f"boolean-mask indexing ({func})")
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        guard = _innermost(self.guards)
+        what = _banned(func, args, kwargs) if guard is not None else None
+        if what is not None:
+            guard.report(f"{what} ({func})")
+        return func(*args, **kwargs)
 
 
-def _refuse(name, original, report=_raise, on_snapshot=None):
+def _read(name, original):
+    """``Tensor.<name>`` reporting to the calling thread's innermost guard."""
+    @functools.wraps(original)
     def method(self, *args, **kwargs):
-        if _in_device[0]:
+        guard = _innermost(_thread.guards)
+        if guard is None:
             return original(self, *args, **kwargs)
         if getattr(self, HOST_SNAPSHOT_ATTR, False):  # host memory an AsyncRead filled: no device read
-            if on_snapshot is not None:
-                on_snapshot(f"Tensor.{name}() of a host snapshot")
+            if guard.on_snapshot is not None:
+                guard.on_snapshot(f"Tensor.{name}() of a host snapshot")
         else:
-            report(f"Tensor.{name}()")
-        _in_device[0] += 1  # the read itself (reached only when counting): its inner ops are not new reads
+            guard.report(f"Tensor.{name}()")
+        _thread.in_device += 1  # the read itself (reached only when counting): its inner ops are not new reads
         try:
             return original(self, *args, **kwargs)
         finally:
-            _in_device[0] -= 1
+            _thread.in_device -= 1
     return method
 
 
-def _from_host(name, original, report):
-    """``torch.tensor`` / ``torch.as_tensor`` reporting a tensor built from Python data (not from a tensor)."""
+def _from_host(name, original):
+    """``torch.tensor`` / ``torch.as_tensor`` reporting a tensor built from Python data (not from a
+    tensor) where the calling thread's innermost guard has ``host_data``."""
+    @functools.wraps(original)
     def build(data, *args, **kwargs):
-        if not _in_device[0] and not isinstance(data, torch.Tensor):
-            report(f"torch.{name}() of host data (on CUDA a copy from pageable memory, which waits for the "
-                   f"stream; use torch.full or a tensor made beforehand)")
+        guard = _innermost(_thread.guards)
+        if guard is not None and guard.host_data and not isinstance(data, torch.Tensor):
+            guard.report(f"torch.{name}() of host data (on CUDA a copy from pageable memory, which waits for "
+                         f"the stream; use torch.full or a tensor made beforehand)")
         return original(data, *args, **kwargs)
     return build
+
+
+def _device_region(name, original):
+    """The interpreter's launch: the calling thread's guards are suspended inside it."""
+    @functools.wraps(original)
+    def launch(*args, **kwargs):
+        _thread.in_device += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _thread.in_device -= 1
+    return launch
 
 
 def _interpreter_executor():
@@ -115,57 +179,82 @@ def _interpreter_executor():
     return interpreter.GridExecutor
 
 
-def _device_region(call):
-    def launch(*args, **kwargs):
-        _in_device[0] += 1
-        try:
-            return call(*args, **kwargs)
-        finally:
-            _in_device[0] -= 1
-    return launch
+_lock = threading.Lock()  # guards _users and _patched
+_users = 0                # active guards, all threads together
+_patched = {}             # (owner, name) -> what owner.__dict__ held before (_INHERITED: nothing)
+_INHERITED = object()
+
+
+def _patch_points():
+    yield from ((torch.Tensor, name, _read) for name in _METHODS)
+    yield from ((torch, name, _from_host) for name in _BUILDERS)
+    executor = _interpreter_executor()
+    if executor is not None:
+        yield executor, "__call__", _device_region
+
+
+def _install():
+    """Count one more guard; patch what is not patched yet (triton may have loaded since the first)."""
+    global _users
+    with _lock:
+        _users += 1
+        for owner, name, wrap in _patch_points():
+            if (owner, name) not in _patched:
+                _patched[owner, name] = vars(owner).get(name, _INHERITED)
+                setattr(owner, name, wrap(name, getattr(owner, name)))
+
+
+def _uninstall():
+    """Count one guard fewer; the last one out puts back what was there before the first one came in."""
+    global _users
+    with _lock:
+        _users -= 1
+        if _users:
+            return
+        for (owner, name), before in _patched.items():
+            if before is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, before)
+        _patched.clear()
 
 
 @contextlib.contextmanager
 def _guarded(report=_raise, on_snapshot=None, host_data=False):
-    names = ("tolist", "numpy", "cpu", "item")
-    saved = {name: getattr(torch.Tensor, name) for name in names}
-    built = {name: getattr(torch, name) for name in ("tensor", "as_tensor")}
-    executor = _interpreter_executor()
-    launch = executor.__call__ if executor is not None else None
+    active = _Active(report, on_snapshot, host_data)
+    guards = _thread.guards
+    mode = contextlib.nullcontext() if guards else _Guard(guards)  # one mode per thread: its outermost guard's
+    _install()
+    guards.append(active)
     try:
-        for name in names:
-            setattr(torch.Tensor, name, _refuse(name, saved[name], report, on_snapshot))
-        if executor is not None:
-            executor.__call__ = _device_region(launch)
-        if host_data:
-            for name in ("tensor", "as_tensor"):
-                setattr(torch, name, _from_host(name, built[name], report))
-        with _Guard(report):
+        with mode:
             yield
     finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
-        for name, fn in built.items():
-            setattr(torch, name, fn)
-        if executor is not None:
-            executor.__call__ = launch
+        guards.remove(active)
+        _uninstall()
 
 
 @contextlib.contextmanager
 def no_host_sync(*, host_data: bool = False):
     """Raise :class:`HostSyncError` on any host read of tensor data inside the block.
 
-    Patches ``Tensor.tolist``, ``numpy``, ``cpu`` and ``item`` and enters a
-    dispatch mode for the ops of the module note; both are undone at exit,
-    also when the block raises. The method patches are process-wide: another
-    thread calling them meanwhile raises too. Reading a host snapshot that
-    :class:`tpool.stats_async.AsyncRead` filled (what ``PagePool.stats_async().get()``
-    does) is a read of host memory and is allowed.
+    Sees the ops of the module note and the reads of ``Tensor.tolist``, ``numpy``,
+    ``cpu`` and ``item`` made by the calling thread only: other threads, guarded or
+    not, are not affected. Thread-safe and nestable: the innermost active guard of a
+    thread decides (a :func:`count_host_reads` inside this block counts instead of
+    raising, until it exits). The patches stay installed while any thread has a
+    guard and the originals are back once the last one exits, also when a block
+    raises. Reading a host snapshot that :class:`tpool.stats_async.AsyncRead` filled
+    (what ``PagePool.stats_async().get()`` does) is a read of host memory and is
+    allowed.
 
-    With ``host_data=True`` it also refuses ``torch.tensor`` / ``torch.as_tensor``
-    of host data (a Python number, list or array; patched for the duration): free on
-    a CPU, but on CUDA a copy from pageable memory that waits for the stream, so a CPU
-    test sees the syncs a GPU would have. Build the call's inputs before the block.
+    Parameters
+    ----------
+    host_data : bool, default False
+        Also refuse ``torch.tensor`` / ``torch.as_tensor`` of host data (a Python
+        number, list or array; not of a tensor): free on a CPU, but on CUDA a copy
+        from pageable memory that waits for the stream, so a CPU test sees the syncs
+        a GPU would have. Build the call's inputs before the block.
 
     Yields
     ------
@@ -215,16 +304,35 @@ class HostReads:
 
 
 @contextlib.contextmanager
-def count_host_reads():
+def count_host_reads(*, host_data: bool = False):
     """Like :func:`no_host_sync`, but count the reads (a :class:`HostReads`) instead of raising.
 
     Every construct that ``no_host_sync`` refuses counts once (``t.tolist()`` is one read,
-    not one per element) and then runs. Example::
+    not one per element) and then runs. Like ``no_host_sync`` it sees only the calling
+    thread, and the innermost guard decides: a ``no_host_sync`` inside this block raises.
 
-        with count_host_reads() as seen:
-            run_the_loop()
-        assert len(seen.reads) == expected_sync_points
+    Parameters
+    ----------
+    host_data : bool, default False
+        Also count ``torch.tensor`` / ``torch.as_tensor`` of host data (a Python number,
+        list or array; not of a tensor) as reads, one per call: on CUDA each is a copy
+        from pageable memory that waits for the stream.
+
+    Yields
+    ------
+    HostReads
+        Filled while the block runs.
+
+    Example
+    -------
+    >>> t = torch.arange(4)
+    >>> with count_host_reads(host_data=True) as seen:
+    ...     n = t.sum().item()              # one read
+    ...     u = torch.tensor([1, 2])        # host data: one read
+    ...     v = torch.as_tensor(t)          # a tensor already: no read
+    >>> [what.split()[0] for what, _ in seen.reads]
+    ['Tensor.item()', 'torch.tensor()']
     """
     seen = HostReads()
-    with _guarded(seen.add, seen.add_snapshot):
+    with _guarded(seen.add, seen.add_snapshot, host_data):
         yield seen

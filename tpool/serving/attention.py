@@ -178,6 +178,7 @@ class FlashInferAttention:
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._wrapper, self._rows, self._decode_mode, self._valid = None, 0, False, None
+        self._meta, self._shapes = None, None
 
     def plan(self, meta: StepMetadata, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
              q_dtype: torch.dtype, kv_dtype: torch.dtype, scale: float | None = None,
@@ -204,11 +205,39 @@ class FlashInferAttention:
             self._wrapper, self._rows = self._prefill, int(meta.qo_indptr[-1])  # plan read it on the host too
         self._valid = meta.positions >= 0  # [T]: rows of tokens that belong to a granted lane
         self._decode_mode = decode
+        self._meta = meta
+        self._shapes = num_qo_heads, num_kv_heads, head_dim, page_size, q_dtype, kv_dtype
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """Attention of ``q`` (``[T, Hq, D]``, packed as planned) over one layer's pages; zeros past the rows."""
+        """Attention of ``q`` over one layer's pages, as planned; zeros past the step's tokens.
+
+        Parameters
+        ----------
+        q : torch.Tensor  shape ``[T, num_qo_heads, head_dim]``, ``q_dtype``, on the plan's device
+            T = the planned step's tokens (``meta.positions.numel()``, its ``max_tokens``).
+        k_cache, v_cache : torch.Tensor  shape ``[num_pages, page_size, num_kv_heads, head_dim]``, ``kv_dtype``
+            One layer of a :class:`~tpool.serving.kv.PagedKVCache` (NHD), sizes as given to ``plan``.
+
+        Raises
+        ------
+        ValueError
+            Where a shape, dtype or device differs from the plan's (before any FlashInfer call).
+        """
         if self._wrapper is None:
             raise RuntimeError("FlashInferAttention.run: call plan() for this step first")
+        self._check(q, k_cache, v_cache)
         out = torch.zeros_like(q)
         out[:self._rows] = self._wrapper.run(q[:self._rows], (k_cache, v_cache))
         return torch.where(self._valid[:, None, None], out, 0)  # a failed lane's tokens: zeros
+
+    def _check(self, q, k_cache, v_cache):
+        """Shapes and dtypes against the plan's (FlashInfer would fail in a broadcast, or read wrongly)."""
+        _check(q, k_cache, v_cache, self._meta)   # q's rows are the planned step's tokens
+        hq, hkv, d, ps, q_dtype, kv_dtype = self._shapes
+        if q.shape[1:] != (hq, d) or q.dtype != q_dtype:
+            raise ValueError(f"q: expected [T, {hq}, {d}] {q_dtype} (num_qo_heads, head_dim, q_dtype given to "
+                             f"plan), got {list(q.shape)} {q.dtype}")
+        if k_cache.shape[1:] != (ps, hkv, d) or k_cache.dtype != kv_dtype or v_cache.dtype != kv_dtype:
+            raise ValueError(f"k_cache, v_cache: expected [num_pages, {ps}, {hkv}, {d}] {kv_dtype} (page_size, "
+                             f"num_kv_heads, head_dim, kv_dtype given to plan), got {list(k_cache.shape)} "
+                             f"{k_cache.dtype} and {v_cache.dtype}")
