@@ -709,38 +709,29 @@ class PageTable:
         -------
         bool
         """
-        b = self._ids(req_ids)
-        cap = b * self.max_pages if capacity is None else capacity
-        bufs = self._shapes.buffers.get(("step-csr", b, cap))
-        grows = bufs[1].growable_batch(int(self.state.version[0])) if bufs is not None else None
+        memo = self._step_memo(req_ids, capacity)
+        grows = memo.growable_batch(int(self.state.version[0])) if memo is not None else None
         return grows is not None and grows[0] == req_ids.tolist()
 
     def step_keeps_csr(self, req_ids: torch.Tensor, *, max_tokens: int | None = None,
                        capacity: int | None = None) -> int:
         """How many lanes of a :meth:`step` of this batch would keep their run of the CSR its buffers
-        hold (numba), moving it instead of copying it from the table: 0 when the step would rebuild
-        the CSR, or grow it in place (:meth:`step_grows_csr`). A lane keeps its request's run when
-        the request was in the batch of the CSR the buffers hold and its row has not changed since
-        (a release, truncate, fork or extend changes the rows it names; a step those it gives pages).
-        A sync point (reads the memo, the batch and the rows' stamps), for tests and profiling.
-
-        Parameters
-        ----------
-        req_ids : torch.Tensor
-            shape ``[B]``, int32, on the table's device: the batch the step would run.
-        max_tokens, capacity : int, optional
-            As in :meth:`step` (they pick the buffers).
-
-        Returns
-        -------
-        int
+        hold (numba), moving it instead of copying it from the table; 0 when the step would rebuild
+        the CSR or grow it in place (:meth:`step_grows_csr`). A lane keeps its run when it names the
+        same request as in that CSR and the request's row has not changed since (a release,
+        truncate, fork or extend changes the rows it names; a step, those it gives pages). A sync
+        point, for tests and profiling; arguments and shapes as in :meth:`step_grows_csr`.
         """
-        b = self._ids(req_ids)
-        cap = b * self.max_pages if capacity is None else capacity
-        bufs = self._shapes.buffers.get(("step-csr", b, cap))
-        if bufs is None or self.step_grows_csr(req_ids, max_tokens=max_tokens, capacity=capacity):
+        memo = self._step_memo(req_ids, capacity)
+        if memo is None or self.step_grows_csr(req_ids, max_tokens=max_tokens, capacity=capacity):
             return 0
-        return len(bufs[1].kept_lanes(req_ids.tolist(), self.state.row_version.tolist()))
+        return len(memo.kept_lanes(req_ids.tolist(), self.state.row_version.tolist()))
+
+    def _step_memo(self, req_ids, capacity):
+        """The CSR memo of the step buffers for this batch size and capacity, or None."""
+        b = self._ids(req_ids)
+        bufs = self._shapes.buffers.get(("step-csr", b, b * self.max_pages if capacity is None else capacity))
+        return bufs[1] if bufs is not None else None
 
     def invalidate_csr(self) -> None:
         """Make the next step of every shape rebuild its CSR instead of growing the last one.

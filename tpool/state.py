@@ -179,33 +179,34 @@ class CsrMemo:
         at = L.memo_tails(self.batch)
         return memo[L.MEMO_IDS:L.MEMO_IDS + self.batch], [(w >> 32, w & 0xFFFFFFFF) for w in memo[at:at + self.batch]]
 
+    def _reusable(self):
+        """``(ids, tails, stamps)`` of the CSR these buffers hold, as lists, or None when no step may
+        reuse it (``MEMO_VERSION`` is -1). A sync point."""
+        memo, b = self.tensor.tolist(), self.batch
+        if memo[L.MEMO_VERSION] == -1:
+            return None
+        tails, stamps = L.memo_tails(b), L.memo_stamps(b)
+        return memo[L.MEMO_IDS:L.MEMO_IDS + b], memo[tails:tails + b], memo[stamps:stamps + b]
+
     def kept_lanes(self, ids: list, row_version: list) -> list:
         """The lanes of batch ``ids`` whose run a numba step would keep from the CSR these buffers
         hold (as ``kernels/step.py: plan_kept_runs`` picks them: the lane names the request it
         named then, and that request's row still has its stamp). A sync point."""
-        memo = self.tensor.tolist()
-        if memo[L.MEMO_VERSION] == -1:
+        held = self._reusable()
+        if held is None:
             return []
-        b = self.batch
-        old = memo[L.MEMO_IDS:L.MEMO_IDS + b]
-        stamps = memo[L.memo_stamps(b):L.memo_stamps(b) + b]
+        old, _, stamps = held
         return [i for i, (r, o, st) in enumerate(zip(ids, old, stamps))
                 if r == o and 0 <= r < len(row_version) and st == row_version[r]]
 
     def kept_runs(self, row_version: list, page_size: int) -> list:
-        """``(request, start, pages)`` of every run of the CSR these buffers hold that the next
-        numba step would keep for that request (its row still has the stamp the memo noted), in
+        """``(request, start, pages)`` of every run of the CSR these buffers hold that a numba step
+        would keep for a lane naming that request (its row still has the stamp the memo noted), in
         lane order; ``start`` is where the run begins in ``indices``. Empty when the buffers
         hold no CSR a step may reuse. A sync point (for ``check_invariants`` and tests)."""
-        memo = self.tensor.tolist()
-        if memo[L.MEMO_VERSION] == -1:
-            return []
-        b = self.batch
-        ids = memo[L.MEMO_IDS:L.MEMO_IDS + b]
-        tails = memo[L.memo_tails(b):L.memo_tails(b) + b]
-        stamps = memo[L.memo_stamps(b):L.memo_stamps(b) + b]
+        held = self._reusable()
         runs, start = [], 0
-        for r, tail, stamp in zip(ids, tails, stamps):
+        for r, tail, stamp in zip(*held) if held is not None else ():
             if 0 <= r < len(row_version):
                 pages = -(-(tail & 0xFFFFFFFF) // page_size)
                 if stamp == row_version[r]:
