@@ -188,13 +188,26 @@ def stamp_rows(td, ids_ptr, B, version):
     CSR only while its row still has that stamp, so every numba call that may change a row's
     pages other than a step's growth (extend, release, truncate, fork's targets) stamps the
     rows it names, granted or not. Steps stamp the rows they grow themselves. Versions never
-    repeat, so a restored snapshot brings back its rows' stamps with their contents.
+    repeat and are at least 1, so a restored snapshot brings back its rows' stamps with their
+    contents, and a row with stamp 0 (no numba call changed it: a fresh table, or a state
+    made by another backend) is never kept. Rows written by hand need ``restamp_table``.
     """
     stamps, ids, R = row_versions(td), i32_array(ids_ptr, B), td[TD_REQUESTS]
     for i in range(B):
         r = ids[i]
         if r >= 0 and r < R:
             stamps[r] = version
+
+
+@numba.njit(nogil=True)
+def restamp_table(td):
+    """A fresh version for the table and every row: after rows were written by hand
+    (``PageTable.invalidate_csr``), no step keeps a run noted before, not even after a
+    snapshot from before the edit is restored (its stamps are older than this one)."""
+    version = new_version(td)
+    stamps = row_versions(td)
+    for r in range(stamps.shape[0]):
+        stamps[r] = version
 
 
 @numba.njit(nogil=True, inline="always")

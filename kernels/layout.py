@@ -61,7 +61,9 @@ ERROR_NAMES = {
 #     re-pads only that far (every backend).
 #   MEMO_VERSION: the table version the buffers hold the CSR of, -1 if none (numba step).
 #   MEMO_IDS: [B] the batch they hold it for (numba step).
-#   then [MEMO_INS_WIDTH * B] scratch: the lanes a step gave pages (numba step).
+#   then [MEMO_INS_WIDTH * B] scratch: the lanes a step gave pages (numba step); a step that
+#     keeps runs of an older CSR also notes there where the old runs start, then the blocks
+#     (source, destination, length) it moves.
 #   then [B] tails, from memo_tails(B): each lane's ``(last page << 32) | length`` after the
 #     step (numba step), valid whenever MEMO_VERSION and MEMO_IDS are: the next step of the
 #     batch reads a lane's length and last page there instead of in the table's rows.

@@ -88,8 +88,8 @@ def plan_kept_runs(ids, B, old_ids, old_tails, old_stamps, row_version, plan, pa
     """Before a step's extend: which runs of the CSR the buffers hold (batch ``old_ids``) the step keeps.
 
     Lane ``i`` keeps the run it had in the old CSR when it names the same request as it did
-    then and that request's row still has the stamp the memo noted (its pages are those of
-    the run, and the step can only append to them). ``plan[i]`` is then ``(start << 32) |
+    then and that request's row still has the stamp the memo noted, a numba call's version
+    (its pages are those of the run, and the step can only append to them). ``plan[i]`` is then ``(start << 32) |
     pages`` of that run in the old CSR, else -1. Old runs start where the pages of the old
     lanes before them end (their lengths are the memo's tails). Returns the old CSR's
     length, or -1 when the memo cannot be right (then nothing is kept).
@@ -102,7 +102,7 @@ def plan_kept_runs(ids, B, old_ids, old_tails, old_stamps, row_version, plan, pa
         plan[i] = -1
         if r >= 0 and r < R:
             n = pages_for(old_tails[i] & _LOW32, page_size, shift)
-            if ids[i] == r and old_stamps[i] == row_version[r]:
+            if ids[i] == r and old_stamps[i] > 0 and old_stamps[i] == row_version[r]:
                 plan[i] = (old_total << 32) | n
         old_total += n
     return old_total if old_total <= cap else -1
@@ -186,7 +186,9 @@ def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
                                        cd[CD_POSITIONS], qo, kvl, tails)
     for g in range(grown):  # the rows this step gave pages
         lane = ins[g * L.MEMO_INS_WIDTH]
-        row_version[ids[lane]] = version
+        r = ids[lane]
+        if r >= 0 and r < bt.shape[0]:  # it was when the extend read it
+            row_version[r] = version
         stamps[lane] = version
     if same and clean and total <= cap:  # indptr and last_page_len are written: grow indices
         grow_csr(cd[CD_INDICES], ins, grown, total, ids, bt)

@@ -331,3 +331,41 @@ def test_check_invariants_catches_a_kept_run_edited_by_hand(guard):
     table.invalidate_csr()
     table.check_invariants()
     assert table.step_keeps_csr(i32([0, 3, 2])) == 0
+
+
+def test_a_snapshot_from_before_a_hand_edit_restored_after_invalidate_keeps_nothing(guard):
+    """invalidate_csr() after a hand edit gives every row a fresh stamp: a snapshot from before the
+    edit, restored later, carries stamps no memo noted, so the step copies its rows again."""
+    table, ref = twins(num_pages=40)
+    for t in (table, ref):
+        t.extend(i32([0]), i32([5]), max_tokens=5)
+    saved = [x.clone() for x in state_tensors(table)]
+    bt = table.block_table
+    bt[0, 0], bt[0, 1] = bt[0, 1].item(), bt[0, 0].item()   # a hand edit ...
+    table.invalidate_csr()                                    # ... made known
+    with guard():
+        table.step(i32([0]), i32([1]))                        # notes the edited row's pages
+    for x, y in zip(state_tensors(table), saved):             # back to before the edit
+        x.copy_(y)
+    assert table.step_keeps_csr(i32([0])) == 0
+    with guard():
+        got = table.step(i32([0]), i32([1]))
+    want = ref.step(i32([0]), i32([1]))
+    assert got.csr.indices.tolist() == want.csr.indices.tolist()
+    table.check_invariants()
+
+
+def test_rows_stamped_zero_are_never_kept(guard):
+    """A state made by another backend has every row's stamp 0, whatever the rows hold: a numba
+    table that takes in two such states one after the other must not keep the first one's runs."""
+    table = twins(num_pages=40)[0]
+    refs = [tpool.PageTable(tpool.PagePool(40, PS, device="cpu", backend="reference"), R, MP) for _ in range(2)]
+    refs[0].extend(i32([0]), i32([5]), max_tokens=5)
+    refs[1].extend(i32([1, 0]), i32([4, 5]), max_tokens=9)    # request 0 holds other pages here
+    for ref in refs:
+        for x, y in zip(state_tensors(table), state_tensors(ref)):
+            x.copy_(y)
+        assert table.step_keeps_csr(i32([0])) == 0
+        with guard():
+            got = table.step(i32([0]), i32([1]))
+        assert got.csr.indices.tolist()[:2] == ref.block_table[0, :2].tolist()

@@ -719,8 +719,9 @@ class PageTable:
         hold (numba), moving it instead of copying it from the table; 0 when the step would rebuild
         the CSR or grow it in place (:meth:`step_grows_csr`). A lane keeps its run when it names the
         same request as in that CSR and the request's row has not changed since (a release,
-        truncate, fork or extend changes the rows it names; a step, those it gives pages). A sync
-        point, for tests and profiling; arguments and shapes as in :meth:`step_grows_csr`.
+        truncate, fork or extend changes the rows it names; a step, those it gives pages), provided
+        the step is clean (no repeated or unknown id) and its CSR fits. A sync point, for tests and
+        profiling; arguments and shapes as in :meth:`step_grows_csr`.
         """
         memo = self._step_memo(req_ids, capacity)
         if memo is None or self.step_grows_csr(req_ids, max_tokens=max_tokens, capacity=capacity):
@@ -739,10 +740,14 @@ class PageTable:
         Only needed after writing ``block_table`` or ``seq_lens`` by hand: tpool's own calls,
         and restoring a whole snapshot of the table's state (``tpool.graphs.state_tensors``,
         ``version`` and ``row_version`` included), are tracked by the table's version and its
-        rows' stamps. Not a hot-path call.
+        rows' stamps. On numba it also gives every row a fresh stamp, so that no step keeps a
+        run noted before the edit, even after a snapshot from before it is restored. Not a
+        hot-path call.
         """
-        for memo in list(self._shapes.memos):  # every memo alive, kept by the table or by a BoundStep
-            memo.invalidate()
+        with self.pool.state.lock:
+            self.ops.restamp_rows()
+            for memo in list(self._shapes.memos):  # every memo alive, kept by the table or by a BoundStep
+                memo.invalidate()
 
     # ---------------------------------------------------------- sync points
     def check_invariants(self, *, exclusive: bool = True) -> None:

@@ -145,14 +145,16 @@ class CsrMemo:
     * ``MEMO_VERSION``: the table version whose CSR the buffers hold, -1 if none,
       and ``MEMO_IDS``: the batch it is for. A numba step whose batch and version
       match grows the CSR in place instead of rebuilding it (``kernels/step.py``);
-    * then scratch where a numba step's extend notes the lanes it gave pages;
+    * then scratch where a numba step's extend notes the lanes it gave pages (and where a step
+      that keeps runs of an older CSR notes where they start, then the blocks it moves);
     * then the tails (from ``memo_tails(B)``): each lane's ``(last page << 32) | length``
       after the last numba step, which the next step of the batch reads instead of the
       table's rows while the version and the batch match;
     * then the stamps (from ``memo_stamps(B)``): each lane's ``row_version`` when the
       step wrote the CSR. While ``MEMO_VERSION`` is not -1, a numba step of any batch on
       these buffers keeps (moves) the run of every lane that names the same request as
-      then, whose row still has its stamp, and copies only the other runs from the table;
+      then, whose row still has its stamp, and copies only the other runs from the table
+      (the old runs' lengths come from the tails);
     * then scratch for that step's plan.
 
     Everything but the kernels goes through this class.
@@ -166,7 +168,7 @@ class CsrMemo:
         self.tensor[L.MEMO_WRITTEN] = capacity  # a fresh indices buffer is -1 throughout
 
     def invalidate(self) -> None:
-        """Make the next step on these buffers rebuild the CSR instead of growing it."""
+        """Make the next step on these buffers rebuild the CSR instead of growing it or keeping runs of it."""
         self.tensor[L.MEMO_VERSION] = -1
 
     def growable_batch(self, version: int) -> tuple[list, list] | None:
@@ -197,7 +199,7 @@ class CsrMemo:
             return []
         old, _, stamps = held
         return [i for i, (r, o, st) in enumerate(zip(ids, old, stamps))
-                if r == o and 0 <= r < len(row_version) and st == row_version[r]]
+                if r == o and 0 <= r < len(row_version) and st > 0 and st == row_version[r]]
 
     def kept_runs(self, row_version: list, page_size: int) -> list:
         """``(request, start, pages)`` of every run of the CSR these buffers hold that a numba step
@@ -209,7 +211,7 @@ class CsrMemo:
         for r, tail, stamp in zip(*held) if held is not None else ():
             if 0 <= r < len(row_version):
                 pages = -(-(tail & 0xFFFFFFFF) // page_size)
-                if stamp == row_version[r]:
+                if stamp > 0 and stamp == row_version[r]:
                     runs.append((r, start, pages))
                 start += pages
         return runs

@@ -99,6 +99,10 @@ class TableOps(Protocol):
     def block_table_rows(self, req_ids: Tensor, out: Tensor) -> None:
         """vLLM-style rows of the batch into ``out`` (int32 ``[B, max_pages]``)."""
 
+    def restamp_rows(self) -> None:
+        """After rows were written by hand: no later step keeps a CSR run it noted before (numba;
+        the other backends keep none)."""
+
 
 class PoolByFunctions:
     """The pool operations of a backend made of functions of the state (reference, triton):
@@ -150,6 +154,9 @@ class BoundByTensors:
     ``(positions, qo_indptr, kv_lens)`` to write in the same pass."""
 
     checks_overlap = False  # the façade checks that inputs share no memory with what a call writes
+
+    def restamp_rows(self):  # these backends rebuild the CSR every step: no run is kept
+        pass
 
     def extend_into(self, res):
         extend, slots, ok = self.extend, res.slots, res.ok
