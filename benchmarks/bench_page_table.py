@@ -12,7 +12,8 @@ The CSR copies every page id of the batch (~80 per request at these prompt
 lengths), so a floor is timed too: one ``np.copyto`` of that many int32.
 turnover step = 2 requests released, then one ``step`` over the batch in
 which the 2 admitted requests carry their prompts (512-2048 tokens, a
-prefill) and the others one token.
+prefill) and the others one token; "turnover, one call" is the same as
+``step(..., release=gone)``, one façade call instead of two.
 Each sample starts from the same table, and the baseline from the same
 lists (restored untimed before it, then one untimed call), so the requests do
 not grow over the run and a warm sample times the steady state.
@@ -55,7 +56,8 @@ from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, default_device, gc
 import tpool  # noqa: E402
 
 EPILOG = ("Progress goes to stderr, one line per row. Rows: host-blocks (the baseline), tpool's step, bound "
-          "step, extend + csr, extend only, csr only, turnover, the reference step and an np.copyto floor (CPU).")
+          "step, extend + csr, extend only, csr only, turnover (release then step, and in one call), the reference "
+          "step and an np.copyto floor (CPU).")
 from tpool.graphs import capture, state_tensors  # noqa: E402
 
 PAGE_SIZE = 16
@@ -211,6 +213,10 @@ def workloads(B, backends, device, *, num_pages=None, extras=True):
             table.release(gone)
             table.step(batch, ntok, max_tokens=T)
         impls[f"tpool-{be} turnover"] = (Turnover(turn, phases), table, "turnover")
+
+        def turn_one_call(gone, batch, ntok, table=table, T=B + min(2, B) * PROMPTS[1]):
+            table.step(batch, ntok, max_tokens=T, release=gone)
+        impls[f"tpool-{be} turnover, one call"] = (Turnover(turn_one_call, phases), table, "turnover")
     if extras and device.type == "cpu" and "reference" not in backends:  # the oracle's step, for scale
         _, ref_table, _, _ = setup(B, "reference", device, random.Random(B), num_pages)
         ids = torch.arange(B, dtype=torch.int32, device=device)

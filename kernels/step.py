@@ -47,6 +47,7 @@ from .layout import (CALL_DESC_LEN, CD_CSR_MEMO, CD_IDS, CD_INDICES, CD_INDICES_
 from ._triton_util import settings
 from .flashinfer_csr import flashinfer_csr_body, flashinfer_csr_numba
 from .extend import MAX_TILE, extend_body, extend_numba
+from .release import release_numba_entry
 
 
 _memo_len = numba.njit(nogil=True, inline="always")(L.memo_len)  # the table's own formulas, in numba
@@ -206,6 +207,15 @@ def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
             memo[L.MEMO_IDS + i] = r
             stamps[i] = row_version[r] if r >= 0 and r < bt.shape[0] else -1
     memo[L.MEMO_VERSION] = version if clean and total <= cap else -1
+
+
+@numba.njit(nogil=True)
+def step_release_numba_entry(release_ptr, K, cache, req_ids_ptr, ntok_ptr, B, cd):
+    """``release_numba_entry`` of the ``K`` request ids at ``release_ptr`` (-1 = padding), then
+    ``step_numba_entry``: a scheduler step whose finished requests leave and whose new ones join
+    in one call. The release stamps the rows it frees, so the step keeps every other run."""
+    release_numba_entry(release_ptr, K, cache, cd)
+    step_numba_entry(req_ids_ptr, ntok_ptr, B, cd)
 
 
 @numba.njit(nogil=True)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tpool
+from tpool.kernels import layout as L
 from conftest import CPU_BACKENDS, i32
 from pool_model import PoolModel
 from table_model import TableModel
@@ -406,3 +407,72 @@ def test_step_into_caller_owned_outputs(make_table, guard):
     table.step(ids, outs[1].result.slots[:2].clone(), out=outs[0])   # a copy is fine
     with pytest.raises(ValueError, match="one from another table"):
         ref.step(ids, i32([1, 1]), out=outs[0])
+
+
+def _same_table_state(a, b):
+    assert a.block_table.tolist() == b.block_table.tolist() and a.seq_lens.tolist() == b.seq_lens.tolist()
+    n = int(a.pool.state.counters[L.FREE_COUNT])
+    for name in ("free_stack", "refcount", "page_state", "counters"):
+        x, y = getattr(a.pool.state, name), getattr(b.pool.state, name)
+        assert (x[:n] if name == "free_stack" else x).tolist() == (y[:n] if name == "free_stack" else y).tolist(), name
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_step_with_release_equals_release_then_step(make_table, guard, cache):
+    """``step(..., release=gone)`` is ``release(gone)`` then ``step(...)`` in one call: same outputs,
+    same table and pool, on every backend; each such step is followed by decode steps."""
+    one, two = make_table(64, 4, 6, 8), make_table(64, 4, 6, 8)
+    for t in (one, two):
+        t.extend(i32([0, 1, 2, 3]), i32([5, 9, 2, 7]), max_tokens=23)
+    batch = [0, 1, 2, 3]
+    for gone, new in ((None, None), ([1, -1], 4), ([-1, 3], 5), ([4, 0], 1)):
+        ntok = [1] * 4
+        if gone is not None:  # finished requests leave, a new one takes a lane with a prompt
+            batch = [new if r in gone else r for r in batch]
+            ntok = [3 if r == new else 1 for r in batch]
+            one.release(i32(gone), cache=cache)
+        for k in range(3):
+            want = one.step(i32(batch), i32(ntok), max_tokens=12)
+            with guard():
+                got = two.step(i32(batch), i32(ntok), max_tokens=12, release_cache=cache,
+                               release=i32(gone) if gone is not None and k == 0 else None)
+            for x, y in zip((got.slots, got.ok, *got.csr, got.positions, got.kv_lens),
+                            (want.slots, want.ok, *want.csr, want.positions, want.kv_lens)):
+                assert x.tolist() == y.tolist()
+            _same_table_state(one, two)
+            ntok = [1] * 4
+    for t in (one, two):
+        t.check_invariants()
+    assert one.pool.stats() == two.pool.stats()
+
+
+def test_step_with_release_into_a_step_out(make_table, guard):
+    """The same through ``out=``: the release happens, then the step writes the StepOut."""
+    one, two = make_table(64, 4, 6, 8), make_table(64, 4, 6, 8)
+    out = two.step_out(2, max_tokens=6)
+    for t in (one, two):
+        t.extend(i32([0, 1, 2]), i32([5, 9, 2]), max_tokens=16)
+    one.release(i32([1]))
+    want = one.step(i32([0, 2]), i32([1, 4]), max_tokens=6)
+    with guard():
+        got = two.step(i32([0, 2]), i32([1, 4]), max_tokens=6, out=out, release=i32([1]))
+    assert got is out.result
+    for x, y in zip((got.slots, *got.csr), (want.slots, *want.csr)):
+        assert x.tolist() == y.tolist()
+    _same_table_state(one, two)
+
+
+def test_step_with_release_refuses_bad_release_before_any_change(make_table):
+    table = make_table(32, 4, 4, 8)
+    table.extend(i32([0, 1]), i32([5, 3]), max_tokens=8)
+    res = table.step(i32([0, 1]), i32([1, 1]))
+    before = [x.clone() for x in (table.block_table, table.seq_lens, table.pool.state.counters)]
+    for bad, match in ((torch.tensor([1], dtype=torch.int64), "release: expected .*int32"),
+                       (i32([[1]]), "release"),
+                       (res.slots, "release: shares memory")):
+        with pytest.raises(ValueError, match=match):
+            table.step(i32([0, 1]), i32([1, 1]), release=bad)
+    with pytest.raises(ValueError, match="release_cache: expected a bool, got int"):
+        table.step(i32([0, 1]), i32([1, 1]), release=i32([1]), release_cache=1)
+    for x, y in zip((table.block_table, table.seq_lens, table.pool.state.counters), before):
+        assert x.tolist() == y.tolist()

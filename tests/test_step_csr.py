@@ -46,26 +46,31 @@ def will_keep(table, ids, cap):
 
 
 def turn_over(tables, batch, rng, compact):
-    """A request of the batch finishes (released) and a new one takes its place, with a prompt:
-    in its lane (a persistent batch), or at the end after the others move up one lane (a
-    compacted batch). Returns the new batch and each lane's tokens."""
+    """A request of the batch finishes and a new one takes its place, with a prompt: in its lane
+    (a persistent batch), or at the end after the others move up one lane (a compacted batch).
+    The finished one is released here, or (half the time) by the step: returns the new batch,
+    each lane's tokens and the ids the step releases (or None)."""
     lanes = [i for i, r in enumerate(batch) if r >= 0]
     i = rng.choice(lanes)
     free_rows = [d for d in range(R) if d not in batch and int(tables[1].seq_lens[d]) == 0]
-    for t in tables:
-        t.release(i32([batch[i]]))
+    gone = [batch[i], -1]
+    if rng.random() < 0.5 or not free_rows:
+        for t in tables:
+            t.release(i32(gone))
+        gone = None
     if not free_rows:
-        return batch, [0 if r < 0 else 1 for r in batch]
+        return batch, [0 if r < 0 else 1 for r in batch], None
     new = free_rows[0]
     batch = batch[:i] + batch[i + 1:] + [new] if compact else batch[:i] + [new] + batch[i + 1:]
-    return batch, [0 if r < 0 else (rng.randint(1, 2) if r == new else 1) for r in batch]
+    return batch, [0 if r < 0 else (rng.randint(1, 2) if r == new else 1) for r in batch], gone
 
 
-def step_both(tables, ids, ntok, cap, guard):
+def step_both(tables, ids, ntok, cap, guard, release=None):
     outs = []
     for t in tables:
         with guard():
-            outs.append(t.step(i32(ids), i32(ntok), max_tokens=len(ids), capacity=cap))
+            outs.append(t.step(i32(ids), i32(ntok), max_tokens=len(ids), capacity=cap,
+                               release=None if release is None else i32(release)))
     got, want = outs
     for x, y, name in zip((got.slots, got.ok, *got.csr), (want.slots, want.ok, *want.csr),
                           ("slots", "ok", "indptr", "indices", "last_page_len")):
@@ -89,11 +94,11 @@ def test_grown_csr_equals_rebuilt_csr_over_random_workloads(seed, guard):
     for _ in range(160):
         op = rng.choices(["decode", "prefill", "batch", "release", "truncate", "extend", "fork", "snapshot",
                           "restore", "other", "dup", "bad", "small", "replace", "compact"],
-                         [40, 6, 5, 4, 4, 4, 3, 4, 5, 3, 2, 2, 3, 6, 6])[0]
+                         [40, 6, 5, 4, 4, 4, 3, 4, 5, 3, 2, 2, 3, 10, 6])[0]
         if op in ("replace", "compact"):  # a finished request leaves, a new one joins: the kept runs move
-            batch, ntok = turn_over(tables, batch, rng, op == "compact")
-            kept += will_keep(tables[0], batch, B * MP) > 0
-            step_both(tables, batch, ntok, B * MP, guard)
+            batch, ntok, gone = turn_over(tables, batch, rng, op == "compact")
+            kept += gone is None and will_keep(tables[0], batch, B * MP) > 0
+            step_both(tables, batch, ntok, B * MP, guard, release=gone)
         elif op in ("decode", "prefill"):
             ntok = [0 if r < 0 else 1 for r in batch]
             if op == "prefill":  # some lanes take several pages in one step

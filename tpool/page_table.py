@@ -338,7 +338,8 @@ class PageTable:
         return entry[0]
 
     def step(self, req_ids: torch.Tensor, num_tokens: torch.Tensor, *, max_tokens: int | None = None,
-             capacity: int | None = None, out: StepOut | None = None) -> StepResult:
+             capacity: int | None = None, out: StepOut | None = None, release: torch.Tensor | None = None,
+             release_cache: bool = False) -> StepResult:
         """One scheduler step: :meth:`extend`, then :meth:`flashinfer_csr` of the same batch.
 
         Same results as the two calls one after the other (the CSR includes the pages
@@ -359,6 +360,15 @@ class PageTable:
             Caller-owned outputs from :meth:`step_out` to write instead of the table's
             (overlap scheduling: alternate two, so step N+1 never overwrites what the
             forward of step N still reads).
+        release : torch.Tensor, optional
+            shape ``[K]``, int32, on the table's device (-1 = padding): requests to
+            :meth:`release` first, in the same call (the finished requests of a scheduler
+            step, padded to a fixed ``K``). The same as ``release(release)`` then ``step(...)``,
+            but one façade call and, on numba, one kernel call: a call costs microseconds of
+            Python when a forward pass has cooled the caches. Such a step is checked every
+            call (it is not bound as repeated steps are).
+        release_cache : bool
+            As ``cache`` in :meth:`release`: pages whose last reference goes become CACHED.
 
         Returns
         -------
@@ -394,8 +404,8 @@ class PageTable:
         reads the same bits as int32 and range-checks them as ids, never out of bounds.
         The table holds a reference to the last step's inputs.
         """
-        if out is not None:
-            return self._step_into(req_ids, num_tokens, max_tokens, capacity, out)
+        if out is not None or release is not None:
+            return self._step_into(req_ids, num_tokens, max_tokens, capacity, out, release, release_cache)
         last = self._repeat
         if req_ids is last[0] and num_tokens is last[1] and max_tokens is last[2] and capacity is last[3]:
             run = last[4]
@@ -411,20 +421,33 @@ class PageTable:
         entry[1](req_ids, num_tokens, b)
         return entry[0]
 
-    def _step_into(self, req_ids, num_tokens, max_tokens, capacity, out):
-        """:meth:`step` into caller-owned outputs."""
-        if type(out) is not StepOut or out.table is not self:
-            raise ValueError(f"out: expected a StepOut from this table's step_out(), got "
-                             f"{'one from another table' if type(out) is StepOut else type(out).__name__}")
-        b = self._lanes(req_ids, num_tokens)
-        for name, given, have in (("batch", b, out.batch), ("max_tokens", max_tokens, out.max_tokens),
-                                  ("capacity", capacity, out.capacity)):
-            if given is not None and given != have:
-                raise ValueError(f"{name}: expected {have} (the StepOut's), got {given}")
-        for name, t in (("req_ids", req_ids), ("num_tokens", num_tokens)):
-            _checks.check_not_written(t, name, out._written)
-        out._run(req_ids, num_tokens, b)
-        return out.result
+    def _step_into(self, req_ids, num_tokens, max_tokens, capacity, out, release=None, release_cache=False):
+        """:meth:`step` into caller-owned outputs (``out``), or releasing requests first (``release``)."""
+        if out is None:
+            b, entry = self._step_shape(req_ids, num_tokens, max_tokens, capacity)
+            run, result, written = entry[1], entry[0], entry[3]
+        else:
+            if type(out) is not StepOut or out.table is not self:
+                raise ValueError(f"out: expected a StepOut from this table's step_out(), got "
+                                 f"{'one from another table' if type(out) is StepOut else type(out).__name__}")
+            b = self._lanes(req_ids, num_tokens)
+            for name, given, have in (("batch", b, out.batch), ("max_tokens", max_tokens, out.max_tokens),
+                                      ("capacity", capacity, out.capacity)):
+                if given is not None and given != have:
+                    raise ValueError(f"{name}: expected {have} (the StepOut's), got {given}")
+            for name, t in (("req_ids", req_ids), ("num_tokens", num_tokens)):
+                _checks.check_not_written(t, name, out._written)
+            run, result, written = out._run, out.result, out._written
+        if release is None:
+            run(req_ids, num_tokens, b)
+            return result
+        if not 0 <= i32_len(release, self.device) <= self.pool.max_batch:
+            _checks.check_vector(release, "release", torch.int32, self.device, self.pool.max_batch)
+        if type(release_cache) is not bool:
+            raise ValueError(f"release_cache: expected a bool, got {type(release_cache).__name__}")
+        _checks.check_not_written(release, "release", written)
+        run(req_ids, num_tokens, b, release, release_cache)
+        return result
 
     def step_out(self, batch: int, *, max_tokens: int | None = None, capacity: int | None = None) -> StepOut:
         """Caller-owned outputs for ``step(..., out=)``: make two to overlap scheduling with the forward.

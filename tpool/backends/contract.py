@@ -79,9 +79,10 @@ class TableOps(Protocol):
         """The CSR export bound to a ``PagedKVCSR``'s buffers and their ``CsrMemo``; the call takes
         ``(req_ids, B)`` and re-pads ``indices`` only as far as the previous export wrote."""
 
-    def step_into(self, res, memo) -> Callable[[Tensor, Tensor, int], None]:
+    def step_into(self, res, memo) -> Callable[..., None]:
         """``extend`` (with the attention metadata) then the CSR export, bound to a ``StepResult``'s
-        buffers; the call takes ``(req_ids, num_tokens, B)``."""
+        buffers; the call takes ``(req_ids, num_tokens, B)``, and ``release=`` (int32 ``[K]``) and
+        ``cache=`` to ``release`` those requests first, in the same call."""
 
     def bind_step(self, res, memo, req_ids: Tensor, num_tokens: Tensor, b: int) -> Callable[[], None]:
         """``step_into(res, memo)`` bound to its input tensors too: the call takes nothing."""
@@ -176,11 +177,13 @@ class BoundByTensors:
         return lambda req_ids: export(req_ids, *csr)
 
     def step_into(self, res, memo):
-        extend, export, lock = self.extend, self._csr_call(res.csr, memo), self.st.lock
+        extend, export, lock, release_ = self.extend, self._csr_call(res.csr, memo), self.st.lock, self.release
         slots, ok, meta = res.slots, res.ok, res.metadata
 
-        def step(req_ids, num_tokens, b):
-            with lock:  # one call: no other thread's change between the extend and the export
+        def step(req_ids, num_tokens, b, release=None, cache=False):
+            with lock:  # one call: no other thread's change between the release, the extend and the export
+                if release is not None:
+                    release_(release, cache)
                 extend(req_ids, num_tokens, slots, ok, meta)
                 export(req_ids)
         return step

@@ -255,6 +255,18 @@ def step_guarded(ids_ptr, ntok_ptr, B, cd):
 
 
 @cached_njit
+def step_release_guarded(release_ptr, K, cache, ids_ptr, ntok_ptr, B, cd):
+    if _overlaps(ids_ptr, 4 * B, cd, L.CALL_DESC_LEN):
+        return 1
+    if _overlaps(ntok_ptr, 4 * B, cd, L.CALL_DESC_LEN):
+        return 2
+    if _overlaps(release_ptr, 4 * K, cd, L.CALL_DESC_LEN):
+        return 3
+    step.step_release_numba_entry(release_ptr, K, cache, ids_ptr, ntok_ptr, B, cd)
+    return 0
+
+
+@cached_njit
 def csr_guarded(ids_ptr, B, cd):
     if _overlaps(ids_ptr, 4 * B, cd, L.CALL_DESC_LEN):
         return 1
@@ -369,10 +381,18 @@ class Table:
                                           meta=res.metadata),
                           self._written(res.slots, res.ok, *res.csr, *res.metadata, memo.tensor))
         run, held = guard_point(step_guarded, _i64, _i64, _i64, _desc), (self.st, self.ts, res, memo)
+        with_release = []  # compiled at the first step that releases requests too
 
-        def call(req_ids, num_tokens, b, held=held):  # ``held``: what ``cd`` points into
-            if code := run(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd):
-                _raise_overlap(code, ("req_ids", "num_tokens"))
+        def call(req_ids, num_tokens, b, release=None, cache=False, held=held):  # ``held``: what ``cd`` points into
+            if release is None:
+                code = run(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd)
+            else:
+                if not with_release:
+                    with_release.append(guard_point(step_release_guarded, _i64, _i64, _flag, _i64, _i64, _i64, _desc))
+                code = with_release[0](release.data_ptr(), release.numel(), cache, req_ids.data_ptr(),
+                                       num_tokens.data_ptr(), b, cd)
+            if code:
+                _raise_overlap(code, ("req_ids", "num_tokens", "release"))
         return call
 
     def bind_step(self, res, memo, req_ids, num_tokens, b):

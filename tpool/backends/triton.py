@@ -78,8 +78,10 @@ class Table(BoundByTensors):
         (indptr, indices, last), slots, ok, meta = res.csr, res.slots, res.ok, res.metadata
         st, ts, written = self.st, self.ts, memo.tensor
 
-        def run(req_ids, num_tokens, b):
-            with st.lock:
+        def run(req_ids, num_tokens, b, release=None, cache=False):
+            with st.lock:  # a release first is its own launch
+                if release is not None:
+                    self.release(release, cache)
                 step.step_triton(req_ids, num_tokens, slots, ok, meta, indptr, indices, last, written, st, ts)
         return run
 
