@@ -162,7 +162,7 @@ def new_version(td):
     """Give the table a version no table content had before; returns it.
 
     Called by every numba entry point that may change ``block_table`` or
-    ``seq_lens``. The source is not part of any table's state, so restoring a
+    ``seq_lens`` (through ``stamp_rows``, when the call names a row). The source is not part of any table's state, so restoring a
     snapshot (which puts the old version back with the old contents) never
     makes two different contents share a version; a step's CSR memo relies on
     that (see ``kernels/step.py``). Contents changed by hand (not through
@@ -181,8 +181,10 @@ def row_versions(td):
 
 
 @numba.njit(nogil=True)
-def stamp_rows(td, ids_ptr, B, version):
-    """``row_version[r] = version`` for every request id ``r`` of a call that may change rows.
+def stamp_rows(td, ids_ptr, B):
+    """A fresh version for the table, and ``row_version[r]`` set to it for every request id ``r``
+    of a call that may change rows; nothing when the call names no row (only padding or ids out
+    of range: the contents stay as they are, so a step after it still grows its CSR in place).
 
     A step's CSR memo notes each lane's stamp; a later step keeps a request's run of the old
     CSR only while its row still has that stamp, so every numba call that may change a row's
@@ -193,9 +195,12 @@ def stamp_rows(td, ids_ptr, B, version):
     made by another backend) is never kept. Rows written by hand need ``restamp_table``.
     """
     stamps, ids, R = row_versions(td), i32_array(ids_ptr, B), td[TD_REQUESTS]
+    version = -1
     for i in range(B):
         r = ids[i]
         if r >= 0 and r < R:
+            if version < 0:
+                version = new_version(td)
             stamps[r] = version
 
 

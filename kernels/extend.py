@@ -22,7 +22,7 @@ from ._triton_shim import tl, triton
 
 from . import layout as L
 from . import _numba_util as nu
-from ._numba_util import (fill_null_range, i32_array, i64_array, new_version, page_shift, pages_for, pop_page,
+from ._numba_util import (fill_null_range, i32_array, i64_array, page_shift, pages_for, pop_page,
                           stack_run_ok, stamp_rows, state_arrays, table_arrays, u8_array)
 from .layout import CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, INT32_MAX
 from ._triton_table_util import (ERR_BAD_REQUEST, ERR_TABLE_OVERFLOW, cdiv, claim_requests, reset_requests,
@@ -270,7 +270,7 @@ def extend_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
     """``extend_numba`` for a bound call: outputs, table and pool state in the call descriptor ``cd``."""
     bt, lens, claim, ps = table_arrays(cd[:CD_STATE])
     stack, rc, state, _, counters, _, _ = state_arrays(cd[CD_STATE:CD_OUT])
-    stamp_rows(cd[:CD_STATE], req_ids_ptr, B, new_version(cd[:CD_STATE]))
+    stamp_rows(cd[:CD_STATE], req_ids_ptr, B)
     untracked = i32_array(0, 0)
     extend_numba(req_ids_ptr, ntok_ptr, B, cd[CD_SLOTS], cd[CD_SLOTS_LEN], cd[CD_OK], ps, bt, lens, claim,
                  stack, rc, state, counters, False, False, untracked, untracked, i64_array(0, 0), 0, untracked,

@@ -13,7 +13,7 @@ from ._triton_shim import tl, triton
 
 from . import layout as L
 from . import _numba_util as nu
-from ._numba_util import (i32_array, lane_valid, new_version, pop_page, stamp_rows, state_arrays, table_arrays,
+from ._numba_util import (i32_array, lane_valid, pop_page, stamp_rows, state_arrays, table_arrays,
                           u8_array)
 from .layout import CD_OUT, CD_STATE, INT32_MAX
 from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, check_lane_scratch, claim_pages,
@@ -119,7 +119,7 @@ def fork_numba(
 def fork_numba_entry(src_ptr, dst_ptr, lens_ptr, B, ok_ptr, cow_src_ptr, cow_dst_ptr, cd):
     """``fork_numba`` with table and pool state in the call descriptor ``cd`` (fast dispatch)."""
     bt, lens, claim, ps = table_arrays(cd[:CD_STATE])
-    stamp_rows(cd[:CD_STATE], dst_ptr, B, new_version(cd[:CD_STATE]))  # the sources' rows do not change
+    stamp_rows(cd[:CD_STATE], dst_ptr, B)  # the sources' rows do not change
     stack, rc, state, _, counters, _, _ = state_arrays(cd[CD_STATE:CD_OUT])
     fork_numba(src_ptr, dst_ptr, lens_ptr, B, ok_ptr, cow_src_ptr, cow_dst_ptr, ps, bt, lens, claim,
                stack, rc, state, counters)

@@ -75,6 +75,7 @@ ERROR_NAMES = {
 #   then [B] plan: scratch where such a step notes, per lane, where the run it keeps starts in
 #     the old CSR and how many pages it has.
 MEMO_WRITTEN, MEMO_VERSION, MEMO_IDS = 0, 1, 2
+KEEP_LOOKAHEAD = 8  # old lanes a kept run may lie past the previous kept one (requests that left between)
 MEMO_INS_WIDTH = 4  # lane, end of its old pages in the old CSR, pages before, pages after
 
 

@@ -15,7 +15,7 @@ from ._triton_shim import tl, triton
 
 from . import layout as L
 from . import _numba_util as nu
-from ._numba_util import i32_array, lane_valid, new_version, stamp_rows, state_arrays, table_arrays
+from ._numba_util import i32_array, lane_valid, stamp_rows, state_arrays, table_arrays
 from .layout import CD_OUT, CD_STATE
 from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, cdiv, claim_pages, claim_requests,
                                  check_lane_scratch, first_pages, list_lane, request_lanes, reset_pages)
@@ -121,7 +121,7 @@ def truncate_numba(
 def release_numba_entry(req_ids_ptr, B, cache, cd):
     """``release_numba`` with table and pool state in the call descriptor ``cd`` (fast dispatch)."""
     bt, lens, claim, ps = table_arrays(cd[:CD_STATE])
-    stamp_rows(cd[:CD_STATE], req_ids_ptr, B, new_version(cd[:CD_STATE]))
+    stamp_rows(cd[:CD_STATE], req_ids_ptr, B)
     stack, rc, state, stamp, counters, occur, keys = state_arrays(cd[CD_STATE:CD_OUT])
     release_numba(req_ids_ptr, B, cache, ps, bt, lens, claim, stack, rc, state, stamp, counters, occur, keys)
 
@@ -130,7 +130,7 @@ def release_numba_entry(req_ids_ptr, B, cache, cd):
 def truncate_numba_entry(req_ids_ptr, lens_ptr, B, cd):
     """``truncate_numba`` with table and pool state in the call descriptor ``cd`` (fast dispatch)."""
     bt, lens, claim, ps = table_arrays(cd[:CD_STATE])
-    stamp_rows(cd[:CD_STATE], req_ids_ptr, B, new_version(cd[:CD_STATE]))
+    stamp_rows(cd[:CD_STATE], req_ids_ptr, B)
     stack, rc, state, stamp, counters, occur, keys = state_arrays(cd[CD_STATE:CD_OUT])
     truncate_numba(req_ids_ptr, lens_ptr, B, ps, bt, lens, claim, stack, rc, state, stamp, counters, occur,
                    keys)

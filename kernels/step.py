@@ -88,25 +88,39 @@ def grow_csr(indices_ptr, ins, grown, total, ids, block_table):
 def plan_kept_runs(ids, B, old_ids, old_tails, old_stamps, row_version, plan, page_size, cap):
     """Before a step's extend: which runs of the CSR the buffers hold (batch ``old_ids``) the step keeps.
 
-    Lane ``i`` keeps the run it had in the old CSR when it names the same request as it did
-    then and that request's row still has the stamp the memo noted, a numba call's version
-    (its pages are those of the run, and the step can only append to them). ``plan[i]`` is then ``(start << 32) |
-    pages`` of that run in the old CSR, else -1. Old runs start where the pages of the old
-    lanes before them end (their lengths are the memo's tails). Returns the old CSR's
-    length, or -1 when the memo cannot be right (then nothing is kept).
+    Lane ``i`` keeps the run of its request when the request was in the old batch, at most
+    ``KEEP_LOOKAHEAD`` (layout) lanes past the old lane of the previous kept run (requests that left the
+    batch in between are skipped: a compacted batch), and its row still has the stamp the memo
+    noted, a numba call's version (its pages are those of the run, and the step can only
+    append to them). Kept runs keep their order, so they can be moved in place. ``plan[i]``
+    is then ``(start << 32) | pages`` of that run in the old CSR, else -1. Old runs start
+    where the pages of the old lanes before them end (their lengths are the memo's tails).
+    Returns the old CSR's length, or -1 when the memo cannot be right (then nothing is kept).
     """
     R = row_version.shape[0]
     shift = page_shift(page_size)
-    old_total = 0
+    j = 0          # the first old lane a later run may come from
+    start = 0      # where old lane j's run starts
     for i in range(B):
-        r, n = old_ids[i], 0
         plan[i] = -1
-        if r >= 0 and r < R:
-            n = pages_for(old_tails[i] & _LOW32, page_size, shift)
-            if ids[i] == r and old_stamps[i] > 0 and old_stamps[i] == row_version[r]:
-                plan[i] = (old_total << 32) | n
-        old_total += n
-    return old_total if old_total <= cap else -1
+        r = ids[i]
+        if r < 0 or r >= R:
+            continue
+        skipped = 0  # pages of the old lanes between j and the match
+        for jj in range(j, min(j + L.KEEP_LOOKAHEAD, B)):
+            o = old_ids[jj]
+            n = pages_for(old_tails[jj] & _LOW32, page_size, shift) if o >= 0 and o < R else 0
+            if o == r:
+                if old_stamps[jj] > 0 and old_stamps[jj] == row_version[r]:
+                    plan[i] = ((start + skipped) << 32) | n
+                j, start = jj + 1, start + skipped + n
+                break
+            skipped += n
+    for jj in range(j, B):  # the old lanes after the last match: the old CSR's length
+        o = old_ids[jj]
+        if o >= 0 and o < R:
+            start += pages_for(old_tails[jj] & _LOW32, page_size, shift)
+    return start if start <= cap else -1
 
 
 @numba.njit(nogil=True)

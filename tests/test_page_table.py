@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -472,7 +473,44 @@ def test_step_with_release_refuses_bad_release_before_any_change(make_table):
                        (res.slots, "release: shares memory")):
         with pytest.raises(ValueError, match=match):
             table.step(i32([0, 1]), i32([1, 1]), release=bad)
-    with pytest.raises(ValueError, match="release_cache: expected a bool, got int"):
+    with pytest.raises(ValueError, match="release_cache: expected a bool, got 1"):
         table.step(i32([0, 1]), i32([1, 1]), release=i32([1]), release_cache=1)
     for x, y in zip((table.block_table, table.seq_lens, table.pool.state.counters), before):
         assert x.tolist() == y.tolist()
+
+
+@pytest.mark.parametrize("gone", [[1, 1, -1], [7, -5, 100, 2], [], [-1, -1], [1]])
+def test_step_with_release_edge_cases_match_the_two_calls(make_table, guard, gone):
+    """Repeated, out-of-range, empty and padding-only releases, and a request released and admitted
+    again in the same step with a prompt (request 1 here): as release() then step(), errors too."""
+    one, two = make_table(64, 4, 6, 8), make_table(64, 4, 6, 8)
+    for t in (one, two):
+        t.extend(i32([0, 1, 2]), i32([5, 9, 2]), max_tokens=16)
+        t.step(i32([0, 1, 2]), i32([1, 1, 1]))
+    batch, ntok = i32([0, 1, 2]), i32([1, 5 if 1 in gone else 1, 1])
+    one.release(i32(gone), cache=True)
+    want = one.step(batch, ntok, max_tokens=8)
+    with guard():
+        got = two.step(batch, ntok, max_tokens=8, release=i32(gone), release_cache=np.bool_(True))
+    for x, y in zip((got.slots, got.ok, *got.csr, got.positions, got.kv_lens),
+                    (want.slots, want.ok, *want.csr, want.positions, want.kv_lens)):
+        assert x.tolist() == y.tolist()
+    _same_table_state(one, two)
+    assert one.pool.stats() == two.pool.stats()
+    two.check_invariants(exclusive=False)
+
+
+def test_a_padding_only_release_leaves_the_numba_csr_growable(guard):
+    """Nothing finished: ``release=`` all padding changes no row, so the next step still grows
+    its CSR in place (numba) instead of going the slower way."""
+    table = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend="numba"), 4, 8)
+    ids, ones, pad = i32([0, 1, 2]), i32([1, 1, 1]), i32([-1, -1])
+    table.extend(ids, i32([5, 9, 2]), max_tokens=16)
+    for _ in range(3):
+        with guard():
+            table.step(ids, ones, release=pad)
+        assert table.step_grows_csr(ids)
+    table.release(pad)
+    assert table.step_grows_csr(ids)
+    table.release(i32([3]))  # a row outside the batch: the step keeps every run instead
+    assert not table.step_grows_csr(ids) and table.step_keeps_csr(ids) == 3

@@ -366,7 +366,9 @@ class PageTable:
             step, padded to a fixed ``K``). The same as ``release(release)`` then ``step(...)``,
             but one façade call and, on numba, one kernel call: a call costs microseconds of
             Python when a forward pass has cooled the caches. Such a step is checked every
-            call (it is not bound as repeated steps are).
+            call (it is not bound as repeated steps are), and on triton the release is a
+            launch of its own. Padding only (nothing finished) changes nothing, and the step
+            still grows its CSR in place on numba; ``None`` saves the checks.
         release_cache : bool
             As ``cache`` in :meth:`release`: pages whose last reference goes become CACHED.
 
@@ -443,10 +445,10 @@ class PageTable:
             return result
         if not 0 <= i32_len(release, self.device) <= self.pool.max_batch:
             _checks.check_vector(release, "release", torch.int32, self.device, self.pool.max_batch)
-        if type(release_cache) is not bool:
-            raise ValueError(f"release_cache: expected a bool, got {type(release_cache).__name__}")
+        if not isinstance(release_cache, (bool, np.bool_)):
+            raise ValueError(f"release_cache: expected a bool, got {_checks._describe(release_cache)}")
         _checks.check_not_written(release, "release", written)
-        run(req_ids, num_tokens, b, release, release_cache)
+        run(req_ids, num_tokens, b, release, bool(release_cache))
         return result
 
     def step_out(self, batch: int, *, max_tokens: int | None = None, capacity: int | None = None) -> StepOut:

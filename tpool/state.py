@@ -192,14 +192,24 @@ class CsrMemo:
 
     def kept_lanes(self, ids: list, row_version: list) -> list:
         """The lanes of batch ``ids`` whose run a numba step would keep from the CSR these buffers
-        hold (as ``kernels/step.py: plan_kept_runs`` picks them: the lane names the request it
-        named then, and that request's row still has its stamp). A sync point."""
+        hold, picked as ``kernels/step.py: plan_kept_runs`` picks them: the request was in the old
+        batch at most ``KEEP_LOOKAHEAD`` lanes past the previous match, and its row still has its
+        stamp. A sync point."""
         held = self._reusable()
         if held is None:
             return []
         old, _, stamps = held
-        return [i for i, (r, o, st) in enumerate(zip(ids, old, stamps))
-                if r == o and 0 <= r < len(row_version) and st > 0 and st == row_version[r]]
+        kept, j = [], 0
+        for i, r in enumerate(ids):
+            if not 0 <= r < len(row_version):
+                continue
+            for jj in range(j, min(j + L.KEEP_LOOKAHEAD, self.batch)):
+                if old[jj] == r:
+                    if stamps[jj] > 0 and stamps[jj] == row_version[r]:
+                        kept.append(i)
+                    j = jj + 1
+                    break
+        return kept
 
     def kept_runs(self, row_version: list, page_size: int) -> list:
         """``(request, start, pages)`` of every run of the CSR these buffers hold that a numba step
