@@ -162,7 +162,8 @@ def new_version(td):
     """Give the table a version no table content had before; returns it.
 
     Called by every numba entry point that may change ``block_table`` or
-    ``seq_lens`` (through ``stamp_rows``, when the call names a row). The source is not part of any table's state, so restoring a
+    ``seq_lens``: directly by the step and ``restamp_table``, by extend, release,
+    truncate and fork through ``stamp_rows`` when the call names a row. The source is not part of any table's state, so restoring a
     snapshot (which puts the old version back with the old contents) never
     makes two different contents share a version; a step's CSR memo relies on
     that (see ``kernels/step.py``). Contents changed by hand (not through
@@ -206,9 +207,9 @@ def stamp_rows(td, ids_ptr, B):
 
 @numba.njit(nogil=True)
 def restamp_table(td):
-    """A fresh version for the table and every row: after rows were written by hand
-    (``PageTable.invalidate_csr``), no step keeps a run noted before, not even after a
-    snapshot from before the edit is restored (its stamps are older than this one)."""
+    """A fresh version for the table and every row, after rows were written by hand
+    (``PageTable.invalidate_csr``, which also drops every memo): a run noted after the edit
+    is not kept once a snapshot from before it is restored (its stamps are older)."""
     version = new_version(td)
     stamps = row_versions(td)
     for r in range(stamps.shape[0]):

@@ -62,16 +62,17 @@ ERROR_NAMES = {
 #   MEMO_VERSION: the table version the buffers hold the CSR of, -1 if none (numba step).
 #   MEMO_IDS: [B] the batch they hold it for (numba step).
 #   then [MEMO_INS_WIDTH * B] scratch: the lanes a step gave pages (numba step); a step that
-#     keeps runs of an older CSR also notes there where the old runs start, then the blocks
-#     (source, destination, length) it moves.
+#     keeps runs of an older CSR then writes there the blocks (source, destination, length)
+#     it moves.
 #   then [B] tails, from memo_tails(B): each lane's ``(last page << 32) | length`` after the
 #     step (numba step), valid whenever MEMO_VERSION and MEMO_IDS are: the next step of the
 #     batch reads a lane's length and last page there instead of in the table's rows.
 #   then [B] stamps, from memo_stamps(B): each lane's row version (the table's
 #     ``row_version[r]``) when the step wrote the CSR (numba step). A later step on these
-#     buffers, whatever its batch, keeps the run of every lane that names the same request
-#     whose row still has that stamp (its pages are unchanged, so its run in the old CSR is
-#     a prefix of its new one).
+#     buffers, whatever its batch, keeps the run of every request it finds in the old batch
+#     (in order, at most KEEP_LOOKAHEAD old lanes past the previous one found) whose row
+#     still has that stamp (its pages are unchanged, so its run in the old CSR is a prefix
+#     of its new one).
 #   then [B] plan: scratch where such a step notes, per lane, where the run it keeps starts in
 #     the old CSR and how many pages it has.
 MEMO_WRITTEN, MEMO_VERSION, MEMO_IDS = 0, 1, 2

@@ -24,12 +24,14 @@ change a row's pages stamps the row with its version (``row_version``; a step
 stamps the rows it gives pages), and the memo notes each lane's stamp. A lane
 that names the same request as in the CSR the buffers hold, whose row still has
 that stamp, keeps its run: the runs move in place to their new starts
-(``splice_csr``) and only the other lanes' pages are copied from the table. So
-when a request finishes and a new one takes its lane (a persistent batch), or
-when two ``StepOut`` buffers alternate, the step copies the new request's pages
-and moves the rest, instead of copying every page of the batch from 256 rows,
-which is most of a step when a forward pass has cooled the caches. A lane that
-moved to another lane counts as new. A batch with an unknown or repeated request
+(``splice_csr``) and only the pages outside kept runs are copied from the table.
+So when a request finishes and a new one takes its lane (a persistent batch) or
+joins at the end after the others moved up (a compacted batch), or when two
+``StepOut`` buffers alternate, the step copies the new request's pages and moves
+the rest, instead of copying every page of the batch from 256 rows, which is most
+of a step when a forward pass has cooled the caches. A request is looked for in
+order, at most ``KEEP_LOOKAHEAD`` old lanes past the previous one found; one
+further on, or ahead of it, counts as new. A batch with an unknown or repeated request
 id, or one whose pages do not fit ``indices``, rebuilds the CSR. Triton rebuilds
 it every step (a GPU copies it in little time) and writes no versions.
 """

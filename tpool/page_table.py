@@ -741,11 +741,13 @@ class PageTable:
     def step_keeps_csr(self, req_ids: torch.Tensor, *, max_tokens: int | None = None,
                        capacity: int | None = None) -> int:
         """How many lanes of a :meth:`step` of this batch would keep their run of the CSR its buffers
-        hold (numba), moving it instead of copying it from the table; 0 when the step would rebuild
-        the CSR or grow it in place (:meth:`step_grows_csr`). A lane keeps its run when it names the
-        same request as in that CSR and the request's row has not changed since (a release,
-        truncate, fork or extend changes the rows it names; a step, those it gives pages), provided
-        the step is clean (no repeated or unknown id) and its CSR fits. A sync point, for tests and
+        hold (numba), moving it instead of copying it from the table; 0 when the buffers hold no
+        CSR a step may reuse, or the step would grow it in place (:meth:`step_grows_csr`). A lane
+        keeps its run when its request is found in that CSR's batch (in order, at most
+        ``KEEP_LOOKAHEAD`` old lanes past the previous one found) and the request's row has not
+        changed since (a release, truncate, fork or extend changes the rows it names; a step,
+        those it gives pages). The count assumes a clean step (no repeated or unknown id) whose
+        CSR fits; the step rebuilds otherwise. A sync point, for tests and
         profiling; arguments and shapes as in :meth:`step_grows_csr`.
         """
         memo = self._step_memo(req_ids, capacity)
@@ -760,14 +762,14 @@ class PageTable:
         return bufs[1] if bufs is not None else None
 
     def invalidate_csr(self) -> None:
-        """Make the next step of every shape rebuild its CSR instead of growing the last one.
+        """Make the next step of every shape rebuild its CSR instead of growing or keeping runs of the last one.
 
         Only needed after writing ``block_table`` or ``seq_lens`` by hand: tpool's own calls,
         and restoring a whole snapshot of the table's state (``tpool.graphs.state_tensors``,
         ``version`` and ``row_version`` included), are tracked by the table's version and its
-        rows' stamps. On numba it also gives every row a fresh stamp, so that no step keeps a
-        run noted before the edit, even after a snapshot from before it is restored. Not a
-        hot-path call.
+        rows' stamps. On numba it also gives every row a fresh stamp, so that a run noted
+        after the edit is not kept once a snapshot from before it is restored (its stamps
+        are older). Not a hot-path call.
         """
         with self.pool.state.lock:
             self.ops.restamp_rows()
@@ -781,7 +783,9 @@ class PageTable:
         Entries past each length are -1, entries before it are USED pages, and each
         page's reference count is at least (``exclusive``: exactly) the number of
         table entries naming it. A step's CSR buffers that the next step of the same
-        batch would grow in place (numba) still hold that batch's CSR.
+        batch would grow in place (numba) still hold that batch's CSR, and every run a
+        step of another batch would keep (its row still has the stamp the memo noted) is
+        still that row's pages.
 
         Parameters
         ----------

@@ -146,15 +146,16 @@ class CsrMemo:
       and ``MEMO_IDS``: the batch it is for. A numba step whose batch and version
       match grows the CSR in place instead of rebuilding it (``kernels/step.py``);
     * then scratch where a numba step's extend notes the lanes it gave pages (and where a step
-      that keeps runs of an older CSR notes where they start, then the blocks it moves);
+      that keeps runs of an older CSR then writes the blocks it moves);
     * then the tails (from ``memo_tails(B)``): each lane's ``(last page << 32) | length``
       after the last numba step, which the next step of the batch reads instead of the
       table's rows while the version and the batch match;
     * then the stamps (from ``memo_stamps(B)``): each lane's ``row_version`` when the
       step wrote the CSR. While ``MEMO_VERSION`` is not -1, a numba step of any batch on
-      these buffers keeps (moves) the run of every lane that names the same request as
-      then, whose row still has its stamp, and copies only the other runs from the table
-      (the old runs' lengths come from the tails);
+      these buffers keeps (moves) the run of every request it finds in the old batch (in
+      order, at most ``KEEP_LOOKAHEAD`` old lanes past the previous one found) whose row
+      still has its stamp, and copies only the pages outside kept runs from the table (the
+      old runs' lengths come from the tails);
     * then scratch for that step's plan.
 
     Everything but the kernels goes through this class.

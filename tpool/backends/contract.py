@@ -101,8 +101,8 @@ class TableOps(Protocol):
         """vLLM-style rows of the batch into ``out`` (int32 ``[B, max_pages]``)."""
 
     def restamp_rows(self) -> None:
-        """After rows were written by hand: no later step keeps a CSR run it noted before (numba;
-        the other backends keep none)."""
+        """After rows were written by hand: fresh row stamps, so a run noted after the edit is not
+        kept once a snapshot from before it is restored (numba; the other backends keep none)."""
 
 
 class PoolByFunctions:
