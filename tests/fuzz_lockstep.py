@@ -68,7 +68,10 @@ def gen_op(rng: random.Random, cfg: dict, edits: bool) -> tuple:
         return (kind, rng.randint(0, P + 2))
     if kind in ("extend", "step"):
         ntok = _counts(rng, b, rng.choice([1, 1, 3, 7]))
-        return (kind, _ids(rng, cfg, b), ntok, max(sum(max(n, 0) for n in ntok), 1) + rng.randint(-2, 2))
+        op = (kind, _ids(rng, cfg, b), ntok, max(sum(max(n, 0) for n in ntok), 1) + rng.randint(-2, 2))
+        if kind == "step" and rng.random() < 0.3:  # finished requests released in the same call
+            op += (_ids(rng, cfg, rng.randint(0, 3)), rng.random() < 0.4)
+        return op
     if kind in ("csr", "rows"):
         return (kind, _ids(rng, cfg, b), rng.randint(0, b * MP + 2))
     if kind == "release":
@@ -104,6 +107,7 @@ ALIASES = (
     lambda pool, table, out: table.fork(i32([0]), table.fork(i32([-1]), i32([-1]), i32([0])).cow_dst, i32([0])),
     lambda pool, table, out: table.flashinfer_csr(table.block_table[0, :1]),
     lambda pool, table, out: table.release(table.seq_lens[:1]),
+    lambda pool, table, out: table.step(i32([0]), i32([1]), release=table.seq_lens[:1]),
 )
 
 
@@ -150,7 +154,8 @@ class System:
             elif kind == "extend":
                 return [t.clone() for t in table.extend(i32(op[1]), i32(op[2]), max_tokens=op[3])]
             elif kind == "step":
-                r = table.step(i32(op[1]), i32(op[2]), max_tokens=op[3])
+                gone = dict(release=i32(op[4]), release_cache=op[5]) if len(op) > 4 else {}
+                r = table.step(i32(op[1]), i32(op[2]), max_tokens=op[3], **gone)
                 return [t.clone() for t in (r.slots, r.ok, *r.csr, *r.metadata)]
             elif kind == "csr":
                 return [t.clone() for t in table.flashinfer_csr(i32(op[1]), capacity=op[2])]
