@@ -43,6 +43,19 @@ def i32(values, device="cpu"):
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
+def same_table_state(a, b):
+    """Two tables (and their pools) hold the same state: rows, lengths, the live part of the free
+    stack, reference counts, page states and counters."""
+    from tpool.kernels import layout as L
+    assert a.block_table.tolist() == b.block_table.tolist() and a.seq_lens.tolist() == b.seq_lens.tolist()
+    for name in ("free_stack", "refcount", "page_state", "counters"):
+        x, y = getattr(a.pool.state, name), getattr(b.pool.state, name)
+        if name == "free_stack":  # only the live part of the stack is state
+            n = int(a.pool.state.counters[L.FREE_COUNT])
+            x, y = x[:n], y[:n]
+        assert x.tolist() == y.tolist(), name
+
+
 @pytest.fixture(params=CPU_BACKENDS)
 def backend(request):
     return request.param

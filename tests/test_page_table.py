@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import tpool
-from tpool.kernels import layout as L
-from conftest import CPU_BACKENDS, i32
+from conftest import CPU_BACKENDS, i32, same_table_state
 from pool_model import PoolModel
 from table_model import TableModel
 
@@ -410,14 +409,6 @@ def test_step_into_caller_owned_outputs(make_table, guard):
         ref.step(ids, i32([1, 1]), out=outs[0])
 
 
-def _same_table_state(a, b):
-    assert a.block_table.tolist() == b.block_table.tolist() and a.seq_lens.tolist() == b.seq_lens.tolist()
-    n = int(a.pool.state.counters[L.FREE_COUNT])
-    for name in ("free_stack", "refcount", "page_state", "counters"):
-        x, y = getattr(a.pool.state, name), getattr(b.pool.state, name)
-        assert (x[:n] if name == "free_stack" else x).tolist() == (y[:n] if name == "free_stack" else y).tolist(), name
-
-
 @pytest.mark.parametrize("cache", [False, True])
 def test_step_with_release_equals_release_then_step(make_table, guard, cache):
     """``step(..., release=gone)`` is ``release(gone)`` then ``step(...)`` in one call: same outputs,
@@ -440,7 +431,7 @@ def test_step_with_release_equals_release_then_step(make_table, guard, cache):
             for x, y in zip((got.slots, got.ok, *got.csr, got.positions, got.kv_lens),
                             (want.slots, want.ok, *want.csr, want.positions, want.kv_lens)):
                 assert x.tolist() == y.tolist()
-            _same_table_state(one, two)
+            same_table_state(one, two)
             ntok = [1] * 4
     for t in (one, two):
         t.check_invariants()
@@ -460,7 +451,7 @@ def test_step_with_release_into_a_step_out(make_table, guard):
     assert got is out.result
     for x, y in zip((got.slots, *got.csr), (want.slots, *want.csr)):
         assert x.tolist() == y.tolist()
-    _same_table_state(one, two)
+    same_table_state(one, two)
 
 
 def test_step_with_release_refuses_bad_release_before_any_change(make_table):
@@ -495,7 +486,7 @@ def test_step_with_release_edge_cases_match_the_two_calls(make_table, guard, gon
     for x, y in zip((got.slots, got.ok, *got.csr, got.positions, got.kv_lens),
                     (want.slots, want.ok, *want.csr, want.positions, want.kv_lens)):
         assert x.tolist() == y.tolist()
-    _same_table_state(one, two)
+    same_table_state(one, two)
     assert one.pool.stats() == two.pool.stats()
     two.check_invariants(exclusive=False)
 

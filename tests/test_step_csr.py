@@ -12,9 +12,8 @@ import random
 import pytest
 
 import tpool
-from conftest import i32
+from conftest import i32, same_table_state
 from tpool.graphs import state_tensors
-from tpool.kernels import layout as L
 
 R, MP, PS, B = 12, 10, 4, 6
 
@@ -23,16 +22,6 @@ def twins(num_pages):
     """A numba table and the reference table it must match."""
     return [tpool.PageTable(tpool.PagePool(num_pages, PS, device="cpu", backend=be), R, MP)
             for be in ("numba", "reference")]
-
-
-def same_state(a, b):
-    assert a.block_table.tolist() == b.block_table.tolist() and a.seq_lens.tolist() == b.seq_lens.tolist()
-    for name in ("free_stack", "refcount", "page_state", "counters"):
-        x, y = getattr(a.pool.state, name), getattr(b.pool.state, name)
-        if name == "free_stack":  # only the live part of the stack is state
-            n = int(a.pool.state.counters[L.FREE_COUNT])
-            x, y = x[:n], y[:n]
-        assert x.tolist() == y.tolist(), name
 
 
 def will_grow(table, ids, cap):
@@ -75,7 +64,7 @@ def step_both(tables, ids, ntok, cap, guard, release=None):
     for x, y, name in zip((got.slots, got.ok, *got.csr), (want.slots, want.ok, *want.csr),
                           ("slots", "ok", "indptr", "indices", "last_page_len")):
         assert x.tolist() == y.tolist(), name
-    same_state(*tables)
+    same_table_state(*tables)
     tables[0].check_invariants()  # also: a CSR the next step may grow is its batch's CSR
     return got
 
@@ -139,7 +128,7 @@ def test_grown_csr_equals_rebuilt_csr_over_random_workloads(seed, guard):
                         t.extend(i32([r]), i32([n]), max_tokens=6)
                     elif free_rows:  # fork into an empty row, so a later batch may hold it
                         t.fork(i32([r]), i32([free_rows[0]]), i32([length]))
-            same_state(*tables)
+            same_table_state(*tables)
     assert grown >= 20  # the in-place path ran, not only rebuilds
     assert kept >= 5    # and steps on a changed batch or changed rows kept the runs of unchanged rows
     assert tables[0].pool.stats() == tables[1].pool.stats()  # the errors the workload made, counted alike
@@ -302,6 +291,7 @@ def test_alternating_step_outs_keep_the_rows_the_other_step_did_not_grow(guard):
     for t in tables:
         t.extend(i32(batch), i32([5, 9, 2, 12, 7, 4]), max_tokens=39)
     outs = [[t.step_out(B, capacity=B * MP) for t in tables] for _ in range(2)]
+    prev_before = None  # each request's pages before the previous step
     for n in range(12):
         ids, ones = i32(batch), i32([1] * B)
         kept = len(outs[n % 2][0].memo.kept_lanes(batch, tables[0].state.row_version.tolist()))
@@ -313,7 +303,7 @@ def test_alternating_step_outs_keep_the_rows_the_other_step_did_not_grow(guard):
         got, want = res
         for x, y in zip(got.csr, want.csr):
             assert x.tolist() == y.tolist()
-        same_state(*tables)
+        same_table_state(*tables)
         tables[0].check_invariants()
         if n >= 2:  # the lanes whose pages the step in between did not change keep their runs
             assert kept == sum(1 for r in batch if before[r] == prev_before[r]) and kept > 0

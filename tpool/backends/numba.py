@@ -234,36 +234,40 @@ def free_guarded(pages_ptr, N, cache, fd):
     return 0
 
 
-@cached_njit
-def extend_guarded(ids_ptr, ntok_ptr, B, cd):
+@numba.njit(cache=True, inline="always")
+def _lanes_overlap(ids_ptr, ntok_ptr, B, cd):
+    """1 when ``req_ids`` overlaps what the table call of ``cd`` writes, 2 when ``num_tokens`` does, else 0."""
     if _overlaps(ids_ptr, 4 * B, cd, L.CALL_DESC_LEN):
         return 1
     if _overlaps(ntok_ptr, 4 * B, cd, L.CALL_DESC_LEN):
         return 2
-    extend.extend_numba_entry(ids_ptr, ntok_ptr, B, cd)
     return 0
+
+
+@cached_njit
+def extend_guarded(ids_ptr, ntok_ptr, B, cd):
+    code = _lanes_overlap(ids_ptr, ntok_ptr, B, cd)
+    if code == 0:
+        extend.extend_numba_entry(ids_ptr, ntok_ptr, B, cd)
+    return code
 
 
 @cached_njit
 def step_guarded(ids_ptr, ntok_ptr, B, cd):
-    if _overlaps(ids_ptr, 4 * B, cd, L.CALL_DESC_LEN):
-        return 1
-    if _overlaps(ntok_ptr, 4 * B, cd, L.CALL_DESC_LEN):
-        return 2
-    step.step_numba_entry(ids_ptr, ntok_ptr, B, cd)
-    return 0
+    code = _lanes_overlap(ids_ptr, ntok_ptr, B, cd)
+    if code == 0:
+        step.step_numba_entry(ids_ptr, ntok_ptr, B, cd)
+    return code
 
 
 @cached_njit
 def step_release_guarded(release_ptr, K, cache, ids_ptr, ntok_ptr, B, cd):
-    if _overlaps(ids_ptr, 4 * B, cd, L.CALL_DESC_LEN):
-        return 1
-    if _overlaps(ntok_ptr, 4 * B, cd, L.CALL_DESC_LEN):
-        return 2
-    if _overlaps(release_ptr, 4 * K, cd, L.CALL_DESC_LEN):
-        return 3
-    step.step_release_numba_entry(release_ptr, K, cache, ids_ptr, ntok_ptr, B, cd)
-    return 0
+    code = _lanes_overlap(ids_ptr, ntok_ptr, B, cd)
+    if code == 0 and _overlaps(release_ptr, 4 * K, cd, L.CALL_DESC_LEN):
+        code = 3
+    if code == 0:
+        step.step_release_numba_entry(release_ptr, K, cache, ids_ptr, ntok_ptr, B, cd)
+    return code
 
 
 @cached_njit
