@@ -163,10 +163,10 @@ def splice_csr(indices_ptr, indptr, B, plan, blocks, old_total, total, ids, bloc
         k = 0
         if plan[i] >= 0:
             k = min(plan[i] & _LOW32, stop - start)
-        if stop - start > k:
-            r = ids[i]
+        if stop - start > k:  # the rest of the run, from its row (unsigned indices: a vector copy)
+            r, us = np.uint64(ids[i]), np.uint64(start)
             for c in range(k, stop - start):
-                indices[start + c] = block_table[r, c]
+                indices[us + np.uint64(c)] = block_table[r, np.uint64(c)]
     fill_null_range(indices_ptr, total, old_total)
 
 
