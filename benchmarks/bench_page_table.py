@@ -13,7 +13,10 @@ lengths), so a floor is timed too: one ``np.copyto`` of that many int32.
 turnover step = 2 requests released, then one ``step`` over the batch in
 which the 2 admitted requests carry their prompts (512-2048 tokens, a
 prefill) and the others one token; "turnover, one call" is the same as
-``step(..., release=gone)``, one façade call instead of two.
+``step(..., release=gone)``, one façade call instead of two; "turnover, bound"
+(CPU) is ``table.bind_step(batch=B, release=2)`` called after writing the lanes
+that changed into its arrays (the finished ids, the admitted ids and their
+prompt lengths), as a scheduler with a persistent batch would: no torch call.
 Each sample starts from the same table, and the baseline from the same
 lists (restored untimed before it, then one untimed call), so the requests do
 not grow over the run and a warm sample times the steady state.
@@ -56,7 +59,7 @@ from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, default_device, gc
 import tpool  # noqa: E402
 
 EPILOG = ("Progress goes to stderr, one line per row. Rows: host-blocks (the baseline), tpool's step, bound "
-          "step, extend + csr, extend only, csr only, turnover (release then step, and in one call), the reference "
+          "step, extend + csr, extend only, csr only, turnover (release then step, in one call, and bound), the reference "
           "step and an np.copyto floor (CPU).")
 from tpool.graphs import capture, state_tensors  # noqa: E402
 
@@ -217,6 +220,17 @@ def workloads(B, backends, device, *, num_pages=None, extras=True):
         def turn_one_call(gone, batch, ntok, table=table, T=B + min(2, B) * PROMPTS[1]):
             table.step(batch, ntok, max_tokens=T, release=gone)
         impls[f"tpool-{be} turnover, one call"] = (Turnover(turn_one_call, phases), table, "turnover")
+        if device.type == "cpu":  # bound, inputs and release ids the table makes: a scheduler writes the lanes
+            k = min(2, B)          # that changed (the finished ids, the admitted ids and their prompts)
+            run = table.bind_step(batch=B, max_tokens=B + k * PROMPTS[1], release=k)
+            run.req_ids[:], run.num_tokens[:] = np.arange(B, dtype=np.int32), 1
+            bound_phases = [tuple(np.array(v[:k], dtype=np.int32) for v in ph)
+                            for ph in turnover_phases(B, random.Random(B + 1))]
+
+            def turn_bound(gone, admitted, plens, run=run, k=k):
+                run.release[:k], run.req_ids[:k], run.num_tokens[:k] = gone, admitted, plens
+                run()
+            impls[f"tpool-{be} turnover, bound"] = (Turnover(turn_bound, bound_phases), table, "turnover")
     if extras and device.type == "cpu" and "reference" not in backends:  # the oracle's step, for scale
         _, ref_table, _, _ = setup(B, "reference", device, random.Random(B), num_pages)
         ids = torch.arange(B, dtype=torch.int32, device=device)

@@ -125,9 +125,11 @@ TABLE_DESC_LEN = 9
 # above). A step bound to its input tensors too keeps their addresses and the batch size
 # in CD_IDS, CD_NTOK, CD_LANES, and numba gets only the descriptor's address. A step's
 # attention metadata: CD_POSITIONS (int32 [slots' length]), CD_QO_INDPTR (int32 [B+1]),
-# CD_KV_LENS (int32 [B]).
+# CD_KV_LENS (int32 [B]). A bound step that releases requests first keeps the release ids'
+# address, their count and the cache flag in CD_RELEASE, CD_RELEASE_LEN, CD_RELEASE_CACHE.
 CD_STATE = TABLE_DESC_LEN
 CD_OUT = TABLE_DESC_LEN + STATE_DESC_LEN
 (CD_SLOTS, CD_SLOTS_LEN, CD_OK, CD_INDPTR, CD_INDICES, CD_INDICES_LEN, CD_LAST_PAGE_LEN,
- CD_CSR_MEMO, CD_IDS, CD_NTOK, CD_LANES, CD_POSITIONS, CD_QO_INDPTR, CD_KV_LENS) = range(CD_OUT, CD_OUT + 14)
-CALL_DESC_LEN = CD_OUT + 14
+ CD_CSR_MEMO, CD_IDS, CD_NTOK, CD_LANES, CD_POSITIONS, CD_QO_INDPTR, CD_KV_LENS,
+ CD_RELEASE, CD_RELEASE_LEN, CD_RELEASE_CACHE) = range(CD_OUT, CD_OUT + 17)
+CALL_DESC_LEN = CD_OUT + 17

@@ -45,7 +45,7 @@ from ._numba_util import (fill_null_range, i32_array, i64_array, i64_cell, move_
                           pages_for, row_versions, state_arrays, table_arrays)
 from .layout import (CALL_DESC_LEN, CD_CSR_MEMO, CD_IDS, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_KV_LENS,
                      CD_LANES, CD_LAST_PAGE_LEN, CD_NTOK, CD_OK, CD_OUT, CD_POSITIONS, CD_QO_INDPTR, CD_SLOTS,
-                     CD_SLOTS_LEN, CD_STATE, TD_VERSION)
+                     CD_RELEASE, CD_RELEASE_CACHE, CD_RELEASE_LEN, CD_SLOTS_LEN, CD_STATE, TD_VERSION)
 from ._triton_util import settings
 from .flashinfer_csr import flashinfer_csr_body, flashinfer_csr_numba
 from .extend import MAX_TILE, extend_body, extend_numba
@@ -238,6 +238,18 @@ def step_release_numba_entry(release_ptr, K, cache, req_ids_ptr, ntok_ptr, B, cd
 def step_bound_numba_entry(cd_addr):
     """``step_numba_entry`` for a call bound to its inputs too: everything in the descriptor at ``cd_addr``."""
     cd = i64_array(cd_addr, CALL_DESC_LEN)
+    step_numba_entry(cd[CD_IDS], cd[CD_NTOK], cd[CD_LANES], cd)
+
+
+@numba.njit(nogil=True)
+def step_release_bound_numba_entry(cd_addr):
+    """``step_release_numba_entry`` for a call bound to its inputs, the release ids among them, which it
+    consumes: after the release they are all -1 (padding), so a later call that finds no new
+    ids there releases nothing, and never a request admitted again under a released id."""
+    cd = i64_array(cd_addr, CALL_DESC_LEN)
+    K = cd[CD_RELEASE_LEN]
+    release_numba_entry(cd[CD_RELEASE], K, cd[CD_RELEASE_CACHE] != 0, cd)
+    fill_null_range(cd[CD_RELEASE], 0, K)
     step_numba_entry(cd[CD_IDS], cd[CD_NTOK], cd[CD_LANES], cd)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tpool
-from conftest import i32
+from conftest import i32, same_table_state
 
 
 @pytest.fixture
@@ -79,3 +79,100 @@ def test_bind_step_takes_the_tensors_or_a_batch():
                      ((), {"batch": True}), ((), {"batch": 9})):
         with pytest.raises(ValueError):
             table.bind_step(*args, **kw)
+
+
+def _outputs(res):
+    return [t.tolist() for t in (res.slots, res.ok, *res.csr, res.positions, res.qo_indptr, res.kv_lens)]
+
+
+@pytest.mark.parametrize("made", [True, False], ids=["batch", "tensors"])
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_bound_step_with_release_equals_release_then_step(backend, guard, made, cache):
+    """``bind_step(..., release=)``: each call is ``release(ids)`` then ``step(...)``, and leaves the
+    release ids at -1. Repeated, out-of-range and padding-only ids, and a request released and
+    admitted again in the same call, as the two calls do (errors counted alike)."""
+    one, two = (tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend=backend), 6, 8) for _ in range(2))
+    for t in (one, two):
+        t.extend(i32([0, 1, 2, 3]), i32([5, 9, 2, 7]), max_tokens=23)
+    if made:
+        run = two.bind_step(batch=4, max_tokens=12, release=3, release_cache=cache)
+        ids, ntok_t, rel = run.req_ids, run.num_tokens, run.release
+        assert isinstance(rel, np.ndarray) and rel.dtype == np.int32 and rel.tolist() == [-1, -1, -1]
+    else:
+        ids, ntok_t, rel = i32([0] * 4), i32([0] * 4), i32([-1] * 3)
+        run = two.bind_step(ids, ntok_t, max_tokens=12, release=rel, release_cache=cache)
+    assert run.release is rel and "release=3" in repr(run)
+    fill = (lambda a, v: a.__setitem__(slice(None), v)) if made else (lambda a, v: a.copy_(i32(v)))
+    # (finished, batch, tokens): a new request takes a freed lane with a prompt, or the same id again
+    for gone, batch, ntok in (([-1, -1, -1], [0, 1, 2, 3], [1, 1, 1, 1]), ([1, -1, -1], [0, 4, 2, 3], [1, 3, 1, 1]),
+                              ([-1, 3, -1], [0, 4, 2, 5], [1, 1, 1, 2]), ([4, 4, -1], [0, 1, 2, 5], [1, 6, 1, 1]),
+                              ([9, -7, 0], [0, 1, 2, 5], [2, 1, 1, 1]), ([5, 2, 1], [0, -1, 2, -1], [1, 0, 3, 0])):
+        one.release(i32(gone), cache=cache)
+        want = one.step(i32(batch), i32(ntok), max_tokens=12)
+        fill(ids, batch), fill(ntok_in := ntok_t, ntok), fill(rel, gone)
+        with guard():
+            got = run()
+        assert got is run.result and _outputs(got) == _outputs(want)
+        assert rel.tolist() == [-1, -1, -1]                       # consumed
+        same_table_state(one, two)
+        decode = [1 if r >= 0 else 0 for r in batch]
+        fill(ntok_in, decode)
+        for _ in range(2):                                         # nothing written: plain steps
+            one.release(i32([-1, -1, -1]), cache=cache)
+            want = one.step(i32(batch), i32(decode), max_tokens=12)
+            with guard():
+                got = run()
+            assert _outputs(got) == _outputs(want)
+            same_table_state(one, two)
+    same_table_state(one, two)
+    two.check_invariants(exclusive=False)
+    assert one.pool.stats() == two.pool.stats()
+
+
+def test_a_bound_release_is_consumed_so_a_readmitted_request_keeps_its_pages(backend):
+    """The id of a finished request, written once, releases it once: the next call does not release
+    the new request admitted under the same id (which reusing the ids would do)."""
+    table = tpool.PageTable(tpool.PagePool(32, 4, device="cpu", backend=backend), 2, 8)
+    run = table.bind_step(batch=2, max_tokens=8, release=1)
+    run.req_ids[:], run.num_tokens[:] = [0, 1], [6, 6]
+    run()
+    run.release[0] = 1
+    run.num_tokens[:] = [1, 5]                         # request 1 ends; a 5-token prompt takes row 1
+    assert run().kv_lens.tolist() == [7, 5]
+    run.num_tokens[:] = 1
+    assert run().kv_lens.tolist() == [8, 6]            # row 1 kept its pages
+    assert table.seq_lens.tolist() == [8, 6] and table.pool.stats()["pages.used.current"] == 4
+    table.check_invariants()
+
+
+def test_a_stale_bound_release_leaves_the_table_as_it_was(backend):
+    table = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend=backend), 4, 8)
+    ids, ntok, rel = i32([0, 1]), i32([3, 5]), i32([-1])
+    run = table.bind_step(ids, ntok, max_tokens=8, release=rel)
+    run()
+    before = [t.clone() for t in (table.seq_lens, table.block_table)]
+    rel.set_(i32([0]).untyped_storage())               # new memory: the binding is stale
+    with pytest.raises(tpool.StaleBinding, match="release"):
+        run()
+    assert all(torch.equal(a, b) for a, b in zip(before, (table.seq_lens, table.block_table)))
+    assert rel.tolist() == [0]                          # not consumed either
+
+
+def test_bind_step_refuses_a_bad_release_before_any_change(backend):
+    table = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend=backend, max_batch=8), 4, 8)
+    ids, ntok = i32([0, 1]), i32([1, 1])
+    table.step(ids, ntok)
+    before = [x.clone() for x in (table.block_table, table.seq_lens, table.pool.state.counters)]
+    for kw, match in ((dict(batch=2, release=i32([1])), "release: with batch=B, expected the number K"),
+                      (dict(batch=2, release=9), "release: expected at most max_batch=8"),
+                      (dict(batch=2, release=-1), "release"),
+                      (dict(batch=2, release=1, release_cache=1), "release_cache: expected a bool, got 1"),
+                      (dict(req_ids=ids, num_tokens=ntok, release=2), "release: expected an int32 tensor"),
+                      (dict(req_ids=ids, num_tokens=ntok, release=torch.tensor([1])), "release: expected .*int32"),
+                      (dict(req_ids=ids, num_tokens=ntok, release=ids[1:]), "release: shares memory"),
+                      (dict(req_ids=ids, num_tokens=ntok, release=ntok), "release: shares memory"),
+                      (dict(req_ids=ids, num_tokens=ntok, release=table.seq_lens[:1]), "release: shares memory")):
+        with pytest.raises(ValueError, match=match):
+            table.bind_step(**kw)
+    for x, y in zip((table.block_table, table.seq_lens, table.pool.state.counters), before):
+        assert x.tolist() == y.tolist()

@@ -125,26 +125,40 @@ class BoundStep(functools.partial):
     cold caches). It holds the table, so the state it points into stays alive with it.
     """
 
-    def __new__(cls, table, req_ids, num_tokens, max_tokens, capacity, fixed=False):
-        held = (req_ids, num_tokens)
+    def __new__(cls, table, req_ids, num_tokens, max_tokens, capacity, fixed=False, release=None,
+                release_cache=False):
+        held = (req_ids, num_tokens, release)
         if fixed:  # numpy arrays: the step reads tensors of its own over their memory
             req_ids, num_tokens = torch.from_numpy(req_ids), torch.from_numpy(num_tokens)
+            release = None if release is None else torch.from_numpy(release)
         b, entry = table._step_shape(req_ids, num_tokens, max_tokens, capacity)
         if not table._check_written:  # numba checks each unbound step in compiled code, a bound one only here
             table._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))
+        if release is not None:
+            table._ids(release, "release")
+            if not isinstance(release_cache, (bool, np.bool_)):
+                raise ValueError(f"release_cache: expected a bool, got {_checks._describe(release_cache)}")
+            # Each call writes release (sets it to -1): it may share memory with nothing the step reads or writes.
+            _checks.check_not_written(release, "release", entry[3] | _checks.written_storages([req_ids, num_tokens]))
         result, memo = entry[0], entry[2]
-        run = table.ops.bind_step(result, memo, req_ids, num_tokens, b)
+        run = table.ops.bind_step(result, memo, req_ids, num_tokens, b, release, bool(release_cache))
         if fixed:  # memory that cannot move or go away: nothing to check per call
             run.fixed = held
             self = super().__new__(cls, _fixed_step, run, result)
-        else:
+        elif release is None:
             self = super().__new__(cls, _bound_step, req_ids.data_ptr, num_tokens.data_ptr, req_ids.numel,
                                    num_tokens.numel, req_ids.data_ptr(), num_tokens.data_ptr(), b, run, result)
-        self.table, self.result, (self.req_ids, self.num_tokens) = table, result, held
+        else:  # the release ids are bound as the other two are: checked for memory and length each call
+            self = super().__new__(cls, _bound_release_step, release.data_ptr, release.numel, release.data_ptr(),
+                                   release.numel(), functools.partial(
+                                       _bound_step, req_ids.data_ptr, num_tokens.data_ptr, req_ids.numel,
+                                       num_tokens.numel, req_ids.data_ptr(), num_tokens.data_ptr(), b, run, result))
+        self.table, self.result, (self.req_ids, self.num_tokens, self.release) = table, result, held
         return self
 
     def __repr__(self):
-        return f"BoundStep(batch={self.result.ok.numel()}, max_tokens={self.result.slots.numel()})"
+        k = "" if self.release is None else f", release={len(self.release)}"
+        return f"BoundStep(batch={self.result.ok.numel()}, max_tokens={self.result.slots.numel()}{k})"
 
 
 def _bound_step(ids_at, ntok_at, ids_len, ntok_len, at_ids, at_ntok, b, run, result):
@@ -161,6 +175,15 @@ def _bound_step(ids_at, ntok_at, ids_len, ntok_len, at_ids, at_ntok, b, run, res
                            "were bound with (reassigned or resized); fill them in place, or bind again")
     run()
     return result
+
+
+def _bound_release_step(rel_at, rel_len, at_rel, k, step):
+    """What a :class:`BoundStep` with bound release ids runs: check their memory and length, then
+    ``step()`` (a ``_bound_step`` partial), which checks the other two and runs the call."""
+    if rel_at() != at_rel or rel_len() != k:
+        raise StaleBinding("bind_step: release no longer has the memory or the length it was bound with "
+                           "(reassigned or resized); fill it in place, or bind again")
+    return step()
 
 
 def _fixed_step(run, result):
@@ -495,8 +518,8 @@ class PageTable:
         return b, entry
 
     def bind_step(self, req_ids: torch.Tensor | None = None, num_tokens: torch.Tensor | None = None, *,
-                  batch: int | None = None, max_tokens: int | None = None,
-                  capacity: int | None = None) -> "BoundStep":
+                  batch: int | None = None, max_tokens: int | None = None, capacity: int | None = None,
+                  release: "torch.Tensor | int | None" = None, release_cache: bool = False) -> "BoundStep":
         """:meth:`step` on fixed input tensors, checked once; call the result every step.
 
         For a decode loop that keeps its inputs in persistent tensors and fills them in
@@ -527,6 +550,17 @@ class PageTable:
             table makes them: numpy int32 arrays on a CPU, int32 tensors on CUDA.
         max_tokens, capacity : int, optional
             As in :meth:`step`.
+        release : torch.Tensor or int, optional
+            Requests to release first in each call, as ``step(..., release=)``: with the two
+            tensors, a tensor ``[K]`` (int32, on the table's device) bound as they are; with
+            ``batch=B``, the number ``K`` of release lanes, and the table makes ``run.release``
+            (a numpy int32 array on a CPU, a tensor on CUDA). Each ``run()`` releases the ids
+            there (-1 = padding), sets all ``K`` entries to -1, then steps, in one call: write
+            the ids of the requests that finished, and a step where none did releases nothing.
+            Because the call consumes them, an id written once is released once, never again
+            after a new request took its row.
+        release_cache : bool
+            As in :meth:`step`.
 
         Returns
         -------
@@ -543,21 +577,49 @@ class PageTable:
         >>> run.num_tokens[:] = 1
         >>> run().slots.tolist(), run().slots.tolist()      # two decode steps
         ([0, 4], [1, 5])
+
+        A scheduler's step, where requests finish and others join, in one call:
+
+        >>> run = table.bind_step(batch=2, max_tokens=4, release=1)
+        >>> run.req_ids[:], run.num_tokens[:] = [0, 1], 1
+        >>> run().kv_lens.tolist()
+        [3, 3]
+        >>> run.release[0] = 1                              # request 1 finished ...
+        >>> run.num_tokens[1] = 3                           # ... and a new one takes its row
+        >>> r = run()
+        >>> r.kv_lens.tolist(), run.release.tolist()        # release ids consumed
+        ([4, 3], [-1])
         """
         if batch is None:
             if req_ids is None or num_tokens is None:
                 raise ValueError("bind_step: expected req_ids and num_tokens, or batch=B alone")
-            return BoundStep(self, req_ids, num_tokens, max_tokens, capacity)
+            if release is not None and not isinstance(release, torch.Tensor):
+                raise ValueError(f"release: expected an int32 tensor with req_ids and num_tokens (an int K with "
+                                 f"batch=B), got {_checks._describe(release)}")
+            return BoundStep(self, req_ids, num_tokens, max_tokens, capacity, release=release,
+                             release_cache=release_cache)
         if req_ids is not None or num_tokens is not None:
             raise ValueError("bind_step: expected req_ids and num_tokens, or batch=B alone, got both")
         b = _checks.check_size(batch, "batch", 0)
         if b > self.pool.max_batch:  # before allocating anything
             raise ValueError(f"batch: expected at most max_batch={self.pool.max_batch} lanes, got {b}")
+        k = None
+        if release is not None:
+            if isinstance(release, torch.Tensor):
+                raise ValueError("release: with batch=B, expected the number K of release lanes (the table "
+                                 "makes them), got a tensor")
+            k = _checks.check_size(release, "release", 0)
+            if k > self.pool.max_batch:
+                raise ValueError(f"release: expected at most max_batch={self.pool.max_batch} lanes, got {k}")
         if self.device.type == "cpu":
             ids, ntok = np.full(b, -1, dtype=np.int32), np.zeros(b, dtype=np.int32)
-            return BoundStep(self, ids, ntok, max_tokens, capacity, fixed=True)
+            rel = None if k is None else np.full(k, -1, dtype=np.int32)
+            return BoundStep(self, ids, ntok, max_tokens, capacity, fixed=True, release=rel,
+                             release_cache=release_cache)
         fill = dict(dtype=torch.int32, device=self.device)
-        return BoundStep(self, torch.full((b,), -1, **fill), torch.zeros(b, **fill), max_tokens, capacity)
+        rel = None if k is None else torch.full((k,), -1, **fill)
+        return BoundStep(self, torch.full((b,), -1, **fill), torch.zeros(b, **fill), max_tokens, capacity,
+                         release=rel, release_cache=release_cache)
 
     def release(self, req_ids: torch.Tensor, *, cache: bool = False) -> None:
         """Drop every page reference of these requests and reset their rows.

@@ -19,6 +19,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from tpool.kernels import layout as L
+
 Tensor = torch.Tensor
 
 
@@ -84,8 +86,11 @@ class TableOps(Protocol):
         buffers; the call takes ``(req_ids, num_tokens, B)``, and ``release=`` (int32 ``[K]``) and
         ``cache=`` to ``release`` those requests first, in the same call."""
 
-    def bind_step(self, res, memo, req_ids: Tensor, num_tokens: Tensor, b: int) -> Callable[[], None]:
-        """``step_into(res, memo)`` bound to its input tensors too: the call takes nothing."""
+    def bind_step(self, res, memo, req_ids: Tensor, num_tokens: Tensor, b: int, release: Tensor | None = None,
+                  cache: bool = False) -> Callable[[], None]:
+        """``step_into(res, memo)`` bound to its input tensors too: the call takes nothing. With
+        ``release`` (int32 ``[K]``), each call releases those requests first (``cache`` as in
+        ``release``) and then sets every entry of ``release`` to -1, in the same call."""
 
     def release(self, req_ids: Tensor, cache: bool) -> None:
         """Drop every page reference of these requests and reset their rows."""
@@ -188,6 +193,13 @@ class BoundByTensors:
                 export(req_ids)
         return step
 
-    def bind_step(self, res, memo, req_ids, num_tokens, b):
-        step = self.step_into(res, memo)
-        return lambda: step(req_ids, num_tokens, b)
+    def bind_step(self, res, memo, req_ids, num_tokens, b, release=None, cache=False):
+        step, lock = self.step_into(res, memo), self.st.lock
+        if release is None:
+            return lambda: step(req_ids, num_tokens, b)
+
+        def run():
+            with lock:  # re-entrant: the release, its reset and the step are one call
+                step(req_ids, num_tokens, b, release, cache)
+                release.fill_(L.NULL_PAGE)
+        return run

@@ -399,11 +399,15 @@ class Table:
                 _raise_overlap(code, ("req_ids", "num_tokens", "release"))
         return call
 
-    def bind_step(self, res, memo, req_ids, num_tokens, b):
+    def bind_step(self, res, memo, req_ids, num_tokens, b, release=None, cache=False):
         cd = call_descriptor(self.td, self.sd, slots=res.slots, ok=res.ok, csr=res.csr, memo=memo,
                              inputs=(req_ids, num_tokens), meta=res.metadata)
-        run = functools.partial(entry_point(step.step_bound_numba_entry, _i64), cd.ctypes.data)  # one int
-        run.held = (cd, self.st, self.ts, res, memo, req_ids, num_tokens)  # everything cd points into
+        entry = step.step_bound_numba_entry
+        if release is not None:  # released first, then set to -1, in the same kernel call
+            cd[L.CD_RELEASE], cd[L.CD_RELEASE_LEN], cd[L.CD_RELEASE_CACHE] = _addr(release), release.numel(), cache
+            entry = step.step_release_bound_numba_entry
+        run = functools.partial(entry_point(entry, _i64), cd.ctypes.data)  # one int
+        run.held = (cd, self.st, self.ts, res, memo, req_ids, num_tokens, release)  # everything cd points into
         return run
 
     def release(self, req_ids, cache):
