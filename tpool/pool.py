@@ -13,7 +13,6 @@ call's LRU stamps all carry the same value; eviction breaks ties by page id).
 import functools
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from tpool import _checks
