@@ -52,8 +52,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, default_device, gc_quiet, plot_lines,  # noqa: E402
-                     print_table, progress, quantiles, sample_cold_us, sample_us, sync_of,
+from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, calibrate, default_device,  # noqa: E402
+                     gc_quiet, plot_lines, print_table, progress, quantiles, sample_cold_us, sample_us, sync_of,
                      write_json)
 
 import tpool  # noqa: E402
@@ -292,45 +292,72 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+SWEEP_ROUNDS = 5  # a pool-size sweep takes turns between the sizes this many times per row (cold: in blocks)
+
+
+def time_row(runs, args, sync, flush, kind):
+    """Warm and cold quantiles of one row for each configuration in ``runs`` (key -> (fn, reset)).
+
+    One configuration: its samples in one go. Several (a pool-size sweep): the
+    configurations take turns, a warm sample each per turn, and cold samples in
+    ``SWEEP_ROUNDS`` blocks (a reset right before a cold sample would slow it), so
+    the machine's noise falls on every size alike instead of on whichever ran during
+    a busy minute. Returns key -> (warm, cold or None).
+    """
+    warm = {k: [] for k in runs}
+    cold = {k: [] for k in runs} if flush and kind != "other" else None
+    inner = {k: args.inner or calibrate(fn, sync=sync, reset=reset, max_inner=MAX_INNER)
+             for k, (fn, reset) in runs.items()}
+    turns = args.samples if len(runs) > 1 else 1
+    for _ in range(turns):
+        for k, (fn, reset) in runs.items():
+            warm[k] += sample_us(fn, inner=inner[k], samples=args.samples // turns, sync=sync, reset=reset,
+                                 settle=True)
+    if cold is not None:
+        blocks = SWEEP_ROUNDS if len(runs) > 1 else 1
+        for b in range(blocks):
+            for k, (fn, reset) in runs.items():
+                n = args.cold_samples // blocks + (b < args.cold_samples % blocks)
+                cold[k] += sample_cold_us(fn, samples=n, flush=flush, sync=sync, reset=reset, settle=True)
+    return {k: (quantiles(warm[k]), quantiles(cold[k]) if cold else None) for k in runs}
+
+
 def main(argv=None):
     args = parser().parse_args(argv)
     device = torch.device(args.device)
     backends = args.backends or (["triton"] if device.type == "cuda" else ["numba"])
     sync = sync_of(device)
     flush = CacheFlusher(args.cold_bytes) if args.cold else None
-    pool_sizes = args.pool_sizes or [None]
     rows, table_rows = [], []
-    for P in pool_sizes:
-        for B in args.batch:
+    for B in args.batch:
+        configs = {}  # pool size (None: sized to the batch) -> workloads, all alive at once in a sweep
+        for P in args.pool_sizes or [None]:
             where = f"B={B}" + (f", pool {P:,} pages" if P else "")
             if P and P < pages_needed(B):
                 progress(f"{where}: skipped, needs {pages_needed(B):,} pages")
                 continue
             progress(f"{where}: setting up")
-            impls = workloads(B, backends, device, num_pages=P, extras=P is None)
-            gc_quiet()  # the baselines' P-element Python lists must not slow every GC pass
-            base = {}
-            for name, (fn, owner, kind) in impls.items():
-                progress(f"{where}: {name}")
-                reset = make_reset(fn, owner)
-                warm = quantiles(sample_us(fn, inner=args.inner, samples=args.samples, sync=sync, reset=reset,
-                                           max_inner=MAX_INNER, settle=True))
-                if reset:
-                    reset()
-                cold = None
-                if flush and kind != "other":
-                    cold = quantiles(sample_cold_us(fn, samples=args.cold_samples, flush=flush, sync=sync,
-                                                    reset=reset, settle=True))
+            configs[P] = workloads(B, backends, device, num_pages=P, extras=P is None)
+        gc_quiet()  # the baselines' P-element Python lists must not slow every GC pass
+        if not configs:
+            continue
+        base = {P: {} for P in configs}
+        for name in next(iter(configs.values())):
+            kind = next(iter(configs.values()))[name][2]
+            progress(f"B={B}: {name}" + (", pool sizes taking turns" if args.pool_sizes else ""))
+            runs = {P: (impls[name][0], make_reset(impls[name][0], impls[name][1])) for P, impls in configs.items()}
+            timed = time_row(runs, args, sync, flush, kind)
+            for P, (warm, cold) in timed.items():
                 if name.startswith("host-blocks"):
-                    base[kind] = (warm[0], cold[0] if cold else None)
-                row = dict(batch=B, num_pages=P or impls_pages(impls), impl=name, kind=kind,
+                    base[P][kind] = (warm[0], cold[0] if cold else None)
+                row = dict(batch=B, num_pages=P or impls_pages(configs[P]), impl=name, kind=kind,
                            median_us=warm[0], p20_us=warm[1], p80_us=warm[2], device=str(device))
-                if kind in base:
-                    row["vs_host_blocks"] = base[kind][0] / warm[0]
+                if kind in base[P]:
+                    row["vs_host_blocks"] = base[P][kind][0] / warm[0]
                 if cold:
                     row.update(cold_median_us=cold[0], cold_p20_us=cold[1], cold_p80_us=cold[2])
-                    if base.get(kind, (0, None))[1]:
-                        row["cold_vs_host_blocks"] = base[kind][1] / cold[0]
+                    if base[P].get(kind, (0, None))[1]:
+                        row["cold_vs_host_blocks"] = base[P][kind][1] / cold[0]
                 rows.append(row)
                 cells = [B] + ([f"{P:,}"] if args.pool_sizes else []) + [
                     name, f"{warm[0]:.2f}", f"{warm[1]:.2f}", f"{warm[2]:.2f}",
@@ -340,8 +367,8 @@ def main(argv=None):
                               f"{row['cold_vs_host_blocks']:.2f}x" if "cold_vs_host_blocks" in row else ""] \
                         if cold else ["", "", "", ""]
                 table_rows.append(cells)
-            del impls
-            gc.unfreeze()
+        del configs
+        gc.unfreeze()
     header = ["B"] + (["pool pages"] if args.pool_sizes else []) + ["impl", "median", "p20", "p80", "vs host-blocks"]
     if args.cold:
         header += ["cold median", "cold p20", "cold p80", "cold vs host-blocks"]
