@@ -3,9 +3,9 @@
 Each episode builds one small pool and table per backend (same sizes), then runs
 random operations on all of them in lockstep: valid calls, misuse (bad and
 repeated ids, negative counts, double frees), hand edits of the state followed by
-``invalidate_csr()`` (any value into ``seq_lens``, ``block_table``, ``free_stack``,
-the free and cached counts and the clock, ``refcount``, ``page_state``,
-``stamp``), and snapshot restores
+``invalidate_csr()``, or for half the table edits ``invalidate_csr(row)`` (any value
+into ``seq_lens``, ``block_table``, ``free_stack``, the free and cached counts and the
+clock, ``refcount``, ``page_state``, ``stamp``), and snapshot restores
 (``tpool.graphs.state_tensors``). After every operation every output and every
 state tensor (scratch excepted) must be equal on all backends (``torch.equal``);
 an exception must be the same type on all of them.
@@ -177,7 +177,10 @@ class System:
                     t[EDIT_COUNTERS[at]] = value
                 else:
                     t[at] = value
-                table.invalidate_csr()
+                if name in ("seq_lens", "block_table") and at % 2 == 0:  # half the time: name the row edited
+                    table.invalidate_csr(i32([at if name == "seq_lens" else at // table.max_pages]))
+                else:
+                    table.invalidate_csr()
             elif kind == "snapshot":
                 self.snaps[op[1]] = [t.clone() for t in state_tensors(table)]
             elif kind == "alias":

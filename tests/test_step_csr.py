@@ -10,6 +10,7 @@ grows the CSR; the test checks that those runs happened.
 import random
 
 import pytest
+import torch
 
 import tpool
 from conftest import i32, same_table_state
@@ -363,3 +364,41 @@ def test_rows_stamped_zero_are_never_kept(guard):
         with guard():
             got = table.step(i32([0]), i32([1]))
         assert got.csr.indices.tolist()[:2] == ref.block_table[0, :2].tolist()
+
+
+def test_invalidating_the_rows_edited_keeps_every_other_run(guard):
+    """``invalidate_csr(rows)``: a row written by hand (a prefix-cache hit revived into an empty row)
+    gets a fresh stamp and the table a fresh version; the next step copies that row and keeps the
+    other runs, matches the reference, and a snapshot from before the edit restored later keeps
+    nothing of it. Without naming the row, check_invariants says the kept run is stale."""
+    table, ref = twins(num_pages=60)
+    for t in (table, ref):
+        t.extend(i32([0, 1, 2]), i32([9, 3, 6]), max_tokens=18)
+        t.step(i32([0, 1, 2]), i32([1, 1, 1]))
+    saved = [x.clone() for x in state_tensors(table)]
+    for t in (table, ref):                         # request 1's row rewritten by hand: request 0's pages
+        t.block_table[1, :3] = t.block_table[0, :3]
+        t.seq_lens[1] = 12
+        t.pool.incref(t.block_table[0, :3].clone())
+    assert table.step_grows_csr(i32([0, 1, 2]))   # the memo cannot see the edit ...
+    with pytest.raises(tpool.InvariantViolation):
+        table.check_invariants(exclusive=False)
+    table.invalidate_csr(i32([1, -1]))            # ... until the row is named
+    table.check_invariants(exclusive=False)
+    assert not table.step_grows_csr(i32([0, 1, 2])) and table.step_keeps_csr(i32([0, 1, 2])) == 2
+    for _ in range(3):
+        with guard():
+            got = table.step(i32([0, 1, 2]), i32([1, 1, 1]))
+        want = ref.step(i32([0, 1, 2]), i32([1, 1, 1]))
+        for x, y in zip((got.slots, *got.csr), (want.slots, *want.csr)):
+            assert x.tolist() == y.tolist()
+    same_table_state(table, ref)
+    for x, y in zip(state_tensors(table), saved):  # back to before the edit
+        x.copy_(y)
+    with guard():
+        got = table.step(i32([0, 1, 2]), i32([1, 1, 1]))
+    assert got.csr.indices[:got.csr.indptr[3]].tolist() == [
+        p for r in range(3) for p in table.block_table[r, :(int(table.seq_lens[r]) + PS - 1) // PS].tolist()]
+    table.check_invariants()
+    with pytest.raises(ValueError, match="req_ids"):
+        table.invalidate_csr(torch.tensor([1]))

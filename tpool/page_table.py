@@ -824,20 +824,29 @@ class PageTable:
         bufs = self._shapes.buffers.get(("step-csr", b, b * self.max_pages if capacity is None else capacity))
         return bufs[1] if bufs is not None else None
 
-    def invalidate_csr(self) -> None:
-        """Make the next step of every shape rebuild its CSR instead of growing or keeping runs of the last one.
+    def invalidate_csr(self, req_ids: torch.Tensor | None = None) -> None:
+        """After writing ``block_table`` or ``seq_lens`` by hand: make the next steps read the edited rows.
 
-        Only needed after writing ``block_table`` or ``seq_lens`` by hand: tpool's own calls,
-        and restoring a whole snapshot of the table's state (``tpool.graphs.state_tensors``,
-        ``version`` and ``row_version`` included), are tracked by the table's version and its
-        rows' stamps. On numba it also gives every row a fresh stamp, so that a run noted
-        after the edit is not kept once a snapshot from before it is restored (its stamps
-        are older). Not a hot-path call.
+        Only needed after such an edit: tpool's own calls, and restoring a whole snapshot of
+        the table's state (``tpool.graphs.state_tensors``, ``version`` and ``row_version``
+        included), are tracked by the table's version and its rows' stamps.
+
+        Without ``req_ids`` the next step of every shape rebuilds its CSR from every row, and
+        on numba every row gets a fresh stamp, so that a run noted after the edit is not kept
+        once a snapshot from before it is restored (its stamps are older). With ``req_ids``
+        (int32 ``[K]``, on the table's device, -1 = padding), the rows edited and no others:
+        on numba those rows get a fresh stamp and the table a fresh version, so the next step
+        copies their runs from the rows and keeps every other run (a prefix-cache hit written
+        into one row then costs the step one row, not the whole CSR). Name every row you
+        edited. Not a hot-path call.
         """
+        if req_ids is not None:
+            _checks.check_vector(req_ids, "req_ids", torch.int32, self.device)
         with self.pool.state.lock:
-            self.ops.restamp_rows()
-            for memo in list(self._shapes.memos):  # every memo alive, kept by the table or by a BoundStep
-                memo.invalidate()
+            self.ops.restamp_rows(req_ids)
+            if req_ids is None:
+                for memo in list(self._shapes.memos):  # every memo alive, kept by the table or by a BoundStep
+                    memo.invalidate()
 
     # ---------------------------------------------------------- sync points
     def check_invariants(self, *, exclusive: bool = True) -> None:

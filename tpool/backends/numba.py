@@ -33,7 +33,7 @@ from tpool._checks import overlap_error, storage_spans
 from tpool.kernels import alloc, block_table_rows, evict, extend, flashinfer_csr, fork, free, incref, release, step
 from tpool.kernels import layout as L
 from tpool.kernels import touch
-from tpool.kernels._numba_util import restamp_table
+from tpool.kernels._numba_util import restamp_table, stamp_rows
 from tpool.state import CsrMemo
 
 _i64, _flag, _desc = numba.types.int64, numba.types.boolean, numba.types.int64[::1]
@@ -425,5 +425,8 @@ class Table:
     def block_table_rows(self, req_ids, out):
         kernel(block_table_rows.block_table_rows_numba_entry)(req_ids.data_ptr(), req_ids.numel(), out.data_ptr(), self.cd)
 
-    def restamp_rows(self):
-        kernel(restamp_table)(self.td)
+    def restamp_rows(self, req_ids=None):
+        if req_ids is None:
+            kernel(restamp_table)(self.td)
+        else:
+            kernel(stamp_rows)(self.td, req_ids.data_ptr(), req_ids.numel())

@@ -265,7 +265,7 @@ class HostMirror(MixedSteps, Accounting):
 
         pages : torch.Tensor  shape ``[ceil(n_tokens / page_size)]``, int32, on the table's
             device. They are revived (``pool.incref``) and written into the row by hand
-            (``table.invalidate_csr()`` follows); the mirror counts them as possibly shared.
+            (``table.invalidate_csr`` of the row follows); the mirror counts them as possibly shared.
 
         Only whole pages are revived (``n_tokens`` a multiple of ``page_size``), as a prefix
         cache shares only full blocks: the request's next token goes to a fresh page, never
@@ -302,7 +302,7 @@ class HostMirror(MixedSteps, Accounting):
         self.pool.incref(pages)
         self.table.block_table[row, :k] = pages
         self.table.seq_lens[row:row + 1].fill_(n_tokens)
-        self.table.invalidate_csr()
+        self.table.invalidate_csr(self._tensor([row]))  # only this row changed: the others keep their runs
         return row
 
     def evict(self, k: int) -> torch.Tensor:
