@@ -68,6 +68,7 @@ def extend_numba(
     qo,           # int32 [B + 1] when track: qo_indptr
     kvl,          # int32 [B] when track: kv_lens
     tails,        # int64 [B] when track: per lane (last page << 32) | length after the call; read when distinct
+    kept,         # int64 [B] or [0]: per lane, (index << 32) | id of the last page of the run a step keeps, or -1
 ):
     """The extend of a batch; with ``track``, also a step's CSR bookkeeping, in the same pass.
 
@@ -89,7 +90,11 @@ def extend_numba(
     decode lane inside its last page its page too, instead of ``seq_lens[r]`` and the row
     ``block_table[r]``: one contiguous read instead of a line per lane, which is most of
     a decode step's cost when a forward pass has cooled the caches. The table stays the
-    truth (``seq_lens`` and the rows are still written).
+    truth (``seq_lens`` and the rows are still written). Without ``distinct``, a step that
+    keeps runs of an older CSR (``kept`` has ``B`` entries) gives each lane whose run it
+    keeps the run's last page and its index in the row (the row's pages are the run's): a
+    decode lane inside that page takes its slot from there instead of reading the row, so a
+    step after a release or an admission reads the rows of the changed lanes only.
 
     Returns ``(clean, pages, grown)``: ``clean`` when every lane is padding or a
     request's first lane, ``pages`` the batch's pages after the call (the CSR's total),
@@ -97,6 +102,7 @@ def extend_numba(
     """
     ids, ntok = i32_array(req_ids_ptr, B), i32_array(ntok_ptr, B)
     slots, ok = i32_array(slots_ptr, T), u8_array(ok_ptr, B)
+    use_kept = track and not distinct and kept.shape[0] >= B
     positions = i32_array(pos_ptr, T if track else 0)
     R, MP = block_table.shape[0], block_table.shape[1]
     # Powers of two (the usual page sizes) divide by shifting: an integer division per
@@ -119,10 +125,13 @@ def extend_numba(
         r = ids[i]
         n = ntok[i]
         if r >= 0 and r < R and (distinct or claim[r] == INT32_MAX):  # a request's first lane
+            tail_at = np.int64(-1)  # the row's page index whose id tail_page is, without distinct
             if not distinct:
                 claim[r] = i
                 length = seq_lens[r]
                 tail_page = np.int64(-1)
+                if use_kept and kept[i] >= 0:  # a kept run: its last page is the row's
+                    tail_page, tail_at = kept[i] & 0xFFFFFFFF, kept[i] >> 32
             else:  # the step before left this lane's length and last page in the memo
                 packed = tails[i]
                 length = np.int32(packed & 0xFFFFFFFF)
@@ -137,7 +146,7 @@ def extend_numba(
                 # A decode lane inside its last page: no new page, one slot (most lanes of most steps).
                 # Unsigned indices (all are known >= 0 here) spare numba's negative-index fixups.
                 ur, uk, ui, ut = np.uint64(r), np.uint64(k), np.uint64(i), np.uint64(tok)
-                page = tail_page if distinct else np.int64(block_table[ur, uk])
+                page = tail_page if distinct or k == tail_at else np.int64(block_table[ur, uk])
                 slots[ut] = page * page_size + off
                 seq_lens[ur] = length + 1
                 ok[ui] = True
@@ -278,7 +287,7 @@ def extend_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
     untracked = i32_array(0, 0)
     extend_numba(req_ids_ptr, ntok_ptr, B, cd[CD_SLOTS], cd[CD_SLOTS_LEN], cd[CD_OK], ps, bt, lens, claim,
                  stack, rc, state, counters, False, False, untracked, untracked, i64_array(0, 0), 0, untracked,
-                 untracked, i64_array(0, 0))
+                 untracked, i64_array(0, 0), i64_array(0, 0))
 
 
 # ---------------------------------------------------------------------- Triton

@@ -75,6 +75,9 @@ ERROR_NAMES = {
 #     of its new one).
 #   then [B] plan: scratch where such a step notes, per lane, where the run it keeps starts in
 #     the old CSR and how many pages it has.
+#   then [B] kept, from memo_kept(B): scratch where it notes the last page of each run it
+#     keeps (the old tail's page): a decode lane inside that page takes its slot from there
+#     instead of reading the row, as a lane of an unchanged batch reads its tail.
 MEMO_WRITTEN, MEMO_VERSION, MEMO_IDS = 0, 1, 2
 KEEP_LOOKAHEAD = 8  # old lanes a kept run may lie past the previous kept one (requests that left between)
 MEMO_INS_WIDTH = 4  # lane, end of its old pages in the old CSR, pages before, pages after
@@ -92,8 +95,12 @@ def memo_plan(b: int) -> int:
     return MEMO_IDS + (3 + MEMO_INS_WIDTH) * b
 
 
-def memo_len(b: int) -> int:
+def memo_kept(b: int) -> int:
     return MEMO_IDS + (4 + MEMO_INS_WIDTH) * b
+
+
+def memo_len(b: int) -> int:
+    return MEMO_IDS + (5 + MEMO_INS_WIDTH) * b
 
 
 # Descriptors of the numba kernels. A numba call checks every array argument it is

@@ -56,6 +56,7 @@ _memo_len = numba.njit(nogil=True, inline="always")(L.memo_len)  # the table's o
 _memo_tails = numba.njit(nogil=True, inline="always")(L.memo_tails)
 _memo_stamps = numba.njit(nogil=True, inline="always")(L.memo_stamps)
 _memo_plan = numba.njit(nogil=True, inline="always")(L.memo_plan)
+_memo_kept = numba.njit(nogil=True, inline="always")(L.memo_kept)
 _LOW32 = 0xFFFFFFFF
 
 
@@ -87,7 +88,7 @@ def grow_csr(indices_ptr, ins, grown, total, ids, block_table):
 
 
 @numba.njit(nogil=True)
-def plan_kept_runs(ids, B, old_ids, old_tails, old_stamps, row_version, plan, page_size, cap):
+def plan_kept_runs(ids, B, old_ids, old_tails, old_stamps, row_version, plan, kept, page_size, cap):
     """Before a step's extend: which runs of the CSR the buffers hold (batch ``old_ids``) the step keeps.
 
     Lane ``i`` keeps the run of its request when the request was in the old batch, at most
@@ -95,8 +96,10 @@ def plan_kept_runs(ids, B, old_ids, old_tails, old_stamps, row_version, plan, pa
     batch in between are skipped: a compacted batch), and its row still has the stamp the memo
     noted, a numba call's version (its pages are those of the run, and the step can only
     append to them). Kept runs keep their order, so they can be moved in place. ``plan[i]``
-    is then ``(start << 32) | pages`` of that run in the old CSR, else -1. Old runs start
-    where the pages of the old lanes before them end (their lengths are the memo's tails).
+    is then ``(start << 32) | pages`` of that run in the old CSR, else -1, and ``kept[i]``
+    ``((pages - 1) << 32) | last page`` (the old tail's page, the row's page ``pages - 1``:
+    the row's pages are those of the run), else -1. Old runs start where the pages of the old lanes before them end (their
+    lengths are the memo's tails).
     Returns the old CSR's length, or -1 when the memo cannot be right (then nothing is kept).
     """
     R = row_version.shape[0]
@@ -104,7 +107,7 @@ def plan_kept_runs(ids, B, old_ids, old_tails, old_stamps, row_version, plan, pa
     j = 0          # the first old lane a later run may come from
     start = 0      # where old lane j's run starts
     for i in range(B):
-        plan[i] = -1
+        plan[i] = kept[i] = -1
         r = ids[i]
         if r < 0 or r >= R:
             continue
@@ -115,6 +118,8 @@ def plan_kept_runs(ids, B, old_ids, old_tails, old_stamps, row_version, plan, pa
             if o == r:
                 if old_stamps[jj] > 0 and old_stamps[jj] == row_version[r]:
                     plan[i] = ((start + skipped) << 32) | n
+                    if n > 0:
+                        kept[i] = ((n - 1) << 32) | ((old_tails[jj] >> 32) & _LOW32)
                 j, start = jj + 1, start + skipped + n
                 break
             skipped += n
@@ -188,19 +193,19 @@ def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
         for i in range(B):  # no early exit: the loop vectorises
             diff |= memo[L.MEMO_IDS + i] ^ ids[i]
         same = diff == 0
-    tails_at, stamps_at, plan_at = _memo_tails(B), _memo_stamps(B), _memo_plan(B)
+    tails_at, stamps_at, plan_at, kept_at = _memo_tails(B), _memo_stamps(B), _memo_plan(B), _memo_kept(B)
     ins, tails = memo[L.MEMO_IDS + B:tails_at], memo[tails_at:stamps_at]
-    stamps, plan = memo[stamps_at:plan_at], memo[plan_at:]
+    stamps, plan, kept = memo[stamps_at:plan_at], memo[plan_at:kept_at], memo[kept_at:]
     old_total = -1  # the old CSR's length when the step keeps some of its runs
     if not same and memo[L.MEMO_VERSION] != -1 and B > 0:
         old_total = plan_kept_runs(ids, B, memo[L.MEMO_IDS:L.MEMO_IDS + B], tails, stamps, row_version, plan,
-                                   ps, cap)
+                                   kept, ps, cap)
     version = new_version(td)
     indptr, last = i32_array(cd[CD_INDPTR], B + 1), i32_array(cd[CD_LAST_PAGE_LEN], B)
     qo, kvl = i32_array(cd[CD_QO_INDPTR], B + 1), i32_array(cd[CD_KV_LENS], B)
     clean, total, grown = extend_numba(req_ids_ptr, ntok_ptr, B, cd[CD_SLOTS], cd[CD_SLOTS_LEN], cd[CD_OK], ps, bt,
                                        lens, claim, stack, rc, state, counters, True, same, indptr, last, ins,
-                                       cd[CD_POSITIONS], qo, kvl, tails)
+                                       cd[CD_POSITIONS], qo, kvl, tails, kept[:B if old_total >= 0 else 0])
     for g in range(grown):  # the rows this step gave pages
         lane = ins[g * L.MEMO_INS_WIDTH]
         r = ids[lane]

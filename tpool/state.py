@@ -156,7 +156,8 @@ class CsrMemo:
       order, at most ``KEEP_LOOKAHEAD`` old lanes past the previous one found) whose row
       still has its stamp, and copies only the pages outside kept runs from the table (the
       old runs' lengths come from the tails);
-    * then scratch for that step's plan.
+    * then scratch for that step's plan, and for the last page of each run it keeps (from
+      ``memo_kept(B)``), which its decode lanes inside that page take instead of reading the row.
 
     Everything but the kernels goes through this class.
     """
