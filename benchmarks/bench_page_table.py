@@ -344,7 +344,7 @@ def main(argv=None):
         base = {P: {} for P in configs}
         for name in next(iter(configs.values())):
             kind = next(iter(configs.values()))[name][2]
-            progress(f"B={B}: {name}" + (", pool sizes taking turns" if args.pool_sizes else ""))
+            progress(f"B={B}: {name}" + (", pool sizes taking turns" if len(configs) > 1 else ""))
             runs = {P: (impls[name][0], make_reset(impls[name][0], impls[name][1])) for P, impls in configs.items()}
             timed = time_row(runs, args, sync, flush, kind)
             for P, (warm, cold) in timed.items():

@@ -82,8 +82,9 @@ def grow_csr(indices_ptr, ins, grown, total, ids, block_table):
             move_i32(indices_ptr + 4 * (old_end + shift), indices_ptr + 4 * old_end, end - old_end)
         shift -= want - have
         r = ids[lane]
-        for k in range(have, want):  # usually one page: a loop, not a libc call
-            indices[old_end + shift + k - have] = block_table[r, k]
+        if r >= 0 and r < block_table.shape[0] and want <= block_table.shape[1]:  # it was when the extend read it
+            for k in range(have, want):  # usually one page: a loop, not a libc call
+                indices[old_end + shift + k - have] = block_table[r, k]
         end = old_end
 
 
@@ -168,10 +169,11 @@ def splice_csr(indices_ptr, indptr, B, plan, blocks, old_total, total, ids, bloc
         k = 0
         if plan[i] >= 0:
             k = min(plan[i] & _LOW32, stop - start)
-        if stop - start > k:  # the rest of the run, from its row (unsigned indices: a vector copy)
-            r, us = np.uint64(ids[i]), np.uint64(start)
+        r = ids[i]  # re-read: bounded again, in case the ids share memory with what the extend wrote
+        if stop - start > k and r >= 0 and r < block_table.shape[0] and stop - start <= block_table.shape[1]:
+            ur, us = np.uint64(r), np.uint64(start)  # the rest of the run, from its row (a vector copy)
             for c in range(k, stop - start):
-                indices[us + np.uint64(c)] = block_table[r, np.uint64(c)]
+                indices[us + np.uint64(c)] = block_table[ur, np.uint64(c)]
     fill_null_range(indices_ptr, total, old_total)
 
 

@@ -176,3 +176,40 @@ def test_bind_step_refuses_a_bad_release_before_any_change(backend):
             table.bind_step(**kw)
     for x, y in zip((table.block_table, table.seq_lens, table.pool.state.counters), before):
         assert x.tolist() == y.tolist()
+
+
+def _alias(t, lo, hi):
+    """Another storage over ``t[lo:hi]``'s memory (a numpy view taken back into torch)."""
+    return torch.from_numpy(t.numpy()[lo:hi])
+
+
+def test_inputs_over_the_memory_of_written_buffers_are_refused_through_another_storage(backend):
+    """An input on a storage of its own that lies over a buffer the call writes (table state, an
+    output) is refused at binding as it is on the same storage: binding, and the second plain
+    step on the same tensors (which binds them), check memory ranges, not storage identity."""
+    table = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend=backend), 4, 8)
+    res = table.step(i32([0, 1, 2]), i32([5, 3, 2]), max_tokens=10)
+    ids, ntok = i32([0, 1, 2]), i32([1, 1, 1])
+    before = [x.clone() for x in (table.block_table, table.seq_lens, table.pool.state.counters)]
+    for kw, match in ((dict(release=_alias(table.seq_lens, 1, 3)), "release: shares memory"),
+                      (dict(release=_alias(res.csr.indptr, 1, 2)), "release: shares memory")):
+        with pytest.raises(ValueError, match=match):
+            table.bind_step(ids, ntok, max_tokens=10, **kw)
+    for bad_ids in (_alias(res.csr.indptr, 1, 4), _alias(table.block_table.view(-1), 0, 3)):
+        with pytest.raises(ValueError, match="req_ids: shares memory"):
+            table.bind_step(bad_ids, ntok, max_tokens=10)
+        with pytest.raises(ValueError, match="req_ids: shares memory"):
+            for _ in range(2):                      # the second call binds the tensors
+                table.step(bad_ids, ntok, max_tokens=10)
+    for x, y in zip((table.block_table, table.seq_lens, table.pool.state.counters), before):
+        assert x.tolist() == y.tolist()
+    table.check_invariants()
+
+
+def test_written_ranges_find_an_overlap_through_any_storage():
+    from tpool._checks import written_storages
+    a, b = torch.zeros(16, dtype=torch.int32), torch.zeros(8, dtype=torch.int64)
+    w = written_storages([a]) | written_storages([b, a])
+    assert w.hit(a) and w.hit(b[2:]) and w.hit(_alias(a, 15, 16)) and w.hit(_alias(b, 0, 1))
+    assert not w.hit(torch.zeros(4, dtype=torch.int32)) and not w.hit(a.clone())
+    assert not w.hit(torch.zeros(0, dtype=torch.int32))

@@ -1,5 +1,6 @@
 """Input checks from tensor metadata only (no host sync), shared by the façade."""
 
+import bisect
 import numbers
 
 import torch
@@ -10,12 +11,12 @@ _Tensor, _int32 = torch.Tensor, torch.int32  # module globals: read on every hot
 _UNIT_STRIDE = (1,)
 
 
-def input_len(t, device: torch.device, written: frozenset) -> int:
+def input_len(t, device: torch.device, written: "Written") -> int:
     """:func:`i32_len`, then :func:`check_not_written` without raising: the length of a valid
     hot-path input that shares no memory with ``written``, else -1 (the caller then runs the
     full checks, which raise)."""
     n = i32_len(t, device)
-    return n if n >= 0 and t.untyped_storage().data_ptr() not in written else -1
+    return n if n >= 0 and not written.hit(t) else -1
 
 
 def i32_len(t, device: torch.device, written=None) -> int:
@@ -56,9 +57,41 @@ def storage_spans(tensors) -> dict:
     return spans
 
 
-def written_storages(tensors) -> frozenset:
-    """Base addresses of the storages of ``tensors`` (buffers a call writes), for :func:`check_not_written`."""
-    return frozenset(storage_spans(tensors))
+class Written:
+    """The byte ranges of the storages a call writes, for :func:`check_not_written`.
+
+    Every tpool-owned tensor has a storage of its own, so these ranges are disjoint. An
+    input on one of those storages is found by its base address (one set lookup); an
+    input on another storage over the same memory (``torch.from_numpy`` of a numpy view
+    of a tpool tensor, say) by its range: the last range starting before the input's
+    storage ends overlaps it, or none does. Immutable; ``a | b`` is the union.
+    """
+
+    __slots__ = ("bases", "_starts", "_ends", "_spans")
+
+    def __init__(self, spans: dict):
+        self._spans = dict(spans)
+        self.bases = frozenset(self._spans)
+        self._starts = sorted(self._spans)
+        self._ends = [self._spans[lo] for lo in self._starts]
+
+    def __or__(self, other: "Written") -> "Written":
+        return Written({**self._spans, **other._spans})
+
+    def hit(self, t) -> bool:
+        """Whether tensor ``t``'s storage overlaps one of the ranges. Metadata only, no sync."""
+        s = t.untyped_storage()
+        lo = s.data_ptr()
+        if lo in self.bases:
+            return True
+        hi = lo + s.nbytes()
+        i = bisect.bisect_left(self._starts, hi) - 1
+        return hi > lo and i >= 0 and self._ends[i] > lo
+
+
+def written_storages(tensors) -> Written:
+    """The storages of ``tensors`` (buffers a call writes), for :func:`check_not_written`."""
+    return Written(storage_spans(tensors))
 
 
 def overlap_error(name: str) -> ValueError:
@@ -67,12 +100,11 @@ def overlap_error(name: str) -> ValueError:
                       "or this call's own output buffer); pass a copy (.clone())")
 
 
-def check_not_written(t, name: str, written: frozenset) -> None:
-    """Raise if input ``t`` shares storage with a buffer the call writes (``written``, from
+def check_not_written(t, name: str, written: Written) -> None:
+    """Raise if input ``t``'s memory overlaps a buffer the call writes (``written``, from
     :func:`written_storages`): a kernel would read an input it is overwriting, and the
-    backends would disagree. Every tpool-owned tensor has a storage of its own, so sharing
-    a storage is overlapping. Metadata only, no sync."""
-    if t.untyped_storage().data_ptr() in written:
+    backends would disagree. Metadata only, no sync."""
+    if written.hit(t):
         raise overlap_error(name)
 
 

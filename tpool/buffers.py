@@ -41,7 +41,7 @@ class Entry(tuple):
 class ShapeBuffers:
     """The output buffers of one table (see the module note)."""
 
-    def __init__(self, device: torch.device, max_shapes: int, written: frozenset):
+    def __init__(self, device: torch.device, max_shapes: int, written: "_checks.Written"):
         self.device, self.max_shapes, self.written = device, max_shapes, written
         self._cuda = device.type == "cuda"
         self.entries = collections.OrderedDict()  # call key -> Entry, least recently used first

@@ -116,8 +116,9 @@ class StepOut:
 class BoundStep(functools.partial):
     """``PageTable.step`` bound to fixed input tensors (see :meth:`PageTable.bind_step`).
 
-    Calling it checks that ``req_ids`` and ``num_tokens`` keep the memory and length they
-    were bound with (``StaleBinding``, a ValueError, if not) and runs the step; it returns
+    Calling it checks that ``req_ids`` and ``num_tokens`` (and ``release``, when bound with
+    release ids, which each call consumes) keep the memory and length they were bound
+    with (``StaleBinding``, a ValueError, if not) and runs the step; it returns
     ``result``, the table-owned ``StepResult`` of this shape. The call is ``functools.partial``'s
     C call of a module function (``_bound_step``) with every value stored in the partial's
     arguments: on a CPU a decode step costs only a few microseconds, and a Python method
@@ -131,13 +132,14 @@ class BoundStep(functools.partial):
         if fixed:  # numpy arrays: the step reads tensors of its own over their memory
             req_ids, num_tokens = torch.from_numpy(req_ids), torch.from_numpy(num_tokens)
             release = None if release is None else torch.from_numpy(release)
+        if release is not None:  # checked before any buffer is made for the shape
+            table._ids(release, "release")
+            if not isinstance(release_cache, (bool, np.bool_)):
+                raise ValueError(f"release_cache: expected a bool, got {_checks._describe(release_cache)}")
         b, entry = table._step_shape(req_ids, num_tokens, max_tokens, capacity)
         if not table._check_written:  # numba checks each unbound step in compiled code, a bound one only here
             table._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))
         if release is not None:
-            table._ids(release, "release")
-            if not isinstance(release_cache, (bool, np.bool_)):
-                raise ValueError(f"release_cache: expected a bool, got {_checks._describe(release_cache)}")
             # Each call writes release (sets it to -1): it may share memory with nothing the step reads or writes.
             _checks.check_not_written(release, "release", entry[3] | _checks.written_storages([req_ids, num_tokens]))
         result, memo = entry[0], entry[2]
@@ -319,8 +321,7 @@ class PageTable:
     def _not_written(entry, *inputs):
         """Refuse inputs that share memory with what the call of ``entry`` writes (``ValueError``)."""
         for name, t in inputs:
-            if t.untyped_storage().data_ptr() in entry[3]:
-                _checks.check_not_written(t, name, entry[3])
+            _checks.check_not_written(t, name, entry[3])
 
     # ------------------------------------------------------------ hot path
     def extend(self, req_ids: torch.Tensor, num_tokens: torch.Tensor, *, max_tokens: int | None = None) -> ExtendResult:
@@ -389,8 +390,8 @@ class PageTable:
             step, padded to a fixed ``K``). The same as ``release(release)`` then ``step(...)``,
             but one façade call and, on numba, one kernel call: a call costs microseconds of
             Python when a forward pass has cooled the caches. Such a step is checked every
-            call (it is not bound as repeated steps are), and on triton the release is a
-            launch of its own. Padding only (nothing finished) changes nothing, and the step
+            call (it is not bound as repeated steps are: :meth:`bind_step` with ``release=``
+            binds it), and on triton the release is a launch of its own. Padding only (nothing finished) changes nothing, and the step
             still grows its CSR in place on numba; ``None`` saves the checks.
         release_cache : bool
             As ``cache`` in :meth:`release`: pages whose last reference goes become CACHED.
@@ -558,7 +559,9 @@ class PageTable:
             there (-1 = padding), sets all ``K`` entries to -1, then steps, in one call: write
             the ids of the requests that finished, and a step where none did releases nothing.
             Because the call consumes them, an id written once is released once, never again
-            after a new request took its row.
+            after a new request took its row. ``K`` is at most the pool's ``max_batch``; a
+            tensor given here must be writable memory (each call writes it) and share none
+            with the other inputs or with what the step writes.
         release_cache : bool
             As in :meth:`step`.
 
