@@ -213,3 +213,17 @@ def test_written_ranges_find_an_overlap_through_any_storage():
     assert w.hit(a) and w.hit(b[2:]) and w.hit(_alias(a, 15, 16)) and w.hit(_alias(b, 0, 1))
     assert not w.hit(torch.zeros(4, dtype=torch.int32)) and not w.hit(a.clone())
     assert not w.hit(torch.zeros(0, dtype=torch.int32))
+
+
+def test_a_bound_step_with_no_release_lanes_is_a_plain_bound_step(backend, guard):
+    one, two = (tpool.PageTable(tpool.PagePool(32, 4, device="cpu", backend=backend), 2, 8) for _ in range(2))
+    runs = [one.bind_step(batch=2, max_tokens=4, release=0), two.bind_step(batch=2, max_tokens=4)]
+    assert runs[0].release.shape == (0,)
+    for ntok in ([3, 4], [1, 1], [1, 1]):
+        outs = []
+        for run in runs:
+            run.req_ids[:], run.num_tokens[:] = [0, 1], ntok
+            with guard():
+                outs.append(_outputs(run()))
+        assert outs[0] == outs[1]
+    same_table_state(one, two)
