@@ -215,16 +215,16 @@ def test_written_ranges_find_an_overlap_through_any_storage():
     assert not w.hit(torch.zeros(0, dtype=torch.int32))
 
 
-def test_a_bound_step_with_no_release_lanes_is_a_plain_bound_step(backend, guard):
+def test_a_bound_step_with_no_release_lanes_is_a_step_with_an_empty_release(backend, guard):
+    """``release=0``: each call is ``step(..., release=<empty>)`` (which, as ``release`` of an empty
+    batch, still ticks the pool's clock)."""
     one, two = (tpool.PageTable(tpool.PagePool(32, 4, device="cpu", backend=backend), 2, 8) for _ in range(2))
-    runs = [one.bind_step(batch=2, max_tokens=4, release=0), two.bind_step(batch=2, max_tokens=4)]
-    assert runs[0].release.shape == (0,)
+    run = one.bind_step(batch=2, max_tokens=4, release=0)
+    assert run.release.shape == (0,)
     for ntok in ([3, 4], [1, 1], [1, 1]):
-        outs = []
-        for run in runs:
-            run.req_ids[:], run.num_tokens[:] = [0, 1], ntok
-            with guard():
-                res = run()
-            outs.append(_outputs(res))
-        assert outs[0] == outs[1]
-    same_table_state(one, two)
+        run.req_ids[:], run.num_tokens[:] = [0, 1], ntok
+        with guard():
+            got = run()
+        want = two.step(i32([0, 1]), i32(ntok), max_tokens=4, release=i32([]))
+        assert _outputs(got) == _outputs(want)
+        same_table_state(one, two)
