@@ -26,7 +26,7 @@ The step reads each decode lane's length and last page from the step memo's tail
 by the step before), not from ``seq_lens`` and the block-table rows; the ``touch: + block-table
 rows`` row shows what reading the rows cost it before. Prototypes measured earlier and not
 taken (reading lengths from the previous CSR, a prefetch pass over the rows) are described in
-the README's benchmark section.
+``benchmarks/RESULTS.md``.
 
     python benchmarks/cold_breakdown.py                 # B=256, 200 samples a row, ~1 min
     python benchmarks/cold_breakdown.py --batch 64 256 --samples 400 --json cold.json
