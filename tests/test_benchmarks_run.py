@@ -112,3 +112,16 @@ def test_cold_breakdown_prints_every_row(tmp_path, capsys):
     assert {"python call", "numba no-op", "touch: + block-table rows", "kernel alone", "façade only", "bound step",
             "step"} <= set(names)
     assert all(r["cold_median_us"] > 0 for r in rows)
+
+
+def test_ab_compare_runs_a_revision_beside_the_working_tree(tmp_path):
+    """``ab_compare.py``: HEAD extracted as ``tpool_base`` and the working tree, one process, a table row
+    per workload with both versions and the paired count (in a subprocess: it adds a package)."""
+    if subprocess.run(["git", "-C", BENCH, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    cmd = [sys.executable, os.path.join(BENCH, "ab_compare.py"), "tpool-numba step", "tpool-numba turnover, bound",
+           "--batch", "3", "--samples", "2", "--inner", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "working tree against HEAD" in done.stdout and "new faster (paired)" in done.stdout
+    assert done.stdout.count("/2") == 2 and "tpool-numba turnover, bound" in done.stdout

@@ -1,0 +1,138 @@
+"""Benchmark: the working tree against a git revision, both loaded in one process, samples interleaved.
+
+On a shared machine two runs of a benchmark a minute apart can differ by more than a
+change is worth (this project's hosts moved by 25-50%). Here both versions of tpool run
+in the same process: the revision is extracted (``git archive``) into a temporary
+directory as a package named ``tpool_base`` (its imports of ``tpool`` rewritten), each
+version builds its own pool and table for the workloads of ``bench_page_table.py``, and
+the two take turns, sample by sample, in a shuffled order each round. The machine's
+noise then falls on both alike. Printed per row: each version's median, p20 and p80, the
+ratio of the medians (working tree over revision: below 1, the working tree is faster),
+and in how many paired samples the working tree was faster.
+
+An A/A run (``--base HEAD`` on a clean tree) shows the harness's own bias: the two
+tables sit at different places in memory, which can move a row by a few percent either
+way. Trust a ratio outside that band, with a lopsided paired count.
+
+    python benchmarks/ab_compare.py "tpool-numba turnover, bound" "tpool-numba step"          # warm, HEAD as base
+    python benchmarks/ab_compare.py "tpool-numba turnover, bound" --cold --base HEAD~3 --samples 60
+"""
+
+import argparse
+import os
+import random
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import (CacheFlusher, HelpFormatter, calibrate, print_table, progress, quantiles,  # noqa: E402
+                     time_calls_us)
+
+import torch  # noqa: E402
+
+import bench_page_table as bpt  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE_NAME = "tpool_base"
+
+
+def extract_base(rev: str, into: str) -> None:
+    """``tpool`` and ``kernels`` at ``rev`` as the package ``into/tpool_base`` (kernels inside, as
+    installed), every import of ``tpool`` in it rewritten to ``tpool_base``."""
+    archive = os.path.join(into, "base.tar")
+    subprocess.run(["git", "-C", ROOT, "archive", "-o", archive, rev, "tpool", "kernels"], check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    pkg = os.path.join(into, BASE_NAME)
+    os.rename(os.path.join(into, "tpool"), pkg)
+    os.rename(os.path.join(into, "kernels"), os.path.join(pkg, "kernels"))  # installed as tpool.kernels
+    pattern = re.compile(r"\b(from|import) tpool\b|\btpool\.kernels\b|\"tpool\.")
+    for folder, _, files in os.walk(pkg):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path) as f:
+                    text = f.read()
+                text = pattern.sub(lambda m: m.group(0).replace("tpool", BASE_NAME), text)
+                with open(path, "w") as f:
+                    f.write(text)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter,
+                                 epilog="Rows are bench_page_table.py's names, e.g. \"tpool-numba step\", "
+                                        "\"tpool-numba turnover, bound\", \"tpool-numba turnover, one call\".")
+    ap.add_argument("rows", nargs="+", help="bench_page_table.py rows to compare")
+    ap.add_argument("--base", default="HEAD", help="the git revision to compare the working tree against")
+    ap.add_argument("--batch", type=int, default=256, help="requests in the batch")
+    ap.add_argument("--backend", default="numba", help="tpool backend (on the CPU)")
+    ap.add_argument("--samples", type=int, default=40, help="samples per row and version")
+    ap.add_argument("--inner", type=int, default=None,
+                    help="calls per warm sample (default: calibrated to about 2 ms); cold: calls per sample")
+    ap.add_argument("--cold", action="store_true", help="time one call after 64 MiB written, --inner (default 10) "
+                                                        "calls a sample")
+    ap.add_argument("--seed", type=int, default=0, help="the order the versions take in each round")
+    return ap
+
+
+def time_sample(fn, reset, inner, flush):
+    """One sample: ``reset``, one untimed call, then ``inner`` calls (each after ``flush`` when cold)."""
+    reset()
+    fn()
+    if flush is None:
+        return time_calls_us(fn, inner) / inner
+    total = 0.0
+    for _ in range(inner):
+        flush()
+        total += time_calls_us(fn, 1)
+        fn()  # the next timed call follows a step, as in a decode loop
+    return total / inner
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    tmp = tempfile.mkdtemp(prefix="tpool-ab-")
+    progress(f"extracting {args.base} into {tmp}")
+    extract_base(args.base, tmp)
+    sys.path.insert(0, tmp)
+    new, base = __import__("tpool"), __import__(BASE_NAME)  # the working tree's, the revision's
+    runs = {}
+    for label, mod in (("base", base), ("new", new)):
+        progress(f"{label}: setting up B={args.batch}")
+        bpt.tpool = mod  # the workloads build their pools and tables from this module
+        impls = bpt.workloads(args.batch, [args.backend], torch.device("cpu"), extras=False)
+        for row in args.rows:
+            if row not in impls:
+                raise SystemExit(f"unknown row {row!r}; rows: {', '.join(impls)}")
+            fn, owner, _ = impls[row]
+            runs[(row, label)] = (fn, bpt.make_reset(fn, owner))
+    bpt.tpool = new
+    flush = CacheFlusher() if args.cold else None
+    inner = {k: (args.inner or 10) if args.cold else (args.inner or calibrate(fn, reset=reset, max_inner=bpt.MAX_INNER))
+             for k, (fn, reset) in runs.items()}
+    keys, rng = list(runs), random.Random(args.seed)
+    out = {k: [] for k in keys}
+    for s in range(args.samples):
+        rng.shuffle(keys)
+        for k in keys:
+            out[k].append(time_sample(*runs[k], inner[k], flush))
+        if (s + 1) % 10 == 0:
+            progress(f"sample {s + 1}/{args.samples}")
+    rows = []
+    for row in args.rows:
+        b, n = out[(row, "base")], out[(row, "new")]
+        qb, qn = quantiles(b), quantiles(n)
+        wins = sum(x < y for x, y in zip(n, b))
+        rows.append([row, f"{qb[0]:.2f}", f"{qb[1]:.2f} / {qb[2]:.2f}", f"{qn[0]:.2f}", f"{qn[1]:.2f} / {qn[2]:.2f}",
+                     f"{qn[0] / qb[0]:.3f}", f"{wins}/{len(n)}"])
+    print_table(f"working tree against {args.base}, B={args.batch}, {args.backend}, "
+                f"{'cold (64 MiB written before each call)' if args.cold else 'warm'} (us per call)",
+                ["row", "base median", "base p20 / p80", "new median", "new p20 / p80", "new / base",
+                 "new faster (paired)"], rows)
+
+
+if __name__ == "__main__":
+    main()
