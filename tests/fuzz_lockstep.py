@@ -1,8 +1,9 @@
 """Lockstep differential fuzzer: the same random calls on every backend, compared after each one.
 
 Each episode builds one small pool and table per backend (same sizes), then runs
-random operations on all of them in lockstep: valid calls, misuse (bad and
-repeated ids, negative counts, double frees), hand edits of the state followed by
+random operations on all of them in lockstep: valid calls (bound steps that
+release requests first among them), misuse (bad and repeated ids, negative
+counts, double frees), hand edits of the state followed by
 ``invalidate_csr()``, or for half the table edits ``invalidate_csr(row)`` (any value
 into ``seq_lens``, ``block_table``, ``free_stack``, the free and cached counts and the
 clock, ``refcount``, ``page_state``, ``stamp``), and snapshot restores
@@ -31,6 +32,7 @@ OPS_PER_EPISODE = 150  # operations on one set of pools before a fresh one (defa
 EDIT_COUNTERS = (0, 1, 2)  # FREE_COUNT, CACHED_COUNT, CLOCK
 EDIT_VALUES = (-10**9, -6, -2, -1, 0, 1, 2, 3, 5, 7, 10**6, 2**31 - 2, 2**31 - 1)
 SCRATCH = {"keys", "lane_end", "version", "row_version"}  # per-backend scratch, not compared
+BOUND_BATCH, BOUND_RELEASE, BOUND_TOKENS = 4, 3, 12  # the shape of the bound steps ("bstep")
 
 
 # ------------------------------------------------------------------ generation
@@ -58,8 +60,11 @@ def gen_op(rng: random.Random, cfg: dict, edits: bool) -> tuple:
     b = rng.randint(0, 5)
     P, R, MP = cfg["num_pages"], cfg["max_requests"], cfg["max_pages"]
     kind = rng.choices(["alloc", "free", "incref", "touch", "evict", "extend", "step", "csr", "rows",
-                        "release", "truncate", "fork", "edit", "snapshot", "restore", "alias"],
-                       weights=[8, 8, 4, 3, 3, 12, 12, 5, 2, 6, 4, 6, 6 if edits else 0, 2, 2, 2])[0]
+                        "release", "truncate", "fork", "edit", "snapshot", "restore", "alias", "bstep"],
+                       weights=[8, 8, 4, 3, 3, 12, 12, 5, 2, 6, 4, 6, 6 if edits else 0, 2, 2, 2, 6])[0]
+    if kind == "bstep":  # a bound step (table-made inputs, BOUND_RELEASE release lanes), filled, then run
+        return (kind, _ids(rng, cfg, BOUND_BATCH), _counts(rng, BOUND_BATCH, rng.choice([1, 1, 3])),
+                _ids(rng, cfg, BOUND_RELEASE) if rng.random() < 0.5 else [-1] * BOUND_RELEASE, rng.random() < 0.4)
     if kind == "alloc":
         return (kind, _counts(rng, b, 3), rng.random() < 0.4)
     if kind in ("free", "incref", "touch"):
@@ -126,6 +131,8 @@ class System:
         self.table = tpool.PageTable(self.pool, cfg["max_requests"], cfg["max_pages"])
         self.alloc_out = self.pool.alloc_out(max_batch=2, max_pages=cfg["num_pages"])  # for aliasing attempts
         self.snaps = {}
+        self.bound = {cache: self.table.bind_step(batch=BOUND_BATCH, max_tokens=BOUND_TOKENS, release=BOUND_RELEASE,
+                                                  release_cache=cache) for cache in (False, True)}
 
     def state(self) -> dict:
         out = {}
@@ -153,6 +160,11 @@ class System:
                 return [pool.evict(op[1]).clone()]
             elif kind == "extend":
                 return [t.clone() for t in table.extend(i32(op[1]), i32(op[2]), max_tokens=op[3])]
+            elif kind == "bstep":
+                run = self.bound[op[4]]
+                run.req_ids[:], run.num_tokens[:], run.release[:] = op[1], op[2], op[3]
+                r = run()
+                return [t.clone() for t in (r.slots, r.ok, *r.csr, *r.metadata)] + [torch.from_numpy(run.release.copy())]
             elif kind == "step":
                 gone = dict(release=i32(op[4]), release_cache=op[5]) if len(op) > 4 else {}
                 r = table.step(i32(op[1]), i32(op[2]), max_tokens=op[3], **gone)
