@@ -101,6 +101,44 @@ def test_graph_decode_step_1000_replays_match_eager(backend):
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_graph_bound_step_with_release_replays_match_eager(backend):
+    """A scheduler's step captured once: ``bind_step(batch=B, release=2)`` replayed, the finished ids
+    written into ``run.release`` before a replay, equals ``step(..., release=gone)`` run eagerly, and
+    each replay consumes the ids (they read -1 after it)."""
+    B, T, dev = 8, 8 + 2 * 64, "cuda"
+    tables = [tpool.PageTable(tpool.PagePool(4096, page_size=16, device=dev, backend=backend), 16, 64)
+              for _ in range(2)]
+    for t in tables:
+        t.extend(i32(list(range(B)), dev), i32([100 + 37 * i for i in range(B)], dev), max_tokens=B * 400)
+    run = tables[0].bind_step(batch=B, max_tokens=T, release=2)
+    run.req_ids.copy_(torch.arange(B, dtype=torch.int32))
+    run.num_tokens.fill_(1)
+    graph = capture(run, tables[0])           # the warm-up's release ids are padding: nothing released
+    batch, spare = list(range(B)), [B, B + 1]
+    for j in range(40):
+        gone, ntok = [-1, -1], [1] * B
+        if j % 4 == 1:                        # two requests finish, two new ones take their lanes
+            gone, batch[:2], spare = batch[:2], spare, batch[:2]
+            ntok[:2] = [64, 64]
+        run.release.copy_(torch.tensor(gone, dtype=torch.int32))
+        run.req_ids.copy_(torch.tensor(batch, dtype=torch.int32))
+        run.num_tokens.copy_(torch.tensor(ntok, dtype=torch.int32))
+        graph.replay()
+        want = tables[1].step(i32(batch, dev), i32(ntok, dev), max_tokens=T, release=i32(gone, dev))
+        torch.cuda.synchronize()
+        got = run.result
+        assert run.release.tolist() == [-1, -1]
+        for x, y in zip((got.slots, got.ok, *got.csr, *got.metadata), (want.slots, want.ok, *want.csr, *want.metadata)):
+            assert torch.equal(x, y)
+    for a, b in zip(state_tensors(tables[0]), state_tensors(tables[1])):
+        assert torch.equal(a, b)
+    tables[0].pool.check()
+    tables[0].check_invariants()
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_graph_fused_step_replays_match_two_eager_calls(backend):
     """``table.step`` captured once and replayed = ``extend`` + ``flashinfer_csr`` run eagerly."""
     tables, ids, ones = _twin_tables(backend, 4096, 32, 64, seed=1)
