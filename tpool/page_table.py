@@ -391,8 +391,9 @@ class PageTable:
             but one façade call and, on numba, one kernel call: a call costs microseconds of
             Python when a forward pass has cooled the caches. Such a step is checked every
             call (it is not bound as repeated steps are: :meth:`bind_step` with ``release=``
-            binds it), and on triton the release is a launch of its own. Padding only (nothing finished) changes nothing, and the step
-            still grows its CSR in place on numba; ``None`` saves the checks.
+            binds it), and on triton the release is a launch of its own. Padding only (nothing
+            finished) changes nothing, and the step still grows its CSR in place on numba;
+            ``None`` saves the checks.
         release_cache : bool
             As ``cache`` in :meth:`release`: pages whose last reference goes become CACHED.
 
