@@ -59,8 +59,8 @@ from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, calibrate, default
 import tpool  # noqa: E402
 
 EPILOG = ("Progress goes to stderr, one line per row. Rows: host-blocks (the baseline), tpool's step, bound "
-          "step, extend + csr, extend only, csr only, turnover (release then step, in one call, and bound), the reference "
-          "step and an np.copyto floor (CPU).")
+          "step, extend + csr, extend only, csr only, turnover (release then step, in one call, and bound), the "
+          "reference step and an np.copyto floor (CPU).")
 from tpool.graphs import capture, state_tensors  # noqa: E402
 
 PAGE_SIZE = 16

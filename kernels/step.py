@@ -99,8 +99,8 @@ def plan_kept_runs(ids, B, old_ids, old_tails, old_stamps, row_version, plan, ke
     append to them). Kept runs keep their order, so they can be moved in place. ``plan[i]``
     is then ``(start << 32) | pages`` of that run in the old CSR, else -1, and ``kept[i]``
     ``((pages - 1) << 32) | last page`` (the old tail's page, the row's page ``pages - 1``:
-    the row's pages are those of the run), else -1. Old runs start where the pages of the old lanes before them end (their
-    lengths are the memo's tails).
+    the row's pages are those of the run), else -1. Old runs start where the pages of the old
+    lanes before them end (their lengths are the memo's tails).
     Returns the old CSR's length, or -1 when the memo cannot be right (then nothing is kept).
     """
     R = row_version.shape[0]

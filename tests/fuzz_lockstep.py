@@ -164,7 +164,8 @@ class System:
                 run = self.bound[op[4]]
                 run.req_ids[:], run.num_tokens[:], run.release[:] = op[1], op[2], op[3]
                 r = run()
-                return [t.clone() for t in (r.slots, r.ok, *r.csr, *r.metadata)] + [torch.from_numpy(run.release.copy())]
+                outs = [t.clone() for t in (r.slots, r.ok, *r.csr, *r.metadata)]
+                return outs + [torch.from_numpy(run.release.copy())]  # consumed: -1 on every backend
             elif kind == "step":
                 gone = dict(release=i32(op[4]), release_cache=op[5]) if len(op) > 4 else {}
                 r = table.step(i32(op[1]), i32(op[2]), max_tokens=op[3], **gone)
