@@ -51,7 +51,7 @@ from bench_page_table import PAGE_SIZE, make_reset, setup  # noqa: E402
 from tpool.kernels import layout as L  # noqa: E402
 from tpool.kernels._numba_util import (i32_array, i64_array, move_i32, page_shift, table_arrays,  # noqa: E402
                                        u8_array)
-from tpool.backends.numba import call_descriptor, entry_point  # noqa: E402
+from tpool.backends.numba import entry_point  # noqa: E402
 from tpool.errors import StaleBinding  # noqa: E402
 from tpool.page_table import _bound_step  # noqa: E402
 
