@@ -70,13 +70,21 @@ class Written:
     __slots__ = ("bases", "_starts", "_ends", "_spans")
 
     def __init__(self, spans: dict):
-        self._spans = dict(spans)
-        self.bases = frozenset(self._spans)
-        self._starts = sorted(self._spans)
-        self._ends = [self._spans[lo] for lo in self._starts]
+        self._spans = spans  # owned: storage_spans makes a fresh one per call
+        self.bases = frozenset(spans)
+        self._starts = sorted(spans)
+        self._ends = list(map(spans.__getitem__, self._starts))
 
     def __or__(self, other: "Written") -> "Written":
-        return Written({**self._spans, **other._spans})
+        new = Written.__new__(Written)  # other's ranges inserted into copies of self's sorted lists
+        new._spans, new.bases = {**self._spans, **other._spans}, self.bases | other.bases
+        new._starts, new._ends = list(self._starts), list(self._ends)
+        for lo in other._starts:
+            if lo not in self.bases:
+                i = bisect.bisect_left(new._starts, lo)
+                new._starts.insert(i, lo)
+                new._ends.insert(i, other._spans[lo])
+        return new
 
     def hit(self, t) -> bool:
         """Whether tensor ``t``'s storage overlaps one of the ranges. Metadata only, no sync."""
