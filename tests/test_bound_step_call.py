@@ -206,6 +206,16 @@ def test_inputs_over_the_memory_of_written_buffers_are_refused_through_another_s
     table.check_invariants()
 
 
+def test_a_release_over_the_ids_is_refused_whatever_storages_the_inputs_nest_in(backend):
+    """The caller's own inputs may overlap one another (views of one numpy array, each its own
+    storage, one nested in another): a release over the ids is still refused."""
+    table = tpool.PageTable(tpool.PagePool(16, 4, device="cpu", backend=backend, max_batch=8), 8, 4)
+    big = np.zeros(64, dtype=np.int32)
+    req_ids, num_tokens = torch.from_numpy(big)[10:14], torch.from_numpy(big[1:5])  # the second inside the first
+    with pytest.raises(ValueError, match="release: shares memory"):
+        table.bind_step(req_ids, num_tokens, release=torch.from_numpy(big[10:12]))
+
+
 def test_written_ranges_find_an_overlap_through_any_storage():
     from tpool._checks import written_storages
     a, b = torch.zeros(16, dtype=torch.int32), torch.zeros(8, dtype=torch.int64)
@@ -213,6 +223,9 @@ def test_written_ranges_find_an_overlap_through_any_storage():
     assert w.hit(a) and w.hit(b[2:]) and w.hit(_alias(a, 15, 16)) and w.hit(_alias(b, 0, 1))
     assert not w.hit(torch.zeros(4, dtype=torch.int32)) and not w.hit(a.clone())
     assert not w.hit(torch.zeros(0, dtype=torch.int32))
+    big = np.zeros(64, dtype=np.int32)                 # ranges that overlap: one storage inside another
+    w = written_storages([torch.from_numpy(big), torch.from_numpy(big[1:5])])
+    assert w.hit(torch.from_numpy(big[40:42])) and w.hit(torch.from_numpy(big[2:3]))
 
 
 def test_a_bound_step_with_no_release_lanes_is_a_step_with_an_empty_release(backend, guard):

@@ -1,6 +1,7 @@
 """Input checks from tensor metadata only (no host sync), shared by the façade."""
 
 import bisect
+import itertools
 import numbers
 
 import torch
@@ -48,43 +49,42 @@ def check_size(v, name: str, minimum: int = 0) -> int:
 
 
 def storage_spans(tensors) -> dict:
-    """``{start: end}``, the byte range of each distinct non-empty storage behind ``tensors``."""
+    """``{start: end}``, the byte range of each distinct non-empty storage behind ``tensors``
+    (the longest, where two storages start at the same address)."""
     spans = {}
     for t in tensors:
         s = t.untyped_storage()
         if s.nbytes():
-            spans[s.data_ptr()] = s.data_ptr() + s.nbytes()
+            lo = s.data_ptr()
+            spans[lo] = max(spans.get(lo, 0), lo + s.nbytes())
     return spans
 
 
 class Written:
     """The byte ranges of the storages a call writes, for :func:`check_not_written`.
 
-    Every tpool-owned tensor has a storage of its own, so these ranges are disjoint. An
-    input on one of those storages is found by its base address (one set lookup); an
+    An input on one of those storages is found by its base address (one set lookup); an
     input on another storage over the same memory (``torch.from_numpy`` of a numpy view
-    of a tpool tensor, say) by its range: the last range starting before the input's
-    storage ends overlaps it, or none does. Immutable; ``a | b`` is the union.
+    of a tpool tensor, say) by its range: with the ranges sorted by start, some range
+    starting before the input's storage ends overlaps it exactly when the furthest end
+    among them lies past the input's start (a bisection, then one lookup of a running
+    maximum; the ranges may overlap, as a caller's own storages can). Immutable;
+    ``a | b`` is the union.
     """
 
-    __slots__ = ("bases", "_starts", "_ends", "_spans")
+    __slots__ = ("bases", "_spans", "_starts", "_reach")
 
     def __init__(self, spans: dict):
         self._spans = spans  # owned: storage_spans makes a fresh one per call
         self.bases = frozenset(spans)
         self._starts = sorted(spans)
-        self._ends = list(map(spans.__getitem__, self._starts))
+        self._reach = list(itertools.accumulate(map(spans.__getitem__, self._starts), max))
 
     def __or__(self, other: "Written") -> "Written":
-        new = Written.__new__(Written)  # other's ranges inserted into copies of self's sorted lists
-        new._spans, new.bases = {**self._spans, **other._spans}, self.bases | other.bases
-        new._starts, new._ends = list(self._starts), list(self._ends)
-        for lo in other._starts:
-            if lo not in self.bases:
-                i = bisect.bisect_left(new._starts, lo)
-                new._starts.insert(i, lo)
-                new._ends.insert(i, other._spans[lo])
-        return new
+        spans = dict(self._spans)
+        for lo, hi in other._spans.items():
+            spans[lo] = max(spans.get(lo, 0), hi)
+        return Written(spans)
 
     def hit(self, t) -> bool:
         """Whether tensor ``t``'s storage overlaps one of the ranges. Metadata only, no sync."""
@@ -94,7 +94,7 @@ class Written:
             return True
         hi = lo + s.nbytes()
         i = bisect.bisect_left(self._starts, hi) - 1
-        return hi > lo and i >= 0 and self._ends[i] > lo
+        return hi > lo and i >= 0 and self._reach[i] > lo
 
 
 def written_storages(tensors) -> Written:

@@ -841,15 +841,17 @@ class PageTable:
         (int32 ``[K]``, on the table's device, -1 = padding), the rows edited and no others:
         on numba those rows get a fresh stamp and the table a fresh version, so the next step
         copies their runs from the rows and keeps every other run (a prefix-cache hit written
-        into one row then costs the step one row, not the whole CSR). Name every row you
-        edited. Not a hot-path call.
+        into one row then costs the step one row, not the whole CSR), and every CSR memo
+        forgets those rows, so a snapshot taken between the edit and this call is safe to
+        restore too. Name every row you edited. Not a hot-path call.
         """
         if req_ids is not None:
             _checks.check_vector(req_ids, "req_ids", torch.int32, self.device)
         with self.pool.state.lock:
-            self.ops.restamp_rows(req_ids)
+            memos = list(self._shapes.memos)  # every memo alive, kept by the table, a BoundStep or a StepOut
+            self.ops.restamp_rows(req_ids, memos)
             if req_ids is None:
-                for memo in list(self._shapes.memos):  # every memo alive, kept by the table or by a BoundStep
+                for memo in memos:
                     memo.invalidate()
 
     # ---------------------------------------------------------- sync points

@@ -105,11 +105,11 @@ class TableOps(Protocol):
     def block_table_rows(self, req_ids: Tensor, out: Tensor) -> None:
         """vLLM-style rows of the batch into ``out`` (int32 ``[B, max_pages]``)."""
 
-    def restamp_rows(self, req_ids: Tensor | None = None) -> None:
+    def restamp_rows(self, req_ids: Tensor | None = None, memos=()) -> None:
         """After rows were written by hand: fresh row stamps (of every row, or of the rows
-        ``req_ids`` names) and a fresh table version, so no step keeps or grows a run noted
-        before the edit, nor one noted after it once a snapshot from before it is restored
-        (numba; the other backends keep no run)."""
+        ``req_ids`` names, which the CSR ``memos`` then forget) and a fresh table version, so
+        no step keeps or grows a run noted before the edit, nor one noted after it once a
+        snapshot from before it is restored (numba; the other backends keep no run)."""
 
 
 class PoolByFunctions:
@@ -163,7 +163,7 @@ class BoundByTensors:
 
     checks_overlap = False  # the façade checks that inputs share no memory with what a call writes
 
-    def restamp_rows(self, req_ids=None):  # these backends rebuild the CSR every step: no run is kept
+    def restamp_rows(self, req_ids=None, memos=()):  # these backends rebuild the CSR every step: no run is kept
         pass
 
     def extend_into(self, res):

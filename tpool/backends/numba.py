@@ -425,8 +425,19 @@ class Table:
     def block_table_rows(self, req_ids, out):
         kernel(block_table_rows.block_table_rows_numba_entry)(req_ids.data_ptr(), req_ids.numel(), out.data_ptr(), self.cd)
 
-    def restamp_rows(self, req_ids=None):
+    def restamp_rows(self, req_ids=None, memos=()):
         if req_ids is None:
             kernel(restamp_table)(self.td)
-        else:
-            kernel(stamp_rows)(self.td, req_ids.data_ptr(), req_ids.numel())
+            return
+        # Every memo forgets the named rows: a snapshot taken between the edit and this call
+        # carries the edited pages under their old stamps and version, and once restored must
+        # not let a memo keep or grow the old runs of those rows (-2: never a table version, so
+        # no growth in place, while the other lanes' runs can still be kept).
+        ids = req_ids.to(torch.int64)
+        for memo in memos:
+            m, b = memo.tensor, memo.batch
+            at = L.memo_stamps(b)
+            m[at:at + b].masked_fill_(torch.isin(m[L.MEMO_IDS:L.MEMO_IDS + b], ids), -1)
+            if int(m[L.MEMO_VERSION]) == int(self.ts.version[0]):
+                m[L.MEMO_VERSION] = -2
+        kernel(stamp_rows)(self.td, req_ids.data_ptr(), req_ids.numel())
