@@ -254,10 +254,9 @@ def step_release_bound_numba_entry(cd_addr):
     consumes: after the release they are all -1 (padding), so a later call that finds no new
     ids there releases nothing, and never a request admitted again under a released id."""
     cd = i64_array(cd_addr, CALL_DESC_LEN)
-    K = cd[CD_RELEASE_LEN]
-    release_numba_entry(cd[CD_RELEASE], K, cd[CD_RELEASE_CACHE] != 0, cd)
-    fill_null_range(cd[CD_RELEASE], 0, K)
-    step_numba_entry(cd[CD_IDS], cd[CD_NTOK], cd[CD_LANES], cd)
+    step_release_numba_entry(cd[CD_RELEASE], cd[CD_RELEASE_LEN], cd[CD_RELEASE_CACHE] != 0, cd[CD_IDS], cd[CD_NTOK],
+                             cd[CD_LANES], cd)
+    fill_null_range(cd[CD_RELEASE], 0, cd[CD_RELEASE_LEN])  # after the step, as on the other backends
 
 
 @triton.jit

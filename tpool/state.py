@@ -173,6 +173,23 @@ class CsrMemo:
         """Make the next step on these buffers rebuild the CSR instead of growing it or keeping runs of it."""
         self.tensor[L.MEMO_VERSION] = -1
 
+    def forget(self, req_ids: torch.Tensor, version: torch.Tensor) -> None:
+        """Keep no run of the rows ``req_ids`` (written by hand), whatever version comes back.
+
+        A snapshot taken between the edit and ``PageTable.invalidate_csr(rows)`` carries the
+        edited pages under their old stamps and version; restored, it must not let these
+        buffers keep or grow the old runs of those rows. Their lanes' stamps become -1, and a
+        memo version equal to the table's ``version`` (int64 ``[1]``) becomes -2, never a
+        table version: no growth in place, while the other lanes' runs can still be kept.
+        Tensor ops only, no scalar read (``HostMirror.revive`` calls this on its hot path).
+        """
+        m, b = self.tensor, self.batch
+        at = L.memo_stamps(b)
+        named = (m[L.MEMO_IDS:L.MEMO_IDS + b, None] == req_ids.to(torch.int64)[None, :]).any(1)
+        m[at:at + b].masked_fill_(named, -1)
+        v = m[L.MEMO_VERSION:L.MEMO_VERSION + 1]
+        v.copy_(torch.where(v == version, torch.full_like(v, -2), v))
+
     def growable_batch(self, version: int) -> tuple[list, list] | None:
         """``(request ids, tails)`` the next step may grow the CSR of in place and read lengths
         and last pages from, if the buffers hold the CSR of table version ``version``; else

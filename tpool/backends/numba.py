@@ -429,16 +429,6 @@ class Table:
         if req_ids is None:
             kernel(restamp_table)(self.td)
             return
-        # Every memo forgets the named rows: a snapshot taken between the edit and this call
-        # carries the edited pages under their old stamps and version, and once restored must
-        # not let a memo keep or grow the old runs of those rows (-2: never a table version, so
-        # no growth in place, while the other lanes' runs can still be kept).
-        # Tensor ops only, no scalar read: HostMirror.revive calls this on its hot path.
-        ids = req_ids.to(torch.int64)
-        for memo in memos:
-            m, b = memo.tensor, memo.batch
-            at = L.memo_stamps(b)
-            m[at:at + b].masked_fill_((m[L.MEMO_IDS:L.MEMO_IDS + b, None] == ids[None, :]).any(1), -1)
-            v = m[L.MEMO_VERSION:L.MEMO_VERSION + 1]
-            v.copy_(torch.where(v == self.ts.version, torch.full_like(v, -2), v))
+        for memo in memos:  # before the version changes: forget() compares with the current one
+            memo.forget(req_ids, self.ts.version)
         kernel(stamp_rows)(self.td, req_ids.data_ptr(), req_ids.numel())
