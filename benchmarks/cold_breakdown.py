@@ -12,11 +12,17 @@ Rows, from the floor up:
 * ``touch: inputs``: a numba function reading the call descriptor, ``req_ids`` and ``num_tokens``.
 * ``touch: + lengths, outputs, memo``: also reads and writes ``seq_lens`` of every lane, writes
   ``slots``, ``ok``, ``indptr``, ``last_page_len`` and reads the memo's ids (everything a
-  decode step touches but the block table and the CSR's page ids).
-* ``touch: + block-table rows``: also reads each lane's last page from its row (one line per lane).
+  decode step touches but the CSR's page ids and the block table).
 * ``touch: + CSR shift``: also moves the CSR's page ids right by one from the first lane that
-  gained a page (what growing the CSR in place costs: the runs after a grown lane move).
-* ``kernel alone``: the compiled step entry called directly with the bound call's descriptor.
+  gained a page (what growing the CSR in place costs: the runs after a grown lane move; at
+  B=256 with prompts of 512-2048 tokens, ~80 KiB of page ids).
+* ``touch: + CSR shift + block-table rows``: also reads each lane's last page from its row (one
+  line per lane: what the step did before its memo kept the last pages).
+* ``kernel alone``: the compiled step entry called directly with the bound call's descriptor;
+  ``..., code warm``: the same call right after another table's step ran (untimed, after the
+  flush): the code of the call path is in the caches, this table's memory is not, so the
+  difference to ``kernel alone`` is what fetching cold code costs.
+* ``extend kernel alone (no CSR)``: only the extend (slots and lengths, read from the rows).
 * ``façade only``: ``BoundStep``'s Python part (``page_table._bound_step``) around the no-op
   instead of the kernel; ``..., as a closure (before)``: the same check as the closure it was.
 * ``bound step``: ``table.bind_step(ids, ones)()``; ``..., table-made inputs``: ``table.bind_step(batch=B)``
@@ -51,7 +57,8 @@ from bench_page_table import PAGE_SIZE, make_reset, setup  # noqa: E402
 from tpool.kernels import layout as L  # noqa: E402
 from tpool.kernels._numba_util import (i32_array, i64_array, move_i32, page_shift, table_arrays,  # noqa: E402
                                        u8_array)
-from tpool.backends.numba import entry_point  # noqa: E402
+from tpool.backends.numba import _desc, entry_point  # noqa: E402
+from tpool.kernels import extend  # noqa: E402
 from tpool.errors import StaleBinding  # noqa: E402
 from tpool.page_table import _bound_step  # noqa: E402
 
@@ -77,7 +84,8 @@ def touch_inputs(cd_addr):
 @numba.njit(nogil=True)
 def touch_lanes(cd_addr, rows, shift):
     """Reads and writes what a decode step does; ``rows``: also the block-table rows; ``shift``: also
-    moves the CSR's ids right by one past the first lane whose length is a multiple of the page size."""
+    moves the CSR's ids right by one past the first lane whose length is a multiple of the page size
+    (the memmove a grown CSR makes; the row's reset, untimed, puts the ids back)."""
     cd = i64_array(cd_addr, L.CALL_DESC_LEN)
     B = cd[L.CD_LANES]
     bt, lens, _, ps = table_arrays(cd[:L.CD_STATE])
@@ -90,11 +98,11 @@ def touch_lanes(cd_addr, rows, shift):
         diff |= memo[L.MEMO_IDS + i] ^ ids[i]
     pos = 0
     first = -1
-    shift = page_shift(ps)  # a power of two here: shifts, as the kernel (a division per lane would dominate)
+    bits = page_shift(ps)  # a power of two here: shifts, as the kernel (a division per lane would dominate)
     for i in range(B):
         r = np.uint64(ids[i])
         length = lens[r]
-        k, off = np.uint64(length >> shift), length & (ps - 1)
+        k, off = np.uint64(length >> bits), length & (ps - 1)
         page = bt[r, k] if rows else 7
         slots[i] = page * ps + off
         lens[r] = length  # written back unchanged: the table stays as it is
@@ -104,7 +112,7 @@ def touch_lanes(cd_addr, rows, shift):
         last[i] = off + 1
         if first < 0 and off == 0:
             first = pos
-    if shift and first >= 0:  # move [first, pos) right by one and back: the same bytes, same state
+    if shift and bits >= 0 and first >= 0:  # move [first, pos) right by one
         move_i32(cd[L.CD_INDICES] + 4 * (first + 1), cd[L.CD_INDICES] + 4 * first, pos - first - 1)
     return diff
 
@@ -129,7 +137,7 @@ def bound_run(bound):
 
 
 def rows_for(B):
-    """name -> (fn, reset, settle) for one batch size (module note), and what they need kept alive."""
+    """name -> (fn, reset, settle, after_flush) for one batch size (module note), and what they need kept alive."""
     dev = torch.device("cpu")
     _, table, _, _ = setup(B, "numba", dev, random.Random(B))
     ids = torch.arange(B, dtype=torch.int32)
@@ -145,18 +153,34 @@ def rows_for(B):
     reset = make_reset(bound, table)
 
     noop_run = functools.partial(entry_point(noop, _i64), addr)
+    touch_entry = entry_point(touch_lanes, _i64, numba.types.boolean, numba.types.boolean)
+
+    def touch(rows, shift):
+        return functools.partial(touch_entry, addr, rows, shift)
+
+    indices = bound.result.csr.indices  # the touch rows shift it: their reset puts it back (untimed)
+    saved_indices = indices.clone()
+
+    def touch_reset():
+        reset()
+        indices.copy_(saved_indices)
+
+    # Another table of the same shape: its kernel alone, run after the flush, warms the call path's code only.
+    _, other, _, _ = setup(B, "numba", dev, random.Random(B + 1))
+    other_run = bound_run(other.bind_step(ids, ones))
+    other_reset = make_reset(other_run, other)
     out = {
         "python call": (lambda: None, None),
         "numba no-op": (noop_run, None),
         "touch: inputs": (functools.partial(entry_point(touch_inputs, _i64), addr), None),
-        "touch: + lengths, outputs, memo": (functools.partial(entry_point(touch_lanes, _i64, numba.types.boolean,
-                                                                          numba.types.boolean), addr, False, False),
-                                            reset),
-        "touch: + block-table rows": (functools.partial(entry_point(touch_lanes, _i64, numba.types.boolean,
-                                                                    numba.types.boolean), addr, True, False), reset),
-        "touch: + CSR shift": (functools.partial(entry_point(touch_lanes, _i64, numba.types.boolean,
-                                                             numba.types.boolean), addr, True, True), reset),
+        "touch: + lengths, outputs, memo": (touch(False, False), touch_reset),
+        "touch: + CSR shift": (touch(False, True), touch_reset),
+        "touch: + CSR shift + block-table rows": (touch(True, True), touch_reset),
         "kernel alone": (run, reset),
+        "kernel alone, code warm": (run, reset, other_run),
+        "extend kernel alone (no CSR)": (functools.partial(entry_point(extend.extend_numba_entry, _i64, _i64, _i64,
+                                                                       _desc), ids.data_ptr(), ones.data_ptr(), B,
+                                                       cd_arr), reset),
         "façade only": (functools.partial(_bound_step, ids.data_ptr, ones.data_ptr, ids.numel, ones.numel,
                                           ids.data_ptr(), ones.data_ptr(), B, noop_run, bound.result), None),
         "façade only, as a closure (before)": (closure_facade(ids, ones, B, noop_run), None),
@@ -164,8 +188,10 @@ def rows_for(B):
         "bound step, table-made inputs": (fixed, reset),
         "step": (step, reset),
     }
-    out = {name: (fn, reset, fn) for name, (fn, reset) in out.items()}  # (fn, reset, settle): each settles itself
-    return out, (table, ids, ones, bound, fixed)
+    # (fn, reset, settle, after_flush): each settles itself; the code-warm row runs the other table's
+    # kernel after the flush (it resets that table first, so every sample grows the same CSR)
+    out = {name: (row[0], row[1], row[0], row[2] if len(row) > 2 else None) for name, row in out.items()}
+    return out, (table, ids, ones, bound, fixed, other, other_reset)
 
 
 def parser():
@@ -185,7 +211,8 @@ def main(argv=None):
     for B in args.batch:
         progress(f"B={B}: setting up and compiling")
         rows, keep = rows_for(B)
-        for fn, reset, settle in rows.values():  # compile, bind
+        other_reset = keep[-1]
+        for fn, reset, settle, _ in rows.values():  # compile, bind
             fn()
             fn()
             if reset:
@@ -193,17 +220,22 @@ def main(argv=None):
         times = {name: [] for name in rows}
         progress(f"B={B}: {args.samples} cold samples of {len(rows)} rows, in turns")
         for s in range(args.samples):
-            for name, (fn, reset, settle) in rows.items():
+            for name, (fn, reset, settle, after_flush) in rows.items():
                 if reset:
                     reset()
                 settle()  # untimed: the timed call grows the CSR this one left
+                if after_flush:
+                    other_reset()
+                    after_flush()  # settles the other table's CSR too: its next call is a grown step
                 flush()
+                if after_flush:
+                    after_flush()
                 t0 = time.perf_counter_ns()
                 fn()
                 times[name].append((time.perf_counter_ns() - t0) / 1e3)
             if s % 50 == 49:
                 progress(f"B={B}: sample {s + 1}/{args.samples}")
-        for reset in {r for _, r, _ in rows.values() if r}:
+        for reset in {r for _, r, _, _ in rows.values() if r}:
             reset()
         base = quantiles(times["bound step"])[0]
         for name, xs in times.items():
