@@ -313,7 +313,9 @@ def apply_free(pages, cache, clock, free_stack, refcount, page_state, stamp, cou
     count_pages(pages, P, occur, counters)
     top = counters[L.FREE_COUNT]
     pos = top  # the slot of the next released page (a push needs 0 <= pos < P)
-    safe = top >= 0 and top + pages.shape[0] <= P  # no push can leave the stack: skip the check
+    # no push can leave the stack: skip the check (``top <= P - n``, not ``top + n <= P``: a corrupt count
+    # near INT64_MAX would wrap the sum negative and pass)
+    safe = top >= 0 and top <= P - pages.shape[0]
     released = 0
     double = 0
     lost = 0

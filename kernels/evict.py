@@ -75,7 +75,7 @@ def evict_oldest_numba(n, out, free_stack, page_state, stamp, counters, keys):
             lo = min(lo, s)
             hi = max(hi, s)
         # Corrupt counts, or a stamp outside [0, clock] (its span could overflow): evict nothing.
-        if top < 0 or top + m > P or c < m or lo < 0 or hi > counters[L.CLOCK]:
+        if top < 0 or top > P - m or c < m or lo < 0 or hi > counters[L.CLOCK]:  # no sum: it could wrap
             counters[L.ERR_CORRUPT_STATE] += 1
             m = 0
     if m > 0:
@@ -169,7 +169,7 @@ def evict_oldest_body(
 ):
     """Evict the m = min(n, cached, K) smallest (stamp, id) CACHED pages: out[:m], stack[top:top+m].
 
-    Returns ``(m, corrupt)``: when the m pages cannot be pushed (``top < 0`` or ``top + m > P``)
+    Returns ``(m, corrupt)``: when the m pages cannot be pushed (``top < 0`` or ``top > P - m``)
     or fewer than m pages are CACHED, or a CACHED page's stamp is outside ``[0, clock]``, nothing
     is evicted and ``corrupt`` is 1."""
     lanes = tl.arange(0, BLOCK)
@@ -185,7 +185,7 @@ def evict_oldest_body(
         smin = tl.minimum(smin, tl.min(tl.where(cached, s, INT64_MAX)))
         smax = tl.maximum(smax, tl.max(tl.where(cached, s, 0)))
     m = tl.maximum(tl.minimum(tl.minimum(n, cached_count), K), 0)
-    corrupt = (m > 0) & ((top < 0) | (top + m > num_pages) | (cnt < m) | (smin < 0) | (smax > clock))
+    corrupt = (m > 0) & ((top < 0) | (top > num_pages - m) | (cnt < m) | (smin < 0) | (smax > clock))
     m = tl.where(corrupt, 0, m)
     # Radix select of the threshold stamp t: #(stamp < t) < m <= #(stamp <= t);
     # afterwards `need` is how many pages stamped t are taken (lowest ids first).

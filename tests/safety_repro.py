@@ -99,6 +99,38 @@ def main(backend: str) -> dict:
         f = t.fork(i32([0, 0]), i32([1, 2]), i32([2, 3]))
     out["fork_saturate"] = dict(ok=f.ok.tolist(), refcount=pool.state.refcount[:3].tolist(),
                                 overflow=err(pool, L.ERR_REFCOUNT_OVERFLOW))
+    # A free count near INT64_MAX: ``count + pages`` wrapped negative and passed numba's "every push
+    # fits" test, so the free rule wrote before and past the stack (through a bound release step, a
+    # free and an eviction). Each push is refused and counted instead.
+    pool = tpool.PagePool(8, 1, device="cpu", backend=backend)
+    t = tpool.PageTable(pool, 4, 4)
+    run = t.bind_step(batch=2, max_tokens=8, release=1)
+    run.req_ids[:] = torch.tensor([0, 1], dtype=torch.int32)
+    run.num_tokens[:] = torch.tensor([2, 2], dtype=torch.int32)
+    run()  # request 0: pages 0, 1; request 1: pages 2, 3
+    pool.state.counters[L.FREE_COUNT] = 2**63 - 1
+    run.req_ids[:] = -1
+    run.release[0] = 1
+    with no_host_sync():
+        run()  # releases request 1: pages 2 and 3 reach 0 references
+    stack_after_release = pool.state.free_stack.tolist()
+    pool.state.counters[L.FREE_COUNT] = 2**63 - 2  # pages 0 and 1: count + 2 wraps
+    with no_host_sync():
+        pool.free(t.block_table[0, :2].clone())
+    stack_after_free = pool.state.free_stack.tolist()
+    pool.state.counters[L.FREE_COUNT] = 4
+    a = pool.alloc(i32([2]))  # pages 4 and 5 (stack entries 3 and 2)
+    pool.free(a.pages[:2].clone(), cache=True)
+    pool.state.counters[L.FREE_COUNT] = 2**63 - 1
+    with no_host_sync():
+        ev = pool.evict(2)
+    out["free_count_overflow"] = dict(stack_after_release=stack_after_release, stack_after_free=stack_after_free,
+                                      stack=pool.state.free_stack.tolist(), evicted=ev.tolist(),
+                                      free=int(pool.state.counters[L.FREE_COUNT]),
+                                      corrupt=err(pool, L.ERR_CORRUPT_STATE), states=pool.state.page_state.tolist())
+    del run, t, pool, a  # a clobbered allocator header aborts the process here (a crash fails the test)
+    import gc
+    gc.collect()
     return out
 
 

@@ -78,6 +78,17 @@ def test_reference_counts_saturate(backend):
     assert r["ok"] == [True, True] and r["refcount"][0] == INT32_MAX and r["overflow"] == 2
 
 
+def test_free_count_near_int64_max(backend):
+    """A free count whose sum with the pages freed wraps: no push (the release of a bound step, a
+    free, an eviction), each refused page FREE unpushed and counted; the stack as it was."""
+    r = repro(backend)["free_count_overflow"]
+    stack = [7, 6, 5, 4, 3, 2, 1, 0]
+    assert r["stack_after_release"] == r["stack_after_free"] == r["stack"] == stack
+    assert r["evicted"] == [-1, -1] and r["free"] == 2**63 - 1
+    # 2 pages of the release, 1 for the step's extend seeing the count, 2 of the free, 1 eviction
+    assert r["corrupt"] == 6 and r["states"] == [0, 0, 0, 0, 2, 2, 0, 0]
+
+
 def test_backends_agree_on_corrupt_state():
     """Every output and count of the reproducers is the same on every backend."""
     want = repro("reference")

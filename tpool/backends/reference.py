@@ -35,7 +35,7 @@ each case counts ``corrupt_state``):
 * a page whose last reference is dropped when the stack is full (or ``F < 0``)
   becomes FREE without being pushed (one count each);
 * an eviction of ``m = min(n, C, out)`` pages that cannot be pushed
-  (``F < 0`` or ``F + m > P``) or finds fewer than ``m`` CACHED pages evicts
+  (``F < 0`` or ``F > P - m``) or finds fewer than ``m`` CACHED pages evicts
   nothing (one count).
 """
 
@@ -144,7 +144,7 @@ def evict_oldest(st, out: torch.Tensor, n) -> None:
     m = torch.minimum(n, c[L.CACHED_COUNT]).clamp(min=0, max=out.numel())
     stamps = torch.where(cached, st.stamp, 0)
     wild = ((stamps < 0) | (stamps > c[L.CLOCK])).any()  # a stamp outside [0, clock]
-    bad = (m > 0) & ((f < 0) | (f + m > P) | (cached.sum() < m) | wild)
+    bad = (m > 0) & ((f < 0) | (f > P - m) | (cached.sum() < m) | wild)  # no sum: it could wrap
     c[L.ERR_CORRUPT_STATE] += bad.long()
     m = torch.where(bad, 0, m)
     take = (torch.arange(k, device=out.device) < m) & (vals != INT64_MAX)
