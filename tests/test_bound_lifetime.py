@@ -39,3 +39,58 @@ def test_bound_step_and_alloc_out_outlive_the_names_of_their_table_and_pool():
     assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
     # 100 decode steps after prompts of 100 and 200 tokens: lengths 200 and 300, pages 13 and 19.
     assert r.stdout.split() == ["[503,", "491]", "[0,", "13,", "32]", "[0,", "1,", "2]"]
+
+
+HAND_EDITS = textwrap.dedent("""
+    import gc, numpy as np, torch, tpool
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)
+    pool = tpool.PagePool(4096, 16, device="cpu", backend="numba")
+    table = tpool.PageTable(pool, 4, 1024)  # block_table: 4 x 1024 int32, 16 KiB
+    table.extend(i32([0, 1]), i32([100, 200]), max_tokens=300)
+    step = table.bind_step(i32([0, 1]), i32([1, 1]))
+    res = step()
+    # Resizing what the kernels point into is refused (it would free that memory).
+    refused = []
+    for name, t, edit in [("block_table", table.block_table, lambda t: t.resize_(8, 1024)),
+                          ("free_stack", pool.state.free_stack, lambda t: t.untyped_storage().resize_(0)),
+                          ("slots", res.slots, lambda t: t.resize_(10**6)),
+                          ("indices", res.csr.indices, lambda t: t.untyped_storage().resize_(0))]:
+        try:
+            edit(t)
+        except RuntimeError:
+            refused.append(name)
+    print(" ".join(refused))
+    # Re-pointing them (set_) leaves the memory alive: the kernels keep writing it, nothing else.
+    for t in (table.block_table, table.seq_lens, table.state.row_version, res.csr.indices, res.slots,
+              pool.state.refcount, pool.state.page_state):
+        t.set_(torch.zeros(1, dtype=t.dtype))
+    gc.collect()
+    junk = [torch.full((n,), 7, dtype=torch.int32) for n in (4096, 4, 1, 300, 512) for _ in range(50)]
+    junk += [np.full(n, 7, dtype=np.int32) for n in (4096, 4, 1, 300, 512, 8192) for _ in range(50)]
+    for _ in range(100):
+        step()
+    assert all(bool((j == 7).all()) for j in junk), "a kernel wrote into memory it does not own"
+    # An input whose storage was shrunk or freed under it: refused before any call.
+    ids, ntok = i32([2, 3]), i32([1, 1])
+    for shrink in (0, 4):
+        ids.untyped_storage().resize_(shrink)
+        try:
+            table.step(ids, ntok)
+        except ValueError as e:
+            print("storage" in str(e))
+    counts = i32([1, 1])
+    counts.untyped_storage().resize_(4)
+    try:
+        pool.alloc(counts)
+    except ValueError as e:
+        print("storage" in str(e))
+""")
+
+
+def test_hand_edits_of_storage_cannot_free_what_kernels_point_into():
+    """Resizing a pool's or table's tensor is refused (their storages are fixed on a CPU); a tensor
+    re-pointed with ``set_`` leaves its memory alive for the kernels; an input whose storage was
+    shrunk under it is refused with a ValueError. In a subprocess: a regression is a crash."""
+    r = subprocess.run([sys.executable, "-c", HAND_EDITS], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
+    assert r.stdout.split("\n")[:4] == ["block_table free_stack slots indices", "True", "True", "True"]

@@ -30,8 +30,17 @@ def i32_len(t, device: torch.device, written=None) -> int:
     refuse overlapping inputs themselves.
     """
     if type(t) is _Tensor and t.dtype is _int32 and t.device == device and t.stride() == _UNIT_STRIDE:
-        return t.numel()
+        n = t.numel()
+        if t.untyped_storage().nbytes() >= 4 * (t.storage_offset() + n):
+            return n
     return -1
+
+
+def in_storage(t) -> bool:
+    """``t``'s elements lie inside its storage. ``untyped_storage().resize_`` can shrink (or free,
+    as FSDP-style code does) the storage under a tensor that keeps its shape and stride; a
+    kernel reading ``numel`` entries from ``data_ptr()`` would then read past the allocation."""
+    return t.untyped_storage().nbytes() >= t.element_size() * (t.storage_offset() + t.numel())
 
 
 def _describe(v) -> str:
@@ -130,9 +139,11 @@ def check_vector(t, name: str, dtype: torch.dtype, device: torch.device, max_len
         and t.is_contiguous()
     ):
         n = t.numel()
-        if max_len is None or n <= max_len:
+        if (max_len is None or n <= max_len) and in_storage(t):
             return n
-        raise ValueError(f"{name}: expected at most {max_len} entries, got {n}")
+        if max_len is not None and n > max_len:
+            raise ValueError(f"{name}: expected at most {max_len} entries, got {n}")
+        _raise_outside_storage(t, name)
     if type(t) is not torch.Tensor:  # subclasses too: a FakeTensor or a wrapper has no memory to read
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype is not dtype:
@@ -146,4 +157,13 @@ def check_vector(t, name: str, dtype: torch.dtype, device: torch.device, max_len
     n = t.numel()
     if max_len is not None and n > max_len:
         raise ValueError(f"{name}: expected at most {max_len} entries, got {n}")
+    if not in_storage(t):
+        _raise_outside_storage(t, name)
     return n
+
+
+def _raise_outside_storage(t, name: str):
+    need = t.element_size() * (t.storage_offset() + t.numel())
+    raise ValueError(f"{name}: expected a storage holding its {t.numel()} entries ({need} bytes from its start), "
+                     f"got a storage of {t.untyped_storage().nbytes()} bytes (shrunk or freed under the tensor, "
+                     f"e.g. by untyped_storage().resize_)")

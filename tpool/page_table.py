@@ -25,7 +25,7 @@ from tpool.backends import make_table_ops
 from tpool.buffers import DEFAULT_MAX_SHAPES, ShapeBuffers
 from tpool.errors import InvariantViolation, StaleBinding
 from tpool.kernels import layout as L
-from tpool.state import INT32_MAX, CsrMemo, TableState
+from tpool.state import INT32_MAX, CsrMemo, TableState, fixed_full
 
 
 class ExtendResult(NamedTuple):
@@ -300,21 +300,20 @@ class PageTable:
 
     def _extend_out(self, b, t):
         t = _checks.check_size(t, "max_tokens")
-        return (torch.full((t,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
-                torch.zeros(b, dtype=torch.bool, device=self.device))
+        return fixed_full(t, L.NULL_PAGE, torch.int32, self.device), fixed_full(b, False, torch.bool, self.device)
 
     def _step_out(self, b, t):
         """A step's ``slots``, ``ok``, ``positions``, ``qo_indptr``, ``kv_lens`` for ``(B, max_tokens)``."""
         slots, ok = self._extend_out(b, t)
-        return (slots, ok, torch.full_like(slots, L.NULL_PAGE), torch.zeros(b + 1, dtype=torch.int32, device=self.device),
-                torch.zeros(b, dtype=torch.int32, device=self.device))
+        return (slots, ok, fixed_full(slots.numel(), L.NULL_PAGE, torch.int32, self.device),
+                fixed_full(b + 1, 0, torch.int32, self.device), fixed_full(b, 0, torch.int32, self.device))
 
     def _csr_out(self, b, cap):
         """CSR buffers of one shape and their :class:`~tpool.state.CsrMemo`."""
         cap = _checks.check_size(cap, "capacity")
-        csr = PagedKVCSR(torch.zeros(b + 1, dtype=torch.int32, device=self.device),
-                         torch.full((cap,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
-                         torch.zeros(b, dtype=torch.int32, device=self.device))
+        csr = PagedKVCSR(fixed_full(b + 1, 0, torch.int32, self.device),
+                         fixed_full(cap, L.NULL_PAGE, torch.int32, self.device),
+                         fixed_full(b, 0, torch.int32, self.device))
         return csr, CsrMemo(b, cap, self.device, csr)
 
     @staticmethod
@@ -709,9 +708,8 @@ class PageTable:
         entry = self._shapes.get(key)
         if entry is None:
             entry = self._shapes.add(key, (key,), self._shapes.buffer(key, lambda: ForkResult(
-                torch.zeros(b, dtype=torch.bool, device=self.device),
-                torch.full((b,), L.NULL_PAGE, dtype=torch.int32, device=self.device),
-                torch.full((b,), L.NULL_PAGE, dtype=torch.int32, device=self.device))))
+                fixed_full(b, False, torch.bool, self.device), fixed_full(b, L.NULL_PAGE, torch.int32, self.device),
+                fixed_full(b, L.NULL_PAGE, torch.int32, self.device))))
         self._not_written(entry, ("src_ids", src_ids), ("dst_ids", dst_ids), ("lens", lens))
         res = entry[0]
         self.ops.fork(src_ids, dst_ids, lens, res.ok, res.cow_src, res.cow_dst)
@@ -772,8 +770,8 @@ class PageTable:
         key = ("rows", b)
         entry = self._shapes.get(key)
         if entry is None:
-            entry = self._shapes.add(key, (key,), self._shapes.buffer(key, lambda: torch.full(
-                (b, self.max_pages), L.NULL_PAGE, dtype=torch.int32, device=self.device)))
+            entry = self._shapes.add(key, (key,), self._shapes.buffer(key, lambda: fixed_full(
+                (b, self.max_pages), L.NULL_PAGE, torch.int32, self.device)))
         self._not_written(entry, ("req_ids", req_ids))
         self.ops.block_table_rows(req_ids, entry[0])
         return entry[0]

@@ -20,7 +20,7 @@ from tpool.backends import make_pool_ops, resolve_backend
 from tpool.errors import InvariantViolation, StaleBinding, raise_for_errors
 from tpool.free_group import FreeGroup
 from tpool.kernels import layout as L
-from tpool.state import INT32_MAX, PoolState
+from tpool.state import INT32_MAX, PoolState, fixed_full
 from tpool.stats_async import StatsHandle, stats_from_counters
 
 DEFAULT_MAX_BATCH = 4096        # requests per alloc call
@@ -51,13 +51,12 @@ class AllocOut:
 
     def __init__(self, pool: "PagePool", max_batch: int, max_pages: int):
         device = pool.device
-        i32 = dict(dtype=torch.int32, device=device)
         self.pool, self.max_batch, self.max_pages, self.device = pool, max_batch, max_pages, device
         self.result = AllocResult(
-            pages=torch.full((max_pages,), L.NULL_PAGE, **i32),
-            indptr=torch.zeros(max_batch + 1, **i32),
-            ok=torch.zeros(max_batch, dtype=torch.bool, device=device),
-            evicted=torch.full((max_pages,), L.NULL_PAGE, **i32),
+            pages=fixed_full(max_pages, L.NULL_PAGE, torch.int32, device),
+            indptr=fixed_full(max_batch + 1, 0, torch.int32, device),
+            ok=fixed_full(max_batch, False, torch.bool, device),
+            evicted=fixed_full(max_pages, L.NULL_PAGE, torch.int32, device),
         )
         self.pages, self.indptr, self.ok, self.evicted = self.result
         # What an alloc into these buffers writes: counts must not share memory with any of it.

@@ -16,15 +16,38 @@ descriptor) recorded stay valid for the owner's lifetime.
   threads (``PoolState.lock`` on reference and triton, the GIL on numba).
 * Scratch tensors (``claim``, ``occur``, ``keys``, ``lane_end``) carry nothing
   between calls: ``claim`` is INT32_MAX and ``occur`` 0 whenever no call runs.
+* On a CPU every tensor here (and every output buffer a pool or table makes) is made by
+  :func:`fixed_full`, over numpy memory: torch refuses to resize it, so no hand edit can
+  free the memory a numba descriptor points into.
 """
 
 import threading
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 
 from tpool.kernels import layout as L
 from tpool.kernels.layout import INT32_MAX, INT64_MAX  # noqa: F401  (defined once, in layout)
+
+
+_NUMPY_DTYPES = {torch.int8: np.int8, torch.int32: np.int32, torch.int64: np.int64, torch.bool: np.bool_}
+
+
+def fixed_full(shape, fill, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.full(shape, fill)`` for memory that kernels keep the address of.
+
+    On a CPU the tensor is over a numpy array (``torch.from_numpy``): its storage is not
+    resizable, so ``resize_`` past its size and ``untyped_storage().resize_`` raise instead
+    of freeing the memory that numba descriptors (and the tensor's other views) point
+    into. The numba backend also holds each such storage, so ``set_`` cannot free it
+    either. On CUDA torch has no such storage: a plain ``torch.full`` (do not resize a
+    pool's or table's tensors there: a captured graph holds their addresses).
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.from_numpy(np.full(shape, fill, dtype=_NUMPY_DTYPES[dtype]))
+    return torch.full(shape if isinstance(shape, tuple) else (shape,), fill, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
@@ -89,18 +112,20 @@ class PoolState(_Tensors):
     @classmethod
     def create(cls, num_pages: int, device: torch.device) -> "PoolState":
         i32 = dict(dtype=torch.int32, device=device)
-        counters = torch.zeros(L.NUM_COUNTERS, dtype=torch.int64, device=device)
+        counters = fixed_full(L.NUM_COUNTERS, 0, torch.int64, device)
         counters[L.FREE_COUNT] = num_pages
+        free_stack = fixed_full(num_pages, 0, torch.int32, device)
+        free_stack.copy_(torch.arange(num_pages - 1, -1, -1, **i32))  # popped from the top: pages 0, 1, 2, ...
         return cls(
             num_pages=num_pages,
-            free_stack=torch.arange(num_pages - 1, -1, -1, **i32),
-            refcount=torch.zeros(num_pages, **i32),
-            page_state=torch.zeros(num_pages, dtype=torch.int8, device=device),
-            stamp=torch.zeros(num_pages, dtype=torch.int64, device=device),
+            free_stack=free_stack,
+            refcount=fixed_full(num_pages, 0, torch.int32, device),
+            page_state=fixed_full(num_pages, 0, torch.int8, device),
+            stamp=fixed_full(num_pages, 0, torch.int64, device),
             counters=counters,
-            claim=torch.full((num_pages,), INT32_MAX, **i32),
-            occur=torch.zeros(num_pages, **i32),
-            keys=torch.zeros(num_pages, dtype=torch.int64, device=device),
+            claim=fixed_full(num_pages, INT32_MAX, torch.int32, device),
+            occur=fixed_full(num_pages, 0, torch.int32, device),
+            keys=fixed_full(num_pages, 0, torch.int64, device),
             lock=CallLock(counters.device),
         )
 
@@ -122,15 +147,14 @@ class TableState(_Tensors):
     @classmethod
     def create(cls, max_requests: int, max_pages: int, page_size: int, max_batch: int,
                device: torch.device) -> "TableState":
-        i32 = dict(dtype=torch.int32, device=device)
         return cls(
             max_requests=max_requests, max_pages=max_pages, page_size=page_size,
-            block_table=torch.full((max_requests, max_pages), L.NULL_PAGE, **i32),
-            seq_lens=torch.zeros(max_requests, **i32),
-            claim=torch.full((max_requests,), INT32_MAX, **i32),
-            lane_end=torch.zeros(max(max_batch, 1), **i32),
-            version=torch.zeros(1, dtype=torch.int64, device=device),
-            row_version=torch.zeros(max_requests, dtype=torch.int64, device=device),
+            block_table=fixed_full((max_requests, max_pages), L.NULL_PAGE, torch.int32, device),
+            seq_lens=fixed_full(max_requests, 0, torch.int32, device),
+            claim=fixed_full(max_requests, INT32_MAX, torch.int32, device),
+            lane_end=fixed_full(max(max_batch, 1), 0, torch.int32, device),
+            version=fixed_full(1, 0, torch.int64, device),
+            row_version=fixed_full(max_requests, 0, torch.int64, device),
         )
 
 
@@ -166,7 +190,7 @@ class CsrMemo:
 
     def __init__(self, batch: int, capacity: int, device: torch.device, csr=None):
         self.batch, self.csr = batch, csr  # csr: the buffers it describes (check_invariants reads them)
-        self.tensor = torch.full((L.memo_len(batch),), -1, dtype=torch.int64, device=device)
+        self.tensor = fixed_full(L.memo_len(batch), -1, torch.int64, device)
         self.tensor[L.MEMO_WRITTEN] = capacity  # a fresh indices buffer is -1 throughout
 
     def invalidate(self) -> None:

@@ -133,6 +133,13 @@ def entry_point(dispatcher, *argtypes):
     return kernel(dispatcher).compile(argtypes)
 
 
+def _storages(*tensors) -> tuple:
+    """The storages of ``tensors`` (None skipped). Held beside a descriptor, they keep the memory it
+    points into alive even if a tensor is re-pointed elsewhere (``set_``); resizing is refused by
+    the storages themselves on a CPU (``tpool.state.fixed_full``)."""
+    return tuple(t.untyped_storage() for t in tensors if t is not None)
+
+
 def _addr(t: torch.Tensor) -> int:
     assert t.is_contiguous() and t.device.type == "cpu"
     return t.data_ptr()
@@ -293,12 +300,13 @@ class Pool:
     def __init__(self, st):
         self.st = st
         self.sd = state_descriptor(st)
+        self._held = _storages(*st.tensors().values())  # what ``sd`` points into
         self._fd = _with_ranges(self.sd, st.tensors().values())  # free's: the state and what it writes
         self._free = None  # compiled at the first free
 
     def alloc_into(self, out):
         ad = _with_ranges(alloc_descriptor(self.sd, out), [*self.st.tensors().values(), *out.result])
-        run, held = guard_point(alloc_guarded, _i64, _i64, _desc, _flag), (self.st, out)
+        run, held = guard_point(alloc_guarded, _i64, _i64, _desc, _flag), (self._held, _storages(*out.result))
 
         def call(counts, b, evict_, held=held):  # ``held``: what ``ad`` points into stays alive with it
             if run(counts.data_ptr(), b, ad, evict_):
@@ -309,7 +317,7 @@ class Pool:
         ad = alloc_descriptor(self.sd, out)
         run = functools.partial(entry_point(alloc.alloc_numba_entry, _i64, _i64, _desc, _flag), counts.data_ptr(),
                                 b, ad, bool(evict_))
-        run.held = (self.st, out, counts)  # everything the call's addresses point into
+        run.held = (self._held, _storages(*out.result, counts))  # everything the call's addresses point into
         return run
 
     def free(self, pages, cache):
@@ -321,7 +329,7 @@ class Pool:
     def bind_free(self, pages, cache):
         run = functools.partial(entry_point(free.free_numba_entry, _i64, _i64, _flag, _desc), pages.data_ptr(),
                                 pages.numel(), bool(cache), self.sd)
-        run.held = (self.st, pages)
+        run.held = (self._held, _storages(pages))
         return run
 
     def incref(self, pages):
@@ -348,6 +356,7 @@ class Table:
     def __init__(self, st, ts):
         self.st, self.ts = st, ts
         self.sd, self.td = state_descriptor(st), table_descriptor(ts)
+        self._held = _storages(*st.tensors().values(), *ts.tensors().values())  # what ``sd`` and ``td`` point into
         self.cd = call_descriptor(self.td, self.sd)  # for the ops without table-owned outputs
         self._release = None  # compiled at the first release
 
@@ -360,7 +369,7 @@ class Table:
 
     def extend_into(self, res):
         cd = _with_ranges(call_descriptor(self.td, self.sd, slots=res.slots, ok=res.ok), self._written(*res))
-        run, held = guard_point(extend_guarded, _i64, _i64, _i64, _desc), (self.st, self.ts, res)
+        run, held = guard_point(extend_guarded, _i64, _i64, _i64, _desc), (self._held, _storages(*res))
 
         def call(req_ids, num_tokens, b, held=held):  # ``held``: what ``cd`` points into
             if code := run(req_ids.data_ptr(), num_tokens.data_ptr(), b, cd):
@@ -373,7 +382,7 @@ class Table:
 
     def flashinfer_csr_into(self, csr, memo):
         cd = _with_ranges(call_descriptor(self.td, self.sd, csr=csr, memo=memo), self._written(*csr, memo.tensor))
-        run, held = guard_point(csr_guarded, _i64, _i64, _desc), (self.st, self.ts, csr, memo)
+        run, held = guard_point(csr_guarded, _i64, _i64, _desc), (self._held, _storages(*csr, memo.tensor))
 
         def call(req_ids, b, held=held):  # ``held``: what ``cd`` points into
             if run(req_ids.data_ptr(), b, cd):
@@ -384,7 +393,8 @@ class Table:
         cd = _with_ranges(call_descriptor(self.td, self.sd, slots=res.slots, ok=res.ok, csr=res.csr, memo=memo,
                                           meta=res.metadata),
                           self._written(res.slots, res.ok, *res.csr, *res.metadata, memo.tensor))
-        run, held = guard_point(step_guarded, _i64, _i64, _i64, _desc), (self.st, self.ts, res, memo)
+        run, held = guard_point(step_guarded, _i64, _i64, _i64, _desc), (
+            self._held, _storages(res.slots, res.ok, *res.csr, *res.metadata, memo.tensor))
         with_release = []  # compiled at the first step that releases requests too
 
         def call(req_ids, num_tokens, b, release=None, cache=False, held=held):  # ``held``: what ``cd`` points into
@@ -407,7 +417,8 @@ class Table:
             cd[L.CD_RELEASE], cd[L.CD_RELEASE_LEN], cd[L.CD_RELEASE_CACHE] = _addr(release), release.numel(), cache
             entry = step.step_release_bound_numba_entry
         run = functools.partial(entry_point(entry, _i64), cd.ctypes.data)  # one int
-        run.held = (cd, self.st, self.ts, res, memo, req_ids, num_tokens, release)  # everything cd points into
+        run.held = (cd, self._held, _storages(res.slots, res.ok, *res.csr, *res.metadata, memo.tensor, req_ids,
+                                              num_tokens, release))  # everything cd points into
         return run
 
     def release(self, req_ids, cache):
