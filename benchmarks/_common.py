@@ -8,6 +8,7 @@ import argparse
 import datetime
 import functools
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -218,6 +219,15 @@ def write_json(path: str, name: str, rows: list) -> None:
     with open(path, "w") as f:
         json.dump({"benchmark": name, "machine": machine(), "rows": rows}, f, indent=2)
     print(f"\nwrote {path}")
+
+
+def parse_args_for_plot(ap: argparse.ArgumentParser, argv):
+    """``ap.parse_args(argv)``, refusing ``--plot`` at once (not after the run) when matplotlib,
+    the ``bench`` extra, is not installed."""
+    args = ap.parse_args(argv)
+    if getattr(args, "plot", "") and importlib.util.find_spec("matplotlib") is None:
+        ap.error(f"--plot {args.plot}: needs matplotlib, which is not installed: pip install -e \".[bench]\"")
+    return args
 
 
 def plot_lines(path: str, series: dict, *, title: str, xlabel: str, ylabel: str = "µs per call",

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (HelpFormatter, default_device, plot_lines, print_table, progress, quantiles,  # noqa: E402
-                     write_json)
+from _common import (HelpFormatter, default_device, parse_args_for_plot, plot_lines, print_table, progress,  # noqa: E402
+                     quantiles, write_json)
 
 import tpool  # noqa: E402
 from tpool.kernels import layout as L  # noqa: E402
@@ -67,7 +67,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
-    args = parser().parse_args(argv)
+    args = parse_args_for_plot(parser(), argv)
     device = torch.device(args.device)
     backends = args.backends or (["triton", "reference"] if device.type == "cuda" else ["numba", "reference"])
     sync = functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else (lambda: None)

@@ -52,9 +52,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, calibrate, default_device,  # noqa: E402
-                     gc_quiet, plot_lines, print_table, progress, quantiles, sample_cold_us, sample_us, sync_of,
-                     write_json)
+from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, calibrate, default_device, gc_quiet,  # noqa: E402
+                     parse_args_for_plot, plot_lines, print_table, progress, quantiles, sample_cold_us,
+                     sample_us, sync_of, write_json)
 
 import tpool  # noqa: E402
 
@@ -323,7 +323,7 @@ def time_row(runs, args, sync, flush, kind):
 
 
 def main(argv=None):
-    args = parser().parse_args(argv)
+    args = parse_args_for_plot(parser(), argv)
     device = torch.device(args.device)
     backends = args.backends or (["triton"] if device.type == "cuda" else ["numba"])
     sync = sync_of(device)

@@ -19,8 +19,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (HelpFormatter, default_device, gc_quiet, plot_lines, print_table, progress,  # noqa: E402
-                     quantiles, sample_us, sync_of, write_json)
+from _common import (HelpFormatter, default_device, gc_quiet, parse_args_for_plot, plot_lines, print_table,  # noqa: E402
+                     progress, quantiles, sample_us, sync_of, write_json)
 
 import tpool  # noqa: E402
 
@@ -115,7 +115,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
-    args = parser().parse_args(argv)
+    args = parse_args_for_plot(parser(), argv)
     device = torch.device(args.device)
     backends = args.backends or (["triton", "reference"] if device.type == "cuda" else ["numba", "reference"])
     sync = sync_of(device)

@@ -48,8 +48,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, print_table, progress, quantiles,  # noqa: E402
-                     write_json)
+from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, parse_args_for_plot, print_table, progress,  # noqa: E402
+                     quantiles, write_json)
 
 import tpool  # noqa: E402
 from tpool.scheduling import HostMirror  # noqa: E402
@@ -286,7 +286,7 @@ def parser():
 
 
 def main(argv=None):
-    args = parser().parse_args(argv)
+    args = parse_args_for_plot(parser(), argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     modes = [("", args.steps, None)]
     if args.cold:

@@ -126,3 +126,15 @@ def test_ab_compare_runs_a_revision_beside_the_working_tree(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "working tree against HEAD" in done.stdout and "new faster (paired)" in done.stdout
     assert done.stdout.count("/2") == 2 and "tpool-numba turnover, bound" in done.stdout
+
+
+@pytest.mark.parametrize("name", ["bench_pool", "bench_page_table", "bench_evict", "bench_scheduler"])
+def test_plot_without_matplotlib_is_refused_before_the_run(name, monkeypatch, capsys):
+    """``--plot`` without the bench extra: an argparse error at once, not a crash after the whole run."""
+    module = load(name)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else find_spec(n, *a))
+    with pytest.raises(SystemExit) as e:
+        module.main(["--plot", "out.png"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "needs matplotlib" in err and " s] " not in err  # no progress line: nothing ran

@@ -29,8 +29,8 @@ def test_version():
     assert r.returncode == 0 and r.stdout.strip() == f"tpool {tpool.__version__}"
 
 
-# The demo's options are its owner's (tpool/demo.py); add "demo" here once each has a help text.
-@pytest.mark.parametrize("command", ["report"])
+# Each subcommand's options, each with a help text.
+@pytest.mark.parametrize("command", ["report", "demo"])
 def test_subcommand_help_explains_every_option(command):
     r = tpool_cli(command, "--help")
     assert r.returncode == 0, r.stderr

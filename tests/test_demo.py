@@ -80,3 +80,33 @@ def test_help_gives_every_option_a_default(capsys):
     assert len(options) == 9
     blocks = re.split(r"\n\s+(?=--[a-z])", text.split("options:")[1])[1:]
     assert all("default" in b for b in blocks), blocks
+
+
+def test_triton_without_triton_is_a_clean_error(monkeypatch, capsys):
+    """``--backend triton`` where triton is not installed: the ImportError naming the extra, as an option error."""
+    import tpool.backends
+    monkeypatch.setattr(tpool.backends, "_triton_installed", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--backend", "triton", "--requests", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error: backend 'triton' needs triton" in err and "pip install 'tpool[triton]'" in err
+
+
+def test_model_demo_without_transformers_is_a_clean_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    for name in ("tpool.serving.engine", "tpool.serving.hf"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    from tpool.__main__ import main
+    assert main(["demo", "--model", "llama"]) == 2
+    assert "pip install 'tpool[hf]'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, words", [(["--requests", "0"], "expected a positive int"),
+                                         (["--backend", "bogus"], "invalid choice"),
+                                         (["--num-pages", "1"], "request 0: expected prompt")])
+def test_model_demo_bad_options_are_clean_errors(args, words, capsys):
+    pytest.importorskip("transformers")
+    from tpool.serving.engine import main as serve_main
+    with pytest.raises(SystemExit) as e:
+        serve_main(["--model", "llama", *args])
+    assert e.value.code == 2 and words in capsys.readouterr().err

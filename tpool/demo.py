@@ -164,7 +164,7 @@ def _build(num_pages, page_size, device, backend, batch, max_pages):
     try:
         pool = PagePool(num_pages, page_size, device=device, backend=backend)
         return pool, PageTable(pool, batch, max_pages)
-    except ValueError as e:
+    except (ValueError, ImportError) as e:  # ImportError: backend="triton" without triton installed
         raise OptionError(str(e)) from e
 
 

@@ -386,16 +386,27 @@ def main(argv=None):
                                  description="Serve a tiny random transformers model on tpool pages and check "
                                              "every request against the model's generate.")
     ap.add_argument("--model", choices=MODELS, default="llama", help="architecture (default llama)")
-    ap.add_argument("--requests", type=int, default=32, help="number of prompts (default 32)")
-    ap.add_argument("--num-pages", type=int, default=48, help="pool pages, too few for all (default 48)")
-    ap.add_argument("--page-size", type=int, default=4, help="tokens per page (default 4)")
-    ap.add_argument("--max-batch", type=int, default=8, help="lanes per step (default 8)")
-    ap.add_argument("--backend", default="auto", help="pool backend (default auto)")
+    ap.add_argument("--requests", type=_positive, default=32, help="number of prompts (default 32)")
+    ap.add_argument("--num-pages", type=_positive, default=48, help="pool pages, too few for all (default 48)")
+    ap.add_argument("--page-size", type=_positive, default=4, help="tokens per page (default 4)")
+    ap.add_argument("--max-batch", type=_positive, default=8, help="lanes per step (default 8)")
+    ap.add_argument("--backend", default="auto", choices=["auto", "reference", "numba", "triton"],
+                    help="pool backend (default auto: numba on a CPU; triton needs TRITON_INTERPRET=1 there)")
     ap.add_argument("--seed", type=int, default=0, help="weights and prompts seed (default 0)")
     a = ap.parse_args(argv)
-    run_demo(a.model, requests=a.requests, num_pages=a.num_pages, page_size=a.page_size, max_batch=a.max_batch,
-             backend=a.backend, seed=a.seed)
+    try:
+        run_demo(a.model, requests=a.requests, num_pages=a.num_pages, page_size=a.page_size, max_batch=a.max_batch,
+                 backend=a.backend, seed=a.seed)
+    except (ValueError, ImportError) as e:  # options no pool, table or request can be made from
+        ap.error(str(e))
     return 0
+
+
+def _positive(text):
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text}")
+    return v
 
 
 if __name__ == "__main__":
