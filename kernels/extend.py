@@ -14,6 +14,12 @@ pass: ``positions`` (each slot's position in its sequence, -1 where the slot
 is -1), ``qo_indptr`` (where each lane's tokens start in the packed batch,
 capped at the slot buffer's length) and ``kv_lens`` (each lane's length after
 the call; a failed lane keeps its length; padding, bad ids and corrupt rows 0).
+
+A slot is only ever made from a page id in ``[0, num_pages)``: a token whose page
+(from the row, the step's memo, or a corrupt free-stack entry just popped) is
+outside gets slot -1 and position -1, and counts one ``corrupt_state``; the lane's
+grant and the table are as they would be otherwise. Slots drive the K/V writes, so
+no hand-edited state can make them point outside the K/V cache.
 """
 
 import numba
@@ -114,7 +120,7 @@ def extend_numba(
     top = free  # the stack top as pages are popped
     P = refcount.shape[0]
     checked = top  # stack slots [checked, free) are known to hold page ids in [0, P)
-    bad_ids = bad_count = overflow = out_over = failed = corrupt = 0
+    bad_ids = bad_count = overflow = out_over = failed = corrupt = bad_slots = 0
     csum = 0      # pages asked for by the lanes so far (first come first served)
     tok = 0       # slots of the lanes so far
     clean = True
@@ -147,7 +153,9 @@ def extend_numba(
                 # Unsigned indices (all are known >= 0 here) spare numba's negative-index fixups.
                 ur, uk, ui, ut = np.uint64(r), np.uint64(k), np.uint64(i), np.uint64(tok)
                 page = tail_page if distinct or k == tail_at else np.int64(block_table[ur, uk])
-                slots[ut] = page * page_size + off
+                good = np.uint64(page) < np.uint64(P)  # a page id outside the pool: no slot (module note)
+                slots[ut] = page * page_size + off if good else L.NULL_PAGE
+                bad_slots += not good
                 seq_lens[ur] = length + 1
                 ok[ui] = True
                 tok += 1
@@ -156,7 +164,7 @@ def extend_numba(
                     pos += k + 1
                     indptr[ui + np.uint64(1)] = pos
                     last[ui] = off + 1
-                    positions[ut] = length
+                    positions[ut] = length if good else L.NULL_PAGE
                     qo[ui + np.uint64(1)] = tok
                     kvl[ui] = length + 1
                 continue
@@ -211,18 +219,29 @@ def extend_numba(
                 # grant checked tok <= T): numba's fix-up of negative indices would make LLVM
                 # write each slot with a scatter instead of one vector store, ~3x slower.
                 pos_t, u = length, np.uint64(start)
+                lane_bad = 0
                 while pos_t < length + n:  # page by page: the inner loop is base + offset
                     k = pos_t >> shift if shift >= 0 else pos_t // page_size
-                    base = block_table[r, k] * page_size + (pos_t - k * page_size)
+                    p = np.int64(block_table[r, k])
                     cnt = min(length + n, (k + 1) * page_size) - pos_t
-                    for c in range(cnt):
-                        slots[u + np.uint64(c)] = base + c
+                    if np.uint64(p) < np.uint64(P):
+                        base = p * page_size + (pos_t - k * page_size)
+                        for c in range(cnt):
+                            slots[u + np.uint64(c)] = base + c
+                    else:  # a page id outside the pool: no slots (module note)
+                        fill_null_range(slots_ptr, np.int64(u), np.int64(u) + cnt)
+                        lane_bad += cnt
                     u += np.uint64(cnt)
                     pos_t += cnt
+                bad_slots += lane_bad
                 if track:
                     us = np.uint64(start)
                     for c in range(n):
                         positions[us + np.uint64(c)] = length + c
+                    if lane_bad:  # positions are -1 where slots are
+                        for c in range(n):
+                            if slots[us + np.uint64(c)] < 0:
+                                positions[us + np.uint64(c)] = L.NULL_PAGE
                 length += n
                 seq_lens[r] = length
             else:
@@ -266,7 +285,7 @@ def extend_numba(
     counters[L.ERR_TABLE_OVERFLOW] += overflow
     counters[L.ERR_OUT_OVERFLOW] += out_over
     counters[L.FAILED_REQUESTS] += failed
-    counters[L.ERR_CORRUPT_STATE] += corrupt
+    counters[L.ERR_CORRUPT_STATE] += corrupt + bad_slots
     counters[L.FREE_COUNT] -= popped
     counters[L.ALLOCATED] += popped
     if B > 0:  # an empty batch touches nothing (as the reference and Triton)
@@ -350,6 +369,8 @@ def extend_body(
     out_overflow = tl.zeros((), tl.int64)
     failed = tl.zeros((), tl.int64)
     wrong = tl.zeros((), tl.int64)  # corrupt state: lengths out of bounds, bad stack entries
+    bad_one = tl.zeros((), tl.int64)    # slots of one-token lanes whose page is outside the pool
+    bad_multi = tl.zeros((), tl.int64)  # the same over every token, when the prefill pass rewrites them all
     for start in range(0, B, BLOCK):
         i = start + lanes
         r, valid, pad, live = request_lanes(req_ids_ptr, i, B, claim_ptr, R)
@@ -387,12 +408,14 @@ def extend_body(
         old = tl.load(block_table_ptr + row + col, mask=one & ok & (col < have), other=NULL_PAGE)
         new = tl.load(free_stack_ptr + (free - 1 - off), mask=one & ok & (col >= have), other=NULL_PAGE)
         page = tl.where(col < have, old, new).to(tl.int64)
-        slot = tl.where(ok, page * page_size + length % page_size, NULL_PAGE)
+        inr = (page >= 0) & (page < num_pages)  # a page id outside the pool makes no slot (module note)
+        slot = tl.where(ok & inr, page * page_size + length % page_size, NULL_PAGE)
+        bad_one += tl.sum((one & ok & ~inr).to(tl.int64))
         u = tok_end - n
         tl.store(slots_ptr + u, slot.to(tl.int32), mask=one & (u < T))
         tl.store(seq_lens_ptr + r, (length + n).to(tl.int32), mask=ok)
         if META:
-            tl.store(positions_ptr + u, tl.where(ok, length, NULL_PAGE).to(tl.int32), mask=one & (u < T))
+            tl.store(positions_ptr + u, tl.where(ok & inr, length, NULL_PAGE).to(tl.int32), mask=one & (u < T))
             tl.store(qo_indptr_ptr + i + 1, tl.minimum(tok_end, T).to(tl.int32), mask=live)
             kv_len = tl.where(ok, length + n, tl.where(lv, length, 0))  # a failed lane keeps its length
             tl.store(kv_lens_ptr + i, kv_len.to(tl.int32), mask=live)
@@ -426,12 +449,15 @@ def extend_body(
                 granted = tl.sum((own & ok[None, :]).to(tl.int32), axis=1) > 0
                 row = tl.sum(tl.where(own, r[None, :], 0), axis=1)
                 pos = u + tl.sum(tl.where(own, shift[None, :], 0), axis=1)
-                page = tl.load(block_table_ptr + row * MP + pos // page_size, mask=granted, other=NULL_PAGE)
-                slot = tl.where(granted, page.to(tl.int64) * page_size + pos % page_size, NULL_PAGE)
+                page = tl.load(block_table_ptr + row * MP + pos // page_size, mask=granted,
+                               other=NULL_PAGE).to(tl.int64)
+                made = granted & (page >= 0) & (page < num_pages)
+                slot = tl.where(made, page * page_size + pos % page_size, NULL_PAGE)
                 mine = (u >= end) & (u < chunk_end) & (u < T)
                 tl.store(slots_ptr + u, slot.to(tl.int32), mask=mine)
+                bad_multi += tl.sum((mine & granted & ~made).to(tl.int64))
                 if META:
-                    tl.store(positions_ptr + u, tl.where(granted, pos, NULL_PAGE).to(tl.int32), mask=mine)
+                    tl.store(positions_ptr + u, tl.where(made, pos, NULL_PAGE).to(tl.int32), mask=mine)
             end = chunk_end
     # Every token below min(tok, T) is written; pad the rest.
     tail = tl.minimum(tok, T).to(tl.int32)
@@ -441,6 +467,7 @@ def extend_body(
         if META:
             tl.store(positions_ptr + u, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=(u >= tail) & (u < T))
     reset_requests(req_ids_ptr, B, claim_ptr, R, BLOCK)
+    wrong += tl.where(max_n > 1, bad_multi, bad_one)  # the prefill pass rewrote every slot: count its
     c = counter_add(c, ERR_BAD_REQUEST, bad)
     c = counter_add(c, ERR_BAD_COUNT, neg_count)
     c = counter_add(c, ERR_TABLE_OVERFLOW, overflow)

@@ -99,6 +99,23 @@ def main(backend: str) -> dict:
         f = t.fork(i32([0, 0]), i32([1, 2]), i32([2, 3]))
     out["fork_saturate"] = dict(ok=f.ok.tolist(), refcount=pool.state.refcount[:3].tolist(),
                                 overflow=err(pool, L.ERR_REFCOUNT_OVERFLOW))
+    # A page id outside the pool in a row (or the step's memo): its tokens get no slot (slots drive K/V
+    # writes), one corrupt_state each; decode (twice: numba's second step reads its memo), a prefill lane
+    # across the bad page, and a plain extend.
+    pool, t = table(P=16, ps=4, R=4, MP=8)
+    t.extend(i32([0, 1]), i32([5, 3]), max_tokens=8)  # row 0: pages 0, 1; row 1: page 2
+    t.block_table[0, 1], t.block_table[1, 0] = 10**6, -7
+    t.invalidate_csr()
+    seen = dict(slots=[], pos=[], ok=[])
+    for ids, ntok, mt in (([0, 1], [1, 1], None), ([0, 1], [1, 1], None), ([0, 2], [5, 6], 16)):
+        with no_host_sync():
+            s = t.step(i32(ids), i32(ntok), max_tokens=mt)
+        seen["slots"].append(s.slots.tolist())  # before the next step rewrites the buffers
+        seen["pos"].append(s.positions.tolist())
+        seen["ok"].append(s.ok.tolist())
+    with no_host_sync():
+        ex = t.extend(i32([1]), i32([2]), max_tokens=2)
+    out["bad_page_slots"] = dict(**seen, extend=ex.slots.tolist(), corrupt=err(pool, L.ERR_CORRUPT_STATE))
     # A free count near INT64_MAX: ``count + pages`` wrapped negative and passed numba's "every push
     # fits" test, so the free rule wrote before and past the stack (through a bound release step, a
     # free and an eviction). Each push is refused and counted instead.

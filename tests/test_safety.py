@@ -89,6 +89,17 @@ def test_free_count_near_int64_max(backend):
     assert r["corrupt"] == 6 and r["states"] == [0, 0, 0, 0, 2, 2, 0, 0]
 
 
+def test_a_page_outside_the_pool_makes_no_slot(backend):
+    """Row entries 10**6 and -7 (hand edits): the tokens on them get slot and position -1 and count
+    corrupt_state, so no K/V write can be sent outside the cache; the rest of the step is as usual."""
+    r = repro(backend)["bad_page_slots"]
+    assert r["slots"][0] == [-1, -1] and r["pos"][0] == [-1, -1] and r["ok"][0] == [True, True]
+    assert r["slots"][1] == [-1, 12] and r["pos"][1] == [-1, 4]  # row 1 moved on to a page of its own
+    assert r["slots"][2] == [-1, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25] + [-1] * 5
+    assert r["pos"][2] == [-1, 8, 9, 10, 11, 0, 1, 2, 3, 4, 5] + [-1] * 5
+    assert r["extend"] == [13, 14] and r["corrupt"] == 4
+
+
 def test_backends_agree_on_corrupt_state():
     """Every output and count of the reproducers is the same on every backend."""
     want = repro("reference")

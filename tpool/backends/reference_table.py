@@ -37,8 +37,11 @@ index: a request length outside ``[0, max_pages * page_size]`` makes its lane
 fail and leaves its row alone (every operation; ``flashinfer_csr`` exports it
 as empty); a fork whose shared range holds an id outside ``[0, P)`` fails
 (one count per lane); a free count outside ``[0, P]`` makes ``extend`` and
-``fork`` see an empty stack (one count per call with lanes); pops and pushes
-follow the pool's rules (:mod:`tpool.backends.reference`).
+``fork`` see an empty stack (one count per call with lanes); a token of
+``extend`` (or a step) whose page id is outside ``[0, P)`` gets slot and position
+-1 (one count per such slot; the lane and the row are as otherwise), so slots
+never point outside the K/V cache; pops and pushes follow the pool's rules
+(:mod:`tpool.backends.reference`).
 """
 
 import torch
@@ -131,12 +134,14 @@ def extend(st, ts, req_ids, num_tokens, slots, ok, meta=None):
     s_ok = (u < tok_end[-1]) & okv[lane]
     pos = Ln[lane] + t
     page = ts.block_table[rr[lane], (pos // ps).clamp(min=0, max=MP - 1)].long()
-    slots.copy_(torch.where(s_ok, page * ps + pos % ps, L.NULL_PAGE))
+    made = s_ok & (page >= 0) & (page < st.num_pages)  # no slot from a page id outside the pool
+    c[L.ERR_CORRUPT_STATE] += (s_ok & ~made).sum()
+    slots.copy_(torch.where(made, page * ps + pos % ps, L.NULL_PAGE))
     _put(ts.seq_lens, rr, Ln + n, okv)
     ok.copy_(okv)
     if meta is not None:
         positions, qo_indptr, kv_lens = meta
-        positions.copy_(torch.where(s_ok, pos, L.NULL_PAGE))
+        positions.copy_(torch.where(made, pos, L.NULL_PAGE))
         qo_indptr[0] = 0
         qo_indptr[1:] = tok_end.clamp(max=T)
         kv_lens.copy_(torch.where(okv, Ln + n, torch.where(valid, Ln, 0)))
