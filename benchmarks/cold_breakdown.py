@@ -60,6 +60,7 @@ from tpool.kernels._numba_util import (i32_array, i64_array, move_i32, page_shif
 from tpool.backends.numba import _desc, entry_point  # noqa: E402
 from tpool.kernels import extend  # noqa: E402
 from tpool.errors import StaleBinding  # noqa: E402
+from tpool._checks import storage_size  # noqa: E402
 from tpool.page_table import _bound_step  # noqa: E402
 
 _i64 = numba.types.int64
@@ -182,7 +183,8 @@ def rows_for(B):
                                                                        _desc), ids.data_ptr(), ones.data_ptr(), B,
                                                        cd_arr), reset),
         "façade only": (functools.partial(_bound_step, ids.data_ptr, ones.data_ptr, ids.numel, ones.numel,
-                                          ids.data_ptr(), ones.data_ptr(), B, noop_run, bound.result), None),
+                                          ids.data_ptr(), ones.data_ptr(), B, *storage_size(ids), *storage_size(ones),
+                                          noop_run, bound.result), None),
         "façade only, as a closure (before)": (closure_facade(ids, ones, B, noop_run), None),
         "bound step": (bound, reset),
         "bound step, table-made inputs": (fixed, reset),

@@ -105,8 +105,13 @@ def fork_numba(
             new = pop_page(free - 1 - popped, free_stack, refcount, page_state, counters)
             popped += 1
             block_table[d, full] = new
-            cow_src[i] = block_table[s, full]
-            cow_dst[i] = new
+            old = block_table[s, full]
+            # A copy-on-write pair only between page ids of the pool (a consumer copies K/V by them): a
+            # wild source entry counts corrupt_state, a wild popped page was counted by the pop.
+            counters[L.ERR_CORRUPT_STATE] += not (old >= 0 and old < P)
+            if old >= 0 and old < P and new >= 0 and new < P:
+                cow_src[i] = old
+                cow_dst[i] = new
         seq_lens[d] = n
     nu.reset_requests(dst, R, claim)
     counters[L.FREE_COUNT] -= popped
@@ -279,8 +284,11 @@ def fork_kernel(
         wrong_state += bad_pop
         tl.store(block_table_ptr + d * MP + col, new, mask=copy)
         old = tl.load(block_table_ptr + s * MP + col, mask=copy, other=NULL_PAGE)
-        tl.store(cow_src_ptr + i, old, mask=live)
-        tl.store(cow_dst_ptr + i, new, mask=live)
+        old_in = (old >= 0) & (old < num_pages)
+        wrong_state += tl.sum((copy & ~old_in).to(tl.int64))  # a wild source entry (a wild pop counted itself)
+        pair = copy & old_in & (new >= 0) & (new < num_pages)  # a copy only between page ids of the pool
+        tl.store(cow_src_ptr + i, tl.where(pair, old, NULL_PAGE), mask=live)
+        tl.store(cow_dst_ptr + i, tl.where(pair, new, NULL_PAGE), mask=live)
         tl.store(seq_lens_ptr + d, n, mask=ok)
         popped += tl.sum(z)
     reset_requests(dst_ptr, B, claim_ptr, R, BLOCK)

@@ -116,6 +116,17 @@ def main(backend: str) -> dict:
     with no_host_sync():
         ex = t.extend(i32([1]), i32([2]), max_tokens=2)
     out["bad_page_slots"] = dict(**seen, extend=ex.slots.tolist(), corrupt=err(pool, L.ERR_CORRUPT_STATE))
+    # A fork's copy-on-write pair drives a K/V copy: only between page ids of the pool. A wild source
+    # (the src row's partial page) counts corrupt_state; a wild popped page was counted by the pop.
+    pool, t = table(P=16, ps=4, R=6, MP=4)
+    t.extend(i32([0, 1]), i32([6, 7]), max_tokens=16)  # row 0: pages 0, 1; row 1: pages 2, 3
+    t.block_table[1, 1] = 10**6
+    t.invalidate_csr()
+    pool.state.free_stack[int(pool.state.counters[L.FREE_COUNT]) - 2] = 777  # the fork's second pop
+    with no_host_sync():
+        f = t.fork(i32([0, 1, 0]), i32([2, 3, 4]), i32([6, 7, 5]))
+    out["fork_cow"] = dict(ok=f.ok.tolist(), src=f.cow_src.tolist(), dst=f.cow_dst.tolist(),
+                           corrupt=err(pool, L.ERR_CORRUPT_STATE), rows=t.block_table[2:5, :2].tolist())
     # A free count near INT64_MAX: ``count + pages`` wrapped negative and passed numba's "every push
     # fits" test, so the free rule wrote before and past the stack (through a bound release step, a
     # free and an eviction). Each push is refused and counted instead.

@@ -94,3 +94,53 @@ def test_hand_edits_of_storage_cannot_free_what_kernels_point_into():
     r = subprocess.run([sys.executable, "-c", HAND_EDITS], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
     assert r.stdout.split("\n")[:4] == ["block_table free_stack slots indices", "True", "True", "True"]
+
+
+def _shrunk_at_the_same_address(make):
+    """A tensor from ``make()`` whose storage was shrunk in place and came back at its old address (tries
+    fresh tensors until the allocator obliges), with what was bound or checked on it first; or None."""
+    for _ in range(40):
+        for small in (128, 192, 240, 252):
+            t, bound = make()
+            at, storage = t.data_ptr(), t.untyped_storage()
+            storage.resize_(4)
+            storage.resize_(small)
+            if t.data_ptr() == at:
+                return t, bound
+    return None
+
+
+def test_a_storage_shrunk_in_place_at_the_same_address_is_stale():
+    """Address and length alone miss a storage resized in place that the allocator gave back at the same
+    address: bound calls and the checks cached for the last inputs compare its size too."""
+    import pytest
+    import torch
+    import tpool
+    from tpool.errors import StaleBinding
+    pool = tpool.PagePool(256, 1, device="cpu", backend="numba", max_batch=64)
+    table = tpool.PageTable(pool, 64, 8)
+    ntok = torch.zeros(64, dtype=torch.int32)
+
+    def bound_step():
+        ids = torch.full((64,), -1, dtype=torch.int32)
+        table.step(ids, ntok)  # the façade now remembers these two as checked
+        run = table.bind_step(ids, ntok)
+        run()
+        return ids, run
+
+    def bound_free():
+        pages = torch.full((64,), -1, dtype=torch.int32)
+        pool.free(pages)  # remembered as checked
+        run = pool.bind_free(pages)
+        run()
+        return pages, run
+
+    for make, unbound in ((bound_step, lambda t: table.step(t, ntok)), (bound_free, pool.free)):
+        found = _shrunk_at_the_same_address(make)
+        if found is None:
+            pytest.skip("the allocator never gave a shrunk storage its old address back")
+        t, run = found
+        with pytest.raises(StaleBinding):
+            run()
+        with pytest.raises(ValueError, match="storage"):
+            unbound(t)

@@ -200,12 +200,12 @@ def test_bound_step_matches_step_with_inputs_filled_in_place(make_table, guard):
         ntok.copy_(i32([rng.randint(0, 3) for _ in range(4)]))
     assert tables[0].seq_lens.tolist() == tables[1].seq_lens.tolist()
     ntok.resize_(2)                                # same memory, fewer lanes: the binding is stale
-    with pytest.raises(ValueError, match="no longer have the memory or the length they were bound with"):
+    with pytest.raises(ValueError, match="the length or the storage size they were bound with"):
         run()
     ntok.resize_(4)
     run()
     ids.set_(torch.zeros(4, dtype=torch.int32).untyped_storage())  # new memory: stale again
-    with pytest.raises(ValueError, match="no longer have the memory or the length"):
+    with pytest.raises(ValueError, match="no longer have the memory, the length or the storage size"):
         run()
     with pytest.raises(ValueError, match="num_tokens: expected 4 entries"):
         tables[0].bind_step(ids, i32([1]))

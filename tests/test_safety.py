@@ -100,6 +100,13 @@ def test_a_page_outside_the_pool_makes_no_slot(backend):
     assert r["extend"] == [13, 14] and r["corrupt"] == 4
 
 
+def test_a_fork_pairs_only_page_ids_of_the_pool(backend):
+    """cow_src / cow_dst (what a consumer copies K/V between) are -1 unless both are page ids of the pool."""
+    r = repro(backend)["fork_cow"]
+    assert r["ok"] == [True, True, True] and r["src"] == [1, -1, 1] and r["dst"] == [4, -1, 6]
+    assert r["corrupt"] == 2 and r["rows"] == [[0, 4], [2, 777], [0, 6]]
+
+
 def test_backends_agree_on_corrupt_state():
     """Every output and count of the reproducers is the same on every backend."""
     want = repro("reference")

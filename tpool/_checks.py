@@ -36,6 +36,15 @@ def i32_len(t, device: torch.device, written=None) -> int:
     return -1
 
 
+def storage_size(t) -> tuple:
+    """``(nbytes, n)``: the ``nbytes`` method of ``t``'s storage and what it returns now. A bound
+    call or a cached check compares ``nbytes() == n`` each time (~50 ns): a storage resized in
+    place (``untyped_storage().resize_``) is seen even when it comes back at the same address,
+    which the address and length comparisons alone would miss."""
+    nbytes = t.untyped_storage().nbytes
+    return nbytes, nbytes()
+
+
 def in_storage(t) -> bool:
     """``t``'s elements lie inside its storage. ``untyped_storage().resize_`` can shrink (or free,
     as FSDP-style code does) the storage under a tensor that keeps its shape and stride; a

@@ -147,14 +147,15 @@ class BoundStep(functools.partial):
         if fixed:  # memory that cannot move or go away: nothing to check per call
             run.fixed = held
             self = super().__new__(cls, _fixed_step, run, result)
-        elif release is None:
-            self = super().__new__(cls, _bound_step, req_ids.data_ptr, num_tokens.data_ptr, req_ids.numel,
-                                   num_tokens.numel, req_ids.data_ptr(), num_tokens.data_ptr(), b, run, result)
-        else:  # the release ids are bound as the other two are: checked for memory and length each call
-            self = super().__new__(cls, _bound_release_step, release.data_ptr, release.numel, release.data_ptr(),
-                                   release.numel(), functools.partial(
-                                       _bound_step, req_ids.data_ptr, num_tokens.data_ptr, req_ids.numel,
-                                       num_tokens.numel, req_ids.data_ptr(), num_tokens.data_ptr(), b, run, result))
+        else:
+            step = functools.partial(_bound_step, req_ids.data_ptr, num_tokens.data_ptr, req_ids.numel,
+                                     num_tokens.numel, req_ids.data_ptr(), num_tokens.data_ptr(), b,
+                                     *_checks.storage_size(req_ids), *_checks.storage_size(num_tokens), run, result)
+            if release is None:
+                self = super().__new__(cls, step.func, *step.args)
+            else:  # the release ids are bound as the other two are: checked for memory and length each call
+                self = super().__new__(cls, _bound_release_step, release.data_ptr, release.numel, release.data_ptr(),
+                                       release.numel(), *_checks.storage_size(release), step)
         self.table, self.result, (self.req_ids, self.num_tokens, self.release) = table, result, held
         return self
 
@@ -163,8 +164,9 @@ class BoundStep(functools.partial):
         return f"BoundStep(batch={self.result.ok.numel()}, max_tokens={self.result.slots.numel()}{k})"
 
 
-def _bound_step(ids_at, ntok_at, ids_len, ntok_len, at_ids, at_ntok, b, run, result):
-    """What a :class:`BoundStep` runs: check the inputs' memory and length, ``run()``, return ``result``.
+def _bound_step(ids_at, ntok_at, ids_len, ntok_len, at_ids, at_ntok, b, ids_nb, nb_ids, ntok_nb, nb_ntok, run,
+                result):
+    """What a :class:`BoundStep` runs: check the inputs' memory, length and storage size, ``run()``, return ``result``.
 
     Every value arrives as an argument that ``functools.partial`` stores in one tuple,
     not in nine closure cells: a call reads one object instead of nine, which shows
@@ -172,19 +174,20 @@ def _bound_step(ids_at, ntok_at, ids_len, ntok_len, at_ids, at_ntok, b, run, res
     in ``benchmarks/cold_breakdown.py``). A caller passing arguments of its own gets a
     ``TypeError`` (too many positional arguments), as with a closure.
     """
-    if ids_at() != at_ids or ntok_at() != at_ntok or ids_len() != b or ntok_len() != b:
-        raise StaleBinding("bind_step: req_ids or num_tokens no longer have the memory or the length they "
-                           "were bound with (reassigned or resized); fill them in place, or bind again")
+    if (ids_at() != at_ids or ntok_at() != at_ntok or ids_len() != b or ntok_len() != b or ids_nb() != nb_ids
+            or ntok_nb() != nb_ntok):
+        raise StaleBinding("bind_step: req_ids or num_tokens no longer have the memory, the length or the storage "
+                           "size they were bound with (reassigned or resized); fill them in place, or bind again")
     run()
     return result
 
 
-def _bound_release_step(rel_at, rel_len, at_rel, k, step):
+def _bound_release_step(rel_at, rel_len, at_rel, k, rel_nb, nb_rel, step):
     """What a :class:`BoundStep` with bound release ids runs: check their memory and length, then
     ``step()`` (a ``_bound_step`` partial), which checks the other two and runs the call."""
-    if rel_at() != at_rel or rel_len() != k:
-        raise StaleBinding("bind_step: release no longer has the memory or the length it was bound with "
-                           "(reassigned or resized); fill it in place, or bind again")
+    if rel_at() != at_rel or rel_len() != k or rel_nb() != nb_rel:
+        raise StaleBinding("bind_step: release no longer has the memory, the length or the storage size it was "
+                           "bound with (reassigned or resized); fill it in place, or bind again")
     return step()
 
 
@@ -253,7 +256,7 @@ class PageTable:
         self._written = pool._written | _checks.written_storages(self.state.tensors().values())
         self._shapes = ShapeBuffers(self.device, max_shapes, self._written)
         self._check_written = not self.ops.checks_overlap  # numba's compiled hot calls check it themselves
-        self._seen_ids, self._seen_lanes = (None, 0), (None, None, 0, 0)  # the inputs the last call checked
+        self._seen_ids, self._seen_lanes = (None,) * 4, (None,) * 8  # the inputs the last call checked
         self._repeat = (None,) * 5  # the last step's (req_ids, num_tokens, max_tokens, capacity, BoundStep or None)
 
     def __reduce_ex__(self, protocol):
@@ -267,11 +270,11 @@ class PageTable:
     def _ids(self, t, name="req_ids"):
         """Length of a request-id vector, checked (at most the pool's ``max_batch``)."""
         s = self._seen_ids
-        if t is s[0] and t.data_ptr() == s[1] and (n := t.numel()) <= self.pool.max_batch:
+        if t is s[0] and t.data_ptr() == s[1] and (n := t.numel()) <= self.pool.max_batch and s[2]() == s[3]:
             return n  # the tensor the last call checked, same memory (see _lanes)
         if not 0 <= (n := i32_len(t, self.device)) <= self.pool.max_batch:
             n = _checks.check_vector(t, name, torch.int32, self.device, self.pool.max_batch)
-        self._seen_ids = (t, t.data_ptr())
+        self._seen_ids = (t, t.data_ptr(), *_checks.storage_size(t))
         return n
 
     def _lane_vector(self, t, name, b):
@@ -291,11 +294,13 @@ class PageTable:
         """
         s = self._seen_lanes
         if (req_ids is s[0] and num_tokens is s[1] and req_ids.data_ptr() == s[2] and num_tokens.data_ptr() == s[3]
-                and (b := req_ids.numel()) == num_tokens.numel() and b <= self.pool.max_batch):
-            return b
+                and (b := req_ids.numel()) == num_tokens.numel() and b <= self.pool.max_batch and s[4]() == s[5]
+                and s[6]() == s[7]):
+            return b  # storage sizes too: a storage resized in place can come back at the same address
         b = self._ids(req_ids)
         self._lane_vector(num_tokens, "num_tokens", b)
-        self._seen_lanes = (req_ids, num_tokens, req_ids.data_ptr(), num_tokens.data_ptr())
+        self._seen_lanes = (req_ids, num_tokens, req_ids.data_ptr(), num_tokens.data_ptr(),
+                            *_checks.storage_size(req_ids), *_checks.storage_size(num_tokens))
         return b
 
     def _extend_out(self, b, t):

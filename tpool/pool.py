@@ -62,6 +62,7 @@ class AllocOut:
         # What an alloc into these buffers writes: counts must not share memory with any of it.
         self._written = pool._written | _checks.written_storages(self.result)
         self._seen, self._seen_at = None, 0  # the last counts tensor checked (see PagePool.free)
+        self._seen_nb, self._seen_size = int, 0  # its storage's nbytes method and size (int() == 0: no tensor)
         # The pool's alloc bound to these buffers: _run(counts, B, evict), B checked by the pool.
         self._run = pool.ops.alloc_into(self)
 
@@ -78,9 +79,10 @@ class BoundCall(functools.partial):
 
     def __new__(cls, pool, run, t, result):
         at, numel, addr, n = t.data_ptr, t.numel, t.data_ptr(), t.numel()
+        nbytes, size = _checks.storage_size(t)
 
         def call():
-            if at() != addr or numel() != n:
+            if at() != addr or numel() != n or nbytes() != size:
                 raise StaleBinding("bound call: its input no longer has the memory or the length it was bound "
                                    "with (reassigned or resized); fill it in place, or bind again")
             run()
@@ -152,6 +154,7 @@ class PagePool:
         # over the same memory (``t.data = t.view(dtype)``) goes unnoticed, as in PageTable.step: the
         # kernel reads the same bits as int32 ids and range-checks them, never out of bounds.
         self._seen, self._seen_at = None, 0
+        self._seen_nb, self._seen_size = int, 0
         self._errors_seen = [0] * L.NUM_COUNTERS
         self._group = None
         self._group_buffers = {}  # capacity -> int32 [2, capacity], see FreeGroup
@@ -237,7 +240,7 @@ class PagePool:
             b = self._vector(counts, "counts", self.max_batch)
             out = AllocOut(self, b, self.max_alloc_pages)
         elif (type(out) is AllocOut and out.pool is self and counts is out._seen and counts.data_ptr() == out._seen_at
-              and (b := counts.numel()) <= out.max_batch):
+              and (b := counts.numel()) <= out.max_batch and out._seen_nb() == out._seen_size):
             pass  # the tensor the last call checked, same memory (a loop refilling its counts in place)
         elif type(out) is not AllocOut or out.pool is not self:
             raise ValueError(f"out: expected an AllocOut from this pool's alloc_out(), got "
@@ -247,6 +250,7 @@ class PagePool:
                 b = self._vector(counts, "counts", out.max_batch)  # raises with the expected and actual values
                 _checks.check_not_written(counts, "counts", out._written)
             out._seen, out._seen_at = counts, counts.data_ptr()
+            out._seen_nb, out._seen_size = _checks.storage_size(counts)
         out._run(counts, b, evict)
         return out.result
 
@@ -315,10 +319,11 @@ class PagePool:
         cache : bool
             Keep freed pages as CACHED (a prefix cache) instead of FREE.
         """
-        if pages is not self._seen or pages.data_ptr() != self._seen_at:  # else: checked by the last free
-            if self._input_len(pages, self.device, self._written) < 0:
+        if pages is not self._seen or pages.data_ptr() != self._seen_at or self._seen_nb() != self._seen_size:
+            if self._input_len(pages, self.device, self._written) < 0:  # (else: checked by the last free)
                 self._pages(pages)  # raises with the expected and actual values
             self._seen, self._seen_at = pages, pages.data_ptr()
+            self._seen_nb, self._seen_size = _checks.storage_size(pages)
         if self._group is None or not self._group.owned_here():
             self.ops.free(pages, cache)
         else:

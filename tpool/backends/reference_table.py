@@ -252,8 +252,12 @@ def fork(st, ts, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
     _take(st, copy.sum())
     _put(ts.seq_lens, rd, n, okv)
     ok.copy_(okv)
-    cow_src.copy_(torch.where(copy, src_rows.gather(1, full.clamp(max=MP - 1)[:, None])[:, 0], L.NULL_PAGE))
-    cow_dst.copy_(new)
+    old = torch.where(copy, src_rows.gather(1, full.clamp(max=MP - 1)[:, None])[:, 0], L.NULL_PAGE)
+    old_in = (old >= 0) & (old < st.num_pages)
+    c[L.ERR_CORRUPT_STATE] += (copy & ~old_in).sum()  # a wild source entry (a wild pop counted itself)
+    pair = copy & old_in & (new >= 0) & (new < st.num_pages)  # a copy only between page ids of the pool
+    cow_src.copy_(torch.where(pair, old, L.NULL_PAGE))
+    cow_dst.copy_(torch.where(pair, new, L.NULL_PAGE))
 
 
 def flashinfer_csr(st, ts, req_ids, indptr, indices, last_page_len):

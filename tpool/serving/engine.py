@@ -180,13 +180,17 @@ class Engine:
         while self._snapshots and (wait or self._snapshots[0].ready()):
             self._timed(m.reconcile, self._snapshots.pop(0))
 
-    def run(self, requests, out=None):
-        """Serve ``requests`` (a list of :class:`Request`) to completion; return ``{rid: tokens}``."""
+    def check_fits(self, requests) -> None:
+        """Raise ``ValueError`` naming the first request that could never fit a row and the pool."""
         cap = min(self.max_pages, self.pool.num_pages) * self.ps
         for r in requests:
             if len(r.prompt) + r.max_new + self.draft_len > cap:
                 raise ValueError(f"request {r.rid}: expected prompt + max_new + draft_len <= {cap} tokens "
                                  f"(max_pages and the pool), got {len(r.prompt) + r.max_new + self.draft_len}")
+
+    def run(self, requests, out=None):
+        """Serve ``requests`` (a list of :class:`Request`) to completion; return ``{rid: tokens}``."""
+        self.check_fits(requests)
         m = self.mirror
         by_id = {r.rid: r for r in requests}
         waiting = sorted(requests, key=lambda r: (r.arrival, r.rid))
@@ -345,6 +349,10 @@ def reference_tokens(model, requests):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
+class OptionError(ValueError):
+    """The options of :func:`run_demo` describe a model, pool or request that cannot be made (the message says why)."""
+
+
 def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, page_size: int = 4,
              max_batch: int = 8, max_new: tuple = (4, 16), backend: str = "auto", seed: int = 0,
              out=print) -> dict:
@@ -354,12 +362,16 @@ def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, p
     ``mismatches`` (requests whose tokens differ from ``generate``: 0 expected). Raises
     ``AssertionError`` if any differ, pages are left in use, or the pool's checks fail.
     """
-    lm = tiny_model(model, seed=seed)
-    reqs = make_requests(requests, seed=seed, vocab_size=lm.config.vocab_size, max_new=max_new)
-    draft_len = 3
-    max_pages = -(-max(len(r.prompt) + r.max_new + draft_len for r in reqs) // page_size)
-    eng = Engine(lm, num_pages=num_pages, page_size=page_size, max_batch=max_batch, max_pages=max_pages,
-                 backend=backend, draft_len=draft_len)
+    try:  # what the options describe: errors here are the caller's (OptionError), not the run's
+        lm = tiny_model(model, seed=seed)
+        reqs = make_requests(requests, seed=seed, vocab_size=lm.config.vocab_size, max_new=max_new)
+        draft_len = 3
+        max_pages = -(-max(len(r.prompt) + r.max_new + draft_len for r in reqs) // page_size)
+        eng = Engine(lm, num_pages=num_pages, page_size=page_size, max_batch=max_batch, max_pages=max_pages,
+                     backend=backend, draft_len=draft_len)
+        eng.check_fits(reqs)
+    except (ValueError, ImportError) as e:
+        raise OptionError(str(e)) from e
     if out:
         out(f"tpool serving demo: {model}, {requests} requests, {eng.pool!r}, {eng.cache!r}", flush=True)
     got = eng.run(reqs, out=out)
@@ -397,7 +409,7 @@ def main(argv=None):
     try:
         run_demo(a.model, requests=a.requests, num_pages=a.num_pages, page_size=a.page_size, max_batch=a.max_batch,
                  backend=a.backend, seed=a.seed)
-    except (ValueError, ImportError) as e:  # options no pool, table or request can be made from
+    except OptionError as e:  # options no model, pool, table or request can be made from
         ap.error(str(e))
     return 0
 
