@@ -220,13 +220,9 @@ def rolling_median(xs, w):
 def plot(path, results, every):
     """Two panels: the mirror's gap over time; every step's time (dots) with a rolling median (line),
     warm solid and cold dashed, on a log scale (a turnover step, with its prefill, is the tall dots)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"\nmatplotlib is not installed: no plot written to {path} (pip install -e \".[bench]\")")
-        return
+    import matplotlib  # present: main refuses --plot without it (parse_args_for_plot)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, (a, b) = plt.subplots(2, 1, figsize=(10, 8), dpi=120, gridspec_kw=dict(height_ratios=[1, 2]))
     bases = list(dict.fromkeys(n.removesuffix(", cold") for n in results))
     colors = plt.get_cmap("tab10")

@@ -108,8 +108,9 @@ def fork_numba(
             old = block_table[s, full]
             # A copy-on-write pair only between page ids of the pool (a consumer copies K/V by them): a
             # wild source entry counts corrupt_state, a wild popped page was counted by the pop.
-            counters[L.ERR_CORRUPT_STATE] += not (old >= 0 and old < P)
-            if old >= 0 and old < P and new >= 0 and new < P:
+            old_in = old >= 0 and old < P
+            counters[L.ERR_CORRUPT_STATE] += not old_in
+            if old_in and new >= 0 and new < P:
                 cow_src[i] = old
                 cow_dst[i] = new
         seq_lens[d] = n

@@ -149,7 +149,8 @@ def _final_check(pool, table, mirror):
     return s
 
 
-def _positive(text):
+def positive_int(text):
+    """argparse type of the demos' counts: an int of at least 1."""
     v = int(text)
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected a positive int, got {text}")
@@ -157,7 +158,8 @@ def _positive(text):
 
 
 class OptionError(ValueError):
-    """The options describe a pool or table that cannot be made (the message says why)."""
+    """A demo's options describe something that cannot be made: a pool, table, model or request
+    (the message says why). Both demos (this one and ``tpool.serving.engine``'s) raise it."""
 
 
 def _build(num_pages, page_size, device, backend, batch, max_pages):
@@ -173,18 +175,18 @@ def main(argv=None):
         prog="python -m tpool demo",
         description="A decode loop scheduled on a host mirror of the pool: admissions, preemptions, decode steps "
                     "and finishes decided on host integers, never reading the device inside a step.")
-    ap.add_argument("--requests", type=_positive, default=256, help="requests in the queue (default 256)")
-    ap.add_argument("--batch", type=_positive, default=64, help="most requests running at once, the table's rows "
+    ap.add_argument("--requests", type=positive_int, default=256, help="requests in the queue (default 256)")
+    ap.add_argument("--batch", type=positive_int, default=64, help="most requests running at once, the table's rows "
                     "(default 64)")
-    ap.add_argument("--num-pages", type=_positive, default=4096, help="pages in the pool (default 4096)")
-    ap.add_argument("--page-size", type=_positive, default=16, help="tokens per page (default 16)")
+    ap.add_argument("--num-pages", type=positive_int, default=4096, help="pages in the pool (default 4096)")
+    ap.add_argument("--page-size", type=positive_int, default=16, help="tokens per page (default 16)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompt (128-2048) and output (16-384) "
                     "lengths (default 0)")
     ap.add_argument("--device", default=None, help="torch device of the pool, e.g. cpu, cuda, cuda:1 "
                     "(default: cuda if available, else cpu)")
     ap.add_argument("--backend", default="auto", choices=["auto", "reference", "numba", "triton"],
                     help="kernels (default auto: triton on CUDA, numba on a CPU)")
-    ap.add_argument("--every", type=_positive, default=25, help="print a report row every N steps (default 25)")
+    ap.add_argument("--every", type=positive_int, default=25, help="print a report row every N steps (default 25)")
     ap.add_argument("--model", choices=["llama", "gpt-neox"], default=None,
                     help="serve a tiny random-weight transformers model on tpool pages instead and check its "
                          "tokens against generate (needs tpool[hf]; `demo --model llama --help` lists its options; "

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tpool.demo import OptionError, positive_int
 from tpool.page_table import PageTable
 from tpool.pool import PagePool
 from tpool.scheduling import HostMirror
@@ -349,10 +350,6 @@ def reference_tokens(model, requests):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
-class OptionError(ValueError):
-    """The options of :func:`run_demo` describe a model, pool or request that cannot be made (the message says why)."""
-
-
 def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, page_size: int = 4,
              max_batch: int = 8, max_new: tuple = (4, 16), backend: str = "auto", seed: int = 0,
              out=print) -> dict:
@@ -398,10 +395,10 @@ def main(argv=None):
                                  description="Serve a tiny random transformers model on tpool pages and check "
                                              "every request against the model's generate.")
     ap.add_argument("--model", choices=MODELS, default="llama", help="architecture (default llama)")
-    ap.add_argument("--requests", type=_positive, default=32, help="number of prompts (default 32)")
-    ap.add_argument("--num-pages", type=_positive, default=48, help="pool pages, too few for all (default 48)")
-    ap.add_argument("--page-size", type=_positive, default=4, help="tokens per page (default 4)")
-    ap.add_argument("--max-batch", type=_positive, default=8, help="lanes per step (default 8)")
+    ap.add_argument("--requests", type=positive_int, default=32, help="number of prompts (default 32)")
+    ap.add_argument("--num-pages", type=positive_int, default=48, help="pool pages, too few for all (default 48)")
+    ap.add_argument("--page-size", type=positive_int, default=4, help="tokens per page (default 4)")
+    ap.add_argument("--max-batch", type=positive_int, default=8, help="lanes per step (default 8)")
     ap.add_argument("--backend", default="auto", choices=["auto", "reference", "numba", "triton"],
                     help="pool backend (default auto: numba on a CPU; triton needs TRITON_INTERPRET=1 there)")
     ap.add_argument("--seed", type=int, default=0, help="weights and prompts seed (default 0)")
@@ -412,13 +409,6 @@ def main(argv=None):
     except OptionError as e:  # options no model, pool, table or request can be made from
         ap.error(str(e))
     return 0
-
-
-def _positive(text):
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text}")
-    return v
 
 
 if __name__ == "__main__":
