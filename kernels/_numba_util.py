@@ -12,6 +12,7 @@ the same data; kernel modules call these as ``nu.<name>``.
 """
 
 import numba
+import numpy as np
 import llvmlite.ir as llvm_ir
 from numba import types
 from numba.core import cgutils
@@ -21,6 +22,8 @@ from . import layout as L
 from .layout import (INT32_MAX, SD_COUNTERS, SD_FREE_STACK, SD_KEYS, SD_OCCUR, SD_PAGE_STATE, SD_PAGES,
                      SD_REFCOUNT, SD_STAMP, TD_BLOCK_TABLE, TD_CLAIM, TD_MAX_PAGES, TD_PAGE_SIZE, TD_REQUESTS,
                      TD_ROW_VERSION, TD_SEQ_LENS, TD_VERSION, TD_VERSION_SOURCE)
+
+TAIL_BLOCK = 64  # ids per block when a free drops its trailing padding (``without_tail_padding``)
 
 
 def _pointer_intrinsic(elem):
@@ -257,6 +260,24 @@ def raise_peaks(counters, num_pages):
         counters[L.USED_PEAK] = used
     if counters[L.CACHED_COUNT] > counters[L.CACHED_PEAK]:
         counters[L.CACHED_PEAK] = counters[L.CACHED_COUNT]
+
+
+@numba.njit(nogil=True, inline="always")
+def padded_tail_start(pages):
+    """Where the trailing -1 entries of ``pages`` (padding, which every pass skips) begin, in blocks
+    of ``TAIL_BLOCK``: a grant's output is as long as the most it may grant, mostly padding (4,096
+    ids for one page from ``alloc`` without ``out=``), and one AND over a block (a vector loop)
+    tells that the block is all -1 (no other values AND to -1)."""
+    n = pages.shape[0]
+    while n >= TAIL_BLOCK:
+        acc = np.int32(-1)
+        at = np.uint64(n - TAIL_BLOCK)  # unsigned indices: no negative-index wraparound, the loop vectorises
+        for i in range(TAIL_BLOCK):
+            acc &= pages[at + np.uint64(i)]
+        if acc != -1:
+            break
+        n -= TAIL_BLOCK
+    return n
 
 
 @numba.njit(nogil=True)

@@ -32,8 +32,9 @@ def free_numba(
     occur,       # int32 [P] scratch, zero between calls
 ):
     counters[L.CLOCK] += 1
-    nu.apply_free(i32_array(pages_ptr, N), cache, counters[L.CLOCK], free_stack, refcount, page_state, stamp,
-              counters, occur)
+    n = nu.padded_tail_start(i32_array(pages_ptr, N)) if N >= nu.TAIL_BLOCK else N
+    nu.apply_free(i32_array(pages_ptr, n), cache, counters[L.CLOCK], free_stack, refcount, page_state, stamp,
+                  counters, occur)
 
 
 @numba.njit(nogil=True)

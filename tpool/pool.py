@@ -49,22 +49,31 @@ class AllocOut:
     CUDA graph can capture an alloc that writes them; each call overwrites them.
     """
 
-    def __init__(self, pool: "PagePool", max_batch: int, max_pages: int):
+    def __init__(self, pool: "PagePool", max_batch: int, max_pages: int, *, once: bool = False):
+        # ``once``: the buffers of one ``alloc`` without ``out=``, handed to the caller after the
+        # call: no later call writes them, so they are plain tensors (``fixed_full`` makes storages
+        # that cannot be resized under a kernel bound to them, ~2 us a tensor more).
         device = pool.device
         self.pool, self.max_batch, self.max_pages, self.device = pool, max_batch, max_pages, device
+        full = _plain_full if once else fixed_full
         self.result = AllocResult(
-            pages=fixed_full(max_pages, L.NULL_PAGE, torch.int32, device),
-            indptr=fixed_full(max_batch + 1, 0, torch.int32, device),
-            ok=fixed_full(max_batch, False, torch.bool, device),
-            evicted=fixed_full(max_pages, L.NULL_PAGE, torch.int32, device),
+            pages=full(max_pages, L.NULL_PAGE, torch.int32, device),
+            indptr=full(max_batch + 1, 0, torch.int32, device),
+            ok=full(max_batch, False, torch.bool, device),
+            evicted=full(max_pages, L.NULL_PAGE, torch.int32, device),
         )
         self.pages, self.indptr, self.ok, self.evicted = self.result
-        # What an alloc into these buffers writes: counts must not share memory with any of it.
-        self._written = pool._written | _checks.written_storages(self.result)
+        # What an alloc into these buffers writes: counts must not share memory with any of it
+        # (a one-off's are never passed as ``out=``; fresh memory overlaps no live counts).
+        self._written = None if once else pool._written | _checks.written_storages(self.result)
         self._seen, self._seen_at = None, 0  # the last counts tensor checked (see PagePool.free)
         self._seen_nb, self._seen_size = int, 0  # its storage's nbytes method and size (int() == 0: no tensor)
         # The pool's alloc bound to these buffers: _run(counts, B, evict), B checked by the pool.
         self._run = pool.ops.alloc_into(self)
+
+
+def _plain_full(n, fill, dtype, device) -> torch.Tensor:
+    return torch.full((n,), fill, dtype=dtype, device=device)
 
 
 class BoundCall(functools.partial):
@@ -238,7 +247,7 @@ class PagePool:
         """
         if out is None:
             b = self._vector(counts, "counts", self.max_batch)
-            out = AllocOut(self, b, self.max_alloc_pages)
+            out = AllocOut(self, b, self.max_alloc_pages, once=True)
         elif (type(out) is AllocOut and out.pool is self and counts is out._seen and counts.data_ptr() == out._seen_at
               and (b := counts.numel()) <= out.max_batch and out._seen_nb() == out._seen_size):
             pass  # the tensor the last call checked, same memory (a loop refilling its counts in place)
