@@ -226,6 +226,11 @@ def test_step_on_the_same_tensors_binds_them_and_still_checks_them(make_table, g
         ids.copy_(i32(rng.sample([0, 1, 2, 3, -1, -1], 4)))
         ntok.copy_(i32([rng.randint(0, 3) for _ in range(4)]))
     assert tables[0].step_binding is not None  # it did bind them
+    tables[0].step(ids, ntok, max_tokens=int("16"))  # an equal int, another object: still bound
+    assert tables[0].step_binding is not None
+    big = [tables[0].step(ids, ntok, max_tokens=int(v)) for v in ("300", "300")]  # ints not cached by Python
+    assert tables[0].step_binding is not None and big[0].slots.numel() == 300
+    tables[0].step(ids, ntok, max_tokens=16)
     ids.resize_(2)                              # fewer lanes, same memory: checked as new inputs
     with pytest.raises(ValueError, match="num_tokens: expected 2 entries"):
         tables[0].step(ids, ntok, max_tokens=16)
@@ -281,6 +286,18 @@ def test_table_and_pool_refuse_copies_and_oversized_slot_space():
     big = tpool.PagePool(2, page_size=2**30, device="cpu", backend="reference")  # 2**31 slots
     with pytest.raises(ValueError, match="slots are int32"):
         tpool.PageTable(big, 1, 1)
+    wide = tpool.PagePool(16, page_size=2**12, device="cpu", backend="reference")
+    with pytest.raises(ValueError, match="lengths are int32"):  # 2**19 pages of 2**12 tokens: 2**31 tokens a row
+        tpool.PageTable(wide, 1, 2**19)
+
+
+def test_none_as_a_first_input_is_a_value_error(make_table):
+    """Before any call the memos of the last input checked hold no argument (None included)."""
+    table = make_table(8, 2, 2, 4)
+    for call in (lambda: table.pool.free(None), lambda: table.release(None), lambda: table.extend(None, None),
+                 lambda: table.step(None, None), lambda: table.pool.alloc(None)):
+        with pytest.raises(ValueError, match="expected a torch.Tensor, got NoneType"):
+            call()
 
 
 def test_one_element_inputs_with_any_stride_are_accepted(make_table, guard):

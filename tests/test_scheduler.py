@@ -361,6 +361,20 @@ def test_a_snapshot_counts_once_and_older_ones_change_nothing(backend):
     assert m.free == pool.available() == 20 and m.exact
 
 
+def test_two_snapshots_of_one_moment_settle_a_rollback_once(backend):
+    """Snapshots taken with no mirror call between them hold the same truth: the second changes nothing
+    (applied twice, a rollback's correction would promise pages the pool does not have)."""
+    pool, table, m = _setup(backend, num_pages=16, rows=4, max_pages=4)
+    with no_host_sync():
+        (row,) = m.admit([8])
+        m.decode([row], 4)                        # 12 tokens, 3 pages
+        m.rollback([row], table.seq_lens[:1] - 8, [4])   # the device keeps 4 tokens, 1 page
+        first, second = m.snapshot(), m.snapshot()
+        m.reconcile(first)
+        m.reconcile(second)
+    assert m.free == pool.available() == 15 and (m.lo[row], m.hi[row]) == (4, 4)
+
+
 def test_reconcile_raises_when_the_contract_is_broken(backend):
     pool, table, m = _setup(backend, num_pages=20, rows=2)
     with no_host_sync():
@@ -377,7 +391,10 @@ def test_reconcile_raises_when_the_contract_is_broken(backend):
 def test_bad_calls_raise_before_device_work(backend):
     pool, table, m = _setup(backend, num_pages=8, rows=2)
     with pytest.raises(WouldNotFit):
-        m.admit([100])                                    # more than the pool
+        m.admit([40])                                     # more than the pool (a row holds 48 tokens)
+    with pytest.raises(ValueError, match="0 <= prompt <= max_len <= 48") as e:
+        m.admit([100])                                    # more than a row: bad input, not "wait and retry"
+    assert not isinstance(e.value, WouldNotFit)
     with pytest.raises(ValueError):
         m.decode([0])                                     # not running
     (row,) = m.admit([4])
@@ -389,6 +406,17 @@ def test_bad_calls_raise_before_device_work(backend):
         m.revive(torch.zeros(2, dtype=torch.int64), 8)
     with pytest.raises(ValueError):
         HostMirror(table, free=8)
+    before = (m.free, m.cached, m.rows_free, m.lo.tolist(), m._seq)
+    for bad in (-1, 1.5):
+        with pytest.raises(ValueError, match="k: expected"):
+            m.evict(bad)                                  # checked before the mirror changes
+    with pytest.raises(ValueError, match="one max_len per prompt"):
+        m.admit([4], max_lens=[8, 8])                     # no row taken, nothing reserved
+    with pytest.raises(ValueError, match="one max_len per prompt"):
+        m.step([], 1, [4], max_lens=[8, 8])
+    with pytest.raises(ValueError, match="max_lens: expected one per prompt"):
+        m.can_admit([4], max_lens=[8, 8])
+    assert (m.free, m.cached, m.rows_free, m.lo.tolist(), m._seq) == before
     assert pool.stats()["clock"] == 1                     # only the admission ran
 
 

@@ -52,6 +52,9 @@ def in_storage(t) -> bool:
     return t.untyped_storage().nbytes() >= t.element_size() * (t.storage_offset() + t.numel())
 
 
+UNCHECKED = object()  # what a "last input checked" memo holds before any call: no argument (None included) is it
+
+
 def _describe(v) -> str:
     """``v`` for an error message without reading tensor data (a repr of a tensor would sync)."""
     return f"a {type(v).__name__}" if isinstance(v, torch.Tensor) or not isinstance(v, (int, float, str)) else repr(v)

@@ -10,7 +10,7 @@ by the table, one set per call shape, reused by the next call of the same
 shape (what a CUDA graph needs); treat them as read-only and clone a result
 to keep or edit it. Misuse is
 counted in the pool's error counters and raised by ``pool.check()``. The
-exact rules are in :mod:`tpool.reference_table`.
+exact rules are in :mod:`tpool.backends.reference_table`.
 """
 
 import functools
@@ -242,6 +242,9 @@ class PageTable:
         if max_requests >= INT32_MAX or max_requests * max_pages_per_request >= INT32_MAX:
             raise ValueError(f"max_requests * max_pages_per_request: expected < {INT32_MAX} table entries, got "
                              f"{max_requests} * {max_pages_per_request}")
+        if max_pages_per_request * pool.page_size > INT32_MAX:
+            raise ValueError(f"max_pages_per_request: lengths are int32, so max_pages_per_request * page_size must "
+                             f"be at most {INT32_MAX}, got {max_pages_per_request} * {pool.page_size}")
         if pool.num_pages * pool.page_size > INT32_MAX:
             raise ValueError(f"pool: slots are int32, so num_pages * page_size must be at most {INT32_MAX}, "
                              f"got {pool.num_pages} * {pool.page_size}")
@@ -256,8 +259,10 @@ class PageTable:
         self._written = pool._written | _checks.written_storages(self.state.tensors().values())
         self._shapes = ShapeBuffers(self.device, max_shapes, self._written)
         self._check_written = not self.ops.checks_overlap  # numba's compiled hot calls check it themselves
-        self._seen_ids, self._seen_lanes = (None,) * 4, (None,) * 8  # the inputs the last call checked
-        self._repeat = (None,) * 5  # the last step's (req_ids, num_tokens, max_tokens, capacity, BoundStep or None)
+        # The inputs the last call checked (see _ids, _lanes), and the last step's (req_ids, num_tokens,
+        # max_tokens, capacity, BoundStep or None) (see step).
+        self._seen_ids, self._seen_lanes = (_checks.UNCHECKED,) * 4, (_checks.UNCHECKED,) * 8
+        self._repeat = (_checks.UNCHECKED,) * 5
 
     def __reduce_ex__(self, protocol):
         raise TypeError("a PageTable cannot be copied or pickled: its kernels are bound to the addresses of "
@@ -429,8 +434,7 @@ class PageTable:
         place) gets :meth:`bind_step`'s speed without asking: from the second such step
         on, the table keeps them bound (:attr:`step_binding`) and a step only checks
         that they still have their memory and length, as a bound step does
-        (``max_tokens`` and ``capacity`` must be the same objects too, as a constant or
-        None is). What goes unnoticed is a tensor reinterpreted in place over the same
+        (with the same ``max_tokens`` and ``capacity``: equal ints, or None). What goes unnoticed is a tensor reinterpreted in place over the same
         memory (``t.data = t.view(dtype)``, ``as_strided_``): on numba the kernel then
         reads the same bits as int32 and range-checks them as ids, never out of bounds.
         The table holds a reference to the last step's inputs.
@@ -438,11 +442,13 @@ class PageTable:
         if out is not None or release is not None:
             return self._step_into(req_ids, num_tokens, max_tokens, capacity, out, release, release_cache)
         last = self._repeat
-        if req_ids is last[0] and num_tokens is last[1] and max_tokens is last[2] and capacity is last[3]:
+        if (req_ids is last[0] and num_tokens is last[1]
+                and (max_tokens is last[2] or (type(max_tokens) is int and max_tokens == last[2]))
+                and (capacity is last[3] or (type(capacity) is int and capacity == last[3]))):
             run = last[4]
             if run is None:  # the second step in a row on these tensors: bind them (checked once, there)
-                run = BoundStep(self, req_ids, num_tokens, max_tokens, capacity)
-                self._repeat = (req_ids, num_tokens, max_tokens, capacity, run)
+                run = BoundStep(self, req_ids, num_tokens, last[2], last[3])
+                self._repeat = (req_ids, num_tokens, last[2], last[3], run)
             try:
                 return run()
             except StaleBinding:  # reassigned or resized since: check them as new inputs

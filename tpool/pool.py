@@ -66,7 +66,7 @@ class AllocOut:
         # What an alloc into these buffers writes: counts must not share memory with any of it
         # (a one-off's are never passed as ``out=``; fresh memory overlaps no live counts).
         self._written = None if once else pool._written | _checks.written_storages(self.result)
-        self._seen, self._seen_at = None, 0  # the last counts tensor checked (see PagePool.free)
+        self._seen, self._seen_at = _checks.UNCHECKED, 0  # the last counts tensor checked (see PagePool.free)
         self._seen_nb, self._seen_size = int, 0  # its storage's nbytes method and size (int() == 0: no tensor)
         # The pool's alloc bound to these buffers: _run(counts, B, evict), B checked by the pool.
         self._run = pool.ops.alloc_into(self)
@@ -162,7 +162,7 @@ class PagePool:
         # pages) skips the checks while the tensor keeps its memory. A tensor reinterpreted in place
         # over the same memory (``t.data = t.view(dtype)``) goes unnoticed, as in PageTable.step: the
         # kernel reads the same bits as int32 ids and range-checks them, never out of bounds.
-        self._seen, self._seen_at = None, 0
+        self._seen, self._seen_at = _checks.UNCHECKED, 0
         self._seen_nb, self._seen_size = int, 0
         self._errors_seen = [0] * L.NUM_COUNTERS
         self._group = None

@@ -48,7 +48,18 @@ class Accounting:
         self._full = None                 # rows bytes of a batch whose every row holds its full reservation
         self._scratch = np.zeros(R, dtype=np.int64)
         self._acct = np.zeros(5, dtype=np.int64)  # decode_accounting's results
-        self._reconciled_at, self._reconciled = -1, None  # the last snapshot reconciled, and its op number
+        self._reconciled_at = -1          # the op number of the last snapshot reconciled
+
+    def _prompts(self, prompt_lens, max_lens):
+        """``prompt_lens`` and ``max_lens`` (default the capacity) as int64 arrays, checked before a
+        call changes anything: one max_len per prompt, ``0 <= prompt <= max_len <= capacity``."""
+        p = np.asarray(prompt_lens, dtype=np.int64).reshape(-1)
+        lim = np.full(p.size, self.capacity, dtype=np.int64) if max_lens is None else \
+            np.asarray(max_lens, dtype=np.int64).reshape(-1)
+        if lim.shape != p.shape or (p < 0).any() or (p > lim).any() or (lim > self.capacity).any():
+            raise ValueError(f"prompt_lens, max_lens: expected one max_len per prompt, 0 <= prompt <= max_len <= "
+                             f"{self.capacity}, got {p.tolist()[:8]}, {lim.tolist()[:8]}")
+        return p, lim
 
     # ----------------------------------------------------------- queries (host only)
     @property
@@ -107,6 +118,8 @@ class Accounting:
         prompts)``): the pages those lanes need beyond their reservations come first
         (0 if one of those rows would pass its max_len: that step would be refused).
         """
+        if max_lens is not None and len(max_lens) != len(prompt_lens):
+            raise ValueError(f"max_lens: expected one per prompt ({len(prompt_lens)}), got {len(max_lens)}")
         room, ps, n_fit = self.unreserved, self.page_size, 0
         if rows is not None:
             r, nn, _ = self._batch(rows, n)

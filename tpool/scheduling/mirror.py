@@ -32,6 +32,7 @@ from what was asked. What the mirror promises:
 import numpy as np
 import torch
 
+from tpool import _checks
 from tpool.scheduling._decode import EMPTY, NO_ROOM, PAST_MAX_LEN, decode_accounting, truncate_accounting
 from tpool.scheduling.accounting import Accounting, WouldNotFit, _cdiv
 from tpool.scheduling.mixed import MixedSteps
@@ -102,20 +103,23 @@ class HostMirror(MixedSteps, Accounting):
         """Admit requests with these prompts (one prefill ``extend``); returns their rows.
 
         Raises ``WouldNotFit`` unless ``can_admit`` says all of them fit. The prompts'
-        pages and each request's reservation are taken from the unreserved pages.
+        pages and each request's reservation are taken from the unreserved pages. A prompt
+        that can never fit (longer than its max_len, or a max_len past the table's capacity)
+        or ``max_lens`` not one per prompt is a plain ``ValueError``, raised before anything
+        changes.
         """
-        k = len(prompt_lens)
-        if self.can_admit(prompt_lens, max_lens) < k:
-            raise WouldNotFit(f"admit: {k} prompts {list(prompt_lens)[:8]} do not all fit: {self.rows_free} rows and "
+        p, lim = self._prompts(prompt_lens, max_lens)
+        k = p.size
+        if self.can_admit(p, lim) < k:
+            raise WouldNotFit(f"admit: {k} prompts {p.tolist()[:8]} do not all fit: {self.rows_free} rows and "
                               f"{self.unreserved} unreserved pages free (ask can_admit first)")
         if k == 0:
             return []
         self._seq += 1
         self._full = None
         rows = self._take_rows(k)
-        p = np.asarray(prompt_lens, dtype=np.int64)
         r = np.asarray(rows, dtype=np.int64)
-        self._start(r, p, self.capacity if max_lens is None else np.asarray(max_lens, dtype=np.int64), 0)
+        self._start(r, p, lim, 0)
         self.free -= int(_cdiv(p, self.page_size).sum())
         self._top_up(r)
         self.table.extend(self._tensor(rows), self._tensor(p), max_tokens=_bucket(int(p.sum())))
@@ -307,6 +311,7 @@ class HostMirror(MixedSteps, Accounting):
 
     def evict(self, k: int) -> torch.Tensor:
         """``pool.evict(k)``: turn up to ``k`` cached pages FREE; returns their ids (device, -1 padded)."""
+        k = _checks.check_size(k, "k")  # before the mirror changes: a refused call changes nothing
         self._seq += 1
         self._full = None
         got = min(k, self.cached)

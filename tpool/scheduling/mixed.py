@@ -78,13 +78,8 @@ class MixedSteps:
 
         """
         r, nn, _ = self._batch(rows, n)
-        ps, k = self.page_size, len(prompt_lens)
-        p = np.asarray(prompt_lens, dtype=np.int64).reshape(-1) if k else EMPTY
-        lim = (np.full(k, self.capacity, dtype=np.int64) if max_lens is None else
-               np.asarray(max_lens, dtype=np.int64).reshape(-1)) if k else EMPTY
-        if k and (lim.shape != p.shape or (p < 0).any() or (p > lim).any() or (lim > self.capacity).any()):
-            raise ValueError(f"prompt_lens, max_lens: expected one max_len per prompt, 0 <= prompt <= max_len <= "
-                             f"{self.capacity}, got {p.tolist()[:8]}, {lim.tolist()[:8]}")
+        p, lim = self._prompts(prompt_lens, max_lens)
+        ps, k = self.page_size, p.size
         b = r.size
         lanes = b + k
         w = lanes if width is None else width

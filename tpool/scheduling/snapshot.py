@@ -15,8 +15,9 @@ it brings back:
 ``reconcile`` sets each number to ``truth at the snapshot + what the mirror
 itself changed since`` (the changes since are bounds of the same kind, so the
 result is still a safe bound, and exact when nothing inexact was asked since).
-A snapshot older than the last one reconciled, or that same one again,
-changes nothing: snapshots may be applied in any order, any number of times.
+A snapshot taken no later than the last one reconciled (that one again, an
+older one, or another taken before the next mirror call) changes nothing:
+snapshots may be applied in any order, any number of times.
 It does not learn which pages are shared (that would take the reference
 counts): a request's possibly-shared prefix stays as it was, so its release
 keeps under-crediting until the next reconciliation. A truth below the
@@ -65,10 +66,11 @@ class MirrorSnapshot:
 def reconcile(m, snap: MirrorSnapshot) -> dict:
     """Correct mirror ``m`` from ``snap`` (see the module note); returns the snapshot's stats."""
     counters, lens = snap._get()
-    if snap.seq < m._reconciled_at or snap is m._reconciled:
-        # Older than (or the same as) the last snapshot reconciled: its truth is in the mirror already.
+    if snap.seq <= m._reconciled_at:
+        # Taken no later than the last snapshot reconciled (that one again, an older one, or another
+        # taken at the same mirror call): its truth is in the mirror already.
         return stats_from_counters(snap.num_pages, counters)
-    m._reconciled_at, m._reconciled = snap.seq, snap
+    m._reconciled_at = snap.seq
     true_free, true_cached = counters[L.FREE_COUNT], counters[L.CACHED_COUNT]
     if true_free < snap.free or true_cached < snap.cached:
         raise MirrorError(f"the mirror promised {snap.free} free and {snap.cached} cached pages, the device had "
