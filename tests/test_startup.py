@@ -1,7 +1,8 @@
 """Start-up: a second process loads the compiled kernels from numba's disk cache instead of compiling them.
 
 Each test runs fresh interpreters (a process's first calls are the point) on the
-numba path: a pool, its first alloc, a table and its first step. The first
+numba path: a pool, its first alloc, a table and its first step, a HostMirror's first
+decode (its accounting is compiled by numba too). The first
 process compiles and writes the cache; the second must load every kernel it
 uses from it (numba's per-dispatcher ``stats``: hits, no misses) and compute
 the same results. Where the cache goes is numba's choice, which tpool's
@@ -35,13 +36,16 @@ FIRST_STEP = textwrap.dedent("""
     table = tpool.PageTable(pool, max_requests=4, max_pages_per_request=8)
     s = table.step(i32([0, 1]), i32([20, 3]))
     table.release(i32([0]))
+    from tpool.scheduling import HostMirror, _decode
+    mirror = HostMirror(tpool.PageTable(pool, 2, 4), free=pool.available(), cached=0)
+    mirror.decode(mirror.admit([5]))
     used = {"alloc_guarded": nb.alloc_guarded, "step_guarded": nb.step_guarded,
-            "release": nb.kernel(release.release_numba_entry)}
+            "release": nb.kernel(release.release_numba_entry), "decode_accounting": _decode.decode_accounting}
     print(json.dumps(dict(
         file=tpool.__file__,
         triton="triton" in sys.modules,
         results=[a.pages.tolist(), a.indptr.tolist(), s.slots.tolist(), [t.tolist() for t in s.csr],
-                 pool.stats()],
+                 pool.stats(), [mirror.free, mirror.reserved]],
         stats={k: dict(path=d.stats.cache_path, hits=sum(d.stats.cache_hits.values()),
                        misses=sum(d.stats.cache_misses.values())) for k, d in used.items()})))
 """)
@@ -73,7 +77,7 @@ def test_a_second_process_loads_the_kernels_from_numba_cache_dir(tmp_path):
     warm = _cold_then_warm({"NUMBA_CACHE_DIR": str(tmp_path)})
     assert all(s["path"].startswith(str(tmp_path)) for s in warm["stats"].values())
     assert {os.path.basename(p).split("-")[0] for p in _cache_files(tmp_path)} >= {
-        "numba.alloc_guarded", "numba.step_guarded", "release.release_numba_entry"}
+        "numba.alloc_guarded", "numba.step_guarded", "release.release_numba_entry", "_decode.decode_accounting"}
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +100,7 @@ def test_an_installed_wheel_caches_beside_its_kernels(installed, tmp_path):
     paths = {k: s["path"] for k, s in warm["stats"].items()}
     assert paths["release"] == str(installed / "tpool" / "kernels" / "__pycache__")
     assert paths["alloc_guarded"] == str(installed / "tpool" / "backends" / "__pycache__")
+    assert paths["decode_accounting"] == str(installed / "tpool" / "scheduling" / "__pycache__")
     assert not _cache_files(tmp_path / "user")
 
 
@@ -126,10 +131,13 @@ def _read_only(directories):
 
 def test_a_read_only_installed_wheel_caches_per_user(installed, tmp_path):
     package = installed / "tpool"
-    dirs = [package / sub / "__pycache__" for sub in ("kernels", "backends")]
+    subs = ("kernels", "backends", "scheduling")
+    dirs = [package / sub / "__pycache__" for sub in subs]
     for d in dirs:
         d.mkdir(exist_ok=True)
-    with _read_only([*dirs, package / "kernels", package / "backends"]):
+        for f in _cache_files(d):  # entries an earlier test wrote there would be found
+            os.remove(f)
+    with _read_only([*dirs, *(package / sub for sub in subs)]):
         user = tmp_path / "user"
         warm = _cold_then_warm({"PYTHONPATH": str(installed), "XDG_CACHE_HOME": str(user)}, cwd=tmp_path)
         assert all(s["path"].startswith(str(user)) for s in warm["stats"].values()), warm["stats"]

@@ -11,6 +11,8 @@ Records are the rows of ``HostMirror._st``: ``lo, hi, limit, shared, res, gen``.
 import numba
 import numpy as np
 
+from tpool.backends.numba import cached_njit  # compiled once per machine, loaded after (as the kernels)
+
 LO, HI, LIMIT, SHARED, RES = 0, 1, 2, 3, 4
 
 # Return codes of decode_accounting
@@ -34,7 +36,7 @@ def _shift(ps):
     return shift
 
 
-@numba.njit(cache=False, nogil=True)
+@cached_njit(nogil=True)
 def decode_accounting(st, rows, n, n_scalar, ps, lookahead, unreserved, out):
     """Account ``n`` more tokens for each row of ``rows`` (int64 ``[B]``) in records ``st``.
 
@@ -89,7 +91,7 @@ def decode_accounting(st, rows, n, n_scalar, ps, lookahead, unreserved, out):
     return FITS
 
 
-@numba.njit(cache=False, nogil=True)
+@cached_njit(nogil=True)
 def extra_pages(st, rows, n, n_scalar, ps):
     """Pages ``n`` more tokens of each row need beyond the row's reservation (``n`` as for
     :func:`decode_accounting`), or -1 if a row would pass its limit. Writes nothing."""
@@ -107,7 +109,7 @@ def extra_pages(st, rows, n, n_scalar, ps):
     return extra
 
 
-@numba.njit(cache=False, nogil=True)
+@cached_njit(nogil=True)
 def check_rows(rows, live, scratch):
     """0 if ``rows`` are distinct running rows; 1 if one is out of range or not running; 2 if
     one repeats. ``scratch`` (int64 ``[R]``) is overwritten."""
@@ -123,7 +125,7 @@ def check_rows(rows, live, scratch):
     return 0
 
 
-@numba.njit(cache=False, nogil=True)
+@cached_njit(nogil=True)
 def truncate_accounting(st, rows, new_lens, ps, lookahead, unreserved, out):
     """Roll rows back to ``new_lens`` (int64 ``[B]``, each within ``[0, lo]``; else returns 1 and
     writes nothing). Credits the pages past each new length that are surely the row's alone
