@@ -386,6 +386,12 @@ def test_reconcile_raises_when_the_contract_is_broken(backend):
     table2.extend(i32([1]), i32([8]), max_tokens=8)       # a call made around the mirror
     with pytest.raises(MirrorError):
         m2.reconcile(m2.snapshot())
+    pool3, table3, m3 = _setup(backend, num_pages=20, rows=2)
+    with no_host_sync():
+        (row,) = m3.admit([6])
+    table3.truncate(i32([row]), i32([3]))                 # around the mirror: it frees nothing, the length moves
+    with pytest.raises(MirrorError, match=r"true lengths \[3\] outside the mirror's bounds \[\[6\], \[6\]\]"):
+        m3.reconcile(m3.snapshot())
 
 
 def test_bad_calls_raise_before_device_work(backend):

@@ -82,15 +82,20 @@ def reconcile(m, snap: MirrorSnapshot) -> dict:
         m._free_inexact_at = -1
     if m._cached_inexact_at <= snap.seq:
         m._cached_inexact_at = -1
-    # Lengths: rows running then and now, not set outright since, with a bound to settle.
+    # Lengths: every row must lie within the bounds the mirror had at the snapshot (0 for a row
+    # not running then); the rows running then and now, not set outright since, with a bound
+    # to settle, are settled.
+    lens = np.asarray(lens, dtype=np.int64)
+    lo, hi = np.where(snap.live, snap.lo, 0), np.where(snap.live, snap.hi, 0)
+    bad = np.flatnonzero((lens < lo) | (lens > hi))
+    if bad.size:
+        raise MirrorError(f"rows {bad.tolist()[:8]}: true lengths {lens[bad].tolist()[:8]} outside the mirror's "
+                          f"bounds [{lo[bad].tolist()[:8]}, {hi[bad].tolist()[:8]}] (a rollback below min_lens, or "
+                          f"a table call made around the mirror?)")
     same = snap.live & m.live & (snap.gen == m.gen) & (m.exact_at <= snap.seq) & (snap.lo != snap.hi)
     r = np.flatnonzero(same)
     if r.size:
-        true = np.asarray(lens, dtype=np.int64)[r]
-        bad = (true < snap.lo[r]) | (true > snap.hi[r])
-        if bad.any():
-            raise MirrorError(f"rows {r[bad].tolist()}: true lengths {true[bad].tolist()} outside the mirror's bounds "
-                              f"[{snap.lo[r][bad].tolist()}, {snap.hi[r][bad].tolist()}] (a rollback below min_lens?)")
+        true = lens[r]
         m.hi[r] -= snap.hi[r] - true
         settled = r[m.uncertain_at[r] <= snap.seq]
         m.lo[settled] = m.hi[settled]
