@@ -73,6 +73,19 @@ def test_the_inputs_the_table_makes_keep_their_memory_whatever_is_done_to_them(b
     run.table.pool.check()
 
 
+def test_assigning_a_bound_input_raises_instead_of_being_ignored(backend):
+    """``run.req_ids = new`` would leave the step reading the old memory: it raises, and names the fix."""
+    table = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend=backend), 4, 8)
+    made = table.bind_step(batch=2, release=1)
+    given = table.bind_step(i32([0, 1]), i32([1, 1]), max_tokens=4)
+    for run, name, value in ((made, "req_ids", np.array([0, 1], np.int32)), (made, "num_tokens", np.ones(2, np.int32)),
+                             (made, "release", np.array([0], np.int32)), (given, "req_ids", i32([2, 3]))):
+        with pytest.raises(AttributeError, match=rf"fill it in place \(run.{name}\[:\] = ...\)"):
+            setattr(run, name, value)
+    made.req_ids[:], made.num_tokens[:] = [0, 1], 1
+    assert made().kv_lens.tolist() == [1, 1]          # in place, as the message says
+
+
 def test_bind_step_takes_the_tensors_or_a_batch():
     table = tpool.PageTable(tpool.PagePool(16, 4, device="cpu", backend="reference", max_batch=8), 2, 4)
     for args, kw in (((), {}), ((i32([0]),), {}), ((i32([0]), i32([1])), {"batch": 1}), ((), {"batch": -1}),

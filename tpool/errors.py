@@ -105,8 +105,10 @@ HINTS = {
         "per lane, a decode step): pass max_tokens= the batch's total tokens for a prefill; "
         "flashinfer_csr/step write at most capacity page ids: pass a larger capacity (or None, always enough)."),
     L.ERR_BAD_REQUEST: (
-        "a page-table request id outside [0, max_requests) (and not the padding id -1); the lane was "
-        "skipped. Pass ids below max_requests, or a PageTable with a larger max_requests."),
+        "a page-table lane named a request it may not: an id outside [0, max_requests) (and not the padding "
+        "id -1), an id named twice in one call (every lane after its first), or a fork into a request "
+        "that is not empty (or from itself); the lane was skipped. Pass ids below max_requests (or make "
+        "the PageTable with a larger max_requests), each id once per call, and fork into released rows."),
     L.ERR_TABLE_OVERFLOW: (
         "a request would need more than max_pages_per_request pages; it failed and is unchanged. Make the "
         "PageTable with a larger max_pages_per_request (at least ceil(longest sequence / page_size)), or "

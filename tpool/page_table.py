@@ -159,6 +159,12 @@ class BoundStep(functools.partial):
         self.table, self.result, (self.req_ids, self.num_tokens, self.release) = table, result, held
         return self
 
+    def __setattr__(self, name, value):
+        if name in ("req_ids", "num_tokens", "release") and name in self.__dict__:
+            raise AttributeError(f"BoundStep.{name}: the step reads the memory it was bound to; fill it in place "
+                                 f"(run.{name}[:] = ...) instead of assigning a new array or tensor")
+        super().__setattr__(name, value)
+
     def __repr__(self):
         k = "" if self.release is None else f", release={len(self.release)}"
         return f"BoundStep(batch={self.result.ok.numel()}, max_tokens={self.result.slots.numel()}{k})"
