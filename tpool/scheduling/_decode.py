@@ -128,7 +128,8 @@ def check_rows(rows, live, scratch):
 @cached_njit(nogil=True)
 def truncate_accounting(st, rows, new_lens, ps, lookahead, unreserved, out):
     """Roll rows back to ``new_lens`` (int64 ``[B]``, each within ``[0, lo]``; else returns 1 and
-    writes nothing). Credits the pages past each new length that are surely the row's alone
+    writes nothing; 2, and nothing written, when a row would end inside one of its possibly-shared
+    pages: ``new_len < hi``, not a multiple of ``ps``, within the first ``shared`` pages). Credits the pages past each new length that are surely the row's alone
     (past its possibly-shared prefix), sets ``lo = hi = new length``, trims the shared prefix,
     then tops the reservations back up to the next ``lookahead`` tokens, in row order, from
     ``unreserved`` plus the pages credited. ``out`` (int64 ``[5]``) gets: pages credited,
@@ -138,8 +139,11 @@ def truncate_accounting(st, rows, new_lens, ps, lookahead, unreserved, out):
     B = rows.shape[0]
     shift = _shift(ps)
     for i in range(B):
-        if new_lens[i] < 0 or new_lens[i] > st[rows[i], LO]:
+        k, q = new_lens[i], rows[i]
+        if k < 0 or k > st[q, LO]:
             return 1
+        if k < st[q, HI] and k % ps != 0 and k // ps < st[q, SHARED]:
+            return 2
     back = 0
     unsure = 0
     for i in range(B):

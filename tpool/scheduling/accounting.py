@@ -53,6 +53,8 @@ class Accounting:
     def _prompts(self, prompt_lens, max_lens):
         """``prompt_lens`` and ``max_lens`` (default the capacity) as int64 arrays, checked before a
         call changes anything: one max_len per prompt, ``0 <= prompt <= max_len <= capacity``."""
+        if not len(prompt_lens) and (max_lens is None or not len(max_lens)):
+            return EMPTY, EMPTY  # a step with no admissions (most steps): nothing to check
         p = np.asarray(prompt_lens, dtype=np.int64).reshape(-1)
         lim = np.full(p.size, self.capacity, dtype=np.int64) if max_lens is None else \
             np.asarray(max_lens, dtype=np.int64).reshape(-1)

@@ -41,6 +41,9 @@ from tpool.scheduling.snapshot import MirrorSnapshot, reconcile
 __all__ = ["HostMirror", "WouldNotFit"]
 
 
+_WIDTHS_KEPT = 8  # step widths whose input tensors a mirror keeps (HostMirror._lane_tensors)
+
+
 def _bucket(tokens):
     """A call's token budget rounded up to a power of two: the table keeps one set of output
     buffers per shape, so a few shapes serve every batch instead of one per total."""
@@ -91,6 +94,8 @@ class HostMirror(MixedSteps, Accounting):
             free, cached = s["pages.free.current"], s["pages.cached.current"]
         super().__init__(table.max_requests, table.page_size, lookahead, table.max_pages * table.page_size,
                          free, cached)
+        # The inputs kept per width of decode, the mixed step and truncate (see _lane_tensors).
+        self._decode_inputs, self._step_inputs, self._truncate_inputs = {}, {}, {}
 
     # ------------------------------------------------------ calls (table + mirror)
     def _tensor(self, values):
@@ -98,6 +103,31 @@ class HostMirror(MixedSteps, Accounting):
         if self.device.type == "cpu":
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _lane_tensors(self, kept, ids, values):
+        """``ids`` and ``values`` (int numpy ``[w]``: a call's request ids and its per-lane counts
+        or lengths) written into the two int32 tensors ``kept`` holds for width ``w``, which it returns.
+
+        Consecutive calls of one width then pass the table the same two tensor objects: its
+        ``step`` runs them bound (it binds the inputs of the step before), and its other calls
+        find them checked, instead of checking new tensors every call. The next call of that
+        width rewrites them. At most ``_WIDTHS_KEPT`` widths are kept, the first made dropped first.
+        """
+        w = ids.shape[0]
+        entry = kept.get(w)
+        if entry is None:
+            if len(kept) >= _WIDTHS_KEPT:
+                del kept[next(iter(kept))]
+            host = (np.empty(w, np.int32), np.empty(w, np.int32))
+            dev = tuple(map(torch.from_numpy, host)) if self.device.type == "cpu" else \
+                tuple(torch.empty(w, dtype=torch.int32, device=self.device) for _ in host)
+            entry = kept[w] = (host, dev)
+        host, dev = entry
+        host[0][:], host[1][:] = ids, values
+        if self.device.type != "cpu":  # from fresh pinned copies: a copy in flight never sees a later write
+            for d, h in zip(dev, host):
+                d.copy_(torch.from_numpy(h).pin_memory(), non_blocking=True)
+        return dev
 
     def admit(self, prompt_lens, max_lens=None) -> list:
         """Admit requests with these prompts (one prefill ``extend``); returns their rows.
@@ -156,7 +186,7 @@ class HostMirror(MixedSteps, Accounting):
         dkey = (key, n.tobytes(), n.shape)
         if self._decode_key is None or self._decode_key[0] != dkey:  # same batch: same tensors (a bound step)
             ntok = np.broadcast_to(n, r.shape)
-            self._decode_key = (dkey, self._tensor(r), self._tensor(ntok), int(ntok.sum()))
+            self._decode_key = (dkey, *self._lane_tensors(self._decode_inputs, r, ntok), int(ntok.sum()))
         _, ids, ntok, total = self._decode_key
         return self.table.step(ids, ntok, max_tokens=_bucket(total) if n.ndim or n != 1 else None)
 
@@ -185,10 +215,12 @@ class HostMirror(MixedSteps, Accounting):
         r, _, _ = self._batch(rows, 0)
         nl = np.asarray(new_lens, dtype=np.int64).reshape(-1)
         out, ps = self._acct, self.page_size
-        if nl.shape == r.shape:  # checked before the accounting, which updates the rows
-            inside = (nl >= 0) & (nl < self.hi[r]) & (nl % ps != 0)  # a negative length: the range check below
-            self._refuse_shared_ends(r, inside & (nl // ps < self.shared[r]), "new_lens")
-        if nl.shape != r.shape or truncate_accounting(self._st, r, nl, ps, self.lookahead, self.unreserved, out):
+        code = 1 if nl.shape != r.shape else truncate_accounting(self._st, r, nl, ps, self.lookahead,
+                                                                 self.unreserved, out)
+        if code == 2:  # nothing written: name the rows (the same test as the accounting's)
+            self._refuse_shared_ends(r, (nl >= 0) & (nl < self.hi[r]) & (nl % ps != 0) & (nl // ps < self.shared[r]),
+                                     "new_lens")
+        if code:
             raise ValueError(f"new_lens: expected one per row within [0, lo], got {nl.tolist()} "
                              f"(lo {self.lo[r].tolist()})")
         self._seq += 1
@@ -199,7 +231,7 @@ class HostMirror(MixedSteps, Accounting):
         if unsure:
             self._free_inexact_at = self._seq
         self.exact_at[r] = self._seq
-        self.table.truncate(self._tensor(r), self._tensor(nl))
+        self.table.truncate(*self._lane_tensors(self._truncate_inputs, r, nl))
 
     def rollback(self, rows, new_lens: torch.Tensor, min_lens) -> None:
         """Truncate to lengths known only on the device (accepted speculative tokens).

@@ -27,7 +27,9 @@ class MixedStep(NamedTuple):
     rows : list of int, the rows of the admitted requests, in the order of ``prompt_lens``.
     result : StepResult, the table's.
     req_ids, num_tokens : torch.Tensor  shape ``[width]``, int32, on the table's device: the
-        step's inputs (lanes: the decode rows, then the admitted rows, then padding -1 / 0).
+        step's inputs (lanes: the decode rows, then the admitted rows, then padding -1 / 0). They
+        are the mirror's tensors for this width, rewritten by its next step of the same width
+        (so the table runs its steps bound): clone them to keep them.
     """
 
     rows: list
@@ -123,6 +125,6 @@ class MixedSteps:
             self._top_up(nr)
         ids[:b] = r
         ids[b:lanes] = new
-        ids_t, ntok_t = self._tensor(ids), self._tensor(ntok)
+        ids_t, ntok_t = self._lane_tensors(self._step_inputs, ids, ntok)
         t = max_tokens if max_tokens is not None else 1 << max(total - 1, 0).bit_length()
         return MixedStep(new, self.table.step(ids_t, ntok_t, max_tokens=t), ids_t, ntok_t)
