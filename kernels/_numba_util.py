@@ -92,8 +92,9 @@ def copy8_i32(typingctx, dst_addr, src_addr):
 
 @intrinsic
 def fetch_add_i64(typingctx, addr, n):
-    """Atomically add ``n`` to the int64 at ``addr``; returns the value before. Two threads
-    bumping the same counter (numba kernels release the GIL) each get their own value."""
+    """Atomically add ``n`` to the int64 at ``addr``; returns the value before. Two callers
+    bumping the same counter at once (threads, or kernels compiled without the GIL) each get
+    their own value."""
     sig = types.int64(types.int64, types.int64)
 
     def codegen(context, builder, signature, args):
@@ -173,7 +174,7 @@ def new_version(td):
     tpool calls or a whole-state restore) keep their version: call
     ``PageTable.invalidate_csr`` after such edits.
     """
-    version = fetch_add_i64(td[TD_VERSION_SOURCE], 1) + 1  # atomic: kernels run without the GIL
+    version = fetch_add_i64(td[TD_VERSION_SOURCE], 1) + 1  # atomic: safe whether or not a kernel holds the GIL
     i64_cell(td[TD_VERSION])[0] = version
     return version
 

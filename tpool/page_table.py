@@ -810,7 +810,8 @@ class PageTable:
         req_ids : torch.Tensor
             shape ``[B]``, int32, on the table's device: the batch the step would run.
         max_tokens, capacity : int, optional
-            As in :meth:`step` (they pick the buffers).
+            As in :meth:`step`; the CSR buffers depend on the batch size and ``capacity`` only
+            (``max_tokens`` is taken so a call can pass the step's own arguments).
 
         Returns
         -------

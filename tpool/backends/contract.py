@@ -2,7 +2,9 @@
 
 Note: the façade (``PagePool``, ``PageTable``) checks every input from
 tensor metadata, owns every output buffer, and then calls one of these
-methods; a backend never validates and never allocates on the hot path.
+methods; a backend never allocates on the hot path, and validates only what
+the façade leaves to it (numba's hot calls check in compiled code that an
+input shares no memory with what they write: ``checks_overlap``).
 All tensors are on the pool's device; ids and counts are int32 ``[B]``
 vectors, contiguous, with -1 as padding.
 

@@ -22,6 +22,7 @@ and taking back the GIL would cost more than these kernels' short runs gain.
 import functools
 import hashlib
 import os
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -34,7 +35,7 @@ from tpool.kernels import alloc, block_table_rows, evict, extend, flashinfer_csr
 from tpool.kernels import layout as L
 from tpool.kernels import touch
 from tpool.kernels._numba_util import restamp_table, stamp_rows
-from tpool.state import CsrMemo
+from tpool.state import CsrMemo, fixed_full
 
 _i64, _flag, _desc = numba.types.int64, numba.types.boolean, numba.types.int64[::1]
 
@@ -42,7 +43,8 @@ _i64, _flag, _desc = numba.types.int64, numba.types.boolean, numba.types.int64[:
 # outside every table's state, so never restored with a snapshot, and started at a random 62-bit
 # value, so versions do not repeat across tables or processes (a state copied in from another
 # table or a checkpoint brings a version this process's tables have not used). int64 [1].
-VERSION_SOURCE = torch.tensor([int.from_bytes(os.urandom(8), "little") >> 2], dtype=torch.int64)
+# Over numpy memory (``fixed_full``): every table descriptor holds its address, so it must never be resized.
+VERSION_SOURCE = fixed_full(1, int.from_bytes(os.urandom(8), "little") >> 2, torch.int64, torch.device("cpu"))
 
 
 @functools.cache
@@ -168,9 +170,14 @@ def alloc_descriptor(sd: np.ndarray, out) -> np.ndarray:
 def table_descriptor(ts) -> np.ndarray:
     """The int64 descriptor of a ``TableState`` (``TD_*`` slots; built once per table)."""
     assert ts.version.dtype == ts.row_version.dtype == torch.int64
-    return np.array([_addr(ts.block_table), ts.max_requests, ts.max_pages, _addr(ts.seq_lens), _addr(ts.claim),
-                     ts.page_size, _addr(ts.version), VERSION_SOURCE.data_ptr(), _addr(ts.row_version)],
-                    dtype=np.int64)
+    d = np.zeros(L.TABLE_DESC_LEN, np.int64)
+    for slot, value in ((L.TD_BLOCK_TABLE, _addr(ts.block_table)), (L.TD_REQUESTS, ts.max_requests),
+                        (L.TD_MAX_PAGES, ts.max_pages), (L.TD_SEQ_LENS, _addr(ts.seq_lens)),
+                        (L.TD_CLAIM, _addr(ts.claim)), (L.TD_PAGE_SIZE, ts.page_size),
+                        (L.TD_VERSION, _addr(ts.version)), (L.TD_VERSION_SOURCE, VERSION_SOURCE.data_ptr()),
+                        (L.TD_ROW_VERSION, _addr(ts.row_version))):
+        d[slot] = value
+    return d
 
 
 def call_descriptor(td, sd, slots=None, ok=None, csr=None, memo=None, inputs=None, meta=None) -> np.ndarray:
@@ -219,6 +226,13 @@ def _own_ranges(tensors) -> np.ndarray:
 
 def _with_ranges(desc, tensors) -> np.ndarray:
     return np.concatenate([desc, storage_ranges(tensors)])
+
+
+class _ExtendBuffers(NamedTuple):
+    """An extend's outputs, as ``extend_into`` takes them (an ``ExtendResult``'s fields)."""
+
+    slots: torch.Tensor
+    ok: torch.Tensor
 
 
 def _raise_overlap(code, names):
@@ -370,8 +384,8 @@ class Table:
         self._release = None  # compiled at the first release
 
     def extend(self, req_ids, num_tokens, slots, ok):
-        cd = call_descriptor(self.td, self.sd, slots=slots, ok=ok)
-        kernel(extend.extend_numba_entry)(req_ids.data_ptr(), num_tokens.data_ptr(), req_ids.numel(), cd)
+        # The contract's unbound form (the façade binds its buffers): through the guarded call, as bound.
+        self.extend_into(_ExtendBuffers(slots, ok))(req_ids, num_tokens, req_ids.numel())
 
     def _written(self, *outputs):
         return [*self.st.tensors().values(), *self.ts.tensors().values(), *outputs]

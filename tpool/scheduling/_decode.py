@@ -46,8 +46,8 @@ def decode_accounting(st, rows, n, n_scalar, ps, lookahead, unreserved, out):
     takes each row's pages from its reservation first, advances ``lo``/``hi`` and tops
     the reservation back up to the next ``lookahead`` tokens, in row order, from what
     is left unreserved. ``out`` (int64 ``[5]``) gets: pages taken, reserved pages used,
-    reserved pages granted, 1 if every row got its full reservation, else 0; ``out[4]``
-    1 if some row has ``lo != hi``.
+    reserved pages granted, 1 if every row got its full reservation (else 0), and 1 if
+    some row has ``lo != hi`` (else 0).
     """
     B = rows.shape[0]
     shift = _shift(ps)
@@ -127,14 +127,17 @@ def check_rows(rows, live, scratch):
 
 @cached_njit(nogil=True)
 def truncate_accounting(st, rows, new_lens, ps, lookahead, unreserved, out):
-    """Roll rows back to ``new_lens`` (int64 ``[B]``, each within ``[0, lo]``; else returns 1 and
-    writes nothing; 2, and nothing written, when a row would end inside one of its possibly-shared
-    pages: ``new_len < hi``, not a multiple of ``ps``, within the first ``shared`` pages). Credits the pages past each new length that are surely the row's alone
-    (past its possibly-shared prefix), sets ``lo = hi = new length``, trims the shared prefix,
-    then tops the reservations back up to the next ``lookahead`` tokens, in row order, from
+    """Roll rows back to ``new_lens`` (int64 ``[B]``, each within ``[0, lo]``).
+
+    Returns 1 (nothing written) when a length is out of that range, 2 (nothing written)
+    when a row would end inside one of its possibly-shared pages (``new_len < hi``, not a
+    multiple of ``ps``, within its first ``shared`` pages), else 0: it credits the pages
+    past each new length that are surely the row's alone (past its possibly-shared
+    prefix), sets ``lo = hi = new length``, trims the shared prefix, then tops the
+    reservations back up to the next ``lookahead`` tokens, in row order, from
     ``unreserved`` plus the pages credited. ``out`` (int64 ``[5]``) gets: pages credited,
     reserved pages granted, 1 if a credit may be short (a length was uncertain or a shared
-    prefix was cut). Returns 0.
+    prefix was cut).
     """
     B = rows.shape[0]
     shift = _shift(ps)
