@@ -17,6 +17,12 @@ def _cdiv(a, ps):
     return (a + (ps - 1)) // ps
 
 
+def _bucket(tokens):
+    """A call's token budget rounded up to a power of two: the table keeps one set of output
+    buffers per shape, so a few shapes serve every batch instead of one per total."""
+    return 1 << max(tokens - 1, 0).bit_length()
+
+
 class Accounting:
     """Host state of a mirror over ``R`` table rows of at most ``capacity`` tokens each.
 

@@ -34,7 +34,7 @@ import torch
 
 from tpool import _checks
 from tpool.scheduling._decode import EMPTY, NO_ROOM, PAST_MAX_LEN, decode_accounting, truncate_accounting
-from tpool.scheduling.accounting import Accounting, WouldNotFit, _cdiv
+from tpool.scheduling.accounting import Accounting, WouldNotFit, _bucket, _cdiv
 from tpool.scheduling.mixed import MixedSteps
 from tpool.scheduling.snapshot import MirrorSnapshot, reconcile
 
@@ -42,12 +42,6 @@ __all__ = ["HostMirror", "WouldNotFit"]
 
 
 _WIDTHS_KEPT = 8  # step widths whose input tensors a mirror keeps (HostMirror._lane_tensors)
-
-
-def _bucket(tokens):
-    """A call's token budget rounded up to a power of two: the table keeps one set of output
-    buffers per shape, so a few shapes serve every batch instead of one per total."""
-    return 1 << max(tokens - 1, 0).bit_length()
 
 
 class HostMirror(MixedSteps, Accounting):

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tpool.scheduling._decode import EMPTY, FITS, NO_ROOM, PAST_MAX_LEN, decode_accounting
-from tpool.scheduling.accounting import WouldNotFit, _cdiv
+from tpool.scheduling.accounting import WouldNotFit, _bucket, _cdiv
 
 
 class MixedStep(NamedTuple):
@@ -126,5 +126,5 @@ class MixedSteps:
         ids[:b] = r
         ids[b:lanes] = new
         ids_t, ntok_t = self._lane_tensors(self._step_inputs, ids, ntok)
-        t = max_tokens if max_tokens is not None else 1 << max(total - 1, 0).bit_length()
+        t = max_tokens if max_tokens is not None else _bucket(total)
         return MixedStep(new, self.table.step(ids_t, ntok_t, max_tokens=t), ids_t, ntok_t)
