@@ -215,6 +215,7 @@ def test_step_on_the_same_tensors_binds_them_and_still_checks_them(make_table, g
     """table.step with the same two tensor objects each step (filled in place) runs bound from
     the second step on; resized, reassigned or retyped tensors are checked like new ones."""
     tables = [make_table(64, 4, 4, 8) for _ in range(2)]
+    assert tables[0].step_binding is None           # no step yet
     ids, ntok = i32([0, 1, 2, -1]), i32([5, 2, 9, 0])
     rng = random.Random(5)
     for _ in range(10):

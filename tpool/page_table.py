@@ -268,7 +268,7 @@ class PageTable:
         # The inputs the last call checked (see _ids, _lanes), and the last step's (req_ids, num_tokens,
         # max_tokens, capacity, BoundStep or None) (see step).
         self._seen_ids, self._seen_lanes = (_checks.UNCHECKED,) * 4, (_checks.UNCHECKED,) * 8
-        self._repeat = (_checks.UNCHECKED,) * 5
+        self._repeat = (*(_checks.UNCHECKED,) * 4, None)  # None: no BoundStep yet (step_binding)
 
     def __reduce_ex__(self, protocol):
         raise TypeError("a PageTable cannot be copied or pickled: its kernels are bound to the addresses of "

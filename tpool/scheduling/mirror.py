@@ -180,6 +180,7 @@ class HostMirror(MixedSteps, Accounting):
         dkey = (key, n.tobytes(), n.shape)
         if self._decode_key is None or self._decode_key[0] != dkey:  # same batch: same tensors (a bound step)
             ntok = np.broadcast_to(n, r.shape)
+            self._decode_key = None  # the kept tensors are rewritten next: no key may name their old batch
             self._decode_key = (dkey, *self._lane_tensors(self._decode_inputs, r, ntok), int(ntok.sum()))
         _, ids, ntok, total = self._decode_key
         return self.table.step(ids, ntok, max_tokens=_bucket(total) if n.ndim or n != 1 else None)
