@@ -86,6 +86,43 @@ def test_assigning_a_bound_input_raises_instead_of_being_ignored(backend):
     assert made().kv_lens.tolist() == [1, 1]          # in place, as the message says
 
 
+def test_two_bound_steps_into_two_step_outs_alternate_as_plain_steps(backend, guard):
+    """Overlap scheduling, bound: two input sets, two StepOuts; each run writes its own outputs,
+    leaves the other's alone, and gives what plain steps of the same batches give."""
+    table = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend=backend), 4, 8)
+    ref = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend="reference"), 4, 8)
+    outs = [table.step_out(2, max_tokens=8) for _ in range(2)]
+    ids = [i32([0, 1]), i32([2, -1])]
+    ntok = [i32([3, 5]), i32([6, 0])]
+    runs = [table.bind_step(ids[0], ntok[0], out=outs[0]), table.bind_step(batch=2, out=outs[1], release=1)]
+    runs[1].req_ids[:], runs[1].num_tokens[:] = [2, -1], [6, 0]
+    fields = lambda r: [t.tolist() for t in (r.slots, r.ok, *r.csr, r.positions, r.qo_indptr, r.kv_lens)]
+    for k in range(8):
+        i = k % 2
+        if k == 5:  # request 0 finishes; request 3 joins in its lane of the other input set
+            runs[1].release[0] = 0
+            runs[1].req_ids[1], runs[1].num_tokens[1] = 3, 2
+            ref.release(i32([0]))
+        other = fields(outs[1 - i].result)
+        with guard():
+            got = runs[i]()
+        lanes = (ids[0], ntok[0]) if i == 0 else tuple(map(torch.from_numpy, (runs[1].req_ids, runs[1].num_tokens)))
+        want = ref.step(lanes[0].clone(), lanes[1].clone(), max_tokens=8)
+        assert got is outs[i].result and fields(got) == fields(want)
+        assert fields(outs[1 - i].result) == other          # the other StepOut is as the forward left it
+        ntok[0].fill_(1)
+        if k >= 1:
+            runs[1].num_tokens[:] = [1, 1 if k >= 5 else 0]
+    assert table.seq_lens.tolist() == ref.seq_lens.tolist()
+    with pytest.raises(ValueError, match=r"max_tokens: expected 8 \(the StepOut's\), got 16"):
+        table.bind_step(ids[0], ntok[0], max_tokens=16, out=outs[0])
+    with pytest.raises(ValueError, match=r"batch: expected 2 \(the StepOut's\), got 3"):
+        table.bind_step(batch=3, out=outs[0])
+    other = tpool.PageTable(table.pool, 4, 8)
+    with pytest.raises(ValueError, match="one from another table"):
+        other.bind_step(batch=2, out=outs[0])
+
+
 def test_bind_step_takes_the_tensors_or_a_batch():
     table = tpool.PageTable(tpool.PagePool(16, 4, device="cpu", backend="reference", max_batch=8), 2, 4)
     for args, kw in (((), {}), ((i32([0]),), {}), ((i32([0]), i32([1])), {"batch": 1}), ((), {"batch": -1}),

@@ -127,7 +127,7 @@ class BoundStep(functools.partial):
     """
 
     def __new__(cls, table, req_ids, num_tokens, max_tokens, capacity, fixed=False, release=None,
-                release_cache=False):
+                release_cache=False, out=None):
         held = (req_ids, num_tokens, release)
         if fixed:  # numpy arrays: the step reads tensors of its own over their memory
             req_ids, num_tokens = torch.from_numpy(req_ids), torch.from_numpy(num_tokens)
@@ -136,13 +136,17 @@ class BoundStep(functools.partial):
             table._ids(release, "release")
             if not isinstance(release_cache, (bool, np.bool_)):
                 raise ValueError(f"release_cache: expected a bool, got {_checks._describe(release_cache)}")
-        b, entry = table._step_shape(req_ids, num_tokens, max_tokens, capacity)
-        if not table._check_written:  # numba checks each unbound step in compiled code, a bound one only here
-            table._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))
+        if out is None:
+            b, entry = table._step_shape(req_ids, num_tokens, max_tokens, capacity)
+            result, memo, written = entry[0], entry[2], entry[3]
+            if not table._check_written:  # numba checks each unbound step in compiled code, a bound one only here
+                table._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))
+        else:  # the caller's buffers (checked against the inputs there)
+            b = table._into_out(req_ids, num_tokens, max_tokens, capacity, out)
+            result, memo, written = out.result, out.memo, out._written
         if release is not None:
             # Each call writes release (sets it to -1): it may share memory with nothing the step reads or writes.
-            _checks.check_not_written(release, "release", entry[3] | _checks.written_storages([req_ids, num_tokens]))
-        result, memo = entry[0], entry[2]
+            _checks.check_not_written(release, "release", written | _checks.written_storages([req_ids, num_tokens]))
         run = table.ops.bind_step(result, memo, req_ids, num_tokens, b, release, bool(release_cache))
         if fixed:  # memory that cannot move or go away: nothing to check per call
             run.fixed = held
@@ -470,16 +474,7 @@ class PageTable:
             b, entry = self._step_shape(req_ids, num_tokens, max_tokens, capacity)
             run, result, written = entry[1], entry[0], entry[3]
         else:
-            if type(out) is not StepOut or out.table is not self:
-                raise ValueError(f"out: expected a StepOut from this table's step_out(), got "
-                                 f"{'one from another table' if type(out) is StepOut else type(out).__name__}")
-            b = self._lanes(req_ids, num_tokens)
-            for name, given, have in (("batch", b, out.batch), ("max_tokens", max_tokens, out.max_tokens),
-                                      ("capacity", capacity, out.capacity)):
-                if given is not None and given != have:
-                    raise ValueError(f"{name}: expected {have} (the StepOut's), got {given}")
-            for name, t in (("req_ids", req_ids), ("num_tokens", num_tokens)):
-                _checks.check_not_written(t, name, out._written)
+            b = self._into_out(req_ids, num_tokens, max_tokens, capacity, out)
             run, result, written = out._run, out.result, out._written
         if release is None:
             run(req_ids, num_tokens, b)
@@ -492,6 +487,22 @@ class PageTable:
             _checks.check_not_written(release, "release", written)
         run(req_ids, num_tokens, b, release, bool(release_cache))
         return result
+
+    def _into_out(self, req_ids, num_tokens, max_tokens, capacity, out) -> int:
+        """The batch size of a step into ``out`` (a :class:`StepOut` of this table), its inputs checked
+        against it: the batch, and ``max_tokens`` and ``capacity`` when given, are the StepOut's, and
+        no input shares memory with what the step writes."""
+        if type(out) is not StepOut or out.table is not self:
+            raise ValueError(f"out: expected a StepOut from this table's step_out(), got "
+                             f"{'one from another table' if type(out) is StepOut else type(out).__name__}")
+        b = self._lanes(req_ids, num_tokens)
+        for name, given, have in (("batch", b, out.batch), ("max_tokens", max_tokens, out.max_tokens),
+                                  ("capacity", capacity, out.capacity)):
+            if given is not None and given != have:
+                raise ValueError(f"{name}: expected {have} (the StepOut's), got {given}")
+        for name, t in (("req_ids", req_ids), ("num_tokens", num_tokens)):
+            _checks.check_not_written(t, name, out._written)
+        return b
 
     def step_out(self, batch: int, *, max_tokens: int | None = None, capacity: int | None = None) -> StepOut:
         """Caller-owned outputs for ``step(..., out=)``: make two to overlap scheduling with the forward.
@@ -537,7 +548,8 @@ class PageTable:
 
     def bind_step(self, req_ids: torch.Tensor | None = None, num_tokens: torch.Tensor | None = None, *,
                   batch: int | None = None, max_tokens: int | None = None, capacity: int | None = None,
-                  release: "torch.Tensor | int | None" = None, release_cache: bool = False) -> "BoundStep":
+                  release: "torch.Tensor | int | None" = None, release_cache: bool = False,
+                  out: StepOut | None = None) -> "BoundStep":
         """:meth:`step` on fixed input tensors, checked once; call the result every step.
 
         For a decode loop that keeps its inputs in persistent tensors and fills them in
@@ -581,12 +593,18 @@ class PageTable:
             with the other inputs or with what the step writes.
         release_cache : bool
             As in :meth:`step`.
+        out : StepOut, optional
+            Write into these caller-owned outputs (:meth:`step_out`) instead of the table's
+            buffers of this shape: bind two steps on two input sets and two StepOuts and
+            alternate them, so step N+1 is prepared while the forward still reads step N's
+            outputs (overlap scheduling, bound). Its batch, and ``max_tokens`` and
+            ``capacity`` when given, must be the StepOut's.
 
         Returns
         -------
         BoundStep
             ``run()`` performs the step and returns the table-owned :class:`StepResult`
-            of this shape (the same buffers as ``step`` returns).
+            of this shape (the same buffers as ``step`` returns), or ``out.result``.
 
         Example
         -------
@@ -617,7 +635,7 @@ class PageTable:
                 raise ValueError(f"release: expected an int32 tensor with req_ids and num_tokens (an int K with "
                                  f"batch=B), got {_checks._describe(release)}")
             return BoundStep(self, req_ids, num_tokens, max_tokens, capacity, release=release,
-                             release_cache=release_cache)
+                             release_cache=release_cache, out=out)
         if req_ids is not None or num_tokens is not None:
             raise ValueError("bind_step: expected req_ids and num_tokens, or batch=B alone, got both")
         b = _checks.check_size(batch, "batch", 0)
@@ -635,11 +653,11 @@ class PageTable:
             ids, ntok = np.full(b, -1, dtype=np.int32), np.zeros(b, dtype=np.int32)
             rel = None if k is None else np.full(k, -1, dtype=np.int32)
             return BoundStep(self, ids, ntok, max_tokens, capacity, fixed=True, release=rel,
-                             release_cache=release_cache)
+                             release_cache=release_cache, out=out)
         fill = dict(dtype=torch.int32, device=self.device)
         rel = None if k is None else torch.full((k,), -1, **fill)
         return BoundStep(self, torch.full((b,), -1, **fill), torch.zeros(b, **fill), max_tokens, capacity,
-                         release=rel, release_cache=release_cache)
+                         release=rel, release_cache=release_cache, out=out)
 
     def release(self, req_ids: torch.Tensor, *, cache: bool = False) -> None:
         """Drop every page reference of these requests and reset their rows.
