@@ -24,9 +24,16 @@ from ._triton_util import (CACHED_COUNT, ERR_CORRUPT_STATE, ERR_DOUBLE_FREE, ERR
                            raise_peaks, apply_free, settings, store_counters, tick)
 
 
+@numba.njit(nogil=True, inline="always")
+def _new_len(new_lens, i, length, drop):
+    """Lane ``i``'s length after the call: ``new_lens[i]``, or with ``drop`` the row's ``length``
+    less ``new_lens[i]`` tokens (int64: no wrap whatever the drop)."""
+    return np.int64(length) - new_lens[i] if drop else np.int64(new_lens[i])
+
+
 @numba.njit(nogil=True)
 def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens, claim,
-               free_stack, refcount, page_state, stamp, counters, occur, keys):
+               free_stack, refcount, page_state, stamp, counters, occur, keys, drop=False):
     R = block_table.shape[0]
     counters[L.CLOCK] += 1
     clock = counters[L.CLOCK]
@@ -38,8 +45,8 @@ def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens,
             counters[L.ERR_CORRUPT_STATE] += 1  # a corrupt length: the row is left alone
             claim[ids[i]] = -1
         elif lane_valid(ids, i, R, claim) and use_lens:
-            n = new_lens[i]
             length = seq_lens[ids[i]]
+            n = _new_len(new_lens, i, length, drop)
             if n < 0 or n > length:
                 counters[L.ERR_BAD_LENGTH] += 1
                 claim[ids[i]] = -1
@@ -54,7 +61,7 @@ def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens,
     count = 0
     for i in range(B):  # how many entries are dropped
         if lane_valid(ids, i, R, claim):
-            keep = (new_lens[i] + page_size - 1) // page_size if use_lens else 0
+            keep = (_new_len(new_lens, i, seq_lens[ids[i]], drop) + page_size - 1) // page_size if use_lens else 0
             count += max(0, (seq_lens[ids[i]] + page_size - 1) // page_size - keep)
     # The pool's eviction scratch holds the dropped entries unless pages shared between
     # the released rows make them more than the pool has pages.
@@ -63,7 +70,7 @@ def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens,
     for i in range(B):  # gather them lane by lane, in table order; reset the entries
         if lane_valid(ids, i, R, claim):
             r = ids[i]
-            keep_tokens = new_lens[i] if use_lens else 0
+            keep_tokens = _new_len(new_lens, i, seq_lens[r], drop) if use_lens else 0
             for k in range((keep_tokens + page_size - 1) // page_size, (seq_lens[r] + page_size - 1) // page_size):
                 dropped[j] = block_table[r, k]
                 block_table[r, k] = L.NULL_PAGE
@@ -99,8 +106,9 @@ def release_numba(
 @numba.njit(nogil=True)
 def truncate_numba(
     req_ids_ptr,  # address of int32 [B], request ids, -1 = padding
-    lens_ptr,     # address of int32 [B], new lengths
+    lens_ptr,     # address of int32 [B], new lengths (with ``drop``: tokens to remove)
     B,            # batch size
+    drop,         # bool: lens are tokens to remove from each request's end
     page_size,    # tokens per page
     block_table,  # int32 [R, MP]
     seq_lens,     # int32 [R]
@@ -114,7 +122,7 @@ def truncate_numba(
     keys,         # int64 [P] scratch
 ):
     _drop_tail(i32_array(req_ids_ptr, B), i32_array(lens_ptr, B), True, False, page_size, block_table,
-               seq_lens, claim, free_stack, refcount, page_state, stamp, counters, occur, keys)
+               seq_lens, claim, free_stack, refcount, page_state, stamp, counters, occur, keys, drop)
 
 
 @numba.njit(nogil=True)
@@ -127,13 +135,13 @@ def release_numba_entry(req_ids_ptr, B, cache, cd):
 
 
 @numba.njit(nogil=True)
-def truncate_numba_entry(req_ids_ptr, lens_ptr, B, cd):
+def truncate_numba_entry(req_ids_ptr, lens_ptr, B, drop, cd):
     """``truncate_numba`` with table and pool state in the call descriptor ``cd`` (fast dispatch)."""
     bt, lens, claim, ps = table_arrays(cd[:CD_STATE])
     stamp_rows(cd[:CD_STATE], req_ids_ptr, B)
     stack, rc, state, stamp, counters, occur, keys = state_arrays(cd[CD_STATE:CD_OUT])
-    truncate_numba(req_ids_ptr, lens_ptr, B, ps, bt, lens, claim, stack, rc, state, stamp, counters, occur,
-                   keys)
+    truncate_numba(req_ids_ptr, lens_ptr, B, drop, ps, bt, lens, claim, stack, rc, state, stamp, counters,
+                   occur, keys)
 
 
 # ---------------------------------------------------------------------- Triton

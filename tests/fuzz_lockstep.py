@@ -82,7 +82,8 @@ def gen_op(rng: random.Random, cfg: dict, edits: bool) -> tuple:
     if kind == "release":
         return (kind, _ids(rng, cfg, b), rng.random() < 0.4)
     if kind == "truncate":
-        return (kind, _ids(rng, cfg, b), [rng.randint(-1, MP * cfg["page_size"]) for _ in range(b)])
+        # absolute lengths, or tokens to drop from each request's end (speculative decoding)
+        return (kind, _ids(rng, cfg, b), [rng.randint(-1, MP * cfg["page_size"]) for _ in range(b)], rng.random() < 0.5)
     if kind == "fork":
         lens = [rng.randint(-1, MP * cfg["page_size"]) for _ in range(b)]
         return (kind, _ids(rng, cfg, b), _ids(rng, cfg, b), lens)
@@ -177,7 +178,10 @@ class System:
             elif kind == "release":
                 table.release(i32(op[1]), cache=op[2])
             elif kind == "truncate":
-                table.truncate(i32(op[1]), i32(op[2]))
+                if op[3]:
+                    table.truncate(i32(op[1]), drop=i32(op[2]))
+                else:
+                    table.truncate(i32(op[1]), i32(op[2]))
             elif kind == "fork":
                 return [t.clone() for t in table.fork(i32(op[1]), i32(op[2]), i32(op[3]))]
             elif kind == "edit":

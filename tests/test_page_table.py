@@ -397,6 +397,19 @@ def test_truncate_by_tokens_to_drop_matches_the_absolute_form(make_table, guard)
         tables[0].truncate(i32([0]))
     with pytest.raises(ValueError, match="exactly one of new_lens and drop"):
         tables[0].truncate(i32([0]), i32([1]), drop=i32([1]))
+    # A negative drop, one past int32 when subtracted, and a repeated id: bad lengths / a bad request,
+    # the rows unchanged, on every backend (the new length is worked out in the call, in int64).
+    for t in tables:
+        t.pool.check_invariants()
+        t.extend(i32([2]), i32([7]), max_tokens=7)
+    with guard():
+        tables[0].truncate(i32([0, 2, 2]), drop=i32([-1, -(2**31), 3]))
+    assert tables[0].seq_lens.tolist() == [6, 5, 7, 0]
+    with pytest.raises(tpool.PoolError) as err:
+        tables[0].pool.check()
+    assert "bad_length: 2" in str(err.value) and "bad_request: 1" in str(err.value)
+    with pytest.raises(ValueError, match="drop: shares memory"):
+        tables[0].truncate(i32([0]), drop=tables[0].seq_lens[:1])   # the call writes seq_lens
 
 
 def test_step_into_caller_owned_outputs(make_table, guard):

@@ -97,8 +97,9 @@ class TableOps(Protocol):
     def release(self, req_ids: Tensor, cache: bool) -> None:
         """Drop every page reference of these requests and reset their rows."""
 
-    def truncate(self, req_ids: Tensor, new_lens: Tensor) -> None:
-        """Roll requests back to ``new_lens`` tokens, freeing the pages past them."""
+    def truncate(self, req_ids: Tensor, new_lens: Tensor, drop: bool = False) -> None:
+        """Roll requests back to ``new_lens`` tokens (with ``drop``: by ``new_lens`` tokens, from the
+        length each has as the call starts), freeing the pages past them."""
 
     def fork(self, src_ids: Tensor, dst_ids: Tensor, lens: Tensor, ok: Tensor, cow_src: Tensor,
              cow_dst: Tensor) -> None:

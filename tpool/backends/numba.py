@@ -449,8 +449,9 @@ class Table:
             self._release = entry_point(release.release_numba_entry, _i64, _i64, _flag, _desc)
         self._release(req_ids.data_ptr(), req_ids.numel(), cache, self.cd)
 
-    def truncate(self, req_ids, new_lens):
-        kernel(release.truncate_numba_entry)(req_ids.data_ptr(), new_lens.data_ptr(), req_ids.numel(), self.cd)
+    def truncate(self, req_ids, new_lens, drop=False):
+        kernel(release.truncate_numba_entry)(req_ids.data_ptr(), new_lens.data_ptr(), req_ids.numel(), bool(drop),
+                                             self.cd)
 
     def fork(self, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
         kernel(fork.fork_numba_entry)(src_ids.data_ptr(), dst_ids.data_ptr(), lens.data_ptr(), dst_ids.numel(),

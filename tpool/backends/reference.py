@@ -287,8 +287,8 @@ class Table(BoundByTensors):
         reference_table.release(self.st, self.ts, req_ids, cache)
 
     @locked
-    def truncate(self, req_ids, new_lens):
-        reference_table.truncate(self.st, self.ts, req_ids, new_lens)
+    def truncate(self, req_ids, new_lens, drop=False):
+        reference_table.truncate(self.st, self.ts, req_ids, new_lens, drop)
 
     @locked
     def fork(self, src_ids, dst_ids, lens, ok, cow_src, cow_dst):

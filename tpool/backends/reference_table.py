@@ -172,7 +172,9 @@ def release(st, ts, req_ids, cache):
     _drop_tail(st, ts, rr, valid & lok, torch.zeros_like(rr), cache)
 
 
-def truncate(st, ts, req_ids, new_lens):
+def truncate(st, ts, req_ids, new_lens, drop=False):
+    """``new_lens``: each lane's length after the call, or with ``drop`` the tokens to remove
+    from its end (the new length is then the row's length less that, read as the call starts)."""
     c = st.counters
     c[L.CLOCK] += 1
     if req_ids.numel() == 0:
@@ -182,8 +184,8 @@ def truncate(st, ts, req_ids, new_lens):
     lok = length_ok(ts, ts.seq_lens[rr].long())
     c[L.ERR_CORRUPT_STATE] += (valid & ~lok).sum()
     valid = valid & lok
-    n = new_lens.long()
     length = ts.seq_lens[rr].long()
+    n = length - new_lens.long() if drop else new_lens.long()
     badlen = valid & ((n < 0) | (n > length))
     badlen = badlen | (valid & ~badlen & ends_in_shared_page(st, ts, rr, n, length))
     c[L.ERR_BAD_LENGTH] += badlen.sum()

@@ -47,16 +47,18 @@ class Table(BoundByTensors):
         release.release_triton(req_ids, cache, self.st, self.ts)
 
     @locked
-    def truncate(self, req_ids, new_lens):
+    def truncate(self, req_ids, new_lens, drop=False):
         # A lane that would end inside a shared page gets length -1 (a bad_length), decided on
         # the reference counts as the call starts (the kernel's frees change them): a few
-        # gathers, no host read.
+        # gathers, no host read. A drop becomes a length in the same gathers.
         st, ts = self.st, self.ts
         if req_ids.numel():
             rr = req_ids.long().clamp(0, ts.block_table.shape[0] - 1)  # bad ids, padding: skipped by the kernel
-            n = new_lens.long()
-            shared = ends_in_shared_page(st, ts, rr, n, ts.seq_lens[rr].long())
-            new_lens = torch.where(shared, -1, n).to(torch.int32)
+            length = ts.seq_lens[rr].long()
+            n = length - new_lens.long() if drop else new_lens.long()
+            shared = ends_in_shared_page(st, ts, rr, n, length)
+            # -1 (a bad_length) for a length outside [0, length] too: no int32 wrap can make it valid
+            new_lens = torch.where(shared | (n < 0) | (n > length), -1, n).to(torch.int32)
         release.truncate_triton(req_ids, new_lens, st, ts)
 
     @locked
