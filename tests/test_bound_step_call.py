@@ -123,6 +123,35 @@ def test_two_bound_steps_into_two_step_outs_alternate_as_plain_steps(backend, gu
         other.bind_step(batch=2, out=outs[0])
 
 
+@pytest.mark.parametrize("drop", ["step_out", "shape"])
+def test_a_bound_step_keeps_its_csr_memo_where_invalidate_csr_finds_it(backend, drop):
+    """The table reaches CSR memos through a weak set: a bound step whose StepOut the caller
+    dropped, or whose shape the table let go (max_shapes=1), must keep its memo in it, or an
+    invalidate_csr after a hand edit misses it and a restored snapshot grows a stale CSR."""
+    import gc
+    from tpool.graphs import state_tensors
+    fields = lambda r: [t.tolist() for t in (r.slots, r.ok, *r.csr, r.positions, r.qo_indptr, r.kv_lens)]
+    table = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend=backend), 4, 8, max_shapes=1)
+    ref = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend="reference"), 4, 8)
+    ids, ntok = i32([0, 1]), i32([3, 5])
+    run = table.bind_step(ids, ntok, **({"out": table.step_out(2, max_tokens=8)} if drop == "step_out" else {}))
+    if drop == "shape":
+        table.step(i32([2]), i32([1]))   # another shape: the bound one is dropped from the table's buffers
+        ref.step(i32([2]), i32([1]))
+    gc.collect()
+    for _ in range(3):
+        got, want = run(), ref.step(ids.clone(), ntok.clone(), max_tokens=8 if drop == "step_out" else None)
+        ntok.fill_(1)
+    for t in (table, ref):               # a prefix-cache hit written into row 0, then named to the table
+        t.block_table[0, 0] = 40
+        snap = [x.clone() for x in state_tensors(t)]
+        t.invalidate_csr(i32([0]))
+        for x, y in zip(state_tensors(t), snap):
+            x.copy_(y)                   # a snapshot from after the edit, before invalidate_csr
+    got, want = run(), ref.step(ids.clone(), ntok.clone(), max_tokens=8 if drop == "step_out" else None)
+    assert fields(got) == fields(want)
+
+
 def test_bind_step_takes_the_tensors_or_a_batch():
     table = tpool.PageTable(tpool.PagePool(16, 4, device="cpu", backend="reference", max_batch=8), 2, 4)
     for args, kw in (((), {}), ((i32([0]),), {}), ((i32([0]), i32([1])), {"batch": 1}), ((), {"batch": -1}),

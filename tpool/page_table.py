@@ -161,6 +161,10 @@ class BoundStep(functools.partial):
                 self = super().__new__(cls, _bound_release_step, release.data_ptr, release.numel, release.data_ptr(),
                                        release.numel(), *_checks.storage_size(release), step)
         self.table, self.result, (self.req_ids, self.num_tokens, self.release) = table, result, held
+        # The CSR memo it writes through, held: the table reaches memos through a weak set (invalidate_csr,
+        # check_invariants), so a memo whose StepOut the caller dropped, or whose shape the table let go
+        # (max_shapes), would otherwise leave it while the step still grows that CSR.
+        self.out, self._memo = out, memo
         return self
 
     def __setattr__(self, name, value):
