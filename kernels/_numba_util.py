@@ -23,7 +23,7 @@ from .layout import (INT32_MAX, SD_COUNTERS, SD_FREE_STACK, SD_KEYS, SD_OCCUR, S
                      SD_REFCOUNT, SD_STAMP, TD_BLOCK_TABLE, TD_CLAIM, TD_MAX_PAGES, TD_PAGE_SIZE, TD_REQUESTS,
                      TD_ROW_VERSION, TD_SEQ_LENS, TD_VERSION, TD_VERSION_SOURCE)
 
-TAIL_BLOCK = 64  # ids per block when a free drops its trailing padding (``without_tail_padding``)
+TAIL_BLOCK = 64  # ids per block when a free drops its trailing padding (``padded_tail_start``)
 
 
 def _pointer_intrinsic(elem):

@@ -447,8 +447,9 @@ class PageTable:
         A decode loop that passes the same two tensor objects every step (filled in
         place) gets :meth:`bind_step`'s speed without asking: from the second such step
         on, the table keeps them bound (:attr:`step_binding`) and a step only checks
-        that they still have their memory and length, as a bound step does
-        (with the same ``max_tokens`` and ``capacity``: equal ints, or None). What goes unnoticed is a tensor reinterpreted in place over the same
+        that they still have their memory and length, as a bound step does (with the
+        same ``max_tokens`` and ``capacity``: equal ints, or None). What goes unnoticed
+        is a tensor reinterpreted in place over the same
         memory (``t.data = t.view(dtype)``, ``as_strided_``): on numba the kernel then
         reads the same bits as int32 and range-checks them as ids, never out of bounds.
         The table holds a reference to the last step's inputs.

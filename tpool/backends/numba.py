@@ -216,14 +216,6 @@ def storage_ranges(tensors) -> np.ndarray:
     return np.array([x for lo in sorted(spans) for x in (lo, spans[lo])], dtype=np.int64)
 
 
-def _own_ranges(tensors) -> np.ndarray:
-    """:func:`storage_ranges` of tensors that each own their whole storage, as an alloc's outputs do
-    (possibly repeated ranges, which only cost a comparison; empty storages skipped: an empty range
-    at an input's address would still pass the overlap test)."""
-    return np.array([x for t in tensors if (s := t.untyped_storage()).nbytes()
-                     for x in (s.data_ptr(), s.data_ptr() + s.nbytes())], dtype=np.int64)
-
-
 def _with_ranges(desc, tensors) -> np.ndarray:
     return np.concatenate([desc, storage_ranges(tensors)])
 
@@ -328,7 +320,7 @@ class Pool:
         self._free = None  # compiled at the first free
 
     def alloc_into(self, out):
-        ad = np.concatenate([alloc_descriptor(self.sd, out), self._state_ranges, _own_ranges(out.result)])
+        ad = np.concatenate([alloc_descriptor(self.sd, out), self._state_ranges, storage_ranges(out.result)])
         run, held = guard_point(alloc_guarded, _i64, _i64, _desc, _flag), (self._held, _storages(*out.result))
 
         def call(counts, b, evict_, held=held):  # ``held``: what ``ad`` points into stays alive with it
