@@ -49,6 +49,43 @@ def list_growth(ins, grown, lane, old_end, have, want):
     return grown + 1
 
 
+@numba.njit(nogil=True, inline="always")
+def decode_lane(i, tok, r, length, page, k, off, page_size, P, slots, seq_lens, ok, track, pos, tails, indptr, last,
+                positions, qo, kvl):
+    """The writes of a decode lane (one token appended to request ``r`` at ``length``, in page
+    ``page``, the row's page ``k``, at offset ``off``) once its page is known; its slot is slot
+    ``tok``. Returns ``(good, pos)``: whether the page id is in the pool (else the slot and the
+    position are -1: module note) and, with ``track``, the CSR's pages after the lane."""
+    ur, ui, ut = np.uint64(r), np.uint64(i), np.uint64(tok)  # all >= 0: no negative-index fix-ups
+    good = np.uint64(page) < np.uint64(P)
+    slots[ut] = page * page_size + off if good else L.NULL_PAGE
+    seq_lens[ur] = length + 1
+    ok[ui] = True
+    if track:
+        tails[ui] = (page << 32) | (length + 1)
+        pos += k + 1
+        indptr[ui + np.uint64(1)] = pos
+        last[ui] = off + 1
+        positions[ut] = length if good else L.NULL_PAGE
+        qo[ui + np.uint64(1)] = tok + 1
+        kvl[ui] = length + 1
+    return good, pos
+
+
+@numba.njit(nogil=True, inline="always")
+def null_lane(i, start, tok, T, page_size, slots_ptr, ok, track, pos, indptr, last, pos_ptr, qo, kvl):
+    """The writes of a lane that appends nothing (padding, a bad id, a failed or corrupt
+    lane): its slots ``[start, tok)`` and their positions -1, ``ok`` False, no pages in the CSR."""
+    fill_null_range(slots_ptr, start, min(tok, T))
+    ok[i] = False
+    if track:
+        indptr[i + 1] = pos
+        last[i] = page_size
+        fill_null_range(pos_ptr, start, min(tok, T))
+        qo[i + 1] = min(tok, T)
+        kvl[i] = 0
+
+
 @numba.njit(nogil=True)
 def extend_numba(
     req_ids_ptr,  # address of int32 [B], request ids, -1 = padding
@@ -150,23 +187,11 @@ def extend_numba(
             # 0 < length < limit in one unsigned compare (a length <= 0 here is a corrupt row)
             if n == 1 and off != 0 and np.uint64(length - 1) < np.uint64(limit - 1) and tok < T:
                 # A decode lane inside its last page: no new page, one slot (most lanes of most steps).
-                # Unsigned indices (all are known >= 0 here) spare numba's negative-index fixups.
-                ur, uk, ui, ut = np.uint64(r), np.uint64(k), np.uint64(i), np.uint64(tok)
-                page = tail_page if distinct or k == tail_at else np.int64(block_table[ur, uk])
-                good = np.uint64(page) < np.uint64(P)  # a page id outside the pool: no slot (module note)
-                slots[ut] = page * page_size + off if good else L.NULL_PAGE
+                page = tail_page if distinct or k == tail_at else np.int64(block_table[np.uint64(r), np.uint64(k)])
+                good, pos = decode_lane(i, tok, r, length, page, k, off, page_size, P, slots, seq_lens, ok, track,
+                                        pos, tails, indptr, last, positions, qo, kvl)
                 bad_slots += not good
-                seq_lens[ur] = length + 1
-                ok[ui] = True
                 tok += 1
-                if track:
-                    tails[ui] = (page << 32) | (length + 1)
-                    pos += k + 1
-                    indptr[ui + np.uint64(1)] = pos
-                    last[ui] = off + 1
-                    positions[ut] = length if good else L.NULL_PAGE
-                    qo[ui + np.uint64(1)] = tok
-                    kvl[ui] = length + 1
                 continue
             start = tok
             if length < 0 or length > limit:  # corrupt state: the lane fails, the row is left alone
@@ -174,14 +199,8 @@ def extend_numba(
                 failed += 1
                 clean = False
                 tok += max(n, 0)
-                fill_null_range(slots_ptr, start, min(tok, T))
-                ok[i] = False
+                null_lane(i, start, tok, T, page_size, slots_ptr, ok, track, pos, indptr, last, pos_ptr, qo, kvl)
                 if track:
-                    indptr[i + 1] = pos
-                    last[i] = page_size
-                    fill_null_range(pos_ptr, start, min(tok, T))
-                    qo[i + 1] = min(tok, T)
-                    kvl[i] = 0
                     tails[i] = 0  # never read: a corrupt lane makes the call unclean (no memo)
                 continue
             have = k + (off != 0)  # pages_for(length)
@@ -268,14 +287,7 @@ def extend_numba(
                 bad_ids += 1
                 failed += 1
                 clean = False
-            fill_null_range(slots_ptr, start, min(tok, T))
-            ok[i] = False
-            if track:
-                indptr[i + 1] = pos
-                last[i] = page_size
-                fill_null_range(pos_ptr, start, min(tok, T))
-                qo[i + 1] = min(tok, T)
-                kvl[i] = 0
+            null_lane(i, start, tok, T, page_size, slots_ptr, ok, track, pos, indptr, last, pos_ptr, qo, kvl)
     fill_null_range(slots_ptr, tok, T)
     if not distinct:
         nu.reset_requests(ids, R, claim)

@@ -18,6 +18,14 @@ block-table row for a decode lane inside its last page); every numba call that m
 change the table gives it a fresh version first, and a restored snapshot
 brings back its own.
 
+A decode step of such a batch whose every lane is padding or appends one token, whose pages
+are on the free stack and whose outputs have room (most steps of a decode loop) runs
+``decode_in_place``: a pass that only reads (the inputs and the memo's tails) decides,
+then a second writes. Any other step, including one that pass declines having changed
+nothing, runs the full step; the two write the same, lane by lane through the same
+helpers (``decode_lane``, ``null_lane`` in :mod:`extend`). The short path is there for
+its code as much as for its work: with the caches cold it fetches far less of it.
+
 After any other change in between (a release, a truncate, another shape's step,
 a restore, a new batch) the step still keeps what it can: every call that may
 change a row's pages stamps the row with its version (``row_version``; a step
@@ -42,13 +50,13 @@ from ._triton_shim import tl, triton
 
 from . import layout as L
 from ._numba_util import (fill_null_range, i32_array, i64_array, i64_cell, move_i32, new_version, page_shift,
-                          pages_for, row_versions, state_arrays, table_arrays)
+                          pages_for, raise_peaks, row_versions, stack_run_ok, state_arrays, table_arrays, u8_array)
 from .layout import (CALL_DESC_LEN, CD_CSR_MEMO, CD_IDS, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_KV_LENS,
                      CD_LANES, CD_LAST_PAGE_LEN, CD_NTOK, CD_OK, CD_OUT, CD_POSITIONS, CD_QO_INDPTR, CD_SLOTS,
                      CD_RELEASE, CD_RELEASE_CACHE, CD_RELEASE_LEN, CD_SLOTS_LEN, CD_STATE, TD_VERSION)
 from ._triton_util import settings
 from .flashinfer_csr import flashinfer_csr_body, flashinfer_csr_numba
-from .extend import MAX_TILE, extend_body, extend_numba
+from .extend import MAX_TILE, decode_lane, extend_body, extend_numba, list_growth, null_lane
 from .release import release_numba_entry
 
 
@@ -178,6 +186,86 @@ def splice_csr(indices_ptr, indptr, B, plan, blocks, old_total, total, ids, bloc
 
 
 @numba.njit(nogil=True)
+def decode_in_place(cd, B, ids, ntok, memo, td, bt, lens, stack, rc, state, counters, row_version, ps):
+    """The step of a decode batch whose CSR the buffers hold at the table's version, in two short
+    passes; False, having changed nothing, when the step is not that simple (then the full step runs).
+
+    The simple step: every lane is padding or a request appending one token, every length
+    (from the memo's tails) leaves room for that token in the row, the page size is a power
+    of two, the slots and the CSR have room, and the free stack holds the pages the lanes at
+    a page boundary need (its entries page ids). The first pass checks that and reads
+    nothing but the inputs and the tails; the second writes what the full step
+    (``extend_numba`` with ``distinct``, then ``grow_csr``) would, through the same lane
+    helpers, with its code alone: a decode loop's step fetches little more code than this
+    when a forward pass has cooled the caches.
+    """
+    shift = page_shift(ps)
+    T, cap = cd[CD_SLOTS_LEN], cd[CD_INDICES_LEN]
+    R, MP = bt.shape[0], bt.shape[1]
+    P = rc.shape[0]
+    tails_at = _memo_tails(B)
+    tails = memo[tails_at:tails_at + B]
+    limit = np.int64(MP) * ps
+    need = tok = total = 0
+    bad = shift < 0
+    for i in range(B):
+        r, n = ids[i], ntok[i]
+        if r == L.NULL_PAGE:
+            tok += max(n, 0)
+        else:
+            length = tails[i] & _LOW32  # a negative int32 reads as >= 2**31 > limit
+            bad |= np.uint64(r) >= np.uint64(R) or n != 1 or length >= limit
+            need += (length & (ps - 1)) == 0
+            total += (length >> max(shift, 0)) + 1
+            tok += 1
+    free = counters[L.FREE_COUNT]
+    if bad or tok > T or total > cap or free < need or free > P or not stack_run_ok(stack, free - need, free, P):
+        return False
+    version = new_version(td)
+    counters[L.CLOCK] += 1
+    ins, stamps = memo[L.MEMO_IDS + B:tails_at], memo[_memo_stamps(B):_memo_plan(B)]
+    slots, ok, positions = i32_array(cd[CD_SLOTS], T), u8_array(cd[CD_OK], B), i32_array(cd[CD_POSITIONS], T)
+    indptr, last = i32_array(cd[CD_INDPTR], B + 1), i32_array(cd[CD_LAST_PAGE_LEN], B)
+    qo, kvl = i32_array(cd[CD_QO_INDPTR], B + 1), i32_array(cd[CD_KV_LENS], B)
+    top = free
+    tok = pos = grown = bad_slots = 0
+    for i in range(B):
+        r = ids[i]
+        if r == L.NULL_PAGE:
+            start, tok = tok, tok + max(ntok[i], 0)
+            null_lane(i, start, tok, T, ps, cd[CD_SLOTS], ok, True, pos, indptr, last, cd[CD_POSITIONS], qo, kvl)
+            continue
+        packed = tails[i]
+        length = np.int32(packed & _LOW32)
+        page = packed >> 32
+        k, off = length >> shift, length & (ps - 1)
+        if off == 0:  # a new page, from the stack (checked above)
+            top -= 1
+            page = np.int64(stack[top])
+            rc[page] = 1
+            state[page] = L.USED
+            bt[np.uint64(r), np.uint64(k)] = page
+            grown = list_growth(ins, grown, i, pos - grown + k, k, k + 1)
+            row_version[r] = version
+            stamps[i] = version
+        good, pos = decode_lane(i, tok, r, length, page, k, off, ps, P, slots, lens, ok, True, pos, tails, indptr,
+                                last, positions, qo, kvl)
+        bad_slots += not good
+        tok += 1
+    fill_null_range(cd[CD_SLOTS], tok, T)
+    fill_null_range(cd[CD_POSITIONS], tok, T)
+    indptr[0] = qo[0] = 0
+    counters[L.ERR_CORRUPT_STATE] += bad_slots
+    counters[L.FREE_COUNT] -= free - top
+    counters[L.ALLOCATED] += free - top
+    raise_peaks(counters, P)
+    grow_csr(cd[CD_INDICES], ins, grown, total, ids, bt)
+    memo[L.MEMO_WRITTEN] = max(memo[L.MEMO_WRITTEN], total)
+    memo[L.MEMO_VERSION] = version
+    return True
+
+
+@numba.njit(nogil=True)
 def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
     """extend then the CSR for a bound call (outputs, table and pool state in the call descriptor ``cd``);
     the CSR grows in place when the buffers hold the batch's CSR at the table's version, and keeps
@@ -195,6 +283,9 @@ def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
         for i in range(B):  # no early exit: the loop vectorises
             diff |= memo[L.MEMO_IDS + i] ^ ids[i]
         same = diff == 0
+        if same and B > 0 and decode_in_place(cd, B, ids, i32_array(ntok_ptr, B), memo, td, bt, lens, stack, rc,
+                                              state, counters, row_version, ps):
+            return
     tails_at, stamps_at, plan_at, kept_at = _memo_tails(B), _memo_stamps(B), _memo_plan(B), _memo_kept(B)
     ins, tails = memo[L.MEMO_IDS + B:tails_at], memo[tails_at:stamps_at]
     stamps, plan, kept = memo[stamps_at:plan_at], memo[plan_at:kept_at], memo[kept_at:]

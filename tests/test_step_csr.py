@@ -62,8 +62,8 @@ def step_both(tables, ids, ntok, cap, guard, release=None):
             outs.append(t.step(i32(ids), i32(ntok), max_tokens=len(ids), capacity=cap,
                                release=None if release is None else i32(release)))
     got, want = outs
-    for x, y, name in zip((got.slots, got.ok, *got.csr), (want.slots, want.ok, *want.csr),
-                          ("slots", "ok", "indptr", "indices", "last_page_len")):
+    for x, y, name in zip((got.slots, got.ok, *got.csr, *got.metadata), (want.slots, want.ok, *want.csr, *want.metadata),
+                          ("slots", "ok", "indptr", "indices", "last_page_len", "positions", "qo_indptr", "kv_lens")):
         assert x.tolist() == y.tolist(), name
     same_table_state(*tables)
     tables[0].check_invariants()  # also: a CSR the next step may grow is its batch's CSR
@@ -166,6 +166,65 @@ def test_decode_run_grows_pages_at_every_boundary(guard):
         assert will_grow(tables[0], batch, B * MP) == (i > 0)
         got = step_both(tables, batch, ntok, B * MP, guard)
     assert got.csr.indptr.tolist()[-1] == sum(-(-(n + 24) // PS) for n in (1, 4, 7, 2, 5))
+
+
+@pytest.mark.parametrize("page_size", [PS, 3])
+def test_decode_steps_at_the_edges_match_the_reference(page_size, guard):
+    """A decode step of an unchanged batch takes a short path in numba (``decode_in_place``) and
+    falls back to the full step whenever it is not that simple. At each edge the two tables must
+    still agree: a CSR that outgrows its buffer, padding lanes with 0, 2, 3 or -1 tokens (more slots
+    than the step has), a request appending nothing, a request at its last page (overflow) while
+    the pool has pages, two lanes at a page boundary with one free page (first come, first served),
+    a free count or a free-stack entry edited out of range, a non-power-of-two page size."""
+    ps = page_size
+    tables = [tpool.PageTable(tpool.PagePool(40, ps, device="cpu", backend=be), R, 4) for be in ("numba", "reference")]
+    batch = [3, -1, 0, 7, 5, -1]
+    for t in tables:
+        t.extend(i32([3, 0, 7, 5]), i32([ps, ps, 3 * ps - 1, 1]), max_tokens=6 * ps)
+
+    def decode(steps, pads, idle=1):
+        for i in range(steps):
+            pad = pads[i % len(pads)]
+            for _ in range(2):  # twice: the second step finds its batch in the memo
+                step_both(tables, batch, [1, pad[0], 1, 1, idle, pad[1]], B * MP, guard)
+
+    for _ in range(2):  # a CSR buffer of 8 pages: the first step fills it, the second outgrows it
+        step_both(tables, batch, [1, 0, 1, 1, 1, 0], 8, guard)
+    decode(1, [(3, -1)])  # more slots than the step has (max_tokens=B): the last lanes fail, out_overflow
+    decode(1, [(0, 0)], idle=0)  # a request that appends nothing this step
+    decode(-(-(ps + 2) // 2), [(0, 0), (2, 0), (-1, 1)])  # request 7 reaches its 4 pages, then overflows
+    stats = tables[1].pool.stats()
+    assert stats["errors.table_overflow"] > 0 and stats["pages.free.current"] > 2
+    hold = int(stats["pages.free.current"]) - 1  # one free page left; requests 3 and 0 reach a boundary together
+    for r in (1, 2, 4, 6, 8, 9, 10, 11):  # rows outside the batch take the others
+        for t in tables:
+            t.extend(i32([r]), i32([min(hold, 4) * ps]), max_tokens=4 * ps)
+        hold -= min(hold, 4)
+    decode(ps, [(0, 0)])
+    stats = tables[1].pool.stats()
+    assert stats["pages.free.current"] == 0 and stats["requests.failed"] > stats["errors.table_overflow"]
+
+    for t in tables:  # every page back; the batch starts again inside its first pages
+        t.release(i32([1, 2, 4, 6, 8, 9, 10, 11, 3, 0, 7, 5]))
+        t.extend(i32([3, 0, 7, 5]), i32([1, 1, max(ps - 2, 1), 1]), max_tokens=4 * ps)
+    step_both(tables, batch, [1, 0, 1, 1, 1, 0], B * MP, guard)
+
+    def step_edited(edit):  # not step_both: it checks the invariants, which an edit breaks
+        before = tables[1].pool.stats()["errors.corrupt_state"]
+        for t in tables:
+            edit(t.pool.state)
+        got, want = (t.step(i32(batch), i32([1, 0, 1, 1, 1, 0]), max_tokens=B, capacity=B * MP) for t in tables)
+        for x, y in zip((got.slots, got.ok, *got.csr, *got.metadata), (want.slots, want.ok, *want.csr, *want.metadata)):
+            assert x.tolist() == y.tolist()
+        assert tables[0].pool.stats() == tables[1].pool.stats()
+        assert tables[1].pool.stats()["errors.corrupt_state"] > before
+
+    free = int(tables[1].pool.state.counters[0])
+    step_edited(lambda st: st.counters.__setitem__(0, 41))  # a free count past the pool (no lane needs a page)
+    for t in tables:
+        t.pool.state.counters[0] = free
+    assert int(tables[1].seq_lens[7]) % ps == 0  # request 7 takes a page next: the one on top of the stack is no page
+    step_edited(lambda st: st.free_stack.__setitem__(free - 1, 1000))
 
 
 def test_check_invariants_catches_a_step_csr_written_to(guard):
