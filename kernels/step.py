@@ -185,8 +185,19 @@ def splice_csr(indices_ptr, indptr, B, plan, blocks, old_total, total, ids, bloc
     fill_null_range(indices_ptr, total, old_total)
 
 
+@numba.njit(nogil=True, inline="always")
+def memo_holds(memo, td, ids, B):
+    """Whether the CSR memo ``memo`` holds the batch ``ids`` at the table's version (module note)."""
+    if memo[L.MEMO_VERSION] != i64_cell(td[TD_VERSION])[0]:
+        return False
+    diff = 0
+    for i in range(B):  # no early exit: the loop vectorises
+        diff |= memo[L.MEMO_IDS + i] ^ ids[i]
+    return diff == 0
+
+
 @numba.njit(nogil=True)
-def decode_in_place(cd, B, ids, ntok, memo, td, bt, lens, stack, rc, state, counters, row_version, ps):
+def decode_in_place(req_ids_ptr, ntok_ptr, B, cd):
     """The step of a decode batch whose CSR the buffers hold at the table's version, in two short
     passes; False, having changed nothing, when the step is not that simple (then the full step runs).
 
@@ -199,6 +210,13 @@ def decode_in_place(cd, B, ids, ntok, memo, td, bt, lens, stack, rc, state, coun
     helpers, with its code alone: a decode loop's step fetches little more code than this
     when a forward pass has cooled the caches.
     """
+    td = cd[:CD_STATE]
+    ids, ntok = i32_array(req_ids_ptr, B), i32_array(ntok_ptr, B)
+    memo = i64_array(cd[CD_CSR_MEMO], _memo_len(B))
+    if B <= 0 or not memo_holds(memo, td, ids, B):
+        return False
+    bt, lens, _, ps = table_arrays(td)
+    stack, rc, state, _, counters, _, _ = state_arrays(cd[CD_STATE:CD_OUT])
     shift = page_shift(ps)
     T, cap = cd[CD_SLOTS_LEN], cd[CD_INDICES_LEN]
     R, MP = bt.shape[0], bt.shape[1]
@@ -222,6 +240,7 @@ def decode_in_place(cd, B, ids, ntok, memo, td, bt, lens, stack, rc, state, coun
     if bad or tok > T or total > cap or free < need or free > P or not stack_run_ok(stack, free - need, free, P):
         return False
     version = new_version(td)
+    row_version = row_versions(td)
     counters[L.CLOCK] += 1
     ins, stamps = memo[L.MEMO_IDS + B:tails_at], memo[_memo_stamps(B):_memo_plan(B)]
     slots, ok, positions = i32_array(cd[CD_SLOTS], T), u8_array(cd[CD_OK], B), i32_array(cd[CD_POSITIONS], T)
@@ -270,6 +289,8 @@ def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
     """extend then the CSR for a bound call (outputs, table and pool state in the call descriptor ``cd``);
     the CSR grows in place when the buffers hold the batch's CSR at the table's version, and keeps
     the runs of unchanged rows when they hold another CSR (module note)."""
+    if decode_in_place(req_ids_ptr, ntok_ptr, B, cd):
+        return
     td = cd[:CD_STATE]
     bt, lens, claim, ps = table_arrays(td)
     row_version = row_versions(td)
@@ -277,15 +298,7 @@ def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
     ids = i32_array(req_ids_ptr, B)
     memo = i64_array(cd[CD_CSR_MEMO], _memo_len(B))
     cap = cd[CD_INDICES_LEN]
-    same = memo[L.MEMO_VERSION] == i64_cell(td[TD_VERSION])[0]
-    if same:
-        diff = 0
-        for i in range(B):  # no early exit: the loop vectorises
-            diff |= memo[L.MEMO_IDS + i] ^ ids[i]
-        same = diff == 0
-        if same and B > 0 and decode_in_place(cd, B, ids, i32_array(ntok_ptr, B), memo, td, bt, lens, stack, rc,
-                                              state, counters, row_version, ps):
-            return
+    same = memo_holds(memo, td, ids, B)
     tails_at, stamps_at, plan_at, kept_at = _memo_tails(B), _memo_stamps(B), _memo_plan(B), _memo_kept(B)
     ins, tails = memo[L.MEMO_IDS + B:tails_at], memo[tails_at:stamps_at]
     stamps, plan, kept = memo[stamps_at:plan_at], memo[plan_at:kept_at], memo[kept_at:]
