@@ -213,7 +213,7 @@ def decode_in_place(req_ids_ptr, ntok_ptr, B, cd):
     td = cd[:CD_STATE]
     ids, ntok = i32_array(req_ids_ptr, B), i32_array(ntok_ptr, B)
     memo = i64_array(cd[CD_CSR_MEMO], _memo_len(B))
-    if B <= 0 or not memo_holds(memo, td, ids, B):
+    if B <= 0 or memo[L.MEMO_VERSION] != i64_cell(td[TD_VERSION])[0]:
         return False
     bt, lens, _, ps = table_arrays(td)
     stack, rc, state, _, counters, _, _ = state_arrays(cd[CD_STATE:CD_OUT])
@@ -228,11 +228,12 @@ def decode_in_place(req_ids_ptr, ntok_ptr, B, cd):
     bad = shift < 0
     for i in range(B):
         r, n = ids[i], ntok[i]
+        bad |= memo[L.MEMO_IDS + i] != r  # the batch the memo holds (memo_holds, in this pass)
         if r == L.NULL_PAGE:
             tok += max(n, 0)
         else:
             length = tails[i] & _LOW32  # a negative int32 reads as >= 2**31 > limit
-            bad |= np.uint64(r) >= np.uint64(R) or n != 1 or length >= limit
+            bad |= (np.uint64(r) >= np.uint64(R)) | (n != 1) | (length >= limit)
             need += (length & (ps - 1)) == 0
             total += (length >> max(shift, 0)) + 1
             tok += 1
