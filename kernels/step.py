@@ -20,7 +20,7 @@ brings back its own.
 
 A decode step of such a batch whose every lane is padding or appends one token, whose pages
 are on the free stack and whose outputs have room (most steps of a decode loop) runs
-``decode_in_place``: a pass that only reads (the inputs and the memo's tails) decides,
+``decode_in_place``: a pass that only reads (the inputs, the memo's batch and tails) decides,
 then a second writes. Any other step, including one that pass declines having changed
 nothing, runs the full step; the two write the same, lane by lane through the same
 helpers (``decode_lane``, ``null_lane`` in :mod:`extend`). The short path is there for
@@ -204,8 +204,9 @@ def decode_in_place(req_ids_ptr, ntok_ptr, B, cd):
     The simple step: every lane is padding or a request appending one token, every length
     (from the memo's tails) leaves room for that token in the row, the page size is a power
     of two, the slots and the CSR have room, and the free stack holds the pages the lanes at
-    a page boundary need (its entries page ids). The first pass checks that and reads
-    nothing but the inputs and the tails; the second writes what the full step
+    a page boundary need (its entries page ids). The first pass checks that, and that the
+    memo holds this batch at the table's version, reading nothing but the inputs, the memo's
+    batch and its tails; the second writes what the full step
     (``extend_numba`` with ``distinct``, then ``grow_csr``) would, through the same lane
     helpers, with its code alone: a decode loop's step fetches little more code than this
     when a forward pass has cooled the caches.
