@@ -75,7 +75,7 @@ def decode_lane(i, tok, r, length, page, k, off, page_size, P, slots, seq_lens, 
 @numba.njit(nogil=True, inline="always")
 def null_lane(i, start, tok, T, page_size, slots_ptr, ok, track, pos, indptr, last, pos_ptr, qo, kvl):
     """The writes of a lane that appends nothing (padding, a bad id, a failed or corrupt
-    lane): its slots ``[start, tok)`` and their positions -1, ``ok`` False, no pages in the CSR."""
+    lane): its slots ``[start, min(tok, T))`` and their positions -1, ``ok`` False, no pages in the CSR."""
     fill_null_range(slots_ptr, start, min(tok, T))
     ok[i] = False
     if track:

@@ -22,9 +22,13 @@ A decode step of such a batch whose every lane is padding or appends one token, 
 are on the free stack and whose outputs have room (most steps of a decode loop) runs
 ``decode_in_place``: a pass that only reads (the inputs, the memo's batch and tails) decides,
 then a second writes. Any other step, including one that pass declines having changed
-nothing, runs the full step; the two write the same, lane by lane through the same
-helpers (``decode_lane``, ``null_lane`` in :mod:`extend`). The short path is there for
-its code as much as for its work: with the caches cold it fetches far less of it.
+nothing, runs the full step; the two write the same. Lanes inside their last page and
+padding lanes go through the same helpers on both paths (``decode_lane``, ``null_lane`` in
+:mod:`extend`); a lane at a page boundary has its own short copy of the pop, the row write
+and the growth entry here, which must stay in step with ``extend_numba``'s grant path
+(``tests/test_step_csr.py`` checks both against the reference at every edge the first pass
+declines). The short path is there for its code as much as for its work: with the caches
+cold it fetches far less of it.
 
 After any other change in between (a release, a truncate, another shape's step,
 a restore, a new batch) the step still keeps what it can: every call that may
@@ -205,8 +209,9 @@ def decode_in_place(req_ids_ptr, ntok_ptr, B, cd):
     (from the memo's tails) leaves room for that token in the row, the page size is a power
     of two, the slots and the CSR have room, and the free stack holds the pages the lanes at
     a page boundary need (its entries page ids). The first pass checks that, and that the
-    memo holds this batch at the table's version, reading nothing but the inputs, the memo's
-    batch and its tails; the second writes what the full step
+    memo holds this batch at the table's version, reading nothing but the inputs, the memo
+    (its version, batch and tails), the free count and the stack entries it would pop; the
+    second writes what the full step
     (``extend_numba`` with ``distinct``, then ``grow_csr``) would, through the same lane
     helpers, with its code alone: a decode loop's step fetches little more code than this
     when a forward pass has cooled the caches.
@@ -233,7 +238,8 @@ def decode_in_place(req_ids_ptr, ntok_ptr, B, cd):
         if r == L.NULL_PAGE:
             tok += max(n, 0)
         else:
-            length = tails[i] & _LOW32  # a negative int32 reads as >= 2**31 > limit
+            # a negative int32 reads as >= 2**31 > limit (PageTable refuses a limit past INT32_MAX)
+            length = tails[i] & _LOW32
             bad |= (np.uint64(r) >= np.uint64(R)) | (n != 1) | (length >= limit)
             need += (length & (ps - 1)) == 0
             total += (length >> max(shift, 0)) + 1
