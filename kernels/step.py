@@ -255,12 +255,15 @@ def decode_in_place(req_ids_ptr, ntok_ptr, B, cd):
     indptr, last = i32_array(cd[CD_INDPTR], B + 1), i32_array(cd[CD_LAST_PAGE_LEN], B)
     qo, kvl = i32_array(cd[CD_QO_INDPTR], B + 1), i32_array(cd[CD_KV_LENS], B)
     top = free
-    tok = pos = grown = bad_slots = 0
+    tok = pos = grown = bad_slots = changed = 0
     for i in range(B):
-        r = ids[i]
+        r = ids[i]  # the caller's memory, read again: bounded again (another thread may have written it)
         if r == L.NULL_PAGE:
             start, tok = tok, tok + max(ntok[i], 0)
             null_lane(i, start, tok, T, ps, cd[CD_SLOTS], ok, True, pos, indptr, last, cd[CD_POSITIONS], qo, kvl)
+            continue
+        if np.uint64(r) >= np.uint64(R) or tok >= T:  # not what the first pass read: the lane is left alone
+            changed = 1
             continue
         packed = tails[i]
         length = np.int32(packed & _LOW32)
@@ -288,7 +291,7 @@ def decode_in_place(req_ids_ptr, ntok_ptr, B, cd):
     raise_peaks(counters, P)
     grow_csr(cd[CD_INDICES], ins, grown, total, ids, bt)
     memo[L.MEMO_WRITTEN] = max(memo[L.MEMO_WRITTEN], total)
-    memo[L.MEMO_VERSION] = version
+    memo[L.MEMO_VERSION] = version if changed == 0 else -1  # inputs changed under the call: the next step rebuilds
     return True
 
 
