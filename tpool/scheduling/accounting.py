@@ -17,6 +17,10 @@ def _cdiv(a, ps):
     return (a + (ps - 1)) // ps
 
 
+_I64 = np.dtype(np.int64)  # numpy's one int64 dtype object: ``a.dtype is _I64`` is a plain compare
+_N64 = tuple(np.int64(n) for n in range(64))  # the usual token counts as numpy scalars, made once
+
+
 def _bucket(tokens):
     """A call's token budget rounded up to a power of two: the table keeps one set of output
     buffers per shape, so a few shapes serve every batch instead of one per total."""
@@ -186,8 +190,11 @@ class Accounting:
     def _batch(self, rows, n):
         """Rows as int64 numpy, n as int64 (0-d or one per row), and the rows' bytes; checked
         unless this is the batch checked last and no row started or stopped since."""
-        r = rows if type(rows) is np.ndarray and rows.dtype == np.int64 else np.asarray(rows, dtype=np.int64)
-        r = r.reshape(-1)
+        # Every numpy call here costs microseconds when a forward pass has cooled the caches (a
+        # scheduler step makes several): the checks are plain compares where they can be.
+        r = rows if type(rows) is np.ndarray and rows.dtype is _I64 else np.asarray(rows, dtype=np.int64)
+        if r.ndim != 1:
+            r = r.reshape(-1)
         key = r.tobytes()
         if self._checked != (key, self._members):
             code = check_rows(r, self.live, self._scratch)
@@ -195,7 +202,7 @@ class Accounting:
                 raise ValueError(f"rows: expected {'distinct' if code == 2 else 'running'} rows, got {r.tolist()}")
             self._checked = (key, self._members)
         if type(n) is int and n >= 0:
-            return r, np.int64(n), key
+            return r, _N64[n] if n < 64 else np.int64(n), key
         n = np.asarray(n, dtype=np.int64)
         if n.ndim and n.shape != r.shape or (n < 0).any():
             raise ValueError(f"n: expected a non-negative int or one per row, got {n.tolist()}")

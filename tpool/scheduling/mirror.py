@@ -162,8 +162,9 @@ class HostMirror(MixedSteps, Accounting):
             return None
         out = self._acct
         per_row = n.ndim > 0
-        code = decode_accounting(self._st, r, n if per_row else EMPTY, 0 if per_row else int(n), self.page_size,
-                                 self.lookahead, self.unreserved, out)
+        each = 0 if per_row else int(n)  # the tokens of every row when n is one number
+        code = decode_accounting(self._st, r, n if per_row else EMPTY, each, self.page_size, self.lookahead,
+                                 self.unreserved, out)
         if code == PAST_MAX_LEN:
             raise WouldNotFit(f"decode: rows {r[self.hi[r] + n > self.limit[r]].tolist()} would pass their max_len")
         if code == NO_ROOM:
@@ -177,13 +178,13 @@ class HostMirror(MixedSteps, Accounting):
         self.free -= taken
         self.reserved += granted - used
         self._full = key if full else None
-        dkey = (key, n.tobytes(), n.shape)
+        dkey = (key, n.tobytes(), n.shape) if per_row else (key, each)  # (plain ints: no numpy call)
         if self._decode_key is None or self._decode_key[0] != dkey:  # same batch: same tensors (a bound step)
             ntok = np.broadcast_to(n, r.shape)
             self._decode_key = None  # the kept tensors are rewritten next: no key may name their old batch
             self._decode_key = (dkey, *self._lane_tensors(self._decode_inputs, r, ntok), int(ntok.sum()))
         _, ids, ntok, total = self._decode_key
-        return self.table.step(ids, ntok, max_tokens=_bucket(total) if n.ndim or n != 1 else None)
+        return self.table.step(ids, ntok, max_tokens=_bucket(total) if per_row or each != 1 else None)
 
     def finish(self, rows, cache: bool = False) -> None:
         """Release these requests (``table.release``) and free their rows and reservations.
