@@ -41,7 +41,7 @@ from tpool.scheduling.snapshot import MirrorSnapshot, reconcile
 __all__ = ["HostMirror", "WouldNotFit"]
 
 
-_WIDTHS_KEPT = 8  # step widths whose input tensors a mirror keeps (HostMirror._lane_tensors)
+_WIDTHS_KEPT = 8  # step widths whose inputs a mirror keeps (HostMirror._lane_tensors, _bound_decode)
 
 
 class HostMirror(MixedSteps, Accounting):
@@ -88,7 +88,8 @@ class HostMirror(MixedSteps, Accounting):
             free, cached = s["pages.free.current"], s["pages.cached.current"]
         super().__init__(table.max_requests, table.page_size, lookahead, table.max_pages * table.page_size,
                          free, cached)
-        # The inputs kept per width of decode, the mixed step and truncate (see _lane_tensors).
+        # The inputs kept per width of the mixed step and truncate (_lane_tensors), and decode's
+        # bound steps per width and max_tokens (_bound_decode).
         self._decode_inputs, self._step_inputs, self._truncate_inputs = {}, {}, {}
 
     # ------------------------------------------------------ calls (table + mirror)
@@ -110,18 +111,47 @@ class HostMirror(MixedSteps, Accounting):
         w = ids.shape[0]
         entry = kept.get(w)
         if entry is None:
-            if len(kept) >= _WIDTHS_KEPT:
-                del kept[next(iter(kept))]
             host = (np.empty(w, np.int32), np.empty(w, np.int32))
             dev = tuple(map(torch.from_numpy, host)) if self.device.type == "cpu" else \
                 tuple(torch.empty(w, dtype=torch.int32, device=self.device) for _ in host)
-            entry = kept[w] = (host, dev)
+            entry = self._keep(kept, w, (host, dev))
         host, dev = entry
+        self._fill(host, dev, ids, values)
+        return dev
+
+    def _bound_decode(self, ids, ntok, max_tokens):
+        """The table's bound step for decode lanes ``ids`` taking ``ntok`` tokens each, with
+        ``max_tokens`` slots, its inputs filled: ``table.bind_step(batch=w)``, kept per width and
+        ``max_tokens`` as ``_lane_tensors`` keeps tensors. On a CPU its inputs are numpy arrays
+        the step reads (written here directly), so each ``run()`` checks nothing and makes no
+        torch call: the checks of two input tensors cost ~5 us a step when a forward pass
+        has cooled the caches."""
+        key = (ids.shape[0], max_tokens)
+        entry = self._decode_inputs.get(key)
+        if entry is None:
+            run = self.table.bind_step(batch=key[0], max_tokens=max_tokens)
+            dev = (run.req_ids, run.num_tokens)
+            host = dev if self.device.type == "cpu" else tuple(np.empty(key[0], np.int32) for _ in dev)
+            entry = self._keep(self._decode_inputs, key, (run, host))
+        run, host = entry
+        self._fill(host, (run.req_ids, run.num_tokens), ids, ntok)
+        return run
+
+    @staticmethod
+    def _keep(kept, key, entry):
+        """``entry`` kept under ``key`` among at most ``_WIDTHS_KEPT``, the first made dropped first."""
+        if len(kept) >= _WIDTHS_KEPT:
+            del kept[next(iter(kept))]
+        kept[key] = entry
+        return entry
+
+    def _fill(self, host, dev, ids, values):
+        """``ids`` and ``values`` written into the host arrays ``host``, then (off the CPU) into the
+        device tensors ``dev``, from fresh pinned copies: a copy in flight never sees a later write."""
         host[0][:], host[1][:] = ids, values
-        if self.device.type != "cpu":  # from fresh pinned copies: a copy in flight never sees a later write
+        if self.device.type != "cpu":
             for d, h in zip(dev, host):
                 d.copy_(torch.from_numpy(h).pin_memory(), non_blocking=True)
-        return dev
 
     def admit(self, prompt_lens, max_lens=None) -> list:
         """Admit requests with these prompts (one prefill ``extend``); returns their rows.
@@ -179,12 +209,12 @@ class HostMirror(MixedSteps, Accounting):
         self.reserved += granted - used
         self._full = key if full else None
         dkey = (key, n.tobytes(), n.shape) if per_row else (key, each)  # (plain ints: no numpy call)
-        if self._decode_key is None or self._decode_key[0] != dkey:  # same batch: same tensors (a bound step)
+        if self._decode_key is None or self._decode_key[0] != dkey:  # same batch: the same bound step
             ntok = np.broadcast_to(n, r.shape)
-            self._decode_key = None  # the kept tensors are rewritten next: no key may name their old batch
-            self._decode_key = (dkey, *self._lane_tensors(self._decode_inputs, r, ntok), int(ntok.sum()))
-        _, ids, ntok, total = self._decode_key
-        return self.table.step(ids, ntok, max_tokens=_bucket(total) if per_row or each != 1 else None)
+            max_tokens = _bucket(int(ntok.sum())) if per_row or each != 1 else None
+            self._decode_key = None  # the kept inputs are rewritten next: no key may name their old batch
+            self._decode_key = (dkey, self._bound_decode(r, ntok, max_tokens))
+        return self._decode_key[1]()
 
     def finish(self, rows, cache: bool = False) -> None:
         """Release these requests (``table.release``) and free their rows and reservations.
