@@ -244,6 +244,23 @@ def test_a_mixed_step_decodes_then_admits_and_refuses_before_device_work(backend
     assert table.seq_lens.tolist()[:2] == [17, 8] and (m.free, m.reserved) == (3, 2) and m.free == pool.available()
 
 
+def test_decode_writes_the_buffers_the_table_keeps_for_its_shape(backend):
+    """decode runs a bound step of its own per width; once the table dropped that shape
+    (max_shapes) and made it again, decode must write the new buffers, as a mixed step of the
+    same shape does, not the old ones: a graph captured on the table's buffers reads those."""
+    pool = tpool.PagePool(64, 4, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 8, 8, max_shapes=1)
+    m = HostMirror(table, free=64, cached=0)
+    rows = m.admit([5, 6])
+    first = m.decode(rows)
+    assert m.decode(rows) is first                      # the same shape: the same buffers
+    m.step([rows[0]], 1, width=3)                       # another shape: the table drops decode's
+    again = m.step(rows, 1, width=2).result             # decode's shape, made again
+    assert again is not first
+    got = m.decode(rows)
+    assert got is again and got.kv_lens.tolist() == table.seq_lens[rows].tolist() == [10, 10]
+
+
 def test_truncate_tops_reservations_up_only_from_what_is_unreserved_or_credited(backend):
     pool, table, m = _setup(backend, num_pages=4, rows=2, lookahead=4)
     with no_host_sync():

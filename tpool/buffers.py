@@ -12,7 +12,9 @@ Note (what a loop should know):
   A shape used while a CUDA graph was being captured is pinned: it is never
   dropped, since the graph writes its buffers on every replay. A dropped
   shape's buffers stay alive as long as something else holds them (a
-  :class:`~tpool.page_table.BoundStep`, a result the caller kept).
+  :class:`~tpool.page_table.BoundStep`, a result the caller kept). A
+  ``HostMirror`` hears of each dropped shape (``on_drop``) and lets its decode
+  steps of that shape go, so they never write buffers the table no longer returns.
 * Every entry also knows the storages its call writes (the pool's and the
   table's state, and its own buffers), so an input that shares memory with
   one of them is refused before the call (``_checks.check_not_written``).
@@ -49,6 +51,7 @@ class ShapeBuffers:
         self.uses = {}                            # call key -> the buffer keys its entry uses
         self.pinned = set()                       # call keys used inside CUDA graph capture
         self.memos = weakref.WeakSet()            # every CSR memo still alive (invalidate_csr reaches all)
+        self.listeners = []                       # weak methods told each call key dropped (on_drop)
 
     def get(self, key):
         """The entry of call shape ``key``, or None; marks it most recently used."""
@@ -80,6 +83,10 @@ class ShapeBuffers:
         self._shrink(keep=key)
         return entry
 
+    def on_drop(self, method) -> None:
+        """Call ``method(key)`` (a bound method, held weakly) for every call shape dropped from now on."""
+        self.listeners.append(weakref.WeakMethod(method))
+
     def pin_all(self) -> None:
         """Pin every shape kept now (``tpool.graphs.capture`` does this after capturing)."""
         self.pinned.update(self.entries)
@@ -90,6 +97,12 @@ class ShapeBuffers:
                 break
             del self.entries[key]
             self.uses.pop(key)
+            for ref in list(self.listeners):
+                method = ref()
+                if method is None:
+                    self.listeners.remove(ref)
+                else:
+                    method(key)
         live = {b for uses in self.uses.values() for b in uses}
         for b in [b for b in self.buffers if b not in live]:
             del self.buffers[b]

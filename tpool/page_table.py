@@ -136,9 +136,11 @@ class BoundStep(functools.partial):
             table._ids(release, "release")
             if not isinstance(release_cache, (bool, np.bool_)):
                 raise ValueError(f"release_cache: expected a bool, got {_checks._describe(release_cache)}")
+        key = None  # the table's call shape whose buffers it writes (None: the caller's, out=)
         if out is None:
             b, entry = table._step_shape(req_ids, num_tokens, max_tokens, capacity)
             result, memo, written = entry[0], entry[2], entry[3]
+            key = table._step_key(b, max_tokens, capacity)
             if not table._check_written:  # numba checks each unbound step in compiled code, a bound one only here
                 table._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))
         else:  # the caller's buffers (checked against the inputs there)
@@ -164,7 +166,9 @@ class BoundStep(functools.partial):
         # The CSR memo it writes through, held: the table reaches memos through a weak set (invalidate_csr,
         # check_invariants), so a memo whose StepOut the caller dropped, or whose shape the table let go
         # (max_shapes), would otherwise leave it while the step still grows that CSR.
-        self.out, self._memo = out, memo
+        # key: a scheduler that keeps it learns from the table's on_drop when the table dropped its shape
+        # (max_shapes): a step of that shape then gets new buffers, and this one keeps writing the old.
+        self.out, self._memo, self._key = out, memo, key
         return self
 
     def __setattr__(self, name, value):
@@ -537,9 +541,8 @@ class PageTable:
         """``(B, Entry)`` of a step, its inputs checked: slots/ok per (B, max_tokens) and the CSR
         per (B, capacity), each buffer set shared by the steps of that shape."""
         b = self._lanes(req_ids, num_tokens)
-        t = b if max_tokens is None else max_tokens
-        cap = b * self.max_pages if capacity is None else capacity
-        key = ("step", b, t, cap)
+        key = self._step_key(b, max_tokens, capacity)
+        _, _, t, cap = key
         entry = self._shapes.get(key)
         if entry is None:
             csr_key, out_key = ("step-csr", b, cap), ("step", b, t)
@@ -550,6 +553,10 @@ class PageTable:
         if self._check_written:
             self._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))
         return b, entry
+
+    def _step_key(self, b, max_tokens, capacity):
+        """The call shape of a step of ``b`` lanes: its key among the table's output buffers."""
+        return ("step", b, b if max_tokens is None else max_tokens, b * self.max_pages if capacity is None else capacity)
 
     def bind_step(self, req_ids: torch.Tensor | None = None, num_tokens: torch.Tensor | None = None, *,
                   batch: int | None = None, max_tokens: int | None = None, capacity: int | None = None,

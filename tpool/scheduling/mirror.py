@@ -89,8 +89,10 @@ class HostMirror(MixedSteps, Accounting):
         super().__init__(table.max_requests, table.page_size, lookahead, table.max_pages * table.page_size,
                          free, cached)
         # The inputs kept per width of the mixed step and truncate (_lane_tensors), and decode's
-        # bound steps per width and max_tokens (_bound_decode).
+        # bound steps per width and max_tokens (_bound_decode), which write the table's buffers
+        # of their shape: forgotten when the table drops that shape (_shape_dropped).
         self._decode_inputs, self._step_inputs, self._truncate_inputs = {}, {}, {}
+        table._shapes.on_drop(self._shape_dropped)
 
     # ------------------------------------------------------ calls (table + mirror)
     def _tensor(self, values):
@@ -137,10 +139,18 @@ class HostMirror(MixedSteps, Accounting):
         self._fill(host, (run.req_ids, run.num_tokens), ids, ntok)
         return run
 
+    def _shape_dropped(self, key):
+        """The table dropped call shape ``key`` (``max_shapes``): a decode bound step of that shape
+        would keep writing buffers the table no longer returns, so it is made again when needed."""
+        for k in [k for k, (run, _) in self._decode_inputs.items() if run._key == key]:
+            del self._decode_inputs[k]
+        if self._decode_key is not None and self._decode_key[1]._key == key:
+            self._decode_key = None
+
     @staticmethod
     def _keep(kept, key, entry):
         """``entry`` kept under ``key`` among at most ``_WIDTHS_KEPT``, the first made dropped first."""
-        if len(kept) >= _WIDTHS_KEPT:
+        if key not in kept and len(kept) >= _WIDTHS_KEPT:
             del kept[next(iter(kept))]
         kept[key] = entry
         return entry
