@@ -443,6 +443,22 @@ def test_bad_calls_raise_before_device_work(backend):
     assert pool.stats()["clock"] == 1                     # only the admission ran
 
 
+def test_calls_wider_than_max_batch_raise_before_the_mirror_changes(backend):
+    pool = tpool.PagePool(32, PS, device="cpu", backend=backend, max_batch=2)
+    m = HostMirror(tpool.PageTable(pool, 4, 8), free=32, cached=0)
+    rows = m.admit([4, 4]) + m.admit([4])
+    before = (m.free, m.reserved, m.hi.tolist(), m._seq, pool.stats()["clock"])
+    with pytest.raises(ValueError, match="max_batch=2"):
+        m.decode(rows)                                    # one table call takes 2 lanes
+    with pytest.raises(ValueError, match="max_batch=2"):
+        m.step(rows[:1], 1, [4, 4])                       # 3 lanes
+    with pytest.raises(ValueError, match="max_batch=2"):
+        m.admit([4, 4, 4])
+    assert (m.free, m.reserved, m.hi.tolist(), m._seq, pool.stats()["clock"]) == before
+    m.decode(rows[:2])                                    # two lanes: fine
+    assert m.free == pool.available()
+
+
 def test_mirror_refuses_to_end_a_row_inside_a_page_it_may_share(backend):
     pool, table, m = _setup(backend, num_pages=16, rows=3)
     (a,) = m.admit([8])                                   # two whole pages

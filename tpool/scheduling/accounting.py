@@ -37,6 +37,7 @@ class Accounting:
 
     def __init__(self, R, page_size, lookahead, capacity, free, cached):
         self.page_size, self.lookahead, self.capacity = page_size, lookahead, capacity
+        self.max_batch = R  # lanes one table call takes (a HostMirror sets its pool's max_batch)
         self.free, self.cached, self.reserved = int(free), int(cached), 0
         # Sum of the bounds on every change of the CACHED count (never floored at 0, unlike
         # ``cached``): what reconciliation adds to the truth at a snapshot.
@@ -71,6 +72,9 @@ class Accounting:
         if lim.shape != p.shape or (p < 0).any() or (p > lim).any() or (lim > self.capacity).any():
             raise ValueError(f"prompt_lens, max_lens: expected one max_len per prompt, 0 <= prompt <= max_len <= "
                              f"{self.capacity}, got {p.tolist()[:8]}, {lim.tolist()[:8]}")
+        if p.size > self.max_batch:
+            raise ValueError(f"prompt_lens: expected at most max_batch={self.max_batch} prompts in one call "
+                             f"(the lanes of one table call), got {p.size}")
         return p, lim
 
     # ----------------------------------------------------------- queries (host only)
@@ -197,6 +201,9 @@ class Accounting:
             r = r.reshape(-1)
         key = r.tobytes()
         if self._checked != (key, self._members):
+            if r.shape[0] > self.max_batch:  # the table call would refuse it, after the mirror changed
+                raise ValueError(f"rows: expected at most max_batch={self.max_batch} rows in one call (the lanes "
+                                 f"of one table call), got {r.shape[0]}")
             code = check_rows(r, self.live, self._scratch)
             if code:
                 raise ValueError(f"rows: expected {'distinct' if code == 2 else 'running'} rows, got {r.tolist()}")

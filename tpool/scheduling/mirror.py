@@ -88,6 +88,7 @@ class HostMirror(MixedSteps, Accounting):
             free, cached = s["pages.free.current"], s["pages.cached.current"]
         super().__init__(table.max_requests, table.page_size, lookahead, table.max_pages * table.page_size,
                          free, cached)
+        self.max_batch = self.pool.max_batch
         # The inputs kept per width of the mixed step and truncate (_lane_tensors), and decode's
         # bound steps per width and max_tokens (_bound_decode), which write the table's buffers
         # of their shape: forgotten when the table drops that shape (_shape_dropped).

@@ -85,8 +85,9 @@ class MixedSteps:
         b = r.size
         lanes = b + k
         w = lanes if width is None else width
-        if not (isinstance(w, int) and lanes <= w):
-            raise ValueError(f"width: expected an int >= {lanes} (the step's lanes), got {width!r}")
+        if not (isinstance(w, int) and lanes <= w <= self.max_batch):
+            raise ValueError(f"width: expected an int >= {lanes} (the step's lanes) and <= max_batch="
+                             f"{self.max_batch}, got {width!r}")
         ids = np.full(w, -1, dtype=np.int32)
         ntok = np.zeros(w, dtype=np.int32)
         ntok[:b] = nn
