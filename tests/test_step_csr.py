@@ -62,8 +62,9 @@ def step_both(tables, ids, ntok, cap, guard, release=None):
             outs.append(t.step(i32(ids), i32(ntok), max_tokens=len(ids), capacity=cap,
                                release=None if release is None else i32(release)))
     got, want = outs
-    for x, y, name in zip((got.slots, got.ok, *got.csr, *got.metadata), (want.slots, want.ok, *want.csr, *want.metadata),
-                          ("slots", "ok", "indptr", "indices", "last_page_len", "positions", "qo_indptr", "kv_lens")):
+    names = ("slots", "ok", "indptr", "indices", "last_page_len", "positions", "qo_indptr", "kv_lens")
+    fields = [(r.slots, r.ok, *r.csr, *r.metadata) for r in (got, want)]
+    for x, y, name in zip(*fields, names):
         assert x.tolist() == y.tolist(), name
     same_table_state(*tables)
     tables[0].check_invariants()  # also: a CSR the next step may grow is its batch's CSR

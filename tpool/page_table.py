@@ -556,7 +556,8 @@ class PageTable:
 
     def _step_key(self, b, max_tokens, capacity):
         """The call shape of a step of ``b`` lanes: its key among the table's output buffers."""
-        return ("step", b, b if max_tokens is None else max_tokens, b * self.max_pages if capacity is None else capacity)
+        t = b if max_tokens is None else max_tokens
+        return ("step", b, t, b * self.max_pages if capacity is None else capacity)
 
     def bind_step(self, req_ids: torch.Tensor | None = None, num_tokens: torch.Tensor | None = None, *,
                   batch: int | None = None, max_tokens: int | None = None, capacity: int | None = None,
