@@ -191,12 +191,14 @@ class HostMirror(MixedSteps, Accounting):
         return rows
 
     def decode(self, rows, n=1):
-        """One ``table.step`` appending ``n`` tokens (an int, or one per row) to each running row.
+        """One table step appending ``n`` tokens (an int, or one per row) to each running row.
 
         Pages come from each row's reservation first, then from the unreserved ones;
         raises ``WouldNotFit`` (before any device work) when the mirror cannot prove the
         step fits, so every lane of the step succeeds and ``ok`` need not be read. Then
-        tops reservations back up, in the order of ``rows``. Returns the ``StepResult``.
+        tops reservations back up, in the order of ``rows``. The step is the table's
+        ``bind_step(batch=len(rows))`` for that width (kept, see ``_bound_decode``): the same
+        outputs as ``table.step`` of that shape. Returns the ``StepResult``.
         """
         r, n, key = self._batch(rows, n)
         if not r.size:
