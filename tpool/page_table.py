@@ -166,8 +166,9 @@ class BoundStep(functools.partial):
         # The CSR memo it writes through, held: the table reaches memos through a weak set (invalidate_csr,
         # check_invariants), so a memo whose StepOut the caller dropped, or whose shape the table let go
         # (max_shapes), would otherwise leave it while the step still grows that CSR.
-        # key: a scheduler that keeps it learns from the table's on_drop when the table dropped its shape
-        # (max_shapes): a step of that shape then gets new buffers, and this one keeps writing the old.
+        # _key: the table's call shape whose buffers it writes (None with out=). When the table drops that
+        # shape (max_shapes), later steps of the shape get new buffers while this one keeps the old; a
+        # scheduler keeping it hears of the drop through the table's ShapeBuffers.on_drop (HostMirror).
         self.out, self._memo, self._key = out, memo, key
         return self
 

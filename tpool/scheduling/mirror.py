@@ -92,7 +92,7 @@ class HostMirror(MixedSteps, Accounting):
         # The inputs kept per width of the mixed step and truncate (_lane_tensors), and decode's
         # bound steps per width and max_tokens (_bound_decode), which write the table's buffers
         # of their shape: forgotten when the table drops that shape (_shape_dropped).
-        self._decode_inputs, self._step_inputs, self._truncate_inputs = {}, {}, {}
+        self._decode_steps, self._step_inputs, self._truncate_inputs = {}, {}, {}
         table._shapes.on_drop(self._shape_dropped)
 
     # ------------------------------------------------------ calls (table + mirror)
@@ -130,12 +130,12 @@ class HostMirror(MixedSteps, Accounting):
         torch call: the checks of two input tensors cost ~5 us a step when a forward pass
         has cooled the caches."""
         key = (ids.shape[0], max_tokens)
-        entry = self._decode_inputs.get(key)
+        entry = self._decode_steps.get(key)
         if entry is None:
             run = self.table.bind_step(batch=key[0], max_tokens=max_tokens)
             dev = (run.req_ids, run.num_tokens)
             host = dev if self.device.type == "cpu" else tuple(np.empty(key[0], np.int32) for _ in dev)
-            entry = self._keep(self._decode_inputs, key, (run, host))
+            entry = self._keep(self._decode_steps, key, (run, host))
         run, host = entry
         self._fill(host, (run.req_ids, run.num_tokens), ids, ntok)
         return run
@@ -143,8 +143,8 @@ class HostMirror(MixedSteps, Accounting):
     def _shape_dropped(self, key):
         """The table dropped call shape ``key`` (``max_shapes``): a decode bound step of that shape
         would keep writing buffers the table no longer returns, so it is made again when needed."""
-        for k in [k for k, (run, _) in self._decode_inputs.items() if run._key == key]:
-            del self._decode_inputs[k]
+        for k in [k for k, (run, _) in self._decode_steps.items() if run._key == key]:
+            del self._decode_steps[k]
         if self._decode_key is not None and self._decode_key[1]._key == key:
             self._decode_key = None
 
