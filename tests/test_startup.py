@@ -24,7 +24,7 @@ import pytest
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 FIRST_STEP = textwrap.dedent("""
-    import json, sys
+    import gc, json, sys
     import torch
     import tpool
     from tpool.backends import numba as nb
@@ -44,6 +44,7 @@ FIRST_STEP = textwrap.dedent("""
     print(json.dumps(dict(
         file=tpool.__file__,
         triton="triton" in sys.modules,
+        gc=gc.isenabled(),
         results=[a.pages.tolist(), a.indptr.tolist(), s.slots.tolist(), [t.tolist() for t in s.csr],
                  pool.stats(), [mirror.free, mirror.reserved]],
         stats={k: dict(path=d.stats.cache_path, hits=sum(d.stats.cache_hits.values()),
@@ -66,6 +67,7 @@ def _cold_then_warm(env, cwd=None):
     assert all(s["misses"] == 1 and s["hits"] == 0 for s in cold["stats"].values()), cold["stats"]
     assert all(s["misses"] == 0 and s["hits"] == 1 for s in warm["stats"].values()), warm["stats"]
     assert warm["results"] == cold["results"] and not warm["triton"]
+    assert cold["gc"] and warm["gc"]  # the collector paused for the imports and loads is running again
     return warm
 
 
@@ -159,3 +161,24 @@ def test_the_startup_benchmark_prints_its_table(tmp_path, capsys):
     assert {r["cache"] for r in rows} == {"torch only", "warm"}
     (ratio,) = [r["vs_torch_import"] for r in rows if r["phase"] == "launch to first step"]
     assert ratio > 0
+
+
+def test_the_collector_pause_restores_what_it_found():
+    import gc
+    from tpool._startup import gc_paused
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        with pytest.raises(RuntimeError):  # an import that fails still gives the collector back
+            with gc_paused():
+                assert not gc.isenabled()
+                raise RuntimeError("import failed")
+        assert gc.isenabled()
+        gc.disable()  # a caller that runs without the collector keeps it off
+        with gc_paused():
+            with gc_paused():
+                assert not gc.isenabled()
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -7,14 +7,17 @@ kernel passes that never read device memory back on the host.
 
 from typing import TYPE_CHECKING
 
-from tpool._version import __version__
-from tpool.errors import (CorruptState, DoubleFree, InvalidCount, InvalidLength, InvalidPage, InvalidRequest,
-                          InvariantViolation, OutputOverflow, PoolError, RefcountOverflow, StaleBinding,
-                          TableOverflow, UseAfterFree)
-from tpool.free_group import FreeGroup
-from tpool.page_table import (BoundStep, ExtendResult, ForkResult, PagedKVCSR, PageTable, StepOut,
-                              StepResult)
-from tpool.pool import AllocOut, AllocResult, BoundCall, PagePool
+from tpool._startup import gc_paused
+
+with gc_paused():  # a one-off import (torch's too, when tpool comes first): tpool._startup
+    from tpool._version import __version__
+    from tpool.errors import (CorruptState, DoubleFree, InvalidCount, InvalidLength, InvalidPage, InvalidRequest,
+                              InvariantViolation, OutputOverflow, PoolError, RefcountOverflow, StaleBinding,
+                              TableOverflow, UseAfterFree)
+    from tpool.free_group import FreeGroup
+    from tpool.page_table import (BoundStep, ExtendResult, ForkResult, PagedKVCSR, PageTable, StepOut,
+                                  StepResult)
+    from tpool.pool import AllocOut, AllocResult, BoundCall, PagePool
 
 # The memory tools are imported at their first use (``tpool.Arena`` imports tpool.memory.arena),
 # so that ``import tpool`` costs a process only what a pool and a table need.

@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from tpool._startup import gc_paused
 from tpool.backends.contract import PoolOps, TableOps
 from tpool.state import PoolState, TableState
 
@@ -54,9 +55,16 @@ def _triton_installed() -> bool:
 
 def make_pool_ops(name: str, st: PoolState) -> PoolOps:
     """The pool operations of backend ``name`` over the state ``st``."""
-    return importlib.import_module(REGISTRY[name]).Pool(st)
+    return _backend(name).Pool(st)
 
 
 def make_table_ops(name: str, st: PoolState, ts: TableState) -> TableOps:
     """The page-table operations of backend ``name`` over a table's state ``ts`` and its pool's ``st``."""
-    return importlib.import_module(REGISTRY[name]).Table(st, ts)
+    return _backend(name).Table(st, ts)
+
+
+def _backend(name: str):
+    """The module of backend ``name``, imported at its first use (numba's import, ~0.1 s, is paid only
+    by a process that makes a numba pool), with the collector paused (:mod:`tpool._startup`)."""
+    with gc_paused():
+        return importlib.import_module(REGISTRY[name])

@@ -31,6 +31,7 @@ from numba.core import caching
 from numba.core.runtime import nrt
 
 from tpool._checks import overlap_error, storage_spans
+from tpool._startup import gc_paused
 from tpool.kernels import alloc, block_table_rows, evict, extend, flashinfer_csr, fork, free, incref, release, step
 from tpool.kernels import layout as L
 from tpool.kernels import touch
@@ -67,9 +68,10 @@ class KernelCache(caching.FunctionCache):
     """
 
     def load_overload(self, sig, target_context):
-        nrt.rtsys.initialize(target_context)
-        with self._guard_against_spurious_io_errors():
-            return self._load_overload(sig, target_context)
+        with gc_paused():  # a one-off load that makes only long-lived objects (tpool._startup)
+            nrt.rtsys.initialize(target_context)
+            with self._guard_against_spurious_io_errors():
+                return self._load_overload(sig, target_context)
 
 
 def cached_njit(fn=None, **options):
