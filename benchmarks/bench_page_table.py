@@ -31,7 +31,8 @@ scheduler steps. This mode also times the decode and turnover rows (and their
 baselines) one call at a time with 64 MiB written into a numpy buffer before
 each call (outside the timed region), and shows warm and cold side by side.
 Each cold sample: one untimed step, write 64 MiB, time one step (so the timed
-step grows the CSR of the step before, as in a decode loop). The table is
+step grows the CSR of the step before, as in a decode loop); the clock is read
+right before and after the call, with no loop between (a loop's code is cold too). The table is
 restored once before the cold samples, not before each: restoring a large
 pool's state (~500 MB at 16M pages) right before a timed step slows that step
 even after the 64 MiB, which a serving loop never does (``_common.sample_cold_us``).
