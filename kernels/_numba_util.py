@@ -377,6 +377,15 @@ def apply_free(pages, cache, clock, free_stack, refcount, page_state, stamp, cou
 
 
 @numba.njit(nogil=True, inline="always")
+def mark_popped(p, refcount, page_state):
+    """Page ``p``, just popped off the free stack: USED, with one reference. ``p`` must be a page
+    id: callers check it first, one entry at a time (``pop_page``) or a whole run of the stack
+    at once (``stack_run_ok``)."""
+    refcount[p] = 1
+    page_state[p] = L.USED
+
+
+@numba.njit(nogil=True, inline="always")
 def pop_page(at, free_stack, refcount, page_state, counters):
     """The page at ``free_stack[at]``, marked USED with one reference. Callers pop from the top
     (``at`` = free count - 1 - pages popped so far) and lower the free count once at the end.
@@ -388,8 +397,7 @@ def pop_page(at, free_stack, refcount, page_state, counters):
         return L.NULL_PAGE
     p = free_stack[at]
     if p >= 0 and p < refcount.shape[0]:
-        refcount[p] = 1
-        page_state[p] = L.USED
+        mark_popped(p, refcount, page_state)
     else:
         counters[L.ERR_CORRUPT_STATE] += 1
     return p

@@ -13,7 +13,7 @@ from ._triton_shim import tl, triton
 
 from . import layout as L
 from . import _numba_util as nu
-from ._numba_util import fill_null_range, i32_array, pop_page, stack_run_ok, state_arrays, u8_array
+from ._numba_util import fill_null_range, i32_array, mark_popped, pop_page, stack_run_ok, state_arrays, u8_array
 from .layout import AD_EVICTED, AD_INDPTR, AD_MAX_BATCH, AD_MAX_PAGES, AD_OK, AD_PAGES, STATE_DESC_LEN
 from ._triton_util import (ALLOCATED, CACHED_COUNT, ERR_BAD_COUNT, ERR_CORRUPT_STATE, ERR_OUT_OVERFLOW, EVICTED,
                            FAILED_REQUESTS, FREE_COUNT, NULL_PAGE, counter_add, counter_get, load_counters,
@@ -81,8 +81,7 @@ def alloc_numba(
     if stack_run_ok(free_stack, top - total + 1, top + 1, P):  # the usual case: no check per page
         for j in range(total):
             p = free_stack[top - j]
-            refcount[p] = 1
-            page_state[p] = L.USED
+            mark_popped(p, refcount, page_state)
             pages[j] = p
     else:  # corrupt state on the way: the checked pop
         for j in range(total):

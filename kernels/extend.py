@@ -28,7 +28,7 @@ from ._triton_shim import tl, triton
 
 from . import layout as L
 from . import _numba_util as nu
-from ._numba_util import (fill_null_range, i32_array, i64_array, page_shift, pages_for, pop_page,
+from ._numba_util import (fill_null_range, i32_array, i64_array, mark_popped, page_shift, pages_for, pop_page,
                           stack_run_ok, stamp_rows, state_arrays, table_arrays, u8_array)
 from .layout import CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, INT32_MAX
 from ._triton_table_util import (ERR_BAD_REQUEST, ERR_TABLE_OVERFLOW, cdiv, claim_requests, reset_requests,
@@ -229,8 +229,7 @@ def extend_numba(
                     top -= 1
                     if fast:
                         p = free_stack[top]
-                        refcount[p] = 1
-                        page_state[p] = L.USED
+                        mark_popped(p, refcount, page_state)
                         block_table[r, k] = p
                     else:
                         block_table[r, k] = pop_page(top, free_stack, refcount, page_state, counters)

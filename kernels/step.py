@@ -24,8 +24,9 @@ are on the free stack and whose outputs have room (most steps of a decode loop) 
 then a second writes. Any other step, including one that pass declines having changed
 nothing, runs the full step; the two write the same. Lanes inside their last page and
 padding lanes go through the same helpers on both paths (``decode_lane``, ``null_lane`` in
-:mod:`extend`); a lane at a page boundary has its own short copy of the pop, the row write
-and the growth entry here, which must stay in step with ``extend_numba``'s grant path
+:mod:`extend`); a lane at a page boundary has its own short copy of the pop (its page marked
+by ``mark_popped``, as every pop is), the row write and the growth entry here, which must stay
+in step with ``extend_numba``'s grant path
 (``tests/test_step_csr.py`` checks both against the reference at every edge the first pass
 declines). The short path is there for its code as much as for its work: with the caches
 cold it fetches far less of it.
@@ -53,8 +54,9 @@ import numpy as np
 from ._triton_shim import tl, triton
 
 from . import layout as L
-from ._numba_util import (fill_null_range, i32_array, i64_array, i64_cell, move_i32, new_version, page_shift,
-                          pages_for, raise_peaks, row_versions, stack_run_ok, state_arrays, table_arrays, u8_array)
+from ._numba_util import (fill_null_range, i32_array, i64_array, i64_cell, mark_popped, move_i32, new_version,
+                          page_shift, pages_for, raise_peaks, row_versions, stack_run_ok, state_arrays, table_arrays,
+                          u8_array)
 from .layout import (CALL_DESC_LEN, CD_CSR_MEMO, CD_IDS, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_KV_LENS,
                      CD_LANES, CD_LAST_PAGE_LEN, CD_NTOK, CD_OK, CD_OUT, CD_POSITIONS, CD_QO_INDPTR, CD_SLOTS,
                      CD_RELEASE, CD_RELEASE_CACHE, CD_RELEASE_LEN, CD_SLOTS_LEN, CD_STATE, TD_VERSION)
@@ -272,8 +274,7 @@ def decode_in_place(req_ids_ptr, ntok_ptr, B, cd):
         if off == 0:  # a new page, from the stack (checked above)
             top -= 1
             page = np.int64(stack[top])
-            rc[page] = 1
-            state[page] = L.USED
+            mark_popped(page, rc, state)
             bt[np.uint64(r), np.uint64(k)] = page
             grown = list_growth(ins, grown, i, pos - grown + k, k, k + 1)
             row_version[r] = version
