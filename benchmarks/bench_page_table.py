@@ -45,6 +45,8 @@ even after the 64 MiB, which a serving loop never does (``_common.sample_cold_us
 import argparse
 import gc
 import functools
+import itertools
+import operator
 import os
 import random
 import sys
@@ -194,6 +196,11 @@ def workloads(B, backends, device, *, num_pages=None, extras=True):
         # functools.partial rather than a lambda: the harness adds a C call, not a Python frame.
         impls[f"tpool-{be} step"] = (functools.partial(table.step, ids, ones), table, "decode")
         impls[f"tpool-{be} bound step"] = (table.bind_step(ids, ones), table, "decode")
+        # Overlap scheduling: steps take turns writing two StepOuts (the forward of step N reads one
+        # while step N+1 writes the other). C calls only: next() on a map that calls each bound step.
+        turns = itertools.cycle([table.bind_step(ids, ones, out=table.step_out(B)) for _ in range(2)])
+        impls[f"tpool-{be} bound step, two StepOuts taking turns"] = (
+            functools.partial(next, map(operator.methodcaller("__call__"), turns)), table, "decode")
         if device.type == "cpu":  # inputs the table makes: memory that cannot move, so no check per call
             fixed = table.bind_step(batch=B)
             fixed.req_ids[:] = ids.numpy()  # numpy arrays on a CPU

@@ -22,7 +22,8 @@ import torch
 
 DEVICE = default_device()
 BACKEND = "triton" if DEVICE == "cuda" else "numba"
-DECODE = ["host-blocks", f"tpool-{BACKEND} step", f"tpool-{BACKEND} bound step"] + (
+DECODE = ["host-blocks", f"tpool-{BACKEND} step", f"tpool-{BACKEND} bound step",
+          f"tpool-{BACKEND} bound step, two StepOuts taking turns"] + (
     [f"tpool-{BACKEND} bound step, table-made inputs"] if DEVICE == "cpu" else [])
 TURNOVER = ["host-blocks turnover", f"tpool-{BACKEND} turnover", f"tpool-{BACKEND} turnover, one call"]
 POOL_SIZES = [65536, 1048576, 16777216]  # the decode step should stay flat

@@ -175,7 +175,27 @@ def new_version(td):
     ``PageTable.invalidate_csr`` after such edits.
     """
     version = fetch_add_i64(td[TD_VERSION_SOURCE], 1) + 1  # atomic: safe whether or not a kernel holds the GIL
-    i64_cell(td[TD_VERSION])[0] = version
+    cells = version_cells(td)
+    cells[L.APPENDED_FROM] = -1  # not made by a step (new_step_version says when it was)
+    cells[L.VERSION_NOW] = version
+    return version
+
+
+@numba.njit(nogil=True, inline="always")
+def version_cells(td):
+    """int64 ``[VERSION_CELLS]``: the table's version and the one the step that made it started from
+    (layout; -1 when another kind of call made it)."""
+    return numba.carray(_i64_ptr(td[TD_VERSION]), (L.VERSION_CELLS,))
+
+
+@numba.njit(nogil=True, inline="always")
+def new_step_version(td):
+    """``new_version`` for a step, which only appends to rows (tokens, and pages after the last):
+    the table notes the version it came from, so a CSR of that version can still be grown in
+    place (``kernels/step.py``: two ``StepOut`` buffers taking turns)."""
+    before = version_cells(td)[L.VERSION_NOW]
+    version = new_version(td)
+    version_cells(td)[L.APPENDED_FROM] = before
     return version
 
 

@@ -118,13 +118,18 @@ AD_PAGES, AD_MAX_PAGES, AD_INDPTR, AD_OK, AD_MAX_BATCH, AD_EVICTED = range(STATE
 AD_LEN = STATE_DESC_LEN + 6
 
 # A page table's descriptor (int64 [TABLE_DESC_LEN]). TD_VERSION is the address of the
-# table's ``version`` cell (state, so a restored snapshot brings its version back),
+# table's ``version`` cells (int64 [VERSION_CELLS], state, so a restored snapshot brings them
+# back): the version at VERSION_NOW, and at APPENDED_FROM the version the table had before the
+# step that made the current one, when that call was a step (which only appends: a memo of that
+# version holds a CSR the next step can still grow in place, see kernels/step.py), else -1;
 # TD_VERSION_SOURCE that of the process-wide version counter (see ``new_version``) and
 # TD_ROW_VERSION that of ``row_version`` (int64 [R], state: the version of the call that last
 # changed each row's pages, see ``stamp_rows``).
 (TD_BLOCK_TABLE, TD_REQUESTS, TD_MAX_PAGES, TD_SEQ_LENS, TD_CLAIM, TD_PAGE_SIZE, TD_VERSION,
  TD_VERSION_SOURCE, TD_ROW_VERSION) = range(9)
 TABLE_DESC_LEN = 9
+VERSION_NOW, APPENDED_FROM = range(2)
+VERSION_CELLS = 2
 
 # A table call's descriptor (int64 [CALL_DESC_LEN]): the table descriptor, the pool's
 # state descriptor, then the addresses of the table-owned output buffers the call writes.

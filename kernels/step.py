@@ -31,6 +31,15 @@ in step with ``extend_numba``'s grant path
 declines). The short path is there for its code as much as for its work: with the caches
 cold it fetches far less of it.
 
+Two ``StepOut`` buffers taking turns (overlap scheduling) find the CSR they hold one step
+behind the table: the other buffer's step came in between. A step only appends to rows
+(tokens, and pages after the last), so each step notes in the table's version cells the
+version it came from (``new_step_version``; any other call's ``new_version`` clears it), and a
+decode step whose memo holds that version (``decode_one_behind``) grows the CSR in place by
+the pages the step before gave each lane as well as its own: it reads each lane's length
+from ``seq_lens`` (the memo's tail is a step old) and a row only where the step before added
+the lane's last page. Any other step on such a memo keeps runs, as below.
+
 After any other change in between (a release, a truncate, another shape's step,
 a restore, a new batch) the step still keeps what it can: every call that may
 change a row's pages stamps the row with its version (``row_version``; a step
@@ -54,9 +63,9 @@ import numpy as np
 from ._triton_shim import tl, triton
 
 from . import layout as L
-from ._numba_util import (fill_null_range, i32_array, i64_array, i64_cell, mark_popped, move_i32, new_version,
+from ._numba_util import (fill_null_range, i32_array, i64_array, i64_cell, mark_popped, move_i32, new_step_version,
                           page_shift, pages_for, raise_peaks, row_versions, stack_run_ok, state_arrays, table_arrays,
-                          u8_array)
+                          u8_array, version_cells)
 from .layout import (CALL_DESC_LEN, CD_CSR_MEMO, CD_IDS, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_KV_LENS,
                      CD_LANES, CD_LAST_PAGE_LEN, CD_NTOK, CD_OK, CD_OUT, CD_POSITIONS, CD_QO_INDPTR, CD_SLOTS,
                      CD_RELEASE, CD_RELEASE_CACHE, CD_RELEASE_LEN, CD_SLOTS_LEN, CD_STATE, TD_VERSION)
@@ -202,26 +211,30 @@ def memo_holds(memo, td, ids, B):
     return diff == 0
 
 
-@numba.njit(nogil=True)
-def decode_in_place(req_ids_ptr, ntok_ptr, B, cd):
-    """The step of a decode batch whose CSR the buffers hold at the table's version, in two short
-    passes; False, having changed nothing, when the step is not that simple (then the full step runs).
+@numba.njit(nogil=True, inline="always")
+def decode_lanes(req_ids_ptr, ntok_ptr, B, cd, behind):
+    """The step of a decode batch whose CSR the buffers hold at the table's version (``behind``:
+    at the version the step before started from, module note), in two short passes; False,
+    having changed nothing, when the step is not that simple (then the full step runs).
 
     The simple step: every lane is padding or a request appending one token, every length
-    (from the memo's tails) leaves room for that token in the row, the page size is a power
-    of two, the slots and the CSR have room, and the free stack holds the pages the lanes at
-    a page boundary need (its entries page ids). The first pass checks that, and that the
-    memo holds this batch at the table's version, reading nothing but the inputs, the memo
-    (its version, batch and tails), the free count and the stack entries it would pop; the
+    (from the memo's tails; ``behind``, from ``seq_lens``, and no shorter than the tail's)
+    leaves room for that token in the row, the page size is a power of two, the slots and the
+    CSR have room, and the free stack holds the pages the lanes at a page boundary need (its
+    entries page ids). The first pass checks that, and that the memo holds this batch at that
+    version, reading nothing but the inputs, the memo (its version, batch and tails), the
+    lengths when ``behind``, the free count and the stack entries it would pop; the
     second writes what the full step
     (``extend_numba`` with ``distinct``, then ``grow_csr``) would, through the same lane
     helpers, with its code alone: a decode loop's step fetches little more code than this
-    when a forward pass has cooled the caches.
+    when a forward pass has cooled the caches. ``behind`` is a constant of each caller
+    (``decode_in_place``, ``decode_one_behind``), so each compiles only its own case.
     """
     td = cd[:CD_STATE]
     ids, ntok = i32_array(req_ids_ptr, B), i32_array(ntok_ptr, B)
     memo = i64_array(cd[CD_CSR_MEMO], _memo_len(B))
-    if B <= 0 or memo[L.MEMO_VERSION] != i64_cell(td[TD_VERSION])[0]:
+    cells, held = version_cells(td), memo[L.MEMO_VERSION]
+    if B <= 0 or held != (cells[L.APPENDED_FROM] if behind else cells[L.VERSION_NOW]) or held < 0:
         return False
     bt, lens, _, ps = table_arrays(td)
     stack, rc, state, _, counters, _, _ = state_arrays(cd[CD_STATE:CD_OUT])
@@ -240,16 +253,20 @@ def decode_in_place(req_ids_ptr, ntok_ptr, B, cd):
         if r == L.NULL_PAGE:
             tok += max(n, 0)
         else:
-            # a negative int32 reads as >= 2**31 > limit (PageTable refuses a limit past INT32_MAX)
-            length = tails[i] & _LOW32
-            bad |= (np.uint64(r) >= np.uint64(R)) | (n != 1) | (length >= limit)
+            # the length when the memo's CSR was made; a memo one step behind, the row's now (at least
+            # that: a step only appends). A negative int32 reads as >= 2**31 > limit (PageTable
+            # refuses a limit past INT32_MAX), or as below the old length.
+            known = np.uint64(r) < np.uint64(R)
+            old = tails[i] & _LOW32
+            length = np.int64(lens[np.uint64(r) if known else np.uint64(0)]) if behind else old
+            bad |= (not known) | (n != 1) | (length >= limit) | (length < old)
             need += (length & (ps - 1)) == 0
             total += (length >> max(shift, 0)) + 1
             tok += 1
     free = counters[L.FREE_COUNT]
     if bad or tok > T or total > cap or free < need or free > P or not stack_run_ok(stack, free - need, free, P):
         return False
-    version = new_version(td)
+    version = new_step_version(td)
     row_version = row_versions(td)
     counters[L.CLOCK] += 1
     ins, stamps = memo[L.MEMO_IDS + B:tails_at], memo[_memo_stamps(B):_memo_plan(B)]
@@ -257,7 +274,7 @@ def decode_in_place(req_ids_ptr, ntok_ptr, B, cd):
     indptr, last = i32_array(cd[CD_INDPTR], B + 1), i32_array(cd[CD_LAST_PAGE_LEN], B)
     qo, kvl = i32_array(cd[CD_QO_INDPTR], B + 1), i32_array(cd[CD_KV_LENS], B)
     top = free
-    tok = pos = grown = bad_slots = changed = 0
+    tok = pos = old_pos = grown = bad_slots = changed = 0
     for i in range(B):
         r = ids[i]  # the caller's memory, read again: bounded again (another thread may have written it)
         if r == L.NULL_PAGE:
@@ -270,15 +287,29 @@ def decode_in_place(req_ids_ptr, ntok_ptr, B, cd):
         packed = tails[i]
         length = np.int32(packed & _LOW32)
         page = packed >> 32
+        have = 0  # behind: the pages of the lane's run in the memo's CSR, which ends at old_pos + have
+        if behind:
+            old, have = length, (length + ps - 1) >> shift
+            length = lens[np.uint64(r)]
+            if length < old or length >= limit:  # not what the first pass read: the lane is left alone
+                changed = 1
+                continue
         k, off = length >> shift, length & (ps - 1)
         if off == 0:  # a new page, from the stack (checked above)
             top -= 1
             page = np.int64(stack[top])
             mark_popped(page, rc, state)
             bt[np.uint64(r), np.uint64(k)] = page
-            grown = list_growth(ins, grown, i, pos - grown + k, k, k + 1)
             row_version[r] = version
-            stamps[i] = version
+            if not behind:  # the run had k pages and gains this one
+                grown = list_growth(ins, grown, i, pos - grown + k, k, k + 1)
+                stamps[i] = version
+        elif behind and k != have - 1:  # a page the step before added, past the memo's CSR: from the row
+            page = np.int64(bt[np.uint64(r), np.uint64(k)])
+        if behind and k >= have:  # the run gains this step's page, or the step before's, or both
+            grown = list_growth(ins, grown, i, old_pos + have, have, k + 1)
+            stamps[i] = row_version[r]
+        old_pos += have
         good, pos = decode_lane(i, tok, r, length, page, k, off, ps, P, slots, lens, ok, True, pos, tails, indptr,
                                 last, positions, qo, kvl)
         bad_slots += not good
@@ -297,11 +328,23 @@ def decode_in_place(req_ids_ptr, ntok_ptr, B, cd):
 
 
 @numba.njit(nogil=True)
+def decode_in_place(req_ids_ptr, ntok_ptr, B, cd):
+    """``decode_lanes`` of a memo at the table's version (compiled on its own: the common case's code alone)."""
+    return decode_lanes(req_ids_ptr, ntok_ptr, B, cd, False)
+
+
+@numba.njit(nogil=True)
+def decode_one_behind(req_ids_ptr, ntok_ptr, B, cd):
+    """``decode_lanes`` of a memo one step behind the table (two ``StepOut`` buffers taking turns)."""
+    return decode_lanes(req_ids_ptr, ntok_ptr, B, cd, True)
+
+
+@numba.njit(nogil=True)
 def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
     """extend then the CSR for a bound call (outputs, table and pool state in the call descriptor ``cd``);
     the CSR grows in place when the buffers hold the batch's CSR at the table's version, and keeps
     the runs of unchanged rows when they hold another CSR (module note)."""
-    if decode_in_place(req_ids_ptr, ntok_ptr, B, cd):
+    if decode_in_place(req_ids_ptr, ntok_ptr, B, cd) or decode_one_behind(req_ids_ptr, ntok_ptr, B, cd):
         return
     td = cd[:CD_STATE]
     bt, lens, claim, ps = table_arrays(td)
@@ -318,7 +361,7 @@ def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
     if not same and memo[L.MEMO_VERSION] != -1 and B > 0:
         old_total = plan_kept_runs(ids, B, memo[L.MEMO_IDS:L.MEMO_IDS + B], tails, stamps, row_version, plan,
                                    kept, ps, cap)
-    version = new_version(td)
+    version = new_step_version(td)
     indptr, last = i32_array(cd[CD_INDPTR], B + 1), i32_array(cd[CD_LAST_PAGE_LEN], B)
     qo, kvl = i32_array(cd[CD_QO_INDPTR], B + 1), i32_array(cd[CD_KV_LENS], B)
     clean, total, grown = extend_numba(req_ids_ptr, ntok_ptr, B, cd[CD_SLOTS], cd[CD_SLOTS_LEN], cd[CD_OK], ps, bt,

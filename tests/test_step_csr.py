@@ -15,6 +15,7 @@ import torch
 import tpool
 from conftest import i32, same_table_state
 from tpool.graphs import state_tensors
+from tpool.kernels import layout as L
 
 R, MP, PS, B = 12, 10, 4, 6
 
@@ -344,31 +345,97 @@ def test_a_turnover_step_keeps_the_runs_of_the_requests_that_stay(guard):
         assert got.csr.indptr.tolist()[-1] == sum(-(-(n + 4) // PS) for n in (5, 9, 12, 7, 4)) + 1
 
 
-def test_alternating_step_outs_keep_the_rows_the_other_step_did_not_grow(guard):
-    """Overlap scheduling writes two StepOuts in turn: each step finds the CSR of two steps ago, and
-    keeps the run of every request the step in between gave no page."""
+def test_step_outs_in_rotation_keep_the_rows_the_steps_in_between_did_not_grow(guard):
+    """Three StepOuts written in turn: each step finds the CSR of three steps ago, two steps behind
+    the table, and keeps the run of every request the steps in between gave no page."""
     tables = twins(num_pages=90)
     batch = [0, 1, 2, 3, 4, 5]
     for t in tables:
         t.extend(i32(batch), i32([5, 9, 2, 12, 7, 4]), max_tokens=39)
-    outs = [[t.step_out(B, capacity=B * MP) for t in tables] for _ in range(2)]
-    prev_before = None  # each request's pages before the previous step
-    for n in range(12):
+    outs = [[t.step_out(B, capacity=B * MP) for t in tables] for _ in range(3)]
+    pages = []  # each request's pages before each step
+    for n in range(14):
         ids, ones = i32(batch), i32([1] * B)
-        kept = len(outs[n % 2][0].memo.kept_lanes(batch, tables[0].state.row_version.tolist()))
-        before = [-(-int(x) // PS) for x in tables[1].seq_lens[:B].tolist()]
+        out = outs[n % 3]
+        kept = len(out[0].memo.kept_lanes(batch, tables[0].state.row_version.tolist()))
+        pages.append([-(-int(x) // PS) for x in tables[1].seq_lens[:B].tolist()])
+        assert out[0].memo.growable_batch(*tables[0].state.version.tolist()) is None  # two steps behind
         res = []
-        for t, out in zip(tables, outs[n % 2]):
+        for t, o in zip(tables, out):
             with guard():
-                res.append(t.step(ids, ones, out=out))
+                res.append(t.step(ids, ones, out=o))
         got, want = res
         for x, y in zip(got.csr, want.csr):
             assert x.tolist() == y.tolist()
         same_table_state(*tables)
         tables[0].check_invariants()
-        if n >= 2:  # the lanes whose pages the step in between did not change keep their runs
-            assert kept == sum(1 for r in batch if before[r] == prev_before[r]) and kept > 0
-        prev_before = before
+        if n >= 3:  # the lanes whose pages the two steps in between did not change keep their runs
+            assert kept == sum(1 for r in batch if pages[-3][r] == pages[-1][r]) and kept > 0
+
+
+@pytest.mark.parametrize("page_size", [4, 3, 1])
+def test_step_outs_taking_turns_grow_in_place_and_match_the_reference(page_size, guard):
+    """Overlap scheduling: steps take turns between two StepOuts, so each finds the CSR it holds one
+    step behind the table. A step only appends, so the numba step still grows that CSR in place (the
+    pages the step before gave its lanes, then its own; a power-of-two page size only). Checked
+    against the reference after every step, with in between: steps of several tokens a lane (the
+    next turn inserts several pages a lane), padding lanes, a release and re-admission of a request
+    outside the
+    batch, or of a request in it (its row gets new pages, at least as many: not a step, so the next
+    turn keeps the other runs instead), restored snapshots, and another table stepping on the same
+    pool (versions move on, this table's do not)."""
+    rng = random.Random(page_size)
+    mp = 48
+    tables = [tpool.PageTable(tpool.PagePool(600, page_size, device="cpu", backend=be), R, mp)
+              for be in ("numba", "reference")]
+    others = [tpool.PageTable(t.pool, 2, mp) for t in tables]
+    batch = [0, 1, -1, 2, 3, 4, 5, -1]
+    b, cap, T = len(batch), len(batch) * mp, 4 * len(batch)
+    prompts = [page_size * k + j for k, j in zip((1, 2, 0, 3, 1, 2), (0, 1, 2, 3, 0, 1))]  # some at a boundary
+    for t in tables:
+        t.extend(i32([0, 1, 2, 3, 4, 5]), i32(prompts), max_tokens=64)
+    outs = [[t.step_out(b, max_tokens=T, capacity=cap) for t in tables] for _ in range(2)]
+    snapshots, grown = [], 0
+    for n in range(70):
+        op = rng.choices(["decode", "chunk", "release", "readmit", "snapshot", "restore", "other"],
+                         [30, 4, 2, 2, 2, 2, 3])[0]
+        if op in ("release", "readmit"):  # a request leaves and comes back as long or longer, new pages:
+            r = 7 if op == "release" else rng.choice([r for r in batch if r >= 0])  # outside the batch, in it
+            n_tok = int(tables[1].seq_lens[r]) + rng.randint(0, 9)
+            for t in tables:
+                t.release(i32([r]))
+                t.extend(i32([r]), i32([max(n_tok, 1)]), max_tokens=max(n_tok, 1))
+        elif op == "snapshot":
+            snapshots.append([[x.clone() for x in state_tensors(t)] for t in tables])
+        elif op == "restore" and snapshots:
+            for t, saved in zip(tables, rng.choice(snapshots)):
+                for x, y in zip(state_tensors(t), saved):
+                    x.copy_(y)
+        elif op == "other":
+            for o in others:
+                o.step(i32([0, 1]), i32([1, 1]))
+        if op not in ("decode", "chunk"):
+            continue
+        if max(int(x) for x in tables[1].seq_lens.tolist()) + 4 > mp * page_size:
+            break
+        ntok = [0 if r < 0 else (1 if op == "decode" else rng.choice([1, 2, 4])) for r in batch]
+        out = outs[n % 2]
+        cells = tables[0].state.version.tolist()
+        memo = out[0].memo
+        if op == "decode" and memo.growable_batch(*cells) is not None and int(memo.tensor[L.MEMO_VERSION]) != cells[0]:
+            grown += 1  # one step behind, a step of one token a lane: the CSR grows in place
+        res = []
+        for t, o in zip(tables, out):
+            with guard():
+                res.append(t.step(i32(batch), i32(ntok), out=o))
+        got, want = res
+        names = ("slots", "ok", "indptr", "indices", "last_page_len", "positions", "qo_indptr", "kv_lens")
+        for x, y, name in zip((got.slots, got.ok, *got.csr, *got.metadata),
+                              (want.slots, want.ok, *want.csr, *want.metadata), names):
+            assert x.tolist() == y.tolist(), (n, op, name)
+        same_table_state(*tables)
+        tables[0].check_invariants(exclusive=False)  # the other table holds pages of the pool too
+    assert grown >= 15
 
 
 def test_check_invariants_catches_a_kept_run_edited_by_hand(guard):
@@ -486,3 +553,54 @@ def test_a_snapshot_between_a_hand_edit_and_naming_its_rows_is_safe_to_restore(g
         outs[t.pool.backend] = [v.tolist() for v in (res.slots, *res.csr)]
     assert outs["numba"] == outs["reference"]
     table.check_invariants()
+
+
+def one_step_behind(t, first, max_tokens):
+    """Two StepOuts of the batch 0-3 on ``t``: a step of ``first`` tokens a lane into one, then a decode
+    step into the other. Returns them; the first now holds a CSR one step behind the table."""
+    a, b = t.step_out(4, max_tokens=max_tokens), t.step_out(4, max_tokens=max_tokens)
+    t.step(i32([0, 1, 2, 3]), i32(first), out=a)
+    t.step(i32([0, 1, 2, 3]), i32([1, 1, 1, 1]), out=b)
+    return a, b
+
+
+def test_a_snapshot_between_a_hand_edit_and_naming_its_rows_is_safe_to_restore_one_step_behind(guard):
+    """As above, with the memo one step behind the snapshot's version (a StepOut written just before
+    the step that made that version): a CSR the next step would grow in place, unless naming the
+    rows forgot it."""
+    table, ref = twins(num_pages=48)
+    outs = {}
+    ids, ones = i32([0, 1, 2, 3]), i32([1, 1, 1, 1])
+    for t in (table, ref):
+        a, _ = one_step_behind(t, [6, 6, 6, 6], 32)
+        x, y = int(t.block_table[0, 1]), int(t.block_table[2, 1])
+        t.block_table[0, 1], t.block_table[2, 1] = y, x            # a hand edit: two pages swapped
+        snap = [s.clone() for s in state_tensors(t)]                # taken before the rows are named
+        t.invalidate_csr(i32([0, 2]))
+        t.step(ids, ones)                                           # the table's buffers: a, b untouched
+        for s, v in zip(state_tensors(t), snap):
+            s.copy_(v)
+        with guard():
+            res = t.step(ids, ones, out=a)  # a's memo names the version the snapshot's step came from
+        outs[t.pool.backend] = [v.tolist() for v in (res.slots, *res.csr)]
+    assert outs["numba"] == outs["reference"]
+    table.check_invariants()
+
+
+def test_a_row_shortened_by_hand_under_a_memo_one_step_behind_is_not_grown(guard):
+    """A memo one step behind trusts that the rows only grew since (a step only appends). A row
+    shortened by hand, without ``invalidate_csr``, breaks that: the short path must decline rather
+    than move runs by lengths the rows no longer have (positions past the CSR it sized), and the
+    full step then builds the CSR from the rows, as the reference does."""
+    table, ref = twins(num_pages=48)
+    outs = {}
+    ids, ones = i32([0, 1, 2, 3]), i32([1, 1, 1, 1])
+    for t in (table, ref):
+        a, _ = one_step_behind(t, [12, 9, 14, 6], 48)
+        t.seq_lens[0] = 2                           # row 0 cut from 13 tokens to 2 by hand: pages 1.. dropped
+        t.block_table[0, 1:] = -1
+        with guard():
+            res = t.step(ids, ones, out=a)
+        outs[t.pool.backend] = [v.tolist() for v in (res.slots, *res.csr, *res.metadata)]
+    assert outs["numba"] == outs["reference"]
+    assert outs["numba"][1] == [0, 1, 4, 8, 10]  # indptr: row 0 has one page, not four

@@ -831,7 +831,11 @@ class PageTable:
                        capacity: int | None = None) -> bool:
         """Whether a :meth:`step` of this batch and shape would grow its CSR in place (numba) rather
         than rebuild it: the buffers of that shape hold this batch's CSR at the table's current
-        version. A sync point (reads the memo and the batch), for tests and profiling.
+        version (any step grows it), or at the version the step that made the current one came
+        from (two :class:`StepOut` buffers taking turns: a step only appends, and a decode step,
+        one token a lane on a power-of-two page size, grows that CSR too; another step keeps
+        runs of it, :meth:`step_keeps_csr`). A sync point (reads the memo and the batch), for
+        tests and profiling.
 
         Parameters
         ----------
@@ -846,14 +850,15 @@ class PageTable:
         bool
         """
         memo = self._step_memo(req_ids, capacity)
-        grows = memo.growable_batch(int(self.state.version[0])) if memo is not None else None
+        grows = memo.growable_batch(*self.state.version.tolist()) if memo is not None else None
         return grows is not None and grows[0] == req_ids.tolist()
 
     def step_keeps_csr(self, req_ids: torch.Tensor, *, max_tokens: int | None = None,
                        capacity: int | None = None) -> int:
         """How many lanes of a :meth:`step` of this batch would keep their run of the CSR its buffers
         hold (numba), moving it instead of copying it from the table; 0 when the buffers hold no
-        CSR a step may reuse, or the step would grow it in place (:meth:`step_grows_csr`). A lane
+        CSR a step may reuse, or any step would grow it in place (the buffers hold this batch's CSR
+        at the table's version: :meth:`step_grows_csr`). A lane
         keeps its run when its request is found in that CSR's batch (in order, at most
         ``KEEP_LOOKAHEAD`` old lanes past the previous one found) and the request's row has not
         changed since (a release, truncate, fork or extend changes the rows it names; a step,
@@ -862,7 +867,8 @@ class PageTable:
         profiling; arguments and shapes as in :meth:`step_grows_csr`.
         """
         memo = self._step_memo(req_ids, capacity)
-        if memo is None or self.step_grows_csr(req_ids, max_tokens=max_tokens, capacity=capacity):
+        grows = memo.growable_batch(int(self.state.version[L.VERSION_NOW])) if memo is not None else None
+        if memo is None or (grows is not None and grows[0] == req_ids.tolist()):
             return 0
         return len(memo.kept_lanes(req_ids.tolist(), self.state.row_version.tolist()))
 
@@ -936,21 +942,25 @@ class PageTable:
         rc = self.pool.state.refcount.cpu().long()
         if not bool((rc >= held).all() if not exclusive else (rc == held).all()):
             raise InvariantViolation("invariant broken: reference counts match table entries")
-        # A step's CSR that the next step of its batch may grow in place (its memo names the
-        # table's current version, numba only) must still be that batch's CSR.
-        version = int(self.state.version[0])
+        # A step's CSR that the next step of its batch may grow in place (numba only: its memo names
+        # the table's current version, or the one the step that made it came from, since a step only
+        # appends) must still be that batch's CSR at the lengths the memo noted.
+        now, appended_from = self.state.version.tolist()
         for memo in list(self._shapes.memos):  # the table's and every live StepOut's and BoundStep's
-            grows = memo.growable_batch(version) if memo.csr is not None else None
+            grows = memo.growable_batch(now, appended_from) if memo.csr is not None else None
             if grows is None:
                 continue
             csr, key = memo.csr, (memo.batch, memo.csr.indices.numel())
             batch, tails = grows
-            want = [p for r in batch if r >= 0 for p in bt[r, :int(npages[r])].tolist()]
+            behind = int(memo.tensor[L.MEMO_VERSION]) != now
+            lanes = [(r, length, -(-length // self.page_size)) for r, (_, length) in zip(batch, tails) if r >= 0]
+            want = [p for r, _, n in lanes for p in bt[r, :n].tolist()]
             if csr.indices[:len(want)].tolist() != want:
                 raise InvariantViolation(f"invariant broken: the CSR of step shape {key} is its batch's CSR (the "
                                          "next step grows it in place: were its indices written to, or the table's "
                                          "state edited by hand without invalidate_csr()?)")
-            truth = [(int(bt[r, npages[r] - 1]) if npages[r] > 0 else -1, int(lens[r])) for r in batch if r >= 0]
+            truth = [(int(bt[r, n - 1]) if n > 0 else -1, min(length, int(lens[r])) if behind else int(lens[r]))  # behind: <=
+                     for r, length, n in lanes]
             if [t for r, t in zip(batch, tails) if r >= 0] != truth:
                 raise InvariantViolation(f"invariant broken: the step memo of shape {key} holds each request's "
                                          "length and last page (the next step reads them instead of the table: "

@@ -141,21 +141,24 @@ class TableState(_Tensors):
     seq_lens: torch.Tensor     # int32 [max_requests], tokens per request
     claim: torch.Tensor        # int32 [max_requests] scratch, INT32_MAX between calls
     lane_end: torch.Tensor     # int32 [max_batch] scratch (triton): per-lane ends of a call's page list
-    version: torch.Tensor      # int64 [1] (numba): which contents the table has; a step's CSR memo names it
+    version: torch.Tensor      # int64 [2] (numba): which contents the table has (a step's CSR memo names it),
+    #                            and the version a step made them from, else -1 (layout.VERSION_CELLS)
     row_version: torch.Tensor  # int64 [max_requests] (numba): version of the call that last changed each row's pages
 
     @classmethod
     def create(cls, max_requests: int, max_pages: int, page_size: int, max_batch: int,
                device: torch.device) -> "TableState":
-        return cls(
+        ts = cls(
             max_requests=max_requests, max_pages=max_pages, page_size=page_size,
             block_table=fixed_full((max_requests, max_pages), L.NULL_PAGE, torch.int32, device),
             seq_lens=fixed_full(max_requests, 0, torch.int32, device),
             claim=fixed_full(max_requests, INT32_MAX, torch.int32, device),
             lane_end=fixed_full(max(max_batch, 1), 0, torch.int32, device),
-            version=fixed_full(1, 0, torch.int64, device),
+            version=fixed_full(L.VERSION_CELLS, -1, torch.int64, device),
             row_version=fixed_full(max_requests, 0, torch.int64, device),
         )
+        ts.version[L.VERSION_NOW] = 0  # a fresh table: version 0, made by no step
+        return ts
 
 
 class CsrMemo:
@@ -203,23 +206,27 @@ class CsrMemo:
         A snapshot taken between the edit and ``PageTable.invalidate_csr(rows)`` carries the
         edited pages under their old stamps and version; restored, it must not let these
         buffers keep or grow the old runs of those rows. Their lanes' stamps become -1, and a
-        memo version equal to the table's ``version`` (int64 ``[1]``) becomes -2, never a
-        table version: no growth in place, while the other lanes' runs can still be kept.
-        Tensor ops only, no scalar read (``HostMirror.revive`` calls this on its hot path).
+        memo version equal to either of the table's ``version`` cells (int64
+        ``[VERSION_CELLS]``: the version, and the one the step that made it came from, whose
+        CSR a step grows in place too) becomes -2, never a table version: no growth in place,
+        while the other lanes' runs can still be kept. Tensor ops only, no scalar read
+        (``HostMirror.revive`` calls this on its hot path).
         """
         m, b = self.tensor, self.batch
         at = L.memo_stamps(b)
         named = (m[L.MEMO_IDS:L.MEMO_IDS + b, None] == req_ids.to(torch.int64)[None, :]).any(1)
         m[at:at + b].masked_fill_(named, -1)
         v = m[L.MEMO_VERSION:L.MEMO_VERSION + 1]
-        v.copy_(torch.where(v == version, torch.full_like(v, -2), v))
+        v.copy_(torch.where((v == version).any(0, keepdim=True), torch.full_like(v, -2), v))
 
-    def growable_batch(self, version: int) -> tuple[list, list] | None:
+    def growable_batch(self, version: int, appended_from: int = -1) -> tuple[list, list] | None:
         """``(request ids, tails)`` the next step may grow the CSR of in place and read lengths
-        and last pages from, if the buffers hold the CSR of table version ``version``; else
-        None. Each tail is ``(last page, length)``. A sync point (for ``check_invariants``)."""
+        and last pages from, if the buffers hold the CSR of table version ``version``, or of
+        ``appended_from`` (>= 0), the version the step that made ``version`` came from (a step
+        only appends: two ``StepOut`` buffers taking turns); else None. Each tail is
+        ``(last page, length)``. A sync point (for ``check_invariants``)."""
         memo = self.tensor.tolist()
-        if memo[L.MEMO_VERSION] != version:
+        if memo[L.MEMO_VERSION] != version and (appended_from < 0 or memo[L.MEMO_VERSION] != appended_from):
             return None
         at = L.memo_tails(self.batch)
         return memo[L.MEMO_IDS:L.MEMO_IDS + self.batch], [(w >> 32, w & 0xFFFFFFFF) for w in memo[at:at + self.batch]]
