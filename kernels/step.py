@@ -288,10 +288,11 @@ def decode_lanes(req_ids_ptr, ntok_ptr, B, cd, behind):
         length = np.int32(packed & _LOW32)
         page = packed >> 32
         have = 0  # behind: the pages of the lane's run in the memo's CSR, which ends at old_pos + have
-        if behind:
+        if behind:  # the length is the row's: the row must be the one the first pass read
             old, have = length, (length + ps - 1) >> shift
             length = lens[np.uint64(r)]
-            if length < old or length >= limit:  # not what the first pass read: the lane is left alone
+            if r != memo[L.MEMO_IDS + i] or length < old or length >= limit or (
+                    (length & (ps - 1)) == 0 and top <= free - need):  # not what the first pass read: left alone
                 changed = 1
                 continue
         k, off = length >> shift, length & (ps - 1)

@@ -604,3 +604,23 @@ def test_a_row_shortened_by_hand_under_a_memo_one_step_behind_is_not_grown(guard
         outs[t.pool.backend] = [v.tolist() for v in (res.slots, *res.csr, *res.metadata)]
     assert outs["numba"] == outs["reference"]
     assert outs["numba"][1] == [0, 1, 4, 8, 10]  # indptr: row 0 has one page, not four
+
+
+def test_naming_rows_leaves_a_memo_without_a_csr_without_one(guard):
+    """``invalidate_csr(rows)`` after a call that is not a step (the table's second version cell is
+    then -1) must not turn a memo that holds no reusable CSR (-1, here after a step with a repeated
+    id) into one whose runs a step keeps: its tails are stale (found by helper-16's fuzzer)."""
+    outs = {}
+    for be in ("numba", "reference"):
+        t = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend=be), 8, 8)
+        t.extend(i32([0, 1, 2]), i32([9, 5, 6]), max_tokens=20)
+        out = t.step_out(3, max_tokens=3)
+        t.step(i32([0, 1, 2]), i32([1, 1, 1]), out=out)
+        t.step(i32([0, 0, 1]), i32([1, 1, 1]), out=out)  # a repeated id: the memo holds no CSR to reuse
+        t.release(i32([5]))                               # not a step
+        t.invalidate_csr(i32([5]))
+        with guard():
+            r = t.step(i32([1, 2, -1]), i32([1, 1, 0]), out=out)
+        outs[be] = [v.tolist() for v in (r.slots, *r.csr)]
+        t.check_invariants()
+    assert outs["numba"] == outs["reference"]

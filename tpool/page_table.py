@@ -892,8 +892,12 @@ class PageTable:
         on numba those rows get a fresh stamp and the table a fresh version, so the next step
         copies their runs from the rows and keeps every other run (a prefix-cache hit written
         into one row then costs the step one row, not the whole CSR), and every CSR memo
-        forgets those rows, so a snapshot taken between the edit and this call is safe to
-        restore too. Name every row you edited. Not a hot-path call.
+        forgets those rows, so the buffers alive now never keep or grow their old runs, even
+        once a snapshot taken between the edit and this call is restored. Such a snapshot
+        still holds the edited rows under their old stamps: after restoring it, call this
+        again with the same rows before the next step (a step would note the edited pages
+        under stamps that a snapshot from before the edit shares). Name every row you edited.
+        Not a hot-path call.
         """
         if req_ids is not None:
             _checks.check_vector(req_ids, "req_ids", torch.int32, self.device)

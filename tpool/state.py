@@ -208,8 +208,9 @@ class CsrMemo:
         buffers keep or grow the old runs of those rows. Their lanes' stamps become -1, and a
         memo version equal to either of the table's ``version`` cells (int64
         ``[VERSION_CELLS]``: the version, and the one the step that made it came from, whose
-        CSR a step grows in place too) becomes -2, never a table version: no growth in place,
-        while the other lanes' runs can still be kept. Tensor ops only, no scalar read
+        CSR a step grows in place too, or -1 when no step made it) becomes -2, never a table
+        version: no growth in place, while the other lanes' runs can still be kept. A memo at
+        -1 (it holds no CSR a step may reuse) stays -1: as -2 its runs could be kept. Tensor ops only, no scalar read
         (``HostMirror.revive`` calls this on its hot path).
         """
         m, b = self.tensor, self.batch
@@ -217,7 +218,8 @@ class CsrMemo:
         named = (m[L.MEMO_IDS:L.MEMO_IDS + b, None] == req_ids.to(torch.int64)[None, :]).any(1)
         m[at:at + b].masked_fill_(named, -1)
         v = m[L.MEMO_VERSION:L.MEMO_VERSION + 1]
-        v.copy_(torch.where((v == version).any(0, keepdim=True), torch.full_like(v, -2), v))
+        named_version = ((v == version) & (version >= 0)).any(0, keepdim=True)  # -1: no version (layout)
+        v.copy_(torch.where(named_version, torch.full_like(v, -2), v))
 
     def growable_batch(self, version: int, appended_from: int = -1) -> tuple[list, list] | None:
         """``(request ids, tails)`` the next step may grow the CSR of in place and read lengths
