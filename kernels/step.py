@@ -63,12 +63,12 @@ import numpy as np
 from ._triton_shim import tl, triton
 
 from . import layout as L
-from ._numba_util import (fill_null_range, i32_array, i64_array, i64_cell, mark_popped, move_i32, new_step_version,
+from ._numba_util import (fill_null_range, i32_array, i64_array, mark_popped, move_i32, new_step_version,
                           page_shift, pages_for, raise_peaks, row_versions, stack_run_ok, state_arrays, table_arrays,
                           u8_array, version_cells)
 from .layout import (CALL_DESC_LEN, CD_CSR_MEMO, CD_IDS, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_KV_LENS,
                      CD_LANES, CD_LAST_PAGE_LEN, CD_NTOK, CD_OK, CD_OUT, CD_POSITIONS, CD_QO_INDPTR, CD_SLOTS,
-                     CD_RELEASE, CD_RELEASE_CACHE, CD_RELEASE_LEN, CD_SLOTS_LEN, CD_STATE, TD_VERSION)
+                     CD_RELEASE, CD_RELEASE_CACHE, CD_RELEASE_LEN, CD_SLOTS_LEN, CD_STATE)
 from ._triton_util import settings
 from .flashinfer_csr import flashinfer_csr_body, flashinfer_csr_numba
 from .extend import MAX_TILE, decode_lane, extend_body, extend_numba, list_growth, null_lane
@@ -203,7 +203,7 @@ def splice_csr(indices_ptr, indptr, B, plan, blocks, old_total, total, ids, bloc
 @numba.njit(nogil=True, inline="always")
 def memo_holds(memo, td, ids, B):
     """Whether the CSR memo ``memo`` holds the batch ``ids`` at the table's version (module note)."""
-    if memo[L.MEMO_VERSION] != i64_cell(td[TD_VERSION])[0]:
+    if memo[L.MEMO_VERSION] != version_cells(td)[L.VERSION_NOW]:
         return False
     diff = 0
     for i in range(B):  # no early exit: the loop vectorises

@@ -849,9 +849,8 @@ class PageTable:
         -------
         bool
         """
-        memo = self._step_memo(req_ids, capacity)
-        grows = memo.growable_batch(*self.state.version.tolist()) if memo is not None else None
-        return grows is not None and grows[0] == req_ids.tolist()
+        now, appended_from = self.state.version.tolist()
+        return self._memo_grows(self._step_memo(req_ids, capacity), req_ids, now, appended_from)
 
     def step_keeps_csr(self, req_ids: torch.Tensor, *, max_tokens: int | None = None,
                        capacity: int | None = None) -> int:
@@ -867,10 +866,15 @@ class PageTable:
         profiling; arguments and shapes as in :meth:`step_grows_csr`.
         """
         memo = self._step_memo(req_ids, capacity)
-        grows = memo.growable_batch(int(self.state.version[L.VERSION_NOW])) if memo is not None else None
-        if memo is None or (grows is not None and grows[0] == req_ids.tolist()):
+        if memo is None or self._memo_grows(memo, req_ids, int(self.state.version[L.VERSION_NOW])):
             return 0
         return len(memo.kept_lanes(req_ids.tolist(), self.state.row_version.tolist()))
+
+    @staticmethod
+    def _memo_grows(memo, req_ids, version, appended_from=-1):
+        """Whether ``memo`` (or None) holds the CSR of batch ``req_ids`` at ``version`` or ``appended_from``."""
+        grows = memo.growable_batch(version, appended_from) if memo is not None else None
+        return grows is not None and grows[0] == req_ids.tolist()
 
     def _step_memo(self, req_ids, capacity):
         """The CSR memo of the step buffers for this batch size and capacity, or None."""
@@ -963,7 +967,8 @@ class PageTable:
                 raise InvariantViolation(f"invariant broken: the CSR of step shape {key} is its batch's CSR (the "
                                          "next step grows it in place: were its indices written to, or the table's "
                                          "state edited by hand without invalidate_csr()?)")
-            truth = [(int(bt[r, n - 1]) if n > 0 else -1, min(length, int(lens[r])) if behind else int(lens[r]))  # behind: <=
+            # each lane's last page and length; one step behind, a length of at most the row's
+            truth = [(int(bt[r, n - 1]) if n > 0 else -1, min(length, int(lens[r])) if behind else int(lens[r]))
                      for r, length, n in lanes]
             if [t for r, t in zip(batch, tails) if r >= 0] != truth:
                 raise InvariantViolation(f"invariant broken: the step memo of shape {key} holds each request's "

@@ -210,8 +210,8 @@ class CsrMemo:
         ``[VERSION_CELLS]``: the version, and the one the step that made it came from, whose
         CSR a step grows in place too, or -1 when no step made it) becomes -2, never a table
         version: no growth in place, while the other lanes' runs can still be kept. A memo at
-        -1 (it holds no CSR a step may reuse) stays -1: as -2 its runs could be kept. Tensor ops only, no scalar read
-        (``HostMirror.revive`` calls this on its hot path).
+        -1 (it holds no CSR a step may reuse) stays -1: as -2 its runs could be kept. Tensor ops
+        only, no scalar read (``HostMirror.revive`` calls this on its hot path).
         """
         m, b = self.tensor, self.batch
         at = L.memo_stamps(b)
