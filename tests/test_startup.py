@@ -58,7 +58,7 @@ def _first_step(env_changes, cwd=None):
     proc = subprocess.run([sys.executable, "-c", FIRST_STEP], capture_output=True, text=True, env=env, cwd=cwd,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]), stderr=proc.stderr)
 
 
 def _cold_then_warm(env, cwd=None):
@@ -68,6 +68,10 @@ def _cold_then_warm(env, cwd=None):
     assert all(s["misses"] == 0 and s["hits"] == 1 for s in warm["stats"].values()), warm["stats"]
     assert warm["results"] == cold["results"] and not warm["triton"]
     assert cold["gc"] and warm["gc"]  # the collector paused for the imports and loads is running again
+    # the compiling process says so once, naming the cache; a process that only loads says nothing
+    notices = [ln for ln in cold["stderr"].splitlines() if ln.startswith("tpool: compiling numba kernels")]
+    assert len(notices) == 1 and notices[0].endswith(cold["stats"]["step_guarded"]["path"]), cold["stderr"]
+    assert "tpool: compiling" not in warm["stderr"], warm["stderr"]
     return warm
 
 

@@ -14,6 +14,8 @@ and restores what it found: a collector the caller disabled stays disabled.
 
 import contextlib
 import gc
+import logging
+import sys
 
 
 @contextlib.contextmanager
@@ -26,3 +28,27 @@ def gc_paused():
     finally:
         if was_enabled:
             gc.enable()
+
+
+_compile_announced = False
+
+
+def announce_compile(cache_dir: str) -> None:
+    """Say, once per process, that numba is compiling kernels its cache does not hold yet.
+
+    A first process on a machine (or after an upgrade of tpool or numba) spends seconds
+    in each kernel's first call, ~20 s for a first alloc and step on a 2-core machine;
+    without a word it looks hung. The line goes to the ``tpool`` logger (INFO) when the
+    application has configured logging, else straight to stderr.
+    """
+    global _compile_announced
+    if _compile_announced:
+        return
+    _compile_announced = True
+    msg = ("tpool: compiling numba kernels that are not cached yet (first use on this machine, or after an "
+           f"upgrade): seconds per kernel, ~20 s for a first alloc and step on 2 cores, once; cache: {cache_dir}")
+    log = logging.getLogger("tpool")
+    if log.hasHandlers():
+        log.info(msg)
+    else:
+        print(msg, file=sys.stderr, flush=True)

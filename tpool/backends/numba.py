@@ -31,7 +31,7 @@ from numba.core import caching
 from numba.core.runtime import nrt
 
 from tpool._checks import overlap_error, storage_spans
-from tpool._startup import gc_paused
+from tpool._startup import announce_compile, gc_paused
 from tpool.kernels import alloc, block_table_rows, evict, extend, flashinfer_csr, fork, free, incref, release, step
 from tpool.kernels import layout as L
 from tpool.kernels import touch
@@ -64,14 +64,18 @@ class KernelCache(caching.FunctionCache):
     most of what a process's first kernel call costs when the cache is warm. Machine code
     loaded from the cache uses none of them; it may link against the numba runtime (NRT),
     whose symbols are registered here. A miss compiles as usual, and compiling refreshes
-    the target itself (``numba.core.compiler``).
+    the target itself (``numba.core.compiler``); the first miss of a process says so on
+    stderr (:func:`tpool._startup.announce_compile`).
     """
 
     def load_overload(self, sig, target_context):
         with gc_paused():  # a one-off load that makes only long-lived objects (tpool._startup)
             nrt.rtsys.initialize(target_context)
             with self._guard_against_spurious_io_errors():
-                return self._load_overload(sig, target_context)
+                loaded = self._load_overload(sig, target_context)
+        if loaded is None:  # a miss: numba compiles next
+            announce_compile(self.cache_path)
+        return loaded
 
 
 def cached_njit(fn=None, **options):
