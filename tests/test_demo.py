@@ -97,8 +97,13 @@ def test_model_demo_without_transformers_is_a_clean_error(monkeypatch, capsys):
     for name in ("tpool.serving.engine", "tpool.serving.hf"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     from tpool.__main__ import main
-    assert main(["demo", "--model", "llama"]) == 2
-    assert "pip install 'tpool[hf]'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--model", "llama"])
+    assert e.value.code == 2 and "pip install 'tpool[hf]'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # its options still print: they are parsed before the import
+        main(["demo", "--model", "llama", "--help"])
+    help_text = capsys.readouterr().out
+    assert e.value.code == 0 and "--num-pages" in help_text and "needs transformers" in help_text
 
 
 @pytest.mark.parametrize("args, words", [(["--requests", "0"], "expected a positive int"),
@@ -106,7 +111,7 @@ def test_model_demo_without_transformers_is_a_clean_error(monkeypatch, capsys):
                                          (["--num-pages", "1"], "request 0: expected prompt")])
 def test_model_demo_bad_options_are_clean_errors(args, words, capsys):
     pytest.importorskip("transformers")
-    from tpool.serving.engine import main as serve_main
+    from tpool.serving.cli import main as serve_main
     with pytest.raises(SystemExit) as e:
         serve_main(["--model", "llama", *args])
     assert e.value.code == 2 and words in capsys.readouterr().err

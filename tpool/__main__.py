@@ -35,14 +35,7 @@ def _dispatch(argv):
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo" and any(a == "--model" or a.startswith("--model=") for a in rest):
-        try:
-            from tpool.serving.engine import main as serve_main
-        except ModuleNotFoundError as e:
-            if e.name != "transformers":
-                raise
-            print("python -m tpool demo --model: error: serving a model needs transformers, which is not "
-                  "installed: pip install 'tpool[hf]' (or pip install -e \".[hf]\" in a checkout)", file=sys.stderr)
-            return 2
+        from tpool.serving.cli import main as serve_main  # transformers is imported after the options are parsed
         return serve_main(rest) or 0
     if cmd == "demo":
         from tpool import demo

@@ -36,19 +36,25 @@ HEADER = (f"{'step':>6} {'running':>7} {'waiting':>7} {'done':>5} {'rejected':>8
 LEGEND = """columns: running / waiting / done / rejected = requests; used, free = pages on the device,
 read at this row (the loop's only sync point); mirror = free pages the scheduler counts on the host
 (never read from the device; equal to free here, since nothing is shared or cached); reserved = pages
-held for the next token of every running request; preempted = requests released to make room, total;
-step us = median host time of a scheduler step since the last row (admit + plan + decode + finish,
-no device sync: on CUDA the kernels run behind it); progress = requests done or rejected, of all."""
+set aside for the running requests' next token (only a request whose last page is full needs one);
+preempted = requests released to make room, total; step us = median host time of a scheduler step
+since the last row (admit + plan + decode + finish, no device sync: on CUDA the kernels run behind
+it; row 0 is the first step alone, with its admissions); progress = requests done or rejected, of all."""
 
 
 def run(requests=256, batch=64, num_pages=4096, page_size=16, seed=0, device=None, backend="auto",
-        every=25, out=print):
-    """Run the demo; returns the pool's final ``stats()``. ``out`` prints a line (``flush=`` accepted)."""
+        every=None, out=print):
+    """Run the demo; returns the pool's final ``stats()``. ``out`` prints a line (``flush=`` accepted).
+
+    ``every``: steps between report rows; None picks a multiple of 25 that prints about
+    50 rows (:func:`auto_every`).
+    """
     rng = random.Random(seed)
     prompts = [rng.randint(128, 2048) for _ in range(requests)]
     outputs = [rng.randint(16, 384) for _ in range(requests)]
     max_pages = (max(prompts) + max(outputs)) // page_size + 1
     pool, table = _build(num_pages, page_size, device, backend, batch, max_pages)
+    out(f"tpool demo: {requests} requests, up to {batch} running, {pool!r}", flush=True)
 
     # Warm up every kernel once (compilation: the table's and the mirror's), leaving no trace in the state.
     from tpool.graphs import preserved
@@ -60,9 +66,11 @@ def run(requests=256, batch=64, num_pages=4096, page_size=16, seed=0, device=Non
         warm.finish(rows)
     mirror = HostMirror(table, lookahead=LOOKAHEAD, free=num_pages, cached=0)  # a fresh pool: nothing to read
 
-    out(f"tpool demo: {requests} requests, up to {batch} running, {pool!r}", flush=True)
     limit = min(num_pages, max_pages) * page_size
     rejected = [q for q in range(requests) if prompts[q] + outputs[q] > limit]
+    if every is None:
+        every = auto_every([prompts[q] for q in range(requests) if q not in rejected],
+                           [outputs[q] for q in range(requests) if q not in rejected], batch, num_pages * page_size)
     for q in rejected[:SHOW_REJECTED]:
         out(f"rejected request {q}: it needs {mirror.pages_for(prompts[q] + outputs[q])} pages (prompt {prompts[q]} "
             f"+ output {outputs[q]} tokens of {page_size}), the pool has {num_pages}")
@@ -118,7 +126,8 @@ def run(requests=256, batch=64, num_pages=4096, page_size=16, seed=0, device=Non
         step += 1
     s = _final_check(pool, table, mirror)
     if step == 0:
-        out("\nno request fits this pool: nothing to run (raise --num-pages or lower --page-size)")
+        out(f"\nno request fits this pool: nothing to run (it holds --num-pages x --page-size = {num_pages * page_size} "
+            "tokens: raise either)")
     else:
         q = statistics.quantiles(step_us, n=10) if len(step_us) > 1 else step_us * 9
         out(f"\n{step} steps; scheduler step median {statistics.median(step_us):.1f} us "
@@ -127,6 +136,20 @@ def run(requests=256, batch=64, num_pages=4096, page_size=16, seed=0, device=Non
         f"of {num_pages}; requests done {finished}, rejected {len(rejected)}, preemptions {preempted} "
         f"(requeued, recomputed); failed extends {s['requests.failed']}; no errors, invariants hold")
     return s
+
+
+def auto_every(prompts, outputs, batch, pool_tokens, rows=50):
+    """Steps between report rows for about ``rows`` rows: a multiple of 25, at least 25.
+
+    The run's length is estimated from the decode tokens over the requests that run at
+    once (the batch, or fewer when the pool holds fewer whole requests); the default
+    demo (~1,230 steps) gets 25.
+    """
+    if not prompts:
+        return 25
+    running = max(1, min(batch, pool_tokens * len(prompts) // sum(p + o for p, o in zip(prompts, outputs))))
+    steps = sum(outputs) / running
+    return 25 * max(1, round(steps / rows / 25))
 
 
 def _report(out, mirror, step, running, waiting, done, rejected, preempted, window, progress):
@@ -186,7 +209,8 @@ def main(argv=None):
                     "(default: cuda if available, else cpu)")
     ap.add_argument("--backend", default="auto", choices=["auto", "reference", "numba", "triton"],
                     help="kernels (default auto: triton on CUDA, numba on a CPU)")
-    ap.add_argument("--every", type=positive_int, default=25, help="print a report row every N steps (default 25)")
+    ap.add_argument("--every", type=positive_int, default=None, help="print a report row every N steps (default: "
+                    "a multiple of 25 that prints about 50 rows; 25 for the default run)")
     ap.add_argument("--model", choices=["llama", "gpt-neox"], default=None,
                     help="serve a tiny random-weight transformers model on tpool pages instead and check its "
                          "tokens against generate (needs tpool[hf]; `demo --model llama --help` lists its options; "

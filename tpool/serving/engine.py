@@ -31,22 +31,21 @@ greedy sampling, a ``truncate`` for rejected drafts, and one ``finish``
 (release) for the finished requests.
 """
 
-import argparse
 import random
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from tpool.demo import OptionError, positive_int
+from tpool.demo import OptionError
 from tpool.page_table import PageTable
 from tpool.pool import PagePool
 from tpool.scheduling import HostMirror
 from tpool.serving.attention import step_metadata
+from tpool.serving.cli import MODELS
 from tpool.serving.hf import ATTN_IMPLEMENTATION, PagedContext, forward_step
 from tpool.serving.kv import PagedKVCache
 
-MODELS = ("llama", "gpt-neox")
 INITIALIZER_RANGE = 0.25  # std of the random weights: large enough that a position off by one changes tokens
 MIN_TOKEN_BUCKET = 8      # smallest packed-batch size (tokens); sizes are powers of two from here
 
@@ -390,26 +389,6 @@ def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, p
     return report
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m tpool demo --model NAME",
-                                 description="Serve a tiny random transformers model on tpool pages and check "
-                                             "every request against the model's generate.")
-    ap.add_argument("--model", choices=MODELS, default="llama", help="architecture (default llama)")
-    ap.add_argument("--requests", type=positive_int, default=32, help="number of prompts (default 32)")
-    ap.add_argument("--num-pages", type=positive_int, default=48, help="pool pages, too few for all (default 48)")
-    ap.add_argument("--page-size", type=positive_int, default=4, help="tokens per page (default 4)")
-    ap.add_argument("--max-batch", type=positive_int, default=8, help="lanes per step (default 8)")
-    ap.add_argument("--backend", default="auto", choices=["auto", "reference", "numba", "triton"],
-                    help="pool backend (default auto: numba on a CPU; triton needs TRITON_INTERPRET=1 there)")
-    ap.add_argument("--seed", type=int, default=0, help="weights and prompts seed (default 0)")
-    a = ap.parse_args(argv)
-    try:
-        run_demo(a.model, requests=a.requests, num_pages=a.num_pages, page_size=a.page_size, max_batch=a.max_batch,
-                 backend=a.backend, seed=a.seed)
-    except OptionError as e:  # options no model, pool, table or request can be made from
-        ap.error(str(e))
-    return 0
-
-
 if __name__ == "__main__":
+    from tpool.serving.cli import main
     main()

@@ -1,0 +1,48 @@
+"""``python -m tpool demo --model NAME``: its options, parsed before transformers is imported.
+
+The serving demo itself (:func:`tpool.serving.engine.run_demo`) needs transformers
+(``tpool[hf]``); its ``--help`` and option errors do not, so a machine without it
+can read what the demo takes before installing anything.
+"""
+
+import argparse
+
+from tpool.demo import OptionError, positive_int
+
+MODELS = ("llama", "gpt-neox")
+INSTALL_HF = "pip install 'tpool[hf]' (or pip install -e \".[hf]\" in a checkout)"
+
+
+def parser() -> argparse.ArgumentParser:
+    """The serving demo's command line: every option with its default."""
+    ap = argparse.ArgumentParser(prog="python -m tpool demo --model NAME",
+                                 description="Serve a tiny random transformers model on tpool pages and check "
+                                             "every request against the model's generate (needs transformers: "
+                                             f"{INSTALL_HF}).")
+    ap.add_argument("--model", choices=MODELS, default="llama", help="architecture (default llama)")
+    ap.add_argument("--requests", type=positive_int, default=32, help="number of prompts (default 32)")
+    ap.add_argument("--num-pages", type=positive_int, default=48, help="pool pages, too few for all (default 48)")
+    ap.add_argument("--page-size", type=positive_int, default=4, help="tokens per page (default 4)")
+    ap.add_argument("--max-batch", type=positive_int, default=8, help="lanes per step (default 8)")
+    ap.add_argument("--backend", default="auto", choices=["auto", "reference", "numba", "triton"],
+                    help="pool backend (default auto: numba on a CPU; triton needs TRITON_INTERPRET=1 there)")
+    ap.add_argument("--seed", type=int, default=0, help="weights and prompts seed (default 0)")
+    return ap
+
+
+def main(argv=None) -> int:
+    """Parse the options (``--help`` needs nothing installed), then run the demo; 2 if transformers is missing."""
+    ap = parser()
+    a = ap.parse_args(argv)
+    try:
+        from tpool.serving.engine import run_demo
+    except ModuleNotFoundError as e:
+        if e.name != "transformers":
+            raise
+        ap.exit(2, f"{ap.prog}: error: serving a model needs transformers, which is not installed: {INSTALL_HF}\n")
+    try:
+        run_demo(a.model, requests=a.requests, num_pages=a.num_pages, page_size=a.page_size, max_batch=a.max_batch,
+                 backend=a.backend, seed=a.seed)
+    except OptionError as e:  # options no model, pool, table or request can be made from
+        ap.error(str(e))
+    return 0
