@@ -211,7 +211,8 @@ def _rows(report: MemoryReport) -> list[tuple[str, str, Any, str]]:
         for name, numbers in objs.items():
             rows += [("references", f"{kind} {name}: {k}", v, "") for k, v in numbers.items()]
     if not rows:
-        rows.append(("references", "(no caches or pools passed)", None, ""))
+        rows.append(("references", "(no caches or pools passed)", None,
+                     "memory_report(pools=..., caches=...) in your process counts them"))
     for ledger, obj in (("allocator", report.allocator), ("driver", report.driver), ("process", report.process)):
         numbers = {k: v for k, v in asdict(obj).items() if k != "unavailable"}
         if all(v is None for v in numbers.values()):
@@ -237,7 +238,7 @@ def format_report(report: MemoryReport) -> str:
         ends in ``bytes``; a ledger with nothing measured is one ``n/a`` line.
     """
     lines = [f"tpool memory report: {report.device}",
-             f"{'ledger':<11} {'quantity':<40} {'bytes':>16} {'MiB':>11}"]
+             f"{'ledger':<11} {'quantity':<40} {'bytes':>16} {'MiB':>11}  note"]
     for ledger, what, value, why in _rows(report):
         if value is None:
             lines.append(f"{ledger:<11} {what:<40} {'n/a':>16} {'':>11}  {why}".rstrip())
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["report"]:
         argv = argv[1:]
-    parser = argparse.ArgumentParser(prog="tpool report", description="Print the memory ledgers of a device.")
+    parser = argparse.ArgumentParser(prog="python -m tpool report", description="Print the memory ledgers of a device.")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--device", default=None, help="cuda:N or cpu (default: current CUDA device, else cpu)")
     args = parser.parse_args(argv)
