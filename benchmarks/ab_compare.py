@@ -7,7 +7,8 @@ directory as a package named ``tpool_base`` (its imports of ``tpool`` rewritten)
 version builds its own pool and table for the workloads of ``bench_page_table.py``, and
 the two take turns, sample by sample, in a shuffled order each round. The machine's
 noise then falls on both alike. Printed per row: each version's median, p20 and p80, the
-ratio of the medians (working tree over revision: below 1, the working tree is faster),
+ratio of the medians (working tree over revision: below 1, the working tree is faster;
+the other benchmark scripts print baseline over row, where above 1 is faster),
 and in how many paired samples the working tree was faster.
 
 An A/A run (``--base HEAD`` on a clean tree) shows the harness's own bias: the two
@@ -22,6 +23,7 @@ import argparse
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -94,7 +96,19 @@ def time_sample(fn, reset, inner, flush):
 
 def main(argv=None):
     args = parser().parse_args(argv)
+    known = bpt.row_names([args.backend])
+    unknown = [row for row in args.rows if row not in known]
+    if unknown:  # before anything compiles
+        raise SystemExit(f"unknown row(s) {', '.join(map(repr, unknown))}; rows:\n  " + "\n  ".join(known))
     tmp = tempfile.mkdtemp(prefix="tpool-ab-")
+    try:
+        return compare(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def compare(args, tmp):
+    """Extract the revision into ``tmp``, build both versions' workloads, time them in turns, print the table."""
     progress(f"extracting {args.base} into {tmp}")
     extract_base(args.base, tmp)
     sys.path.insert(0, tmp)
@@ -105,8 +119,8 @@ def main(argv=None):
         bpt.tpool = mod  # the workloads build their pools and tables from this module
         impls = bpt.workloads(args.batch, [args.backend], torch.device("cpu"), extras=False)
         for row in args.rows:
-            if row not in impls:
-                raise SystemExit(f"unknown row {row!r}; rows: {', '.join(impls)}")
+            if row not in impls:  # a row this device or backend does not make
+                raise SystemExit(f"row {row!r} is not made here; rows:\n  " + "\n  ".join(impls))
             fn, owner, _ = impls[row]
             runs[(row, label)] = (fn, bpt.make_reset(fn, owner))
     bpt.tpool = new

@@ -7,7 +7,7 @@ sees the same number of cached pages. Baseline, in the same run:
 (stamp, id) keys among the cached pages with ``np.argpartition``, then sort
 those k), run on the same state.
 
-    python benchmarks/bench_evict.py                   # the table, about 30 s
+    python benchmarks/bench_evict.py                   # the table, about 10 s
     python benchmarks/bench_evict.py --pool-sizes 65536 262144 1048576 4194304 16777216 \
         --backends numba --plot evict.png                # linear in the pool size
 """

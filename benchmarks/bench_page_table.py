@@ -37,7 +37,7 @@ restored once before the cold samples, not before each: restoring a large
 pool's state (~500 MB at 16M pages) right before a timed step slows that step
 even after the 64 MiB, which a serving loop never does (``_common.sample_cold_us``).
 
-    python benchmarks/bench_page_table.py                       # the table, about a minute
+    python benchmarks/bench_page_table.py                       # the table, about 10 s
     python benchmarks/bench_page_table.py --batch 256 --cold    # warm vs cold at B=256
     python benchmarks/bench_page_table.py --batch 256 --pool-sizes 65536 1048576 16777216 --plot step.png
 """
@@ -175,8 +175,23 @@ class Turnover:
         self.n = 0
 
 
+# The rows ``workloads`` can make: each backend's (``tpool-<backend> <row>``; some only on a CPU or
+# only on CUDA, some only with extras) and the others. Known before anything compiles, so a
+# script taking row names (``ab_compare.py``) refuses a misspelt one at once.
+BACKEND_ROWS = ("step", "bound step", "bound step, two StepOuts taking turns", "bound step, table-made inputs",
+                "step, graph replay", "extend + csr", "extend only", "csr only", "turnover", "turnover, one call",
+                "turnover, bound")
+OTHER_ROWS = ("host-blocks", "host-blocks turnover", "tpool-reference step", "floor: np.copyto of the CSR's page ids")
+
+
+def row_names(backends) -> list:
+    """Every row name ``workloads(..., backends)`` may make, in its order."""
+    return OTHER_ROWS[:2] + tuple(f"tpool-{be} {row}" for be in backends for row in BACKEND_ROWS) + OTHER_ROWS[2:]
+
+
 def workloads(B, backends, device, *, num_pages=None, extras=True):
-    """name -> (fn, owner, kind): owner is restored before each sample; kind is decode, turnover or other."""
+    """name -> (fn, owner, kind): owner is restored before each sample; kind is decode, turnover or other.
+    Its names are among :func:`row_names`."""
     impls = {}
     _, _, host, prompts = setup(B, backends[0], device, random.Random(B), num_pages)
     hb = list(range(B))
@@ -248,6 +263,7 @@ def workloads(B, backends, device, *, num_pages=None, extras=True):
         npages = sum(-(-p // PAGE_SIZE) for p in prompts[:B])
         src, dst = np.arange(npages, dtype=np.int32), np.empty(npages, dtype=np.int32)
         impls["floor: np.copyto of the CSR's page ids"] = (functools.partial(np.copyto, dst, src), None, "other")
+    assert set(impls) <= set(row_names(backends)), set(impls) - set(row_names(backends))
     return impls
 
 

@@ -7,7 +7,7 @@ of free pages sliced on alloc and concatenated on free, the shape of SGLang's
 paged allocator without its ``torch.unique``. The ratio column is the
 baseline's time over the row's time (above 1: faster than the baseline).
 
-    python benchmarks/bench_pool.py                      # the table, about 20 s
+    python benchmarks/bench_pool.py                      # the table, a few seconds
     python benchmarks/bench_pool.py --pool-sizes 65536 1048576 16777216 --sizes 1 256 --plot pool.png
 """
 

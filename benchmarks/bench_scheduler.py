@@ -33,8 +33,8 @@ numpy buffer before each step (outside the timed region) and reports warm and
 cold side by side. ``--plot PATH`` (matplotlib, the ``bench`` extra) draws the
 gap over time and the time of every step, warm and cold.
 
-    python benchmarks/bench_scheduler.py                                   # warm, about 20 s
-    python benchmarks/bench_scheduler.py --cold --plot churn.png           # warm and cold, about a minute
+    python benchmarks/bench_scheduler.py                                   # warm, a few seconds
+    python benchmarks/bench_scheduler.py --cold --plot churn.png           # warm and cold, about 10 s
 """
 
 import argparse

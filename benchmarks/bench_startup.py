@@ -66,7 +66,7 @@ def parser() -> argparse.ArgumentParser:
                     help="warm-cache processes timed, and as many torch-only processes (the baseline)")
     ap.add_argument("--cold", type=int, default=1,
                     help="processes timed with an empty numba cache (each compiles every kernel it uses, "
-                         "about 10 s on a 2-core machine); 0 skips them")
+                         "about 20 s on a 2-core machine); 0 skips them")
     ap.add_argument("--num-pages", type=int, default=65536, help="pages in the pool")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per page")
     ap.add_argument("--batch", type=int, default=8, help="requests in the first alloc and the first step")

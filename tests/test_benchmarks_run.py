@@ -122,10 +122,19 @@ def test_ab_compare_runs_a_revision_beside_the_working_tree(tmp_path):
         pytest.skip("not a git checkout")
     cmd = [sys.executable, os.path.join(BENCH, "ab_compare.py"), "tpool-numba step", "tpool-numba turnover, bound",
            "--batch", "3", "--samples", "2", "--inner", "2"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    scratch = tmp_path / "tmp"  # where it extracts the revision (TMPDIR): empty again at the end
+    scratch.mkdir()
+    env = dict(os.environ, TMPDIR=str(scratch))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "working tree against HEAD" in done.stdout and "new faster (paired)" in done.stdout
     assert done.stdout.count("/2") == 2 and "tpool-numba turnover, bound" in done.stdout
+    assert f"extracting HEAD into {scratch}" in done.stderr and not list(scratch.iterdir())
+    # a misspelt row is refused before anything is extracted or compiled, with the list of rows
+    cmd[2] = "tpool-numba turnover bound"
+    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert bad.returncode == 1 and "unknown row(s) 'tpool-numba turnover bound'" in bad.stderr
+    assert "  tpool-numba turnover, bound\n" in bad.stderr and " s] " not in bad.stderr
 
 
 @pytest.mark.parametrize("name", ["bench_pool", "bench_page_table", "bench_evict", "bench_scheduler"])
