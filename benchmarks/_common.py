@@ -14,6 +14,7 @@ import os
 import platform
 import statistics
 import sys
+import textwrap
 import time
 
 import numpy as np
@@ -211,12 +212,15 @@ def machine() -> dict:
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-def print_table(title: str, header: list, rows: list) -> None:
+def print_table(title: str, header: list, rows: list, note: str = "") -> None:
+    """``title``, the header and the rows right-aligned in columns, then ``note`` (what the baselines are)."""
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(header)]
     print(f"\n{title}")
     print("  ".join(str(h).rjust(w) for h, w in zip(header, widths)))
     for r in rows:
         print("  ".join(str(v).rjust(w) for v, w in zip(r, widths)))
+    if note:
+        print(textwrap.fill(note, 110))
 
 
 def write_json(path: str, name: str, rows: list) -> None:

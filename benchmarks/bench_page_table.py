@@ -20,11 +20,16 @@ prompt lengths), as a scheduler with a persistent batch would: no torch call.
 Each sample starts from the same table, and the baseline from the same
 lists (restored untimed before it, then one untimed call), so the requests do
 not grow over the run and a warm sample times the steady state.
-Baseline, measured in the same run: ``host-blocks``, per-request Python lists
-of block ids with a host free list, the slot mapping and CSR built on the
-host and copied into tensors, the shape of vLLM's block pool + block table;
-its turnover row releases and admits the same requests. Each row's ratio is
-against the baseline of its kind (decode or turnover).
+Baselines, measured in the same run, each handing out the same pages as tpool:
+``numpy-blocks``, the host truth in numpy arrays (a free stack, a block table,
+lengths) with every step vectorised: the pages popped in one slice, the slot
+mapping computed as vLLM V1's model runner does from its numpy block table, the
+CSR taken with a boolean mask over the batch's rows, no Python loop over
+requests; and ``host-blocks``, per-request Python lists of block ids with a host
+free list, the slot mapping and CSR built in Python and copied into tensors, the
+shape of vLLM's block pool + block table with its per-request loop. Their
+turnover rows release and admit the same requests. Each row's ratio is against
+``numpy-blocks`` of its kind (decode or turnover), above 1 tpool is faster.
 
 ``--cold``: in a serving loop the forward pass evicts the CPU caches between two
 scheduler steps. This mode also times the decode and turnover rows (and their
@@ -61,9 +66,9 @@ from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, calibrate, default
 
 import tpool  # noqa: E402
 
-EPILOG = ("Progress goes to stderr, one line per row. Rows: host-blocks (the baseline), tpool's step, bound "
-          "step, extend + csr, extend only, csr only, turnover (release then step, in one call, and bound), the "
-          "reference step and an np.copyto floor (CPU).")
+EPILOG = ("Progress goes to stderr, one line per row. Rows: numpy-blocks (the ratios' baseline), host-blocks, "
+          "tpool's step, bound step, extend + csr, extend only, csr only, turnover (release then step, in one "
+          "call, and bound), the reference step and an np.copyto floor (CPU).")
 from tpool.graphs import capture, state_tensors  # noqa: E402
 
 PAGE_SIZE = 16
@@ -105,15 +110,7 @@ class HostBlocks:
             indices += self.blocks[r]
             indptr.append(len(indices))
             last.append(self.lens[r] - (len(self.blocks[r]) - 1) * PAGE_SIZE)
-        return tuple(self._to_device(v) for v in (slots, indptr, indices, last))
-
-    def _to_device(self, values):
-        """A host list as an int32 tensor on the device. On CUDA through pinned memory and a
-        non-blocking copy, as vLLM's block table commits its rows: a plain ``torch.tensor(...,
-        device="cuda")`` copies from pageable memory and waits for the stream, which would
-        charge the baseline a sync per output."""
-        t = torch.tensor(values, dtype=torch.int32)
-        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+        return tuple(to_device(v, self.device) for v in (slots, indptr, indices, last))
 
     def snapshot(self):
         """A reset for the benchmark: puts the lists back as they are now."""
@@ -124,10 +121,82 @@ class HostBlocks:
         return reset
 
 
+class NumpyBlocks:
+    """Host truth in numpy, every step vectorised: the best case of a host block table.
+
+    A free stack (an int32 array and its top), a block table ``[R, MP]``, page counts and
+    lengths per row. A step pops the pages the lanes need in one slice, scatters them into
+    the rows, computes the slot mapping as vLLM V1's model runner does from its numpy
+    block table (positions, then ``block_table[row, pos // page_size]``), and takes the CSR
+    with a boolean mask over the batch's rows (what vLLM's FlashInfer metadata does on
+    the device). No Python loop over requests, where vLLM's scheduler still has one
+    (``allocate_slots`` per request). It hands out the same pages as ``HostBlocks``
+    (``tests/test_benchmarks_run.py`` checks).
+    """
+
+    def __init__(self, num_pages, R, MP, device):
+        self.free, self.top = np.arange(num_pages - 1, -1, -1, dtype=np.int32), num_pages
+        self.table = np.full((R, MP), -1, dtype=np.int32)
+        self.pages, self.lens = np.zeros(R, dtype=np.int64), np.zeros(R, dtype=np.int64)
+        self.cols = np.arange(MP)
+        self.device = device
+
+    def step(self, batch, ntoks):
+        """One step of the lanes ``batch`` (row ids) growing by ``ntoks`` tokens (int64 arrays)."""
+        old, new = self.lens[batch], self.lens[batch] + ntoks
+        have, want = self.pages[batch], -(-new // PAGE_SIZE)
+        need = want - have
+        n = int(need.sum())
+        taken = self.free[self.top - n:self.top][::-1]  # the order list.pop() gives
+        self.top -= n
+        lane = np.repeat(np.arange(len(batch)), need)
+        self.table[batch[lane], np.arange(n) - np.repeat(np.cumsum(need) - need, need) + have[lane]] = taken
+        self.pages[batch], self.lens[batch] = want, new
+        tok_lane = np.repeat(np.arange(len(batch)), ntoks)
+        pos = np.arange(len(tok_lane)) - np.repeat(np.cumsum(ntoks) - ntoks, ntoks) + old[tok_lane]
+        slots = self.table[batch[tok_lane], pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+        indptr = np.zeros(len(batch) + 1, dtype=np.int32)
+        np.cumsum(want, out=indptr[1:])
+        indices = self.table[batch][self.cols < want[:, None]]
+        last = new - (want - 1) * PAGE_SIZE
+        return tuple(to_device(v, self.device) for v in (slots, indptr, indices, last))
+
+    def release(self, r):
+        k = int(self.pages[r])
+        self.free[self.top:self.top + k] = self.table[r, :k]
+        self.top += k
+        self.table[r, :k], self.pages[r], self.lens[r] = -1, 0, 0
+
+    def snapshot(self):
+        """A reset for the benchmark: puts the arrays back as they are now."""
+        saved = (self.free.copy(), self.top, self.table.copy(), self.pages.copy(), self.lens.copy())
+
+        def reset():
+            np.copyto(self.free, saved[0])
+            self.top = saved[1]
+            for a, b in zip((self.table, self.pages, self.lens), saved[2:]):
+                np.copyto(a, b)
+        return reset
+
+
+def to_device(values, device):
+    """Host values (a list or a numpy array) as an int32 tensor on ``device``. On CUDA through pinned
+    memory and a non-blocking copy, as vLLM's block table commits its rows: a plain ``torch.tensor(...,
+    device="cuda")`` copies from pageable memory and waits for the stream, which would charge the
+    baseline a sync per output."""
+    t = torch.from_numpy(np.asarray(values, dtype=np.int32)) if isinstance(values, np.ndarray) else \
+        torch.tensor(values, dtype=torch.int32)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def sizes(B, num_pages=None):
+    """Rows, pages per row and pool pages of a configuration of ``B`` lanes."""
+    R, MP = B + 2, (PROMPTS[1] + HEADROOM) // PAGE_SIZE
+    return R, MP, num_pages or R * MP
+
+
 def setup(B, backend, device, rng, num_pages=None):
-    R = B + 2
-    MP = (PROMPTS[1] + HEADROOM) // PAGE_SIZE
-    num_pages = num_pages or R * MP
+    R, MP, num_pages = sizes(B, num_pages)
     pool = tpool.PagePool(num_pages, PAGE_SIZE, device=device, backend=backend)
     table = tpool.PageTable(pool, R, MP)
     prompts = [rng.randint(*PROMPTS) for _ in range(R)]
@@ -181,12 +250,13 @@ class Turnover:
 BACKEND_ROWS = ("step", "bound step", "bound step, two StepOuts taking turns", "bound step, table-made inputs",
                 "step, graph replay", "extend + csr", "extend only", "csr only", "turnover", "turnover, one call",
                 "turnover, bound")
-OTHER_ROWS = ("host-blocks", "host-blocks turnover", "tpool-reference step", "floor: np.copyto of the CSR's page ids")
+OTHER_ROWS = ("numpy-blocks", "numpy-blocks turnover", "host-blocks", "host-blocks turnover", "tpool-reference step",
+              "floor: np.copyto of the CSR's page ids")
 
 
 def row_names(backends) -> list:
     """Every row name ``workloads(..., backends)`` may make, in its order."""
-    return OTHER_ROWS[:2] + tuple(f"tpool-{be} {row}" for be in backends for row in BACKEND_ROWS) + OTHER_ROWS[2:]
+    return OTHER_ROWS[:4] + tuple(f"tpool-{be} {row}" for be in backends for row in BACKEND_ROWS) + OTHER_ROWS[4:]
 
 
 def workloads(B, backends, device, *, num_pages=None, extras=True):
@@ -194,6 +264,25 @@ def workloads(B, backends, device, *, num_pages=None, extras=True):
     Its names are among :func:`row_names`."""
     impls = {}
     _, _, host, prompts = setup(B, backends[0], device, random.Random(B), num_pages)
+    R, MP, pages = sizes(B, num_pages)
+    lanes, ones = np.arange(B), np.ones(B, dtype=np.int64)
+
+    def numpy_blocks():
+        blocks = NumpyBlocks(pages, R, MP, device)
+        for r in range(B):  # the prompts setup() gave the table and HostBlocks, in the same order
+            blocks.step(np.array([r]), np.array([prompts[r]]))
+        return blocks
+    nb = numpy_blocks()
+    impls["numpy-blocks"] = (functools.partial(nb.step, lanes, ones), nb, "decode")
+    nb2 = numpy_blocks()
+    np_phases = [(gone, np.array(batch), np.array(ntok)) for gone, batch, ntok in
+                 turnover_phases(B, random.Random(B + 1))]
+
+    def numpy_turn(gone, batch, ntok, blocks=nb2):
+        for r in gone:
+            blocks.release(r)
+        blocks.step(batch, ntok)
+    impls["numpy-blocks turnover"] = (Turnover(numpy_turn, np_phases), nb2, "turnover")
     hb = list(range(B))
     impls["host-blocks"] = (functools.partial(host.decode, hb), host, "decode")
     _, _, host2, _ = setup(B, backends[0], device, random.Random(B), num_pages)
@@ -268,9 +357,9 @@ def workloads(B, backends, device, *, num_pages=None, extras=True):
 
 
 def make_reset(fn, owner):
-    """An untimed reset putting ``owner`` (a table or HostBlocks) back as it is now, or None."""
+    """An untimed reset putting ``owner`` (a table, HostBlocks or NumpyBlocks) back as it is now, or None."""
     restart = getattr(fn, "restart", None)
-    if isinstance(owner, HostBlocks):  # the baseline grows too: it restarts the same way
+    if isinstance(owner, (HostBlocks, NumpyBlocks)):  # the baselines grow too: they restart the same way
         restore = owner.snapshot()
     elif owner is not None:  # steps grow the table: each sample starts from the same state
         tensors = state_tensors(owner)
@@ -372,34 +461,40 @@ def main(argv=None):
             runs = {P: (impls[name][0], make_reset(impls[name][0], impls[name][1])) for P, impls in configs.items()}
             timed = time_row(runs, args, sync, flush, kind)
             for P, (warm, cold) in timed.items():
-                if name.startswith("host-blocks"):
+                if name.startswith("numpy-blocks"):  # the baseline of its kind: rows after it get a ratio
                     base[P][kind] = (warm[0], cold[0] if cold else None)
                 row = dict(batch=B, num_pages=P or impls_pages(configs[P]), impl=name, kind=kind,
                            median_us=warm[0], p20_us=warm[1], p80_us=warm[2], device=str(device))
                 if kind in base[P]:
-                    row["vs_host_blocks"] = base[P][kind][0] / warm[0]
+                    row["vs_numpy_blocks"] = base[P][kind][0] / warm[0]
                 if cold:
                     row.update(cold_median_us=cold[0], cold_p20_us=cold[1], cold_p80_us=cold[2])
                     if base[P].get(kind, (0, None))[1]:
-                        row["cold_vs_host_blocks"] = base[P][kind][1] / cold[0]
+                        row["cold_vs_numpy_blocks"] = base[P][kind][1] / cold[0]
                 rows.append(row)
                 cells = [B] + ([f"{P:,}"] if args.pool_sizes else []) + [
                     name, f"{warm[0]:.2f}", f"{warm[1]:.2f}", f"{warm[2]:.2f}",
-                    f"{row['vs_host_blocks']:.2f}x" if "vs_host_blocks" in row else ""]
+                    f"{row['vs_numpy_blocks']:.2f}x" if "vs_numpy_blocks" in row else ""]
                 if args.cold:
                     cells += [f"{cold[0]:.2f}", f"{cold[1]:.2f}", f"{cold[2]:.2f}",
-                              f"{row['cold_vs_host_blocks']:.2f}x" if "cold_vs_host_blocks" in row else ""] \
+                              f"{row['cold_vs_numpy_blocks']:.2f}x" if "cold_vs_numpy_blocks" in row else ""] \
                         if cold else ["", "", "", ""]
                 table_rows.append(cells)
         del configs
         gc.unfreeze()
-    header = ["B"] + (["pool pages"] if args.pool_sizes else []) + ["impl", "median", "p20", "p80", "vs host-blocks"]
+    header = ["B"] + (["pool pages"] if args.pool_sizes else []) + ["impl", "median", "p20", "p80", "vs numpy-blocks"]
     if args.cold:
-        header += ["cold median", "cold p20", "cold p80", "cold vs host-blocks"]
+        header += ["cold median", "cold p20", "cold p80", "cold vs numpy-blocks"]
     print_table(f"decode step (extend 1 token + slot mapping + FlashInfer CSR), page size {PAGE_SIZE}, "
                 f"prompts {PROMPTS[0]}-{PROMPTS[1]} tokens, on {device} (us per step"
                 + (f"; cold: {args.cold_bytes >> 20} MiB written before each call" if args.cold else "") + ")",
-                header, table_rows)
+                header, table_rows,
+                note="Ratios: numpy-blocks' median over the row's, of the same kind (decode or turnover; above 1: "
+                     "faster); extend-only, csr-only and floor rows have none. numpy-blocks: the host truth in numpy, "
+                     "every step vectorised (the pages popped in one slice, the slot mapping as vLLM V1's model "
+                     "runner computes it, the CSR by a boolean mask), no Python loop per request. host-blocks: "
+                     "Python lists per request, the CSR rebuilt in Python (vLLM's block pool and block table with "
+                     "their per-request loop).")
     write_json(args.json, "bench_page_table", rows)
     if args.plot:
         sweep = args.pool_sizes is not None

@@ -144,7 +144,12 @@ def main(argv=None):
                               f"{r['vs_torch_slice']:.2f}x"])
     print_table(f"alloc + free of N pages on {device} (us per pair; ratio = baseline's median / row's median)",
                 ["pool pages", "N", "impl", "median", "p20", "p80", "Mpages/s", "vs host-list", "vs torch-slice"],
-                table)
+                table, note="Baselines: torch-slice keeps the free pages in a device tensor, sliced on alloc and "
+                            "concatenated on free (SGLang's paged allocator): the like-for-like one, state on the "
+                            "device. host-list is a Python list on the host (vLLM's free-block queue): the floor of "
+                            "a host-side free list, which a pool whose state lives on the device and never syncs is "
+                            "not built to beat on a CPU. Ratios: the baseline's median over the row's (above 1: "
+                            "faster).")
     write_json(args.json, "bench_pool", rows)
     if args.plot:
         sweep = len(pool_sizes) > 1

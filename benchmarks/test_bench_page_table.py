@@ -1,4 +1,4 @@
-"""pytest-benchmark suite: the decode step and the turnover step, warm and cold, with the host-blocks baseline.
+"""pytest-benchmark suite: the decode step and the turnover step, warm and cold, with the host baselines.
 
     pytest benchmarks/test_bench_page_table.py --benchmark-only
     pytest benchmarks/ --benchmark-disable          # each workload once (smoke)
@@ -9,8 +9,8 @@ do not grow and a warm round times the steady state.
 Cold rounds are one call each, after one untimed call and 64 MiB written into a
 numpy buffer (the table is restored once before them, not before each: see
 ``_common.sample_cold_us``): the CPU caches are cold, as after a forward pass. Baselines
-(``host-blocks``, ``host-blocks turnover``) are separate benchmarks in the same
-groups. ``python benchmarks/bench_page_table.py [--cold]`` prints the same
+(``numpy-blocks`` and ``host-blocks``, each with its turnover) are separate benchmarks
+in the same groups. ``python benchmarks/bench_page_table.py [--cold]`` prints the same
 workloads as one table with ratios.
 """
 
@@ -22,10 +22,10 @@ import torch
 
 DEVICE = default_device()
 BACKEND = "triton" if DEVICE == "cuda" else "numba"
-DECODE = ["host-blocks", f"tpool-{BACKEND} step", f"tpool-{BACKEND} bound step",
+DECODE = ["numpy-blocks", "host-blocks", f"tpool-{BACKEND} step", f"tpool-{BACKEND} bound step",
           f"tpool-{BACKEND} bound step, two StepOuts taking turns"] + (
     [f"tpool-{BACKEND} bound step, table-made inputs"] if DEVICE == "cpu" else [])
-TURNOVER = ["host-blocks turnover", f"tpool-{BACKEND} turnover", f"tpool-{BACKEND} turnover, one call"]
+TURNOVER = ["numpy-blocks turnover", "host-blocks turnover", f"tpool-{BACKEND} turnover", f"tpool-{BACKEND} turnover, one call"]
 POOL_SIZES = [65536, 1048576, 16777216]  # the decode step should stay flat
 ROUNDS, COLD_ROUNDS = 30, 100
 

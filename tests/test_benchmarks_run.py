@@ -61,13 +61,39 @@ def test_page_table_cold_mode_reports_warm_and_cold(tmp_path, capsys):
         "--samples", "3", "--inner", "2", "--backends", "numba", "--cold", "--cold-samples", "3",
         "--cold-bytes", str(1 << 20), "--json", str(out)])
     text = capsys.readouterr().out
-    assert "cold median" in text and "cold vs host-blocks" in text and "1 MiB written" in text
+    assert "cold median" in text and "cold vs numpy-blocks" in text and "1 MiB written" in text
     rows = {(r["batch"], r["impl"]): r for r in json.loads(out.read_text())["rows"]}
-    for impl in ("host-blocks", "host-blocks turnover", "tpool-numba step", "tpool-numba turnover"):
+    for impl in ("numpy-blocks", "numpy-blocks turnover", "host-blocks", "host-blocks turnover", "tpool-numba step",
+                 "tpool-numba turnover"):
         assert rows[(1, impl)]["cold_median_us"] > 0
     assert "cold_median_us" not in rows[(1, "tpool-numba extend only")]
-    assert rows[(1, "tpool-numba turnover")]["kind"] == "turnover" and "cold_vs_host_blocks" in rows[
+    assert rows[(1, "tpool-numba turnover")]["kind"] == "turnover" and "cold_vs_numpy_blocks" in rows[
         (1, "tpool-numba turnover")]
+    assert rows[(1, "host-blocks")]["vs_numpy_blocks"] > 0  # every baseline row is against numpy-blocks too
+
+
+def test_the_two_host_baselines_hand_out_the_same_pages():
+    """numpy-blocks (vectorised) and host-blocks (Python lists) from the same prompts: every step's slots and
+    CSR equal, through decode steps and turnover phases (releases, admissions with prompts)."""
+    import random
+
+    import numpy as np
+    import torch
+    bpt = load("bench_page_table")
+    B, cpu = 5, torch.device("cpu")
+    R, MP, pages = bpt.sizes(B)
+    _, _, host, prompts = bpt.setup(B, "numba", cpu, random.Random(B))
+    blocks = bpt.NumpyBlocks(pages, R, MP, cpu)
+    for r in range(B):
+        blocks.step(np.array([r]), np.array([prompts[r]]))
+    steps = [([], list(range(B)), [1] * B)] * 20 + bpt.turnover_phases(B, random.Random(3)) * 2
+    for gone, batch, ntok in steps:
+        for r in gone:
+            host.release(r)
+            blocks.release(r)
+        want, got = host.step(batch, ntok), blocks.step(np.array(batch), np.array(ntok))
+        assert all(torch.equal(w, g) for w, g in zip(want, got)), (gone, batch, ntok)
+    assert blocks.top == len(host.free_ids) and sorted(blocks.free[:blocks.top]) == sorted(host.free_ids)
 
 
 def test_pool_size_sweeps_and_plots(tmp_path, capsys):
