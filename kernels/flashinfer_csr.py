@@ -33,6 +33,7 @@ def flashinfer_csr_numba(
     seq_lens,           # int32 [R]
     counters,           # int64 [NUM_COUNTERS]
     written,            # entries of indices that may be != -1 (from the last call on this buffer)
+    count,              # count bad ids and corrupt lengths (False in a step: its extend counted them)
 ):
     """Returns how many entries of ``indices`` it wrote (pass it as ``written`` next time).
 
@@ -57,7 +58,7 @@ def flashinfer_csr_numba(
         if r >= 0 and r < R:
             length = seq_lens[r]
             if length < 0 or length > limit:
-                counters[L.ERR_CORRUPT_STATE] += 1
+                counters[L.ERR_CORRUPT_STATE] += count
                 length = 0
             n = pages_for(length, page_size, shift)
             k = max(0, min(n, cap - pos))
@@ -70,7 +71,7 @@ def flashinfer_csr_numba(
             else:
                 copy_i32(dst, src, k)
         elif r != L.NULL_PAGE:
-            counters[L.ERR_BAD_REQUEST] += 1
+            counters[L.ERR_BAD_REQUEST] += count
         pos += n
         indptr[i + 1] = pos
         last[i] = length - (n - 1) * page_size
@@ -87,8 +88,8 @@ def flashinfer_csr_numba_entry(req_ids_ptr, B, cd):
     bt, lens, _, ps = table_arrays(cd[:CD_STATE])
     counters = state_arrays(cd[CD_STATE:CD_OUT])[4]
     written = i64_cell(cd[CD_CSR_MEMO])  # its MEMO_WRITTEN slot
-    written[0] = flashinfer_csr_numba(req_ids_ptr, B, cd[CD_INDPTR], cd[CD_INDICES], cd[CD_INDICES_LEN], cd[CD_LAST_PAGE_LEN],
-                           ps, bt, lens, counters, written[0])
+    written[0] = flashinfer_csr_numba(req_ids_ptr, B, cd[CD_INDPTR], cd[CD_INDICES], cd[CD_INDICES_LEN],
+                                      cd[CD_LAST_PAGE_LEN], ps, bt, lens, counters, written[0], True)
 
 
 # ---------------------------------------------------------------------- Triton
@@ -117,6 +118,7 @@ def flashinfer_csr_body(
     SEARCH,             # steps of the binary search over indptr: B.bit_length()
     # Meta-parameters
     BLOCK: tl.constexpr,  # lanes / entries / positions per chunk
+    COUNT: tl.constexpr = True,  # count bad ids and corrupt lengths (False in a step: its extend counted them)
 ):
     """indptr[i+1] = sum_{j<=i} cdiv(L_j, ps); indices[indptr[i] + k] = block_table[r_i, k]; last = L - (n-1)*ps.
 
@@ -165,8 +167,9 @@ def flashinfer_csr_body(
         tl.store(indices_ptr + u, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=(u >= total) & (u < written))
     tl.store(written_ptr, total.to(tl.int64))
     c = load_counters(counters_ptr)
-    c = counter_add(c, ERR_BAD_REQUEST, bad)
-    c = counter_add(c, ERR_CORRUPT_STATE, wrong)
+    if COUNT:
+        c = counter_add(c, ERR_BAD_REQUEST, bad)
+        c = counter_add(c, ERR_CORRUPT_STATE, wrong)
     c = counter_add(c, ERR_OUT_OVERFLOW, (end > cap).to(tl.int64))
     store_counters(counters_ptr, c)
 

@@ -384,7 +384,7 @@ def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
         else:
             memo[L.MEMO_WRITTEN] = flashinfer_csr_numba(req_ids_ptr, B, cd[CD_INDPTR], cd[CD_INDICES], cap,
                                                         cd[CD_LAST_PAGE_LEN], ps, bt, lens, counters,
-                                                        memo[L.MEMO_WRITTEN])
+                                                        memo[L.MEMO_WRITTEN], False)  # the extend counted
         for i in range(B):
             r = ids[i]
             memo[L.MEMO_IDS + i] = r
@@ -431,7 +431,7 @@ def step_kernel(req_ids_ptr, num_tokens_ptr, B, slots_ptr, T, ok_ptr, positions_
                 positions_ptr, qo_indptr_ptr, kv_lens_ptr, BLOCK, TILE, True)
     tl.debug_barrier()  # the export reads the lengths, rows and counters the extend wrote
     flashinfer_csr_body(req_ids_ptr, B, indptr_ptr, indices_ptr, cap, last_page_len_ptr, block_table_ptr,
-                        seq_lens_ptr, counters_ptr, written_ptr, R, MP, page_size, SEARCH, BLOCK)
+                        seq_lens_ptr, counters_ptr, written_ptr, R, MP, page_size, SEARCH, BLOCK, False)
 
 
 def step_triton(req_ids, num_tokens, slots, ok, meta, indptr, indices, last_page_len, written, st, ts) -> None:

@@ -175,13 +175,14 @@ class TableModel:
         P._peaks()
         return ok, cow_src, cow_dst
 
-    def csr(self, ids, cap=None):
+    def csr(self, ids, cap=None, count=True):
         """(indptr, indices, last_page_len); with ``cap``, indices is the whole buffer of that
-        length: the pages that fit, then -1 (more pages than fit is an ``out_overflow``)."""
+        length: the pages that fit, then -1 (more pages than fit is an ``out_overflow``).
+        ``count``: count out-of-range ids (a step's export does not: its extend counted them)."""
         indptr, indices, last = [0], [], []
         for r in ids:
             good = 0 <= r < self.R
-            if r != -1 and not good:
+            if r != -1 and not good and count:
                 self._err("bad_request")
             L = self.lens[r] if good else 0
             n = cdiv(L, self.ps)

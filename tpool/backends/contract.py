@@ -162,7 +162,9 @@ class BoundByTensors:
     """The bound forms of a table backend whose unbound ops take the output tensors themselves
     (reference, triton): each bound call closes over the buffers and calls the unbound op.
     Their unbound ops are ``@locked``; their ``extend`` also takes ``meta``, a step's
-    ``(positions, qo_indptr, kv_lens)`` to write in the same pass."""
+    ``(positions, qo_indptr, kv_lens)`` to write in the same pass, and their ``flashinfer_csr``
+    a last argument ``count``: False in a step's export, whose extend already counted the
+    bad ids and corrupt lengths."""
 
     checks_overlap = False  # the façade checks that inputs share no memory with what a call writes
 
@@ -181,13 +183,16 @@ class BoundByTensors:
                 export(req_ids)
         return run
 
-    def _csr_call(self, csr, memo):
-        """The export into ``csr``; ``memo`` (how far it wrote) is bookkeeping a full re-pad does without."""
+    def _csr_call(self, csr, memo, *count):
+        """The export into ``csr``; ``memo`` (how far it wrote) is bookkeeping a full re-pad does without.
+        ``count``: ``flashinfer_csr``'s last argument when given."""
         export = self.flashinfer_csr
-        return lambda req_ids: export(req_ids, *csr)
+        return lambda req_ids: export(req_ids, *csr, *count)
 
     def step_into(self, res, memo):
-        extend, export, lock, release_ = self.extend, self._csr_call(res.csr, memo), self.st.lock, self.release
+        # count False: the step's extend counted its bad ids and corrupt lengths, once per lane
+        export = self._csr_call(res.csr, memo, False)
+        extend, lock, release_ = self.extend, self.st.lock, self.release
         slots, ok, meta = res.slots, res.ok, res.metadata
 
         def step(req_ids, num_tokens, b, release=None, cache=False):

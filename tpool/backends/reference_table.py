@@ -262,8 +262,9 @@ def fork(st, ts, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
     cow_dst.copy_(torch.where(pair, new, L.NULL_PAGE))
 
 
-def flashinfer_csr(st, ts, req_ids, indptr, indices, last_page_len):
-    """FlashInfer's paged-KV CSR for a batch (read-only: no clock step)."""
+def flashinfer_csr(st, ts, req_ids, indptr, indices, last_page_len, count=True):
+    """FlashInfer's paged-KV CSR for a batch (read-only: no clock step). ``count``: count bad ids and
+    corrupt lengths (a step passes False: its extend counted the same lanes)."""
     c, MP, ps = st.counters, ts.max_pages, ts.page_size
     B, cap = req_ids.numel(), indices.numel()
     indptr.zero_()
@@ -271,10 +272,11 @@ def flashinfer_csr(st, ts, req_ids, indptr, indices, last_page_len):
         indices.fill_(L.NULL_PAGE)
         return
     rr, valid, pad, bad = claim_requests(ts, req_ids, dedupe=False)
-    c[L.ERR_BAD_REQUEST] += bad.sum()
     Ln = ts.seq_lens[rr].long()
     lok = length_ok(ts, Ln)
-    c[L.ERR_CORRUPT_STATE] += (valid & ~lok).sum()
+    if count:
+        c[L.ERR_BAD_REQUEST] += bad.sum()
+        c[L.ERR_CORRUPT_STATE] += (valid & ~lok).sum()
     Ln = torch.where(valid & lok, Ln, 0)
     npages = _cdiv(Ln, ps)
     end = torch.cumsum(npages, 0)
