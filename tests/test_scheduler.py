@@ -418,9 +418,14 @@ def test_bad_calls_raise_before_device_work(backend):
     with pytest.raises(ValueError, match="0 <= prompt <= max_len <= 48") as e:
         m.admit([100])                                    # more than a row: bad input, not "wait and retry"
     assert not isinstance(e.value, WouldNotFit)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"got \[0\]: \[0\] not running \(never admitted"):
         m.decode([0])                                     # not running
     (row,) = m.admit([4])
+    idle = 1 - row                                        # the table's other row
+    with pytest.raises(ValueError, match=rf"\[5\] out of range \(rows are 0 to 1\); \[{idle}\] not running"):
+        m.decode([row, 5, idle])                          # each offending row named, with what is wrong
+    with pytest.raises(ValueError, match=rf"\[{row}\] more than once"):
+        m.finish([row, row])
     with pytest.raises(ValueError, match="within"):
         m.truncate([row], [5])                            # longer than it is
     with pytest.raises(ValueError, match="within"):

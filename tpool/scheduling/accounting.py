@@ -21,6 +21,21 @@ _I64 = np.dtype(np.int64)  # numpy's one int64 dtype object: ``a.dtype is _I64``
 _N64 = tuple(np.int64(n) for n in range(64))  # the usual token counts as numpy scalars, made once
 
 
+def _bad_rows(rows, live) -> str:
+    """What is wrong with ``rows`` (a call's row ids): the ones out of range, not running, or repeated."""
+    R, seen, problems = len(live), set(), []
+    out = [q for q in rows if not 0 <= q < R]
+    idle = [q for q in rows if 0 <= q < R and not live[q]]
+    again = sorted({q for q in rows if q in seen or seen.add(q)})
+    if out:
+        problems.append(f"{out} out of range (rows are 0 to {R - 1})")
+    if idle:
+        problems.append(f"{idle} not running (never admitted, or finished or preempted since)")
+    if again:
+        problems.append(f"{again} more than once")
+    return f"rows: expected distinct running rows, got {rows}: " + "; ".join(problems)
+
+
 def _bucket(tokens):
     """A call's token budget rounded up to a power of two: the table keeps one set of output
     buffers per shape, so a few shapes serve every batch instead of one per total."""
@@ -204,9 +219,8 @@ class Accounting:
             if r.shape[0] > self.max_batch:  # the table call would refuse it, after the mirror changed
                 raise ValueError(f"rows: expected at most max_batch={self.max_batch} rows in one call (the lanes "
                                  f"of one table call), got {r.shape[0]}")
-            code = check_rows(r, self.live, self._scratch)
-            if code:
-                raise ValueError(f"rows: expected {'distinct' if code == 2 else 'running'} rows, got {r.tolist()}")
+            if check_rows(r, self.live, self._scratch):
+                raise ValueError(_bad_rows(r.tolist(), self.live))
             self._checked = (key, self._members)
         if type(n) is int and n >= 0:
             return r, _N64[n] if n < 64 else np.int64(n), key
