@@ -25,7 +25,8 @@ BACKEND = "triton" if DEVICE == "cuda" else "numba"
 DECODE = ["numpy-blocks", "host-blocks", f"tpool-{BACKEND} step", f"tpool-{BACKEND} bound step",
           f"tpool-{BACKEND} bound step, two StepOuts taking turns"] + (
     [f"tpool-{BACKEND} bound step, table-made inputs"] if DEVICE == "cpu" else [])
-TURNOVER = ["numpy-blocks turnover", "host-blocks turnover", f"tpool-{BACKEND} turnover", f"tpool-{BACKEND} turnover, one call"]
+TURNOVER = ["numpy-blocks turnover", "host-blocks turnover", f"tpool-{BACKEND} turnover",
+            f"tpool-{BACKEND} turnover, one call"]
 POOL_SIZES = [65536, 1048576, 16777216]  # the decode step should stay flat
 ROUNDS, COLD_ROUNDS = 30, 100
 

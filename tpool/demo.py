@@ -126,8 +126,8 @@ def run(requests=256, batch=64, num_pages=4096, page_size=16, seed=0, device=Non
         step += 1
     s = _final_check(pool, table, mirror)
     if step == 0:
-        out(f"\nno request fits this pool: nothing to run (it holds --num-pages x --page-size = {num_pages * page_size} "
-            "tokens: raise either)")
+        out(f"\nno request fits this pool: nothing to run (it holds --num-pages x --page-size = "
+            f"{num_pages * page_size} tokens: raise either)")
     else:
         q = statistics.quantiles(step_us, n=10) if len(step_us) > 1 else step_us * 9
         out(f"\n{step} steps; scheduler step median {statistics.median(step_us):.1f} us "
