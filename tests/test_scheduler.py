@@ -595,3 +595,79 @@ def test_readme_example_gives_its_numbers(backend):
             m.decode(rows)
         m.finish([rows[0]])
     assert rows == [0, 1] and (m.free, m.reserved, m.exact) == (44, 0, True) and pool.available() == 44
+
+
+def test_decode_and_step_into_two_stepouts_taking_turns(backend):
+    """Overlap scheduling on the mirror: decode and mixed steps written into two StepOuts in turn.
+
+    A second mirror runs the same schedule on the table's own buffers; after every step the
+    two tables hold the same pages, the StepOut written holds the step's outputs (checked
+    against a CSR export of the same lanes), and the other StepOut still holds what its own
+    step wrote (the forward of step N may still read it while step N+1 is made)."""
+    pool, table, m = _setup(backend, num_pages=40, rows=6)
+    pool2, table2, m2 = _setup(backend, num_pages=40, rows=6)
+    W, T = 6, 32
+    outs = [table.step_out(W, max_tokens=T) for _ in range(2)]
+    kept = [None, None]  # clones of each StepOut's outputs right after its own step
+    rng = random.Random(7)
+    running = []
+    for step in range(40):
+        out = outs[step % 2]
+        if step % 5 == 0 and len(running) < 4:  # a mixed step: the running rows decode, one prompt joins
+            prompt = rng.randint(1, 9)
+            with no_host_sync():
+                got = m.step(running, 1, [prompt], [prompt + 12], out=out)
+            want = m2.step(running, 1, [prompt], [prompt + 12], width=W, max_tokens=T)
+            assert got.rows == want.rows and got.req_ids.tolist() == want.req_ids.tolist()
+            running += got.rows
+            res, ids = got.result, got.req_ids
+        else:
+            with no_host_sync():
+                res = m.decode(running, out=out)
+            m2.decode(running)
+            ids = i32(running + [-1] * (W - len(running)))
+        assert res is out.result
+        assert torch.equal(table.block_table, table2.block_table) and torch.equal(table.seq_lens, table2.seq_lens)
+        csr = table.flashinfer_csr(ids)  # the table's own export of the same lanes, read-only
+        assert all(torch.equal(a, b) for a, b in zip(res.csr, csr)), step
+        other = kept[(step + 1) % 2]
+        if other is not None:  # the other buffer: untouched by this step
+            assert all(torch.equal(a, b) for a, b in zip(outs[(step + 1) % 2].result.csr, other)), step
+        kept[step % 2] = [t.clone() for t in res.csr]
+        done = [r for r in running if int(table.seq_lens[r]) >= m.limit[r] - 1]
+        if done:
+            m.finish(done)
+            m2.finish(done)
+            running = [r for r in running if r not in done]
+    assert m.exact and m.free == pool.available() == m2.free == pool2.available()
+    pool.check()
+    table.check_invariants()
+
+
+def test_a_stepout_the_step_does_not_fit_is_refused_before_the_mirror_changes(backend):
+    pool, table, m = _setup(backend, num_pages=40, rows=6)
+    rows = m.admit([5, 6, 7])
+    before = (m.free, m.reserved, m._seq, table.seq_lens.tolist())
+    other = tpool.PageTable(pool, 6, 12)
+    for out, call, words in [
+            (other.step_out(4), lambda o: m.decode(rows, out=o), "expected a StepOut of this mirror's table"),
+            (table.step_out(2), lambda o: m.decode(rows, out=o), "3 lanes and 3 tokens"),
+            (table.step_out(4, max_tokens=8), lambda o: m.step(rows, 1, [9], out=o), "4 lanes and 12 tokens"),
+            (table.step_out(4, max_tokens=16), lambda o: m.step(rows, 1, [9], width=5, out=o), "width, max_tokens")]:
+        with pytest.raises(ValueError, match=words):
+            call(out)
+        assert (m.free, m.reserved, m._seq, table.seq_lens.tolist()) == before
+
+
+def test_a_decode_after_a_mixed_step_into_the_same_stepout(backend):
+    """The mixed step rewrites the inputs of the StepOut's bound step: a decode of the batch
+    before it must write its own lanes again, not run the mixed step's (the prompt's) a second time."""
+    pool, table, m = _setup(backend, num_pages=40, rows=6)
+    o = table.step_out(4, max_tokens=16)
+    rows = m.admit([5, 6])
+    m.decode(rows, out=o)
+    s = m.step(rows, 1, [3], out=o)
+    m.decode(rows, out=o)                                 # the same batch as the first decode
+    assert table.seq_lens[rows + s.rows].tolist() == [8, 9, 3]
+    assert m.exact and m.free == pool.available()
+    table.check_invariants()

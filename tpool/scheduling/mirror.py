@@ -122,17 +122,22 @@ class HostMirror(MixedSteps, Accounting):
         self._fill(host, dev, ids, values)
         return dev
 
-    def _bound_decode(self, ids, ntok, max_tokens):
+    def _bound_decode(self, ids, ntok, max_tokens, out=None):
         """The table's bound step for decode lanes ``ids`` taking ``ntok`` tokens each, with
         ``max_tokens`` slots, its inputs filled: ``table.bind_step(batch=w)``, kept per width and
         ``max_tokens`` as ``_lane_tensors`` keeps tensors. On a CPU its inputs are numpy arrays
         the step reads (written here directly), so each ``run()`` checks nothing and makes no
         torch call: the checks of two input tensors cost ~5 us a step when a forward pass
-        has cooled the caches."""
-        key = (ids.shape[0], max_tokens)
+        has cooled the caches. With ``out`` (a ``StepOut``, checked by ``_out_lanes``) the step
+        writes it, with its batch and ``max_tokens``; the lanes are padded to its batch."""
+        if out is not None:
+            pad = out.batch - ids.shape[0]
+            ids, ntok = np.pad(ids, (0, pad), constant_values=-1), np.pad(ntok, (0, pad))
+            max_tokens = out.max_tokens
+        key = (ids.shape[0], max_tokens, out)
         entry = self._decode_steps.get(key)
         if entry is None:
-            run = self.table.bind_step(batch=key[0], max_tokens=max_tokens)
+            run = self.table.bind_step(batch=key[0], max_tokens=max_tokens, out=out)
             dev = (run.req_ids, run.num_tokens)
             host = dev if self.device.type == "cpu" else tuple(np.empty(key[0], np.int32) for _ in dev)
             entry = self._keep(self._decode_steps, key, (run, host))
@@ -190,7 +195,7 @@ class HostMirror(MixedSteps, Accounting):
         self.table.extend(self._tensor(rows), self._tensor(p), max_tokens=_bucket(int(p.sum())))
         return rows
 
-    def decode(self, rows, n=1):
+    def decode(self, rows, n=1, out=None):
         """One table step appending ``n`` tokens (an int, or one per row) to each running row.
 
         Pages come from each row's reservation first, then from the unreserved ones;
@@ -199,15 +204,23 @@ class HostMirror(MixedSteps, Accounting):
         tops reservations back up, in the order of ``rows``. The step is the table's
         ``bind_step(batch=len(rows))`` for that width (kept, see ``_bound_decode``): the same
         outputs as ``table.step`` of that shape. Returns the ``StepResult``.
+
+        ``out``: a ``StepOut`` of this table (``table.step_out``) to write instead of the
+        table's buffers, the lanes padded to its batch: two taking turns keep step N's
+        outputs intact while step N+1 is made (overlap scheduling). Rows more than its
+        batch, or tokens more than its ``max_tokens``, are a ``ValueError`` before the
+        mirror changes. Returns ``out.result``.
         """
         r, n, key = self._batch(rows, n)
+        if out is not None:
+            self._out_lanes(out, r.shape[0], int(n.sum()) if n.ndim else r.shape[0] * int(n))
         if not r.size:
             return None
-        out = self._acct
+        acct = self._acct
         per_row = n.ndim > 0
         each = 0 if per_row else int(n)  # the tokens of every row when n is one number
         code = decode_accounting(self._st, r, n if per_row else EMPTY, each, self.page_size, self.lookahead,
-                                 self.unreserved, out)
+                                 self.unreserved, acct)
         if code == PAST_MAX_LEN:
             raise WouldNotFit(f"decode: rows {r[self.hi[r] + n > self.limit[r]].tolist()} would pass their max_len")
         if code == NO_ROOM:
@@ -215,19 +228,28 @@ class HostMirror(MixedSteps, Accounting):
             raise WouldNotFit(f"decode: needs {int((need - np.minimum(need, self.res[r])).sum())} pages beyond "
                               f"reservations, {self.unreserved} unreserved (ask preemption first)")
         self._seq += 1
-        taken, used, granted, full, uncertain = out.tolist()
+        taken, used, granted, full, uncertain = acct.tolist()
         if uncertain:
             self._free_inexact_at = self._seq
         self.free -= taken
         self.reserved += granted - used
         self._full = key if full else None
-        dkey = (key, n.tobytes(), n.shape) if per_row else (key, each)  # (plain ints: no numpy call)
+        dkey = (key, n.tobytes(), n.shape, out) if per_row else (key, each, out)  # (plain ints: no numpy call)
         if self._decode_key is None or self._decode_key[0] != dkey:  # same batch: the same bound step
             ntok = np.broadcast_to(n, r.shape)
             max_tokens = _bucket(int(ntok.sum())) if per_row or each != 1 else None
             self._decode_key = None  # the kept inputs are rewritten next: no key may name their old batch
-            self._decode_key = (dkey, self._bound_decode(r, ntok, max_tokens))
+            self._decode_key = (dkey, self._bound_decode(r, ntok, max_tokens, out))
         return self._decode_key[1]()
+
+    def _out_lanes(self, out, lanes, tokens):
+        """Refuse (``ValueError``) a ``StepOut`` that is not this table's or that the step's
+        ``lanes`` and ``tokens`` do not fit; called before the mirror changes."""
+        if getattr(out, "table", None) is not self.table or not hasattr(out, "result"):
+            raise ValueError(f"out: expected a StepOut of this mirror's table (table.step_out), got {out!r}")
+        if lanes > out.batch or tokens > out.max_tokens:
+            raise ValueError(f"out: the step has {lanes} lanes and {tokens} tokens, {out!r} holds at most "
+                             f"{out.batch} and {out.max_tokens}")
 
     def finish(self, rows, cache: bool = False) -> None:
         """Release these requests (``table.release``) and free their rows and reservations.

@@ -42,7 +42,7 @@ class MixedSteps:
     """The mixed admit + decode step of :class:`tpool.scheduling.HostMirror`."""
 
     def step(self, rows, n=1, prompt_lens=(), max_lens=None, *, width: int | None = None,
-             max_tokens: int | None = None) -> MixedStep:
+             max_tokens: int | None = None, out=None) -> MixedStep:
         """One ``table.step``: ``n`` tokens (an int, or one per row) for each running row, and one
         prefill lane per prompt, admitting those requests.
 
@@ -56,6 +56,11 @@ class MixedSteps:
         max_tokens : int, optional
             Slots of the step (at least the tokens of every lane; default the total rounded
             up to a power of two).
+        out : StepOut, optional
+            Write this ``table.step_out`` instead of the table's buffers (overlap scheduling:
+            two taking turns). The step then has its batch and ``max_tokens`` (``width`` and
+            ``max_tokens``, when given, must be those), and ``req_ids`` / ``num_tokens`` are its
+            own inputs, rewritten only by the next step into the same ``out``.
 
         Raises ``WouldNotFit`` (before any device work and without changing the mirror) unless
         every lane fits: no row passes its ``max_len``, and the decode lanes' pages beyond their
@@ -84,6 +89,12 @@ class MixedSteps:
         ps, k = self.page_size, p.size
         b = r.size
         lanes = b + k
+        if out is not None:
+            self._out_lanes(out, lanes, int(nn.sum() if nn.ndim else b * int(nn)) + int(p.sum()))
+            if width not in (None, out.batch) or max_tokens not in (None, out.max_tokens):
+                raise ValueError(f"width, max_tokens: expected {out.batch} and {out.max_tokens} ({out!r}) or "
+                                 f"None, got {width!r} and {max_tokens!r}")
+            width, max_tokens = out.batch, out.max_tokens
         w = lanes if width is None else width
         if not (isinstance(w, int) and lanes <= w <= self.max_batch):
             raise ValueError(f"width: expected an int >= {lanes} (the step's lanes) and <= max_batch="
@@ -99,10 +110,10 @@ class MixedSteps:
             raise WouldNotFit(f"step: {k} prompts need rows, {self.rows_free} are free")
         admit = int(_cdiv(np.minimum(p + self.lookahead, lim), ps).sum()) if k else 0  # prompt pages + reservations
         per_row = nn.ndim > 0
-        out = self._acct
+        acct = self._acct
         # Decode lanes first, leaving the admissions' pages and reservations unreserved; writes only if it fits.
         code = decode_accounting(self._st, r, nn if per_row else EMPTY, 0 if per_row else int(nn), ps,
-                                 self.lookahead, self.unreserved - admit, out) if b else \
+                                 self.lookahead, self.unreserved - admit, acct) if b else \
             (NO_ROOM if admit > self.unreserved else FITS)
         if code == PAST_MAX_LEN:
             raise WouldNotFit(f"step: rows {r[self.hi[r] + nn > self.limit[r]].tolist()} would pass their max_len")
@@ -113,7 +124,7 @@ class MixedSteps:
         self._seq += 1
         self._full = None
         if b:
-            taken, used, granted, _, uncertain = out.tolist()
+            taken, used, granted, _, uncertain = acct.tolist()
             if uncertain:
                 self._free_inexact_at = self._seq
             self.free -= taken
@@ -126,6 +137,12 @@ class MixedSteps:
             self._top_up(nr)
         ids[:b] = r
         ids[b:lanes] = new
+        if out is not None:  # a bound step writing ``out``, on inputs of its own (kept per StepOut)
+            self._decode_key = None  # its inputs are rewritten here: no decode may take them as its batch
+            run = self._bound_decode(ids, ntok, max_tokens, out)
+            ids_t, ntok_t = (torch.from_numpy(a) if isinstance(a, np.ndarray) else a
+                             for a in (run.req_ids, run.num_tokens))
+            return MixedStep(new, run(), ids_t, ntok_t)
         ids_t, ntok_t = self._lane_tensors(self._step_inputs, ids, ntok)
         t = max_tokens if max_tokens is not None else _bucket(total)
         return MixedStep(new, self.table.step(ids_t, ntok_t, max_tokens=t), ids_t, ntok_t)
