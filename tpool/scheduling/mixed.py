@@ -29,7 +29,8 @@ class MixedStep(NamedTuple):
     req_ids, num_tokens : torch.Tensor  shape ``[width]``, int32, on the table's device: the
         step's inputs (lanes: the decode rows, then the admitted rows, then padding -1 / 0). They
         are the mirror's tensors for this width, rewritten by its next step of the same width
-        (so the table runs its steps bound): clone them to keep them.
+        (so the table runs its steps bound): clone them to keep them. With ``out=``, the inputs
+        of that StepOut's bound step, rewritten by the next decode or step into it.
     """
 
     rows: list
