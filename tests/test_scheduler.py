@@ -571,6 +571,30 @@ def test_gpu_decode_loop_with_stats_async_every_step_never_syncs():
 
 
 
+@requires_cuda
+def test_gpu_decode_into_two_stepouts_taking_turns_never_syncs():
+    """Overlap scheduling on a CUDA pool: mirror decodes alternate two StepOuts, no host sync."""
+    pool = tpool.PagePool(4096, 16, device="cuda")
+    table = tpool.PageTable(pool, 64, 64)
+    m = HostMirror(table, lookahead=16, free=4096, cached=0)
+    rows = m.admit([100] * 32)
+    outs = [table.step_out(32) for _ in range(2)]
+    for o in outs:
+        m.decode(rows, out=o)                             # compile and bind outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(100):
+            assert m.decode(rows, out=outs[i % 2]) is outs[i % 2].result
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    last = outs[1].result  # the last step's (i = 99): every lane at its length, pages in token order
+    assert torch.equal(last.csr.indptr, table.flashinfer_csr(i32(rows).cuda()).indptr)
+    assert m.free == pool.available() and m.exact
+    assert pool.stats()["requests.failed"] == 0
+
+
 def test_docstring_examples_of_the_mirror_and_stats_async():
     import doctest
 
@@ -658,6 +682,19 @@ def test_a_stepout_the_step_does_not_fit_is_refused_before_the_mirror_changes(ba
             call(out)
         assert (m.free, m.reserved, m._seq, table.seq_lens.tolist()) == before
 
+
+def test_two_stepouts_taking_turns_keep_their_inputs(backend, monkeypatch):
+    """Each StepOut's bound step keeps the batch it last ran: decodes of an unchanged batch taking
+    turns write no inputs after each StepOut's first (as one buffer's decodes write none)."""
+    pool, table, m = _setup(backend, num_pages=40, rows=6)
+    rows = m.admit([5, 6, 7])
+    outs = [table.step_out(4) for _ in range(2)]
+    fills, fill = [], m._fill
+    monkeypatch.setattr(m, "_fill", lambda *a: (fills.append(a[2].tolist()), fill(*a)))
+    for i in range(6):
+        m.decode(rows, out=outs[i % 2])
+    assert fills == [rows + [-1]] * 2
+    assert table.seq_lens[rows].tolist() == [11, 12, 13] and m.exact and m.free == pool.available()
 
 def test_a_decode_after_a_mixed_step_into_the_same_stepout(backend):
     """The mixed step rewrites the inputs of the StepOut's bound step: a decode of the batch

@@ -68,7 +68,7 @@ class Accounting:
         self._free_rows = list(range(R - 1, -1, -1))
         self._seq = 0                     # one number per mirror call, for reconciliation
         self._free_inexact_at = self._cached_inexact_at = -1
-        self._decode_key = None           # (rows, n) of the last decode and its bound step
+        self._decode_keys = {}            # per StepOut (None: the table's buffers): last decode's (rows, n), bound step
         self._members = 0                 # bumped whenever a row starts or stops running
         self._checked = (None, -1)        # (rows bytes, _members) of the last batch that passed the checks
         self._full = None                 # rows bytes of a batch whose every row holds its full reservation

@@ -150,8 +150,8 @@ class HostMirror(MixedSteps, Accounting):
         would keep writing buffers the table no longer returns, so it is made again when needed."""
         for k in [k for k, (run, _) in self._decode_steps.items() if run._key == key]:
             del self._decode_steps[k]
-        if self._decode_key is not None and self._decode_key[1]._key == key:
-            self._decode_key = None
+        for out in [o for o, (_, run) in self._decode_keys.items() if run._key == key]:
+            del self._decode_keys[out]
 
     @staticmethod
     def _keep(kept, key, entry):
@@ -234,13 +234,14 @@ class HostMirror(MixedSteps, Accounting):
         self.free -= taken
         self.reserved += granted - used
         self._full = key if full else None
-        dkey = (key, n.tobytes(), n.shape, out) if per_row else (key, each, out)  # (plain ints: no numpy call)
-        if self._decode_key is None or self._decode_key[0] != dkey:  # same batch: the same bound step
+        dkey = (key, n.tobytes(), n.shape) if per_row else (key, each)  # (plain ints: no numpy call)
+        last = self._decode_keys.get(out)  # per StepOut: two taking turns each keep their batch
+        if last is None or last[0] != dkey:  # same batch: the same bound step, its inputs as they are
             ntok = np.broadcast_to(n, r.shape)
             max_tokens = _bucket(int(ntok.sum())) if per_row or each != 1 else None
-            self._decode_key = None  # the kept inputs are rewritten next: no key may name their old batch
-            self._decode_key = (dkey, self._bound_decode(r, ntok, max_tokens, out))
-        return self._decode_key[1]()
+            self._decode_keys.pop(out, None)  # the kept inputs are rewritten next: no key may name their old batch
+            last = self._keep(self._decode_keys, out, (dkey, self._bound_decode(r, ntok, max_tokens, out)))
+        return last[1]()
 
     def _out_lanes(self, out, lanes, tokens):
         """Refuse (``ValueError``) a ``StepOut`` that is not this table's or that the step's

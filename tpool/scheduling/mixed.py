@@ -139,7 +139,7 @@ class MixedSteps:
         ids[:b] = r
         ids[b:lanes] = new
         if out is not None:  # a bound step writing ``out``, on inputs of its own (kept per StepOut)
-            self._decode_key = None  # its inputs are rewritten here: no decode may take them as its batch
+            self._decode_keys.pop(out, None)  # its inputs are rewritten here: no decode may take them as its batch
             run = self._bound_decode(ids, ntok, max_tokens, out)
             ids_t, ntok_t = (torch.from_numpy(a) if isinstance(a, np.ndarray) else a
                              for a in (run.req_ids, run.num_tokens))
