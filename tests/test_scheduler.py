@@ -539,13 +539,18 @@ def test_bench_scheduler_runs_without_failed_extends(tmp_path, capsys):
     assert min(gaps) >= 0 and max(gaps) > 0 and rows["mirror-shared"]["forked"] > 0
 
 
-@pytest.mark.gpu
-@requires_cuda
-def test_gpu_decode_loop_with_stats_async_every_step_never_syncs():
+def _gpu_mirror():
+    """A CUDA pool of 4,096 pages of 16, a table of 64 rows, a mirror holding 32 requests of 100 tokens."""
     pool = tpool.PagePool(4096, 16, device="cuda")
     table = tpool.PageTable(pool, 64, 64)
     m = HostMirror(table, lookahead=16, free=4096, cached=0)
-    rows = m.admit([100] * 32)
+    return pool, table, m, m.admit([100] * 32)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_decode_loop_with_stats_async_every_step_never_syncs():
+    pool, table, m, rows = _gpu_mirror()
     m.decode(rows)                                        # compile outside the check
     torch.cuda.synchronize()
     handles, stats, seen = [], [], 0
@@ -571,13 +576,11 @@ def test_gpu_decode_loop_with_stats_async_every_step_never_syncs():
 
 
 
+@pytest.mark.gpu
 @requires_cuda
 def test_gpu_decode_into_two_stepouts_taking_turns_never_syncs():
     """Overlap scheduling on a CUDA pool: mirror decodes alternate two StepOuts, no host sync."""
-    pool = tpool.PagePool(4096, 16, device="cuda")
-    table = tpool.PageTable(pool, 64, 64)
-    m = HostMirror(table, lookahead=16, free=4096, cached=0)
-    rows = m.admit([100] * 32)
+    pool, table, m, rows = _gpu_mirror()
     outs = [table.step_out(32) for _ in range(2)]
     for o in outs:
         m.decode(rows, out=o)                             # compile and bind outside the check
