@@ -179,6 +179,14 @@ class NumpyBlocks:
         return reset
 
 
+def release_then_step(blocks, gone, batch, ntok):
+    """A baseline's turnover step (``HostBlocks`` or ``NumpyBlocks``): release the finished requests,
+    then step the batch; returns the step's outputs."""
+    for r in gone:
+        blocks.release(r)
+    return blocks.step(batch, ntok)
+
+
 def to_device(values, device):
     """Host values (a list or a numpy array) as an int32 tensor on ``device``. On CUDA through pinned
     memory and a non-blocking copy, as vLLM's block table commits its rows: a plain ``torch.tensor(...,
@@ -277,22 +285,13 @@ def workloads(B, backends, device, *, num_pages=None, extras=True):
     nb2 = numpy_blocks()
     np_phases = [(gone, np.array(batch), np.array(ntok)) for gone, batch, ntok in
                  turnover_phases(B, random.Random(B + 1))]
-
-    def numpy_turn(gone, batch, ntok, blocks=nb2):
-        for r in gone:
-            blocks.release(r)
-        blocks.step(batch, ntok)
-    impls["numpy-blocks turnover"] = (Turnover(numpy_turn, np_phases), nb2, "turnover")
+    impls["numpy-blocks turnover"] = (Turnover(functools.partial(release_then_step, nb2), np_phases), nb2,
+                                      "turnover")
     hb = list(range(B))
     impls["host-blocks"] = (functools.partial(host.decode, hb), host, "decode")
     _, _, host2, _ = setup(B, backends[0], device, random.Random(B), num_pages)
-
-    def host_turn(gone, batch, ntok, host=host2):
-        for r in gone:
-            host.release(r)
-        host.step(batch, ntok)
-    impls["host-blocks turnover"] = (Turnover(host_turn, turnover_phases(B, random.Random(B + 1))), host2,
-                                     "turnover")
+    impls["host-blocks turnover"] = (Turnover(functools.partial(release_then_step, host2),
+                                              turnover_phases(B, random.Random(B + 1))), host2, "turnover")
     for be in backends:
         _, table, _, _ = setup(B, be, device, random.Random(B), num_pages)
         ids = torch.arange(B, dtype=torch.int32, device=device)

@@ -88,10 +88,8 @@ def test_the_two_host_baselines_hand_out_the_same_pages():
         blocks.step(np.array([r]), np.array([prompts[r]]))
     steps = [([], list(range(B)), [1] * B)] * 20 + bpt.turnover_phases(B, random.Random(3)) * 2
     for gone, batch, ntok in steps:
-        for r in gone:
-            host.release(r)
-            blocks.release(r)
-        want, got = host.step(batch, ntok), blocks.step(np.array(batch), np.array(ntok))
+        want = bpt.release_then_step(host, gone, batch, ntok)
+        got = bpt.release_then_step(blocks, gone, np.array(batch), np.array(ntok))
         assert all(torch.equal(w, g) for w, g in zip(want, got)), (gone, batch, ntok)
     assert blocks.top == len(host.free_ids) and sorted(blocks.free[:blocks.top]) == sorted(host.free_ids)
 

@@ -68,9 +68,10 @@ def run(requests=256, batch=64, num_pages=4096, page_size=16, seed=0, device=Non
 
     limit = min(num_pages, max_pages) * page_size
     rejected = [q for q in range(requests) if prompts[q] + outputs[q] > limit]
+    waiting = sorted(set(range(requests)) - set(rejected))   # arrival order = priority
     if every is None:
-        every = auto_every([prompts[q] for q in range(requests) if q not in rejected],
-                           [outputs[q] for q in range(requests) if q not in rejected], batch, num_pages * page_size)
+        every = auto_every([prompts[q] for q in waiting], [outputs[q] for q in waiting], batch,
+                           num_pages * page_size)
     for q in rejected[:SHOW_REJECTED]:
         out(f"rejected request {q}: it needs {mirror.pages_for(prompts[q] + outputs[q])} pages (prompt {prompts[q]} "
             f"+ output {outputs[q]} tokens of {page_size}), the pool has {num_pages}")
@@ -79,7 +80,6 @@ def run(requests=256, batch=64, num_pages=4096, page_size=16, seed=0, device=Non
     if len(rejected) < requests:
         out(LEGEND + "\n")
         out(HEADER)
-    waiting = sorted(set(range(requests)) - set(rejected))   # arrival order = priority
     row_of, req_of, generated = {}, {}, {}
     finished = preempted = step = 0
     step_us, window = [], []

@@ -183,11 +183,11 @@ class BoundByTensors:
                 export(req_ids)
         return run
 
-    def _csr_call(self, csr, memo, *count):
+    def _csr_call(self, csr, memo, count=True):
         """The export into ``csr``; ``memo`` (how far it wrote) is bookkeeping a full re-pad does without.
-        ``count``: ``flashinfer_csr``'s last argument when given."""
+        ``count``: ``flashinfer_csr``'s last argument."""
         export = self.flashinfer_csr
-        return lambda req_ids: export(req_ids, *csr, *count)
+        return lambda req_ids: export(req_ids, *csr, count)
 
     def step_into(self, res, memo):
         # count False: the step's extend counted its bad ids and corrupt lengths, once per lane

@@ -4,6 +4,8 @@ queries a scheduler asks of them (admission, pages needed, preemption). No table
 See :mod:`tpool.scheduling.mirror` for what the numbers promise.
 """
 
+import collections
+
 import numpy as np
 
 from tpool.scheduling._decode import EMPTY, check_rows, extra_pages
@@ -23,10 +25,10 @@ _N64 = tuple(np.int64(n) for n in range(64))  # the usual token counts as numpy 
 
 def _bad_rows(rows, live) -> str:
     """What is wrong with ``rows`` (a call's row ids): the ones out of range, not running, or repeated."""
-    R, seen, problems = len(live), set(), []
+    R, problems = len(live), []
     out = [q for q in rows if not 0 <= q < R]
     idle = [q for q in rows if 0 <= q < R and not live[q]]
-    again = sorted({q for q in rows if q in seen or seen.add(q)})
+    again = sorted(q for q, times in collections.Counter(rows).items() if times > 1)
     if out:
         problems.append(f"{out} out of range (rows are 0 to {R - 1})")
     if idle:
