@@ -429,9 +429,16 @@ def stack_run_ok(free_stack, lo, hi, num_pages):
     vectorised min/max pass, so a pop of many pages checks them before it writes any."""
     if lo < 0 or hi > free_stack.shape[0]:
         return lo >= hi
+    return run_in_pool(free_stack, lo, hi, num_pages)
+
+
+@numba.njit(nogil=True, inline="always")
+def run_in_pool(ids, lo, hi, num_pages):
+    """Whether ``ids[lo:hi]`` (the caller keeps it inside ``ids``) holds page ids in ``[0, P)`` only:
+    one vectorised min/max pass."""
     mn, mx = 0, 0
     for j in range(lo, hi):
-        v = free_stack[j]
+        v = ids[j]
         mn = min(mn, v)
         mx = max(mx, v)
     return mn >= 0 and mx < num_pages

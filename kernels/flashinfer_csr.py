@@ -5,7 +5,10 @@ the pages in request order (-1 past ``indptr[B]``), ``last_page_len = len -
 (num_pages - 1) * page_size`` in ``[1, page_size]``; an empty or padding
 request has no pages and ``last_page_len = page_size``. Read-only: no clock
 step. Out-of-range ids count ``bad_request``; ``indices`` too small for the
-batch counts ``out_overflow`` (entries past the capacity are dropped).
+batch counts ``out_overflow`` (entries past the capacity are dropped). A request
+whose pages include an id outside ``[0, P)`` (a hand edit, or a wild free-stack
+entry a pop handed out) is exported as empty and counts ``corrupt_state``, in a
+step too: no page id outside the pool reaches an attention kernel.
 """
 
 import numba
@@ -13,7 +16,7 @@ from ._triton_shim import tl, triton
 
 from . import layout as L
 from ._numba_util import (copy8_i32, copy_i32, fill_null_range, i32_array, i64_cell, page_shift, pages_for,
-                          state_arrays, table_arrays)
+                          run_in_pool, state_arrays, table_arrays)
 from .layout import CD_CSR_MEMO, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_LAST_PAGE_LEN, CD_OUT, CD_STATE
 from ._triton_table_util import ERR_BAD_REQUEST, cdiv
 from ._triton_util import (ERR_CORRUPT_STATE, ERR_OUT_OVERFLOW, NULL_PAGE, counter_add, load_counters, settings,
@@ -34,8 +37,10 @@ def flashinfer_csr_numba(
     counters,           # int64 [NUM_COUNTERS]
     written,            # entries of indices that may be != -1 (from the last call on this buffer)
     count,              # count bad ids and corrupt lengths (False in a step: its extend counted them)
+    num_pages,          # P: a request whose pages include an id outside [0, P) is exported as empty
 ):
-    """Returns how many entries of ``indices`` it wrote (pass it as ``written`` next time).
+    """Returns how many entries of ``indices`` it wrote (pass it as ``written`` next time) and how
+    many requests it exported as empty for a page id outside the pool (each counted, ``count`` or not).
 
     Only ``indices[total:written]`` needs padding again, so a decode step costs
     O(pages in the batch), not O(capacity). Rows are copied in blocks of 8 ids
@@ -50,6 +55,7 @@ def flashinfer_csr_numba(
     limit = MP * page_size  # a longer (or negative) length is corrupt state: exported as empty
     pos = 0
     reach = 0  # end of what the block copies wrote
+    stray = 0  # requests exported as empty for a page id outside the pool
     indptr[0] = 0
     for i in range(B):
         r = ids[i]
@@ -61,6 +67,9 @@ def flashinfer_csr_numba(
                 counters[L.ERR_CORRUPT_STATE] += count
                 length = 0
             n = pages_for(length, page_size, shift)
+            if not run_in_pool(block_table[r], 0, n, num_pages):  # n <= MP: the length is at most limit
+                stray += 1
+                length = n = 0
             k = max(0, min(n, cap - pos))
             dst, src = indices_ptr + 4 * pos, table_addr + 4 * r * MP
             k8 = (k + 7) & ~7
@@ -77,19 +86,20 @@ def flashinfer_csr_numba(
         last[i] = length - (n - 1) * page_size
     if pos > cap:
         counters[L.ERR_OUT_OVERFLOW] += 1
+    counters[L.ERR_CORRUPT_STATE] += stray
     total = min(pos, cap)
     fill_null_range(indices_ptr, total, min(max(written, reach), cap))
-    return total
+    return total, stray
 
 
 @numba.njit(nogil=True)
 def flashinfer_csr_numba_entry(req_ids_ptr, B, cd):
     """``flashinfer_csr_numba`` for a bound call: outputs, table and pool state in the call descriptor ``cd``."""
     bt, lens, _, ps = table_arrays(cd[:CD_STATE])
-    counters = state_arrays(cd[CD_STATE:CD_OUT])[4]
+    _, rc, _, _, counters, _, _ = state_arrays(cd[CD_STATE:CD_OUT])
     written = i64_cell(cd[CD_CSR_MEMO])  # its MEMO_WRITTEN slot
     written[0] = flashinfer_csr_numba(req_ids_ptr, B, cd[CD_INDPTR], cd[CD_INDICES], cd[CD_INDICES_LEN],
-                                      cd[CD_LAST_PAGE_LEN], ps, bt, lens, counters, written[0], True)
+                                      cd[CD_LAST_PAGE_LEN], ps, bt, lens, counters, written[0], True, rc.shape[0])[0]
 
 
 # ---------------------------------------------------------------------- Triton
@@ -98,6 +108,73 @@ def flashinfer_csr_numba_entry(req_ids_ptr, B, cd):
 # i, the last one with indptr[i] <= u (a binary search over indptr, SEARCH
 # steps), and takes block_table[r_i, u - indptr[i]]. The work is linear in the
 # batch's pages, whatever the widest request; positions past the total are -1.
+# An entry outside [0, P) (corrupt state: rare) makes the program run both
+# phases again, the first one now reading each lane's row to export such a
+# request as empty.
+
+
+@triton.jit
+def _csr_lanes(req_ids_ptr, B, indptr_ptr, last_page_len_ptr, block_table_ptr, seq_lens_ptr, kv_lens_ptr, R, MP,
+               num_pages, page_size, BLOCK: tl.constexpr, SCAN: tl.constexpr, KV_LENS: tl.constexpr):
+    """Phase one: indptr and last_page_len; returns the pages in all (uncapped), the bad ids, the
+    corrupt lengths and (``SCAN``: each row read) the requests exported empty for a page outside the pool."""
+    lanes = tl.arange(0, BLOCK)
+    tl.store(indptr_ptr + lanes, tl.zeros((BLOCK,), tl.int32), mask=lanes < 1)
+    end = tl.zeros((), tl.int64)
+    bad = tl.zeros((), tl.int64)
+    wrong = tl.zeros((), tl.int64)
+    stray = tl.zeros((), tl.int64)
+    for start in range(0, B, BLOCK):
+        i = start + lanes
+        live = i < B
+        r = tl.load(req_ids_ptr + i, mask=live, other=NULL_PAGE)
+        valid = live & (r >= 0) & (r < R)
+        bad += tl.sum((live & (r != NULL_PAGE) & ~valid).to(tl.int64))
+        length = tl.load(seq_lens_ptr + r, mask=valid, other=0).to(tl.int64)
+        corrupt = valid & ((length < 0) | (length > MP * page_size))  # exported as empty
+        wrong += tl.sum(corrupt.to(tl.int64))
+        length = tl.where(corrupt, 0, length)
+        n = cdiv(length, page_size)
+        if SCAN:
+            outside = tl.zeros((BLOCK,), tl.int1)
+            for k in range(0, tl.max(n)):
+                page = tl.load(block_table_ptr + r.to(tl.int64) * MP + k, mask=valid & (k < n), other=0)
+                outside = outside | (page < 0) | (page >= num_pages)
+            stray += tl.sum(outside.to(tl.int64))
+            length = tl.where(outside, 0, length)
+            n = tl.where(outside, 0, n)
+            if KV_LENS:
+                tl.store(kv_lens_ptr + i, tl.zeros((BLOCK,), tl.int32), mask=outside)
+        tl.store(indptr_ptr + i + 1, (end + tl.cumsum(n, 0)).to(tl.int32), mask=live)
+        tl.store(last_page_len_ptr + i, (length - (n - 1) * page_size).to(tl.int32), mask=live)
+        end += tl.sum(n)
+    return end, bad, wrong, stray
+
+
+@triton.jit
+def _csr_entries(req_ids_ptr, B, indptr_ptr, indices_ptr, block_table_ptr, end, total, MP, num_pages, SEARCH,
+                 BLOCK: tl.constexpr):
+    """Phase two: ``indices[:total]`` from the rows; returns how many of the batch's ``end`` pages (past
+    the capacity too: a request is checked whole) are outside the pool."""
+    lanes = tl.arange(0, BLOCK)
+    outside = tl.zeros((), tl.int64)
+    for start in range(0, end, BLOCK):
+        u = start + lanes
+        live = u < end
+        # indptr[lo] <= u < indptr[hi] holds throughout (indptr[0] = 0, indptr[B] = end > u).
+        lo = tl.zeros((BLOCK,), tl.int32)
+        hi = tl.full((BLOCK,), B, tl.int32)
+        for _ in range(SEARCH):
+            mid = (lo + hi) // 2
+            go = tl.load(indptr_ptr + mid, mask=live, other=0) <= u
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid)
+        k = u - tl.load(indptr_ptr + lo, mask=live, other=0)
+        r = tl.load(req_ids_ptr + lo, mask=live, other=0).to(tl.int64)
+        page = tl.load(block_table_ptr + r * MP + tl.minimum(k, MP - 1), mask=live, other=NULL_PAGE)
+        tl.store(indices_ptr + u, page, mask=u < total)
+        outside += tl.sum((live & ((page < 0) | (page >= num_pages))).to(tl.int64))
+    return outside
 
 
 @triton.jit
@@ -112,13 +189,16 @@ def flashinfer_csr_body(
     seq_lens_ptr,       # *int32 [R]
     counters_ptr,       # *int64 [NUM_COUNTERS]
     written_ptr,        # *int64 [1]: entries of indices that may be != -1; this call sets it to its total
+    kv_lens_ptr,        # *int32 [B]: a step's kv_lens, 0 where a request is exported empty (KV_LENS)
     R,                  # rows of block_table
     MP,                 # columns of block_table
+    num_pages,          # P: a request whose pages include an id outside [0, P) is exported as empty
     page_size,          # tokens per page
     SEARCH,             # steps of the binary search over indptr: B.bit_length()
     # Meta-parameters
     BLOCK: tl.constexpr,  # lanes / entries / positions per chunk
     COUNT: tl.constexpr = True,  # count bad ids and corrupt lengths (False in a step: its extend counted them)
+    KV_LENS: tl.constexpr = False,  # kv_lens_ptr is a step's kv_lens
 ):
     """indptr[i+1] = sum_{j<=i} cdiv(L_j, ps); indices[indptr[i] + k] = block_table[r_i, k]; last = L - (n-1)*ps.
 
@@ -126,41 +206,21 @@ def flashinfer_csr_body(
     lanes = tl.arange(0, BLOCK)
     # Read before the barrier below: the store at the end must not overtake any thread's read.
     written = tl.minimum(tl.load(written_ptr), cap).to(tl.int32)
-    tl.store(indptr_ptr + lanes, tl.zeros((BLOCK,), tl.int32), mask=lanes < 1)
-    end = tl.zeros((), tl.int64)
-    bad = tl.zeros((), tl.int64)
-    wrong = tl.zeros((), tl.int64)
-    for start in range(0, B, BLOCK):
-        i = start + lanes
-        live = i < B
-        r = tl.load(req_ids_ptr + i, mask=live, other=NULL_PAGE)
-        valid = live & (r >= 0) & (r < R)
-        bad += tl.sum((live & (r != NULL_PAGE) & ~valid).to(tl.int64))
-        length = tl.load(seq_lens_ptr + r, mask=valid, other=0).to(tl.int64)
-        corrupt = valid & ((length < 0) | (length > MP * page_size))  # exported as empty
-        wrong += tl.sum(corrupt.to(tl.int64))
-        length = tl.where(corrupt, 0, length)
-        n = cdiv(length, page_size)
-        tl.store(indptr_ptr + i + 1, (end + tl.cumsum(n, 0)).to(tl.int32), mask=live)
-        tl.store(last_page_len_ptr + i, (length - (n - 1) * page_size).to(tl.int32), mask=live)
-        end += tl.sum(n)
+    end, bad, wrong, stray = _csr_lanes(req_ids_ptr, B, indptr_ptr, last_page_len_ptr, block_table_ptr, seq_lens_ptr,
+                                        kv_lens_ptr, R, MP, num_pages, page_size, BLOCK, False, KV_LENS)
     tl.debug_barrier()
     total = tl.minimum(end, cap).to(tl.int32)
-    for start in range(0, total, BLOCK):
-        u = start + lanes
-        live = u < total
-        # indptr[lo] <= u < indptr[hi] holds throughout (indptr[0] = 0, indptr[B] = end > u).
-        lo = tl.zeros((BLOCK,), tl.int32)
-        hi = tl.full((BLOCK,), B, tl.int32)
-        for _ in range(SEARCH):
-            mid = (lo + hi) // 2
-            go = tl.load(indptr_ptr + mid, mask=live, other=0) <= u
-            lo = tl.where(go, mid, lo)
-            hi = tl.where(go, hi, mid)
-        k = u - tl.load(indptr_ptr + lo, mask=live, other=0)
-        r = tl.load(req_ids_ptr + lo, mask=live, other=0).to(tl.int64)
-        page = tl.load(block_table_ptr + r * MP + tl.minimum(k, MP - 1), mask=live, other=NULL_PAGE)
-        tl.store(indices_ptr + u, page, mask=live)
+    if _csr_entries(req_ids_ptr, B, indptr_ptr, indices_ptr, block_table_ptr, end, total, MP, num_pages, SEARCH,
+                    BLOCK) > 0:  # a page outside the pool: both phases again, reading the rows
+        written = tl.maximum(written, total)
+        tl.debug_barrier()
+        end, bad, wrong, stray = _csr_lanes(req_ids_ptr, B, indptr_ptr, last_page_len_ptr, block_table_ptr,
+                                            seq_lens_ptr, kv_lens_ptr, R, MP, num_pages, page_size, BLOCK, True,
+                                            KV_LENS)
+        tl.debug_barrier()
+        total = tl.minimum(end, cap).to(tl.int32)
+        _csr_entries(req_ids_ptr, B, indptr_ptr, indices_ptr, block_table_ptr, end, total, MP, num_pages, SEARCH,
+                     BLOCK)
     # Only what the last call on this buffer wrote past this total needs -1 again.
     for start in range((total // BLOCK) * BLOCK, written, BLOCK):
         u = start + lanes
@@ -170,16 +230,17 @@ def flashinfer_csr_body(
     if COUNT:
         c = counter_add(c, ERR_BAD_REQUEST, bad)
         c = counter_add(c, ERR_CORRUPT_STATE, wrong)
+    c = counter_add(c, ERR_CORRUPT_STATE, stray)
     c = counter_add(c, ERR_OUT_OVERFLOW, (end > cap).to(tl.int64))
     store_counters(counters_ptr, c)
 
 
 @triton.jit
 def flashinfer_csr_kernel(req_ids_ptr, B, indptr_ptr, indices_ptr, cap, last_page_len_ptr, block_table_ptr, seq_lens_ptr,
-               counters_ptr, written_ptr, R, MP, page_size, SEARCH, BLOCK: tl.constexpr):
+               counters_ptr, written_ptr, R, MP, num_pages, page_size, SEARCH, BLOCK: tl.constexpr):
     """One launch of ``flashinfer_csr_body`` (arguments documented there)."""
     flashinfer_csr_body(req_ids_ptr, B, indptr_ptr, indices_ptr, cap, last_page_len_ptr, block_table_ptr, seq_lens_ptr,
-             counters_ptr, written_ptr, R, MP, page_size, SEARCH, BLOCK)
+             counters_ptr, written_ptr, indptr_ptr, R, MP, num_pages, page_size, SEARCH, BLOCK)
 
 
 def flashinfer_csr_triton(req_ids, indptr, indices, last_page_len, written, st, ts) -> None:
@@ -193,6 +254,6 @@ def flashinfer_csr_triton(req_ids, indptr, indices, last_page_len, written, st, 
     R, MP = ts.block_table.shape
     flashinfer_csr_kernel[(1,)](
         req_ids, B, indptr, indices, cap, last_page_len, ts.block_table, ts.seq_lens, st.counters, written,
-        R, MP, ts.page_size, B.bit_length(),
+        R, MP, st.num_pages, ts.page_size, B.bit_length(),
         **settings(max(B, cap)),
     )

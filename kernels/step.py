@@ -56,6 +56,13 @@ order, at most ``KEEP_LOOKAHEAD`` old lanes past the previous one found; one
 further on, or ahead of it, counts as new. A batch with an unknown or repeated request
 id, or one whose pages do not fit ``indices``, rebuilds the CSR. Triton rebuilds
 it every step (a GPU copies it in little time) and writes no versions.
+
+No page id outside the pool reaches the CSR (corrupt state: a hand edit, or a wild
+free-stack entry a pop handed out). The in-place decode copies only pages of a checked
+stack run and of the memo; the full step's growth and splice check the pages they copy
+from rows, and on one outside ``[0, P)`` the step rebuilds, which exports that request
+as empty (``flashinfer_csr_numba``), gives it ``kv_lens`` 0, and leaves no memo a later
+step could grow from, this buffer's or (``APPENDED_FROM`` cleared) the other one's.
 """
 
 import numba
@@ -64,8 +71,8 @@ from ._triton_shim import tl, triton
 
 from . import layout as L
 from ._numba_util import (fill_null_range, i32_array, i64_array, mark_popped, move_i32, new_step_version,
-                          page_shift, pages_for, raise_peaks, row_versions, stack_run_ok, state_arrays, table_arrays,
-                          u8_array, version_cells)
+                          page_shift, pages_for, raise_peaks, row_versions, run_in_pool, stack_run_ok, state_arrays,
+                          table_arrays, u8_array, version_cells)
 from .layout import (CALL_DESC_LEN, CD_CSR_MEMO, CD_IDS, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_KV_LENS,
                      CD_LANES, CD_LAST_PAGE_LEN, CD_NTOK, CD_OK, CD_OUT, CD_POSITIONS, CD_QO_INDPTR, CD_SLOTS,
                      CD_RELEASE, CD_RELEASE_CACHE, CD_RELEASE_LEN, CD_SLOTS_LEN, CD_STATE)
@@ -84,16 +91,19 @@ _LOW32 = 0xFFFFFFFF
 
 
 @numba.njit(nogil=True)
-def grow_csr(indices_ptr, ins, grown, total, ids, block_table):
+def grow_csr(indices_ptr, ins, grown, total, ids, block_table, num_pages):
     """Turn the CSR of the batch before a step into the one after it, in place.
 
     ``ins`` lists the lanes that gained pages, in lane order, with the end of
     their run in the old CSR and their page counts before and after; ``total``
     is the new length. From the last lane back, the entries past a lane's old
     run move right by the pages gained at or before it, then its new pages are
-    copied in from its row. Every position is below ``total``.
+    copied in from its row. Every position is below ``total``. Returns whether a
+    page it copied is outside ``[0, num_pages)`` (then the caller rebuilds the CSR,
+    which exports that request as empty).
     """
     indices = i32_array(indices_ptr, total)
+    stray = False
     shift = 0
     for g in range(grown):
         shift += ins[g * L.MEMO_INS_WIDTH + 3] - ins[g * L.MEMO_INS_WIDTH + 2]
@@ -107,8 +117,11 @@ def grow_csr(indices_ptr, ins, grown, total, ids, block_table):
         r = ids[lane]
         if r >= 0 and r < block_table.shape[0] and want <= block_table.shape[1]:  # it was when the extend read it
             for k in range(have, want):  # usually one page: a loop, not a libc call
-                indices[old_end + shift + k - have] = block_table[r, k]
+                p = block_table[r, k]
+                indices[old_end + shift + k - have] = p
+                stray |= np.uint32(p) >= np.uint32(num_pages)
         end = old_end
+    return stray
 
 
 @numba.njit(nogil=True)
@@ -155,7 +168,7 @@ def plan_kept_runs(ids, B, old_ids, old_tails, old_stamps, row_version, plan, ke
 
 
 @numba.njit(nogil=True)
-def splice_csr(indices_ptr, indptr, B, plan, blocks, old_total, total, ids, block_table):
+def splice_csr(indices_ptr, indptr, B, plan, blocks, old_total, total, ids, block_table, num_pages):
     """Turn the CSR the buffers hold into the batch's new one, in place, keeping the runs ``plan`` names.
 
     ``indptr`` is the new batch's (the extend wrote it). A kept run of ``k`` pages moves
@@ -165,7 +178,8 @@ def splice_csr(indices_ptr, indptr, B, plan, blocks, old_total, total, ids, bloc
     the first one, then those that move right, from the last one: kept runs keep their
     order, so no block overwrites one that has not moved yet. What the old CSR had past
     the new total becomes -1. Every position is below ``max(old_total, total)``, which the
-    caller checked against the buffer's capacity.
+    caller checked against the buffer's capacity. Returns whether a page it copied from a row is
+    outside ``[0, num_pages)`` (then the caller rebuilds the CSR, as after ``grow_csr``).
     """
     indices = i32_array(indices_ptr, max(old_total, total))
     n = 0
@@ -187,6 +201,7 @@ def splice_csr(indices_ptr, indptr, B, plan, blocks, old_total, total, ids, bloc
     for b in range(n - 1, -1, -1):  # right moves, last to first
         if blocks[3 * b + 1] > blocks[3 * b]:
             move_i32(indices_ptr + 4 * blocks[3 * b + 1], indices_ptr + 4 * blocks[3 * b], blocks[3 * b + 2])
+    stray = False
     for i in range(B):
         start, stop = indptr[i], indptr[i + 1]
         k = 0
@@ -197,7 +212,9 @@ def splice_csr(indices_ptr, indptr, B, plan, blocks, old_total, total, ids, bloc
             ur, us = np.uint64(r), np.uint64(start)  # the rest of the run, from its row (a vector copy)
             for c in range(k, stop - start):
                 indices[us + np.uint64(c)] = block_table[ur, np.uint64(c)]
+            stray |= not run_in_pool(block_table[ur], k, stop - start, num_pages)
     fill_null_range(indices_ptr, total, old_total)
+    return stray
 
 
 @numba.njit(nogil=True, inline="always")
@@ -322,7 +339,9 @@ def decode_lanes(req_ids_ptr, ntok_ptr, B, cd, behind):
     counters[L.FREE_COUNT] -= free - top
     counters[L.ALLOCATED] += free - top
     raise_peaks(counters, P)
-    grow_csr(cd[CD_INDICES], ins, grown, total, ids, bt)
+    # every page it copies is in the pool: popped from a checked stack run, or (behind) added to a row by
+    # the step before, which left APPENDED_FROM at -1 had it exported a page outside the pool
+    grow_csr(cd[CD_INDICES], ins, grown, total, ids, bt, P)
     memo[L.MEMO_WRITTEN] = max(memo[L.MEMO_WRITTEN], total)
     memo[L.MEMO_VERSION] = version if changed == 0 else -1  # inputs changed under the call: the next step rebuilds
     return True
@@ -374,17 +393,28 @@ def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
         if r >= 0 and r < bt.shape[0]:  # it was when the extend read it
             row_version[r] = version
         stamps[lane] = version
-    if same and clean and total <= cap:  # indptr and last_page_len are written: grow indices
-        grow_csr(cd[CD_INDICES], ins, grown, total, ids, bt)
+    P = rc.shape[0]
+    grew = same and clean and total <= cap
+    if grew:  # indptr and last_page_len are written: grow indices
+        rebuild = grow_csr(cd[CD_INDICES], ins, grown, total, ids, bt, P)
+        memo[L.MEMO_WRITTEN] = max(memo[L.MEMO_WRITTEN], total)
+    elif old_total >= 0 and clean and total <= cap:  # keep the runs of unchanged rows, copy the rest
+        rebuild = splice_csr(cd[CD_INDICES], indptr, B, plan, ins, old_total, total, ids, bt, P)
         memo[L.MEMO_WRITTEN] = max(memo[L.MEMO_WRITTEN], total)
     else:
-        if old_total >= 0 and clean and total <= cap:  # keep the runs of unchanged rows, copy the rest
-            splice_csr(cd[CD_INDICES], indptr, B, plan, ins, old_total, total, ids, bt)
-            memo[L.MEMO_WRITTEN] = max(memo[L.MEMO_WRITTEN], total)
-        else:
-            memo[L.MEMO_WRITTEN] = flashinfer_csr_numba(req_ids_ptr, B, cd[CD_INDPTR], cd[CD_INDICES], cap,
-                                                        cd[CD_LAST_PAGE_LEN], ps, bt, lens, counters,
-                                                        memo[L.MEMO_WRITTEN], False)  # the extend counted
+        rebuild = True
+    if rebuild:  # from the rows; also after a page outside the pool was copied in (exported empty here)
+        written, empty = flashinfer_csr_numba(req_ids_ptr, B, cd[CD_INDPTR], cd[CD_INDICES], cap,
+                                              cd[CD_LAST_PAGE_LEN], ps, bt, lens, counters,
+                                              memo[L.MEMO_WRITTEN], False, P)  # the extend counted the rest
+        memo[L.MEMO_WRITTEN] = written
+        if empty:  # those lanes read no page through kv_lens either; no memo, and no CSR one step behind
+            for i in range(B):
+                if indptr[i + 1] == indptr[i]:
+                    kvl[i] = 0
+            clean = False
+            version_cells(td)[L.APPENDED_FROM] = -1
+    if not grew:
         for i in range(B):
             r = ids[i]
             memo[L.MEMO_IDS + i] = r
@@ -431,7 +461,8 @@ def step_kernel(req_ids_ptr, num_tokens_ptr, B, slots_ptr, T, ok_ptr, positions_
                 positions_ptr, qo_indptr_ptr, kv_lens_ptr, BLOCK, TILE, True)
     tl.debug_barrier()  # the export reads the lengths, rows and counters the extend wrote
     flashinfer_csr_body(req_ids_ptr, B, indptr_ptr, indices_ptr, cap, last_page_len_ptr, block_table_ptr,
-                        seq_lens_ptr, counters_ptr, written_ptr, R, MP, page_size, SEARCH, BLOCK, False)
+                        seq_lens_ptr, counters_ptr, written_ptr, kv_lens_ptr, R, MP, num_pages, page_size, SEARCH,
+                        BLOCK, False, True)
 
 
 def step_triton(req_ids, num_tokens, slots, ok, meta, indptr, indices, last_page_len, written, st, ts) -> None:

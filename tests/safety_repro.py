@@ -106,16 +106,63 @@ def main(backend: str) -> dict:
     t.extend(i32([0, 1]), i32([5, 3]), max_tokens=8)  # row 0: pages 0, 1; row 1: page 2
     t.block_table[0, 1], t.block_table[1, 0] = 10**6, -7
     t.invalidate_csr()
-    seen = dict(slots=[], pos=[], ok=[])
+    seen = dict(slots=[], pos=[], ok=[], indptr=[], indices=[], kv_lens=[])
     for ids, ntok, mt in (([0, 1], [1, 1], None), ([0, 1], [1, 1], None), ([0, 2], [5, 6], 16)):
         with no_host_sync():
             s = t.step(i32(ids), i32(ntok), max_tokens=mt)
         seen["slots"].append(s.slots.tolist())  # before the next step rewrites the buffers
         seen["pos"].append(s.positions.tolist())
         seen["ok"].append(s.ok.tolist())
+        seen["indptr"].append(s.csr.indptr.tolist())
+        seen["indices"].append(s.csr.indices[:4].tolist())
+        seen["kv_lens"].append(s.kv_lens.tolist())
     with no_host_sync():
         ex = t.extend(i32([1]), i32([2]), max_tokens=2)
     out["bad_page_slots"] = dict(**seen, extend=ex.slots.tolist(), corrupt=err(pool, L.ERR_CORRUPT_STATE))
+    # The same in the CSR an attention kernel reads: a request whose pages hold an id outside the pool is
+    # exported as empty (kv_lens 0 in a step), one corrupt_state each. On numba the steps below take the
+    # three ways a step makes its CSR: kept runs and a new request's row copied (2), a rebuild (3), and
+    # growth in place (4, whose page comes from a wild free-stack entry).
+    pool, t = table(P=16, ps=4, R=4, MP=8)
+    t.extend(i32([0, 1, 2]), i32([3, 2, 2]), max_tokens=8)  # pages 0, 1, 2
+    t.block_table[1, 0] = -7
+    t.invalidate_csr()
+    with no_host_sync():
+        c = t.flashinfer_csr(i32([1, 0, -1]))
+    csr = dict(indptr=c.indptr.tolist(), indices=c.indices[:4].tolist(), last=c.last_page_len.tolist(),
+               corrupt=err(pool, L.ERR_CORRUPT_STATE))
+    t.block_table[1, 0] = 1
+    t.invalidate_csr()
+    steps = []
+    for k, ids in enumerate(([0, 1], [0, 2], [0, 2], [0, 2])):
+        if k == 1:
+            t.block_table[2, 0] = 10**6
+            t.invalidate_csr(i32([2]))
+        if k == 2:
+            t.block_table[2, 0] = 2
+            t.invalidate_csr(i32([2]))
+        if k == 3:
+            pool.state.free_stack[int(pool.state.counters[L.FREE_COUNT]) - 1] = 10**6
+        with no_host_sync():
+            s = t.step(i32(ids), i32([1, 1]))
+        steps.append(dict(indptr=s.csr.indptr.tolist(), indices=s.csr.indices[:5].tolist(),
+                          last=s.csr.last_page_len.tolist(), kv_lens=s.kv_lens.tolist(), slots=s.slots.tolist(),
+                          corrupt=err(pool, L.ERR_CORRUPT_STATE)))
+    out["bad_page_csr"] = dict(csr=csr, steps=steps)
+    # Two StepOuts taking turns (numba grows the CSR one step behind in place): a step that pops a wild
+    # entry leaves no CSR that the other buffer's next step could grow with that page.
+    pool, t = table(P=16, ps=4, R=4, MP=8)
+    t.extend(i32([0, 1]), i32([2, 2]), max_tokens=8)  # pages 0, 1
+    outs = [t.step_out(2, max_tokens=2), t.step_out(2, max_tokens=2)]
+    turns = []
+    for k in range(4):  # lengths 3, 4, then 5 (both lanes pop a page: the first the wild entry), 6
+        if k == 2:
+            pool.state.free_stack[int(pool.state.counters[L.FREE_COUNT]) - 1] = 10**6
+        with no_host_sync():
+            s = t.step(i32([0, 1]), i32([1, 1]), out=outs[k % 2])
+        turns.append(dict(indptr=s.csr.indptr.tolist(), indices=s.csr.indices[:5].tolist(),
+                          kv_lens=s.kv_lens.tolist(), corrupt=err(pool, L.ERR_CORRUPT_STATE)))
+    out["bad_page_turns"] = turns
     # A fork's copy-on-write pair drives a K/V copy: only between page ids of the pool. A wild source
     # (the src row's partial page) counts corrupt_state; a wild popped page was counted by the pop.
     pool, t = table(P=16, ps=4, R=6, MP=4)

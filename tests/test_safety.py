@@ -97,7 +97,37 @@ def test_a_page_outside_the_pool_makes_no_slot(backend):
     assert r["slots"][1] == [-1, 12] and r["pos"][1] == [-1, 4]  # row 1 moved on to a page of its own
     assert r["slots"][2] == [-1, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25] + [-1] * 5
     assert r["pos"][2] == [-1, 8, 9, 10, 11, 0, 1, 2, 3, 4, 5] + [-1] * 5
-    assert r["extend"] == [13, 14] and r["corrupt"] == 4
+    # both rows hold a wild id in every step: their CSR runs are empty, kv_lens 0 (then row 2's 6 tokens)
+    assert r["indptr"] == [[0, 0, 0], [0, 0, 0], [0, 0, 2]] and r["kv_lens"] == [[0, 0], [0, 0], [0, 6]]
+    # slots: 2, 1 and 1 per step; CSR: 2, 2 and 1 requests exported empty
+    assert r["extend"] == [13, 14] and r["corrupt"] == 9
+
+
+def test_a_page_outside_the_pool_never_reaches_the_csr(backend):
+    """A request whose pages hold an id outside the pool is exported with no pages (kv_lens 0 in a
+    step), one corrupt_state each: an attention kernel reading the CSR stays inside the cache. The
+    steps take each way numba makes a step's CSR: runs kept and a row copied, a rebuild, growth in
+    place (its new page from a wild free-stack entry)."""
+    r = repro(backend)["bad_page_csr"]
+    assert r["csr"] == dict(indptr=[0, 0, 1, 1], indices=[0, -1, -1, -1], last=[4, 3, 4], corrupt=1)
+    first, kept, mended, grown = r["steps"]
+    assert first["indptr"] == [0, 1, 2] and first["indices"] == [0, 1, -1, -1, -1] and first["corrupt"] == 1
+    # row 2 names page 10**6: no slot (1), exported empty (1); row 0 kept its run and gained page 3
+    assert kept["indptr"] == [0, 2, 2] and kept["indices"] == [0, 3, -1, -1, -1] and kept["last"] == [1, 4]
+    assert kept["kv_lens"] == [5, 0] and kept["slots"] == [12, -1] and kept["corrupt"] == 3
+    assert mended["indptr"] == [0, 2, 3] and mended["indices"] == [0, 3, 2, -1, -1] and mended["corrupt"] == 3
+    # row 2 pops the wild entry: the pop (1), its slot (1), its request exported empty (1)
+    assert grown["indptr"] == [0, 2, 2] and grown["indices"] == [0, 3, -1, -1, -1] and grown["last"] == [3, 4]
+    assert grown["kv_lens"] == [7, 0] and grown["slots"] == [14, -1] and grown["corrupt"] == 6
+
+
+def test_a_wild_page_is_not_grown_into_the_other_stepout(backend):
+    """Two StepOuts taking turns: the step that pops a wild stack entry exports its request empty, and
+    the other buffer's next step (numba: growth one step behind, in place) does not copy that page in."""
+    turns = repro(backend)["bad_page_turns"]
+    assert [t["indptr"] for t in turns] == [[0, 1, 2], [0, 1, 2], [0, 0, 2], [0, 0, 2]]
+    assert turns[2]["indices"] == turns[3]["indices"] == [1, 3, -1, -1, -1]
+    assert turns[3]["kv_lens"] == [0, 6] and turns[3]["corrupt"] == 5  # pop, slot, CSR; slot, CSR
 
 
 def test_a_fork_pairs_only_page_ids_of_the_pool(backend):

@@ -74,7 +74,8 @@ class StepResult(NamedTuple):
         over every lane (failed and padding lanes included), capped at ``max_tokens``.
     kv_lens : int32 ``[B]``
         Each lane's length after the step; a failed lane keeps its length; padding, a bad
-        or repeated request id and a corrupt row give 0.
+        or repeated request id and a corrupt row (a length outside the row, or a page id
+        outside the pool among its pages: its CSR run is empty too) give 0.
     """
 
     slots: torch.Tensor
@@ -767,8 +768,10 @@ class PageTable:
         ``indptr[i+1] - indptr[i] = ceil(seq_len / page_size)``;
         ``last_page_len = seq_len - (num_pages - 1) * page_size``, in ``[1, page_size]``;
         an empty or padding request has no pages and ``last_page_len = page_size``, so
-        ``(num_pages - 1) * page_size + last_page_len = 0`` still gives its length.
-        Read-only: no clock step.
+        ``(num_pages - 1) * page_size + last_page_len = 0`` still gives its length. A
+        request whose length is outside its row, or whose pages include an id outside
+        ``[0, num_pages)`` (hand edits), is exported as empty and counts ``corrupt_state``:
+        every id in ``indices[:indptr[B]]`` is a page of the pool. Read-only: no clock step.
 
         Parameters
         ----------
@@ -809,7 +812,9 @@ class PageTable:
         -------
         torch.Tensor
             shape ``[B, max_pages_per_request]``, int32, on the table's device (a table-owned
-            buffer); a row of -1 for padding and for ids outside ``[0, max_requests)``.
+            buffer); a row of -1 for padding and for ids outside ``[0, max_requests)``. Rows
+            are copied as they are: bound what you read of row ``i`` by a step's
+            ``kv_lens[i]``, 0 for a corrupt row (whose entries may not be page ids).
         """
         b = self._ids(req_ids)
         key = ("rows", b)

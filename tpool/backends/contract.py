@@ -163,8 +163,9 @@ class BoundByTensors:
     (reference, triton): each bound call closes over the buffers and calls the unbound op.
     Their unbound ops are ``@locked``; their ``extend`` also takes ``meta``, a step's
     ``(positions, qo_indptr, kv_lens)`` to write in the same pass, and their ``flashinfer_csr``
-    a last argument ``count``: False in a step's export, whose extend already counted the
-    bad ids and corrupt lengths."""
+    two last arguments: ``count``, False in a step's export, whose extend already counted the
+    bad ids and corrupt lengths, and ``kv_lens``, the step's, zeroed where a request is exported
+    empty for a page id outside the pool."""
 
     checks_overlap = False  # the façade checks that inputs share no memory with what a call writes
 
@@ -183,15 +184,16 @@ class BoundByTensors:
                 export(req_ids)
         return run
 
-    def _csr_call(self, csr, memo, count=True):
+    def _csr_call(self, csr, memo, count=True, kv_lens=None):
         """The export into ``csr``; ``memo`` (how far it wrote) is bookkeeping a full re-pad does without.
-        ``count``: ``flashinfer_csr``'s last argument."""
+        ``count``, ``kv_lens``: ``flashinfer_csr``'s last arguments."""
         export = self.flashinfer_csr
-        return lambda req_ids: export(req_ids, *csr, count)
+        return lambda req_ids: export(req_ids, *csr, count, kv_lens)
 
     def step_into(self, res, memo):
-        # count False: the step's extend counted its bad ids and corrupt lengths, once per lane
-        export = self._csr_call(res.csr, memo, False)
+        # count False: the step's extend counted its bad ids and corrupt lengths, once per lane;
+        # kv_lens: 0 for a lane exported empty for a page id outside the pool
+        export = self._csr_call(res.csr, memo, False, res.metadata[2])
         extend, lock, release_ = self.extend, self.st.lock, self.release
         slots, ok, meta = res.slots, res.ok, res.metadata
 

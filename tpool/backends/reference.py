@@ -295,8 +295,8 @@ class Table(BoundByTensors):
         reference_table.fork(self.st, self.ts, src_ids, dst_ids, lens, ok, cow_src, cow_dst)
 
     @locked
-    def flashinfer_csr(self, req_ids, indptr, indices, last_page_len, count=True):
-        reference_table.flashinfer_csr(self.st, self.ts, req_ids, indptr, indices, last_page_len, count)
+    def flashinfer_csr(self, req_ids, indptr, indices, last_page_len, count=True, kv_lens=None):
+        reference_table.flashinfer_csr(self.st, self.ts, req_ids, indptr, indices, last_page_len, count, kv_lens)
 
     @locked
     def block_table_rows(self, req_ids, out):

@@ -40,7 +40,9 @@ as empty); a fork whose shared range holds an id outside ``[0, P)`` fails
 ``fork`` see an empty stack (one count per call with lanes); a token of
 ``extend`` (or a step) whose page id is outside ``[0, P)`` gets slot and position
 -1 (one count per such slot; the lane and the row are as otherwise), so slots
-never point outside the K/V cache; pops and pushes follow the pool's rules
+never point outside the K/V cache; a request whose pages hold such an id is exported
+by ``flashinfer_csr`` (and a step's CSR) as empty, with ``kv_lens`` 0 in a step (one count
+per request, in a step too), so no page id outside the pool reaches an attention kernel; pops and pushes follow the pool's rules
 (:mod:`tpool.backends.reference`).
 """
 
@@ -262,9 +264,11 @@ def fork(st, ts, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
     cow_dst.copy_(torch.where(pair, new, L.NULL_PAGE))
 
 
-def flashinfer_csr(st, ts, req_ids, indptr, indices, last_page_len, count=True):
+def flashinfer_csr(st, ts, req_ids, indptr, indices, last_page_len, count=True, kv_lens=None):
     """FlashInfer's paged-KV CSR for a batch (read-only: no clock step). ``count``: count bad ids and
-    corrupt lengths (a step passes False: its extend counted the same lanes)."""
+    corrupt lengths (a step passes False: its extend counted the same lanes). A request whose pages
+    include an id outside ``[0, P)`` is exported as empty (an attention kernel would read outside the
+    cache), one ``corrupt_state`` each, counted also in a step; ``kv_lens`` (a step's) is 0 there."""
     c, MP, ps = st.counters, ts.max_pages, ts.page_size
     B, cap = req_ids.numel(), indices.numel()
     indptr.zero_()
@@ -278,6 +282,13 @@ def flashinfer_csr(st, ts, req_ids, indptr, indices, last_page_len, count=True):
         c[L.ERR_BAD_REQUEST] += bad.sum()
         c[L.ERR_CORRUPT_STATE] += (valid & ~lok).sum()
     Ln = torch.where(valid & lok, Ln, 0)
+    rows = ts.block_table[rr]
+    inside = torch.arange(MP, device=rows.device) < _cdiv(Ln, ps)[:, None]
+    stray = (inside & ((rows < 0) | (rows >= st.num_pages))).any(1)
+    c[L.ERR_CORRUPT_STATE] += stray.sum()
+    Ln = torch.where(stray, 0, Ln)
+    if kv_lens is not None:
+        kv_lens.masked_fill_(stray, 0)
     npages = _cdiv(Ln, ps)
     end = torch.cumsum(npages, 0)
     c[L.ERR_OUT_OVERFLOW] += (end[-1] > cap).long()
