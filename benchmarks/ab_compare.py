@@ -117,7 +117,7 @@ def compare(args, tmp):
     for label, mod in (("base", base), ("new", new)):
         progress(f"{label}: setting up B={args.batch}")
         bpt.tpool = mod  # the workloads build their pools and tables from this module
-        impls = bpt.workloads(args.batch, [args.backend], torch.device("cpu"), extras=False)
+        impls = bpt.workloads(args.batch, [args.backend], torch.device("cpu"))  # every row row_names() allows
         for row in args.rows:
             if row not in impls:  # a row this device or backend does not make
                 raise SystemExit(f"row {row!r} is not made here; rows:\n  " + "\n  ".join(impls))

@@ -67,27 +67,11 @@ def _int32_copy(raw_copy):
 
 
 # memcpy of ``n`` int32 from address ``src_addr`` to ``dst_addr`` (non-overlapping).
-# numba does not vectorise a copy between two arrays it cannot prove apart; the
-# CSR export copies every page id of a batch, and one libc call is several times faster.
+# A copy between two arrays numba cannot prove apart: one libc call per block_table row
+# (the CSR export copies its rows by a loop that also checks each page id).
 copy_i32 = _int32_copy(cgutils.raw_memcpy)
 # memmove of ``n`` int32 (the ranges may overlap): the step's CSR grows in place.
 move_i32 = _int32_copy(cgutils.raw_memmove)
-
-
-@intrinsic
-def copy8_i32(typingctx, dst_addr, src_addr):
-    """Copy 8 int32 (32 bytes) from ``src_addr`` to ``dst_addr``: a fixed-size memcpy,
-    which LLVM turns into one vector load and store instead of a call into libc."""
-    sig = types.void(types.int64, types.int64)
-
-    def codegen(context, builder, signature, args):
-        dst, src = args
-        byte_ptr = llvm_ir.IntType(8).as_pointer()
-        cgutils.raw_memcpy(builder, builder.inttoptr(dst, byte_ptr), builder.inttoptr(src, byte_ptr),
-                           llvm_ir.Constant(llvm_ir.IntType(64), 32), 1)
-        return context.get_dummy_value()
-
-    return sig, codegen
 
 
 @intrinsic

@@ -12,11 +12,11 @@ step too: no page id outside the pool reaches an attention kernel.
 """
 
 import numba
+import numpy as np
 from ._triton_shim import tl, triton
 
 from . import layout as L
-from ._numba_util import (copy8_i32, copy_i32, fill_null_range, i32_array, i64_cell, page_shift, pages_for,
-                          run_in_pool, state_arrays, table_arrays)
+from ._numba_util import fill_null_range, i32_array, i64_cell, page_shift, pages_for, state_arrays, table_arrays
 from .layout import CD_CSR_MEMO, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_LAST_PAGE_LEN, CD_OUT, CD_STATE
 from ._triton_table_util import ERR_BAD_REQUEST, cdiv
 from ._triton_util import (ERR_CORRUPT_STATE, ERR_OUT_OVERFLOW, NULL_PAGE, counter_add, load_counters, settings,
@@ -43,18 +43,18 @@ def flashinfer_csr_numba(
     many requests it exported as empty for a page id outside the pool (each counted, ``count`` or not).
 
     Only ``indices[total:written]`` needs padding again, so a decode step costs
-    O(pages in the batch), not O(capacity). Rows are copied in blocks of 8 ids
-    (a vector move each, no libc call per request); the last block of a row may
-    run past the row's pages into entries the next row (or the padding) rewrites.
+    O(pages in the batch), not O(capacity). Each row is copied by a loop that also takes the
+    largest of its ids as unsigned (a negative one is past every pool): one vectorised pass, with
+    no libc call per request, copies and checks it.
     """
     ids, indptr = i32_array(req_ids_ptr, B), i32_array(indptr_ptr, B + 1)
     last = i32_array(last_page_len_ptr, B)
-    R, MP = block_table.shape[0], block_table.shape[1]
-    table_addr = block_table.ctypes.data
+    R = block_table.shape[0]
+    limit = block_table.shape[1] * page_size  # a longer (or negative) length is corrupt state: exported as empty
     shift = page_shift(page_size)
-    limit = MP * page_size  # a longer (or negative) length is corrupt state: exported as empty
+    pool = np.uint32(num_pages)
     pos = 0
-    reach = 0  # end of what the block copies wrote
+    reach = 0  # end of what the copies wrote
     stray = 0  # requests exported as empty for a page id outside the pool
     indptr[0] = 0
     for i in range(B):
@@ -66,19 +66,20 @@ def flashinfer_csr_numba(
             if length < 0 or length > limit:
                 counters[L.ERR_CORRUPT_STATE] += count
                 length = 0
-            n = pages_for(length, page_size, shift)
-            if not run_in_pool(block_table[r], 0, n, num_pages):  # n <= MP: the length is at most limit
+            n = pages_for(length, page_size, shift)  # at most the row's width: the length is at most limit
+            k = max(0, min(n, cap - pos))
+            row, dst = block_table[np.uint64(r)], i32_array(indices_ptr + 4 * pos, k)
+            top = np.uint32(0)
+            for c in range(k):
+                page = row[np.uint64(c)]
+                dst[np.uint64(c)] = page
+                top = max(top, np.uint32(page))
+            for c in range(k, n):  # past the capacity (out_overflow): checked, not copied
+                top = max(top, np.uint32(row[np.uint64(c)]))
+            reach = max(reach, pos + k)
+            if top >= pool:
                 stray += 1
                 length = n = 0
-            k = max(0, min(n, cap - pos))
-            dst, src = indices_ptr + 4 * pos, table_addr + 4 * r * MP
-            k8 = (k + 7) & ~7
-            if k8 <= MP and pos + k8 <= cap:  # the blocks stay inside the row and the buffer
-                for c in range(0, k8, 8):
-                    copy8_i32(dst + 4 * c, src + 4 * c)
-                reach = max(reach, pos + k8)
-            else:
-                copy_i32(dst, src, k)
         elif r != L.NULL_PAGE:
             counters[L.ERR_BAD_REQUEST] += count
         pos += n

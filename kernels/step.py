@@ -91,19 +91,17 @@ _LOW32 = 0xFFFFFFFF
 
 
 @numba.njit(nogil=True)
-def grow_csr(indices_ptr, ins, grown, total, ids, block_table, num_pages):
+def grow_csr(indices_ptr, ins, grown, total, ids, block_table):
     """Turn the CSR of the batch before a step into the one after it, in place.
 
     ``ins`` lists the lanes that gained pages, in lane order, with the end of
     their run in the old CSR and their page counts before and after; ``total``
     is the new length. From the last lane back, the entries past a lane's old
     run move right by the pages gained at or before it, then its new pages are
-    copied in from its row. Every position is below ``total``. Returns whether a
-    page it copied is outside ``[0, num_pages)`` (then the caller rebuilds the CSR,
-    which exports that request as empty).
+    copied in from its row. Every position is below ``total``. It copies the pages
+    as they are: ``grown_in_pool`` says whether they are all in the pool.
     """
     indices = i32_array(indices_ptr, total)
-    stray = False
     shift = 0
     for g in range(grown):
         shift += ins[g * L.MEMO_INS_WIDTH + 3] - ins[g * L.MEMO_INS_WIDTH + 2]
@@ -117,11 +115,21 @@ def grow_csr(indices_ptr, ins, grown, total, ids, block_table, num_pages):
         r = ids[lane]
         if r >= 0 and r < block_table.shape[0] and want <= block_table.shape[1]:  # it was when the extend read it
             for k in range(have, want):  # usually one page: a loop, not a libc call
-                p = block_table[r, k]
-                indices[old_end + shift + k - have] = p
-                stray |= np.uint32(p) >= np.uint32(num_pages)
+                indices[old_end + shift + k - have] = block_table[r, k]
         end = old_end
-    return stray
+
+
+@numba.njit(nogil=True)
+def grown_in_pool(ins, grown, ids, block_table, num_pages):
+    """Whether the pages ``grow_csr`` copied from the rows of the lanes in ``ins`` are page ids in
+    ``[0, num_pages)`` (the full step's check: the in-place decode's pages come from a checked stack run)."""
+    ok = True
+    for g in range(grown):
+        lane, have, want = ins[g * L.MEMO_INS_WIDTH], ins[g * L.MEMO_INS_WIDTH + 2], ins[g * L.MEMO_INS_WIDTH + 3]
+        r = ids[lane]
+        if r >= 0 and r < block_table.shape[0] and want <= block_table.shape[1]:  # as grow_csr read it
+            ok &= run_in_pool(block_table[r], have, want, num_pages)
+    return ok
 
 
 @numba.njit(nogil=True)
@@ -201,7 +209,7 @@ def splice_csr(indices_ptr, indptr, B, plan, blocks, old_total, total, ids, bloc
     for b in range(n - 1, -1, -1):  # right moves, last to first
         if blocks[3 * b + 1] > blocks[3 * b]:
             move_i32(indices_ptr + 4 * blocks[3 * b + 1], indices_ptr + 4 * blocks[3 * b], blocks[3 * b + 2])
-    stray = False
+    mn = mx = 0  # of the pages copied from rows
     for i in range(B):
         start, stop = indptr[i], indptr[i + 1]
         k = 0
@@ -211,10 +219,11 @@ def splice_csr(indices_ptr, indptr, B, plan, blocks, old_total, total, ids, bloc
         if stop - start > k and r >= 0 and r < block_table.shape[0] and stop - start <= block_table.shape[1]:
             ur, us = np.uint64(r), np.uint64(start)  # the rest of the run, from its row (a vector copy)
             for c in range(k, stop - start):
-                indices[us + np.uint64(c)] = block_table[ur, np.uint64(c)]
-            stray |= not run_in_pool(block_table[ur], k, stop - start, num_pages)
+                p = block_table[ur, np.uint64(c)]
+                indices[us + np.uint64(c)] = p
+                mn, mx = min(mn, p), max(mx, p)
     fill_null_range(indices_ptr, total, old_total)
-    return stray
+    return mn < 0 or mx >= num_pages
 
 
 @numba.njit(nogil=True, inline="always")
@@ -341,7 +350,7 @@ def decode_lanes(req_ids_ptr, ntok_ptr, B, cd, behind):
     raise_peaks(counters, P)
     # every page it copies is in the pool: popped from a checked stack run, or (behind) added to a row by
     # the step before, which left APPENDED_FROM at -1 had it exported a page outside the pool
-    grow_csr(cd[CD_INDICES], ins, grown, total, ids, bt, P)
+    grow_csr(cd[CD_INDICES], ins, grown, total, ids, bt)
     memo[L.MEMO_WRITTEN] = max(memo[L.MEMO_WRITTEN], total)
     memo[L.MEMO_VERSION] = version if changed == 0 else -1  # inputs changed under the call: the next step rebuilds
     return True
@@ -396,7 +405,8 @@ def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
     P = rc.shape[0]
     grew = same and clean and total <= cap
     if grew:  # indptr and last_page_len are written: grow indices
-        rebuild = grow_csr(cd[CD_INDICES], ins, grown, total, ids, bt, P)
+        grow_csr(cd[CD_INDICES], ins, grown, total, ids, bt)
+        rebuild = not grown_in_pool(ins, grown, ids, bt, P)
         memo[L.MEMO_WRITTEN] = max(memo[L.MEMO_WRITTEN], total)
     elif old_total >= 0 and clean and total <= cap:  # keep the runs of unchanged rows, copy the rest
         rebuild = splice_csr(cd[CD_INDICES], indptr, B, plan, ins, old_total, total, ids, bt, P)
