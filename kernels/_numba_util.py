@@ -394,17 +394,17 @@ def pop_page(at, free_stack, refcount, page_state, counters):
     """The page at ``free_stack[at]``, marked USED with one reference. Callers pop from the top
     (``at`` = free count - 1 - pages popped so far) and lower the free count once at the end.
 
-    Corrupt state (counted): ``at < 0`` yields -1; an entry outside ``[0, P)`` is returned as
-    it is and touches no page."""
+    Corrupt state (counted): ``at < 0`` and an entry outside ``[0, P)`` yield -1 and touch no
+    page: no id outside the pool is ever handed out."""
     if at < 0:
         counters[L.ERR_CORRUPT_STATE] += 1
         return L.NULL_PAGE
     p = free_stack[at]
     if p >= 0 and p < refcount.shape[0]:
         mark_popped(p, refcount, page_state)
-    else:
-        counters[L.ERR_CORRUPT_STATE] += 1
-    return p
+        return p
+    counters[L.ERR_CORRUPT_STATE] += 1
+    return L.NULL_PAGE
 
 
 @numba.njit(nogil=True, inline="always")

@@ -198,11 +198,11 @@ def gate_free(c, num_pages, ACTIVE):
 def pop_check(pos, take, free_stack_ptr, refcount_ptr, page_state_ptr, num_pages):
     """Pop the stack entries at ``pos`` (lanes ``take``), marking them USED with one reference.
 
-    Returns ``(pages, corrupt)``: a position below 0 yields -1 and an entry outside
-    ``[0, P)`` is returned as it is without touching a page; each counts in ``corrupt``."""
+    Returns ``(pages, corrupt)``: a position below 0 and an entry outside ``[0, P)`` yield -1
+    without touching a page (no id outside the pool is handed out); each counts in ``corrupt``."""
     inpos = take & (pos >= 0)
     p = tl.load(free_stack_ptr + pos, mask=inpos, other=NULL_PAGE)
     good = take & (p >= 0) & (p < num_pages)
     tl.store(refcount_ptr + p, tl.zeros_like(p) + 1, mask=good)
     tl.store(page_state_ptr + p, tl.full(p.shape, USED, tl.int8), mask=good)
-    return p, tl.sum((take & ~good).to(tl.int64))
+    return tl.where(take & ~good, NULL_PAGE, p), tl.sum((take & ~good).to(tl.int64))

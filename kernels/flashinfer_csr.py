@@ -6,8 +6,8 @@ the pages in request order (-1 past ``indptr[B]``), ``last_page_len = len -
 request has no pages and ``last_page_len = page_size``. Read-only: no clock
 step. Out-of-range ids count ``bad_request``; ``indices`` too small for the
 batch counts ``out_overflow`` (entries past the capacity are dropped). A request
-whose pages include an id outside ``[0, P)`` (a hand edit, or a wild free-stack
-entry a pop handed out) is exported as empty and counts ``corrupt_state``, in a
+whose pages include an id outside ``[0, P)`` (a hand edit, or the -1 a pop of a
+wild free-stack entry put in its row) is exported as empty and counts ``corrupt_state``, in a
 step too: no page id outside the pool reaches an attention kernel.
 """
 

@@ -57,8 +57,8 @@ further on, or ahead of it, counts as new. A batch with an unknown or repeated r
 id, or one whose pages do not fit ``indices``, rebuilds the CSR. Triton rebuilds
 it every step (a GPU copies it in little time) and writes no versions.
 
-No page id outside the pool reaches the CSR (corrupt state: a hand edit, or a wild
-free-stack entry a pop handed out). The in-place decode copies only pages of a checked
+No page id outside the pool reaches the CSR (corrupt state: a hand edit, or the -1 a
+pop of a wild free-stack entry put in a row). The in-place decode copies only pages of a checked
 stack run and of the memo; the full step's growth and splice check the pages they copy
 from rows, and on one outside ``[0, P)`` the step rebuilds, which exports that request
 as empty (``flashinfer_csr_numba``), gives it ``kv_lens`` 0, and leaves no memo a later

@@ -51,10 +51,11 @@ def test_extend_of_a_negative_length(backend, bad):
 
 
 def test_corrupt_free_count_and_stack_entry(backend):
-    """A free count past the stack makes the pool look empty; a wild stack entry touches no page."""
+    """A free count past the stack makes the pool look empty; a wild stack entry touches no page and is
+    handed out as -1, never as the id outside the pool it holds."""
     r = repro(backend)["stack"]
     assert r["first_ok"] == [False]
-    assert r["pages"] == [99, 1, -1, -1] and r["corrupt"] == 2 and r["free"] == 2
+    assert r["pages"] == [-1, 1, -1, -1] and r["corrupt"] == 2 and r["free"] == 2
 
 
 def test_evict_with_a_wild_stamp(backend):
@@ -134,7 +135,7 @@ def test_a_fork_pairs_only_page_ids_of_the_pool(backend):
     """cow_src / cow_dst (what a consumer copies K/V between) are -1 unless both are page ids of the pool."""
     r = repro(backend)["fork_cow"]
     assert r["ok"] == [True, True, True] and r["src"] == [1, -1, 1] and r["dst"] == [4, -1, 6]
-    assert r["corrupt"] == 2 and r["rows"] == [[0, 4], [2, 777], [0, 6]]
+    assert r["corrupt"] == 2 and r["rows"] == [[0, 4], [2, -1], [0, 6]]  # the wild entry: popped as -1
 
 
 def test_backends_agree_on_corrupt_state():

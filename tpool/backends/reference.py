@@ -29,9 +29,9 @@ each case counts ``corrupt_state``):
 
 * the free count ``F`` outside ``[0, P]`` or the cached count ``C`` outside
   ``[0, P - F]``: ``alloc`` sees an empty pool (one count per call);
-* a pop (alloc, extend, fork) whose stack position is below 0 yields -1, and
-  a popped entry outside ``[0, P)`` is handed out as it is without touching
-  any page (one count each);
+* a pop (alloc, extend, fork) whose stack position is below 0, or whose entry
+  is outside ``[0, P)``, yields -1 without touching any page (one count each):
+  no id outside the pool is handed out;
 * a page whose last reference is dropped when the stack is full (or ``F < 0``)
   becomes FREE without being pushed (one count each);
 * an eviction of ``m = min(n, C, out)`` pages that cannot be pushed
@@ -114,8 +114,8 @@ def free_gate(st):
 def pop_pages(st, depth: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Pages at ``depth`` below the stack top (masked; -1 elsewhere), marked USED with one reference.
 
-    A position below 0 yields -1 and an entry outside ``[0, P)`` is returned as it is
-    without touching any page; each counts ``corrupt_state``."""
+    A position below 0 and an entry outside ``[0, P)`` yield -1 without touching any page (no
+    id outside the pool is handed out); each counts ``corrupt_state``."""
     P = st.num_pages
     q = st.counters[L.FREE_COUNT] - 1 - depth
     inpos = mask & (q >= 0) & (q < P)
@@ -125,7 +125,7 @@ def pop_pages(st, depth: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     idx = pages.clamp(min=0, max=P - 1)
     _put(st.refcount, idx, 1, good)
     _put(st.page_state, idx, L.USED, good)
-    return pages
+    return torch.where(good, pages, L.NULL_PAGE)
 
 
 def evict_oldest(st, out: torch.Tensor, n) -> None:
