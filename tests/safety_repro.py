@@ -163,6 +163,30 @@ def main(backend: str) -> dict:
         turns.append(dict(indptr=s.csr.indptr.tolist(), indices=s.csr.indices[:5].tolist(),
                           kv_lens=s.kv_lens.tolist(), corrupt=err(pool, L.ERR_CORRUPT_STATE)))
     out["bad_page_turns"] = turns
+    # Past the capacity: a CSR that overflows its capacity exports the requests that fit, and a wild id
+    # in a request that does not fit is still counted (each backend scans every row it was asked for). A
+    # length past the row together with a wild id counts once: the request is exported empty once.
+    pool, t = table(P=16, ps=2, R=4, MP=6)
+    t.extend(i32([0, 1, 2]), i32([6, 5, 3]), max_tokens=16)  # pages 0-2, 3-5, 6-7
+    t.block_table[1, 2] = 99
+    t.invalidate_csr()
+    past = []
+    for ids, cap in (([0, 1], 4), ([2, 1], 8)):
+        with no_host_sync():
+            c = t.flashinfer_csr(i32(ids), capacity=cap)
+        past.append(dict(indptr=c.indptr.tolist(), indices=c.indices.tolist(), last=c.last_page_len.tolist(),
+                         corrupt=err(pool, L.ERR_CORRUPT_STATE), overflow=err(pool, L.ERR_OUT_OVERFLOW)))
+    with no_host_sync():
+        s = t.step(i32([2, 1]), i32([1, 1]), capacity=3)
+    past.append(dict(indptr=s.csr.indptr.tolist(), indices=s.csr.indices.tolist(), kv_lens=s.kv_lens.tolist(),
+                     corrupt=err(pool, L.ERR_CORRUPT_STATE), overflow=err(pool, L.ERR_OUT_OVERFLOW)))
+    t.seq_lens[1] = 10**6  # row 1 now has a wild id and a length past the row
+    t.invalidate_csr()
+    with no_host_sync():
+        c = t.flashinfer_csr(i32([1, 0]))
+    past.append(dict(indptr=c.indptr.tolist(), indices=c.indices[:4].tolist(), last=c.last_page_len.tolist(),
+                     corrupt=err(pool, L.ERR_CORRUPT_STATE)))
+    out["bad_page_past_capacity"] = past
     # A fork's copy-on-write pair drives a K/V copy: only between page ids of the pool. A wild source
     # (the src row's partial page) counts corrupt_state; a wild popped page was counted by the pop.
     pool, t = table(P=16, ps=4, R=6, MP=4)

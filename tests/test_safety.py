@@ -131,6 +131,17 @@ def test_a_wild_page_is_not_grown_into_the_other_stepout(backend):
     assert turns[3]["kv_lens"] == [0, 6] and turns[3]["corrupt"] == 5  # pop, slot, CSR; slot, CSR
 
 
+def test_a_wild_page_past_the_capacity_is_counted(backend):
+    """A wild id that would land past the CSR's capacity is still found (the request is exported empty,
+    so the rest fits: no overflow); a row with both a wild id and a length past it counts once."""
+    small, swapped, step, both = repro(backend)["bad_page_past_capacity"]
+    assert small == dict(indptr=[0, 3, 3], indices=[0, 1, 2, -1], last=[2, 2], corrupt=1, overflow=0)
+    assert swapped["indptr"] == [0, 2, 2] and swapped["indices"][:3] == [6, 7, -1] and swapped["corrupt"] == 2
+    # the step: row 1's new token lands on the wild page (no slot, 1) and its request is exported empty (1)
+    assert step == dict(indptr=[0, 2, 2], indices=[6, 7, -1], kv_lens=[4, 0], corrupt=4, overflow=0)
+    assert both == dict(indptr=[0, 0, 3], indices=[0, 1, 2, -1], last=[2, 2], corrupt=5)
+
+
 def test_a_fork_pairs_only_page_ids_of_the_pool(backend):
     """cow_src / cow_dst (what a consumer copies K/V between) are -1 unless both are page ids of the pool."""
     r = repro(backend)["fork_cow"]

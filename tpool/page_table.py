@@ -770,8 +770,9 @@ class PageTable:
         an empty or padding request has no pages and ``last_page_len = page_size``, so
         ``(num_pages - 1) * page_size + last_page_len = 0`` still gives its length. A
         request whose length is outside its row, or whose pages include an id outside
-        ``[0, num_pages)`` (hand edits), is exported as empty and counts ``corrupt_state``:
-        every id in ``indices[:indptr[B]]`` is a page of the pool. Read-only: no clock step.
+        ``[0, num_pages)`` (hand edits), is exported as empty and counts ``corrupt_state``
+        once per batch lane: every id in ``indices[:indptr[B]]`` is a page of the pool.
+        Read-only: no clock step.
 
         Parameters
         ----------
