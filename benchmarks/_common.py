@@ -41,7 +41,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "(default" in text or action.default in (None, "", False, argparse.SUPPRESS):
+        d = action.default  # by identity: 0 == False, and a default of 0 is worth showing
+        if "(default" in text or d is None or d is False or d == "" or d is argparse.SUPPRESS:
             return text
         return super()._get_help_string(action)
 

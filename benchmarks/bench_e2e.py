@@ -18,6 +18,7 @@ workload.
 """
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
@@ -30,7 +31,12 @@ from _common import print_table, quantiles, write_json  # noqa: E402
 
 import tpool  # noqa: E402
 from tpool.serving import PagedKVCache, step_metadata  # noqa: E402
-from tpool.serving.hf import ATTN_IMPLEMENTATION, PagedContext, forward_step  # noqa: E402
+
+
+def _hf():
+    """``tpool.serving.hf`` (it needs transformers), imported when a run starts: ``--help`` works without it."""
+    from tpool.serving import hf
+    return hf
 
 
 def build_model(hidden, layers, heads, kv_heads, vocab, seed=0):
@@ -39,11 +45,12 @@ def build_model(hidden, layers, heads, kv_heads, vocab, seed=0):
                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
                       max_position_embeddings=4096, eos_token_id=None, bos_token_id=None, pad_token_id=0)
     torch.manual_seed(seed)
-    return LlamaForCausalLM._from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32).eval()
+    return LlamaForCausalLM._from_config(cfg, attn_implementation=_hf().ATTN_IMPLEMENTATION, dtype=torch.float32).eval()
 
 
 def run_tpool(model, prompts, a):
     """Per sample: (step, tpool, forward, table.step, metadata) seconds per decode step, means over ``inner``."""
+    forward_step, PagedContext = _hf().forward_step, _hf().PagedContext
     b, plen = len(prompts), len(prompts[0])
     max_pages = -(-(plen + a.inner + 1) // a.page_size)
     pool = tpool.PagePool(b * max_pages + 1, a.page_size, device="cpu", backend=a.backend)
@@ -106,7 +113,7 @@ def run_baseline(prompts, model, a):
                 if s:
                     samples.append(total / a.inner)
     finally:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        model.set_attn_implementation(_hf().ATTN_IMPLEMENTATION)
     return samples
 
 
@@ -125,8 +132,10 @@ def main(argv=None):
     ap.add_argument("--inner", type=int, default=8, help="decode steps per sample")
     ap.add_argument("--backend", default="numba", help="pool backend")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (more stall on a 2-core machine)")
-    ap.add_argument("--json", default="", help="write the rows as JSON to this path")
+    ap.add_argument("--json", default=None, help="write the rows as JSON to this path")
     a = ap.parse_args(argv)
+    if importlib.util.find_spec("transformers") is None:
+        ap.error("needs transformers, which is not installed: pip install -e '.[hf]'")
     torch.set_num_threads(a.threads)
     model = build_model(a.hidden, a.layers, a.heads, a.kv_heads, a.vocab)
     rows = []

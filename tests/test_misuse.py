@@ -177,6 +177,24 @@ def test_output_buffers_are_bounded(backend):
     table.check_invariants()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+@pytest.mark.parametrize("backend", ["auto", "reference", "triton"])
+def test_cuda_device_without_cuda_is_a_value_error(backend):
+    """Not torch's AssertionError from deep inside, nor a message about triton: the device is named
+    first, on every backend, and the KV cache and the memory report say the same."""
+    for device in ("cuda", "cuda:0", 0):
+        with pytest.raises(ValueError, match=r"device: expected cpu, got cuda(:0)?: CUDA is not available here"):
+            tpool.PagePool(4, device=device, backend=backend)
+    from tpool.memory.report import memory_report
+    from tpool.serving.kv import PagedKVCache
+    with pytest.raises(ValueError, match="device: expected cpu, got cuda:1: CUDA is not available here"):
+        PagedKVCache(1, 4, 2, 1, 4, dtype=torch.float32, device="cuda:1")
+    with pytest.raises(ValueError, match="device: expected cpu, got cuda:0: CUDA is not available here"):
+        memory_report(0)
+    with pytest.raises(ValueError, match="device: expected a cpu or cuda device, got 'gpu'"):
+        tpool.PagePool(4, device="gpu", backend=backend)
+
+
 def test_small_input_checks():
     """Finding 9."""
     with pytest.raises(ValueError, match="num_pages: expected a positive int, got True"):

@@ -12,6 +12,31 @@ _Tensor, _int32 = torch.Tensor, torch.int32  # module globals: read on every hot
 _UNIT_STRIDE = (1,)
 
 
+def resolve_device(device, name: str = "device") -> torch.device:
+    """``device`` (a ``torch.device``, a string, a CUDA index, or None: the current CUDA device,
+    else the CPU) as a ``torch.device`` with its index, or ``ValueError`` naming what was expected:
+    a cpu or cuda device, CUDA available for a cuda one, an index this machine has."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device("cuda", device) if isinstance(device, int) and not isinstance(device, bool) \
+            else torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{name}: expected a cpu or cuda device, got {device!r} ({e})") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: expected a cpu or cuda device, got {dev} (tpool's kernels read and "
+                         "write memory there only)")
+    if dev.type == "cpu":
+        return dev
+    if not torch.cuda.is_available():
+        raise ValueError(f"{name}: expected cpu, got {dev}: CUDA is not available here (torch "
+                         f"{torch.__version__}, torch.cuda.is_available() is False)")
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if not index < torch.cuda.device_count():
+        raise ValueError(f"{name}: expected a CUDA index in [0, {torch.cuda.device_count()}), got {index}")
+    return torch.device("cuda", index)
+
+
 def input_len(t, device: torch.device, written: "Written") -> int:
     """:func:`i32_len`, then :func:`check_not_written` without raising: the length of a valid
     hot-path input that shares no memory with ``written``, else -1 (the caller then runs the

@@ -21,8 +21,7 @@ import statistics
 import sys
 import time
 
-import torch
-
+from tpool import _checks
 from tpool.page_table import PageTable
 from tpool.pool import PagePool
 from tpool.scheduling import HostMirror
@@ -218,15 +217,9 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.device is not None:
         try:
-            dev = torch.device(a.device)
-        except RuntimeError as e:
-            ap.error(f"--device {a.device}: {e}")
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            ap.error(f"--device {a.device}: CUDA is not available here (torch {torch.__version__}, "
-                     f"torch.cuda.is_available() is False); use --device cpu")
-        if dev.type == "cuda" and dev.index is not None and not dev.index < torch.cuda.device_count():
-            ap.error(f"--device {a.device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                     f"indices 0 to {torch.cuda.device_count() - 1}")
+            _checks.resolve_device(a.device, "--device")
+        except ValueError as e:
+            ap.error(str(e))
     try:
         run(a.requests, a.batch, a.num_pages, a.page_size, a.seed, a.device, a.backend, a.every)
     except BrokenPipeError:       # `python -m tpool demo | head`

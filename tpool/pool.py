@@ -140,14 +140,7 @@ class PagePool:
             raise ValueError(f"num_pages: expected < {INT32_MAX}, got {num_pages}")
         if max_batch >= INT32_MAX:
             raise ValueError(f"max_batch: expected < {INT32_MAX}, got {max_batch}")
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        if self.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device: expected a cpu or cuda device, got {self.device} (a pool needs memory "
-                             "its kernels can read and write)")
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = _checks.resolve_device(device)
         self.num_pages, self.page_size, self.max_batch = num_pages, page_size, max_batch
         if max_alloc_pages is None:
             max_alloc_pages = min(DEFAULT_MAX_ALLOC_PAGES, num_pages)

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from tpool import _checks
+
 __all__ = ["memory_report", "format_report", "main", "MemoryReport", "Tracked", "Allocator", "Driver", "Process"]
 
 MIB = 1 << 20  # bytes in a MiB, for format_report
@@ -146,20 +148,6 @@ def _process() -> Process:
     return Process(rss, peak, "; ".join(reasons) or None)
 
 
-def _resolve(device: torch.device | str | int | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device} requested, but CUDA is not available")
-        index = torch.cuda.current_device() if device.index is None else device.index
-        if not 0 <= index < torch.cuda.device_count():
-            raise ValueError(f"device index in [0, {torch.cuda.device_count()}) expected, got {index}")
-        device = torch.device("cuda", index)
-    return device
-
-
 def memory_report(device: torch.device | str | int | None = None, *, pools=(), caches=()) -> MemoryReport:
     """Measure the ledgers of ``device`` (default: the current CUDA device, else the CPU).
 
@@ -190,7 +178,7 @@ def memory_report(device: torch.device | str | int | None = None, *, pools=(), c
         An object without a callable ``memory_bytes``, or one whose
         ``memory_bytes()`` is not a dict of str to JSON scalars.
     """
-    device = _resolve(device)
+    device = _checks.resolve_device(device)
     tracked = Tracked(caches=_tracked(caches, "caches"), pools=_tracked(pools, "pools"))
     if device.type != "cuda":
         why = f"no caching-allocator statistics for device type {device.type!r}"

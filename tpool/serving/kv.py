@@ -16,6 +16,8 @@ page the same way.
 
 import torch
 
+from tpool import _checks
+
 NHD = "NHD"   # the only layout: [num_pages, page_size, num_kv_heads, head_dim]
 SCRATCH_PAGES = 1  # pages per layer behind the exported views; padding writes land there
 
@@ -75,9 +77,7 @@ class PagedKVCache:
             raise ValueError(f"dtype: expected a floating torch.dtype (or a 1-byte type for fp8), got {dtype!r}")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = _checks.resolve_device(device)
         shape = (num_layers, num_pages + SCRATCH_PAGES, page_size, num_kv_heads, head_dim)
         # One allocation each for K and V; zeros, so a test can see that nothing was written.
         self._k = torch.zeros(shape, dtype=dtype, device=self.device)
