@@ -50,7 +50,8 @@ def build_model(hidden, layers, heads, kv_heads, vocab, seed=0):
 
 def run_tpool(model, prompts, a):
     """Per sample: (step, tpool, forward, table.step, metadata) seconds per decode step, means over ``inner``."""
-    forward_step, PagedContext = _hf().forward_step, _hf().PagedContext
+    hf = _hf()
+    forward_step, PagedContext = hf.forward_step, hf.PagedContext
     b, plen = len(prompts), len(prompts[0])
     max_pages = -(-(plen + a.inner + 1) // a.page_size)
     pool = tpool.PagePool(b * max_pages + 1, a.page_size, device="cpu", backend=a.backend)
