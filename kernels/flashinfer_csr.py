@@ -4,11 +4,13 @@
 the pages in request order (-1 past ``indptr[B]``), ``last_page_len = len -
 (num_pages - 1) * page_size`` in ``[1, page_size]``; an empty or padding
 request has no pages and ``last_page_len = page_size``. Read-only: no clock
-step. Out-of-range ids count ``bad_request``; ``indices`` too small for the
-batch counts ``out_overflow`` (entries past the capacity are dropped). A request
-whose pages include an id outside ``[0, P)`` (a hand edit, or the -1 a pop of a
-wild free-stack entry put in its row) is exported as empty and counts ``corrupt_state``, in a
-step too: no page id outside the pool reaches an attention kernel.
+step. Out-of-range ids count ``bad_request``. ``indices`` too small for the batch
+counts ``out_overflow``, and the first request whose pages do not all fit and every
+later one are exported as empty (``kv_lens`` 0 in a step): ``indptr`` never points
+past the buffer. A request whose pages include an id outside ``[0, P)`` (a hand
+edit, or the -1 a pop of a wild free-stack entry put in its row) is exported as
+empty and counts ``corrupt_state``, in a step too: no page id outside the pool
+reaches an attention kernel.
 """
 
 import numba
@@ -39,8 +41,11 @@ def flashinfer_csr_numba(
     count,              # count bad ids and corrupt lengths (False in a step: its extend counted them)
     num_pages,          # P: a request whose pages include an id outside [0, P) is exported as empty
 ):
-    """Returns how many entries of ``indices`` it wrote (pass it as ``written`` next time) and how
-    many requests it exported as empty for a page id outside the pool (each counted, ``count`` or not).
+    """Returns how many entries of ``indices`` it wrote (pass it as ``written`` next time), how
+    many requests it exported as empty for a page id outside the pool (each counted, ``count`` or
+    not), and how many requests with pages it exported as empty for want of capacity: the first
+    request whose pages do not all fit and every later one (one ``out_overflow`` for the call), so
+    ``indptr`` never points past ``indices``.
 
     Only ``indices[total:written]`` needs padding again, so a decode step costs
     O(pages in the batch), not O(capacity). Each row is copied by a loop that also takes the
@@ -53,9 +58,11 @@ def flashinfer_csr_numba(
     limit = block_table.shape[1] * page_size  # a longer (or negative) length is corrupt state: exported as empty
     shift = page_shift(page_size)
     pool = np.uint32(num_pages)
-    pos = 0
+    pos = 0  # end of the runs, past the capacity too (a request out of the pool has none)
+    fit = 0  # end of the runs exported: pos until the first request that does not fit
     reach = 0  # end of what the copies wrote
     stray = 0  # requests exported as empty for a page id outside the pool
+    cut = 0  # requests with pages exported as empty for want of capacity
     indptr[0] = 0
     for i in range(B):
         r = ids[i]
@@ -67,30 +74,34 @@ def flashinfer_csr_numba(
                 counters[L.ERR_CORRUPT_STATE] += count
                 length = 0
             n = pages_for(length, page_size, shift)  # at most the row's width: the length is at most limit
-            k = max(0, min(n, cap - pos))
+            k = n if pos + n <= cap else 0  # a run is copied whole or not at all
             row, dst = block_table[np.uint64(r)], i32_array(indices_ptr + 4 * pos, k)
             top = np.uint32(0)
             for c in range(k):
                 page = row[np.uint64(c)]
                 dst[np.uint64(c)] = page
                 top = max(top, np.uint32(page))
-            for c in range(k, n):  # past the capacity (out_overflow): checked, not copied
+            for c in range(k, n):  # past the capacity: checked, not copied
                 top = max(top, np.uint32(row[np.uint64(c)]))
             reach = max(reach, pos + k)
             if top >= pool:
                 stray += 1
                 length = n = 0
+            elif k < n:
+                cut += 1
+                pos += n
+                n = length = 0
         elif r != L.NULL_PAGE:
             counters[L.ERR_BAD_REQUEST] += count
         pos += n
-        indptr[i + 1] = pos
+        fit += n
+        indptr[i + 1] = fit
         last[i] = length - (n - 1) * page_size
     if pos > cap:
         counters[L.ERR_OUT_OVERFLOW] += 1
     counters[L.ERR_CORRUPT_STATE] += stray
-    total = min(pos, cap)
-    fill_null_range(indices_ptr, total, min(max(written, reach), cap))
-    return total, stray
+    fill_null_range(indices_ptr, fit, min(max(written, reach), cap))
+    return fit, stray, cut
 
 
 @numba.njit(nogil=True)
@@ -116,12 +127,14 @@ def flashinfer_csr_numba_entry(req_ids_ptr, B, cd):
 
 @triton.jit
 def _csr_lanes(req_ids_ptr, B, indptr_ptr, last_page_len_ptr, block_table_ptr, seq_lens_ptr, kv_lens_ptr, R, MP,
-               num_pages, page_size, BLOCK: tl.constexpr, SCAN: tl.constexpr, KV_LENS: tl.constexpr):
-    """Phase one: indptr and last_page_len; returns the pages in all (uncapped), the bad ids, the
-    corrupt lengths and (``SCAN``: each row read) the requests exported empty for a page outside the pool."""
+               num_pages, page_size, cap, BLOCK: tl.constexpr, SCAN: tl.constexpr, KV_LENS: tl.constexpr):
+    """Phase one: indptr (past the capacity too) and last_page_len; returns the pages in all (uncapped),
+    the pages of the requests that fit in ``cap`` (those before the first that does not), the bad ids,
+    the corrupt lengths and (``SCAN``: each row read) the requests exported empty for a page outside the pool."""
     lanes = tl.arange(0, BLOCK)
     tl.store(indptr_ptr + lanes, tl.zeros((BLOCK,), tl.int32), mask=lanes < 1)
     end = tl.zeros((), tl.int64)
+    fit = tl.zeros((), tl.int64)
     bad = tl.zeros((), tl.int64)
     wrong = tl.zeros((), tl.int64)
     stray = tl.zeros((), tl.int64)
@@ -146,10 +159,28 @@ def _csr_lanes(req_ids_ptr, B, indptr_ptr, last_page_len_ptr, block_table_ptr, s
             n = tl.where(outside, 0, n)
             if KV_LENS:
                 tl.store(kv_lens_ptr + i, tl.zeros((BLOCK,), tl.int32), mask=outside)
-        tl.store(indptr_ptr + i + 1, (end + tl.cumsum(n, 0)).to(tl.int32), mask=live)
+        ends = end + tl.cumsum(n, 0)
+        tl.store(indptr_ptr + i + 1, ends.to(tl.int32), mask=live)
         tl.store(last_page_len_ptr + i, (length - (n - 1) * page_size).to(tl.int32), mask=live)
         end += tl.sum(n)
-    return end, bad, wrong, stray
+        fit += tl.sum(tl.where(ends <= cap, n, 0))
+    return end, fit, bad, wrong, stray
+
+
+@triton.jit
+def _csr_cut(B, indptr_ptr, last_page_len_ptr, kv_lens_ptr, cap, fit, page_size, BLOCK: tl.constexpr,
+             KV_LENS: tl.constexpr):
+    """Phase three, when the pages pass the capacity: every request whose run would end past it (the
+    first that does not fit and every later one) is exported as empty, so no indptr entry points past
+    ``indices``; ``kv_lens`` 0 there in a step."""
+    lanes = tl.arange(0, BLOCK)
+    for start in range(0, B, BLOCK):
+        i = start + lanes
+        past = (i < B) & (tl.load(indptr_ptr + i + 1, mask=i < B, other=0) > cap)
+        tl.store(indptr_ptr + i + 1, tl.zeros((BLOCK,), tl.int32) + fit.to(tl.int32), mask=past)
+        tl.store(last_page_len_ptr + i, tl.zeros((BLOCK,), tl.int32) + page_size, mask=past)
+        if KV_LENS:
+            tl.store(kv_lens_ptr + i, tl.zeros((BLOCK,), tl.int32), mask=past)
 
 
 @triton.jit
@@ -207,21 +238,25 @@ def flashinfer_csr_body(
     lanes = tl.arange(0, BLOCK)
     # Read before the barrier below: the store at the end must not overtake any thread's read.
     written = tl.minimum(tl.load(written_ptr), cap).to(tl.int32)
-    end, bad, wrong, stray = _csr_lanes(req_ids_ptr, B, indptr_ptr, last_page_len_ptr, block_table_ptr, seq_lens_ptr,
-                                        kv_lens_ptr, R, MP, num_pages, page_size, BLOCK, False, KV_LENS)
+    end, fit, bad, wrong, stray = _csr_lanes(req_ids_ptr, B, indptr_ptr, last_page_len_ptr, block_table_ptr,
+                                             seq_lens_ptr, kv_lens_ptr, R, MP, num_pages, page_size, cap, BLOCK,
+                                             False, KV_LENS)
     tl.debug_barrier()
-    total = tl.minimum(end, cap).to(tl.int32)
+    total = fit.to(tl.int32)  # the requests that fit come first: their runs are where indptr says
     if _csr_entries(req_ids_ptr, B, indptr_ptr, indices_ptr, block_table_ptr, end, total, MP, num_pages, SEARCH,
                     BLOCK) > 0:  # a page outside the pool: both phases again, reading the rows
         written = tl.maximum(written, total)
         tl.debug_barrier()
-        end, bad, wrong, stray = _csr_lanes(req_ids_ptr, B, indptr_ptr, last_page_len_ptr, block_table_ptr,
-                                            seq_lens_ptr, kv_lens_ptr, R, MP, num_pages, page_size, BLOCK, True,
-                                            KV_LENS)
+        end, fit, bad, wrong, stray = _csr_lanes(req_ids_ptr, B, indptr_ptr, last_page_len_ptr, block_table_ptr,
+                                                 seq_lens_ptr, kv_lens_ptr, R, MP, num_pages, page_size, cap, BLOCK,
+                                                 True, KV_LENS)
         tl.debug_barrier()
-        total = tl.minimum(end, cap).to(tl.int32)
+        total = fit.to(tl.int32)
         _csr_entries(req_ids_ptr, B, indptr_ptr, indices_ptr, block_table_ptr, end, total, MP, num_pages, SEARCH,
                      BLOCK)
+    if end > cap:  # the runs past the capacity: exported empty (read above, through indptr, before this)
+        tl.debug_barrier()
+        _csr_cut(B, indptr_ptr, last_page_len_ptr, kv_lens_ptr, cap, fit, page_size, BLOCK, KV_LENS)
     # Only what the last call on this buffer wrote past this total needs -1 again.
     for start in range((total // BLOCK) * BLOCK, written, BLOCK):
         u = start + lanes

@@ -414,15 +414,16 @@ def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
     else:
         rebuild = True
     if rebuild:  # from the rows; also after a page outside the pool was copied in (exported empty here)
-        written, empty = flashinfer_csr_numba(req_ids_ptr, B, cd[CD_INDPTR], cd[CD_INDICES], cap,
-                                              cd[CD_LAST_PAGE_LEN], ps, bt, lens, counters,
-                                              memo[L.MEMO_WRITTEN], False, P)  # the extend counted the rest
+        written, empty, cut = flashinfer_csr_numba(req_ids_ptr, B, cd[CD_INDPTR], cd[CD_INDICES], cap,
+                                                   cd[CD_LAST_PAGE_LEN], ps, bt, lens, counters,
+                                                   memo[L.MEMO_WRITTEN], False, P)  # the extend counted the rest
         memo[L.MEMO_WRITTEN] = written
-        if empty:  # those lanes read no page through kv_lens either; no memo, and no CSR one step behind
-            for i in range(B):
+        if empty or cut:  # those lanes (a page outside the pool, or past the capacity) read no page
+            for i in range(B):  # through kv_lens either, and leave no memo
                 if indptr[i + 1] == indptr[i]:
                     kvl[i] = 0
             clean = False
+        if empty:  # and no CSR one step behind
             version_cells(td)[L.APPENDED_FROM] = -1
     if not grew:
         for i in range(B):

@@ -175,24 +175,31 @@ class TableModel:
         P._peaks()
         return ok, cow_src, cow_dst
 
-    def csr(self, ids, cap=None, count=True):
+    def csr(self, ids, cap=None, count=True, step=False):
         """(indptr, indices, last_page_len); with ``cap``, indices is the whole buffer of that
-        length: the pages that fit, then -1 (more pages than fit is an ``out_overflow``).
-        ``count``: count out-of-range ids (a step's export does not: its extend counted them)."""
-        indptr, indices, last = [0], [], []
-        for r in ids:
+        length: the pages that fit, then -1. More pages than fit is an ``out_overflow``, and the
+        first request whose pages do not all fit and every later one are exported as empty
+        (``step``: their ``kv_lens`` in ``self.meta`` become 0). ``count``: count out-of-range ids
+        (a step's export does not: its extend counted them)."""
+        indptr, indices, last, end = [0], [], [], 0
+        for i, r in enumerate(ids):
             good = 0 <= r < self.R
             if r != -1 and not good and count:
                 self._err("bad_request")
             L = self.lens[r] if good else 0
             n = cdiv(L, self.ps)
-            indices += self.rows[r] if good else []
+            end += n
+            if cap is not None and end > cap:  # past the capacity: exported as empty
+                L = n = 0
+                if step:
+                    self.meta[2][i] = 0
+            indices += self.rows[r][:n] if good else []
             indptr.append(indptr[-1] + n)
             last.append(L - (n - 1) * self.ps)
         if cap is not None:
-            if len(indices) > cap:
+            if end > cap:
                 self._err("out_overflow")
-            indices = indices[:cap] + [-1] * max(0, cap - len(indices))
+            indices = indices + [-1] * (cap - len(indices))
         return indptr, indices, last
 
     def assert_matches(self, table):

@@ -185,6 +185,37 @@ def test_step_exports_the_pages_it_just_added(make_table, guard):
     table.check_invariants()
 
 
+def test_a_csr_past_its_capacity_never_points_past_it(make_table, guard):
+    """The first request whose pages do not all fit, and every later one, is exported with no pages
+    (a step: kv_lens 0, its tokens appended all the same), counted once: an attention kernel bounded
+    by indptr reads only indices and only the pages of its own request."""
+    table = make_table(32, 4, 4, 8)
+    table.extend(i32([0, 1, 2]), i32([9, 9, 2]), max_tokens=20)   # 3, 3 and 1 pages
+    bt = table.block_table.tolist()
+    with guard():
+        c = table.flashinfer_csr(i32([0, 1, 2]), capacity=5)       # 3 fit; 1 does not, and 2 comes after it
+    assert c.indptr.tolist() == [0, 3, 3, 3] and c.last_page_len.tolist() == [1, 4, 4]
+    assert c.indices.tolist() == bt[0][:3] + [-1, -1]
+    with guard():
+        c = table.flashinfer_csr(i32([2, 0, 1]), capacity=5)
+    assert c.indptr.tolist() == [0, 1, 4, 4] and c.indices.tolist() == bt[2][:1] + bt[0][:3] + [-1]
+    assert table.pool.stats()["errors.out_overflow"] == 2
+    with pytest.raises(tpool.OutputOverflow, match="exported with no pages"):
+        table.pool.check()
+    with guard():
+        s = table.step(i32([0, 1]), i32([1, 1]), capacity=5)        # 3 + 3 pages after the step
+    assert s.ok.tolist() == [True, True] and table.seq_lens[:2].tolist() == [10, 10]
+    assert s.csr.indptr.tolist() == [0, 3, 3] and s.kv_lens.tolist() == [10, 0]
+    assert s.csr.indices.tolist() == bt[0][:3] + [-1, -1]
+    with guard():
+        s = table.step(i32([0, 1]), i32([1, 1]))                    # room again: both, from the rows
+    assert s.csr.indptr.tolist() == [0, 3, 6] and s.kv_lens.tolist() == [11, 11]
+    assert s.csr.indices.tolist()[:6] == bt[0][:3] + bt[1][:3]
+    with pytest.raises(tpool.OutputOverflow):
+        table.pool.check()
+    table.check_invariants()
+
+
 def test_bound_step_matches_step_with_inputs_filled_in_place(make_table, guard):
     tables = [make_table(64, 4, 4, 8) for _ in range(2)]
     ids, ntok = i32([0, 1, 2, -1]), i32([5, 2, 9, 0])
@@ -350,9 +381,9 @@ def test_random_workload_matches_model(make_table, guard, ps, MP, seed):
                     r = table.extend(i32(ids), i32(ntok), max_tokens=cap)
             assert (r.slots.tolist(), r.ok.tolist()) == model.extend(ids, ntok, cap)
             if op == "step":
-                assert (r.positions.tolist(), r.qo_indptr.tolist(), r.kv_lens.tolist()) == model.meta
                 indptr, indices, last = model.csr(ids, csr_cap if csr_cap is not None else len(ids) * MP,
-                                                  count=False)  # one count per bad lane, the extend's
+                                                  count=False, step=True)  # one count per bad lane, the extend's
+                assert (r.positions.tolist(), r.qo_indptr.tolist(), r.kv_lens.tolist()) == model.meta
                 assert (r.csr.indptr.tolist(), r.csr.indices.tolist(), r.csr.last_page_len.tolist()) == (
                     indptr, indices, last)
         elif op == "release":

@@ -20,6 +20,11 @@ lanes saw the table as it was when the call began.
   ``max(n_i, 0)``, capped at the slot buffer's length) and ``kv_lens`` (each
   lane's length after the call; a failed lane keeps its length; padding, bad
   ids and corrupt rows 0).
+* ``flashinfer_csr`` (and a step's CSR): requests in lane order; when their
+  pages pass the capacity of ``indices``, the first request whose pages do
+  not all fit and every later one are exported as empty (``kv_lens`` 0 in a
+  step), one ``out_overflow`` per call: ``indptr`` never points past the
+  buffer. A step's extend has happened for those lanes all the same.
 * ``release`` / ``truncate``: the pages past the new length (all of them for
   release) are freed as ONE ``free`` over the lanes' pages, lane by lane, in
   table order; their entries become -1.
@@ -268,7 +273,8 @@ def flashinfer_csr(st, ts, req_ids, indptr, indices, last_page_len, count=True, 
     """FlashInfer's paged-KV CSR for a batch (read-only: no clock step). ``count``: count bad ids and
     corrupt lengths (a step passes False: its extend counted the same lanes). A request whose pages
     include an id outside ``[0, P)`` is exported as empty (an attention kernel would read outside the
-    cache), one ``corrupt_state`` each, counted also in a step; ``kv_lens`` (a step's) is 0 there."""
+    cache), one ``corrupt_state`` each, counted also in a step; ``kv_lens`` (a step's) is 0 there. Requests
+    past the capacity of ``indices`` are exported as empty too (module note), one ``out_overflow``."""
     c, MP, ps = st.counters, ts.max_pages, ts.page_size
     B, cap = req_ids.numel(), indices.numel()
     indptr.zero_()
@@ -290,8 +296,15 @@ def flashinfer_csr(st, ts, req_ids, indptr, indices, last_page_len, count=True, 
     if kv_lens is not None:
         kv_lens.masked_fill_(stray, 0)
     npages = _cdiv(Ln, ps)
+    # Past the capacity: the first request whose pages do not all fit, and every later one, is
+    # exported as empty (kv_lens 0 in a step); no indptr entry points past the buffer.
+    over = torch.cumsum(npages, 0) > cap
+    c[L.ERR_OUT_OVERFLOW] += over[-1].long()
+    if kv_lens is not None:
+        kv_lens.masked_fill_(over, 0)
+    Ln = torch.where(over, 0, Ln)
+    npages = _cdiv(Ln, ps)
     end = torch.cumsum(npages, 0)
-    c[L.ERR_OUT_OVERFLOW] += (end[-1] > cap).long()
     indptr[1:] = end
     last_page_len.copy_(Ln - (npages - 1) * ps)
     u = torch.arange(cap, device=indices.device)
