@@ -305,3 +305,119 @@ def test_a_sliding_window_model_matches_generate_and_the_window_matters():
     finally:
         hf.register()
     assert without != want
+
+
+# ------------------------------------------- other models' attention options
+def _other_model(name):
+    """A tiny random-weight model of an architecture whose attention takes options Llama's does not."""
+    import transformers
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, initializer_range=0.25, max_position_embeddings=512)
+    cfg = {  # each with a window shorter than the sequences, on its first layer only (hybrid)
+        # passes sliding_window on every layer, None on its full layers; sets module.sliding_window on all
+        "exaone4": lambda: transformers.Exaone4Config(sliding_window=4, layer_types=["sliding_attention",
+                                                                                     "full_attention"], **common),
+        # passes no sliding_window; sets module.sliding_window on its sliding layers only
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(use_sliding_window=True, sliding_window=4,
+                                                         max_window_layers=2, num_experts=4, num_experts_per_tok=2,
+                                                         moe_intermediate_size=32,
+                                                         shared_expert_intermediate_size=32, **common),
+        # passes softcap (attn_logit_softcapping) and its window
+        "gemma2": lambda: transformers.Gemma2Config(sliding_window=4, attn_logit_softcapping=5.0,
+                                                    final_logit_softcapping=None, **common),
+        # passes s_aux (attention sinks, one logit per query head) and its window
+        "gpt_oss": lambda: transformers.GptOssConfig(sliding_window=4, num_local_experts=4, num_experts_per_tok=2,
+                                                     **common),
+    }[name]()
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION,
+                                                         dtype=torch.float32).eval()
+
+
+def _paged_logits(model, seqs, schedule, max_tokens=16):
+    """Each sequence's logits from packed steps on tpool pages; ``schedule``: per step, (seq, n) lanes."""
+    pool = tpool.PagePool(64, 4, device="cpu", backend="reference")
+    table = tpool.PageTable(pool, len(seqs), 16)
+    cache = PagedKVCache.from_pool(pool, *engine.kv_shape(model.config), dtype=torch.float32)
+    done, out = [0] * len(seqs), [[] for _ in seqs]
+    for lanes in schedule:
+        x = torch.zeros(max_tokens, dtype=torch.long)
+        toks = [t for r, n in lanes for t in seqs[r][done[r]:done[r] + n]]
+        x[:len(toks)] = torch.tensor(toks)
+        meta = step_metadata(table, table.step(i32([r for r, _ in lanes]), i32([n for _, n in lanes]),
+                                               max_tokens=max_tokens))
+        with torch.no_grad():
+            logits = forward_step(model, x, PagedContext(cache, meta))
+        start = 0
+        for r, n in lanes:
+            out[r].append(logits[start:start + n])
+            start, done[r] = start + n, done[r] + n
+    return [torch.cat(o) for o in out]
+
+
+@pytest.mark.parametrize("name", ["exaone4", "qwen2_moe", "gemma2", "gpt_oss"])
+def test_other_models_attention_options_match_eager(name):
+    """Prefill and decode lanes mixed, sequences longer than the window: every layer attends as
+    transformers' eager attention does (a full layer of a hybrid model gets no window; a window
+    only the module's attribute gives still applies; softcap; sinks)."""
+    model = _other_model(name)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (14, 13, 4)]
+    schedule = [[(0, 11), (1, 3)], [(0, 1), (1, 9), (2, 3)], [(0, 1), (1, 1), (2, 1)], [(0, 1)]]
+    got = _paged_logits(model, seqs, schedule)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        for s, g_ in zip(seqs, got):
+            want = model(torch.tensor([s])).logits[0]
+            assert (g_ - want).abs().max() < LOGITS_ATOL
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(attention_mask=torch.zeros(1, 1, 8, 8)), r"attention_mask: expected None .*got a mask of shape "
+                                                  r"\(1, 1, 8, 8\)"),
+    (dict(is_causal=False), "is_causal: expected True or None .*got False"),
+    (dict(position_bias=torch.zeros(1)), "position_bias: expected None, got Tensor"),
+    (dict(sinks=torch.zeros(4)), "sinks: expected None, got Tensor"),
+])
+def test_attention_keywords_that_change_the_result_are_refused_naming_the_model(models, kwargs, match):
+    model = models["llama"]
+    pool = tpool.PagePool(8, 4, device="cpu", backend="reference")
+    table = tpool.PageTable(pool, 2, 2)
+    cache = PagedKVCache.from_pool(pool, *engine.kv_shape(model.config), dtype=torch.float32)
+    ctx = PagedContext(cache, step_metadata(table, table.step(i32([0]), i32([8]), max_tokens=8)))
+    attn, q, kv = model.model.layers[0].self_attn, torch.zeros(1, 4, 8, 16), torch.zeros(1, 2, 8, 16)
+    with pytest.raises(ValueError, match=f"tpool_paged: {match} from LlamaAttention"):
+        paged_attention_forward(attn, q, kv, kv, tpool_context=ctx, **kwargs)
+    attn.train()
+    try:
+        with pytest.raises(ValueError, match="dropout: expected 0.0 in training .*got 0.1 from LlamaAttention"):
+            paged_attention_forward(attn, q, kv, kv, dropout=0.1, tpool_context=ctx)
+    finally:
+        attn.eval()
+    assert paged_attention_forward(attn, q, kv, kv, dropout=0.1, is_causal=True, tpool_context=ctx)[0].shape == \
+        (1, 8, 4, 16)                         # dropout outside training changes nothing (eager's rule)
+
+
+def test_a_cache_of_another_page_size_or_count_is_refused(models):
+    """A cache whose pages are not the table's pool's would be read at the wrong slots, silently."""
+    model = models["llama"]
+    layers, heads, dim = engine.kv_shape(model.config)
+    table = tpool.PageTable(tpool.PagePool(32, 4, device="cpu", backend="reference"), 2, 8)
+    meta = step_metadata(table, table.step(i32([0, 1]), i32([3, 5]), max_tokens=8))
+    for pages, size in ((16, 8), (24, 4)):
+        cache = PagedKVCache(layers, pages, size, heads, dim, dtype=torch.float32, device="cpu")
+        with pytest.raises(ValueError, match=f"cache: expected 32 pages of 4 tokens .*got {pages} pages of {size}"):
+            PagedContext(cache, meta)
+
+
+def test_forward_step_refuses_input_ids_not_padded_to_max_tokens(models):
+    pool = tpool.PagePool(32, 4, device="cpu", backend="reference")
+    table = tpool.PageTable(pool, 2, 8)
+    cache = PagedKVCache.from_pool(pool, *engine.kv_shape(models["llama"].config), dtype=torch.float32)
+    ctx = PagedContext(cache, step_metadata(table, table.step(i32([0, 1]), i32([3, 2]), max_tokens=8)))
+    with pytest.raises(ValueError, match=r"input_ids: expected shape \(8,\), the step's max_tokens \(pad "
+                                         r"input_ids to it.*got \(5,\)"):
+        forward_step(models["llama"], torch.arange(5), ctx)        # the 5 real tokens only
+    with pytest.raises(ValueError, match=r"got \(1, 8\)"):
+        forward_step(models["llama"], torch.arange(8)[None], ctx)
+    assert forward_step(models["llama"], torch.arange(8), ctx).shape == (8, 256)

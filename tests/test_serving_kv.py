@@ -107,6 +107,7 @@ def test_step_metadata_by_hand(make_pool, guard):
     assert meta.qo_indptr.tolist() == [0, 1, 3, 3]
     assert meta.kv_lens.tolist() == [4, 2, 0]
     assert meta.csr.indptr.tolist() == [0, 1, 2, 2] and meta.max_pages == 4
+    assert (meta.page_size, meta.num_pages) == (4, 8)         # the pool's, for the attention to check
     assert all(t.dtype == torch.int32 for t in (meta.positions, meta.qo_indptr, meta.kv_lens))
 
 
@@ -125,21 +126,29 @@ def test_step_metadata_of_a_failed_lane(make_pool, guard):
 
 
 # ------------------------------------------------------------------ attention
-def _dense(q, ks, vs, positions, scale, window):
-    """One sequence: q [n, Hq, D] at ``positions``, keys/values [L, Hkv, D] of the whole sequence."""
+def _dense(q, ks, vs, positions, scale, window, softcap=None, sinks=None):
+    """One sequence: q [n, Hq, D] at ``positions``, keys/values [L, Hkv, D] of the whole sequence;
+    ``softcap`` and ``sinks`` as transformers' eager attention (Gemma2's, gpt-oss's) apply them."""
     hq, hkv = q.shape[1], ks.shape[1]
     k, v = ks.repeat_interleave(hq // hkv, 1), vs.repeat_interleave(hq // hkv, 1)
     s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     key = torch.arange(ks.shape[0])
     mask = key[None, :] <= positions[:, None]
     if window is not None:
         mask &= key[None, :] > positions[:, None] - window
     s = s.masked_fill(~mask, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+    if sinks is None:
+        p = s.softmax(-1)
+    else:
+        p = torch.cat([s, sinks[:, None, None].expand(-1, s.shape[1], 1)], -1).softmax(-1)[..., :-1]
+    return torch.einsum("hqk,khd->qhd", p, v)
 
 
+@pytest.mark.parametrize("option", [None, "softcap", "sinks"])
 @pytest.mark.parametrize("window", [None, 3])
-def test_paged_attention_matches_dense_attention_per_sequence(make_pool, guard, window):
+def test_paged_attention_matches_dense_attention_per_sequence(make_pool, guard, window, option):
     torch.manual_seed(0)
     ps, hq, hkv, d = 4, 6, 2, 8
     pool = make_pool(32, page_size=ps)
@@ -159,22 +168,26 @@ def test_paged_attention_matches_dense_attention_per_sequence(make_pool, guard, 
     k_new = torch.cat([full_k[r][lens0[r]:lens0[r] + n] for r, n in ((2, 1), (0, 2), (1, 7), (3, 1))])
     v_new = torch.cat([full_v[r][lens0[r]:lens0[r] + n] for r, n in ((2, 1), (0, 2), (1, 7), (3, 1))])
     pad = t - k_new.shape[0]
-    q = torch.randn(t, hq, d)
+    q = torch.randn(t, hq, d) * 3                              # scores past a softcap of 2
     scale = 0.3
+    extra = {None: {}, "softcap": {"softcap": 2.0}, "sinks": {"sinks": torch.randn(hq) * 2}}[option]
     with guard():
         cache.write(0, meta.slots, torch.cat([k_new, torch.zeros(pad, hkv, d)]),
                     torch.cat([v_new, torch.zeros(pad, hkv, d)]))
-        out = paged_attention(q, cache.k[0], cache.v[0], meta, scale=scale, sliding_window=window)
+        out = paged_attention(q, cache.k[0], cache.v[0], meta, scale=scale, sliding_window=window, **extra)
     start = 0
     for r, n in ((2, 1), (0, 2), (1, 7), (3, 1)):
         L = lens0[r] + n
         pos = torch.arange(lens0[r], L)
-        want = _dense(q[start:start + n], full_k[r][:L], full_v[r][:L], pos, scale, window)
+        want = _dense(q[start:start + n], full_k[r][:L], full_v[r][:L], pos, scale, window, **extra)
         torch.testing.assert_close(out[start:start + n], want, atol=1e-5, rtol=1e-5)
         start += n
     assert (out[start:] == 0).all()                             # padding tokens get zeros
-    default = paged_attention(q, cache.k[0], cache.v[0], meta, sliding_window=window)
+    default = paged_attention(q, cache.k[0], cache.v[0], meta, sliding_window=window, **extra)
     assert not torch.allclose(default, out) and math.isclose(1 / math.sqrt(d), d ** -0.5)
+    if option:                                                  # the option changes the result
+        assert not torch.allclose(paged_attention(q, cache.k[0], cache.v[0], meta, scale=scale,
+                                                  sliding_window=window), out, atol=1e-3)
 
 
 def test_paged_attention_rejects_mismatched_heads():
@@ -187,6 +200,23 @@ def test_paged_attention_rejects_mismatched_heads():
         paged_attention(torch.zeros(1, 3, 4), cache.k[0], cache.v[0], meta)
     with pytest.raises(ValueError, match="expected 1 tokens .*got 2"):
         paged_attention(torch.zeros(2, 4, 4), cache.k[0], cache.v[0], meta)
+    with pytest.raises(ValueError, match=r"sinks: expected a \(4,\) tensor .*got \(2,\)"):
+        paged_attention(torch.zeros(1, 4, 4), cache.k[0], cache.v[0], meta, sinks=torch.zeros(2))
+    with pytest.raises(ValueError, match="softcap: expected a positive number or None, got 0"):
+        paged_attention(torch.zeros(1, 4, 4), cache.k[0], cache.v[0], meta, softcap=0)
+
+
+@pytest.mark.parametrize("num_pages, page_size", [(8, 2), (2, 4)])   # more pages; as many slots, larger pages
+def test_paged_attention_refuses_pages_other_than_the_tables(num_pages, page_size):
+    """Slots of the table's page size read through pages of another size would attend to the wrong
+    keys with no error (a pool of 4 pages of 2 here)."""
+    pool = tpool.PagePool(4, 2, device="cpu", backend="reference")
+    table = tpool.PageTable(pool, 2, 2)
+    meta = step_metadata(table, table.step(i32([0]), i32([3]), max_tokens=3))
+    other = PagedKVCache(1, num_pages, page_size, 2, 4, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=f"k_cache: expected 4 pages of 2 tokens .*got {num_pages} pages of "
+                                         f"{page_size}"):
+        paged_attention(torch.zeros(3, 4, 4), other.k[0], other.v[0], meta)
 
 
 @pytest.mark.parametrize("module", ["kv", "attention"])
@@ -281,3 +311,26 @@ def test_flashinfer_run_refuses_inputs_that_differ_from_the_plan(monkeypatch):
         fi.run(q, cache, torch.zeros(8, 4, 2, 8, dtype=torch.float16))
     assert calls == []
     assert fi.run(q, cache, cache)[:, 0, 0].tolist() == [1, 1, 1, 0] and calls == [(3, 2, 8)]
+
+
+def test_flashinfer_as_attend_refuses_what_it_was_not_planned_for(monkeypatch):
+    """``PagedContext(..., attend=fi)``: a layer asking for a softcap, sinks, another window or scale,
+    another step, or pages of another pool gets a ValueError, and FlashInfer is never called."""
+    fi, meta, plan = _recorded_flashinfer_plan(monkeypatch)
+    calls = []
+    fi._prefill.run = lambda q, kv: calls.append(q.shape) or torch.ones_like(q)
+    q = torch.zeros(4, 2, 8, dtype=torch.float16)
+    cache = torch.zeros(8, 4, 1, 8, dtype=torch.float16)
+    for kwargs, match in (({"softcap": 5.0}, "softcap: FlashInferAttention does not implement it"),
+                          ({"sinks": torch.zeros(2)}, r"sinks: .*got \(2,\)"),
+                          ({"sliding_window": 4}, "sliding_window: expected None .*got 4"),
+                          ({"scale": 0.1}, r"scale: expected 0.35355.* \(given to plan\), got 0.1")):
+        with pytest.raises(ValueError, match=match):
+            fi(q, cache, cache, meta, **kwargs)
+    other = tpool.PageTable(tpool.PagePool(8, 4, device="cpu", backend="reference"), 4, 4)
+    with pytest.raises(ValueError, match="meta: expected the step metadata given to plan"):
+        fi(q, cache, cache, step_metadata(other, other.step(i32([0]), i32([1]), max_tokens=4)))
+    with pytest.raises(ValueError, match="k_cache: expected 8 pages of 4 tokens .*got 6 pages of 4"):
+        fi(q, cache[:6], cache[:6], meta)                      # the plan's page size, another page count
+    assert calls == []
+    assert fi(q, cache, cache, meta, scale=8 ** -0.5)[:, 0, 0].tolist() == [1, 1, 1, 0] and calls == [(3, 2, 8)]

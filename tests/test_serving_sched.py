@@ -179,3 +179,36 @@ def test_gpu_engine_run_never_syncs_but_for_the_sampled_tokens(monkeypatch):
     assert got == want and stats["requests.failed"] == 0 and eng.stats.preemptions > 0
     # Each step's snapshot had landed by the next step (after its sampled-token read): read without a wait.
     assert 0 < seen_clock[0] <= stats["clock"]
+
+
+@pytest.mark.parametrize("rid, prompt_len", [(1, 5), (3, 2)])   # plain: 5 + 4 - 1; speculative: 2 + 4 - 1 + 3
+def test_a_request_at_the_limit_runs_and_one_past_it_is_refused(llama, rid, prompt_len):
+    """A row holds 2 pages of 4 tokens: a request holding exactly 8 tokens at most (its last token is
+    never fed; a speculative one feeds 3 drafts past its last) runs and matches generate."""
+    kw = dict(num_pages=2, page_size=4, max_batch=2, max_pages=2, backend="reference", spec_every=3, draft_len=3)
+    fits = engine.Request(rid, list(range(5, 5 + prompt_len)), max_new=4)
+    assert engine.Engine(llama, **kw)._max_len(fits) == 8
+    eng = engine.Engine(llama, **kw)
+    assert eng.run([fits]) == engine.reference_tokens(llama, [fits])
+    assert eng.check()["pages.used.peak"] == 2
+    past = engine.Request(rid, list(range(5, 6 + prompt_len)), max_new=4)
+    with pytest.raises(ValueError, match=rf"request {rid}: expected prompt \+ max_new - 1 \(\+ draft_len if "
+                                         rf"speculative\) <= 8 tokens .*got 9"):
+        engine.Engine(llama, **kw).run([past])
+
+
+def test_the_demo_sizes_rows_by_the_tokens_a_request_holds(monkeypatch):
+    """``max_pages`` of the demo's engine: the pages of the longest request's ``max_len``, no more."""
+    seen = {}
+
+    class Recording(engine.Engine):
+        def __init__(self, model, **kw):
+            seen.update(kw)
+            super().__init__(model, **kw)
+
+    monkeypatch.setattr(engine, "Engine", Recording)
+    engine.run_demo("llama", backend="reference", out=None, requests=4, num_pages=16, page_size=4, max_batch=4,
+                    max_new=(3, 6))
+    reqs = engine.make_requests(4, max_new=(3, 6))
+    held = max(len(r.prompt) + r.max_new - 1 + (3 if r.rid % 3 == 0 else 0) for r in reqs)
+    assert seen["max_pages"] == -(-held // 4) and seen["spec_every"] == 3 and seen["draft_len"] == 3

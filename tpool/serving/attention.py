@@ -6,6 +6,10 @@ tokens) and decode lanes (one) mixed. A token at position ``p`` of its
 sequence attends to the keys at positions ``0..p`` of its own lane (causal),
 or only ``p - sliding_window + 1 .. p`` with a window (transformers'
 ``sliding_window``; FlashInfer's ``window_left = sliding_window - 1``).
+Two options follow transformers' eager attention: ``softcap`` caps each
+score as ``tanh(score / softcap) * softcap`` before the mask (Gemma2's
+``attn_logit_softcapping``), and ``sinks`` adds one logit per query head to
+the softmax's denominator, a key with no value (gpt-oss's ``s_aux``).
 Query head ``h`` reads key/value head ``h // (Hq // Hkv)`` (grouped-query,
 as transformers' ``repeat_kv``). Padding tokens (position -1: unused
 capacity, padding lanes, failed lanes) get zeros.
@@ -36,6 +40,9 @@ class StepMetadata:
     kv_lens : ``[B]``, each lane's length after the step (a failed lane keeps its length; padding 0).
     csr : the step's FlashInfer CSR (``indptr`` ``[B+1]``, ``indices``, ``last_page_len`` ``[B]``).
     max_pages : int, static: pages per request at most (the table's ``max_pages_per_request``).
+    page_size, num_pages : int, static: the pool's, which the K/V pages must have (checked by
+        :func:`paged_attention` and ``PagedContext``: slots of one page size read through pages
+        of another give wrong attention, no error).
     """
 
     slots: torch.Tensor
@@ -44,6 +51,8 @@ class StepMetadata:
     kv_lens: torch.Tensor
     csr: PagedKVCSR
     max_pages: int
+    page_size: int
+    num_pages: int
 
 
 def step_metadata(table, step) -> StepMetadata:
@@ -51,7 +60,8 @@ def step_metadata(table, step) -> StepMetadata:
 
     No device work: ``positions``, ``qo_indptr`` and ``kv_lens`` are written by the step
     itself, in the same pass as its slots (:class:`tpool.page_table.StepResult`); this
-    packs them with the CSR and the table's static ``max_pages_per_request``.
+    packs them with the CSR, the table's static ``max_pages_per_request`` and its pool's
+    ``page_size`` and ``num_pages``.
 
     Parameters
     ----------
@@ -69,10 +79,21 @@ def step_metadata(table, step) -> StepMetadata:
     >>> m.positions.tolist(), m.qo_indptr.tolist(), m.kv_lens.tolist()   # slot 3: unused capacity
     ([3, 0, 1, -1], [0, 1, 3, 3], [4, 2, 0])
     """
-    return StepMetadata(step.slots, step.positions, step.qo_indptr, step.kv_lens, step.csr, table.max_pages)
+    return StepMetadata(step.slots, step.positions, step.qo_indptr, step.kv_lens, step.csr, table.max_pages,
+                        table.page_size, table.pool.num_pages)
 
 
-def _check(q, k_cache, v_cache, meta):
+def check_pages(k_cache: torch.Tensor, meta: StepMetadata, name: str = "k_cache") -> None:
+    """Raise ``ValueError`` unless ``k_cache`` (``[num_pages, page_size, ...]``) has the table's pages.
+
+    Python ints only (no host sync): cheap enough to run per layer per step.
+    """
+    if tuple(k_cache.shape[:2]) != (meta.num_pages, meta.page_size):
+        raise ValueError(f"{name}: expected {meta.num_pages} pages of {meta.page_size} tokens (the table's pool: "
+                         f"num_pages, page_size), got {k_cache.shape[0]} pages of {k_cache.shape[1]}")
+
+
+def _check(q, k_cache, v_cache, meta, softcap=None, sinks=None):
     if not (isinstance(q, torch.Tensor) and q.dim() == 3):
         raise ValueError(f"q: expected a [T, num_qo_heads, head_dim] tensor, got "
                          f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
@@ -90,10 +111,18 @@ def _check(q, k_cache, v_cache, meta):
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if x.device != meta.positions.device:
             raise ValueError(f"{name}: expected device {meta.positions.device} (the metadata's), got {x.device}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"softcap: expected a positive number or None, got {softcap!r}")
+    if sinks is not None:
+        is_t = isinstance(sinks, torch.Tensor)
+        if not (is_t and tuple(sinks.shape) == (hq,) and sinks.device == q.device):
+            got = f"{tuple(sinks.shape)} on {sinks.device}" if is_t else type(sinks).__name__
+            raise ValueError(f"sinks: expected a ({hq},) tensor on {q.device} (one logit per query head), got {got}")
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata, *,
-                    scale: float | None = None, sliding_window: int | None = None) -> torch.Tensor:
+                    scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Reference paged attention (plain torch) for a packed batch of prefill and decode lanes.
 
     Parameters
@@ -107,13 +136,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         Softmax scale, default ``1 / sqrt(head_dim)``.
     sliding_window : int, optional
         Attend to the last ``sliding_window`` positions only (the token itself included).
+    softcap : float, optional
+        Cap the scaled scores: ``tanh(score / softcap) * softcap`` (Gemma2's ``attn_logit_softcapping``).
+    sinks : torch.Tensor, optional  shape ``[num_qo_heads]``, on q's device
+        One extra logit per query head in the softmax's denominator (gpt-oss's ``s_aux``).
 
     Returns
     -------
     torch.Tensor  shape ``[T, num_qo_heads, head_dim]``, q's dtype; zeros for padding tokens.
     Computed in float32.
     """
-    _check(q, k_cache, v_cache, meta)
+    _check(q, k_cache, v_cache, meta, softcap, sinks)
+    check_pages(k_cache, meta)
     t, hq, d = q.shape
     num_pages, ps, hkv, _ = k_cache.shape
     b, mp = meta.kv_lens.numel(), meta.max_pages
@@ -139,8 +173,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         allowed &= key > pos - sliding_window
     qg = q.float().reshape(t, hkv, hq // hkv, d)
     scores = torch.einsum("thgd,tshd->thgs", qg, k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed[:, None, None, :], torch.finfo(torch.float32).min)
-    p = torch.softmax(scores, dim=-1) * allowed[:, None, None, :]   # a row with no key: all zeros
+    if sinks is None:
+        p = torch.softmax(scores, dim=-1)
+    else:   # query head h = kv head h // g, group member h % g: the layout of qg
+        sink = sinks.float().reshape(1, hkv, hq // hkv, 1).expand(t, -1, -1, -1)
+        p = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    p = p * allowed[:, None, None, :]   # a row with no key: all zeros
     out = torch.einsum("thgs,tshd->thgd", p, v)
     return out.reshape(t, hq, d).to(q.dtype)
 
@@ -150,7 +191,10 @@ class FlashInferAttention:
 
     ``plan`` once per step (outside a CUDA graph: FlashInfer's ``plan`` reads
     ``qo_indptr`` and ``indptr`` on the host, its own sync point), then ``run`` per
-    layer. Mixed batches use ``BatchPrefillWithPagedKVCacheWrapper``; ``decode=True``
+    layer; the object itself is a ``PagedContext`` ``attend`` (``PagedContext(cache,
+    meta, attend=fi)``) that refuses a layer asking for what the plan does not do:
+    another window or scale (a hybrid model's layers), a logit softcap, attention
+    sinks. Mixed batches use ``BatchPrefillWithPagedKVCacheWrapper``; ``decode=True``
     (every lane exactly one token: ``qo_indptr == arange(B + 1)``) uses
     ``BatchDecodeWithPagedKVCacheWrapper``. Eager only: a plan holds host-side
     scheduling for one step, so ``run`` captured in a CUDA graph and replayed for
@@ -178,7 +222,7 @@ class FlashInferAttention:
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._wrapper, self._rows, self._decode_mode, self._valid = None, 0, False, None
-        self._meta, self._shapes = None, None
+        self._meta, self._shapes, self._scale, self._window = None, None, None, None
 
     def plan(self, meta: StepMetadata, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
              q_dtype: torch.dtype, kv_dtype: torch.dtype, scale: float | None = None,
@@ -205,7 +249,7 @@ class FlashInferAttention:
             self._wrapper, self._rows = self._prefill, int(meta.qo_indptr[-1])  # plan read it on the host too
         self._valid = meta.positions >= 0  # [T]: rows of tokens that belong to a granted lane
         self._decode_mode = decode
-        self._meta = meta
+        self._meta, self._scale, self._window = meta, scale, sliding_window
         self._shapes = num_qo_heads, num_kv_heads, head_dim, page_size, q_dtype, kv_dtype
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -230,6 +274,31 @@ class FlashInferAttention:
         out[:self._rows] = self._wrapper.run(q[:self._rows], (k_cache, v_cache))
         return torch.where(self._valid[:, None, None], out, 0)  # a failed lane's tokens: zeros
 
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata, *,
+                 scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """``PagedContext``'s ``attend``: :meth:`run`, once the layer's options are the plan's.
+
+        Raises ``ValueError`` for another step's ``meta``, a ``scale`` or ``sliding_window``
+        other than the planned one, a ``softcap`` or ``sinks`` (not implemented here): a
+        wrong result is never returned in their place.
+        """
+        if self._wrapper is None:
+            raise RuntimeError("FlashInferAttention: call plan() for this step first")
+        if meta is not self._meta:
+            raise ValueError("meta: expected the step metadata given to plan, got another step's")
+        for name, val in (("softcap", softcap), ("sinks", sinks)):
+            if val is not None:
+                raise ValueError(f"{name}: FlashInferAttention does not implement it; expected None, got "
+                                 f"{tuple(val.shape) if isinstance(val, torch.Tensor) else val!r} "
+                                 f"(use the reference paged_attention)")
+        if sliding_window != self._window:
+            raise ValueError(f"sliding_window: expected {self._window} (given to plan), got {sliding_window}")
+        planned, given = (q.shape[-1] ** -0.5 if s is None else s for s in (self._scale, scale))
+        if not math.isclose(planned, given, rel_tol=1e-6):
+            raise ValueError(f"scale: expected {planned} (given to plan), got {given}")
+        return self.run(q, k_cache, v_cache)
+
     def _check(self, q, k_cache, v_cache):
         """Shapes and dtypes against the plan's (FlashInfer would fail in a broadcast, or read wrongly)."""
         _check(q, k_cache, v_cache, self._meta)   # q's rows are the planned step's tokens
@@ -241,3 +310,4 @@ class FlashInferAttention:
             raise ValueError(f"k_cache, v_cache: expected [num_pages, {ps}, {hkv}, {d}] {kv_dtype} (page_size, "
                              f"num_kv_heads, head_dim, kv_dtype given to plan), got {list(k_cache.shape)} "
                              f"{k_cache.dtype} and {v_cache.dtype}")
+        check_pages(k_cache, self._meta)

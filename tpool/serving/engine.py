@@ -101,6 +101,14 @@ class Request:
         return self.prompt + self.out
 
 
+def max_len(r: Request, *, spec_every: int, draft_len: int) -> int:
+    """The most tokens ``r`` ever holds in an :class:`Engine`'s table (the mirror's ``max_len``):
+    its last token is never fed; a speculative lane (``rid`` a multiple of ``spec_every``)
+    feeds up to ``draft_len`` drafts past its last fed token."""
+    spec = bool(spec_every) and r.rid % spec_every == 0
+    return len(r.prompt) + max(r.max_new - 1, 0) + (draft_len if spec else 0)
+
+
 @dataclass
 class Stats:
     steps: int = 0
@@ -152,9 +160,7 @@ class Engine:
         return bool(self.spec_every) and r.rid % self.spec_every == 0
 
     def _max_len(self, r):
-        """The most tokens ``r`` ever holds in the table: its last token is never fed, a
-        speculative lane feeds up to ``draft_len`` drafts past it."""
-        return len(r.prompt) + max(r.max_new - 1, 0) + (self.draft_len if self._spec(r) else 0)
+        return max_len(r, spec_every=self.spec_every, draft_len=self.draft_len)
 
     def _draft(self, r):
         toks = r.tokens
@@ -181,12 +187,13 @@ class Engine:
             self._timed(m.reconcile, self._snapshots.pop(0))
 
     def check_fits(self, requests) -> None:
-        """Raise ``ValueError`` naming the first request that could never fit a row and the pool."""
+        """Raise ``ValueError`` naming the first request that could never fit a row and the pool: the
+        tokens it ever holds (:func:`max_len`: prompt + max_new - 1, + draft_len if speculative)."""
         cap = min(self.max_pages, self.pool.num_pages) * self.ps
         for r in requests:
-            if len(r.prompt) + r.max_new + self.draft_len > cap:
-                raise ValueError(f"request {r.rid}: expected prompt + max_new + draft_len <= {cap} tokens "
-                                 f"(max_pages and the pool), got {len(r.prompt) + r.max_new + self.draft_len}")
+            if self._max_len(r) > cap:
+                raise ValueError(f"request {r.rid}: expected prompt + max_new - 1 (+ draft_len if speculative) "
+                                 f"<= {cap} tokens (max_pages and the pool), got {self._max_len(r)}")
 
     def run(self, requests, out=None):
         """Serve ``requests`` (a list of :class:`Request`) to completion; return ``{rid: tokens}``."""
@@ -361,10 +368,10 @@ def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, p
     try:  # what the options describe: errors here are the caller's (OptionError), not the run's
         lm = tiny_model(model, seed=seed)
         reqs = make_requests(requests, seed=seed, vocab_size=lm.config.vocab_size, max_new=max_new)
-        draft_len = 3
-        max_pages = -(-max(len(r.prompt) + r.max_new + draft_len for r in reqs) // page_size)
-        eng = Engine(lm, num_pages=num_pages, page_size=page_size, max_batch=max_batch, max_pages=max_pages,
-                     backend=backend, draft_len=draft_len)
+        spec_every, draft_len = 3, 3
+        held = max(max_len(r, spec_every=spec_every, draft_len=draft_len) for r in reqs)
+        eng = Engine(lm, num_pages=num_pages, page_size=page_size, max_batch=max_batch,
+                     max_pages=-(-held // page_size), backend=backend, spec_every=spec_every, draft_len=draft_len)
         eng.check_fits(reqs)
     except (ValueError, ImportError) as e:
         raise OptionError(str(e)) from e

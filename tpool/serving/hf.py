@@ -12,8 +12,11 @@ attention function. Each layer writes its new K/V at the step's slots
 (``module.layer_idx`` picks the layer) and attends through the step's
 metadata. No attention mask is built: no mask function is registered for
 this name, so transformers' ``create_causal_mask`` returns None, and
-causality, lanes and padding come from the metadata. Needs transformers 5
-(``pip install "tpool[hf]"``); tested with transformers 5.24.0.
+causality, lanes and padding come from the metadata. A keyword that would
+change the result and that is not implemented here (a mask, ``is_causal=False``,
+dropout in training, a position bias, ...) is a ``ValueError`` naming it and the
+model, never ignored. Needs transformers 5 (``pip install "tpool[hf]"``);
+tested with transformers 5.24.0.
 """
 
 from dataclasses import dataclass, field
@@ -22,11 +25,16 @@ from typing import Callable
 import torch
 from transformers import AttentionInterface
 
-from tpool.serving.attention import StepMetadata, paged_attention
+from tpool.serving.attention import StepMetadata, check_pages, paged_attention
 from tpool.serving.kv import PagedKVCache
 
 ATTN_IMPLEMENTATION = "tpool_paged"  # the name to pass as attn_implementation
 CONTEXT_KWARG = "tpool_context"      # the forward keyword that carries a PagedContext
+# Attention keywords some transformers models pass that change the result and that the paged
+# attention does not implement: refused when not None (position biases, other sink layouts,
+# sparse-attention indices, packed-sequence boundaries of another layout).
+UNSUPPORTED_KWARGS = ("position_bias", "sinks", "indices", "block_indices", "cu_seq_lens_q", "cu_seq_lens_k")
+_NOT_PASSED = object()  # sliding_window's default: "not passed" differs from "passed None"
 
 
 @dataclass
@@ -37,20 +45,45 @@ class PagedContext:
     meta : StepMetadata  the step's slots, positions, qo_indptr, kv_lens and CSR.
     attend : callable, optional
         ``attend(q, k_cache, v_cache, meta, scale=, sliding_window=)`` ->
-        ``[T, Hq, D]``; default :func:`tpool.serving.attention.paged_attention`.
-        A planned FlashInfer path (eager only, see
-        :class:`~tpool.serving.attention.FlashInferAttention`):
-        ``lambda q, k, v, meta, **_: fi.run(q, k, v)``.
+        ``[T, Hq, D]``, also given ``softcap=`` and ``sinks=`` where the model passes
+        them (an ``attend`` that takes ``**kwargs`` must refuse those it does not
+        implement); default :func:`tpool.serving.attention.paged_attention`. A
+        planned FlashInfer path (eager only): the planned
+        :class:`~tpool.serving.attention.FlashInferAttention` itself, ``attend=fi``.
+
+    Raises ``ValueError`` if the cache's pages are not the table's (``page_size``,
+    ``num_pages`` of ``meta``): checked once per step here, per layer in the attention.
     """
 
     cache: PagedKVCache
     meta: StepMetadata
     attend: Callable = field(default=paged_attention)
 
+    def __post_init__(self):
+        check_pages(self.cache.k[0], self.meta, "cache")
+
+
+def _refuse_unsupported(module, attention_mask, dropout, is_causal, kwargs):
+    """Raise ``ValueError`` for a keyword that would change the result and is not implemented here."""
+    def refuse(name, expected, got):
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: {name}: expected {expected}, got {got} from "
+                         f"{type(module).__name__} (not implemented by the paged attention)")
+    if attention_mask is not None:
+        refuse("attention_mask", "None (the step's metadata gives causality, lanes and padding)",
+               f"a mask of shape {tuple(getattr(attention_mask, 'shape', ()))}")
+    if is_causal is not None and not is_causal:
+        refuse("is_causal", "True or None (causal attention)", repr(is_causal))
+    if dropout and getattr(module, "training", False):
+        refuse("dropout", "0.0 in training (no attention dropout)", repr(dropout))
+    for name in UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            refuse(name, "None", type(kwargs[name]).__name__)
+
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask=None, scaling: float | None = None, dropout: float = 0.0,
-                            sliding_window: int | None = None, **kwargs):
+                            sliding_window=_NOT_PASSED, softcap: float | None = None,
+                            s_aux: torch.Tensor | None = None, is_causal: bool | None = None, **kwargs):
     """transformers attention function: write the layer's new K/V into pages, attend through them.
 
     Parameters
@@ -58,9 +91,16 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     module : the attention module (its ``layer_idx`` selects the cache layer).
     query : torch.Tensor  shape ``[1, num_qo_heads, T, head_dim]`` (transformers' layout).
     key, value : torch.Tensor  shape ``[1, num_kv_heads, T, head_dim]``: this step's tokens only.
-    attention_mask : ignored (None with this implementation); the metadata carries causality.
+    attention_mask : must be None (as it is with this implementation); the metadata carries causality.
     scaling : float, optional  softmax scale (the module's).
-    sliding_window : int, optional  passed by sliding-window models (Mistral, Qwen2...).
+    dropout : float  must be 0 in training (transformers passes 0 in eval).
+    sliding_window : int or None, optional
+        As passed by the model, None included (Exaone4's full layers pass None, Mistral, Qwen2,
+        Gemma2, gpt-oss pass theirs); if not passed at all, the module's ``sliding_window``
+        attribute, which some models set only on their sliding layers (Qwen2-MoE).
+    softcap : float, optional  the logit softcap (Gemma2's ``attn_logit_softcapping``).
+    s_aux : torch.Tensor, optional  ``[num_qo_heads]`` attention sinks (gpt-oss).
+    is_causal : bool, optional  must be True or None.
     tpool_context : PagedContext  (keyword) the step's context.
 
     Returns
@@ -77,14 +117,17 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         raise ValueError(f"{ATTN_IMPLEMENTATION}: {type(module).__name__} has no layer_idx to pick its cache layer")
-    if sliding_window is None:
+    _refuse_unsupported(module, attention_mask, dropout, is_causal, kwargs)
+    if sliding_window is _NOT_PASSED:
         sliding_window = getattr(module, "sliding_window", None)
+    extra = {name: val for name, val in (("softcap", softcap), ("sinks", s_aux)) if val is not None}
     cache, meta = ctx.cache, ctx.meta
     q = query[0].transpose(0, 1)                         # [T, Hq, D]
     k = key[0].transpose(0, 1).to(cache.dtype)           # [T, Hkv, D]
     v = value[0].transpose(0, 1).to(cache.dtype)
     cache.write(layer, meta.slots, k, v)
-    out = ctx.attend(q, cache.k[layer], cache.v[layer], meta, scale=scaling, sliding_window=sliding_window)
+    out = ctx.attend(q, cache.k[layer], cache.v[layer], meta, scale=scaling, sliding_window=sliding_window,
+                     **extra)
     return out[None].to(query.dtype), None
 
 
@@ -101,8 +144,14 @@ def forward_step(model, input_ids: torch.Tensor, ctx: PagedContext, **kwargs) ->
     """Run ``model`` on one packed step; return its logits ``[T, vocab]`` (fp32 or the model's dtype).
 
     input_ids : torch.Tensor  shape ``[T]``, int64, on the model's device: the step's tokens in
-    lane order (anything, e.g. 0, at padding). Positions come from ``ctx.meta.positions``.
+    lane order (anything, e.g. 0, at padding), T = the step's ``max_tokens``. Positions come
+    from ``ctx.meta.positions``.
     """
+    t = ctx.meta.positions.numel()
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1 or input_ids.numel() != t:
+        got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids: expected shape ({t},), the step's max_tokens (pad input_ids to it, e.g. "
+                         f"with 0), got {got}")
     positions = ctx.meta.positions.long().clamp(min=0)[None]
     out = model(input_ids=input_ids[None], position_ids=positions, use_cache=False, **{CONTEXT_KWARG: ctx},
                 **kwargs)
