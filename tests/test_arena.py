@@ -147,3 +147,38 @@ def test_cuda_arena_allocates_once():
     arena.view(blocks[3], torch.bfloat16, (512, 1024)).fill_(2.0)
     assert torch.cuda.memory_allocated() - before == 16 << 20
     assert arena.buffer.data_ptr() % 256 == 0 and arena.device.type == "cuda"
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: Arena(True, "cpu"), "capacity_bytes: expected a positive int, got True"),
+    (lambda: Arena(64, "cpu", alignment=True), "alignment: expected a positive int, got True"),
+    (lambda: Arena(64, "cpu", alignment=0), "alignment: expected a positive int, got 0"),
+    (lambda: Arena(64, "cpu", alignment=48), "alignment: expected a power of two, got 48"),
+    (lambda: Arena(64, "meta"), "device: expected a cpu or cuda device, got meta"),
+    (lambda: Arena(64, "bogus"), "device: expected a cpu or cuda device"),
+])
+def test_bad_constructor_arguments(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_sizes_must_be_ints_not_bools():
+    assert Arena(np.int64(512), "cpu", alignment=np.int32(64)).capacity_bytes == 512  # numpy ints are sizes
+    arena = Arena(1024, "cpu")
+    b = arena.alloc(64)
+    for call, match in [
+        (lambda: arena.alloc(True), "nbytes: expected a positive int, got True"),
+        (lambda: arena.block_size(False), "nbytes: expected a positive int, got False"),
+        (lambda: arena.view(b, torch.float32, (-2, -2)), r"shape\[0\]: expected a non-negative int, got -2"),
+        (lambda: arena.view(b, torch.float32, (2, True)), r"shape\[1\]: expected a non-negative int, got True"),
+        (lambda: arena.view(b, "float32", (2,)), "dtype: expected a torch.dtype, got str"),
+        (lambda: arena.view(b, torch.float32, (2,), offset=-4), "offset: expected a non-negative int, got -4"),
+        (lambda: arena.bytes_of(b, True), "nbytes: expected a non-negative int, got True"),
+        (lambda: arena.bytes_of(b, 8, offset=-4), "offset: expected a non-negative int, got -4"),
+        (lambda: arena.bytes_of(b, offset=300), r"range \[300, 256\) does not fit"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
+    with pytest.raises(TypeError, match="expected an arena Block, got str"):
+        arena.view("notablock", torch.float32, (2,))  # the block is checked first
+    assert arena.num_blocks == 1 and arena.view(b, torch.float32, (0, 4)).shape == (0, 4)

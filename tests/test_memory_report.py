@@ -61,6 +61,26 @@ def test_names_default_and_collide():
     assert list(memory_report("cpu", caches=[a, b]).tracked.caches) == ["mm", "mm[1]"]
 
 
+def test_a_renamed_duplicate_never_replaces_another_name():
+    caches = [OwnedCache(100), OwnedCache(200), OwnedCache(300), OwnedCache(400)]
+    for cache, name in zip(caches, ["kv", "kv[2]", "kv", "kv"]):
+        cache.name = name
+    got = memory_report("cpu", caches=caches).tracked.caches
+    assert {k: v["budget_bytes"] for k, v in got.items()} == {"kv": 100, "kv[2]": 200, "kv[3]": 300, "kv[4]": 400}
+    named = OwnedCache(10)
+    named.name = "OwnedCache[1]"  # a name that a default name would take
+    assert list(memory_report("cpu", caches=[named, OwnedCache(20)]).tracked.caches) == \
+        ["OwnedCache[1]", "OwnedCache[1][1]"]
+
+
+@pytest.mark.parametrize("device", ["bogus", "meta", "cuda:x"])
+def test_a_device_torch_cannot_parse_or_tpool_cannot_use_is_a_valueerror(device, capsys):
+    with pytest.raises(ValueError, match="device: expected a cpu or cuda device"):
+        memory_report(device)
+    assert main(["report", "--device", device]) == 2
+    assert "expected a cpu or cuda device" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("bad, match", [
     (object(), "memory_bytes"),
     (type("P", (), {"memory_bytes": lambda s: [1]})(), "dict"),

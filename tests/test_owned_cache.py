@@ -3,6 +3,7 @@
 import collections
 import dataclasses
 import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -231,6 +232,103 @@ def test_same_storage_under_two_keys_counts_once():
     cache.remove("b")
     assert cache.stats().current_bytes == UNIT
     cache.check_invariants()
+
+
+def test_a_view_under_two_keys_is_copied_and_charged_per_key(copies):
+    t = sliced(2)  # needs a copy: the module note's exception to "counts once"
+    cache = OwnedCache(8 * UNIT)
+    assert cache.put("a", t) and cache.put("b", t)
+    assert len(copies) == 2 and cache.get("a") is not cache.get("b")
+    assert cache.stats().current_bytes == 4 * UNIT
+    cache.check_invariants()
+
+
+def test_memory_torch_did_not_allocate_is_copied_and_the_owner_freed():
+    big = np.zeros((1000, 4096), dtype=np.float32)  # 16_384_000 B
+    item = torch.from_numpy(big[300:400])  # storage_bytes sees 1_638_400 B of it
+    alive = weakref.ref(big)
+    cache = OwnedCache(budget_bytes=2 << 20)
+    assert cache.put("img", item) and cache.stats().compactions == 1
+    del big, item
+    gc.collect()
+    assert alive() is None and cache.stats().current_bytes == 1_638_400
+    cache.check_invariants()
+
+
+def test_two_storages_at_one_address_are_priced_apart():
+    arr = np.zeros((1000, 1024), dtype=np.float32)  # 4_096_000 B
+    head, whole = torch.from_numpy(arr[:1]), torch.from_numpy(arr)  # one address, two storages
+    cache = OwnedCache(budget_bytes=1 << 20)
+    assert cache.put("head", head) and cache.stats().current_bytes == 4096
+    assert not cache.put("k", [head, whole]) and not cache.put("whole", whole)  # 4 MB > 1 MiB
+    assert cache.stats().current_bytes == 4096
+    cache.check_invariants()
+
+
+def test_a_kept_tensor_resized_by_its_caller_leaves_no_stale_key():
+    big = 10 << 20  # float32: 40 MiB, above glibc's largest mmap threshold, so its bytes come back by address
+    cache = OwnedCache(budget_bytes=8 * big)
+    buf = torch.empty(big)
+    old = buf.data_ptr()
+    assert cache.put("a", buf) and cache.get("a") is buf  # owns its storage: kept, not copied
+    buf.resize_(big + 1024)  # the caller reuses its buffer (outside the budget promise): its bytes move
+    fresh = torch.empty(big)
+    if fresh.data_ptr() != old:  # test_storage_key_is_the_storage_object_not_its_address checks the keys
+        pytest.skip("the allocator did not reuse the freed address")
+    assert cache.put("b", fresh) and cache.stats().current_bytes == 2 * 4 * big  # charged, not taken for a's
+    with pytest.raises(InvariantViolation, match=str(4 * (big + 1024))):  # the resize: check_invariants sees it
+        cache.check_invariants()
+
+
+def test_a_tensor_with_history_is_stored_detached_and_its_activations_freed():
+    w = torch.randn(64, requires_grad=True)
+    act = torch.randn(1000, 64) * w  # 256_000 B, saved by the mul below
+    alive = StorageWeakRef(act.untyped_storage())
+    emb = (act * act).mean(0)  # 256 B, owns its storage
+    cache = OwnedCache(budget_bytes=UNIT)
+    assert cache.put("emb", emb) and cache.stats().compactions == 0
+    stored = cache.get("emb")
+    assert stored.grad_fn is None and stored.requires_grad and stored.data_ptr() == emb.data_ptr()
+    del act, emb
+    gc.collect()
+    assert alive.expired() and cache.stats().current_bytes == 256
+    cache.check_invariants()
+
+
+def test_a_tensor_past_its_storage_is_refused_before_anything(copies):
+    cache = OwnedCache(4 * UNIT)
+    cache.put("a", full())
+    t = full(2)
+    t.untyped_storage().resize_(0)  # freed under the tensor, FSDP-style
+    with pytest.raises(ValueError, match="at least 2048 bytes.*got a storage of 0 bytes"):
+        cache.put("b", [sliced(), t])
+    assert copies == [] and cache.keys() == ["a"] and cache.stats().current_bytes == UNIT
+
+
+class Batch(collections.UserDict):
+    """Like transformers' BatchFeature / BatchEncoding: a UserDict with attributes."""
+
+    def __init__(self, data, tensor_type=None):
+        super().__init__(data)
+        self.tensor_type = tensor_type
+
+
+def test_userdict_values_are_rebuilt():
+    value = Batch({"pixel_values": sliced(), "input_ids": full()}, tensor_type="pt")
+    cache = OwnedCache(4 * UNIT)
+    assert cache.put("k", value)
+    stored = cache.get("k")
+    assert type(stored) is Batch and stored.tensor_type == "pt" and stored is not value
+    assert storage_bytes(stored["pixel_values"]) == UNIT and stored["input_ids"] is value["input_ids"]
+    assert storage_bytes(value["pixel_values"]) == 2 * UNIT  # the caller's value is untouched
+    assert cache.stats().current_bytes == 2 * UNIT
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("budget", [True, -1, 1.5, "64", None])
+def test_bad_budget_raises(budget):
+    with pytest.raises(ValueError, match="budget_bytes: expected a non-negative int, got"):
+        OwnedCache(budget)
 
 
 def test_unsupported_values_raise_before_anything(copies):

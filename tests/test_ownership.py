@@ -1,7 +1,10 @@
 """Byte counting and view-to-owned compaction (tpool.memory.ownership)."""
 
+import collections
 import dataclasses
 import gc
+import types
+import weakref
 
 import numpy as np
 import pytest
@@ -58,6 +61,12 @@ KINDS = {
     "bool slice": (lambda: (torch.arange(20) % 3 == 0)[5:9], True),
     "int8 strided": (lambda: torch.arange(64, dtype=torch.int8).reshape(8, 8)[::2, 1::3], True),
     "bf16 slice": (lambda: torch.randn(10, 7, dtype=torch.bfloat16)[3:], True),
+    "expanded column of a batch": (lambda: _base()[:, 3:4].expand(-1, 50), True),
+    "numpy whole": (lambda: torch.from_numpy(np.arange(12.0)), True),
+    "numpy row": (lambda: torch.from_numpy(np.arange(12.0).reshape(3, 4)[1]), True),
+    "frombuffer": (lambda: torch.frombuffer(bytearray(64), dtype=torch.float32), True),
+    "dlpack of a whole tensor": (lambda: torch.from_dlpack(_base()), True),
+    "shared memory whole": (lambda: _base().share_memory_(), False),
 }
 
 
@@ -71,7 +80,8 @@ def test_own_every_kind(name):
     assert o.dtype == t.dtype and o.device == t.device and o.shape == t.shape
     assert torch.equal(o.resolve_conj(), t.resolve_conj())
     if copies:
-        assert storage_bytes(o) == compact_bytes(t) < storage_bytes(t)
+        assert storage_bytes(o) == compact_bytes(t) <= storage_bytes(t)
+        assert storage_bytes(o) < storage_bytes(t) or not t.untyped_storage().resizable()
         assert o.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
     assert not needs_compaction(o) and own(o) is o  # idempotent
 
@@ -252,3 +262,115 @@ def test_cuda_own_and_devices_counted_apart():
     cpu = torch.zeros(100)
     assert retained_bytes([batch[:1], batch[5:], cpu, cpu[3:]]) == BATCH_BYTES + 400
     assert storage_key(batch)[:2] == ("cuda", batch.device.index)
+
+
+# -- memory torch did not allocate, storage identity, history, reach -------------------
+def test_memory_torch_did_not_allocate_is_copied_and_the_owner_freed():
+    big = np.zeros((1000, 4096), dtype=np.float32)  # 16_384_000 B
+    item = torch.from_numpy(big[300:400])  # its storage: the 1_638_400 B it wraps
+    assert not item.untyped_storage().resizable() and storage_bytes(item) == 1_638_400  # torch sees the part
+    assert needs_compaction(item) and plan_ownership(item).keep == {}
+    owned = own(item)
+    assert owned is not item and owned.untyped_storage().resizable() and storage_bytes(owned) == 1_638_400
+    assert torch.equal(owned, item) and own(owned) is owned
+    alive = weakref.ref(big)
+    del big, item
+    gc.collect()
+    assert alive() is None  # the copy keeps no reference to the numpy array
+
+
+def test_what_resizable_says_for_torch_allocated_storages():
+    assert torch.empty(3).untyped_storage().resizable() and torch.tensor([1.0]).untyped_storage().resizable()
+    shared = torch.zeros(8).share_memory_()
+    assert shared.is_shared() and shared.untyped_storage().resizable() and own(shared) is shared
+    try:
+        pinned = torch.zeros(8).pin_memory()
+    except RuntimeError:  # a torch without an accelerator has no pinned-memory allocator
+        pytest.skip("pin_memory() needs an accelerator")
+    # torch's _pin_memory: not resizable, but torch's own memory of exactly the tensor's bytes: kept
+    assert not pinned.untyped_storage().resizable() and not needs_compaction(pinned) and own(pinned) is pinned
+    assert needs_compaction(pinned[2:4])  # a pinned view is judged by its size like any other
+
+
+def test_storage_key_is_the_storage_object_not_its_address():
+    arr = np.zeros((1000, 1024), dtype=np.float32)  # 4_096_000 B
+    head, whole = torch.from_numpy(arr[:1]), torch.from_numpy(arr)  # two storages at one address
+    assert head.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+    assert storage_key(head) != storage_key(whole)
+    both = 4096 + 4_096_000
+    assert retained_bytes([head, whole]) == plan_ownership([head, whole]).retained_bytes == both
+    assert retained_bytes([whole, head]) == plan_ownership([whole, head]).retained_bytes == both
+    t = torch.zeros(1024)
+    key = storage_key(t)
+    t.resize_(100_000)  # the bytes move, the storage object stays
+    assert storage_key(t) == key == storage_key(t[5:])
+
+
+def test_kept_tensor_with_history_is_detached_so_saved_activations_are_freed():
+    w = torch.randn(64, requires_grad=True)
+    act = torch.randn(1000, 64) * w  # saved by the mul below
+    alive = StorageWeakRef(act.untyped_storage())
+    emb = (act * act).mean(0)  # owns its 256 B storage, but its grad_fn holds act
+    o = own(emb)
+    assert o is not emb and o.grad_fn is None and o.is_leaf and o.requires_grad
+    assert o.untyped_storage().data_ptr() == emb.untyped_storage().data_ptr()  # no copy
+    a, b, c = plan_ownership([emb, emb, w]).apply()
+    assert a is b and a.grad_fn is None and a.data_ptr() == emb.data_ptr() and c is w
+    del act, emb, a, b
+    gc.collect()
+    assert alive.expired()
+    no_grad = (torch.randn(4) * torch.randn(4, requires_grad=True)).detach()
+    assert own(no_grad) is no_grad
+
+
+def test_expand_of_a_strided_view_copies_its_distinct_values():
+    x = torch.randn(1000, 64)
+    col = x[:, 3:4].expand(-1, 64)  # 1000 distinct floats, strides (64, 0)
+    assert compact_bytes(col) == 4000 and needs_compaction(col)
+    o = own(col)
+    assert storage_bytes(o) == 4000 and o.stride() == (1, 0) and torch.equal(o, col)
+    plan = plan_ownership([col], copy_all=True, align=16)  # the arena path sizes it the same
+    assert plan.copy_bytes == 4000
+    (packed,) = plan.apply(torch.empty(4000, dtype=torch.uint8))
+    assert torch.equal(packed, col) and packed.stride() == (1, 0)
+    windows = torch.arange(16.0).unfold(0, 4, 2)[None].expand(3, -1, -1)  # overlap and expand
+    assert compact_bytes(windows) == 64 and torch.equal(own(windows), windows)
+
+
+@pytest.mark.parametrize("make, need, have", [
+    (lambda: torch.randn(100, 8), 3200, 0),  # freed under it (FSDP-style resize_(0))
+    (lambda: torch.randn(100, 8)[10:20], 640, 64),  # a view past a shrunk storage
+])
+def test_tensor_reaching_past_its_storage_raises(make, need, have):
+    t = make()
+    t.untyped_storage().resize_(have)
+    for fn in (own, needs_compaction, storage_bytes, compact_bytes, storage_key, plan_ownership):
+        with pytest.raises(ValueError, match=f"at least {need} bytes.*got a storage of {have} bytes"):
+            fn(t)
+    empty = t[:0]  # reads nothing: still countable
+    assert storage_bytes(empty) == have and compact_bytes(empty) == 0
+
+
+class _Batch(collections.UserDict):
+    """Like transformers' BatchFeature / BatchEncoding: a UserDict with attributes."""
+
+    def __init__(self, data, tag):
+        super().__init__(data)
+        self.tag = tag
+
+
+def test_map_tensors_rebuilds_a_userdict_and_refuses_other_mappings():
+    x = torch.arange(10.0)
+    value = _Batch({"pixels": x[2:5], "n": 3}, tag="img")
+    new = map_tensors(value, own)
+    assert type(new) is _Batch and new.tag == "img" and new["n"] == 3
+    assert torch.equal(new["pixels"], x[2:5]) and storage_bytes(new["pixels"]) == 12
+    assert value["pixels"].untyped_storage().nbytes() == 40  # the caller's dict is untouched
+    with pytest.raises(TypeError, match=r"mappingproxy.*dict\(value\)"):
+        map_tensors(types.MappingProxyType({"x": x}), own)
+
+
+@pytest.mark.parametrize("align", [0, -16, True, 1.5, "16"])
+def test_plan_ownership_bad_align(align):
+    with pytest.raises(ValueError, match=r"align: expected a positive int, got"):
+        plan_ownership(torch.zeros(4)[1:], align=align)

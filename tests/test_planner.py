@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -95,6 +96,15 @@ def test_suggested_fraction_is_the_smallest_that_works(page, percent, total, dat
     (dict(reserve_bytes=-1), "reserve_bytes"),
     (dict(weights_bytes=-1), "weights_bytes"),
     (dict(max_pages=0, min_pages=1), "max_pages"),
+    # bools and numpy floats are not sizes or fractions
+    (dict(mem_fraction_static=True), "mem_fraction_static: expected a float in .0, 1., got a bool"),
+    (dict(mem_fraction_static=np.float32(0.8)), "mem_fraction_static: expected a float in .0, 1., got a float32"),
+    (dict(bytes_per_page=True), "bytes_per_page: expected a positive int, got True"),
+    (dict(total_bytes=True), "total_bytes: expected a positive int, got True"),
+    (dict(reserve_bytes=False), "reserve_bytes: expected a non-negative int, got False"),
+    (dict(min_pages=True), "min_pages: expected a non-negative int, got True"),
+    (dict(max_pages=2.0), "max_pages: expected a positive int, got 2.0"),
+    (dict(min_pages=3, max_pages=2), "max_pages: expected an int >= 3, got 2"),
 ])
 def test_bad_arguments(kwargs, match):
     args = dict(bytes_per_page=PAGE, mem_fraction_static=0.8, total_bytes=80 * GIB, free_bytes=60 * GIB)
@@ -121,3 +131,8 @@ def test_cuda_reads_mem_get_info():
     assert p.num_pages == 10
     q = plan_pages(PAGE, 1.0, device="cuda", free_bytes=GIB)  # partial: total comes from the device
     assert q.total_bytes == total and q.free_bytes == GIB and q.num_pages == GIB // PAGE
+
+
+def test_numpy_ints_are_sizes():
+    p = plan_pages(np.int64(PAGE), 0.8, total_bytes=np.int64(80 * GIB), free_bytes=np.uint64(60 * GIB))
+    assert p.num_pages == 22_528 and type(p.total_bytes) is int and type(p.bytes_per_page) is int

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tpool._checks import check_size, resolve_device
+
 __all__ = ["Arena", "Block"]
 
 DEFAULT_ALIGNMENT = 256  # bytes; the start of every block is a multiple of this
@@ -49,16 +51,17 @@ class Arena:
     ----------
     capacity_bytes : int
         Size of the buffer, > 0.
-    device : torch.device or str
-        Where the buffer lives.
+    device : torch.device, str or int
+        Where the buffer lives: a cpu or cuda device (an int is a CUDA index).
     alignment : int
         Power of two, in bytes; block starts and sizes are multiples of it.
 
     Raises
     ------
     ValueError
-        ``capacity_bytes`` is not a positive int, or ``alignment`` is not a
-        positive power of two.
+        ``capacity_bytes`` is not a positive int, ``alignment`` is not a
+        positive power of two (a bool is neither), or ``device`` is not a cpu
+        or cuda device this machine has (a ``meta`` device holds no bytes).
 
     Example
     -------
@@ -73,13 +76,13 @@ class Arena:
     """
 
     def __init__(self, capacity_bytes: int, device: torch.device | str, *, alignment: int = DEFAULT_ALIGNMENT):
-        if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-            raise ValueError(f"alignment must be a positive power of two, got {alignment!r}")
+        capacity_bytes = check_size(capacity_bytes, "capacity_bytes", 1)
+        alignment = check_size(alignment, "alignment", 1)
+        if alignment & (alignment - 1):
+            raise ValueError(f"alignment: expected a power of two, got {alignment}")
         self.capacity_bytes = capacity_bytes
         self.alignment = alignment
-        self.buffer = torch.empty(capacity_bytes, dtype=torch.uint8, device=device)
+        self.buffer = torch.empty(capacity_bytes, dtype=torch.uint8, device=resolve_device(device))
         self.device = self.buffer.device
         self._free_offsets: list[int] = [0]  # sorted starts of free ranges
         self._free_sizes: dict[int, int] = {0: capacity_bytes}  # start -> size
@@ -147,8 +150,7 @@ class Arena:
         >>> Arena(4096, "cpu", alignment=256).block_size(300)
         512
         """
-        if not isinstance(nbytes, int) or nbytes <= 0:
-            raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
+        nbytes = check_size(nbytes, "nbytes", 1)
         return -(-nbytes // self.alignment) * self.alignment
 
     # -- allocation ---------------------------------------------------------
@@ -294,7 +296,7 @@ class Arena:
         block : Block
             A live block of this arena.
         nbytes : int, optional
-            Bytes in the range; default ``block.size - offset``.
+            Bytes in the range, >= 0; default ``block.size - offset``.
         offset : int
             Bytes from the block start, >= 0.
 
@@ -308,11 +310,13 @@ class Arena:
         TypeError
             ``block`` is not a :class:`Block`.
         ValueError
-            ``block`` is not live here, or the range does not fit in it.
+            ``block`` is not live here, ``nbytes`` or ``offset`` is not an
+            int >= 0, or the range does not fit in the block.
         """
         self._check_live(block)
-        nbytes = block.size - offset if nbytes is None else nbytes
-        if offset < 0 or nbytes < 0 or offset + nbytes > block.size:
+        offset = check_size(offset, "offset", 0)
+        nbytes = block.size - offset if nbytes is None else check_size(nbytes, "nbytes", 0)
+        if nbytes < 0 or offset + nbytes > block.size:  # nbytes < 0: a default past the block
             raise ValueError(f"range [{offset}, {offset + nbytes}) does not fit in a block of {block.size} bytes")
         start = block.offset + offset
         return self.buffer[start : start + nbytes]
@@ -327,7 +331,8 @@ class Arena:
         dtype : torch.dtype
             Element type of the view.
         shape : sequence of int
-            Shape of the view; its bytes must fit in the block after ``offset``.
+            Shape of the view, sizes >= 0; its bytes must fit in the block
+            after ``offset``.
         offset : int
             Bytes from the block start, >= 0, a multiple of ``dtype``'s
             element size (block starts are aligned to ``alignment``).
@@ -340,9 +345,13 @@ class Arena:
 
         Raises
         ------
+        TypeError
+            ``block`` is not a :class:`Block`.
         ValueError
+            ``block`` is not live here, ``dtype`` is not a ``torch.dtype``, a
+            size in ``shape`` or ``offset`` is not an int >= 0,
             ``block.offset + offset`` is not a multiple of ``dtype``'s element
-            size, ``block`` is not live here, or the view does not fit in it.
+            size, or the view does not fit in the block.
 
         Example
         -------
@@ -351,13 +360,18 @@ class Arena:
         >>> arena.view(block, torch.float32, (2, 8)).shape
         torch.Size([2, 8])
         """
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        self._check_live(block)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
+        shape = tuple(check_size(n, f"shape[{i}]", 0) for i, n in enumerate(shape))
+        offset = check_size(offset, "offset", 0)
+        itemsize = dtype.itemsize
         if (block.offset + offset) % itemsize:
             raise ValueError(f"byte offset {offset} is not aligned to {dtype} ({itemsize} bytes)")
         numel = 1
         for n in shape:
             numel *= n
-        return self.bytes_of(block, numel * itemsize, offset=offset).view(dtype).view(tuple(shape))
+        return self.bytes_of(block, numel * itemsize, offset=offset).view(dtype).view(shape)
 
     def __repr__(self) -> str:
         return (

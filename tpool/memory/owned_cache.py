@@ -14,8 +14,14 @@ Note:
     5. copy what does not own its storage, rebuild the container, insert.
 
     Without an arena the cache charges the storage bytes it keeps alive,
-    each storage once across the cache (reference counted by identity), so
-    a tensor cached under two keys counts once. With an arena every tensor
+    each storage once across the cache (reference counted by storage
+    identity, :func:`~tpool.memory.ownership.storage_key`): a tensor that
+    owns its storage, cached under two keys, counts once; a view that needs
+    a copy is copied, and charged, once per key. A tensor kept as is stays
+    the caller's object (or a ``detach()`` of it, if it has autograd
+    history): a ``resize_`` or ``set_`` of it by the caller changes what the
+    cache keeps alive behind its back, which is outside the budget promise
+    (:meth:`OwnedCache.check_invariants` detects it). With an arena every tensor
     is copied into ONE block per entry; its storage is then the whole arena
     buffer, so an entry is charged its block size instead, and a tensor from
     ``get`` is a view of a block that is reused once the entry is evicted:
@@ -31,6 +37,7 @@ from collections.abc import Hashable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from tpool._checks import check_size
 from tpool.memory import ownership
 from tpool.memory.arena import Arena, Block
 from tpool.errors import InvariantViolation
@@ -96,8 +103,8 @@ class OwnedCache:
     Raises
     ------
     ValueError
-        ``budget_bytes`` is not an int >= 0, or the arena's alignment is
-        below 16 bytes.
+        ``budget_bytes`` is not an int >= 0 (a bool is not), or the arena's
+        alignment is below 16 bytes.
     TypeError
         ``arena`` is not an :class:`~tpool.memory.arena.Arena`.
 
@@ -112,8 +119,7 @@ class OwnedCache:
     """
 
     def __init__(self, budget_bytes: int, *, arena: Arena | None = None):
-        if not isinstance(budget_bytes, int) or budget_bytes < 0:
-            raise ValueError(f"budget_bytes must be an int >= 0, got {budget_bytes!r}")
+        budget_bytes = check_size(budget_bytes, "budget_bytes", 0)
         if arena is not None and not isinstance(arena, Arena):
             raise TypeError(f"arena must be an Arena, got {type(arena).__name__}")
         if arena is not None and arena.alignment < MIN_ARENA_ALIGNMENT:
@@ -139,7 +145,8 @@ class OwnedCache:
         containers) around owned copies of the views that do not own their
         storage (:func:`~tpool.memory.ownership.plan_ownership`; with an
         arena every tensor is copied); a tensor kept as it is stays the
-        caller's object, so in-place writes to it reach the cache.
+        caller's object (a ``detach()`` of it, on the same storage, if it
+        has autograd history), so in-place writes to it reach the cache.
 
         Parameters
         ----------
@@ -147,8 +154,9 @@ class OwnedCache:
             The entry's key.
         value : Any
             A tensor (any shape and dtype; dense strided; any device, or
-            ``arena.device`` with an arena) or a dataclass / dict / list /
-            tuple / set holding tensors and plain scalars.
+            ``arena.device`` with an arena) or a dataclass / dict /
+            ``UserDict`` / list / tuple / set holding tensors and plain
+            scalars.
 
         Returns
         -------
@@ -162,7 +170,9 @@ class OwnedCache:
             A leaf that is neither a tensor nor a plain scalar, or a tensor
             without ordinary storage (checked before anything is evicted).
         ValueError
-            With an arena, a tensor on another device than ``arena.device``.
+            With an arena, a tensor on another device than ``arena.device``;
+            or a tensor that reaches past its storage (checked before
+            anything is evicted).
         """
         if key in self._entries:
             self._entries.move_to_end(key)

@@ -8,10 +8,10 @@ Note:
     after the weights are loaded, so everything in use then (weights, CUDA
     context, other libraries and processes) comes out of the static budget::
 
-        in use        U = total - free (+ weights not loaded yet)
+        in use        U = total - free + pending      (pending: weights not loaded yet)
         static        S = floor(total * fraction)
         reserve       R = total - S                   (runtime reserve)
-        pool budget   P = S - U - extra_reserve       ( = free - R - extra )
+        pool budget   P = S - U - extra_reserve       ( = free - pending - R - extra )
         pages         N = min(P // bytes_per_page, max_pages)
 
     The fraction is read as the decimal it is written as (0.88 is 22/25),
@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
+
+from tpool._checks import check_size
 
 __all__ = ["plan_pages", "PagePlan", "PlanError"]
 
@@ -111,11 +113,6 @@ def _measure(device, total_bytes, free_bytes) -> tuple[int, int, str]:
             f"torch.cuda.mem_get_info({device})")
 
 
-def _check_int(name: str, value, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-
-
 def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, total_bytes: int | None = None,
                free_bytes: int | None = None, reserve_bytes: int = 0, weights_bytes: int | None = None,
                min_pages: int = 1, max_pages: int | None = None) -> PagePlan:
@@ -126,7 +123,9 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
     bytes_per_page : int
         Bytes one page takes on the device (all layers, K and V), > 0.
     mem_fraction_static : float
-        In (0, 1]: share of total device memory for weights + pool.
+        In (0, 1]: share of total device memory for weights + pool (a
+        Python float, int or ``Fraction``; a bool is refused, and so is a
+        numpy float32, which cannot hold a decimal such as 0.8 exactly).
     device : torch.device or str, optional
         CUDA device to measure (``torch.cuda.mem_get_info``) when total or
         free is not given; default the current CUDA device. Unused when both
@@ -157,8 +156,9 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
         smallest fraction (rounded up to 0.01) that gives ``min_pages``, or
         None if even 1.0 does not. A subclass of ``ValueError``.
     ValueError
-        An argument out of its range, ``free_bytes > total_bytes``, or total
-        or free not given and no CUDA device to measure them on.
+        An argument of the wrong type (a bool is not a size or a fraction)
+        or out of its range, ``free_bytes > total_bytes``, or total or free
+        not given and no CUDA device to measure them on.
 
     Example
     -------
@@ -168,20 +168,22 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
     >>> plan_pages(2 << 20, 0.8, total_bytes=80 << 30, free_bytes=60 << 30).num_pages
     22528
     """
-    _check_int("bytes_per_page", bytes_per_page, 1)
-    _check_int("reserve_bytes", reserve_bytes, 0)
-    _check_int("min_pages", min_pages, 0)
+    bytes_per_page = check_size(bytes_per_page, "bytes_per_page", 1)
+    reserve_bytes = check_size(reserve_bytes, "reserve_bytes", 0)
+    min_pages = check_size(min_pages, "min_pages", 0)
     if max_pages is not None:
-        _check_int("max_pages", max_pages, min_pages)
-    if not isinstance(mem_fraction_static, (int, float, Fraction)) or not 0 < mem_fraction_static <= 1:
-        raise ValueError(f"mem_fraction_static must be in (0, 1], got {mem_fraction_static!r}")
+        max_pages = check_size(max_pages, "max_pages", min_pages)
+    if isinstance(mem_fraction_static, bool) or not isinstance(mem_fraction_static, (int, float, Fraction)):
+        raise ValueError(f"mem_fraction_static: expected a float in (0, 1], got a {type(mem_fraction_static).__name__} "
+                         f"({mem_fraction_static!r}); pass a Python float such as 0.8")
+    if not 0 < mem_fraction_static <= 1:
+        raise ValueError(f"mem_fraction_static: expected a float in (0, 1], got {mem_fraction_static!r}")
     total, free, source = _measure(device, total_bytes, free_bytes)
-    _check_int("total_bytes", total, 1)
-    _check_int("free_bytes", free, 0)
+    total = check_size(total, "total_bytes", 1)
+    free = check_size(free, "free_bytes", 0)
     if free > total:
         raise ValueError(f"free_bytes must be <= total_bytes ({total}), got {free}")
-    pending = 0 if weights_bytes is None else weights_bytes
-    _check_int("weights_bytes", pending, 0)
+    pending = 0 if weights_bytes is None else check_size(weights_bytes, "weights_bytes", 0)
 
     fraction = Fraction(str(mem_fraction_static)) if isinstance(mem_fraction_static, float) \
         else Fraction(mem_fraction_static)

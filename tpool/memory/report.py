@@ -108,10 +108,14 @@ class MemoryReport:
         return asdict(self)
 
 
-def _name(obj: Any, i: int, names: set[str]) -> str:
+def _name(obj: Any, i: int, names: set[str] | dict) -> str:
+    """``obj.name`` (or ``Type[i]``), with an index suffix, the next one that is free, if taken."""
     name = getattr(obj, "name", None)
     name = name if isinstance(name, str) and name else f"{type(obj).__name__}[{i}]"
-    return name if name not in names else f"{name}[{i}]"
+    base, k = name, i
+    while name in names:  # "kv", "kv[2]", "kv": the third is kv[3], not a second kv[2]
+        name, k = f"{base}[{k}]", k + 1
+    return name
 
 
 def _tracked(objs: Any, kind: str) -> dict[str, dict[str, Any]]:
@@ -125,7 +129,7 @@ def _tracked(objs: Any, kind: str) -> dict[str, dict[str, Any]]:
                 isinstance(k, str) and isinstance(v, _SCALARS) for k, v in numbers.items()):
             raise TypeError(f"{kind}[{i}].memory_bytes(): expected a dict of str -> int (or another "
                             f"JSON scalar), got {numbers!r}")
-        out[_name(obj, i, set(out))] = dict(numbers)
+        out[_name(obj, i, out)] = dict(numbers)
     return out
 
 
@@ -159,7 +163,9 @@ def memory_report(device: torch.device | str | int | None = None, *, pools=(), c
     pools, caches : iterables
         Objects with ``memory_bytes() -> dict[str, int]`` (e.g. ``OwnedCache``;
         other JSON scalars are accepted as values), reported by their ``name``
-        attribute or ``Type[i]`` (``name[i]`` when a name repeats).
+        attribute or ``Type[i]`` (``i`` its position); a name already taken
+        gets the suffix ``[i]``, or the next index that makes it unique, so
+        no object is dropped.
 
     Returns
     -------
@@ -171,9 +177,8 @@ def memory_report(device: torch.device | str | int | None = None, *, pools=(), c
     Raises
     ------
     ValueError
-        A CUDA device without CUDA, or a CUDA index out of range.
-    RuntimeError
-        ``device`` is a string torch does not parse as a device.
+        ``device`` is not a cpu or cuda device (a string torch does not parse
+        included), a CUDA device without CUDA, or a CUDA index out of range.
     TypeError
         An object without a callable ``memory_bytes``, or one whose
         ``memory_bytes()`` is not a dict of str to JSON scalars.
