@@ -74,8 +74,10 @@ def gen_op(rng: random.Random, cfg: dict, edits: bool) -> tuple:
     if kind in ("extend", "step"):
         ntok = _counts(rng, b, rng.choice([1, 1, 3, 7]))
         op = (kind, _ids(rng, cfg, b), ntok, max(sum(max(n, 0) for n in ntok), 1) + rng.randint(-2, 2))
-        if kind == "step" and rng.random() < 0.3:  # finished requests released in the same call
-            op += (_ids(rng, cfg, rng.randint(0, 3)), rng.random() < 0.4)
+        if kind == "step":  # a CSR capacity: the default (always enough), or one that may be too small
+            op += (None if rng.random() < 0.7 else rng.randint(0, b * MP + 2),)
+            if rng.random() < 0.3:  # finished requests released in the same call
+                op += (_ids(rng, cfg, rng.randint(0, 3)), rng.random() < 0.4)
         return op
     if kind in ("csr", "rows"):
         return (kind, _ids(rng, cfg, b), rng.randint(0, b * MP + 2))
@@ -168,8 +170,8 @@ class System:
                 outs = [t.clone() for t in (r.slots, r.ok, *r.csr, *r.metadata)]
                 return outs + [torch.from_numpy(run.release.copy())]  # consumed: -1 on every backend
             elif kind == "step":
-                gone = dict(release=i32(op[4]), release_cache=op[5]) if len(op) > 4 else {}
-                r = table.step(i32(op[1]), i32(op[2]), max_tokens=op[3], **gone)
+                gone = dict(release=i32(op[5]), release_cache=op[6]) if len(op) > 5 else {}
+                r = table.step(i32(op[1]), i32(op[2]), max_tokens=op[3], capacity=op[4], **gone)
                 return [t.clone() for t in (r.slots, r.ok, *r.csr, *r.metadata)]
             elif kind == "csr":
                 return [t.clone() for t in table.flashinfer_csr(i32(op[1]), capacity=op[2])]
