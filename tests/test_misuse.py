@@ -214,3 +214,141 @@ def test_small_input_checks():
             table.extend(i32([0]), i32([1]), max_tokens=torch.tensor(4))
         with pytest.raises(ValueError, match="capacity: expected a non-negative int, got a Tensor"):
             table.flashinfer_csr(i32([0]), capacity=torch.tensor(4))
+
+
+def _over_foreign_ids(first, then):
+    """An int32 input over the first 4 entries of a numpy array whose next 4 hold ``then``: ids
+    that belong to no input (a kernel reading past the input's storage would find them)."""
+    a = np.full(64, -1, dtype=np.int32)
+    a[:4], a[4:8] = first, then
+    return a, torch.from_numpy(a[:4])
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_an_input_viewed_at_another_length_in_place_is_checked_again(backend):
+    """``t.data = t.view(torch.uint8)`` keeps the tensor object, its address and its storage, and
+    multiplies its length by 4: a cached check that compared only those let the kernels read 16
+    bytes per entry, past the input (rows released and pages freed that were never passed, or
+    a crash). The second call is now checked as a new input: a ValueError naming the dtype."""
+    pool = tpool.PagePool(64, 1, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 8, 8)
+    table.extend(i32([0, 1, 2, 3]), i32([2, 2, 2, 2]), max_tokens=8)
+    held = pool.alloc(i32([8])).pages[:8].clone()
+    out = pool.alloc_out(64, 64)
+    a, pages = _over_foreign_ids(held[:2].tolist() + [-1, -1], held[4:8].tolist())
+    b, ids = _over_foreign_ids([0, -1, -1, -1], [1, 2, 3, -1])
+    c, ntok = _over_foreign_ids([1, 0, 0, 0], [3, 3, 3, 0])
+    d, counts = _over_foreign_ids([1, 0, 0, 0], [5, 5, 5, 5])
+    calls = [("pages", pages, lambda: pool.free(pages)), ("counts", counts, lambda: pool.alloc(counts, out=out)),
+             ("req_ids", ids, lambda: table.extend(ids, ntok, max_tokens=8)),
+             ("req_ids", ids, lambda: table.step(ids, ntok, max_tokens=8)),
+             ("req_ids", ids, lambda: table.release(ids))]
+    for name, t, call in calls:
+        call()  # checked, and remembered as checked
+        t.data = t.view(torch.uint8)
+        if t is ids:
+            ntok.data = ntok.view(torch.uint8)
+        with pytest.raises(ValueError, match=f"{name}: expected dtype torch.int32, got torch.uint8"):
+            call()
+        t.data = t.view(torch.int32)
+        if t is ids:
+            ntok.data = ntok.view(torch.int32)
+    assert table.seq_lens[1:4].tolist() == [2, 2, 2]  # rows 1-3 were never named
+    assert pool.state.refcount[held[4:8].long()].tolist() == [1, 1, 1, 1]  # pages 4-7 never freed
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_lane_lengths_are_compared_when_the_ids_were_checked_by_another_call(backend, guard):
+    """The ids a release checked and the num_tokens a step checked are each remembered; a later
+    step pairing them compares their lengths (4 ids, 2 counts: a kernel would read 4 counts)."""
+    pool = tpool.PagePool(64, 1, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 8, 8)
+    two, four, ntok = i32([0, 1]), i32([0, 1, 2, 3]), i32([1, 1])
+    with guard():
+        table.extend(two, ntok, max_tokens=2)
+        table.release(four)
+    with pytest.raises(ValueError, match="num_tokens: expected 4 entries"):
+        table.extend(four, ntok, max_tokens=4)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_check_after_a_restored_snapshot_reports_what_happened_since(backend):
+    """What check() has seen is kept with the state: a snapshot restored (a warm-up that checked its
+    own calls) brings back the counters and the baseline together, so no negative count is raised
+    and a real double free afterwards is still raised."""
+    from tpool.graphs import preserved
+    pool = tpool.PagePool(8, 1, device="cpu", backend=backend)
+    with preserved(pool):
+        pool.free(i32([3]))  # double free, checked inside
+        with pytest.raises(tpool.DoubleFree):
+            pool.check()
+    pool.check()  # nothing since: nothing raised
+    pool.free(i32([4]))
+    with pytest.raises(tpool.DoubleFree) as e:
+        pool.check()
+    assert e.value.counts == {"double_free": 1}
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_free_group_belongs_to_the_thread_that_entered_it(backend):
+    """Made in one thread, entered in another: the entering thread's frees are deferred, the
+    maker's are applied at once (they used to be deferred into a buffer the other thread flushed)."""
+    pool = tpool.PagePool(8, device="cpu", backend=backend)
+    pages = pool.alloc(i32([4])).pages[:4].clone()
+    group = pool.free_group(capacity=8)
+    seen = []
+
+    def worker():
+        with group:
+            pool.free(pages[:2].clone())
+            seen.append(pool.available())
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == [4] and pool.available() == 6  # deferred inside, applied at the worker's exit
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_free_group_buffers_are_bounded_and_counted(backend):
+    pool = tpool.PagePool(8, device="cpu", backend=backend)
+    before = pool.memory_bytes()["state_bytes"]
+    with pytest.raises(ValueError, match=r"capacity: expected at most 4096 \(max\(4096, 2 \* num_pages\)"):
+        pool.free_group(capacity=2**40)
+    for cap in range(1, 9):
+        pool.free_group(capacity=cap)
+    assert pool.memory_bytes()["state_bytes"] == before + sum(2 * 4 * cap for cap in range(1, 9))
+    with pytest.raises(ValueError, match="capacity: expected one of this pool's 8 group capacities"):
+        pool.free_group(capacity=9)
+    pool.free_group(capacity=3)  # one it has: its buffer again
+    with pytest.raises(RuntimeError):  # a pool-owned buffer: its storage cannot be freed under the group
+        pool._group_buffers[3].untyped_storage().resize_(0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_flags_are_bools_and_sizes_are_bounded(backend):
+    """``cache="no"`` used to cache (read by truthiness), a tensor flag raised torch's error; a
+    max_tokens or capacity of 10**12 ran out of memory instead of naming the bound."""
+    pool = tpool.PagePool(8, 1, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 4, 4)
+    pages = pool.alloc(i32([1])).pages[:1].clone()
+    for call, name in ((lambda v: pool.free(pages, cache=v), "cache"), (lambda v: pool.alloc(i32([1]), evict=v), "evict"),
+                       (lambda v: table.release(i32([0]), cache=v), "cache"),
+                       (lambda v: pool.bind_free(pages, cache=v), "cache")):
+        for bad in ("no", None, 2.5, torch.tensor([True, False])):
+            with pytest.raises(ValueError, match=f"{name}: expected a bool, got"):
+                call(bad)
+    assert pool.available() == 7  # nothing freed or allocated by the refused calls
+    pool.free(pages, cache=np.bool_(True))  # a numpy bool is a bool
+    assert pool.stats()["pages.cached.current"] == 1
+    most = pool.max_batch * 4 * 1
+    with pytest.raises(ValueError, match=f"max_tokens: expected at most {most}"):
+        table.step(i32([0]), i32([1]), max_tokens=10**12)
+    with pytest.raises(ValueError, match=f"capacity: expected at most {pool.max_batch * 4}"):
+        table.step_out(1, capacity=10**12)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_alloc_counts_sharing_the_pool_state_are_refused_without_out(backend):
+    pool = tpool.PagePool(8, 1, device="cpu", backend=backend)
+    with pytest.raises(ValueError, match="counts: shares memory"):
+        pool.alloc(pool.state.refcount[:1])

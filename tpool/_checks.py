@@ -4,6 +4,7 @@ import bisect
 import itertools
 import numbers
 
+import numpy as np
 import torch
 
 _Tensor, _int32 = torch.Tensor, torch.int32  # module globals: read on every hot-path call
@@ -78,6 +79,33 @@ def in_storage(t) -> bool:
 
 
 UNCHECKED = object()  # what a "last input checked" memo holds before any call: no argument (None included) is it
+NOT_SEEN = (UNCHECKED, 0, -1, int, 0)  # a memo of no input (see seen)
+
+
+def flag(v, name: str) -> bool:
+    """A boolean option given by the caller (``cache=``, ``evict=``): a bool or a numpy bool, as
+    bool. Anything else is a ``ValueError``: ``"no"`` or a tensor would be read by truthiness."""
+    if type(v) is bool:
+        return v
+    if isinstance(v, np.bool_):
+        return bool(v)
+    raise ValueError(f"{name}: expected a bool, got {_describe(v)}")
+
+
+def seen(t) -> tuple:
+    """What a cached check remembers of the int32 input it checked: the tensor, its address, its
+    length, and its storage's ``nbytes`` method and size (:func:`storage_size`)."""
+    return (t, t.data_ptr(), t.numel(), *storage_size(t))
+
+
+def still_seen(t, s) -> bool:
+    """Whether ``t`` is the input remembered in ``s`` (:func:`seen`) as it was checked: the same
+    object, address, length, dtype and storage size. A loop refilling its input in place skips
+    the checks; ``t.data = t.view(torch.uint8)`` keeps the object and address but multiplies the
+    length (a kernel would read past the storage) and is checked again, as is a storage resized
+    in place, even back at the same address."""
+    return (t is s[0] and t.data_ptr() == s[1] and t.numel() == s[2] and t.dtype is _int32
+            and s[3]() == s[4])
 
 
 def _describe(v) -> str:

@@ -16,8 +16,14 @@ another. An enqueue larger than the whole buffer is applied at once (after
 flushing what is buffered). No free is ever lost, and the schedule of
 flushes depends only on shapes, so it is deterministic.
 
-Threads: a group belongs to the thread that opened it. Frees from other
-threads while it is open are applied at once, as if no group were open.
+Threads: a group belongs to the thread that entered it (``with``), wherever
+it was made. Frees from other threads while it is open are applied at once,
+as if no group were open.
+
+Buffers: a group's buffer is pool-owned and kept for later groups of the
+same capacity (a captured graph keeps its address); a pool keeps at most
+``MAX_CAPACITIES`` of them, and a capacity past ``max(4096, 2 * num_pages)``
+would only make a later flush, so it is refused.
 """
 
 import threading
@@ -26,6 +32,9 @@ import torch
 
 from tpool._checks import check_size
 from tpool.kernels import layout as L
+from tpool.state import fixed_full
+
+MAX_CAPACITIES = 8  # distinct group capacities (buffers) one pool keeps
 
 
 class FreeGroup:
@@ -50,7 +59,8 @@ class FreeGroup:
     Raises
     ------
     ValueError
-        ``capacity`` is not a positive int.
+        ``capacity`` is not a positive int, is past ``max(4096, 2 * num_pages)``,
+        or would be the pool's ``MAX_CAPACITIES + 1``-th distinct capacity.
     RuntimeError
         On entering, when the pool already has an open group (groups do not
         nest).
@@ -68,25 +78,32 @@ class FreeGroup:
 
     def __init__(self, pool, capacity: int):
         capacity = check_size(capacity, "capacity", 1)
-        self.thread = threading.get_ident()
+        if capacity > (most := max(4096, 2 * pool.num_pages)):
+            raise ValueError(f"capacity: expected at most {most} (max(4096, 2 * num_pages); a larger group "
+                             f"would only flush later), got {capacity}")
+        if capacity not in pool._group_buffers and len(pool._group_buffers) >= MAX_CAPACITIES:
+            raise ValueError(f"capacity: expected one of this pool's {MAX_CAPACITIES} group capacities so far "
+                             f"{sorted(pool._group_buffers)} (each keeps a buffer), got {capacity}")
+        self.thread = None  # the thread that entered it (__enter__)
         self.pool, self.capacity = pool, capacity
         # ``buffer``: int32 [2, capacity]; row 0: plain frees, row 1: cached frees.
         # Pool-owned and kept across groups of the same capacity: no allocation per group,
         # and a graph that captured a group keeps valid addresses. Always -1 between groups.
         self.buffer = pool._group_buffers.get(capacity)
         if self.buffer is None:
-            self.buffer = pool._group_buffers[capacity] = torch.full(
-                (2, capacity), L.NULL_PAGE, dtype=torch.int32, device=pool.device)
+            self.buffer = pool._group_buffers[capacity] = fixed_full(
+                (2, capacity), L.NULL_PAGE, torch.int32, pool.device)
         self._fill = [0, 0]
         self.flushes = 0  # how many passes were applied (host-side, for tests and stats)
 
     def owned_here(self) -> bool:
-        """Whether the calling thread opened this group (its frees are deferred; others' are not)."""
+        """Whether the calling thread entered this group (its frees are deferred; others' are not)."""
         return threading.get_ident() == self.thread
 
     def __enter__(self):
         if self.pool._group is not None:
             raise RuntimeError("free groups do not nest: this pool already has an open group")
+        self.thread = threading.get_ident()
         self.pool._group = self
         return self
 

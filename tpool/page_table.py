@@ -135,8 +135,7 @@ class BoundStep(functools.partial):
             release = None if release is None else torch.from_numpy(release)
         if release is not None:  # checked before any buffer is made for the shape
             table._ids(release, "release")
-            if not isinstance(release_cache, (bool, np.bool_)):
-                raise ValueError(f"release_cache: expected a bool, got {_checks._describe(release_cache)}")
+            release_cache = _checks.flag(release_cache, "release_cache")
         key = None  # the table's call shape whose buffers it writes (None: the caller's, out=)
         if out is None:
             b, entry = table._step_shape(req_ids, num_tokens, max_tokens, capacity)
@@ -281,7 +280,7 @@ class PageTable:
         self._check_written = not self.ops.checks_overlap  # numba's compiled hot calls check it themselves
         # The inputs the last call checked (see _ids, _lanes), and the last step's (req_ids, num_tokens,
         # max_tokens, capacity, BoundStep or None) (see step).
-        self._seen_ids, self._seen_lanes = (_checks.UNCHECKED,) * 4, (_checks.UNCHECKED,) * 8
+        self._seen_ids, self._seen_nums = _checks.NOT_SEEN, _checks.NOT_SEEN  # the last inputs checked (_lanes)
         self._repeat = (*(_checks.UNCHECKED,) * 4, None)  # None: no BoundStep yet (step_binding)
 
     def __reduce_ex__(self, protocol):
@@ -294,12 +293,11 @@ class PageTable:
 
     def _ids(self, t, name="req_ids"):
         """Length of a request-id vector, checked (at most the pool's ``max_batch``)."""
-        s = self._seen_ids
-        if t is s[0] and t.data_ptr() == s[1] and (n := t.numel()) <= self.pool.max_batch and s[2]() == s[3]:
-            return n  # the tensor the last call checked, same memory (see _lanes)
+        if _checks.still_seen(t, self._seen_ids):
+            return self._seen_ids[2]  # the tensor the last call checked, as it was (see _lanes)
         if not 0 <= (n := i32_len(t, self.device)) <= self.pool.max_batch:
             n = _checks.check_vector(t, name, torch.int32, self.device, self.pool.max_batch)
-        self._seen_ids = (t, t.data_ptr(), *_checks.storage_size(t))
+        self._seen_ids = _checks.seen(t)
         return n
 
     def _lane_vector(self, t, name, b):
@@ -312,24 +310,24 @@ class PageTable:
     def _lanes(self, req_ids, num_tokens) -> int:
         """Batch size of an (ids, per-lane int32) pair, both checked.
 
-        The pair the last call checked, with the same memory and lengths, is not checked again
-        (a loop refilling its inputs in place, as ``step`` binds them). A tensor reinterpreted in
-        place over the same memory goes unnoticed, as in :meth:`step`: the kernel reads the same
-        bits as int32 and range-checks them, never out of bounds.
+        The pair the last call checked, as it was (object, address, length, dtype, storage
+        size: :func:`tpool._checks.still_seen`), is not checked again (a loop refilling its
+        inputs in place, as ``step`` binds them). What goes unnoticed is a view over the same
+        bytes of the same length (``as_strided_``): the kernel reads the bytes it checked.
         """
-        s = self._seen_lanes
-        if (req_ids is s[0] and num_tokens is s[1] and req_ids.data_ptr() == s[2] and num_tokens.data_ptr() == s[3]
-                and (b := req_ids.numel()) == num_tokens.numel() and b <= self.pool.max_batch and s[4]() == s[5]
-                and s[6]() == s[7]):
-            return b  # storage sizes too: a storage resized in place can come back at the same address
+        ids, nums = self._seen_ids, self._seen_nums  # checked by this call or another (_ids): lengths compared
+        if _checks.still_seen(req_ids, ids) and _checks.still_seen(num_tokens, nums) and ids[2] == nums[2]:
+            return ids[2]
         b = self._ids(req_ids)
         self._lane_vector(num_tokens, "num_tokens", b)
-        self._seen_lanes = (req_ids, num_tokens, req_ids.data_ptr(), num_tokens.data_ptr(),
-                            *_checks.storage_size(req_ids), *_checks.storage_size(num_tokens))
+        self._seen_nums = _checks.seen(num_tokens)
         return b
 
     def _extend_out(self, b, t):
         t = _checks.check_size(t, "max_tokens")
+        if t > (most := self.pool.max_batch * self.max_pages * self.page_size):
+            raise ValueError(f"max_tokens: expected at most {most} (max_batch * max_pages_per_request * page_size: "
+                             f"no call appends more), got {t}")
         return fixed_full(t, L.NULL_PAGE, torch.int32, self.device), fixed_full(b, False, torch.bool, self.device)
 
     def _step_out(self, b, t):
@@ -341,6 +339,9 @@ class PageTable:
     def _csr_out(self, b, cap):
         """CSR buffers of one shape and their :class:`~tpool.state.CsrMemo`."""
         cap = _checks.check_size(cap, "capacity")
+        if cap > (most := self.pool.max_batch * self.max_pages):
+            raise ValueError(f"capacity: expected at most {most} (max_batch * max_pages_per_request: no batch "
+                             f"has more pages), got {cap}")
         csr = PagedKVCSR(fixed_full(b + 1, 0, torch.int32, self.device),
                          fixed_full(cap, L.NULL_PAGE, torch.int32, self.device),
                          fixed_full(b, 0, torch.int32, self.device))
@@ -455,9 +456,10 @@ class PageTable:
         on, the table keeps them bound (:attr:`step_binding`) and a step only checks
         that they still have their memory and length, as a bound step does (with the
         same ``max_tokens`` and ``capacity``: equal ints, or None). What goes unnoticed
-        is a tensor reinterpreted in place over the same
-        memory (``t.data = t.view(dtype)``, ``as_strided_``): on numba the kernel then
-        reads the same bits as int32 and range-checks them as ids, never out of bounds.
+        is a view over the same bytes with the same length (``t.data = t.view(torch.float32)``,
+        ``as_strided_``): on numba the kernel then reads the bytes it checked as int32 and
+        range-checks them as ids, never out of bounds; a view of another length
+        (``t.view(torch.uint8)``) is checked as a new input.
         The table holds a reference to the last step's inputs.
         """
         if out is not None or release is not None:
@@ -492,8 +494,7 @@ class PageTable:
             return result
         if not 0 <= i32_len(release, self.device) <= self.pool.max_batch:
             _checks.check_vector(release, "release", torch.int32, self.device, self.pool.max_batch)
-        if not isinstance(release_cache, (bool, np.bool_)):
-            raise ValueError(f"release_cache: expected a bool, got {_checks._describe(release_cache)}")
+        release_cache = _checks.flag(release_cache, "release_cache")
         if self._check_written:  # numba's compiled step checks it itself
             _checks.check_not_written(release, "release", written)
         run(req_ids, num_tokens, b, release, bool(release_cache))
@@ -689,6 +690,7 @@ class PageTable:
             Keep pages whose last reference goes as CACHED.
         """
         self._ids(req_ids)
+        cache = _checks.flag(cache, "cache")
         _checks.check_not_written(req_ids, "req_ids", self._written)
         self.ops.release(req_ids, cache)
 

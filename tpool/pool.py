@@ -66,8 +66,7 @@ class AllocOut:
         # What an alloc into these buffers writes: counts must not share memory with any of it
         # (a one-off's are never passed as ``out=``; fresh memory overlaps no live counts).
         self._written = None if once else pool._written | _checks.written_storages(self.result)
-        self._seen, self._seen_at = _checks.UNCHECKED, 0  # the last counts tensor checked (see PagePool.free)
-        self._seen_nb, self._seen_size = int, 0  # its storage's nbytes method and size (int() == 0: no tensor)
+        self._seen = _checks.NOT_SEEN  # the last counts tensor checked (_checks.seen; see PagePool.free)
         # The pool's alloc bound to these buffers: _run(counts, B, evict), B checked by the pool.
         self._run = pool.ops.alloc_into(self)
 
@@ -151,13 +150,11 @@ class PagePool:
         self.ops = make_pool_ops(self.backend, self.state)  # the backend's PoolOps (tpool.backends)
         # The hot-path input check: with overlap too, unless the backend's compiled calls check that.
         self._input_len = _checks.i32_len if self.ops.checks_overlap else _checks.input_len
-        # The last tensor free checked and its address: a loop freeing the same buffer (an AllocOut's
-        # pages) skips the checks while the tensor keeps its memory. A tensor reinterpreted in place
-        # over the same memory (``t.data = t.view(dtype)``) goes unnoticed, as in PageTable.step: the
-        # kernel reads the same bits as int32 ids and range-checks them, never out of bounds.
-        self._seen, self._seen_at = _checks.UNCHECKED, 0
-        self._seen_nb, self._seen_size = int, 0
-        self._errors_seen = [0] * L.NUM_COUNTERS
+        # The last tensor free checked (_checks.seen): a loop freeing the same buffer (an AllocOut's
+        # pages) skips the checks while the tensor keeps its object, memory, length and dtype
+        # (_checks.still_seen). A view over the same bytes and length (as_strided_) goes unnoticed:
+        # the kernel reads the bytes it checked as int32 ids and range-checks them.
+        self._seen = _checks.NOT_SEEN
         self._group = None
         self._group_buffers = {}  # capacity -> int32 [2, capacity], see FreeGroup
 
@@ -240,10 +237,11 @@ class PagePool:
         """
         if out is None:
             b = self._vector(counts, "counts", self.max_batch)
+            if not self.ops.checks_overlap:  # (numba's compiled alloc refuses it itself)
+                _checks.check_not_written(counts, "counts", self._written)
             out = AllocOut(self, b, self.max_alloc_pages, once=True)
-        elif (type(out) is AllocOut and out.pool is self and counts is out._seen and counts.data_ptr() == out._seen_at
-              and (b := counts.numel()) <= out.max_batch and out._seen_nb() == out._seen_size):
-            pass  # the tensor the last call checked, same memory (a loop refilling its counts in place)
+        elif type(out) is AllocOut and out.pool is self and _checks.still_seen(counts, out._seen):
+            b = out._seen[2]  # the tensor the last call checked, as it was (a loop refilling its counts in place)
         elif type(out) is not AllocOut or out.pool is not self:
             raise ValueError(f"out: expected an AllocOut from this pool's alloc_out(), got "
                              f"{'one from another pool' if type(out) is AllocOut else type(out).__name__}")
@@ -251,9 +249,8 @@ class PagePool:
             if not 0 <= (b := self._input_len(counts, self.device, out._written)) <= out.max_batch:
                 b = self._vector(counts, "counts", out.max_batch)  # raises with the expected and actual values
                 _checks.check_not_written(counts, "counts", out._written)
-            out._seen, out._seen_at = counts, counts.data_ptr()
-            out._seen_nb, out._seen_size = _checks.storage_size(counts)
-        out._run(counts, b, evict)
+            out._seen = _checks.seen(counts)
+        out._run(counts, b, evict if type(evict) is bool else _checks.flag(evict, "evict"))
         return out.result
 
     def bind_alloc(self, counts: torch.Tensor, *, out: AllocOut, evict: bool = False) -> BoundCall:
@@ -281,7 +278,7 @@ class PagePool:
             raise ValueError(f"out: expected an AllocOut from this pool's alloc_out(), got {type(out).__name__}")
         b = self._vector(counts, "counts", out.max_batch)
         _checks.check_not_written(counts, "counts", out._written)
-        return BoundCall(self, self.ops.bind_alloc(out, counts, b, bool(evict)), counts, out.result)
+        return BoundCall(self, self.ops.bind_alloc(out, counts, b, _checks.flag(evict, "evict")), counts, out.result)
 
     def bind_free(self, pages: torch.Tensor, *, cache: bool = False) -> BoundCall:
         """:meth:`free` on a fixed ``pages`` tensor, checked once; call the result each time.
@@ -303,7 +300,7 @@ class PagePool:
             ``run()`` frees the pages and returns None.
         """
         self._pages(pages)
-        return BoundCall(self, self.ops.bind_free(pages, bool(cache)), pages, None)
+        return BoundCall(self, self.ops.bind_free(pages, _checks.flag(cache, "cache")), pages, None)
 
     def free(self, pages: torch.Tensor, *, cache: bool = False) -> None:
         """Drop one reference per entry of ``pages``; pages reaching 0 become FREE.
@@ -321,15 +318,17 @@ class PagePool:
         cache : bool
             Keep freed pages as CACHED (a prefix cache) instead of FREE.
         """
-        if pages is not self._seen or pages.data_ptr() != self._seen_at or self._seen_nb() != self._seen_size:
-            if self._input_len(pages, self.device, self._written) < 0:  # (else: checked by the last free)
+        if not _checks.still_seen(pages, self._seen):  # (else: checked by the last free, as it is)
+            if self._input_len(pages, self.device, self._written) < 0:
                 self._pages(pages)  # raises with the expected and actual values
-            self._seen, self._seen_at = pages, pages.data_ptr()
-            self._seen_nb, self._seen_size = _checks.storage_size(pages)
-        if self._group is None or not self._group.owned_here():
+            self._seen = _checks.seen(pages)
+        if type(cache) is not bool:
+            cache = _checks.flag(cache, "cache")
+        group = self._group  # read once: another thread may close its group meanwhile
+        if group is None or not group.owned_here():
             self.ops.free(pages, cache)
         else:
-            self._group.enqueue(pages, cache)
+            group.enqueue(pages, cache)
 
     def _apply_free(self, pages: torch.Tensor, cache: bool) -> None:
         self.ops.free(pages, cache)
@@ -452,9 +451,11 @@ class PagePool:
             ``OutputOverflow``, ``InvalidRequest``, ``TableOverflow`` or ``InvalidLength``
             (the most frequent kind), naming every kind counted.
         """
-        c = self._read_counters()
-        delta = {slot: c[slot] - self._errors_seen[slot] for slot in L.ERROR_NAMES}
-        self._errors_seen = c
+        c, seen = torch.stack([self.state.counters, self.state.checked]).tolist()  # one read of the device
+        # The baseline lives in the state: a snapshot restored (tpool.graphs.preserved) brings back the
+        # counters and what had been checked of them together. A count below it (a hand edit) is no error.
+        delta = {slot: max(c[slot] - seen[slot], 0) for slot in L.ERROR_NAMES}
+        self.state.checked.copy_(torch.tensor(c, dtype=torch.int64))
         raise_for_errors(delta)
 
     def check_invariants(self) -> None:
@@ -498,7 +499,7 @@ class PagePool:
         Returns
         -------
         dict
-            ``{"name": repr(self), "state_bytes": int}``.
+            ``{"name": repr(self), "state_bytes": int}``: the state and the free groups' buffers.
         """
-        n = sum(t.untyped_storage().nbytes() for t in self.state.tensors().values())
+        n = sum(t.untyped_storage().nbytes() for t in [*self.state.tensors().values(), *self._group_buffers.values()])
         return {"name": repr(self), "state_bytes": n}

@@ -102,6 +102,8 @@ class PoolState(_Tensors):
     page_state: torch.Tensor  # int8  [num_pages]: FREE / USED / CACHED
     stamp: torch.Tensor       # int64 [num_pages]: clock at last release or touch
     counters: torch.Tensor    # int64 [NUM_COUNTERS], slots in tpool.kernels.layout
+    checked: torch.Tensor     # int64 [NUM_COUNTERS]: the counters as the last check() read them (no kernel
+    #                           touches it; kept with the state, so a restored snapshot restores it too)
     claim: torch.Tensor       # int32 [num_pages] scratch, INT32_MAX between calls
     occur: torch.Tensor       # int32 [num_pages] scratch, 0 between calls
     keys: torch.Tensor        # int64 [num_pages] scratch for eviction
@@ -123,6 +125,7 @@ class PoolState(_Tensors):
             page_state=fixed_full(num_pages, 0, torch.int8, device),
             stamp=fixed_full(num_pages, 0, torch.int64, device),
             counters=counters,
+            checked=fixed_full(L.NUM_COUNTERS, 0, torch.int64, device),
             claim=fixed_full(num_pages, INT32_MAX, torch.int32, device),
             occur=fixed_full(num_pages, 0, torch.int32, device),
             keys=fixed_full(num_pages, 0, torch.int64, device),
