@@ -100,12 +100,13 @@ def seen(t) -> tuple:
 
 def still_seen(t, s) -> bool:
     """Whether ``t`` is the input remembered in ``s`` (:func:`seen`) as it was checked: the same
-    object, address, length, dtype and storage size. A loop refilling its input in place skips
-    the checks; ``t.data = t.view(torch.uint8)`` keeps the object and address but multiplies the
+    object, address, length and storage size, so a kernel reading ``numel`` int32 from its
+    address reads the bytes that were checked. A loop refilling its input in place skips the
+    checks; ``t.data = t.view(torch.uint8)`` keeps the object and address but multiplies the
     length (a kernel would read past the storage) and is checked again, as is a storage resized
-    in place, even back at the same address."""
-    return (t is s[0] and t.data_ptr() == s[1] and t.numel() == s[2] and t.dtype is _int32
-            and s[3]() == s[4])
+    in place, even back at the same address. A view of the same bytes and length
+    (``t.view(torch.float32)``) is read as the int32 it was: no dtype compare on this path."""
+    return t is s[0] and t.data_ptr() == s[1] and t.numel() == s[2] and s[3]() == s[4]
 
 
 def _describe(v) -> str:

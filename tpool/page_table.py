@@ -310,13 +310,15 @@ class PageTable:
     def _lanes(self, req_ids, num_tokens) -> int:
         """Batch size of an (ids, per-lane int32) pair, both checked.
 
-        The pair the last call checked, as it was (object, address, length, dtype, storage
-        size: :func:`tpool._checks.still_seen`), is not checked again (a loop refilling its
+        The pair the last call checked, as it was (object, address, length, storage size:
+        :func:`tpool._checks.still_seen`), is not checked again (a loop refilling its
         inputs in place, as ``step`` binds them). What goes unnoticed is a view over the same
         bytes of the same length (``as_strided_``): the kernel reads the bytes it checked.
         """
         ids, nums = self._seen_ids, self._seen_nums  # checked by this call or another (_ids): lengths compared
-        if _checks.still_seen(req_ids, ids) and _checks.still_seen(num_tokens, nums) and ids[2] == nums[2]:
+        if (req_ids is ids[0] and num_tokens is nums[0] and req_ids.data_ptr() == ids[1]  # _checks.still_seen of
+                and num_tokens.data_ptr() == nums[1] and req_ids.numel() == ids[2] == nums[2] == num_tokens.numel()
+                and ids[3]() == ids[4] and nums[3]() == nums[4]):  # both, inline: a step's hot path
             return ids[2]
         b = self._ids(req_ids)
         self._lane_vector(num_tokens, "num_tokens", b)
