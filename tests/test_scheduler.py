@@ -175,24 +175,26 @@ class MixedSim(Sim):
 def _run(backend, seed, mode, steps, cls=Sim):
     sim = cls(backend, seed, mode)
     ops = sim.ops()
-    snap = None
+    snaps = []          # up to 3 in flight, as a loop taking one per step holds them
     for i in range(steps):
         op = sim.rng.choice(ops)
         with no_host_sync():
             op()
-            if snap is None and sim.rng.random() < 0.1:
-                snap = sim.m.snapshot()
+            if len(snaps) < 3 and sim.rng.random() < 0.15:
+                snaps.append(sim.m.snapshot())
         _check(sim)
-        if snap is not None and sim.rng.random() < 0.3:
+        if snaps and sim.rng.random() < 0.3:
+            # Mostly the oldest first (in order); sometimes another (then the older ones change nothing).
+            snap = snaps.pop(0 if sim.rng.random() < 0.7 else sim.rng.randrange(len(snaps)))
             with no_host_sync():
                 stats = sim.m.reconcile(snap)
             assert stats["pages.total"] == sim.pool.num_pages
-            snap = None
             _check(sim)
-            with no_host_sync():        # a snapshot with nothing after it: the mirror becomes the truth
-                sim.m.reconcile(sim.m.snapshot())
-            _check(sim, reconciled=True)
-            assert sim.m.exact and sim.m.cached_exact
+            if not snaps or sim.rng.random() < 0.2:
+                with no_host_sync():    # a snapshot with nothing after it: the mirror becomes the truth
+                    sim.m.reconcile(sim.m.snapshot())
+                _check(sim, reconciled=True)
+                assert sim.m.exact and sim.m.cached_exact
         if mode == "plain":
             assert sim.m.exact and sim.m.cached == 0
     sim.table.check_invariants(exclusive=False)
@@ -226,8 +228,9 @@ def test_a_mixed_step_decodes_then_admits_and_refuses_before_device_work(backend
         before = (m.free, m.reserved, m.hi[a])
         with pytest.raises(WouldNotFit, match="beyond their reservations"):
             m.step([a], 12, [8, 8])
-        with pytest.raises(WouldNotFit, match="max_len"):
-            m.step([a], 36)
+        with pytest.raises(ValueError, match="would pass their max_len") as e:
+            m.step([a], 36)                       # never fits, whatever is released: not WouldNotFit
+        assert not isinstance(e.value, WouldNotFit)
         with pytest.raises(ValueError, match="width"):
             m.step([a], 1, [8], width=1)
         with pytest.raises(ValueError, match="max_tokens"):
@@ -392,6 +395,47 @@ def test_two_snapshots_of_one_moment_settle_a_rollback_once(backend):
     assert m.free == pool.available() == 15 and (m.lo[row], m.hi[row]) == (4, 4)
 
 
+@pytest.mark.parametrize("order", [(0, 1, 2), (1, 0, 2), (0, 2, 1), (2, 1, 0), (1, 2, 0)])
+def test_snapshots_in_flight_count_each_correction_once_in_any_order(backend, order):
+    """Three snapshots in flight, each after a gap between the mirror and the device (a released
+    fork, a device-decided rollback), reconciled in this order: a snapshot taken before an earlier
+    reconciliation must not apply that reconciliation's correction again (the mirror would promise
+    pages the pool does not have, or settle a length below the truth)."""
+    pool, table, m = _setup(backend, num_pages=24, rows=4, max_pages=6)
+
+    def check():        # the test's sync point: a safe bound at every moment
+        lens = table.seq_lens.tolist()
+        assert m.free <= pool.available() and all(m.lo[r] <= lens[r] <= m.hi[r] for r in m.running())
+
+    with no_host_sync():
+        a, b = m.admit([8, 4], [24, 24])
+        c = m.fork(a, 8)                          # shares a's 2 pages
+        m.finish([a, c])                          # the device frees them, the mirror credits none: gap 2
+        m.decode([b], 8)                          # b: 12 tokens, 3 pages
+        m.rollback([b], table.seq_lens[b:b + 1] - 6, [6])   # the device keeps 6 (2 pages): gap 1, hi 12
+        snaps = [m.snapshot()]
+        m.decode([b])                             # between snapshots: b 7 on the device, bounds [7, 13]
+        snaps.append(m.snapshot())
+        (d,) = m.admit([4], [24])
+        e = m.fork(d, 4)                          # shares d's page
+        m.finish([d, e])                          # gap 1 more
+        snaps.append(m.snapshot())
+    check()
+    for i in order:
+        with no_host_sync():
+            m.reconcile(snaps[i])
+        check()
+        if i == 2:                                # the last one taken: nothing asked since
+            assert m.free == pool.available() and m.exact
+    lens = table.seq_lens.tolist()
+    assert m.free == pool.available() == 24 - 2 and m.exact     # b holds 2 pages, nothing else
+    assert (m.lo[b], m.hi[b]) == (lens[b], lens[b]) == (7, 7)
+    with no_host_sync():
+        rows = m.admit([4] * m.can_admit([4] * 3, [24] * 3), [24] * 3)
+        res = m.decode(rows + [b], 4)             # what the mirror promises, the device has
+    assert res.ok.tolist() == [True] * (len(rows) + 1) and pool.stats()["requests.failed"] == 0
+
+
 def test_reconcile_raises_when_the_contract_is_broken(backend):
     pool, table, m = _setup(backend, num_pages=20, rows=2)
     with no_host_sync():
@@ -462,6 +506,127 @@ def test_calls_wider_than_max_batch_raise_before_the_mirror_changes(backend):
     assert (m.free, m.reserved, m.hi.tolist(), m._seq, pool.stats()["clock"]) == before
     m.decode(rows[:2])                                    # two lanes: fine
     assert m.free == pool.available()
+
+
+def test_can_admit_counts_the_lanes_one_table_call_takes(backend):
+    """A step takes at most max_batch lanes: the decode rows given, then the prompts."""
+    pool = tpool.PagePool(64, PS, device="cpu", backend=backend, max_batch=4)
+    m = HostMirror(tpool.PageTable(pool, 8, 8), free=64, cached=0)
+    with no_host_sync():
+        rows = m.admit([4, 4, 4])
+        assert m.can_admit([4] * 6) == 4                  # pages and rows for 5: lanes for 4
+        assert m.can_admit([4] * 3, None, rows, 1) == 1   # 3 decode lanes + 1 prompt
+        before = (m.free, m.reserved, m.rows_free, m._seq)
+        with pytest.raises(ValueError, match=r"3 decode rows and 2 prompts make 5 lanes.*admit fewer prompts") as e:
+            m.step(rows, 1, [4, 4])
+        assert not isinstance(e.value, WouldNotFit) and (m.free, m.reserved, m.rows_free, m._seq) == before
+        s = m.step(rows, 1, [4, 4, 4][:m.can_admit([4, 4, 4], None, rows, 1)])   # the README's loop
+    assert len(s.rows) == 1 and s.result.ok.tolist() == [True] * 4
+    with no_host_sync():
+        more = m.admit([4] * m.can_admit([4] * 6))        # 4 rows left: 4 lanes
+    assert len(more) == 4 and m.free == pool.available() and m.exact
+
+
+def test_a_row_asked_past_its_max_len_is_a_value_error_naming_it(backend):
+    """Work no release can make fit is bad input: a plain ValueError from preemption, decode and step
+    alike (not WouldNotFit, which a loop answers by preempting and retrying); fits says False."""
+    pool, table, m = _setup(backend, num_pages=64, rows=4, max_pages=8)
+    with no_host_sync():
+        a, b = m.admit([4, 8], [20, 9])
+        m.decode([a, b])                                  # b reaches its max_len 9
+        before = (m.free, m.reserved, m.hi.tolist(), m._seq)
+        assert not m.fits([a, b]) and m.can_admit([4], None, [a, b]) == 0
+        for call in (lambda: m.preemption([a, b], [1, 0]),        # the batch holds its reservations (O(1) path)
+                     lambda: m.preemption([a, b], [1, 0], [8, 1]),  # pages short too: the other path
+                     lambda: m.decode([a, b]),
+                     lambda: m.decode([a, b], [0, 2]),
+                     lambda: m.step([a, b], 1, [4]),
+                     lambda: m.step([b], 1)):
+            with pytest.raises(ValueError, match=rf"rows \[{b}\] would pass their max_len \(\[9\] tokens") as e:
+                call()
+            assert not isinstance(e.value, WouldNotFit)
+            assert (m.free, m.reserved, m.hi.tolist(), m._seq) == before
+        assert m.preemption([a, b], [1, 0], [1, 0]) == []  # b asks nothing: fits
+        m.decode([a, b], [1, 0])
+    assert table.seq_lens.tolist()[:2] == [6, 9] and m.free == pool.available()
+
+
+def test_decode_of_no_rows_into_a_stepout_writes_a_step_of_padding(backend):
+    """decode([], out=o), like step([], out=o), returns o.result and leaves in o no lane of the
+    step before (a forward reading o must not see it)."""
+    pool, table, m = _setup(backend, num_pages=16, rows=4, max_pages=8)
+    o = table.step_out(2, max_tokens=8)
+    rows = m.admit([5])
+    with no_host_sync():
+        assert m.decode(rows, out=o) is o.result
+    assert o.result.kv_lens.tolist() == [6, 0]
+    with no_host_sync():
+        m.finish(rows)
+        assert m.decode([], out=o) is o.result
+    res = o.result
+    assert res.kv_lens.tolist() == [0, 0] and res.ok.tolist() == [False, False]
+    assert res.csr.indptr.tolist() == [0, 0, 0] and (res.slots == -1).all()
+    with no_host_sync():
+        m.decode([], out=o)                               # again: the same padding step
+        assert m.step([], 1, [], out=o).result is o.result
+    assert res.kv_lens.tolist() == [0, 0] and m.free == pool.available() == 16 and m.exact
+    pool.check()
+
+
+def test_rollback_refuses_new_lens_the_table_would_refuse_before_the_mirror_changes(backend):
+    pool, table, m = _setup(backend, num_pages=16, rows=4, max_pages=8)
+    (a,) = m.admit([8])
+    m.decode([a], 4)
+    before = (m.lo.tolist(), m.hi.tolist(), m._seq, m.exact, table.seq_lens.tolist())
+    for bad, words in ((torch.tensor([9]), "dtype torch.int32, got torch.int64"),   # torch.tensor's default
+                       (i32([9, 9]), "expected 1 entries"),
+                       (table.seq_lens[a:a + 1], "shares memory")):                # the table's own lengths
+        with no_host_sync(), pytest.raises(ValueError, match=words):
+            m.rollback([a], bad, [9])
+        assert (m.lo.tolist(), m.hi.tolist(), m._seq, m.exact, table.seq_lens.tolist()) == before
+    with no_host_sync():
+        m.rollback([a], table.seq_lens[a:a + 1] - 3, [9])  # a fresh tensor: fine
+        m.reconcile(m.snapshot())
+    assert (m.lo[a], m.hi[a]) == (9, 9) and m.free == pool.available() and m.exact
+
+
+def test_a_stepout_too_small_for_the_steps_pages_is_refused_before_the_mirror_changes(backend):
+    """The CSR of a step lists every lane's pages after it: a StepOut whose capacity cannot hold
+    them (counted from the mirror's upper bounds) is a ValueError, before the mirror changes and
+    before device work, in decode and step; one that holds them exactly runs."""
+    pool, table, m = _setup(backend, num_pages=32, rows=4, max_pages=8)
+    rows = m.admit([12, 12])                              # 3 pages each; the 13th token takes a 4th
+    small, step_small = table.step_out(2, capacity=7), table.step_out(3, max_tokens=16, capacity=6)
+    exact, step_exact = table.step_out(2, capacity=8), table.step_out(3, max_tokens=16, capacity=7)
+    before = (m.free, m.reserved, m._seq, pool.stats()["clock"])
+    with no_host_sync():
+        with pytest.raises(ValueError, match=r"up to 8 pages .* at most 7 page ids"):
+            m.decode(rows, out=small)
+        with pytest.raises(ValueError, match=r"up to 7 pages .* at most 6 page ids"):
+            m.step(rows[:1], 1, [10], out=step_small)     # 4 pages + a prompt's 3
+    assert (m.free, m.reserved, m._seq, pool.stats()["clock"]) == before
+    with no_host_sync():
+        assert m.decode(rows, out=exact) is exact.result
+    assert exact.result.csr.indptr.tolist() == [0, 4, 8] and exact.result.kv_lens.tolist() == [13, 13]
+    with no_host_sync():
+        s = m.step(rows[:1], 1, [10], out=step_exact)
+    assert s.result.csr.indptr.tolist() == [0, 4, 7, 7] and s.result.kv_lens.tolist() == [14, 10, 0]
+    pool.check()                                          # no output overflow on the device
+    assert m.free == pool.available() and m.exact
+
+
+def test_token_budgets_stay_within_what_one_table_call_appends(backend):
+    """The mirror rounds a call's tokens up to a power of two (few call shapes), never past
+    max_batch * max_pages * page_size, which the table refuses as a buffer no call fills."""
+    pool = tpool.PagePool(16, 3, device="cpu", backend=backend, max_batch=1)
+    table = tpool.PageTable(pool, 2, 4)                   # a row holds 12 tokens, a call appends at most 12
+    m = HostMirror(table, free=16, cached=0)
+    with no_host_sync():
+        (a,) = m.admit([9])                               # 9 tokens: 16 rounded, 12 at most
+        m.decode([a], 2)
+        s = m.step([], 1, [10], [12])                     # a mixed step of one prompt of 10
+    assert table.seq_lens.tolist() == [11, 10] and s.result.ok.tolist() == [True]
+    assert m.free == pool.available() and m.exact
 
 
 def test_mirror_refuses_to_end_a_row_inside_a_page_it_may_share(backend):

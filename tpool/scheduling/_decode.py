@@ -46,8 +46,9 @@ def decode_accounting(st, rows, n, n_scalar, ps, lookahead, unreserved, out):
     takes each row's pages from its reservation first, advances ``lo``/``hi`` and tops
     the reservation back up to the next ``lookahead`` tokens, in row order, from what
     is left unreserved. ``out`` (int64 ``[5]``) gets: pages taken, reserved pages used,
-    reserved pages granted, 1 if every row got its full reservation (else 0), and 1 if
-    some row has ``lo != hi`` (else 0).
+    reserved pages granted, 1 if every row got its full reservation and has room for
+    ``lookahead`` more tokens before its limit (else 0: ``preemption``'s O(1) answer
+    for the next step needs both), and 1 if some row has ``lo != hi`` (else 0).
     """
     B = rows.shape[0]
     shift = _shift(ps)
@@ -82,7 +83,7 @@ def decode_accounting(st, rows, n, n_scalar, ps, lookahead, unreserved, out):
         target = min(_cdiv(hi + ahead, ps, shift) - _cdiv(lo, ps, shift), _cdiv(ahead, ps, shift))
         want = max(target - res, 0)
         got = min(want, room)
-        if got < want:
+        if got < want or ahead < lookahead:
             full = 0
         room -= got
         granted += got

@@ -38,10 +38,11 @@ def _bad_rows(rows, live) -> str:
     return f"rows: expected distinct running rows, got {rows}: " + "; ".join(problems)
 
 
-def _bucket(tokens):
-    """A call's token budget rounded up to a power of two: the table keeps one set of output
-    buffers per shape, so a few shapes serve every batch instead of one per total."""
-    return 1 << max(tokens - 1, 0).bit_length()
+def _bucket(tokens, most):
+    """A call's token budget rounded up to a power of two, at most ``most`` (the table's limit,
+    ``max_batch * capacity``: no call appends more): the table keeps one set of output buffers
+    per shape, so a few shapes serve every batch instead of one per total."""
+    return min(1 << max(tokens - 1, 0).bit_length(), max(most, tokens))
 
 
 class Accounting:
@@ -59,6 +60,9 @@ class Accounting:
         # Sum of the bounds on every change of the CACHED count (never floored at 0, unlike
         # ``cached``): what reconciliation adds to the truth at a snapshot.
         self._cached_flow = 0
+        # Sums of the corrections reconciliations applied to ``free`` and to each row's ``hi``: a
+        # snapshot notes them, its reconciliation takes back those applied since (snapshot.py).
+        self._free_fix, self._hi_fix = 0, np.zeros(R, dtype=np.int64)
         # Per row, one int64 record (a decode gathers and scatters the batch's records once):
         # lo, hi (length bounds), limit (max_len), shared (leading pages possibly shared),
         # res (pages reserved), gen (bumped when the row's request ends).
@@ -150,17 +154,22 @@ class Accounting:
         tokens (an int, or one per row) of each of these running rows (``step(rows, n,
         prompts)``): the pages those lanes need beyond their reservations come first
         (0 if one of those rows would pass its max_len: that step would be refused).
+
+        Lanes count too: one table call takes at most ``max_batch`` lanes, so at most
+        ``max_batch - len(rows)`` prompts fit (``max_batch`` without ``rows``).
         """
         if max_lens is not None and len(max_lens) != len(prompt_lens):
             raise ValueError(f"max_lens: expected one per prompt ({len(prompt_lens)}), got {len(max_lens)}")
         room, ps, n_fit = self.unreserved, self.page_size, 0
+        lanes = self.max_batch
         if rows is not None:
             r, nn, _ = self._batch(rows, n)
             extra = self._extra(r, nn)
             if extra < 0:          # a row would pass its max_len: the step would be refused
                 return 0
             room -= extra
-        for i, p in enumerate(prompt_lens[:self.rows_free]):
+            lanes -= r.shape[0]
+        for i, p in enumerate(prompt_lens[:min(self.rows_free, lanes)]):
             m = self.capacity if max_lens is None else max_lens[i]
             if not 0 <= p <= m <= self.capacity:
                 break
@@ -171,7 +180,8 @@ class Accounting:
         return n_fit
 
     def fits(self, rows, n=1) -> bool:
-        """Whether ``decode(rows, n)`` would run (True) or raise ``WouldNotFit``."""
+        """Whether ``decode(rows, n)`` would run (True) or raise: ``WouldNotFit`` (pages), or
+        ``ValueError`` for a row ``n`` more tokens would take past its max_len."""
         r, n, _ = self._batch(rows, n)
         return 0 <= self._extra(r, n) <= self.unreserved
 
@@ -188,11 +198,17 @@ class Accounting:
         later row (the end of the running queue, as vLLM preempts). Empty when the step
         fits. Release them (``finish``, and requeue) before the step. O(1) when every
         row of this batch holds its full reservation and ``n <= lookahead``.
+
+        A row that ``n`` more tokens would take past its max_len can never fit, whatever
+        is released: that is a ``ValueError`` naming the rows (as from ``decode`` and ``step``).
         """
         r, n, key = self._batch(rows, n)
         if key == self._full and n.ndim == 0 and n <= self.lookahead:
-            return []
-        if 0 <= self._extra(r, n) <= self.unreserved:
+            return []  # (``_full``: every row also has room for ``lookahead`` tokens before its max_len)
+        extra = self._extra(r, n)
+        if extra < 0:
+            self._refuse_past_max_len("preemption", r, n)
+        if extra <= self.unreserved:
             return []
         need = self._need(r, n)
         extra = need - np.minimum(need, self.res[r])
@@ -207,6 +223,15 @@ class Accounting:
             if deficit <= 0:
                 break
         return out
+
+    def _refuse_past_max_len(self, what, r, n):
+        """Raise the ``ValueError`` (not ``WouldNotFit``: no release makes room) for rows ``r`` that
+        ``n`` more tokens take past their max_len."""
+        past = self.hi[r] + n > self.limit[r]
+        raise ValueError(f"{what}: rows {r[past].tolist()} would pass their max_len ({self.limit[r][past].tolist()} "
+                         f"tokens; {self.hi[r][past].tolist()} now, {np.broadcast_to(n, r.shape)[past].tolist()} "
+                         f"more asked): work that can never fit, whatever is released; finish them, or ask "
+                         f"fewer tokens")
 
     def _batch(self, rows, n):
         """Rows as int64 numpy, n as int64 (0-d or one per row), and the rows' bytes; checked

@@ -23,7 +23,9 @@ from what was asked. What the mirror promises:
   holds its full reservation, a ``decode`` of at most ``lookahead`` tokens
   per request cannot fail. ``decode`` refuses (``WouldNotFit``, before any
   device work) a step the mirror cannot prove fits; ``preemption`` names the
-  requests to release first, lowest priority first.
+  requests to release first, lowest priority first. A row asked past its
+  ``max_len`` is not such a step (no release makes it fit): ``preemption``,
+  ``decode`` and ``step`` raise a plain ``ValueError`` naming it.
 * Reconciliation (:meth:`snapshot`, :meth:`reconcile`) corrects the bounds to
   the device's truth at the snapshot plus what was asked since; see
   :mod:`tpool.scheduling.snapshot`.
@@ -89,6 +91,7 @@ class HostMirror(MixedSteps, Accounting):
         super().__init__(table.max_requests, table.page_size, lookahead, table.max_pages * table.page_size,
                          free, cached)
         self.max_batch = self.pool.max_batch
+        self._most_tokens = self.max_batch * self.capacity  # the most tokens one table call appends
         # The inputs kept per width of the mixed step and truncate (_lane_tensors), and decode's
         # bound steps per width and max_tokens (_bound_decode), which write the table's buffers
         # of their shape: forgotten when the table drops that shape (_shape_dropped).
@@ -192,7 +195,7 @@ class HostMirror(MixedSteps, Accounting):
         self._start(r, p, lim, 0)
         self.free -= int(_cdiv(p, self.page_size).sum())
         self._top_up(r)
-        self.table.extend(self._tensor(rows), self._tensor(p), max_tokens=_bucket(int(p.sum())))
+        self.table.extend(self._tensor(rows), self._tensor(p), max_tokens=_bucket(int(p.sum()), self._most_tokens))
         return rows
 
     def decode(self, rows, n=1, out=None):
@@ -203,18 +206,22 @@ class HostMirror(MixedSteps, Accounting):
         step fits, so every lane of the step succeeds and ``ok`` need not be read. Then
         tops reservations back up, in the order of ``rows``. The step is the table's
         ``bind_step(batch=len(rows))`` for that width (kept, see ``_bound_decode``): the same
-        outputs as ``table.step`` of that shape. Returns the ``StepResult``.
+        outputs as ``table.step`` of that shape. Returns the ``StepResult`` (None for no rows).
+        A row that ``n`` more tokens would take past its max_len is a plain ``ValueError``
+        naming the rows (no preemption makes it fit), raised before anything changes.
 
         ``out``: a ``StepOut`` of this table (``table.step_out``) to write instead of the
         table's buffers, the lanes padded to its batch: two taking turns keep step N's
         outputs intact while step N+1 is made (overlap scheduling). Rows more than its
-        batch, or tokens more than its ``max_tokens``, are a ``ValueError`` before the
-        mirror changes. Returns ``out.result``.
+        batch, tokens more than its ``max_tokens``, or pages more than its ``capacity``
+        (the rows' pages after the step, from their upper bounds ``hi``) are a
+        ``ValueError`` before the mirror changes. Returns ``out.result``, also for no rows
+        (then a step of padding lanes only: ``out`` holds no lane of an earlier step).
         """
         r, n, key = self._batch(rows, n)
         if out is not None:
-            self._out_lanes(out, r.shape[0], int(n.sum()) if n.ndim else r.shape[0] * int(n))
-        if not r.size:
+            self._out_lanes(out, r.shape[0], int(n.sum()) if n.ndim else r.shape[0] * int(n), r, n)
+        elif not r.size:
             return None
         acct = self._acct
         per_row = n.ndim > 0
@@ -222,7 +229,7 @@ class HostMirror(MixedSteps, Accounting):
         code = decode_accounting(self._st, r, n if per_row else EMPTY, each, self.page_size, self.lookahead,
                                  self.unreserved, acct)
         if code == PAST_MAX_LEN:
-            raise WouldNotFit(f"decode: rows {r[self.hi[r] + n > self.limit[r]].tolist()} would pass their max_len")
+            self._refuse_past_max_len("decode", r, n)
         if code == NO_ROOM:
             need = self._need(r, n)
             raise WouldNotFit(f"decode: needs {int((need - np.minimum(need, self.res[r])).sum())} pages beyond "
@@ -238,19 +245,29 @@ class HostMirror(MixedSteps, Accounting):
         last = self._decode_keys.get(out)  # per StepOut: two taking turns each keep their batch
         if last is None or last[0] != dkey:  # same batch: the same bound step, its inputs as they are
             ntok = np.broadcast_to(n, r.shape)
-            max_tokens = _bucket(int(ntok.sum())) if per_row or each != 1 else None
+            max_tokens = _bucket(int(ntok.sum()), self._most_tokens) if per_row or each != 1 else None
             self._decode_keys.pop(out, None)  # the kept inputs are rewritten next: no key may name their old batch
             last = self._keep(self._decode_keys, out, (dkey, self._bound_decode(r, ntok, max_tokens, out)))
         return last[1]()
 
-    def _out_lanes(self, out, lanes, tokens):
-        """Refuse (``ValueError``) a ``StepOut`` that is not this table's or that the step's
-        ``lanes`` and ``tokens`` do not fit; called before the mirror changes."""
+    def _out_lanes(self, out, lanes, tokens, r, n, prompts=EMPTY):
+        """Refuse (``ValueError``) a ``StepOut`` that is not this table's or that the step does not
+        fit: its ``lanes`` and ``tokens``, and the pages its CSR will list (each decode row ``r``
+        at ``hi + n`` tokens, each prompt at its length; a row past the table counted at
+        ``max_pages``, which its max_len refuses next). Called before the mirror changes."""
         if getattr(out, "table", None) is not self.table or not hasattr(out, "result"):
             raise ValueError(f"out: expected a StepOut of this mirror's table (table.step_out), got {out!r}")
         if lanes > out.batch or tokens > out.max_tokens:
             raise ValueError(f"out: the step has {lanes} lanes and {tokens} tokens, {out!r} holds at most "
                              f"{out.batch} and {out.max_tokens}")
+        most = self.table.max_pages
+        if lanes * most > out.capacity:  # else every lane fits (a row holds at most max_pages): no count
+            ps = self.page_size
+            pages = int(np.minimum(_cdiv(self.hi[r] + n, ps), most).sum()) + int(_cdiv(prompts, ps).sum())
+            if pages > out.capacity:
+                raise ValueError(f"out: the step's lanes hold up to {pages} pages (ceil(length / page_size) each "
+                                 f"after the step, from the mirror's upper bounds), {out!r} holds at most "
+                                 f"{out.capacity} page ids (table.step_out(..., capacity=))")
 
     def finish(self, rows, cache: bool = False) -> None:
         """Release these requests (``table.release``) and free their rows and reservations.
@@ -308,6 +325,9 @@ class HostMirror(MixedSteps, Accounting):
         ml = np.asarray(min_lens, dtype=np.int64).reshape(-1)
         if ml.shape != r.shape or (ml < 0).any() or (ml > self.hi[r]).any():
             raise ValueError(f"min_lens: expected one per row within [0, hi], got {ml.tolist()}")
+        # The table's checks of new_lens (metadata only, no sync), before the mirror changes.
+        self.table._lane_vector(new_lens, "new_lens", r.shape[0])
+        _checks.check_not_written(new_lens, "new_lens", self.table._written)
         # Any length in [min_lens, hi] may come out: none may end inside a possibly-shared page.
         ps = self.page_size
         self._refuse_shared_ends(r, (ps > 1) & (ml < self.hi[r]) & (ml < self.shared[r] * ps), "min_lens")

@@ -9,7 +9,7 @@ reservations from what is left. It is checked on host integers before any
 device work (``WouldNotFit`` otherwise), so every lane of the step succeeds
 and ``ok`` need not be read. Ask :meth:`Accounting.can_admit` with the same
 ``rows`` and ``n`` first: it counts the decode lanes' pages beyond their
-reservations before the prompts.
+reservations before the prompts, and the lanes (at most ``max_batch`` in all).
 """
 
 from typing import NamedTuple
@@ -64,8 +64,11 @@ class MixedSteps:
             own inputs, rewritten only by the next step into the same ``out``.
 
         Raises ``WouldNotFit`` (before any device work and without changing the mirror) unless
-        every lane fits: no row passes its ``max_len``, and the decode lanes' pages beyond their
-        reservations plus each prompt's pages and reservation fit the unreserved pages.
+        every lane fits: the decode lanes' pages beyond their reservations plus each prompt's
+        pages and reservation fit the unreserved pages. A decode row that ``n`` more tokens
+        would take past its ``max_len``, like a prompt past its own, is a plain ``ValueError``
+        (no release makes it fit), and so are more lanes than ``max_batch`` (admit fewer
+        prompts: ``can_admit`` with these rows counts the lanes too).
         Then the decode rows' reservations are topped back up (in the order of ``rows``) from
         what the admissions leave.
 
@@ -91,11 +94,15 @@ class MixedSteps:
         b = r.size
         lanes = b + k
         if out is not None:
-            self._out_lanes(out, lanes, int(nn.sum() if nn.ndim else b * int(nn)) + int(p.sum()))
+            self._out_lanes(out, lanes, int(nn.sum() if nn.ndim else b * int(nn)) + int(p.sum()), r, nn, p)
             if width not in (None, out.batch) or max_tokens not in (None, out.max_tokens):
                 raise ValueError(f"width, max_tokens: expected {out.batch} and {out.max_tokens} ({out!r}) or "
                                  f"None, got {width!r} and {max_tokens!r}")
             width, max_tokens = out.batch, out.max_tokens
+        if lanes > self.max_batch:
+            raise ValueError(f"step: {b} decode rows and {k} prompts make {lanes} lanes, one table call takes at "
+                             f"most max_batch={self.max_batch}: admit fewer prompts (can_admit with these rows "
+                             f"counts the lanes)")
         w = lanes if width is None else width
         if not (isinstance(w, int) and lanes <= w <= self.max_batch):
             raise ValueError(f"width: expected an int >= {lanes} (the step's lanes) and <= max_batch="
@@ -117,7 +124,7 @@ class MixedSteps:
                                  self.lookahead, self.unreserved - admit, acct) if b else \
             (NO_ROOM if admit > self.unreserved else FITS)
         if code == PAST_MAX_LEN:
-            raise WouldNotFit(f"step: rows {r[self.hi[r] + nn > self.limit[r]].tolist()} would pass their max_len")
+            self._refuse_past_max_len("step", r, nn)
         if code == NO_ROOM:
             raise WouldNotFit(f"step: the decode lanes need {max(self._extra(r, nn), 0)} pages beyond their "
                               f"reservations and the {k} prompts {admit} with theirs, {self.unreserved} unreserved "
@@ -145,5 +152,5 @@ class MixedSteps:
                              for a in (run.req_ids, run.num_tokens))
             return MixedStep(new, run(), ids_t, ntok_t)
         ids_t, ntok_t = self._lane_tensors(self._step_inputs, ids, ntok)
-        t = max_tokens if max_tokens is not None else _bucket(total)
+        t = max_tokens if max_tokens is not None else _bucket(total, self._most_tokens)
         return MixedStep(new, self.table.step(ids_t, ntok_t, max_tokens=t), ids_t, ntok_t)

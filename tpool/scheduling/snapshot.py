@@ -15,9 +15,16 @@ it brings back:
 ``reconcile`` sets each number to ``truth at the snapshot + what the mirror
 itself changed since`` (the changes since are bounds of the same kind, so the
 result is still a safe bound, and exact when nothing inexact was asked since).
-A snapshot taken no later than the last one reconciled (that one again, an
-older one, or another taken before the next mirror call) changes nothing:
-snapshots may be applied in any order, any number of times.
+"What the mirror changed since" leaves out the corrections other reconciliations
+made since (of snapshots taken before this one, whose truth this one's already
+holds): the mirror keeps running totals of the corrections it applied (to
+``free``, and to each row's ``hi``), a snapshot notes them, and a reconciliation
+takes back those applied since its snapshot before it applies its own. So
+several snapshots may be in flight (one per step, as an overlap loop takes
+them) and be reconciled in order. A snapshot taken no later than the last one
+reconciled (that one again, an older one, or another taken before the next
+mirror call) changes nothing: snapshots may be applied in any order, any
+number of times.
 It does not learn which pages are shared (that would take the reference
 counts): a request's possibly-shared prefix stays as it was, so its release
 keeps under-crediting until the next reconciliation. A truth below the
@@ -47,6 +54,7 @@ class MirrorSnapshot:
         self.num_pages = mirror.pool.num_pages
         self.seq, self.free, self.cached = mirror._seq, mirror.free, mirror.cached
         self.cached_flow = mirror._cached_flow
+        self.free_fix, self.hi_fix = mirror._free_fix, mirror._hi_fix.copy()  # corrections applied so far
         self.gen, self.live = mirror.gen.copy(), mirror.live.copy()
         self.lo, self.hi = mirror.lo.copy(), mirror.hi.copy()
         self._values = None
@@ -64,39 +72,50 @@ class MirrorSnapshot:
 
 
 def reconcile(m, snap: MirrorSnapshot) -> dict:
-    """Correct mirror ``m`` from ``snap`` (see the module note); returns the snapshot's stats."""
+    """Correct mirror ``m`` from ``snap`` (see the module note); returns the snapshot's stats.
+
+    Checks everything before it changes anything: a ``MirrorError`` leaves the mirror as it was.
+    """
     counters, lens = snap._get()
     if snap.seq <= m._reconciled_at:
         # Taken no later than the last snapshot reconciled (that one again, an older one, or another
         # taken at the same mirror call): its truth is in the mirror already.
         return stats_from_counters(snap.num_pages, counters)
-    m._reconciled_at = snap.seq
-    true_free, true_cached = counters[L.FREE_COUNT], counters[L.CACHED_COUNT]
-    if true_free < snap.free or true_cached < snap.cached:
-        raise MirrorError(f"the mirror promised {snap.free} free and {snap.cached} cached pages, the device had "
+    true_free, true_cached = int(counters[L.FREE_COUNT]), int(counters[L.CACHED_COUNT])
+    # The mirror's numbers at the snapshot, with the corrections made since (of older snapshots,
+    # whose truth this one's holds): what it promised then, by what it knows now.
+    free_then = snap.free + (m._free_fix - snap.free_fix)
+    if true_free < free_then or true_cached < snap.cached:
+        raise MirrorError(f"the mirror promised {free_then} free and {snap.cached} cached pages, the device had "
                           f"{true_free} and {true_cached} (a call made around the mirror, or a broken contract)")
-    m.free += true_free - snap.free
+    # Lengths: every row must lie within the bounds the mirror had at the snapshot (0 for a row
+    # not running then), its upper bound corrected since as above.
+    lens = np.asarray(lens, dtype=np.int64)
+    fixed = m._hi_fix - snap.hi_fix  # 0 but for rows running then, of the same request (only older snapshots)
+    lo, hi = np.where(snap.live, snap.lo, 0), np.where(snap.live, snap.hi + fixed, 0)
+    bad = np.flatnonzero((lens < lo) | (lens > hi))
+    if bad.size:
+        raise MirrorError(f"rows {bad.tolist()[:8]}: true lengths {lens[bad].tolist()[:8]} outside the mirror's "
+                          f"bounds [{lo[bad].tolist()[:8]}, {hi[bad].tolist()[:8]}] (a rollback below min_lens, or "
+                          f"a table call made around the mirror?)")
+    m._reconciled_at = snap.seq
+    fix = true_free - free_then
+    m.free += fix
+    m._free_fix += fix
     m._full = None
     m.cached = max(true_cached + m._cached_flow - snap.cached_flow, 0)
     if m._free_inexact_at <= snap.seq:
         m._free_inexact_at = -1
     if m._cached_inexact_at <= snap.seq:
         m._cached_inexact_at = -1
-    # Lengths: every row must lie within the bounds the mirror had at the snapshot (0 for a row
-    # not running then); the rows running then and now, not set outright since, with a bound
-    # to settle, are settled.
-    lens = np.asarray(lens, dtype=np.int64)
-    lo, hi = np.where(snap.live, snap.lo, 0), np.where(snap.live, snap.hi, 0)
-    bad = np.flatnonzero((lens < lo) | (lens > hi))
-    if bad.size:
-        raise MirrorError(f"rows {bad.tolist()[:8]}: true lengths {lens[bad].tolist()[:8]} outside the mirror's "
-                          f"bounds [{lo[bad].tolist()[:8]}, {hi[bad].tolist()[:8]}] (a rollback below min_lens, or "
-                          f"a table call made around the mirror?)")
+    # The rows running then and now, not set outright since, with a bound to settle: hi becomes
+    # the truth plus what was asked since; those not rolled back since are settled (lo = hi).
     same = snap.live & m.live & (snap.gen == m.gen) & (m.exact_at <= snap.seq) & (snap.lo != snap.hi)
     r = np.flatnonzero(same)
     if r.size:
-        true = lens[r]
-        m.hi[r] -= snap.hi[r] - true
+        fix = lens[r] - hi[r]
+        m.hi[r] += fix
+        m._hi_fix[r] += fix
         settled = r[m.uncertain_at[r] <= snap.seq]
         m.lo[settled] = m.hi[settled]
         # Reservations were sized from the wider bounds: give back what the settled rows no longer need.
