@@ -18,6 +18,13 @@ from tpool.testing import HostSyncError, count_host_reads, no_host_sync
 PS = 4  # tokens per page in the simulations (odd seeds use 3: the accounting's division path, not its shift)
 
 
+
+def landed(snap):
+    """``snap`` once its ``ready()`` said True (at once on a CPU): the guards report a snapshot read
+    before that, a wait for the copy on CUDA. Reconciling an unready snapshot is a sync point."""
+    assert snap.ready()
+    return snap
+
 def _setup(backend, num_pages, rows=8, max_pages=12, lookahead=1, page_size=PS):
     pool = tpool.PagePool(num_pages, page_size, device="cpu", backend=backend)
     table = tpool.PageTable(pool, rows, max_pages)
@@ -187,12 +194,12 @@ def _run(backend, seed, mode, steps, cls=Sim):
             # Mostly the oldest first (in order); sometimes another (then the older ones change nothing).
             snap = snaps.pop(0 if sim.rng.random() < 0.7 else sim.rng.randrange(len(snaps)))
             with no_host_sync():
-                stats = sim.m.reconcile(snap)
+                stats = sim.m.reconcile(landed(snap))
             assert stats["pages.total"] == sim.pool.num_pages
             _check(sim)
             if not snaps or sim.rng.random() < 0.2:
                 with no_host_sync():    # a snapshot with nothing after it: the mirror becomes the truth
-                    sim.m.reconcile(sim.m.snapshot())
+                    sim.m.reconcile(landed(sim.m.snapshot()))
                 _check(sim, reconciled=True)
                 assert sim.m.exact and sim.m.cached_exact
         if mode == "plain":
@@ -346,11 +353,11 @@ def test_rollback_is_worst_case_until_reconciled(backend):
         snap = m.snapshot()
         m.decode([row], 1)                        # a step after the snapshot: counted as a bound
         assert snap.ready()
-        m.reconcile(snap)
+        m.reconcile(landed(snap))
     assert pool.available() == 18 and m.free == 17  # the step's worst case (1 page) is still assumed
     assert (m.lo[row], m.hi[row]) == (6, 6)
     with no_host_sync():
-        m.reconcile(m.snapshot())
+        m.reconcile(landed(m.snapshot()))
     assert m.free == 18 and m.exact
 
 
@@ -375,9 +382,9 @@ def test_a_snapshot_counts_once_and_older_ones_change_nothing(backend):
         old = m.snapshot()
         m.finish([b])                             # now they come back on the device, not in the mirror
         new = m.snapshot()
-        m.reconcile(new)
-        m.reconcile(new)                          # again: no double count
-        m.reconcile(old)                          # older: its truth is already in
+        m.reconcile(landed(new))
+        m.reconcile(landed(new))                          # again: no double count
+        m.reconcile(landed(old))                          # older: its truth is already in
     assert m.free == pool.available() == 20 and m.exact
 
 
@@ -390,8 +397,8 @@ def test_two_snapshots_of_one_moment_settle_a_rollback_once(backend):
         m.decode([row], 4)                        # 12 tokens, 3 pages
         m.rollback([row], table.seq_lens[:1] - 8, [4])   # the device keeps 4 tokens, 1 page
         first, second = m.snapshot(), m.snapshot()
-        m.reconcile(first)
-        m.reconcile(second)
+        m.reconcile(landed(first))
+        m.reconcile(landed(second))
     assert m.free == pool.available() == 15 and (m.lo[row], m.hi[row]) == (4, 4)
 
 
@@ -423,7 +430,7 @@ def test_snapshots_in_flight_count_each_correction_once_in_any_order(backend, or
     check()
     for i in order:
         with no_host_sync():
-            m.reconcile(snaps[i])
+            m.reconcile(landed(snaps[i]))
         check()
         if i == 2:                                # the last one taken: nothing asked since
             assert m.free == pool.available() and m.exact
@@ -442,17 +449,17 @@ def test_reconcile_raises_when_the_contract_is_broken(backend):
         (row,) = m.admit([8])
         m.rollback([row], table.seq_lens[:1] - 6, [4])    # 2 tokens on the device, below min_lens 4
         with pytest.raises(MirrorError):
-            m.reconcile(m.snapshot())
+            m.reconcile(landed(m.snapshot()))
     pool2, table2, m2 = _setup(backend, num_pages=20, rows=2)
     table2.extend(i32([1]), i32([8]), max_tokens=8)       # a call made around the mirror
     with pytest.raises(MirrorError):
-        m2.reconcile(m2.snapshot())
+        m2.reconcile(landed(m2.snapshot()))
     pool3, table3, m3 = _setup(backend, num_pages=20, rows=2)
     with no_host_sync():
         (row,) = m3.admit([6])
     table3.truncate(i32([row]), i32([3]))                 # around the mirror: it frees nothing, the length moves
     with pytest.raises(MirrorError, match=r"true lengths \[3\] outside the mirror's bounds \[\[6\], \[6\]\]"):
-        m3.reconcile(m3.snapshot())
+        m3.reconcile(landed(m3.snapshot()))
 
 
 def test_bad_calls_raise_before_device_work(backend):
@@ -586,7 +593,7 @@ def test_rollback_refuses_new_lens_the_table_would_refuse_before_the_mirror_chan
         assert (m.lo.tolist(), m.hi.tolist(), m._seq, m.exact, table.seq_lens.tolist()) == before
     with no_host_sync():
         m.rollback([a], table.seq_lens[a:a + 1] - 3, [9])  # a fresh tensor: fine
-        m.reconcile(m.snapshot())
+        m.reconcile(landed(m.snapshot()))
     assert (m.lo[a], m.hi[a]) == (9, 9) and m.free == pool.available() and m.exact
 
 
@@ -668,6 +675,18 @@ def test_stats_async_matches_stats_and_is_taken_in_order(backend):
     assert pool.stats_async().get() == pool.stats()
 
 
+def test_a_snapshot_read_before_ready_said_true_is_reported():
+    """On CUDA ``get()`` before ``ready()`` said True waits for the copy: a stall the CPU guard reports,
+    though on a CPU the copy is done at once."""
+    pool = tpool.PagePool(8, device="cpu", backend="reference")
+    h = pool.stats_async()
+    with pytest.raises(HostSyncError, match=r"host snapshot before its ready\(\) said True"):
+        with no_host_sync():
+            h.get()
+    with no_host_sync():
+        assert h.ready() and h.get()["pages.free.current"] == 8  # asked first: a read of host memory
+
+
 def test_count_host_reads_counts_each_read_once_and_sees_snapshots():
     t = torch.arange(4)
     pool = tpool.PagePool(8, device="cpu", backend="reference")
@@ -675,7 +694,9 @@ def test_count_host_reads_counts_each_read_once_and_sees_snapshots():
         t.tolist()
         bool(t[1])
         t[t > 1]
-        pool.stats_async().get()
+        h = pool.stats_async()
+        assert h.ready()
+        h.get()
     assert [w for w, _ in seen.reads] == ["Tensor.tolist()", seen.reads[1][0], seen.reads[2][0]]
     assert len(seen.snapshot_reads) == 1
     assert seen.reads[0][1][0][1] == "test_count_host_reads_counts_each_read_once_and_sees_snapshots"

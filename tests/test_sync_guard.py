@@ -51,6 +51,9 @@ CONSTRUCTS = {
     "equal": lambda: torch.equal(t, t),
     "bincount": lambda: torch.bincount(t),
     "repeat_interleave": lambda: torch.repeat_interleave(t, t),
+    "allclose": lambda: torch.allclose(t.float(), t.float()),
+    "isin": lambda: torch.isin(t, t),
+    "histc without a range": lambda: torch.histc(t.float()),
 }
 
 
@@ -131,6 +134,12 @@ def test_hot_paths_build_no_tensor_from_host_data(backend):
             table.flashinfer_csr(ids)
             table.block_table_rows(ids)
             table.release(rows, cache=True)
+            pool.bind_alloc(counts, out=out)()               # the bound forms: made and called
+            pool.bind_free(out.pages)()
+            table.bind_step(ids, ntok)()
+            run = table.bind_step(batch=2, release=1)
+            run()
+            table.release(rows)
         pool.check()
 
 

@@ -9,16 +9,18 @@ is done at once and ``ready()`` is always True. The copies are taken in stream
 order: they show the state after every call issued before the read started,
 and none issued after it.
 
-The host copies carry the attribute :data:`HOST_SNAPSHOT_ATTR`, so the test
-guards in :mod:`tpool.testing` know that reading them is a read of host memory
-filled by a finished copy, not a read of device data.
+The host copies carry the attribute :data:`HOST_SNAPSHOT_ATTR`, a one-item
+list that ``ready()`` sets to True once it has said so, so the test guards in
+:mod:`tpool.testing` know that reading them is a read of host memory filled by
+a finished copy, not a read of device data, and that a read before ``ready()``
+said True would wait for the copy on CUDA (a stall the guards report).
 """
 
 import torch
 
 from tpool.kernels import layout as L
 
-HOST_SNAPSHOT_ATTR = "_tpool_host_snapshot"  # set on host copies that AsyncRead filled
+HOST_SNAPSHOT_ATTR = "_tpool_host_snapshot"  # on host copies AsyncRead filled: [whether ready() said True]
 
 
 class AsyncRead:
@@ -56,12 +58,15 @@ class AsyncRead:
         else:
             self._host = [t.clone() for t in tensors]
             self._event = None
+        self._asked = [False]  # ready() said True (the guards read it through each host copy)
         for h in self._host:
-            setattr(h, HOST_SNAPSHOT_ATTR, True)
+            setattr(h, HOST_SNAPSHOT_ATTR, self._asked)
 
     def ready(self) -> bool:
         """True once the copies have landed (never waits)."""
-        return self._event is None or self._event.query()
+        landed = self._event is None or self._event.query()
+        self._asked[0] = self._asked[0] or landed
+        return landed
 
     def values(self) -> list:
         """The copied tensors as nested Python lists; waits for the copy if it is not ready."""

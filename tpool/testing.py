@@ -8,11 +8,20 @@ host wait for the device raises :class:`HostSyncError`:
   (``.item()``, ``bool(t)``, ``int(t)``, ``float(t)``), ``is_nonzero``,
   ``nonzero``/``argwhere``, ``unique`` in all forms, ``masked_select``,
   boolean-mask indexing (``t[mask]``, ``t[mask] = v``), ``bincount``,
-  ``repeat_interleave`` without ``output_size``, ``equal``;
+  ``repeat_interleave`` without ``output_size``, ``equal``, ``allclose``
+  (a host bool), ``isin`` (its sorting path runs ``unique``) and ``histc``
+  without a range (its CUDA kernel reads the min and max);
 * methods that read memory without dispatch, patched while any guard is
   active: ``Tensor.tolist``, ``Tensor.numpy``, ``Tensor.cpu``,
   ``Tensor.item`` (and ``torch.tensor`` / ``torch.as_tensor`` of host data
   for a guard with ``host_data=True``).
+
+An op whose own kernel reads the device inside (as ``isin`` and ``histc``
+do) is seen only if listed here. ``t.to("cpu")`` is not refused: on a CPU it
+cannot be told from ``t.to(device)`` of a tensor staying on its device (on
+CUDA, ``set_sync_debug_mode("error")`` sees it). A host snapshot
+(:class:`tpool.stats_async.AsyncRead`) read before its ``ready()`` said True
+is reported: on CUDA ``values()`` would wait for the copy.
 
 Wrap every hot-path call in it; read results after the block.
 ``count_host_reads()`` is the same guard counting reads instead of raising
@@ -57,6 +66,8 @@ _BANNED = {
     aten.masked_select: "masked_select (data-dependent shape)",
     aten.bincount: "bincount (data-dependent shape)",
     aten.equal: "torch.equal (returns a host bool)",
+    aten.allclose: "torch.allclose (returns a host bool)",
+    aten.isin: "isin (its sorting path runs unique)",
     aten._unique: "unique", aten._unique2: "unique", aten.unique_dim: "unique",
     aten.unique_consecutive: "unique_consecutive",
 }
@@ -70,6 +81,12 @@ def _has_bool_index(args) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
 
 
+def _histc_range(args, kwargs):
+    """``(min, max)`` of an ``aten.histc`` call (defaults 0, 0: the data's own range)."""
+    rest = list(args[2:4]) + [0, 0]
+    return kwargs.get("min", rest[0]), kwargs.get("max", rest[1])
+
+
 def _banned(func, args, kwargs):
     """What makes ``func`` a host sync (a phrase), or None."""
     packet = func.overloadpacket
@@ -77,6 +94,8 @@ def _banned(func, args, kwargs):
         return _BANNED[packet]
     if packet is aten.repeat_interleave and kwargs.get("output_size") is None:
         return "repeat_interleave without output_size"
+    if packet is aten.histc and _histc_range(args, kwargs) == (0, 0):
+        return "histc without a range (reads the min and max)"
     if packet in _MASK_INDEX and _has_bool_index(args):
         return "boolean-mask indexing"
     return None
@@ -131,7 +150,11 @@ def _read(name, original):
         guard = _innermost(_thread.guards)
         if guard is None:
             return original(self, *args, **kwargs)
-        if getattr(self, HOST_SNAPSHOT_ATTR, False):  # host memory an AsyncRead filled: no device read
+        asked = getattr(self, HOST_SNAPSHOT_ATTR, None)  # host memory an AsyncRead filled: no device read
+        if asked is not None and not asked[0]:
+            guard.report(f"Tensor.{name}() of a host snapshot before its ready() said True (on CUDA it would "
+                         f"wait for the copy)")
+        elif asked is not None:
             if guard.on_snapshot is not None:
                 guard.on_snapshot(f"Tensor.{name}() of a host snapshot")
         else:
@@ -246,7 +269,7 @@ def no_host_sync(*, host_data: bool = False):
     guard and the originals are back once the last one exits, also when a block
     raises. Reading a host snapshot that :class:`tpool.stats_async.AsyncRead` filled
     (what ``PagePool.stats_async().get()`` does) is a read of host memory and is
-    allowed.
+    allowed once its ``ready()`` has said True (before, on CUDA, it would wait).
 
     Parameters
     ----------
