@@ -155,3 +155,16 @@ def test_memory_report_counts_pool_state():
     # per page: free stack, refcount, state, stamp, two int32 scratch, int64 keys; plus 20 int64 counters
     # and the 20 that check() has seen
     assert [v["state_bytes"] for v in tracked.values()] == [1024 * (4 + 4 + 1 + 8 + 4 + 4 + 8) + 2 * 8 * 20]
+
+
+def test_one_cache_or_pool_is_taken_as_a_list_of_one():
+    """``caches=cache`` (not ``[cache]``) failed with "'OwnedCache' object is not iterable"."""
+    import tpool
+
+    cache, pool = OwnedCache(1 << 20), tpool.PagePool(8, device="cpu", backend="reference")
+    one = memory_report("cpu", caches=cache, pools=pool).to_dict()["tracked"]
+    listed = memory_report("cpu", caches=[cache], pools=[pool]).to_dict()["tracked"]
+    assert one == listed and len(one["caches"]) == len(one["pools"]) == 1
+    with pytest.raises(TypeError, match="caches: expected a list of objects with memory_bytes"):
+        memory_report("cpu", caches={"kv": cache})
+

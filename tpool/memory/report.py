@@ -120,6 +120,10 @@ def _name(obj: Any, i: int, names: set[str] | dict) -> str:
 
 def _tracked(objs: Any, kind: str) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
+    if callable(getattr(objs, "memory_bytes", None)):  # one object, not a list of them
+        objs = [objs]
+    elif isinstance(objs, (str, bytes, dict)) or not hasattr(objs, "__iter__"):
+        raise TypeError(f"{kind}: expected a list of objects with memory_bytes() (or one), got {type(objs).__name__}")
     for i, obj in enumerate(objs):
         fn = getattr(obj, "memory_bytes", None)
         if not callable(fn):
@@ -160,7 +164,7 @@ def memory_report(device: torch.device | str | int | None = None, *, pools=(), c
     device : torch.device, str or int, optional
         ``"cuda:0"``, ``0`` (an int is a CUDA index), ``"cpu"``… Default the
         current CUDA device, else the CPU.
-    pools, caches : iterables
+    pools, caches : iterables, or one object
         Objects with ``memory_bytes() -> dict[str, int]`` (e.g. ``OwnedCache``;
         other JSON scalars are accepted as values), reported by their ``name``
         attribute or ``Type[i]`` (``i`` its position); a name already taken
