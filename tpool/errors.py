@@ -36,8 +36,9 @@ class InvalidCount(PoolError):
 
 
 class OutputOverflow(PoolError):
-    """An output buffer was too small for what the pool could grant; those requests
-    failed (the state is untouched). Pass a larger ``max_alloc_pages`` /
+    """An output buffer was too small: pages or slots (the requests that did not fit failed,
+    unchanged), or a CSR's page ids (the requests past ``capacity`` were exported with no pages;
+    a step appended their tokens). Pass a larger ``max_alloc_pages`` /
     ``out=pool.alloc_out(max_pages=...)`` / ``max_tokens`` / ``capacity``."""
 
 
@@ -100,10 +101,11 @@ HINTS = {
     L.ERR_OUT_OVERFLOW: (
         "an output buffer was too small. Pages and slots (alloc, extend, a step's tokens): the requests that "
         "did not fit failed and are unchanged. A CSR's page ids (flashinfer_csr, a step): the first request "
-        "whose pages did not fit in capacity and every later one were exported with no pages (kv_lens 0), "
-        "though a step appended their tokens. Size the buffer to the call: PagePool.alloc without out= "
-        "writes at most max_alloc_pages pages (default min(num_pages, 4096)): pass PagePool(..., "
-        "max_alloc_pages=N) or out=pool.alloc_out(max_pages=N); PageTable.extend/step write at most "
+        "whose pages did not fit in capacity and every later one were exported with no pages "
+        "(last_page_len page_size; a step's kv_lens 0), though a step appended their tokens. Size the "
+        "buffer to the call: PagePool.alloc without out= writes at most max_alloc_pages pages (default "
+        "min(num_pages, 4096)): pass PagePool(..., max_alloc_pages=N) or out=pool.alloc_out(max_pages=N); "
+        "PageTable.extend/step write at most "
         "max_tokens slots (default one per lane, a decode step): pass max_tokens= the batch's total tokens "
         "for a prefill; flashinfer_csr/step write at most capacity page ids: pass a larger capacity (or "
         "None, always enough)."),

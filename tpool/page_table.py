@@ -460,7 +460,8 @@ class PageTable:
         same ``max_tokens`` and ``capacity``: equal ints, or None). What goes unnoticed
         is a view over the same bytes with the same length (``t.data = t.view(torch.float32)``,
         ``as_strided_``): on numba the kernel then reads the bytes it checked as int32 and
-        range-checks them as ids, never out of bounds; a view of another length
+        range-checks them as ids, never out of bounds (the reference backend converts the
+        values); a view of another length
         (``t.view(torch.uint8)``) is checked as a new input.
         The table holds a reference to the last step's inputs.
         """
@@ -784,7 +785,9 @@ class PageTable:
             shape ``[B]``, int32, on the table's device; -1 = padding.
         capacity : int, optional
             Length of ``indices``; default ``B * max_pages_per_request``, always enough. A
-            batch with more pages counts ``out_overflow`` and is cut at the capacity.
+            batch with more pages counts ``out_overflow``: the first request whose pages do not
+            all fit and every later one are exported with no pages (``indptr`` never points past
+            ``indices``).
 
         Returns
         -------
