@@ -67,6 +67,16 @@ def test_write_rejects_bad_input_naming_expected_and_actual(bad, match):
     assert all((t == 0).all() for t in c.k + c.v)
 
 
+def test_integer_kv_dtypes_are_refused_and_fp8_is_taken():
+    """int8/uint8/bool K/V would need quantisation scales that nothing here applies: the cache used to
+    take any 1-byte dtype as "fp8"; the float8 types are floating point and still taken."""
+    for bad in (torch.int8, torch.uint8, torch.bool, torch.int32):
+        with pytest.raises(ValueError, match=f"dtype: expected a floating torch.dtype.*got {bad}"):
+            _cache(dtype=bad)
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        assert _cache(dtype=fp8).k[0].dtype == fp8
+
+
 def test_copy_pages_copies_every_layer_and_skips_minus_one(guard):
     c = _cache()
     torch.manual_seed(0)

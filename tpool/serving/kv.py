@@ -73,8 +73,10 @@ class PagedKVCache:
                           ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name}: expected a positive int, got {val!r}")
-        if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype.itemsize == 1):
-            raise ValueError(f"dtype: expected a floating torch.dtype (or a 1-byte type for fp8), got {dtype!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            # fp8 (float8_e4m3fn, float8_e5m2) is floating; int8 or uint8 K/V would need scales nothing here applies
+            raise ValueError(f"dtype: expected a floating torch.dtype (float8_e4m3fn and float8_e5m2 included), "
+                             f"got {dtype!r}")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         self.device = _checks.resolve_device(device)
