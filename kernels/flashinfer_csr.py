@@ -87,13 +87,12 @@ def flashinfer_csr_numba(
             if top >= pool:
                 stray += 1
                 length = n = 0
-            elif k < n:
+            pos += n
+            if k < n:  # past the capacity: exported as empty
                 cut += 1
-                pos += n
-                n = length = 0
+                length = n = 0
         elif r != L.NULL_PAGE:
             counters[L.ERR_BAD_REQUEST] += count
-        pos += n
         fit += n
         indptr[i + 1] = fit
         last[i] = length - (n - 1) * page_size

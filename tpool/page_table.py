@@ -149,7 +149,7 @@ class BoundStep(functools.partial):
         if release is not None:
             # Each call writes release (sets it to -1): it may share memory with nothing the step reads or writes.
             _checks.check_not_written(release, "release", written | _checks.written_storages([req_ids, num_tokens]))
-        run = table.ops.bind_step(result, memo, req_ids, num_tokens, b, release, bool(release_cache))
+        run = table.ops.bind_step(result, memo, req_ids, num_tokens, b, release, release_cache)
         if fixed:  # memory that cannot move or go away: nothing to check per call
             run.fixed = held
             self = super().__new__(cls, _fixed_step, run, result)
@@ -269,6 +269,7 @@ class PageTable:
                              f"got {pool.num_pages} * {pool.page_size}")
         self.pool, self.device = pool, pool.device
         self.max_requests, self.max_pages, self.page_size = max_requests, max_pages_per_request, pool.page_size
+        self.most_tokens = pool.max_batch * max_pages_per_request * pool.page_size  # the most one call appends
         self.state = TableState.create(max_requests, max_pages_per_request, pool.page_size, pool.max_batch,
                                        self.device)
         self.block_table, self.seq_lens = self.state.block_table, self.state.seq_lens
@@ -327,9 +328,9 @@ class PageTable:
 
     def _extend_out(self, b, t):
         t = _checks.check_size(t, "max_tokens")
-        if t > (most := self.pool.max_batch * self.max_pages * self.page_size):
-            raise ValueError(f"max_tokens: expected at most {most} (max_batch * max_pages_per_request * page_size: "
-                             f"no call appends more), got {t}")
+        if t > self.most_tokens:
+            raise ValueError(f"max_tokens: expected at most {self.most_tokens} (max_batch * max_pages_per_request * "
+                             f"page_size: no call appends more), got {t}")
         return fixed_full(t, L.NULL_PAGE, torch.int32, self.device), fixed_full(b, False, torch.bool, self.device)
 
     def _step_out(self, b, t):
@@ -500,7 +501,7 @@ class PageTable:
         release_cache = _checks.flag(release_cache, "release_cache")
         if self._check_written:  # numba's compiled step checks it itself
             _checks.check_not_written(release, "release", written)
-        run(req_ids, num_tokens, b, release, bool(release_cache))
+        run(req_ids, num_tokens, b, release, release_cache)
         return result
 
     def _into_out(self, req_ids, num_tokens, max_tokens, capacity, out) -> int:

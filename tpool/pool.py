@@ -151,7 +151,7 @@ class PagePool:
         # The hot-path input check: with overlap too, unless the backend's compiled calls check that.
         self._input_len = _checks.i32_len if self.ops.checks_overlap else _checks.input_len
         # The last tensor free checked (_checks.seen): a loop freeing the same buffer (an AllocOut's
-        # pages) skips the checks while the tensor keeps its object, memory, length and dtype
+        # pages) skips the checks while the tensor keeps its object, memory, length and storage size
         # (_checks.still_seen). A view over the same bytes and length (as_strided_) goes unnoticed:
         # the kernel reads the bytes it checked as int32 ids and range-checks them.
         self._seen = _checks.NOT_SEEN
@@ -322,8 +322,7 @@ class PagePool:
             if self._input_len(pages, self.device, self._written) < 0:
                 self._pages(pages)  # raises with the expected and actual values
             self._seen = _checks.seen(pages)
-        if type(cache) is not bool:
-            cache = _checks.flag(cache, "cache")
+        cache = cache if type(cache) is bool else _checks.flag(cache, "cache")  # (the common case inline)
         group = self._group  # read once: another thread may close its group meanwhile
         if group is None or not group.owned_here():
             self.ops.free(pages, cache)

@@ -292,17 +292,13 @@ def flashinfer_csr(st, ts, req_ids, indptr, indices, last_page_len, count=True, 
     inside = torch.arange(MP, device=rows.device) < _cdiv(Ln, ps)[:, None]
     stray = (inside & ((rows < 0) | (rows >= st.num_pages))).any(1)
     c[L.ERR_CORRUPT_STATE] += stray.sum()
-    Ln = torch.where(stray, 0, Ln)
-    if kv_lens is not None:
-        kv_lens.masked_fill_(stray, 0)
-    npages = _cdiv(Ln, ps)
     # Past the capacity: the first request whose pages do not all fit, and every later one, is
     # exported as empty (kv_lens 0 in a step); no indptr entry points past the buffer.
-    over = torch.cumsum(npages, 0) > cap
+    over = torch.cumsum(_cdiv(torch.where(stray, 0, Ln), ps), 0) > cap
     c[L.ERR_OUT_OVERFLOW] += over[-1].long()
     if kv_lens is not None:
-        kv_lens.masked_fill_(over, 0)
-    Ln = torch.where(over, 0, Ln)
+        kv_lens.masked_fill_(stray | over, 0)
+    Ln = torch.where(stray | over, 0, Ln)
     npages = _cdiv(Ln, ps)
     end = torch.cumsum(npages, 0)
     indptr[1:] = end

@@ -39,8 +39,8 @@ def _bad_rows(rows, live) -> str:
 
 
 def _bucket(tokens, most):
-    """A call's token budget rounded up to a power of two, at most ``most`` (the table's limit,
-    ``max_batch * capacity``: no call appends more): the table keeps one set of output buffers
+    """A call's token budget rounded up to a power of two, at most ``most`` (the table's
+    ``most_tokens``: no call appends more): the table keeps one set of output buffers
     per shape, so a few shapes serve every batch instead of one per total."""
     return min(1 << max(tokens - 1, 0).bit_length(), max(most, tokens))
 

@@ -91,7 +91,6 @@ class HostMirror(MixedSteps, Accounting):
         super().__init__(table.max_requests, table.page_size, lookahead, table.max_pages * table.page_size,
                          free, cached)
         self.max_batch = self.pool.max_batch
-        self._most_tokens = self.max_batch * self.capacity  # the most tokens one table call appends
         # The inputs kept per width of the mixed step and truncate (_lane_tensors), and decode's
         # bound steps per width and max_tokens (_bound_decode), which write the table's buffers
         # of their shape: forgotten when the table drops that shape (_shape_dropped).
@@ -195,7 +194,7 @@ class HostMirror(MixedSteps, Accounting):
         self._start(r, p, lim, 0)
         self.free -= int(_cdiv(p, self.page_size).sum())
         self._top_up(r)
-        self.table.extend(self._tensor(rows), self._tensor(p), max_tokens=_bucket(int(p.sum()), self._most_tokens))
+        self.table.extend(self._tensor(rows), self._tensor(p), max_tokens=_bucket(int(p.sum()), self.table.most_tokens))
         return rows
 
     def decode(self, rows, n=1, out=None):
@@ -220,7 +219,7 @@ class HostMirror(MixedSteps, Accounting):
         """
         r, n, key = self._batch(rows, n)
         if out is not None:
-            self._out_lanes(out, r.shape[0], int(n.sum()) if n.ndim else r.shape[0] * int(n), r, n)
+            self._out_lanes(out, r, n)
         elif not r.size:
             return None
         acct = self._acct
@@ -245,18 +244,21 @@ class HostMirror(MixedSteps, Accounting):
         last = self._decode_keys.get(out)  # per StepOut: two taking turns each keep their batch
         if last is None or last[0] != dkey:  # same batch: the same bound step, its inputs as they are
             ntok = np.broadcast_to(n, r.shape)
-            max_tokens = _bucket(int(ntok.sum()), self._most_tokens) if per_row or each != 1 else None
+            max_tokens = _bucket(int(ntok.sum()), self.table.most_tokens) if per_row or each != 1 else None
             self._decode_keys.pop(out, None)  # the kept inputs are rewritten next: no key may name their old batch
             last = self._keep(self._decode_keys, out, (dkey, self._bound_decode(r, ntok, max_tokens, out)))
         return last[1]()
 
-    def _out_lanes(self, out, lanes, tokens, r, n, prompts=EMPTY):
+    def _out_lanes(self, out, r, n, prompts=EMPTY):
         """Refuse (``ValueError``) a ``StepOut`` that is not this table's or that the step does not
-        fit: its ``lanes`` and ``tokens``, and the pages its CSR will list (each decode row ``r``
-        at ``hi + n`` tokens, each prompt at its length; a row past the table counted at
+        fit: its lanes (the decode rows ``r``, then the ``prompts``) and tokens (``n`` per row, an
+        int or one each, and the prompts'), and the pages its CSR will list (each decode row at
+        ``hi + n`` tokens, each prompt at its length; a row past the table counted at
         ``max_pages``, which its max_len refuses next). Called before the mirror changes."""
         if getattr(out, "table", None) is not self.table or not hasattr(out, "result"):
             raise ValueError(f"out: expected a StepOut of this mirror's table (table.step_out), got {out!r}")
+        lanes = r.size + prompts.size
+        tokens = (int(n.sum()) if n.ndim else r.size * int(n)) + int(prompts.sum())
         if lanes > out.batch or tokens > out.max_tokens:
             raise ValueError(f"out: the step has {lanes} lanes and {tokens} tokens, {out!r} holds at most "
                              f"{out.batch} and {out.max_tokens}")

@@ -94,7 +94,7 @@ class MixedSteps:
         b = r.size
         lanes = b + k
         if out is not None:
-            self._out_lanes(out, lanes, int(nn.sum() if nn.ndim else b * int(nn)) + int(p.sum()), r, nn, p)
+            self._out_lanes(out, r, nn, p)
             if width not in (None, out.batch) or max_tokens not in (None, out.max_tokens):
                 raise ValueError(f"width, max_tokens: expected {out.batch} and {out.max_tokens} ({out!r}) or "
                                  f"None, got {width!r} and {max_tokens!r}")
@@ -152,5 +152,5 @@ class MixedSteps:
                              for a in (run.req_ids, run.num_tokens))
             return MixedStep(new, run(), ids_t, ntok_t)
         ids_t, ntok_t = self._lane_tensors(self._step_inputs, ids, ntok)
-        t = max_tokens if max_tokens is not None else _bucket(total, self._most_tokens)
+        t = max_tokens if max_tokens is not None else _bucket(total, self.table.most_tokens)
         return MixedStep(new, self.table.step(ids_t, ntok_t, max_tokens=t), ids_t, ntok_t)
