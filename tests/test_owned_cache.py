@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from tpool.memory import ownership
+from tpool.memory import accounting, ownership
 from tpool.memory.arena import Arena
 from tpool.errors import InvariantViolation
 from tpool.memory.owned_cache import OwnedCache
-from tpool.memory.ownership import retained_bytes, storage_bytes
+from tpool.memory.accounting import retained_bytes, storage_bytes
 
 BATCH_BYTES = 8_192_000  # [1000, 4096] bf16 = 7.81 MiB
 ITEM_BYTES = 819_200  # [100, 4096] bf16 = 0.78 MiB
@@ -45,7 +45,7 @@ def copies(monkeypatch):
     log, real = CopyLog(), ownership.compact
 
     def spy(t, out=None):
-        log.append((log.cache.stats().current_bytes if log.cache else None, ownership.compact_bytes(t)))
+        log.append((log.cache.stats().current_bytes if log.cache else None, accounting.compact_bytes(t)))
         return real(t, out=out)
 
     monkeypatch.setattr(ownership, "compact", spy)
@@ -199,9 +199,9 @@ def test_containers_are_rebuilt_around_owned_tensors(wrap):
     assert cache.put("k", value)
     stored = cache.get("k")
     assert type(stored) is type(value) and stored is not value
-    got = list(ownership.iter_tensors(stored))
+    got = list(accounting.iter_tensors(stored))
     assert torch.equal(got[0], x) and storage_bytes(got[0]) == UNIT and got[1] is y
-    assert list(ownership.iter_tensors(value))[0] is x  # the caller's value is untouched
+    assert list(accounting.iter_tensors(value))[0] is x  # the caller's value is untouched
     assert cache.stats().current_bytes == retained_bytes(stored) == 2 * UNIT
     cache.check_invariants()
 

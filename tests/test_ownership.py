@@ -1,4 +1,4 @@
-"""Byte counting and view-to-owned compaction (tpool.memory.ownership)."""
+"""Byte counting and view-to-owned compaction (tpool.memory.accounting and tpool.memory.ownership)."""
 
 import collections
 import dataclasses
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from tpool.memory import ownership
-from tpool.memory.ownership import (compact_bytes, map_tensors, needs_compaction, own, payload_bytes, plan_ownership,
-                             retained_bytes, storage_bytes, storage_key)
+from tpool.memory.accounting import compact_bytes, payload_bytes, retained_bytes, storage_bytes, storage_key
+from tpool.memory.ownership import map_tensors, needs_compaction, own, plan_ownership
 
 BATCH_BYTES = 1000 * 4096 * 2  # a [1000, 4096] bf16 batch: 8_192_000 B = 7.81 MiB
 ITEM_BYTES = 100 * 4096 * 2  # one [100, 4096] item of it: 819_200 B = 0.78 MiB

@@ -24,8 +24,8 @@ with gc_paused():  # a one-off import (torch's too, when tpool comes first): tpo
 _LAZY = {
     "tpool.memory.arena": ("Arena", "Block"),
     "tpool.memory.owned_cache": ("CacheStats", "OwnedCache"),
-    "tpool.memory.ownership": ("OwnershipPlan", "compact_bytes", "needs_compaction", "own", "payload_bytes",
-                               "plan_ownership", "retained_bytes", "storage_bytes"),
+    "tpool.memory.accounting": ("compact_bytes", "payload_bytes", "retained_bytes", "storage_bytes"),
+    "tpool.memory.ownership": ("OwnershipPlan", "needs_compaction", "own", "plan_ownership"),
     "tpool.memory.planner": ("PagePlan", "PlanError", "plan_pages"),
     "tpool.memory.report": ("MemoryReport", "format_report", "memory_report"),
 }
@@ -34,8 +34,8 @@ _LAZY_NAMES = {name: module for module, names in _LAZY.items() for name in names
 if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
     from tpool.memory.arena import Arena, Block
     from tpool.memory.owned_cache import CacheStats, OwnedCache
-    from tpool.memory.ownership import (OwnershipPlan, compact_bytes, needs_compaction, own, payload_bytes,
-                                        plan_ownership, retained_bytes, storage_bytes)
+    from tpool.memory.accounting import compact_bytes, payload_bytes, retained_bytes, storage_bytes
+    from tpool.memory.ownership import OwnershipPlan, needs_compaction, own, plan_ownership
     from tpool.memory.planner import PagePlan, PlanError, plan_pages
     from tpool.memory.report import MemoryReport, format_report, memory_report
 

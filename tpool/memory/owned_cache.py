@@ -15,7 +15,7 @@ Note:
 
     Without an arena the cache charges the storage bytes it keeps alive,
     each storage once across the cache (reference counted by storage
-    identity, :func:`~tpool.memory.ownership.storage_key`): a tensor that
+    identity, :func:`~tpool.memory.accounting.storage_key`): a tensor that
     owns its storage, cached under two keys, counts once; a view that needs
     a copy is copied, and charged, once per key. A tensor kept as is stays
     the caller's object (or a ``detach()`` of it, if it has autograd
@@ -38,10 +38,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tpool._checks import check_size
-from tpool.memory import ownership
+from tpool.memory import accounting, ownership
 from tpool.memory.arena import Arena, Block
 from tpool.errors import InvariantViolation
-from tpool.memory.ownership import OwnershipPlan, StorageKey
+from tpool.memory.accounting import StorageKey
+from tpool.memory.ownership import OwnershipPlan
 
 __all__ = ["OwnedCache", "CacheStats"]
 
@@ -225,8 +226,8 @@ class OwnedCache:
     def _materialize(self, plan: OwnershipPlan) -> _Entry:
         block = self.arena.alloc(plan.copy_bytes) if self.arena is not None and plan.copy_bytes else None
         value = plan.apply(None if block is None else self.arena.bytes_of(block, plan.copy_bytes))
-        storages = {} if block else {ownership.storage_key(t): t.untyped_storage().nbytes()
-                                     for t in ownership.iter_tensors(value)}
+        storages = {} if block else {accounting.storage_key(t): t.untyped_storage().nbytes()
+                                      for t in accounting.iter_tensors(value)}
         for skey, nbytes in storages.items():
             slot = self._ledger.setdefault(skey, [nbytes, 0])
             self._current += nbytes if slot[1] == 0 else 0
@@ -500,10 +501,10 @@ class OwnedCache:
         in_blocks = 0
         buf = None if self.arena is None else self.arena.buffer
         for key, e in self._entries.items():
-            tensors = list(ownership.iter_tensors(e.value))
+            tensors = list(accounting.iter_tensors(e.value))
             _require(e.pins >= 0, f"{key!r} has {e.pins} pins")
             if e.block is None:
-                storages = {ownership.storage_key(t): t.untyped_storage().nbytes() for t in tensors}
+                storages = {accounting.storage_key(t): t.untyped_storage().nbytes() for t in tensors}
                 _require(storages == e.storages and e.nbytes == sum(storages.values()),
                          f"{key!r} holds storages {storages}, recorded {e.storages} ({e.nbytes} B)")
                 held.update(storages)
@@ -513,7 +514,7 @@ class OwnedCache:
             lo = buf.data_ptr() + e.block.offset
             _require(self.arena.is_live(e.block) and e.nbytes == e.block.size and all(
                 t.untyped_storage().data_ptr() == buf.data_ptr() and (t.numel() == 0 or  # data_ptr() is 0 then
-                lo <= t.data_ptr() <= t.data_ptr() + ownership.compact_bytes(t) <= lo + e.block.size)
+                lo <= t.data_ptr() <= t.data_ptr() + accounting.compact_bytes(t) <= lo + e.block.size)
                 for t in tensors), f"{key!r}: its block {e.block} is dead, mis-sized or not where its tensors are")
             in_blocks += e.nbytes
         _require(self._ledger == {k: [n, refs[k]] for k, n in held.items()},
