@@ -4,10 +4,12 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import tpool
 from conftest import i32
-from tpool.serving import PagedKVCache, paged_attention, step_metadata
+from tpool.serving import PagedKVCache, attention, paged_attention, step_metadata
 from tpool.serving.kv import SCRATCH_PAGES
 
 
@@ -200,6 +202,63 @@ def test_paged_attention_matches_dense_attention_per_sequence(make_pool, guard, 
                                                   sliding_window=window), out, atol=1e-3)
 
 
+class _LargestTensor(TorchDispatchMode):
+    """Inside the block: the bytes of the largest tensor any op returned (``numel * element_size``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in tree_leaves(out):
+            if isinstance(x, torch.Tensor):
+                self.nbytes = max(self.nbytes, x.numel() * x.element_size())
+        return out
+
+
+@pytest.mark.parametrize("option", [None, "softcap", "sinks"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_in_chunks_bounds_memory_and_matches_one_chunk(make_pool, guard, monkeypatch, window,
+                                                                        option):
+    """A step whose whole gather (12 tokens x 32 keys x 2 heads x 8 dims, float32: 24 KiB) exceeds the
+    budget runs in chunks of ``chunk_tokens`` tokens, every op's output within the budget, and gives
+    the one-chunk result bit for bit: 2, 3 and 5 tokens a chunk (12 = 5 + 5 + 2: the last chunk is
+    tokens 7..11, 7..9 kept from the one before) and a budget under two tokens (2 a chunk)."""
+    torch.manual_seed(1)
+    ps, mp, hq, hkv, d, t = 4, 8, 6, 2, 8, 12
+    pool = make_pool(32, page_size=ps)
+    table = tpool.PageTable(pool, 4, mp)
+    cache = PagedKVCache.from_pool(pool, 1, hkv, d, dtype=torch.float32)
+    res = table.extend(i32([0, 2]), i32([13, 4]), max_tokens=17)          # histories of 13 and 4 tokens
+    cache.write(0, res.slots, torch.randn(17, hkv, d), torch.randn(17, hkv, d))
+    meta = step_metadata(table, table.step(i32([2, 0, 1, -1]), i32([1, 2, 7, 0]), max_tokens=t))  # 2 padding
+    cache.write(0, meta.slots, torch.randn(t, hkv, d), torch.randn(t, hkv, d))
+    q = torch.randn(t, hq, d) * 3
+    extra = {None: {}, "softcap": {"softcap": 2.0}, "sinks": {"sinks": torch.randn(hq) * 2}}[option]
+    per_token = mp * ps * hkv * d * 4                                        # bytes of one token's keys
+    chunks = []
+    chunk = attention._attend_chunk
+    monkeypatch.setattr(attention, "_attend_chunk", lambda qg, *a: chunks.append(qg.shape[0]) or chunk(qg, *a))
+
+    def run(budget):
+        chunks.clear()
+        with guard(), _LargestTensor() as largest:
+            out = paged_attention(q, cache.k[0], cache.v[0], meta, sliding_window=window, chunk_bytes=budget,
+                                  **extra)
+        return out, largest.nbytes, list(chunks)
+
+    whole, whole_peak, whole_chunks = run(1 << 30)
+    assert whole_chunks == [t] and whole_peak >= t * per_token                # one chunk: over every budget below
+    assert whole.abs().sum(-1).sum(-1).ne(0).tolist() == [True] * 10 + [False] * 2   # padding tokens: zeros
+    for budget, c in ((per_token * 3, 3), (per_token * 5 + 7, 5), (per_token * 2, 2), (per_token - 1, 2)):
+        assert attention.chunk_tokens(t, mp * ps, hkv, d, hq, budget) == c
+        out, peak, ran = run(budget)
+        assert ran == [c] * -(-t // c)                                      # ceil(t / c) chunks, all of c tokens
+        assert peak <= max(budget, 2 * per_token) < whole_peak
+        assert torch.equal(out, whole)
+
+
 def test_paged_attention_rejects_mismatched_heads():
     pool = tpool.PagePool(4, 2, device="cpu", backend="reference")
     table = tpool.PageTable(pool, 2, 2)
@@ -297,6 +356,10 @@ def test_flashinfer_plan_gives_empty_lanes_no_kv_and_zeroes_failed_rows(monkeypa
         fi.plan(meta, **plan, decode=True)
     with pytest.raises(ValueError, match="float16"):
         fi.plan(meta, **{**plan, "q_dtype": torch.float32})
+    fi.plan(meta, **{k: v for k, v in plan.items() if k != "page_size"})   # the pool's, from the metadata
+    assert fi._prefill.planned[0][7] == 4
+    with pytest.raises(ValueError, match="page_size: expected 4"):
+        fi.plan(meta, **{**plan, "page_size": 8})
 
 
 def test_flashinfer_run_refuses_inputs_that_differ_from_the_plan(monkeypatch):

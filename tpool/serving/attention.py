@@ -16,8 +16,13 @@ capacity, padding lanes, failed lanes) get zeros.
 
 :func:`paged_attention` is the reference in plain torch: fixed shapes from
 static capacities (``max_pages`` per request), no host sync, so it runs on
-any device and inside a CUDA graph; it gathers each lane's pages, which costs
-memory ``T * max_pages * page_size * Hkv * D``: an oracle, not a fast path.
+any device and inside a CUDA graph. It gathers each token's lane pages, ``C`` tokens at a
+time (``[C, max_pages * page_size, Hkv, D]`` float32 keys and values, ``[C, Hq, max_pages *
+page_size]`` scores), so each tensor of a chunk takes at most ``chunk_bytes`` (64 MiB by default;
+a few are alive at once), or two tokens' worth where one token alone needs more than half of it:
+``C = min(T, max(2, chunk_bytes // (max_pages * page_size * max(Hkv * D, Hq) * 4)))``
+(:func:`chunk_tokens`, from static shapes only: the number of chunks is a Python int). An
+oracle, not a fast path.
 :class:`FlashInferAttention` is the CUDA path (FlashInfer's paged wrappers
 fed the step's CSR as it is).
 """
@@ -28,6 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from tpool.page_table import PagedKVCSR
+
+CHUNK_BYTES = 64 << 20  # bytes: the most one tensor of a paged_attention chunk takes (two tokens' worth at least)
 
 
 @dataclass(frozen=True)
@@ -120,9 +127,32 @@ def _check(q, k_cache, v_cache, meta, softcap=None, sinks=None):
             raise ValueError(f"sinks: expected a ({hq},) tensor on {q.device} (one logit per query head), got {got}")
 
 
+def chunk_tokens(t: int, span: int, num_kv_heads: int, head_dim: int, num_qo_heads: int,
+                 chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Tokens per chunk of :func:`paged_attention`: Python ints in, a Python int in ``[min(t, 2), t]`` out.
+
+    A chunk of ``C`` tokens holds its keys and values ``[C, span, Hkv, D]`` and its scores
+    ``[C, Hkv, Hq // Hkv, span]`` in float32 (``span = max_pages * page_size``): ``C`` is the
+    most tokens whose larger tensor fits ``chunk_bytes``, at most ``t`` and at least 2 (1 when
+    ``t == 1``): torch's einsum takes another path for a single token, which rounds differently,
+    so a floor of 2 keeps the result the same, bit for bit, for every ``chunk_bytes``.
+
+    Example
+    -------
+    >>> chunk_tokens(512, 4096, 8, 128, 32)      # 16 MiB a token: 4 tokens in 64 MiB, 128 chunks
+    4
+    >>> chunk_tokens(512, 4096, 8, 128, 32, chunk_bytes=1), chunk_tokens(1, 4096, 8, 128, 32, chunk_bytes=1)
+    (2, 1)
+    >>> chunk_tokens(3, 16, 2, 4, 4)             # 512 bytes a token: the whole step in one chunk
+    3
+    """
+    per_token = span * max(num_kv_heads * head_dim, num_qo_heads) * 4   # bytes, float32
+    return min(t, max(2, chunk_bytes // per_token))
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata, *,
                     scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
     """Reference paged attention (plain torch) for a packed batch of prefill and decode lanes.
 
     Parameters
@@ -140,6 +170,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         Cap the scaled scores: ``tanh(score / softcap) * softcap`` (Gemma2's ``attn_logit_softcapping``).
     sinks : torch.Tensor, optional  shape ``[num_qo_heads]``, on q's device
         One extra logit per query head in the softmax's denominator (gpt-oss's ``s_aux``).
+    chunk_bytes : int, default ``CHUNK_BYTES`` (64 MiB)
+        Memory bound: tokens go through in chunks of :func:`chunk_tokens` tokens (two at least),
+        each chunk's gathered keys, values and scores at most this many bytes each. The result
+        does not depend on it (bit for bit on a CPU).
 
     Returns
     -------
@@ -161,29 +195,43 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     at = (indptr[:-1, None] + j).clamp(max=indices.numel() - 1)
     mine = j < (indptr[1:] - indptr[:-1])[:, None]
     pages = torch.where(mine, indices[at].long(), 0).clamp(0, num_pages - 1)
-    # Each token's lane and its keys/values: [T, max_pages * page_size, Hkv, D].
+    # Each token's lane, its position and its lane's length after the step: [T].
     u = torch.arange(t, device=dev)
     lane = torch.searchsorted(meta.qo_indptr[1:].long(), u, right=True).clamp(max=b - 1)
-    k = k_cache[pages].reshape(b, mp * ps, hkv, d)[lane].float()
-    v = v_cache[pages].reshape(b, mp * ps, hkv, d)[lane].float()
-    pos = meta.positions.long()[:, None]
-    key = torch.arange(mp * ps, device=dev)[None, :]
-    allowed = (key <= pos) & (key < meta.kv_lens.long()[lane][:, None]) & (pos >= 0)
+    pos, kv_len = meta.positions.long(), meta.kv_lens.long()[lane]
+    qg = q.float().reshape(t, hkv, hq // hkv, d)
+    sink = None if sinks is None else sinks.float().reshape(1, hkv, hq // hkv, 1)
+    c = chunk_tokens(t, mp * ps, hkv, d, hq, chunk_bytes)
+    out = torch.empty(t, hkv, hq // hkv, d, dtype=torch.float32, device=dev)
+    for s in range(0, t, c):   # Python ints: ceil(T / c) chunks of c tokens, the last one ending at T
+        a = min(s, t - c)      # tokens a..s-1 were done by the chunk before: same values, kept from there
+        out[s:a + c] = _attend_chunk(qg[a:a + c], pages[lane[a:a + c]], pos[a:a + c], kv_len[a:a + c], k_cache,
+                                     v_cache, scale, sliding_window, softcap, sink)[s - a:]
+    return out.reshape(t, hq, d).to(q.dtype)
+
+
+def _attend_chunk(qg, pages, pos, kv_len, k_cache, v_cache, scale, sliding_window, softcap, sink):
+    """Attention of ``C`` tokens (``qg`` ``[C, Hkv, G, D]`` float32) over their lanes' ``pages`` ``[C, max_pages]``."""
+    c, hkv, g, d = qg.shape
+    span = pages.shape[1] * k_cache.shape[1]
+    # The chunk's keys/values, [C, max_pages * page_size, Hkv, D].
+    k = k_cache[pages].reshape(c, span, hkv, d).float()
+    v = v_cache[pages].reshape(c, span, hkv, d).float()
+    pos = pos[:, None]
+    key = torch.arange(span, device=qg.device)[None, :]
+    allowed = (key <= pos) & (key < kv_len[:, None]) & (pos >= 0)
     if sliding_window is not None:
         allowed &= key > pos - sliding_window
-    qg = q.float().reshape(t, hkv, hq // hkv, d)
     scores = torch.einsum("thgd,tshd->thgs", qg, k) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed[:, None, None, :], torch.finfo(torch.float32).min)
-    if sinks is None:
+    if sink is None:
         p = torch.softmax(scores, dim=-1)
     else:   # query head h = kv head h // g, group member h % g: the layout of qg
-        sink = sinks.float().reshape(1, hkv, hq // hkv, 1).expand(t, -1, -1, -1)
-        p = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        p = torch.softmax(torch.cat([scores, sink.expand(c, -1, -1, -1)], dim=-1), dim=-1)[..., :-1]
     p = p * allowed[:, None, None, :]   # a row with no key: all zeros
-    out = torch.einsum("thgs,tshd->thgd", p, v)
-    return out.reshape(t, hq, d).to(q.dtype)
+    return torch.einsum("thgs,tshd->thgd", p, v)
 
 
 class FlashInferAttention:
@@ -224,10 +272,15 @@ class FlashInferAttention:
         self._wrapper, self._rows, self._decode_mode, self._valid = None, 0, False, None
         self._meta, self._shapes, self._scale, self._window = None, None, None, None
 
-    def plan(self, meta: StepMetadata, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-             q_dtype: torch.dtype, kv_dtype: torch.dtype, scale: float | None = None,
+    def plan(self, meta: StepMetadata, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+             q_dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int | None = None, scale: float | None = None,
              sliding_window: int | None = None, decode: bool = False) -> None:
-        """Plan the step's attention (every layer of the step shares the plan)."""
+        """Plan the step's attention (every layer of the step shares the plan). ``page_size`` defaults to
+        the metadata's (the pool's); given, it must be that."""
+        if page_size is None:
+            page_size = meta.page_size
+        elif page_size != meta.page_size:
+            raise ValueError(f"page_size: expected {meta.page_size} (the table's pool) or None, got {page_size!r}")
         if q_dtype not in (torch.float16, torch.bfloat16) and "float8" not in str(q_dtype):
             raise ValueError(f"q_dtype: FlashInfer expects float16, bfloat16 or a float8 type, got {q_dtype}")
         window_left = -1 if sliding_window is None else sliding_window - 1

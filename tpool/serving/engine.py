@@ -22,13 +22,16 @@ read per step is the sampled tokens (greedy ``argmax``, :meth:`Engine.sample`),
 the model loop's own sync point. Every request's tokens are then checked
 against the model's own ``generate`` (eager attention, same weights).
 
-Each step: reconcile the snapshots that have landed, preempt (if needed),
-admit arrived requests (first come first served, into free rows), one
-``HostMirror.step`` for every lane (prefill lanes carry their prompt, decode
-lanes one token, speculative lanes their last token plus drafted tokens, a
-forked request the rest of its prompt), the forward over the packed batch,
-greedy sampling, a ``truncate`` for rejected drafts, and one ``finish``
-(release) for the finished requests.
+Each step of :meth:`Engine.run`, one method a stage: reconcile the snapshots
+that have landed (``_reconcile``), what each running lane feeds (``_feeds``),
+preempt if needed (``_preempt``), admit arrived requests (``_admit``: first
+come first served, into free rows), one ``HostMirror.step`` for every lane
+(prefill lanes carry their prompt, decode lanes one token, speculative lanes
+their last token plus drafted tokens, a forked request the rest of its
+prompt), the forward over the packed batch and greedy sampling
+(``_forward``), the accepted tokens (``_accept``), then a ``truncate`` for
+rejected drafts and one ``finish`` (release) for the finished requests
+(``_release``).
 """
 
 import random
@@ -198,119 +201,152 @@ class Engine:
     def run(self, requests, out=None):
         """Serve ``requests`` (a list of :class:`Request`) to completion; return ``{rid: tokens}``."""
         self.check_fits(requests)
-        m = self.mirror
         by_id = {r.rid: r for r in requests}
         waiting = sorted(requests, key=lambda r: (r.arrival, r.rid))
         running, step = [], 0                       # running: admission order, the newest last
         while waiting or running:
             t_step = time.perf_counter()
             self._reconcile()
-            # 1. Lanes of the running requests: what each feeds this step.
-            feed = {}
-            for r in running:
-                pending = r.tokens[r.cached:]
-                spec = self._spec(r) and r.out and len(pending) == 1
-                feed[r.rid] = pending + (self._draft(r) if spec else [])
-            # 2. Preemption, decided on the mirror before the step: the newest first, released now.
-            rows, ntok = [r.row for r in running], [len(feed[r.rid]) for r in running]
-            victims = self._timed(m.preemption, rows, [-i for i in range(len(running))], ntok) if running else []
-            if victims:
-                self._timed(m.finish, victims)
-                gone = set(victims)
-                back = [r for r in running if r.row in gone]
-                for v in back:
-                    running.remove(v)
-                    feed.pop(v.rid)
-                    v.row, v.cached = None, 0
-                waiting[:0] = back                  # requeued first, oldest first; recomputed when readmitted
-                self.stats.preemptions += len(back)
-                rows, ntok = [r.row for r in running], [len(feed[r.rid]) for r in running]
-            # 3. Admissions, in arrival order while the mirror says they fit after the decode lanes. A fork
-            #    costs at most what admitting its whole prompt costs, so the same question covers it.
-            arrived = [w for w in waiting if w.arrival <= step][:m.rows_free]
-            k = self._timed(m.can_admit, [len(w.tokens) for w in arrived], [self._max_len(w) for w in arrived],
-                            rows, ntok) if arrived else 0
-            decode, prefill = list(running), []
-            for r in arrived[:k]:
-                parent = by_id.get(r.parent) if r.parent is not None else None
-                share = (r.shared if parent is not None and parent.row is not None and not r.out
-                         and parent.cached >= r.shared and r.shared < len(r.prompt) else 0)
-                if share:
-                    r.row = self._timed(m.fork, parent.row, share, self._max_len(r))
-                    fork = m.last_fork
-                    self._timed(self.cache.copy_pages, fork.cow_src, fork.cow_dst)
-                    r.cached = share
-                    feed[r.rid] = r.tokens[share:]
-                    decode.append(r)
-                    rows.append(r.row)
-                    ntok.append(len(feed[r.rid]))
-                    self.stats.forks += 1
-                else:
-                    feed[r.rid] = r.tokens
-                    prefill.append(r)
-                waiting.remove(r)
-                running.append(r)
-            if not running:
-                step += 1
-                continue
-            # 4. One step for every lane, the forward, greedy sampling (the host read of the step).
-            lanes = decode + prefill                # the mirror's lane order: decode rows, then admissions
-            total = sum(len(feed[r.rid]) for r in lanes)
-            t_max = max(MIN_TOKEN_BUCKET, 1 << (total - 1).bit_length())
-            x = torch.zeros(t_max, dtype=torch.long)
-            x[:total] = torch.tensor([t for r in lanes for t in feed[r.rid]], dtype=torch.long)
-            if self.dev.type != "cpu":
-                x = x.pin_memory().to(self.dev, non_blocking=True)
-            t0 = time.perf_counter()
-            res = m.step(rows, ntok, [len(feed[r.rid]) for r in prefill], [self._max_len(r) for r in prefill],
-                         width=self.max_batch, max_tokens=t_max)
-            for r, row in zip(prefill, res.rows):
-                r.row = row
-            meta = step_metadata(self.table, res.result)
-            t1 = time.perf_counter()
-            with torch.no_grad():
-                preds = self.sample(forward_step(self.model, x, PagedContext(self.cache, meta)))
-            t2 = time.perf_counter()
-            self.stats.tpool_s += t1 - t0
-            self.stats.forward_s += t2 - t1
-            # 5. Host bookkeeping: accept tokens, roll back rejected drafts, release finished requests.
-            start, rollback, done = 0, [], []
-            for r in lanes:
-                n = len(feed[r.rid])
-                pending = len(r.tokens) - r.cached
-                got = preds[start + pending - 1:start + n]     # predictions after each fed token
-                drafts = feed[r.rid][pending:]
-                a = 0
-                while a < len(drafts) and drafts[a] == got[a]:
-                    a += 1
-                if drafts:
-                    self.stats.drafted += len(drafts)
-                    self.stats.accepted += a
-                r.cached += pending + a
-                if a < len(drafts):
-                    rollback.append(r)
-                new = got[:a + 1][:r.max_new - len(r.out)]
-                r.out.extend(new)
-                self.stats.tokens_out += len(new)
-                if len(r.out) >= r.max_new:
-                    done.append(r)
-                start += n
-            if rollback:       # host-known lengths: the mirror credits the rejected drafts' pages at once
-                self._timed(m.truncate, [r.row for r in rollback], [r.cached for r in rollback])
-                self.stats.rollbacks += len(rollback)
-            if done:
-                self._timed(m.finish, [r.row for r in done])
-                for r in done:
-                    running.remove(r)
-                    r.row = None
-            self.stats.steps += 1
-            self.stats.step_s.append(time.perf_counter() - t_step)
-            if out is not None and step % 10 == 0:
-                out(f"step {step:>4}: running {len(running):>2}, waiting {len(waiting):>2}, "
-                    f"tokens this step {total:>3}, preemptions {self.stats.preemptions}, forks {self.stats.forks}, "
-                    f"rollbacks {self.stats.rollbacks}, free pages (mirror) {m.free}", flush=True)
+            feed = self._feeds(running)
+            self._preempt(running, waiting, feed)
+            decode, prefill = self._admit(step, waiting, running, feed, by_id)
+            if running:
+                lanes = decode + prefill            # the mirror's lane order: decode rows, then admissions
+                preds = self._forward(decode, prefill, feed)
+                rollback, done = self._accept(lanes, feed, preds)
+                self._release(rollback, done, running)
+                self.stats.steps += 1
+                self.stats.step_s.append(time.perf_counter() - t_step)
+                if out is not None and step % 10 == 0:
+                    out(f"step {step:>4}: running {len(running):>2}, waiting {len(waiting):>2}, tokens this step "
+                        f"{sum(len(feed[r.rid]) for r in lanes):>3}, preemptions {self.stats.preemptions}, forks "
+                        f"{self.stats.forks}, rollbacks {self.stats.rollbacks}, free pages (mirror) "
+                        f"{self.mirror.free}", flush=True)
             step += 1
         return {r.rid: list(r.out) for r in requests}
+
+    def _feeds(self, running) -> dict:
+        """1. What each running request feeds this step (``{rid: tokens}``): its tokens not yet in
+        the pages, plus drafted tokens for a speculative lane with one pending token."""
+        feed = {}
+        for r in running:
+            pending = r.tokens[r.cached:]
+            spec = self._spec(r) and r.out and len(pending) == 1
+            feed[r.rid] = pending + (self._draft(r) if spec else [])
+        return feed
+
+    def _preempt(self, running, waiting, feed) -> None:
+        """2. Preemption, decided on the mirror before the step: if the running lanes would not fit,
+        release the newest first (``finish``) and requeue them at the front of ``waiting``."""
+        m = self.mirror
+        rows, ntok = [r.row for r in running], [len(feed[r.rid]) for r in running]
+        victims = self._timed(m.preemption, rows, [-i for i in range(len(running))], ntok) if running else []
+        if victims:
+            self._timed(m.finish, victims)
+            gone = set(victims)
+            back = [r for r in running if r.row in gone]
+            for v in back:
+                running.remove(v)
+                feed.pop(v.rid)
+                v.row, v.cached = None, 0
+            waiting[:0] = back                      # requeued first, oldest first; recomputed when readmitted
+            self.stats.preemptions += len(back)
+
+    def _admit(self, step, waiting, running, feed, by_id) -> tuple:
+        """3. Admissions, in arrival order while the mirror says they fit after the decode lanes (a
+        fork costs at most what admitting its whole prompt costs, so the same question covers it).
+
+        Moves them from ``waiting`` to ``running`` and sets their ``feed``; returns the step's
+        lanes ``(decode, prefill)``: rows already held (running requests, then forks), then prefills.
+        """
+        m = self.mirror
+        rows, ntok = [r.row for r in running], [len(feed[r.rid]) for r in running]
+        arrived = [w for w in waiting if w.arrival <= step][:m.rows_free]
+        k = self._timed(m.can_admit, [len(w.tokens) for w in arrived], [self._max_len(w) for w in arrived],
+                        rows, ntok) if arrived else 0
+        decode, prefill = list(running), []
+        for r in arrived[:k]:
+            parent = by_id.get(r.parent) if r.parent is not None else None
+            share = (r.shared if parent is not None and parent.row is not None and not r.out
+                     and parent.cached >= r.shared and r.shared < len(r.prompt) else 0)
+            if share:
+                r.row = self._timed(m.fork, parent.row, share, self._max_len(r))
+                fork = m.last_fork
+                self._timed(self.cache.copy_pages, fork.cow_src, fork.cow_dst)
+                r.cached = share
+                feed[r.rid] = r.tokens[share:]
+                decode.append(r)
+                self.stats.forks += 1
+            else:
+                feed[r.rid] = r.tokens
+                prefill.append(r)
+            waiting.remove(r)
+            running.append(r)
+        return decode, prefill
+
+    def _forward(self, decode, prefill, feed) -> list:
+        """4. One ``HostMirror.step`` for every lane (the prefills get their rows), the forward over
+        the packed batch and greedy sampling (the step's host read); returns the sampled tokens."""
+        lanes = decode + prefill
+        total = sum(len(feed[r.rid]) for r in lanes)
+        t_max = max(MIN_TOKEN_BUCKET, 1 << (total - 1).bit_length())
+        x = torch.zeros(t_max, dtype=torch.long)
+        x[:total] = torch.tensor([t for r in lanes for t in feed[r.rid]], dtype=torch.long)
+        if self.dev.type != "cpu":
+            x = x.pin_memory().to(self.dev, non_blocking=True)
+        t0 = time.perf_counter()
+        res = self.mirror.step([r.row for r in decode], [len(feed[r.rid]) for r in decode],
+                               [len(feed[r.rid]) for r in prefill], [self._max_len(r) for r in prefill],
+                               width=self.max_batch, max_tokens=t_max)
+        for r, row in zip(prefill, res.rows):
+            r.row = row
+        meta = step_metadata(self.table, res.result)
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            preds = self.sample(forward_step(self.model, x, PagedContext(self.cache, meta)))
+        t2 = time.perf_counter()
+        self.stats.tpool_s += t1 - t0
+        self.stats.forward_s += t2 - t1
+        return preds
+
+    def _accept(self, lanes, feed, preds) -> tuple:
+        """5. Host bookkeeping of the sampled tokens: each lane keeps its drafts up to the first one the
+        model rejects, plus the model's next token. Returns ``(rollback, done)``: the lanes with
+        rejected drafts, and the finished requests."""
+        start, rollback, done = 0, [], []
+        for r in lanes:
+            n = len(feed[r.rid])
+            pending = len(r.tokens) - r.cached
+            got = preds[start + pending - 1:start + n]     # predictions after each fed token
+            drafts = feed[r.rid][pending:]
+            a = 0
+            while a < len(drafts) and drafts[a] == got[a]:
+                a += 1
+            if drafts:
+                self.stats.drafted += len(drafts)
+                self.stats.accepted += a
+            r.cached += pending + a
+            if a < len(drafts):
+                rollback.append(r)
+            new = got[:a + 1][:r.max_new - len(r.out)]
+            r.out.extend(new)
+            self.stats.tokens_out += len(new)
+            if len(r.out) >= r.max_new:
+                done.append(r)
+            start += n
+        return rollback, done
+
+    def _release(self, rollback, done, running) -> None:
+        """6. One ``truncate`` for the rejected drafts (host-known lengths: the mirror credits their
+        pages at once), then one ``finish`` for the finished requests, which leave ``running``."""
+        if rollback:
+            self._timed(self.mirror.truncate, [r.row for r in rollback], [r.cached for r in rollback])
+            self.stats.rollbacks += len(rollback)
+        if done:
+            self._timed(self.mirror.finish, [r.row for r in done])
+            for r in done:
+                running.remove(r)
+                r.row = None
 
     def check(self) -> dict:
         """The end of a run (a sync point): the pool's and the table's checks, no failed extend,
