@@ -7,7 +7,8 @@ that needs no page is never refused for want of pages (a decode lane inside its
 last page runs even when an earlier prefill could not get its pages). Slots are
 laid out in lane order (``n_i`` per lane, -1 for padding and failed lanes, -1
 past the total). Misuse (bad or repeated request id, negative count, more than
-``max_pages`` pages, too small a slot buffer) is counted and the lane fails.
+``max_pages`` pages, too small a slot buffer for the lane's tokens) is counted and
+the lane fails; a lane of no tokens never overflows the slots.
 
 A step (``kernels/step.py``) also writes the attention metadata in the same
 pass: ``positions`` (each slot's position in its sequence, -1 where the slot
@@ -216,7 +217,7 @@ def extend_numba(
                 else:
                     csum += want - have
                     if want == have or csum <= free:  # a lane needing no page never waits on others
-                        if tok <= T:
+                        if n == 0 or tok <= T:  # a lane of no tokens has none to overflow
                             granted = True
                         else:
                             out_over += 1
@@ -401,7 +402,7 @@ def extend_body(
         need_end = csum + tl.cumsum(need, 0)
         tok_end = tok + tl.cumsum(n, 0)
         fits = cand & ((need == 0) | (need_end <= free))  # a lane needing no page never waits on others
-        ok = fits & (tok_end <= T)
+        ok = fits & ((n == 0) | (tok_end <= T))  # a lane of no tokens has none to overflow
         tl.store(ok_ptr + i, ok, mask=live)
         # Pop: lane i takes stack offsets need_end - need + k from the top, k < need.
         off = need_end - need

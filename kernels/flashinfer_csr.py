@@ -10,7 +10,9 @@ later one are exported as empty (``kv_lens`` 0 in a step): ``indptr`` never poin
 past the buffer. A request whose pages include an id outside ``[0, P)`` (a hand
 edit, or the -1 a pop of a wild free-stack entry put in its row) is exported as
 empty and counts ``corrupt_state``, in a step too: no page id outside the pool
-reaches an attention kernel.
+reaches an attention kernel. A step exports each lane's ``kv_lens`` tokens, which its
+extend wrote (the row's length, or 0 for padding, a bad or repeated id and a corrupt
+row): a repeated id has no pages.
 """
 
 import numba
@@ -40,6 +42,7 @@ def flashinfer_csr_numba(
     written,            # entries of indices that may be != -1 (from the last call on this buffer)
     count,              # count bad ids and corrupt lengths (False in a step: its extend counted them)
     num_pages,          # P: a request whose pages include an id outside [0, P) is exported as empty
+    kv_lens,            # int32 [B]: a step's kv_lens, the lengths it exports (so none for a repeated id); else [0]
 ):
     """Returns how many entries of ``indices`` it wrote (pass it as ``written`` next time), how
     many requests it exported as empty for a page id outside the pool (each counted, ``count`` or
@@ -69,7 +72,7 @@ def flashinfer_csr_numba(
         n = 0
         length = 0
         if r >= 0 and r < R:
-            length = seq_lens[r]
+            length = seq_lens[r] if kv_lens.shape[0] == 0 else kv_lens[i]
             if length < 0 or length > limit:
                 counters[L.ERR_CORRUPT_STATE] += count
                 length = 0
@@ -110,7 +113,8 @@ def flashinfer_csr_numba_entry(req_ids_ptr, B, cd):
     _, rc, _, _, counters, _, _ = state_arrays(cd[CD_STATE:CD_OUT])
     written = i64_cell(cd[CD_CSR_MEMO])  # its MEMO_WRITTEN slot
     written[0] = flashinfer_csr_numba(req_ids_ptr, B, cd[CD_INDPTR], cd[CD_INDICES], cd[CD_INDICES_LEN],
-                                      cd[CD_LAST_PAGE_LEN], ps, bt, lens, counters, written[0], True, rc.shape[0])[0]
+                                      cd[CD_LAST_PAGE_LEN], ps, bt, lens, counters, written[0], True, rc.shape[0],
+                                      i32_array(0, 0))[0]
 
 
 # ---------------------------------------------------------------------- Triton
@@ -143,7 +147,10 @@ def _csr_lanes(req_ids_ptr, B, indptr_ptr, last_page_len_ptr, block_table_ptr, s
         r = tl.load(req_ids_ptr + i, mask=live, other=NULL_PAGE)
         valid = live & (r >= 0) & (r < R)
         bad += tl.sum((live & (r != NULL_PAGE) & ~valid).to(tl.int64))
-        length = tl.load(seq_lens_ptr + r, mask=valid, other=0).to(tl.int64)
+        if KV_LENS:  # a step: each lane's kv_lens tokens, which its extend wrote (none for a repeated id)
+            length = tl.load(kv_lens_ptr + i, mask=valid, other=0).to(tl.int64)
+        else:
+            length = tl.load(seq_lens_ptr + r, mask=valid, other=0).to(tl.int64)
         corrupt = valid & ((length < 0) | (length > MP * page_size))  # exported as empty
         wrong += tl.sum(corrupt.to(tl.int64))
         length = tl.where(corrupt, 0, length)
@@ -220,7 +227,7 @@ def flashinfer_csr_body(
     seq_lens_ptr,       # *int32 [R]
     counters_ptr,       # *int64 [NUM_COUNTERS]
     written_ptr,        # *int64 [1]: entries of indices that may be != -1; this call sets it to its total
-    kv_lens_ptr,        # *int32 [B]: a step's kv_lens, 0 where a request is exported empty (KV_LENS)
+    kv_lens_ptr,        # *int32 [B]: a step's kv_lens (KV_LENS): the lengths exported, 0 where one is exported empty
     R,                  # rows of block_table
     MP,                 # columns of block_table
     num_pages,          # P: a request whose pages include an id outside [0, P) is exported as empty

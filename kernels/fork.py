@@ -2,10 +2,12 @@
 
 Whole pages are shared (one more reference each); a partial last page gets a
 fresh page, popped from the free stack in lane order (first come first
-served), and ``(src page, dst page)`` is returned for the KV copy. Padding:
-``dst == -1``. A bad ``src``/``dst`` (out of range, ``dst`` repeated, not
-empty, or equal to ``src``) is ``bad_request``; ``lens`` outside
-``[0, len(src)]`` is ``bad_length``.
+served over the lanes that need one), and ``(src page, dst page)`` is returned
+for the KV copy. Padding: ``dst == -1``. A bad ``src``/``dst`` (out of range,
+``dst`` repeated, not empty, or equal to ``src``) is ``bad_request``; ``lens``
+outside ``[0, len(src)]`` is ``bad_length``. A page the lane reads (the shared
+ones and the partial one it copies) that is not USED is ``use_after_free``, one
+outside the pool ``corrupt_state``: the lane fails.
 """
 
 import numba
@@ -16,7 +18,7 @@ from . import _numba_util as nu
 from ._numba_util import (i32_array, lane_valid, pop_page, stamp_rows, state_arrays, table_arrays,
                           u8_array)
 from .layout import CD_OUT, CD_STATE, INT32_MAX
-from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, check_lane_scratch, claim_pages,
+from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, cdiv, check_lane_scratch, claim_pages,
                                  claim_requests, first_pages, list_lane, reset_requests, request_lanes, reset_pages)
 from ._triton_util import INT32_MAX as T_INT32_MAX
 from ._triton_util import (ALLOCATED, CACHED, CACHED_COUNT, ERR_CORRUPT_STATE, ERR_INVALID_PAGE,
@@ -62,9 +64,9 @@ def fork_numba(
             elif n < 0 or n > seq_lens[s]:
                 counters[L.ERR_BAD_LENGTH] += 1
             else:
-                wild = False  # an id outside [0, P) in the shared range: corrupt state
-                stale = 0     # pages of the shared range that are not USED: freed under the row
-                for k in range(n // page_size):
+                wild = False  # an id outside [0, P) among the pages read: corrupt state
+                stale = 0     # pages read (shared, or the partial one copied) that are not USED: freed under the row
+                for k in range((n + page_size - 1) // page_size):
                     p = block_table[s, k]
                     if p < 0 or p >= P:
                         wild = True
@@ -73,8 +75,9 @@ def fork_numba(
                 counters[L.ERR_CORRUPT_STATE] += wild
                 counters[L.ERR_USE_AFTER_FREE] += stale
                 if not wild and stale == 0:
-                    csum += 1 if n % page_size != 0 else 0
-                    granted = csum <= free
+                    part = n % page_size != 0
+                    csum += part
+                    granted = not part or csum <= free  # a lane sharing whole pages only needs no page
             if not granted:
                 counters[L.FAILED_REQUESTS] += 1
         ok[i] = granted
@@ -105,13 +108,10 @@ def fork_numba(
             new = pop_page(free - 1 - popped, free_stack, refcount, page_state, counters)
             popped += 1
             block_table[d, full] = new
-            old = block_table[s, full]
-            # A copy-on-write pair only between page ids of the pool (a consumer copies K/V by them): a
-            # wild source entry counts corrupt_state, a wild popped page was counted by the pop.
-            old_in = old >= 0 and old < P
-            counters[L.ERR_CORRUPT_STATE] += not old_in
-            if old_in and new >= 0 and new < P:
-                cow_src[i] = old
+            # A copy-on-write pair only between page ids of the pool (a consumer copies K/V by them): the
+            # source page was checked with the shared range, a wild popped page was counted by the pop.
+            if new >= 0 and new < P:
+                cow_src[i] = block_table[s, full]
                 cow_dst[i] = new
         seq_lens[d] = n
     nu.reset_requests(dst, R, claim)
@@ -212,14 +212,15 @@ def fork_kernel(
         wrong = live & ~pad & good & ~corrupt & ((n < 0) | (n > src_len))
         cand = live & ~pad & good & ~corrupt & ~wrong
         n = tl.maximum(n, 0)
-        # The shared range must hold live pages: a wild id is corrupt state, a page that is
-        # not USED was freed under the row (use after free); either fails the lane.
-        full = tl.where(cand, n // page_size, 0)
+        # The pages read (the shared range, and a partial last page, which is copied) must be live:
+        # a wild id is corrupt state, a page that is not USED was freed under the row (use after
+        # free); either fails the lane.
+        read = tl.where(cand, cdiv(n, page_size), 0)
         wild = cand & False
         stale = tl.zeros((BLOCK,), tl.int64)
         srow = s.to(tl.int64) * MP
-        for k in range(0, tl.max(full)):
-            m = k < full
+        for k in range(0, tl.max(read)):
+            m = k < read
             p = tl.load(block_table_ptr + srow + k, mask=m, other=0)
             pid_ok = (p >= 0) & (p < num_pages)
             wild = wild | (m & ~pid_ok)
@@ -229,7 +230,7 @@ def fork_kernel(
         uaf += tl.sum(stale)
         cand = cand & ~wild & (stale == 0)
         part = (cand & (n % page_size != 0)).to(tl.int64)
-        ok = cand & (csum + tl.cumsum(part, 0) <= free)
+        ok = cand & ((part == 0) | (csum + tl.cumsum(part, 0) <= free))  # no page needed: never refused for one
         tl.store(ok_ptr + i, ok, mask=live)
         shares = tl.where(ok, n // page_size, 0).to(tl.int32)
         tl.store(lane_end_ptr + i, total + tl.cumsum(shares, 0), mask=live)
@@ -285,9 +286,8 @@ def fork_kernel(
         wrong_state += bad_pop
         tl.store(block_table_ptr + d * MP + col, new, mask=copy)
         old = tl.load(block_table_ptr + s * MP + col, mask=copy, other=NULL_PAGE)
-        old_in = (old >= 0) & (old < num_pages)
-        wrong_state += tl.sum((copy & ~old_in).to(tl.int64))  # a wild source entry (a wild pop counted itself)
-        pair = copy & old_in & (new >= 0) & (new < num_pages)  # a copy only between page ids of the pool
+        # a copy only between page ids of the pool: the source page was checked above, a wild pop counted itself
+        pair = copy & (new >= 0) & (new < num_pages)
         tl.store(cow_src_ptr + i, tl.where(pair, old, NULL_PAGE), mask=live)
         tl.store(cow_dst_ptr + i, tl.where(pair, new, NULL_PAGE), mask=live)
         tl.store(seq_lens_ptr + d, n, mask=ok)

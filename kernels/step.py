@@ -416,7 +416,7 @@ def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
     if rebuild:  # from the rows; also after a page outside the pool was copied in (exported empty here)
         written, empty, cut = flashinfer_csr_numba(req_ids_ptr, B, cd[CD_INDPTR], cd[CD_INDICES], cap,
                                                    cd[CD_LAST_PAGE_LEN], ps, bt, lens, counters,
-                                                   memo[L.MEMO_WRITTEN], False, P)  # the extend counted the rest
+                                                   memo[L.MEMO_WRITTEN], False, P, kvl)  # the extend counted the rest
         memo[L.MEMO_WRITTEN] = written
         if empty or cut:  # those lanes (a page outside the pool, or past the capacity) read no page
             for i in range(B):  # through kv_lens either, and leave no memo

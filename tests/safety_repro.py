@@ -188,7 +188,8 @@ def main(backend: str) -> dict:
                      corrupt=err(pool, L.ERR_CORRUPT_STATE)))
     out["bad_page_past_capacity"] = past
     # A fork's copy-on-write pair drives a K/V copy: only between page ids of the pool. A wild source
-    # (the src row's partial page) counts corrupt_state; a wild popped page was counted by the pop.
+    # (the src row's partial page) fails its lane, one corrupt_state, before any pop; a wild popped
+    # page is counted by the pop and makes no pair.
     pool, t = table(P=16, ps=4, R=6, MP=4)
     t.extend(i32([0, 1]), i32([6, 7]), max_tokens=16)  # row 0: pages 0, 1; row 1: pages 2, 3
     t.block_table[1, 1] = 10**6

@@ -55,7 +55,7 @@ class TableModel:
             need = cdiv(self.lens[r] + n, self.ps) - cdiv(self.lens[r], self.ps) if good else 0
             csum += need
             fits = good and (need == 0 or csum <= free)  # a lane needing no page never waits on others
-            granted = fits and tok_end <= max_tokens
+            granted = fits and (n == 0 or tok_end <= max_tokens)  # a lane of no tokens has none to overflow
             if fits and not granted:
                 self._err("out_overflow")
             if ids[len(ok)] != -1 and not granted:
@@ -134,7 +134,7 @@ class TableModel:
                 P.failed += 1
                 lanes.append(None)
                 continue
-            stale = sum(P.state[p] != 1 for p in self.rows[s][:n // self.ps])  # not USED (issue 11)
+            stale = sum(P.state[p] != 1 for p in self.rows[s][:cdiv(n, self.ps)])  # not USED, copied page too
             if stale:  # a page freed or cached under the row: use after free, the lane fails
                 P.errors["use_after_free"] = P.errors.get("use_after_free", 0) + stale
                 P.failed += 1
@@ -142,7 +142,7 @@ class TableModel:
                 continue
             part = n % self.ps != 0
             csum += part
-            if csum > free:
+            if part and csum > free:  # a lane sharing whole pages only needs no page
                 P.failed += 1
                 lanes.append(None)
                 continue
@@ -187,6 +187,8 @@ class TableModel:
             if r != -1 and not good and count:
                 self._err("bad_request")
             L = self.lens[r] if good else 0
+            if step:  # a step lists each lane's kv_lens tokens: none for a repeated id
+                L = self.meta[2][i]
             n = cdiv(L, self.ps)
             end += n
             if cap is not None and end > cap:  # past the capacity: exported as empty

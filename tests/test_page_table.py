@@ -216,6 +216,107 @@ def test_a_csr_past_its_capacity_never_points_past_it(make_table, guard):
     table.check_invariants()
 
 
+def test_a_fork_sharing_whole_pages_only_is_never_refused_for_want_of_a_page(make_table, guard):
+    """Only a lane that copies a partial page takes one from the stack (first come first served):
+    a later lane sharing whole pages only runs even when an earlier lane's copy page did not fit,
+    as an extend lane needing no page does (n-way sampling after one partial fork)."""
+    table = make_table(4, 4, 5, 4)
+    with guard():
+        table.extend(i32([0]), i32([10]), max_tokens=10)              # pages 0, 1, 2; one page free
+        f = table.fork(i32([0, 0, 0]), i32([1, 2, 3]), i32([10, 6, 8]))
+    assert f.ok.tolist() == [True, False, True]                       # lane 1 wanted the second free page
+    assert f.cow_src.tolist() == [2, -1, -1] and f.cow_dst.tolist() == [3, -1, -1]
+    assert table.seq_lens.tolist() == [10, 10, 0, 8, 0]
+    assert table.block_table[3].tolist() == [0, 1, -1, -1]
+    assert table.pool.stats()["requests.failed"] == 1
+    table.check_invariants()
+
+
+def test_a_fork_checks_the_partial_page_it_copies(make_table, guard):
+    """The partial page a fork copies is read like the shared ones: freed under the row (misuse), it
+    is a use_after_free and the lane fails, with no copy pair (the fork would copy a free page,
+    possibly onto itself); a hand-edited id outside the pool is corrupt state, the lane fails too."""
+    table = make_table(8, 4, 5, 4)
+    with guard():
+        table.extend(i32([0]), i32([3]), max_tokens=3)                # page 0, partial
+    table.pool.free(i32([0]))                                         # misuse: row 0 still names page 0
+    with guard():
+        f = table.fork(i32([0]), i32([1]), i32([3]))
+    assert f.ok.tolist() == [False] and f.cow_src.tolist() == [-1] and f.cow_dst.tolist() == [-1]
+    assert table.seq_lens[1].item() == 0 and table.pool.available() == 8
+    with pytest.raises(tpool.UseAfterFree, match="use_after_free: 1"):
+        table.pool.check()
+    table = make_table(8, 4, 5, 4)
+    with guard():
+        table.extend(i32([0]), i32([6]), max_tokens=6)                # pages 0, 1
+    table.block_table[0, 1] = 99                                      # a hand edit: the partial page is wild
+    with guard():
+        f = table.fork(i32([0, 0]), i32([1, 2]), i32([6, 4]))
+    assert f.ok.tolist() == [False, True] and f.cow_src.tolist() == [-1, -1]
+    assert table.seq_lens.tolist()[1:3] == [0, 4] and table.pool.available() == 6
+    with pytest.raises(tpool.CorruptState, match="corrupt_state: 1"):
+        table.pool.check()
+
+
+def test_a_step_exports_no_pages_for_a_repeated_id(make_table, guard):
+    """A request named twice in a step is a bad_request after its first lane: kv_lens 0, and its
+    CSR lane has no pages either (an attention kernel reading the CSR would attend it twice)."""
+    table = make_table(8, 4, 5, 4)
+    with guard():
+        table.extend(i32([0, 1]), i32([6, 3]), max_tokens=9)          # pages 0, 1 | 2
+        s = table.step(i32([0, 0, 1]), i32([1, 1, 1]), max_tokens=3)
+    assert s.ok.tolist() == [True, False, True] and s.kv_lens.tolist() == [7, 0, 4]
+    assert s.csr.indptr.tolist() == [0, 2, 2, 3] and s.csr.last_page_len.tolist() == [3, 4, 4]
+    assert s.csr.indices.tolist()[:3] == [0, 1, 2]
+    with pytest.raises(tpool.InvalidRequest, match="bad_request: 1"):
+        table.pool.check()
+    with guard():
+        c = table.flashinfer_csr(i32([0, 0]))                          # read-only: a repeated id is fine
+    assert c.indptr.tolist() == [0, 2, 4]
+    table.pool.check()
+    table.check_invariants()
+
+
+def test_a_lane_of_no_tokens_never_overflows_the_slots(make_table, guard):
+    """A lane past the slot buffer fails with out_overflow; a later lane of no tokens has none to
+    place and succeeds (its kv_lens is its length), in an extend and in a step."""
+    table = make_table(8, 4, 5, 4)
+    with guard():
+        table.extend(i32([0, 1]), i32([2, 2]), max_tokens=4)
+        r = table.extend(i32([0, 2, 1]), i32([1, 8, 0]), max_tokens=4)
+    assert r.ok.tolist() == [True, False, True] and r.slots.tolist() == [2, -1, -1, -1]  # page 0, offset 2
+    assert table.seq_lens.tolist()[:3] == [3, 2, 0]
+    with pytest.raises(tpool.OutputOverflow, match="out_overflow: 1"):
+        table.pool.check()
+    with guard():
+        s = table.step(i32([0, 2, 1]), i32([1, 8, 0]), max_tokens=4)
+    assert s.ok.tolist() == [True, False, True] and s.kv_lens.tolist() == [4, 0, 2]
+    assert s.qo_indptr.tolist() == [0, 1, 4, 4] and s.csr.indptr.tolist() == [0, 1, 1, 2]
+    with pytest.raises(tpool.OutputOverflow, match="out_overflow: 1"):
+        table.pool.check()
+    table.check_invariants()
+
+
+@pytest.mark.parametrize("other_len", [5, 8])
+def test_check_invariants_finds_two_rows_naming_a_partial_last_page(make_table, other_len):
+    """extend reads no reference count, so two rows naming one request's partial last page would
+    append into the same slots. fork and truncate never make such a pair, only a hand edit does,
+    and check_invariants reports it; a pool incref of the page (another holder, not a row) is no
+    such pair: the row appends past the tokens the holder has."""
+    table = make_table(8, 4, 3, 4)
+    table.extend(i32([0]), i32([6]), max_tokens=6)                    # pages 0 and 1 (partial)
+    table.pool.incref(i32([1]))
+    table.check_invariants(exclusive=False)
+    table.pool.free(i32([1]))
+    pages = table.block_table[0, :2].clone()
+    table.block_table[1, :2] = pages                                  # a hand edit: row 1 names both pages
+    table.seq_lens[1] = other_len                                     # page 1 partial there too, or whole
+    table.pool.incref(pages)
+    table.invalidate_csr()
+    with pytest.raises(tpool.InvariantViolation, match="partial last page"):
+        table.check_invariants()
+
+
 def test_bound_step_matches_step_with_inputs_filled_in_place(make_table, guard):
     tables = [make_table(64, 4, 4, 8) for _ in range(2)]
     ids, ntok = i32([0, 1, 2, -1]), i32([5, 2, 9, 0])

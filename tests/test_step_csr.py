@@ -503,10 +503,10 @@ def test_invalidating_the_rows_edited_keeps_every_other_run(guard):
         t.extend(i32([0, 1, 2]), i32([9, 3, 6]), max_tokens=18)
         t.step(i32([0, 1, 2]), i32([1, 1, 1]))
     saved = [x.clone() for x in state_tensors(table)]
-    for t in (table, ref):                         # request 1's row rewritten by hand: request 0's pages
-        t.block_table[1, :3] = t.block_table[0, :3]
-        t.seq_lens[1] = 12
-        t.pool.incref(t.block_table[0, :3].clone())
+    for t in (table, ref):                         # request 1's row rewritten by hand: request 0's whole pages
+        t.block_table[1, :2] = t.block_table[0, :2]
+        t.seq_lens[1] = 8
+        t.pool.incref(t.block_table[0, :2].clone())
     assert table.step_grows_csr(i32([0, 1, 2]))   # the memo cannot see the edit ...
     with pytest.raises(tpool.InvariantViolation):
         table.check_invariants(exclusive=False)

@@ -257,14 +257,17 @@ def test_fork_misuse():
 
 def test_fork_of_freed_and_cached_pages():
     """Misuse: src pages freed or cached behind the table's back fail the fork (issue 11, finding 4):
-    one use_after_free per such entry of the shared range, nothing shared, nothing revived."""
+    one use_after_free per such page the lane reads (its shared range and the partial page it would
+    copy), nothing shared, nothing copied, nothing revived."""
     tw = Twin(8, 2, 4, 4)
     tw.extend([0], [6], T=6)
     tw.pool_free([0])
     tw.pool_free([1], cache=True)
-    ok, _, _ = tw.fork([0, 0, 0], [1, 2, 3], [6, 4, 1])
-    assert ok == [False, False, True]  # the third shares no whole page: only a copy of the first
-    assert tw.counter(L.ERR_USE_AFTER_FREE) == 4 and tw.counter(L.REVIVED) == 0
+    ok, cow_src, _ = tw.fork([0, 0, 0], [1, 2, 3], [6, 4, 1])
+    assert ok == [False, False, False] and cow_src == [-1, -1, -1]  # the third would copy freed page 0
+    assert tw.counter(L.ERR_USE_AFTER_FREE) == 5 and tw.counter(L.REVIVED) == 0  # 2 + 2 + 1
+    ok, _, _ = tw.fork([0], [3], [0])                      # an empty fork reads no page: fine
+    assert ok == [True]
 
 
 # ------------------------------------------------------------ csr and rows

@@ -930,9 +930,10 @@ class PageTable:
     def check_invariants(self, *, exclusive: bool = True) -> None:
         """Verify the table against the pool (a sync point, for tests and debugging).
 
-        Entries past each length are -1, entries before it are USED pages, and each
+        Entries past each length are -1, entries before it are USED pages, each
         page's reference count is at least (``exclusive``: exactly) the number of
-        table entries naming it. A step's CSR buffers that the next step of the same
+        table entries naming it, and a request's partial last page is named by no
+        other entry. A step's CSR buffers that the next step of the same
         batch would grow in place (numba) still hold that batch's CSR, and every run a
         step of another batch would keep (its row still has the stamp the memo noted) is
         still that row's pages.
@@ -964,6 +965,13 @@ class PageTable:
         rc = self.pool.state.refcount.cpu().long()
         if not bool((rc >= held).all() if not exclusive else (rc == held).all()):
             raise InvariantViolation("invariant broken: reference counts match table entries")
+        # A request's partial last page is named by no other entry: both rows would append into the same
+        # slots (extend reads no reference count; fork copies a partial page, truncate refuses to end in a
+        # shared one, so only a hand edit makes such a pair).
+        partial = torch.nonzero(lens % self.page_size != 0).flatten()
+        if not bool((held[bt[partial, npages[partial] - 1]] == 1).all()):
+            raise InvariantViolation("invariant broken: a request's partial last page is named by no other table "
+                                     "entry (two rows would append into the same slots: was a row edited by hand?)")
         # A step's CSR that the next step of its batch may grow in place (numba only: its memo names
         # the table's current version, or the one the step that made it came from, since a step only
         # appends) must still be that batch's CSR at the lengths the memo noted.

@@ -14,13 +14,15 @@ lanes saw the table as it was when the call began.
   needs pages gets any, but a lane that needs none is never refused for want
   of pages. Tokens are laid out in lane order, ``n_i`` slots per lane
   including padding and failed lanes (their slots are -1); a lane whose tokens
-  do not fit the slot buffer fails with ``out_overflow``. A step also writes
+  do not fit the slot buffer fails with ``out_overflow`` (a lane of no tokens
+  always fits). A step also writes
   the attention metadata: ``positions`` (each slot's position in its
   sequence, -1 where the slot is -1), ``qo_indptr`` (the running sum of
   ``max(n_i, 0)``, capped at the slot buffer's length) and ``kv_lens`` (each
   lane's length after the call; a failed lane keeps its length; padding, bad
   ids and corrupt rows 0).
-* ``flashinfer_csr`` (and a step's CSR): requests in lane order; when their
+* ``flashinfer_csr`` (and a step's CSR, which lists each lane's ``kv_lens``
+  tokens: none for a repeated id): requests in lane order; when their
   pages pass the capacity of ``indices``, the first request whose pages do
   not all fit and every later one are exported as empty (``kv_lens`` 0 in a
   step), one ``out_overflow`` per call: ``indptr`` never points past the
@@ -30,17 +32,19 @@ lanes saw the table as it was when the call began.
   table order; their entries become -1.
 * ``fork``: ``dst`` (empty at call start) takes the first ``lens`` tokens of
   ``src``: whole pages are shared (one reference each), a partial last page
-  gets a fresh page (popped in lane order, first come first served) whose
-  pair ``(src page, dst page)`` is returned for the KV copy. A shared range
-  holding a page that is not USED (freed or cached through the pool while the
-  row still names it) fails the lane: ``ok`` False, ``dst`` left empty,
-  nothing increffed, one ``use_after_free`` per such entry. Sharing saturates
+  gets a fresh page (popped in lane order, first come first served over the
+  lanes that need one; a lane sharing whole pages only is never refused for
+  want of pages) whose pair ``(src page, dst page)`` is returned for the KV
+  copy. A page the lane reads (the shared range, and the partial page it
+  copies) that is not USED (freed or cached through the pool while the row
+  still names it) fails the lane: ``ok`` False, ``dst`` left empty, nothing
+  increffed, one ``use_after_free`` per such entry. Sharing saturates
   reference counts like ``incref`` (``refcount_overflow``).
 
 Corrupt state (hand edits), counted as ``corrupt_state`` and never used as an
 index: a request length outside ``[0, max_pages * page_size]`` makes its lane
 fail and leaves its row alone (every operation; ``flashinfer_csr`` exports it
-as empty); a fork whose shared range holds an id outside ``[0, P)`` fails
+as empty); a fork whose shared range or partial page holds an id outside ``[0, P)`` fails
 (one count per lane); a free count outside ``[0, P]`` makes ``extend`` and
 ``fork`` see an empty stack (one count per call with lanes); a token of
 ``extend`` (or a step) whose page id is outside ``[0, P)`` gets slot and position
@@ -124,7 +128,7 @@ def extend(st, ts, req_ids, num_tokens, slots, ok, meta=None):
     csum = torch.cumsum(need, 0)
     tok_end = torch.cumsum(n, 0)
     fits = cand & ((need == 0) | (csum <= free))  # a lane needing no page never waits on others
-    okv = fits & (tok_end <= T)
+    okv = fits & ((n == 0) | (tok_end <= T))  # a lane of no tokens has none to overflow
     c[L.ERR_OUT_OVERFLOW] += (fits & ~okv).sum()
     c[L.FAILED_REQUESTS] += (~pad & ~okv).sum()
     # New pages, lane by lane: [B, MP] grid, lane i takes k < need_i.
@@ -235,9 +239,10 @@ def fork(st, ts, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
     full = n // ps
     src_rows = ts.block_table[rs].long()
     k = torch.arange(MP, device=src_rows.device)
-    # The shared range must hold live pages: an id outside [0, P) is corrupt state, a page
-    # that is not USED was freed under the row (use after free); either fails the lane.
-    inr = cand[:, None] & (k < full[:, None])
+    # The pages read (the shared range and a partial last page, which is copied) must be live:
+    # an id outside [0, P) is corrupt state, a page that is not USED was freed under the row
+    # (use after free); either fails the lane.
+    inr = cand[:, None] & (k < _cdiv(n, ps)[:, None])
     pid_ok = (src_rows >= 0) & (src_rows < st.num_pages)
     wild = (inr & ~pid_ok).any(1)
     stale = inr & pid_ok & (st.page_state[src_rows.clamp(min=0, max=st.num_pages - 1)] != L.USED)
@@ -249,7 +254,7 @@ def fork(st, ts, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
     part = cand & (n % ps != 0)
     need = part.long()
     csum = torch.cumsum(need, 0)
-    okv = cand & (csum <= free)
+    okv = cand & ((need == 0) | (csum <= free))  # a lane needing no page never waits on others
     c[L.FAILED_REQUESTS] += (~pad & ~okv).sum()
     shared = okv[:, None] & (k < full[:, None])
     apply_incref(st, torch.where(shared, src_rows, L.NULL_PAGE).flatten())
@@ -262,16 +267,16 @@ def fork(st, ts, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
     _put(ts.seq_lens, rd, n, okv)
     ok.copy_(okv)
     old = torch.where(copy, src_rows.gather(1, full.clamp(max=MP - 1)[:, None])[:, 0], L.NULL_PAGE)
-    old_in = (old >= 0) & (old < st.num_pages)
-    c[L.ERR_CORRUPT_STATE] += (copy & ~old_in).sum()  # a wild source entry (a wild pop counted itself)
-    pair = copy & old_in & (new >= 0) & (new < st.num_pages)  # a copy only between page ids of the pool
+    # a copy only between page ids of the pool: the source page was checked above, a wild pop counted itself
+    pair = copy & (new >= 0) & (new < st.num_pages)
     cow_src.copy_(torch.where(pair, old, L.NULL_PAGE))
     cow_dst.copy_(torch.where(pair, new, L.NULL_PAGE))
 
 
 def flashinfer_csr(st, ts, req_ids, indptr, indices, last_page_len, count=True, kv_lens=None):
     """FlashInfer's paged-KV CSR for a batch (read-only: no clock step). ``count``: count bad ids and
-    corrupt lengths (a step passes False: its extend counted the same lanes). A request whose pages
+    corrupt lengths (a step passes False: its extend counted the same lanes). ``kv_lens`` (a step's, its
+    extend wrote them) are the lengths exported, so a repeated id has no pages. A request whose pages
     include an id outside ``[0, P)`` is exported as empty (an attention kernel would read outside the
     cache), one ``corrupt_state`` each, counted also in a step; ``kv_lens`` (a step's) is 0 there. Requests
     past the capacity of ``indices`` are exported as empty too (module note), one ``out_overflow``."""
@@ -287,7 +292,9 @@ def flashinfer_csr(st, ts, req_ids, indptr, indices, last_page_len, count=True, 
     if count:
         c[L.ERR_BAD_REQUEST] += bad.sum()
         c[L.ERR_CORRUPT_STATE] += (valid & ~lok).sum()
-    Ln = torch.where(valid & lok, Ln, 0)
+    # A step exports each lane's kv_lens tokens, which its extend wrote: the row's length, or 0 for
+    # padding, a bad or repeated id and a corrupt row.
+    Ln = kv_lens.long() if kv_lens is not None else torch.where(valid & lok, Ln, 0)
     rows = ts.block_table[rr]
     inside = torch.arange(MP, device=rows.device) < _cdiv(Ln, ps)[:, None]
     stray = (inside & ((rows < 0) | (rows >= st.num_pages))).any(1)
