@@ -548,6 +548,7 @@ def test_a_row_asked_past_its_max_len_is_a_value_error_naming_it(backend):
                      lambda: m.decode([a, b]),
                      lambda: m.decode([a, b], [0, 2]),
                      lambda: m.step([a, b], 1, [4]),
+                     lambda: m.step([a, b], 1, [4, 4, 4]),           # too few free rows as well
                      lambda: m.step([b], 1)):
             with pytest.raises(ValueError, match=rf"rows \[{b}\] would pass their max_len \(\[9\] tokens") as e:
                 call()
