@@ -27,6 +27,14 @@ from ._triton_util import (ALLOCATED, CACHED, CACHED_COUNT, ERR_CORRUPT_STATE, E
                            pop_check, raise_peaks, settings, store_counters, tick)
 
 
+@numba.njit(nogil=True, inline="always")
+def granted_lane(ok, src, dst, lens, i, R, limit):
+    """Lane ``i``'s ``(src, dst, tokens)`` read again from the caller's memory, and whether the first
+    pass granted it and they are still in bounds (only a write from outside the call changes them)."""
+    s, d, n = src[i], dst[i], lens[i]
+    return s, d, n, ok[i] != 0 and s >= 0 and s < R and d >= 0 and d < R and n >= 0 and n <= limit
+
+
 @numba.njit(nogil=True)
 def fork_numba(
     src_ptr,      # address of int32 [B], source requests
@@ -81,16 +89,14 @@ def fork_numba(
             if not granted:
                 counters[L.FAILED_REQUESTS] += 1
         ok[i] = granted
-    popped = 0
-    for i in range(B):
-        cow_src[i] = L.NULL_PAGE
-        cow_dst[i] = L.NULL_PAGE
-        if not ok[i]:
+    for i in range(B):  # every granted lane's shared pages first, as the reference does, then the pops
+        s, d, n, good = granted_lane(ok, src, dst, lens, i, R, limit)
+        if not good:
             continue
-        d, s, n = dst[i], src[i], lens[i]
-        full = n // page_size
-        for k in range(full):
+        for k in range(n // page_size):
             p = block_table[s, k]
+            if p < 0 or p >= P:  # checked by the first pass: only a write from outside the call
+                continue
             state = page_state[p]
             if state == L.FREE:
                 counters[L.ERR_USE_AFTER_FREE] += 1
@@ -104,6 +110,14 @@ def fork_numba(
             else:  # saturated
                 counters[L.ERR_REFCOUNT_OVERFLOW] += 1
             block_table[d, k] = p
+    popped = 0
+    for i in range(B):
+        cow_src[i] = L.NULL_PAGE
+        cow_dst[i] = L.NULL_PAGE
+        s, d, n, good = granted_lane(ok, src, dst, lens, i, R, limit)
+        if not good:
+            continue
+        full = n // page_size
         if n % page_size != 0:
             new = pop_page(free - 1 - popped, free_stack, refcount, page_state, counters)
             popped += 1

@@ -2,7 +2,8 @@
 
 Each episode builds one small pool and table per backend (same sizes), then runs
 random operations on all of them in lockstep: valid calls (bound steps that
-release requests first among them), misuse (bad and repeated ids, negative
+release requests first among them, steps into two ``StepOut`` buffers taking turns,
+mostly decoding the same batch, as overlap scheduling does), misuse (bad and repeated ids, negative
 counts, double frees), hand edits of the state followed by
 ``invalidate_csr()``, or for half the table edits ``invalidate_csr(row)`` (any value
 into ``seq_lens``, ``block_table``, ``free_stack``, the free and cached counts and the
@@ -32,7 +33,7 @@ OPS_PER_EPISODE = 150  # operations on one set of pools before a fresh one (defa
 EDIT_COUNTERS = (0, 1, 2)  # FREE_COUNT, CACHED_COUNT, CLOCK
 EDIT_VALUES = (-10**9, -6, -2, -1, 0, 1, 2, 3, 5, 7, 10**6, 2**31 - 2, 2**31 - 1)
 SCRATCH = {"keys", "lane_end", "version", "row_version"}  # per-backend scratch, not compared
-BOUND_BATCH, BOUND_RELEASE, BOUND_TOKENS = 4, 3, 12  # the shape of the bound steps ("bstep")
+BOUND_BATCH, BOUND_RELEASE, BOUND_TOKENS = 4, 3, 12  # the shape of the bound steps ("bstep") and StepOuts
 
 
 # ------------------------------------------------------------------ generation
@@ -60,11 +61,16 @@ def gen_op(rng: random.Random, cfg: dict, edits: bool) -> tuple:
     b = rng.randint(0, 5)
     P, R, MP = cfg["num_pages"], cfg["max_requests"], cfg["max_pages"]
     kind = rng.choices(["alloc", "free", "incref", "touch", "evict", "extend", "step", "csr", "rows",
-                        "release", "truncate", "fork", "edit", "snapshot", "restore", "alias", "bstep"],
-                       weights=[8, 8, 4, 3, 3, 12, 12, 5, 2, 6, 4, 6, 6 if edits else 0, 2, 2, 2, 6])[0]
+                        "release", "truncate", "fork", "edit", "snapshot", "restore", "alias", "bstep", "turns"],
+                       weights=[8, 8, 4, 3, 3, 12, 12, 5, 2, 6, 4, 6, 6 if edits else 0, 2, 2, 2, 6, 8])[0]
     if kind == "bstep":  # a bound step (table-made inputs, BOUND_RELEASE release lanes), filled, then run
         return (kind, _ids(rng, cfg, BOUND_BATCH), _counts(rng, BOUND_BATCH, rng.choice([1, 1, 3])),
                 _ids(rng, cfg, BOUND_RELEASE) if rng.random() < 0.5 else [-1] * BOUND_RELEASE, rng.random() < 0.4)
+    if kind == "turns":  # 1-4 steps, each into the next of two StepOuts; None: the last batch again, decoding
+        k = rng.randint(1, 4)
+        if rng.random() < 0.7:
+            return (kind, None, None, k)
+        return (kind, _ids(rng, cfg, BOUND_BATCH), _counts(rng, BOUND_BATCH, rng.choice([1, 1, 3])), k)
     if kind == "alloc":
         return (kind, _counts(rng, b, 3), rng.random() < 0.4)
     if kind in ("free", "incref", "touch"):
@@ -136,6 +142,8 @@ class System:
         self.snaps = {}
         self.bound = {cache: self.table.bind_step(batch=BOUND_BATCH, max_tokens=BOUND_TOKENS, release=BOUND_RELEASE,
                                                   release_cache=cache) for cache in (False, True)}
+        self.outs = [self.table.step_out(BOUND_BATCH, max_tokens=BOUND_TOKENS) for _ in range(2)]
+        self.turn, self.turn_ids = 0, [-1] * BOUND_BATCH  # the next StepOut, the last batch stepped into one
 
     def state(self) -> dict:
         out = {}
@@ -169,6 +177,14 @@ class System:
                 r = run()
                 outs = [t.clone() for t in (r.slots, r.ok, *r.csr, *r.metadata)]
                 return outs + [torch.from_numpy(run.release.copy())]  # consumed: -1 on every backend
+            elif kind == "turns":  # the first step as given, the others decode the same batch
+                ids, ntok = (self.turn_ids, [1] * BOUND_BATCH) if op[1] is None else op[1:3]
+                outs = []
+                for j in range(op[3]):
+                    out, self.turn, self.turn_ids = self.outs[self.turn], 1 - self.turn, ids
+                    r = table.step(i32(ids), i32(ntok if j == 0 else [1] * BOUND_BATCH), out=out)
+                    outs += [t.clone() for t in (r.slots, r.ok, *r.csr, *r.metadata)]
+                return outs
             elif kind == "step":
                 gone = dict(release=i32(op[5]), release_cache=op[6]) if len(op) > 5 else {}
                 r = table.step(i32(op[1]), i32(op[2]), max_tokens=op[3], capacity=op[4], **gone)

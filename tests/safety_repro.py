@@ -199,6 +199,17 @@ def main(backend: str) -> dict:
         f = t.fork(i32([0, 1, 0]), i32([2, 3, 4]), i32([6, 7, 5]))
     out["fork_cow"] = dict(ok=f.ok.tolist(), src=f.cow_src.tolist(), dst=f.cow_dst.tolist(),
                            corrupt=err(pool, L.ERR_CORRUPT_STATE), rows=t.block_table[2:5, :2].tolist())
+    # A free-stack entry naming a USED page (a hand edit: not detected) popped by one fork lane and
+    # shared by a later one: every backend does all the increfs first, then the pops (numba popped and
+    # increfed lane by lane, so its reference counts differed).
+    pool, t = table(P=8, ps=4, R=6, MP=4)
+    t.extend(i32([0, 1]), i32([10, 8]), max_tokens=18)  # row 0: pages 0, 1, 2 (2 partial); row 1: pages 3, 4
+    pool.state.free_stack[int(pool.state.counters[L.FREE_COUNT]) - 1] = 3
+    t.invalidate_csr()
+    with no_host_sync():
+        f = t.fork(i32([0, 1]), i32([2, 3]), i32([9, 8]))  # lane 0 copies (pops page 3), lane 1 shares 3 and 4
+    out["fork_pops_a_used_page"] = dict(ok=f.ok.tolist(), src=f.cow_src.tolist(), dst=f.cow_dst.tolist(),
+                                        refcount=pool.state.refcount.tolist())
     # A free count near INT64_MAX: ``count + pages`` wrapped negative and passed numba's "every push
     # fits" test, so the free rule wrote before and past the stack (through a bound release step, a
     # free and an eviction). Each push is refused and counted instead.

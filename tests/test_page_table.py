@@ -300,8 +300,8 @@ def test_a_lane_of_no_tokens_never_overflows_the_slots(make_table, guard):
 @pytest.mark.parametrize("other_len", [5, 8])
 def test_check_invariants_finds_two_rows_naming_a_partial_last_page(make_table, other_len):
     """extend reads no reference count, so two rows naming one request's partial last page would
-    append into the same slots. fork and truncate never make such a pair, only a hand edit does,
-    and check_invariants reports it; a pool incref of the page (another holder, not a row) is no
+    append into the same slots. fork and truncate never make such a pair, a hand edit does (or a
+    page freed under a row and popped by another), and check_invariants reports it; a pool incref of the page (another holder, not a row) is no
     such pair: the row appends past the tokens the holder has."""
     table = make_table(8, 4, 3, 4)
     table.extend(i32([0]), i32([6]), max_tokens=6)                    # pages 0 and 1 (partial)

@@ -65,7 +65,7 @@ class StepResult(NamedTuple):
         Lane granted.
     csr : PagedKVCSR
         The batch's pages after the extend (FlashInfer's ``paged_kv_indptr``,
-        ``paged_kv_indices``, ``paged_kv_last_page_len``).
+        ``paged_kv_indices``, ``paged_kv_last_page_len``): each lane's ``kv_lens`` tokens.
     positions : int32 ``[max_tokens]``
         Position in its sequence of each slot's token; -1 wherever ``slots`` is -1.
     qo_indptr : int32 ``[B+1]``
@@ -425,7 +425,8 @@ class PageTable:
             Python when a forward pass has cooled the caches. Such a step is checked every
             call (it is not bound as repeated steps are: :meth:`bind_step` with ``release=``
             binds it), and on triton the release is a launch of its own. Padding only (nothing
-            finished) changes nothing, and the step still grows its CSR in place on numba;
+            finished) changes no row (the clock ticks, as for any release), and the step still grows
+            its CSR in place on numba;
             ``None`` saves the checks.
         release_cache : bool
             As ``cache`` in :meth:`release`: pages whose last reference goes become CACHED.
@@ -967,11 +968,12 @@ class PageTable:
             raise InvariantViolation("invariant broken: reference counts match table entries")
         # A request's partial last page is named by no other entry: both rows would append into the same
         # slots (extend reads no reference count; fork copies a partial page, truncate refuses to end in a
-        # shared one, so only a hand edit makes such a pair).
+        # shared one, so only a hand edit makes such a pair, or a page freed under a row and popped by another).
         partial = torch.nonzero(lens % self.page_size != 0).flatten()
         if not bool((held[bt[partial, npages[partial] - 1]] == 1).all()):
             raise InvariantViolation("invariant broken: a request's partial last page is named by no other table "
-                                     "entry (two rows would append into the same slots: was a row edited by hand?)")
+                                     "entry (two rows would append into the same slots: was a row edited by hand, "
+                                     "or a page it names freed through the pool?)")
         # A step's CSR that the next step of its batch may grow in place (numba only: its memo names
         # the table's current version, or the one the step that made it came from, since a step only
         # appends) must still be that batch's CSR at the lengths the memo noted.

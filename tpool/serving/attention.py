@@ -44,7 +44,8 @@ class StepMetadata:
     slots : ``[T]``, slot of each packed token, -1 = padding (the step's ``slots``).
     positions : ``[T]``, position of each packed token in its sequence, -1 = padding.
     qo_indptr : ``[B+1]``, lane ``i``'s tokens are rows ``qo_indptr[i]:qo_indptr[i+1]``.
-    kv_lens : ``[B]``, each lane's length after the step (a failed lane keeps its length; padding 0).
+    kv_lens : ``[B]``, each lane's length after the step (a failed lane keeps its length; padding and a bad
+        or repeated id 0); the CSR lists each lane's ``kv_lens`` tokens.
     csr : the step's FlashInfer CSR (``indptr`` ``[B+1]``, ``indices``, ``last_page_len`` ``[B]``).
     max_pages : int, static: pages per request at most (the table's ``max_pages_per_request``).
     page_size, num_pages : int, static: the pool's, which the K/V pages must have (checked by
