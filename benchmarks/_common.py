@@ -20,6 +20,8 @@ import time
 import numpy as np
 import torch
 
+from tpool.demo import positive_int  # noqa: F401  (the scripts' counts: an int of at least 1)
+
 SAMPLE_TARGET_US = 2000.0  # auto calibration: calls per sample so one sample takes about this long
 MAX_INNER = 10_000         # at most this many calls per sample
 COLD_BYTES = 64 << 20      # bytes written between two cold calls (64 MiB)
@@ -109,7 +111,9 @@ def sample_us(fn, *, inner: int | None, samples: int, sync=None, reset=None, max
     ``inner=None`` calibrates it (:func:`calibrate`, at most ``max_inner``). ``reset`` (untimed) runs
     before each sample: steps that grow state (a decode step lengthens every
     request) then measure the same workload each sample instead of one that
-    drifts as the samples go on. ``settle`` adds one untimed call after each
+    drifts as the samples go on; and once more at the end, so the state is left as
+    it was found (rows sharing a table then each start from the same workload).
+    ``settle`` adds one untimed call after each
     reset: a reset that rewrites a large state leaves the caches and TLB full of
     it, and a table restored under its CSR makes the next step rebuild the CSR;
     settled samples time the steady state alone, whatever the size of the pool.
@@ -125,6 +129,8 @@ def sample_us(fn, *, inner: int | None, samples: int, sync=None, reset=None, max
         if settle:
             fn()
         out.append(time_calls_us(fn, inner, sync) / inner)
+    if reset:
+        reset()
     return out
 
 

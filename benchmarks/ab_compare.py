@@ -2,8 +2,11 @@
 
 On a shared machine two runs of a benchmark a minute apart can differ by more than a
 change is worth (this project's hosts moved by 25-50%). Here both versions of tpool run
-in the same process: the revision is extracted (``git archive``) into a temporary
-directory as a package named ``tpool_base`` (its imports of ``tpool`` rewritten), each
+in the same process: the revision is extracted (``git archive``) as a package named
+``tpool_base`` (its imports of ``tpool`` rewritten) into a folder per commit under
+``$TPOOL_AB_CACHE`` (default ``~/.cache/tpool-ab``), kept, so its numba kernels compiled
+once are cached beside it for the next comparison with that commit (a first run of a
+commit compiles them: ~25 s on 2 cores), each
 version builds its own pool and table for the workloads of ``bench_page_table.py``, and
 the two take turns, sample by sample, in a shuffled order each round. The machine's
 noise then falls on both alike. Printed per row: each version's median, p20 and p80, the
@@ -30,8 +33,8 @@ import tarfile
 import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (CacheFlusher, HelpFormatter, calibrate, print_table, progress, quantiles,  # noqa: E402
-                     time_calls_us)
+from _common import (CacheFlusher, HelpFormatter, calibrate, positive_int, print_table, progress,  # noqa: E402
+                     quantiles, time_calls_us)
 
 import torch  # noqa: E402
 
@@ -39,6 +42,7 @@ import bench_page_table as bpt  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_NAME = "tpool_base"
+EXTRACT_VERSION = 1  # part of the cache folder's name: change it when extract_base changes what it writes
 
 
 def extract_base(rev: str, into: str) -> None:
@@ -48,6 +52,7 @@ def extract_base(rev: str, into: str) -> None:
     subprocess.run(["git", "-C", ROOT, "archive", "-o", archive, rev, "tpool", "kernels"], check=True)
     with tarfile.open(archive) as tar:
         tar.extractall(into, filter="data")
+    os.remove(archive)
     pkg = os.path.join(into, BASE_NAME)
     os.rename(os.path.join(into, "tpool"), pkg)
     os.rename(os.path.join(into, "kernels"), os.path.join(pkg, "kernels"))  # installed as tpool.kernels
@@ -71,8 +76,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--base", default="HEAD", help="the git revision to compare the working tree against")
     ap.add_argument("--batch", type=int, default=256, help="requests in the batch")
     ap.add_argument("--backend", default="numba", help="tpool backend (on the CPU)")
-    ap.add_argument("--samples", type=int, default=40, help="samples per row and version")
-    ap.add_argument("--inner", type=int, default=None,
+    ap.add_argument("--samples", type=positive_int, default=40, help="samples per row and version")
+    ap.add_argument("--inner", type=positive_int, default=None,
                     help="calls per warm sample (default: calibrated to about 2 ms); cold: calls per sample")
     ap.add_argument("--cold", action="store_true", help="time one call after 64 MiB written, --inner (default 10) "
                                                         "calls a sample")
@@ -94,24 +99,42 @@ def time_sample(fn, reset, inner, flush):
     return total / inner
 
 
+def base_tree(rev: str) -> str:
+    """The folder holding ``rev`` as ``tpool_base``: extracted once per commit and kept (its compiled
+    kernels are cached there), under ``$TPOOL_AB_CACHE`` or ``~/.cache/tpool-ab``."""
+    sha = subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", f"{rev}^{{commit}}"], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    root = os.environ.get("TPOOL_AB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tpool-ab")
+    path = os.path.join(root, f"{sha}-{EXTRACT_VERSION}")
+    if os.path.isdir(os.path.join(path, BASE_NAME)):
+        progress(f"{rev} ({sha[:12]}) already extracted in {path}")
+        return path
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="extracting-", dir=root)
+    progress(f"extracting {rev} ({sha[:12]}) into {path}")
+    try:
+        extract_base(sha, tmp)
+        os.replace(tmp, path)  # whole or not at all: another run may be extracting the same commit
+    except OSError:
+        if not os.path.isdir(os.path.join(path, BASE_NAME)):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
 def main(argv=None):
     args = parser().parse_args(argv)
     known = bpt.row_names([args.backend])
     unknown = [row for row in args.rows if row not in known]
     if unknown:  # before anything compiles
         raise SystemExit(f"unknown row(s) {', '.join(map(repr, unknown))}; rows:\n  " + "\n  ".join(known))
-    tmp = tempfile.mkdtemp(prefix="tpool-ab-")
-    try:
-        return compare(args, tmp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return compare(args, base_tree(args.base))
 
 
-def compare(args, tmp):
-    """Extract the revision into ``tmp``, build both versions' workloads, time them in turns, print the table."""
-    progress(f"extracting {args.base} into {tmp}")
-    extract_base(args.base, tmp)
-    sys.path.insert(0, tmp)
+def compare(args, into):
+    """Build both versions' workloads (the revision's from ``into``), time them in turns, print the table."""
+    sys.path.insert(0, into)
     new, base = __import__("tpool"), __import__(BASE_NAME)  # the working tree's, the revision's
     runs = {}
     for label, mod in (("base", base), ("new", new)):

@@ -27,7 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import print_table, quantiles, write_json  # noqa: E402
+from _common import positive_int, print_table, progress, quantiles, write_json  # noqa: E402
 
 import tpool  # noqa: E402
 from tpool.serving import PagedKVCache, step_metadata  # noqa: E402
@@ -129,8 +129,9 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=8, help="query heads")
     ap.add_argument("--kv-heads", type=int, default=2, help="key/value heads (grouped-query)")
     ap.add_argument("--vocab", type=int, default=1024, help="vocabulary size")
-    ap.add_argument("--samples", type=int, default=30, help="samples per batch size (median, p20/p80 over them)")
-    ap.add_argument("--inner", type=int, default=8, help="decode steps per sample")
+    ap.add_argument("--samples", type=positive_int, default=30,
+                    help="samples per batch size (median, p20/p80 over them)")
+    ap.add_argument("--inner", type=positive_int, default=8, help="decode steps per sample")
     ap.add_argument("--backend", default="numba", help="pool backend")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (more stall on a 2-core machine)")
     ap.add_argument("--json", default=None, help="write the rows as JSON to this path")
@@ -142,9 +143,9 @@ def main(argv=None):
     rows = []
     for b in a.batch:
         prompts = torch.randint(1, a.vocab, (b, a.prompt), generator=torch.Generator().manual_seed(b))
-        print(f"B={b}: tpool loop ...", flush=True)
+        progress(f"B={b}: tpool loop ...")
         tp = run_tpool(model, prompts, a)
-        print(f"B={b}: baseline (eager + DynamicCache) ...", flush=True)
+        progress(f"B={b}: baseline (eager + DynamicCache) ...")
         base = run_baseline(prompts, model, a)
         step, p20, p80 = quantiles([s[0] for s in tp])
         share = statistics.median(s[1] / s[0] for s in tp)

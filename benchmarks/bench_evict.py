@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (HelpFormatter, default_device, parse_args_for_plot, plot_lines, print_table, progress,  # noqa: E402
-                     quantiles, write_json)
+from _common import (HelpFormatter, default_device, parse_args_for_plot, plot_lines, positive_int,  # noqa: E402
+                     print_table, progress, quantiles, write_json)
 
 import tpool  # noqa: E402
 from tpool.kernels import layout as L  # noqa: E402
@@ -59,7 +59,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default=default_device(), help="torch device of the pools")
     ap.add_argument("--backends", nargs="+", default=None,
                     help="tpool backends to time (default: numba and reference on CPU; triton and reference on CUDA)")
-    ap.add_argument("--samples", type=int, default=20,
+    ap.add_argument("--samples", type=positive_int, default=20,
                     help="calls timed per row, one call each (the reference backend: a fifth, at least 3)")
     ap.add_argument("--json", default="", metavar="PATH", help="also write the rows as JSON")
     ap.add_argument("--plot", default="", metavar="PATH", help="also write a PNG: us against the pool size")

@@ -61,7 +61,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, calibrate, default_device, gc_quiet,  # noqa: E402
-                     parse_args_for_plot, plot_lines, print_table, progress, quantiles, sample_cold_us,
+                     parse_args_for_plot, plot_lines, positive_int, print_table, progress, quantiles, sample_cold_us,
                      sample_us, sync_of, write_json)
 
 import tpool  # noqa: E402
@@ -386,13 +386,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default=default_device(), help="torch device of the pool and table")
     ap.add_argument("--backends", nargs="+", default=None,
                     help="tpool backends to time (default: numba on CPU, triton on CUDA)")
-    ap.add_argument("--samples", type=int, default=30, help="samples per row (median, p20, p80 over them)")
-    ap.add_argument("--inner", type=int, default=None,
+    ap.add_argument("--samples", type=positive_int, default=30, help="samples per row (median, p20, p80 over them)")
+    ap.add_argument("--inner", type=positive_int, default=None,
                     help=f"calls per warm sample (default: calibrated to about 2 ms a sample, at most {MAX_INNER})")
     ap.add_argument("--cold", action="store_true",
                     help="also time decode and turnover rows one call at a time with --cold-bytes written "
                          "between calls (cold CPU caches; on CUDA the GPU's own L2 stays warm)")
-    ap.add_argument("--cold-samples", type=int, default=100, help="calls timed per row in --cold mode")
+    ap.add_argument("--cold-samples", type=positive_int, default=100, help="calls timed per row in --cold mode")
     ap.add_argument("--cold-bytes", type=int, default=COLD_BYTES, help="bytes written between two cold calls")
     ap.add_argument("--pool-sizes", type=int, nargs="+", default=None, metavar="P",
                     help="sweep the pool size (pages) instead of sizing the pool to the batch, e.g. "

@@ -19,8 +19,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (HelpFormatter, default_device, gc_quiet, parse_args_for_plot, plot_lines, print_table,  # noqa: E402
-                     progress, quantiles, sample_us, sync_of, write_json)
+from _common import (HelpFormatter, default_device, gc_quiet, parse_args_for_plot, plot_lines,  # noqa: E402
+                     positive_int, print_table, progress, quantiles, sample_us, sync_of, write_json)
 
 import tpool  # noqa: E402
 
@@ -105,8 +105,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default=default_device(), help="torch device of the pools")
     ap.add_argument("--backends", nargs="+", default=None,
                     help="tpool backends to time (default: numba and reference on CPU; triton and reference on CUDA)")
-    ap.add_argument("--samples", type=int, default=30, help="samples per row (median, p20, p80 over them)")
-    ap.add_argument("--inner", type=int, default=None,
+    ap.add_argument("--samples", type=positive_int, default=30, help="samples per row (median, p20, p80 over them)")
+    ap.add_argument("--inner", type=positive_int, default=None,
                     help="calls per sample (default: calibrated so a sample takes about 2 ms)")
     ap.add_argument("--json", default="", metavar="PATH", help="also write the rows as JSON")
     ap.add_argument("--plot", default="", metavar="PATH",

@@ -26,7 +26,10 @@ DECODE = ["numpy-blocks", "host-blocks", f"tpool-{BACKEND} step", f"tpool-{BACKE
           f"tpool-{BACKEND} bound step, two StepOuts taking turns"] + (
     [f"tpool-{BACKEND} bound step, table-made inputs"] if DEVICE == "cpu" else [])
 TURNOVER = ["numpy-blocks turnover", "host-blocks turnover", f"tpool-{BACKEND} turnover",
-            f"tpool-{BACKEND} turnover, one call"]
+            f"tpool-{BACKEND} turnover, one call"] + ([f"tpool-{BACKEND} turnover, bound"] if DEVICE == "cpu" else [])
+# the pool-size group: the plain calls, and on a CPU the bound ones the targets are for
+SIZED = [f"tpool-{BACKEND} step", f"tpool-{BACKEND} turnover"] + (
+    [f"tpool-{BACKEND} bound step, table-made inputs", f"tpool-{BACKEND} turnover, bound"] if DEVICE == "cpu" else [])
 POOL_SIZES = [65536, 1048576, 16777216]  # the decode step should stay flat
 ROUNDS, COLD_ROUNDS = 30, 100
 
@@ -81,7 +84,7 @@ def test_step_cold(benchmark, impl, B):
     reset()
 
 
-@pytest.mark.parametrize("impl", [f"tpool-{BACKEND} step", f"tpool-{BACKEND} turnover"])
+@pytest.mark.parametrize("impl", SIZED)
 @pytest.mark.parametrize("num_pages", POOL_SIZES)
 def test_step_against_pool_size(benchmark, impl, num_pages):
     warm(benchmark, *workload(256, impl, num_pages), "decode and turnover step B=256 against pool size",

@@ -41,6 +41,28 @@ def test_benchmark_prints_its_table_and_progress(name, header, tmp_path, capsys)
     assert rows and all(r["median_us"] > 0 for r in rows)
 
 
+@pytest.mark.parametrize("extra", [[], ["--cold", "--cold-samples", "2"]])
+def test_every_page_table_row_starts_from_the_same_workload(extra, monkeypatch, capsys):
+    """Rows of one batch size share a table, and a decode step lengthens every request: each row
+    must leave the table as it found it, or later rows time a grown workload (longer requests,
+    refused lanes) against a baseline that was not grown."""
+    import tpool
+    module = load("bench_page_table")
+    starts, make = {}, module.make_reset
+
+    def recording(fn, owner):  # called as each row starts: the table as that row finds it
+        if isinstance(owner, tpool.PageTable):
+            starts.setdefault(id(owner), []).append((owner.seq_lens.tolist(), owner.block_table.tolist()))
+        return make(fn, owner)
+
+    monkeypatch.setattr(module, "make_reset", recording)
+    module.main(TINY["bench_page_table"] + extra)
+    capsys.readouterr()
+    assert max(len(s) for s in starts.values()) >= 5  # the numba rows share one table per batch size
+    for s in starts.values():
+        assert all(x == s[0] for x in s)
+
+
 @pytest.mark.parametrize("name", SCRIPTS + ["ab_compare"])
 def test_help_explains_every_option_and_its_default(name):
     module = load(name)
@@ -144,19 +166,24 @@ def test_cold_breakdown_prints_every_row(tmp_path, capsys):
 
 def test_ab_compare_runs_a_revision_beside_the_working_tree(tmp_path):
     """``ab_compare.py``: HEAD extracted as ``tpool_base`` and the working tree, one process, a table row
-    per workload with both versions and the paired count (in a subprocess: it adds a package)."""
+    per workload with both versions and the paired count (in a subprocess: it adds a package). The
+    extracted revision is kept per commit, so a second run compiles nothing."""
     if subprocess.run(["git", "-C", BENCH, "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("not a git checkout")
     cmd = [sys.executable, os.path.join(BENCH, "ab_compare.py"), "tpool-numba step", "tpool-numba turnover, bound",
            "--batch", "3", "--samples", "2", "--inner", "2"]
-    scratch = tmp_path / "tmp"  # where it extracts the revision (TMPDIR): empty again at the end
-    scratch.mkdir()
-    env = dict(os.environ, TMPDIR=str(scratch))
+    cache = tmp_path / "cache"  # where it keeps the extracted revision
+    env = dict(os.environ, TPOOL_AB_CACHE=str(cache))
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "working tree against HEAD" in done.stdout and "new faster (paired)" in done.stdout
     assert done.stdout.count("/2") == 2 and "tpool-numba turnover, bound" in done.stdout
-    assert f"extracting HEAD into {scratch}" in done.stderr and not list(scratch.iterdir())
+    assert "extracting HEAD (" in done.stderr and f"into {cache}" in done.stderr
+    (kept,) = cache.iterdir()  # one folder for the commit, nothing half-extracted beside it
+    assert (kept / "tpool_base" / "kernels").is_dir() and not list(kept.glob("*.tar"))
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert again.returncode == 0 and "already extracted" in again.stderr, again.stderr[-2000:]
+    assert "compiling numba kernels" not in again.stderr  # both versions' kernels were cached by the first run
     # a misspelt row is refused before anything is extracted or compiled, with the list of rows
     cmd[2] = "tpool-numba turnover bound"
     bad = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)

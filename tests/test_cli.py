@@ -29,6 +29,18 @@ def test_version():
     assert r.returncode == 0 and r.stdout.strip() == f"tpool {tpool.__version__}"
 
 
+@pytest.mark.parametrize("command", [[], ["demo"], ["report"]])
+def test_usage_names_the_command_as_it_was_typed(command):
+    """``python -m tpool ...`` says so in its usage line; the installed ``tpool`` script says ``tpool ...``."""
+    r = tpool_cli(*command, "--help")
+    assert r.stdout.startswith("usage: " + " ".join(["python -m tpool", *command]) + " ")
+    script = os.path.join(os.path.dirname(sys.executable), "tpool")
+    if not os.path.exists(script):
+        pytest.skip("the tpool script is not installed beside this python")
+    r = subprocess.run([script, *command, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("usage: " + " ".join(["tpool", *command]) + " ")
+
+
 # Each subcommand's options, each with a help text.
 @pytest.mark.parametrize("command", ["report", "demo"])
 def test_subcommand_help_explains_every_option(command):

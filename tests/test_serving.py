@@ -274,8 +274,10 @@ def test_bench_e2e_prints_its_table(tmp_path, capsys):
     out = tmp_path / "e2e.json"
     mod.main(["--batch", "2", "3", "--samples", "3", "--inner", "2", "--prompt", "5", "--hidden", "32",
               "--layers", "1", "--heads", "4", "--vocab", "64", "--json", str(out)])
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert "decode step, end to end" in text and "tpool share" in text and "p20 / p80" in text
+    assert "tpool loop" not in text and "B=3: tpool loop" in captured.err  # progress on stderr, not in the table
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [2, 3]
     assert all(r["tokens_per_s"] > 0 and 0 < r["tpool_share"] < 1 and r["baseline_tokens_per_s"] > 0 for r in rows)

@@ -9,8 +9,9 @@ commands:
   demo     simulate an inference server's decode loop on a PageTable, scheduled on a
            host mirror of the pool (tpool.scheduling.HostMirror): 256 requests share
            up to 64 rows and 4,096 pages of 16 tokens; each step admits, decodes one
-           token for the running batch (table.step) and releases finished requests,
-           preempting before a step that would not fit, with no device read per step.
+           token for the running batch (mirror.decode: a bound table step) and
+           releases finished requests, preempting before a step that would not fit,
+           with no device read per step.
            Prints a row every few steps and checks the pool at the end.
            With --model llama|gpt-neox: serve a tiny random-weight transformers model
            on tpool pages and check its tokens against generate (needs tpool[hf]).
@@ -25,9 +26,15 @@ options:
 """
 
 
+def _usage():
+    """USAGE with the command's name as it was typed (``tpool`` or ``python -m tpool``)."""
+    from tpool._prog import prog
+    return USAGE.replace("python -m tpool", prog())
+
+
 def _dispatch(argv):
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(_usage())
         return 0
     if argv[0] == "--version":
         from tpool._version import __version__
@@ -43,7 +50,7 @@ def _dispatch(argv):
     if cmd == "report":
         from tpool.memory.report import main as report_main
         return report_main(rest) or 0
-    print(f"tpool: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    print(f"tpool: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
     return 2
 
 

@@ -22,6 +22,7 @@ import sys
 import time
 
 from tpool import _checks
+from tpool._prog import prog
 from tpool.page_table import PageTable
 from tpool.pool import PagePool
 from tpool.scheduling import HostMirror
@@ -194,7 +195,7 @@ def _build(num_pages, page_size, device, backend, batch, max_pages):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(
-        prog="python -m tpool demo",
+        prog=prog("demo"),
         description="A decode loop scheduled on a host mirror of the pool: admissions, preemptions, decode steps "
                     "and finishes decided on host integers, never reading the device inside a step.")
     ap.add_argument("--requests", type=positive_int, default=256, help="requests in the queue (default 256)")

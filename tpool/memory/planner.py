@@ -77,7 +77,7 @@ class PagePlan:
         >>> plan = plan_pages(2 << 20, 0.8, total_bytes=80 << 30, free_bytes=60 << 30)
         >>> print(plan.explain())
         total                  85,899,345,920 B     80.00 GiB   given
-        free                   64,424,509,440 B     60.00 GiB   measured after the weights
+        free                   64,424,509,440 B     60.00 GiB   with the weights loaded
         in use                 21,474,836,480 B     20.00 GiB   total - free + pending weights (weights, context, other)
         static budget          68,719,476,736 B     64.00 GiB   total x 0.8
         runtime reserve        17,179,869,184 B     16.00 GiB   total - static budget (activations, graphs)
@@ -87,7 +87,7 @@ class PagePlan:
         """
         rows = [
             ("total", self.total_bytes, self.source),
-            ("free", self.free_bytes, "measured after the weights" if not self.pending_weights_bytes
+            ("free", self.free_bytes, "with the weights loaded" if not self.pending_weights_bytes
              else f"before {self.pending_weights_bytes:,} B of weights are loaded"),
             ("in use", self.used_bytes, "total - free + pending weights (weights, context, other)"),
             ("static budget", self.static_budget_bytes, f"total x {self.mem_fraction_static}"),

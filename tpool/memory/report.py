@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from tpool import _checks
+from tpool._prog import prog
 
 __all__ = ["memory_report", "format_report", "main", "MemoryReport", "Tracked", "Allocator", "Driver", "Process"]
 
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["report"]:
         argv = argv[1:]
-    parser = argparse.ArgumentParser(prog="python -m tpool report", description="Print the memory ledgers of a device.")
+    parser = argparse.ArgumentParser(prog=prog("report"), description="Print the memory ledgers of a device.")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--device", default=None, help="cuda:N or cpu (default: current CUDA device, else cpu)")
     args = parser.parse_args(argv)

@@ -7,6 +7,7 @@ can read what the demo takes before installing anything.
 
 import argparse
 
+from tpool._prog import prog
 from tpool.demo import OptionError, positive_int
 
 MODELS = ("llama", "gpt-neox")
@@ -15,7 +16,7 @@ INSTALL_HF = "pip install 'tpool[hf]' (or pip install -e \".[hf]\" in a checkout
 
 def parser() -> argparse.ArgumentParser:
     """The serving demo's command line: every option with its default."""
-    ap = argparse.ArgumentParser(prog="python -m tpool demo --model NAME",
+    ap = argparse.ArgumentParser(prog=prog("demo --model NAME"),
                                  description="Serve a tiny random transformers model on tpool pages and check "
                                              "every request against the model's generate (needs transformers: "
                                              f"{INSTALL_HF}).")
