@@ -225,9 +225,11 @@ class Accounting:
         return out
 
     def _refuse_past_max_len(self, what, r, n):
-        """Raise the ``ValueError`` (not ``WouldNotFit``: no release makes room) for rows ``r`` that
-        ``n`` more tokens take past their max_len."""
+        """Raise the ``ValueError`` (not ``WouldNotFit``: no release makes room) naming the rows of ``r``
+        that ``n`` more tokens take past their max_len; return if there is none."""
         past = self.hi[r] + n > self.limit[r]
+        if not past.any():
+            return
         raise ValueError(f"{what}: rows {r[past].tolist()} would pass their max_len ({self.limit[r][past].tolist()} "
                          f"tokens; {self.hi[r][past].tolist()} now, {np.broadcast_to(n, r.shape)[past].tolist()} "
                          f"more asked): work that can never fit, whatever is released; finish them, or ask "

@@ -115,8 +115,7 @@ class MixedSteps:
         if max_tokens is not None and not (isinstance(max_tokens, int) and total <= max_tokens):
             raise ValueError(f"max_tokens: expected an int >= {total} (the step's tokens), got {max_tokens!r}")
         if k > self.rows_free:
-            if b and bool((self.hi[r] + nn > self.limit[r]).any()):  # work no release makes fit comes first
-                self._refuse_past_max_len("step", r, nn)
+            self._refuse_past_max_len("step", r, nn)  # work no release makes fit is refused first
             raise WouldNotFit(f"step: {k} prompts need rows, {self.rows_free} are free")
         admit = int(_cdiv(np.minimum(p + self.lookahead, lim), ps).sum()) if k else 0  # prompt pages + reservations
         per_row = nn.ndim > 0
