@@ -23,7 +23,7 @@ Rows, from the floor up:
   flush): the code of the call path is in the caches, this table's memory is not, so the
   difference to ``kernel alone`` is what fetching cold code costs.
 * ``extend kernel alone (no CSR)``: only the extend (slots and lengths, read from the rows).
-* ``façade only``: ``BoundStep``'s Python part (``page_table._bound_step``) around the no-op
+* ``façade only``: ``BoundStep``'s Python part (``bound_step._bound_step``) around the no-op
   instead of the kernel; ``..., as a closure (before)``: the same check as the closure it was.
 * ``bound step``: ``table.bind_step(ids, ones)()``; ``..., table-made inputs``: ``table.bind_step(batch=B)``
   filled with the same ids and counts, whose call checks nothing (no torch call).
@@ -61,7 +61,7 @@ from tpool.backends.numba import _desc, entry_point  # noqa: E402
 from tpool.kernels import extend  # noqa: E402
 from tpool.errors import StaleBinding  # noqa: E402
 from tpool._checks import storage_size  # noqa: E402
-from tpool.page_table import _bound_step  # noqa: E402
+from tpool.bound_step import _bound_step  # noqa: E402
 
 _i64 = numba.types.int64
 
@@ -119,7 +119,7 @@ def touch_lanes(cd_addr, rows, shift):
 
 
 def closure_facade(req_ids, num_tokens, b, run):
-    """``BoundStep``'s Python part as it was before ``page_table._bound_step``: a closure (nine cells)."""
+    """``BoundStep``'s Python part as it was before ``bound_step._bound_step``: a closure (nine cells)."""
     ids_at, ntok_at, ids_len, ntok_len = req_ids.data_ptr, num_tokens.data_ptr, req_ids.numel, num_tokens.numel
     at_ids, at_ntok = ids_at(), ntok_at()
     result = object()

@@ -1,4 +1,4 @@
-"""A BoundStep's call (``functools.partial`` over ``page_table._bound_step``): it takes no
+"""A BoundStep's call (``functools.partial`` over ``bound_step._bound_step``): it takes no
 arguments of its own, and a stale binding raises before the step touches the table."""
 
 import numpy as np

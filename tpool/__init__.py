@@ -15,8 +15,9 @@ with gc_paused():  # a one-off import (torch's too, when tpool comes first): tpo
                               InvariantViolation, OutputOverflow, PoolError, RefcountOverflow, StaleBinding,
                               TableOverflow, UseAfterFree)
     from tpool.free_group import FreeGroup
-    from tpool.page_table import (BoundStep, ExtendResult, ForkResult, PagedKVCSR, PageTable, StepOut,
-                                  StepResult)
+    from tpool.bound_step import BoundStep
+    from tpool.page_table import PageTable
+    from tpool.table_results import ExtendResult, ForkResult, PagedKVCSR, StepOut, StepResult
     from tpool.pool import AllocOut, AllocResult, BoundCall, PagePool
 
 # The memory tools are imported at their first use (``tpool.Arena`` imports tpool.memory.arena),

@@ -12,7 +12,7 @@ Note (what a loop should know):
   A shape used while a CUDA graph was being captured is pinned: it is never
   dropped, since the graph writes its buffers on every replay. A dropped
   shape's buffers stay alive as long as something else holds them (a
-  :class:`~tpool.page_table.BoundStep`, a result the caller kept). A
+  :class:`~tpool.bound_step.BoundStep`, a result the caller kept). A
   ``HostMirror`` hears of each dropped shape (``on_drop``) and lets its decode
   steps of that shape go, so they never write buffers the table no longer returns.
 * Every entry also knows the storages its call writes (the pool's and the

@@ -10,11 +10,9 @@ by the table, one set per call shape, reused by the next call of the same
 shape (what a CUDA graph needs); treat them as read-only and clone a result
 to keep or edit it. Misuse is
 counted in the pool's error counters and raised by ``pool.check()``. The
-exact rules are in :mod:`tpool.backends.reference_table`.
+exact rules are in :mod:`tpool.backends.reference_table`. What the calls return
+is in :mod:`tpool.table_results`; a step bound to fixed inputs in :mod:`tpool.bound_step`.
 """
-
-import functools
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -22,204 +20,12 @@ import torch
 from tpool import _checks
 from tpool._checks import i32_len
 from tpool.backends import make_table_ops
+from tpool.bound_step import BoundStep
 from tpool.buffers import DEFAULT_MAX_SHAPES, ShapeBuffers
 from tpool.errors import InvariantViolation, StaleBinding
 from tpool.kernels import layout as L
 from tpool.state import INT32_MAX, CsrMemo, TableState, fixed_full
-
-
-class ExtendResult(NamedTuple):
-    """slots : int32 ``[max_tokens]``: slot of every new token in lane order, -1 for padding,
-    failures and unused capacity (vLLM's ``slot_mapping``). ok : bool ``[B]``."""
-
-    slots: torch.Tensor
-    ok: torch.Tensor
-
-
-class ForkResult(NamedTuple):
-    """ok : bool ``[B]``; cow_src, cow_dst : int32 ``[B]``: for a fork that ends inside a
-    page, copy the KV of page ``cow_src[i]`` into the fresh page ``cow_dst[i]`` (-1 otherwise)."""
-
-    ok: torch.Tensor
-    cow_src: torch.Tensor
-    cow_dst: torch.Tensor
-
-
-class PagedKVCSR(NamedTuple):
-    """FlashInfer's paged-KV layout for a batch: ``indptr`` int32 ``[B+1]``, ``indices`` int32
-    ``[capacity]`` (pages in request order, -1 past ``indptr[B]``), ``last_page_len`` int32 ``[B]``."""
-
-    indptr: torch.Tensor
-    indices: torch.Tensor
-    last_page_len: torch.Tensor
-
-
-class StepResult(NamedTuple):
-    """One scheduler step (:meth:`PageTable.step`), everything attention needs, all written
-    by the step's one pass, on the table's device:
-
-    slots : int32 ``[max_tokens]``
-        Slot of every new token in lane order, -1 for padding, failed lanes and unused
-        capacity (vLLM's ``slot_mapping``), as in :class:`ExtendResult`.
-    ok : bool ``[B]``
-        Lane granted.
-    csr : PagedKVCSR
-        The batch's pages after the extend (FlashInfer's ``paged_kv_indptr``,
-        ``paged_kv_indices``, ``paged_kv_last_page_len``): each lane's ``kv_lens`` tokens.
-    positions : int32 ``[max_tokens]``
-        Position in its sequence of each slot's token; -1 wherever ``slots`` is -1.
-    qo_indptr : int32 ``[B+1]``
-        Lane ``i``'s new tokens are ``slots[qo_indptr[i]:qo_indptr[i+1]]`` (FlashInfer's
-        ``qo_indptr``, vLLM's ``query_start_loc``): a running sum of ``max(num_tokens, 0)``
-        over every lane (failed and padding lanes included), capped at ``max_tokens``.
-    kv_lens : int32 ``[B]``
-        Each lane's length after the step; a failed lane keeps its length; padding, a bad
-        or repeated request id and a corrupt row (a length outside the row, or a page id
-        outside the pool among its pages: its CSR run is empty too) give 0.
-    """
-
-    slots: torch.Tensor
-    ok: torch.Tensor
-    csr: PagedKVCSR
-    positions: torch.Tensor
-    qo_indptr: torch.Tensor
-    kv_lens: torch.Tensor
-
-    @property
-    def metadata(self) -> tuple:
-        """``(positions, qo_indptr, kv_lens)``."""
-        return self.positions, self.qo_indptr, self.kv_lens
-
-
-class StepOut:
-    """Caller-owned outputs for :meth:`PageTable.step` (``out=``), made by :meth:`PageTable.step_out`.
-
-    A scheduler that prepares step N+1 while the forward pass still reads step N's
-    outputs (overlap scheduling) makes two and alternates; each is a :class:`StepResult`
-    in ``result`` with its own CSR memo and its own bound backend call. The table never
-    drops them (they live as long as the caller holds them), so they also bound the
-    caller's memory themselves.
-    """
-
-    def __init__(self, table: "PageTable", batch: int, max_tokens: int, capacity: int):
-        self.table, self.batch, self.max_tokens, self.capacity = table, batch, max_tokens, capacity
-        slots, ok, *meta = table._step_out(batch, max_tokens)
-        csr, self.memo = table._csr_out(batch, capacity)
-        self.result = StepResult(slots, ok, csr, *meta)
-        table._shapes.memos.add(self.memo)  # invalidate_csr reaches it
-        self._written = table._written | _checks.written_storages([slots, ok, *csr, *meta, self.memo.tensor])
-        self._run = table.ops.step_into(self.result, self.memo)
-
-    def __repr__(self):
-        return f"StepOut(batch={self.batch}, max_tokens={self.max_tokens}, capacity={self.capacity})"
-
-
-class BoundStep(functools.partial):
-    """``PageTable.step`` bound to fixed input tensors (see :meth:`PageTable.bind_step`).
-
-    Calling it checks that ``req_ids`` and ``num_tokens`` (and ``release``, when bound with
-    release ids, which each call consumes) keep the memory and length they were bound
-    with (``StaleBinding``, a ValueError, if not) and runs the step; it returns
-    ``result``, the table-owned ``StepResult`` of this shape. The call is ``functools.partial``'s
-    C call of a module function (``_bound_step``) with every value stored in the partial's
-    arguments: on a CPU a decode step costs only a few microseconds, and a Python method
-    with attribute lookups, or a closure's cells, would add to it visibly (more so with
-    cold caches). It holds the table, so the state it points into stays alive with it.
-    """
-
-    def __new__(cls, table, req_ids, num_tokens, max_tokens, capacity, fixed=False, release=None,
-                release_cache=False, out=None):
-        held = (req_ids, num_tokens, release)
-        if fixed:  # numpy arrays: the step reads tensors of its own over their memory
-            req_ids, num_tokens = torch.from_numpy(req_ids), torch.from_numpy(num_tokens)
-            release = None if release is None else torch.from_numpy(release)
-        if release is not None:  # checked before any buffer is made for the shape
-            table._ids(release, "release")
-            release_cache = _checks.flag(release_cache, "release_cache")
-        key = None  # the table's call shape whose buffers it writes (None: the caller's, out=)
-        if out is None:
-            b, entry = table._step_shape(req_ids, num_tokens, max_tokens, capacity)
-            result, memo, written = entry[0], entry[2], entry[3]
-            key = table._step_key(b, max_tokens, capacity)
-            if not table._check_written:  # numba checks each unbound step in compiled code, a bound one only here
-                table._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))
-        else:  # the caller's buffers (checked against the inputs there)
-            b = table._into_out(req_ids, num_tokens, max_tokens, capacity, out)
-            result, memo, written = out.result, out.memo, out._written
-        if release is not None:
-            # Each call writes release (sets it to -1): it may share memory with nothing the step reads or writes.
-            _checks.check_not_written(release, "release", written | _checks.written_storages([req_ids, num_tokens]))
-        run = table.ops.bind_step(result, memo, req_ids, num_tokens, b, release, release_cache)
-        if fixed:  # memory that cannot move or go away: nothing to check per call
-            run.fixed = held
-            self = super().__new__(cls, _fixed_step, run, result)
-        else:
-            step = functools.partial(_bound_step, req_ids.data_ptr, num_tokens.data_ptr, req_ids.numel,
-                                     num_tokens.numel, req_ids.data_ptr(), num_tokens.data_ptr(), b,
-                                     *_checks.storage_size(req_ids), *_checks.storage_size(num_tokens), run, result)
-            if release is None:
-                self = super().__new__(cls, step.func, *step.args)
-            else:  # the release ids are bound as the other two are: checked for memory and length each call
-                self = super().__new__(cls, _bound_release_step, release.data_ptr, release.numel, release.data_ptr(),
-                                       release.numel(), *_checks.storage_size(release), step)
-        self.table, self.result, (self.req_ids, self.num_tokens, self.release) = table, result, held
-        # The CSR memo it writes through, held: the table reaches memos through a weak set (invalidate_csr,
-        # check_invariants), so a memo whose StepOut the caller dropped, or whose shape the table let go
-        # (max_shapes), would otherwise leave it while the step still grows that CSR.
-        # _key: the table's call shape whose buffers it writes (None with out=). When the table drops that
-        # shape (max_shapes), later steps of the shape get new buffers while this one keeps the old; a
-        # scheduler keeping it hears of the drop through the table's ShapeBuffers.on_drop (HostMirror).
-        self.out, self._memo, self._key = out, memo, key
-        return self
-
-    def __setattr__(self, name, value):
-        if name in ("req_ids", "num_tokens", "release") and name in self.__dict__:
-            raise AttributeError(f"BoundStep.{name}: the step reads the memory it was bound to; fill it in place "
-                                 f"(run.{name}[:] = ...) instead of assigning a new array or tensor")
-        super().__setattr__(name, value)
-
-    def __repr__(self):
-        k = "" if self.release is None else f", release={len(self.release)}"
-        return f"BoundStep(batch={self.result.ok.numel()}, max_tokens={self.result.slots.numel()}{k})"
-
-
-def _bound_step(ids_at, ntok_at, ids_len, ntok_len, at_ids, at_ntok, b, ids_nb, nb_ids, ntok_nb, nb_ntok, run,
-                result):
-    """What a :class:`BoundStep` runs: check the inputs' memory, length and storage size, ``run()``, return ``result``.
-
-    Every value arrives as an argument that ``functools.partial`` stores in one tuple,
-    not in nine closure cells: a call reads one object instead of nine, which shows
-    when the caches are cold (a forward pass between two steps; about 0.9 µs a step
-    in ``benchmarks/cold_breakdown.py``). A caller passing arguments of its own gets a
-    ``TypeError`` (too many positional arguments), as with a closure.
-    """
-    if (ids_at() != at_ids or ntok_at() != at_ntok or ids_len() != b or ntok_len() != b or ids_nb() != nb_ids
-            or ntok_nb() != nb_ntok):
-        raise StaleBinding("bind_step: req_ids or num_tokens no longer have the memory, the length or the storage "
-                           "size they were bound with (reassigned or resized); fill them in place, or bind again")
-    run()
-    return result
-
-
-def _bound_release_step(rel_at, rel_len, at_rel, k, rel_nb, nb_rel, step):
-    """What a :class:`BoundStep` with bound release ids runs: check their memory and length, then
-    ``step()`` (a ``_bound_step`` partial), which checks the other two and runs the call."""
-    if rel_at() != at_rel or rel_len() != k or rel_nb() != nb_rel:
-        raise StaleBinding("bind_step: release no longer has the memory, the length or the storage size it was "
-                           "bound with (reassigned or resized); fill it in place, or bind again")
-    return step()
-
-
-def _fixed_step(run, result):
-    """What a :class:`BoundStep` on table-made CPU inputs runs: ``run()``, return ``result``.
-
-    The inputs are numpy arrays that the binding holds; numpy neither resizes nor
-    re-points an array whose memory others use, so that memory cannot move or go away
-    and there is nothing to check: no torch call at all, which saves ~6 µs a step
-    when a forward pass has cooled the caches.
-    """
-    run()
-    return result
+from tpool.table_results import ExtendResult, ForkResult, PagedKVCSR, StepOut, StepResult
 
 
 class PageTable:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from tpool.kernels import layout as L
-from tpool.kernels.layout import INT32_MAX, INT64_MAX  # noqa: F401  (defined once, in layout)
+from tpool.kernels.layout import INT32_MAX
 
 
 _NUMPY_DTYPES = {torch.int8: np.int8, torch.int32: np.int32, torch.int64: np.int64, torch.bool: np.bool_}

@@ -358,7 +358,7 @@ class HostMirror(MixedSteps, Accounting):
         """A new request sharing the first ``n_tokens`` tokens of running ``src``; returns its row.
 
         Whole pages are shared; a partial last page is copied into a fresh page: the
-        table's :class:`~tpool.page_table.ForkResult` is kept in :attr:`last_fork` (device
+        table's :class:`~tpool.table_results.ForkResult` is kept in :attr:`last_fork` (device
         tensors, table-owned) so the caller copies the KV of ``cow_src`` into ``cow_dst``.
         ``n_tokens`` must be within ``src``'s sure length.
         """

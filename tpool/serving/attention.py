@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpool.page_table import PagedKVCSR
+from tpool.table_results import PagedKVCSR
 
 CHUNK_BYTES = 64 << 20  # bytes: the most one tensor of a paged_attention chunk takes (two tokens' worth at least)
 
@@ -67,7 +67,7 @@ def step_metadata(table, step) -> StepMetadata:
     """What attention reads from a step that just ran (``step = table.step(...)``).
 
     No device work: ``positions``, ``qo_indptr`` and ``kv_lens`` are written by the step
-    itself, in the same pass as its slots (:class:`tpool.page_table.StepResult`); this
+    itself, in the same pass as its slots (:class:`tpool.table_results.StepResult`); this
     packs them with the CSR, the table's static ``max_pages_per_request`` and its pool's
     ``page_size`` and ``num_pages``.
 
