@@ -182,3 +182,18 @@ def test_sizes_must_be_ints_not_bools():
     with pytest.raises(TypeError, match="expected an arena Block, got str"):
         arena.view("notablock", torch.float32, (2,))  # the block is checked first
     assert arena.num_blocks == 1 and arena.view(b, torch.float32, (0, 4)).shape == (0, 4)
+
+
+def test_view_takes_an_int_shape_as_torch_does_and_names_a_bad_shape():
+    arena = Arena(1024, "cpu")
+    b = arena.alloc(64)
+    assert arena.view(b, torch.float32, 4).shape == (4,) == arena.view(b, torch.float32, np.int64(4)).shape
+    assert arena.view(b, torch.float32, 4).data_ptr() == arena.view(b, torch.float32, (4,)).data_ptr()
+    assert arena.view(b, torch.float32, torch.Size([2, 8])).shape == (2, 8)
+    for bad, name in [(None, "NoneType None"), (4.0, "float 4.0"), ("ab", "str 'ab'")]:
+        with pytest.raises(ValueError, match=f"shape: expected an int or a sequence of ints, got {name}"):
+            arena.view(b, torch.float32, bad)
+    with pytest.raises(ValueError, match=r"shape\[0\]: expected a non-negative int, got True"):
+        arena.view(b, torch.float32, True)
+    with pytest.raises(ValueError, match="does not fit"):
+        arena.view(b, torch.float32, 65)  # 260 B in a 256 B block

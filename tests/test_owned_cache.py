@@ -3,6 +3,7 @@
 import collections
 import dataclasses
 import gc
+import sys
 import weakref
 
 import numpy as np
@@ -202,7 +203,8 @@ def test_containers_are_rebuilt_around_owned_tensors(wrap):
     got = list(accounting.iter_tensors(stored))
     assert torch.equal(got[0], x) and storage_bytes(got[0]) == UNIT and got[1] is y
     assert list(accounting.iter_tensors(value))[0] is x  # the caller's value is untouched
-    assert cache.stats().current_bytes == retained_bytes(stored) == 2 * UNIT
+    assert retained_bytes(stored) == 2 * UNIT  # Features' name "img" is charged too
+    assert cache.stats().current_bytes == 2 * UNIT + (sys.getsizeof("img") if type(value) is Features else 0)
     cache.check_invariants()
 
 
@@ -352,6 +354,96 @@ def test_check_invariants_detects_tampering():
         cache.check_invariants()
 
 
+def test_get_returns_a_fresh_container_so_replacing_items_leaves_the_cache_alone():
+    x, y = full(), full()
+    cache = OwnedCache(4 * UNIT)
+    assert cache.put("k", {"x": x, "nested": {"y": [y]}})
+    got = cache.get("k")
+    alive = StorageWeakRef(x.untyped_storage())
+    got["x"] = full(3)  # e.g. an engine swapping in its processed tensor
+    got["nested"]["y"][0] = full(3)
+    del x, got
+    gc.collect()
+    again = cache.get("k")
+    assert not alive.expired() and again["nested"]["y"][0] is y  # what the cache holds is unchanged
+    assert cache.stats().current_bytes == retained_bytes(again) == 2 * UNIT
+    again["x"].fill_(7.0)  # the tensors are the stored objects: in-place writes reach the cache
+    assert bool((cache.get("k")["x"] == 7.0).all())
+    with cache.pinned("k") as value:
+        value["x"] = full(3)
+    assert cache.get("k")["x"] is again["x"]
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("wrap, inner", [
+    (lambda x, y: Features(x, [y, 3]), lambda v: v.tokens),
+    (lambda x, y: Pair(x, [y]), lambda v: v.right),
+    (lambda x, y: Batch({"x": x, "y": [y]}, tensor_type="pt"), lambda v: v["y"]),
+    (lambda x, y: [x, [y]], lambda v: v[1]),
+    (lambda x, y: (x, [y]), lambda v: v[1]),
+], ids=["dataclass", "namedtuple", "userdict", "list", "tuple"])
+def test_get_rebuilds_every_container_kind(wrap, inner):
+    cache = OwnedCache(4 * UNIT)
+    assert cache.put("k", wrap(full(), full()))
+    a, b = cache.get("k"), cache.get("k")
+    assert type(a) is type(b) and a is not b and inner(a) is not inner(b)  # nested containers too
+    ta, tb = list(accounting.iter_tensors(a)), list(accounting.iter_tensors(b))
+    assert len(ta) == 2 and all(p is q for p, q in zip(ta, tb))  # the same tensor objects
+    inner(a)[0] = full(3)
+    assert all(p is q for p, q in zip(accounting.iter_tensors(cache.get("k")), tb))
+    assert getattr(a, "tensor_type", "pt") == "pt"  # a UserDict's attributes are kept
+    cache.check_invariants()
+
+
+def test_batch_encoding_to_does_not_move_what_the_cache_holds():
+    transformers = pytest.importorskip("transformers")
+    cache = OwnedCache(4 * UNIT)
+    assert cache.put("enc", transformers.BatchEncoding({"input_ids": torch.zeros(256, dtype=torch.int32)}))
+    enc = cache.get("enc")
+    assert enc.to("meta") is enc  # BatchEncoding.to replaces its items in place and returns itself
+    assert enc["input_ids"].device.type == "meta" and cache.get("enc")["input_ids"].device.type == "cpu"
+    assert cache.stats().current_bytes == UNIT
+    cache.check_invariants()
+
+
+def test_the_ledger_holds_a_charged_storage_so_its_key_cannot_be_reused():
+    cache = OwnedCache(budget_bytes=300_000)
+    assert cache.put("a", torch.randn(1000, 64))  # 256_000 B, kept as is
+    t = cache.get("a")
+    alive = StorageWeakRef(t.untyped_storage())
+    t.set_(torch.empty(0))  # the caller repoints the cached tensor (outside the budget promise)
+    del t
+    gc.collect()
+    assert not alive.expired()  # still charged, so still alive: no new storage can take its key
+    with pytest.raises(InvariantViolation, match="storages"):  # and the set_ is seen
+        cache.check_invariants()
+    fresh = torch.randn(1000, 64)  # would often reuse a freed key: then it was admitted free
+    assert cache.put("b", fresh) and cache.keys() == ["b"] and cache.stats().evictions == 1
+    gc.collect()
+    assert alive.expired() and cache.stats().current_bytes == 256_000  # released with its entry
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["kept", "copied"])
+def test_plain_put_of_values_read_from_the_cache_may_evict_their_entries(copy):
+    cache = OwnedCache(2 * UNIT)  # without an arena the caller's tensors keep the sources alive
+    cache.put("p", torch.full((256,), 1.0))
+    cache.put("q", torch.full((256,), 2.0))
+    pair = (cache.get("q")[:128], cache.get("p")[:128]) if copy else (cache.get("q"), cache.get("p"))
+    cache.put("x", full(2))  # evicts p and q
+    assert cache.keys() == ["x"]
+    assert cache.put("qp", pair)  # kept: charged 2 units, evicts x; copied: 1 unit, evicts x
+    q2, p2 = cache.get("qp")
+    assert bool((q2 == 2.0).all()) and bool((p2 == 1.0).all()) and cache.keys() == ["qp"]
+    cache.put("p", torch.full((256,), 1.0))
+    cache.put("q", torch.full((512,), 2.0)[:256])  # a copy: its source is the caller's, 2 units
+    pair = (cache.get("q")[:128], cache.get("p")[:128])
+    assert cache.put("pq2", pair)  # evicts from the LRU end, sources included; copies still right
+    q3, p3 = cache.get("pq2")
+    assert bool((q3 == 2.0).all()) and bool((p3 == 1.0).all())
+    cache.check_invariants()
+
+
 # -- arena-backed ------------------------------------------------------------
 def test_arena_entries_live_in_the_arena_and_count_block_size():
     arena = Arena(4096, "cpu", alignment=256)
@@ -419,6 +511,81 @@ def test_arena_rejects_when_pinned_blocks_leave_no_range(copies):
     cache.check_invariants()
 
 
+def test_arena_put_of_values_read_from_the_cache_never_evicts_their_blocks():
+    arena = Arena(1024, "cpu", alignment=256)
+    cache = OwnedCache(1024, arena=arena)
+    cache.put("p", torch.full((64,), 1.0))  # [0, 256)
+    cache.put("q", torch.full((64,), 2.0))  # [256, 512)
+    cache.put("r", torch.full((64,), 3.0))  # [512, 768)
+    pair = (cache.get("q"), cache.get("p"))
+    cache.get("r")  # q, p least recently used, and read by the put
+    assert cache.put("qp", pair)  # 512 B: evicts r, not q and p, whose blocks it reads
+    assert cache.keys() == ["q", "p", "qp"] and cache.stats().evictions == 1
+    q2, p2 = cache.get("qp")
+    assert bool((q2 == 2.0).all()) and bool((p2 == 1.0).all())
+    assert bool((cache.get("p") == 1.0).all()) and bool((cache.get("q") == 2.0).all())
+    cache.check_invariants()
+
+
+def test_arena_put_that_fits_only_by_evicting_its_sources_is_refused(copies):
+    arena = Arena(512, "cpu", alignment=256)
+    cache = OwnedCache(512, arena=arena)
+    cache.put("p", torch.full((64,), 1.0))  # [0, 256)
+    cache.put("q", torch.full((64,), 2.0))  # [256, 512): full
+    n = len(copies)
+    assert not cache.put("qp", (cache.get("q"), cache.get("p")))  # 512 B only over its own sources
+    assert len(copies) == n and cache.keys() == ["q", "p"]
+    assert bool((cache.get("p") == 1.0).all()) and bool((cache.get("q") == 2.0).all())
+    s = cache.stats()
+    assert (s.rejections, s.evictions, s.current_bytes) == (1, 0, 512)
+    big = Arena(1024, "cpu", alignment=256)
+    cache = OwnedCache(1024, arena=big)
+    cache.put("x", torch.zeros(64))  # [0, 256)
+    cache.put("a", torch.arange(128.0))  # [256, 768)
+    assert not cache.put("b", cache.get("a"))  # no 512 B range without a's own block
+    assert cache.keys() == ["x", "a"] and torch.equal(cache.get("a"), torch.arange(128.0))
+    assert big.allocated_bytes == 768
+    cache.check_invariants()
+
+
+def test_arena_put_of_a_view_of_an_evicted_entry_raises_before_anything():
+    arena = Arena(1024, "cpu", alignment=256)
+    cache = OwnedCache(1024, arena=arena)
+    cache.put("a", torch.arange(64.0))
+    cache.put("b", torch.zeros(64))
+    stale = cache.get("a")
+    cache.remove("a")  # its block is free: the next block may be carved over the view
+    with pytest.raises(ValueError, match="free arena bytes"):
+        cache.put("c", {"s": stale})
+    assert cache.keys() == ["b"] and arena.allocated_bytes == 256
+    cache.check_invariants()
+
+
+def test_arena_copy_that_raises_frees_its_block(monkeypatch):
+    arena = Arena(1024, "cpu", alignment=256)
+    cache = OwnedCache(1024, arena=arena)
+    cache.put("a", torch.randn(64))
+
+    def fail(t, out=None):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(ownership, "compact", fail)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        cache.put("b", torch.randn(64))
+    assert arena.allocated_bytes == 256 and arena.num_blocks == 1 and cache.keys() == ["a"]
+    cache.check_invariants()
+
+
+def test_check_invariants_finds_an_arena_block_no_entry_holds():
+    arena = Arena(1024, "cpu", alignment=256)
+    cache = OwnedCache(1024, arena=arena)
+    cache.put("a", torch.randn(64))
+    cache.check_invariants()
+    arena.alloc(100)  # a leaked block
+    with pytest.raises(InvariantViolation, match="leaked"):
+        cache.check_invariants()
+
+
 # -- random operation sequences against a model ------------------------------
 OPS = st.lists(st.tuples(st.sampled_from(["put", "put", "get", "pin", "unpin", "pop"]),
                          st.integers(0, 5), st.integers(0, 5), st.booleans()), max_size=40)
@@ -469,8 +636,12 @@ def test_random_ops_match_an_lru_model(ops):
         assert (s.current_bytes, s.evictions, s.rejections) == (sum(size.values()), evictions, rejections)
 
 
+ARENA_OPS = st.lists(st.tuples(st.sampled_from(["put", "put", "get", "pin", "unpin", "pop", "reput"]),
+                               st.integers(0, 5), st.integers(0, 5), st.booleans()), max_size=40)
+
+
 @settings(max_examples=100, deadline=None)
-@given(OPS)
+@given(ARENA_OPS)
 def test_random_ops_with_an_arena_keep_invariants(ops):
     arena = Arena(8 * UNIT, "cpu", alignment=256)
     cache = OwnedCache(6 * UNIT, arena=arena)
@@ -481,6 +652,14 @@ def test_random_ops_with_an_arena_keep_invariants(ops):
             assert ok == (k in cache) and cache.keys()[-1:] == ([k] if ok else cache.keys()[-1:])
             if ok and new:
                 assert torch.equal(cache.get(k), t)
+        elif op == "reput" and k in cache:  # a value read from the cache, put back under key `units`
+            src = cache.get(k)
+            if view:  # the entry's first tensor and a view of its second half (an entry may be such a pair)
+                t = next(iter(accounting.iter_tensors(src)))
+                src = (t, t[t.numel() // 2:])
+            want, new = [x.clone() for x in accounting.iter_tensors(src)], units not in cache
+            if cache.put(units, src) and new:
+                assert all(torch.equal(a, b) for a, b in zip(accounting.iter_tensors(cache.get(units)), want))
         elif op == "get":
             cache.get(k)
         elif op == "pin" and k in cache:
@@ -523,3 +702,33 @@ def test_cuda_split_item_end_to_end():
     gc.collect()
     assert torch.cuda.memory_allocated() == before - BATCH_BYTES
     assert cache.stats().current_bytes == ITEM_BYTES
+
+
+def test_str_and_bytes_leaves_are_charged():
+    # An image file's bytes cached beside its pixels keep 4 MiB alive: the budget sees them.
+    blob, text = bytes(4 << 20), "a prompt " * 1000
+    value = {"pixels": torch.zeros(16), "jpeg": blob, "text": text, "again": blob}
+    cache = OwnedCache(8 << 20)
+    assert cache.put("a", value)
+    leaves = sys.getsizeof(blob) + sys.getsizeof(text)  # the same bytes object twice counts once
+    assert cache.stats().current_bytes == 64 + leaves
+    cache.check_invariants()
+    other = bytes(5 << 20)
+    assert cache.put("b", {"jpeg": other}) and "a" not in cache  # 4 + 5 MiB > 8 MiB: "a" is evicted for it
+    assert cache.stats().current_bytes == sys.getsizeof(other)
+    cache.check_invariants()
+    assert not cache.put("c", "x" * (9 << 20))  # a str alone over the budget: refused
+    cache.pop("b")
+    assert cache.stats().current_bytes == 0
+
+
+def test_str_and_bytes_leaves_are_charged_with_an_arena():
+    arena = Arena(1 << 16, "cpu", alignment=256)
+    cache = OwnedCache(1 << 20, arena=arena)
+    assert cache.put("a", {"x": torch.zeros(16), "name": "x" * 1000})
+    assert cache.stats().current_bytes == arena.allocated_bytes + sys.getsizeof("x" * 1000)
+    cache.check_invariants()
+    assert not cache.put("b", {"blob": bytes(2 << 20)})  # larger than the budget: refused
+    cache.pop("a")
+    assert cache.stats().current_bytes == 0 == arena.allocated_bytes
+    cache.check_invariants()

@@ -2,6 +2,7 @@
 
 import collections
 import dataclasses
+import functools
 import gc
 import types
 import weakref
@@ -297,9 +298,11 @@ def test_storage_key_is_the_storage_object_not_its_address():
     head, whole = torch.from_numpy(arr[:1]), torch.from_numpy(arr)  # two storages at one address
     assert head.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
     assert storage_key(head) != storage_key(whole)
-    both = 4096 + 4_096_000
-    assert retained_bytes([head, whole]) == plan_ownership([head, whole]).retained_bytes == both
-    assert retained_bytes([whole, head]) == plan_ownership([whole, head]).retained_bytes == both
+    both = plan_ownership([head, whole])
+    assert len(both.views) == 2 and len(both.copy) == 2  # two storages (neither resizable: both copied)
+    # ... over one memory, counted once by address
+    assert retained_bytes([head, whole]) == both.retained_bytes == 4_096_000
+    assert retained_bytes([whole, head]) == plan_ownership([whole, head]).retained_bytes == 4_096_000
     t = torch.zeros(1024)
     key = storage_key(t)
     t.resize_(100_000)  # the bytes move, the storage object stays
@@ -374,3 +377,148 @@ def test_map_tensors_rebuilds_a_userdict_and_refuses_other_mappings():
 def test_plan_ownership_bad_align(align):
     with pytest.raises(ValueError, match=r"align: expected a positive int, got"):
         plan_ownership(torch.zeros(4)[1:], align=align)
+
+
+# -- overlapping views, attributes outside fields, one walker rule, .grad, out, one memory --------
+def test_overlapping_views_are_copied_as_one_range_and_stay_aliased():
+    batch = torch.randn(1000, 1024)  # 4_096_000 B
+    windows = [batch[i:i + 100] for i in range(20)]  # rows 0..118: 487_424 B, 20 views of 409_600 B
+    plan = plan_ownership(windows)
+    assert (plan.copy_bytes, plan.keep, len(plan.copy), len(plan.pieces)) == (119 * 4096, {}, 20, 1)
+    owned = plan.apply()
+    assert all(torch.equal(o, w) for o, w in zip(owned, windows)) and retained_bytes(owned) == 119 * 4096
+    assert owned[0][5].data_ptr() == owned[5][0].data_ptr()
+
+    kv = torch.randn(1000, 256)  # 1_024_000 B
+    a, b = plan_ownership((kv[:400], kv[300:700])).apply()  # rows 300..399 shared
+    assert storage_key(a) == storage_key(b) and storage_bytes(a) == 700 * 1024 and torch.equal(b, kv[300:700])
+    a[300, 0] = 123.0
+    assert b[0, 0] == 123.0  # a write through one is seen through the other, as before
+
+    x = torch.randn(100, 256)  # 102_400 B; into an arena every view is copied: x, x[0], x.t() once
+    arena_plan = plan_ownership({"x": x, "x0": x[0], "xT": x.t()}, copy_all=True, align=256)
+    assert arena_plan.copy_bytes == 102_400 and len(arena_plan.pieces) == 1
+    got = arena_plan.apply(torch.empty(102_400, dtype=torch.uint8))
+    assert torch.equal(got["xT"], x.t()) and got["xT"].stride() == (1, 256) and torch.equal(got["x0"], x[0])
+    assert got["x"].data_ptr() == got["x0"].data_ptr() == got["xT"].data_ptr()
+    assert plan_ownership([x, x.t()]).keep == {storage_key(x): 102_400}  # the storage itself is no larger: kept
+
+
+def test_overlapping_views_fall_back_to_copies_of_their_own():
+    x = torch.randn(1000, 64)
+    cols = [x[:, 0], x[:, 1]]  # their spans interleave, but their union is the whole batch
+    plan = plan_ownership(cols)
+    assert plan.copy_bytes == 2 * 4000 and len(plan.pieces) == 2
+    c = plan.apply()
+    assert torch.equal(c[0], x[:, 0]) and storage_key(c[0]) != storage_key(c[1])
+    z = torch.randn(1000, 4, dtype=torch.complex64)
+    conj = plan_ownership([z[:50], z[10:60].conj()])  # a conj bit: its bytes are not its values
+    assert len(conj.pieces) == 2 and conj.copy_bytes == 100 * 4 * 8
+    p, q = conj.apply()
+    assert torch.equal(p, z[:50]) and torch.equal(q.resolve_conj(), z[10:60].conj().resolve_conj())
+    w = torch.randn(10, 8, requires_grad=True)
+    r, s = plan_ownership([w[:6] * 1, (w[:6] * 1)[2:]]).apply()  # history dropped, requires_grad kept
+    assert r.is_leaf and s.is_leaf and r.requires_grad and s.requires_grad
+
+
+def test_overlapping_views_of_several_dtypes_share_one_copy():
+    raw = torch.arange(64, dtype=torch.uint8)
+    words = torch.empty(0, dtype=torch.int32).set_(raw.untyped_storage(), 3, (4,), (1,))  # bytes 12..27
+    plan = plan_ownership([raw[13:20], words, raw[40:42]], align=1)
+    assert [p.nbytes for p in plan.pieces] == [16, 2] and plan.copy_bytes == 18  # one range, 4-aligned
+    b, w, tail = plan.apply()
+    assert torch.equal(w, words) and torch.equal(b, raw[13:20]) and torch.equal(tail, raw[40:42])
+    assert b.data_ptr() - w.data_ptr() == 1 and w.data_ptr() % 4 == 0
+
+
+@dataclasses.dataclass
+class _Derived:
+    pixels: torch.Tensor
+
+    def __post_init__(self):
+        self.first_row = self.pixels[0]  # not a field: set after __init__
+
+    @functools.cached_property
+    def mask(self):
+        return torch.ones(100, 100)  # 40_000 B, in the instance __dict__ once read
+
+
+def test_dataclass_attributes_outside_its_fields_are_owned_and_counted():
+    batch = torch.randn(1000, 1024)  # 4_096_000 B
+    item = _Derived(batch[:10])
+    item.mask
+    assert retained_bytes(item) == 4_096_000 + 40_000
+    plan = plan_ownership(item)
+    assert plan.copy_bytes == 40_960 and plan.keep == {storage_key(item.mask): 40_000}
+    new = plan.apply()
+    assert type(new) is _Derived and storage_bytes(new.first_row) == 40_960 and new.mask is item.mask
+    assert new.first_row.data_ptr() == new.pixels.data_ptr() and torch.equal(new.first_row, batch[0])
+    assert item.first_row.untyped_storage().nbytes() == 4_096_000  # the caller's item is untouched
+    assert retained_bytes(new) == 40_960 + 40_000
+    item.extra = np.zeros(3)
+    with pytest.raises(TypeError, match="ndarray"):  # refused, as a field holding it is
+        plan_ownership(item)
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda t: {"q": collections.deque([t])}, "deque"),
+    (lambda t: [collections.UserList([t])], "UserList"),
+    (lambda t: torch.nn.ModuleList([torch.nn.Linear(4, 4)]), "ModuleList"),
+    (lambda t: {"v": {"a": t}.values()}, "dict_values"),
+    (lambda t: t.numpy(), "ndarray"),
+    (lambda t: [t, t.numpy()], "ndarray"),
+])
+def test_retained_bytes_refuses_what_map_tensors_refuses(make, name):
+    value = make(torch.randn(1000, 256))
+    for fn in (retained_bytes, lambda v: map_tensors(v, own), plan_ownership):
+        with pytest.raises(TypeError, match=f"cannot count the bytes held by a {name}"):
+            fn(value)
+
+
+def test_retained_bytes_still_reads_a_generator_or_dict_values_at_the_top():
+    t = torch.randn(1000, 256)
+    assert retained_bytes(x for x in [t, t[:1]]) == retained_bytes({"a": t}.values()) == 1_024_000
+
+
+def test_a_kept_tensor_does_not_carry_its_grad():
+    p = torch.nn.Parameter(torch.randn(1000, 256))  # 1_024_000 B
+    (p * 2).sum().backward()  # p.grad: another 1_024_000 B
+    for kept in (own(p), plan_ownership([p]).apply()[0], plan_ownership({"p": p}).apply()["p"]):
+        assert kept is not p and kept.grad is None and kept.is_leaf and kept.requires_grad
+        assert kept.data_ptr() == p.data_ptr() and retained_bytes(kept) == 1_024_000
+    assert p.grad is not None  # the caller's parameter keeps it
+    plain = torch.randn(8, requires_grad=True)
+    assert own(plain) is plain  # no .grad, no history: the same object
+
+
+def test_apply_out_aligns_every_copy_and_checks_out_before_copying():
+    x8, x32 = torch.arange(300, dtype=torch.uint8), torch.arange(300, dtype=torch.float32)
+    plan = plan_ownership([x8[:3], x32[:5]])  # align 1: float32 first, at a multiple of 4
+    assert plan.copy_bytes == 23 and [p.offset for p in plan.pieces] == [0, 20]
+    a, b = plan.apply(torch.zeros(23, dtype=torch.uint8))
+    assert torch.equal(a, x8[:3]) and torch.equal(b, x32[:5]) and b.data_ptr() % 4 == 0
+    plan = plan_ownership([x32[:5], x32[10:15], x32[20:25]])
+    for out, got in [
+        (torch.zeros(56, dtype=torch.uint8), r"torch.uint8 \[56\]"),  # too short
+        (torch.zeros(60, dtype=torch.float32), "torch.float32"),
+        (torch.zeros(120, dtype=torch.uint8)[::2], r"strides \(2,\)"),
+        (torch.zeros(64, dtype=torch.uint8)[2:], "storage offset 2"),
+        (torch.zeros(60, dtype=torch.uint8, device="meta"), "on meta"),
+    ]:
+        with pytest.raises(ValueError, match=r"out: expected uint8 of shape \[n >= 60\], contiguous, on cpu, "
+                                             r"at a storage offset that is a multiple of 4; got .*" + got):
+            plan.apply(out)
+        assert out.device.type == "meta" or not out.any()  # nothing was copied
+    longer = torch.zeros(64, dtype=torch.uint8)[4:]
+    assert torch.equal(plan.apply(longer)[2], x32[20:25])
+
+
+def test_memory_seen_through_two_storages_counts_once():
+    t = torch.randn(1000, 256)  # 1_024_000 B
+    again = torch.from_numpy(t.numpy())
+    assert storage_key(again) != storage_key(t)
+    assert retained_bytes([t, again]) == retained_bytes([t, torch.from_dlpack(t)]) == 1_024_000
+    assert retained_bytes([t, torch.from_numpy(t.numpy()[:1])]) == 1_024_000
+    assert retained_bytes([t[:10], torch.from_numpy(t.numpy()[500:])]) == 1_024_000  # one range each
+    assert plan_ownership([t, again]).retained_bytes == 1_024_000
+    assert retained_bytes([t, torch.randn(10)]) == 1_024_040

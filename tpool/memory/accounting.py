@@ -24,7 +24,11 @@ Note:
 
     Storage identity is the storage object (``untyped_storage()._cdata``),
     not its address: two live storages can start at one address
-    (``torch.from_numpy(a[:1])`` and ``torch.from_numpy(a)``). A tensor whose
+    (``torch.from_numpy(a[:1])`` and ``torch.from_numpy(a)``). Bytes kept
+    alive are counted by address, though: where two storage objects on one
+    cpu or cuda device cover the same memory (``t`` and
+    ``torch.from_numpy(t.numpy())``, ``torch.from_dlpack(t)``), their byte
+    ranges are merged and the memory counts once. A tensor whose
     offset and strides reach past its storage (shrunk or freed under it by
     ``untyped_storage().resize_``) raises ``ValueError``. Tensors without
     ordinary storage (sparse, mkldnn, meta, nested, quantized, dispatch
@@ -34,10 +38,15 @@ Note:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping
+import enum
+import sys
+from collections import UserDict
+from collections.abc import Iterable, Iterator, Mapping, MappingView, Sequence, Set
 from typing import Any
 
 import torch
+
+from tpool._checks import storage_spans
 
 __all__ = ["payload_bytes", "storage_bytes", "compact_bytes", "storage_key", "retained_bytes", "iter_tensors",
            "check_ownable"]
@@ -256,58 +265,171 @@ def _is_dataclass(obj: Any) -> bool:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
+_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
+
+
+def _kind(obj: Any) -> str:
+    """How the walkers (:func:`iter_tensors`, hence :func:`retained_bytes`, and
+    :func:`~tpool.memory.ownership.map_tensors`) treat ``obj``: ONE rule, so what one of them counts the
+    other can rebuild. ``"tensor"``, ``"leaf"`` (a plain scalar), ``"dict"`` (dict or UserDict: its
+    values), ``"items"`` (list, tuple, set, frozenset) or ``"dataclass"`` (its fields and the other
+    attributes in its ``__dict__``, see :func:`_extra_attrs`); anything else raises ``TypeError``."""
+    if isinstance(obj, torch.Tensor):
+        return "tensor"
+    if isinstance(obj, _LEAVES):
+        return "leaf"
+    if isinstance(obj, (dict, UserDict)):  # a shallow copy of either has its own items
+        return "dict"
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return "items"
+    if _is_dataclass(obj):
+        return "dataclass"
+    if isinstance(obj, Mapping):
+        raise TypeError(f"cannot rebuild a {type(obj).__name__}: expected a dict or a collections.UserDict "
+                        "(a copy of another mapping could share the caller's items); pass dict(value)")
+    raise TypeError(
+        f"cannot count the bytes held by a {type(obj).__name__}; expected tensors in dicts, "
+        "lists, tuples, sets or dataclasses, with scalar leaves"
+        + ("; pass list(value)" if isinstance(obj, (Sequence, Set, MappingView)) else "")
+    )
+
+
+def _extra_attrs(obj: Any) -> dict[str, Any]:
+    """The attributes of dataclass instance ``obj`` outside its fields: what ``__post_init__`` set, a
+    ``functools.cached_property`` result (name -> value, from the instance ``__dict__``; ``copy.copy``
+    carries them, so the walkers go into them like fields)."""
+    names = {f.name for f in dataclasses.fields(obj)}
+    return {k: v for k, v in getattr(obj, "__dict__", {}).items() if k not in names}
+
+
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Yield every tensor in ``obj``, depth first, in container order.
 
     Parameters
     ----------
     obj : Any
-        A tensor, or nested mappings (their values), lists, tuples, sets and
-        dataclass instances holding tensors. Other leaves are skipped, never
-        raised on (unlike :func:`~tpool.memory.ownership.map_tensors`).
+        A tensor, a plain scalar, or a container as
+        :func:`~tpool.memory.ownership.map_tensors` accepts: dicts and
+        ``UserDict``s (their values), lists, tuples, sets and dataclass
+        instances (their fields, then the other attributes in their
+        ``__dict__``: set in ``__post_init__``, ``cached_property``
+        results), nested.
 
     Yields
     ------
     torch.Tensor
         Each tensor as it is found (any shape, dtype and device); a tensor
         held twice is yielded twice.
+
+    Raises
+    ------
+    TypeError
+        A leaf or container that :func:`~tpool.memory.ownership.map_tensors`
+        refuses (a numpy array, a deque, an ``nn.Module``, a mapping other
+        than dict or ``UserDict``, ...): its bytes could not be counted.
     """
-    if isinstance(obj, torch.Tensor):
+    return (x for x in _walk(obj) if isinstance(x, torch.Tensor))
+
+
+def _walk(obj: Any) -> Iterator[Any]:
+    """Every tensor and plain scalar in ``obj``, depth first, in container order (the rule of :func:`_kind`)."""
+    kind = _kind(obj)
+    if kind in ("tensor", "leaf"):
         yield obj
-    elif isinstance(obj, Mapping):
+    elif kind == "dict":
         for v in obj.values():
-            yield from iter_tensors(v)
-    elif isinstance(obj, (list, tuple, set, frozenset)):
+            yield from _walk(v)
+    elif kind == "items":
         for v in obj:
-            yield from iter_tensors(v)
-    elif _is_dataclass(obj):
+            yield from _walk(v)
+    elif kind == "dataclass":
         for f in dataclasses.fields(obj):
-            yield from iter_tensors(getattr(obj, f.name))
+            yield from _walk(getattr(obj, f.name))
+        for v in _extra_attrs(obj).values():
+            yield from _walk(v)
+
+
+def leaf_bytes(obj: Any) -> int:
+    """Bytes of the ``str`` and ``bytes`` objects among the leaves of ``obj`` (``sys.getsizeof``, each
+    object once): what a cache keeping ``obj`` keeps alive besides tensor storages. Other scalars
+    (numbers, None, dtypes, ...) are a few dozen bytes each and not counted.
+
+    Parameters
+    ----------
+    obj : Any
+        A tensor, a plain scalar, or a container as :func:`iter_tensors` takes.
+
+    Returns
+    -------
+    int
+        0 when ``obj`` holds no ``str`` or ``bytes``.
+
+    Raises
+    ------
+    TypeError
+        As :func:`iter_tensors`.
+
+    Example
+    -------
+    >>> leaf_bytes({"ids": torch.zeros(4), "jpeg": bytes(1 << 20)}) >= 1 << 20
+    True
+    """
+    return sum({id(x): sys.getsizeof(x) for x in _walk(obj) if isinstance(x, (str, bytes))}.values())
+
+
+def _alive_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages behind ``tensors`` (one tensor per storage object), memory that two
+    storage objects cover counted once: on a cpu or cuda device the byte ranges are merged (a
+    storage's range is where its bytes are now); elsewhere ``data_ptr`` need not be an address,
+    so each storage counts whole."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    total = 0
+    for t in tensors:
+        if t.device.type in ("cpu", "cuda"):
+            by_device.setdefault(t.device, []).append(t)
+        else:
+            total += t.untyped_storage().nbytes()
+    for same_device in by_device.values():
+        spans = storage_spans(same_device)  # start -> end, the longest per start
+        reach = 0  # the furthest end so far: what lies before it is counted
+        for lo in sorted(spans):
+            total += max(0, spans[lo] - max(lo, reach))
+            reach = max(reach, spans[lo])
+    return total
 
 
 def retained_bytes(tensors: torch.Tensor | Iterable[Any]) -> int:
-    """Bytes of storage kept alive by ``tensors``, each storage counted once.
+    """Bytes of storage kept alive by ``tensors``, each storage (and each byte of memory) counted once.
 
     Parameters
     ----------
     tensors : torch.Tensor or iterable
-        A tensor, or any iterable (list, generator, dict values, dataclass…)
-        of tensors and nested containers; tensors may be on any devices.
-        Non-tensor leaves are skipped.
+        A tensor, or a container of tensors and plain scalars as
+        :func:`~tpool.memory.ownership.map_tensors` accepts (dicts,
+        ``UserDict``s, lists, tuples, sets, dataclasses, nested); at the top
+        level also a generator or another iterator, or a dict view
+        (``d.values()``), read into a list first. Tensors may be on any
+        devices.
 
     Returns
     -------
     int
         Sum over the distinct storages (by :func:`storage_key`) of their
         ``nbytes``, as :func:`~tpool.memory.ownership.plan_ownership` counts
-        ``retained_bytes``. A storage over memory torch did not allocate counts
-        what torch sees of it (see :func:`storage_bytes`).
+        ``retained_bytes``; where two storage objects cover the same memory
+        of a cpu or cuda device (``t`` and ``torch.from_numpy(t.numpy())``,
+        ``torch.from_dlpack(t)``) that memory counts once. A storage over
+        memory torch did not allocate counts what torch sees of it (see
+        :func:`storage_bytes`).
 
     Raises
     ------
     TypeError
-        ``tensors`` is a str or bytes, or neither iterable nor a dataclass
-        instance; or a tensor in it has no ordinary storage.
+        ``tensors`` is a plain scalar (str, bytes, int, None, ...); or a leaf
+        or container in it that :func:`~tpool.memory.ownership.map_tensors`
+        refuses (a numpy array, a deque, a ``UserList``, an ``nn.Module``,
+        a dict view inside a container, ...), as ``OwnedCache.put`` refuses
+        it; or a tensor in it has no ordinary storage.
     ValueError
         A tensor in it reaches past its storage (see :func:`check_ownable`).
 
@@ -316,10 +438,12 @@ def retained_bytes(tensors: torch.Tensor | Iterable[Any]) -> int:
     >>> batch = torch.zeros(1000, 4096, dtype=torch.bfloat16)
     >>> retained_bytes(batch.split(100)[:2])    # two views, one storage
     8192000
+    >>> retained_bytes([batch, torch.from_numpy(batch.view(torch.int16).numpy())])  # one memory, two storages
+    8192000
     """
-    if isinstance(tensors, (str, bytes)) or not (isinstance(tensors, Iterable) or _is_dataclass(tensors)):
+    if isinstance(tensors, (Iterator, MappingView)):
+        tensors = list(tensors)  # a generator or another one-shot iterable, or d.values()
+    if isinstance(tensors, _LEAVES):
         raise TypeError(f"expected a tensor or an iterable of tensors, got {type(tensors).__name__}")
-    if isinstance(tensors, Iterable) and not isinstance(tensors, (torch.Tensor, Mapping, list, tuple, set)):
-        tensors = list(tensors)  # a generator or another one-shot iterable
-    seen = {storage_key(t): t.untyped_storage().nbytes() for t in iter_tensors(tensors)}
-    return sum(seen.values())
+    seen = {storage_key(t): t for t in iter_tensors(tensors)}
+    return _alive_bytes(seen.values())

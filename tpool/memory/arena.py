@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -321,7 +322,7 @@ class Arena:
         start = block.offset + offset
         return self.buffer[start : start + nbytes]
 
-    def view(self, block: Block, dtype: torch.dtype, shape: Sequence[int], *, offset: int = 0) -> torch.Tensor:
+    def view(self, block: Block, dtype: torch.dtype, shape: int | Sequence[int], *, offset: int = 0) -> torch.Tensor:
         """A contiguous tensor of ``dtype`` and ``shape`` at byte ``offset`` of ``block``.
 
         Parameters
@@ -330,9 +331,10 @@ class Arena:
             A live block of this arena.
         dtype : torch.dtype
             Element type of the view.
-        shape : sequence of int
-            Shape of the view, sizes >= 0; its bytes must fit in the block
-            after ``offset``.
+        shape : int or sequence of int
+            Shape of the view, sizes >= 0 (an int ``n`` is ``(n,)``, as in
+            ``torch.empty(n)``); its bytes must fit in the block after
+            ``offset``.
         offset : int
             Bytes from the block start, >= 0, a multiple of ``dtype``'s
             element size (block starts are aligned to ``alignment``).
@@ -348,8 +350,9 @@ class Arena:
         TypeError
             ``block`` is not a :class:`Block`.
         ValueError
-            ``block`` is not live here, ``dtype`` is not a ``torch.dtype``, a
-            size in ``shape`` or ``offset`` is not an int >= 0,
+            ``block`` is not live here, ``dtype`` is not a ``torch.dtype``,
+            ``shape`` is neither an int nor a sequence of ints, a size in
+            ``shape`` or ``offset`` is not an int >= 0,
             ``block.offset + offset`` is not a multiple of ``dtype``'s element
             size, or the view does not fit in the block.
 
@@ -359,10 +362,16 @@ class Arena:
         >>> block = arena.alloc(64)
         >>> arena.view(block, torch.float32, (2, 8)).shape
         torch.Size([2, 8])
+        >>> arena.view(block, torch.float32, 16).shape
+        torch.Size([16])
         """
         self._check_live(block)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
+        if isinstance(shape, numbers.Integral):
+            shape = (shape,)  # torch.empty(n) and Tensor.view(n) take an int too; check_size refuses a bool
+        elif not isinstance(shape, Sequence) or isinstance(shape, (str, bytes)):
+            raise ValueError(f"shape: expected an int or a sequence of ints, got {type(shape).__name__} {shape!r}")
         shape = tuple(check_size(n, f"shape[{i}]", 0) for i, n in enumerate(shape))
         offset = check_size(offset, "offset", 0)
         itemsize = dtype.itemsize

@@ -9,9 +9,12 @@ Note:
        price the entry, copying nothing;
     3. reject, evicting nothing, if it cannot fit even with every unpinned
        entry gone (budget; with an arena also a free range between pinned
-       blocks);
+       blocks). With an arena, an entry whose block the value reads (a
+       value from ``get``, put back) counts as pinned for this put: its
+       block must outlive the copy;
     4. evict unpinned entries, least recently used first, until it fits;
-    5. copy what does not own its storage, rebuild the container, insert.
+    5. copy what does not own its storage, rebuild the container, insert
+       (with an arena, a copy that raises frees the new block again).
 
     Without an arena the cache charges the storage bytes it keeps alive,
     each storage once across the cache (reference counted by storage
@@ -19,14 +22,27 @@ Note:
     owns its storage, cached under two keys, counts once; a view that needs
     a copy is copied, and charged, once per key. A tensor kept as is stays
     the caller's object (or a ``detach()`` of it, if it has autograd
-    history): a ``resize_`` or ``set_`` of it by the caller changes what the
+    history or a ``.grad``): a ``resize_`` or ``set_`` of it by the caller changes what the
     cache keeps alive behind its back, which is outside the budget promise
     (:meth:`OwnedCache.check_invariants` detects it). With an arena every tensor
     is copied into ONE block per entry; its storage is then the whole arena
     buffer, so an entry is charged its block size instead, and a tensor from
     ``get`` is a view of a block that is reused once the entry is evicted:
-    pin (``pin``/``unpin`` count in-flight readers) while reading it. Pinned
-    entries are never evicted, popped or cleared. Not thread-safe.
+    pin (``pin``/``unpin`` count in-flight readers) while reading it. In both
+    modes an entry's ``str`` and ``bytes`` leaves (a prompt's text, an image
+    file's bytes) are charged too, their ``sys.getsizeof`` once per entry
+    (:func:`~tpool.memory.accounting.leaf_bytes`). Pinned
+    entries are never evicted, popped or cleared. The cache must be the
+    arena's only user (:meth:`OwnedCache.check_invariants` counts every
+    live block of it as the cache's).
+
+    ``get`` returns a new container each call (the stored tensors in it), so
+    replacing an item of what it returns (``d["x"] = y``, transformers'
+    ``BatchEncoding.to``) never changes what the cache holds or charges; a
+    tensor is the stored object itself, so an in-place write to its values
+    reaches the cache. Without an arena the ledger holds each charged
+    storage (not only its key), so it cannot be freed, and its key reused by
+    a new storage, while it is charged. Not thread-safe.
 """
 
 from __future__ import annotations
@@ -36,6 +52,8 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import torch
 
 from tpool._checks import check_size
 from tpool.memory import accounting, ownership
@@ -81,6 +99,13 @@ class CacheStats:
 
 
 @dataclass
+class _Charged:
+    storage: torch.UntypedStorage  # held: a storage freed while charged would leave its key to a new one
+    nbytes: int  # charged once, however many entries hold it
+    refs: int = 0  # entries holding it
+
+
+@dataclass
 class _Entry:
     value: Any
     nbytes: int  # charged: this entry's storages (plain) or block size (arena)
@@ -88,6 +113,7 @@ class _Entry:
     storages: dict[StorageKey, int]  # plain mode: storage key -> nbytes held
     block: Block | None = None
     pins: int = 0
+    leaf_bytes: int = 0  # its str and bytes leaves (accounting.leaf_bytes), charged besides storages
 
 
 class OwnedCache:
@@ -99,7 +125,8 @@ class OwnedCache:
         Most storage bytes the cache may charge, >= 0.
     arena : Arena, optional
         Store entries in this arena (tensors must be on ``arena.device``); its
-        alignment must be at least ``MIN_ARENA_ALIGNMENT`` (16 bytes).
+        alignment must be at least ``MIN_ARENA_ALIGNMENT`` (16 bytes). The
+        cache must be its only user.
 
     Raises
     ------
@@ -128,7 +155,7 @@ class OwnedCache:
         self.budget_bytes = budget_bytes
         self.arena = arena
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()  # LRU first
-        self._ledger: dict[StorageKey, list[int]] = {}  # plain mode: key -> [nbytes, refs]
+        self._ledger: dict[StorageKey, _Charged] = {}  # plain mode: each storage charged
         self._current = self._peak = 0
         self._counts = dict.fromkeys(
             ("hits", "misses", "insertions", "duplicates", "rejections", "evictions",
@@ -142,12 +169,16 @@ class OwnedCache:
         the old value (nothing copied) and refreshes its recency; a value that
         cannot fit even with every unpinned entry gone is refused with nothing
         evicted; otherwise unpinned entries are evicted, least recently used
-        first, until it fits. What is stored is ``value`` rebuilt (new
-        containers) around owned copies of the views that do not own their
-        storage (:func:`~tpool.memory.ownership.plan_ownership`; with an
-        arena every tensor is copied); a tensor kept as it is stays the
-        caller's object (a ``detach()`` of it, on the same storage, if it
-        has autograd history), so in-place writes to it reach the cache.
+        first, until it fits. With an arena an entry whose block ``value``
+        reads (a value from :meth:`get` put back under another key) is
+        never evicted for it: if it cannot fit without that block, it is
+        refused. What is stored is ``value`` rebuilt (new containers) around
+        owned copies of the views that do not own their storage
+        (:func:`~tpool.memory.ownership.plan_ownership`; with an arena every
+        tensor is copied); a tensor kept as it is stays the caller's object
+        (a ``detach()`` of it, on the same storage, if it has autograd
+        history or a ``.grad``), so in-place writes to it reach the cache;
+        its ``str`` and ``bytes`` leaves are charged their size.
 
         Parameters
         ----------
@@ -171,20 +202,22 @@ class OwnedCache:
             A leaf that is neither a tensor nor a plain scalar, or a tensor
             without ordinary storage (checked before anything is evicted).
         ValueError
-            With an arena, a tensor on another device than ``arena.device``;
-            or a tensor that reaches past its storage (checked before
-            anything is evicted).
+            With an arena, a tensor on another device than ``arena.device``,
+            or one that reads free arena bytes (a view of an evicted or
+            popped entry); or a tensor that reaches past its storage
+            (checked before anything is evicted).
         """
         if key in self._entries:
             self._entries.move_to_end(key)
             self._counts["duplicates"] += 1
             return True
         plan = self._plan(value)
-        if not self._fits(plan, without_unpinned=True):
+        stay = self._read_by(plan) | {k for k, e in self._entries.items() if e.pins > 0}
+        if not self._fits(plan, stay=stay):
             self._counts["rejections"] += 1
             return False
         while not self._fits(plan):
-            victim = next(k for k, e in self._entries.items() if e.pins == 0)
+            victim = next(k for k in self._entries if k not in stay)
             if self._current + self._cost(plan) <= self.budget_bytes:
                 self._counts["fragmentation_evictions"] += 1
             self._drop(victim)
@@ -206,46 +239,80 @@ class OwnedCache:
                 raise ValueError(f"tensor on {t.device} cannot enter an arena on {self.arena.device}")
         return plan
 
+    def _read_by(self, plan: OwnershipPlan) -> set[Hashable]:
+        """With an arena, the keys of the entries whose blocks the copies of ``plan`` read.
+
+        Raises ValueError if a copy would read free arena bytes (a view of an
+        entry evicted or popped since): a new block may be carved over them.
+        """
+        if self.arena is None:
+            return set()
+        base = self.arena.buffer.data_ptr()
+        spans = []  # byte ranges of the arena the views read
+        for t in plan.views.values():
+            lo = t.data_ptr() - base
+            hi = lo + accounting._span_elems(t) * t.element_size()
+            if lo < hi and hi > 0 and lo < self.arena.capacity_bytes:
+                spans.append((lo, hi))
+        if not spans:
+            return set()
+        for start, size in self.arena.free_ranges():
+            if any(lo < start + size and start < hi for lo, hi in spans):
+                raise ValueError(f"the value reads free arena bytes [{start}, {start + size}): a view of an "
+                                 "entry evicted or popped since it was read (pin entries while reading them)")
+        return {k for k, e in self._entries.items() if e.block is not None and any(
+                lo < e.block.offset + e.block.size and e.block.offset < hi for lo, hi in spans)}
+
     def _cost(self, plan: OwnershipPlan, held: dict | None = None) -> int:
         """Bytes ``plan`` adds to the charge when the storages in ``held`` are already counted."""
         held = self._ledger if held is None else held
-        return plan.copy_bytes + sum(n for k, n in plan.keep.items() if k not in held)
+        return plan.copy_bytes + plan.leaf_bytes + sum(n for k, n in plan.keep.items() if k not in held)
 
-    def _fits(self, plan: OwnershipPlan, *, without_unpinned: bool = False) -> bool:
-        """Whether ``plan`` fits now, or once every unpinned entry is gone."""
+    def _fits(self, plan: OwnershipPlan, *, stay: set[Hashable] | None = None) -> bool:
+        """Whether ``plan`` fits now, or once every entry not in ``stay`` is gone."""
         held, base, gone = self._ledger, self._current, []
-        if without_unpinned:
-            stay = [e for e in self._entries.values() if e.pins > 0]
-            held = {k: n for e in stay for k, n in e.storages.items()}
-            base = sum(held.values()) + sum(e.nbytes for e in stay if e.block)
-            gone = [e.block for e in self._entries.values() if e.pins == 0 and e.block]
+        if stay is not None:
+            kept = [e for k, e in self._entries.items() if k in stay]
+            held = {k: n for e in kept for k, n in e.storages.items()}
+            base = sum(held.values()) + sum(e.nbytes for e in kept if e.block) + sum(e.leaf_bytes for e in kept)
+            gone = [e.block for k, e in self._entries.items() if k not in stay and e.block]
         if base + self._cost(plan, held) > self.budget_bytes:
             return False
         return self.arena is None or plan.copy_bytes == 0 or self.arena.can_alloc(plan.copy_bytes, also_free=gone)
 
     def _materialize(self, plan: OwnershipPlan) -> _Entry:
-        block = self.arena.alloc(plan.copy_bytes) if self.arena is not None and plan.copy_bytes else None
-        value = plan.apply(None if block is None else self.arena.bytes_of(block, plan.copy_bytes))
-        storages = {} if block else {accounting.storage_key(t): t.untyped_storage().nbytes()
-                                      for t in accounting.iter_tensors(value)}
-        for skey, nbytes in storages.items():
-            slot = self._ledger.setdefault(skey, [nbytes, 0])
-            self._current += nbytes if slot[1] == 0 else 0
-            slot[1] += 1
-        self._current += block.size if block else 0
-        return _Entry(value, block.size if block else sum(storages.values()), plan.payload_bytes, storages, block)
+        """Make the copies (into a new arena block, freed again if a copy raises) and charge them."""
+        if self.arena is not None and plan.copy_bytes:
+            block = self.arena.alloc(plan.copy_bytes)
+            try:
+                value = plan.apply(self.arena.bytes_of(block, plan.copy_bytes))
+            except BaseException:
+                self.arena.free(block)
+                raise
+            self._current += block.size + plan.leaf_bytes
+            return _Entry(value, block.size, plan.payload_bytes, {}, block, leaf_bytes=plan.leaf_bytes)
+        value = plan.apply()
+        storages = {accounting.storage_key(t): t.untyped_storage() for t in accounting.iter_tensors(value)}
+        for skey, storage in storages.items():
+            charged = self._ledger.setdefault(skey, _Charged(storage, storage.nbytes()))
+            self._current += charged.nbytes if charged.refs == 0 else 0
+            charged.refs += 1
+        sizes = {skey: storage.nbytes() for skey, storage in storages.items()}
+        self._current += plan.leaf_bytes
+        return _Entry(value, sum(sizes.values()), plan.payload_bytes, sizes, leaf_bytes=plan.leaf_bytes)
 
     def _drop(self, key: Hashable) -> _Entry:
         entry = self._entries.pop(key)
         for skey in entry.storages:
-            slot = self._ledger[skey]
-            slot[1] -= 1
-            if slot[1] == 0:
+            charged = self._ledger[skey]
+            charged.refs -= 1
+            if charged.refs == 0:
                 del self._ledger[skey]
-                self._current -= slot[0]
+                self._current -= charged.nbytes
         if entry.block is not None:
             self.arena.free(entry.block)
             self._current -= entry.block.size
+        self._current -= entry.leaf_bytes
         return entry
 
     # -- lookup, pins, removal ----------------------------------------------
@@ -262,10 +329,14 @@ class OwnedCache:
         Returns
         -------
         Any
-            The stored value (the same object on every call), or ``default``.
-            With an arena its tensors are views of the entry's block, reused
-            once the entry is evicted: :meth:`pin` (or :meth:`pinned`) while
-            reading them.
+            The stored value, or ``default``: a stored tensor itself, or a
+            new container each call (rebuilt like the stored one, nested
+            containers too, by :func:`~tpool.memory.ownership.map_tensors`)
+            holding the stored tensor objects. Replacing its items leaves
+            the cache unchanged; in-place writes to its tensors' values reach
+            the cache. With an arena its tensors are views of the entry's
+            block, reused once the entry is evicted: :meth:`pin` (or
+            :meth:`pinned`) while reading them.
         """
         entry = self._entries.get(key)
         if entry is None:
@@ -273,7 +344,7 @@ class OwnedCache:
             return default
         self._counts["hits"] += 1
         self._entries.move_to_end(key)
-        return entry.value
+        return ownership.map_tensors(entry.value, _same)
 
     def pin(self, key: Hashable) -> None:
         """Add one in-flight reader of ``key``; a pinned entry is never evicted.
@@ -334,7 +405,7 @@ class OwnedCache:
         """
         self.pin(key)
         try:
-            yield self._entries[key].value
+            yield ownership.map_tensors(self._entries[key].value, _same)
         finally:
             self.unpin(key)
 
@@ -477,7 +548,8 @@ class OwnedCache:
         dict of str to int
             ``entries``; ``payload_bytes`` (what the values need);
             ``storage_bytes`` (what the cache charges: storages held, or
-            block sizes with an arena); ``budget_bytes``; ``peak_bytes``.
+            block sizes with an arena, and the entries' ``str`` and ``bytes``
+            leaves); ``budget_bytes``; ``peak_bytes``.
         """
         payload = sum(e.payload for e in self._entries.values())
         return {"entries": len(self._entries), "payload_bytes": payload, "storage_bytes": self._current,
@@ -487,9 +559,10 @@ class OwnedCache:
         """Recount everything held; raise :class:`InvariantViolation` on any mismatch.
 
         Checks each entry's storages (or, with an arena, that its block is live,
-        of the charged size and holds its tensors), the storage ledger and its
-        reference counts, ``0 <= current <= peak <= budget``, and that no
-        counter is negative.
+        of the charged size and holds its tensors, and that the arena has no
+        other live block: a block no entry holds is leaked), the storage
+        ledger, the storages it holds and its reference counts,
+        ``0 <= current <= peak <= budget``, and that no counter is negative.
 
         Raises
         ------
@@ -498,11 +571,15 @@ class OwnedCache:
         """
         held: dict[StorageKey, int] = {}
         refs: dict[StorageKey, int] = {}
-        in_blocks = 0
+        in_blocks = leaves = 0
         buf = None if self.arena is None else self.arena.buffer
         for key, e in self._entries.items():
             tensors = list(accounting.iter_tensors(e.value))
             _require(e.pins >= 0, f"{key!r} has {e.pins} pins")
+            _require(e.leaf_bytes == accounting.leaf_bytes(e.value),
+                     f"{key!r} was charged {e.leaf_bytes} B of str and bytes leaves, holds "
+                     f"{accounting.leaf_bytes(e.value)}")
+            leaves += e.leaf_bytes
             if e.block is None:
                 storages = {accounting.storage_key(t): t.untyped_storage().nbytes() for t in tensors}
                 _require(storages == e.storages and e.nbytes == sum(storages.values()),
@@ -517,13 +594,25 @@ class OwnedCache:
                 lo <= t.data_ptr() <= t.data_ptr() + accounting.compact_bytes(t) <= lo + e.block.size)
                 for t in tensors), f"{key!r}: its block {e.block} is dead, mis-sized or not where its tensors are")
             in_blocks += e.nbytes
-        _require(self._ledger == {k: [n, refs[k]] for k, n in held.items()},
-                 f"ledger {self._ledger} != storages held {held} with references {refs}")
-        _require(self._current == sum(held.values()) + in_blocks,
-                 f"current_bytes {self._current} != recounted {sum(held.values()) + in_blocks}")
+        ledger = {k: [c.nbytes, c.refs] for k, c in self._ledger.items()}
+        _require(ledger == {k: [n, refs[k]] for k, n in held.items()},
+                 f"ledger {ledger} != storages held {held} with references {refs}")
+        _require(all(c.storage._cdata == k[2] for k, c in self._ledger.items()),
+                 "a ledger key is not the address of the storage it holds")
+        if self.arena is not None:
+            blocks = sum(1 for e in self._entries.values() if e.block is not None)
+            _require((self.arena.num_blocks, self.arena.allocated_bytes) == (blocks, in_blocks),
+                     f"the arena has {self.arena.num_blocks} live blocks of {self.arena.allocated_bytes} B, "
+                     f"the entries hold {blocks} of {in_blocks} B (a leaked block?)")
+        _require(self._current == sum(held.values()) + in_blocks + leaves,
+                 f"current_bytes {self._current} != recounted {sum(held.values()) + in_blocks + leaves}")
         _require(0 <= self._current <= self._peak <= self.budget_bytes,
                  f"not 0 <= current {self._current} <= peak {self._peak} <= budget {self.budget_bytes}")
         _require(min(self._counts.values()) >= 0, f"negative counter in {self._counts}")
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _require(ok: bool, what: str) -> None:

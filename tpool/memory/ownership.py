@@ -16,10 +16,19 @@ Note:
     by its size like any other (a copy would be pageable, and a later
     ``non_blocking`` copy to the GPU would then wait).
 
+    Several views of one storage (:func:`plan_ownership`): views whose byte
+    ranges overlap (``x`` and ``x.t()``, sliding windows, overlapping
+    slices) form a cluster, copied as ONE byte range with each view rebuilt
+    on it (so they stay aliased) when that range is no larger than their
+    separate copies; otherwise each view is copied on its own. The whole
+    storage is kept instead when it is no larger than all those copies.
+
     Copies are new autograd leaves (``requires_grad`` kept, history dropped:
     it could keep saved activations alive, uncharged); a tensor kept as is
-    but with a ``grad_fn`` is kept as ``t.detach()`` (same storage) for the
-    same reason. Every tensor is first checked by
+    but with a ``grad_fn`` or a ``.grad`` is kept as ``t.detach()`` (same
+    storage, ``requires_grad`` kept) for the same reason: the ``.grad`` of a
+    kept tensor would stay alive, uncharged, and a cache holds values, not
+    training state. Every tensor is first checked by
     :func:`~tpool.memory.accounting.check_ownable`.
 """
 
@@ -27,16 +36,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import enum
-from collections import UserDict
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from tpool._checks import check_size
-from tpool.memory.accounting import (StorageKey, _distinct_elems, _is_dataclass, _span_elems, check_ownable,
-                                     compact_bytes, storage_bytes, storage_key)
+from tpool.memory.accounting import (StorageKey, _alive_bytes, _distinct_elems, _extra_attrs, _kind, _span_elems,
+                                     check_ownable, compact_bytes, leaf_bytes, storage_bytes, storage_key)
 
 __all__ = ["needs_compaction", "own", "compact", "map_tensors", "plan_ownership", "OwnershipPlan"]
 
@@ -164,14 +172,21 @@ def _torch_sized(storage: torch.UntypedStorage) -> bool:
                                    and storage.is_pinned())
 
 
+def _has_autograd_state(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds autograd history or a ``.grad`` (``.grad`` is asked of leaves only: torch
+    warns when a non-leaf's is read)."""
+    return t.grad_fn is not None or t.grad is not None
+
+
 def _without_history(t: torch.Tensor) -> torch.Tensor:
     """``t`` on the same storage, no copy, without its autograd history (which could keep
-    saved activations alive); ``t`` itself when it has none."""
-    return t if t.grad_fn is None else t.detach().requires_grad_(t.requires_grad)
+    saved activations alive) or its ``.grad``, ``requires_grad`` kept; ``t`` itself when it has
+    neither."""
+    return t.detach().requires_grad_(t.requires_grad) if _has_autograd_state(t) else t
 
 
 def own(t: torch.Tensor) -> torch.Tensor:
-    """Return ``t`` if it owns its storage (without its autograd history), else :func:`compact` of it.
+    """Return ``t`` if it owns its storage (without autograd history or ``.grad``), else :func:`compact` of it.
 
     Parameters
     ----------
@@ -182,9 +197,12 @@ def own(t: torch.Tensor) -> torch.Tensor:
     -------
     torch.Tensor
         When ``t`` owns its storage (``not needs_compaction(t)``): ``t``
-        itself if it has no autograd history (``grad_fn`` None), else
-        ``t.detach()`` with ``t``'s ``requires_grad`` (same storage, no
-        copy; the history could keep saved activations alive). Otherwise a
+        itself if it has no autograd history (``grad_fn`` None) and no
+        ``.grad``, else ``t.detach()`` with ``t``'s ``requires_grad`` (same
+        storage, no copy; the history could keep saved activations alive,
+        and the ``.grad`` would stay alive uncharged: it stays with ``t``;
+        an ``nn.Parameter`` comes back a plain tensor, as a copy does).
+        Otherwise a
         new tensor of ``t``'s shape, dtype, device and values, in exactly
         :func:`compact_bytes` bytes (see :func:`compact`).
 
@@ -207,9 +225,6 @@ def own(t: torch.Tensor) -> torch.Tensor:
     return compact(t) if needs_compaction(t) else _without_history(t)
 
 
-_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
-
-
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """Rebuild ``obj`` with every tensor ``t`` replaced by ``fn(t)``.
 
@@ -220,8 +235,12 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         ``copy.copy``, then items set, so subclasses such as transformers'
         ``BatchEncoding`` keep their type and attributes), lists, tuples
         (named tuples too), sets, and dataclass instances (copied, fields set
-        directly, so frozen ones work). Leaves: tensors and plain scalars
-        (None, bool, int, float, complex, str, bytes, dtype, device, Enum).
+        directly, so frozen ones work; the other attributes in the
+        instance's ``__dict__``, set in ``__post_init__`` or cached by
+        ``functools.cached_property``, are rebuilt too). Leaves: tensors and
+        plain scalars (None, bool, int, float, complex, str, bytes, dtype,
+        device, Enum). :func:`~tpool.memory.accounting.retained_bytes`
+        walks by the same rule.
     fn : callable
         ``torch.Tensor -> torch.Tensor``, called once per tensor occurrence.
 
@@ -234,35 +253,31 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     Raises
     ------
     TypeError
-        A leaf of another type: its bytes could not be counted; or another
-        mapping, whose copy could share the caller's items (pass a dict of it).
+        A leaf of another type (a numpy array, a deque, an ``nn.Module``,
+        ...): its bytes could not be counted; or another mapping, whose copy
+        could share the caller's items (pass a dict of it).
     """
-    if isinstance(obj, torch.Tensor):
+    kind = _kind(obj)
+    if kind == "tensor":
         return fn(obj)
-    if isinstance(obj, _LEAVES):
+    if kind == "leaf":
         return obj
-    if isinstance(obj, (dict, UserDict)):  # a shallow copy of either has its own items
+    if kind == "dict":
         new = copy.copy(obj)
         for k, v in obj.items():
             new[k] = map_tensors(v, fn)
         return new
-    if isinstance(obj, (list, tuple, set, frozenset)):
+    if kind == "items":
         items = [map_tensors(v, fn) for v in obj]
         if isinstance(obj, tuple) and hasattr(obj, "_fields"):
             return type(obj)(*items)
         return type(obj)(items)
-    if _is_dataclass(obj):
-        new = copy.copy(obj)
-        for f in dataclasses.fields(obj):
-            object.__setattr__(new, f.name, map_tensors(getattr(obj, f.name), fn))
-        return new
-    if isinstance(obj, Mapping):
-        raise TypeError(f"cannot rebuild a {type(obj).__name__}: expected a dict or a collections.UserDict "
-                        "(a copy of another mapping could share the caller's items); pass dict(value)")
-    raise TypeError(
-        f"cannot count the bytes held by a {type(obj).__name__}; expected tensors in dicts, "
-        "lists, tuples, sets or dataclasses, with scalar leaves"
-    )
+    new = copy.copy(obj)  # a dataclass instance
+    for f in dataclasses.fields(obj):
+        object.__setattr__(new, f.name, map_tensors(getattr(obj, f.name), fn))
+    for name, v in _extra_attrs(obj).items():
+        vars(new)[name] = map_tensors(v, fn)  # past any descriptor, as __post_init__ or cached_property stored it
+    return new
 
 
 def _round_up(n: int, align: int) -> int:
@@ -275,23 +290,122 @@ def _signature(t: torch.Tensor) -> tuple:
             t.requires_grad, t.is_conj(), t.is_neg())
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[start, end)``: the bytes of its storage that ``t`` reaches (empty for an empty ``t``)."""
+    e = t.element_size()
+    return t.storage_offset() * e, (t.storage_offset() + _span_elems(t)) * e
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """One copy an :class:`OwnershipPlan` makes: one view (by :func:`compact`), or the views of a
+    cluster (overlapping views of one storage) rebuilt on one copy of their byte range."""
+
+    sigs: tuple[tuple, ...]  # signatures of the views made from this copy, in value order
+    start: int  # bytes: where the copied range starts in the storage; -1 for one view copied by compact()
+    nbytes: int  # bytes copied
+    align: int  # bytes; offset is a multiple of it: lcm(plan align, the largest element size)
+    offset: int = 0  # bytes from the start of ``out`` (set by _place)
+
+    @property
+    def slot(self) -> int:
+        """Bytes the piece takes in ``out``: ``nbytes`` rounded up to ``align``."""
+        return _round_up(self.nbytes, self.align)
+
+
+def _pieces(views: dict[tuple, torch.Tensor], sigs: list[tuple], align: int) -> list[_Piece]:
+    """The copies of the views ``sigs`` (value order) of one storage, in value order.
+
+    Views whose byte spans overlap form a cluster; a cluster of 2+ views is copied as one range
+    (its start aligned down and its size rounded up to the largest element size in it, so the copy
+    can hold every view's dtype) when that range is no larger than the views' own copies, both as
+    bytes and as slots in ``out``. Empty views and views with a conj or neg bit are copied on their
+    own (their bytes are not what they read).
+    """
+    rank = {s: i for i, s in enumerate(sigs)}
+
+    def alone(s: tuple) -> _Piece:
+        return _Piece((s,), -1, compact_bytes(views[s]), math.lcm(align, views[s].element_size()))
+
+    def cluster(members: list[tuple]) -> list[_Piece]:
+        single = [alone(s) for s in sorted(members, key=rank.__getitem__)]
+        if len(members) < 2:
+            return single
+        e = max(views[s].element_size() for s in members)
+        start = min(_byte_span(views[s])[0] for s in members) // e * e
+        nbytes = _round_up(max(_byte_span(views[s])[1] for s in members) - start, e)
+        span = _Piece(tuple(p.sigs[0] for p in single), start, nbytes, math.lcm(align, e))
+        smaller = span.nbytes <= sum(p.nbytes for p in single) and span.slot <= sum(p.slot for p in single)
+        return [span] if smaller else single
+
+    spannable = {s for s in sigs if views[s].numel() and not views[s].is_conj() and not views[s].is_neg()}
+    pieces = [alone(s) for s in sigs if s not in spannable]
+    members: list[tuple] = []
+    reach = 0
+    for s in sorted(spannable, key=lambda s: _byte_span(views[s])):  # sweep by start: a gap closes a cluster
+        lo, hi = _byte_span(views[s])
+        if members and lo >= reach:
+            pieces += cluster(members)
+            members = []
+        members.append(s)
+        reach = max(reach, hi) if len(members) > 1 else hi
+    pieces += cluster(members)
+    return sorted(pieces, key=lambda p: rank[p.sigs[0]])
+
+
+def _place(pieces: list[_Piece]) -> tuple[tuple[_Piece, ...], int]:
+    """Give each piece its offset in ``out``, largest alignment first (ties in the given order); return
+    them in that order and the bytes they take. Alignments are lcm(align, 2**k), so each divides the
+    ones before it and every slot ends where the next piece may start: no padding between pieces."""
+    placed, offset = [], 0
+    for p in sorted(pieces, key=lambda p: -p.align):
+        placed.append(dataclasses.replace(p, offset=offset))
+        offset += p.slot
+    return tuple(placed), offset
+
+
+def _copy_span(piece: _Piece, views: dict[tuple, torch.Tensor], buf: torch.Tensor | None) -> dict[tuple, torch.Tensor]:
+    """Copy ``piece``'s byte range into ``buf`` (``[piece.nbytes]`` uint8; fresh by default) and rebuild
+    each of its views on the copy: same offset, shape, strides and dtype, relative to the range. The
+    range may end past the storage (its size rounded up to an element): those bytes no view reads."""
+    first = views[piece.sigs[0]]
+    storage = first.untyped_storage()
+    n = min(piece.nbytes, storage.nbytes() - piece.start)
+    src = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, piece.start, (n,), (1,))
+    if buf is None:
+        buf = torch.empty(piece.nbytes, dtype=torch.uint8, device=first.device)
+    buf[:n].copy_(src)
+    storage, shift = buf.untyped_storage(), buf.storage_offset() - piece.start  # source byte b is at b + shift
+    rebuilt = {}
+    for sig in piece.sigs:
+        t = views[sig]
+        start = t.storage_offset() + shift // t.element_size()  # exact: both terms are multiples of the size
+        r = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, start, t.shape, t.stride())
+        rebuilt[sig] = r.requires_grad_(True) if t.requires_grad else r
+    return rebuilt
+
+
 @dataclasses.dataclass(frozen=True)
 class OwnershipPlan:
     """What owning every tensor of ``value`` costs, known before anything is copied.
 
     Made by :func:`plan_ownership`; :meth:`apply` makes the copies. Views are
     keyed by a signature (storage, offset, shape, strides, dtype and flags),
-    so identical views count and copy once.
+    so identical views count and copy once; ``pieces`` are the copies (one
+    view, or a cluster of overlapping views of one storage on one copy of
+    their byte range) with their offsets in ``out``.
     """
 
     value: Any
     views: dict[tuple, torch.Tensor]  # signature -> tensor: the distinct views, in value order
-    copy: tuple[tuple, ...]  # signatures of the views to copy
+    copy: tuple[tuple, ...]  # signatures of the views to copy (alone or rebuilt on a cluster's copy)
     keep: dict[StorageKey, int]  # storages kept as they are (torch allocated them) -> their nbytes
-    copy_bytes: int  # bytes of the copies, each rounded up to ``align``
-    retained_bytes: int  # storage the value keeps alive as given
+    copy_bytes: int  # bytes of the copies, each at an offset aligned as ``pieces`` says, in multiples of ``align``
+    retained_bytes: int  # storage the value keeps alive as given (memory behind two storages once)
     payload_bytes: int
     align: int  # bytes
+    pieces: tuple[_Piece, ...] = ()  # the copies in ``out`` order, each with its views, bytes and offset
+    leaf_bytes: int = 0  # its str and bytes leaves, kept as they are (accounting.leaf_bytes)
 
     def apply(self, out: torch.Tensor | None = None) -> Any:
         """Make the copies and return ``value`` rebuilt around them (:func:`map_tensors`).
@@ -299,50 +413,81 @@ class OwnershipPlan:
         Parameters
         ----------
         out : torch.Tensor, optional
-            Shape ``[copy_bytes]``, uint8, on the tensors' device, start
-            aligned to ``align``: the copies are packed in it at offsets that
-            are multiples of ``align``. By default each copy is a fresh tensor.
+            Shape ``[n]`` with ``n >= copy_bytes``, uint8, contiguous, on the
+            device of the views to copy, its start (storage offset) a
+            multiple of ``align`` and of the largest element size copied:
+            the copies are packed in its first ``copy_bytes`` bytes, each at
+            the offset ``pieces`` gives (a multiple of ``align`` and of its
+            element size). By default each copy is a fresh tensor.
 
         Returns
         -------
         Any
             ``value`` rebuilt by :func:`map_tensors`: each view in ``copy``
             replaced by its owned copy (one copy per distinct view, shared by
-            its occurrences); every other tensor kept as the same object, or,
-            if it has autograd history, as one ``detach()`` of it per
-            distinct view (same storage, ``requires_grad`` kept), as
-            :func:`own` does.
+            its occurrences; the views of a cluster rebuilt on one copy of
+            their byte range, aliased as they were); every other tensor kept
+            as the same object, or, if it has autograd history or a
+            ``.grad``, as one ``detach()`` of it per distinct view (same
+            storage, ``requires_grad`` kept), as :func:`own` does.
 
         Raises
         ------
         ValueError
-            ``out`` is not uint8, 1-D, on the tensors' device, or too short
-            to hold ``copy_bytes``.
+            ``out`` is not uint8, 1-D and contiguous, on the copies' device,
+            at least ``copy_bytes`` long, or its start is not aligned; or the
+            views to copy are on several devices. Checked before anything is
+            copied.
         """
-        owned, offset = {}, 0
-        for sig in self.copy:
-            t = self.views[sig]
-            n = compact_bytes(t)
-            owned[sig] = compact(t, out=None if out is None else out[offset:offset + n])
-            offset += _round_up(n, self.align)
+        if out is not None:
+            self._check_out(out)
+        owned = {}
+        for p in self.pieces:
+            buf = None if out is None else out[p.offset:p.offset + p.nbytes]
+            if p.start < 0:
+                owned[p.sigs[0]] = compact(self.views[p.sigs[0]], out=buf)
+            else:
+                owned.update(_copy_span(p, self.views, buf))
 
         def swap(t: torch.Tensor) -> torch.Tensor:
             sig = _signature(t)
-            if sig not in owned and t.grad_fn is not None:
+            if sig not in owned and _has_autograd_state(t):
                 owned[sig] = _without_history(t)
             return owned.get(sig, t)
 
         return map_tensors(self.value, swap)
 
+    def _check_out(self, out: torch.Tensor) -> None:
+        devices = sorted({str(self.views[s].device) for s in self.copy})
+        if len(devices) > 1:
+            raise ValueError(f"out: expected the views to copy on one device, got views on {devices}")
+        device = torch.device(devices[0]) if devices else out.device
+        start = max((p.align for p in self.pieces), default=1)  # nothing to align without copies
+        if not (isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and out.dim() == 1
+                and out.is_contiguous() and out.numel() >= self.copy_bytes and out.device == device
+                and out.storage_offset() % start == 0):
+            got = (f"{out.dtype} {list(out.shape)} strides {out.stride()} on {out.device} at storage offset "
+                   f"{out.storage_offset()}" if isinstance(out, torch.Tensor) else type(out).__name__)
+            raise ValueError(f"out: expected uint8 of shape [n >= {self.copy_bytes}], contiguous, on {device}, "
+                             f"at a storage offset that is a multiple of {start}; got {got}")
+
 
 def plan_ownership(value: Any, *, copy_all: bool = False, align: int = 1) -> OwnershipPlan:
     """Decide which tensors of ``value`` to copy so that it owns its memory.
 
-    Identical views are copied once and stay shared. Views that share a
-    storage are copied only if their compact copies are together smaller than
-    the storage (all ten items of a split batch: kept; two of them: copied),
-    or if torch did not allocate the storage (not resizable, see the module
-    note).
+    Identical views are copied once and stay shared. Views of one storage
+    whose byte ranges overlap (``x`` and ``x.t()``, sliding windows,
+    overlapping slices) form a cluster: it is copied as ONE byte range (the
+    union of their ranges, its start aligned down to the largest element
+    size in it), each view rebuilt on that copy with its own offset, shape,
+    strides and dtype, so the views stay aliased, when that range is no
+    larger than the views' separate copies; otherwise (and for views with a
+    conj or neg bit) each view is copied alone. So ``copy_bytes`` is never
+    above the sum of the views' separate copies. A storage is kept whole,
+    nothing copied, if it is no larger than those copies (as ``copy_bytes``
+    counts them; all ten items of a split batch: kept; two of them: copied;
+    twenty overlapping windows over a few rows: their rows copied once) and
+    torch allocated it (resizable, see the module note).
     ``copy_all`` copies every view (to move a value into an arena). Nothing is
     copied until :meth:`OwnershipPlan.apply`; every leaf is checked here.
 
@@ -354,13 +499,16 @@ def plan_ownership(value: Any, *, copy_all: bool = False, align: int = 1) -> Own
     copy_all : bool
         Copy every view, even those that own their storage.
     align : int
-        Positive int, in bytes: each copy's size is rounded up to a multiple
-        of it in ``copy_bytes`` (an arena's alignment; 1 packs them tight).
+        Positive int, in bytes: each copy starts at a multiple of ``align``
+        and of its element size (the largest one for a cluster) and its size
+        is rounded up to that in ``copy_bytes``; copies are laid out largest
+        alignment first, so no other padding is needed (1 packs them tight).
 
     Returns
     -------
     OwnershipPlan
-        The distinct views, those to copy, the storages kept, and the bytes:
+        The distinct views, those to copy, the storages kept, the copies
+        (``pieces``: views, bytes, offset in ``out``) and the bytes:
         ``copy_bytes`` the copies need, ``retained_bytes`` the value keeps
         alive as given, ``payload_bytes`` its values need.
 
@@ -382,6 +530,13 @@ def plan_ownership(value: Any, *, copy_all: bool = False, align: int = 1) -> Own
     (1638400, 8192000)
     >>> plan_ownership(batch.split(100)).copy_bytes              # all ten: kept
     0
+    >>> windows = [batch[i:i + 100] for i in range(20)]         # rows 0..118, 20 overlapping views
+    >>> plan = plan_ownership(windows)
+    >>> plan.copy_bytes, len(plan.pieces)                        # 119 rows, copied once
+    (974848, 1)
+    >>> w = plan.apply()
+    >>> w[0][5].data_ptr() == w[5][0].data_ptr()                 # still aliased
+    True
     """
     align = check_size(align, "align", 1)
     views: dict[tuple, torch.Tensor] = {}
@@ -389,16 +544,17 @@ def plan_ownership(value: Any, *, copy_all: bool = False, align: int = 1) -> Own
     groups: dict[StorageKey, list[tuple]] = {}
     for sig in views:
         groups.setdefault(sig[0], []).append(sig)
-    to_copy, keep, copy_bytes, retained = [], {}, 0, 0
+    pieces, keep = [], {}
     for skey, sigs in groups.items():
         storage = views[sigs[0]].untyped_storage()  # the one storage of every view in the group
-        nbytes = storage.nbytes()
-        sizes = [compact_bytes(views[s]) for s in sigs]
-        retained += nbytes
-        if not copy_all and _torch_sized(storage) and nbytes <= sum(sizes):
-            keep[skey] = nbytes
+        mine = _pieces(views, sigs, align)
+        if not copy_all and _torch_sized(storage) and storage.nbytes() <= sum(p.slot for p in mine):
+            keep[skey] = storage.nbytes()
         else:
-            to_copy += sigs
-            copy_bytes += sum(_round_up(n, align) for n in sizes)
+            pieces += mine
+    placed, copy_bytes = _place(pieces)
+    copied = {s for p in placed for s in p.sigs}
+    retained = _alive_bytes(views[sigs[0]] for sigs in groups.values())
     payload = sum(t.numel() * t.element_size() for t in views.values())
-    return OwnershipPlan(value, views, tuple(to_copy), keep, copy_bytes, retained, payload, align)
+    return OwnershipPlan(value, views, tuple(s for s in views if s in copied), keep, copy_bytes, retained,
+                         payload, align, placed, leaf_bytes(value))
