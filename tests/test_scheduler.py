@@ -898,3 +898,160 @@ def test_a_decode_after_a_mixed_step_into_the_same_stepout(backend):
     assert table.seq_lens[rows + s.rows].tolist() == [8, 9, 3]
     assert m.exact and m.free == pool.available()
     table.check_invariants()
+
+
+def _books(pool, table, m):
+    """Everything a refused call must leave as it was: the mirror's numbers and rows, the device's
+    rows and counters (read outside the guard: the test's sync point)."""
+    return (m.free, m.cached, m.reserved, m._seq, m.rows_free, m.live.tolist(), m.lo.tolist(), m.hi.tolist(),
+            m.res.tolist(), m.gen.tolist(), table.seq_lens.tolist(), table.block_table.tolist(), pool.stats())
+
+
+def test_a_call_the_table_or_the_pool_would_refuse_changes_nothing(backend):
+    """Every input check runs before the mirror changes: a refused call changes neither its books nor the
+    device (the table's and the pool's own checks, with their messages, made first). Before, finish(cache=1)
+    freed the row on the host and then the table refused it, so the next admit appended to the old request."""
+    pool, table, m = _setup(backend, num_pages=32, rows=4, max_pages=8)
+    rows = m.admit([6, 6])
+    (c,) = m.admit([8])
+    pages = table.block_table[c, :2].clone()
+    m.finish([c], cache=True)                             # 2 CACHED pages, for revive
+    strided = torch.stack([pages, pages], 1).reshape(-1)[::2]   # int32 [2], not contiguous
+    bad = [(lambda: m.finish([rows[0]], cache=1), "cache: expected a bool, got 1"),
+           (lambda: m.revive(strided, 8), r"pages: expected a contiguous tensor, got stride \(2,\)"),
+           (lambda: m.revive(pages, 8.0), "n_tokens: expected a non-negative int, got 8.0"),
+           (lambda: m.revive(pages[:1], 8), r"pages: expected 2 entries"),
+           (lambda: m.revive(pool.state.free_stack[:2], 8), "shares memory"),
+           (lambda: m.step([], 1, [4], max_tokens=table.most_tokens * 2), "max_tokens: expected at most"),
+           (lambda: m.step([], 1, [1], max_tokens=True), "max_tokens: expected a non-negative int, got True"),
+           (lambda: m.step(rows, 1, [1], width=True), "width: expected an int"),
+           (lambda: m.decode(rows, 1.9), r"n: expected a non-negative int or one int per row \(2\), got 1.9"),
+           (lambda: m.decode(rows, True), "got True"),
+           (lambda: m.decode(rows, [1, 1.5]), r"got \[1.0, 1.5\]"),
+           (lambda: m.truncate([rows[0]], [2.7]), r"new_lens: expected ints, got float64 \[2.7\]"),
+           (lambda: m.rollback([rows[0]], i32([3]), [2.5]), r"min_lens: expected ints, got float64 \[2.5\]"),
+           (lambda: m.admit([3.0]), "prompt_lens: expected ints"),
+           (lambda: m.admit([3], [7.5]), "max_lens: expected ints"),
+           (lambda: m.fork(rows[0], 2.5), "n_tokens: expected a non-negative int, got 2.5"),
+           (lambda: m.fork(True, 2), "src: expected a non-negative int, got True"),
+           (lambda: m.decode([0.5]), r"rows: expected int row ids, got float64 \[0.5\]")]
+    before = _books(pool, table, m)
+    for call, match in bad:
+        with no_host_sync(), pytest.raises(ValueError, match=match):
+            call()
+        assert _books(pool, table, m) == before, match
+    with no_host_sync():
+        m.finish([rows[0]], cache=True)                   # the call that was meant
+        (new,) = m.admit([3])
+        m.decode([new, rows[1]])
+        m.reconcile(landed(m.snapshot()))
+    assert table.seq_lens[[new, rows[1]]].tolist() == [4, 7] and m.free == pool.available() and m.exact
+    pool.check()
+    table.check_invariants()
+
+
+def test_queries_refuse_non_integers_and_a_priority_list_of_another_length(backend):
+    """Before, fits([0.5]) read row 0, decode(rows, 1.9) appended 1 token, and preemption took the first
+    priorities (or raised IndexError with fewer)."""
+    pool, table, m = _setup(backend, num_pages=8, rows=4, max_pages=8)
+    rows = m.admit([4, 4, 4])                             # 3 pages + 3 reserved: 2 unreserved
+    with no_host_sync():
+        for prio in ([0], [0, 1, 2, 3, 4]):
+            with pytest.raises(ValueError, match=rf"priority: expected one per row \(3\), got {len(prio)}"):
+                m.preemption(rows, prio, 9)
+        assert m.preemption(rows, [0, 1, 2], 9) == [rows[0]]  # one per row: the lowest priority first
+        for call, match in ((lambda: m.fits([0.5]), "rows: expected int row ids"),
+                            (lambda: m.fits(rows, 0.5), "n: expected"),
+                            (lambda: m.can_admit([2.5]), r"prompt_lens: expected ints, got 2.5"),
+                            (lambda: m.can_admit([4], [True]), r"max_lens: expected ints, got True"),
+                            (lambda: m.pages_needed(rows[0], True), "expected a non-negative int of tokens"),
+                            (lambda: m.reserve(True, 4), "reserve: expected a running row")):
+            with pytest.raises(ValueError, match=match):
+                call()
+        assert m.fits(rows, 1) and m.can_admit([4]) == 1 and m.pages_needed(rows[0], 1) == 1
+
+
+def test_the_constructor_refuses_counts_the_pool_cannot_hold(backend):
+    pool = tpool.PagePool(16, PS, device="cpu", backend=backend)
+    for kw, match in ((dict(free=100, cached=0), "together at most its num_pages=16, got free=100, cached=0"),
+                      (dict(free=16, cached=16), "got free=16, cached=16"),
+                      (dict(free=-3, cached=0), "free: expected a non-negative int, got -3"),
+                      (dict(free=16, cached=1.5), "cached: expected a non-negative int, got 1.5"),
+                      (dict(lookahead=True, free=16, cached=0), "lookahead: expected a non-negative int, got True")):
+        with pytest.raises(ValueError, match=match):
+            HostMirror(tpool.PageTable(pool, 4, 4), **kw)
+    assert HostMirror(tpool.PageTable(pool, 4, 4), free=12, cached=4).free == 12
+
+
+def test_a_reserve_survives_the_reconciliation_that_settles_its_row(backend):
+    """reserve() after a device-side rollback is sized from the wider bounds; the reconciliation that
+    settles the row used to cut it back to the lookahead, and the pages went to an admission."""
+    pool, table, m = _setup(backend, num_pages=16, rows=4, max_pages=8)
+    with no_host_sync():
+        (a,) = m.admit([4], [32])
+        (b,) = m.admit([4], [32])
+        m.decode([a, b], 4)                               # 8 tokens each
+        m.rollback([a], table.seq_lens[a:a + 1] - 2, [5])  # 6 on the device; the mirror knows [5, 8]
+        assert m.reserve(a, 12) == 3                      # tokens 9..20 at worst: pages 3..5
+        m.reconcile(landed(m.snapshot()))
+        assert (m.lo[a], m.hi[a]) == (6, 6)
+        assert m.res[a] == 3 == m.pages_needed(a, 12)     # tokens 7..18: pages 2..5, page 2 held
+        u = m.unreserved
+        m.admit([4 * (u - 1)], [4 * u])                   # every unreserved page: u - 1, 1 reserved
+        assert m.unreserved == 0 and m.fits([a], 12)
+        res = m.decode([a], 12)
+    assert res.ok.tolist() == [True] and table.seq_lens[a].item() == 18 and m.free <= pool.available()
+    with no_host_sync():
+        m.unreserve(a)
+        m.reserve(a, 4)                                   # a reserve given back is not kept by a reconcile
+        m.unreserve(a)
+        m.reconcile(landed(m.snapshot()))
+    assert m.res[a] == 0 and m.reserved == int(m.res.sum()) and m.free == pool.available()
+
+
+def test_a_revive_of_free_pages_takes_none_and_reconcile_names_its_row(backend):
+    """Pages evicted since they were cached and still FREE: the revive takes none of them (the incref
+    names only the refused pages: use_after_free), the row stays empty on the device, so no later
+    admission shares a page with it, and the next reconcile raises MirrorError naming it. Before, the
+    row held the FREE pages and the next admission was handed them too."""
+    pool, table, m = _setup(backend, num_pages=8, rows=4, max_pages=4)
+    (a,) = m.admit([8], [8])
+    pages = table.block_table[a, :2].clone()
+    m.finish([a], cache=True)
+    (d,) = m.admit([4], [4])                              # a request holding one more page
+    m.evict(1)                                            # the older cached page is FREE now, the other still CACHED
+    cached_before = pool.stats()["pages.cached.current"]
+    with no_host_sync():
+        c = m.revive(pages, 8)
+    assert table.seq_lens[c].item() == 0 and table.block_table[c].tolist() == [-1] * 4
+    assert pool.stats()["pages.cached.current"] == cached_before == 1   # the CACHED page got no reference
+    with pytest.raises(tpool.errors.UseAfterFree):
+        pool.check()                                      # the FREE page, named once
+    with no_host_sync(), pytest.raises(MirrorError, match=rf"rows \[{c}\]: true lengths \[0\] outside"):
+        m.reconcile(landed(m.snapshot()))
+    with no_host_sync():
+        (e,) = m.admit([12], [12])                        # takes the FREE pages: none of them is c's
+        m.finish([c])
+        m.reconcile(landed(m.snapshot()))
+    assert table.seq_lens[[d, e]].tolist() == [4, 12] and m.free <= pool.available()
+    pool.check()
+    table.check_invariants()
+
+
+def test_a_revive_of_pages_evicted_and_handed_out_again(backend):
+    """What the docs claim for pages evicted and given to another request since: USED again, which the
+    device cannot tell from a shared page, so the revive takes them; found (MirrorError) when the other
+    request releases them first, because that release credits pages the revived row still holds."""
+    pool, table, m = _setup(backend, num_pages=8, rows=4, max_pages=4)
+    (a,) = m.admit([8], [8])
+    pages = table.block_table[a, :2].clone()
+    m.finish([a], cache=True)
+    m.evict(2)
+    (b,) = m.admit([16], [16])                            # every page: the evicted ones among them
+    with no_host_sync():
+        c = m.revive(pages, 8)
+        m.reconcile(landed(m.snapshot()))                 # not found here
+        m.finish([b])
+        with pytest.raises(MirrorError, match="the device had"):
+            m.reconcile(landed(m.snapshot()))
+    assert table.block_table[c, :2].tolist() == pages.tolist()

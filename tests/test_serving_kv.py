@@ -407,3 +407,47 @@ def test_flashinfer_as_attend_refuses_what_it_was_not_planned_for(monkeypatch):
         fi(q, cache[:6], cache[:6], meta)                      # the plan's page size, another page count
     assert calls == []
     assert fi(q, cache, cache, meta, scale=8 ** -0.5)[:, 0, 0].tolist() == [1, 1, 1, 0] and calls == [(3, 2, 8)]
+
+
+def _past_capacity_step(backend="numba"):
+    """A step whose CSR (capacity 1) holds lane 0's page only: lane 1, a prefill of 2 tokens, is granted
+    (valid positions) but exported with no pages and ``kv_lens`` 0; lane 2 is padding."""
+    pool = tpool.PagePool(8, page_size=4, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 4, 4)
+    table.extend(i32([0]), i32([3]), max_tokens=3)
+    step = table.step(i32([0, 1, -1]), i32([1, 2, 0]), max_tokens=4, capacity=1)
+    meta = step_metadata(table, step)
+    assert meta.positions.tolist() == [3, 0, 1, -1] and meta.kv_lens.tolist() == [4, 0, 0]
+    return table, meta
+
+
+def test_paged_attention_gives_zeros_for_lanes_past_the_csr_capacity(make_pool, guard):
+    """Capacity 0: every lane exported empty, and an empty ``indices`` (an IndexError before)."""
+    pool = make_pool(8, page_size=4)
+    table = tpool.PageTable(pool, 2, 4)
+    with guard():
+        step = table.step(i32([0]), i32([3]), max_tokens=4, capacity=0)
+        meta = step_metadata(table, step)
+        cache = PagedKVCache.from_pool(pool, 1, 1, 2, dtype=torch.float32)
+        cache.k[0].normal_()
+        cache.v[0].normal_()
+        out = paged_attention(torch.randn(4, 1, 2), cache.k[0], cache.v[0], meta)
+    assert meta.csr.indices.numel() == 0 and meta.kv_lens.tolist() == [0]
+    assert out.shape == (4, 1, 2) and not out.any()
+    _, meta = _past_capacity_step()
+    cache = PagedKVCache.from_pool(tpool.PagePool(8, page_size=4, device="cpu"), 1, 1, 2, dtype=torch.float32)
+    cache.v[0].fill_(1.0)
+    out = paged_attention(torch.randn(4, 1, 2), cache.k[0], cache.v[0], meta)
+    assert out[:, 0, 0].tolist() == [1, 0, 0, 0]     # lane 0 attends (values all 1), lane 1 and padding: zeros
+
+
+def test_flashinfer_zeroes_the_rows_of_lanes_past_the_csr_capacity_as_the_reference(monkeypatch):
+    """A lane the CSR had no room for has valid positions but ``kv_lens`` 0: the reference answers its
+    tokens with zeros, and so must ``run`` (it zeroed only rows at position -1 before)."""
+    fi, _, plan = _recorded_flashinfer_plan(monkeypatch)
+    _, meta = _past_capacity_step()
+    fi.plan(meta, **plan)
+    cache = torch.zeros(8, 4, 1, 8, dtype=torch.float16)
+    assert fi.run(torch.zeros(4, 2, 8, dtype=torch.float16), cache, cache)[:, 0, 0].tolist() == [1, 0, 0, 0]
+    ref = paged_attention(torch.ones(4, 2, 8), torch.ones(8, 4, 1, 8), torch.ones(8, 4, 1, 8), meta)
+    assert ref[:, 0, 0].tolist() == [1, 0, 0, 0]

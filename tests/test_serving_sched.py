@@ -212,3 +212,39 @@ def test_the_demo_sizes_rows_by_the_tokens_a_request_holds(monkeypatch):
     reqs = engine.make_requests(4, max_new=(3, 6))
     held = max(len(r.prompt) + r.max_new - 1 + (3 if r.rid % 3 == 0 else 0) for r in reqs)
     assert seen["max_pages"] == -(-held // 4) and seen["spec_every"] == 3 and seen["draft_len"] == 3
+
+
+def test_an_empty_prompt_is_refused_instead_of_looping(llama):
+    """Nothing predicts the first token of an empty prompt: run() used to step forever."""
+    eng = engine.Engine(llama, num_pages=32, page_size=4, max_batch=4, max_pages=8, backend="numba", spec_every=0,
+                        draft_len=0)
+    reqs = [engine.Request(0, [5, 6], 3), engine.Request(1, [], 3)]
+    for call in (eng.check_fits, eng.run):
+        with pytest.raises(ValueError, match="request 1: expected a prompt of at least 1 token, got 0 tokens"):
+            call(reqs)
+    assert eng.stats.steps == 0
+
+
+def test_speculation_options_are_checked_and_draft_len_zero_drafts_nothing(llama):
+    kw = dict(num_pages=64, page_size=4, max_batch=2, max_pages=16, backend="numba")
+    for bad, match in ((dict(spec_every=-1), "spec_every: expected a non-negative int, got -1"),
+                       (dict(draft_len=-2), "draft_len: expected a non-negative int, got -2"),
+                       (dict(draft_len=1.5), "draft_len: expected a non-negative int, got 1.5")):
+        with pytest.raises(ValueError, match=match):
+            engine.Engine(llama, **kw, **bad)
+    eng = engine.Engine(llama, **kw, spec_every=1, draft_len=0)
+    r = engine.Request(0, [5, 6, 7], 4)
+    r.out = [9]
+    assert eng._draft(r) == []                        # toks[-0:] was every token
+    reqs = [engine.Request(0, [5, 6, 7], 4), engine.Request(1, [8, 5, 8], 5)]
+    assert eng.run(reqs) == engine.reference_tokens(llama, reqs) and eng.stats.drafted == 0
+    eng.check()
+
+
+def test_make_requests_shares_with_the_previous_request_for_any_share_every():
+    reqs = engine.make_requests(6, share_every=1)    # the first has no request before it (IndexError before)
+    assert reqs[0].parent is None and [r.parent for r in reqs[1:]] == [0, 1, 2, 3, 4]
+    assert all(r.prompt[:r.shared] == reqs[r.parent].prompt[:r.shared] for r in reqs[1:])
+    assert [r.prompt for r in engine.make_requests(6)] == [r.prompt for r in engine.make_requests(6, share_every=5)]
+    with pytest.raises(ValueError, match="share_every: expected a non-negative int, got -1"):
+        engine.make_requests(4, share_every=-1)

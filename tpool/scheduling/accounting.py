@@ -4,7 +4,9 @@ queries a scheduler asks of them (admission, pages needed, preemption). No table
 See :mod:`tpool.scheduling.mirror` for what the numbers promise.
 """
 
+import array
 import collections
+import numbers
 
 import numpy as np
 
@@ -20,7 +22,46 @@ def _cdiv(a, ps):
 
 
 _I64 = np.dtype(np.int64)  # numpy's one int64 dtype object: ``a.dtype is _I64`` is a plain compare
+_LONG_LIST = 16  # entries from which a list of ints is read through array.array (faster), not numpy's inference
 _N64 = tuple(np.int64(n) for n in range(64))  # the usual token counts as numpy scalars, made once
+
+
+def _as_array(values):
+    """``values`` as a numpy array, its dtype numpy's (int64 for a list of ints; floats stay floats,
+    and a list of bools is a bool array, though a long one reads as ints, as Python's ``int(True)``)."""
+    if type(values) is np.ndarray:
+        return values
+    if type(values) is list and len(values) > _LONG_LIST:
+        try:  # a C loop taking ints only (a float raises): ~1 us less than numpy's dtype inference at 256
+            return np.frombuffer(array.array("q", values), dtype=np.int64)
+        except (TypeError, OverflowError):
+            pass  # numpy's inference tells what came
+    return np.asarray(values)
+
+
+def _int_array(values, name: str, what: str = "ints"):
+    """``values`` (a sequence or an array of ints) as an int64 numpy array; anything else (floats,
+    an array of bools) is a ``ValueError`` naming ``what`` was expected and what came: numpy's
+    ``asarray(..., dtype=int64)`` would truncate ``1.9`` to ``1`` and read a mask as ids."""
+    a = _as_array(values)
+    if a.dtype is _I64:
+        return a
+    if a.dtype.kind in "iu" or a.size == 0:  # (an empty list comes as float64)
+        return a.astype(np.int64)
+    raise ValueError(f"{name}: expected {what}, got {a.dtype} {a.reshape(-1).tolist()[:8]}")
+
+
+def _check_ints(values, name: str) -> None:
+    """Raise ``ValueError`` unless every entry of ``values`` is an int (a numpy integer too, never a
+    bool): for the queries that read a list entry by entry (``can_admit``)."""
+    for v in values:
+        if type(v) is not int and (isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral)):
+            raise ValueError(f"{name}: expected ints, got {v!r} among {list(values)[:8]}")
+
+
+def _is_int(v) -> bool:
+    """``v`` is an int or a numpy integer, not a bool."""
+    return type(v) is int or (isinstance(v, (int, np.integer)) and not isinstance(v, bool))
 
 
 def _bad_rows(rows, live) -> str:
@@ -69,6 +110,9 @@ class Accounting:
         self._st = np.zeros((R, 6), dtype=np.int64)
         self.lo, self.hi, self.limit, self.shared, self.res, self.gen = (self._st[:, i] for i in range(6))
         self.live = np.zeros(R, dtype=bool)
+        # Per row, the length through which ``reserve`` set pages aside (0: none): reconciliation keeps
+        # them when it trims a reservation sized from bounds that were wider than the truth.
+        self.reserved_to = np.zeros(R, dtype=np.int64)
         self.uncertain_at = np.full(R, -1, dtype=np.int64)  # op number of the row's last rollback
         self.exact_at = np.full(R, -1, dtype=np.int64)      # ... of the last call that set its length outright
         self._free_rows = list(range(R - 1, -1, -1))
@@ -87,9 +131,9 @@ class Accounting:
         call changes anything: one max_len per prompt, ``0 <= prompt <= max_len <= capacity``."""
         if not len(prompt_lens) and (max_lens is None or not len(max_lens)):
             return EMPTY, EMPTY  # a step with no admissions (most steps): nothing to check
-        p = np.asarray(prompt_lens, dtype=np.int64).reshape(-1)
+        p = _int_array(prompt_lens, "prompt_lens").reshape(-1)
         lim = np.full(p.size, self.capacity, dtype=np.int64) if max_lens is None else \
-            np.asarray(max_lens, dtype=np.int64).reshape(-1)
+            _int_array(max_lens, "max_lens").reshape(-1)
         if lim.shape != p.shape or (p < 0).any() or (p > lim).any() or (lim > self.capacity).any():
             raise ValueError(f"prompt_lens, max_lens: expected one max_len per prompt, 0 <= prompt <= max_len <= "
                              f"{self.capacity}, got {p.tolist()[:8]}, {lim.tolist()[:8]}")
@@ -129,10 +173,10 @@ class Accounting:
 
     def _row(self, row, n, what):
         """``row`` as a one-row array after checking it is a running row and ``n`` a count."""
-        if not (isinstance(row, (int, np.integer)) and 0 <= row < self.live.size and self.live[row]):
+        if not (_is_int(row) and 0 <= row < self.live.size and self.live[row]):
             raise ValueError(f"{what}: expected a running row (an int in [0, {self.live.size}) that holds a "
                              f"request), got {row!r}")
-        if not (isinstance(n, (int, np.integer)) and n >= 0):
+        if not (_is_int(n) and n >= 0):
             raise ValueError(f"{what}: expected a non-negative int of tokens, got {n!r}")
         return np.array([row], dtype=np.int64)
 
@@ -160,6 +204,9 @@ class Accounting:
         """
         if max_lens is not None and len(max_lens) != len(prompt_lens):
             raise ValueError(f"max_lens: expected one per prompt ({len(prompt_lens)}), got {len(max_lens)}")
+        _check_ints(prompt_lens, "prompt_lens")
+        if max_lens is not None:
+            _check_ints(max_lens, "max_lens")
         room, ps, n_fit = self.unreserved, self.page_size, 0
         lanes = self.max_batch
         if rows is not None:
@@ -203,6 +250,8 @@ class Accounting:
         is released: that is a ``ValueError`` naming the rows (as from ``decode`` and ``step``).
         """
         r, n, key = self._batch(rows, n)
+        if len(priority) != r.shape[0]:
+            raise ValueError(f"priority: expected one per row ({r.shape[0]}), got {len(priority)}")
         if key == self._full and n.ndim == 0 and n <= self.lookahead:
             return []  # (``_full``: every row also has room for ``lookahead`` tokens before its max_len)
         extra = self._extra(r, n)
@@ -240,7 +289,7 @@ class Accounting:
         unless this is the batch checked last and no row started or stopped since."""
         # Every numpy call here costs microseconds when a forward pass has cooled the caches (a
         # scheduler step makes several): the checks are plain compares where they can be.
-        r = rows if type(rows) is np.ndarray and rows.dtype is _I64 else np.asarray(rows, dtype=np.int64)
+        r = rows if type(rows) is np.ndarray and rows.dtype is _I64 else _int_array(rows, "rows", "int row ids")
         if r.ndim != 1:
             r = r.reshape(-1)
         key = r.tobytes()
@@ -253,20 +302,31 @@ class Accounting:
             self._checked = (key, self._members)
         if type(n) is int and n >= 0:
             return r, _N64[n] if n < 64 else np.int64(n), key
-        n = np.asarray(n, dtype=np.int64)
-        if n.ndim and n.shape != r.shape or (n < 0).any():
-            raise ValueError(f"n: expected a non-negative int or one per row, got {n.tolist()}")
-        return r, n, key
+        a = _as_array(n)
+        if a.dtype is not _I64 and (a.dtype.kind in "iu" or a.size == 0):
+            a = a.astype(np.int64)
+        if a.dtype is not _I64 or a.ndim and a.shape != r.shape or (a < 0).any():
+            got = a.tolist() if a.size <= 8 else f"{a.size} values of {a.dtype}, {a.reshape(-1)[:8].tolist()} first"
+            raise ValueError(f"n: expected a non-negative int or one int per row ({r.shape[0]}), got {got}")
+        return r, a, key
 
     # ------------------------------------------------------ reservations
     def reserve(self, row: int, tokens: int) -> int:
         """Set aside pages for ``tokens`` more tokens of ``row`` (at least its current ones);
-        returns the pages it now holds reserved (less than asked if unreserved pages run out)."""
+        returns the pages it now holds reserved (less than asked if unreserved pages run out).
+
+        The pages are counted from the row's upper bound ``hi`` (its worst case). They stay
+        set aside through reconciliations: one that settles the row's length (after a
+        ``rollback``) trims its reservation to what those tokens need from the true length,
+        never below (``decode`` takes from the reservation as the row grows into it;
+        ``unreserve`` gives it back).
+        """
         r = self._row(row, tokens, "reserve")
         want = max(int(self._need(r, np.int64(tokens))[0]) - int(self.res[row]), 0)
         got = min(want, max(self.unreserved, 0))
         self.res[row] += got
         self.reserved += got
+        self.reserved_to[row] = max(int(self.reserved_to[row]), int(self.hi[row]) + int(tokens))
         return int(self.res[row])
 
     def unreserve(self, row: int) -> None:
@@ -275,6 +335,7 @@ class Accounting:
         self._full = None
         self.reserved -= int(self.res[row])
         self.res[row] = 0
+        self.reserved_to[row] = 0
 
     def _top_up(self, r, res=None):
         """Raise the reservations of rows ``r`` toward their targets, in order, from unreserved
@@ -307,6 +368,7 @@ class Accounting:
         self.limit[rows], self.shared[rows] = limit, shared
         self.live[rows] = True
         self._members += 1
+        self.reserved_to[rows] = 0
         self.uncertain_at[rows] = -1
         self.exact_at[rows] = self._seq
 

@@ -4,7 +4,11 @@ Note: the mirror is kept only from what the scheduler asks for, never from a
 device read. Every call goes through it (``admit``, ``decode``, ``step``, ``finish``,
 ``truncate``, ``rollback``, ``fork``, ``revive``, ``evict``), which calls the
 table and updates the host integers in the same place, so they cannot drift
-from what was asked. What the mirror promises:
+from what was asked. Each call checks all of its input first (the table's and
+the pool's checks included, with their messages: counts, lengths and rows as
+ints, not floats, a single one not a bool; tensors' dtype, device, layout) and
+raises before the mirror changes: a refused call changes nothing, on the host
+or the device. What the mirror promises:
 
 * ``free`` is a lower bound on the pool's FREE pages (what ``extend`` and
   ``fork`` take; ``extend`` never evicts). It is exact (``exact`` is True and
@@ -35,8 +39,9 @@ import numpy as np
 import torch
 
 from tpool import _checks
+from tpool.kernels import layout as L
 from tpool.scheduling._decode import EMPTY, NO_ROOM, PAST_MAX_LEN, decode_accounting, truncate_accounting
-from tpool.scheduling.accounting import Accounting, WouldNotFit, _bucket, _cdiv
+from tpool.scheduling.accounting import Accounting, WouldNotFit, _bucket, _cdiv, _int_array
 from tpool.scheduling.mixed import MixedSteps
 from tpool.scheduling.snapshot import MirrorSnapshot, reconcile
 
@@ -79,8 +84,7 @@ class HostMirror(MixedSteps, Accounting):
     """
 
     def __init__(self, table, *, lookahead: int = 1, free: int | None = None, cached: int | None = None):
-        if not isinstance(lookahead, int) or lookahead < 0:
-            raise ValueError(f"lookahead: expected a non-negative int, got {lookahead!r}")
+        lookahead = _checks.check_size(lookahead, "lookahead")
         if (free is None) != (cached is None):
             raise ValueError(f"free, cached: pass both or neither, got free={free!r}, cached={cached!r}")
         self.table, self.pool, self.device = table, table.pool, table.device
@@ -88,6 +92,10 @@ class HostMirror(MixedSteps, Accounting):
         if free is None:
             s = self.pool.stats()
             free, cached = s["pages.free.current"], s["pages.cached.current"]
+        free, cached = _checks.check_size(free, "free"), _checks.check_size(cached, "cached")
+        if free + cached > self.pool.num_pages:  # a mirror promising pages the pool lacks would over-promise
+            raise ValueError(f"free, cached: expected the pool's FREE and CACHED pages, together at most its "
+                             f"num_pages={self.pool.num_pages}, got free={free}, cached={cached}")
         super().__init__(table.max_requests, table.page_size, lookahead, table.max_pages * table.page_size,
                          free, cached)
         self.max_batch = self.pool.max_batch
@@ -275,8 +283,10 @@ class HostMirror(MixedSteps, Accounting):
         """Release these requests (``table.release``) and free their rows and reservations.
 
         With ``cache=True`` their pages become CACHED (``free`` is unchanged; ``cached``
-        grows by the pages surely theirs alone).
+        grows by the pages surely theirs alone). ``cache`` not a bool is a ``ValueError``,
+        raised (as every check of every call) before the mirror changes.
         """
+        cache = cache if type(cache) is bool else _checks.flag(cache, "cache")  # (the table's check, first)
         r, _, _ = self._batch(rows, 0)
         if not r.size:
             return
@@ -294,7 +304,7 @@ class HostMirror(MixedSteps, Accounting):
     def truncate(self, rows, new_lens) -> None:
         """Roll rows back to host-known lengths (``new_lens[i] <= `` the row's sure length)."""
         r, _, _ = self._batch(rows, 0)
-        nl = np.asarray(new_lens, dtype=np.int64).reshape(-1)
+        nl = _int_array(new_lens, "new_lens").reshape(-1)
         out, ps = self._acct, self.page_size
         code = 1 if nl.shape != r.shape else truncate_accounting(self._st, r, nl, ps, self.lookahead,
                                                                  self.unreserved, out)
@@ -324,7 +334,7 @@ class HostMirror(MixedSteps, Accounting):
         min_lens : sequence of int, host-known lower bounds.
         """
         r, _, _ = self._batch(rows, 0)
-        ml = np.asarray(min_lens, dtype=np.int64).reshape(-1)
+        ml = _int_array(min_lens, "min_lens").reshape(-1)
         if ml.shape != r.shape or (ml < 0).any() or (ml > self.hi[r]).any():
             raise ValueError(f"min_lens: expected one per row within [0, hi], got {ml.tolist()}")
         # The table's checks of new_lens (metadata only, no sync), before the mirror changes.
@@ -362,7 +372,8 @@ class HostMirror(MixedSteps, Accounting):
         tensors, table-owned) so the caller copies the KV of ``cow_src`` into ``cow_dst``.
         ``n_tokens`` must be within ``src``'s sure length.
         """
-        ps, m = self.page_size, self.capacity if max_len is None else max_len
+        src, n_tokens = _checks.check_size(src, "src"), _checks.check_size(n_tokens, "n_tokens")
+        ps, m = self.page_size, self.capacity if max_len is None else _checks.check_size(max_len, "max_len")
         if not (0 <= src < self.live.size and self.live[src] and 0 <= n_tokens <= self.lo[src]
                 and n_tokens <= m <= self.capacity):
             raise ValueError(f"fork: expected a running src and 0 <= n_tokens <= its sure length <= max_len, got "
@@ -391,24 +402,41 @@ class HostMirror(MixedSteps, Accounting):
         cache shares only full blocks: the request's next token goes to a fresh page, never
         into a page another revive of the same prefix also holds.
 
-        The caller's contract (``reconcile`` raises ``MirrorError`` if it was broken): every
-        page is CACHED (released with ``cache=True`` and not evicted since: the pool hands
-        out only FREE pages, so a CACHED page keeps its content), or USED only by requests
-        that themselves came from ``revive`` or ``fork`` of it. A page that a running
-        request holds alone must not be revived: that request's release would credit it.
+        The caller's contract: every page is CACHED (released with ``cache=True`` and not
+        evicted since: the pool hands out only FREE pages, so a CACHED page keeps its
+        content), or USED only by requests that themselves came from ``revive`` or ``fork``
+        of it. A page that a running request holds alone must not be revived: that
+        request's release would credit it. Drop a prefix-cache entry when ``evict`` returns
+        one of its pages.
+
+        What is found when the contract is broken, without a host read: the pages' states
+        are read on the device before the ``incref``, and unless every page is USED or
+        CACHED (one evicted and FREE now, a ``-1``, an id outside the pool), the revive takes
+        none of them: the ``incref`` names only the refused pages (the pool counts
+        ``use_after_free`` or ``invalid_page``, raised by ``pool.check()``), and the row is
+        written empty (length 0, no page), so no later admission can be handed a page this
+        row holds. The mirror, which cannot see that, counts the row at ``n_tokens``; the
+        next :meth:`reconcile` raises ``MirrorError`` naming the row (its true length 0 below
+        its bounds). ``finish`` it: its release frees only what it appended since. A page
+        evicted and then handed to another request is USED again, which the device cannot
+        tell from a page shared by a ``revive`` or ``fork`` (that would take a version per
+        page): it is revived, two requests share it, and that is found only if the other
+        request releases it first (its release credits a page this row still holds: the
+        next reconciliation raises ``MirrorError``), else not at all.
         """
-        ps, m = self.page_size, self.capacity if max_len is None else max_len
-        k = _cdiv(n_tokens, ps)
-        if not (isinstance(pages, torch.Tensor) and pages.dtype == torch.int32 and pages.device == self.device
-                and pages.shape == (k,)):
-            raise ValueError(f"pages: expected int32 [{k}] on {self.device}, got "
-                             f"{getattr(pages, 'dtype', type(pages).__name__)} {tuple(getattr(pages, 'shape', ()))}")
-        if not 0 <= n_tokens <= m <= self.capacity:
+        n_tokens = _checks.check_size(n_tokens, "n_tokens")
+        ps, m = self.page_size, self.capacity if max_len is None else _checks.check_size(max_len, "max_len")
+        if not n_tokens <= m <= self.capacity:
             raise ValueError(f"revive: expected 0 <= n_tokens <= max_len <= {self.capacity}, got {n_tokens}, {m}")
         if n_tokens % ps:
             raise ValueError(f"revive: expected whole pages (n_tokens a multiple of page_size {ps}), got "
                              f"{n_tokens}: a revived page may be shared, and the next token would be written "
                              f"into a partial last one. Revive the whole pages and extend the rest")
+        k = n_tokens // ps
+        # The pool's checks of pages (metadata only, no sync), before the mirror changes.
+        if _checks.check_vector(pages, "pages", torch.int32, self.device) != k:
+            raise ValueError(f"pages: expected {k} entries (n_tokens / page_size), got {pages.numel()}")
+        _checks.check_not_written(pages, "pages", self.pool._written)
         if self._target_new(n_tokens, m) > self.unreserved:
             raise WouldNotFit(f"revive: its reservation needs pages, {self.unreserved} unreserved")
         self._seq += 1
@@ -419,9 +447,13 @@ class HostMirror(MixedSteps, Accounting):
         self._cached_flow -= k
         self._cached_inexact_at = self._seq
         self._top_up(np.array([row]))
-        self.pool.incref(pages)
-        self.table.block_table[row, :k] = pages
-        self.table.seq_lens[row:row + 1].fill_(n_tokens)
+        # Which pages the incref takes, from their states before it (stream order; fixed shapes, no sync).
+        state = self.pool.state.page_state.index_select(0, pages.clamp(0, self.pool.num_pages - 1))
+        taken = (pages >= 0) & (pages < self.pool.num_pages) & ((state == L.USED) | (state == L.CACHED))
+        whole = taken.all()  # 0-d, on the device: every page taken, or none is
+        self.pool.incref(torch.where(whole, pages, torch.where(taken, L.NULL_PAGE, pages)))
+        self.table.block_table[row, :k] = torch.where(whole, pages, L.NULL_PAGE)
+        self.table.seq_lens[row:row + 1] = whole.to(torch.int32) * n_tokens
         self.table.invalidate_csr(self._tensor([row]))  # only this row changed: the others keep their runs
         return row
 

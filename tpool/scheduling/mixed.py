@@ -17,6 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from tpool import _checks
 from tpool.scheduling._decode import EMPTY, FITS, NO_ROOM, PAST_MAX_LEN, decode_accounting
 from tpool.scheduling.accounting import WouldNotFit, _bucket, _cdiv
 
@@ -55,8 +56,8 @@ class MixedSteps:
             Lanes of the step (padded with ``-1``; default no padding): a fixed width keeps
             the table's call shapes, and so its buffers, few.
         max_tokens : int, optional
-            Slots of the step (at least the tokens of every lane; default the total rounded
-            up to a power of two).
+            Slots of the step (at least the tokens of every lane, at most the table's
+            ``most_tokens``; default the total rounded up to a power of two).
         out : StepOut, optional
             Write this ``table.step_out`` instead of the table's buffers (overlap scheduling:
             two taking turns). The step then has its batch and ``max_tokens`` (``width`` and
@@ -68,7 +69,8 @@ class MixedSteps:
         pages and reservation fit the unreserved pages. A decode row that ``n`` more tokens
         would take past its ``max_len``, like a prompt past its own, is a plain ``ValueError``
         (no release makes it fit), and so are more lanes than ``max_batch`` (admit fewer
-        prompts: ``can_admit`` with these rows counts the lanes too).
+        prompts: ``can_admit`` with these rows counts the lanes too). Every check, the table's
+        included (a ``width`` or ``max_tokens`` it would refuse), is made before the mirror changes.
         Then the decode rows' reservations are topped back up (in the order of ``rows``) from
         what the admissions leave.
 
@@ -104,7 +106,7 @@ class MixedSteps:
                              f"most max_batch={self.max_batch}: admit fewer prompts (can_admit with these rows "
                              f"counts the lanes)")
         w = lanes if width is None else width
-        if not (isinstance(w, int) and lanes <= w <= self.max_batch):
+        if not (type(w) is int and lanes <= w <= self.max_batch):
             raise ValueError(f"width: expected an int >= {lanes} (the step's lanes) and <= max_batch="
                              f"{self.max_batch}, got {width!r}")
         ids = np.full(w, -1, dtype=np.int32)
@@ -112,8 +114,14 @@ class MixedSteps:
         ntok[:b] = nn
         ntok[b:lanes] = p
         total = int(ntok.sum())
-        if max_tokens is not None and not (isinstance(max_tokens, int) and total <= max_tokens):
-            raise ValueError(f"max_tokens: expected an int >= {total} (the step's tokens), got {max_tokens!r}")
+        if max_tokens is not None:  # the table's checks (the same messages), before the mirror changes
+            most = self.table.most_tokens
+            if _checks.check_size(max_tokens, "max_tokens") > most:
+                raise ValueError(f"max_tokens: expected at most {most} (max_batch * max_pages_per_request * "
+                                 f"page_size: no call appends more), got {max_tokens}")
+            if total > max_tokens:
+                raise ValueError(f"max_tokens: expected an int >= {total} (the step's tokens), got {max_tokens!r}")
+            max_tokens = int(max_tokens)
         if k > self.rows_free:
             self._refuse_past_max_len("step", r, nn)  # work no release makes fit is refused first
             raise WouldNotFit(f"step: {k} prompts need rows, {self.rows_free} are free")

@@ -29,8 +29,14 @@ It does not learn which pages are shared (that would take the reference
 counts): a request's possibly-shared prefix stays as it was, so its release
 keeps under-crediting until the next reconciliation. A truth below the
 mirror's number means the mirror over-promised (a bug, or a broken contract:
-a ``rollback`` below its ``min_lens``, a ``revive`` of evicted pages, a table
-call made around the mirror); ``reconcile`` raises :class:`MirrorError`.
+a ``rollback`` below its ``min_lens``, a ``revive`` that named a page neither
+USED nor CACHED, which leaves its row empty, a release crediting a page that a
+revive of it still holds, a table call made around the mirror); ``reconcile``
+raises :class:`MirrorError`. A revived page that was evicted and handed to
+another request since is not found here (see ``HostMirror.revive``).
+A reconciliation that settles a row's length trims the reservation that was
+sized from its wider bounds, but never below the pages its next ``lookahead``
+tokens need nor those a ``reserve`` set aside.
 """
 
 import numpy as np
@@ -96,8 +102,9 @@ def reconcile(m, snap: MirrorSnapshot) -> dict:
     bad = np.flatnonzero((lens < lo) | (lens > hi))
     if bad.size:
         raise MirrorError(f"rows {bad.tolist()[:8]}: true lengths {lens[bad].tolist()[:8]} outside the mirror's "
-                          f"bounds [{lo[bad].tolist()[:8]}, {hi[bad].tolist()[:8]}] (a rollback below min_lens, or "
-                          f"a table call made around the mirror?)")
+                          f"bounds [{lo[bad].tolist()[:8]}, {hi[bad].tolist()[:8]}] (a rollback below min_lens, a "
+                          f"revive naming a page neither USED nor CACHED, which leaves its row empty, or a table "
+                          f"call made around the mirror?)")
     m._reconciled_at = snap.seq
     fix = true_free - free_then
     m.free += fix
@@ -116,10 +123,13 @@ def reconcile(m, snap: MirrorSnapshot) -> dict:
         fix = lens[r] - hi[r]
         m.hi[r] += fix
         m._hi_fix[r] += fix
+        m.reserved_to[r] = np.where(m.reserved_to[r] > 0, m.reserved_to[r] + fix, 0)  # reserve()'s, from hi
         settled = r[m.uncertain_at[r] <= snap.seq]
         m.lo[settled] = m.hi[settled]
-        # Reservations were sized from the wider bounds: give back what the settled rows no longer need.
-        keep = np.minimum(m.res[settled], m._target(settled))
+        # Reservations were sized from the wider bounds: give back what the settled rows no longer need
+        # for their next lookahead tokens, nor for the tokens a reserve() set pages aside for.
+        ahead = np.maximum(m.reserved_to[settled] - m.hi[settled], 0)
+        keep = np.minimum(m.res[settled], np.maximum(m._target(settled), m._need(settled, ahead)))
         m.reserved -= int((m.res[settled] - keep).sum())
         m.res[settled] = keep
     return stats_from_counters(snap.num_pages, counters)

@@ -192,6 +192,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     dev = q.device
     # Each lane's pages, [B, max_pages]: indices[indptr[i] + j] for j < its page count.
     indptr, indices = meta.csr.indptr.long(), meta.csr.indices
+    if not indices.numel():  # a CSR of capacity 0 (every lane exported empty): one padding entry to gather from
+        indices = torch.full((1,), -1, dtype=indices.dtype, device=dev)
     j = torch.arange(mp, device=dev)
     at = (indptr[:-1, None] + j).clamp(max=indices.numel() - 1)
     mine = j < (indptr[1:] - indptr[:-1])[:, None]
@@ -255,7 +257,8 @@ class FlashInferAttention:
     tpool's CSR gives an empty lane (padding, a failed admission) ``last_page_len =
     page_size``; FlashInfer derives a lane's KV length from its page count and last
     page length, so ``plan`` passes 0 for lanes without pages. Rows of tokens whose
-    ``positions`` are -1 (a failed lane's) come back as zeros, as from the reference.
+    ``positions`` are -1 (a failed lane's), or whose lane has ``kv_lens`` 0 (a lane the
+    step's CSR had no room for: ``capacity``), come back as zeros, as from the reference.
 
     Parameters
     ----------
@@ -301,7 +304,16 @@ class FlashInferAttention:
             self._prefill.plan(meta.qo_indptr, csr.indptr, csr.indices, last, num_qo_heads, num_kv_heads,
                                head_dim, page_size, causal=True, **common)
             self._wrapper, self._rows = self._prefill, int(meta.qo_indptr[-1])  # plan read it on the host too
-        self._valid = meta.positions >= 0  # [T]: rows of tokens that belong to a granted lane
+        # [T]: rows of tokens of a granted lane with keys to attend to (kv_lens 0: a lane past the CSR's
+        # capacity, exported empty, which the reference also answers with zeros). Each token's lane from
+        # qo_indptr, on the device (plan is eager; run only applies the mask, as in a graph).
+        valid = meta.positions >= 0
+        if b:
+            t = meta.positions.numel()
+            u = torch.arange(t, dtype=meta.qo_indptr.dtype, device=meta.positions.device)
+            lane = torch.searchsorted(meta.qo_indptr[1:], u, right=True).clamp(max=b - 1)
+            valid &= meta.kv_lens.index_select(0, lane) > 0
+        self._valid = valid
         self._decode_mode = decode
         self._meta, self._scale, self._window = meta, scale, sliding_window
         self._shapes = num_qo_heads, num_kv_heads, head_dim, page_size, q_dtype, kv_dtype

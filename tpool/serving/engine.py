@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tpool import _checks
 from tpool.demo import OptionError
 from tpool.page_table import PageTable
 from tpool.pool import PagePool
@@ -130,8 +131,8 @@ class Engine:
     """Greedy continuous batching of ``model`` on a pool of ``num_pages`` pages of ``page_size`` tokens.
 
     ``max_batch`` lanes per step (also the table's rows), ``max_pages`` pages per request;
-    ``spec_every``: requests whose id is a multiple of it decode speculatively, drafting
-    ``draft_len`` tokens by prompt lookup (the tokens that followed the last earlier
+    ``spec_every`` (0: none): requests whose id is a multiple of it decode speculatively, drafting
+    ``draft_len`` tokens (0: none) by prompt lookup (the tokens that followed the last earlier
     occurrence of the last token) and rolling back the rejected ones with ``truncate``.
     The loop schedules on ``mirror`` (a :class:`tpool.scheduling.HostMirror` of the table,
     reserving ``lookahead`` = ``1 + draft_len`` tokens per running request, or 1 without
@@ -140,6 +141,8 @@ class Engine:
 
     def __init__(self, model, *, num_pages: int, page_size: int, max_batch: int, max_pages: int,
                  backend: str = "auto", device="cpu", spec_every: int = 3, draft_len: int = 3):
+        spec_every = _checks.check_size(spec_every, "spec_every")  # before the pool is made: nothing to undo
+        draft_len = _checks.check_size(draft_len, "draft_len")
         self.model = model
         self.pool = PagePool(num_pages, page_size, device=device, backend=backend)
         self.table = PageTable(self.pool, max_batch, max_pages)
@@ -166,6 +169,8 @@ class Engine:
         return max_len(r, spec_every=self.spec_every, draft_len=self.draft_len)
 
     def _draft(self, r):
+        if not self.draft_len:
+            return []  # (``toks[-0:]`` below would be every token)
         toks = r.tokens
         for i in range(len(toks) - 2, -1, -1):
             if toks[i] == toks[-1]:
@@ -191,9 +196,12 @@ class Engine:
 
     def check_fits(self, requests) -> None:
         """Raise ``ValueError`` naming the first request that could never fit a row and the pool: the
-        tokens it ever holds (:func:`max_len`: prompt + max_new - 1, + draft_len if speculative)."""
+        tokens it ever holds (:func:`max_len`: prompt + max_new - 1, + draft_len if speculative), or
+        an empty prompt (nothing to predict the first token from: the loop would never end)."""
         cap = min(self.max_pages, self.pool.num_pages) * self.ps
         for r in requests:
+            if not r.prompt:
+                raise ValueError(f"request {r.rid}: expected a prompt of at least 1 token, got 0 tokens")
             if self._max_len(r) > cap:
                 raise ValueError(f"request {r.rid}: expected prompt + max_new - 1 (+ draft_len if speculative) "
                                  f"<= {cap} tokens (max_pages and the pool), got {self._max_len(r)}")
@@ -364,13 +372,14 @@ class Engine:
 def make_requests(n: int = 32, *, seed: int = 0, vocab_size: int = 256, max_new: tuple = (4, 16),
                   prompt_len: tuple = (5, 40), share_every: int = 5):
     """``n`` requests: prompts of ``prompt_len`` tokens, ``max_new`` new tokens, arriving a few per
-    step; every ``share_every``-th one starts with part of the previous request's prompt."""
+    step; every ``share_every``-th one (0: none) starts with part of the previous request's prompt."""
+    share_every = _checks.check_size(share_every, "share_every")
     rng = random.Random(seed)
     reqs = []
     for i in range(n):
         prompt = [rng.randrange(1, vocab_size) for _ in range(rng.randint(*prompt_len))]
         r = Request(i, prompt, rng.randint(*max_new), arrival=i // 4)
-        if share_every and i % share_every == share_every - 1:
+        if share_every and i % share_every == share_every - 1 and reqs:  # (the first has none before it)
             base = reqs[-1].prompt
             r.parent, r.shared = i - 1, rng.randint(1, len(base))
             r.prompt = base[:r.shared] + prompt[:max(prompt_len[0] - r.shared, 1) + rng.randint(0, 8)]
