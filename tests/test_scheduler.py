@@ -6,6 +6,7 @@ the device (they are the test's sync points, not the scheduler's).
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -924,10 +925,11 @@ def test_a_call_the_table_or_the_pool_would_refuse_changes_nothing(backend):
            (lambda: m.revive(pool.state.free_stack[:2], 8), "shares memory"),
            (lambda: m.step([], 1, [4], max_tokens=table.most_tokens * 2), "max_tokens: expected at most"),
            (lambda: m.step([], 1, [1], max_tokens=True), "max_tokens: expected a non-negative int, got True"),
-           (lambda: m.step(rows, 1, [1], width=True), "width: expected an int"),
-           (lambda: m.decode(rows, 1.9), r"n: expected a non-negative int or one int per row \(2\), got 1.9"),
-           (lambda: m.decode(rows, True), "got True"),
-           (lambda: m.decode(rows, [1, 1.5]), r"got \[1.0, 1.5\]"),
+           (lambda: m.step(rows, 1, [1], width=True), "width: expected a non-negative int, got True"),
+           (lambda: m.decode(rows, 1.9), r"n: expected a non-negative int or one int per row \(2\), got float64 "
+                                         r"\[1.9\]"),
+           (lambda: m.decode(rows, True), r"got bool \[True\]"),
+           (lambda: m.decode(rows, [1, 1.5]), r"got float64 \[1.0, 1.5\]"),
            (lambda: m.truncate([rows[0]], [2.7]), r"new_lens: expected ints, got float64 \[2.7\]"),
            (lambda: m.rollback([rows[0]], i32([3]), [2.5]), r"min_lens: expected ints, got float64 \[2.5\]"),
            (lambda: m.admit([3.0]), "prompt_lens: expected ints"),
@@ -962,10 +964,11 @@ def test_queries_refuse_non_integers_and_a_priority_list_of_another_length(backe
         assert m.preemption(rows, [0, 1, 2], 9) == [rows[0]]  # one per row: the lowest priority first
         for call, match in ((lambda: m.fits([0.5]), "rows: expected int row ids"),
                             (lambda: m.fits(rows, 0.5), "n: expected"),
-                            (lambda: m.can_admit([2.5]), r"prompt_lens: expected ints, got 2.5"),
-                            (lambda: m.can_admit([4], [True]), r"max_lens: expected ints, got True"),
-                            (lambda: m.pages_needed(rows[0], True), "expected a non-negative int of tokens"),
-                            (lambda: m.reserve(True, 4), "reserve: expected a running row")):
+                            (lambda: m.can_admit([2.5]), r"prompt_lens: expected ints, got float64 \[2.5\]"),
+                            (lambda: m.can_admit([4], [True]), r"max_lens: expected ints, got bool \[True\]"),
+                            (lambda: m.pages_needed(rows[0], True), "pages_needed: n: expected a non-negative int"),
+                            (lambda: m.reserve(True, 4), "reserve: row: expected a non-negative int, got True"),
+                            (lambda: m.reserve(7, 4), "reserve: expected a running row")):
             with pytest.raises(ValueError, match=match):
                 call()
         assert m.fits(rows, 1) and m.can_admit([4]) == 1 and m.pages_needed(rows[0], 1) == 1
@@ -1055,3 +1058,128 @@ def test_a_revive_of_pages_evicted_and_handed_out_again(backend):
         with pytest.raises(MirrorError, match="the device had"):
             m.reconcile(landed(m.snapshot()))
     assert table.block_table[c, :2].tolist() == pages.tolist()
+
+
+def test_a_list_of_bools_is_refused_whatever_its_length(backend):
+    """A list of more than 16 ints is read through array.array, which takes a bool as 0/1: before,
+    truncate(17 rows, [False] * 17) truncated every row to 0 and decode(17 rows, [True] * 17) appended a
+    token each, while 16 were refused (numpy's inference makes them a bool array)."""
+    pool, table, m = _setup(backend, num_pages=128, rows=48, max_pages=4)
+    rows = m.admit([5] * 40)                              # 8 rows free: can_admit reads 8 prompts at most
+    before = _books(pool, table, m)
+    for k in (3, 16, 17, 40):
+        for call, match in ((lambda: m.truncate(rows[:k], [False] * k), "new_lens: expected ints"),
+                            (lambda: m.decode(rows[:k], [True] * k), "n: expected a non-negative int or one"),
+                            (lambda: m.fits(rows[:k], [True] * k), "n: expected a non-negative int or one"),
+                            (lambda: m.rollback(rows[:k], i32([5] * k), [False] * k), "min_lens: expected ints"),
+                            (lambda: m.admit([True] * k), "prompt_lens: expected ints"),
+                            (lambda: m.can_admit([4] * k, [True] * k), "max_lens: expected ints"),
+                            (lambda: m.decode([True] * k), "rows: expected int row ids")):
+            with no_host_sync(), pytest.raises(ValueError, match=match):
+                call()
+            assert _books(pool, table, m) == before, (k, match)
+    with no_host_sync():                                  # ints, numpy's among them, on either path
+        m.decode(rows[:17], [np.int64(1)] * 17)
+        m.truncate(rows[:17], [np.int32(5)] + [5] * 16)
+    assert table.seq_lens[rows].tolist() == [5] * 40
+
+
+class _Queue:
+    """A waiting queue that counts the entries read from it."""
+
+    def __init__(self, lens):
+        self.lens, self.read = lens, 0
+
+    def __len__(self):
+        return len(self.lens)
+
+    def __getitem__(self, i):
+        got = self.lens[i]
+        self.read += len(got) if isinstance(i, slice) else 1
+        return got
+
+
+def test_can_admit_reads_and_checks_only_the_prompts_that_may_fit(backend):
+    """Before, can_admit checked every entry of its input in Python (~0.5 us each for a numpy array: a
+    2000-entry waiting queue cost over 1 ms a step); it reads at most one per free row now, and an array
+    is checked by its dtype."""
+    pool, table, m = _setup(backend, num_pages=64, rows=8, max_pages=8)
+    m.admit([4] * 5)                                      # 3 rows free
+    with no_host_sync():
+        q = _Queue([4] * 2000)
+        assert m.can_admit(q, _Queue([8] * 2000)) == 3 and q.read <= 3
+        assert m.can_admit([4, 4, 4] + [2.5] * 100) == 3  # past the free rows: neither read nor checked
+        assert m.can_admit(np.full(2000, 4, dtype=np.int32), np.full(2000, 8)) == 3
+        for bad, match in ((np.array([4.0]), r"prompt_lens: expected ints, got float64 \[4.0\]"),
+                           ([4, 2.5], r"prompt_lens: expected ints, got float64 \[4.0, 2.5\]"),
+                           (np.array([True]), r"prompt_lens: expected ints, got bool")):
+            with pytest.raises(ValueError, match=match):
+                m.can_admit(bad)
+
+
+def test_a_revive_naming_a_page_twice_takes_none_and_reconcile_names_its_row(backend):
+    """Before, revive([p, p]) of a CACHED page p took it twice: refcount 2, the row's tokens 4-7 read the
+    K/V of tokens 0-3, and nothing (pool.check, reconcile, the table's invariants) found it. Now a page
+    named twice makes the revive take none, decided on the device (sorted ids, fixed shapes, no sync):
+    the row is empty, nothing is counted (no incref was refused), and reconcile names the row. A -1
+    (padding to incref) is the same: nothing counted, the row empty, reconcile names it."""
+    pool, table, m = _setup(backend, num_pages=16, rows=4, max_pages=4)
+    (a,) = m.admit([8], [8])
+    pages = table.block_table[a, :2].clone()
+    m.finish([a], cache=True)
+    for named in ([1, 0, 1], [0, -1]):                   # a page twice (not neighbours); a -1
+        before = (pool.state.refcount.tolist(), pool.stats()["pages.cached.current"])
+        given = pages[named].contiguous()
+        given[torch.tensor(named) < 0] = -1
+        with no_host_sync():
+            c = m.revive(given, 4 * len(named))
+        assert table.seq_lens[c].item() == 0 and table.block_table[c].tolist() == [-1] * 4, named
+        assert (pool.state.refcount.tolist(), pool.stats()["pages.cached.current"]) == before == (before[0], 2)
+        pool.check()                                      # nothing refused by the incref: nothing counted
+        with no_host_sync(), pytest.raises(MirrorError, match=rf"rows \[{c}\]: true lengths \[0\] outside"):
+            m.reconcile(landed(m.snapshot()))
+        with no_host_sync():
+            m.finish([c])
+            m.reconcile(landed(m.snapshot()))
+    with no_host_sync():                                  # the pages, each once: revived
+        c = m.revive(pages, 8)
+        m.decode([c])
+        m.reconcile(landed(m.snapshot()))
+    assert table.block_table[c, :2].tolist() == pages.tolist() and table.seq_lens[c].item() == 9
+    assert pool.state.refcount[pages.long()].tolist() == [1, 1]
+    pool.check()
+    table.check_invariants()
+
+
+def test_a_fork_or_revive_refused_for_want_of_a_row_changes_nothing(backend):
+    """Before, the op number moved on and the O(1) preemption answer was dropped before the row was
+    looked for: "a refused call changes nothing" was false for these two."""
+    pool, table, m = _setup(backend, num_pages=32, rows=2, max_pages=4)
+    (a,) = m.admit([8], [16])
+    pages = table.block_table[a, :2].clone()
+    m.finish([a], cache=True)
+    rows = m.admit([4, 4], [16, 16])                      # every row
+    for call in (lambda: m.revive(pages, 8), lambda: m.fork(rows[0], 4)):
+        with no_host_sync():
+            m.decode(rows)
+        before = (_books(pool, table, m), m._full)
+        assert before[1] is not None                      # preemption's O(1) answer for this batch
+        with no_host_sync(), pytest.raises(WouldNotFit, match="rows: 1 requests need rows, 0 are free"):
+            call()
+        assert (_books(pool, table, m), m._full) == before
+
+
+def test_a_mixed_step_takes_numpy_ints_for_width_as_for_max_tokens(backend):
+    """Before, step(width=np.int64(4)) was refused (``type(w) is int``) while max_tokens=np.int64(...)
+    was taken in the same call: one rule (``_checks.check_size``) for both now."""
+    pool, table, m = _setup(backend, num_pages=32, rows=4, max_pages=4)
+    (a,) = m.admit([4])
+    with no_host_sync():
+        s = m.step([a], np.int64(1), np.array([3], dtype=np.int32), width=np.int64(4), max_tokens=np.int64(8))
+    assert s.req_ids.tolist() == [a, s.rows[0], -1, -1] and s.num_tokens.tolist() == [1, 3, 0, 0]
+    assert table.seq_lens[[a] + s.rows].tolist() == [5, 3]
+    for width, match in ((4.0, "width: expected a non-negative int, got 4.0"),
+                         (np.bool_(True), "width: expected a non-negative int"),
+                         (1, r"width: expected an int >= 2 \(the step's lanes\)")):
+        with no_host_sync(), pytest.raises(ValueError, match=match):
+            m.step([a], 1, [3], width=width)

@@ -6,10 +6,10 @@ See :mod:`tpool.scheduling.mirror` for what the numbers promise.
 
 import array
 import collections
-import numbers
 
 import numpy as np
 
+from tpool import _checks
 from tpool.scheduling._decode import EMPTY, check_rows, extra_pages
 
 
@@ -27,41 +27,45 @@ _N64 = tuple(np.int64(n) for n in range(64))  # the usual token counts as numpy 
 
 
 def _as_array(values):
-    """``values`` as a numpy array, its dtype numpy's (int64 for a list of ints; floats stay floats,
-    and a list of bools is a bool array, though a long one reads as ints, as Python's ``int(True)``)."""
+    """``values`` as a numpy array, as ``np.asarray`` reads it: int64 for a list of ints (a bool among
+    them reads as 0/1, numpy's promotion), bool for a list of bools only, floats if one is a float."""
     if type(values) is np.ndarray:
         return values
-    if type(values) is list and len(values) > _LONG_LIST:
-        try:  # a C loop taking ints only (a float raises): ~1 us less than numpy's dtype inference at 256
+    if type(values) is list and len(values) > _LONG_LIST and type(values[0]) is not bool:
+        # A C loop taking ints only (a float or a numpy bool raises): ~1 us less than numpy's inference
+        # at 256. It would read a list of bools as 0/1 too: one starting with a bool goes to numpy (a
+        # bool array if every entry is one), so both paths give what numpy gives (~30 ns, no scan).
+        try:
             return np.frombuffer(array.array("q", values), dtype=np.int64)
         except (TypeError, OverflowError):
             pass  # numpy's inference tells what came
     return np.asarray(values)
 
 
+def _size(v, name: str) -> int:
+    """``_checks.check_size(v, name)``, the rule for every count, length or row a call takes, with
+    its common case first: a plain non-negative int passes in ~50 ns instead of ~600 (the ABC
+    ``isinstance`` test), which a per-step call (``step``'s width) would pay every step."""
+    return v if type(v) is int and v >= 0 else _checks.check_size(v, name)
+
+
+def _shown(a) -> str:
+    """Array ``a`` for an error message: its dtype and first entries."""
+    return f"{a.dtype} {a.reshape(-1)[:8].tolist()}" + (f" ({a.size} values)" if a.size > 8 else "")
+
+
 def _int_array(values, name: str, what: str = "ints"):
-    """``values`` (a sequence or an array of ints) as an int64 numpy array; anything else (floats,
-    an array of bools) is a ``ValueError`` naming ``what`` was expected and what came: numpy's
-    ``asarray(..., dtype=int64)`` would truncate ``1.9`` to ``1`` and read a mask as ids."""
+    """``values`` (a sequence or an array of ints) as an int64 numpy array: the one rule for every int
+    sequence a mirror call takes. Whatever numpy reads as other than integers is a ``ValueError`` naming
+    ``what`` was expected and what came: an array of floats or bools, a list with a float in it, a list
+    of bools only (a bool among ints reads as 0/1, numpy's promotion). ``asarray(..., dtype=int64)``
+    would truncate ``1.9`` to ``1`` and read a mask as ids."""
     a = _as_array(values)
     if a.dtype is _I64:
         return a
     if a.dtype.kind in "iu" or a.size == 0:  # (an empty list comes as float64)
         return a.astype(np.int64)
-    raise ValueError(f"{name}: expected {what}, got {a.dtype} {a.reshape(-1).tolist()[:8]}")
-
-
-def _check_ints(values, name: str) -> None:
-    """Raise ``ValueError`` unless every entry of ``values`` is an int (a numpy integer too, never a
-    bool): for the queries that read a list entry by entry (``can_admit``)."""
-    for v in values:
-        if type(v) is not int and (isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral)):
-            raise ValueError(f"{name}: expected ints, got {v!r} among {list(values)[:8]}")
-
-
-def _is_int(v) -> bool:
-    """``v`` is an int or a numpy integer, not a bool."""
-    return type(v) is int or (isinstance(v, (int, np.integer)) and not isinstance(v, bool))
+    raise ValueError(f"{name}: expected {what}, got {_shown(a)}")
 
 
 def _bad_rows(rows, live) -> str:
@@ -169,16 +173,17 @@ class Accounting:
 
     def pages_needed(self, row: int, n: int) -> int:
         """Pages request ``row`` may need for ``n`` more tokens (exact unless its length is uncertain)."""
-        return int(self._need(self._row(row, n, "pages_needed"), np.int64(n))[0])
+        r, n = self._row(row, n, "pages_needed", "n")
+        return int(self._need(r, np.int64(n))[0])
 
-    def _row(self, row, n, what):
-        """``row`` as a one-row array after checking it is a running row and ``n`` a count."""
-        if not (_is_int(row) and 0 <= row < self.live.size and self.live[row]):
+    def _row(self, row, n, what, n_name):
+        """``row`` as a one-row array and ``n`` as an int, after checking that ``row`` is a running row
+        and ``n`` a count (``_size``: ints, numpy's too, never a bool)."""
+        row, n = _size(row, f"{what}: row"), _size(n, f"{what}: {n_name}")
+        if not (row < self.live.size and self.live[row]):
             raise ValueError(f"{what}: expected a running row (an int in [0, {self.live.size}) that holds a "
                              f"request), got {row!r}")
-        if not (_is_int(n) and n >= 0):
-            raise ValueError(f"{what}: expected a non-negative int of tokens, got {n!r}")
-        return np.array([row], dtype=np.int64)
+        return np.array([row], dtype=np.int64), n
 
     def _need(self, r, n):
         ps = self.page_size
@@ -201,14 +206,17 @@ class Accounting:
 
         Lanes count too: one table call takes at most ``max_batch`` lanes, so at most
         ``max_batch - len(rows)`` prompts fit (``max_batch`` without ``rows``).
+
+        Only the head of the queue is read and checked (one prompt per free row, at most
+        ``max_batch``; ints as numpy reads them, an array by its dtype), so a long waiting
+        queue costs no more than its head.
         """
         if max_lens is not None and len(max_lens) != len(prompt_lens):
             raise ValueError(f"max_lens: expected one per prompt ({len(prompt_lens)}), got {len(max_lens)}")
-        _check_ints(prompt_lens, "prompt_lens")
-        if max_lens is not None:
-            _check_ints(max_lens, "max_lens")
-        room, ps, n_fit = self.unreserved, self.page_size, 0
-        lanes = self.max_batch
+        head = min(self.rows_free, self.max_batch)
+        p = _int_array(prompt_lens[:head], "prompt_lens").tolist()  # (plain ints: the loop reads them fastest)
+        lim = None if max_lens is None else _int_array(max_lens[:head], "max_lens").tolist()
+        room, lanes = self.unreserved, self.max_batch
         if rows is not None:
             r, nn, _ = self._batch(rows, n)
             extra = self._extra(r, nn)
@@ -216,11 +224,17 @@ class Accounting:
                 return 0
             room -= extra
             lanes -= r.shape[0]
-        for i, p in enumerate(prompt_lens[:min(self.rows_free, lanes)]):
-            m = self.capacity if max_lens is None else max_lens[i]
-            if not 0 <= p <= m <= self.capacity:
+        return self._fit(p, lim, room, lanes)
+
+    def _fit(self, prompts, max_lens, room, lanes) -> int:
+        """``can_admit`` unchecked: how many of ``prompts`` (ints) with ``max_lens`` (ints, or None: the
+        capacity), in order, fit ``room`` pages, ``lanes`` lanes and the free rows."""
+        ps, la, cap, n_fit = self.page_size, self.lookahead, self.capacity, 0
+        for i, p in enumerate(prompts[:min(self.rows_free, lanes)]):
+            m = cap if max_lens is None else max_lens[i]
+            if not 0 <= p <= m <= cap:
                 break
-            room -= _cdiv(p, ps) + self._target_new(p, m)
+            room -= _cdiv(min(p + la, m), ps)  # its pages and reservation: _cdiv(p, ps) + _target_new(p, m)
             if room < 0:
                 break
             n_fit += 1
@@ -303,11 +317,10 @@ class Accounting:
         if type(n) is int and n >= 0:
             return r, _N64[n] if n < 64 else np.int64(n), key
         a = _as_array(n)
-        if a.dtype is not _I64 and (a.dtype.kind in "iu" or a.size == 0):
-            a = a.astype(np.int64)
-        if a.dtype is not _I64 or a.ndim and a.shape != r.shape or (a < 0).any():
-            got = a.tolist() if a.size <= 8 else f"{a.size} values of {a.dtype}, {a.reshape(-1)[:8].tolist()} first"
-            raise ValueError(f"n: expected a non-negative int or one int per row ({r.shape[0]}), got {got}")
+        if a.dtype is not _I64:  # (int64 as it came, the common case: the message is made only otherwise)
+            a = _int_array(a, "n", f"a non-negative int or one int per row ({r.shape[0]})")
+        if a.ndim and a.shape != r.shape or (a < 0).any():
+            raise ValueError(f"n: expected a non-negative int or one int per row ({r.shape[0]}), got {_shown(a)}")
         return r, a, key
 
     # ------------------------------------------------------ reservations
@@ -321,17 +334,18 @@ class Accounting:
         never below (``decode`` takes from the reservation as the row grows into it;
         ``unreserve`` gives it back).
         """
-        r = self._row(row, tokens, "reserve")
+        r, tokens = self._row(row, tokens, "reserve", "tokens")
+        row = int(r[0])
         want = max(int(self._need(r, np.int64(tokens))[0]) - int(self.res[row]), 0)
         got = min(want, max(self.unreserved, 0))
         self.res[row] += got
         self.reserved += got
-        self.reserved_to[row] = max(int(self.reserved_to[row]), int(self.hi[row]) + int(tokens))
+        self.reserved_to[row] = max(int(self.reserved_to[row]), int(self.hi[row]) + tokens)
         return int(self.res[row])
 
     def unreserve(self, row: int) -> None:
         """Give back ``row``'s reserved pages."""
-        self._row(row, 0, "unreserve")
+        row = int(self._row(row, 0, "unreserve", "n")[0][0])
         self._full = None
         self.reserved -= int(self.res[row])
         self.res[row] = 0

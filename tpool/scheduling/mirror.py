@@ -4,11 +4,14 @@ Note: the mirror is kept only from what the scheduler asks for, never from a
 device read. Every call goes through it (``admit``, ``decode``, ``step``, ``finish``,
 ``truncate``, ``rollback``, ``fork``, ``revive``, ``evict``), which calls the
 table and updates the host integers in the same place, so they cannot drift
-from what was asked. Each call checks all of its input first (the table's and
-the pool's checks included, with their messages: counts, lengths and rows as
-ints, not floats, a single one not a bool; tensors' dtype, device, layout) and
-raises before the mirror changes: a refused call changes nothing, on the host
-or the device. What the mirror promises:
+from what was asked. Each call checks all of its input first and raises before
+the mirror changes: a refused call changes nothing, on the host or the device.
+The checks include the table's and the pool's, with their messages: a count,
+length or row is an int (numpy's too), never a float or a bool; a list or
+array of them must be what numpy reads as integers, so floats, an array of
+bools and a list of bools only are refused (a bool among ints reads as 0/1,
+numpy's promotion); tensors' dtype, device and layout; a free row for a
+``fork`` or a ``revive``. What the mirror promises:
 
 * ``free`` is a lower bound on the pool's FREE pages (what ``extend`` and
   ``fork`` take; ``extend`` never evicts). It is exact (``exact`` is True and
@@ -190,7 +193,7 @@ class HostMirror(MixedSteps, Accounting):
         """
         p, lim = self._prompts(prompt_lens, max_lens)
         k = p.size
-        if self.can_admit(p, lim) < k:
+        if self._fit(p.tolist(), lim.tolist(), self.unreserved, self.max_batch) < k:  # can_admit, checked above
             raise WouldNotFit(f"admit: {k} prompts {p.tolist()[:8]} do not all fit: {self.rows_free} rows and "
                               f"{self.unreserved} unreserved pages free (ask can_admit first)")
         if k == 0:
@@ -286,7 +289,7 @@ class HostMirror(MixedSteps, Accounting):
         grows by the pages surely theirs alone). ``cache`` not a bool is a ``ValueError``,
         raised (as every check of every call) before the mirror changes.
         """
-        cache = cache if type(cache) is bool else _checks.flag(cache, "cache")  # (the table's check, first)
+        cache = _checks.flag(cache, "cache")  # (the table's check, first)
         r, _, _ = self._batch(rows, 0)
         if not r.size:
             return
@@ -381,9 +384,9 @@ class HostMirror(MixedSteps, Accounting):
         cow = int(n_tokens % ps != 0)
         if cow + int(self._target_new(n_tokens, m)) > self.unreserved:
             raise WouldNotFit(f"fork: needs {cow} page(s) and a reservation, {self.unreserved} unreserved")
+        (row,) = self._take_rows(1)  # (WouldNotFit without a free row, before anything changes)
         self._seq += 1
         self._full = None
-        (row,) = self._take_rows(1)
         self._start(np.array([row]), n_tokens, m, n_tokens // ps)
         self.shared[src] = max(int(self.shared[src]), n_tokens // ps)
         self.free -= cow
@@ -410,19 +413,22 @@ class HostMirror(MixedSteps, Accounting):
         one of its pages.
 
         What is found when the contract is broken, without a host read: the pages' states
-        are read on the device before the ``incref``, and unless every page is USED or
-        CACHED (one evicted and FREE now, a ``-1``, an id outside the pool), the revive takes
-        none of them: the ``incref`` names only the refused pages (the pool counts
-        ``use_after_free`` or ``invalid_page``, raised by ``pool.check()``), and the row is
-        written empty (length 0, no page), so no later admission can be handed a page this
-        row holds. The mirror, which cannot see that, counts the row at ``n_tokens``; the
-        next :meth:`reconcile` raises ``MirrorError`` naming the row (its true length 0 below
-        its bounds). ``finish`` it: its release frees only what it appended since. A page
-        evicted and then handed to another request is USED again, which the device cannot
-        tell from a page shared by a ``revive`` or ``fork`` (that would take a version per
-        page): it is revived, two requests share it, and that is found only if the other
-        request releases it first (its release credits a page this row still holds: the
-        next reconciliation raises ``MirrorError``), else not at all.
+        are read on the device before the ``incref`` (and the ids sorted, to find one named
+        twice), and unless every page is USED or CACHED and named once, the revive takes
+        none of them, and the row is written empty (length 0, no page), so no later
+        admission can be handed a page this row holds. The ``incref`` then names only the
+        refused entries: a page evicted and FREE now is counted as ``use_after_free``, an id
+        outside the pool as ``invalid_page`` (``pool.check()`` raises them); a ``-1`` is
+        padding to ``incref`` and a page named twice is refused without an ``incref`` at all,
+        so for those two nothing is counted. In every case the mirror, which cannot see it,
+        counts the row at ``n_tokens``; the next :meth:`reconcile` raises ``MirrorError``
+        naming the row (its true length 0 below its bounds): for a ``-1`` or a repeated page,
+        that is the only report. ``finish`` it: its release frees only what it appended
+        since. A page evicted and then handed to another request is USED again, which the
+        device cannot tell from a page shared by a ``revive`` or ``fork`` (that would take a
+        version per page): it is revived, two requests share it, and that is found only if
+        the other request releases it first (its release credits a page this row still
+        holds: the next reconciliation raises ``MirrorError``), else not at all.
         """
         n_tokens = _checks.check_size(n_tokens, "n_tokens")
         ps, m = self.page_size, self.capacity if max_len is None else _checks.check_size(max_len, "max_len")
@@ -439,9 +445,9 @@ class HostMirror(MixedSteps, Accounting):
         _checks.check_not_written(pages, "pages", self.pool._written)
         if self._target_new(n_tokens, m) > self.unreserved:
             raise WouldNotFit(f"revive: its reservation needs pages, {self.unreserved} unreserved")
+        (row,) = self._take_rows(1)  # (WouldNotFit without a free row, before anything changes)
         self._seq += 1
         self._full = None
-        (row,) = self._take_rows(1)
         self._start(np.array([row]), n_tokens, m, k)
         self.cached = max(self.cached - k, 0)
         self._cached_flow -= k
@@ -450,7 +456,10 @@ class HostMirror(MixedSteps, Accounting):
         # Which pages the incref takes, from their states before it (stream order; fixed shapes, no sync).
         state = self.pool.state.page_state.index_select(0, pages.clamp(0, self.pool.num_pages - 1))
         taken = (pages >= 0) & (pages < self.pool.num_pages) & ((state == L.USED) | (state == L.CACHED))
-        whole = taken.all()  # 0-d, on the device: every page taken, or none is
+        # A page named twice would be held twice by one row (refcount + 2, the same K/V at two places):
+        # equal neighbours once sorted. (Two -1s are equal too; a -1 is not taken anyway.)
+        ids = pages.sort().values
+        whole = taken.all() & (ids[1:] != ids[:-1]).all()  # 0-d, on the device: every page taken, or none is
         self.pool.incref(torch.where(whole, pages, torch.where(taken, L.NULL_PAGE, pages)))
         self.table.block_table[row, :k] = torch.where(whole, pages, L.NULL_PAGE)
         self.table.seq_lens[row:row + 1] = whole.to(torch.int32) * n_tokens

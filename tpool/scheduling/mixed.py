@@ -17,9 +17,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from tpool import _checks
 from tpool.scheduling._decode import EMPTY, FITS, NO_ROOM, PAST_MAX_LEN, decode_accounting
-from tpool.scheduling.accounting import WouldNotFit, _bucket, _cdiv
+from tpool.scheduling.accounting import WouldNotFit, _bucket, _cdiv, _size
 
 
 class MixedStep(NamedTuple):
@@ -105,8 +104,8 @@ class MixedSteps:
             raise ValueError(f"step: {b} decode rows and {k} prompts make {lanes} lanes, one table call takes at "
                              f"most max_batch={self.max_batch}: admit fewer prompts (can_admit with these rows "
                              f"counts the lanes)")
-        w = lanes if width is None else width
-        if not (type(w) is int and lanes <= w <= self.max_batch):
+        w = lanes if width is None else _size(width, "width")  # (ints, numpy's too, as max_tokens)
+        if not lanes <= w <= self.max_batch:
             raise ValueError(f"width: expected an int >= {lanes} (the step's lanes) and <= max_batch="
                              f"{self.max_batch}, got {width!r}")
         ids = np.full(w, -1, dtype=np.int32)
@@ -115,13 +114,12 @@ class MixedSteps:
         ntok[b:lanes] = p
         total = int(ntok.sum())
         if max_tokens is not None:  # the table's checks (the same messages), before the mirror changes
-            most = self.table.most_tokens
-            if _checks.check_size(max_tokens, "max_tokens") > most:
+            most, max_tokens = self.table.most_tokens, _size(max_tokens, "max_tokens")
+            if max_tokens > most:
                 raise ValueError(f"max_tokens: expected at most {most} (max_batch * max_pages_per_request * "
                                  f"page_size: no call appends more), got {max_tokens}")
             if total > max_tokens:
                 raise ValueError(f"max_tokens: expected an int >= {total} (the step's tokens), got {max_tokens!r}")
-            max_tokens = int(max_tokens)
         if k > self.rows_free:
             self._refuse_past_max_len("step", r, nn)  # work no release makes fit is refused first
             raise WouldNotFit(f"step: {k} prompts need rows, {self.rows_free} are free")

@@ -30,10 +30,11 @@ counts): a request's possibly-shared prefix stays as it was, so its release
 keeps under-crediting until the next reconciliation. A truth below the
 mirror's number means the mirror over-promised (a bug, or a broken contract:
 a ``rollback`` below its ``min_lens``, a ``revive`` that named a page neither
-USED nor CACHED, which leaves its row empty, a release crediting a page that a
-revive of it still holds, a table call made around the mirror); ``reconcile``
-raises :class:`MirrorError`. A revived page that was evicted and handed to
-another request since is not found here (see ``HostMirror.revive``).
+USED nor CACHED, or one page twice, which leaves its row empty, a release
+crediting a page that a revive of it still holds, a table call made around the
+mirror); ``reconcile`` raises :class:`MirrorError`. A revived page that was
+evicted and handed to another request since is not found here (see
+``HostMirror.revive``).
 A reconciliation that settles a row's length trims the reservation that was
 sized from its wider bounds, but never below the pages its next ``lookahead``
 tokens need nor those a ``reserve`` set aside.
@@ -103,8 +104,8 @@ def reconcile(m, snap: MirrorSnapshot) -> dict:
     if bad.size:
         raise MirrorError(f"rows {bad.tolist()[:8]}: true lengths {lens[bad].tolist()[:8]} outside the mirror's "
                           f"bounds [{lo[bad].tolist()[:8]}, {hi[bad].tolist()[:8]}] (a rollback below min_lens, a "
-                          f"revive naming a page neither USED nor CACHED, which leaves its row empty, or a table "
-                          f"call made around the mirror?)")
+                          f"revive naming a page neither USED nor CACHED, or one twice, which leaves its row empty, "
+                          f"or a table call made around the mirror?)")
     m._reconciled_at = snap.seq
     fix = true_free - free_then
     m.free += fix
