@@ -320,3 +320,21 @@ def test_a_bound_step_with_no_release_lanes_is_a_step_with_an_empty_release(back
         want = two.step(i32([0, 1]), i32(ntok), max_tokens=4, release=i32([]))
         assert _outputs(got) == _outputs(want)
         same_table_state(one, two)
+
+
+def test_bound_calls_refuse_copies(table):
+    """``copy.copy`` of a BoundStep or BoundCall failed with "__new__() missing N required positional
+    arguments"; they refuse copies as pools and tables do, saying why."""
+    import copy
+    import pickle
+    pool = table.pool
+    out = pool.alloc_out(2, 4)
+    bound = {"BoundStep": [table.bind_step(batch=2), table.bind_step(i32([0]), i32([1])),
+                           table.bind_step(batch=1, release=1)],
+             "BoundCall": [pool.bind_free(out.pages), pool.bind_alloc(i32([1]), out=out)]}
+    for name, runs in bound.items():
+        for run in runs:
+            for clone in (copy.copy, copy.deepcopy, pickle.dumps):
+                with pytest.raises(TypeError, match=f"a {name} cannot be copied or pickled: its call is bound to "
+                                                    "the addresses of its input"):
+                    clone(run)

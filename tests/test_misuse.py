@@ -352,3 +352,82 @@ def test_alloc_counts_sharing_the_pool_state_are_refused_without_out(backend):
     pool = tpool.PagePool(8, 1, device="cpu", backend=backend)
     with pytest.raises(ValueError, match="counts: shares memory"):
         pool.alloc(pool.state.refcount[:1])
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_zero_tensor_is_refused_by_every_call(backend):
+    """``torch._efficientzerotensor(2, dtype=torch.int32)`` is 1-D, contiguous, int32, its storage
+    says 8 bytes, and its ``data_ptr()`` is 0: it passed the checks, and the numba kernels read
+    address 0 (a crash; the reference backend raised a RuntimeError). Every call refuses it now,
+    naming what was expected. In a subprocess: a crash fails the test instead of killing pytest."""
+    proc = run_isolated("""
+        import sys, torch, tpool
+        pool = tpool.PagePool(8, 2, device="cpu", backend=sys.argv[1])
+        table = tpool.PageTable(pool, 4, 4)
+        z = torch._efficientzerotensor(2, dtype=torch.int32)
+        ok = torch.tensor([1, 1], dtype=torch.int32)
+        for name, call in [("alloc", lambda: pool.alloc(z)),
+                           ("alloc out=", lambda: pool.alloc(z, out=pool.alloc_out(2))),
+                           ("bind_alloc", lambda: pool.bind_alloc(z, out=pool.alloc_out(2))),
+                           ("free", lambda: pool.free(z)), ("incref", lambda: pool.incref(z)),
+                           ("touch", lambda: pool.touch(z)), ("extend", lambda: table.extend(z, ok)),
+                           ("extend ntok", lambda: table.extend(ok - 1, z)), ("step", lambda: table.step(ok - 1, z)),
+                           ("bind_step", lambda: table.bind_step(z, ok)), ("csr", lambda: table.flashinfer_csr(z)),
+                           ("release", lambda: table.release(z)), ("truncate", lambda: table.truncate(ok - 1, z)),
+                           ("step release", lambda: table.step(ok - 1, ok, release=z))]:
+            try:
+                call()
+                print(name, "accepted")
+            except ValueError as e:
+                print(name, "ZeroTensor" in str(e) and "expected a tensor whose memory holds its values" in str(e))
+        print("done", table.seq_lens.tolist(), pool.available())
+    """, backend)
+    lines = proc.stdout.split("\n")
+    assert proc.returncode == 0 and len(lines) == 16 and all(x.endswith(" True") for x in lines[:14]), \
+        proc.stdout + proc.stderr[-2000:]
+    assert lines[14] == "done [0, 0, 0, 0] 8"
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_negative_view_is_refused(backend):
+    """``torch._neg_view(t)`` keeps ``t``'s bytes and reads them negated: numba's kernels read the
+    bytes (id 1), the reference backend the values (-1, padding): the backends disagreed. Refused now."""
+    pool = tpool.PagePool(8, 2, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 4, 4)
+    held = pool.alloc(i32([2])).pages[:2].clone()
+    neg = torch._neg_view(i32([1]))
+    assert neg.is_neg() and neg.tolist() == [-1]
+    out = pool.alloc_out(1)
+    for call in (lambda: pool.free(neg), lambda: pool.alloc(neg, out=out), lambda: pool.incref(neg),
+                 lambda: table.extend(neg, i32([1])), lambda: table.step(i32([0]), neg),
+                 lambda: table.flashinfer_csr(neg), lambda: table.release(neg), lambda: table.bind_step(neg, i32([1]))):
+        with pytest.raises(ValueError, match=r"expected a tensor whose memory holds its values, got a negative "
+                                             r"view \(torch._neg_view\); pass .resolve_neg\(\)"):
+            call()
+    assert pool.state.refcount.tolist()[:2] == [1, 1] and table.seq_lens.tolist() == [0] * 4
+    pool.free(neg.resolve_neg())                   # -1: padding
+    pool.free(held)
+    assert pool.available() == 8
+    pool.check()
+    empty = torch._efficientzerotensor(0, dtype=torch.int32)  # nothing to read: an empty batch
+    assert table.step(empty, empty).csr.indptr.tolist() == [0]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_release_cache_is_checked_without_release(backend):
+    """README: anything but a bool as ``release_cache=`` is a ValueError on every call. It was checked
+    only with ``release=`` (``release_cache="no"`` went through otherwise)."""
+    table = tpool.PageTable(tpool.PagePool(16, 4, device="cpu", backend=backend), 4, 4)
+    ids, ones = i32([0]), i32([1])
+    out = table.step_out(1)
+    for bad in ("no", torch.tensor(False), [], None, 0):
+        for call in (lambda: table.step(ids, ones, release_cache=bad),
+                     lambda: table.step(ids, ones, out=out, release_cache=bad),
+                     lambda: table.bind_step(ids, ones, release_cache=bad),
+                     lambda: table.bind_step(batch=1, release_cache=bad)):
+            with pytest.raises(ValueError, match="release_cache: expected a bool, got"):
+                call()
+    assert table.seq_lens.tolist() == [0] * 4
+    for good in (False, np.bool_(True)):
+        assert table.step(ids, ones, release_cache=good).kv_lens.tolist() == [1 + (good is not False)]
+        table.bind_step(ids, ones, release_cache=good)

@@ -1,6 +1,10 @@
 """PageTable on every CPU backend: hand-worked cases, layouts, and random workloads vs the model."""
 
+import collections
+import gc
 import random
+import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -670,3 +674,206 @@ def test_a_padding_only_release_leaves_the_numba_csr_growable(guard):
     assert table.step_grows_csr(ids)
     table.release(i32([3]))  # a row outside the batch: the step keeps every run instead
     assert not table.step_grows_csr(ids) and table.step_keeps_csr(ids) == 3
+
+
+# ------------------------------------------------------- threads, and the shapes a table keeps
+class _Watched:
+    """A lock standing in for the pool's: it notes when a thread other than the test's asks for it
+    (``asked``), and how often any thread takes it (``taken``)."""
+
+    def __init__(self, lock):
+        self.lock, self.owner, self.asked, self.taken = lock, threading.get_ident(), threading.Event(), 0
+
+    def __enter__(self):
+        self.taken += 1
+        if threading.get_ident() != self.owner:
+            self.asked.set()
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc):
+        return self.lock.__exit__(*exc)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_shape_made_while_another_thread_makes_one(backend):
+    """README, Threads: every call on a table is atomic. A table keeping one shape (max_shapes=1),
+    and a second thread's call of a new shape run while the first thread's call had made its
+    buffers but not recorded them yet: the second dropped them (the first raised KeyError). A
+    shape is now made under the pool's lock: the second thread waits, then drops the first's
+    shape as it makes its own, and each call runs on its own buffers. A step of a kept shape, or
+    repeated, takes no lock on numba (its kernel call holds the GIL)."""
+    table = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend=backend), 8, 8, max_shapes=1)
+    table.extend(i32([0, 1, 2]), i32([5, 9, 1]), max_tokens=15)
+    ids = i32([0, 1, 2])
+    watched = table._shapes.lock = _Watched(table.pool.state.lock)  # (the old ShapeBuffers had no lock)
+    got, errors = {}, []
+
+    def other():
+        try:
+            got["other"] = table.flashinfer_csr(ids.clone(), capacity=9).indptr.tolist()
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+        finally:
+            watched.asked.set()  # done (a thread that never asks for the lock does not hang the test)
+
+    thread = threading.Thread(target=other)
+    bind = table.ops.flashinfer_csr_into
+
+    def binding(csr, memo):  # the first call, between making its buffers and recording them
+        if "started" not in got:
+            got["started"] = True
+            thread.start()
+            assert watched.asked.wait(timeout=60)  # the other thread waits for the lock, or is done
+        return bind(csr, memo)
+    table.ops.flashinfer_csr_into = binding
+    try:
+        got["first"] = table.flashinfer_csr(ids, capacity=8).indptr.tolist()
+    finally:
+        thread.join()
+    assert not errors and got["first"] == got["other"] == [0, 2, 5, 6]
+    assert table.kept_shapes() == ((("csr", 3, 9),), 1)   # the second call's, made after the first's
+    table.check_invariants()
+    if backend == "numba":  # the hot path: no lock taken
+        object.__setattr__(table.pool.state, "lock", watched)  # (the state is a frozen dataclass)
+        ones = i32([1, 1, 1])
+        table.step(ids, ones)
+        run = table.bind_step(batch=3)
+        run.req_ids[:], run.num_tokens[:] = [0, 1, 2], 1
+        table.step(ids, ones)                            # binds the repeated inputs
+        watched.taken = 0
+        for _ in range(3):
+            table.step(ids, ones)                        # repeated: the binding
+        for _ in range(3):
+            run()                                        # bound
+            table.step(ids.clone(), ones.clone())        # new inputs, a kept shape
+        assert watched.taken == 0 and table.seq_lens.tolist()[:3] == [16, 20, 12]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_shape_dropped_by_another_thread_between_its_lookup_and_its_use(backend):
+    """The lookup of a kept shape takes no lock: another thread may drop the shape right after
+    it (max_shapes). That is no error (it raised KeyError): the call runs on the buffers it found."""
+    table = tpool.PageTable(tpool.PagePool(32, 4, device="cpu", backend=backend), 4, 4, max_shapes=2)
+    ids, ones = i32([0, 1]), i32([1, 1])
+    first = table.extend(ids, ones)
+    shapes = table._shapes
+
+    class DroppedAfterLookup(collections.OrderedDict):
+        def get(self, key, default=None):  # another thread's drop of the shape, right after the lookup
+            entry = super().get(key, default)
+            if entry is not None:
+                del self[key]
+                shapes.uses.pop(key)
+            return entry
+    shapes.entries = DroppedAfterLookup(shapes.entries)
+    r = table.extend(ids, ones)
+    assert r is first and r.slots.tolist() == [1, 5]
+    shapes.entries = collections.OrderedDict(shapes.entries)
+    assert table.extend(ids, ones).slots.tolist() == [2, 6]  # the shape, made again
+    assert table.kept_shapes()[0] == (("extend", 2, 2),)
+    table.check_invariants()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shapes_dropped_while_another_thread_reorders_them(backend):
+    """Dropping shapes (max_shapes) read the kept shapes while another thread's lookup, which takes
+    no lock, could reorder them: "OrderedDict mutated during iteration". The drop now reads a copy."""
+    table = tpool.PageTable(tpool.PagePool(32, 4, device="cpu", backend=backend), 4, 4, max_shapes=2)
+    table.extend(i32([0]), i32([1]))
+    table.extend(i32([0, 1]), i32([1, 1]))
+    shapes = table._shapes
+
+    class ReorderedMidway(set):
+        def __contains__(self, key):  # another thread's lookup of a kept shape, in the middle of the drop
+            shapes.entries.move_to_end(("extend", 1, 1))
+            return super().__contains__(key)
+    shapes.pinned = ReorderedMidway()
+    r = table.extend(i32([0, 1, 2]), i32([1, 1, 1]))    # a third shape: one of the others is dropped
+    keys, n_buffers = table.kept_shapes()
+    assert r.slots.tolist() == [2, 5, 8] and len(keys) == n_buffers == 2 and keys[-1] == ("extend", 3, 3)
+    table.check_invariants()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_repeated_step_whose_shape_was_dropped_is_bound_again(backend):
+    """``step`` binds the inputs given twice in a row (``step_binding``). When the table dropped that
+    shape (max_shapes), the binding kept writing the dropped buffers: steps returned buffers the
+    table no longer keeps, which pin_shapes (what capture does) could not reach and which died
+    with the binding. The drop now forgets the binding: the next step makes the shape again and
+    binds it, and returns the buffers the table keeps."""
+    table = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend=backend), 4, 8, max_shapes=1)
+    ids, ones = i32([0, 1]), i32([1, 1])
+    table.step(ids, ones)
+    first = table.step(ids, ones)
+    assert table.step_binding is not None
+    table.extend(i32([2]), i32([1]))                  # another shape: the step's is dropped
+    assert table.kept_shapes()[0] == (("extend", 1, 1),) and table.step_binding is None
+    r = table.step(ids, ones)
+    (key,), _ = table.kept_shapes()
+    assert key == ("step", 2, 2, 16) and table._shapes.entries[key][0] is r and r.slots is not first.slots
+    assert table.step_binding is not None and table.step_binding.result is r     # bound again at once
+    assert r.kv_lens.tolist() == [3, 3] and table.step(ids, ones) is r
+    table.pin_shapes()                                # what tpool.graphs.capture does after capturing
+    alive = weakref.ref(r.slots)
+    del r, first
+    table.step(i32([3]), i32([1]))                    # another step: the binding goes, the pinned shape stays
+    gc.collect()
+    assert alive() is not None and key in table.kept_shapes()[0]
+    table.check_invariants()
+
+
+def test_sizes_are_checked_when_their_shape_exists(make_table, guard):
+    """A size went unchecked once its call shape existed: ``max_tokens=True`` or ``1.0`` after a first
+    call of ``max_tokens`` 1 found that shape (equal keys) and was accepted."""
+    table = make_table(32, 4, 4, 4)
+    ids, ones = i32([0]), i32([1])
+    table.extend(ids, ones)
+    table.flashinfer_csr(ids, capacity=1)
+    table.step(ids, ones)
+    table.step(ids, ones, capacity=1)
+    out = table.step_out(1)
+    for bad in (True, 1.0):      # equal to 1, the shapes' max_tokens and capacity
+        for call in (lambda: table.extend(ids, ones, max_tokens=bad), lambda: table.step(ids, ones, max_tokens=bad),
+                     lambda: table.step(ids, ones, out=out, max_tokens=bad)):
+            with pytest.raises(ValueError, match="max_tokens: expected a non-negative int"):
+                call()
+        for call in (lambda: table.flashinfer_csr(ids, capacity=bad), lambda: table.step(ids, ones, capacity=bad)):
+            with pytest.raises(ValueError, match="capacity: expected a non-negative int"):
+                call()
+    with pytest.raises(ValueError, match="capacity: expected a non-negative int"):
+        table.step(ids, ones, out=out, capacity=4.0)   # equal to the StepOut's
+    with guard():   # numpy ints are sizes, of the same shape as the int
+        r = table.step(ids, ones, max_tokens=np.int64(1), capacity=np.int32(1))
+    assert r is table.step(ids, ones, capacity=1) and table.seq_lens.tolist()[0] == 5
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "numba"])  # (numba read past the input)
+def test_the_memo_of_the_last_ids_checked_is_read_once(backend):
+    """A table remembers the last request ids it checked (``_seen_ids``: the tensor and its length).
+    A call read that memo twice, once to ask whether its ids are the tensor remembered, once for
+    the length: another thread's check of a longer tensor in between gave the call that tensor's
+    length (64 lanes read from a one-entry input). The memo is read once now."""
+    table = tpool.PageTable(tpool.PagePool(32, 4, device="cpu", backend=backend), 4, 4)
+    ids = i32([1])
+    table.flashinfer_csr(ids)                      # the memo: ids, one entry
+    longer = tpool._checks.seen(torch.full((64,), -1, dtype=torch.int32))
+
+    class SwappedAfterOneRead(tpool.PageTable):
+        reads = 0
+
+        @property
+        def _seen_ids(self):  # another thread's check of a longer tensor, right after the first read
+            SwappedAfterOneRead.reads += 1
+            return self.__dict__["_memo"] if SwappedAfterOneRead.reads == 1 else longer
+
+        @_seen_ids.setter
+        def _seen_ids(self, memo):
+            self.__dict__["_memo"] = memo
+    table.__dict__["_memo"] = table.__dict__.pop("_seen_ids")
+    table.__class__ = SwappedAfterOneRead
+    try:
+        csr = table.flashinfer_csr(ids)
+    finally:
+        table.__class__ = tpool.PageTable
+        table.__dict__["_seen_ids"] = table.__dict__.pop("_memo")
+    assert csr.indptr.tolist() == [0, 0] and table.kept_shapes()[0] == (("csr", 1, 4),)

@@ -1,5 +1,7 @@
 """Unit tests of PagePool on every CPU backend, with hand-worked expectations."""
 
+import threading
+
 import pytest
 import torch
 
@@ -348,3 +350,124 @@ def test_call_lock_is_released_when_the_device_switch_fails(monkeypatch):
     t.start()
     t.join()
     assert got == [True]                 # another thread can take it
+
+
+class _Watched:
+    """A pool's lock standing in for its own: notes when a thread other than the test's asks for it."""
+
+    def __init__(self, lock):
+        self.lock, self.owner, self.asked = lock, threading.get_ident(), threading.Event()
+
+    def __enter__(self):
+        if threading.get_ident() != self.owner:
+            self.asked.set()
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc):
+        return self.lock.__exit__(*exc)
+
+
+def _midway(pool, tensor, method, then):
+    """Run ``then()`` on another thread the first time ``tensor.method`` is called (from inside the call
+    under test), and go on once that thread asks for the pool's lock or is done, whichever comes first."""
+    watched = _Watched(pool.state.lock)
+    object.__setattr__(pool.state, "lock", watched)  # (the state is a frozen dataclass)
+    real = getattr(tensor, method)
+
+    def other():
+        try:
+            then()
+        finally:
+            watched.asked.set()
+    thread = threading.Thread(target=other)
+
+    def midway(*args, **kwargs):
+        if not thread.is_alive() and thread.ident is None:
+            thread.start()
+            assert watched.asked.wait(timeout=60)
+        return real(*args, **kwargs)
+    setattr(tensor, method, midway)
+    return thread
+
+
+def test_two_threads_checking_raise_each_error_once(backend):
+    """check() read the counters, then noted them as checked, outside the pool's lock: two threads
+    checking at once both read the counters before either noted them, and both raised the same
+    double free. The read and the note are now one step under the lock."""
+    pool = tpool.PagePool(8, device="cpu", backend=backend)
+    pool.free(i32([5]))                              # one double free counted
+    raised = []
+
+    def check():
+        try:
+            pool.check()
+        except tpool.PoolError as e:
+            raised.append(e.counts)
+    thread = _midway(pool, pool.state.checked, "copy_", check)  # the other check, before this one notes
+    try:
+        check()
+    finally:
+        thread.join()
+    assert raised == [{"double_free": 1}]
+    pool.check()
+
+
+@pytest.mark.parametrize("call", ["stats", "stats_async", "check_invariants"])
+def test_stats_are_read_under_the_pool_lock(backend, call):
+    """stats(), stats_async() and check_invariants() read the counters without the pool's lock: on the
+    reference backend a snapshot taken during another thread's alloc broke ``allocated + revived -
+    freed == used``. They read under the lock now, which the reference and triton backends hold
+    around every call: another thread cannot take it while the read is under way."""
+    pool = tpool.PagePool(64, device="cpu", backend=backend)
+    pool.alloc(i32([8]))
+    lock, taken = pool.state.lock._lock, []
+
+    def probe():  # could a call run now, halfway through the read?
+        taken.append(lock.acquire(blocking=False))
+        if taken[-1]:
+            lock.release()
+    method = {"stats": "tolist", "stats_async": "clone", "check_invariants": "cpu"}[call]
+    thread = _midway(pool, pool.state.counters, method, probe)
+    try:
+        s = getattr(pool, call)()
+    finally:
+        thread.join()
+    assert taken == [False]
+    if call != "check_invariants":
+        s = s.get() if call == "stats_async" else s
+        assert s["pages.allocated"] == s["pages.used.current"] == 8 and s["pages.free.current"] == 56
+
+
+@pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu", 0)])
+def test_a_cpu_device_with_an_index_is_the_cpu(backend, device):
+    """``device="cpu:0"`` made a pool on ``cpu:0`` that refused every input (CPU tensors are on ``cpu``)."""
+    pool = tpool.PagePool(8, 2, device=device, backend=backend)
+    assert pool.device == torch.device("cpu")
+    assert pool.alloc(i32([2])).pages[:2].tolist() == [0, 1]
+    table = tpool.PageTable(pool, 2, 2)
+    assert table.step(i32([0]), i32([3]), max_tokens=3).kv_lens.tolist() == [3]
+
+
+def test_tpool_backend_auto_is_no_override(monkeypatch):
+    """``TPOOL_BACKEND=auto`` raised "expected 'auto' or one of (...), got 'auto'"."""
+    for value in ("auto", ""):
+        monkeypatch.setenv("TPOOL_BACKEND", value)
+        assert tpool.PagePool(4, device="cpu").backend == "numba"
+    monkeypatch.setenv("TPOOL_BACKEND", "reference")
+    assert tpool.PagePool(4, device="cpu").backend == "reference"
+    assert tpool.PagePool(4, device="cpu", backend="numba").backend == "numba"   # only auto is overridden
+    monkeypatch.setenv("TPOOL_BACKEND", "cuda")
+    with pytest.raises(ValueError, match=r"backend: expected 'auto' or one of .*, got 'cuda' \(from TPOOL_BACKEND\)"):
+        tpool.PagePool(4, device="cpu")
+
+
+def test_alloc_out_is_bounded_by_the_pool_max_batch(backend):
+    """``alloc_out(max_batch=)`` took any size (10**5, or 2**31 - 2: ~10 GB), so an alloc of more
+    requests than the pool's ``max_batch`` went through with it; alloc without ``out=`` refuses them."""
+    pool = tpool.PagePool(16, device="cpu", backend=backend, max_batch=8)
+    for n in (9, 10**5, 2**31 - 2):
+        with pytest.raises(ValueError, match="max_batch: expected at most the pool's max_batch = 8"):
+            pool.alloc_out(max_batch=n)
+    out = pool.alloc_out(max_batch=8)
+    assert pool.alloc(torch.ones(8, dtype=torch.int32), out=out).ok.tolist() == [True] * 8
+    assert pool.alloc_out().max_batch == 8

@@ -28,7 +28,7 @@ def resolve_device(device, name: str = "device") -> torch.device:
         raise ValueError(f"{name}: expected a cpu or cuda device, got {dev} (tpool's kernels read and "
                          "write memory there only)")
     if dev.type == "cpu":
-        return dev
+        return torch.device("cpu")  # "cpu:0" too: CPU tensors carry no index, and inputs are compared with it
     if not torch.cuda.is_available():
         raise ValueError(f"{name}: expected cpu, got {dev}: CUDA is not available here (torch "
                          f"{torch.__version__}, torch.cuda.is_available() is False)")
@@ -53,11 +53,14 @@ def i32_len(t, device: torch.device, written=None) -> int:
     :func:`check_vector`, which raises naming the expected and the actual value (or
     accepts the rare valid tensor this misses, see ``_UNIT_STRIDE``). ``written`` is
     ignored: this stands in for :func:`input_len` where the backend's compiled calls
-    refuse overlapping inputs themselves.
+    refuse overlapping inputs themselves. Plain also means memory whose bytes are the
+    values (:func:`_unreadable`: no ZeroTensor, no negative view); the callers remember the
+    tensor checked (:func:`seen`), so this runs once per new input tensor, not per call.
     """
     if type(t) is _Tensor and t.dtype is _int32 and t.device == device and t.stride() == _UNIT_STRIDE:
         n = t.numel()
-        if t.untyped_storage().nbytes() >= 4 * (t.storage_offset() + n):
+        if t.untyped_storage().nbytes() >= 4 * (t.storage_offset() + n) and (t.data_ptr() or not n) \
+                and not t.is_neg():
             return n
     return -1
 
@@ -107,6 +110,21 @@ def still_seen(t, s) -> bool:
     in place, even back at the same address. A view of the same bytes and length
     (``t.view(torch.float32)``) is read as the int32 it was: no dtype compare on this path."""
     return t is s[0] and t.data_ptr() == s[1] and t.numel() == s[2] and s[3]() == s[4]
+
+
+def _unreadable(t) -> str | None:
+    """What makes the bytes at ``t.data_ptr()`` other than ``t``'s values, or None: a ZeroTensor
+    (``torch._efficientzerotensor``: no memory, ``data_ptr()`` 0), any tensor with elements at
+    address 0, or a negative or conjugate view (``torch._neg_view``, ``conj()``: the values are
+    the bytes negated or conjugated). A kernel reading raw memory (numba) would read address 0
+    or the bytes as they are, while torch ops (reference, triton's launch) read the values."""
+    if t.numel() and not t.data_ptr():
+        return "a ZeroTensor" if t._is_zerotensor() else "a tensor whose data_ptr() is 0"
+    if t.is_neg():
+        return "a negative view (torch._neg_view); pass .resolve_neg()"
+    if t.is_conj():  # (complex only, which no check accepts)
+        return "a conjugate view; pass .resolve_conj()"
+    return None
 
 
 def _describe(v) -> str:
@@ -205,11 +223,13 @@ def check_vector(t, name: str, dtype: torch.dtype, device: torch.device, max_len
         and t.is_contiguous()
     ):
         n = t.numel()
-        if (max_len is None or n <= max_len) and in_storage(t):
+        if (max_len is None or n <= max_len) and in_storage(t) and (t.data_ptr() or not n) and not t.is_neg():
             return n
         if max_len is not None and n > max_len:
             raise ValueError(f"{name}: expected at most {max_len} entries, got {n}")
-        _raise_outside_storage(t, name)
+        if not in_storage(t):
+            _raise_outside_storage(t, name)
+        _raise_unreadable(t, name)
     if type(t) is not torch.Tensor:  # subclasses too: a FakeTensor or a wrapper has no memory to read
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype is not dtype:
@@ -225,7 +245,13 @@ def check_vector(t, name: str, dtype: torch.dtype, device: torch.device, max_len
         raise ValueError(f"{name}: expected at most {max_len} entries, got {n}")
     if not in_storage(t):
         _raise_outside_storage(t, name)
+    if _unreadable(t):
+        _raise_unreadable(t, name)
     return n
+
+
+def _raise_unreadable(t, name: str):
+    raise ValueError(f"{name}: expected a tensor whose memory holds its values, got {_unreadable(t)}")
 
 
 def _raise_outside_storage(t, name: str):

@@ -30,12 +30,12 @@ class BoundStep(functools.partial):
     def __new__(cls, table, req_ids, num_tokens, max_tokens, capacity, fixed=False, release=None,
                 release_cache=False, out=None):
         held = (req_ids, num_tokens, release)
+        release_cache = _checks.flag(release_cache, "release_cache")  # checked with or without release
         if fixed:  # numpy arrays: the step reads tensors of its own over their memory
             req_ids, num_tokens = torch.from_numpy(req_ids), torch.from_numpy(num_tokens)
             release = None if release is None else torch.from_numpy(release)
         if release is not None:  # checked before any buffer is made for the shape
             table._ids(release, "release")
-            release_cache = _checks.flag(release_cache, "release_cache")
         key = None  # the table's call shape whose buffers it writes (None: the caller's, out=)
         if out is None:
             b, entry = table._step_shape(req_ids, num_tokens, max_tokens, capacity)
@@ -71,6 +71,10 @@ class BoundStep(functools.partial):
         # scheduler keeping it hears of the drop through the table's ShapeBuffers.on_drop (HostMirror).
         self.out, self._memo, self._key = out, memo, key
         return self
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a BoundStep cannot be copied or pickled: its call is bound to the addresses of its "
+                        "inputs and of its table's state and buffers; bind again (table.bind_step)")
 
     def __setattr__(self, name, value):
         if name in ("req_ids", "num_tokens", "release") and name in self.__dict__:

@@ -14,10 +14,17 @@ Note (what a loop should know):
   shape's buffers stay alive as long as something else holds them (a
   :class:`~tpool.bound_step.BoundStep`, a result the caller kept). A
   ``HostMirror`` hears of each dropped shape (``on_drop``) and lets its decode
-  steps of that shape go, so they never write buffers the table no longer returns.
+  steps of that shape go, so they never write buffers the table no longer returns;
+  so does the table itself, for the binding of a repeated ``step``.
 * Every entry also knows the storages its call writes (the pool's and the
   table's state, and its own buffers), so an input that shares memory with
   one of them is refused before the call (``_checks.check_not_written``).
+* Threads: what changes the set of shapes (making a shape's buffers, dropping
+  shapes, pinning, the memo set) runs under the pool's lock (``lock``, the
+  reentrant ``PoolState.lock``). The hit path (:meth:`ShapeBuffers.get` of a
+  kept shape, a table call's common case) takes no lock: it is single dict
+  operations, atomic under the GIL, and a shape another thread dropped meanwhile
+  is no error (the call runs on the entry it found, which holds its buffers).
 """
 
 import collections
@@ -43,8 +50,8 @@ class Entry(tuple):
 class ShapeBuffers:
     """The output buffers of one table (see the module note)."""
 
-    def __init__(self, device: torch.device, max_shapes: int, written: "_checks.Written"):
-        self.device, self.max_shapes, self.written = device, max_shapes, written
+    def __init__(self, device: torch.device, max_shapes: int, written: "_checks.Written", lock):
+        self.device, self.max_shapes, self.written, self.lock = device, max_shapes, written, lock
         self._cuda = device.type == "cuda"
         self.entries = collections.OrderedDict()  # call key -> Entry, least recently used first
         self.buffers = {}                         # buffer key -> buffers (shared by call shapes)
@@ -54,16 +61,35 @@ class ShapeBuffers:
         self.listeners = []                       # weak methods told each call key dropped (on_drop)
 
     def get(self, key):
-        """The entry of call shape ``key``, or None; marks it most recently used."""
+        """The entry of call shape ``key``, or None; marks it most recently used. No lock: see the
+        module note (a call of a new shape then goes to :meth:`make`, which takes it)."""
         entry = self.entries.get(key)
         if entry is not None:
-            self.entries.move_to_end(key)
+            try:
+                self.entries.move_to_end(key)
+            except KeyError:  # another thread dropped it since: the entry still holds its buffers
+                pass
             if self._cuda and torch.cuda.is_current_stream_capturing():
-                self.pinned.add(key)
+                self.pin(key)
         return entry
 
+    def make(self, key, build):
+        """The entry of call shape ``key``: :meth:`get`'s, or ``build()``'s (which calls :meth:`buffer`
+        and :meth:`add`), under the lock, so another thread neither makes it twice nor drops the
+        buffers ``build`` takes before its entry holds them."""
+        with self.lock:
+            entry = self.get(key)
+            return build() if entry is None else entry
+
+    def pin(self, key) -> None:
+        """Never drop call shape ``key`` (used inside CUDA graph capture), if it is kept now."""
+        with self.lock:
+            if key in self.entries:
+                self.pinned.add(key)
+
     def buffer(self, key, make):
-        """The buffer set ``key``, made by ``make()`` on first use (never inside graph capture)."""
+        """The buffer set ``key``, made by ``make()`` on first use (never inside graph capture).
+        Called under the lock (from :meth:`make`'s ``build``)."""
         bufs = self.buffers.get(key)
         if bufs is None:
             if self._cuda and torch.cuda.is_current_stream_capturing():
@@ -74,7 +100,7 @@ class ShapeBuffers:
 
     def add(self, key, uses, result, call=None, memo=None) -> Entry:
         """Record the entry of call shape ``key`` built on the buffer sets ``uses``; drop the least
-        recently used unpinned shapes past ``max_shapes``."""
+        recently used unpinned shapes past ``max_shapes``. Called under the lock (:meth:`make`)."""
         if memo is not None:
             self.memos.add(memo)
         tensors = [t for k in uses for t in _tensors(self.buffers[k])]
@@ -83,16 +109,31 @@ class ShapeBuffers:
         self._shrink(keep=key)
         return entry
 
+    def add_memo(self, memo) -> None:
+        """Let :meth:`memo_list` reach ``memo`` (a ``StepOut``'s) while it lives."""
+        with self.lock:
+            self.memos.add(memo)
+
+    def memo_list(self) -> list:
+        """Every CSR memo alive now (the table's, and every live ``StepOut``'s and ``BoundStep``'s)."""
+        with self.lock:  # a WeakSet changed while another thread iterates it raises
+            return list(self.memos)
+
     def on_drop(self, method) -> None:
-        """Call ``method(key)`` (a bound method, held weakly) for every call shape dropped from now on."""
-        self.listeners.append(weakref.WeakMethod(method))
+        """Call ``method(key)`` (a bound method, held weakly) for every call shape dropped from now on,
+        under the lock."""
+        with self.lock:
+            self.listeners.append(weakref.WeakMethod(method))
 
     def pin_all(self) -> None:
         """Pin every shape kept now (``tpool.graphs.capture`` does this after capturing)."""
-        self.pinned.update(self.entries)
+        with self.lock:
+            self.pinned.update(self.entries)
 
     def _shrink(self, keep):
-        for key in [k for k in self.entries if k not in self.pinned and k != keep]:
+        # Under the lock; list() copies the keys in one C call: a get() on another thread may reorder
+        # them meanwhile (move_to_end), which would break an iteration of the dict itself.
+        for key in [k for k in list(self.entries) if k not in self.pinned and k != keep]:
             if len(self.entries) <= self.max_shapes:
                 break
             del self.entries[key]

@@ -81,18 +81,19 @@ class FreeGroup:
         if capacity > (most := max(4096, 2 * pool.num_pages)):
             raise ValueError(f"capacity: expected at most {most} (max(4096, 2 * num_pages); a larger group "
                              f"would only flush later), got {capacity}")
-        if capacity not in pool._group_buffers and len(pool._group_buffers) >= MAX_CAPACITIES:
-            raise ValueError(f"capacity: expected one of this pool's {MAX_CAPACITIES} group capacities so far "
-                             f"{sorted(pool._group_buffers)} (each keeps a buffer), got {capacity}")
         self.thread = None  # the thread that entered it (__enter__)
         self.pool, self.capacity = pool, capacity
         # ``buffer``: int32 [2, capacity]; row 0: plain frees, row 1: cached frees.
         # Pool-owned and kept across groups of the same capacity: no allocation per group,
         # and a graph that captured a group keeps valid addresses. Always -1 between groups.
-        self.buffer = pool._group_buffers.get(capacity)
-        if self.buffer is None:
-            self.buffer = pool._group_buffers[capacity] = fixed_full(
-                (2, capacity), L.NULL_PAGE, torch.int32, pool.device)
+        with pool.state.lock:  # two threads never both make a buffer past MAX_CAPACITIES, or one twice
+            if capacity not in pool._group_buffers and len(pool._group_buffers) >= MAX_CAPACITIES:
+                raise ValueError(f"capacity: expected one of this pool's {MAX_CAPACITIES} group capacities so far "
+                                 f"{sorted(pool._group_buffers)} (each keeps a buffer), got {capacity}")
+            self.buffer = pool._group_buffers.get(capacity)
+            if self.buffer is None:
+                self.buffer = pool._group_buffers[capacity] = fixed_full(
+                    (2, capacity), L.NULL_PAGE, torch.int32, pool.device)
         self._fill = [0, 0]
         self.flushes = 0  # how many passes were applied (host-side, for tests and stats)
 
@@ -101,10 +102,11 @@ class FreeGroup:
         return threading.get_ident() == self.thread
 
     def __enter__(self):
-        if self.pool._group is not None:
-            raise RuntimeError("free groups do not nest: this pool already has an open group")
-        self.thread = threading.get_ident()
-        self.pool._group = self
+        with self.pool.state.lock:  # two threads never both open a group
+            if self.pool._group is not None:
+                raise RuntimeError("free groups do not nest: this pool already has an open group")
+            self.thread = threading.get_ident()
+            self.pool._group = self
         return self
 
     def __exit__(self, *exc):

@@ -14,6 +14,8 @@ exact rules are in :mod:`tpool.backends.reference_table`. What the calls return
 is in :mod:`tpool.table_results`; a step bound to fixed inputs in :mod:`tpool.bound_step`.
 """
 
+import functools
+
 import numpy as np
 import torch
 
@@ -83,12 +85,15 @@ class PageTable:
         # Output buffers per call shape, at most max_shapes of them (tpool.buffers); every call
         # writes the pool's and the table's state, so no input may share memory with those.
         self._written = pool._written | _checks.written_storages(self.state.tensors().values())
-        self._shapes = ShapeBuffers(self.device, max_shapes, self._written)
+        self._shapes = ShapeBuffers(self.device, max_shapes, self._written, pool.state.lock)
         self._check_written = not self.ops.checks_overlap  # numba's compiled hot calls check it themselves
         # The inputs the last call checked (see _ids, _lanes), and the last step's (req_ids, num_tokens,
-        # max_tokens, capacity, BoundStep or None) (see step).
+        # max_tokens, capacity, BoundStep or None, what a repeated step calls or None) (see step). Each is
+        # one tuple, replaced whole: another thread reads the old tuple or the new, never a mix; and what
+        # a memo says holds of the tensors it names, whichever thread's call checked them.
         self._seen_ids, self._seen_nums = _checks.NOT_SEEN, _checks.NOT_SEEN  # the last inputs checked (_lanes)
-        self._repeat = (*(_checks.UNCHECKED,) * 4, None)  # None: no BoundStep yet (step_binding)
+        self._repeat = (*(_checks.UNCHECKED,) * 4, None, None)  # None: no BoundStep yet (step_binding)
+        self._shapes.on_drop(self._shape_dropped)
 
     def __reduce_ex__(self, protocol):
         raise TypeError("a PageTable cannot be copied or pickled: its kernels are bound to the addresses of "
@@ -100,8 +105,8 @@ class PageTable:
 
     def _ids(self, t, name="req_ids"):
         """Length of a request-id vector, checked (at most the pool's ``max_batch``)."""
-        if _checks.still_seen(t, self._seen_ids):
-            return self._seen_ids[2]  # the tensor the last call checked, as it was (see _lanes)
+        if _checks.still_seen(t, seen := self._seen_ids):  # (read once: another thread may replace it)
+            return seen[2]  # the tensor the last call checked, as it was (see _lanes)
         if not 0 <= (n := i32_len(t, self.device)) <= self.pool.max_batch:
             n = _checks.check_vector(t, name, torch.int32, self.device, self.pool.max_batch)
         self._seen_ids = _checks.seen(t)
@@ -189,12 +194,16 @@ class PageTable:
             in table-owned buffers overwritten by the next call of the same shape.
         """
         b = self._lanes(req_ids, num_tokens)
-        t = b if max_tokens is None else max_tokens
+        # (an int as it is: a key is made only once its size is checked, _extend_out)
+        t = b if max_tokens is None else max_tokens if type(max_tokens) is int else \
+            _checks.check_size(max_tokens, "max_tokens")
         key = ("extend", b, t)
         entry = self._shapes.get(key)
         if entry is None:
-            res = self._shapes.buffer(key, lambda: ExtendResult(*self._extend_out(b, t)))
-            entry = self._shapes.add(key, (key,), res, self.ops.extend_into(res))
+            def build():
+                res = self._shapes.buffer(key, lambda: ExtendResult(*self._extend_out(b, t)))
+                return self._shapes.add(key, (key,), res, self.ops.extend_into(res))
+            entry = self._shapes.make(key, build)
         if self._check_written:
             self._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))
         entry[1](req_ids, num_tokens, b)
@@ -271,29 +280,54 @@ class PageTable:
         range-checks them as ids, never out of bounds (the reference backend converts the
         values); a view of another length
         (``t.view(torch.uint8)``) is checked as a new input.
-        The table holds a reference to the last step's inputs.
+        The table holds a reference to the last step's inputs. When it drops their call
+        shape (``max_shapes``) it lets the binding go too: the next step makes the shape's
+        buffers again and binds them, so a step always writes buffers the table keeps.
         """
-        if out is not None or release is not None:
+        if out is not None or release is not None or release_cache is not False:  # (checked there, always)
             return self._step_into(req_ids, num_tokens, max_tokens, capacity, out, release, release_cache)
         last = self._repeat
         if (req_ids is last[0] and num_tokens is last[1]
                 and (max_tokens is last[2] or (type(max_tokens) is int and max_tokens == last[2]))
                 and (capacity is last[3] or (type(capacity) is int and capacity == last[3]))):
-            run = last[4]
+            run = last[5]
             if run is None:  # the second step in a row on these tensors: bind them (checked once, there)
-                run = BoundStep(self, req_ids, num_tokens, last[2], last[3])
-                self._repeat = (req_ids, num_tokens, last[2], last[3], run)
+                run = self._bind_repeat(req_ids, num_tokens, last[2], last[3])
             try:
                 return run()
             except StaleBinding:  # reassigned or resized since: check them as new inputs
                 pass
         b, entry = self._step_shape(req_ids, num_tokens, max_tokens, capacity)
-        self._repeat = (req_ids, num_tokens, max_tokens, capacity, None)
+        self._repeat = (req_ids, num_tokens, max_tokens, capacity, None, None)
         entry[1](req_ids, num_tokens, b)
         return entry[0]
 
+    def _bind_repeat(self, req_ids, num_tokens, max_tokens, capacity):
+        """Bind a step's inputs given twice in a row (:meth:`step`); what its next steps call.
+
+        Made and noted under the pool's lock, so a drop of its shape (``max_shapes``, on any
+        thread) comes before, and the binding writes the buffers made again, or after, and
+        :meth:`_shape_dropped` forgets it: a repeated step never writes buffers the table no
+        longer keeps (which capture would neither pin nor refuse). On CUDA the call pins its
+        shape when it runs inside graph capture, as an unbound call of that shape does."""
+        with self.pool.state.lock:
+            run = call = BoundStep(self, req_ids, num_tokens, max_tokens, capacity)
+            if self.device.type == "cuda":
+                call = functools.partial(_pin_when_capturing, self._shapes, run._key, run)
+            self._repeat = (req_ids, num_tokens, max_tokens, capacity, run, call)
+        return call
+
+    def _shape_dropped(self, key):
+        """The table dropped call shape ``key`` (``max_shapes``; under the lock): forget the binding of
+        :meth:`step` that writes its buffers. The inputs stay noted, so the next step binds them again."""
+        last = self._repeat
+        if last[4] is not None and last[4]._key == key:
+            self._repeat = (*last[:4], None, None)
+
     def _step_into(self, req_ids, num_tokens, max_tokens, capacity, out, release=None, release_cache=False):
         """:meth:`step` into caller-owned outputs (``out``), or releasing requests first (``release``)."""
+        if type(release_cache) is not bool:  # checked with or without release
+            release_cache = _checks.flag(release_cache, "release_cache")
         if out is None:
             b, entry = self._step_shape(req_ids, num_tokens, max_tokens, capacity)
             run, result, written = entry[1], entry[0], entry[3]
@@ -305,7 +339,6 @@ class PageTable:
             return result
         if not 0 <= i32_len(release, self.device) <= self.pool.max_batch:
             _checks.check_vector(release, "release", torch.int32, self.device, self.pool.max_batch)
-        release_cache = _checks.flag(release_cache, "release_cache")
         if self._check_written:  # numba's compiled step checks it itself
             _checks.check_not_written(release, "release", written)
         run(req_ids, num_tokens, b, release, release_cache)
@@ -321,6 +354,8 @@ class PageTable:
         b = self._lanes(req_ids, num_tokens)
         for name, given, have in (("batch", b, out.batch), ("max_tokens", max_tokens, out.max_tokens),
                                   ("capacity", capacity, out.capacity)):
+            if given is not None and type(given) is not int:
+                given = _checks.check_size(given, name)  # (True or 4.0 is no size)
             if given is not None and given != have:
                 raise ValueError(f"{name}: expected {have} (the StepOut's), got {given}")
         for name, t in (("req_ids", req_ids), ("num_tokens", num_tokens)):
@@ -356,22 +391,28 @@ class PageTable:
         per (B, capacity), each buffer set shared by the steps of that shape."""
         b = self._lanes(req_ids, num_tokens)
         key = self._step_key(b, max_tokens, capacity)
-        _, _, t, cap = key
         entry = self._shapes.get(key)
         if entry is None:
-            csr_key, out_key = ("step-csr", b, cap), ("step", b, t)
-            csr, memo = self._shapes.buffer(csr_key, lambda: self._csr_out(b, cap))
-            slots, ok, *meta = self._shapes.buffer(out_key, lambda: self._step_out(b, t))
-            res = StepResult(slots, ok, csr, *meta)
-            entry = self._shapes.add(key, (out_key, csr_key), res, self.ops.step_into(res, memo), memo)
+            def build():
+                _, _, t, cap = key
+                csr_key, out_key = ("step-csr", b, cap), ("step", b, t)
+                csr, memo = self._shapes.buffer(csr_key, lambda: self._csr_out(b, cap))
+                slots, ok, *meta = self._shapes.buffer(out_key, lambda: self._step_out(b, t))
+                res = StepResult(slots, ok, csr, *meta)
+                return self._shapes.add(key, (out_key, csr_key), res, self.ops.step_into(res, memo), memo)
+            entry = self._shapes.make(key, build)
         if self._check_written:
             self._not_written(entry, ("req_ids", req_ids), ("num_tokens", num_tokens))
         return b, entry
 
     def _step_key(self, b, max_tokens, capacity):
-        """The call shape of a step of ``b`` lanes: its key among the table's output buffers."""
-        t = b if max_tokens is None else max_tokens
-        return ("step", b, t, b * self.max_pages if capacity is None else capacity)
+        """The call shape of a step of ``b`` lanes: its key among the table's output buffers. Sizes as
+        ints (an int as it is: a key is made only once its sizes are checked, in its buffers' making)."""
+        t = b if max_tokens is None else max_tokens if type(max_tokens) is int else \
+            _checks.check_size(max_tokens, "max_tokens")
+        cap = b * self.max_pages if capacity is None else capacity if type(capacity) is int else \
+            _checks.check_size(capacity, "capacity")
+        return ("step", b, t, cap)
 
     def bind_step(self, req_ids: torch.Tensor | None = None, num_tokens: torch.Tensor | None = None, *,
                   batch: int | None = None, max_tokens: int | None = None, capacity: int | None = None,
@@ -566,9 +607,11 @@ class PageTable:
         key = ("fork", b)
         entry = self._shapes.get(key)
         if entry is None:
-            entry = self._shapes.add(key, (key,), self._shapes.buffer(key, lambda: ForkResult(
-                fixed_full(b, False, torch.bool, self.device), fixed_full(b, L.NULL_PAGE, torch.int32, self.device),
-                fixed_full(b, L.NULL_PAGE, torch.int32, self.device))))
+            def build():
+                return self._shapes.add(key, (key,), self._shapes.buffer(key, lambda: ForkResult(
+                    fixed_full(b, False, torch.bool, self.device), fixed_full(b, L.NULL_PAGE, torch.int32, self.device),
+                    fixed_full(b, L.NULL_PAGE, torch.int32, self.device))))
+            entry = self._shapes.make(key, build)
         self._not_written(entry, ("src_ids", src_ids), ("dst_ids", dst_ids), ("lens", lens))
         res = entry[0]
         self.ops.fork(src_ids, dst_ids, lens, res.ok, res.cow_src, res.cow_dst)
@@ -605,12 +648,16 @@ class PageTable:
             table-owned buffers.
         """
         b = self._ids(req_ids)
-        cap = b * self.max_pages if capacity is None else capacity
+        # (an int as it is: a key is made only once its size is checked, _csr_out)
+        cap = b * self.max_pages if capacity is None else capacity if type(capacity) is int else \
+            _checks.check_size(capacity, "capacity")
         key = ("csr", b, cap)
         entry = self._shapes.get(key)
         if entry is None:
-            csr, memo = self._shapes.buffer(key, lambda: self._csr_out(b, cap))
-            entry = self._shapes.add(key, (key,), csr, self.ops.flashinfer_csr_into(csr, memo), memo)
+            def build():
+                csr, memo = self._shapes.buffer(key, lambda: self._csr_out(b, cap))
+                return self._shapes.add(key, (key,), csr, self.ops.flashinfer_csr_into(csr, memo), memo)
+            entry = self._shapes.make(key, build)
         if self._check_written:
             self._not_written(entry, ("req_ids", req_ids))
         entry[1](req_ids, b)
@@ -636,8 +683,10 @@ class PageTable:
         key = ("rows", b)
         entry = self._shapes.get(key)
         if entry is None:
-            entry = self._shapes.add(key, (key,), self._shapes.buffer(key, lambda: fixed_full(
-                (b, self.max_pages), L.NULL_PAGE, torch.int32, self.device)))
+            def build():
+                return self._shapes.add(key, (key,), self._shapes.buffer(key, lambda: fixed_full(
+                    (b, self.max_pages), L.NULL_PAGE, torch.int32, self.device)))
+            entry = self._shapes.make(key, build)
         self._not_written(entry, ("req_ids", req_ids))
         self.ops.block_table_rows(req_ids, entry[0])
         return entry[0]
@@ -700,7 +749,8 @@ class PageTable:
     def _step_memo(self, req_ids, capacity):
         """The CSR memo of the step buffers for this batch size and capacity, or None."""
         b = self._ids(req_ids)
-        bufs = self._shapes.buffers.get(("step-csr", b, b * self.max_pages if capacity is None else capacity))
+        _, _, _, cap = self._step_key(b, None, capacity)
+        bufs = self._shapes.buffers.get(("step-csr", b, cap))
         return bufs[1] if bufs is not None else None
 
     def invalidate_csr(self, req_ids: torch.Tensor | None = None) -> None:
@@ -727,7 +777,7 @@ class PageTable:
         if req_ids is not None:
             _checks.check_vector(req_ids, "req_ids", torch.int32, self.device)
         with self.pool.state.lock:
-            memos = list(self._shapes.memos)  # every memo alive, kept by the table, a BoundStep or a StepOut
+            memos = self._shapes.memo_list()  # every memo alive, kept by the table, a BoundStep or a StepOut
             self.ops.restamp_rows(req_ids, memos)
             if req_ids is None:
                 for memo in memos:
@@ -754,6 +804,10 @@ class PageTable:
         ------
         InvariantViolation
         """
+        with self.pool.state.lock:  # the state between two calls, never inside one (reference, triton)
+            self._check_invariants(exclusive)
+
+    def _check_invariants(self, exclusive):
         self.pool.check_invariants()
         if not bool((self.state.claim == INT32_MAX).all()):  # the next call's request dedup relies on it
             raise InvariantViolation("invariant broken: the table's claim scratch is reset (INT32_MAX)")
@@ -784,7 +838,7 @@ class PageTable:
         # the table's current version, or the one the step that made it came from, since a step only
         # appends) must still be that batch's CSR at the lengths the memo noted.
         now, appended_from = self.state.version.tolist()
-        for memo in list(self._shapes.memos):  # the table's and every live StepOut's and BoundStep's
+        for memo in self._shapes.memo_list():  # the table's and every live StepOut's and BoundStep's
             grows = memo.growable_batch(now, appended_from) if memo.csr is not None else None
             if grows is None:
                 continue
@@ -807,7 +861,7 @@ class PageTable:
         # The runs a step of any batch would keep from such a CSR (rows that still have the stamp
         # the memo noted) must still be those rows' pages.
         row_version = self.state.row_version.tolist()
-        for memo in list(self._shapes.memos):
+        for memo in self._shapes.memo_list():
             if memo.csr is None:
                 continue
             for r, start, n in memo.kept_runs(row_version, self.page_size):
@@ -830,3 +884,12 @@ class PageTable:
         capturing a graph by other means if any shape the graph uses ran only before capture.
         """
         self._shapes.pin_all()
+
+
+def _pin_when_capturing(shapes, key, run):
+    """What a CUDA table's repeated :meth:`PageTable.step` calls: ``run()`` (its :class:`BoundStep`),
+    pinning call shape ``key`` first when the step runs inside CUDA graph capture (the graph writes
+    its buffers on every replay: the table must never drop them)."""
+    if torch.cuda.is_current_stream_capturing():
+        shapes.pin(key)
+    return run()

@@ -100,6 +100,10 @@ class BoundCall(functools.partial):
         self.pool, self.input, self.result = pool, t, result
         return self
 
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a BoundCall cannot be copied or pickled: its call is bound to the addresses of its "
+                        "input and of its pool's state and buffers; bind again (pool.bind_alloc, pool.bind_free)")
+
 
 class PagePool:
     """A pool of ``num_pages`` pages of ``page_size`` tokens, managed on ``device``.
@@ -183,8 +187,8 @@ class PagePool:
         ----------
         max_batch : int, optional
             Sizes ``indptr`` (``[max_batch + 1]``) and ``ok`` (``[max_batch]``), which are
-            padded past the batch on every call: size it to the batches you run. Default
-            ``self.max_batch``.
+            padded past the batch on every call: size it to the batches you run. At most,
+            and by default, ``self.max_batch`` (the most requests one ``alloc`` takes).
         max_pages : int, optional
             Sizes ``pages`` and ``evicted`` (``[max_pages]``): the most pages one call can
             grant. Default ``self.max_alloc_pages``.
@@ -196,9 +200,10 @@ class PagePool:
             gets them overwrites them.
         """
         max_batch = self.max_batch if max_batch is None else _checks.check_size(max_batch, "max_batch", 1)
+        if max_batch > self.max_batch:  # (the pool's is below INT32_MAX)
+            raise ValueError(f"max_batch: expected at most the pool's max_batch = {self.max_batch} (the most "
+                             f"requests one alloc takes), got {max_batch}")
         max_pages = self.max_alloc_pages if max_pages is None else self._max_pages(max_pages, "max_pages")
-        if max_batch >= INT32_MAX:
-            raise ValueError(f"max_batch: expected < {INT32_MAX}, got {max_batch}")
         return AllocOut(self, max_batch, max_pages)
 
     def _max_pages(self, v, name) -> int:
@@ -240,8 +245,9 @@ class PagePool:
             if not self.ops.checks_overlap:  # (numba's compiled alloc refuses it itself)
                 _checks.check_not_written(counts, "counts", self._written)
             out = AllocOut(self, b, self.max_alloc_pages, once=True)
-        elif type(out) is AllocOut and out.pool is self and _checks.still_seen(counts, out._seen):
-            b = out._seen[2]  # the tensor the last call checked, as it was (a loop refilling its counts in place)
+        elif type(out) is AllocOut and out.pool is self and _checks.still_seen(counts, seen := out._seen):
+            b = seen[2]  # the tensor the last call checked, as it was (a loop refilling its counts in place;
+            #              the memo read once: another thread's alloc into ``out`` may replace it)
         elif type(out) is not AllocOut or out.pool is not self:
             raise ValueError(f"out: expected an AllocOut from this pool's alloc_out(), got "
                              f"{'one from another pool' if type(out) is AllocOut else type(out).__name__}")
@@ -326,7 +332,8 @@ class PagePool:
         group = self._group  # read once: another thread may close its group meanwhile
         if group is None or not group.owned_here():
             self.ops.free(pages, cache)
-        else:
+        else:  # the group's flush frees a copy, which numba's compiled free cannot see overlap the state
+            _checks.check_not_written(pages, "pages", self._written)
             group.enqueue(pages, cache)
 
     def _apply_free(self, pages: torch.Tensor, cache: bool) -> None:
@@ -405,7 +412,8 @@ class PagePool:
 
     # ---------------------------------------------------------- sync points
     def _read_counters(self) -> list:
-        return self.state.counters.tolist()
+        with self.state.lock:  # never halfway through another thread's call (reference, triton)
+            return self.state.counters.tolist()
 
     def available(self) -> int:
         """Pages on the free stack. A sync point: reads the device.
@@ -414,7 +422,8 @@ class PagePool:
         -------
         int
         """
-        return int(self.state.counters[L.FREE_COUNT])
+        with self.state.lock:  # never halfway through another thread's call (reference, triton)
+            return int(self.state.counters[L.FREE_COUNT])
 
     def stats(self) -> dict:
         """Counters in the style of ``torch.cuda.memory_stats``. A sync point.
@@ -441,20 +450,24 @@ class PagePool:
     def check(self) -> None:
         """Raise the :class:`tpool.PoolError` subclass for errors counted since the last check.
 
-        A sync point. The exception's ``counts`` names every kind seen and its count.
+        A sync point. The exception's ``counts`` names every kind seen and its count. The read
+        and the note of what it read are one call under the pool's lock: two threads checking
+        at once never both raise the same errors.
 
         Raises
         ------
         PoolError
-            ``InvalidPage``, ``DoubleFree``, ``UseAfterFree``, ``InvalidCount``,
-            ``OutputOverflow``, ``InvalidRequest``, ``TableOverflow`` or ``InvalidLength``
-            (the most frequent kind), naming every kind counted.
+            The class of the first kind counted, in this order: ``InvalidPage``, ``DoubleFree``,
+            ``UseAfterFree``, ``InvalidCount``, ``OutputOverflow``, ``InvalidRequest``,
+            ``TableOverflow``, ``InvalidLength``, ``CorruptState``, ``RefcountOverflow``; its
+            ``counts`` names every kind counted.
         """
-        c, seen = torch.stack([self.state.counters, self.state.checked]).tolist()  # one read of the device
-        # The baseline lives in the state: a snapshot restored (tpool.graphs.preserved) brings back the
-        # counters and what had been checked of them together. A count below it (a hand edit) is no error.
-        delta = {slot: max(c[slot] - seen[slot], 0) for slot in L.ERROR_NAMES}
-        self.state.checked.copy_(torch.tensor(c, dtype=torch.int64))
+        with self.state.lock:
+            c, seen = torch.stack([self.state.counters, self.state.checked]).tolist()  # one read of the device
+            # The baseline lives in the state: a snapshot restored (tpool.graphs.preserved) brings back the
+            # counters and what had been checked of them together. A count below it (a hand edit) is no error.
+            delta = {slot: max(c[slot] - seen[slot], 0) for slot in L.ERROR_NAMES}
+            self.state.checked.copy_(torch.tensor(c, dtype=torch.int64))
         raise_for_errors(delta)
 
     def check_invariants(self) -> None:
@@ -468,7 +481,8 @@ class PagePool:
         ------
         InvariantViolation
         """
-        st = {k: v.cpu() for k, v in self.state.tensors().items()}
+        with self.state.lock:  # a copy of the state between two calls, never inside one
+            st = {k: v.cpu().clone() for k, v in self.state.tensors().items()}
         c = st["counters"].tolist()
         P, fc, cc = self.num_pages, c[L.FREE_COUNT], c[L.CACHED_COUNT]
         state, rc = st["page_state"].long(), st["refcount"].long()

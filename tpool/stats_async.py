@@ -107,7 +107,8 @@ class StatsHandle:
 
     def __init__(self, pool):
         self.num_pages = pool.num_pages
-        self._read = AsyncRead([pool.state.counters])
+        with pool.state.lock:  # the copy starts between two calls (reference, triton), never inside one
+            self._read = AsyncRead([pool.state.counters])
 
     def ready(self) -> bool:
         return self._read.ready()

@@ -95,7 +95,7 @@ class StepOut:
         slots, ok, *meta = table._step_out(batch, max_tokens)
         csr, self.memo = table._csr_out(batch, capacity)
         self.result = StepResult(slots, ok, csr, *meta)
-        table._shapes.memos.add(self.memo)  # invalidate_csr reaches it
+        table._shapes.add_memo(self.memo)  # invalidate_csr reaches it
         self._written = table._written | _checks.written_storages([slots, ok, *csr, *meta, self.memo.tensor])
         self._run = table.ops.step_into(self.result, self.memo)
 

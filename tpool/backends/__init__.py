@@ -6,7 +6,8 @@ Note: ``reference`` is plain torch (the oracle, :mod:`tpool.backends.reference`)
 (:mod:`tpool.backends.triton`; on a CPU only under ``TRITON_INTERPRET=1``,
 set before triton is imported). ``auto`` picks triton for CUDA pools and
 numba for CPU pools; the environment variable ``TPOOL_BACKEND`` overrides
-``auto``. A backend's module is imported only when a pool asks for it, so a
+``auto`` (unset, empty or ``auto``: no override). A backend's module is
+imported only when a pool asks for it, so a
 CPU pool never imports the Triton launchers, nor triton itself: triton is an
 optional dependency (``pip install 'tpool[triton]'``), and asking for the
 triton backend without it raises :class:`ImportError` naming that extra.
@@ -34,10 +35,14 @@ __all__ = ["BACKENDS", "REGISTRY", "PoolOps", "TableOps", "make_pool_ops", "make
 
 def resolve_backend(name: str, device: torch.device) -> str:
     """The backend a pool on ``device`` uses for ``name`` (``auto`` or one of BACKENDS)."""
-    if name == "auto":
-        name = os.environ.get("TPOOL_BACKEND") or ("triton" if device.type == "cuda" else "numba")
+    given = name
+    if name == "auto":  # TPOOL_BACKEND unset, empty or "auto": the device's default
+        name = os.environ.get("TPOOL_BACKEND", "auto") or "auto"
+        if name == "auto":
+            name = "triton" if device.type == "cuda" else "numba"
     if name not in REGISTRY:
-        raise ValueError(f"backend: expected 'auto' or one of {BACKENDS}, got {name!r}")
+        where = " (from TPOOL_BACKEND)" if given == "auto" else ""
+        raise ValueError(f"backend: expected 'auto' or one of {BACKENDS}, got {name!r}{where}")
     if name == "numba" and device.type != "cpu":
         raise ValueError(f"backend 'numba' runs on host memory: expected device cpu, got {device}")
     if name == "triton" and not _triton_installed():
