@@ -135,6 +135,8 @@ def _describe(v) -> str:
 def check_size(v, name: str, minimum: int = 0) -> int:
     """A size given by the caller: an integer (numpy integers too, never a bool or a tensor)
     of at least ``minimum``, as int."""
+    if type(v) is int and v >= minimum:  # the common case at one type test (scheduler calls make several a step)
+        return v
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
         what = {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
         raise ValueError(f"{name}: expected {what}, got {_describe(v)}")

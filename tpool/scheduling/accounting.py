@@ -42,13 +42,6 @@ def _as_array(values):
     return np.asarray(values)
 
 
-def _size(v, name: str) -> int:
-    """``_checks.check_size(v, name)``, the rule for every count, length or row a call takes, with
-    its common case first: a plain non-negative int passes in ~50 ns instead of ~600 (the ABC
-    ``isinstance`` test), which a per-step call (``step``'s width) would pay every step."""
-    return v if type(v) is int and v >= 0 else _checks.check_size(v, name)
-
-
 def _shown(a) -> str:
     """Array ``a`` for an error message: its dtype and first entries."""
     return f"{a.dtype} {a.reshape(-1)[:8].tolist()}" + (f" ({a.size} values)" if a.size > 8 else "")
@@ -179,7 +172,7 @@ class Accounting:
     def _row(self, row, n, what, n_name):
         """``row`` as a one-row array and ``n`` as an int, after checking that ``row`` is a running row
         and ``n`` a count (``_size``: ints, numpy's too, never a bool)."""
-        row, n = _size(row, f"{what}: row"), _size(n, f"{what}: {n_name}")
+        row, n = _checks.check_size(row, f"{what}: row"), _checks.check_size(n, f"{what}: {n_name}")
         if not (row < self.live.size and self.live[row]):
             raise ValueError(f"{what}: expected a running row (an int in [0, {self.live.size}) that holds a "
                              f"request), got {row!r}")

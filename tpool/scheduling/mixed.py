@@ -17,8 +17,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from tpool import _checks
 from tpool.scheduling._decode import EMPTY, FITS, NO_ROOM, PAST_MAX_LEN, decode_accounting
-from tpool.scheduling.accounting import WouldNotFit, _bucket, _cdiv, _size
+from tpool.scheduling.accounting import WouldNotFit, _bucket, _cdiv
 
 
 class MixedStep(NamedTuple):
@@ -104,7 +105,7 @@ class MixedSteps:
             raise ValueError(f"step: {b} decode rows and {k} prompts make {lanes} lanes, one table call takes at "
                              f"most max_batch={self.max_batch}: admit fewer prompts (can_admit with these rows "
                              f"counts the lanes)")
-        w = lanes if width is None else _size(width, "width")  # (ints, numpy's too, as max_tokens)
+        w = lanes if width is None else _checks.check_size(width, "width")  # (ints, numpy's too, as max_tokens)
         if not lanes <= w <= self.max_batch:
             raise ValueError(f"width: expected an int >= {lanes} (the step's lanes) and <= max_batch="
                              f"{self.max_batch}, got {width!r}")
@@ -114,7 +115,7 @@ class MixedSteps:
         ntok[b:lanes] = p
         total = int(ntok.sum())
         if max_tokens is not None:  # the table's checks (the same messages), before the mirror changes
-            most, max_tokens = self.table.most_tokens, _size(max_tokens, "max_tokens")
+            most, max_tokens = self.table.most_tokens, _checks.check_size(max_tokens, "max_tokens")
             if max_tokens > most:
                 raise ValueError(f"max_tokens: expected at most {most} (max_batch * max_pages_per_request * "
                                  f"page_size: no call appends more), got {max_tokens}")
