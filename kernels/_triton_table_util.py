@@ -34,8 +34,8 @@ ERR_BAD_LENGTH = tl.constexpr(L.ERR_BAD_LENGTH)
 
 @triton.jit
 def cdiv(a, b):
-    """``ceil(a / b)`` for ``a >= 0``, ``b > 0``."""
-    return (a + b - 1) // b
+    """``ceil(a / b)`` for ``a >= 0``, ``b > 0``, with no ``a + b - 1`` that could pass INT32_MAX."""
+    return a // b + (a % b > 0)
 
 
 # ------------------------------------------------------------------- requests

@@ -56,7 +56,7 @@ def block_table_rows_kernel(
     """out[i, k] = block_table[r_i, k] for r_i in [0, R), else -1."""
     lanes = tl.arange(0, BLOCK)
     for start in range(0, n_cells, BLOCK):
-        f = (start + lanes).to(tl.int64)
+        f = lanes.to(tl.int64) + start  # (widened before the add: B * MP may be near INT32_MAX)
         live = f < n_cells
         r = tl.load(req_ids_ptr + f // MP, mask=live, other=NULL_PAGE)
         valid = live & (r >= 0) & (r < R)

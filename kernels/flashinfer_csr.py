@@ -23,8 +23,8 @@ from . import layout as L
 from ._numba_util import fill_null_range, i32_array, i64_cell, page_shift, pages_for, state_arrays, table_arrays
 from .layout import CD_CSR_MEMO, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_LAST_PAGE_LEN, CD_OUT, CD_STATE
 from ._triton_table_util import ERR_BAD_REQUEST, cdiv
-from ._triton_util import (ERR_CORRUPT_STATE, ERR_OUT_OVERFLOW, NULL_PAGE, counter_add, load_counters, settings,
-                           store_counters)
+from ._triton_util import (ERR_CORRUPT_STATE, ERR_OUT_OVERFLOW, INT32_MAX, NULL_PAGE, counter_add, load_counters,
+                           settings, store_counters)
 
 
 @numba.njit(nogil=True)
@@ -166,7 +166,8 @@ def _csr_lanes(req_ids_ptr, B, indptr_ptr, last_page_len_ptr, block_table_ptr, s
             if KV_LENS:
                 tl.store(kv_lens_ptr + i, tl.zeros((BLOCK,), tl.int32), mask=outside)
         ends = end + tl.cumsum(n, 0)
-        tl.store(indptr_ptr + i + 1, ends.to(tl.int32), mask=live)
+        # (repeated ids can sum past INT32_MAX: clamped, indptr stays non-decreasing; past cap, cut below)
+        tl.store(indptr_ptr + i + 1, tl.minimum(ends, INT32_MAX).to(tl.int32), mask=live)
         tl.store(last_page_len_ptr + i, (length - (n - 1) * page_size).to(tl.int32), mask=live)
         end += tl.sum(n)
         fit += tl.sum(tl.where(ends <= cap, n, 0))

@@ -10,6 +10,9 @@ descriptors; their slots are named at the end of this module.
 
 INT32_MAX = 2**31 - 1  # the claim scratch between calls; the largest page id + 1
 INT64_MAX = 2**63 - 1
+# The most of anything a kernel indexes in chunks (pages, table cells, a batch's page ids, tokens):
+# Triton computes a chunk's offsets ``start + lane`` in int32, so the count leaves room for a chunk.
+MAX_INDEXED = 2**31 - 2**16
 
 # Page states (int8, one per page).
 FREE = 0      # on the free stack

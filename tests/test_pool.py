@@ -8,6 +8,7 @@ import torch
 import tpool
 from conftest import i32
 from pool_model import PoolModel
+from tpool.kernels.layout import MAX_INDEXED
 
 
 def test_alloc_fcfs_hand_worked(make_pool, guard):
@@ -250,6 +251,17 @@ def test_constructor_checks():
         tpool.PagePool(4, device="cpu", max_alloc_pages=-3)
     with pytest.raises(ValueError, match="max_pages: expected a positive int, got 0"):
         tpool.PagePool(4, device="cpu").alloc_out(max_batch=2, max_pages=0)
+    # A Triton kernel's chunk offsets are int32: counts stop short of INT32_MAX by room for a chunk.
+    for kw in (dict(num_pages=MAX_INDEXED + 1), dict(num_pages=4, max_batch=MAX_INDEXED + 1)):
+        with pytest.raises(ValueError, match=f"expected at most {MAX_INDEXED}, got {MAX_INDEXED + 1}"):
+            tpool.PagePool(device="cpu", backend="reference", **kw)
+    pool = tpool.PagePool(4, device="cpu", backend="reference", max_batch=2**20)
+    with pytest.raises(ValueError, match="max_requests \\* max_pages_per_request: expected at most"):
+        tpool.PageTable(pool, 2**16, 2**15)
+    table = tpool.PageTable(pool, 2, 2**12)  # max_batch * max_pages 2**32: capped where kernels index
+    assert table.most_tokens == MAX_INDEXED
+    with pytest.raises(ValueError, match=f"capacity: expected at most {MAX_INDEXED}"):
+        table.flashinfer_csr(torch.zeros(1, dtype=torch.int32), capacity=MAX_INDEXED + 1)
 
 
 def test_alloc_out_belongs_to_its_pool(make_pool):

@@ -410,3 +410,27 @@ def test_random_sequence_matches_reference(chunking, seed, ps):
         else:
             tw.rows(ids)
     tw.tri.check_invariants()
+
+
+def test_round_up_does_not_wrap_near_int32_max():
+    """The tables' round-up (``cdiv``: lengths to pages) of a length near INT32_MAX, as int32 on a GPU:
+    ``(a + b - 1) // b`` wrapped negative there (a release with a page size that is not a power of two
+    then dropped none of the row's pages)."""
+    from tpool.kernels import _triton_shim
+    _triton_shim.load()
+    import triton
+    import triton.language as tl
+    from tpool.kernels import _triton_table_util
+    global _cdiv  # a jit function finds what it calls among its module's globals
+    _cdiv = _triton_table_util.cdiv
+
+    @triton.jit
+    def round_up(a_ptr, out_ptr, b, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(out_ptr + i, _cdiv(tl.load(a_ptr + i), b))
+
+    a = i32([0, 1, 2, 3, 7, 2**31 - 3, 2**31 - 2, 2**31 - 1])
+    out = torch.empty_like(a)
+    for b in (1, 3, 7, 2**30):
+        round_up[(1,)](a, out, b, N=8)
+        assert out.tolist() == [-(-v // b) for v in a.tolist()], b

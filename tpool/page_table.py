@@ -26,7 +26,8 @@ from tpool.bound_step import BoundStep
 from tpool.buffers import DEFAULT_MAX_SHAPES, ShapeBuffers
 from tpool.errors import InvariantViolation, StaleBinding
 from tpool.kernels import layout as L
-from tpool.state import INT32_MAX, CsrMemo, TableState, fixed_full
+from tpool.kernels.layout import INT32_MAX, MAX_INDEXED
+from tpool.state import CsrMemo, TableState, fixed_full
 from tpool.table_results import ExtendResult, ForkResult, PagedKVCSR, StepOut, StepResult
 
 
@@ -66,18 +67,19 @@ class PageTable:
         max_requests, max_pages_per_request, max_shapes = (_checks.check_size(v, name, 1) for name, v in (
             ("max_requests", max_requests), ("max_pages_per_request", max_pages_per_request),
             ("max_shapes", max_shapes)))
-        if max_requests >= INT32_MAX or max_requests * max_pages_per_request >= INT32_MAX:
-            raise ValueError(f"max_requests * max_pages_per_request: expected < {INT32_MAX} table entries, got "
-                             f"{max_requests} * {max_pages_per_request}")
         if max_pages_per_request * pool.page_size > INT32_MAX:
             raise ValueError(f"max_pages_per_request: lengths are int32, so max_pages_per_request * page_size must "
                              f"be at most {INT32_MAX}, got {max_pages_per_request} * {pool.page_size}")
         if pool.num_pages * pool.page_size > INT32_MAX:
             raise ValueError(f"pool: slots are int32, so num_pages * page_size must be at most {INT32_MAX}, "
                              f"got {pool.num_pages} * {pool.page_size}")
+        if max_requests * max_pages_per_request > MAX_INDEXED:  # (a kernel's chunk offsets are int32)
+            raise ValueError(f"max_requests * max_pages_per_request: expected at most {MAX_INDEXED} table entries, "
+                             f"got {max_requests} * {max_pages_per_request}")
         self.pool, self.device = pool, pool.device
         self.max_requests, self.max_pages, self.page_size = max_requests, max_pages_per_request, pool.page_size
-        self.most_tokens = pool.max_batch * max_pages_per_request * pool.page_size  # the most one call appends
+        # the most one call appends (within what a kernel indexes: a slot buffer is int32-indexed)
+        self.most_tokens = min(pool.max_batch * max_pages_per_request * pool.page_size, MAX_INDEXED)
         self.state = TableState.create(max_requests, max_pages_per_request, pool.page_size, pool.max_batch,
                                        self.device)
         self.block_table, self.seq_lens = self.state.block_table, self.state.seq_lens
@@ -141,7 +143,7 @@ class PageTable:
         t = _checks.check_size(t, "max_tokens")
         if t > self.most_tokens:
             raise ValueError(f"max_tokens: expected at most {self.most_tokens} (max_batch * max_pages_per_request * "
-                             f"page_size: no call appends more), got {t}")
+                             f"page_size, no call appends more; at most {MAX_INDEXED}), got {t}")
         return fixed_full(t, L.NULL_PAGE, torch.int32, self.device), fixed_full(b, False, torch.bool, self.device)
 
     def _step_out(self, b, t):
@@ -153,9 +155,9 @@ class PageTable:
     def _csr_out(self, b, cap):
         """CSR buffers of one shape and their :class:`~tpool.state.CsrMemo`."""
         cap = _checks.check_size(cap, "capacity")
-        if cap > (most := self.pool.max_batch * self.max_pages):
+        if cap > (most := min(self.pool.max_batch * self.max_pages, MAX_INDEXED)):
             raise ValueError(f"capacity: expected at most {most} (max_batch * max_pages_per_request: no batch "
-                             f"has more pages), got {cap}")
+                             f"has more pages; at most {MAX_INDEXED}), got {cap}")
         csr = PagedKVCSR(fixed_full(b + 1, 0, torch.int32, self.device),
                          fixed_full(cap, L.NULL_PAGE, torch.int32, self.device),
                          fixed_full(b, 0, torch.int32, self.device))

@@ -20,7 +20,8 @@ from tpool.backends import make_pool_ops, resolve_backend
 from tpool.errors import InvariantViolation, StaleBinding, raise_for_errors
 from tpool.free_group import FreeGroup
 from tpool.kernels import layout as L
-from tpool.state import INT32_MAX, PoolState, fixed_full
+from tpool.kernels.layout import INT32_MAX, MAX_INDEXED
+from tpool.state import PoolState, fixed_full
 from tpool.stats_async import StatsHandle, stats_from_counters
 
 DEFAULT_MAX_BATCH = 4096        # requests per alloc call
@@ -124,6 +125,10 @@ class PagePool:
         Length of ``pages`` returned by ``alloc`` without ``out=``
         (default ``min(num_pages, 4096)``).
 
+    On CUDA, issue every call on a pool and its tables on one stream (or order the
+    streams yourself): the pool's lock orders launches, and each kernel runs on the
+    caller's current stream.
+
     Example
     -------
     >>> pool = PagePool(8, device="cpu", backend="reference")
@@ -139,10 +144,9 @@ class PagePool:
                  max_batch: int = DEFAULT_MAX_BATCH, max_alloc_pages: int | None = None):
         num_pages, page_size, max_batch = (_checks.check_size(v, name, 1) for name, v in (
             ("num_pages", num_pages), ("page_size", page_size), ("max_batch", max_batch)))
-        if num_pages >= INT32_MAX:
-            raise ValueError(f"num_pages: expected < {INT32_MAX}, got {num_pages}")
-        if max_batch >= INT32_MAX:
-            raise ValueError(f"max_batch: expected < {INT32_MAX}, got {max_batch}")
+        for name, v in (("num_pages", num_pages), ("max_batch", max_batch)):
+            if v > MAX_INDEXED:  # (a kernel's chunk offsets are int32)
+                raise ValueError(f"{name}: expected at most {MAX_INDEXED}, got {v}")
         self.device = _checks.resolve_device(device)
         self.num_pages, self.page_size, self.max_batch = num_pages, page_size, max_batch
         if max_alloc_pages is None:
@@ -200,7 +204,7 @@ class PagePool:
             gets them overwrites them.
         """
         max_batch = self.max_batch if max_batch is None else _checks.check_size(max_batch, "max_batch", 1)
-        if max_batch > self.max_batch:  # (the pool's is below INT32_MAX)
+        if max_batch > self.max_batch:  # (the pool's is at most MAX_INDEXED)
             raise ValueError(f"max_batch: expected at most the pool's max_batch = {self.max_batch} (the most "
                              f"requests one alloc takes), got {max_batch}")
         max_pages = self.max_alloc_pages if max_pages is None else self._max_pages(max_pages, "max_pages")
