@@ -167,8 +167,10 @@ def test_no_mask_is_built_and_the_context_is_required(models):
                               position_ids=torch.arange(5)[None]) is None
     attn = model.gpt_neox.layers[0].attention
     q = torch.zeros(1, 4, 2, 16)
-    with pytest.raises(ValueError, match="expected the forward keyword tpool_context"):
+    with pytest.raises(ValueError, match="GPTNeoXAttention got no tpool_context: pass tpool_context="):
         paged_attention_forward(attn, q, q, q, None)
+    with pytest.raises(ValueError, match="expected the forward keyword tpool_context=PagedContext.*got dict"):
+        paged_attention_forward(attn, q, q, q, None, tpool_context={})
 
 
 # ----------------------------------------------------------------- GPU only
@@ -423,3 +425,71 @@ def test_forward_step_refuses_input_ids_not_padded_to_max_tokens(models):
     with pytest.raises(ValueError, match=r"got \(1, 8\)"):
         forward_step(models["llama"], torch.arange(8)[None], ctx)
     assert forward_step(models["llama"], torch.arange(8), ctx).shape == (8, 256)
+
+
+def _tiny(kind, **extra):
+    """A tiny random-weight transformers model of model type ``kind`` on tpool_paged attention."""
+    import transformers
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, initializer_range=0.25, max_position_embeddings=512,
+                  eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    cfg = transformers.AutoConfig.for_model(kind, **{**common, **extra})
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION,
+                                                         dtype=torch.float32).eval()
+
+
+def _one_step(model):
+    """One prefill step of two lanes through forward_step; returns the cache (its layer 0 K)."""
+    pool = tpool.PagePool(16, 4, device="cpu", backend="reference")
+    table = tpool.PageTable(pool, 2, 4)
+    cache = PagedKVCache.from_pool(pool, *engine.kv_shape(model.config), dtype=torch.float32)
+    ctx = PagedContext(cache, step_metadata(table, table.step(i32([0, 1]), i32([5, 3]), max_tokens=8)))
+    with torch.no_grad():
+        forward_step(model, torch.randint(1, 256, (8,)), ctx)
+    return cache
+
+
+def test_forward_step_refuses_a_model_whose_layers_do_not_all_attend_through_the_pages(models):
+    """Another attention implementation takes the tpool_context keyword silently and attends over the packed
+    row (lanes see each other, no K/V lands in a page); so does a model whose attention does not dispatch
+    through AttentionInterface (Bloom: no layer ran here). Both were silent wrong logits."""
+    model = engine.tiny_model("llama", seed=0)
+    assert _one_step(model).k[0].abs().sum() > 0  # (the check passes a model that does attend here)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="model: expected attn_implementation='tpool_paged' .*got 'sdpa' from llama"):
+        _one_step(model)
+    import transformers
+    cfg = transformers.BloomConfig(vocab_size=256, hidden_size=64, n_layer=2, n_head=4, pad_token_id=0)
+    bloom = transformers.BloomForCausalLM._from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION).eval()
+    with pytest.raises(ValueError, match="model: expected all 2 layers to attend through tpool_paged, got 0 "
+                                         r"\(BloomForCausalLM"):
+        _one_step(bloom)
+
+
+@pytest.mark.parametrize("kind, extra, match", [
+    ("qwen3_next", dict(layer_types=["linear_attention", "full_attention"], num_experts=2, num_experts_per_tok=1,
+                        moe_intermediate_size=32, shared_expert_intermediate_size=32), "got linear_attention in qwen3_next"),
+    ("lfm2", dict(layer_types=["conv", "full_attention"]), "got conv in lfm2"),
+    ("llama4_text", dict(attention_chunk_size=8, no_rope_layers=[1, 1], attn_temperature_tuning=False,
+                         num_local_experts=2, intermediate_size_mlp=128), "got chunked_attention in llama4_text"),
+])
+def test_layers_whose_state_or_mask_the_pages_do_not_hold_are_refused(kind, extra, match):
+    """A recurrent, convolution or linear-attention layer keeps state outside the pages, and Llama4's chunks
+    live only in a mask this implementation does not build: a packed step gave other tokens (6 of 6
+    requests differed from generate), silently."""
+    import transformers
+    if kind not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {kind}")
+    with pytest.raises(ValueError, match=f"model: expected only full_attention and sliding_attention layers .*{match}"):
+        _one_step(_tiny(kind, **extra))
+
+
+def test_llama4_without_chunks_or_temperature_tuning_runs_and_with_tuning_is_refused():
+    """Llama4 scales a NoPE layer's queries by each token's index in the packed row (transformers'
+    attn_temperature_tuning), not its position: refused; a chunk spanning every position is full attention."""
+    extra = dict(attention_chunk_size=512, num_local_experts=2, intermediate_size_mlp=128, num_hidden_layers=2)
+    assert _one_step(_tiny("llama4_text", no_rope_layers=[1, 1], attn_temperature_tuning=False, **extra)
+                     ).k[1].abs().sum() > 0
+    with pytest.raises(ValueError, match="attn_temperature_tuning: expected False on a layer without rope"):
+        _one_step(_tiny("llama4_text", no_rope_layers=[1, 0], attn_temperature_tuning=True, floor_scale=4, **extra))

@@ -58,6 +58,8 @@ class PagedContext:
     cache: PagedKVCache
     meta: StepMetadata
     attend: Callable = field(default=paged_attention)
+    # the layers whose attention ran through this context (forward_step checks that every layer did)
+    layers: set = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         check_pages(self.cache.k[0], self.meta, "cache")
@@ -71,6 +73,9 @@ def _refuse_unsupported(module, attention_mask, dropout, is_causal, kwargs):
     if attention_mask is not None:
         refuse("attention_mask", "None (the step's metadata gives causality, lanes and padding)",
                f"a mask of shape {tuple(getattr(attention_mask, 'shape', ()))}")
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        refuse("attn_temperature_tuning", "False on a layer without rope (Llama4 scales q by the token's index "
+               "in the packed row, not its position)", "True")
     if is_causal is not None and not is_causal:
         refuse("is_causal", "True or None (causal attention)", repr(is_causal))
     if dropout and getattr(module, "training", False):
@@ -108,6 +113,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     ``(out, None)``: out ``[1, T, num_qo_heads, head_dim]``, as transformers' eager attention.
     """
     ctx = kwargs.get(CONTEXT_KWARG)
+    if ctx is None:
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: {type(module).__name__} got no {CONTEXT_KWARG}: pass "
+                         f"{CONTEXT_KWARG}=PagedContext(...) to the model's forward (forward_step does); if it was "
+                         f"passed, this model does not hand its forward keywords down to its attention")
     if not isinstance(ctx, PagedContext):
         raise ValueError(f"{ATTN_IMPLEMENTATION}: expected the forward keyword {CONTEXT_KWARG}=PagedContext(...), "
                          f"got {type(ctx).__name__}")
@@ -126,6 +135,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     k = key[0].transpose(0, 1).to(cache.dtype)           # [T, Hkv, D]
     v = value[0].transpose(0, 1).to(cache.dtype)
     cache.write(layer, meta.slots, k, v)
+    ctx.layers.add(layer)
     out = ctx.attend(q, cache.k[layer], cache.v[layer], meta, scale=scaling, sliding_window=sliding_window,
                      **extra)
     return out[None].to(query.dtype), None
@@ -140,19 +150,63 @@ def register() -> str:
 register()
 
 
+_ATTENTION_LAYERS = ("full_attention", "sliding_attention")  # the layer types the paged attention serves
+
+
+def check_model(model) -> None:
+    """Raise ``ValueError`` unless every layer of ``model`` can keep its state in tpool pages.
+
+    That takes ``attn_implementation="tpool_paged"`` (another implementation takes the
+    ``tpool_context`` keyword silently and attends over the packed row: lanes would see each
+    other), and layers that are all softmax attention, full or sliding: a recurrent, linear
+    attention or convolution layer (Qwen3-Next, LFM2, Mamba hybrids) keeps state the pages do
+    not hold, and a chunked attention layer (Llama4) has its chunks only in a mask this
+    implementation does not build (accepted when the chunk spans every position). A model
+    whose attention does not dispatch through ``AttentionInterface`` at all is found by
+    :func:`forward_step` after its forward (no layer ran here).
+    """
+    cfg = model.config.get_text_config(decoder=True)
+    name = getattr(cfg, "model_type", "") or type(model).__name__
+    impl = getattr(cfg, "_attn_implementation", None) or getattr(model.config, "_attn_implementation", None)
+    if impl != ATTN_IMPLEMENTATION:
+        raise ValueError(f"model: expected attn_implementation={ATTN_IMPLEMENTATION!r} (from_config/from_pretrained(..., "
+                         f"attn_implementation={ATTN_IMPLEMENTATION!r}) or model.set_attn_implementation(...)), got "
+                         f"{impl!r} from {name}")
+    kinds = set(getattr(cfg, "layer_types", None) or ())
+    chunk = getattr(cfg, "attention_chunk_size", None)
+    if chunk is not None and chunk >= getattr(cfg, "max_position_embeddings", chunk + 1):
+        kinds.discard("chunked_attention")  # one chunk over every position: full attention
+    other = sorted(kinds - set(_ATTENTION_LAYERS)) + sorted(k for k in vars(cfg) if k.startswith("mamba_"))[:1]
+    if other:
+        raise ValueError(f"model: expected only {' and '.join(_ATTENTION_LAYERS)} layers (their K/V in pages), got "
+                         f"{', '.join(other)} in {name}'s config, which the paged attention does not serve")
+
+
 def forward_step(model, input_ids: torch.Tensor, ctx: PagedContext, **kwargs) -> torch.Tensor:
     """Run ``model`` on one packed step; return its logits ``[T, vocab]`` (fp32 or the model's dtype).
 
     input_ids : torch.Tensor  shape ``[T]``, int64, on the model's device: the step's tokens in
     lane order (anything, e.g. 0, at padding), T = the step's ``max_tokens``. Positions come
     from ``ctx.meta.positions``.
+
+    Raises ``ValueError`` for a model :func:`check_model` refuses, before the forward, and
+    after it when not every layer's attention ran through ``ctx`` (a model whose attention
+    does not dispatch through ``AttentionInterface``, or that has other layers).
     """
+    check_model(model)
     t = ctx.meta.positions.numel()
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1 or input_ids.numel() != t:
         got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids: expected shape ({t},), the step's max_tokens (pad input_ids to it, e.g. "
                          f"with 0), got {got}")
     positions = ctx.meta.positions.long().clamp(min=0)[None]
+    ctx.layers.clear()
     out = model(input_ids=input_ids[None], position_ids=positions, use_cache=False, **{CONTEXT_KWARG: ctx},
                 **kwargs)
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    if len(ctx.layers) != layers:
+        raise ValueError(f"model: expected all {layers} layers to attend through {ATTN_IMPLEMENTATION}, got "
+                         f"{len(ctx.layers)} ({type(model).__name__}: its attention does not dispatch through "
+                         f"transformers' AttentionInterface, or some layers are not attention); the step's "
+                         f"logits are not from its pages")
     return out.logits[0]
