@@ -23,7 +23,7 @@ from . import layout as L
 
 MIN_BLOCK = 32     # lanes per chunk, at least one warp's worth
 MAX_BLOCK = 2048   # lanes per chunk, at most (16 warps x 4 lanes per thread)
-RANK_BLOCK = 64    # side of the comparison tile that orders the pages an eviction chose
+RANK_BLOCK = 128   # items per chunk (at most) of an eviction's radix sort scatter: [C, 256] + [C, C] tiles
 
 # Layout constants as constexpr globals (jit code may only read constexpr globals).
 FREE = tl.constexpr(L.FREE)
@@ -56,11 +56,13 @@ INT64_MAX = tl.constexpr(L.INT64_MAX)
 def settings(n: int, rank: bool = False) -> dict:
     """Launch settings for chunks over ``n`` lanes: ``BLOCK`` (next power of two in
     [MIN_BLOCK, MAX_BLOCK]), ``num_warps`` (4 lanes per thread, 1 to 16 warps) and, for
-    kernels that evict (``rank=True``), ``RANK_BLOCK``. Deterministic; no autotuning (graph capture)."""
+    kernels that evict (``rank=True``), ``RANK_BLOCK``: the radix sort's scatter chunk C, 16 per
+    warp up to the RANK_BLOCK cap (its [C, 256] tile then holds at most 128 values per thread).
+    Deterministic; no autotuning (graph capture)."""
     block = min(max(triton.next_power_of_2(max(n, 1)), MIN_BLOCK), MAX_BLOCK)
     meta = dict(BLOCK=block, num_warps=min(max(block // 128, 1), 16))
     if rank:
-        meta["RANK_BLOCK"] = RANK_BLOCK
+        meta["RANK_BLOCK"] = min(RANK_BLOCK, 16 * meta["num_warps"])
     return meta
 
 

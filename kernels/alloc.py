@@ -125,7 +125,7 @@ def alloc_kernel(
     # Meta-parameters
     HAS_EVICT: tl.constexpr,   # cached pages may be evicted to cover the request
     BLOCK: tl.constexpr,       # lanes per chunk
-    RANK_BLOCK: tl.constexpr,  # side of the tile that ranks the evicted pages
+    RANK_BLOCK: tl.constexpr,  # items per chunk of the radix sort that orders the evicted pages
 ):
     """ok[i] = no negative in counts[:i+1] and cumsum(counts)[i] <= min(avail, M); pop the granted total."""
     lanes = tl.arange(0, BLOCK)

@@ -58,7 +58,7 @@ def evict_oldest_numba(n, out, free_stack, page_state, stamp, counters, keys):
     ``keys``), then a radix select over their stamps finds the threshold (one
     round when their stamps span fewer than HIST_BINS clock values). Pages are
     placed in ``(stamp, id)`` order by counting positions when one round
-    settled it, else the ``m`` chosen keys are sorted.
+    settled it, else by a stable sort of the ``m`` chosen pages' stamps.
     """
     P = page_state.shape[0]
     m = max(0, min(n, counters[L.CACHED_COUNT], out.shape[0])) if n > 0 else 0
@@ -96,16 +96,17 @@ def evict_oldest_numba(n, out, free_stack, page_state, stamp, counters, keys):
                     hist[b] += 1
         else:
             at_t, r = m - older, 0
-            for j in range(c):  # ids[:r] are done with, so keys can be refilled in place
+            chosen, stamps = np.empty(m, np.int32), np.empty(m, np.int64)
+            for j in range(c):  # ids ascending, so a stable sort by stamp orders by (stamp, id)
                 i = ids[j]
                 s = stamp[i]
                 if s < t or (s == t and at_t > 0):
                     at_t -= s == t
-                    keys[r] = s * P + i
+                    chosen[r], stamps[r] = i, s  # (not one key stamp * P + id: that wraps for a late clock)
                     r += 1
-            sel = np.sort(keys[:m])
+            order = np.argsort(stamps, kind="mergesort")
             for r in range(m):
-                out[r] = sel[r] % P
+                out[r] = chosen[order[r]]
         for r in range(m):
             p = out[r]
             page_state[p] = L.FREE
@@ -143,12 +144,58 @@ def evict_numba_entry(out_ptr, K, sd):
 # stamp), radix rounds that histogram one 8-bit digit of ``stamp - min`` to find
 # the threshold stamp ``t`` (everything older is taken whole; of the pages
 # stamped ``t``, the lowest ids), a collect pass that lists the chosen pages in
-# id order, and a rank pass that orders only those ``m`` pages by
-# ``(stamp, id)``. Positions come from prefix sums and ranks, never atomics.
+# id order, and a stable LSD radix sort of only those ``m`` pages by
+# ``stamp - min`` (one pass per 8-bit digit of ``t - min``; none when they share
+# one stamp), which leaves them in ``(stamp, id)`` order. Positions come from
+# histograms, prefix sums and in-chunk ranks, never atomics.
 
 
-DIGIT_BITS = tl.constexpr(8)  # stamp bits settled per radix round
+DIGIT_BITS = tl.constexpr(8)  # stamp bits settled per radix round / sort pass
 RADIX = tl.constexpr(256)     # histogram bins per round (2**DIGIT_BITS)
+
+
+@triton.jit
+def radix_sort_pass(
+    src_ptr,         # *int32 [m]: page ids, in (stamp - smin) order of the digits below `shift`
+    dst_ptr,         # *int32 [m]: the same ids, stably reordered by the digit at `shift`
+    m,               # int64 scalar: pages to sort
+    stamp_ptr,       # *int64 [P]: stamps, loaded through the page ids
+    smin,            # int64 scalar: the smallest stamp (digits are of stamp - smin >= 0)
+    shift,           # bit offset of this pass's digit
+    BLOCK: tl.constexpr,  # lanes per chunk of the histogram
+    CHUNK: tl.constexpr,  # items per chunk of the scatter (its [CHUNK, RADIX] and [CHUNK, CHUNK] tiles)
+):
+    """One stable counting-sort pass: dst[base[d] + (earlier items with digit d)] = src[j].
+
+    Work: m items histogrammed, then m items placed in chunks of CHUNK, each item's
+    offset gathered from a [RADIX] vector by a [CHUNK, RADIX] select and its rank among
+    the chunk's items with the same digit by a [CHUNK, CHUNK] comparison:
+    O(m * (RADIX + CHUNK)) per pass, no atomics, the order of equal digits kept."""
+    bins = tl.arange(0, RADIX)
+    lanes = tl.arange(0, BLOCK)
+    hist = tl.zeros((RADIX,), tl.int32)
+    for start in range(0, m, BLOCK):
+        j = start + lanes
+        live = j < m
+        p = tl.load(src_ptr + j, mask=live, other=0)
+        d = (tl.load(stamp_ptr + p, mask=live, other=smin) - smin) >> shift
+        hist += tl.histogram((d & (RADIX - 1)).to(tl.int32), RADIX, mask=live)
+    # next[b]: where the next item with digit b goes (the exclusive prefix sum, then counted up).
+    # (int32: positions are below m <= P < 2**31; the pointers carry the stack offset.)
+    nxt = tl.cumsum(hist, 0) - hist
+    rows = tl.arange(0, CHUNK)
+    earlier = rows[None, :] < rows[:, None]  # [i, k]: item k comes before item i in the chunk
+    for start in range(0, m, CHUNK):
+        j = start + rows
+        live = j < m
+        p = tl.load(src_ptr + j, mask=live, other=0)
+        d = (tl.load(stamp_ptr + p, mask=live, other=smin) - smin) >> shift
+        digit = (d & (RADIX - 1)).to(tl.int32)
+        base = tl.sum(tl.where(digit[:, None] == bins[None, :], nxt[None, :], 0), axis=1)
+        same = (digit[:, None] == digit[None, :]) & earlier & live[None, :]
+        pos = base + tl.sum(same.to(tl.int32), axis=1)
+        tl.store(dst_ptr + pos, p, mask=live)
+        nxt += tl.histogram(digit, RADIX, mask=live)
 
 
 @triton.jit
@@ -165,7 +212,7 @@ def evict_oldest_body(
     clock,           # int64 scalar: the call's clock (no stamp is later)
     # Meta-parameters
     BLOCK: tl.constexpr,       # pages per chunk
-    RANK_BLOCK: tl.constexpr,  # side of the tile that ranks the chosen pages
+    RANK_BLOCK: tl.constexpr,  # items per chunk of a radix sort pass's scatter
 ):
     """Evict the m = min(n, cached, K) smallest (stamp, id) CACHED pages: out[:m], stack[top:top+m].
 
@@ -226,27 +273,30 @@ def evict_oldest_body(
         ties += tl.sum(eq)
         taken += tl.sum(c)
     tl.debug_barrier()
-    # Rank each chosen page among the chosen by (stamp, id); out[rank] = page.
-    rows = tl.arange(0, RANK_BLOCK)
-    for a_start in range(0, m, RANK_BLOCK):
-        ia = a_start + rows
-        pa = tl.load(free_stack_ptr + top + ia, mask=ia < m, other=0)
-        sa = tl.load(stamp_ptr + pa, mask=ia < m, other=0)
-        rank = tl.zeros((RANK_BLOCK,), tl.int64)
-        for b_start in range(0, m, RANK_BLOCK):
-            ib = b_start + rows
-            pb = tl.load(free_stack_ptr + top + ib, mask=ib < m, other=0)
-            sb = tl.load(stamp_ptr + pb, mask=ib < m, other=INT64_MAX)  # lanes past m are never older
-            sa2, sb2 = sa[:, None], sb[None, :]
-            older = (sb2 < sa2) | ((sb2 == sa2) & (pb[None, :] < pa[:, None]))
-            rank += tl.sum(older.to(tl.int64), axis=1)
-        tl.store(out_ptr + rank, pa, mask=ia < m)
-    tl.debug_barrier()
-    # Copy the ordered pages onto the stack, mark them FREE, pad out with -1.
+    # Stable LSD radix sort of the chosen pages by stamp - smin (all in [0, t - smin]): from id
+    # order it yields (stamp, id) order. Passes ping-pong stack[top:top+m] -> out[:m] -> stack ...
+    span = tl.where(m > 0, t, smin) - smin  # (no difference formed when nothing is evicted)
+    passes = tl.zeros((), tl.int32)
+    while span > 0:
+        span = span >> DIGIT_BITS
+        passes += 1
+    for r in range(passes):
+        if r % 2 == 0:
+            radix_sort_pass(free_stack_ptr + top, out_ptr, m, stamp_ptr, smin, r * DIGIT_BITS, BLOCK, RANK_BLOCK)
+        else:
+            radix_sort_pass(out_ptr, free_stack_ptr + top, m, stamp_ptr, smin, r * DIGIT_BITS, BLOCK, RANK_BLOCK)
+        tl.debug_barrier()
+    # The order is in out after an odd number of passes, else on the stack: copy it to the
+    # other one, mark the pages FREE, pad out with -1.
+    in_out = passes % 2 == 1
+    m_out = tl.where(in_out, m, 0)    # items to read from out (and write to the stack)
+    m_stack = tl.where(in_out, 0, m)  # items to read from the stack (and write to out)
     for start in range(0, m, BLOCK):
         j = start + lanes
-        p = tl.load(out_ptr + j, mask=j < m, other=0)
-        tl.store(free_stack_ptr + top + j, p, mask=j < m)
+        p = tl.where(j < m_out, tl.load(out_ptr + j, mask=j < m_out, other=0),
+                     tl.load(free_stack_ptr + top + j, mask=j < m_stack, other=0))
+        tl.store(free_stack_ptr + top + j, p, mask=j < m_out)
+        tl.store(out_ptr + j, p, mask=j < m_stack)
         tl.store(page_state_ptr + p, tl.full((BLOCK,), FREE, tl.int8), mask=j < m)
     for start in range((m // BLOCK) * BLOCK, K, BLOCK):
         j = start + lanes
@@ -265,7 +315,7 @@ def evict_kernel(
     num_pages,       # P
     # Meta-parameters
     BLOCK: tl.constexpr,       # lanes per chunk
-    RANK_BLOCK: tl.constexpr,  # side of the tile that ranks the chosen pages
+    RANK_BLOCK: tl.constexpr,  # items per chunk of a radix sort pass's scatter
 ):
     """out[:m] = the m = min(K, cached) oldest CACHED pages by (stamp, id), pushed on the stack in that order."""
     c = load_counters(counters_ptr)

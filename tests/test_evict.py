@@ -196,3 +196,84 @@ def test_reused_alloc_out_is_repadded(make_pool, guard):
     with guard():
         c = pool.alloc(i32([1]), out=out)
     assert c.evicted.tolist() == [-1] * 8 and c.pages.tolist()[1:] == [-1] * 7
+
+
+@pytest.mark.parametrize("span, chunks", [(2**24 + 3, "wide"), (2**32 + 1, "wide"), (2**62, "wide"),
+                                          (2**32 + 1, "chunked")])
+def test_eviction_order_many_ties_over_wide_stamps(make_pool, backend, guard, monkeypatch, span, chunks):
+    """Thousands of cached pages, stamps over more than 2**24 clock values (up to 4, 5 and 8 radix
+    passes of the Triton sort, fewer for small evictions) with many ties: evictions of various
+    sizes, k beyond the cached count, every cached page at once, and an alloc that evicts, all
+    bit for bit as the reference and in (stamp, id) order. ``chunked``: 32-lane chunks and
+    16-item sort chunks (Triton only)."""
+    import random
+    from tpool.kernels import layout as L
+    if chunks == "chunked":
+        if backend != "triton":
+            pytest.skip("chunk sizes are Triton launch settings")
+        from tpool.kernels import _triton_util
+        monkeypatch.setattr(_triton_util, "MAX_BLOCK", 32)
+        monkeypatch.setattr(_triton_util, "RANK_BLOCK", 16)
+    rng = random.Random(span)
+    P = 320 if chunks == "chunked" else 5000
+    pool = make_pool(P, max_alloc_pages=P)
+    ref = tpool.PagePool(P, device="cpu", backend="reference", max_alloc_pages=P)
+    pools = (pool, ref)
+
+    def same_state():
+        for name in ("refcount", "page_state", "stamp", "counters"):
+            assert getattr(pool.state, name).tolist() == getattr(ref.state, name).tolist(), name
+        n = int(ref.state.counters[L.FREE_COUNT])
+        assert pool.state.free_stack[:n].tolist() == ref.state.free_stack[:n].tolist()
+
+    def cache(ids):
+        """Release ``ids`` into the cache, then stamp them by hand: few distinct values (ties)
+        spread over [0, span], both ends included; the clock moves to span (no stamp is later)."""
+        values = [0, span] + [rng.randint(0, span) for _ in range(len(ids) // 12)]
+        stamps = [rng.choice(values) for _ in ids]
+        for p in pools:
+            with guard():
+                p.free(i32(ids), cache=True)
+            p.state.counters[L.CLOCK] = max(int(p.state.counters[L.CLOCK]), span)
+            p.state.stamp[torch.tensor(ids, dtype=torch.long)] = torch.tensor(stamps, dtype=torch.int64)
+
+    def evict(k):
+        st = ref.state
+        cached, stamps = (st.page_state == L.CACHED).nonzero().flatten().tolist(), st.stamp.tolist()
+        expected = sorted(cached, key=lambda q: (stamps[q], q))[:k]
+        top = int(st.counters[L.FREE_COUNT])
+        outs = []
+        for p in pools:
+            with guard():
+                outs.append(p.evict(k))
+        got = outs[0].tolist()
+        assert got == outs[1].tolist()
+        assert got == (expected + [-1] * (k - len(expected)))[:P]
+        assert pool.state.free_stack[top:top + len(expected)].tolist() == expected
+        same_state()
+
+    for p in pools:
+        with guard():
+            p.alloc(i32([P]))
+    pages = list(range(P))
+    rng.shuffle(pages)
+    cache(pages[:P * 4 // 5])
+    for k in (1, 7, 300, 64, 129, 1000):
+        evict(k)
+    left = int(ref.state.counters[L.CACHED_COUNT])
+    evict(left + 50)                       # more than is cached: all of it, out padded
+    evict(3)                               # nothing cached: all -1
+    used = (ref.state.page_state == L.USED).nonzero().flatten().tolist()
+    cache(used)
+    evict(int(ref.state.counters[L.CACHED_COUNT]))   # exactly every cached page
+    with guard():
+        r = [p.alloc(i32([P])) for p in pools]        # every page: no cache to evict
+    cache(list(range(0, P, 2)))
+    cache(list(range(1, P, 4)))            # a second release: two stamp sets
+    with guard():
+        r = [p.alloc(i32([P // 2, P // 4]), evict=True) for p in pools]  # the free and then ~P/2 evicted
+    assert r[0].evicted.tolist() == r[1].evicted.tolist() and r[0].pages.tolist() == r[1].pages.tolist()
+    assert sum(q >= 0 for q in r[0].evicted.tolist()) > P // 3
+    same_state()
+    evict(P)                               # k = the pool, more than is cached
+    pool.check_invariants()
