@@ -79,3 +79,11 @@ def test_report_piped_into_head():
 def test_unknown_command_is_an_error_with_the_usage():
     r = tpool_cli("frobnicate")
     assert r.returncode == 2 and "unknown command 'frobnicate'" in r.stderr and "usage:" in r.stderr
+
+
+def test_an_abbreviated_model_option_is_an_error_not_the_simulation():
+    """``tpool demo --mod llama``: argparse took ``--mod`` for ``--model`` and the simulation ran, the
+    model ignored; the demos take no abbreviations now."""
+    r = tpool_cli("demo", "--mod", "llama", "--requests", "2")
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert "error: unrecognized arguments: --mod llama" in r.stderr, r.stderr

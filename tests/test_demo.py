@@ -118,3 +118,56 @@ def test_model_demo_bad_options_are_clean_errors(args, words, capsys):
     with pytest.raises(SystemExit) as e:
         serve_main(["--model", "llama", *args])
     assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_page_holding_the_longest_request_runs(capsys):
+    """``--page-size 4096`` (any page at least the longest request) makes rows of one page
+    (max_pages 1): the warm-up asked for page_size + 2 tokens, past a row, and crashed."""
+    lines = []
+    s = demo.run(requests=6, page_size=4096, backend="numba", out=lambda s, **_: lines.append(s))
+    assert lines[-1].endswith("no errors, invariants hold") and "requests done 6, rejected 0" in lines[-1]
+    assert s["pages.used.current"] == 0
+    demo.main(["--page-size", "2500", "--num-pages", "1", "--requests", "3", "--backend", "numba"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].endswith("no errors, invariants hold") and "requests done 3, rejected 0" in out[-1]
+
+
+@pytest.mark.parametrize("spelling", [["--model", "gpt-neox"], ["--model=gpt-neox"]])
+def test_demo_main_with_a_model_runs_the_serving_demo(spelling, monkeypatch):
+    """``demo.main`` hands every option to the serving demo when a model is named (it parsed
+    ``--model`` and ran the simulation)."""
+    import tpool.serving.cli
+    seen = []
+    monkeypatch.setattr(tpool.serving.cli, "main", lambda argv: seen.append(argv) or 0)
+    args = ["--requests", "2", *spelling, "--max-batch", "4"]
+    assert demo.main(args) == 0 and seen == [args]
+    from tpool.__main__ import main
+    assert main(["demo", *args]) == 0 and seen == [args, args]
+
+
+@pytest.mark.parametrize("argv", [["--mod", "llama"], ["--mo=gpt-neox"], ["--req", "2"]])
+def test_the_demos_take_no_abbreviated_options(argv, capsys):
+    """``demo --mod llama`` ran the simulation (argparse took ``--mod`` for ``--model``, which only an
+    exact ``--model`` hands to the serving demo): abbreviations are errors in both demos' parsers."""
+    from tpool.__main__ import main
+    from tpool.serving.cli import main as serve_main
+    for call in (lambda: main(["demo", *argv]), lambda: demo.main(argv),
+                 lambda: serve_main(["--model", "llama", *argv])):
+        with pytest.raises(SystemExit) as e:
+            call()
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "unrecognized arguments: " + " ".join(argv) in err, err
+
+
+@pytest.mark.parametrize("seed", ["99999999999999999999999", str(2**64), "-1"])
+def test_a_seed_out_of_range_is_an_error_naming_it(seed, capsys):
+    """``--seed`` past what ``torch.manual_seed`` takes: an option error naming ``--seed`` and the range
+    (the serving demo said only ``error: Overflow when unpacking long long``)."""
+    from tpool.serving.cli import main as serve_main
+    for call in (lambda: serve_main(["--model", "llama", "--seed", seed, "--requests", "1"]),
+                 lambda: demo.main(["--seed", seed, "--requests", "1"])):
+        with pytest.raises(SystemExit) as e:
+            call()
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "argument --seed: expected an int from 0 to 18446744073709551615" in err, err
+    assert demo.seed_int(str(2**64 - 1)) == 2**64 - 1 and demo.seed_int("0") == 0

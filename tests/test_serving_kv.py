@@ -451,3 +451,46 @@ def test_flashinfer_zeroes_the_rows_of_lanes_past_the_csr_capacity_as_the_refere
     assert fi.run(torch.zeros(4, 2, 8, dtype=torch.float16), cache, cache)[:, 0, 0].tolist() == [1, 0, 0, 0]
     ref = paged_attention(torch.ones(4, 2, 8), torch.ones(8, 4, 1, 8), torch.ones(8, 4, 1, 8), meta)
     assert ref[:, 0, 0].tolist() == [1, 0, 0, 0]
+
+
+def _transformers_config(model_type, **kw):
+    """A tiny config of ``model_type`` (nothing downloaded); skips where transformers lacks the type."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type!r} config")
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
+    return transformers.AutoConfig.for_model(model_type, **{**common, **kw})
+
+
+@pytest.mark.parametrize("v_head_dim, words", [(8, "(K and V head dims differ)"), (16, "not the 2 K/V heads")])
+def test_kv_shape_refuses_multi_head_latent_attention(v_head_dim, words):
+    """DeepSeek-V3's MLA caches K and V per query head with their own head dims: ``kv_shape`` returned
+    ``(2, 2, 8)`` and the first write failed with ``k: expected shape (64, 2, 8) ..., got (64, 4, 16)``."""
+    from types import SimpleNamespace
+
+    from tpool.serving import engine
+    cfg = _transformers_config("deepseek_v3", kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                               qk_nope_head_dim=8, v_head_dim=v_head_dim, n_routed_experts=4, num_experts_per_tok=2,
+                               moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1)
+    with pytest.raises(ValueError, match="deepseek_v3: not supported by tpool.serving: multi-head latent") as e:
+        engine.kv_shape(cfg)
+    assert words in str(e.value) and "4 query heads, K of head dim 16" in str(e.value)
+    with pytest.raises(ValueError, match="deepseek_v3: not supported"):   # the Engine says it before any step
+        engine.Engine(SimpleNamespace(config=cfg, dtype=torch.float32), num_pages=8, page_size=4, max_batch=2,
+                      max_pages=4, backend="reference")
+
+
+def test_kv_shape_refuses_head_dims_that_differ_per_layer():
+    """Gemma 4's full-attention layers have their own head_dim (a transformers ``per_layer_config``):
+    ``kv_shape`` raised transformers' ``AmbiguousGlobalPerLayerAttributeError`` reading ``head_dim``."""
+    from tpool.serving import engine
+    kw = dict(head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+    cfg = _transformers_config("gemma4_text", global_head_dim=32, **kw)
+    with pytest.raises(ValueError, match="gemma4_text: not supported by tpool.serving: its head dims") as e:
+        engine.kv_shape(cfg)
+    assert "layers [0]: 2 K/V heads of head_dim 16; layers [1]: 2 K/V heads of head_dim 32" in str(e.value)
+    # Layers that all agree are one shape, per-layer config or not.
+    assert engine.kv_shape(_transformers_config("gemma4_text", global_head_dim=16, **kw)) == (2, 2, 16)
+    assert engine.kv_shape(_transformers_config("llama", head_dim=16)) == (2, 2, 16)

@@ -41,10 +41,7 @@ def _dispatch(argv):
         print(f"tpool {__version__}")
         return 0
     cmd, rest = argv[0], argv[1:]
-    if cmd == "demo" and any(a == "--model" or a.startswith("--model=") for a in rest):
-        from tpool.serving.cli import main as serve_main  # transformers is imported after the options are parsed
-        return serve_main(rest) or 0
-    if cmd == "demo":
+    if cmd == "demo":  # with --model, demo.main hands the options to the serving demo (tpool.serving.cli)
         from tpool import demo
         return demo.main(rest) or 0
     if cmd == "report":

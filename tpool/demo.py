@@ -57,10 +57,12 @@ def run(requests=256, batch=64, num_pages=4096, page_size=16, seed=0, device=Non
     out(f"tpool demo: {requests} requests, up to {batch} running, {pool!r}", flush=True)
 
     # Warm up every kernel once (compilation: the table's and the mirror's), leaving no trace in the state.
+    # The warm request may grow past its first page, but never past a row of the table (max_pages == 1
+    # when a page holds the longest request).
     from tpool.graphs import preserved
     with preserved(table):
         warm = HostMirror(table, lookahead=LOOKAHEAD, free=num_pages, cached=0)
-        rows = warm.admit([1], [page_size + 2])
+        rows = warm.admit([1], [min(page_size + 2, max_pages * page_size)])
         warm.preemption(rows, [0])
         warm.decode(rows)
         warm.finish(rows)
@@ -180,6 +182,25 @@ def positive_int(text):
     return v
 
 
+SEED_MAX = 2**64 - 1   # torch.manual_seed's largest seed (the serving demo seeds torch with it)
+
+
+def seed_int(text):
+    """argparse type of the demos' ``--seed``: an int from 0 to ``SEED_MAX`` (what ``torch.manual_seed`` takes)."""
+    v = int(text)
+    if not 0 <= v <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"expected an int from 0 to {SEED_MAX} (2**64 - 1), got {text}")
+    return v
+
+
+def wants_model(argv) -> bool:
+    """Whether demo options ``argv`` name a model (``--model NAME`` or ``--model=NAME``, the only spellings
+    the demos' parsers accept: they take no abbreviations), so the serving demo runs instead."""
+    argv = list(argv)
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    return any(a == "--model" or a.startswith("--model=") for a in argv)
+
+
 class OptionError(ValueError):
     """A demo's options describe something that cannot be made: a pool, table, model or request
     (the message says why). Both demos (this one and ``tpool.serving.engine``'s) raise it."""
@@ -194,8 +215,14 @@ def _build(num_pages, page_size, device, backend, batch, max_pages):
 
 
 def main(argv=None):
+    """``python -m tpool demo [options]``; with ``--model NAME`` the serving demo (:func:`tpool.serving.cli.main`)
+    parses the options and runs instead."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if wants_model(argv):
+        from tpool.serving.cli import main as serve_main  # transformers is imported after the options are parsed
+        return serve_main(argv)
     ap = argparse.ArgumentParser(
-        prog=prog("demo"),
+        prog=prog("demo"), allow_abbrev=False,
         description="A decode loop scheduled on a host mirror of the pool: admissions, preemptions, decode steps "
                     "and finishes decided on host integers, never reading the device inside a step.")
     ap.add_argument("--requests", type=positive_int, default=256, help="requests in the queue (default 256)")
@@ -203,8 +230,8 @@ def main(argv=None):
                     "(default 64)")
     ap.add_argument("--num-pages", type=positive_int, default=4096, help="pages in the pool (default 4096)")
     ap.add_argument("--page-size", type=positive_int, default=16, help="tokens per page (default 16)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the prompt (128-2048) and output (16-384) "
-                    "lengths (default 0)")
+    ap.add_argument("--seed", type=seed_int, default=0, help="seed of the prompt (128-2048) and output (16-384) "
+                    "lengths, 0 to 2**64 - 1 (default 0)")
     ap.add_argument("--device", default=None, help="torch device of the pool, e.g. cpu, cuda, cuda:1 "
                     "(default: cuda if available, else cpu)")
     ap.add_argument("--backend", default="auto", choices=["auto", "reference", "numba", "triton"],

@@ -8,7 +8,7 @@ can read what the demo takes before installing anything.
 import argparse
 
 from tpool._prog import prog
-from tpool.demo import OptionError, positive_int
+from tpool.demo import OptionError, positive_int, seed_int
 
 MODELS = ("llama", "gpt-neox")
 INSTALL_HF = "pip install 'tpool[hf]' (or pip install -e \".[hf]\" in a checkout)"
@@ -16,7 +16,7 @@ INSTALL_HF = "pip install 'tpool[hf]' (or pip install -e \".[hf]\" in a checkout
 
 def parser() -> argparse.ArgumentParser:
     """The serving demo's command line: every option with its default."""
-    ap = argparse.ArgumentParser(prog=prog("demo --model NAME"),
+    ap = argparse.ArgumentParser(prog=prog("demo --model NAME"), allow_abbrev=False,  # as the demo's: see wants_model
                                  description="Serve a tiny random transformers model on tpool pages and check "
                                              "every request against the model's generate (needs transformers: "
                                              f"{INSTALL_HF}).")
@@ -27,7 +27,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-batch", type=positive_int, default=8, help="lanes per step (default 8)")
     ap.add_argument("--backend", default="auto", choices=["auto", "reference", "numba", "triton"],
                     help="pool backend (default auto: numba on a CPU; triton needs TRITON_INTERPRET=1 there)")
-    ap.add_argument("--seed", type=int, default=0, help="weights and prompts seed (default 0)")
+    ap.add_argument("--seed", type=seed_int, default=0, help="weights and prompts seed, 0 to 2**64 - 1 (default 0)")
     return ap
 
 

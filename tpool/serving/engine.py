@@ -78,11 +78,47 @@ def tiny_model(name: str, *, seed: int = 0, vocab_size: int = 256):
 
 
 def kv_shape(config):
-    """``(num_layers, num_kv_heads, head_dim)`` of a transformers config."""
+    """``(num_layers, num_kv_heads, head_dim)`` of a transformers config: one K/V shape for every layer,
+    K and V alike (what :class:`PagedKVCache` holds).
+
+    Raises ``ValueError`` naming the model type for a config no such shape describes: multi-head
+    latent attention (DeepSeek-V2/V3: ``kv_lora_rank``; K and V are per query head, with their own
+    head dims), a ``v_head_dim`` other than the K head dim, or head dims or K/V head counts that
+    differ per layer (a transformers ``per_layer_config``: Gemma 4's full-attention layers).
+    """
+    kind = getattr(config, "model_type", None) or type(config).__name__
+    if getattr(config, "is_heterogeneous", False):   # transformers 5's per-layer configs
+        per_layer = [_layer_kv_shape(c, kind) for c in config.per_layer_config]
+    else:
+        per_layer = [_layer_kv_shape(config, kind)]
+    if len(set(per_layer)) > 1:
+        layers = {}
+        for i, shape in enumerate(per_layer):
+            layers.setdefault(shape, []).append(i)
+        what = "; ".join(f"layers {ids}: {heads} K/V heads of head_dim {hd}" for (heads, hd), ids in layers.items())
+        raise ValueError(f"{kind}: not supported by tpool.serving: its head dims or K/V head counts differ per "
+                         f"layer ({what}); PagedKVCache holds one (num_kv_heads, head_dim) for every layer")
+    return config.num_hidden_layers, *per_layer[0]
+
+
+def _layer_kv_shape(config, kind):
+    """``(num_kv_heads, head_dim)`` of one layer's config (the model's config when all layers are alike)."""
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     hd = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, kv, hd
+    v = getattr(config, "v_head_dim", None)
+    if getattr(config, "kv_lora_rank", None):
+        qk = (getattr(config, "qk_nope_head_dim", None) or 0) + (getattr(config, "qk_rope_head_dim", None) or 0)
+        differ = " (K and V head dims differ)" if qk != v else ""
+        raise ValueError(f"{kind}: not supported by tpool.serving: multi-head latent attention (kv_lora_rank "
+                         f"{config.kv_lora_rank}) caches K and V for each of its {heads} query heads, K of head dim "
+                         f"{qk} (qk_nope_head_dim + qk_rope_head_dim) and V of head dim {v} (v_head_dim){differ}, "
+                         f"not the {kv} K/V heads of head_dim {hd} the config names; PagedKVCache holds K and V "
+                         f"of one (num_kv_heads, head_dim)")
+    if v is not None and v != hd:
+        raise ValueError(f"{kind}: not supported by tpool.serving: K and V head dims differ (head_dim {hd}, "
+                         f"v_head_dim {v}); PagedKVCache holds K and V of one head_dim")
+    return kv, hd
 
 
 @dataclass
