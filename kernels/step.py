@@ -226,10 +226,31 @@ def splice_csr(indices_ptr, indptr, B, plan, blocks, old_total, total, ids, bloc
     return mn < 0 or mx >= num_pages
 
 
+@numba.njit(nogil=True)
+def rebuild_csr(req_ids_ptr, B, cd, memo, ps, bt, lens, counters, P, indptr, kvl):
+    """The step's CSR from the rows (``flashinfer_csr_numba``), after its extend: a request with a page
+    outside the pool, or past the capacity, is exported empty and gets ``kv_lens`` 0. Returns whether
+    every request was exported whole (else the caller leaves no memo); clears ``APPENDED_FROM`` after
+    a page outside the pool, so no step grows the other buffer's CSR from such a row either."""
+    written, empty, cut = flashinfer_csr_numba(req_ids_ptr, B, cd[CD_INDPTR], cd[CD_INDICES], cd[CD_INDICES_LEN],
+                                               cd[CD_LAST_PAGE_LEN], ps, bt, lens, counters, memo[L.MEMO_WRITTEN],
+                                               False, P, kvl)  # the extend counted the rest
+    memo[L.MEMO_WRITTEN] = written
+    if empty or cut:  # those lanes (a page outside the pool, or past the capacity) read no page
+        for i in range(B):  # through kv_lens either
+            if indptr[i + 1] == indptr[i]:
+                kvl[i] = 0
+    if empty:
+        version_cells(cd[:CD_STATE])[L.APPENDED_FROM] = -1
+    return not (empty or cut)
+
+
 @numba.njit(nogil=True, inline="always")
 def memo_holds(memo, td, ids, B):
-    """Whether the CSR memo ``memo`` holds the batch ``ids`` at the table's version (module note)."""
-    if memo[L.MEMO_VERSION] != version_cells(td)[L.VERSION_NOW]:
+    """Whether the CSR memo ``memo`` holds the batch ``ids`` at the table's version (module note); never
+    a memo that holds no CSR (a negative version), even when a hand edit gave the table that version."""
+    held = memo[L.MEMO_VERSION]
+    if held < 0 or held != version_cells(td)[L.VERSION_NOW]:
         return False
     diff = 0
     for i in range(B):  # no early exit: the loop vectorises
@@ -301,6 +322,7 @@ def decode_lanes(req_ids_ptr, ntok_ptr, B, cd, behind):
     qo, kvl = i32_array(cd[CD_QO_INDPTR], B + 1), i32_array(cd[CD_KV_LENS], B)
     top = free
     tok = pos = old_pos = grown = bad_slots = changed = 0
+    wild = False
     for i in range(B):
         r = ids[i]  # the caller's memory, read again: bounded again (another thread may have written it)
         if r == L.NULL_PAGE:
@@ -336,6 +358,12 @@ def decode_lanes(req_ids_ptr, ntok_ptr, B, cd, behind):
         if behind and k >= have:  # the run gains this step's page, or the step before's, or both
             grown = list_growth(ins, grown, i, old_pos + have, have, k + 1)
             stamps[i] = row_version[r]
+            # The step before's pages come from the row, where a hand edit without invalidate_csr may have
+            # put any id: at k (when off != 0: read above as page; else this step's, from the checked stack
+            # run), and at have..k - 1 (none in a decode loop's steps).
+            wild |= (off != 0) & (np.uint64(page) >= np.uint64(P))
+            if k > have:
+                wild |= not run_in_pool(bt[np.uint64(r)], have, k, P)
         old_pos += have
         good, pos = decode_lane(i, tok, r, length, page, k, off, ps, P, slots, lens, ok, True, pos, tails, indptr,
                                 last, positions, qo, kvl)
@@ -348,10 +376,12 @@ def decode_lanes(req_ids_ptr, ntok_ptr, B, cd, behind):
     counters[L.FREE_COUNT] -= free - top
     counters[L.ALLOCATED] += free - top
     raise_peaks(counters, P)
-    # every page it copies is in the pool: popped from a checked stack run, or (behind) added to a row by
-    # the step before, which left APPENDED_FROM at -1 had it exported a page outside the pool
     grow_csr(cd[CD_INDICES], ins, grown, total, ids, bt)
     memo[L.MEMO_WRITTEN] = max(memo[L.MEMO_WRITTEN], total)
+    # A page outside the pool copied in (behind: from a row, above): rebuild, as the full step does. (A
+    # check in the first pass cost that pass its vectorisation, ~16% of a step taking turns.)
+    if wild:
+        changed |= not rebuild_csr(req_ids_ptr, B, cd, memo, ps, bt, lens, counters, P, indptr, kvl)
     memo[L.MEMO_VERSION] = version if changed == 0 else -1  # inputs changed under the call: the next step rebuilds
     return True
 
@@ -414,17 +444,7 @@ def step_numba_entry(req_ids_ptr, ntok_ptr, B, cd):
     else:
         rebuild = True
     if rebuild:  # from the rows; also after a page outside the pool was copied in (exported empty here)
-        written, empty, cut = flashinfer_csr_numba(req_ids_ptr, B, cd[CD_INDPTR], cd[CD_INDICES], cap,
-                                                   cd[CD_LAST_PAGE_LEN], ps, bt, lens, counters,
-                                                   memo[L.MEMO_WRITTEN], False, P, kvl)  # the extend counted the rest
-        memo[L.MEMO_WRITTEN] = written
-        if empty or cut:  # those lanes (a page outside the pool, or past the capacity) read no page
-            for i in range(B):  # through kv_lens either, and leave no memo
-                if indptr[i + 1] == indptr[i]:
-                    kvl[i] = 0
-            clean = False
-        if empty:  # and no CSR one step behind
-            version_cells(td)[L.APPENDED_FROM] = -1
+        clean &= rebuild_csr(req_ids_ptr, B, cd, memo, ps, bt, lens, counters, P, indptr, kvl)
     if not grew:
         for i in range(B):
             r = ids[i]

@@ -242,6 +242,34 @@ def main(backend: str) -> dict:
     del run, t, pool, a  # a clobbered allocator header aborts the process here (a crash fails the test)
     import gc
     gc.collect()
+    # Hand edits without invalidate_csr (tests/fuzz_corrupt.py found these): a length raised, or the page the
+    # last step added made wild, then a step whose StepOut holds the CSR one step behind (numba grew it in
+    # place from the row, unchecked); a version cell set to -1, matching a memo that holds no CSR.
+    stale = {}
+    for edit in ("length", "page"):
+        pool, t = table(P=16, ps=2, R=1, MP=6)
+        a, b = t.step_out(1, max_tokens=4), t.step_out(1, max_tokens=4)
+        t.step(i32([0]), i32([3]), out=a)
+        t.step(i32([0]), i32([1]), out=b)
+        t.step(i32([0]), i32([1]), out=a)  # length 5 on pages 0, 1, 2
+        if edit == "length":
+            t.seq_lens[0] += 4
+        else:
+            t.block_table[0, 2] = 2**31 - 1
+        with no_host_sync():
+            s = t.step(i32([0]), i32([1]), out=b)
+        stale[edit] = dict(indptr=s.csr.indptr.tolist(), indices=s.csr.indices.tolist(), kv_lens=s.kv_lens.tolist(),
+                           slots=s.slots.tolist(), corrupt=err(pool, L.ERR_CORRUPT_STATE))
+    pool, t = table(P=8, ps=1, R=1, MP=2)
+    t.seq_lens[0] = 2  # a length with no pages: exported empty, the memo left holding no CSR
+    t.invalidate_csr()
+    t.step(i32([0]), i32([0]))
+    t.state.version[0] = -1
+    with no_host_sync():
+        s = t.step(i32([0]), i32([0]))
+    stale["version"] = dict(indptr=s.csr.indptr.tolist(), indices=s.csr.indices.tolist(), kv_lens=s.kv_lens.tolist(),
+                            corrupt=err(pool, L.ERR_CORRUPT_STATE))
+    out["stale_csr"] = stale
     return out
 
 
