@@ -28,6 +28,36 @@ COLD_BYTES = 64 << 20      # bytes written between two cold calls (64 MiB)
 
 _T0 = time.perf_counter()
 
+
+def non_negative_int(text):
+    """argparse type of a count that may be 0 (0 skips something): an int of at least 0."""
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an int of at least 0, got {text}")
+    return v
+
+
+def int_at_most(limit: int, why: str):
+    """argparse type of a count from 1 to ``limit`` (``why``: what the limit comes from, said in the error)."""
+    def parse(text):
+        v = positive_int(text)
+        if v > limit:
+            raise argparse.ArgumentTypeError(f"at most {limit} ({why}), got {text}")
+        return v
+    parse.__name__ = "int"  # argparse names the type in its error for a non-int: "invalid int value"
+    return parse
+
+
+def multiple_of(m: int, why: str):
+    """argparse type of a positive count that is a multiple of ``m`` (``why``: the reason, said in the error)."""
+    def parse(text):
+        v = positive_int(text)
+        if v % m:
+            raise argparse.ArgumentTypeError(f"must be a multiple of {m} ({why}), got {text}")
+        return v
+    parse.__name__ = "int"
+    return parse
+
 # One intra-op thread: timings of small torch ops on a shared machine are otherwise dominated by
 # thread-pool wake-ups and by other processes competing for the cores.
 torch.set_num_threads(1)

@@ -74,7 +74,7 @@ def parser() -> argparse.ArgumentParser:
                                         "\"tpool-numba turnover, bound\", \"tpool-numba turnover, one call\".")
     ap.add_argument("rows", nargs="+", help="bench_page_table.py rows to compare")
     ap.add_argument("--base", default="HEAD", help="the git revision to compare the working tree against")
-    ap.add_argument("--batch", type=int, default=256, help="requests in the batch")
+    ap.add_argument("--batch", type=positive_int, default=256, help="requests in the batch")
     ap.add_argument("--backend", default="numba", help="tpool backend (on the CPU)")
     ap.add_argument("--samples", type=positive_int, default=40, help="samples per row and version")
     ap.add_argument("--inner", type=positive_int, default=None,

@@ -5,7 +5,16 @@ allocated again and released to the cache (newest stamps), so every sample
 sees the same number of cached pages. Baseline, in the same run:
 ``numpy-argpartition``, the vectorised host answer (select the k smallest
 (stamp, id) keys among the cached pages with ``np.argpartition``, then sort
-those k), run on the same state.
+those k), run on the same state. A sweep (several ``--pool-sizes``) builds every
+size at once and takes turns between them sample by sample.
+
+The numpy baseline allocates ~20 bytes per page of temporaries each call (10 MB at
+1M pages): glibc hands blocks that large out with a fresh ``mmap`` and returns them
+on ``free``, so each call would pay its page faults, or not, as the allocator's
+dynamic threshold drifts (1.7 ms or 4 ms at 1M pages, run to run). While it times,
+the script turns that off (``mallopt``: no ``mmap`` for large blocks, no trimming
+of the heap), so every call reuses memory already mapped, as a long-running
+server's allocator does; the previous settings are restored at the end.
 
     python benchmarks/bench_evict.py                   # the table, about 10 s
     python benchmarks/bench_evict.py --pool-sizes 65536 262144 1048576 4194304 16777216 \
@@ -13,6 +22,8 @@ those k), run on the same state.
 """
 
 import argparse
+import contextlib
+import ctypes
 import functools
 import os
 import sys
@@ -22,8 +33,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (HelpFormatter, default_device, parse_args_for_plot, plot_lines, positive_int,  # noqa: E402
-                     print_table, progress, quantiles, write_json)
+from _common import (HelpFormatter, default_device, multiple_of, parse_args_for_plot, plot_lines,  # noqa: E402
+                     positive_int, print_table, progress, quantiles, write_json)
 
 import tpool  # noqa: E402
 from tpool.kernels import layout as L  # noqa: E402
@@ -48,14 +59,37 @@ def numpy_select(state, stamp, k):
     return ids[part[np.argsort(keys[part])]]
 
 
+@contextlib.contextmanager
+def malloc_keeps_memory():
+    """glibc only (elsewhere a no-op): large blocks from the heap, never given back (the module note)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt  # noqa: B018  (glibc has it; musl's libc.so.6 does not)
+    except (OSError, AttributeError):
+        yield False
+        return
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    libc.mallopt(M_MMAP_MAX, 0)
+    libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
+    try:
+        yield True
+    finally:  # glibc's defaults (its dynamic mmap threshold stays off: fixed at its 128 KiB default)
+        libc.mallopt(M_MMAP_MAX, 65536)
+        libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024)
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line: every option with its help and default."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 epilog="Progress goes to stderr, one line per row.",
+                                 epilog="Progress goes to stderr, one line per row. Every --k must be at most half "
+                                        "the smallest pool size (the cached pages), or a sample would evict fewer.",
                                  formatter_class=HelpFormatter)
-    ap.add_argument("--pool-sizes", "--pages", dest="pages", type=int, nargs="+", default=[65536, 1048576],
-                    metavar="P", help="pages in the pool, half of them cached (eviction is linear in P)")
-    ap.add_argument("--k", type=int, nargs="+", default=[1, 64, 4096], help="pages evicted per call")
+    ap.add_argument("--pool-sizes", "--pages", dest="pages", nargs="+", default=[65536, 1048576], metavar="P",
+                    type=multiple_of(2 * CACHE_CALLS, f"half the pool is cached in {CACHE_CALLS} equal frees"),
+                    help=f"pages in the pool, a multiple of {2 * CACHE_CALLS}, half of them cached (eviction is "
+                         "linear in P); several sizes are built at once and take turns sample by sample")
+    ap.add_argument("--k", type=positive_int, nargs="+", default=[1, 64, 4096],
+                    help="pages evicted per call, each at most half the smallest --pool-sizes")
     ap.add_argument("--device", default=default_device(), help="torch device of the pools")
     ap.add_argument("--backends", nargs="+", default=None,
                     help="tpool backends to time (default: numba and reference on CPU; triton and reference on CUDA)")
@@ -66,47 +100,86 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def numpy_sampler(pool, k):
+    """One timed ``numpy_select`` on a copy of ``pool``'s state (taken now) per call; µs."""
+    st, sp = pool.state.page_state.cpu().numpy().copy(), pool.state.stamp.cpu().numpy().copy()
+    numpy_select(st, sp, k)  # untimed: the allocator maps its blocks once
+
+    def sample():
+        t0 = time.perf_counter_ns()
+        numpy_select(st, sp, k)
+        return (time.perf_counter_ns() - t0) / 1e3
+    return sample
+
+
+def tpool_sampler(pool, k, sync):
+    """One timed ``pool.evict(k)`` per call (µs); then, untimed, checks it evicted k pages and puts k pages
+    back in the cache (allocated through ``alloc_out`` and freed with ``cache=True``: the newest stamps)."""
+    device = pool.device
+    out = torch.empty(k, dtype=torch.int32, device=device)
+    counts = torch.tensor([k], dtype=torch.int32, device=device)
+    refill = pool.alloc_out(max_batch=1, max_pages=k)
+
+    def sample():
+        sync()
+        t0 = time.perf_counter_ns()
+        pool.evict(k, out=out)
+        sync()
+        us = (time.perf_counter_ns() - t0) / 1e3
+        if int(out[-1]) < 0:  # -1 padded: fewer than k cached pages were left
+            raise AssertionError(f"evict({k}) evicted {int((out >= 0).sum())} pages")
+        res = pool.alloc(counts, out=refill)
+        if not bool(res.ok[0]):
+            raise AssertionError(f"the refill of {k} pages failed")
+        pool.free(res.pages, cache=True)
+        return us
+    sample()  # untimed: the first call compiles
+    return sample
+
+
 def main(argv=None):
-    args = parse_args_for_plot(parser(), argv)
+    ap = parser()
+    args = parse_args_for_plot(ap, argv)
+    for k in args.k:
+        if k > min(args.pages) // 2:
+            ap.error(f"argument --k: {k} is more than the cached half of the pool ({min(args.pages) // 2} pages "
+                     f"of --pool-sizes {min(args.pages)}): at most {min(args.pages) // 2}")
     device = torch.device(args.device)
     backends = args.backends or (["triton", "reference"] if device.type == "cuda" else ["numba", "reference"])
     sync = functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else (lambda: None)
-    rows, table = [], []
+    rows = []
+    pools = {}  # every size at once: the sizes take turns sample by sample
     for P in args.pages:
         progress(f"pool {P:,} pages: caching half of them")
-        pools = {be: cached_pool(P, be, device) for be in backends}
+        pools[P] = {be: cached_pool(P, be, device) for be in backends}
+    with malloc_keeps_memory():
         for k in args.k:
-            progress(f"pool {P:,} pages, k={k}")
-            ref_pool = pools[backends[0]]
-            st = ref_pool.state.page_state.cpu().numpy()
-            sp = ref_pool.state.stamp.cpu().numpy()
-            times = {"numpy-argpartition": []}
-            for _ in range(args.samples):
-                t0 = time.perf_counter_ns()
-                numpy_select(st, sp, k)
-                times["numpy-argpartition"].append((time.perf_counter_ns() - t0) / 1e3)
-            for be, pool in pools.items():
-                out = torch.empty(k, dtype=torch.int32, device=device)
-                counts = torch.tensor([k], dtype=torch.int32, device=device)
-                ts = times[f"tpool-{be}"] = []
-                samples = args.samples if be != "reference" else max(3, args.samples // 5)
-                for i in range(samples + 1):
-                    sync()
-                    t0 = time.perf_counter_ns()
-                    pool.evict(k, out=out)
-                    sync()
-                    if i:  # the first call compiles
-                        ts.append((time.perf_counter_ns() - t0) / 1e3)
-                    pool.free(pool.alloc(counts).pages, cache=True)
-                pool.check()
-            base = None
-            for name, ts in times.items():
-                med, p20, p80 = quantiles(ts)
-                base = base or med
-                rows.append(dict(pages=P, k=k, impl=name, median_us=med, p20_us=p20, p80_us=p80,
-                                 vs_numpy=base / med, device=str(device)))
-                table.append([f"{P:,}", k, name, f"{med:.1f}", f"{p20:.1f}", f"{p80:.1f}", f"{base / med:.2f}x"])
-        del pools
+            progress(f"k={k}" + (", pool sizes taking turns" if len(pools) > 1 else f", pool {args.pages[0]:,} pages"))
+            samplers = {"numpy-argpartition": {P: numpy_sampler(p[backends[0]], k) for P, p in pools.items()}}
+            for be in backends:
+                samplers[f"tpool-{be}"] = {P: tpool_sampler(p[be], k, sync) for P, p in pools.items()}
+            times = {}
+            for name, by_size in samplers.items():
+                samples = max(3, args.samples // 5) if name == "tpool-reference" else args.samples
+                ts = times[name] = {P: [] for P in by_size}
+                keys = list(by_size)
+                for t in range(samples):
+                    for P in keys[t % len(keys):] + keys[:t % len(keys)]:  # the order rotates each turn
+                        ts[P].append(by_size[P]())
+            for p in pools.values():
+                for pool in p.values():
+                    pool.check()
+            for P in pools:
+                base = None
+                for name, ts in times.items():
+                    med, p20, p80 = quantiles(ts[P])
+                    base = base or med
+                    rows.append(dict(pages=P, k=k, impl=name, median_us=med, p20_us=p20, p80_us=p80,
+                                     vs_numpy=base / med, device=str(device)))
+    del pools
+    rows.sort(key=lambda r: (r["pages"], args.k.index(r["k"])))  # stable: the implementations keep their order
+    table = [[f"{r['pages']:,}", r["k"], r["impl"], f"{r['median_us']:.1f}", f"{r['p20_us']:.1f}",
+              f"{r['p80_us']:.1f}", f"{r['vs_numpy']:.2f}x"] for r in rows]
     print_table(f"evict k of the oldest cached pages (half the pool cached), on {device} (us per call)",
                 ["pages", "k", "impl", "median", "p20", "p80", "vs numpy"], table)
     write_json(args.json, "bench_evict", rows)
@@ -115,7 +188,6 @@ def main(argv=None):
         series.setdefault(f"{r['impl']}, k={r['k']}", []).append((r["pages"], r["median_us"], r["p20_us"], r["p80_us"]))
     plot_lines(args.plot, series, xlabel="pool size (pages, half cached)",
                title=f"evict k oldest cached pages on {device} against pool size")
-
 
 if __name__ == "__main__":
     main()

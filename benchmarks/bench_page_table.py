@@ -61,8 +61,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, calibrate, default_device, gc_quiet,  # noqa: E402
-                     parse_args_for_plot, plot_lines, positive_int, print_table, progress, quantiles, sample_cold_us,
-                     sample_us, sync_of, write_json)
+                     int_at_most, parse_args_for_plot, plot_lines, positive_int, print_table, progress, quantiles,
+                     sample_cold_us, sample_us, sync_of, write_json)
 
 import tpool  # noqa: E402
 
@@ -356,15 +356,27 @@ def workloads(B, backends, device, *, num_pages=None, extras=True):
 
 
 def make_reset(fn, owner):
-    """An untimed reset putting ``owner`` (a table, HostBlocks or NumpyBlocks) back as it is now, or None."""
+    """An untimed reset putting ``owner`` (a table, HostBlocks or NumpyBlocks) back as it is now, or None.
+
+    For a table, each reset first checks the samples since the last one: ``pool.check()`` (no error
+    counted) and no lane refused (``requests.failed`` unchanged); it raises otherwise.
+    """
     restart = getattr(fn, "restart", None)
     if isinstance(owner, (HostBlocks, NumpyBlocks)):  # the baselines grow too: they restart the same way
         restore = owner.snapshot()
     elif owner is not None:  # steps grow the table: each sample starts from the same state
         tensors = state_tensors(owner)
         saved = [t.clone() for t in tensors]
+        pool = owner.pool
+        failed = pool.stats()["requests.failed"]
 
         def restore():
+            # The samples' sanity check, before the restore erases their counters: no error counted and no
+            # lane refused (a refused lane returns at once: the row would time less work than its baseline).
+            pool.check()
+            now = pool.stats()["requests.failed"]
+            if now != failed:
+                raise AssertionError(f"{now - failed} lanes refused during the samples: the pool ran out of pages")
             for t, s in zip(tensors, saved):
                 t.copy_(s)
     else:
@@ -381,20 +393,23 @@ def parser() -> argparse.ArgumentParser:
     """The command line: every option with its help and default."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EPILOG,
                                  formatter_class=HelpFormatter)
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256, 1024], metavar="B",
+    ap.add_argument("--batch", type=positive_int, nargs="+", default=[1, 64, 256, 1024], metavar="B",
                     help="requests in the batch (one group of rows per B)")
     ap.add_argument("--device", default=default_device(), help="torch device of the pool and table")
     ap.add_argument("--backends", nargs="+", default=None,
                     help="tpool backends to time (default: numba on CPU, triton on CUDA)")
     ap.add_argument("--samples", type=positive_int, default=30, help="samples per row (median, p20, p80 over them)")
-    ap.add_argument("--inner", type=positive_int, default=None,
-                    help=f"calls per warm sample (default: calibrated to about 2 ms a sample, at most {MAX_INNER})")
+    ap.add_argument("--inner", type=int_at_most(MAX_INNER, "each call adds a token to every request"), default=None,
+                    help=f"calls per warm sample, at most {MAX_INNER}: each call adds a token to every request "
+                         f"(default: calibrated to about 2 ms a sample)")
     ap.add_argument("--cold", action="store_true",
                     help="also time decode and turnover rows one call at a time with --cold-bytes written "
                          "between calls (cold CPU caches; on CUDA the GPU's own L2 stays warm)")
-    ap.add_argument("--cold-samples", type=positive_int, default=100, help="calls timed per row in --cold mode")
-    ap.add_argument("--cold-bytes", type=int, default=COLD_BYTES, help="bytes written between two cold calls")
-    ap.add_argument("--pool-sizes", type=int, nargs="+", default=None, metavar="P",
+    ap.add_argument("--cold-samples", type=int_at_most(MAX_INNER // 2, "two steps per sample, from one reset"),
+                    default=100, help=f"calls timed per row in --cold mode, at most {MAX_INNER // 2} (each sample "
+                                      "steps twice and the samples run from one reset)")
+    ap.add_argument("--cold-bytes", type=positive_int, default=COLD_BYTES, help="bytes written between two cold calls")
+    ap.add_argument("--pool-sizes", type=positive_int, nargs="+", default=None, metavar="P",
                     help="sweep the pool size (pages) instead of sizing the pool to the batch, e.g. "
                          "65536 1048576 16777216: only the decode and turnover rows, to show they stay flat "
                          "(default: (B + 2) x 384 pages, sized to the batch)")

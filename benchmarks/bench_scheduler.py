@@ -26,6 +26,10 @@ device reads per step (blocking reads of ``ok``; the mirror's
 snapshots do not wait and are not counted), admissions per second (timed
 admission blocks: ``can_admit`` + ``admit``, 2 prompts), failed extends
 (``requests.failed`` on the device at the end: must be 0), and the gap over time.
+A step's time includes the mirror's bookkeeping after it (snapshots, the gap,
+reconciliation), as in ``test_bench_scheduler.py``. The schedulers take turns
+step by step (step i of each, in an order shuffled every step), so the
+machine's noise lands on all of them alike, not on whole rows.
 
 ``--cold``: in a serving loop the forward pass evicts the CPU caches between two
 scheduler steps. This mode runs every scheduler again with 64 MiB written into a
@@ -48,8 +52,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, parse_args_for_plot, print_table, progress,  # noqa: E402
-                     quantiles, write_json)
+from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, non_negative_int, parse_args_for_plot,  # noqa: E402
+                     positive_int, print_table, progress, quantiles, write_json)
 
 import tpool  # noqa: E402
 from tpool.scheduling import HostMirror  # noqa: E402
@@ -116,7 +120,7 @@ class MirrorChurn:
         return admit_us
 
     def after(self, step):
-        """Untimed bookkeeping after step ``step``: snapshots, the gap, reconciliation."""
+        """Bookkeeping after step ``step`` (timed with it): snapshots, the gap, reconciliation."""
         args, m = self.args, self.m
         if step % args.snapshot_every == 0:
             self.snaps.append((step, m.snapshot()))
@@ -173,39 +177,45 @@ class ReadOkChurn:
         pass
 
 
-def run(churn, name, args, steps, flush=None):
-    """Run ``churn`` for ``--warmup`` + ``steps`` steps; µs per step (with ``flush``: CPU caches
-    evicted before each step, untimed) and per admission block, after the warm-up."""
-    step_us, admit_us = [], []
+def run(churns, args, steps, flush=None, suffix=""):
+    """Run every scheduler in ``churns`` (name -> churn) for ``--warmup`` + ``steps`` steps, taking turns:
+    step ``i`` of each, in an order shuffled every step (seeded), before step ``i + 1`` of any, so the
+    machine's noise falls on every scheduler alike instead of on whichever ran during a busy second.
+
+    A timed step is ``churn.step(i)`` and ``churn.after(i)``: the mirror's snapshots and reconciliation are
+    part of its loop (as in ``test_bench_scheduler.py``). With ``flush``: the CPU caches are evicted before
+    each step (untimed). Returns name -> (µs per step, µs per admission block), after the warm-up.
+    """
+    step_us = {name: [] for name in churns}
+    admit_us = {name: [] for name in churns}
+    names, order = list(churns), random.Random(args.seed + 1)
     for step in range(args.warmup + steps):
-        if flush:
-            flush()
-        t0 = time.perf_counter_ns()
-        a_us = churn.step(step)
-        t1 = time.perf_counter_ns()
-        if step >= args.warmup:
-            step_us.append((t1 - t0) / 1e3)
-            if a_us is not None:
-                admit_us.append(a_us)
-        churn.after(step)
+        order.shuffle(names)
+        for name in names:
+            churn = churns[name]
+            if flush:
+                flush()
+            t0 = time.perf_counter_ns()
+            a_us = churn.step(step)
+            churn.after(step)
+            t1 = time.perf_counter_ns()
+            if step >= args.warmup:
+                step_us[name].append((t1 - t0) / 1e3)
+                if a_us is not None:
+                    admit_us[name].append(a_us)
         if step % 1000 == 0:
-            progress(f"{name}: step {step}/{args.warmup + steps}")
-    return step_us, admit_us
+            progress(f"{', '.join(churns)}{suffix}, taking turns: step {step}/{args.warmup + steps}")
+    return {name: (step_us[name], admit_us[name]) for name in churns}
 
 
-def run_mirror(args, scenario, device, rng, steps, flush=None):
-    name = f"mirror-{scenario}" + (", cold" if flush else "")
-    churn = MirrorChurn(args, scenario, device, rng)
-    step_us, admit_us = run(churn, name, args, steps, flush)
+def mirror_result(churn, step_us, admit_us):
     s = churn.pool.stats()
     churn.pool.check()
     return dict(step_us=step_us, admit_us=admit_us, gaps=churn.gaps, failed=s["requests.failed"], reads=0,
                 forked=churn.forked, evictions=churn.evicted, cached=s["pages.cached.current"])
 
 
-def run_read_ok(args, device, rng, steps, flush=None):
-    churn = ReadOkChurn(args, device, rng)
-    step_us, admit_us = run(churn, "read-ok" + (", cold" if flush else ""), args, steps, flush)
+def read_ok_result(churn, args, steps, step_us, admit_us):
     churn.pool.check()
     total = args.warmup + steps
     reads = total + len(range(0, total, args.every))
@@ -251,26 +261,27 @@ def plot(path, results, every):
 def parser():
     """The command line: every option with its help and default."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
-                                 epilog="Progress goes to stderr. With --cold, each scheduler runs twice: warm "
+                                 epilog="Progress goes to stderr. The schedulers take turns step by step (step i of each, in a "
+                                        "shuffled order, then step i + 1). With --cold, they run twice: warm "
                                         "(--steps steps), then cold (--cold-steps steps, --cold-bytes written "
                                         "before each step, untimed).")
-    ap.add_argument("--steps", type=int, default=4000, help="timed steps per scheduler (warm)")
-    ap.add_argument("--warmup", type=int, default=64, help="untimed steps first, for compilation")
-    ap.add_argument("--requests", type=int, default=256, help="running requests")
-    ap.add_argument("--turnover", type=int, default=2, help="requests finished and admitted each --every steps")
-    ap.add_argument("--every", type=int, default=8, help="steps between turnovers")
-    ap.add_argument("--num-pages", type=int, default=65536, help="pages in the pool")
-    ap.add_argument("--lookahead", type=int, default=1, help="tokens reserved per running request")
-    ap.add_argument("--snapshot-every", type=int, default=16, help="steps between async snapshots")
-    ap.add_argument("--reconcile-every", type=int, default=256,
+    ap.add_argument("--steps", type=positive_int, default=4000, help="timed steps per scheduler (warm)")
+    ap.add_argument("--warmup", type=non_negative_int, default=64, help="untimed steps first, for compilation")
+    ap.add_argument("--requests", type=positive_int, default=256, help="running requests")
+    ap.add_argument("--turnover", type=positive_int, default=2, help="requests finished and admitted each --every steps")
+    ap.add_argument("--every", type=positive_int, default=8, help="steps between turnovers")
+    ap.add_argument("--num-pages", type=positive_int, default=65536, help="pages in the pool")
+    ap.add_argument("--lookahead", type=non_negative_int, default=1, help="tokens reserved per running request")
+    ap.add_argument("--snapshot-every", type=positive_int, default=16, help="steps between async snapshots")
+    ap.add_argument("--reconcile-every", type=positive_int, default=256,
                     help="steps between reconciliations; a multiple of --snapshot-every")
     ap.add_argument("--scenarios", nargs="+", default=["plain", "shared"], choices=["plain", "shared"],
                     help="mirror scenarios to run (default: plain shared)")
     ap.add_argument("--cold", action="store_true",
                     help="also run every scheduler with the CPU caches evicted before each step (a forward "
                          "pass's worth of memory written, outside the timed region); warm and cold side by side")
-    ap.add_argument("--cold-steps", type=int, default=1000, help="timed steps per scheduler in --cold mode")
-    ap.add_argument("--cold-bytes", type=int, default=COLD_BYTES, help="bytes written before each cold step")
+    ap.add_argument("--cold-steps", type=positive_int, default=1000, help="timed steps per scheduler in --cold mode")
+    ap.add_argument("--cold-bytes", type=positive_int, default=COLD_BYTES, help="bytes written before each cold step")
     ap.add_argument("--backend", default="auto", help="pool backend (auto: numba on a CPU, triton on CUDA)")
     ap.add_argument("--device", default=None, help="device (default cuda if available, else cpu)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the workload")
@@ -282,28 +293,39 @@ def parser():
 
 
 def main(argv=None):
-    args = parse_args_for_plot(parser(), argv)
+    ap = parser()
+    args = parse_args_for_plot(ap, argv)
+    if args.turnover > args.requests:
+        ap.error(f"argument --turnover: {args.turnover} is more than --requests ({args.requests})")
+    if args.reconcile_every % args.snapshot_every:
+        ap.error(f"argument --reconcile-every: {args.reconcile_every} is not a multiple of --snapshot-every "
+                 f"({args.snapshot_every})")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     modes = [("", args.steps, None)]
     if args.cold:
         modes.append((", cold", args.cold_steps, CacheFlusher(args.cold_bytes)))
     results = {}
     for suffix, steps, flush in modes:
-        results["read-ok" + suffix] = run_read_ok(args, device, random.Random(args.seed), steps, flush)
+        churns = {"read-ok": ReadOkChurn(args, device, random.Random(args.seed))}
         for sc in args.scenarios:
-            results[f"mirror-{sc}" + suffix] = run_mirror(args, sc, device, random.Random(args.seed), steps, flush)
+            churns[f"mirror-{sc}"] = MirrorChurn(args, sc, device, random.Random(args.seed))
+        for name, (step_us, admit_us) in run(churns, args, steps, flush, suffix).items():
+            churn = churns[name]
+            results[name + suffix] = (read_ok_result(churn, args, steps, step_us, admit_us) if name == "read-ok"
+                                      else mirror_result(churn, step_us, admit_us))
+        del churns
     rows, out = [], []
     for name, r in results.items():
         cold = name.endswith(", cold")
         base = statistics.median(results["read-ok" + (", cold" if cold else "")]["step_us"])
         med, p20, p80 = quantiles(r["step_us"])
-        amed = statistics.median(r["admit_us"])
+        amed = statistics.median(r["admit_us"]) if r["admit_us"] else None  # none when --steps < --every
         gaps = [g for _, g in r["gaps"]]
         gap = f"{statistics.median(gaps):.0f} / {max(gaps)}" if gaps else "-"
         rows.append([name, f"{med:.1f}", f"{p20:.1f}", f"{p80:.1f}", f"{base / med:.2f}x", f"{r['reads']:.3f}",
-                     f"{args.turnover / amed * 1e6:,.0f}", r["failed"], gap])
+                     f"{args.turnover / amed * 1e6:,.0f}" if amed else "-", r["failed"], gap])
         out.append(dict(name=name, cold=cold, step_us_median=med, step_us_p20=p20, step_us_p80=p80,
-                        vs_read_ok=base / med, admissions_per_s=args.turnover / amed * 1e6,
+                        vs_read_ok=base / med, admissions_per_s=args.turnover / amed * 1e6 if amed else None,
                         failed_extends=r["failed"], device_reads_per_step=r["reads"], step_us=r["step_us"],
                         gap=r["gaps"], **{k: r[k] for k in ("forked", "evictions", "cached") if k in r}))
     print_table(f"churn: {args.requests} running, prompts {PROMPTS[0]}-{PROMPTS[1]} tokens, pages of {PAGE_SIZE}, "

@@ -25,7 +25,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import HelpFormatter, print_table, progress, quantiles, write_json  # noqa: E402
+from _common import (HelpFormatter, non_negative_int, positive_int, print_table, progress, quantiles,  # noqa: E402
+                     write_json)
 
 # The child process: prints one JSON line of phase times (seconds) and the wall-clock end of its first step.
 CHILD = """
@@ -62,14 +63,14 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  epilog="Progress goes to stderr, one line per process.",
                                  formatter_class=HelpFormatter)
-    ap.add_argument("--runs", type=int, default=10,
+    ap.add_argument("--runs", type=positive_int, default=10,
                     help="warm-cache processes timed, and as many torch-only processes (the baseline)")
-    ap.add_argument("--cold", type=int, default=1,
+    ap.add_argument("--cold", type=non_negative_int, default=1,
                     help="processes timed with an empty numba cache (each compiles every kernel it uses, "
                          "about 20 s on a 2-core machine); 0 skips them")
-    ap.add_argument("--num-pages", type=int, default=65536, help="pages in the pool")
-    ap.add_argument("--page-size", type=int, default=16, help="tokens per page")
-    ap.add_argument("--batch", type=int, default=8, help="requests in the first alloc and the first step")
+    ap.add_argument("--num-pages", type=positive_int, default=65536, help="pages in the pool")
+    ap.add_argument("--page-size", type=positive_int, default=16, help="tokens per page")
+    ap.add_argument("--batch", type=positive_int, default=8, help="requests in the first alloc and the first step")
     ap.add_argument("--cache-dir", default="", metavar="DIR",
                     help="numba cache directory (NUMBA_CACHE_DIR) of the warm runs (default: numba's usual place, "
                          "the one a user gets: __pycache__ beside tpool's modules, or a per-user directory "

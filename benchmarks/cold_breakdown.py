@@ -199,9 +199,9 @@ def rows_for(B):
 def parser():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter,
                                  epilog="Progress goes to stderr.")
-    ap.add_argument("--batch", type=int, nargs="+", default=[256], metavar="B", help="requests in the batch")
+    ap.add_argument("--batch", type=positive_int, nargs="+", default=[256], metavar="B", help="requests in the batch")
     ap.add_argument("--samples", type=positive_int, default=200, help="cold calls timed per row")
-    ap.add_argument("--cold-bytes", type=int, default=COLD_BYTES, help="bytes written before each timed call")
+    ap.add_argument("--cold-bytes", type=positive_int, default=COLD_BYTES, help="bytes written before each timed call")
     ap.add_argument("--json", default="", metavar="PATH", help="also write the rows as JSON")
     return ap
 

@@ -14,7 +14,9 @@ workloads as one table with ratios.
 
 import pytest
 
-from _common import default_device
+import torch
+
+from _common import calibrate, default_device, sync_of
 from bench_pool import pair_fns
 
 DEVICE = default_device()
@@ -24,13 +26,18 @@ IMPLS = (["host-list", "torch-slice"] + [f"tpool-{be}" for be in BACKENDS]
          + [f"tpool-{FAST} (no out=)", f"tpool-{FAST} bound"])
 NUM_PAGES = 65536
 POOL_SIZES = [65536, 1048576, 16777216]  # alloc/free should stay flat
+ROUNDS = 30
 
 
 def run(benchmark, impl, n, num_pages, group):
     fn = pair_fns(n, num_pages, DEVICE, BACKENDS)[impl]
     benchmark.group = group
     benchmark.extra_info.update(pages=n, num_pages=num_pages, impl=impl, device=DEVICE)
-    benchmark(fn)
+    # Warm-up and calls per round as bench_pool.py's samples (_common.calibrate: about 2 ms a round): a plain
+    # benchmark(fn) calibrates on a slow first call and may time one call per round, mostly the clock's own cost.
+    iterations = calibrate(fn, sync=sync_of(torch.device(DEVICE)))
+    benchmark.pedantic(fn, rounds=ROUNDS, iterations=iterations, warmup_rounds=1)
+    fn.verify()  # no alloc failed: a failing alloc returns at once and would look fast
 
 
 @pytest.mark.parametrize("impl", IMPLS)

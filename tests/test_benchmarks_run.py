@@ -201,3 +201,109 @@ def test_plot_without_matplotlib_is_refused_before_the_run(name, monkeypatch, ca
         module.main(["--plot", "out.png"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "needs matplotlib" in err and " s] " not in err  # no progress line: nothing ran
+
+
+BAD_OPTIONS = [  # (script, argv, the option its error names): argparse refuses them before any work
+    ("bench_pool", ["--sizes", "0"], "--sizes"),
+    ("bench_pool", ["--num-pages", "0"], "--num-pages"),
+    ("bench_pool", ["--pool-sizes", "-1"], "--pool-sizes"),
+    ("bench_page_table", ["--batch", "0"], "--batch"),
+    ("bench_page_table", ["--inner", "5000"], "--inner"),
+    ("bench_page_table", ["--cold-samples", "1000"], "--cold-samples"),
+    ("bench_page_table", ["--pool-sizes", "0"], "--pool-sizes"),
+    ("bench_evict", ["--pool-sizes", "100000"], "--pool-sizes"),
+    ("bench_evict", ["--pool-sizes", "65536", "--k", "40000"], "--k"),
+    ("bench_evict", ["--k", "0"], "--k"),
+    ("bench_scheduler", ["--every", "0"], "--every"),
+    ("bench_scheduler", ["--steps", "0"], "--steps"),
+    ("bench_scheduler", ["--requests", "0"], "--requests"),
+    ("bench_scheduler", ["--turnover", "300"], "--turnover"),
+    ("bench_scheduler", ["--reconcile-every", "20"], "--reconcile-every"),
+    ("bench_scheduler", ["--snapshot-every", "0"], "--snapshot-every"),
+    ("bench_startup", ["--runs", "0"], "--runs"),
+    ("bench_startup", ["--cold", "-1"], "--cold"),
+    ("cold_breakdown", ["--batch", "0"], "--batch"),
+    ("bench_e2e", ["--layers", "0"], "--layers"),
+    ("ab_compare", ["tpool-numba step", "--batch", "0"], "--batch"),
+]
+
+
+@pytest.mark.parametrize("name, argv, option", BAD_OPTIONS, ids=[f"{n} {' '.join(a)}" for n, a, _ in BAD_OPTIONS])
+def test_a_bad_count_is_an_argparse_error_naming_the_option(name, argv, option, capsys):
+    """Every count takes a positive int (and its limit, where it has one): a clean usage error (exit code 2)
+    naming the option, not a traceback after minutes of work."""
+    with pytest.raises(SystemExit) as e:
+        load(name).main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {option}" in err and " s] " not in err, err
+
+
+@pytest.mark.parametrize("name, argv, option", [BAD_OPTIONS[0], BAD_OPTIONS[8], BAD_OPTIONS[10]])
+def test_a_bad_count_on_the_command_line_exits_2(name, argv, option):
+    r = subprocess.run([sys.executable, os.path.join(BENCH, f"{name}.py"), *argv], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and f"argument {option}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_pool_rows_never_time_failing_allocs():
+    """Allocs of more than 4096 pages (the default max_alloc_pages) succeed in every row, "no out=" too;
+    and a row whose allocs fail is caught by its verify()."""
+    import torch
+    bp = load("bench_pool")
+    for name, fn in bp.pair_fns(5000, 8192, torch.device("cpu"), ["numba"]).items():
+        fn()
+        fn()
+        fn.verify()
+    import tpool
+    pool = tpool.PagePool(8192, device="cpu", backend="numba")  # max_alloc_pages 4096
+    failing = bp._verified(lambda: pool.alloc(torch.tensor([5000], dtype=torch.int32)), pool)
+    failing()
+    with pytest.raises(Exception):
+        failing.verify()
+
+
+def test_evict_samples_check_they_evicted_k_and_refilled():
+    import torch
+    be = load("bench_evict")
+    pool = be.cached_pool(1024, "numba", torch.device("cpu"))
+    sample = be.tpool_sampler(pool, 512, lambda: None)  # the whole cached half: still k each sample
+    for _ in range(3):
+        assert sample() > 0
+    pool.check()
+    assert pool.stats()["pages.cached.current"] == 512
+    with pytest.raises(AssertionError, match="evicted 512 pages"):
+        be.tpool_sampler(pool, 600, lambda: None)  # more than is cached: refused, not timed
+
+
+def test_page_table_reset_refuses_samples_whose_lanes_were_refused():
+    """A table row's reset checks the samples before restoring: a lane refused (out of pages) raises."""
+    import torch
+    bpt = load("bench_page_table")
+    impls = bpt.workloads(1, ["numba"], torch.device("cpu"), num_pages=200, extras=False)
+    fn, table, _ = impls["tpool-numba step"]
+    reset = bpt.make_reset(fn, table)
+    fn()
+    reset()  # fine: nothing refused
+    for _ in range(3000):  # 200 pages: the request (787 tokens, then 3,787) runs out of them
+        fn()
+    with pytest.raises(AssertionError, match="refused"):
+        reset()
+
+
+def test_scheduler_steps_take_turns_and_include_the_mirror_bookkeeping(monkeypatch, capsys):
+    """Step i of every scheduler runs before step i + 1 of any, and after() (snapshots, reconciliation) is
+    called inside the timed region, right after step()."""
+    bs = load("bench_scheduler")
+    calls = []
+    for cls in (bs.MirrorChurn, bs.ReadOkChurn):
+        step, after = cls.step, cls.after
+        monkeypatch.setattr(cls, "step", lambda self, i, _s=step: (calls.append(("step", type(self).__name__, i)),
+                                                                  _s(self, i))[1])
+        monkeypatch.setattr(cls, "after", lambda self, i, _a=after: (calls.append(("after", type(self).__name__, i)),
+                                                                    _a(self, i))[1])
+    bs.main(["--requests", "8", "--steps", "24", "--warmup", "2", "--num-pages", "4096", "--scenarios", "plain"])
+    capsys.readouterr()
+    steps = [i for kind, _, i in calls if kind == "step"]
+    assert steps == sorted(steps) and len(steps) == 2 * 26  # turns: never two steps of one ahead of the other
+    for a, b in zip(calls[::2], calls[1::2]):  # every step is followed by its after(), same scheduler and step
+        assert a[0] == "step" and b[0] == "after" and a[1:] == b[1:]
