@@ -28,8 +28,8 @@ admission blocks: ``can_admit`` + ``admit``, 2 prompts), failed extends
 (``requests.failed`` on the device at the end: must be 0), and the gap over time.
 A step's time includes the mirror's bookkeeping after it (snapshots, the gap,
 reconciliation), as in ``test_bench_scheduler.py``. The schedulers take turns
-step by step (step i of each, in an order shuffled every step), so the
-machine's noise lands on all of them alike, not on whole rows.
+in blocks of ``TURN`` steps (``TURN_COLD`` cold; an order shuffled every block), so the machine's
+noise lands on all of them alike, not on whole rows (``run`` says why blocks).
 
 ``--cold``: in a serving loop the forward pass evicts the CPU caches between two
 scheduler steps. This mode runs every scheduler again with 64 MiB written into a
@@ -177,10 +177,17 @@ class ReadOkChurn:
         pass
 
 
+TURN = 256      # steps a scheduler runs before the next takes its turn (~2 ms warm: far below a busy spell)
+TURN_COLD = 16  # the same with --cold, where each step also waits for 64 MiB written (~80 ms a turn)
+
+
 def run(churns, args, steps, flush=None, suffix=""):
-    """Run every scheduler in ``churns`` (name -> churn) for ``--warmup`` + ``steps`` steps, taking turns:
-    step ``i`` of each, in an order shuffled every step (seeded), before step ``i + 1`` of any, so the
-    machine's noise falls on every scheduler alike instead of on whichever ran during a busy second.
+    """Run every scheduler in ``churns`` (name -> churn) for ``--warmup`` + ``steps`` steps, taking turns in
+    blocks of ``TURN`` steps (``TURN_COLD`` with ``flush``; in an order shuffled every block, seeded), so
+    the machine's noise falls on every scheduler alike instead of on whichever ran during a busy second.
+    Blocks, not single steps: a step after another scheduler's finds its caches, branch history and the
+    interpreter's state taken by that one, and taking turns step by step made the warm rows ~25% slower
+    and the cold ones ~2x (one run, against one scheduler after another), so neither measured a loop.
 
     A timed step is ``churn.step(i)`` and ``churn.after(i)``: the mirror's snapshots and reconciliation are
     part of its loop (as in ``test_bench_scheduler.py``). With ``flush``: the CPU caches are evicted before
@@ -189,22 +196,25 @@ def run(churns, args, steps, flush=None, suffix=""):
     step_us = {name: [] for name in churns}
     admit_us = {name: [] for name in churns}
     names, order = list(churns), random.Random(args.seed + 1)
-    for step in range(args.warmup + steps):
+    total = args.warmup + steps
+    turn = TURN_COLD if flush else TURN
+    for start in range(0, total, turn):
         order.shuffle(names)
         for name in names:
             churn = churns[name]
-            if flush:
-                flush()
-            t0 = time.perf_counter_ns()
-            a_us = churn.step(step)
-            churn.after(step)
-            t1 = time.perf_counter_ns()
-            if step >= args.warmup:
-                step_us[name].append((t1 - t0) / 1e3)
-                if a_us is not None:
-                    admit_us[name].append(a_us)
-        if step % 1000 == 0:
-            progress(f"{', '.join(churns)}{suffix}, taking turns: step {step}/{args.warmup + steps}")
+            for step in range(start, min(start + turn, total)):
+                if flush:
+                    flush()
+                t0 = time.perf_counter_ns()
+                a_us = churn.step(step)
+                churn.after(step)
+                t1 = time.perf_counter_ns()
+                if step >= args.warmup:
+                    step_us[name].append((t1 - t0) / 1e3)
+                    if a_us is not None:
+                        admit_us[name].append(a_us)
+        if start % 1024 < turn:
+            progress(f"{', '.join(churns)}{suffix}, taking turns: step {start}/{total}")
     return {name: (step_us[name], admit_us[name]) for name in churns}
 
 
@@ -261,8 +271,8 @@ def plot(path, results, every):
 def parser():
     """The command line: every option with its help and default."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
-                                 epilog="Progress goes to stderr. The schedulers take turns step by step (step i of each, in a "
-                                        "shuffled order, then step i + 1). With --cold, they run twice: warm "
+                                 epilog=f"Progress goes to stderr. The schedulers take turns in blocks of {TURN} steps ({TURN_COLD} "
+                                        "cold; in an order shuffled every block). With --cold, they run twice: warm "
                                         "(--steps steps), then cold (--cold-steps steps, --cold-bytes written "
                                         "before each step, untimed).")
     ap.add_argument("--steps", type=positive_int, default=4000, help="timed steps per scheduler (warm)")

@@ -291,8 +291,8 @@ def test_page_table_reset_refuses_samples_whose_lanes_were_refused():
 
 
 def test_scheduler_steps_take_turns_and_include_the_mirror_bookkeeping(monkeypatch, capsys):
-    """Step i of every scheduler runs before step i + 1 of any, and after() (snapshots, reconciliation) is
-    called inside the timed region, right after step()."""
+    """The schedulers take turns in blocks of TURN steps (block k of each before block k + 1 of any), and
+    after() (snapshots, reconciliation) is called inside the timed region, right after step()."""
     bs = load("bench_scheduler")
     calls = []
     for cls in (bs.MirrorChurn, bs.ReadOkChurn):
@@ -301,9 +301,14 @@ def test_scheduler_steps_take_turns_and_include_the_mirror_bookkeeping(monkeypat
                                                                   _s(self, i))[1])
         monkeypatch.setattr(cls, "after", lambda self, i, _a=after: (calls.append(("after", type(self).__name__, i)),
                                                                     _a(self, i))[1])
+    monkeypatch.setattr(bs, "TURN", 4)  # (TURN_COLD: --cold only)
     bs.main(["--requests", "8", "--steps", "24", "--warmup", "2", "--num-pages", "4096", "--scenarios", "plain"])
     capsys.readouterr()
-    steps = [i for kind, _, i in calls if kind == "step"]
-    assert steps == sorted(steps) and len(steps) == 2 * 26  # turns: never two steps of one ahead of the other
+    steps = [(i, who) for kind, who, i in calls if kind == "step"]
+    assert len(steps) == 2 * 26
+    blocks = [steps[j:j + 4] for j in range(0, 48, 4)]  # 26 steps: 6 full blocks of 4 each, then 2 and 2
+    for k, (a, b) in enumerate(zip(blocks[::2], blocks[1::2])):
+        assert [i for i, _ in a] == [i for i, _ in b] == list(range(4 * k, 4 * k + 4))  # block k of both, in turn
+        assert len({w for _, w in a}) == 1 and {w for _, w in a} != {w for _, w in b}
     for a, b in zip(calls[::2], calls[1::2]):  # every step is followed by its after(), same scheduler and step
         assert a[0] == "step" and b[0] == "after" and a[1:] == b[1:]
