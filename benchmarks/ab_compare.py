@@ -148,7 +148,7 @@ def compare(args, into):
             runs[(row, label)] = (fn, bpt.make_reset(fn, owner))
     bpt.tpool = new
     flush = CacheFlusher() if args.cold else None
-    inner = {k: (args.inner or 10) if args.cold else (args.inner or calibrate(fn, reset=reset, max_inner=bpt.MAX_INNER))
+    inner = {k: (args.inner or 10) if args.cold else (args.inner or calibrate(fn, reset=reset, max_inner=bpt.WARM_INNER))
              for k, (fn, reset) in runs.items()}
     keys, rng = list(runs), random.Random(args.seed)
     out = {k: [] for k in keys}

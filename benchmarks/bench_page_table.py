@@ -19,7 +19,9 @@ that changed into its arrays (the finished ids, the admitted ids and their
 prompt lengths), as a scheduler with a persistent batch would: no torch call.
 Each sample starts from the same table, and the baseline from the same
 lists (restored untimed before it, then one untimed call), so the requests do
-not grow over the run and a warm sample times the steady state.
+not grow over the run and a warm sample times the steady state; within a sample
+they grow one token a call, and a calibrated sample makes at most ``WARM_INNER``
+calls, so tpool's rows and the baselines' time requests of about the same length.
 Baselines, measured in the same run, each handing out the same pages as tpool:
 ``numpy-blocks``, the host truth in numpy arrays (a free stack, a block table,
 lengths) with every step vectorised: the pages popped in one slice, the slot
@@ -75,6 +77,9 @@ PAGE_SIZE = 16
 PROMPTS = (512, 2048)
 TURNOVER_PHASES = 16  # even: the first k requests finish; odd: the k spare ones do
 MAX_INNER = 1000      # calls per sample at most: each decode call adds a token to every request
+# Calls per warm sample at most when calibrated (~2 ms a sample would take 1,000 tpool calls, and its
+# requests would end ~1,000 tokens longer than a baseline's of ~17 calls): 64 keep both within tokens.
+WARM_INNER = 64
 HEADROOM = 4096       # tokens a request may grow by during a sample, beyond its longest prompt
 
 
@@ -401,7 +406,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--samples", type=positive_int, default=30, help="samples per row (median, p20, p80 over them)")
     ap.add_argument("--inner", type=int_at_most(MAX_INNER, "each call adds a token to every request"), default=None,
                     help=f"calls per warm sample, at most {MAX_INNER}: each call adds a token to every request "
-                         f"(default: calibrated to about 2 ms a sample)")
+                         f"(default: calibrated to about 2 ms a sample, at most {WARM_INNER} calls)")
     ap.add_argument("--cold", action="store_true",
                     help="also time decode and turnover rows one call at a time with --cold-bytes written "
                          "between calls (cold CPU caches; on CUDA the GPU's own L2 stays warm)")
@@ -433,7 +438,7 @@ def time_row(runs, args, sync, flush, kind):
     """
     warm = {k: [] for k in runs}
     cold = {k: [] for k in runs} if flush and kind != "other" else None
-    inner = {k: args.inner or calibrate(fn, sync=sync, reset=reset, max_inner=MAX_INNER)
+    inner = {k: args.inner or calibrate(fn, sync=sync, reset=reset, max_inner=WARM_INNER)
              for k, (fn, reset) in runs.items()}
     turns = args.samples if len(runs) > 1 else 1
     for _ in range(turns):

@@ -17,7 +17,7 @@ workloads as one table with ratios.
 import pytest
 
 from _common import CacheFlusher, calibrate, default_device, sync_of
-from bench_page_table import MAX_INNER, make_reset, workloads
+from bench_page_table import WARM_INNER, make_reset, workloads
 import torch
 
 DEVICE = default_device()
@@ -45,7 +45,7 @@ def warm(benchmark, fn, reset, group, **info):
     benchmark.group = group
     benchmark.extra_info.update(device=DEVICE, **info)
     sync = sync_of(torch.device(DEVICE))
-    iterations = calibrate(fn, sync=sync, reset=reset, max_inner=MAX_INNER)
+    iterations = calibrate(fn, sync=sync, reset=reset, max_inner=WARM_INNER)
 
     def settle():  # untimed, after each round: the same state, then one call (see _common.sample_us)
         reset()
