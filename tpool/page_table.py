@@ -196,9 +196,7 @@ class PageTable:
             in table-owned buffers overwritten by the next call of the same shape.
         """
         b = self._lanes(req_ids, num_tokens)
-        # (an int as it is: a key is made only once its size is checked, _extend_out)
-        t = b if max_tokens is None else max_tokens if type(max_tokens) is int else \
-            _checks.check_size(max_tokens, "max_tokens")
+        t = b if max_tokens is None else _checks.check_size(max_tokens, "max_tokens")  # (a key holds ints)
         key = ("extend", b, t)
         entry = self._shapes.get(key)
         if entry is None:
@@ -384,8 +382,7 @@ class PageTable:
         b = _checks.check_size(batch, "batch", 0)
         if b > self.pool.max_batch:
             raise ValueError(f"batch: expected at most {self.pool.max_batch} (the pool's max_batch), got {b}")
-        t = b if max_tokens is None else _checks.check_size(max_tokens, "max_tokens")
-        cap = b * self.max_pages if capacity is None else _checks.check_size(capacity, "capacity")
+        _, _, t, cap = self._step_key(b, max_tokens, capacity)
         return StepOut(self, b, t, cap)
 
     def _step_shape(self, req_ids, num_tokens, max_tokens, capacity):
@@ -408,12 +405,9 @@ class PageTable:
         return b, entry
 
     def _step_key(self, b, max_tokens, capacity):
-        """The call shape of a step of ``b`` lanes: its key among the table's output buffers. Sizes as
-        ints (an int as it is: a key is made only once its sizes are checked, in its buffers' making)."""
-        t = b if max_tokens is None else max_tokens if type(max_tokens) is int else \
-            _checks.check_size(max_tokens, "max_tokens")
-        cap = b * self.max_pages if capacity is None else capacity if type(capacity) is int else \
-            _checks.check_size(capacity, "capacity")
+        """The call shape of a step of ``b`` lanes: its key among the table's output buffers (sizes as ints)."""
+        t = b if max_tokens is None else _checks.check_size(max_tokens, "max_tokens")
+        cap = b * self.max_pages if capacity is None else _checks.check_size(capacity, "capacity")
         return ("step", b, t, cap)
 
     def bind_step(self, req_ids: torch.Tensor | None = None, num_tokens: torch.Tensor | None = None, *,
@@ -650,9 +644,7 @@ class PageTable:
             table-owned buffers.
         """
         b = self._ids(req_ids)
-        # (an int as it is: a key is made only once its size is checked, _csr_out)
-        cap = b * self.max_pages if capacity is None else capacity if type(capacity) is int else \
-            _checks.check_size(capacity, "capacity")
+        cap = b * self.max_pages if capacity is None else _checks.check_size(capacity, "capacity")  # (a key: ints)
         key = ("csr", b, cap)
         entry = self._shapes.get(key)
         if entry is None:
