@@ -153,8 +153,9 @@ register()
 _ATTENTION_LAYERS = ("full_attention", "sliding_attention")  # the layer types the paged attention serves
 
 
-def check_model(model) -> None:
-    """Raise ``ValueError`` unless every layer of ``model`` can keep its state in tpool pages.
+def check_model(model):
+    """Raise ``ValueError`` unless every layer of ``model`` can keep its state in tpool pages; return
+    its text config.
 
     That takes ``attn_implementation="tpool_paged"`` (another implementation takes the
     ``tpool_context`` keyword silently and attends over the packed row: lanes would see each
@@ -180,6 +181,7 @@ def check_model(model) -> None:
     if other:
         raise ValueError(f"model: expected only {' and '.join(_ATTENTION_LAYERS)} layers (their K/V in pages), got "
                          f"{', '.join(other)} in {name}'s config, which the paged attention does not serve")
+    return cfg
 
 
 def forward_step(model, input_ids: torch.Tensor, ctx: PagedContext, **kwargs) -> torch.Tensor:
@@ -193,7 +195,7 @@ def forward_step(model, input_ids: torch.Tensor, ctx: PagedContext, **kwargs) ->
     after it when not every layer's attention ran through ``ctx`` (a model whose attention
     does not dispatch through ``AttentionInterface``, or that has other layers).
     """
-    check_model(model)
+    layers = check_model(model).num_hidden_layers
     t = ctx.meta.positions.numel()
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1 or input_ids.numel() != t:
         got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
@@ -203,7 +205,6 @@ def forward_step(model, input_ids: torch.Tensor, ctx: PagedContext, **kwargs) ->
     ctx.layers.clear()
     out = model(input_ids=input_ids[None], position_ids=positions, use_cache=False, **{CONTEXT_KWARG: ctx},
                 **kwargs)
-    layers = model.config.get_text_config(decoder=True).num_hidden_layers
     if len(ctx.layers) != layers:
         raise ValueError(f"model: expected all {layers} layers to attend through {ATTN_IMPLEMENTATION}, got "
                          f"{len(ctx.layers)} ({type(model).__name__}: its attention does not dispatch through "
