@@ -11,7 +11,8 @@ shape (what a CUDA graph needs); treat them as read-only and clone a result
 to keep or edit it. Misuse is
 counted in the pool's error counters and raised by ``pool.check()``. The
 exact rules are in :mod:`tpool.backends.reference_table`. What the calls return
-is in :mod:`tpool.table_results`; a step bound to fixed inputs in :mod:`tpool.bound_step`.
+is in :mod:`tpool.table_results`; a step bound to fixed inputs in :mod:`tpool.bound_step`;
+the checks at a sync point (``check_invariants``) in :mod:`tpool.table_checks`.
 """
 
 import functools
@@ -19,12 +20,12 @@ import functools
 import numpy as np
 import torch
 
-from tpool import _checks
+from tpool import _checks, table_checks
 from tpool._checks import i32_len
 from tpool.backends import make_table_ops
 from tpool.bound_step import BoundStep
 from tpool.buffers import DEFAULT_MAX_SHAPES, ShapeBuffers
-from tpool.errors import InvariantViolation, StaleBinding
+from tpool.errors import StaleBinding
 from tpool.kernels import layout as L
 from tpool.kernels.layout import INT32_MAX, MAX_INDEXED
 from tpool.state import CsrMemo, TableState, fixed_full
@@ -713,8 +714,7 @@ class PageTable:
         -------
         bool
         """
-        now, appended_from = self.state.version.tolist()
-        return self._memo_grows(self._step_memo(req_ids, capacity), req_ids, now, appended_from)
+        return table_checks.grows_csr(self, req_ids, capacity)
 
     def step_keeps_csr(self, req_ids: torch.Tensor, *, max_tokens: int | None = None,
                        capacity: int | None = None) -> int:
@@ -729,23 +729,7 @@ class PageTable:
         CSR fits; the step rebuilds otherwise. A sync point, for tests and
         profiling; arguments and shapes as in :meth:`step_grows_csr`.
         """
-        memo = self._step_memo(req_ids, capacity)
-        if memo is None or self._memo_grows(memo, req_ids, int(self.state.version[L.VERSION_NOW])):
-            return 0
-        return len(memo.kept_lanes(req_ids.tolist(), self.state.row_version.tolist()))
-
-    @staticmethod
-    def _memo_grows(memo, req_ids, version, appended_from=-1):
-        """Whether ``memo`` (or None) holds the CSR of batch ``req_ids`` at ``version`` or ``appended_from``."""
-        grows = memo.growable_batch(version, appended_from) if memo is not None else None
-        return grows is not None and grows[0] == req_ids.tolist()
-
-    def _step_memo(self, req_ids, capacity):
-        """The CSR memo of the step buffers for this batch size and capacity, or None."""
-        b = self._ids(req_ids)
-        _, _, _, cap = self._step_key(b, None, capacity)
-        bufs = self._shapes.buffers.get(("step-csr", b, cap))
-        return bufs[1] if bufs is not None else None
+        return table_checks.keeps_csr(self, req_ids, capacity)
 
     def invalidate_csr(self, req_ids: torch.Tensor | None = None) -> None:
         """After writing ``block_table`` or ``seq_lens`` by hand: make the next steps read the edited rows.
@@ -799,71 +783,7 @@ class PageTable:
         InvariantViolation
         """
         with self.pool.state.lock:  # the state between two calls, never inside one (reference, triton)
-            self._check_invariants(exclusive)
-
-    def _check_invariants(self, exclusive):
-        self.pool.check_invariants()
-        if not bool((self.state.claim == INT32_MAX).all()):  # the next call's request dedup relies on it
-            raise InvariantViolation("invariant broken: the table's claim scratch is reset (INT32_MAX)")
-        bt, lens = self.block_table.cpu().long(), self.seq_lens.cpu().long()
-        npages = (lens + self.page_size - 1) // self.page_size
-        col = torch.arange(self.max_pages)
-        inside = col[None, :] < npages[:, None]
-        if not bool((lens >= 0).all()) or not bool((npages <= self.max_pages).all()):
-            raise InvariantViolation("invariant broken: seq_lens within [0, max_pages * page_size]")
-        if not bool((bt[~inside] == L.NULL_PAGE).all()):
-            raise InvariantViolation("invariant broken: entries past a request's length are -1")
-        pages = bt[inside]
-        if not bool(((pages >= 0) & (pages < self.pool.num_pages)).all()):
-            raise InvariantViolation("invariant broken: entries within a request's length are page ids")
-        held = torch.zeros(self.pool.num_pages, dtype=torch.long).scatter_add_(0, pages, torch.ones_like(pages))
-        rc = self.pool.state.refcount.cpu().long()
-        if not bool((rc >= held).all() if not exclusive else (rc == held).all()):
-            raise InvariantViolation("invariant broken: reference counts match table entries")
-        # A request's partial last page is named by no other entry: both rows would append into the same
-        # slots (extend reads no reference count; fork copies a partial page, truncate refuses to end in a
-        # shared one, so only a hand edit makes such a pair, or a page freed under a row and popped by another).
-        partial = torch.nonzero(lens % self.page_size != 0).flatten()
-        if not bool((held[bt[partial, npages[partial] - 1]] == 1).all()):
-            raise InvariantViolation("invariant broken: a request's partial last page is named by no other table "
-                                     "entry (two rows would append into the same slots: was a row edited by hand, "
-                                     "or a page it names freed through the pool?)")
-        # A step's CSR that the next step of its batch may grow in place (numba only: its memo names
-        # the table's current version, or the one the step that made it came from, since a step only
-        # appends) must still be that batch's CSR at the lengths the memo noted.
-        now, appended_from = self.state.version.tolist()
-        for memo in self._shapes.memo_list():  # the table's and every live StepOut's and BoundStep's
-            grows = memo.growable_batch(now, appended_from) if memo.csr is not None else None
-            if grows is None:
-                continue
-            csr, key = memo.csr, (memo.batch, memo.csr.indices.numel())
-            batch, tails = grows
-            behind = int(memo.tensor[L.MEMO_VERSION]) != now
-            lanes = [(r, length, -(-length // self.page_size)) for r, (_, length) in zip(batch, tails) if r >= 0]
-            want = [p for r, _, n in lanes for p in bt[r, :n].tolist()]
-            if csr.indices[:len(want)].tolist() != want:
-                raise InvariantViolation(f"invariant broken: the CSR of step shape {key} is its batch's CSR (the "
-                                         "next step grows it in place: were its indices written to, or the table's "
-                                         "state edited by hand without invalidate_csr()?)")
-            # each lane's last page and length; one step behind, a length of at most the row's
-            truth = [(int(bt[r, n - 1]) if n > 0 else -1, min(length, int(lens[r])) if behind else int(lens[r]))
-                     for r, length, n in lanes]
-            if [t for r, t in zip(batch, tails) if r >= 0] != truth:
-                raise InvariantViolation(f"invariant broken: the step memo of shape {key} holds each request's "
-                                         "length and last page (the next step reads them instead of the table: "
-                                         "was the state edited by hand without invalidate_csr()?)")
-        # The runs a step of any batch would keep from such a CSR (rows that still have the stamp
-        # the memo noted) must still be those rows' pages.
-        row_version = self.state.row_version.tolist()
-        for memo in self._shapes.memo_list():
-            if memo.csr is None:
-                continue
-            for r, start, n in memo.kept_runs(row_version, self.page_size):
-                if n != int(npages[r]) or memo.csr.indices[start:start + n].tolist() != bt[r, :n].tolist():
-                    raise InvariantViolation(
-                        f"invariant broken: the CSR of step shape {(memo.batch, memo.csr.indices.numel())} holds "
-                        f"request {r}'s pages where its row's stamp says they are unchanged (the next step keeps "
-                        "them: were its indices written to, or the state edited by hand without invalidate_csr()?)")
+            table_checks.check_table(self, exclusive)
 
     def kept_shapes(self) -> tuple:
         """The call shapes whose output buffers the table keeps now, least recently used first, and how

@@ -1,0 +1,107 @@
+"""A page table's checks at a sync point, for tests and debugging: its invariants, and what a step's CSR memo holds.
+
+Note: everything here reads the device (``.tolist()``, ``.cpu()``, ``bool()`` of a tensor);
+:class:`tpool.PageTable`'s ``check_invariants``, ``step_grows_csr`` and ``step_keeps_csr``
+call it, never a hot-path call.
+"""
+
+import torch
+
+from tpool.errors import InvariantViolation
+from tpool.kernels import layout as L
+from tpool.kernels.layout import INT32_MAX
+
+
+def check_table(table, exclusive: bool) -> None:
+    """Raise :class:`InvariantViolation` unless ``table`` and its pool hold the invariants
+    :meth:`tpool.PageTable.check_invariants` lists (the caller holds the pool's lock)."""
+    table.pool.check_invariants()
+    if not bool((table.state.claim == INT32_MAX).all()):  # the next call's request dedup relies on it
+        raise InvariantViolation("invariant broken: the table's claim scratch is reset (INT32_MAX)")
+    bt, lens = table.block_table.cpu().long(), table.seq_lens.cpu().long()
+    npages = (lens + table.page_size - 1) // table.page_size
+    col = torch.arange(table.max_pages)
+    inside = col[None, :] < npages[:, None]
+    if not bool((lens >= 0).all()) or not bool((npages <= table.max_pages).all()):
+        raise InvariantViolation("invariant broken: seq_lens within [0, max_pages * page_size]")
+    if not bool((bt[~inside] == L.NULL_PAGE).all()):
+        raise InvariantViolation("invariant broken: entries past a request's length are -1")
+    pages = bt[inside]
+    if not bool(((pages >= 0) & (pages < table.pool.num_pages)).all()):
+        raise InvariantViolation("invariant broken: entries within a request's length are page ids")
+    held = torch.zeros(table.pool.num_pages, dtype=torch.long).scatter_add_(0, pages, torch.ones_like(pages))
+    rc = table.pool.state.refcount.cpu().long()
+    if not bool((rc >= held).all() if not exclusive else (rc == held).all()):
+        raise InvariantViolation("invariant broken: reference counts match table entries")
+    # A request's partial last page is named by no other entry: both rows would append into the same
+    # slots (extend reads no reference count; fork copies a partial page, truncate refuses to end in a
+    # shared one, so only a hand edit makes such a pair, or a page freed under a row and popped by another).
+    partial = torch.nonzero(lens % table.page_size != 0).flatten()
+    if not bool((held[bt[partial, npages[partial] - 1]] == 1).all()):
+        raise InvariantViolation("invariant broken: a request's partial last page is named by no other table "
+                                 "entry (two rows would append into the same slots: was a row edited by hand, "
+                                 "or a page it names freed through the pool?)")
+    # A step's CSR that the next step of its batch may grow in place (numba only: its memo names
+    # the table's current version, or the one the step that made it came from, since a step only
+    # appends) must still be that batch's CSR at the lengths the memo noted.
+    now, appended_from = table.state.version.tolist()
+    for memo in table._shapes.memo_list():  # the table's and every live StepOut's and BoundStep's
+        grows = memo.growable_batch(now, appended_from) if memo.csr is not None else None
+        if grows is None:
+            continue
+        csr, key = memo.csr, (memo.batch, memo.csr.indices.numel())
+        batch, tails = grows
+        behind = int(memo.tensor[L.MEMO_VERSION]) != now
+        lanes = [(r, length, -(-length // table.page_size)) for r, (_, length) in zip(batch, tails) if r >= 0]
+        want = [p for r, _, n in lanes for p in bt[r, :n].tolist()]
+        if csr.indices[:len(want)].tolist() != want:
+            raise InvariantViolation(f"invariant broken: the CSR of step shape {key} is its batch's CSR (the "
+                                     "next step grows it in place: were its indices written to, or the table's "
+                                     "state edited by hand without invalidate_csr()?)")
+        # each lane's last page and length; one step behind, a length of at most the row's
+        truth = [(int(bt[r, n - 1]) if n > 0 else -1, min(length, int(lens[r])) if behind else int(lens[r]))
+                 for r, length, n in lanes]
+        if [t for r, t in zip(batch, tails) if r >= 0] != truth:
+            raise InvariantViolation(f"invariant broken: the step memo of shape {key} holds each request's "
+                                     "length and last page (the next step reads them instead of the table: "
+                                     "was the state edited by hand without invalidate_csr()?)")
+    # The runs a step of any batch would keep from such a CSR (rows that still have the stamp
+    # the memo noted) must still be those rows' pages.
+    row_version = table.state.row_version.tolist()
+    for memo in table._shapes.memo_list():
+        if memo.csr is None:
+            continue
+        for r, start, n in memo.kept_runs(row_version, table.page_size):
+            if n != int(npages[r]) or memo.csr.indices[start:start + n].tolist() != bt[r, :n].tolist():
+                raise InvariantViolation(
+                    f"invariant broken: the CSR of step shape {(memo.batch, memo.csr.indices.numel())} holds "
+                    f"request {r}'s pages where its row's stamp says they are unchanged (the next step keeps "
+                    "them: were its indices written to, or the state edited by hand without invalidate_csr()?)")
+
+
+def step_memo(table, req_ids, capacity):
+    """The CSR memo of ``table``'s step buffers for this batch size and capacity, or None."""
+    b = table._ids(req_ids)
+    _, _, _, cap = table._step_key(b, None, capacity)
+    bufs = table._shapes.buffers.get(("step-csr", b, cap))
+    return bufs[1] if bufs is not None else None
+
+
+def memo_grows(memo, req_ids, version, appended_from=-1) -> bool:
+    """Whether ``memo`` (or None) holds the CSR of batch ``req_ids`` at ``version`` or ``appended_from``."""
+    grows = memo.growable_batch(version, appended_from) if memo is not None else None
+    return grows is not None and grows[0] == req_ids.tolist()
+
+
+def grows_csr(table, req_ids, capacity) -> bool:
+    """:meth:`tpool.PageTable.step_grows_csr`."""
+    now, appended_from = table.state.version.tolist()
+    return memo_grows(step_memo(table, req_ids, capacity), req_ids, now, appended_from)
+
+
+def keeps_csr(table, req_ids, capacity) -> int:
+    """:meth:`tpool.PageTable.step_keeps_csr`."""
+    memo = step_memo(table, req_ids, capacity)
+    if memo is None or memo_grows(memo, req_ids, int(table.state.version[L.VERSION_NOW])):
+        return 0
+    return len(memo.kept_lanes(req_ids.tolist(), table.state.row_version.tolist()))
