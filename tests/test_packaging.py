@@ -49,3 +49,28 @@ def test_wheel_ships_py_typed_license_and_version(tmp_path):
     assert [r for r in requires if r.startswith("triton")] == ['triton>=3.0; extra == "triton"',
                                                                'triton>=3.0; extra == "dev"']
     assert any(r.startswith("numba") and "extra" not in r for r in requires)
+
+
+def test_import_tpool_unshadows_the_kernels_package_transformers_imports(tmp_path):
+    """Run from the repository's root, Python finds tpool's ``kernels/`` folder first for a top-level
+    ``import kernels``; transformers 5.25+ imports Hugging Face's ``kernels`` distribution under that
+    name. After ``import tpool`` the name goes to the installed distribution (here a stand-in)."""
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("from kernels.sub import WHERE\n")
+    (site / "kernels" / "sub.py").write_text("WHERE = 'hub'\n")
+    info = site / "kernels-9.9.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kernels\nVersion: 9.9\n")
+    env = dict(os.environ, PYTHONPATH=str(site))
+    env.pop("PYTHONSAFEPATH", None)
+
+    def where(code):  # `python -c` puts the working directory, the repository's root, first on sys.path
+        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert run.returncode == 0, run.stderr
+        return run.stdout.strip()
+
+    assert where("import kernels; print(getattr(kernels, 'WHERE', 'tpool'))") == "tpool"  # the shadowing
+    assert where("import tpool, kernels; print(getattr(kernels, 'WHERE', 'tpool'))") == "hub"
+    assert where("import tpool, kernels.sub, tpool.kernels.layout as L; print(kernels.sub.WHERE, L.FREE)") == "hub 0"

@@ -8,6 +8,9 @@ kernel passes that never read device memory back on the host.
 from typing import TYPE_CHECKING
 
 from tpool._startup import gc_paused
+from tpool import _hub_kernels
+
+_hub_kernels.install()  # tpool's kernels/ folder must not shadow transformers' kernels (tpool._hub_kernels)
 
 with gc_paused():  # a one-off import (torch's too, when tpool comes first): tpool._startup
     from tpool._version import __version__
