@@ -197,3 +197,17 @@ def test_view_takes_an_int_shape_as_torch_does_and_names_a_bad_shape():
         arena.view(b, torch.float32, True)
     with pytest.raises(ValueError, match="does not fit"):
         arena.view(b, torch.float32, 65)  # 260 B in a 256 B block
+
+
+@pytest.mark.parametrize("alignment", [256, 4096, 1 << 16])
+def test_block_addresses_are_multiples_of_the_alignment(alignment):
+    """Block offsets are multiples of the alignment, and so are their addresses (O_DIRECT wants page-
+    aligned buffers): the buffer itself starts aligned, whatever the allocator returned."""
+    keep = []
+    for i in range(8):
+        keep.append(torch.empty(8 * i + 8, dtype=torch.uint8))  # move the heap's next address
+        arena = Arena(3 * alignment, "cpu", alignment=alignment)
+        assert arena.buffer.numel() == 3 * alignment and arena.buffer.data_ptr() % alignment == 0
+        blocks = [arena.alloc(1), arena.alloc(alignment + 1)]
+        assert all(arena.bytes_of(b, 1).data_ptr() % alignment == 0 for b in blocks)
+        keep.append(arena)

@@ -732,3 +732,50 @@ def test_str_and_bytes_leaves_are_charged_with_an_arena():
     cache.pop("a")
     assert cache.stats().current_bytes == 0 == arena.allocated_bytes
     cache.check_invariants()
+
+
+def test_tensors_the_walkers_would_not_reach_are_refused_before_anything_is_evicted():
+    """A tensor kept in a tensor's attributes or used as a dict key stays alive with the value but
+    no walker counts it: put refuses it (TypeError) with the cache unchanged, as retained_bytes does."""
+    cache = OwnedCache(3 * UNIT)
+    assert cache.put("old", full(2))
+    big = torch.zeros(1 << 20)  # 4 MiB the cache would keep alive uncharged
+    tagged = full(1)
+    tagged.scales = big
+    for value, what in [({big: 1}, "dict key"), ({"w": tagged}, "attributes"), ([{(1, big): "x"}], "dict key")]:
+        with pytest.raises(TypeError, match=what):
+            cache.put("new", value)
+        with pytest.raises(TypeError, match=what):
+            retained_bytes(value)
+        assert cache.keys() == ["old"] and cache.stats().current_bytes == 2 * UNIT
+    tagged.label = "w"  # a scalar attribute holds no bytes worth counting
+    del tagged.scales
+    assert cache.put("new", {"w": tagged, 7: full(0)})
+    cache.check_invariants()
+
+
+def test_check_invariants_reports_a_grad_left_on_an_entry():
+    cache = OwnedCache(4 * UNIT)
+    cache.put("a", full(1))
+    x = cache.get("a")  # the stored object itself
+    x.requires_grad_(True)
+    (x * 2).sum().backward()  # its .grad stays with the entry, uncharged
+    with pytest.raises(InvariantViolation, match=r"'a' holds a tensor with a \.grad"):
+        cache.check_invariants()
+
+
+@pytest.mark.parametrize("dtype", [torch.uint4, torch.int2, torch.bits8, torch.bits16])
+def test_views_of_dtypes_without_a_copy_kernel_are_copied_as_their_bytes(dtype):
+    """torch has no copy_ for sub-byte and bit dtypes: a view of one needs a copy, which used to raise
+    after the entries making room for it were evicted."""
+    raw = torch.arange(256, dtype=torch.uint8 if torch.empty(0, dtype=dtype).element_size() == 1 else torch.int16)
+    view = raw.view(dtype)[3:100:3]
+    cache = OwnedCache(3 * UNIT + 8)
+    for i in range(3):
+        cache.put(i, full(1))
+    assert cache.put("v", view) and cache.keys() == [1, 2, "v"]  # one entry evicted for it, then stored
+    stored = cache.get("v")
+    as_int = raw.dtype
+    assert stored.dtype == dtype and storage_bytes(stored) == view.numel() * view.element_size()
+    assert torch.equal(stored.view(as_int), view.view(as_int))
+    cache.check_invariants()

@@ -506,7 +506,8 @@ def test_apply_out_aligns_every_copy_and_checks_out_before_copying():
         (torch.zeros(60, dtype=torch.uint8, device="meta"), "on meta"),
     ]:
         with pytest.raises(ValueError, match=r"out: expected uint8 of shape \[n >= 60\], contiguous, on cpu, "
-                                             r"at a storage offset that is a multiple of 4; got .*" + got):
+                                             r"at a storage offset that is a multiple of 4 \(the largest "
+                                             r"element size copied\); got .*" + got):
             plan.apply(out)
         assert out.device.type == "meta" or not out.any()  # nothing was copied
     longer = torch.zeros(64, dtype=torch.uint8)[4:]

@@ -20,7 +20,11 @@ Note:
     buffer stays alive (a row of a numpy array keeps the array), so its true
     size is unknown. ``torch.empty`` and ``share_memory_()`` storages are
     resizable. ``pin_memory()`` makes a pinned storage that is not resizable
-    but is torch's own, sized to the tensor.
+    but is torch's own; it is counted at its ``nbytes``, though torch's
+    pinned-memory allocator rounds each block up to a power of two (up to 2x
+    behind it). Known gap (CUDA hosts): any pinned storage counts as torch's,
+    so a ``from_numpy`` view into memory registered with
+    ``cudaHostRegister`` is counted, and kept, at its own bytes.
 
     Storage identity is the storage object (``untyped_storage()._cdata``),
     not its address: two live storages can start at one address
@@ -279,10 +283,33 @@ def _kind(obj: Any) -> str:
     :func:`~tpool.memory.ownership.map_tensors`) treat ``obj``: ONE rule, so what one of them counts the
     other can rebuild. ``"tensor"``, ``"leaf"`` (a plain scalar), ``"dict"`` (dict or UserDict: its
     values), ``"items"`` (list, tuple, set, frozenset) or ``"dataclass"`` (its fields and the other
-    attributes in its ``__dict__``, see :func:`_extra_attrs`); anything else raises ``TypeError``."""
+    attributes in its ``__dict__``, see :func:`_extra_attrs`); anything else raises ``TypeError``, and
+    so do tensors the walkers would not reach: a tensor in a tensor's attributes (``t.scales = s``)
+    or in a dict's keys."""
     kind = _EXACT_KINDS.get(type(obj))  # the common types at one dict lookup (subclasses take the chain below)
-    if kind is not None:
-        return kind
+    if kind is None:
+        kind = _kind_of_subclass(obj)
+    if kind == "tensor" and obj.__dict__ and _holds_tensor(obj.__dict__):
+        raise TypeError(f"cannot count the bytes of tensors held in a tensor's attributes "
+                        f"({', '.join(map(repr, obj.__dict__))}): they stay alive uncharged; put them beside it "
+                        "in a dict or a dataclass")
+    if kind == "dict" and any(_holds_tensor(k) for k in obj if type(k) is not str):
+        raise TypeError("cannot count the bytes of a tensor used as a dict key: it stays alive uncharged; "
+                        "key by something else (an id, a string) and keep the tensor as a value")
+    return kind
+
+
+def _holds_tensor(obj: Any) -> bool:
+    """Whether ``obj`` is a tensor, or a dict, list, tuple or set holding one (at any depth)."""
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, (dict, UserDict)):
+        return any(_holds_tensor(k) or _holds_tensor(v) for k, v in obj.items())
+    return isinstance(obj, (list, tuple, set, frozenset)) and any(_holds_tensor(v) for v in obj)
+
+
+def _kind_of_subclass(obj: Any) -> str:
+    """:func:`_kind` of an object whose exact type is not in ``_EXACT_KINDS``."""
     if isinstance(obj, torch.Tensor):
         return "tensor"
     if isinstance(obj, _LEAVES):

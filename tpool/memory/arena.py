@@ -6,7 +6,10 @@ Note:
     lives in it cannot make ``memory_reserved`` grow. Blocks are carved
     first-fit (lowest offset that fits); every block starts at a multiple of
     ``alignment`` and its size is the request rounded up to ``alignment``, so
-    a typed view of any dtype at the block start is aligned. Freeing merges a
+    a typed view of any dtype at the block start is aligned. The buffer's
+    address is a multiple of ``alignment`` too (when the allocator's is not,
+    the buffer is cut from ``alignment - 1`` bytes more), so block addresses
+    are: ``alignment=4096`` gives page-aligned blocks for ``O_DIRECT`` reads. Freeing merges a
     block with free neighbours at once (coalescing), so two adjacent free
     ranges never exist. Allocated and free byte counts are kept as running
     sums (O(1)); ``fragmentation`` is ``1 - largest free block / free bytes``
@@ -40,9 +43,20 @@ _SERIALS = itertools.count(1)  # shared by all arenas, so a foreign handle never
 class Block:
     """An allocated range ``[offset, offset + size)`` of an arena's buffer (bytes)."""
 
-    offset: int  # bytes from the buffer start; a multiple of the alignment
+    offset: int  # bytes from the buffer start; a multiple of the alignment (as is the buffer's address)
     size: int  # bytes; the request rounded up to the alignment
     serial: int  # unique per allocation, across all arenas
+
+
+def _aligned_bytes(n: int, alignment: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor of ``n`` bytes whose address is a multiple of ``alignment`` (a power of two)."""
+    buf = torch.empty(n, dtype=torch.uint8, device=device)
+    if buf.data_ptr() % alignment == 0:
+        return buf
+    del buf
+    raw = torch.empty(n + alignment - 1, dtype=torch.uint8, device=device)
+    start = -raw.data_ptr() % alignment
+    return raw[start:start + n]
 
 
 class Arena:
@@ -83,7 +97,7 @@ class Arena:
             raise ValueError(f"alignment: expected a power of two, got {alignment}")
         self.capacity_bytes = capacity_bytes
         self.alignment = alignment
-        self.buffer = torch.empty(capacity_bytes, dtype=torch.uint8, device=resolve_device(device))
+        self.buffer = _aligned_bytes(capacity_bytes, alignment, resolve_device(device))
         self.device = self.buffer.device
         self._free_offsets: list[int] = [0]  # sorted starts of free ranges
         self._free_sizes: dict[int, int] = {0: capacity_bytes}  # start -> size

@@ -199,13 +199,19 @@ class OwnedCache:
         Raises
         ------
         TypeError
-            A leaf that is neither a tensor nor a plain scalar, or a tensor
-            without ordinary storage (checked before anything is evicted).
+            A leaf that is neither a tensor nor a plain scalar, a tensor
+            without ordinary storage, or a tensor the cache could not charge
+            (in a tensor's attributes or a dict's keys), checked before
+            anything is evicted.
         ValueError
             With an arena, a tensor on another device than ``arena.device``,
             or one that reads free arena bytes (a view of an evicted or
             popped entry); or a tensor that reaches past its storage
             (checked before anything is evicted).
+        torch.OutOfMemoryError
+            The copies did not fit in the device's memory. The evictions made
+            room for them are done (those entries are gone) and ``value`` is
+            not stored; the cache's charge is still exact.
         """
         if key in self._entries:
             self._entries.move_to_end(key)
@@ -334,7 +340,10 @@ class OwnedCache:
             containers too, by :func:`~tpool.memory.ownership.map_tensors`)
             holding the stored tensor objects. Replacing its items leaves
             the cache unchanged; in-place writes to its tensors' values reach
-            the cache. With an arena its tensors are views of the entry's
+            the cache, and so does autograd: a backward through a stored
+            tensor leaves its ``.grad`` on the entry, alive and uncharged
+            (:meth:`check_invariants` reports it); ``detach()`` what you read
+            before running autograd on it. With an arena its tensors are views of the entry's
             block, reused once the entry is evicted: :meth:`pin` (or
             :meth:`pinned`) while reading them.
         """
@@ -580,6 +589,9 @@ class OwnedCache:
                      f"{key!r} was charged {e.leaf_bytes} B of str and bytes leaves, holds "
                      f"{accounting.leaf_bytes(e.value)}")
             leaves += e.leaf_bytes
+            _require(not any(t.grad is not None for t in tensors if t.is_leaf),
+                     f"{key!r} holds a tensor with a .grad (a backward through a value from get): alive and "
+                     "uncharged; detach() what you read before running autograd on it")
             if e.block is None:
                 storages = {accounting.storage_key(t): t.untyped_storage().nbytes() for t in tensors}
                 _require(storages == e.storages and e.nbytes == sum(storages.values()),
@@ -590,7 +602,7 @@ class OwnedCache:
                 continue
             lo = buf.data_ptr() + e.block.offset
             _require(self.arena.is_live(e.block) and e.nbytes == e.block.size and all(
-                t.untyped_storage().data_ptr() == buf.data_ptr() and (t.numel() == 0 or  # data_ptr() is 0 then
+                t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() and (t.numel() == 0 or  # data_ptr() is 0 then
                 lo <= t.data_ptr() <= t.data_ptr() + accounting.compact_bytes(t) <= lo + e.block.size)
                 for t in tensors), f"{key!r}: its block {e.block} is dead, mis-sized or not where its tensors are")
             in_blocks += e.nbytes

@@ -152,22 +152,39 @@ def compact(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         flat = out.view(t.dtype)
     with torch.no_grad():
         if keep_strides:
-            flat.copy_(t.as_strided((span,), (1,), t.storage_offset()))
+            _copy_values(flat, t.as_strided((span,), (1,), t.storage_offset()))
             result = flat.as_strided(t.shape, t.stride(), flat.storage_offset())
         else:
             part = _distinct(t)
             result = flat.view(part.shape)
-            result.copy_(part)
+            _copy_values(result, part)
             result = result.expand(t.shape)
     if t.requires_grad:
         result.requires_grad_(True)
     return result
 
 
+# Dtypes torch has no copy kernel for (sub-byte and bit shells): compact copies their bytes as an int of the size.
+_NO_COPY_KERNEL = frozenset(d for d in (getattr(torch, f"{kind}{n}", None) for kind in ("uint", "int") for n in range(1, 8))
+                            if isinstance(d, torch.dtype)) | frozenset(
+    d for d in (getattr(torch, n, None) for n in ("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16"))
+    if isinstance(d, torch.dtype))
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copy_values(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` (same dtype and shape), through same-sized ints for a dtype without a copy kernel."""
+    if src.dtype in _NO_COPY_KERNEL:
+        as_int = _INT_OF_SIZE[src.element_size()]
+        dst, src = dst.view(as_int), src.view(as_int)
+    dst.copy_(src)
+
+
 def _torch_sized(storage: torch.UntypedStorage) -> bool:
-    """Whether ``storage.nbytes()`` is all the memory behind it: torch allocated it (resizable), or
-    pinned it (``pin_memory()`` allocates exactly the tensor's bytes; asked only where CUDA exists,
-    since without it nothing is pinned)."""
+    """Whether ``storage.nbytes()`` is taken as the memory behind it: torch allocated it (resizable), or
+    it is pinned (``pin_memory()``; asked only where CUDA exists, since without it nothing is pinned).
+    The pinned case is approximate (the accounting module's note): torch rounds pinned blocks up to a
+    power of two, and memory pinned by other code is pinned too."""
     return storage.resizable() or (storage.device.type == "cpu" and torch.cuda.is_available()
                                    and storage.is_pinned())
 
@@ -393,7 +410,8 @@ class OwnershipPlan:
     keyed by a signature (storage, offset, shape, strides, dtype and flags),
     so identical views count and copy once; ``pieces`` are the copies (one
     view, or a cluster of overlapping views of one storage on one copy of
-    their byte range) with their offsets in ``out``.
+    their byte range) with their offsets in ``out``. A plan holds ``value``
+    and its views, so it keeps their storages alive until it is dropped.
     """
 
     value: Any
@@ -414,8 +432,10 @@ class OwnershipPlan:
         ----------
         out : torch.Tensor, optional
             Shape ``[n]`` with ``n >= copy_bytes``, uint8, contiguous, on the
-            device of the views to copy, its start (storage offset) a
-            multiple of ``align`` and of the largest element size copied:
+            device of the views to copy, its storage offset a multiple of the
+            largest element size copied (each copy lands ``align``-aligned
+            relative to ``out``'s start: an ``out`` at an aligned address, as an
+            :class:`~tpool.memory.arena.Arena`'s blocks are, gives aligned copies):
             the copies are packed in its first ``copy_bytes`` bytes, each at
             the offset ``pieces`` gives (a multiple of ``align`` and of its
             element size). By default each copy is a fresh tensor.
@@ -462,14 +482,16 @@ class OwnershipPlan:
         if len(devices) > 1:
             raise ValueError(f"out: expected the views to copy on one device, got views on {devices}")
         device = torch.device(devices[0]) if devices else out.device
-        start = max((p.align for p in self.pieces), default=1)  # nothing to align without copies
+        # Typed views on out's storage need byte offsets in whole elements of every dtype copied.
+        elem = max((self.views[s].element_size() for s in self.copy), default=1)
         if not (isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and out.dim() == 1
                 and out.is_contiguous() and out.numel() >= self.copy_bytes and out.device == device
-                and out.storage_offset() % start == 0):
+                and out.storage_offset() % elem == 0):
             got = (f"{out.dtype} {list(out.shape)} strides {out.stride()} on {out.device} at storage offset "
                    f"{out.storage_offset()}" if isinstance(out, torch.Tensor) else type(out).__name__)
             raise ValueError(f"out: expected uint8 of shape [n >= {self.copy_bytes}], contiguous, on {device}, "
-                             f"at a storage offset that is a multiple of {start}; got {got}")
+                             f"at a storage offset that is a multiple of {elem} (the largest element size "
+                             f"copied); got {got}")
 
 
 def plan_ownership(value: Any, *, copy_all: bool = False, align: int = 1) -> OwnershipPlan:
