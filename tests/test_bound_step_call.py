@@ -61,11 +61,13 @@ def test_a_step_bound_to_inputs_the_table_makes_matches_plain_steps(backend, gua
 
 def test_the_inputs_the_table_makes_keep_their_memory_whatever_is_done_to_them(backend):
     table = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend=backend), 4, 8)
-    run = table.bind_step(batch=2)
+    run = table.bind_step(batch=2, release=2)
     run.req_ids[:] = [0, 1]
     run.num_tokens[:] = 1
-    with pytest.raises(ValueError):
-        run.req_ids.resize(1 << 20)                     # numpy refuses: the step's tensors use the memory
+    for made in (run.req_ids, run.num_tokens, run.release):
+        for refcheck in (True, False):  # refcheck=False would free memory the step still writes
+            with pytest.raises(ValueError, match="does not own its data"):
+                made.resize(1 << 20, refcheck=refcheck)  # numpy refuses: a view of what the binding keeps
     ids = run.req_ids
     del run.req_ids, run.num_tokens, ids, table       # the step holds its memory and its table
     assert run().ok.tolist() == [True, True]

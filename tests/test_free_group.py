@@ -111,3 +111,63 @@ def test_a_free_of_the_pool_state_is_refused_inside_a_group(make_pool):
     assert pool.available() == 8
     pool.check()
     pool.check_invariants()
+
+
+def test_a_group_closes_before_another_thread_opens_one_on_its_buffer(make_pool):
+    """Groups of one capacity share the pool's buffer: a thread entering while another's group is
+    still flushing at exit would write ids into the rows that flush reads and resets (frees lost,
+    or applied twice). Thread A's flush is slowed down; thread B enters meanwhile and must wait."""
+    import threading
+    import time
+    pool = make_pool(8)
+    a_pages, b_pages = (pool.alloc(i32([2])).pages[:2].clone() for _ in range(2))
+    real_free, a_flushing = pool.ops.free, threading.Event()
+
+    def slow_free(pages, cache):
+        if threading.current_thread().name == "A":
+            a_flushing.set()
+            time.sleep(0.2)
+        real_free(pages, cache)
+    pool.ops.free = slow_free
+
+    def a():
+        with pool.free_group(4):
+            pool.free(a_pages)
+
+    def b():
+        a_flushing.wait(5)
+        with pool.free_group(4):
+            pool.free(b_pages)
+    threads = [threading.Thread(target=a, name="A"), threading.Thread(target=b, name="B")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    pool.ops.free = real_free
+    pool.check()
+    assert pool.available() == 8
+
+
+def test_entering_while_another_threads_group_is_open_names_it(make_pool):
+    import threading
+    pool = make_pool(8)
+    opened, done = threading.Event(), threading.Event()
+
+    def hold():
+        with pool.free_group(4):
+            opened.set()
+            done.wait(5)
+    t = threading.Thread(target=hold)
+    t.start()
+    opened.wait(5)
+    try:
+        with pytest.raises(RuntimeError, match="another thread's free group is open"):
+            with pool.free_group(4):
+                pass
+    finally:
+        done.set()
+        t.join()
+    with pytest.raises(RuntimeError, match="free groups do not nest"):
+        with pool.free_group(4):
+            with pool.free_group(4):
+                pass

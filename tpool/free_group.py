@@ -18,7 +18,17 @@ flushes depends only on shapes, so it is deterministic.
 
 Threads: a group belongs to the thread that entered it (``with``), wherever
 it was made. Frees from other threads while it is open are applied at once,
-as if no group were open.
+as if no group were open. A pool has one open group at a time: entering one
+while another thread's is open raises ``RuntimeError``; a group closes (its
+last flush done) before another can open.
+
+Order: the buffered frees are applied as two passes, so a group may end
+differently from the same frees made one by one: a page with two references
+freed once with ``cache=True`` and then once plainly ends CACHED in a group
+(the plain pass drops one reference, the cached pass the last) and FREE
+without one; and the free stack's order, hence which pages later allocations
+get, follows the passes. Mix ``cache=True`` and plain frees of one page
+outside a group when the final state matters.
 
 Buffers: a group's buffer is pool-owned and kept for later groups of the
 same capacity (a captured graph keeps its address); a pool keeps at most
@@ -63,7 +73,7 @@ class FreeGroup:
         or would be the pool's ``MAX_CAPACITIES + 1``-th distinct capacity.
     RuntimeError
         On entering, when the pool already has an open group (groups do not
-        nest).
+        nest, and another thread's blocks this one).
 
     Example
     -------
@@ -103,15 +113,18 @@ class FreeGroup:
 
     def __enter__(self):
         with self.pool.state.lock:  # two threads never both open a group
-            if self.pool._group is not None:
-                raise RuntimeError("free groups do not nest: this pool already has an open group")
+            if (open_now := self.pool._group) is not None:
+                raise RuntimeError("free groups do not nest: this pool already has an open group" if
+                                   open_now.owned_here() else "another thread's free group is open on this pool "
+                                   "(a pool has one open group at a time)")
             self.thread = threading.get_ident()
             self.pool._group = self
         return self
 
     def __exit__(self, *exc):
-        self.pool._group = None
-        self.flush()
+        with self.pool.state.lock:  # flushed before another thread can open a group on the same buffer
+            self.flush()
+            self.pool._group = None
         return False
 
     def enqueue(self, pages: torch.Tensor, cache: bool) -> None:

@@ -57,7 +57,12 @@ def preserved(*owners):
 
     The state is cloned on entry and copied back at exit, also when the block
     raises; the tensors keep their addresses, so bound kernels and captured
-    graphs stay valid. Outputs the block wrote elsewhere are not restored.
+    graphs stay valid. Both copies are made under the pools' locks, so another
+    thread's call lands before or after each, never between two tensors.
+    Outputs the block wrote elsewhere are not restored, nor are inputs a call
+    writes: a :class:`~tpool.BoundStep` bound with ``release`` consumes its
+    release ids (sets them to -1), so warm it up with padding there (-1) and
+    write the ids of finished requests after the block.
 
     Parameters
     ----------
@@ -77,12 +82,25 @@ def preserved(*owners):
     8
     """
     tensors = state_tensors(*owners)
-    saved = [t.clone() for t in tensors]
+    with _locked(owners):
+        saved = [t.clone() for t in tensors]
     try:
         yield
     finally:
-        for t, s in zip(tensors, saved):
-            t.copy_(s)
+        with _locked(owners):
+            for t, s in zip(tensors, saved):
+                t.copy_(s)
+
+
+def _locked(owners) -> contextlib.ExitStack:
+    """Hold the lock of every pool among ``owners`` (a table's: its pool's), each once."""
+    stack, locks = contextlib.ExitStack(), {}
+    for owner in owners:
+        lock = getattr(owner, "pool", owner).state.lock
+        locks.setdefault(id(lock), lock)
+    for lock in locks.values():
+        stack.enter_context(lock)
+    return stack
 
 
 def capture(step, *owners, warmup: int = 2) -> "torch.cuda.CUDAGraph":

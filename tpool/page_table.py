@@ -426,8 +426,9 @@ class PageTable:
 
         ``run = table.bind_step(batch=B)`` makes the two inputs itself (``run.req_ids``
         filled with -1, ``run.num_tokens`` with 0; fill them in place). On a CPU they
-        are numpy int32 arrays ``[B]`` held by ``run``: numpy refuses to resize or
-        re-point an array whose memory others use, so ``run()`` checks nothing at all
+        are numpy int32 arrays ``[B]`` held by ``run``, views of arrays the binding keeps:
+        numpy refuses to resize a view at all (``refcheck=False`` too) and cannot re-point
+        one, so the memory stays put and ``run()`` checks nothing at all
         and makes no torch call, the fastest step when the caches are cold (a forward
         pass between two steps). Every call runs exactly ``B`` lanes from that memory,
         as a captured graph reads its static inputs. On CUDA they are tensors under the
@@ -514,9 +515,9 @@ class PageTable:
             k = _checks.check_size(release, "release", 0)
             if k > self.pool.max_batch:
                 raise ValueError(f"release: expected at most max_batch={self.pool.max_batch} lanes, got {k}")
-        if self.device.type == "cpu":
-            ids, ntok = np.full(b, -1, dtype=np.int32), np.zeros(b, dtype=np.int32)
-            rel = None if k is None else np.full(k, -1, dtype=np.int32)
+        if self.device.type == "cpu":  # views ([:]): numpy resizes no array that does not own its memory
+            ids, ntok = np.full(b, -1, dtype=np.int32)[:], np.zeros(b, dtype=np.int32)[:]
+            rel = None if k is None else np.full(k, -1, dtype=np.int32)[:]
             return BoundStep(self, ids, ntok, max_tokens, capacity, fixed=True, release=rel,
                              release_cache=release_cache, out=out)
         fill = dict(dtype=torch.int32, device=self.device)
