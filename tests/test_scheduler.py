@@ -659,10 +659,13 @@ def test_mirror_refuses_to_end_a_row_inside_a_page_it_may_share(backend):
 
 def test_mirror_reads_the_pool_once_when_not_told(backend):
     pool, table, _ = _setup(backend, num_pages=16, rows=2)
-    table.extend(i32([0]), i32([9]), max_tokens=9)
+    pool.alloc(i32([3]))  # pages the mirror's table does not hold (before the mirror: its count is read)
     with count_host_reads() as seen:
         m = HostMirror(table)
-    assert len(seen.reads) == 1 and m.free == 13 == pool.available()
+    assert len(seen.reads) == 2 and m.free == 13 == pool.available()  # the counts, and the table is empty
+    with count_host_reads() as seen:
+        m.admit([9])
+    assert not seen.reads
 
 
 def test_stats_async_matches_stats_and_is_taken_in_order(backend):
@@ -1183,3 +1186,36 @@ def test_a_mixed_step_takes_numpy_ints_for_width_as_for_max_tokens(backend):
                          (1, r"width: expected an int >= 2 \(the step's lanes\)")):
         with no_host_sync(), pytest.raises(ValueError, match=match):
             m.step([a], 1, [3], width=width)
+
+
+def test_counts_past_a_rows_capacity_are_refused_before_the_mirror_changes(backend):
+    """``hi + n`` wrapped in int64 for n near 2**63: the mirror then credited pages it never had."""
+    pool = tpool.PagePool(8, page_size=4, device="cpu", backend=backend)
+    m = HostMirror(tpool.PageTable(pool, 2, 4), free=8, cached=0)
+    (a,) = m.admit([4])
+    before = (m.free, m.reserved, m.lo.tolist(), m.hi.tolist())
+    for n in (2**63 - 1, 17, [17]):
+        for call in (lambda: m.decode([a], n), lambda: m.fits([a], n), lambda: m.preemption([a], [0], n)):
+            with pytest.raises(ValueError, match=r"each at most 16 \(max_pages_per_request \* page_size\)"):
+                call()
+        assert (m.free, m.reserved, m.lo.tolist(), m.hi.tolist()) == before
+    m.decode([a], 12)  # up to the row's capacity: fine
+    assert m.free == pool.available()
+
+
+def test_reserve_stops_at_the_rows_max_len(backend):
+    pool = tpool.PagePool(16, page_size=4, device="cpu", backend=backend)
+    m = HostMirror(tpool.PageTable(pool, 2, 4), free=16, cached=0, lookahead=0)
+    (a,) = m.admit([4], [8])  # max_len 8: one more page at most
+    assert m.reserve(a, 100) == 1 and m.unreserved == 16 - 1 - 1
+    assert m.can_admit([4]) == 1
+
+
+def test_a_mirror_reading_the_pool_refuses_a_table_that_holds_requests(backend):
+    pool = tpool.PagePool(8, page_size=4, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 2, 4)
+    table.extend(i32([0]), i32([4]), max_tokens=4)
+    with pytest.raises(ValueError, match=r"expected an empty table .* 1 request\(s\) holding tokens"):
+        HostMirror(table)
+    table.release(i32([0]))
+    assert HostMirror(table).free == 8

@@ -250,8 +250,10 @@ class Accounting:
 
         ``priority[i]`` (higher is more important) belongs to ``rows[i]``; ties go to the
         later row (the end of the running queue, as vLLM preempts). Empty when the step
-        fits. Release them (``finish``, and requeue) before the step. O(1) when every
-        row of this batch holds its full reservation and ``n <= lookahead``.
+        fits. Release them (``finish``, and requeue) before the step: plainly, since the pages
+        of ``finish(victims, cache=True)`` become CACHED, which a step does not take (follow it
+        with ``evict``). O(1) when every row of this batch holds its full reservation and
+        ``n <= lookahead``.
 
         A row that ``n`` more tokens would take past its max_len can never fit, whatever
         is released: that is a ``ValueError`` naming the rows (as from ``decode`` and ``step``).
@@ -307,19 +309,22 @@ class Accounting:
             if check_rows(r, self.live, self._scratch):
                 raise ValueError(_bad_rows(r.tolist(), self.live))
             self._checked = (key, self._members)
-        if type(n) is int and n >= 0:
+        if type(n) is int and 0 <= n <= self.capacity:
             return r, _N64[n] if n < 64 else np.int64(n), key
         a = _as_array(n)
         if a.dtype is not _I64:  # (int64 as it came, the common case: the message is made only otherwise)
             a = _int_array(a, "n", f"a non-negative int or one int per row ({r.shape[0]})")
-        if a.ndim and a.shape != r.shape or (a < 0).any():
-            raise ValueError(f"n: expected a non-negative int or one int per row ({r.shape[0]}), got {_shown(a)}")
+        # (past capacity no row fits it, and hi + n could wrap in int64: refused before the mirror changes)
+        if a.ndim and a.shape != r.shape or (a < 0).any() or (a > self.capacity).any():
+            raise ValueError(f"n: expected a non-negative int or one int per row ({r.shape[0]}), each at most "
+                             f"{self.capacity} (max_pages_per_request * page_size), got {_shown(a)}")
         return r, a, key
 
     # ------------------------------------------------------ reservations
     def reserve(self, row: int, tokens: int) -> int:
         """Set aside pages for ``tokens`` more tokens of ``row`` (at least its current ones);
         returns the pages it now holds reserved (less than asked if unreserved pages run out).
+        Tokens past the row's ``max_len`` are not reserved for (it never grows past it).
 
         The pages are counted from the row's upper bound ``hi`` (its worst case). They stay
         set aside through reconciliations: one that settles the row's length (after a
@@ -329,6 +334,7 @@ class Accounting:
         """
         r, tokens = self._row(row, tokens, "reserve", "tokens")
         row = int(r[0])
+        tokens = min(tokens, max(int(self.limit[row]) - int(self.hi[row]), 0))  # never past its max_len
         want = max(int(self._need(r, np.int64(tokens))[0]) - int(self.res[row]), 0)
         got = min(want, max(self.unreserved, 0))
         self.res[row] += got

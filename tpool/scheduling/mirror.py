@@ -60,7 +60,9 @@ class HostMirror(MixedSteps, Accounting):
     Parameters
     ----------
     table : PageTable
-        Empty when the mirror is made; afterwards change it only through the mirror.
+        Empty when the mirror is made (checked when ``free`` is read here, the one sync
+        point); afterwards change it, and its pool, only through the mirror: no other
+        table on the pool, no pool call of your own.
     lookahead : int
         Tokens of growth reserved for every running request (k decode steps of one
         token = k; speculative steps of d drafts = k * (d + 1)). Default 1.
@@ -92,9 +94,12 @@ class HostMirror(MixedSteps, Accounting):
             raise ValueError(f"free, cached: pass both or neither, got free={free!r}, cached={cached!r}")
         self.table, self.pool, self.device = table, table.pool, table.device
         self.last_fork = None  # the ForkResult of the last fork (its copy-on-write pair)
-        if free is None:
+        if free is None:  # the one sync point: read the counts, and check the table is empty
             s = self.pool.stats()
             free, cached = s["pages.free.current"], s["pages.cached.current"]
+            if held := table.seq_lens.count_nonzero().item():
+                raise ValueError(f"table: expected an empty table (the mirror counts every row from 0), got one "
+                                 f"with {held} request(s) holding tokens")
         free, cached = _checks.check_size(free, "free"), _checks.check_size(cached, "cached")
         if free + cached > self.pool.num_pages:  # a mirror promising pages the pool lacks would over-promise
             raise ValueError(f"free, cached: expected the pool's FREE and CACHED pages, together at most its "

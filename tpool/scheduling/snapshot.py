@@ -57,7 +57,8 @@ class MirrorSnapshot:
     """
 
     def __init__(self, mirror):
-        self._read = AsyncRead([mirror.pool.state.counters, mirror.table.seq_lens])
+        with mirror.pool.state.lock:  # both copies between two calls, as the pool's sync points read
+            self._read = AsyncRead([mirror.pool.state.counters, mirror.table.seq_lens])
         self.num_pages = mirror.pool.num_pages
         self.seq, self.free, self.cached = mirror._seq, mirror.free, mirror.cached
         self.cached_flow = mirror._cached_flow
