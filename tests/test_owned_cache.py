@@ -452,7 +452,7 @@ def test_arena_entries_live_in_the_arena_and_count_block_size():
     e = torch.randn(1, 8).expand(4, 8)
     assert cache.put("k", {"x": x, "e": e})
     stored = cache.get("k")
-    assert all(t.untyped_storage().data_ptr() == arena.buffer.data_ptr() for t in stored.values())
+    assert all(t.untyped_storage().data_ptr() == arena.buffer.untyped_storage().data_ptr() for t in stored.values())
     assert torch.equal(stored["x"], x) and torch.equal(stored["e"], e) and stored["e"].stride() == (0, 1)
     assert cache.stats().current_bytes == arena.allocated_bytes == 512  # 256 + 256 (32 B aligned)
     popped = cache.pop("k")
@@ -779,3 +779,22 @@ def test_views_of_dtypes_without_a_copy_kernel_are_copied_as_their_bytes(dtype):
     assert stored.dtype == dtype and storage_bytes(stored) == view.numel() * view.element_size()
     assert torch.equal(stored.view(as_int), view.view(as_int))
     cache.check_invariants()
+
+
+def test_set_budget_evicts_down_to_it_and_refuses_below_the_pinned_entries():
+    cache = OwnedCache(4 * UNIT)
+    for k in "abcd":
+        cache.put(k, full(1))
+    cache.pin("a")
+    cache.get("b")  # recency: c, d, a, b (a pinned)
+    with pytest.raises(ValueError, match=r"expected at least the 1024 B the pinned entries are charged, got 1000"):
+        cache.set_budget(1000)
+    assert cache.budget_bytes == 4 * UNIT and len(cache) == 4  # nothing changed
+    cache.set_budget(2 * UNIT)
+    assert cache.keys() == ["a", "b"] and cache.stats().evictions == 2 and cache.stats().current_bytes == 2 * UNIT
+    cache.check_invariants()
+    assert cache.memory_bytes()["payload_bytes"] == 2 * UNIT
+    with pytest.raises(AttributeError):
+        cache.budget_bytes = 10 * UNIT  # through set_budget only: a plain assignment would skip the evictions
+    cache.set_budget(10 * UNIT)
+    assert cache.put("e", full(6)) and cache.stats().current_bytes == 8 * UNIT

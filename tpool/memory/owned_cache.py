@@ -152,11 +152,12 @@ class OwnedCache:
             raise TypeError(f"arena must be an Arena, got {type(arena).__name__}")
         if arena is not None and arena.alignment < MIN_ARENA_ALIGNMENT:
             raise ValueError(f"arena.alignment must be >= {MIN_ARENA_ALIGNMENT}, got {arena.alignment}")
-        self.budget_bytes = budget_bytes
+        self._budget = budget_bytes
         self.arena = arena
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()  # LRU first
         self._ledger: dict[StorageKey, _Charged] = {}  # plain mode: each storage charged
         self._current = self._peak = 0
+        self._payload = 0  # the entries' payload bytes, kept as they come and go (memory_bytes reads it)
         self._counts = dict.fromkeys(
             ("hits", "misses", "insertions", "duplicates", "rejections", "evictions",
              "fragmentation_evictions", "compactions", "bytes_saved"), 0)
@@ -230,6 +231,7 @@ class OwnedCache:
             self._counts["evictions"] += 1
         entry = self._materialize(plan)
         self._entries[key] = entry
+        self._payload += entry.payload
         self._counts["insertions"] += 1
         self._counts["compactions"] += len(plan.copy)
         self._counts["bytes_saved"] += max(0, plan.retained_bytes - entry.nbytes)
@@ -278,13 +280,47 @@ class OwnedCache:
         """Whether ``plan`` fits now, or once every entry not in ``stay`` is gone."""
         held, base, gone = self._ledger, self._current, []
         if stay is not None:
-            kept = [e for k, e in self._entries.items() if k in stay]
-            held = {k: n for e in kept for k, n in e.storages.items()}
-            base = sum(held.values()) + sum(e.nbytes for e in kept if e.block) + sum(e.leaf_bytes for e in kept)
+            held, base = self._charge_of(stay)
             gone = [e.block for k, e in self._entries.items() if k not in stay and e.block]
         if base + self._cost(plan, held) > self.budget_bytes:
             return False
         return self.arena is None or plan.copy_bytes == 0 or self.arena.can_alloc(plan.copy_bytes, also_free=gone)
+
+    def _charge_of(self, keys: set[Hashable]) -> tuple[dict, int]:
+        """The storages the entries under ``keys`` hold (key -> bytes) and what those entries alone are charged."""
+        kept = [e for k, e in self._entries.items() if k in keys]
+        held = {k: n for e in kept for k, n in e.storages.items()}
+        return held, sum(held.values()) + sum(e.nbytes for e in kept if e.block) + sum(e.leaf_bytes for e in kept)
+
+    @property
+    def budget_bytes(self) -> int:
+        """The most bytes the cache charges; change it with :meth:`set_budget`."""
+        return self._budget
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """Change the budget; unpinned entries are evicted, least recently used first, until the
+        charge fits it (counted as evictions).
+
+        Parameters
+        ----------
+        budget_bytes : int
+            The new budget, >= 0.
+
+        Raises
+        ------
+        ValueError
+            ``budget_bytes`` is not an int >= 0, or the pinned entries alone are charged more
+            (nothing changed).
+        """
+        budget = check_size(budget_bytes, "budget_bytes", 0)
+        pinned = {k for k, e in self._entries.items() if e.pins > 0}
+        if (charged := self._charge_of(pinned)[1]) > budget:
+            raise ValueError(f"budget_bytes: expected at least the {charged} B the pinned entries are charged, "
+                             f"got {budget}")
+        self._budget = budget
+        while self._current > budget:
+            self._drop(next(k for k in self._entries if k not in pinned))
+            self._counts["evictions"] += 1
 
     def _materialize(self, plan: OwnershipPlan) -> _Entry:
         """Make the copies (into a new arena block, freed again if a copy raises) and charge them."""
@@ -309,6 +345,7 @@ class OwnedCache:
 
     def _drop(self, key: Hashable) -> _Entry:
         entry = self._entries.pop(key)
+        self._payload -= entry.payload
         for skey in entry.storages:
             charged = self._ledger[skey]
             charged.refs -= 1
@@ -560,8 +597,7 @@ class OwnedCache:
             block sizes with an arena, and the entries' ``str`` and ``bytes``
             leaves); ``budget_bytes``; ``peak_bytes``.
         """
-        payload = sum(e.payload for e in self._entries.values())
-        return {"entries": len(self._entries), "payload_bytes": payload, "storage_bytes": self._current,
+        return {"entries": len(self._entries), "payload_bytes": self._payload, "storage_bytes": self._current,
                 "budget_bytes": self.budget_bytes, "peak_bytes": self._peak}
 
     def check_invariants(self) -> None:
@@ -571,7 +607,7 @@ class OwnedCache:
         of the charged size and holds its tensors, and that the arena has no
         other live block: a block no entry holds is leaked), the storage
         ledger, the storages it holds and its reference counts,
-        ``0 <= current <= peak <= budget``, and that no counter is negative.
+        ``0 <= current <= peak``, ``current <= budget``, and that no counter is negative.
 
         Raises
         ------
@@ -616,10 +652,12 @@ class OwnedCache:
             _require((self.arena.num_blocks, self.arena.allocated_bytes) == (blocks, in_blocks),
                      f"the arena has {self.arena.num_blocks} live blocks of {self.arena.allocated_bytes} B, "
                      f"the entries hold {blocks} of {in_blocks} B (a leaked block?)")
+        _require(self._payload == sum(e.payload for e in self._entries.values()),
+                 f"payload_bytes {self._payload} != the entries' {sum(e.payload for e in self._entries.values())}")
         _require(self._current == sum(held.values()) + in_blocks + leaves,
                  f"current_bytes {self._current} != recounted {sum(held.values()) + in_blocks + leaves}")
-        _require(0 <= self._current <= self._peak <= self.budget_bytes,
-                 f"not 0 <= current {self._current} <= peak {self._peak} <= budget {self.budget_bytes}")
+        _require(0 <= self._current <= min(self._peak, self.budget_bytes),  # (set_budget may lower it below peak)
+                 f"not 0 <= current {self._current} <= peak {self._peak} and budget {self.budget_bytes}")
         _require(min(self._counts.values()) >= 0, f"negative counter in {self._counts}")
 
 
