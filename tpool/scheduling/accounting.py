@@ -147,6 +147,7 @@ class Accounting:
 
     @property
     def cached_exact(self) -> bool:
+        """``cached`` equals the pool's CACHED pages right now (else it is a lower bound)."""
         return self._cached_inexact_at < 0
 
     @property
@@ -156,16 +157,32 @@ class Accounting:
 
     @property
     def rows_free(self) -> int:
+        """Table rows no request holds (what ``admit``, ``fork`` and ``revive`` take)."""
         return len(self._free_rows)
 
     def running(self) -> list:
+        """The rows that hold a request, ascending (a host list: no device read)."""
         return np.flatnonzero(self.live).tolist()
 
     def pages_for(self, tokens: int) -> int:
+        """Pages that ``tokens`` tokens fill: ``ceil(tokens / page_size)``."""
         return _cdiv(tokens, self.page_size)
 
     def pages_needed(self, row: int, n: int) -> int:
-        """Pages request ``row`` may need for ``n`` more tokens (exact unless its length is uncertain)."""
+        """Pages request ``row`` may need for ``n`` more tokens (exact unless its length is uncertain).
+
+        Parameters
+        ----------
+        row : int
+            A running row.
+        n : int
+            Tokens to add, >= 0.
+
+        Returns
+        -------
+        int
+            Pages from its upper bound ``hi``, before its reservation is taken into account.
+        """
         r, n = self._row(row, n, "pages_needed", "n")
         return int(self._need(r, np.int64(n))[0])
 
@@ -190,12 +207,23 @@ class Accounting:
     def can_admit(self, prompt_lens, max_lens=None, rows=None, n=1) -> int:
         """How many of these prompts, in order, fit now (rows, pages, reservations).
 
-        prompt_lens, max_lens : sequences of int; ``max_lens[i]`` (default the table's
-        capacity) is the most tokens request ``i`` may reach (prompt + output).
-        rows, n : optional; the prompts are to be admitted in the step that decodes ``n``
-        tokens (an int, or one per row) of each of these running rows (``step(rows, n,
-        prompts)``): the pages those lanes need beyond their reservations come first
-        (0 if one of those rows would pass its max_len: that step would be refused).
+        Parameters
+        ----------
+        prompt_lens : sequence of int
+            The waiting prompts' lengths, queue order.
+        max_lens : sequence of int, optional
+            ``max_lens[i]`` is the most tokens request ``i`` may reach (prompt + output);
+            default the table's capacity.
+        rows, n : optional
+            The prompts are to be admitted in the step that decodes ``n`` tokens (an int,
+            or one per row) of each of these running rows (``step(rows, n, prompts)``):
+            the pages those lanes need beyond their reservations come first (0 if one of
+            those rows would pass its max_len: that step would be refused).
+
+        Returns
+        -------
+        int
+            How many prompts from the head of the queue fit, in order.
 
         Lanes count too: one table call takes at most ``max_batch`` lanes, so at most
         ``max_batch - len(rows)`` prompts fit (``max_batch`` without ``rows``).
@@ -234,8 +262,25 @@ class Accounting:
         return n_fit
 
     def fits(self, rows, n=1) -> bool:
-        """Whether ``decode(rows, n)`` would run (True) or raise: ``WouldNotFit`` (pages), or
-        ``ValueError`` for a row ``n`` more tokens would take past its max_len."""
+        """Whether ``decode(rows, n)`` would run (True) or raise ``WouldNotFit`` (pages).
+
+        Parameters
+        ----------
+        rows : sequence of int
+            Running rows, at most ``max_batch``.
+        n : int or sequence of int
+            Tokens per row (one for all, or one per row), each at most the row capacity.
+
+        Returns
+        -------
+        bool
+
+        Raises
+        ------
+        ValueError
+            A row ``n`` more tokens would take past its max_len (no release makes that fit),
+            or bad ``rows`` / ``n``.
+        """
         r, n, _ = self._batch(rows, n)
         return 0 <= self._extra(r, n) <= self.unreserved
 
@@ -257,6 +302,20 @@ class Accounting:
 
         A row that ``n`` more tokens would take past its max_len can never fit, whatever
         is released: that is a ``ValueError`` naming the rows (as from ``decode`` and ``step``).
+
+        Parameters
+        ----------
+        rows : sequence of int
+            The running rows of the next step.
+        priority : sequence
+            One sortable value per row; higher is more important.
+        n : int or sequence of int
+            Tokens the step adds per row, as in :meth:`fits`.
+
+        Returns
+        -------
+        list of int
+            The rows to release, in release order; empty when the step fits.
         """
         r, n, key = self._batch(rows, n)
         if len(priority) != r.shape[0]:
@@ -331,6 +390,18 @@ class Accounting:
         ``rollback``) trims its reservation to what those tokens need from the true length,
         never below (``decode`` takes from the reservation as the row grows into it;
         ``unreserve`` gives it back).
+
+        Parameters
+        ----------
+        row : int
+            A running row.
+        tokens : int
+            Tokens of growth to reserve for, past its upper bound ``hi``, >= 0.
+
+        Returns
+        -------
+        int
+            The pages the row holds reserved afterwards.
         """
         r, tokens = self._row(row, tokens, "reserve", "tokens")
         row = int(r[0])
@@ -343,7 +414,7 @@ class Accounting:
         return int(self.res[row])
 
     def unreserve(self, row: int) -> None:
-        """Give back ``row``'s reserved pages."""
+        """Give back ``row``'s reserved pages (a running row; they become unreserved)."""
         row = int(self._row(row, 0, "unreserve", "n")[0][0])
         self._full = None
         self.reserved -= int(self.res[row])
