@@ -460,6 +460,8 @@ def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, p
         out(f"tpool serving demo: {model}, {requests} requests, {eng.pool!r}, {eng.cache!r}", flush=True)
     got = eng.run(reqs, out=out)
     ps = eng.check()
+    if out:  # (most of a warm run: generate decodes each request alone, token by token)
+        out(f"checking the {len(reqs)} requests against the model's own generate (eager attention) ...", flush=True)
     want = reference_tokens(lm, reqs)
     bad = [rid for rid in got if got[rid] != want[rid]]
     s, used = eng.stats, ps["pages.used.current"]
