@@ -12,7 +12,7 @@ inside a free group, ``cache=``), ``incref``, ``touch``, ``evict``, ``extend``, 
 (``release=``, ``release_cache=``, ``out=`` two ``StepOut`` buffers taking turns, small
 and large ``capacity`` and ``max_tokens``, the same tensors again so the table binds
 them), ``bind_step`` (tensor inputs, and ``batch=B`` with ``release=K``), ``fork``,
-``truncate`` (``new_lens`` and ``drop``), ``release``, ``flashinfer_csr``,
+``truncate`` (``new_lens`` and ``drop``), ``release``, ``revive``, ``flashinfer_csr``,
 ``block_table_rows``, ``invalidate_csr`` (all rows or some), snapshots and restores of
 the state, and the sync points (``check``, ``check_invariants``, ``stats``,
 ``available``). Request ids and page ids include -1, ids out of range, repeated ids and
@@ -241,9 +241,9 @@ def gen_op(rng: random.Random, cfg: dict, memo_edits: bool) -> list:
     """One operation as plain JSON data (so a failing sequence replays and prints)."""
     kinds = ["alloc", "free", "incref", "touch", "evict", "extend", "step", "turns", "repeat", "bstep", "fork",
              "truncate", "release", "csr", "rows", "invalidate", "edit", "check", "invariants", "stats", "snap",
-             "restore", "group", "memo", "poke"]
+             "restore", "group", "memo", "poke", "revive"]
     weights = [6, 6, 3, 2, 2, 9, 12, 6, 6, 7, 5, 5, 5, 5, 2, 2, cfg.get("edit_weight", 16), 2, 1, 1, 3, 3, 2,
-               2 if memo_edits else 0, cfg.get("edit_weight", 16) // 2]
+               2 if memo_edits else 0, cfg.get("edit_weight", 16) // 2, 4]
     kind = rng.choices(kinds, weights)[0]
     b = _batch(rng, cfg)
     P, MP, ps = cfg["num_pages"], cfg["max_pages"], cfg["page_size"]
@@ -301,6 +301,11 @@ def gen_op(rng: random.Random, cfg: dict, memo_edits: bool) -> list:
         lens = [rng.choice([-1, INT32_MAX, INT32_MIN]) if rng.random() < 0.05 else rng.randint(0, MP * ps)
                 for _ in range(b)]
         return [kind, _ids(rng, cfg, b), _ids(rng, cfg, b), lens]
+    if kind == "revive":  # pages in any state, into a row that may hold pages, be out of range or not a row
+        k = rng.randint(0, MP + (rng.random() < 0.1))
+        row = rng.choice([-1, INT32_MAX, cfg["max_requests"]]) if rng.random() < 0.05 else rng.randrange(
+            cfg["max_requests"])
+        return [kind, row, _pages(rng, cfg, k), k * ps if rng.random() < 0.9 else rng.choice([k * ps + 1, -ps])]
     if kind == "truncate":
         drop = rng.random() < 0.5
         lens = [rng.choice([-1, INT32_MAX, INT32_MIN, -2**30]) if rng.random() < 0.07 else
@@ -580,6 +585,8 @@ class System:
                 check_range(r.cow_dst, -1, P, "fork.cow_dst")
                 a, b = r.cow_src.tolist(), r.cow_dst.tolist()
                 _need(all((x < 0) == (y < 0) for x, y in zip(a, b)), f"fork: half a copy pair: {a} {b}")
+            elif kind == "revive":
+                table.revive(op[1], self.t(op[2]), op[3])
             elif kind == "truncate":
                 _, ids, lens, drop = op
                 if drop:
@@ -824,7 +831,7 @@ def install_raw_checks():
     import tpool.state
     from tpool.kernels import _numba_util as nu
     from tpool.kernels import (alloc, block_table_rows, evict, extend, flashinfer_csr, fork, free, incref, release,
-                               step, touch)
+                               revive, step, touch)
 
     cap = 1 << 16
     # [count, lo0, hi0, lo1, hi1, ...]: byte ranges of live allocations. Kept at a fixed address, because
@@ -933,7 +940,8 @@ def install_raw_checks():
 
     repl = dict(move_i32=move_i32, copy_i32=copy_i32, i32_array=i32_array, u8_array=u8_array, i64_array=i64_array,
                 i64_cell=i64_cell)
-    for mod in (nu, alloc, block_table_rows, evict, extend, flashinfer_csr, fork, free, incref, release, step, touch):
+    for mod in (nu, alloc, block_table_rows, evict, extend, flashinfer_csr, fork, free, incref, release, revive, step,
+                touch):
         for name, f in repl.items():
             if name in vars(mod):
                 setattr(mod, name, f)

@@ -1,7 +1,8 @@
 """Lockstep differential fuzzer: the same random calls on every backend, compared after each one.
 
 Each episode builds one small pool and table per backend (same sizes), then runs
-random operations on all of them in lockstep: valid calls (bound steps that
+random operations on all of them in lockstep: valid calls (revives of pages in any state among
+them; bound steps that
 release requests first among them, steps into two ``StepOut`` buffers taking turns,
 mostly decoding the same batch, as overlap scheduling does), misuse (bad and repeated ids, negative
 counts, double frees), hand edits of the state followed by
@@ -61,8 +62,9 @@ def gen_op(rng: random.Random, cfg: dict, edits: bool) -> tuple:
     b = rng.randint(0, 5)
     P, R, MP = cfg["num_pages"], cfg["max_requests"], cfg["max_pages"]
     kind = rng.choices(["alloc", "free", "incref", "touch", "evict", "extend", "step", "csr", "rows",
-                        "release", "truncate", "fork", "edit", "snapshot", "restore", "alias", "bstep", "turns"],
-                       weights=[8, 8, 4, 3, 3, 12, 12, 5, 2, 6, 4, 6, 6 if edits else 0, 2, 2, 2, 6, 8])[0]
+                        "release", "truncate", "fork", "edit", "snapshot", "restore", "alias", "bstep", "turns",
+                        "revive"],
+                       weights=[8, 8, 4, 3, 3, 12, 12, 5, 2, 6, 4, 6, 6 if edits else 0, 2, 2, 2, 6, 8, 5])[0]
     if kind == "bstep":  # a bound step (table-made inputs, BOUND_RELEASE release lanes), filled, then run
         return (kind, _ids(rng, cfg, BOUND_BATCH), _counts(rng, BOUND_BATCH, rng.choice([1, 1, 3])),
                 _ids(rng, cfg, BOUND_RELEASE) if rng.random() < 0.5 else [-1] * BOUND_RELEASE, rng.random() < 0.4)
@@ -92,6 +94,10 @@ def gen_op(rng: random.Random, cfg: dict, edits: bool) -> tuple:
     if kind == "truncate":
         # absolute lengths, or tokens to drop from each request's end (speculative decoding)
         return (kind, _ids(rng, cfg, b), [rng.randint(-1, MP * cfg["page_size"]) for _ in range(b)], rng.random() < 0.5)
+    if kind == "revive":  # a row (rarely out of range or not empty), k pages, and whole pages' tokens (or not)
+        k, ps = rng.randint(0, MP + (rng.random() < 0.1)), cfg["page_size"]
+        n = k * ps if rng.random() < 0.9 else k * ps + rng.choice([1, -1])
+        return (kind, rng.randrange(R) if rng.random() < 0.9 else rng.choice([-1, R]), _pages(rng, cfg, k), n)
     if kind == "fork":
         lens = [rng.randint(-1, MP * cfg["page_size"]) for _ in range(b)]
         return (kind, _ids(rng, cfg, b), _ids(rng, cfg, b), lens)
@@ -122,6 +128,7 @@ ALIASES = (
     lambda pool, table, out: table.flashinfer_csr(table.block_table[0, :1]),
     lambda pool, table, out: table.release(table.seq_lens[:1]),
     lambda pool, table, out: table.step(i32([0]), i32([1]), release=table.seq_lens[:1]),
+    lambda pool, table, out: table.revive(0, table.block_table[1, :1], pool.page_size),
 )
 
 
@@ -202,6 +209,8 @@ class System:
                     table.truncate(i32(op[1]), i32(op[2]))
             elif kind == "fork":
                 return [t.clone() for t in table.fork(i32(op[1]), i32(op[2]), i32(op[3]))]
+            elif kind == "revive":
+                table.revive(op[1], i32(op[2]), op[3])
             elif kind == "edit":
                 _, name, at, value = op
                 t = {"seq_lens": table.seq_lens, "block_table": table.block_table.view(-1),

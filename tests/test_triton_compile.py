@@ -74,7 +74,9 @@ def _workload():
     table.block_table_rows(ids)
     table.fork(i32([0, 2]), i32([3, -1]), i32([6, 0]))
     table.truncate(i32([2]), i32([3]))
+    cached = table.block_table[0, :2].clone()
     table.release(i32([0, 3]), cache=True)
+    table.revive(0, cached, 8)                              # a prefix-cache hit on row 0's pages
     table.release(i32([1]))
     with pool.free_group(8):
         pool.free(out.pages[:1])

@@ -551,7 +551,7 @@ class PageTable:
         Pages past the new length are freed. A new length above the current one
         (or below 0) is a ``bad_length`` error and leaves that request unchanged, and so
         is a new length that ends inside a page another request also holds (a page shared
-        by ``fork`` or revived by ``pool.incref``): the request's next token would be
+        by ``fork`` or :meth:`revive`, or revived by ``pool.incref``): the request's next token would be
         written into that page, over the other holder's K/V. Rolling a fork back to its
         fork point never meets this (``fork`` shares whole pages and copies a partial one).
 
@@ -614,6 +614,89 @@ class PageTable:
         res = entry[0]
         self.ops.fork(src_ids, dst_ids, lens, res.ok, res.cow_src, res.cow_dst)
         return res
+
+    def revive(self, req_id: int, pages: torch.Tensor, n_tokens: int) -> None:
+        """Let empty request ``req_id`` hold ``pages`` as its first ``n_tokens`` tokens (a prefix-cache hit).
+
+        All or none, in one call: when every page is USED or CACHED and named once, each
+        gains one reference (a CACHED page is revived, as by ``pool.incref``, and counted in
+        ``pages.revived``), the row holds them in order and its length is ``n_tokens``.
+        Otherwise no page is taken and the row stays empty (its first ``k`` entries -1, length
+        0), so nothing later can be handed a page it holds; the entries that could not be
+        taken are counted as ``pool.incref`` counts them: a FREE page (evicted since it was
+        cached) as ``use_after_free``, an id outside the pool as ``invalid_page``, a page in
+        no known state as ``corrupt_state``, once per entry; a -1 and a page named twice are
+        refused without a count (``pool.check()`` raises the others). A row that is not empty
+        (length not 0, on the device) is a ``bad_request`` and changes nothing. Only whole
+        pages are revived: the request's next token goes to a fresh page, never into a page
+        another revive of the same prefix also holds. The row's CSR runs are forgotten as
+        :meth:`invalidate_csr` of that row forgets them (no step keeps or grows a run of it
+        noted before). No host read; on numba one kernel call, on triton one launch.
+
+        The caller's contract: every page is CACHED (released with ``cache=True`` and not
+        evicted since: the pool hands out only FREE pages, so a CACHED page keeps its
+        content), or USED only by requests that themselves came from ``revive`` or
+        :meth:`fork` of it. A page that a running request holds alone must not be revived:
+        that request may still write into it, and a scheduler counting its pages would credit
+        them at its release. A page evicted and then handed to another request is USED again, which the
+        device cannot tell from a shared one: it is revived, and two requests share it.
+        Drop a prefix-cache entry when ``pool.evict`` returns one of its pages.
+
+        Parameters
+        ----------
+        req_id : int
+            The row, in ``[0, max_requests)``; empty (``seq_lens[req_id] == 0``).
+        pages : torch.Tensor
+            shape ``[n_tokens // page_size]``, int32, contiguous, on the table's device: the
+            pages of the prefix in token order. Read, never written (it must not share memory
+            with the pool's or the table's state).
+        n_tokens : int
+            The tokens they hold: a multiple of ``page_size``, at most
+            ``max_pages_per_request * page_size``.
+
+        Raises
+        ------
+        ValueError
+            Before any device work, naming the expected and the actual value: ``req_id`` or
+            ``n_tokens`` not an int in range, ``n_tokens`` not a multiple of ``page_size``,
+            ``pages`` of another length, dtype, device or layout, or sharing memory with state.
+
+        Example
+        -------
+        >>> i32 = lambda v: torch.tensor(v, dtype=torch.int32)
+        >>> pool = PagePool(8, page_size=4, device="cpu", backend="reference")
+        >>> table = PageTable(pool, max_requests=2, max_pages_per_request=4)
+        >>> _ = table.extend(i32([0]), i32([8]), max_tokens=8)   # request 0: pages 0, 1
+        >>> table.release(i32([0]), cache=True)                   # both CACHED now
+        >>> table.revive(1, i32([0, 1]), 8)                       # a hit: request 1 holds them
+        >>> table.block_table[1].tolist(), table.seq_lens.tolist(), pool.stats()["pages.revived"]
+        ([0, 1, -1, -1], [0, 8], 2)
+        >>> table.revive(0, i32([1, 1]), 8)       # a page named twice: refused, row 0 stays empty
+        >>> table.block_table[0].tolist(), table.seq_lens.tolist(), pool.state.refcount[:2].tolist()
+        ([-1, -1, -1, -1], [0, 8], [1, 1])
+        """
+        req_id = _checks.check_size(req_id, "req_id")
+        if req_id >= self.max_requests:
+            raise ValueError(f"req_id: expected a row in [0, {self.max_requests}), got {req_id}")
+        self._revive_inputs(pages, n_tokens)
+        self._revive(req_id, pages)
+
+    def _revive_inputs(self, pages, n_tokens) -> int:
+        """:meth:`revive`'s checks of ``pages`` and ``n_tokens`` (metadata only); returns ``k``, the pages."""
+        ps, n_tokens = self.page_size, _checks.check_size(n_tokens, "n_tokens")
+        if n_tokens % ps or n_tokens > self.max_pages * ps:
+            raise ValueError(f"n_tokens: expected a multiple of page_size {ps} up to max_pages_per_request * "
+                             f"page_size = {self.max_pages * ps} (whole pages only), got {n_tokens}")
+        k = n_tokens // ps
+        if i32_len(pages, self.device) != k and _checks.check_vector(pages, "pages", torch.int32, self.device) != k:
+            raise ValueError(f"pages: expected {k} entries (n_tokens / page_size), got {pages.numel()}")
+        _checks.check_not_written(pages, "pages", self._written)
+        return k
+
+    def _revive(self, req_id: int, pages) -> None:
+        """:meth:`revive` of checked inputs: the one backend call, with the memos to forget the row in."""
+        with self.pool.state.lock:  # the memos and the call: as invalidate_csr of the row, atomic
+            self.ops.revive(req_id, pages, self._shapes.memo_list())
 
     # -------------------------------------------------------------- layouts
     def flashinfer_csr(self, req_ids: torch.Tensor, *, capacity: int | None = None) -> PagedKVCSR:

@@ -105,6 +105,12 @@ class TableOps(Protocol):
              cow_dst: Tensor) -> None:
         """Let empty ``dst`` share the first ``lens`` tokens of ``src``; write the copy-on-write pairs."""
 
+    def revive(self, row: int, pages: Tensor, memos=()) -> None:
+        """Empty row ``row`` takes ``pages`` (int32 ``[k]``, a prefix-cache hit) and ``k * page_size``
+        tokens, all or none, one reference each; then, as ``restamp_rows`` of that row (numba), the
+        CSR ``memos`` forget it and it gets a fresh stamp. One call (numba: one kernel call besides the
+        memos'; triton: one launch)."""
+
     def block_table_rows(self, req_ids: Tensor, out: Tensor) -> None:
         """vLLM-style rows of the batch into ``out`` (int32 ``[B, max_pages]``)."""
 

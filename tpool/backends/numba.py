@@ -34,7 +34,7 @@ from tpool._checks import overlap_error, storage_spans
 from tpool._startup import announce_compile, gc_paused
 from tpool.kernels import alloc, block_table_rows, evict, extend, flashinfer_csr, fork, free, incref, release, step
 from tpool.kernels import layout as L
-from tpool.kernels import touch
+from tpool.kernels import revive, touch
 from tpool.kernels._numba_util import restamp_table, stamp_rows
 from tpool.state import CsrMemo, fixed_full
 
@@ -454,6 +454,13 @@ class Table:
     def fork(self, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
         kernel(fork.fork_numba_entry)(src_ids.data_ptr(), dst_ids.data_ptr(), lens.data_ptr(), dst_ids.numel(),
                                       ok.data_ptr(), cow_src.data_ptr(), cow_dst.data_ptr(), self.cd)
+
+    def revive(self, row, pages, memos=()):
+        if 0 <= row < self.ts.max_requests:  # as restamp_rows(row): the memos forget it before its new stamp
+            forget = entry_point(revive.forget_row_numba, _i64, _i64, _i64, _desc)
+            for memo in memos:
+                forget(memo.tensor.data_ptr(), memo.batch, row, self.td)
+        entry_point(revive.revive_numba_entry, _i64, _i64, _i64, _desc)(row, pages.data_ptr(), pages.numel(), self.cd)
 
     def block_table_rows(self, req_ids, out):
         kernel(block_table_rows.block_table_rows_numba_entry)(req_ids.data_ptr(), req_ids.numel(), out.data_ptr(), self.cd)

@@ -299,6 +299,10 @@ class Table(BoundByTensors):
         reference_table.flashinfer_csr(self.st, self.ts, req_ids, indptr, indices, last_page_len, count, kv_lens)
 
     @locked
+    def revive(self, row, pages, memos=()):  # (no run is kept: the memos need nothing)
+        reference_table.revive(self.st, self.ts, row, pages)
+
+    @locked
     def block_table_rows(self, req_ids, out):
         reference_table.block_table_rows(self.ts, req_ids, out)
 

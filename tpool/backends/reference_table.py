@@ -41,6 +41,19 @@ lanes saw the table as it was when the call began.
   increffed, one ``use_after_free`` per such entry. Sharing saturates
   reference counts like ``incref`` (``refcount_overflow``).
 
+* ``revive``: an empty row ``r`` takes ``k`` given pages (a prefix-cache hit) and the
+  length ``k * page_size``, all or none. Every page must be USED or CACHED (not
+  FREE, not outside the pool, not -1) and named once; then each gains one
+  reference (a CACHED page is revived, as by ``incref``) and the row holds them.
+  Otherwise no page is taken, the row stays empty (its first ``k`` entries -1,
+  length 0), and the entries that could not be taken are counted as ``incref``
+  counts them: ``invalid_page`` for an id outside the pool, ``use_after_free``
+  for a FREE page, ``corrupt_state`` for a page in no known state, once per
+  entry; a -1 and a page named twice count nothing. A row outside ``[0, R)``
+  is a ``bad_request``, else ``k > max_pages`` a ``table_overflow``, else a
+  row that is not empty (length not 0) a ``bad_request``: then nothing else
+  happens (the clock ticks).
+
 Corrupt state (hand edits), counted as ``corrupt_state`` and never used as an
 index: a request length outside ``[0, max_pages * page_size]`` makes its lane
 fail and leaves its row alone (every operation; ``flashinfer_csr`` exports it
@@ -58,7 +71,8 @@ per request, in a step too), so no page id outside the pool reaches an attention
 import torch
 
 from tpool.kernels import layout as L
-from tpool.backends.reference import _put, apply_free, apply_incref, free_gate, pop_pages, raise_peaks
+from tpool.backends.reference import (_put, apply_free, apply_incref, count_pages, free_gate, pop_pages,
+                                     raise_peaks)
 
 
 def _cdiv(a, b):
@@ -271,6 +285,28 @@ def fork(st, ts, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
     pair = copy & (new >= 0) & (new < st.num_pages)
     cow_src.copy_(torch.where(pair, old, L.NULL_PAGE))
     cow_dst.copy_(torch.where(pair, new, L.NULL_PAGE))
+
+
+def revive(st, ts, row, pages):
+    """Row ``row`` (a host int) takes ``pages`` (int32 ``[k]``) and ``k * page_size`` tokens, all or none."""
+    c, P, k = st.counters, st.num_pages, pages.numel()
+    c[L.CLOCK] += 1
+    if not 0 <= row < ts.max_requests or k > ts.max_pages:  # (host ints: no read of the device)
+        c[L.ERR_BAD_REQUEST if not 0 <= row < ts.max_requests else L.ERR_TABLE_OVERFLOW] += 1
+        raise_peaks(st)
+        return
+    empty = ts.seq_lens[row] == 0
+    c[L.ERR_BAD_REQUEST] += (~empty).long()
+    idx, _, occ, _ = count_pages(st, pages)
+    state = st.page_state[idx]
+    taken = (pages >= 0) & (pages < P) & ((state == L.USED) | (state == L.CACHED))
+    whole = empty & (taken & (occ == 1)).all()  # 0-d: every page taken and named once, or none is
+    # The pool's incref of every page, or (refused) of the entries that could not be taken, which
+    # it counts; nothing for a row that is not empty.
+    apply_incref(st, torch.where(empty, torch.where(whole | ~taken, pages, L.NULL_PAGE), L.NULL_PAGE))
+    cells = ts.block_table[row, :k]
+    cells.copy_(torch.where(empty, torch.where(whole, pages, L.NULL_PAGE), cells))
+    ts.seq_lens[row:row + 1] = torch.where(empty, whole.to(torch.int32) * (k * ts.page_size), ts.seq_lens[row])
 
 
 def flashinfer_csr(st, ts, req_ids, indptr, indices, last_page_len, count=True, kv_lens=None):

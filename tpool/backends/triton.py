@@ -15,7 +15,7 @@ from tpool.backends.contract import BoundByTensors, PoolByFunctions, locked
 from tpool.backends.reference_table import ends_in_shared_page
 from tpool.kernels import _triton_shim
 from tpool.kernels import alloc, block_table_rows, evict, extend, flashinfer_csr, fork, free, incref, release, step
-from tpool.kernels import touch
+from tpool.kernels import revive, touch
 
 _triton_shim.load()  # raises ImportError naming the extra when triton is not installed
 
@@ -86,6 +86,10 @@ class Table(BoundByTensors):
                     self.release(release, cache)
                 step.step_triton(req_ids, num_tokens, slots, ok, meta, indptr, indices, last, written, st, ts)
         return run
+
+    @locked
+    def revive(self, row, pages, memos=()):  # (no run is kept: the memos need nothing)
+        revive.revive_triton(row, pages, self.st, self.ts)
 
     @locked
     def block_table_rows(self, req_ids, out):

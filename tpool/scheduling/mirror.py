@@ -42,7 +42,6 @@ import numpy as np
 import torch
 
 from tpool import _checks
-from tpool.kernels import layout as L
 from tpool.scheduling._decode import EMPTY, NO_ROOM, PAST_MAX_LEN, decode_accounting, truncate_accounting
 from tpool.scheduling.accounting import Accounting, WouldNotFit, _bucket, _cdiv, _int_array
 from tpool.scheduling.mixed import MixedSteps
@@ -400,11 +399,11 @@ class HostMirror(MixedSteps, Accounting):
         return row
 
     def revive(self, pages: torch.Tensor, n_tokens: int, max_len: int | None = None) -> int:
-        """A new request on cached pages (a prefix-cache hit): ``incref`` them into a fresh row.
+        """A new request on cached pages (a prefix-cache hit): ``table.revive`` them into a fresh row.
 
-        pages : torch.Tensor  shape ``[ceil(n_tokens / page_size)]``, int32, on the table's
-            device. They are revived (``pool.incref``) and written into the row by hand
-            (``table.invalidate_csr`` of the row follows); the mirror counts them as possibly shared.
+        pages : torch.Tensor  shape ``[n_tokens / page_size]``, int32, on the table's
+            device. They are revived into the row by one table call (:meth:`PageTable.revive`:
+            one kernel call on numba, one launch on triton); the mirror counts them as possibly shared.
 
         Only whole pages are revived (``n_tokens`` a multiple of ``page_size``), as a prefix
         cache shares only full blocks: the request's next token goes to a fresh page, never
@@ -417,15 +416,14 @@ class HostMirror(MixedSteps, Accounting):
         request's release would credit it. Drop a prefix-cache entry when ``evict`` returns
         one of its pages.
 
-        What is found when the contract is broken, without a host read: the pages' states
-        are read on the device before the ``incref`` (and the ids sorted, to find one named
-        twice), and unless every page is USED or CACHED and named once, the revive takes
-        none of them, and the row is written empty (length 0, no page), so no later
-        admission can be handed a page this row holds. The ``incref`` then names only the
-        refused entries: a page evicted and FREE now is counted as ``use_after_free``, an id
-        outside the pool as ``invalid_page`` (``pool.check()`` raises them); a ``-1`` is
-        padding to ``incref`` and a page named twice is refused without an ``incref`` at all,
-        so for those two nothing is counted. In every case the mirror, which cannot see it,
+        What is found when the contract is broken, without a host read: the table call reads
+        the pages' states on the device (and counts each page's occurrences, to find one
+        named twice), and unless every page is USED or CACHED and named once, the revive
+        takes none of them, and the row stays empty (length 0, no page), so no later
+        admission can be handed a page this row holds. The refused entries are counted as
+        ``pool.incref`` counts them: a page evicted and FREE now as ``use_after_free``, an id
+        outside the pool as ``invalid_page`` (``pool.check()`` raises them); a ``-1`` and a
+        page named twice are refused without a count. In every case the mirror, which cannot see it,
         counts the row at ``n_tokens``; the next :meth:`reconcile` raises ``MirrorError``
         naming the row (its true length 0 below its bounds): for a ``-1`` or a repeated page,
         that is the only report. ``finish`` it: its release frees only what it appended
@@ -443,32 +441,21 @@ class HostMirror(MixedSteps, Accounting):
             raise ValueError(f"revive: expected whole pages (n_tokens a multiple of page_size {ps}), got "
                              f"{n_tokens}: a revived page may be shared, and the next token would be written "
                              f"into a partial last one. Revive the whole pages and extend the rest")
-        k = n_tokens // ps
-        # The pool's checks of pages (metadata only, no sync), before the mirror changes.
-        if _checks.check_vector(pages, "pages", torch.int32, self.device) != k:
-            raise ValueError(f"pages: expected {k} entries (n_tokens / page_size), got {pages.numel()}")
-        _checks.check_not_written(pages, "pages", self.pool._written)
-        if self._target_new(n_tokens, m) > self.unreserved:
+        k = self.table._revive_inputs(pages, n_tokens)  # the table's checks of pages, before the mirror changes
+        if (need := self._target_new(n_tokens, m)) > self.unreserved:
             raise WouldNotFit(f"revive: its reservation needs pages, {self.unreserved} unreserved")
         (row,) = self._take_rows(1)  # (WouldNotFit without a free row, before anything changes)
         self._seq += 1
         self._full = None
-        self._start(np.array([row]), n_tokens, m, k)
+        self._start(row, n_tokens, m, k)  # (one row: scalar writes, no index array)
         self.cached = max(self.cached - k, 0)
         self._cached_flow -= k
         self._cached_inexact_at = self._seq
-        self._top_up(np.array([row]))
-        # Which pages the incref takes, from their states before it (stream order; fixed shapes, no sync).
-        state = self.pool.state.page_state.index_select(0, pages.clamp(0, self.pool.num_pages - 1))
-        taken = (pages >= 0) & (pages < self.pool.num_pages) & ((state == L.USED) | (state == L.CACHED))
-        # A page named twice would be held twice by one row (refcount + 2, the same K/V at two places):
-        # equal neighbours once sorted. (Two -1s are equal too; a -1 is not taken anyway.)
-        ids = pages.sort().values
-        whole = taken.all() & (ids[1:] != ids[:-1]).all()  # 0-d, on the device: every page taken, or none is
-        self.pool.incref(torch.where(whole, pages, torch.where(taken, L.NULL_PAGE, pages)))
-        self.table.block_table[row, :k] = torch.where(whole, pages, L.NULL_PAGE)
-        self.table.seq_lens[row:row + 1] = whole.to(torch.int32) * n_tokens
-        self.table.invalidate_csr(self._tensor([row]))  # only this row changed: the others keep their runs
+        # _top_up of the one new row, in ints: a free row reserves nothing (finish zeroes it), and its
+        # target is ``need``, which fits (checked above).
+        self.res[row] = need
+        self.reserved += need
+        self.table._revive(row, pages)  # all or none, on the device; only this row's runs are forgotten
         return row
 
     def evict(self, k: int) -> torch.Tensor:
