@@ -10,7 +10,8 @@ import sys
 import pytest
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
-SCRIPTS = ["bench_pool", "bench_page_table", "bench_evict", "bench_scheduler", "cold_breakdown", "bench_startup"]
+SCRIPTS = ["bench_pool", "bench_page_table", "bench_evict", "bench_scheduler", "cold_breakdown", "bench_startup",
+           "bench_revive"]
 
 
 def load(name):
@@ -25,11 +26,13 @@ TINY = {
                    "--backends", "numba"],
     "bench_page_table": ["--batch", "1", "3", "--samples", "3", "--inner", "2", "--backends", "numba"],
     "bench_evict": ["--pool-sizes", "512", "--k", "1", "8", "--samples", "3", "--backends", "numba"],
+    "bench_revive": ["--k", "1", "8", "--samples", "3", "--backends", "numba", "reference"],
 }
 
 
 @pytest.mark.parametrize("name, header", [
     ("bench_pool", "alloc + free of N pages"), ("bench_page_table", "decode step"), ("bench_evict", "evict k"),
+    ("bench_revive", "revive k cached pages"),
 ])
 def test_benchmark_prints_its_table_and_progress(name, header, tmp_path, capsys):
     out = tmp_path / f"{name}.json"
