@@ -28,7 +28,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import HelpFormatter, default_device, positive_int, print_table, progress, quantiles, write_json  # noqa: E402
+from _common import (HelpFormatter, default_device, positive_int, print_table, progress, quantiles,  # noqa: E402
+                     write_json)
 
 import tpool  # noqa: E402
 from tpool.kernels import layout as L  # noqa: E402
