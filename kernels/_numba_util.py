@@ -19,8 +19,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import layout as L
-from .layout import (INT32_MAX, SD_COUNTERS, SD_FREE_STACK, SD_KEYS, SD_OCCUR, SD_PAGE_STATE, SD_PAGES,
-                     SD_REFCOUNT, SD_STAMP, TD_BLOCK_TABLE, TD_CLAIM, TD_MAX_PAGES, TD_PAGE_SIZE, TD_REQUESTS,
+from .layout import (INT32_MAX, SD_COUNTERS, SD_FREE_STACK, SD_KEYS, SD_OCCUR, SD_PAGE_GEN, SD_PAGE_STATE,
+                     SD_PAGES, SD_REFCOUNT, SD_STAMP, TD_BLOCK_TABLE, TD_CLAIM, TD_MAX_PAGES, TD_PAGE_SIZE, TD_REQUESTS,
                      TD_ROW_VERSION, TD_SEQ_LENS, TD_VERSION, TD_VERSION_SOURCE)
 
 TAIL_BLOCK = 64  # ids per block when a free drops its trailing padding (``padded_tail_start``)
@@ -134,6 +134,18 @@ def state_arrays(sd):
             numba.carray(_i8_ptr(sd[SD_PAGE_STATE]), (P,)), numba.carray(_i64_ptr(sd[SD_STAMP]), (P,)),
             numba.carray(_i64_ptr(sd[SD_COUNTERS]), (L.NUM_COUNTERS,)),
             numba.carray(_i32_ptr(sd[SD_OCCUR]), (P,)), numba.carray(_i64_ptr(sd[SD_KEYS]), (P,)))
+
+
+@numba.njit(nogil=True, inline="always")
+def page_gens(sd):
+    """int32 ``[P]``: the pages' generations over a state descriptor (only the calls that free or revive read it)."""
+    return numba.carray(_i32_ptr(sd[SD_PAGE_GEN]), (sd[SD_PAGES],))
+
+
+@numba.njit(nogil=True, inline="always")
+def bump_gen(page_gen, p):
+    """Page ``p`` just became FREE: its generation +1, wrapping within the non-negative int32."""
+    page_gen[p] = (page_gen[p] + 1) & L.GEN_MASK
 
 
 @numba.njit(nogil=True, inline="always")
@@ -326,13 +338,14 @@ def reset_requests(ids, R, claim):
 
 
 @numba.njit(nogil=True)
-def apply_free(pages, cache, clock, free_stack, refcount, page_state, stamp, counters, occur):
+def apply_free(pages, cache, clock, free_stack, refcount, page_state, stamp, page_gen, counters, occur):
     """The pool's free rule over ``pages`` (any int array, -1 = padding), without the clock tick.
 
     Per distinct page named ``k`` times: ``d = min(k, refcount)`` references are
     dropped and ``k - d`` entries count as ``double_free`` (all ``k`` when the
     page is not USED); pages reaching 0 are pushed in the order of their first
-    occurrence, or with ``cache`` become CACHED stamped ``clock``. Used by
+    occurrence (FREE, their generation bumped), or with ``cache`` become CACHED
+    stamped ``clock``. Used by
     ``free`` and by the page table's ``release`` / ``truncate``.
     """
     P = refcount.shape[0]
@@ -365,6 +378,7 @@ def apply_free(pages, cache, clock, free_stack, refcount, page_state, stamp, cou
                 stamp[p] = clock
             else:
                 page_state[p] = L.FREE
+                bump_gen(page_gen, p)
                 if safe or (pos >= 0 and pos < P):  # pushed; else a corrupt free count: FREE, unpushed
                     free_stack[pos] = p
                     top += 1

@@ -51,6 +51,7 @@ NUM_COUNTERS = tl.constexpr(L.NUM_COUNTERS)
 COUNTER_BLOCK = tl.constexpr(triton.next_power_of_2(L.NUM_COUNTERS))
 INT32_MAX = tl.constexpr(L.INT32_MAX)
 INT64_MAX = tl.constexpr(L.INT64_MAX)
+GEN_MASK = tl.constexpr(L.GEN_MASK)
 
 
 def settings(n: int, rank: bool = False) -> dict:
@@ -158,13 +159,13 @@ def reset_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK: tl.c
 
 
 @triton.jit
-def apply_free(p, first, k, top, clock, free_stack_ptr, refcount_ptr, page_state_ptr, stamp_ptr, num_pages,
-                     CACHE: tl.constexpr, BLOCK: tl.constexpr):
+def apply_free(p, first, k, top, clock, free_stack_ptr, refcount_ptr, page_state_ptr, stamp_ptr, page_gen_ptr,
+               num_pages, CACHE: tl.constexpr, BLOCK: tl.constexpr):
     """Drop k references of each distinct page p (lanes ``first``): the pool's free rule for one chunk.
 
-    Pages reaching 0 become CACHED stamped ``clock`` (CACHE) or are pushed at
-    ``top + rank`` in lane order; a slot outside ``[0, P)`` (a corrupt free count)
-    leaves the page FREE unpushed. Returns (double frees, pages released, pages pushed).
+    Pages reaching 0 become CACHED stamped ``clock`` (CACHE) or FREE, their generation
+    bumped, pushed at ``top + rank`` in lane order; a slot outside ``[0, P)`` (a corrupt
+    free count) leaves the page FREE unpushed. Returns (double frees, pages released, pages pushed).
     """
     used = first & (tl.load(page_state_ptr + p, mask=first, other=FREE) == USED)
     rc = tl.load(refcount_ptr + p, mask=used, other=0)
@@ -182,8 +183,17 @@ def apply_free(p, first, k, top, clock, free_stack_ptr, refcount_ptr, page_state
         fit = zero & (pos >= 0) & (pos < num_pages)
         tl.store(free_stack_ptr + pos, p, mask=fit)
         tl.store(page_state_ptr + p, tl.full((BLOCK,), FREE, tl.int8), mask=zero)
+        bump_gen(page_gen_ptr, p, zero)
         pushed = tl.sum(fit.to(tl.int64))
     return double, tl.sum(z), pushed
+
+
+@triton.jit
+def bump_gen(page_gen_ptr, p, mask):
+    """Pages ``p`` (lanes ``mask``, distinct) just became FREE: generation +1, wrapping within the
+    non-negative int32."""
+    g = tl.load(page_gen_ptr + p, mask=mask, other=0)
+    tl.store(page_gen_ptr + p, (g + 1) & GEN_MASK, mask=mask)
 
 
 @triton.jit

@@ -13,7 +13,8 @@ from ._triton_shim import tl, triton
 
 from . import layout as L
 from . import _numba_util as nu
-from ._numba_util import fill_null_range, i32_array, mark_popped, pop_page, stack_run_ok, state_arrays, u8_array
+from ._numba_util import (fill_null_range, i32_array, mark_popped, page_gens, pop_page, stack_run_ok, state_arrays,
+                          u8_array)
 from .layout import AD_EVICTED, AD_INDPTR, AD_MAX_BATCH, AD_MAX_PAGES, AD_OK, AD_PAGES, STATE_DESC_LEN
 from ._triton_util import (ALLOCATED, CACHED_COUNT, ERR_BAD_COUNT, ERR_CORRUPT_STATE, ERR_OUT_OVERFLOW, EVICTED,
                            FAILED_REQUESTS, FREE_COUNT, NULL_PAGE, counter_add, counter_get, load_counters,
@@ -36,6 +37,7 @@ def alloc_numba(
     refcount,     # int32 [P]
     page_state,   # int8 [P]
     stamp,        # int64 [P]
+    page_gen,     # int32 [P]: bumped for each evicted page
     counters,     # int64 [NUM_COUNTERS]
     keys,         # int64 [P] scratch for eviction
 ):
@@ -75,7 +77,7 @@ def alloc_numba(
     for i in range(B, BO):
         ok[i] = False
         indptr[i + 1] = total
-    evict_oldest_numba(total - free if evict else 0, evicted, free_stack, page_state, stamp, counters, keys)
+    evict_oldest_numba(total - free if evict else 0, evicted, free_stack, page_state, stamp, page_gen, counters, keys)
     top = counters[L.FREE_COUNT] - 1
     P = refcount.shape[0]
     if stack_run_ok(free_stack, top - total + 1, top + 1, P):  # the usual case: no check per page
@@ -97,7 +99,7 @@ def alloc_numba_entry(counts_ptr, B, ad, evict):
     """``alloc_numba`` bound to its outputs: state and output addresses in the descriptor ``ad``."""
     stack, rc, state, stamp, counters, _, keys = state_arrays(ad[:STATE_DESC_LEN])
     alloc_numba(counts_ptr, B, ad[AD_PAGES], ad[AD_MAX_PAGES], ad[AD_INDPTR], ad[AD_OK], ad[AD_MAX_BATCH],
-                ad[AD_EVICTED], evict, stack, rc, state, stamp, counters, keys)
+                ad[AD_EVICTED], evict, stack, rc, state, stamp, page_gens(ad[:STATE_DESC_LEN]), counters, keys)
 
 
 # ---------------------------------------------------------------------- Triton
@@ -120,6 +122,7 @@ def alloc_kernel(
     refcount_ptr,    # *int32 [P]
     page_state_ptr,  # *int8 [P]
     stamp_ptr,       # *int64 [P]
+    page_gen_ptr,    # *int32 [P]: bumped for each evicted page
     counters_ptr,    # *int64 [NUM_COUNTERS]
     num_pages,       # P
     # Meta-parameters
@@ -171,7 +174,7 @@ def alloc_kernel(
         tl.store(indptr_ptr + i + 1, tl.zeros((BLOCK,), tl.int32) + total.to(tl.int32), mask=pad)
     if HAS_EVICT:
         m, bad_evict = evict_oldest_body(total - free, evicted_ptr, M, free_stack_ptr, page_state_ptr, stamp_ptr,
-                                         num_pages, counter_get(c, FREE_COUNT), cached, _clock, BLOCK,
+                                         page_gen_ptr, num_pages, counter_get(c, FREE_COUNT), cached, _clock, BLOCK,
                                          RANK_BLOCK)
         c = counter_add(c, ERR_CORRUPT_STATE, bad_evict)
         c = counter_add(c, FREE_COUNT, m)
@@ -205,6 +208,6 @@ def alloc_triton(st, counts, pages, indptr, ok, evicted, evict) -> None:
     B, M, BO = counts.numel(), pages.numel(), ok.numel()
     alloc_kernel[(1,)](
         counts, B, pages, M, indptr, ok, BO, evicted,
-        st.free_stack, st.refcount, st.page_state, st.stamp, st.counters, st.num_pages,
+        st.free_stack, st.refcount, st.page_state, st.stamp, st.page_gen, st.counters, st.num_pages,
         HAS_EVICT=bool(evict), **settings(max(B, M, BO, st.num_pages if evict else 1), rank=True),
     )

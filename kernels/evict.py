@@ -1,7 +1,8 @@
 """evict: free the k least recently stamped cached pages, oldest first.
 
 Order: ascending ``(stamp, page id)``. Evicted pages are returned in that
-order (padded with -1) and pushed on the free stack in that order.
+order (padded with -1) and pushed on the free stack in that order; each one's
+generation is bumped (it became FREE).
 """
 
 import numba
@@ -9,9 +10,9 @@ import numpy as np
 from ._triton_shim import tl, triton
 
 from . import layout as L
-from ._numba_util import fill_null_range, i32_array, state_arrays
+from ._numba_util import bump_gen, fill_null_range, i32_array, page_gens, state_arrays
 from ._triton_util import (CACHED, CACHED_COUNT, ERR_CORRUPT_STATE, EVICTED, FREE, FREE_COUNT, INT64_MAX,
-                           NULL_PAGE, counter_add, counter_get, load_counters, settings,
+                           NULL_PAGE, bump_gen as t_bump_gen, counter_add, counter_get, load_counters, settings,
                            store_counters, tick)
 
 
@@ -51,7 +52,7 @@ def _select_threshold(m, ids, c, lo, hi, stamp, hist):
 
 
 @numba.njit(nogil=True)
-def evict_oldest_numba(n, out, free_stack, page_state, stamp, counters, keys):
+def evict_oldest_numba(n, out, free_stack, page_state, stamp, page_gen, counters, keys):
     """Evict ``min(n, cached, len(out))`` pages into ``out[:m]``; pad the rest of ``out`` with -1.
 
     No sort of the pool: one branch-free pass lists the cached pages (in
@@ -110,6 +111,7 @@ def evict_oldest_numba(n, out, free_stack, page_state, stamp, counters, keys):
         for r in range(m):
             p = out[r]
             page_state[p] = L.FREE
+            bump_gen(page_gen, p)
             free_stack[top + r] = p
         counters[L.FREE_COUNT] = top + m
         counters[L.CACHED_COUNT] -= m
@@ -124,11 +126,12 @@ def evict_numba(
     free_stack,  # int32 [P]
     page_state,  # int8 [P]
     stamp,       # int64 [P]
+    page_gen,    # int32 [P]
     counters,    # int64 [NUM_COUNTERS]
     keys,        # int64 [P] scratch
 ):
     counters[L.CLOCK] += 1
-    evict_oldest_numba(K, i32_array(out_ptr, K), free_stack, page_state, stamp, counters, keys)
+    evict_oldest_numba(K, i32_array(out_ptr, K), free_stack, page_state, stamp, page_gen, counters, keys)
     # no raise_peaks: an eviction only lowers the cached count (as the reference and Triton)
 
 
@@ -136,7 +139,7 @@ def evict_numba(
 def evict_numba_entry(out_ptr, K, sd):
     """``evict_numba`` with the state passed as a descriptor (fast dispatch)."""
     stack, _, state, stamp, counters, _, keys = state_arrays(sd)
-    evict_numba(out_ptr, K, stack, state, stamp, counters, keys)
+    evict_numba(out_ptr, K, stack, state, stamp, page_gens(sd), counters, keys)
 
 
 # ---------------------------------------------------------------------- Triton
@@ -206,6 +209,7 @@ def evict_oldest_body(
     free_stack_ptr,  # *int32 [P]
     page_state_ptr,  # *int8 [P]
     stamp_ptr,       # *int64 [P]
+    page_gen_ptr,    # *int32 [P]: each evicted page's generation is bumped
     num_pages,       # P
     top,             # int64 scalar: FREE_COUNT before the call
     cached_count,    # int64 scalar: CACHED_COUNT before the call
@@ -287,7 +291,7 @@ def evict_oldest_body(
             radix_sort_pass(out_ptr, free_stack_ptr + top, m, stamp_ptr, smin, r * DIGIT_BITS, BLOCK, RANK_BLOCK)
         tl.debug_barrier()
     # The order is in out after an odd number of passes, else on the stack: copy it to the
-    # other one, mark the pages FREE, pad out with -1.
+    # other one, mark the pages FREE (their generations bumped), pad out with -1.
     in_out = passes % 2 == 1
     m_out = tl.where(in_out, m, 0)    # items to read from out (and write to the stack)
     m_stack = tl.where(in_out, 0, m)  # items to read from the stack (and write to out)
@@ -298,6 +302,7 @@ def evict_oldest_body(
         tl.store(free_stack_ptr + top + j, p, mask=j < m_out)
         tl.store(out_ptr + j, p, mask=j < m_stack)
         tl.store(page_state_ptr + p, tl.full((BLOCK,), FREE, tl.int8), mask=j < m)
+        t_bump_gen(page_gen_ptr, p, j < m)
     for start in range((m // BLOCK) * BLOCK, K, BLOCK):
         j = start + lanes
         tl.store(out_ptr + j, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=(j >= m) & (j < K))
@@ -311,6 +316,7 @@ def evict_kernel(
     free_stack_ptr,  # *int32 [P]
     page_state_ptr,  # *int8 [P]
     stamp_ptr,       # *int64 [P]
+    page_gen_ptr,    # *int32 [P]
     counters_ptr,    # *int64 [NUM_COUNTERS]
     num_pages,       # P
     # Meta-parameters
@@ -322,7 +328,7 @@ def evict_kernel(
     c, clock = tick(c)
     top = counter_get(c, FREE_COUNT)
     m, corrupt = evict_oldest_body(tl.zeros((), tl.int64) + K, out_ptr, K, free_stack_ptr, page_state_ptr,
-                                   stamp_ptr, num_pages, top, counter_get(c, CACHED_COUNT), clock, BLOCK,
+                                   stamp_ptr, page_gen_ptr, num_pages, top, counter_get(c, CACHED_COUNT), clock, BLOCK,
                                    RANK_BLOCK)
     c = counter_add(c, ERR_CORRUPT_STATE, corrupt)
     c = counter_add(c, FREE_COUNT, m)
@@ -334,6 +340,6 @@ def evict_kernel(
 def evict_triton(st, out) -> None:
     """Evict up to ``out.numel()`` cached pages, oldest first, into ``out`` (one launch)."""
     evict_kernel[(1,)](
-        out, out.numel(), st.free_stack, st.page_state, st.stamp, st.counters, st.num_pages,
+        out, out.numel(), st.free_stack, st.page_state, st.stamp, st.page_gen, st.counters, st.num_pages,
         **settings(max(st.num_pages, out.numel()), rank=True),
     )

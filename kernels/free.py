@@ -3,8 +3,8 @@
 Per distinct page named ``k`` times: ``d = min(k, refcount)`` references are
 dropped and ``k - d`` entries count as ``double_free`` (all ``k`` when the page
 is not USED). Pages reaching 0 are pushed on the free stack in the order of
-their first occurrence, or with ``cache`` become CACHED stamped with the
-clock. ``-1`` is padding; other ids outside ``[0, P)`` count ``invalid_page``.
+their first occurrence (FREE, their generation bumped), or with ``cache`` become
+CACHED stamped with the clock. ``-1`` is padding; other ids outside ``[0, P)`` count ``invalid_page``.
 """
 
 import numba
@@ -12,7 +12,7 @@ from ._triton_shim import tl, triton
 
 from . import layout as L
 from . import _numba_util as nu
-from ._numba_util import i32_array, state_arrays
+from ._numba_util import i32_array, page_gens, state_arrays
 from ._triton_util import (CACHED_COUNT, ERR_CORRUPT_STATE, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREED,
                            FREE_COUNT, count_pages, counter_add, counter_get, first_lanes,
                            load_counters, raise_peaks, apply_free, reset_lanes, settings,
@@ -28,20 +28,21 @@ def free_numba(
     refcount,    # int32 [P]
     page_state,  # int8 [P]
     stamp,       # int64 [P]
+    page_gen,    # int32 [P]
     counters,    # int64 [NUM_COUNTERS]
     occur,       # int32 [P] scratch, zero between calls
 ):
     counters[L.CLOCK] += 1
     n = nu.padded_tail_start(i32_array(pages_ptr, N)) if N >= nu.TAIL_BLOCK else N
     nu.apply_free(i32_array(pages_ptr, n), cache, counters[L.CLOCK], free_stack, refcount, page_state, stamp,
-                  counters, occur)
+                  page_gen, counters, occur)
 
 
 @numba.njit(nogil=True)
 def free_numba_entry(pages_ptr, N, cache, sd):
     """``free_numba`` with the state passed as a descriptor (fast dispatch)."""
     stack, rc, state, stamp, counters, occur, _ = state_arrays(sd)
-    free_numba(pages_ptr, N, cache, stack, rc, state, stamp, counters, occur)
+    free_numba(pages_ptr, N, cache, stack, rc, state, stamp, page_gens(sd), counters, occur)
 
 
 # ---------------------------------------------------------------------- Triton
@@ -59,6 +60,7 @@ def free_kernel(
     refcount_ptr,    # *int32 [P]
     page_state_ptr,  # *int8 [P]
     stamp_ptr,       # *int64 [P]
+    page_gen_ptr,    # *int32 [P]
     counters_ptr,    # *int64 [NUM_COUNTERS]
     claim_ptr,       # *int32 [P] scratch, INT32_MAX between calls
     occur_ptr,       # *int32 [P] scratch, 0 between calls
@@ -79,7 +81,7 @@ def free_kernel(
     for start in range(0, n_pages, BLOCK):
         p, first, k = first_lanes(pages_ptr, start, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
         dbl, rel, push = apply_free(p, first, k, top + released, clock, free_stack_ptr, refcount_ptr,
-                                    page_state_ptr, stamp_ptr, num_pages, CACHE, BLOCK)
+                                    page_state_ptr, stamp_ptr, page_gen_ptr, num_pages, CACHE, BLOCK)
         double += dbl
         released += rel
         pushed += push
@@ -100,7 +102,7 @@ def free_kernel(
 def free_triton(st, pages, cache) -> None:
     """Drop one reference per entry of ``pages`` (one launch; see module note)."""
     free_kernel[(1,)](
-        pages, pages.numel(), st.free_stack, st.refcount, st.page_state, st.stamp, st.counters,
+        pages, pages.numel(), st.free_stack, st.refcount, st.page_state, st.stamp, st.page_gen, st.counters,
         st.claim, st.occur, st.num_pages,
         CACHE=bool(cache), **settings(pages.numel()),
     )

@@ -19,6 +19,11 @@ FREE = 0      # on the free stack
 USED = 1      # reference count >= 1
 CACHED = 2    # reference count 0, content kept, evictable; carries an LRU stamp
 
+# A page's generation (int32, one per page): +1 each time the page becomes FREE (a last
+# reference dropped without ``cache``, an eviction), wrapping within the non-negative int32
+# (``(g + 1) & GEN_MASK``). A prefix-cache entry records it; ``PageTable.revive`` compares.
+GEN_MASK = 0x7FFFFFFF
+
 NULL_PAGE = -1  # padding in every page-id tensor, in and out
 
 # Slots of the int64 ``counters`` vector.
@@ -111,9 +116,9 @@ def memo_len(b: int) -> int:
 # by ``tpool.backends.numba`` (the tensors never move).
 #
 # A pool's state descriptor (int64 [STATE_DESC_LEN]): addresses of its state tensors
-# and the page count.
-SD_FREE_STACK, SD_REFCOUNT, SD_PAGE_STATE, SD_STAMP, SD_COUNTERS, SD_OCCUR, SD_KEYS, SD_PAGES = range(8)
-STATE_DESC_LEN = 8
+# and the page count (SD_PAGE_GEN: the generations, read only by the calls that free or revive).
+SD_FREE_STACK, SD_REFCOUNT, SD_PAGE_STATE, SD_STAMP, SD_COUNTERS, SD_OCCUR, SD_KEYS, SD_PAGES, SD_PAGE_GEN = range(9)
+STATE_DESC_LEN = 9
 
 # A bound alloc's descriptor (int64 [AD_LEN]): the state descriptor, then an AllocOut's
 # output addresses and capacities.

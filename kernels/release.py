@@ -15,7 +15,7 @@ from ._triton_shim import tl, triton
 
 from . import layout as L
 from . import _numba_util as nu
-from ._numba_util import i32_array, lane_valid, stamp_rows, state_arrays, table_arrays
+from ._numba_util import i32_array, lane_valid, page_gens, stamp_rows, state_arrays, table_arrays
 from .layout import CD_OUT, CD_STATE
 from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, cdiv, claim_pages, claim_requests,
                                  check_lane_scratch, first_pages, list_lane, request_lanes, reset_pages)
@@ -33,7 +33,7 @@ def _new_len(new_lens, i, length, drop):
 
 @numba.njit(nogil=True)
 def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens, claim,
-               free_stack, refcount, page_state, stamp, counters, occur, keys, drop=False):
+               free_stack, refcount, page_state, stamp, page_gen, counters, occur, keys, drop=False):
     R = block_table.shape[0]
     counters[L.CLOCK] += 1
     clock = counters[L.CLOCK]
@@ -78,7 +78,7 @@ def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens,
             seq_lens[r] = keep_tokens
     nu.reset_requests(ids, R, claim)
     if B > 0:  # an empty batch touches nothing (as the reference and Triton)
-        nu.apply_free(dropped, cache, clock, free_stack, refcount, page_state, stamp, counters, occur)
+        nu.apply_free(dropped, cache, clock, free_stack, refcount, page_state, stamp, page_gen, counters, occur)
 
 
 @numba.njit(nogil=True)
@@ -94,13 +94,14 @@ def release_numba(
     refcount,     # int32 [P]
     page_state,   # int8 [P]
     stamp,        # int64 [P]
+    page_gen,     # int32 [P]
     counters,     # int64 [NUM_COUNTERS]
     occur,        # int32 [P] scratch
     keys,         # int64 [P] scratch
 ):
     ids = i32_array(req_ids_ptr, B)
     _drop_tail(ids, ids, False, cache, page_size, block_table, seq_lens, claim,
-               free_stack, refcount, page_state, stamp, counters, occur, keys)
+               free_stack, refcount, page_state, stamp, page_gen, counters, occur, keys)
 
 
 @numba.njit(nogil=True)
@@ -117,12 +118,13 @@ def truncate_numba(
     refcount,     # int32 [P]
     page_state,   # int8 [P]
     stamp,        # int64 [P]
+    page_gen,     # int32 [P]
     counters,     # int64 [NUM_COUNTERS]
     occur,        # int32 [P] scratch
     keys,         # int64 [P] scratch
 ):
     _drop_tail(i32_array(req_ids_ptr, B), i32_array(lens_ptr, B), True, False, page_size, block_table,
-               seq_lens, claim, free_stack, refcount, page_state, stamp, counters, occur, keys, drop)
+               seq_lens, claim, free_stack, refcount, page_state, stamp, page_gen, counters, occur, keys, drop)
 
 
 @numba.njit(nogil=True)
@@ -131,7 +133,8 @@ def release_numba_entry(req_ids_ptr, B, cache, cd):
     bt, lens, claim, ps = table_arrays(cd[:CD_STATE])
     stamp_rows(cd[:CD_STATE], req_ids_ptr, B)
     stack, rc, state, stamp, counters, occur, keys = state_arrays(cd[CD_STATE:CD_OUT])
-    release_numba(req_ids_ptr, B, cache, ps, bt, lens, claim, stack, rc, state, stamp, counters, occur, keys)
+    release_numba(req_ids_ptr, B, cache, ps, bt, lens, claim, stack, rc, state, stamp,
+                  page_gens(cd[CD_STATE:CD_OUT]), counters, occur, keys)
 
 
 @numba.njit(nogil=True)
@@ -140,8 +143,8 @@ def truncate_numba_entry(req_ids_ptr, lens_ptr, B, drop, cd):
     bt, lens, claim, ps = table_arrays(cd[:CD_STATE])
     stamp_rows(cd[:CD_STATE], req_ids_ptr, B)
     stack, rc, state, stamp, counters, occur, keys = state_arrays(cd[CD_STATE:CD_OUT])
-    truncate_numba(req_ids_ptr, lens_ptr, B, drop, ps, bt, lens, claim, stack, rc, state, stamp, counters,
-                   occur, keys)
+    truncate_numba(req_ids_ptr, lens_ptr, B, drop, ps, bt, lens, claim, stack, rc, state, stamp,
+                   page_gens(cd[CD_STATE:CD_OUT]), counters, occur, keys)
 
 
 # ---------------------------------------------------------------------- Triton
@@ -199,6 +202,7 @@ def release_kernel(
     refcount_ptr,     # *int32 [P]
     page_state_ptr,   # *int8 [P]
     stamp_ptr,        # *int64 [P]
+    page_gen_ptr,     # *int32 [P]
     counters_ptr,     # *int64 [NUM_COUNTERS]
     page_claim_ptr,   # *int32 [P] scratch, INT32_MAX between calls
     occur_ptr,        # *int32 [P] scratch, 0 between calls
@@ -251,7 +255,7 @@ def release_kernel(
                               seq_lens_ptr, block_table_ptr, R, MP, page_size, HAS_LENS)
         first, k = first_pages(p, f, drop, page_claim_ptr, occur_ptr, num_pages)
         dbl, rel, push = apply_free(p, first, k, top + released, clock, free_stack_ptr, refcount_ptr,
-                                    page_state_ptr, stamp_ptr, num_pages, CACHE, BLOCK)
+                                    page_state_ptr, stamp_ptr, page_gen_ptr, num_pages, CACHE, BLOCK)
         double += dbl
         released += rel
         pushed += push
@@ -293,7 +297,8 @@ def _launch(req_ids, new_lens, cache, st, ts) -> None:
     R, MP = ts.block_table.shape
     release_kernel[(1,)](
         req_ids, req_ids if new_lens is None else new_lens, B, ts.block_table, ts.seq_lens, ts.claim,
-        st.free_stack, st.refcount, st.page_state, st.stamp, st.counters, st.claim, st.occur, ts.lane_end,
+        st.free_stack, st.refcount, st.page_state, st.stamp, st.page_gen, st.counters, st.claim, st.occur,
+        ts.lane_end,
         R, MP, st.num_pages, ts.page_size, B.bit_length(),
         HAS_LENS=new_lens is not None, CACHE=bool(cache), **settings(max(B, B * MP)),
     )

@@ -1,11 +1,13 @@
 """revive: an empty row takes ``k`` given pages (a prefix-cache hit), all or none.
 
-Every page must be USED or CACHED and named once; then each gains one reference
+Every page must be USED or CACHED and named once, and with recorded generations
+(``HAS_GENS``) still have the generation recorded for it; then each gains one reference
 (a CACHED page is revived, counted in ``revived``), the row holds them and its
 length is ``k * page_size``. Otherwise no page is taken, the row's first ``k``
 entries are -1 and its length 0, and the entries that could not be taken are
 counted as ``incref`` counts them, once per entry: ``invalid_page`` (an id
-outside the pool), ``use_after_free`` (FREE), ``corrupt_state`` (no known
+outside the pool), ``use_after_free`` (FREE, or USED / CACHED under another
+generation than the recorded one: freed since), ``corrupt_state`` (no known
 state); a -1 or a page named twice counts nothing. A row outside ``[0, R)`` is
 ``bad_request``, else ``k > max_pages`` ``table_overflow``, else a row that is
 not empty ``bad_request``: nothing else happens. The clock ticks once.
@@ -17,7 +19,8 @@ from ._triton_shim import tl, triton
 
 from . import layout as L
 from . import _numba_util as nu
-from ._numba_util import i32_array, i64_array, new_version, row_versions, state_arrays, table_arrays, version_cells
+from ._numba_util import (i32_array, i64_array, new_version, page_gens, row_versions, state_arrays, table_arrays,
+                          version_cells)
 from .layout import CD_OUT, CD_STATE, INT32_MAX
 from .step import _memo_len, _memo_stamps
 from ._triton_table_util import ERR_BAD_REQUEST, ERR_TABLE_OVERFLOW
@@ -31,16 +34,19 @@ from ._triton_util import (CACHED, CACHED_COUNT, ERR_CORRUPT_STATE, ERR_INVALID_
 def revive_numba(
     row,          # the row to fill
     pages_ptr,    # address of int32 [N], the pages to revive
+    gens_ptr,     # address of int32 [N], their recorded generations, or 0: none (not compared)
     N,            # number of pages
     page_size,    # tokens per page
     block_table,  # int32 [R, MP]
     seq_lens,     # int32 [R]
     refcount,     # int32 [P]
     page_state,   # int8 [P]
+    page_gen,     # int32 [P]
     counters,     # int64 [NUM_COUNTERS]
     occur,        # int32 [P] scratch, zero between calls
 ):
     pages = i32_array(pages_ptr, N)
+    gens = i32_array(gens_ptr if gens_ptr != 0 else pages_ptr, N)  # (never read without gens_ptr)
     R, MP = block_table.shape
     P = refcount.shape[0]
     counters[L.CLOCK] += 1
@@ -59,7 +65,10 @@ def revive_numba(
                 whole = False
                 continue
             state = page_state[p]
-            if state == L.USED or state == L.CACHED:
+            if (state == L.USED or state == L.CACHED) and gens_ptr != 0 and gens[i] != page_gen[p]:
+                whole = False  # freed since its generation was recorded (and maybe handed out again)
+                counters[L.ERR_USE_AFTER_FREE] += 1
+            elif state == L.USED or state == L.CACHED:
                 whole = whole and occur[p] == 1
             else:  # an entry that cannot be taken, counted as incref counts it
                 whole = False
@@ -88,14 +97,15 @@ def revive_numba(
 
 
 @numba.njit(nogil=True)
-def revive_numba_entry(row, pages_ptr, N, cd):
+def revive_numba_entry(row, pages_ptr, gens_ptr, N, cd):
     """``revive_numba`` with table and pool state in the call descriptor ``cd`` (fast dispatch); the row,
     if in range, gets a fresh stamp (as ``stamp_rows``: a step keeps no run of it noted before)."""
     bt, lens, _, ps = table_arrays(cd[:CD_STATE])
     if row >= 0 and row < bt.shape[0]:
         row_versions(cd[:CD_STATE])[row] = new_version(cd[:CD_STATE])
     _, rc, state, _, counters, occur, _ = state_arrays(cd[CD_STATE:CD_OUT])
-    revive_numba(row, pages_ptr, N, ps, bt, lens, rc, state, counters, occur)
+    revive_numba(row, pages_ptr, gens_ptr, N, ps, bt, lens, rc, state, page_gens(cd[CD_STATE:CD_OUT]), counters,
+                 occur)
 
 
 @numba.njit(nogil=True)
@@ -116,7 +126,8 @@ def forget_row_numba(memo_ptr, b, row, td):
 
 # ---------------------------------------------------------------------- Triton
 # One program: the pool's claim pass over the pages (occurrences), a barrier, a
-# pass that decides ``whole`` (all taken, none repeated) and counts the entries
+# pass that decides ``whole`` (all taken, none repeated, none of another generation
+# than recorded) and counts the entries
 # that cannot be taken, a barrier, a pass that increfs the pages and writes the
 # row (or -1s), then the scratch restored.
 
@@ -124,12 +135,14 @@ def forget_row_numba(memo_ptr, b, row, td):
 @triton.jit
 def revive_kernel(
     pages_ptr,        # *int32 [N]: the pages to revive
+    gens_ptr,         # *int32 [N]: their recorded generations (HAS_GENS only)
     N,                # number of pages
     row,              # the row to fill
     block_table_ptr,  # *int32 [R, MP]
     seq_lens_ptr,     # *int32 [R]
     refcount_ptr,     # *int32 [P]
     page_state_ptr,   # *int8 [P]
+    page_gen_ptr,     # *int32 [P]
     counters_ptr,     # *int64 [NUM_COUNTERS]
     claim_ptr,        # *int32 [P] scratch, INT32_MAX between calls
     occur_ptr,        # *int32 [P] scratch, 0 between calls
@@ -138,7 +151,8 @@ def revive_kernel(
     num_pages,        # P
     page_size,        # tokens per page
     # Meta-parameters
-    BLOCK: tl.constexpr,  # lanes per chunk
+    HAS_GENS: tl.constexpr,  # a page is taken only if its generation equals gens[i]
+    BLOCK: tl.constexpr,     # lanes per chunk
 ):
     """row takes pages[:N] (one reference each, CACHED revived) and N * page_size tokens, or none of them."""
     lanes = tl.arange(0, BLOCK)
@@ -161,10 +175,16 @@ def revive_kernel(
         p = tl.load(pages_ptr + i, mask=live, other=NULL_PAGE)
         valid = live & (p >= 0) & (p < num_pages)
         state = tl.load(page_state_ptr + p, mask=valid, other=FREE)
-        taken = valid & ((state == USED) | (state == CACHED))
+        live_page = valid & ((state == USED) | (state == CACHED))
+        if HAS_GENS:  # freed since its generation was recorded (and maybe handed out again): not taken
+            stale = live_page & (tl.load(gens_ptr + i, mask=live_page, other=0)
+                                 != tl.load(page_gen_ptr + p, mask=live_page, other=0))
+        else:
+            stale = tl.zeros((BLOCK,), tl.int1)
+        taken = live_page & ~stale
         once = tl.load(occur_ptr + p, mask=taken, other=0) == 1
-        uaf += tl.sum((valid & (state == FREE)).to(tl.int64))
-        wrong += tl.sum((valid & ~taken & (state != FREE)).to(tl.int64))
+        uaf += tl.sum((valid & (state == FREE)).to(tl.int64)) + tl.sum(stale.to(tl.int64))
+        wrong += tl.sum((valid & ~live_page & (state != FREE)).to(tl.int64))
         untaken += tl.sum((live & ~(taken & once)).to(tl.int64))
     whole = good & (untaken == 0)
     tl.debug_barrier()
@@ -197,11 +217,12 @@ def revive_kernel(
     store_counters(counters_ptr, c)
 
 
-def revive_triton(row, pages, st, ts) -> None:
-    """Row ``row`` (a host int) takes ``pages`` (int32 ``[k]``), all or none (one launch; see module note)."""
+def revive_triton(row, pages, st, ts, gens=None) -> None:
+    """Row ``row`` (a host int) takes ``pages`` (int32 ``[k]``), all or none, with ``gens`` (int32 ``[k]``)
+    only pages of those generations (one launch; see module note)."""
     R, MP = ts.block_table.shape
     revive_kernel[(1,)](
-        pages, pages.numel(), row, ts.block_table, ts.seq_lens, st.refcount, st.page_state, st.counters,
-        st.claim, st.occur, R, MP, st.num_pages, ts.page_size,
-        **settings(pages.numel()),
+        pages, pages if gens is None else gens, pages.numel(), row, ts.block_table, ts.seq_lens, st.refcount,
+        st.page_state, st.page_gen, st.counters, st.claim, st.occur, R, MP, st.num_pages, ts.page_size,
+        HAS_GENS=gens is not None, **settings(pages.numel()),
     )

@@ -12,7 +12,8 @@ inside a free group, ``cache=``), ``incref``, ``touch``, ``evict``, ``extend``, 
 (``release=``, ``release_cache=``, ``out=`` two ``StepOut`` buffers taking turns, small
 and large ``capacity`` and ``max_tokens``, the same tensors again so the table binds
 them), ``bind_step`` (tensor inputs, and ``batch=B`` with ``release=K``), ``fork``,
-``truncate`` (``new_lens`` and ``drop``), ``release``, ``revive``, ``flashinfer_csr``,
+``truncate`` (``new_lens`` and ``drop``), ``release``, ``revive`` (with ``generations``: the
+pages' own, or any values), ``flashinfer_csr``,
 ``block_table_rows``, ``invalidate_csr`` (all rows or some), snapshots and restores of
 the state, and the sync points (``check``, ``check_invariants``, ``stats``,
 ``available``). Request ids and page ids include -1, ids out of range, repeated ids and
@@ -20,7 +21,7 @@ the int32 extremes; counts include negatives and huge values.
 
 Between calls it edits the state by hand: any value (negatives, huge, the INT32 and
 INT64 extremes, ids out of range, values near the current one) into any state tensor
-of the pool (``free_stack``, ``refcount``, ``page_state``, ``stamp``, every
+of the pool (``free_stack``, ``refcount``, ``page_state``, ``stamp``, ``page_gen``, every
 ``counters`` slot, ``checked``, the scratch ``claim``/``occur``/``keys``) and of the
 table (``block_table``, ``seq_lens``, ``claim``, ``lane_end``, ``version``,
 ``row_version``), copies of one row into another, versions copied from a step's memo
@@ -84,7 +85,8 @@ I64_SPECIAL = I32_SPECIAL + (INT64_MIN, INT64_MIN + 1, -2**62, -2**32, 2**31, 2*
                              2**62, INT64_MAX - 1, INT64_MAX)
 I8_SPECIAL = (-128, -1, 0, 1, 2, 3, 4, 127)
 
-POOL_TENSORS = ("free_stack", "refcount", "page_state", "stamp", "counters", "checked", "claim", "occur", "keys")
+POOL_TENSORS = ("free_stack", "refcount", "page_state", "stamp", "page_gen", "counters", "checked", "claim", "occur",
+                "keys")
 TABLE_TENSORS = ("block_table", "seq_lens", "claim", "lane_end", "version", "row_version")
 
 
@@ -228,7 +230,7 @@ def gen_edit(rng, cfg):
         kind = "i64" if name in ("version", "row_version") else "i32"
         return ["table", name, rng.randrange(size), _edit_value(rng, cfg, kind), None]
     name = rng.choice(["free_stack", "free_stack", "refcount", "page_state", "page_state", "stamp", "counters",
-                       "counters", "counters", "checked", "claim", "occur", "keys"])
+                       "counters", "counters", "checked", "claim", "occur", "keys", "page_gen"])
     if name == "counters":
         slot = rng.choice([0, 0, 0, 1, 1, 2, 2] + list(range(20)))
         return ["pool", name, slot, _edit_value(rng, cfg, "i64", (0, P // 2)), None]
@@ -305,7 +307,10 @@ def gen_op(rng: random.Random, cfg: dict, memo_edits: bool) -> list:
         k = rng.randint(0, MP + (rng.random() < 0.1))
         row = rng.choice([-1, INT32_MAX, cfg["max_requests"]]) if rng.random() < 0.05 else rng.randrange(
             cfg["max_requests"])
-        return [kind, row, _pages(rng, cfg, k), k * ps if rng.random() < 0.9 else rng.choice([k * ps + 1, -ps])]
+        n = k * ps if rng.random() < 0.9 else rng.choice([k * ps + 1, -ps])
+        u = rng.random()  # generations: none, the pages' own at the call, or any values (one entry per page)
+        gens = None if u < 0.4 else "own" if u < 0.7 else [rng.choice(I32_SPECIAL[:12]) for _ in range(k)]
+        return [kind, row, _pages(rng, cfg, k), n, gens]
     if kind == "truncate":
         drop = rng.random() < 0.5
         lens = [rng.choice([-1, INT32_MAX, INT32_MIN, -2**30]) if rng.random() < 0.07 else
@@ -586,7 +591,9 @@ class System:
                 a, b = r.cow_src.tolist(), r.cow_dst.tolist()
                 _need(all((x < 0) == (y < 0) for x, y in zip(a, b)), f"fork: half a copy pair: {a} {b}")
             elif kind == "revive":
-                table.revive(op[1], self.t(op[2]), op[3])
+                pages, gens = self.t(op[2]), op[4] if len(op) > 4 else None  # (findings from before: no generations)
+                gens = pool.generations(pages) if gens == "own" else None if gens is None else self.t(gens)
+                table.revive(op[1], pages, op[3], generations=gens)
             elif kind == "truncate":
                 _, ids, lens, drop = op
                 if drop:

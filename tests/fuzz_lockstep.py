@@ -2,13 +2,14 @@
 
 Each episode builds one small pool and table per backend (same sizes), then runs
 random operations on all of them in lockstep: valid calls (revives of pages in any state among
-them; bound steps that
+them, half of them with generations recorded when pages were last cached, so stale after evictions
+and frees; bound steps that
 release requests first among them, steps into two ``StepOut`` buffers taking turns,
 mostly decoding the same batch, as overlap scheduling does), misuse (bad and repeated ids, negative
 counts, double frees), hand edits of the state followed by
 ``invalidate_csr()``, or for half the table edits ``invalidate_csr(row)`` (any value
 into ``seq_lens``, ``block_table``, ``free_stack``, the free and cached counts and the
-clock, ``refcount``, ``page_state``, ``stamp``), and snapshot restores
+clock, ``refcount``, ``page_state``, ``stamp``, ``page_gen``), and snapshot restores
 (``tpool.graphs.state_tensors``). After every operation every output and every
 state tensor (scratch excepted) must be equal on all backends (``torch.equal``);
 an exception must be the same type on all of them.
@@ -94,17 +95,20 @@ def gen_op(rng: random.Random, cfg: dict, edits: bool) -> tuple:
     if kind == "truncate":
         # absolute lengths, or tokens to drop from each request's end (speculative decoding)
         return (kind, _ids(rng, cfg, b), [rng.randint(-1, MP * cfg["page_size"]) for _ in range(b)], rng.random() < 0.5)
-    if kind == "revive":  # a row (rarely out of range or not empty), k pages, and whole pages' tokens (or not)
+    if kind == "revive":  # a row (rarely out of range or not empty), k pages, and whole pages' tokens (or not),
+        # and half the time the generations recorded when pages were last cached (System.recorded)
         k, ps = rng.randint(0, MP + (rng.random() < 0.1)), cfg["page_size"]
         n = k * ps if rng.random() < 0.9 else k * ps + rng.choice([1, -1])
-        return (kind, rng.randrange(R) if rng.random() < 0.9 else rng.choice([-1, R]), _pages(rng, cfg, k), n)
+        return (kind, rng.randrange(R) if rng.random() < 0.9 else rng.choice([-1, R]), _pages(rng, cfg, k), n,
+                rng.random() < 0.5)
     if kind == "fork":
         lens = [rng.randint(-1, MP * cfg["page_size"]) for _ in range(b)]
         return (kind, _ids(rng, cfg, b), _ids(rng, cfg, b), lens)
     if kind == "edit":
-        name = rng.choice(["seq_lens", "block_table", "free_stack", "counters", "refcount", "page_state", "stamp"])
+        name = rng.choice(["seq_lens", "block_table", "free_stack", "counters", "refcount", "page_state", "stamp",
+                           "page_gen"])
         size = {"seq_lens": R, "block_table": R * MP, "free_stack": P, "refcount": P, "page_state": P,
-                "stamp": P, "counters": len(EDIT_COUNTERS)}[name]
+                "stamp": P, "page_gen": P, "counters": len(EDIT_COUNTERS)}[name]
         value = rng.choice(EDIT_VALUES + tuple(range(-1, P + 2)))
         if name == "stamp":
             value = rng.choice([-2**62, -1, 0, 1, 5, 40, 2**62])
@@ -151,6 +155,20 @@ class System:
                                                   release_cache=cache) for cache in (False, True)}
         self.outs = [self.table.step_out(BOUND_BATCH, max_tokens=BOUND_TOKENS) for _ in range(2)]
         self.turn, self.turn_ids = 0, [-1] * BOUND_BATCH  # the next StepOut, the last batch stepped into one
+        self.recorded = None  # every page's generation when pages were last cached (a prefix cache's entries)
+
+    def record(self):
+        """Note every page's generation, as a prefix cache records them with the entries it makes."""
+        self.recorded = self.pool.generations(torch.arange(self.pool.num_pages, dtype=torch.int32))
+
+    def recorded_for(self, pages):
+        """The generations recorded for ``pages`` (int32), -1 for ids outside the pool; the current ones
+        when nothing was cached yet."""
+        if self.recorded is None:
+            return self.pool.generations(pages)
+        P = self.pool.num_pages
+        inside = (pages >= 0) & (pages < P)
+        return torch.where(inside, self.recorded[pages.long().clamp(0, P - 1)], -1).to(torch.int32)
 
     def state(self) -> dict:
         out = {}
@@ -170,6 +188,8 @@ class System:
                 return [t.clone() for t in r]
             if kind == "free":
                 pool.free(i32(op[1]), cache=op[2])
+                if op[2]:
+                    self.record()
             elif kind == "incref":
                 pool.incref(i32(op[1]))
             elif kind == "touch":
@@ -202,6 +222,8 @@ class System:
                 return [table.block_table_rows(i32(op[1])).clone()]
             elif kind == "release":
                 table.release(i32(op[1]), cache=op[2])
+                if op[2]:
+                    self.record()
             elif kind == "truncate":
                 if op[3]:
                     table.truncate(i32(op[1]), drop=i32(op[2]))
@@ -210,13 +232,14 @@ class System:
             elif kind == "fork":
                 return [t.clone() for t in table.fork(i32(op[1]), i32(op[2]), i32(op[3]))]
             elif kind == "revive":
-                table.revive(op[1], i32(op[2]), op[3])
+                pages = i32(op[2])
+                table.revive(op[1], pages, op[3], generations=self.recorded_for(pages) if op[4] else None)
             elif kind == "edit":
                 _, name, at, value = op
                 t = {"seq_lens": table.seq_lens, "block_table": table.block_table.view(-1),
                      "free_stack": pool.state.free_stack, "refcount": pool.state.refcount,
                      "page_state": pool.state.page_state, "stamp": pool.state.stamp,
-                     "counters": pool.state.counters}[name]
+                     "page_gen": pool.state.page_gen, "counters": pool.state.counters}[name]
                 if name == "counters":
                     t[EDIT_COUNTERS[at]] = value
                 else:

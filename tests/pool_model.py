@@ -14,6 +14,7 @@ class PoolModel:
         self.rc = [0] * num_pages
         self.state = [FREE] * num_pages
         self.stamp = [0] * num_pages
+        self.gen = [0] * num_pages  # +1 (mod 2**31) each time the page becomes FREE
         self.clock = 0
         self.errors = dict(invalid_page=0, double_free=0, use_after_free=0, bad_count=0, out_overflow=0,
                            bad_request=0, table_overflow=0, bad_length=0, corrupt_state=0, refcount_overflow=0)
@@ -39,11 +40,15 @@ class PoolModel:
         self.used_peak = max(self.used_peak, used)
         self.cached_peak = max(self.cached_peak, self.cached())
 
+    def _bump(self, p):
+        self.gen[p] = (self.gen[p] + 1) % 2**31
+
     def _evict(self, n):
         order = sorted((self.stamp[p], p) for p in range(self.P) if self.state[p] == CACHED)
         out = [p for _, p in order[:max(n, 0)]]
         for p in out:
             self.state[p] = FREE
+            self._bump(p)
             self.stack.append(p)
         self.evicted += len(out)
         return out
@@ -95,6 +100,7 @@ class PoolModel:
                     self.state[p], self.stamp[p] = CACHED, self.clock
                 else:
                     self.state[p] = FREE
+                    self._bump(p)
                     self.stack.append(p)
         self._peaks()
 
@@ -143,6 +149,7 @@ class PoolModel:
         assert st.refcount.tolist() == self.rc
         assert st.page_state.tolist() == self.state
         assert st.stamp.tolist() == self.stamp
+        assert st.page_gen.tolist() == self.gen
         stats = pool.stats()
         for key, value in self.stats().items():
             assert stats[key] == value, (key, stats[key], value)

@@ -238,7 +238,8 @@ def main(backend: str) -> dict:
     out["free_count_overflow"] = dict(stack_after_release=stack_after_release, stack_after_free=stack_after_free,
                                       stack=pool.state.free_stack.tolist(), evicted=ev.tolist(),
                                       free=int(pool.state.counters[L.FREE_COUNT]),
-                                      corrupt=err(pool, L.ERR_CORRUPT_STATE), states=pool.state.page_state.tolist())
+                                      corrupt=err(pool, L.ERR_CORRUPT_STATE), states=pool.state.page_state.tolist(),
+                                      gens=pool.state.page_gen.tolist())
     del run, t, pool, a  # a clobbered allocator header aborts the process here (a crash fails the test)
     import gc
     gc.collect()

@@ -88,6 +88,7 @@ def test_free_count_near_int64_max(backend):
     assert r["evicted"] == [-1, -1] and r["free"] == 2**63 - 1
     # 2 pages of the release, 1 for the step's extend seeing the count, 2 of the free, 1 eviction
     assert r["corrupt"] == 6 and r["states"] == [0, 0, 0, 0, 2, 2, 0, 0]
+    assert r["gens"] == [1, 1, 1, 1, 0, 0, 0, 0]  # FREE unpushed is FREE all the same; no eviction happened
 
 
 def test_a_page_outside_the_pool_makes_no_slot(backend):

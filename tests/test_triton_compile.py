@@ -77,6 +77,8 @@ def _workload():
     cached = table.block_table[0, :2].clone()
     table.release(i32([0, 3]), cache=True)
     table.revive(0, cached, 8)                              # a prefix-cache hit on row 0's pages
+    table.release(i32([0]), cache=True)
+    table.revive(0, cached, 8, generations=table.pool.generations(cached))  # checked against their generations
     table.release(i32([1]))
     with pool.free_group(8):
         pool.free(out.pages[:1])

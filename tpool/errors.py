@@ -93,8 +93,11 @@ HINTS = {
         "freed); the extra release was skipped. Free each granted page once per reference (incref adds one), "
         "and do not free pages a PageTable holds: release the request instead."),
     L.ERR_USE_AFTER_FREE: (
-        "incref or touch named a FREE page (freed earlier, or never allocated); the entry was skipped. "
-        "Keep a reference (or cache=True on free) while the page is in use."),
+        "incref or touch named a FREE page (freed earlier, or never allocated), or a revive with generations "
+        "named a page whose generation changed since it was recorded (evicted or freed, perhaps handed to another "
+        "request since); the entry was skipped (a revive then takes none of its pages). Keep a reference (or "
+        "cache=True on free) while the page is in use; record pool.generations(pages) when a prefix-cache entry "
+        "is made."),
     L.ERR_BAD_COUNT: (
         "alloc or extend received a negative count; that request and every later one in the call failed. "
         "Pass counts and num_tokens >= 0 (0 for padding lanes)."),

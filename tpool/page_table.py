@@ -615,21 +615,24 @@ class PageTable:
         self.ops.fork(src_ids, dst_ids, lens, res.ok, res.cow_src, res.cow_dst)
         return res
 
-    def revive(self, req_id: int, pages: torch.Tensor, n_tokens: int) -> None:
+    def revive(self, req_id: int, pages: torch.Tensor, n_tokens: int, *,
+               generations: torch.Tensor | None = None) -> None:
         """Let empty request ``req_id`` hold ``pages`` as its first ``n_tokens`` tokens (a prefix-cache hit).
 
-        All or none, in one call: when every page is USED or CACHED and named once, each
-        gains one reference (a CACHED page is revived, as by ``pool.incref``, and counted in
-        ``pages.revived``), the row holds them in order and its length is ``n_tokens``.
+        All or none, in one call: when every page is USED or CACHED and named once (and, with
+        ``generations``, still has the generation recorded for it), each gains one reference
+        (a CACHED page is revived, as by ``pool.incref``, and counted in ``pages.revived``),
+        the row holds them in order and its length is ``n_tokens``.
         Otherwise no page is taken and the row stays empty (its first ``k`` entries -1, length
         0), so nothing later can be handed a page it holds; the entries that could not be
         taken are counted as ``pool.incref`` counts them: a FREE page (evicted since it was
         cached) as ``use_after_free``, an id outside the pool as ``invalid_page``, a page in
-        no known state as ``corrupt_state``, once per entry; a -1 and a page named twice are
-        refused without a count (``pool.check()`` raises the others). A row that is not empty
-        (length not 0, on the device) is a ``bad_request`` and changes nothing. Only whole
-        pages are revived: the request's next token goes to a fresh page, never into a page
-        another revive of the same prefix also holds. The row's CSR runs are forgotten as
+        no known state as ``corrupt_state``, once per entry, and with ``generations`` a USED or
+        CACHED page of another generation than recorded as ``use_after_free`` too; a -1 and a
+        page named twice are refused without a count (``pool.check()`` raises the others). A
+        row that is not empty (length not 0, on the device) is a ``bad_request`` and changes
+        nothing. Only whole pages are revived: the request's next token goes to a fresh page,
+        never into a page another revive of the same prefix also holds. The row's CSR runs are forgotten as
         :meth:`invalidate_csr` of that row forgets them (no step keeps or grows a run of it
         noted before). No host read; on numba one kernel call, on triton one launch.
 
@@ -638,9 +641,17 @@ class PageTable:
         content), or USED only by requests that themselves came from ``revive`` or
         :meth:`fork` of it. A page that a running request holds alone must not be revived:
         that request may still write into it, and a scheduler counting its pages would credit
-        them at its release. A page evicted and then handed to another request is USED again, which the
-        device cannot tell from a shared one: it is revived, and two requests share it.
-        Drop a prefix-cache entry when ``pool.evict`` returns one of its pages.
+        them at its release. A page evicted and then handed to another request is USED again, which its
+        state cannot tell from a shared one; its generation can: a page's generation
+        (:meth:`PagePool.generations`) grows each time it becomes FREE. Record them with the
+        entry (while a request holds its pages, or while they are CACHED) and pass them as
+        ``generations``: a stale entry (one of its pages evicted since, or freed, whether or not
+        it was handed out again) is then refused, row empty, each such page counted as
+        ``use_after_free``, and the request that holds the page now is untouched. Without
+        ``generations`` such a page is revived and two requests share it: drop a prefix-cache
+        entry when ``pool.evict`` returns one of its pages (evict picks pages on the device, so
+        a scheduler learns which only at its next host read; pass ``generations`` to be safe
+        in between).
 
         Parameters
         ----------
@@ -653,13 +664,18 @@ class PageTable:
         n_tokens : int
             The tokens they hold: a multiple of ``page_size``, at most
             ``max_pages_per_request * page_size``.
+        generations : torch.Tensor, optional
+            shape ``[n_tokens // page_size]``, int32, contiguous, on the table's device: each
+            page's generation as :meth:`PagePool.generations` gave it when the entry was made.
+            Read, never written. Default: not compared (the behaviour without generations).
 
         Raises
         ------
         ValueError
             Before any device work, naming the expected and the actual value: ``req_id`` or
             ``n_tokens`` not an int in range, ``n_tokens`` not a multiple of ``page_size``,
-            ``pages`` of another length, dtype, device or layout, or sharing memory with state.
+            ``pages`` or ``generations`` of another length, dtype, device or layout, or sharing
+            memory with state.
 
         Example
         -------
@@ -674,15 +690,29 @@ class PageTable:
         >>> table.revive(0, i32([1, 1]), 8)       # a page named twice: refused, row 0 stays empty
         >>> table.block_table[0].tolist(), table.seq_lens.tolist(), pool.state.refcount[:2].tolist()
         ([-1, -1, -1, -1], [0, 8], [1, 1])
+
+        With generations, a stale entry is refused:
+
+        >>> table.release(i32([1]), cache=True)           # pages 0, 1 CACHED again
+        >>> gens = pool.generations(i32([0, 1]))          # recorded with the prefix-cache entry
+        >>> gens.tolist(), pool.evict(1).tolist()         # page 0 evicted: FREE, generation 1
+        ([0, 0], [0])
+        >>> _ = table.extend(i32([1]), i32([4]), max_tokens=4)   # page 0 handed to request 1
+        >>> table.revive(0, i32([0, 1]), 8, generations=gens)    # stale: refused, row 0 stays empty
+        >>> table.block_table[:, 0].tolist(), pool.generations(i32([0, 1])).tolist()
+        ([-1, 0], [1, 0])
+        >>> pool.stats()["errors.use_after_free"]
+        1
         """
         req_id = _checks.check_size(req_id, "req_id")
         if req_id >= self.max_requests:
             raise ValueError(f"req_id: expected a row in [0, {self.max_requests}), got {req_id}")
-        self._revive_inputs(pages, n_tokens)
-        self._revive(req_id, pages)
+        self._revive_inputs(pages, n_tokens, generations)
+        self._revive(req_id, pages, generations)
 
-    def _revive_inputs(self, pages, n_tokens) -> int:
-        """:meth:`revive`'s checks of ``pages`` and ``n_tokens`` (metadata only); returns ``k``, the pages."""
+    def _revive_inputs(self, pages, n_tokens, generations=None) -> int:
+        """:meth:`revive`'s checks of ``pages``, ``n_tokens`` and ``generations`` (metadata only); returns
+        ``k``, the pages."""
         ps, n_tokens = self.page_size, _checks.check_size(n_tokens, "n_tokens")
         if n_tokens % ps or n_tokens > self.max_pages * ps:
             raise ValueError(f"n_tokens: expected a multiple of page_size {ps} up to max_pages_per_request * "
@@ -691,12 +721,17 @@ class PageTable:
         if i32_len(pages, self.device) != k and _checks.check_vector(pages, "pages", torch.int32, self.device) != k:
             raise ValueError(f"pages: expected {k} entries (n_tokens / page_size), got {pages.numel()}")
         _checks.check_not_written(pages, "pages", self._written)
+        if generations is not None:
+            if i32_len(generations, self.device) != k and \
+                    _checks.check_vector(generations, "generations", torch.int32, self.device) != k:
+                raise ValueError(f"generations: expected {k} entries (as pages), got {generations.numel()}")
+            _checks.check_not_written(generations, "generations", self._written)
         return k
 
-    def _revive(self, req_id: int, pages) -> None:
+    def _revive(self, req_id: int, pages, generations=None) -> None:
         """:meth:`revive` of checked inputs: the one backend call, with the memos to forget the row in."""
         with self.pool.state.lock:  # the memos and the call: as invalidate_csr of the row, atomic
-            self.ops.revive(req_id, pages, self._shapes.memo_list())
+            self.ops.revive(req_id, pages, self._shapes.memo_list(), generations)
 
     # -------------------------------------------------------------- layouts
     def flashinfer_csr(self, req_ids: torch.Tensor, *, capacity: int | None = None) -> PagedKVCSR:

@@ -369,6 +369,54 @@ class PagePool:
         self._pages(pages)
         self.ops.touch(pages)
 
+    def generations(self, pages: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Each page's generation: how many times it became FREE (mod 2**31), for a prefix cache.
+
+        A page's generation grows by one (wrapping within ``[0, INT32_MAX]``) each time the
+        page becomes FREE: its last reference dropped without ``cache`` (``free``, a table's
+        ``release``, ``truncate``, a step's release) or its eviction; nothing else changes it
+        (a page popped by ``alloc`` keeps its own). Record them next to the page ids when a
+        prefix-cache entry is made, while the request still holds its pages or while they are
+        CACHED, and pass them to :meth:`PageTable.revive` (``generations=``): a page evicted
+        and handed to another request since has another generation, and the revive is refused
+        (``use_after_free``) instead of letting two requests share it. A gather on the device:
+        no host read, the output's shape is the input's.
+
+        Parameters
+        ----------
+        pages : torch.Tensor
+            shape ``[N]``, int32, on the pool's device; -1 entries are padding.
+        out : torch.Tensor, optional
+            shape ``[N]``, int32, on the pool's device: where to write them (default a fresh tensor).
+
+        Returns
+        -------
+        torch.Tensor
+            ``out``, or shape ``[N]``, int32, on the pool's device: each page's generation, -1 for
+            padding and for ids outside ``[0, num_pages)``.
+
+        Example
+        -------
+        >>> i32 = lambda v: torch.tensor(v, dtype=torch.int32)
+        >>> pool = PagePool(4, device="cpu", backend="reference")
+        >>> r = pool.alloc(i32([2]))                        # pages 0, 1
+        >>> pool.free(i32([0]))                             # page 0: FREE, generation 1
+        >>> pool.free(i32([1]), cache=True)                 # page 1: CACHED, still 0
+        >>> pool.generations(i32([0, 1, -1, 9])).tolist()
+        [1, 0, -1, -1]
+        """
+        n = self._pages(pages)
+        if out is not None and self._pages(out, "out") != n:
+            raise ValueError(f"out: expected {n} entries (as pages), got {out.numel()}")
+        p, P = pages.long(), self.num_pages
+        with self.state.lock:  # between two calls, never inside one
+            gens = self.state.page_gen.index_select(0, p.clamp(0, P - 1))
+        gens = torch.where((p >= 0) & (p < P), gens, L.NULL_PAGE)
+        if out is None:
+            return gens
+        out.copy_(gens)
+        return out
+
     def evict(self, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Free up to ``k`` CACHED pages, least recently stamped first (ties by page id).
 
@@ -478,8 +526,8 @@ class PagePool:
         """Verify the whole state; raise :class:`InvariantViolation` on the first breach.
 
         A sync point meant for tests and debugging (reads every state tensor):
-        page states, counts, the free stack, reference counts, peaks, totals, and that
-        the scratch a later call relies on is reset.
+        page states, counts, the free stack, reference counts, generations (non-negative),
+        peaks, totals, and that the scratch a later call relies on is reset.
 
         Raises
         ------
@@ -504,6 +552,7 @@ class PagePool:
         need(int((state == L.CACHED).sum()) == cc, "cached count matches CACHED pages")
         need(bool(((rc > 0) == (state == L.USED)).all()), "refcount > 0 iff USED")
         need(bool((rc >= 0).all()), "refcounts non-negative")
+        need(bool((st["page_gen"] >= 0).all()), "generations non-negative")  # (any value, FREE or not)
         need(bool((st["claim"] == INT32_MAX).all()) and bool((st["occur"] == 0).all()), "scratch reset")
         need(all(v >= 0 for v in c), "counters non-negative")
         need(c[L.USED_PEAK] >= P - fc - cc and c[L.CACHED_PEAK] >= cc, "peaks >= current")

@@ -9,6 +9,8 @@ descriptor) recorded stay valid for the owner's lifetime.
   or CACHED (``refcount[i] == 0``, content kept, evictable, LRU stamp in
   ``stamp[i]``). The stack is popped from the top: a fresh pool hands out
   pages 0, 1, 2, ...
+  ``page_gen[i]`` counts the times page ``i`` became FREE (mod 2**31): a prefix-cache entry
+  that recorded it finds out whether its pages were freed (and maybe handed out again) since.
 * Table: ``block_table[r, :ceil(seq_lens[r] / page_size)]`` are request
   ``r``'s pages in token order, every entry past them is -1; the table holds
   one pool reference per entry.
@@ -103,6 +105,7 @@ class PoolState(_Tensors):
     refcount: torch.Tensor    # int32 [num_pages]
     page_state: torch.Tensor  # int8  [num_pages]: FREE / USED / CACHED
     stamp: torch.Tensor       # int64 [num_pages]: clock at last release or touch
+    page_gen: torch.Tensor    # int32 [num_pages]: +1 (wrapping in [0, INT32_MAX]) whenever the page becomes FREE
     counters: torch.Tensor    # int64 [NUM_COUNTERS], slots in tpool.kernels.layout
     checked: torch.Tensor     # int64 [NUM_COUNTERS]: the counters as the last check() read them (no kernel
     #                           touches it; kept with the state, so a restored snapshot restores it too)
@@ -126,6 +129,7 @@ class PoolState(_Tensors):
             refcount=fixed_full(num_pages, 0, torch.int32, device),
             page_state=fixed_full(num_pages, 0, torch.int8, device),
             stamp=fixed_full(num_pages, 0, torch.int64, device),
+            page_gen=fixed_full(num_pages, 0, torch.int32, device),
             counters=counters,
             checked=fixed_full(L.NUM_COUNTERS, 0, torch.int64, device),
             claim=fixed_full(num_pages, INT32_MAX, torch.int32, device),

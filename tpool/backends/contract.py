@@ -105,10 +105,11 @@ class TableOps(Protocol):
              cow_dst: Tensor) -> None:
         """Let empty ``dst`` share the first ``lens`` tokens of ``src``; write the copy-on-write pairs."""
 
-    def revive(self, row: int, pages: Tensor, memos=()) -> None:
+    def revive(self, row: int, pages: Tensor, memos=(), gens: Tensor | None = None) -> None:
         """Empty row ``row`` takes ``pages`` (int32 ``[k]``, a prefix-cache hit) and ``k * page_size``
-        tokens, all or none, one reference each; then, as ``restamp_rows`` of that row (numba), the
-        CSR ``memos`` forget it and it gets a fresh stamp. One call (numba: one kernel call besides the
+        tokens, all or none, one reference each (with ``gens``, int32 ``[k]``: only if every page still
+        has the generation recorded there, else each stale entry is a ``use_after_free``); then, as
+        ``restamp_rows`` of that row (numba), the CSR ``memos`` forget it and it gets a fresh stamp. One call (numba: one kernel call besides the
         memos'; triton: one launch)."""
 
     def block_table_rows(self, req_ids: Tensor, out: Tensor) -> None:

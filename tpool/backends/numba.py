@@ -158,7 +158,7 @@ def state_descriptor(st) -> np.ndarray:
     d = np.zeros(L.STATE_DESC_LEN, np.int64)
     for slot, t in ((L.SD_FREE_STACK, st.free_stack), (L.SD_REFCOUNT, st.refcount), (L.SD_PAGE_STATE, st.page_state),
                     (L.SD_STAMP, st.stamp), (L.SD_COUNTERS, st.counters), (L.SD_OCCUR, st.occur),
-                    (L.SD_KEYS, st.keys)):
+                    (L.SD_KEYS, st.keys), (L.SD_PAGE_GEN, st.page_gen)):
         d[slot] = _addr(t)
     d[L.SD_PAGES] = st.num_pages
     return d
@@ -455,12 +455,14 @@ class Table:
         kernel(fork.fork_numba_entry)(src_ids.data_ptr(), dst_ids.data_ptr(), lens.data_ptr(), dst_ids.numel(),
                                       ok.data_ptr(), cow_src.data_ptr(), cow_dst.data_ptr(), self.cd)
 
-    def revive(self, row, pages, memos=()):
+    def revive(self, row, pages, memos=(), gens=None):
         if 0 <= row < self.ts.max_requests:  # as restamp_rows(row): the memos forget it before its new stamp
             forget = entry_point(revive.forget_row_numba, _i64, _i64, _i64, _desc)
             for memo in memos:
                 forget(memo.tensor.data_ptr(), memo.batch, row, self.td)
-        entry_point(revive.revive_numba_entry, _i64, _i64, _i64, _desc)(row, pages.data_ptr(), pages.numel(), self.cd)
+        gens_ptr = 0 if gens is None else gens.data_ptr()  # 0: no generations (not compared)
+        entry_point(revive.revive_numba_entry, _i64, _i64, _i64, _i64, _desc)(row, pages.data_ptr(), gens_ptr,
+                                                                             pages.numel(), self.cd)
 
     def block_table_rows(self, req_ids, out):
         kernel(block_table_rows.block_table_rows_numba_entry)(req_ids.data_ptr(), req_ids.numel(), out.data_ptr(), self.cd)

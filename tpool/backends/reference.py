@@ -19,6 +19,9 @@ the same outputs and the same state, bit for bit. The rules:
   than a page holds is a ``double_free`` per excess entry. Pages whose count
   reaches 0 are pushed on the free stack in the order of their first
   occurrence in the input (or become CACHED with the call's stamp).
+* Every page that becomes FREE (a last reference dropped without ``cache``, an
+  eviction) has its generation bumped: ``page_gen = (page_gen + 1) & GEN_MASK``;
+  nothing else changes a generation.
 * ``evict``: the cached pages with the smallest ``(stamp, page id)`` go first;
   they are returned oldest first and pushed on the free stack in that order.
 * ``incref`` saturates: a count that would pass INT32_MAX stays at INT32_MAX;
@@ -80,7 +83,8 @@ def count_pages(st, pages: torch.Tensor):
 
 
 def _push(st, pages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Push ``pages[mask]`` on the free stack in lane order; mark them FREE. Returns how many.
+    """Push ``pages[mask]`` (distinct) on the free stack in lane order; mark them FREE, bump their
+    generations. Returns how many.
 
     A page whose stack slot would fall outside ``[0, P)`` (a corrupt free count) becomes
     FREE unpushed and counts ``corrupt_state``."""
@@ -90,6 +94,7 @@ def _push(st, pages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     fit = mask & (pos >= 0) & (pos < st.num_pages)
     _put(st.free_stack, pos.clamp(min=0, max=st.num_pages - 1), pages, fit)
     _put(st.page_state, pages, L.FREE, mask)
+    _put(st.page_gen, pages, (st.page_gen[pages] + 1) & L.GEN_MASK, mask)
     n = mask.sum()
     c[L.FREE_COUNT] += fit.sum()
     c[L.ERR_CORRUPT_STATE] += (mask & ~fit).sum()
@@ -299,8 +304,8 @@ class Table(BoundByTensors):
         reference_table.flashinfer_csr(self.st, self.ts, req_ids, indptr, indices, last_page_len, count, kv_lens)
 
     @locked
-    def revive(self, row, pages, memos=()):  # (no run is kept: the memos need nothing)
-        reference_table.revive(self.st, self.ts, row, pages)
+    def revive(self, row, pages, memos=(), gens=None):  # (no run is kept: the memos need nothing)
+        reference_table.revive(self.st, self.ts, row, pages, gens)
 
     @locked
     def block_table_rows(self, req_ids, out):

@@ -43,12 +43,15 @@ lanes saw the table as it was when the call began.
 
 * ``revive``: an empty row ``r`` takes ``k`` given pages (a prefix-cache hit) and the
   length ``k * page_size``, all or none. Every page must be USED or CACHED (not
-  FREE, not outside the pool, not -1) and named once; then each gains one
+  FREE, not outside the pool, not -1) and named once, and, given recorded
+  generations (int32 ``[k]``), have the one recorded for it (``page_gen``: a page
+  of another one was freed since); then each gains one
   reference (a CACHED page is revived, as by ``incref``) and the row holds them.
   Otherwise no page is taken, the row stays empty (its first ``k`` entries -1,
   length 0), and the entries that could not be taken are counted as ``incref``
   counts them: ``invalid_page`` for an id outside the pool, ``use_after_free``
-  for a FREE page, ``corrupt_state`` for a page in no known state, once per
+  for a FREE page or a USED / CACHED one of another generation than recorded,
+  ``corrupt_state`` for a page in no known state, once per
   entry; a -1 and a page named twice count nothing. A row outside ``[0, R)``
   is a ``bad_request``, else ``k > max_pages`` a ``table_overflow``, else a
   row that is not empty (length not 0) a ``bad_request``: then nothing else
@@ -287,8 +290,9 @@ def fork(st, ts, src_ids, dst_ids, lens, ok, cow_src, cow_dst):
     cow_dst.copy_(torch.where(pair, new, L.NULL_PAGE))
 
 
-def revive(st, ts, row, pages):
-    """Row ``row`` (a host int) takes ``pages`` (int32 ``[k]``) and ``k * page_size`` tokens, all or none."""
+def revive(st, ts, row, pages, gens=None):
+    """Row ``row`` (a host int) takes ``pages`` (int32 ``[k]``) and ``k * page_size`` tokens, all or none;
+    with ``gens`` (int32 ``[k]``) only pages whose generation is the one recorded there."""
     c, P, k = st.counters, st.num_pages, pages.numel()
     c[L.CLOCK] += 1
     if not 0 <= row < ts.max_requests or k > ts.max_pages:  # (host ints: no read of the device)
@@ -299,11 +303,15 @@ def revive(st, ts, row, pages):
     c[L.ERR_BAD_REQUEST] += (~empty).long()
     idx, _, occ, _ = count_pages(st, pages)
     state = st.page_state[idx]
-    taken = (pages >= 0) & (pages < P) & ((state == L.USED) | (state == L.CACHED))
+    live = (pages >= 0) & (pages < P) & ((state == L.USED) | (state == L.CACHED))
+    # A live page of another generation than recorded was freed since (and maybe handed out again).
+    stale = live & (gens != st.page_gen[idx]) if gens is not None else torch.zeros_like(live)
+    taken = live & ~stale
     whole = empty & (taken & (occ == 1)).all()  # 0-d: every page taken and named once, or none is
-    # The pool's incref of every page, or (refused) of the entries that could not be taken, which
-    # it counts; nothing for a row that is not empty.
-    apply_incref(st, torch.where(empty, torch.where(whole | ~taken, pages, L.NULL_PAGE), L.NULL_PAGE))
+    # The pool's incref of every page, or (refused) of the entries in no live state, which it counts
+    # (and one use_after_free per stale entry); nothing for a row that is not empty.
+    apply_incref(st, torch.where(empty, torch.where(whole | ~live, pages, L.NULL_PAGE), L.NULL_PAGE))
+    c[L.ERR_USE_AFTER_FREE] += torch.where(empty, stale.sum(), 0)
     cells = ts.block_table[row, :k]
     cells.copy_(torch.where(empty, torch.where(whole, pages, L.NULL_PAGE), cells))
     ts.seq_lens[row:row + 1] = torch.where(empty, whole.to(torch.int32) * (k * ts.page_size), ts.seq_lens[row])

@@ -88,8 +88,8 @@ class Table(BoundByTensors):
         return run
 
     @locked
-    def revive(self, row, pages, memos=()):  # (no run is kept: the memos need nothing)
-        revive.revive_triton(row, pages, self.st, self.ts)
+    def revive(self, row, pages, memos=(), gens=None):  # (no run is kept: the memos need nothing)
+        revive.revive_triton(row, pages, self.st, self.ts, gens)
 
     @locked
     def block_table_rows(self, req_ids, out):

@@ -398,12 +398,16 @@ class HostMirror(MixedSteps, Accounting):
         self.last_fork = self.table.fork(self._tensor([src]), self._tensor([row]), self._tensor([n_tokens]))
         return row
 
-    def revive(self, pages: torch.Tensor, n_tokens: int, max_len: int | None = None) -> int:
+    def revive(self, pages: torch.Tensor, n_tokens: int, max_len: int | None = None, *,
+               generations: torch.Tensor | None = None) -> int:
         """A new request on cached pages (a prefix-cache hit): ``table.revive`` them into a fresh row.
 
         pages : torch.Tensor  shape ``[n_tokens / page_size]``, int32, on the table's
             device. They are revived into the row by one table call (:meth:`PageTable.revive`:
             one kernel call on numba, one launch on triton); the mirror counts them as possibly shared.
+        generations : torch.Tensor, optional  shape ``[n_tokens / page_size]``, int32, on the
+            table's device: the pages' generations (``pool.generations``) recorded with the
+            prefix-cache entry; a page whose generation changed since (freed) is not taken.
 
         Only whole pages are revived (``n_tokens`` a multiple of ``page_size``), as a prefix
         cache shares only full blocks: the request's next token goes to a fresh page, never
@@ -427,11 +431,14 @@ class HostMirror(MixedSteps, Accounting):
         counts the row at ``n_tokens``; the next :meth:`reconcile` raises ``MirrorError``
         naming the row (its true length 0 below its bounds): for a ``-1`` or a repeated page,
         that is the only report. ``finish`` it: its release frees only what it appended
-        since. A page evicted and then handed to another request is USED again, which the
-        device cannot tell from a page shared by a ``revive`` or ``fork`` (that would take a
-        version per page): it is revived, two requests share it, and that is found only if
-        the other request releases it first (its release credits a page this row still
-        holds: the next reconciliation raises ``MirrorError``), else not at all.
+        since. A page evicted and then handed to another request is USED again, which its
+        state cannot tell from a page shared by a ``revive`` or ``fork``; its generation can
+        (each page's grows every time it becomes FREE). With ``generations`` such an entry is
+        refused as above, each such page counted as ``use_after_free``, and the request that
+        holds the page now is untouched. Without them it is revived, two requests share it,
+        and that is found only if the other request releases it first (its release credits a
+        page this row still holds: the next reconciliation raises ``MirrorError``), else not
+        at all.
         """
         n_tokens = _checks.check_size(n_tokens, "n_tokens")
         ps, m = self.page_size, self.capacity if max_len is None else _checks.check_size(max_len, "max_len")
@@ -441,7 +448,7 @@ class HostMirror(MixedSteps, Accounting):
             raise ValueError(f"revive: expected whole pages (n_tokens a multiple of page_size {ps}), got "
                              f"{n_tokens}: a revived page may be shared, and the next token would be written "
                              f"into a partial last one. Revive the whole pages and extend the rest")
-        k = self.table._revive_inputs(pages, n_tokens)  # the table's checks of pages, before the mirror changes
+        k = self.table._revive_inputs(pages, n_tokens, generations)  # the table's checks, before the mirror changes
         if (need := self._target_new(n_tokens, m)) > self.unreserved:
             raise WouldNotFit(f"revive: its reservation needs pages, {self.unreserved} unreserved")
         (row,) = self._take_rows(1)  # (WouldNotFit without a free row, before anything changes)
@@ -455,7 +462,7 @@ class HostMirror(MixedSteps, Accounting):
         # target is ``need``, which fits (checked above).
         self.res[row] = need
         self.reserved += need
-        self.table._revive(row, pages)  # all or none, on the device; only this row's runs are forgotten
+        self.table._revive(row, pages, generations)  # all or none, on the device; only this row's runs are forgotten
         return row
 
     def evict(self, k: int) -> torch.Tensor:
