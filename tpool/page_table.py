@@ -634,7 +634,8 @@ class PageTable:
         nothing. Only whole pages are revived: the request's next token goes to a fresh page,
         never into a page another revive of the same prefix also holds. The row's CSR runs are forgotten as
         :meth:`invalidate_csr` of that row forgets them (no step keeps or grows a run of it
-        noted before). No host read; on numba one kernel call, on triton one launch.
+        noted before). No host read; on numba one kernel call (and a short pass per CSR buffer
+        set the table keeps, forgetting the row), on triton one launch.
 
         The caller's contract: every page is CACHED (released with ``cache=True`` and not
         evicted since: the pool hands out only FREE pages, so a CACHED page keeps its
@@ -652,6 +653,17 @@ class PageTable:
         entry when ``pool.evict`` returns one of its pages (evict picks pages on the device, so
         a scheduler learns which only at its next host read; pass ``generations`` to be safe
         in between).
+
+        A refused stale entry is an error on purpose, not a status: the scheduler went on as if
+        the row held ``n_tokens`` tokens (it cannot know otherwise without a host read), so the
+        request's next tokens are computed without its prefix and must not be trusted.
+        ``pool.check()`` at the next sync point raises ``UseAfterFree`` (a ``HostMirror``'s next
+        ``reconcile`` names the row, its length 0); the row's length is the status
+        (``seq_lens[req_id] == 0``): finish the request, drop the entry and prefill it again.
+        A generation changes only when a page goes FREE, not when a holder rewrites it in
+        place: a request truncated into a page and extended again rewrites that page's tail
+        under the same generation, so record an entry's generations only for pages no
+        rollback will reach (or drop the entry on a truncate).
 
         Parameters
         ----------

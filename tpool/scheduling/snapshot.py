@@ -105,8 +105,8 @@ def reconcile(m, snap: MirrorSnapshot) -> dict:
     if bad.size:
         raise MirrorError(f"rows {bad.tolist()[:8]}: true lengths {lens[bad].tolist()[:8]} outside the mirror's "
                           f"bounds [{lo[bad].tolist()[:8]}, {hi[bad].tolist()[:8]}] (a rollback below min_lens, a "
-                          f"revive naming a page neither USED nor CACHED, or one twice, which leaves its row empty, "
-                          f"or a table call made around the mirror?)")
+                          f"revive naming a page neither USED nor CACHED, one twice, or one of another generation "
+                          f"than recorded, which leaves its row empty, or a table call made around the mirror?)")
     m._reconciled_at = snap.seq
     fix = true_free - free_then
     m.free += fix
