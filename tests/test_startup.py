@@ -186,3 +186,21 @@ def test_the_collector_pause_restores_what_it_found():
         assert not gc.isenabled()
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_a_function_of_another_module_cached_through_tpool_carries_the_kernels_stamp(tmp_path, monkeypatch):
+    """numba's cache checks only a function's own file. A probe outside ``tpool.kernels`` compiled
+    through ``cached_njit`` (``cold_breakdown.py``'s, through ``entry_point``) compiles in tpool's
+    helpers and layout constants: its entries carry the kernels' stamp too, or a layout change loads
+    machine code built on the old offsets (cold_breakdown.py crashed so after the pool gained a state
+    tensor). A kernel module's function keeps the kernels' stamp alone."""
+    from tpool.backends import numba as nb
+    from tpool.kernels import alloc
+    (tmp_path / "probe_mod.py").write_text("from tpool.kernels import layout as L\n\n\n"
+                                           "def probe(x):\n    return x + L.STATE_DESC_LEN\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import probe_mod
+    probe = nb.cached_njit(probe_mod.probe)
+    stamp = probe._cache._impl.locator.get_source_stamp()
+    assert stamp[0] == nb.kernels_stamp() and stamp[1]  # and the probe's own file's stamp
+    assert nb.kernel(alloc.alloc_numba_entry)._cache._impl.locator.get_source_stamp() == nb.kernels_stamp()

@@ -108,26 +108,44 @@ def kernels_stamp() -> str:
     return h.hexdigest()
 
 
-def _stamped(base):
+def _stamped(base, anyone=False):
     class KernelLocator(base):
-        """numba's ``{base}`` for tpool's kernels, stamped with :func:`kernels_stamp`."""
+        """numba's ``{base}`` for tpool's kernels, stamped with :func:`kernels_stamp`; with ``anyone``,
+        also for a function of another module compiled through :func:`cached_njit` (a benchmark's
+        probe calling tpool's helpers, whose layout constants it compiles in): stamped with
+        :func:`kernels_stamp` and its own file's stamp."""
 
         def get_source_stamp(self):
-            return kernels_stamp()
+            return kernels_stamp() if self.tpool_kernel else (kernels_stamp(), super().get_source_stamp())
 
         @classmethod
         def from_function(cls, py_func, py_file):
-            if not py_func.__module__.startswith(("tpool.kernels", __name__)):
+            ours = py_func.__module__.startswith(("tpool.kernels", __name__))
+            if not (ours or anyone):
                 return None
-            return super().from_function(py_func, py_file)
+            self = super().from_function(py_func, py_file)
+            if self is not None:
+                self.tpool_kernel = ours
+            return self
 
-    KernelLocator.__name__ = KernelLocator.__qualname__ = "Kernel" + base.__name__
+    KernelLocator.__name__ = KernelLocator.__qualname__ = ("KernelAny" if anyone else "Kernel") + base.__name__
     return KernelLocator
 
 
+_BASES = (caching.UserProvidedCacheLocator, caching.InTreeCacheLocator, caching.UserWideCacheLocator)
 if not any(c.__name__.startswith("Kernel") for c in caching.CacheImpl._locator_classes):
-    caching.CacheImpl._locator_classes[:0] = [_stamped(b) for b in (
-        caching.UserProvidedCacheLocator, caching.InTreeCacheLocator, caching.UserWideCacheLocator)]
+    caching.CacheImpl._locator_classes[:0] = [_stamped(b) for b in _BASES]
+
+
+class _KernelCacheImpl(caching.CompileResultCacheImpl):
+    """The cache of a function compiled through :func:`cached_njit`, whatever its module: its entries
+    are stamped with :func:`kernels_stamp` too, so a change to a kernel module (a layout constant)
+    never loads machine code compiled against the old one."""
+
+    _locator_classes = [_stamped(b, anyone=True) for b in _BASES]
+
+
+KernelCache._impl_class = _KernelCacheImpl  # (defined after it: the locators need kernels_stamp)
 
 
 @functools.cache
