@@ -270,6 +270,21 @@ def pages_for(tokens, page_size, shift):
     return (tokens + page_size - 1) // page_size
 
 
+@numba.njit(nogil=True, inline="always")
+def add_references(p, k, refcount, page_state, counters):
+    """Page ``p`` (USED or CACHED, checked by the caller) gains ``k`` references: a CACHED page is revived
+    (USED, counted in ``revived``); the count saturates at INT32_MAX, counting the references that did not fit."""
+    if page_state[p] == L.CACHED:
+        page_state[p] = L.USED
+        counters[L.CACHED_COUNT] -= 1
+        counters[L.REVIVED] += 1
+    rc = refcount[p] + np.int64(k)
+    if rc > INT32_MAX:
+        counters[L.ERR_REFCOUNT_OVERFLOW] += rc - INT32_MAX
+        rc = INT32_MAX
+    refcount[p] = rc
+
+
 @numba.njit(nogil=True)
 def raise_peaks(counters, num_pages):
     used = num_pages - counters[L.FREE_COUNT] - counters[L.CACHED_COUNT]

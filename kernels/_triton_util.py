@@ -111,6 +111,17 @@ def tick(c):
 
 
 @triton.jit
+def add_references(p, live, cached, k, refcount_ptr, page_state_ptr, BLOCK: tl.constexpr):
+    """Pages ``p`` (lanes ``live``, distinct, each USED or CACHED) gain ``k`` references; lanes ``cached``
+    are revived (USED). Returns (references that did not fit: the count saturates at INT32_MAX, pages revived)."""
+    rc = tl.load(refcount_ptr + p, mask=live, other=0).to(tl.int64) + k
+    over = tl.sum(tl.where(live, tl.maximum(rc - INT32_MAX, 0), 0))
+    tl.store(refcount_ptr + p, tl.minimum(rc, INT32_MAX).to(tl.int32), mask=live)  # saturated
+    tl.store(page_state_ptr + p, tl.full((BLOCK,), USED, tl.int8), mask=cached)
+    return over, tl.sum(cached.to(tl.int64))
+
+
+@triton.jit
 def raise_peaks(c, num_pages):
     """Raise USED_PEAK and CACHED_PEAK to the current used and cached counts."""
     cached = counter_get(c, CACHED_COUNT)

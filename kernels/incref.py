@@ -6,17 +6,14 @@ per entry. ``-1`` is padding; other ids outside ``[0, P)`` count ``invalid_page`
 """
 
 import numba
-import numpy as np
 from ._triton_shim import tl, triton
 
 from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import i32_array, state_arrays
-from .layout import INT32_MAX
-from ._triton_util import INT32_MAX as T_INT32_MAX
 from ._triton_util import (CACHED, CACHED_COUNT, ERR_CORRUPT_STATE, ERR_INVALID_PAGE, ERR_REFCOUNT_OVERFLOW,
-                           ERR_USE_AFTER_FREE, FREE, REVIVED, USED, count_pages, counter_add, first_lanes,
-                           load_counters, raise_peaks, reset_lanes, settings, store_counters, tick)
+                           ERR_USE_AFTER_FREE, FREE, REVIVED, USED, add_references, count_pages, counter_add,
+                           first_lanes, load_counters, raise_peaks, reset_lanes, settings, store_counters, tick)
 
 
 @numba.njit(nogil=True)
@@ -45,15 +42,7 @@ def incref_numba(
         if state != L.USED and state != L.CACHED:  # no such state: corrupt, left alone
             counters[L.ERR_CORRUPT_STATE] += k
             continue
-        if state == L.CACHED:
-            page_state[p] = L.USED
-            counters[L.CACHED_COUNT] -= 1
-            counters[L.REVIVED] += 1
-        rc = refcount[p] + np.int64(k)
-        if rc > INT32_MAX:  # saturate; count the references that could not be added
-            counters[L.ERR_REFCOUNT_OVERFLOW] += rc - INT32_MAX
-            rc = INT32_MAX
-        refcount[p] = rc
+        nu.add_references(p, k, refcount, page_state, counters)
     nu.raise_peaks(counters, P)
 
 
@@ -96,12 +85,10 @@ def incref_kernel(
         uaf += tl.sum(tl.where(first & (state == FREE), k, 0).to(tl.int64))
         wrong += tl.sum(tl.where(first & (state != FREE) & (state != USED) & (state != CACHED), k, 0).to(tl.int64))
         cached = first & (state == CACHED)
-        live = (first & (state == USED)) | cached
-        rc = tl.load(refcount_ptr + p, mask=live, other=0).to(tl.int64) + k
-        over += tl.sum(tl.where(live, tl.maximum(rc - T_INT32_MAX, 0), 0))
-        tl.store(refcount_ptr + p, tl.minimum(rc, T_INT32_MAX).to(tl.int32), mask=live)  # saturated
-        tl.store(page_state_ptr + p, tl.full((BLOCK,), USED, tl.int8), mask=cached)
-        revived += tl.sum(cached.to(tl.int64))
+        more, back = add_references(p, (first & (state == USED)) | cached, cached, k, refcount_ptr, page_state_ptr,
+                                    BLOCK)
+        over += more
+        revived += back
     tl.debug_barrier()
     reset_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
     c = counter_add(c, ERR_INVALID_PAGE, invalid)

@@ -14,20 +14,18 @@ not empty ``bad_request``: nothing else happens. The clock ticks once.
 """
 
 import numba
-import numpy as np
 from ._triton_shim import tl, triton
 
 from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import (i32_array, i64_array, new_version, page_gens, row_versions, state_arrays, table_arrays,
                           version_cells)
-from .layout import CD_OUT, CD_STATE, INT32_MAX
+from .layout import CD_OUT, CD_STATE
 from .step import _memo_len, _memo_stamps
 from ._triton_table_util import ERR_BAD_REQUEST, ERR_TABLE_OVERFLOW
-from ._triton_util import INT32_MAX as T_INT32_MAX
 from ._triton_util import (CACHED, CACHED_COUNT, ERR_CORRUPT_STATE, ERR_INVALID_PAGE, ERR_REFCOUNT_OVERFLOW,
-                           ERR_USE_AFTER_FREE, FREE, NULL_PAGE, REVIVED, USED, count_pages, counter_add,
-                           load_counters, raise_peaks, reset_lanes, settings, store_counters, tick)
+                           ERR_USE_AFTER_FREE, FREE, NULL_PAGE, REVIVED, USED, add_references, count_pages,
+                           counter_add, load_counters, raise_peaks, reset_lanes, settings, store_counters, tick)
 
 
 @numba.njit(nogil=True)
@@ -83,15 +81,7 @@ def revive_numba(
                 continue
             occur[p] = 0
             if whole:  # distinct pages, each USED or CACHED: one reference each
-                if page_state[p] == L.CACHED:
-                    page_state[p] = L.USED
-                    counters[L.CACHED_COUNT] -= 1
-                    counters[L.REVIVED] += 1
-                rc = refcount[p] + np.int64(1)
-                if rc > INT32_MAX:  # saturated
-                    counters[L.ERR_REFCOUNT_OVERFLOW] += 1
-                    rc = INT32_MAX
-                refcount[p] = rc
+                nu.add_references(p, 1, refcount, page_state, counters)
         seq_lens[row] = N * page_size if whole else 0
     nu.raise_peaks(counters, P)
 
@@ -196,11 +186,9 @@ def revive_kernel(
         p = tl.load(pages_ptr + i, mask=live, other=NULL_PAGE)
         held = i < tl.where(whole, n, 0)  # distinct pages, each USED or CACHED (a block compare: no 0-d mask)
         cached = held & (tl.load(page_state_ptr + p, mask=held, other=FREE) == CACHED)
-        rc = tl.load(refcount_ptr + p, mask=held, other=0).to(tl.int64) + 1
-        over += tl.sum(tl.where(held, tl.maximum(rc - T_INT32_MAX, 0), 0))
-        tl.store(refcount_ptr + p, tl.minimum(rc, T_INT32_MAX).to(tl.int32), mask=held)  # saturated
-        tl.store(page_state_ptr + p, tl.full((BLOCK,), USED, tl.int8), mask=cached)
-        revived += tl.sum(cached.to(tl.int64))
+        more, back = add_references(p, held, cached, 1, refcount_ptr, page_state_ptr, BLOCK)
+        over += more
+        revived += back
         tl.store(block_table_ptr + r * MP + i, tl.where(held, p, NULL_PAGE), mask=live)
     tl.debug_barrier()
     reset_lanes(pages_ptr, n, claim_ptr, occur_ptr, num_pages, BLOCK)
