@@ -730,14 +730,13 @@ class PageTable:
             raise ValueError(f"n_tokens: expected a multiple of page_size {ps} up to max_pages_per_request * "
                              f"page_size = {self.max_pages * ps} (whole pages only), got {n_tokens}")
         k = n_tokens // ps
-        if i32_len(pages, self.device) != k and _checks.check_vector(pages, "pages", torch.int32, self.device) != k:
-            raise ValueError(f"pages: expected {k} entries (n_tokens / page_size), got {pages.numel()}")
-        _checks.check_not_written(pages, "pages", self._written)
+        checked = [("pages", pages, "n_tokens / page_size")]
         if generations is not None:
-            if i32_len(generations, self.device) != k and \
-                    _checks.check_vector(generations, "generations", torch.int32, self.device) != k:
-                raise ValueError(f"generations: expected {k} entries (as pages), got {generations.numel()}")
-            _checks.check_not_written(generations, "generations", self._written)
+            checked.append(("generations", generations, "as pages"))
+        for name, t, why in checked:
+            if i32_len(t, self.device) != k and _checks.check_vector(t, name, torch.int32, self.device) != k:
+                raise ValueError(f"{name}: expected {k} entries ({why}), got {t.numel()}")
+            _checks.check_not_written(t, name, self._written)
         return k
 
     def _revive(self, req_id: int, pages, generations=None) -> None:
