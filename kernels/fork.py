@@ -17,13 +17,12 @@ from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import (i32_array, lane_valid, pop_page, stamp_rows, state_arrays, table_arrays,
                           u8_array)
-from .layout import CD_OUT, CD_STATE, INT32_MAX
+from .layout import CD_OUT, CD_STATE
 from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, cdiv, check_lane_scratch, claim_pages,
                                  claim_requests, first_pages, list_lane, reset_requests, request_lanes, reset_pages)
-from ._triton_util import INT32_MAX as T_INT32_MAX
 from ._triton_util import (ALLOCATED, CACHED, CACHED_COUNT, ERR_CORRUPT_STATE, ERR_INVALID_PAGE,
                            ERR_REFCOUNT_OVERFLOW, ERR_USE_AFTER_FREE, FAILED_REQUESTS, FREE, FREE_COUNT,
-                           NULL_PAGE, REVIVED, USED, counter_add, gate_free, load_counters,
+                           NULL_PAGE, REVIVED, USED, add_references, counter_add, gate_free, load_counters,
                            pop_check, raise_peaks, settings, store_counters, tick)
 
 
@@ -101,14 +100,7 @@ def fork_numba(
             if state == L.FREE:
                 counters[L.ERR_USE_AFTER_FREE] += 1
                 continue
-            if state == L.CACHED:
-                page_state[p] = L.USED
-                counters[L.CACHED_COUNT] -= 1
-                counters[L.REVIVED] += 1
-            if refcount[p] < INT32_MAX:
-                refcount[p] += 1
-            else:  # saturated
-                counters[L.ERR_REFCOUNT_OVERFLOW] += 1
+            nu.add_references(p, 1, refcount, page_state, counters)
             block_table[d, k] = p
     popped = 0
     for i in range(B):
@@ -271,12 +263,10 @@ def fork_kernel(
         state = tl.load(page_state_ptr + p, mask=first, other=FREE)
         uaf += tl.sum(tl.where(first & (state == FREE), k, 0).to(tl.int64))
         cached = first & (state == CACHED)
-        held = (first & (state == USED)) | cached
-        rc = tl.load(refcount_ptr + p, mask=held, other=0).to(tl.int64) + k
-        over += tl.sum(tl.where(held, tl.maximum(rc - T_INT32_MAX, 0), 0))
-        tl.store(refcount_ptr + p, tl.minimum(rc, T_INT32_MAX).to(tl.int32), mask=held)  # saturated
-        tl.store(page_state_ptr + p, tl.full((BLOCK,), USED, tl.int8), mask=cached)
-        revived += tl.sum(cached.to(tl.int64))
+        more, back = add_references(p, (first & (state == USED)) | cached, cached, k, refcount_ptr, page_state_ptr,
+                                    BLOCK)
+        over += more
+        revived += back
         tl.store(block_table_ptr + cell, p, mask=shared)  # dst rows were empty: no lane reads them
     tl.debug_barrier()
     for start in range(0, total, BLOCK):
