@@ -1,6 +1,7 @@
 """PageTable.revive on every CPU backend: the old torch-op sequence as the oracle, input checks, refusals."""
 
 import random
+import re
 
 import pytest
 import torch
@@ -214,11 +215,46 @@ def test_input_checks(backend):
         ((1, [0], 2), "pages: expected a torch.Tensor, got list"),
         ((1, table.block_table[2, :1], 2), "pages: shares memory with a buffer this call writes"),
         ((1, pool.state.refcount[:1], 2), "pages: shares memory with a buffer this call writes"),
+        ((1, torch.from_numpy(table.block_table.numpy()[2, 1:2]), 2),  # another storage, inside the table's
+         "pages: shares memory with a buffer this call writes"),
     ]
     for args, message in cases:
         with pytest.raises(ValueError) as e:
             table.revive(*args)
         assert message in str(e.value), (args, str(e.value))
+    assert_same(before, state(table))  # nothing ran
+
+
+IN_PLACE = [  # a change made to a checked tensor in place (same object), and the error its new form gets
+    (lambda t, table: setattr(t, "data", t.view(torch.float32)), "expected dtype torch.int32, got torch.float32"),
+    (lambda t, table: t.unsqueeze_(0), "expected a 1-D tensor, got shape (1, 2)"),
+    (lambda t, table: t.as_strided_((2,), (2,)), "expected a contiguous tensor, got stride (2,)"),
+    (lambda t, table: setattr(t, "data", t._neg_view()), "got a negative view"),
+    (lambda t, table: t.untyped_storage().resize_(4), "expected a storage holding its 2 entries"),
+    (lambda t, table: t.set_(table.block_table.untyped_storage(), 8, (2,), (1,)), "shares memory"),
+]
+
+
+@pytest.mark.parametrize("change, message", IN_PLACE)
+@pytest.mark.parametrize("name", ["pages", "generations"])
+def test_a_tensor_changed_in_place_is_checked_again(backend, name, change, message):
+    """No check of a revive's vectors is remembered across calls: a tensor that passed them, changed
+    in place before the next call (same object, address and length where the change keeps them), is
+    refused with the error its new form gets, before anything runs."""
+    pool = tpool.PagePool(8, 2, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 3, 4)
+    table.extend(i32([0]), i32([4]), max_tokens=4)
+    table.release(i32([0]), cache=True)                                   # pages 0, 1 CACHED
+    vectors = {"pages": i32([0, 1, 7, 7])[:2], "generations": i32(pool.generations(i32([0, 1])).tolist() + [7, 7])[:2]}
+    table.revive(1, vectors["pages"], 4, generations=vectors["generations"])  # valid: a hit
+    assert table.seq_lens.tolist() == [0, 4, 0]
+    table.release(i32([1]), cache=True)
+    table.revive(1, vectors["pages"], 4, generations=vectors["generations"])  # the same tensors again
+    table.release(i32([1]), cache=True)
+    before = state(table)
+    change(vectors[name], table)
+    with pytest.raises(ValueError, match=f"^{name}: .*{re.escape(message)}"):
+        table.revive(1, vectors["pages"], 4, generations=vectors["generations"])
     assert_same(before, state(table))  # nothing ran
 
 

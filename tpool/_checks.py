@@ -41,9 +41,9 @@ def resolve_device(device, name: str = "device") -> torch.device:
 def input_len(t, device: torch.device, written: "Written") -> int:
     """:func:`i32_len`, then :func:`check_not_written` without raising: the length of a valid
     hot-path input that shares no memory with ``written``, else -1 (the caller then runs the
-    full checks, which raise)."""
-    n = i32_len(t, device)
-    return n if n >= 0 and not written.hit(t) else -1
+    full checks, which raise). Both on the one storage object :func:`_plain_i32` fetched."""
+    got = _plain_i32(t, device)
+    return got[0] if got is not None and not written.storage_hit(got[1]) else -1
 
 
 def i32_len(t, device: torch.device, written=None) -> int:
@@ -57,12 +57,17 @@ def i32_len(t, device: torch.device, written=None) -> int:
     values (:func:`_unreadable`: no ZeroTensor, no negative view); the callers remember the
     tensor checked (:func:`seen`), so this runs once per new input tensor, not per call.
     """
+    got = _plain_i32(t, device)
+    return -1 if got is None else got[0]
+
+
+def _plain_i32(t, device):
+    """``(numel, untyped storage)`` of a plain 1-D contiguous int32 tensor on ``device``, else None."""
     if type(t) is _Tensor and t.dtype is _int32 and t.device == device and t.stride() == _UNIT_STRIDE:
-        n = t.numel()
-        if t.untyped_storage().nbytes() >= 4 * (t.storage_offset() + n) and (t.data_ptr() or not n) \
-                and not t.is_neg():
-            return n
-    return -1
+        n, s = t.numel(), t.untyped_storage()
+        if s.nbytes() >= 4 * (t.storage_offset() + n) and (t.data_ptr() or not n) and not t.is_neg():
+            return n, s
+    return None
 
 
 def storage_size(t) -> tuple:
@@ -183,7 +188,10 @@ class Written:
 
     def hit(self, t) -> bool:
         """Whether tensor ``t``'s storage overlaps one of the ranges. Metadata only, no sync."""
-        s = t.untyped_storage()
+        return self.storage_hit(t.untyped_storage())
+
+    def storage_hit(self, s) -> bool:
+        """Whether storage ``s`` (a ``torch.UntypedStorage``) overlaps one of the ranges."""
         lo = s.data_ptr()
         if lo in self.bases:
             return True

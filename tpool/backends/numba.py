@@ -398,6 +398,7 @@ class Table:
         self._held = _storages(*st.tensors().values(), *ts.tensors().values())  # what ``sd`` and ``td`` point into
         self.cd = call_descriptor(self.td, self.sd)  # for the ops without table-owned outputs
         self._release = None  # compiled at the first release
+        self._revive = None  # (forget, revive) entry points, compiled at the first revive
 
     def extend(self, req_ids, num_tokens, slots, ok):
         # The contract's unbound form (the façade binds its buffers): through the guarded call, as bound.
@@ -474,13 +475,14 @@ class Table:
                                       ok.data_ptr(), cow_src.data_ptr(), cow_dst.data_ptr(), self.cd)
 
     def revive(self, row, pages, memos=(), gens=None):
-        if 0 <= row < self.ts.max_requests:  # as restamp_rows(row): the memos forget it before its new stamp
-            forget = entry_point(revive.forget_row_numba, _i64, _i64, _i64, _desc)
+        if (calls := self._revive) is None:  # (entry_point's lookup costs ~1 us a call: looked up once)
+            calls = self._revive = (entry_point(revive.forget_row_numba, _i64, _i64, _i64, _desc),
+                                    entry_point(revive.revive_numba_entry, _i64, _i64, _i64, _i64, _desc))
+        forget, run = calls
+        if memos and 0 <= row < self.ts.max_requests:  # as restamp_rows(row): the memos forget it before its stamp
             for memo in memos:
                 forget(memo.tensor.data_ptr(), memo.batch, row, self.td)
-        gens_ptr = 0 if gens is None else gens.data_ptr()  # 0: no generations (not compared)
-        entry_point(revive.revive_numba_entry, _i64, _i64, _i64, _i64, _desc)(row, pages.data_ptr(), gens_ptr,
-                                                                             pages.numel(), self.cd)
+        run(row, pages.data_ptr(), 0 if gens is None else gens.data_ptr(), pages.numel(), self.cd)  # 0: no gens
 
     def block_table_rows(self, req_ids, out):
         kernel(block_table_rows.block_table_rows_numba_entry)(req_ids.data_ptr(), req_ids.numel(), out.data_ptr(), self.cd)
