@@ -18,7 +18,10 @@ from tpool.serving import engine  # noqa: E402
 from tpool.serving.hf import ATTN_IMPLEMENTATION, PagedContext, forward_step, paged_attention_forward  # noqa: E402
 
 LOGITS_ATOL = 1e-4  # float32 paged forward vs transformers' eager forward (observed ~1e-5)
-SMALL = dict(requests=6, num_pages=16, page_size=4, max_batch=4)  # preempts, forks (with a CoW page), rolls back
+# no prefix cache: preempts, forks (with a CoW page), rolls back
+SMALL = dict(requests=6, num_pages=16, page_size=4, max_batch=4, system_len=0, prefix_cache=False)
+# a system prompt and the prefix cache: hits and evictions too, and still preempts, forks, rolls back
+CACHED = dict(requests=10, num_pages=24, page_size=4, max_batch=4, system_len=8)
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +43,40 @@ def test_greedy_tokens_identical_to_generate(backend, arch, models):
     # The run did what it is meant to check: preemption, a shared prefix, speculative rollback.
     assert r["preemptions"] > 0 and r["forks"] > 0 and r["rollbacks"] > 0 and 0 < r["accepted"] < r["drafted"]
     assert r["tokens"] == sum(q.max_new for q in engine.make_requests(SMALL["requests"], max_new=(4, 16)))
+
+
+@pytest.mark.parametrize("arch", engine.MODELS)
+def test_prefix_cache_hits_give_the_tokens_of_generate(backend, arch, models):
+    """Finished and preempted requests' pages kept CACHED, revived by later requests that start with
+    the same tokens (the system prompt), evicted when a step needs them: every request still
+    matches generate, and the end-of-run check (the prefix cache's own invariants too) holds."""
+    if backend == "triton" and arch != "llama":
+        pytest.skip("interpreted Triton: one short run (llama)")
+    r = engine.run_demo(arch, backend=backend, out=None, **CACHED)
+    assert r["mismatches"] == 0 and r["pages_in_use"] == 0 and r["failed_extends"] == 0
+    assert r["cache_hits"] > 0 and r["cached_tokens"] >= 8 * r["cache_hits"] and r["evicted"] > 0
+    assert r["preemptions"] > 0 and r["forks"] > 0 and r["rollbacks"] > 0
+
+
+def test_revived_pages_are_the_ones_the_model_reads(monkeypatch):
+    """Zeroing the K/V of the pages a prefix-cache hit revives changes tokens: the hits are used."""
+    from tpool.scheduling import PrefixCache
+    revive = PrefixCache.revive
+    kv = []
+
+    def spoil(self, match, *a, **k):
+        row = revive(self, match, *a, **k)
+        pages = self.slot_page[list(match.slots)].long()
+        for layer in kv[0].k:
+            layer[pages] = 0
+        return row
+
+    monkeypatch.setattr(PrefixCache, "revive", spoil)
+    init = engine.Engine.__init__
+    monkeypatch.setattr(engine.Engine, "__init__",
+                        lambda self, *a, **k: (init(self, *a, **k), kv.append(self.cache))[0])
+    with pytest.raises(AssertionError, match="differ from generate"):
+        engine.run_demo("llama", backend="numba", out=None, **CACHED)
 
 
 class _Unreadable:

@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 from tpool.serving import engine  # noqa: E402
 
 SMALL = dict(num_pages=16, page_size=4, max_batch=4)   # preempts, forks (with a CoW page), rolls back
+CACHED = dict(num_pages=24, page_size=4, max_batch=4)  # with 10 requests of a system prompt: hits, evictions too
 
 
 @pytest.fixture(scope="module")
@@ -23,20 +24,23 @@ def llama():
     return engine.tiny_model("llama", seed=0)
 
 
-def _engine(model, backend, requests, **kw):
+def _engine(model, backend, requests, prefix_cache=False, **kw):
     draft = 3
     max_pages = -(-max(len(r.prompt) + r.max_new + draft for r in requests) // kw["page_size"])
-    return engine.Engine(model, backend=backend, max_pages=max_pages, draft_len=draft, **kw)
+    return engine.Engine(model, backend=backend, max_pages=max_pages, draft_len=draft, prefix_cache=prefix_cache,
+                         **kw)
 
 
 def _functions(stack):
     return {name for _, name in stack}
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["no-prefix-cache", "prefix-cache"])
 @pytest.mark.parametrize("backend", ["numba", "reference"])
-def test_a_whole_run_reads_the_device_once_per_step_for_the_sampled_tokens(llama, backend):
-    reqs = engine.make_requests(6)
-    eng = _engine(llama, backend, reqs, **SMALL)
+def test_a_whole_run_reads_the_device_once_per_step_for_the_sampled_tokens(llama, backend, cached):
+    """With the prefix cache, the slots of the step's evictions ride in the same read."""
+    reqs = engine.make_requests(10, system_len=8) if cached else engine.make_requests(6)
+    eng = _engine(llama, backend, reqs, prefix_cache=cached, **(CACHED if cached else SMALL))
     with count_host_reads() as seen:
         got = eng.run(reqs)
         stats = eng.check()
@@ -51,7 +55,8 @@ def test_a_whole_run_reads_the_device_once_per_step_for_the_sampled_tokens(llama
     assert all("_reconcile" in _functions(s) for _, s in seen.snapshot_reads)
     assert stats["requests.failed"] == 0 and stats["pages.used.current"] == 0
     s = eng.stats
-    assert s.preemptions > 0 and s.forks > 0 and s.rollbacks > 0 and 0 < s.accepted < s.drafted
+    assert s.preemptions > 0 and s.forks > 0 and s.rollbacks > 0 and s.accepted < s.drafted
+    assert (s.cache_hits > 0 and s.evicted > 0) == cached and (s.accepted > 0 or cached)
     assert got == engine.reference_tokens(llama, reqs)
 
 
@@ -64,7 +69,7 @@ def test_the_mirror_is_a_safe_bound_at_every_step_and_exact_without_shared_prefi
     def check(self):
         m = self.mirror
         seen.append((m.free, self.pool.available(), m.exact))
-        assert m.reserved <= m.free <= seen[-1][1]
+        assert m.reserved <= m.free <= seen[-1][1] and m.cached <= self.pool.stats()["pages.cached.current"]
 
     monkeypatch.setattr(engine.Engine, "sample", lambda self, logits: (check(self), sample(self, logits))[1])
     monkeypatch.setattr(engine.Engine, "_reconcile", lambda self, **k: (check(self), reconcile(self, **k))[1])
@@ -78,14 +83,22 @@ def test_the_mirror_is_a_safe_bound_at_every_step_and_exact_without_shared_prefi
         # A released forked prefix leaves the mirror under-counting until a snapshot lands.
         assert any(free < avail for free, avail, _ in seen) == forks == (eng.stats.forks > 0)
         assert eng.stats.preemptions > 0
+    # With the prefix cache (revives, evictions, releases into CACHED): still a safe bound at every step.
+    seen.clear()
+    reqs = engine.make_requests(10, system_len=8)
+    eng = _engine(llama, "numba", reqs, prefix_cache=True, **CACHED)
+    assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
+    eng.check()
+    assert seen and all(free == avail for free, avail, exact in seen if exact)
+    assert eng.stats.cache_hits > 0 and eng.stats.evicted > 0
 
 
 def test_preemption_releases_the_newest_running_requests_before_the_step(llama, monkeypatch):
     order = []   # ("preempt", rows, priority, victims), ("finish", rows), ("step", decode rows), in call order
     preemption, finish, step = HostMirror.preemption, HostMirror.finish, HostMirror.step
 
-    def spy_preemption(self, rows, priority, n=1):
-        victims = preemption(self, rows, priority, n)
+    def spy_preemption(self, rows, priority, n=1, **k):
+        victims = preemption(self, rows, priority, n, **k)
         order.append(("preempt", list(rows), list(priority), victims))
         return victims
 
@@ -209,7 +222,7 @@ def test_the_demo_sizes_rows_by_the_tokens_a_request_holds(monkeypatch):
     monkeypatch.setattr(engine, "Engine", Recording)
     engine.run_demo("llama", backend="reference", out=None, requests=4, num_pages=16, page_size=4, max_batch=4,
                     max_new=(3, 6))
-    reqs = engine.make_requests(4, max_new=(3, 6))
+    reqs = engine.make_requests(4, max_new=(3, 6), system_len=8)   # (the demo's system prompt)
     held = max(len(r.prompt) + r.max_new - 1 + (3 if r.rid % 3 == 0 else 0) for r in reqs)
     assert seen["max_pages"] == -(-held // 4) and seen["spec_every"] == 3 and seen["draft_len"] == 3
 

@@ -182,6 +182,14 @@ def positive_int(text):
     return v
 
 
+def count_int(text):
+    """argparse type of the demos' sizes that may be 0: an int of at least 0."""
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an int of at least 0, got {text}")
+    return v
+
+
 SEED_MAX = 2**64 - 1   # torch.manual_seed's largest seed (the serving demo seeds torch with it)
 
 

@@ -204,7 +204,7 @@ class Accounting:
         k = np.minimum(self.lookahead, self.limit[r] - self.hi[r])
         return self._need(r, k)
 
-    def can_admit(self, prompt_lens, max_lens=None, rows=None, n=1) -> int:
+    def can_admit(self, prompt_lens, max_lens=None, rows=None, n=1, *, count_cached: bool = False) -> int:
         """How many of these prompts, in order, fit now (rows, pages, reservations).
 
         Parameters
@@ -219,6 +219,10 @@ class Accounting:
             or one per row) of each of these running rows (``step(rows, n, prompts)``):
             the pages those lanes need beyond their reservations come first (0 if one of
             those rows would pass its max_len: that step would be refused).
+        count_cached : bool
+            The ``cached`` pages count as room too: the caller evicts :meth:`shortfall` of them
+            before the step (a loop with a prefix cache). A ``revive`` takes its pages from
+            them, so ask with its whole prompt, as for a prefill.
 
         Returns
         -------
@@ -232,6 +236,33 @@ class Accounting:
         ``max_batch``; ints as numpy reads them, an array by its dtype), so a long waiting
         queue costs no more than its head.
         """
+        costs, room = self._admission(prompt_lens, max_lens, rows, n)
+        return self._fit(costs, room + self._evictable(count_cached))
+
+    def shortfall(self, prompt_lens=(), max_lens=None, rows=None, n=1) -> int:
+        """Pages the pool must gain (``evict``) before the step of ``rows`` (``n`` tokens each) and
+        the admission of these prompts fits: 0 when it fits already.
+
+        The arguments are :meth:`can_admit`'s, and so is the head of the queue it counts (as
+        many prompts as there are free rows and lanes, up to the first that could never be
+        admitted); with no prompts it is the step's own need beyond the reservations, which
+        :meth:`preemption` would otherwise take from running requests. A scheduler with a
+        prefix cache evicts ``min(shortfall, cached)`` CACHED pages instead of preempting or
+        waiting, and the mirror credits them to ``free`` at ``evict``. A step one of whose
+        rows would pass its max_len fits no eviction: that is a ``ValueError`` naming the rows.
+        """
+        costs, room = self._admission(prompt_lens, max_lens, rows, n, refuse=True)
+        return max(sum(costs) - room, 0)
+
+    def _evictable(self, count_cached) -> int:
+        """The ``cached`` pages when ``count_cached`` (a bool, checked), else 0."""
+        return self.cached if _checks.flag(count_cached, "count_cached") else 0
+
+    def _admission(self, prompt_lens, max_lens, rows, n, refuse=False):
+        """``(costs, room)``: what each admissible prompt at the head of the queue takes (its pages and
+        reservation, in order: one per free row and lane, up to the first that could never be
+        admitted), and the unreserved pages left after the step's lanes (``rows``, ``n``): -1 when
+        a row would pass its max_len (``refuse``: a ``ValueError`` naming it)."""
         if max_lens is not None and len(max_lens) != len(prompt_lens):
             raise ValueError(f"max_lens: expected one per prompt ({len(prompt_lens)}), got {len(max_lens)}")
         head = min(self.rows_free, self.max_batch)
@@ -242,20 +273,31 @@ class Accounting:
             r, nn, _ = self._batch(rows, n)
             extra = self._extra(r, nn)
             if extra < 0:          # a row would pass its max_len: the step would be refused
-                return 0
+                if refuse:
+                    self._refuse_past_max_len("shortfall", r, nn)
+                return [], -1
             room -= extra
             lanes -= r.shape[0]
-        return self._fit(p, lim, room, lanes)
+        return self._costs(p, lim, lanes), room
 
-    def _fit(self, prompts, max_lens, room, lanes) -> int:
-        """``can_admit`` unchecked: how many of ``prompts`` (ints) with ``max_lens`` (ints, or None: the
-        capacity), in order, fit ``room`` pages, ``lanes`` lanes and the free rows."""
-        ps, la, cap, n_fit = self.page_size, self.lookahead, self.capacity, 0
-        for i, p in enumerate(prompts[:min(self.rows_free, lanes)]):
+    def _costs(self, prompts, max_lens, lanes) -> list:
+        """Unchecked: the pages (and reservation) each of ``prompts`` (ints) with ``max_lens`` (ints, or
+        None: the capacity) takes, in order, for as many as the free rows and ``lanes`` allow, up to
+        the first that could never be admitted."""
+        ps, la, cap, costs = self.page_size, self.lookahead, self.capacity, []
+        for i, q in enumerate(prompts[:min(self.rows_free, lanes)]):
             m = cap if max_lens is None else max_lens[i]
-            if not 0 <= p <= m <= cap:
+            if not 0 <= q <= m <= cap:
                 break
-            room -= _cdiv(min(p + la, m), ps)  # its pages and reservation: _cdiv(p, ps) + _target_new(p, m)
+            costs.append(_cdiv(min(q + la, m), ps))  # its pages and reservation: _cdiv(q, ps) + _target_new(q, m)
+        return costs
+
+    @staticmethod
+    def _fit(costs, room) -> int:
+        """How many of ``costs``, in order, fit ``room`` pages."""
+        n_fit = 0
+        for c in costs:
+            room -= c
             if room < 0:
                 break
             n_fit += 1
@@ -290,7 +332,7 @@ class Accounting:
         per_row = n.ndim > 0
         return extra_pages(self._st, r, n if per_row else EMPTY, 0 if per_row else int(n), self.page_size)
 
-    def preemption(self, rows, priority, n=1) -> list:
+    def preemption(self, rows, priority, n=1, *, count_cached: bool = False) -> list:
         """Which of ``rows`` to release so that ``decode`` of the rest fits: lowest priority first.
 
         ``priority[i]`` (higher is more important) belongs to ``rows[i]``; ties go to the
@@ -311,6 +353,9 @@ class Accounting:
             One sortable value per row; higher is more important.
         n : int or sequence of int
             Tokens the step adds per row, as in :meth:`fits`.
+        count_cached : bool
+            The ``cached`` pages count as room (the caller evicts :meth:`shortfall` of them
+            before the step): only what evicting them all would not cover is preempted.
 
         Returns
         -------
@@ -320,16 +365,17 @@ class Accounting:
         r, n, key = self._batch(rows, n)
         if len(priority) != r.shape[0]:
             raise ValueError(f"priority: expected one per row ({r.shape[0]}), got {len(priority)}")
+        room = self.unreserved + self._evictable(count_cached)
         if key == self._full and n.ndim == 0 and n <= self.lookahead:
             return []  # (``_full``: every row also has room for ``lookahead`` tokens before its max_len)
         extra = self._extra(r, n)
         if extra < 0:
             self._refuse_past_max_len("preemption", r, n)
-        if extra <= self.unreserved:
+        if extra <= room:
             return []
         need = self._need(r, n)
         extra = need - np.minimum(need, self.res[r])
-        deficit = int(extra.sum()) - self.unreserved
+        deficit = int(extra.sum()) - room
         out = []
         if deficit <= 0:
             return out

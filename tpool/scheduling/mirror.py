@@ -197,7 +197,7 @@ class HostMirror(MixedSteps, Accounting):
         """
         p, lim = self._prompts(prompt_lens, max_lens)
         k = p.size
-        if self._fit(p.tolist(), lim.tolist(), self.unreserved, self.max_batch) < k:  # can_admit, checked above
+        if self._fit(self._costs(p.tolist(), lim.tolist(), self.max_batch), self.unreserved) < k:  # checked above
             raise WouldNotFit(f"admit: {k} prompts {p.tolist()[:8]} do not all fit: {self.rows_free} rows and "
                               f"{self.unreserved} unreserved pages free (ask can_admit first)")
         if k == 0:
@@ -371,13 +371,14 @@ class HostMirror(MixedSteps, Accounting):
                              f"a fork or a revive; the next token would overwrite its K/V). Truncate to a "
                              f"multiple of page_size ({self.page_size}) there, or past the shared pages")
 
-    def fork(self, src: int, n_tokens: int, max_len: int | None = None) -> int:
+    def fork(self, src: int, n_tokens: int, max_len: int | None = None, *, count_cached: bool = False) -> int:
         """A new request sharing the first ``n_tokens`` tokens of running ``src``; returns its row.
 
         Whole pages are shared; a partial last page is copied into a fresh page: the
         table's :class:`~tpool.table_results.ForkResult` is kept in :attr:`last_fork` (device
         tensors, table-owned) so the caller copies the KV of ``cow_src`` into ``cow_dst``.
-        ``n_tokens`` must be within ``src``'s sure length.
+        ``n_tokens`` must be within ``src``'s sure length. ``count_cached``: as for :meth:`revive`
+        (the copy-on-write page is taken by the fork itself, so it comes from ``free``).
         """
         src, n_tokens = _checks.check_size(src, "src"), _checks.check_size(n_tokens, "n_tokens")
         ps, m = self.page_size, self.capacity if max_len is None else _checks.check_size(max_len, "max_len")
@@ -386,8 +387,10 @@ class HostMirror(MixedSteps, Accounting):
             raise ValueError(f"fork: expected a running src and 0 <= n_tokens <= its sure length <= max_len, got "
                              f"src={src}, n_tokens={n_tokens}, max_len={max_len}")
         cow = int(n_tokens % ps != 0)
-        if cow + int(self._target_new(n_tokens, m)) > self.unreserved:
-            raise WouldNotFit(f"fork: needs {cow} page(s) and a reservation, {self.unreserved} unreserved")
+        room = self.unreserved + self._evictable(count_cached)
+        if cow > self.free or cow + int(self._target_new(n_tokens, m)) > room:
+            raise WouldNotFit(f"fork: needs {cow} page(s) now and a reservation, {self.free} free, {self.unreserved} "
+                              f"unreserved")
         (row,) = self._take_rows(1)  # (WouldNotFit without a free row, before anything changes)
         self._seq += 1
         self._full = None
@@ -399,7 +402,7 @@ class HostMirror(MixedSteps, Accounting):
         return row
 
     def revive(self, pages: torch.Tensor, n_tokens: int, max_len: int | None = None, *,
-               generations: torch.Tensor | None = None) -> int:
+               generations: torch.Tensor | None = None, count_cached: bool = False) -> int:
         """A new request on cached pages (a prefix-cache hit): ``table.revive`` them into a fresh row.
 
         pages : torch.Tensor  shape ``[n_tokens / page_size]``, int32, on the table's
@@ -408,6 +411,12 @@ class HostMirror(MixedSteps, Accounting):
         generations : torch.Tensor, optional  shape ``[n_tokens / page_size]``, int32, on the
             table's device: the pages' generations (``pool.generations``) recorded with the
             prefix-cache entry; a page whose generation changed since (freed) is not taken.
+        count_cached : bool
+            Its reservation may come from the ``cached`` pages (those it revives not counted):
+            ``unreserved`` may then be negative until the caller evicts :meth:`shortfall` pages,
+            and no step runs before (``decode`` and ``step`` refuse it: ``WouldNotFit``). For a
+            loop whose admissions count CACHED pages as room (``can_admit(count_cached=True)``),
+            which evicts once, after its revives.
 
         Only whole pages are revived (``n_tokens`` a multiple of ``page_size``), as a prefix
         cache shares only full blocks: the request's next token goes to a fresh page, never
@@ -449,7 +458,8 @@ class HostMirror(MixedSteps, Accounting):
                              f"{n_tokens}: a revived page may be shared, and the next token would be written "
                              f"into a partial last one. Revive the whole pages and extend the rest")
         k = self.table._revive_inputs(pages, n_tokens, generations)  # the table's checks, before the mirror changes
-        if (need := self._target_new(n_tokens, m)) > self.unreserved:
+        room = self.unreserved + max(self._evictable(count_cached) - k, 0)
+        if (need := self._target_new(n_tokens, m)) > room:
             raise WouldNotFit(f"revive: its reservation needs pages, {self.unreserved} unreserved")
         (row,) = self._take_rows(1)  # (WouldNotFit without a free row, before anything changes)
         self._seq += 1

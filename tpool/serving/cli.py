@@ -8,7 +8,7 @@ can read what the demo takes before installing anything.
 import argparse
 
 from tpool._prog import prog
-from tpool.demo import OptionError, positive_int, seed_int
+from tpool.demo import OptionError, count_int, positive_int, seed_int
 
 MODELS = ("llama", "gpt-neox")
 INSTALL_HF = "pip install 'tpool[hf]' (or pip install -e \".[hf]\" in a checkout)"
@@ -25,6 +25,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-pages", type=positive_int, default=48, help="pool pages, too few for all (default 48)")
     ap.add_argument("--page-size", type=positive_int, default=4, help="tokens per page (default 4)")
     ap.add_argument("--max-batch", type=positive_int, default=8, help="lanes per step (default 8)")
+    ap.add_argument("--system-prompt", type=count_int, default=8, metavar="N",
+                    help="tokens every prompt starts with, the same for all: what the prefix cache serves again "
+                         "(default 8; 0: none)")
+    ap.add_argument("--no-prefix-cache", action="store_true",
+                    help="release finished requests' pages FREE instead of keeping them CACHED for later "
+                         "requests that start with the same tokens (default: keep them)")
     ap.add_argument("--backend", default="auto", choices=["auto", "reference", "numba", "triton"],
                     help="pool backend (default auto: numba on a CPU; triton needs TRITON_INTERPRET=1 there)")
     ap.add_argument("--seed", type=seed_int, default=0, help="weights and prompts seed, 0 to 2**64 - 1 (default 0)")
@@ -43,7 +49,7 @@ def main(argv=None) -> int:
         ap.exit(2, f"{ap.prog}: error: serving a model needs transformers, which is not installed: {INSTALL_HF}\n")
     try:
         run_demo(a.model, requests=a.requests, num_pages=a.num_pages, page_size=a.page_size, max_batch=a.max_batch,
-                 backend=a.backend, seed=a.seed)
+                 backend=a.backend, seed=a.seed, system_len=a.system_prompt, prefix_cache=not a.no_prefix_cache)
     except OptionError as e:  # options no model, pool, table or request can be made from
         ap.error(str(e))
     return 0

@@ -44,7 +44,7 @@ from tpool import _checks
 from tpool.demo import OptionError
 from tpool.page_table import PageTable
 from tpool.pool import PagePool
-from tpool.scheduling import HostMirror
+from tpool.scheduling import HostMirror, PrefixCache, PrefixMatch
 from tpool.serving.attention import step_metadata
 from tpool.serving.cli import MODELS
 from tpool.serving.hf import ATTN_IMPLEMENTATION, PagedContext, forward_step
@@ -154,6 +154,9 @@ class Stats:
     steps: int = 0
     preemptions: int = 0
     forks: int = 0
+    cache_hits: int = 0      # requests admitted on revived pages of the prefix cache
+    cached_tokens: int = 0   # prompt tokens those hits did not compute again
+    evicted: int = 0         # CACHED pages the loop asked the pool to evict
     drafted: int = 0
     accepted: int = 0
     rollbacks: int = 0
@@ -172,18 +175,25 @@ class Engine:
     occurrence of the last token) and rolling back the rejected ones with ``truncate``.
     The loop schedules on ``mirror`` (a :class:`tpool.scheduling.HostMirror` of the table,
     reserving ``lookahead`` = ``1 + draft_len`` tokens per running request, or 1 without
-    speculation).
+    speculation). With ``prefix_cache`` (default) a request leaving the loop, finished or
+    preempted, keeps its whole pages CACHED in a :class:`tpool.scheduling.PrefixCache`, and a
+    request whose tokens start with them revives them instead of computing them again
+    (preempted ones too); CACHED pages are evicted, least recently released first, when a
+    step or an admission needs them.
     """
 
     def __init__(self, model, *, num_pages: int, page_size: int, max_batch: int, max_pages: int,
-                 backend: str = "auto", device="cpu", spec_every: int = 3, draft_len: int = 3):
+                 backend: str = "auto", device="cpu", spec_every: int = 3, draft_len: int = 3,
+                 prefix_cache: bool = True):
         spec_every = _checks.check_size(spec_every, "spec_every")  # before the pool is made: nothing to undo
         draft_len = _checks.check_size(draft_len, "draft_len")
+        prefix_cache = _checks.flag(prefix_cache, "prefix_cache")
         self.model = model
         self.pool = PagePool(num_pages, page_size, device=device, backend=backend)
         self.table = PageTable(self.pool, max_batch, max_pages)
         self.lookahead = 1 + draft_len if spec_every else 1
         self.mirror = HostMirror(self.table, lookahead=self.lookahead, free=num_pages, cached=0)  # a fresh pool
+        self.prefix = PrefixCache(self.mirror) if prefix_cache else None
         layers, kv_heads, head_dim = kv_shape(model.config)
         self.cache = PagedKVCache.from_pool(self.pool, layers, kv_heads, head_dim, dtype=model.dtype)
         self.ps, self.max_batch, self.max_pages = page_size, max_batch, max_pages
@@ -217,15 +227,23 @@ class Engine:
         """Greedy tokens of a step: the loop's one host read per step (its sync point).
 
         logits : torch.Tensor  shape ``[max_tokens, vocab]``, float, on the model's device.
-        Returns the ``argmax`` of every row as a list of ints.
+        Returns the ``argmax`` of every row as a list of ints. The prefix cache's evictions
+        since the last read come back in the same copy, and their entries are dropped.
         """
-        return logits.argmax(-1).tolist()
+        ids = logits.argmax(-1)
+        evicted = self.prefix.unread() if self.prefix is not None else None
+        if evicted is None:
+            return ids.tolist()
+        host = torch.cat([ids, evicted.to(ids.dtype)]).tolist()
+        self.prefix.drop(host[ids.numel():])
+        return host[:ids.numel()]
 
     def _reconcile(self, wait=False):
-        """Start a snapshot of the pool if the mirror is inexact (a forked prefix was released) and
-        none is on its way; apply those that have landed (never waits unless ``wait``: a sync point)."""
+        """Start a snapshot of the pool if the mirror is inexact (a shared prefix was released, or a
+        revive took pages that may have been USED) and none is on its way; apply those that have
+        landed (never waits unless ``wait``: a sync point)."""
         m = self.mirror
-        if not m.exact and not self._snapshots:
+        if not (m.exact and m.cached_exact) and not self._snapshots:
             self._snapshots.append(self._timed(m.snapshot))
         while self._snapshots and (wait or self._snapshots[0].ready()):
             self._timed(m.reconcile, self._snapshots.pop(0))
@@ -264,8 +282,8 @@ class Engine:
                 if out is not None and step % 10 == 0:
                     out(f"step {step:>4}: running {len(running):>2}, waiting {len(waiting):>2}, tokens this step "
                         f"{sum(len(feed[r.rid]) for r in lanes):>3}, preemptions {self.stats.preemptions}, forks "
-                        f"{self.stats.forks}, rollbacks {self.stats.rollbacks}, free pages (mirror) "
-                        f"{self.mirror.free}", flush=True)
+                        f"{self.stats.forks}, cache hits {self.stats.cache_hits}, rollbacks {self.stats.rollbacks}, "
+                        f"free pages (mirror) {self.mirror.free}", flush=True)
             step += 1
         return {r.rid: list(r.out) for r in requests}
 
@@ -280,15 +298,17 @@ class Engine:
         return feed
 
     def _preempt(self, running, waiting, feed) -> None:
-        """2. Preemption, decided on the mirror before the step: if the running lanes would not fit,
-        release the newest first (``finish``) and requeue them at the front of ``waiting``."""
+        """2. Preemption, decided on the mirror before the step: if the running lanes would not fit
+        (with a prefix cache: even with every CACHED page evicted), release the newest first
+        (``finish``) and requeue them at the front of ``waiting``."""
         m = self.mirror
         rows, ntok = [r.row for r in running], [len(feed[r.rid]) for r in running]
-        victims = self._timed(m.preemption, rows, [-i for i in range(len(running))], ntok) if running else []
+        victims = self._timed(m.preemption, rows, [-i for i in range(len(running))], ntok,
+                              count_cached=self.prefix is not None) if running else []
         if victims:
-            self._timed(m.finish, victims)
             gone = set(victims)
             back = [r for r in running if r.row in gone]
+            self._finish(back, victims)
             for v in back:
                 running.remove(v)
                 feed.pop(v.rid)
@@ -297,36 +317,83 @@ class Engine:
             self.stats.preemptions += len(back)
 
     def _admit(self, step, waiting, running, feed, by_id) -> tuple:
-        """3. Admissions, in arrival order while the mirror says they fit after the decode lanes (a
-        fork costs at most what admitting its whole prompt costs, so the same question covers it).
+        """3. Admissions, in arrival order while the mirror says they fit after the decode lanes: a
+        request that shares a running parent's prompt forks it, one whose tokens start with the
+        prefix cache's entries revives their pages, others prefill. Each is asked as its whole
+        prompt (a fork costs at most that; a revive takes the rest and its revived pages, which
+        come out of the CACHED pages that count as room with a prefix cache). Then, the
+        admissions done, one ``evict`` of what the step still lacks: after the revives, so no
+        page evicted now is revived before the step's read says which were.
 
         Moves them from ``waiting`` to ``running`` and sets their ``feed``; returns the step's
-        lanes ``(decode, prefill)``: rows already held (running requests, then forks), then prefills.
+        lanes ``(decode, prefill)``: rows already held (running, forked or revived requests),
+        then prefills.
         """
-        m = self.mirror
-        rows, ntok = [r.row for r in running], [len(feed[r.rid]) for r in running]
-        arrived = [w for w in waiting if w.arrival <= step][:m.rows_free]
-        k = self._timed(m.can_admit, [len(w.tokens) for w in arrived], [self._max_len(w) for w in arrived],
-                        rows, ntok) if arrived else 0
+        m, pc = self.mirror, self.prefix is not None
         decode, prefill = list(running), []
-        for r in arrived[:k]:
-            parent = by_id.get(r.parent) if r.parent is not None else None
-            share = (r.shared if parent is not None and parent.row is not None and not r.out
-                     and parent.cached >= r.shared and r.shared < len(r.prompt) else 0)
-            if share:
-                r.row = self._timed(m.fork, parent.row, share, self._max_len(r))
-                fork = m.last_fork
-                self._timed(self.cache.copy_pages, fork.cow_src, fork.cow_dst)
-                r.cached = share
-                feed[r.rid] = r.tokens[share:]
-                decode.append(r)
-                self.stats.forks += 1
-            else:
-                feed[r.rid] = r.tokens
-                prefill.append(r)
-            waiting.remove(r)
-            running.append(r)
+
+        def ask(extra=()):   # the step's prompts (prefills so far, then ``extra``) and its decode lanes
+            return ([len(w.tokens) for w in (*prefill, *extra)], [self._max_len(w) for w in (*prefill, *extra)],
+                    [r.row for r in decode], [len(feed[r.rid]) for r in decode])
+
+        for w in [w for w in waiting if w.arrival <= step][:m.rows_free]:
+            if self._timed(m.can_admit, *ask((w,)), count_cached=pc) <= len(prefill):
+                break
+            self._take(w, *self._plan(w, by_id), by_id, feed, decode, prefill)
+            waiting.remove(w)
+            running.append(w)
+        if pc and decode + prefill:
+            self._evict(self._timed(m.shortfall, *ask()))
         return decode, prefill
+
+    def _plan(self, w, by_id) -> tuple:
+        """``(share, hit)``: the prompt tokens ``w`` may fork from its running parent (0: none), else
+        the prefix cache's entries its tokens start with. A fork takes its copy-on-write page (a
+        partial last page) at once, from the FREE pages: without one it shares whole pages only."""
+        parent = by_id.get(w.parent) if w.parent is not None else None
+        share = (w.shared if parent is not None and parent.row is not None and not w.out
+                 and parent.cached >= w.shared and w.shared < len(w.prompt) else 0)
+        if share % self.ps and self.mirror.free < 1:
+            share -= share % self.ps
+        if share or self.prefix is None:
+            return share, PrefixMatch()
+        return 0, self._timed(self.prefix.match, w.tokens)
+
+    def _take(self, w, share, hit, by_id, feed, decode, prefill) -> None:
+        """Admit ``w``: fork its parent's first ``share`` tokens, or revive ``hit``, into a row (a decode
+        lane, fed the rest of its tokens), or else leave it to prefill."""
+        m, pc = self.mirror, self.prefix is not None
+        if share:
+            w.row = self._timed(m.fork, by_id[w.parent].row, share, self._max_len(w), count_cached=pc)
+            fork = m.last_fork
+            self._timed(self.cache.copy_pages, fork.cow_src, fork.cow_dst)
+            self.stats.forks += 1
+        elif hit:
+            w.row = self._timed(self.prefix.revive, hit, self._max_len(w), count_cached=pc)
+            self.stats.cache_hits += 1
+            self.stats.cached_tokens += hit.n_tokens
+        else:
+            feed[w.rid] = w.tokens
+            prefill.append(w)
+            return
+        w.cached = share or hit.n_tokens
+        feed[w.rid] = w.tokens[w.cached:]
+        decode.append(w)
+
+    def _evict(self, need) -> None:
+        """Evict ``need`` CACHED pages (at most the mirror's sure count), least recently released first."""
+        k = min(need, self.mirror.cached)
+        if k:
+            self._timed(self.prefix.evict, k)
+            self.stats.evicted += k
+
+    def _finish(self, reqs, rows) -> None:
+        """Release ``reqs`` (their ``rows``, in that order): with a prefix cache their whole pages become
+        its entries and stay CACHED."""
+        if self.prefix is not None:
+            for r in reqs:
+                self._timed(self.prefix.insert, r.row, r.tokens[:r.cached])
+        self._timed(self.mirror.finish, rows, cache=self.prefix is not None)
 
     def _forward(self, decode, prefill, feed) -> list:
         """4. One ``HostMirror.step`` for every lane (the prefills get their rows), the forward over
@@ -387,7 +454,7 @@ class Engine:
             self._timed(self.mirror.truncate, [r.row for r in rollback], [r.cached for r in rollback])
             self.stats.rollbacks += len(rollback)
         if done:
-            self._timed(self.mirror.finish, [r.row for r in done])
+            self._finish(done, [r.row for r in done])
             for r in done:
                 running.remove(r)
                 r.row = None
@@ -398,27 +465,37 @@ class Engine:
         self._reconcile(wait=True)
         self.pool.check()
         self.table.check_invariants()
-        s = self.pool.stats()
-        if s["requests.failed"] or self.mirror.free != s["pages.free.current"] or not self.mirror.exact:
-            raise AssertionError(f"failed extends {s['requests.failed']}; the mirror counts {self.mirror.free} free "
-                                 f"pages (exact: {self.mirror.exact}), the device has {s['pages.free.current']}")
+        if self.prefix is not None:
+            self.prefix.sync()
+            self.prefix.check_invariants()
+        s, m = self.pool.stats(), self.mirror
+        if (s["requests.failed"] or m.free != s["pages.free.current"] or m.cached != s["pages.cached.current"]
+                or not (m.exact and m.cached_exact)):
+            raise AssertionError(f"failed extends {s['requests.failed']}; the mirror counts {m.free} free and "
+                                 f"{m.cached} cached pages (exact: {m.exact}, {m.cached_exact}), the device has "
+                                 f"{s['pages.free.current']} and {s['pages.cached.current']}")
         return s
 
 
 def make_requests(n: int = 32, *, seed: int = 0, vocab_size: int = 256, max_new: tuple = (4, 16),
-                  prompt_len: tuple = (5, 40), share_every: int = 5):
+                  prompt_len: tuple = (5, 40), share_every: int = 5, system_len: int = 0):
     """``n`` requests: prompts of ``prompt_len`` tokens, ``max_new`` new tokens, arriving a few per
-    step; every ``share_every``-th one (0: none) starts with part of the previous request's prompt."""
+    step; every ``share_every``-th one (0: none) starts with part of the previous request's prompt.
+    With ``system_len``, every prompt starts with the same ``system_len`` tokens (a system prompt,
+    what a prefix cache serves again) before its own."""
     share_every = _checks.check_size(share_every, "share_every")
+    system_len = _checks.check_size(system_len, "system_len")
     rng = random.Random(seed)
+    system = [rng.randrange(1, vocab_size) for _ in range(system_len)]
     reqs = []
     for i in range(n):
-        prompt = [rng.randrange(1, vocab_size) for _ in range(rng.randint(*prompt_len))]
+        prompt = system + [rng.randrange(1, vocab_size) for _ in range(rng.randint(*prompt_len))]
         r = Request(i, prompt, rng.randint(*max_new), arrival=i // 4)
         if share_every and i % share_every == share_every - 1 and reqs:  # (the first has none before it)
             base = reqs[-1].prompt
-            r.parent, r.shared = i - 1, rng.randint(1, len(base))
-            r.prompt = base[:r.shared] + prompt[:max(prompt_len[0] - r.shared, 1) + rng.randint(0, 8)]
+            r.parent, r.shared = i - 1, rng.randint(system_len + 1, len(base))
+            own = prompt[system_len:]
+            r.prompt = base[:r.shared] + own[:max(prompt_len[0] + system_len - r.shared, 1) + rng.randint(0, 8)]
             r.arrival = reqs[-1].arrival + 1
         reqs.append(r)
     return reqs
@@ -439,20 +516,32 @@ def reference_tokens(model, requests):
 
 def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, page_size: int = 4,
              max_batch: int = 8, max_new: tuple = (4, 16), backend: str = "auto", seed: int = 0,
-             out=print) -> dict:
+             system_len: int = 8, prefix_cache: bool = True, out=print) -> dict:
     """Serve ``requests`` random prompts with a tiny random ``model`` on tpool pages; check against generate.
 
-    Returns a dict of counts (steps, preemptions, forks, rollbacks, drafts accepted, tokens) and
-    ``mismatches`` (requests whose tokens differ from ``generate``: 0 expected). Raises
-    ``AssertionError`` if any differ, pages are left in use, or the pool's checks fail.
+    ``system_len``: every prompt starts with the same that many tokens (see :func:`make_requests`);
+    ``prefix_cache``: the engine keeps finished requests' pages and revives them (see :class:`Engine`).
+    Returns a dict of counts (steps, preemptions, forks, prefix-cache hits and the tokens they
+    held, pages evicted, rollbacks, drafts accepted, tokens) and ``mismatches`` (requests whose
+    tokens differ from ``generate``: 0 expected). Raises ``AssertionError`` if any differ, pages
+    are left in use, or the pool's or the prefix cache's checks fail.
     """
     try:  # what the options describe: errors here are the caller's (OptionError), not the run's
         lm = tiny_model(model, seed=seed)
-        reqs = make_requests(requests, seed=seed, vocab_size=lm.config.vocab_size, max_new=max_new)
+        positions = lm.config.max_position_embeddings
+        if _checks.check_size(system_len, "system_len") > positions:  # (before a list that long is made)
+            raise ValueError(f"system_len (--system-prompt): expected at most the model's {positions} positions, "
+                             f"got {system_len}")
+        reqs = make_requests(requests, seed=seed, vocab_size=lm.config.vocab_size, max_new=max_new,
+                             system_len=system_len)
         spec_every, draft_len = 3, 3
         held = max(max_len(r, spec_every=spec_every, draft_len=draft_len) for r in reqs)
+        if held > positions:
+            raise ValueError(f"system_len (--system-prompt): a request would hold {held} tokens (system prompt, "
+                             f"its own, new tokens and drafts), past the model's {positions} positions")
         eng = Engine(lm, num_pages=num_pages, page_size=page_size, max_batch=max_batch,
-                     max_pages=-(-held // page_size), backend=backend, spec_every=spec_every, draft_len=draft_len)
+                     max_pages=-(-held // page_size), backend=backend, spec_every=spec_every, draft_len=draft_len,
+                     prefix_cache=prefix_cache)
         eng.check_fits(reqs)
     except (ValueError, ImportError) as e:
         raise OptionError(str(e)) from e
@@ -465,11 +554,14 @@ def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, p
     want = reference_tokens(lm, reqs)
     bad = [rid for rid in got if got[rid] != want[rid]]
     s, used = eng.stats, ps["pages.used.current"]
-    report = dict(steps=s.steps, preemptions=s.preemptions, forks=s.forks, rollbacks=s.rollbacks,
+    report = dict(steps=s.steps, preemptions=s.preemptions, forks=s.forks, cache_hits=s.cache_hits,
+                  cached_tokens=s.cached_tokens, evicted=s.evicted, rollbacks=s.rollbacks,
                   drafted=s.drafted, accepted=s.accepted, tokens=s.tokens_out, mismatches=len(bad),
                   pages_in_use=used, peak_pages=ps["pages.used.peak"], failed_extends=ps["requests.failed"])
     if out:
-        out(f"{s.steps} steps, {s.tokens_out} tokens; preemptions {s.preemptions}, forks {s.forks}, rollbacks "
+        cache = (f"prefix cache: {s.cache_hits} hits holding {s.cached_tokens} tokens, {s.evicted} pages evicted; "
+                 if eng.prefix is not None else "no prefix cache; ")
+        out(f"{s.steps} steps, {s.tokens_out} tokens; preemptions {s.preemptions}, forks {s.forks}, {cache}rollbacks "
             f"{s.rollbacks} ({s.accepted}/{s.drafted} drafts accepted); peak pages {report['peak_pages']} of "
             f"{num_pages}; pages in use at the end {used}; failed extends {report['failed_extends']}; "
             f"requests matching generate: "

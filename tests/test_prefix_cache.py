@@ -1,0 +1,243 @@
+"""PrefixCache: whole pages kept CACHED, found again by their tokens, revived; evictions drop their entries.
+
+Every test runs on the three backends; the serving loop's use of it is in test_serving*.py.
+"""
+
+import doctest
+
+import pytest
+import torch
+
+import tpool
+from tpool.errors import UseAfterFree
+from tpool.scheduling import HostMirror, PrefixCache, PrefixMatch, WouldNotFit, prefix_cache
+from tpool.testing import no_host_sync
+
+PS = 4
+
+
+def _setup(backend, num_pages=16, rows=4, max_pages=8):
+    pool = tpool.PagePool(num_pages, page_size=PS, device="cpu", backend=backend)
+    m = HostMirror(tpool.PageTable(pool, rows, max_pages), free=num_pages, cached=0)
+    return pool, m, PrefixCache(m)
+
+
+def _serve(m, cache, tokens):
+    """A request of ``tokens`` admitted (prefilled), then left: its pages named by the cache and CACHED."""
+    (row,) = m.admit([len(tokens)])
+    cache.insert(row, tokens)
+    m.finish([row], cache=True)
+
+
+def _pages(m, row, n):
+    return m.table.block_table[row, :n].tolist()
+
+
+def test_a_hit_revives_the_pages_of_the_request_that_left(backend):
+    pool, m, cache = _setup(backend)
+    (row,) = m.admit([10])
+    first = _pages(m, row, 3)
+    assert cache.insert(row, list(range(10))) == 2 and len(cache) == 2      # whole pages only
+    m.finish([row], cache=True)
+    hit = cache.match(list(range(10)) + [7])
+    assert hit == PrefixMatch(hit.slots, 8) and len(hit.slots) == 2
+    new = cache.revive(hit, max_len=16)
+    assert _pages(m, new, 2) == first[:2] and int(m.table.seq_lens[new]) == 8
+    assert pool.stats()["pages.revived"] == 2 and cache.hits == 1 and cache.hit_tokens == 8
+    cache.check_invariants()
+    pool.check()
+
+
+def test_a_match_leaves_a_token_to_compute_and_stops_at_the_first_other_token(backend):
+    pool, m, cache = _setup(backend)
+    _serve(m, cache, list(range(12)))
+    assert cache.match(list(range(12))).n_tokens == 8            # the last token's logits come next
+    assert cache.match(list(range(13))).n_tokens == 12
+    assert cache.match(list(range(12)), max_pages=1).n_tokens == 4
+    assert cache.match([0, 1, 2, 3, 4, 5, 9, 7, 8, 9, 10, 11, 12]).n_tokens == 4   # page 1 differs
+    assert not cache.match([1, 0, 2, 3, 4])                      # page 0 differs: nothing
+    assert not cache.match(list(range(4)))
+
+
+def test_a_prefix_computed_twice_keeps_the_older_entry(backend):
+    pool, m, cache = _setup(backend)
+    (a,) = m.admit([8])
+    (b,) = m.admit([8])                                          # the same 8 tokens, computed apart
+    older = _pages(m, a, 2)
+    assert cache.insert(a, list(range(8))) == 2 and cache.insert(b, list(range(8))) == 0
+    m.finish([a, b], cache=True)
+    hit = cache.match(list(range(9)))
+    assert _pages(m, cache.revive(hit), 2) == older
+    cache.check_invariants()
+
+
+def test_two_requests_share_a_hit_and_leave_it_cached_again(backend):
+    pool, m, cache = _setup(backend)
+    _serve(m, cache, list(range(9)))
+    hit = cache.match(list(range(9)))
+    r1, r2 = cache.revive(hit), cache.revive(hit)
+    assert _pages(m, r1, 2) == _pages(m, r2, 2)
+    assert pool.state.refcount[m.table.block_table[r1, :2].long()].tolist() == [2, 2]
+    m.finish([r1, r2], cache=True)
+    cache.check_invariants()
+    pool.check()
+    s = pool.stats()
+    assert s["pages.used.current"] == 0 and s["pages.cached.current"] == 3   # 2 named, the partial third not
+
+
+def test_an_eviction_closes_lookups_until_its_slots_are_read_and_drops_what_it_took(backend):
+    pool, m, cache = _setup(backend, num_pages=8)
+    _serve(m, cache, list(range(8)))               # pages stamped first: evicted first
+    _serve(m, cache, list(range(100, 108)))
+    assert len(cache) == 4 and m.cached == 4
+    evicted = cache.evict(2).tolist()
+    assert cache.closed and not cache.match(list(range(9)))
+    with pytest.raises(ValueError, match="eviction is unread"):
+        cache.revive(PrefixMatch((0,), PS))
+    slots = cache.unread().tolist()
+    assert sorted(evicted) == sorted(_slot_pages(cache, slots))
+    assert cache.drop(slots) == 2 and not cache.closed and len(cache) == 2
+    assert not cache.match(list(range(9))) and cache.match(list(range(100, 109))).n_tokens == 8
+    cache.check_invariants()
+    pool.check()
+
+
+def _slot_pages(cache, slots):
+    return [cache.slot_page[s].item() for s in slots if s >= 0]
+
+
+def test_sync_drops_the_evicted_entries_and_padding_names_nothing(backend):
+    pool, m, cache = _setup(backend, num_pages=8)
+    _serve(m, cache, list(range(6)))               # one page named, the partial second CACHED unnamed
+    named = cache.match(list(range(6))).slots
+    ev = cache.evict(8).tolist()                   # more than there are: -1 padded
+    assert len(ev) == 8 and sorted(ev)[:6] == [-1] * 6 and min(sorted(ev)[6:]) >= 0
+    slots = cache.unread().tolist()
+    assert [s for s in slots if s >= 0] == list(named) and slots.count(-1) == 7
+    assert cache.sync() == 1 and len(cache) == 0 and cache.dropped == 1 and not cache.closed
+    cache.check_invariants()
+
+
+def test_an_orphaned_entry_is_never_reached_through_a_reused_slot(backend):
+    """Keys name the entry before them by an id never reused: once a chain's first page is evicted,
+    its second entry stays unreachable, also when the first's slot is reused for another prefix
+    whose second page holds the same tokens (keyed by the slot, it would hand out the orphan's
+    page, K/V computed after another first page)."""
+    pool, m, cache = _setup(backend, num_pages=8)
+    tokens = list(range(8))
+    _serve(m, cache, tokens)
+    s0, s1 = cache.match(tokens + [0]).slots
+    p0, p1 = cache.slot_page[s0].item(), cache.slot_page[s1].item()
+    pool.incref(torch.tensor([p1], dtype=torch.int32))   # (around the mirror) page 1 USED: evict takes page 0
+    assert cache.evict(1).tolist() == [p0]
+    cache.sync()
+    pool.free(torch.tensor([p1], dtype=torch.int32), cache=True)   # CACHED again, its entry an orphan
+    assert not cache.match(tokens + [0]) and len(cache) == 1
+    other = [50, 51, 52, 53] + tokens[4:]          # another first page, then the orphan's tokens
+    (row,) = m.admit([8])
+    own = _pages(m, row, 2)
+    assert cache.insert(row, other) == 2
+    m.finish([row], cache=True)
+    hit = cache.match(other + [0])
+    assert hit.slots[0] == s0                      # the reused slot ...
+    assert [cache.slot_page[s].item() for s in hit.slots] == own   # ... and none of the orphan's pages
+    assert p1 not in own
+    cache.check_invariants()
+
+
+def test_a_stale_entry_is_refused_on_the_device_by_its_generation(backend):
+    """An eviction made around the cache (its slots never dropped), the page handed out again: the
+    revive takes nothing, counts use_after_free, and leaves the page's new holder untouched."""
+    pool, m, cache = _setup(backend, num_pages=4)
+    _serve(m, cache, list(range(5)))               # page A named, page B (partial) CACHED
+    hit = cache.match(list(range(5)))
+    page = cache.slot_page[hit.slots[0]].item()
+    m.evict(2)                                     # the mirror's, not the cache's: the entry stays
+    (holder,) = m.admit([15], [16])                # every page, the named one among them
+    assert page in _pages(m, holder, 4)
+    row = cache.revive(hit, max_len=4)             # (no reservation: the pool has no FREE page)
+    assert int(m.table.seq_lens[row]) == 0 and _pages(m, row, 1) == [-1]
+    assert pool.state.refcount[page].item() == 1
+    with pytest.raises(UseAfterFree):
+        pool.check()
+
+
+def test_insert_refuses_a_row_not_running_and_tokens_past_its_length(backend):
+    pool, m, cache = _setup(backend)
+    with pytest.raises(ValueError, match="expected a running row"):
+        cache.insert(0, [1, 2, 3, 4])
+    (row,) = m.admit([5])
+    with pytest.raises(ValueError, match=r"at most the row's sure length \(5\) tokens, got 6"):
+        cache.insert(row, list(range(6)))
+    with pytest.raises(ValueError, match="expected a match of at least one page"):
+        cache.revive(PrefixMatch())
+    assert len(cache) == 0
+
+
+def test_a_full_index_names_what_fits_and_stays_consistent(backend):
+    pool, m, cache = _setup(backend)
+    small = PrefixCache(m, capacity=1)
+    (row,) = m.admit([12])
+    assert small.insert(row, list(range(12))) == 1 and len(small) == 1
+    m.finish([row], cache=True)
+    assert small.match(list(range(13))).n_tokens == 4
+    small.check_invariants()
+
+
+def test_insert_evict_and_revive_never_read_the_device(backend):
+    pool, m, cache = _setup(backend)
+    (row,) = m.admit([12])
+    (other,) = m.admit([8])
+    with no_host_sync(host_data=True):
+        cache.insert(row, list(range(12)))
+        m.finish([row], cache=True)
+        hit = cache.match(list(range(13)))
+        new = cache.revive(hit, count_cached=True)
+        cache.evict(1)
+        cache.unread()
+    assert cache.sync() == 0                       # the partial page, named by nothing
+    assert int(m.table.seq_lens[new]) == 12 and other != new
+    cache.check_invariants()
+
+
+def test_a_revive_counting_cached_pages_leaves_the_step_to_an_eviction(backend):
+    """``count_cached``: a revive's reservation may come out of the CACHED pages; no step runs until
+    ``evict(shortfall)`` made them FREE."""
+    pool, m, cache = _setup(backend, num_pages=4, max_pages=4)
+    _serve(m, cache, list(range(16)))              # every page CACHED, none FREE
+    hit = cache.match(list(range(16)))             # 3 pages: the fourth (the last token's) to compute
+    with pytest.raises(WouldNotFit):
+        cache.revive(hit)
+    row = cache.revive(hit, count_cached=True)
+    assert m.unreserved < 0 and not m.fits([row], 1)
+    with pytest.raises(WouldNotFit):
+        m.decode([row], 1)
+    need = m.shortfall(rows=[row], n=1)
+    assert need == 1 == m.cached
+    cache.evict(need)
+    cache.sync()
+    m.decode([row], 1)
+    assert int(m.table.seq_lens[row]) == 13
+    cache.check_invariants()
+    pool.check()
+
+
+def test_cached_pages_count_as_room_only_when_asked(backend):
+    pool, m, cache = _setup(backend, num_pages=8, max_pages=8)
+    _serve(m, cache, list(range(16)))              # 4 pages CACHED, 4 FREE
+    assert (m.cached, m.free) == (4, 4)
+    assert m.can_admit([20]) == 0 and m.can_admit([20], count_cached=True) == 1   # 6 pages with its reservation
+    assert m.shortfall([20]) == 2 and m.shortfall([12]) == 0
+    (row,) = m.admit([12], [20])                   # 3 pages and a reservation of 1: every FREE page
+    assert m.preemption([row], [0], 8) == [row]    # 8 more tokens: one page past the reservation
+    assert m.preemption([row], [0], 8, count_cached=True) == []
+    assert m.shortfall(rows=[row], n=8) == 1
+    with pytest.raises(ValueError, match="count_cached: expected a bool"):
+        m.can_admit([4], count_cached=1)
+
+
+def test_docstring_example():
+    globs = {"torch": torch, "PagePool": tpool.PagePool, "PageTable": tpool.PageTable, "HostMirror": HostMirror,
+             "PrefixCache": PrefixCache}
+    result = doctest.testmod(prefix_cache, extraglobs=globs, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted >= 5 and result.failed == 0

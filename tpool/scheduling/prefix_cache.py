@@ -1,0 +1,258 @@
+"""PrefixCache: whole pages of finished requests kept CACHED and found again by their tokens.
+
+Note: this is automatic prefix caching (vLLM's, SGLang's radix cache) on a
+:class:`~tpool.scheduling.HostMirror`. A request leaving the loop (finished or
+preempted) is ``insert``-ed before its ``finish(..., cache=True)``: each of its
+whole pages becomes an entry, keyed by (the entry of the page before it, the
+page's tokens), so a key stands for the whole prefix up to the end of its page
+and keys are compared exactly (no hash collision can hand out another prefix's
+K/V). A new request whose tokens start with entries ``revive``-s their pages
+into its row (one table call) and computes only the rest.
+
+The host never learns a page id, so nothing here reads the device. An entry is
+a slot of three device tensors: the slot's page and its generation when the
+entry was made (``slot_page``, ``slot_gen``), and for each page the slot that
+names it (``page_slot``). ``insert`` fills them by device copies from the
+table's row; ``revive`` gathers them. The pool evicts (least recently released
+first, decided on the device): ``evict`` turns CACHED pages FREE and, on the
+device, gathers and forgets the slots that named them; the caller reads those
+slots (``unread``) at its next host read, packed into the same copy, and hands
+them to ``drop``. Until then the host index still names evicted pages, so no
+hit may be revived between an ``evict`` and that read: ``match`` finds nothing
+while an eviction is unread. A loop that evicts after its revives, right before
+its step, loses no hit. Generations are the second line: a revive of a page
+freed since its entry was made is refused on the device (``use_after_free``,
+raised by the next ``pool.check()``), never shared.
+
+An entry whose parent entry is dropped is unreachable (a lookup walks from the
+first page) until its own page is evicted; its page stays CACHED, and the
+pool's least-recently-released order reaches it.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tpool import _checks
+from tpool.kernels import layout as L
+
+__all__ = ["PrefixCache", "PrefixMatch"]
+
+_ROOT = 0  # the entry id before a prompt's first page
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The entries a request's tokens start with: ``slots`` in page order, ``n_tokens`` they hold."""
+
+    slots: tuple = ()
+    n_tokens: int = 0
+
+    def __bool__(self):
+        return bool(self.slots)
+
+
+class PrefixCache:
+    """A prefix cache of whole pages for a loop that schedules on ``mirror``.
+
+    Parameters
+    ----------
+    mirror : HostMirror
+        The loop's mirror: ``revive`` and ``evict`` go through it, so its counts stay true.
+    capacity : int, optional
+        Entries (one page each) the index holds; default the pool's ``num_pages`` (a page is
+        named by at most one entry, so no more can be live).
+
+    Example
+    -------
+    >>> pool = PagePool(16, page_size=4, device="cpu", backend="reference")
+    >>> m = HostMirror(PageTable(pool, 4, 8), free=16, cached=0)
+    >>> cache = PrefixCache(m)
+    >>> tokens = list(range(10))
+    >>> row = m.admit([10])[0]                     # prefill 10 tokens (their K/V written by the model)
+    >>> cache.insert(row, tokens)                  # its 2 whole pages become entries ...
+    2
+    >>> m.finish([row], cache=True)                # ... and stay CACHED
+    >>> hit = cache.match(tokens + [7, 7])         # a later request that starts with them
+    >>> hit.n_tokens
+    8
+    >>> row = cache.revive(hit, max_len=16)        # its first 8 tokens' pages, no prefill
+    """
+
+    def __init__(self, mirror, capacity: int | None = None):
+        table = mirror.table
+        self.mirror, self.table, self.pool = mirror, table, table.pool
+        self.page_size, self.device = table.page_size, table.device
+        n = self.pool.num_pages if capacity is None else _checks.check_size(capacity, "capacity")
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self.slot_page = torch.full((n,), -1, **i32)   # each slot's page (-1: free slot)
+        self.slot_gen = torch.full((n,), -1, **i32)    # the page's generation when the entry was made
+        # each page's slot, -1 for none; one more entry, for the -1 padding of an evict result
+        self.page_slot = torch.full((self.pool.num_pages + 1,), -1, **i32)
+        self._index = {}                  # (parent entry id, page tokens) -> slot
+        self._keys = [None] * n           # slot -> its key (None: free)
+        self._eid = [_ROOT] * n           # slot -> its entry id (never reused: an orphan stays unreachable)
+        self._free = list(range(n - 1, -1, -1))
+        self._next_eid = _ROOT + 1
+        self._unread = []                 # device slots of evictions not read yet
+        self.hits = self.hit_tokens = self.inserted = self.dropped = 0
+
+    def __len__(self):
+        """Live entries."""
+        return len(self._index)
+
+    def __repr__(self):
+        return (f"PrefixCache({len(self)} entries of {len(self._keys)}, page_size={self.page_size}, "
+                f"hits={self.hits}, hit_tokens={self.hit_tokens}, dropped={self.dropped})")
+
+    @property
+    def closed(self) -> bool:
+        """An eviction is unread: :meth:`match` finds nothing until :meth:`drop`."""
+        return bool(self._unread)
+
+    def _key(self, eid, tokens, i):
+        """The key of page ``i`` of ``tokens`` after entry ``eid``."""
+        return eid, tuple(tokens[i * self.page_size:(i + 1) * self.page_size])
+
+    def match(self, tokens, max_pages: int | None = None) -> PrefixMatch:
+        """The longest run of entries ``tokens`` starts with, at most ``max_pages`` pages (default:
+        ``(len(tokens) - 1) // page_size``, so at least one token is left to compute, the one
+        whose logits come next). Host only; nothing while an eviction is unread (:attr:`closed`).
+        """
+        limit = (len(tokens) - 1) // self.page_size if max_pages is None else _checks.check_size(max_pages,
+                                                                                                 "max_pages")
+        limit = min(limit, len(tokens) // self.page_size)
+        if self._unread or limit <= 0:
+            return PrefixMatch()
+        slots, eid = [], _ROOT
+        for i in range(limit):
+            slot = self._index.get(self._key(eid, tokens, i))
+            if slot is None:
+                break
+            slots.append(slot)
+            eid = self._eid[slot]
+        return PrefixMatch(tuple(slots), len(slots) * self.page_size)
+
+    def revive(self, match: PrefixMatch, max_len: int | None = None, *, count_cached: bool = False) -> int:
+        """A new request on ``match``'s pages (``HostMirror.revive`` with the entries' generations and
+        ``count_cached``); returns its row. Raises as ``HostMirror.revive`` does (``WouldNotFit``
+        without a row or room), and ``ValueError`` for an empty match or while an eviction is unread."""
+        if not match:
+            raise ValueError("revive: expected a match of at least one page, got an empty PrefixMatch")
+        if self._unread:
+            raise ValueError("revive: an eviction is unread (drop its slots first): the match may name "
+                             "an evicted page")
+        idx = self._to_device(match.slots)
+        pages, gens = self.slot_page.index_select(0, idx), self.slot_gen.index_select(0, idx)
+        row = self.mirror.revive(pages, match.n_tokens, max_len, generations=gens, count_cached=count_cached)
+        self.hits += 1
+        self.hit_tokens += match.n_tokens
+        return row
+
+    def insert(self, row: int, tokens) -> int:
+        """Name the whole pages of running ``row`` by ``tokens`` (the tokens its pages hold, in order;
+        at most its sure length), before the caller's ``finish(..., cache=True)``. Pages whose
+        key is known already are skipped (the same prefix computed twice: the older entry
+        stays). Returns the entries made. Device copies only (the row's pages and their
+        generations): no host read."""
+        m = self.mirror
+        row = _checks.check_size(row, "row")
+        if not (row < m.live.size and m.live[row]):
+            raise ValueError(f"insert: expected a running row (an int in [0, {m.live.size}) that holds a "
+                             f"request), got {row}")
+        if len(tokens) > m.lo[row]:
+            raise ValueError(f"insert: expected at most the row's sure length ({int(m.lo[row])}) tokens, got "
+                             f"{len(tokens)}")
+        cols, slots, eid = [], [], _ROOT
+        for i in range(len(tokens) // self.page_size):
+            key = self._key(eid, tokens, i)
+            slot = self._index.get(key)
+            if slot is None:
+                if not self._free:
+                    break               # full: deeper entries would be unreachable anyway
+                slot = self._free.pop()
+                self._eid[slot], self._next_eid = self._next_eid, self._next_eid + 1
+                self._index[key], self._keys[slot] = slot, key
+                cols.append(i)
+                slots.append(slot)
+            eid = self._eid[slot]
+        if slots:
+            idx, col = self._to_device(slots), self._to_device(cols)
+            with self.pool.state.lock:   # between two calls, never inside one
+                pages = self.table.block_table[row].index_select(0, col)
+            self.slot_page.index_copy_(0, idx, pages)
+            self.slot_gen.index_copy_(0, idx, self.pool.generations(pages))
+            self.page_slot.index_copy_(0, pages.long(), idx.int())
+            self.inserted += len(slots)
+        return len(slots)
+
+    def evict(self, k: int) -> torch.Tensor:
+        """``mirror.evict(k)``, and on the device the slots that named the evicted pages (-1 for a page
+        no entry named and for padding), which it forgets; they are kept for :meth:`unread`, and
+        :meth:`match` finds nothing until they are dropped. Returns the evicted page ids (device)."""
+        ev = self.mirror.evict(k)
+        at = torch.where(ev >= 0, ev, self.pool.num_pages).long()  # padding: the spare last entry
+        self._unread.append(self.page_slot.index_select(0, at))
+        self.page_slot.index_fill_(0, at, -1)
+        return ev
+
+    def unread(self) -> torch.Tensor | None:
+        """The slots of the evictions not read yet, one int32 device tensor (None if none): read it at
+        the loop's next host read (in the same copy) and pass the values to :meth:`drop`."""
+        if not self._unread:
+            return None
+        if len(self._unread) > 1:
+            self._unread[:] = [torch.cat(self._unread)]
+        return self._unread[0]
+
+    def drop(self, slots) -> int:
+        """Forget the entries of ``slots`` (host ints, the values of :meth:`unread`; -1 skipped) and
+        reopen :meth:`match`. Returns the entries dropped."""
+        got = 0
+        for s in slots:
+            if s >= 0 and self._keys[s] is not None:
+                del self._index[self._keys[s]]
+                self._keys[s] = None
+                self._free.append(s)
+                got += 1
+        self._unread.clear()
+        self.dropped += got
+        return got
+
+    def sync(self) -> int:
+        """Read the unread evictions' slots and drop them (a sync point); returns the entries dropped."""
+        ev = self.unread()
+        return 0 if ev is None else self.drop(ev.tolist())
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` unless the device tensors and the host index agree (a sync point).
+
+        Every live slot names a distinct page, the page names it back, and the page is USED
+        or CACHED with the generation recorded; every free slot and every other page names
+        nothing. Call it with no eviction unread (:meth:`sync` first).
+        """
+        if self._unread:
+            raise AssertionError("check_invariants: an eviction is unread (sync() first)")
+        live = [s for s, k in enumerate(self._keys) if k is not None]
+        sp, sg, ps = self.slot_page.tolist(), self.slot_gen.tolist(), self.page_slot.tolist()
+        pages = [sp[s] for s in live]
+        assert len(set(pages)) == len(pages), f"two entries name one page: {sorted(pages)}"
+        assert all(0 <= p < self.pool.num_pages for p in pages), f"entries name pages outside the pool: {pages}"
+        named = {p: s for s, p in zip(live, pages)}
+        wrong = [(p, s) for p, s in enumerate(ps[:-1]) if s != named.get(p, -1) and (s >= 0 or p in named)]
+        assert not wrong and ps[-1] == -1, f"page_slot disagrees with the entries: (page, slot) {wrong[:8]}"
+        if live:
+            idx = torch.tensor(pages, dtype=torch.int32, device=self.device)
+            gens = self.pool.generations(idx).tolist()
+            stale = [(s, p) for s, p, g in zip(live, pages, gens) if g != sg[s]]
+            assert not stale, f"entries whose page was freed since: (slot, page) {stale[:8]}"
+            with self.pool.state.lock:
+                states = self.pool.state.page_state.index_select(0, idx.long()).tolist()
+            bad = [(s, p, st) for s, p, st in zip(live, pages, states) if st not in (L.USED, L.CACHED)]
+            assert not bad, f"entries whose page is neither USED nor CACHED: (slot, page, state) {bad[:8]}"
+
+    def _to_device(self, values) -> torch.Tensor:
+        """Host ints as an int64 tensor on the device (pinned, non-blocking: no wait for the stream)."""
+        t = torch.from_numpy(np.asarray(values, dtype=np.int64))
+        return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)
