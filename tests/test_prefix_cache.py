@@ -236,6 +236,101 @@ def test_cached_pages_count_as_room_only_when_asked(backend):
         m.can_admit([4], count_cached=1)
 
 
+class _Loop:
+    """A random scheduler on a HostMirror with a PrefixCache, and the test's record of what each page
+    holds: for every page, the tokens from its request's start to the page's end (what its K/V were
+    computed from). Read from the device after each call: the test's reads, not the loop's."""
+
+    def __init__(self, backend, seed, num_pages=24, rows=6, max_pages=6):
+        import random
+        self.rng = random.Random(seed)
+        self.pool, self.m, self.cache = _setup(backend, num_pages=num_pages, rows=rows, max_pages=max_pages)
+        self.cap = max_pages * PS
+        self.tokens = {}                    # row -> its tokens in the pages
+        self.holds = {}                     # page -> the tokens up to its end, when it was written
+        self.bases = [[self.rng.randrange(1, 50) for _ in range(self.rng.randint(4, 14))] for _ in range(3)]
+        self.revived = 0
+
+    def note(self, row):
+        """Record the pages of ``row``; a page already written must hold what it held."""
+        toks, n = self.tokens[row], len(self.tokens[row])
+        pages = self.m.table.block_table[row, :-(-n // PS)].tolist()
+        for j, page in enumerate(pages):
+            end = min((j + 1) * PS, n)
+            want = tuple(toks[:end])
+            got = self.holds.get(page)
+            # a partial page only grows; a full one never changes (a shared page holds one prefix for all)
+            assert got is None or want[:len(got)] == got, (page, got, want)
+            self.holds[page] = want
+
+    def admit(self):
+        rng, m = self.rng, self.m
+        tokens = list(rng.choice(self.bases)) + [rng.randrange(1, 50) for _ in range(rng.randint(1, 6))]
+        max_len = min(len(tokens) + rng.randint(1, 6), self.cap)
+        hit = self.cache.match(tokens)
+        try:
+            if hit:
+                row = self.cache.revive(hit, max_len)
+                pages = self.m.table.block_table[row, :len(hit.slots)].tolist()
+                # the revived pages hold exactly the prefix they were found by
+                assert [self.holds.get(p) for p in pages] == [tuple(tokens[:(j + 1) * PS])
+                                                               for j in range(len(pages))]
+                self.tokens[row] = tokens[:hit.n_tokens]
+                self.revived += 1
+                self.note(row)
+                if m.fits([row], len(tokens) - hit.n_tokens):
+                    m.decode([row], len(tokens) - hit.n_tokens)
+                    self.tokens[row] = tokens
+            else:
+                (row,) = m.admit([len(tokens)], [max_len])
+                self.tokens[row] = tokens
+        except WouldNotFit:
+            return
+        self.note(row)
+
+    def decode(self):
+        rows = [r for r in self.tokens if len(self.tokens[r]) < int(self.m.limit[r])]
+        if rows and self.m.fits(rows, 1):
+            self.m.decode(rows, 1)
+            for r in rows:
+                self.tokens[r].append(self.rng.randrange(1, 50))
+                self.note(r)
+
+    def finish(self):
+        if self.tokens:
+            row = self.rng.choice(sorted(self.tokens))
+            self.cache.insert(row, self.tokens.pop(row))
+            self.m.finish([row], cache=True)
+
+    def evict(self):
+        if self.m.cached:
+            evicted = self.cache.evict(self.rng.randint(1, self.m.cached)).tolist()
+            for p in evicted:
+                self.holds.pop(p, None)        # FREE: its next holder writes it anew
+
+    def run(self, ops):
+        for _ in range(ops):
+            op = self.rng.choice([self.admit, self.admit, self.decode, self.decode, self.finish, self.evict])
+            op()
+            if self.cache.closed and self.rng.random() < 0.7:
+                self.cache.sync()
+            if not self.cache.closed:
+                self.cache.check_invariants()
+            self.pool.check()
+        self.cache.sync()
+        self.cache.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_loops_revive_only_pages_that_hold_their_prefix(backend, seed):
+    """Random admissions (hits revived, misses prefilled), decodes, finishes into the cache and
+    evictions, with the evicted slots read at once or later: every revived page holds the tokens
+    it was found by, and the index, the device tensors and the pool agree after every call."""
+    loop = _Loop(backend, seed)
+    loop.run(60 if backend == "triton" else 300)
+    assert loop.revived > 0 and loop.cache.dropped > 0
+
+
 def test_docstring_example():
     globs = {"torch": torch, "PagePool": tpool.PagePool, "PageTable": tpool.PageTable, "HostMirror": HostMirror,
              "PrefixCache": PrefixCache}
