@@ -11,7 +11,7 @@ import pytest
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 SCRIPTS = ["bench_pool", "bench_page_table", "bench_evict", "bench_scheduler", "cold_breakdown", "bench_startup",
-           "bench_revive"]
+           "bench_revive", "bench_prefix"]
 
 
 def load(name):
@@ -27,6 +27,9 @@ TINY = {
     "bench_page_table": ["--batch", "1", "3", "--samples", "3", "--inner", "2", "--backends", "numba"],
     "bench_evict": ["--pool-sizes", "512", "--k", "1", "8", "--samples", "3", "--backends", "numba"],
     "bench_revive": ["--k", "1", "8", "--samples", "3", "--backends", "numba", "reference"],
+    "bench_prefix": ["--requests", "10", "--repeats", "2", "--system-len", "8", "--prompt-len", "2", "6", "--max-new",
+                     "2", "6", "--num-pages", "12", "--page-size", "4", "--max-batch", "4", "--hidden", "32",
+                     "--layers", "1", "--heads", "4", "--kv-heads", "2", "--vocab", "64"],
 }
 
 
@@ -42,6 +45,26 @@ def test_benchmark_prints_its_table_and_progress(name, header, tmp_path, capsys)
     assert captured.err.count("\n") >= 2 and " s] " in captured.err  # a progress line per configuration
     rows = json.loads(out.read_text())["rows"]
     assert rows and all(r["median_us"] > 0 for r in rows)
+
+
+def test_prefix_benchmark_serves_with_and_without_the_cache(tmp_path, capsys):
+    """bench_prefix.py: a table row with the prefix cache and one without, the same tokens out of both (the
+    script checks them and Engine.check() after every run), the cache reviving the system prompt's pages
+    (and only in its row), a progress line per run (an untimed pair, then 2 repeats of each)."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "prefix.json"
+    load("bench_prefix").main(TINY["bench_prefix"] + ["--json", str(out)])
+    captured = capsys.readouterr()
+    assert "prefix cache: 10 requests, system prompt 8" in captured.out and "median of 2 runs" in captured.out
+    assert "p20 / p80" in captured.out and "revived" in captured.out
+    assert captured.err.count(" s] ") == 6 and "no prefix cache, run 2/2" in captured.err
+    with_cache, without = json.loads(out.read_text())["rows"]
+    assert (with_cache["prefix_cache"], without["prefix_cache"]) == (True, False)
+    assert with_cache["cache_hits"] > 0 and with_cache["revived"] >= 8 * with_cache["cache_hits"]
+    assert without["cache_hits"] == without["revived"] == without["evicted"] == 0
+    assert with_cache["tokens_out"] == without["tokens_out"] > 0
+    assert with_cache["prompt_computed"] < without["prompt_computed"]
+    assert without["ratio"] == 1.0 and with_cache["ratio"] > 0 and all(w > 0 for w in with_cache["walls_s"])
 
 
 @pytest.mark.parametrize("extra", [[], ["--cold", "--cold-samples", "2"]])
@@ -227,6 +250,9 @@ BAD_OPTIONS = [  # (script, argv, the option its error names): argparse refuses 
     ("bench_startup", ["--cold", "-1"], "--cold"),
     ("cold_breakdown", ["--batch", "0"], "--batch"),
     ("bench_e2e", ["--layers", "0"], "--layers"),
+    ("bench_prefix", ["--requests", "0"], "--requests"),
+    ("bench_prefix", ["--num-pages", "2"], "--num-pages"),
+    ("bench_prefix", ["--prompt-len", "9", "3"], "--prompt-len"),
     ("ab_compare", ["tpool-numba step", "--batch", "0"], "--batch"),
 ]
 

@@ -155,6 +155,8 @@ class Stats:
     preemptions: int = 0
     forks: int = 0
     cache_hits: int = 0      # requests admitted on revived pages of the prefix cache
+    prompt_tokens: int = 0   # prompt tokens the forward computed (not revived, forked or in the pages already)
+    fed_tokens: int = 0      # tokens the forward computed, all lanes (prompts, decoded tokens, drafts)
     cached_tokens: int = 0   # prompt tokens those hits did not compute again
     evicted: int = 0         # CACHED pages the loop asked the pool to evict
     drafted: int = 0
@@ -400,6 +402,8 @@ class Engine:
         the packed batch and greedy sampling (the step's host read); returns the sampled tokens."""
         lanes = decode + prefill
         total = sum(len(feed[r.rid]) for r in lanes)
+        self.stats.fed_tokens += total
+        self.stats.prompt_tokens += sum(max(len(r.prompt) - r.cached, 0) for r in lanes)
         t_max = max(MIN_TOKEN_BUCKET, 1 << (total - 1).bit_length())
         x = torch.zeros(t_max, dtype=torch.long)
         x[:total] = torch.tensor([t for r in lanes for t in feed[r.rid]], dtype=torch.long)
