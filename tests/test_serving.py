@@ -58,6 +58,22 @@ def test_prefix_cache_hits_give_the_tokens_of_generate(backend, arch, models):
     assert r["preemptions"] > 0 and r["forks"] > 0 and r["rollbacks"] > 0
 
 
+def test_a_preempted_request_revives_the_pages_of_its_output_too(monkeypatch):
+    """Pages are keyed by every token they hold, generated ones too: a preempted request, admitted
+    again, revives past its prompt (and its tokens still match generate)."""
+    take, hits = engine.Engine._take, []
+
+    def spy(self, w, share, hit, *a):
+        if hit:
+            hits.append((len(w.prompt), len(w.out), hit.n_tokens))
+        return take(self, w, share, hit, *a)
+
+    monkeypatch.setattr(engine.Engine, "_take", spy)
+    r = engine.run_demo("llama", backend="numba", out=None, system_len=0)   # the demo's pool and requests
+    assert r["mismatches"] == 0 and r["preemptions"] > 0
+    assert any(n > prompt and out > 0 for prompt, out, n in hits), hits
+
+
 def test_revived_pages_are_the_ones_the_model_reads(monkeypatch):
     """Zeroing the K/V of the pages a prefix-cache hit revives changes tokens: the hits are used."""
     from tpool.scheduling import PrefixCache

@@ -640,7 +640,8 @@ class PageTable:
         The caller's contract: every page is CACHED (released with ``cache=True`` and not
         evicted since: the pool hands out only FREE pages, so a CACHED page keeps its
         content), or USED only by requests that themselves came from ``revive`` or
-        :meth:`fork` of it. A page that a running request holds alone must not be revived:
+        :meth:`fork` of it, or that a fork shared it from. A page that a running request holds
+        alone must not be revived:
         that request may still write into it, and a scheduler counting its pages would credit
         them at its release. A page evicted and then handed to another request is USED again, which its
         state cannot tell from a shared one; its generation can: a page's generation

@@ -424,8 +424,9 @@ class HostMirror(MixedSteps, Accounting):
 
         The caller's contract: every page is CACHED (released with ``cache=True`` and not
         evicted since: the pool hands out only FREE pages, so a CACHED page keeps its
-        content), or USED only by requests that themselves came from ``revive`` or ``fork``
-        of it. A page that a running request holds alone must not be revived: that
+        content), or USED only by requests that hold it within their possibly-shared prefix
+        (those that came from ``revive`` or ``fork`` of it, and the ``src`` of such a fork). A
+        page that a running request holds alone past that prefix must not be revived: that
         request's release would credit it. Drop a prefix-cache entry when ``evict`` returns
         one of its pages.
 

@@ -24,9 +24,18 @@ its step, loses no hit. Generations are the second line: a revive of a page
 freed since its entry was made is refused on the device (``use_after_free``,
 raised by the next ``pool.check()``), never shared.
 
-An entry whose parent entry is dropped is unreachable (a lookup walks from the
-first page) until its own page is evicted; its page stays CACHED, and the
-pool's least-recently-released order reaches it.
+An entry is dropped with every entry under it (a lookup walks from the first
+page, so they could never be reached again): a page is named by one entry at
+most, and a request that computed the same prefix apart names its pages anew.
+
+The caller's contract: ``insert`` a request just before its ``finish(...,
+cache=True)`` and with the tokens its pages hold; never ``truncate`` a row below
+pages it revived or forked, never release pages named here without ``cache``,
+and never evict but through :meth:`evict`: a named page going FREE any other
+way leaves a stale entry, whose next hit the generations refuse on the device
+(``use_after_free``: that request's tokens are then computed without its
+prefix). A :class:`PrefixMatch` is used at once: ``revive`` refuses one whose
+entries were dropped since (their slots may name other pages by then).
 """
 
 from dataclasses import dataclass
@@ -44,10 +53,12 @@ _ROOT = 0  # the entry id before a prompt's first page
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    """The entries a request's tokens start with: ``slots`` in page order, ``n_tokens`` they hold."""
+    """The entries a request's tokens start with: ``slots`` in page order, ``n_tokens`` they hold,
+    ``eids`` the entries' ids (``revive`` checks them: a slot may be reused after a drop)."""
 
     slots: tuple = ()
     n_tokens: int = 0
+    eids: tuple = ()
 
     def __bool__(self):
         return bool(self.slots)
@@ -94,8 +105,11 @@ class PrefixCache:
         self._keys = [None] * n           # slot -> its key (None: free)
         self._eid = [_ROOT] * n           # slot -> its entry id (never reused: an orphan stays unreachable)
         self._free = list(range(n - 1, -1, -1))
+        self._held = []                   # slots dropped while an eviction is outstanding: reused after it
+        self._children = {}               # entry id -> the slots of the entries keyed under it
         self._next_eid = _ROOT + 1
-        self._unread = []                 # device slots of evictions not read yet
+        self._unread = []                 # device slots of evictions not handed to unread() yet
+        self._inflight = 0                # unread() results not dropped yet
         self.hits = self.hit_tokens = self.inserted = self.dropped = 0
 
     def __len__(self):
@@ -108,8 +122,8 @@ class PrefixCache:
 
     @property
     def closed(self) -> bool:
-        """An eviction is unread: :meth:`match` finds nothing until :meth:`drop`."""
-        return bool(self._unread)
+        """An eviction is not dropped yet: :meth:`match` finds nothing until :meth:`drop`."""
+        return bool(self._unread) or self._inflight > 0
 
     def _key(self, eid, tokens, i):
         """The key of page ``i`` of ``tokens`` after entry ``eid``."""
@@ -123,26 +137,32 @@ class PrefixCache:
         limit = (len(tokens) - 1) // self.page_size if max_pages is None else _checks.check_size(max_pages,
                                                                                                  "max_pages")
         limit = min(limit, len(tokens) // self.page_size)
-        if self._unread or limit <= 0:
+        if self.closed or limit <= 0:
             return PrefixMatch()
-        slots, eid = [], _ROOT
+        slots, eids, eid = [], [], _ROOT
         for i in range(limit):
             slot = self._index.get(self._key(eid, tokens, i))
             if slot is None:
                 break
-            slots.append(slot)
             eid = self._eid[slot]
-        return PrefixMatch(tuple(slots), len(slots) * self.page_size)
+            slots.append(slot)
+            eids.append(eid)
+        return PrefixMatch(tuple(slots), len(slots) * self.page_size, tuple(eids))
 
     def revive(self, match: PrefixMatch, max_len: int | None = None, *, count_cached: bool = False) -> int:
         """A new request on ``match``'s pages (``HostMirror.revive`` with the entries' generations and
         ``count_cached``); returns its row. Raises as ``HostMirror.revive`` does (``WouldNotFit``
-        without a row or room), and ``ValueError`` for an empty match or while an eviction is unread."""
+        without a row or room), and ``ValueError`` for an empty match, while an eviction is not
+        dropped, or for a match whose entries were dropped since it was made."""
         if not match:
             raise ValueError("revive: expected a match of at least one page, got an empty PrefixMatch")
-        if self._unread:
-            raise ValueError("revive: an eviction is unread (drop its slots first): the match may name "
-                             "an evicted page")
+        if self.closed:
+            raise ValueError("revive: an eviction is not dropped yet (drop its slots first): the match may "
+                             "name an evicted page")
+        if len(match.eids) != len(match.slots) or any(
+                self._keys[s] is None or self._eid[s] != e for s, e in zip(match.slots, match.eids)):
+            raise ValueError("revive: a stale match: entries it names were dropped since match() (their slots "
+                             "may name other pages now); match again")
         idx = self._to_device(match.slots)
         pages, gens = self.slot_page.index_select(0, idx), self.slot_gen.index_select(0, idx)
         row = self.mirror.revive(pages, match.n_tokens, max_len, generations=gens, count_cached=count_cached)
@@ -174,6 +194,7 @@ class PrefixCache:
                 slot = self._free.pop()
                 self._eid[slot], self._next_eid = self._next_eid, self._next_eid + 1
                 self._index[key], self._keys[slot] = slot, key
+                self._children.setdefault(eid, []).append(slot)
                 cols.append(i)
                 slots.append(slot)
             eid = self._eid[slot]
@@ -198,27 +219,52 @@ class PrefixCache:
         return ev
 
     def unread(self) -> torch.Tensor | None:
-        """The slots of the evictions not read yet, one int32 device tensor (None if none): read it at
-        the loop's next host read (in the same copy) and pass the values to :meth:`drop`."""
+        """The slots of the evictions not handed out yet, one int32 device tensor (None if none): read
+        it at the loop's next host read (in the same copy) and pass the values to :meth:`drop`. Until
+        then (and until every earlier ``unread`` is dropped, in order) :meth:`match` finds nothing."""
         if not self._unread:
             return None
-        if len(self._unread) > 1:
-            self._unread[:] = [torch.cat(self._unread)]
-        return self._unread[0]
+        out = self._unread[0] if len(self._unread) == 1 else torch.cat(self._unread)
+        self._unread.clear()
+        self._inflight += 1
+        return out
 
     def drop(self, slots) -> int:
-        """Forget the entries of ``slots`` (host ints, the values of :meth:`unread`; -1 skipped) and
-        reopen :meth:`match`. Returns the entries dropped."""
-        got = 0
-        for s in slots:
-            if s >= 0 and self._keys[s] is not None:
-                del self._index[self._keys[s]]
-                self._keys[s] = None
-                self._free.append(s)
-                got += 1
-        self._unread.clear()
-        self.dropped += got
-        return got
+        """Forget the entries of ``slots`` (host ints: the values of the oldest :meth:`unread` not
+        dropped yet; -1 skipped) and every entry under them, and reopen :meth:`match` once no
+        eviction is outstanding. Returns the entries dropped."""
+        if self._inflight <= 0:
+            raise ValueError("drop: expected the values of an unread() not dropped yet, but none is outstanding")
+        gone = [s for s in dict.fromkeys(slots) if s >= 0 and self._keys[s] is not None]
+        stack = [c for s in gone for c in self._forget(s)]   # the evicted entries first: the eviction
+        under = []                                           # forgot their pages on the device
+        while stack:
+            s = stack.pop()
+            if self._keys[s] is not None:   # (not evicted too)
+                under.append(s)
+                stack.extend(self._forget(s))
+        if under:                        # entries under an evicted one: their pages stay, named by nothing
+            idx = self._to_device(under)
+            pages = self.slot_page.index_select(0, idx).long()
+            now = self.page_slot.index_select(0, pages)
+            self.page_slot.index_copy_(0, pages, torch.where(now == idx.int(), -1, now))
+        self._inflight -= 1
+        self._held.extend(gone + under)
+        if not self.closed:              # no eviction outstanding can name a held slot any more
+            self._free.extend(self._held)
+            self._held.clear()
+        self.dropped += len(gone) + len(under)
+        return len(gone) + len(under)
+
+    def _forget(self, s) -> list:
+        """Drop entry ``s`` from the host index; returns the slots of the entries under it."""
+        key, eid = self._keys[s], self._eid[s]
+        del self._index[key]
+        self._keys[s] = None
+        siblings = self._children.get(key[0])
+        if siblings is not None:        # (None: its parent was dropped first)
+            siblings.remove(s)
+        return self._children.pop(eid, [])
 
     def sync(self) -> int:
         """Read the unread evictions' slots and drop them (a sync point); returns the entries dropped."""
@@ -232,8 +278,8 @@ class PrefixCache:
         or CACHED with the generation recorded; every free slot and every other page names
         nothing. Call it with no eviction unread (:meth:`sync` first).
         """
-        if self._unread:
-            raise AssertionError("check_invariants: an eviction is unread (sync() first)")
+        if self.closed:
+            raise AssertionError("check_invariants: an eviction is not dropped yet (sync() first)")
         live = [s for s, k in enumerate(self._keys) if k is not None]
         sp, sg, ps = self.slot_page.tolist(), self.slot_gen.tolist(), self.page_slot.tolist()
         pages = [sp[s] for s in live]
