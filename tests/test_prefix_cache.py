@@ -185,7 +185,7 @@ def test_a_match_made_before_a_drop_is_refused(backend):
     assert not cache.match([1, 2, 3, 4, 9]) and len(cache) == 1
 
 
-def test_evictions_stay_closed_until_every_unread_is_dropped_in_order(backend):
+def test_evictions_stay_closed_until_every_unread_is_dropped(backend):
     pool, m, cache = _setup(backend, num_pages=8)
     _serve(m, cache, [1, 2, 3, 4])
     _serve(m, cache, [5, 6, 7, 8])
@@ -197,6 +197,38 @@ def test_evictions_stay_closed_until_every_unread_is_dropped_in_order(backend):
     assert cache.drop(first.tolist()) == 1 and cache.closed and not cache.match([5, 6, 7, 8, 0])
     assert cache.drop(cache.unread().tolist()) == 1 and not cache.closed and len(cache) == 0
     cache.check_invariants()
+
+
+def test_two_entries_dropped_under_one_that_name_one_page_leave_it_named_by_nothing(backend):
+    """An insert made while evictions are outstanding keys a page under an entry already evicted: the
+    page of another entry under it, evicted by the later eviction and handed out again. Dropping the
+    first eviction drops both (one page, two entries): the page must end up named by nothing."""
+    pool = tpool.PagePool(6, page_size=2, device="cpu", backend=backend)
+    m = HostMirror(tpool.PageTable(pool, 4, 4), free=6, cached=0)
+    cache = PrefixCache(m)
+
+    def serve(tokens):
+        (row,) = m.admit([len(tokens)])
+        cache.insert(row, tokens)
+        m.finish([row], cache=True)
+        return row
+
+    serve([1, 1])                                  # entry a
+    serve([1, 1, 2, 2])                            # the same first page computed apart; entry b under a
+    serve([9, 9])
+    cache.evict(1)                                 # a's page
+    first = cache.unread()                         # in flight
+    cache.evict(3)                                 # b's page among them, b still live on the host
+    (row,) = m.admit([4])
+    b_page = m.table.block_table[row, 1].item()
+    assert cache.page_slot[b_page].item() == -1
+    cache.insert(row, [1, 1, 3, 3])                # b2 under the stale a, naming b's old page
+    assert cache.drop(first.tolist()) == 3         # a, and b and b2 under it
+    assert cache.page_slot[b_page].item() == -1
+    cache.drop(cache.unread().tolist())
+    cache.check_invariants()
+    m.finish([row], cache=True)
+    pool.check()
 
 
 def test_a_stale_entry_is_refused_on_the_device_by_its_generation(backend):

@@ -106,7 +106,7 @@ class PrefixCache:
         self._eid = [_ROOT] * n           # slot -> its entry id (never reused: an orphan stays unreachable)
         self._free = list(range(n - 1, -1, -1))
         self._held = []                   # slots dropped while an eviction is outstanding: reused after it
-        self._children = {}               # entry id -> the slots of the entries keyed under it
+        self._children = {}               # entry id -> {slot: None} of the entries keyed under it
         self._next_eid = _ROOT + 1
         self._unread = []                 # device slots of evictions not handed to unread() yet
         self._inflight = 0                # unread() results not dropped yet
@@ -194,7 +194,7 @@ class PrefixCache:
                 slot = self._free.pop()
                 self._eid[slot], self._next_eid = self._next_eid, self._next_eid + 1
                 self._index[key], self._keys[slot] = slot, key
-                self._children.setdefault(eid, []).append(slot)
+                self._children.setdefault(eid, {})[slot] = None
                 cols.append(i)
                 slots.append(slot)
             eid = self._eid[slot]
@@ -221,7 +221,7 @@ class PrefixCache:
     def unread(self) -> torch.Tensor | None:
         """The slots of the evictions not handed out yet, one int32 device tensor (None if none): read
         it at the loop's next host read (in the same copy) and pass the values to :meth:`drop`. Until
-        then (and until every earlier ``unread`` is dropped, in order) :meth:`match` finds nothing."""
+        then (and until every ``unread`` is dropped, in any order) :meth:`match` finds nothing."""
         if not self._unread:
             return None
         out = self._unread[0] if len(self._unread) == 1 else torch.cat(self._unread)
@@ -230,7 +230,7 @@ class PrefixCache:
         return out
 
     def drop(self, slots) -> int:
-        """Forget the entries of ``slots`` (host ints: the values of the oldest :meth:`unread` not
+        """Forget the entries of ``slots`` (host ints: the values of an :meth:`unread` not
         dropped yet; -1 skipped) and every entry under them, and reopen :meth:`match` once no
         eviction is outstanding. Returns the entries dropped."""
         if self._inflight <= 0:
@@ -246,8 +246,11 @@ class PrefixCache:
         if under:                        # entries under an evicted one: their pages stay, named by nothing
             idx = self._to_device(under)
             pages = self.slot_page.index_select(0, idx).long()
-            now = self.page_slot.index_select(0, pages)
-            self.page_slot.index_copy_(0, pages, torch.where(now == idx.int(), -1, now))
+            # only the pages that still name their slot (one renamed since keeps its new slot); two of
+            # these entries may name one page (one evicted since, named again), so only -1 is written,
+            # the others aimed at the spare last entry
+            named = self.page_slot.index_select(0, pages) == idx.int()
+            self.page_slot.index_fill_(0, torch.where(named, pages, self.pool.num_pages), -1)
         self._inflight -= 1
         self._held.extend(gone + under)
         if not self.closed:              # no eviction outstanding can name a held slot any more
@@ -263,8 +266,8 @@ class PrefixCache:
         self._keys[s] = None
         siblings = self._children.get(key[0])
         if siblings is not None:        # (None: its parent was dropped first)
-            siblings.remove(s)
-        return self._children.pop(eid, [])
+            del siblings[s]
+        return list(self._children.pop(eid, ()))
 
     def sync(self) -> int:
         """Read the unread evictions' slots and drop them (a sync point); returns the entries dropped."""
@@ -281,6 +284,17 @@ class PrefixCache:
         if self.closed:
             raise AssertionError("check_invariants: an eviction is not dropped yet (sync() first)")
         live = [s for s, k in enumerate(self._keys) if k is not None]
+        idle = self._free + self._held
+        assert len(live) + len(idle) == len(self._keys) and not set(live) & set(idle), \
+            f"slots lost or doubled: {len(live)} live, {len(self._free)} free, {len(self._held)} held, of " \
+            f"{len(self._keys)}"
+        under = {}
+        for s in live:
+            under.setdefault(self._keys[s][0], set()).add(s)
+        eids = {self._eid[s] for s in live} | {_ROOT}
+        assert set(under) <= eids, f"entries under dropped ones: {sorted(set(under) - eids)[:8]}"
+        kept = {e: set(c) for e, c in self._children.items() if c}
+        assert kept == under, "the children map disagrees with the entries"
         sp, sg, ps = self.slot_page.tolist(), self.slot_gen.tolist(), self.page_slot.tolist()
         pages = [sp[s] for s in live]
         assert len(set(pages)) == len(pages), f"two entries name one page: {sorted(pages)}"
