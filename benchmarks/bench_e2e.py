@@ -39,11 +39,18 @@ def _hf():
     return hf
 
 
-def build_model(hidden, layers, heads, kv_heads, vocab, seed=0):
+POSITIONS = 4096   # the model's max_position_embeddings (tokens)
+
+
+def build_model(hidden, layers, heads, kv_heads, vocab, seed=0, initializer_range=None):
+    """A random Llama from a config (nothing downloaded) on ``tpool_paged`` attention; ``initializer_range``
+    the weights' spread (default transformers')."""
     from transformers import LlamaConfig, LlamaForCausalLM
+    spread = {} if initializer_range is None else dict(initializer_range=initializer_range)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
-                      max_position_embeddings=4096, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+                      max_position_embeddings=POSITIONS, eos_token_id=None, bos_token_id=None, pad_token_id=0,
+                      **spread)
     torch.manual_seed(seed)
     return LlamaForCausalLM._from_config(cfg, attn_implementation=_hf().ATTN_IMPLEMENTATION, dtype=torch.float32).eval()
 

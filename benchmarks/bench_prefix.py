@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (HelpFormatter, non_negative_int, positive_int, print_table, progress, quantiles,  # noqa: E402
                      write_json)
+from bench_e2e import POSITIONS, build_model as build_llama  # noqa: E402
 
-POSITIONS = 4096   # the model's max_position_embeddings (tokens)
 QUICK = dict(requests=16, repeats=2)   # --quick: what it changes, where the option is not given
 FULL = dict(requests=64, repeats=7)
 
@@ -74,18 +74,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def build_model(a):
-    """A random Llama from a config (nothing downloaded) on ``tpool_paged`` attention; weights of
-    ``tiny_model``'s spread, so that a wrong K/V changes tokens and the tokens check means something."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tpool.serving import hf
+    """bench_e2e.py's random Llama, with ``tiny_model``'s weight spread, so that a wrong K/V changes
+    tokens and the tokens check means something."""
     from tpool.serving.engine import INITIALIZER_RANGE
-    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=2 * a.hidden,
-                      num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                      head_dim=a.hidden // a.heads, initializer_range=INITIALIZER_RANGE,
-                      max_position_embeddings=POSITIONS, eos_token_id=None, bos_token_id=None, pad_token_id=0)
-    torch.manual_seed(a.seed)
-    return LlamaForCausalLM._from_config(cfg, attn_implementation=hf.ATTN_IMPLEMENTATION, dtype=torch.float32).eval()
+    return build_llama(a.hidden, a.layers, a.heads, a.kv_heads, a.vocab, seed=a.seed,
+                       initializer_range=INITIALIZER_RANGE)
 
 
 def requests(a):

@@ -113,8 +113,9 @@ class HostMirror(MixedSteps, Accounting):
         table._shapes.on_drop(self._shape_dropped)
 
     # ------------------------------------------------------ calls (table + mirror)
-    def _tensor(self, values):
-        t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32))
+    def _tensor(self, values, dtype=np.int32):
+        """Host ints as a ``dtype`` tensor on the table's device (pinned, non-blocking: no wait for the stream)."""
+        t = torch.from_numpy(np.ascontiguousarray(values, dtype=dtype))
         if self.device.type == "cpu":
             return t
         return t.pin_memory().to(self.device, non_blocking=True)

@@ -97,13 +97,13 @@ class PrefixCache:
         self.page_size, self.device = table.page_size, table.device
         n = self.pool.num_pages if capacity is None else _checks.check_size(capacity, "capacity")
         i32 = dict(dtype=torch.int32, device=self.device)
-        self.slot_page = torch.full((n,), -1, **i32)   # each slot's page (-1: free slot)
+        self.slot_page = torch.full((n,), -1, **i32)   # each live slot's page (a dropped slot keeps its last)
         self.slot_gen = torch.full((n,), -1, **i32)    # the page's generation when the entry was made
         # each page's slot, -1 for none; one more entry, for the -1 padding of an evict result
         self.page_slot = torch.full((self.pool.num_pages + 1,), -1, **i32)
         self._index = {}                  # (parent entry id, page tokens) -> slot
         self._keys = [None] * n           # slot -> its key (None: free)
-        self._eid = [_ROOT] * n           # slot -> its entry id (never reused: an orphan stays unreachable)
+        self._eid = [_ROOT] * n           # slot -> its entry id (never reused: a match made before a drop is seen)
         self._free = list(range(n - 1, -1, -1))
         self._held = []                   # slots dropped while an eviction is outstanding: reused after it
         self._children = {}               # entry id -> {slot: None} of the entries keyed under it
@@ -313,6 +313,5 @@ class PrefixCache:
             assert not bad, f"entries whose page is neither USED nor CACHED: (slot, page, state) {bad[:8]}"
 
     def _to_device(self, values) -> torch.Tensor:
-        """Host ints as an int64 tensor on the device (pinned, non-blocking: no wait for the stream)."""
-        t = torch.from_numpy(np.asarray(values, dtype=np.int64))
-        return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)
+        """Host ints as an int64 index tensor on the device, as the mirror moves its inputs."""
+        return self.mirror._tensor(values, np.int64)

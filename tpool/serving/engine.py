@@ -155,10 +155,10 @@ class Stats:
     preemptions: int = 0
     forks: int = 0
     cache_hits: int = 0      # requests admitted on revived pages of the prefix cache
-    prompt_tokens: int = 0   # prompt tokens the forward computed (not revived, forked or in the pages already)
-    fed_tokens: int = 0      # tokens the forward computed, all lanes (prompts, decoded tokens, drafts)
     cached_tokens: int = 0   # prompt tokens those hits did not compute again
     evicted: int = 0         # CACHED pages the loop asked the pool to evict
+    prompt_tokens: int = 0   # prompt tokens the forward computed (not revived, forked or in the pages already)
+    fed_tokens: int = 0      # tokens the forward computed, all lanes (prompts, decoded tokens, drafts)
     drafted: int = 0
     accepted: int = 0
     rollbacks: int = 0
