@@ -39,7 +39,8 @@ def _functions(stack):
 @pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_a_whole_run_reads_the_device_once_per_step_for_the_sampled_tokens(llama, backend, cached):
     """With the prefix cache, the slots of the step's evictions ride in the same read."""
-    reqs = engine.make_requests(10, system_len=8) if cached else engine.make_requests(6)
+    # (seed 3: a cached run that also accepts drafts)
+    reqs = engine.make_requests(10, system_len=8, seed=3) if cached else engine.make_requests(6)
     eng = _engine(llama, backend, reqs, prefix_cache=cached, **(CACHED if cached else SMALL))
     with count_host_reads() as seen:
         got = eng.run(reqs)
@@ -55,8 +56,8 @@ def test_a_whole_run_reads_the_device_once_per_step_for_the_sampled_tokens(llama
     assert all("_reconcile" in _functions(s) for _, s in seen.snapshot_reads)
     assert stats["requests.failed"] == 0 and stats["pages.used.current"] == 0
     s = eng.stats
-    assert s.preemptions > 0 and s.forks > 0 and s.rollbacks > 0 and s.accepted < s.drafted
-    assert (s.cache_hits > 0 and s.evicted > 0) == cached and (s.accepted > 0 or cached)
+    assert s.preemptions > 0 and s.forks > 0 and s.rollbacks > 0 and 0 < s.accepted < s.drafted
+    assert (s.cache_hits > 0 and s.evicted > 0) == cached
     assert got == engine.reference_tokens(llama, reqs)
 
 
