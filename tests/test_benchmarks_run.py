@@ -74,10 +74,13 @@ def test_every_page_table_row_starts_from_the_same_workload(extra, monkeypatch, 
     refused lanes) against a baseline that was not grown."""
     import tpool
     module = load("bench_page_table")
-    starts, make = {}, module.make_reset
+    starts, alive, make = {}, [], module.make_reset
 
     def recording(fn, owner):  # called as each row starts: the table as that row finds it
         if isinstance(owner, tpool.PageTable):
+            # Keyed by id, so every table is kept alive: a freed table's id can be reused by the next
+            # batch size's table, which would mix two workloads under one key.
+            alive.append(owner)
             starts.setdefault(id(owner), []).append((owner.seq_lens.tolist(), owner.block_table.tolist()))
         return make(fn, owner)
 
