@@ -14,6 +14,14 @@ if not torch.cuda.is_available():
 import importlib.util  # noqa: E402
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Property tests draw the same examples on every run (a CI failure is one a rerun shows again, and no
+# example database in .hypothesis/ replays a developer's old failures); `--hypothesis-profile explore`
+# draws new ones on every run, to look for bugs on purpose.
+settings.register_profile("tpool", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile("tpool")
 
 import tpool  # noqa: E402
 from tpool.testing import no_host_sync  # noqa: E402
@@ -92,3 +100,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "stress" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """Put torch's thread count back after each test: a benchmark script loaded by a test sets it to 1
+    (as its timing runs need), which would otherwise hold for every test after it."""
+    n = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)

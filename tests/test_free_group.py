@@ -135,15 +135,24 @@ def test_a_group_closes_before_another_thread_opens_one_on_its_buffer(make_pool)
             pool.free(a_pages)
 
     def b():
-        a_flushing.wait(5)
+        assert a_flushing.wait(60)   # (a bound, not a timing: B must enter while A flushes)
         with pool.free_group(4):
             pool.free(b_pages)
-    threads = [threading.Thread(target=a, name="A"), threading.Thread(target=b, name="B")]
+    errors = []
+
+    def run(target):   # a thread's failure is raised in the test's thread, not lost as a warning
+        try:
+            target()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(f,), name=f.__name__.upper()) for f in (a, b)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     pool.ops.free = real_free
+    if errors:
+        raise errors[0]
     pool.check()
     assert pool.available() == 8
 
@@ -156,11 +165,11 @@ def test_entering_while_another_threads_group_is_open_names_it(make_pool):
     def hold():
         with pool.free_group(4):
             opened.set()
-            done.wait(5)
+            done.wait()    # set by the test's thread in its finally: the group stays open until then
     t = threading.Thread(target=hold)
     t.start()
-    opened.wait(5)
     try:
+        assert opened.wait(60)
         with pytest.raises(RuntimeError, match="another thread's free group is open"):
             with pool.free_group(4):
                 pass

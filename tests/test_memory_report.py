@@ -1,5 +1,6 @@
 """The three ledgers and the report CLI (tpool.memory.report)."""
 
+import gc
 import json
 
 import pytest
@@ -40,6 +41,7 @@ def test_cpu_report_structure():
 
 
 def test_process_rss_sees_a_big_host_allocation():
+    gc.collect()   # garbage freed between the two readings would hide part of the allocation
     before = memory_report("cpu").process.rss_bytes
     big = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
     after = memory_report("cpu").process.rss_bytes
