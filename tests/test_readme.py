@@ -93,3 +93,14 @@ def test_claimed_values_are_checked():
         run_block("x = [1, 2]\nx    # [1, 3]\n")
     with pytest.raises(NameError):  # a block cannot lean on an earlier one
         run_block("y = undefined_in_this_block + 1\n")
+
+
+def test_the_error_table_names_each_kind_and_the_class_check_raises():
+    """The README's table of error kinds is the one check() uses, every kind in it."""
+    from tpool.errors import ERROR_CLASSES
+    from tpool.kernels import layout as L
+    text = open(README).read()
+    table = text[text.index("| kind | raised as | kind | raised as |"):]
+    table = table[:table.index("\n\n")]
+    pairs = re.findall(r"\| `(\w+)` \| `(\w+)` ", table)
+    assert dict(pairs) == {L.ERROR_NAMES[slot]: cls.__name__ for slot, cls in ERROR_CLASSES.items()}
