@@ -262,3 +262,36 @@ def test_make_requests_shares_with_the_previous_request_for_any_share_every():
     assert [r.prompt for r in engine.make_requests(6)] == [r.prompt for r in engine.make_requests(6, share_every=5)]
     with pytest.raises(ValueError, match="share_every: expected a non-negative int, got -1"):
         engine.make_requests(4, share_every=-1)
+
+
+def _random_config(seed, vocab):
+    """A random workload and engine: page size, pool (from one request's worth to four times it), rows,
+    speculation, shared prefixes, system prompt, with or without the prefix cache."""
+    import random
+    rng = random.Random(seed)
+    ps, spec_every, draft_len = rng.choice([1, 2, 4, 8]), rng.choice([0, 1, 2, 3]), rng.choice([0, 1, 3])
+    reqs = engine.make_requests(rng.randint(4, 12), seed=seed, vocab_size=vocab, max_new=(1, rng.randint(1, 9)),
+                                prompt_len=(1, rng.randint(2, 20)), share_every=rng.choice([0, 2, 3, 5]),
+                                system_len=rng.choice([0, 3, 8, 12]))
+    need = -(-max(engine.max_len(r, spec_every=spec_every, draft_len=draft_len) for r in reqs) // ps)
+    kw = dict(num_pages=need + rng.randint(0, 3 * need), page_size=ps, max_batch=rng.randint(1, 6), max_pages=need,
+              spec_every=spec_every, draft_len=draft_len, prefix_cache=rng.random() < 0.75)
+    return reqs, kw
+
+
+def test_random_configurations_serve_the_tokens_of_generate(llama):
+    """60 random workloads and engines (numba): every request's tokens equal generate's, no page
+    left in use, the pool's, table's and prefix cache's checks pass; together the runs preempt,
+    fork, hit and evict the prefix cache and roll drafts back (else the sweep checks too little)."""
+    seen = dict(preemptions=0, forks=0, cache_hits=0, evicted=0, rollbacks=0)
+    for seed in range(60):
+        reqs, kw = _random_config(seed, llama.config.vocab_size)
+        want = engine.reference_tokens(llama, reqs)
+        eng = engine.Engine(llama, backend="numba", **kw)
+        got = eng.run(reqs)
+        stats = eng.check()
+        assert got == want, f"seed {seed} ({kw}): requests {[r for r in got if got[r] != want[r]]} differ"
+        assert stats["pages.used.current"] == 0 and stats["requests.failed"] == 0, (seed, kw)
+        for k in seen:
+            seen[k] += getattr(eng.stats, k)
+    assert all(seen.values()), seen
