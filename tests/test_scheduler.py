@@ -1219,3 +1219,33 @@ def test_a_mirror_reading_the_pool_refuses_a_table_that_holds_requests(backend):
         HostMirror(table)
     table.release(i32([0]))
     assert HostMirror(table).free == 8
+
+
+def test_decode_without_running_books_the_steps_a_graph_replays(backend):
+    """``decode(rows, k, run=False)`` books k tokens per row and makes no step; the k one-token steps
+    a graph replays (here the bound step it would capture, called k times) then leave the device
+    where the mirror says: lengths, free pages, every lane granted."""
+    pool, table, m = _setup(backend, num_pages=20, rows=4, lookahead=4, page_size=4)
+    rows = m.admit([5, 7, 3])
+    step = table.bind_step(i32(rows), i32([1, 1, 1]))   # what the graph captured
+    counters = pool.state.counters.clone()
+    with no_host_sync():
+        assert m.decode(rows, 4, run=False) is None
+    assert torch.equal(pool.state.counters, counters) and table.seq_lens[rows].tolist() == [5, 7, 3]
+    for _ in range(4):                                  # the replays
+        assert step().ok.tolist() == [True, True, True]
+    assert table.seq_lens[rows].tolist() == m.lo[rows].tolist() == m.hi[rows].tolist() == [9, 11, 7]
+    assert m.exact and m.free == pool.available()
+    assert m.decode(rows, 2, run=False) is None and m.decode(rows, 2, run=False) is None   # two bookings, then
+    for _ in range(4):                                                                    # their replays
+        step()
+    assert table.seq_lens[rows].tolist() == m.hi[rows].tolist() == [13, 15, 11] and m.free == pool.available()
+    pool.check()
+    before = (m.free, m.reserved, m.hi[rows].tolist())
+    with pytest.raises(WouldNotFit):                    # more than the pool holds: refused before any replay
+        m.decode(rows, 20, run=False)
+    with pytest.raises(ValueError, match="run=False makes none"):
+        m.decode(rows, 1, out=table.step_out(4), run=False)
+    with pytest.raises(ValueError, match="run"):
+        m.decode(rows, 1, run=1)
+    assert (m.free, m.reserved, m.hi[rows].tolist()) == before

@@ -213,7 +213,7 @@ class HostMirror(MixedSteps, Accounting):
         self.table.extend(self._tensor(rows), self._tensor(p), max_tokens=_bucket(int(p.sum()), self.table.most_tokens))
         return rows
 
-    def decode(self, rows, n=1, out=None):
+    def decode(self, rows, n=1, out=None, *, run: bool = True):
         """One table step appending ``n`` tokens (an int, or one per row) to each running row.
 
         Pages come from each row's reservation first, then from the unreserved ones;
@@ -232,9 +232,19 @@ class HostMirror(MixedSteps, Accounting):
         (the rows' pages after the step, from their upper bounds ``hi``) are a
         ``ValueError`` before the mirror changes. Returns ``out.result``, also for no rows
         (then a step of padding lanes only: ``out`` holds no lane of an earlier step).
+
+        ``run=False`` books the tokens without making a step, for steps a captured CUDA graph
+        replays (``n`` is then the tokens of every replay until the next mirror call, e.g. k
+        replays of a one-token step: ``n=k``, with ``lookahead >= k`` so it fits the
+        reservations). Same checks and the same accounting (``WouldNotFit`` before the
+        replays, if it cannot prove they fit), then no device work; returns None. The replayed
+        steps must be this table's steps of exactly these rows and tokens.
         """
+        run = _checks.flag(run, "run")
         r, n, key = self._batch(rows, n)
         if out is not None:
+            if not run:
+                raise ValueError("decode: out= writes the step the mirror makes; run=False makes none")
             self._out_lanes(out, r, n)
         elif not r.size:
             return None
@@ -256,6 +266,8 @@ class HostMirror(MixedSteps, Accounting):
         self.free -= taken
         self.reserved += granted - used
         self._full = key if full else None
+        if not run:
+            return None
         dkey = (key, n.tobytes(), n.shape) if per_row else (key, each)  # (plain ints: no numpy call)
         last = self._decode_keys.get(out)  # per StepOut: two taking turns each keep their batch
         if last is None or last[0] != dkey:  # same batch: the same bound step, its inputs as they are
