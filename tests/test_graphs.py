@@ -139,6 +139,32 @@ def test_graph_bound_step_with_release_replays_match_eager(backend):
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_graph_k_replays_booked_on_a_host_mirror(backend):
+    """Multi-step scheduling: a decode step captured once, k replays between two mirror calls, each k
+    booked first with ``decode(rows, k, run=False)``: the device ends where the mirror says."""
+    from tpool.scheduling import HostMirror
+    pool = tpool.PagePool(512, page_size=16, device="cuda", backend=backend)
+    table = tpool.PageTable(pool, 8, 32)
+    k = 4
+    m = HostMirror(table, lookahead=k, free=512, cached=0)
+    rows = m.admit([100 + 37 * i for i in range(6)])
+    run = table.bind_step(i32(rows, "cuda"), i32([1] * len(rows), "cuda"))
+    graph = capture(run, table)           # the warm-up's step is undone: the table is as admitted
+    for _ in range(10):
+        assert m.decode(rows, k, run=False) is None
+        for _ in range(k):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert run.result.ok.all().item()
+        assert table.seq_lens[rows].tolist() == m.lo[rows].tolist() == m.hi[rows].tolist()
+        assert m.free == pool.available()
+    pool.check()
+    table.check_invariants()
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_graph_fused_step_replays_match_two_eager_calls(backend):
     """``table.step`` captured once and replayed = ``extend`` + ``flashinfer_csr`` run eagerly."""
     tables, ids, ones = _twin_tables(backend, 4096, 32, 64, seed=1)
