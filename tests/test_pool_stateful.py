@@ -101,7 +101,7 @@ def _machine(backend):
     examples, steps = BUDGET[backend]
     cls = type(f"PoolMachine_{backend}", (PoolMachine,), {"backend": backend})
     cls.TestCase.settings = settings(max_examples=examples, stateful_step_count=steps, deadline=None,
-                                     derandomize=True, suppress_health_check=list(HealthCheck))
+                                     suppress_health_check=list(HealthCheck))  # derandomized: conftest
     return cls
 
 

@@ -1226,7 +1226,9 @@ def test_decode_without_running_books_the_steps_a_graph_replays(backend):
     a graph replays (here the bound step it would capture, called k times) then leave the device
     where the mirror says: lengths, free pages, every lane granted."""
     pool, table, m = _setup(backend, num_pages=20, rows=4, lookahead=4, page_size=4)
+    twin = _setup(backend, num_pages=20, rows=4, lookahead=4, page_size=4)[2]   # makes its steps itself
     rows = m.admit([5, 7, 3])
+    assert twin.admit([5, 7, 3]) == rows
     step = table.bind_step(i32(rows), i32([1, 1, 1]))   # what the graph captured
     counters = pool.state.counters.clone()
     with no_host_sync():
@@ -1236,6 +1238,9 @@ def test_decode_without_running_books_the_steps_a_graph_replays(backend):
         assert step().ok.tolist() == [True, True, True]
     assert table.seq_lens[rows].tolist() == m.lo[rows].tolist() == m.hi[rows].tolist() == [9, 11, 7]
     assert m.exact and m.free == pool.available()
+    twin.decode(rows, 4)                                # the same books as a decode the mirror makes
+    assert (m.free, m.reserved, m.res.tolist(), m.lo.tolist(), m.hi.tolist()) == \
+        (twin.free, twin.reserved, twin.res.tolist(), twin.lo.tolist(), twin.hi.tolist())
     assert m.decode(rows, 2, run=False) is None and m.decode(rows, 2, run=False) is None   # two bookings, then
     for _ in range(4):                                                                    # their replays
         step()

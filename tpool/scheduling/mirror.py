@@ -234,11 +234,16 @@ class HostMirror(MixedSteps, Accounting):
         (then a step of padding lanes only: ``out`` holds no lane of an earlier step).
 
         ``run=False`` books the tokens without making a step, for steps a captured CUDA graph
-        replays (``n`` is then the tokens of every replay until the next mirror call, e.g. k
-        replays of a one-token step: ``n=k``, with ``lookahead >= k`` so it fits the
-        reservations). Same checks and the same accounting (``WouldNotFit`` before the
-        replays, if it cannot prove they fit), then no device work; returns None. The replayed
-        steps must be this table's steps of exactly these rows and tokens.
+        replays (k replays of a one-token step: ``n=k``; with ``lookahead >= k`` their pages
+        are set aside already). Same checks and the same accounting (``WouldNotFit`` before
+        the replays, if it cannot prove they fit), then no device work; returns None. The
+        caller's contract: the replays are this table's steps of exactly these rows and
+        tokens, and they are launched before any other call on the mirror (more ``run=False``
+        bookings excepted), ``snapshot`` and a prefix cache's calls included: the mirror
+        counts the rows at their booked lengths from now on, so a ``finish``, ``truncate``,
+        ``fork`` or snapshot between the booking and its replays would act on lengths the
+        device does not have yet (``reconcile`` raises ``MirrorError``, or the replays step a
+        row that was given to another request).
         """
         run = _checks.flag(run, "run")
         r, n, key = self._batch(rows, n)
