@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tpool
-from tpool.errors import UseAfterFree
+from tpool.errors import InvalidPage, UseAfterFree
 from tpool.scheduling import HostMirror, PrefixCache, PrefixMatch, WouldNotFit, prefix_cache
 from tpool.testing import no_host_sync
 
@@ -246,6 +246,36 @@ def test_a_stale_entry_is_refused_on_the_device_by_its_generation(backend):
     assert pool.state.refcount[page].item() == 1
     with pytest.raises(UseAfterFree):
         pool.check()
+
+
+def test_a_hand_edited_row_makes_entries_that_name_nothing_and_are_refused(backend):
+    """Page ids outside the pool in a row (a hand edit) become entries that name no page: no index
+    outside page_slot, the spare entry stays -1, a revive of them is refused on the device
+    (invalid_page), and dropping them under an evicted entry touches nothing else."""
+    pool, m, cache = _setup(backend)
+    (row,) = m.admit([12])
+    good = _pages(m, row, 1)[0]
+    m.table.block_table[row, 1] = -1
+    m.table.block_table[row, 2] = pool.num_pages + 3
+    m.table.invalidate_csr()
+    with no_host_sync():
+        assert cache.insert(row, list(range(12))) == 3
+    assert cache.page_slot[-1].item() == -1 and cache.page_slot[good].item() >= 0
+    assert sorted(v for v in cache.page_slot.tolist() if v >= 0) == [cache.page_slot[good].item()]
+    m.finish([row], cache=True)                     # the release skips the two ids (invalid_page)
+    with pytest.raises(InvalidPage):
+        pool.check()
+    hit = cache.match(list(range(13)))
+    assert hit.n_tokens == 12
+    new = cache.revive(hit, max_len=16)
+    assert int(m.table.seq_lens[new]) == 0          # refused: the row stays empty
+    with pytest.raises(InvalidPage):
+        pool.check()
+    m.finish([new])
+    cache.evict(3)                                  # the good page: its entry and the two under it go
+    assert cache.sync() == 3 and len(cache) == 0
+    assert set(cache.page_slot.tolist()) == {-1}
+    pool.check()
 
 
 def test_insert_refuses_a_row_not_running_and_tokens_past_its_length(backend):

@@ -204,7 +204,10 @@ class PrefixCache:
                 pages = self.table.block_table[row].index_select(0, col)
             self.slot_page.index_copy_(0, idx, pages)
             self.slot_gen.index_copy_(0, idx, self.pool.generations(pages))
-            self.page_slot.index_copy_(0, pages.long(), idx.int())
+            # A page id outside the pool (a hand-edited row) names nothing: its entry is aimed at the
+            # spare last entry and writes the -1 it holds (a revive of it is refused on the device).
+            at, valid = self._bounded(pages)
+            self.page_slot.index_copy_(0, at, torch.where(valid, idx.int(), -1))
             self.inserted += len(slots)
         return len(slots)
 
@@ -245,11 +248,11 @@ class PrefixCache:
                 stack.extend(self._forget(s))
         if under:                        # entries under an evicted one: their pages stay, named by nothing
             idx = self._to_device(under)
-            pages = self.slot_page.index_select(0, idx).long()
+            pages, valid = self._bounded(self.slot_page.index_select(0, idx))
             # only the pages that still name their slot (one renamed since keeps its new slot); two of
             # these entries may name one page (one evicted since, named again), so only -1 is written,
             # the others aimed at the spare last entry
-            named = self.page_slot.index_select(0, pages) == idx.int()
+            named = valid & (self.page_slot.index_select(0, pages) == idx.int())
             self.page_slot.index_fill_(0, torch.where(named, pages, self.pool.num_pages), -1)
         self._inflight -= 1
         self._held.extend(gone + under)
@@ -311,6 +314,12 @@ class PrefixCache:
                 states = self.pool.state.page_state.index_select(0, idx.long()).tolist()
             bad = [(s, p, st) for s, p, st in zip(live, pages, states) if st not in (L.USED, L.CACHED)]
             assert not bad, f"entries whose page is neither USED nor CACHED: (slot, page, state) {bad[:8]}"
+
+    def _bounded(self, pages):
+        """``(at, valid)``: ``pages`` as int64 indices into ``page_slot``, an id outside the pool (a
+        hand-edited row) aimed at the spare last entry, and which ones were inside."""
+        valid = (pages >= 0) & (pages < self.pool.num_pages)
+        return torch.where(valid, pages.long(), self.pool.num_pages), valid
 
     def _to_device(self, values) -> torch.Tensor:
         """Host ints as an int64 index tensor on the device, as the mirror moves its inputs."""
