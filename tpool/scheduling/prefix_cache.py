@@ -184,7 +184,7 @@ class PrefixCache:
         if len(tokens) > m.lo[row]:
             raise ValueError(f"insert: expected at most the row's sure length ({int(m.lo[row])}) tokens, got "
                              f"{len(tokens)}")
-        cols, slots, eid = [], [], _ROOT
+        first, slots, eid = None, [], _ROOT
         for i in range(len(tokens) // self.page_size):
             key = self._key(eid, tokens, i)
             slot = self._index.get(key)
@@ -195,19 +195,24 @@ class PrefixCache:
                 self._eid[slot], self._next_eid = self._next_eid, self._next_eid + 1
                 self._index[key], self._keys[slot] = slot, key
                 self._children.setdefault(eid, {})[slot] = None
-                cols.append(i)
+                first = i if first is None else first
                 slots.append(slot)
             eid = self._eid[slot]
         if slots:
-            idx, col = self._to_device(slots), self._to_device(cols)
+            # The new entries are the pages from ``first`` on, one run: a key missed makes a new
+            # entry id, under which nothing is known yet, so every deeper key misses too.
+            idx, P = self._to_device(slots), self.pool.num_pages
             with self.pool.state.lock:   # between two calls, never inside one
-                pages = self.table.block_table[row].index_select(0, col)
-            self.slot_page.index_copy_(0, idx, pages)
-            self.slot_gen.index_copy_(0, idx, self.pool.generations(pages))
-            # A page id outside the pool (a hand-edited row) names nothing: its entry is aimed at the
-            # spare last entry and writes the -1 it holds (a revive of it is refused on the device).
-            at, valid = self._bounded(pages)
-            self.page_slot.index_copy_(0, at, torch.where(valid, idx.int(), -1))
+                pages = self.table.block_table[row, first:first + len(slots)]
+                # A page id outside the pool (a hand-edited row) names nothing: it is aimed at the
+                # spare last entry of page_slot, which keeps its -1, and its generation is -1 (a
+                # revive of the entry is refused on the device, as invalid_page).
+                at = pages.long().clamp_(-1, P).remainder_(P + 1)
+                bad = at == P
+                gens = self.pool.state.page_gen.index_select(0, at.clamp(max=P - 1)).masked_fill_(bad, -1)
+                self.slot_page.index_copy_(0, idx, pages)
+            self.slot_gen.index_copy_(0, idx, gens)
+            self.page_slot.index_copy_(0, at, idx.int().masked_fill_(bad, -1))
             self.inserted += len(slots)
         return len(slots)
 
