@@ -5,6 +5,8 @@ Every test runs on the three backends; the serving loop's use of it is in test_s
 
 import doctest
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -16,10 +18,10 @@ from tpool.testing import no_host_sync
 PS = 4
 
 
-def _setup(backend, num_pages=16, rows=4, max_pages=8):
+def _setup(backend, num_pages=16, rows=4, max_pages=8, capacity=None):
     pool = tpool.PagePool(num_pages, page_size=PS, device="cpu", backend=backend)
     m = HostMirror(tpool.PageTable(pool, rows, max_pages), free=num_pages, cached=0)
-    return pool, m, PrefixCache(m)
+    return pool, m, PrefixCache(m, capacity)
 
 
 def _serve(m, cache, tokens):
@@ -291,13 +293,29 @@ def test_insert_refuses_a_row_not_running_and_tokens_past_its_length(backend):
 
 
 def test_a_full_index_names_what_fits_and_stays_consistent(backend):
-    pool, m, cache = _setup(backend)
-    small = PrefixCache(m, capacity=1)
+    pool, m, small = _setup(backend, capacity=1)
     (row,) = m.admit([12])
     assert small.insert(row, list(range(12))) == 1 and len(small) == 1
     m.finish([row], cache=True)
     assert small.match(list(range(13))).n_tokens == 4
     small.check_invariants()
+
+
+def test_tokens_must_be_host_ints_not_tensors(backend):
+    """A 0-d tensor hashes by identity: tensor tokens made entries no match could ever find. They are
+    refused (a device tensor's values would need a host read); a numpy int array works as a list."""
+    pool, m, cache = _setup(backend)
+    (row,) = m.admit([12])
+    t = torch.arange(12)
+    for tokens in (t, list(t), t.numpy().astype(np.float64)):
+        for call in (lambda: cache.insert(row, tokens), lambda: cache.match(tokens)):
+            with pytest.raises(ValueError, match="tokens"):
+                call()
+    assert len(cache) == 0
+    assert cache.insert(row, t.numpy()) == 3
+    m.finish([row], cache=True)
+    assert cache.match(list(range(13))).n_tokens == 12 and cache.match(np.arange(13)).n_tokens == 12
+    cache.check_invariants()
 
 
 def test_insert_evict_and_revive_never_read_the_device(backend):

@@ -13,7 +13,7 @@ import torch
 import tpool
 from conftest import i32, requires_cuda
 from tpool.kernels import layout as L
-from tpool.scheduling import HostMirror, MirrorError, WouldNotFit
+from tpool.scheduling import HostMirror, MirrorError, PrefixCache, WouldNotFit
 from tpool.testing import HostSyncError, count_host_reads, no_host_sync
 
 PS = 4  # tokens per page in the simulations (odd seeds use 3: the accounting's division path, not its shift)
@@ -655,6 +655,72 @@ def test_mirror_refuses_to_end_a_row_inside_a_page_it_may_share(backend):
         m.truncate([b], [4])                              # a page boundary: allowed
     pool.check()
     assert table.seq_lens[:2].tolist() == [8, 4]
+
+
+def test_with_a_prefix_cache_no_row_is_cut_below_the_pages_it_may_share(backend):
+    """A truncate below a revived (or forked) page would free it FREE under the cache's entry; with a
+    PrefixCache on the mirror, truncate and rollback refuse it before any work, naming the floor.
+    Without a cache the same truncate is the mirror's plain semantics and runs."""
+    tokens = list(range(9))
+    for with_cache in (True, False):
+        pool, table, m = _setup(backend, num_pages=16, rows=4, max_pages=8)
+        cache = PrefixCache(m) if with_cache else None
+        (a,) = m.admit([9])
+        b = m.fork(a, 8)                                  # two whole pages shared: b's floor, and a's
+        if with_cache:
+            cache.insert(a, tokens)
+            m.finish([a], cache=True)
+            c = cache.revive(cache.match(tokens + [7]), max_len=20)
+        else:
+            c = m.revive(table.block_table[a, :2].clone(), 8, max_len=20)
+        m.decode([b, c], 2)                               # 10 tokens each, pages 0-1 shared
+        if not with_cache:
+            m.truncate([b, c], [4, 0])
+            pool.check()
+            assert table.seq_lens[[b, c]].tolist() == [4, 0]
+            continue
+        before = _books(pool, table, m)
+        with no_host_sync():
+            for row in (b, c):
+                with pytest.raises(ValueError, match=rf"rows \[{row}\] would drop pages they may share .*"
+                                                     r"Keep at least those pages' tokens \(\[8\]\)"):
+                    m.truncate([row], [4])
+                with pytest.raises(ValueError, match="would drop pages they may share"):
+                    m.rollback([row], i32([8]), [0])
+        assert _books(pool, table, m) == before
+        with no_host_sync():
+            m.truncate([b, c], [8, 9])                    # at or above the shared pages: runs
+        pool.check()
+        cache.check_invariants()
+        assert table.seq_lens[[b, c]].tolist() == [8, 9]
+        with pytest.raises(ValueError, match="without a prefix cache"):
+            PrefixCache(m)                                # one cache per mirror: another's evictions go unseen
+
+
+def test_a_rollback_not_reconciled_counts_a_row_at_its_upper_bound_and_says_so(backend):
+    """After a device-decided rollback a row is counted at its upper bound: a decode that fits its true
+    length but not the bound is refused, with a message that says to reconcile (not to finish a
+    healthy request), and runs once a snapshot taken after the rollback is reconciled."""
+    pool, table, m = _setup(backend, num_pages=64, rows=4, max_pages=16, lookahead=4)
+    (r,) = m.admit([10], [20])
+    m.decode([r], 4)                                      # 14: one token and three drafts
+    m.rollback([r], i32([11]), [11])                      # no draft accepted (known on the device only)
+    m.decode([r], 4)                                      # true length 15, counted 18
+    assert m.length_bounds(r) == (15, 18) and not m.fits([r], 4)
+    for call in (lambda: m.decode([r], 4), lambda: m.preemption([r], [0], 4)):
+        with pytest.raises(ValueError, match=r"counted at their upper bound after a rollback not reconciled yet "
+                                             r"\(their \(lo, hi\) bounds: \[\(15, 18\)\]\): reconcile"):
+            call()
+    m.decode([r], 2)                                      # max_len - hi: runs
+    m.reconcile(m.snapshot())
+    assert m.length_bounds(r) == (17, 17)
+    m.decode([r], 3)                                      # 20 = max_len
+    assert int(table.seq_lens[r]) == 20
+    with pytest.raises(ValueError, match="work that can never fit"):
+        m.decode([r])                                     # sure now: past max_len for good
+    for bad in (-1, 4, 3, 1.0):                           # 3: not running
+        with pytest.raises(ValueError, match="row: expected"):
+            m.length_bounds(bad)
 
 
 def test_mirror_reads_the_pool_once_when_not_told(backend):

@@ -164,6 +164,16 @@ class Accounting:
         """The rows that hold a request, ascending (a host list: no device read)."""
         return np.flatnonzero(self.live).tolist()
 
+    def length_bounds(self, row: int) -> tuple:
+        """``(lo, hi)``: running ``row``'s length is at least ``lo`` (its sure length: what ``insert``,
+        ``truncate`` and ``fork`` may count on) and at most ``hi`` (what its next tokens and its
+        max_len are counted from). Equal unless a ``rollback`` is not reconciled yet."""
+        row = _checks.check_size(row, "row")
+        if not (row < self.live.size and self.live[row]):
+            raise ValueError(f"row: expected a running row (an int in [0, {self.live.size}) that holds a request), "
+                             f"got {row}")
+        return int(self.lo[row]), int(self.hi[row])
+
     def pages_for(self, tokens: int) -> int:
         """Pages that ``tokens`` tokens fill: ``ceil(tokens / page_size)``."""
         return _cdiv(tokens, self.page_size)
@@ -316,12 +326,13 @@ class Accounting:
         Returns
         -------
         bool
+            False also when ``n`` more tokens would take a row past its max_len (counted from
+            its upper bound), which no release makes fit: ``decode`` raises ``ValueError`` for it.
 
         Raises
         ------
         ValueError
-            A row ``n`` more tokens would take past its max_len (no release makes that fit),
-            or bad ``rows`` / ``n``.
+            Bad ``rows`` / ``n``.
         """
         r, n, _ = self._batch(rows, n)
         return 0 <= self._extra(r, n) <= self.unreserved
@@ -393,10 +404,16 @@ class Accounting:
         past = self.hi[r] + n > self.limit[r]
         if not past.any():
             return
-        raise ValueError(f"{what}: rows {r[past].tolist()} would pass their max_len ({self.limit[r][past].tolist()} "
-                         f"tokens; {self.hi[r][past].tolist()} now, {np.broadcast_to(n, r.shape)[past].tolist()} "
-                         f"more asked): work that can never fit, whatever is released; finish them, or ask "
-                         f"fewer tokens")
+        lo, hi, lim = self.lo[r][past], self.hi[r][past], self.limit[r][past]
+        asked = np.broadcast_to(n, r.shape)[past]
+        unsure = lo < hi
+        why = ("work that can never fit, whatever is released; finish them, or ask fewer tokens" if not unsure.any()
+               else f"rows {r[past][unsure].tolist()} are counted at their upper bound after a rollback not "
+                    f"reconciled yet (their (lo, hi) bounds: {list(zip(lo[unsure].tolist(), hi[unsure].tolist()))}): "
+                    f"reconcile a snapshot taken after the rollback, or ask at most max_len - hi tokens "
+                    f"(length_bounds(row)); no release makes room for the rest")
+        raise ValueError(f"{what}: rows {r[past].tolist()} would pass their max_len ({lim.tolist()} tokens; "
+                         f"{hi.tolist()} now, {asked.tolist()} more asked): {why}")
 
     def _batch(self, rows, n):
         """Rows as int64 numpy, n as int64 (0-d or one per row), and the rows' bytes; checked

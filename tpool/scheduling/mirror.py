@@ -93,6 +93,7 @@ class HostMirror(MixedSteps, Accounting):
             raise ValueError(f"free, cached: pass both or neither, got free={free!r}, cached={cached!r}")
         self.table, self.pool, self.device = table, table.pool, table.device
         self.last_fork = None  # the ForkResult of the last fork (its copy-on-write pair)
+        self.prefix_cache = None  # the PrefixCache on this mirror (set by it): its pages must not go FREE
         if free is None:  # the one sync point: read the counts, and check the table is empty
             s = self.pool.stats()
             free, cached = s["pages.free.current"], s["pages.cached.current"]
@@ -327,10 +328,16 @@ class HostMirror(MixedSteps, Accounting):
         self.table.release(self._tensor(r), cache=cache)
 
     def truncate(self, rows, new_lens) -> None:
-        """Roll rows back to host-known lengths (``new_lens[i] <= `` the row's sure length)."""
+        """Roll rows back to host-known lengths (``new_lens[i] <= `` the row's sure length, ``length_bounds``).
+
+        Refused (``ValueError``, before any work): a length inside one of the row's possibly-shared
+        pages, and, with a :class:`PrefixCache` on the mirror, any length below them.
+        """
         r, _, _ = self._batch(rows, 0)
         nl = _int_array(new_lens, "new_lens").reshape(-1)
         out, ps = self._acct, self.page_size
+        if self.prefix_cache is not None and nl.shape == r.shape:
+            self._refuse_below_shared(r, nl < self.shared[r] * ps, "new_lens")
         code = 1 if nl.shape != r.shape else truncate_accounting(self._st, r, nl, ps, self.lookahead,
                                                                  self.unreserved, out)
         if code == 2:  # nothing written: name the rows (the same test as the accounting's)
@@ -367,6 +374,8 @@ class HostMirror(MixedSteps, Accounting):
         _checks.check_not_written(new_lens, "new_lens", self.table._written)
         # Any length in [min_lens, hi] may come out: none may end inside a possibly-shared page.
         ps = self.page_size
+        if self.prefix_cache is not None:
+            self._refuse_below_shared(r, ml < self.shared[r] * ps, "min_lens")
         self._refuse_shared_ends(r, (ps > 1) & (ml < self.hi[r]) & (ml < self.shared[r] * ps), "min_lens")
         self._seq += 1
         self._full = None
@@ -374,6 +383,20 @@ class HostMirror(MixedSteps, Accounting):
         self.lo[r] = np.minimum(self.lo[r], ml)
         self.uncertain_at[r] = self._seq
         self.table.truncate(self._tensor(r), new_lens)
+
+    def _refuse_below_shared(self, r, below, what):
+        """With a prefix cache on the mirror, raise before the table call if a row would drop one of its
+        possibly-shared pages (revived, forked, or forked from): if the other holders have let go, the
+        truncate frees the page FREE, not CACHED, and an entry naming it goes stale (its next hit is
+        refused on the device as ``use_after_free``). ``shared`` is a bound, so this may refuse a
+        page whose other holders are gone; such a row is finished, never cut below its prefix."""
+        if below.any():
+            raise ValueError(f"{what}: rows {r[below].tolist()} would drop pages they may share (their first "
+                             f"{self.shared[r][below].tolist()} pages came from a revive or a fork, or were "
+                             f"forked from), which a prefix cache on this mirror may name: freed by a truncate, "
+                             f"its entries would go stale. Keep at least those pages' tokens "
+                             f"({(self.shared[r][below] * self.page_size).tolist()}), or finish the row "
+                             f"(insert it first, then finish(..., cache=True))")
 
     def _refuse_shared_ends(self, r, into, what):
         """Raise before the table call if a row would end inside one of its possibly-shared pages.

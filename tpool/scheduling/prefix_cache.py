@@ -29,8 +29,10 @@ page, so they could never be reached again): a page is named by one entry at
 most, and a request that computed the same prefix apart names its pages anew.
 
 The caller's contract: ``insert`` a request just before its ``finish(...,
-cache=True)`` and with the tokens its pages hold; never ``truncate`` a row below
-pages it revived or forked, never release pages named here without ``cache``,
+cache=True)`` and with the tokens its pages hold (host ints); never cut a row below
+pages it revived, forked or was forked from (the mirror refuses such a ``truncate`` or
+``rollback`` once a cache is on it; one mirror takes one cache), never release pages
+named here without ``cache``,
 and never evict but through :meth:`evict`: a named page going FREE any other
 way leaves a stale entry, whose next hit the generations refuse on the device
 (``use_after_free``: that request's tokens are then computed without its
@@ -93,6 +95,9 @@ class PrefixCache:
 
     def __init__(self, mirror, capacity: int | None = None):
         table = mirror.table
+        if mirror.prefix_cache is not None:
+            raise ValueError("mirror: expected a HostMirror without a prefix cache, got one that has one (its "
+                             "evictions would leave this cache's entries stale)")
         self.mirror, self.table, self.pool = mirror, table, table.pool
         self.page_size, self.device = table.page_size, table.device
         n = self.pool.num_pages if capacity is None else _checks.check_size(capacity, "capacity")
@@ -111,6 +116,7 @@ class PrefixCache:
         self._unread = []                 # device slots of evictions not handed to unread() yet
         self._inflight = 0                # unread() results not dropped yet
         self.hits = self.hit_tokens = self.inserted = self.dropped = 0
+        mirror.prefix_cache = self   # its truncate and rollback now keep rows' possibly-shared pages
 
     def __len__(self):
         """Live entries."""
@@ -125,6 +131,17 @@ class PrefixCache:
         """An eviction is not dropped yet: :meth:`match` finds nothing until :meth:`drop`."""
         return bool(self._unread) or self._inflight > 0
 
+    @staticmethod
+    def _tokens(tokens, what):
+        """``tokens`` as given, checked to be host ints: a tensor is refused (a 0-d tensor hashes by
+        identity, so its keys would never match; and reading a device tensor is a sync)."""
+        if isinstance(tokens, torch.Tensor) or len(tokens) and isinstance(tokens[0], torch.Tensor):
+            raise ValueError(f"{what}: expected the tokens as host ints (a list, tuple or numpy int array), got "
+                            f"tensors: pass tokens.tolist() (a host read if it is on a device)")
+        if isinstance(tokens, np.ndarray) and tokens.dtype.kind not in "iu":
+            raise ValueError(f"{what}: expected an integer numpy array of tokens, got dtype {tokens.dtype}")
+        return tokens
+
     def _key(self, eid, tokens, i):
         """The key of page ``i`` of ``tokens`` after entry ``eid``."""
         return eid, tuple(tokens[i * self.page_size:(i + 1) * self.page_size])
@@ -134,6 +151,7 @@ class PrefixCache:
         ``(len(tokens) - 1) // page_size``, so at least one token is left to compute, the one
         whose logits come next). Host only; nothing while an eviction is unread (:attr:`closed`).
         """
+        tokens = self._tokens(tokens, "match")
         limit = (len(tokens) - 1) // self.page_size if max_pages is None else _checks.check_size(max_pages,
                                                                                                  "max_pages")
         limit = min(limit, len(tokens) // self.page_size)
@@ -176,7 +194,7 @@ class PrefixCache:
         key is known already are skipped (the same prefix computed twice: the older entry
         stays). Returns the entries made. Device copies only (the row's pages and their
         generations): no host read."""
-        m = self.mirror
+        m, tokens = self.mirror, self._tokens(tokens, "insert")
         row = _checks.check_size(row, "row")
         if not (row < m.live.size and m.live[row]):
             raise ValueError(f"insert: expected a running row (an int in [0, {m.live.size}) that holds a "
