@@ -4,6 +4,7 @@ import collections
 import dataclasses
 import gc
 import sys
+import threading
 import weakref
 
 import numpy as np
@@ -511,6 +512,34 @@ def test_arena_rejects_when_pinned_blocks_leave_no_range(copies):
     cache.check_invariants()
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_arena_room_without_unpinned_entries_is_the_gaps_between_pinned_blocks(seed):
+    """put asks whether a value fits once every unpinned entry is gone from the pinned blocks alone
+    (gaps between them, O(pins)); the arena's own answer, with every other block freed, must agree
+    in random states, and each put must then be admitted exactly when it says so."""
+    rng = np.random.default_rng(seed)
+    arena = Arena(4096, "cpu", alignment=64)
+    cache = OwnedCache(4096, arena=arena)
+    for i in range(300):
+        keys = cache.keys()
+        if keys and rng.random() < 0.3:
+            k = keys[rng.integers(len(keys))]
+            if cache.pins(k) and rng.random() < 0.6:
+                cache.unpin(k)
+            elif rng.random() < 0.5:
+                cache.pin(k)
+        value = torch.zeros(int(rng.integers(1, 300)))          # 4 B to 1.2 KiB: 64 B to 1.2 KiB blocks
+        plan = cache._plan(value)
+        stay = {k for k in keys if cache.pins(k)}
+        others = [e.block for k, e in cache._entries.items() if k not in stay]
+        expected = arena.can_alloc(plan.copy_bytes, also_free=others)
+        assert cache._fits(plan, stay=stay) == expected
+        evictions = cache.stats().evictions
+        assert cache.put(i, value) == expected
+        assert expected or (cache.stats().evictions == evictions and i not in cache)
+    cache.check_invariants()
+
+
 def test_arena_put_of_values_read_from_the_cache_never_evicts_their_blocks():
     arena = Arena(1024, "cpu", alignment=256)
     cache = OwnedCache(1024, arena=arena)
@@ -751,6 +780,85 @@ def test_tensors_the_walkers_would_not_reach_are_refused_before_anything_is_evic
     tagged.label = "w"  # a scalar attribute holds no bytes worth counting
     del tagged.scales
     assert cache.put("new", {"w": tagged, 7: full(0)})
+    cache.check_invariants()
+
+
+def test_threads_sharing_a_cache_keep_its_charge_exact():
+    """Two threads putting, reading and popping (an encoder thread beside the scheduler): every call
+    holds the cache's lock, so no exception escapes and emptied, the cache charges nothing. Without
+    the lock this lost or doubled charges (a cache emptied still charged megabytes) and raised
+    KeyError or StopIteration out of put and pop."""
+    cache = OwnedCache(32 * UNIT)
+    base = torch.randn(64, UNIT // 4)                      # rows of UNIT bytes, copied at put
+    errors = []
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(2000):
+                k = int(rng.integers(100))
+                if rng.random() < 0.5:
+                    cache.put(k, base[k % 64])
+                elif rng.random() < 0.5:
+                    cache.get(k)
+                else:
+                    cache.pop(k, None)
+        except Exception as e:  # re-raised in the test's thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(2)]
+    sys.setswitchinterval(1e-6)                            # switch threads as often as CPython allows
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        sys.setswitchinterval(0.005)
+    assert not any(t.is_alive() for t in threads) and not errors, errors[:1]
+    cache.check_invariants()
+    for k in cache.keys():
+        cache.pop(k)
+    assert cache.stats().current_bytes == 0 and len(cache) == 0
+
+
+class _Tagged(dict):
+    """A dict subclass with instance attributes (as some processors' outputs are)."""
+
+
+class _Rows(list):
+    pass
+
+
+def test_attributes_hold_scalars_only_and_come_back():
+    """A tensor's or a container subclass's attributes stay alive with the value, and no walker
+    charges them: anything but a scalar there (a tensor, an array, bytes, an object) is refused
+    before the cache changes; scalar attributes are kept, a list subclass's too."""
+    cache = OwnedCache(8 * UNIT)
+    assert cache.put("old", full(1))
+    before = (cache.keys(), cache.stats().current_bytes)
+    big = bytes(64 << 10)
+    for attr in (torch.zeros(1 << 16), np.zeros(1 << 16), big, "x" * 2000, [torch.zeros(4)], _Tagged()):
+        t = full(1)
+        t.extra = attr
+        d = _Tagged(x=full(1))
+        d.extra = attr
+        rows = _Rows([full(1)])
+        rows.extra = attr
+        b = collections.UserDict({"x": full(1)})
+        b.extra = attr
+        for value in (t, {"w": t}, d, rows, b):
+            with pytest.raises(TypeError, match="attributes \\('extra' holds"):
+                cache.put("new", value)
+            with pytest.raises(TypeError, match="attributes"):
+                retained_bytes(value)
+            assert (cache.keys(), cache.stats().current_bytes) == before
+    rows = _Rows([torch.arange(8.0)[2:6], 3])
+    rows.tag, rows.n = "img", np.int64(2)
+    assert cache.put("rows", rows)
+    got = cache.get("rows")
+    assert type(got) is _Rows and (got.tag, got.n) == ("img", 2) and got[1] == 3
+    assert torch.equal(got[0], torch.arange(2.0, 6.0)) and storage_bytes(got[0]) == 16
     cache.check_invariants()
 
 

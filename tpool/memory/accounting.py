@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 import sys
 from collections import UserDict
 from collections.abc import Iterable, Iterator, Mapping, MappingView, Sequence, Set
@@ -289,14 +290,38 @@ def _kind(obj: Any) -> str:
     kind = _EXACT_KINDS.get(type(obj))  # the common types at one dict lookup (subclasses take the chain below)
     if kind is None:
         kind = _kind_of_subclass(obj)
-    if kind == "tensor" and obj.__dict__ and _holds_tensor(obj.__dict__):
-        raise TypeError(f"cannot count the bytes of tensors held in a tensor's attributes "
-                        f"({', '.join(map(repr, obj.__dict__))}): they stay alive uncharged; put them beside it "
-                        "in a dict or a dataclass")
+    if kind == "tensor" and obj.__dict__:
+        _check_attrs(obj.__dict__, "a tensor")
+    elif kind in ("dict", "items") and type(obj) not in _EXACT_KINDS and getattr(obj, "__dict__", None):
+        _check_attrs(_subclass_attrs(obj), f"a {type(obj).__name__}")
     if kind == "dict" and any(_holds_tensor(k) for k in obj if type(k) is not str):
         raise TypeError("cannot count the bytes of a tensor used as a dict key: it stays alive uncharged; "
                         "key by something else (an id, a string) and keep the tensor as a value")
     return kind
+
+
+_SCALARS = (type(None), numbers.Number, torch.dtype, torch.device, enum.Enum)  # (numpy's scalars too)
+_ATTR_TEXT_MAX = 1024  # characters (or bytes) of a str (bytes) attribute: a tag, not a payload
+
+
+def _check_attrs(attrs: dict, what: str) -> None:
+    """Python attributes of a tensor or of a container subclass stay alive with it but no walker
+    charges them: only scalars (numbers, None, dtypes, devices, enums, short strings) may be there."""
+    for name, v in attrs.items():
+        if isinstance(v, _SCALARS) or isinstance(v, (str, bytes)) and len(v) <= _ATTR_TEXT_MAX:
+            continue
+        held = f"{len(v)} {type(v).__name__}" if isinstance(v, (str, bytes)) else f"{type(v).__name__}"
+        raise TypeError(f"cannot count the bytes held in {what}'s attributes ({name!r} holds {held}): they would "
+                        f"stay alive uncharged. Attributes may hold scalars only (numbers, None, dtypes, devices, "
+                        f"enums, strings of at most {_ATTR_TEXT_MAX}); put the rest beside it in a dict or a "
+                        f"dataclass" + ("" if what == "a tensor" else ", or pass dict(value) or list(value)"))
+
+
+def _subclass_attrs(obj: Any) -> dict:
+    """The instance attributes of a dict, UserDict, list, tuple or set subclass (a UserDict's items,
+    ``data``, are walked as its values, not here)."""
+    attrs = vars(obj)
+    return {k: v for k, v in attrs.items() if k != "data"} if isinstance(obj, UserDict) else attrs
 
 
 def _holds_tensor(obj: Any) -> bool:

@@ -42,12 +42,17 @@ Note:
     tensor is the stored object itself, so an in-place write to its values
     reaches the cache. Without an arena the ledger holds each charged
     storage (not only its key), so it cannot be freed, and its key reused by
-    a new storage, while it is charged. Not thread-safe.
+    a new storage, while it is charged. Thread-safe: every public call holds
+    the cache's lock (a ``get`` costs ~0.2 µs more for it: 0.27 -> 0.46 on a 2-core Xeon guest); a tensor read is
+    shared with the cache, so writing to it while another thread reads it is
+    the caller's to order.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from dataclasses import asdict, dataclass
@@ -66,6 +71,15 @@ __all__ = ["OwnedCache", "CacheStats"]
 
 _MISSING = object()
 MIN_ARENA_ALIGNMENT = 16  # bytes: the largest element size (complex128), so any dtype can be viewed
+
+
+def _locked(method):
+    """Run ``method`` under the cache's lock (re-entrant: a locked call may make another)."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return call
 
 
 @dataclass(frozen=True)
@@ -154,7 +168,9 @@ class OwnedCache:
             raise ValueError(f"arena.alignment must be >= {MIN_ARENA_ALIGNMENT}, got {arena.alignment}")
         self._budget = budget_bytes
         self.arena = arena
+        self._lock = threading.RLock()  # every public call holds it: threads may share one cache
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()  # LRU first
+        self._pinned: dict[Hashable, None] = {}  # the keys with pins > 0 (a put never walks every entry)
         self._ledger: dict[StorageKey, _Charged] = {}  # plain mode: each storage charged
         self._current = self._peak = 0
         self._payload = 0  # the entries' payload bytes, kept as they come and go (memory_bytes reads it)
@@ -163,6 +179,7 @@ class OwnedCache:
              "fragmentation_evictions", "compactions", "bytes_saved"), 0)
 
     # -- admission ----------------------------------------------------------
+    @_locked
     def put(self, key: Hashable, value: Any) -> bool:
         """Admit ``value`` under ``key``; return whether ``key`` is cached afterwards.
 
@@ -201,9 +218,11 @@ class OwnedCache:
         ------
         TypeError
             A leaf that is neither a tensor nor a plain scalar, a tensor
-            without ordinary storage, or a tensor the cache could not charge
-            (in a tensor's attributes or a dict's keys), checked before
-            anything is evicted.
+            without ordinary storage, a tensor used as a dict key, or an
+            attribute of a tensor or of a container subclass that holds more
+            than a scalar (a tensor, an array, a list, an object, a string
+            of over 1,024): nothing would charge what it keeps alive.
+            Checked before anything is evicted.
         ValueError
             With an arena, a tensor on another device than ``arena.device``,
             or one that reads free arena bytes (a view of an evicted or
@@ -219,7 +238,7 @@ class OwnedCache:
             self._counts["duplicates"] += 1
             return True
         plan = self._plan(value)
-        stay = self._read_by(plan) | {k for k, e in self._entries.items() if e.pins > 0}
+        stay = self._read_by(plan) | self._pinned.keys()
         if not self._fits(plan, stay=stay):
             self._counts["rejections"] += 1
             return False
@@ -278,17 +297,28 @@ class OwnedCache:
 
     def _fits(self, plan: OwnershipPlan, *, stay: set[Hashable] | None = None) -> bool:
         """Whether ``plan`` fits now, or once every entry not in ``stay`` is gone."""
-        held, base, gone = self._ledger, self._current, []
+        held, base = self._ledger, self._current
         if stay is not None:
             held, base = self._charge_of(stay)
-            gone = [e.block for k, e in self._entries.items() if k not in stay and e.block]
         if base + self._cost(plan, held) > self.budget_bytes:
             return False
-        return self.arena is None or plan.copy_bytes == 0 or self.arena.can_alloc(plan.copy_bytes, also_free=gone)
+        if self.arena is None or plan.copy_bytes == 0:
+            return True
+        if stay is None:
+            return self.arena.can_alloc(plan.copy_bytes)
+        # The cache is the arena's only user: with only the blocks of ``stay`` live, a block fits in a
+        # gap between them (their ranges sorted; O(len(stay)), however many entries there are).
+        size, end = self.arena.block_size(plan.copy_bytes), 0
+        for lo, hi in sorted((e.block.offset, e.block.offset + e.block.size) for k in stay
+                             if (e := self._entries[k]).block is not None):
+            if lo - end >= size:
+                return True
+            end = max(end, hi)
+        return self.arena.capacity_bytes - end >= size
 
-    def _charge_of(self, keys: set[Hashable]) -> tuple[dict, int]:
+    def _charge_of(self, keys) -> tuple[dict, int]:
         """The storages the entries under ``keys`` hold (key -> bytes) and what those entries alone are charged."""
-        kept = [e for k, e in self._entries.items() if k in keys]
+        kept = [self._entries[k] for k in keys]
         held = {k: n for e in kept for k, n in e.storages.items()}
         return held, sum(held.values()) + sum(e.nbytes for e in kept if e.block) + sum(e.leaf_bytes for e in kept)
 
@@ -297,6 +327,7 @@ class OwnedCache:
         """The most bytes the cache charges; change it with :meth:`set_budget`."""
         return self._budget
 
+    @_locked
     def set_budget(self, budget_bytes: int) -> None:
         """Change the budget; unpinned entries are evicted, least recently used first, until the
         charge fits it (counted as evictions).
@@ -313,7 +344,7 @@ class OwnedCache:
             (nothing changed).
         """
         budget = check_size(budget_bytes, "budget_bytes", 0)
-        pinned = {k for k, e in self._entries.items() if e.pins > 0}
+        pinned = set(self._pinned)
         if (charged := self._charge_of(pinned)[1]) > budget:
             raise ValueError(f"budget_bytes: expected at least the {charged} B the pinned entries are charged, "
                              f"got {budget}")
@@ -384,14 +415,17 @@ class OwnedCache:
             block, reused once the entry is evicted: :meth:`pin` (or
             :meth:`pinned`) while reading them.
         """
-        entry = self._entries.get(key)
-        if entry is None:
-            self._counts["misses"] += 1
-            return default
-        self._counts["hits"] += 1
-        self._entries.move_to_end(key)
-        return ownership.map_tensors(entry.value, _same)
+        with self._lock:  # (not @_locked: the wrapper's call would cost as much as the lock)
+            entry = self._entries.get(key)
+            if entry is None:
+                self._counts["misses"] += 1
+                return default
+            self._counts["hits"] += 1
+            self._entries.move_to_end(key)
+            value = entry.value
+        return ownership.map_tensors(value, _same)
 
+    @_locked
     def pin(self, key: Hashable) -> None:
         """Add one in-flight reader of ``key``; a pinned entry is never evicted.
 
@@ -408,8 +442,11 @@ class OwnedCache:
         KeyError
             ``key`` is not in the cache.
         """
-        self._entry(key).pins += 1
+        entry = self._entry(key)
+        entry.pins += 1
+        self._pinned[key] = None
 
+    @_locked
     def unpin(self, key: Hashable) -> None:
         """Remove one in-flight reader of ``key``.
 
@@ -429,6 +466,8 @@ class OwnedCache:
         if entry.pins == 0:
             raise ValueError(f"unpin({key!r}): the entry has 0 pins")
         entry.pins -= 1
+        if entry.pins == 0:
+            del self._pinned[key]
 
     @contextlib.contextmanager
     def pinned(self, key: Hashable) -> Iterator[Any]:
@@ -455,6 +494,7 @@ class OwnedCache:
         finally:
             self.unpin(key)
 
+    @_locked
     def pins(self, key: Hashable) -> int:
         """Current pin count of ``key``.
 
@@ -475,6 +515,7 @@ class OwnedCache:
         """
         return self._entry(key).pins
 
+    @_locked
     def pop(self, key: Hashable, default: Any = _MISSING) -> Any:
         """Remove ``key`` and return its value (with an arena: a copy out of it).
 
@@ -514,6 +555,7 @@ class OwnedCache:
         self._drop(key)
         return value
 
+    @_locked
     def remove(self, key: Hashable) -> None:
         """Remove ``key`` and release what it holds.
 
@@ -533,6 +575,7 @@ class OwnedCache:
         self._check_unpinned([key])
         self._drop(key)
 
+    @_locked
     def clear(self) -> None:
         """Remove every entry.
 
@@ -552,16 +595,19 @@ class OwnedCache:
             raise KeyError(f"{key!r} is not in the cache") from None
 
     def _check_unpinned(self, keys: list) -> None:
-        pinned = [k for k in keys if self._entries[k].pins > 0]
+        pinned = [k for k in keys if k in self._pinned]
         if pinned:
             raise ValueError(f"entries {pinned!r} are pinned (in-flight readers); unpin them first")
 
+    @_locked
     def __contains__(self, key: Hashable) -> bool:
         return key in self._entries
 
+    @_locked
     def __len__(self) -> int:
         return len(self._entries)
 
+    @_locked
     def keys(self) -> list[Hashable]:
         """Keys from least to most recently used.
 
@@ -574,6 +620,7 @@ class OwnedCache:
         return list(self._entries)
 
     # -- accounting ---------------------------------------------------------
+    @_locked
     def stats(self) -> CacheStats:
         """A snapshot of the counters and byte counts.
 
@@ -582,10 +629,11 @@ class OwnedCache:
         CacheStats
             Frozen; later cache operations do not change it.
         """
-        pinned = sum(1 for e in self._entries.values() if e.pins > 0)
+        pinned = len(self._pinned)
         return CacheStats(**self._counts, current_bytes=self._current, peak_bytes=self._peak,
                           budget_bytes=self.budget_bytes, entries=len(self._entries), pinned_entries=pinned)
 
+    @_locked
     def memory_bytes(self) -> dict[str, int]:
         """Payload vs charged storage bytes (the protocol :func:`tpool.memory_report` reads).
 
@@ -600,6 +648,7 @@ class OwnedCache:
         return {"entries": len(self._entries), "payload_bytes": self._payload, "storage_bytes": self._current,
                 "budget_bytes": self.budget_bytes, "peak_bytes": self._peak}
 
+    @_locked
     def check_invariants(self) -> None:
         """Recount everything held; raise :class:`InvariantViolation` on any mismatch.
 
@@ -620,7 +669,8 @@ class OwnedCache:
         buf = None if self.arena is None else self.arena.buffer
         for key, e in self._entries.items():
             tensors = list(accounting.iter_tensors(e.value))
-            _require(e.pins >= 0, f"{key!r} has {e.pins} pins")
+            _require(e.pins >= 0 and (e.pins > 0) == (key in self._pinned),
+                     f"{key!r} has {e.pins} pins, {'' if key in self._pinned else 'not '}listed as pinned")
             _require(e.leaf_bytes == accounting.leaf_bytes(e.value),
                      f"{key!r} was charged {e.leaf_bytes} B of str and bytes leaves, holds "
                      f"{accounting.leaf_bytes(e.value)}")
@@ -659,6 +709,8 @@ class OwnedCache:
         _require(0 <= self._current <= min(self._peak, self.budget_bytes),  # (set_budget may lower it below peak)
                  f"not 0 <= current {self._current} <= peak {self._peak} and budget {self.budget_bytes}")
         _require(min(self._counts.values()) >= 0, f"negative counter in {self._counts}")
+        _require(all(k in self._entries for k in self._pinned), f"pinned keys not in the cache: "
+                 f"{[k for k in self._pinned if k not in self._entries][:8]}")
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:

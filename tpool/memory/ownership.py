@@ -286,9 +286,10 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         return new
     if kind == "items":
         items = [map_tensors(v, fn) for v in obj]
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-            return type(obj)(*items)
-        return type(obj)(items)
+        new = type(obj)(*items) if isinstance(obj, tuple) and hasattr(obj, "_fields") else type(obj)(items)
+        if type(obj) not in (list, tuple, set, frozenset) and getattr(obj, "__dict__", None):
+            vars(new).update(vars(obj))  # a subclass's attributes (scalars, _kind checked) come back too
+        return new
     new = copy.copy(obj)  # a dataclass instance
     for f in dataclasses.fields(obj):
         object.__setattr__(new, f.name, map_tensors(getattr(obj, f.name), fn))
