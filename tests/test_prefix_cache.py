@@ -240,7 +240,7 @@ def test_a_stale_entry_is_refused_on_the_device_by_its_generation(backend):
     _serve(m, cache, list(range(5)))               # page A named, page B (partial) CACHED
     hit = cache.match(list(range(5)))
     page = cache.slot_page[hit.slots[0]].item()
-    m.evict(2)                                     # the mirror's, not the cache's: the entry stays
+    m._evict(2)                                    # around the cache (evict() refuses): the entry stays
     (holder,) = m.admit([15], [16])                # every page, the named one among them
     assert page in _pages(m, holder, 4)
     row = cache.revive(hit, max_len=4)             # (no reservation: the pool has no FREE page)
@@ -273,7 +273,7 @@ def test_a_hand_edited_row_makes_entries_that_name_nothing_and_are_refused(backe
     assert int(m.table.seq_lens[new]) == 0          # refused: the row stays empty
     with pytest.raises(InvalidPage):
         pool.check()
-    m.finish([new])
+    m.finish([new], cache=True)                     # (it holds no page: the revive was refused)
     cache.evict(3)                                  # the good page: its entry and the two under it go
     assert cache.sync() == 3 and len(cache) == 0
     assert set(cache.page_slot.tolist()) == {-1}
@@ -301,13 +301,73 @@ def test_a_full_index_names_what_fits_and_stays_consistent(backend):
     small.check_invariants()
 
 
+def test_rows_whose_pages_the_cache_may_name_are_finished_with_cache_true_only(backend):
+    """finish(cache=False) of a row the cache inserted, or one that revived, forked or was forked
+    from, would free named pages FREE: the next admission takes them and the entry's revive is
+    refused on the device (use_after_free). With the cache on the mirror it is refused before any
+    work; a row that shares nothing and was not inserted finishes either way."""
+    tokens = list(range(9))
+    pool, m, cache = _setup(backend)
+    (a,) = m.admit([9])
+    cache.insert(a, tokens)
+    (plain,) = m.admit([5])
+    before = (m.free, m.cached, m.live.copy(), m.table.seq_lens.tolist())
+    with pytest.raises(ValueError, match=rf"finish: rows \[{a}\] may hold pages the prefix cache"):
+        m.finish([a, plain])
+    assert (m.free, m.cached, m.live.tolist(), m.table.seq_lens.tolist()) == (*before[:2], before[2].tolist(),
+                                                                           before[3])
+    m.finish([a], cache=True)
+    c = cache.revive(cache.match(tokens + [1]), max_len=16)
+    d = m.fork(plain, 4)
+    for row in (c, d, plain):
+        with pytest.raises(ValueError, match="cache=False would free them FREE"):
+            m.finish([row])
+    (e,) = m.admit([3])
+    m.finish([e])                                   # shares nothing, named by nothing
+    m.finish([c, d, plain], cache=True)
+    (x,) = m.admit([16])                            # takes the FREE pages
+    row = cache.revive(cache.match(tokens + [1]), max_len=16)
+    assert int(m.table.seq_lens[row]) == 8          # the named pages stayed CACHED, not handed to x
+    pool.check()
+    cache.check_invariants()
+
+
+def test_the_mirror_evicts_through_its_cache_and_a_detached_cache_refuses_work(backend):
+    """With a cache on the mirror, mirror.evict is refused (the entries naming the evicted pages would
+    stay); detach() takes the cache off (refused while an eviction is unread), after which the cache
+    refuses every call and the mirror evicts and takes a new cache."""
+    pool, m, cache = _setup(backend)
+    tokens = list(range(13))
+    _serve(m, cache, tokens)
+    (row,) = m.admit([4])
+    hit = cache.match(tokens + [1])
+    with pytest.raises(ValueError, match=r"evict: this mirror has a PrefixCache.* call its evict\(k\)"):
+        m.evict(1)
+    assert m.cached == 4 and cache.evict(1).tolist() != [-1]
+    with pytest.raises(ValueError, match="detach: an eviction is not dropped yet"):
+        cache.detach()
+    assert cache.sync() == 3                        # the first page's entry and the two under it
+    cache.detach()
+    assert m.prefix_cache is None
+    for what, call in (("match", lambda: cache.match(tokens)), ("revive", lambda: cache.revive(hit)),
+                       ("insert", lambda: cache.insert(row, [1, 2, 3, 4])), ("evict", lambda: cache.evict(1)),
+                       ("detach", cache.detach)):
+        with pytest.raises(ValueError, match=rf"{what}: this PrefixCache was detached"):
+            call()
+    assert -1 not in m.evict(3).tolist() and m.cached == 0
+    m.finish([row])
+    again = PrefixCache(m)
+    assert m.prefix_cache is again
+    pool.check()
+
+
 def test_tokens_must_be_host_ints_not_tensors(backend):
     """A 0-d tensor hashes by identity: tensor tokens made entries no match could ever find. They are
     refused (a device tensor's values would need a host read); a numpy int array works as a list."""
     pool, m, cache = _setup(backend)
     (row,) = m.admit([12])
     t = torch.arange(12)
-    for tokens in (t, list(t), t.numpy().astype(np.float64)):
+    for tokens in (t, list(t), [*range(11), t[11]], t.numpy().astype(np.float64)):
         for call in (lambda: cache.insert(row, tokens), lambda: cache.match(tokens)):
             with pytest.raises(ValueError, match="tokens"):
                 call()

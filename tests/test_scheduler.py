@@ -687,6 +687,8 @@ def test_with_a_prefix_cache_no_row_is_cut_below_the_pages_it_may_share(backend)
                     m.truncate([row], [4])
                 with pytest.raises(ValueError, match="would drop pages they may share"):
                     m.rollback([row], i32([8]), [0])
+        with pytest.raises(ValueError, match=r"new_lens: expected one per row within \[0, lo\], got \[-1\]"):
+            m.truncate([b], [-1])                         # out of range: said first
         assert _books(pool, table, m) == before
         with no_host_sync():
             m.truncate([b, c], [8, 9])                    # at or above the shared pages: runs
@@ -711,6 +713,8 @@ def test_a_rollback_not_reconciled_counts_a_row_at_its_upper_bound_and_says_so(b
         with pytest.raises(ValueError, match=r"counted at their upper bound after a rollback not reconciled yet "
                                              r"\(their \(lo, hi\) bounds: \[\(15, 18\)\]\): reconcile"):
             call()
+    with pytest.raises(ValueError, match="work that can never fit"):
+        m.decode([r], 6)                                  # past max_len even at its lower bound: sure
     m.decode([r], 2)                                      # max_len - hi: runs
     m.reconcile(m.snapshot())
     assert m.length_bounds(r) == (17, 17)

@@ -406,7 +406,7 @@ class Accounting:
             return
         lo, hi, lim = self.lo[r][past], self.hi[r][past], self.limit[r][past]
         asked = np.broadcast_to(n, r.shape)[past]
-        unsure = lo < hi
+        unsure = (lo < hi) & (lo + asked <= lim)  # (past it even at the lower bound: sure)
         why = ("work that can never fit, whatever is released; finish them, or ask fewer tokens" if not unsure.any()
                else f"rows {r[past][unsure].tolist()} are counted at their upper bound after a rollback not "
                     f"reconciled yet (their (lo, hi) bounds: {list(zip(lo[unsure].tolist(), hi[unsure].tolist()))}): "

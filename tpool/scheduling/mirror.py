@@ -107,6 +107,9 @@ class HostMirror(MixedSteps, Accounting):
         super().__init__(table.max_requests, table.page_size, lookahead, table.max_pages * table.page_size,
                          free, cached)
         self.max_batch = self.pool.max_batch
+        # Rows a prefix cache inserted (their pages named by it): with the cache on the mirror, they and
+        # the rows that may share pages (revived, forked, forked from) are finished with cache=True only.
+        self.cache_rows = np.zeros(self.live.size, dtype=bool)
         # The inputs kept per width of the mixed step and truncate (_lane_tensors), and decode's
         # bound steps per width and max_tokens (_bound_decode), which write the table's buffers
         # of their shape: forgotten when the table drops that shape (_shape_dropped).
@@ -310,12 +313,22 @@ class HostMirror(MixedSteps, Accounting):
 
         With ``cache=True`` their pages become CACHED (``free`` is unchanged; ``cached``
         grows by the pages surely theirs alone). ``cache`` not a bool is a ``ValueError``,
-        raised (as every check of every call) before the mirror changes.
+        raised (as every check of every call) before the mirror changes; so is ``cache=False``,
+        with a :class:`PrefixCache` on the mirror, for a row it inserted or one that may share
+        pages (revived, forked, forked from): its named pages would go FREE, its entries stale.
         """
         cache = _checks.flag(cache, "cache")  # (the table's check, first)
         r, _, _ = self._batch(rows, 0)
         if not r.size:
             return
+        if not cache and self.prefix_cache is not None:
+            named = self.cache_rows[r] | (self.shared[r] > 0)
+            if named.any():
+                raise ValueError(f"finish: rows {r[named].tolist()} may hold pages the prefix cache on this mirror "
+                                 f"names (inserted, revived, forked, or forked from): cache=False would free them "
+                                 f"FREE and leave its entries stale. Finish them with cache=True (PrefixCache.evict "
+                                 f"frees CACHED pages and drops their entries)")
+        self.cache_rows[r] = False
         self._seq += 1
         self._full = None
         self._drop(r, np.zeros_like(r), cache)
@@ -336,7 +349,7 @@ class HostMirror(MixedSteps, Accounting):
         r, _, _ = self._batch(rows, 0)
         nl = _int_array(new_lens, "new_lens").reshape(-1)
         out, ps = self._acct, self.page_size
-        if self.prefix_cache is not None and nl.shape == r.shape:
+        if nl.shape == r.shape and self.prefix_cache is not None and ((nl >= 0) & (nl <= self.lo[r])).all():
             self._refuse_below_shared(r, nl < self.shared[r] * ps, "new_lens")
         code = 1 if nl.shape != r.shape else truncate_accounting(self._st, r, nl, ps, self.lookahead,
                                                                  self.unreserved, out)
@@ -518,7 +531,16 @@ class HostMirror(MixedSteps, Accounting):
         return row
 
     def evict(self, k: int) -> torch.Tensor:
-        """``pool.evict(k)``: turn up to ``k`` cached pages FREE; returns their ids (device, -1 padded)."""
+        """``pool.evict(k)``: turn up to ``k`` cached pages FREE; returns their ids (device, -1 padded).
+        With a :class:`PrefixCache` on the mirror, refused (``ValueError``): evict through it, which
+        forgets the entries naming the evicted pages."""
+        if self.prefix_cache is not None:
+            raise ValueError("evict: this mirror has a PrefixCache, whose entries would go on naming the "
+                             "evicted pages: call its evict(k) instead (PrefixCache.detach() to go without one)")
+        return self._evict(k)
+
+    def _evict(self, k: int) -> torch.Tensor:
+        """:meth:`evict` without the prefix-cache check (the cache's own evict)."""
         k = _checks.check_size(k, "k")  # before the mirror changes: a refused call changes nothing
         self._seq += 1
         self._full = None

@@ -29,14 +29,16 @@ page, so they could never be reached again): a page is named by one entry at
 most, and a request that computed the same prefix apart names its pages anew.
 
 The caller's contract: ``insert`` a request just before its ``finish(...,
-cache=True)`` and with the tokens its pages hold (host ints); never cut a row below
-pages it revived, forked or was forked from (the mirror refuses such a ``truncate`` or
-``rollback`` once a cache is on it; one mirror takes one cache), never release pages
-named here without ``cache``,
-and never evict but through :meth:`evict`: a named page going FREE any other
-way leaves a stale entry, whose next hit the generations refuse on the device
-(``use_after_free``: that request's tokens are then computed without its
-prefix). A :class:`PrefixMatch` is used at once: ``revive`` refuses one whose
+cache=True)`` and with the tokens its pages hold (host ints). A named page going
+FREE any other way would leave a stale entry, whose next hit the generations refuse
+on the device (``use_after_free``: that request's tokens are then computed without
+its prefix), so the mirror, once a cache is on it, refuses before any work: cutting
+a row below pages it revived, forked or was forked from (``truncate``, ``rollback``),
+``finish`` without ``cache=True`` of such a row or one inserted here, and its own
+``evict`` (evict through :meth:`evict`). One mirror takes one cache (:meth:`detach`
+takes it off). Not detected: an ``insert`` of a row that keeps running (a match may
+revive pages it holds alone; its release then credits them, and the next
+``reconcile`` raises ``MirrorError``). A :class:`PrefixMatch` is used at once: ``revive`` refuses one whose
 entries were dropped since (their slots may name other pages by then).
 """
 
@@ -116,6 +118,7 @@ class PrefixCache:
         self._unread = []                 # device slots of evictions not handed to unread() yet
         self._inflight = 0                # unread() results not dropped yet
         self.hits = self.hit_tokens = self.inserted = self.dropped = 0
+        self._detached = False
         mirror.prefix_cache = self   # its truncate and rollback now keep rows' possibly-shared pages
 
     def __len__(self):
@@ -131,11 +134,29 @@ class PrefixCache:
         """An eviction is not dropped yet: :meth:`match` finds nothing until :meth:`drop`."""
         return bool(self._unread) or self._inflight > 0
 
+    def detach(self) -> None:
+        """Take this cache off its mirror (``mirror.prefix_cache`` back to None), so that the mirror
+        can evict and finish without it, or take another cache. Refused while an eviction is not
+        dropped (:attr:`closed`: :meth:`sync` first). A detached cache refuses to match, revive,
+        insert and evict (``ValueError``): its entries may name pages freed since."""
+        self._attached("detach")
+        if self.closed:
+            raise ValueError("detach: an eviction is not dropped yet (sync() first): its slots name entries "
+                             "whose pages are FREE now")
+        self.mirror.prefix_cache = None
+        self.mirror.cache_rows[:] = False
+        self._detached = True
+
+    def _attached(self, what):
+        if self._detached:
+            raise ValueError(f"{what}: this PrefixCache was detached from its mirror (detach()): its entries "
+                             f"may name pages freed since; make a new PrefixCache")
+
     @staticmethod
     def _tokens(tokens, what):
         """``tokens`` as given, checked to be host ints: a tensor is refused (a 0-d tensor hashes by
         identity, so its keys would never match; and reading a device tensor is a sync)."""
-        if isinstance(tokens, torch.Tensor) or len(tokens) and isinstance(tokens[0], torch.Tensor):
+        if isinstance(tokens, torch.Tensor) or any(isinstance(t, torch.Tensor) for t in tokens):
             raise ValueError(f"{what}: expected the tokens as host ints (a list, tuple or numpy int array), got "
                             f"tensors: pass tokens.tolist() (a host read if it is on a device)")
         if isinstance(tokens, np.ndarray) and tokens.dtype.kind not in "iu":
@@ -151,6 +172,7 @@ class PrefixCache:
         ``(len(tokens) - 1) // page_size``, so at least one token is left to compute, the one
         whose logits come next). Host only; nothing while an eviction is unread (:attr:`closed`).
         """
+        self._attached("match")
         tokens = self._tokens(tokens, "match")
         limit = (len(tokens) - 1) // self.page_size if max_pages is None else _checks.check_size(max_pages,
                                                                                                  "max_pages")
@@ -174,6 +196,7 @@ class PrefixCache:
         dropped, or for a match whose entries were dropped since it was made."""
         if not match:
             raise ValueError("revive: expected a match of at least one page, got an empty PrefixMatch")
+        self._attached("revive")
         if self.closed:
             raise ValueError("revive: an eviction is not dropped yet (drop its slots first): the match may "
                              "name an evicted page")
@@ -194,6 +217,7 @@ class PrefixCache:
         key is known already are skipped (the same prefix computed twice: the older entry
         stays). Returns the entries made. Device copies only (the row's pages and their
         generations): no host read."""
+        self._attached("insert")
         m, tokens = self.mirror, self._tokens(tokens, "insert")
         row = _checks.check_size(row, "row")
         if not (row < m.live.size and m.live[row]):
@@ -232,13 +256,15 @@ class PrefixCache:
             self.slot_gen.index_copy_(0, idx, gens)
             self.page_slot.index_copy_(0, at, idx.int().masked_fill_(bad, -1))
             self.inserted += len(slots)
+        m.cache_rows[row] = True    # named now, it is finished with cache=True only
         return len(slots)
 
     def evict(self, k: int) -> torch.Tensor:
         """``mirror.evict(k)``, and on the device the slots that named the evicted pages (-1 for a page
         no entry named and for padding), which it forgets; they are kept for :meth:`unread`, and
         :meth:`match` finds nothing until they are dropped. Returns the evicted page ids (device)."""
-        ev = self.mirror.evict(k)
+        self._attached("evict")
+        ev = self.mirror._evict(k)
         at = torch.where(ev >= 0, ev, self.pool.num_pages).long()  # padding: the spare last entry
         self._unread.append(self.page_slot.index_select(0, at))
         self.page_slot.index_fill_(0, at, -1)
