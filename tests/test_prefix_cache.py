@@ -332,6 +332,30 @@ def test_rows_whose_pages_the_cache_may_name_are_finished_with_cache_true_only(b
     cache.check_invariants()
 
 
+def test_a_row_inserted_while_running_keeps_its_named_pages_and_shares_them_once_revived(backend):
+    """An insert before a row's end names pages it still holds: the row may not be cut into them (their
+    K/V would no longer be what the entries say), and once a revive may have taken them they count
+    as shared, so the row's release credits none of them and reconcile finds the mirror true (it
+    raised MirrorError when the release credited three CACHED pages the revived row holds)."""
+    tokens = list(range(12))
+    pool, m, cache = _setup(backend)
+    (a,) = m.admit([12], [16])
+    assert cache.insert(a, tokens) == 3 and m.named[a] == 3
+    with pytest.raises(ValueError, match=r"rows \[0\] would drop pages they may share or that the prefix cache"):
+        m.truncate([a], [10])
+    b = cache.revive(cache.match(tokens + [5]), max_len=16)
+    assert int(m.table.seq_lens[b]) == 12 and m.shared[a] == 3
+    m.decode([a, b], 1)
+    m.finish([a], cache=True)
+    m.reconcile(m.snapshot())
+    assert m.cached == pool.stats()["pages.cached.current"] == 1
+    m.finish([b], cache=True)
+    m.reconcile(m.snapshot())
+    assert (m.free, m.cached) == (pool.available(), 5) and not m.named.any()
+    pool.check()
+    cache.check_invariants()
+
+
 def test_the_mirror_evicts_through_its_cache_and_a_detached_cache_refuses_work(backend):
     """With a cache on the mirror, mirror.evict is refused (the entries naming the evicted pages would
     stay); detach() takes the cache off (refused while an eviction is unread), after which the cache

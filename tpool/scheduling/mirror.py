@@ -107,9 +107,10 @@ class HostMirror(MixedSteps, Accounting):
         super().__init__(table.max_requests, table.page_size, lookahead, table.max_pages * table.page_size,
                          free, cached)
         self.max_batch = self.pool.max_batch
-        # Rows a prefix cache inserted (their pages named by it): with the cache on the mirror, they and
-        # the rows that may share pages (revived, forked, forked from) are finished with cache=True only.
-        self.cache_rows = np.zeros(self.live.size, dtype=bool)
+        # Per running row, the leading pages a prefix cache may name (its insert: 0 for none). With the
+        # cache on the mirror such rows, and those that may share pages (revived, forked, forked from),
+        # are finished with cache=True only; a revive makes them possibly shared (it may take them).
+        self.named = np.zeros(self.live.size, dtype=np.int64)
         # The inputs kept per width of the mixed step and truncate (_lane_tensors), and decode's
         # bound steps per width and max_tokens (_bound_decode), which write the table's buffers
         # of their shape: forgotten when the table drops that shape (_shape_dropped).
@@ -322,13 +323,13 @@ class HostMirror(MixedSteps, Accounting):
         if not r.size:
             return
         if not cache and self.prefix_cache is not None:
-            named = self.cache_rows[r] | (self.shared[r] > 0)
+            named = (self.named[r] > 0) | (self.shared[r] > 0)
             if named.any():
                 raise ValueError(f"finish: rows {r[named].tolist()} may hold pages the prefix cache on this mirror "
                                  f"names (inserted, revived, forked, or forked from): cache=False would free them "
                                  f"FREE and leave its entries stale. Finish them with cache=True (PrefixCache.evict "
                                  f"frees CACHED pages and drops their entries)")
-        self.cache_rows[r] = False
+        self.named[r] = 0
         self._seq += 1
         self._full = None
         self._drop(r, np.zeros_like(r), cache)
@@ -350,7 +351,7 @@ class HostMirror(MixedSteps, Accounting):
         nl = _int_array(new_lens, "new_lens").reshape(-1)
         out, ps = self._acct, self.page_size
         if nl.shape == r.shape and self.prefix_cache is not None and ((nl >= 0) & (nl <= self.lo[r])).all():
-            self._refuse_below_shared(r, nl < self.shared[r] * ps, "new_lens")
+            self._refuse_below_shared(r, nl, "new_lens")
         code = 1 if nl.shape != r.shape else truncate_accounting(self._st, r, nl, ps, self.lookahead,
                                                                  self.unreserved, out)
         if code == 2:  # nothing written: name the rows (the same test as the accounting's)
@@ -388,7 +389,7 @@ class HostMirror(MixedSteps, Accounting):
         # Any length in [min_lens, hi] may come out: none may end inside a possibly-shared page.
         ps = self.page_size
         if self.prefix_cache is not None:
-            self._refuse_below_shared(r, ml < self.shared[r] * ps, "min_lens")
+            self._refuse_below_shared(r, ml, "min_lens")
         self._refuse_shared_ends(r, (ps > 1) & (ml < self.hi[r]) & (ml < self.shared[r] * ps), "min_lens")
         self._seq += 1
         self._full = None
@@ -397,18 +398,22 @@ class HostMirror(MixedSteps, Accounting):
         self.uncertain_at[r] = self._seq
         self.table.truncate(self._tensor(r), new_lens)
 
-    def _refuse_below_shared(self, r, below, what):
-        """With a prefix cache on the mirror, raise before the table call if a row would drop one of its
-        possibly-shared pages (revived, forked, or forked from): if the other holders have let go, the
-        truncate frees the page FREE, not CACHED, and an entry naming it goes stale (its next hit is
-        refused on the device as ``use_after_free``). ``shared`` is a bound, so this may refuse a
-        page whose other holders are gone; such a row is finished, never cut below its prefix."""
+    def _refuse_below_shared(self, r, lens, what):
+        """With a prefix cache on the mirror, raise before the table call if a row would drop (or end
+        inside) one of its possibly-shared pages (revived, forked, or forked from) or of the pages the
+        cache names (inserted): if no one else holds it, the truncate frees the page FREE, not CACHED,
+        and an entry naming it goes stale (its next hit is refused on the device as
+        ``use_after_free``); a named page written again would hold other K/V than its entry says.
+        ``shared`` is a bound, so this may refuse a page whose other holders are gone; such a row
+        is finished, never cut below its prefix."""
+        keep = np.maximum(self.shared[r], self.named[r])
+        below = lens < keep * self.page_size
         if below.any():
-            raise ValueError(f"{what}: rows {r[below].tolist()} would drop pages they may share (their first "
-                             f"{self.shared[r][below].tolist()} pages came from a revive or a fork, or were "
-                             f"forked from), which a prefix cache on this mirror may name: freed by a truncate, "
-                             f"its entries would go stale. Keep at least those pages' tokens "
-                             f"({(self.shared[r][below] * self.page_size).tolist()}), or finish the row "
+            raise ValueError(f"{what}: rows {r[below].tolist()} would drop pages they may share or that the "
+                             f"prefix cache on this mirror names (their first {keep[below].tolist()} pages came "
+                             f"from a revive or a fork, were forked from, or were inserted): freed by a "
+                             f"truncate, its entries would go stale. Keep at least those pages' tokens "
+                             f"({(keep[below] * self.page_size).tolist()}), or finish the row "
                              f"(insert it first, then finish(..., cache=True))")
 
     def _refuse_shared_ends(self, r, into, what):
@@ -519,6 +524,8 @@ class HostMirror(MixedSteps, Accounting):
         (row,) = self._take_rows(1)  # (WouldNotFit without a free row, before anything changes)
         self._seq += 1
         self._full = None
+        if self.prefix_cache is not None:  # it may take pages a running row was inserted with: shared now
+            np.maximum(self.shared, self.named, out=self.shared)
         self._start(row, n_tokens, m, k)  # (one row: scalar writes, no index array)
         self.cached = max(self.cached - k, 0)
         self._cached_flow -= k

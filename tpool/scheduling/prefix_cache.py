@@ -36,9 +36,8 @@ its prefix), so the mirror, once a cache is on it, refuses before any work: cutt
 a row below pages it revived, forked or was forked from (``truncate``, ``rollback``),
 ``finish`` without ``cache=True`` of such a row or one inserted here, and its own
 ``evict`` (evict through :meth:`evict`). One mirror takes one cache (:meth:`detach`
-takes it off). Not detected: an ``insert`` of a row that keeps running (a match may
-revive pages it holds alone; its release then credits them, and the next
-``reconcile`` raises ``MirrorError``). A :class:`PrefixMatch` is used at once: ``revive`` refuses one whose
+takes it off). A row inserted while it keeps running is counted as possibly sharing
+its named pages from the next revive on (which may take them), as a forked-from row. A :class:`PrefixMatch` is used at once: ``revive`` refuses one whose
 entries were dropped since (their slots may name other pages by then).
 """
 
@@ -144,7 +143,7 @@ class PrefixCache:
             raise ValueError("detach: an eviction is not dropped yet (sync() first): its slots name entries "
                              "whose pages are FREE now")
         self.mirror.prefix_cache = None
-        self.mirror.cache_rows[:] = False
+        self.mirror.named[:] = 0
         self._detached = True
 
     def _attached(self, what):
@@ -256,7 +255,7 @@ class PrefixCache:
             self.slot_gen.index_copy_(0, idx, gens)
             self.page_slot.index_copy_(0, at, idx.int().masked_fill_(bad, -1))
             self.inserted += len(slots)
-        m.cache_rows[row] = True    # named now, it is finished with cache=True only
+            m.named[row] = max(int(m.named[row]), first + len(slots))  # (finish: cache=True only)
         return len(slots)
 
     def evict(self, k: int) -> torch.Tensor:
