@@ -37,8 +37,9 @@ a row below pages it revived, forked or was forked from (``truncate``, ``rollbac
 ``finish`` without ``cache=True`` of such a row or one inserted here, and its own
 ``evict`` (evict through :meth:`evict`). One mirror takes one cache (:meth:`detach`
 takes it off). A row inserted while it keeps running is counted as possibly sharing
-its named pages from the next revive on (which may take them), as a forked-from row. A :class:`PrefixMatch` is used at once: ``revive`` refuses one whose
-entries were dropped since (their slots may name other pages by then).
+its named pages from the next revive on (which may take them), as a forked-from row.
+A :class:`PrefixMatch` is used at once: ``revive`` refuses one whose entries were
+dropped since (their slots may name other pages by then).
 """
 
 from dataclasses import dataclass
