@@ -506,23 +506,25 @@ def _one_step(model):
 def test_forward_step_refuses_a_model_whose_layers_do_not_all_attend_through_the_pages(models):
     """Another attention implementation takes the tpool_context keyword silently and attends over the packed
     row (lanes see each other, no K/V lands in a page); so does a model whose attention does not dispatch
-    through AttentionInterface (Bloom: no layer ran here). Both were silent wrong logits."""
+    through AttentionInterface (XGLM: no layer ran here). Both were silent wrong logits."""
     model = engine.tiny_model("llama", seed=0)
     assert _one_step(model).k[0].abs().sum() > 0  # (the check passes a model that does attend here)
     model.set_attn_implementation("sdpa")
     with pytest.raises(ValueError, match="model: expected attn_implementation='tpool_paged' .*got 'sdpa' from llama"):
         _one_step(model)
     import transformers
-    cfg = transformers.BloomConfig(vocab_size=256, hidden_size=64, n_layer=2, n_head=4, pad_token_id=0)
-    bloom = transformers.BloomForCausalLM._from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION).eval()
+    cfg = transformers.XGLMConfig(vocab_size=256, d_model=64, ffn_dim=128, num_layers=2, attention_heads=4,
+                                  pad_token_id=0)
+    xglm = transformers.XGLMForCausalLM._from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION).eval()
     with pytest.raises(ValueError, match="model: expected all 2 layers to attend through tpool_paged, got 0 "
-                                         r"\(BloomForCausalLM"):
-        _one_step(bloom)
+                                         r"\(XGLMForCausalLM"):
+        _one_step(xglm)
 
 
 @pytest.mark.parametrize("kind, extra, match", [
     ("qwen3_next", dict(layer_types=["linear_attention", "full_attention"], num_experts=2, num_experts_per_tok=1,
-                        moe_intermediate_size=32, shared_expert_intermediate_size=32), "got linear_attention in qwen3_next"),
+                        moe_intermediate_size=32, shared_expert_intermediate_size=32),
+     "got linear_attention in qwen3_next"),
     ("lfm2", dict(layer_types=["conv", "full_attention"]), "got conv in lfm2"),
     ("llama4_text", dict(attention_chunk_size=8, no_rope_layers=[1, 1], attn_temperature_tuning=False,
                          num_local_experts=2, intermediate_size_mlp=128), "got chunked_attention in llama4_text"),

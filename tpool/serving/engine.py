@@ -45,11 +45,13 @@ from tpool.demo import OptionError
 from tpool.page_table import PageTable
 from tpool.pool import PagePool
 from tpool.scheduling import HostMirror, PrefixCache, PrefixMatch
+from tpool.serving import checks
 from tpool.serving.attention import step_metadata
 from tpool.serving.cli import MODELS
 from tpool.serving.hf import ATTN_IMPLEMENTATION, PagedContext, forward_step
 from tpool.serving.kv import PagedKVCache
 
+EOS_FROM_MODEL = "model"  # eos_token_id's default: the model's generation_config.eos_token_id
 INITIALIZER_RANGE = 0.25  # std of the random weights: large enough that a position off by one changes tokens
 MIN_TOKEN_BUCKET = 8      # smallest packed-batch size (tokens); sizes are powers of two from here
 
@@ -84,9 +86,17 @@ def kv_shape(config):
     Raises ``ValueError`` naming the model type for a config no such shape describes: multi-head
     latent attention (DeepSeek-V2/V3: ``kv_lora_rank``; K and V are per query head, with their own
     head dims), a ``v_head_dim`` other than the K head dim, or head dims or K/V head counts that
-    differ per layer (a transformers ``per_layer_config``: Gemma 4's full-attention layers).
+    differ per layer (a transformers ``per_layer_config``: Gemma 4's full-attention layers), and a
+    config whose layers are not all attention (:func:`tpool.serving.checks.check_layers`: Mamba,
+    Qwen3-Next, ...) or that names no attention heads.
     """
     kind = getattr(config, "model_type", None) or type(config).__name__
+    checks.check_layers(config)
+    missing = [a for a in ("num_hidden_layers", "num_attention_heads") if getattr(config, a, None) is None]
+    if missing:
+        raise ValueError(f"{kind}: not supported by tpool.serving: expected a config with "
+                         f"{' and '.join(missing)} (a transformers text config of an attention model), "
+                         f"got {type(config).__name__} without")
     if getattr(config, "is_heterogeneous", False):   # transformers 5's per-layer configs
         per_layer = [_layer_kv_shape(c, kind) for c in config.per_layer_config]
     else:
@@ -123,8 +133,9 @@ def _layer_kv_shape(config, kind):
 
 @dataclass
 class Request:
-    """One generation request; ``parent``/``shared``: its prompt starts with request ``parent``'s
-    first ``shared`` prompt tokens (a shared prefix the engine may ``fork``)."""
+    """One generation request: at most ``max_new`` new tokens (fewer when one is an EOS, see
+    :class:`Engine`); ``parent``/``shared``: its prompt starts with request ``parent``'s first
+    ``shared`` prompt tokens (a shared prefix the engine may ``fork``)."""
 
     rid: int
     prompt: list
@@ -182,12 +193,18 @@ class Engine:
     request whose tokens start with them revives them instead of computing them again
     (preempted ones too); CACHED pages are evicted, least recently released first, when a
     step or an admission needs them.
+
+    ``eos_token_id`` (:func:`eos_ids`; default ``"model"``: the model's
+    ``generation_config.eos_token_id``, as ``generate`` does; ``None``: never stop early): a
+    request ends at its first generated token among these (kept in its output, as ``generate``
+    keeps it) or after ``max_new`` tokens. :func:`reference_tokens` takes the same option.
     """
 
     def __init__(self, model, *, num_pages: int, page_size: int, max_batch: int, max_pages: int,
                  backend: str = "auto", device="cpu", spec_every: int = 3, draft_len: int = 3,
-                 prefix_cache: bool = True):
-        spec_every = _checks.check_size(spec_every, "spec_every")  # before the pool is made: nothing to undo
+                 prefix_cache: bool = True, eos_token_id=EOS_FROM_MODEL):
+        self.eos = eos_ids(model, eos_token_id)  # before the pool is made: nothing to undo
+        spec_every = _checks.check_size(spec_every, "spec_every")
         draft_len = _checks.check_size(draft_len, "draft_len")
         prefix_cache = _checks.flag(prefix_cache, "prefix_cache")
         self.model = model
@@ -444,9 +461,12 @@ class Engine:
             if a < len(drafts):
                 rollback.append(r)
             new = got[:a + 1][:r.max_new - len(r.out)]
+            end = next((i for i, tok in enumerate(new) if tok in self.eos), None)   # generate stops there too
+            if end is not None:
+                new = new[:end + 1]
             r.out.extend(new)
             self.stats.tokens_out += len(new)
-            if len(r.out) >= r.max_new:
+            if len(r.out) >= r.max_new or end is not None:
                 done.append(r)
             start += n
         return rollback, done
@@ -505,17 +525,56 @@ def make_requests(n: int = 32, *, seed: int = 0, vocab_size: int = 256, max_new:
     return reqs
 
 
-def reference_tokens(model, requests):
-    """Each request's greedy tokens from ``model.generate`` with eager attention (the check)."""
+def eos_ids(model, eos_token_id=EOS_FROM_MODEL) -> frozenset:
+    """The token ids that end a request, for :class:`Engine` and :func:`reference_tokens` alike.
+
+    ``eos_token_id``: ``"model"`` (:data:`EOS_FROM_MODEL`, the default): the model's
+    ``generation_config.eos_token_id`` (an int, a list, or None), what ``generate`` stops at;
+    ``None``: none (every request gets its ``max_new`` tokens); an int or a list of ints: those.
+    """
+    given = eos_token_id
+    if isinstance(eos_token_id, str) and eos_token_id == EOS_FROM_MODEL:
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos_token_id is None:
+        return frozenset()
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+    try:
+        ids = list(ids)
+    except TypeError:
+        ids = [eos_token_id]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"eos_token_id: expected {EOS_FROM_MODEL!r} (the model's generation_config), None (never "
+                         f"stop early), a token id (an int >= 0) or a list of them, got {given!r}")
+    return frozenset(ids)
+
+
+def reference_tokens(model, requests, *, eos_token_id=EOS_FROM_MODEL):
+    """Each request's greedy tokens from ``model.generate`` with eager attention (the check).
+
+    Plain greedy decoding, as :class:`Engine` does it: ``generate`` runs on a fresh
+    ``GenerationConfig`` (``do_sample=False``; no repetition penalty, forced or suppressed
+    token, minimum length or any other processor the model's own generation config may hold),
+    and stops at ``eos_token_id`` (:func:`eos_ids`, the :class:`Engine` option of that name,
+    same default) or after ``max_new`` tokens. The model's ``generation_config`` and attention
+    implementation are put back after.
+    """
+    from transformers import GenerationConfig
+    eos = sorted(eos_ids(model, eos_token_id))
+    saved = model.generation_config
+    greedy = GenerationConfig(do_sample=False, eos_token_id=eos or None, pad_token_id=saved.pad_token_id)
+    model.generation_config = greedy  # generate fills what a passed config leaves None from this one
     model.set_attn_implementation("eager")
+    out = {}
     try:
         with torch.no_grad():
-            return {r.rid: model.generate(torch.tensor([r.prompt]), attention_mask=torch.ones(1, len(r.prompt),
-                                          dtype=torch.long), max_new_tokens=r.max_new,
-                                          do_sample=False)[0, len(r.prompt):].tolist()
-                    for r in requests}
+            for r in requests:
+                greedy.max_new_tokens = r.max_new
+                out[r.rid] = model.generate(torch.tensor([r.prompt]), attention_mask=torch.ones(1, len(r.prompt),
+                                            dtype=torch.long), generation_config=greedy)[0, len(r.prompt):].tolist()
+        return out
     finally:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        model.generation_config = saved
 
 
 def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, page_size: int = 4,

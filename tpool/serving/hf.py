@@ -15,16 +15,21 @@ this name, so transformers' ``create_causal_mask`` returns None, and
 causality, lanes and padding come from the metadata. A keyword that would
 change the result and that is not implemented here (a mask, ``is_causal=False``,
 dropout in training, a position bias, ...) is a ``ValueError`` naming it and the
-model, never ignored. Needs transformers 5 (``pip install "tpool[hf]"``);
-tested with transformers 5.24.0.
+model, never ignored. A model a packed step would not serve exactly (other layer
+types, a layer attending twice, ALiBi, no ``position_ids``, row-global rotary
+frequencies: :mod:`tpool.serving.checks`) is refused by :func:`check_model`, which
+:func:`forward_step` runs first. Needs transformers 5 (``pip install "tpool[hf]"``);
+tested with transformers 5.24.0 and 5.25.0.
 """
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from transformers import AttentionInterface
 
+from tpool.serving import checks
 from tpool.serving.attention import StepMetadata, check_pages, paged_attention
 from tpool.serving.kv import PagedKVCache
 
@@ -34,7 +39,12 @@ CONTEXT_KWARG = "tpool_context"      # the forward keyword that carries a PagedC
 # attention does not implement: refused when not None (position biases, other sink layouts,
 # sparse-attention indices, packed-sequence boundaries of another layout).
 UNSUPPORTED_KWARGS = ("position_bias", "sinks", "indices", "block_indices", "cu_seq_lens_q", "cu_seq_lens_k")
+# from_pretrained keywords that also say which config to read
+_HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "subfolder", "trust_remote_code")
 _NOT_PASSED = object()  # sliding_window's default: "not passed" differs from "passed None"
+# model -> the text config its layers, positions and decoder passed the checks with: they are fixed once a
+# model is built (the signature inspection costs ~45 µs, paid once instead of every forward_step)
+_CHECKED = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -53,12 +63,16 @@ class PagedContext:
 
     Raises ``ValueError`` if the cache's pages are not the table's (``page_size``,
     ``num_pages`` of ``meta``): checked once per step here, per layer in the attention.
+    One context serves one forward: a layer whose attention runs through it a second
+    time (before :func:`forward_step` starts the next forward) is a ``ValueError``, raised
+    before that call writes anything: its K/V would overwrite the first call's.
     """
 
     cache: PagedKVCache
     meta: StepMetadata
     attend: Callable = field(default=paged_attention)
-    # the layers whose attention ran through this context (forward_step checks that every layer did)
+    # the layers whose attention ran through this context in this forward (forward_step clears it first,
+    # and checks that every layer ran; a layer that runs twice is refused)
     layers: set = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -131,14 +145,27 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         sliding_window = getattr(module, "sliding_window", None)
     extra = {name: val for name, val in (("softcap", softcap), ("sinks", s_aux)) if val is not None}
     cache, meta = ctx.cache, ctx.meta
+    if layer in ctx.layers:
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: expected one attention call per layer per forward, got a second "
+                         f"call for layer {layer} from {type(module).__name__} (its K/V would overwrite the "
+                         f"first call's in the pages: later steps would read them); this model is not served")
+    if key.dtype != cache.dtype and not _is_float8(cache.dtype):
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: cache: expected dtype {key.dtype} (the K/V of "
+                         f"{type(module).__name__}, layer {layer}), got {cache.dtype}: build the cache with "
+                         f"dtype=model.dtype (only a float8 cache takes K/V cast to its dtype: a silent cast "
+                         f"changes tokens)")
     q = query[0].transpose(0, 1)                         # [T, Hq, D]
-    k = key[0].transpose(0, 1).to(cache.dtype)           # [T, Hkv, D]
+    k = key[0].transpose(0, 1).to(cache.dtype)           # [T, Hkv, D] (a cast only into a float8 cache)
     v = value[0].transpose(0, 1).to(cache.dtype)
-    cache.write(layer, meta.slots, k, v)
     ctx.layers.add(layer)
+    cache.write(layer, meta.slots, k, v)
     out = ctx.attend(q, cache.k[layer], cache.v[layer], meta, scale=scaling, sliding_window=sliding_window,
                      **extra)
     return out[None].to(query.dtype), None
+
+
+def _is_float8(dtype) -> bool:
+    return "float8" in str(dtype)
 
 
 def register() -> str:
@@ -150,38 +177,73 @@ def register() -> str:
 register()
 
 
-_ATTENTION_LAYERS = ("full_attention", "sliding_attention")  # the layer types the paged attention serves
-
-
 def check_model(model):
-    """Raise ``ValueError`` unless every layer of ``model`` can keep its state in tpool pages; return
+    """Raise ``ValueError`` unless a packed step on tpool pages gives ``model``'s own tokens; return
     its text config.
 
     That takes ``attn_implementation="tpool_paged"`` (another implementation takes the
     ``tpool_context`` keyword silently and attends over the packed row: lanes would see each
-    other), and layers that are all softmax attention, full or sliding: a recurrent, linear
-    attention or convolution layer (Qwen3-Next, LFM2, Mamba hybrids) keeps state the pages do
-    not hold, and a chunked attention layer (Llama4) has its chunks only in a mask this
-    implementation does not build (accepted when the chunk spans every position). A model
-    whose attention does not dispatch through ``AttentionInterface`` at all is found by
-    :func:`forward_step` after its forward (no layer ran here).
+    other), and what :mod:`tpool.serving.checks` tests: layers that are all softmax attention,
+    full or sliding (a recurrent, linear attention or convolution layer (Qwen3-Next, LFM2,
+    Mamba hybrids) keeps state the pages do not hold, and a chunked attention layer (Llama4)
+    has its chunks only in a mask this implementation does not build: accepted when the chunk
+    spans every position), one attention call per layer (not DiffLlama), no ALiBi (Falcon's
+    ``alibi``, MPT, Bloom), a decoder that takes ``position_ids`` (not Bart, MBart, TrOCR), and
+    rotary frequencies that do not depend on the row's longest position (not ``rope_type``
+    ``"dynamic"`` or ``"longrope"``). Python only, no tensor read. A model whose attention
+    does not dispatch through ``AttentionInterface`` at all is found by :func:`forward_step`
+    after its forward (no layer ran here), and one whose layer attends twice by the second call.
     """
     cfg = model.config.get_text_config(decoder=True)
     name = getattr(cfg, "model_type", "") or type(model).__name__
     impl = getattr(cfg, "_attn_implementation", None) or getattr(model.config, "_attn_implementation", None)
     if impl != ATTN_IMPLEMENTATION:
-        raise ValueError(f"model: expected attn_implementation={ATTN_IMPLEMENTATION!r} (from_config/from_pretrained(..., "
-                         f"attn_implementation={ATTN_IMPLEMENTATION!r}) or model.set_attn_implementation(...)), got "
-                         f"{impl!r} from {name}")
-    kinds = set(getattr(cfg, "layer_types", None) or ())
-    chunk = getattr(cfg, "attention_chunk_size", None)
-    if chunk is not None and chunk >= getattr(cfg, "max_position_embeddings", chunk + 1):
-        kinds.discard("chunked_attention")  # one chunk over every position: full attention
-    other = sorted(kinds - set(_ATTENTION_LAYERS)) + sorted(k for k in vars(cfg) if k.startswith("mamba_"))[:1]
-    if other:
-        raise ValueError(f"model: expected only {' and '.join(_ATTENTION_LAYERS)} layers (their K/V in pages), got "
-                         f"{', '.join(other)} in {name}'s config, which the paged attention does not serve")
+        raise ValueError(f"model: expected attn_implementation={ATTN_IMPLEMENTATION!r} (from_config/"
+                         f"from_pretrained(..., attn_implementation={ATTN_IMPLEMENTATION!r}) or "
+                         f"model.set_attn_implementation(...)), got {impl!r} from {name}")
+    if _CHECKED.get(model) is not cfg:
+        checks.check_config(cfg)
+        checks.check_decoder(model, name)
+        _CHECKED[model] = cfg
     return cfg
+
+
+def from_config(config, **kwargs):
+    """``AutoModelForCausalLM.from_config(config, attn_implementation="tpool_paged", **kwargs)``, checked.
+
+    Raises ``ValueError`` before building for a config :func:`tpool.serving.checks.check_config`
+    refuses, for a model that has no ``"tpool_paged"`` in its own table of attention classes
+    (GPT-Neo: transformers raises ``KeyError: 'tpool_paged'`` while building), and after building
+    for one :func:`check_model` refuses.
+    """
+    from transformers import AutoModelForCausalLM
+    return _build(config, lambda: AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION,
+                                                                   **kwargs))
+
+
+def from_pretrained(name_or_path, **kwargs):
+    """``AutoModelForCausalLM.from_pretrained(name_or_path, attn_implementation="tpool_paged", **kwargs)``, with
+    the checks of :func:`from_config` (the config is read first, the weights only if it passes)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(name_or_path, **{k: v for k, v in kwargs.items() if k in _HUB_KWARGS})
+    return _build(config, lambda: AutoModelForCausalLM.from_pretrained(
+        name_or_path, attn_implementation=ATTN_IMPLEMENTATION, **kwargs))
+
+
+def _build(config, build):
+    text = config.get_text_config(decoder=True)
+    checks.check_config(text)
+    try:
+        model = build()
+    except KeyError as e:
+        if e.args != (ATTN_IMPLEMENTATION,):
+            raise
+        raise ValueError(f"model: expected a model whose attention dispatches through transformers' "
+                         f"AttentionInterface, got {checks.config_name(text)}, which picks its attention class from a "
+                         f"table of its own without {ATTN_IMPLEMENTATION!r} (transformers: KeyError "
+                         f"{ATTN_IMPLEMENTATION!r})") from e
+    check_model(model)
+    return model
 
 
 def forward_step(model, input_ids: torch.Tensor, ctx: PagedContext, **kwargs) -> torch.Tensor:
@@ -191,11 +253,16 @@ def forward_step(model, input_ids: torch.Tensor, ctx: PagedContext, **kwargs) ->
     lane order (anything, e.g. 0, at padding), T = the step's ``max_tokens``. Positions come
     from ``ctx.meta.positions``.
 
-    Raises ``ValueError`` for a model :func:`check_model` refuses, before the forward, and
+    Raises ``ValueError`` for a model :func:`check_model` refuses and for a cache whose
+    ``num_layers`` is not the model's ``num_hidden_layers``, before the forward; during it for a
+    layer that attends twice, or K/V of another dtype than the cache's (but a float8 cache's);
     after it when not every layer's attention ran through ``ctx`` (a model whose attention
     does not dispatch through ``AttentionInterface``, or that has other layers).
     """
     layers = check_model(model).num_hidden_layers
+    if ctx.cache.num_layers != layers:
+        raise ValueError(f"cache: expected {layers} layers (the model's num_hidden_layers: one cache holds one "
+                         f"model's K/V), got {ctx.cache.num_layers}")
     t = ctx.meta.positions.numel()
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1 or input_ids.numel() != t:
         got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__

@@ -44,7 +44,7 @@ class PagedKVCache:
         Shape of the storage; ``num_pages`` and ``page_size`` must match the pool whose
         page ids index it (:meth:`from_pool` takes them from the pool).
     dtype : torch.dtype
-        Element type of K and V (e.g. ``torch.bfloat16``).
+        Element type of K and V: the model's (e.g. ``torch.bfloat16``), or a float8 type to store them cast.
     device : torch.device or str
         Where the pages live (the pool's device, for a table's slots to index them).
 
@@ -93,9 +93,14 @@ class PagedKVCache:
         self._scratch_page = torch.tensor(num_pages, dtype=torch.int64, device=self.device)
 
     @classmethod
-    def from_pool(cls, pool, num_layers: int, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype = torch.float16,
+    def from_pool(cls, pool, num_layers: int, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype,
                   device=None) -> "PagedKVCache":
-        """Storage for every page of ``pool`` (its ``num_pages``, ``page_size``; its device by default)."""
+        """Storage for every page of ``pool`` (its ``num_pages``, ``page_size``; its device by default).
+
+        ``dtype`` has no default: pass the model's (``model.dtype``). ``tpool.serving.hf`` refuses K/V
+        of another dtype than the cache's (a silent cast would change the tokens), but for a float8
+        cache, where storing K/V cast is the point.
+        """
         return cls(num_layers, pool.num_pages, pool.page_size, num_kv_heads, head_dim, dtype=dtype,
                    device=pool.device if device is None else device)
 

@@ -1,0 +1,317 @@
+"""Models a packed step on tpool pages would serve with other tokens, silently, are refused with a ValueError.
+
+Each case was found on random-weight models of transformers 5.25 (other tokens than ``generate``, no
+error) or crashed deep inside transformers; each test fails without its check. Skipped without
+transformers.
+"""
+
+import pytest
+import torch
+
+import tpool
+from conftest import i32
+
+transformers = pytest.importorskip("transformers")
+
+from tpool.serving import PagedKVCache, checks, step_metadata  # noqa: E402
+from tpool.serving import engine, hf  # noqa: E402
+from tpool.serving.hf import ATTN_IMPLEMENTATION, PagedContext, check_model, forward_step  # noqa: E402
+
+V = 256
+LLAMA = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, initializer_range=0.25, max_position_embeddings=256,
+             eos_token_id=None, bos_token_id=None, pad_token_id=0)
+SEQ = dict(d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128, encoder_layers=2,
+           encoder_attention_heads=4, encoder_ffn_dim=128, max_position_embeddings=256, init_std=0.25,
+           pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, is_decoder=True,
+           is_encoder_decoder=False)
+
+
+def _build(config_cls, model_cls, **kw):
+    torch.manual_seed(0)
+    return model_cls._from_config(config_cls(**kw), attn_implementation=ATTN_IMPLEMENTATION,
+                                  dtype=torch.float32).eval()
+
+
+def _llama(**kw):
+    return _build(transformers.LlamaConfig, transformers.LlamaForCausalLM, **{**LLAMA, **kw})
+
+
+def _ctx(model, lanes=(5, 3), max_tokens=8, layers=None, dtype=torch.float32, num_pages=32):
+    """A PagedContext of one prefill step of ``lanes`` tokens; ``layers`` overrides the cache's layer count."""
+    pool = tpool.PagePool(num_pages, 4, device="cpu", backend="reference")
+    table = tpool.PageTable(pool, len(lanes), 16)
+    n, heads, dim = engine.kv_shape(model.config)
+    cache = PagedKVCache.from_pool(pool, layers or n, heads, dim, dtype=dtype)
+    meta = step_metadata(table, table.step(i32(list(range(len(lanes)))), i32(list(lanes)), max_tokens=max_tokens))
+    return PagedContext(cache, meta)
+
+
+def _untouched(ctx):
+    return all(not k.any() for k in ctx.cache.k) and all(not v.any() for v in ctx.cache.v)
+
+
+# ------------------------------------------------------------ attention twice per layer
+def _diffllama():
+    return _build(transformers.DiffLlamaConfig, transformers.DiffLlamaForCausalLM, **LLAMA)
+
+
+def test_diffllama_is_refused_before_its_first_step():
+    """DiffLlama calls the attention function twice per layer (one call per half of V, one layer_idx): the
+    second call's K/V overwrote the first's in the pages and every decode step after the prefill read the
+    wrong half (max |dlogit| ~8, other tokens than generate, no error)."""
+    model = _diffllama()
+    ctx = _ctx(model)
+    with pytest.raises(ValueError, match="expected one attention call per layer per forward, got diffllama"):
+        check_model(model)
+    with pytest.raises(ValueError, match="got diffllama"):
+        forward_step(model, torch.randint(1, V, (8,)), ctx)
+    assert _untouched(ctx)
+
+
+def test_a_layer_attending_twice_in_one_forward_is_refused_before_its_second_write(monkeypatch):
+    """The check any model meets, not only the model types known to attend twice: PagedContext records the
+    layers that attended in this forward; a second call for one is refused before it writes."""
+    monkeypatch.setattr(checks, "ATTENDS_TWICE", {})    # as for a model type nobody listed
+    model = _diffllama()
+    ctx = _ctx(model)
+    with pytest.raises(ValueError, match="expected one attention call per layer per forward, got a second call "
+                                         "for layer 0 from DiffLlamaAttention"):
+        forward_step(model, torch.randint(1, V, (8,)), ctx)
+    assert ctx.layers == {0}
+    # one forward per context: forward_step starts each forward afresh, so a context used twice is fine
+    llama = _llama()
+    ctx = _ctx(llama)
+    x = torch.randint(1, V, (8,))
+    assert torch.equal(forward_step(llama, x, ctx), forward_step(llama, x, ctx))
+
+
+# ------------------------------------------------------------ positions the model does not take
+@pytest.mark.parametrize("name", ["bart", "mbart", "trocr"])
+def test_a_decoder_that_takes_no_position_ids_is_refused(name):
+    """Bart, MBart and TrOCR as causal LMs number their learned positions from the cache length, not from
+    position_ids (their **kwargs take the keyword and drop it): one request alone already got other tokens
+    than generate after its prefill."""
+    if name == "trocr":
+        model = _build(transformers.TrOCRConfig, transformers.TrOCRForCausalLM, vocab_size=V, d_model=64,
+                       decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128, max_position_embeddings=256,
+                       init_std=0.25, pad_token_id=1, use_learned_position_embeddings=True)
+        owner = "TrOCRDecoder"
+    else:
+        cfg_cls, model_cls = {"bart": (transformers.BartConfig, transformers.BartForCausalLM),
+                              "mbart": (transformers.MBartConfig, transformers.MBartForCausalLM)}[name]
+        model = _build(cfg_cls, model_cls, vocab_size=V, **SEQ)
+        owner = type(model.get_decoder()).__name__
+    ctx = _ctx(model)
+    with pytest.raises(ValueError, match=f"expected a decoder that takes position_ids .*got {owner}.forward "
+                                         f"without it in {name}"):
+        forward_step(model, torch.randint(3, V, (8,)), ctx)
+    assert _untouched(ctx)
+
+
+def test_models_whose_decoder_takes_position_ids_are_still_served():
+    """The signature test looks past a wrapper that only passes ``*args, **kwargs`` on and past a
+    ``decoder`` attribute that is not a decoder (ModernBERT-decoder's LM head): learned positions that
+    do come from position_ids (GPT-2, OPT) and rotary models pass."""
+    gpt2 = _build(transformers.GPT2Config, transformers.GPT2LMHeadModel, vocab_size=V, n_embd=64, n_layer=2,
+                  n_head=4, n_positions=256, initializer_range=0.25, bos_token_id=0, eos_token_id=0)
+    opt = _build(transformers.OPTConfig, transformers.OPTForCausalLM, vocab_size=V, hidden_size=64, ffn_dim=128,
+                 num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=64,
+                 init_std=0.25, pad_token_id=1)
+    models = [gpt2, opt, _llama()]
+    if hasattr(transformers, "ModernBertDecoderForCausalLM"):
+        models.append(_build(transformers.ModernBertDecoderConfig, transformers.ModernBertDecoderForCausalLM,
+                             vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, pad_token_id=0))
+    for m in models:
+        check_model(m)
+        assert forward_step(m, torch.randint(3, V, (8,)), _ctx(m)).shape == (8, V)
+
+
+# ------------------------------------------------------------ rotary frequencies of the whole row
+def _packed_logits_of_a_short_lane(model, bypass=None):
+    """Logits of a 7-token lane prefilled in one step next to a 30-token lane, and those of eager alone."""
+    g = torch.Generator().manual_seed(0)
+    short, long_ = torch.randint(3, V, (7,), generator=g), torch.randint(3, V, (30,), generator=g)
+    ctx = _ctx(model, lanes=(7, 30), max_tokens=40)
+    x = torch.zeros(40, dtype=torch.long)
+    x[:37] = torch.cat([short, long_])
+    with torch.no_grad():
+        got = forward_step(model, x, ctx)[:7]
+        model.set_attn_implementation("eager")
+        try:
+            want = model(short[None]).logits[0]
+        finally:
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return got, want
+
+
+ROW_GLOBAL = {
+    "dynamic": lambda: _llama(max_position_embeddings=16,
+                              rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+    "longrope": lambda: _build(transformers.Phi3Config, transformers.Phi3ForCausalLM,
+                               **{k: v for k, v in LLAMA.items() if k != "head_dim"},
+                               original_max_position_embeddings=16,
+                               rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * 4,
+                                                "long_factor": [4.0] * 4, "rope_theta": 10000.0,
+                                                "partial_rotary_factor": 0.5}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ROW_GLOBAL))
+def test_rope_whose_frequencies_depend_on_the_rows_longest_position_is_refused(kind, monkeypatch):
+    """transformers recomputes "dynamic" and "longrope" frequencies every forward from max(position_ids):
+    a short lane packed next to one past the original length got the long one's frequencies (other tokens
+    than alone and than generate). Shown with the check bypassed, then refused."""
+    model = ROW_GLOBAL[kind]()
+    with pytest.raises(ValueError, match=f"expected a rope_type whose frequencies are fixed .*got rope_parameters "
+                                         f"rope_type '{kind}' in (llama|phi3)'s config"):
+        check_model(model)
+    monkeypatch.setattr(checks, "_row_global", lambda rope_type: False)
+    got, want = _packed_logits_of_a_short_lane(model)
+    assert (got - want).abs().max() > 1e-2
+
+
+def test_row_global_rope_of_one_layer_type_is_refused():
+    """A per-layer-type rope_parameters (Gemma3: one set for full layers, one for sliding) is read per type."""
+    cfg = transformers.Gemma3TextConfig(**LLAMA, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                        rope_parameters={"full_attention": {"rope_type": "dynamic", "factor": 2.0,
+                                                                            "rope_theta": 1e6},
+                                                         "sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 1e4}})
+    with pytest.raises(ValueError, match=r"got rope_parameters\['full_attention'\] rope_type 'dynamic' in gemma3_text"):
+        checks.check_config(cfg)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 16},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 16, "rope_theta": 10000.0},
+], ids=lambda r: r["rope_type"])
+def test_rope_fixed_at_build_time_is_served_packed_as_alone(rope):
+    model = _llama(max_position_embeddings=64, rope_parameters=rope)
+    check_model(model)
+    got, want = _packed_logits_of_a_short_lane(model)
+    assert (got - want).abs().max() < 1e-4
+
+
+# ------------------------------------------------------------ clear errors instead of crashes
+@pytest.mark.parametrize("name", ["falcon", "mpt", "bloom"])
+def test_alibi_is_refused_before_the_forward(name):
+    """Falcon with alibi=True and MPT crashed deep in transformers (AttributeError on a None mask); Bloom was
+    found only after its forward. ALiBi biases come from the packed row's length and mask."""
+    if name == "falcon":
+        model = _build(transformers.FalconConfig, transformers.FalconForCausalLM, vocab_size=V, hidden_size=64,
+                       num_hidden_layers=2, num_attention_heads=4, multi_query=True, alibi=True,
+                       initializer_range=0.25)
+    elif name == "mpt":
+        model = _build(transformers.MptConfig, transformers.MptForCausalLM, vocab_size=V, d_model=64, n_heads=4,
+                       n_layers=2, max_seq_len=256)
+    else:
+        model = _build(transformers.BloomConfig, transformers.BloomForCausalLM, vocab_size=V, hidden_size=64,
+                       n_layer=2, n_head=4, pad_token_id=0)
+    ctx = _ctx(model)
+    with pytest.raises(ValueError, match=f"expected rotary or learned positions from position_ids, got ALiBi in "
+                                         f"{name}'s config"):
+        forward_step(model, torch.randint(1, V, (8,)), ctx)
+    assert _untouched(ctx)
+
+
+def test_a_model_with_its_own_attention_table_is_refused_at_build(tmp_path):
+    """GPT-Neo picks its attention class from a table of its own: building it on tpool_paged raised
+    ``KeyError: 'tpool_paged'`` inside transformers. hf.from_config / from_pretrained say why."""
+    cfg = transformers.GPTNeoConfig(vocab_size=V, hidden_size=64, num_layers=2, num_heads=4,
+                                    attention_types=[[["global", "local"], 1]], max_position_embeddings=256)
+    with pytest.raises(KeyError, match=ATTN_IMPLEMENTATION):   # what building it directly does
+        transformers.GPTNeoForCausalLM._from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION)
+    with pytest.raises(ValueError, match="expected a model whose attention dispatches through transformers' "
+                                         "AttentionInterface, got gpt_neo"):
+        hf.from_config(cfg)
+    transformers.GPTNeoForCausalLM._from_config(cfg, attn_implementation="eager").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="got gpt_neo"):
+        hf.from_pretrained(tmp_path)
+    # a model it serves builds as from_config does; one it refuses is refused before building
+    llama = hf.from_config(transformers.LlamaConfig(**LLAMA))
+    assert llama.config._attn_implementation == ATTN_IMPLEMENTATION
+    with pytest.raises(ValueError, match="got diffllama"):
+        hf.from_config(transformers.DiffLlamaConfig(**LLAMA))
+
+
+def test_kv_shape_of_a_config_without_attention_is_a_value_error():
+    """kv_shape(MambaConfig()) raised AttributeError (no num_attention_heads)."""
+    with pytest.raises(ValueError, match="expected only full_attention and sliding_attention layers .*in mamba"):
+        engine.kv_shape(transformers.MambaConfig())
+
+    class NoHeads:   # a config that names no attention heads and no layer types
+        model_type, num_hidden_layers = "custom", 2
+    with pytest.raises(ValueError, match="custom: not supported by tpool.serving: expected a config with "
+                                         "num_attention_heads"):
+        engine.kv_shape(NoHeads())
+
+
+# ------------------------------------------------------------ the cache
+def test_a_cache_of_another_dtype_is_refused_and_from_pool_takes_no_default():
+    """from_pool defaulted to float16, and the attention cast an fp32 model's K/V to it silently (tokens
+    off generate's). Now the dtype is the caller's to give, and a mismatch is refused before any write;
+    a float8 cache, where storing K/V cast is the point, still takes them."""
+    model = _llama()
+    pool = tpool.PagePool(8, 4, device="cpu", backend="reference")
+    with pytest.raises(TypeError, match="dtype"):
+        PagedKVCache.from_pool(pool, 2, 2, 16)
+    for dtype in (torch.float16, torch.bfloat16):
+        ctx = _ctx(model, dtype=dtype)
+        with pytest.raises(ValueError, match=f"cache: expected dtype torch.float32 \\(the K/V of LlamaAttention, "
+                                             f"layer 0\\), got {dtype}"):
+            forward_step(model, torch.randint(1, V, (8,)), ctx)
+        assert _untouched(ctx)
+    ctx = _ctx(model, dtype=torch.float8_e4m3fn)
+    assert forward_step(model, torch.randint(1, V, (8,)), ctx).shape == (8, V)
+    assert ctx.cache.k[1].float().abs().sum() > 0
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_cache_with_other_layers_than_the_model_is_refused_before_the_forward(layers):
+    """A 3-layer cache for a 2-layer model was taken (a cache shared by two models of one K/V shape would
+    have their layers overwrite each other); a 1-layer one failed at the second layer, after the first's write."""
+    model = _llama()
+    ctx = _ctx(model, layers=layers)
+    with pytest.raises(ValueError, match=f"cache: expected 2 layers \\(the model's num_hidden_layers.*got {layers}"):
+        forward_step(model, torch.randint(1, V, (8,)), ctx)
+    assert _untouched(ctx)
+
+
+# ------------------------------------------------------------ EOS: the engine and its check agree
+def _engine_tokens(model, reqs, **kw):
+    eng = engine.Engine(model, num_pages=48, page_size=4, max_batch=4, max_pages=16, backend="reference",
+                        prefix_cache=False, **kw)
+    got = eng.run(reqs)
+    eng.check()
+    return got
+
+
+def test_the_engine_and_reference_tokens_stop_at_the_same_eos():
+    """The engine ignored eos_token_id while reference_tokens (generate) stopped at the model's: the repo's
+    own check reported mismatches on every model whose config has an EOS in its vocabulary (Mistral, OPT,
+    Granite, ...). Both now take ``eos_token_id``, default the model's generation_config; and reference_tokens
+    decodes plain greedy whatever else the model's generation_config holds (a repetition penalty, a forced
+    EOS at max_length)."""
+    model = _llama()
+    reqs = lambda: engine.make_requests(5, seed=3, vocab_size=V, max_new=(6, 10), prompt_len=(3, 9))  # noqa: E731
+    free = _engine_tokens(model, reqs(), eos_token_id=None)
+    assert all(len(free[r.rid]) == r.max_new for r in reqs())
+    eos = free[0][2]                                   # a token request 0 generates third: it stops there
+    model.generation_config.eos_token_id = eos
+    model.generation_config.repetition_penalty = 3.0   # processors the engine does not apply: not in the check
+    model.generation_config.forced_eos_token_id = eos
+    got, want = _engine_tokens(model, reqs()), engine.reference_tokens(model, reqs())
+    assert got == want
+    assert got[0] == free[0][:3] and sum(map(len, got.values())) < sum(map(len, free.values()))
+    assert all(v == free[k][:len(v)] and (len(v) == len(free[k]) or v[-1] == eos) for k, v in got.items())
+    assert model.generation_config.repetition_penalty == 3.0      # put back
+    # None: neither stops early; an explicit id (or a list) overrides the model's
+    assert engine.reference_tokens(model, reqs(), eos_token_id=None) == free
+    assert _engine_tokens(model, reqs(), eos_token_id=[eos]) == want
+    for bad in ("eos", -1, 1.5, [2, None]):
+        with pytest.raises(ValueError, match="eos_token_id: expected 'model' .*got"):
+            engine.Engine(model, num_pages=8, page_size=4, max_batch=2, max_pages=4, eos_token_id=bad)
