@@ -391,11 +391,14 @@ def test_tokens_must_be_host_ints_not_tensors(backend):
     pool, m, cache = _setup(backend)
     (row,) = m.admit([12])
     t = torch.arange(12)
-    for tokens in (t, list(t), [*range(11), t[11]], t.numpy().astype(np.float64)):
+    for tokens in (t, list(t), [*range(3), t[3], *range(4, 12)], t.numpy().astype(np.float64)):
         for call in (lambda: cache.insert(row, tokens), lambda: cache.match(tokens)):
             with pytest.raises(ValueError, match="tokens"):
                 call()
     assert len(cache) == 0
+    with pytest.raises(ValueError, match="tokens"):
+        cache.insert(row, [*range(11), t[11]])     # its last page: refused before any entry is made
+    assert len(cache) == 0 and cache.inserted == 0
     assert cache.insert(row, t.numpy()) == 3
     m.finish([row], cache=True)
     assert cache.match(list(range(13))).n_tokens == 12 and cache.match(np.arange(13)).n_tokens == 12

@@ -67,6 +67,8 @@ def test_diffllama_is_refused_before_its_first_step():
     with pytest.raises(ValueError, match="got diffllama"):
         forward_step(model, torch.randint(1, V, (8,)), ctx)
     assert _untouched(ctx)
+    with pytest.raises(ValueError, match="got diffllama"):   # at construction, not in run() after pages went
+        engine.Engine(model, num_pages=32, page_size=4, max_batch=4, max_pages=8, backend="reference")
 
 
 def test_a_layer_attending_twice_in_one_forward_is_refused_before_its_second_write(monkeypatch):
@@ -236,6 +238,21 @@ def test_a_model_with_its_own_attention_table_is_refused_at_build(tmp_path):
     assert llama.config._attn_implementation == ATTN_IMPLEMENTATION
     with pytest.raises(ValueError, match="got diffllama"):
         hf.from_config(transformers.DiffLlamaConfig(**LLAMA))
+
+
+def test_from_pretrained_checks_the_config_the_model_is_built_from(tmp_path):
+    """A checkpoint saved with a refused rope is served when the caller builds it with a fixed one
+    (``config=``, or a keyword override of ``rope_parameters``), and refused otherwise."""
+    bad = transformers.LlamaConfig(**LLAMA, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                             "rope_theta": 1e4})
+    transformers.LlamaForCausalLM._from_config(bad, attn_implementation="eager").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="rope_type 'dynamic'"):
+        hf.from_pretrained(tmp_path)
+    for kw in (dict(config=transformers.LlamaConfig(**LLAMA)),
+               dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4})):
+        model = hf.from_pretrained(tmp_path, **kw)
+        assert model.config.rope_parameters["rope_type"] == "default"
+        check_model(model)
 
 
 def test_kv_shape_of_a_config_without_attention_is_a_value_error():

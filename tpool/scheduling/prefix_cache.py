@@ -55,6 +55,19 @@ __all__ = ["PrefixCache", "PrefixMatch"]
 _ROOT = 0  # the entry id before a prompt's first page
 
 
+_INTS = frozenset((int,))  # token types whose pages need no closer look (numpy scalars take the slow check)
+
+
+def _has_tensor(tokens) -> bool:
+    """Whether a tensor is among ``tokens`` (plain ints: one pass of C-level type compares)."""
+    return not _INTS.issuperset(map(type, tokens)) and any(isinstance(t, torch.Tensor) for t in tokens)
+
+
+def _tensor_tokens(what):
+    return ValueError(f"{what}: expected the tokens as host ints (a list, tuple or numpy int array), got tensors: "
+                      f"pass tokens.tolist() (a host read if it is on a device)")
+
+
 @dataclass(frozen=True)
 class PrefixMatch:
     """The entries a request's tokens start with: ``slots`` in page order, ``n_tokens`` they hold,
@@ -154,18 +167,22 @@ class PrefixCache:
 
     @staticmethod
     def _tokens(tokens, what):
-        """``tokens`` as given, checked to be host ints: a tensor is refused (a 0-d tensor hashes by
-        identity, so its keys would never match; and reading a device tensor is a sync)."""
-        if isinstance(tokens, torch.Tensor) or any(isinstance(t, torch.Tensor) for t in tokens):
-            raise ValueError(f"{what}: expected the tokens as host ints (a list, tuple or numpy int array), got "
-                            f"tensors: pass tokens.tolist() (a host read if it is on a device)")
+        """``tokens`` as given, checked to be host ints (each page's tokens again in :meth:`_key`, as
+        far as a lookup walks): a tensor is refused (a 0-d tensor hashes by identity, so its keys
+        would never match; and reading a device tensor is a sync)."""
+        if isinstance(tokens, torch.Tensor):
+            raise _tensor_tokens(what)
         if isinstance(tokens, np.ndarray) and tokens.dtype.kind not in "iu":
             raise ValueError(f"{what}: expected an integer numpy array of tokens, got dtype {tokens.dtype}")
         return tokens
 
-    def _key(self, eid, tokens, i):
-        """The key of page ``i`` of ``tokens`` after entry ``eid``."""
-        return eid, tuple(tokens[i * self.page_size:(i + 1) * self.page_size])
+    def _key(self, eid, tokens, i, what=None):
+        """The key of page ``i`` of ``tokens`` after entry ``eid``; with ``what``, a tensor among its
+        tokens is refused (``match``: only the pages it walks; ``insert`` checks them all first)."""
+        page = tuple(tokens[i * self.page_size:(i + 1) * self.page_size])
+        if what is not None and _has_tensor(page):
+            raise _tensor_tokens(what)
+        return eid, page
 
     def match(self, tokens, max_pages: int | None = None) -> PrefixMatch:
         """The longest run of entries ``tokens`` starts with, at most ``max_pages`` pages (default:
@@ -181,7 +198,7 @@ class PrefixCache:
             return PrefixMatch()
         slots, eids, eid = [], [], _ROOT
         for i in range(limit):
-            slot = self._index.get(self._key(eid, tokens, i))
+            slot = self._index.get(self._key(eid, tokens, i, "match"))
             if slot is None:
                 break
             eid = self._eid[slot]
@@ -226,8 +243,11 @@ class PrefixCache:
         if len(tokens) > m.lo[row]:
             raise ValueError(f"insert: expected at most the row's sure length ({int(m.lo[row])}) tokens, got "
                              f"{len(tokens)}")
+        n = len(tokens) // self.page_size
+        if not isinstance(tokens, np.ndarray) and _has_tensor(tokens[:n * self.page_size]):
+            raise _tensor_tokens("insert")  # (before the index changes)
         first, slots, eid = None, [], _ROOT
-        for i in range(len(tokens) // self.page_size):
+        for i in range(n):
             key = self._key(eid, tokens, i)
             slot = self._index.get(key)
             if slot is None:

@@ -48,7 +48,7 @@ from tpool.scheduling import HostMirror, PrefixCache, PrefixMatch
 from tpool.serving import checks
 from tpool.serving.attention import step_metadata
 from tpool.serving.cli import MODELS
-from tpool.serving.hf import ATTN_IMPLEMENTATION, PagedContext, forward_step
+from tpool.serving.hf import ATTN_IMPLEMENTATION, PagedContext, check_model, forward_step
 from tpool.serving.kv import PagedKVCache
 
 EOS_FROM_MODEL = "model"  # eos_token_id's default: the model's generation_config.eos_token_id
@@ -203,7 +203,8 @@ class Engine:
     def __init__(self, model, *, num_pages: int, page_size: int, max_batch: int, max_pages: int,
                  backend: str = "auto", device="cpu", spec_every: int = 3, draft_len: int = 3,
                  prefix_cache: bool = True, eos_token_id=EOS_FROM_MODEL):
-        self.eos = eos_ids(model, eos_token_id)  # before the pool is made: nothing to undo
+        check_model(model)  # (memoized: forward_step's own check costs nothing more) before the pool is made
+        self.eos = eos_ids(model, eos_token_id)
         spec_every = _checks.check_size(spec_every, "spec_every")
         draft_len = _checks.check_size(draft_len, "draft_len")
         prefix_cache = _checks.flag(prefix_cache, "prefix_cache")

@@ -223,9 +223,18 @@ def from_config(config, **kwargs):
 
 def from_pretrained(name_or_path, **kwargs):
     """``AutoModelForCausalLM.from_pretrained(name_or_path, attn_implementation="tpool_paged", **kwargs)``, with
-    the checks of :func:`from_config` (the config is read first, the weights only if it passes)."""
+    the checks of :func:`from_config` (the config is read first, the weights only if it passes). The
+    config checked is the one the model is built from: ``config=`` when passed, else the saved one with
+    the keyword overrides transformers applies (``rope_parameters=...``: a keyword naming a config
+    attribute)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.from_pretrained(name_or_path, **{k: v for k, v in kwargs.items() if k in _HUB_KWARGS})
+    config = kwargs.get("config")
+    if config is None or isinstance(config, (str, bytes)) or hasattr(config, "__fspath__"):
+        config = AutoConfig.from_pretrained(name_or_path if config is None else config,
+                                            **{k: v for k, v in kwargs.items() if k in _HUB_KWARGS})
+        for k, v in kwargs.items():
+            if k not in _HUB_KWARGS and k != "config" and hasattr(config, k):
+                setattr(config, k, v)
     return _build(config, lambda: AutoModelForCausalLM.from_pretrained(
         name_or_path, attn_implementation=ATTN_IMPLEMENTATION, **kwargs))
 
