@@ -1,8 +1,10 @@
 """OwnedCache: admission order, LRU, pins, counting (tpool.memory.owned_cache)."""
 
 import collections
+import copy
 import dataclasses
 import gc
+import pickle
 import sys
 import threading
 import weakref
@@ -830,10 +832,11 @@ class _Rows(list):
     pass
 
 
-def test_attributes_hold_scalars_only_and_come_back():
+def test_attributes_hold_plain_data_only_and_come_back():
     """A tensor's or a container subclass's attributes stay alive with the value, and no walker
-    charges them: anything but a scalar there (a tensor, an array, bytes, an object) is refused
-    before the cache changes; scalar attributes are kept, a list subclass's too."""
+    charges them: anything but small plain data there (a tensor, an array, 64 KiB of bytes, a list
+    holding a tensor, an object) is refused before the cache changes; scalar attributes are kept, a
+    list subclass's too."""
     cache = OwnedCache(8 * UNIT)
     assert cache.put("old", full(1))
     before = (cache.keys(), cache.stats().current_bytes)
@@ -906,3 +909,149 @@ def test_set_budget_evicts_down_to_it_and_refuses_below_the_pinned_entries():
         cache.budget_bytes = 10 * UNIT  # through set_budget only: a plain assignment would skip the evictions
     cache.set_budget(10 * UNIT)
     assert cache.put("e", full(6)) and cache.stats().current_bytes == 8 * UNIT
+
+
+def test_transformers_model_outputs_and_batch_features_are_cached_as_they_work():
+    """A ModelOutput (an OrderedDict subclass that keeps each item as an attribute too) was refused:
+    its attributes hold tensors. They are its own items, walked and charged as such; the copy comes
+    back a working ModelOutput whose attributes and items are the same new tensors."""
+    modeling_outputs = pytest.importorskip("transformers.modeling_outputs")
+    from transformers import BatchFeature
+    batch = torch.randn(10, 8, 16)                          # 5120 B
+    out = modeling_outputs.BaseModelOutput(last_hidden_state=batch[2:4], hidden_states=(batch[0], batch[1]))
+    assert retained_bytes(out) == 5120
+    alive = StorageWeakRef(batch.untyped_storage())
+    cache = OwnedCache(4 * UNIT)
+    assert cache.put("out", out)
+    assert cache.stats().current_bytes == 1024 + 2 * 512 and cache.stats().compactions == 3
+    del batch, out
+    gc.collect()
+    assert alive.expired()                                  # no attribute of the stored copy holds the batch
+    got = cache.get("out")
+    assert type(got) is modeling_outputs.BaseModelOutput and got.attentions is None
+    assert got.last_hidden_state is got["last_hidden_state"] is got[0] and got.hidden_states is got["hidden_states"]
+    assert storage_bytes(got.last_hidden_state) == 1024 and got.to_tuple()[1][1] is got.hidden_states[1]
+    got["last_hidden_state"] = torch.zeros(1)               # replacing an item of what get returns ...
+    assert cache.get("out").last_hidden_state.shape == (2, 8, 16)   # ... leaves the cache alone
+    features = BatchFeature({"pixel_values": torch.randn(4, 3, 8, 8)[1:2]}, tensor_type="pt")
+    assert cache.put("img", features)
+    img = cache.get("img")
+    assert type(img) is BatchFeature and storage_bytes(img["pixel_values"]) == 768 and img.pixel_values.shape[0] == 1
+    cache.check_invariants()
+    arena = Arena(4096, "cpu")
+    in_arena = OwnedCache(4096, arena=arena)
+    got = cache.get("out")
+    assert in_arena.put("out", got)                        # every tensor copied into one block
+    back = in_arena.get("out")
+    assert back.last_hidden_state is back[0] and back.hidden_states is back["hidden_states"]
+    assert back.last_hidden_state.untyped_storage().data_ptr() == arena.buffer.untyped_storage().data_ptr()
+    assert torch.equal(back.last_hidden_state, got.last_hidden_state) and in_arena.stats().current_bytes == 2048
+    in_arena.check_invariants()
+
+
+def test_a_tensor_marked_dynamic_by_torch_dynamo_is_cached():
+    """torch._dynamo.mark_dynamic leaves sets, dicts and a set of small dataclasses in a tensor's
+    attributes; they were refused (not scalars). Small plain containers are allowed now."""
+    t = torch.randn(4, 8)
+    torch._dynamo.mark_dynamic(t, 0, min=2, max=64)
+    torch._dynamo.maybe_mark_dynamic(t, 1)
+    assert any(isinstance(v, set) for v in vars(t).values())
+    cache = OwnedCache(4 * UNIT)
+    assert cache.put("x", t) and retained_bytes(t) == 128
+    assert cache.get("x") is t and cache.get("x")._dynamo_dynamic_indices == {0}   # kept as is, marks too
+    cache.check_invariants()
+
+
+_Range = collections.namedtuple("_Range", "lo hi")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Span:  # as torch._dynamo's _DimRange: no __dict__, its fields in slots
+    lo: object
+    hi: object
+
+
+def test_attributes_may_hold_numpy_scalars_and_small_containers_of_scalars():
+    """A numpy scalar (np.bool_ is no numbers.Number), a shape tuple, a torch.Size, a set of dims:
+    small plain data, allowed. A container holding a tensor, over 64 items, nested over 2 levels,
+    over 1,024 characters of text in all, or a large numpy scalar is still refused: it would stay
+    alive uncharged."""
+    cache = OwnedCache(8 * UNIT)
+    allowed = [np.bool_(True), np.float32(0.5), np.datetime64("2024-01-01"), (2, 3), torch.Size([2, 3]),
+               {0, 1}, frozenset("ab"), [1.5, None, "tag"], _Range(1, 2), _Span(0, None), {"dims": [0, 1], 3: (4, 5)},
+               list(range(64)), ["x" * 512, "y" * 512]]
+    for i, attr in enumerate(allowed):
+        t = full(1)
+        t.extra = attr
+        rows = _Rows([full(1)])
+        rows.extra = attr
+        for value in (t, rows):
+            assert retained_bytes(value) == UNIT
+            assert cache.put((i, type(value).__name__), value)
+            assert cache.get((i, type(value).__name__)).extra is attr
+    cache.check_invariants()
+    before = (cache.keys(), cache.stats().current_bytes)
+    refused = [((torch.zeros(4),), "a tuple holding a Tensor"), ([np.zeros(3)], "a list holding a ndarray"),
+               ({"w": torch.zeros(4)}, "a dict holding a Tensor"), (list(range(65)), "over 64"),
+               ([[[1]]], "nested over 2"), (["x" * 600, "y" * 600], "over 1024"),
+               (np.void(bytes(2048)), "numpy void of 2048 bytes"),
+               ({_Span(torch.zeros(1), 2)}, "a set holding a _Span holding a Tensor"),
+               ((1, _Rows()), "a tuple holding a _Rows")]
+    for attr, why in refused:
+        t = full(1)
+        t.extra = attr
+        for value in (t, {"w": t}):
+            with pytest.raises(TypeError, match=f"attributes \\('extra' holds .*{why}"):
+                cache.put("new", value)
+            with pytest.raises(TypeError, match="attributes"):
+                retained_bytes(value)
+        assert (cache.keys(), cache.stats().current_bytes) == before
+
+
+def test_arena_shared_with_another_user_refuses_what_does_not_fit_without_evicting():
+    """With blocks of the arena held by another user, the room put computed from its own blocks'
+    gaps over-promised: it evicted every entry, then StopIteration escaped. A foreign block is
+    noticed (the arena has more blocks than the cache holds) and the arena's own check decides."""
+    arena = Arena(4096, "cpu", alignment=256)
+    a, b = OwnedCache(8192, arena=arena), OwnedCache(8192, arena=arena)   # a misuse: two users
+    a.put(0, torch.zeros(64))
+    a.put(1, torch.zeros(64))                             # [0, 512)
+    b.put("b", torch.zeros(64))                           # [512, 768)
+    a.put(2, torch.zeros(64))                             # [768, 1024)
+    assert not a.put("x", torch.zeros(896))               # 3584 B: fits only if b's block were gone
+    assert a.keys() == [0, 1, 2] and a.stats().evictions == 0 and a.stats().rejections == 1
+    assert a.put("y", torch.zeros(768))                   # 3072 B: [1024, 4096), nothing evicted; arena full
+    assert a.keys() == [0, 1, 2, "y"] and a.stats().evictions == 0 and not arena.can_alloc(1)
+    assert a.put("z", torch.zeros(128))                   # 512 B: evicts 0 and 1 (LRU), not 2 (b's block between)
+    assert a.keys() == [2, "y", "z"] and a.stats().evictions == a.stats().fragmentation_evictions == 2
+    assert a._entries["z"].block.offset == 0 and b.keys() == ["b"] and torch.equal(b.get("b"), torch.zeros(64))
+    with pytest.raises(InvariantViolation, match="another user of the arena"):
+        a.check_invariants()
+
+
+def test_put_whose_room_check_over_promised_refuses_instead_of_raising(monkeypatch):
+    """Should the room check ever say a value fits once the unpinned entries are gone when it does
+    not, put runs out of entries to evict: it refuses (False) instead of raising StopIteration."""
+    cache = OwnedCache(2 * UNIT)
+    cache.put("a", full(1))
+    cache.pin("a")
+    real = OwnedCache._fits
+    monkeypatch.setattr(OwnedCache, "_fits", lambda self, plan, stay=None: stay is not None or real(self, plan))
+    assert not cache.put("big", full(3))
+    assert cache.keys() == ["a"] and cache.stats().rejections == 1
+    cache.check_invariants()
+
+
+def test_a_cache_cannot_be_copied_or_pickled():
+    """A deepcopy or an unpickled cache charged storages it did not hold (its ledger keyed by the
+    original's storages) and a shallow copy shared the original's entries; with the lock, deepcopy
+    and pickle raised "cannot pickle '_thread.RLock' object". All three now say why, and the cache
+    is unchanged."""
+    for arena in (None, Arena(1024, "cpu")):
+        cache = OwnedCache(4 * UNIT, arena=arena)
+        cache.put("a", full(1))
+        for clone in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match="an OwnedCache cannot be copied or pickled: its charge is keyed"):
+                clone(cache)
+        assert cache.keys() == ["a"] and cache.put("b", full(0)) and cache.get("b").numel() == 0
+        cache.check_invariants()

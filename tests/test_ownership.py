@@ -531,3 +531,42 @@ def test_the_exact_type_shortcut_answers_as_the_isinstance_chain(monkeypatch):
     fast = [accounting._kind(x) for x in samples]
     monkeypatch.setattr(accounting, "_EXACT_KINDS", {})
     assert [accounting._kind(x) for x in samples] == fast
+
+
+class _Output(dict):
+    """A dict subclass keeping each item as an attribute too, as transformers' ModelOutput does."""
+
+
+def test_map_tensors_rebuilds_an_attribute_that_holds_the_containers_own_item():
+    """An attribute that IS one of the container's items is walked (and charged) as that item; the
+    rebuild points it at the item's rebuild, so it never keeps the replaced tensor alive. An
+    attribute holding a tensor that is not an item, or one inside an item, is still refused."""
+    batch = torch.randn(100, 64)
+    out = _Output(last=batch[3:5], layers=(batch[0], batch[1]))
+    out.last, out.layers, out.n = out["last"], out["layers"], 2
+    assert retained_bytes(out) == 100 * 64 * 4
+    alive = StorageWeakRef(batch.untyped_storage())
+    new = map_tensors(out, own)
+    assert type(new) is _Output and new.n == 2
+    assert new.last is new["last"] and new.layers is new["layers"] and storage_bytes(new.last) == 2 * 64 * 4
+    assert out.last is out["last"] and storage_bytes(out.last) == 100 * 64 * 4   # the caller's is untouched
+    del batch, out
+    gc.collect()
+    assert alive.expired()                    # the attributes no longer hold the batch: only the copies live
+    for stray in (torch.zeros(4), new["layers"][0]):  # not an item itself (an item's part is not)
+        new.extra = stray
+        with pytest.raises(TypeError, match=r"attributes \('extra' holds a Tensor\)"):
+            map_tensors(new, own)
+    key = torch.zeros(2)
+    keyed = _Output({key: torch.ones(1)})
+    keyed.one = keyed[key]                    # an attribute holding an item does not hide a tensor key
+    with pytest.raises(TypeError, match="dict key"):
+        retained_bytes(keyed)
+    rows = _Rows([torch.arange(8.0)[2:6]])
+    rows.first = rows[0]
+    new_rows = map_tensors(rows, own)
+    assert new_rows.first is new_rows[0] and storage_bytes(new_rows.first) == 16
+
+
+class _Rows(list):
+    pass

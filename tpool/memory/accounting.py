@@ -43,12 +43,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import numbers
 import sys
 from collections import UserDict
 from collections.abc import Iterable, Iterator, Mapping, MappingView, Sequence, Set
 from typing import Any
 
+import numpy as np
 import torch
 
 from tpool._checks import storage_spans
@@ -284,37 +286,101 @@ def _kind(obj: Any) -> str:
     :func:`~tpool.memory.ownership.map_tensors`) treat ``obj``: ONE rule, so what one of them counts the
     other can rebuild. ``"tensor"``, ``"leaf"`` (a plain scalar), ``"dict"`` (dict or UserDict: its
     values), ``"items"`` (list, tuple, set, frozenset) or ``"dataclass"`` (its fields and the other
-    attributes in its ``__dict__``, see :func:`_extra_attrs`); anything else raises ``TypeError``, and
+    attributes in its ``__dict__``, see :func:`_extra_attrs`); ``"dict+attrs"`` and ``"items+attrs"``
+    for a subclass with an attribute that holds one of its own items (a ``ModelOutput``: walked as
+    those, and the rebuild points the attribute at the item's rebuild); anything else raises ``TypeError``, and
     so do tensors the walkers would not reach: a tensor in a tensor's attributes (``t.scales = s``)
     or in a dict's keys."""
     kind = _EXACT_KINDS.get(type(obj))  # the common types at one dict lookup (subclasses take the chain below)
     if kind is None:
         kind = _kind_of_subclass(obj)
-    if kind == "tensor" and obj.__dict__:
-        _check_attrs(obj.__dict__, "a tensor")
-    elif kind in ("dict", "items") and type(obj) not in _EXACT_KINDS and getattr(obj, "__dict__", None):
-        _check_attrs(_subclass_attrs(obj), f"a {type(obj).__name__}")
     if kind == "dict" and any(_holds_tensor(k) for k in obj if type(k) is not str):
         raise TypeError("cannot count the bytes of a tensor used as a dict key: it stays alive uncharged; "
                         "key by something else (an id, a string) and keep the tensor as a value")
+    if kind == "tensor" and obj.__dict__:
+        _check_attrs(obj.__dict__, "a tensor")
+    elif kind in ("dict", "items") and type(obj) not in _EXACT_KINDS and getattr(obj, "__dict__", None):
+        if _check_attrs(_subclass_attrs(obj), f"a {type(obj).__name__}", obj):
+            kind += "+attrs"
     return kind
 
 
-_SCALARS = (type(None), numbers.Number, torch.dtype, torch.device, enum.Enum)  # (numpy's scalars too)
-_ATTR_TEXT_MAX = 1024  # characters (or bytes) of a str (bytes) attribute: a tag, not a payload
+_SCALARS = (type(None), numbers.Number, torch.dtype, torch.device, enum.Enum)
+_ATTR_TEXT_MAX = 1024  # characters (or bytes) of a str (bytes) attribute, or of all those in one: a tag, not a payload
+_ATTR_ITEMS_MAX = 64  # items in an attribute's containers, every level together: a shape or a set of dims
+_ATTR_DEPTH_MAX = 2  # levels of containers in an attribute (torch._dynamo.mark_dynamic's: a set of _DimRange)
+_ATTR_TUPLES = (tuple, list, set, frozenset, torch.Size)  # exact types: a subclass may hold more than its items
+_PLAIN_NUMBERS = frozenset((type(None), bool, int, float, complex))  # a set lookup before the isinstance chain
 
 
-def _check_attrs(attrs: dict, what: str) -> None:
+def _check_attrs(attrs: dict, what: str, container: Any = ()) -> bool:
     """Python attributes of a tensor or of a container subclass stay alive with it but no walker
-    charges them: only scalars (numbers, None, dtypes, devices, enums, short strings) may be there."""
+    charges them: only small plain data may be there (see :func:`_attr_problem`), or, for a
+    ``container``, one of its own items (a dict's values) itself: a transformers ``ModelOutput`` keeps
+    each item as an attribute too; the walk charges it as an item, and ``map_tensors`` rebuilds the
+    attribute with it. Returns whether some attribute is one of those items."""
+    own = None
+    aliased = False
     for name, v in attrs.items():
-        if isinstance(v, _SCALARS) or isinstance(v, (str, bytes)) and len(v) <= _ATTR_TEXT_MAX:
+        if isinstance(v, _SCALARS):  # (the common case first: a flag, a count, a dtype)
             continue
-        held = f"{len(v)} {type(v).__name__}" if isinstance(v, (str, bytes)) else f"{type(v).__name__}"
-        raise TypeError(f"cannot count the bytes held in {what}'s attributes ({name!r} holds {held}): they would "
-                        f"stay alive uncharged. Attributes may hold scalars only (numbers, None, dtypes, devices, "
-                        f"enums, strings of at most {_ATTR_TEXT_MAX}); put the rest beside it in a dict or a "
-                        f"dataclass" + ("" if what == "a tensor" else ", or pass dict(value) or list(value)"))
+        problem = _attr_problem(v, [_ATTR_ITEMS_MAX, _ATTR_TEXT_MAX], _ATTR_DEPTH_MAX)
+        if problem is None:
+            continue
+        if own is None:
+            own = {id(x) for x in (container.values() if isinstance(container, (dict, UserDict)) else container)}
+        if id(v) in own:
+            aliased = True
+            continue
+        raise TypeError(f"cannot count the bytes held in {what}'s attributes ({name!r} holds {problem}): they "
+                        f"would stay alive uncharged. Attributes may hold scalars (numbers, numpy scalars, None, "
+                        f"dtypes, devices, enums, strings of at most {_ATTR_TEXT_MAX}) and tuples, lists, sets, "
+                        f"dicts and dataclasses of them ({_ATTR_ITEMS_MAX} items, {_ATTR_DEPTH_MAX} levels and "
+                        f"{_ATTR_TEXT_MAX} characters at most)" + ("" if what == "a tensor" else ", or one of its own "
+                        "items") + "; put the rest beside it in a dict or a dataclass"
+                        + ("" if what == "a tensor" else ", or pass dict(value) or list(value)"))
+    return aliased
+
+
+def _attr_problem(v: Any, room: list[int], depth: int) -> str | None:
+    """None if ``v`` is small plain data, else what it holds that is not. Plain: a scalar, a numpy
+    scalar of at most ``_ATTR_TEXT_MAX`` bytes, a str or bytes; or, ``depth`` levels deep at most, a
+    tuple, list, set, frozenset, ``torch.Size``, named tuple, dict (keys and values) or dataclass
+    instance (fields and ``__dict__``) of them. ``room`` is what is left of the items and of the
+    characters (or bytes) of text, shared by every level of one attribute; it shrinks as ``v`` is read."""
+    if type(v) in _PLAIN_NUMBERS or isinstance(v, _SCALARS):
+        return None
+    if isinstance(v, np.generic):  # np.bool_, np.float32, np.datetime64, ... (np.void can be large)
+        return None if v.nbytes <= _ATTR_TEXT_MAX else f"a numpy {type(v).__name__} of {v.nbytes} bytes"
+    if isinstance(v, (str, bytes)):
+        room[1] -= len(v)
+        return None if room[1] >= 0 else f"{len(v)} {type(v).__name__} (over {_ATTR_TEXT_MAX} in all)"
+    if type(v) in _ATTR_TUPLES or isinstance(v, tuple) and hasattr(v, "_fields") and not hasattr(v, "__dict__"):
+        items = v
+    elif type(v) is dict:
+        items = [*v, *v.values()]
+    elif _is_dataclass(v):  # its fields, then its other attributes
+        names = _field_names(type(v))
+        items = [*(getattr(v, n) for n in names),
+                 *(x for k, x in (getattr(v, "__dict__", None) or {}).items() if k not in names)]
+    else:
+        return f"a {type(v).__name__}"
+    if depth == 0:
+        return f"a {type(v).__name__} nested over {_ATTR_DEPTH_MAX} levels"
+    room[0] -= len(items)
+    if room[0] < 0:
+        return f"a {type(v).__name__} of {len(items)} items (over {_ATTR_ITEMS_MAX} in all)"
+    for x in items:
+        problem = _attr_problem(x, room, depth - 1)
+        if problem is not None:
+            return f"a {type(v).__name__} holding {problem}"
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _field_names(cls: type) -> tuple[str, ...]:
+    """The field names of dataclass ``cls`` (``dataclasses.fields`` costs ~1 µs a call)."""
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def _subclass_attrs(obj: Any) -> dict:
@@ -397,10 +463,10 @@ def _walk(obj: Any) -> Iterator[Any]:
     kind = _kind(obj)
     if kind in ("tensor", "leaf"):
         yield obj
-    elif kind == "dict":
+    elif kind == "dict" or kind == "dict+attrs":
         for v in obj.values():
             yield from _walk(v)
-    elif kind == "items":
+    elif kind == "items" or kind == "items+attrs":
         for v in obj:
             yield from _walk(v)
     elif kind == "dataclass":

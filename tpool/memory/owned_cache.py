@@ -34,7 +34,12 @@ Note:
     (:func:`~tpool.memory.accounting.leaf_bytes`). Pinned
     entries are never evicted, popped or cleared. The cache must be the
     arena's only user (:meth:`OwnedCache.check_invariants` counts every
-    live block of it as the cache's).
+    live block of it as the cache's): a ``put`` finds the room that
+    evictions would leave from the gaps between the blocks it keeps, and
+    only when the arena has blocks the cache does not hold does it ask the
+    arena instead (exact, but it walks every entry). A cache cannot be
+    copied or pickled (``TypeError``): its charge is keyed by the identity
+    of what it holds.
 
     ``get`` returns a new container each call (the stored tensors in it), so
     replacing an item of what it returns (``d["x"] = y``, transformers'
@@ -174,6 +179,7 @@ class OwnedCache:
         self._ledger: dict[StorageKey, _Charged] = {}  # plain mode: each storage charged
         self._current = self._peak = 0
         self._payload = 0  # the entries' payload bytes, kept as they come and go (memory_bytes reads it)
+        self._blocks = 0  # arena blocks the entries hold: fewer than the arena's means another user has some
         self._counts = dict.fromkeys(
             ("hits", "misses", "insertions", "duplicates", "rejections", "evictions",
              "fragmentation_evictions", "compactions", "bytes_saved"), 0)
@@ -220,9 +226,11 @@ class OwnedCache:
             A leaf that is neither a tensor nor a plain scalar, a tensor
             without ordinary storage, a tensor used as a dict key, or an
             attribute of a tensor or of a container subclass that holds more
-            than a scalar (a tensor, an array, a list, an object, a string
-            of over 1,024): nothing would charge what it keeps alive.
-            Checked before anything is evicted.
+            than small plain data (a tensor, an array, an object, a string
+            of over 1,024, a container of over 64 items or holding any of
+            those; a container subclass's attribute may hold one of its own
+            items, as a ``ModelOutput``'s do): nothing would charge what it
+            keeps alive. Checked before anything is evicted.
         ValueError
             With an arena, a tensor on another device than ``arena.device``,
             or one that reads free arena bytes (a view of an evicted or
@@ -243,7 +251,10 @@ class OwnedCache:
             self._counts["rejections"] += 1
             return False
         while not self._fits(plan):
-            victim = next(k for k in self._entries if k not in stay)
+            victim = next((k for k in self._entries if k not in stay), None)
+            if victim is None:  # (not reached while the room check above is exact; refuse, never raise)
+                self._counts["rejections"] += 1
+                return False
             if self._current + self._cost(plan) <= self.budget_bytes:
                 self._counts["fragmentation_evictions"] += 1
             self._drop(victim)
@@ -306,6 +317,9 @@ class OwnedCache:
             return True
         if stay is None:
             return self.arena.can_alloc(plan.copy_bytes)
+        if self._blocks != self.arena.num_blocks:  # another user holds blocks: ask the arena (O(entries))
+            return self.arena.can_alloc(plan.copy_bytes, also_free=[
+                e.block for k, e in self._entries.items() if e.block is not None and k not in stay])
         # The cache is the arena's only user: with only the blocks of ``stay`` live, a block fits in a
         # gap between them (their ranges sorted; O(len(stay)), however many entries there are).
         size, end = self.arena.block_size(plan.copy_bytes), 0
@@ -363,6 +377,7 @@ class OwnedCache:
                 self.arena.free(block)
                 raise
             self._current += block.size + plan.leaf_bytes
+            self._blocks += 1
             return _Entry(value, block.size, plan.payload_bytes, {}, block, leaf_bytes=plan.leaf_bytes)
         value = plan.apply()
         storages = {accounting.storage_key(t): t.untyped_storage() for t in accounting.iter_tensors(value)}
@@ -386,6 +401,7 @@ class OwnedCache:
         if entry.block is not None:
             self.arena.free(entry.block)
             self._current -= entry.block.size
+            self._blocks -= 1
         self._current -= entry.leaf_bytes
         return entry
 
@@ -599,6 +615,12 @@ class OwnedCache:
         if pinned:
             raise ValueError(f"entries {pinned!r} are pinned (in-flight readers); unpin them first")
 
+    def __reduce_ex__(self, protocol):
+        raise TypeError("an OwnedCache cannot be copied or pickled: its charge is keyed by the identity of the "
+                        "storages (or arena blocks) it holds, which a copy would not hold, and a shallow copy "
+                        "would share its entries; make a new cache and put the values in it "
+                        "(for k in cache.keys(): new.put(k, cache.get(k)))")
+
     @_locked
     def __contains__(self, key: Hashable) -> bool:
         return key in self._entries
@@ -688,7 +710,8 @@ class OwnedCache:
                 continue
             lo = buf.data_ptr() + e.block.offset
             _require(self.arena.is_live(e.block) and e.nbytes == e.block.size and all(
-                t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() and (t.numel() == 0 or  # data_ptr() is 0 then
+                t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+                and (t.numel() == 0 or  # (an empty tensor's data_ptr() is 0)
                 lo <= t.data_ptr() <= t.data_ptr() + accounting.compact_bytes(t) <= lo + e.block.size)
                 for t in tensors), f"{key!r}: its block {e.block} is dead, mis-sized or not where its tensors are")
             in_blocks += e.nbytes
@@ -699,9 +722,10 @@ class OwnedCache:
                  "a ledger key is not the address of the storage it holds")
         if self.arena is not None:
             blocks = sum(1 for e in self._entries.values() if e.block is not None)
-            _require((self.arena.num_blocks, self.arena.allocated_bytes) == (blocks, in_blocks),
+            _require((self.arena.num_blocks, self.arena.allocated_bytes, self._blocks) == (blocks, in_blocks, blocks),
                      f"the arena has {self.arena.num_blocks} live blocks of {self.arena.allocated_bytes} B, "
-                     f"the entries hold {blocks} of {in_blocks} B (a leaked block?)")
+                     f"the entries hold {blocks} of {in_blocks} B, {self._blocks} counted (a leaked block, or "
+                     "another user of the arena?)")
         _require(self._payload == sum(e.payload for e in self._entries.values()),
                  f"payload_bytes {self._payload} != the entries' {sum(e.payload for e in self._entries.values())}")
         _require(self._current == sum(held.values()) + in_blocks + leaves,

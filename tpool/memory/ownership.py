@@ -165,8 +165,8 @@ def compact(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 
 
 # Dtypes torch has no copy kernel for (sub-byte and bit shells): compact copies their bytes as an int of the size.
-_NO_COPY_KERNEL = frozenset(d for d in (getattr(torch, f"{kind}{n}", None) for kind in ("uint", "int") for n in range(1, 8))
-                            if isinstance(d, torch.dtype)) | frozenset(
+_NO_COPY_KERNEL = frozenset(d for d in (getattr(torch, f"{kind}{n}", None) for kind in ("uint", "int")
+                                         for n in range(1, 8)) if isinstance(d, torch.dtype)) | frozenset(
     d for d in (getattr(torch, n, None) for n in ("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16"))
     if isinstance(d, torch.dtype))
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -254,7 +254,10 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         (named tuples too), sets, and dataclass instances (copied, fields set
         directly, so frozen ones work; the other attributes in the
         instance's ``__dict__``, set in ``__post_init__`` or cached by
-        ``functools.cached_property``, are rebuilt too). Leaves: tensors and
+        ``functools.cached_property``, are rebuilt too). A dict, list, tuple
+        or set subclass keeps its attributes; one that holds one of its own
+        items (a transformers ``ModelOutput`` keeps every item as an
+        attribute too) is pointed at that item's rebuild. Leaves: tensors and
         plain scalars (None, bool, int, float, complex, str, bytes, dtype,
         device, Enum). :func:`~tpool.memory.accounting.retained_bytes`
         walks by the same rule.
@@ -272,7 +275,10 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     TypeError
         A leaf of another type (a numpy array, a deque, an ``nn.Module``,
         ...): its bytes could not be counted; or another mapping, whose copy
-        could share the caller's items (pass a dict of it).
+        could share the caller's items (pass a dict of it); or an attribute
+        of a tensor or of a container subclass holding more than small plain
+        data or one of its own items (a tensor, an array, an object): it
+        would stay alive uncharged.
     """
     kind = _kind(obj)
     if kind == "tensor":
@@ -284,11 +290,20 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         for k, v in obj.items():
             new[k] = map_tensors(v, fn)
         return new
-    if kind == "items":
+    if kind == "items" or kind == "items+attrs":
         items = [map_tensors(v, fn) for v in obj]
         new = type(obj)(*items) if isinstance(obj, tuple) and hasattr(obj, "_fields") else type(obj)(items)
         if type(obj) not in (list, tuple, set, frozenset) and getattr(obj, "__dict__", None):
-            vars(new).update(vars(obj))  # a subclass's attributes (scalars, _kind checked) come back too
+            vars(new).update(vars(obj))  # a subclass's attributes (_kind checked) come back too
+            if kind == "items+attrs":
+                _rebuild_attrs(obj, new, {id(v): m for v, m in zip(obj, items)})
+        return new
+    if kind == "dict+attrs":  # a ModelOutput: some attributes hold its own items
+        new = copy.copy(obj)
+        done = {}  # id(item) -> its rebuild
+        for k, v in obj.items():
+            new[k] = done[id(v)] = map_tensors(v, fn)
+        _rebuild_attrs(obj, new, done)
         return new
     new = copy.copy(obj)  # a dataclass instance
     for f in dataclasses.fields(obj):
@@ -296,6 +311,16 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     for name, v in _extra_attrs(obj).items():
         vars(new)[name] = map_tensors(v, fn)  # past any descriptor, as __post_init__ or cached_property stored it
     return new
+
+
+def _rebuild_attrs(obj: Any, new: Any, done: dict[int, Any]) -> None:
+    """Point each attribute of container subclass ``new`` (a copy of ``obj``) that holds one of
+    ``obj``'s items itself at that item's rebuild (``done``: id of an item -> its rebuild), as
+    :func:`~tpool.memory.accounting._check_attrs` allows: a ``ModelOutput``'s attribute and item
+    then stay one object, and the attribute never keeps a replaced tensor alive."""
+    for name, v in vars(obj).items():  # (a UserDict's ``data`` is no item: new keeps its own)
+        if id(v) in done:
+            vars(new)[name] = done[id(v)]  # past any __setattr__ (a ModelOutput's __setitem__ set it already)
 
 
 def _round_up(n: int, align: int) -> int:
