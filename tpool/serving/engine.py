@@ -203,7 +203,8 @@ class Engine:
     def __init__(self, model, *, num_pages: int, page_size: int, max_batch: int, max_pages: int,
                  backend: str = "auto", device="cpu", spec_every: int = 3, draft_len: int = 3,
                  prefix_cache: bool = True, eos_token_id=EOS_FROM_MODEL):
-        check_model(model)  # (memoized: forward_step's own check costs nothing more) before the pool is made
+        layers, kv_heads, head_dim = kv_shape(model.config)   # before the pool is made: nothing to undo
+        check_model(model)  # (memoized: forward_step's own check costs nothing more)
         self.eos = eos_ids(model, eos_token_id)
         spec_every = _checks.check_size(spec_every, "spec_every")
         draft_len = _checks.check_size(draft_len, "draft_len")
@@ -214,7 +215,6 @@ class Engine:
         self.lookahead = 1 + draft_len if spec_every else 1
         self.mirror = HostMirror(self.table, lookahead=self.lookahead, free=num_pages, cached=0)  # a fresh pool
         self.prefix = PrefixCache(self.mirror) if prefix_cache else None
-        layers, kv_heads, head_dim = kv_shape(model.config)
         self.cache = PagedKVCache.from_pool(self.pool, layers, kv_heads, head_dim, dtype=model.dtype)
         self.ps, self.max_batch, self.max_pages = page_size, max_batch, max_pages
         self.spec_every, self.draft_len = spec_every, draft_len
