@@ -971,6 +971,46 @@ class _Span:  # as torch._dynamo's _DimRange: no __dict__, its fields in slots
     hi: object
 
 
+@dataclasses.dataclass
+class _ListRecord(list):
+    """A dataclass that is also a list: its items are no field."""
+    name: str = "r"
+
+
+class _Slots:
+    __slots__ = ("payload",)
+
+
+@dataclasses.dataclass
+class _SlottedRecord(_Slots):
+    """A dataclass whose base's slot holds what no field names."""
+    n: int
+
+    def __post_init__(self):
+        self.payload = torch.zeros(1 << 20)
+
+
+def test_a_container_attribute_is_the_caches_own_copy():
+    """An attribute list of a dict subclass was the caller's object in the cache and in every get: a
+    tensor appended to it after put stayed alive through the cache, uncharged. The rebuilt container
+    holds a deep copy of such small plain data: nothing added to the caller's or a get's reaches it."""
+    cache = OwnedCache(8 * UNIT)
+    value = _Tagged(x=full(1))
+    value.meta = [1, 2]
+    assert cache.put("k", value)
+    got = cache.get("k")
+    assert got.meta == [1, 2] and got.meta is not value.meta
+    big = torch.zeros(1 << 20)
+    alive = weakref.ref(big)
+    value.meta.append(big)
+    got.meta.append(big)
+    del value, got, big
+    gc.collect()
+    assert alive() is None and cache.get("k").meta == [1, 2]
+    assert cache.stats().current_bytes == UNIT
+    cache.check_invariants()
+
+
 def test_attributes_may_hold_numpy_scalars_and_small_containers_of_scalars():
     """A numpy scalar (np.bool_ is no numbers.Number), a shape tuple, a torch.Size, a set of dims:
     small plain data, allowed. A container holding a tensor, over 64 items, nested over 2 levels,
@@ -988,13 +1028,21 @@ def test_attributes_may_hold_numpy_scalars_and_small_containers_of_scalars():
         for value in (t, rows):
             assert retained_bytes(value) == UNIT
             assert cache.put((i, type(value).__name__), value)
-            assert cache.get((i, type(value).__name__)).extra is attr
+            got = cache.get((i, type(value).__name__)).extra
+            assert got == attr and type(got) is type(attr)
+            # the rebuilt container's copy is its own: nothing added to the caller's reaches the cache
+            if value is rows and isinstance(attr, (list, set, dict)):
+                assert got is not attr
     cache.check_invariants()
     before = (cache.keys(), cache.stats().current_bytes)
     refused = [((torch.zeros(4),), "a tuple holding a Tensor"), ([np.zeros(3)], "a list holding a ndarray"),
                ({"w": torch.zeros(4)}, "a dict holding a Tensor"), (list(range(65)), "over 64"),
                ([[[1]]], "nested over 2"), (["x" * 600, "y" * 600], "over 1024"),
                (np.void(bytes(2048)), "numpy void of 2048 bytes"),
+               (np.zeros(1 << 20, dtype="i4,i4")[0], "a numpy void viewing an array"),
+               ([np.str_("x" * 600), np.str_("y" * 600)], "over 1024"),
+               (_ListRecord([torch.zeros(4)]), "a dataclass that is also a container"),
+               (_SlottedRecord(1), "a _SlottedRecord holding a Tensor"),
                ({_Span(torch.zeros(1), 2)}, "a set holding a _Span holding a Tensor"),
                ((1, _Rows()), "a tuple holding a _Rows")]
     for attr, why in refused:

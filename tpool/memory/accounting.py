@@ -350,18 +350,23 @@ def _attr_problem(v: Any, room: list[int], depth: int) -> str | None:
     characters (or bytes) of text, shared by every level of one attribute; it shrinks as ``v`` is read."""
     if type(v) in _PLAIN_NUMBERS or isinstance(v, _SCALARS):
         return None
-    if isinstance(v, np.generic):  # np.bool_, np.float32, np.datetime64, ... (np.void can be large)
-        return None if v.nbytes <= _ATTR_TEXT_MAX else f"a numpy {type(v).__name__} of {v.nbytes} bytes"
-    if isinstance(v, (str, bytes)):
+    if isinstance(v, (str, bytes)):  # (numpy's str_ and bytes_ too: text, counted as text)
         room[1] -= len(v)
         return None if room[1] >= 0 else f"{len(v)} {type(v).__name__} (over {_ATTR_TEXT_MAX} in all)"
+    if isinstance(v, np.generic):  # np.bool_, np.float32, np.datetime64, ...
+        if isinstance(v, np.void) and (v.base is not None or v.dtype.hasobject):
+            # a structured array's row is a view that keeps the whole array alive; an object field holds anything
+            return "a numpy void " + ("viewing an array" if v.base is not None else "with object fields")
+        return None if v.nbytes <= _ATTR_TEXT_MAX else f"a numpy {type(v).__name__} of {v.nbytes} bytes"
     if type(v) in _ATTR_TUPLES or isinstance(v, tuple) and hasattr(v, "_fields") and not hasattr(v, "__dict__"):
         items = v
     elif type(v) is dict:
         items = [*v, *v.values()]
-    elif _is_dataclass(v):  # its fields, then its other attributes
-        names = _field_names(type(v))
-        items = [*(getattr(v, n) for n in names),
+    elif _is_dataclass(v):  # its fields, its other slots, then its other attributes
+        if isinstance(v, (list, tuple, set, frozenset, dict, UserDict)):
+            return f"a {type(v).__name__} (a dataclass that is also a container: its items are not read)"
+        names, slots = _field_names(type(v))
+        items = [*(getattr(v, n) for n in names), *(getattr(v, n) for n in slots if hasattr(v, n)),
                  *(x for k, x in (getattr(v, "__dict__", None) or {}).items() if k not in names)]
     else:
         return f"a {type(v).__name__}"
@@ -369,7 +374,7 @@ def _attr_problem(v: Any, room: list[int], depth: int) -> str | None:
         return f"a {type(v).__name__} nested over {_ATTR_DEPTH_MAX} levels"
     room[0] -= len(items)
     if room[0] < 0:
-        return f"a {type(v).__name__} of {len(items)} items (over {_ATTR_ITEMS_MAX} in all)"
+        return f"a {type(v).__name__} (its attribute holds over {_ATTR_ITEMS_MAX} items in all)"
     for x in items:
         problem = _attr_problem(x, room, depth - 1)
         if problem is not None:
@@ -378,9 +383,17 @@ def _attr_problem(v: Any, room: list[int], depth: int) -> str | None:
 
 
 @functools.lru_cache(maxsize=256)
-def _field_names(cls: type) -> tuple[str, ...]:
-    """The field names of dataclass ``cls`` (``dataclasses.fields`` costs ~1 µs a call)."""
-    return tuple(f.name for f in dataclasses.fields(cls))
+def _field_names(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The field names of dataclass ``cls`` (``dataclasses.fields`` costs ~1 µs a call), and the names of
+    its other slots (a ``__slots__`` base's: they hold values no field names)."""
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    slots = []
+    for c in cls.__mro__:
+        declared = c.__dict__.get("__slots__", ())
+        for n in (declared,) if isinstance(declared, str) else declared:
+            if n not in names and n not in ("__dict__", "__weakref__") and n not in slots:
+                slots.append(n)
+    return names, tuple(slots)
 
 
 def _subclass_attrs(obj: Any) -> dict:

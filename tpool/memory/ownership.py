@@ -36,10 +36,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import math
+from collections import UserDict
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from tpool._checks import check_size
@@ -289,14 +292,15 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         new = copy.copy(obj)
         for k, v in obj.items():
             new[k] = map_tensors(v, fn)
+        if type(obj) is not dict and type(obj) is not UserDict and getattr(obj, "__dict__", None):
+            _rebuild_attrs(obj, new, _NONE)  # a subclass's attributes: the copy gets its own
         return new
     if kind == "items" or kind == "items+attrs":
         items = [map_tensors(v, fn) for v in obj]
         new = type(obj)(*items) if isinstance(obj, tuple) and hasattr(obj, "_fields") else type(obj)(items)
         if type(obj) not in (list, tuple, set, frozenset) and getattr(obj, "__dict__", None):
             vars(new).update(vars(obj))  # a subclass's attributes (_kind checked) come back too
-            if kind == "items+attrs":
-                _rebuild_attrs(obj, new, {id(v): m for v, m in zip(obj, items)})
+            _rebuild_attrs(obj, new, {id(v): m for v, m in zip(obj, items)} if kind == "items+attrs" else _NONE)
         return new
     if kind == "dict+attrs":  # a ModelOutput: some attributes hold its own items
         new = copy.copy(obj)
@@ -313,14 +317,25 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return new
 
 
+_NONE: dict = {}  # no item is an attribute (read only)
+# attribute values a copy may share: nothing can be added to them (small plain data that can is deep-copied)
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum, np.generic)
+
+
 def _rebuild_attrs(obj: Any, new: Any, done: dict[int, Any]) -> None:
     """Point each attribute of container subclass ``new`` (a copy of ``obj``) that holds one of
     ``obj``'s items itself at that item's rebuild (``done``: id of an item -> its rebuild), as
     :func:`~tpool.memory.accounting._check_attrs` allows: a ``ModelOutput``'s attribute and item
-    then stay one object, and the attribute never keeps a replaced tensor alive."""
-    for name, v in vars(obj).items():  # (a UserDict's ``data`` is no item: new keeps its own)
+    then stay one object, and the attribute never keeps a replaced tensor alive. Every other
+    attribute the copy still shares with ``obj`` and that is not a scalar (small plain data, as
+    ``_check_attrs`` allows: a list, a set, a dict, a dataclass) is deep-copied, so that no one can
+    add a tensor to the cache's copy through the caller's object (or another ``get``'s)."""
+    own = vars(new)
+    for name, v in vars(obj).items():  # (a UserDict's ``data`` is no item: new has its own already)
         if id(v) in done:
-            vars(new)[name] = done[id(v)]  # past any __setattr__ (a ModelOutput's __setitem__ set it already)
+            own[name] = done[id(v)]  # past any __setattr__ (a ModelOutput's __setitem__ set it already)
+        elif own.get(name) is v and not isinstance(v, _IMMUTABLE):
+            own[name] = copy.deepcopy(v)
 
 
 def _round_up(n: int, align: int) -> int:
