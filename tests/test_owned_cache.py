@@ -3,6 +3,8 @@
 import collections
 import copy
 import dataclasses
+import enum
+import fractions
 import gc
 import pickle
 import sys
@@ -1103,3 +1105,189 @@ def test_a_cache_cannot_be_copied_or_pickled():
                 clone(cache)
         assert cache.keys() == ["a"] and cache.put("b", full(0)) and cache.get("b").numel() == 0
         cache.check_invariants()
+
+
+class _Int(int):
+    """An int subclass: its instances have a __dict__ of their own."""
+
+
+class _Float(float):
+    __slots__ = ("x",)
+
+
+class _Text(str):
+    pass
+
+
+class _Colour(enum.Enum):
+    RED = 1
+
+
+def test_a_scalar_subclass_that_holds_a_tensor_is_refused_before_anything_is_evicted():
+    """A subclass of int, float or str was a leaf: a tensor in its __dict__ or __slots__ stayed
+    alive with the value, uncharged (16 MiB alive, 0 charged), as a value or inside a tensor's
+    attribute. Its own attributes are held to the attribute rule now; small plain ones are kept."""
+    cache = OwnedCache(3 * UNIT)
+    assert cache.put("old", full(2))
+    before = (cache.keys(), cache.stats().current_bytes)
+    for cls, v in ((_Int, 3), (_Float, 1.5), (_Text, "a")):
+        scalar = cls(v)
+        if cls is _Float:
+            scalar.x = torch.zeros(1 << 20)
+        else:
+            scalar.payload = torch.zeros(1 << 20)
+        tagged = full(1)
+        tagged.n = scalar
+        for value, what in (({"n": scalar}, f"a {cls.__name__}'s attributes"), ([scalar], "attributes"),
+                            (tagged, f"holds a {cls.__name__} holding a Tensor")):
+            with pytest.raises(TypeError, match=what):
+                cache.put("new", value)
+            with pytest.raises(TypeError, match=what):
+                retained_bytes(value)
+            assert (cache.keys(), cache.stats().current_bytes) == before
+    small = _Int(7)
+    small.unit = "tokens"
+    assert cache.put("new", {"n": small, "x": full(0)}) and cache.get("new")["n"].unit == "tokens"
+    cache.check_invariants()
+
+
+class _Key:
+    def __init__(self, t):
+        self.t = t
+
+    def __hash__(self):
+        return 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _NamedKey:
+    name: str
+    emb: object = None
+
+
+def test_dict_keys_must_be_small_plain_data():
+    """A tensor in a dict key's attributes (an object or a dataclass used as a key) stayed alive with
+    the value, uncharged, and so did 16 MiB of bytes used as a key: no walker reads keys. Keys are
+    names: they are held to the attribute rule (no tensor, no object, text of 1,024 at most), and a
+    key that is not is refused before the cache changes."""
+    cache = OwnedCache(3 * UNIT)
+    assert cache.put("old", full(2))
+    before = (cache.keys(), cache.stats().current_bytes)
+    big = torch.zeros(1 << 20)
+    for key, what in ((_Key(big), r"dict key \(a _Key\)"), (_NamedKey("a", big), "a _NamedKey holding a Tensor"),
+                      (("a", (1, big)), "a tuple holding a tuple holding a Tensor"),
+                      (bytes(1 << 20), "over 1024"), ("x" * 1025, "over 1024"), (10**1000, "an int of")):
+        for value in ({key: full(0)}, [collections.UserDict({key: 1})]):
+            with pytest.raises(TypeError, match=f"dict key.*{what}|{what}.*stays alive with the value"):
+                cache.put("new", value)
+            with pytest.raises(TypeError, match="dict key"):
+                retained_bytes(value)
+            assert (cache.keys(), cache.stats().current_bytes) == before
+    plain = {"x" * 1024: 1, 7: 2, 2.5: 3, None: 4, True: 5, b"k": 6, ("layer", 3): 7, frozenset("ab"): 8,
+             _Colour.RED: 9, np.int64(3): 10, torch.float16: 11, _NamedKey("a"): full(0)}
+    assert cache.put("new", plain) and cache.get("new") == plain
+    cache.check_invariants()
+
+
+class _SlottedList(list):
+    __slots__ = ("x",)
+
+
+class _SlottedDict(dict):
+    __slots__ = ("x",)
+
+
+class _SlottedSet(set):
+    __slots__ = ("x",)
+
+
+def test_a_container_subclass_slots_are_read_as_its_attributes():
+    """A list, dict or set subclass's __slots__ were not read: a tensor there stayed alive with the
+    value, uncharged (a dict subclass's, copied by copy.copy), or was dropped on the rebuild (a list's,
+    a set's: get returned it without). They are held to the attribute rule now and come back from get.
+    A dataclass's base slot (no field names it) is walked and charged like its other attributes."""
+    cache = OwnedCache(3 * UNIT)
+    assert cache.put("old", full(2))
+    for cls, items in ((_SlottedList, [full(0)]), (_SlottedDict, {"a": full(0)}), (_SlottedSet, {1})):
+        before = (cache.keys(), cache.stats().current_bytes)
+        value = cls(items)
+        value.x = torch.zeros(1 << 20)
+        with pytest.raises(TypeError, match=f"a {cls.__name__}'s attributes \\('x' holds a Tensor"):
+            cache.put("new", value)
+        with pytest.raises(TypeError, match="attributes"):
+            retained_bytes(value)
+        assert (cache.keys(), cache.stats().current_bytes) == before
+        value.x = [1, 2]
+        assert cache.put(cls.__name__, value)
+        got = cache.get(cls.__name__)
+        assert type(got) is cls and got.x == [1, 2] and got.x is not value.x   # the cache's own copy
+    record = _SlottedRecord(1)                         # a 4 MiB tensor in a base's slot
+    assert retained_bytes([record]) == 4 << 20
+    cache.set_budget(8 << 20)
+    assert cache.put("record", record) and cache.stats().current_bytes == (4 << 20) + 2 * UNIT
+    assert cache.get("record").payload is record.payload
+    cache.check_invariants()
+
+
+def test_check_invariants_names_the_key_and_the_attribute_a_caller_added_after_put():
+    """A tensor added to the attributes of a stored tensor after put (through the tensor get returns)
+    stays alive uncharged; check_invariants raised the walker's TypeError. It reports it as the broken
+    invariant it is, naming the key and the attribute; get still reads the entry."""
+    cache = OwnedCache(4 * UNIT)
+    assert cache.put("t", full(1)) and cache.put("d", {"w": full(1)})
+    cache.check_invariants()
+    cache.get("d")["w"].extra = torch.zeros(1 << 20)
+    with pytest.raises(InvariantViolation, match=r"'d' holds what put refuses.*\('extra' holds a Tensor\)"):
+        cache.check_invariants()
+    del cache.get("d")["w"].extra
+    cache.get("t").extra = torch.zeros(1 << 20)
+    with pytest.raises(InvariantViolation, match=r"'t' holds what put refuses.*\('extra' holds a Tensor\)"):
+        cache.check_invariants()
+    assert cache.get("t") is cache.get("t") and cache.stats().current_bytes == 2 * UNIT
+
+
+def test_large_numbers_are_bounded_in_attributes_and_charged_as_values():
+    """64 ints of 41 KiB each in a tensor's attribute passed the item count (64) and stayed alive,
+    2.7 MiB uncharged; an int of 41 KiB as a value was charged nothing. A number in an attribute or a
+    key may take 128 bytes (sys.getsizeof) at most, a Fraction's parts too; a large int leaf is
+    charged its size, as a str or bytes leaf is."""
+    cache = OwnedCache(4 * UNIT)
+    assert cache.put("old", full(1))
+    before = (cache.keys(), cache.stats().current_bytes)
+    huge = 10**100000
+    for attr, what in ((tuple(huge for _ in range(64)), "a tuple holding an int of"), (huge, "an int of"),
+                       (fractions.Fraction(huge, 3), "a Fraction holding an int of"), (_Int(huge), "a _Int of")):
+        t = full(1)
+        t.extra = attr
+        for value in (t, {"w": t}):
+            with pytest.raises(TypeError, match=f"'extra' holds {what} \\d+ bytes \\(over 128\\)"):
+                cache.put("new", value)
+            assert (cache.keys(), cache.stats().current_bytes) == before
+    t = full(1)
+    t.extra = (2**700, -2**700, fractions.Fraction(1, 3), 2.5, 3j)   # under 128 bytes each
+    assert cache.put("small", t)
+    cache.set_budget(64 << 10)
+    assert cache.put("n", {"n": huge, "m": 2**80})
+    assert cache.stats().current_bytes == 2 * UNIT + sys.getsizeof(huge)
+    cache.check_invariants()
+
+
+def test_get_does_not_read_a_stored_tensors_attributes_again():
+    """put checks a tensor's attributes (torch._dynamo's marks: sets and dataclasses, ~7 µs to read);
+    get read them again on every call. A stored value was checked when it was put and the cache
+    never changes it, so get returns it without reading them; a change by the caller since is
+    check_invariants' to find (test above)."""
+    t = torch.randn(8, 4)
+    torch._dynamo.mark_dynamic(t, 0, min=2, max=64)
+    cache = OwnedCache(4 * UNIT)
+    assert cache.put("x", t) and cache.put("d", {"x": t, 3: 1})
+    reads = []
+    real = accounting._check_attrs
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(accounting, "_check_attrs", lambda *a, **k: reads.append(a[1]) or real(*a, **k))
+        assert cache.get("x") is t and cache.get("d")["x"] is t
+        with cache.pinned("d") as d:
+            assert d["x"] is t
+        assert reads == []
+        cache.check_invariants()
+        assert reads and set(reads) == {"a tensor"}   # check_invariants reads them

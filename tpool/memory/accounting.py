@@ -281,86 +281,133 @@ _EXACT_KINDS = {torch.Tensor: "tensor", dict: "dict", list: "items", tuple: "ite
                 frozenset: "items", **dict.fromkeys((type(None), bool, int, float, complex, str, bytes), "leaf")}
 
 
-def _kind(obj: Any) -> str:
+def _kind(obj: Any, check: bool = True) -> str:
     """How the walkers (:func:`iter_tensors`, hence :func:`retained_bytes`, and
     :func:`~tpool.memory.ownership.map_tensors`) treat ``obj``: ONE rule, so what one of them counts the
     other can rebuild. ``"tensor"``, ``"leaf"`` (a plain scalar), ``"dict"`` (dict or UserDict: its
     values), ``"items"`` (list, tuple, set, frozenset) or ``"dataclass"`` (its fields and the other
-    attributes in its ``__dict__``, see :func:`_extra_attrs`); ``"dict+attrs"`` and ``"items+attrs"``
+    attributes in its ``__dict__`` or slots, see :func:`_extra_attrs`); ``"dict+attrs"`` and ``"items+attrs"``
     for a subclass with an attribute that holds one of its own items (a ``ModelOutput``: walked as
     those, and the rebuild points the attribute at the item's rebuild); anything else raises ``TypeError``, and
-    so do tensors the walkers would not reach: a tensor in a tensor's attributes (``t.scales = s``)
-    or in a dict's keys."""
+    so do bytes the walkers would not reach: anything but small plain data in a tensor's attributes
+    (``t.scales = s``), in a scalar subclass's or a container subclass's own attributes (``__dict__``
+    and ``__slots__``) or in a dict's keys (:func:`_attr_problem`). ``check=False`` skips a tensor's and a
+    scalar subclass's attributes and the dict keys: for a value the cache stored, checked when it was put
+    (a later change of them is the caller's, found by ``OwnedCache.check_invariants``), so a ``get`` does
+    not read them again (a container subclass's attributes are read still: the rebuild needs them)."""
     kind = _EXACT_KINDS.get(type(obj))  # the common types at one dict lookup (subclasses take the chain below)
     if kind is None:
-        kind = _kind_of_subclass(obj)
-    if kind == "dict" and any(_holds_tensor(k) for k in obj if type(k) is not str):
-        raise TypeError("cannot count the bytes of a tensor used as a dict key: it stays alive uncharged; "
-                        "key by something else (an id, a string) and keep the tensor as a value")
-    if kind == "tensor" and obj.__dict__:
-        _check_attrs(obj.__dict__, "a tensor")
-    elif kind in ("dict", "items") and type(obj) not in _EXACT_KINDS and getattr(obj, "__dict__", None):
-        if _check_attrs(_subclass_attrs(obj), f"a {type(obj).__name__}", obj):
+        kind = _kind_of_subclass(obj, check)
+    if kind == "tensor":
+        if check and obj.__dict__:
+            _check_attrs(obj.__dict__, "a tensor")
+        return kind
+    if kind == "dict" and check:
+        for k in obj:
+            if type(k) is not str or len(k) > _ATTR_TEXT_MAX:  # (a short str, the common key, at one test)
+                _check_key(k)
+    if kind in ("dict", "items") and type(obj) not in _EXACT_KINDS:
+        slots = _SLOTS.get(type(obj))
+        if slots is None:
+            slots = _slot_names(type(obj))
+        if (slots or getattr(obj, "__dict__", None)) and _check_attrs(  # (a torch.Size, a named tuple: neither)
+                _subclass_attrs(obj), f"a {type(obj).__name__}", obj):
             kind += "+attrs"
     return kind
 
 
-_SCALARS = (type(None), numbers.Number, torch.dtype, torch.device, enum.Enum)
+def _check_key(k: Any) -> None:
+    """Raise ``TypeError`` unless dict key ``k`` is small plain data (:func:`_attr_problem`). A key stays
+    alive with the value, and no walker reads keys: a tensor reachable from one (itself, in a tuple, in
+    an object's attributes) would stay alive uncharged. Keys are names, so they are held to what an
+    attribute may hold rather than walked."""
+    problem = _attr_problem(k, [_ATTR_ITEMS_MAX, _ATTR_TEXT_MAX], _ATTR_DEPTH_MAX)
+    if problem is not None:
+        raise TypeError(f"cannot count the bytes held by a dict key ({problem}): a key stays alive with the "
+                        "value, uncharged. Dict keys may be small plain data only, as attributes (numbers, numpy "
+                        "scalars, None, enums, strings and tuples of them; no tensor, no other object); key by "
+                        "something else (an id, a string) and keep the object as a value")
+
+
 _ATTR_TEXT_MAX = 1024  # characters (or bytes) of a str (bytes) attribute, or of all those in one: a tag, not a payload
 _ATTR_ITEMS_MAX = 64  # items in an attribute's containers, every level together: a shape or a set of dims
 _ATTR_DEPTH_MAX = 2  # levels of containers in an attribute (torch._dynamo.mark_dynamic's: a set of _DimRange)
+_ATTR_NUMBER_MAX = 128  # bytes (sys.getsizeof) of a number in an attribute or a key: an int of up to 780 bits
 _ATTR_TUPLES = (tuple, list, set, frozenset, torch.Size)  # exact types: a subclass may hold more than its items
-_PLAIN_NUMBERS = frozenset((type(None), bool, int, float, complex))  # a set lookup before the isinstance chain
+_FIXED_SCALARS = frozenset((type(None), bool, float, complex, torch.dtype, torch.device))  # exact types, fixed size
+_SMALL_INT = 1 << 62  # an exact int below it in magnitude is small without asking its size
+_UNSET = object()
 
 
-def _check_attrs(attrs: dict, what: str, container: Any = ()) -> bool:
-    """Python attributes of a tensor or of a container subclass stay alive with it but no walker
-    charges them: only small plain data may be there (see :func:`_attr_problem`), or, for a
-    ``container``, one of its own items (a dict's values) itself: a transformers ``ModelOutput`` keeps
-    each item as an attribute too; the walk charges it as an item, and ``map_tensors`` rebuilds the
-    attribute with it. Returns whether some attribute is one of those items."""
+def _check_attrs(attrs: dict, what: str, container: Any = None, hint: str = "") -> bool:
+    """Python attributes of a tensor, of a scalar subclass or of a container subclass (``__dict__`` and
+    ``__slots__``) stay alive with it but no walker charges them: only small plain data may be there
+    (see :func:`_attr_problem`), or, for a ``container``, one of its own items (a dict's values)
+    itself: a transformers ``ModelOutput`` keeps each item as an attribute too; the walk charges it as
+    an item, and ``map_tensors`` rebuilds the attribute with it. Returns whether some attribute is one
+    of those items. ``hint`` ends the error message (what to pass instead)."""
     own = None
     aliased = False
     for name, v in attrs.items():
-        if isinstance(v, _SCALARS):  # (the common case first: a flag, a count, a dtype)
+        t = type(v)  # (the common cases first, at a set lookup or two compares: a flag, a count, a dtype)
+        if t in _FIXED_SCALARS or t is int and -_SMALL_INT < v < _SMALL_INT:
             continue
         problem = _attr_problem(v, [_ATTR_ITEMS_MAX, _ATTR_TEXT_MAX], _ATTR_DEPTH_MAX)
         if problem is None:
             continue
-        if own is None:
-            own = {id(x) for x in (container.values() if isinstance(container, (dict, UserDict)) else container)}
-        if id(v) in own:
-            aliased = True
-            continue
+        if container is not None:
+            if own is None:
+                own = {id(x) for x in (container.values() if isinstance(container, (dict, UserDict)) else container)}
+            if id(v) in own:
+                aliased = True
+                continue
+        if not hint and container is not None:
+            hint = ", or pass dict(value) or list(value)"
         raise TypeError(f"cannot count the bytes held in {what}'s attributes ({name!r} holds {problem}): they "
-                        f"would stay alive uncharged. Attributes may hold scalars (numbers, numpy scalars, None, "
-                        f"dtypes, devices, enums, strings of at most {_ATTR_TEXT_MAX}) and tuples, lists, sets, "
-                        f"dicts and dataclasses of them ({_ATTR_ITEMS_MAX} items, {_ATTR_DEPTH_MAX} levels and "
-                        f"{_ATTR_TEXT_MAX} characters at most)" + ("" if what == "a tensor" else ", or one of its own "
-                        "items") + "; put the rest beside it in a dict or a dataclass"
-                        + ("" if what == "a tensor" else ", or pass dict(value) or list(value)"))
+                        f"would stay alive uncharged. Attributes may hold scalars (numbers of at most "
+                        f"{_ATTR_NUMBER_MAX} bytes, numpy scalars, None, dtypes, devices, enums, strings of at most "
+                        f"{_ATTR_TEXT_MAX}) and tuples, lists, sets, dicts and dataclasses of them ({_ATTR_ITEMS_MAX} "
+                        f"items, {_ATTR_DEPTH_MAX} levels and {_ATTR_TEXT_MAX} characters at most)"
+                        + ("" if container is None else ", or one of its own items")
+                        + "; put the rest beside it in a dict or a dataclass" + hint)
     return aliased
 
 
 def _attr_problem(v: Any, room: list[int], depth: int) -> str | None:
-    """None if ``v`` is small plain data, else what it holds that is not. Plain: a scalar, a numpy
-    scalar of at most ``_ATTR_TEXT_MAX`` bytes, a str or bytes; or, ``depth`` levels deep at most, a
-    tuple, list, set, frozenset, ``torch.Size``, named tuple, dict (keys and values) or dataclass
-    instance (fields and ``__dict__``) of them. ``room`` is what is left of the items and of the
+    """None if ``v`` is small plain data, else what it holds that is not. Plain: None, a bool, a float, a
+    complex, a dtype, a device, an enum member; an int or another number of at most ``_ATTR_NUMBER_MAX``
+    bytes (``sys.getsizeof``), a numpy scalar of at most ``_ATTR_TEXT_MAX`` bytes, a str or bytes; a
+    subclass of one of those (or a ``Fraction``, any ``numbers.Number``) only if its own attributes
+    (``__dict__`` and ``__slots__``) are plain too, read as one more level; or, ``depth`` levels deep at
+    most, a tuple, list, set, frozenset, ``torch.Size``, named tuple, dict (keys and values) or dataclass
+    instance (fields, slots and ``__dict__``) of them. ``room`` is what is left of the items and of the
     characters (or bytes) of text, shared by every level of one attribute; it shrinks as ``v`` is read."""
-    if type(v) in _PLAIN_NUMBERS or isinstance(v, _SCALARS):
+    t = type(v)
+    if t in _FIXED_SCALARS:
+        return None
+    if t is int:
+        n = sys.getsizeof(v)
+        return None if n <= _ATTR_NUMBER_MAX else f"an int of {n} bytes (over {_ATTR_NUMBER_MAX})"
+    if isinstance(v, enum.Enum):  # a member lives in its class, whatever the value holds
         return None
     if isinstance(v, (str, bytes)):  # (numpy's str_ and bytes_ too: text, counted as text)
         room[1] -= len(v)
-        return None if room[1] >= 0 else f"{len(v)} {type(v).__name__} (over {_ATTR_TEXT_MAX} in all)"
+        if room[1] < 0:
+            return f"{len(v)} {type(v).__name__} (over {_ATTR_TEXT_MAX} in all)"
+        return None if t is str or t is bytes else _scalar_attrs_problem(v, room, depth)
     if isinstance(v, np.generic):  # np.bool_, np.float32, np.datetime64, ...
         if isinstance(v, np.void) and (v.base is not None or v.dtype.hasobject):
             # a structured array's row is a view that keeps the whole array alive; an object field holds anything
             return "a numpy void " + ("viewing an array" if v.base is not None else "with object fields")
         return None if v.nbytes <= _ATTR_TEXT_MAX else f"a numpy {type(v).__name__} of {v.nbytes} bytes"
-    if type(v) in _ATTR_TUPLES or isinstance(v, tuple) and hasattr(v, "_fields") and not hasattr(v, "__dict__"):
+    if isinstance(v, numbers.Number):  # a subclass of int, float or complex, a Fraction, a Decimal, ...
+        n = sys.getsizeof(v)
+        if n > _ATTR_NUMBER_MAX:
+            return f"a {type(v).__name__} of {n} bytes (over {_ATTR_NUMBER_MAX})"
+        return _scalar_attrs_problem(v, room, depth)
+    if t in _ATTR_TUPLES or isinstance(v, tuple) and hasattr(v, "_fields") and not hasattr(v, "__dict__"):
         items = v
-    elif type(v) is dict:
+    elif t is dict:
         items = [*v, *v.values()]
     elif _is_dataclass(v):  # its fields, its other slots, then its other attributes
         if isinstance(v, (list, tuple, set, frozenset, dict, UserDict)):
@@ -370,6 +417,11 @@ def _attr_problem(v: Any, room: list[int], depth: int) -> str | None:
                  *(x for k, x in (getattr(v, "__dict__", None) or {}).items() if k not in names)]
     else:
         return f"a {type(v).__name__}"
+    return _items_problem(v, items, room, depth)
+
+
+def _items_problem(v: Any, items: Any, room: list[int], depth: int) -> str | None:
+    """:func:`_attr_problem` of ``items``, what ``v`` holds, one level down."""
     if depth == 0:
         return f"a {type(v).__name__} nested over {_ATTR_DEPTH_MAX} levels"
     room[0] -= len(items)
@@ -382,41 +434,79 @@ def _attr_problem(v: Any, room: list[int], depth: int) -> str | None:
     return None
 
 
+def _scalar_attrs_problem(v: Any, room: list[int], depth: int) -> str | None:
+    """:func:`_attr_problem` of the own attributes (``__dict__`` and ``__slots__``) of a scalar that is not
+    of an exact plain type (``class I(int)``, a ``Fraction``'s numerator): None when it has none."""
+    attrs = _own_attrs(v)
+    return _items_problem(v, list(attrs.values()), room, depth) if attrs else None
+
+
+_SLOTS: dict[type, tuple[str, ...]] = {}  # class -> _slot_names(class): a dict lookup on the get path
+_SLOTS_MAX = 4096  # classes remembered; past it the memo starts again (classes made at run time)
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    """The names of the ``__slots__`` that ``cls`` and its bases declare (mangled as Python stores a
+    ``__private`` one), ``__dict__`` and ``__weakref__`` left out; remembered in ``_SLOTS``."""
+    names = _SLOTS.get(cls)
+    if names is None:
+        if len(_SLOTS) >= _SLOTS_MAX:
+            _SLOTS.clear()
+        names = _SLOTS[cls] = _declared_slots(cls)
+    return names
+
+
+def _declared_slots(cls: type) -> tuple[str, ...]:
+    names: list[str] = []
+    for c in cls.__mro__:
+        declared = c.__dict__.get("__slots__", ())
+        for n in (declared,) if isinstance(declared, str) else declared:
+            if n.startswith("__") and not n.endswith("__"):
+                n = f"_{c.__name__.lstrip('_')}{n}"
+            if n not in ("__dict__", "__weakref__") and n not in names:
+                names.append(n)
+    return tuple(names)
+
+
+def _own_attrs(obj: Any) -> dict:
+    """The instance attributes of ``obj``: its ``__dict__`` and its set ``__slots__`` (name -> value)."""
+    attrs = getattr(obj, "__dict__", None) or {}
+    slots = _slot_names(type(obj))
+    if slots:
+        attrs = dict(attrs)
+        for n in slots:
+            x = getattr(obj, n, _UNSET)
+            if x is not _UNSET:
+                attrs[n] = x
+    return attrs
+
+
 @functools.lru_cache(maxsize=256)
 def _field_names(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The field names of dataclass ``cls`` (``dataclasses.fields`` costs ~1 µs a call), and the names of
     its other slots (a ``__slots__`` base's: they hold values no field names)."""
     names = tuple(f.name for f in dataclasses.fields(cls))
-    slots = []
-    for c in cls.__mro__:
-        declared = c.__dict__.get("__slots__", ())
-        for n in (declared,) if isinstance(declared, str) else declared:
-            if n not in names and n not in ("__dict__", "__weakref__") and n not in slots:
-                slots.append(n)
-    return names, tuple(slots)
+    return names, tuple(n for n in _slot_names(cls) if n not in names)
 
 
 def _subclass_attrs(obj: Any) -> dict:
-    """The instance attributes of a dict, UserDict, list, tuple or set subclass (a UserDict's items,
-    ``data``, are walked as its values, not here)."""
-    attrs = vars(obj)
+    """The instance attributes (``__dict__`` and ``__slots__``) of a dict, UserDict, list, tuple or set
+    subclass (a UserDict's items, ``data``, are walked as its values, not here)."""
+    attrs = _own_attrs(obj)
     return {k: v for k, v in attrs.items() if k != "data"} if isinstance(obj, UserDict) else attrs
 
 
-def _holds_tensor(obj: Any) -> bool:
-    """Whether ``obj`` is a tensor, or a dict, list, tuple or set holding one (at any depth)."""
-    if isinstance(obj, torch.Tensor):
-        return True
-    if isinstance(obj, (dict, UserDict)):
-        return any(_holds_tensor(k) or _holds_tensor(v) for k, v in obj.items())
-    return isinstance(obj, (list, tuple, set, frozenset)) and any(_holds_tensor(v) for v in obj)
-
-
-def _kind_of_subclass(obj: Any) -> str:
-    """:func:`_kind` of an object whose exact type is not in ``_EXACT_KINDS``."""
+def _kind_of_subclass(obj: Any, check: bool = True) -> str:
+    """:func:`_kind` of an object whose exact type is not in ``_EXACT_KINDS`` (``check``: read a scalar
+    subclass's own attributes)."""
     if isinstance(obj, torch.Tensor):
         return "tensor"
     if isinstance(obj, _LEAVES):
+        if check and not isinstance(obj, enum.Enum):  # (an enum member lives in its class, whatever it holds)
+            attrs = _own_attrs(obj)  # a subclass of int, float, complex, str or bytes: its attributes stay too
+            if attrs:
+                base = next(b for b in (int, float, complex, str, bytes) if isinstance(obj, b))
+                _check_attrs(attrs, f"a {type(obj).__name__}", hint=f", or pass {base.__name__}(value)")
         return "leaf"
     if isinstance(obj, (dict, UserDict)):  # a shallow copy of either has its own items
         return "dict"
@@ -436,10 +526,16 @@ def _kind_of_subclass(obj: Any) -> str:
 
 def _extra_attrs(obj: Any) -> dict[str, Any]:
     """The attributes of dataclass instance ``obj`` outside its fields: what ``__post_init__`` set, a
-    ``functools.cached_property`` result (name -> value, from the instance ``__dict__``; ``copy.copy``
-    carries them, so the walkers go into them like fields)."""
-    names = {f.name for f in dataclasses.fields(obj)}
-    return {k: v for k, v in getattr(obj, "__dict__", {}).items() if k not in names}
+    ``functools.cached_property`` result (name -> value, from the instance ``__dict__``), then the set
+    slots no field names (a ``__slots__`` base's); ``copy.copy`` carries them, so the walkers go into
+    them like fields."""
+    names, slots = _field_names(type(obj))
+    extra = {k: v for k, v in (getattr(obj, "__dict__", None) or {}).items() if k not in names}
+    for n in slots:
+        x = getattr(obj, n, _UNSET)
+        if x is not _UNSET:
+            extra[n] = x
+    return extra
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -490,9 +586,10 @@ def _walk(obj: Any) -> Iterator[Any]:
 
 
 def leaf_bytes(obj: Any) -> int:
-    """Bytes of the ``str`` and ``bytes`` objects among the leaves of ``obj`` (``sys.getsizeof``, each
-    object once): what a cache keeping ``obj`` keeps alive besides tensor storages. Other scalars
-    (numbers, None, dtypes, ...) are a few dozen bytes each and not counted.
+    """Bytes of the ``str`` and ``bytes`` objects and of the ints over ``_ATTR_NUMBER_MAX`` bytes among
+    the leaves of ``obj`` (``sys.getsizeof``, each object once): what a cache keeping ``obj`` keeps alive
+    besides tensor storages. Other scalars (smaller ints, floats, None, dtypes, ...) are a few dozen
+    bytes each and not counted.
 
     Parameters
     ----------
@@ -514,7 +611,13 @@ def leaf_bytes(obj: Any) -> int:
     >>> leaf_bytes({"ids": torch.zeros(4), "jpeg": bytes(1 << 20)}) >= 1 << 20
     True
     """
-    return sum({id(x): sys.getsizeof(x) for x in _walk(obj) if isinstance(x, (str, bytes))}.values())
+    sizes = {}
+    for x in _walk(obj):
+        if isinstance(x, (str, bytes)):
+            sizes[id(x)] = sys.getsizeof(x)
+        elif isinstance(x, int) and not -_SMALL_INT < x < _SMALL_INT and sys.getsizeof(x) > _ATTR_NUMBER_MAX:
+            sizes[id(x)] = sys.getsizeof(x)  # 10**100000: 41 KiB
+    return sum(sizes.values())
 
 
 def _alive_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -224,13 +224,16 @@ class OwnedCache:
         ------
         TypeError
             A leaf that is neither a tensor nor a plain scalar, a tensor
-            without ordinary storage, a tensor used as a dict key, or an
-            attribute of a tensor or of a container subclass that holds more
-            than small plain data (a tensor, an array, an object, a string
-            of over 1,024, a container of over 64 items or holding any of
-            those; a container subclass's attribute may hold one of its own
-            items, as a ``ModelOutput``'s do): nothing would charge what it
-            keeps alive. Checked before anything is evicted.
+            without ordinary storage, a dict key that is not small plain data
+            (a tensor, an object, a tuple holding one, a string of over
+            1,024), or an attribute (``__dict__`` or ``__slots__``) of a
+            tensor, of a scalar subclass (``class I(int)``) or of a container
+            subclass that holds more than small plain data (a tensor, an
+            array, an object, an int of over 128 bytes, a string of over
+            1,024, a container of over 64 items or holding any of those; a
+            container subclass's attribute may hold one of its own items, as
+            a ``ModelOutput``'s do): nothing would charge what it keeps
+            alive. Checked before anything is evicted.
         ValueError
             With an arena, a tensor on another device than ``arena.device``,
             or one that reads free arena bytes (a view of an evicted or
@@ -439,7 +442,7 @@ class OwnedCache:
             self._counts["hits"] += 1
             self._entries.move_to_end(key)
             value = entry.value
-        return ownership.map_tensors(value, _same)
+        return ownership._map(value, _same, False)  # (what put checked is not read again: check_invariants does)
 
     @_locked
     def pin(self, key: Hashable) -> None:
@@ -506,7 +509,7 @@ class OwnedCache:
         """
         self.pin(key)
         try:
-            yield ownership.map_tensors(self._entries[key].value, _same)
+            yield ownership._map(self._entries[key].value, _same, False)
         finally:
             self.unpin(key)
 
@@ -678,24 +681,31 @@ class OwnedCache:
         of the charged size and holds its tensors, and that the arena has no
         other live block: a block no entry holds is leaked), the storage
         ledger, the storages it holds and its reference counts,
-        ``0 <= current <= peak``, ``current <= budget``, and that no counter is negative.
+        ``0 <= current <= peak``, ``current <= budget``, that no counter is negative, and that
+        every entry still holds only what ``put`` admits (a caller may add a tensor to the
+        attributes of a tensor it shares with the cache: ``cache.get("t").extra = big``).
 
         Raises
         ------
         InvariantViolation
-            Names the first broken invariant.
+            Names the first broken invariant (the key, and the attribute or dict key that
+            now holds what ``put`` refuses).
         """
         held: dict[StorageKey, int] = {}
         refs: dict[StorageKey, int] = {}
         in_blocks = leaves = 0
         buf = None if self.arena is None else self.arena.buffer
         for key, e in self._entries.items():
-            tensors = list(accounting.iter_tensors(e.value))
+            try:  # what put checked: a caller may change it since (c.get("t").extra = big)
+                tensors = list(accounting.iter_tensors(e.value))
+                leaf_bytes = accounting.leaf_bytes(e.value)
+            except (TypeError, ValueError) as err:
+                raise InvariantViolation(f"OwnedCache invariant broken: {key!r} holds what put refuses, "
+                                         f"changed after put: {err}") from err
             _require(e.pins >= 0 and (e.pins > 0) == (key in self._pinned),
                      f"{key!r} has {e.pins} pins, {'' if key in self._pinned else 'not '}listed as pinned")
-            _require(e.leaf_bytes == accounting.leaf_bytes(e.value),
-                     f"{key!r} was charged {e.leaf_bytes} B of str and bytes leaves, holds "
-                     f"{accounting.leaf_bytes(e.value)}")
+            _require(e.leaf_bytes == leaf_bytes,
+                     f"{key!r} was charged {e.leaf_bytes} B of str and bytes leaves, holds {leaf_bytes}")
             leaves += e.leaf_bytes
             _require(not any(t.grad is not None for t in tensors if t.is_leaf),
                      f"{key!r} holds a tensor with a .grad (a backward through a value from get): alive and "

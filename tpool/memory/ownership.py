@@ -46,8 +46,9 @@ import numpy as np
 import torch
 
 from tpool._checks import check_size
-from tpool.memory.accounting import (StorageKey, _alive_bytes, _distinct_elems, _extra_attrs, _kind, _span_elems,
-                                     check_ownable, compact_bytes, leaf_bytes, storage_bytes, storage_key)
+from tpool.memory.accounting import (StorageKey, _alive_bytes, _distinct_elems, _extra_attrs, _field_names, _kind,
+                                     _SLOTS, _slot_names, _span_elems, check_ownable, compact_bytes, leaf_bytes,
+                                     storage_bytes, storage_key)
 
 __all__ = ["needs_compaction", "own", "compact", "map_tensors", "plan_ownership", "OwnershipPlan"]
 
@@ -257,13 +258,16 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         (named tuples too), sets, and dataclass instances (copied, fields set
         directly, so frozen ones work; the other attributes in the
         instance's ``__dict__``, set in ``__post_init__`` or cached by
-        ``functools.cached_property``, are rebuilt too). A dict, list, tuple
-        or set subclass keeps its attributes; one that holds one of its own
+        ``functools.cached_property``, and a ``__slots__`` base's slots, are
+        rebuilt too). A dict, list, tuple or set subclass keeps its
+        attributes (``__dict__`` and ``__slots__``); one that holds one of its own
         items (a transformers ``ModelOutput`` keeps every item as an
         attribute too) is pointed at that item's rebuild. Leaves: tensors and
         plain scalars (None, bool, int, float, complex, str, bytes, dtype,
-        device, Enum). :func:`~tpool.memory.accounting.retained_bytes`
-        walks by the same rule.
+        device, Enum; a subclass's own attributes must be small plain data).
+        Dict keys must be small plain data (a name, a number, a tuple of
+        them). :func:`~tpool.memory.accounting.retained_bytes` walks by the
+        same rule.
     fn : callable
         ``torch.Tensor -> torch.Tensor``, called once per tensor occurrence.
 
@@ -279,11 +283,19 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         A leaf of another type (a numpy array, a deque, an ``nn.Module``,
         ...): its bytes could not be counted; or another mapping, whose copy
         could share the caller's items (pass a dict of it); or an attribute
-        of a tensor or of a container subclass holding more than small plain
-        data or one of its own items (a tensor, an array, an object): it
+        of a tensor, of a scalar subclass or of a container subclass
+        (``__dict__`` or ``__slots__``), or a dict key, holding more than
+        small plain data or (for a container's attribute) one of its own
+        items (a tensor, an array, an object, an int of over 128 bytes): it
         would stay alive uncharged.
     """
-    kind = _kind(obj)
+    return _map(obj, fn, True)
+
+
+def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], check: bool) -> Any:
+    """:func:`map_tensors`; ``check=False`` skips what ``put`` checked of a value the cache stored
+    (a tensor's attributes, dict keys: see :func:`~tpool.memory.accounting._kind`), for ``get``."""
+    kind = _kind(obj, check)
     if kind == "tensor":
         return fn(obj)
     if kind == "leaf":
@@ -291,29 +303,36 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if kind == "dict":
         new = copy.copy(obj)
         for k, v in obj.items():
-            new[k] = map_tensors(v, fn)
-        if type(obj) is not dict and type(obj) is not UserDict and getattr(obj, "__dict__", None):
+            new[k] = _map(v, fn, check)
+        if type(obj) is not dict and type(obj) is not UserDict:
             _rebuild_attrs(obj, new, _NONE)  # a subclass's attributes: the copy gets its own
         return new
     if kind == "items" or kind == "items+attrs":
-        items = [map_tensors(v, fn) for v in obj]
+        items = [_map(v, fn, check) for v in obj]
         new = type(obj)(*items) if isinstance(obj, tuple) and hasattr(obj, "_fields") else type(obj)(items)
-        if type(obj) not in (list, tuple, set, frozenset) and getattr(obj, "__dict__", None):
-            vars(new).update(vars(obj))  # a subclass's attributes (_kind checked) come back too
+        if type(obj) not in (list, tuple, set, frozenset):
+            if getattr(obj, "__dict__", None):
+                vars(new).update(vars(obj))  # a subclass's attributes (_kind checked) come back too
+            elif not _SLOTS.get(type(obj)):  # (a torch.Size, a named tuple; _kind filled _SLOTS)
+                return new
             _rebuild_attrs(obj, new, {id(v): m for v, m in zip(obj, items)} if kind == "items+attrs" else _NONE)
         return new
     if kind == "dict+attrs":  # a ModelOutput: some attributes hold its own items
         new = copy.copy(obj)
         done = {}  # id(item) -> its rebuild
         for k, v in obj.items():
-            new[k] = done[id(v)] = map_tensors(v, fn)
+            new[k] = done[id(v)] = _map(v, fn, check)
         _rebuild_attrs(obj, new, done)
         return new
     new = copy.copy(obj)  # a dataclass instance
-    for f in dataclasses.fields(obj):
-        object.__setattr__(new, f.name, map_tensors(getattr(obj, f.name), fn))
+    names, slots = _field_names(type(obj))
+    for name in names:
+        object.__setattr__(new, name, _map(getattr(obj, name), fn, check))
     for name, v in _extra_attrs(obj).items():
-        vars(new)[name] = map_tensors(v, fn)  # past any descriptor, as __post_init__ or cached_property stored it
+        if name in slots:  # a __slots__ base's
+            object.__setattr__(new, name, _map(v, fn, check))
+        else:  # past any descriptor, as __post_init__ or cached_property stored it
+            vars(new)[name] = _map(v, fn, check)
     return new
 
 
@@ -329,13 +348,19 @@ def _rebuild_attrs(obj: Any, new: Any, done: dict[int, Any]) -> None:
     then stay one object, and the attribute never keeps a replaced tensor alive. Every other
     attribute the copy still shares with ``obj`` and that is not a scalar (small plain data, as
     ``_check_attrs`` allows: a list, a set, a dict, a dataclass) is deep-copied, so that no one can
-    add a tensor to the cache's copy through the caller's object (or another ``get``'s)."""
-    own = vars(new)
-    for name, v in vars(obj).items():  # (a UserDict's ``data`` is no item: new has its own already)
+    add a tensor to the cache's copy through the caller's object (or another ``get``'s). Slots
+    (``__slots__``) are set the same way, whether or not the copy carried them."""
+    own = getattr(new, "__dict__", None)
+    for name, v in (getattr(obj, "__dict__", None) or {}).items():  # (a UserDict's ``data``: new has its own)
         if id(v) in done:
             own[name] = done[id(v)]  # past any __setattr__ (a ModelOutput's __setitem__ set it already)
         elif own.get(name) is v and not isinstance(v, _IMMUTABLE):
             own[name] = copy.deepcopy(v)
+    for name in _slot_names(type(obj)):
+        v = getattr(obj, name, _NONE)
+        if v is not _NONE:
+            v = done[id(v)] if id(v) in done else v if isinstance(v, _IMMUTABLE) else copy.deepcopy(v)
+            object.__setattr__(new, name, v)
 
 
 def _round_up(n: int, align: int) -> int:
