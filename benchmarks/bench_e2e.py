@@ -141,7 +141,7 @@ def main(argv=None):
     ap.add_argument("--inner", type=positive_int, default=8, help="decode steps per sample")
     ap.add_argument("--backend", default="numba", help="pool backend")
     ap.add_argument("--threads", type=positive_int, default=1, help="torch threads (more stall on a 2-core machine)")
-    ap.add_argument("--json", default=None, help="write the rows as JSON to this path")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON to this path")
     a = ap.parse_args(argv)
     if importlib.util.find_spec("transformers") is None:
         ap.error("needs transformers, which is not installed: pip install -e '.[hf]'")

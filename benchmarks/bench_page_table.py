@@ -402,7 +402,8 @@ def parser() -> argparse.ArgumentParser:
                     help="requests in the batch (one group of rows per B)")
     ap.add_argument("--device", default=default_device(), help="torch device of the pool and table")
     ap.add_argument("--backends", nargs="+", default=None,
-                    help="tpool backends to time (default: numba on CPU, triton on CUDA)")
+                    help="tpool backends to time (default: numba on CPU, triton on CUDA); on a CPU the reference "
+                         "backend's step is also timed once, for scale, unless reference is listed")
     ap.add_argument("--samples", type=positive_int, default=30, help="samples per row (median, p20, p80 over them)")
     ap.add_argument("--inner", type=int_at_most(MAX_INNER, "each call adds a token to every request"), default=None,
                     help=f"calls per warm sample, at most {MAX_INNER}: each call adds a token to every request "

@@ -32,7 +32,8 @@ import sys
 import threading
 import types
 
-INSTALL_HINT = "pip install 'tpool[triton]'"  # the extra that brings triton (pyproject.toml)
+# What the `triton` extra brings (pyproject.toml), named directly: "tpool" on PyPI is another project.
+INSTALL_HINT = "pip install 'triton>=3.0' (the triton extra; pip install -e '.[triton]' in a checkout)"
 _PACKAGE = __name__.rpartition(".")[0]         # the kernels' package: tpool.kernels when installed
 _lock = threading.Lock()
 

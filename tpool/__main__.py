@@ -14,7 +14,7 @@ commands:
            with no device read per step.
            Prints a row every few steps and checks the pool at the end.
            With --model llama|gpt-neox: serve a tiny random-weight transformers model
-           on tpool pages and check its tokens against generate (needs tpool[hf]).
+           on tpool pages and check its tokens against generate (needs transformers: the hf extra).
            `python -m tpool demo --help` lists its options.
   report   print the memory ledgers of a device: what tpool's caches and pools
            hold, the caching allocator, the driver and the process (--json for

@@ -248,7 +248,8 @@ def main(argv=None):
                     "a multiple of 25 that prints about 50 rows; 25 for the default run)")
     ap.add_argument("--model", choices=["llama", "gpt-neox"], default=None,
                     help="serve a tiny random-weight transformers model on tpool pages instead and check its "
-                         "tokens against generate (needs tpool[hf]; `demo --model llama --help` lists its options; "
+                         "tokens against generate (needs transformers: the hf extra; its own options are listed by "
+                         "`demo --model llama --help`; "
                          "default: none, the simulation)")
     a = ap.parse_args(argv)
     if a.device is not None:

@@ -9,7 +9,7 @@ numba for CPU pools; the environment variable ``TPOOL_BACKEND`` overrides
 ``auto`` (unset, empty or ``auto``: no override). A backend's module is
 imported only when a pool asks for it, so a
 CPU pool never imports the Triton launchers, nor triton itself: triton is an
-optional dependency (``pip install 'tpool[triton]'``), and asking for the
+optional dependency (``pip install 'triton>=3.0'``, the ``triton`` extra), and asking for the
 triton backend without it raises :class:`ImportError` naming that extra.
 """
 
@@ -46,7 +46,8 @@ def resolve_backend(name: str, device: torch.device) -> str:
     if name == "numba" and device.type != "cpu":
         raise ValueError(f"backend 'numba' runs on host memory: expected device cpu, got {device}")
     if name == "triton" and not _triton_installed():
-        raise ImportError(f"backend 'triton' needs triton, which is not installed: pip install 'tpool[triton]' "
+        from tpool.kernels._triton_shim import INSTALL_HINT  # (imports no triton)
+        raise ImportError(f"backend 'triton' needs triton, which is not installed: {INSTALL_HINT} "
                           f"(or pass backend='reference'{'' if device.type == 'cuda' else ', or numba on a CPU'})")
     if name == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend 'triton' on a CPU pool needs TRITON_INTERPRET=1 set before triton is imported")

@@ -11,7 +11,7 @@ from tpool._prog import prog
 from tpool.demo import OptionError, count_int, positive_int, seed_int
 
 MODELS = ("llama", "gpt-neox")
-INSTALL_HF = "pip install 'tpool[hf]' (or pip install -e \".[hf]\" in a checkout)"
+INSTALL_HF = "pip install 'transformers>=5' (the hf extra; pip install -e \".[hf]\" in a checkout)"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -41,6 +41,7 @@ def main(argv=None) -> int:
     """Parse the options (``--help`` needs nothing installed), then run the demo; 2 if transformers is missing."""
     ap = parser()
     a = ap.parse_args(argv)
+    ap.prog = prog(f"demo --model {a.model}")  # (later errors name the model asked for, not NAME)
     try:
         from tpool.serving.engine import run_demo
     except ModuleNotFoundError as e:

@@ -18,7 +18,7 @@ dropout in training, a position bias, ...) is a ``ValueError`` naming it and the
 model, never ignored. A model a packed step would not serve exactly (other layer
 types, a layer attending twice, ALiBi, no ``position_ids``, row-global rotary
 frequencies: :mod:`tpool.serving.checks`) is refused by :func:`check_model`, which
-:func:`forward_step` runs first. Needs transformers 5 (``pip install "tpool[hf]"``);
+:func:`forward_step` runs first. Needs transformers 5 (``pip install "transformers>=5"``, the ``hf`` extra);
 tested with transformers 5.24.0 and 5.25.0.
 """
 
