@@ -223,10 +223,11 @@ class OwnedCache:
         Raises
         ------
         TypeError
-            A leaf that is neither a tensor nor a plain scalar, a tensor
-            without ordinary storage, a dict key that is not small plain data
-            (a tensor, an object, a tuple holding one, a string of over
-            1,024), or an attribute (``__dict__`` or ``__slots__``) of a
+            ``key`` holds a tensor, an array or another object (it would stay
+            alive with the entry, uncharged); a leaf that is neither a tensor
+            nor a plain scalar, a tensor without ordinary storage, a dict key
+            in ``value`` that cannot be charged (a tensor, an array, an
+            object, a tuple or dataclass holding one), or an attribute (``__dict__`` or ``__slots__``) of a
             tensor, of a scalar subclass (``class I(int)``) or of a container
             subclass that holds more than small plain data (a tensor, an
             array, an object, an int of over 128 bytes, a string of over
@@ -244,6 +245,10 @@ class OwnedCache:
             room for them are done (those entries are gone) and ``value`` is
             not stored; the cache's charge is still exact.
         """
+        if type(key) is not str and type(key) is not int:  # (the common keys at two tests)
+            # The key stays alive with the entry: one holding a tensor is refused, before anything changes. Its
+            # text is not charged (a key is the caller's name for the entry, as in any dict; a value's is).
+            accounting._check_key(key, "the cache key")
         if key in self._entries:
             self._entries.move_to_end(key)
             self._counts["duplicates"] += 1
@@ -699,9 +704,9 @@ class OwnedCache:
             try:  # what put checked: a caller may change it since (c.get("t").extra = big)
                 tensors = list(accounting.iter_tensors(e.value))
                 leaf_bytes = accounting.leaf_bytes(e.value)
-            except (TypeError, ValueError) as err:
+            except Exception as err:  # (any: a caller's change may make a read raise anything)
                 raise InvariantViolation(f"OwnedCache invariant broken: {key!r} holds what put refuses, "
-                                         f"changed after put: {err}") from err
+                                         f"changed after put: {type(err).__name__}: {err}") from err
             _require(e.pins >= 0 and (e.pins > 0) == (key in self._pinned),
                      f"{key!r} has {e.pins} pins, {'' if key in self._pinned else 'not '}listed as pinned")
             _require(e.leaf_bytes == leaf_bytes,

@@ -46,9 +46,9 @@ import numpy as np
 import torch
 
 from tpool._checks import check_size
-from tpool.memory.accounting import (StorageKey, _alive_bytes, _distinct_elems, _extra_attrs, _field_names, _kind,
-                                     _SLOTS, _slot_names, _span_elems, check_ownable, compact_bytes, leaf_bytes,
-                                     storage_bytes, storage_key)
+from tpool.memory.accounting import (_LEAF_TYPES, StorageKey, _alive_bytes, _distinct_elems, _field_names,
+                                     _instance_dict, _kind, _own_attrs, _slot_members, _slot_values, _span_elems,
+                                     check_ownable, compact_bytes, leaf_bytes, storage_bytes, storage_key)
 
 __all__ = ["needs_compaction", "own", "compact", "map_tensors", "plan_ownership", "OwnershipPlan"]
 
@@ -264,10 +264,14 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         items (a transformers ``ModelOutput`` keeps every item as an
         attribute too) is pointed at that item's rebuild. Leaves: tensors and
         plain scalars (None, bool, int, float, complex, str, bytes, dtype,
-        device, Enum; a subclass's own attributes must be small plain data).
-        Dict keys must be small plain data (a name, a number, a tuple of
-        them). :func:`~tpool.memory.accounting.retained_bytes` walks by the
-        same rule.
+        device, Enum; a subclass's own attributes, and those of a member of
+        an enum made at run time, must be small plain data). Dict keys are
+        kept as they are and must be chargeable: numbers, str, bytes, None,
+        enums, dtypes, devices, classes, numpy scalars, UUIDs, dates and
+        times, paths, and tuples, frozensets and dataclasses of them (their
+        text is charged, :func:`~tpool.memory.accounting.leaf_bytes`).
+        :func:`~tpool.memory.accounting.retained_bytes` walks by the same
+        rule.
     fn : callable
         ``torch.Tensor -> torch.Tensor``, called once per tensor occurrence.
 
@@ -284,17 +288,17 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         ...): its bytes could not be counted; or another mapping, whose copy
         could share the caller's items (pass a dict of it); or an attribute
         of a tensor, of a scalar subclass or of a container subclass
-        (``__dict__`` or ``__slots__``), or a dict key, holding more than
-        small plain data or (for a container's attribute) one of its own
-        items (a tensor, an array, an object, an int of over 128 bytes): it
-        would stay alive uncharged.
+        (``__dict__`` or slots) holding more than small plain data or (for a
+        container's attribute) one of its own items (a tensor, an array, an
+        object, an int of over 128 bytes), or a dict key holding a tensor,
+        an array or another object: it would stay alive uncharged.
     """
     return _map(obj, fn, True)
 
 
 def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], check: bool) -> Any:
     """:func:`map_tensors`; ``check=False`` skips what ``put`` checked of a value the cache stored
-    (a tensor's attributes, dict keys: see :func:`~tpool.memory.accounting._kind`), for ``get``."""
+    (attributes, dict keys: see :func:`~tpool.memory.accounting._kind`) and never raises for it, for ``get``."""
     kind = _kind(obj, check)
     if kind == "tensor":
         return fn(obj)
@@ -303,19 +307,20 @@ def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], check: bool) -> A
     if kind == "dict":
         new = copy.copy(obj)
         for k, v in obj.items():
-            new[k] = _map(v, fn, check)
+            new[k] = fn(v) if type(v) is torch.Tensor and not check else _map(v, fn, check)  # (get: tensors, inline)
         if type(obj) is not dict and type(obj) is not UserDict:
-            _rebuild_attrs(obj, new, _NONE)  # a subclass's attributes: the copy gets its own
+            _rebuild_attrs(obj, new, _NO_ALIASES)  # a subclass's attributes: the copy gets its own
         return new
     if kind == "items" or kind == "items+attrs":
-        items = [_map(v, fn, check) for v in obj]
+        items = [v if type(v) in _LEAF_TYPES else _map(v, fn, check) for v in obj]
         new = type(obj)(*items) if isinstance(obj, tuple) and hasattr(obj, "_fields") else type(obj)(items)
         if type(obj) not in (list, tuple, set, frozenset):
-            if getattr(obj, "__dict__", None):
-                vars(new).update(vars(obj))  # a subclass's attributes (_kind checked) come back too
-            elif not _SLOTS.get(type(obj)):  # (a torch.Size, a named tuple; _kind filled _SLOTS)
+            attrs = _instance_dict(obj)
+            if attrs:
+                vars(new).update(attrs)  # a subclass's attributes (_kind checked) come back too
+            elif not _slot_members(type(obj)):  # (a torch.Size, a named tuple)
                 return new
-            _rebuild_attrs(obj, new, {id(v): m for v, m in zip(obj, items)} if kind == "items+attrs" else _NONE)
+            _rebuild_attrs(obj, new, {id(v): m for v, m in zip(obj, items)} if kind == "items+attrs" else _NO_ALIASES)
         return new
     if kind == "dict+attrs":  # a ModelOutput: some attributes hold its own items
         new = copy.copy(obj)
@@ -328,17 +333,24 @@ def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], check: bool) -> A
     names, slots = _field_names(type(obj))
     for name in names:
         object.__setattr__(new, name, _map(getattr(obj, name), fn, check))
-    for name, v in _extra_attrs(obj).items():
-        if name in slots:  # a __slots__ base's
-            object.__setattr__(new, name, _map(v, fn, check))
-        else:  # past any descriptor, as __post_init__ or cached_property stored it
+    for name, v in (_instance_dict(obj) or {}).items():
+        if name not in names:  # past any descriptor, as __post_init__ or cached_property stored it
             vars(new)[name] = _map(v, fn, check)
+    for d, v in _slot_values(obj, slots):  # a __slots__ base's (through its descriptor: no name to mangle)
+        d.__set__(new, _map(v, fn, check))
     return new
 
 
-_NONE: dict = {}  # no item is an attribute (read only)
-# attribute values a copy may share: nothing can be added to them (small plain data that can is deep-copied)
-_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum, np.generic)
+_NO_ALIASES: dict = {}  # no item is an attribute (read only)
+# attribute values a copy may share, by exact type: nothing can be added to them (an instance of a subclass may have
+# a __dict__ or slots: it is deep-copied, as small plain data that can change is)
+_IMMUTABLE = frozenset((type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device))
+
+
+def _shareable(v: Any) -> bool:
+    """Whether an attribute value may be shared by the cache's copy and the caller's: nothing can be
+    added to it (an exact immutable type, an enum member, a numpy scalar without attributes of its own)."""
+    return type(v) in _IMMUTABLE or isinstance(v, enum.Enum) or isinstance(v, np.generic) and not _own_attrs(v)
 
 
 def _rebuild_attrs(obj: Any, new: Any, done: dict[int, Any]) -> None:
@@ -350,17 +362,14 @@ def _rebuild_attrs(obj: Any, new: Any, done: dict[int, Any]) -> None:
     ``_check_attrs`` allows: a list, a set, a dict, a dataclass) is deep-copied, so that no one can
     add a tensor to the cache's copy through the caller's object (or another ``get``'s). Slots
     (``__slots__``) are set the same way, whether or not the copy carried them."""
-    own = getattr(new, "__dict__", None)
-    for name, v in (getattr(obj, "__dict__", None) or {}).items():  # (a UserDict's ``data``: new has its own)
+    own = _instance_dict(new)
+    for name, v in (_instance_dict(obj) or {}).items():  # (a UserDict's ``data``: new has its own)
         if id(v) in done:
             own[name] = done[id(v)]  # past any __setattr__ (a ModelOutput's __setitem__ set it already)
-        elif own.get(name) is v and not isinstance(v, _IMMUTABLE):
+        elif own.get(name) is v and not _shareable(v):
             own[name] = copy.deepcopy(v)
-    for name in _slot_names(type(obj)):
-        v = getattr(obj, name, _NONE)
-        if v is not _NONE:
-            v = done[id(v)] if id(v) in done else v if isinstance(v, _IMMUTABLE) else copy.deepcopy(v)
-            object.__setattr__(new, name, v)
+    for d, v in _slot_values(obj, _slot_members(type(obj))):  # through the descriptors: no name to mangle
+        d.__set__(new, done[id(v)] if id(v) in done else v if _shareable(v) else copy.deepcopy(v))
 
 
 def _round_up(n: int, align: int) -> int:
