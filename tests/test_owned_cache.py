@@ -12,7 +12,6 @@ import pathlib
 import pickle
 import sys
 import threading
-import types
 import uuid
 import weakref
 
@@ -23,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from tpool.memory import accounting, ownership
+from tpool.memory import accounting, ownership, values
 from tpool.memory.arena import Arena
 from tpool.errors import InvariantViolation
 from tpool.memory.owned_cache import OwnedCache
@@ -1312,9 +1311,9 @@ def test_get_does_not_read_a_stored_tensors_attributes_again():
     cache = OwnedCache(4 * UNIT)
     assert cache.put("x", t) and cache.put("d", {"x": t, 3: 1})
     reads = []
-    real = accounting._check_attrs
+    real = values._check_attrs
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(accounting, "_check_attrs", lambda *a, **k: reads.append(a[1]) or real(*a, **k))
+        mp.setattr(values, "_check_attrs", lambda *a, **k: reads.append(a[1]) or real(*a, **k))
         assert cache.get("x") is t and cache.get("d")["x"] is t
         with cache.pinned("d") as d:
             assert d["x"] is t
@@ -1395,8 +1394,8 @@ def test_slots_are_read_and_written_through_their_descriptors():
     outer.tag = "keep me"
     assert cache.put("outer", outer)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(accounting, "_SLOTS_MAX", 1)  # every new class clears the memo: walking the inner list does
-        accounting._SLOTS.clear()
+        mp.setattr(values, "_SLOTS_MAX", 1)  # every new class clears the memo: walking the inner list does
+        values._SLOTS.clear()
         assert cache.get("outer").tag == "keep me"
     cache.check_invariants()
 
@@ -1481,10 +1480,10 @@ def test_a_list_of_token_ids_is_walked_without_asking_each_id_its_kind():
     cache = OwnedCache(4 * UNIT)
     value = {"ids": list(range(1000)), "t": full(1)}
     calls = []
-    real = accounting._kind
+    real = values._kind
     with pytest.MonkeyPatch.context() as mp:
         counting = lambda obj, check=True: calls.append(type(obj)) or real(obj, check)  # noqa: E731
-        mp.setattr(accounting, "_kind", counting)
+        mp.setattr(values, "_kind", counting)
         mp.setattr(ownership, "_kind", counting)
         assert cache.put("k", value) and cache.get("k")["ids"] == value["ids"]
     assert int not in calls

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from tpool.memory import accounting, ownership
+from tpool.memory import ownership, values
 from tpool.memory.accounting import compact_bytes, payload_bytes, retained_bytes, storage_bytes, storage_key
 from tpool.memory.ownership import map_tensors, needs_compaction, own, plan_ownership
 
@@ -527,10 +527,10 @@ def test_memory_seen_through_two_storages_counts_once():
 
 def test_the_exact_type_shortcut_answers_as_the_isinstance_chain(monkeypatch):
     samples = [torch.zeros(2), {"a": 1}, [1], (1,), {1}, frozenset({1}), None, True, 3, 2.5, 1j, "s", b"b"]
-    assert {type(x) for x in samples} == set(accounting._EXACT_KINDS)  # one sample per shortcut type
-    fast = [accounting._kind(x) for x in samples]
-    monkeypatch.setattr(accounting, "_EXACT_KINDS", {})
-    assert [accounting._kind(x) for x in samples] == fast
+    assert {type(x) for x in samples} == set(values._EXACT_KINDS)  # one sample per shortcut type
+    fast = [values._kind(x) for x in samples]
+    monkeypatch.setattr(values, "_EXACT_KINDS", {})
+    assert [values._kind(x) for x in samples] == fast
 
 
 class _Output(dict):

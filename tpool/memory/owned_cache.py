@@ -31,7 +31,7 @@ Note:
     pin (``pin``/``unpin`` count in-flight readers) while reading it. In both
     modes an entry's ``str`` and ``bytes`` leaves (a prompt's text, an image
     file's bytes) are charged too, their ``sys.getsizeof`` once per entry
-    (:func:`~tpool.memory.accounting.leaf_bytes`). Pinned
+    (:func:`~tpool.memory.values.leaf_bytes`). Pinned
     entries are never evicted, popped or cleared. The cache must be the
     arena's only user (:meth:`OwnedCache.check_invariants` counts every
     live block of it as the cache's): a ``put`` finds the room that
@@ -66,7 +66,7 @@ from typing import Any
 import torch
 
 from tpool._checks import check_size
-from tpool.memory import accounting, ownership
+from tpool.memory import accounting, ownership, values
 from tpool.memory.arena import Arena, Block
 from tpool.errors import InvariantViolation
 from tpool.memory.accounting import StorageKey
@@ -248,7 +248,7 @@ class OwnedCache:
         if type(key) is not str and type(key) is not int:  # (the common keys at two tests)
             # The key stays alive with the entry: one holding a tensor is refused, before anything changes. Its
             # text is not charged (a key is the caller's name for the entry, as in any dict; a value's is).
-            accounting._check_key(key, "the cache key")
+            values._check_key(key, "the cache key")
         if key in self._entries:
             self._entries.move_to_end(key)
             self._counts["duplicates"] += 1

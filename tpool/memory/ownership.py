@@ -46,9 +46,10 @@ import numpy as np
 import torch
 
 from tpool._checks import check_size
-from tpool.memory.accounting import (_LEAF_TYPES, StorageKey, _alive_bytes, _distinct_elems, _field_names,
-                                     _instance_dict, _kind, _own_attrs, _slot_members, _slot_values, _span_elems,
-                                     check_ownable, compact_bytes, leaf_bytes, storage_bytes, storage_key)
+from tpool.memory.accounting import (StorageKey, _alive_bytes, _distinct_elems, _span_elems, check_ownable,
+                                     compact_bytes, storage_bytes, storage_key)
+from tpool.memory.values import (_LEAF_TYPES, _field_names, _instance_dict, _kind, _own_attrs, _slot_members,
+                                 _slot_values, leaf_bytes)
 
 __all__ = ["needs_compaction", "own", "compact", "map_tensors", "plan_ownership", "OwnershipPlan"]
 
@@ -269,7 +270,7 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         kept as they are and must be chargeable: numbers, str, bytes, None,
         enums, dtypes, devices, classes, numpy scalars, UUIDs, dates and
         times, paths, and tuples, frozensets and dataclasses of them (their
-        text is charged, :func:`~tpool.memory.accounting.leaf_bytes`).
+        text is charged, :func:`~tpool.memory.values.leaf_bytes`).
         :func:`~tpool.memory.accounting.retained_bytes` walks by the same
         rule.
     fn : callable
@@ -298,7 +299,7 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], check: bool) -> Any:
     """:func:`map_tensors`; ``check=False`` skips what ``put`` checked of a value the cache stored
-    (attributes, dict keys: see :func:`~tpool.memory.accounting._kind`) and never raises for it, for ``get``."""
+    (attributes, dict keys: see :func:`~tpool.memory.values._kind`) and never raises for it, for ``get``."""
     kind = _kind(obj, check)
     if kind == "tensor":
         return fn(obj)
@@ -356,7 +357,7 @@ def _shareable(v: Any) -> bool:
 def _rebuild_attrs(obj: Any, new: Any, done: dict[int, Any]) -> None:
     """Point each attribute of container subclass ``new`` (a copy of ``obj``) that holds one of
     ``obj``'s items itself at that item's rebuild (``done``: id of an item -> its rebuild), as
-    :func:`~tpool.memory.accounting._check_attrs` allows: a ``ModelOutput``'s attribute and item
+    :func:`~tpool.memory.values._check_attrs` allows: a ``ModelOutput``'s attribute and item
     then stay one object, and the attribute never keeps a replaced tensor alive. Every other
     attribute the copy still shares with ``obj`` and that is not a scalar (small plain data, as
     ``_check_attrs`` allows: a list, a set, a dict, a dataclass) is deep-copied, so that no one can
