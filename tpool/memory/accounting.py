@@ -49,8 +49,8 @@ import torch
 from tpool._checks import storage_spans
 from tpool.memory.values import _LEAVES, iter_tensors, leaf_bytes  # (the walkers: re-exported here)
 
-__all__ = ["payload_bytes", "storage_bytes", "compact_bytes", "storage_key", "retained_bytes", "iter_tensors", "leaf_bytes",
-           "check_ownable"]
+__all__ = ["payload_bytes", "storage_bytes", "compact_bytes", "storage_key", "retained_bytes", "iter_tensors",
+           "leaf_bytes", "check_ownable"]
 
 StorageKey = tuple[str, int, int]  # (device type, device index or -1, storage object id)
 

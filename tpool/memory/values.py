@@ -39,6 +39,7 @@ import torch
 
 __all__ = ["iter_tensors", "leaf_bytes"]
 
+
 def _is_dataclass(obj: Any) -> bool:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
@@ -51,6 +52,15 @@ _LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch
 _LEAF_TYPES = frozenset((type(None), bool, int, float, complex, str, bytes))  # exact types: "leaf", nothing to read
 _EXACT_KINDS = {torch.Tensor: "tensor", dict: "dict", list: "items", tuple: "items", set: "items",
                 frozenset: "items", **dict.fromkeys(_LEAF_TYPES, "leaf")}
+
+# What small plain data is (attributes; dict keys are charged instead, see _key_problem).
+_ATTR_TEXT_MAX = 1024  # characters (or bytes) of a str (bytes) attribute, or of all those in one: a tag, not a payload
+_ATTR_ITEMS_MAX = 64  # items in an attribute's containers, every level together: a shape or a set of dims
+_ATTR_DEPTH_MAX = 2  # levels of containers in an attribute (torch._dynamo.mark_dynamic's: a set of _DimRange)
+_ATTR_NUMBER_MAX = 128  # bytes (sys.getsizeof) of a number in an attribute or a key: an int of up to 780 bits
+_ATTR_TUPLES = (tuple, list, set, frozenset, torch.Size)  # exact types: a subclass may hold more than its items
+_FIXED_SCALARS = frozenset((type(None), bool, float, complex, torch.dtype, torch.device))  # exact types, fixed size
+_SMALL_INT = 1 << 62  # an exact int below it in magnitude is small without asking its size
 
 
 def _kind(obj: Any, check: bool = True) -> str:
@@ -209,15 +219,6 @@ def _enum_attrs(member: enum.Enum) -> dict:
     """The own attributes of an enum member that its class does not give every member: ``_value_``
     and whatever was set on it (not ``_name_``, ``__objclass__``, ``_sort_order_``)."""
     return {k: v for k, v in _own_attrs(member).items() if k not in ("_name_", "__objclass__", "_sort_order_")}
-
-
-_ATTR_TEXT_MAX = 1024  # characters (or bytes) of a str (bytes) attribute, or of all those in one: a tag, not a payload
-_ATTR_ITEMS_MAX = 64  # items in an attribute's containers, every level together: a shape or a set of dims
-_ATTR_DEPTH_MAX = 2  # levels of containers in an attribute (torch._dynamo.mark_dynamic's: a set of _DimRange)
-_ATTR_NUMBER_MAX = 128  # bytes (sys.getsizeof) of a number in an attribute or a key: an int of up to 780 bits
-_ATTR_TUPLES = (tuple, list, set, frozenset, torch.Size)  # exact types: a subclass may hold more than its items
-_FIXED_SCALARS = frozenset((type(None), bool, float, complex, torch.dtype, torch.device))  # exact types, fixed size
-_SMALL_INT = 1 << 62  # an exact int below it in magnitude is small without asking its size
 
 
 def _check_attrs(attrs: dict, what: str, container: Any = None, hint: str = "") -> bool:
