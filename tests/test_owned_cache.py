@@ -739,6 +739,7 @@ def test_cuda_split_item_end_to_end():
     batch = torch.randn(1000, 4096, dtype=torch.bfloat16, device="cuda")
     cache = OwnedCache(2 * ITEM_BYTES)
     cache.put("img", batch.split(100)[3])
+    gc.collect()  # (what earlier tests left for the collector would be freed below, inside the delta)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     del batch

@@ -113,7 +113,9 @@ def capture(step, *owners, warmup: int = 2) -> "torch.cuda.CUDAGraph":
         inputs must be tensors that live as long as the graph (fill them before
         each replay).
     *owners : PagePool or PageTable
-        Whose state the warm-up may change (restored before capture).
+        Whose state the warm-up may change (restored before capture). Tensors of the
+        caller's that ``step`` writes (a buffer holding last step's pages, say) keep
+        what the warm-up wrote: reset them before the first replay.
     warmup : int
         How many times ``step`` runs for real, on a side stream, before the
         capture (compiles the kernels).

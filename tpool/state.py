@@ -38,6 +38,13 @@ from tpool.kernels.layout import INT32_MAX
 _NUMPY_DTYPES = {torch.int8: np.int8, torch.int32: np.int32, torch.int64: np.int64, torch.bool: np.bool_}
 
 
+def set_cell(t: torch.Tensor, i: int, value) -> None:
+    """``t[i] = value`` as a fill of a one-element view: on CUDA ``t[i] = 3`` copies the Python
+    number from host memory, a synchronization (``set_sync_debug_mode("error")`` raises) and an
+    error inside CUDA-graph capture; a fill takes the value as a kernel argument."""
+    t.narrow(0, i, 1).fill_(value)
+
+
 def fixed_full(shape, fill, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.full(shape, fill)`` for memory that kernels keep the address of.
 
@@ -120,7 +127,7 @@ class PoolState(_Tensors):
     def create(cls, num_pages: int, device: torch.device) -> "PoolState":
         i32 = dict(dtype=torch.int32, device=device)
         counters = fixed_full(L.NUM_COUNTERS, 0, torch.int64, device)
-        counters[L.FREE_COUNT] = num_pages
+        set_cell(counters, L.FREE_COUNT, num_pages)
         free_stack = fixed_full(num_pages, 0, torch.int32, device)
         free_stack.copy_(torch.arange(num_pages - 1, -1, -1, **i32))  # popped from the top: pages 0, 1, 2, ...
         return cls(
@@ -166,7 +173,7 @@ class TableState(_Tensors):
             version=fixed_full(L.VERSION_CELLS, -1, torch.int64, device),
             row_version=fixed_full(max_requests, 0, torch.int64, device),
         )
-        ts.version[L.VERSION_NOW] = 0  # a fresh table: version 0, made by no step
+        set_cell(ts.version, L.VERSION_NOW, 0)  # a fresh table: version 0, made by no step
         return ts
 
 
@@ -203,11 +210,11 @@ class CsrMemo:
     def __init__(self, batch: int, capacity: int, device: torch.device, csr=None):
         self.batch, self.csr = batch, csr  # csr: the buffers it describes (check_invariants reads them)
         self.tensor = fixed_full(L.memo_len(batch), -1, torch.int64, device)
-        self.tensor[L.MEMO_WRITTEN] = capacity  # a fresh indices buffer is -1 throughout
+        set_cell(self.tensor, L.MEMO_WRITTEN, capacity)  # a fresh indices buffer is -1 throughout
 
     def invalidate(self) -> None:
         """Make the next step on these buffers rebuild the CSR instead of growing it or keeping runs of it."""
-        self.tensor[L.MEMO_VERSION] = -1
+        set_cell(self.tensor, L.MEMO_VERSION, -1)
 
     def forget(self, req_ids: torch.Tensor, version: torch.Tensor) -> None:
         """Keep no run of the rows ``req_ids`` (written by hand), whatever version comes back.

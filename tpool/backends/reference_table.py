@@ -170,7 +170,7 @@ def extend(st, ts, req_ids, num_tokens, slots, ok, meta=None):
     if meta is not None:
         positions, qo_indptr, kv_lens = meta
         positions.copy_(torch.where(made, pos, L.NULL_PAGE))
-        qo_indptr[0] = 0
+        qo_indptr[:1].zero_()  # (not qo_indptr[0] = 0: a host-to-device copy, refused inside graph capture)
         qo_indptr[1:] = tok_end.clamp(max=T)
         kv_lens.copy_(torch.where(okv, Ln + n, torch.where(valid, Ln, 0)))
 
