@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from tpool.memory.report import MemoryReport, format_report, main, memory_report
 from tpool.memory.owned_cache import OwnedCache
+from tpool.memory.report import MemoryReport, format_report, main, memory_report
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -170,3 +170,91 @@ def test_one_cache_or_pool_is_taken_as_a_list_of_one():
     with pytest.raises(TypeError, match="caches: expected a list of objects with memory_bytes"):
         memory_report("cpu", caches={"kv": cache})
 
+
+
+# --- The CUDA path on a CPU machine: torch.cuda.memory_stats / mem_get_info monkeypatched ---------------------------
+
+GIB = 1 << 30
+STATS = {  # a distinct number for every key, so a field reading the wrong (or a misspelt) key is seen
+    "allocated_bytes.all.current": 3 * GIB + 1,
+    "reserved_bytes.all.current": 5 * GIB + 2,
+    "allocated_bytes.all.peak": 4 * GIB + 3,
+    "reserved_bytes.all.peak": 6 * GIB + 4,
+    "inactive_split_bytes.all.current": 123,
+    "active_bytes.all.current": 3 * GIB + 7,
+    "allocated_bytes.small_pool.current": 11,
+}
+
+
+def _fake_cuda(monkeypatch, stats, free=70 * GIB, total=80 * GIB):
+    from tpool.memory import report as R
+
+    monkeypatch.setattr(R._checks, "resolve_device", lambda d: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "memory_stats", stats if callable(stats) else lambda d=None: stats)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (free, total))
+
+
+def test_each_allocator_field_reads_its_memory_stats_key(monkeypatch):
+    _fake_cuda(monkeypatch, STATS)
+    r = memory_report("cuda:0")
+    a, d = r.allocator, r.driver
+    assert a.allocated_bytes == STATS["allocated_bytes.all.current"]
+    assert a.reserved_bytes == STATS["reserved_bytes.all.current"]
+    assert a.peak_allocated_bytes == STATS["allocated_bytes.all.peak"]
+    assert a.peak_reserved_bytes == STATS["reserved_bytes.all.peak"]
+    assert a.inactive_split_bytes == STATS["inactive_split_bytes.all.current"]
+    assert a.unavailable is None and d.unavailable is None
+    assert (d.total_bytes, d.free_bytes, d.used_bytes) == (80 * GIB, 70 * GIB, 10 * GIB)
+    assert d.non_pytorch_bytes == 10 * GIB - STATS["reserved_bytes.all.current"]
+
+
+def test_allocator_not_initialised_is_zero(monkeypatch):
+    """memory_stats() is {} before the caching allocator first allocates on the device: it holds nothing."""
+    _fake_cuda(monkeypatch, {})
+    r = memory_report("cuda:0")
+    assert (r.allocator.allocated_bytes, r.allocator.reserved_bytes, r.allocator.peak_reserved_bytes) == (0, 0, 0)
+    assert r.allocator.unavailable is None and r.driver.non_pytorch_bytes == 10 * GIB
+
+
+def test_a_missing_stats_key_is_none_not_zero(monkeypatch):
+    stats = {k: v for k, v in STATS.items() if k != "reserved_bytes.all.peak"}
+    _fake_cuda(monkeypatch, stats)
+    a = memory_report("cuda:0").allocator
+    assert a.peak_reserved_bytes is None and "reserved_bytes.all.peak" in a.unavailable
+    assert a.allocated_bytes == STATS["allocated_bytes.all.current"] and a.reserved_bytes == 5 * GIB + 2
+    stats = {k: v for k, v in STATS.items() if k != "reserved_bytes.all.current"}
+    _fake_cuda(monkeypatch, stats)
+    r = memory_report("cuda:0")
+    assert r.allocator.reserved_bytes is None and r.driver.non_pytorch_bytes is None
+    assert r.driver.used_bytes == 10 * GIB and "reserved_bytes" in r.driver.unavailable
+
+
+def _pluggable(device=None):
+    raise RuntimeError("CUDAPluggableAllocator does not yet support getDeviceStats. If you need it, please file "
+                       "an issue describing your use case.")
+
+
+def test_a_pluggable_allocator_still_reports_the_driver(monkeypatch, capsys):
+    """With RMM & co. memory_stats raises: the report failed and the CLI exited 2 without the driver ledger."""
+    _fake_cuda(monkeypatch, _pluggable)
+    r = memory_report("cuda:0")
+    a, d = r.allocator, r.driver
+    assert {a.allocated_bytes, a.reserved_bytes, a.peak_allocated_bytes, a.peak_reserved_bytes,
+            a.inactive_split_bytes} == {None} and "getDeviceStats" in a.unavailable
+    assert (d.total_bytes, d.free_bytes, d.used_bytes, d.non_pytorch_bytes) == (80 * GIB, 70 * GIB, 10 * GIB, None)
+    assert main(["report"]) == 0
+    out = capsys.readouterr().out
+    assert "getDeviceStats" in out and any(line.startswith("driver") and "81920.00" in line
+                                           for line in out.splitlines())
+
+
+def test_cli_says_the_allocator_numbers_are_its_own_process(monkeypatch, capsys):
+    """From the CLI, non_pytorch_bytes holds the engine's whole PyTorch memory: the output says so."""
+    _fake_cuda(monkeypatch, {}, free=19 * GIB)
+    assert main(["report"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("note: ") and "this process" in last and "memory_report() in the engine's process" in last
+    assert main(["report", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "this process" in out["note"] and out["driver"]["non_pytorch_bytes"] == 61 * GIB
+    assert not any(line.startswith("note:") for line in format_report(memory_report("cuda:0")).splitlines())

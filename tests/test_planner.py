@@ -8,7 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import tpool
+from tpool.memory import planner
 from tpool.memory.planner import PagePlan, PlanError, plan_pages
+from tpool.serving.kv import PagedKVCache
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -98,7 +101,8 @@ def test_suggested_fraction_is_the_smallest_that_works(page, percent, total, dat
     (dict(max_pages=0, min_pages=1), "max_pages"),
     # bools and numpy floats are not sizes or fractions
     (dict(mem_fraction_static=True), "mem_fraction_static: expected a float in .0, 1., got a bool"),
-    (dict(mem_fraction_static=np.float32(0.8)), "mem_fraction_static: expected a float in .0, 1., got a float32"),
+    (dict(mem_fraction_static=np.bool_(True)), "mem_fraction_static: expected a float in .0, 1., got a bool"),
+    (dict(mem_fraction_static=np.float32(1.5)), "mem_fraction_static: expected a float in .0, 1., got np.float32.1.5."),
     (dict(bytes_per_page=True), "bytes_per_page: expected a positive int, got True"),
     (dict(total_bytes=True), "total_bytes: expected a positive int, got True"),
     (dict(reserve_bytes=False), "reserve_bytes: expected a non-negative int, got False"),
@@ -124,6 +128,7 @@ def test_cpu_requires_explicit_budget():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_reads_mem_get_info():
+    torch.cuda.empty_cache()  # as plan_pages does before it measures
     free, total = torch.cuda.mem_get_info()
     p = plan_pages(PAGE, 0.9, device="cuda", max_pages=10)
     assert isinstance(p, PagePlan) and p.total_bytes == total and "mem_get_info" in p.source
@@ -136,3 +141,108 @@ def test_cuda_reads_mem_get_info():
 def test_numpy_ints_are_sizes():
     p = plan_pages(np.int64(PAGE), 0.8, total_bytes=np.int64(80 * GIB), free_bytes=np.uint64(60 * GIB))
     assert p.num_pages == 22_528 and type(p.total_bytes) is int and type(p.bytes_per_page) is int
+
+
+def test_numpy_numbers_are_fractions_like_python_ones():
+    """np.int64(1) was refused while int 1 and np.float64 were accepted; numpy floats read as their decimal."""
+    kw = dict(total_bytes=80 * GIB, free_bytes=60 * GIB)
+    assert dataclasses.astuple(plan_pages(PAGE, np.int64(1), **kw)) == dataclasses.astuple(plan_pages(PAGE, 1, **kw))
+    for value in (np.float32(0.88), np.float16(0.5), np.float64(0.88)):
+        got, want = plan_pages(PAGE, value, **kw), plan_pages(PAGE, float(str(value)), **kw)
+        assert dataclasses.astuple(got) == dataclasses.astuple(want) and type(got.mem_fraction_static) is float
+    assert plan_pages(1, np.float32(0.29), total_bytes=100, free_bytes=100).static_budget_bytes == 29
+
+
+class _FakeCuda:
+    """torch.cuda as seen by _measure on a machine with one 80 GiB device; records the calls in order."""
+
+    def __init__(self, monkeypatch, free=60 * GIB, total=80 * GIB):
+        self.calls = []
+        fake = self
+
+        class Device:
+            def __init__(self, device):
+                self.device = device
+
+            def __enter__(self):
+                fake.calls.append(("device", str(self.device)))
+
+            def __exit__(self, *exc):
+                fake.calls.append(("device exit", str(self.device)))
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+        monkeypatch.setattr(torch.cuda, "device", Device)
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: self.calls.append(("empty_cache",)))
+
+        def mem_get_info(device=None):
+            self.calls.append(("mem_get_info", str(device)))
+            return free, total
+
+        monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+
+
+@pytest.mark.parametrize("device, name", [(None, "cuda:0"), ("cuda", "cuda:0"), ("cuda:1", "cuda:1"), (1, "cuda:1")])
+def test_measuring_empties_the_cache_of_that_device_first(monkeypatch, device, name):
+    """Memory torch freed but still caches counted as in use: mem_get_info must come after empty_cache."""
+    fake = _FakeCuda(monkeypatch)
+    p = plan_pages(PAGE, 0.8, device=device)
+    assert fake.calls == [("device", name), ("empty_cache",), ("device exit", name), ("mem_get_info", name)]
+    assert p.source == f"torch.cuda.mem_get_info({name}) after empty_cache()" and p.num_pages == 22_528
+    assert p.explain().splitlines()[0].endswith("after empty_cache()")
+    fake.calls.clear()
+    assert plan_pages(PAGE, 0.8, device=device, total_bytes=80 * GIB, free_bytes=60 * GIB).source == "given"
+    assert fake.calls == []  # nothing measured, nothing emptied
+
+
+@pytest.mark.parametrize("device, match", [
+    ("bogus", "device: expected a cpu or cuda device, got 'bogus'"),
+    ("meta", "device: expected a cpu or cuda device, got meta"),
+    (0, "CUDA is not available"),
+    ("cuda:0", "CUDA is not available"),
+])
+def test_a_device_that_cannot_be_measured_is_a_valueerror(monkeypatch, device, match):
+    """device="bogus" or 0 on a CPU-only machine raised torch's RuntimeError, not ValueError."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=match) as info:
+        plan_pages(PAGE, 0.8, device=device, total_bytes=80 * GIB)
+    assert "or pass both total_bytes and free_bytes" in str(info.value)
+    assert plan_pages(PAGE, 0.8, device=device, total_bytes=80 * GIB, free_bytes=60 * GIB).num_pages == 22_528
+
+
+def test_index_out_of_range_is_a_valueerror(monkeypatch):
+    _FakeCuda(monkeypatch)
+    with pytest.raises(ValueError, match=r"expected a CUDA index in \[0, 2\), got 5"):
+        plan_pages(PAGE, 0.8, device="cuda:5")
+
+
+def test_explain_says_what_a_cache_built_on_the_plan_adds():
+    """from_pool allocates num_pages + 1 pages, and the pool ~37 B a page of state: beyond the pool line."""
+    layers, heads, dim, page = 2, 2, 64, 16
+    bpp = 2 * layers * page * heads * dim * 4
+    plan = plan_pages(bpp, 0.5, total_bytes=1 << 30, free_bytes=(1 << 29) + 100 * bpp)
+    assert plan.num_pages == 100
+    pool = tpool.PagePool(plan.num_pages, page_size=page, device="cpu", backend="reference")
+    cache = PagedKVCache.from_pool(pool, num_layers=layers, num_kv_heads=heads, head_dim=dim, dtype=torch.float32)
+    assert cache.memory_bytes()["storage_bytes"] == plan.pool_bytes + bpp  # the scratch page
+    state = pool.memory_bytes()["state_bytes"]
+    assert 37 * plan.num_pages <= state < 37 * plan.num_pages + 1024
+    note = plan.explain().splitlines()[-1]
+    assert note.startswith("note: ") and f"1 scratch page ({bpp:,} B)" in note and "~37 B/page" in note
+    assert "scratch page" in planner.__doc__ and "state_bytes" in planner.__doc__
+
+
+def test_the_note_states_sglangs_base_and_how_to_match_it():
+    """The module said it sizes "the way SGLang does"; SGLang's base is the free memory before the weights."""
+    doc = " ".join(planner.__doc__.split())
+    assert "the way SGLang does" not in doc
+    assert "free_after_load - free_before_load * (1 - fraction)" in doc and "gpu_memory_utilization" in doc
+    # what the note says: SGLang's number is tpool's with total_bytes = free before the weights
+    total, ctx, other, weights, f = 80 * GIB, GIB // 2, 20 * GIB, 16 * GIB, 0.88
+    before = total - ctx - other
+    after = before - weights
+    sglang = int(after - before * (1 - f)) // PAGE
+    assert plan_pages(PAGE, f, total_bytes=before, free_bytes=after).num_pages == sglang
+    ours = plan_pages(PAGE, f, total_bytes=total, free_bytes=after).num_pages
+    assert abs((sglang - ours) * PAGE - (1 - f) * (ctx + other)) <= PAGE

@@ -1,12 +1,14 @@
 """Capacity planning: how many pages fit, from a static memory fraction.
 
 Note:
-    The arithmetic follows SGLang's ``mem_fraction_static``: a fraction of
-    the device's TOTAL memory is the static budget for weights and the KV
+    A fraction of the device's TOTAL memory (``torch.cuda.mem_get_info``'s
+    total, or ``total_bytes``) is the static budget for weights and the KV
     pool; the rest is the runtime reserve (activations, workspaces, CUDA
     graph pools) that the engine allocates later. Free memory is measured
-    after the weights are loaded, so everything in use then (weights, CUDA
-    context, other libraries and processes) comes out of the static budget::
+    after the weights are loaded (after ``torch.cuda.empty_cache()``, so
+    blocks PyTorch freed but still caches count as free), and everything in
+    use then (weights, CUDA context, other libraries and processes) comes
+    out of the static budget::
 
         in use        U = total - free + pending      (pending: weights not loaded yet)
         static        S = floor(total * fraction)
@@ -14,21 +16,45 @@ Note:
         pool budget   P = S - U - extra_reserve       ( = free - pending - R - extra )
         pages         N = min(P // bytes_per_page, max_pages)
 
+    The base differs from the engines' knobs of the same name:
+
+    * SGLang's ``mem_fraction_static`` applies to the free memory measured
+      BEFORE the weights load (after distributed init, the minimum across TP
+      ranks), not to the total: its pool gets
+      ``free_after_load - free_before_load * (1 - fraction)``. Here the pool
+      gets ``free_after_load - total * (1 - fraction)``, which is
+      ``(1 - fraction) * (CUDA context + other processes' memory)`` less
+      (at 0.88: 0.12 x 0.5 GiB = 61 MiB for a CUDA context; 0.12 x 20.5 GiB
+      = 2.46 GiB with another process holding 20 GiB as well). Pass ``total_bytes`` = the free memory before
+      the weights to get SGLang's number.
+    * vLLM's ``gpu_memory_utilization`` is also a share of the total, but
+      its budget must hold the profiled activation peak and the non-torch
+      memory too, which here come out of the runtime reserve instead.
+
     The fraction is read as the decimal it is written as (0.88 is 22/25),
     so the numbers are exact. When ``N < min_pages`` (the weights already
     fill the static budget) :class:`PlanError` names the smallest fraction,
     rounded up to 0.01, that would give ``min_pages`` pages.
+
+    ``N`` is the number of pages to ask for, and ``pool`` = ``N x
+    bytes_per_page`` their K/V only: ``PagedKVCache.from_pool`` of an
+    ``N``-page ``PagePool`` allocates ``N + 1`` pages (one scratch page), and
+    the pool keeps ~37 bytes of state a page
+    (``pool.memory_bytes()["state_bytes"]``); these come out of the runtime
+    reserve, not the pool budget (:meth:`PagePlan.explain` says so).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from fractions import Fraction
 
+import numpy as np
 import torch
 
-from tpool._checks import check_size
+from tpool._checks import check_size, resolve_device
 
 __all__ = ["plan_pages", "PagePlan", "PlanError"]
 
@@ -70,7 +96,9 @@ class PagePlan:
         str
             Eight lines: total, free, in use, static budget, runtime reserve,
             extra reserve, pool budget, pool; each with its bytes, GiB and
-            where it comes from.
+            where it comes from. Then one note: a ``PagedKVCache`` built on a
+            pool of ``num_pages`` pages also takes one scratch page and the
+            pool ~37 B a page of state, from the runtime reserve.
 
         Example
         -------
@@ -84,6 +112,7 @@ class PagePlan:
         extra reserve                       0 B      0.00 GiB   kept back inside the static budget
         pool budget            47,244,640,256 B     44.00 GiB   static budget - in use - extra reserve
         pool                   47,244,640,256 B     44.00 GiB   22,528 pages x 2,097,152 B
+        note: PagedKVCache.from_pool adds 1 scratch page (2,097,152 B), PagePool ~37 B/page state: from the reserve
         """
         rows = [
             ("total", self.total_bytes, self.source),
@@ -96,21 +125,29 @@ class PagePlan:
             ("pool budget", self.pool_budget_bytes, "static budget - in use - extra reserve"),
             ("pool", self.pool_bytes, f"{self.num_pages:,} pages x {self.bytes_per_page:,} B"),
         ]
-        return "\n".join(f"{name:<16} {value:>20,} B {value / GIB:>9.2f} GiB   {why}" for name, value, why in rows)
+        lines = [f"{name:<16} {value:>20,} B {value / GIB:>9.2f} GiB   {why}" for name, value, why in rows]
+        lines.append(f"note: PagedKVCache.from_pool adds 1 scratch page ({self.bytes_per_page:,} B), PagePool "
+                     "~37 B/page state: from the reserve")  # not in the pool line: see the module note
+        return "\n".join(lines)
 
 
 def _measure(device, total_bytes, free_bytes) -> tuple[int, int, str]:
     if total_bytes is not None and free_bytes is not None:
         return total_bytes, free_bytes, "given"
-    if device is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise ValueError(f"total_bytes and free_bytes are required on {device} (no driver to ask), "
-                         f"got total_bytes={total_bytes!r}, free_bytes={free_bytes!r}")
+    given = f"got total_bytes={total_bytes!r}, free_bytes={free_bytes!r}"
+    try:
+        device = resolve_device(device)
+    except ValueError as e:
+        raise ValueError(f"{e}; or pass both total_bytes and free_bytes ({given})") from None
+    if device.type != "cuda":
+        raise ValueError(f"total_bytes and free_bytes are required on {device} (no driver to ask), {given}")
+    with torch.cuda.device(device):
+        # Blocks PyTorch freed but still caches are reusable by the pool: return them to the driver
+        # first, or mem_get_info counts them as in use (as SGLang's get_available_gpu_memory does).
+        torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return (total if total_bytes is None else total_bytes, free if free_bytes is None else free_bytes,
-            f"torch.cuda.mem_get_info({device})")
+            f"torch.cuda.mem_get_info({device}) after empty_cache()")
 
 
 def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, total_bytes: int | None = None,
@@ -124,12 +161,14 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
         Bytes one page takes on the device (all layers, K and V), > 0.
     mem_fraction_static : float
         In (0, 1]: share of total device memory for weights + pool (a
-        Python float, int or ``Fraction``; a bool is refused, and so is a
-        numpy float32, which cannot hold a decimal such as 0.8 exactly).
-    device : torch.device or str, optional
-        CUDA device to measure (``torch.cuda.mem_get_info``) when total or
-        free is not given; default the current CUDA device. Unused when both
-        are given.
+        Python or numpy float, read as the decimal it prints as, so
+        ``np.float32(0.8)`` is 4/5; a Python or numpy int; a ``Fraction``;
+        a bool is refused).
+    device : torch.device, str or int, optional
+        CUDA device to measure when total or free is not given: after
+        ``torch.cuda.empty_cache()`` (so memory PyTorch freed but still
+        caches counts as free), ``torch.cuda.mem_get_info``; default the
+        current CUDA device. Unused when both are given.
     total_bytes, free_bytes : int, optional
         Device total (>= 1) and free (>= 0, <= total) memory in bytes; each
         one not given is measured. Both are required without CUDA.
@@ -158,7 +197,9 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
     ValueError
         An argument of the wrong type (a bool is not a size or a fraction)
         or out of its range, ``free_bytes > total_bytes``, or total or free
-        not given and no CUDA device to measure them on.
+        not given and no CUDA device to measure them on (``device`` not a
+        cpu or cuda device, CUDA unavailable, an index out of range, or the
+        CPU).
 
     Example
     -------
@@ -173,9 +214,10 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
     min_pages = check_size(min_pages, "min_pages", 0)
     if max_pages is not None:
         max_pages = check_size(max_pages, "max_pages", min_pages)
-    if isinstance(mem_fraction_static, bool) or not isinstance(mem_fraction_static, (int, float, Fraction)):
+    if isinstance(mem_fraction_static, (bool, np.bool_)) or \
+            not isinstance(mem_fraction_static, (numbers.Integral, float, np.floating, Fraction)):
         raise ValueError(f"mem_fraction_static: expected a float in (0, 1], got a {type(mem_fraction_static).__name__} "
-                         f"({mem_fraction_static!r}); pass a Python float such as 0.8")
+                         f"({mem_fraction_static!r}); pass a float such as 0.8")
     if not 0 < mem_fraction_static <= 1:
         raise ValueError(f"mem_fraction_static: expected a float in (0, 1], got {mem_fraction_static!r}")
     total, free, source = _measure(device, total_bytes, free_bytes)
@@ -185,7 +227,9 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
         raise ValueError(f"free_bytes must be <= total_bytes ({total}), got {free}")
     pending = 0 if weights_bytes is None else check_size(weights_bytes, "weights_bytes", 0)
 
-    fraction = Fraction(str(mem_fraction_static)) if isinstance(mem_fraction_static, float) \
+    # A float (numpy's too: str() is its shortest round-tripping decimal) is read as that decimal.
+    fraction = Fraction(str(mem_fraction_static)) if isinstance(mem_fraction_static, (float, np.floating)) \
+        else Fraction(int(mem_fraction_static)) if isinstance(mem_fraction_static, numbers.Integral) \
         else Fraction(mem_fraction_static)
     used = total - free + pending
     static = math.floor(total * fraction)
@@ -205,5 +249,5 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
             f"{pool_budget:,} B for the pool after {used:,} B in use (weights, context, other) and "
             f"{reserve_bytes:,} B extra reserve; {min_pages} page(s) of {bytes_per_page:,} B need "
             f"{min_pages * bytes_per_page:,} B: {fix}", suggested)
-    return PagePlan(bytes_per_page, float(mem_fraction_static), total, free, pending, used, static,
+    return PagePlan(bytes_per_page, float(fraction), total, free, pending, used, static,
                     total - static, reserve_bytes, pool_budget, pages, pages * bytes_per_page, source)

@@ -7,12 +7,18 @@ Note:
       vs the storage bytes it keeps alive, and whatever each pool's
       ``memory_bytes()`` returns (a dict of byte counts, read duck-typed);
     * caching allocator (``allocator``): ``torch.cuda.memory_stats``:
-      allocated, reserved, their peaks, inactive split bytes. Freed blocks
-      stay reserved, so reserved >= allocated;
+      allocated, reserved, their peaks, inactive split bytes, of THIS process
+      only. Freed blocks stay reserved, so reserved >= allocated. With a
+      pluggable allocator (RMM…) torch has no statistics: the ledger is None
+      with the reason, and the driver ledger is still measured;
     * driver (``driver``): ``torch.cuda.mem_get_info``: total and free on the
       device. ``used = total - free`` is device-wide (other processes too);
-      ``non_pytorch = used - reserved``: CUDA context, NCCL, other libraries,
-      and other processes' memory;
+      ``non_pytorch = used - reserved`` (reserved by THIS process): CUDA
+      context, NCCL, other libraries, and other processes' memory, their
+      PyTorch memory included. Run from the ``report`` CLI (a process of its
+      own, which reserves nothing), it is everything on the device but the
+      CLI's own context is in it too: call :func:`memory_report` inside the
+      engine's process for the engine's split;
     * process: resident set size from ``/proc/self/statm`` (current) and
       ``resource`` (peak), on every device.
 
@@ -75,7 +81,7 @@ class Driver:
     total_bytes: int | None
     free_bytes: int | None
     used_bytes: int | None  # total - free: device-wide, every process
-    non_pytorch_bytes: int | None  # used - reserved: context, other libraries, other processes
+    non_pytorch_bytes: int | None  # used - reserved by THIS process: context, other libraries, other processes
     unavailable: str | None = None
 
 
@@ -157,6 +163,20 @@ def _process() -> Process:
     return Process(rss, peak, "; ".join(reasons) or None)
 
 
+def _allocator(device: torch.device) -> Allocator:
+    try:
+        stats = torch.cuda.memory_stats(device)
+    except RuntimeError as e:  # a pluggable allocator (RMM...): "... does not yet support getDeviceStats"
+        return Allocator(None, None, None, None, None, f"torch.cuda.memory_stats failed: {e}")
+    if not stats:  # {}: the caching allocator has not been initialised on this device yet, so it holds nothing
+        return Allocator(**{name: 0 for name in _CUDA_STATS})
+    # A key missing from non-empty stats (a torch that renamed it) is that field None with the key
+    # named, not 0: the other fields are still right, and 0 would be a number the report invented.
+    missing = [key for key in _CUDA_STATS.values() if key not in stats]
+    return Allocator(**{name: int(stats[key]) if key in stats else None for name, key in _CUDA_STATS.items()},
+                     unavailable=f"torch.cuda.memory_stats has no {', '.join(missing)}" if missing else None)
+
+
 def memory_report(device: torch.device | str | int | None = None, *, pools=(), caches=()) -> MemoryReport:
     """Measure the ledgers of ``device`` (default: the current CUDA device, else the CPU).
 
@@ -195,11 +215,12 @@ def memory_report(device: torch.device | str | int | None = None, *, pools=(), c
         allocator = Allocator(None, None, None, None, None, why)
         driver = Driver(None, None, None, None, f"no driver memory query for device type {device.type!r}")
         return MemoryReport(str(device), tracked, allocator, driver, _process())
-    stats = torch.cuda.memory_stats(device)
-    allocator = Allocator(**{name: int(stats.get(key, 0)) for name, key in _CUDA_STATS.items()})
+    allocator = _allocator(device)
     free, total = torch.cuda.mem_get_info(device)
     used = total - free
-    driver = Driver(total, free, used, used - allocator.reserved_bytes)
+    driver = Driver(total, free, used, None if allocator.reserved_bytes is None else used - allocator.reserved_bytes,
+                    None if allocator.reserved_bytes is not None
+                    else "non_pytorch_bytes needs the allocator's reserved_bytes (unavailable)")
     return MemoryReport(str(device), tracked, allocator, driver, _process())
 
 
@@ -220,20 +241,28 @@ def _rows(report: MemoryReport) -> list[tuple[str, str, Any, str]]:
     return rows
 
 
-def format_report(report: MemoryReport) -> str:
+CLI_NOTE = ("the allocator ledger and non_pytorch_bytes (used - reserved) are of this process, the CLI, which "
+            "holds no tensors: non_pytorch_bytes is then every process's memory on the device (PyTorch's and "
+            "the CLI's own CUDA context included); call memory_report() in the engine's process for its split")
+
+
+def format_report(report: MemoryReport, note: str | None = None) -> str:
     """A readable table: ledger, quantity, bytes, MiB (``n/a`` and the reason when unmeasured).
 
     Parameters
     ----------
     report : MemoryReport
         As :func:`memory_report` returns it.
+    note : str, optional
+        A last line, ``note: ...`` (the CLI passes :data:`CLI_NOTE`).
 
     Returns
     -------
     str
         A title line naming the device, a header, then one line per number:
         integers with thousands separators, and MiB for quantities whose name
-        ends in ``bytes``; a ledger with nothing measured is one ``n/a`` line.
+        ends in ``bytes``; a ledger with nothing measured is one ``n/a`` line;
+        then ``note`` if given.
     """
     lines = [f"tpool memory report: {report.device}",
              f"{'ledger':<11} {'quantity':<40} {'bytes':>16} {'MiB':>11}  note"]
@@ -245,6 +274,8 @@ def format_report(report: MemoryReport) -> str:
             lines.append(f"{ledger:<11} {what:<40} {value:>16,} {shown}")
         else:
             lines.append(f"{ledger:<11} {what:<40} {value!s:>16}")
+    if note:
+        lines.append(f"note: {note}")
     return "\n".join(lines)
 
 
@@ -253,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
 
     Also reached as ``python -m tpool report``. Prints :func:`format_report`
     (or the JSON of :meth:`MemoryReport.to_dict` with ``--json``) of
-    :func:`memory_report` on the device, with no caches or pools.
+    :func:`memory_report` on the device, with no caches or pools, and
+    :data:`CLI_NOTE` (the table's last line; the JSON's ``"note"``): the
+    allocator numbers are this CLI process's.
 
     Parameters
     ----------
@@ -284,5 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"tpool report: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
+    if args.json:
+        print(json.dumps({**report.to_dict(), "note": CLI_NOTE}, indent=2))
+    else:
+        print(format_report(report, CLI_NOTE))
     return 0
