@@ -1,26 +1,50 @@
 #!/usr/bin/env bash
 # All GPU checks in one run, for a machine with CUDA (run from the repository root):
-# the GPU-only tests, the compiled Triton differential tests, and the three
-# benchmarks on CUDA. Results go to ${OUT:-gpu_results}/ as logs and JSON.
-# Install first: a CUDA build of torch, then `pip install -e ".[dev,hf,bench]" flashinfer-python` (without
-# transformers or flashinfer some GPU tests skip, and the script then reports failure; bench: the plots).
+# the GPU-only tests, the compiled Triton differential tests, and four benchmarks on CUDA.
+# Results go to ${OUT:-gpu_results}/ as seven text files (env, gpu_tests, triton_compiled,
+# pool, page_table, evict, scheduler); GPU_CHECKS_JSON=1 also writes each benchmark's JSON.
+#
+# Installed (a CUDA build of torch, then `pip install -e ".[dev,hf,bench]" flashinfer-python`) or
+# not: on a machine that cannot install (no network, torch, triton, numba, pytest and
+# transformers already there), the checks run from a copy of the checkout with kernels/ placed
+# as tpool/kernels, the layout the wheel has, and the checkout is left as it is.
+# Each step runs under `timeout ${GPU_CHECK_STEP_S:-600}` seconds. Without transformers or
+# flashinfer some GPU tests skip, and the script then reports failure.
 set -uo pipefail
-out=${OUT:-gpu_results}
-mkdir -p "$out"
+out=$(mkdir -p "${OUT:-gpu_results}" && cd "${OUT:-gpu_results}" && pwd)
+step_s=${GPU_CHECK_STEP_S:-600}
+py=${PYTHON:-$(command -v python || command -v python3)}
 unset TRITON_INTERPRET
-nvidia-smi > "$out/nvidia-smi.txt" 2>&1
-python -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" \
-    | tee "$out/versions.txt"
+export PYTHONUNBUFFERED=1
+
+if ! "$py" -c "import tpool.kernels" > /dev/null 2>&1; then
+    run=$(mktemp -d)
+    tar --exclude=./.git --exclude=./.venv --exclude=./build --exclude="./${OUT:-gpu_results}" -cf - . \
+        | tar -xf - -C "$run" && cp -r kernels "$run"/tpool/kernels
+    cd "$run" && export PYTHONPATH="$run${PYTHONPATH:+:$PYTHONPATH}"
+    echo "gpu_checks: tpool is not installed; running from a copy at $run"
+fi
+
+json() {  # --json PATH when GPU_CHECKS_JSON=1
+    [ "${GPU_CHECKS_JSON:-0}" = 1 ] && echo "--json $out/$1.json"
+}
+
+{ nvidia-smi; "$py" -c "import sys, torch, triton; print(sys.version); print('torch', torch.__version__, \
+'triton', triton.__version__, torch.cuda.get_device_name())"; } > "$out/env.txt" 2>&1
 status=0
-python -m pytest -q -rs -m gpu tests/ 2>&1 | tee "$out/gpu_tests.txt" || status=1
+timeout "$step_s" "$py" -m pytest -q -rs -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$out/gpu_tests.txt" \
+    || status=1
 if grep -q "skipped" "$out/gpu_tests.txt"; then  # every GPU test must run here (-rs says why one did not)
     echo "gpu_checks: some GPU tests were skipped" | tee -a "$out/gpu_tests.txt"; status=1
 fi
-python -m pytest -q tests/test_triton_kernels.py tests/test_triton_table.py 2>&1 \
-    | tee "$out/triton_compiled_tests.txt" || status=1
-python benchmarks/bench_pool.py --device cuda --json "$out/pool.json" 2>&1 | tee "$out/pool.txt"
-python benchmarks/bench_page_table.py --device cuda --json "$out/page_table.json" 2>&1 | tee "$out/page_table.txt"
-python benchmarks/bench_evict.py --device cuda --samples 10 --json "$out/evict.json" 2>&1 | tee "$out/evict.txt"
-python benchmarks/bench_scheduler.py --device cuda --json "$out/scheduler.json" --plot "$out/scheduler.png" 2>&1 \
-    | tee "$out/scheduler.txt"
+timeout "$step_s" "$py" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_table.py \
+    2>&1 | tee "$out/triton_compiled.txt" || status=1
+# shellcheck disable=SC2046  # (json's words are meant to split)
+timeout "$step_s" "$py" benchmarks/bench_pool.py --device cuda $(json pool) 2>&1 | tee "$out/pool.txt"
+# shellcheck disable=SC2046
+timeout "$step_s" "$py" benchmarks/bench_page_table.py --device cuda $(json page_table) 2>&1 | tee "$out/page_table.txt"
+# shellcheck disable=SC2046
+timeout "$step_s" "$py" benchmarks/bench_evict.py --device cuda --samples 10 $(json evict) 2>&1 | tee "$out/evict.txt"
+# shellcheck disable=SC2046
+timeout "$step_s" "$py" benchmarks/bench_scheduler.py --device cuda $(json scheduler) 2>&1 | tee "$out/scheduler.txt"
 exit $status
