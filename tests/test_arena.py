@@ -211,3 +211,13 @@ def test_block_addresses_are_multiples_of_the_alignment(alignment):
         blocks = [arena.alloc(1), arena.alloc(alignment + 1)]
         assert all(arena.bytes_of(b, 1).data_ptr() % alignment == 0 for b in blocks)
         keep.append(arena)
+
+
+def test_memory_bytes_counts_the_whole_buffer_and_its_blocks():
+    arena = Arena(4096, "cpu", alignment=256)
+    a, _ = arena.alloc(100), arena.alloc(300)             # sizes 256 and 512
+    assert arena.memory_bytes() == {"storage_bytes": arena.buffer.untyped_storage().nbytes(), "capacity_bytes": 4096,
+                                    "allocated_bytes": 768, "free_bytes": 3328, "blocks": 2}
+    assert 4096 <= arena.memory_bytes()["storage_bytes"] <= 4096 + 255  # cut from up to alignment - 1 more
+    arena.free(a)
+    assert arena.memory_bytes()["allocated_bytes"] == 512 and arena.memory_bytes()["free_bytes"] == 3584

@@ -258,3 +258,27 @@ def test_cli_says_the_allocator_numbers_are_its_own_process(monkeypatch, capsys)
     out = json.loads(capsys.readouterr().out)
     assert "this process" in out["note"] and out["driver"]["non_pytorch_bytes"] == 61 * GIB
     assert not any(line.startswith("note:") for line in format_report(memory_report("cuda:0")).splitlines())
+
+
+def test_report_lists_a_page_table_an_arena_and_an_owned_caches_arena():
+    import tpool
+    from tpool.memory.arena import Arena
+
+    arena = Arena(1 << 20, "cpu")
+    cache = OwnedCache(1 << 20, arena=arena)
+    cache.put("x", torch.zeros(1024, dtype=torch.uint8))
+    pool = tpool.PagePool(1 << 16, page_size=16, device="cpu", backend="reference")
+    table = tpool.PageTable(pool, 1024, 2048)
+    report = memory_report("cpu", pools=[pool, table, arena], caches=[cache, OwnedCache(1 << 20)])
+    alive = arena.buffer.untyped_storage().nbytes()
+    assert report.tracked.caches["OwnedCache[0]"] == {"entries": 1, "payload_bytes": 1024, "storage_bytes": 1024,
+                                                      "budget_bytes": 1 << 20, "peak_bytes": 1024, "arena_bytes": alive}
+    assert "arena_bytes" not in report.tracked.caches["OwnedCache[1]"]  # no arena: the keys as before
+    assert report.tracked.pools["PageTable[1]"] == table.memory_bytes()
+    assert report.tracked.pools["PageTable[1]"]["block_table_bytes"] == 1024 * 2048 * 4
+    assert report.tracked.pools["Arena[2]"] == {"storage_bytes": alive, "capacity_bytes": 1 << 20,
+                                                "allocated_bytes": 1024, "free_bytes": (1 << 20) - 1024, "blocks": 1}
+    text = format_report(report)
+    assert "pool PageTable[1]: total_bytes" in text and "pool Arena[2]: allocated_bytes" in text
+    assert "cache OwnedCache[0]: arena_bytes" in text
+    json.dumps(report.to_dict())

@@ -877,3 +877,28 @@ def test_the_memo_of_the_last_ids_checked_is_read_once(backend):
         table.__class__ = tpool.PageTable
         table.__dict__["_seen_ids"] = table.__dict__.pop("_memo")
     assert csr.indptr.tolist() == [0, 0] and table.kept_shapes()[0] == (("csr", 1, 4),)
+
+
+def test_memory_bytes_counts_the_tables_tensors_each_storage_once():
+    from tpool.kernels import layout as L
+
+    pool = tpool.PagePool(1 << 16, page_size=16, device="cpu", backend="reference")
+    table = tpool.PageTable(pool, 1024, 2048)  # the reviewer's reproducer: block table + lengths = 8,392,704 B
+    m = table.memory_bytes()
+    assert m["name"] == repr(table)
+    assert (m["block_table_bytes"], m["seq_lens_bytes"]) == (1024 * 2048 * 4, 1024 * 4)
+    assert m["block_table_bytes"] + m["seq_lens_bytes"] == 8_392_704  # table.block_table IS state.block_table: once
+    # claim int32 [1024], lane_end int32 [max_batch], version int64 [2], row_version int64 [1024]
+    assert m["other_state_bytes"] == 1024 * 4 + pool.max_batch * 4 + L.VERSION_CELLS * 8 + 1024 * 8
+    assert (m["buffer_bytes"], m["csr_memo_bytes"], m["kept_shapes"]) == (0, 0, 0)
+    assert m["total_bytes"] == 8_392_704 + m["other_state_bytes"]
+    table.step(i32([0, 1]), i32([5, 3]))                 # step (2, 2, 4096)
+    table.step(i32([0, 1]), i32([1, 1]), capacity=8)     # step (2, 2, 8): shares slots/ok/positions/... with it
+    table.extend(i32([0, 1]), i32([1, 1]))               # extend (2, 2)
+    m = table.memory_bytes()
+    out = 8 + 2 + 8 + 12 + 8                             # slots, ok, positions, qo_indptr, kv_lens: counted once
+    csr = lambda cap: 12 + cap * 4 + 8                   # indptr [3], indices [cap], last_page_len [2]
+    assert m["buffer_bytes"] == out + csr(4096) + csr(8) + (8 + 2)
+    assert m["csr_memo_bytes"] == 2 * L.memo_len(2) * 8 and m["kept_shapes"] == 3
+    parts = sum(v for k, v in m.items() if k.endswith("_bytes") and k != "total_bytes")
+    assert m["total_bytes"] == parts == tpool.memory.accounting.retained_bytes(table.state.tensors()) + m["buffer_bytes"] + m["csr_memo_bytes"]

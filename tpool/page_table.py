@@ -24,7 +24,7 @@ from tpool import _checks, table_checks
 from tpool._checks import i32_len
 from tpool.backends import make_table_ops
 from tpool.bound_step import BoundStep
-from tpool.buffers import DEFAULT_MAX_SHAPES, ShapeBuffers
+from tpool.buffers import DEFAULT_MAX_SHAPES, ShapeBuffers, _tensors
 from tpool.errors import StaleBinding
 from tpool.kernels import layout as L
 from tpool.kernels.layout import INT32_MAX, MAX_INDEXED
@@ -927,6 +927,52 @@ class PageTable:
         """The call shapes whose output buffers the table keeps now, least recently used first, and how
         many buffer sets they use: ``(keys, n_buffer_sets)``; a key is ``(op, B, ...)``."""
         return tuple(self._shapes.entries), len(self._shapes.buffers)
+
+    def memory_bytes(self) -> dict:
+        """Bytes held by the table's own tensors (for :func:`tpool.memory_report`).
+
+        Read from the tensors' metadata (``untyped_storage().nbytes()``), with no
+        device read. Each storage counts once, under the first key that holds it
+        (in the order below); memory two storage objects share counts once in
+        ``total_bytes``. The pool's state is the pool's (``PagePool.memory_bytes``),
+        and a :class:`~tpool.table_results.StepOut` or
+        :class:`~tpool.bound_step.BoundStep` holds buffers of its own, not counted here.
+
+        Returns
+        -------
+        dict
+            ``{"name": repr(self), "block_table_bytes": int, "seq_lens_bytes": int,
+            "other_state_bytes": int, "buffer_bytes": int, "csr_memo_bytes": int,
+            "kept_shapes": int, "total_bytes": int}``: the block table; the lengths;
+            the rest of the table's state (``claim``, ``lane_end``, ``version``,
+            ``row_version``); the output buffers of every call shape kept now
+            (:meth:`kept_shapes`), their CSR memos apart in ``csr_memo_bytes``; the
+            number of shapes kept; and the total, every byte counted once.
+        """
+        from tpool.memory.accounting import retained_bytes, storage_key  # (not at import: start-up cost)
+
+        with self._shapes.lock:  # (what changes the kept shapes holds it: see tpool.buffers)
+            entries = list(self._shapes.entries.values())
+            bufs = [t for b in list(self._shapes.buffers.values()) for t in _tensors(b)]
+        state = self.state.tensors()
+        groups = {"block_table_bytes": [state.pop("block_table")], "seq_lens_bytes": [state.pop("seq_lens")],
+                  "other_state_bytes": list(state.values()),
+                  "csr_memo_bytes": [e[2].tensor for e in entries if e[2] is not None],
+                  "buffer_bytes": bufs}
+        seen: dict = {}
+        out = {"name": repr(self)}
+        for key, tensors in groups.items():  # each storage under the first key that holds it
+            fresh = {}
+            for t in tensors:
+                sk = storage_key(t)
+                if sk not in seen:
+                    seen[sk] = fresh[sk] = t
+            out[key] = retained_bytes(list(fresh.values()))
+        out = {k: out[k] for k in ("name", "block_table_bytes", "seq_lens_bytes", "other_state_bytes",
+                                   "buffer_bytes", "csr_memo_bytes")}
+        out["kept_shapes"] = len(entries)
+        out["total_bytes"] = retained_bytes(list(seen.values()))
+        return out
 
     def pin_shapes(self) -> None:
         """Keep the buffers of every call shape made so far for the table's lifetime.

@@ -131,6 +131,22 @@ class Arena:
         """Number of live blocks."""
         return len(self._blocks)
 
+    def memory_bytes(self) -> dict[str, int]:
+        """The buffer and how much of it is in blocks (for :func:`tpool.memory_report`).
+
+        Returns
+        -------
+        dict of str to int
+            ``storage_bytes``: what the buffer keeps alive (its storage's
+            ``nbytes``: ``capacity_bytes``, or up to ``alignment - 1`` more when
+            the buffer was cut to align it); ``capacity_bytes``;
+            ``allocated_bytes`` (bytes in live blocks); ``free_bytes``;
+            ``blocks`` (live blocks). The buffer stays alive whatever is
+            allocated: ``storage_bytes`` is what the arena costs.
+        """
+        return {"storage_bytes": self.buffer.untyped_storage().nbytes(), "capacity_bytes": self.capacity_bytes,
+                "allocated_bytes": self._allocated, "free_bytes": self.free_bytes, "blocks": len(self._blocks)}
+
     def free_ranges(self) -> list[tuple[int, int]]:
         """Free ``(offset, size)`` ranges in offset order (for tests and reports).
 

@@ -673,10 +673,15 @@ class OwnedCache:
             ``entries``; ``payload_bytes`` (what the values need);
             ``storage_bytes`` (what the cache charges: storages held, or
             block sizes with an arena, and the entries' ``str`` and ``bytes``
-            leaves); ``budget_bytes``; ``peak_bytes``.
+            leaves); ``budget_bytes``; ``peak_bytes``; and with an arena,
+            ``arena_bytes``: what the arena's buffer keeps alive, whatever is
+            in it (its ``memory_bytes()["storage_bytes"]``).
         """
-        return {"entries": len(self._entries), "payload_bytes": self._payload, "storage_bytes": self._current,
-                "budget_bytes": self.budget_bytes, "peak_bytes": self._peak}
+        out = {"entries": len(self._entries), "payload_bytes": self._payload, "storage_bytes": self._current,
+               "budget_bytes": self.budget_bytes, "peak_bytes": self._peak}
+        if self.arena is not None:
+            out["arena_bytes"] = self.arena.buffer.untyped_storage().nbytes()
+        return out
 
     @_locked
     def check_invariants(self) -> None:

@@ -4,8 +4,12 @@ Note:
     Each metric sees one layer only, so the report keeps them apart:
 
     * references (``tracked``): what tpool objects hold: each cache's payload
-      vs the storage bytes it keeps alive, and whatever each pool's
-      ``memory_bytes()`` returns (a dict of byte counts, read duck-typed);
+      vs the storage bytes it keeps alive (and, backed by an ``Arena``, the
+      arena's whole buffer), and whatever each pool's ``memory_bytes()``
+      returns (a dict of byte counts, read duck-typed: a ``PagePool``, a
+      ``PageTable``, an ``Arena``, a ``PagedKVCache``…). Each object is its own
+      row set, never summed with another's: an ``Arena`` passed beside the
+      ``OwnedCache`` it backs shows the same buffer twice;
     * caching allocator (``allocator``): ``torch.cuda.memory_stats``:
       allocated, reserved, their peaks, inactive split bytes, of THIS process
       only. Freed blocks stay reserved, so reserved >= allocated. With a
@@ -186,8 +190,10 @@ def memory_report(device: torch.device | str | int | None = None, *, pools=(), c
         ``"cuda:0"``, ``0`` (an int is a CUDA index), ``"cpu"``… Default the
         current CUDA device, else the CPU.
     pools, caches : iterables, or one object
-        Objects with ``memory_bytes() -> dict[str, int]`` (e.g. ``OwnedCache``;
-        other JSON scalars are accepted as values), reported by their ``name``
+        Objects with ``memory_bytes() -> dict[str, int]`` (``OwnedCache``,
+        ``PagePool``, ``PageTable``, ``Arena``, ``PagedKVCache``, or your own;
+        other JSON scalars are accepted as values; either argument takes any
+        of them: the two only label the rows), reported by their ``name``
         attribute or ``Type[i]`` (``i`` its position); a name already taken
         gets the suffix ``[i]``, or the next index that makes it unique, so
         no object is dropped.
