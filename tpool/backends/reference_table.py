@@ -74,6 +74,7 @@ per request, in a step too), so no page id outside the pool reaches an attention
 import torch
 
 from tpool.kernels import layout as L
+from tpool.state import set_cell
 from tpool.backends.reference import (_put, apply_free, apply_incref, count_pages, free_gate, pop_pages,
                                      raise_peaks)
 
@@ -170,7 +171,7 @@ def extend(st, ts, req_ids, num_tokens, slots, ok, meta=None):
     if meta is not None:
         positions, qo_indptr, kv_lens = meta
         positions.copy_(torch.where(made, pos, L.NULL_PAGE))
-        qo_indptr[:1].zero_()  # (not qo_indptr[0] = 0: a host-to-device copy, refused inside graph capture)
+        set_cell(qo_indptr, 0, 0)  # (not qo_indptr[0] = 0: a host-to-device copy, refused inside graph capture)
         qo_indptr[1:] = tok_end.clamp(max=T)
         kv_lens.copy_(torch.where(okv, Ln + n, torch.where(valid, Ln, 0)))
 

@@ -680,7 +680,7 @@ class OwnedCache:
         out = {"entries": len(self._entries), "payload_bytes": self._payload, "storage_bytes": self._current,
                "budget_bytes": self.budget_bytes, "peak_bytes": self._peak}
         if self.arena is not None:
-            out["arena_bytes"] = self.arena.buffer.untyped_storage().nbytes()
+            out["arena_bytes"] = self.arena.memory_bytes()["storage_bytes"]
         return out
 
     @_locked

@@ -149,15 +149,14 @@ def _key_problem(k: Any, out: list, depth: int) -> str | None:
         out.append(str(k))  # (cached in the path: the object it keeps)
         return None
     if t is decimal.Decimal:
-        n = sys.getsizeof(k)
-        return None if n <= _ATTR_NUMBER_MAX else f"a Decimal of {n} bytes (over {_ATTR_NUMBER_MAX})"
+        return _number_problem(k)
     if t is fractions.Fraction:
         return _attr_problem(k, [_ATTR_ITEMS_MAX, _ATTR_TEXT_MAX], _ATTR_DEPTH_MAX)
     if isinstance(k, enum.Enum):
         items = () if _enum_reachable(t) else _enum_attrs(k).values()
     elif isinstance(k, np.generic):
-        if isinstance(k, np.void) and (k.base is not None or k.dtype.hasobject):
-            return "a numpy void " + ("viewing an array" if k.base is not None else "with object fields")
+        if (problem := _void_problem(k)) is not None:
+            return problem
         if isinstance(k, (str, bytes)):  # (numpy's str_ and bytes_: text, charged as text)
             out.append(k)
         elif k.nbytes > _ATTR_TEXT_MAX:
@@ -167,9 +166,8 @@ def _key_problem(k: Any, out: list, depth: int) -> str | None:
         out.append(k)
         items = _own_attrs(k).values()
     elif isinstance(k, numbers.Number):  # a subclass of float or complex, of Fraction or Decimal, ...
-        n = sys.getsizeof(k)
-        if n > _ATTR_NUMBER_MAX:
-            return f"a {t.__name__} of {n} bytes (over {_ATTR_NUMBER_MAX})"
+        if (problem := _number_problem(k)) is not None:
+            return problem
         items = _own_attrs(k).values()
     elif isinstance(k, (tuple, frozenset)):
         items = k if t is tuple or t is frozenset else [*k, *_own_attrs(k).values()]
@@ -278,17 +276,13 @@ def _attr_problem(v: Any, room: list[int], depth: int) -> str | None:
             return f"{len(v)} {type(v).__name__} (over {_ATTR_TEXT_MAX} in all)"
         return None if t is str or t is bytes else _scalar_attrs_problem(v, room, depth)
     if isinstance(v, np.generic):  # np.bool_, np.float32, np.datetime64, ...
-        if isinstance(v, np.void) and (v.base is not None or v.dtype.hasobject):
-            # a structured array's row is a view that keeps the whole array alive; an object field holds anything
-            return "a numpy void " + ("viewing an array" if v.base is not None else "with object fields")
+        if (problem := _void_problem(v)) is not None:
+            return problem
         if v.nbytes > _ATTR_TEXT_MAX:
             return f"a numpy {type(v).__name__} of {v.nbytes} bytes"
         return _scalar_attrs_problem(v, room, depth)  # (a subclass's own attributes; none for numpy's types)
     if isinstance(v, numbers.Number):  # a subclass of int, float or complex, a Fraction, a Decimal, ...
-        n = sys.getsizeof(v)
-        if n > _ATTR_NUMBER_MAX:
-            return f"a {type(v).__name__} of {n} bytes (over {_ATTR_NUMBER_MAX})"
-        return _scalar_attrs_problem(v, room, depth)
+        return _number_problem(v) or _scalar_attrs_problem(v, room, depth)
     if t in _ATTR_TUPLES or isinstance(v, tuple) and hasattr(v, "_fields") and not hasattr(v, "__dict__"):
         items = v
     elif t is dict:
@@ -300,6 +294,20 @@ def _attr_problem(v: Any, room: list[int], depth: int) -> str | None:
     else:
         return f"a {type(v).__name__}"
     return _items_problem(v, items, room, depth)
+
+
+def _number_problem(v: Any) -> str | None:
+    """None if number ``v`` takes at most ``_ATTR_NUMBER_MAX`` bytes (``sys.getsizeof``), else what it is."""
+    n = sys.getsizeof(v)
+    return None if n <= _ATTR_NUMBER_MAX else f"a {type(v).__name__} of {n} bytes (over {_ATTR_NUMBER_MAX})"
+
+
+def _void_problem(v: np.generic) -> str | None:
+    """What a numpy scalar holds that cannot be charged: a structured array's row is a view that keeps the
+    whole array alive, and an object field holds anything; None for any other numpy scalar."""
+    if isinstance(v, np.void) and (v.base is not None or v.dtype.hasobject):
+        return "a numpy void " + ("viewing an array" if v.base is not None else "with object fields")
+    return None
 
 
 def _items_problem(v: Any, items: Any, room: list[int], depth: int) -> str | None:
