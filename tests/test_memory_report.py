@@ -2,10 +2,12 @@
 
 import gc
 import json
+import re
 
 import pytest
 import torch
 
+from tpool import PagePool, PageTable
 from tpool.memory.owned_cache import OwnedCache
 from tpool.memory.report import MemoryReport, format_report, main, memory_report
 
@@ -103,6 +105,17 @@ def test_format_report_table():
     assert any(line.startswith("driver") and "n/a" in line for line in lines)
     assert any("pool kv: pages_bytes" in line and "1.00" in line for line in lines)
     assert any("pool kv: backend" in line and line.rstrip().endswith("numba") for line in lines)
+    # the number columns line up: a text value longer than the bytes column (a table's name) sits in
+    # the note column, and the bytes column holds only numbers, n/a or nothing
+    table = PageTable(PagePool(64, page_size=4, device="cpu"), max_requests=4, max_pages_per_request=8)
+    lines = format_report(memory_report("cpu", pools=[FakePool(), table])).splitlines()
+    header = lines[1]
+    bytes_end = header.index("bytes") + len("bytes")
+    for line in lines[2:]:
+        column = line[bytes_end - 16:bytes_end]
+        assert re.fullmatch(r" *([0-9,]+|n/a)?", column), line
+    assert any(": name" in line and line.rstrip().endswith("page_size=4, device=cpu, backend='numba'))")
+               for line in lines)
 
 
 def test_cli_json_and_table(capsys):

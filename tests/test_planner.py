@@ -218,7 +218,7 @@ def test_index_out_of_range_is_a_valueerror(monkeypatch):
 
 
 def test_explain_says_what_a_cache_built_on_the_plan_adds():
-    """from_pool allocates num_pages + 1 pages, and the pool ~37 B a page of state: beyond the pool line."""
+    """from_pool allocates num_pages + 1 pages, and the pool its state: beyond the pool line, the state's bytes exact."""
     layers, heads, dim, page = 2, 2, 64, 16
     bpp = 2 * layers * page * heads * dim * 4
     plan = plan_pages(bpp, 0.5, total_bytes=1 << 30, free_bytes=(1 << 29) + 100 * bpp)
@@ -229,7 +229,11 @@ def test_explain_says_what_a_cache_built_on_the_plan_adds():
     state = pool.memory_bytes()["state_bytes"]
     assert 37 * plan.num_pages <= state < 37 * plan.num_pages + 1024
     note = plan.explain().splitlines()[-1]
-    assert note.startswith("note: ") and f"1 scratch page ({bpp:,} B)" in note and "~37 B/page" in note
+    assert note.startswith("note: ") and f"1 scratch page ({bpp:,} B)" in note
+    assert f"PagePool state {state:,} B" in note  # read off the layout, as the pool it plans holds it
+    big = plan_pages(bpp, 0.5, total_bytes=1 << 40, free_bytes=(1 << 39) + 3_000_000 * bpp)
+    big_state = tpool.PagePool(big.num_pages, page_size=page, device="cpu").memory_bytes()["state_bytes"]
+    assert f"PagePool state {big_state:,} B" in big.explain().splitlines()[-1]
     assert "scratch page" in planner.__doc__ and "state_bytes" in planner.__doc__
 
 

@@ -146,6 +146,12 @@ class PoolState(_Tensors):
         )
 
 
+def pool_state_bytes(num_pages: int) -> int:
+    """Bytes of a ``num_pages``-page pool's state tensors (``PagePool.memory_bytes()["state_bytes"]``
+    before any free group is made), read off the layout on the meta device: nothing is allocated."""
+    return sum(t.nbytes for t in PoolState.create(num_pages, torch.device("meta")).tensors().values())
+
+
 @dataclass(frozen=True)
 class TableState(_Tensors):
     """Tensors of one page table, on its pool's device."""

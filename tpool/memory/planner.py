@@ -39,9 +39,10 @@ Note:
     ``N`` is the number of pages to ask for, and ``pool`` = ``N x
     bytes_per_page`` their K/V only: ``PagedKVCache.from_pool`` of an
     ``N``-page ``PagePool`` allocates ``N + 1`` pages (one scratch page), and
-    the pool keeps ~37 bytes of state a page
-    (``pool.memory_bytes()["state_bytes"]``); these come out of the runtime
-    reserve, not the pool budget (:meth:`PagePlan.explain` says so).
+    the pool keeps its state (``pool.memory_bytes()["state_bytes"]``, 37
+    bytes a page today); these come out of the runtime reserve, not the pool
+    budget (:meth:`PagePlan.explain` says so, with the state's bytes for ``N``
+    pages read off the pool's layout).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ import numpy as np
 import torch
 
 from tpool._checks import check_size, resolve_device
+from tpool.state import pool_state_bytes
 
 __all__ = ["plan_pages", "PagePlan", "PlanError"]
 
@@ -97,8 +99,8 @@ class PagePlan:
             Eight lines: total, free, in use, static budget, runtime reserve,
             extra reserve, pool budget, pool; each with its bytes, GiB and
             where it comes from. Then one note: a ``PagedKVCache`` built on a
-            pool of ``num_pages`` pages also takes one scratch page and the
-            pool ~37 B a page of state, from the runtime reserve.
+            pool of ``num_pages`` pages also takes one scratch page, and the
+            pool its state (its bytes read off the layout), from the runtime reserve.
 
         Example
         -------
@@ -112,7 +114,7 @@ class PagePlan:
         extra reserve                       0 B      0.00 GiB   kept back inside the static budget
         pool budget            47,244,640,256 B     44.00 GiB   static budget - in use - extra reserve
         pool                   47,244,640,256 B     44.00 GiB   22,528 pages x 2,097,152 B
-        note: PagedKVCache.from_pool adds 1 scratch page (2,097,152 B), PagePool ~37 B/page state: from the reserve
+        note: PagedKVCache.from_pool adds 1 scratch page (2,097,152 B), PagePool state 833,856 B: from the reserve
         """
         rows = [
             ("total", self.total_bytes, self.source),
@@ -127,7 +129,7 @@ class PagePlan:
         ]
         lines = [f"{name:<16} {value:>20,} B {value / GIB:>9.2f} GiB   {why}" for name, value, why in rows]
         lines.append(f"note: PagedKVCache.from_pool adds 1 scratch page ({self.bytes_per_page:,} B), PagePool "
-                     "~37 B/page state: from the reserve")  # not in the pool line: see the module note
+                     f"state {pool_state_bytes(self.num_pages):,} B: from the reserve")  # not in the pool line: see the module note
         return "\n".join(lines)
 
 

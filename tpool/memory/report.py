@@ -267,8 +267,8 @@ def format_report(report: MemoryReport, note: str | None = None) -> str:
     str
         A title line naming the device, a header, then one line per number:
         integers with thousands separators, and MiB for quantities whose name
-        ends in ``bytes``; a ledger with nothing measured is one ``n/a`` line;
-        then ``note`` if given.
+        ends in ``bytes``; a text value (a name, a backend) in the note column;
+        a ledger with nothing measured is one ``n/a`` line; then ``note`` if given.
     """
     lines = [f"tpool memory report: {report.device}",
              f"{'ledger':<11} {'quantity':<40} {'bytes':>16} {'MiB':>11}  note"]
@@ -278,8 +278,8 @@ def format_report(report: MemoryReport, note: str | None = None) -> str:
         elif isinstance(value, int) and not isinstance(value, bool):
             shown = f"{value / MIB:11.2f}" if what.endswith("bytes") else f"{'':>11}"
             lines.append(f"{ledger:<11} {what:<40} {value:>16,} {shown}")
-        else:
-            lines.append(f"{ledger:<11} {what:<40} {value!s:>16}")
+        else:  # text (a name, a backend): in the note column, so the number columns stay aligned
+            lines.append(f"{ledger:<11} {what:<40} {'':>16} {'':>11}  {value}")
     if note:
         lines.append(f"note: {note}")
     return "\n".join(lines)
