@@ -236,6 +236,19 @@ def restamp_table(td):
         stamps[r] = version
 
 
+@numba.njit(nogil=True)
+def copy_spans(desc_addr, n):
+    """Copy ``n`` byte spans, described by int64 ``[3n]`` at ``desc_addr``: (destination, source, bytes)
+    each. Compiled by the numba backend to keep the GIL (``tpool.state.copy_between_calls``): several
+    tensors copied in one call that no numba call of another thread can land in."""
+    d = i64_array(desc_addr, 3 * n)
+    for k in range(n):
+        size = d[3 * k + 2]
+        dst, src = u8_array(d[3 * k], size), u8_array(d[3 * k + 1], size)
+        for j in range(size):
+            dst[j] = src[j]
+
+
 @numba.njit(nogil=True, inline="always")
 def i64_cell(addr):
     """int64 ``[1]`` array over the cell at ``addr``."""

@@ -41,6 +41,10 @@ def alloc_numba(
     counters,     # int64 [NUM_COUNTERS]
     keys,         # int64 [P] scratch for eviction
 ):
+    if B > BO:  # more requests than the outputs have lanes (the façade refuses it): those past BO fail
+        counters[L.ERR_OUT_OVERFLOW] += 1
+        counters[L.FAILED_REQUESTS] += B - BO
+        B = BO
     counts = i32_array(counts_ptr, B)
     pages = i32_array(pages_ptr, M)
     indptr = i32_array(indptr_ptr, BO + 1)

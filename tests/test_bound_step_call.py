@@ -68,6 +68,9 @@ def test_the_inputs_the_table_makes_keep_their_memory_whatever_is_done_to_them(b
         for refcheck in (True, False):  # refcheck=False would free memory the step still writes
             with pytest.raises(ValueError, match="does not own its data"):
                 made.resize(1 << 20, refcheck=refcheck)  # numpy refuses: a view of what the binding keeps
+            # nor its owner, reachable as .base, which numpy reallocated with refcheck=False (session 25)
+            with pytest.raises(ValueError, match="references or is referenced"):
+                made.base.resize(1 << 20, refcheck=refcheck)
     ids = run.req_ids
     del run.req_ids, run.num_tokens, ids, table       # the step holds its memory and its table
     assert run().ok.tolist() == [True, True]

@@ -4,6 +4,7 @@ given, or make the backends disagree, is refused with a ValueError before any ke
 Crash-prone reproducers run in a subprocess, so a segfault fails the test instead of pytest.
 """
 
+import functools
 import subprocess
 import sys
 import textwrap
@@ -56,6 +57,44 @@ def test_alloc_out_run_is_not_public_and_batch_is_checked(backend):
     assert not hasattr(out, "run")
     with pytest.raises(ValueError, match="counts: expected at most 2 entries, got 3"):
         pool.alloc(i32([1, 1, 1]), out=out)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_the_sizes_a_call_is_checked_against_cannot_be_reassigned(backend):
+    """Session 25: ``StepOut.batch``, ``AllocOut.max_batch`` and ``CsrMemo.batch`` were plain attributes
+    that the façade checked a call's batch against, while the buffers kept the old size: a 4,096-lane
+    step into a 2-lane StepOut crashed the process. The public attributes of these objects are set once."""
+    pool = tpool.PagePool(64, page_size=1, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, max_requests=64, max_pages_per_request=1)
+    step_out, alloc_out = table.step_out(2, max_tokens=8, capacity=64), pool.alloc_out(max_batch=2, max_pages=8)
+    for obj, names in ((step_out, ("batch", "max_tokens", "capacity", "memo", "result", "table")),
+                       (alloc_out, ("max_batch", "max_pages", "pages", "ok", "indptr", "result", "pool")),
+                       (step_out.memo, ("batch", "tensor", "csr"))):
+        for name in names:
+            with pytest.raises(AttributeError, match=rf"{type(obj).__name__}.{name} is read-only"):
+                setattr(obj, name, 4096)
+    with pytest.raises(ValueError, match="batch: expected 2"):
+        table.step(torch.arange(64, dtype=torch.int32), torch.ones(64, dtype=torch.int32), out=step_out)
+    with pytest.raises(ValueError, match="counts: expected at most 2 entries, got 64"):
+        pool.alloc(torch.ones(64, dtype=torch.int32), out=alloc_out)
+    table.step(i32([0, 1]), i32([1, 1]), out=step_out)
+    assert step_out.result.ok.tolist() == [True, True]
+    pool.check()
+
+
+def test_the_numba_alloc_bounds_its_batch_by_its_outputs():
+    """Behind the façade, the numba alloc takes no more requests than its outputs have lanes (a raw
+    address kernel bounds what it writes itself): those past them fail and count out_overflow."""
+    pool = tpool.PagePool(64, page_size=1, device="cpu", backend="numba")
+    out = pool.alloc_out(max_batch=2, max_pages=8)
+    before = out.indptr.clone()
+    junk = torch.full((4096,), 7, dtype=torch.int32)
+    out._run(torch.ones(50, dtype=torch.int32), 50, False)  # around the façade's check
+    assert out.ok.tolist() == [True, True] and out.indptr.tolist() == [0, 1, 2] != before.tolist()
+    assert pool.available() == 62 and bool((junk == 7).all())
+    with pytest.raises(tpool.OutputOverflow):
+        pool.check()
+    assert pool.stats()["requests.failed"] == 48
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -142,6 +181,54 @@ def test_two_threads_one_pool(backend):
     pool.check_invariants()
     stats = pool.stats()
     assert pool.available() == 64 and stats["pages.allocated"] == stats["pages.freed"] == 2 * 2 * pairs
+
+
+def test_sync_points_and_preserved_copy_between_two_calls_of_another_thread():
+    """Session 25: numba calls take no lock (they keep the GIL), while torch's copies release it, so
+    check_invariants() read the state with another thread's calls landing between two tensors (false
+    InvariantViolations: 39 of 59 checks on one machine), and ``preserved`` restored a state mixed from
+    two moments (a page on the free stack twice). Their copies are one call that keeps the GIL now."""
+    from tpool.graphs import preserved
+    pool = tpool.PagePool(1 << 12, page_size=1, device="cpu", backend="numba")
+    # (a restore rewinds the other thread's requests by up to a cycle: rows of 16 pages never overflow)
+    table = tpool.PageTable(pool, max_requests=4, max_pages_per_request=16)
+    out = pool.alloc_out(1, 1)
+    alloc, free = pool.bind_alloc(i32([1]), out=out), pool.bind_free(out.pages)
+    step = table.bind_step(i32([0, 1]), i32([1, 1]), max_tokens=2)
+    release = torch.tensor([0, 1], dtype=torch.int32)
+    alloc(), free(), step(), table.release(release)
+    stop, failures = threading.Event(), []
+
+    def churn():
+        while not stop.is_set():
+            alloc(), free()
+            for _ in range(8):
+                step()
+            table.release(release)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # many thread switches: the calls land anywhere they can
+    worker = threading.Thread(target=churn)
+    worker.start()
+    try:
+        for _ in range(10):
+            # (not exclusive: the other thread's alloc holds a page outside the table between its calls)
+            for check in (pool.check_invariants, functools.partial(table.check_invariants, exclusive=False),
+                          pool.stats):
+                try:
+                    check()
+                except tpool.PoolError as e:
+                    failures.append(e)
+            with preserved(table):
+                pass
+    finally:
+        stop.set()
+        worker.join()
+        sys.setswitchinterval(interval)
+    assert not failures, failures[:3]
+    # quiet: every restore put back a state from between two calls (the other thread's own calls may
+    # count errors after a restore rewound them, a free of a page the restore made FREE again: not checked)
+    table.check_invariants(exclusive=False)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

@@ -375,7 +375,8 @@ def test_the_mirror_evicts_through_its_cache_and_a_detached_cache_refuses_work(b
     assert m.prefix_cache is None
     for what, call in (("match", lambda: cache.match(tokens)), ("revive", lambda: cache.revive(hit)),
                        ("insert", lambda: cache.insert(row, [1, 2, 3, 4])), ("evict", lambda: cache.evict(1)),
-                       ("detach", cache.detach)):
+                       ("detach", cache.detach), ("sync", cache.sync), ("unread", cache.unread),
+                       ("drop", lambda: cache.drop([0])), ("check_invariants", cache.check_invariants)):
         with pytest.raises(ValueError, match=rf"{what}: this PrefixCache was detached"):
             call()
     assert -1 not in m.evict(3).tolist() and m.cached == 0

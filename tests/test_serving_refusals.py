@@ -326,6 +326,11 @@ def test_the_engine_and_reference_tokens_stop_at_the_same_eos():
     assert got[0] == free[0][:3] and sum(map(len, got.values())) < sum(map(len, free.values()))
     assert all(v == free[k][:len(v)] and (len(v) == len(free[k]) or v[-1] == eos) for k, v in got.items())
     assert model.generation_config.repetition_penalty == 3.0      # put back
+    # ... and the attention implementation the model came with, not tpool's (session 25: always tpool's)
+    model.set_attn_implementation("sdpa")
+    engine.reference_tokens(model, reqs()[:1])
+    assert model.config._attn_implementation == "sdpa"
+    model.set_attn_implementation(engine.ATTN_IMPLEMENTATION)
     # None: neither stops early; an explicit id (or a list) overrides the model's
     assert engine.reference_tokens(model, reqs(), eos_token_id=None) == free
     assert _engine_tokens(model, reqs(), eos_token_id=[eos]) == want

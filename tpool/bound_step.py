@@ -51,7 +51,7 @@ class BoundStep(functools.partial):
             _checks.check_not_written(release, "release", written | _checks.written_storages([req_ids, num_tokens]))
         run = table.ops.bind_step(result, memo, req_ids, num_tokens, b, release, release_cache)
         if fixed:  # memory that cannot move or go away: nothing to check per call
-            run.fixed = held
+            run.fixed = held, fixed  # (fixed: the weak references that keep numpy from resizing their owners)
             self = super().__new__(cls, _fixed_step, run, result)
         else:
             step = functools.partial(_bound_step, req_ids.data_ptr, num_tokens.data_ptr, req_ids.numel,

@@ -16,6 +16,8 @@ import dataclasses
 
 import torch
 
+from tpool.state import clones_between_calls, copy_between_calls
+
 
 def state_tensors(*owners) -> list:
     """Every state tensor of the given pools and tables (tables include their pool's).
@@ -57,8 +59,9 @@ def preserved(*owners):
 
     The state is cloned on entry and copied back at exit, also when the block
     raises; the tensors keep their addresses, so bound kernels and captured
-    graphs stay valid. Both copies are made under the pools' locks, so another
-    thread's call lands before or after each, never between two tensors.
+    graphs stay valid. Both copies are made under the pools' locks (on a CPU, as one
+    call that keeps the GIL, as numba calls do), so another thread's call lands
+    before or after each, never between two tensors.
     Outputs the block wrote elsewhere are not restored, nor are inputs a call
     writes: a :class:`~tpool.BoundStep` bound with ``release`` consumes its
     release ids (sets them to -1), so warm it up with padding there (-1) and
@@ -83,13 +86,12 @@ def preserved(*owners):
     """
     tensors = state_tensors(*owners)
     with _locked(owners):
-        saved = [t.clone() for t in tensors]
+        saved = clones_between_calls(tensors)
     try:
         yield
     finally:
         with _locked(owners):
-            for t, s in zip(tensors, saved):
-                t.copy_(s)
+            copy_between_calls(zip(tensors, saved))
 
 
 def _locked(owners) -> contextlib.ExitStack:

@@ -16,6 +16,7 @@ the checks at a sync point (``check_invariants``) in :mod:`tpool.table_checks`.
 """
 
 import functools
+import weakref
 
 import numpy as np
 import torch
@@ -515,11 +516,15 @@ class PageTable:
             k = _checks.check_size(release, "release", 0)
             if k > self.pool.max_batch:
                 raise ValueError(f"release: expected at most max_batch={self.pool.max_batch} lanes, got {k}")
-        if self.device.type == "cpu":  # views ([:]): numpy resizes no array that does not own its memory
-            ids, ntok = np.full(b, -1, dtype=np.int32)[:], np.zeros(b, dtype=np.int32)[:]
-            rel = None if k is None else np.full(k, -1, dtype=np.int32)[:]
-            return BoundStep(self, ids, ntok, max_tokens, capacity, fixed=True, release=rel,
-                             release_cache=release_cache, out=out)
+        if self.device.type == "cpu":
+            # Views ([:]) of arrays the step holds a weak reference to: numpy resizes neither a view (it does
+            # not own its memory) nor its owner, reachable as .base (an array with a weak reference), even
+            # with refcheck=False; so the memory the bound call points into cannot move.
+            owners = [np.full(b, -1, dtype=np.int32), np.zeros(b, dtype=np.int32)]
+            owners += [] if k is None else [np.full(k, -1, dtype=np.int32)]
+            ids, ntok, rel = [o[:] for o in owners] + [None] * (k is None)
+            return BoundStep(self, ids, ntok, max_tokens, capacity, fixed=tuple(map(weakref.ref, owners)),
+                             release=rel, release_cache=release_cache, out=out)
         fill = dict(dtype=torch.int32, device=self.device)
         rel = None if k is None else torch.full((k,), -1, **fill)
         return BoundStep(self, torch.full((b,), -1, **fill), torch.zeros(b, **fill), max_tokens, capacity,

@@ -21,7 +21,7 @@ from tpool.errors import InvariantViolation, StaleBinding, raise_for_errors
 from tpool.free_group import FreeGroup
 from tpool.kernels import layout as L
 from tpool.kernels.layout import INT32_MAX, MAX_INDEXED
-from tpool.state import PoolState, fixed_full
+from tpool.state import PoolState, SetOnce, clones_between_calls, fixed_full
 from tpool.stats_async import StatsHandle, stats_from_counters
 
 DEFAULT_MAX_BATCH = 4096        # requests per alloc call
@@ -43,7 +43,7 @@ class AllocResult(NamedTuple):
     evicted: torch.Tensor
 
 
-class AllocOut:
+class AllocOut(SetOnce):
     """Preallocated, reusable outputs for :meth:`PagePool.alloc` (``out=``).
 
     Made by :meth:`PagePool.alloc_out`. Its tensors never change identity, so a
@@ -465,7 +465,7 @@ class PagePool:
     # ---------------------------------------------------------- sync points
     def _read_counters(self) -> list:
         with self.state.lock:  # never halfway through another thread's call (reference, triton)
-            return self.state.counters.tolist()
+            return clones_between_calls([self.state.counters])[0].tolist()
 
     def available(self) -> int:
         """Pages on the free stack. A sync point: reads the device.
@@ -515,7 +515,7 @@ class PagePool:
             ``counts`` names every kind counted.
         """
         with self.state.lock:
-            c, seen = torch.stack([self.state.counters, self.state.checked]).tolist()  # one read of the device
+            c, seen = torch.stack(clones_between_calls([self.state.counters, self.state.checked])).tolist()
             # The baseline lives in the state: a snapshot restored (tpool.graphs.preserved) brings back the
             # counters and what had been checked of them together. A count below it (a hand edit) is no error.
             delta = {slot: max(c[slot] - seen[slot], 0) for slot in L.ERROR_NAMES}
@@ -534,7 +534,12 @@ class PagePool:
         InvariantViolation
         """
         with self.state.lock:  # a copy of the state between two calls, never inside one
-            st = {k: v.cpu().clone() for k, v in self.state.tensors().items()}
+            names, tensors = zip(*self.state.tensors().items())
+            self._check_state(dict(zip(names, clones_between_calls(tensors))))
+
+    def _check_state(self, st: dict) -> None:
+        """:meth:`check_invariants` on ``st``, a copy of every state tensor by name (taken between two calls)."""
+        st = {k: v.cpu() for k, v in st.items()}
         c = st["counters"].tolist()
         P, fc, cc = self.num_pages, c[L.FREE_COUNT], c[L.CACHED_COUNT]
         state, rc = st["page_state"].long(), st["refcount"].long()

@@ -45,6 +45,20 @@ def set_cell(t: torch.Tensor, i: int, value) -> None:
     t.narrow(0, i, 1).fill_(value)
 
 
+class SetOnce:
+    """Public attributes set once, in ``__init__``: kernels are bound to the buffers and sizes they
+    name (a batch, a capacity), so assigning another value would make a later call check its inputs
+    against a size its buffers do not have. Private (``_``) attributes stay writable."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name, value):
+        if name[0] != "_" and hasattr(self, name):
+            raise AttributeError(f"{type(self).__name__}.{name} is read-only: the calls bound to this object "
+                                 f"rely on it; make a new {type(self).__name__} for other sizes or buffers")
+        object.__setattr__(self, name, value)
+
+
 def fixed_full(shape, fill, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.full(shape, fill)`` for memory that kernels keep the address of.
 
@@ -146,6 +160,35 @@ class PoolState(_Tensors):
         )
 
 
+def copy_between_calls(pairs) -> None:
+    """``dst.copy_(src)`` for every ``(dst, src)`` pair of same-shape contiguous tensors, with no pool
+    call of another thread landing between two copies or inside one.
+
+    Callers hold the pools' locks, which every call on the reference and Triton backends takes.
+    A numba call takes none: it keeps the GIL while it runs, and torch's copies release it. So on
+    a CPU the copies are one numba call that keeps the GIL too (``kernels._numba_util.copy_spans``).
+    """
+    pairs = list(pairs)
+    if not all(d.device.type == s.device.type == "cpu" for d, s in pairs):
+        for dst, src in pairs:
+            dst.copy_(src)
+        return
+    from tpool.backends.numba import copy_spans  # (numba, imported when first needed)
+    desc = np.empty(3 * len(pairs), np.int64)
+    for k, (dst, src) in enumerate(pairs):
+        assert dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype and dst.shape == src.shape
+        desc[3 * k:3 * k + 3] = dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size()
+    copy_spans(desc.ctypes.data, len(pairs))
+
+
+def clones_between_calls(tensors) -> list:
+    """Copies of ``tensors``, all taken between two pool calls (:func:`copy_between_calls`)."""
+    tensors = list(tensors)
+    copies = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    copy_between_calls(zip(copies, tensors))
+    return copies
+
+
 def pool_state_bytes(num_pages: int) -> int:
     """Bytes of a ``num_pages``-page pool's state tensors (``PagePool.memory_bytes()["state_bytes"]``
     before any free group is made), read off the layout on the meta device: nothing is allocated."""
@@ -183,7 +226,7 @@ class TableState(_Tensors):
         return ts
 
 
-class CsrMemo:
+class CsrMemo(SetOnce):
     """The bookkeeping kept with one set of CSR output buffers (one per call shape).
 
     ``tensor`` is int64 ``[layout.memo_len(B)]`` on the table's device, read and
@@ -217,6 +260,13 @@ class CsrMemo:
         self.batch, self.csr = batch, csr  # csr: the buffers it describes (check_invariants reads them)
         self.tensor = fixed_full(L.memo_len(batch), -1, torch.int64, device)
         set_cell(self.tensor, L.MEMO_WRITTEN, capacity)  # a fresh indices buffer is -1 throughout
+
+    @classmethod
+    def over(cls, batch: int, tensor: torch.Tensor, csr=None) -> "CsrMemo":
+        """A memo over the given tensors, allocating nothing (a copy that a check reads)."""
+        memo = cls.__new__(cls)
+        memo.batch, memo.csr, memo.tensor = batch, csr, tensor
+        return memo
 
     def invalidate(self) -> None:
         """Make the next step on these buffers rebuild the CSR instead of growing it or keeping runs of it."""

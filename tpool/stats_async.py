@@ -19,6 +19,7 @@ said True would wait for the copy on CUDA (a stall the guards report).
 import torch
 
 from tpool.kernels import layout as L
+from tpool.state import clones_between_calls
 
 HOST_SNAPSHOT_ATTR = "_tpool_host_snapshot"  # on host copies AsyncRead filled: [whether ready() said True]
 
@@ -56,7 +57,7 @@ class AsyncRead:
                 self._event = torch.cuda.Event()
                 self._event.record()
         else:
-            self._host = [t.clone() for t in tensors]
+            self._host = clones_between_calls(tensors)  # (no numba call of another thread lands between)
             self._event = None
         self._asked = [False]  # ready() said True (the guards read it through each host copy)
         for h in self._host:

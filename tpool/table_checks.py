@@ -10,15 +10,35 @@ import torch
 from tpool.errors import InvariantViolation
 from tpool.kernels import layout as L
 from tpool.kernels.layout import INT32_MAX
+from tpool.state import CsrMemo, clones_between_calls
+
+
+def _copies(table) -> tuple:
+    """``(pool state by name, table claim, block table, seq_lens, version, row_version, memos)``: copies
+    taken between two calls (one ``clones_between_calls``), the memos over copies of their tensors and
+    CSR buffers (those with buffers only)."""
+    names, pool_tensors = zip(*table.pool.state.tensors().items())
+    st = table.state
+    memos = [m for m in table._shapes.memo_list() if m.csr is not None]
+    own = [st.claim, st.block_table, st.seq_lens, st.version, st.row_version]
+    copies = clones_between_calls([*pool_tensors, *own, *(t for m in memos for t in (m.tensor, *m.csr))])
+    pool_copy, copies = dict(zip(names, copies[:len(names)])), copies[len(names):]
+    (claim, bt, lens, version, row_version), copies = copies[:5], copies[5:]
+    k = 1 + len(memos[0].csr) if memos else 0
+    memos = [CsrMemo.over(m.batch, copies[i * k], type(m.csr)(*copies[i * k + 1:(i + 1) * k]))
+             for i, m in enumerate(memos)]
+    return pool_copy, claim, bt, lens, version, row_version, memos
 
 
 def check_table(table, exclusive: bool) -> None:
     """Raise :class:`InvariantViolation` unless ``table`` and its pool hold the invariants
-    :meth:`tpool.PageTable.check_invariants` lists (the caller holds the pool's lock)."""
-    table.pool.check_invariants()
-    if not bool((table.state.claim == INT32_MAX).all()):  # the next call's request dedup relies on it
+    :meth:`tpool.PageTable.check_invariants` lists (the caller holds the pool's lock). Everything is
+    read from one copy of the pool's and the table's state, taken between two calls."""
+    pool_state, claim, bt, lens, version, row_version, memos = _copies(table)
+    table.pool._check_state(pool_state)
+    if not bool((claim == INT32_MAX).all()):  # the next call's request dedup relies on it
         raise InvariantViolation("invariant broken: the table's claim scratch is reset (INT32_MAX)")
-    bt, lens = table.block_table.cpu().long(), table.seq_lens.cpu().long()
+    bt, lens = bt.cpu().long(), lens.cpu().long()
     npages = (lens + table.page_size - 1) // table.page_size
     col = torch.arange(table.max_pages)
     inside = col[None, :] < npages[:, None]
@@ -30,7 +50,7 @@ def check_table(table, exclusive: bool) -> None:
     if not bool(((pages >= 0) & (pages < table.pool.num_pages)).all()):
         raise InvariantViolation("invariant broken: entries within a request's length are page ids")
     held = torch.zeros(table.pool.num_pages, dtype=torch.long).scatter_add_(0, pages, torch.ones_like(pages))
-    rc = table.pool.state.refcount.cpu().long()
+    rc = pool_state["refcount"].cpu().long()
     if not bool((rc >= held).all() if not exclusive else (rc == held).all()):
         raise InvariantViolation("invariant broken: reference counts match table entries")
     # A request's partial last page is named by no other entry: both rows would append into the same
@@ -44,9 +64,9 @@ def check_table(table, exclusive: bool) -> None:
     # A step's CSR that the next step of its batch may grow in place (numba only: its memo names
     # the table's current version, or the one the step that made it came from, since a step only
     # appends) must still be that batch's CSR at the lengths the memo noted.
-    now, appended_from = table.state.version.tolist()
-    for memo in table._shapes.memo_list():  # the table's and every live StepOut's and BoundStep's
-        grows = memo.growable_batch(now, appended_from) if memo.csr is not None else None
+    now, appended_from = version.tolist()
+    for memo in memos:  # the table's and every live StepOut's and BoundStep's
+        grows = memo.growable_batch(now, appended_from)
         if grows is None:
             continue
         csr, key = memo.csr, (memo.batch, memo.csr.indices.numel())
@@ -67,10 +87,8 @@ def check_table(table, exclusive: bool) -> None:
                                      "was the state edited by hand without invalidate_csr()?)")
     # The runs a step of any batch would keep from such a CSR (rows that still have the stamp
     # the memo noted) must still be those rows' pages.
-    row_version = table.state.row_version.tolist()
-    for memo in table._shapes.memo_list():
-        if memo.csr is None:
-            continue
+    row_version = row_version.tolist()
+    for memo in memos:
         for r, start, n in memo.kept_runs(row_version, table.page_size):
             if n != int(npages[r]) or memo.csr.indices[start:start + n].tolist() != bt[r, :n].tolist():
                 raise InvariantViolation(

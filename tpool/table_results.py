@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from tpool import _checks
+from tpool.state import SetOnce
 
 if TYPE_CHECKING:  # StepOut takes its table as an argument; page_table imports this module
     from tpool.page_table import PageTable
@@ -80,7 +81,7 @@ class StepResult(NamedTuple):
         return self.positions, self.qo_indptr, self.kv_lens
 
 
-class StepOut:
+class StepOut(SetOnce):
     """Caller-owned outputs for :meth:`PageTable.step` (``out=``), made by :meth:`PageTable.step_out`.
 
     A scheduler that prepares step N+1 while the forward pass still reads step N's

@@ -35,6 +35,7 @@ from tpool._startup import announce_compile, gc_paused
 from tpool.kernels import alloc, block_table_rows, evict, extend, flashinfer_csr, fork, free, incref, release, step
 from tpool.kernels import layout as L
 from tpool.kernels import revive, touch
+from tpool.kernels._numba_util import copy_spans as copy_spans_kernel
 from tpool.kernels._numba_util import restamp_table, stamp_rows
 from tpool.state import CsrMemo, fixed_full
 
@@ -54,6 +55,11 @@ def kernel(dispatcher):
     the GIL while it runs (a call is then atomic with respect to other Python threads), and
     cached on disk (a later process loads it instead of compiling; see :func:`kernels_stamp`)."""
     return cached_njit(dispatcher.py_func)
+
+
+def copy_spans(desc_addr: int, n: int) -> None:
+    """``kernels._numba_util.copy_spans``, keeping the GIL (see :func:`tpool.state.copy_between_calls`)."""
+    entry_point(copy_spans_kernel, _i64, _i64)(desc_addr, n)
 
 
 class KernelCache(caching.FunctionCache):
@@ -186,8 +192,8 @@ def alloc_descriptor(sd: np.ndarray, out) -> np.ndarray:
     """The descriptor of ``alloc`` bound to the buffers of ``out`` (an ``AllocOut``; ``AD_*`` slots)."""
     d = np.zeros(L.AD_LEN, np.int64)
     d[:L.STATE_DESC_LEN] = sd
-    d[L.AD_PAGES], d[L.AD_MAX_PAGES], d[L.AD_INDPTR] = _addr(out.pages), out.max_pages, _addr(out.indptr)
-    d[L.AD_OK], d[L.AD_MAX_BATCH], d[L.AD_EVICTED] = _addr(out.ok), out.max_batch, _addr(out.evicted)
+    d[L.AD_PAGES], d[L.AD_MAX_PAGES], d[L.AD_INDPTR] = _addr(out.pages), out.pages.numel(), _addr(out.indptr)
+    d[L.AD_OK], d[L.AD_MAX_BATCH], d[L.AD_EVICTED] = _addr(out.ok), out.ok.numel(), _addr(out.evicted)
     return d
 
 

@@ -150,8 +150,9 @@ class PrefixCache:
     def detach(self) -> None:
         """Take this cache off its mirror (``mirror.prefix_cache`` back to None), so that the mirror
         can evict and finish without it, or take another cache. Refused while an eviction is not
-        dropped (:attr:`closed`: :meth:`sync` first). A detached cache refuses to match, revive,
-        insert and evict (``ValueError``): its entries may name pages freed since."""
+        dropped (:attr:`closed`: :meth:`sync` first). A detached cache refuses every call (match,
+        revive, insert, evict, unread, drop, sync, check_invariants, detach: ``ValueError``): its
+        entries may name pages freed since."""
         self._attached("detach")
         if self.closed:
             raise ValueError("detach: an eviction is not dropped yet (sync() first): its slots name entries "
@@ -294,6 +295,7 @@ class PrefixCache:
         """The slots of the evictions not handed out yet, one int32 device tensor (None if none): read
         it at the loop's next host read (in the same copy) and pass the values to :meth:`drop`. Until
         then (and until every ``unread`` is dropped, in any order) :meth:`match` finds nothing."""
+        self._attached("unread")
         if not self._unread:
             return None
         out = self._unread[0] if len(self._unread) == 1 else torch.cat(self._unread)
@@ -305,6 +307,7 @@ class PrefixCache:
         """Forget the entries of ``slots`` (host ints: the values of an :meth:`unread` not
         dropped yet; -1 skipped) and every entry under them, and reopen :meth:`match` once no
         eviction is outstanding. Returns the entries dropped."""
+        self._attached("drop")
         if self._inflight <= 0:
             raise ValueError("drop: expected the values of an unread() not dropped yet, but none is outstanding")
         gone = [s for s in dict.fromkeys(slots) if s >= 0 and self._keys[s] is not None]
@@ -343,6 +346,7 @@ class PrefixCache:
 
     def sync(self) -> int:
         """Read the unread evictions' slots and drop them (a sync point); returns the entries dropped."""
+        self._attached("sync")
         ev = self.unread()
         return 0 if ev is None else self.drop(ev.tolist())
 
@@ -351,8 +355,10 @@ class PrefixCache:
 
         Every live slot names a distinct page, the page names it back, and the page is USED
         or CACHED with the generation recorded; every free slot and every other page names
-        nothing. Call it with no eviction unread (:meth:`sync` first).
+        nothing. Call it with no eviction unread (:meth:`sync` first). A detached cache refuses
+        (``ValueError``), as it refuses every call: its entries may name pages freed since.
         """
+        self._attached("check_invariants")
         if self.closed:
             raise AssertionError("check_invariants: an eviction is not dropped yet (sync() first)")
         live = [s for s, k in enumerate(self._keys) if k is not None]

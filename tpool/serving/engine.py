@@ -561,7 +561,7 @@ def reference_tokens(model, requests, *, eos_token_id=EOS_FROM_MODEL):
     """
     from transformers import GenerationConfig
     eos = sorted(eos_ids(model, eos_token_id))
-    saved = model.generation_config
+    saved, saved_attn = model.generation_config, model.config._attn_implementation
     greedy = GenerationConfig(do_sample=False, eos_token_id=eos or None, pad_token_id=saved.pad_token_id)
     model.generation_config = greedy  # generate fills what a passed config leaves None from this one
     model.set_attn_implementation("eager")
@@ -574,7 +574,7 @@ def reference_tokens(model, requests, *, eos_token_id=EOS_FROM_MODEL):
                                             dtype=torch.long), generation_config=greedy)[0, len(r.prompt):].tolist()
         return out
     finally:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        model.set_attn_implementation(saved_attn)  # as it was given (tpool's paged attention, or another)
         model.generation_config = saved
 
 
