@@ -1,6 +1,7 @@
 """touch: stamp USED and CACHED pages with the clock (LRU refresh).
 
-A FREE page is ``use_after_free`` per entry; ``-1`` is padding; other ids
+A FREE page is ``use_after_free`` per entry, a page in no known state
+``corrupt_state`` per entry (not stamped); ``-1`` is padding; other ids
 outside ``[0, P)`` count ``invalid_page``.
 """
 
@@ -10,7 +11,7 @@ from ._triton_shim import tl, triton
 from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import i32_array, state_arrays
-from ._triton_util import (ERR_INVALID_PAGE, ERR_USE_AFTER_FREE, FREE, count_pages,
+from ._triton_util import (CACHED, ERR_CORRUPT_STATE, ERR_INVALID_PAGE, ERR_USE_AFTER_FREE, FREE, USED, count_pages,
                            counter_add, first_lanes, load_counters, reset_lanes, settings,
                            store_counters, tick)
 
@@ -37,8 +38,10 @@ def touch_numba(
         occur[p] = 0
         if page_state[p] == L.FREE:
             counters[L.ERR_USE_AFTER_FREE] += k
-        else:
+        elif page_state[p] == L.USED or page_state[p] == L.CACHED:
             stamp[p] = clock
+        else:
+            counters[L.ERR_CORRUPT_STATE] += k
 
 
 @numba.njit(nogil=True)
@@ -65,21 +68,26 @@ def touch_kernel(
     # Meta-parameters
     BLOCK: tl.constexpr,  # lanes per chunk
 ):
-    """stamp[p] = clock for each distinct USED/CACHED page named; a FREE page named k times: k use-after-free."""
+    """stamp[p] = clock for each distinct USED/CACHED page named; a FREE page named k times: k use-after-free;
+    a page in no known state named k times: k corrupt_state."""
     c = load_counters(counters_ptr)
     c, clock = tick(c)
     invalid = count_pages(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
     tl.debug_barrier()
     uaf = tl.zeros((), tl.int64)
+    wrong = tl.zeros((), tl.int64)
     for start in range(0, n_pages, BLOCK):
         p, first, k = first_lanes(pages_ptr, start, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
         state = tl.load(page_state_ptr + p, mask=first, other=FREE)
+        known = (state == USED) | (state == CACHED)
         uaf += tl.sum(tl.where(first & (state == FREE), k, 0).to(tl.int64))
-        tl.store(stamp_ptr + p, tl.zeros((BLOCK,), tl.int64) + clock, mask=first & (state != FREE))
+        wrong += tl.sum(tl.where(first & (state != FREE) & ~known, k, 0).to(tl.int64))
+        tl.store(stamp_ptr + p, tl.zeros((BLOCK,), tl.int64) + clock, mask=first & known)
     tl.debug_barrier()
     reset_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
     c = counter_add(c, ERR_INVALID_PAGE, invalid)
     c = counter_add(c, ERR_USE_AFTER_FREE, uaf)
+    c = counter_add(c, ERR_CORRUPT_STATE, wrong)
     store_counters(counters_ptr, c)
 
 

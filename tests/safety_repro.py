@@ -64,6 +64,15 @@ def main(backend: str) -> dict:
         b = pool.alloc(i32([2]))
     out["stack"] = dict(first_ok=a.ok[:1].tolist(), pages=b.pages.tolist(), corrupt=err(pool, L.ERR_CORRUPT_STATE),
                         free=int(pool.state.counters[L.FREE_COUNT]))
+    # Session 25: touch of a page in no known state stamped it and counted nothing (incref counts it).
+    pool = tpool.PagePool(4, 1, device="cpu", backend=backend)
+    pool.alloc(i32([2]))
+    pool.state.page_state[1] = 7
+    before = pool.state.stamp.tolist()
+    with no_host_sync():
+        pool.touch(i32([0, 1, 1, -1]))
+    out["touch_unknown"] = dict(corrupt=err(pool, L.ERR_CORRUPT_STATE), stamp=pool.state.stamp.tolist(),
+                                before=before, clock=int(pool.state.counters[L.CLOCK]))
     # A cached page's stamp outside [0, clock]: numba's radix select read past its histogram.
     pool = tpool.PagePool(8, 1, device="cpu", backend=backend)
     a = pool.alloc(i32([3]))

@@ -64,6 +64,12 @@ def test_evict_with_a_wild_stamp(backend):
     assert r["evicted"] == [-1, -1] and r["corrupt"] == 1 and r["cached"] == 3
 
 
+def test_touch_of_a_page_in_no_known_state(backend):
+    """Session 25: such a page is not stamped, and each entry naming it counts corrupt_state (as in incref)."""
+    r = repro(backend)["touch_unknown"]
+    assert r["corrupt"] == 2 and r["stamp"][1] == r["before"][1] and r["stamp"][0] == r["clock"]
+
+
 def test_fork_from_a_row_holding_a_freed_page(backend):
     """Finding 4: the fork fails, dst stays empty, nothing is increffed; one use_after_free."""
     r = repro(backend)["fork"]

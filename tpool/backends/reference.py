@@ -249,14 +249,16 @@ def apply_incref(st, pages) -> None:
 
 
 def touch(st, pages) -> None:
-    """Stamp USED and CACHED pages with the clock (LRU refresh); a FREE page is an error."""
+    """Stamp USED and CACHED pages with the clock (LRU refresh); a FREE page, or one in no known state, is an error."""
     c = st.counters
     c[L.CLOCK] += 1
     idx, first, k, invalid = count_pages(st, pages)
     c[L.ERR_INVALID_PAGE] += invalid.sum()
     state = st.page_state[idx]
+    known = (state == L.USED) | (state == L.CACHED)
     c[L.ERR_USE_AFTER_FREE] += torch.where(first & (state == L.FREE), k, 0).sum()
-    _put(st.stamp, idx, c[L.CLOCK], first & (state != L.FREE))
+    c[L.ERR_CORRUPT_STATE] += torch.where(first & (state != L.FREE) & ~known, k, 0).sum()
+    _put(st.stamp, idx, c[L.CLOCK], first & known)
 
 
 def evict(st, out) -> None:
