@@ -84,7 +84,7 @@ def list_lane(f, live, lane_end_ptr, B, SEARCH):
     lo = tl.zeros(f.shape, tl.int32)
     hi = tl.zeros(f.shape, tl.int32) + B
     for _ in range(SEARCH):  # the answer stays in [lo, hi]; mid < hi <= B, so loads stay in range
-        mid = (lo + hi) // 2
+        mid = lo + (hi - lo) // 2  # (lo + hi wraps in int32 past 2**30 lanes)
         active = live & (lo < hi)
         right = tl.load(lane_end_ptr + mid, mask=active, other=0) <= f
         lo = tl.where(active & right, mid + 1, lo)

@@ -191,26 +191,31 @@ def _csr_cut(B, indptr_ptr, last_page_len_ptr, kv_lens_ptr, cap, fit, page_size,
 
 
 @triton.jit
-def _csr_entries(req_ids_ptr, B, indptr_ptr, indices_ptr, block_table_ptr, end, total, MP, num_pages, SEARCH,
+def _csr_entries(req_ids_ptr, B, indptr_ptr, indices_ptr, block_table_ptr, end, total, R, MP, num_pages, SEARCH,
                  BLOCK: tl.constexpr):
     """Phase two: ``indices[:total]`` from the rows; returns how many of the batch's ``end`` pages (past
-    the capacity too: a request is checked whole) are outside the pool."""
+    the capacity too: a request is checked whole) are outside the pool. Only the first INT32_MAX pages
+    (indptr's range: repeated ids can sum past it) are searched; the caller scans the rows past that."""
     lanes = tl.arange(0, BLOCK)
     outside = tl.zeros((), tl.int64)
-    for start in range(0, end, BLOCK):
+    searched = tl.minimum(end, INT32_MAX)
+    for start in range(0, searched, BLOCK):
         u = start + lanes
-        live = u < end
+        live = u < searched
         # indptr[lo] <= u < indptr[hi] holds throughout (indptr[0] = 0, indptr[B] = end > u).
         lo = tl.zeros((BLOCK,), tl.int32)
         hi = tl.full((BLOCK,), B, tl.int32)
         for _ in range(SEARCH):
-            mid = (lo + hi) // 2
+            mid = lo + (hi - lo) // 2  # (lo + hi wraps in int32 past 2**30 lanes)
             go = tl.load(indptr_ptr + mid, mask=live, other=0) <= u
             lo = tl.where(go, mid, lo)
             hi = tl.where(go, hi, mid)
         k = u - tl.load(indptr_ptr + lo, mask=live, other=0)
         r = tl.load(req_ids_ptr + lo, mask=live, other=0).to(tl.int64)
-        page = tl.load(block_table_ptr + r * MP + tl.minimum(k, MP - 1), mask=live, other=NULL_PAGE)
+        # (a lane found by the search is a valid request with pages, but the row is read only inside the
+        # table whatever indptr holds: the read is what must never leave it)
+        inside = live & (r >= 0) & (r < R) & (k >= 0) & (k < MP)
+        page = tl.load(block_table_ptr + r * MP + k, mask=inside, other=NULL_PAGE)
         tl.store(indices_ptr + u, page, mask=u < total)
         outside += tl.sum((live & ((page < 0) | (page >= num_pages))).to(tl.int64))
     return outside
@@ -250,8 +255,10 @@ def flashinfer_csr_body(
                                              False, KV_LENS)
     tl.debug_barrier()
     total = fit.to(tl.int32)  # the requests that fit come first: their runs are where indptr says
-    if _csr_entries(req_ids_ptr, B, indptr_ptr, indices_ptr, block_table_ptr, end, total, MP, num_pages, SEARCH,
-                    BLOCK) > 0:  # a page outside the pool: both phases again, reading the rows
+    outside = _csr_entries(req_ids_ptr, B, indptr_ptr, indices_ptr, block_table_ptr, end, total, R, MP, num_pages,
+                           SEARCH, BLOCK)
+    if (outside > 0) | (end > INT32_MAX):  # a page outside the pool (or pages past the search): both phases
+        #                                    again, reading the rows
         written = tl.maximum(written, total)
         tl.debug_barrier()
         end, fit, bad, wrong, stray = _csr_lanes(req_ids_ptr, B, indptr_ptr, last_page_len_ptr, block_table_ptr,
@@ -259,7 +266,7 @@ def flashinfer_csr_body(
                                                  True, KV_LENS)
         tl.debug_barrier()
         total = fit.to(tl.int32)
-        _csr_entries(req_ids_ptr, B, indptr_ptr, indices_ptr, block_table_ptr, end, total, MP, num_pages, SEARCH,
+        _csr_entries(req_ids_ptr, B, indptr_ptr, indices_ptr, block_table_ptr, end, total, R, MP, num_pages, SEARCH,
                      BLOCK)
     if end > cap:  # the runs past the capacity: exported empty (read above, through indptr, before this)
         tl.debug_barrier()

@@ -64,6 +64,14 @@ def main(backend: str) -> dict:
         b = pool.alloc(i32([2]))
     out["stack"] = dict(first_ok=a.ok[:1].tolist(), pages=b.pages.tolist(), corrupt=err(pool, L.ERR_CORRUPT_STATE),
                         free=int(pool.state.counters[L.FREE_COUNT]))
+    # Session 25: a free of a page whose refcount is near INT32_MIN (a hand edit): Triton's k - d wrapped in
+    # int32 and stored a negative double_free that check() did not raise.
+    pool = tpool.PagePool(4, 1, device="cpu", backend=backend)
+    pages = pool.alloc(i32([2])).pages[:2].clone()
+    pool.state.refcount[0] = -2**31
+    with no_host_sync():
+        pool.free(i32([0, 0]))
+    out["free_wrapped_refcount"] = dict(double=err(pool, L.ERR_DOUBLE_FREE), rc=pool.state.refcount.tolist())
     # Session 25: touch of a page in no known state stamped it and counted nothing (incref counts it).
     pool = tpool.PagePool(4, 1, device="cpu", backend=backend)
     pool.alloc(i32([2]))

@@ -98,6 +98,20 @@ def test_the_numba_alloc_bounds_its_batch_by_its_outputs():
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_page_vectors_longer_than_a_kernel_indexes_are_refused(backend):
+    """Session 25: free/incref/touch took any length; past MAX_INDEXED entries Triton's int32 claim cells
+    truncated the lane index and a free of a page named twice went unseen (an H200: the page stayed USED,
+    nothing counted). The vector is refused before any kernel (its memory is never touched: torch.empty)."""
+    from tpool.kernels.layout import MAX_INDEXED
+    pool = tpool.PagePool(8, device="cpu", backend=backend)
+    long = torch.empty(MAX_INDEXED + 1, dtype=torch.int32)
+    for call in (pool.free, pool.incref, pool.touch, pool.generations):
+        with pytest.raises(ValueError, match=f"pages: expected at most {MAX_INDEXED} entries"):
+            call(long)
+    assert pool.stats()["clock"] == 0
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_tensors_without_real_memory_are_refused(backend):
     """Finding 2: a FakeTensor or a wrapper subclass has no memory to read (data_ptr 0)."""
     from torch._subclasses.fake_tensor import FakeTensorMode

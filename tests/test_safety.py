@@ -64,6 +64,12 @@ def test_evict_with_a_wild_stamp(backend):
     assert r["evicted"] == [-1, -1] and r["corrupt"] == 1 and r["cached"] == 3
 
 
+def test_a_free_of_a_page_with_a_refcount_near_int32_min(backend):
+    """Session 25: Triton counted ``k - min(k, rc)`` in int32, which wrapped: double_free came out negative."""
+    r = repro(backend)["free_wrapped_refcount"]
+    assert r["double"] == 2 + 2**31 and r["rc"][0] == 0
+
+
 def test_touch_of_a_page_in_no_known_state(backend):
     """Session 25: such a page is not stamped, and each entry naming it counts corrupt_state (as in incref)."""
     r = repro(backend)["touch_unknown"]

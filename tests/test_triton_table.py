@@ -434,3 +434,52 @@ def test_round_up_does_not_wrap_near_int32_max():
     for b in (1, 3, 7, 2**30):
         round_up[(1,)](a, out, b, N=8)
         assert out.tolist() == [-(-v // b) for v in a.tolist()], b
+
+
+# Session 25's review of the Triton kernels: kernel-level checks of two bounds.
+from tpool.kernels import flashinfer_csr as _csr  # noqa: E402
+from tpool.kernels._triton_shim import tl, triton  # noqa: E402
+
+
+@triton.jit
+def _entries_only(req_ids_ptr, B, indptr_ptr, indices_ptr, bt_ptr, end, total, R, MP, P, SEARCH, res_ptr,
+                  BLOCK: tl.constexpr):
+    tl.store(res_ptr, _csr._csr_entries(req_ids_ptr, B, indptr_ptr, indices_ptr, bt_ptr, end.to(tl.int64), total,
+                                        R, MP, P, SEARCH, BLOCK))
+
+
+def test_csr_entries_never_read_outside_the_table():
+    """Repeated ids can sum past INT32_MAX pages, where indptr is clamped: the search for an entry past
+    the clamp lands on the last lane, here padding (-1), and the row read was masked only by ``u < end``
+    (on an H200: an illegal address). The read is bounded by the table's rows and columns; the caller
+    rescans the rows. Scaled down: indptr clamped at 6 of 8 pages."""
+    MP = 4
+    buf = torch.full((MP * 4,), SENTINEL, dtype=torch.int32, device=DEVICE)
+    bt = buf[MP:3 * MP]  # block_table [2, 4] with sentinel rows before and after it
+    bt[:] = torch.arange(2 * MP, dtype=torch.int32, device=DEVICE)
+    indices = torch.full((8,), -1, dtype=torch.int32, device=DEVICE)
+    res = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    _entries_only[(1,)](i32([0, 0, -1]), 3, i32([0, 4, 6, 6]), indices, bt, 8, 8, 2, MP, 100, 2, res, BLOCK=32)
+    assert SENTINEL not in indices.tolist()
+    assert indices.tolist()[:6] == [0, 1, 2, 3, 0, 1] and int(res[0]) == 2  # the two past the clamp: -1
+
+
+@triton.jit
+def _lane_of(f_ptr, lane_end_ptr, B, SEARCH, lane_ptr, BLOCK: tl.constexpr):
+    from tpool.kernels._triton_table_util import list_lane
+    i = tl.arange(0, BLOCK)
+    f = tl.load(f_ptr + i)
+    lane, _ = list_lane(f, i < BLOCK, lane_end_ptr, B, SEARCH)
+    tl.store(lane_ptr + i, lane)
+
+
+def test_list_lane_halves_without_wrapping():
+    """``(lo + hi) // 2`` wrapped in int32 past 2**30 lanes (a negative index: the interpreter crashed, an
+    H200 read garbage and leaked a page); ``lo + (hi - lo) // 2`` cannot. The search is checked on a
+    small list, and the midpoint's arithmetic at the edge in int32 as the kernel does it."""
+    lane_end = i32([2, 2, 5, 9])
+    lanes = torch.full((4,), -7, dtype=torch.int32, device=DEVICE)
+    _lane_of[(1,)](i32([0, 2, 4, 8]), lane_end, 4, 3, lanes, BLOCK=4)
+    assert lanes.tolist() == [0, 2, 2, 3]
+    lo, hi = torch.tensor([2**30], dtype=torch.int32), torch.tensor([2**30 + 16], dtype=torch.int32)
+    assert int(lo + (hi - lo) // 2) == 2**30 + 8 and int((lo + hi) // 2) < 0

@@ -180,7 +180,7 @@ class PagePool:
 
     def _pages(self, t, name="pages") -> int:
         """Check a page-id vector the call reads (never one of the buffers it writes); its length."""
-        n = _checks.check_vector(t, name, torch.int32, self.device)
+        n = _checks.check_vector(t, name, torch.int32, self.device, MAX_INDEXED)  # (a kernel's lane offsets are int32)
         _checks.check_not_written(t, name, self._written)
         return n
 
@@ -329,7 +329,7 @@ class PagePool:
             Keep freed pages as CACHED (a prefix cache) instead of FREE.
         """
         if not _checks.still_seen(pages, self._seen):  # (else: checked by the last free, as it is)
-            if self._input_len(pages, self.device, self._written) < 0:
+            if not 0 <= self._input_len(pages, self.device, self._written) <= MAX_INDEXED:
                 self._pages(pages)  # raises with the expected and actual values
             self._seen = _checks.seen(pages)
         cache = cache if type(cache) is bool else _checks.flag(cache, "cache")  # (the common case inline)
