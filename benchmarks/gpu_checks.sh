@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # All GPU checks in one run, for a machine with CUDA (run from the repository root):
-# the GPU-only tests, the compiled Triton differential tests, and four benchmarks on CUDA.
-# Results go to ${OUT:-gpu_results}/ as seven text files (env, gpu_tests, triton_compiled,
-# pool, page_table, evict, scheduler); GPU_CHECKS_JSON=1 also writes each benchmark's JSON.
+# the GPU-only tests, the compiled Triton differential tests, four benchmarks and the step profile on CUDA.
+# Results go to ${OUT:-gpu_results}/ as eight text files (env, gpu_tests, triton_compiled,
+# pool, page_table, step_phases, evict, scheduler); GPU_CHECKS_JSON=1 also writes each benchmark's JSON.
 #
 # Installed (a CUDA build of torch, then `pip install -e ".[dev,hf,bench]" flashinfer-python`) or
 # not: on a machine that cannot install (no network, torch, triton, numba, pytest and
@@ -43,6 +43,8 @@ timeout "$step_s" "$py" -m pytest -q -p no:cacheprovider tests/test_triton_kerne
 timeout "$step_s" "$py" benchmarks/bench_pool.py --device cuda $(json pool) 2>&1 | tee "$out/pool.txt"
 # shellcheck disable=SC2046
 timeout "$step_s" "$py" benchmarks/bench_page_table.py --device cuda $(json page_table) 2>&1 | tee "$out/page_table.txt"
+# shellcheck disable=SC2046
+timeout "$step_s" "$py" benchmarks/gpu_step_phases.py $(json step_phases) 2>&1 | tee "$out/step_phases.txt"
 # shellcheck disable=SC2046
 timeout "$step_s" "$py" benchmarks/bench_evict.py --device cuda --samples 10 $(json evict) 2>&1 | tee "$out/evict.txt"
 # shellcheck disable=SC2046

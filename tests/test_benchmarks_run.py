@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 SCRIPTS = ["bench_pool", "bench_page_table", "bench_evict", "bench_scheduler", "cold_breakdown", "bench_startup",
@@ -92,7 +93,7 @@ def test_every_page_table_row_starts_from_the_same_workload(extra, monkeypatch, 
         assert all(x == s[0] for x in s)
 
 
-@pytest.mark.parametrize("name", SCRIPTS + ["ab_compare"])
+@pytest.mark.parametrize("name", SCRIPTS + ["ab_compare", "gpu_step_phases"])
 def test_help_explains_every_option_and_its_default(name):
     module = load(name)
     parser = module.parser()
@@ -344,3 +345,10 @@ def test_scheduler_steps_take_turns_and_include_the_mirror_bookkeeping(monkeypat
         assert len({w for _, w in a}) == 1 and {w for _, w in a} != {w for _, w in b}
     for a, b in zip(calls[::2], calls[1::2]):  # every step is followed by its after(), same scheduler and step
         assert a[0] == "step" and b[0] == "after" and a[1:] == b[1:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_the_gpu_step_profile_refuses_to_run_without_cuda(capsys):
+    """gpu_step_phases.py times Triton kernels on a GPU: without CUDA it says so and exits 2."""
+    assert load("gpu_step_phases").main([]) == 2
+    assert "needs CUDA" in capsys.readouterr().err

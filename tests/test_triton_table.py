@@ -439,6 +439,7 @@ def test_round_up_does_not_wrap_near_int32_max():
 # Session 25's review of the Triton kernels: kernel-level checks of two bounds.
 from tpool.kernels import flashinfer_csr as _csr  # noqa: E402
 from tpool.kernels._triton_shim import tl, triton  # noqa: E402
+from tpool.kernels._triton_table_util import list_lane  # noqa: E402
 
 
 @triton.jit
@@ -466,7 +467,6 @@ def test_csr_entries_never_read_outside_the_table():
 
 @triton.jit
 def _lane_of(f_ptr, lane_end_ptr, B, SEARCH, lane_ptr, BLOCK: tl.constexpr):
-    from tpool.kernels._triton_table_util import list_lane
     i = tl.arange(0, BLOCK)
     f = tl.load(f_ptr + i)
     lane, _ = list_lane(f, i < BLOCK, lane_end_ptr, B, SEARCH)
