@@ -168,17 +168,24 @@ def copy_between_calls(pairs) -> None:
     A numba call takes none: it keeps the GIL while it runs, and torch's copies release it. So on
     a CPU the copies are one numba call that keeps the GIL too (``kernels._numba_util.copy_spans``).
     """
+    global _copy_spans
     pairs = list(pairs)
-    if not all(d.device.type == s.device.type == "cpu" for d, s in pairs):
+    if not all(d.is_cpu and s.is_cpu for d, s in pairs):
         for dst, src in pairs:
             dst.copy_(src)
         return
-    from tpool.backends.numba import copy_spans  # (numba, imported when first needed)
-    desc = np.empty(3 * len(pairs), np.int64)
-    for k, (dst, src) in enumerate(pairs):
-        assert dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype and dst.shape == src.shape
-        desc[3 * k:3 * k + 3] = dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size()
-    copy_spans(desc.ctypes.data, len(pairs))
+    for dst, src in pairs:
+        if not (dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype and dst.shape == src.shape):
+            raise ValueError(f"copy_between_calls: expected contiguous tensors of one dtype and shape, got "
+                             f"{dst.dtype} {tuple(dst.shape)} and {src.dtype} {tuple(src.shape)}")
+    if _copy_spans is None:
+        from tpool.backends.numba import copy_spans  # (numba, imported when first needed)
+        _copy_spans = copy_spans()
+    desc = np.array([x for d, s in pairs for x in (d.data_ptr(), s.data_ptr(), s.nbytes)], dtype=np.int64)
+    _copy_spans(desc.ctypes.data, len(pairs))
+
+
+_copy_spans = None  # the compiled copy, fetched at the first copy_between_calls on a CPU
 
 
 def clones_between_calls(tensors) -> list:

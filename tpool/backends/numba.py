@@ -57,9 +57,10 @@ def kernel(dispatcher):
     return cached_njit(dispatcher.py_func)
 
 
-def copy_spans(desc_addr: int, n: int) -> None:
-    """``kernels._numba_util.copy_spans``, keeping the GIL (see :func:`tpool.state.copy_between_calls`)."""
-    entry_point(copy_spans_kernel, _i64, _i64)(desc_addr, n)
+def copy_spans():
+    """``kernels._numba_util.copy_spans`` compiled to keep the GIL, called as ``(desc_addr, n)`` (see
+    :func:`tpool.state.copy_between_calls`)."""
+    return entry_point(copy_spans_kernel, _i64, _i64)
 
 
 class KernelCache(caching.FunctionCache):
