@@ -16,8 +16,9 @@ descriptor) recorded stay valid for the owner's lifetime.
   one pool reference per entry.
 * Threads: every call on a pool or its tables is atomic with respect to other
   threads (``PoolState.lock`` on reference and triton, the GIL on numba). The sync
-  points read under ``PoolState.lock`` on every backend, and a table's books of its
-  output buffers change under it (:mod:`tpool.buffers`).
+  points read under ``PoolState.lock`` on every backend, on a CPU through one copy that
+  keeps the GIL (:func:`copy_between_calls`), and a table's books of its output buffers
+  change under it (:mod:`tpool.buffers`).
 * Scratch tensors (``claim``, ``occur``, ``keys``, ``lane_end``) carry nothing
   between calls: ``claim`` is INT32_MAX and ``occur`` 0 whenever no call runs.
 * On a CPU every tensor here (and every output buffer a pool or table makes) is made by
