@@ -20,7 +20,10 @@ if TRITON_DEVICE is None:
 
 import tpool  # noqa: E402
 from tpool.kernels import _triton_util  # noqa: E402
+from tpool.kernels import flashinfer_csr as _csr  # noqa: E402
 from tpool.kernels import layout as L  # noqa: E402
+from tpool.kernels._triton_shim import tl, triton  # noqa: E402
+from tpool.kernels._triton_table_util import list_lane  # noqa: E402
 from tpool.testing import no_host_sync  # noqa: E402
 
 DEVICE = TRITON_DEVICE
@@ -437,9 +440,6 @@ def test_round_up_does_not_wrap_near_int32_max():
 
 
 # Session 25's review of the Triton kernels: kernel-level checks of two bounds.
-from tpool.kernels import flashinfer_csr as _csr  # noqa: E402
-from tpool.kernels._triton_shim import tl, triton  # noqa: E402
-from tpool.kernels._triton_table_util import list_lane  # noqa: E402
 
 
 @triton.jit
