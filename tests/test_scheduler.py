@@ -954,7 +954,7 @@ def test_two_stepouts_taking_turns_keep_their_inputs(backend, monkeypatch):
     rows = m.admit([5, 6, 7])
     outs = [table.step_out(4) for _ in range(2)]
     fills, fill = [], m._fill
-    monkeypatch.setattr(m, "_fill", lambda *a: (fills.append(a[2].tolist()), fill(*a)))
+    monkeypatch.setattr(m, "_fill", lambda host, *a: (fill(host, *a), fills.append(host[0].tolist())))
     for i in range(6):
         m.decode(rows, out=outs[i % 2])
     assert fills == [rows + [-1]] * 2

@@ -13,7 +13,7 @@ import numpy as np
 
 from tpool.backends.numba import cached_njit  # compiled once per machine, loaded after (as the kernels)
 
-LO, HI, LIMIT, SHARED, RES = 0, 1, 2, 3, 4
+LO, HI, LIMIT, SHARED, RES, GEN = 0, 1, 2, 3, 4, 5
 
 # Return codes of decode_accounting
 FITS, PAST_MAX_LEN, NO_ROOM = 0, 1, 2
@@ -175,6 +175,75 @@ def truncate_accounting(st, rows, new_lens, ps, lookahead, unreserved, out):
         granted += got
         st[q, RES] += got
     out[0], out[1], out[2] = back, granted, unsure
+    return 0
+
+
+
+@cached_njit(nogil=True)
+def count_total(n, cap):
+    """The sum of ``n`` (int64 ``[B]``: tokens per row) if every entry is within ``[0, cap]``, else -1."""
+    total = 0
+    for i in range(n.shape[0]):
+        k = n[i]
+        if k < 0 or k > cap:
+            return -1
+        total += k
+    return total
+
+
+@cached_njit(nogil=True)
+def fill_lanes(ids, ntok, rows, n, n_scalar, prompts, new):
+    """Write a step's lanes into its inputs ``ids`` and ``ntok`` (int32 ``[w]``): the decode ``rows``
+    (int64) with ``n`` tokens each (``n`` as for :func:`decode_accounting`), then the ``new`` rows
+    (int64) with their ``prompts``, then padding (-1, 0 tokens). Returns 0, or -1 (nothing written) when
+    the lanes do not fit ``w`` or the arrays disagree in length: it never writes past what it was given."""
+    b, k = rows.shape[0], new.shape[0]
+    per_row = n.shape[0] > 0
+    if b + k > ids.shape[0] or ntok.shape[0] != ids.shape[0] or (per_row and n.shape[0] != b) \
+            or prompts.shape[0] != k:
+        return -1
+    for i in range(b):
+        ids[i] = rows[i]
+        ntok[i] = n[i] if per_row else n_scalar
+    for i in range(k):
+        ids[b + i] = new[i]
+        ntok[b + i] = prompts[i]
+    for i in range(b + k, ids.shape[0]):
+        ids[i] = -1
+        ntok[i] = 0
+    return 0
+
+
+
+@cached_njit(nogil=True)
+def finish_accounting(st, live, named, rows, ps, ids, out):
+    """End the requests of ``rows`` (int64 ``[B]``, distinct running rows) in records ``st``: zero their
+    reservations and ``named`` pages, bump their generation, mark them not ``live``, and write them
+    into ``ids`` (int32 ``[B]``: the release's input). ``out`` (int64 ``[3]``) gets: the pages surely
+    theirs alone (past their possibly-shared prefix: what their release credits), the reserved pages
+    given back, and 1 if a credit may be short (a length was uncertain or a prefix shared). Returns 0,
+    or -1 (nothing written) when a row is outside the records or ``ids`` is not ``[B]``."""
+    B = rows.shape[0]
+    if ids.shape[0] != B or live.shape[0] != st.shape[0] or named.shape[0] != st.shape[0]:
+        return -1
+    for i in range(B):
+        if rows[i] < 0 or rows[i] >= st.shape[0]:
+            return -1
+    shift = _shift(ps)
+    back = res = unsure = 0
+    for i in range(B):
+        q = rows[i]
+        lo, shared = st[q, LO], st[q, SHARED]
+        back += max(_cdiv(lo, ps, shift) - shared, 0)
+        if lo != st[q, HI] or shared > 0:
+            unsure = 1
+        res += st[q, RES]
+        st[q, RES] = 0
+        st[q, GEN] += 1
+        named[q] = 0
+        live[q] = False
+        ids[i] = q
+    out[0], out[1], out[2] = back, res, unsure
     return 0
 
 

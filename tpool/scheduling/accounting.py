@@ -10,7 +10,7 @@ import collections
 import numpy as np
 
 from tpool import _checks
-from tpool.scheduling._decode import EMPTY, check_rows, extra_pages
+from tpool.scheduling._decode import EMPTY, check_rows, count_total, extra_pages
 
 
 class WouldNotFit(ValueError):
@@ -59,6 +59,20 @@ def _int_array(values, name: str, what: str = "ints"):
     if a.dtype.kind in "iu" or a.size == 0:  # (an empty list comes as float64)
         return a.astype(np.int64)
     raise ValueError(f"{name}: expected {what}, got {_shown(a)}")
+
+
+def _exact_ints(values) -> bool:
+    """Every entry of list ``values`` is a Python int (no bool, no numpy scalar, no float)."""
+    for v in values:
+        if type(v) is not int:
+            return False
+    return True
+
+
+def _same_ints(values, last) -> bool:
+    """List ``values`` holds the ints of list ``last`` (a list of Python ints, or None), type for type:
+    ``[1.0] == [1]`` and ``[True] == [1]`` in Python, so the entries' types are compared too."""
+    return values == last and _exact_ints(values)
 
 
 def _bad_rows(rows, live) -> str:
@@ -118,6 +132,9 @@ class Accounting:
         self._decode_keys = {}            # per StepOut (None: the table's buffers): last decode's (rows, n), bound step
         self._members = 0                 # bumped whenever a row starts or stops running
         self._checked = (None, -1)        # (rows bytes, _members) of the last batch that passed the checks
+        # The last list of row ids and of tokens per row that _batch converted: (the list's copy, its
+        # int64 array (which no call writes), its bytes or its sum); and the last array of tokens _batch checked, with its sum (_tokens).
+        self._rows_memo, self._n_memo, self._n_total = (None, None, None), (None, None, 0), (None, 0)
         self._full = None                 # rows bytes of a batch whose every row holds its full reservation
         self._scratch = np.zeros(R, dtype=np.int64)
         self._acct = np.zeros(5, dtype=np.int64)  # decode_accounting's results
@@ -419,11 +436,19 @@ class Accounting:
         """Rows as int64 numpy, n as int64 (0-d or one per row), and the rows' bytes; checked
         unless this is the batch checked last and no row started or stopped since."""
         # Every numpy call here costs microseconds when a forward pass has cooled the caches (a
-        # scheduler step makes several): the checks are plain compares where they can be.
-        r = rows if type(rows) is np.ndarray and rows.dtype is _I64 else _int_array(rows, "rows", "int row ids")
-        if r.ndim != 1:
-            r = r.reshape(-1)
-        key = r.tobytes()
+        # scheduler step makes several): the checks are plain compares where they can be, and a
+        # list of ints equal to the last one converted (a loop's batch, step after step) reuses that
+        # conversion, found by Python compares only (``_same_ints``).
+        memo = self._rows_memo
+        if type(rows) is list and _same_ints(rows, memo[0]):
+            r, key = memo[1], memo[2]
+        else:
+            r = rows if type(rows) is np.ndarray and rows.dtype is _I64 else _int_array(rows, "rows", "int row ids")
+            if r.ndim != 1:
+                r = r.reshape(-1)
+            key = r.tobytes()
+            if type(rows) is list and _exact_ints(rows):
+                self._rows_memo = (rows.copy(), r, key)
         if self._checked != (key, self._members):
             if r.shape[0] > self.max_batch:  # the table call would refuse it, after the mirror changed
                 raise ValueError(f"rows: expected at most max_batch={self.max_batch} rows in one call (the lanes "
@@ -433,14 +458,30 @@ class Accounting:
             self._checked = (key, self._members)
         if type(n) is int and 0 <= n <= self.capacity:
             return r, _N64[n] if n < 64 else np.int64(n), key
+        memo = self._n_memo
+        if type(n) is list and len(n) == r.shape[0] and _same_ints(n, memo[0]):
+            self._n_total = memo[1:]
+            return r, memo[1], key
         a = _as_array(n)
         if a.dtype is not _I64:  # (int64 as it came, the common case: the message is made only otherwise)
             a = _int_array(a, "n", f"a non-negative int or one int per row ({r.shape[0]})")
         # (past capacity no row fits it, and hi + n could wrap in int64: refused before the mirror changes)
-        if a.ndim and a.shape != r.shape or (a < 0).any() or (a > self.capacity).any():
+        total = -1 if a.ndim != 1 or a.shape != r.shape else count_total(a, self.capacity)
+        if a.ndim and total < 0 or a.ndim == 0 and not 0 <= a <= self.capacity:
             raise ValueError(f"n: expected a non-negative int or one int per row ({r.shape[0]}), each at most "
                              f"{self.capacity} (max_pages_per_request * page_size), got {_shown(a)}")
+        if a.ndim:
+            if type(n) is list and _exact_ints(n):
+                self._n_memo = (n.copy(), a, total)
+            self._n_total = (a, total)
         return r, a, key
+
+    def _tokens(self, n, b) -> int:
+        """The tokens of a batch of ``b`` rows taking ``n`` each, as the ``_batch`` call just before returned them."""
+        if n.ndim == 0:
+            return b * int(n)
+        a, total = self._n_total
+        return total if n is a else int(n.sum())
 
     # ------------------------------------------------------ reservations
     def reserve(self, row: int, tokens: int) -> int:
@@ -518,22 +559,6 @@ class Accounting:
         self.reserved_to[rows] = 0
         self.uncertain_at[rows] = -1
         self.exact_at[rows] = self._seq
-
-    def _drop(self, r, keep_lo, cache):
-        """Credit the pages of rows ``r`` past ``keep_lo`` tokens that are surely theirs alone."""
-        ps = self.page_size
-        first = np.maximum(_cdiv(keep_lo, ps), self.shared[r])
-        back = int(np.maximum(_cdiv(self.lo[r], ps) - first, 0).sum())
-        unsure = (self.lo[r] != self.hi[r]) | (self.shared[r] > _cdiv(keep_lo, ps))
-        if cache:
-            self.cached += back
-            self._cached_flow += back
-            if unsure.any():
-                self._cached_inexact_at = self._seq
-        else:
-            self.free += back
-            if unsure.any():
-                self._free_inexact_at = self._seq
 
     def _target_new(self, length, max_len):
         return _cdiv(min(length + self.lookahead, max_len), self.page_size) - _cdiv(length, self.page_size)

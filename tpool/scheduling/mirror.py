@@ -42,7 +42,8 @@ import numpy as np
 import torch
 
 from tpool import _checks
-from tpool.scheduling._decode import EMPTY, NO_ROOM, PAST_MAX_LEN, decode_accounting, truncate_accounting
+from tpool.scheduling._decode import (EMPTY, NO_ROOM, PAST_MAX_LEN, decode_accounting, fill_lanes, finish_accounting,
+                                     truncate_accounting)
 from tpool.scheduling.accounting import Accounting, WouldNotFit, _bucket, _cdiv, _int_array
 from tpool.scheduling.mixed import MixedSteps
 from tpool.scheduling.snapshot import MirrorSnapshot, reconcile
@@ -50,7 +51,7 @@ from tpool.scheduling.snapshot import MirrorSnapshot, reconcile
 __all__ = ["HostMirror", "WouldNotFit"]
 
 
-_WIDTHS_KEPT = 8  # step widths whose inputs a mirror keeps (HostMirror._lane_tensors, _bound_decode)
+_WIDTHS_KEPT = 8  # step widths whose inputs a mirror keeps (HostMirror._lane_tensors, _lanes_run)
 
 
 class HostMirror(MixedSteps, Accounting):
@@ -111,10 +112,10 @@ class HostMirror(MixedSteps, Accounting):
         # cache on the mirror such rows, and those that may share pages (revived, forked, forked from),
         # are finished with cache=True only; a revive makes them possibly shared (it may take them).
         self.named = np.zeros(self.live.size, dtype=np.int64)
-        # The inputs kept per width of the mixed step and truncate (_lane_tensors), and decode's
-        # bound steps per width and max_tokens (_bound_decode), which write the table's buffers
+        # The inputs kept per width of truncate (_lane_tensors) and finish (_kept_ids), and the bound steps of decode and the
+        # mixed step per width, max_tokens and StepOut (_lanes_run), which write the table's buffers
         # of their shape: forgotten when the table drops that shape (_shape_dropped).
-        self._decode_steps, self._step_inputs, self._truncate_inputs = {}, {}, {}
+        self._decode_steps, self._truncate_inputs, self._release_inputs = {}, {}, {}
         table._shapes.on_drop(self._shape_dropped)
 
     # ------------------------------------------------------ calls (table + mirror)
@@ -125,55 +126,64 @@ class HostMirror(MixedSteps, Accounting):
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def _lane_tensors(self, kept, ids, values):
-        """``ids`` and ``values`` (int numpy ``[w]``: a call's request ids and its per-lane counts
-        or lengths) written into the two int32 tensors ``kept`` holds for width ``w``, which it returns.
+    def _kept_ids(self, kept, w, n=1):
+        """The ``n`` int32 arrays of ``w`` entries ``kept`` holds for width ``w`` (made the first time),
+        and their tensors on the table's device (on a CPU, the same memory): ``(host, dev)`` tuples.
 
-        Consecutive calls of one width then pass the table the same two tensor objects: its
-        ``step`` runs them bound (it binds the inputs of the step before), and its other calls
-        find them checked, instead of checking new tensors every call. The next call of that
-        width rewrites them. At most ``_WIDTHS_KEPT`` widths are kept, the first made dropped first.
+        Consecutive calls of one width then pass the table the same tensor objects, which it finds
+        checked, instead of checking new tensors every call (``truncate``, ``finish``). The next call
+        of that width rewrites them. At most ``_WIDTHS_KEPT`` widths are kept, the first made dropped first.
         """
-        w = ids.shape[0]
         entry = kept.get(w)
         if entry is None:
-            host = (np.empty(w, np.int32), np.empty(w, np.int32))
+            host = tuple(np.empty(w, np.int32) for _ in range(n))
             dev = tuple(map(torch.from_numpy, host)) if self.device.type == "cpu" else \
                 tuple(torch.empty(w, dtype=torch.int32, device=self.device) for _ in host)
-            entry = self._keep(kept, w, (host, dev))
-        host, dev = entry
-        self._fill(host, dev, ids, values)
+            entry = self._keep(kept, w, (host, dev) if n > 1 else (host[0], dev[0]))
+        return entry
+
+    def _lane_tensors(self, kept, ids, values):
+        """``ids`` and ``values`` (int64 numpy ``[w]``: a call's request ids and its per-lane lengths)
+        written into the two int32 tensors ``kept`` holds for width ``w`` (``_kept_ids``), which it returns."""
+        host, dev = self._kept_ids(kept, ids.shape[0], 2)
+        self._fill(host, dev, ids, values, 0, EMPTY, EMPTY)
         return dev
 
-    def _bound_decode(self, ids, ntok, max_tokens, out=None):
-        """The table's bound step for decode lanes ``ids`` taking ``ntok`` tokens each, with
-        ``max_tokens`` slots, its inputs filled: ``table.bind_step(batch=w)``, kept per width and
-        ``max_tokens`` as ``_lane_tensors`` keeps tensors. On a CPU its inputs are numpy arrays
-        the step reads (written here directly), so each ``run()`` checks nothing and makes no
-        torch call: the checks of two input tensors cost ~5 us a step when a forward pass
-        has cooled the caches. With ``out`` (a ``StepOut``, checked by ``_out_lanes``) the step
-        writes it, with its batch and ``max_tokens``; the lanes are padded to its batch."""
-        if out is not None:
-            pad = out.batch - ids.shape[0]
-            ids, ntok = np.pad(ids, (0, pad), constant_values=-1), np.pad(ntok, (0, pad))
-            max_tokens = out.max_tokens
-        key = (ids.shape[0], max_tokens, out)
+    def _lanes_run(self, dkey, w, max_tokens, out, r, n, each, prompts=EMPTY, new=EMPTY):
+        """The table's bound step of ``w`` lanes and ``max_tokens`` slots (writing ``out``, a checked
+        ``StepOut``, or the table's buffers), its inputs holding these lanes: the decode rows ``r``
+        taking ``n`` tokens each (``n`` int64 ``[b]``, or EMPTY and ``each``), then the ``new`` rows
+        with their ``prompts``, then padding (``_decode.fill_lanes``, one compiled loop). Kept per
+        ``(w, max_tokens, out)`` (``table.bind_step(batch=w, ...)``, at most ``_WIDTHS_KEPT``); on a
+        CPU its inputs are numpy arrays the step reads, written here directly, so each ``run()``
+        checks nothing and makes no torch call (the checks of two input tensors cost ~5 us a
+        step when a forward pass has cooled the caches). ``dkey`` names the lanes (None: new ones
+        every call): when it names those the bound step of ``out`` last ran, nothing is written.
+        Returns ``(run, req_ids, num_tokens)``, the last two its inputs as tensors."""
+        dkey = None if dkey is None else (w, max_tokens, dkey)
+        last = self._decode_keys.get(out)  # per StepOut (None: the table's buffers): each keeps its batch
+        if last is not None and dkey is not None and last[0] == dkey:
+            return last[1]
+        self._decode_keys.pop(out, None)  # the inputs are rewritten next: no key may name their old lanes
+        key = (w, max_tokens, out)
         entry = self._decode_steps.get(key)
         if entry is None:
-            run = self.table.bind_step(batch=key[0], max_tokens=max_tokens, out=out)
-            dev = (run.req_ids, run.num_tokens)
-            host = dev if self.device.type == "cpu" else tuple(np.empty(key[0], np.int32) for _ in dev)
-            entry = self._keep(self._decode_steps, key, (run, host))
-        run, host = entry
-        self._fill(host, (run.req_ids, run.num_tokens), ids, ntok)
-        return run
+            run = self.table.bind_step(batch=w, max_tokens=max_tokens, out=out)
+            dev = tuple(torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in (run.req_ids, run.num_tokens))
+            host = (run.req_ids, run.num_tokens) if self.device.type == "cpu" else \
+                tuple(np.empty(w, np.int32) for _ in dev)
+            entry = self._keep(self._decode_steps, key, ((run, *dev), host))
+        got, host = entry
+        self._fill(host, got[1:], r, n, each, prompts, new)
+        self._keep(self._decode_keys, out, (dkey, got))
+        return got
 
     def _shape_dropped(self, key):
         """The table dropped call shape ``key`` (``max_shapes``): a decode bound step of that shape
         would keep writing buffers the table no longer returns, so it is made again when needed."""
-        for k in [k for k, (run, _) in self._decode_steps.items() if run._key == key]:
+        for k in [k for k, (got, _) in self._decode_steps.items() if got[0]._key == key]:
             del self._decode_steps[k]
-        for out in [o for o, (_, run) in self._decode_keys.items() if run._key == key]:
+        for out in [o for o, (_, got) in self._decode_keys.items() if got[0]._key == key]:
             del self._decode_keys[out]
 
     @staticmethod
@@ -184,13 +194,20 @@ class HostMirror(MixedSteps, Accounting):
         kept[key] = entry
         return entry
 
-    def _fill(self, host, dev, ids, values):
-        """``ids`` and ``values`` written into the host arrays ``host``, then (off the CPU) into the
-        device tensors ``dev``, from fresh pinned copies: a copy in flight never sees a later write."""
-        host[0][:], host[1][:] = ids, values
+    def _fill(self, host, dev, r, n, each, prompts, new):
+        """The lanes (see ``_lanes_run``) written into the host arrays ``host``, then (off the CPU) into
+        the device tensors ``dev``, from fresh pinned copies: a copy in flight never sees a later write."""
+        if fill_lanes(host[0], host[1], r, n, each, prompts, new):
+            raise AssertionError(f"HostMirror: {r.shape[0]} + {new.shape[0]} lanes do not fit a step of "
+                                 f"{host[0].shape[0]} (checked before: a bug)")
+        for h, d in zip(host, dev):
+            self._to_device(h, d)
+
+    def _to_device(self, host, dev):
+        """Off the CPU, host array ``host`` copied into tensor ``dev`` from a fresh pinned copy (a copy in
+        flight never sees a later write); on a CPU they are the same memory."""
         if self.device.type != "cpu":
-            for d, h in zip(dev, host):
-                d.copy_(torch.from_numpy(h).pin_memory(), non_blocking=True)
+            dev.copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
 
     def admit(self, prompt_lens, max_lens=None) -> list:
         """Admit requests with these prompts (one prefill ``extend``); returns their rows.
@@ -278,14 +295,13 @@ class HostMirror(MixedSteps, Accounting):
         self._full = key if full else None
         if not run:
             return None
-        dkey = (key, n.tobytes(), n.shape) if per_row else (key, each)  # (plain ints: no numpy call)
-        last = self._decode_keys.get(out)  # per StepOut: two taking turns each keep their batch
-        if last is None or last[0] != dkey:  # same batch: the same bound step, its inputs as they are
-            ntok = np.broadcast_to(n, r.shape)
-            max_tokens = _bucket(int(ntok.sum()), self.table.most_tokens) if per_row or each != 1 else None
-            self._decode_keys.pop(out, None)  # the kept inputs are rewritten next: no key may name their old batch
-            last = self._keep(self._decode_keys, out, (dkey, self._bound_decode(r, ntok, max_tokens, out)))
-        return last[1]()
+        dkey = (key, n.tobytes()) if per_row else (key, each)  # the lanes (plain ints: no numpy call)
+        if out is not None:
+            w, max_tokens = out.batch, out.max_tokens
+        else:
+            w = r.shape[0]
+            max_tokens = _bucket(self._tokens(n, w), self.table.most_tokens) if per_row or each != 1 else None
+        return self._lanes_run(dkey, w, max_tokens, out, r, n if per_row else EMPTY, each)[0]()
 
     def _out_lanes(self, out, r, n, prompts=EMPTY):
         """Refuse (``ValueError``) a ``StepOut`` that is not this table's or that the step does not
@@ -296,7 +312,7 @@ class HostMirror(MixedSteps, Accounting):
         if getattr(out, "table", None) is not self.table or not hasattr(out, "result"):
             raise ValueError(f"out: expected a StepOut of this mirror's table (table.step_out), got {out!r}")
         lanes = r.size + prompts.size
-        tokens = (int(n.sum()) if n.ndim else r.size * int(n)) + int(prompts.sum())
+        tokens = self._tokens(n, r.size) + (int(prompts.sum()) if prompts.size else 0)
         if lanes > out.batch or tokens > out.max_tokens:
             raise ValueError(f"out: the step has {lanes} lanes and {tokens} tokens, {out!r} holds at most "
                              f"{out.batch} and {out.max_tokens}")
@@ -329,17 +345,27 @@ class HostMirror(MixedSteps, Accounting):
                                  f"names (inserted, revived, forked, or forked from): cache=False would free them "
                                  f"FREE and leave its entries stale. Finish them with cache=True (PrefixCache.evict "
                                  f"frees CACHED pages and drops their entries)")
-        self.named[r] = 0
         self._seq += 1
         self._full = None
-        self._drop(r, np.zeros_like(r), cache)
-        self.reserved -= int(self.res[r].sum())
-        self.res[r] = 0
-        self.live[r] = False
+        host, dev = self._kept_ids(self._release_inputs, r.shape[0])
+        acct = self._acct  # (one compiled loop: the books of every row, and the release's input)
+        if finish_accounting(self._st, self.live, self.named, r, self.page_size, host, acct):
+            raise AssertionError(f"HostMirror.finish: rows {r.tolist()} outside the books (checked before: a bug)")
+        back, res, unsure = acct[:3].tolist()
+        if cache:
+            self.cached += back
+            self._cached_flow += back
+            if unsure:
+                self._cached_inexact_at = self._seq
+        else:
+            self.free += back
+            if unsure:
+                self._free_inexact_at = self._seq
+        self.reserved -= res
         self._members += 1
-        self.gen[r] += 1
         self._free_rows.extend(r[::-1].tolist())
-        self.table.release(self._tensor(r), cache=cache)
+        self._to_device(host, dev)
+        self.table.release(dev, cache=cache)
 
     def truncate(self, rows, new_lens) -> None:
         """Roll rows back to host-known lengths (``new_lens[i] <= `` the row's sure length, ``length_bounds``).

@@ -90,7 +90,7 @@ class MixedSteps:
         True
 
         """
-        r, nn, _ = self._batch(rows, n)
+        r, nn, key = self._batch(rows, n)
         p, lim = self._prompts(prompt_lens, max_lens)
         ps, k = self.page_size, p.size
         b = r.size
@@ -109,11 +109,7 @@ class MixedSteps:
         if not lanes <= w <= self.max_batch:
             raise ValueError(f"width: expected an int >= {lanes} (the step's lanes) and <= max_batch="
                              f"{self.max_batch}, got {width!r}")
-        ids = np.full(w, -1, dtype=np.int32)
-        ntok = np.zeros(w, dtype=np.int32)
-        ntok[:b] = nn
-        ntok[b:lanes] = p
-        total = int(ntok.sum())
+        total = self._tokens(nn, b) + (int(p.sum()) if k else 0)
         if max_tokens is not None:  # the table's checks (the same messages), before the mirror changes
             most, max_tokens = self.table.most_tokens, _checks.check_size(max_tokens, "max_tokens")
             if max_tokens > most:
@@ -146,19 +142,18 @@ class MixedSteps:
             self.free -= taken
             self.reserved += granted - used
         new = self._take_rows(k)
+        nr = EMPTY
         if k:
             nr = np.asarray(new, dtype=np.int64)
             self._start(nr, p, lim, 0)
             self.free -= int(_cdiv(p, ps).sum())
             self._top_up(nr)
-        ids[:b] = r
-        ids[b:lanes] = new
-        if out is not None:  # a bound step writing ``out``, on inputs of its own (kept per StepOut)
-            self._decode_keys.pop(out, None)  # its inputs are rewritten here: no decode may take them as its batch
-            run = self._bound_decode(ids, ntok, max_tokens, out)
-            ids_t, ntok_t = (torch.from_numpy(a) if isinstance(a, np.ndarray) else a
-                             for a in (run.req_ids, run.num_tokens))
-            return MixedStep(new, run(), ids_t, ntok_t)
-        ids_t, ntok_t = self._lane_tensors(self._step_inputs, ids, ntok)
-        t = max_tokens if max_tokens is not None else _bucket(total, self.table.most_tokens)
-        return MixedStep(new, self.table.step(ids_t, ntok_t, max_tokens=t), ids_t, ntok_t)
+        if out is None:
+            max_tokens = max_tokens if max_tokens is not None else _bucket(total, self.table.most_tokens)
+        # The lanes: decode rows, then admitted rows, then padding, written into the inputs of the bound
+        # step of this width, max_tokens and ``out`` (``_lanes_run``) unless they hold them already (a
+        # decode-only step of the batch before: the lanes are named by the rows and their tokens).
+        dkey = None if k else ((key, nn.tobytes()) if per_row else (key, int(nn)))
+        run, ids_t, ntok_t = self._lanes_run(dkey, w, max_tokens, out, r, nn if per_row else EMPTY,
+                                             0 if per_row else int(nn), p, nr)
+        return MixedStep(new, run(), ids_t, ntok_t)
