@@ -1324,3 +1324,80 @@ def test_decode_without_running_books_the_steps_a_graph_replays(backend):
     with pytest.raises(ValueError, match="run"):
         m.decode(rows, 1, run=1)
     assert (m.free, m.reserved, m.hi[rows].tolist()) == before
+
+
+def test_a_list_batch_is_reused_only_for_the_same_ints_type_for_type(backend):
+    """``_batch`` keeps the last list of rows and of tokens per row it converted and reuses it for a
+    list holding the same ints. Python's ``[1.0] == [1]`` must not let a float through that way
+    (refused, as on a first call), and a list the caller changed in place since is read again."""
+    pool, table, m = _setup(backend, num_pages=40, rows=6)
+    rows = m.admit([5, 6, 7])
+    m.decode(rows, [1, 2, 1])                       # converted and kept
+    before = (m.free, m.reserved, m._seq, table.seq_lens.tolist())
+    for bad_rows, bad_n, words in [([float(rows[0])] + rows[1:], [1, 2, 1], "rows: expected int row ids"),
+                                   (rows, [1.0, 2, 1], "n: expected a non-negative int or one int per row"),
+                                   (rows, [1, 2, 10 ** 6], "n: expected a non-negative int or one int per row")]:
+        with pytest.raises(ValueError, match=words):
+            m.decode(bad_rows, bad_n)
+        assert (m.free, m.reserved, m._seq, table.seq_lens.tolist()) == before
+    n = [1, 2, 1]
+    m.decode(rows, n)
+    n[1] = 3                                        # the same list object, changed in place
+    m.decode(rows, n)
+    assert table.seq_lens[rows].tolist() == [8, 13, 10]
+    back = rows[::-1]                               # the same rows in another order: other lanes
+    s = m.step(back, [1, 0, 2], width=4)
+    assert s.req_ids.tolist() == back + [-1] and s.num_tokens.tolist() == [1, 0, 2, 0]
+    assert table.seq_lens[rows].tolist() == [10, 13, 11]
+    assert m.exact and m.free == pool.available()
+    table.check_invariants()
+
+
+def test_a_decode_only_step_of_the_batch_before_writes_no_inputs(backend, monkeypatch):
+    """A mixed step with no prompts and the rows and tokens of the step before runs its bound step on
+    the inputs as they are; other tokens, other rows, a prompt, or another width write them again."""
+    pool, table, m = _setup(backend, num_pages=60, rows=6)
+    rows = m.admit([5, 6, 7])
+    fills, fill = [], m._fill
+    monkeypatch.setattr(m, "_fill", lambda host, *a: (fill(host, *a), fills.append(host[1].tolist())))
+    for n in ([1, 1, 1], [1, 1, 1], [2, 1, 1], [2, 1, 1]):
+        s = m.step(rows, n, width=4, max_tokens=8)
+        assert s.num_tokens.tolist() == n + [0]
+    assert fills == [[1, 1, 1, 0], [2, 1, 1, 0]]
+    s = m.step(rows, [2, 1, 1], [3], width=4, max_tokens=8)   # a prompt: its lane written
+    s2 = m.step(rows + s.rows, 1, width=4, max_tokens=8)
+    m.step(rows + s.rows, 1, width=5, max_tokens=8)
+    assert fills[2:] == [[2, 1, 1, 3], [1, 1, 1, 1], [1, 1, 1, 1, 0]] and s2.req_ids.tolist() == rows + s.rows
+    assert table.seq_lens[rows + s.rows].tolist() == [15, 13, 14, 5]
+    assert m.exact and m.free == pool.available()
+    table.check_invariants()
+
+
+def test_the_mirror_loops_refuse_arrays_that_do_not_match():
+    """The compiled loops of the mirror index by the rows they are given and write the arrays they are
+    given: arrays of other lengths than the books' are refused (-1 / -2), nothing written."""
+    from tpool.scheduling import _decode as D
+    st, live = np.zeros((4, 6), np.int64), np.ones(4, dtype=bool)
+    st[:, D.HI] = st[:, D.LO] = 5
+    rows, ids, ntok = np.arange(3, dtype=np.int64), np.full(2, 7, np.int32), np.full(2, 7, np.int32)
+    assert D.fill_lanes(ids, ntok, rows, D.EMPTY, 1, D.EMPTY, D.EMPTY) == -1            # 3 lanes into 2
+    assert D.fill_lanes(ids, ntok[:1], rows[:1], D.EMPTY, 1, D.EMPTY, D.EMPTY) == -1    # ids, ntok differ
+    assert D.fill_lanes(ids, ntok, rows[:1], np.ones(2, np.int64), 0, D.EMPTY, D.EMPTY) == -1  # n per row: 2
+    assert D.fill_lanes(ids, ntok, rows[:1], D.EMPTY, 1, np.ones(2, np.int64), rows[:1]) == -1  # prompts: 1
+    assert ids.tolist() == ntok.tolist() == [7, 7]
+    before = st.copy()
+    out = np.zeros(5, np.int64)
+    assert D.finish_accounting(st, live, np.zeros(4, np.int64), np.array([1, 9]), 4, np.zeros(2, np.int32), out) == -1
+    assert D.finish_accounting(st, live, np.zeros(4, np.int64), rows, 4, ids, out) == -1   # ids of 2 for 3 rows
+    assert D.finish_accounting(st, live[:2], np.zeros(4, np.int64), rows[:2], 4, ids, out) == -1
+    assert (st == before).all() and live.all()
+    fix, lens = np.zeros(4, np.int64), np.full(4, 5, np.int32)
+    assert D.reconcile_check(st, live, fix, fix, lens[:3]) == -2
+    assert D.reconcile_check(st, live, fix, fix, lens) == -1
+    assert D.reconcile_check(st, live, fix, fix, np.array([5, 6, 5, 5], np.int32)) == 1
+    z = np.full(4, -1, np.int64)
+    assert D.reconcile_rows(st, live, z, z, fix, fix, st[:3], live, fix, lens, 0, 4, 1) == -1
+    assert D.reconcile_rows(st, live, z, z, fix, fix, st.copy(), live, fix, lens[:3], 0, 4, 1) == -1
+    assert (st == before).all()
+    assert D.count_total(np.array([1, 2, 3]), 3) == 6 and D.count_total(np.array([1, 4]), 3) == -1
+    assert D.count_total(np.array([1, -1]), 3) == -1

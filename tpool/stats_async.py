@@ -71,9 +71,14 @@ class AsyncRead:
 
     def values(self) -> list:
         """The copied tensors as nested Python lists; waits for the copy if it is not ready."""
+        return [h.tolist() for h in self.host()]
+
+    def host(self) -> list:
+        """The host copies (CPU tensors: ``.numpy()`` reads them without a copy); waits for the copy if
+        it is not ready."""
         if self._event is not None and not self._event.query():
             self._event.synchronize()
-        return [h.tolist() for h in self._host]
+        return self._host
 
 
 def stats_from_counters(num_pages: int, c: list) -> dict:

@@ -247,4 +247,70 @@ def finish_accounting(st, live, named, rows, ps, ids, out):
     return 0
 
 
+
+@numba.njit(inline="always")
+def _need(st, q, k, ps, shift):
+    """Pages ``k`` more tokens of row ``q`` may need (``Accounting._need``: from ``hi``, at most ``ceil(k / ps)``)."""
+    return min(_cdiv(st[q, HI] + k, ps, shift) - _cdiv(st[q, LO], ps, shift), _cdiv(k, ps, shift))
+
+
+@cached_njit(nogil=True)
+def reconcile_check(st_then, live_then, hi_fix, hi_fix_then, lens):
+    """The first row whose true length ``lens[q]`` lies outside the mirror's bounds at a snapshot
+    (records ``st_then``, running rows ``live_then``; ``hi`` corrected by the reconciliations made
+    since, ``hi_fix - hi_fix_then``; ``[0, 0]`` for a row not running then), -1 if none, -2 if the
+    arrays do not have one entry per row."""
+    R = st_then.shape[0]
+    if live_then.shape[0] != R or hi_fix.shape[0] != R or hi_fix_then.shape[0] != R or lens.shape[0] != R \
+            or st_then.shape[1] <= HI:
+        return -2
+    for q in range(R):
+        lo = hi = 0
+        if live_then[q]:
+            lo, hi = st_then[q, LO], st_then[q, HI] + hi_fix[q] - hi_fix_then[q]
+        if lens[q] < lo or lens[q] > hi:
+            return q
+    return -1
+
+
+@cached_njit(nogil=True)
+def reconcile_rows(st, live, exact_at, uncertain_at, reserved_to, hi_fix, st_then, live_then, hi_fix_then, lens,
+                   seq, ps, lookahead):
+    """Settle the rows of records ``st`` from a snapshot that ``reconcile_check`` passed (its arguments
+    as there; ``seq``: the snapshot's op number). A row running then and now, of the same request
+    (generation), not set outright since (``exact_at``) and with bounds to settle then (``lo != hi``)
+    gets ``hi`` = its true length plus what was asked since (the change also added to ``hi_fix``
+    and to a ``reserve``'s ``reserved_to``); if it was not rolled back since (``uncertain_at``),
+    ``lo = hi`` and its reservation is trimmed to what its next ``lookahead`` tokens and its
+    ``reserved_to`` need, never grown. Returns the reserved pages given back, or -1 (nothing
+    written) when the arrays do not all have one entry per row."""
+    R = st.shape[0]
+    for a in (live, live_then):
+        if a.shape[0] != R:
+            return -1
+    for b in (exact_at, uncertain_at, reserved_to, hi_fix, hi_fix_then):
+        if b.shape[0] != R:
+            return -1
+    if st_then.shape[0] != R or lens.shape[0] != R or st.shape[1] <= GEN or st_then.shape[1] <= GEN:
+        return -1
+    shift = _shift(ps)
+    back = 0
+    for q in range(R):
+        if not (live_then[q] and live[q] and st_then[q, GEN] == st[q, GEN] and exact_at[q] <= seq
+                and st_then[q, LO] != st_then[q, HI]):
+            continue
+        fix = lens[q] - (st_then[q, HI] + hi_fix[q] - hi_fix_then[q])
+        st[q, HI] += fix
+        hi_fix[q] += fix
+        reserved_to[q] = reserved_to[q] + fix if reserved_to[q] > 0 else 0
+        if uncertain_at[q] <= seq:
+            st[q, LO] = st[q, HI]
+            ahead = max(reserved_to[q] - st[q, HI], 0)
+            target = _need(st, q, min(lookahead, st[q, LIMIT] - st[q, HI]), ps, shift)
+            keep = min(st[q, RES], max(target, _need(st, q, ahead, ps, shift)))
+            back += st[q, RES] - keep
+            st[q, RES] = keep
+    return back
+
+
 EMPTY = np.zeros(0, dtype=np.int64)

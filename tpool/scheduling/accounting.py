@@ -61,6 +61,14 @@ def _int_array(values, name: str, what: str = "ints"):
     raise ValueError(f"{name}: expected {what}, got {_shown(a)}")
 
 
+def _int_list(values, name: str) -> list:
+    """``values`` as a list of Python ints, checked as :func:`_int_array` checks them; a list of ints
+    is returned as it is (no numpy call: a scheduler asks with lists every step)."""
+    if type(values) is list and _exact_ints(values):
+        return values
+    return _int_array(values, name).tolist()
+
+
 def _exact_ints(values) -> bool:
     """Every entry of list ``values`` is a Python int (no bool, no numpy scalar, no float)."""
     for v in values:
@@ -293,8 +301,8 @@ class Accounting:
         if max_lens is not None and len(max_lens) != len(prompt_lens):
             raise ValueError(f"max_lens: expected one per prompt ({len(prompt_lens)}), got {len(max_lens)}")
         head = min(self.rows_free, self.max_batch)
-        p = _int_array(prompt_lens[:head], "prompt_lens").tolist()  # (plain ints: the loop reads them fastest)
-        lim = None if max_lens is None else _int_array(max_lens[:head], "max_lens").tolist()
+        p = _int_list(prompt_lens[:head], "prompt_lens")  # (plain ints: the loop reads them fastest)
+        lim = None if max_lens is None else _int_list(max_lens[:head], "max_lens")
         room, lanes = self.unreserved, self.max_batch
         if rows is not None:
             r, nn, _ = self._batch(rows, n)
