@@ -1401,3 +1401,10 @@ def test_the_mirror_loops_refuse_arrays_that_do_not_match():
     assert (st == before).all()
     assert D.count_total(np.array([1, 2, 3]), 3) == 6 and D.count_total(np.array([1, 4]), 3) == -1
     assert D.count_total(np.array([1, -1]), 3) == -1
+    i64 = lambda *v: np.array(v, dtype=np.int64)
+    assert D.check_prompts(i64(1, 2), i64(3, 3), 3) == 3 and D.check_prompts(i64(1, 2), i64(3), 3) == -1
+    assert D.check_prompts(i64(4), i64(3), 3) == -1 and D.check_prompts(i64(1), i64(4), 3) == -1
+    assert D.check_prompts(i64(-1), i64(3), 3) == -1
+    for rows, lens, lims in [(i64(1, 4), i64(1, 1), i64(9, 9)), (i64(1), i64(1, 1), i64(9)), (i64(1), i64(1), i64())]:
+        assert D.start_rows(st, live, z, z, z, rows, lens, lims, 0, 4, 1, 10, out) == -1
+    assert (st == before).all() and (z == -1).all()

@@ -313,4 +313,64 @@ def reconcile_rows(st, live, exact_at, uncertain_at, reserved_to, hi_fix, st_the
     return back
 
 
+
+@cached_njit(nogil=True)
+def check_prompts(prompts, lims, cap):
+    """The tokens of ``prompts`` (int64 ``[k]``) if each is within ``[0, lims[i]]`` and each of ``lims``
+    (int64 ``[k]``: max_lens) within ``[0, cap]``, else -1."""
+    if lims.shape[0] != prompts.shape[0]:
+        return -1
+    total = 0
+    for i in range(prompts.shape[0]):
+        q, m = prompts[i], lims[i]
+        if q < 0 or q > m or m > cap:
+            return -1
+        total += q
+    return total
+
+
+@cached_njit(nogil=True)
+def start_rows(st, live, reserved_to, uncertain_at, exact_at, rows, lens, lims, seq, ps, lookahead, unreserved,
+               out):
+    """Start a request in each of ``rows`` (int64 ``[k]``, free rows, distinct): ``lo = hi = lens[i]``
+    tokens, limit ``lims[i]``, nothing shared, running (``live``), set outright at op ``seq``. Their
+    pages (``ceil(len / ps)`` each) come out of ``unreserved``; then each row's reservation (0: a
+    free row holds none) is topped up to its next ``lookahead`` tokens, in order, from what is left.
+    ``out`` (int64 ``[5]``) gets: pages taken, reserved pages granted, 1 if every row got its full
+    reservation. Returns 0, or -1 (nothing written) when a row is outside the records or the arrays
+    disagree in length."""
+    k, R = rows.shape[0], st.shape[0]
+    if lens.shape[0] != k or lims.shape[0] != k or live.shape[0] != R or reserved_to.shape[0] != R \
+            or uncertain_at.shape[0] != R or exact_at.shape[0] != R:
+        return -1
+    for i in range(k):
+        if rows[i] < 0 or rows[i] >= R:
+            return -1
+    shift = _shift(ps)
+    taken = 0
+    for i in range(k):
+        q = rows[i]
+        st[q, LO] = st[q, HI] = lens[i]
+        st[q, LIMIT], st[q, SHARED] = lims[i], 0
+        live[q] = True
+        reserved_to[q] = 0
+        uncertain_at[q] = -1
+        exact_at[q] = seq
+        taken += _cdiv(lens[i], ps, shift)
+    room = unreserved - taken
+    granted = 0
+    full = 1
+    for i in range(k):
+        q = rows[i]
+        want = max(_need(st, q, min(lookahead, st[q, LIMIT] - st[q, HI]), ps, shift) - st[q, RES], 0)
+        got = min(want, max(room, 0))
+        if got < want:
+            full = 0
+        room -= got
+        granted += got
+        st[q, RES] += got
+    out[0], out[1], out[2] = taken, granted, full
+    return 0
+
+
 EMPTY = np.zeros(0, dtype=np.int64)

@@ -10,7 +10,7 @@ import collections
 import numpy as np
 
 from tpool import _checks
-from tpool.scheduling._decode import EMPTY, check_rows, count_total, extra_pages
+from tpool.scheduling._decode import EMPTY, check_prompts, check_rows, count_total, extra_pages, start_rows
 
 
 class WouldNotFit(ValueError):
@@ -145,6 +145,7 @@ class Accounting:
         self._rows_memo, self._n_memo, self._n_total = (None, None, None), (None, None, 0), (None, 0)
         self._full = None                 # rows bytes of a batch whose every row holds its full reservation
         self._scratch = np.zeros(R, dtype=np.int64)
+        self._caps = np.full(R, capacity, dtype=np.int64)  # max_lens of prompts given none (read only)
         self._acct = np.zeros(5, dtype=np.int64)  # decode_accounting's results
         self._reconciled_at = -1          # the op number of the last snapshot reconciled
 
@@ -154,15 +155,29 @@ class Accounting:
         if not len(prompt_lens) and (max_lens is None or not len(max_lens)):
             return EMPTY, EMPTY  # a step with no admissions (most steps): nothing to check
         p = _int_array(prompt_lens, "prompt_lens").reshape(-1)
-        lim = np.full(p.size, self.capacity, dtype=np.int64) if max_lens is None else \
+        lim = self._caps[:p.size] if max_lens is None and p.size <= self._caps.size else \
+            np.full(p.size, self.capacity, dtype=np.int64) if max_lens is None else \
             _int_array(max_lens, "max_lens").reshape(-1)
-        if lim.shape != p.shape or (p < 0).any() or (p > lim).any() or (lim > self.capacity).any():
+        if lim.shape != p.shape or lim.ndim != 1 or check_prompts(p, lim, self.capacity) < 0:
             raise ValueError(f"prompt_lens, max_lens: expected one max_len per prompt, 0 <= prompt <= max_len <= "
                              f"{self.capacity}, got {p.tolist()[:8]}, {lim.tolist()[:8]}")
         if p.size > self.max_batch:
             raise ValueError(f"prompt_lens: expected at most max_batch={self.max_batch} prompts in one call "
                              f"(the lanes of one table call), got {p.size}")
         return p, lim
+
+    def _start_new(self, r, p, lim) -> None:
+        """Start requests of ``p`` tokens and max_lens ``lim`` (checked, ``_prompts``) in free rows ``r``
+        (int64, from ``_take_rows``): their pages come from ``free``, their reservations from the
+        unreserved pages left, in order (``_decode.start_rows``, one compiled loop)."""
+        acct = self._acct
+        if start_rows(self._st, self.live, self.reserved_to, self.uncertain_at, self.exact_at, r, p, lim, self._seq,
+                      self.page_size, self.lookahead, self.unreserved, acct):
+            raise AssertionError(f"HostMirror: rows {r.tolist()} outside the books (taken from the free rows: a bug)")
+        taken, granted = acct[:2].tolist()
+        self._members += 1
+        self.free -= taken
+        self.reserved += granted
 
     # ----------------------------------------------------------- queries (host only)
     @property

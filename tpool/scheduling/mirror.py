@@ -112,10 +112,10 @@ class HostMirror(MixedSteps, Accounting):
         # cache on the mirror such rows, and those that may share pages (revived, forked, forked from),
         # are finished with cache=True only; a revive makes them possibly shared (it may take them).
         self.named = np.zeros(self.live.size, dtype=np.int64)
-        # The inputs kept per width of truncate (_lane_tensors) and finish (_kept_ids), and the bound steps of decode and the
+        # The inputs kept per width of admit and truncate (_lane_tensors) and finish (_kept_ids), and the bound steps of decode and the
         # mixed step per width, max_tokens and StepOut (_lanes_run), which write the table's buffers
         # of their shape: forgotten when the table drops that shape (_shape_dropped).
-        self._decode_steps, self._truncate_inputs, self._release_inputs = {}, {}, {}
+        self._decode_steps, self._truncate_inputs, self._release_inputs, self._extend_inputs = {}, {}, {}, {}
         table._shapes.on_drop(self._shape_dropped)
 
     # ------------------------------------------------------ calls (table + mirror)
@@ -228,11 +228,10 @@ class HostMirror(MixedSteps, Accounting):
         self._seq += 1
         self._full = None
         rows = self._take_rows(k)
-        r = np.asarray(rows, dtype=np.int64)
-        self._start(r, p, lim, 0)
-        self.free -= int(_cdiv(p, self.page_size).sum())
-        self._top_up(r)
-        self.table.extend(self._tensor(rows), self._tensor(p), max_tokens=_bucket(int(p.sum()), self.table.most_tokens))
+        r = np.array(rows, dtype=np.int64)
+        self._start_new(r, p, lim)
+        ids, ntok = self._lane_tensors(self._extend_inputs, r, p)
+        self.table.extend(ids, ntok, max_tokens=_bucket(sum(p.tolist()), self.table.most_tokens))
         return rows
 
     def decode(self, rows, n=1, out=None, *, run: bool = True):

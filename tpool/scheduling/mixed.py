@@ -109,7 +109,7 @@ class MixedSteps:
         if not lanes <= w <= self.max_batch:
             raise ValueError(f"width: expected an int >= {lanes} (the step's lanes) and <= max_batch="
                              f"{self.max_batch}, got {width!r}")
-        total = self._tokens(nn, b) + (int(p.sum()) if k else 0)
+        total = self._tokens(nn, b) + (sum(p.tolist()) if k else 0)
         if max_tokens is not None:  # the table's checks (the same messages), before the mirror changes
             most, max_tokens = self.table.most_tokens, _checks.check_size(max_tokens, "max_tokens")
             if max_tokens > most:
@@ -120,7 +120,7 @@ class MixedSteps:
         if k > self.rows_free:
             self._refuse_past_max_len("step", r, nn)  # work no release makes fit is refused first
             raise WouldNotFit(f"step: {k} prompts need rows, {self.rows_free} are free")
-        admit = int(_cdiv(np.minimum(p + self.lookahead, lim), ps).sum()) if k else 0  # prompt pages + reservations
+        admit = sum(_cdiv(min(q + self.lookahead, m), ps) for q, m in zip(p.tolist(), lim.tolist())) if k else 0  # pages + reservations
         per_row = nn.ndim > 0
         acct = self._acct
         # Decode lanes first, leaving the admissions' pages and reservations unreserved; writes only if it fits.
@@ -144,10 +144,8 @@ class MixedSteps:
         new = self._take_rows(k)
         nr = EMPTY
         if k:
-            nr = np.asarray(new, dtype=np.int64)
-            self._start(nr, p, lim, 0)
-            self.free -= int(_cdiv(p, ps).sum())
-            self._top_up(nr)
+            nr = np.array(new, dtype=np.int64)
+            self._start_new(nr, p, lim)
         if out is None:
             max_tokens = max_tokens if max_tokens is not None else _bucket(total, self.table.most_tokens)
         # The lanes: decode rows, then admitted rows, then padding, written into the inputs of the bound
