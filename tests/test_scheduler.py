@@ -1408,3 +1408,11 @@ def test_the_mirror_loops_refuse_arrays_that_do_not_match():
     for rows, lens, lims in [(i64(1, 4), i64(1, 1), i64(9, 9)), (i64(1), i64(1, 1), i64(9)), (i64(1), i64(1), i64())]:
         assert D.start_rows(st, live, z, z, z, rows, lens, lims, 0, 4, 1, 10, out) == -1
     assert (st == before).all() and (z == -1).all()
+
+
+def test_a_refused_truncate_of_a_wide_batch_names_its_first_values_only(backend):
+    pool, table, m = _setup(backend, num_pages=200, rows=12)
+    rows = m.admit([5] * 12)
+    with pytest.raises(ValueError, match=r"got \[9, 9, 9, 9, 9, 9, 9, 9\] \(12 values\) \(lo \[5, 5, .* \(12 values\)\)$"):
+        m.truncate(rows, [9] * 12)
+    assert m.lo[rows].tolist() == [5] * 12 and m.exact

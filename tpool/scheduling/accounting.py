@@ -42,9 +42,14 @@ def _as_array(values):
     return np.asarray(values)
 
 
+def _head(a) -> str:
+    """Array ``a`` for a message: its first 8 values, and how many there are when more."""
+    return f"{a.reshape(-1)[:8].tolist()}" + (f" ({a.size} values)" if a.size > 8 else "")
+
+
 def _shown(a) -> str:
     """Array ``a`` for an error message: its dtype and first entries."""
-    return f"{a.dtype} {a.reshape(-1)[:8].tolist()}" + (f" ({a.size} values)" if a.size > 8 else "")
+    return f"{a.dtype} {_head(a)}"
 
 
 def _int_array(values, name: str, what: str = "ints"):

@@ -44,7 +44,7 @@ import torch
 from tpool import _checks
 from tpool.scheduling._decode import (EMPTY, NO_ROOM, PAST_MAX_LEN, decode_accounting, fill_lanes, finish_accounting,
                                      truncate_accounting)
-from tpool.scheduling.accounting import Accounting, WouldNotFit, _bucket, _cdiv, _int_array
+from tpool.scheduling.accounting import Accounting, WouldNotFit, _bucket, _cdiv, _head, _int_array
 from tpool.scheduling.mixed import MixedSteps
 from tpool.scheduling.snapshot import MirrorSnapshot, reconcile
 
@@ -383,8 +383,7 @@ class HostMirror(MixedSteps, Accounting):
             self._refuse_shared_ends(r, (nl >= 0) & (nl < self.hi[r]) & (nl % ps != 0) & (nl // ps < self.shared[r]),
                                      "new_lens")
         if code:
-            raise ValueError(f"new_lens: expected one per row within [0, lo], got {nl.tolist()} "
-                             f"(lo {self.lo[r].tolist()})")
+            raise ValueError(f"new_lens: expected one per row within [0, lo], got {_head(nl)} (lo {_head(self.lo[r])})")
         self._seq += 1
         self._full = None
         back, granted, unsure = int(out[0]), int(out[1]), int(out[2])
@@ -407,7 +406,7 @@ class HostMirror(MixedSteps, Accounting):
         r, _, _ = self._batch(rows, 0)
         ml = _int_array(min_lens, "min_lens").reshape(-1)
         if ml.shape != r.shape or (ml < 0).any() or (ml > self.hi[r]).any():
-            raise ValueError(f"min_lens: expected one per row within [0, hi], got {ml.tolist()}")
+            raise ValueError(f"min_lens: expected one per row within [0, hi], got {_head(ml)} (hi {_head(self.hi[r])})")
         # The table's checks of new_lens (metadata only, no sync), before the mirror changes.
         self.table._lane_vector(new_lens, "new_lens", r.shape[0])
         _checks.check_not_written(new_lens, "new_lens", self.table._written)
