@@ -1408,6 +1408,13 @@ def test_the_mirror_loops_refuse_arrays_that_do_not_match():
     for rows, lens, lims in [(i64(1, 4), i64(1, 1), i64(9, 9)), (i64(1), i64(1, 1), i64(9)), (i64(1), i64(1), i64())]:
         assert D.start_rows(st, live, z, z, z, rows, lens, lims, 0, 4, 1, 10, out) == -1
     assert (st == before).all() and (z == -1).all()
+    # Records of fewer than 6 columns, or ``out`` of fewer than 3 entries (helper-86's review: both wrote past them).
+    narrow, short = np.zeros((4, 3), np.int64), np.zeros(1, np.int64)
+    assert D.start_rows(narrow, live, z, z, z, i64(0), i64(5), i64(9), 0, 4, 1, 10, out) == -1
+    assert D.start_rows(st, live, z, z, z, i64(0), i64(5), i64(9), 0, 4, 1, 10, short) == -1
+    assert D.finish_accounting(narrow, live, np.zeros(4, np.int64), i64(0), 4, ids[:1], out) == -1
+    assert D.finish_accounting(st, live, np.zeros(4, np.int64), i64(0), 4, ids[:1], short) == -1
+    assert (narrow == 0).all() and (short == 0).all() and (st == before).all() and live.all()
 
 
 def test_a_refused_truncate_of_a_wide_batch_names_its_first_values_only(backend):
@@ -1416,3 +1423,20 @@ def test_a_refused_truncate_of_a_wide_batch_names_its_first_values_only(backend)
     with pytest.raises(ValueError, match=r"got \[9, 9, 9, 9, 9, 9, 9, 9\] \(12 values\) \(lo \[5, 5, .* \(12 values\)\)$"):
         m.truncate(rows, [9] * 12)
     assert m.lo[rows].tolist() == [5] * 12 and m.exact
+
+
+def test_asks_refuse_ints_past_int64_and_take_any_layout(backend):
+    """A list of Python ints is taken as it is by can_admit and shortfall (no numpy call), but an int
+    numpy cannot hold as int64 is still refused; strided or read-only arrays (``np.broadcast_to``) are
+    copied before the compiled loops, which take one layout."""
+    pool, table, m = _setup(backend, num_pages=60, rows=6)
+    rows = m.admit([5, 6, 7])
+    for call in (lambda: m.can_admit([2 ** 64]), lambda: m.can_admit([5], [2 ** 64]), lambda: m.shortfall([-2 ** 63 - 1]),
+                 lambda: m.can_admit([3], None, rows, [1, 2 ** 64, 1])):
+        with pytest.raises(ValueError, match="expected"):
+            call()
+    m.decode(np.asarray(rows * 2, dtype=np.int64)[::2], np.broadcast_to(np.int64(2), (3,)))
+    m.truncate(rows, np.asarray([6, 7, 8, 0, 0, 0])[:3])
+    m.step(rows, [1, 1, 1], np.asarray([4, 9, 4])[::2], np.broadcast_to(np.int64(20), (2,)))
+    assert table.seq_lens[:5].tolist() == [7, 8, 9, 4, 4] and m.exact and m.free == pool.available()
+    table.check_invariants()

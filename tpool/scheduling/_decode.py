@@ -222,9 +222,11 @@ def finish_accounting(st, live, named, rows, ps, ids, out):
     into ``ids`` (int32 ``[B]``: the release's input). ``out`` (int64 ``[3]``) gets: the pages surely
     theirs alone (past their possibly-shared prefix: what their release credits), the reserved pages
     given back, and 1 if a credit may be short (a length was uncertain or a prefix shared). Returns 0,
-    or -1 (nothing written) when a row is outside the records or ``ids`` is not ``[B]``."""
+    or -1 (nothing written) when a row is outside the records, ``ids`` is not ``[B]``, the records
+    have fewer than 6 columns or ``out`` fewer than 3 entries."""
     B = rows.shape[0]
-    if ids.shape[0] != B or live.shape[0] != st.shape[0] or named.shape[0] != st.shape[0]:
+    if ids.shape[0] != B or live.shape[0] != st.shape[0] or named.shape[0] != st.shape[0] or st.shape[1] <= GEN \
+            or out.shape[0] < 3:
         return -1
     for i in range(B):
         if rows[i] < 0 or rows[i] >= st.shape[0]:
@@ -338,10 +340,10 @@ def start_rows(st, live, reserved_to, uncertain_at, exact_at, rows, lens, lims, 
     free row holds none) is topped up to its next ``lookahead`` tokens, in order, from what is left.
     ``out`` (int64 ``[5]``) gets: pages taken, reserved pages granted, 1 if every row got its full
     reservation. Returns 0, or -1 (nothing written) when a row is outside the records or the arrays
-    disagree in length."""
+    disagree in length (records of fewer than 6 columns, ``out`` of fewer than 3)."""
     k, R = rows.shape[0], st.shape[0]
     if lens.shape[0] != k or lims.shape[0] != k or live.shape[0] != R or reserved_to.shape[0] != R \
-            or uncertain_at.shape[0] != R or exact_at.shape[0] != R:
+            or uncertain_at.shape[0] != R or exact_at.shape[0] != R or st.shape[1] <= GEN or out.shape[0] < 3:
         return -1
     for i in range(k):
         if rows[i] < 0 or rows[i] >= R:

@@ -22,6 +22,7 @@ def _cdiv(a, ps):
 
 
 _I64 = np.dtype(np.int64)  # numpy's one int64 dtype object: ``a.dtype is _I64`` is a plain compare
+_I64_MIN, _I64_MAX = -2 ** 63, 2 ** 63 - 1
 _LONG_LIST = 16  # entries from which a list of ints is read through array.array (faster), not numpy's inference
 _N64 = tuple(np.int64(n) for n in range(64))  # the usual token counts as numpy scalars, made once
 
@@ -40,6 +41,13 @@ def _as_array(values):
         except (TypeError, OverflowError):
             pass  # numpy's inference tells what came
     return np.asarray(values)
+
+
+def _plain(a):
+    """Int64 array ``a`` as the compiled loops take it: contiguous and writable (a copy otherwise,
+    such as a strided view or ``np.broadcast_to``), so that no other layout is compiled for them."""
+    flags = a.flags
+    return a if flags.c_contiguous and flags.writeable else a.copy()
 
 
 def _head(a) -> str:
@@ -69,9 +77,10 @@ def _int_array(values, name: str, what: str = "ints"):
 def _int_list(values, name: str) -> list:
     """``values`` as a list of Python ints, checked as :func:`_int_array` checks them; a list of ints
     is returned as it is (no numpy call: a scheduler asks with lists every step)."""
-    if type(values) is list and _exact_ints(values):
+    if type(values) is list and _exact_ints(values) and (not values or _I64_MIN <= min(values) and
+                                                          max(values) <= _I64_MAX):
         return values
-    return _int_array(values, name).tolist()
+    return _int_array(values, name).tolist()  # (an int past int64 is refused there, as numpy reads it)
 
 
 def _exact_ints(values) -> bool:
@@ -159,10 +168,10 @@ class Accounting:
         call changes anything: one max_len per prompt, ``0 <= prompt <= max_len <= capacity``."""
         if not len(prompt_lens) and (max_lens is None or not len(max_lens)):
             return EMPTY, EMPTY  # a step with no admissions (most steps): nothing to check
-        p = _int_array(prompt_lens, "prompt_lens").reshape(-1)
+        p = _plain(_int_array(prompt_lens, "prompt_lens").reshape(-1))
         lim = self._caps[:p.size] if max_lens is None and p.size <= self._caps.size else \
             np.full(p.size, self.capacity, dtype=np.int64) if max_lens is None else \
-            _int_array(max_lens, "max_lens").reshape(-1)
+            _plain(_int_array(max_lens, "max_lens").reshape(-1))
         if lim.shape != p.shape or lim.ndim != 1 or check_prompts(p, lim, self.capacity) < 0:
             raise ValueError(f"prompt_lens, max_lens: expected one max_len per prompt, 0 <= prompt <= max_len <= "
                              f"{self.capacity}, got {p.tolist()[:8]}, {lim.tolist()[:8]}")
@@ -474,6 +483,7 @@ class Accounting:
             r = rows if type(rows) is np.ndarray and rows.dtype is _I64 else _int_array(rows, "rows", "int row ids")
             if r.ndim != 1:
                 r = r.reshape(-1)
+            r = _plain(r)
             key = r.tobytes()
             if type(rows) is list and _exact_ints(rows):
                 self._rows_memo = (rows.copy(), r, key)
@@ -493,6 +503,8 @@ class Accounting:
         a = _as_array(n)
         if a.dtype is not _I64:  # (int64 as it came, the common case: the message is made only otherwise)
             a = _int_array(a, "n", f"a non-negative int or one int per row ({r.shape[0]})")
+        if a.ndim == 1:
+            a = _plain(a)
         # (past capacity no row fits it, and hi + n could wrap in int64: refused before the mirror changes)
         total = -1 if a.ndim != 1 or a.shape != r.shape else count_total(a, self.capacity)
         if a.ndim and total < 0 or a.ndim == 0 and not 0 <= a <= self.capacity:

@@ -44,7 +44,7 @@ import torch
 from tpool import _checks
 from tpool.scheduling._decode import (EMPTY, NO_ROOM, PAST_MAX_LEN, decode_accounting, fill_lanes, finish_accounting,
                                      truncate_accounting)
-from tpool.scheduling.accounting import Accounting, WouldNotFit, _bucket, _cdiv, _head, _int_array
+from tpool.scheduling.accounting import Accounting, WouldNotFit, _bucket, _cdiv, _head, _int_array, _plain
 from tpool.scheduling.mixed import MixedSteps
 from tpool.scheduling.snapshot import MirrorSnapshot, reconcile
 
@@ -241,7 +241,7 @@ class HostMirror(MixedSteps, Accounting):
         raises ``WouldNotFit`` (before any device work) when the mirror cannot prove the
         step fits, so every lane of the step succeeds and ``ok`` need not be read. Then
         tops reservations back up, in the order of ``rows``. The step is the table's
-        ``bind_step(batch=len(rows))`` for that width (kept, see ``_bound_decode``): the same
+        ``bind_step(batch=len(rows))`` for that width (kept, see ``_lanes_run``): the same
         outputs as ``table.step`` of that shape. Returns the ``StepResult`` (None for no rows).
         A row that ``n`` more tokens would take past its max_len is a plain ``ValueError``
         naming the rows (no preemption makes it fit), raised before anything changes.
@@ -373,7 +373,7 @@ class HostMirror(MixedSteps, Accounting):
         pages, and, with a :class:`PrefixCache` on the mirror, any length below them.
         """
         r, _, _ = self._batch(rows, 0)
-        nl = _int_array(new_lens, "new_lens").reshape(-1)
+        nl = _plain(_int_array(new_lens, "new_lens").reshape(-1))
         out, ps = self._acct, self.page_size
         if nl.shape == r.shape and self.prefix_cache is not None and ((nl >= 0) & (nl <= self.lo[r])).all():
             self._refuse_below_shared(r, nl, "new_lens")

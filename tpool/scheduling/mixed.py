@@ -29,9 +29,10 @@ class MixedStep(NamedTuple):
     result : StepResult, the table's.
     req_ids, num_tokens : torch.Tensor  shape ``[width]``, int32, on the table's device: the
         step's inputs (lanes: the decode rows, then the admitted rows, then padding -1 / 0). They
-        are the mirror's tensors for this width, rewritten by its next step of the same width
-        (so the table runs its steps bound): clone them to keep them. With ``out=``, the inputs
-        of that StepOut's bound step, rewritten by the next decode or step into it.
+        are the inputs of the table's bound step the mirror keeps for this width and
+        ``max_tokens`` (and ``out=``: that StepOut's), rewritten by its next step or decode of the
+        same shape: clone them to keep them, and never write them (a decode-only step of the same
+        lanes as the one before runs them as they are).
     """
 
     rows: list
