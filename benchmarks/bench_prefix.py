@@ -16,6 +16,7 @@ the first run's (greedy decoding: the cache must not change a token), or the scr
 
     python benchmarks/bench_prefix.py                   # about a minute
     python benchmarks/bench_prefix.py --quick           # a few seconds
+    python benchmarks/bench_prefix.py --calls           # and the tpool calls of the loop, one row each
     python benchmarks/bench_prefix.py --system-len 256 --requests 128 --num-pages 96 --json prefix.json
 """
 
@@ -69,6 +70,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--vocab", type=positive_int, default=1024, help="vocabulary size")
     ap.add_argument("--seed", type=non_negative_int, default=0, help="seed of the weights and the requests")
     ap.add_argument("--threads", type=positive_int, default=1, help="torch threads (more stall on a 2-core machine)")
+    ap.add_argument("--calls", action="store_true",
+                    help="also print the tpool calls of the loop, one row each per configuration: calls per step, "
+                         "µs per call and per step (Engine.stats.calls; medians over the runs)")
     ap.add_argument("--json", default="", metavar="PATH", help="also write the rows as JSON")
     return ap
 
@@ -126,7 +130,8 @@ def run_once(model, a, prefix_cache: bool) -> dict:
     return dict(tokens=got, wall_s=wall, tokens_out=s.tokens_out, prompt_computed=s.prompt_tokens,
                 tokens_fed=s.fed_tokens, revived=s.cached_tokens, cache_hits=s.cache_hits, evicted=s.evicted,
                 preemptions=s.preemptions, steps=s.steps, tpool_us_per_step=s.tpool_s / s.steps * 1e6,
-                forward_ms_per_step=s.forward_s / s.steps * 1e3)
+                forward_ms_per_step=s.forward_s / s.steps * 1e3,
+                calls={name: (t / n * 1e6, n / s.steps) for name, (t, n) in s.calls.items()})
 
 
 def same_tokens(want: dict, got: dict, what: str) -> None:
@@ -172,6 +177,9 @@ def main(argv=None):
             row[k] = statistics.median_low(r[k] for r in rs)   # the same every run, unless a snapshot lands late
         for k in ("tpool_us_per_step", "forward_ms_per_step"):
             row[k] = statistics.median(r[k] for r in rs)
+        names = sorted({c for r in rs for c in r["calls"]})
+        row["calls"] = {c: dict(us_per_call=statistics.median(r["calls"][c][0] for r in rs if c in r["calls"]),
+                                per_step=statistics.median(r["calls"].get(c, (0, 0))[1] for r in rs)) for c in names}
         rows.append(row)
     base = rows[1]["tokens_per_s"]
     for row in rows:
@@ -191,6 +199,16 @@ def main(argv=None):
                      "prompt tokens the forward computed (again after a preemption); revived: prompt tokens taken "
                      "from CACHED pages instead. tpool us/step: the engine's scheduler and table calls; the tokens "
                      "of every run are checked equal, and Engine.check() passes after each.")
+    if a.calls:
+        print_table("tpool calls in the loop (Engine.stats.calls): medians over the runs; a call's µs include "
+                    "the table and pool calls it makes",
+                    ["config", "call", "calls/step", "us/call", "us/step"],
+                    [[r["config"], c, f"{v['per_step']:.2f}", f"{v['us_per_call']:.1f}",
+                      f"{v['per_step'] * v['us_per_call']:.1f}"]
+                     for r in rows for c, v in sorted(r["calls"].items(), key=lambda kv: -kv[1]["per_step"] *
+                                                      kv[1]["us_per_call"])],
+                    note="Each call is timed where the loop makes it, after the model's forward pass has cooled "
+                         "the caches (what a serving loop pays), not in a loop of its own.")
     write_json(a.json, "bench_prefix", rows)
     return rows
 

@@ -68,6 +68,21 @@ def test_prefix_benchmark_serves_with_and_without_the_cache(tmp_path, capsys):
     assert without["ratio"] == 1.0 and with_cache["ratio"] > 0 and all(w > 0 for w in with_cache["walls_s"])
 
 
+def test_prefix_benchmark_lists_the_loops_tpool_calls(tmp_path, capsys):
+    """``--calls``: one row per tpool call of the loop and configuration (Engine.stats.calls), the mixed
+    step once per step, the prefix cache's calls only in its configuration."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "prefix.json"
+    load("bench_prefix").main(TINY["bench_prefix"] + ["--calls", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert "tpool calls in the loop" in captured.out and "us/call" in captured.out
+    with_cache, without = json.loads(out.read_text())["rows"]
+    for row in (with_cache, without):
+        assert row["calls"]["HostMirror.step"]["per_step"] == 1.0 and row["calls"]["step_metadata"]["per_step"] == 1.0
+        assert all(c["us_per_call"] > 0 for c in row["calls"].values())
+    assert "PrefixCache.insert" in with_cache["calls"] and not any(c.startswith("PrefixCache") for c in without["calls"])
+
+
 @pytest.mark.parametrize("extra", [[], ["--cold", "--cold-samples", "2"]])
 def test_every_page_table_row_starts_from_the_same_workload(extra, monkeypatch, capsys):
     """Rows of one batch size share a table, and a decode step lengthens every request: each row

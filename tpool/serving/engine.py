@@ -175,6 +175,7 @@ class Stats:
     rollbacks: int = 0
     tokens_out: int = 0
     tpool_s: float = 0.0     # mirror calls (its host accounting + the table calls), copy_pages, step metadata
+    calls: dict = field(default_factory=dict)  # the same per call: {"HostMirror.step": [seconds, calls], ...}
     forward_s: float = 0.0   # the model forward (K/V writes and paged attention included) and argmax
     step_s: list = field(default_factory=list)
 
@@ -223,9 +224,17 @@ class Engine:
         self._snapshots = []   # started snapshots of the pool, oldest first, applied once landed
 
     def _timed(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, its host time added to ``stats.tpool_s`` and to ``stats.calls``
+        under its name (a method's as ``Class.method`` of the object it is bound to)."""
         t0 = time.perf_counter()
         res = fn(*args, **kwargs)
-        self.stats.tpool_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.stats.tpool_s += dt
+        owner = getattr(fn, "__self__", None)
+        name = fn.__name__ if owner is None else f"{type(owner).__name__}.{fn.__name__}"
+        total = self.stats.calls.setdefault(name, [0.0, 0])
+        total[0] += dt
+        total[1] += 1
         return res
 
     def _spec(self, r):
@@ -427,19 +436,16 @@ class Engine:
         x[:total] = torch.tensor([t for r in lanes for t in feed[r.rid]], dtype=torch.long)
         if self.dev.type != "cpu":
             x = x.pin_memory().to(self.dev, non_blocking=True)
-        t0 = time.perf_counter()
-        res = self.mirror.step([r.row for r in decode], [len(feed[r.rid]) for r in decode],
-                               [len(feed[r.rid]) for r in prefill], [self._max_len(r) for r in prefill],
-                               width=self.max_batch, max_tokens=t_max)
+        res = self._timed(self.mirror.step, [r.row for r in decode], [len(feed[r.rid]) for r in decode],
+                          [len(feed[r.rid]) for r in prefill], [self._max_len(r) for r in prefill],
+                          width=self.max_batch, max_tokens=t_max)
         for r, row in zip(prefill, res.rows):
             r.row = row
-        meta = step_metadata(self.table, res.result)
+        meta = self._timed(step_metadata, self.table, res.result)
         t1 = time.perf_counter()
         with torch.no_grad():
             preds = self.sample(forward_step(self.model, x, PagedContext(self.cache, meta)))
-        t2 = time.perf_counter()
-        self.stats.tpool_s += t1 - t0
-        self.stats.forward_s += t2 - t1
+        self.stats.forward_s += time.perf_counter() - t1
         return preds
 
     def _accept(self, lanes, feed, preds) -> tuple:
