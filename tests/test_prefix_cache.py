@@ -603,3 +603,29 @@ def test_docstring_example():
              "PrefixCache": PrefixCache}
     result = doctest.testmod(prefix_cache, extraglobs=globs, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted >= 5 and result.failed == 0
+
+
+def test_the_numba_updates_refuse_rows_slots_and_sizes_outside_their_arrays():
+    """The numba backend's compiled updates (tpool.scheduling._prefix) read the table and the pool
+    through addresses: a row, page run or slot outside the arrays, or outputs of another length, are
+    refused (-1) with nothing written; a page id outside the pool names nothing (as the torch code)."""
+    from tpool.scheduling import _prefix as X
+    bt = np.array([[3, 1, -1], [2, 9, 0]], dtype=np.int32)     # a table of 2 rows, 3 pages each; 9: outside
+    gen = np.array([10, 11, 12, 13], dtype=np.int32)          # a pool of 4 pages
+    sp, sg, ps = np.full(4, -1, np.int32), np.full(4, -1, np.int32), np.full(5, -1, np.int32)
+    at, gat = bt.ctypes.data, gen.ctypes.data
+    i64 = lambda *v: np.array(v, dtype=np.int64)
+    for row, first, slots in [(2, 0, i64(0)), (-1, 0, i64(0)), (0, 2, i64(0, 1)), (0, 0, i64(4)), (0, 0, i64(-1))]:
+        assert X.insert_pages(at, 2, 3, row, first, slots, gat, 4, sp, sg, ps) == -1
+    assert X.insert_pages(at, 2, 3, 0, 0, i64(0), gat, 4, sp, sg, ps[:4]) == -1   # page_slot not [P + 1]
+    assert (sp == -1).all() and (sg == -1).all() and (ps == -1).all()
+    assert X.insert_pages(at, 2, 3, 1, 0, i64(0, 1, 2), gat, 4, sp, sg, ps) == 0
+    assert sp.tolist() == [2, 9, 0, -1] and sg.tolist() == [12, -1, 10, -1] and ps.tolist() == [2, -1, 0, -1, -1]
+    ev, out = np.array([2, -1, 7], dtype=np.int32), np.full(3, 5, np.int32)
+    assert X.forget_pages(ev.ctypes.data, 3, ps, out[:2]) == -1 and (out == 5).all()
+    assert X.forget_pages(ev.ctypes.data, 3, ps, out) == 0
+    assert out.tolist() == [0, -1, -1] and ps.tolist() == [2, -1, -1, -1, -1]
+    pages, gens = np.zeros(2, np.int32), np.zeros(2, np.int32)
+    assert X.gather_slots(i64(0, 4), sp, sg, pages, gens) == -1 and X.gather_slots(i64(0), sp, sg, pages, gens) == -1
+    assert (pages == 0).all() and X.gather_slots(i64(2, 0), sp, sg, pages, gens) == 0
+    assert pages.tolist() == [0, 2] and gens.tolist() == [10, 12]

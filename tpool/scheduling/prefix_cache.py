@@ -49,6 +49,7 @@ import torch
 
 from tpool import _checks
 from tpool.kernels import layout as L
+from tpool.scheduling._prefix import forget_pages, gather_slots, insert_pages
 
 __all__ = ["PrefixCache", "PrefixMatch"]
 
@@ -116,11 +117,22 @@ class PrefixCache:
         self.mirror, self.table, self.pool = mirror, table, table.pool
         self.page_size, self.device = table.page_size, table.device
         n = self.pool.num_pages if capacity is None else _checks.check_size(capacity, "capacity")
-        i32 = dict(dtype=torch.int32, device=self.device)
-        self.slot_page = torch.full((n,), -1, **i32)   # each live slot's page (a dropped slot keeps its last)
-        self.slot_gen = torch.full((n,), -1, **i32)    # the page's generation when the entry was made
-        # each page's slot, -1 for none; one more entry, for the -1 padding of an evict result
-        self.page_slot = torch.full((self.pool.num_pages + 1,), -1, **i32)
+        # slot_page: each live slot's page (a dropped slot keeps its last); slot_gen: the page's generation
+        # when the entry was made; page_slot: each page's slot, -1 for none, and one more entry, for the
+        # -1 padding of an evict result. On the numba backend they are views of numpy arrays the compiled
+        # updates take (``_prefix``), and the table's and pool's state is read through addresses taken
+        # here (their storages held, as the backend's descriptors hold theirs).
+        sizes = (n, n, self.pool.num_pages + 1)
+        self._np = self._at = None
+        if self.pool.backend == "numba":
+            self._np = tuple(np.full(k, -1, dtype=np.int32) for k in sizes)
+            self.slot_page, self.slot_gen, self.page_slot = map(torch.from_numpy, self._np)
+            bt, gen = table.block_table, self.pool.state.page_gen
+            self._at = (bt.data_ptr(), bt.shape[0], bt.shape[1], gen.data_ptr(), gen.numel())
+            self._storages = (bt.untyped_storage(), gen.untyped_storage())
+        else:
+            self.slot_page, self.slot_gen, self.page_slot = (torch.full((k,), -1, dtype=torch.int32,
+                                                                        device=self.device) for k in sizes)
         self._index = {}                  # (parent entry id, page tokens) -> slot
         self._keys = [None] * n           # slot -> its key (None: free)
         self._eid = [_ROOT] * n           # slot -> its entry id (never reused: a match made before a drop is seen)
@@ -222,8 +234,14 @@ class PrefixCache:
                 self._keys[s] is None or self._eid[s] != e for s, e in zip(match.slots, match.eids)):
             raise ValueError("revive: a stale match: entries it names were dropped since match() (their slots "
                              "may name other pages now); match again")
-        idx = self._to_device(match.slots)
-        pages, gens = self.slot_page.index_select(0, idx), self.slot_gen.index_select(0, idx)
+        if self._np is not None:  # (the numba backend: one compiled gather)
+            got = np.empty(len(match.slots), dtype=np.int32), np.empty(len(match.slots), dtype=np.int32)
+            if gather_slots(np.array(match.slots, dtype=np.int64), self._np[0], self._np[1], *got):
+                raise AssertionError(f"revive: slots {match.slots} outside the arrays (checked before: a bug)")
+            pages, gens = map(torch.from_numpy, got)
+        else:
+            idx = self._to_device(match.slots)
+            pages, gens = self.slot_page.index_select(0, idx), self.slot_gen.index_select(0, idx)
         row = self.mirror.revive(pages, match.n_tokens, max_len, generations=gens, count_cached=count_cached)
         self.hits += 1
         self.hit_tokens += match.n_tokens
@@ -261,7 +279,15 @@ class PrefixCache:
                 first = i if first is None else first
                 slots.append(slot)
             eid = self._eid[slot]
-        if slots:
+        if slots and self._np is not None:  # (the numba backend: one compiled call, as below)
+            bt, rows, width, gen, P = self._at
+            with self.pool.state.lock:
+                if insert_pages(bt, rows, width, row, first, np.array(slots, dtype=np.int64), gen, P, *self._np):
+                    raise AssertionError(f"insert: row {row} pages {first}..{first + len(slots)} or slots {slots} "
+                                         f"outside the arrays (checked before: a bug)")
+            self.inserted += len(slots)
+            m.named[row] = max(int(m.named[row]), first + len(slots))
+        elif slots:
             # The new entries are the pages from ``first`` on, one run: a key missed makes a new
             # entry id, under which nothing is known yet, so every deeper key misses too.
             idx, P = self._to_device(slots), self.pool.num_pages
@@ -286,6 +312,12 @@ class PrefixCache:
         :meth:`match` finds nothing until they are dropped. Returns the evicted page ids (device)."""
         self._attached("evict")
         ev = self.mirror._evict(k)
+        if self._np is not None:  # (the numba backend: one compiled call; the pool's result is int32, contiguous)
+            slots = np.empty(ev.shape[0], dtype=np.int32)
+            if forget_pages(ev.data_ptr(), ev.shape[0], self._np[2], slots):
+                raise AssertionError("evict: the slots do not match the evicted pages (a bug)")
+            self._unread.append(torch.from_numpy(slots))
+            return ev
         at = torch.where(ev >= 0, ev, self.pool.num_pages).long()  # padding: the spare last entry
         self._unread.append(self.page_slot.index_select(0, at))
         self.page_slot.index_fill_(0, at, -1)
