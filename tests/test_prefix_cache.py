@@ -629,3 +629,22 @@ def test_the_numba_updates_refuse_rows_slots_and_sizes_outside_their_arrays():
     assert X.gather_slots(i64(0, 4), sp, sg, pages, gens) == -1 and X.gather_slots(i64(0), sp, sg, pages, gens) == -1
     assert (pages == 0).all() and X.gather_slots(i64(2, 0), sp, sg, pages, gens) == 0
     assert pages.tolist() == [0, 2] and gens.tolist() == [10, 12]
+
+
+def test_a_rebound_block_table_is_not_followed_on_the_numba_backend():
+    """The numba updates read the table where the backend's kernels do (its descriptors, checked and
+    held when the table was made): a ``block_table`` attribute rebound to another tensor (here a view
+    of 32 bytes shaped [4, 8], helper-87's reproducer, which read past its storage) changes nothing."""
+    pool = tpool.PagePool(16, page_size=4, device="cpu", backend="numba")
+    table = tpool.PageTable(pool, 4, 8)
+    m = HostMirror(table, free=16, cached=0)
+    real = table.block_table
+    table.block_table = torch.full((8,), -1, dtype=torch.int32).view(1, 8).expand(4, 8)
+    cache = PrefixCache(m)
+    m.admit([8])
+    (row,) = m.admit([8])
+    assert cache.insert(row, list(range(8))) == 2
+    assert cache.slot_page[:2].tolist() == real[row, :2].tolist() != [-1, -1]
+    table.block_table = real
+    m.finish([0, row], cache=True)
+    cache.check_invariants()

@@ -120,16 +120,17 @@ class PrefixCache:
         # slot_page: each live slot's page (a dropped slot keeps its last); slot_gen: the page's generation
         # when the entry was made; page_slot: each page's slot, -1 for none, and one more entry, for the
         # -1 padding of an evict result. On the numba backend they are views of numpy arrays the compiled
-        # updates take (``_prefix``), and the table's and pool's state is read through addresses taken
-        # here (their storages held, as the backend's descriptors hold theirs).
+        # updates take (``_prefix``), which read the table's block_table and the pool's page_gen where the
+        # backend's own kernels do: at the addresses of its descriptors (checked and held when the table
+        # was made; a tensor re-pointed since, by ``set_`` or assignment, is not followed by either).
         sizes = (n, n, self.pool.num_pages + 1)
         self._np = self._at = None
-        if self.pool.backend == "numba":
+        td, sd = getattr(table.ops, "td", None), getattr(table.ops, "sd", None)
+        if self.pool.backend == "numba" and td is not None and int(sd[L.SD_PAGES]) == self.pool.num_pages:
             self._np = tuple(np.full(k, -1, dtype=np.int32) for k in sizes)
             self.slot_page, self.slot_gen, self.page_slot = map(torch.from_numpy, self._np)
-            bt, gen = table.block_table, self.pool.state.page_gen
-            self._at = (bt.data_ptr(), bt.shape[0], bt.shape[1], gen.data_ptr(), gen.numel())
-            self._storages = (bt.untyped_storage(), gen.untyped_storage())
+            self._at = tuple(int(d[i]) for d, i in ((td, L.TD_BLOCK_TABLE), (td, L.TD_REQUESTS), (td, L.TD_MAX_PAGES),
+                                                     (sd, L.SD_PAGE_GEN), (sd, L.SD_PAGES)))
         else:
             self.slot_page, self.slot_gen, self.page_slot = (torch.full((k,), -1, dtype=torch.int32,
                                                                         device=self.device) for k in sizes)
