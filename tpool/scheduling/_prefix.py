@@ -4,9 +4,10 @@ Note: on a CPU pool of the numba backend, :class:`tpool.scheduling.PrefixCache` 
 three index arrays (``slot_page``, ``slot_gen``, ``page_slot``) in numpy memory it made
 (the tensors are views of it) and updates them here: a torch op costs ~5-20 us of dispatch
 once a forward pass has cooled the caches, and ``insert`` made twelve. The table's
-``block_table`` and the pool's ``page_gen`` are read through their addresses, bounded by
-their sizes: a row, slot or page id outside them is refused (-1, nothing written) or, for a
-page id (a hand-edited row), named by nothing, as the torch code does. Each call keeps the
+``block_table`` and the pool's ``page_gen`` are read at the addresses of the numba backend's
+descriptors (the memory its own kernels read and write, checked and held when the table was
+made), bounded by their sizes: a row, slot or page id outside them is refused (-1, nothing
+written) or, for a page id (a hand-edited row), named by nothing, as the torch code does. Each call keeps the
 GIL (a numba call of another thread cannot land inside it) and is made under the pool's
 lock, as the torch code reads the pool's state. Other backends run the torch code
 (``PrefixCache``), which this mirrors op for op.
