@@ -12,6 +12,7 @@ import numba
 import numpy as np
 
 from tpool.backends.numba import cached_njit  # compiled once per machine, loaded after (as the kernels)
+from tpool.kernels._numba_util import i32_array, i64_array
 
 LO, HI, LIMIT, SHARED, RES, GEN = 0, 1, 2, 3, 4, 5
 
@@ -373,6 +374,17 @@ def start_rows(st, live, reserved_to, uncertain_at, exact_at, rows, lens, lims, 
         st[q, RES] += got
     out[0], out[1], out[2] = taken, granted, full
     return 0
+
+
+
+@cached_njit
+def snapshot_copy(counters_addr, n_counters, lens_addr, n_lens, st, live, hi_fix):
+    """A mirror snapshot on the numba backend, in one call that keeps the GIL (no numba call of another
+    thread lands inside it): copies of the pool's counters (int64 ``[n_counters]`` at
+    ``counters_addr``), of the table's lengths (int32 ``[n_lens]`` at ``lens_addr``: both at the
+    addresses of the backend's descriptors) and of the mirror's records, running rows and corrections."""
+    return (i64_array(counters_addr, n_counters).copy(), i32_array(lens_addr, n_lens).copy(), st.copy(), live.copy(),
+            hi_fix.copy())
 
 
 EMPTY = np.zeros(0, dtype=np.int64)

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from tpool import _checks
+from tpool.kernels import layout as L
 from tpool.scheduling._decode import (EMPTY, NO_ROOM, PAST_MAX_LEN, decode_accounting, fill_lanes, finish_accounting,
                                      truncate_accounting)
 from tpool.scheduling.accounting import Accounting, WouldNotFit, _bucket, _cdiv, _head, _int_array, _plain
@@ -117,6 +118,12 @@ class HostMirror(MixedSteps, Accounting):
         # of their shape: forgotten when the table drops that shape (_shape_dropped).
         self._decode_steps, self._truncate_inputs, self._release_inputs, self._extend_inputs = {}, {}, {}, {}
         table._shapes.on_drop(self._shape_dropped)
+        # On the numba backend a snapshot is one compiled copy (``_decode.snapshot_copy``) of the pool's
+        # counters and the table's lengths at the addresses of the backend's descriptors (what its kernels
+        # write), with the lengths' count: (counters address, count, lengths address, count); else None.
+        td, sd = getattr(table.ops, "td", None), getattr(table.ops, "sd", None)
+        self._snap_at = None if td is None or self.pool.backend != "numba" else \
+            (int(sd[L.SD_COUNTERS]), L.NUM_COUNTERS, int(td[L.TD_SEQ_LENS]), int(td[L.TD_REQUESTS]))
 
     # ------------------------------------------------------ calls (table + mirror)
     def _tensor(self, values, dtype=np.int32):

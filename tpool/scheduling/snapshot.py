@@ -43,7 +43,7 @@ tokens need nor those a ``reserve`` set aside.
 import numpy as np
 
 from tpool.kernels import layout as L
-from tpool.scheduling._decode import HI, LO, reconcile_check, reconcile_rows
+from tpool.scheduling._decode import HI, LO, reconcile_check, reconcile_rows, snapshot_copy
 from tpool.stats_async import AsyncRead, stats_from_counters
 
 
@@ -58,17 +58,24 @@ class MirrorSnapshot:
     """
 
     def __init__(self, mirror):
-        with mirror.pool.state.lock:  # both copies between two calls, as the pool's sync points read
-            self._read = AsyncRead([mirror.pool.state.counters, mirror.table.seq_lens])
         self.num_pages = mirror.pool.num_pages
         self.seq, self.free, self.cached = mirror._seq, mirror.free, mirror.cached
         self.cached_flow = mirror._cached_flow
-        self.free_fix, self.hi_fix = mirror._free_fix, mirror._hi_fix.copy()  # corrections applied so far
-        self.st, self.live = mirror._st.copy(), mirror.live.copy()  # every row's record (lo, hi, ..., gen)
+        self.free_fix = mirror._free_fix  # corrections applied so far (and hi_fix, per row)
         self._values = None
+        if mirror._snap_at is not None:  # the numba backend: one compiled copy of everything, done at once
+            with mirror.pool.state.lock:
+                counters, lens, self.st, self.live, self.hi_fix = snapshot_copy(*mirror._snap_at, mirror._st,
+                                                                                mirror.live, mirror._hi_fix)
+            self._read, self._values = None, (counters.tolist(), lens)
+            return
+        with mirror.pool.state.lock:  # both copies between two calls, as the pool's sync points read
+            self._read = AsyncRead([mirror.pool.state.counters, mirror.table.seq_lens])
+        self.hi_fix = mirror._hi_fix.copy()
+        self.st, self.live = mirror._st.copy(), mirror.live.copy()  # every row's record (lo, hi, ..., gen)
 
     def ready(self) -> bool:
-        return self._read.ready()
+        return self._read is None or self._read.ready()
 
     def _get(self):
         """``(counters, lens)``: the pool's counters (a list of ints) and the table's lengths (numpy, int32)."""
