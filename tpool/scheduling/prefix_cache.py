@@ -286,8 +286,6 @@ class PrefixCache:
                 if insert_pages(bt, rows, width, row, first, np.array(slots, dtype=np.int64), gen, P, *self._np):
                     raise AssertionError(f"insert: row {row} pages {first}..{first + len(slots)} or slots {slots} "
                                          f"outside the arrays (checked before: a bug)")
-            self.inserted += len(slots)
-            m.named[row] = max(int(m.named[row]), first + len(slots))
         elif slots:
             # The new entries are the pages from ``first`` on, one run: a key missed makes a new
             # entry id, under which nothing is known yet, so every deeper key misses too.
@@ -303,6 +301,7 @@ class PrefixCache:
                 self.slot_page.index_copy_(0, idx, pages)
             self.slot_gen.index_copy_(0, idx, gens)
             self.page_slot.index_copy_(0, at, idx.int().masked_fill_(bad, -1))
+        if slots:
             self.inserted += len(slots)
             m.named[row] = max(int(m.named[row]), first + len(slots))  # (finish: cache=True only)
         return len(slots)
