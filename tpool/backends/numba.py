@@ -407,6 +407,12 @@ class Table:
         self._release = None  # compiled at the first release
         self._revive = None  # (forget, revive) entry points, compiled at the first revive
 
+    def addresses(self, *names):
+        """The descriptor entries named (``"TD_..."`` of the table's, ``"SD_..."`` of the pool state's) as ints:
+        the addresses and sizes this backend's kernels use, for a compiled loop outside it (the mirror's
+        snapshot, the prefix cache) to read where they do. What they point into is held by this object."""
+        return tuple(int((self.td if n.startswith("TD_") else self.sd)[getattr(L, n)]) for n in names)
+
     def extend(self, req_ids, num_tokens, slots, ok):
         # The contract's unbound form (the façade binds its buffers): through the guarded call, as bound.
         self.extend_into(_ExtendBuffers(slots, ok))(req_ids, num_tokens, req_ids.numel())

@@ -121,9 +121,9 @@ class HostMirror(MixedSteps, Accounting):
         # On the numba backend a snapshot is one compiled copy (``_decode.snapshot_copy``) of the pool's
         # counters and the table's lengths at the addresses of the backend's descriptors (what its kernels
         # write), with the lengths' count: (counters address, count, lengths address, count); else None.
-        td, sd = getattr(table.ops, "td", None), getattr(table.ops, "sd", None)
-        self._snap_at = None if td is None or self.pool.backend != "numba" else \
-            (int(sd[L.SD_COUNTERS]), L.NUM_COUNTERS, int(td[L.TD_SEQ_LENS]), int(td[L.TD_REQUESTS]))
+        at = getattr(table.ops, "addresses", None)
+        self._snap_at = None if at is None or self.pool.backend != "numba" else \
+            (*at("SD_COUNTERS"), L.NUM_COUNTERS, *at("TD_SEQ_LENS", "TD_REQUESTS"))
 
     # ------------------------------------------------------ calls (table + mirror)
     def _tensor(self, values, dtype=np.int32):

@@ -125,12 +125,11 @@ class PrefixCache:
         # was made; a tensor re-pointed since, by ``set_`` or assignment, is not followed by either).
         sizes = (n, n, self.pool.num_pages + 1)
         self._np = self._at = None
-        td, sd = getattr(table.ops, "td", None), getattr(table.ops, "sd", None)
-        if self.pool.backend == "numba" and td is not None and int(sd[L.SD_PAGES]) == self.pool.num_pages:
+        at = getattr(table.ops, "addresses", None)
+        if self.pool.backend == "numba" and at is not None and at("SD_PAGES") == (self.pool.num_pages,):
             self._np = tuple(np.full(k, -1, dtype=np.int32) for k in sizes)
             self.slot_page, self.slot_gen, self.page_slot = map(torch.from_numpy, self._np)
-            self._at = tuple(int(d[i]) for d, i in ((td, L.TD_BLOCK_TABLE), (td, L.TD_REQUESTS), (td, L.TD_MAX_PAGES),
-                                                     (sd, L.SD_PAGE_GEN), (sd, L.SD_PAGES)))
+            self._at = at("TD_BLOCK_TABLE", "TD_REQUESTS", "TD_MAX_PAGES", "SD_PAGE_GEN", "SD_PAGES")
         else:
             self.slot_page, self.slot_gen, self.page_slot = (torch.full((k,), -1, dtype=torch.int32,
                                                                         device=self.device) for k in sizes)

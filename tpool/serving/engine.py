@@ -222,6 +222,7 @@ class Engine:
         self.dev = self.pool.device
         self.stats = Stats()
         self._snapshots = []   # started snapshots of the pool, oldest first, applied once landed
+        self._names = {}       # stats.calls' name of each function _timed has run
 
     def _timed(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)``, its host time added to ``stats.tpool_s`` and to ``stats.calls``
@@ -230,9 +231,14 @@ class Engine:
         res = fn(*args, **kwargs)
         dt = time.perf_counter() - t0
         self.stats.tpool_s += dt
-        owner = getattr(fn, "__self__", None)
-        name = fn.__name__ if owner is None else f"{type(owner).__name__}.{fn.__name__}"
-        total = self.stats.calls.setdefault(name, [0.0, 0])
+        name = self._names.get(getattr(fn, "__func__", fn))  # named once per function, not per call
+        if name is None:
+            owner = getattr(fn, "__self__", None)
+            name = self._names[getattr(fn, "__func__", fn)] = \
+                fn.__name__ if owner is None else f"{type(owner).__name__}.{fn.__name__}"
+        total = self.stats.calls.get(name)
+        if total is None:
+            total = self.stats.calls[name] = [0.0, 0]
         total[0] += dt
         total[1] += 1
         return res
