@@ -187,6 +187,44 @@ def test_a_match_made_before_a_drop_is_refused(backend):
     assert not cache.match([1, 2, 3, 4, 9]) and len(cache) == 1
 
 
+def test_a_hand_made_match_is_refused_before_anything_changes(backend):
+    """A PrefixMatch not made by match(): its n_tokens not its pages' tokens, a slot outside the cache
+    (negative ones included: a Python list would take them), or an entry id that is not the slot's."""
+    pool, m, cache = _setup(backend, num_pages=8, capacity=4)
+    _serve(m, cache, list(range(8)))
+    hit = cache.match(list(range(9)))
+    before = (m.table.seq_lens.tolist(), pool.stats(), m.free, m.cached, m.reserved)
+    last = len(cache._eid) - 1
+    cache._eid[last] = hit.eids[0]                 # a free slot whose id a forged match names
+    for bad, why in [(PrefixMatch(hit.slots, 4, hit.eids), "tokens|whole pages|expected"),
+                     (PrefixMatch(hit.slots, 12, hit.eids), "tokens|whole pages|expected"),
+                     (PrefixMatch((hit.slots[0], -1), 8, (hit.eids[0], hit.eids[0])), "stale|slots"),
+                     (PrefixMatch((hit.slots[0], last), 8, (hit.eids[0], hit.eids[0])), "stale"),
+                     (PrefixMatch(hit.slots, 8, hit.eids[::-1]), "stale"),
+                     (PrefixMatch(hit.slots, 8, hit.eids[:1]), "stale")]:
+        with pytest.raises(ValueError, match=why):
+            cache.revive(bad, 16)
+    assert (m.table.seq_lens.tolist(), pool.stats(), m.free, m.cached, m.reserved) == before
+    cache._eid[last] = 0
+    cache.check_invariants()
+
+
+def test_revives_of_several_lengths_each_hold_their_own_pages(backend):
+    """On numba a revive gathers into buffers the cache keeps per length: a later revive (same or
+    another length) must not change the rows revived before."""
+    pool, m, cache = _setup(backend, num_pages=16, rows=6)
+    a, b = list(range(12)), list(range(100, 108))
+    _serve(m, cache, a)
+    _serve(m, cache, b)
+    rows = [cache.revive(cache.match(t + [0]), 16) for t in (a, b, a, b, a[:4] + [50])]
+    pages = [_pages(m, r, 3) for r in rows]
+    assert pages[0] == pages[2] and pages[1] == pages[3] and pages[0][:1] == pages[4][:1]
+    assert len({*pages[0], *pages[1][:2]}) == 5 and m.table.seq_lens[rows].tolist() == [12, 8, 12, 8, 4]
+    m.finish(rows, cache=True)
+    cache.check_invariants()
+    pool.check()
+
+
 def test_evictions_stay_closed_until_every_unread_is_dropped(backend):
     pool, m, cache = _setup(backend, num_pages=8)
     _serve(m, cache, [1, 2, 3, 4])

@@ -540,6 +540,12 @@ class HostMirror(MixedSteps, Accounting):
         page this row still holds: the next reconciliation raises ``MirrorError``), else not
         at all.
         """
+        n_tokens, m = self._revive_lengths(n_tokens, max_len)
+        k = self.table._revive_inputs(pages, n_tokens, generations)  # the table's checks, before the mirror changes
+        return self._revive(pages, n_tokens, m, k, generations, count_cached)
+
+    def _revive_lengths(self, n_tokens, max_len) -> tuple:
+        """:meth:`revive`'s checks of ``n_tokens`` and ``max_len``; returns them as ints (``max_len``'s default filled in)."""
         n_tokens = _checks.check_size(n_tokens, "n_tokens")
         ps, m = self.page_size, self.capacity if max_len is None else _checks.check_size(max_len, "max_len")
         if not n_tokens <= m <= self.capacity:
@@ -548,7 +554,12 @@ class HostMirror(MixedSteps, Accounting):
             raise ValueError(f"revive: expected whole pages (n_tokens a multiple of page_size {ps}), got "
                              f"{n_tokens}: a revived page may be shared, and the next token would be written "
                              f"into a partial last one. Revive the whole pages and extend the rest")
-        k = self.table._revive_inputs(pages, n_tokens, generations)  # the table's checks, before the mirror changes
+        return n_tokens, m
+
+    def _revive(self, pages, n_tokens, m, k, generations, count_cached) -> int:
+        """:meth:`revive` of checked inputs (``m`` the max length, ``k = n_tokens / page_size`` the pages,
+        the length of ``pages`` and ``generations``): a ``PrefixCache`` on a numba pool passes its own
+        gather buffers, plain int32 tensors of its making that it need not check again."""
         room = self.unreserved + max(self._evictable(count_cached) - k, 0)
         if (need := self._target_new(n_tokens, m)) > room:
             raise WouldNotFit(f"revive: its reservation needs pages, {self.unreserved} unreserved")

@@ -50,6 +50,7 @@ import torch
 from tpool import _checks
 from tpool.kernels import layout as L
 from tpool.scheduling._prefix import forget_pages, gather_slots, insert_pages
+from tpool.scheduling.accounting import _head
 
 __all__ = ["PrefixCache", "PrefixMatch"]
 
@@ -84,6 +85,10 @@ class PrefixMatch:
 
 class PrefixCache:
     """A prefix cache of whole pages for a loop that schedules on ``mirror``.
+
+    Driven from one thread, the loop's, as its mirror is: the host index and the buffers a
+    revive gathers into on the numba backend are not locked (the device updates run under the
+    pool's lock, as every table call does).
 
     Parameters
     ----------
@@ -130,6 +135,8 @@ class PrefixCache:
             self._np = tuple(np.full(k, -1, dtype=np.int32) for k in sizes)
             self.slot_page, self.slot_gen, self.page_slot = map(torch.from_numpy, self._np)
             self._at = at("TD_BLOCK_TABLE", "TD_REQUESTS", "TD_MAX_PAGES", "SD_PAGE_GEN", "SD_PAGES")
+            # revive's gather: its pages and generations, one pair of int32 views per length (made once)
+            self._gather_np, self._gathered = np.empty((2, table.max_pages), dtype=np.int32), {}
         else:
             self.slot_page, self.slot_gen, self.page_slot = (torch.full((k,), -1, dtype=torch.int32,
                                                                         device=self.device) for k in sizes)
@@ -230,19 +237,30 @@ class PrefixCache:
         if self.closed:
             raise ValueError("revive: an eviction is not dropped yet (drop its slots first): the match may "
                              "name an evicted page")
-        if len(match.eids) != len(match.slots) or any(
-                self._keys[s] is None or self._eid[s] != e for s, e in zip(match.slots, match.eids)):
+        slots = match.slots  # (map: no Python frame per entry, as a generator has)
+        if len(match.eids) != len(slots) or None in list(map(self._keys.__getitem__, slots)) or \
+                list(map(self._eid.__getitem__, slots)) != list(match.eids):
             raise ValueError("revive: a stale match: entries it names were dropped since match() (their slots "
                              "may name other pages now); match again")
-        if self._np is not None:  # (the numba backend: one compiled gather)
-            got = np.empty(len(match.slots), dtype=np.int32), np.empty(len(match.slots), dtype=np.int32)
-            if gather_slots(np.array(match.slots, dtype=np.int64), self._np[0], self._np[1], *got):
-                raise AssertionError(f"revive: slots {match.slots} outside the arrays (checked before: a bug)")
-            pages, gens = map(torch.from_numpy, got)
+        if self._np is not None:  # (the numba backend: one compiled gather into buffers of the cache's own)
+            n_tokens, m = self.mirror._revive_lengths(match.n_tokens, max_len)
+            k = len(slots)
+            if n_tokens != k * self.page_size:
+                raise ValueError(f"revive: expected a match of {k} pages to hold {k * self.page_size} tokens, got "
+                                 f"n_tokens {n_tokens} (a PrefixMatch not made by match())")
+            if (got := self._gathered.get(k)) is None:
+                got = self._gathered[k] = (self._gather_np[0, :k], self._gather_np[1, :k],
+                                           torch.from_numpy(self._gather_np[0, :k]),
+                                           torch.from_numpy(self._gather_np[1, :k]))
+            if gather_slots(np.array(slots, dtype=np.int64), self._np[0], self._np[1], got[0], got[1]):
+                raise ValueError(f"revive: expected slots in [0, {self._np[0].shape[0]}), got {_head(np.asarray(slots))} (a "
+                                 f"PrefixMatch not made by match())")
+            # The buffers are plain int32 [k] CPU tensors no table writes: the table's checks are known to pass.
+            row = self.mirror._revive(got[2], n_tokens, m, k, got[3], count_cached)
         else:
-            idx = self._to_device(match.slots)
+            idx = self._to_device(slots)
             pages, gens = self.slot_page.index_select(0, idx), self.slot_gen.index_select(0, idx)
-        row = self.mirror.revive(pages, match.n_tokens, max_len, generations=gens, count_cached=count_cached)
+            row = self.mirror.revive(pages, match.n_tokens, max_len, generations=gens, count_cached=count_cached)
         self.hits += 1
         self.hit_tokens += match.n_tokens
         return row
