@@ -547,6 +547,12 @@ class PageTable:
         self._ids(req_ids)
         cache = _checks.flag(cache, "cache")
         _checks.check_not_written(req_ids, "req_ids", self._written)
+        self._release(req_ids, cache)
+
+    def _release(self, req_ids, cache: bool) -> None:
+        """:meth:`release` of inputs that pass its checks by construction: a plain int32 vector of at most
+        ``max_batch`` ids on the table's device, on memory no table call writes (``HostMirror``'s kept
+        inputs: its own tensors, their checks a few microseconds each once a forward pass cooled the caches)."""
         self.ops.release(req_ids, cache)
 
     def truncate(self, req_ids: torch.Tensor, new_lens: torch.Tensor | None = None, *,
@@ -580,7 +586,12 @@ class PageTable:
         self._lane_vector(lens, name, b)
         _checks.check_not_written(lens, name, self._written)
         _checks.check_not_written(req_ids, "req_ids", self._written)
-        self.ops.truncate(req_ids, lens, drop is not None)
+        self._truncate(req_ids, lens, drop is not None)
+
+    def _truncate(self, req_ids, lens, drop: bool) -> None:
+        """:meth:`truncate` of inputs that pass its checks by construction (as :meth:`_release`'s: two
+        such vectors of one length, the lengths or the drops as ``drop`` says)."""
+        self.ops.truncate(req_ids, lens, drop)
 
     def fork(self, src_ids: torch.Tensor, dst_ids: torch.Tensor, lens: torch.Tensor) -> ForkResult:
         """Let empty request ``dst_ids[i]`` share the first ``lens[i]`` tokens of ``src_ids[i]``.

@@ -371,7 +371,7 @@ class HostMirror(MixedSteps, Accounting):
         self._members += 1
         self._free_rows.extend(r[::-1].tolist())
         self._to_device(host, dev)
-        self.table.release(dev, cache=cache)
+        self.table._release(dev, cache)  # (the table's checks pass: its own kept tensor, <= max_batch rows)
 
     def truncate(self, rows, new_lens) -> None:
         """Roll rows back to host-known lengths (``new_lens[i] <= `` the row's sure length, ``length_bounds``).
@@ -399,7 +399,7 @@ class HostMirror(MixedSteps, Accounting):
         if unsure:
             self._free_inexact_at = self._seq
         self.exact_at[r] = self._seq
-        self.table.truncate(*self._lane_tensors(self._truncate_inputs, r, nl))
+        self.table._truncate(*self._lane_tensors(self._truncate_inputs, r, nl), False)  # (as finish's release)
 
     def rollback(self, rows, new_lens: torch.Tensor, min_lens) -> None:
         """Truncate to lengths known only on the device (accepted speculative tokens).
