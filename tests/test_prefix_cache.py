@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import tpool
+from conftest import CPU_BACKENDS
 from tpool.errors import InvalidPage, UseAfterFree
 from tpool.scheduling import HostMirror, PrefixCache, PrefixMatch, WouldNotFit, prefix_cache
 from tpool.testing import no_host_sync
@@ -198,7 +199,8 @@ def test_a_hand_made_match_is_refused_before_anything_changes(backend):
     cache._eid[last] = hit.eids[0]                 # a free slot whose id a forged match names
     for bad, why in [(PrefixMatch(hit.slots, 4, hit.eids), "tokens|whole pages|expected"),
                      (PrefixMatch(hit.slots, 12, hit.eids), "tokens|whole pages|expected"),
-                     (PrefixMatch((hit.slots[0], -1), 8, (hit.eids[0], hit.eids[0])), "stale|slots"),
+                     (PrefixMatch((hit.slots[0], -1), 8, (hit.eids[0], hit.eids[0])), "expected slots in"),
+                     (PrefixMatch((hit.slots[0], 4), 8, (hit.eids[0], hit.eids[0])), "expected slots in"),
                      (PrefixMatch((hit.slots[0], last), 8, (hit.eids[0], hit.eids[0])), "stale"),
                      (PrefixMatch(hit.slots, 8, hit.eids[::-1]), "stale"),
                      (PrefixMatch(hit.slots, 8, hit.eids[:1]), "stale")]:
@@ -685,4 +687,78 @@ def test_a_rebound_block_table_is_not_followed_on_the_numba_backend():
     assert cache.slot_page[:2].tolist() == real[row, :2].tolist() != [-1, -1]
     table.block_table = real
     m.finish([0, row], cache=True)
+    cache.check_invariants()
+
+
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs triton under its interpreter (TRITON_INTERPRET=1)")
+def test_the_triton_updates_give_what_the_numba_ones_give_and_bound_every_index():
+    """The triton backend's kernels (tpool.kernels.prefix_cache) on hand-made arrays write what the numba
+    updates (tpool.scheduling._prefix) write: a hand-edited row's ids outside the pool (-1, P, P + 3, -5,
+    2**31 - 1) name nothing (generation -1, the spare entry kept -1, nothing else written), a page named
+    twice ends with the later slot (in one chunk and across chunks), a call outside the arrays writes
+    nothing; an eviction's padding and ids outside the pool read the spare entry and clear nothing else."""
+    from tpool.kernels import prefix_cache as K
+    from tpool.scheduling import _prefix as X
+    P, C, big = 6, 90, 2**31 - 1
+    gen = np.arange(10, 10 + P, dtype=np.int32)
+    bt = np.full((2, 80), -1, dtype=np.int32)
+    bt[0] = [(i * 5) % (P + 2) - 1 for i in range(80)]   # two chunks of lanes; each page many times, -1 and P
+    bt[1, :9] = [0, 3, -1, P, P + 3, -5, big, 3, 1]
+    start = (np.full(C, 77, np.int32), np.full(C, 77, np.int32), np.array([-1] * 5 + [88, -1], np.int32))
+    i64 = lambda *v: np.array(v, dtype=np.int64)
+
+    def both(row, first, slots):
+        want, got = [a.copy() for a in start], [torch.from_numpy(a.copy()) for a in start]
+        X.insert_pages(bt.ctypes.data, 2, 80, row, first, slots, gen.ctypes.data, P, *want)
+        K.insert_pages_triton(torch.from_numpy(bt), row, first, torch.from_numpy(slots), torch.from_numpy(gen), *got)
+        assert [g.tolist() for g in got] == [w.tolist() for w in want]
+        return got
+
+    for row, first, slots in [(2, 0, i64(0)), (-1, 0, i64(0)), (0, 79, i64(0, 1)), (0, 0, i64(C)), (0, 0, i64(-1))]:
+        assert [g.tolist() for g in both(row, first, slots)] == [a.tolist() for a in start]
+    both(0, 0, np.arange(89, 9, -1))
+    slots = i64(7, 0, 5, 2, 6, 1, 4, 3)
+    sp, sg, ps = both(1, 1, slots)
+    assert sp[slots].tolist() == [3, -1, P, P + 3, -5, big, 3, 1] and sg[slots].tolist() == [13] + [-1] * 5 + [13, 11]
+    assert ps.tolist() == [-1, 3, -1, 4, -1, 88, -1] and (np.delete(sp.numpy(), slots) == 77).all()
+
+    ev = np.array([3, -1, P, 1, -1, big, 3, -7, 5] + [-1] * 2100 + [1], dtype=np.int32)  # two chunks
+    want_ps, want = ps.numpy().copy(), np.empty(ev.size, np.int32)
+    assert X.forget_pages(ev.ctypes.data, ev.size, want_ps, want) == 0
+    got = K.forget_pages_triton(torch.from_numpy(ev), ps)
+    assert got.tolist() == want.tolist() == [4, -1, -1, 3, -1, -1, 4, -1, 88] + [-1] * 2100 + [3]
+    assert ps.tolist() == want_ps.tolist() == [-1] * 7
+
+    pages, gens = np.empty(3, np.int32), np.empty(3, np.int32)
+    assert X.gather_slots(i64(7, 0, 4), sp.numpy(), sg.numpy(), pages, gens) == 0
+    got = K.gather_slots_triton(torch.from_numpy(i64(7, 0, 4)), sp, sg)
+    assert [g.tolist() for g in got] == [pages.tolist(), gens.tolist()] == [[3, -1, 3], [13, -1, 13]]
+    got = K.gather_slots_triton(torch.from_numpy(i64(C, -1, 1)), sp, sg)   # (refused on the host before)
+    assert [g.tolist() for g in got] == [[-1, -1, big], [-1, -1, -1]]
+
+
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs triton under its interpreter (TRITON_INTERPRET=1)")
+def test_on_triton_insert_evict_and_revive_gather_in_one_launch_each(monkeypatch):
+    from tpool.kernels import prefix_cache as K
+    launches = []
+
+    class Counted:
+        def __init__(self, name):
+            self.name, self.kernel = name, getattr(K, name)
+
+        def __getitem__(self, grid):
+            launches.append(self.name)
+            return self.kernel[grid]
+
+    for name in ("insert_pages_kernel", "forget_pages_kernel", "gather_slots_kernel"):
+        monkeypatch.setattr(K, name, Counted(name))
+    pool, m, cache = _setup("triton")
+    _serve(m, cache, list(range(12)))
+    assert launches == ["insert_pages_kernel"]
+    row = cache.revive(cache.match(list(range(13))))
+    assert launches[1:] == ["gather_slots_kernel"]
+    m.finish([row], cache=True)
+    cache.evict(2)
+    assert launches[2:] == ["forget_pages_kernel"]
+    assert cache.sync() >= 2
     cache.check_invariants()

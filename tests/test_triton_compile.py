@@ -82,6 +82,15 @@ def _workload():
     table.release(i32([1]))
     with pool.free_group(8):
         pool.free(out.pages[:1])
+    from tpool.scheduling import HostMirror, PrefixCache   # the prefix cache's own kernels
+    m = HostMirror(tpool.PageTable(tpool.PagePool(32, page_size=4, device="cpu", backend="triton"), 2, 8),
+                   free=32, cached=0)
+    cache = PrefixCache(m)
+    (row,) = m.admit([12])
+    cache.insert(row, list(range(12)))
+    m.finish([row], cache=True)
+    m.finish([cache.revive(cache.match(list(range(13))))], cache=True)
+    cache.evict(2)
 
 
 def test_every_launched_kernel_compiles_for_sm90(monkeypatch, tmp_path):
@@ -90,7 +99,7 @@ def test_every_launched_kernel_compiles_for_sm90(monkeypatch, tmp_path):
     names = {rec["name"] for rec in launches.values()}
     assert {"alloc_kernel", "free_kernel", "incref_kernel", "touch_kernel", "evict_kernel", "extend_kernel",
             "step_kernel", "flashinfer_csr_kernel", "block_table_rows_kernel", "fork_kernel",
-            "release_kernel"} <= names, names
+            "release_kernel", "insert_pages_kernel", "gather_slots_kernel", "forget_pages_kernel"} <= names, names
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(list(launches.values())))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -140,6 +140,12 @@ class PrefixCache:
         else:
             self.slot_page, self.slot_gen, self.page_slot = (torch.full((k,), -1, dtype=torch.int32,
                                                                         device=self.device) for k in sizes)
+        # On the triton backend each update is one launch (tpool.kernels.prefix_cache), imported only
+        # there: the numba backend runs without triton installed.
+        self._kernels = None
+        if self.pool.backend == "triton":
+            from tpool.kernels import prefix_cache as kernels
+            self._kernels = kernels
         self._index = {}                  # (parent entry id, page tokens) -> slot
         self._keys = [None] * n           # slot -> its key (None: free)
         self._eid = [_ROOT] * n           # slot -> its entry id (never reused: a match made before a drop is seen)
@@ -238,6 +244,8 @@ class PrefixCache:
             raise ValueError("revive: an eviction is not dropped yet (drop its slots first): the match may "
                              "name an evicted page")
         slots = match.slots  # (map: no Python frame per entry, as a generator has)
+        if min(slots) < 0 or max(slots) >= len(self._keys):  # (a list takes -1; the kernels' reads are bounded too)
+            raise self._bad_slots(slots)
         if len(match.eids) != len(slots) or None in list(map(self._keys.__getitem__, slots)) or \
                 list(map(self._eid.__getitem__, slots)) != list(match.eids):
             raise ValueError("revive: a stale match: entries it names were dropped since match() (their slots "
@@ -253,13 +261,16 @@ class PrefixCache:
                                            torch.from_numpy(self._gather_np[0, :k]),
                                            torch.from_numpy(self._gather_np[1, :k]))
             if gather_slots(np.array(slots, dtype=np.int64), self._np[0], self._np[1], got[0], got[1]):
-                raise ValueError(f"revive: expected slots in [0, {self._np[0].shape[0]}), got {_head(np.asarray(slots))} (a "
-                                 f"PrefixMatch not made by match())")
+                raise AssertionError(f"revive: slots {slots} outside the arrays (checked before: a bug)")
             # The buffers are plain int32 [k] CPU tensors no table writes: the table's checks are known to pass.
             row = self.mirror._revive(got[2], n_tokens, m, k, got[3], count_cached)
         else:
             idx = self._to_device(slots)
-            pages, gens = self.slot_page.index_select(0, idx), self.slot_gen.index_select(0, idx)
+            if self._kernels is not None:  # (the triton backend: one launch, on the pool's device)
+                with self.pool.state.lock:
+                    pages, gens = self._kernels.gather_slots_triton(idx, self.slot_page, self.slot_gen)
+            else:
+                pages, gens = self.slot_page.index_select(0, idx), self.slot_gen.index_select(0, idx)
             row = self.mirror.revive(pages, match.n_tokens, max_len, generations=gens, count_cached=count_cached)
         self.hits += 1
         self.hit_tokens += match.n_tokens
@@ -303,6 +314,12 @@ class PrefixCache:
                 if insert_pages(bt, rows, width, row, first, np.array(slots, dtype=np.int64), gen, P, *self._np):
                     raise AssertionError(f"insert: row {row} pages {first}..{first + len(slots)} or slots {slots} "
                                          f"outside the arrays (checked before: a bug)")
+        elif slots and self._kernels is not None:  # (the triton backend: one copy of the slots, one launch)
+            idx = self._to_device(slots)
+            with self.pool.state.lock:  # (the table's own tensors: a rebound table.block_table is not followed)
+                self._kernels.insert_pages_triton(self.table.state.block_table, row, first, idx,
+                                                  self.pool.state.page_gen, self.slot_page, self.slot_gen,
+                                                  self.page_slot)
         elif slots:
             # The new entries are the pages from ``first`` on, one run: a key missed makes a new
             # entry id, under which nothing is known yet, so every deeper key misses too.
@@ -334,6 +351,10 @@ class PrefixCache:
             if forget_pages(ev.data_ptr(), ev.shape[0], self._np[2], slots):
                 raise AssertionError("evict: the slots do not match the evicted pages (a bug)")
             self._unread.append(torch.from_numpy(slots))
+            return ev
+        if self._kernels is not None:  # (the triton backend: one launch, on the pool's device)
+            with self.pool.state.lock:
+                self._unread.append(self._kernels.forget_pages_triton(ev, self.page_slot))
             return ev
         at = torch.where(ev >= 0, ev, self.pool.num_pages).long()  # padding: the spare last entry
         self._unread.append(self.page_slot.index_select(0, at))
@@ -444,6 +465,11 @@ class PrefixCache:
         hand-edited row) aimed at the spare last entry, and which ones were inside."""
         valid = (pages >= 0) & (pages < self.pool.num_pages)
         return torch.where(valid, pages.long(), self.pool.num_pages), valid
+
+    def _bad_slots(self, slots) -> ValueError:
+        """A revive's refusal of a match whose slots lie outside the cache (one not made by :meth:`match`)."""
+        return ValueError(f"revive: expected slots in [0, {len(self._keys)}), got {_head(np.asarray(slots))} (a "
+                          f"PrefixMatch not made by match())")
 
     def _to_device(self, values) -> torch.Tensor:
         """Host ints as an int64 index tensor on the device, as the mirror moves its inputs."""

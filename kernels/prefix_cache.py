@@ -1,0 +1,152 @@
+"""prefix_cache: the device updates of ``tpool.scheduling.PrefixCache`` on the triton backend, one launch each.
+
+Their numba twins are ``tpool.scheduling._prefix`` (the same arguments in the same order, the
+same writes); the reference backend runs the torch code in ``PrefixCache``, the spec of both.
+``insert_pages`` names pages ``first ..`` of a table row by the cache's slots, ``forget_pages``
+reads and clears the slots that named an eviction's pages, ``gather_slots`` reads slots' pages
+and generations for a revive. Every index is bounded before use: a page id outside the pool (a
+hand-edited row, padding) is aimed at ``page_slot``'s spare last entry, which keeps its -1; an
+insert whose row, run of pages or slots lie outside the arrays writes nothing (its twin returns
+-1); a gathered slot outside the cache reads -1 (its twin refuses the call; the host refuses
+such a slot first).
+"""
+
+import torch
+from ._triton_shim import tl, triton
+
+from ._triton_util import NULL_PAGE, settings
+
+INSERT_BLOCK = 64  # lanes per chunk of insert_pages, at most: its duplicate check is a [BLOCK, BLOCK] tile
+
+
+# ---------------------------------------------------------------------- Triton
+# One program each. insert_pages matches its twin's sequential loop where two lanes
+# name one slot or page (a hand-edited row): within a chunk a lane writes only if no
+# later lane names the same, and a barrier puts each chunk's writes after the last's.
+# forget_pages reads every slot before it clears any (a page evicted twice reads its
+# slot in both lanes).
+
+
+@triton.jit
+def insert_pages_kernel(
+    block_table_ptr,  # *int32 [R, MP]
+    R,                # rows of block_table
+    MP,               # columns of block_table
+    row,              # the table row
+    first,            # the row's first page to name
+    slots_ptr,        # *int64 [N]: the slot naming page first + i
+    N,                # number of pages
+    page_gen_ptr,     # *int32 [P]
+    num_pages,        # P
+    slot_page_ptr,    # *int32 [C]
+    slot_gen_ptr,     # *int32 [C]
+    page_slot_ptr,    # *int32 [P + 1]: the last entry spare, -1
+    capacity,         # C: the cache's slots
+    # Meta-parameters
+    BLOCK: tl.constexpr,  # lanes per chunk
+):
+    """For p_i = block_table[row, first + i], i < N: slot_page[slots[i]] = p_i, slot_gen[slots[i]] =
+    page_gen[p_i] and page_slot[p_i] = slots[i], or for p_i outside [0, P) slot_gen -1 and page_slot[P] = -1."""
+    lanes = tl.arange(0, BLOCK)
+    bad = tl.zeros((), tl.int32)  # slots outside the cache
+    for start in range(0, N, BLOCK):
+        i = start + lanes
+        s = tl.load(slots_ptr + i, mask=i < N, other=0)
+        bad += tl.sum(((i < N) & ((s < 0) | (s >= capacity))).to(tl.int32))
+    fits = (row >= 0) & (row < R) & (first >= 0) & (first <= MP - N) & (bad == 0)
+    n = tl.where(fits, N, 0)  # a call outside the arrays writes nothing (as its twin)
+    base = tl.where(fits, row, 0).to(tl.int64) * MP + tl.where(fits, first, 0)
+    after = lanes[None, :] > lanes[:, None]  # [i, j]: lane j comes after lane i
+    for start in range(0, n, BLOCK):
+        i = start + lanes
+        live = i < n
+        s = tl.load(slots_ptr + i, mask=live, other=-1)
+        p = tl.load(block_table_ptr + base + i, mask=live, other=NULL_PAGE)
+        own = live & (s >= 0) & (s < capacity)
+        valid = live & (p >= 0) & (p < num_pages)
+        s_last = own & (tl.sum((after & own[None, :] & (s[None, :] == s[:, None])).to(tl.int32), axis=1) == 0)
+        p_last = valid & (tl.sum((after & valid[None, :] & (p[None, :] == p[:, None])).to(tl.int32), axis=1) == 0)
+        gen = tl.load(page_gen_ptr + p, mask=valid, other=NULL_PAGE)
+        tl.store(slot_page_ptr + s, p, mask=s_last)
+        tl.store(slot_gen_ptr + s, gen, mask=s_last)
+        # a page outside the pool: -1 into the spare entry, as its twin writes
+        at = tl.where(valid, p, num_pages)
+        tl.store(page_slot_ptr + at, tl.where(valid, s, NULL_PAGE).to(tl.int32), mask=(p_last & own) | (live & ~valid))
+        tl.debug_barrier()
+
+
+@triton.jit
+def forget_pages_kernel(
+    ev_ptr,         # *int32 [K]: evicted page ids, -1 padded
+    K,              # number of entries
+    page_slot_ptr,  # *int32 [P + 1]: the last entry spare, -1
+    out_ptr,        # *int32 [K]: the slot that named each page, -1 for none
+    num_pages,      # P
+    # Meta-parameters
+    BLOCK: tl.constexpr,  # lanes per chunk
+):
+    """out[i] = page_slot[a_i], then page_slot[a_i] = -1, for a_i = ev[i] if in [0, P), else P."""
+    lanes = tl.arange(0, BLOCK)
+    for start in range(0, K, BLOCK):
+        i = start + lanes
+        p = tl.load(ev_ptr + i, mask=i < K, other=NULL_PAGE)
+        at = tl.where((p >= 0) & (p < num_pages), p, num_pages)
+        tl.store(out_ptr + i, tl.load(page_slot_ptr + at, mask=i < K, other=NULL_PAGE), mask=i < K)
+    tl.debug_barrier()
+    for start in range(0, K, BLOCK):
+        i = start + lanes
+        p = tl.load(ev_ptr + i, mask=i < K, other=NULL_PAGE)
+        at = tl.where((p >= 0) & (p < num_pages), p, num_pages)
+        tl.store(page_slot_ptr + at, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=i < K)
+
+
+@triton.jit
+def gather_slots_kernel(
+    slots_ptr,      # *int64 [N]
+    N,              # number of slots
+    slot_page_ptr,  # *int32 [C]
+    slot_gen_ptr,   # *int32 [C]
+    pages_ptr,      # *int32 [N] out
+    gens_ptr,       # *int32 [N] out
+    capacity,       # C
+    # Meta-parameters
+    BLOCK: tl.constexpr,  # lanes per chunk
+):
+    """pages[i], gens[i] = slot_page[slots[i]], slot_gen[slots[i]]; -1, -1 for a slot outside [0, C)."""
+    lanes = tl.arange(0, BLOCK)
+    for start in range(0, N, BLOCK):
+        i = start + lanes
+        s = tl.load(slots_ptr + i, mask=i < N, other=-1)
+        own = (i < N) & (s >= 0) & (s < capacity)
+        tl.store(pages_ptr + i, tl.load(slot_page_ptr + s, mask=own, other=NULL_PAGE), mask=i < N)
+        tl.store(gens_ptr + i, tl.load(slot_gen_ptr + s, mask=own, other=NULL_PAGE), mask=i < N)
+
+
+def insert_pages_triton(block_table, row, first, slots, page_gen, slot_page, slot_gen, page_slot) -> None:
+    """Name pages ``first ..`` of ``block_table`` (int32 ``[R, MP]``, contiguous) row ``row`` (host ints)
+    by ``slots`` (int64 ``[n]``), with ``page_gen``'s (int32 ``[P]``) generations (one launch)."""
+    R, MP = block_table.shape
+    n = slots.numel()
+    insert_pages_kernel[(1,)](
+        block_table, R, MP, row, first, slots, n, page_gen, page_gen.numel(), slot_page, slot_gen, page_slot,
+        slot_page.numel(), **settings(min(n, INSERT_BLOCK)),
+    )
+
+
+def forget_pages_triton(ev, page_slot) -> torch.Tensor:
+    """The slots (int32 ``[k]``, -1 for none) that named the pages of ``ev`` (int32 ``[k]``, -1 padded),
+    which name nothing from now on (one launch)."""
+    out = torch.empty_like(ev)
+    if not ev.numel():
+        return out  # (no launch over an empty tensor, whose address may be null)
+    forget_pages_kernel[(1,)](ev, ev.numel(), page_slot, out, page_slot.numel() - 1, **settings(ev.numel()))
+    return out
+
+
+def gather_slots_triton(slots, slot_page, slot_gen) -> tuple:
+    """``(pages, gens)``, int32 ``[n]`` each: the pages and generations of ``slots`` (int64 ``[n]``) (one launch)."""
+    pages = torch.empty(slots.numel(), dtype=torch.int32, device=slots.device)
+    gens = torch.empty_like(pages)
+    gather_slots_kernel[(1,)](slots, slots.numel(), slot_page, slot_gen, pages, gens, slot_page.numel(),
+                              **settings(slots.numel()))
+    return pages, gens
