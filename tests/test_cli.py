@@ -87,3 +87,9 @@ def test_an_abbreviated_model_option_is_an_error_not_the_simulation():
     r = tpool_cli("demo", "--mod", "llama", "--requests", "2")
     assert r.returncode == 2 and r.stdout == "", r.stdout
     assert "error: unrecognized arguments: --mod llama" in r.stderr, r.stderr
+
+
+def test_a_demo_where_no_request_fits_exits_1():
+    """`demo --num-pages 10`: every request is rejected and nothing runs; a script sees a failure."""
+    r = tpool_cli("demo", "--num-pages", "10", "--backend", "reference")
+    assert r.returncode == 1 and "nothing to run" in r.stdout, r.stdout + r.stderr

@@ -453,21 +453,37 @@ def test_reconcile_raises_when_the_contract_is_broken(backend):
             m.reconcile(landed(m.snapshot()))
     pool2, table2, m2 = _setup(backend, num_pages=20, rows=2)
     table2.extend(i32([1]), i32([8]), max_tokens=8)       # a call made around the mirror
-    with pytest.raises(MirrorError):
+    with pytest.raises(MirrorError, match="the device had 18 and 0 .*finish the running rows, and make a new "
+                                          r"HostMirror\(table\)"):
         m2.reconcile(landed(m2.snapshot()))
     pool3, table3, m3 = _setup(backend, num_pages=20, rows=2)
     with no_host_sync():
         (row,) = m3.admit([6])
     table3.truncate(i32([row]), i32([3]))                 # around the mirror: it frees nothing, the length moves
-    with pytest.raises(MirrorError, match=r"true lengths \[3\] outside the mirror's bounds \[\[6\], \[6\]\]"):
+    with pytest.raises(MirrorError, match=r"true lengths \[3\] outside the mirror's bounds \[\[6\], \[6\]\].*"
+                                          r"finish those rows"):
         m3.reconcile(landed(m3.snapshot()))
+
+
+def test_a_refused_admission_says_what_it_needs_and_a_prompt_too_long_for_a_row_names_the_table_argument(backend):
+    pool, table, m = _setup(backend, num_pages=20, rows=4, max_pages=12)   # a row: 12 pages of 4 tokens
+    with pytest.raises(WouldNotFit, match=r"prompts \[40, 40\] do not all fit: they need 22 pages with their "
+                                          r"reservations, 4 rows and 20 unreserved pages are free"):
+        m.admit([40, 40])
+    with pytest.raises(ValueError, match=r"prompt_lens: expected prompts of 0 to 48, a row's capacity \(12 pages "
+                                         r"of 4: max_pages_per_request \* page_size\), got \[49\]; a longer "
+                                         r"prompt needs a PageTable with a larger max_pages_per_request"):
+        m.admit([49])
+    with pytest.raises(ValueError, match=r"prompt_lens, max_lens: expected one max_len per prompt"):
+        m.admit([8], [4])
+    assert m.free == 20 and m.rows_free == 4
 
 
 def test_bad_calls_raise_before_device_work(backend):
     pool, table, m = _setup(backend, num_pages=8, rows=2)
     with pytest.raises(WouldNotFit):
         m.admit([40])                                     # more than the pool (a row holds 48 tokens)
-    with pytest.raises(ValueError, match="0 <= prompt <= max_len <= 48") as e:
+    with pytest.raises(ValueError, match="expected prompts of 0 to 48, a row.s capacity") as e:
         m.admit([100])                                    # more than a row: bad input, not "wait and retry"
     assert not isinstance(e.value, WouldNotFit)
     with pytest.raises(ValueError, match=r"got \[0\]: \[0\] not running \(never admitted"):

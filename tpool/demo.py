@@ -258,7 +258,9 @@ def main(argv=None):
         except ValueError as e:
             ap.error(str(e))
     try:
-        run(a.requests, a.batch, a.num_pages, a.page_size, a.seed, a.device, a.backend, a.every)
+        s = run(a.requests, a.batch, a.num_pages, a.page_size, a.seed, a.device, a.backend, a.every)
+        if s["pages.allocated"] == 0:
+            return 1      # no request fitted the pool: nothing ran (said above), a failed run for a script
     except BrokenPipeError:       # `python -m tpool demo | head`
         sys.stderr.close()
     except OptionError as e:

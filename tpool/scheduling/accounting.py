@@ -173,8 +173,13 @@ class Accounting:
             np.full(p.size, self.capacity, dtype=np.int64) if max_lens is None else \
             _plain(_int_array(max_lens, "max_lens").reshape(-1))
         if lim.shape != p.shape or lim.ndim != 1 or check_prompts(p, lim, self.capacity) < 0:
+            cap = (f"{self.capacity}, a row's capacity ({self.capacity // self.page_size} pages of {self.page_size}: "
+                   f"max_pages_per_request * page_size)")
+            if max_lens is None:
+                raise ValueError(f"prompt_lens: expected prompts of 0 to {cap}, got {_head(p)}; a longer prompt "
+                                 f"needs a PageTable with a larger max_pages_per_request")
             raise ValueError(f"prompt_lens, max_lens: expected one max_len per prompt, 0 <= prompt <= max_len <= "
-                             f"{self.capacity}, got {p.tolist()[:8]}, {lim.tolist()[:8]}")
+                             f"{cap}, got {_head(p)}, {_head(lim)}")
         if p.size > self.max_batch:
             raise ValueError(f"prompt_lens: expected at most max_batch={self.max_batch} prompts in one call "
                              f"(the lanes of one table call), got {p.size}")

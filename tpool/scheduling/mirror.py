@@ -227,9 +227,11 @@ class HostMirror(MixedSteps, Accounting):
         """
         p, lim = self._prompts(prompt_lens, max_lens)
         k = p.size
-        if self._fit(self._costs(p.tolist(), lim.tolist(), self.max_batch), self.unreserved) < k:  # checked above
-            raise WouldNotFit(f"admit: {k} prompts {p.tolist()[:8]} do not all fit: {self.rows_free} rows and "
-                              f"{self.unreserved} unreserved pages free (ask can_admit first)")
+        costs = self._costs(p.tolist(), lim.tolist(), self.max_batch)  # (checked above)
+        if self._fit(costs, self.unreserved) < k:
+            need = f"{sum(costs)} pages with their reservations" if len(costs) == k else f"{k} rows"
+            raise WouldNotFit(f"admit: prompts {_head(p)} do not all fit: they need {need}, {self.rows_free} "
+                              f"rows and {self.unreserved} unreserved pages are free (ask can_admit first)")
         if k == 0:
             return []
         self._seq += 1

@@ -47,8 +47,14 @@ from tpool.scheduling._decode import HI, LO, reconcile_check, reconcile_rows, sn
 from tpool.stats_async import AsyncRead, stats_from_counters
 
 
+_RECOVER = ("The mirror is left as it was, but its promises are wrong: call pool.check() (it raises the "
+            "device-counted error behind most of these), stop admitting, finish the running rows, and make a new "
+            "HostMirror(table) once the table is empty (it reads the pool's counts then).")
+
+
 class MirrorError(RuntimeError):
-    """The device holds less than the mirror promised (found at reconciliation)."""
+    """The device holds less than the mirror promised (found at reconciliation). The message says what
+    differs and how to recover (``pool.check()``; finish the rows named, or all of them and make a new mirror)."""
 
 
 class MirrorSnapshot:
@@ -104,7 +110,8 @@ def reconcile(m, snap: MirrorSnapshot) -> dict:
     free_then = snap.free + (m._free_fix - snap.free_fix)
     if true_free < free_then or true_cached < snap.cached:
         raise MirrorError(f"the mirror promised {free_then} free and {snap.cached} cached pages, the device had "
-                          f"{true_free} and {true_cached} (a call made around the mirror, or a broken contract)")
+                          f"{true_free} and {true_cached} (a call made around the mirror, or a broken contract). "
+                          + _RECOVER)
     # Lengths: every row must lie within the bounds the mirror had at the snapshot (0 for a row
     # not running then), its upper bound corrected since as above. (One compiled loop per pass:
     # the numpy version took ~15 array operations, ~100 us when a forward pass has cooled the caches.)
@@ -116,7 +123,9 @@ def reconcile(m, snap: MirrorSnapshot) -> dict:
         raise MirrorError(f"rows {bad.tolist()[:8]}: true lengths {lens[bad].tolist()[:8]} outside the mirror's "
                           f"bounds [{lo[bad].tolist()[:8]}, {hi[bad].tolist()[:8]}] (a rollback below min_lens, a "
                           f"revive naming a page neither USED nor CACHED, one twice, or one of another generation "
-                          f"than recorded, which leaves its row empty, or a table call made around the mirror?)"
+                          f"than recorded, which leaves its row empty, or a table call made around the mirror?). "
+                          f"Call pool.check() (the device-counted error behind it), finish those rows (their tokens "
+                          f"since are wrong: prefill them again) and reconcile a snapshot taken after that"
                           if bad.size else f"lengths: expected one per table row ({lo.size}), got {lens.shape}")
     m._reconciled_at = snap.seq
     fix = true_free - free_then
