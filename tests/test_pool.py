@@ -214,7 +214,8 @@ def test_random_ops_match_model(make_pool, guard, num_pages, seed):
 
 # ------------------------------------------------------------- input checks
 @pytest.mark.parametrize("bad, match", [
-    (torch.zeros(2, dtype=torch.int64), "expected dtype torch.int32, got torch.int64"),
+    (torch.zeros(2, dtype=torch.int64), r"expected dtype torch.int32, got torch.int64; pass \.to\(torch.int32\)"),
+    (torch.zeros(2, dtype=torch.float32), "expected dtype torch.int32, got torch.float32$"),  # (no .to hint)
     (torch.zeros(2, 2, dtype=torch.int32), r"expected a 1-D tensor, got shape \(2, 2\)"),
     (torch.zeros(4, dtype=torch.int32)[::2], "expected a contiguous tensor"),
     (torch.zeros(2, dtype=torch.int32, device="meta"), "expected device cpu, got meta"),

@@ -350,6 +350,8 @@ def test_rollback_is_worst_case_until_reconciled(backend):
         new_lens = table.seq_lens[:1] - 7         # the device accepted 1 of 8: 5 tokens, 2 pages
         m.rollback([row], new_lens, [5])
         assert m.lo[row] == 5 and m.hi[row] == 12 and m.free == 17 and not m.exact
+        assert repr(m) == ("HostMirror(1 of 2 rows running, free=17, cached=0, reserved=0, unreserved=17, "
+                           "lookahead=0, page_size=4; lower bounds: free inexact, cached exact)")
         assert m.pages_needed(row, 4) == 1        # worst case over lengths 5..12
         snap = m.snapshot()
         m.decode([row], 1)                        # a step after the snapshot: counted as a bound
@@ -359,7 +361,8 @@ def test_rollback_is_worst_case_until_reconciled(backend):
     assert (m.lo[row], m.hi[row]) == (6, 6)
     with no_host_sync():
         m.reconcile(landed(m.snapshot()))
-    assert m.free == 18 and m.exact
+    assert m.free == 18 and m.exact and repr(m).endswith("free=18, cached=0, reserved=0, unreserved=18, "
+                                                         "lookahead=0, page_size=4; exact)")
 
 
 def test_rollback_assumes_every_draft_was_accepted(backend):

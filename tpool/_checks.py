@@ -243,7 +243,9 @@ def check_vector(t, name: str, dtype: torch.dtype, device: torch.device, max_len
     if type(t) is not torch.Tensor:  # subclasses too: a FakeTensor or a wrapper has no memory to read
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype is not dtype:
-        raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+        how = "" if t.is_floating_point() or t.is_complex() or t.dtype is torch.bool else \
+            f"; pass .to({dtype}) (a copy)"
+        raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}{how}")
     if t.device != device:
         raise ValueError(f"{name}: expected device {device}, got {t.device}")
     if t.dim() != 1:

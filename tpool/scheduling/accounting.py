@@ -198,6 +198,15 @@ class Accounting:
         self.free -= taken
         self.reserved += granted
 
+    def __repr__(self):
+        """What a scheduler reads off it: rows, pages and whether the counts are exact (host only)."""
+        rows = len(self.live)
+        exact = "exact" if self.exact and self.cached_exact else \
+            f"lower bounds: free {'exact' if self.exact else 'inexact'}, cached {'exact' if self.cached_exact else 'inexact'}"
+        return (f"{type(self).__name__}({rows - self.rows_free} of {rows} rows running, free={self.free}, "
+                f"cached={self.cached}, reserved={self.reserved}, unreserved={self.unreserved}, "
+                f"lookahead={self.lookahead}, page_size={self.page_size}; {exact})")
+
     # ----------------------------------------------------------- queries (host only)
     @property
     def exact(self) -> bool:
