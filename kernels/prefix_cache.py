@@ -122,11 +122,24 @@ def gather_slots_kernel(
         tl.store(gens_ptr + i, tl.load(slot_gen_ptr + s, mask=own, other=NULL_PAGE), mask=i < N)
 
 
+def _check(t, n, name, dtype=torch.int32):
+    """The kernels take their bounds from the sizes the cache made its tensors with: a tensor changed
+    since (``set_``, a rebound attribute) is refused before a launch could read or write past it."""
+    if not (type(t) is torch.Tensor and t.dtype is dtype and t.dim() == 1 and t.numel() == n and t.is_contiguous()):
+        raise ValueError(f"PrefixCache: expected its {name} as it made it (contiguous {dtype} [{n}]), got "
+                         f"{type(t).__name__} {getattr(t, 'dtype', '')} {tuple(getattr(t, 'shape', ()))}: a tensor of "
+                         f"the cache was changed in place (set_, resize_) or rebound; make a new PrefixCache")
+
+
 def insert_pages_triton(block_table, row, first, slots, page_gen, slot_page, slot_gen, page_slot) -> None:
     """Name pages ``first ..`` of ``block_table`` (int32 ``[R, MP]``, contiguous) row ``row`` (host ints)
     by ``slots`` (int64 ``[n]``), with ``page_gen``'s (int32 ``[P]``) generations (one launch)."""
     R, MP = block_table.shape
     n = slots.numel()
+    _check(slot_gen, slot_page.numel(), "slot_gen")
+    _check(page_slot, page_gen.numel() + 1, "page_slot")
+    if not n:
+        return
     insert_pages_kernel[(1,)](
         block_table, R, MP, row, first, slots, n, page_gen, page_gen.numel(), slot_page, slot_gen, page_slot,
         slot_page.numel(), **settings(min(n, INSERT_BLOCK)),
@@ -137,6 +150,7 @@ def forget_pages_triton(ev, page_slot) -> torch.Tensor:
     """The slots (int32 ``[k]``, -1 for none) that named the pages of ``ev`` (int32 ``[k]``, -1 padded),
     which name nothing from now on (one launch)."""
     out = torch.empty_like(ev)
+    _check(page_slot, page_slot.numel(), "page_slot")
     if not ev.numel():
         return out  # (no launch over an empty tensor, whose address may be null)
     forget_pages_kernel[(1,)](ev, ev.numel(), page_slot, out, page_slot.numel() - 1, **settings(ev.numel()))
@@ -147,6 +161,9 @@ def gather_slots_triton(slots, slot_page, slot_gen) -> tuple:
     """``(pages, gens)``, int32 ``[n]`` each: the pages and generations of ``slots`` (int64 ``[n]``) (one launch)."""
     pages = torch.empty(slots.numel(), dtype=torch.int32, device=slots.device)
     gens = torch.empty_like(pages)
+    _check(slot_gen, slot_page.numel(), "slot_gen")
+    if not slots.numel():
+        return pages, gens
     gather_slots_kernel[(1,)](slots, slots.numel(), slot_page, slot_gen, pages, gens, slot_page.numel(),
                               **settings(slots.numel()))
     return pages, gens

@@ -762,3 +762,27 @@ def test_on_triton_insert_evict_and_revive_gather_in_one_launch_each(monkeypatch
     assert launches[2:] == ["forget_pages_kernel"]
     assert cache.sync() >= 2
     cache.check_invariants()
+
+
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs triton under its interpreter (TRITON_INTERPRET=1)")
+def test_on_triton_a_changed_index_tensor_is_refused_before_a_launch():
+    """The kernels take their bounds from the tensors' sizes (helper-90's reproducers): an attribute
+    rebound to a shorter tensor is not followed (the kernels get the tensors the cache made), and one
+    of those changed in place (``set_``) is refused, with nothing written past it and the index
+    unchanged."""
+    pool, m, cache = _setup("triton", num_pages=8)
+    made = cache.page_slot
+    buf = torch.full((16,), 77, dtype=torch.int32)
+    cache.page_slot = buf[:8]                         # one entry short of num_pages + 1
+    _serve(m, cache, list(range(8)))
+    assert (buf == 77).all() and cache.page_slot is not made
+    cache.page_slot = made
+    cache.check_invariants()
+    (row,) = m.admit([8])
+    entries = len(cache)
+    cache.slot_gen.set_(buf[:1])
+    for call in (lambda: cache.insert(row, list(range(100, 108))), lambda: cache.evict(1),
+                 lambda: cache.revive(cache.match(list(range(9))))):
+        with pytest.raises(ValueError, match="slot_gen as it made it"):
+            call()
+    assert (buf == 77).all() and len(cache) == entries and m.cached == 2 and m.rows_free == 3

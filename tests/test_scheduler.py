@@ -456,9 +456,11 @@ def test_reconcile_raises_when_the_contract_is_broken(backend):
             m.reconcile(landed(m.snapshot()))
     pool2, table2, m2 = _setup(backend, num_pages=20, rows=2)
     table2.extend(i32([1]), i32([8]), max_tokens=8)       # a call made around the mirror
-    with pytest.raises(MirrorError, match="the device had 18 and 0 .*finish the running rows, and make a new "
-                                          r"HostMirror\(table\)"):
+    with pytest.raises(MirrorError, match=r"the device had 18 and 0 .*finish the running rows \(and table.release "
+                                          r"any row a call around the mirror filled\), and make a new HostMirror\(table\)"):
         m2.reconcile(landed(m2.snapshot()))
+    table2.release(i32([1]))                              # the advice, followed: a new mirror, exact again
+    assert HostMirror(table2).free == 20 == pool2.available()
     pool3, table3, m3 = _setup(backend, num_pages=20, rows=2)
     with no_host_sync():
         (row,) = m3.admit([6])
@@ -479,7 +481,10 @@ def test_a_refused_admission_says_what_it_needs_and_a_prompt_too_long_for_a_row_
         m.admit([49])
     with pytest.raises(ValueError, match=r"prompt_lens, max_lens: expected one max_len per prompt"):
         m.admit([8], [4])
+    with pytest.raises(ValueError, match=r"got \[-1\]$"):   # (no advice about longer prompts)
+        m.admit([-1])
     assert m.free == 20 and m.rows_free == 4
+    assert repr(HostMirror.__new__(HostMirror)) == "HostMirror(not made)"   # (a failed __init__'s traceback)
 
 
 def test_bad_calls_raise_before_device_work(backend):

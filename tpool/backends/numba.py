@@ -411,6 +411,8 @@ class Table:
         """The descriptor entries named (``"TD_..."`` of the table's, ``"SD_..."`` of the pool state's) as ints:
         the addresses and sizes this backend's kernels use, for a compiled loop outside it (the mirror's
         snapshot, the prefix cache) to read where they do. What they point into is held by this object."""
+        if not all(n[:3] in ("TD_", "SD_") for n in names):
+            raise ValueError(f"names: expected TD_* or SD_* descriptor entries, got {names}")
         return tuple(int((self.td if n.startswith("TD_") else self.sd)[getattr(L, n)]) for n in names)
 
     def extend(self, req_ids, num_tokens, slots, ok):

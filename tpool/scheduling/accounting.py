@@ -176,8 +176,9 @@ class Accounting:
             cap = (f"{self.capacity}, a row's capacity ({self.capacity // self.page_size} pages of {self.page_size}: "
                    f"max_pages_per_request * page_size)")
             if max_lens is None:
-                raise ValueError(f"prompt_lens: expected prompts of 0 to {cap}, got {_head(p)}; a longer prompt "
-                                 f"needs a PageTable with a larger max_pages_per_request")
+                longer = "; a longer prompt needs a PageTable with a larger max_pages_per_request" \
+                    if p.size and p.max() > self.capacity else ""
+                raise ValueError(f"prompt_lens: expected prompts of 0 to {cap}, got {_head(p)}{longer}")
             raise ValueError(f"prompt_lens, max_lens: expected one max_len per prompt, 0 <= prompt <= max_len <= "
                              f"{cap}, got {_head(p)}, {_head(lim)}")
         if p.size > self.max_batch:
@@ -200,6 +201,8 @@ class Accounting:
 
     def __repr__(self):
         """What a scheduler reads off it: rows, pages and whether the counts are exact (host only)."""
+        if "live" not in self.__dict__:  # (a traceback of a failed __init__ shows self)
+            return f"{type(self).__name__}(not made)"
         rows = len(self.live)
         exact = "exact" if self.exact and self.cached_exact else \
             f"lower bounds: free {'exact' if self.exact else 'inexact'}, cached {'exact' if self.cached_exact else 'inexact'}"

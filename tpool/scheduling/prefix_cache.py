@@ -146,6 +146,9 @@ class PrefixCache:
         if self.pool.backend == "triton":
             from tpool.kernels import prefix_cache as kernels
             self._kernels = kernels
+            # The kernels get the tensors the cache made, not whatever its attributes name later; their
+            # sizes are checked before each launch (tpool.kernels.prefix_cache._check).
+            self._dev = (self.slot_page, self.slot_gen, self.page_slot)
         self._index = {}                  # (parent entry id, page tokens) -> slot
         self._keys = [None] * n           # slot -> its key (None: free)
         self._eid = [_ROOT] * n           # slot -> its entry id (never reused: a match made before a drop is seen)
@@ -250,12 +253,13 @@ class PrefixCache:
                 list(map(self._eid.__getitem__, slots)) != list(match.eids):
             raise ValueError("revive: a stale match: entries it names were dropped since match() (their slots "
                              "may name other pages now); match again")
+        n_tokens, m = self.mirror._revive_lengths(match.n_tokens, max_len)
+        k = len(slots)
+        if n_tokens != k * self.page_size:
+            raise ValueError(f"revive: expected a match of {k} pages to hold {k * self.page_size} tokens, got "
+                             f"n_tokens {n_tokens} (a PrefixMatch not made by match())")
+        made = self._made() if self._kernels is not None else None
         if self._np is not None:  # (the numba backend: one compiled gather into buffers of the cache's own)
-            n_tokens, m = self.mirror._revive_lengths(match.n_tokens, max_len)
-            k = len(slots)
-            if n_tokens != k * self.page_size:
-                raise ValueError(f"revive: expected a match of {k} pages to hold {k * self.page_size} tokens, got "
-                                 f"n_tokens {n_tokens} (a PrefixMatch not made by match())")
             if (got := self._gathered.get(k)) is None:
                 got = self._gathered[k] = (self._gather_np[0, :k], self._gather_np[1, :k],
                                            torch.from_numpy(self._gather_np[0, :k]),
@@ -268,10 +272,10 @@ class PrefixCache:
             idx = self._to_device(slots)
             if self._kernels is not None:  # (the triton backend: one launch, on the pool's device)
                 with self.pool.state.lock:
-                    pages, gens = self._kernels.gather_slots_triton(idx, self.slot_page, self.slot_gen)
+                    pages, gens = self._kernels.gather_slots_triton(idx, *made[:2])
             else:
                 pages, gens = self.slot_page.index_select(0, idx), self.slot_gen.index_select(0, idx)
-            row = self.mirror.revive(pages, match.n_tokens, max_len, generations=gens, count_cached=count_cached)
+            row = self.mirror.revive(pages, n_tokens, m, generations=gens, count_cached=count_cached)
         self.hits += 1
         self.hit_tokens += match.n_tokens
         return row
@@ -283,6 +287,7 @@ class PrefixCache:
         stays). Returns the entries made. Device copies only (the row's pages and their
         generations): no host read."""
         self._attached("insert")
+        made = self._made() if self._kernels is not None else None  # (before the index changes)
         m, tokens = self.mirror, self._tokens(tokens, "insert")
         row = _checks.check_size(row, "row")
         if not (row < m.live.size and m.live[row]):
@@ -318,8 +323,7 @@ class PrefixCache:
             idx = self._to_device(slots)
             with self.pool.state.lock:  # (the table's own tensors: a rebound table.block_table is not followed)
                 self._kernels.insert_pages_triton(self.table.state.block_table, row, first, idx,
-                                                  self.pool.state.page_gen, self.slot_page, self.slot_gen,
-                                                  self.page_slot)
+                                                  self.pool.state.page_gen, *made)
         elif slots:
             # The new entries are the pages from ``first`` on, one run: a key missed makes a new
             # entry id, under which nothing is known yet, so every deeper key misses too.
@@ -345,6 +349,7 @@ class PrefixCache:
         no entry named and for padding), which it forgets; they are kept for :meth:`unread`, and
         :meth:`match` finds nothing until they are dropped. Returns the evicted page ids (device)."""
         self._attached("evict")
+        made = self._made() if self._kernels is not None else None
         ev = self.mirror._evict(k)
         if self._np is not None:  # (the numba backend: one compiled call; the pool's result is int32, contiguous)
             slots = np.empty(ev.shape[0], dtype=np.int32)
@@ -354,7 +359,7 @@ class PrefixCache:
             return ev
         if self._kernels is not None:  # (the triton backend: one launch, on the pool's device)
             with self.pool.state.lock:
-                self._unread.append(self._kernels.forget_pages_triton(ev, self.page_slot))
+                self._unread.append(self._kernels.forget_pages_triton(ev, made[2]))
             return ev
         at = torch.where(ev >= 0, ev, self.pool.num_pages).long()  # padding: the spare last entry
         self._unread.append(self.page_slot.index_select(0, at))
@@ -465,6 +470,14 @@ class PrefixCache:
         hand-edited row) aimed at the spare last entry, and which ones were inside."""
         valid = (pages >= 0) & (pages < self.pool.num_pages)
         return torch.where(valid, pages.long(), self.pool.num_pages), valid
+
+    def _made(self) -> tuple:
+        """The triton backend's index tensors as the cache made them, checked to keep their sizes (before
+        any state changes; the kernels' wrappers check them against each other and the pool again)."""
+        for t, n, name in zip(self._dev, (len(self._keys), len(self._keys), self.pool.num_pages + 1),
+                              ("slot_page", "slot_gen", "page_slot")):
+            self._kernels._check(t, n, name)
+        return self._dev
 
     def _bad_slots(self, slots) -> ValueError:
         """A revive's refusal of a match whose slots lie outside the cache (one not made by :meth:`match`)."""

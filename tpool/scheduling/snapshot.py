@@ -48,8 +48,9 @@ from tpool.stats_async import AsyncRead, stats_from_counters
 
 
 _RECOVER = ("The mirror is left as it was, but its promises are wrong: call pool.check() (it raises the "
-            "device-counted error behind most of these), stop admitting, finish the running rows, and make a new "
-            "HostMirror(table) once the table is empty (it reads the pool's counts then).")
+            "device-counted error behind most of these), stop admitting, finish the running rows (and "
+            "table.release any row a call around the mirror filled), and make a new HostMirror(table) once the "
+            "table is empty (it reads the pool's counts then).")
 
 
 class MirrorError(RuntimeError):
