@@ -204,3 +204,22 @@ def test_a_function_of_another_module_cached_through_tpool_carries_the_kernels_s
     stamp = probe._cache._impl.locator.get_source_stamp()
     assert stamp[0] == nb.kernels_stamp() and stamp[1]  # and the probe's own file's stamp
     assert nb.kernel(alloc.alloc_numba_entry)._cache._impl.locator.get_source_stamp() == nb.kernels_stamp()
+
+
+def test_a_chain_of_compiles_is_named_when_the_last_line_is_old(monkeypatch, caplog):
+    """The whole notice at a process's first compile; a compile within ``_STILL_AFTER_S`` of the last
+    line says nothing; a later one names its kernel (a benchmark's first run of a new call compiled
+    for 16 s without a word)."""
+    from tpool import _startup
+    caplog.set_level("INFO", logger="tpool")   # (under pytest the lines go to the logger, which has handlers)
+    clock = [100.0]
+    monkeypatch.setattr(_startup, "_compile_announced", None)
+    monkeypatch.setattr(_startup.time, "perf_counter", lambda: clock[0])
+    _startup.announce_compile("/cache", "alloc_numba_entry")
+    clock[0] += 1.0
+    _startup.announce_compile("/cache", "free_numba_entry")
+    clock[0] += _startup._STILL_AFTER_S + 0.5
+    _startup.announce_compile("/cache", "step_release_bound_numba_entry")
+    lines = [r.getMessage() for r in caplog.records if r.name == "tpool"]
+    assert len(lines) == 2 and lines[0].startswith("tpool: compiling numba kernels") and lines[0].endswith("/cache")
+    assert lines[1] == "tpool: still compiling numba kernels (step_release_bound_numba_entry, not cached yet)"

@@ -16,6 +16,7 @@ import contextlib
 import gc
 import logging
 import sys
+import time
 
 
 @contextlib.contextmanager
@@ -30,11 +31,15 @@ def gc_paused():
             gc.enable()
 
 
-_compile_announced = False
+_compile_announced = None  # perf_counter of the last line said, None before the first
+_STILL_AFTER_S = 5.0       # a later compile is named when the last line is older than this
 
 
-def announce_compile(cache_dir: str) -> None:
-    """Say, once per process, that numba is compiling kernels its cache does not hold yet.
+def announce_compile(cache_dir: str, name: str = "") -> None:
+    """Say that numba is compiling kernels its cache does not hold yet: the whole notice at the
+    first compile of a process, then a short line naming the kernel when the last line is more
+    than ``_STILL_AFTER_S`` old (a chain of compiles, such as a benchmark's first run of a new
+    call, would otherwise be silent for tens of seconds).
 
     A first process on a machine (or after an upgrade of tpool or numba) spends seconds
     in each kernel's first call, ~20 s for a first alloc and step on a 2-core machine;
@@ -42,11 +47,15 @@ def announce_compile(cache_dir: str) -> None:
     application has configured logging, else straight to stderr.
     """
     global _compile_announced
-    if _compile_announced:
+    now = time.perf_counter()
+    if _compile_announced is None:
+        msg = ("tpool: compiling numba kernels that are not cached yet (first use on this machine, or after an "
+               f"upgrade): seconds per kernel, ~20 s for a first alloc and step on 2 cores, once; cache: {cache_dir}")
+    elif now - _compile_announced > _STILL_AFTER_S:
+        msg = f"tpool: still compiling numba kernels ({name or 'another'}, not cached yet)"
+    else:
         return
-    _compile_announced = True
-    msg = ("tpool: compiling numba kernels that are not cached yet (first use on this machine, or after an "
-           f"upgrade): seconds per kernel, ~20 s for a first alloc and step on 2 cores, once; cache: {cache_dir}")
+    _compile_announced = now
     log = logging.getLogger("tpool")
     if log.hasHandlers():
         log.info(msg)
