@@ -320,8 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         report = memory_report(args.device)
-    except (ValueError, RuntimeError) as exc:
-        print(f"tpool report: error: {exc}", file=sys.stderr)
+    except (ValueError, RuntimeError) as exc:  # (as argparse reports a usage error, and as the demo does)
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({**report.to_dict(), "note": CLI_NOTE}, indent=2))
