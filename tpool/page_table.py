@@ -43,7 +43,9 @@ class PageTable:
     max_requests : int
         Rows of ``block_table``; request ids are ``0 .. max_requests - 1``.
     max_pages_per_request : int
-        Columns of ``block_table``.
+        Columns of ``block_table``: ``ceil(longest sequence / page_size)``. A row's pages are
+        distinct pages of the pool, so columns past the pool's ``num_pages`` are never used;
+        they still cost memory (``block_table`` and the CSR buffers are sized by this).
     max_shapes : int
         Call shapes (batch size, ``max_tokens``, ``capacity``) whose output buffers the
         table keeps, least recently used dropped first; shapes used in a captured CUDA
