@@ -275,7 +275,9 @@ class PrefixCache:
                     pages, gens = self._kernels.gather_slots_triton(idx, *made[:2])
             else:
                 pages, gens = self.slot_page.index_select(0, idx), self.slot_gen.index_select(0, idx)
-            row = self.mirror.revive(pages, n_tokens, m, generations=gens, count_cached=count_cached)
+            # (the lengths are checked above; the table checks these fresh tensors, as mirror.revive would)
+            row = self.mirror._revive(pages, n_tokens, m, self.table._revive_inputs(pages, n_tokens, gens), gens,
+                                      count_cached)
         self.hits += 1
         self.hit_tokens += match.n_tokens
         return row

@@ -231,11 +231,11 @@ class Engine:
         res = fn(*args, **kwargs)
         dt = time.perf_counter() - t0
         self.stats.tpool_s += dt
-        name = self._names.get(getattr(fn, "__func__", fn))  # named once per function, not per call
+        key = getattr(fn, "__func__", fn)  # (a bound method is a new object every call; its function is not)
+        name = self._names.get(key)        # named once per function, not per call
         if name is None:
             owner = getattr(fn, "__self__", None)
-            name = self._names[getattr(fn, "__func__", fn)] = \
-                fn.__name__ if owner is None else f"{type(owner).__name__}.{fn.__name__}"
+            name = self._names[key] = fn.__name__ if owner is None else f"{type(owner).__name__}.{fn.__name__}"
         total = self.stats.calls.get(name)
         if total is None:
             total = self.stats.calls[name] = [0.0, 0]
