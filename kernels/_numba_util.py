@@ -19,8 +19,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import layout as L
-from .layout import (INT32_MAX, SD_COUNTERS, SD_FREE_STACK, SD_KEYS, SD_OCCUR, SD_PAGE_GEN, SD_PAGE_STATE,
-                     SD_PAGES, SD_REFCOUNT, SD_STAMP, TD_BLOCK_TABLE, TD_CLAIM, TD_MAX_PAGES, TD_PAGE_SIZE, TD_REQUESTS,
+from .layout import (INT32_MAX, SD_COUNTERS, SD_FREE_STACK, SD_KEYS, SD_LRU_POS, SD_LRU_QUEUE, SD_OCCUR,
+                     SD_PAGE_GEN, SD_PAGE_STATE, SD_PAGES, SD_REFCOUNT, SD_STAMP, TD_BLOCK_TABLE, TD_CLAIM, TD_MAX_PAGES, TD_PAGE_SIZE, TD_REQUESTS,
                      TD_ROW_VERSION, TD_SEQ_LENS, TD_VERSION, TD_VERSION_SOURCE)
 
 TAIL_BLOCK = 64  # ids per block when a free drops its trailing padding (``padded_tail_start``)
@@ -140,6 +140,61 @@ def state_arrays(sd):
 def page_gens(sd):
     """int32 ``[P]``: the pages' generations over a state descriptor (only the calls that free or revive read it)."""
     return numba.carray(_i32_ptr(sd[SD_PAGE_GEN]), (sd[SD_PAGES],))
+
+
+@numba.njit(nogil=True, inline="always")
+def lru_arrays(sd):
+    """``(lru_queue, lru_pos)`` over a state descriptor (only the calls that cache, touch or evict read them)."""
+    P = sd[SD_PAGES]
+    return (numba.carray(_i32_ptr(sd[SD_LRU_QUEUE]), (L.LRU_FACTOR * P,)),
+            numba.carray(_i64_ptr(sd[SD_LRU_POS]), (P,)))
+
+
+@numba.njit(nogil=True, inline="always")
+def lru_live(queue, j, lru_pos, page_state):
+    """The page of the LRU queue's entry ``j`` (the caller keeps ``j`` inside the queue) if that entry is
+    live (a page in ``[0, P)``, CACHED, whose latest entry it is), else -1."""
+    p = queue[j]
+    if p >= 0 and p < page_state.shape[0] and page_state[p] == L.CACHED and lru_pos[p] == j:
+        return p
+    return L.NULL_PAGE
+
+
+@numba.njit(nogil=True)
+def lru_compact(queue, lru_pos, page_state, counters):
+    """Run first by every call that may push on the LRU queue: when the tail is past
+    ``LRU_COMPACT_AT * P``, move the live entries to the front, in order (layout.LRU_FACTOR).
+
+    A head or tail outside ``0 <= head <= tail <= len(queue)`` (hand edits) empties the queue,
+    counting ``corrupt_state``: the CACHED pages it named are then never evicted."""
+    t = counters[L.LRU_TAIL]
+    if t <= L.LRU_COMPACT_AT * lru_pos.shape[0]:
+        return
+    h, v = counters[L.LRU_HEAD], 0
+    if h < 0 or h > t or t > queue.shape[0]:
+        counters[L.ERR_CORRUPT_STATE] += 1
+    else:
+        for j in range(h, t):
+            p = lru_live(queue, j, lru_pos, page_state)
+            if p >= 0:
+                queue[v] = p
+                lru_pos[p] = v
+                v += 1
+    counters[L.LRU_HEAD] = 0
+    counters[L.LRU_TAIL] = v
+
+
+@numba.njit(nogil=True, inline="always")
+def lru_push(p, queue, lru_pos, counters):
+    """Page ``p`` (in ``[0, P)``) became CACHED or was touched while CACHED: its entry goes at the tail.
+    A tail outside the queue (hand edits) leaves it without one, counting ``corrupt_state``."""
+    t = counters[L.LRU_TAIL]
+    if t >= 0 and t < queue.shape[0]:
+        queue[t] = p
+        lru_pos[p] = t
+    else:
+        counters[L.ERR_CORRUPT_STATE] += 1
+    counters[L.LRU_TAIL] = t + 1
 
 
 @numba.njit(nogil=True, inline="always")
@@ -366,17 +421,20 @@ def reset_requests(ids, R, claim):
 
 
 @numba.njit(nogil=True)
-def apply_free(pages, cache, clock, free_stack, refcount, page_state, stamp, page_gen, counters, occur):
+def apply_free(pages, cache, clock, free_stack, refcount, page_state, stamp, page_gen, counters, occur, lru_queue,
+               lru_pos):
     """The pool's free rule over ``pages`` (any int array, -1 = padding), without the clock tick.
 
     Per distinct page named ``k`` times: ``d = min(k, refcount)`` references are
     dropped and ``k - d`` entries count as ``double_free`` (all ``k`` when the
     page is not USED); pages reaching 0 are pushed in the order of their first
     occurrence (FREE, their generation bumped), or with ``cache`` become CACHED
-    stamped ``clock``. Used by
+    stamped ``clock`` and go on the LRU queue in that order. Used by
     ``free`` and by the page table's ``release`` / ``truncate``.
     """
     P = refcount.shape[0]
+    if cache:
+        lru_compact(lru_queue, lru_pos, page_state, counters)
     count_pages(pages, P, occur, counters)
     top = counters[L.FREE_COUNT]
     pos = top  # the slot of the next released page (a push needs 0 <= pos < P)
@@ -404,6 +462,7 @@ def apply_free(pages, cache, clock, free_stack, refcount, page_state, stamp, pag
             if cache:
                 page_state[p] = L.CACHED
                 stamp[p] = clock
+                lru_push(p, lru_queue, lru_pos, counters)
             else:
                 page_state[p] = L.FREE
                 bump_gen(page_gen, p)

@@ -23,7 +23,6 @@ from . import layout as L
 
 MIN_BLOCK = 32     # lanes per chunk, at least one warp's worth
 MAX_BLOCK = 2048   # lanes per chunk, at most (16 warps x 4 lanes per thread)
-RANK_BLOCK = 128   # items per chunk (at most) of an eviction's radix sort scatter: [C, 256] + [C, C] tiles
 
 # Layout constants as constexpr globals (jit code may only read constexpr globals).
 FREE = tl.constexpr(L.FREE)
@@ -52,19 +51,17 @@ COUNTER_BLOCK = tl.constexpr(triton.next_power_of_2(L.NUM_COUNTERS))
 INT32_MAX = tl.constexpr(L.INT32_MAX)
 INT64_MAX = tl.constexpr(L.INT64_MAX)
 GEN_MASK = tl.constexpr(L.GEN_MASK)
+LRU_HEAD = tl.constexpr(L.LRU_HEAD)
+LRU_TAIL = tl.constexpr(L.LRU_TAIL)
+LRU_COMPACT_AT = tl.constexpr(L.LRU_COMPACT_AT)
 
 
-def settings(n: int, rank: bool = False) -> dict:
+def settings(n: int) -> dict:
     """Launch settings for chunks over ``n`` lanes: ``BLOCK`` (next power of two in
-    [MIN_BLOCK, MAX_BLOCK]), ``num_warps`` (4 lanes per thread, 1 to 16 warps) and, for
-    kernels that evict (``rank=True``), ``RANK_BLOCK``: the radix sort's scatter chunk C, 16 per
-    warp up to the RANK_BLOCK cap (its [C, 256] tile then holds at most 128 values per thread).
+    [MIN_BLOCK, MAX_BLOCK]) and ``num_warps`` (4 lanes per thread, 1 to 16 warps).
     Deterministic; no autotuning (graph capture)."""
     block = min(max(triton.next_power_of_2(max(n, 1)), MIN_BLOCK), MAX_BLOCK)
-    meta = dict(BLOCK=block, num_warps=min(max(block // 128, 1), 16))
-    if rank:
-        meta["RANK_BLOCK"] = min(RANK_BLOCK, 16 * meta["num_warps"])
-    return meta
+    return dict(BLOCK=block, num_warps=min(max(block // 128, 1), 16))
 
 
 # ------------------------------------------------------------------ counters
@@ -169,14 +166,67 @@ def reset_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK: tl.c
         tl.store(occur_ptr + p, tl.zeros((BLOCK,), tl.int32), mask=valid)
 
 
+# --------------------------------------------------------------- LRU queue
+@triton.jit
+def lru_live(j, in_queue, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages):
+    """``(page, live)`` of the LRU queue's entries ``j`` (lanes ``in_queue``): live while the page is
+    in ``[0, P)``, CACHED, and the entry is its latest (``kernels.layout``)."""
+    p = tl.load(lru_queue_ptr + j, mask=in_queue, other=NULL_PAGE)
+    inpool = in_queue & (p >= 0) & (p < num_pages)
+    live = inpool & (tl.load(page_state_ptr + p, mask=inpool, other=FREE) == CACHED)
+    live = live & (tl.load(lru_pos_ptr + p, mask=inpool, other=-1) == j)
+    return p, live
+
+
+@triton.jit
+def lru_compact(c, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len, BLOCK: tl.constexpr):
+    """Run first by every kernel that may push on the LRU queue: when the tail is past
+    ``LRU_COMPACT_AT * P``, the live entries move to the front in order (a running prefix sum
+    over chunks). A head or tail out of bounds empties the queue, counting ``corrupt_state``.
+    Returns the counters."""
+    lanes = tl.arange(0, BLOCK)
+    h = counter_get(c, LRU_HEAD)
+    t = counter_get(c, LRU_TAIL)
+    due = t > (tl.zeros((), tl.int64) + num_pages) * LRU_COMPACT_AT
+    ok = (h >= 0) & (h <= t) & (t <= queue_len)
+    stop = tl.where(due & ok, t, h)
+    v = tl.zeros((), tl.int64)
+    for start in range(h, stop, BLOCK):
+        j = start + lanes
+        p, live = lru_live(j, j < stop, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages)
+        tl.debug_barrier()  # every lane has read its entry before one is moved over it
+        w = live.to(tl.int64)
+        dst = v + tl.cumsum(w, 0) - w  # <= j: only slots already read
+        tl.store(lru_queue_ptr + dst, p, mask=live)
+        tl.store(lru_pos_ptr + p, dst, mask=live)
+        v += tl.sum(w)
+        tl.debug_barrier()
+    c = counter_add(c, ERR_CORRUPT_STATE, (due & ~ok).to(tl.int64))
+    c = counter_set(c, LRU_HEAD, tl.where(due, 0, h))
+    return counter_set(c, LRU_TAIL, tl.where(due, v, t))
+
+
+@triton.jit
+def lru_push(p, mask, tail, lru_queue_ptr, lru_pos_ptr, queue_len):
+    """Pages ``p`` (lanes ``mask``, distinct, in ``[0, P)``) get entries at ``tail`` on, in lane order; a
+    slot outside the queue leaves its page without one. Returns ``(tail after them, pages left out)``."""
+    w = mask.to(tl.int64)
+    pos = tail + tl.cumsum(w, 0) - w
+    fit = mask & (pos >= 0) & (pos < queue_len)
+    tl.store(lru_queue_ptr + pos, p, mask=fit)
+    tl.store(lru_pos_ptr + p, pos, mask=fit)
+    return tail + tl.sum(w), tl.sum((mask & ~fit).to(tl.int64))
+
+
 @triton.jit
 def apply_free(p, first, k, top, clock, free_stack_ptr, refcount_ptr, page_state_ptr, stamp_ptr, page_gen_ptr,
-               num_pages, CACHE: tl.constexpr, BLOCK: tl.constexpr):
+               num_pages, tail, lru_queue_ptr, lru_pos_ptr, queue_len, CACHE: tl.constexpr, BLOCK: tl.constexpr):
     """Drop k references of each distinct page p (lanes ``first``): the pool's free rule for one chunk.
 
-    Pages reaching 0 become CACHED stamped ``clock`` (CACHE) or FREE, their generation
-    bumped, pushed at ``top + rank`` in lane order; a slot outside ``[0, P)`` (a corrupt
-    free count) leaves the page FREE unpushed. Returns (double frees, pages released, pages pushed).
+    Pages reaching 0 become CACHED stamped ``clock``, with entries on the LRU queue from ``tail``
+    on (CACHE), or FREE, their generation bumped, pushed at ``top + rank`` in lane order; a
+    slot outside ``[0, P)`` (a corrupt free count) leaves the page FREE unpushed. Returns
+    (double frees, pages released, pages pushed, the LRU tail after them, pages the queue left out).
     """
     used = first & (tl.load(page_state_ptr + p, mask=first, other=FREE) == USED)
     rc = tl.load(refcount_ptr + p, mask=used, other=0)
@@ -186,9 +236,11 @@ def apply_free(p, first, k, top, clock, free_stack_ptr, refcount_ptr, page_state
     tl.store(refcount_ptr + p, rc - d, mask=used)
     zero = used & (rc == d)
     z = zero.to(tl.int64)
+    lost = tl.zeros((), tl.int64)
     if CACHE:
         tl.store(page_state_ptr + p, tl.full((BLOCK,), CACHED, tl.int8), mask=zero)
         tl.store(stamp_ptr + p, tl.zeros((BLOCK,), tl.int64) + clock, mask=zero)
+        tail, lost = lru_push(p, zero, tail, lru_queue_ptr, lru_pos_ptr, queue_len)
         pushed = tl.sum(z)
     else:
         pos = top + tl.cumsum(z, 0) - z
@@ -197,7 +249,7 @@ def apply_free(p, first, k, top, clock, free_stack_ptr, refcount_ptr, page_state
         tl.store(page_state_ptr + p, tl.full((BLOCK,), FREE, tl.int8), mask=zero)
         bump_gen(page_gen_ptr, p, zero)
         pushed = tl.sum(fit.to(tl.int64))
-    return double, tl.sum(z), pushed
+    return double, tl.sum(z), pushed, tail, lost
 
 
 @triton.jit

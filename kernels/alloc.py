@@ -16,10 +16,11 @@ from . import _numba_util as nu
 from ._numba_util import (fill_null_range, i32_array, mark_popped, page_gens, pop_page, stack_run_ok, state_arrays,
                           u8_array)
 from .layout import AD_EVICTED, AD_INDPTR, AD_MAX_BATCH, AD_MAX_PAGES, AD_OK, AD_PAGES, STATE_DESC_LEN
-from ._triton_util import (ALLOCATED, CACHED_COUNT, ERR_BAD_COUNT, ERR_CORRUPT_STATE, ERR_OUT_OVERFLOW, EVICTED,
-                           FAILED_REQUESTS, FREE_COUNT, NULL_PAGE, counter_add, counter_get, load_counters,
+from ._triton_util import (ALLOCATED, CACHED_COUNT, ERR_BAD_COUNT, ERR_CORRUPT_STATE, ERR_OUT_OVERFLOW,
+                           FAILED_REQUESTS, FREE_COUNT, LRU_HEAD, LRU_TAIL, NULL_PAGE, counter_add, counter_get,
+                           load_counters,
                            pop_check, raise_peaks, settings, store_counters, tick)
-from .evict import evict_oldest_numba, evict_oldest_body
+from .evict import evict_oldest_numba, evict_oldest_body, evicted
 
 
 @numba.njit(nogil=True)
@@ -36,10 +37,10 @@ def alloc_numba(
     free_stack,   # int32 [P]
     refcount,     # int32 [P]
     page_state,   # int8 [P]
-    stamp,        # int64 [P]
     page_gen,     # int32 [P]: bumped for each evicted page
     counters,     # int64 [NUM_COUNTERS]
-    keys,         # int64 [P] scratch for eviction
+    lru_queue,    # int32 [LRU_FACTOR * P]: read (and its head moved) by an eviction
+    lru_pos,      # int64 [P]
 ):
     if B > BO:  # more requests than the outputs have lanes (the façade refuses it): those past BO fail
         counters[L.ERR_OUT_OVERFLOW] += 1
@@ -81,7 +82,8 @@ def alloc_numba(
     for i in range(B, BO):
         ok[i] = False
         indptr[i + 1] = total
-    evict_oldest_numba(total - free if evict else 0, evicted, free_stack, page_state, stamp, page_gen, counters, keys)
+    evict_oldest_numba(total - free if evict else 0, evicted, free_stack, page_state, page_gen, counters, lru_queue,
+                       lru_pos)
     top = counters[L.FREE_COUNT] - 1
     P = refcount.shape[0]
     if stack_run_ok(free_stack, top - total + 1, top + 1, P):  # the usual case: no check per page
@@ -101,9 +103,10 @@ def alloc_numba(
 @numba.njit(nogil=True)
 def alloc_numba_entry(counts_ptr, B, ad, evict):
     """``alloc_numba`` bound to its outputs: state and output addresses in the descriptor ``ad``."""
-    stack, rc, state, stamp, counters, _, keys = state_arrays(ad[:STATE_DESC_LEN])
+    stack, rc, state, _, counters, _, _ = state_arrays(ad[:STATE_DESC_LEN])
     alloc_numba(counts_ptr, B, ad[AD_PAGES], ad[AD_MAX_PAGES], ad[AD_INDPTR], ad[AD_OK], ad[AD_MAX_BATCH],
-                ad[AD_EVICTED], evict, stack, rc, state, stamp, page_gens(ad[:STATE_DESC_LEN]), counters, keys)
+                ad[AD_EVICTED], evict, stack, rc, state, page_gens(ad[:STATE_DESC_LEN]), counters,
+                *nu.lru_arrays(ad[:STATE_DESC_LEN]))
 
 
 # ---------------------------------------------------------------------- Triton
@@ -125,14 +128,15 @@ def alloc_kernel(
     free_stack_ptr,  # *int32 [P]
     refcount_ptr,    # *int32 [P]
     page_state_ptr,  # *int8 [P]
-    stamp_ptr,       # *int64 [P]
     page_gen_ptr,    # *int32 [P]: bumped for each evicted page
     counters_ptr,    # *int64 [NUM_COUNTERS]
+    lru_queue_ptr,   # *int32 [Q]: the LRU queue an eviction reads
+    lru_pos_ptr,     # *int64 [P]
     num_pages,       # P
+    queue_len,       # Q
     # Meta-parameters
     HAS_EVICT: tl.constexpr,   # cached pages may be evicted to cover the request
     BLOCK: tl.constexpr,       # lanes per chunk
-    RANK_BLOCK: tl.constexpr,  # items per chunk of the radix sort that orders the evicted pages
 ):
     """ok[i] = no negative in counts[:i+1] and cumsum(counts)[i] <= min(avail, M); pop the granted total."""
     lanes = tl.arange(0, BLOCK)
@@ -177,13 +181,11 @@ def alloc_kernel(
         tl.store(ok_ptr + i, tl.zeros((BLOCK,), tl.int1), mask=pad)
         tl.store(indptr_ptr + i + 1, tl.zeros((BLOCK,), tl.int32) + total.to(tl.int32), mask=pad)
     if HAS_EVICT:
-        m, bad_evict = evict_oldest_body(total - free, evicted_ptr, M, free_stack_ptr, page_state_ptr, stamp_ptr,
-                                         page_gen_ptr, num_pages, counter_get(c, FREE_COUNT), cached, _clock, BLOCK,
-                                         RANK_BLOCK)
-        c = counter_add(c, ERR_CORRUPT_STATE, bad_evict)
-        c = counter_add(c, FREE_COUNT, m)
-        c = counter_add(c, CACHED_COUNT, -m)
-        c = counter_add(c, EVICTED, m)
+        m, bad_evict, head = evict_oldest_body(total - free, evicted_ptr, M, free_stack_ptr, page_state_ptr,
+                                               page_gen_ptr, lru_queue_ptr, lru_pos_ptr, num_pages, queue_len,
+                                               counter_get(c, FREE_COUNT), cached, counter_get(c, LRU_HEAD),
+                                               counter_get(c, LRU_TAIL), BLOCK)
+        c = evicted(c, m, bad_evict, head)
         tl.debug_barrier()  # the pop below reads stack slots the eviction wrote
     else:
         for start in range(0, M, BLOCK):
@@ -212,6 +214,6 @@ def alloc_triton(st, counts, pages, indptr, ok, evicted, evict) -> None:
     B, M, BO = counts.numel(), pages.numel(), ok.numel()
     alloc_kernel[(1,)](
         counts, B, pages, M, indptr, ok, BO, evicted,
-        st.free_stack, st.refcount, st.page_state, st.stamp, st.page_gen, st.counters, st.num_pages,
-        HAS_EVICT=bool(evict), **settings(max(B, M, BO, st.num_pages if evict else 1), rank=True),
+        st.free_stack, st.refcount, st.page_state, st.page_gen, st.counters, st.lru_queue, st.lru_pos, st.num_pages,
+        st.lru_queue.numel(), HAS_EVICT=bool(evict), **settings(max(B, M, BO)),
     )

@@ -4,7 +4,7 @@ Per distinct page named ``k`` times: ``d = min(k, refcount)`` references are
 dropped and ``k - d`` entries count as ``double_free`` (all ``k`` when the page
 is not USED). Pages reaching 0 are pushed on the free stack in the order of
 their first occurrence (FREE, their generation bumped), or with ``cache`` become
-CACHED stamped with the clock. ``-1`` is padding; other ids outside ``[0, P)`` count ``invalid_page``.
+CACHED stamped with the clock, on the LRU queue in that order. ``-1`` is padding; other ids outside ``[0, P)`` count ``invalid_page``.
 """
 
 import numba
@@ -14,7 +14,8 @@ from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import i32_array, page_gens, state_arrays
 from ._triton_util import (CACHED_COUNT, ERR_CORRUPT_STATE, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREED,
-                           FREE_COUNT, count_pages, counter_add, counter_get, first_lanes,
+                           FREE_COUNT, LRU_TAIL, count_pages, counter_add, counter_get, counter_set, first_lanes,
+                           lru_compact,
                            load_counters, raise_peaks, apply_free, reset_lanes, settings,
                            store_counters, tick)
 
@@ -31,18 +32,20 @@ def free_numba(
     page_gen,    # int32 [P]
     counters,    # int64 [NUM_COUNTERS]
     occur,       # int32 [P] scratch, zero between calls
+    lru_queue,   # int32 [LRU_FACTOR * P]
+    lru_pos,     # int64 [P]
 ):
     counters[L.CLOCK] += 1
     n = nu.padded_tail_start(i32_array(pages_ptr, N)) if N >= nu.TAIL_BLOCK else N
     nu.apply_free(i32_array(pages_ptr, n), cache, counters[L.CLOCK], free_stack, refcount, page_state, stamp,
-                  page_gen, counters, occur)
+                  page_gen, counters, occur, lru_queue, lru_pos)
 
 
 @numba.njit(nogil=True)
 def free_numba_entry(pages_ptr, N, cache, sd):
     """``free_numba`` with the state passed as a descriptor (fast dispatch)."""
     stack, rc, state, stamp, counters, occur, _ = state_arrays(sd)
-    free_numba(pages_ptr, N, cache, stack, rc, state, stamp, page_gens(sd), counters, occur)
+    free_numba(pages_ptr, N, cache, stack, rc, state, stamp, page_gens(sd), counters, occur, *nu.lru_arrays(sd))
 
 
 # ---------------------------------------------------------------------- Triton
@@ -64,14 +67,21 @@ def free_kernel(
     counters_ptr,    # *int64 [NUM_COUNTERS]
     claim_ptr,       # *int32 [P] scratch, INT32_MAX between calls
     occur_ptr,       # *int32 [P] scratch, 0 between calls
+    lru_queue_ptr,   # *int32 [Q]: the LRU queue (CACHE)
+    lru_pos_ptr,     # *int64 [P]
     num_pages,       # P
+    queue_len,       # Q = LRU_FACTOR * P
     # Meta-parameters
-    CACHE: tl.constexpr,  # released pages become CACHED (stamped) instead of FREE
+    CACHE: tl.constexpr,  # released pages become CACHED (stamped, queued) instead of FREE
     BLOCK: tl.constexpr,  # lanes per chunk
 ):
     """Per distinct page named k times: refcount -= d = min(k, refcount); k - d double frees; 0 -> FREE/CACHED."""
     c = load_counters(counters_ptr)
     c, clock = tick(c)
+    if CACHE:
+        c = lru_compact(c, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len, BLOCK)
+    tail = counter_get(c, LRU_TAIL)
+    lost = tl.zeros((), tl.int64)
     invalid = count_pages(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
     tl.debug_barrier()
     top = counter_get(c, FREE_COUNT)
@@ -80,8 +90,10 @@ def free_kernel(
     pushed = tl.zeros((), tl.int64)
     for start in range(0, n_pages, BLOCK):
         p, first, k = first_lanes(pages_ptr, start, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
-        dbl, rel, push = apply_free(p, first, k, top + released, clock, free_stack_ptr, refcount_ptr,
-                                    page_state_ptr, stamp_ptr, page_gen_ptr, num_pages, CACHE, BLOCK)
+        dbl, rel, push, tail, gone = apply_free(p, first, k, top + released, clock, free_stack_ptr, refcount_ptr,
+                                                page_state_ptr, stamp_ptr, page_gen_ptr, num_pages, tail,
+                                                lru_queue_ptr, lru_pos_ptr, queue_len, CACHE, BLOCK)
+        lost += gone
         double += dbl
         released += rel
         pushed += push
@@ -92,6 +104,8 @@ def free_kernel(
     c = counter_add(c, FREED, released)
     if CACHE:
         c = counter_add(c, CACHED_COUNT, released)
+        c = counter_set(c, LRU_TAIL, tail)
+        c = counter_add(c, ERR_CORRUPT_STATE, lost)
     else:
         c = counter_add(c, FREE_COUNT, pushed)
         c = counter_add(c, ERR_CORRUPT_STATE, released - pushed)
@@ -103,6 +117,6 @@ def free_triton(st, pages, cache) -> None:
     """Drop one reference per entry of ``pages`` (one launch; see module note)."""
     free_kernel[(1,)](
         pages, pages.numel(), st.free_stack, st.refcount, st.page_state, st.stamp, st.page_gen, st.counters,
-        st.claim, st.occur, st.num_pages,
+        st.claim, st.occur, st.lru_queue, st.lru_pos, st.num_pages, st.lru_queue.numel(),
         CACHE=bool(cache), **settings(pages.numel()),
     )

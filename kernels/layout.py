@@ -26,6 +26,19 @@ GEN_MASK = 0x7FFFFFFF
 
 NULL_PAGE = -1  # padding in every page-id tensor, in and out
 
+# The LRU queue: int32 ``[LRU_FACTOR * P]`` page ids in the order pages became CACHED or were
+# touched while CACHED, oldest first; ``lru_pos[p]`` (int64 ``[P]``) is where page ``p``'s latest
+# entry is. An entry ``j`` in ``[LRU_HEAD, LRU_TAIL)`` is live iff its page ``p`` is in
+# ``[0, P)``, CACHED, and ``lru_pos[p] == j``; every other entry is stale and skipped. Eviction
+# takes the first live entries and moves the head past them, so it reads what it evicts plus the
+# stale entries before them, never the whole pool. A call that may push entries first compacts
+# the queue (its live entries moved to the front, in order) when the tail is past
+# ``LRU_COMPACT_AT * P``: a call pushes at most P entries (one per distinct page), and after a
+# compaction the tail is at most P (the live entries name distinct pages), so at least P pushes
+# pass between two compactions and no push leaves the queue.
+LRU_FACTOR = 3
+LRU_COMPACT_AT = 2
+
 # Slots of the int64 ``counters`` vector.
 FREE_COUNT = 0       # pages on the free stack (stack top = FREE_COUNT)
 CACHED_COUNT = 1     # pages in state CACHED
@@ -48,7 +61,10 @@ ERR_TABLE_OVERFLOW = 16  # page table: request would exceed max_pages_per_reques
 ERR_BAD_LENGTH = 17      # page table: truncate/fork to an invalid length
 ERR_CORRUPT_STATE = 18   # a stored value (length, free count, stack entry) outside its static bounds
 ERR_REFCOUNT_OVERFLOW = 19  # an incref or a fork would take a reference count past INT32_MAX
-NUM_COUNTERS = 20
+# The LRU queue (``PoolState.lru_queue``): its live entries lie in ``lru_queue[LRU_HEAD:LRU_TAIL]``.
+LRU_HEAD = 20
+LRU_TAIL = 21
+NUM_COUNTERS = 22
 
 ERROR_NAMES = {
     ERR_INVALID_PAGE: "invalid_page",
@@ -117,8 +133,9 @@ def memo_len(b: int) -> int:
 #
 # A pool's state descriptor (int64 [STATE_DESC_LEN]): addresses of its state tensors
 # and the page count (SD_PAGE_GEN: the generations, read only by the calls that free or revive).
-SD_FREE_STACK, SD_REFCOUNT, SD_PAGE_STATE, SD_STAMP, SD_COUNTERS, SD_OCCUR, SD_KEYS, SD_PAGES, SD_PAGE_GEN = range(9)
-STATE_DESC_LEN = 9
+(SD_FREE_STACK, SD_REFCOUNT, SD_PAGE_STATE, SD_STAMP, SD_COUNTERS, SD_OCCUR, SD_KEYS, SD_PAGES, SD_PAGE_GEN,
+ SD_LRU_QUEUE, SD_LRU_POS) = range(11)
+STATE_DESC_LEN = 11
 
 # A bound alloc's descriptor (int64 [AD_LEN]): the state descriptor, then an AllocOut's
 # output addresses and capacities.

@@ -20,8 +20,8 @@ from .layout import CD_OUT, CD_STATE
 from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, cdiv, claim_pages, claim_requests,
                                  check_lane_scratch, first_pages, list_lane, request_lanes, reset_pages)
 from ._triton_util import (CACHED_COUNT, ERR_CORRUPT_STATE, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREE_COUNT,
-                           FREED, INT32_MAX, NULL_PAGE, counter_add, counter_get, load_counters,
-                           raise_peaks, apply_free, settings, store_counters, tick)
+                           FREED, INT32_MAX, LRU_TAIL, NULL_PAGE, counter_add, counter_get, counter_set,
+                           load_counters, lru_compact, raise_peaks, apply_free, settings, store_counters, tick)
 
 
 @numba.njit(nogil=True, inline="always")
@@ -33,7 +33,7 @@ def _new_len(new_lens, i, length, drop):
 
 @numba.njit(nogil=True)
 def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens, claim,
-               free_stack, refcount, page_state, stamp, page_gen, counters, occur, keys, drop=False):
+               free_stack, refcount, page_state, stamp, page_gen, counters, occur, keys, lru, drop=False):
     R = block_table.shape[0]
     counters[L.CLOCK] += 1
     clock = counters[L.CLOCK]
@@ -78,7 +78,7 @@ def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens,
             seq_lens[r] = keep_tokens
     nu.reset_requests(ids, R, claim)
     if B > 0:  # an empty batch touches nothing (as the reference and Triton)
-        nu.apply_free(dropped, cache, clock, free_stack, refcount, page_state, stamp, page_gen, counters, occur)
+        nu.apply_free(dropped, cache, clock, free_stack, refcount, page_state, stamp, page_gen, counters, occur, *lru)
 
 
 @numba.njit(nogil=True)
@@ -98,10 +98,11 @@ def release_numba(
     counters,     # int64 [NUM_COUNTERS]
     occur,        # int32 [P] scratch
     keys,         # int64 [P] scratch
+    lru,          # (lru_queue int32 [LRU_FACTOR * P], lru_pos int64 [P])
 ):
     ids = i32_array(req_ids_ptr, B)
     _drop_tail(ids, ids, False, cache, page_size, block_table, seq_lens, claim,
-               free_stack, refcount, page_state, stamp, page_gen, counters, occur, keys)
+               free_stack, refcount, page_state, stamp, page_gen, counters, occur, keys, lru)
 
 
 @numba.njit(nogil=True)
@@ -122,9 +123,10 @@ def truncate_numba(
     counters,     # int64 [NUM_COUNTERS]
     occur,        # int32 [P] scratch
     keys,         # int64 [P] scratch
+    lru,          # (lru_queue int32 [LRU_FACTOR * P], lru_pos int64 [P])
 ):
     _drop_tail(i32_array(req_ids_ptr, B), i32_array(lens_ptr, B), True, False, page_size, block_table,
-               seq_lens, claim, free_stack, refcount, page_state, stamp, page_gen, counters, occur, keys, drop)
+               seq_lens, claim, free_stack, refcount, page_state, stamp, page_gen, counters, occur, keys, lru, drop)
 
 
 @numba.njit(nogil=True)
@@ -134,7 +136,7 @@ def release_numba_entry(req_ids_ptr, B, cache, cd):
     stamp_rows(cd[:CD_STATE], req_ids_ptr, B)
     stack, rc, state, stamp, counters, occur, keys = state_arrays(cd[CD_STATE:CD_OUT])
     release_numba(req_ids_ptr, B, cache, ps, bt, lens, claim, stack, rc, state, stamp,
-                  page_gens(cd[CD_STATE:CD_OUT]), counters, occur, keys)
+                  page_gens(cd[CD_STATE:CD_OUT]), counters, occur, keys, nu.lru_arrays(cd[CD_STATE:CD_OUT]))
 
 
 @numba.njit(nogil=True)
@@ -144,7 +146,7 @@ def truncate_numba_entry(req_ids_ptr, lens_ptr, B, drop, cd):
     stamp_rows(cd[:CD_STATE], req_ids_ptr, B)
     stack, rc, state, stamp, counters, occur, keys = state_arrays(cd[CD_STATE:CD_OUT])
     truncate_numba(req_ids_ptr, lens_ptr, B, drop, ps, bt, lens, claim, stack, rc, state, stamp,
-                   page_gens(cd[CD_STATE:CD_OUT]), counters, occur, keys)
+                   page_gens(cd[CD_STATE:CD_OUT]), counters, occur, keys, nu.lru_arrays(cd[CD_STATE:CD_OUT]))
 
 
 # ---------------------------------------------------------------------- Triton
@@ -207,9 +209,12 @@ def release_kernel(
     page_claim_ptr,   # *int32 [P] scratch, INT32_MAX between calls
     occur_ptr,        # *int32 [P] scratch, 0 between calls
     lane_end_ptr,     # *int32 [>= B] scratch: running end of each lane's dropped pages
+    lru_queue_ptr,    # *int32 [Q]: the LRU queue (CACHE)
+    lru_pos_ptr,      # *int64 [P]
     R,                # rows of block_table
     MP,               # columns of block_table
     num_pages,        # P
+    queue_len,        # Q = LRU_FACTOR * P
     page_size,        # tokens per page
     SEARCH,           # B.bit_length(): steps of the lane search
     # Meta-parameters
@@ -221,6 +226,11 @@ def release_kernel(
     lanes = tl.arange(0, BLOCK)
     c = load_counters(counters_ptr)
     c, clock = tick(c)
+    if CACHE:
+        if B > 0:  # (an empty batch touches nothing)
+            c = lru_compact(c, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len, BLOCK)
+    tail = counter_get(c, LRU_TAIL)
+    lost = tl.zeros((), tl.int64)
     claim_requests(req_ids_ptr, B, claim_ptr, R, BLOCK)
     tl.debug_barrier()
     bad = tl.zeros((), tl.int64)
@@ -254,8 +264,10 @@ def release_kernel(
         _, p, drop = _dropped(f, total, lane_end_ptr, SEARCH, req_ids_ptr, new_lens_ptr, B, claim_ptr,
                               seq_lens_ptr, block_table_ptr, R, MP, page_size, HAS_LENS)
         first, k = first_pages(p, f, drop, page_claim_ptr, occur_ptr, num_pages)
-        dbl, rel, push = apply_free(p, first, k, top + released, clock, free_stack_ptr, refcount_ptr,
-                                    page_state_ptr, stamp_ptr, page_gen_ptr, num_pages, CACHE, BLOCK)
+        dbl, rel, push, tail, gone = apply_free(p, first, k, top + released, clock, free_stack_ptr, refcount_ptr,
+                                                page_state_ptr, stamp_ptr, page_gen_ptr, num_pages, tail,
+                                                lru_queue_ptr, lru_pos_ptr, queue_len, CACHE, BLOCK)
+        lost += gone
         double += dbl
         released += rel
         pushed += push
@@ -283,6 +295,8 @@ def release_kernel(
     c = counter_add(c, FREED, released)
     if CACHE:
         c = counter_add(c, CACHED_COUNT, released)
+        c = counter_set(c, LRU_TAIL, tail)
+        c = counter_add(c, ERR_CORRUPT_STATE, lost)
     else:
         c = counter_add(c, FREE_COUNT, pushed)
         c = counter_add(c, ERR_CORRUPT_STATE, released - pushed)
@@ -298,8 +312,8 @@ def _launch(req_ids, new_lens, cache, st, ts) -> None:
     release_kernel[(1,)](
         req_ids, req_ids if new_lens is None else new_lens, B, ts.block_table, ts.seq_lens, ts.claim,
         st.free_stack, st.refcount, st.page_state, st.stamp, st.page_gen, st.counters, st.claim, st.occur,
-        ts.lane_end,
-        R, MP, st.num_pages, ts.page_size, B.bit_length(),
+        ts.lane_end, st.lru_queue, st.lru_pos,
+        R, MP, st.num_pages, st.lru_queue.numel(), ts.page_size, B.bit_length(),
         HAS_LENS=new_lens is not None, CACHE=bool(cache), **settings(max(B, B * MP)),
     )
 

@@ -1,4 +1,4 @@
-"""touch: stamp USED and CACHED pages with the clock (LRU refresh).
+"""touch: stamp USED and CACHED pages with the clock (LRU refresh); CACHED ones go to the LRU queue's tail.
 
 A FREE page is ``use_after_free`` per entry, a page in no known state
 ``corrupt_state`` per entry (not stamped); ``-1`` is padding; other ids
@@ -11,8 +11,9 @@ from ._triton_shim import tl, triton
 from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import i32_array, state_arrays
-from ._triton_util import (CACHED, ERR_CORRUPT_STATE, ERR_INVALID_PAGE, ERR_USE_AFTER_FREE, FREE, USED, count_pages,
-                           counter_add, first_lanes, load_counters, reset_lanes, settings,
+from ._triton_util import (CACHED, ERR_CORRUPT_STATE, ERR_INVALID_PAGE, ERR_USE_AFTER_FREE, FREE, LRU_TAIL, USED,
+                           count_pages, counter_add, counter_get, counter_set, first_lanes, load_counters,
+                           lru_compact, lru_push, reset_lanes, settings,
                            store_counters, tick)
 
 
@@ -24,11 +25,14 @@ def touch_numba(
     stamp,       # int64 [P]
     counters,    # int64 [NUM_COUNTERS]
     occur,       # int32 [P] scratch, zero between calls
+    lru_queue,   # int32 [LRU_FACTOR * P]
+    lru_pos,     # int64 [P]
 ):
     pages = i32_array(pages_ptr, N)
     P = page_state.shape[0]
     counters[L.CLOCK] += 1
     clock = counters[L.CLOCK]
+    nu.lru_compact(lru_queue, lru_pos, page_state, counters)
     nu.count_pages(pages, P, occur, counters)
     for i in range(N):
         p = pages[i]
@@ -38,8 +42,11 @@ def touch_numba(
         occur[p] = 0
         if page_state[p] == L.FREE:
             counters[L.ERR_USE_AFTER_FREE] += k
-        elif page_state[p] == L.USED or page_state[p] == L.CACHED:
+        elif page_state[p] == L.USED:
             stamp[p] = clock
+        elif page_state[p] == L.CACHED:
+            stamp[p] = clock
+            nu.lru_push(p, lru_queue, lru_pos, counters)
         else:
             counters[L.ERR_CORRUPT_STATE] += k
 
@@ -48,7 +55,7 @@ def touch_numba(
 def touch_numba_entry(pages_ptr, N, sd):
     """``touch_numba`` with the state passed as a descriptor (fast dispatch)."""
     _, _, state, stamp, counters, occur, _ = state_arrays(sd)
-    touch_numba(pages_ptr, N, state, stamp, counters, occur)
+    touch_numba(pages_ptr, N, state, stamp, counters, occur, *nu.lru_arrays(sd))
 
 
 # ---------------------------------------------------------------------- Triton
@@ -64,14 +71,20 @@ def touch_kernel(
     counters_ptr,    # *int64 [NUM_COUNTERS]
     claim_ptr,       # *int32 [P] scratch, INT32_MAX between calls
     occur_ptr,       # *int32 [P] scratch, 0 between calls
+    lru_queue_ptr,   # *int32 [Q]: the LRU queue
+    lru_pos_ptr,     # *int64 [P]
     num_pages,       # P
+    queue_len,       # Q = LRU_FACTOR * P
     # Meta-parameters
     BLOCK: tl.constexpr,  # lanes per chunk
 ):
-    """stamp[p] = clock for each distinct USED/CACHED page named; a FREE page named k times: k use-after-free;
-    a page in no known state named k times: k corrupt_state."""
+    """stamp[p] = clock for each distinct USED/CACHED page named, CACHED ones queued again at the LRU tail;
+    a FREE page named k times: k use-after-free; a page in no known state named k times: k corrupt_state."""
     c = load_counters(counters_ptr)
     c, clock = tick(c)
+    c = lru_compact(c, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len, BLOCK)
+    tail = counter_get(c, LRU_TAIL)
+    lost = tl.zeros((), tl.int64)
     invalid = count_pages(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
     tl.debug_barrier()
     uaf = tl.zeros((), tl.int64)
@@ -83,17 +96,20 @@ def touch_kernel(
         uaf += tl.sum(tl.where(first & (state == FREE), k, 0).to(tl.int64))
         wrong += tl.sum(tl.where(first & (state != FREE) & ~known, k, 0).to(tl.int64))
         tl.store(stamp_ptr + p, tl.zeros((BLOCK,), tl.int64) + clock, mask=first & known)
+        tail, gone = lru_push(p, first & (state == CACHED), tail, lru_queue_ptr, lru_pos_ptr, queue_len)
+        lost += gone
     tl.debug_barrier()
     reset_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
     c = counter_add(c, ERR_INVALID_PAGE, invalid)
     c = counter_add(c, ERR_USE_AFTER_FREE, uaf)
-    c = counter_add(c, ERR_CORRUPT_STATE, wrong)
+    c = counter_add(c, ERR_CORRUPT_STATE, wrong + lost)
+    c = counter_set(c, LRU_TAIL, tail)
     store_counters(counters_ptr, c)
 
 
 def touch_triton(st, pages) -> None:
     """Stamp the USED and CACHED pages of ``pages`` with the clock (one launch; see module note)."""
     touch_kernel[(1,)](
-        pages, pages.numel(), st.page_state, st.stamp, st.counters, st.claim, st.occur, st.num_pages,
-        **settings(pages.numel()),
+        pages, pages.numel(), st.page_state, st.stamp, st.counters, st.claim, st.occur, st.lru_queue, st.lru_pos,
+        st.num_pages, st.lru_queue.numel(), **settings(pages.numel()),
     )

@@ -86,7 +86,7 @@ I64_SPECIAL = I32_SPECIAL + (INT64_MIN, INT64_MIN + 1, -2**62, -2**32, 2**31, 2*
 I8_SPECIAL = (-128, -1, 0, 1, 2, 3, 4, 127)
 
 POOL_TENSORS = ("free_stack", "refcount", "page_state", "stamp", "page_gen", "counters", "checked", "claim", "occur",
-                "keys")
+                "keys", "lru_queue", "lru_pos")
 TABLE_TENSORS = ("block_table", "seq_lens", "claim", "lane_end", "version", "row_version")
 
 
@@ -214,6 +214,7 @@ def _edit_value(rng, cfg, dtype_kind, near=()):
 
 
 def gen_edit(rng, cfg):
+    from tpool.kernels import layout as L  # (constants only)
     P, R, MP = cfg["num_pages"], cfg["max_requests"], cfg["max_pages"]
     if rng.random() < 0.5:
         names = ["seq_lens", "seq_lens", "block_table", "block_table", "block_table", "claim", "lane_end", "copyrow"]
@@ -230,12 +231,13 @@ def gen_edit(rng, cfg):
         kind = "i64" if name in ("version", "row_version") else "i32"
         return ["table", name, rng.randrange(size), _edit_value(rng, cfg, kind), None]
     name = rng.choice(["free_stack", "free_stack", "refcount", "page_state", "page_state", "stamp", "counters",
-                       "counters", "counters", "checked", "claim", "occur", "keys", "page_gen"])
+                       "counters", "counters", "checked", "claim", "occur", "keys", "page_gen", "lru_queue",
+                       "lru_queue", "lru_pos"])
     if name == "counters":
-        slot = rng.choice([0, 0, 0, 1, 1, 2, 2] + list(range(20)))
-        return ["pool", name, slot, _edit_value(rng, cfg, "i64", (0, P // 2)), None]
-    kind = {"page_state": "i8", "stamp": "i64", "checked": "i64", "keys": "i64"}.get(name, "i32")
-    size = 20 if name == "checked" else P
+        slot = rng.choice([0, 0, 0, 1, 1, 2, 2, L.LRU_HEAD, L.LRU_TAIL] + list(range(L.NUM_COUNTERS)))
+        return ["pool", name, slot, _edit_value(rng, cfg, "i64", (0, P // 2, 2 * P, 3 * P)), None]
+    kind = {"page_state": "i8", "stamp": "i64", "checked": "i64", "keys": "i64", "lru_pos": "i64"}.get(name, "i32")
+    size = {"checked": L.NUM_COUNTERS, "lru_queue": L.LRU_FACTOR * P}.get(name, P)
     return ["pool", name, rng.randrange(size), _edit_value(rng, cfg, kind), None]
 
 

@@ -9,7 +9,8 @@ mostly decoding the same batch, as overlap scheduling does), misuse (bad and rep
 counts, double frees), hand edits of the state followed by
 ``invalidate_csr()``, or for half the table edits ``invalidate_csr(row)`` (any value
 into ``seq_lens``, ``block_table``, ``free_stack``, the free and cached counts and the
-clock, ``refcount``, ``page_state``, ``stamp``, ``page_gen``), and snapshot restores
+clock, the LRU queue's head and tail, ``refcount``, ``page_state``, ``stamp``, ``page_gen``, ``lru_queue``,
+``lru_pos``), and snapshot restores
 (``tpool.graphs.state_tensors``). After every operation every output and every
 state tensor (scratch excepted) must be equal on all backends (``torch.equal``);
 an exception must be the same type on all of them.
@@ -32,7 +33,7 @@ import time
 import torch
 
 OPS_PER_EPISODE = 150  # operations on one set of pools before a fresh one (default)
-EDIT_COUNTERS = (0, 1, 2)  # FREE_COUNT, CACHED_COUNT, CLOCK
+EDIT_COUNTERS = (0, 1, 2, 20, 21)  # FREE_COUNT, CACHED_COUNT, CLOCK, LRU_HEAD, LRU_TAIL
 EDIT_VALUES = (-10**9, -6, -2, -1, 0, 1, 2, 3, 5, 7, 10**6, 2**31 - 2, 2**31 - 1)
 SCRATCH = {"keys", "lane_end", "version", "row_version"}  # per-backend scratch, not compared
 BOUND_BATCH, BOUND_RELEASE, BOUND_TOKENS = 4, 3, 12  # the shape of the bound steps ("bstep") and StepOuts
@@ -106,9 +107,9 @@ def gen_op(rng: random.Random, cfg: dict, edits: bool) -> tuple:
         return (kind, _ids(rng, cfg, b), _ids(rng, cfg, b), lens)
     if kind == "edit":
         name = rng.choice(["seq_lens", "block_table", "free_stack", "counters", "refcount", "page_state", "stamp",
-                           "page_gen"])
+                           "page_gen", "lru_queue", "lru_pos"])
         size = {"seq_lens": R, "block_table": R * MP, "free_stack": P, "refcount": P, "page_state": P,
-                "stamp": P, "page_gen": P, "counters": len(EDIT_COUNTERS)}[name]
+                "stamp": P, "page_gen": P, "counters": len(EDIT_COUNTERS), "lru_queue": 3 * P, "lru_pos": P}[name]
         value = rng.choice(EDIT_VALUES + tuple(range(-1, P + 2)))
         if name == "stamp":
             value = rng.choice([-2**62, -1, 0, 1, 5, 40, 2**62])
@@ -239,7 +240,8 @@ class System:
                 t = {"seq_lens": table.seq_lens, "block_table": table.block_table.view(-1),
                      "free_stack": pool.state.free_stack, "refcount": pool.state.refcount,
                      "page_state": pool.state.page_state, "stamp": pool.state.stamp,
-                     "page_gen": pool.state.page_gen, "counters": pool.state.counters}[name]
+                     "page_gen": pool.state.page_gen, "counters": pool.state.counters,
+                     "lru_queue": pool.state.lru_queue, "lru_pos": pool.state.lru_pos}[name]
                 if name == "counters":
                     t[EDIT_COUNTERS[at]] = value
                 else:

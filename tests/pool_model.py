@@ -15,6 +15,7 @@ class PoolModel:
         self.state = [FREE] * num_pages
         self.stamp = [0] * num_pages
         self.gen = [0] * num_pages  # +1 (mod 2**31) each time the page becomes FREE
+        self.lru = {}  # the CACHED pages, least recently cached or touched first (dicts keep insertion order)
         self.clock = 0
         self.errors = dict(invalid_page=0, double_free=0, use_after_free=0, bad_count=0, out_overflow=0,
                            bad_request=0, table_overflow=0, bad_length=0, corrupt_state=0, refcount_overflow=0)
@@ -44,9 +45,9 @@ class PoolModel:
         self.gen[p] = (self.gen[p] + 1) % 2**31
 
     def _evict(self, n):
-        order = sorted((self.stamp[p], p) for p in range(self.P) if self.state[p] == CACHED)
-        out = [p for _, p in order[:max(n, 0)]]
+        out = list(self.lru)[:max(n, 0)]
         for p in out:
+            del self.lru[p]
             self.state[p] = FREE
             self._bump(p)
             self.stack.append(p)
@@ -98,6 +99,7 @@ class PoolModel:
                 self.freed += 1
                 if cache:
                     self.state[p], self.stamp[p] = CACHED, self.clock
+                    self.lru[p] = None
                 else:
                     self.state[p] = FREE
                     self._bump(p)
@@ -112,6 +114,7 @@ class PoolModel:
                 continue
             if self.state[p] == CACHED:
                 self.state[p] = USED
+                del self.lru[p]
                 self.revived += 1
             self.rc[p] += k
         self._peaks()
@@ -123,6 +126,8 @@ class PoolModel:
                 self.errors["use_after_free"] += k
             else:
                 self.stamp[p] = self.clock
+                if self.state[p] == CACHED:  # to the back of the eviction order
+                    self.lru[p] = self.lru.pop(p)
 
     def evict(self, k):
         self.clock += 1

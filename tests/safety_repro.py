@@ -81,7 +81,7 @@ def main(backend: str) -> dict:
         pool.touch(i32([0, 1, 1, -1]))
     out["touch_unknown"] = dict(corrupt=err(pool, L.ERR_CORRUPT_STATE), stamp=pool.state.stamp.tolist(),
                                 before=before, clock=int(pool.state.counters[L.CLOCK]))
-    # A cached page's stamp outside [0, clock]: numba's radix select read past its histogram.
+    # A cached page's stamp outside [0, clock]: numba's radix select (before the LRU queue) read past its histogram.
     pool = tpool.PagePool(8, 1, device="cpu", backend=backend)
     a = pool.alloc(i32([3]))
     pool.free(a.pages[:3].clone(), cache=True)

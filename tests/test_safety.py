@@ -59,9 +59,10 @@ def test_corrupt_free_count_and_stack_entry(backend):
 
 
 def test_evict_with_a_wild_stamp(backend):
-    """A CACHED page stamped outside [0, clock]: nothing is evicted, one corrupt_state."""
+    """A CACHED page stamped outside [0, clock] by hand: eviction follows the LRU queue and does no
+    arithmetic on stamps, so the pages go in the order they were cached and nothing is counted."""
     r = repro(backend)["stamp"]
-    assert r["evicted"] == [-1, -1] and r["corrupt"] == 1 and r["cached"] == 3
+    assert r["evicted"] == [0, 1] and r["corrupt"] == 0 and r["cached"] == 1
 
 
 def test_a_free_of_a_page_with_a_refcount_near_int32_min(backend):

@@ -104,19 +104,13 @@ class Twin:
     def counter(self, slot):
         return int(self.tri.counters[slot])
 
-    def set_stamps(self, stamps):
-        """Overwrite the stamps of both pools (to build states no short call sequence reaches)."""
-        for st in (self.ref, self.tri):
-            st.stamp.copy_(torch.tensor(stamps, dtype=torch.int64))
-
 
 @pytest.fixture(params=["wide", "chunked"])
 def chunking(request, monkeypatch):
-    """``wide``: one chunk holds everything; ``chunked``: 32-lane chunks and 16-row rank tiles,
-    so carries across chunks (prefix sums, stack top, tie counts) are exercised at small sizes."""
+    """``wide``: one chunk holds everything; ``chunked``: 32-lane chunks, so carries across chunks
+    (prefix sums, stack top, the LRU queue's tail and ranks) are exercised at small sizes."""
     if request.param == "chunked":
         monkeypatch.setattr(_triton_util, "MAX_BLOCK", 32)
-        monkeypatch.setattr(_triton_util, "RANK_BLOCK", 16)
     return request.param
 
 
@@ -204,40 +198,55 @@ def test_free_cache_touch_incref_revive(chunking):
 
 
 # ------------------------------------------------------------------ evict
-def test_evict_oldest_first_ties_by_id(chunking):
+def test_evict_oldest_first_ties_in_first_occurrence_order(chunking):
     tw = Twin(8)
     tw.alloc([6])                       # clock 1
     tw.free([5, 2], cache=True)         # clock 2
     tw.free([4], cache=True)            # clock 3
-    tw.free([0, 3], cache=True)         # clock 4
+    tw.free([3, 0, 3], cache=True)      # clock 4: 3 first
     tw.touch([2])                       # clock 5
     assert tw.evict(2) == [5, 4]
-    assert tw.evict(1) == [0]           # a tie group split across calls: lower id first
+    assert tw.evict(1) == [3]           # a tie group split across calls: first occurrence first
     assert tw.evict(0) == []
-    assert tw.evict(20) == [3, 2] + [-1] * 18   # K > P
+    assert tw.evict(20) == [0, 2] + [-1] * 18   # K > P
     assert tw.evict(3) == [-1, -1, -1]
 
 
-def test_evict_wide_stamp_range_and_ties(chunking):
-    """Stamps spread over 2**40 with ties: several radix rounds, a threshold inside a tie group."""
+def test_evict_through_stale_entries_and_compactions(chunking):
+    """Touches and revives of cached pages leave stale entries (skipped by eviction, dropped by
+    compaction); enough pushes compact the LRU queue several times, a compaction landing inside
+    a free, a touch, or a release of rows; every call compared, queue included."""
     P = 48
     tw = Twin(P)
     tw.alloc([P])
     rng = random.Random(3)
-    cached = list(range(P))
-    rng.shuffle(cached)
-    tw.free(cached[:40], cache=True)
-    base = [rng.randrange(1, 2**40) for _ in range(6)]
-    tw.set_stamps([rng.choice(base) + rng.choice([0, 0, 1, 256, 65536]) for _ in range(P)])
-    for k in (1, 7, 13, 0, 30):
-        tw.evict(k)
+    used, compactions = list(range(P)), 0
+    for _ in range(12):
+        rng.shuffle(used)
+        k = rng.randint(len(used) // 2, len(used))
+        tail = tw.counter(L.LRU_TAIL)
+        tw.free(used[:k], cache=True)
+        compactions += tw.counter(L.LRU_TAIL) < tail
+        used = used[k:]
+        cached = [p for p in range(P) if int(tw.tri.page_state[p]) == L.CACHED]
+        tail = tw.counter(L.LRU_TAIL)
+        tw.touch(rng.sample(cached, len(cached) // 2) + [rng.randrange(P)])
+        compactions += tw.counter(L.LRU_TAIL) < tail
+        back = rng.sample(cached, len(cached) // 5)
+        tw.incref(back)
+        used += back
+        for k in (1, 5, 0, 9):
+            tw.evict(k)
+        pages, _, ok, _ = tw.alloc([rng.randint(1, P // 2)], evict=True)
+        used += [p for p in pages.tolist() if p >= 0]
+    assert compactions >= 2, compactions
 
 
 def test_evict_single_stamp_partial(chunking):
     tw = Twin(40)
     tw.alloc([40])
-    tw.free(list(range(39, -1, -1)), cache=True)   # all 40 share one stamp
-    assert tw.evict(5) == [0, 1, 2, 3, 4]
+    tw.free(list(range(39, -1, -1)), cache=True)   # all 40 share one stamp: first occurrence first
+    assert tw.evict(5) == [39, 38, 37, 36, 35]
     tw.evict(35)
 
 
@@ -251,8 +260,8 @@ def test_alloc_with_evict(chunking):
     _, _, ok, ev = tw.alloc([1], evict=True)          # no shortfall: nothing evicted
     assert ok.tolist() == [True] and ev.tolist() == [-1] * 10
     pages, _, ok, ev = tw.alloc([2, 1], evict=True)   # 1 free left: shortfall 2
-    assert ok.tolist() == [True, True] and ev.tolist()[:3] == [6, 0, -1]
-    assert pages.tolist()[:3] == [0, 6, 9]  # evicted pages are popped last-pushed first
+    assert ok.tolist() == [True, True] and ev.tolist()[:3] == [6, 3, -1]
+    assert pages.tolist()[:3] == [3, 6, 9]  # evicted pages are popped last-pushed first
     tw.alloc([2, 5], evict=True)        # 3 cached left: first fits, second fails
     tw.alloc([3], evict=True)           # exactly the cached pages
     tw.alloc([1], evict=True)           # nothing left

@@ -7,7 +7,9 @@ request succeeded is device data (``ok``); misuse is counted on the device.
 The host learns results only at the sync points ``available()``, ``stats()``,
 ``check()`` and ``check_invariants()``, or without a stall from
 ``stats_async()``. The device clock advances by one per hot-path call (a
-call's LRU stamps all carry the same value; eviction breaks ties by page id).
+call's LRU stamps all carry the same value). Eviction takes pages in LRU order from a queue on
+the device (``PoolState.lru_queue``): the order pages became CACHED or were last touched, a
+call's pages in the order of their first occurrence; it reads what it evicts, not the pool.
 """
 
 import functools
@@ -418,7 +420,8 @@ class PagePool:
         return out
 
     def evict(self, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Free up to ``k`` CACHED pages, least recently stamped first (ties by page id).
+        """Free up to ``k`` CACHED pages, least recently cached or touched first (one call's pages in the order
+        of their first occurrence in its input).
 
         Parameters
         ----------
@@ -527,7 +530,8 @@ class PagePool:
 
         A sync point meant for tests and debugging (reads every state tensor):
         page states, counts, the free stack, reference counts, generations (non-negative),
-        peaks, totals, and that the scratch a later call relies on is reset.
+        peaks, totals, the LRU queue (every CACHED page has one live entry, in stamp order), and
+        that the scratch a later call relies on is reset.
 
         Raises
         ------
@@ -563,6 +567,19 @@ class PagePool:
         need(c[L.USED_PEAK] >= P - fc - cc and c[L.CACHED_PEAK] >= cc, "peaks >= current")
         need(c[L.ALLOCATED] + c[L.REVIVED] - c[L.FREED] == P - fc - cc,
              "allocated + revived - freed == used")
+        head, tail, queue, pos = c[L.LRU_HEAD], c[L.LRU_TAIL], st["lru_queue"].long(), st["lru_pos"]
+        need(0 <= head <= tail <= queue.numel(),
+             f"LRU queue bounds (head={head}, tail={tail}, pages={P})")
+        entries = queue[head:tail]
+        need(bool(((entries >= 0) & (entries < P)).all()), "LRU queue entries are page ids")
+        where = torch.arange(head, tail)
+        live = entries[(state[entries] == L.CACHED) & (pos[entries] == where)]
+        cached = (state == L.CACHED).nonzero().flatten()
+        need(live.numel() == cc and bool((queue[pos[cached].clamp(min=0, max=queue.numel() - 1)] == cached).all())
+             and bool(((pos[cached] >= head) & (pos[cached] < tail)).all()),
+             "every CACHED page has one live entry in the LRU queue")
+        stamps = st["stamp"][live]
+        need(bool((stamps[1:] >= stamps[:-1]).all()), "the LRU queue's live entries in stamp order")
 
     def memory_bytes(self) -> dict:
         """Bytes held by the pool's state tensors (for :func:`tpool.memory_report`).

@@ -7,7 +7,7 @@ descriptor) recorded stay valid for the owner's lifetime.
 * Pool: page ``i`` is in exactly one state (``page_state[i]``): FREE (its id
   sits in ``free_stack[:counters[FREE_COUNT]]``), USED (``refcount[i] >= 1``)
   or CACHED (``refcount[i] == 0``, content kept, evictable, LRU stamp in
-  ``stamp[i]``). The stack is popped from the top: a fresh pool hands out
+  ``stamp[i]``, and a live entry in the LRU queue ``lru_queue``, which eviction pops). The stack is popped from the top: a fresh pool hands out
   pages 0, 1, 2, ...
   ``page_gen[i]`` counts the times page ``i`` became FREE (mod 2**31): a prefix-cache entry
   that recorded it finds out whether its pages were freed (and maybe handed out again) since.
@@ -133,7 +133,10 @@ class PoolState(_Tensors):
     #                           touches it; kept with the state, so a restored snapshot restores it too)
     claim: torch.Tensor       # int32 [num_pages] scratch, INT32_MAX between calls
     occur: torch.Tensor       # int32 [num_pages] scratch, 0 between calls
-    keys: torch.Tensor        # int64 [num_pages] scratch for eviction
+    keys: torch.Tensor        # int64 [num_pages] scratch (release and truncate on numba)
+    lru_queue: torch.Tensor   # int32 [LRU_FACTOR * num_pages]: CACHED pages in eviction order, with stale
+    #                           entries between (live ones: counters[LRU_HEAD:LRU_TAIL], see kernels.layout)
+    lru_pos: torch.Tensor     # int64 [num_pages]: where each page's latest entry in lru_queue is (-1: none yet)
     # Held by the reference and triton backends around every call on this pool or its tables, so
     # two threads never interleave inside one; numba calls hold the GIL instead (tpool.backends).
     lock: CallLock = field(default_factory=CallLock, compare=False, repr=False)
@@ -157,6 +160,8 @@ class PoolState(_Tensors):
             claim=fixed_full(num_pages, INT32_MAX, torch.int32, device),
             occur=fixed_full(num_pages, 0, torch.int32, device),
             keys=fixed_full(num_pages, 0, torch.int64, device),
+            lru_queue=fixed_full(L.LRU_FACTOR * num_pages, L.NULL_PAGE, torch.int32, device),
+            lru_pos=fixed_full(num_pages, -1, torch.int64, device),
             lock=CallLock(counters.device),
         )
 

@@ -183,7 +183,8 @@ def state_descriptor(st) -> np.ndarray:
     d = np.zeros(L.STATE_DESC_LEN, np.int64)
     for slot, t in ((L.SD_FREE_STACK, st.free_stack), (L.SD_REFCOUNT, st.refcount), (L.SD_PAGE_STATE, st.page_state),
                     (L.SD_STAMP, st.stamp), (L.SD_COUNTERS, st.counters), (L.SD_OCCUR, st.occur),
-                    (L.SD_KEYS, st.keys), (L.SD_PAGE_GEN, st.page_gen)):
+                    (L.SD_KEYS, st.keys), (L.SD_PAGE_GEN, st.page_gen), (L.SD_LRU_QUEUE, st.lru_queue),
+                    (L.SD_LRU_POS, st.lru_pos)):
         d[slot] = _addr(t)
     d[L.SD_PAGES] = st.num_pages
     return d

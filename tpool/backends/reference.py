@@ -18,12 +18,22 @@ the same outputs and the same state, bit for bit. The rules:
   ``[0, num_pages)`` is an ``invalid_page`` error. Releasing more references
   than a page holds is a ``double_free`` per excess entry. Pages whose count
   reaches 0 are pushed on the free stack in the order of their first
-  occurrence in the input (or become CACHED with the call's stamp).
+  occurrence in the input (or become CACHED with the call's stamp, and go on
+  the LRU queue's tail in that order).
+* The LRU queue (``lru_queue``, live entries in ``[LRU_HEAD, LRU_TAIL)``, see
+  :mod:`tpool.kernels.layout`): a page gets an entry at the tail when it
+  becomes CACHED or is touched while CACHED (``lru_pos[p]`` notes where); an
+  entry is live while its page is CACHED and the entry is the page's latest.
+  Every call that may push (``free``/``release`` with ``cache``, ``touch``)
+  first compacts the queue when its tail is past ``LRU_COMPACT_AT * P``: the
+  live entries move to the front, in order.
 * Every page that becomes FREE (a last reference dropped without ``cache``, an
   eviction) has its generation bumped: ``page_gen = (page_gen + 1) & GEN_MASK``;
   nothing else changes a generation.
-* ``evict``: the cached pages with the smallest ``(stamp, page id)`` go first;
-  they are returned oldest first and pushed on the free stack in that order.
+* ``evict``: the first live entries of the LRU queue go first (least recently
+  cached or touched; with stamps from the clock alone, ascending stamp, ties in
+  first-occurrence order); they are returned oldest first and pushed on the
+  free stack in that order, and the queue's head moves past the last one.
 * ``incref`` saturates: a count that would pass INT32_MAX stays at INT32_MAX;
   each reference that could not be added counts one ``refcount_overflow``.
 
@@ -38,15 +48,20 @@ each case counts ``corrupt_state``):
 * a page whose last reference is dropped when the stack is full (or ``F < 0``)
   becomes FREE without being pushed (one count each);
 * an eviction of ``m = min(n, C, out)`` pages that cannot be pushed
-  (``F < 0`` or ``F > P - m``) or finds fewer than ``m`` CACHED pages evicts
-  nothing (one count).
+  (``F < 0`` or ``F > P - m``) or finds fewer than ``m`` live entries in the
+  LRU queue (none when not ``0 <= head <= tail <= len(lru_queue)``) evicts
+  nothing (one count);
+* a push on the LRU queue whose slot (``tail``, then ``tail + 1``, ...) is
+  outside the queue leaves the page without an entry (one count each; the
+  tail still moves); a compaction that finds the head or tail out of bounds
+  empties the queue (``head = tail = 0``, one count).
 """
 
 import torch
 
 from tpool.backends.contract import BoundByTensors, PoolByFunctions, locked
 from tpool.kernels import layout as L
-from tpool.kernels.layout import INT32_MAX, INT64_MAX
+from tpool.kernels.layout import INT32_MAX
 
 
 def _put(dst: torch.Tensor, idx: torch.Tensor, val, mask: torch.Tensor) -> None:
@@ -133,30 +148,65 @@ def pop_pages(st, depth: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(good, pages, L.NULL_PAGE)
 
 
+def lru_live(st) -> tuple:
+    """``(live, pages)`` over the LRU queue's slots: which entries are live (``kernels.layout``), and the
+    page each names (clamped into ``[0, P)``); none when the head and tail are out of bounds."""
+    P, c, q = st.num_pages, st.counters, st.lru_queue
+    h, t = c[L.LRU_HEAD], c[L.LRU_TAIL]
+    j = torch.arange(q.numel(), device=q.device)
+    p = q.long()
+    idx = p.clamp(min=0, max=P - 1)
+    live = ((h >= 0) & (h <= t) & (t <= q.numel()) & (j >= h) & (j < t) & (p >= 0) & (p < P)
+            & (st.page_state[idx] == L.CACHED) & (st.lru_pos[idx] == j))
+    return live, idx
+
+
+def lru_compact(st) -> None:
+    """Before a call that may push: when the tail is past ``LRU_COMPACT_AT * P``, the live entries move to
+    the front in order (head 0, tail their count); a head or tail out of bounds empties the queue."""
+    c, q = st.counters, st.lru_queue
+    h, t = c[L.LRU_HEAD], c[L.LRU_TAIL]
+    due = t > L.LRU_COMPACT_AT * st.num_pages
+    c[L.ERR_CORRUPT_STATE] += (due & ~((h >= 0) & (h <= t) & (t <= q.numel()))).long()
+    live, idx = lru_live(st)
+    live = live & due
+    rank = torch.cumsum(live.long(), 0) - live.long()
+    _put(q, rank, idx, live)
+    _put(st.lru_pos, idx, rank, live)
+    c[L.LRU_HEAD] = torch.where(due, 0, h)
+    c[L.LRU_TAIL] = torch.where(due, live.sum(), t)
+
+
+def lru_push(st, idx: torch.Tensor, mask: torch.Tensor) -> None:
+    """Pages ``idx[mask]`` (distinct, in ``[0, P)``) get entries at the LRU queue's tail, in lane order."""
+    c, q = st.counters, st.lru_queue
+    pos = c[L.LRU_TAIL] + torch.cumsum(mask.long(), 0) - mask.long()
+    fit = mask & (pos >= 0) & (pos < q.numel())
+    _put(q, pos.clamp(min=0, max=q.numel() - 1), idx, fit)
+    _put(st.lru_pos, idx, pos, fit)
+    c[L.ERR_CORRUPT_STATE] += (mask & ~fit).sum()
+    c[L.LRU_TAIL] += mask.sum()
+
+
 def evict_oldest(st, out: torch.Tensor, n) -> None:
-    """Evict the ``min(n, cached)`` oldest cached pages into ``out`` (padded with -1)."""
+    """Evict the ``min(n, cached)`` oldest cached pages (the LRU queue's first live entries) into ``out``
+    (padded with -1)."""
     P, c = st.num_pages, st.counters
-    cached = st.page_state == L.CACHED
-    # (stamp, id) order without a product that could overflow: a stable sort by stamp of the
-    # cached pages (ids ascending), then the other pages.
-    by_stamp = torch.argsort(torch.where(cached, st.stamp, 0), stable=True)
-    order = by_stamp[torch.argsort((~cached[by_stamp]).to(torch.int8), stable=True)]
-    k = min(out.numel(), P)
-    order = order[:k]
-    vals = torch.where(cached[order], 0, INT64_MAX)
+    live, idx = lru_live(st)
+    rank = torch.cumsum(live.long(), 0) - live.long()
     f = c[L.FREE_COUNT]
     n = n.long() if isinstance(n, torch.Tensor) else torch.full((), n, dtype=torch.int64, device=out.device)
     m = torch.minimum(n, c[L.CACHED_COUNT]).clamp(min=0, max=out.numel())
-    stamps = torch.where(cached, st.stamp, 0)
-    wild = ((stamps < 0) | (stamps > c[L.CLOCK])).any()  # a stamp outside [0, clock]
-    bad = (m > 0) & ((f < 0) | (f > P - m) | (cached.sum() < m) | wild)  # no sum: it could wrap
+    bad = (m > 0) & ((f < 0) | (f > P - m) | (live.sum() < m))  # no sum: it could wrap
     c[L.ERR_CORRUPT_STATE] += bad.long()
     m = torch.where(bad, 0, m)
-    take = (torch.arange(k, device=out.device) < m) & (vals != INT64_MAX)
-    pages = torch.where(take, order, L.NULL_PAGE)
+    take = live & (rank < m)
     out.fill_(L.NULL_PAGE)
-    out[:k] = pages
-    m = _push(st, pages.clamp(min=0), take)
+    _put(out, rank.clamp(max=out.numel() - 1), idx, take)
+    j = torch.arange(live.numel(), device=out.device)
+    c[L.LRU_HEAD] = torch.where(m > 0, torch.where(take, j + 1, 0).amax(), c[L.LRU_HEAD])
+    lanes = torch.arange(out.numel(), device=out.device)
+    m = _push(st, out.long().clamp(min=0), lanes < m)
     c[L.CACHED_COUNT] -= m
     c[L.EVICTED] += m
 
@@ -205,6 +255,8 @@ def free(st, pages, cache: bool) -> None:
 def apply_free(st, pages, cache: bool) -> None:
     """``free`` without the clock tick (page tables call it inside their own step)."""
     c = st.counters
+    if cache:
+        lru_compact(st)
     idx, first, k, invalid = count_pages(st, pages)
     c[L.ERR_INVALID_PAGE] += invalid.sum()
     used = first & (st.page_state[idx] == L.USED)
@@ -217,6 +269,7 @@ def apply_free(st, pages, cache: bool) -> None:
     if cache:
         _put(st.page_state, idx, L.CACHED, zero)
         _put(st.stamp, idx, c[L.CLOCK], zero)
+        lru_push(st, idx, zero)
         c[L.CACHED_COUNT] += zero.sum()
     else:
         _push(st, idx, zero)
@@ -252,6 +305,7 @@ def touch(st, pages) -> None:
     """Stamp USED and CACHED pages with the clock (LRU refresh); a FREE page, or one in no known state, is an error."""
     c = st.counters
     c[L.CLOCK] += 1
+    lru_compact(st)
     idx, first, k, invalid = count_pages(st, pages)
     c[L.ERR_INVALID_PAGE] += invalid.sum()
     state = st.page_state[idx]
@@ -259,6 +313,7 @@ def touch(st, pages) -> None:
     c[L.ERR_USE_AFTER_FREE] += torch.where(first & (state == L.FREE), k, 0).sum()
     c[L.ERR_CORRUPT_STATE] += torch.where(first & (state != L.FREE) & ~known, k, 0).sum()
     _put(st.stamp, idx, c[L.CLOCK], first & known)
+    lru_push(st, idx, first & (state == L.CACHED))
 
 
 def evict(st, out) -> None:
