@@ -3,9 +3,11 @@
 Each sample: one ``evict(k)`` timed alone; then, untimed, the evicted pages are
 allocated again and released to the cache (newest stamps), so every sample
 sees the same number of cached pages. Baseline, in the same run:
-``numpy-argpartition``, the vectorised host answer (select the k smallest
-(stamp, id) keys among the cached pages with ``np.argpartition``, then sort
-those k), run on the same state. A sweep (several ``--pool-sizes``) builds every
+``numpy-argpartition``, the vectorised host answer without a queue (select the
+k smallest (stamp, id) keys among the cached pages with ``np.argpartition``,
+then sort those k: a pass over the pool, as tpool's eviction was before session
+28), run on the same state. tpool reads its LRU queue from the head instead, so
+its cost follows k, not the pool. A sweep (several ``--pool-sizes``) builds every
 size at once and takes turns between them sample by sample.
 
 The numpy baseline allocates ~20 bytes per page of temporaries each call (10 MB at
@@ -18,7 +20,7 @@ server's allocator does; the previous settings are restored at the end.
 
     python benchmarks/bench_evict.py                   # the table, about 10 s
     python benchmarks/bench_evict.py --pool-sizes 65536 262144 1048576 4194304 16777216 \
-        --backends numba --plot evict.png                # linear in the pool size
+        --backends numba --plot evict.png                # flat in the pool size (numpy: linear)
 """
 
 import argparse
@@ -86,8 +88,8 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=HelpFormatter)
     ap.add_argument("--pool-sizes", "--pages", dest="pages", nargs="+", default=[65536, 1048576], metavar="P",
                     type=multiple_of(2 * CACHE_CALLS, f"half the pool is cached in {CACHE_CALLS} equal frees"),
-                    help=f"pages in the pool, a multiple of {2 * CACHE_CALLS}, half of them cached (eviction is "
-                         "linear in P); several sizes are built at once and take turns sample by sample")
+                    help=f"pages in the pool, a multiple of {2 * CACHE_CALLS}, half of them cached (tpool's eviction "
+                         "is flat in P, the numpy baseline's linear); several sizes are built at once and take turns sample by sample")
     ap.add_argument("--k", type=positive_int, nargs="+", default=[1, 64, 4096],
                     help="pages evicted per call, each at most half the smallest --pool-sizes")
     ap.add_argument("--device", default=default_device(), help="torch device of the pools")
