@@ -67,13 +67,15 @@ def _drop_tail(ids, new_lens, use_lens, cache, page_size, block_table, seq_lens,
     # the released rows make them more than the pool has pages.
     dropped = keys[:count] if count <= keys.shape[0] else np.empty(count, np.int64)
     j = 0
-    for i in range(B):  # gather them lane by lane, in table order; reset the entries
+    for i in range(B):  # gather them lane by lane, in table order (cached: each row reversed); reset the entries
         if lane_valid(ids, i, R, claim):
             r = ids[i]
             keep_tokens = _new_len(new_lens, i, seq_lens[r], drop) if use_lens else 0
-            for k in range((keep_tokens + page_size - 1) // page_size, (seq_lens[r] + page_size - 1) // page_size):
-                dropped[j] = block_table[r, k]
-                block_table[r, k] = L.NULL_PAGE
+            lo, hi = (keep_tokens + page_size - 1) // page_size, (seq_lens[r] + page_size - 1) // page_size
+            for k in range(lo, hi):
+                col = hi - 1 - (k - lo) if cache else k  # cached: the row's last page first (evicted first)
+                dropped[j] = block_table[r, col]
+                block_table[r, col] = L.NULL_PAGE
                 j += 1
             seq_lens[r] = keep_tokens
     nu.reset_requests(ids, R, claim)
@@ -153,8 +155,9 @@ def truncate_numba_entry(req_ids_ptr, lens_ptr, B, drop, cd):
 # One program. Lanes: claim the rows, decide each lane (valid = the row's
 # first lane; truncate: new length in [0, L]) and write its running end in
 # the dropped-page list to ``lane_end``. Entry f of the list is column
-# ``ceil(keep_i / ps) + f - start_i`` of lane i's row (``list_lane``), so list
-# order is the reference's (lane, column) order; each pass recomputes an entry
+# ``ceil(keep_i / ps) + f - start_i`` of lane i's row (``list_lane``), or with
+# ``cache`` column ``ceil(L_i / ps) - 1 - (f - start_i)`` (the row's last page
+# first), so list order is the reference's (lane, column) order; each pass recomputes an entry
 # from the inputs, the claims and the lengths, which change only in the last
 # pass. Three passes over the
 # entries run the pool's ``free`` (claim; apply to first occurrences, pushes
@@ -180,13 +183,18 @@ def _lanes(ids_ptr, new_lens_ptr, i, B, claim_ptr, seq_lens_ptr, R, limit, HAS_L
 
 @triton.jit
 def _dropped(f, total, lane_end_ptr, SEARCH, ids_ptr, new_lens_ptr, B, claim_ptr, seq_lens_ptr, block_table_ptr,
-             R, MP, page_size, HAS_LENS: tl.constexpr):
-    """List entries ``f``: ``(table cell, page, dropped?)``; cell = row * MP + column, int64."""
+             R, MP, page_size, HAS_LENS: tl.constexpr, REVERSE: tl.constexpr):
+    """List entries ``f``: ``(table cell, page, dropped?)``; cell = row * MP + column, int64. REVERSE: each
+    lane's entries from its row's last page down (a release into the cache, so the last pages are evicted
+    first)."""
     live = f < total
     i, start = list_lane(f, live, lane_end_ptr, B, SEARCH)
     r, _, _, _, length, act, keep, _c = _lanes(ids_ptr, new_lens_ptr, i, B, claim_ptr, seq_lens_ptr, R,
                                                 MP * page_size, HAS_LENS)
-    k = cdiv(keep, page_size) + f - start
+    if REVERSE:
+        k = cdiv(length, page_size) - 1 - (f - start)
+    else:
+        k = cdiv(keep, page_size) + f - start
     drop = live & act & (k < cdiv(length, page_size)) & (k < MP)
     cell = r.to(tl.int64) * MP + k
     return cell, tl.load(block_table_ptr + cell, mask=drop, other=NULL_PAGE), drop
@@ -252,7 +260,7 @@ def release_kernel(
     for start in range(0, total, BLOCK):
         f = start + lanes
         _, p, drop = _dropped(f, total, lane_end_ptr, SEARCH, req_ids_ptr, new_lens_ptr, B, claim_ptr,
-                              seq_lens_ptr, block_table_ptr, R, MP, page_size, HAS_LENS)
+                              seq_lens_ptr, block_table_ptr, R, MP, page_size, HAS_LENS, CACHE)
         invalid += claim_pages(p, f, drop, page_claim_ptr, occur_ptr, num_pages)
     tl.debug_barrier()
     top = counter_get(c, FREE_COUNT)
@@ -262,7 +270,7 @@ def release_kernel(
     for start in range(0, total, BLOCK):
         f = start + lanes
         _, p, drop = _dropped(f, total, lane_end_ptr, SEARCH, req_ids_ptr, new_lens_ptr, B, claim_ptr,
-                              seq_lens_ptr, block_table_ptr, R, MP, page_size, HAS_LENS)
+                              seq_lens_ptr, block_table_ptr, R, MP, page_size, HAS_LENS, CACHE)
         first, k = first_pages(p, f, drop, page_claim_ptr, occur_ptr, num_pages)
         dbl, rel, push, tail, gone = apply_free(p, first, k, top + released, clock, free_stack_ptr, refcount_ptr,
                                                 page_state_ptr, stamp_ptr, page_gen_ptr, num_pages, tail,
@@ -275,7 +283,7 @@ def release_kernel(
     for start in range(0, total, BLOCK):
         f = start + lanes
         cell, p, drop = _dropped(f, total, lane_end_ptr, SEARCH, req_ids_ptr, new_lens_ptr, B, claim_ptr,
-                                 seq_lens_ptr, block_table_ptr, R, MP, page_size, HAS_LENS)
+                                 seq_lens_ptr, block_table_ptr, R, MP, page_size, HAS_LENS, CACHE)
         reset_pages(p, drop, page_claim_ptr, occur_ptr, num_pages)
         tl.store(block_table_ptr + cell, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=drop)
     tl.debug_barrier()  # every pass above reads the claims and the lengths

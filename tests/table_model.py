@@ -92,7 +92,7 @@ class TableModel:
         flat = []
         for r in self._lanes(ids):
             if r is not None:
-                flat += self.rows[r]
+                flat += self.rows[r][::-1] if cache else self.rows[r]  # cached: each row's last page first
                 self.rows[r], self.lens[r] = [], 0
         self._free_flat(flat, cache)
 

@@ -153,6 +153,25 @@ def test_release_with_cache_keeps_pages_cached(make_table, guard):
     table.check_invariants()
 
 
+def test_release_into_the_cache_queues_each_rows_last_page_first(make_table, guard):
+    """A prefix can only be reused from its first page: a release with cache=True queues each row's pages
+    last page first (lanes in batch order), so eviction takes requests' tails before their heads; a
+    release without the cache pushes the pages on the free stack in token order, as before."""
+    table = make_table(16, 2, 4, 4)
+    with guard():
+        table.extend(i32([0, 1, 2]), i32([6, 3, 7]), max_tokens=16)   # rows of 3, 2 and 4 pages
+    rows = [table.block_table[r, :n].tolist() for r, n in ((0, 3), (1, 2), (2, 4))]
+    with guard():
+        table.release(i32([1, 0]), cache=True)
+        out = table.pool.evict(5)
+    assert out.tolist() == rows[1][::-1] + rows[0][::-1]
+    with guard():
+        table.release(i32([2]))                     # pushed 5, 6, 7, 8 in token order: popped 8, 7, 6, 5
+        got = table.pool.alloc(i32([4])).pages
+    assert got.tolist()[:4] == rows[2][::-1]
+    table.check_invariants(exclusive=False)         # (the pool's alloc holds pages the table does not)
+
+
 def test_flashinfer_csr_matches_hand_built(make_table, guard):
     table = make_table(32, 4, 4, 4)
     with guard():

@@ -537,7 +537,9 @@ class PageTable:
 
         Pages shared with other requests survive while others hold them; with
         ``cache=True`` pages whose last reference goes become CACHED (a prefix cache
-        keeps them), else FREE.
+        keeps them), else FREE. Cached, each row's pages go on the pool's LRU queue last
+        page first, so eviction takes a request's tail before its head (a prefix cache
+        can only reuse a prefix).
 
         Parameters
         ----------
@@ -726,12 +728,12 @@ class PageTable:
 
         >>> table.release(i32([1]), cache=True)           # pages 0, 1 CACHED again
         >>> gens = pool.generations(i32([0, 1]))          # recorded with the prefix-cache entry
-        >>> gens.tolist(), pool.evict(1).tolist()         # page 0 evicted: FREE, generation 1
-        ([0, 0], [0])
-        >>> _ = table.extend(i32([1]), i32([4]), max_tokens=4)   # page 0 handed to request 1
+        >>> gens.tolist(), pool.evict(1).tolist()         # the row's last page goes first: page 1, generation 1
+        ([0, 0], [1])
+        >>> _ = table.extend(i32([1]), i32([4]), max_tokens=4)   # page 1 handed to request 1
         >>> table.revive(0, i32([0, 1]), 8, generations=gens)    # stale: refused, row 0 stays empty
         >>> table.block_table[:, 0].tolist(), pool.generations(i32([0, 1])).tolist()
-        ([-1, 0], [1, 0])
+        ([-1, 1], [0, 1])
         >>> pool.stats()["errors.use_after_free"]
         1
         """

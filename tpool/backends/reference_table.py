@@ -29,7 +29,9 @@ lanes saw the table as it was when the call began.
   buffer. A step's extend has happened for those lanes all the same.
 * ``release`` / ``truncate``: the pages past the new length (all of them for
   release) are freed as ONE ``free`` over the lanes' pages, lane by lane, in
-  table order; their entries become -1.
+  table order (a release with ``cache``: each lane's pages from its row's last
+  page down, so the LRU queue evicts a request's tail before its head); their
+  entries become -1.
 * ``fork``: ``dst`` (empty at call start) takes the first ``lens`` tokens of
   ``src``: whole pages are shared (one reference each), a partial last page
   gets a fresh page (popped in lane order, first come first served over the
@@ -183,7 +185,9 @@ def _drop_tail(st, ts, rr, act, keep_tokens, cache):
     have = _cdiv(ts.seq_lens[rr].long(), ps)
     k = torch.arange(MP, device=rows.device)
     drop = act[:, None] & (k >= _cdiv(keep_tokens, ps)[:, None]) & (k < have[:, None])
-    apply_free(st, torch.where(drop, rows, L.NULL_PAGE).flatten(), cache)
+    # lane by lane, in column order; into the cache each row's last page first (so it is evicted first)
+    dropped = torch.where(drop, rows, L.NULL_PAGE)
+    apply_free(st, (dropped.flip(1) if cache else dropped).flatten(), cache)
     cell = (rr[:, None] * MP + k).flatten()
     _put(ts.block_table.view(-1), cell, L.NULL_PAGE, drop.flatten())
     _put(ts.seq_lens, rr, keep_tokens, act)
