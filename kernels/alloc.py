@@ -215,5 +215,6 @@ def alloc_triton(st, counts, pages, indptr, ok, evicted, evict) -> None:
     alloc_kernel[(1,)](
         counts, B, pages, M, indptr, ok, BO, evicted,
         st.free_stack, st.refcount, st.page_state, st.page_gen, st.counters, st.lru_queue, st.lru_pos, st.num_pages,
-        st.lru_queue.numel(), HAS_EVICT=bool(evict), **settings(max(B, M, BO)),
+        st.lru_queue.numel(), HAS_EVICT=bool(evict),
+        **settings(max(B, M, BO, st.lru_queue.numel() if evict else 1)),  # (an eviction's stale entries)
     )

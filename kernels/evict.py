@@ -184,5 +184,5 @@ def evict_triton(st, out) -> None:
     """Evict up to ``out.numel()`` cached pages, oldest first, into ``out`` (one launch)."""
     evict_kernel[(1,)](
         out, out.numel(), st.free_stack, st.page_state, st.page_gen, st.counters, st.lru_queue, st.lru_pos,
-        st.num_pages, st.lru_queue.numel(), **settings(out.numel()),
+        st.num_pages, st.lru_queue.numel(), **settings(max(out.numel(), st.lru_queue.numel())),  # (stale entries)
     )

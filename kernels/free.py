@@ -118,5 +118,5 @@ def free_triton(st, pages, cache) -> None:
     free_kernel[(1,)](
         pages, pages.numel(), st.free_stack, st.refcount, st.page_state, st.stamp, st.page_gen, st.counters,
         st.claim, st.occur, st.lru_queue, st.lru_pos, st.num_pages, st.lru_queue.numel(),
-        CACHE=bool(cache), **settings(pages.numel()),
+        CACHE=bool(cache), **settings(max(pages.numel(), st.lru_queue.numel() if cache else 1)),  # (a compaction: the queue)
     )

@@ -2,7 +2,9 @@
 
 The pages dropped by one call are freed as ONE ``free`` over the lanes' pages,
 lane by lane in table order (so a page shared by two released requests loses
-two references, and pushes follow first occurrence). Their table entries
+two references, and pushes follow first occurrence); a release into the cache
+takes each lane's pages from its row's last page down, so the LRU queue evicts
+a request's tail before its head. Their table entries
 become -1 and the length is set. Truncating to a length above the current one
 (or below 0), or to a length that ends inside a page another request also holds
 (its next token would overwrite that request's K/V), is ``bad_length`` and leaves
@@ -230,7 +232,8 @@ def release_kernel(
     CACHE: tl.constexpr,     # pages reaching 0 references become CACHED (else FREE)
     BLOCK: tl.constexpr,     # lanes / entries per chunk
 ):
-    """Free block_table[r_i, cdiv(keep_i, ps):cdiv(L_i, ps)] as one pool free in (lane, column) order; L_i = keep_i."""
+    """Free block_table[r_i, cdiv(keep_i, ps):cdiv(L_i, ps)] as one pool free in (lane, column) order (CACHE:
+    each lane's columns descending); L_i = keep_i."""
     lanes = tl.arange(0, BLOCK)
     c = load_counters(counters_ptr)
     c, clock = tick(c)
@@ -322,7 +325,8 @@ def _launch(req_ids, new_lens, cache, st, ts) -> None:
         st.free_stack, st.refcount, st.page_state, st.stamp, st.page_gen, st.counters, st.claim, st.occur,
         ts.lane_end, st.lru_queue, st.lru_pos,
         R, MP, st.num_pages, st.lru_queue.numel(), ts.page_size, B.bit_length(),
-        HAS_LENS=new_lens is not None, CACHE=bool(cache), **settings(max(B, B * MP)),
+        HAS_LENS=new_lens is not None, CACHE=bool(cache),
+        **settings(max(B, B * MP, st.lru_queue.numel() if cache else 1)),  # (a compaction: the queue)
     )
 
 

@@ -111,5 +111,5 @@ def touch_triton(st, pages) -> None:
     """Stamp the USED and CACHED pages of ``pages`` with the clock (one launch; see module note)."""
     touch_kernel[(1,)](
         pages, pages.numel(), st.page_state, st.stamp, st.counters, st.claim, st.occur, st.lru_queue, st.lru_pos,
-        st.num_pages, st.lru_queue.numel(), **settings(pages.numel()),
+        st.num_pages, st.lru_queue.numel(), **settings(max(pages.numel(), st.lru_queue.numel())),  # (a compaction)
     )

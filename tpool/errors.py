@@ -127,9 +127,9 @@ HINTS = {
         "0 <= length <= the request's current length (seq_lens), and truncate a request that shares "
         "pages only to a page boundary or past the shared pages."),
     L.ERR_CORRUPT_STATE: (
-        "a stored value (a request length, a free or cached count, a free-stack entry, a stamp, a page "
-        "state) was outside its bounds, so the lane or call that met it was skipped: the state was edited "
-        "by hand or overwritten. Restore a snapshot (tpool.graphs.preserved) or rebuild the pool; "
+        "a stored value (a request length, a free or cached count, a free-stack entry, a page state, the "
+        "LRU queue's head or tail, or fewer live LRU-queue entries than CACHED pages) was outside its "
+        "bounds, so the lane or call that met it was skipped: the state was edited by hand or overwritten. Restore a snapshot (tpool.graphs.preserved) or rebuild the pool; "
         "check_invariants() names the broken invariant. After a deliberate edit of block_table or seq_lens, "
         "call table.invalidate_csr()."),
     L.ERR_REFCOUNT_OVERFLOW: (
