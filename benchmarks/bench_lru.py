@@ -1,0 +1,134 @@
+"""Benchmark: an LRU churn under a full cache, step by step, worst steps included.
+
+Every page of the pool is CACHED (what a prefix cache leaves in a full pool). Each
+step touches ``--touch`` cached pages (prefix hits refreshing their pages: each
+leaves a stale entry in the LRU queue), evicts ``--k`` pages through
+``alloc(..., evict=True)`` and caches them again (``free(..., cache=True)``): the
+queue gets ``touch + k`` entries a step and is compacted once its tail passes
+twice the pool, inside whichever call pushes then. A step's time is the three
+calls; the table shows the median, p20/p80, p99 and the worst step, and how many
+steps compacted. Baseline, in the same run: ``host-ordereddict``, the same steps
+on a Python ``OrderedDict`` kept in LRU order (``move_to_end`` per touched page,
+``popitem(last=False)`` per evicted page, an insert per re-cached page), what a
+scheduler without a device pool would keep.
+
+    python benchmarks/bench_lru.py                                   # 65,536 pages, about 10 s
+    python benchmarks/bench_lru.py --pool-sizes 1048576 --steps 12000  # the compaction at 1M pages
+"""
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import HelpFormatter, default_device, positive_int, print_table, progress, quantiles, write_json  # noqa: E402
+
+import tpool  # noqa: E402
+from tpool.kernels import layout as L  # noqa: E402
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help and default."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter,
+                                 epilog="Progress goes to stderr, one line per pool size and implementation.")
+    ap.add_argument("--pool-sizes", "--pages", dest="pages", nargs="+", type=positive_int, default=[65536],
+                    metavar="P", help="pages in the pool, every one of them cached before the first step")
+    ap.add_argument("--steps", type=positive_int, default=4000, help="steps timed per pool size and implementation")
+    ap.add_argument("--touch", type=positive_int, default=256, help="cached pages touched per step")
+    ap.add_argument("--k", type=positive_int, default=64, help="pages evicted (and cached again) per step")
+    ap.add_argument("--device", default=default_device(), help="torch device of the pools")
+    ap.add_argument("--backend", default=None, help="tpool backend (default: numba on CPU, triton on CUDA)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the pages touched")
+    ap.add_argument("--json", default="", metavar="PATH", help="also write the rows as JSON")
+    return ap
+
+
+def touched_pages(P, steps, touch, seed) -> np.ndarray:
+    """int32 ``[steps, touch]``: the pages each step touches (any page: every page stays cached)."""
+    return np.random.default_rng(seed).integers(0, P, (steps, touch), dtype=np.int32)
+
+
+def run_tpool(P, args, device, backend, touched) -> tuple:
+    """Per-step µs of touch + alloc(evict) + free(cache) on a pool whose every page is cached, and the steps
+    in which a call compacted the LRU queue (its tail went down)."""
+    i32 = dict(dtype=torch.int32, device=device)
+    pool = tpool.PagePool(P, device=device, backend=backend, max_alloc_pages=max(P, args.k))
+    pool.free(pool.alloc(torch.tensor([P], **i32)).pages, cache=True)
+    out = pool.alloc_out(max_batch=1, max_pages=args.k)
+    counts = torch.tensor([args.k], **i32)
+    pages = torch.from_numpy(touched).to(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    tail = pool.state.counters[L.LRU_TAIL:L.LRU_TAIL + 1]
+    times, compacted = [], 0
+    for step in range(-1, len(touched)):  # step -1: untimed (compiles)
+        before = int(tail)
+        sync()
+        t0 = time.perf_counter_ns()
+        pool.touch(pages[max(step, 0)])
+        res = pool.alloc(counts, out=out, evict=True)
+        pool.free(res.pages, cache=True)
+        sync()
+        us = (time.perf_counter_ns() - t0) / 1e3
+        if step >= 0:
+            times.append(us)
+            compacted += int(tail) < before
+    pool.check()
+    pool.check_invariants()
+    if pool.stats()["pages.evicted"] != args.k * (len(touched) + 1):
+        raise AssertionError("a step evicted fewer pages than asked")
+    return times, compacted
+
+
+def run_host(P, args, touched) -> list:
+    """Per-step µs of the same steps on an OrderedDict in LRU order."""
+    lru = collections.OrderedDict.fromkeys(range(P))
+    times = []
+    for row in touched:
+        row = row.tolist()  # (untimed: the device pool takes a tensor it already has)
+        t0 = time.perf_counter_ns()
+        for p in row:
+            lru.move_to_end(p)
+        gone = [lru.popitem(last=False)[0] for _ in range(args.k)]
+        for p in gone:
+            lru[p] = None
+        times.append((time.perf_counter_ns() - t0) / 1e3)
+    return times
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    device = torch.device(args.device)
+    backend = args.backend or ("triton" if device.type == "cuda" else "numba")
+    torch.set_num_threads(1)
+    rows = []
+    for P in args.pages:
+        touched = touched_pages(P, args.steps, args.touch, args.seed)
+        progress(f"pool {P:,} pages: host OrderedDict, {args.steps} steps")
+        host = run_host(P, args, touched)
+        progress(f"pool {P:,} pages: tpool-{backend}, {args.steps} steps")
+        mine, compacted = run_tpool(P, args, device, backend, touched)
+        base = statistics.median(host)
+        for name, ts, n in (("host-ordereddict", host, 0), (f"tpool-{backend}", mine, compacted)):
+            med, p20, p80 = quantiles(ts)
+            rows.append(dict(pages=P, impl=name, steps=len(ts), median_us=med, p20_us=p20, p80_us=p80,
+                             p99_us=float(np.percentile(ts, 99)), max_us=max(ts), compactions=n,
+                             vs_host=base / med, device=str(device)))
+    table = [[f"{r['pages']:,}", r["impl"], f"{r['median_us']:.1f}", f"{r['p20_us']:.1f}", f"{r['p80_us']:.1f}",
+              f"{r['p99_us']:.1f}", f"{r['max_us']:.1f}", r["compactions"] if r["impl"] != "host-ordereddict" else "-",
+              f"{r['vs_host']:.2f}x"] for r in rows]
+    print_table(f"LRU churn, every page cached: a step touches {args.touch}, evicts {args.k} and caches them again, "
+                f"on {device} (us per step)",
+                ["pages", "impl", "median", "p20", "p80", "p99", "max", "compacted", "vs host"], table,
+                note="compacted: steps in which a call compacted the LRU queue (its tail went down); the max is "
+                     "such a step. vs host: the OrderedDict's median over tpool's (above 1, tpool is faster).")
+    write_json(args.json, "bench_lru", rows)
+
+
+if __name__ == "__main__":
+    main()
