@@ -89,7 +89,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--pool-sizes", "--pages", dest="pages", nargs="+", default=[65536, 1048576], metavar="P",
                     type=multiple_of(2 * CACHE_CALLS, f"half the pool is cached in {CACHE_CALLS} equal frees"),
                     help=f"pages in the pool, a multiple of {2 * CACHE_CALLS}, half of them cached (tpool's eviction "
-                         "is flat in P, the numpy baseline's linear); several sizes are built at once and take turns sample by sample")
+                         "is flat in P, the numpy baseline's linear); several sizes are built at once and take "
+                         "turns sample by sample")
     ap.add_argument("--k", type=positive_int, nargs="+", default=[1, 64, 4096],
                     help="pages evicted per call, each at most half the smallest --pool-sizes")
     ap.add_argument("--device", default=default_device(), help="torch device of the pools")

@@ -20,8 +20,9 @@ from numba.extending import intrinsic
 
 from . import layout as L
 from .layout import (INT32_MAX, SD_COUNTERS, SD_FREE_STACK, SD_KEYS, SD_LRU_POS, SD_LRU_QUEUE, SD_OCCUR,
-                     SD_PAGE_GEN, SD_PAGE_STATE, SD_PAGES, SD_REFCOUNT, SD_STAMP, TD_BLOCK_TABLE, TD_CLAIM, TD_MAX_PAGES, TD_PAGE_SIZE, TD_REQUESTS,
-                     TD_ROW_VERSION, TD_SEQ_LENS, TD_VERSION, TD_VERSION_SOURCE)
+                     SD_PAGE_GEN, SD_PAGE_STATE, SD_PAGES, SD_REFCOUNT, SD_STAMP, TD_BLOCK_TABLE, TD_CLAIM,
+                     TD_MAX_PAGES, TD_PAGE_SIZE, TD_REQUESTS, TD_ROW_VERSION, TD_SEQ_LENS, TD_VERSION,
+                     TD_VERSION_SOURCE)
 
 TAIL_BLOCK = 64  # ids per block when a free drops its trailing padding (``padded_tail_start``)
 

@@ -59,11 +59,16 @@ LRU_COMPACT_AT = tl.constexpr(L.LRU_COMPACT_AT)
 def settings(n: int) -> dict:
     """Launch settings for chunks over ``n`` lanes: ``BLOCK`` (next power of two in
     [MIN_BLOCK, MAX_BLOCK]) and ``num_warps`` (4 lanes per thread, 1 to 16 warps).
-    Deterministic; no autotuning (graph capture). Kernels that may walk the LRU queue (a
-    compaction, an eviction past stale entries) size them by the queue too, so a call with
-    a small input does not walk a large queue 32 entries at a time."""
+    Deterministic; no autotuning (graph capture)."""
     block = min(max(triton.next_power_of_2(max(n, 1)), MIN_BLOCK), MAX_BLOCK)
     return dict(BLOCK=block, num_warps=min(max(block // 128, 1), 16))
+
+
+def queue_settings(n: int, st, walks: bool = True) -> dict:
+    """``settings`` for a kernel over ``n`` lanes that may walk pool ``st``'s LRU queue (``walks``: a
+    compaction, an eviction past stale entries): sized by the queue too, so a call with a small input
+    does not walk a large queue 32 entries at a time."""
+    return settings(max(n, st.lru_queue.numel() if walks else 1))
 
 
 # ------------------------------------------------------------------ counters

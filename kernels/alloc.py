@@ -18,8 +18,7 @@ from ._numba_util import (fill_null_range, i32_array, mark_popped, page_gens, po
 from .layout import AD_EVICTED, AD_INDPTR, AD_MAX_BATCH, AD_MAX_PAGES, AD_OK, AD_PAGES, STATE_DESC_LEN
 from ._triton_util import (ALLOCATED, CACHED_COUNT, ERR_BAD_COUNT, ERR_CORRUPT_STATE, ERR_OUT_OVERFLOW,
                            FAILED_REQUESTS, FREE_COUNT, LRU_HEAD, LRU_TAIL, NULL_PAGE, counter_add, counter_get,
-                           load_counters,
-                           pop_check, raise_peaks, settings, store_counters, tick)
+                           load_counters, pop_check, queue_settings, raise_peaks, store_counters, tick)
 from .evict import evict_oldest_numba, evict_oldest_body, evicted
 
 
@@ -215,6 +214,5 @@ def alloc_triton(st, counts, pages, indptr, ok, evicted, evict) -> None:
     alloc_kernel[(1,)](
         counts, B, pages, M, indptr, ok, BO, evicted,
         st.free_stack, st.refcount, st.page_state, st.page_gen, st.counters, st.lru_queue, st.lru_pos, st.num_pages,
-        st.lru_queue.numel(), HAS_EVICT=bool(evict),
-        **settings(max(B, M, BO, st.lru_queue.numel() if evict else 1)),  # (an eviction's stale entries)
+        st.lru_queue.numel(), HAS_EVICT=bool(evict), **queue_settings(max(B, M, BO), st, evict),
     )

@@ -16,7 +16,7 @@ from . import _numba_util as nu
 from ._numba_util import bump_gen, fill_null_range, i32_array, page_gens, state_arrays
 from ._triton_util import (CACHED_COUNT, ERR_CORRUPT_STATE, EVICTED, FREE, FREE_COUNT, LRU_HEAD, LRU_TAIL,
                            NULL_PAGE, bump_gen as t_bump_gen, counter_add, counter_get, counter_set, load_counters,
-                           lru_live, settings, store_counters, tick)
+                           lru_live, queue_settings, store_counters, tick)
 
 
 @numba.njit(nogil=True)
@@ -184,5 +184,5 @@ def evict_triton(st, out) -> None:
     """Evict up to ``out.numel()`` cached pages, oldest first, into ``out`` (one launch)."""
     evict_kernel[(1,)](
         out, out.numel(), st.free_stack, st.page_state, st.page_gen, st.counters, st.lru_queue, st.lru_pos,
-        st.num_pages, st.lru_queue.numel(), **settings(max(out.numel(), st.lru_queue.numel())),  # (stale entries)
+        st.num_pages, st.lru_queue.numel(), **queue_settings(out.numel(), st),
     )

@@ -4,7 +4,8 @@ Per distinct page named ``k`` times: ``d = min(k, refcount)`` references are
 dropped and ``k - d`` entries count as ``double_free`` (all ``k`` when the page
 is not USED). Pages reaching 0 are pushed on the free stack in the order of
 their first occurrence (FREE, their generation bumped), or with ``cache`` become
-CACHED stamped with the clock, on the LRU queue in that order. ``-1`` is padding; other ids outside ``[0, P)`` count ``invalid_page``.
+CACHED stamped with the clock, on the LRU queue in that order. ``-1`` is padding; other ids
+outside ``[0, P)`` count ``invalid_page``.
 """
 
 import numba
@@ -16,7 +17,7 @@ from ._numba_util import i32_array, page_gens, state_arrays
 from ._triton_util import (CACHED_COUNT, ERR_CORRUPT_STATE, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREED,
                            FREE_COUNT, LRU_TAIL, count_pages, counter_add, counter_get, counter_set, first_lanes,
                            lru_compact,
-                           load_counters, raise_peaks, apply_free, reset_lanes, settings,
+                           load_counters, raise_peaks, apply_free, reset_lanes, queue_settings,
                            store_counters, tick)
 
 
@@ -118,5 +119,5 @@ def free_triton(st, pages, cache) -> None:
     free_kernel[(1,)](
         pages, pages.numel(), st.free_stack, st.refcount, st.page_state, st.stamp, st.page_gen, st.counters,
         st.claim, st.occur, st.lru_queue, st.lru_pos, st.num_pages, st.lru_queue.numel(),
-        CACHE=bool(cache), **settings(max(pages.numel(), st.lru_queue.numel() if cache else 1)),  # (a compaction: the queue)
+        CACHE=bool(cache), **queue_settings(pages.numel(), st, cache),
     )

@@ -23,7 +23,7 @@ from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, cdiv, claim_pa
                                  check_lane_scratch, first_pages, list_lane, request_lanes, reset_pages)
 from ._triton_util import (CACHED_COUNT, ERR_CORRUPT_STATE, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREE_COUNT,
                            FREED, INT32_MAX, LRU_TAIL, NULL_PAGE, counter_add, counter_get, counter_set,
-                           load_counters, lru_compact, raise_peaks, apply_free, settings, store_counters, tick)
+                           load_counters, lru_compact, raise_peaks, apply_free, queue_settings, store_counters, tick)
 
 
 @numba.njit(nogil=True, inline="always")
@@ -325,8 +325,7 @@ def _launch(req_ids, new_lens, cache, st, ts) -> None:
         st.free_stack, st.refcount, st.page_state, st.stamp, st.page_gen, st.counters, st.claim, st.occur,
         ts.lane_end, st.lru_queue, st.lru_pos,
         R, MP, st.num_pages, st.lru_queue.numel(), ts.page_size, B.bit_length(),
-        HAS_LENS=new_lens is not None, CACHE=bool(cache),
-        **settings(max(B, B * MP, st.lru_queue.numel() if cache else 1)),  # (a compaction: the queue)
+        HAS_LENS=new_lens is not None, CACHE=bool(cache), **queue_settings(max(B, B * MP), st, cache),
     )
 
 

@@ -13,7 +13,7 @@ from . import _numba_util as nu
 from ._numba_util import i32_array, state_arrays
 from ._triton_util import (CACHED, ERR_CORRUPT_STATE, ERR_INVALID_PAGE, ERR_USE_AFTER_FREE, FREE, LRU_TAIL, USED,
                            count_pages, counter_add, counter_get, counter_set, first_lanes, load_counters,
-                           lru_compact, lru_push, reset_lanes, settings,
+                           lru_compact, lru_push, queue_settings, reset_lanes,
                            store_counters, tick)
 
 
@@ -111,5 +111,5 @@ def touch_triton(st, pages) -> None:
     """Stamp the USED and CACHED pages of ``pages`` with the clock (one launch; see module note)."""
     touch_kernel[(1,)](
         pages, pages.numel(), st.page_state, st.stamp, st.counters, st.claim, st.occur, st.lru_queue, st.lru_pos,
-        st.num_pages, st.lru_queue.numel(), **settings(max(pages.numel(), st.lru_queue.numel())),  # (a compaction)
+        st.num_pages, st.lru_queue.numel(), **queue_settings(pages.numel(), st),
     )

@@ -129,7 +129,8 @@ HINTS = {
     L.ERR_CORRUPT_STATE: (
         "a stored value (a request length, a free or cached count, a free-stack entry, a page state, the "
         "LRU queue's head or tail, or fewer live LRU-queue entries than CACHED pages) was outside its "
-        "bounds, so the lane or call that met it was skipped: the state was edited by hand or overwritten. Restore a snapshot (tpool.graphs.preserved) or rebuild the pool; "
+        "bounds, so the lane or call that met it was skipped: the state was edited by hand or overwritten. "
+        "Restore a snapshot (tpool.graphs.preserved) or rebuild the pool; "
         "check_invariants() names the broken invariant. After a deliberate edit of block_table or seq_lens, "
         "call table.invalidate_csr()."),
     L.ERR_REFCOUNT_OVERFLOW: (

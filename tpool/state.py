@@ -7,7 +7,8 @@ descriptor) recorded stay valid for the owner's lifetime.
 * Pool: page ``i`` is in exactly one state (``page_state[i]``): FREE (its id
   sits in ``free_stack[:counters[FREE_COUNT]]``), USED (``refcount[i] >= 1``)
   or CACHED (``refcount[i] == 0``, content kept, evictable, LRU stamp in
-  ``stamp[i]``, and a live entry in the LRU queue ``lru_queue``, which eviction pops). The stack is popped from the top: a fresh pool hands out
+  ``stamp[i]``, and a live entry in the LRU queue ``lru_queue``, which eviction pops). The
+  stack is popped from the top: a fresh pool hands out
   pages 0, 1, 2, ...
   ``page_gen[i]`` counts the times page ``i`` became FREE (mod 2**31): a prefix-cache entry
   that recorded it finds out whether its pages were freed (and maybe handed out again) since.
