@@ -4,16 +4,20 @@ Every page of the pool is CACHED (what a prefix cache leaves in a full pool). Ea
 step touches ``--touch`` cached pages (prefix hits refreshing their pages: each
 leaves a stale entry in the LRU queue), evicts ``--k`` pages through
 ``alloc(..., evict=True)`` and caches them again (``free(..., cache=True)``): the
-queue gets ``touch + k`` entries a step and is compacted once its tail passes
-twice the pool, inside whichever call pushes then. A step's time is the three
-calls; the table shows the median, p20/p80, p99 and the worst step, and how many
-steps compacted. Baseline, in the same run: ``host-ordereddict``, the same steps
+queue gets ``touch + k`` entries a step, and once it spans more than twice the
+pool each call that pushes also cleans a bounded stretch of it (at most 4 entries
+read per entry pushed; ``kernels/layout.py``). A step's time is the three calls;
+the table shows the median, p20/p80, p99 and the worst step, how many steps
+cleaned and how many cleaning passes ended (the tail brought back), and the
+widest the queue got (positions from head to tail, in pool sizes: a call finding
+it past 3 would compact it whole). Baseline, in the same run:
+``host-ordereddict``, the same steps
 on a Python ``OrderedDict`` kept in LRU order (``move_to_end`` per touched page,
 ``popitem(last=False)`` per evicted page, an insert per re-cached page), what a
 scheduler without a device pool would keep.
 
     python benchmarks/bench_lru.py                                   # 65,536 pages, about 10 s
-    python benchmarks/bench_lru.py --pool-sizes 1048576 --steps 12000  # the compaction at 1M pages
+    python benchmarks/bench_lru.py --pool-sizes 1048576 --steps 12000  # whole cleaning passes at 1M pages
 """
 
 import argparse
@@ -55,8 +59,10 @@ def touched_pages(P, steps, touch, seed) -> np.ndarray:
 
 
 def run_tpool(P, args, device, backend, touched) -> tuple:
-    """Per-step µs of touch + alloc(evict) + free(cache) on a pool whose every page is cached, and the steps
-    in which a call compacted the LRU queue (its tail went down)."""
+    """Per-step µs of touch + alloc(evict) + free(cache) on a pool whose every page is cached, and what the
+    LRU queue's cleaner did: ``{"cleaned": steps that began with the queue spanning more than twice the pool
+    (each call in them that pushes cleans) or ended a pass, "passes": passes that ended (the tail went down),
+    "span": the widest the queue was after a step, in positions}``."""
     i32 = dict(dtype=torch.int32, device=device)
     pool = tpool.PagePool(P, device=device, backend=backend, max_alloc_pages=max(P, args.k))
     pool.free(pool.alloc(torch.tensor([P], **i32)).pages, cache=True)
@@ -64,10 +70,11 @@ def run_tpool(P, args, device, backend, touched) -> tuple:
     counts = torch.tensor([args.k], **i32)
     pages = torch.from_numpy(touched).to(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    tail = pool.state.counters[L.LRU_TAIL:L.LRU_TAIL + 1]
-    times, compacted = [], 0
+    c = pool.state.counters
+    times, seen = [], dict(cleaned=0, passes=0, span=0)
     for step in range(-1, len(touched)):  # step -1: untimed (compiles)
-        before = int(tail)
+        tail = int(c[L.LRU_TAIL])
+        span = tail - int(c[L.LRU_HEAD])
         sync()
         t0 = time.perf_counter_ns()
         pool.touch(pages[max(step, 0)])
@@ -77,12 +84,15 @@ def run_tpool(P, args, device, backend, touched) -> tuple:
         us = (time.perf_counter_ns() - t0) / 1e3
         if step >= 0:
             times.append(us)
-            compacted += int(tail) < before
+            passed = int(c[L.LRU_TAIL]) < tail
+            seen["passes"] += passed
+            seen["cleaned"] += passed or span > 2 * P
+            seen["span"] = max(seen["span"], int(c[L.LRU_TAIL] - c[L.LRU_HEAD]))
     pool.check()
     pool.check_invariants()
     if pool.stats()["pages.evicted"] != args.k * (len(touched) + 1):
         raise AssertionError("a step evicted fewer pages than asked")
-    return times, compacted
+    return times, seen
 
 
 def run_host(P, args, touched) -> list:
@@ -112,21 +122,27 @@ def main(argv=None):
         progress(f"pool {P:,} pages: host OrderedDict, {args.steps} steps")
         host = run_host(P, args, touched)
         progress(f"pool {P:,} pages: tpool-{backend}, {args.steps} steps")
-        mine, compacted = run_tpool(P, args, device, backend, touched)
+        mine, seen = run_tpool(P, args, device, backend, touched)
         base = statistics.median(host)
-        for name, ts, n in (("host-ordereddict", host, 0), (f"tpool-{backend}", mine, compacted)):
+        for name, ts, cleaner in (("host-ordereddict", host, None), (f"tpool-{backend}", mine, seen)):
             med, p20, p80 = quantiles(ts)
             rows.append(dict(pages=P, impl=name, steps=len(ts), median_us=med, p20_us=p20, p80_us=p80,
-                             p99_us=float(np.percentile(ts, 99)), max_us=max(ts), compactions=n,
-                             vs_host=base / med, device=str(device)))
+                             p99_us=float(np.percentile(ts, 99)), max_us=max(ts),
+                             cleaned_steps=cleaner["cleaned"] if cleaner else 0,
+                             passes=cleaner["passes"] if cleaner else 0,
+                             max_span=cleaner["span"] / P if cleaner else 0.0, vs_host=base / med, device=str(device)))
     table = [[f"{r['pages']:,}", r["impl"], f"{r['median_us']:.1f}", f"{r['p20_us']:.1f}", f"{r['p80_us']:.1f}",
-              f"{r['p99_us']:.1f}", f"{r['max_us']:.1f}", r["compactions"] if r["impl"] != "host-ordereddict" else "-",
+              f"{r['p99_us']:.1f}", f"{r['max_us']:.1f}",
+              *((r["cleaned_steps"], r["passes"], f"{r['max_span']:.2f}") if r["impl"] != "host-ordereddict"
+                else ("-", "-", "-")),
               f"{r['vs_host']:.2f}x"] for r in rows]
     print_table(f"LRU churn, every page cached: a step touches {args.touch}, evicts {args.k} and caches them again, "
                 f"on {device} (us per step)",
-                ["pages", "impl", "median", "p20", "p80", "p99", "max", "compacted", "vs host"], table,
-                note="compacted: steps in which a call compacted the LRU queue (its tail went down); the max is "
-                     "such a step. vs host: the OrderedDict's median over tpool's (above 1, tpool is faster).")
+                ["pages", "impl", "median", "p20", "p80", "p99", "max", "cleaned", "passes", "span", "vs host"], table,
+                note="cleaned: steps in which the LRU queue's cleaner ran (the queue spanned more than 2 pools); passes: cleaning passes that "
+                     "ended (the tail brought back); span: the widest the queue was after a step, in pool sizes "
+                     "(past 3, the next call that pushes compacts it whole). vs host: the OrderedDict's median "
+                     "over tpool's (above 1, tpool is faster).")
     write_json(args.json, "bench_lru", rows)
 
 

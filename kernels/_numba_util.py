@@ -153,49 +153,92 @@ def lru_arrays(sd):
 
 @numba.njit(nogil=True, inline="always")
 def lru_live(queue, j, lru_pos, page_state):
-    """The page of the LRU queue's entry ``j`` (the caller keeps ``j`` inside the queue) if that entry is
-    live (a page in ``[0, P)``, CACHED, whose latest entry it is), else -1."""
-    p = queue[j]
+    """The page of the LRU queue's entry at position ``j`` (the caller keeps ``j`` inside the queue,
+    at or above 0) if that entry is live (a page in ``[0, P)``, CACHED, whose latest entry it is),
+    else -1."""
+    p = queue[j % queue.shape[0]]
     if p >= 0 and p < page_state.shape[0] and page_state[p] == L.CACHED and lru_pos[p] == j:
         return p
     return L.NULL_PAGE
 
 
-@numba.njit(nogil=True)
-def lru_compact(queue, lru_pos, page_state, counters):
-    """Run first by every call that may push on the LRU queue: when the tail is past
-    ``LRU_COMPACT_AT * P``, move the live entries to the front, in order (layout.LRU_FACTOR).
+@numba.njit(nogil=True, inline="always")
+def lru_in_bounds(counters, Q):
+    """Whether the LRU queue's positions are in bounds: ``0 <= head <= hole <= scan <= tail <= head + Q``
+    and ``tail <= LRU_POS_LIMIT`` (layout)."""
+    h, w, s, t = counters[L.LRU_HEAD], counters[L.LRU_HOLE], counters[L.LRU_SCAN], counters[L.LRU_TAIL]
+    return h >= 0 and h <= w and w <= s and s <= t and t <= L.LRU_POS_LIMIT and t - h <= Q
 
-    A head or tail outside ``0 <= head <= tail <= len(queue)`` (hand edits) empties the queue,
-    counting ``corrupt_state``: the CACHED pages it named are then never evicted."""
-    t = counters[L.LRU_TAIL]
-    if t <= L.LRU_COMPACT_AT * lru_pos.shape[0]:
-        return
-    h, v = counters[L.LRU_HEAD], 0
-    if h < 0 or h > t or t > queue.shape[0]:
+
+@numba.njit(nogil=True, inline="always")
+def lru_move(queue, lru_pos, p, v):
+    """Live entry of page ``p`` to position ``v`` (at or below where it was); returns ``v + 1``."""
+    queue[v % queue.shape[0]] = p
+    lru_pos[p] = v
+    return v + 1
+
+
+@numba.njit(nogil=True)
+def lru_prepare(queue, lru_pos, page_state, counters):
+    """Run first by every call that may push on the LRU queue (layout.LRU_FACTOR): a queue out of
+    bounds is emptied (all positions 0), counting ``corrupt_state``; one spanning more than ``Q - P``
+    positions is compacted at once, its live entries moved down to the head, in order.
+    Returns the tail."""
+    Q, P = queue.shape[0], lru_pos.shape[0]
+    h, t = counters[L.LRU_HEAD], counters[L.LRU_TAIL]
+    if not lru_in_bounds(counters, Q):
         counters[L.ERR_CORRUPT_STATE] += 1
-    else:
-        for j in range(h, t):
+        h = t = 0
+    elif t - h > Q - P:
+        v = h
+        for j in range(h, counters[L.LRU_HOLE]):
             p = lru_live(queue, j, lru_pos, page_state)
             if p >= 0:
-                queue[v] = p
-                lru_pos[p] = v
-                v += 1
-    counters[L.LRU_HEAD] = 0
-    counters[L.LRU_TAIL] = v
+                v = lru_move(queue, lru_pos, p, v)
+        for j in range(counters[L.LRU_SCAN], t):
+            p = lru_live(queue, j, lru_pos, page_state)
+            if p >= 0:
+                v = lru_move(queue, lru_pos, p, v)
+        t = v
+    else:
+        return t
+    counters[L.LRU_HEAD] = counters[L.LRU_HOLE] = counters[L.LRU_SCAN] = h
+    counters[L.LRU_TAIL] = t
+    return t
 
 
 @numba.njit(nogil=True, inline="always")
 def lru_push(p, queue, lru_pos, counters):
-    """Page ``p`` (in ``[0, P)``) became CACHED or was touched while CACHED: its entry goes at the tail.
-    A tail outside the queue (hand edits) leaves it without one, counting ``corrupt_state``."""
+    """Page ``p`` (in ``[0, P)``) became CACHED or was touched while CACHED: its entry goes at the tail
+    (after ``lru_prepare``). One that would pass ``head + Q`` gets none, counting ``corrupt_state``."""
     t = counters[L.LRU_TAIL]
-    if t >= 0 and t < queue.shape[0]:
-        queue[t] = p
-        lru_pos[p] = t
+    if t - counters[L.LRU_HEAD] < queue.shape[0]:
+        lru_move(queue, lru_pos, p, t)
+        counters[L.LRU_TAIL] = t + 1
     else:
         counters[L.ERR_CORRUPT_STATE] += 1
-    counters[L.LRU_TAIL] = t + 1
+
+
+@numba.njit(nogil=True)
+def lru_clean(queue, lru_pos, page_state, counters, pushed):
+    """Run last by every call that pushed ``pushed`` entries (after ``lru_prepare``): when the queue
+    spans more than ``LRU_CLEAN_AT * P`` positions, read the next ``LRU_CLEAN_RATE * pushed`` entries
+    from the scan and move the live ones down to the hole, in order; a scan that reaches the tail
+    brings the tail back to the hole, and the next pass starts at the head."""
+    h, t = counters[L.LRU_HEAD], counters[L.LRU_TAIL]
+    if t - h <= L.LRU_CLEAN_AT * lru_pos.shape[0]:
+        return
+    w, s = counters[L.LRU_HOLE], counters[L.LRU_SCAN]
+    end = min(t, s + L.LRU_CLEAN_RATE * pushed)
+    for j in range(s, end):
+        p = lru_live(queue, j, lru_pos, page_state)
+        if p >= 0:
+            w = lru_move(queue, lru_pos, p, w)
+    if end == t:
+        counters[L.LRU_TAIL] = w
+        w = end = h
+    counters[L.LRU_HOLE] = w
+    counters[L.LRU_SCAN] = end
 
 
 @numba.njit(nogil=True, inline="always")
@@ -434,8 +477,7 @@ def apply_free(pages, cache, clock, free_stack, refcount, page_state, stamp, pag
     ``free`` and by the page table's ``release`` / ``truncate``.
     """
     P = refcount.shape[0]
-    if cache:
-        lru_compact(lru_queue, lru_pos, page_state, counters)
+    tail = lru_prepare(lru_queue, lru_pos, page_state, counters) if cache else 0
     count_pages(pages, P, occur, counters)
     top = counters[L.FREE_COUNT]
     pos = top  # the slot of the next released page (a push needs 0 <= pos < P)
@@ -478,6 +520,7 @@ def apply_free(pages, cache, clock, free_stack, refcount, page_state, stamp, pag
     counters[L.FREED] += released
     if cache:
         counters[L.CACHED_COUNT] += released
+        lru_clean(lru_queue, lru_pos, page_state, counters, counters[L.LRU_TAIL] - tail)
     counters[L.FREE_COUNT] = top
     raise_peaks(counters, P)
 

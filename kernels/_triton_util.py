@@ -53,7 +53,11 @@ INT64_MAX = tl.constexpr(L.INT64_MAX)
 GEN_MASK = tl.constexpr(L.GEN_MASK)
 LRU_HEAD = tl.constexpr(L.LRU_HEAD)
 LRU_TAIL = tl.constexpr(L.LRU_TAIL)
-LRU_COMPACT_AT = tl.constexpr(L.LRU_COMPACT_AT)
+LRU_HOLE = tl.constexpr(L.LRU_HOLE)
+LRU_SCAN = tl.constexpr(L.LRU_SCAN)
+LRU_CLEAN_AT = tl.constexpr(L.LRU_CLEAN_AT)
+LRU_CLEAN_RATE = tl.constexpr(L.LRU_CLEAN_RATE)
+LRU_POS_LIMIT = tl.constexpr(L.LRU_POS_LIMIT)
 
 
 def settings(n: int) -> dict:
@@ -175,10 +179,11 @@ def reset_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK: tl.c
 
 # --------------------------------------------------------------- LRU queue
 @triton.jit
-def lru_live(j, in_queue, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages):
-    """``(page, live)`` of the LRU queue's entries ``j`` (lanes ``in_queue``): live while the page is
-    in ``[0, P)``, CACHED, and the entry is its latest (``kernels.layout``)."""
-    p = tl.load(lru_queue_ptr + j, mask=in_queue, other=NULL_PAGE)
+def lru_live(j, in_queue, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len):
+    """``(page, live)`` of the LRU queue's entries at positions ``j`` (lanes ``in_queue``, at or above 0;
+    slot ``j % Q``): live while the page is in ``[0, P)``, CACHED, and the entry is its latest
+    (``kernels.layout``)."""
+    p = tl.load(lru_queue_ptr + j % queue_len, mask=in_queue, other=NULL_PAGE)
     inpool = in_queue & (p >= 0) & (p < num_pages)
     live = inpool & (tl.load(page_state_ptr + p, mask=inpool, other=FREE) == CACHED)
     live = live & (tl.load(lru_pos_ptr + p, mask=inpool, other=-1) == j)
@@ -186,48 +191,92 @@ def lru_live(j, in_queue, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages)
 
 
 @triton.jit
-def lru_compact(c, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len, BLOCK: tl.constexpr):
-    """Run first by every kernel that may push on the LRU queue: when the tail is past
-    ``LRU_COMPACT_AT * P``, the live entries move to the front in order (a running prefix sum
-    over chunks). A head or tail out of bounds empties the queue, counting ``corrupt_state``.
-    Returns the counters."""
-    lanes = tl.arange(0, BLOCK)
-    h = counter_get(c, LRU_HEAD)
-    t = counter_get(c, LRU_TAIL)
-    due = t > (tl.zeros((), tl.int64) + num_pages) * LRU_COMPACT_AT
-    ok = (h >= 0) & (h <= t) & (t <= queue_len)
-    stop = tl.where(due & ok, t, h)
-    v = tl.zeros((), tl.int64)
-    for start in range(h, stop, BLOCK):
-        j = start + lanes
-        p, live = lru_live(j, j < stop, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages)
-        tl.debug_barrier()  # every lane has read its entry before one is moved over it
-        w = live.to(tl.int64)
-        dst = v + tl.cumsum(w, 0) - w  # <= j: only slots already read
-        tl.store(lru_queue_ptr + dst, p, mask=live)
-        tl.store(lru_pos_ptr + p, dst, mask=live)
-        v += tl.sum(w)
-        tl.debug_barrier()
-    c = counter_add(c, ERR_CORRUPT_STATE, (due & ~ok).to(tl.int64))
-    c = counter_set(c, LRU_HEAD, tl.where(due, 0, h))
-    return counter_set(c, LRU_TAIL, tl.where(due, v, t))
+def lru_in_bounds(head, hole, scan, tail, queue_len):
+    """Whether the LRU queue's positions are in bounds (``kernels.layout``)."""
+    return ((head >= 0) & (head <= hole) & (hole <= scan) & (scan <= tail) & (tail <= LRU_POS_LIMIT)
+            & (tail - head <= queue_len))
 
 
 @triton.jit
-def lru_push(p, mask, tail, lru_queue_ptr, lru_pos_ptr, queue_len):
-    """Pages ``p`` (lanes ``mask``, distinct, in ``[0, P)``) get entries at ``tail`` on, in lane order; a
-    slot outside the queue leaves its page without one. Returns ``(tail after them, pages left out)``."""
+def lru_move_down(lo, hi, v, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len,
+                  BLOCK: tl.constexpr):
+    """The live entries at positions ``[lo, hi)`` move to ``v, v + 1, ...`` in order (``v <= lo``: each
+    lands at or below where it was, on a slot already read); returns ``v`` after them."""
+    lanes = tl.arange(0, BLOCK)
+    for start in range(lo, hi, BLOCK):
+        j = start + lanes
+        p, live = lru_live(j, j < hi, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len)
+        tl.debug_barrier()  # every lane has read its entry before one is moved over it
+        w = live.to(tl.int64)
+        dst = v + tl.cumsum(w, 0) - w
+        tl.store(lru_queue_ptr + dst % queue_len, p, mask=live)
+        tl.store(lru_pos_ptr + p, dst, mask=live)
+        v += tl.sum(w)
+        tl.debug_barrier()
+    return v
+
+
+@triton.jit
+def lru_prepare(c, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len, BLOCK: tl.constexpr):
+    """Run first by every kernel that may push on the LRU queue: a queue out of bounds is emptied (all
+    positions 0, one ``corrupt_state``); one spanning more than ``Q - P`` positions is compacted at
+    once (live entries down to the head, in order, a running prefix sum over chunks). Returns the
+    counters."""
+    h = counter_get(c, LRU_HEAD)
+    t = counter_get(c, LRU_TAIL)
+    w = counter_get(c, LRU_HOLE)
+    s = counter_get(c, LRU_SCAN)
+    ok = lru_in_bounds(h, w, s, t, queue_len)
+    full = ok & (t - h > queue_len - num_pages)
+    v = lru_move_down(h, tl.where(full, w, h), h, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages,
+                      queue_len, BLOCK)
+    v = lru_move_down(s, tl.where(full, t, s), v, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages,
+                      queue_len, BLOCK)
+    c = counter_add(c, ERR_CORRUPT_STATE, (~ok).to(tl.int64))
+    c = counter_set(c, LRU_TAIL, tl.where(ok, tl.where(full, v, t), 0))
+    c = counter_set(c, LRU_HOLE, tl.where(ok, tl.where(full, h, w), 0))
+    c = counter_set(c, LRU_SCAN, tl.where(ok, tl.where(full, h, s), 0))
+    return counter_set(c, LRU_HEAD, tl.where(ok, h, 0))
+
+
+@triton.jit
+def lru_push(p, mask, head, tail, lru_queue_ptr, lru_pos_ptr, queue_len):
+    """Pages ``p`` (lanes ``mask``, distinct, in ``[0, P)``) get entries at ``tail`` on, in lane order
+    (after ``lru_prepare``); one that would pass ``head + Q`` gets none. Returns ``(tail after them,
+    pages left out)``."""
     w = mask.to(tl.int64)
     pos = tail + tl.cumsum(w, 0) - w
-    fit = mask & (pos >= 0) & (pos < queue_len)
-    tl.store(lru_queue_ptr + pos, p, mask=fit)
+    fit = mask & (pos - head < queue_len)
+    tl.store(lru_queue_ptr + pos % queue_len, p, mask=fit)
     tl.store(lru_pos_ptr + p, pos, mask=fit)
-    return tail + tl.sum(w), tl.sum((mask & ~fit).to(tl.int64))
+    return tail + tl.sum(fit.to(tl.int64)), tl.sum((mask & ~fit).to(tl.int64))
+
+
+@triton.jit
+def lru_clean(c, pushed, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len, BLOCK: tl.constexpr):
+    """Run last by every kernel that pushed ``pushed`` entries (the counters hold the tail after them):
+    when the queue spans more than ``LRU_CLEAN_AT * P`` positions, the entries from the scan up to
+    ``LRU_CLEAN_RATE * pushed`` on are read and the live ones move down to the hole; a scan that
+    reaches the tail brings the tail back to the hole, and the next pass starts at the head.
+    Returns the counters."""
+    tl.debug_barrier()  # the pushes and the pages' new states are visible to every lane
+    h = counter_get(c, LRU_HEAD)
+    t = counter_get(c, LRU_TAIL)
+    s = counter_get(c, LRU_SCAN)
+    due = t - h > (tl.zeros((), tl.int64) + num_pages) * LRU_CLEAN_AT
+    end = tl.where(due, tl.minimum(t, s + pushed * LRU_CLEAN_RATE), s)
+    w = lru_move_down(s, end, counter_get(c, LRU_HOLE), lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages,
+                      queue_len, BLOCK)
+    done = due & (end == t)
+    c = counter_set(c, LRU_TAIL, tl.where(done, w, t))
+    c = counter_set(c, LRU_HOLE, tl.where(done, h, w))
+    return counter_set(c, LRU_SCAN, tl.where(done, h, end))
 
 
 @triton.jit
 def apply_free(p, first, k, top, clock, free_stack_ptr, refcount_ptr, page_state_ptr, stamp_ptr, page_gen_ptr,
-               num_pages, tail, lru_queue_ptr, lru_pos_ptr, queue_len, CACHE: tl.constexpr, BLOCK: tl.constexpr):
+               num_pages, head, tail, lru_queue_ptr, lru_pos_ptr, queue_len, CACHE: tl.constexpr,
+               BLOCK: tl.constexpr):
     """Drop k references of each distinct page p (lanes ``first``): the pool's free rule for one chunk.
 
     Pages reaching 0 become CACHED stamped ``clock``, with entries on the LRU queue from ``tail``
@@ -247,7 +296,7 @@ def apply_free(p, first, k, top, clock, free_stack_ptr, refcount_ptr, page_state
     if CACHE:
         tl.store(page_state_ptr + p, tl.full((BLOCK,), CACHED, tl.int8), mask=zero)
         tl.store(stamp_ptr + p, tl.zeros((BLOCK,), tl.int64) + clock, mask=zero)
-        tail, lost = lru_push(p, zero, tail, lru_queue_ptr, lru_pos_ptr, queue_len)
+        tail, lost = lru_push(p, zero, head, tail, lru_queue_ptr, lru_pos_ptr, queue_len)
         pushed = tl.sum(z)
     else:
         pos = top + tl.cumsum(z, 0) - z

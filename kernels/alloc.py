@@ -17,8 +17,9 @@ from ._numba_util import (fill_null_range, i32_array, mark_popped, page_gens, po
                           u8_array)
 from .layout import AD_EVICTED, AD_INDPTR, AD_MAX_BATCH, AD_MAX_PAGES, AD_OK, AD_PAGES, STATE_DESC_LEN
 from ._triton_util import (ALLOCATED, CACHED_COUNT, ERR_BAD_COUNT, ERR_CORRUPT_STATE, ERR_OUT_OVERFLOW,
-                           FAILED_REQUESTS, FREE_COUNT, LRU_HEAD, LRU_TAIL, NULL_PAGE, counter_add, counter_get,
-                           load_counters, pop_check, queue_settings, raise_peaks, store_counters, tick)
+                           FAILED_REQUESTS, FREE_COUNT, LRU_HEAD, LRU_HOLE, LRU_SCAN, LRU_TAIL, NULL_PAGE,
+                           counter_add, counter_get, load_counters, pop_check, queue_settings, raise_peaks,
+                           store_counters, tick)
 from .evict import evict_oldest_numba, evict_oldest_body, evicted
 
 
@@ -183,6 +184,7 @@ def alloc_kernel(
         m, bad_evict, head = evict_oldest_body(total - free, evicted_ptr, M, free_stack_ptr, page_state_ptr,
                                                page_gen_ptr, lru_queue_ptr, lru_pos_ptr, num_pages, queue_len,
                                                counter_get(c, FREE_COUNT), cached, counter_get(c, LRU_HEAD),
+                                               counter_get(c, LRU_HOLE), counter_get(c, LRU_SCAN),
                                                counter_get(c, LRU_TAIL), BLOCK)
         c = evicted(c, m, bad_evict, head)
         tl.debug_barrier()  # the pop below reads stack slots the eviction wrote

@@ -14,9 +14,9 @@ from ._triton_shim import tl, triton
 from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import bump_gen, fill_null_range, i32_array, page_gens, state_arrays
-from ._triton_util import (CACHED_COUNT, ERR_CORRUPT_STATE, EVICTED, FREE, FREE_COUNT, LRU_HEAD, LRU_TAIL,
-                           NULL_PAGE, bump_gen as t_bump_gen, counter_add, counter_get, counter_set, load_counters,
-                           lru_live, queue_settings, store_counters, tick)
+from ._triton_util import (CACHED_COUNT, ERR_CORRUPT_STATE, EVICTED, FREE, FREE_COUNT, LRU_HEAD, LRU_HOLE,
+                           LRU_SCAN, LRU_TAIL, NULL_PAGE, bump_gen as t_bump_gen, counter_add, counter_get,
+                           counter_set, load_counters, lru_in_bounds, lru_live, queue_settings, store_counters, tick)
 
 
 @numba.njit(nogil=True)
@@ -29,11 +29,14 @@ def evict_oldest_numba(n, out, free_stack, page_state, page_gen, counters, lru_q
     P = page_state.shape[0]
     m = max(0, min(n, counters[L.CACHED_COUNT], out.shape[0])) if n > 0 else 0
     top = counters[L.FREE_COUNT]
-    head, tail = counters[L.LRU_HEAD], counters[L.LRU_TAIL]
-    found, j = 0, head
+    hole, scan, tail = counters[L.LRU_HOLE], counters[L.LRU_SCAN], counters[L.LRU_TAIL]
+    found, j = 0, counters[L.LRU_HEAD]
     if m > 0:
-        if head >= 0 and head <= tail and tail <= lru_queue.shape[0]:
+        if nu.lru_in_bounds(counters, lru_queue.shape[0]):
             while found < m and j < tail:
+                if j == hole and hole < scan:
+                    j = scan  # the cleaner's gap is never read
+                    continue
                 p = nu.lru_live(lru_queue, j, lru_pos, page_state)
                 if p >= 0:
                     out[found] = p
@@ -53,6 +56,8 @@ def evict_oldest_numba(n, out, free_stack, page_state, page_gen, counters, lru_q
         counters[L.CACHED_COUNT] -= m
         counters[L.EVICTED] += m
         counters[L.LRU_HEAD] = j
+        counters[L.LRU_HOLE] = max(hole, j)
+        counters[L.LRU_SCAN] = max(scan, j)
     fill_null_range(out.ctypes.data, m, out.shape[0])
 
 
@@ -101,6 +106,8 @@ def evict_oldest_body(
     top,             # int64 scalar: FREE_COUNT before the call
     cached_count,    # int64 scalar: CACHED_COUNT before the call
     head,            # int64 scalar: LRU_HEAD before the call
+    hole,            # int64 scalar: LRU_HOLE (the cleaner's gap [hole, scan) is skipped)
+    scan,            # int64 scalar: LRU_SCAN
     tail,            # int64 scalar: LRU_TAIL before the call
     # Meta-parameters
     BLOCK: tl.constexpr,  # entries per chunk
@@ -108,19 +115,20 @@ def evict_oldest_body(
     """Evict the m = min(n, cached, K) first live entries of the LRU queue: out[:m], stack[top:top+m].
 
     Returns ``(m, corrupt, head)``: when the m pages cannot be pushed (``top < 0`` or
-    ``top > P - m``), or the queue holds fewer than m live entries (none when not
-    ``0 <= head <= tail <= Q``), nothing is evicted and ``corrupt`` is 1; ``head`` is the
-    queue's head after the call (past the last entry taken)."""
+    ``top > P - m``), or the queue holds fewer than m live entries (none when its positions
+    are out of bounds, ``kernels.layout``), nothing is evicted and ``corrupt`` is 1; ``head``
+    is the queue's head after the call (past the last entry taken)."""
     lanes = tl.arange(0, BLOCK)
     m = tl.maximum(tl.minimum(tl.minimum(n, cached_count), K), 0)
-    in_bounds = (head >= 0) & (head <= tail) & (tail <= queue_len)
+    in_bounds = lru_in_bounds(head, hole, scan, tail, queue_len)
     stop = tl.where(in_bounds & (m > 0), tail, head)
     found = tl.zeros((), tl.int64)
     after = head  # one past the last entry taken
-    start = head
+    start = tl.where(head == hole, scan, head)
     while (found < m) & (start < stop):
         j = start + lanes
-        p, live = lru_live(j, j < stop, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages)
+        in_queue = (j < stop) & ((j < hole) | (j >= scan))
+        p, live = lru_live(j, in_queue, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len)
         v = live.to(tl.int64)
         rank = found + tl.cumsum(v, 0) - v
         take = live & (rank < m)
@@ -128,6 +136,7 @@ def evict_oldest_body(
         after = tl.maximum(after, tl.max(tl.where(take, j + 1, 0)))
         found += tl.sum(take.to(tl.int64))
         start += BLOCK
+        start = tl.where((start >= hole) & (start < scan), scan, start)  # over the cleaner's gap
     corrupt = (m > 0) & ((top < 0) | (top > num_pages - m) | (found < m))
     m = tl.where(corrupt, 0, m)
     tl.debug_barrier()  # out[:m] is read back by other lanes
@@ -165,7 +174,8 @@ def evict_kernel(
     m, corrupt, head = evict_oldest_body(tl.zeros((), tl.int64) + K, out_ptr, K, free_stack_ptr, page_state_ptr,
                                          page_gen_ptr, lru_queue_ptr, lru_pos_ptr, num_pages, queue_len,
                                          counter_get(c, FREE_COUNT), counter_get(c, CACHED_COUNT),
-                                         counter_get(c, LRU_HEAD), counter_get(c, LRU_TAIL), BLOCK)
+                                         counter_get(c, LRU_HEAD), counter_get(c, LRU_HOLE),
+                                         counter_get(c, LRU_SCAN), counter_get(c, LRU_TAIL), BLOCK)
     c = evicted(c, m, corrupt, head)
     store_counters(counters_ptr, c)
 
@@ -177,6 +187,10 @@ def evicted(c, m, corrupt, head):
     c = counter_add(c, FREE_COUNT, m)
     c = counter_add(c, CACHED_COUNT, -m)
     c = counter_add(c, EVICTED, m)
+    # the hole and the scan move up with the head when it passes them
+    hole, scan = counter_get(c, LRU_HOLE), counter_get(c, LRU_SCAN)
+    c = counter_set(c, LRU_HOLE, tl.where(m > 0, tl.maximum(hole, head), hole))
+    c = counter_set(c, LRU_SCAN, tl.where(m > 0, tl.maximum(scan, head), scan))
     return counter_set(c, LRU_HEAD, head)
 
 

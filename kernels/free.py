@@ -15,10 +15,9 @@ from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import i32_array, page_gens, state_arrays
 from ._triton_util import (CACHED_COUNT, ERR_CORRUPT_STATE, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREED,
-                           FREE_COUNT, LRU_TAIL, count_pages, counter_add, counter_get, counter_set, first_lanes,
-                           lru_compact,
-                           load_counters, raise_peaks, apply_free, reset_lanes, queue_settings,
-                           store_counters, tick)
+                           FREE_COUNT, LRU_HEAD, LRU_TAIL, count_pages, counter_add, counter_get, counter_set,
+                           first_lanes, lru_clean, lru_prepare, load_counters, raise_peaks, apply_free, reset_lanes,
+                           queue_settings, store_counters, tick)
 
 
 @numba.njit(nogil=True)
@@ -80,8 +79,10 @@ def free_kernel(
     c = load_counters(counters_ptr)
     c, clock = tick(c)
     if CACHE:
-        c = lru_compact(c, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len, BLOCK)
-    tail = counter_get(c, LRU_TAIL)
+        c = lru_prepare(c, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len, BLOCK)
+    head = counter_get(c, LRU_HEAD)
+    tail0 = counter_get(c, LRU_TAIL)
+    tail = tail0
     lost = tl.zeros((), tl.int64)
     invalid = count_pages(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
     tl.debug_barrier()
@@ -92,7 +93,7 @@ def free_kernel(
     for start in range(0, n_pages, BLOCK):
         p, first, k = first_lanes(pages_ptr, start, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
         dbl, rel, push, tail, gone = apply_free(p, first, k, top + released, clock, free_stack_ptr, refcount_ptr,
-                                                page_state_ptr, stamp_ptr, page_gen_ptr, num_pages, tail,
+                                                page_state_ptr, stamp_ptr, page_gen_ptr, num_pages, head, tail,
                                                 lru_queue_ptr, lru_pos_ptr, queue_len, CACHE, BLOCK)
         lost += gone
         double += dbl
@@ -107,6 +108,7 @@ def free_kernel(
         c = counter_add(c, CACHED_COUNT, released)
         c = counter_set(c, LRU_TAIL, tail)
         c = counter_add(c, ERR_CORRUPT_STATE, lost)
+        c = lru_clean(c, tail - tail0, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len, BLOCK)
     else:
         c = counter_add(c, FREE_COUNT, pushed)
         c = counter_add(c, ERR_CORRUPT_STATE, released - pushed)

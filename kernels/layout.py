@@ -26,18 +26,30 @@ GEN_MASK = 0x7FFFFFFF
 
 NULL_PAGE = -1  # padding in every page-id tensor, in and out
 
-# The LRU queue: int32 ``[LRU_FACTOR * P]`` page ids in the order pages became CACHED or were
-# touched while CACHED, oldest first; ``lru_pos[p]`` (int64 ``[P]``) is where page ``p``'s latest
-# entry is. An entry ``j`` in ``[LRU_HEAD, LRU_TAIL)`` is live iff its page ``p`` is in
-# ``[0, P)``, CACHED, and ``lru_pos[p] == j``; every other entry is stale and skipped. Eviction
-# takes the first live entries and moves the head past them, so it reads what it evicts plus the
-# stale entries before them, never the whole pool. A call that may push entries first compacts
-# the queue (its live entries moved to the front, in order) when the tail is past
-# ``LRU_COMPACT_AT * P``: a call pushes at most P entries (one per distinct page), and after a
-# compaction the tail is at most P (the live entries name distinct pages), so at least P pushes
-# pass between two compactions and no push leaves the queue.
-LRU_FACTOR = 3
-LRU_COMPACT_AT = 2
+# The LRU queue: a ring, int32 ``[LRU_FACTOR * P]`` page ids in the order pages became CACHED or
+# were touched while CACHED, oldest first. Entries have absolute positions (int64, never reused
+# while in the queue); position ``j`` lives in slot ``j % Q``. ``lru_pos[p]`` (int64 ``[P]``) is the
+# position of page ``p``'s latest entry. The queue is ``[LRU_HEAD, LRU_HOLE) + [LRU_SCAN, LRU_TAIL)``:
+# the gap ``[LRU_HOLE, LRU_SCAN)`` left by the cleaner (below) is never read. An entry ``j`` of the
+# queue is live iff its page ``p`` is in ``[0, P)``, CACHED, and ``lru_pos[p] == j``; every other
+# entry is stale and skipped. Eviction takes the first live entries and moves the head past them.
+#
+# Stale entries are removed a bounded amount at a time, never all at once. A call that pushes
+# ``n`` entries (free/release with ``cache``, touch) then cleans, when the queue spans more than
+# ``LRU_CLEAN_AT * P`` positions: the next ``LRU_CLEAN_RATE * n`` entries from ``LRU_SCAN`` are
+# read, and the live ones move down to ``LRU_HOLE``, in order (both advance). When the scan
+# reaches the tail, the tail comes back to the hole and the next pass starts at the head. A call
+# that may push first checks the bounds (``0 <= head <= hole <= scan <= tail <= head + Q``, tail
+# at most ``LRU_POS_LIMIT``; else the queue is emptied, one ``corrupt_state``) and room: when the
+# span is past ``Q - P`` (a call pushes at most P entries, one per distinct page), the whole
+# queue is compacted at once, the live entries moved down to the head. That is a fallback: in a
+# simulation of touch-heavy and mixed workloads (batches up to P pages) the cleaner kept the span
+# at or under ``3 P`` before every call and it never ran; it keeps a push from overwriting a live
+# entry whatever the state holds.
+LRU_FACTOR = 4
+LRU_CLEAN_AT = 2
+LRU_CLEAN_RATE = 4
+LRU_POS_LIMIT = 2**62
 
 # Slots of the int64 ``counters`` vector.
 FREE_COUNT = 0       # pages on the free stack (stack top = FREE_COUNT)
@@ -61,10 +73,13 @@ ERR_TABLE_OVERFLOW = 16  # page table: request would exceed max_pages_per_reques
 ERR_BAD_LENGTH = 17      # page table: truncate/fork to an invalid length
 ERR_CORRUPT_STATE = 18   # a stored value (length, free count, stack entry) outside its static bounds
 ERR_REFCOUNT_OVERFLOW = 19  # an incref or a fork would take a reference count past INT32_MAX
-# The LRU queue (``PoolState.lru_queue``): its live entries lie in ``lru_queue[LRU_HEAD:LRU_TAIL]``.
+# The LRU queue (``PoolState.lru_queue``, positions, see above): ``[LRU_HEAD, LRU_HOLE)`` and
+# ``[LRU_SCAN, LRU_TAIL)``.
 LRU_HEAD = 20
 LRU_TAIL = 21
-NUM_COUNTERS = 22
+LRU_HOLE = 22
+LRU_SCAN = 23
+NUM_COUNTERS = 24
 
 ERROR_NAMES = {
     ERR_INVALID_PAGE: "invalid_page",

@@ -22,8 +22,9 @@ from .layout import CD_OUT, CD_STATE
 from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, cdiv, claim_pages, claim_requests,
                                  check_lane_scratch, first_pages, list_lane, request_lanes, reset_pages)
 from ._triton_util import (CACHED_COUNT, ERR_CORRUPT_STATE, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREE_COUNT,
-                           FREED, INT32_MAX, LRU_TAIL, NULL_PAGE, counter_add, counter_get, counter_set,
-                           load_counters, lru_compact, raise_peaks, apply_free, queue_settings, store_counters, tick)
+                           FREED, INT32_MAX, LRU_HEAD, LRU_TAIL, NULL_PAGE, counter_add, counter_get, counter_set,
+                           load_counters, lru_clean, lru_prepare, raise_peaks, apply_free, queue_settings,
+                           store_counters, tick)
 
 
 @numba.njit(nogil=True, inline="always")
@@ -239,8 +240,10 @@ def release_kernel(
     c, clock = tick(c)
     if CACHE:
         if B > 0:  # (an empty batch touches nothing)
-            c = lru_compact(c, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len, BLOCK)
-    tail = counter_get(c, LRU_TAIL)
+            c = lru_prepare(c, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len, BLOCK)
+    head = counter_get(c, LRU_HEAD)
+    tail0 = counter_get(c, LRU_TAIL)
+    tail = tail0
     lost = tl.zeros((), tl.int64)
     claim_requests(req_ids_ptr, B, claim_ptr, R, BLOCK)
     tl.debug_barrier()
@@ -276,7 +279,7 @@ def release_kernel(
                               seq_lens_ptr, block_table_ptr, R, MP, page_size, HAS_LENS, CACHE)
         first, k = first_pages(p, f, drop, page_claim_ptr, occur_ptr, num_pages)
         dbl, rel, push, tail, gone = apply_free(p, first, k, top + released, clock, free_stack_ptr, refcount_ptr,
-                                                page_state_ptr, stamp_ptr, page_gen_ptr, num_pages, tail,
+                                                page_state_ptr, stamp_ptr, page_gen_ptr, num_pages, head, tail,
                                                 lru_queue_ptr, lru_pos_ptr, queue_len, CACHE, BLOCK)
         lost += gone
         double += dbl
@@ -308,6 +311,9 @@ def release_kernel(
         c = counter_add(c, CACHED_COUNT, released)
         c = counter_set(c, LRU_TAIL, tail)
         c = counter_add(c, ERR_CORRUPT_STATE, lost)
+        if B > 0:
+            c = lru_clean(c, tail - tail0, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len,
+                          BLOCK)
     else:
         c = counter_add(c, FREE_COUNT, pushed)
         c = counter_add(c, ERR_CORRUPT_STATE, released - pushed)

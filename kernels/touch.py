@@ -11,9 +11,9 @@ from ._triton_shim import tl, triton
 from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import i32_array, state_arrays
-from ._triton_util import (CACHED, ERR_CORRUPT_STATE, ERR_INVALID_PAGE, ERR_USE_AFTER_FREE, FREE, LRU_TAIL, USED,
-                           count_pages, counter_add, counter_get, counter_set, first_lanes, load_counters,
-                           lru_compact, lru_push, queue_settings, reset_lanes,
+from ._triton_util import (CACHED, ERR_CORRUPT_STATE, ERR_INVALID_PAGE, ERR_USE_AFTER_FREE, FREE, LRU_HEAD,
+                           LRU_TAIL, USED, count_pages, counter_add, counter_get, counter_set, first_lanes,
+                           load_counters, lru_clean, lru_prepare, lru_push, queue_settings, reset_lanes,
                            store_counters, tick)
 
 
@@ -32,7 +32,7 @@ def touch_numba(
     P = page_state.shape[0]
     counters[L.CLOCK] += 1
     clock = counters[L.CLOCK]
-    nu.lru_compact(lru_queue, lru_pos, page_state, counters)
+    tail = nu.lru_prepare(lru_queue, lru_pos, page_state, counters)
     nu.count_pages(pages, P, occur, counters)
     for i in range(N):
         p = pages[i]
@@ -49,6 +49,7 @@ def touch_numba(
             nu.lru_push(p, lru_queue, lru_pos, counters)
         else:
             counters[L.ERR_CORRUPT_STATE] += k
+    nu.lru_clean(lru_queue, lru_pos, page_state, counters, counters[L.LRU_TAIL] - tail)
 
 
 @numba.njit(nogil=True)
@@ -82,8 +83,10 @@ def touch_kernel(
     a FREE page named k times: k use-after-free; a page in no known state named k times: k corrupt_state."""
     c = load_counters(counters_ptr)
     c, clock = tick(c)
-    c = lru_compact(c, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len, BLOCK)
-    tail = counter_get(c, LRU_TAIL)
+    c = lru_prepare(c, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len, BLOCK)
+    head = counter_get(c, LRU_HEAD)
+    tail0 = counter_get(c, LRU_TAIL)
+    tail = tail0
     lost = tl.zeros((), tl.int64)
     invalid = count_pages(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
     tl.debug_barrier()
@@ -96,7 +99,7 @@ def touch_kernel(
         uaf += tl.sum(tl.where(first & (state == FREE), k, 0).to(tl.int64))
         wrong += tl.sum(tl.where(first & (state != FREE) & ~known, k, 0).to(tl.int64))
         tl.store(stamp_ptr + p, tl.zeros((BLOCK,), tl.int64) + clock, mask=first & known)
-        tail, gone = lru_push(p, first & (state == CACHED), tail, lru_queue_ptr, lru_pos_ptr, queue_len)
+        tail, gone = lru_push(p, first & (state == CACHED), head, tail, lru_queue_ptr, lru_pos_ptr, queue_len)
         lost += gone
     tl.debug_barrier()
     reset_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
@@ -104,6 +107,7 @@ def touch_kernel(
     c = counter_add(c, ERR_USE_AFTER_FREE, uaf)
     c = counter_add(c, ERR_CORRUPT_STATE, wrong + lost)
     c = counter_set(c, LRU_TAIL, tail)
+    c = lru_clean(c, tail - tail0, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len, BLOCK)
     store_counters(counters_ptr, c)
 
 

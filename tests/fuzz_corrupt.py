@@ -234,8 +234,9 @@ def gen_edit(rng, cfg):
                        "counters", "counters", "checked", "claim", "occur", "keys", "page_gen", "lru_queue",
                        "lru_queue", "lru_pos"])
     if name == "counters":
-        slot = rng.choice([0, 0, 0, 1, 1, 2, 2, L.LRU_HEAD, L.LRU_TAIL] + list(range(L.NUM_COUNTERS)))
-        return ["pool", name, slot, _edit_value(rng, cfg, "i64", (0, P // 2, 2 * P, 3 * P)), None]
+        slot = rng.choice([0, 0, 0, 1, 1, 2, 2, L.LRU_HEAD, L.LRU_TAIL, L.LRU_HOLE, L.LRU_SCAN]
+                          + list(range(L.NUM_COUNTERS)))
+        return ["pool", name, slot, _edit_value(rng, cfg, "i64", (0, P // 2, 2 * P, 3 * P, 4 * P)), None]
     kind = {"page_state": "i8", "stamp": "i64", "checked": "i64", "keys": "i64", "lru_pos": "i64"}.get(name, "i32")
     size = {"checked": L.NUM_COUNTERS, "lru_queue": L.LRU_FACTOR * P}.get(name, P)
     return ["pool", name, rng.randrange(size), _edit_value(rng, cfg, kind), None]

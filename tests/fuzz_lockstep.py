@@ -9,7 +9,7 @@ mostly decoding the same batch, as overlap scheduling does), misuse (bad and rep
 counts, double frees), hand edits of the state followed by
 ``invalidate_csr()``, or for half the table edits ``invalidate_csr(row)`` (any value
 into ``seq_lens``, ``block_table``, ``free_stack``, the free and cached counts and the
-clock, the LRU queue's head and tail, ``refcount``, ``page_state``, ``stamp``, ``page_gen``, ``lru_queue``,
+clock, the LRU queue's head, tail, hole and scan, ``refcount``, ``page_state``, ``stamp``, ``page_gen``, ``lru_queue``,
 ``lru_pos``), and snapshot restores
 (``tpool.graphs.state_tensors``). After every operation every output and every
 state tensor (scratch excepted) must be equal on all backends (``torch.equal``);
@@ -33,7 +33,7 @@ import time
 import torch
 
 OPS_PER_EPISODE = 150  # operations on one set of pools before a fresh one (default)
-EDIT_COUNTERS = (0, 1, 2, 20, 21)  # FREE_COUNT, CACHED_COUNT, CLOCK, LRU_HEAD, LRU_TAIL
+EDIT_COUNTERS = (0, 1, 2, 20, 21, 22, 23)  # FREE_COUNT, CACHED_COUNT, CLOCK, LRU_HEAD, LRU_TAIL, LRU_HOLE, LRU_SCAN
 EDIT_VALUES = (-10**9, -6, -2, -1, 0, 1, 2, 3, 5, 7, 10**6, 2**31 - 2, 2**31 - 1)
 SCRATCH = {"keys", "lane_end", "version", "row_version"}  # per-backend scratch, not compared
 BOUND_BATCH, BOUND_RELEASE, BOUND_TOKENS = 4, 3, 12  # the shape of the bound steps ("bstep") and StepOuts
@@ -109,12 +109,14 @@ def gen_op(rng: random.Random, cfg: dict, edits: bool) -> tuple:
         name = rng.choice(["seq_lens", "block_table", "free_stack", "counters", "refcount", "page_state", "stamp",
                            "page_gen", "lru_queue", "lru_pos"])
         size = {"seq_lens": R, "block_table": R * MP, "free_stack": P, "refcount": P, "page_state": P,
-                "stamp": P, "page_gen": P, "counters": len(EDIT_COUNTERS), "lru_queue": 3 * P, "lru_pos": P}[name]
+                "stamp": P, "page_gen": P, "counters": len(EDIT_COUNTERS), "lru_queue": 4 * P, "lru_pos": P}[name]
         value = rng.choice(EDIT_VALUES + tuple(range(-1, P + 2)))
         if name == "stamp":
             value = rng.choice([-2**62, -1, 0, 1, 5, 40, 2**62])
         if name == "page_state":
             value = rng.choice([0, 1, 2, 0, 1, 2, 5, -1])
+        if name == "counters" and rng.random() < 0.3:  # around the LRU queue's room and its position limit
+            value = rng.choice([2 * P, 3 * P, 3 * P + 1, 4 * P, 4 * P + 1, 2**62, 2**62 + 1])
         return (kind, name, rng.randrange(size), value)
     if kind == "alias":
         return (kind, rng.randrange(len(ALIASES)))

@@ -204,8 +204,9 @@ def test_eviction_order_over_long_churn(make_pool, backend, guard, monkeypatch, 
     """Thousands of pages through the cache: releases in shuffled order (ties in first-occurrence
     order), touches and revives of cached pages (stale queue entries), evictions of various sizes,
     k beyond the cached count, every cached page at once, allocs that evict, and enough pushes for
-    the LRU queue to be compacted several times. Every eviction as the model's and as the
-    reference's, bit for bit, queue included. ``chunked``: 32-lane chunks (Triton only)."""
+    the LRU queue's cleaner to run passes to the end (the tail brought back) and to leave gaps that
+    evictions step over. Every eviction as the model's and as the reference's, bit for bit, queue
+    included. ``chunked``: 32-lane chunks (Triton only)."""
     import random
     from tpool.kernels import layout as L
     if chunks == "chunked":
@@ -219,16 +220,21 @@ def test_eviction_order_over_long_churn(make_pool, backend, guard, monkeypatch, 
     ref = tpool.PagePool(P, device="cpu", backend="reference", max_alloc_pages=P)
     model = PoolModel(P)
     pools = (pool, ref)
-    compactions = 0
+    seen = dict(passes=0, gaps=0, jumps=0)
 
     def run(call, model_call):
-        nonlocal compactions
-        tail = int(ref.state.counters[L.LRU_TAIL])
+        c = ref.state.counters
+        head, tail, hole, scan = (int(c[k]) for k in (L.LRU_HEAD, L.LRU_TAIL, L.LRU_HOLE, L.LRU_SCAN))
         outs = []
         for p in pools:
             with guard():
                 outs.append(call(p))
-        compactions += int(ref.state.counters[L.LRU_TAIL]) < tail
+        if int(c[L.LRU_HEAD]) == head and int(c[L.LRU_TAIL]) >= tail and int(c[L.LRU_SCAN]) >= scan:
+            # (no eviction, no pass ended): the cleaner read no more than its share
+            assert int(c[L.LRU_SCAN]) - scan <= L.LRU_CLEAN_RATE * (int(c[L.LRU_TAIL]) - tail)
+        seen["passes"] += int(c[L.LRU_TAIL]) < tail                    # a cleaning pass ended
+        seen["gaps"] += int(c[L.LRU_HOLE]) < int(c[L.LRU_SCAN])         # a gap was left
+        seen["jumps"] += hole < scan and int(c[L.LRU_HEAD]) > scan     # an eviction stepped over one
         exp = model_call()
         for name in ("refcount", "page_state", "stamp", "counters", "free_stack", "lru_queue", "lru_pos"):
             assert torch.equal(getattr(pool.state, name), getattr(ref.state, name)), name
@@ -243,8 +249,9 @@ def test_eviction_order_over_long_churn(make_pool, backend, guard, monkeypatch, 
         ids, used = used[:k], used[k:]
         run(lambda p: p.free(i32(ids), cache=True), lambda: model.free(ids, cache=True))
         cached = [q for q in range(P) if model.state[q] == 2]
-        hot = rng.sample(cached, len(cached) // 3) + rng.sample(range(P), 5)
-        run(lambda p: p.touch(i32(hot)), lambda: model.touch(hot))
+        for _ in range(3):
+            hot = rng.sample(cached, len(cached) // 3) + rng.sample(range(P), 5)
+            run(lambda p: p.touch(i32(hot)), lambda: model.touch(hot))
         back = rng.sample(cached, len(cached) // 6)
         run(lambda p: p.incref(i32(back)), lambda: model.incref(back))
         used += back
@@ -255,10 +262,67 @@ def test_eviction_order_over_long_churn(make_pool, backend, guard, monkeypatch, 
         outs, exp = run(lambda p: p.alloc(i32([n, 2]), evict=True), lambda: model.alloc([n, 2], P, evict=True))
         assert outs[0].evicted.tolist() == outs[1].evicted.tolist() == exp[3]
         used += [q for q in outs[0].pages.tolist() if q >= 0]
+    from tpool.backends.reference import lru_live
+    run(lambda p: p.free(i32(used), cache=True), lambda: model.free(used, cache=True))  # every page cached
+    c = ref.state.counters
+    for _ in range(100):  # touch until the cleaner leaves a gap ...
+        if int(c[L.LRU_HOLE]) < int(c[L.LRU_SCAN]):
+            break
+        hot = rng.sample(range(P), P // 3)
+        run(lambda p: p.touch(i32(hot)), lambda: model.touch(hot))
+    live, _, pos = lru_live(ref.state)
+    k = int((live & (pos < c[L.LRU_HOLE])).sum()) + 1  # ... then evict up to the first entry past it
+    outs, exp = run(lambda p: p.evict(k), lambda: model.evict(k))
+    assert outs[0].tolist() == exp[:P]
+    for _ in range(30):  # and on, through whole passes
+        cached = [q for q in range(P) if model.state[q] == 2]
+        hot = rng.sample(cached, len(cached) // 3)
+        run(lambda p: p.touch(i32(hot)), lambda: model.touch(hot))
     left = model.cached()
     outs, exp = run(lambda p: p.evict(left + 50), lambda: model.evict(left + 50))  # all of it, padded
     assert outs[0].tolist()[:left] == exp[:left] and exp[left:] == [-1] * 50
     outs, exp = run(lambda p: p.evict(3), lambda: model.evict(3))                     # nothing cached
     assert outs[0].tolist() == [-1] * 3
-    assert compactions >= 2, compactions
+    assert seen["passes"] >= 2 and seen["gaps"] >= 2 and seen["jumps"] >= 1, seen
     pool.check_invariants()
+
+
+def test_a_queue_past_its_room_is_compacted_at_once(make_pool, backend, guard):
+    """A queue built by hand (consistent: ``check_invariants`` passes) that spans more than ``Q - P``
+    positions, with a gap: the next call that may push first compacts it whole (the live entries
+    down to the head, in order, no gap left), on every backend as on the reference, and eviction
+    order is kept."""
+    import random
+    from tpool.kernels import layout as L
+    P = 16
+    Q = L.LRU_FACTOR * P
+    rng = random.Random(5)
+    order = rng.sample(range(P), P)  # the eviction order the queue holds
+    head, hole, scan, tail = 7, 7 + P + 1, 7 + 2 * P, 7 + Q - P + 3
+    places = sorted(rng.sample([j for j in range(head, tail) if not hole <= j < scan], P))
+    pools = (make_pool(P, max_alloc_pages=P), tpool.PagePool(P, device="cpu", backend="reference", max_alloc_pages=P))
+    for pool in pools:
+        pool.alloc(i32([P]))
+        pool.free(i32(list(range(P))), cache=True)
+        st = pool.state
+        st.lru_queue.fill_(order[0])  # stale everywhere but at its own place (the gap is never read)
+        for p, j in zip(order, places):
+            st.lru_queue[j % Q] = p
+            st.lru_pos[p] = j
+        for slot, v in ((L.LRU_HEAD, head), (L.LRU_HOLE, hole), (L.LRU_SCAN, scan), (L.LRU_TAIL, tail)):
+            st.counters[slot] = v
+        pool.check_invariants()
+        with guard():
+            pool.touch(i32([order[0]]))
+        c = st.counters
+        assert [int(c[k]) for k in (L.LRU_HEAD, L.LRU_HOLE, L.LRU_SCAN, L.LRU_TAIL)] == [head, head, head,
+                                                                                         head + P + 1]
+        assert st.lru_queue[torch.arange(head, head + P + 1) % Q].tolist() == order + [order[0]]
+        pool.check_invariants()
+        pool.check()  # no error counted
+    for name in ("lru_queue", "lru_pos", "counters"):
+        assert torch.equal(getattr(pools[0].state, name), getattr(pools[1].state, name)), name
+    for pool in pools:
+        with guard():
+            out = pool.evict(P)
+        assert out.tolist() == order[1:] + [order[0]]

@@ -567,16 +567,19 @@ class PagePool:
         need(c[L.USED_PEAK] >= P - fc - cc and c[L.CACHED_PEAK] >= cc, "peaks >= current")
         need(c[L.ALLOCATED] + c[L.REVIVED] - c[L.FREED] == P - fc - cc,
              "allocated + revived - freed == used")
-        head, tail, queue, pos = c[L.LRU_HEAD], c[L.LRU_TAIL], st["lru_queue"].long(), st["lru_pos"]
-        need(0 <= head <= tail <= queue.numel(),
-             f"LRU queue bounds (head={head}, tail={tail}, pages={P})")
-        entries = queue[head:tail]
+        head, hole, scan, tail = (c[k] for k in (L.LRU_HEAD, L.LRU_HOLE, L.LRU_SCAN, L.LRU_TAIL))
+        queue, pos = st["lru_queue"].long(), st["lru_pos"]
+        Q = queue.numel()
+        need(0 <= head <= hole <= scan <= tail <= min(head + Q, L.LRU_POS_LIMIT),
+             f"LRU queue bounds (head={head}, hole={hole}, scan={scan}, tail={tail}, length={Q})")
+        where = torch.cat([torch.arange(head, hole), torch.arange(scan, tail)])  # (the gap is never read)
+        entries = queue[where % Q]
         need(bool(((entries >= 0) & (entries < P)).all()), "LRU queue entries are page ids")
-        where = torch.arange(head, tail)
         live = entries[(state[entries] == L.CACHED) & (pos[entries] == where)]
         cached = (state == L.CACHED).nonzero().flatten()
-        need(live.numel() == cc and bool((queue[pos[cached].clamp(min=0, max=queue.numel() - 1)] == cached).all())
-             and bool(((pos[cached] >= head) & (pos[cached] < tail)).all()),
+        at = pos[cached]
+        need(live.numel() == cc and bool((queue[at.clamp(min=0) % Q] == cached).all())
+             and bool((((at >= head) & (at < hole)) | ((at >= scan) & (at < tail))).all()),
              "every CACHED page has one live entry in the LRU queue")
         stamps = st["stamp"][live]
         need(bool((stamps[1:] >= stamps[:-1]).all()), "the LRU queue's live entries in stamp order")

@@ -135,8 +135,8 @@ class PoolState(_Tensors):
     claim: torch.Tensor       # int32 [num_pages] scratch, INT32_MAX between calls
     occur: torch.Tensor       # int32 [num_pages] scratch, 0 between calls
     keys: torch.Tensor        # int64 [num_pages] scratch (release and truncate on numba)
-    lru_queue: torch.Tensor   # int32 [LRU_FACTOR * num_pages]: CACHED pages in eviction order, with stale
-    #                           entries between (live ones: counters[LRU_HEAD:LRU_TAIL], see kernels.layout)
+    lru_queue: torch.Tensor   # int32 [LRU_FACTOR * num_pages], a ring: CACHED pages in eviction order, with
+    #                           stale entries between (positions in counters LRU_HEAD..LRU_SCAN, kernels.layout)
     lru_pos: torch.Tensor     # int64 [num_pages]: where each page's latest entry in lru_queue is (-1: none yet)
     # Held by the reference and triton backends around every call on this pool or its tables, so
     # two threads never interleave inside one; numba calls hold the GIL instead (tpool.backends).

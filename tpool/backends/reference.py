@@ -20,13 +20,15 @@ the same outputs and the same state, bit for bit. The rules:
   reaches 0 are pushed on the free stack in the order of their first
   occurrence in the input (or become CACHED with the call's stamp, and go on
   the LRU queue's tail in that order).
-* The LRU queue (``lru_queue``, live entries in ``[LRU_HEAD, LRU_TAIL)``, see
-  :mod:`tpool.kernels.layout`): a page gets an entry at the tail when it
-  becomes CACHED or is touched while CACHED (``lru_pos[p]`` notes where); an
-  entry is live while its page is CACHED and the entry is the page's latest.
-  Every call that may push (``free``/``release`` with ``cache``, ``touch``)
-  first compacts the queue when its tail is past ``LRU_COMPACT_AT * P``: the
-  live entries move to the front, in order.
+* The LRU queue (``lru_queue``, a ring of positions ``[LRU_HEAD, LRU_HOLE)`` and
+  ``[LRU_SCAN, LRU_TAIL)``, see :mod:`tpool.kernels.layout`): a page gets an entry at
+  the tail when it becomes CACHED or is touched while CACHED (``lru_pos[p]`` notes
+  where); an entry is live while its page is CACHED and the entry is the page's
+  latest. Every call that may push (``free``/``release`` with ``cache``, ``touch``)
+  first checks the queue (``lru_prepare``: compacted whole when it spans more than
+  ``Q - P`` positions) and, after its pushes, cleans a bounded stretch of it
+  (``lru_clean``: at most ``LRU_CLEAN_RATE`` entries per entry pushed, once the queue
+  spans more than ``LRU_CLEAN_AT * P``).
 * Every page that becomes FREE (a last reference dropped without ``cache``, an
   eviction) has its generation bumped: ``page_gen = (page_gen + 1) & GEN_MASK``;
   nothing else changes a generation.
@@ -49,12 +51,12 @@ each case counts ``corrupt_state``):
   becomes FREE without being pushed (one count each);
 * an eviction of ``m = min(n, C, out)`` pages that cannot be pushed
   (``F < 0`` or ``F > P - m``) or finds fewer than ``m`` live entries in the
-  LRU queue (none when not ``0 <= head <= tail <= len(lru_queue)``) evicts
-  nothing (one count);
-* a push on the LRU queue whose slot (``tail``, then ``tail + 1``, ...) is
-  outside the queue leaves the page without an entry (one count each; the
-  tail still moves); a compaction that finds the head or tail out of bounds
-  empties the queue (``head = tail = 0``, one count).
+  LRU queue (none when its positions are out of bounds: not
+  ``0 <= head <= hole <= scan <= tail <= head + Q``, or ``tail > LRU_POS_LIMIT``)
+  evicts nothing (one count);
+* a call that may push and finds the queue's positions out of bounds empties it
+  (all four 0, one count); a push that would pass ``head + Q`` (none can after
+  ``lru_prepare``) leaves the page without an entry (one count each).
 """
 
 import torch
@@ -148,51 +150,90 @@ def pop_pages(st, depth: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(good, pages, L.NULL_PAGE)
 
 
+def lru_bounds(st) -> tuple:
+    """``(ok, head, hole, scan, tail)``: the LRU queue's positions, and whether they are in bounds
+    (``0 <= head <= hole <= scan <= tail <= head + Q``, ``tail <= LRU_POS_LIMIT``)."""
+    c, Q = st.counters, st.lru_queue.numel()
+    h, t, w, s = c[L.LRU_HEAD:L.LRU_SCAN + 1].clone()  # (slots HEAD, TAIL, HOLE, SCAN; copies)
+    ok = (h >= 0) & (h <= w) & (w <= s) & (s <= t) & (t <= L.LRU_POS_LIMIT) & (t - h <= Q)
+    return ok, h, w, s, t
+
+
 def lru_live(st) -> tuple:
-    """``(live, pages)`` over the LRU queue's slots: which entries are live (``kernels.layout``), and the
-    page each names (clamped into ``[0, P)``); none when the head and tail are out of bounds."""
-    P, c, q = st.num_pages, st.counters, st.lru_queue
-    h, t = c[L.LRU_HEAD], c[L.LRU_TAIL]
-    j = torch.arange(q.numel(), device=q.device)
-    p = q.long()
+    """``(live, pages, pos)`` over the LRU queue in position order (``pos = head + arange(Q)``, slot
+    ``pos % Q``): which entries are live (``kernels.layout``), the page each names (clamped into
+    ``[0, P)``), and the positions; none live when the bounds are broken."""
+    P, q = st.num_pages, st.lru_queue
+    ok, h, w, s, t = lru_bounds(st)
+    pos = h.clamp(min=0, max=L.LRU_POS_LIMIT) + torch.arange(q.numel(), device=q.device)
+    p = q[pos % q.numel()].long()
     idx = p.clamp(min=0, max=P - 1)
-    live = ((h >= 0) & (h <= t) & (t <= q.numel()) & (j >= h) & (j < t) & (p >= 0) & (p < P)
-            & (st.page_state[idx] == L.CACHED) & (st.lru_pos[idx] == j))
-    return live, idx
+    live = (ok & ((pos < w) | (pos >= s)) & (pos < t) & (p >= 0) & (p < P)
+            & (st.page_state[idx] == L.CACHED) & (st.lru_pos[idx] == pos))
+    return live, idx, pos
 
 
-def lru_compact(st) -> None:
-    """Before a call that may push: when the tail is past ``LRU_COMPACT_AT * P``, the live entries move to
-    the front in order (head 0, tail their count); a head or tail out of bounds empties the queue."""
-    c, q = st.counters, st.lru_queue
-    h, t = c[L.LRU_HEAD], c[L.LRU_TAIL]
-    due = t > L.LRU_COMPACT_AT * st.num_pages
-    c[L.ERR_CORRUPT_STATE] += (due & ~((h >= 0) & (h <= t) & (t <= q.numel()))).long()
-    live, idx = lru_live(st)
-    live = live & due
-    rank = torch.cumsum(live.long(), 0) - live.long()
-    _put(q, rank, idx, live)
-    _put(st.lru_pos, idx, rank, live)
-    c[L.LRU_HEAD] = torch.where(due, 0, h)
-    c[L.LRU_TAIL] = torch.where(due, live.sum(), t)
+def _lru_move(st, move: torch.Tensor, idx: torch.Tensor, to) -> torch.Tensor:
+    """The entries ``move`` (live, in position order) go to positions ``to, to + 1, ...``, in order
+    (each at or below where it was); returns how many moved."""
+    q, w = st.lru_queue, move.long()
+    dst = to + torch.cumsum(w, 0) - w
+    _put(q, dst % q.numel(), idx, move)
+    _put(st.lru_pos, idx, dst, move)
+    return w.sum()
+
+
+def lru_prepare(st) -> None:
+    """First in every call that may push: a queue out of bounds is emptied (all positions 0, one
+    ``corrupt_state``); one spanning more than ``Q - P`` positions is compacted at once (the live
+    entries moved down to the head, in order; no gap)."""
+    c, P, Q = st.counters, st.num_pages, st.lru_queue.numel()
+    ok, h, w, s, t = lru_bounds(st)
+    c[L.ERR_CORRUPT_STATE] += (~ok).long()
+    full = ok & (t - h > Q - P)
+    live, idx, _ = lru_live(st)
+    n = _lru_move(st, live & full, idx, h)
+    c[L.LRU_TAIL] = torch.where(ok, torch.where(full, h + n, t), 0)
+    c[L.LRU_HOLE] = torch.where(ok, torch.where(full, h, w), 0)
+    c[L.LRU_SCAN] = torch.where(ok, torch.where(full, h, s), 0)
+    c[L.LRU_HEAD] = torch.where(ok, h, 0)
 
 
 def lru_push(st, idx: torch.Tensor, mask: torch.Tensor) -> None:
-    """Pages ``idx[mask]`` (distinct, in ``[0, P)``) get entries at the LRU queue's tail, in lane order."""
+    """Pages ``idx[mask]`` (distinct, in ``[0, P)``) get entries at the LRU queue's tail, in lane order
+    (after ``lru_prepare``); one that would pass ``head + Q`` gets none (one ``corrupt_state``)."""
     c, q = st.counters, st.lru_queue
-    pos = c[L.LRU_TAIL] + torch.cumsum(mask.long(), 0) - mask.long()
-    fit = mask & (pos >= 0) & (pos < q.numel())
-    _put(q, pos.clamp(min=0, max=q.numel() - 1), idx, fit)
+    w = mask.long()
+    pos = c[L.LRU_TAIL] + torch.cumsum(w, 0) - w
+    fit = mask & (pos - c[L.LRU_HEAD] < q.numel())
+    _put(q, pos % q.numel(), idx, fit)
     _put(st.lru_pos, idx, pos, fit)
     c[L.ERR_CORRUPT_STATE] += (mask & ~fit).sum()
-    c[L.LRU_TAIL] += mask.sum()
+    c[L.LRU_TAIL] += fit.sum()
+
+
+def lru_clean(st, pushed) -> None:
+    """Last in every call that pushed ``pushed`` entries: when the queue spans more than
+    ``LRU_CLEAN_AT * P`` positions, the entries in ``[scan, scan + LRU_CLEAN_RATE * pushed)`` are read
+    and the live ones move down to the hole, in order; a scan that reaches the tail brings the tail
+    back to the hole, and the next pass starts at the head."""
+    c = st.counters
+    _, h, w, s, t = lru_bounds(st)
+    due = t - h > L.LRU_CLEAN_AT * st.num_pages
+    end = torch.where(due, torch.minimum(t, s + L.LRU_CLEAN_RATE * pushed), s)
+    live, idx, pos = lru_live(st)
+    w = w + _lru_move(st, live & (pos >= s) & (pos < end), idx, w)
+    done = due & (end == t)
+    c[L.LRU_TAIL] = torch.where(done, w, t)
+    c[L.LRU_HOLE] = torch.where(done, h, w)
+    c[L.LRU_SCAN] = torch.where(done, h, end)
 
 
 def evict_oldest(st, out: torch.Tensor, n) -> None:
     """Evict the ``min(n, cached)`` oldest cached pages (the LRU queue's first live entries) into ``out``
-    (padded with -1)."""
+    (padded with -1); the head moves past the last one (the hole and the scan with it, when behind)."""
     P, c = st.num_pages, st.counters
-    live, idx = lru_live(st)
+    live, idx, pos = lru_live(st)
     rank = torch.cumsum(live.long(), 0) - live.long()
     f = c[L.FREE_COUNT]
     n = n.long() if isinstance(n, torch.Tensor) else torch.full((), n, dtype=torch.int64, device=out.device)
@@ -203,8 +244,10 @@ def evict_oldest(st, out: torch.Tensor, n) -> None:
     take = live & (rank < m)
     out.fill_(L.NULL_PAGE)
     _put(out, rank.clamp(max=out.numel() - 1), idx, take)
-    j = torch.arange(live.numel(), device=out.device)
-    c[L.LRU_HEAD] = torch.where(m > 0, torch.where(take, j + 1, 0).amax(), c[L.LRU_HEAD])
+    h = torch.where(m > 0, torch.where(take, pos + 1, 0).amax(), c[L.LRU_HEAD])
+    c[L.LRU_HOLE] = torch.where(m > 0, torch.maximum(c[L.LRU_HOLE], h), c[L.LRU_HOLE])
+    c[L.LRU_SCAN] = torch.where(m > 0, torch.maximum(c[L.LRU_SCAN], h), c[L.LRU_SCAN])
+    c[L.LRU_HEAD] = h
     lanes = torch.arange(out.numel(), device=out.device)
     m = _push(st, out.long().clamp(min=0), lanes < m)
     c[L.CACHED_COUNT] -= m
@@ -256,7 +299,8 @@ def apply_free(st, pages, cache: bool) -> None:
     """``free`` without the clock tick (page tables call it inside their own step)."""
     c = st.counters
     if cache:
-        lru_compact(st)
+        lru_prepare(st)
+        tail = c[L.LRU_TAIL].clone()
     idx, first, k, invalid = count_pages(st, pages)
     c[L.ERR_INVALID_PAGE] += invalid.sum()
     used = first & (st.page_state[idx] == L.USED)
@@ -270,6 +314,7 @@ def apply_free(st, pages, cache: bool) -> None:
         _put(st.page_state, idx, L.CACHED, zero)
         _put(st.stamp, idx, c[L.CLOCK], zero)
         lru_push(st, idx, zero)
+        lru_clean(st, c[L.LRU_TAIL] - tail)
         c[L.CACHED_COUNT] += zero.sum()
     else:
         _push(st, idx, zero)
@@ -305,7 +350,8 @@ def touch(st, pages) -> None:
     """Stamp USED and CACHED pages with the clock (LRU refresh); a FREE page, or one in no known state, is an error."""
     c = st.counters
     c[L.CLOCK] += 1
-    lru_compact(st)
+    lru_prepare(st)
+    tail = c[L.LRU_TAIL].clone()
     idx, first, k, invalid = count_pages(st, pages)
     c[L.ERR_INVALID_PAGE] += invalid.sum()
     state = st.page_state[idx]
@@ -314,6 +360,7 @@ def touch(st, pages) -> None:
     c[L.ERR_CORRUPT_STATE] += torch.where(first & (state != L.FREE) & ~known, k, 0).sum()
     _put(st.stamp, idx, c[L.CLOCK], first & known)
     lru_push(st, idx, first & (state == L.CACHED))
+    lru_clean(st, c[L.LRU_TAIL] - tail)
 
 
 def evict(st, out) -> None:

@@ -39,7 +39,7 @@ Note:
     ``N`` is the number of pages to ask for, and ``pool`` = ``N x
     bytes_per_page`` their K/V only: ``PagedKVCache.from_pool`` of an
     ``N``-page ``PagePool`` allocates ``N + 1`` pages (one scratch page), and
-    the pool keeps its state (``pool.memory_bytes()["state_bytes"]``, 37
+    the pool keeps its state (``pool.memory_bytes()["state_bytes"]``, 61
     bytes a page today); these come out of the runtime reserve, not the pool
     budget (:meth:`PagePlan.explain` says so, with the state's bytes for ``N``
     pages read off the pool's layout).
@@ -114,7 +114,7 @@ class PagePlan:
         extra reserve                       0 B      0.00 GiB   kept back inside the static budget
         pool budget            47,244,640,256 B     44.00 GiB   static budget - in use - extra reserve
         pool                   47,244,640,256 B     44.00 GiB   22,528 pages x 2,097,152 B
-        note: PagedKVCache.from_pool adds 1 scratch page (2,097,152 B), PagePool state 1,284,448 B: from the reserve
+        note: PagedKVCache.from_pool adds 1 scratch page (2,097,152 B), PagePool state 1,374,592 B: from the reserve
         """
         rows = [
             ("total", self.total_bytes, self.source),
