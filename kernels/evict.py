@@ -124,7 +124,7 @@ def evict_oldest_body(
     stop = tl.where(in_bounds & (m > 0), tail, head)
     found = tl.zeros((), tl.int64)
     after = head  # one past the last entry taken
-    start = tl.where(head == hole, scan, head)
+    start = tl.where(in_bounds & (head == hole), scan, head)  # (out of bounds: stop == head, no chunk)
     while (found < m) & (start < stop):
         j = start + lanes
         in_queue = (j < stop) & ((j < hole) | (j >= scan))

@@ -326,3 +326,32 @@ def test_a_queue_past_its_room_is_compacted_at_once(make_pool, backend, guard):
         with guard():
             out = pool.evict(P)
         assert out.tolist() == order[1:] + [order[0]]
+
+
+@pytest.mark.parametrize("bounds", [(0, 0, -2**40, 8), (3, 3, 2**62, 8), (5, 5, -7, 2), (0, 2, 1, 8),
+                                    (0, 0, 0, 2**62 + 1), (-1, 0, 0, 8)])
+def test_an_eviction_refuses_queue_bounds_out_of_order(make_pool, backend, guard, bounds):
+    """Head, hole, scan and tail set by hand out of order or bounds (a scan far below the head among
+    them, which a chunked walk would have started from): ``evict`` and ``alloc(..., evict=True)`` evict
+    nothing and count ``corrupt_state``, promptly, on every backend as on the reference; a call that
+    may push then empties the queue."""
+    from tpool.kernels import layout as L
+    P = 8
+    pools = (make_pool(P, max_alloc_pages=P), tpool.PagePool(P, device="cpu", backend="reference", max_alloc_pages=P))
+    for pool in pools:
+        pool.alloc(i32([P]))
+        pool.free(i32(list(range(P))), cache=True)
+        for slot, v in zip((L.LRU_HEAD, L.LRU_HOLE, L.LRU_SCAN, L.LRU_TAIL), bounds):
+            pool.state.counters[slot] = v
+        with guard():
+            out = pool.evict(3)
+            res = pool.alloc(i32([2]), evict=True)
+        assert out.tolist() == [-1] * 3 and res.evicted.tolist() == [-1] * P and res.pages.tolist() == [-1] * P
+        # (one count per eviction; the alloc's two pops then find the stack empty: one count each)
+        assert int(pool.state.counters[L.ERR_CORRUPT_STATE]) == 4 and pool.stats()["pages.cached.current"] == P
+        with guard():
+            pool.touch(i32([0]))
+        c = pool.state.counters
+        assert [int(c[k]) for k in (L.LRU_HEAD, L.LRU_HOLE, L.LRU_SCAN, L.LRU_TAIL)] == [0, 0, 0, 1]
+    for name in ("lru_queue", "lru_pos", "counters"):
+        assert torch.equal(getattr(pools[0].state, name), getattr(pools[1].state, name)), name
