@@ -203,7 +203,8 @@ def lru_move_down(lo, hi, v, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pag
     """The live entries at positions ``[lo, hi)`` move to ``v, v + 1, ...`` in order (``v <= lo``: each
     lands at or below where it was, on a slot already read); returns ``v`` after them."""
     lanes = tl.arange(0, BLOCK)
-    for start in range(lo, hi, BLOCK):
+    start = lo  # (an int64 loop-carried value: positions pass 2**31 on a long run)
+    while start < hi:
         j = start + lanes
         p, live = lru_live(j, j < hi, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len)
         tl.debug_barrier()  # every lane has read its entry before one is moved over it
@@ -212,6 +213,7 @@ def lru_move_down(lo, hi, v, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pag
         tl.store(lru_queue_ptr + dst % queue_len, p, mask=live)
         tl.store(lru_pos_ptr + p, dst, mask=live)
         v += tl.sum(w)
+        start += BLOCK
         tl.debug_barrier()
     return v
 

@@ -355,3 +355,38 @@ def test_an_eviction_refuses_queue_bounds_out_of_order(make_pool, backend, guard
         assert [int(c[k]) for k in (L.LRU_HEAD, L.LRU_HOLE, L.LRU_SCAN, L.LRU_TAIL)] == [0, 0, 0, 1]
     for name in ("lru_queue", "lru_pos", "counters"):
         assert torch.equal(getattr(pools[0].state, name), getattr(pools[1].state, name)), name
+
+
+@pytest.mark.parametrize("base", [2**31 - 5, 2**40 + 3])
+def test_queue_positions_past_int32(make_pool, backend, guard, base):
+    """Positions only grow (a long run, a restored snapshot): a consistent queue whose positions start
+    just under 2**31 (and at 2**40) is pushed past it, cleaned through whole passes and evicted from, on
+    every backend as on the reference (the Triton walks carry int64 positions)."""
+    from tpool.kernels import layout as L
+    P = 8
+    Q = L.LRU_FACTOR * P
+    pools = (make_pool(P, max_alloc_pages=P), tpool.PagePool(P, device="cpu", backend="reference", max_alloc_pages=P))
+    outs = []
+    for pool in pools:
+        pool.alloc(i32([P]))
+        pool.free(i32(list(range(P))), cache=True)
+        st = pool.state
+        for i in range(P):
+            st.lru_queue[(base + i) % Q] = i
+            st.lru_pos[i] = base + i
+        for slot, v in ((L.LRU_HEAD, base), (L.LRU_HOLE, base), (L.LRU_SCAN, base), (L.LRU_TAIL, base + P)):
+            st.counters[slot] = v
+        pool.check_invariants()
+        tails = []
+        for r in range(6):
+            with guard():
+                pool.touch(i32([(3 * r + i) % P for i in range(P)]))
+            tails.append(int(st.counters[L.LRU_TAIL]))
+        with guard():
+            out = pool.evict(3)
+        outs.append(out.tolist())
+        assert any(b < a for a, b in zip(tails, tails[1:])), tails  # a cleaning pass ended
+        pool.check_invariants()
+    assert outs[0] == outs[1] == [15 % P, 16 % P, 17 % P]  # the last touch's order
+    for name in ("lru_queue", "lru_pos", "counters"):
+        assert torch.equal(getattr(pools[0].state, name), getattr(pools[1].state, name)), name
