@@ -178,6 +178,17 @@ def lru_move(queue, lru_pos, p, v):
     return v + 1
 
 
+@numba.njit(nogil=True, inline="always")
+def lru_move_down(queue, lru_pos, page_state, lo, hi, v):
+    """The live entries at positions ``[lo, hi)`` move to ``v, v + 1, ...`` in order (``v <= lo``: each
+    lands at or below where it was, on a slot already read); returns ``v`` after them."""
+    for j in range(lo, hi):
+        p = lru_live(queue, j, lru_pos, page_state)
+        if p >= 0:
+            v = lru_move(queue, lru_pos, p, v)
+    return v
+
+
 @numba.njit(nogil=True)
 def lru_prepare(queue, lru_pos, page_state, counters):
     """Run first by every call that may push on the LRU queue (layout.LRU_FACTOR): a queue out of
@@ -190,16 +201,8 @@ def lru_prepare(queue, lru_pos, page_state, counters):
         counters[L.ERR_CORRUPT_STATE] += 1
         h = t = 0
     elif t - h > Q - P:
-        v = h
-        for j in range(h, counters[L.LRU_HOLE]):
-            p = lru_live(queue, j, lru_pos, page_state)
-            if p >= 0:
-                v = lru_move(queue, lru_pos, p, v)
-        for j in range(counters[L.LRU_SCAN], t):
-            p = lru_live(queue, j, lru_pos, page_state)
-            if p >= 0:
-                v = lru_move(queue, lru_pos, p, v)
-        t = v
+        v = lru_move_down(queue, lru_pos, page_state, h, counters[L.LRU_HOLE], h)
+        t = lru_move_down(queue, lru_pos, page_state, counters[L.LRU_SCAN], t, v)
     else:
         return t
     counters[L.LRU_HEAD] = counters[L.LRU_HOLE] = counters[L.LRU_SCAN] = h
@@ -230,10 +233,7 @@ def lru_clean(queue, lru_pos, page_state, counters, pushed):
         return
     w, s = counters[L.LRU_HOLE], counters[L.LRU_SCAN]
     end = min(t, s + L.LRU_CLEAN_RATE * pushed)
-    for j in range(s, end):
-        p = lru_live(queue, j, lru_pos, page_state)
-        if p >= 0:
-            w = lru_move(queue, lru_pos, p, w)
+    w = lru_move_down(queue, lru_pos, page_state, s, end, w)
     if end == t:
         counters[L.LRU_TAIL] = w
         w = end = h
