@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from tpool.demo import positive_int  # noqa: F401  (the scripts' counts: an int of at least 1)
+from tpool import _checks
 
 SAMPLE_TARGET_US = 2000.0  # auto calibration: calls per sample so one sample takes about this long
 MAX_INNER = 10_000         # at most this many calls per sample
@@ -213,6 +214,16 @@ def quantiles(xs: list) -> tuple:
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_arg(value: str) -> str:
+    """An argparse type for ``--device``: the value as given, once tpool would take it (a cpu or cuda
+    device, CUDA available for a cuda one), else a usage error saying why (not a traceback later)."""
+    try:
+        _checks.resolve_device(value, "--device")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--device: ")) from None
+    return value
 
 
 def sync_of(device: torch.device):

@@ -102,8 +102,11 @@ def time_sample(fn, reset, inner, flush):
 def base_tree(rev: str) -> str:
     """The folder holding ``rev`` as ``tpool_base``: extracted once per commit and kept (its compiled
     kernels are cached there), under ``$TPOOL_AB_CACHE`` or ``~/.cache/tpool-ab``."""
-    sha = subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", f"{rev}^{{commit}}"], check=True,
-                         capture_output=True, text=True).stdout.strip()
+    found = subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                           capture_output=True, text=True)
+    if found.returncode:  # before anything is extracted or compiled, as for an unknown row
+        raise SystemExit(f"--base: {rev!r} is not a commit of {ROOT} (a branch, tag or hash git knows there)")
+    sha = found.stdout.strip()
     root = os.environ.get("TPOOL_AB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tpool-ab")
     path = os.path.join(root, f"{sha}-{EXTRACT_VERSION}")
     if os.path.isdir(os.path.join(path, BASE_NAME)):

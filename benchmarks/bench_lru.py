@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import HelpFormatter, default_device, positive_int, print_table, progress, quantiles, write_json  # noqa: E402
+from _common import (HelpFormatter, default_device, device_arg, positive_int, print_table, progress,  # noqa: E402
+                     quantiles, write_json)
 
 import tpool  # noqa: E402
 from tpool.kernels import layout as L  # noqa: E402
@@ -46,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=positive_int, default=4000, help="steps timed per pool size and implementation")
     ap.add_argument("--touch", type=positive_int, default=256, help="cached pages touched per step")
     ap.add_argument("--k", type=positive_int, default=64, help="pages evicted (and cached again) per step")
-    ap.add_argument("--device", default=default_device(), help="torch device of the pools")
+    ap.add_argument("--device", default=default_device(), type=device_arg, help="torch device of the pools")
     ap.add_argument("--backend", default=None, help="tpool backend (default: numba on CPU, triton on CUDA)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the pages touched")
     ap.add_argument("--json", default="", metavar="PATH", help="also write the rows as JSON")

@@ -62,9 +62,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, calibrate, default_device, gc_quiet,  # noqa: E402
-                     int_at_most, parse_args_for_plot, plot_lines, positive_int, print_table, progress, quantiles,
-                     sample_cold_us, sample_us, sync_of, write_json)
+from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, calibrate, default_device, device_arg,  # noqa: E402
+                     gc_quiet, int_at_most, parse_args_for_plot, plot_lines, positive_int, print_table, progress,
+                     quantiles, sample_cold_us, sample_us, sync_of, write_json)
 
 import tpool  # noqa: E402
 
@@ -400,7 +400,7 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=HelpFormatter)
     ap.add_argument("--batch", type=positive_int, nargs="+", default=[1, 64, 256, 1024], metavar="B",
                     help="requests in the batch (one group of rows per B)")
-    ap.add_argument("--device", default=default_device(), help="torch device of the pool and table")
+    ap.add_argument("--device", default=default_device(), type=device_arg, help="torch device of the pool and table")
     ap.add_argument("--backends", nargs="+", default=None,
                     help="tpool backends to time (default: numba on CPU, triton on CUDA); on a CPU the reference "
                          "backend's step is also timed once, for scale, unless reference is listed")

@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (HelpFormatter, calibrate, default_device, gc_quiet, parse_args_for_plot,  # noqa: E402
+from _common import (HelpFormatter, calibrate, default_device, device_arg, gc_quiet, parse_args_for_plot,  # noqa: E402
                      plot_lines, positive_int, print_table, progress, quantiles, sync_of, time_calls_us, write_json)
 
 import tpool  # noqa: E402
@@ -148,7 +148,7 @@ def parser() -> argparse.ArgumentParser:
                     help="sweep the pool size instead of --num-pages, e.g. 65536 262144 1048576 4194304 "
                          "16777216: every size is built at once and they take turns sample by sample "
                          "(alloc/free should stay flat; default: --num-pages alone)")
-    ap.add_argument("--device", default=default_device(), help="torch device of the pools")
+    ap.add_argument("--device", default=default_device(), type=device_arg, help="torch device of the pools")
     ap.add_argument("--backends", nargs="+", default=None,
                     help="tpool backends to time (default: numba and reference on CPU; triton and reference on CUDA)")
     ap.add_argument("--samples", type=positive_int, default=30, help="samples per row (median, p20, p80 over them)")

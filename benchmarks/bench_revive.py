@@ -28,8 +28,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (HelpFormatter, default_device, positive_int, print_table, progress, quantiles,  # noqa: E402
-                     write_json)
+from _common import (HelpFormatter, default_device, device_arg, positive_int, print_table, progress,  # noqa: E402
+                     quantiles, write_json)
 
 import tpool  # noqa: E402
 from tpool.kernels import layout as L  # noqa: E402
@@ -143,7 +143,7 @@ def parser() -> argparse.ArgumentParser:
                                  "per k.", formatter_class=HelpFormatter)
     ap.add_argument("--k", type=positive_int, nargs="+", default=[8, 64, 512],
                     help=f"pages per hit (of {PAGE_SIZE} tokens)")
-    ap.add_argument("--device", default=default_device(), help="torch device of the pools")
+    ap.add_argument("--device", default=default_device(), type=device_arg, help="torch device of the pools")
     ap.add_argument("--backends", nargs="+", default=None,
                     help="tpool backends to time (default: numba and reference on CPU; triton and reference on CUDA)")
     ap.add_argument("--samples", type=positive_int, default=200,

@@ -52,8 +52,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, non_negative_int, parse_args_for_plot,  # noqa: E402
-                     positive_int, print_table, progress, quantiles, write_json)
+from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, device_arg, non_negative_int,  # noqa: E402
+                     parse_args_for_plot, positive_int, print_table, progress, quantiles, write_json)
 
 import tpool  # noqa: E402
 from tpool.scheduling import HostMirror  # noqa: E402
@@ -293,7 +293,7 @@ def parser():
     ap.add_argument("--cold-steps", type=positive_int, default=1000, help="timed steps per scheduler in --cold mode")
     ap.add_argument("--cold-bytes", type=positive_int, default=COLD_BYTES, help="bytes written before each cold step")
     ap.add_argument("--backend", default="auto", help="pool backend (auto: numba on a CPU, triton on CUDA)")
-    ap.add_argument("--device", default=None, help="device (default cuda if available, else cpu)")
+    ap.add_argument("--device", default=None, type=device_arg, help="device (default cuda if available, else cpu)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the workload")
     ap.add_argument("--plot", default="", metavar="PATH",
                     help="write a PNG: the mirror's gap over time and the time of every step (warm solid, cold "

@@ -249,6 +249,11 @@ def test_ab_compare_runs_a_revision_beside_the_working_tree(tmp_path):
     bad = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert bad.returncode == 1 and "unknown row(s) 'tpool-numba turnover bound'" in bad.stderr
     assert "  tpool-numba turnover, bound\n" in bad.stderr and " s] " not in bad.stderr
+    # so is a base revision git does not know, without a traceback
+    bad = subprocess.run(cmd[:2] + ["tpool-numba step", "--base", "no-such-revision"], capture_output=True, text=True, timeout=600,
+                         cwd=tmp_path, env=env)
+    assert bad.returncode == 1 and "--base: 'no-such-revision' is not a commit" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr and " s] " not in bad.stderr
 
 
 @pytest.mark.parametrize("name", ["bench_pool", "bench_page_table", "bench_evict", "bench_scheduler"])
@@ -288,7 +293,9 @@ BAD_OPTIONS = [  # (script, argv, the option its error names): argparse refuses 
     ("bench_prefix", ["--num-pages", "2"], "--num-pages"),
     ("bench_prefix", ["--prompt-len", "9", "3"], "--prompt-len"),
     ("ab_compare", ["tpool-numba step", "--batch", "0"], "--batch"),
-]
+] + [(name, ["--device", device], "--device")  # a device tpool refuses (no CUDA here, no 100th GPU anywhere)
+     for name in ("bench_pool", "bench_page_table", "bench_evict", "bench_lru", "bench_revive", "bench_scheduler")
+     for device in ("cuda:99", "meta")]
 
 
 @pytest.mark.parametrize("name, argv, option", BAD_OPTIONS, ids=[f"{n} {' '.join(a)}" for n, a, _ in BAD_OPTIONS])
@@ -328,12 +335,18 @@ def test_pool_rows_never_time_failing_allocs():
 def test_evict_samples_check_they_evicted_k_and_refilled():
     import torch
     be = load("bench_evict")
-    pool = be.cached_pool(1024, "numba", torch.device("cpu"))
-    sample = be.tpool_sampler(pool, 512, lambda: None)  # the whole cached half: still k each sample
-    for _ in range(3):
-        assert sample() > 0
-    pool.check()
-    assert pool.stats()["pages.cached.current"] == 512
+    pools = be.cached_pools(1024, ["numba", "reference"], torch.device("cpu"))  # built on numba, copied
+    for pool in pools.values():
+        assert pool.stats()["pages.cached.current"] == 512
+    for pool in pools.values():
+        sample = be.tpool_sampler(pool, 512, lambda: None)  # the whole cached half: still k each sample
+        for _ in range(3):
+            assert sample() > 0
+        pool.check()
+        assert pool.stats()["pages.cached.current"] == 512
+    assert torch.equal(*(p.evict(8) for p in pools.values()))  # the same state on both: the same oldest pages
+    pool = pools["numba"]
+    pool.free(pool.alloc(torch.tensor([8], dtype=torch.int32)).pages, cache=True)  # 512 cached again
     with pytest.raises(AssertionError, match="evicted 512 pages"):
         be.tpool_sampler(pool, 600, lambda: None)  # more than is cached: refused, not timed
 

@@ -76,6 +76,18 @@ def test_report_piped_into_head():
     assert r.stdout.splitlines()[0].startswith("tpool memory report:") and len(r.stdout.splitlines()) == 3
 
 
+def test_report_on_a_cpu_says_what_it_measured():
+    r = tpool_cli("report", "--device", "cpu")
+    assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith("note: on a CPU only the process ledger")
+    assert "CUDA" not in r.stdout
+
+
+def test_no_command_is_an_error_with_the_usage():
+    r = tpool_cli()
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith("usage: python -m tpool ")
+    assert r.stderr.rstrip().endswith("error: a command is required (demo or report)")
+
+
 def test_unknown_command_is_an_error_with_the_usage():
     r = tpool_cli("frobnicate")
     assert r.returncode == 2 and "unknown command 'frobnicate'" in r.stderr and "usage:" in r.stderr

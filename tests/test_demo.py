@@ -115,7 +115,10 @@ def test_model_demo_without_transformers_is_a_clean_error(monkeypatch, capsys):
 
 @pytest.mark.parametrize("args, words", [(["--requests", "0"], "expected a positive int"),
                                          (["--backend", "bogus"], "invalid choice"),
-                                         (["--num-pages", "1"], "request 0: expected prompt")])
+                                         (["--batch", "0"], "argument --batch/--max-batch: expected a positive"),
+                                         (["--num-pages", "1"], "request 0: expected prompt"),
+                                         (["--num-pages", "10"], "raise --num-pages to at least 16 (pages of "
+                                                                 "--page-size 4 tokens)")])
 def test_model_demo_bad_options_are_clean_errors(args, words, capsys):
     pytest.importorskip("transformers")
     from tpool.serving.cli import main as serve_main

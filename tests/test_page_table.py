@@ -336,7 +336,25 @@ def test_check_invariants_finds_two_rows_naming_a_partial_last_page(make_table, 
     table.seq_lens[1] = other_len                                     # page 1 partial there too, or whole
     table.pool.incref(pages)
     table.invalidate_csr()
-    with pytest.raises(tpool.InvariantViolation, match="partial last page"):
+    with pytest.raises(tpool.InvariantViolation, match=rf"partial last page.*request 0's page {int(pages[1])}, at "
+                       r"\(request, entry\) \(0, 1\), \(1, 1\)"):  # the page, and every entry naming it
+        table.check_invariants()
+
+
+def test_check_invariants_names_the_page_freed_under_a_row(make_table):
+    """A page freed through the pool while a row still names it: check_invariants names the page, its
+    count and the entries naming it; once another request is given it, both rows."""
+    table = make_table(16, 4, 4, 4)
+    table.extend(i32([0, 1]), i32([6, 6]), max_tokens=12)
+    page = int(table.block_table[1, 0])
+    table.pool.free(table.block_table[1, :1].clone())                 # row 1 still names it
+    with pytest.raises(tpool.InvariantViolation, match=rf"\(page {page}: refcount 0, table entries naming it 1: "
+                       r"at \(request, entry\) \(1, 0\)\)"):
+        table.check_invariants()
+    table.extend(i32([2]), i32([4]), max_tokens=4)                    # the freed page is popped first
+    assert int(table.block_table[2, 0]) == page
+    with pytest.raises(tpool.InvariantViolation, match=rf"page {page}: refcount 1, table entries naming it 2: at "
+                       r"\(request, entry\) \(1, 0\), \(2, 0\)"):
         table.check_invariants()
 
 

@@ -23,6 +23,30 @@ def test_alloc_fcfs_hand_worked(make_pool, guard):
     pool.check_invariants()
 
 
+@pytest.mark.parametrize("edit, said", [
+    (lambda st: st.free_stack.__setitem__(3, st.free_stack[5]), r"free stack ids distinct \(entries 3 and 5 are "
+                                                                 r"both page \d+\)"),
+    (lambda st: st.free_stack.__setitem__(2, 99), r"free stack ids in range \(entry 2 is 99\)"),
+    (lambda st: st.refcount.__setitem__(6, 3), r"refcount > 0 iff USED \(page 6: FREE, refcount 3\)"),
+    (lambda st: st.page_gen.__setitem__(4, -2), r"generations non-negative \(page 4: generation -2\)"),
+])
+def test_check_invariants_names_where_a_rule_broke(make_pool, edit, said):
+    """A hand-edited state: check_invariants names the rule and the first entry or page that breaks it."""
+    pool = make_pool(8)
+    edit(pool.state)
+    with pytest.raises(tpool.InvariantViolation, match=said):
+        pool.check_invariants()
+
+
+def test_outputs_and_bound_calls_print_their_sizes(make_pool):
+    pool = make_pool(16)
+    out = pool.alloc_out(max_batch=4, max_pages=8)
+    assert repr(out) == "AllocOut(max_batch=4, max_pages=8, device=cpu)"
+    counts = i32([1, 2])
+    assert repr(pool.bind_alloc(counts, out=out)) == "BoundCall(alloc, input of 2)"
+    assert repr(pool.bind_free(out.pages)) == "BoundCall(free, input of 8)"
+
+
 def test_exact_fit_then_exhaustion(make_pool, guard):
     pool = make_pool(8)
     with guard():
@@ -471,6 +495,12 @@ def test_tpool_backend_auto_is_no_override(monkeypatch):
     assert tpool.PagePool(4, device="cpu", backend="numba").backend == "numba"   # only auto is overridden
     monkeypatch.setenv("TPOOL_BACKEND", "cuda")
     with pytest.raises(ValueError, match=r"backend: expected 'auto' or one of .*, got 'cuda' \(from TPOOL_BACKEND\)"):
+        tpool.PagePool(4, device="cpu")
+    # a backend the environment names and the device cannot run says where it came from too
+    monkeypatch.setenv("TPOOL_BACKEND", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"backend 'triton' \(from TPOOL_BACKEND\) on a CPU pool needs "
+                                         "TRITON_INTERPRET=1"):
         tpool.PagePool(4, device="cpu")
 
 

@@ -16,6 +16,8 @@ import tokenize
 import pytest
 import torch
 
+import tpool
+
 README = os.path.join(os.path.dirname(__file__), "..", "README.md")
 NEEDS_CUDA = "# needs CUDA"
 
@@ -105,3 +107,18 @@ def test_the_error_table_names_each_kind_and_the_class_check_raises():
     rows = re.findall(r"^\| `(\w+)` \| `(\w+)` \|$", table, re.M)
     # in the order check() picks the class in (the first kind counted, by slot)
     assert rows == [(L.ERROR_NAMES[slot], ERROR_CLASSES[slot].__name__) for slot in sorted(ERROR_CLASSES)]
+
+
+def test_the_quoted_check_message_is_the_one_check_raises():
+    """The README's example of what check() says after ``alloc([5000])`` on a 65,536-page pool is the
+    start of the message it raises (words and order; the quote wraps lines and ends in "...")."""
+    text = open(README).read()
+    quote = text[text.index("    OutputOverflow: tpool: errors"):]
+    quote = " ".join(quote[:quote.index("\n\n")].split())
+    assert quote.endswith(" ...")
+    pool = tpool.PagePool(65536, backend="reference")
+    pool.alloc(torch.tensor([5000], dtype=torch.int32))
+    with pytest.raises(tpool.OutputOverflow) as e:
+        pool.check()
+    said = " ".join(f"{type(e.value).__name__}: {e.value}".split())
+    assert said.startswith(quote[:-len(" ...")]), (quote, said)

@@ -255,6 +255,19 @@ def test_from_pretrained_checks_the_config_the_model_is_built_from(tmp_path):
         check_model(model)
 
 
+def test_building_on_tpool_leaves_the_callers_config_alone(tmp_path):
+    """transformers builds on the config object it is given and sets its attention implementation there:
+    hf.from_config(cfg) switched an eager model built earlier from the same cfg to tpool's attention.
+    Both builders work on a copy; the eager model and the config keep theirs."""
+    cfg = transformers.LlamaConfig(**LLAMA)
+    eager = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="eager")
+    eager.save_pretrained(tmp_path)
+    for build in (lambda: hf.from_config(cfg), lambda: hf.from_pretrained(tmp_path, config=cfg)):
+        model = build()
+        assert model.config._attn_implementation == ATTN_IMPLEMENTATION and model.config is not cfg
+        assert eager.config._attn_implementation == "eager" and cfg._attn_implementation == "eager"
+
+
 def test_kv_shape_of_a_config_without_attention_is_a_value_error():
     """kv_shape(MambaConfig()) raised AttributeError (no num_attention_heads)."""
     with pytest.raises(ValueError, match="expected only full_attention and sliding_attention layers .*in mamba"):

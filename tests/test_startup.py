@@ -206,6 +206,19 @@ def test_a_function_of_another_module_cached_through_tpool_carries_the_kernels_s
     assert nb.kernel(alloc.alloc_numba_entry)._cache._impl.locator.get_source_stamp() == nb.kernels_stamp()
 
 
+def test_a_cache_miss_names_its_kernel_by_name(monkeypatch):
+    """A kernel cache's miss announces the function's name, not numba's repr of it (with an address)."""
+    import tpool.backends.numba as nb
+    from tpool.kernels import alloc
+    heard = []
+    cache = nb.kernel(alloc.alloc_numba_entry)._cache
+    monkeypatch.setattr(cache, "_load_overload", lambda sig, ctx: None)  # a miss
+    monkeypatch.setattr(nb, "announce_compile", lambda path, name: heard.append((path, name)))
+    from numba.core.registry import cpu_target
+    assert cache.load_overload(None, cpu_target.target_context) is None
+    assert heard == [(cache.cache_path, "alloc_numba_entry")]
+
+
 def test_a_chain_of_compiles_is_named_when_the_last_line_is_old(monkeypatch, caplog):
     """The whole notice at a process's first compile; a compile within ``_STILL_AFTER_S`` of the last
     line says nothing; a later one names its kernel (a benchmark's first run of a new call compiled

@@ -33,9 +33,12 @@ def _usage():
 
 
 def _dispatch(argv):
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
+    if not argv:  # a command is required: the usage on stderr, exit 2 (as argparse does)
+        print(f"{_usage()}\ntpool: error: a command is required (demo or report)", file=sys.stderr)
+        return 2
     if argv[0] == "--version":
         from tpool._version import __version__
         print(f"tpool {__version__}")

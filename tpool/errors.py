@@ -102,12 +102,13 @@ HINTS = {
         "alloc or extend received a negative count; that request and every later one in the call failed. "
         "Pass counts and num_tokens >= 0 (0 for padding lanes)."),
     L.ERR_OUT_OVERFLOW: (
-        "an output buffer was too small. Most often a prefill without max_tokens=: PageTable.extend/step "
-        "write at most max_tokens slots (default one per lane, a decode step), so pass max_tokens= the "
-        "batch's total tokens. Else PagePool.alloc without out= writes at most max_alloc_pages pages (default "
-        "min(num_pages, 4096)): pass PagePool(..., max_alloc_pages=N) or out=pool.alloc_out(max_pages=N); "
-        "flashinfer_csr/step write at most capacity page ids: pass a larger capacity (or None, always "
-        "enough). Pages and slots (alloc, extend, a step's tokens): the requests that did not fit failed "
+        "an output buffer was too small, one of three (the pool and its tables share the count): "
+        "PagePool.alloc writes at most max_alloc_pages pages without out= (default min(num_pages, 4096)): "
+        "pass PagePool(..., max_alloc_pages=N), or out=pool.alloc_out(max_pages=N); PageTable.extend/step "
+        "write at most max_tokens slots (default one per lane, a decode step): for a prefill pass "
+        "max_tokens= the batch's total tokens; flashinfer_csr and a step write at most capacity page ids: "
+        "pass a larger capacity (or None, always enough). Pages and slots (alloc, extend, a step's tokens): "
+        "the requests that did not fit failed "
         "and are unchanged. A CSR's page ids (flashinfer_csr, a step): the first request whose pages did "
         "not fit in capacity and every later one were exported with no pages (last_page_len page_size; a "
         "step's kv_lens 0), though a step appended their tokens."),

@@ -73,6 +73,9 @@ class AllocOut(SetOnce):
         # The pool's alloc bound to these buffers: _run(counts, B, evict), B checked by the pool.
         self._run = pool.ops.alloc_into(self)
 
+    def __repr__(self):
+        return f"AllocOut(max_batch={self.max_batch}, max_pages={self.max_pages}, device={self.device})"
+
 
 def _plain_full(n, fill, dtype, device) -> torch.Tensor:
     return torch.full((n,), fill, dtype=dtype, device=device)
@@ -102,6 +105,9 @@ class BoundCall(functools.partial):
         self = super().__new__(cls, call)
         self.pool, self.input, self.result = pool, t, result
         return self
+
+    def __repr__(self):
+        return f"BoundCall({'alloc' if self.result is not None else 'free'}, input of {self.input.numel()})"
 
     def __reduce_ex__(self, protocol):
         raise TypeError("a BoundCall cannot be copied or pickled: its call is bound to the addresses of its "
@@ -552,16 +558,30 @@ class PagePool:
             if not cond:
                 raise InvariantViolation(f"invariant broken: {what}")
 
+        def page(i) -> str:  # what the state holds for page i (where a rule over pages broke first)
+            name = {L.FREE: "FREE", L.USED: "USED", L.CACHED: "CACHED"}.get(int(state[i]), f"state {int(state[i])}")
+            return f"page {i}: {name}, refcount {int(rc[i])}"
+
+        def every(ok, what, at=lambda i: f"at {i}"):  # a rule over a vector: the first place it breaks, named
+            bad = torch.nonzero(~ok).flatten()
+            need(bad.numel() == 0, what if bad.numel() == 0 else f"{what} ({at(int(bad[0]))})")
+
         need(0 <= fc <= P and 0 <= cc <= P - fc, f"counts in range (free={fc}, cached={cc}, pages={P})")
         stack = st["free_stack"][:fc].long()
-        need(bool(((stack >= 0) & (stack < P)).all()), "free stack ids in range")
-        need(stack.unique().numel() == fc, "free stack ids distinct")
-        need(bool((state[stack] == L.FREE).all()), "every id on the free stack is FREE")
-        need(int((state == L.FREE).sum()) == fc, "every FREE page is on the free stack")
-        need(int((state == L.CACHED).sum()) == cc, "cached count matches CACHED pages")
-        need(bool(((rc > 0) == (state == L.USED)).all()), "refcount > 0 iff USED")
-        need(bool((rc >= 0).all()), "refcounts non-negative")
-        need(bool((st["page_gen"] >= 0).all()), "generations non-negative")  # (any value, FREE or not)
+        every((stack >= 0) & (stack < P), "free stack ids in range", lambda i: f"entry {i} is {int(stack[i])}")
+        ids, first = torch.unique(stack, return_inverse=True)
+        seen = torch.full((ids.numel(),), fc).scatter_reduce_(0, first, torch.arange(fc), "amin")
+        every(seen[first] == torch.arange(fc), "free stack ids distinct",
+              lambda i: f"entries {int(seen[first[i]])} and {i} are both page {int(stack[i])}")
+        every(state[stack] == L.FREE, "every id on the free stack is FREE", lambda i: f"entry {i}, {page(stack[i])}")
+        on_stack = torch.zeros(P, dtype=torch.bool).index_fill_(0, stack, True)
+        every(on_stack | (state != L.FREE), "every FREE page is on the free stack", page)
+        need(int((state == L.CACHED).sum()) == cc,
+             f"cached count matches CACHED pages (cached={cc}, CACHED pages={int((state == L.CACHED).sum())})")
+        every((rc > 0) == (state == L.USED), "refcount > 0 iff USED", page)
+        every(rc >= 0, "refcounts non-negative", page)
+        every(st["page_gen"] >= 0, "generations non-negative",  # (any value, FREE or not)
+              lambda i: f"page {i}: generation {int(st['page_gen'][i])}")
         need(bool((st["claim"] == INT32_MAX).all()) and bool((st["occur"] == 0).all()), "scratch reset")
         need(all(v >= 0 for v in c), "counters non-negative")
         need(c[L.USED_PEAK] >= P - fc - cc and c[L.CACHED_PEAK] >= cc, "peaks >= current")

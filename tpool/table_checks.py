@@ -30,6 +30,13 @@ def _copies(table) -> tuple:
     return pool_copy, claim, bt, lens, version, row_version, memos
 
 
+def _naming(bt, inside, page) -> str:
+    """Which table entries name ``page`` (within a request's length), as ``rows [(row, entry), ...]``,
+    the first eight."""
+    at = torch.nonzero(inside & (bt == page))[:8].tolist()
+    return f"at (request, entry) {', '.join(map(str, map(tuple, at)))}" if at else "in no row"
+
+
 def check_table(table, exclusive: bool) -> None:
     """Raise :class:`InvariantViolation` unless ``table`` and its pool hold the invariants
     :meth:`tpool.PageTable.check_invariants` lists (the caller holds the pool's lock). Everything is
@@ -42,25 +49,41 @@ def check_table(table, exclusive: bool) -> None:
     npages = (lens + table.page_size - 1) // table.page_size
     col = torch.arange(table.max_pages)
     inside = col[None, :] < npages[:, None]
-    if not bool((lens >= 0).all()) or not bool((npages <= table.max_pages).all()):
-        raise InvariantViolation("invariant broken: seq_lens within [0, max_pages * page_size]")
-    if not bool((bt[~inside] == L.NULL_PAGE).all()):
-        raise InvariantViolation("invariant broken: entries past a request's length are -1")
+    bad = torch.nonzero((lens < 0) | (npages > table.max_pages)).flatten()
+    if bad.numel():
+        r = int(bad[0])
+        raise InvariantViolation(f"invariant broken: seq_lens within [0, max_pages * page_size] (request {r}: "
+                                 f"{int(lens[r])}, at most {table.max_pages * table.page_size})")
+    bad = torch.nonzero(~inside & (bt != L.NULL_PAGE))
+    if bad.numel():
+        r, k = bad[0].tolist()
+        raise InvariantViolation(f"invariant broken: entries past a request's length are -1 (request {r}, length "
+                                 f"{int(lens[r])}: entry {k} is {int(bt[r, k])})")
+    bad = torch.nonzero(inside & ((bt < 0) | (bt >= table.pool.num_pages)))
+    if bad.numel():
+        r, k = bad[0].tolist()
+        raise InvariantViolation(f"invariant broken: entries within a request's length are page ids (request {r}: "
+                                 f"entry {k} is {int(bt[r, k])}, pages {table.pool.num_pages})")
     pages = bt[inside]
-    if not bool(((pages >= 0) & (pages < table.pool.num_pages)).all()):
-        raise InvariantViolation("invariant broken: entries within a request's length are page ids")
     held = torch.zeros(table.pool.num_pages, dtype=torch.long).scatter_add_(0, pages, torch.ones_like(pages))
     rc = pool_state["refcount"].cpu().long()
-    if not bool((rc >= held).all() if not exclusive else (rc == held).all()):
-        raise InvariantViolation("invariant broken: reference counts match table entries")
+    bad = torch.nonzero(rc < held if not exclusive else rc != held).flatten()
+    if bad.numel():
+        p = int(bad[0])
+        raise InvariantViolation(f"invariant broken: reference counts match table entries (page {p}: refcount "
+                                 f"{int(rc[p])}, table entries naming it {int(held[p])}: {_naming(bt, inside, p)})")
     # A request's partial last page is named by no other entry: both rows would append into the same
     # slots (extend reads no reference count; fork copies a partial page, truncate refuses to end in a
     # shared one, so only a hand edit makes such a pair, or a page freed under a row and popped by another).
     partial = torch.nonzero(lens % table.page_size != 0).flatten()
-    if not bool((held[bt[partial, npages[partial] - 1]] == 1).all()):
-        raise InvariantViolation("invariant broken: a request's partial last page is named by no other table "
-                                 "entry (two rows would append into the same slots: was a row edited by hand, "
-                                 "or a page it names freed through the pool?)")
+    last = bt[partial, npages[partial] - 1]
+    bad = torch.nonzero(held[last] != 1).flatten()
+    if bad.numel():
+        p = int(last[bad[0]])
+        raise InvariantViolation(f"invariant broken: a request's partial last page is named by no other table "
+                                 f"entry (request {int(partial[bad[0]])}'s page {p}, {_naming(bt, inside, p)}: two "
+                                 "rows would append into the same slots: was a row edited by hand, or a page it "
+                                 "names freed through the pool?)")
     # A step's CSR that the next step of its batch may grow in place (numba only: its memo names
     # the table's current version, or the one the step that made it came from, since a step only
     # appends) must still be that batch's CSR at the lengths the memo noted.

@@ -35,22 +35,23 @@ __all__ = ["BACKENDS", "REGISTRY", "PoolOps", "TableOps", "make_pool_ops", "make
 
 def resolve_backend(name: str, device: torch.device) -> str:
     """The backend a pool on ``device`` uses for ``name`` (``auto`` or one of BACKENDS)."""
-    given = name
+    where = ""  # the backend was not passed but set in the environment: every refusal says so
     if name == "auto":  # TPOOL_BACKEND unset, empty or "auto": the device's default
         name = os.environ.get("TPOOL_BACKEND", "auto") or "auto"
+        where = " (from TPOOL_BACKEND)" if name != "auto" else ""
         if name == "auto":
             name = "triton" if device.type == "cuda" else "numba"
     if name not in REGISTRY:
-        where = " (from TPOOL_BACKEND)" if given == "auto" else ""
         raise ValueError(f"backend: expected 'auto' or one of {BACKENDS}, got {name!r}{where}")
     if name == "numba" and device.type != "cpu":
-        raise ValueError(f"backend 'numba' runs on host memory: expected device cpu, got {device}")
+        raise ValueError(f"backend 'numba'{where} runs on host memory: expected device cpu, got {device}")
     if name == "triton" and not _triton_installed():
         from tpool.kernels._triton_shim import INSTALL_HINT  # (imports no triton)
-        raise ImportError(f"backend 'triton' needs triton, which is not installed: {INSTALL_HINT} "
+        raise ImportError(f"backend 'triton'{where} needs triton, which is not installed: {INSTALL_HINT} "
                           f"(or pass backend='reference'{'' if device.type == 'cuda' else ', or numba on a CPU'})")
     if name == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("backend 'triton' on a CPU pool needs TRITON_INTERPRET=1 set before triton is imported")
+        raise ValueError(f"backend 'triton'{where} on a CPU pool needs TRITON_INTERPRET=1 set before triton is "
+                         "imported")
     return name
 
 

@@ -81,7 +81,7 @@ class KernelCache(caching.FunctionCache):
             with self._guard_against_spurious_io_errors():
                 loaded = self._load_overload(sig, target_context)
         if loaded is None:  # a miss: numba compiles next
-            announce_compile(self.cache_path, getattr(self, "_name", ""))
+            announce_compile(self.cache_path, self._py_func.__name__)  # (numba's _name is the function's repr)
         return loaded
 
 

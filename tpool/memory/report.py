@@ -250,6 +250,8 @@ def _rows(report: MemoryReport) -> list[tuple[str, str, Any, str]]:
 CLI_NOTE = ("the allocator ledger and non_pytorch_bytes (used - reserved) are of this process, the CLI, which "
             "holds no tensors: non_pytorch_bytes is then every process's memory on the device (PyTorch's and "
             "the CLI's own CUDA context included); call memory_report() in the engine's process for its split")
+CLI_NOTE_CPU = ("on a CPU only the process ledger is measured, and it is this CLI's own; call memory_report() in "
+                "the engine's process for what its pools and caches hold")
 
 
 def format_report(report: MemoryReport, note: str | None = None) -> str:
@@ -291,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     Also reached as ``python -m tpool report``. Prints :func:`format_report`
     (or the JSON of :meth:`MemoryReport.to_dict` with ``--json``) of
     :func:`memory_report` on the device, with no caches or pools, and
-    :data:`CLI_NOTE` (the table's last line; the JSON's ``"note"``): the
-    allocator numbers are this CLI process's.
+    :data:`CLI_NOTE` (the table's last line; the JSON's ``"note"``; :data:`CLI_NOTE_CPU` on a CPU): the
+    allocator and process numbers are this CLI process's.
 
     Parameters
     ----------
@@ -324,8 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
+    note = CLI_NOTE_CPU if str(report.device) == "cpu" else CLI_NOTE
     if args.json:
-        print(json.dumps({**report.to_dict(), "note": CLI_NOTE}, indent=2))
+        print(json.dumps({**report.to_dict(), "note": note}, indent=2))
     else:
-        print(format_report(report, CLI_NOTE))
+        print(format_report(report, note))
     return 0

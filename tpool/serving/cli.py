@@ -24,7 +24,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=positive_int, default=32, help="number of prompts (default 32)")
     ap.add_argument("--num-pages", type=positive_int, default=48, help="pool pages, too few for all (default 48)")
     ap.add_argument("--page-size", type=positive_int, default=4, help="tokens per page (default 4)")
-    ap.add_argument("--max-batch", type=positive_int, default=8, help="lanes per step (default 8)")
+    ap.add_argument("--batch", "--max-batch", dest="max_batch", type=positive_int, default=8, metavar="N",
+                    help="most requests running at once, lanes per step (default 8)")
     ap.add_argument("--system-prompt", type=count_int, default=8, metavar="N",
                     help="tokens every prompt starts with, the same for all: what the prefix cache serves again "
                          "(default 8; 0: none)")

@@ -22,6 +22,7 @@ frequencies: :mod:`tpool.serving.checks`) is refused by :func:`check_model`, whi
 tested with transformers 5.24.0 and 5.25.0.
 """
 
+import copy
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
@@ -215,8 +216,13 @@ def from_config(config, **kwargs):
     refuses, for a model that has no ``"tpool_paged"`` in its own table of attention classes
     (GPT-Neo: transformers raises ``KeyError: 'tpool_paged'`` while building), and after building
     for one :func:`check_model` refuses.
+
+    The model is built on a copy of ``config``: transformers builds on the object it is given and
+    sets its attention implementation there, which would switch another model built from the same
+    config (an eager baseline beside this one) to tpool's attention.
     """
     from transformers import AutoModelForCausalLM
+    config = copy.deepcopy(config)
     return _build(config, lambda: AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION,
                                                                    **kwargs))
 
@@ -226,9 +232,11 @@ def from_pretrained(name_or_path, **kwargs):
     the checks of :func:`from_config` (the config is read first, the weights only if it passes). The
     config checked is the one the model is built from: ``config=`` when passed, else the saved one with
     the keyword overrides transformers applies (``rope_parameters=...``: a keyword naming a config
-    attribute)."""
+    attribute). A ``config=`` object is copied first, as :func:`from_config` copies its config."""
     from transformers import AutoConfig, AutoModelForCausalLM
     config = kwargs.get("config")
+    if config is not None and not (isinstance(config, (str, bytes)) or hasattr(config, "__fspath__")):
+        config = kwargs["config"] = copy.deepcopy(config)  # built on a copy, as from_config's
     if config is None or isinstance(config, (str, bytes)) or hasattr(config, "__fspath__"):
         config = AutoConfig.from_pretrained(name_or_path if config is None else config,
                                             **{k: v for k, v in kwargs.items() if k in _HUB_KWARGS})
