@@ -38,6 +38,26 @@ def test_check_invariants_names_where_a_rule_broke(make_pool, edit, said):
         pool.check_invariants()
 
 
+@pytest.mark.parametrize("evict", [False, True])
+def test_alloc_writes_every_output_entry(make_pool, evict):
+    """An alloc writes every entry of its outputs, whatever they held (alloc without ``out=`` hands the
+    kernel uninitialised tensors): poisoned ``out=`` buffers come back fully defined."""
+    pool = make_pool(16)
+    pool.free(pool.alloc(i32([6])).pages, cache=True)     # 6 cached pages, 10 free: room to evict
+    out = pool.alloc_out(max_batch=5, max_pages=14)
+    for t in (out.pages, out.indptr, out.evicted):
+        t.fill_(7777)
+    out.ok.fill_(True)
+    r = pool.alloc(i32([8, 0, 4, -1]), out=out, evict=evict)  # 12 pages: evicts 2 when it may
+    granted = 12 if evict else 8
+    assert r.ok.tolist() == [True, True, evict, False, False]
+    assert r.indptr.tolist() == [0, 8, 8, granted, granted, granted]
+    assert all(0 <= p < 16 for p in r.pages[:granted].tolist()) and r.pages[granted:].tolist() == [-1] * (14 - granted)
+    n = 2 if evict else 0
+    assert all(0 <= p < 16 for p in r.evicted[:n].tolist()) and r.evicted[n:].tolist() == [-1] * (14 - n)
+    pool.check_invariants()
+
+
 def test_outputs_and_bound_calls_print_their_sizes(make_pool):
     pool = make_pool(16)
     out = pool.alloc_out(max_batch=4, max_pages=8)

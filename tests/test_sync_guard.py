@@ -78,19 +78,25 @@ def test_guard_allows_fixed_shape_code_and_restores_methods():
 def test_guard_sees_a_sync_inside_pool_code(monkeypatch):
     """A host read slipped into a backend would be caught (checked by planting one)."""
     pool = tpool.PagePool(8, device="cpu", backend="reference")
-    original = reference.Pool.alloc_into
+    into, once = reference.Pool.alloc_into, reference.Pool.alloc_once
 
     def leaky_into(ops, out):
-        run = original(ops, out)
+        run = into(ops, out)
 
         def leaky(counts, *rest):
             if counts.sum() > 0:                   # a Python branch on device data
                 run(counts, *rest)
         return leaky
+
+    def leaky_once(ops, result, counts, *rest):
+        if counts.sum() > 0:
+            once(ops, result, counts, *rest)
     monkeypatch.setattr(reference.Pool, "alloc_into", leaky_into)
-    with pytest.raises(HostSyncError):
-        with no_host_sync():
-            pool.alloc(i32([1]))
+    monkeypatch.setattr(reference.Pool, "alloc_once", leaky_once)
+    for out in (None, pool.alloc_out()):           # alloc without out= (alloc_once), and into out= (alloc_into)
+        with pytest.raises(HostSyncError):
+            with no_host_sync():
+                pool.alloc(i32([1]), out=out)
 
 
 

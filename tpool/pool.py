@@ -52,33 +52,24 @@ class AllocOut(SetOnce):
     CUDA graph can capture an alloc that writes them; each call overwrites them.
     """
 
-    def __init__(self, pool: "PagePool", max_batch: int, max_pages: int, *, once: bool = False):
-        # ``once``: the buffers of one ``alloc`` without ``out=``, handed to the caller after the
-        # call: no later call writes them, so they are plain tensors (``fixed_full`` makes storages
-        # that cannot be resized under a kernel bound to them, ~2 us a tensor more).
+    def __init__(self, pool: "PagePool", max_batch: int, max_pages: int):
         device = pool.device
         self.pool, self.max_batch, self.max_pages, self.device = pool, max_batch, max_pages, device
-        full = _plain_full if once else fixed_full
-        self.result = AllocResult(
-            pages=full(max_pages, L.NULL_PAGE, torch.int32, device),
-            indptr=full(max_batch + 1, 0, torch.int32, device),
-            ok=full(max_batch, False, torch.bool, device),
-            evicted=full(max_pages, L.NULL_PAGE, torch.int32, device),
+        self.result = AllocResult(  # (fixed_full: storages that cannot be resized under a kernel bound to them)
+            pages=fixed_full(max_pages, L.NULL_PAGE, torch.int32, device),
+            indptr=fixed_full(max_batch + 1, 0, torch.int32, device),
+            ok=fixed_full(max_batch, False, torch.bool, device),
+            evicted=fixed_full(max_pages, L.NULL_PAGE, torch.int32, device),
         )
         self.pages, self.indptr, self.ok, self.evicted = self.result
-        # What an alloc into these buffers writes: counts must not share memory with any of it
-        # (a one-off's are never passed as ``out=``; fresh memory overlaps no live counts).
-        self._written = None if once else pool._written | _checks.written_storages(self.result)
+        # What an alloc into these buffers writes: counts must not share memory with any of it.
+        self._written = pool._written | _checks.written_storages(self.result)
         self._seen = _checks.NOT_SEEN  # the last counts tensor checked (_checks.seen; see PagePool.free)
         # The pool's alloc bound to these buffers: _run(counts, B, evict), B checked by the pool.
         self._run = pool.ops.alloc_into(self)
 
     def __repr__(self):
         return f"AllocOut(max_batch={self.max_batch}, max_pages={self.max_pages}, device={self.device})"
-
-
-def _plain_full(n, fill, dtype, device) -> torch.Tensor:
-    return torch.full((n,), fill, dtype=dtype, device=device)
 
 
 class BoundCall(functools.partial):
@@ -252,11 +243,17 @@ class PagePool:
         -------
         AllocResult ``(pages, indptr, ok, evicted)``; see :class:`AllocResult`.
         """
-        if out is None:
+        if out is None:  # fresh outputs, written whole by the call (AllocOut's would be bound to, ~3x the cost)
             b = self._vector(counts, "counts", self.max_batch)
             if not self.ops.checks_overlap:  # (numba's compiled alloc refuses it itself)
                 _checks.check_not_written(counts, "counts", self._written)
-            out = AllocOut(self, b, self.max_alloc_pages, once=True)
+            M, dev = self.max_alloc_pages, self.device
+            result = AllocResult(torch.empty(M, dtype=torch.int32, device=dev),
+                                 torch.empty(b + 1, dtype=torch.int32, device=dev),
+                                 torch.empty(b, dtype=torch.bool, device=dev),
+                                 torch.empty(M, dtype=torch.int32, device=dev))
+            self.ops.alloc_once(result, counts, b, evict if type(evict) is bool else _checks.flag(evict, "evict"))
+            return result
         elif type(out) is AllocOut and out.pool is self and _checks.still_seen(counts, seen := out._seen):
             b = seen[2]  # the tensor the last call checked, as it was (a loop refilling its counts in place;
             #              the memo read once: another thread's alloc into ``out`` may replace it)

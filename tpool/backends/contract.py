@@ -48,6 +48,11 @@ class PoolOps(Protocol):
     def bind_alloc(self, out, counts: Tensor, b: int, evict: bool) -> Callable[[], None]:
         """``alloc_into(out)`` bound to its input too (``PagePool.bind_alloc``): the call takes nothing."""
 
+    def alloc_once(self, result, counts: Tensor, b: int, evict: bool) -> None:
+        """``alloc`` into an ``AllocResult`` made for this one call (``PagePool.alloc`` without ``out=``):
+        fresh tensors that share memory with nothing (pages and evicted int32 ``[max_alloc_pages]``,
+        indptr int32 ``[b + 1]``, ok bool ``[b]``), uninitialised: the call writes every entry."""
+
     def free(self, pages: Tensor, cache: bool) -> None:
         """Drop one reference per entry; pages reaching 0 become FREE (CACHED with ``cache``)."""
 
@@ -144,6 +149,10 @@ class PoolByFunctions:
     def bind_alloc(self, out, counts, b, evict):
         run = self.alloc_into(out)
         return lambda: run(counts, b, evict)
+
+    @locked
+    def alloc_once(self, result, counts, b, evict):
+        self._alloc(self.st, counts, *result, evict)
 
     @locked
     def free(self, pages, cache):
