@@ -58,6 +58,28 @@ def test_alloc_writes_every_output_entry(make_pool, evict):
     pool.check_invariants()
 
 
+@pytest.mark.parametrize("evict", [False, True])
+def test_alloc_without_out_defines_every_entry_of_its_fresh_outputs(make_pool, evict, monkeypatch):
+    """alloc without ``out=`` hands the kernel uninitialised tensors (``alloc_once``): made here full of a
+    pattern, every entry comes back defined."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(True if t.dtype == torch.bool else 0x7EADBEEF)
+    pool = make_pool(16, max_alloc_pages=14)
+    pool.free(pool.alloc(i32([6])).pages, cache=True)     # 6 cached pages, 10 free
+    counts = i32([8, 0, 4, -1])
+    monkeypatch.setattr(torch, "empty", poisoned)
+    r = pool.alloc(counts, evict=evict)                    # 12 pages: evicts 2 when it may
+    monkeypatch.undo()
+    granted, n = (12, 2) if evict else (8, 0)
+    assert r.ok.tolist() == [True, True, evict, False] and r.indptr.tolist() == [0, 8, 8, granted, granted]
+    assert all(0 <= p < 16 for p in r.pages[:granted].tolist()) and r.pages[granted:].tolist() == [-1] * (14 - granted)
+    assert all(0 <= p < 16 for p in r.evicted[:n].tolist()) and r.evicted[n:].tolist() == [-1] * (14 - n)
+    pool.check_invariants()
+
+
 def test_outputs_and_bound_calls_print_their_sizes(make_pool):
     pool = make_pool(16)
     out = pool.alloc_out(max_batch=4, max_pages=8)

@@ -31,10 +31,13 @@ def _copies(table) -> tuple:
 
 
 def _naming(bt, inside, page) -> str:
-    """Which table entries name ``page`` (within a request's length), as ``rows [(row, entry), ...]``,
-    the first eight."""
-    at = torch.nonzero(inside & (bt == page))[:8].tolist()
-    return f"at (request, entry) {', '.join(map(str, map(tuple, at)))}" if at else "in no row"
+    """Which table entries name ``page`` (within a request's length): ``at (request, entry) (r, k), ...``,
+    the first eight (then ``... N in all``), or ``in no row``."""
+    at = torch.nonzero(inside & (bt == page))
+    if not at.numel():
+        return "in no row"
+    more = f", ... {at.shape[0]} in all" if at.shape[0] > 8 else ""
+    return f"at (request, entry) {', '.join(str(tuple(e)) for e in at[:8].tolist())}{more}"
 
 
 def check_table(table, exclusive: bool) -> None:
