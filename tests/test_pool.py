@@ -28,6 +28,10 @@ def test_alloc_fcfs_hand_worked(make_pool, guard):
                                                                  r"both page \d+\)"),
     (lambda st: st.free_stack.__setitem__(2, 99), r"free stack ids in range \(entry 2 is 99\)"),
     (lambda st: st.refcount.__setitem__(6, 3), r"refcount > 0 iff USED \(page 6: FREE, refcount 3\)"),
+    (lambda st: st.page_state.__setitem__(int(st.free_stack[2]), 1),
+     r"every id on the free stack is FREE \(entry 2, page \d+: USED, refcount 0\)"),
+    (lambda st: st.page_state.__setitem__(5, 7), r"every id on the free stack is FREE \(entry \d+, page 5: state 7, "
+                                                 r"refcount 0\)"),
     (lambda st: st.page_gen.__setitem__(4, -2), r"generations non-negative \(page 4: generation -2\)"),
 ])
 def test_check_invariants_names_where_a_rule_broke(make_pool, edit, said):
