@@ -56,8 +56,8 @@ def cached_pools(P, backends, device):
     for row in half[torch.randperm(CACHE_CALLS, generator=torch.Generator().manual_seed(0))]:
         first.free(row.contiguous(), cache=True)
     for pool in pools.values():
-        for dst, src in zip(state_tensors(pool), state_tensors(first)):
-            if dst is not src:
+        if pool is not first:
+            for dst, src in zip(state_tensors(pool), state_tensors(first)):
                 dst.copy_(src)
         pool.check_invariants()
     return pools

@@ -69,6 +69,15 @@ class InvariantViolation(PoolError):
     """``check_invariants()`` found the state inconsistent (a bug, please report)."""
 
 
+def first_breach(broken):
+    """Where a rule of ``check_invariants`` broke first: the index of the first True of the bool tensor
+    ``broken`` (an int; a list of ints for more dimensions), or None when the rule holds everywhere."""
+    at = broken.nonzero()
+    if not at.shape[0]:
+        return None
+    return at[0].tolist() if broken.dim() > 1 else int(at[0, 0])
+
+
 ERROR_CLASSES = {
     L.ERR_INVALID_PAGE: InvalidPage,
     L.ERR_DOUBLE_FREE: DoubleFree,

@@ -19,7 +19,7 @@ import torch
 
 from tpool import _checks
 from tpool.backends import make_pool_ops, resolve_backend
-from tpool.errors import InvariantViolation, StaleBinding, raise_for_errors
+from tpool.errors import InvariantViolation, StaleBinding, first_breach, raise_for_errors
 from tpool.free_group import FreeGroup
 from tpool.kernels import layout as L
 from tpool.kernels.layout import INT32_MAX, MAX_INDEXED
@@ -560,8 +560,8 @@ class PagePool:
             return f"page {i}: {name}, refcount {int(rc[i])}"
 
         def every(ok, what, at=lambda i: f"at {i}"):  # a rule over a vector: the first place it breaks, named
-            bad = torch.nonzero(~ok).flatten()
-            need(bad.numel() == 0, what if bad.numel() == 0 else f"{what} ({at(int(bad[0]))})")
+            i = first_breach(~ok)
+            need(i is None, what if i is None else f"{what} ({at(i)})")
 
         need(0 <= fc <= P and 0 <= cc <= P - fc, f"counts in range (free={fc}, cached={cc}, pages={P})")
         stack = st["free_stack"][:fc].long()
@@ -573,8 +573,8 @@ class PagePool:
         every(state[stack] == L.FREE, "every id on the free stack is FREE", lambda i: f"entry {i}, {page(int(stack[i]))}")
         on_stack = torch.zeros(P, dtype=torch.bool).index_fill_(0, stack, True)
         every(on_stack | (state != L.FREE), "every FREE page is on the free stack", page)
-        need(int((state == L.CACHED).sum()) == cc,
-             f"cached count matches CACHED pages (cached={cc}, CACHED pages={int((state == L.CACHED).sum())})")
+        n_cached = int((state == L.CACHED).sum())
+        need(n_cached == cc, f"cached count matches CACHED pages (cached={cc}, CACHED pages={n_cached})")
         every((rc > 0) == (state == L.USED), "refcount > 0 iff USED", page)
         every(rc >= 0, "refcounts non-negative", page)
         every(st["page_gen"] >= 0, "generations non-negative",  # (any value, FREE or not)

@@ -7,7 +7,7 @@ call it, never a hot-path call.
 
 import torch
 
-from tpool.errors import InvariantViolation
+from tpool.errors import InvariantViolation, first_breach
 from tpool.kernels import layout as L
 from tpool.kernels.layout import INT32_MAX
 from tpool.state import CsrMemo, clones_between_calls
@@ -52,27 +52,21 @@ def check_table(table, exclusive: bool) -> None:
     npages = (lens + table.page_size - 1) // table.page_size
     col = torch.arange(table.max_pages)
     inside = col[None, :] < npages[:, None]
-    bad = torch.nonzero((lens < 0) | (npages > table.max_pages)).flatten()
-    if bad.numel():
-        r = int(bad[0])
+    if (r := first_breach((lens < 0) | (npages > table.max_pages))) is not None:
         raise InvariantViolation(f"invariant broken: seq_lens within [0, max_pages * page_size] (request {r}: "
                                  f"{int(lens[r])}, at most {table.max_pages * table.page_size})")
-    bad = torch.nonzero(~inside & (bt != L.NULL_PAGE))
-    if bad.numel():
-        r, k = bad[0].tolist()
+    if (at := first_breach(~inside & (bt != L.NULL_PAGE))) is not None:
+        r, k = at
         raise InvariantViolation(f"invariant broken: entries past a request's length are -1 (request {r}, length "
                                  f"{int(lens[r])}: entry {k} is {int(bt[r, k])})")
-    bad = torch.nonzero(inside & ((bt < 0) | (bt >= table.pool.num_pages)))
-    if bad.numel():
-        r, k = bad[0].tolist()
+    if (at := first_breach(inside & ((bt < 0) | (bt >= table.pool.num_pages)))) is not None:
+        r, k = at
         raise InvariantViolation(f"invariant broken: entries within a request's length are page ids (request {r}: "
                                  f"entry {k} is {int(bt[r, k])}, pages {table.pool.num_pages})")
     pages = bt[inside]
     held = torch.zeros(table.pool.num_pages, dtype=torch.long).scatter_add_(0, pages, torch.ones_like(pages))
     rc = pool_state["refcount"].cpu().long()
-    bad = torch.nonzero(rc < held if not exclusive else rc != held).flatten()
-    if bad.numel():
-        p = int(bad[0])
+    if (p := first_breach(rc < held if not exclusive else rc != held)) is not None:
         raise InvariantViolation(f"invariant broken: reference counts match table entries (page {p}: refcount "
                                  f"{int(rc[p])}, table entries naming it {int(held[p])}: {_naming(bt, inside, p)})")
     # A request's partial last page is named by no other entry: both rows would append into the same
@@ -80,11 +74,10 @@ def check_table(table, exclusive: bool) -> None:
     # shared one, so only a hand edit makes such a pair, or a page freed under a row and popped by another).
     partial = torch.nonzero(lens % table.page_size != 0).flatten()
     last = bt[partial, npages[partial] - 1]
-    bad = torch.nonzero(held[last] != 1).flatten()
-    if bad.numel():
-        p = int(last[bad[0]])
+    if (i := first_breach(held[last] != 1)) is not None:
+        p = int(last[i])
         raise InvariantViolation(f"invariant broken: a request's partial last page is named by no other table "
-                                 f"entry (request {int(partial[bad[0]])}'s page {p}, {_naming(bt, inside, p)}: two "
+                                 f"entry (request {int(partial[i])}'s page {p}, {_naming(bt, inside, p)}: two "
                                  "rows would append into the same slots: was a row edited by hand, or a page it "
                                  "names freed through the pool?)")
     # A step's CSR that the next step of its batch may grow in place (numba only: its memo names

@@ -615,13 +615,13 @@ def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, p
         if held > positions:
             raise ValueError(f"system_len (--system-prompt): a request would hold {held} tokens (system prompt, "
                              f"its own, new tokens and drafts), past the model's {positions} positions")
-        eng = Engine(lm, num_pages=num_pages, page_size=page_size, max_batch=max_batch,
-                     max_pages=-(-held // page_size), backend=backend, spec_every=spec_every, draft_len=draft_len,
-                     prefix_cache=prefix_cache)
+        max_pages = -(-held // page_size)  # a row holds the longest request
+        eng = Engine(lm, num_pages=num_pages, page_size=page_size, max_batch=max_batch, max_pages=max_pages,
+                     backend=backend, spec_every=spec_every, draft_len=draft_len, prefix_cache=prefix_cache)
         try:
             eng.check_fits(reqs)
-        except ValueError as e:  # the pool is what is short (max_pages holds the longest request)
-            raise ValueError(f"{e}: raise --num-pages to at least {-(-held // page_size)} (pages of --page-size "
+        except ValueError as e:  # so the pool is what is short
+            raise ValueError(f"{e}: raise --num-pages to at least {max_pages} (pages of --page-size "
                              f"{page_size} tokens) so the longest request fits") from None
     except (ValueError, ImportError) as e:
         raise OptionError(str(e)) from e

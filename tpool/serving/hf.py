@@ -237,7 +237,7 @@ def from_pretrained(name_or_path, **kwargs):
     config = kwargs.get("config")
     if config is not None and not (isinstance(config, (str, bytes)) or hasattr(config, "__fspath__")):
         config = kwargs["config"] = copy.deepcopy(config)  # built on a copy, as from_config's
-    if config is None or isinstance(config, (str, bytes)) or hasattr(config, "__fspath__"):
+    else:  # a saved config: read it, with the keyword overrides
         config = AutoConfig.from_pretrained(name_or_path if config is None else config,
                                             **{k: v for k, v in kwargs.items() if k in _HUB_KWARGS})
         for k, v in kwargs.items():
