@@ -116,6 +116,15 @@ def fill_null_range(addr, start, stop):
 
 
 @numba.njit(nogil=True, inline="always")
+def count_overflow(counters, source, n):
+    """``n`` more ``out_overflow``, counted again in slot ``source`` (the buffer it overflowed). Only
+    when ``n``: the source slots lie past every slot a decode step touches (a cache line more, cold)."""
+    if n:
+        counters[L.ERR_OUT_OVERFLOW] += n
+        counters[source] += n
+
+
+@numba.njit(nogil=True, inline="always")
 def i32_array(addr, n):
     """int32 ``[n]`` array over a contiguous tensor's ``data_ptr()``."""
     return numba.carray(_i32_ptr(addr), (n,))

@@ -44,6 +44,9 @@ ERR_DOUBLE_FREE = tl.constexpr(L.ERR_DOUBLE_FREE)
 ERR_USE_AFTER_FREE = tl.constexpr(L.ERR_USE_AFTER_FREE)
 ERR_BAD_COUNT = tl.constexpr(L.ERR_BAD_COUNT)
 ERR_OUT_OVERFLOW = tl.constexpr(L.ERR_OUT_OVERFLOW)
+OVERFLOW_PAGES = tl.constexpr(L.OVERFLOW_PAGES)
+OVERFLOW_SLOTS = tl.constexpr(L.OVERFLOW_SLOTS)
+OVERFLOW_CSR = tl.constexpr(L.OVERFLOW_CSR)
 ERR_CORRUPT_STATE = tl.constexpr(L.ERR_CORRUPT_STATE)
 ERR_REFCOUNT_OVERFLOW = tl.constexpr(L.ERR_REFCOUNT_OVERFLOW)
 NUM_COUNTERS = tl.constexpr(L.NUM_COUNTERS)
@@ -102,6 +105,12 @@ def counter_add(c, SLOT: tl.constexpr, delta):
     """``c[SLOT] += delta``, returned as a new block."""
     slots = tl.arange(0, COUNTER_BLOCK)
     return tl.where(slots == SLOT, c + delta.to(tl.int64), c)
+
+
+@triton.jit
+def count_overflow(c, SOURCE: tl.constexpr, n):
+    """``n`` more ``out_overflow``, counted again in ``SOURCE`` (the buffer it overflowed)."""
+    return counter_add(counter_add(c, ERR_OUT_OVERFLOW, n), SOURCE, n)
 
 
 @triton.jit

@@ -16,9 +16,9 @@ from . import _numba_util as nu
 from ._numba_util import (fill_null_range, i32_array, mark_popped, page_gens, pop_page, stack_run_ok, state_arrays,
                           u8_array)
 from .layout import AD_EVICTED, AD_INDPTR, AD_MAX_BATCH, AD_MAX_PAGES, AD_OK, AD_PAGES, STATE_DESC_LEN
-from ._triton_util import (ALLOCATED, CACHED_COUNT, ERR_BAD_COUNT, ERR_CORRUPT_STATE, ERR_OUT_OVERFLOW,
-                           FAILED_REQUESTS, FREE_COUNT, LRU_HEAD, LRU_HOLE, LRU_SCAN, LRU_TAIL, NULL_PAGE,
-                           counter_add, counter_get, load_counters, pop_check, queue_settings, raise_peaks,
+from ._triton_util import (ALLOCATED, CACHED_COUNT, ERR_BAD_COUNT, ERR_CORRUPT_STATE, FAILED_REQUESTS,
+                           FREE_COUNT, LRU_HEAD, LRU_HOLE, LRU_SCAN, LRU_TAIL, NULL_PAGE, OVERFLOW_PAGES,
+                           count_overflow, counter_add, counter_get, load_counters, pop_check, queue_settings, raise_peaks,
                            store_counters, tick)
 from .evict import evict_oldest_numba, evict_oldest_body, evicted
 
@@ -43,7 +43,7 @@ def alloc_numba(
     lru_pos,      # int64 [P]
 ):
     if B > BO:  # more requests than the outputs have lanes (the façade refuses it): those past BO fail
-        counters[L.ERR_OUT_OVERFLOW] += 1
+        nu.count_overflow(counters, L.OVERFLOW_PAGES, 1)
         counters[L.FAILED_REQUESTS] += B - BO
         B = BO
     counts = i32_array(counts_ptr, B)
@@ -76,7 +76,7 @@ def alloc_numba(
         else:
             counters[L.FAILED_REQUESTS] += 1
             if fits:
-                counters[L.ERR_OUT_OVERFLOW] += 1
+                nu.count_overflow(counters, L.OVERFLOW_PAGES, 1)
         ok[i] = granted
         indptr[i + 1] = total
     for i in range(B, BO):
@@ -204,7 +204,7 @@ def alloc_kernel(
     c = counter_add(c, FREE_COUNT, -total)
     c = counter_add(c, ALLOCATED, total)
     c = counter_add(c, ERR_BAD_COUNT, negs)
-    c = counter_add(c, ERR_OUT_OVERFLOW, overflow)
+    c = count_overflow(c, OVERFLOW_PAGES, overflow)
     c = counter_add(c, FAILED_REQUESTS, failed)
     c = raise_peaks(c, num_pages)
     store_counters(counters_ptr, c)

@@ -34,8 +34,8 @@ from ._numba_util import (fill_null_range, i32_array, i64_array, mark_popped, pa
 from .layout import CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, INT32_MAX
 from ._triton_table_util import (ERR_BAD_REQUEST, ERR_TABLE_OVERFLOW, cdiv, claim_requests, reset_requests,
                                  request_lanes)
-from ._triton_util import (ALLOCATED, ERR_BAD_COUNT, ERR_CORRUPT_STATE, ERR_OUT_OVERFLOW, FAILED_REQUESTS,
-                           FREE_COUNT, NULL_PAGE, counter_add, gate_free, load_counters, pop_check,
+from ._triton_util import (ALLOCATED, ERR_BAD_COUNT, ERR_CORRUPT_STATE, FAILED_REQUESTS, FREE_COUNT, NULL_PAGE,
+                           OVERFLOW_SLOTS, count_overflow, counter_add, gate_free, load_counters, pop_check,
                            raise_peaks, settings, store_counters, tick)
 
 MAX_TILE = 64  # side of the token x lane tiles of the prefill slot pass
@@ -295,7 +295,7 @@ def extend_numba(
     counters[L.ERR_BAD_REQUEST] += bad_ids
     counters[L.ERR_BAD_COUNT] += bad_count
     counters[L.ERR_TABLE_OVERFLOW] += overflow
-    counters[L.ERR_OUT_OVERFLOW] += out_over
+    nu.count_overflow(counters, L.OVERFLOW_SLOTS, out_over)
     counters[L.FAILED_REQUESTS] += failed
     counters[L.ERR_CORRUPT_STATE] += corrupt + bad_slots
     counters[L.FREE_COUNT] -= popped
@@ -483,7 +483,7 @@ def extend_body(
     c = counter_add(c, ERR_BAD_REQUEST, bad)
     c = counter_add(c, ERR_BAD_COUNT, neg_count)
     c = counter_add(c, ERR_TABLE_OVERFLOW, overflow)
-    c = counter_add(c, ERR_OUT_OVERFLOW, out_overflow)
+    c = count_overflow(c, OVERFLOW_SLOTS, out_overflow)
     c = counter_add(c, FAILED_REQUESTS, failed)
     c = counter_add(c, ERR_CORRUPT_STATE, wrong)
     c = counter_add(c, FREE_COUNT, -popped)

@@ -20,11 +20,12 @@ import numpy as np
 from ._triton_shim import tl, triton
 
 from . import layout as L
+from . import _numba_util as nu
 from ._numba_util import fill_null_range, i32_array, i64_cell, page_shift, pages_for, state_arrays, table_arrays
 from .layout import CD_CSR_MEMO, CD_INDICES, CD_INDICES_LEN, CD_INDPTR, CD_LAST_PAGE_LEN, CD_OUT, CD_STATE
 from ._triton_table_util import ERR_BAD_REQUEST, cdiv
-from ._triton_util import (ERR_CORRUPT_STATE, ERR_OUT_OVERFLOW, INT32_MAX, NULL_PAGE, counter_add, load_counters,
-                           settings, store_counters)
+from ._triton_util import (ERR_CORRUPT_STATE, INT32_MAX, NULL_PAGE, OVERFLOW_CSR, count_overflow, counter_add,
+                           load_counters, settings, store_counters)
 
 
 @numba.njit(nogil=True)
@@ -100,7 +101,7 @@ def flashinfer_csr_numba(
         indptr[i + 1] = fit
         last[i] = length - (n - 1) * page_size
     if pos > cap:
-        counters[L.ERR_OUT_OVERFLOW] += 1
+        nu.count_overflow(counters, L.OVERFLOW_CSR, 1)
     counters[L.ERR_CORRUPT_STATE] += stray
     fill_null_range(indices_ptr, fit, min(max(written, reach), cap))
     return fit, stray, cut
@@ -281,7 +282,7 @@ def flashinfer_csr_body(
         c = counter_add(c, ERR_BAD_REQUEST, bad)
         c = counter_add(c, ERR_CORRUPT_STATE, wrong)
     c = counter_add(c, ERR_CORRUPT_STATE, stray)
-    c = counter_add(c, ERR_OUT_OVERFLOW, (end > cap).to(tl.int64))
+    c = count_overflow(c, OVERFLOW_CSR, (end > cap).to(tl.int64))
     store_counters(counters_ptr, c)
 
 

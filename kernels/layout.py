@@ -67,7 +67,7 @@ ERR_INVALID_PAGE = 10    # page id outside [0, num_pages) and not -1
 ERR_DOUBLE_FREE = 11     # free of a page that holds no reference
 ERR_USE_AFTER_FREE = 12  # incref / touch of a FREE page
 ERR_BAD_COUNT = 13       # negative count passed to alloc / extend
-ERR_OUT_OVERFLOW = 14    # alloc output buffer too small for grantable requests
+ERR_OUT_OVERFLOW = 14    # an output buffer too small (which one: OVERFLOW_* below)
 ERR_BAD_REQUEST = 15     # page table: request id out of range
 ERR_TABLE_OVERFLOW = 16  # page table: request would exceed max_pages_per_request
 ERR_BAD_LENGTH = 17      # page table: truncate/fork to an invalid length
@@ -79,7 +79,12 @@ LRU_HEAD = 20
 LRU_TAIL = 21
 LRU_HOLE = 22
 LRU_SCAN = 23
-NUM_COUNTERS = 24
+# Which buffer an ``out_overflow`` overflowed: every count of ERR_OUT_OVERFLOW is counted again in
+# one of these, so ``check()`` names the one argument to change.
+OVERFLOW_PAGES = 24  # alloc: granted pages past its ``pages`` output, or requests past its lanes
+OVERFLOW_SLOTS = 25  # extend / step: tokens past the ``slots`` output (max_tokens)
+OVERFLOW_CSR = 26    # flashinfer_csr / step: page ids past the CSR's ``indices`` (capacity)
+NUM_COUNTERS = 27
 
 ERROR_NAMES = {
     ERR_INVALID_PAGE: "invalid_page",
@@ -93,6 +98,8 @@ ERROR_NAMES = {
     ERR_CORRUPT_STATE: "corrupt_state",
     ERR_REFCOUNT_OVERFLOW: "refcount_overflow",
 }
+ERROR_SLOTS = {name: slot for slot, name in ERROR_NAMES.items()}
+OVERFLOW_NAMES = {OVERFLOW_PAGES: "alloc_pages", OVERFLOW_SLOTS: "slots", OVERFLOW_CSR: "csr_indices"}
 
 # A page table's CSR memo: int64 [memo_len(B)], made by the table with each set of
 # CSR output buffers (one per call shape).

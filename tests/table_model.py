@@ -30,6 +30,11 @@ class TableModel:
     def _err(self, kind):
         self.pool.errors[kind] = self.pool.errors.get(kind, 0) + 1
 
+    def _overflow(self, buffer):
+        """An out_overflow, counted again under the buffer that overflowed."""
+        self._err("out_overflow")
+        self._err(f"out_overflow.{buffer}")
+
     def _pop(self, n):
         pages = [self.pool.stack.pop() for _ in range(n)]
         for p in pages:
@@ -57,7 +62,7 @@ class TableModel:
             fits = good and (need == 0 or csum <= free)  # a lane needing no page never waits on others
             granted = fits and (n == 0 or tok_end <= max_tokens)  # a lane of no tokens has none to overflow
             if fits and not granted:
-                self._err("out_overflow")
+                self._overflow("slots")
             if ids[len(ok)] != -1 and not granted:
                 P.failed += 1
             ok.append(granted)
@@ -200,7 +205,7 @@ class TableModel:
             last.append(L - (n - 1) * self.ps)
         if cap is not None:
             if end > cap:
-                self._err("out_overflow")
+                self._overflow("csr_indices")
             indices = indices + [-1] * (cap - len(indices))
         return indptr, indices, last
 

@@ -45,6 +45,61 @@ def test_alloc_larger_than_max_alloc_pages_names_the_arguments(make_pool, guard)
     pool.check()
 
 
+# Each call that can overflow an output, and the buffer check() must then name (one case each).
+OVERFLOWS = {
+    "alloc_pages": lambda pool, table: pool.alloc(i32([5]), out=pool.alloc_out(max_pages=4)),
+    "slots": lambda pool, table: table.extend(i32([0, 1]), i32([3, 3]), max_tokens=4),
+    "csr_indices": lambda pool, table: (table.extend(i32([0, 1]), i32([9, 9]), max_tokens=18),
+                                        table.flashinfer_csr(i32([0, 1]), capacity=4)),
+    "step_slots": lambda pool, table: table.step(i32([0, 1]), i32([3, 3]), max_tokens=4),
+    "step_csr_indices": lambda pool, table: table.step(i32([0, 1]), i32([9, 9]), max_tokens=18, capacity=4),
+}
+ADVICE = {"alloc_pages": "out=pool.alloc_out(max_pages=N)", "slots": "max_tokens= the batch's total tokens",
+          "csr_indices": "pass a larger capacity"}
+
+
+@pytest.mark.parametrize("case", sorted(OVERFLOWS))
+def test_out_overflow_names_the_one_buffer_that_overflowed(make_pool, guard, case):
+    """The pool and its tables share one out_overflow count; each buffer counts again in a slot of
+    its own, so check() gives the advice for that buffer only, and the exception's ``overflows``
+    names it (stats() too)."""
+    buffer = case.removeprefix("step_")
+    pool = make_pool(64, page_size=4)
+    table = tpool.PageTable(pool, 2, 8)
+    with guard():
+        OVERFLOWS[case](pool, table)
+    stats = pool.stats()
+    assert {b: stats[f"errors.out_overflow.{b}"] for b in ADVICE} == {b: int(b == buffer) for b in ADVICE}
+    e, text = raised(pool, tpool.OutputOverflow)
+    assert e.counts == {"out_overflow": 1} and e.overflows == {buffer: 1}
+    assert f"out_overflow (1): an output buffer was too small: {buffer} (1): " in text
+    for b, advice in ADVICE.items():
+        assert (advice in text) == (b == buffer), (b, text)
+    pool.check()  # the buffers' counts were read with the kind's: nothing left to raise
+
+
+def test_out_overflow_of_two_buffers_names_both(make_pool, guard):
+    pool = make_pool(64, page_size=4)
+    table = tpool.PageTable(pool, 2, 8)
+    with guard():
+        OVERFLOWS["slots"](pool, table)
+        OVERFLOWS["slots"](pool, table)
+        OVERFLOWS["alloc_pages"](pool, table)
+    e, text = raised(pool, tpool.OutputOverflow)
+    assert e.counts == {"out_overflow": 3} and e.overflows == {"alloc_pages": 1, "slots": 2}
+    assert ": alloc_pages (1): " in text and "; slots (2): " in text and "capacity" not in text
+
+
+def test_out_overflow_counted_by_hand_lists_every_buffer():
+    """A count no buffer claims (the counters edited by hand) gets the advice for all three."""
+    pool = tpool.PagePool(16, backend="reference")
+    pool.state.counters[L.ERR_OUT_OVERFLOW] += 1
+    e, text = raised(pool, tpool.OutputOverflow)
+    assert e.overflows == {} and "which one was not counted" in text
+    for advice in ADVICE.values():
+        assert advice in text
+
+
 def test_prefill_without_max_tokens_says_pass_max_tokens(make_pool, guard):
     pool = make_pool(64, page_size=4)
     table = tpool.PageTable(pool, 2, 8)

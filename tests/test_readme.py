@@ -111,14 +111,13 @@ def test_the_error_table_names_each_kind_and_the_class_check_raises():
 
 def test_the_quoted_check_message_is_the_one_check_raises():
     """The README's example of what check() says after ``alloc([5000])`` on a 65,536-page pool is the
-    start of the message it raises (words and order; the quote wraps lines and ends in "...")."""
+    message it raises (words and order; the quote wraps lines, and may end in "..." where it stops short)."""
     text = open(README).read()
     quote = text[text.index("    OutputOverflow: tpool: errors"):]
     quote = " ".join(quote[:quote.index("\n\n")].split())
-    assert quote.endswith(" ...")
     pool = tpool.PagePool(65536, backend="reference")
     pool.alloc(torch.tensor([5000], dtype=torch.int32))
     with pytest.raises(tpool.OutputOverflow) as e:
         pool.check()
     said = " ".join(f"{type(e.value).__name__}: {e.value}".split())
-    assert said.startswith(quote[:-len(" ...")]), (quote, said)
+    assert said == quote or quote.endswith(" ...") and said.startswith(quote[:-len(" ...")]), (quote, said)

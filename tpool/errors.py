@@ -9,11 +9,14 @@ from tpool.kernels import layout as L
 
 
 class PoolError(RuntimeError):
-    """Base class. ``counts`` maps every error kind seen since the last check to its count."""
+    """Base class. ``counts`` maps every error kind seen since the last check to its count;
+    ``overflows`` the buffers behind an ``out_overflow`` (``alloc_pages``, ``slots``,
+    ``csr_indices``) to theirs, empty when none was counted."""
 
-    def __init__(self, message: str, counts: dict | None = None):
+    def __init__(self, message: str, counts: dict | None = None, overflows: dict | None = None):
         super().__init__(message)
         self.counts = dict(counts or {})
+        self.overflows = dict(overflows or {})
 
 
 class InvalidPage(PoolError):
@@ -38,8 +41,9 @@ class InvalidCount(PoolError):
 class OutputOverflow(PoolError):
     """An output buffer was too small: pages or slots (the requests that did not fit failed,
     unchanged), or a CSR's page ids (the requests past ``capacity`` were exported with no pages;
-    a step appended their tokens). Pass a larger ``max_alloc_pages`` /
-    ``out=pool.alloc_out(max_pages=...)`` / ``max_tokens`` / ``capacity``."""
+    a step appended their tokens). ``overflows`` says which: ``alloc_pages`` (pass a larger
+    ``max_alloc_pages`` or ``out=pool.alloc_out(max_pages=...)``), ``slots`` (``max_tokens``),
+    ``csr_indices`` (``capacity``)."""
 
 
 class InvalidRequest(PoolError):
@@ -110,17 +114,7 @@ HINTS = {
     L.ERR_BAD_COUNT: (
         "alloc or extend received a negative count; that request and every later one in the call failed. "
         "Pass counts and num_tokens >= 0 (0 for padding lanes)."),
-    L.ERR_OUT_OVERFLOW: (
-        "an output buffer was too small, one of three (the pool and its tables share the count): "
-        "PagePool.alloc writes at most max_alloc_pages pages without out= (default min(num_pages, 4096)): "
-        "pass PagePool(..., max_alloc_pages=N), or out=pool.alloc_out(max_pages=N); PageTable.extend/step "
-        "write at most max_tokens slots (default one per lane, a decode step): for a prefill pass "
-        "max_tokens= the batch's total tokens; flashinfer_csr and a step write at most capacity page ids: "
-        "pass a larger capacity (or None, always enough). Pages and slots (alloc, extend, a step's tokens): "
-        "the requests that did not fit failed "
-        "and are unchanged. A CSR's page ids (flashinfer_csr, a step): the first request whose pages did "
-        "not fit in capacity and every later one were exported with no pages (last_page_len page_size; a "
-        "step's kv_lens 0), though a step appended their tokens."),
+    L.ERR_OUT_OVERFLOW: "an output buffer was too small",  # then what OVERFLOW_HINTS says of each buffer
     L.ERR_BAD_REQUEST: (
         "a page-table lane named a request it may not: an id outside [0, max_requests) (and not the padding "
         "id -1), an id named twice in one call (every lane after its first), or a fork into a request "
@@ -150,23 +144,58 @@ HINTS = {
 }
 
 
-def describe(counts: dict) -> str:
-    """The message for ``counts`` (kind name -> count): one line of counts, then one line per kind."""
-    slot_of = {name: slot for slot, name in L.ERROR_NAMES.items()}
+# The buffers behind out_overflow (each counts in its own slot too): what overflowed, what it did, what to pass.
+OVERFLOW_HINTS = {
+    "alloc_pages": (
+        "PagePool.alloc granted more pages than its output holds: without out= at most max_alloc_pages "
+        "(default min(num_pages, 4096)), with out= that buffer's max_pages. Pass PagePool(..., "
+        "max_alloc_pages=N), or out=pool.alloc_out(max_pages=N). The requests that did not fit failed and "
+        "are unchanged"),
+    "slots": (
+        "PageTable.extend/step wrote more tokens than its slot buffer holds: max_tokens (default one per "
+        "lane, a decode step). For a prefill pass max_tokens= the batch's total tokens. The requests that "
+        "did not fit failed and are unchanged"),
+    "csr_indices": (
+        "flashinfer_csr or a step had more page ids than the CSR's capacity: pass a larger capacity (or "
+        "None, always enough). The first request whose pages did not fit and every later one were "
+        "exported with no pages (last_page_len page_size; a step's kv_lens 0), though a step appended "
+        "their tokens"),
+}
+
+
+def _advice(name: str, overflows: dict) -> str:
+    """What kind ``name`` means and which argument to change; for out_overflow, of each buffer in
+    ``overflows`` (all three when none is named: counters edited by hand)."""
+    if name != "out_overflow":
+        return HINTS[L.ERROR_SLOTS[name]]
+    if overflows:
+        parts = [f"{b} ({n}): {OVERFLOW_HINTS[b]}" for b, n in overflows.items()]
+    else:
+        parts = ["which one was not counted"] + [f"{b}: {hint}" for b, hint in OVERFLOW_HINTS.items()]
+    return f"{HINTS[L.ERR_OUT_OVERFLOW]}: {'; '.join(parts)}."
+
+
+def describe(counts: dict, overflows: dict | None = None) -> str:
+    """The message for ``counts`` (kind name -> count) and ``overflows`` (the buffers behind an
+    out_overflow -> count): one line of counts, then one line per kind."""
     head = ", ".join(f"{name}: {n}" for name, n in counts.items())
     lines = [f"tpool: errors since the last check: {head}"]
-    lines += [f"  {name} ({n}): {HINTS[slot_of[name]]}" for name, n in counts.items()]
+    lines += [f"  {name} ({n}): {_advice(name, overflows or {})}" for name, n in counts.items()]
     return "\n".join(lines)
 
 
 def raise_for_errors(delta: dict) -> None:
-    """Raise the class of the first kind (in slot order) with a nonzero count; describe all kinds."""
-    seen = {slot: n for slot, n in sorted(delta.items()) if n}
+    """Raise the class of the first kind (in slot order) with a nonzero count; describe all kinds.
+    ``delta``: counter slot -> count since the last check, for ``ERROR_NAMES`` and ``OVERFLOW_NAMES``."""
+    seen = {slot: n for slot, n in sorted(delta.items()) if n and slot in L.ERROR_NAMES}
     if not seen:
         return
     names = {L.ERROR_NAMES[slot]: n for slot, n in seen.items()}
+    overflows = {}
+    if "out_overflow" in names:
+        overflows = {b: delta[slot] for slot, b in L.OVERFLOW_NAMES.items() if delta.get(slot)}
     cls = ERROR_CLASSES[next(iter(seen))]
-    raise cls(describe(names), names)
+    raise cls(describe(names, overflows), names, overflows)
 
 
 class StaleBinding(ValueError):

@@ -524,7 +524,7 @@ class PagePool:
             c, seen = torch.stack(clones_between_calls([self.state.counters, self.state.checked])).tolist()
             # The baseline lives in the state: a snapshot restored (tpool.graphs.preserved) brings back the
             # counters and what had been checked of them together. A count below it (a hand edit) is no error.
-            delta = {slot: max(c[slot] - seen[slot], 0) for slot in L.ERROR_NAMES}
+            delta = {slot: max(c[slot] - seen[slot], 0) for slot in (*L.ERROR_NAMES, *L.OVERFLOW_NAMES)}
             self.state.checked.copy_(torch.tensor(c, dtype=torch.int64))
         raise_for_errors(delta)
 

@@ -78,6 +78,12 @@ def _put(dst: torch.Tensor, idx: torch.Tensor, val, mask: torch.Tensor) -> None:
     dst.copy_(ext[:n])
 
 
+def count_overflow(c: torch.Tensor, source: int, n) -> None:
+    """``n`` more ``out_overflow`` in the counters ``c``, counted again in slot ``source`` (the buffer)."""
+    c[L.ERR_OUT_OVERFLOW] += n
+    c[source] += n
+
+
 def raise_peaks(st) -> None:
     c = st.counters
     used = st.num_pages - c[L.FREE_COUNT] - c[L.CACHED_COUNT]
@@ -271,7 +277,7 @@ def alloc(st, counts, out_pages, out_indptr, out_ok, out_evicted, evict: bool) -
     granted = torch.where(ok, n, 0)
     total = granted.sum()
     c[L.ERR_BAD_COUNT] += neg.sum()
-    c[L.ERR_OUT_OVERFLOW] += (fits & ~ok).sum()
+    count_overflow(c, L.OVERFLOW_PAGES, (fits & ~ok).sum())
     c[L.FAILED_REQUESTS] += (~ok).sum()
     out_ok.fill_(False)
     out_ok[:B] = ok

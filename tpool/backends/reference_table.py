@@ -77,8 +77,8 @@ import torch
 
 from tpool.kernels import layout as L
 from tpool.state import set_cell
-from tpool.backends.reference import (_put, apply_free, apply_incref, count_pages, free_gate, pop_pages,
-                                     raise_peaks)
+from tpool.backends.reference import (_put, apply_free, apply_incref, count_overflow, count_pages, free_gate,
+                                     pop_pages, raise_peaks)
 
 
 def _cdiv(a, b):
@@ -149,7 +149,7 @@ def extend(st, ts, req_ids, num_tokens, slots, ok, meta=None):
     tok_end = torch.cumsum(n, 0)
     fits = cand & ((need == 0) | (csum <= free))  # a lane needing no page never waits on others
     okv = fits & ((n == 0) | (tok_end <= T))  # a lane of no tokens has none to overflow
-    c[L.ERR_OUT_OVERFLOW] += (fits & ~okv).sum()
+    count_overflow(c, L.OVERFLOW_SLOTS, (fits & ~okv).sum())
     c[L.FAILED_REQUESTS] += (~pad & ~okv).sum()
     # New pages, lane by lane: [B, MP] grid, lane i takes k < need_i.
     k = torch.arange(MP, device=dev)
@@ -351,7 +351,7 @@ def flashinfer_csr(st, ts, req_ids, indptr, indices, last_page_len, count=True, 
     # Past the capacity: the first request whose pages do not all fit, and every later one, is
     # exported as empty (kv_lens 0 in a step); no indptr entry points past the buffer.
     over = torch.cumsum(_cdiv(torch.where(stray, 0, Ln), ps), 0) > cap
-    c[L.ERR_OUT_OVERFLOW] += over[-1].long()
+    count_overflow(c, L.OVERFLOW_CSR, over[-1].long())
     if kv_lens is not None:
         kv_lens.masked_fill_(stray | over, 0)
     Ln = torch.where(stray | over, 0, Ln)

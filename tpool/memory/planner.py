@@ -114,7 +114,7 @@ class PagePlan:
         extra reserve                       0 B      0.00 GiB   kept back inside the static budget
         pool budget            47,244,640,256 B     44.00 GiB   static budget - in use - extra reserve
         pool                   47,244,640,256 B     44.00 GiB   22,528 pages x 2,097,152 B
-        note: PagedKVCache.from_pool adds 1 scratch page (2,097,152 B), PagePool state 1,374,592 B: from the reserve
+        note: PagedKVCache.from_pool adds 1 scratch page (2,097,152 B), PagePool state 1,374,640 B: from the reserve
         """
         rows = [
             ("total", self.total_bytes, self.source),
