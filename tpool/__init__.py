@@ -7,21 +7,19 @@ kernel passes that never read device memory back on the host.
 
 from typing import TYPE_CHECKING
 
-from tpool._startup import gc_paused
 from tpool import _hub_kernels
 
 _hub_kernels.install()  # tpool's kernels/ folder must not shadow transformers' kernels (tpool._hub_kernels)
 
-with gc_paused():  # a one-off import (torch's too, when tpool comes first): tpool._startup
-    from tpool._version import __version__
-    from tpool.errors import (CorruptState, DoubleFree, InvalidCount, InvalidLength, InvalidPage, InvalidRequest,
-                              InvariantViolation, OutputOverflow, PoolError, RefcountOverflow, StaleBinding,
-                              TableOverflow, UseAfterFree)
-    from tpool.free_group import FreeGroup
-    from tpool.bound_step import BoundStep
-    from tpool.page_table import PageTable
-    from tpool.table_results import ExtendResult, ForkResult, PagedKVCSR, StepOut, StepResult
-    from tpool.pool import AllocOut, AllocResult, BoundCall, PagePool
+from tpool._version import __version__  # noqa: E402
+from tpool.errors import (CorruptState, DoubleFree, InvalidCount, InvalidLength, InvalidPage,  # noqa: E402
+                          InvalidRequest, InvariantViolation, OutputOverflow, PoolError, RefcountOverflow,
+                          StaleBinding, TableOverflow, UseAfterFree)
+from tpool.free_group import FreeGroup  # noqa: E402
+from tpool.bound_step import BoundStep  # noqa: E402
+from tpool.page_table import PageTable  # noqa: E402
+from tpool.table_results import ExtendResult, ForkResult, PagedKVCSR, StepOut, StepResult  # noqa: E402
+from tpool.pool import AllocOut, AllocResult, BoundCall, PagePool  # noqa: E402
 
 # The memory tools are imported at their first use (``tpool.Arena`` imports tpool.memory.arena),
 # so that ``import tpool`` costs a process only what a pool and a table need.

@@ -1,34 +1,20 @@
-"""What a process pays once: imports and loading compiled kernels, with Python's collector paused.
+"""What a process pays once: the notice that numba is compiling kernels its cache does not hold.
 
-Note: importing numba (or torch) and loading numba's cached kernels create tens of
-thousands of objects that live as long as the process. Each allocation counts towards
-Python's cyclic collector, which then runs over and over during the import, and in a
-process that has imported torch each full collection walks torch's objects too: with the
-collector paused, ``import numba`` after ``import torch`` takes ~90 ms instead of ~180 on
-the development machine (``benchmarks/bench_startup.py``). Nothing of what these one-off
-steps make is garbage, so pausing collection frees nothing later either.
-
-The pause is process-wide (``gc`` has no other switch), lasts only the import or the load,
-and restores what it found: a collector the caller disabled stays disabled.
+Note: tpool does not pause Python's cyclic collector around its imports and cache loads
+(sessions 11-30 did). Importing numba after torch adds enough long-lived objects to make
+one full collection over torch's objects due (~80-100 ms on the development machine);
+paused, that collection was not skipped but moved into whatever the process ran next
+(its first ~20,000 allocations: a serving loop's first steps), a little larger for the
+grown heap, while ``bench_startup.py`` counted it out. It now runs where it falls due,
+inside ``PagePool(...)``'s import of numba. An application that wants no full collection
+over its startup objects while it serves calls ``gc.freeze()`` once they are made (Python's
+advice for long-lived processes); called right after ``import torch``, it also turns the
+collection numba's import brings due into a ~20 ms one.
 """
 
-import contextlib
-import gc
 import logging
 import sys
 import time
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """Run the block with Python's cyclic garbage collector disabled, then restore its state."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 _compile_announced = None  # perf_counter of the last line said, None before the first

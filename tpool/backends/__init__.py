@@ -18,7 +18,6 @@ import os
 
 import torch
 
-from tpool._startup import gc_paused
 from tpool.backends.contract import PoolOps, TableOps
 from tpool.state import PoolState, TableState
 
@@ -71,7 +70,6 @@ def make_table_ops(name: str, st: PoolState, ts: TableState) -> TableOps:
 
 
 def _backend(name: str):
-    """The module of backend ``name``, imported at its first use (numba's import, ~0.1 s, is paid only
-    by a process that makes a numba pool), with the collector paused (:mod:`tpool._startup`)."""
-    with gc_paused():
-        return importlib.import_module(REGISTRY[name])
+    """The module of backend ``name``, imported at its first use (numba's import, ~0.2 s, is paid only
+    by a process that makes a numba pool)."""
+    return importlib.import_module(REGISTRY[name])

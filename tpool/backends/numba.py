@@ -31,7 +31,7 @@ from numba.core import caching
 from numba.core.runtime import nrt
 
 from tpool._checks import overlap_error, storage_spans
-from tpool._startup import announce_compile, gc_paused
+from tpool._startup import announce_compile
 from tpool.kernels import alloc, block_table_rows, evict, extend, flashinfer_csr, fork, free, incref, release, step
 from tpool.kernels import layout as L
 from tpool.kernels import revive, touch
@@ -76,10 +76,9 @@ class KernelCache(caching.FunctionCache):
     """
 
     def load_overload(self, sig, target_context):
-        with gc_paused():  # a one-off load that makes only long-lived objects (tpool._startup)
-            nrt.rtsys.initialize(target_context)
-            with self._guard_against_spurious_io_errors():
-                loaded = self._load_overload(sig, target_context)
+        nrt.rtsys.initialize(target_context)
+        with self._guard_against_spurious_io_errors():
+            loaded = self._load_overload(sig, target_context)
         if loaded is None:  # a miss: numba compiles next
             announce_compile(self.cache_path, self._py_func.__name__)  # (numba's _name is the function's repr)
         return loaded
