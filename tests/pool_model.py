@@ -19,8 +19,7 @@ class PoolModel:
         self.clock = 0
         self.errors = dict(invalid_page=0, double_free=0, use_after_free=0, bad_count=0, out_overflow=0,
                            bad_request=0, table_overflow=0, bad_length=0, corrupt_state=0, refcount_overflow=0)
-        # and the buffer behind each out_overflow (stats key errors.out_overflow.<buffer>)
-        self.errors.update({"out_overflow.alloc_pages": 0, "out_overflow.slots": 0, "out_overflow.csr_indices": 0})
+        self.overflows = dict(alloc_pages=0, slots=0, csr_indices=0)  # the buffer behind each out_overflow
         self.failed = self.allocated = self.freed = self.evicted = self.revived = 0
         self.used_peak = self.cached_peak = 0
 
@@ -76,7 +75,7 @@ class PoolModel:
             else:
                 self.failed += 1
                 self.errors["out_overflow"] += fits
-                self.errors["out_overflow.alloc_pages"] += fits
+                self.overflows["alloc_pages"] += fits
             ok.append(granted)
             indptr.append(total)
         evicted = self._evict(total - free) if evict else []
@@ -147,6 +146,7 @@ class PoolModel:
             "pages.revived": self.revived, "requests.failed": self.failed, "clock": self.clock,
         }
         s.update({f"errors.{k}": v for k, v in self.errors.items()})
+        s.update({f"overflows.{k}": v for k, v in self.overflows.items()})
         return s
 
     def assert_matches(self, pool):

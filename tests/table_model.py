@@ -33,7 +33,7 @@ class TableModel:
     def _overflow(self, buffer):
         """An out_overflow, counted again under the buffer that overflowed."""
         self._err("out_overflow")
-        self._err(f"out_overflow.{buffer}")
+        self.pool.overflows[buffer] += 1
 
     def _pop(self, n):
         pages = [self.pool.stack.pop() for _ in range(n)]

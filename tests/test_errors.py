@@ -62,17 +62,19 @@ ADVICE = {"alloc_pages": "out=pool.alloc_out(max_pages=N)", "slots": "max_tokens
 def test_out_overflow_names_the_one_buffer_that_overflowed(make_pool, guard, case):
     """The pool and its tables share one out_overflow count; each buffer counts again in a slot of
     its own, so check() gives the advice for that buffer only, and the exception's ``overflows``
-    names it (stats() too)."""
+    names it (stats() as overflows.<buffer>)."""
     buffer = case.removeprefix("step_")
     pool = make_pool(64, page_size=4)
     table = tpool.PageTable(pool, 2, 8)
     with guard():
         OVERFLOWS[case](pool, table)
     stats = pool.stats()
-    assert {b: stats[f"errors.out_overflow.{b}"] for b in ADVICE} == {b: int(b == buffer) for b in ADVICE}
+    assert {b: stats[f"overflows.{b}"] for b in ADVICE} == {b: int(b == buffer) for b in ADVICE}
     e, text = raised(pool, tpool.OutputOverflow)
     assert e.counts == {"out_overflow": 1} and e.overflows == {buffer: 1}
-    assert f"out_overflow (1): an output buffer was too small: {buffer} (1): " in text
+    unit = {"alloc_pages": "request", "slots": "lane", "csr_indices": "call"}[buffer]
+    assert f"out_overflow (1): an output buffer was too small: {buffer} (1 {unit}): " in text
+    assert "edited by hand" not in text
     for b, advice in ADVICE.items():
         assert (advice in text) == (b == buffer), (b, text)
     pool.check()  # the buffers' counts were read with the kind's: nothing left to raise
@@ -87,7 +89,7 @@ def test_out_overflow_of_two_buffers_names_both(make_pool, guard):
         OVERFLOWS["alloc_pages"](pool, table)
     e, text = raised(pool, tpool.OutputOverflow)
     assert e.counts == {"out_overflow": 3} and e.overflows == {"alloc_pages": 1, "slots": 2}
-    assert ": alloc_pages (1): " in text and "; slots (2): " in text and "capacity" not in text
+    assert ": alloc_pages (1 request): " in text and "; slots (2 lanes): " in text and "capacity" not in text
 
 
 def test_out_overflow_counted_by_hand_lists_every_buffer():
@@ -95,9 +97,20 @@ def test_out_overflow_counted_by_hand_lists_every_buffer():
     pool = tpool.PagePool(16, backend="reference")
     pool.state.counters[L.ERR_OUT_OVERFLOW] += 1
     e, text = raised(pool, tpool.OutputOverflow)
-    assert e.overflows == {} and "which one was not counted" in text
+    assert e.overflows == {} and "which one was not recorded (counters edited by hand?)" in text
     for advice in ADVICE.values():
         assert advice in text
+
+
+def test_out_overflow_counts_that_do_not_add_up_say_so(guard):
+    """Counts a hand edit added to out_overflow but to no buffer are not passed off as the buffer's."""
+    pool = tpool.PagePool(16, backend="reference")
+    pool.state.counters[L.ERR_OUT_OVERFLOW] += 2
+    with guard():
+        OVERFLOWS["alloc_pages"](pool, None)
+    e, text = raised(pool, tpool.OutputOverflow)
+    assert e.counts == {"out_overflow": 3} and e.overflows == {"alloc_pages": 1}
+    assert "alloc_pages (1 request): " in text and "the buffers' counts add up to 1, not 3" in text
 
 
 def test_prefill_without_max_tokens_says_pass_max_tokens(make_pool, guard):

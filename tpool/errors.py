@@ -10,8 +10,8 @@ from tpool.kernels import layout as L
 
 class PoolError(RuntimeError):
     """Base class. ``counts`` maps every error kind seen since the last check to its count;
-    ``overflows`` the buffers behind an ``out_overflow`` (``alloc_pages``, ``slots``,
-    ``csr_indices``) to theirs, empty when none was counted."""
+    ``overflows`` the buffers behind an ``out_overflow`` (``alloc_pages``: requests, ``slots``:
+    lanes, ``csr_indices``: calls) to theirs, empty when none was counted."""
 
     def __init__(self, message: str, counts: dict | None = None, overflows: dict | None = None):
         super().__init__(message)
@@ -41,9 +41,9 @@ class InvalidCount(PoolError):
 class OutputOverflow(PoolError):
     """An output buffer was too small: pages or slots (the requests that did not fit failed,
     unchanged), or a CSR's page ids (the requests past ``capacity`` were exported with no pages;
-    a step appended their tokens). ``overflows`` says which: ``alloc_pages`` (pass a larger
-    ``max_alloc_pages`` or ``out=pool.alloc_out(max_pages=...)``), ``slots`` (``max_tokens``),
-    ``csr_indices`` (``capacity``)."""
+    a step appended their tokens). ``overflows`` says which: ``alloc_pages`` (requests; pass a
+    larger ``max_alloc_pages`` or ``out=pool.alloc_out(max_pages=...)``), ``slots`` (lanes;
+    ``max_tokens``), ``csr_indices`` (calls; ``capacity``)."""
 
 
 class InvalidRequest(PoolError):
@@ -144,34 +144,39 @@ HINTS = {
 }
 
 
-# The buffers behind out_overflow (each counts in its own slot too): what overflowed, what it did, what to pass.
+# The buffers behind out_overflow (each counts in its own slot too): what one count is, what overflowed and
+# what it did, what to pass.
 OVERFLOW_HINTS = {
-    "alloc_pages": (
-        "PagePool.alloc granted more pages than its output holds: without out= at most max_alloc_pages "
+    "alloc_pages": ("request", (
+        "PagePool.alloc needed more pages than its output holds: without out= at most max_alloc_pages "
         "(default min(num_pages, 4096)), with out= that buffer's max_pages. Pass PagePool(..., "
         "max_alloc_pages=N), or out=pool.alloc_out(max_pages=N). The requests that did not fit failed and "
-        "are unchanged"),
-    "slots": (
-        "PageTable.extend/step wrote more tokens than its slot buffer holds: max_tokens (default one per "
-        "lane, a decode step). For a prefill pass max_tokens= the batch's total tokens. The requests that "
-        "did not fit failed and are unchanged"),
-    "csr_indices": (
+        "are unchanged")),
+    "slots": ("lane", (
+        "PageTable.extend/step had more tokens than its slot buffer holds: max_tokens (default one per "
+        "lane, a decode step; for bind_step and step_out the max_tokens they were made with). For a "
+        "prefill pass max_tokens= the batch's total tokens. The requests that did not fit failed and are "
+        "unchanged")),
+    "csr_indices": ("call", (
         "flashinfer_csr or a step had more page ids than the CSR's capacity: pass a larger capacity (or "
         "None, always enough). The first request whose pages did not fit and every later one were "
         "exported with no pages (last_page_len page_size; a step's kv_lens 0), though a step appended "
-        "their tokens"),
+        "their tokens")),
 }
 
 
-def _advice(name: str, overflows: dict) -> str:
-    """What kind ``name`` means and which argument to change; for out_overflow, of each buffer in
-    ``overflows`` (all three when none is named: counters edited by hand)."""
+def _advice(name: str, n: int, overflows: dict) -> str:
+    """What kind ``name`` (counted ``n`` times) means and which argument to change; for out_overflow,
+    of each buffer in ``overflows`` (all three when none is: the counters were edited by hand)."""
     if name != "out_overflow":
         return HINTS[L.ERROR_SLOTS[name]]
-    if overflows:
-        parts = [f"{b} ({n}): {OVERFLOW_HINTS[b]}" for b, n in overflows.items()]
-    else:
-        parts = ["which one was not counted"] + [f"{b}: {hint}" for b, hint in OVERFLOW_HINTS.items()]
+    if not overflows:
+        each = "; ".join(f"{b}: {hint}" for b, (_, hint) in OVERFLOW_HINTS.items())
+        return f"{HINTS[L.ERR_OUT_OVERFLOW]}, which one was not recorded (counters edited by hand?): {each}."
+    parts = [f"{b} ({k} {unit}{'s' * (k != 1)}): {hint}" for b, k in overflows.items()
+             for unit, hint in [OVERFLOW_HINTS[b]]]
+    if sum(overflows.values()) != n:
+        parts.append(f"the buffers' counts add up to {sum(overflows.values())}, not {n} (counters edited by hand?)")
     return f"{HINTS[L.ERR_OUT_OVERFLOW]}: {'; '.join(parts)}."
 
 
@@ -180,7 +185,7 @@ def describe(counts: dict, overflows: dict | None = None) -> str:
     out_overflow -> count): one line of counts, then one line per kind."""
     head = ", ".join(f"{name}: {n}" for name, n in counts.items())
     lines = [f"tpool: errors since the last check: {head}"]
-    lines += [f"  {name} ({n}): {_advice(name, overflows or {})}" for name, n in counts.items()]
+    lines += [f"  {name} ({n}): {_advice(name, n, overflows or {})}" for name, n in counts.items()]
     return "\n".join(lines)
 
 

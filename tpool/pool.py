@@ -490,8 +490,10 @@ class PagePool:
         -------
         dict
             ``pages.total``, ``pages.{free,used,cached}.current``, ``pages.{used,cached}.peak``,
-            ``pages.{allocated,freed,evicted,revived}`` (totals), ``requests.failed``, ``clock``
-            and ``errors.<kind>`` for every error kind, all ints.
+            ``pages.{allocated,freed,evicted,revived}`` (totals), ``requests.failed``, ``clock``,
+            ``errors.<kind>`` for every error kind and ``overflows.<buffer>`` for the buffers
+            behind ``errors.out_overflow`` (``alloc_pages``, ``slots``, ``csr_indices``: each
+            of its counts is counted again under one of them), all ints.
         """
         return stats_from_counters(self.num_pages, self._read_counters())
 
@@ -518,7 +520,8 @@ class PagePool:
             The class of the first kind counted, in this order: ``InvalidPage``, ``DoubleFree``,
             ``UseAfterFree``, ``InvalidCount``, ``OutputOverflow``, ``InvalidRequest``,
             ``TableOverflow``, ``InvalidLength``, ``CorruptState``, ``RefcountOverflow``; its
-            ``counts`` names every kind counted.
+            ``counts`` names every kind counted, its ``overflows`` the buffers behind an
+            ``out_overflow`` (the message gives the advice for those only).
         """
         with self.state.lock:
             c, seen = torch.stack(clones_between_calls([self.state.counters, self.state.checked])).tolist()

@@ -100,8 +100,8 @@ def stats_from_counters(num_pages: int, c: list) -> dict:
     }
     for slot, name in L.ERROR_NAMES.items():
         s[f"errors.{name}"] = c[slot]
-    for slot, name in L.OVERFLOW_NAMES.items():  # the buffers behind errors.out_overflow
-        s[f"errors.out_overflow.{name}"] = c[slot]
+    for slot, name in L.OVERFLOW_NAMES.items():  # the buffers behind errors.out_overflow (not errors themselves)
+        s[f"overflows.{name}"] = c[slot]
     return s
 
 
