@@ -1,15 +1,15 @@
 """What a process pays once: the notice that numba is compiling kernels its cache does not hold.
 
 Note: tpool does not pause Python's cyclic collector around its imports and cache loads
-(sessions 11-30 did). Importing numba after torch adds enough long-lived objects to make
-one full collection over torch's objects due (~80-100 ms on the development machine);
-paused, that collection was not skipped but moved into whatever the process ran next
-(its first ~20,000 allocations: a serving loop's first steps), a little larger for the
-grown heap, while ``bench_startup.py`` counted it out. It now runs where it falls due,
-inside ``PagePool(...)``'s import of numba. An application that wants no full collection
-over its startup objects while it serves calls ``gc.freeze()`` once they are made (Python's
-advice for long-lived processes); called right after ``import torch``, it also turns the
-collection numba's import brings due into a ~20 ms one.
+(sessions 11-30 did). ``import torch`` leaves one full collection over its objects due
+(~70-100 ms on the development machine), and importing numba sets it off; paused, that
+collection was not skipped but moved into whatever the process ran next (its first
+~20,000 allocations: a serving loop's first steps), a little larger for the grown heap,
+while ``bench_startup.py`` counted it out. It now runs where it falls due, inside
+``PagePool(...)``'s import of numba. An application that wants no full collection over its
+startup objects while it serves can call ``gc.freeze()`` once they are made; called right
+after ``import torch``, it leaves numba's import no full collection to run (one of ~10-20 ms
+comes later instead).
 """
 
 import logging
