@@ -25,8 +25,9 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 FIRST_STEP = textwrap.dedent("""
     import gc, json, sys
-    paused = []  # tpool leaves the collector alone (tpool._startup): a pause only moved its work later
-    gc.disable = lambda disable=gc.disable: (paused.append(1), disable())
+    touched = []  # tpool leaves the collector alone (tpool._startup): a pause only moved its work later
+    for name in ("disable", "freeze", "set_threshold"):
+        setattr(gc, name, lambda *a, f=getattr(gc, name), n=name: (touched.append(n), f(*a))[1])
     import torch
     import tpool
     from tpool.backends import numba as nb
@@ -46,7 +47,7 @@ FIRST_STEP = textwrap.dedent("""
     print(json.dumps(dict(
         file=tpool.__file__,
         triton="triton" in sys.modules,
-        gc=gc.isenabled() and not paused,
+        gc=gc.isenabled() and not touched,
         results=[a.pages.tolist(), a.indptr.tolist(), s.slots.tolist(), [t.tolist() for t in s.csr],
                  pool.stats(), [mirror.free, mirror.reserved]],
         stats={k: dict(path=d.stats.cache_path, hits=sum(d.stats.cache_hits.values()),
