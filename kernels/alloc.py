@@ -18,8 +18,8 @@ from ._numba_util import (fill_null_range, i32_array, mark_popped, page_gens, po
 from .layout import AD_EVICTED, AD_INDPTR, AD_MAX_BATCH, AD_MAX_PAGES, AD_OK, AD_PAGES, STATE_DESC_LEN
 from ._triton_util import (ALLOCATED, CACHED_COUNT, ERR_BAD_COUNT, ERR_CORRUPT_STATE, FAILED_REQUESTS,
                            FREE_COUNT, LRU_HEAD, LRU_HOLE, LRU_SCAN, LRU_TAIL, NULL_PAGE, OVERFLOW_PAGES,
-                           count_overflow, counter_add, counter_get, load_counters, pop_check, queue_settings, raise_peaks,
-                           store_counters, tick)
+                           count_overflow, counter_add, counter_get, load_counters, pop_check, queue_settings,
+                           raise_peaks, store_counters, tick)
 from .evict import evict_oldest_numba, evict_oldest_body, evicted
 
 

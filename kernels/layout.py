@@ -81,7 +81,7 @@ LRU_HOLE = 22
 LRU_SCAN = 23
 # Which buffer an ``out_overflow`` overflowed: every count of ERR_OUT_OVERFLOW is counted again in
 # one of these, so ``check()`` names the one argument to change.
-OVERFLOW_PAGES = 24  # alloc: granted pages past its ``pages`` output, or requests past its lanes
+OVERFLOW_PAGES = 24  # alloc: pages a request needs past its ``pages`` output, or requests past its lanes
 OVERFLOW_SLOTS = 25  # extend / step: tokens past the ``slots`` output (max_tokens)
 OVERFLOW_CSR = 26    # flashinfer_csr / step: page ids past the CSR's ``indices`` (capacity)
 NUM_COUNTERS = 27
