@@ -115,9 +115,10 @@ def test_the_loop_never_reads_a_steps_ok(monkeypatch):
 def test_a_longer_run_and_the_cli(capsys):
     from tpool.__main__ import main
     assert main(["demo", "--model", "gpt-neox", "--requests", "6", "--num-pages", "16", "--max-batch", "4",
-                 "--backend", "numba"]) == 0
+                 "--backend", "numba", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "requests matching generate: 6/6" in out and "pages in use at the end 0" in out
+    assert "PagePool(num_pages=16, page_size=4, device=cpu, backend='numba')" in out
 
 
 def test_skipping_the_copy_on_write_copy_changes_tokens(monkeypatch):
@@ -316,6 +317,40 @@ def test_decode_step_and_forward_in_one_cuda_graph_match_eager(backend):
     assert torch.stack(eager).T.tolist() == [want[i] for i in range(n_lanes)]
     for p in (pool_e, pool_g):
         p.check()
+
+
+def test_the_engine_keeps_its_pages_on_the_models_device():
+    """Default: the model's device. Another one is refused naming both, before a pool is made
+    (the forward would read the K/V pages on the wrong device)."""
+    model = engine.tiny_model("llama", seed=0)
+    eng = engine.Engine(model, num_pages=8, page_size=4, max_batch=2, max_pages=4, backend="reference")
+    assert eng.pool.device == eng.cache.device == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"device: expected the model's device meta .*got cpu; move the model"):
+        engine.Engine(model.to("meta"), num_pages=8, page_size=4, max_batch=2, max_pages=4, device="cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            engine.Engine(model, num_pages=8, page_size=4, max_batch=2, max_pages=4, device="cuda")
+
+
+def test_the_model_demo_on_cuda_without_cuda_is_an_option_error(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    from tpool.serving.cli import main as serve_main
+    with pytest.raises(SystemExit) as e:
+        serve_main(["--model", "llama", "--device", "cuda", "--requests", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error: --device: expected cpu, got cuda: CUDA is not available" in err, err
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_the_model_demo_on_cuda_matches_generate(backend):
+    """The serving demo with the model, the pool and the K/V pages on CUDA: every request's tokens
+    equal ``generate``'s on the same device, with preemptions, forks, rollbacks and prefix-cache hits."""
+    r = engine.run_demo("llama", backend=backend, device="cuda", out=None, **CACHED)
+    assert r["mismatches"] == 0 and r["pages_in_use"] == 0 and r["failed_extends"] == 0
+    assert r["cache_hits"] > 0 and r["preemptions"] > 0 and r["forks"] > 0 and r["rollbacks"] > 0
 
 
 def test_bench_e2e_prints_its_table(tmp_path, capsys):

@@ -7,6 +7,7 @@ can read what the demo takes before installing anything.
 
 import argparse
 
+from tpool import _checks
 from tpool._prog import prog
 from tpool.demo import OptionError, count_int, positive_int, seed_int
 
@@ -33,8 +34,11 @@ def parser() -> argparse.ArgumentParser:
                     help="release finished requests' pages FREE instead of keeping them CACHED for later "
                          "requests that start with the same tokens (default: keep them)")
     ap.add_argument("--backend", default="auto", choices=["auto", "reference", "numba", "triton"],
-                    help="pool backend (default auto: numba on a CPU; triton needs TRITON_INTERPRET=1 there)")
+                    help="pool backend (default auto: triton on CUDA, numba on a CPU; triton on a CPU needs "
+                         "TRITON_INTERPRET=1)")
     ap.add_argument("--seed", type=seed_int, default=0, help="weights and prompts seed, 0 to 2**64 - 1 (default 0)")
+    ap.add_argument("--device", default=None, help="torch device of the model, the pool and the K/V pages, e.g. "
+                                                   "cpu, cuda, cuda:1 (default: cuda if available, else cpu)")
     return ap
 
 
@@ -44,6 +48,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     ap.prog = prog(f"demo --model {a.model}")  # (later errors name the model asked for, not NAME)
     try:
+        device = _checks.resolve_device(a.device, "--device")  # before transformers is imported
+    except ValueError as e:
+        ap.error(str(e))
+    try:
         from tpool.serving.engine import run_demo
     except ModuleNotFoundError as e:
         if e.name != "transformers":
@@ -51,7 +59,8 @@ def main(argv=None) -> int:
         ap.exit(2, f"{ap.prog}: error: serving a model needs transformers, which is not installed: {INSTALL_HF}\n")
     try:
         run_demo(a.model, requests=a.requests, num_pages=a.num_pages, page_size=a.page_size, max_batch=a.max_batch,
-                 backend=a.backend, seed=a.seed, system_len=a.system_prompt, prefix_cache=not a.no_prefix_cache)
+                 backend=a.backend, device=device, seed=a.seed, system_len=a.system_prompt,
+                 prefix_cache=not a.no_prefix_cache)
     except OptionError as e:  # options no model, pool, table or request can be made from
         ap.error(str(e))
     return 0

@@ -199,11 +199,15 @@ class Engine:
     ``generation_config.eos_token_id``, as ``generate`` does; ``None``: never stop early): a
     request ends at its first generated token among these (kept in its output, as ``generate``
     keeps it) or after ``max_new`` tokens. :func:`reference_tokens` takes the same option.
+
+    ``device`` (default: the model's): where the pool, the page table and the K/V pages live;
+    it must be the model's (``ValueError`` naming both otherwise: the forward reads the pages).
     """
 
     def __init__(self, model, *, num_pages: int, page_size: int, max_batch: int, max_pages: int,
-                 backend: str = "auto", device="cpu", spec_every: int = 3, draft_len: int = 3,
+                 backend: str = "auto", device=None, spec_every: int = 3, draft_len: int = 3,
                  prefix_cache: bool = True, eos_token_id=EOS_FROM_MODEL):
+        device = _model_device(model, device)
         layers, kv_heads, head_dim = kv_shape(model.config)   # before the pool is made: nothing to undo
         check_model(model)  # (memoized: forward_step's own check costs nothing more)
         self.eos = eos_ids(model, eos_token_id)
@@ -561,6 +565,19 @@ def eos_ids(model, eos_token_id=EOS_FROM_MODEL) -> frozenset:
     return frozenset(ids)
 
 
+def _model_device(model, device):
+    """The device an :class:`Engine` of ``model`` keeps its pages on: ``device`` (any spelling
+    :func:`tpool._checks.resolve_device` takes), which must be the model's; None: the model's."""
+    have = next(model.parameters()).device
+    if device is None:
+        return have
+    want = _checks.resolve_device(device)
+    if want != (_checks.resolve_device(have) if have.type in ("cpu", "cuda") else have):
+        raise ValueError(f"device: expected the model's device {have} (the forward reads the K/V pages there), "
+                         f"got {want}; move the model with model.to({str(want)!r}) first")
+    return want
+
+
 def reference_tokens(model, requests, *, eos_token_id=EOS_FROM_MODEL):
     """Each request's greedy tokens from ``model.generate`` with eager attention (the check).
 
@@ -573,6 +590,7 @@ def reference_tokens(model, requests, *, eos_token_id=EOS_FROM_MODEL):
     """
     from transformers import GenerationConfig
     eos = sorted(eos_ids(model, eos_token_id))
+    dev = next(model.parameters()).device   # the prompts go where the model is
     saved, saved_attn = model.generation_config, model.config._attn_implementation
     greedy = GenerationConfig(do_sample=False, eos_token_id=eos or None, pad_token_id=saved.pad_token_id)
     model.generation_config = greedy  # generate fills what a passed config leaves None from this one
@@ -582,8 +600,9 @@ def reference_tokens(model, requests, *, eos_token_id=EOS_FROM_MODEL):
         with torch.no_grad():
             for r in requests:
                 greedy.max_new_tokens = r.max_new
-                out[r.rid] = model.generate(torch.tensor([r.prompt]), attention_mask=torch.ones(1, len(r.prompt),
-                                            dtype=torch.long), generation_config=greedy)[0, len(r.prompt):].tolist()
+                ids = torch.tensor([r.prompt], device=dev)
+                out[r.rid] = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                            generation_config=greedy)[0, len(r.prompt):].tolist()
         return out
     finally:
         model.set_attn_implementation(saved_attn)  # as it was given (tpool's paged attention, or another)
@@ -591,19 +610,21 @@ def reference_tokens(model, requests, *, eos_token_id=EOS_FROM_MODEL):
 
 
 def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, page_size: int = 4,
-             max_batch: int = 8, max_new: tuple = (4, 16), backend: str = "auto", seed: int = 0,
+             max_batch: int = 8, max_new: tuple = (4, 16), backend: str = "auto", device=None, seed: int = 0,
              system_len: int = 8, prefix_cache: bool = True, out=print) -> dict:
     """Serve ``requests`` random prompts with a tiny random ``model`` on tpool pages; check against generate.
 
     ``system_len``: every prompt starts with the same that many tokens (see :func:`make_requests`);
-    ``prefix_cache``: the engine keeps finished requests' pages and revives them (see :class:`Engine`).
+    ``prefix_cache``: the engine keeps finished requests' pages and revives them (see :class:`Engine`);
+    ``device`` (default: cuda if available, else cpu): the model's, the pool's and the pages'.
     Returns a dict of counts (steps, preemptions, forks, prefix-cache hits and the tokens they
     held, pages evicted, rollbacks, drafts accepted, tokens) and ``mismatches`` (requests whose
     tokens differ from ``generate``: 0 expected). Raises ``AssertionError`` if any differ, pages
     are left in use, or the pool's or the prefix cache's checks fail.
     """
     try:  # what the options describe: errors here are the caller's (OptionError), not the run's
-        lm = tiny_model(model, seed=seed)
+        dev = _checks.resolve_device(device)
+        lm = tiny_model(model, seed=seed).to(dev)
         positions = lm.config.max_position_embeddings
         if _checks.check_size(system_len, "system_len") > positions:  # (before a list that long is made)
             raise ValueError(f"system_len (--system-prompt): expected at most the model's {positions} positions, "
@@ -617,7 +638,8 @@ def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, p
                              f"its own, new tokens and drafts), past the model's {positions} positions")
         max_pages = -(-held // page_size)  # a row holds the longest request
         eng = Engine(lm, num_pages=num_pages, page_size=page_size, max_batch=max_batch, max_pages=max_pages,
-                     backend=backend, spec_every=spec_every, draft_len=draft_len, prefix_cache=prefix_cache)
+                     backend=backend, device=dev, spec_every=spec_every, draft_len=draft_len,
+                     prefix_cache=prefix_cache)
         try:
             eng.check_fits(reqs)
         except ValueError as e:  # so the pool is what is short
