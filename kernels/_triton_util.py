@@ -285,6 +285,44 @@ def lru_clean(c, pushed, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, 
 
 
 @triton.jit
+def lru_pushed(c, tail, lost, ACTIVE, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len,
+               BLOCK: tl.constexpr):
+    """The end of a kernel that pushed entries (``lru_push``) from the counters' tail up to ``tail``:
+    the counters take ``tail``, the ``lost`` pages the queue left out count as ``corrupt_state``,
+    and ``lru_clean`` runs (only when ``ACTIVE``: a call with no lanes changes nothing). Returns
+    the counters."""
+    pushed = tail - counter_get(c, LRU_TAIL)
+    c = counter_set(c, LRU_TAIL, tail)
+    c = counter_add(c, ERR_CORRUPT_STATE, lost)
+    if ACTIVE:
+        c = lru_clean(c, pushed, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len, BLOCK)
+    return c
+
+
+@triton.jit
+def count_freed(c, invalid, double, released, pushed, tail, lost, ACTIVE, lru_queue_ptr, lru_pos_ptr,
+                page_state_ptr, num_pages, queue_len, CACHE: tl.constexpr, BLOCK: tl.constexpr):
+    """The counters after a free's chunks (``apply_free``'s sums over them; ``invalid`` page ids
+    from ``count_pages``/``claim_pages``): released pages counted FREE as pushed (a release the
+    stack could not take, ``corrupt_state``) or, with ``CACHE``, CACHED with the LRU queue's new
+    tail (``lru_pushed``); the peaks raised when ``ACTIVE``. The one free rule of ``free`` and
+    ``release``/``truncate``. Returns the counters."""
+    c = counter_add(c, ERR_INVALID_PAGE, invalid)
+    c = counter_add(c, ERR_DOUBLE_FREE, double)
+    c = counter_add(c, FREED, released)
+    if CACHE:
+        c = counter_add(c, CACHED_COUNT, released)
+        c = lru_pushed(c, tail, lost, ACTIVE, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len,
+                       BLOCK)
+    else:
+        c = counter_add(c, FREE_COUNT, pushed)
+        c = counter_add(c, ERR_CORRUPT_STATE, released - pushed)
+    if ACTIVE:
+        c = raise_peaks(c, num_pages)
+    return c
+
+
+@triton.jit
 def apply_free(p, first, k, top, clock, free_stack_ptr, refcount_ptr, page_state_ptr, stamp_ptr, page_gen_ptr,
                num_pages, head, tail, lru_queue_ptr, lru_pos_ptr, queue_len, CACHE: tl.constexpr,
                BLOCK: tl.constexpr):

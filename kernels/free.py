@@ -14,10 +14,9 @@ from ._triton_shim import tl, triton
 from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import i32_array, page_gens, state_arrays
-from ._triton_util import (CACHED_COUNT, ERR_CORRUPT_STATE, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREED,
-                           FREE_COUNT, LRU_HEAD, LRU_TAIL, count_pages, counter_add, counter_get, counter_set,
-                           first_lanes, lru_clean, lru_prepare, load_counters, raise_peaks, apply_free, reset_lanes,
-                           queue_settings, store_counters, tick)
+from ._triton_util import (FREE_COUNT, LRU_HEAD, LRU_TAIL, apply_free, count_freed, count_pages, counter_get,
+                           first_lanes, load_counters, lru_prepare, queue_settings, reset_lanes, store_counters,
+                           tick)
 
 
 @numba.njit(nogil=True)
@@ -81,8 +80,7 @@ def free_kernel(
     if CACHE:
         c = lru_prepare(c, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len, BLOCK)
     head = counter_get(c, LRU_HEAD)
-    tail0 = counter_get(c, LRU_TAIL)
-    tail = tail0
+    tail = counter_get(c, LRU_TAIL)
     lost = tl.zeros((), tl.int64)
     invalid = count_pages(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
     tl.debug_barrier()
@@ -101,18 +99,8 @@ def free_kernel(
         pushed += push
     tl.debug_barrier()
     reset_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
-    c = counter_add(c, ERR_INVALID_PAGE, invalid)
-    c = counter_add(c, ERR_DOUBLE_FREE, double)
-    c = counter_add(c, FREED, released)
-    if CACHE:
-        c = counter_add(c, CACHED_COUNT, released)
-        c = counter_set(c, LRU_TAIL, tail)
-        c = counter_add(c, ERR_CORRUPT_STATE, lost)
-        c = lru_clean(c, tail - tail0, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len, BLOCK)
-    else:
-        c = counter_add(c, FREE_COUNT, pushed)
-        c = counter_add(c, ERR_CORRUPT_STATE, released - pushed)
-    c = raise_peaks(c, num_pages)
+    c = count_freed(c, invalid, double, released, pushed, tail, lost, True, lru_queue_ptr, lru_pos_ptr,
+                    page_state_ptr, num_pages, queue_len, CACHE, BLOCK)
     store_counters(counters_ptr, c)
 
 

@@ -21,9 +21,8 @@ from ._numba_util import i32_array, lane_valid, page_gens, stamp_rows, state_arr
 from .layout import CD_OUT, CD_STATE
 from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, cdiv, claim_pages, claim_requests,
                                  check_lane_scratch, first_pages, list_lane, request_lanes, reset_pages)
-from ._triton_util import (CACHED_COUNT, ERR_CORRUPT_STATE, ERR_DOUBLE_FREE, ERR_INVALID_PAGE, FREE_COUNT,
-                           FREED, INT32_MAX, LRU_HEAD, LRU_TAIL, NULL_PAGE, counter_add, counter_get, counter_set,
-                           load_counters, lru_clean, lru_prepare, raise_peaks, apply_free, queue_settings,
+from ._triton_util import (ERR_CORRUPT_STATE, FREE_COUNT, INT32_MAX, LRU_HEAD, LRU_TAIL, NULL_PAGE, apply_free,
+                           count_freed, counter_add, counter_get, load_counters, lru_prepare, queue_settings,
                            store_counters, tick)
 
 
@@ -242,8 +241,7 @@ def release_kernel(
         if B > 0:  # (an empty batch touches nothing)
             c = lru_prepare(c, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len, BLOCK)
     head = counter_get(c, LRU_HEAD)
-    tail0 = counter_get(c, LRU_TAIL)
-    tail = tail0
+    tail = counter_get(c, LRU_TAIL)
     lost = tl.zeros((), tl.int64)
     claim_requests(req_ids_ptr, B, claim_ptr, R, BLOCK)
     tl.debug_barrier()
@@ -304,21 +302,8 @@ def release_kernel(
     c = counter_add(c, ERR_BAD_REQUEST, bad)
     c = counter_add(c, ERR_BAD_LENGTH, bad_len)
     c = counter_add(c, ERR_CORRUPT_STATE, wrong)
-    c = counter_add(c, ERR_INVALID_PAGE, invalid)
-    c = counter_add(c, ERR_DOUBLE_FREE, double)
-    c = counter_add(c, FREED, released)
-    if CACHE:
-        c = counter_add(c, CACHED_COUNT, released)
-        c = counter_set(c, LRU_TAIL, tail)
-        c = counter_add(c, ERR_CORRUPT_STATE, lost)
-        if B > 0:
-            c = lru_clean(c, tail - tail0, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len,
-                          BLOCK)
-    else:
-        c = counter_add(c, FREE_COUNT, pushed)
-        c = counter_add(c, ERR_CORRUPT_STATE, released - pushed)
-    if B > 0:
-        c = raise_peaks(c, num_pages)
+    c = count_freed(c, invalid, double, released, pushed, tail, lost, B > 0, lru_queue_ptr, lru_pos_ptr,
+                    page_state_ptr, num_pages, queue_len, CACHE, BLOCK)
     store_counters(counters_ptr, c)
 
 

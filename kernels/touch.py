@@ -12,9 +12,8 @@ from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import i32_array, state_arrays
 from ._triton_util import (CACHED, ERR_CORRUPT_STATE, ERR_INVALID_PAGE, ERR_USE_AFTER_FREE, FREE, LRU_HEAD,
-                           LRU_TAIL, USED, count_pages, counter_add, counter_get, counter_set, first_lanes,
-                           load_counters, lru_clean, lru_prepare, lru_push, queue_settings, reset_lanes,
-                           store_counters, tick)
+                           LRU_TAIL, USED, count_pages, counter_add, counter_get, first_lanes, load_counters,
+                           lru_prepare, lru_push, lru_pushed, queue_settings, reset_lanes, store_counters, tick)
 
 
 @numba.njit(nogil=True)
@@ -85,8 +84,7 @@ def touch_kernel(
     c, clock = tick(c)
     c = lru_prepare(c, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len, BLOCK)
     head = counter_get(c, LRU_HEAD)
-    tail0 = counter_get(c, LRU_TAIL)
-    tail = tail0
+    tail = counter_get(c, LRU_TAIL)
     lost = tl.zeros((), tl.int64)
     invalid = count_pages(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
     tl.debug_barrier()
@@ -105,9 +103,8 @@ def touch_kernel(
     reset_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
     c = counter_add(c, ERR_INVALID_PAGE, invalid)
     c = counter_add(c, ERR_USE_AFTER_FREE, uaf)
-    c = counter_add(c, ERR_CORRUPT_STATE, wrong + lost)
-    c = counter_set(c, LRU_TAIL, tail)
-    c = lru_clean(c, tail - tail0, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len, BLOCK)
+    c = counter_add(c, ERR_CORRUPT_STATE, wrong)
+    c = lru_pushed(c, tail, lost, True, lru_queue_ptr, lru_pos_ptr, page_state_ptr, num_pages, queue_len, BLOCK)
     store_counters(counters_ptr, c)
 
 
