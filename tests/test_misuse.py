@@ -296,6 +296,18 @@ def test_cuda_device_without_cuda_is_a_value_error(backend):
         tpool.PagePool(4, device="gpu", backend=backend)
 
 
+def test_the_default_device_is_the_cpu_for_numba_and_cuda_otherwise_when_there_is_one(monkeypatch):
+    """``device=None`` on a machine with CUDA: the current CUDA device, but the CPU for the numba backend,
+    which runs on host memory only (``PagePool(n, backend="numba")`` and ``demo --backend numba`` on a
+    GPU machine were an error that named neither option)."""
+    from tpool import _checks
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert _checks.resolve_device(None) == _checks.resolve_device(None, backend="triton") == torch.device("cuda", 0)
+    assert _checks.resolve_device(None, backend="numba") == torch.device("cpu")
+    assert tpool.PagePool(4, backend="numba").device == torch.device("cpu")
+
+
 def test_small_input_checks():
     """Finding 9."""
     with pytest.raises(ValueError, match="num_pages: expected a positive int, got True"):

@@ -323,13 +323,22 @@ def test_the_engine_keeps_its_pages_on_the_models_device():
     """Default: the model's device. Another one is refused naming both, before a pool is made
     (the forward would read the K/V pages on the wrong device)."""
     model = engine.tiny_model("llama", seed=0)
-    eng = engine.Engine(model, num_pages=8, page_size=4, max_batch=2, max_pages=4, backend="reference")
+    size = dict(num_pages=8, page_size=4, max_batch=2, max_pages=4)
+    eng = engine.Engine(model, backend="reference", **size)
     assert eng.pool.device == eng.cache.device == torch.device("cpu")
-    with pytest.raises(ValueError, match=r"device: expected the model's device meta .*got cpu; move the model"):
-        engine.Engine(model.to("meta"), num_pages=8, page_size=4, max_batch=2, max_pages=4, device="cpu")
+    assert engine.Engine(model, device="cpu:0", **size).pool.device == torch.device("cpu")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
-            engine.Engine(model, num_pages=8, page_size=4, max_batch=2, max_pages=4, device="cuda")
+            engine.Engine(model, device="cuda", **size)
+    else:
+        with pytest.raises(ValueError, match=r"device: expected the model's device cpu .*got 'cuda' \(cuda:0\); "
+                                             r"move the model with model.to\('cuda:0'\) first"):
+            engine.Engine(model, device="cuda", **size)
+    with pytest.raises(ValueError, match=r"model: expected its weights on a cpu or cuda device, got "
+                                         r"LlamaForCausalLM on meta \(a model built on the meta device"):
+        engine.Engine(engine.tiny_model("llama", seed=0).to("meta"), device="cpu", **size)
+    with pytest.raises(ValueError, match="model: expected a model with weights, got Module without parameters"):
+        engine.Engine(torch.nn.Module(), **size)
 
 
 def test_the_model_demo_on_cuda_without_cuda_is_an_option_error(capsys):

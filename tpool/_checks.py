@@ -13,12 +13,14 @@ _Tensor, _int32 = torch.Tensor, torch.int32  # module globals: read on every hot
 _UNIT_STRIDE = (1,)
 
 
-def resolve_device(device, name: str = "device") -> torch.device:
+def resolve_device(device, name: str = "device", *, backend: str = "auto") -> torch.device:
     """``device`` (a ``torch.device``, a string, a CUDA index, or None: the current CUDA device,
-    else the CPU) as a ``torch.device`` with its index, or ``ValueError`` naming what was expected:
-    a cpu or cuda device, CUDA available for a cuda one, an index this machine has."""
+    else the CPU; the CPU for ``backend`` ``"numba"``, which runs on host memory only) as a
+    ``torch.device`` with its index, or ``ValueError`` naming what was expected: a cpu or cuda
+    device, CUDA available for a cuda one, an index this machine has."""
     if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        cuda = torch.cuda.is_available() and backend != "numba"
+        return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     try:
         dev = torch.device("cuda", device) if isinstance(device, int) and not isinstance(device, bool) \
             else torch.device(device)

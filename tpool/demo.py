@@ -241,7 +241,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=seed_int, default=0, help="seed of the prompt (128-2048) and output (16-384) "
                     "lengths, 0 to 2**64 - 1 (default 0)")
     ap.add_argument("--device", default=None, help="torch device of the pool, e.g. cpu, cuda, cuda:1 "
-                    "(default: cuda if available, else cpu)")
+                    "(default: cuda if available, else cpu; cpu with the numba backend)")
     ap.add_argument("--backend", default="auto", choices=["auto", "reference", "numba", "triton"],
                     help="kernels (default auto: triton on CUDA, numba on a CPU)")
     ap.add_argument("--every", type=positive_int, default=None, help="print a report row every N steps (default: "

@@ -115,7 +115,8 @@ class PagePool:
     page_size : int
         Tokens per page (used by page tables for slot indices).
     device : torch.device or str, optional
-        Where the state lives; default CUDA if available, else CPU.
+        Where the state lives; default CUDA if available, else CPU (the CPU for backend
+        ``"numba"``).
     backend : {"auto", "reference", "numba", "triton"}
         ``auto`` is triton on CUDA and numba on CPU; ``TPOOL_BACKEND`` overrides it.
     max_batch : int
@@ -146,7 +147,7 @@ class PagePool:
         for name, v in (("num_pages", num_pages), ("max_batch", max_batch)):
             if v > MAX_INDEXED:  # (a kernel's chunk offsets are int32)
                 raise ValueError(f"{name}: expected at most {MAX_INDEXED}, got {v}")
-        self.device = _checks.resolve_device(device)
+        self.device = _checks.resolve_device(device, backend=backend)
         self.num_pages, self.page_size, self.max_batch = num_pages, page_size, max_batch
         if max_alloc_pages is None:
             max_alloc_pages = min(DEFAULT_MAX_ALLOC_PAGES, num_pages)

@@ -38,7 +38,8 @@ def parser() -> argparse.ArgumentParser:
                          "TRITON_INTERPRET=1)")
     ap.add_argument("--seed", type=seed_int, default=0, help="weights and prompts seed, 0 to 2**64 - 1 (default 0)")
     ap.add_argument("--device", default=None, help="torch device of the model, the pool and the K/V pages, e.g. "
-                                                   "cpu, cuda, cuda:1 (default: cuda if available, else cpu)")
+                                                   "cpu, cuda, cuda:1 (default: cuda if available, else cpu; cpu with "
+                                                   "the numba backend)")
     return ap
 
 
@@ -47,10 +48,11 @@ def main(argv=None) -> int:
     ap = parser()
     a = ap.parse_args(argv)
     ap.prog = prog(f"demo --model {a.model}")  # (later errors name the model asked for, not NAME)
-    try:
-        device = _checks.resolve_device(a.device, "--device")  # before transformers is imported
-    except ValueError as e:
-        ap.error(str(e))
+    if a.device is not None:
+        try:
+            _checks.resolve_device(a.device, "--device")  # before transformers is imported
+        except ValueError as e:
+            ap.error(str(e))
     try:
         from tpool.serving.engine import run_demo
     except ModuleNotFoundError as e:
@@ -59,7 +61,7 @@ def main(argv=None) -> int:
         ap.exit(2, f"{ap.prog}: error: serving a model needs transformers, which is not installed: {INSTALL_HF}\n")
     try:
         run_demo(a.model, requests=a.requests, num_pages=a.num_pages, page_size=a.page_size, max_batch=a.max_batch,
-                 backend=a.backend, device=device, seed=a.seed, system_len=a.system_prompt,
+                 backend=a.backend, device=a.device, seed=a.seed, system_len=a.system_prompt,
                  prefix_cache=not a.no_prefix_cache)
     except OptionError as e:  # options no model, pool, table or request can be made from
         ap.error(str(e))

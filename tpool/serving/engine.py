@@ -567,14 +567,22 @@ def eos_ids(model, eos_token_id=EOS_FROM_MODEL) -> frozenset:
 
 def _model_device(model, device):
     """The device an :class:`Engine` of ``model`` keeps its pages on: ``device`` (any spelling
-    :func:`tpool._checks.resolve_device` takes), which must be the model's; None: the model's."""
-    have = next(model.parameters()).device
+    :func:`tpool._checks.resolve_device` takes), which must be the one of the model's weights;
+    None: the model's. ``ValueError`` for a model without weights or with them off cpu and cuda."""
+    first = next(model.parameters(), None)
+    if first is None:
+        raise ValueError(f"model: expected a model with weights, got {type(model).__name__} without parameters")
+    have = first.device
+    if have.type not in ("cpu", "cuda"):
+        raise ValueError(f"model: expected its weights on a cpu or cuda device, got {type(model).__name__} on "
+                         f"{have} (a model built on the meta device has no weights yet: load them first)")
+    have = _checks.resolve_device(have)
     if device is None:
         return have
     want = _checks.resolve_device(device)
-    if want != (_checks.resolve_device(have) if have.type in ("cpu", "cuda") else have):
+    if want != have:
         raise ValueError(f"device: expected the model's device {have} (the forward reads the K/V pages there), "
-                         f"got {want}; move the model with model.to({str(want)!r}) first")
+                         f"got {device!r} ({want}); move the model with model.to({str(want)!r}) first")
     return want
 
 
@@ -590,7 +598,7 @@ def reference_tokens(model, requests, *, eos_token_id=EOS_FROM_MODEL):
     """
     from transformers import GenerationConfig
     eos = sorted(eos_ids(model, eos_token_id))
-    dev = next(model.parameters()).device   # the prompts go where the model is
+    dev = _model_device(model, None)   # the prompts go where the model is
     saved, saved_attn = model.generation_config, model.config._attn_implementation
     greedy = GenerationConfig(do_sample=False, eos_token_id=eos or None, pad_token_id=saved.pad_token_id)
     model.generation_config = greedy  # generate fills what a passed config leaves None from this one
@@ -616,14 +624,15 @@ def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, p
 
     ``system_len``: every prompt starts with the same that many tokens (see :func:`make_requests`);
     ``prefix_cache``: the engine keeps finished requests' pages and revives them (see :class:`Engine`);
-    ``device`` (default: cuda if available, else cpu): the model's, the pool's and the pages'.
+    ``device`` (default: cuda if available, else cpu; cpu for ``backend="numba"``): the model's, the
+    pool's and the pages'.
     Returns a dict of counts (steps, preemptions, forks, prefix-cache hits and the tokens they
     held, pages evicted, rollbacks, drafts accepted, tokens) and ``mismatches`` (requests whose
     tokens differ from ``generate``: 0 expected). Raises ``AssertionError`` if any differ, pages
     are left in use, or the pool's or the prefix cache's checks fail.
     """
     try:  # what the options describe: errors here are the caller's (OptionError), not the run's
-        dev = _checks.resolve_device(device)
+        dev = _checks.resolve_device(device, backend=backend)
         lm = tiny_model(model, seed=seed).to(dev)
         positions = lm.config.max_position_embeddings
         if _checks.check_size(system_len, "system_len") > positions:  # (before a list that long is made)
