@@ -306,6 +306,8 @@ def test_the_default_device_is_the_cpu_for_numba_and_cuda_otherwise_when_there_i
     assert _checks.resolve_device(None) == _checks.resolve_device(None, backend="triton") == torch.device("cuda", 0)
     assert _checks.resolve_device(None, backend="numba") == torch.device("cpu")
     assert tpool.PagePool(4, backend="numba").device == torch.device("cpu")
+    monkeypatch.setenv("TPOOL_BACKEND", "numba")   # numba named by the environment: the CPU too
+    assert tpool.PagePool(4).device == torch.device("cpu") and tpool.PagePool(4).backend == "numba"
 
 
 def test_small_input_checks():

@@ -337,8 +337,11 @@ def test_the_engine_keeps_its_pages_on_the_models_device():
     with pytest.raises(ValueError, match=r"model: expected its weights on a cpu or cuda device, got "
                                          r"LlamaForCausalLM on meta \(a model built on the meta device"):
         engine.Engine(engine.tiny_model("llama", seed=0).to("meta"), device="cpu", **size)
-    with pytest.raises(ValueError, match="model: expected a model with weights, got Module without parameters"):
-        engine.Engine(torch.nn.Module(), **size)
+    bare = engine.tiny_model("llama", seed=0)
+    bare.parameters = lambda recurse=True: iter(())   # (a model whose weights were all taken off)
+    with pytest.raises(ValueError, match="model: expected a model with weights, got LlamaForCausalLM without "
+                                         "parameters"):
+        engine.Engine(bare, **size)
 
 
 def test_the_model_demo_on_cuda_without_cuda_is_an_option_error(capsys):

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from tpool import _checks
-from tpool.backends import make_pool_ops, resolve_backend
+from tpool.backends import make_pool_ops, requested_backend, resolve_backend
 from tpool.errors import InvariantViolation, StaleBinding, first_breach, raise_for_errors
 from tpool.free_group import FreeGroup
 from tpool.kernels import layout as L
@@ -116,7 +116,7 @@ class PagePool:
         Tokens per page (used by page tables for slot indices).
     device : torch.device or str, optional
         Where the state lives; default CUDA if available, else CPU (the CPU for backend
-        ``"numba"``).
+        ``"numba"``, passed or from ``TPOOL_BACKEND``).
     backend : {"auto", "reference", "numba", "triton"}
         ``auto`` is triton on CUDA and numba on CPU; ``TPOOL_BACKEND`` overrides it.
     max_batch : int
@@ -147,7 +147,7 @@ class PagePool:
         for name, v in (("num_pages", num_pages), ("max_batch", max_batch)):
             if v > MAX_INDEXED:  # (a kernel's chunk offsets are int32)
                 raise ValueError(f"{name}: expected at most {MAX_INDEXED}, got {v}")
-        self.device = _checks.resolve_device(device, backend=backend)
+        self.device = _checks.resolve_device(device, backend=requested_backend(backend))
         self.num_pages, self.page_size, self.max_batch = num_pages, page_size, max_batch
         if max_alloc_pages is None:
             max_alloc_pages = min(DEFAULT_MAX_ALLOC_PAGES, num_pages)

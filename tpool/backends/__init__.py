@@ -29,17 +29,23 @@ REGISTRY = {
 }
 BACKENDS = tuple(REGISTRY)
 
-__all__ = ["BACKENDS", "REGISTRY", "PoolOps", "TableOps", "make_pool_ops", "make_table_ops", "resolve_backend"]
+__all__ = ["BACKENDS", "REGISTRY", "PoolOps", "TableOps", "make_pool_ops", "make_table_ops", "requested_backend",
+           "resolve_backend"]
+
+
+def requested_backend(name: str) -> str:
+    """``name``, or for ``auto`` the backend ``TPOOL_BACKEND`` names (``auto`` when it is unset or
+    empty): what a pool was asked to run on before its device is known (``numba``: the CPU)."""
+    return (os.environ.get("TPOOL_BACKEND", "auto") or "auto") if name == "auto" else name
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
     """The backend a pool on ``device`` uses for ``name`` (``auto`` or one of BACKENDS)."""
-    where = ""  # the backend was not passed but set in the environment: every refusal says so
-    if name == "auto":  # TPOOL_BACKEND unset, empty or "auto": the device's default
-        name = os.environ.get("TPOOL_BACKEND", "auto") or "auto"
-        where = " (from TPOOL_BACKEND)" if name != "auto" else ""
-        if name == "auto":
-            name = "triton" if device.type == "cuda" else "numba"
+    # the backend was not passed but set in the environment: every refusal says so
+    where = " (from TPOOL_BACKEND)" if name == "auto" and requested_backend(name) != "auto" else ""
+    name = requested_backend(name)
+    if name == "auto":  # the device's default
+        name = "triton" if device.type == "cuda" else "numba"
     if name not in REGISTRY:
         raise ValueError(f"backend: expected 'auto' or one of {BACKENDS}, got {name!r}{where}")
     if name == "numba" and device.type != "cpu":

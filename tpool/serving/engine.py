@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tpool import _checks
+from tpool.backends import requested_backend
 from tpool.demo import OptionError
 from tpool.page_table import PageTable
 from tpool.pool import PagePool
@@ -207,9 +208,9 @@ class Engine:
     def __init__(self, model, *, num_pages: int, page_size: int, max_batch: int, max_pages: int,
                  backend: str = "auto", device=None, spec_every: int = 3, draft_len: int = 3,
                  prefix_cache: bool = True, eos_token_id=EOS_FROM_MODEL):
-        device = _model_device(model, device)
         layers, kv_heads, head_dim = kv_shape(model.config)   # before the pool is made: nothing to undo
         check_model(model)  # (memoized: forward_step's own check costs nothing more)
+        device = _model_device(model, device)
         self.eos = eos_ids(model, eos_token_id)
         spec_every = _checks.check_size(spec_every, "spec_every")
         draft_len = _checks.check_size(draft_len, "draft_len")
@@ -632,7 +633,7 @@ def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, p
     are left in use, or the pool's or the prefix cache's checks fail.
     """
     try:  # what the options describe: errors here are the caller's (OptionError), not the run's
-        dev = _checks.resolve_device(device, backend=backend)
+        dev = _checks.resolve_device(device, backend=requested_backend(backend))
         lm = tiny_model(model, seed=seed).to(dev)
         positions = lm.config.max_position_embeddings
         if _checks.check_size(system_len, "system_len") > positions:  # (before a list that long is made)
