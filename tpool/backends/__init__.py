@@ -41,11 +41,9 @@ def requested_backend(name: str) -> str:
 
 def resolve_backend(name: str, device: torch.device) -> str:
     """The backend a pool on ``device`` uses for ``name`` (``auto`` or one of BACKENDS)."""
-    # the backend was not passed but set in the environment: every refusal says so
-    where = " (from TPOOL_BACKEND)" if name == "auto" and requested_backend(name) != "auto" else ""
-    name = requested_backend(name)
-    if name == "auto":  # the device's default
-        name = "triton" if device.type == "cuda" else "numba"
+    asked = requested_backend(name)
+    where = " (from TPOOL_BACKEND)" if asked != name else ""  # set in the environment: every refusal says so
+    name = asked if asked != "auto" else ("triton" if device.type == "cuda" else "numba")  # auto: the device's
     if name not in REGISTRY:
         raise ValueError(f"backend: expected 'auto' or one of {BACKENDS}, got {name!r}{where}")
     if name == "numba" and device.type != "cpu":
