@@ -162,6 +162,18 @@ def test_negative_count(make_pool, guard):
     assert "negative count" in text and ">= 0" in text
 
 
+def test_a_negative_count_in_a_table_call_fails_that_lane_only_and_says_so(make_pool, guard):
+    """The hint said every later request failed, as in alloc: a scheduler trusting it would have
+    requeued lanes that took their tokens."""
+    pool = make_pool(16, page_size=2)
+    table = tpool.PageTable(pool, 4, 4)
+    with guard():
+        res = table.extend(i32([0, 1, 2]), i32([-1, 3, 1]), max_tokens=4)
+    assert res.ok.tolist() == [False, True, True] and table.seq_lens.tolist() == [0, 3, 1, 0]
+    _, text = raised(pool, tpool.InvalidCount)
+    assert "extend and step failed that lane only" in text and "other lanes took their tokens" in text
+
+
 def test_bad_request_id(make_pool, guard):
     pool = make_pool(16, page_size=4)
     table = tpool.PageTable(pool, 2, 4)

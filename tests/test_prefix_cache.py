@@ -611,8 +611,8 @@ def test_random_loops_revive_only_pages_that_hold_their_prefix(backend, seed):  
 
 def test_a_revive_does_not_count_its_own_pages_as_room(backend):
     """With ``count_cached``, the CACHED pages a revive takes are no room for its reservation."""
-    pool, m, cache = _setup(backend, num_pages=3, max_pages=4)
-    (row,) = m.admit([12], [12])
+    pool, m, cache = _setup(backend, num_pages=4, max_pages=4)
+    row, _ = m.admit([12, 4], [12, 4])             # every page, nothing reserved
     cache.insert(row, list(range(12)))
     m.finish([row], cache=True)                    # 3 pages CACHED, none FREE
     hit = cache.match(list(range(13)))

@@ -275,7 +275,7 @@ def test_decode_writes_the_buffers_the_table_keeps_for_its_shape(backend):
 def test_truncate_tops_reservations_up_only_from_what_is_unreserved_or_credited(backend):
     pool, table, m = _setup(backend, num_pages=4, rows=2, lookahead=4)
     with no_host_sync():
-        a, b = m.admit([4, 4], [40, 40])          # 1 page + 1 reserved each: nothing unreserved
+        a, b = m.admit([4, 4], [16, 16])          # 1 page + 1 reserved each: nothing unreserved
         m.decode([a], 4)                          # a takes its reserved page; none left to reserve again
         assert (m.free, m.reserved, m.res[a]) == (1, 1, 0)
         m.truncate([a], [6])                      # credits no page; wants 1 reserved, none unreserved
@@ -290,7 +290,7 @@ def test_truncate_tops_reservations_up_only_from_what_is_unreserved_or_credited(
 def test_preemption_lowest_priority_first_before_the_step(backend):
     pool, table, m = _setup(backend, num_pages=9, rows=4)
     with no_host_sync():
-        rows = m.admit([4, 4, 4], [40] * 3)       # 1 page each + 1 reserved for the 5th token: 6 of 9
+        rows = m.admit([4, 4, 4], [36] * 3)       # 1 page each + 1 reserved for the 5th token: 6 of 9
         assert m.unreserved == 3 and m.reserved == 3
         m.decode(rows)                            # each takes its reserved page; token 6 needs none
         assert m.unreserved == 3 and m.reserved == 0
@@ -366,10 +366,10 @@ def test_rollback_is_worst_case_until_reconciled(backend):
 
 
 def test_rollback_assumes_every_draft_was_accepted(backend):
-    pool, table, m = _setup(backend, num_pages=2, rows=2, lookahead=0)
+    pool, table, m = _setup(backend, num_pages=3, rows=2, lookahead=0)
     with no_host_sync():
-        (row,) = m.admit([4])
-        m.decode([row], 4)                        # 8 tokens: both pages
+        row, _ = m.admit([4, 4])                  # a page each
+        m.decode([row], 4)                        # 8 tokens: the last free page
         m.rollback([row], table.seq_lens[:1].clone(), [5])   # the device kept all 8
         assert m.pages_needed(row, 1) == 1 and not m.fits([row])
         with pytest.raises(WouldNotFit):
@@ -490,10 +490,12 @@ def test_a_refused_admission_says_what_it_needs_and_a_prompt_too_long_for_a_row_
 def test_bad_calls_raise_before_device_work(backend):
     pool, table, m = _setup(backend, num_pages=8, rows=2)
     with pytest.raises(WouldNotFit):
-        m.admit([40])                                     # more than the pool (a row holds 48 tokens)
-    with pytest.raises(ValueError, match="expected prompts of 0 to 48, a row.s capacity") as e:
-        m.admit([100])                                    # more than a row: bad input, not "wait and retry"
-    assert not isinstance(e.value, WouldNotFit)
+        m.admit([20, 20])                                 # each fits the pool, not both now: wait and retry
+    for prompt in (40, 100):                              # more than the pool (a row holds 48 tokens), a row
+        with pytest.raises(ValueError, match=rf"expected prompts of 0 to 32, the pool.s capacity .*got "
+                                             rf"\[{prompt}\]; a longer prompt needs a PagePool with more pages") as e:
+            m.admit([prompt])                             # bad input, not "wait and retry"
+        assert not isinstance(e.value, WouldNotFit)
     with pytest.raises(ValueError, match=r"got \[0\]: \[0\] not running \(never admitted"):
         m.decode([0])                                     # not running
     (row,) = m.admit([4])
@@ -1282,6 +1284,30 @@ def test_a_mixed_step_takes_numpy_ints_for_width_as_for_max_tokens(backend):
             m.step([a], 1, [3], width=width)
 
 
+def test_a_request_longer_than_the_pool_is_never_admitted(backend):
+    """A table whose rows hold more tokens than the pool: a request allowed past the pool's tokens
+    was admitted, filled the pool, was preempted and then never fitted again (the loop waited forever)."""
+    pool = tpool.PagePool(4, page_size=2, device="cpu", backend=backend)   # 8 tokens in the pool
+    m = HostMirror(tpool.PageTable(pool, 2, 8), free=4, cached=0)          # 16 in a row
+    assert m.capacity == 8
+    assert m.can_admit([2], [16]) == 0 and m.can_admit([2], [8]) == 1 and m.can_admit([2]) == 1
+    with pytest.raises(ValueError, match=r"expected one max_len per prompt, 0 <= prompt <= max_len <= 8, the "
+                                         r"pool's capacity \(4 pages of 2: num_pages \* page_size; a row holds 8 "
+                                         r"pages\), got \[2\], \[16\]"):
+        m.admit([2], [16])
+    with pytest.raises(ValueError, match=r"got \[9\]; a longer prompt needs a PagePool with more pages"):
+        m.admit([9])
+    (row,) = m.admit([2])                      # max_len defaults to the pool's 8 tokens
+    for _ in range(6):
+        m.decode([row])
+    assert m.hi[row] == 8 and m.free == pool.available() == 0
+    with pytest.raises(ValueError, match="max_len"):
+        m.decode([row])                        # the request is done at 8: it cannot grow past the pool
+    m.finish([row])
+    assert m.can_admit([7]) == 1               # recomputed after a preemption, it fits again
+    assert m.free == pool.available() == 4
+
+
 def test_counts_past_a_rows_capacity_are_refused_before_the_mirror_changes(backend):
     """``hi + n`` wrapped in int64 for n near 2**63: the mirror then credited pages it never had."""
     pool = tpool.PagePool(8, page_size=4, device="cpu", backend=backend)
@@ -1290,7 +1316,7 @@ def test_counts_past_a_rows_capacity_are_refused_before_the_mirror_changes(backe
     before = (m.free, m.reserved, m.lo.tolist(), m.hi.tolist())
     for n in (2**63 - 1, 17, [17]):
         for call in (lambda: m.decode([a], n), lambda: m.fits([a], n), lambda: m.preemption([a], [0], n)):
-            with pytest.raises(ValueError, match=r"each at most 16 \(max_pages_per_request \* page_size\)"):
+            with pytest.raises(ValueError, match=r"each at most 16, a row's capacity \(4 pages of 4: max_pages_per_request \* page_size\)"):
                 call()
         assert (m.free, m.reserved, m.lo.tolist(), m.hi.tolist()) == before
     m.decode([a], 12)  # up to the row's capacity: fine

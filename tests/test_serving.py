@@ -3,6 +3,7 @@
 Tested with transformers 5.24.0 (the ``tpool[hf]`` extra); skipped without transformers.
 """
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -525,6 +526,27 @@ def test_forward_step_refuses_input_ids_not_padded_to_max_tokens(models):
     with pytest.raises(ValueError, match=r"got \(1, 8\)"):
         forward_step(models["llama"], torch.arange(8)[None], ctx)
     assert forward_step(models["llama"], torch.arange(8), ctx).shape == (8, 256)
+
+
+def test_a_slot_outside_the_cache_is_counted_once_per_forward_and_raised_by_the_check(models):
+    """Slots a caller made outside the cache went to the scratch page unseen; forward_step counts them once
+    for all layers (their write destinations are made once per forward) and the cache's check raises."""
+    model = models["llama"]
+    pool = tpool.PagePool(32, 4, device="cpu", backend="reference")
+    table = tpool.PageTable(pool, 2, 8)
+    cache = PagedKVCache.from_pool(pool, *engine.kv_shape(model.config), dtype=torch.float32)
+    meta = step_metadata(table, table.step(i32([0, 1]), i32([3, 2]), max_tokens=8))
+    bad = dataclasses.replace(meta, slots=torch.where(meta.slots == 4, 200, meta.slots).to(torch.int32))
+    with torch.no_grad():
+        forward_step(model, torch.arange(8), PagedContext(cache, bad))
+    assert cache.num_layers == 2 and not cache.k[0].reshape(-1, *cache.k[0].shape[2:])[4].any()
+    with pytest.raises(tpool.InvalidPage, match="invalid_slot: 1") as e:
+        cache.check()
+    assert e.value.counts == {"invalid_slot": 1}
+    with torch.no_grad():                       # the table's own slots: nothing counted
+        forward_step(model, torch.arange(8), PagedContext(cache, meta))
+    cache.check()
+    pool.check()
 
 
 def _tiny(kind, **extra):

@@ -28,11 +28,16 @@ def test_views_are_nhd_and_contiguous_per_layer():
 
 def test_write_puts_tokens_at_their_slots_and_never_writes_padding(guard):
     c = _cache()
-    slots = i32([5, -1, 23, 0, -1, 24, -7])   # 24 and -7 are outside [0, 24): treated as padding too
+    slots = i32([5, -1, 23, 0, -1, 24, -7])   # 24 and -7 are outside [0, 24): written nowhere shown, counted
     k = torch.arange(7 * 2 * 3, dtype=torch.float32).view(7, 2, 3) + 1
     v = -k
+    c.check()                                 # nothing counted yet
     with guard():
         c.write(1, slots, k, v)
+    with pytest.raises(tpool.InvalidPage, match=r"PagedKVCache: invalid_slot: 2\. A slot outside \[0, 24\)") as e:
+        c.check()
+    assert e.value.counts == {"invalid_slot": 2}
+    c.check()                                 # what a check raised is not raised again
     rows_k, rows_v = c.k[1].reshape(-1, 2, 3), c.v[1].reshape(-1, 2, 3)
     for i, s in enumerate([5, None, 23, 0, None, None, None]):
         if s is not None:
@@ -86,7 +91,10 @@ def test_copy_pages_copies_every_layer_and_skips_minus_one(guard):
         t.copy_(torch.randn_like(t))
     before_k, before_v = [t.clone() for t in c.k], [t.clone() for t in c.v]
     with guard():
-        c.copy_pages(i32([1, -1, 4, 2]), i32([3, 0, -1, 5]))
+        c.copy_pages(i32([1, -1, 4, 2, 6, -1, 0]), i32([3, 0, -1, 5, 1, 9, -2]))  # the last three: outside
+    with pytest.raises(tpool.InvalidPage, match="invalid_copy_page: 3") as e:
+        c.check()
+    assert e.value.counts == {"invalid_copy_page": 3}
     for layer in range(2):
         want_k, want_v = before_k[layer].clone(), before_v[layer].clone()
         want_k[3], want_v[3] = before_k[layer][1], before_v[layer][1]

@@ -239,6 +239,33 @@ def test_an_empty_prompt_is_refused_instead_of_looping(llama):
     assert eng.stats.steps == 0
 
 
+def test_requests_the_loop_would_serve_wrongly_are_refused(llama):
+    """Two requests with one rid both came back with the second one's tokens (feeds and results are
+    keyed by rid); a parent whose prompt differs would have lent its K/V to other tokens."""
+    eng = engine.Engine(llama, num_pages=32, page_size=4, max_batch=4, max_pages=8, backend="numba", spec_every=0,
+                        draft_len=0)
+    R = engine.Request
+    cases = (([R(1, [3, 4, 5, 6], 4), R(1, [7, 8, 9, 10], 4)], "request 1: expected one request per rid"),
+             ([R(0, [5, 6], 3), R(1, [5, 7, 8], 3, parent=0, shared=2)],
+              r"request 1: expected parent 0's prompt to start with its first shared=2 prompt tokens, but request "
+              r"0 starts with other tokens"),
+             ([R(1, [5, 7, 8], 3, parent=4, shared=1)], "but request 4 is not among the requests"),
+             ([R(0, [5], 3), R(1, [5, 7, 8], 3, parent=0, shared=2)], "but request 0 has a 1-token prompt"))
+    for reqs, match in cases:
+        for call in (eng.check_fits, eng.run):
+            with pytest.raises(ValueError, match=match):
+                call(reqs)
+    assert eng.stats.steps == 0
+    reqs = [R(0, [5, 6, 7], 3), R(1, [5, 6, 9], 3, parent=0, shared=2)]
+    first = eng.run(reqs)
+    assert first == engine.reference_tokens(llama, reqs)
+    with pytest.raises(ValueError, match=r"request 0: expected a new Request, got one already served \(out has 3 "
+                                         r"tokens"):
+        eng.run(reqs)           # it returned the old tokens, served nothing
+    again = [R(r.rid, r.prompt, r.max_new, parent=r.parent, shared=r.shared) for r in reqs]
+    assert eng.run(again) == first
+
+
 def test_speculation_options_are_checked_and_draft_len_zero_drafts_nothing(llama):
     kw = dict(num_pages=64, page_size=4, max_batch=2, max_pages=16, backend="numba")
     for bad, match in ((dict(spec_every=-1), "spec_every: expected a non-negative int, got -1"),

@@ -21,7 +21,8 @@ class PoolError(RuntimeError):
 
 class InvalidPage(PoolError):
     """A page id outside ``[0, num_pages)`` (and not the padding id -1) was passed to
-    ``free``, ``incref`` or ``touch``; the entry was skipped."""
+    ``free``, ``incref`` or ``touch``; the entry was skipped. A ``PagedKVCache``'s ``check``
+    raises it too, for slots or pages outside the cache given to ``write`` or ``copy_pages``."""
 
 
 class DoubleFree(PoolError):
@@ -34,8 +35,8 @@ class UseAfterFree(PoolError):
 
 
 class InvalidCount(PoolError):
-    """``alloc`` or ``extend`` received a negative count; that request and all later
-    ones in the call failed."""
+    """``alloc`` or a page table's ``extend``/``step`` received a negative count: alloc failed
+    that request and all later ones in the call, extend and step that lane only."""
 
 
 class OutputOverflow(PoolError):
@@ -112,8 +113,9 @@ HINTS = {
         "cache=True on free) while the page is in use; record pool.generations(pages) when a prefix-cache entry "
         "is made."),
     L.ERR_BAD_COUNT: (
-        "alloc or extend received a negative count; that request and every later one in the call failed. "
-        "Pass counts and num_tokens >= 0 (0 for padding lanes)."),
+        "alloc, or a page table's extend or step, received a negative count. alloc failed that request and "
+        "every later one in the call; extend and step failed that lane only (ok False, nothing appended), the "
+        "other lanes took their tokens. Pass counts and num_tokens >= 0 (0 for padding lanes)."),
     L.ERR_OUT_OVERFLOW: "an output buffer was too small",  # then what OVERFLOW_HINTS says of each buffer
     L.ERR_BAD_REQUEST: (
         "a page-table lane named a request it may not: an id outside [0, max_requests) (and not the padding "

@@ -127,8 +127,12 @@ class Accounting:
     (leading pages possibly held by another request too), ``res`` (pages reserved).
     """
 
-    def __init__(self, R, page_size, lookahead, capacity, free, cached):
+    def __init__(self, R, page_size, lookahead, capacity, free, cached, capacity_why=None):
         self.page_size, self.lookahead, self.capacity = page_size, lookahead, capacity
+        # What bounds ``capacity``, and what a longer request needs, for the messages that name it.
+        self.capacity_why = capacity_why or (f"a row's capacity ({capacity // page_size} pages of {page_size}: "
+                                             f"max_pages_per_request * page_size)",
+                                             "a PageTable with a larger max_pages_per_request")
         self.max_batch = R  # lanes one table call takes (a HostMirror sets its pool's max_batch)
         self.free, self.cached, self.reserved = int(free), int(cached), 0
         # Sum of the bounds on every change of the CACHED count (never floored at 0, unlike
@@ -173,11 +177,10 @@ class Accounting:
             np.full(p.size, self.capacity, dtype=np.int64) if max_lens is None else \
             _plain(_int_array(max_lens, "max_lens").reshape(-1))
         if lim.shape != p.shape or lim.ndim != 1 or check_prompts(p, lim, self.capacity) < 0:
-            cap = (f"{self.capacity}, a row's capacity ({self.capacity // self.page_size} pages of {self.page_size}: "
-                   f"max_pages_per_request * page_size)")
+            why, remedy = self.capacity_why
+            cap = f"{self.capacity}, {why}"
             if max_lens is None:
-                longer = "; a longer prompt needs a PageTable with a larger max_pages_per_request" \
-                    if p.size and p.max() > self.capacity else ""
+                longer = f"; a longer prompt needs {remedy}" if p.size and p.max() > self.capacity else ""
                 raise ValueError(f"prompt_lens: expected prompts of 0 to {cap}, got {_head(p)}{longer}")
             raise ValueError(f"prompt_lens, max_lens: expected one max_len per prompt, 0 <= prompt <= max_len <= "
                              f"{cap}, got {_head(p)}, {_head(lim)}")
@@ -294,7 +297,9 @@ class Accounting:
             The waiting prompts' lengths, queue order.
         max_lens : sequence of int, optional
             ``max_lens[i]`` is the most tokens request ``i`` may reach (prompt + output);
-            default the table's capacity.
+            default ``capacity``, the tokens of a row or, when the pool holds fewer pages
+            than a row, of the pool (a request past it could never finish: it counts as
+            not fitting).
         rows, n : optional
             The prompts are to be admitted in the step that decodes ``n`` tokens (an int,
             or one per row) of each of these running rows (``step(rows, n, prompts)``):
@@ -526,7 +531,7 @@ class Accounting:
         total = -1 if a.ndim != 1 or a.shape != r.shape else count_total(a, self.capacity)
         if a.ndim and total < 0 or a.ndim == 0 and not 0 <= a <= self.capacity:
             raise ValueError(f"n: expected a non-negative int or one int per row ({r.shape[0]}), each at most "
-                             f"{self.capacity} (max_pages_per_request * page_size), got {_shown(a)}")
+                             f"{self.capacity}, {self.capacity_why[0]}, got {_shown(a)}")
         if a.ndim:
             if type(n) is list and _exact_ints(n):
                 self._n_memo = (n.copy(), a, total)

@@ -106,8 +106,12 @@ class HostMirror(MixedSteps, Accounting):
         if free + cached > self.pool.num_pages:  # a mirror promising pages the pool lacks would over-promise
             raise ValueError(f"free, cached: expected the pool's FREE and CACHED pages, together at most its "
                              f"num_pages={self.pool.num_pages}, got free={free}, cached={cached}")
-        super().__init__(table.max_requests, table.page_size, lookahead, table.max_pages * table.page_size,
-                         free, cached)
+        # A request holds at most a row's pages and at most the pool's: past either it could never finish
+        # (admitted, it would fill the pool, be preempted and never fit again), so its max_len is refused.
+        ps, most, n = table.page_size, table.max_pages, self.pool.num_pages
+        why = None if most <= n else (f"the pool's capacity ({n} pages of {ps}: num_pages * page_size; a row "
+                                      f"holds {most} pages)", "a PagePool with more pages")
+        super().__init__(table.max_requests, ps, lookahead, min(most, n) * ps, free, cached, why)
         self.max_batch = self.pool.max_batch
         # Per running row, the leading pages a prefix cache may name (its insert: 0 for none). With the
         # cache on the mirror such rows, and those that may share pages (revived, forked, forked from),
@@ -221,9 +225,9 @@ class HostMirror(MixedSteps, Accounting):
 
         Raises ``WouldNotFit`` unless ``can_admit`` says all of them fit. The prompts'
         pages and each request's reservation are taken from the unreserved pages. A prompt
-        that can never fit (longer than its max_len, or a max_len past the table's capacity)
-        or ``max_lens`` not one per prompt is a plain ``ValueError``, raised before anything
-        changes.
+        that can never fit (longer than its max_len, or a max_len past ``capacity``: a row's
+        tokens, or the pool's when it holds fewer pages than a row) or ``max_lens`` not one
+        per prompt is a plain ``ValueError``, raised before anything changes.
         """
         p, lim = self._prompts(prompt_lens, max_lens)
         k = p.size

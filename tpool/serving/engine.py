@@ -291,14 +291,36 @@ class Engine:
     def check_fits(self, requests) -> None:
         """Raise ``ValueError`` naming the first request that could never fit a row and the pool: the
         tokens it ever holds (:func:`max_len`: prompt + max_new - 1, + draft_len if speculative), or
-        an empty prompt (nothing to predict the first token from: the loop would never end)."""
+        an empty prompt (nothing to predict the first token from: the loop would never end). Also one
+        the loop would serve wrongly: a ``rid`` given twice (feeds and results are keyed by it), a
+        request already served (its ``out``, ``row`` or ``cached`` set: make a new one), or a
+        ``parent`` that is not in ``requests`` or whose prompt does not start with the same ``shared``
+        tokens (the fork would give it the parent's K/V for other tokens)."""
         cap = min(self.max_pages, self.pool.num_pages) * self.ps
+        by_id = {}
         for r in requests:
+            if r.rid in by_id:
+                raise ValueError(f"request {r.rid}: expected one request per rid (feeds and results are keyed by "
+                                 f"it), got two")
+            by_id[r.rid] = r
+            if r.out or r.row is not None or r.cached:
+                raise ValueError(f"request {r.rid}: expected a new Request, got one already served (out has "
+                                 f"{len(r.out)} tokens, row={r.row}, cached={r.cached}): make a new one to run again")
             if not r.prompt:
                 raise ValueError(f"request {r.rid}: expected a prompt of at least 1 token, got 0 tokens")
             if self._max_len(r) > cap:
                 raise ValueError(f"request {r.rid}: expected prompt + max_new - 1 (+ draft_len if speculative) "
                                  f"<= {cap} tokens (max_pages and the pool), got {self._max_len(r)}")
+        for r in requests:
+            if r.parent is None:
+                continue
+            p = by_id.get(r.parent)
+            if p is None or p is r or not 0 <= r.shared <= len(p.prompt) or r.prompt[:r.shared] != p.prompt[:r.shared]:
+                got = "is not among the requests" if p is None else "is the request itself" if p is r else \
+                    f"has a {len(p.prompt)}-token prompt" if not 0 <= r.shared <= len(p.prompt) else \
+                    "starts with other tokens"
+                raise ValueError(f"request {r.rid}: expected parent {r.parent}'s prompt to start with its first "
+                                 f"shared={r.shared} prompt tokens, but request {r.parent} {got}")
 
     def run(self, requests, out=None):
         """Serve ``requests`` (a list of :class:`Request`) to completion; return ``{rid: tokens}``."""
@@ -502,10 +524,11 @@ class Engine:
                 r.row = None
 
     def check(self) -> dict:
-        """The end of a run (a sync point): the pool's and the table's checks, no failed extend,
+        """The end of a run (a sync point): the pool's, the K/V cache's and the table's checks, no failed extend,
         and the mirror equal to the device's free pages. Returns the pool's ``stats()``."""
         self._reconcile(wait=True)
         self.pool.check()
+        self.cache.check()
         self.table.check_invariants()
         if self.prefix is not None:
             self.prefix.sync()

@@ -11,12 +11,19 @@ scratch page that no exported view covers. A write sends every padding slot
 page a request owns is ever touched by padding. (``cache.view(-1, H, D)[slots]
 = k`` would instead write each padding token into the last slot of the last
 page, since torch wraps -1.) ``copy_pages`` sends its -1 pairs to the scratch
-page the same way.
+page the same way. A slot or page outside the cache that is not the padding -1
+is misuse: it goes to the scratch page too, and is counted on the device and
+raised by the cache's ``check()`` (a sync point) as :class:`tpool.InvalidPage`.
 """
 
 import torch
 
 from tpool import _checks
+from tpool.errors import InvalidPage
+
+# The cache's misuse counters: slots outside it given to write, page pairs outside it given to copy_pages
+BAD_SLOTS, BAD_COPIES = 0, 1
+MISUSE_NAMES = {BAD_SLOTS: "invalid_slot", BAD_COPIES: "invalid_copy_page"}
 
 NHD = "NHD"   # the only layout: [num_pages, page_size, num_kv_heads, head_dim]
 SCRATCH_PAGES = 1  # pages per layer behind the exported views; padding writes land there
@@ -91,6 +98,8 @@ class PagedKVCache:
         self._num_slots = num_pages * page_size  # slots >= this (the scratch page) are never exported
         self._scratch = torch.tensor(self._num_slots, dtype=torch.int64, device=self.device)
         self._scratch_page = torch.tensor(num_pages, dtype=torch.int64, device=self.device)
+        # Misuse counted on the device (BAD_SLOTS, BAD_COPIES), raised by check(): fixed, so a graph keeps it
+        self.misuse = torch.zeros(len(MISUSE_NAMES), dtype=torch.int64, device=self.device)
 
     @classmethod
     def from_pool(cls, pool, num_layers: int, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype,
@@ -134,20 +143,40 @@ class PagedKVCache:
             In ``[0, num_layers)``.
         slots : torch.Tensor  shape ``[T]``, int32, on the cache's device
             A step's ``slots``: -1 (padding, a failed lane, unused capacity) writes nothing
-            the views show; so does a slot outside ``[0, num_pages * page_size)``.
+            the views show; nor does a slot outside ``[0, num_pages * page_size)``, which is
+            counted (``invalid_slot``) and raised by :meth:`check`.
         k, v : torch.Tensor  shape ``[T, num_kv_heads, head_dim]``, the cache's dtype and device
             Any strides (a transposed model output is fine).
+
+        Writing every layer of one step, :meth:`destinations` once and :meth:`write_rows` per
+        layer do the same with fewer device operations (what ``tpool.serving.hf`` does).
         """
+        self.write_rows(layer, self.destinations(slots), k, v)
+
+    def destinations(self, slots: torch.Tensor) -> torch.Tensor:
+        """The int64 rows :meth:`write_rows` stores ``slots`` at: each slot, or the scratch page's
+        first row for -1 and for a slot outside ``[0, num_pages * page_size)`` (those counted as
+        ``invalid_slot``, raised by :meth:`check`). Device operations only: no host sync."""
+        _vector(slots, "slots", self.device)
+        s = slots.long()
+        bad = s.clamp(-1, self._num_slots - 1) != s   # neither a slot nor the padding -1
+        self.misuse[BAD_SLOTS].add_(bad.sum())
+        return torch.where(bad | (s < 0), self._scratch, s)
+
+    def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """:meth:`write` at ``rows``, the :meth:`destinations` of a step's slots (int64 ``[T]``)."""
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
-        _vector(slots, "slots", self.device)
-        n = slots.numel()
+        if not isinstance(rows, torch.Tensor) or rows.dtype is not torch.int64 or rows.dim() != 1 \
+                or rows.device != self.device:
+            got = (f"{rows.dtype} shape {tuple(rows.shape)} on {rows.device}" if isinstance(rows, torch.Tensor)
+                   else type(rows).__name__)
+            raise ValueError(f"rows: expected a 1-D int64 tensor on {self.device} (destinations(slots)), got {got}")
+        n = rows.numel()
         self._check_kv("k", k, n)
         self._check_kv("v", v, n)
-        s = slots.long()
-        dst = torch.where((s >= 0) & (s < self._num_slots), s, self._scratch)
-        self._k_rows[layer].index_put_((dst,), k)
-        self._v_rows[layer].index_put_((dst,), v)
+        self._k_rows[layer].index_put_((rows,), k)
+        self._v_rows[layer].index_put_((rows,), v)
 
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy page ``src[i]`` into page ``dst[i]`` in every layer, K and V (copy-on-write).
@@ -155,18 +184,42 @@ class PagedKVCache:
         Parameters
         ----------
         src, dst : torch.Tensor  shape ``[B]``, int32, on the cache's device
-            ``PageTable.fork``'s ``cow_src`` / ``cow_dst``. A pair with a -1 (or an id
-            outside ``[0, num_pages)``) on either side is skipped.
+            ``PageTable.fork``'s ``cow_src`` / ``cow_dst``. A pair with a -1 on either side is
+            skipped; so is one with an id outside ``[0, num_pages)`` (and not -1), which is
+            counted (``invalid_copy_page``) and raised by :meth:`check`.
         """
         _vector(src, "src", self.device)
         _vector(dst, "dst", self.device, src.numel())
         s, d = src.long(), dst.long()
-        ok = (s >= 0) & (s < self.num_pages) & (d >= 0) & (d < self.num_pages)
+        s_in, d_in = s.clamp(-1, self.num_pages - 1), d.clamp(-1, self.num_pages - 1)
+        self.misuse[BAD_COPIES].add_(((s_in != s) | (d_in != d)).sum())
+        ok = (s_in == s) & (d_in == d) & (s >= 0) & (d >= 0)
         s, d = torch.where(ok, s, self._scratch_page), torch.where(ok, d, self._scratch_page)
         for store in (self._k, self._v):   # index_select copies first, so src and dst may overlap
             store.index_copy_(1, d, store.index_select(1, s))
 
     # ---------------------------------------------------------- sync points
+    def check(self) -> None:
+        """Raise :class:`tpool.InvalidPage` for the misuse counted since the last check (a sync point).
+
+        Its ``counts`` names each kind seen: ``invalid_slot`` (slots given to :meth:`write` or
+        :meth:`destinations` outside ``[0, num_pages * page_size)``, not -1), ``invalid_copy_page``
+        (:meth:`copy_pages` pairs with an id outside ``[0, num_pages)``, not -1). Nothing was
+        written for them but in the scratch page. What was read is taken off the counters, so
+        a count added meanwhile is raised by the next check.
+        """
+        seen = self.misuse.tolist()
+        if not any(seen):
+            return
+        self.misuse.sub_(torch.tensor(seen, dtype=torch.int64).to(self.device))
+        counts = {MISUSE_NAMES[i]: n for i, n in enumerate(seen) if n}
+        raise InvalidPage(f"PagedKVCache: {', '.join(f'{k}: {n}' for k, n in counts.items())}. A slot outside "
+                          f"[0, {self._num_slots}) (num_pages * page_size) given to write, or a page outside "
+                          f"[0, {self.num_pages}) given to copy_pages, and not the padding -1; it was sent to "
+                          f"the scratch page (nothing the views show was written or copied). Pass a step's "
+                          f"slots and a fork's cow_src/cow_dst as the table made them, on a cache of the "
+                          f"table's pool (PagedKVCache.from_pool).", counts)
+
     def memory_bytes(self) -> dict:
         """Bytes of the K/V storage (for ``tpool.memory_report(pools=[...])``).
 
