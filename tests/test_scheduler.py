@@ -1376,6 +1376,25 @@ def test_decode_without_running_books_the_steps_a_graph_replays(backend):
     assert (m.free, m.reserved, m.hi[rows].tolist()) == before
 
 
+def test_a_snapshot_taken_before_the_booked_replays_is_caught_at_its_reconciliation(backend):
+    """The contract of ``run=False``: the replays are launched before any other mirror call. A snapshot
+    taken before them reads lengths short of the booked ones; for a row with exact bounds the
+    reconciliation says so instead of crediting the pages the replays are about to take."""
+    pool, table, m = _setup(backend, num_pages=16, rows=4, page_size=4)
+    (a,) = m.admit([6])
+    m.decode([a], 2)
+    replay = table.bind_step(batch=1)
+    replay.req_ids[:] = i32([a])
+    replay.num_tokens[:] = i32([1])
+    m.decode([a], 1, run=False)
+    snap = m.snapshot()                                 # contract broken: before the replay
+    replay()
+    before = (m.free, m.lo[a], m.hi[a])
+    with pytest.raises(MirrorError, match=r"rows \[0\]: true lengths \[8\] outside the mirror's bounds"):
+        m.reconcile(snap)
+    assert (m.free, m.lo[a], m.hi[a]) == before == (pool.available(), 9, 9)
+
+
 def test_a_list_batch_is_reused_only_for_the_same_ints_type_for_type(backend):
     """``_batch`` keeps the last list of rows and of tokens per row it converted and reuses it for a
     list holding the same ints. Python's ``[1.0] == [1]`` must not let a float through that way

@@ -277,7 +277,11 @@ class HostMirror(MixedSteps, Accounting):
         counts the rows at their booked lengths from now on, so a ``finish``, ``truncate``,
         ``fork`` or snapshot between the booking and its replays would act on lengths the
         device does not have yet (``reconcile`` raises ``MirrorError``, or the replays step a
-        row that was given to another request).
+        row that was given to another request). A snapshot's reconciliation finds it only where
+        the lengths show it: not for a row whose ``rollback`` is not reconciled yet when its
+        bounds are ``n`` or more tokens apart (the length before the replays is then within
+        them too), and the mirror then promises the pages the replays take. Reconcile such a
+        row before booking its replays where the order is not certain.
         """
         run = _checks.flag(run, "run")
         r, n, key = self._batch(rows, n)
