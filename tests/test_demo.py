@@ -63,6 +63,9 @@ def test_a_pool_too_small_rejects_instead_of_looping():
     text = "\n".join(lines)
     assert "rejected request 0: it needs" in text and "and 253 more requests rejected" in text
     assert "nothing to run" in text and lines[-1].endswith("no errors, invariants hold")
+    lines.clear()   # one page, smaller than a warm-up request's max_len was: still a clean "nothing to run"
+    demo.run(num_pages=1, requests=4, backend="numba", out=lambda s, **_: lines.append(s))
+    assert "nothing to run" in "\n".join(lines) and lines[-1].endswith("no errors, invariants hold")
 
 
 def test_some_requests_rejected_the_rest_finish():

@@ -84,6 +84,35 @@ def test_integer_kv_dtypes_are_refused_and_fp8_is_taken():
         assert _cache(dtype=fp8).k[0].dtype == fp8
 
 
+def test_two_threads_checking_at_once_raise_the_counts_once():
+    """check's read and its subtraction were two steps: two threads could both raise the same counts,
+    and leave the counter negative (a phantom count at the next check)."""
+    import sys
+    import threading
+    c = _cache()
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(200):
+            c.write(0, i32([99]), torch.zeros(1, 2, 3), torch.zeros(1, 2, 3))
+            raised, gate = [], threading.Barrier(2)
+
+            def check():
+                gate.wait()
+                try:
+                    c.check()
+                except tpool.InvalidPage as e:
+                    raised.append(e.counts)
+            threads = [threading.Thread(target=check) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert raised == [{"invalid_slot": 1}] and c.misuse.tolist() == [0, 0]
+    finally:
+        sys.setswitchinterval(old)
+
+
 def test_copy_pages_copies_every_layer_and_skips_minus_one(guard):
     c = _cache()
     torch.manual_seed(0)

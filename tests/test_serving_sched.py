@@ -250,7 +250,9 @@ def test_requests_the_loop_would_serve_wrongly_are_refused(llama):
               r"request 1: expected parent 0's prompt to start with its first shared=2 prompt tokens, but request "
               r"0 starts with other tokens"),
              ([R(1, [5, 7, 8], 3, parent=4, shared=1)], "but request 4 is not among the requests"),
-             ([R(0, [5], 3), R(1, [5, 7, 8], 3, parent=0, shared=2)], "but request 0 has a 1-token prompt"))
+             ([R(0, [5], 3), R(1, [5, 7, 8], 3, parent=0, shared=2)], "but request 0 has a 1-token prompt"),
+             ([R(0, [5, 6], 3), R(1, [5, 7], 3, parent=0, shared=-1)],
+              r"request 1: expected shared \(its prompt tokens from parent 0\) a non-negative int, got -1"))
     for reqs, match in cases:
         for call in (eng.check_fits, eng.run):
             with pytest.raises(ValueError, match=match):
@@ -264,6 +266,11 @@ def test_requests_the_loop_would_serve_wrongly_are_refused(llama):
         eng.run(reqs)           # it returned the old tokens, served nothing
     again = [R(r.rid, r.prompt, r.max_new, parent=r.parent, shared=r.shared) for r in reqs]
     assert eng.run(again) == first
+    # shared past the request's own prompt: its whole prompt is the parent's start, served without a fork
+    reqs = [R(0, [5, 6, 7], 3), R(1, [5], 3, parent=0, shared=2)]
+    assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
+    with pytest.raises(engine.RequestTooLong, match=r"request 0: expected prompt \+ max_new - 1"):
+        eng.check_fits([R(0, [5] * 40, 3)])
 
 
 def test_speculation_options_are_checked_and_draft_len_zero_drafts_nothing(llama):

@@ -397,7 +397,7 @@ class Accounting:
         rows : sequence of int
             Running rows, at most ``max_batch``.
         n : int or sequence of int
-            Tokens per row (one for all, or one per row), each at most the row capacity.
+            Tokens per row (one for all, or one per row), each at most ``capacity``.
 
         Returns
         -------

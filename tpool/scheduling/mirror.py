@@ -109,8 +109,8 @@ class HostMirror(MixedSteps, Accounting):
         # A request holds at most a row's pages and at most the pool's: past either it could never finish
         # (admitted, it would fill the pool, be preempted and never fit again), so its max_len is refused.
         ps, most, n = table.page_size, table.max_pages, self.pool.num_pages
-        why = None if most <= n else (f"the pool's capacity ({n} pages of {ps}: num_pages * page_size; a row "
-                                      f"holds {most} pages)", "a PagePool with more pages")
+        why = None if most <= n else (f"the pool's capacity ({n} page{'s' * (n != 1)} of {ps}: num_pages * "
+                                      f"page_size; a row holds {most} pages)", "a PagePool with more pages")
         super().__init__(table.max_requests, ps, lookahead, min(most, n) * ps, free, cached, why)
         self.max_batch = self.pool.max_batch
         # Per running row, the leading pages a prefix cache may name (its insert: 0 for none). With the

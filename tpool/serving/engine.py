@@ -132,6 +132,11 @@ def _layer_kv_shape(config, kind):
     return kv, hd
 
 
+class RequestTooLong(ValueError):
+    """A request holds more tokens than a row or the pool (``Engine.check_fits``): a bigger pool or
+    ``max_pages`` serves it, unlike the other refusals there, which are requests to fix."""
+
+
 @dataclass
 class Request:
     """One generation request: at most ``max_new`` new tokens (fewer when one is an EOS, see
@@ -296,7 +301,6 @@ class Engine:
         request already served (its ``out``, ``row`` or ``cached`` set: make a new one), or a
         ``parent`` that is not in ``requests`` or whose prompt does not start with the same ``shared``
         tokens (the fork would give it the parent's K/V for other tokens)."""
-        cap = min(self.max_pages, self.pool.num_pages) * self.ps
         by_id = {}
         for r in requests:
             if r.rid in by_id:
@@ -308,19 +312,24 @@ class Engine:
                                  f"{len(r.out)} tokens, row={r.row}, cached={r.cached}): make a new one to run again")
             if not r.prompt:
                 raise ValueError(f"request {r.rid}: expected a prompt of at least 1 token, got 0 tokens")
-            if self._max_len(r) > cap:
-                raise ValueError(f"request {r.rid}: expected prompt + max_new - 1 (+ draft_len if speculative) "
-                                 f"<= {cap} tokens (max_pages and the pool), got {self._max_len(r)}")
         for r in requests:
             if r.parent is None:
                 continue
-            p = by_id.get(r.parent)
-            if p is None or p is r or not 0 <= r.shared <= len(p.prompt) or r.prompt[:r.shared] != p.prompt[:r.shared]:
+            if isinstance(r.shared, bool) or not isinstance(r.shared, int) or r.shared < 0:
+                raise ValueError(f"request {r.rid}: expected shared (its prompt tokens from parent {r.parent}) a "
+                                 f"non-negative int, got {r.shared!r}")
+            p, k = by_id.get(r.parent), min(r.shared, len(r.prompt))  # (past its prompt: served without a fork)
+            if p is None or p is r or r.shared > len(p.prompt) or r.prompt[:k] != p.prompt[:k]:
                 got = "is not among the requests" if p is None else "is the request itself" if p is r else \
-                    f"has a {len(p.prompt)}-token prompt" if not 0 <= r.shared <= len(p.prompt) else \
+                    f"has a {len(p.prompt)}-token prompt" if r.shared > len(p.prompt) else \
                     "starts with other tokens"
                 raise ValueError(f"request {r.rid}: expected parent {r.parent}'s prompt to start with its first "
                                  f"shared={r.shared} prompt tokens, but request {r.parent} {got}")
+        cap = min(self.max_pages, self.pool.num_pages) * self.ps
+        for r in requests:
+            if self._max_len(r) > cap:
+                raise RequestTooLong(f"request {r.rid}: expected prompt + max_new - 1 (+ draft_len if speculative) "
+                                     f"<= {cap} tokens (max_pages and the pool), got {self._max_len(r)}")
 
     def run(self, requests, out=None):
         """Serve ``requests`` (a list of :class:`Request`) to completion; return ``{rid: tokens}``."""
@@ -675,7 +684,7 @@ def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, p
                      prefix_cache=prefix_cache)
         try:
             eng.check_fits(reqs)
-        except ValueError as e:  # so the pool is what is short
+        except RequestTooLong as e:  # so the pool is what is short
             raise ValueError(f"{e}: raise --num-pages to at least {max_pages} (pages of --page-size "
                              f"{page_size} tokens) so the longest request fits") from None
     except (ValueError, ImportError) as e:

@@ -74,7 +74,7 @@ class PagedContext:
     attend: Callable = field(default=paged_attention)
     # the step's write destinations (PagedKVCache.destinations of meta.slots), made once per forward by
     # forward_step and dropped after it; None: each layer's write makes its own
-    rows: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _rows: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     # the layers whose attention ran through this context in this forward (forward_step clears it first,
     # and checks that every layer ran; a layer that runs twice is refused)
     layers: set = field(default_factory=set, init=False, repr=False, compare=False)
@@ -162,10 +162,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     k = key[0].transpose(0, 1).to(cache.dtype)           # [T, Hkv, D] (a cast only into a float8 cache)
     v = value[0].transpose(0, 1).to(cache.dtype)
     ctx.layers.add(layer)
-    if ctx.rows is None:
+    if ctx._rows is None:
         cache.write(layer, meta.slots, k, v)
     else:
-        cache.write_rows(layer, ctx.rows, k, v)
+        cache._write_rows(layer, ctx._rows, k, v)
     out = ctx.attend(q, cache.k[layer], cache.v[layer], meta, scale=scaling, sliding_window=sliding_window,
                      **extra)
     return out[None].to(query.dtype), None
@@ -293,12 +293,12 @@ def forward_step(model, input_ids: torch.Tensor, ctx: PagedContext, **kwargs) ->
                          f"with 0), got {got}")
     positions = ctx.meta.positions.long().clamp(min=0)[None]
     ctx.layers.clear()
-    ctx.rows = ctx.cache.destinations(ctx.meta.slots)   # once for every layer (a bad slot counted once)
+    ctx._rows = ctx.cache.destinations(ctx.meta.slots)   # once for every layer (a bad slot counted once)
     try:
         out = model(input_ids=input_ids[None], position_ids=positions, use_cache=False, **{CONTEXT_KWARG: ctx},
                     **kwargs)
     finally:
-        ctx.rows = None   # this forward's slots: a later call of the model's own makes its own
+        ctx._rows = None   # this forward's slots: a later call of the model's own makes its own
     if len(ctx.layers) != layers:
         raise ValueError(f"model: expected all {layers} layers to attend through {ATTN_IMPLEMENTATION}, got "
                          f"{len(ctx.layers)} ({type(model).__name__}: its attention does not dispatch through "

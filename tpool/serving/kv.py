@@ -16,6 +16,8 @@ is misuse: it goes to the scratch page too, and is counted on the device and
 raised by the cache's ``check()`` (a sync point) as :class:`tpool.InvalidPage`.
 """
 
+import threading
+
 import torch
 
 from tpool import _checks
@@ -60,6 +62,9 @@ class PagedKVCache:
     k, v : list of torch.Tensor
         Per layer, ``[num_pages, page_size, num_kv_heads, head_dim]`` views (NHD), each
         contiguous: pass ``(cache.k[l], cache.v[l])`` as FlashInfer's ``paged_kv_cache``.
+    misuse : torch.Tensor
+        int64 ``[2]`` on the device: slots (``invalid_slot``) and page pairs
+        (``invalid_copy_page``) outside the cache counted since the last :meth:`check`.
 
     Example
     -------
@@ -100,6 +105,7 @@ class PagedKVCache:
         self._scratch_page = torch.tensor(num_pages, dtype=torch.int64, device=self.device)
         # Misuse counted on the device (BAD_SLOTS, BAD_COPIES), raised by check(): fixed, so a graph keeps it
         self.misuse = torch.zeros(len(MISUSE_NAMES), dtype=torch.int64, device=self.device)
+        self._check_lock = threading.Lock()  # check's read and its subtraction as one (two threads raise once)
 
     @classmethod
     def from_pool(cls, pool, num_layers: int, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype,
@@ -148,23 +154,25 @@ class PagedKVCache:
         k, v : torch.Tensor  shape ``[T, num_kv_heads, head_dim]``, the cache's dtype and device
             Any strides (a transposed model output is fine).
 
-        Writing every layer of one step, :meth:`destinations` once and :meth:`write_rows` per
-        layer do the same with fewer device operations (what ``tpool.serving.hf`` does).
+        Each call counts the bad slots it is given: the same bad slot written for two layers
+        counts twice (``forward_step`` makes a step's destinations once, so it counts once).
         """
-        self.write_rows(layer, self.destinations(slots), k, v)
+        self._write_rows(layer, self.destinations(slots), k, v)
 
     def destinations(self, slots: torch.Tensor) -> torch.Tensor:
-        """The int64 rows :meth:`write_rows` stores ``slots`` at: each slot, or the scratch page's
-        first row for -1 and for a slot outside ``[0, num_pages * page_size)`` (those counted as
-        ``invalid_slot``, raised by :meth:`check`). Device operations only: no host sync."""
+        """The int64 rows a write of ``slots`` stores at: each slot, or the scratch page's first
+        row for -1 and for a slot outside ``[0, num_pages * page_size)`` (those counted as
+        ``invalid_slot``, raised by :meth:`check`). Device operations only: no host sync.
+        ``forward_step`` makes them once per step for every layer's write."""
         _vector(slots, "slots", self.device)
         s = slots.long()
         bad = s.clamp(-1, self._num_slots - 1) != s   # neither a slot nor the padding -1
         self.misuse[BAD_SLOTS].add_(bad.sum())
         return torch.where(bad | (s < 0), self._scratch, s)
 
-    def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """:meth:`write` at ``rows``, the :meth:`destinations` of a step's slots (int64 ``[T]``)."""
+    def _write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """:meth:`write` at ``rows``, which must be what :meth:`destinations` made (int64 ``[T]``): their
+        values are not checked again (a row of another making could land in a page the views show)."""
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
         if not isinstance(rows, torch.Tensor) or rows.dtype is not torch.int64 or rows.dim() != 1 \
@@ -204,14 +212,16 @@ class PagedKVCache:
 
         Its ``counts`` names each kind seen: ``invalid_slot`` (slots given to :meth:`write` or
         :meth:`destinations` outside ``[0, num_pages * page_size)``, not -1), ``invalid_copy_page``
-        (:meth:`copy_pages` pairs with an id outside ``[0, num_pages)``, not -1). Nothing was
-        written for them but in the scratch page. What was read is taken off the counters, so
-        a count added meanwhile is raised by the next check.
+        (:meth:`copy_pages` pairs with an id outside ``[0, num_pages)``, not -1), per call that
+        met them. Nothing was written for them but in the scratch page. What was read is taken
+        off the counters, so a count added meanwhile is raised by the next check; two threads
+        checking at once never both raise the same counts.
         """
-        seen = self.misuse.tolist()
-        if not any(seen):
-            return
-        self.misuse.sub_(torch.tensor(seen, dtype=torch.int64).to(self.device))
+        with self._check_lock:
+            seen = self.misuse.tolist()
+            if not any(seen):
+                return
+            self.misuse.sub_(torch.tensor(seen, dtype=torch.int64).to(self.device))
         counts = {MISUSE_NAMES[i]: n for i, n in enumerate(seen) if n}
         raise InvalidPage(f"PagedKVCache: {', '.join(f'{k}: {n}' for k, n in counts.items())}. A slot outside "
                           f"[0, {self._num_slots}) (num_pages * page_size) given to write, or a page outside "
