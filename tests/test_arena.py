@@ -43,6 +43,18 @@ def test_alignment_of_offsets_and_sizes(alignment):
     assert arena.allocated_bytes == sum(arena.block_size(n) for n in (1, 7, 100, 513, 3))
 
 
+def test_a_capacity_between_multiples_of_the_alignment_is_rounded_up_to_whole_blocks():
+    """A 1,000-byte arena of 256-byte blocks counted 1,000 bytes free, but no alloc could take the last
+    232 (or a 1,000-byte request at all), and fragmentation read 0.0."""
+    arena = Arena(1000, "cpu")
+    assert arena.capacity_bytes == arena.free_bytes == arena.largest_free_block == 1024
+    assert arena.alloc(1000).size == 1024 and arena.free_bytes == 0
+    arena = Arena(1000, "cpu", alignment=16)
+    b = arena.alloc(700)
+    assert arena.alloc(1) is not None and arena.free_bytes == 1008 - b.size - 16
+    assert arena.memory_bytes()["storage_bytes"] >= 1008
+
+
 def test_bad_frees_and_arguments_raise():
     arena = Arena(1024, "cpu")
     b = arena.alloc(10)
@@ -117,7 +129,8 @@ def _model_free_ranges(used):
        st.lists(st.tuples(st.booleans(), st.integers(1, 300), st.integers(0, 50)), max_size=60))
 def test_random_alloc_free_match_interval_model(alignment, capacity, ops):
     arena = Arena(capacity, "cpu", alignment=alignment)
-    used = np.zeros(capacity, dtype=bool)
+    assert arena.capacity_bytes == -(-capacity // alignment) * alignment   # whole blocks
+    used = np.zeros(arena.capacity_bytes, dtype=bool)
     live = []
     for is_alloc, n, pick in ops:
         if is_alloc or not live:

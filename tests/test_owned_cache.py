@@ -510,6 +510,19 @@ def test_arena_fragmentation_evicts_further():
     cache.check_invariants()
 
 
+def test_a_value_read_from_the_arena_and_put_back_saves_only_what_it_kept_alive_elsewhere():
+    """bytes_saved counted the whole arena buffer (alive anyway) for a value read from it and put back:
+    1,048,320 bytes "saved" for a 256-byte entry."""
+    cache = OwnedCache(1 << 20, arena=Arena(1 << 20, "cpu"))
+    cache.put("a", torch.zeros(64))
+    cache.put("b", cache.get("a"))
+    assert cache.stats().bytes_saved == 0
+    batch = torch.zeros(1000)                  # a view of a 4,000-byte batch: 3,744 bytes it no longer holds
+    cache.put("c", batch[:64])
+    assert cache.stats().bytes_saved == 4000 - 256
+    cache.check_invariants()
+
+
 def test_arena_rejects_when_pinned_blocks_leave_no_range(copies):
     arena = Arena(1024, "cpu", alignment=256)
     cache = OwnedCache(4096, arena=arena)  # the budget is not what binds here

@@ -480,6 +480,21 @@ def test_retained_bytes_still_reads_a_generator_or_dict_values_at_the_top():
     assert retained_bytes(x for x in [t, t[:1]]) == retained_bytes({"a": t}.values()) == 1_024_000
 
 
+def test_a_leafs_grad_counts_as_retained_and_owning_leaves_it_behind():
+    """retained_bytes counted a parameter after backward at half what it kept alive: its .grad too."""
+    import warnings
+    p = torch.randn(1000, requires_grad=True)
+    (p * 2).sum().backward()
+    assert p.grad is not None and retained_bytes([p]) == 8000 == plan_ownership([p]).retained_bytes
+    assert retained_bytes([p, p.grad]) == 8000                       # each storage once
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                               # a non-leaf's .grad is never asked
+        y = p * 3
+        assert retained_bytes([y]) == 4000 and plan_ownership([y]).retained_bytes == 4000
+    owned = own(p)
+    assert owned.grad is None and retained_bytes([owned]) == 4000    # what own() leaves behind
+
+
 def test_a_kept_tensor_does_not_carry_its_grad():
     p = torch.nn.Parameter(torch.randn(1000, 256))  # 1_024_000 B
     (p * 2).sum().backward()  # p.grad: another 1_024_000 B

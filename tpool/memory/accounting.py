@@ -262,6 +262,13 @@ def storage_key(t: torch.Tensor) -> StorageKey:
     return (t.device.type, index, t.untyped_storage()._cdata)
 
 
+def _with_grads(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` and the ``.grad`` of each autograd leaf among them (it stays alive with the tensor;
+    a non-leaf is not asked: torch warns, and it holds none)."""
+    tensors = list(tensors)
+    return tensors + [g for t in tensors if t.is_leaf and (g := t.grad) is not None]
+
+
 def _alive_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the storages behind ``tensors`` (one tensor per storage object), memory that two
     storage objects cover counted once: on a cpu or cuda device the byte ranges are merged (a
@@ -305,7 +312,8 @@ def retained_bytes(tensors: torch.Tensor | Iterable[Any]) -> int:
         of a cpu or cuda device (``t`` and ``torch.from_numpy(t.numpy())``,
         ``torch.from_dlpack(t)``) that memory counts once. A storage over
         memory torch did not allocate counts what torch sees of it (see
-        :func:`storage_bytes`).
+        :func:`storage_bytes`). A leaf tensor's ``.grad`` counts too: it stays
+        alive with the tensor (``own`` and ``OwnedCache`` leave it behind).
 
     Raises
     ------
@@ -330,5 +338,5 @@ def retained_bytes(tensors: torch.Tensor | Iterable[Any]) -> int:
         tensors = list(tensors)  # a generator or another one-shot iterable, or d.values()
     if isinstance(tensors, _LEAVES):
         raise TypeError(f"expected a tensor or an iterable of tensors, got {type(tensors).__name__}")
-    seen = {storage_key(t): t for t in iter_tensors(tensors)}
+    seen = {storage_key(t): t for t in _with_grads(iter_tensors(tensors))}
     return _alive_bytes(seen.values())

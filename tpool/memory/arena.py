@@ -65,7 +65,10 @@ class Arena:
     Parameters
     ----------
     capacity_bytes : int
-        Size of the buffer, > 0.
+        Size of the buffer, > 0, rounded up to a multiple of ``alignment``
+        (blocks are whole multiples of it: a shorter tail could never be
+        handed out, yet would count as free). ``capacity_bytes`` is the size
+        after rounding.
     device : torch.device, str or int
         Where the buffer lives: a cpu or cuda device (an int is a CUDA index).
     alignment : int
@@ -95,6 +98,7 @@ class Arena:
         alignment = check_size(alignment, "alignment", 1)
         if alignment & (alignment - 1):
             raise ValueError(f"alignment: expected a power of two, got {alignment}")
+        capacity_bytes = -(-capacity_bytes // alignment) * alignment  # whole blocks only
         self.capacity_bytes = capacity_bytes
         self.alignment = alignment
         self.buffer = _aligned_bytes(capacity_bytes, alignment, resolve_device(device))

@@ -99,7 +99,7 @@ class CacheStats:
     evictions: int  # LRU evictions to make room (all causes)
     fragmentation_evictions: int  # of those, made when bytes fit but no arena range did
     compactions: int  # tensors copied at admission
-    bytes_saved: int  # storage the admitted values kept alive minus what the cache charges
+    bytes_saved: int  # storage the admitted values kept alive (an arena's own buffer aside) minus what the cache charges
     current_bytes: int
     peak_bytes: int
     budget_bytes: int
@@ -272,9 +272,18 @@ class OwnedCache:
         self._payload += entry.payload
         self._counts["insertions"] += 1
         self._counts["compactions"] += len(plan.copy)
-        self._counts["bytes_saved"] += max(0, plan.retained_bytes - entry.nbytes)
+        self._counts["bytes_saved"] += max(0, self._retained_elsewhere(plan) - entry.nbytes)
         self._peak = max(self._peak, self._current)
         return True
+
+    def _retained_elsewhere(self, plan: OwnershipPlan) -> int:
+        """What ``plan``'s value kept alive as given, less the arena's own buffer: a value read from
+        the arena (a :meth:`get` put back) keeps the buffer alive, which the arena does anyway."""
+        if self.arena is None:
+            return plan.retained_bytes
+        buf = self.arena.buffer.untyped_storage()
+        inside = any(t.untyped_storage().data_ptr() == buf.data_ptr() for t in plan.views.values())
+        return plan.retained_bytes - buf.nbytes() if inside else plan.retained_bytes
 
     def _plan(self, value: Any) -> OwnershipPlan:
         """Check every leaf and price the entry; copies nothing."""

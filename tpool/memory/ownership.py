@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from tpool._checks import check_size
-from tpool.memory.accounting import (StorageKey, _alive_bytes, _distinct_elems, _span_elems, check_ownable,
+from tpool.memory.accounting import (StorageKey, _alive_bytes, _distinct_elems, _span_elems, _with_grads, check_ownable,
                                      compact_bytes, storage_bytes, storage_key)
 from tpool.memory.values import (_LEAF_TYPES, _field_names, _instance_dict, _kind, _own_attrs, _slot_members,
                                  _slot_values, leaf_bytes)
@@ -652,7 +652,8 @@ def plan_ownership(value: Any, *, copy_all: bool = False, align: int = 1) -> Own
             pieces += mine
     placed, copy_bytes = _place(pieces)
     copied = {s for p in placed for s in p.sigs}
-    retained = _alive_bytes(views[sigs[0]] for sigs in groups.values())
+    alive = _with_grads(views[sigs[0]] for sigs in groups.values())   # (a leaf's .grad stays alive with it)
+    retained = _alive_bytes({storage_key(t): t for t in alive}.values())
     payload = sum(t.numel() * t.element_size() for t in views.values())
     return OwnershipPlan(value, views, tuple(s for s in views if s in copied), keep, copy_bytes, retained,
                          payload, align, placed, leaf_bytes(value))
