@@ -17,7 +17,7 @@ INSTALL_HF = "pip install 'transformers>=5' (the hf extra; pip install -e \".[hf
 
 def parser() -> argparse.ArgumentParser:
     """The serving demo's command line: every option with its default."""
-    ap = argparse.ArgumentParser(prog=prog("demo --model NAME"), allow_abbrev=False,  # as the demo's: see wants_model
+    ap = argparse.ArgumentParser(prog=prog("demo"), allow_abbrev=False,  # as the demo's: see wants_model
                                  description="Serve a tiny random transformers model on tpool pages and check "
                                              "every request against the model's generate (needs transformers: "
                                              f"{INSTALL_HF}).")
