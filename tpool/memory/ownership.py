@@ -652,7 +652,7 @@ def plan_ownership(value: Any, *, copy_all: bool = False, align: int = 1) -> Own
             pieces += mine
     placed, copy_bytes = _place(pieces)
     copied = {s for p in placed for s in p.sigs}
-    alive = _with_grads(views[sigs[0]] for sigs in groups.values())   # (a leaf's .grad stays alive with it)
+    alive = _with_grads(views.values())   # (each storage once below; a leaf's .grad stays alive with it)
     retained = _alive_bytes({storage_key(t): t for t in alive}.values())
     payload = sum(t.numel() * t.element_size() for t in views.values())
     return OwnershipPlan(value, views, tuple(s for s in views if s in copied), keep, copy_bytes, retained,
