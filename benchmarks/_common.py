@@ -14,6 +14,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -22,6 +23,7 @@ import torch
 
 from tpool.demo import positive_int  # noqa: F401  (the scripts' counts: an int of at least 1)
 from tpool import _checks
+from tpool.backends import resolve_backend
 
 SAMPLE_TARGET_US = 2000.0  # auto calibration: calls per sample so one sample takes about this long
 MAX_INNER = 10_000         # at most this many calls per sample
@@ -59,6 +61,71 @@ def multiple_of(m: int, why: str):
     parse.__name__ = "int"
     return parse
 
+
+def _why_unwritable(d: str):
+    """Why no file can be made in directory ``d`` (None: one can). Found by making one: as root,
+    ``os.access`` says yes even on a read-only file system."""
+    if not os.path.isdir(d):
+        return f"{d} is not a directory" if os.path.exists(d) else f"directory {d} does not exist"
+    try:
+        with tempfile.TemporaryFile(dir=d):
+            pass
+    except OSError as e:
+        return f"directory {d} is not writable (making a file in it: {e.strerror})"
+    return None
+
+
+def out_path(text: str) -> str:
+    """argparse type of an output file (``--json``, ``--plot``): its directory must exist and be writable,
+    so a bad path is a usage error at once, not a crash after the whole run ("": no file)."""
+    if text:
+        if os.path.isdir(text):
+            raise argparse.ArgumentTypeError(f"expected a file path, got the directory {text}")
+        why = _why_unwritable(os.path.dirname(os.path.abspath(text)))
+        if why:
+            raise argparse.ArgumentTypeError(f"cannot write {text}: {why}")
+    return text
+
+
+def writable_dir(text: str) -> str:
+    """argparse type of a directory the run writes into, made if missing: it, or else the nearest directory
+    above it that exists, must be a writable directory ("": none)."""
+    if text:
+        d = os.path.abspath(text)
+        while not os.path.exists(d):
+            d = os.path.dirname(d)
+        why = _why_unwritable(d)
+        if why:
+            raise argparse.ArgumentTypeError(f"cannot write into {text}: {why}")
+    return text
+
+
+def check_backends(ap: argparse.ArgumentParser, option: str, names, device) -> None:
+    """A usage error naming ``option`` unless tpool runs a pool on ``device`` with each of ``names``
+    (a backend name from ``tpool.backends.BACKENDS`` or ``auto``, that device's, installed)."""
+    for name in names:
+        try:
+            resolve_backend(name, torch.device(device))
+        except (ValueError, ImportError) as e:
+            ap.error(f"argument {option}: {str(e).removeprefix('backend: ')}")
+
+
+def check_model(ap: argparse.ArgumentParser, a) -> None:
+    """Usage errors for a random Llama (``a.hidden``, ``a.heads``, ``a.kv_heads``, ``a.vocab``) its config
+    refuses or its forward fails on: --heads must divide --hidden into an even head size (rotary embeddings
+    rotate halves), --kv-heads divide --heads; and --vocab hold a token besides 0 (padding)."""
+    hidden, heads, kv_heads = a.hidden, a.heads, a.kv_heads
+    if hidden % heads:
+        ap.error(f"argument --heads: expected a divisor of --hidden ({hidden}), got {heads}")
+    if (hidden // heads) % 2:
+        ap.error(f"argument --heads: expected the head size --hidden / --heads to be even (rotary embeddings), "
+                 f"got {hidden} / {heads} = {hidden // heads}")
+    if heads % kv_heads:
+        ap.error(f"argument --kv-heads: expected a divisor of --heads ({heads}), got {kv_heads}")
+    if a.vocab < 2:
+        ap.error(f"argument --vocab: expected at least 2 (tokens are drawn from 1 to --vocab - 1), got {a.vocab}")
+
+
 # One intra-op thread: timings of small torch ops on a shared machine are otherwise dominated by
 # thread-pool wake-ups and by other processes competing for the cores.
 torch.set_num_threads(1)
@@ -78,6 +145,12 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if "(default" in text or d is None or d is False or d == "" or d is argparse.SUPPRESS:
             return text
         return super()._get_help_string(action)
+
+    def _split_lines(self, text, width):
+        """The help wrapped as argparse wraps it, except that an option it names (``--x``) never starts
+        a line, where it would read as an option of its own: it stays with the word before it."""
+        glued = text.replace(" --", "\xa0--")  # argparse's and textwrap's whitespace is ASCII: not \xa0
+        return [line.replace("\xa0", " ") for line in super()._split_lines(glued, width)]
 
 
 def gc_quiet() -> None:

@@ -33,8 +33,8 @@ import tarfile
 import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (CacheFlusher, HelpFormatter, calibrate, positive_int, print_table, progress,  # noqa: E402
-                     quantiles, time_calls_us)
+from _common import (CacheFlusher, HelpFormatter, calibrate, check_backends, positive_int, print_table,  # noqa: E402
+                     progress, quantiles, time_calls_us)
 
 import torch  # noqa: E402
 
@@ -127,7 +127,9 @@ def base_tree(rev: str) -> str:
 
 
 def main(argv=None):
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    check_backends(ap, "--backend", [args.backend], "cpu")
     known = bpt.row_names([args.backend])
     unknown = [row for row in args.rows if row not in known]
     if unknown:  # before anything compiles

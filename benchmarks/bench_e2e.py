@@ -27,7 +27,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import positive_int, print_table, progress, quantiles, write_json  # noqa: E402
+from _common import (HelpFormatter, check_backends, check_model, out_path, positive_int, print_table,  # noqa: E402
+                     progress, quantiles, write_json)
 
 import tpool  # noqa: E402
 from tpool.serving import PagedKVCache, step_metadata  # noqa: E402
@@ -127,22 +128,24 @@ def run_baseline(prompts, model, a):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--batch", type=positive_int, nargs="+", default=[4, 32], help="requests decoding at once (B)")
     ap.add_argument("--prompt", type=positive_int, default=64, help="prompt tokens per request")
     ap.add_argument("--page-size", type=positive_int, default=16, help="tokens per page")
     ap.add_argument("--hidden", type=positive_int, default=256, help="model hidden size")
     ap.add_argument("--layers", type=positive_int, default=4, help="decoder layers")
-    ap.add_argument("--heads", type=positive_int, default=8, help="query heads")
-    ap.add_argument("--kv-heads", type=positive_int, default=2, help="key/value heads (grouped-query)")
-    ap.add_argument("--vocab", type=positive_int, default=1024, help="vocabulary size")
+    ap.add_argument("--heads", type=positive_int, default=8, help="query heads: divide --hidden into even head sizes")
+    ap.add_argument("--kv-heads", type=positive_int, default=2, help="key/value heads (grouped-query): divide --heads")
+    ap.add_argument("--vocab", type=positive_int, default=1024, help="vocabulary size, at least 2")
     ap.add_argument("--samples", type=positive_int, default=30,
                     help="samples per batch size (median, p20/p80 over them)")
     ap.add_argument("--inner", type=positive_int, default=8, help="decode steps per sample")
-    ap.add_argument("--backend", default="numba", help="pool backend")
+    ap.add_argument("--backend", default="numba", help="pool backend (the pool is on the CPU)")
     ap.add_argument("--threads", type=positive_int, default=1, help="torch threads (more stall on a 2-core machine)")
-    ap.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON to this path")
+    ap.add_argument("--json", type=out_path, default=None, metavar="PATH", help="write the rows as JSON to this path")
     a = ap.parse_args(argv)
+    check_model(ap, a)
+    check_backends(ap, "--backend", [a.backend], "cpu")
     if importlib.util.find_spec("transformers") is None:
         ap.error("needs transformers, which is not installed: pip install -e '.[hf]'")
     torch.set_num_threads(a.threads)

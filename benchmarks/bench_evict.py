@@ -35,8 +35,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (HelpFormatter, default_device, device_arg, multiple_of, parse_args_for_plot,  # noqa: E402
-                     plot_lines, positive_int, print_table, progress, quantiles, write_json)
+from _common import (HelpFormatter, check_backends, default_device, device_arg, multiple_of, out_path,  # noqa: E402
+                     parse_args_for_plot, plot_lines, positive_int, print_table, progress, quantiles, write_json)
 
 import tpool  # noqa: E402
 from tpool.graphs import state_tensors  # noqa: E402
@@ -108,8 +108,9 @@ def parser() -> argparse.ArgumentParser:
                     help="tpool backends to time (default: numba and reference on CPU; triton and reference on CUDA)")
     ap.add_argument("--samples", type=positive_int, default=20,
                     help="calls timed per row, one call each (the reference backend: a fifth, at least 3)")
-    ap.add_argument("--json", default="", metavar="PATH", help="also write the rows as JSON")
-    ap.add_argument("--plot", default="", metavar="PATH", help="also write a PNG: us against the pool size")
+    ap.add_argument("--json", type=out_path, default="", metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument("--plot", type=out_path, default="", metavar="PATH",
+                    help="also write a PNG: us against the pool size")
     return ap
 
 
@@ -159,6 +160,7 @@ def main(argv=None):
                      f"of --pool-sizes {min(args.pages)}): at most {min(args.pages) // 2}")
     device = torch.device(args.device)
     backends = args.backends or (["triton", "reference"] if device.type == "cuda" else ["numba", "reference"])
+    check_backends(ap, "--backends", backends, device)
     sync = functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else (lambda: None)
     rows = []
     pools = {}  # every size at once: the sizes take turns sample by sample

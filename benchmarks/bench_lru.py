@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (HelpFormatter, default_device, device_arg, positive_int, print_table, progress,  # noqa: E402
-                     quantiles, write_json)
+from _common import (HelpFormatter, check_backends, default_device, device_arg, out_path, positive_int,  # noqa: E402
+                     print_table, progress, quantiles, write_json)
 
 import tpool  # noqa: E402
 from tpool.kernels import layout as L  # noqa: E402
@@ -45,12 +45,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--pool-sizes", "--pages", dest="pages", nargs="+", type=positive_int, default=[65536],
                     metavar="P", help="pages in the pool, every one of them cached before the first step")
     ap.add_argument("--steps", type=positive_int, default=4000, help="steps timed per pool size and implementation")
-    ap.add_argument("--touch", type=positive_int, default=256, help="cached pages touched per step")
-    ap.add_argument("--k", type=positive_int, default=64, help="pages evicted (and cached again) per step")
+    ap.add_argument("--touch", type=positive_int, default=256,
+                    help="cached pages touched per step, at most the smallest pool size")
+    ap.add_argument("--k", type=positive_int, default=64,
+                    help="pages evicted (and cached again) per step, at most the smallest pool size")
     ap.add_argument("--device", default=default_device(), type=device_arg, help="torch device of the pools")
     ap.add_argument("--backend", default=None, help="tpool backend (default: numba on CPU, triton on CUDA)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the pages touched")
-    ap.add_argument("--json", default="", metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument("--json", type=out_path, default="", metavar="PATH", help="also write the rows as JSON")
     return ap
 
 
@@ -113,9 +115,15 @@ def run_host(P, args, touched) -> list:
 
 
 def main(argv=None):
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
     device = torch.device(args.device)
     backend = args.backend or ("triton" if device.type == "cuda" else "numba")
+    check_backends(ap, "--backend", [backend], device)
+    for opt, n in (("--touch", args.touch), ("--k", args.k)):
+        if n > min(args.pages):  # every page is cached: a step touches or evicts at most the pool
+            ap.error(f"argument {opt}: expected at most the smallest pool's {min(args.pages)} pages (--pool-sizes "
+                     f"{' '.join(map(str, args.pages))}), got {n}")
     torch.set_num_threads(1)
     rows = []
     for P in args.pages:

@@ -62,9 +62,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, calibrate, default_device, device_arg,  # noqa: E402
-                     gc_quiet, int_at_most, parse_args_for_plot, plot_lines, positive_int, print_table, progress,
-                     quantiles, sample_cold_us, sample_us, sync_of, write_json)
+from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, calibrate, check_backends, default_device,  # noqa: E402
+                     device_arg, gc_quiet, int_at_most, out_path, parse_args_for_plot, plot_lines, positive_int,
+                     print_table, progress, quantiles, sample_cold_us, sample_us, sync_of, write_json)
 
 import tpool  # noqa: E402
 
@@ -419,8 +419,8 @@ def parser() -> argparse.ArgumentParser:
                     help="sweep the pool size (pages) instead of sizing the pool to the batch, e.g. "
                          "65536 1048576 16777216: only the decode and turnover rows, to show they stay flat "
                          "(default: (B + 2) x 384 pages, sized to the batch)")
-    ap.add_argument("--json", default="", metavar="PATH", help="also write the rows as JSON")
-    ap.add_argument("--plot", default="", metavar="PATH",
+    ap.add_argument("--json", type=out_path, default="", metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument("--plot", type=out_path, default="", metavar="PATH",
                     help="also write a PNG: us against B, or against the pool size with --pool-sizes")
     return ap
 
@@ -456,9 +456,11 @@ def time_row(runs, args, sync, flush, kind):
 
 
 def main(argv=None):
-    args = parse_args_for_plot(parser(), argv)
+    ap = parser()
+    args = parse_args_for_plot(ap, argv)
     device = torch.device(args.device)
     backends = args.backends or (["triton"] if device.type == "cuda" else ["numba"])
+    check_backends(ap, "--backends", backends, device)
     sync = sync_of(device)
     flush = CacheFlusher(args.cold_bytes) if args.cold else None
     rows, table_rows = [], []

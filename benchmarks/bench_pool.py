@@ -19,8 +19,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (HelpFormatter, calibrate, default_device, device_arg, gc_quiet, parse_args_for_plot,  # noqa: E402
-                     plot_lines, positive_int, print_table, progress, quantiles, sync_of, time_calls_us, write_json)
+from _common import (HelpFormatter, calibrate, check_backends, default_device, device_arg, gc_quiet,  # noqa: E402
+                     out_path, parse_args_for_plot, plot_lines, positive_int, print_table, progress, quantiles, sync_of,
+                     time_calls_us, write_json)
 
 import tpool  # noqa: E402
 
@@ -142,7 +143,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EPILOG,
                                  formatter_class=HelpFormatter)
     ap.add_argument("--sizes", type=positive_int, nargs="+", default=[1, 16, 256, 4096], metavar="N",
-                    help="pages per alloc (one row per size and implementation)")
+                    help="pages per alloc (one row per size and implementation), each at most the smallest pool "
+                         "size")
     ap.add_argument("--num-pages", type=positive_int, default=65536, help="pages in the pool (without --pool-sizes)")
     ap.add_argument("--pool-sizes", type=positive_int, nargs="+", default=None, metavar="P",
                     help="sweep the pool size instead of --num-pages, e.g. 65536 262144 1048576 4194304 "
@@ -154,23 +156,28 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--samples", type=positive_int, default=30, help="samples per row (median, p20, p80 over them)")
     ap.add_argument("--inner", type=positive_int, default=None,
                     help="calls per sample (default: calibrated so a sample takes about 2 ms)")
-    ap.add_argument("--json", default="", metavar="PATH", help="also write the rows as JSON")
-    ap.add_argument("--plot", default="", metavar="PATH",
+    ap.add_argument("--json", type=out_path, default="", metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument("--plot", type=out_path, default="", metavar="PATH",
                     help="also write a PNG: us against N, or against the pool size with --pool-sizes")
     return ap
 
 
 def main(argv=None):
-    args = parse_args_for_plot(parser(), argv)
+    ap = parser()
+    args = parse_args_for_plot(ap, argv)
     device = torch.device(args.device)
     backends = args.backends or (["triton", "reference"] if device.type == "cuda" else ["numba", "reference"])
-    sync = sync_of(device)
+    check_backends(ap, "--backends", backends, device)
     pool_sizes = args.pool_sizes or [args.num_pages]
+    smallest = min(pool_sizes)
+    if too_big := [n for n in args.sizes if n > smallest]:  # its rows could not run on every pool size
+        src = "--pool-sizes" if args.pool_sizes else "--num-pages"
+        ap.error(f"argument --sizes: expected pages per alloc at most the smallest pool's {smallest} pages ({src} "
+                 f"{' '.join(map(str, pool_sizes))}), got {' '.join(map(str, too_big))}")
+    sync = sync_of(device)
     rows, table = [], []
     for n in args.sizes:
-        configs = {P: pair_fns(n, P, device, backends) for P in pool_sizes if n <= P}  # every size at once
-        if not configs:
-            continue
+        configs = {P: pair_fns(n, P, device, backends) for P in pool_sizes}  # every size at once (n <= P: main)
         gc_quiet()  # the baselines' P-element Python lists must not slow every GC pass
         med_of = {P: {} for P in configs}
         for name in next(iter(configs.values())):

@@ -31,8 +31,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (HelpFormatter, non_negative_int, positive_int, print_table, progress, quantiles,  # noqa: E402
-                     write_json)
+from _common import (HelpFormatter, check_backends, check_model, non_negative_int, out_path, positive_int,  # noqa: E402
+                     print_table, progress, quantiles, write_json)
 from bench_e2e import POSITIONS, build_model as build_llama  # noqa: E402
 
 QUICK = dict(requests=16, repeats=2)   # --quick: what it changes, where the option is not given
@@ -65,15 +65,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft-len", type=positive_int, default=3, help="drafted tokens per speculative step")
     ap.add_argument("--hidden", type=positive_int, default=256, help="model hidden size")
     ap.add_argument("--layers", type=positive_int, default=4, help="decoder layers")
-    ap.add_argument("--heads", type=positive_int, default=8, help="query heads")
-    ap.add_argument("--kv-heads", type=positive_int, default=2, help="key/value heads (grouped-query)")
-    ap.add_argument("--vocab", type=positive_int, default=1024, help="vocabulary size")
+    ap.add_argument("--heads", type=positive_int, default=8, help="query heads: divide --hidden into even head sizes")
+    ap.add_argument("--kv-heads", type=positive_int, default=2, help="key/value heads (grouped-query): divide --heads")
+    ap.add_argument("--vocab", type=positive_int, default=1024, help="vocabulary size, at least 2")
     ap.add_argument("--seed", type=non_negative_int, default=0, help="seed of the weights and the requests")
     ap.add_argument("--threads", type=positive_int, default=1, help="torch threads (more stall on a 2-core machine)")
     ap.add_argument("--calls", action="store_true",
                     help="also print the tpool calls of the loop, one row each per configuration: calls per step, "
                          "µs per call and per step (Engine.stats.calls; medians over the runs)")
-    ap.add_argument("--json", default="", metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument("--json", type=out_path, default="", metavar="PATH", help="also write the rows as JSON")
     return ap
 
 
@@ -103,9 +103,8 @@ def check_args(ap, a) -> None:
     for opt, (lo, hi) in (("--prompt-len", a.prompt_len), ("--max-new", a.max_new)):
         if lo > hi:
             ap.error(f"argument {opt}: expected MIN <= MAX, got {lo} {hi}")
-    if a.hidden % a.heads or a.heads % a.kv_heads:
-        ap.error(f"argument --heads: expected --heads to divide --hidden and --kv-heads to divide --heads, got "
-                 f"hidden {a.hidden}, heads {a.heads}, kv heads {a.kv_heads}")
+    check_model(ap, a)
+    check_backends(ap, "--backend", [a.backend], "cpu")
     n = held(a)
     if n > POSITIONS:
         ap.error(f"argument --system-len: a request would hold {n} tokens, past the model's {POSITIONS} positions")

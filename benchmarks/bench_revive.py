@@ -28,8 +28,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (HelpFormatter, default_device, device_arg, positive_int, print_table, progress,  # noqa: E402
-                     quantiles, write_json)
+from _common import (HelpFormatter, check_backends, default_device, device_arg, out_path, positive_int,  # noqa: E402
+                     print_table, progress, quantiles, write_json)
 
 import tpool  # noqa: E402
 from tpool.kernels import layout as L  # noqa: E402
@@ -149,14 +149,16 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--samples", type=positive_int, default=200,
                     help="calls timed per row, one call each, the rows taking turns (the reference backend: a "
                          "tenth, at least 3)")
-    ap.add_argument("--json", default="", metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument("--json", type=out_path, default="", metavar="PATH", help="also write the rows as JSON")
     return ap
 
 
 def main(argv=None):
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
     device = torch.device(args.device)
     backends = args.backends or (["triton", "reference"] if device.type == "cuda" else ["numba", "reference"])
+    check_backends(ap, "--backends", backends, device)
     sync = functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else (lambda: None)
     rows = []
     for k in args.k:

@@ -52,16 +52,42 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, device_arg, non_negative_int,  # noqa: E402
-                     parse_args_for_plot, positive_int, print_table, progress, quantiles, write_json)
+from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, check_backends, device_arg,  # noqa: E402
+                     non_negative_int, out_path, parse_args_for_plot, positive_int, print_table, progress, quantiles,
+                     write_json)
 
 import tpool  # noqa: E402
-from tpool.scheduling import HostMirror  # noqa: E402
+from tpool.scheduling import HostMirror, WouldNotFit  # noqa: E402
 
 PAGE_SIZE = 16        # tokens per page
 PROMPTS = (512, 2048)  # tokens, uniform
 OUTPUT_ROOM = 4096    # tokens a request may grow by (sizes the table's rows)
 SHARE, CACHE = 0.25, 0.25  # "shared" scenario: fraction of admissions that fork, of finishes that cache
+
+
+def startup_pages(args) -> int:
+    """Pages the ``--requests`` admissions before the first step take: their prompts, drawn as both
+    schedulers draw them (from ``--seed``), each with the mirror's reservation of ``--lookahead`` tokens."""
+    rng, row = random.Random(args.seed), (PROMPTS[1] + OUTPUT_ROOM) // PAGE_SIZE * PAGE_SIZE
+    return sum(-(-min(rng.randint(*PROMPTS) + args.lookahead, row) // PAGE_SIZE) for _ in range(args.requests))
+
+
+def too_small(args) -> str:
+    """What is wrong with a ``--num-pages`` the startup admissions do not fit in."""
+    return (f"expected at least {startup_pages(args)} pages, what the {args.requests} requests (--requests) admitted "
+            f"before the first step take (prompts of {PROMPTS[0]}-{PROMPTS[1]} tokens from --seed {args.seed} in "
+            f"pages of {PAGE_SIZE}, each with --lookahead {args.lookahead} tokens more reserved), and more for the "
+            f"churn; got {args.num_pages}")
+
+
+def churn_too_big(args) -> str:
+    """The error for a churn step the pool has no room for (its requests grow a token a step)."""
+    return f"the pool is too small for the churn ({args.num_pages} pages): raise --num-pages"
+
+
+def stalled(args):
+    """The error for an admission at start-up that admitted nothing: the loop must not spin."""
+    return SystemExit(f"the pool is too small for the admissions at the start: {too_small(args)}")
 
 
 def setup(args, device):
@@ -81,7 +107,13 @@ class MirrorChurn:
         self.m = HostMirror(self.table, lookahead=args.lookahead, free=args.num_pages, cached=0)
         self.rows = []
         while len(self.rows) < args.requests:
-            self.rows += self.m.admit(self.prompts(min(16, args.requests - len(self.rows))))
+            try:  # (a prompt past the pool's capacity: ValueError; no room: WouldNotFit, or no rows)
+                got = self.m.admit(self.prompts(min(16, args.requests - len(self.rows))))
+            except (WouldNotFit, ValueError):
+                got = []
+            if not got:
+                raise stalled(args)
+            self.rows += got
         self.admit_us, self.gaps, self.snaps = None, [], []
         self.evicted = self.forked = 0
         self.batch = self.prio = None
@@ -109,13 +141,16 @@ class MirrorChurn:
                 if m.can_admit([p]) == 0 and m.cached:   # room is short: evict cached pages first
                     m.evict(m.pages_for(p) + 1)
                     self.evicted += 1
-                new += m.admit([p])
+                try:
+                    new += m.admit([p])
+                except WouldNotFit:
+                    raise SystemExit(churn_too_big(args)) from None
             self.rows += new
             admit_us = (time.perf_counter_ns() - ta) / 1e3
             # the batch changed: new arrays (kept between turnovers)
             self.batch, self.prio = np.asarray(self.rows, dtype=np.int64), -np.arange(len(self.rows))
         if m.preemption(self.batch, self.prio):
-            raise SystemExit(f"the pool is too small for the churn ({args.num_pages} pages): raise --num-pages")
+            raise SystemExit(churn_too_big(args))
         m.decode(self.batch)
         return admit_us
 
@@ -141,7 +176,10 @@ class ReadOkChurn:
         self.rows, self.failed = [], 0
         self.ids = self.ones = None
         while len(self.rows) < args.requests:
+            before = len(self.rows)
             self.admit([rng.randint(*PROMPTS) for _ in range(min(16, args.requests - len(self.rows)))])
+            if len(self.rows) == before:
+                raise stalled(args)
 
     def t32(self, v):
         return torch.tensor(v, dtype=torch.int32, device=self.device)
@@ -280,7 +318,8 @@ def parser():
     ap.add_argument("--requests", type=positive_int, default=256, help="running requests")
     ap.add_argument("--turnover", type=positive_int, default=2, help="requests finished and admitted each --every steps")
     ap.add_argument("--every", type=positive_int, default=8, help="steps between turnovers")
-    ap.add_argument("--num-pages", type=positive_int, default=65536, help="pages in the pool")
+    ap.add_argument("--num-pages", type=positive_int, default=65536,
+                    help="pages in the pool, at least what the --requests prompts admitted at the start take")
     ap.add_argument("--lookahead", type=non_negative_int, default=1, help="tokens reserved per running request")
     ap.add_argument("--snapshot-every", type=positive_int, default=16, help="steps between async snapshots")
     ap.add_argument("--reconcile-every", type=positive_int, default=256,
@@ -295,10 +334,10 @@ def parser():
     ap.add_argument("--backend", default="auto", help="pool backend (auto: numba on a CPU, triton on CUDA)")
     ap.add_argument("--device", default=None, type=device_arg, help="device (default cuda if available, else cpu)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the workload")
-    ap.add_argument("--plot", default="", metavar="PATH",
+    ap.add_argument("--plot", type=out_path, default="", metavar="PATH",
                     help="write a PNG: the mirror's gap over time and the time of every step (warm solid, cold "
                          "dashed)")
-    ap.add_argument("--json", default="", metavar="PATH", help="write the result rows to this JSON file")
+    ap.add_argument("--json", type=out_path, default="", metavar="PATH", help="write the result rows to this JSON file")
     return ap
 
 
@@ -310,7 +349,10 @@ def main(argv=None):
     if args.reconcile_every % args.snapshot_every:
         ap.error(f"argument --reconcile-every: {args.reconcile_every} is not a multiple of --snapshot-every "
                  f"({args.snapshot_every})")
+    if startup_pages(args) > args.num_pages:
+        ap.error(f"argument --num-pages: {too_small(args)}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_backends(ap, "--backend", [args.backend], device)
     modes = [("", args.steps, None)]
     if args.cold:
         modes.append((", cold", args.cold_steps, CacheFlusher(args.cold_bytes)))

@@ -28,8 +28,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (HelpFormatter, non_negative_int, positive_int, print_table, progress, quantiles,  # noqa: E402
-                     write_json)
+from _common import (HelpFormatter, non_negative_int, out_path, positive_int, print_table, progress,  # noqa: E402
+                     quantiles, writable_dir, write_json)
 
 # The child process: prints one JSON line of phase times (seconds) and the wall-clock end of its first step.
 # Then it makes 20,000 objects, as the process's next work would: a collection that start-up made due but
@@ -88,11 +88,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-pages", type=positive_int, default=65536, help="pages in the pool")
     ap.add_argument("--page-size", type=positive_int, default=16, help="tokens per page")
     ap.add_argument("--batch", type=positive_int, default=8, help="requests in the first alloc and the first step")
-    ap.add_argument("--cache-dir", default="", metavar="DIR",
-                    help="numba cache directory (NUMBA_CACHE_DIR) of the warm runs (default: numba's usual place, "
+    ap.add_argument("--cache-dir", type=writable_dir, default="", metavar="DIR",
+                    help="numba cache directory (NUMBA_CACHE_DIR) of the warm runs, made if missing; it must be "
+                         "writable, else numba would quietly cache elsewhere (default: numba's usual place, "
                          "the one a user gets: __pycache__ beside tpool's modules, or a per-user directory "
                          "when those are read-only)")
-    ap.add_argument("--json", default="", metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument("--json", type=out_path, default="", metavar="PATH", help="also write the rows as JSON")
     return ap
 
 

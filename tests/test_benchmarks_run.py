@@ -124,7 +124,7 @@ def test_every_page_table_row_starts_from_the_same_workload(extra, monkeypatch, 
 
 
 @pytest.mark.parametrize("name", SCRIPTS + ["ab_compare", "gpu_step_phases"])
-def test_help_explains_every_option_and_its_default(name):
+def test_help_explains_every_option_and_its_default(name, monkeypatch):
     module = load(name)
     parser = module.parser()
     formatter = module.HelpFormatter(prog=name)
@@ -133,6 +133,11 @@ def test_help_explains_every_option_and_its_default(name):
         d = action.default  # by identity: a default of 0 (== False) must be shown too
         if not (d is None or d is False or d == "" or d is argparse.SUPPRESS):
             assert "(default" in formatter._get_help_string(action), action.option_strings
+    for width in (60, 70, 80, 100, 120):  # an option a help text names never starts a wrapped line (reads as one)
+        monkeypatch.setenv("COLUMNS", str(width))
+        starts = [line for line in parser.format_help().splitlines() if line.startswith("   ")
+                  and line.lstrip().startswith("--")]
+        assert not starts, (width, starts)
     if name == "ab_compare":  # no table of its own: no --json
         return
     r = subprocess.run([sys.executable, os.path.join(BENCH, f"{name}.py"), "--help"],
@@ -293,9 +298,35 @@ BAD_OPTIONS = [  # (script, argv, the option its error names): argparse refuses 
     ("bench_prefix", ["--num-pages", "2"], "--num-pages"),
     ("bench_prefix", ["--prompt-len", "9", "3"], "--prompt-len"),
     ("ab_compare", ["tpool-numba step", "--batch", "0"], "--batch"),
+    # a pool too small for what the run asks of it: refused, not a hang, a crash or a row left out
+    ("bench_scheduler", ["--num-pages", "16384", "--steps", "10", "--warmup", "0"], "--num-pages"),
+    ("bench_scheduler", ["--num-pages", "10"], "--num-pages"),
+    ("bench_pool", ["--sizes", "100000"], "--sizes"),
+    ("bench_pool", ["--num-pages", "10", "--sizes", "16"], "--sizes"),
+    ("bench_pool", ["--sizes", "16", "100000"], "--sizes"),
+    ("bench_pool", ["--pool-sizes", "64", "256", "--sizes", "1", "100"], "--sizes"),
+    ("bench_lru", ["--k", "100000"], "--k"),
+    ("bench_lru", ["--pool-sizes", "512", "1024", "--touch", "513"], "--touch"),
+    # a backend tpool does not know (one among good ones too), a model shape the model refuses
+    ("bench_page_table", ["--backends", "numba", "foo"], "--backends"),
+    ("ab_compare", ["tpool-numba step", "--backend", "foo"], "--backend"),
+    ("bench_e2e", ["--kv-heads", "3"], "--kv-heads"),
+    ("bench_e2e", ["--heads", "3", "--kv-heads", "2"], "--heads"),
+    ("bench_e2e", ["--hidden", "24"], "--heads"),  # a head size of 3: rotary embeddings need an even one
+    ("bench_e2e", ["--vocab", "1"], "--vocab"),
+    ("bench_prefix", ["--kv-heads", "3"], "--kv-heads"),
+    # an output the run could not write at its end, or a cache directory numba could not write
+    ("bench_startup", ["--cache-dir", os.path.join(__file__, "sub")], "--cache-dir"),  # under a file
+    ("bench_pool", ["--json", BENCH], "--json"),  # a directory
+] + [(name, [option, "foo"], option) for option, names in (
+    ("--backends", ("bench_pool", "bench_evict", "bench_revive")),
+    ("--backend", ("bench_lru", "bench_scheduler", "bench_e2e", "bench_prefix"))) for name in names
 ] + [(name, ["--device", device], "--device")  # a device tpool refuses (no CUDA here, no 100th GPU anywhere)
      for name in ("bench_pool", "bench_page_table", "bench_evict", "bench_lru", "bench_revive", "bench_scheduler")
-     for device in ("cuda:99", "meta")]
+     for device in ("cuda:99", "meta")
+] + [(name, ["--json", "/nonexistent/x.json"], "--json") for name in SCRIPTS + ["bench_e2e", "gpu_step_phases"]
+] + [(name, ["--plot", "/nonexistent/x.png"], "--plot")
+     for name in ("bench_pool", "bench_page_table", "bench_evict", "bench_scheduler")]
 
 
 @pytest.mark.parametrize("name, argv, option", BAD_OPTIONS, ids=[f"{n} {' '.join(a)}" for n, a, _ in BAD_OPTIONS])
@@ -308,11 +339,83 @@ def test_a_bad_count_is_an_argparse_error_naming_the_option(name, argv, option, 
     assert e.value.code == 2 and f"argument {option}" in err and " s] " not in err, err
 
 
-@pytest.mark.parametrize("name, argv, option", [BAD_OPTIONS[0], BAD_OPTIONS[8], BAD_OPTIONS[10]])
+ON_THE_COMMAND_LINE = [case for case in BAD_OPTIONS if case[:2] in (  # one of each kind
+    ("bench_pool", ["--sizes", "0"]), ("bench_evict", ["--pool-sizes", "65536", "--k", "40000"]),
+    ("bench_scheduler", ["--every", "0"]),
+    ("bench_scheduler", ["--num-pages", "16384", "--steps", "10", "--warmup", "0"]),  # it hung, printing nothing
+    ("bench_pool", ["--sizes", "16", "100000"]), ("bench_lru", ["--k", "100000"]),
+    ("bench_scheduler", ["--backend", "foo"]), ("bench_e2e", ["--kv-heads", "3"]),
+    ("bench_startup", ["--json", "/nonexistent/x.json"]))]
+
+
+@pytest.mark.parametrize("name, argv, option", ON_THE_COMMAND_LINE,
+                         ids=[f"{n} {' '.join(a)}" for n, a, _ in ON_THE_COMMAND_LINE])
 def test_a_bad_count_on_the_command_line_exits_2(name, argv, option):
     r = subprocess.run([sys.executable, os.path.join(BENCH, f"{name}.py"), *argv], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 2 and f"argument {option}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("name, argv, says", [
+    ("bench_pool", ["--sizes", "16", "100000"], "at most the smallest pool's 65536 pages (--num-pages 65536), "
+                                                "got 100000"),
+    ("bench_pool", ["--pool-sizes", "64", "256", "--sizes", "1", "100"], "64 pages (--pool-sizes 64 256), got 100"),
+    ("bench_lru", ["--k", "100000"], "at most the smallest pool's 65536 pages (--pool-sizes 65536), got 100000"),
+    ("bench_scheduler", ["--backend", "foo"], "expected 'auto' or one of ('reference', 'numba', 'triton'), "
+                                              "got 'foo'"),
+    ("bench_e2e", ["--kv-heads", "3"], "expected a divisor of --heads (8), got 3"),
+    ("bench_e2e", ["--json", "/nonexistent/x.json"], "cannot write /nonexistent/x.json: directory /nonexistent "
+                                                     "does not exist"),
+])
+def test_a_refused_option_says_what_it_expected_and_got(name, argv, says, capsys):
+    """The usage error says what the option takes and what it was given (and where a limit comes from)."""
+    with pytest.raises(SystemExit) as e:
+        load(name).main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err, err
+
+
+def test_the_scheduler_refuses_a_pool_its_startup_admissions_do_not_fit(capsys):
+    """bench_scheduler.py admits --requests prompts before the first step: a pool one page short of what they
+    take (their pages and the mirror's reservations, as computed before the run) is refused, naming that
+    count; at that count both schedulers start (the mirror with nothing left over)."""
+    import torch
+    bs = load("bench_scheduler")
+    small = ["--requests", "20", "--num-pages", "100000"]
+    need = bs.startup_pages(bs.parser().parse_args(small))
+    small[-1] = str(need - 1)
+    with pytest.raises(SystemExit) as e:
+        bs.main(small)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument --num-pages: expected at least {need} pages" in err, err
+    assert f"got {need - 1}" in err and " s] " not in err
+    args = bs.parser().parse_args(small[:-1] + [str(need)])
+    mirror = bs.MirrorChurn(args, "plain", torch.device("cpu"), bs.random.Random(args.seed))
+    assert len(mirror.rows) == 20 and mirror.m.unreserved == 0
+    assert len(bs.ReadOkChurn(args, torch.device("cpu"), bs.random.Random(args.seed)).rows) == 20
+
+
+@pytest.mark.parametrize("scheduler", ["MirrorChurn", "ReadOkChurn"])
+def test_a_scheduler_whose_startup_admits_nothing_stops(scheduler):
+    """Past main's check (a caller building a scheduler itself): an admission at start-up that admits
+    nothing ends the start-up with the reason, never loops on (an alarm fails the test if it hangs)."""
+    import signal
+
+    import torch
+    bs = load("bench_scheduler")
+    args = bs.parser().parse_args(["--num-pages", "10"])
+    extra = ("plain",) if scheduler == "MirrorChurn" else ()
+
+    def hung(*_):
+        raise TimeoutError("the start-up admissions spin without progress")
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        with pytest.raises(SystemExit, match="too small for the admissions at the start"):
+            getattr(bs, scheduler)(args, *extra, torch.device("cpu"), bs.random.Random(0))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def test_pool_rows_never_time_failing_allocs():
