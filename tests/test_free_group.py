@@ -71,6 +71,44 @@ def test_group_matches_ungrouped_frees_and_double_free_is_still_counted(make_poo
     assert pool.stats()["errors.double_free"] == 1
 
 
+def test_an_incref_or_touch_in_a_group_sees_the_frees_before_it(make_pool, guard):
+    """A group deferred the free past a later incref: the use after free passed uncounted and the page
+    stayed in use. The group's frees are applied before an incref or touch, so it ends as without one."""
+    import contextlib
+
+    import tpool
+    for call in ("incref", "touch"):
+        ends = []
+        for grouped in (False, True):
+            pool = make_pool(8)
+            with guard():
+                p = pool.alloc(i32([1])).pages[:1].clone()
+            with pool.free_group(capacity=4) if grouped else contextlib.nullcontext():
+                with guard():
+                    pool.free(p)
+                    getattr(pool, call)(p)
+            with pytest.raises(tpool.UseAfterFree):
+                pool.check()
+            ends.append((pool.available(), pool.state.page_state.tolist()))
+            pool.check_invariants()
+        assert ends[0] == ends[1] and ends[0][0] == 8
+
+
+def test_preserved_is_refused_inside_an_open_group(make_pool):
+    """Frees queued inside preserved survived its restore and were applied at the group's exit."""
+    from tpool.graphs import preserved
+    pool = make_pool(8)
+    p = pool.alloc(i32([2])).pages[:2].clone()
+    with pool.free_group(capacity=4):
+        with pytest.raises(RuntimeError, match="a free group of this pool is open in this thread"):
+            with preserved(pool):
+                pool.free(p)
+    assert pool.available() == 6
+    with preserved(pool):   # outside the group: as before
+        pool.free(p)
+    assert pool.available() == 6
+
+
 def test_groups_do_not_nest(make_pool):
     pool = make_pool(4)
     with pool.free_group():

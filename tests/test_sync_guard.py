@@ -54,6 +54,8 @@ CONSTRUCTS = {
     "allclose": lambda: torch.allclose(t.float(), t.float()),
     "isin": lambda: torch.isin(t, t),
     "histc without a range": lambda: torch.histc(t.float()),
+    "torch.tensor of a list of tensors": lambda: torch.tensor([t[0], t[1]]),   # read one by one in C++
+    "as_tensor of nested tuples of tensors": lambda: torch.as_tensor(((t[0],), (t[1],))),
 }
 
 

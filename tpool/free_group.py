@@ -13,8 +13,15 @@ sum of the shapes enqueued), so overflow needs no device read. At exit, and
 whenever an enqueue would not fit, the buffered frees are applied: first all
 plain frees in enqueue order as one pass, then all ``cache=True`` frees as
 another. An enqueue larger than the whole buffer is applied at once (after
-flushing what is buffered). No free is ever lost, and the schedule of
-flushes depends only on shapes, so it is deterministic.
+flushing what is buffered). An ``incref`` or ``touch`` in the group's thread
+flushes it first: they read page states, and a page freed earlier in the group
+must be FREE there (a use after free counted, as without the group). No free
+is ever lost, and the schedule of flushes depends only on shapes and calls,
+so it is deterministic.
+
+``tpool.graphs.preserved`` (and ``capture``, which uses it) is refused in the
+thread of an open group: the frees it would queue lie outside the state it
+restores and would be applied at the group's exit.
 
 Threads: a group belongs to the thread that entered it (``with``), wherever
 it was made. Frees from other threads while it is open are applied at once,

@@ -65,7 +65,9 @@ def preserved(*owners):
     Outputs the block wrote elsewhere are not restored, nor are inputs a call
     writes: a :class:`~tpool.BoundStep` bound with ``release`` consumes its
     release ids (sets them to -1), so warm it up with padding there (-1) and
-    write the ids of finished requests after the block.
+    write the ids of finished requests after the block. Refused (``RuntimeError``)
+    in the thread of an open free group of one of the pools: the frees it would
+    queue lie outside the state restored.
 
     Parameters
     ----------
@@ -84,6 +86,12 @@ def preserved(*owners):
     >>> pool.available()
     8
     """
+    for owner in owners:
+        group = getattr(owner, "pool", owner)._group
+        if group is not None and group.owned_here():
+            raise RuntimeError("preserved: a free group of this pool is open in this thread; the frees it would "
+                               "queue are not in the state preserved restores (they would be applied at the "
+                               "group's exit): exit the free group first")
     tensors = state_tensors(*owners)
     with _locked(owners):
         saved = clones_between_calls(tensors)

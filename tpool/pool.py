@@ -352,7 +352,9 @@ class PagePool:
     def incref(self, pages: torch.Tensor) -> None:
         """Add one reference per entry (prefix sharing). A CACHED page is revived.
 
-        A FREE page counts ``use_after_free`` and is left alone.
+        A FREE page counts ``use_after_free`` and is left alone. Inside a :meth:`free_group`
+        (in its thread) the frees it holds are applied first, so a page freed earlier in the
+        group is FREE here, as without the group.
 
         Parameters
         ----------
@@ -360,12 +362,21 @@ class PagePool:
             shape ``[N]``, int32, on the pool's device; -1 entries are padding.
         """
         self._pages(pages)
+        self._flush_group()
         self.ops.incref(pages)
+
+    def _flush_group(self) -> None:
+        """Apply this thread's open free group's frees now: a call that reads page states (incref,
+        touch) must see them, or a use after free inside the group would pass uncounted."""
+        group = self._group  # read once: another thread may close its group meanwhile
+        if group is not None and group.owned_here():
+            group.flush()
 
     def touch(self, pages: torch.Tensor) -> None:
         """Stamp USED or CACHED pages with the current clock (LRU refresh).
 
-        A FREE page counts ``use_after_free``.
+        A FREE page counts ``use_after_free``. Inside a :meth:`free_group` the frees it holds
+        are applied first, as for :meth:`incref`.
 
         Parameters
         ----------
@@ -373,6 +384,7 @@ class PagePool:
             shape ``[N]``, int32, on the pool's device; -1 entries are padding.
         """
         self._pages(pages)
+        self._flush_group()
         self.ops.touch(pages)
 
     def generations(self, pages: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

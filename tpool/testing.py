@@ -13,8 +13,9 @@ host wait for the device raises :class:`HostSyncError`:
   without a range (its CUDA kernel reads the min and max);
 * methods that read memory without dispatch, patched while any guard is
   active: ``Tensor.tolist``, ``Tensor.numpy``, ``Tensor.cpu``,
-  ``Tensor.item`` (and ``torch.tensor`` / ``torch.as_tensor`` of host data
-  for a guard with ``host_data=True``).
+  ``Tensor.item``, ``torch.tensor`` / ``torch.as_tensor`` of a list or
+  tuple holding tensors (each read one by one, past the dispatcher), and of
+  any host data for a guard with ``host_data=True``.
 
 An op whose own kernel reads the device inside (as ``isin`` and ``histc``
 do) is seen only if listed here. ``t.to("cpu")`` is not refused: on a CPU it
@@ -173,11 +174,21 @@ def _from_host(name, original):
     @functools.wraps(original)
     def build(data, *args, **kwargs):
         guard = _innermost(_thread.guards)
-        if guard is not None and guard.host_data and not isinstance(data, torch.Tensor):
+        if guard is not None and _holds_tensor(data):
+            guard.report(f"torch.{name}() of a list or tuple holding tensors (each is read to the host one by "
+                         f"one, as .item() would; use torch.stack)")
+        elif guard is not None and guard.host_data and not isinstance(data, torch.Tensor):
             guard.report(f"torch.{name}() of host data (on CUDA a copy from pageable memory, which waits for "
                          f"the stream; use torch.full or a tensor made beforehand)")
         return original(data, *args, **kwargs)
     return build
+
+
+def _holds_tensor(data) -> bool:
+    """Whether ``data``, a list or tuple (nested), holds a tensor: ``torch.tensor`` reads each to the host
+    in C++, past the dispatcher the guard watches."""
+    return isinstance(data, (list, tuple)) and any(
+        isinstance(x, torch.Tensor) or isinstance(x, (list, tuple)) and _holds_tensor(x) for x in data)
 
 
 def _device_region(name, original):
