@@ -344,6 +344,15 @@ def decode_lanes(req_ids_ptr, ntok_ptr, B, cd, behind):
                 changed = 1
                 continue
         k, off = length >> shift, length & (ps - 1)
+        if behind and pos + k + 1 > total:
+            # More pages than the first pass counted: a row it read grew since, a request twice in a
+            # batch only a hand-edited memo holds (no step leaves one). The lane fails, counted: the
+            # CSR stays within the ``total`` entries the capacity was checked against.
+            null_lane(i, tok, tok + 1, T, ps, cd[CD_SLOTS], ok, True, pos, indptr, last, cd[CD_POSITIONS], qo, kvl)
+            bad_slots += 1
+            changed = 1
+            tok += 1
+            continue
         if off == 0:  # a new page, from the stack (checked above)
             top -= 1
             page = np.int64(stack[top])

@@ -67,7 +67,7 @@ def main(backend: str) -> dict:
     # Session 25: a free of a page whose refcount is near INT32_MIN (a hand edit): Triton's k - d wrapped in
     # int32 and stored a negative double_free that check() did not raise.
     pool = tpool.PagePool(4, 1, device="cpu", backend=backend)
-    pages = pool.alloc(i32([2])).pages[:2].clone()
+    pool.alloc(i32([2]))  # pages 0 and 1 in use
     pool.state.refcount[0] = -2**31
     with no_host_sync():
         pool.free(i32([0, 0]))
@@ -288,7 +288,81 @@ def main(backend: str) -> dict:
     stale["version"] = dict(indptr=s.csr.indptr.tolist(), indices=s.csr.indices.tolist(), kv_lens=s.kv_lens.tolist(),
                             corrupt=err(pool, L.ERR_CORRUPT_STATE))
     out["stale_csr"] = stale
+    out["re_pointed"] = re_pointed(backend)
+    out["memo_names_a_request_twice"] = memo_names_a_request_twice(backend)
     return out
+
+
+def re_pointed(backend: str) -> dict:
+    """State tensors, a StepOut's buffers and its memo re-pointed by hand (``set_``) at one entry of a
+    larger canary buffer, then a step, an incref and a revive: every backend keeps the memory it was
+    given (Triton took the sizes from the pool and wrote past the one entry; numba's revive followed
+    the memo's new address). Returns the canary entries changed and what the calls wrote, read
+    through views taken before the edit, next to an untouched twin's."""
+    import tpool
+    from tpool.kernels import layout as L
+
+    def run(edit):
+        pool = tpool.PagePool(64, 4, device="cpu", backend=backend)
+        t = tpool.PageTable(pool, 8, 8)
+        out = t.step_out(4, max_tokens=8, capacity=16)
+        t.step(i32([0, 1, 2, 3]), i32([2, 2, 2, 2]), out=out)
+        a = pool.alloc(i32([2]))
+        pool.free(a.pages[:2].clone(), cache=True)
+        res = out.result
+        named = dict(refcount=pool.state.refcount, page_state=pool.state.page_state, stack=pool.state.free_stack,
+                     counters=pool.state.counters, lens=t.seq_lens, rows=t.block_table,
+                     row_version=t.state.row_version, slots=res.slots, ok=res.ok, indptr=res.csr.indptr,
+                     indices=res.csr.indices, kv_lens=res.kv_lens, positions=res.positions, memo=out.memo.tensor)
+        views = {k: x.view(x.shape) for k, x in named.items()}
+        canaries = []
+        if edit:
+            for x in named.values():
+                c = torch.full((4096,), 5, dtype=x.dtype)  # 5: the revived row's id, a memo forgets its lanes
+                x.set_(c.untyped_storage(), 0, (1,) * x.dim())
+                canaries.append((c, c.clone()))
+        t.step(i32([0, 1, 2, 3]), i32([1, 1, 1, 1]), out=out)
+        pool.incref(i32([5]))
+        t.revive(5, a.pages[:2].clone(), 8)
+        changed = sum(int((c[1:] != was[1:]).sum()) for c, was in canaries)
+        # (row versions, drawn per table, and the memo's bookkeeping are not compared)
+        return changed, {k: v.tolist() for k, v in views.items() if k not in ("row_version", "memo")}
+    changed, after = run(True)
+    _, twin = run(False)
+    # A memo re-pointed before any step, at a buffer of zeros (row 0 in every lane, the fresh table's
+    # version 0): numba's revive of row 0 wrote the memo's length of entries from the new address.
+    pool = tpool.PagePool(16, 1, device="cpu", backend=backend)
+    t = tpool.PageTable(pool, 4, 4)
+    out = t.step_out(64)
+    zeros = torch.zeros(L.memo_len(64) + 64, dtype=torch.int64)
+    out.memo.tensor.set_(zeros.untyped_storage(), 0, (3,))
+    a = pool.alloc(i32([2]))
+    pool.free(a.pages[:2].clone(), cache=True)
+    t.revive(0, a.pages[:2].clone(), 2)
+    changed += int((zeros[3:] != 0).sum())
+    return dict(canary_changed=changed, same_as_untouched=after == twin, free=after["counters"][L.FREE_COUNT],
+                rows=after["rows"][5])
+
+
+def memo_names_a_request_twice(backend: str) -> dict:
+    """A step memo edited by hand so its batch names one request in every lane, one step behind (no
+    step leaves one so: a batch with a request twice leaves the memo holding no CSR). numba's
+    one-behind decode read the row's length again per lane and wrote past the CSR's capacity; the
+    lanes past the pages it counted fail, counted as corrupt state."""
+    import tpool
+    from tpool.kernels import layout as L
+    B = 16
+    pool = tpool.PagePool(256, 1, device="cpu", backend=backend, max_batch=B)
+    t = tpool.PageTable(pool, B, 64)
+    a, c = t.step_out(B, max_tokens=B, capacity=2 * B), t.step_out(B, max_tokens=B, capacity=2 * B)
+    t.step(i32([0] + [-1] * (B - 1)), i32([0] * B), out=a)
+    t.step(i32([0] + [-1] * (B - 1)), i32([1] + [0] * (B - 1)), out=c)  # a is one step behind
+    m = a.memo.tensor
+    m[L.MEMO_IDS:L.MEMO_IDS + B] = 0
+    m[L.memo_tails(B):L.memo_tails(B) + B] = m[L.memo_tails(B)].clone()
+    s = t.step(i32([0] * B), i32([1] * B), out=a)
+    return dict(end=int(s.csr.indptr[-1]), capacity=s.csr.indices.numel(), ok=s.ok.tolist(),
+                corrupt=int(pool.state.counters[L.ERR_CORRUPT_STATE]))
 
 
 if __name__ == "__main__":

@@ -1067,7 +1067,11 @@ def test_queries_refuse_non_integers_and_a_priority_list_of_another_length(backe
                             (lambda: m.can_admit([4], [True]), r"max_lens: expected ints, got bool \[True\]"),
                             (lambda: m.pages_needed(rows[0], True), "pages_needed: n: expected a non-negative int"),
                             (lambda: m.reserve(True, 4), "reserve: row: expected a non-negative int, got True"),
-                            (lambda: m.reserve(7, 4), "reserve: expected a running row")):
+                            (lambda: m.reserve(7, 4), "reserve: expected a running row"),
+                            # tensors: numpy read them (a host sync on a GPU); the prefix cache refused them already
+                            (lambda: m.admit(torch.tensor([4])), "prompt_lens: expected host ints .*got a tensor"),
+                            (lambda: m.decode(torch.tensor(rows)), "rows: expected host ints .*got a tensor"),
+                            (lambda: m.fits(rows, torch.tensor(1)), "n: expected host ints .*got a tensor")):
             with pytest.raises(ValueError, match=match):
                 call()
         assert m.fits(rows, 1) and m.can_admit([4]) == 1 and m.pages_needed(rows[0], 1) == 1

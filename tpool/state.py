@@ -28,7 +28,7 @@ descriptor) recorded stay valid for the owner's lifetime.
 """
 
 import threading
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -45,6 +45,14 @@ def set_cell(t: torch.Tensor, i: int, value) -> None:
     number from host memory, a synchronization (``set_sync_debug_mode("error")`` raises) and an
     error inside CUDA-graph capture; a fill takes the value as a kernel argument."""
     t.narrow(0, i, 1).fill_(value)
+
+
+def held_view(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A new view of ``t``'s memory (None for None), for a backend to keep: re-pointing ``t`` by
+    hand (``t.set_(...)``, ``t.data = ...``) moves ``t`` but not the view, so a kernel keeps the
+    memory and the size it was given, on every backend (numba's descriptors hold addresses
+    anyway). The view keeps that memory alive."""
+    return None if t is None else t.view(t.shape)
 
 
 class SetOnce:
@@ -82,6 +90,11 @@ class _Tensors:
     def tensors(self) -> dict:
         """Every state tensor by name."""
         return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    def held(self):
+        """The same state over :func:`held_view` s of its tensors (and the same lock): what a backend
+        is made with, so a state tensor re-pointed by hand is not followed by any kernel."""
+        return replace(self, **{name: held_view(t) for name, t in self.tensors().items()})
 
 
 class CallLock:
@@ -265,21 +278,23 @@ class CsrMemo(SetOnce):
     * then scratch for that step's plan, and for the last page of each run it keeps (from
       ``memo_kept(B)``), which its decode lanes inside that page take instead of reading the row.
 
-    Everything but the kernels goes through this class.
+    Everything but the kernels goes through this class. The backends give kernels ``held``, a
+    view of ``tensor`` as made (:func:`held_view`): ``tensor`` re-pointed by hand is not followed.
     """
 
-    __slots__ = ("batch", "csr", "tensor", "__weakref__")
+    __slots__ = ("batch", "csr", "tensor", "held", "__weakref__")
 
     def __init__(self, batch: int, capacity: int, device: torch.device, csr=None):
         self.batch, self.csr = batch, csr  # csr: the buffers it describes (check_invariants reads them)
         self.tensor = fixed_full(L.memo_len(batch), -1, torch.int64, device)
+        self.held = held_view(self.tensor)
         set_cell(self.tensor, L.MEMO_WRITTEN, capacity)  # a fresh indices buffer is -1 throughout
 
     @classmethod
     def over(cls, batch: int, tensor: torch.Tensor, csr=None) -> "CsrMemo":
         """A memo over the given tensors, allocating nothing (a copy that a check reads)."""
         memo = cls.__new__(cls)
-        memo.batch, memo.csr, memo.tensor = batch, csr, tensor
+        memo.batch, memo.csr, memo.tensor, memo.held = batch, csr, tensor, held_view(tensor)
         return memo
 
     def invalidate(self) -> None:

@@ -64,13 +64,15 @@ def _triton_installed() -> bool:
 
 
 def make_pool_ops(name: str, st: PoolState) -> PoolOps:
-    """The pool operations of backend ``name`` over the state ``st``."""
-    return _backend(name).Pool(st)
+    """The pool operations of backend ``name`` over the state ``st`` (over its held views:
+    :meth:`tpool.state.PoolState.held`)."""
+    return _backend(name).Pool(st.held())
 
 
 def make_table_ops(name: str, st: PoolState, ts: TableState) -> TableOps:
-    """The page-table operations of backend ``name`` over a table's state ``ts`` and its pool's ``st``."""
-    return _backend(name).Table(st, ts)
+    """The page-table operations of backend ``name`` over a table's state ``ts`` and its pool's ``st``
+    (over their held views)."""
+    return _backend(name).Table(st.held(), ts.held())
 
 
 def _backend(name: str):

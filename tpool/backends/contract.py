@@ -22,6 +22,7 @@ from typing import Callable, Protocol
 import torch
 
 from tpool.kernels import layout as L
+from tpool.state import held_view
 
 Tensor = torch.Tensor
 
@@ -139,7 +140,8 @@ class PoolByFunctions:
         self._alloc, self._free, self._incref, self._touch, self._evict = alloc, free, incref, touch, evict
 
     def alloc_into(self, out):
-        alloc, st, pages, indptr, ok, evicted = self._alloc, self.st, out.pages, out.indptr, out.ok, out.evicted
+        alloc, st = self._alloc, self.st
+        pages, indptr, ok, evicted = map(held_view, (out.pages, out.indptr, out.ok, out.evicted))
 
         def run(counts, b, evict):
             with st.lock:
@@ -189,7 +191,7 @@ class BoundByTensors:
         pass
 
     def extend_into(self, res):
-        extend, slots, ok = self.extend, res.slots, res.ok
+        extend, slots, ok = self.extend, held_view(res.slots), held_view(res.ok)
         return lambda req_ids, num_tokens, b: extend(req_ids, num_tokens, slots, ok)
 
     def flashinfer_csr_into(self, csr, memo):
@@ -203,7 +205,7 @@ class BoundByTensors:
     def _csr_call(self, csr, memo, count=True, kv_lens=None):
         """The export into ``csr``; ``memo`` (how far it wrote) is bookkeeping a full re-pad does without.
         ``count``, ``kv_lens``: ``flashinfer_csr``'s last arguments."""
-        export = self.flashinfer_csr
+        export, csr, kv_lens = self.flashinfer_csr, tuple(map(held_view, csr)), held_view(kv_lens)
         return lambda req_ids: export(req_ids, *csr, count, kv_lens)
 
     def step_into(self, res, memo):
@@ -211,7 +213,7 @@ class BoundByTensors:
         # kv_lens: 0 for a lane exported empty for a page id outside the pool
         export = self._csr_call(res.csr, memo, False, res.metadata[2])
         extend, lock, release_ = self.extend, self.st.lock, self.release
-        slots, ok, meta = res.slots, res.ok, res.metadata
+        slots, ok, meta = held_view(res.slots), held_view(res.ok), tuple(map(held_view, res.metadata))
 
         def step(req_ids, num_tokens, b, release=None, cache=False):
             with lock:  # one call: no other thread's change between the release, the extend and the export

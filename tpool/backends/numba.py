@@ -230,9 +230,9 @@ def call_descriptor(td, sd, slots=None, ok=None, csr=None, memo=None, inputs=Non
         d[L.CD_SLOTS], d[L.CD_SLOTS_LEN], d[L.CD_OK] = _addr(slots), slots.numel(), _addr(ok)
     if csr is not None:
         indptr, indices, last = csr
-        assert memo.tensor.numel() == L.memo_len(last.numel())
+        assert memo.held.numel() == L.memo_len(last.numel())
         d[L.CD_INDPTR], d[L.CD_INDICES], d[L.CD_INDICES_LEN] = _addr(indptr), _addr(indices), indices.numel()
-        d[L.CD_LAST_PAGE_LEN], d[L.CD_CSR_MEMO] = _addr(last), _addr(memo.tensor)
+        d[L.CD_LAST_PAGE_LEN], d[L.CD_CSR_MEMO] = _addr(last), _addr(memo.held)
     if inputs is not None:
         ids, ntok = inputs
         assert ids.numel() == ntok.numel()
@@ -460,8 +460,8 @@ class Table:
         self.flashinfer_csr_into((indptr, indices, last_page_len), memo)(req_ids, req_ids.numel())
 
     def flashinfer_csr_into(self, csr, memo):
-        cd = _with_ranges(call_descriptor(self.td, self.sd, csr=csr, memo=memo), self._written(*csr, memo.tensor))
-        run, held = guard_point(csr_guarded, _i64, _i64, _desc), (self._held, _storages(*csr, memo.tensor))
+        cd = _with_ranges(call_descriptor(self.td, self.sd, csr=csr, memo=memo), self._written(*csr, memo.held))
+        run, held = guard_point(csr_guarded, _i64, _i64, _desc), (self._held, _storages(*csr, memo.held))
 
         def call(req_ids, b, held=held):  # ``held``: what ``cd`` points into
             if run(req_ids.data_ptr(), b, cd):
@@ -471,9 +471,9 @@ class Table:
     def step_into(self, res, memo):
         cd = _with_ranges(call_descriptor(self.td, self.sd, slots=res.slots, ok=res.ok, csr=res.csr, memo=memo,
                                           meta=res.metadata),
-                          self._written(res.slots, res.ok, *res.csr, *res.metadata, memo.tensor))
+                          self._written(res.slots, res.ok, *res.csr, *res.metadata, memo.held))
         run, held = guard_point(step_guarded, _i64, _i64, _i64, _desc), (
-            self._held, _storages(res.slots, res.ok, *res.csr, *res.metadata, memo.tensor))
+            self._held, _storages(res.slots, res.ok, *res.csr, *res.metadata, memo.held))
         with_release = []  # compiled at the first step that releases requests too
 
         def call(req_ids, num_tokens, b, release=None, cache=False, held=held):  # ``held``: what ``cd`` points into
@@ -496,7 +496,7 @@ class Table:
             cd[L.CD_RELEASE], cd[L.CD_RELEASE_LEN], cd[L.CD_RELEASE_CACHE] = _addr(release), release.numel(), cache
             entry = step.step_release_bound_numba_entry
         run = functools.partial(entry_point(entry, _i64), cd.ctypes.data)  # one int
-        run.held = (cd, self._held, _storages(res.slots, res.ok, *res.csr, *res.metadata, memo.tensor, req_ids,
+        run.held = (cd, self._held, _storages(res.slots, res.ok, *res.csr, *res.metadata, memo.held, req_ids,
                                               num_tokens, release))  # everything cd points into
         return run
 
@@ -520,7 +520,7 @@ class Table:
         forget, run = calls
         if memos and 0 <= row < self.ts.max_requests:  # as restamp_rows(row): the memos forget it before its stamp
             for memo in memos:
-                forget(memo.tensor.data_ptr(), memo.batch, row, self.td)
+                forget(memo.held.data_ptr(), memo.batch, row, self.td)
         run(row, pages.data_ptr(), 0 if gens is None else gens.data_ptr(), pages.numel(), self.cd)  # 0: no gens
 
     def block_table_rows(self, req_ids, out):

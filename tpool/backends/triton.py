@@ -16,6 +16,7 @@ from tpool.backends.reference_table import ends_in_shared_page
 from tpool.kernels import _triton_shim
 from tpool.kernels import alloc, block_table_rows, evict, extend, flashinfer_csr, fork, free, incref, release, step
 from tpool.kernels import revive, touch
+from tpool.state import held_view
 
 _triton_shim.load()  # raises ImportError naming the extra when triton is not installed
 
@@ -72,13 +73,13 @@ class Table(BoundByTensors):
         flashinfer_csr.flashinfer_csr_triton(req_ids, indptr, indices, last_page_len, written, self.st, self.ts)
 
     def _csr_call(self, csr, memo):  # re-pads only as far as the last export into csr wrote (the memo)
-        indptr, indices, last = csr
-        st, ts, written = self.st, self.ts, memo.tensor
+        indptr, indices, last = map(held_view, csr)
+        st, ts, written = self.st, self.ts, memo.held
         return lambda req_ids: flashinfer_csr.flashinfer_csr_triton(req_ids, indptr, indices, last, written, st, ts)
 
     def step_into(self, res, memo):  # one launch: extend, barrier, CSR
-        (indptr, indices, last), slots, ok, meta = res.csr, res.slots, res.ok, res.metadata
-        st, ts, written = self.st, self.ts, memo.tensor
+        indptr, indices, last, slots, ok, *meta = map(held_view, (*res.csr, res.slots, res.ok, *res.metadata))
+        st, ts, written = self.st, self.ts, memo.held
 
         def run(req_ids, num_tokens, b, release=None, cache=False):
             with st.lock:  # a release first is its own launch

@@ -114,8 +114,10 @@ def extra_pages(st, rows, n, n_scalar, ps):
 @cached_njit(nogil=True)
 def check_rows(rows, live, scratch):
     """0 if ``rows`` are distinct running rows; 1 if one is out of range or not running; 2 if
-    one repeats. ``scratch`` (int64 ``[R]``) is overwritten."""
-    R = live.shape[0]
+    one repeats. ``scratch`` (int64 ``[R]``, private: as many rows as the records) is overwritten.
+    Rows are bounded by it too: ``live`` is a public attribute, which a caller may rebind to a
+    longer array, and the accounting kernels index the records with the rows checked here."""
+    R = min(live.shape[0], scratch.shape[0])
     for i in range(rows.shape[0]):
         q = rows[i]
         if q < 0 or q >= R or not live[q]:

@@ -8,6 +8,7 @@ import array
 import collections
 
 import numpy as np
+import torch
 
 from tpool import _checks
 from tpool.scheduling._decode import EMPTY, check_prompts, check_rows, count_total, extra_pages, start_rows
@@ -27,11 +28,16 @@ _LONG_LIST = 16  # entries from which a list of ints is read through array.array
 _N64 = tuple(np.int64(n) for n in range(64))  # the usual token counts as numpy scalars, made once
 
 
-def _as_array(values):
+def _as_array(values, name: str):
     """``values`` as a numpy array, as ``np.asarray`` reads it: int64 for a list of ints (a bool among
-    them reads as 0/1, numpy's promotion), bool for a list of bools only, floats if one is a float."""
+    them reads as 0/1, numpy's promotion), bool for a list of bools only, floats if one is a float.
+    A tensor is a ``ValueError`` naming ``name``: the mirror plans on host ints, and numpy would read
+    a tensor's values, a host sync on a GPU (the prefix cache refuses tensors too)."""
     if type(values) is np.ndarray:
         return values
+    if isinstance(values, torch.Tensor):
+        raise ValueError(f"{name}: expected host ints (a list, tuple or numpy int array), got a tensor on "
+                         f"{values.device}: the mirror plans on host integers (reading a tensor is a host sync)")
     if type(values) is list and len(values) > _LONG_LIST and type(values[0]) is not bool:
         # A C loop taking ints only (a float or a numpy bool raises): ~1 us less than numpy's inference
         # at 256. It would read a list of bools as 0/1 too: one starting with a bool goes to numpy (a
@@ -66,7 +72,7 @@ def _int_array(values, name: str, what: str = "ints"):
     ``what`` was expected and what came: an array of floats or bools, a list with a float in it, a list
     of bools only (a bool among ints reads as 0/1, numpy's promotion). ``asarray(..., dtype=int64)``
     would truncate ``1.9`` to ``1`` and read a mask as ids."""
-    a = _as_array(values)
+    a = _as_array(values, name)
     if a.dtype is _I64:
         return a
     if a.dtype.kind in "iu" or a.size == 0:  # (an empty list comes as float64)
@@ -514,7 +520,7 @@ class Accounting:
                 raise ValueError(f"rows: expected at most max_batch={self.max_batch} rows in one call (the lanes "
                                  f"of one table call), got {r.shape[0]}")
             if check_rows(r, self.live, self._scratch):
-                raise ValueError(_bad_rows(r.tolist(), self.live))
+                raise ValueError(_bad_rows(r.tolist(), self.live[:self._st.shape[0]]))  # (rebound: check_rows)
             self._checked = (key, self._members)
         if type(n) is int and 0 <= n <= self.capacity:
             return r, _N64[n] if n < 64 else np.int64(n), key
@@ -522,7 +528,7 @@ class Accounting:
         if type(n) is list and len(n) == r.shape[0] and _same_ints(n, memo[0]):
             self._n_total = memo[1:]
             return r, memo[1], key
-        a = _as_array(n)
+        a = _as_array(n, "n")
         if a.dtype is not _I64:  # (int64 as it came, the common case: the message is made only otherwise)
             a = _int_array(a, "n", f"a non-negative int or one int per row ({r.shape[0]})")
         if a.ndim == 1:
