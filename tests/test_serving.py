@@ -433,6 +433,9 @@ def _other_model(name):
         # passes s_aux (attention sinks, one logit per query head) and its window
         "gpt_oss": lambda: transformers.GptOssConfig(sliding_window=4, num_local_experts=4, num_experts_per_tok=2,
                                                      **common),
+        # passes no sliding_window and keeps none: its mask alone applies the config's, on every layer
+        "phimoe": lambda: transformers.PhimoeConfig(sliding_window=4, num_local_experts=4, num_experts_per_tok=2,
+                                                    **{k: v for k, v in common.items() if k != "head_dim"}),
     }[name]()
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION,
@@ -460,11 +463,12 @@ def _paged_logits(model, seqs, schedule, max_tokens=16):
     return [torch.cat(o) for o in out]
 
 
-@pytest.mark.parametrize("name", ["exaone4", "qwen2_moe", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("name", ["exaone4", "qwen2_moe", "gemma2", "gpt_oss", "phimoe"])
 def test_other_models_attention_options_match_eager(name):
     """Prefill and decode lanes mixed, sequences longer than the window: every layer attends as
     transformers' eager attention does (a full layer of a hybrid model gets no window; a window
-    only the module's attribute gives still applies; softcap; sinks)."""
+    only the module's attribute gives still applies; softcap; sinks; PhiMoE's window, which only
+    its mask applied, was left out: full attention, silently)."""
     model = _other_model(name)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (14, 13, 4)]
@@ -480,7 +484,7 @@ def test_other_models_attention_options_match_eager(name):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(attention_mask=torch.zeros(1, 1, 8, 8)), r"attention_mask: expected None .*got a mask of shape "
                                                   r"\(1, 1, 8, 8\)"),
-    (dict(is_causal=False), "is_causal: expected True or None .*got False"),
+    (dict(is_causal=False), "is_causal: expected True .*got False"),
     (dict(position_bias=torch.zeros(1)), "position_bias: expected None, got Tensor"),
     (dict(sinks=torch.zeros(4)), "sinks: expected None, got Tensor"),
 ])

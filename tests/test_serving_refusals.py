@@ -51,6 +51,39 @@ def _untouched(ctx):
     return all(not k.any() for k in ctx.cache.k) and all(not v.any() for v in ctx.cache.v)
 
 
+# ------------------------------------------------------------ attention that is not causal
+@pytest.mark.parametrize("name", ["gemma3_bidirectional", "bert_not_a_decoder"])
+def test_attention_whose_module_is_not_causal_is_refused_before_it_writes(name):
+    """Gemma 3 with ``use_bidirectional_attention`` and a BERT-family LM head without ``is_decoder`` pass no
+    ``is_causal`` keyword: their modules' ``is_causal`` attribute is False (what transformers' sdpa reads).
+    Served causally, they gave other tokens than ``generate``, silently."""
+    if name == "gemma3_bidirectional":
+        model = _build(transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+                       **{**LLAMA, "use_bidirectional_attention": True, "sliding_window": 64})
+    else:
+        model = _build(transformers.BertConfig, transformers.BertLMHeadModel, vocab_size=V, hidden_size=64,
+                       num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, max_position_embeddings=256,
+                       pad_token_id=0, is_decoder=False)
+    ctx = _ctx(model)
+    with pytest.raises(ValueError, match=r"is_causal: expected True .*got False \(the module's is_causal attribute"):
+        forward_step(model, torch.zeros(8, dtype=torch.long), ctx)
+    assert _untouched(ctx)
+
+
+def test_attention_with_other_kv_heads_than_the_config_names_is_refused_naming_it():
+    """JetMoE repeats its K/V heads per expert before the attention: the Engine's cache (``kv_shape``,
+    from the config) has half of them. The error names the model, the layer and ``kv_shape``, not only
+    the cache's shape check."""
+    cfg = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_key_value_heads=2, kv_channels=16,
+               intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+               initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    model = _build(transformers.JetMoeConfig, transformers.JetMoeForCausalLM, **cfg)
+    eng = engine.Engine(model, num_pages=32, page_size=4, max_batch=2, max_pages=16, backend="reference")
+    with pytest.raises(ValueError, match=r"expected K/V of 4 heads of head_dim 16 \(what JetMoeAttention, layer 0, "
+                                         r"attends with\), the cache holds 2 heads of 16 .*kv_shape"):
+        eng.run([engine.Request(0, [5, 6, 7, 8, 9], 3)])
+
+
 # ------------------------------------------------------------ attention twice per layer
 def _diffllama():
     return _build(transformers.DiffLlamaConfig, transformers.DiffLlamaForCausalLM, **LLAMA)

@@ -23,6 +23,12 @@ that returned other tokens with no error:
   ``"default"``, ``"linear"``, ``"yarn"``, ``"llama3"`` and ``"proportional"`` are fixed at
   build time and served.
 
+At each layer's attention call ``tpool.serving.hf.paged_attention_forward`` refuses what only
+shows there: a mask, attention that is not causal (the ``is_causal`` keyword, else the module's
+attribute: Gemma 3 with ``use_bidirectional_attention``, BERT-family heads without ``is_decoder``),
+K/V heads other than the cache's (JetMoE), and the keywords it does not implement. It takes
+PhiMoE's window, which that model applies in its mask alone, from the config.
+
 :func:`check_config` needs only a config (before a model is built); :func:`check_decoder`
 the built model. Both are Python only, no tensor is read.
 """

@@ -83,6 +83,12 @@ class PagedContext:
         check_pages(self.cache.k[0], self.meta, "cache")
 
 
+# Attention modules whose model applies its config's sliding_window through its mask alone (every
+# layer), passing no window to the attention and keeping no attribute: PhiMoE. Masks are not built
+# here, so the window is taken from the config.
+WINDOW_IN_MASK_ONLY = frozenset({"PhimoeAttention"})
+
+
 def _refuse_unsupported(module, attention_mask, dropout, is_causal, kwargs):
     """Raise ``ValueError`` for a keyword that would change the result and is not implemented here."""
     def refuse(name, expected, got):
@@ -94,8 +100,11 @@ def _refuse_unsupported(module, attention_mask, dropout, is_causal, kwargs):
     if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
         refuse("attn_temperature_tuning", "False on a layer without rope (Llama4 scales q by the token's index "
                "in the packed row, not its position)", "True")
-    if is_causal is not None and not is_causal:
-        refuse("is_causal", "True or None (causal attention)", repr(is_causal))
+    if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
+        # (None: the module's attribute, as transformers' sdpa reads it: Gemma 3 with
+        # use_bidirectional_attention, BERT-family layers with is_decoder=False set it False)
+        refuse("is_causal", "True (causal attention)", f"{is_causal!r}" if is_causal is not None else
+               "False (the module's is_causal attribute: bidirectional attention)")
     if dropout and getattr(module, "training", False):
         refuse("dropout", "0.0 in training (no attention dropout)", repr(dropout))
     for name in UNSUPPORTED_KWARGS:
@@ -120,10 +129,11 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     sliding_window : int or None, optional
         As passed by the model, None included (Exaone4's full layers pass None, Mistral, Qwen2,
         Gemma2, gpt-oss pass theirs); if not passed at all, the module's ``sliding_window``
-        attribute, which some models set only on their sliding layers (Qwen2-MoE).
+        attribute, which some models set only on their sliding layers (Qwen2-MoE), else for
+        PhiMoE (:data:`WINDOW_IN_MASK_ONLY`) its config's.
     softcap : float, optional  the logit softcap (Gemma2's ``attn_logit_softcapping``).
     s_aux : torch.Tensor, optional  ``[num_qo_heads]`` attention sinks (gpt-oss).
-    is_causal : bool, optional  must be True or None.
+    is_causal : bool, optional  must be True, or None with the module's ``is_causal`` not False.
     tpool_context : PagedContext  (keyword) the step's context.
 
     Returns
@@ -147,12 +157,21 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     _refuse_unsupported(module, attention_mask, dropout, is_causal, kwargs)
     if sliding_window is _NOT_PASSED:
         sliding_window = getattr(module, "sliding_window", None)
+        if sliding_window is None and type(module).__name__ in WINDOW_IN_MASK_ONLY:
+            sliding_window = getattr(module.config, "sliding_window", None)
     extra = {name: val for name, val in (("softcap", softcap), ("sinks", s_aux)) if val is not None}
     cache, meta = ctx.cache, ctx.meta
     if layer in ctx.layers:
         raise ValueError(f"{ATTN_IMPLEMENTATION}: expected one attention call per layer per forward, got a second "
                          f"call for layer {layer} from {type(module).__name__} (its K/V would overwrite the "
                          f"first call's in the pages: later steps would read them); this model is not served")
+    if key.shape[1] != cache.num_kv_heads or key.shape[3] != cache.head_dim:
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: cache: expected K/V of {key.shape[1]} heads of head_dim "
+                         f"{key.shape[3]} (what {type(module).__name__}, layer {layer}, attends with), the cache "
+                         f"holds {cache.num_kv_heads} heads of {cache.head_dim} (engine.kv_shape reads "
+                         f"num_key_value_heads and head_dim from the config): this model's attention does not use "
+                         f"the K/V heads its config names (JetMoE repeats them per expert): the Engine, which sizes "
+                         f"the cache by kv_shape, does not serve it")
     if key.dtype != cache.dtype and not _is_float8(cache.dtype):
         raise ValueError(f"{ATTN_IMPLEMENTATION}: cache: expected dtype {key.dtype} (the K/V of "
                          f"{type(module).__name__}, layer {layer}), got {cache.dtype}: build the cache with "
