@@ -344,15 +344,6 @@ def decode_lanes(req_ids_ptr, ntok_ptr, B, cd, behind):
                 changed = 1
                 continue
         k, off = length >> shift, length & (ps - 1)
-        if behind and pos + k + 1 > total:
-            # More pages than the first pass counted: a row it read grew since, a request twice in a
-            # batch only a hand-edited memo holds (no step leaves one). The lane fails, counted: the
-            # CSR stays within the ``total`` entries the capacity was checked against.
-            null_lane(i, tok, tok + 1, T, ps, cd[CD_SLOTS], ok, True, pos, indptr, last, cd[CD_POSITIONS], qo, kvl)
-            bad_slots += 1
-            changed = 1
-            tok += 1
-            continue
         if off == 0:  # a new page, from the stack (checked above)
             top -= 1
             page = np.int64(stack[top])
@@ -385,6 +376,15 @@ def decode_lanes(req_ids_ptr, ntok_ptr, B, cd, behind):
     counters[L.FREE_COUNT] -= free - top
     counters[L.ALLOCATED] += free - top
     raise_peaks(counters, P)
+    if pos > total:
+        # More pages than the first pass counted (grow_csr would write past ``total``, the entries the
+        # capacity was checked against): a row it read grew lane by lane, a request named twice in a
+        # batch only a hand-edited memo holds (no step leaves one). Counted; the CSR rebuilt from the
+        # rows within the capacity; the next step rebuilds too.
+        counters[L.ERR_CORRUPT_STATE] += 1
+        rebuild_csr(req_ids_ptr, B, cd, memo, ps, bt, lens, counters, P, indptr, kvl)
+        memo[L.MEMO_VERSION] = -1
+        return True
     grow_csr(cd[CD_INDICES], ins, grown, total, ids, bt)
     memo[L.MEMO_WRITTEN] = max(memo[L.MEMO_WRITTEN], total)
     # A page outside the pool copied in (behind: from a row, above): rebuild, as the full step does. (A

@@ -294,8 +294,9 @@ def main(backend: str) -> dict:
 
 
 def re_pointed(backend: str) -> dict:
-    """State tensors, a StepOut's buffers and its memo re-pointed by hand (``set_``) at one entry of a
-    larger canary buffer, then a step, an incref and a revive: every backend keeps the memory it was
+    """State tensors, a StepOut's buffers and its memo, the table's fork and rows buffers re-pointed by
+    hand (``set_``) at one entry of a larger canary buffer, then a step, a fork, a rows copy, an incref
+    and a revive: every backend keeps the memory it was
     given (Triton took the sizes from the pool and wrote past the one entry; numba's revive followed
     the memo's new address). Returns the canary entries changed and what the calls wrote, read
     through views taken before the edit, next to an untouched twin's."""
@@ -309,11 +310,15 @@ def re_pointed(backend: str) -> dict:
         t.step(i32([0, 1, 2, 3]), i32([2, 2, 2, 2]), out=out)
         a = pool.alloc(i32([2]))
         pool.free(a.pages[:2].clone(), cache=True)
+        fork = t.fork(i32([0, 1]), i32([6, 7]), i32([2, 2]))  # the table's own fork and rows buffers
+        rows = t.block_table_rows(i32([0, 1, 2]))
+        t.release(i32([6, 7]))
         res = out.result
         named = dict(refcount=pool.state.refcount, page_state=pool.state.page_state, stack=pool.state.free_stack,
                      counters=pool.state.counters, lens=t.seq_lens, rows=t.block_table,
                      row_version=t.state.row_version, slots=res.slots, ok=res.ok, indptr=res.csr.indptr,
-                     indices=res.csr.indices, kv_lens=res.kv_lens, positions=res.positions, memo=out.memo.tensor)
+                     indices=res.csr.indices, kv_lens=res.kv_lens, positions=res.positions, fork_ok=fork.ok,
+                     cow_src=fork.cow_src, cow_dst=fork.cow_dst, row_copy=rows, memo=out.memo.tensor)
         views = {k: x.view(x.shape) for k, x in named.items()}
         canaries = []
         if edit:
@@ -322,6 +327,8 @@ def re_pointed(backend: str) -> dict:
                 x.set_(c.untyped_storage(), 0, (1,) * x.dim())
                 canaries.append((c, c.clone()))
         t.step(i32([0, 1, 2, 3]), i32([1, 1, 1, 1]), out=out)
+        t.fork(i32([0, 1]), i32([6, 7]), i32([3, 4]))  # (3: a copy-on-write pair)
+        t.block_table_rows(i32([0, 1, 2]))
         pool.incref(i32([5]))
         t.revive(5, a.pages[:2].clone(), 8)
         changed = sum(int((c[1:] != was[1:]).sum()) for c, was in canaries)
@@ -347,8 +354,9 @@ def re_pointed(backend: str) -> dict:
 def memo_names_a_request_twice(backend: str) -> dict:
     """A step memo edited by hand so its batch names one request in every lane, one step behind (no
     step leaves one so: a batch with a request twice leaves the memo holding no CSR). numba's
-    one-behind decode read the row's length again per lane and wrote past the CSR's capacity; the
-    lanes past the pages it counted fail, counted as corrupt state."""
+    one-behind decode read the row's length again per lane and wrote past the CSR's capacity; now a
+    step whose lanes hold more pages than its first pass counted rebuilds the CSR within the capacity,
+    counted as corrupt state."""
     import tpool
     from tpool.kernels import layout as L
     B = 16

@@ -5,6 +5,8 @@ the device (they are the test's sync points, not the scheduler's).
 """
 
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -1071,7 +1073,9 @@ def test_queries_refuse_non_integers_and_a_priority_list_of_another_length(backe
                             # tensors: numpy read them (a host sync on a GPU); the prefix cache refused them already
                             (lambda: m.admit(torch.tensor([4])), "prompt_lens: expected host ints .*got a tensor"),
                             (lambda: m.decode(torch.tensor(rows)), "rows: expected host ints .*got a tensor"),
-                            (lambda: m.fits(rows, torch.tensor(1)), "n: expected host ints .*got a tensor")):
+                            (lambda: m.fits(rows, torch.tensor(1)), "n: expected host ints .*got a tensor"),
+                            (lambda: m.admit([torch.tensor(4)]), "prompt_lens: expected host ints .*list of tensors"),
+                            (lambda: m.fits(rows, [torch.tensor(1)] * 3), "n: expected host ints .*list of tensors")):
             with pytest.raises(ValueError, match=match):
                 call()
         assert m.fits(rows, 1) and m.can_admit([4]) == 1 and m.pages_needed(rows[0], 1) == 1
@@ -1161,6 +1165,30 @@ def test_a_revive_of_pages_evicted_and_handed_out_again(backend):
         with pytest.raises(MirrorError, match="the device had"):
             m.reconcile(landed(m.snapshot()))
     assert table.block_table[c, :2].tolist() == pages.tolist()
+
+
+LIVE_REBOUND = """
+import numpy as np, torch, tpool
+from tpool.scheduling import HostMirror
+m = HostMirror(tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend="numba"), 4, 8))
+m.admit([5])
+m.live = np.ones(1 << 20, dtype=bool)
+for call in (lambda: m.decode([900000]), lambda: m.fits([900000], 1)):
+    try:
+        call()
+    except ValueError as e:
+        print(str(e).split(": ", 1)[1])
+"""
+
+
+def test_rows_past_the_records_are_refused_when_live_is_rebound_to_a_longer_array():
+    """``HostMirror.live`` is a public attribute: rebound to a longer array, its rows passed the check and the
+    compiled accounting read and wrote the records past their end (a crash here, or another array changed).
+    In a subprocess: a regression is a crash."""
+    r = subprocess.run([sys.executable, "-c", LIVE_REBOUND], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
+    assert r.stdout.split("\n")[:2] == ["expected distinct running rows, got [900000]: [900000] out of range "
+                                         "(rows are 0 to 3)"] * 2
 
 
 def test_a_list_of_bools_is_refused_whatever_its_length(backend):

@@ -29,7 +29,7 @@ from tpool.buffers import DEFAULT_MAX_SHAPES, ShapeBuffers, _tensors
 from tpool.errors import StaleBinding
 from tpool.kernels import layout as L
 from tpool.kernels.layout import INT32_MAX, MAX_INDEXED
-from tpool.state import CsrMemo, TableState, fixed_full
+from tpool.state import CsrMemo, TableState, fixed_full, held_view
 from tpool.table_results import ExtendResult, ForkResult, PagedKVCSR, StepOut, StepResult
 
 
@@ -626,14 +626,15 @@ class PageTable:
         entry = self._shapes.get(key)
         if entry is None:
             def build():
-                return self._shapes.add(key, (key,), self._shapes.buffer(key, lambda: ForkResult(
+                res = self._shapes.buffer(key, lambda: ForkResult(
                     fixed_full(b, False, torch.bool, self.device), fixed_full(b, L.NULL_PAGE, torch.int32, self.device),
-                    fixed_full(b, L.NULL_PAGE, torch.int32, self.device))))
+                    fixed_full(b, L.NULL_PAGE, torch.int32, self.device)))
+                fork, held = self.ops.fork, tuple(map(held_view, res))  # (a buffer re-pointed by hand: not followed)
+                return self._shapes.add(key, (key,), res, lambda src, dst, n: fork(src, dst, n, *held))
             entry = self._shapes.make(key, build)
         self._not_written(entry, ("src_ids", src_ids), ("dst_ids", dst_ids), ("lens", lens))
-        res = entry[0]
-        self.ops.fork(src_ids, dst_ids, lens, res.ok, res.cow_src, res.cow_dst)
-        return res
+        entry[1](src_ids, dst_ids, lens)
+        return entry[0]
 
     def revive(self, req_id: int, pages: torch.Tensor, n_tokens: int, *,
                generations: torch.Tensor | None = None) -> None:
@@ -837,11 +838,13 @@ class PageTable:
         entry = self._shapes.get(key)
         if entry is None:
             def build():
-                return self._shapes.add(key, (key,), self._shapes.buffer(key, lambda: fixed_full(
-                    (b, self.max_pages), L.NULL_PAGE, torch.int32, self.device)))
+                rows = self._shapes.buffer(key, lambda: fixed_full((b, self.max_pages), L.NULL_PAGE, torch.int32,
+                                                                   self.device))
+                copy, held = self.ops.block_table_rows, held_view(rows)  # (re-pointed by hand: not followed)
+                return self._shapes.add(key, (key,), rows, lambda ids: copy(ids, held))
             entry = self._shapes.make(key, build)
         self._not_written(entry, ("req_ids", req_ids))
-        self.ops.block_table_rows(req_ids, entry[0])
+        entry[1](req_ids)
         return entry[0]
 
     @property

@@ -278,8 +278,9 @@ class CsrMemo(SetOnce):
     * then scratch for that step's plan, and for the last page of each run it keeps (from
       ``memo_kept(B)``), which its decode lanes inside that page take instead of reading the row.
 
-    Everything but the kernels goes through this class. The backends give kernels ``held``, a
-    view of ``tensor`` as made (:func:`held_view`): ``tensor`` re-pointed by hand is not followed.
+    Everything but the kernels goes through this class. The kernels, and this class's own reads
+    and writes, use ``held``, a view of ``tensor`` as made (:func:`held_view`): ``tensor``
+    re-pointed by hand is not followed.
     """
 
     __slots__ = ("batch", "csr", "tensor", "held", "__weakref__")
@@ -299,7 +300,7 @@ class CsrMemo(SetOnce):
 
     def invalidate(self) -> None:
         """Make the next step on these buffers rebuild the CSR instead of growing it or keeping runs of it."""
-        set_cell(self.tensor, L.MEMO_VERSION, -1)
+        set_cell(self.held, L.MEMO_VERSION, -1)
 
     def forget(self, req_ids: torch.Tensor, version: torch.Tensor) -> None:
         """Keep no run of the rows ``req_ids`` (written by hand), whatever version comes back.
@@ -314,7 +315,7 @@ class CsrMemo(SetOnce):
         -1 (it holds no CSR a step may reuse) stays -1: as -2 its runs could be kept. Tensor ops
         only, no scalar read (``HostMirror.revive`` calls this on its hot path).
         """
-        m, b = self.tensor, self.batch
+        m, b = self.held, self.batch
         at = L.memo_stamps(b)
         named = (m[L.MEMO_IDS:L.MEMO_IDS + b, None] == req_ids.to(torch.int64)[None, :]).any(1)
         m[at:at + b].masked_fill_(named, -1)
@@ -328,7 +329,7 @@ class CsrMemo(SetOnce):
         ``appended_from`` (>= 0), the version the step that made ``version`` came from (a step
         only appends: two ``StepOut`` buffers taking turns); else None. Each tail is
         ``(last page, length)``. A sync point (for ``check_invariants``)."""
-        memo = self.tensor.tolist()
+        memo = self.held.tolist()
         if memo[L.MEMO_VERSION] != version and (appended_from < 0 or memo[L.MEMO_VERSION] != appended_from):
             return None
         at = L.memo_tails(self.batch)
@@ -337,7 +338,7 @@ class CsrMemo(SetOnce):
     def _reusable(self):
         """``(ids, tails, stamps)`` of the CSR these buffers hold, as lists, or None when no step may
         reuse it (``MEMO_VERSION`` is -1). A sync point."""
-        memo, b = self.tensor.tolist(), self.batch
+        memo, b = self.held.tolist(), self.batch
         if memo[L.MEMO_VERSION] == -1:
             return None
         tails, stamps = L.memo_tails(b), L.memo_stamps(b)

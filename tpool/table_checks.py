@@ -90,7 +90,7 @@ def check_table(table, exclusive: bool) -> None:
             continue
         csr, key = memo.csr, (memo.batch, memo.csr.indices.numel())
         batch, tails = grows
-        behind = int(memo.tensor[L.MEMO_VERSION]) != now
+        behind = int(memo.held[L.MEMO_VERSION]) != now
         lanes = [(r, length, -(-length // table.page_size)) for r, (_, length) in zip(batch, tails) if r >= 0]
         want = [p for r, _, n in lanes for p in bt[r, :n].tolist()]
         if csr.indices[:len(want)].tolist() != want:

@@ -31,13 +31,18 @@ _N64 = tuple(np.int64(n) for n in range(64))  # the usual token counts as numpy 
 def _as_array(values, name: str):
     """``values`` as a numpy array, as ``np.asarray`` reads it: int64 for a list of ints (a bool among
     them reads as 0/1, numpy's promotion), bool for a list of bools only, floats if one is a float.
-    A tensor is a ``ValueError`` naming ``name``: the mirror plans on host ints, and numpy would read
-    a tensor's values, a host sync on a GPU (the prefix cache refuses tensors too)."""
+    A tensor, or a list or tuple that starts with one, is a ``ValueError`` naming ``name``: the mirror
+    plans on host ints, and numpy would read a tensor's values, a host sync on a GPU (the prefix cache
+    refuses tensors too)."""
     if type(values) is np.ndarray:
         return values
     if isinstance(values, torch.Tensor):
         raise ValueError(f"{name}: expected host ints (a list, tuple or numpy int array), got a tensor on "
                          f"{values.device}: the mirror plans on host integers (reading a tensor is a host sync)")
+    if type(values) in (list, tuple) and values and isinstance(values[0], torch.Tensor):
+        raise ValueError(f"{name}: expected host ints (a list, tuple or numpy int array), got a "
+                         f"{type(values).__name__} of tensors: the mirror plans on host integers (reading a "
+                         f"tensor is a host sync)")
     if type(values) is list and len(values) > _LONG_LIST and type(values[0]) is not bool:
         # A C loop taking ints only (a float or a numpy bool raises): ~1 us less than numpy's inference
         # at 256. It would read a list of bools as 0/1 too: one starting with a bool goes to numpy (a

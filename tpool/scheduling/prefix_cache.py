@@ -129,6 +129,9 @@ class PrefixCache:
         # backend's own kernels do: at the addresses of its descriptors (checked and held when the table
         # was made; a tensor re-pointed since, by ``set_`` or assignment, is not followed by either).
         sizes = (n, n, self.pool.num_pages + 1)
+        # Elsewhere (reference, triton) the updates read the block table and page_gen the table's backend
+        # holds (tpool.state.held_view: a tensor re-pointed by hand is followed by neither).
+        self._bt, self._gen = table.ops.ts.block_table, table.ops.st.page_gen
         self._np = self._at = None
         at = getattr(table.ops, "addresses", None)
         if self.pool.backend == "numba" and at is not None and at("SD_PAGES") == (self.pool.num_pages,):
@@ -323,21 +326,20 @@ class PrefixCache:
                                          f"outside the arrays (checked before: a bug)")
         elif slots and self._kernels is not None:  # (the triton backend: one copy of the slots, one launch)
             idx = self._to_device(slots)
-            with self.pool.state.lock:  # (the table's own tensors: a rebound table.block_table is not followed)
-                self._kernels.insert_pages_triton(self.table.state.block_table, row, first, idx,
-                                                  self.pool.state.page_gen, *made)
+            with self.pool.state.lock:
+                self._kernels.insert_pages_triton(self._bt, row, first, idx, self._gen, *made)
         elif slots:
             # The new entries are the pages from ``first`` on, one run: a key missed makes a new
             # entry id, under which nothing is known yet, so every deeper key misses too.
             idx, P = self._to_device(slots), self.pool.num_pages
             with self.pool.state.lock:   # between two calls, never inside one
-                pages = self.table.block_table[row, first:first + len(slots)]
+                pages = self._bt[row, first:first + len(slots)]
                 # A page id outside the pool (a hand-edited row) names nothing: it is aimed at the
                 # spare last entry of page_slot, which keeps its -1, and its generation is -1 (a
                 # revive of the entry is refused on the device, as invalid_page).
                 at = pages.long().clamp_(-1, P).remainder_(P + 1)
                 bad = at == P
-                gens = self.pool.state.page_gen.index_select(0, at.clamp(max=P - 1)).masked_fill_(bad, -1)
+                gens = self._gen.index_select(0, at.clamp(max=P - 1)).masked_fill_(bad, -1)
                 self.slot_page.index_copy_(0, idx, pages)
             self.slot_gen.index_copy_(0, idx, gens)
             self.page_slot.index_copy_(0, at, idx.int().masked_fill_(bad, -1))
