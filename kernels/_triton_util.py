@@ -88,7 +88,10 @@ def load_counters(counters_ptr):
 
 @triton.jit
 def store_counters(counters_ptr, c):
-    """Write the register block back to ``counters``."""
+    """Write the register block back to ``counters`` (called once, at a kernel's end, on a uniform path).
+    The barrier orders every thread's load of the counters before the store, which the compiled code
+    makes from one warp's copy: not left to the barriers the kernel's reductions happen to bring."""
+    tl.debug_barrier()
     slots = tl.arange(0, COUNTER_BLOCK)
     tl.store(counters_ptr + slots, c, mask=slots < NUM_COUNTERS)
 

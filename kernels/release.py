@@ -289,6 +289,9 @@ def release_kernel(
         cell, p, drop = _dropped(f, total, lane_end_ptr, SEARCH, req_ids_ptr, new_lens_ptr, B, claim_ptr,
                                  seq_lens_ptr, block_table_ptr, R, MP, page_size, HAS_LENS, CACHE)
         reset_pages(p, drop, page_claim_ptr, occur_ptr, num_pages)
+        # Every lane has read its cell (in _dropped) before any is cleared: a lane's load and its store
+        # may run on two threads (Triton lays them out differently), which only a barrier orders.
+        tl.debug_barrier()
         tl.store(block_table_ptr + cell, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=drop)
     tl.debug_barrier()  # every pass above reads the claims and the lengths
     for start in range(0, B, BLOCK):
