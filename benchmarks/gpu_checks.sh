@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # All GPU checks in one run, for a machine with CUDA (run from the repository root):
-# the GPU-only tests, the compiled Triton differential tests, four benchmarks and the step profile on CUDA.
+# the GPU-only tests, the compiled Triton differential tests, four benchmarks and the step profile on CUDA
+# (a failing step, a skipped GPU test or a benchmark that exits non-zero makes the script exit 1).
 # Results go to ${OUT:-gpu_results}/ as eight text files (env, gpu_tests, triton_compiled,
 # pool, page_table, step_phases, evict, scheduler); GPU_CHECKS_JSON=1 also writes each benchmark's JSON.
 #
@@ -40,13 +41,18 @@ fi
 timeout "$step_s" "$py" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_table.py \
     2>&1 | tee "$out/triton_compiled.txt" || status=1
 # shellcheck disable=SC2046  # (json's words are meant to split)
-timeout "$step_s" "$py" benchmarks/bench_pool.py --device cuda $(json pool) 2>&1 | tee "$out/pool.txt"
+timeout "$step_s" "$py" benchmarks/bench_pool.py --device cuda $(json pool) 2>&1 | tee "$out/pool.txt" \
+    || status=1
 # shellcheck disable=SC2046
-timeout "$step_s" "$py" benchmarks/bench_page_table.py --device cuda $(json page_table) 2>&1 | tee "$out/page_table.txt"
+timeout "$step_s" "$py" benchmarks/bench_page_table.py --device cuda $(json page_table) 2>&1 | tee "$out/page_table.txt" \
+    || status=1
 # shellcheck disable=SC2046
-timeout "$step_s" "$py" benchmarks/gpu_step_phases.py $(json step_phases) 2>&1 | tee "$out/step_phases.txt"
+timeout "$step_s" "$py" benchmarks/gpu_step_phases.py $(json step_phases) 2>&1 | tee "$out/step_phases.txt" \
+    || status=1
 # shellcheck disable=SC2046
-timeout "$step_s" "$py" benchmarks/bench_evict.py --device cuda --samples 10 $(json evict) 2>&1 | tee "$out/evict.txt"
+timeout "$step_s" "$py" benchmarks/bench_evict.py --device cuda --samples 10 $(json evict) 2>&1 | tee "$out/evict.txt" \
+    || status=1
 # shellcheck disable=SC2046
-timeout "$step_s" "$py" benchmarks/bench_scheduler.py --device cuda $(json scheduler) 2>&1 | tee "$out/scheduler.txt"
+timeout "$step_s" "$py" benchmarks/bench_scheduler.py --device cuda $(json scheduler) 2>&1 | tee "$out/scheduler.txt" \
+    || status=1
 exit $status

@@ -3,8 +3,9 @@
 The Triton backend runs a step as one kernel (``step_kernel``: the extend, a barrier, the FlashInfer
 CSR export). This times the GPU work of each part on ``bench_page_table.py``'s workload (B requests,
 prompts of 512-2048 tokens, pages of 16, one decode token each): ``table.extend``, ``table.flashinfer_csr``
-and ``table.step``, each called ``--samples`` times under ``torch.profiler`` with the state restored
-around the burst, so every call sees the same table. A row is the kernel's own device time per call
+and ``table.step``, each called ``--samples`` times under ``torch.profiler``, the state restored after
+each burst (within a burst every call appends one more token, a new page every 16th; each burst starts
+from the same table). A row is the kernel's own device time per call
 (median, p20/p80), not the host's launch cost, and its share of the step kernel's median.
 
 On an NVIDIA H200 (session 25), B=256: extend 8.0 µs, CSR export 34.0 µs, step 51.0 µs: the

@@ -67,14 +67,15 @@ Constexpr.__name__ = Constexpr.__qualname__ = "constexpr"  # triton tells conste
 
 
 class LazyKernel:
-    """What the stand-in ``@triton.jit`` returns: the function, made a Triton kernel by :func:`load`.
+    """What the stand-in ``@triton.jit`` returns: the function, made a Triton kernel by :func:`load`
+    (with ``options``, the keywords of ``@triton.jit(...)``, such as ``do_not_specialize``).
 
     ``kernel[grid](...)`` loads triton (or raises its :class:`ImportError`) and launches the real
     kernel; calling it directly raises, as calling a Triton kernel outside a kernel does.
     """
 
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, fn, options=None):
+        self.fn, self.options = fn, dict(options or {})
         functools.update_wrapper(self, fn)
 
     def __getitem__(self, grid):
@@ -102,9 +103,14 @@ def _cdiv(x: int, y: int) -> int:
     return (x + y - 1) // y
 
 
+def _jit(fn=None, **options):
+    """The stand-in ``triton.jit``, as ``@triton.jit`` or ``@triton.jit(do_not_specialize=[...])``."""
+    return LazyKernel(fn, options) if fn is not None else lambda f: LazyKernel(f, options)
+
+
 def _stand_ins():
     tr, lang = _StandIn("triton"), _StandIn("triton.language")
-    tr.jit, tr.next_power_of_2, tr.cdiv, tr.language = LazyKernel, _next_power_of_2, _cdiv, lang
+    tr.jit, tr.next_power_of_2, tr.cdiv, tr.language = _jit, _next_power_of_2, _cdiv, lang
     lang.constexpr = Constexpr
     return tr, lang
 
@@ -152,5 +158,5 @@ def _real_of(stand_in, real, real_tl):
         else:
             fn = stand_in.fn
             fn.__annotations__ = {k: real_tl.constexpr if v is Constexpr else v for k, v in fn.__annotations__.items()}
-            _real[stand_in] = real.jit(fn)
+            _real[stand_in] = real.jit(fn, **stand_in.options)
     return _real[stand_in]

@@ -27,7 +27,8 @@ INSERT_BLOCK = 64  # lanes per chunk of insert_pages, at most: its duplicate che
 # slot in both lanes).
 
 
-@triton.jit
+# Not specialised on the row, its first page or the count (values, not shapes: see revive_kernel).
+@triton.jit(do_not_specialize=["row", "first", "N"])
 def insert_pages_kernel(
     block_table_ptr,  # *int32 [R, MP]
     R,                # rows of block_table

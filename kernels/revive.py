@@ -122,7 +122,9 @@ def forget_row_numba(memo_ptr, b, row, td):
 # row (or -1s), then the scratch restored.
 
 
-@triton.jit
+# Not specialised on a row number or a page count (Triton compiles a variant for an int argument that is
+# 1 or a multiple of 16): a revive into row 16 or of one page would compile mid-serving.
+@triton.jit(do_not_specialize=["N", "row"])
 def revive_kernel(
     pages_ptr,        # *int32 [N]: the pages to revive
     gens_ptr,         # *int32 [N]: their recorded generations (HAS_GENS only)

@@ -106,6 +106,10 @@ class ShapeBuffers:
         tensors = [t for k in uses for t in _tensors(self.buffers[k])]
         entry = self.entries[key] = Entry(result, call, memo, self.written | _checks.written_storages(tensors))
         self.uses[key] = uses
+        if self._cuda and torch.cuda.is_current_stream_capturing():
+            # a new entry over buffers other shapes made first (a step over existing CSR and output sets)
+            # is captured as well: never drop it, as get() pins one captured again (helper-110's audit)
+            self.pinned.add(key)
         self._shrink(keep=key)
         return entry
 

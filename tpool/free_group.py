@@ -80,7 +80,9 @@ class FreeGroup:
         or would be the pool's ``MAX_CAPACITIES + 1``-th distinct capacity.
     RuntimeError
         On entering, when the pool already has an open group (groups do not
-        nest, and another thread's blocks this one).
+        nest, and another thread's blocks this one); on CUDA, at a ``free``
+        inside the group when the group opened on the other side of a CUDA
+        graph capture (its buffer positions are decided on the host).
 
     Example
     -------
@@ -112,6 +114,7 @@ class FreeGroup:
                 self.buffer = pool._group_buffers[capacity] = fixed_full(
                     (2, capacity), L.NULL_PAGE, torch.int32, pool.device)
         self._fill = [0, 0]
+        self._capturing = False  # set on entering
         self.flushes = 0  # how many passes were applied (host-side, for tests and stats)
 
     def owned_here(self) -> bool:
@@ -126,6 +129,9 @@ class FreeGroup:
                                    "(a pool has one open group at a time)")
             self.thread = threading.get_ident()
             self.pool._group = self
+            # whether the group opened inside CUDA graph capture: its buffer positions are decided on the
+            # host, so a group must open and close on the same side of a capture (enqueue checks)
+            self._capturing = self.pool.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         return self
 
     def __exit__(self, *exc):
@@ -151,6 +157,12 @@ class FreeGroup:
             Free into the CACHED state (see :meth:`PagePool.free`).
         """
         n, flag = pages.numel(), int(bool(cache))
+        if self.pool.device.type == "cuda" and torch.cuda.is_current_stream_capturing() != self._capturing:
+            # Captured, the copy would write the same positions at every replay and the flush after the
+            # capture free one replay's pages: the others would leak (helper-110's audit).
+            raise RuntimeError("pool.free inside a free group opened outside the CUDA graph being captured (or "
+                               "the other way round): open and close the group inside the captured region, or "
+                               "free outside the group")
         if self._fill[0] + self._fill[1] + n > self.capacity:
             self.flush()
         if n > self.capacity:

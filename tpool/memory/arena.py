@@ -91,6 +91,13 @@ class Arena:
     [(0, 256), (768, 3328)]
     >>> round(arena.fragmentation, 4)
     0.0714
+
+    Notes
+    -----
+    Blocks are reused in host order and the arena tracks no streams (unlike torch's caching
+    allocator, whose ``record_stream`` does): on CUDA, a kernel still reading a freed block on
+    another stream races with whatever the next owner of those bytes writes. Free a block only
+    after the work that reads it is ordered before its reuse (one stream, or an event waited on).
     """
 
     def __init__(self, capacity_bytes: int, device: torch.device | str, *, alignment: int = DEFAULT_ALIGNMENT):
