@@ -206,6 +206,46 @@ def test_first_call_of_a_shape_inside_capture_is_refused(backend):
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_a_shape_first_made_inside_capture_over_existing_buffers_is_pinned(backend):
+    """A step over buffer sets other shapes made (the CSR of a flashinfer_csr, the outputs of an extend)
+    is a new entry made inside capture: pinned, so dropping shapes later never frees what the graph writes."""
+    pool = tpool.PagePool(64, page_size=4, device="cuda", backend=backend)
+    table = tpool.PageTable(pool, 4, 4, max_shapes=2)
+    ids = torch.arange(4, dtype=torch.int32, device="cuda")
+    ones = torch.ones_like(ids)
+    with preserved(table):
+        table.extend(ids, ones)
+        table.flashinfer_csr(ids)
+        table.step(ids, ones)  # compiles; its buffers exist
+    before = set(table._shapes.pinned)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with preserved(table), torch.cuda.graph(graph):
+        table.step(ids, ones)
+    assert set(table._shapes.pinned) > before
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_a_free_inside_capture_in_a_group_opened_outside_it_is_refused():
+    """The group's buffer positions are decided on the host: captured, every replay would fill the same
+    ones and the flush after the capture free one replay's pages."""
+    pool = tpool.PagePool(64, page_size=4, device="cuda", backend="reference")
+    pages = pool.alloc(torch.tensor([2], dtype=torch.int32, device="cuda")).pages[:2].clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pool.free_group(capacity=8):
+        with pytest.raises(RuntimeError, match="free group opened outside the CUDA graph"):
+            with torch.cuda.graph(graph):
+                pool.free(pages)
+    assert pool.available() == 62  # refused before the copy: the group's flush found nothing to free
+    pool.free(pages)
+    assert pool.available() == 64
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_hot_path_under_cuda_sync_debug_error(backend):
     dev = "cuda"
     pool = tpool.PagePool(256, page_size=4, device=dev, backend=backend)
