@@ -207,22 +207,22 @@ def test_first_call_of_a_shape_inside_capture_is_refused(backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_a_shape_first_made_inside_capture_over_existing_buffers_is_pinned(backend):
-    """A step over buffer sets other shapes made (the CSR of a flashinfer_csr, the outputs of an extend)
-    is a new entry made inside capture: pinned, so dropping shapes later never frees what the graph writes."""
+    """A step shape dropped (max_shapes) while other shapes keep both its buffer sets, then run inside
+    capture, is a new entry made there: pinned, so dropping shapes later never frees what the graph writes."""
     pool = tpool.PagePool(64, page_size=4, device="cuda", backend=backend)
     table = tpool.PageTable(pool, 4, 4, max_shapes=2)
     ids = torch.arange(4, dtype=torch.int32, device="cuda")
     ones = torch.ones_like(ids)
     with preserved(table):
-        table.extend(ids, ones)
-        table.flashinfer_csr(ids)
-        table.step(ids, ones)  # compiles; its buffers exist
-    before = set(table._shapes.pinned)
+        table.step(ids, ones, max_tokens=4, capacity=16)  # shape A: outputs ("step", 4, 4), CSR ("step-csr", 4, 16)
+        table.step(ids, ones, max_tokens=8, capacity=16)  # B shares A's CSR
+        table.step(ids, ones, max_tokens=4, capacity=32)  # C shares A's outputs; A is dropped, its buffers kept
+    assert ("step", 4, 4, 16) not in table._shapes.entries
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with preserved(table), torch.cuda.graph(graph):
-        table.step(ids, ones)
-    assert set(table._shapes.pinned) > before
+        table.step(ids, ones, max_tokens=4, capacity=16)
+    assert ("step", 4, 4, 16) in table._shapes.pinned
 
 
 @requires_cuda
