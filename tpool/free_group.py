@@ -114,6 +114,7 @@ class FreeGroup:
                 self.buffer = pool._group_buffers[capacity] = fixed_full(
                     (2, capacity), L.NULL_PAGE, torch.int32, pool.device)
         self._fill = [0, 0]
+        self._cuda = pool.device.type == "cuda"
         self._capturing = False  # set on entering
         self.flushes = 0  # how many passes were applied (host-side, for tests and stats)
 
@@ -131,7 +132,7 @@ class FreeGroup:
             self.pool._group = self
             # whether the group opened inside CUDA graph capture: its buffer positions are decided on the
             # host, so a group must open and close on the same side of a capture (enqueue checks)
-            self._capturing = self.pool.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            self._capturing = self._cuda and torch.cuda.is_current_stream_capturing()
         return self
 
     def __exit__(self, *exc):
@@ -157,7 +158,7 @@ class FreeGroup:
             Free into the CACHED state (see :meth:`PagePool.free`).
         """
         n, flag = pages.numel(), int(bool(cache))
-        if self.pool.device.type == "cuda" and torch.cuda.is_current_stream_capturing() != self._capturing:
+        if self._cuda and torch.cuda.is_current_stream_capturing() != self._capturing:
             # Captured, the copy would write the same positions at every replay and the flush after the
             # capture free one replay's pages: the others would leak (helper-110's audit).
             raise RuntimeError("pool.free inside a free group opened outside the CUDA graph being captured (or "

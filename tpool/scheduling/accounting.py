@@ -36,13 +36,11 @@ def _as_array(values, name: str):
     refuses tensors too)."""
     if type(values) is np.ndarray:
         return values
-    if isinstance(values, torch.Tensor):
-        raise ValueError(f"{name}: expected host ints (a list, tuple or numpy int array), got a tensor on "
-                         f"{values.device}: the mirror plans on host integers (reading a tensor is a host sync)")
-    if type(values) in (list, tuple) and values and isinstance(values[0], torch.Tensor):
-        raise ValueError(f"{name}: expected host ints (a list, tuple or numpy int array), got a "
-                         f"{type(values).__name__} of tensors: the mirror plans on host integers (reading a "
-                         f"tensor is a host sync)")
+    head = values[0] if type(values) in (list, tuple) and values else values
+    if type(head) is not int and isinstance(head, torch.Tensor):
+        got = f"a tensor on {head.device}" if head is values else f"a {type(values).__name__} of tensors"
+        raise ValueError(f"{name}: expected host ints (a list, tuple or numpy int array), got {got}: the mirror "
+                         f"plans on host integers (reading a tensor is a host sync)")
     if type(values) is list and len(values) > _LONG_LIST and type(values[0]) is not bool:
         # A C loop taking ints only (a float or a numpy bool raises): ~1 us less than numpy's inference
         # at 256. It would read a list of bools as 0/1 too: one starting with a bool goes to numpy (a
