@@ -172,6 +172,21 @@ def test_state_and_buffers_re_pointed_by_hand_are_not_followed(backend):
     assert r["same_as_untouched"] and r["free"] == 57 and r["rows"][:3] == [4, 5, -1]
 
 
+def test_backends_carry_their_state_as_held_views(backend):
+    """The contract's ``st`` / ``ts`` (what the prefix cache reads beside a table's kernels): on every
+    backend, every state tensor of the pool's and the table's ops is a view of the façade's tensor's
+    memory with its shape, and not the façade's tensor itself (which a hand edit can re-point)."""
+    import tpool
+    pool = tpool.PagePool(16, page_size=4, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 3, 4)
+    for held, state in ((pool.ops.st, pool.state), (table.ops.st, pool.state), (table.ops.ts, table.state)):
+        mine, theirs = held.tensors(), state.tensors()
+        assert mine.keys() == theirs.keys() and getattr(held, "lock", None) is getattr(state, "lock", None)
+        for name, t in theirs.items():
+            h = mine[name]
+            assert h is not t and (h.data_ptr(), h.shape, h.dtype) == (t.data_ptr(), t.shape, t.dtype), name
+
+
 def test_a_memo_naming_a_request_twice_stays_within_the_csr(backend):
     """A memo edited to name one request in every lane, one step behind: the CSR ends within its
     capacity on every backend; on numba (the only one that reads the memo) the step, whose lanes hold

@@ -22,7 +22,7 @@ from typing import Callable, Protocol
 import torch
 
 from tpool.kernels import layout as L
-from tpool.state import held_view
+from tpool.state import PoolState, TableState, held_view
 
 Tensor = torch.Tensor
 
@@ -42,6 +42,7 @@ class PoolOps(Protocol):
 
     name: str
     checks_overlap: bool  # its hot calls refuse (ValueError) an input sharing memory with what they write
+    st: PoolState  # the state it runs on: held views (PoolState.held), what a re-pointed tensor leaves alone
 
     def alloc_into(self, out) -> Callable[[Tensor, int, bool], None]:
         """``alloc`` bound to an ``AllocOut``'s buffers; the call takes ``(counts, B, evict)``."""
@@ -75,6 +76,8 @@ class TableOps(Protocol):
 
     name: str
     checks_overlap: bool  # extend_into, flashinfer_csr_into and step_into refuse overlapping inputs
+    st: PoolState  # its pool's state and its own, as held views (PoolState.held, TableState.held): what
+    ts: TableState  # a caller reading the table beside its kernels (the prefix cache) reads
 
     def extend(self, req_ids: Tensor, num_tokens: Tensor, slots: Tensor, ok: Tensor) -> None:
         """Append tokens, taking pages as lanes cross page boundaries; write ``slots`` and ``ok``."""
