@@ -4,7 +4,8 @@ The interpreter runs kernels as Python: it accepts code the compiler rejects (a
 loop that rebinds a scalar to a block, for one). This test records every launch
 of a workload under the interpreter (kernel, argument types, meta-parameters)
 and compiles each distinct one for sm_90 in a subprocess without
-TRITON_INTERPRET. It needs no GPU; on a GPU machine the other tests compile
+TRITON_INTERPRET, in the variants Triton makes of a launch for its values (int
+arguments of 1 and multiples of 16, aligned pointers). It needs no GPU; on a GPU machine the other tests compile
 the kernels anyway.
 """
 
@@ -108,7 +109,25 @@ def test_every_launched_kernel_compiles_for_sm90(monkeypatch, tmp_path):
     proc = subprocess.run([sys.executable, helper, str(path)], capture_output=True, text=True, env=env,
                           timeout=1800)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("compiled") == len(launches)
+    assert proc.stdout.count("compiled") == 3 * len(launches)  # recorded, aligned, ones: see the helper
+
+
+def test_the_compile_helper_compiles_the_variants_of_an_argument_of_one(tmp_path):
+    """The helper's ``ones`` variant is what a GPU launch with an int argument of 1 compiles: a kernel
+    calling ``.to`` on such an argument compiles as recorded and aligned, and fails there."""
+    (tmp_path / "toy_kernel.py").write_text(
+        "import triton\nimport triton.language as tl\n\n\n@triton.jit\ndef toy(out, n):\n"
+        "    tl.store(out + tl.arange(0, 4), (n.to(tl.int64) + tl.zeros((4,), dtype=tl.int64)).to(tl.int32))\n")
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps([dict(module="toy_kernel", name="toy", signature={"out": "*i32", "n": "i32"},
+                                     constexprs={}, num_warps=4)]))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    helper = os.path.join(os.path.dirname(__file__), "_compile_kernels.py")
+    proc = subprocess.run([sys.executable, helper, str(path)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert [line.split()[:2] for line in proc.stdout.splitlines()] == [
+        ["compiled", "recorded"], ["compiled", "aligned"], ["FAILED", "ones"]], proc.stdout
 
 
 def test_row_numbers_and_page_counts_are_not_specialised():
