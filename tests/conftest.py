@@ -51,6 +51,51 @@ def i32(values, device="cpu"):
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
+def hot_path_calls(backend, device="cpu"):
+    """Every hot-path call of a pool and a page table, bound forms, revive and generations included, as
+    one repeatable sequence (it ends with the table's rows released): ``(run, pool, table)``. Run it
+    once unguarded (the first call of a shape makes its buffers, and compiles), then under a guard:
+    ``no_host_sync(host_data=True)`` on a CPU, ``set_sync_debug_mode("error")`` on CUDA. Its inputs are
+    made here, so nothing in ``run`` copies a host value to the device."""
+    pool = tpool.PagePool(32, 4, device=device, backend=backend)
+    table = tpool.PageTable(pool, 4, 8)
+    counts, rows = i32([2, 1], device), i32([0, 1, 2], device)
+    ids, ntok, prompts, lens, drop = (i32(v, device) for v in ([0, 1], [1, 1], [6, 9], [5, 8], [1, 1]))
+    src, dst, flen, row0 = i32([0], device), i32([2], device), i32([4], device), i32([0], device)
+    out, evicted = pool.alloc_out(2, 8), torch.empty(2, dtype=torch.int32, device=device)
+
+    def run():
+        r = pool.alloc(counts, out=out)
+        pool.incref(r.pages[:2])
+        pool.touch(r.pages[:2])
+        pool.free(r.pages[:2], cache=True)
+        pool.free(r.pages[:3], cache=True)
+        pool.evict(2)
+        pool.evict(2, out=evicted)
+        pool.alloc(counts, out=out, evict=True)
+        pool.free(out.pages)
+        table.extend(ids, prompts, max_tokens=15)
+        table.step(ids, ntok)
+        table.truncate(ids, lens)
+        table.truncate(ids, drop=drop)
+        table.fork(src, dst, flen)
+        table.flashinfer_csr(ids)
+        table.block_table_rows(ids)
+        first = table.block_table[0, :1].clone()         # row 0's first page (4 tokens), kept CACHED
+        table.release(rows, cache=True)
+        table.revive(0, first, 4)                        # a prefix-cache hit
+        table.release(row0, cache=True)
+        table.revive(0, first, 4, generations=pool.generations(first))
+        pool.bind_alloc(counts, out=out)()               # the bound forms: made and called
+        pool.bind_free(out.pages)()
+        table.bind_step(ids, ntok)()
+        bound = table.bind_step(batch=2, release=1)
+        bound()
+        table.release(rows)
+
+    return run, pool, table
+
+
 def same_table_state(a, b):
     """Two tables (and their pools) hold the same state: rows, lengths, the live part of the free
     stack, reference counts, page states and counters."""

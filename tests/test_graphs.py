@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tpool
-from conftest import i32, requires_cuda
+from conftest import hot_path_calls, i32, requires_cuda
 from tpool.graphs import capture, preserved, state_tensors
 
 
@@ -247,36 +247,16 @@ def test_a_free_inside_capture_in_a_group_opened_outside_it_is_refused():
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_hot_path_under_cuda_sync_debug_error(backend):
-    dev = "cuda"
-    pool = tpool.PagePool(256, page_size=4, device=dev, backend=backend)
-    table = tpool.PageTable(pool, 8, 16)
-    ids = torch.arange(8, dtype=torch.int32, device=dev)
-    n = torch.full((8,), 5, dtype=torch.int32, device=dev)
-    out = pool.alloc_out(max_batch=2, max_pages=8)
-    counts = torch.tensor([2, 3], dtype=torch.int32, device=dev)
-    # Warm up (compile) first: compilation may synchronise.
-    with preserved(table):
-        pool.alloc(counts, out=out, evict=True); pool.free(out.pages, cache=True)
-        pool.incref(out.pages); pool.touch(out.pages); pool.evict(4, out=torch.empty(4, dtype=torch.int32, device=dev))
-        table.extend(ids, n, max_tokens=40); table.truncate(ids, n - 2); table.fork(ids, ids, n)
-        table.flashinfer_csr(ids); table.block_table_rows(ids); table.release(ids, cache=True)
-        table.step(ids, n, max_tokens=40)
+    """The CPU guard's sequence of hot-path calls (``conftest.hot_path_calls``: every pool and table call,
+    the bound forms, revive with and without generations) makes no host sync on CUDA."""
+    run, pool, table = hot_path_calls(backend, "cuda")
+    run()                                       # the first calls compile and make buffers: they may sync
     torch.cuda.synchronize()
-    evict_out = torch.empty(4, dtype=torch.int32, device=dev)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        pool.alloc(counts, out=out, evict=True)
-        pool.free(out.pages, cache=True)
-        pool.incref(out.pages)
-        pool.touch(out.pages)
-        pool.evict(4, out=evict_out)
-        table.extend(ids, n, max_tokens=40)
-        table.truncate(ids, n - 2)
-        table.flashinfer_csr(ids)
-        table.block_table_rows(ids)
-        table.release(ids, cache=True)
-        table.step(ids, n, max_tokens=40)
+        run()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     pool.check()
-    table.check_invariants(exclusive=False)  # the pages incref-ed above are held outside the table
+    table.check_invariants()
+    assert pool.stats()["pages.revived"] == 4

@@ -1,6 +1,5 @@
 """The host-sync guard catches every construct it promises to, and lets fixed-shape code through."""
 
-import contextlib
 import threading
 import warnings
 
@@ -8,7 +7,7 @@ import pytest
 import torch
 
 import tpool
-from conftest import i32
+from conftest import hot_path_calls, i32
 from tpool.backends import reference
 from tpool.testing import HostSyncError, _interpreter_executor, count_host_reads, no_host_sync
 
@@ -117,38 +116,15 @@ def test_host_data_mode_refuses_tensors_built_from_host_values():
 
 def test_hot_paths_build_no_tensor_from_host_data(backend):
     """On CUDA a tensor made from a Python value is a pageable copy that syncs; no hot path makes one
-    (the first call of a shape makes its buffers: the sequence runs once unguarded first)."""
-    pool = tpool.PagePool(32, 4, device="cpu", backend=backend)
-    table = tpool.PageTable(pool, 4, 8)
-    counts, rows = i32([2, 1]), i32([0, 1, 2])
-    ids, ntok, prompts, lens, drop = i32([0, 1]), i32([1, 1]), i32([6, 9]), i32([5, 8]), i32([1, 1])
-    src, dst, flen = i32([0]), i32([2]), i32([4])
-    out = pool.alloc_out(2, 8)
-    for guarded in (False, True):
-        with no_host_sync(host_data=True) if guarded else contextlib.nullcontext():
-            r = pool.alloc(counts, out=out)
-            pool.incref(r.pages[:2])
-            pool.touch(r.pages[:2])
-            pool.free(r.pages[:2], cache=True)
-            pool.free(r.pages[:3], cache=True)
-            pool.evict(2)
-            pool.alloc(counts, out=out, evict=True)
-            pool.free(out.pages)
-            table.extend(ids, prompts, max_tokens=15)
-            table.step(ids, ntok)
-            table.truncate(ids, lens)
-            table.truncate(ids, drop=drop)
-            table.fork(src, dst, flen)
-            table.flashinfer_csr(ids)
-            table.block_table_rows(ids)
-            table.release(rows, cache=True)
-            pool.bind_alloc(counts, out=out)()               # the bound forms: made and called
-            pool.bind_free(out.pages)()
-            table.bind_step(ids, ntok)()
-            run = table.bind_step(batch=2, release=1)
-            run()
-            table.release(rows)
-        pool.check()
+    (the first call of a shape makes its buffers: the sequence runs once unguarded first). The same
+    sequence runs under ``set_sync_debug_mode("error")`` on a GPU (``tests/test_graphs.py``)."""
+    run, pool, table = hot_path_calls(backend)
+    run()
+    with no_host_sync(host_data=True):
+        run()
+    pool.check()
+    table.check_invariants()
+    assert pool.stats()["pages.revived"] == 4      # two revives a run, each of a CACHED page
 
 
 def _in_threads(*targets):
