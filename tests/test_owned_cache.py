@@ -1501,3 +1501,100 @@ def test_a_list_of_token_ids_is_walked_without_asking_each_id_its_kind():
         mp.setattr(ownership, "_kind", counting)
         assert cache.put("k", value) and cache.get("k")["ids"] == value["ids"]
     assert int not in calls
+
+
+def _dies_with(make_value, put=True):
+    """``(alive, cache)``: a weak reference to what ``make_value()`` (``(value, extra)``) holds beside its
+    storages, after the value was put (or not) and every other reference dropped."""
+    value, extra = make_value()
+    ref, cache = weakref.ref(extra), OwnedCache(1 << 20)
+    if put:
+        assert cache.put("k", value)
+    del value, extra
+    gc.collect()
+    return ref() is not None, cache
+
+
+def test_a_kept_view_does_not_keep_the_viewed_tensors_grad_alive():
+    """A no-grad view of a leaf with a ``.grad`` keeps the leaf alive (``_base``): kept as given, the
+    cache kept the gradient alive, uncharged, and ``retained_bytes`` did not count it."""
+    def make():
+        x = torch.zeros(1000, requires_grad=True)
+        x.grad = torch.ones(1000)
+        with torch.no_grad():
+            v = x.view(10, 100)
+        assert v.grad_fn is None and v._base is x
+        return v, x.grad
+
+    value, grad = make()
+    assert retained_bytes([value]) == 8000                      # the storage and the viewed tensor's .grad
+    o = ownership.own(value)
+    assert o._base is None and o.data_ptr() == value.data_ptr() and o.stride() == value.stride()
+    alive, cache = _dies_with(make)
+    assert not alive and cache.stats().current_bytes == 4000
+    cache.check_invariants()
+
+
+def test_a_view_of_a_tensor_with_attributes():
+    """What a view keeps alive through the tensor it views is its attributes too: more than small plain
+    data there is refused, as on the tensor itself; a small tag is dropped with the view's detach."""
+    x = torch.zeros(1000)
+    x.extra = torch.zeros(1000)
+    with pytest.raises(TypeError, match=r"viewed tensor's attributes \('extra' holds a Tensor\)"):
+        OwnedCache(1 << 20).put("k", x.view(10, 100))
+    with pytest.raises(TypeError, match="viewed tensor's attributes"):
+        retained_bytes([x[:]])
+    y = torch.zeros(1000)
+    y.tag = "small"
+    cache = OwnedCache(1 << 20)
+    assert cache.put("k", y.view(10, 100)) and cache.get("k")._base is None
+
+
+def test_a_hook_on_a_kept_leaf_does_not_keep_its_closure_alive():
+    def make():
+        t, big = torch.zeros(1000, requires_grad=True), torch.zeros(10**5)
+        t.register_hook(lambda g: g + big[:1000])
+        return t, big
+
+    alive, cache = _dies_with(make)
+    assert not alive and cache.stats().current_bytes == 4000
+    assert cache.get("k").requires_grad and cache.get("k")._backward_hooks is None
+
+
+def test_a_defaultdicts_factory_is_refused_unless_a_class():
+    big = torch.zeros(10)
+    d = collections.defaultdict(lambda: big, ids=torch.zeros(4))
+    for call in (lambda: retained_bytes(d), lambda: OwnedCache(1 << 20).put("k", d)):
+        with pytest.raises(TypeError, match=r"defaultdict's default_factory \(a function\)"):
+            call()
+    cache = OwnedCache(1 << 20)
+    assert cache.put("k", collections.defaultdict(list, ids=torch.zeros(4)))
+    got = cache.get("k")
+    assert type(got) is collections.defaultdict and got["missing"] == []
+
+
+def test_gradients_a_value_keeps_alive_are_counted_sparse_and_retained_ones_too():
+    emb = torch.nn.Embedding(100, 8, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    g = emb.weight.grad.coalesce()
+    emb.weight.grad = g
+    parts = g._indices().untyped_storage().nbytes() + g._values().untyped_storage().nbytes()
+    assert retained_bytes([emb.weight]) == 100 * 8 * 4 + parts   # refused before: a sparse tensor
+    assert OwnedCache(1 << 20).put("w", emb.weight)
+    x = torch.zeros(1000, requires_grad=True)
+    y = x * 2
+    y.retain_grad()
+    y.sum().backward()
+    assert retained_bytes([y]) == 8000                          # y and its retained .grad (was 4000)
+
+
+def test_a_value_that_holds_itself_is_a_type_error():
+    loop = [torch.zeros(4)]
+    loop.append(loop)
+    d = {"t": torch.zeros(4)}
+    d["self"] = d
+    for value in (loop, d):
+        for call in (retained_bytes, values.leaf_bytes, lambda v: ownership.map_tensors(v, lambda t: t),
+                     lambda v: OwnedCache(1 << 20).put("k", v)):
+            with pytest.raises(TypeError, match="holds itself"):
+                call(value)

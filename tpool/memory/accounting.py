@@ -263,10 +263,28 @@ def storage_key(t: torch.Tensor) -> StorageKey:
 
 
 def _with_grads(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors`` and the ``.grad`` of each autograd leaf among them (it stays alive with the tensor;
-    a non-leaf is not asked: torch warns, and it holds none)."""
+    """``tensors`` and the gradients that stay alive with them: the ``.grad`` of each one and of the
+    tensor it is a view of (``t._base``, which the view keeps alive), asked of autograd leaves and of
+    non-leaves that ``retain_grad()`` (torch warns when another non-leaf's is read, and it holds none);
+    a sparse gradient as the dense tensors it is made of."""
     tensors = list(tensors)
-    return tensors + [g for t in tensors if t.is_leaf and (g := t.grad) is not None]
+    grads = []
+    for t in tensors:
+        for u in (t,) if t._base is None else (t, t._base):
+            if (u.is_leaf or u.retains_grad) and (g := u.grad) is not None:
+                grads += _dense_parts(g)
+    return tensors + grads
+
+
+def _dense_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The dense tensors a sparse ``t`` is made of (its indices and values); ``[t]`` for any other."""
+    if t.layout == torch.sparse_coo:
+        return [t._indices(), t._values()]
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [t.crow_indices(), t.col_indices(), t.values()]
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [t.ccol_indices(), t.row_indices(), t.values()]
+    return [t]
 
 
 def _alive_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -417,7 +417,9 @@ class Arena:
         offset = check_size(offset, "offset", 0)
         itemsize = dtype.itemsize
         if (block.offset + offset) % itemsize:
-            raise ValueError(f"byte offset {offset} is not aligned to {dtype} ({itemsize} bytes)")
+            raise ValueError(f"offset: the view would start at byte {block.offset + offset} of the arena (the "
+                             f"block's start {block.offset} + offset {offset}), expected a multiple of {itemsize} "
+                             f"({dtype})")
         numel = 1
         for n in shape:
             numel *= n

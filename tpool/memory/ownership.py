@@ -49,7 +49,7 @@ from tpool._checks import check_size
 from tpool.memory.accounting import (StorageKey, _alive_bytes, _distinct_elems, _span_elems, _with_grads, check_ownable,
                                      compact_bytes, storage_bytes, storage_key)
 from tpool.memory.values import (_LEAF_TYPES, _field_names, _instance_dict, _kind, _own_attrs, _slot_members,
-                                 _slot_values, leaf_bytes)
+                                 _slot_values, leaf_bytes, walking)
 
 __all__ = ["needs_compaction", "own", "compact", "map_tensors", "plan_ownership", "OwnershipPlan"]
 
@@ -194,21 +194,32 @@ def _torch_sized(storage: torch.UntypedStorage) -> bool:
                                    and storage.is_pinned())
 
 
-def _has_autograd_state(t: torch.Tensor) -> bool:
-    """Whether ``t`` holds autograd history or a ``.grad`` (``.grad`` is asked of leaves only: torch
-    warns when a non-leaf's is read)."""
-    return t.grad_fn is not None or t.grad is not None
+def _holds_more(t: torch.Tensor) -> bool:
+    """Whether ``t`` keeps more alive than its storage: autograd history (saved activations), a
+    ``.grad``, autograd hooks (their closures), or a tensor it is a view of (``t._base``, which the
+    view keeps alive) that holds any of these or Python attributes."""
+    if _autograd_state(t):
+        return True
+    base = t._base
+    return base is not None and (_autograd_state(base) or bool(base.__dict__ if type(base) is torch.Tensor
+                                                                else _own_attrs(base)))
+
+
+def _autograd_state(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds autograd history, a ``.grad`` or hooks (``.grad`` is asked of leaves only:
+    torch warns when a non-leaf's is read)."""
+    return (t.grad_fn is not None or t.grad is not None or t._backward_hooks is not None
+            or t._post_accumulate_grad_hooks is not None)
 
 
 def _without_history(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the same storage, no copy, without its autograd history (which could keep
-    saved activations alive) or its ``.grad``, ``requires_grad`` kept; ``t`` itself when it has
-    neither."""
-    return t.detach().requires_grad_(t.requires_grad) if _has_autograd_state(t) else t
+    """``t`` on the same storage, no copy, holding nothing more (:func:`_holds_more`): ``t.detach()``
+    with ``requires_grad`` kept; ``t`` itself when it holds nothing more."""
+    return t.detach().requires_grad_(t.requires_grad) if _holds_more(t) else t
 
 
 def own(t: torch.Tensor) -> torch.Tensor:
-    """Return ``t`` if it owns its storage (without autograd history or ``.grad``), else :func:`compact` of it.
+    """Return ``t`` if it owns its storage (and holds nothing more), else :func:`compact` of it.
 
     Parameters
     ----------
@@ -219,11 +230,15 @@ def own(t: torch.Tensor) -> torch.Tensor:
     -------
     torch.Tensor
         When ``t`` owns its storage (``not needs_compaction(t)``): ``t``
-        itself if it has no autograd history (``grad_fn`` None) and no
-        ``.grad``, else ``t.detach()`` with ``t``'s ``requires_grad`` (same
-        storage, no copy; the history could keep saved activations alive,
-        and the ``.grad`` would stay alive uncharged: it stays with ``t``;
-        an ``nn.Parameter`` comes back a plain tensor, as a copy does).
+        itself if it has no autograd history (``grad_fn`` None), no
+        ``.grad`` and no autograd hooks, and is no view of a tensor that
+        has any of these or Python attributes (``t._base``, which a view
+        keeps alive); else ``t.detach()`` with ``t``'s ``requires_grad``
+        (same storage and strides, no copy): the history could keep saved
+        activations alive, and the ``.grad``, the hooks' closures or the
+        viewed tensor's attributes would stay alive uncharged; they stay
+        with ``t``. An ``nn.Parameter`` comes back a plain tensor, as a copy
+        does.
         Otherwise a
         new tensor of ``t``'s shape, dtype, device and values, in exactly
         :func:`compact_bytes` bytes (see :func:`compact`).
@@ -292,9 +307,13 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         (``__dict__`` or slots) holding more than small plain data or (for a
         container's attribute) one of its own items (a tensor, an array, an
         object, an int of over 128 bytes), or a dict key holding a tensor,
-        an array or another object: it would stay alive uncharged.
+        an array or another object: it would stay alive uncharged; the
+        attributes of the tensor a view is of (the view keeps it alive); a
+        ``defaultdict`` whose ``default_factory`` is not a class; a value that
+        holds itself (:func:`~tpool.memory.values.walking`).
     """
-    return _map(obj, fn, True)
+    with walking():
+        return _map(obj, fn, True)
 
 
 def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], check: bool) -> Any:
@@ -523,9 +542,10 @@ class OwnershipPlan:
             replaced by its owned copy (one copy per distinct view, shared by
             its occurrences; the views of a cluster rebuilt on one copy of
             their byte range, aliased as they were); every other tensor kept
-            as the same object, or, if it has autograd history or a
-            ``.grad``, as one ``detach()`` of it per distinct view (same
-            storage, ``requires_grad`` kept), as :func:`own` does.
+            as the same object, or, if it holds more than its storage (as
+            :func:`own` tells: autograd history, a ``.grad``, hooks, a viewed
+            tensor holding any of these or attributes), as one ``detach()``
+            of it per distinct view (same storage, ``requires_grad`` kept).
 
         Raises
         ------
@@ -547,7 +567,7 @@ class OwnershipPlan:
 
         def swap(t: torch.Tensor) -> torch.Tensor:
             sig = _signature(t)
-            if sig not in owned and _has_autograd_state(t):
+            if sig not in owned and _holds_more(t):
                 owned[sig] = _without_history(t)
             return owned.get(sig, t)
 

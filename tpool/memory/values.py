@@ -18,6 +18,7 @@ Note:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import decimal
@@ -30,7 +31,7 @@ import sys
 import types
 import uuid
 import zoneinfo
-from collections import UserDict
+from collections import UserDict, defaultdict
 from collections.abc import Iterator, Mapping, MappingView, Sequence, Set
 from typing import Any
 
@@ -91,6 +92,10 @@ def _kind(obj: Any, check: bool = True) -> str:
             attrs = obj.__dict__ if type(obj) is torch.Tensor else _own_attrs(obj)  # (a subclass's slots too)
             if attrs:
                 _check_attrs(attrs, "a tensor")
+            base = obj._base  # a view keeps the tensor it views alive, with its attributes
+            if base is not None and (attrs := base.__dict__ if type(base) is torch.Tensor else _own_attrs(base)):
+                _check_attrs(attrs, "the viewed tensor", hint=(", or pass a copy or a detach() of the view (a view "
+                                                                     "keeps the tensor it views alive)"))
         return kind
     if kind == "dict" and check:
         for k in obj:
@@ -440,6 +445,11 @@ def _kind_of_subclass(obj: Any, check: bool = True) -> str:
             _check_attrs(attrs, f"a {type(obj).__name__}", hint=f", or pass {base.__name__}(value)")
         return "leaf"
     if isinstance(obj, (dict, UserDict)):  # a shallow copy of either has its own items
+        factory = getattr(obj, "default_factory", None) if isinstance(obj, defaultdict) else None
+        if check and factory is not None and not isinstance(factory, type):  # (a copy keeps the factory too)
+            raise TypeError(f"cannot count the bytes held by a {type(obj).__name__}'s default_factory (a "
+                            f"{type(factory).__name__}): what it reaches would stay alive uncharged; pass "
+                            "dict(value), or a class (list, int, ...) as the factory")
         return "dict"
     if isinstance(obj, (list, tuple, set, frozenset)):
         return "items"
@@ -467,6 +477,18 @@ def _extra_attrs(obj: Any) -> dict[str, Any]:
     return extra
 
 
+@contextlib.contextmanager
+def walking():
+    """Around a walk of a value (:func:`_walk`, ``ownership._map``): a value that holds itself (a list
+    inside itself), or is nested past Python's recursion limit, raises the walkers' ``TypeError``, not
+    a ``RecursionError`` from deep inside."""
+    try:
+        yield
+    except RecursionError:
+        raise TypeError("cannot count the bytes of a value that holds itself (a container inside itself) or "
+                        f"is nested deeper than Python's recursion limit ({sys.getrecursionlimit()})") from None
+
+
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Yield every tensor in ``obj``, depth first, in container order.
 
@@ -491,9 +513,13 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     TypeError
         A leaf or container that :func:`~tpool.memory.ownership.map_tensors`
         refuses (a numpy array, a deque, an ``nn.Module``, a mapping other
-        than dict or ``UserDict``, ...): its bytes could not be counted.
+        than dict or ``UserDict``, ...): its bytes could not be counted; a
+        value that holds itself (:func:`walking`).
     """
-    return (x for x in _walk(obj) if isinstance(x, torch.Tensor))
+    with walking():
+        for x in _walk(obj):
+            if isinstance(x, torch.Tensor):
+                yield x
 
 
 def _walk(obj: Any) -> Iterator[Any]:
@@ -553,10 +579,11 @@ def leaf_bytes(obj: Any) -> int:
     True
     """
     kept = {}  # id -> the object (held, so that no id is reused while counting)
-    for x in _walk(obj):
-        t = type(x)
-        if t is int and -_SMALL_INT < x < _SMALL_INT or t is torch.Tensor:  # (the common leaves at two tests)
-            continue
-        if isinstance(x, (str, bytes)) or isinstance(x, int) and sys.getsizeof(x) > _ATTR_NUMBER_MAX:
-            kept[id(x)] = x  # 10**100000: 41 KiB
+    with walking():
+        for x in _walk(obj):
+            t = type(x)
+            if t is int and -_SMALL_INT < x < _SMALL_INT or t is torch.Tensor:  # (the common leaves at two tests)
+                continue
+            if isinstance(x, (str, bytes)) or isinstance(x, int) and sys.getsizeof(x) > _ATTR_NUMBER_MAX:
+                kept[id(x)] = x  # 10**100000: 41 KiB
     return sum(sys.getsizeof(x) for x in kept.values())
