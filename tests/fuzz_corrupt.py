@@ -85,11 +85,6 @@ I64_SPECIAL = I32_SPECIAL + (INT64_MIN, INT64_MIN + 1, -2**62, -2**32, 2**31, 2*
                              2**62, INT64_MAX - 1, INT64_MAX)
 I8_SPECIAL = (-128, -1, 0, 1, 2, 3, 4, 127)
 
-POOL_TENSORS = ("free_stack", "refcount", "page_state", "stamp", "page_gen", "counters", "checked", "claim", "occur",
-                "keys", "lru_queue", "lru_pos")
-TABLE_TENSORS = ("block_table", "seq_lens", "claim", "lane_end", "version", "row_version")
-
-
 CHECK_PADDING = True  # -1 past indptr[B] (off with --memo-edits: a memo's MEMO_WRITTEN edited smaller leaves stale
 #                       entries there, which no reader bounded by indptr sees)
 
@@ -751,7 +746,7 @@ class System:
             table.invalidate_csr(self.t(rows))
 
 
-def run_episode(cfg, ops, backend, stop_at_first=True, log=None):
+def run_episode(cfg, ops, backend, log=None):
     """Replay ``ops`` on a fresh system. Returns None, or ``(index, kind, message, traceback)`` of the first finding."""
     import tpool
     sysm = System(cfg, backend)

@@ -268,12 +268,11 @@ class FlashInferAttention:
 
     def __init__(self, device, workspace_bytes: int = 128 << 20):
         import flashinfer  # an optional dependency: only this class needs it
-        self._fi = flashinfer
         self.device = torch.device(device)
         self._workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
-        self._wrapper, self._rows, self._decode_mode, self._valid = None, 0, False, None
+        self._wrapper, self._rows, self._valid = None, 0, None
         self._meta, self._shapes, self._scale, self._window = None, None, None, None
 
     def plan(self, meta: StepMetadata, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
@@ -314,7 +313,6 @@ class FlashInferAttention:
             lane = torch.searchsorted(meta.qo_indptr[1:], u, right=True).clamp(max=b - 1)
             valid &= meta.kv_lens.index_select(0, lane) > 0
         self._valid = valid
-        self._decode_mode = decode
         self._meta, self._scale, self._window = meta, scale, sliding_window
         self._shapes = num_qo_heads, num_kv_heads, head_dim, page_size, q_dtype, kv_dtype
 

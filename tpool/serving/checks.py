@@ -39,9 +39,6 @@ ATTENTION_LAYERS = ("full_attention", "sliding_attention")  # the layer types th
 # Model types whose attention module is called more than once per forward with one layer_idx.
 ATTENDS_TWICE = {"diffllama": "DiffLlama attends twice per layer (differential attention: two calls, one "
                               "per half of V, same layer_idx)"}
-# rope_type values transformers recomputes per forward from the row's largest position
-# (``dynamic_rope_update``: ``"dynamic" in rope_type`` or ``rope_type == "longrope"``).
-ROW_GLOBAL_ROPE = ("dynamic", "longrope")
 # Model types whose own rotary embedding reads the row's largest position for rope types other than "default".
 ROW_GLOBAL_ROPE_MODELS = {"phimoe": "PhiMoE scales cos/sin by short_mscale or long_mscale from max(position_ids)"}
 
@@ -75,6 +72,8 @@ def rope_types(cfg) -> dict:
 
 
 def _row_global(rope_type) -> bool:
+    """Whether transformers recomputes this rope type's frequencies every forward from the row's largest
+    position (``dynamic_rope_update``: ``"dynamic" in rope_type`` or ``rope_type == "longrope"``)."""
     return isinstance(rope_type, str) and ("dynamic" in rope_type or rope_type == "longrope")
 
 
