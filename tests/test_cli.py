@@ -72,6 +72,26 @@ def test_report_into_a_closed_pipe_ends_quietly():
     assert r.stderr == "" and r.returncode == 141
 
 
+def test_an_output_that_cannot_be_written_is_one_line():
+    """`tpool demo > /dev/full` ended in an OSError traceback; a closed pipe under the demo ends as the
+    report's does (exit status 141, nothing on stderr but the kernels' compile notice)."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "tpool", "demo", "--requests", "2", "--backend", "numba"], cwd=ROOT,
+                           stdout=full, stderr=subprocess.PIPE, text=True, timeout=600)
+    assert "Traceback" not in r.stderr and r.returncode == 1, r.stderr
+    assert r.stderr.splitlines()[-1] == "tpool: cannot write the output: No space left on device"
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        r = subprocess.run([sys.executable, "-m", "tpool", "demo", "--requests", "2", "--backend", "numba"], cwd=ROOT,
+                           stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=600)
+    finally:
+        os.close(write_end)
+    assert r.returncode == 141 and "Traceback" not in r.stderr, r.stderr
+
+
 def test_report_piped_into_head():
     r = subprocess.run(f"{sys.executable} -m tpool report | head -3", shell=True, cwd=ROOT,
                        capture_output=True, text=True, timeout=300)

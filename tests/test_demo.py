@@ -76,6 +76,15 @@ def test_some_requests_rejected_the_rest_finish():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+@pytest.mark.parametrize("args, words", [(["--requests", "1000001"], "expected at most 1,000,000"),
+                                         (["--num-pages", str((1 << 24) + 1)], "expected at most 16,777,216")])
+def test_counts_past_the_demos_bounds_are_usage_errors(args, words, capsys):
+    """``--requests 100000000`` took 16 GB making the queue's lengths before its first row."""
+    with pytest.raises(SystemExit) as e:
+        demo.main(args)
+    assert e.value.code == 2 and words in capsys.readouterr().err
+
+
 def test_cuda_without_cuda_is_a_clean_error(capsys):
     with pytest.raises(SystemExit) as e:
         demo.main(["--device", "cuda"])

@@ -463,6 +463,8 @@ def test_table_and_pool_refuse_copies_and_oversized_slot_space():
     wide = tpool.PagePool(16, page_size=2**12, device="cpu", backend="reference")
     with pytest.raises(ValueError, match="lengths are int32"):  # 2**19 pages of 2**12 tokens: 2**31 tokens a row
         tpool.PageTable(wide, 1, 2**19)
+    with pytest.raises(ValueError, match="pool: expected a tpool.PagePool, got object"):  # was an AttributeError
+        tpool.PageTable(object(), 1, 4)
 
 
 def test_none_as_a_first_input_is_a_value_error(make_table):

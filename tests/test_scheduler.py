@@ -477,6 +477,8 @@ def test_a_refused_admission_says_what_it_needs_and_a_prompt_too_long_for_a_row_
     with pytest.raises(WouldNotFit, match=r"prompts \[40, 40\] do not all fit: they need 22 pages with their "
                                           r"reservations, 4 rows and 20 unreserved pages are free"):
         m.admit([40, 40])
+    with pytest.raises(WouldNotFit, match=r"prompts \[1, 1, 1, 1, 1, 1, 1, 1, \.\.\.\] \(9 values\) do not all fit"):
+        m.admit([1] * 9)                                                   # nine rows of four: the first 8 shown
     with pytest.raises(ValueError, match=r"prompt_lens: expected prompts of 0 to 48, a row's capacity \(12 pages "
                                          r"of 4: max_pages_per_request \* page_size\), got \[49\]; a longer "
                                          r"prompt needs a PageTable with a larger max_pages_per_request"):

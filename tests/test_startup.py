@@ -8,7 +8,8 @@ uses from it (numba's per-dispatcher ``stats``: hits, no misses) and compute
 the same results. Where the cache goes is numba's choice, which tpool's
 locators keep (``tpool.backends.numba``): ``NUMBA_CACHE_DIR`` when set, else
 ``__pycache__`` beside the code, else a per-user directory when the package
-directory is read-only (an installed wheel in a system site-packages).
+directory is read-only (an installed wheel in a system site-packages), else a
+private directory under the system's temporary directory.
 Timings are never asserted (``benchmarks/bench_startup.py`` measures them).
 """
 
@@ -151,6 +152,44 @@ def test_a_read_only_installed_wheel_caches_per_user(installed, tmp_path):
         warm = _cold_then_warm({"PYTHONPATH": str(installed), "XDG_CACHE_HOME": str(user)}, cwd=tmp_path)
         assert all(s["path"].startswith(str(user)) for s in warm["stats"].values()), warm["stats"]
         assert _cache_files(user)
+
+
+def test_with_no_writable_cache_directory_the_kernels_cache_in_a_private_temp_directory(installed, tmp_path):
+    """A read-only package directory and an unwritable user cache directory (a read-only root file
+    system, as in many containers): numba found no cache location and refused to decorate, so even
+    ``import tpool.scheduling`` failed. tpool's last locator caches in ``$TMPDIR/tpool-numba-cache-<uid>``."""
+    package = installed / "tpool"
+    subs = ("kernels", "backends", "scheduling")
+    dirs = [package / sub / "__pycache__" for sub in subs]
+    for d in dirs:
+        d.mkdir(exist_ok=True)
+        for f in _cache_files(d):
+            os.remove(f)
+    (tmp_path / "a-file").write_text("")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    with _read_only([*dirs, *(package / sub for sub in subs)]):
+        env = {"PYTHONPATH": str(installed), "XDG_CACHE_HOME": str(tmp_path / "a-file" / "cache"), "TMPDIR": str(tmp)}
+        warm = _cold_then_warm(env, cwd=tmp_path)
+    (root,) = tmp.iterdir()
+    assert root.name.startswith("tpool-numba-cache") and root.stat().st_mode & 0o777 == 0o700
+    assert all(s["path"].startswith(str(root)) for s in warm["stats"].values()), warm["stats"]
+
+
+def test_the_temp_directory_cache_is_refused_unless_private(tmp_path, monkeypatch):
+    """numba loads the code a cache holds: a shared directory someone else could write is not used."""
+    import tempfile
+    from tpool.backends.numba import TempDirCacheLocator
+    from tpool.kernels import release
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    fn = release.release_numba_entry.py_func
+    mine = TempDirCacheLocator.from_function(fn, fn.__code__.co_filename)
+    root = tmp_path / os.listdir(tmp_path)[0]
+    assert mine is not None and mine.get_cache_path().startswith(str(root))
+    os.chmod(root, 0o777)
+    assert TempDirCacheLocator.from_function(fn, fn.__code__.co_filename) is None
+    os.chmod(root, 0o700)
+    assert TempDirCacheLocator.from_function(fn, fn.__code__.co_filename) is not None
 
 
 def test_the_startup_benchmark_prints_its_table(tmp_path, capsys):

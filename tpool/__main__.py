@@ -1,5 +1,6 @@
 """Command line: ``python -m tpool demo``, ``python -m tpool report`` (also installed as ``tpool``)."""
 
+import errno
 import os
 import sys
 
@@ -58,7 +59,9 @@ def main(argv=None):
     """Run one command; returns the exit status.
 
     A reader that closes the pipe early (``python -m tpool report | head -3``)
-    ends the command quietly: the rest of the output is dropped, no traceback.
+    ends the command quietly: the rest of the output is dropped, no traceback,
+    exit status 141 (as a process killed by SIGPIPE). An output that cannot be
+    written (``> /dev/full``) is one line on stderr and exit status 1.
     """
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -68,9 +71,20 @@ def main(argv=None):
     except BrokenPipeError:
         # Python's recipe (docs: signal, "Note on SIGPIPE"): point stdout at devnull so the
         # flush at exit does not raise a second time, and exit as a process killed by SIGPIPE would.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        _drop_stdout()
         return 141
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EIO, errno.EDQUOT):
+            raise
+        _drop_stdout()   # `tpool demo > /dev/full`: one line, not a traceback
+        print(f"tpool: cannot write the output: {e.strerror}", file=sys.stderr)
+        return 1
+
+
+def _drop_stdout():
+    """Point stdout at devnull: the flush at exit then has nowhere to fail."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -182,6 +182,21 @@ def positive_int(text):
     return v
 
 
+def at_most(hi: int, why: str):
+    """argparse type of a demo count of at least 1 and at most ``hi`` (``why``: what a larger one would
+    cost, for the message)."""
+    def parse(text):
+        v = positive_int(text)
+        if v > hi:
+            raise argparse.ArgumentTypeError(f"expected at most {hi:,} ({why}), got {text}")
+        return v
+    return parse
+
+
+MAX_REQUESTS = 1_000_000      # the queue's lengths are host lists made up front
+MAX_PAGES = 1 << 24           # 16,777,216 pages: ~1 GiB of pool state; the library itself takes more
+
+
 def count_int(text):
     """argparse type of the demos' sizes that may be 0: an int of at least 0."""
     v = int(text)
@@ -233,10 +248,12 @@ def main(argv=None):
         prog=prog("demo"), allow_abbrev=False,
         description="A decode loop scheduled on a host mirror of the pool: admissions, preemptions, decode steps "
                     "and finishes decided on host integers, never reading the device inside a step.")
-    ap.add_argument("--requests", type=positive_int, default=256, help="requests in the queue (default 256)")
+    ap.add_argument("--requests", type=at_most(MAX_REQUESTS, "the demo makes every request's lengths up front"),
+                    default=256, help=f"requests in the queue, at most {MAX_REQUESTS:,} (default 256)")
     ap.add_argument("--batch", type=positive_int, default=64, help="most requests running at once, the table's rows "
                     "(default 64)")
-    ap.add_argument("--num-pages", type=positive_int, default=4096, help="pages in the pool (default 4096)")
+    ap.add_argument("--num-pages", type=at_most(MAX_PAGES, "~64 B of pool state a page; PagePool itself takes more"),
+                    default=4096, help=f"pages in the pool, at most {MAX_PAGES:,} (default 4096)")
     ap.add_argument("--page-size", type=positive_int, default=16, help="tokens per page (default 16)")
     ap.add_argument("--seed", type=seed_int, default=0, help="seed of the prompt (128-2048) and output (16-384) "
                     "lengths, 0 to 2**64 - 1 (default 0)")
@@ -261,8 +278,6 @@ def main(argv=None):
         s = run(a.requests, a.batch, a.num_pages, a.page_size, a.seed, a.device, a.backend, a.every)
         if s["pages.allocated"] == 0:
             return 1      # no request fitted the pool: nothing ran (said above), a failed run for a script
-    except BrokenPipeError:       # `python -m tpool demo | head`
-        sys.stderr.close()
     except OptionError as e:
         ap.error(str(e))
 

@@ -29,6 +29,7 @@ from tpool.buffers import DEFAULT_MAX_SHAPES, ShapeBuffers, _tensors
 from tpool.errors import StaleBinding
 from tpool.kernels import layout as L
 from tpool.kernels.layout import INT32_MAX, MAX_INDEXED
+from tpool.pool import PagePool
 from tpool.state import CsrMemo, TableState, fixed_full, held_view
 from tpool.table_results import ExtendResult, ForkResult, PagedKVCSR, StepOut, StepResult
 
@@ -68,6 +69,8 @@ class PageTable:
 
     def __init__(self, pool, max_requests: int, max_pages_per_request: int, *,
                  max_shapes: int = DEFAULT_MAX_SHAPES):
+        if not isinstance(pool, PagePool):
+            raise ValueError(f"pool: expected a tpool.PagePool, got {type(pool).__name__}")
         max_requests, max_pages_per_request, max_shapes = (_checks.check_size(v, name, 1) for name, v in (
             ("max_requests", max_requests), ("max_pages_per_request", max_pages_per_request),
             ("max_shapes", max_shapes)))

@@ -22,6 +22,8 @@ and taking back the GIL would cost more than these kernels' short runs gain.
 import functools
 import hashlib
 import os
+import stat
+import tempfile
 from typing import NamedTuple
 
 import numba
@@ -85,10 +87,12 @@ class KernelCache(caching.FunctionCache):
 
 
 def cached_njit(fn=None, **options):
-    """``numba.njit(fn, cache=True, **options)``, its disk cache a :class:`KernelCache`."""
+    """``numba.njit(fn, cache=True, **options)``, its disk cache a :class:`KernelCache` (made here, as
+    ``Dispatcher.enable_caching`` makes numba's: numba's own would look for a place with numba's
+    locators alone, and fail at import where none is writable)."""
     if fn is None:
         return functools.partial(cached_njit, **options)
-    dispatcher = numba.njit(fn, cache=True, **options)
+    dispatcher = numba.njit(fn, **options)
     dispatcher._cache = KernelCache(dispatcher.py_func)
     return dispatcher
 
@@ -98,8 +102,9 @@ def cached_njit(fn=None, **options):
 # compiles in helpers from other kernel modules (_numba_util.py, ...). The kernels' cache
 # entries are therefore stamped with a hash of every kernel module: any change to any of them
 # recompiles every entry. Where the entries go is numba's usual choice (NUMBA_CACHE_DIR if
-# set, else __pycache__ beside the kernels, else a per-user cache directory when the package
-# directory is read-only).
+# set and writable, else __pycache__ beside the kernels, else a per-user cache directory when
+# the package directory is read-only), and as a last resort a private directory under the
+# system's temporary directory (TempDirCacheLocator): without one numba refuses to decorate.
 _KERNELS_DIR = os.path.dirname(os.path.abspath(alloc.__file__))
 
 
@@ -138,7 +143,31 @@ def _stamped(base, anyone=False):
     return KernelLocator
 
 
-_BASES = (caching.UserProvidedCacheLocator, caching.InTreeCacheLocator, caching.UserWideCacheLocator)
+class TempDirCacheLocator(caching.UserWideCacheLocator):
+    """The last place tpool's kernels are cached: ``<temp dir>/tpool-numba-cache-<uid>``, for a
+    read-only package directory with an unwritable home (and no ``NUMBA_CACHE_DIR``), as in many
+    containers, where numba finds no cache location and refuses ``cache=True`` at import. The
+    directory must be this user's own and private (made 0700; refused otherwise, since numba loads
+    the code a cache holds)."""
+
+    def __init__(self, py_func, py_file):
+        self._py_file = py_file
+        self._lineno = py_func.__code__.co_firstlineno
+        uid = os.getuid() if hasattr(os, "getuid") else None
+        self._root = os.path.join(tempfile.gettempdir(), "tpool-numba-cache" + ("" if uid is None else f"-{uid}"))
+        self._cache_path = os.path.join(self._root, self.get_suitable_cache_subpath(py_file))
+
+    def ensure_cache_path(self):
+        os.makedirs(self._root, mode=0o700, exist_ok=True)
+        st = os.lstat(self._root)
+        if not stat.S_ISDIR(st.st_mode) or (hasattr(os, "getuid") and (st.st_uid != os.getuid()
+                                                                       or st.st_mode & 0o077)):
+            raise OSError(f"{self._root} is not a directory private to this user")
+        super().ensure_cache_path()
+
+
+_BASES = (caching.UserProvidedCacheLocator, caching.InTreeCacheLocator, caching.UserWideCacheLocator,
+          TempDirCacheLocator)
 if not any(c.__name__.startswith("Kernel") for c in caching.CacheImpl._locator_classes):
     caching.CacheImpl._locator_classes[:0] = [_stamped(b) for b in _BASES]
 

@@ -61,7 +61,8 @@ def _plain(a):
 
 def _head(a) -> str:
     """Array ``a`` for a message: its first 8 values, and how many there are when more."""
-    return f"{a.reshape(-1)[:8].tolist()}" + (f" ({a.size} values)" if a.size > 8 else "")
+    head = a.reshape(-1)[:8].tolist()
+    return f"{head}" if a.size <= 8 else f"{str(head)[:-1]}, ...] ({a.size} values)"
 
 
 def _shown(a) -> str:
