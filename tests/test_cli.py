@@ -92,6 +92,21 @@ def test_an_output_that_cannot_be_written_is_one_line():
     assert r.returncode == 141 and "Traceback" not in r.stderr, r.stderr
 
 
+def test_only_the_outputs_own_errors_end_a_command_quietly(monkeypatch):
+    """A full disk under something else the command writes (numba's cache) is that error, not "cannot
+    write the output" with the output dropped."""
+    import errno
+    import tpool.__main__ as cli
+
+    def elsewhere(argv):
+        print("a row")
+        raise OSError(errno.ENOSPC, "No space left on device", "/some/cache/index.nbi")
+
+    monkeypatch.setattr(cli, "_dispatch", elsewhere)
+    with pytest.raises(OSError, match="index.nbi"):
+        cli.main(["demo"])
+
+
 def test_report_piped_into_head():
     r = subprocess.run(f"{sys.executable} -m tpool report | head -3", shell=True, cwd=ROOT,
                        capture_output=True, text=True, timeout=300)

@@ -1559,6 +1559,10 @@ def test_a_hook_on_a_kept_leaf_does_not_keep_its_closure_alive():
     alive, cache = _dies_with(make)
     assert not alive and cache.stats().current_bytes == 4000
     assert cache.get("k").requires_grad and cache.get("k")._backward_hooks is None
+    t, q = torch.zeros(4, requires_grad=True), torch.nn.Parameter(torch.zeros(4))
+    t.register_hook(lambda g: g).remove()                 # a removed hook leaves an empty dict behind
+    q.register_post_accumulate_grad_hook(lambda p: None).remove()
+    assert ownership.own(t) is t and ownership.own(q) is q
 
 
 def test_a_defaultdicts_factory_is_refused_unless_a_class():

@@ -203,12 +203,46 @@ def test_a_hand_made_match_is_refused_before_anything_changes(backend):
                      (PrefixMatch((hit.slots[0], 4), 8, (hit.eids[0], hit.eids[0])), "expected slots in"),
                      (PrefixMatch((hit.slots[0], last), 8, (hit.eids[0], hit.eids[0])), "stale"),
                      (PrefixMatch(hit.slots, 8, hit.eids[::-1]), "stale"),
-                     (PrefixMatch(hit.slots, 8, hit.eids[:1]), "stale")]:
+                     (PrefixMatch(hit.slots, 8, hit.eids[:1]), "stale"),
+                     (PrefixMatch(hit.slots[1:], 4, hit.eids[1:]), "chain of entries")]:  # the second page first
         with pytest.raises(ValueError, match=why):
             cache.revive(bad, 16)
     assert (m.table.seq_lens.tolist(), pool.stats(), m.free, m.cached, m.reserved) == before
     cache._eid[last] = 0
     cache.check_invariants()
+
+
+def test_a_match_of_another_cache_is_refused(backend):
+    """A cache made again on the same mirror hands out the same slots in the same order: with entry ids
+    counted per cache, a match kept from the first one revived the second one's pages, which hold other
+    tokens. Entry ids are drawn from one count now."""
+    pool, m, old = _setup(backend)
+    _serve(m, old, list(range(8)))
+    hit = old.match(list(range(9)))
+    old.detach()
+    new = PrefixCache(m)
+    _serve(m, new, [50 + i for i in range(8)])
+    assert new.match([50 + i for i in range(9)]).slots == hit.slots      # the same slots, other tokens
+    with pytest.raises(ValueError, match="made by another cache"):
+        new.revive(hit, 16)
+
+
+def test_drop_refuses_what_is_not_the_unread_values_before_anything_changes(backend):
+    """``drop(cache.unread())`` (the tensor, not its values) failed half-way with a KeyError: an entry
+    left the index without its slot going back, and check_invariants failed for good."""
+    pool, m, cache = _setup(backend, num_pages=8)
+    _serve(m, cache, list(range(8)))
+    cache.evict(2)
+    ev = cache.unread()
+    for bad, why in [(ev, "got a tensor"), ([0.5], "host ints"), ([cache_size := len(cache._keys)], "slots in"),
+                     ([-2], "slots in")]:
+        with pytest.raises(ValueError, match=why):
+            cache.drop(bad)
+    assert cache.closed and len(cache) == 2 and cache_size > 0
+    assert cache.drop([int(v) for v in ev.tolist()]) == 2 and not cache.closed
+    cache.check_invariants()
+    cache.evict(0)                                   # nothing evicted: match stays open, no read needed
+    assert not cache.closed and cache.unread() is None
 
 
 def test_revives_of_several_lengths_each_hold_their_own_pages(backend):

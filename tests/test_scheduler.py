@@ -1523,7 +1523,7 @@ def test_the_mirror_loops_refuse_arrays_that_do_not_match():
 def test_a_refused_truncate_of_a_wide_batch_names_its_first_values_only(backend):
     pool, table, m = _setup(backend, num_pages=200, rows=12)
     rows = m.admit([5] * 12)
-    with pytest.raises(ValueError, match=r"got \[9, 9, 9, 9, 9, 9, 9, 9\] \(12 values\) \(lo \[5, 5, .* \(12 values\)\)$"):
+    with pytest.raises(ValueError, match=r"got \[9, 9, 9, 9, 9, 9, 9, 9, \.\.\.\] \(12 values\) \(lo \[5, 5, .* \(12 values\)\)$"):
         m.truncate(rows, [9] * 12)
     assert m.lo[rows].tolist() == [5] * 12 and m.exact
 

@@ -176,20 +176,41 @@ def test_with_no_writable_cache_directory_the_kernels_cache_in_a_private_temp_di
     assert all(s["path"].startswith(str(root)) for s in warm["stats"].values()), warm["stats"]
 
 
-def test_the_temp_directory_cache_is_refused_unless_private(tmp_path, monkeypatch):
-    """numba loads the code a cache holds: a shared directory someone else could write is not used."""
-    import tempfile
-    from tpool.backends.numba import TempDirCacheLocator
+def test_the_temp_directory_cache_is_private_or_per_process(tmp_path, monkeypatch, capsys):
+    """numba loads the code a cache holds: the shared directory is used only while it is this user's
+    and private, in a temporary directory no one else can swap it in; a refused one gives way to a
+    fresh directory for the process (said on stderr), a temporary directory anyone may write (not
+    sticky, another user's) to nothing at all."""
+    from tpool.backends import numba as nb
     from tpool.kernels import release
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     fn = release.release_numba_entry.py_func
-    mine = TempDirCacheLocator.from_function(fn, fn.__code__.co_filename)
-    root = tmp_path / os.listdir(tmp_path)[0]
-    assert mine is not None and mine.get_cache_path().startswith(str(root))
-    os.chmod(root, 0o777)
-    assert TempDirCacheLocator.from_function(fn, fn.__code__.co_filename) is None
-    os.chmod(root, 0o700)
-    assert TempDirCacheLocator.from_function(fn, fn.__code__.co_filename) is not None
+
+    def locate():
+        nb.temp_cache_root.cache_clear()
+        return nb.TempDirCacheLocator.from_function(fn, fn.__code__.co_filename)
+
+    base = tmp_path / "tmp"
+    base.mkdir()
+    for var in ("TEMP", "TMP"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TMPDIR", str(base))
+    try:
+        shared = base / f"tpool-numba-cache-{os.geteuid()}"
+        assert locate().get_cache_path().startswith(str(shared)) and shared.stat().st_mode & 0o777 == 0o700
+        assert capsys.readouterr().err == ""
+        os.chmod(shared, 0o755)                         # someone else could write it: not used
+        own = locate().get_cache_path()
+        assert own.startswith(str(base)) and not own.startswith(str(shared))
+        assert f"{shared} is not a directory private to this user" in capsys.readouterr().err
+        os.chmod(shared, 0o700)
+        os.chmod(base, 0o777)                           # anyone may write it, not sticky, another user's
+        if os.geteuid() == 0:
+            os.chown(base, 65534, -1)
+        else:
+            pytest.skip("needs root to give the temporary directory to another user")
+        assert locate() is None
+    finally:
+        nb.temp_cache_root.cache_clear()
 
 
 def test_the_startup_benchmark_prints_its_table(tmp_path, capsys):

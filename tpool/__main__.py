@@ -1,6 +1,5 @@
 """Command line: ``python -m tpool demo``, ``python -m tpool report`` (also installed as ``tpool``)."""
 
-import errno
 import os
 import sys
 
@@ -55,36 +54,66 @@ def _dispatch(argv):
     return 2
 
 
+class _OutputError(Exception):
+    """An ``OSError`` from writing or flushing the command's standard output (its ``args[0]``)."""
+
+
+class _Stdout:
+    """``sys.stdout`` while a command runs: an ``OSError`` of its own writes becomes :class:`_OutputError`,
+    so that only the output's errors end the command quietly (a full disk elsewhere, such as under
+    numba's cache, stays the error it is)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            raise _OutputError(e) from e
+
+    def flush(self):
+        try:
+            return self._stream.flush()
+        except OSError as e:
+            raise _OutputError(e) from e
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def main(argv=None):
     """Run one command; returns the exit status.
 
     A reader that closes the pipe early (``python -m tpool report | head -3``)
     ends the command quietly: the rest of the output is dropped, no traceback,
     exit status 141 (as a process killed by SIGPIPE). An output that cannot be
-    written (``> /dev/full``) is one line on stderr and exit status 1.
+    written (``> /dev/full``) is one line on stderr and exit status 1. Errors
+    of anything else (another file, a pipe the command opened) are raised.
     """
     argv = sys.argv[1:] if argv is None else argv
+    stdout, sys.stdout = sys.stdout, _Stdout(sys.stdout)
     try:
         status = _dispatch(argv)
         sys.stdout.flush()  # a broken pipe surfaces here, inside the handler, not at interpreter exit
         return status
-    except BrokenPipeError:
+    except _OutputError as out:
         # Python's recipe (docs: signal, "Note on SIGPIPE"): point stdout at devnull so the
         # flush at exit does not raise a second time, and exit as a process killed by SIGPIPE would.
-        _drop_stdout()
-        return 141
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EIO, errno.EDQUOT):
-            raise
-        _drop_stdout()   # `tpool demo > /dev/full`: one line, not a traceback
-        print(f"tpool: cannot write the output: {e.strerror}", file=sys.stderr)
+        _drop_stdout(stdout)
+        e = out.args[0]
+        if isinstance(e, BrokenPipeError):
+            return 141
+        print(f"tpool: cannot write the output: {e.strerror or e}", file=sys.stderr)  # `tpool demo > /dev/full`
         return 1
+    finally:
+        sys.stdout = stdout
 
 
-def _drop_stdout():
-    """Point stdout at devnull: the flush at exit then has nowhere to fail."""
+def _drop_stdout(stream):
+    """Point ``stream`` (the process's stdout) at devnull: the flush at exit then has nowhere to fail."""
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
+    os.dup2(devnull, stream.fileno())
 
 
 if __name__ == "__main__":

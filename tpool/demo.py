@@ -195,6 +195,7 @@ def at_most(hi: int, why: str):
 
 MAX_REQUESTS = 1_000_000      # the queue's lengths are host lists made up front
 MAX_PAGES = 1 << 24           # 16,777,216 pages: ~1 GiB of pool state; the library itself takes more
+MAX_BATCH = 1 << 16           # 65,536 table rows
 
 
 def count_int(text):
@@ -250,8 +251,8 @@ def main(argv=None):
                     "and finishes decided on host integers, never reading the device inside a step.")
     ap.add_argument("--requests", type=at_most(MAX_REQUESTS, "the demo makes every request's lengths up front"),
                     default=256, help=f"requests in the queue, at most {MAX_REQUESTS:,} (default 256)")
-    ap.add_argument("--batch", type=positive_int, default=64, help="most requests running at once, the table's rows "
-                    "(default 64)")
+    ap.add_argument("--batch", type=at_most(MAX_BATCH, "a table row of ~2 KiB for each"), default=64,
+                    help=f"most requests running at once, the table's rows, at most {MAX_BATCH:,} (default 64)")
     ap.add_argument("--num-pages", type=at_most(MAX_PAGES, "~64 B of pool state a page; PagePool itself takes more"),
                     default=4096, help=f"pages in the pool, at most {MAX_PAGES:,} (default 4096)")
     ap.add_argument("--page-size", type=positive_int, default=16, help="tokens per page (default 16)")
@@ -281,5 +282,6 @@ def main(argv=None):
     except OptionError as e:
         ap.error(str(e))
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # `python -m tpool.demo`: as `python -m tpool demo` (its pipe and output errors)
+    from tpool.__main__ import main as cli
+    sys.exit(cli(["demo", *sys.argv[1:]]))

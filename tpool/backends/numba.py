@@ -23,6 +23,7 @@ import functools
 import hashlib
 import os
 import stat
+import sys
 import tempfile
 from typing import NamedTuple
 
@@ -144,26 +145,63 @@ def _stamped(base, anyone=False):
 
 
 class TempDirCacheLocator(caching.UserWideCacheLocator):
-    """The last place tpool's kernels are cached: ``<temp dir>/tpool-numba-cache-<uid>``, for a
-    read-only package directory with an unwritable home (and no ``NUMBA_CACHE_DIR``), as in many
-    containers, where numba finds no cache location and refuses ``cache=True`` at import. The
-    directory must be this user's own and private (made 0700; refused otherwise, since numba loads
-    the code a cache holds)."""
+    """The last place tpool's kernels are cached, for a read-only package directory with an unwritable
+    home (and no ``NUMBA_CACHE_DIR``), as in many containers, where numba finds no cache location and
+    refuses ``cache=True`` at import: a directory of this user under the system's temporary directory
+    (:func:`temp_cache_root`)."""
 
     def __init__(self, py_func, py_file):
         self._py_file = py_file
         self._lineno = py_func.__code__.co_firstlineno
-        uid = os.getuid() if hasattr(os, "getuid") else None
-        self._root = os.path.join(tempfile.gettempdir(), "tpool-numba-cache" + ("" if uid is None else f"-{uid}"))
-        self._cache_path = os.path.join(self._root, self.get_suitable_cache_subpath(py_file))
+        try:
+            self._root = temp_cache_root()
+        except OSError:
+            self._root = None
+        self._cache_path = os.path.join(self._root or "", self.get_suitable_cache_subpath(py_file))
 
     def ensure_cache_path(self):
-        os.makedirs(self._root, mode=0o700, exist_ok=True)
-        st = os.lstat(self._root)
-        if not stat.S_ISDIR(st.st_mode) or (hasattr(os, "getuid") and (st.st_uid != os.getuid()
-                                                                       or st.st_mode & 0o077)):
-            raise OSError(f"{self._root} is not a directory private to this user")
+        if self._root is None:
+            temp_cache_root()  # raises the reason again (numba's from_function passes over this locator)
         super().ensure_cache_path()
+
+
+def _temp_base() -> str | None:
+    """The system's temporary directory: ``$TMPDIR``, ``$TEMP`` or ``$TMP`` if a directory, else ``/tmp`` or
+    ``/var/tmp`` (never the working directory, tempfile's last resort); None if there is none."""
+    for d in (os.environ.get("TMPDIR"), os.environ.get("TEMP"), os.environ.get("TMP"), "/tmp", "/var/tmp"):
+        if d and os.path.isdir(d):
+            return d
+    return None
+
+
+@functools.cache
+def temp_cache_root() -> str:
+    """Where :class:`TempDirCacheLocator` caches (once per process; ``OSError`` with the reason if nowhere).
+
+    ``<temp dir>/tpool-numba-cache-<euid>``, made 0700, used only while it is a directory this user
+    owns that no one else can write (numba loads the code a cache holds) and the temporary directory
+    is sticky, or not writable by others, or this user's (so no one else can swap it). A shared
+    directory that is refused (someone made it first) gives way to a fresh private directory for
+    this process alone (``tempfile.mkdtemp``), said once on stderr: later processes compile again."""
+    base = _temp_base()
+    if base is None:
+        raise OSError("no temporary directory")
+    euid = os.geteuid() if hasattr(os, "geteuid") else None
+    st = os.stat(base)
+    if euid is not None and st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX and st.st_uid != euid:
+        raise OSError(f"{base} is writable by anyone and not sticky: a cache there could be swapped")
+    root = os.path.join(base, "tpool-numba-cache" + ("" if euid is None else f"-{euid}"))
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        st = os.lstat(root)
+        if not stat.S_ISDIR(st.st_mode) or (euid is not None and (st.st_uid != euid or st.st_mode & 0o077)):
+            raise OSError(f"{root} is not a directory private to this user")
+        return root
+    except OSError as e:
+        mine = tempfile.mkdtemp(prefix="tpool-numba-cache-", dir=base)
+        print(f"tpool: {e}; caching numba kernels in {mine} for this process only (set NUMBA_CACHE_DIR to a "
+              "writable directory of your own to keep them)", file=sys.stderr, flush=True)
+        return mine
 
 
 _BASES = (caching.UserProvidedCacheLocator, caching.InTreeCacheLocator, caching.UserWideCacheLocator,

@@ -330,8 +330,10 @@ def retained_bytes(tensors: torch.Tensor | Iterable[Any]) -> int:
         of a cpu or cuda device (``t`` and ``torch.from_numpy(t.numpy())``,
         ``torch.from_dlpack(t)``) that memory counts once. A storage over
         memory torch did not allocate counts what torch sees of it (see
-        :func:`storage_bytes`). A leaf tensor's ``.grad`` counts too: it stays
-        alive with the tensor (``own`` and ``OwnedCache`` leave it behind).
+        :func:`storage_bytes`). A ``.grad`` counts too, as it stays alive with
+        the tensor (``own`` and ``OwnedCache`` leave it behind): a leaf's, a
+        ``retain_grad()`` non-leaf's, that of the tensor a view is of (which
+        the view keeps alive), and a sparse one as its indices and values.
 
     Raises
     ------

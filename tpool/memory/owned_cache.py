@@ -21,8 +21,9 @@ Note:
     identity, :func:`~tpool.memory.accounting.storage_key`): a tensor that
     owns its storage, cached under two keys, counts once; a view that needs
     a copy is copied, and charged, once per key. A tensor kept as is stays
-    the caller's object (or a ``detach()`` of it, if it has autograd
-    history or a ``.grad``): a ``resize_`` or ``set_`` of it by the caller changes what the
+    the caller's object (or a ``detach()`` of it, if it holds more than its
+    storage: autograd history, a ``.grad``, hooks, a viewed tensor with any of
+    these or with attributes; see :func:`~tpool.memory.ownership.own`): a ``resize_`` or ``set_`` of it by the caller changes what the
     cache keeps alive behind its back, which is outside the budget promise
     (:meth:`OwnedCache.check_invariants` detects it). With an arena every tensor
     is copied into ONE block per entry; its storage is then the whole arena
@@ -200,8 +201,9 @@ class OwnedCache:
         owned copies of the views that do not own their storage
         (:func:`~tpool.memory.ownership.plan_ownership`; with an arena every
         tensor is copied); a tensor kept as it is stays the caller's object
-        (a ``detach()`` of it, on the same storage, if it has autograd
-        history or a ``.grad``), so in-place writes to it reach the cache;
+        (a ``detach()`` of it, on the same storage, if it holds more than its
+        storage, as :func:`~tpool.memory.ownership.own` tells), so in-place
+        writes to it reach the cache;
         its ``str`` and ``bytes`` leaves are charged their size.
 
         Parameters

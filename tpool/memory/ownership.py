@@ -25,10 +25,11 @@ Note:
 
     Copies are new autograd leaves (``requires_grad`` kept, history dropped:
     it could keep saved activations alive, uncharged); a tensor kept as is
-    but with a ``grad_fn`` or a ``.grad`` is kept as ``t.detach()`` (same
-    storage, ``requires_grad`` kept) for the same reason: the ``.grad`` of a
-    kept tensor would stay alive, uncharged, and a cache holds values, not
-    training state. Every tensor is first checked by
+    but with a ``grad_fn``, a ``.grad`` or autograd hooks, or a view of a
+    tensor with any of these or with Python attributes, is kept as
+    ``t.detach()`` (same storage, ``requires_grad`` kept) for the same
+    reason: the ``.grad``, the hooks' closures or the viewed tensor would
+    stay alive, uncharged, and a cache holds values, not training state. Every tensor is first checked by
     :func:`~tpool.memory.accounting.check_ownable`.
 """
 
@@ -208,8 +209,8 @@ def _holds_more(t: torch.Tensor) -> bool:
 def _autograd_state(t: torch.Tensor) -> bool:
     """Whether ``t`` holds autograd history, a ``.grad`` or hooks (``.grad`` is asked of leaves only:
     torch warns when a non-leaf's is read)."""
-    return (t.grad_fn is not None or t.grad is not None or t._backward_hooks is not None
-            or t._post_accumulate_grad_hooks is not None)
+    return (t.grad_fn is not None or t.grad is not None or bool(t._backward_hooks)
+            or bool(t._post_accumulate_grad_hooks))  # (a removed hook leaves an empty dict)
 
 
 def _without_history(t: torch.Tensor) -> torch.Tensor:

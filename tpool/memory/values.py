@@ -486,7 +486,7 @@ def walking():
         yield
     except RecursionError:
         raise TypeError("cannot count the bytes of a value that holds itself (a container inside itself) or "
-                        f"is nested deeper than Python's recursion limit ({sys.getrecursionlimit()})") from None
+                        "is nested too deeply for Python's recursion limit") from None
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:

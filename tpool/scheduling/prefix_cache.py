@@ -42,6 +42,8 @@ A :class:`PrefixMatch` is used at once: ``revive`` refuses one whose entries wer
 dropped since (their slots may name other pages by then).
 """
 
+import itertools
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +57,9 @@ from tpool.scheduling.accounting import _head
 __all__ = ["PrefixCache", "PrefixMatch"]
 
 _ROOT = 0  # the entry id before a prompt's first page
+# Entry ids, drawn by every cache from one count: a match made by one cache never names another's entries
+# (a cache made again on the same mirror hands out the same slots in the same order).
+_EIDS = itertools.count(_ROOT + 1)
 
 
 _INTS = frozenset((int,))  # token types whose pages need no closer look (numpy scalars take the slow check)
@@ -158,7 +163,6 @@ class PrefixCache:
         self._free = list(range(n - 1, -1, -1))
         self._held = []                   # slots dropped while an eviction is outstanding: reused after it
         self._children = {}               # entry id -> {slot: None} of the entries keyed under it
-        self._next_eid = _ROOT + 1
         self._unread = []                 # device slots of evictions not handed to unread() yet
         self._inflight = 0                # unread() results not dropped yet
         self.hits = self.hit_tokens = self.inserted = self.dropped = 0
@@ -252,10 +256,13 @@ class PrefixCache:
         slots = match.slots  # (map: no Python frame per entry, as a generator has)
         if min(slots) < 0 or max(slots) >= len(self._keys):  # (a list takes -1; the kernels' reads are bounded too)
             raise self._bad_slots(slots)
-        if len(match.eids) != len(slots) or None in list(map(self._keys.__getitem__, slots)) or \
-                list(map(self._eid.__getitem__, slots)) != list(match.eids):
+        keys = list(map(self._keys.__getitem__, slots))
+        if len(match.eids) != len(slots) or None in keys or list(map(self._eid.__getitem__, slots)) != list(match.eids):
             raise ValueError("revive: a stale match: entries it names were dropped since match() (their slots "
-                             "may name other pages now); match again")
+                             "may name other pages now), or made by another cache; match again")
+        if [key[0] for key in keys] != [_ROOT, *match.eids[:-1]]:
+            raise ValueError("revive: expected a chain of entries from a prompt's first page, each under the one "
+                             "before it (a PrefixMatch not made by match())")
         n_tokens, m = self.mirror._revive_lengths(match.n_tokens, max_len)
         k = len(slots)
         if n_tokens != k * self.page_size:
@@ -312,7 +319,7 @@ class PrefixCache:
                 if not self._free:
                     break               # full: deeper entries would be unreachable anyway
                 slot = self._free.pop()
-                self._eid[slot], self._next_eid = self._next_eid, self._next_eid + 1
+                self._eid[slot] = next(_EIDS)
                 self._index[key], self._keys[slot] = slot, key
                 self._children.setdefault(eid, {})[slot] = None
                 first = i if first is None else first
@@ -355,6 +362,8 @@ class PrefixCache:
         self._attached("evict")
         made = self._made() if self._kernels is not None else None
         ev = self.mirror._evict(k)
+        if not ev.shape[0]:       # evict(0): nothing to forget, and match stays open
+            return ev
         if self._np is not None:  # (the numba backend: one compiled call; the pool's result is int32, contiguous)
             slots = np.empty(ev.shape[0], dtype=np.int32)
             if forget_pages(ev.data_ptr(), ev.shape[0], self._np[2], slots):
@@ -389,6 +398,17 @@ class PrefixCache:
         self._attached("drop")
         if self._inflight <= 0:
             raise ValueError("drop: expected the values of an unread() not dropped yet, but none is outstanding")
+        if isinstance(slots, torch.Tensor):
+            raise ValueError("drop: expected the unread() values as host ints, got a tensor: pass slots.tolist() "
+                             "(read in the loop's next host copy)")
+        try:
+            slots = [operator.index(s) for s in slots]   # (a 0-d tensor would hash by identity)
+        except TypeError as e:
+            raise ValueError(f"drop: expected host ints, got {e}") from None
+        n = len(self._keys)
+        if any(s < -1 or s >= n for s in slots):         # before anything changes
+            raise ValueError(f"drop: expected slots in [-1, {n}) (the unread() values), got "
+                             f"{_head(np.asarray(slots))}")
         gone = [s for s in dict.fromkeys(slots) if s >= 0 and self._keys[s] is not None]
         stack = [c for s in gone for c in self._forget(s)]   # the evicted entries first: the eviction
         under = []                                           # forgot their pages on the device
