@@ -77,11 +77,13 @@ def test_an_output_that_cannot_be_written_is_one_line():
     report's does (exit status 141, nothing on stderr but the kernels' compile notice)."""
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full here")
-    with open("/dev/full", "w") as full:
-        r = subprocess.run([sys.executable, "-m", "tpool", "demo", "--requests", "2", "--backend", "numba"], cwd=ROOT,
-                           stdout=full, stderr=subprocess.PIPE, text=True, timeout=600)
-    assert "Traceback" not in r.stderr and r.returncode == 1, r.stderr
-    assert r.stderr.splitlines()[-1] == "tpool: cannot write the output: No space left on device"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # (unbuffered, --help's write failed
+    for args in (["--requests", "2", "--backend", "numba"], ["--help"]):       # at once, not at exit: exit 120)
+        with open("/dev/full", "w") as full:
+            r = subprocess.run([sys.executable, "-m", "tpool", "demo", *args], cwd=ROOT, env=env, stdout=full,
+                               stderr=subprocess.PIPE, text=True, timeout=600)
+        assert "Traceback" not in r.stderr and r.returncode == 1, (args, r.stderr)
+        assert r.stderr.splitlines()[-1] == "tpool: cannot write the output: No space left on device"
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:

@@ -178,37 +178,42 @@ def test_with_no_writable_cache_directory_the_kernels_cache_in_a_private_temp_di
 
 def test_the_temp_directory_cache_is_private_or_per_process(tmp_path, monkeypatch, capsys):
     """numba loads the code a cache holds: the shared directory is used only while it is this user's
-    and private, in a temporary directory no one else can swap it in; a refused one gives way to a
-    fresh directory for the process (said on stderr), a temporary directory anyone may write (not
-    sticky, another user's) to nothing at all."""
+    and private, in a temporary directory no one else can swap it in (checked again by each locator:
+    a kernel may compile hours later); a refused one gives way to a fresh directory for the process
+    (said on stderr); a temporary directory others may write and that is not sticky, or one where
+    nothing can be made, to the next one."""
     from tpool.backends import numba as nb
     from tpool.kernels import release
     fn = release.release_numba_entry.py_func
 
-    def locate():
-        nb.temp_cache_root.cache_clear()
+    def locate(fresh=True):
+        if fresh:
+            nb.temp_cache_root.cache_clear()
         return nb.TempDirCacheLocator.from_function(fn, fn.__code__.co_filename)
 
-    base = tmp_path / "tmp"
+    base, other = tmp_path / "tmp", tmp_path / "other"
     base.mkdir()
-    for var in ("TEMP", "TMP"):
-        monkeypatch.delenv(var, raising=False)
+    other.mkdir()
+    monkeypatch.delenv("TEMP", raising=False)
     monkeypatch.setenv("TMPDIR", str(base))
+    monkeypatch.setenv("TMP", str(other))            # the next one tried
+    euid = os.geteuid()
     try:
-        shared = base / f"tpool-numba-cache-{os.geteuid()}"
+        shared = base / f"tpool-numba-cache-{euid}"
         assert locate().get_cache_path().startswith(str(shared)) and shared.stat().st_mode & 0o777 == 0o700
         assert capsys.readouterr().err == ""
-        os.chmod(shared, 0o755)                         # someone else could write it: not used
-        own = locate().get_cache_path()
-        assert own.startswith(str(base)) and not own.startswith(str(shared))
-        assert f"{shared} is not a directory private to this user" in capsys.readouterr().err
+        os.chmod(shared, 0o755)                         # someone else could enter it: no longer used ...
+        assert locate(fresh=False) is None              # ... by a locator made later in the same process
+        own = locate().get_cache_path()                 # a new process: a directory of its own
+        assert own.startswith(str(base / f"tpool-numba-cache-{euid}-"))
+        assert f"{shared} is not a directory private to this user (chmod 700 it)" in capsys.readouterr().err
         os.chmod(shared, 0o700)
-        os.chmod(base, 0o777)                           # anyone may write it, not sticky, another user's
-        if os.geteuid() == 0:
-            os.chown(base, 65534, -1)
-        else:
-            pytest.skip("needs root to give the temporary directory to another user")
-        assert locate() is None
+        os.chmod(base, 0o777)                           # anyone may write it, not sticky: the next one
+        assert locate().get_cache_path().startswith(str(other / f"tpool-numba-cache-{euid}"))
+        os.chmod(base, 0o1777)                          # sticky, as /tmp: used again
+        assert locate().get_cache_path().startswith(str(shared))
+        monkeypatch.setenv("TMPDIR", "/proc")           # nothing can be made there
+        assert locate().get_cache_path().startswith(str(other))
     finally:
         nb.temp_cache_root.cache_clear()
 

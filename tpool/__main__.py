@@ -92,15 +92,22 @@ def main(argv=None):
     of anything else (another file, a pipe the command opened) are raised.
     """
     argv = sys.argv[1:] if argv is None else argv
-    stdout, sys.stdout = sys.stdout, _Stdout(sys.stdout)
+    stdout = sys.stdout
+    if stdout is not None:  # (None: stdout closed, `>&-`)
+        sys.stdout = _Stdout(stdout)
     try:
-        status = _dispatch(argv)
-        sys.stdout.flush()  # a broken pipe surfaces here, inside the handler, not at interpreter exit
+        try:
+            status = _dispatch(argv)
+        except SystemExit:  # argparse's --help and usage errors: their output too is flushed here
+            _flush()
+            raise
+        _flush()  # a broken pipe surfaces here, inside the handler, not at interpreter exit
         return status
     except _OutputError as out:
         # Python's recipe (docs: signal, "Note on SIGPIPE"): point stdout at devnull so the
         # flush at exit does not raise a second time, and exit as a process killed by SIGPIPE would.
         _drop_stdout(stdout)
+        stdout = sys.stdout  # (what finally puts back: devnull's stream if the old one had no descriptor)
         e = out.args[0]
         if isinstance(e, BrokenPipeError):
             return 141
@@ -110,10 +117,22 @@ def main(argv=None):
         sys.stdout = stdout
 
 
+def _flush():
+    if sys.stdout is not None:  # (None: stdout closed; print writes nothing then)
+        sys.stdout.flush()
+
+
 def _drop_stdout(stream):
-    """Point ``stream`` (the process's stdout) at devnull: the flush at exit then has nowhere to fail."""
+    """Point ``stream`` (the process's stdout) at devnull: the flush at exit then has nowhere to fail
+    (a stream without a file descriptor is replaced by one on devnull)."""
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError):
+        sys.stdout = open(os.devnull, "w")
+        return
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, stream.fileno())
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -251,7 +251,7 @@ def main(argv=None):
                     "and finishes decided on host integers, never reading the device inside a step.")
     ap.add_argument("--requests", type=at_most(MAX_REQUESTS, "the demo makes every request's lengths up front"),
                     default=256, help=f"requests in the queue, at most {MAX_REQUESTS:,} (default 256)")
-    ap.add_argument("--batch", type=at_most(MAX_BATCH, "a table row of ~2 KiB for each"), default=64,
+    ap.add_argument("--batch", type=at_most(MAX_BATCH, "a table row each, sized for the longest request"), default=64,
                     help=f"most requests running at once, the table's rows, at most {MAX_BATCH:,} (default 64)")
     ap.add_argument("--num-pages", type=at_most(MAX_PAGES, "~64 B of pool state a page; PagePool itself takes more"),
                     default=4096, help=f"pages in the pool, at most {MAX_PAGES:,} (default 4096)")

@@ -19,9 +19,11 @@ to other Python threads (a call is one kernel call), at no cost: releasing
 and taking back the GIL would cost more than these kernels' short runs gain.
 """
 
+import atexit
 import functools
 import hashlib
 import os
+import shutil
 import stat
 import sys
 import tempfile
@@ -148,7 +150,8 @@ class TempDirCacheLocator(caching.UserWideCacheLocator):
     """The last place tpool's kernels are cached, for a read-only package directory with an unwritable
     home (and no ``NUMBA_CACHE_DIR``), as in many containers, where numba finds no cache location and
     refuses ``cache=True`` at import: a directory of this user under the system's temporary directory
-    (:func:`temp_cache_root`)."""
+    (:func:`temp_cache_root`), checked again each time a locator is made (a kernel compiles lazily:
+    hours later, the directory may have been cleaned away and made again by someone else)."""
 
     def __init__(self, py_func, py_file):
         self._py_file = py_file
@@ -162,46 +165,70 @@ class TempDirCacheLocator(caching.UserWideCacheLocator):
     def ensure_cache_path(self):
         if self._root is None:
             temp_cache_root()  # raises the reason again (numba's from_function passes over this locator)
+        _check_private(self._root)
         super().ensure_cache_path()
 
 
-def _temp_base() -> str | None:
-    """The system's temporary directory: ``$TMPDIR``, ``$TEMP`` or ``$TMP`` if a directory, else ``/tmp`` or
-    ``/var/tmp`` (never the working directory, tempfile's last resort); None if there is none."""
-    for d in (os.environ.get("TMPDIR"), os.environ.get("TEMP"), os.environ.get("TMP"), "/tmp", "/var/tmp"):
-        if d and os.path.isdir(d):
-            return d
-    return None
+_EUID = os.geteuid() if hasattr(os, "geteuid") else None
+
+
+def _temp_bases() -> list:
+    """The system's temporary directories to try, in order: ``$TMPDIR``, ``$TEMP``, ``$TMP``, ``/tmp``,
+    ``/var/tmp``, those that are directories (never the working directory, tempfile's last resort)."""
+    names = (os.environ.get("TMPDIR"), os.environ.get("TEMP"), os.environ.get("TMP"), "/tmp", "/var/tmp")
+    return [d for d in dict.fromkeys(names) if d and os.path.isdir(d)]
+
+
+def _check_private(root: str) -> None:
+    """Raise ``OSError`` unless ``root`` is a directory (not a link) this user owns that no one else
+    can write or enter, in a directory where no one else can swap it: one that others cannot write,
+    or a sticky one (as ``/tmp``)."""
+    st = os.lstat(root)
+    if not stat.S_ISDIR(st.st_mode) or (_EUID is not None and (st.st_uid != _EUID or st.st_mode & 0o077)):
+        raise OSError(f"{root} is not a directory private to this user"
+                      + (" (chmod 700 it)" if stat.S_ISDIR(st.st_mode) and st.st_uid == _EUID else ""))
+    parent = os.stat(os.path.dirname(root))
+    if _EUID is not None and parent.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not parent.st_mode & stat.S_ISVTX:
+        raise OSError(f"{os.path.dirname(root)} is writable by others and not sticky: a cache there could be "
+                      "swapped")
 
 
 @functools.cache
 def temp_cache_root() -> str:
-    """Where :class:`TempDirCacheLocator` caches (once per process; ``OSError`` with the reason if nowhere).
+    """Where :class:`TempDirCacheLocator` caches (chosen once per process; ``OSError`` with the reasons if
+    nowhere): ``<temp dir>/tpool-numba-cache-<euid>`` in the first temporary directory where it can be
+    made (0700) and passes :func:`_check_private` (numba loads the code a cache holds). A shared
+    directory that does not pass (someone else made it, or it is not private) gives way to a fresh
+    private directory for this process alone (``tempfile.mkdtemp``, removed at exit), said once on
+    stderr: later processes compile again."""
+    reasons = []
+    for base in _temp_bases():
+        try:
+            return _root_in(base)
+        except OSError as e:
+            reasons.append(str(e))
+    raise OSError("; ".join(reasons) or "no temporary directory")
 
-    ``<temp dir>/tpool-numba-cache-<euid>``, made 0700, used only while it is a directory this user
-    owns that no one else can write (numba loads the code a cache holds) and the temporary directory
-    is sticky, or not writable by others, or this user's (so no one else can swap it). A shared
-    directory that is refused (someone made it first) gives way to a fresh private directory for
-    this process alone (``tempfile.mkdtemp``), said once on stderr: later processes compile again."""
-    base = _temp_base()
-    if base is None:
-        raise OSError("no temporary directory")
-    euid = os.geteuid() if hasattr(os, "geteuid") else None
-    st = os.stat(base)
-    if euid is not None and st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX and st.st_uid != euid:
-        raise OSError(f"{base} is writable by anyone and not sticky: a cache there could be swapped")
-    root = os.path.join(base, "tpool-numba-cache" + ("" if euid is None else f"-{euid}"))
+
+def _root_in(base: str) -> str:
+    suffix = "" if _EUID is None else f"-{_EUID}"
+    root = os.path.join(base, "tpool-numba-cache" + suffix)
     try:
         os.makedirs(root, mode=0o700, exist_ok=True)
-        st = os.lstat(root)
-        if not stat.S_ISDIR(st.st_mode) or (euid is not None and (st.st_uid != euid or st.st_mode & 0o077)):
-            raise OSError(f"{root} is not a directory private to this user")
+        _check_private(root)
         return root
     except OSError as e:
-        mine = tempfile.mkdtemp(prefix="tpool-numba-cache-", dir=base)
-        print(f"tpool: {e}; caching numba kernels in {mine} for this process only (set NUMBA_CACHE_DIR to a "
-              "writable directory of your own to keep them)", file=sys.stderr, flush=True)
-        return mine
+        why = e
+    mine = tempfile.mkdtemp(prefix=f"tpool-numba-cache{suffix}-", dir=base)
+    try:
+        _check_private(mine)             # (a temporary directory others could swap it in is refused too)
+    except OSError:
+        shutil.rmtree(mine, True)
+        raise
+    atexit.register(shutil.rmtree, mine, True)
+    print(f"tpool: {why}; caching numba kernels in {mine} for this process only (set NUMBA_CACHE_DIR to a "
+          "writable directory of your own to keep them)", file=sys.stderr, flush=True)
+    return mine
 
 
 _BASES = (caching.UserProvidedCacheLocator, caching.InTreeCacheLocator, caching.UserWideCacheLocator,

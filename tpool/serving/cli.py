@@ -9,10 +9,13 @@ import argparse
 
 from tpool import _checks
 from tpool._prog import prog
-from tpool.demo import OptionError, count_int, positive_int, seed_int
+from tpool.demo import OptionError, at_most, count_int, positive_int, seed_int
 
 MODELS = ("llama", "gpt-neox")
 INSTALL_HF = "pip install 'transformers>=5' (the hf extra; pip install -e \".[hf]\" in a checkout)"
+MAX_REQUESTS = 10_000    # each request is generated again by transformers to check it
+MAX_PAGES = 1 << 18      # 262,144 pages, each with the K/V of every layer
+MAX_BATCH = 1 << 10      # lanes of one forward
 
 
 def parser() -> argparse.ArgumentParser:
@@ -22,11 +25,14 @@ def parser() -> argparse.ArgumentParser:
                                              "every request against the model's generate (needs transformers: "
                                              f"{INSTALL_HF}).")
     ap.add_argument("--model", choices=MODELS, default="llama", help="architecture (default llama)")
-    ap.add_argument("--requests", type=positive_int, default=32, help="number of prompts (default 32)")
-    ap.add_argument("--num-pages", type=positive_int, default=48, help="pool pages, too few for all (default 48)")
+    ap.add_argument("--requests", type=at_most(MAX_REQUESTS, "each is checked against generate"), default=32,
+                    help=f"number of prompts, at most {MAX_REQUESTS:,} (default 32)")
+    ap.add_argument("--num-pages", type=at_most(MAX_PAGES, "each page holds the K/V of every layer"), default=48,
+                    help=f"pool pages, too few for all, at most {MAX_PAGES:,} (default 48)")
     ap.add_argument("--page-size", type=positive_int, default=4, help="tokens per page (default 4)")
-    ap.add_argument("--batch", "--max-batch", dest="max_batch", type=positive_int, default=8, metavar="N",
-                    help="most requests running at once, lanes per step (default 8)")
+    ap.add_argument("--batch", "--max-batch", dest="max_batch", type=at_most(MAX_BATCH, "lanes of one forward"),
+                    default=8, metavar="N", help=f"most requests running at once, lanes per step, at most "
+                                                 f"{MAX_BATCH:,} (default 8)")
     ap.add_argument("--system-prompt", type=count_int, default=8, metavar="N",
                     help="tokens every prompt starts with, the same for all: what the prefix cache serves again "
                          "(default 8; 0: none)")
