@@ -42,6 +42,27 @@ def announce_compile(cache_dir: str, name: str = "") -> None:
     else:
         return
     _compile_announced = now
+    _say(msg)
+
+
+_no_cache_announced = False
+
+
+def announce_no_cache() -> None:
+    """Say, once a process, that no cache location is writable, so every process compiles tpool's
+    kernels again (numba tries ``NUMBA_CACHE_DIR``, ``__pycache__`` beside the code, then the user's
+    cache directory)."""
+    global _no_cache_announced
+    if not _no_cache_announced:
+        _no_cache_announced = True
+        _say("tpool: no writable place to cache numba kernels (NUMBA_CACHE_DIR unset or not writable, tpool's "
+             "package directory read-only, the user's cache directory (~/.cache/numba) not writable): every "
+             "process compiles them again, ~20 s for a first alloc and step on 2 cores; set NUMBA_CACHE_DIR to a "
+             "writable directory to keep them")
+
+
+def _say(msg: str) -> None:
+    """A line to the ``tpool`` logger (INFO) when the application has configured logging, else stderr."""
     log = logging.getLogger("tpool")
     if log.hasHandlers():
         log.info(msg)

@@ -19,14 +19,9 @@ to other Python threads (a call is one kernel call), at no cost: releasing
 and taking back the GIL would cost more than these kernels' short runs gain.
 """
 
-import atexit
 import functools
 import hashlib
 import os
-import shutil
-import stat
-import sys
-import tempfile
 from typing import NamedTuple
 
 import numba
@@ -36,7 +31,7 @@ from numba.core import caching
 from numba.core.runtime import nrt
 
 from tpool._checks import overlap_error, storage_spans
-from tpool._startup import announce_compile
+from tpool._startup import announce_compile, announce_no_cache
 from tpool.kernels import alloc, block_table_rows, evict, extend, flashinfer_csr, fork, free, incref, release, step
 from tpool.kernels import layout as L
 from tpool.kernels import revive, touch
@@ -91,12 +86,19 @@ class KernelCache(caching.FunctionCache):
 
 def cached_njit(fn=None, **options):
     """``numba.njit(fn, cache=True, **options)``, its disk cache a :class:`KernelCache` (made here, as
-    ``Dispatcher.enable_caching`` makes numba's: numba's own would look for a place with numba's
-    locators alone, and fail at import where none is writable)."""
+    ``Dispatcher.enable_caching`` makes numba's); uncached where no cache location is writable (numba's
+    own ``cache=True`` raises at import there: a read-only package directory and home, as in many
+    containers)."""
     if fn is None:
         return functools.partial(cached_njit, **options)
     dispatcher = numba.njit(fn, **options)
-    dispatcher._cache = KernelCache(dispatcher.py_func)
+    try:
+        dispatcher._cache = KernelCache(dispatcher.py_func)
+    except RuntimeError as e:  # numba's "no locator available": nowhere writable to cache
+        if "no locator" not in str(e):
+            raise
+        announce_no_cache()    # compiled in every process instead (a shared temporary directory would be
+        #                        code anyone there could plant: numba loads what a cache holds)
     return dispatcher
 
 
@@ -106,8 +108,8 @@ def cached_njit(fn=None, **options):
 # entries are therefore stamped with a hash of every kernel module: any change to any of them
 # recompiles every entry. Where the entries go is numba's usual choice (NUMBA_CACHE_DIR if
 # set and writable, else __pycache__ beside the kernels, else a per-user cache directory when
-# the package directory is read-only), and as a last resort a private directory under the
-# system's temporary directory (TempDirCacheLocator): without one numba refuses to decorate.
+# the package directory is read-only). Where none is writable the kernels compile uncached
+# (cached_njit), said once: numba itself would refuse to decorate them.
 _KERNELS_DIR = os.path.dirname(os.path.abspath(alloc.__file__))
 
 
@@ -146,93 +148,7 @@ def _stamped(base, anyone=False):
     return KernelLocator
 
 
-class TempDirCacheLocator(caching.UserWideCacheLocator):
-    """The last place tpool's kernels are cached, for a read-only package directory with an unwritable
-    home (and no ``NUMBA_CACHE_DIR``), as in many containers, where numba finds no cache location and
-    refuses ``cache=True`` at import: a directory of this user under the system's temporary directory
-    (:func:`temp_cache_root`), checked again each time a locator is made (a kernel compiles lazily:
-    hours later, the directory may have been cleaned away and made again by someone else)."""
-
-    def __init__(self, py_func, py_file):
-        self._py_file = py_file
-        self._lineno = py_func.__code__.co_firstlineno
-        try:
-            self._root = temp_cache_root()
-        except OSError:
-            self._root = None
-        self._cache_path = os.path.join(self._root or "", self.get_suitable_cache_subpath(py_file))
-
-    def ensure_cache_path(self):
-        if self._root is None:
-            temp_cache_root()  # raises the reason again (numba's from_function passes over this locator)
-        _check_private(self._root)
-        super().ensure_cache_path()
-
-
-_EUID = os.geteuid() if hasattr(os, "geteuid") else None
-
-
-def _temp_bases() -> list:
-    """The system's temporary directories to try, in order: ``$TMPDIR``, ``$TEMP``, ``$TMP``, ``/tmp``,
-    ``/var/tmp``, those that are directories (never the working directory, tempfile's last resort)."""
-    names = (os.environ.get("TMPDIR"), os.environ.get("TEMP"), os.environ.get("TMP"), "/tmp", "/var/tmp")
-    return [d for d in dict.fromkeys(names) if d and os.path.isdir(d)]
-
-
-def _check_private(root: str) -> None:
-    """Raise ``OSError`` unless ``root`` is a directory (not a link) this user owns that no one else
-    can write or enter, in a directory where no one else can swap it: one that others cannot write,
-    or a sticky one (as ``/tmp``)."""
-    st = os.lstat(root)
-    if not stat.S_ISDIR(st.st_mode) or (_EUID is not None and (st.st_uid != _EUID or st.st_mode & 0o077)):
-        raise OSError(f"{root} is not a directory private to this user"
-                      + (" (chmod 700 it)" if stat.S_ISDIR(st.st_mode) and st.st_uid == _EUID else ""))
-    parent = os.stat(os.path.dirname(root))
-    if _EUID is not None and parent.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not parent.st_mode & stat.S_ISVTX:
-        raise OSError(f"{os.path.dirname(root)} is writable by others and not sticky: a cache there could be "
-                      "swapped")
-
-
-@functools.cache
-def temp_cache_root() -> str:
-    """Where :class:`TempDirCacheLocator` caches (chosen once per process; ``OSError`` with the reasons if
-    nowhere): ``<temp dir>/tpool-numba-cache-<euid>`` in the first temporary directory where it can be
-    made (0700) and passes :func:`_check_private` (numba loads the code a cache holds). A shared
-    directory that does not pass (someone else made it, or it is not private) gives way to a fresh
-    private directory for this process alone (``tempfile.mkdtemp``, removed at exit), said once on
-    stderr: later processes compile again."""
-    reasons = []
-    for base in _temp_bases():
-        try:
-            return _root_in(base)
-        except OSError as e:
-            reasons.append(str(e))
-    raise OSError("; ".join(reasons) or "no temporary directory")
-
-
-def _root_in(base: str) -> str:
-    suffix = "" if _EUID is None else f"-{_EUID}"
-    root = os.path.join(base, "tpool-numba-cache" + suffix)
-    try:
-        os.makedirs(root, mode=0o700, exist_ok=True)
-        _check_private(root)
-        return root
-    except OSError as e:
-        why = e
-    mine = tempfile.mkdtemp(prefix=f"tpool-numba-cache{suffix}-", dir=base)
-    try:
-        _check_private(mine)             # (a temporary directory others could swap it in is refused too)
-    except OSError:
-        shutil.rmtree(mine, True)
-        raise
-    atexit.register(shutil.rmtree, mine, True)
-    print(f"tpool: {why}; caching numba kernels in {mine} for this process only (set NUMBA_CACHE_DIR to a "
-          "writable directory of your own to keep them)", file=sys.stderr, flush=True)
-    return mine
-
-
-_BASES = (caching.UserProvidedCacheLocator, caching.InTreeCacheLocator, caching.UserWideCacheLocator,
-          TempDirCacheLocator)
+_BASES = (caching.UserProvidedCacheLocator, caching.InTreeCacheLocator, caching.UserWideCacheLocator)
 if not any(c.__name__.startswith("Kernel") for c in caching.CacheImpl._locator_classes):
     caching.CacheImpl._locator_classes[:0] = [_stamped(b) for b in _BASES]
 
@@ -364,7 +280,7 @@ def _raise_overlap(code, names):
     raise overlap_error(names[code - 1])
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(inline="always")  # (compiled into each caller, cached with it)
 def _overlaps(addr, nbytes, desc, start):
     for i in range(start, desc.shape[0], 2):
         if addr < desc[i + 1] and addr + nbytes > desc[i]:
@@ -388,7 +304,7 @@ def free_guarded(pages_ptr, N, cache, fd):
     return 0
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(inline="always")
 def _lanes_overlap(ids_ptr, ntok_ptr, B, cd):
     """1 when ``req_ids`` overlaps what the table call of ``cd`` writes, 2 when ``num_tokens`` does, else 0."""
     if _overlaps(ids_ptr, 4 * B, cd, L.CALL_DESC_LEN):
