@@ -59,15 +59,20 @@ def test_subcommand_help_explains_every_option(command):
         assert has_text or (nxt.startswith(" " * 10) and not nxt.strip().startswith("-")), line
 
 
-def test_report_into_a_closed_pipe_ends_quietly():
-    """`tpool report | head -3`: the reader is gone before the report is written (deterministic)."""
+def _into_a_closed_pipe(*args):
+    """``python -m tpool ARGS`` writing into a pipe whose reader is gone before it starts (deterministic)."""
     read_end, write_end = os.pipe()
     os.close(read_end)  # every write into the pipe now fails with EPIPE
     try:
-        r = subprocess.run([sys.executable, "-m", "tpool", "report"], cwd=ROOT, stdout=write_end,
-                           stderr=subprocess.PIPE, text=True, timeout=300)
+        return subprocess.run([sys.executable, "-m", "tpool", *args], cwd=ROOT, stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=600)
     finally:
         os.close(write_end)
+
+
+def test_report_into_a_closed_pipe_ends_quietly():
+    """`tpool report | head -3`: the reader is gone before the report is written."""
+    r = _into_a_closed_pipe("report")
     assert "Traceback" not in r.stderr and "BrokenPipeError" not in r.stderr, r.stderr
     assert r.stderr == "" and r.returncode == 141
 
@@ -84,13 +89,7 @@ def test_an_output_that_cannot_be_written_is_one_line():
                                stderr=subprocess.PIPE, text=True, timeout=600)
         assert "Traceback" not in r.stderr and r.returncode == 1, (args, r.stderr)
         assert r.stderr.splitlines()[-1] == "tpool: cannot write the output: No space left on device"
-    read_end, write_end = os.pipe()
-    os.close(read_end)
-    try:
-        r = subprocess.run([sys.executable, "-m", "tpool", "demo", "--requests", "2", "--backend", "numba"], cwd=ROOT,
-                           stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=600)
-    finally:
-        os.close(write_end)
+    r = _into_a_closed_pipe("demo", "--requests", "2", "--backend", "numba")
     assert r.returncode == 141 and "Traceback" not in r.stderr, r.stderr
 
 

@@ -139,15 +139,21 @@ def _read_only(directories):
             os.chmod(d, 0o755)
 
 
-def test_a_read_only_installed_wheel_caches_per_user(installed, tmp_path):
+def _compiled_dirs(installed):
+    """The installed package's folders of compiled modules and their ``__pycache__`` (emptied of cache
+    entries an earlier test wrote there, which would be found): what a read-only install keeps fixed."""
     package = installed / "tpool"
-    subs = ("kernels", "backends", "scheduling")
-    dirs = [package / sub / "__pycache__" for sub in subs]
-    for d in dirs:
+    subs = [package / sub for sub in ("kernels", "backends", "scheduling")]
+    caches = [sub / "__pycache__" for sub in subs]
+    for d in caches:
         d.mkdir(exist_ok=True)
-        for f in _cache_files(d):  # entries an earlier test wrote there would be found
+        for f in _cache_files(d):
             os.remove(f)
-    with _read_only([*dirs, *(package / sub for sub in subs)]):
+    return [*caches, *subs]
+
+
+def test_a_read_only_installed_wheel_caches_per_user(installed, tmp_path):
+    with _read_only(_compiled_dirs(installed)):
         user = tmp_path / "user"
         warm = _cold_then_warm({"PYTHONPATH": str(installed), "XDG_CACHE_HOME": str(user)}, cwd=tmp_path)
         assert all(s["path"].startswith(str(user)) for s in warm["stats"].values()), warm["stats"]
@@ -158,16 +164,10 @@ def test_with_no_writable_cache_location_the_kernels_compile_uncached(installed,
     """A read-only package directory and an unwritable user cache directory (a read-only root file
     system, as in many containers): numba found no cache location and refused to decorate, so even
     ``import tpool.scheduling`` failed. Each process compiles instead, said once on stderr."""
-    package = installed / "tpool"
-    subs = ("kernels", "backends", "scheduling")
-    dirs = [package / sub / "__pycache__" for sub in subs]
-    for d in dirs:
-        d.mkdir(exist_ok=True)
-        for f in _cache_files(d):
-            os.remove(f)
     (tmp_path / "a-file").write_text("")
     env = {"PYTHONPATH": str(installed), "XDG_CACHE_HOME": str(tmp_path / "a-file" / "cache")}
-    with _read_only([*dirs, *(package / sub for sub in subs)]):
+    dirs = _compiled_dirs(installed)
+    with _read_only(dirs):
         runs = [_first_step(env, cwd=tmp_path) for _ in range(2)]
     for run in runs:
         assert all(s["misses"] == 1 and s["hits"] == 0 and s["path"] is None for s in run["stats"].values())

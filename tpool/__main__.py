@@ -106,8 +106,7 @@ def main(argv=None):
     except _OutputError as out:
         # Python's recipe (docs: signal, "Note on SIGPIPE"): point stdout at devnull so the
         # flush at exit does not raise a second time, and exit as a process killed by SIGPIPE would.
-        _drop_stdout(stdout)
-        stdout = sys.stdout  # (what finally puts back: devnull's stream if the old one had no descriptor)
+        stdout = _drop_stdout(stdout)  # (what finally puts back)
         e = out.args[0]
         if isinstance(e, BrokenPipeError):
             return 141
@@ -123,16 +122,16 @@ def _flush():
 
 
 def _drop_stdout(stream):
-    """Point ``stream`` (the process's stdout) at devnull: the flush at exit then has nowhere to fail
-    (a stream without a file descriptor is replaced by one on devnull)."""
+    """The process's stdout from now on, on devnull, so the flush at exit has nowhere to fail:
+    ``stream`` with its descriptor pointed at devnull, or a stream on devnull if it has none."""
     try:
         fd = stream.fileno()
     except (OSError, ValueError):
-        sys.stdout = open(os.devnull, "w")
-        return
+        return open(os.devnull, "w")
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, fd)
     os.close(devnull)
+    return stream
 
 
 if __name__ == "__main__":

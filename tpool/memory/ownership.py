@@ -50,7 +50,7 @@ from tpool._checks import check_size
 from tpool.memory.accounting import (StorageKey, _alive_bytes, _distinct_elems, _span_elems, _with_grads, check_ownable,
                                      compact_bytes, storage_bytes, storage_key)
 from tpool.memory.values import (_LEAF_TYPES, _field_names, _instance_dict, _kind, _own_attrs, _slot_members,
-                                 _slot_values, leaf_bytes, walking)
+                                 _slot_values, leaf_bytes, tensor_attrs, walking)
 
 __all__ = ["needs_compaction", "own", "compact", "map_tensors", "plan_ownership", "OwnershipPlan"]
 
@@ -202,8 +202,7 @@ def _holds_more(t: torch.Tensor) -> bool:
     if _autograd_state(t):
         return True
     base = t._base
-    return base is not None and (_autograd_state(base) or bool(base.__dict__ if type(base) is torch.Tensor
-                                                                else _own_attrs(base)))
+    return base is not None and (_autograd_state(base) or bool(tensor_attrs(base)))
 
 
 def _autograd_state(t: torch.Tensor) -> bool:

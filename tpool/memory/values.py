@@ -89,11 +89,11 @@ def _kind(obj: Any, check: bool = True) -> str:
         kind = _kind_of_subclass(obj, check)
     if kind == "tensor":
         if check:
-            attrs = obj.__dict__ if type(obj) is torch.Tensor else _own_attrs(obj)  # (a subclass's slots too)
+            attrs = tensor_attrs(obj)
             if attrs:
                 _check_attrs(attrs, "a tensor")
             base = obj._base  # a view keeps the tensor it views alive, with its attributes
-            if base is not None and (attrs := base.__dict__ if type(base) is torch.Tensor else _own_attrs(base)):
+            if base is not None and (attrs := tensor_attrs(base)):
                 _check_attrs(attrs, "the viewed tensor", hint=(", or pass a copy or a detach() of the view (a view "
                                                                      "keeps the tensor it views alive)"))
         return kind
@@ -107,6 +107,11 @@ def _kind(obj: Any, check: bool = True) -> str:
             if _check_attrs(attrs, f"a {type(obj).__name__}", obj) if check else _aliases(attrs, obj):
                 kind += "+attrs"
     return kind
+
+
+def tensor_attrs(t: torch.Tensor) -> dict:
+    """A tensor's own Python attributes: its ``__dict__`` (a subclass's slots too)."""
+    return t.__dict__ if type(t) is torch.Tensor else _own_attrs(t)
 
 
 def _check_key(k: Any, what: str = "a dict key") -> None:
