@@ -74,6 +74,22 @@ def test_write_rejects_bad_input_naming_expected_and_actual(bad, match):
     assert all((t == 0).all() for t in c.k + c.v)
 
 
+@pytest.mark.parametrize("bad", [dict(layer=5), dict(k=torch.zeros(3, 2, 3, dtype=torch.float64)),
+                                 dict(v=torch.zeros(2, 2, 3))])
+def test_a_refused_write_counts_no_bad_slot(bad):
+    """A write refused with ValueError changes nothing: its bad slots were counted before the refusal, so the
+    next check() raised InvalidPage for a call that had been refused."""
+    c = _cache()
+    args = dict(layer=0, slots=i32([0, 99, -5]), k=torch.zeros(3, 2, 3), v=torch.zeros(3, 2, 3)) | bad
+    with pytest.raises(ValueError):
+        c.write(args["layer"], args["slots"], args["k"], args["v"])
+    c.check()   # nothing counted
+    c.write(0, i32([0, 99, -5]), torch.zeros(3, 2, 3), torch.zeros(3, 2, 3))
+    with pytest.raises(tpool.InvalidPage) as e:
+        c.check()
+    assert e.value.counts == {"invalid_slot": 2}   # one per bad slot of the call
+
+
 def test_integer_kv_dtypes_are_refused_and_fp8_is_taken():
     """int8/uint8/bool K/V would need quantisation scales that nothing here applies: the cache used to
     take any 1-byte dtype as "fp8"; the float8 types are floating point and still taken."""
@@ -310,6 +326,12 @@ def test_paged_attention_rejects_mismatched_heads():
         paged_attention(torch.zeros(1, 4, 4), cache.k[0], cache.v[0], meta, sinks=torch.zeros(2))
     with pytest.raises(ValueError, match="softcap: expected a positive number or None, got 0"):
         paged_attention(torch.zeros(1, 4, 4), cache.k[0], cache.v[0], meta, softcap=0)
+    for window in (0, -2, 2.5, True):   # 0 and below masked every key: rows of zeros, no error
+        with pytest.raises(ValueError, match=rf"sliding_window: expected None or an int >= 1 .*got {window}"):
+            paged_attention(torch.zeros(1, 4, 4), cache.k[0], cache.v[0], meta, sliding_window=window)
+    for chunk in (0, 1.5):
+        with pytest.raises(ValueError, match=rf"chunk_bytes: expected a positive int, got {chunk}"):
+            paged_attention(torch.zeros(1, 4, 4), cache.k[0], cache.v[0], meta, chunk_bytes=chunk)
 
 
 @pytest.mark.parametrize("num_pages, page_size", [(8, 2), (2, 4)])   # more pages; as many slots, larger pages

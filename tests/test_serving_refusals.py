@@ -301,6 +301,20 @@ def test_building_on_tpool_leaves_the_callers_config_alone(tmp_path):
         assert eager.config._attn_implementation == "eager" and cfg._attn_implementation == "eager"
 
 
+@pytest.mark.parametrize("ids, match", [(torch.zeros(8), "got torch.float32 on cpu"),
+                                        (torch.zeros(8, dtype=torch.bool), "got torch.bool on cpu"),
+                                        (torch.zeros(8, dtype=torch.long, device="meta"), "got torch.int64 on meta")])
+def test_input_ids_of_another_dtype_or_device_are_refused_before_the_forward(ids, match):
+    """Float or bool ids failed inside the model's embedding (a torch RuntimeError), after the step's write
+    destinations had been made."""
+    model = _llama()
+    ctx = _ctx(model)
+    with pytest.raises(ValueError, match=r"input_ids: expected int64 \(or int32\) token ids on cpu \(the step's\), "
+                                         + match):
+        forward_step(model, ids, ctx)
+    assert _untouched(ctx) and ctx._rows is None
+
+
 def test_kv_shape_of_a_config_without_attention_is_a_value_error():
     """kv_shape(MambaConfig()) raised AttributeError (no num_attention_heads)."""
     with pytest.raises(ValueError, match="expected only full_attention and sliding_attention layers .*in mamba"):

@@ -4,6 +4,7 @@ extend, the mirror a safe bound at every step, preemption of the newest before t
 Tested with transformers 5.24.0 (the ``tpool[hf]`` extra); skipped without transformers.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -271,6 +272,45 @@ def test_requests_the_loop_would_serve_wrongly_are_refused(llama):
     assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
     with pytest.raises(engine.RequestTooLong, match=r"request 0: expected prompt \+ max_new - 1"):
         eng.check_fits([R(0, [5] * 40, 3)])
+
+
+def test_requests_with_bad_fields_are_refused_before_the_first_step(llama):
+    """A token id past the vocabulary failed in the model's embedding (IndexError; a device assert on a GPU)
+    after the mirror had taken rows and pages for it: two rows and two pages were lost for good and
+    check() saw nothing (mirror and device lost the same). max_new <= 0 ran a prefill and returned []
+    where generate raises; a tuple prompt failed on the first step."""
+    eng = engine.Engine(llama, num_pages=32, page_size=2, max_batch=4, max_pages=8, backend="numba", spec_every=0,
+                        draft_len=0)
+    R = engine.Request
+    cases = (([R(0, [1, 2, 3], 2), R(1, [4, 256], 2)], r"request 1: expected prompt token ids in \[0, 256\) \(the "
+                                                        r"model's embedding rows\), got 256"),
+             ([R(0, [1, -1], 2)], r"expected prompt token ids in \[0, 256\) .*got -1"),
+             ([R(0, [1, 2.0], 2)], "request 0: prompt token: expected a non-negative int, got 2.0"),
+             ([R(0, [1, 2], 0)], r"request 0: max_new \(tokens to generate.*expected a positive int, got 0"),
+             ([R(0, [1, 2], -3)], "expected a positive int, got -3"),
+             ([R(0, (1, 2), 2)], "request 0: expected the prompt as a list of token ids, got tuple"),
+             ([R("a", [1, 2], 2)], "request 'a': expected rid an int, got 'a'"),
+             ([R(0, [1, 2], 2, arrival=0.5)], "request 0: expected arrival an int, got 0.5"),
+             ([(0, [1, 2], 2)], "requests: expected Request objects, got tuple"))
+    for reqs, match in cases:
+        for call in (eng.check_fits, eng.run):
+            with pytest.raises(ValueError, match=match):
+                call(reqs)
+    assert eng.stats.steps == 0
+    reqs = [R(0, [np.int64(5), 6, 7], 3), R(1, [255, 0], 2)]   # numpy ints and both ends of the vocabulary
+    assert eng.run(reqs) == engine.reference_tokens(llama, [R(0, [5, 6, 7], 3), R(1, [255, 0], 2)])
+    eng.check()
+    assert eng.mirror.rows_free == 4 and eng.pool.stats()["pages.used.current"] == 0   # every row and page back
+
+
+def test_an_engine_with_more_rows_than_the_pools_default_batch_serves(llama):
+    """The pool took its default max_batch (4096) whatever the table's rows: a step over more lanes was
+    refused naming "width" and max_batch=4096, a parameter the caller never gave."""
+    eng = engine.Engine(llama, num_pages=16, page_size=4, max_batch=4100, max_pages=2, backend="numba",
+                        spec_every=0, draft_len=0)
+    assert eng.pool.max_batch >= 4100
+    reqs = [engine.Request(0, [5, 6], 2)]
+    assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
 
 
 def test_speculation_options_are_checked_and_draft_len_zero_drafts_nothing(llama):

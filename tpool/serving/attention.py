@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tpool import _checks
 from tpool.table_results import PagedKVCSR
 
 CHUNK_BYTES = 64 << 20  # bytes: the most one tensor of a paged_attention chunk takes (two tokens' worth at least)
@@ -99,6 +100,14 @@ def check_pages(k_cache: torch.Tensor, meta: StepMetadata, name: str = "k_cache"
     if tuple(k_cache.shape[:2]) != (meta.num_pages, meta.page_size):
         raise ValueError(f"{name}: expected {meta.num_pages} pages of {meta.page_size} tokens (the table's pool: "
                          f"num_pages, page_size), got {k_cache.shape[0]} pages of {k_cache.shape[1]}")
+
+
+def check_window(sliding_window) -> None:
+    """``sliding_window`` is None or an int >= 1 (0 or less would mask every key: a row of zeros)."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window: expected None or an int >= 1 (the positions a token attends to, "
+                         f"itself included), got {sliding_window!r}")
 
 
 def _check(q, k_cache, v_cache, meta, softcap=None, sinks=None):
@@ -182,6 +191,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Computed in float32.
     """
     _check(q, k_cache, v_cache, meta, softcap, sinks)
+    check_window(sliding_window)
+    chunk_bytes = _checks.check_size(chunk_bytes, "chunk_bytes", 1)
     check_pages(k_cache, meta)
     t, hq, d = q.shape
     num_pages, ps, hkv, _ = k_cache.shape
@@ -286,6 +297,7 @@ class FlashInferAttention:
             raise ValueError(f"page_size: expected {meta.page_size} (the table's pool) or None, got {page_size!r}")
         if q_dtype not in (torch.float16, torch.bfloat16) and "float8" not in str(q_dtype):
             raise ValueError(f"q_dtype: FlashInfer expects float16, bfloat16 or a float8 type, got {q_dtype}")
+        check_window(sliding_window)
         window_left = -1 if sliding_window is None else sliding_window - 1
         csr = meta.csr
         common = dict(window_left=window_left, q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=scale)

@@ -34,6 +34,7 @@ rejected drafts and one ``finish`` (release) for the finished requests
 (``_release``).
 """
 
+import numbers
 import random
 import time
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ from tpool import _checks
 from tpool.backends import requested_backend
 from tpool.demo import OptionError
 from tpool.page_table import PageTable
-from tpool.pool import PagePool
+from tpool.pool import DEFAULT_MAX_BATCH, PagePool
 from tpool.scheduling import HostMirror, PrefixCache, PrefixMatch
 from tpool.serving import checks
 from tpool.serving.attention import step_metadata
@@ -220,8 +221,12 @@ class Engine:
         spec_every = _checks.check_size(spec_every, "spec_every")
         draft_len = _checks.check_size(draft_len, "draft_len")
         prefix_cache = _checks.flag(prefix_cache, "prefix_cache")
+        max_batch = _checks.check_size(max_batch, "max_batch", 1)
         self.model = model
-        self.pool = PagePool(num_pages, page_size, device=device, backend=backend)
+        self.vocab = model.get_input_embeddings().num_embeddings   # token ids run checks against
+        # The pool's max_batch bounds a step's lanes: at least the table's rows (its default otherwise).
+        self.pool = PagePool(num_pages, page_size, device=device, backend=backend,
+                             max_batch=max(max_batch, DEFAULT_MAX_BATCH))
         self.table = PageTable(self.pool, max_batch, max_pages)
         self.lookahead = 1 + draft_len if spec_every else 1
         self.mirror = HostMirror(self.table, lookahead=self.lookahead, free=num_pages, cached=0)  # a fresh pool
@@ -297,12 +302,15 @@ class Engine:
         """Raise ``ValueError`` naming the first request that could never fit a row and the pool: the
         tokens it ever holds (:func:`max_len`: prompt + max_new - 1, + draft_len if speculative), or
         an empty prompt (nothing to predict the first token from: the loop would never end). Also one
-        the loop would serve wrongly: a ``rid`` given twice (feeds and results are keyed by it), a
+        whose fields are not what they should be (``rid`` and ``arrival`` ints, ``prompt`` a list of
+        token ids in ``[0, vocab)``, the model's embedding rows, ``max_new`` an int >= 1, as
+        ``generate`` requires), and one the loop would serve wrongly: a ``rid`` given twice (feeds and results are keyed by it), a
         request already served (its ``out``, ``row`` or ``cached`` set: make a new one), or a
         ``parent`` that is not in ``requests`` or whose prompt does not start with the same ``shared``
         tokens (the fork would give it the parent's K/V for other tokens)."""
         by_id = {}
         for r in requests:
+            self._check_fields(r)
             if r.rid in by_id:
                 raise ValueError(f"request {r.rid}: expected one request per rid (feeds and results are keyed by "
                                  f"it), got two")
@@ -330,6 +338,25 @@ class Engine:
             if self._max_len(r) > cap:
                 raise RequestTooLong(f"request {r.rid}: expected prompt + max_new - 1 (+ draft_len if speculative) "
                                      f"<= {cap} tokens (max_pages and the pool), got {self._max_len(r)}")
+
+    def _check_fields(self, r) -> None:
+        if not isinstance(r, Request):
+            raise ValueError(f"requests: expected Request objects, got {type(r).__name__}")
+        for name in ("rid", "arrival"):
+            v = getattr(r, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise ValueError(f"request {r.rid!r}: expected {name} an int, got {v!r}")
+        _checks.check_size(r.max_new, f"request {r.rid}: max_new (tokens to generate, as generate's "
+                                      f"max_new_tokens)", 1)
+        p = r.prompt
+        if type(p) is not list:
+            raise ValueError(f"request {r.rid}: expected the prompt as a list of token ids, got {type(p).__name__}")
+        if p and not all(type(t) is int for t in p):   # (numpy ints, say: checked one by one)
+            p = [_checks.check_size(t, f"request {r.rid}: prompt token", 0) for t in p]
+        if p and (min(p) < 0 or max(p) >= self.vocab):
+            bad = next(t for t in p if not 0 <= t < self.vocab)
+            raise ValueError(f"request {r.rid}: expected prompt token ids in [0, {self.vocab}) (the model's "
+                             f"embedding rows), got {bad}")
 
     def run(self, requests, out=None):
         """Serve ``requests`` (a list of :class:`Request`) to completion; return ``{rid: tokens}``."""

@@ -310,6 +310,9 @@ def forward_step(model, input_ids: torch.Tensor, ctx: PagedContext, **kwargs) ->
         got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids: expected shape ({t},), the step's max_tokens (pad input_ids to it, e.g. "
                          f"with 0), got {got}")
+    if input_ids.dtype not in (torch.int64, torch.int32) or input_ids.device != ctx.meta.positions.device:
+        raise ValueError(f"input_ids: expected int64 (or int32) token ids on {ctx.meta.positions.device} (the "
+                         f"step's), got {input_ids.dtype} on {input_ids.device}")
     positions = ctx.meta.positions.long().clamp(min=0)[None]
     ctx.layers.clear()
     ctx._rows = ctx.cache.destinations(ctx.meta.slots)   # once for every layer (a bad slot counted once)

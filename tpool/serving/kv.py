@@ -156,8 +156,11 @@ class PagedKVCache:
 
         Each call counts the bad slots it is given: the same bad slot written for two layers
         counts twice (``forward_step`` makes a step's destinations once, so it counts once).
+        A call refused with ``ValueError`` (a bad ``layer``, ``k`` or ``v``) counts nothing.
         """
-        self._write_rows(layer, self.destinations(slots), k, v)
+        _vector(slots, "slots", self.device)
+        self._check_layer_kv(layer, slots.numel(), k, v)
+        self._store(layer, self.destinations(slots), k, v)
 
     def destinations(self, slots: torch.Tensor) -> torch.Tensor:
         """The int64 rows a write of ``slots`` stores at: each slot, or the scratch page's first
@@ -173,16 +176,21 @@ class PagedKVCache:
     def _write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """:meth:`write` at ``rows``, which must be what :meth:`destinations` made (int64 ``[T]``): their
         values are not checked again (a row of another making could land in a page the views show)."""
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
         if not isinstance(rows, torch.Tensor) or rows.dtype is not torch.int64 or rows.dim() != 1 \
                 or rows.device != self.device:
             got = (f"{rows.dtype} shape {tuple(rows.shape)} on {rows.device}" if isinstance(rows, torch.Tensor)
                    else type(rows).__name__)
             raise ValueError(f"rows: expected a 1-D int64 tensor on {self.device} (destinations(slots)), got {got}")
-        n = rows.numel()
+        self._check_layer_kv(layer, rows.numel(), k, v)
+        self._store(layer, rows, k, v)
+
+    def _check_layer_kv(self, layer, n: int, k, v) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
         self._check_kv("k", k, n)
         self._check_kv("v", v, n)
+
+    def _store(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self._k_rows[layer].index_put_((rows,), k)
         self._v_rows[layer].index_put_((rows,), v)
 
@@ -212,8 +220,8 @@ class PagedKVCache:
 
         Its ``counts`` names each kind seen: ``invalid_slot`` (slots given to :meth:`write` or
         :meth:`destinations` outside ``[0, num_pages * page_size)``, not -1), ``invalid_copy_page``
-        (:meth:`copy_pages` pairs with an id outside ``[0, num_pages)``, not -1), per call that
-        met them. Nothing was written for them but in the scratch page. What was read is taken
+        (:meth:`copy_pages` pairs with an id outside ``[0, num_pages)``, not -1), one per bad slot
+        or pair in each call. Nothing was written for them but in the scratch page. What was read is taken
         off the counters, so a count added meanwhile is raised by the next check; two threads
         checking at once never both raise the same counts.
         """
