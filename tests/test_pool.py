@@ -8,6 +8,7 @@ import torch
 import tpool
 from conftest import i32
 from pool_model import PoolModel
+from tpool.kernels import layout as L
 from tpool.kernels.layout import MAX_INDEXED
 
 
@@ -243,6 +244,28 @@ def test_check_names_every_kind(make_pool, guard):
         pool.check()
     assert e.value.counts == {"invalid_page": 1, "double_free": 1}
     assert "double_free: 1" in str(e.value)
+
+
+def test_errors_counted_past_a_counter_that_wrapped_are_raised(make_pool):
+    """A counter edited to INT64_MAX wraps at the next error; check() took the count below its baseline as
+    "went down" (a hand edit, no error) and the double free went unreported. A count edited down is still
+    no error."""
+    pool = make_pool(4)
+    top = 2**63 - 1
+    pool.state.counters[L.ERR_DOUBLE_FREE] = top
+    with pytest.raises(tpool.DoubleFree):   # the edit itself reads as errors counted
+        pool.check()
+    pool.free(i32([0]))                     # a real double free: the counter wraps to INT64_MIN
+    assert pool.state.counters[L.ERR_DOUBLE_FREE].item() == -2**63
+    with pytest.raises(tpool.DoubleFree) as e:
+        pool.check()
+    assert e.value.counts == {"double_free": 1}
+    pool.state.counters[L.ERR_DOUBLE_FREE] -= 5   # down: no error
+    pool.check()
+    pool.free(i32([1]))
+    with pytest.raises(tpool.DoubleFree) as e:
+        pool.check()
+    assert e.value.counts == {"double_free": 1}
 
 
 def test_stats_follow_a_sequence(make_pool, guard):

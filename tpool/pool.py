@@ -105,6 +105,14 @@ class BoundCall(functools.partial):
                         "input and of its pool's state and buffers; bind again (pool.bind_alloc, pool.bind_free)")
 
 
+def _counted_since(count: int, seen: int) -> int:
+    """Errors counted since ``seen`` in an int64 counter now at ``count``: the difference modulo 2**64
+    (the kernels' counters wrap), 0 when the counter went down (a hand edit, a difference of 2**63 or
+    more). ``_counted_since(-2**63, 2**63 - 1) == 1``: one error past INT64_MAX."""
+    d = (count - seen) % 2**64
+    return d if d < 2**63 else 0
+
+
 class PagePool:
     """A pool of ``num_pages`` pages of ``page_size`` tokens, managed on ``device``.
 
@@ -540,7 +548,9 @@ class PagePool:
             c, seen = torch.stack(clones_between_calls([self.state.counters, self.state.checked])).tolist()
             # The baseline lives in the state: a snapshot restored (tpool.graphs.preserved) brings back the
             # counters and what had been checked of them together. A count below it (a hand edit) is no error.
-            delta = {slot: max(c[slot] - seen[slot], 0) for slot in (*L.ERROR_NAMES, *L.OVERFLOW_NAMES)}
+            # Counts are int64 that wrap: the difference is taken modulo 2**64, so errors counted past a
+            # counter edited to near INT64_MAX are raised, not read as a count gone down.
+            delta = {slot: _counted_since(c[slot], seen[slot]) for slot in (*L.ERROR_NAMES, *L.OVERFLOW_NAMES)}
             self.state.checked.copy_(torch.tensor(c, dtype=torch.int64))
         raise_for_errors(delta)
 
