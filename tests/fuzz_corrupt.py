@@ -49,10 +49,16 @@ touch must lie inside one allocation tpool made (``tpool.state.fixed_full``), wh
 numba's bounds check alone cannot see (a ``carray`` over ``address + 4 * offset`` has
 the bounds it is given). Raw checks use their own numba cache directory.
 
+With ``--backend triton`` the workers run Triton's interpreter (``TRITON_INTERPRET=1``) under
+``tests/triton_guard.py``'s address check: every load, store and atomic of a kernel must lie
+inside one of the tensors it was given (the interpreter itself checks nothing); ``--block 4``
+makes the kernels work in chunks of 4 lanes, so small batches run their multi-chunk paths.
+
 Usage::
 
     python tests/fuzz_corrupt.py --ops 2000 --seed 0 --seeds 20            # numba, bounds-checked
     python tests/fuzz_corrupt.py --backend reference --ops 2000 --seeds 5
+    python tests/fuzz_corrupt.py --backend triton --block 4 --ops 250 --seeds 4
     python tests/fuzz_corrupt.py --replay $TMPDIR/tpool-fuzz-corrupt/findings/numba_seed12_ep0.json --shrink
 
 The parent runs the seeds in worker subprocesses (``--batch`` seeds each) with
@@ -1000,6 +1006,11 @@ def _setup(args):
     torch.set_num_threads(1)
     if args.raw_check and args.backend == "numba":
         install_raw_checks()
+    if args.backend == "triton":
+        import triton_guard
+        triton_guard.install()
+        if args.block is not None:
+            triton_guard.force_block(args.block)
 
 
 def worker(args) -> int:
@@ -1053,6 +1064,8 @@ def parent(args) -> int:
     if args.backend == "numba":
         env["NUMBA_BOUNDSCHECK"] = "1"
         env["NUMBA_CACHE_DIR"] = args.cache_dir + ("_raw" if args.raw_check else "")
+    if args.backend == "triton":
+        env["TRITON_INTERPRET"] = "1"
     t0 = time.time()
     total_ops, findings, crashes = 0, [], []
     seed, end = args.seed, args.seed + args.seeds
@@ -1068,6 +1081,8 @@ def parent(args) -> int:
             cmd.append("--contract")
         if args.no_version_edits:
             cmd.append("--no-version-edits")
+        if args.block is not None:
+            cmd += ["--block", str(args.block)]
         started, finished = None, set()
         try:
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -1111,7 +1126,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", type=int, default=2000, help="operations per seed (default 2000)")
     ap.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
     ap.add_argument("--seeds", type=int, default=1, help="seeds to run, from --seed (default 1)")
-    ap.add_argument("--backend", default="numba", choices=["numba", "reference"])
+    ap.add_argument("--backend", default="numba", choices=["numba", "reference", "triton"],
+                    help="numba (default; bounds-checked), reference, or triton (interpreted, address-checked)")
+    ap.add_argument("--block", type=int, default=None,
+                    help="triton: lanes per chunk, a power of two (default: the kernels' own, 32 to 2048)")
     ap.add_argument("--batch", type=int, default=10, help="seeds per worker subprocess (default 10)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per worker subprocess (default 900)")
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE,

@@ -18,7 +18,10 @@ an exception must be the same type on all of them.
 A divergence is shrunk to a minimal operation list (delta debugging: drop chunks
 of operations while the failure stays) and printed as a reproducer; the exit
 status is 1. A crash (a kernel touching memory it was not given) kills the
-process: run it in a subprocess, as ``tests/test_fuzz.py`` does.
+process: run it in a subprocess, as ``tests/test_fuzz.py`` does. Interpreted Triton
+(``TRITON_INTERPRET=1``) runs under ``tests/triton_guard.py``'s address check: a kernel's access
+outside its tensors raises instead of reading host memory unseen. ``--block 4`` makes Triton's
+kernels work in chunks of 4 lanes, so the fuzzer's small batches run their multi-chunk paths.
 
 Usage: ``python tests/fuzz_lockstep.py --ops 20000 --backends reference,numba --seed 0``
 (``--help`` lists every option). Triton needs ``TRITON_INTERPRET=1`` without a GPU.
@@ -302,6 +305,15 @@ def shrink(backends, cfg, ops):
     return ops
 
 
+def setup_triton(block) -> None:
+    """The address check under the interpreter (``tests/triton_guard.py``), and ``block`` lanes per chunk."""
+    import triton_guard
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        triton_guard.install()
+    if block is not None:
+        triton_guard.force_block(block)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -313,9 +325,13 @@ def main(argv=None) -> int:
     ap.add_argument("--episode", type=int, default=OPS_PER_EPISODE,
                     help=f"operations per episode, each on fresh pools (default {OPS_PER_EPISODE})")
     ap.add_argument("--no-edits", action="store_true", help="no hand edits of the state (default: edits on)")
+    ap.add_argument("--block", type=int, default=None,
+                    help="Triton's lanes per chunk, a power of two (default: the kernels' own, 32 to 2048)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     backends = args.backends.split(",")
+    if "triton" in backends:
+        setup_triton(args.block)
     t0, done, seed = time.time(), 0, args.seed
     while done < args.ops:
         rng = random.Random(seed)

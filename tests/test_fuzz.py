@@ -33,6 +33,55 @@ def test_fuzz_interpreted_triton_1000_ops():
     fuzz("--ops", "1000", "--episode", "60", "--backends", "reference,numba,triton", "--seed", "0", triton=True)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_fuzz_interpreted_triton_in_chunks_of_4_lanes():
+    """Every Triton kernel works in chunks of 4 lanes (``--block 4``): the fuzzer's batches (at most 16 lanes)
+    run the multi-chunk paths (carries between chunks, chunk loops) that chunks of 32 and more never reach
+    here, under the address check."""
+    fuzz("--ops", "600", "--episode", "60", "--backends", "reference,triton", "--seed", "100", "--block", "4",
+         triton=True)
+
+
+GUARD_DEMO = """
+import torch, triton, triton.language as tl
+import triton_guard
+triton_guard.install()
+
+@triton.jit
+def copy8(src, dst, N: tl.constexpr, M: tl.constexpr):
+    i = tl.arange(0, 8)
+    tl.store(dst + i, tl.load(src + i, mask=i < N, other=-1), mask=i < M)
+
+big, out = torch.arange(16, dtype=torch.int32), torch.zeros(16, dtype=torch.int32)
+copy8[(1,)](big[4:8], out[:4], 4, 4)                        # in bounds
+print("ok", out[:5].tolist())
+for name, n, m in (("load", 5, 4), ("store", 4, 5)):        # one lane past src (big[8]), past dst (out[4])
+    try:
+        copy8[(1,)](big[4:8], out[:4], n, m)
+        print(name, "unseen")
+    except Exception as e:
+        print(name, "raised", type(e).__name__, "OutOfBounds" in repr(e), out[4:].tolist() == [0] * 12)
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_the_triton_address_check_catches_an_access_past_a_view(tmp_path):
+    """``tests/triton_guard.py`` on a planted kernel: reading one lane past a 4-element view of a larger
+    tensor, and writing one past another, raise before the access (nothing past the view is written);
+    the interpreter alone reads and writes the neighbouring elements without a word."""
+    script = tmp_path / "guard_demo.py"
+    script.write_text(GUARD_DEMO)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(FUZZ.parent))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.splitlines() == ["ok [4, 5, 6, 7, 0]", "load raised InterpreterError True True",
+                                     "store raised InterpreterError True True"], p.stdout + p.stderr[-2000:]
+    unguarded = GUARD_DEMO.replace("triton_guard.install()", "")
+    script.write_text(unguarded)
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert p.stdout.splitlines()[1:] == ["load unseen", "store unseen"], p.stdout + p.stderr[-2000:]
+
+
 @pytest.mark.stress
 def test_fuzz_numba_1000000_ops():
     fuzz("--ops", "1000000", "--backends", "reference,numba", "--seed", "1000000", timeout=6 * 3600)

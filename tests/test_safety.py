@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CPU_BACKENDS
+from conftest import CPU_BACKENDS, HAS_TRITON
 
 HERE = Path(__file__).parent
 INT32_MAX = 2**31 - 1
@@ -231,3 +231,16 @@ def test_a_short_corruption_fuzz_finds_nothing(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     assert summary["ops"] == 900 and summary["findings"] == 0 and summary["crashes"] == []
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_a_short_corruption_fuzz_on_interpreted_triton_finds_nothing(tmp_path):
+    """The same fuzzer on the Triton kernels, interpreted, with ``tests/triton_guard.py`` checking that
+    every access lies inside the tensors a launch was given (the interpreter checks none) and the kernels
+    working in chunks of 4 lanes (their multi-chunk paths)."""
+    p = subprocess.run([sys.executable, str(HERE / "fuzz_corrupt.py"), "--backend", "triton", "--block", "4",
+                        "--ops", "250", "--seed", "9300", "--seeds", "2", "--batch", "2",
+                        "--findings", str(tmp_path / "found")], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    assert summary["ops"] == 500 and summary["findings"] == 0 and summary["crashes"] == []
