@@ -481,6 +481,29 @@ def test_tokens_must_be_host_ints_not_tensors(backend):
     cache.check_invariants()
 
 
+def test_a_token_that_is_not_an_int_is_refused_before_any_entry_is_made(backend):
+    """A token that failed to hash in an insert's second page (a numpy array) raised a TypeError after the
+    first page had been named, over a slot whose page and generation were those of an entry dropped
+    before: a match then revived that page, another prompt's K/V, with no error anywhere. Every token of
+    the pages an insert names is taken as an int (numpy integers, a 0-d integer array) or refused first;
+    a float or a string is refused as well (it made keys no int prompt matches)."""
+    pool, m, cache = _setup(backend)
+    _serve(m, cache, [1, 2, 3, 4])
+    _serve(m, cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    cache.evict(1)      # the oldest page (the first prompt's): both entries dropped, the second page CACHED
+    assert cache.sync() == 2 and len(cache) == 0
+    (row,) = m.admit([8])
+    for bad, said in ((np.array([0, 1]), "ndarray array"), (2.5, "float 2.5"), ("x", "str 'x'"), ([3], "list")):
+        for call in (lambda: cache.insert(row, [9, 9, 9, 9, bad, 0, 0, 0]), lambda: cache.match([bad] * 5)):   # (match: the pages it walks)
+            with pytest.raises(ValueError, match=f"tokens as host ints .*got {said}"):
+                call()
+        assert len(cache) == 0 and cache.inserted == 2 and not cache.match([9, 9, 9, 9, 1])   # (2: the two served)
+    cache.check_invariants()
+    assert cache.insert(row, [9, 9, 9, 9, np.int64(0), np.array(0), 0, 0]) == 2   # integers of numpy: taken
+    assert cache.match([9, 9, 9, 9, 0, 0, 0, 0, 1]).n_tokens == 8
+    cache.check_invariants()
+
+
 def test_insert_evict_and_revive_never_read_the_device(backend):
     pool, m, cache = _setup(backend)
     (row,) = m.admit([12])

@@ -472,6 +472,35 @@ def test_reconcile_raises_when_the_contract_is_broken(backend):
         m3.reconcile(landed(m3.snapshot()))
 
 
+def test_a_snapshot_of_another_mirror_is_refused(backend):
+    """The README's recovery (finish every row, make a new HostMirror) with the old mirror's snapshot still on
+    its way: reconciled on the new mirror, the old one's promises and op numbers were taken as its own; it
+    promised 2 pages the device did not have, still "exact", and skipped its own later snapshots as older."""
+    pool, table, old = _setup(backend, num_pages=16, rows=4)
+    (a,) = old.admit([8])
+    stale = old.snapshot()
+    old.finish([a])
+    new = HostMirror(table)
+    new.admit([24])
+    before = (new.free, new.exact, new._reconciled_at)
+    for snap, said in ((stale, "a snapshot of another mirror"), (object(), "object")):
+        with pytest.raises(ValueError, match=f"snap: expected a snapshot this mirror took .*got {said}"):
+            new.reconcile(snap)
+    assert (new.free, new.exact, new._reconciled_at) == before and new.free == pool.available()
+    new.reconcile(landed(new.snapshot()))
+    assert new.free == pool.available()
+
+
+def test_a_rollback_of_no_rows_leaves_the_mirror_exact(backend):
+    """It marked free inexact (a snapshot needed) although nothing changed."""
+    pool, table, m = _setup(backend, num_pages=16, rows=4)
+    m.admit([8])
+    seq = m._seq
+    with no_host_sync():
+        m.rollback([], torch.zeros(0, dtype=torch.int32), [])
+    assert m.exact and m._seq == seq
+
+
 def test_a_refused_admission_says_what_it_needs_and_a_prompt_too_long_for_a_row_names_the_table_argument(backend):
     pool, table, m = _setup(backend, num_pages=20, rows=4, max_pages=12)   # a row: 12 pages of 4 tokens
     with pytest.raises(WouldNotFit, match=r"prompts \[40, 40\] do not all fit: they need 22 pages with their "

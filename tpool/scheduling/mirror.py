@@ -432,6 +432,8 @@ class HostMirror(MixedSteps, Accounting):
         if self.prefix_cache is not None:
             self._refuse_below_shared(r, ml, "min_lens")
         self._refuse_shared_ends(r, (ps > 1) & (ml < self.hi[r]) & (ml < self.shared[r] * ps), "min_lens")
+        if not r.size:
+            return   # nothing to roll back: free stays exact (no snapshot needed)
         self._seq += 1
         self._full = None
         self._free_inexact_at = self._seq

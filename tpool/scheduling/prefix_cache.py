@@ -65,9 +65,21 @@ _EIDS = itertools.count(_ROOT + 1)
 _INTS = frozenset((int,))  # token types whose pages need no closer look (numpy scalars take the slow check)
 
 
-def _has_tensor(tokens) -> bool:
-    """Whether a tensor is among ``tokens`` (plain ints: one pass of C-level type compares)."""
-    return not _INTS.issuperset(map(type, tokens)) and any(isinstance(t, torch.Tensor) for t in tokens)
+def _host_ints(tokens, what) -> list:
+    """``tokens`` (a list or tuple whose items are not all ``int``) as Python ints (``operator.index``:
+    numpy integers pass), or ``ValueError``: a tensor, a float, an array or anything else that is not
+    an integer. A key built of those either never matches or, for an array, fails to hash half-way
+    through an ``insert``."""
+    if any(isinstance(t, torch.Tensor) for t in tokens):
+        raise _tensor_tokens(what)
+    out = []
+    for t in tokens:
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            raise ValueError(f"{what}: expected the tokens as host ints (a list, tuple or numpy int array), got "
+                             f"{type(t).__name__} {t!r:.60}") from None
+    return out
 
 
 def _tensor_tokens(what):
@@ -213,11 +225,12 @@ class PrefixCache:
         return tokens
 
     def _key(self, eid, tokens, i, what=None):
-        """The key of page ``i`` of ``tokens`` after entry ``eid``; with ``what``, a tensor among its
-        tokens is refused (``match``: only the pages it walks; ``insert`` checks them all first)."""
+        """The key of page ``i`` of ``tokens`` after entry ``eid``; with ``what``, tokens other than
+        ints are taken as ints or refused (``match``: only the pages it walks; ``insert`` checks them
+        all first)."""
         page = tuple(tokens[i * self.page_size:(i + 1) * self.page_size])
-        if what is not None and _has_tensor(page):
-            raise _tensor_tokens(what)
+        if what is not None and not _INTS.issuperset(map(type, page)):
+            page = tuple(_host_ints(page, what))
         return eid, page
 
     def match(self, tokens, max_pages: int | None = None) -> PrefixMatch:
@@ -309,8 +322,11 @@ class PrefixCache:
             raise ValueError(f"insert: expected at most the row's sure length ({int(m.lo[row])}) tokens, got "
                              f"{len(tokens)}")
         n = len(tokens) // self.page_size
-        if not isinstance(tokens, np.ndarray) and _has_tensor(tokens[:n * self.page_size]):
-            raise _tensor_tokens("insert")  # (before the index changes)
+        tokens = tokens[:n * self.page_size]
+        if not isinstance(tokens, np.ndarray) and not _INTS.issuperset(map(type, tokens)):
+            # (before the index changes: a token that failed to hash at page i > 0 left the pages
+            # before it named, over a slot whose old page and generation a revive then took)
+            tokens = _host_ints(tokens, "insert")
         first, slots, eid = None, [], _ROOT
         for i in range(n):
             key = self._key(eid, tokens, i)

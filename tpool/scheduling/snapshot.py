@@ -40,6 +40,8 @@ sized from its wider bounds, but never below the pages its next ``lookahead``
 tokens need nor those a ``reserve`` set aside.
 """
 
+import weakref
+
 import numpy as np
 
 from tpool.kernels import layout as L
@@ -65,6 +67,7 @@ class MirrorSnapshot:
     """
 
     def __init__(self, mirror):
+        self.mirror = weakref.ref(mirror)   # reconcile takes it on this mirror only
         self.num_pages = mirror.pool.num_pages
         self.seq, self.free, self.cached = mirror._seq, mirror.free, mirror.cached
         self.cached_flow = mirror._cached_flow
@@ -100,6 +103,12 @@ def reconcile(m, snap: MirrorSnapshot) -> dict:
 
     Checks everything before it changes anything: a ``MirrorError`` leaves the mirror as it was.
     """
+    if not isinstance(snap, MirrorSnapshot) or snap.mirror() is not m:
+        # Another mirror's op numbers and bounds (a new mirror made while the old one's snapshot was on
+        # its way): taken here, its truth would pass as this mirror's and leave it promising pages
+        # the device does not have, still "exact".
+        got = type(snap).__name__ if not isinstance(snap, MirrorSnapshot) else "a snapshot of another mirror"
+        raise ValueError(f"snap: expected a snapshot this mirror took (mirror.snapshot()), got {got}")
     counters, lens = snap._get()
     if snap.seq <= m._reconciled_at:
         # Taken no later than the last snapshot reconciled (that one again, an older one, or another
