@@ -71,7 +71,9 @@ def extract_base(rev: str, into: str) -> None:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter,
                                  epilog="Rows are bench_page_table.py's names, e.g. \"tpool-numba step\", "
-                                        "\"tpool-numba turnover, bound\", \"tpool-numba turnover, one call\".")
+                                        "\"tpool-numba turnover, bound\", \"tpool-numba turnover, one call\". The base "
+                                        "revision is extracted (and its numba kernels cached) under $TPOOL_AB_CACHE, "
+                                        "default ~/.cache/tpool-ab.")
     ap.add_argument("rows", nargs="+", help="bench_page_table.py rows to compare")
     ap.add_argument("--base", default="HEAD", help="the git revision to compare the working tree against")
     ap.add_argument("--batch", type=positive_int, default=256, help="requests in the batch")

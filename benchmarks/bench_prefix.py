@@ -15,7 +15,7 @@ cache over without). Each run ends with ``Engine.check()``; every run's tokens m
 the first run's (greedy decoding: the cache must not change a token), or the script fails.
 
     python benchmarks/bench_prefix.py                   # about a minute
-    python benchmarks/bench_prefix.py --quick           # a few seconds
+    python benchmarks/bench_prefix.py --quick           # ~15 s on 2 cores
     python benchmarks/bench_prefix.py --calls           # and the tpool calls of the loop, one row each
     python benchmarks/bench_prefix.py --system-len 256 --requests 128 --num-pages 96 --json prefix.json
 """
@@ -55,10 +55,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--page-size", type=positive_int, default=16, help="tokens per page")
     ap.add_argument("--max-batch", type=positive_int, default=8, help="requests running at once (the table's rows)")
     ap.add_argument("--repeats", type=positive_int, default=None,
-                    help=f"timed runs per configuration, with and without taking turns, after an untimed pair "
+                    help=f"timed runs of each configuration (with the prefix cache, without it: the two take turns), "
+                         f"after an untimed pair "
                          f"(default {FULL['repeats']}; {QUICK['repeats']} with --quick)")
     ap.add_argument("--quick", action="store_true",
-                    help=f"a few seconds: {QUICK['requests']} requests, {QUICK['repeats']} repeats (unless given)")
+                    help=f"~15 s on 2 cores: {QUICK['requests']} requests, {QUICK['repeats']} repeats (unless given)")
     ap.add_argument("--backend", default="numba", help="pool backend")
     ap.add_argument("--spec-every", type=non_negative_int, default=0,
                     help="requests whose id is a multiple of this decode speculatively (0: none)")
