@@ -45,6 +45,7 @@ def test_fuzz_interpreted_triton_in_chunks_of_4_lanes():
 GUARD_DEMO = """
 import torch, triton, triton.language as tl
 import triton_guard
+GUARDED = True
 triton_guard.install()
 
 @triton.jit
@@ -61,6 +62,17 @@ for name, n, m in (("load", 5, 4), ("store", 4, 5)):        # one lane past src 
         print(name, "unseen")
     except Exception as e:
         print(name, "raised", type(e).__name__, "OutOfBounds" in repr(e), out[4:].tolist() == [0] * 12)
+
+@triton.jit
+def at(src, dst, off):
+    tl.store(dst, tl.load(src + off.to(tl.int64)))
+
+if GUARDED:   # an address 4 bytes below 2**64 (src + off wraps): checked without an addition that would wrap too
+    try:
+        at[(1,)](big, out, -(big.data_ptr() // 4) - 1)
+        print("wrap unseen")
+    except Exception as e:
+        print("wrap raised", "OutOfBounds" in repr(e))
 """
 
 
@@ -75,8 +87,10 @@ def test_the_triton_address_check_catches_an_access_past_a_view(tmp_path):
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.splitlines() == ["ok [4, 5, 6, 7, 0]", "load raised InterpreterError True True",
-                                     "store raised InterpreterError True True"], p.stdout + p.stderr[-2000:]
-    unguarded = GUARD_DEMO.replace("triton_guard.install()", "")
+                                     "store raised InterpreterError True True", "wrap raised True"], \
+        p.stdout + p.stderr[-2000:]
+    unguarded = GUARD_DEMO.replace("GUARDED = True\ntriton_guard.install()", "GUARDED = False")
+    assert unguarded != GUARD_DEMO
     script.write_text(unguarded)
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert p.stdout.splitlines()[1:] == ["load unseen", "store unseen"], p.stdout + p.stderr[-2000:]

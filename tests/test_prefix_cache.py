@@ -486,14 +486,16 @@ def test_a_token_that_is_not_an_int_is_refused_before_any_entry_is_made(backend)
     first page had been named, over a slot whose page and generation were those of an entry dropped
     before: a match then revived that page, another prompt's K/V, with no error anywhere. Every token of
     the pages an insert names is taken as an int (numpy integers, a 0-d integer array) or refused first;
-    a float or a string is refused as well (it made keys no int prompt matches)."""
+    a float (even 2.0, which matched 2: token ids are ints, as a float numpy array was refused already) or a
+    string is refused as well."""
     pool, m, cache = _setup(backend)
     _serve(m, cache, [1, 2, 3, 4])
     _serve(m, cache, [1, 2, 3, 4, 5, 6, 7, 8])
     cache.evict(1)      # the oldest page (the first prompt's): both entries dropped, the second page CACHED
     assert cache.sync() == 2 and len(cache) == 0
     (row,) = m.admit([8])
-    for bad, said in ((np.array([0, 1]), "ndarray array"), (2.5, "float 2.5"), ("x", "str 'x'"), ([3], "list")):
+    for bad, said in ((np.array([0, 1]), "numpy.ndarray array"), (2.5, "float 2.5"), (2.0, "float 2.0"),
+                      ("x", "str 'x'"), ([3], "list"), (np.float64(1), "numpy.float64")):
         for call in (lambda: cache.insert(row, [9, 9, 9, 9, bad, 0, 0, 0]), lambda: cache.match([bad] * 5)):   # (match: the pages it walks)
             with pytest.raises(ValueError, match=f"tokens as host ints .*got {said}"):
                 call()

@@ -35,6 +35,18 @@ def _span(t) -> tuple:
     return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
+def _add_spans(a, name: str) -> None:
+    """The spans of argument ``a``: a tensor's, each tensor's of a tuple, the base tensor's of a wrapper
+    (``triton.reinterpret``) or of a tensor descriptor."""
+    if isinstance(a, tuple):
+        for i, x in enumerate(a):
+            _add_spans(x, f"{name}[{i}]")
+    elif hasattr(a, "data_ptr") and hasattr(a, "stride") and hasattr(a, "numel"):
+        _spans.append((*_span(a), name))
+    elif hasattr(a, "base") and a.base is not a:
+        _add_spans(a.base, name)
+
+
 def _check(kind: str, ptrs, mask, nbytes: int) -> None:
     addrs = np.asarray(ptrs.data).astype(np.uint64)
     on = np.ones(addrs.shape, bool) if mask is None else np.broadcast_to(np.asarray(mask.data).astype(bool),
@@ -43,8 +55,8 @@ def _check(kind: str, ptrs, mask, nbytes: int) -> None:
     if a.size == 0:
         return
     inside = np.zeros(a.shape, bool)
-    for lo, hi, _ in _spans:
-        inside |= (a >= np.uint64(lo)) & (a + np.uint64(nbytes) <= np.uint64(hi))
+    for lo, hi, _ in _spans:   # (no a + nbytes: an address near 2**64 would wrap to a small one)
+        inside |= (a >= np.uint64(lo)) & (a < np.uint64(hi)) & (np.uint64(hi) - a >= np.uint64(nbytes))
     if inside.all():
         return
     bad = [int(x) for x in a[~inside][:3]]
@@ -72,10 +84,10 @@ def install() -> None:
         args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
         _spans.clear()
         _launch[0] = getattr(self.fn, "__name__", "?")
-        names = list(getattr(self, "arg_names", ())) + list(kwargs_hst)
-        for i, a in enumerate([*args_hst, *kwargs_hst.values()]):
-            if hasattr(a, "data_ptr") and hasattr(a, "stride"):
-                _spans.append((*_span(a), names[i] if i < len(names) else f"argument {i}"))
+        names = list(getattr(self, "arg_names", ()))
+        given = [*zip(names, args_hst), *kwargs_hst.items()]
+        for name, a in given:
+            _add_spans(a, name)
         return args_hst, kwargs_hst
 
     load, store = builder.create_masked_load, builder.create_masked_store

@@ -67,9 +67,9 @@ _INTS = frozenset((int,))  # token types whose pages need no closer look (numpy 
 
 def _host_ints(tokens, what) -> list:
     """``tokens`` (a list or tuple whose items are not all ``int``) as Python ints (``operator.index``:
-    numpy integers pass), or ``ValueError``: a tensor, a float, an array or anything else that is not
-    an integer. A key built of those either never matches or, for an array, fails to hash half-way
-    through an ``insert``."""
+    numpy integers and bools pass), or ``ValueError``: a tensor, a float (``2.0`` too: token ids are
+    integers, as a float numpy array is refused), an array or anything else that is not an integer.
+    An array failed to hash half-way through an ``insert``, after the pages before it were named."""
     if any(isinstance(t, torch.Tensor) for t in tokens):
         raise _tensor_tokens(what)
     out = []
@@ -77,8 +77,9 @@ def _host_ints(tokens, what) -> list:
         try:
             out.append(operator.index(t))
         except TypeError:
+            kind = type(t).__name__ if type(t).__module__ == "builtins" else f"{type(t).__module__}.{type(t).__name__}"
             raise ValueError(f"{what}: expected the tokens as host ints (a list, tuple or numpy int array), got "
-                             f"{type(t).__name__} {t!r:.60}") from None
+                             f"{kind} {t!r:.60}") from None
     return out
 
 
@@ -220,8 +221,10 @@ class PrefixCache:
         would never match; and reading a device tensor is a sync)."""
         if isinstance(tokens, torch.Tensor):
             raise _tensor_tokens(what)
-        if isinstance(tokens, np.ndarray) and tokens.dtype.kind not in "iu":
-            raise ValueError(f"{what}: expected an integer numpy array of tokens, got dtype {tokens.dtype}")
+        if isinstance(tokens, np.ndarray):
+            if tokens.dtype.kind not in "iu":
+                raise ValueError(f"{what}: expected an integer numpy array of tokens, got dtype {tokens.dtype}")
+            return tokens.tolist()   # Python ints at C speed (numpy scalars would take the slow check per page)
         return tokens
 
     def _key(self, eid, tokens, i, what=None):
@@ -323,7 +326,7 @@ class PrefixCache:
                              f"{len(tokens)}")
         n = len(tokens) // self.page_size
         tokens = tokens[:n * self.page_size]
-        if not isinstance(tokens, np.ndarray) and not _INTS.issuperset(map(type, tokens)):
+        if not _INTS.issuperset(map(type, tokens)):
             # (before the index changes: a token that failed to hash at page i > 0 left the pages
             # before it named, over a slot whose old page and generation a revive then took)
             tokens = _host_ints(tokens, "insert")
