@@ -91,10 +91,19 @@ def test_a_device_torch_cannot_parse_or_tpool_cannot_use_is_a_valueerror(device,
     (object(), "memory_bytes"),
     (type("P", (), {"memory_bytes": lambda s: [1]})(), "dict"),
     (type("P", (), {"memory_bytes": lambda s: {"t": torch.zeros(1)}})(), "dict"),
+    (type("P", (), {"memory_bytes": lambda s: {"x_bytes": float("nan")}})(), "not nan or inf"),   # (--json wrote NaN)
+    (type("P", (), {"memory_bytes": lambda s: {"x_bytes": float("-inf")}})(), "not nan or inf"),
 ])
 def test_pools_must_offer_memory_bytes(bad, match):
     with pytest.raises(TypeError, match=match):
         memory_report("cpu", pools=[bad])
+
+
+def test_a_pool_with_no_numbers_is_named_not_taken_for_none_passed():
+    """The table said "(no caches or pools passed)" for a pool whose memory_bytes() gave {}."""
+    empty = type("Empty", (), {"memory_bytes": lambda s: {}})()
+    text = format_report(memory_report("cpu", pools=[empty]))
+    assert "pool Empty" in text and "its memory_bytes() gave no numbers" in text and "no caches or pools" not in text
 
 
 def test_format_report_table():

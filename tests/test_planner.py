@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import tpool
 from tpool.memory import planner
 from tpool.memory.planner import PagePlan, PlanError, plan_pages
+from tpool.state import pool_state_bytes
 from tpool.serving.kv import PagedKVCache
 
 GIB = 1 << 30
@@ -42,7 +43,9 @@ def test_hand_worked_pending_weights_and_extra_reserve():
 
 def test_fraction_is_read_as_its_decimal():
     assert 100 * 0.29 < 29  # binary floating point: 28.999999999999996
-    assert plan_pages(1, 0.29, total_bytes=100, free_bytes=100).static_budget_bytes == 29
+    mib = 1 << 20
+    assert 0.29 * (100 * mib) < 29 * mib
+    assert plan_pages(mib, 0.29, total_bytes=100 * mib, free_bytes=100 * mib).static_budget_bytes == 29 * mib
 
 
 def test_max_pages_caps():
@@ -80,15 +83,38 @@ def test_suggested_fraction_is_the_smallest_that_works(page, percent, total, dat
     try:
         plan = plan_pages(page, percent / 100, **kw)
     except PlanError as e:
-        if e.suggested_fraction is not None:
-            assert e.suggested_fraction > percent / 100
-            assert plan_pages(page, e.suggested_fraction, **kw).num_pages >= 1
-            if e.suggested_fraction > 0.01:
-                with pytest.raises(PlanError):
-                    plan_pages(page, round(e.suggested_fraction - 0.01, 2), **kw)
+        s = e.suggested_fraction
+        if s is not None:
+            assert plan_pages(page, s, **kw).num_pages >= 1
+            if s > percent / 100:   # too few pages: the smallest fraction that gives them
+                if s > 0.01:
+                    with pytest.raises(PlanError):
+                        plan_pages(page, round(s - 0.01, 2), **kw)
+            else:                   # no room beside the pool: the largest smaller fraction that leaves it
+                assert s < percent / 100
+                if round(s + 0.01, 2) < percent / 100:
+                    with pytest.raises(PlanError):
+                        plan_pages(page, round(s + 0.01, 2), **kw)
     else:
         assert plan.num_pages >= 1 and plan.pool_bytes <= plan.pool_budget_bytes < plan.pool_bytes + page
         assert plan.used_bytes + plan.pool_budget_bytes <= plan.static_budget_bytes <= total
+        # what from_pool and PagePool take beside the pages fits in what the plan leaves
+        assert total - plan.used_bytes - plan.pool_bytes >= page + pool_state_bytes(plan.num_pages)
+
+
+def test_a_fraction_of_one_leaves_room_for_the_scratch_page_and_the_state_or_is_refused():
+    """At mem_fraction_static=1.0 the pool took all the free memory, while explain() said its scratch page
+    and state come from the runtime reserve, which was 0: the plan could not be allocated at its own numbers."""
+    kw = dict(total_bytes=80 * GIB, free_bytes=60 * GIB)
+    with pytest.raises(PlanError, match=r"the runtime reserve \(0 B = total - static budget\) cannot hold what the "
+                                        r"pool takes beside its 30,720 pages: .*3,971,504 B .*use "
+                                        r"mem_fraction_static <= 0.99") as info:
+        plan_pages(PAGE, 1.0, **kw)
+    assert info.value.suggested_fraction == 0.99
+    assert plan_pages(PAGE, 0.99, **kw).num_pages == 30_310
+    with pytest.raises(PlanError, match="use mem_fraction_static <= 0.99"):   # the extra reserve is the caller's
+        plan_pages(PAGE, 1.0, **kw, reserve_bytes=8 << 20)
+    assert plan_pages(PAGE, 1.0, **kw, max_pages=30_000).num_pages == 30_000   # fewer pages: room left
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -146,11 +172,14 @@ def test_numpy_ints_are_sizes():
 def test_numpy_numbers_are_fractions_like_python_ones():
     """np.int64(1) was refused while int 1 and np.float64 were accepted; numpy floats read as their decimal."""
     kw = dict(total_bytes=80 * GIB, free_bytes=60 * GIB)
-    assert dataclasses.astuple(plan_pages(PAGE, np.int64(1), **kw)) == dataclasses.astuple(plan_pages(PAGE, 1, **kw))
+    kw1 = dict(kw, max_pages=30_000)   # (at 1.0 the pool must leave room beside it: max_pages does)
+    assert dataclasses.astuple(plan_pages(PAGE, np.int64(1), **kw1)) == dataclasses.astuple(plan_pages(PAGE, 1, **kw1))
     for value in (np.float32(0.88), np.float16(0.5), np.float64(0.88)):
         got, want = plan_pages(PAGE, value, **kw), plan_pages(PAGE, float(str(value)), **kw)
         assert dataclasses.astuple(got) == dataclasses.astuple(want) and type(got.mem_fraction_static) is float
-    assert plan_pages(1, np.float32(0.29), total_bytes=100, free_bytes=100).static_budget_bytes == 29
+    mib = 1 << 20
+    assert plan_pages(mib, np.float32(0.29), total_bytes=100 * mib, free_bytes=100 * mib).static_budget_bytes == \
+        29 * mib
 
 
 class _FakeCuda:

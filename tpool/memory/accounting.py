@@ -74,7 +74,7 @@ def check_ownable(t: Any) -> torch.Tensor:
     TypeError
         ``t`` is not a tensor, or its kind has no countable storage (nested,
         sparse or another non-strided layout, quantized, meta, a subclass with
-        ``__torch_dispatch__``, a functorch-wrapped tensor).
+        ``__torch_dispatch__``, a functorch-wrapped tensor, a ZeroTensor).
     ValueError
         ``t`` is not empty and its offset and strides reach past the end of
         its storage (shrunk or freed under it by ``untyped_storage().resize_``,
@@ -95,6 +95,8 @@ def check_ownable(t: Any) -> torch.Tensor:
         kind = f"tensor subclass {type(t).__name__} with __torch_dispatch__"
     elif torch._C._functorch.is_functorch_wrapped_tensor(t):
         kind = "functorch-wrapped tensor (vmap/grad)"
+    elif t._is_zerotensor():
+        kind = "zero tensor (torch's ZeroTensor: no storage behind its values)"
     if kind is not None:
         raise TypeError(f"expected a dense strided tensor with its own storage, got a {kind}")
     if t.numel():
@@ -334,6 +336,12 @@ def retained_bytes(tensors: torch.Tensor | Iterable[Any]) -> int:
         the tensor (``own`` and ``OwnedCache`` leave it behind): a leaf's, a
         ``retain_grad()`` non-leaf's, that of the tensor a view is of (which
         the view keeps alive), and a sparse one as its indices and values.
+        Not counted: what a non-leaf's autograd history keeps alive (the
+        tensors its ``grad_fn`` saved for backward, often the model's
+        weights, alive anyway) and what hook closures hold. ``own`` and
+        ``OwnedCache`` detach a tensor that holds either, so what they keep is
+        counted whole; count under ``torch.no_grad()`` (or detach) to keep
+        activations out of the history.
 
     Raises
     ------

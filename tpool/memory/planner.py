@@ -195,7 +195,10 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
     PlanError
         Fewer than ``min_pages`` pages fit; its ``suggested_fraction`` is the
         smallest fraction (rounded up to 0.01) that gives ``min_pages``, or
-        None if even 1.0 does not. A subclass of ``ValueError``.
+        None if even 1.0 does not. Or the memory left beside the pool (the
+        runtime reserve, at a fraction near 1) cannot hold its scratch page
+        and state; ``suggested_fraction`` is then the largest smaller fraction
+        that can. A subclass of ``ValueError``.
     ValueError
         An argument of the wrong type (a bool is not a size or a fraction)
         or out of its range, ``free_bytes > total_bytes``, or total or free
@@ -234,22 +237,51 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
         else Fraction(int(mem_fraction_static)) if isinstance(mem_fraction_static, numbers.Integral) \
         else Fraction(mem_fraction_static)
     used = total - free + pending
-    static = math.floor(total * fraction)
-    pool_budget = static - used - reserve_bytes
-    pages = max(pool_budget, 0) // bytes_per_page
-    if max_pages is not None:
-        pages = min(pages, max_pages)
+
+    def pages_at(fraction):
+        static = math.floor(total * fraction)
+        pool_budget = static - used - reserve_bytes
+        pages = max(pool_budget, 0) // bytes_per_page
+        return static, pool_budget, pages if max_pages is None else min(pages, max_pages)
+
+    def beside(pages):
+        """What the pool takes beside its pages (from_pool's scratch page, the PagePool state), and whether
+        the memory left after the pool, the memory in use and the extra reserve holds it."""
+        need = bytes_per_page + pool_state_bytes(pages)
+        return need, total - used - reserve_bytes - pages * bytes_per_page >= need
+
+    static, pool_budget, pages = pages_at(fraction)
     if pages < min_pages:
         need = used + reserve_bytes + min_pages * bytes_per_page
         step = math.ceil(Fraction(need, total) * FRACTION_STEP)
         suggested = step / FRACTION_STEP if step <= FRACTION_STEP else None
+        if suggested is not None and not beside(pages_at(Fraction(step, FRACTION_STEP))[2])[1]:
+            suggested = None   # the fraction that gives min_pages leaves no room beside them
         fix = (f"use mem_fraction_static >= {suggested:.2f}" if suggested is not None
                else f"even mem_fraction_static=1.0 is short by {need - total:,} B; use a bigger device "
-                    "or fewer weights per device")
+                    "or fewer weights per device" if need > total
+               else "no fraction leaves room for them and for the pool's scratch page and state beside them; "
+                    "use a bigger device or fewer weights per device")
         raise PlanError(
             f"the static budget ({static:,} B = {total:,} B x {mem_fraction_static}) leaves "
             f"{pool_budget:,} B for the pool after {used:,} B in use (weights, context, other) and "
             f"{reserve_bytes:,} B extra reserve; {min_pages} page(s) of {bytes_per_page:,} B need "
             f"{min_pages * bytes_per_page:,} B: {fix}", suggested)
+    need, fits = beside(pages)
+    if not fits:
+        # At a fraction near 1 the runtime reserve is smaller than the scratch page and the state the pool
+        # takes from it: the plan could not be allocated at its own numbers. The largest fraction below
+        # that leaves room (and still gives min_pages), if any.
+        step = math.ceil(fraction * FRACTION_STEP) - 1
+        while step > 0 and not ((p := pages_at(Fraction(step, FRACTION_STEP))[2]) >= min_pages and beside(p)[1]):
+            step -= 1
+        suggested = step / FRACTION_STEP if step > 0 else None
+        fix = f"use mem_fraction_static <= {suggested:.2f}" if suggested is not None else \
+            "no fraction leaves room for both; use a bigger device or fewer weights per device"
+        raise PlanError(
+            f"the runtime reserve ({total - static:,} B = total - static budget) cannot hold what the pool takes "
+            f"beside its {pages:,} pages: PagedKVCache.from_pool's scratch page and the PagePool state, {need:,} "
+            f"B (after the pool, {total - used - reserve_bytes - pages * bytes_per_page:,} B would be left): "
+            f"{fix}", suggested)
     return PagePlan(bytes_per_page, float(fraction), total, free, pending, used, static,
                     total - static, reserve_bytes, pool_budget, pages, pages * bytes_per_page, source)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -141,9 +142,10 @@ def _tracked(objs: Any, kind: str) -> dict[str, dict[str, Any]]:
             raise TypeError(f"{kind}[{i}]: expected an object with memory_bytes(), got {type(obj).__name__}")
         numbers = fn()
         if not isinstance(numbers, dict) or not all(
-                isinstance(k, str) and isinstance(v, _SCALARS) for k, v in numbers.items()):
+                isinstance(k, str) and isinstance(v, _SCALARS) and not (isinstance(v, float) and not math.isfinite(v))
+                for k, v in numbers.items()):
             raise TypeError(f"{kind}[{i}].memory_bytes(): expected a dict of str -> int (or another "
-                            f"JSON scalar), got {numbers!r}")
+                            f"JSON scalar; not nan or inf, which JSON cannot hold), got {numbers!r}")
         out[_name(obj, i, out)] = dict(numbers)
     return out
 
@@ -234,7 +236,8 @@ def _rows(report: MemoryReport) -> list[tuple[str, str, Any, str]]:
     rows = []
     for kind, objs in (("cache", report.tracked.caches), ("pool", report.tracked.pools)):
         for name, numbers in objs.items():
-            rows += [("references", f"{kind} {name}: {k}", v, "") for k, v in numbers.items()]
+            rows += [("references", f"{kind} {name}: {k}", v, "") for k, v in numbers.items()] or \
+                [("references", f"{kind} {name}", None, "its memory_bytes() gave no numbers")]
     if not rows:
         rows.append(("references", "(no caches or pools passed)", None,
                      "memory_report(pools=..., caches=...) in your process counts them"))
