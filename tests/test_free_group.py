@@ -94,6 +94,60 @@ def test_an_incref_or_touch_in_a_group_sees_the_frees_before_it(make_pool, guard
         assert ends[0] == ends[1] and ends[0][0] == 8
 
 
+def test_a_revive_or_fork_in_a_group_sees_the_frees_before_it(make_pool, guard):
+    """A table's revive and fork take references as incref does but did not flush the group: a prefix-cache
+    entry dropped (its pages freed) and then revived in one group was revived, not refused, and a fork of a
+    row whose pages were freed through the pool left two rows naming pages with one reference each, with no
+    error counted. Grouped or not, both end the same now."""
+    import contextlib
+
+    import tpool
+    for call in ("revive", "fork"):
+        ends = []
+        for grouped in (False, True):
+            pool = make_pool(8, page_size=4)
+            table = tpool.PageTable(pool, 3, 2)
+            with guard():
+                if call == "revive":
+                    pages = pool.alloc(i32([2])).pages[:2].clone()
+                else:
+                    table.extend(i32([0]), i32([8]), max_tokens=8)
+                    pages = table.block_table[0].clone()
+            with pool.free_group(capacity=4) if grouped else contextlib.nullcontext():
+                with guard():
+                    pool.free(pages)
+                    if call == "revive":
+                        table.revive(1, pages, 8)
+                    else:
+                        table.fork(i32([0]), i32([1]), i32([8]))
+            with pytest.raises(tpool.UseAfterFree):
+                pool.check()
+            ends.append((pool.available(), table.seq_lens.tolist(), pool.state.refcount.tolist()))
+        assert ends[0] == ends[1], call
+        if call == "revive":
+            assert ends[0][1][1] == 0   # refused: the row stays empty
+
+
+def test_a_flush_that_raises_at_exit_still_closes_the_group(make_pool, monkeypatch):
+    """An exception inside the exit's flush (an interrupt, say) left the group open: every later free of the
+    thread was deferred into a group nobody would exit, and no new group could open."""
+    pool = make_pool(8)
+    p = pool.alloc(i32([2])).pages[:2].clone()
+
+    def interrupted(pages, cache):
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        with pool.free_group(capacity=4):
+            pool.free(p[:1])
+            monkeypatch.setattr(pool, "_apply_free", interrupted)
+    monkeypatch.undo()
+    assert pool._group is None
+    pool.free(p[1:])                  # applied at once, not deferred
+    assert pool.available() == 7
+    with pool.free_group(capacity=4):
+        pass
+
+
 def test_preserved_is_refused_inside_an_open_group(make_pool):
     """Frees queued inside preserved survived its restore and were applied at the group's exit."""
     from tpool.graphs import preserved

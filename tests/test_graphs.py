@@ -22,6 +22,41 @@ def test_preserved_restores_pool_and_table_state(make_pool):
     assert all(torch.equal(a, b) for a, b in zip(after, before))
 
 
+def test_preserved_takes_the_locks_of_two_pools_in_one_order_whatever_order_they_come_in(make_pool, monkeypatch):
+    """preserved(a, b) in one thread and preserved(b, a) in another each took one pool's lock and waited
+    for the other's, for ever (capture too)."""
+    import threading
+
+    from tpool.state import CallLock
+    a, b = make_pool(8), make_pool(8)
+    taken, enter = [], CallLock.__enter__
+
+    def recording(self):
+        taken.append(self)
+        return enter(self)
+    monkeypatch.setattr(CallLock, "__enter__", recording)
+    orders = []
+    for owners in ((a, b), (b, a)):
+        taken.clear()
+        with tpool.graphs._locked(owners):
+            orders.append(list(taken))
+    assert orders[0] == orders[1] and len(orders[0]) == 2
+    monkeypatch.undo()
+
+    def loop(owners, done):
+        for _ in range(300):
+            with preserved(*owners):
+                pass
+        done.append(owners)
+    done = []
+    threads = [threading.Thread(target=loop, args=(o, done), daemon=True) for o in ((a, b), (b, a))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(done) == 2, "preserved deadlocked"
+
+
 def test_capture_needs_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA present")

@@ -137,8 +137,10 @@ class FreeGroup:
 
     def __exit__(self, *exc):
         with self.pool.state.lock:  # flushed before another thread can open a group on the same buffer
-            self.flush()
-            self.pool._group = None
+            try:
+                self.flush()
+            finally:   # a flush that raised (an interrupt) must not leave the pool deferring every later free
+                self.pool._group = None
         return False
 
     def enqueue(self, pages: torch.Tensor, cache: bool) -> None:

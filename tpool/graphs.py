@@ -103,12 +103,14 @@ def preserved(*owners):
 
 
 def _locked(owners) -> contextlib.ExitStack:
-    """Hold the lock of every pool among ``owners`` (a table's: its pool's), each once."""
+    """Hold the lock of every pool among ``owners`` (a table's: its pool's), each once, taken in one
+    order whatever order the owners come in (``preserved(a, b)`` in one thread and ``preserved(b, a)``
+    in another each held one lock and waited for the other)."""
     stack, locks = contextlib.ExitStack(), {}
     for owner in owners:
         lock = getattr(owner, "pool", owner).state.lock
         locks.setdefault(id(lock), lock)
-    for lock in locks.values():
+    for _, lock in sorted(locks.items()):
         stack.enter_context(lock)
     return stack
 

@@ -636,6 +636,7 @@ class PageTable:
                 return self._shapes.add(key, (key,), res, lambda src, dst, n: fork(src, dst, n, *held))
             entry = self._shapes.make(key, build)
         self._not_written(entry, ("src_ids", src_ids), ("dst_ids", dst_ids), ("lens", lens))
+        self.pool._flush_group()   # it takes references, as incref: a page freed in an open group is FREE here
         entry[1](src_ids, dst_ids, lens)
         return entry[0]
 
@@ -772,6 +773,7 @@ class PageTable:
 
     def _revive(self, req_id: int, pages, generations=None) -> None:
         """:meth:`revive` of checked inputs: the one backend call, with the memos to forget the row in."""
+        self.pool._flush_group()   # as incref: a page freed in this thread's open group is FREE to it
         with self.pool.state.lock:  # the memos and the call: as invalidate_csr of the row, atomic
             # (the memos are added under this lock; listing none costs ~1 us, asking whether there are none ~60 ns)
             self.ops.revive(req_id, pages, self._shapes.memo_list() if self._shapes.memos else (), generations)
