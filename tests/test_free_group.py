@@ -136,16 +136,41 @@ def test_a_flush_that_raises_at_exit_still_closes_the_group(make_pool, monkeypat
 
     def interrupted(pages, cache):
         raise KeyboardInterrupt
-    with pytest.raises(KeyboardInterrupt):
-        with pool.free_group(capacity=4):
+    with pytest.raises(KeyboardInterrupt) as info:
+        with pool.free_group(capacity=4) as group:
             pool.free(p[:1])
             monkeypatch.setattr(pool, "_apply_free", interrupted)
+        assert False, "not reached"
     monkeypatch.undo()
     assert pool._group is None
-    pool.free(p[1:])                  # applied at once, not deferred
-    assert pool.available() == 7
+    assert [u.tolist() for u in group.unapplied] == [p[:1].tolist(), []]   # kept, and said (a note)
+    assert any("1 buffered frees that may not have been applied" in n for n in info.value.__notes__)
+    assert (group.buffer == -1).all()  # the pool's buffer is clean for the next group of this capacity
+    pool.free(p[1:])                   # applied at once, not deferred
+    pool.free(group.unapplied[0])
+    assert pool.available() == 8
     with pool.free_group(capacity=4):
         pass
+
+
+def test_a_flush_on_the_other_side_of_a_capture_is_refused(make_pool, monkeypatch):
+    """A fork (or revive, incref, touch) inside a CUDA graph capture flushed a group opened outside it: the
+    captured free kernel ran only at replays, on whatever the buffer then held, and the frees queued were
+    never applied. Simulated on a CPU pool: the check reads only the group's side and the capture state."""
+    import tpool
+    pool = make_pool(8, page_size=4)
+    table = tpool.PageTable(pool, 3, 2)
+    table.extend(i32([0]), i32([8]), max_tokens=8)
+    p = pool.alloc(i32([1])).pages[:1].clone()
+    with pool.free_group(capacity=4) as group:
+        pool.free(p)
+        group._cuda = True   # as on a CUDA pool, opened outside the capture
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        with pytest.raises(RuntimeError, match="flush .*inside a CUDA graph capture the group was opened outside"):
+            table.fork(i32([0]), i32([1]), i32([8]))
+        monkeypatch.undo()
+        group._cuda = False
+    assert pool.available() == 6 and table.seq_lens.tolist() == [8, 0, 0]   # the free applied at exit, no fork
 
 
 def test_preserved_is_refused_inside_an_open_group(make_pool):

@@ -115,6 +115,8 @@ def test_a_fraction_of_one_leaves_room_for_the_scratch_page_and_the_state_or_is_
     with pytest.raises(PlanError, match="use mem_fraction_static <= 0.99"):   # the extra reserve is the caller's
         plan_pages(PAGE, 1.0, **kw, reserve_bytes=8 << 20)
     assert plan_pages(PAGE, 1.0, **kw, max_pages=30_000).num_pages == 30_000   # fewer pages: room left
+    # min_pages=0 asks whether anything fits: 0 pages is an answer (no pool, nothing beside it), not an error
+    assert plan_pages(PAGE, 1.0, total_bytes=80 * GIB, free_bytes=0, min_pages=0).num_pages == 0
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -117,6 +117,7 @@ class FreeGroup:
         self._cuda = pool.device.type == "cuda"
         self._capturing = False  # set on entering
         self.flushes = 0  # how many passes were applied (host-side, for tests and stats)
+        self.unapplied = None  # (plain, cached) ids a flush that raised at exit left (see __exit__)
 
     def owned_here(self) -> bool:
         """Whether the calling thread entered this group (its frees are deferred; others' are not)."""
@@ -139,9 +140,23 @@ class FreeGroup:
         with self.pool.state.lock:  # flushed before another thread can open a group on the same buffer
             try:
                 self.flush()
-            finally:   # a flush that raised (an interrupt) must not leave the pool deferring every later free
+            except BaseException as e:   # (an interrupt): keep what was not applied, say so, and close
+                left = self._keep_unapplied()
+                if left:
+                    e.add_note(f"tpool: the free group closed with {left} buffered frees that may not have been "
+                               f"applied (the flush raised); their ids are in group.unapplied (plain, cached)")
+                raise
+            finally:   # a flush that raised must not leave the pool deferring every later free
                 self.pool._group = None
         return False
+
+    def _keep_unapplied(self) -> int:
+        """Move the buffered ids a raising flush left to ``self.unapplied`` (plain, cached) and reset the
+        pool's buffer to -1 (a later group of this capacity starts clean). Returns how many."""
+        self.unapplied = tuple(self.buffer[flag, :self._fill[flag]].clone() for flag in (0, 1))
+        self.buffer.fill_(L.NULL_PAGE)
+        left, self._fill = sum(self._fill), [0, 0]
+        return left
 
     def enqueue(self, pages: torch.Tensor, cache: bool) -> None:
         """Copy ``pages`` into the buffer; called by ``pool.free`` inside the group.
@@ -177,7 +192,14 @@ class FreeGroup:
         self._fill[flag] = start + n
 
     def flush(self) -> None:
-        """Apply every buffered free now (plain frees first, then cached ones)."""
+        """Apply every buffered free now (plain frees first, then cached ones). Refused (``RuntimeError``)
+        on the other side of a CUDA-graph capture than the group was opened on, when it has frees to
+        apply (a captured flush would free whatever the buffer holds at each replay, and not these)."""
+        if self._cuda and any(self._fill) and torch.cuda.is_current_stream_capturing() != self._capturing:
+            raise RuntimeError("a free group's flush (at an incref, touch, revive or fork of this thread, or its "
+                               "exit) inside a CUDA graph capture the group was opened outside of (or the other "
+                               "way round): open and close the group inside the captured region, or make these "
+                               "calls outside it")
         for flag in (0, 1):
             n = self._fill[flag]
             if n:

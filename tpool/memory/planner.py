@@ -248,7 +248,7 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
         """What the pool takes beside its pages (from_pool's scratch page, the PagePool state), and whether
         the memory left after the pool, the memory in use and the extra reserve holds it."""
         need = bytes_per_page + pool_state_bytes(pages)
-        return need, total - used - reserve_bytes - pages * bytes_per_page >= need
+        return need, pages == 0 or total - used - reserve_bytes - pages * bytes_per_page >= need   # (0: no pool)
 
     static, pool_budget, pages = pages_at(fraction)
     if pages < min_pages:
