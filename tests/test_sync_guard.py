@@ -1,7 +1,10 @@
 """The host-sync guard catches every construct it promises to, and lets fixed-shape code through."""
 
+import subprocess
+import sys
 import threading
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,7 +114,13 @@ def test_host_data_mode_refuses_tensors_built_from_host_values():
     with no_host_sync(host_data=True):
         torch.full((3,), 5)                            # a fill on the device: no host data
         torch.as_tensor(t)                             # a tensor already: no copy
-        t.clone()[0] = 7                               # a scalar set: a fill on CUDA too
+        t.clone()[1:3] = 7                             # a slice set: a fill_ taking the number as an argument
+        t.clone().narrow(0, 0, 1).fill_(7)             # state.set_cell's way to set one element
+    with pytest.raises(HostSyncError, match=r"a Python number copied into one element \(t\[i\] = x"):
+        with no_host_sync(host_data=True):
+            t.clone()[0] = 7                           # one element: a copy of a host scalar (blocking on CUDA)
+    with no_host_sync():
+        t.clone()[0] = 7                               # (host data allowed: free on a CPU)
 
 
 def test_hot_paths_build_no_tensor_from_host_data(backend):
@@ -258,3 +267,32 @@ def test_count_host_reads_counts_tensors_built_from_host_data():
                 torch.tensor([1, 2])                   # the innermost guard has host_data off
     assert [what.split()[0] for what, _ in seen.reads] == ["torch.tensor()", "torch.as_tensor()"]
     assert plain.reads == [] and inner.reads == []
+
+
+META_PARTS = Path(__file__).parent / "_meta_hot_paths.py"
+
+
+def _meta(part):
+    p = subprocess.run([sys.executable, str(META_PARTS), part], capture_output=True, text=True, timeout=600,
+                       cwd=META_PARTS.parent)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return p.stdout.splitlines()
+
+
+def test_the_meta_device_refuses_every_read_of_data_and_records_blocking_copies():
+    """tests/meta_device.py, shown able to fail: on the meta device a tensor holds no data, so every read
+    of it fails, also those the dispatch guard cannot see (.to("cpu"), a copy_ into host memory); a
+    host-to-device copy from pageable memory, or t[i] = number, is recorded, a pinned non_blocking one not."""
+    assert _meta("plants") == ["tolist refused", "to cpu refused", "item refused", "copy out refused", "events:",
+                               "  a host-to-device copy (non_blocking=False, pinned=False) at ",
+                               "  t[i] = a Python number on one element (on CUDA: a blocking copy of a CPU scalar) at "]
+
+
+@pytest.mark.parametrize("part", ["pool-and-table", "mirror"])
+def test_hot_paths_on_the_meta_device_read_no_data_and_make_no_blocking_copy(part):
+    """The CUDA side of every branch, on a CPU: the reference backend on the meta device (tpool branches on
+    device.type == "cpu"), where any read of device data raises whatever path it takes, and a copy a CUDA
+    stream would wait for is recorded. pool-and-table: conftest.hot_path_calls and the step forms it leaves
+    out (release=, out=, bound with out=, a free group, generations(out=)); mirror: every HostMirror call
+    and the PrefixCache's insert/match/revive/evict."""
+    assert _meta(part) == ["events:"]
