@@ -1,5 +1,6 @@
 """tests/test_sync_guard.py's subprocess: one part of the hot paths on the meta device (tests/meta_device.py),
-the second round under its copy watch; prints what the plants gave, then the copies recorded."""
+the second round under its copy watch and no_host_sync(host_data=True) (which raises); prints what the
+plants gave, then the copies recorded."""
 import contextlib
 import sys
 
@@ -11,9 +12,18 @@ meta_device.enable()
 import tpool  # noqa: E402
 from conftest import hot_path_calls, i32  # noqa: E402
 from tpool.scheduling import HostMirror, PrefixCache  # noqa: E402
+from tpool.testing import HostSyncError, no_host_sync  # noqa: E402
 
 part = sys.argv[1]
 watch = meta_device.CopyWatch()
+
+
+@contextlib.contextmanager
+def watched():
+    with no_host_sync(host_data=True), watch:
+        yield
+
+
 if part == "plants":   # the harness can fail: a read of device data raises, a pageable copy is recorded
     t = torch.zeros(3, device="meta")
     for name, read in (("tolist", t.tolist), ("to cpu", lambda: t.to("cpu")), ("item", lambda: t[0].item()),
@@ -23,24 +33,30 @@ if part == "plants":   # the harness can fail: a read of device data raises, a p
             print(name, "read")
         except (NotImplementedError, RuntimeError):
             print(name, "refused")
+    try:
+        with watched():
+            torch.tensor([1, 2], device="meta")   # unseen by the copy watch (no dispatch): the guard sees it
+        print("tensor(list, device=) built")
+    except HostSyncError:
+        print("tensor(list, device=) refused")
     with watch:
         t.copy_(torch.ones(3))
-        t[0] = 1.0
         t.copy_(torch.ones(3).pin_memory(), non_blocking=True)
 elif part == "pool-and-table":
     run, pool, table = hot_path_calls("reference", device="meta")
     run()                                   # the first call of each shape makes its buffers
-    with watch:
+    ids, ntok, rel, pad = i32([0, 1], "meta"), i32([3, 2], "meta"), i32([-1], "meta"), i32([-1, -1], "meta")
+    page, gen = i32([0], "meta"), torch.empty(1, dtype=torch.int32, device="meta")
+    out = table.step_out(batch=2, max_tokens=8)
+    with watched():
         run()
-        ids, ntok, rel = i32([0, 1], "meta"), i32([3, 2], "meta"), i32([-1], "meta")
-        out = table.step_out(batch=2, max_tokens=8)
         table.step(ids, ntok, release=rel)
         table.step(ids, ntok, out=out)
         table.bind_step(ids, ntok, out=out)()
         table.bind_step(batch=2, release=1, out=out)()
         with pool.free_group(capacity=8):
-            pool.free(i32([-1, -1], "meta"))
-        pool.generations(i32([0], "meta"), out=torch.empty(1, dtype=torch.int32, device="meta"))
+            pool.free(pad)
+        pool.generations(page, out=gen)
         table.release(ids)
 elif part == "mirror":
     pool = tpool.PagePool(64, page_size=4, device="meta", backend="reference")
@@ -48,7 +64,7 @@ elif part == "mirror":
     m = HostMirror(table, free=64, cached=0)
     cache = PrefixCache(m)
     for _ in range(2):                      # the second round under the watch
-        with watch if _ else contextlib.nullcontext():
+        with watched() if _ else contextlib.nullcontext():
             m.can_admit([9, 5])
             rows = m.admit([9, 5])
             m.decode(rows)
@@ -69,12 +85,12 @@ elif part == "mirror":
             row = cache.revive(hit, max_len=16)
             m.decode([row])
             m.finish([row], cache=True)
-    with watch:             # last: reading what an eviction took is a sync point (match stays closed until then)
+    with watched():         # last: reading what an eviction took is a sync point (match stays closed until then)
         cache.evict(3)
     other = tpool.PagePool(16, page_size=4, device="meta", backend="reference")
     plain = HostMirror(tpool.PageTable(other, 2, 8), free=16, cached=0)
     (r,) = plain.admit([8])
-    with watch:             # a mirror without a cache evicts itself
+    with watched():         # a mirror without a cache evicts itself
         plain.finish([r], cache=True)
         plain.evict(1)
 print("events:", *watch.events, sep="\n  ")

@@ -2,7 +2,7 @@
 
 A CPU has no ``torch.cuda.set_sync_debug_mode``, and the test guard (:mod:`tpool.testing`) sees
 the host reads that go through the dispatcher or the methods it patches. A meta tensor holds no
-data at all, so on the meta device *every* read of tensor data fails, however it is made
+data at all, so on the meta device a read of tensor data fails however it is made
 (``.tolist()``, ``.to("cpu")``, ``copy_`` into a host buffer, a method captured before a guard
 patched it, C++ paths), and tpool, which branches on ``device.type == "cpu"``, takes the branches
 a CUDA pool takes. This module makes that possible for the reference backend (its calls are torch
@@ -12,13 +12,17 @@ ops, which meta runs on shapes alone):
   address (tpool's input checks compare addresses: all meta storages report 0), and makes
   ``pin_memory()`` / ``is_pinned()`` work (a tagged copy: the mirror pins its staging buffers);
 * :class:`CopyWatch` (a dispatch mode) records host-to-device copies that would block on CUDA:
-  ``copy_`` or ``.to()`` from host memory that is not pinned or not ``non_blocking``, and
-  ``t[i] = number`` on one element (a blocking copy of a CPU scalar on CUDA).
+  ``copy_`` or ``.to()`` from host memory that is not pinned or not ``non_blocking``.
+
+What it cannot see: a tensor built from host values with ``device=`` (``torch.tensor(list,
+device=...)`` moves the data with the dispatch modes off), a read a ``try`` swallows, and ops
+that meta runs on shapes alone but CUDA runs on data (``histc``, ``isin``). The runner
+(``tests/_meta_hot_paths.py``) runs each part inside ``no_host_sync(host_data=True)`` as well,
+whose patches see the first and the last of these.
 
 It patches torch globally: run it in its own process (``tests/test_sync_guard.py`` does).
 """
 
-import numbers
 import sys
 import traceback
 
@@ -26,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 META = torch.device("meta")
-_PINNED = set()      # storage addresses of the copies pin_memory() made
+_PINNED = {}         # storage address -> the copy pin_memory() made (kept alive: no address reused)
 _BASES = {}          # a meta storage -> its fake address
 
 
@@ -55,20 +59,10 @@ def enable() -> None:
 
     def pin_memory(t, *args, **kwargs):
         copy = t.clone()
-        _PINNED.add(copy.untyped_storage().data_ptr())
+        _PINNED[copy.untyped_storage().data_ptr()] = copy
         return copy
     torch.Tensor.pin_memory = pin_memory
     torch.Tensor.is_pinned = lambda t, *args: t.untyped_storage().data_ptr() in _PINNED
-
-    setitem = torch.Tensor.__setitem__
-
-    def checked_setitem(t, index, value):
-        watch = CopyWatch.current
-        if watch is not None and t.device.type == "meta" and isinstance(value, numbers.Number) \
-                and t[index].dim() == 0:
-            watch.report("t[i] = a Python number on one element (on CUDA: a blocking copy of a CPU scalar)")
-        return setitem(t, index, value)
-    torch.Tensor.__setitem__ = checked_setitem
 
 
 def _where() -> str:
@@ -80,7 +74,6 @@ def _where() -> str:
 class CopyWatch(TorchDispatchMode):
     """Records host-to-device copies a CUDA pool would block on (see the module note)."""
 
-    current = None
     aten = torch.ops.aten
 
     def __init__(self):
@@ -89,14 +82,6 @@ class CopyWatch(TorchDispatchMode):
 
     def report(self, what: str) -> None:
         self.events.append(f"{what} at {_where()}")
-
-    def __enter__(self):
-        CopyWatch.current = self
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        CopyWatch.current = None
-        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

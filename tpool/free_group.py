@@ -104,7 +104,8 @@ class FreeGroup:
         self.pool, self.capacity = pool, capacity
         # ``buffer``: int32 [2, capacity]; row 0: plain frees, row 1: cached frees.
         # Pool-owned and kept across groups of the same capacity: no allocation per group,
-        # and a graph that captured a group keeps valid addresses. Always -1 between groups.
+        # and a graph that captured a group keeps valid addresses. -1 between groups (but after a flush
+        # that raised: nothing reads past a group's fill, so what it left there is never applied).
         with pool.state.lock:  # two threads never both make a buffer past MAX_CAPACITIES, or one twice
             if capacity not in pool._group_buffers and len(pool._group_buffers) >= MAX_CAPACITIES:
                 raise ValueError(f"capacity: expected one of this pool's {MAX_CAPACITIES} group capacities so far "
@@ -117,7 +118,6 @@ class FreeGroup:
         self._cuda = pool.device.type == "cuda"
         self._capturing = False  # set on entering
         self.flushes = 0  # how many passes were applied (host-side, for tests and stats)
-        self.unapplied = None  # (plain, cached) ids a flush that raised at exit left (see __exit__)
 
     def owned_here(self) -> bool:
         """Whether the calling thread entered this group (its frees are deferred; others' are not)."""
@@ -140,23 +140,16 @@ class FreeGroup:
         with self.pool.state.lock:  # flushed before another thread can open a group on the same buffer
             try:
                 self.flush()
-            except BaseException as e:   # (an interrupt): keep what was not applied, say so, and close
-                left = self._keep_unapplied()
+            except BaseException as e:   # (an interrupt, a capture): say so and close, with no device work
+                left, self._fill = sum(self._fill), [0, 0]   # (a later group overwrites the buffer from 0)
                 if left:
                     e.add_note(f"tpool: the free group closed with {left} buffered frees that may not have been "
-                               f"applied (the flush raised); their ids are in group.unapplied (plain, cached)")
+                               f"applied (its flush raised): their pages may stay USED; pool.check_invariants() "
+                               f"and stats() show what the pool holds")
                 raise
             finally:   # a flush that raised must not leave the pool deferring every later free
                 self.pool._group = None
         return False
-
-    def _keep_unapplied(self) -> int:
-        """Move the buffered ids a raising flush left to ``self.unapplied`` (plain, cached) and reset the
-        pool's buffer to -1 (a later group of this capacity starts clean). Returns how many."""
-        self.unapplied = tuple(self.buffer[flag, :self._fill[flag]].clone() for flag in (0, 1))
-        self.buffer.fill_(L.NULL_PAGE)
-        left, self._fill = sum(self._fill), [0, 0]
-        return left
 
     def enqueue(self, pages: torch.Tensor, cache: bool) -> None:
         """Copy ``pages`` into the buffer; called by ``pool.free`` inside the group.

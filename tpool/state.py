@@ -41,9 +41,9 @@ _NUMPY_DTYPES = {torch.int8: np.int8, torch.int32: np.int32, torch.int64: np.int
 
 
 def set_cell(t: torch.Tensor, i: int, value) -> None:
-    """``t[i] = value`` as a fill of a one-element view: on CUDA ``t[i] = 3`` copies the Python
-    number from host memory, a synchronization (``set_sync_debug_mode("error")`` raises) and an
-    error inside CUDA-graph capture; a fill takes the value as a kernel argument."""
+    """``t[i] = value`` as a fill of a one-element view: one kernel that takes the value as its
+    argument, the same inside CUDA-graph capture, whatever path torch's indexing takes for a
+    Python number (on a device it makes the number there, ``at::scalar_tensor``, then copies)."""
     t.narrow(0, i, 1).fill_(value)
 
 

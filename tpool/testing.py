@@ -134,22 +134,14 @@ class _Guard(TorchDispatchMode):
     def __init__(self, guards):
         super().__init__()
         self.guards = guards
-        self.lifted = None   # the last Python number lifted into a tensor (t[i] = x lifts, selects, copies)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         guard = _innermost(self.guards)
         what = _banned(func, args, kwargs) if guard is not None else None
-        if guard is not None and guard.host_data and func is aten.copy_.default and args[1] is self.lifted:
-            # t[i] = x: x lifted into a 0-d host tensor, then copied into one element (a slice gets a
-            # fill_, which takes a host scalar as an argument): on CUDA a blocking host-to-device copy
-            what = "a Python number copied into one element (t[i] = x; tpool.state.set_cell fills instead)"
         if what is not None:
             guard.report(f"{what} ({func})")
-        out = func(*args, **kwargs)
-        if func is aten.lift_fresh.default:
-            self.lifted = out
-        return out
+        return func(*args, **kwargs)
 
 
 def _read(name, original):
