@@ -268,6 +268,25 @@ def test_errors_counted_past_a_counter_that_wrapped_are_raised(make_pool):
     assert e.value.counts == {"double_free": 1}
 
 
+def test_a_free_when_the_free_count_says_every_page_is_free_is_counted_not_pushed_past_the_stack(make_pool):
+    """A mutation test (helper-127): the push bound of the free path (pos < P) could be off by one with no test
+    failing: a free with the free count edited to P wrote free_stack[P], one int32 past the stack."""
+    pool = make_pool(4)
+    x = pool.alloc(i32([1])).pages[:1].clone()
+    pool.state.counters[L.FREE_COUNT] = 4      # hand edit: the stack full while a page is USED
+    pool.free(x)
+    assert pool.state.counters[L.FREE_COUNT].item() == 4 and pool.stats()["errors.corrupt_state"] == 1
+
+
+def test_evict_into_an_out_longer_than_k_is_refused(make_pool):
+    """evict(1, out=<3 entries>) evicting 3 pages would drop cached prefixes the caller did not ask to drop."""
+    pool = make_pool(8)
+    pool.free(pool.alloc(i32([3])).pages[:3].clone(), cache=True)
+    with pytest.raises(ValueError, match=r"out: expected 1 entries \(k\), got 3"):
+        pool.evict(1, out=torch.empty(3, dtype=torch.int32))
+    assert pool.stats()["pages.cached.current"] == 3
+
+
 def test_stats_follow_a_sequence(make_pool, guard):
     pool = make_pool(10)
     with guard():

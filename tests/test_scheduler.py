@@ -491,6 +491,36 @@ def test_a_snapshot_of_another_mirror_is_refused(backend):
     assert new.free == pool.available()
 
 
+def test_bounds_a_fork_rollback_or_revive_may_not_pass_are_refused_before_anything_changes(backend):
+    """A mutation test (helper-127) found these checks untested: a fork past the row's sure length (a rollback
+    not reconciled may still drop those tokens: the child would attend to K/V that is not there), a
+    rollback whose min_lens pass the row's upper bound (lo > hi), a revive of part of a page, and a mirror
+    promised more free and cached pages than the pool has. Each is refused before the mirror changes."""
+    pool, table, m = _setup(backend, 32, rows=4, max_pages=8)
+    (r,) = m.admit([3 * PS])
+    m.rollback([r], table.seq_lens[r:r + 1] - PS, [PS + 2])   # bounds (PS + 2, 3 * PS) until a reconciliation
+    before = (m.free, m.reserved, m.live.tolist(), m.length_bounds(r))
+    for call, match in ((lambda: m.fork(r, 3 * PS), "n_tokens <= its sure length"),
+                        (lambda: m.rollback([r], table.seq_lens[r:r + 1].clone(), [3 * PS + 1]),
+                         r"min_lens: expected one per row within \[0, hi\]"),
+                        (lambda: m.revive(i32([0, 1]), PS + 1), "whole pages")):
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert (m.free, m.reserved, m.live.tolist(), m.length_bounds(r)) == before
+    with pytest.raises(ValueError, match="together at most"):
+        HostMirror(tpool.PageTable(pool, 2, 4), free=32, cached=1)
+
+
+def test_the_lookahead_reserves_the_page_the_next_token_needs(backend):
+    """A reservation one token short (lookahead - 1) survived every test: a prompt ending on a page boundary
+    holds no room for its next decode token unless one page is reserved for it."""
+    pool, table, m = _setup(backend, 32, rows=4, max_pages=8, lookahead=1)
+    m.admit([4 * PS - 1])
+    assert m.reserved == 0          # its 4th page has room for the next token
+    m.admit([4 * PS])
+    assert m.reserved == 1          # a full 4th page: the next token needs a 5th
+
+
 def test_a_rollback_of_no_rows_leaves_the_mirror_exact(backend):
     """It marked free inexact (a snapshot needed) although nothing changed."""
     pool, table, m = _setup(backend, num_pages=16, rows=4)
