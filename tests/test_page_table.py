@@ -884,6 +884,13 @@ def test_sizes_are_checked_when_their_shape_exists(make_table, guard):
     with guard():   # numpy ints are sizes, of the same shape as the int
         r = table.step(ids, ones, max_tokens=np.int64(1), capacity=np.int32(1))
     assert r is table.step(ids, ones, capacity=1) and table.seq_lens.tolist()[0] == 5
+    # a StepOut one lane or one CSR entry past the bounds (helper-127: +1 went unseen)
+    b = table.pool.max_batch
+    with pytest.raises(ValueError, match=f"batch: expected at most {b}"):
+        table.step_out(b + 1)
+    with pytest.raises(ValueError, match=f"capacity: expected at most {b * 4}"):
+        table.step_out(1, capacity=b * 4 + 1)
+    table.step_out(1, capacity=b * 4)   # the bound itself is taken
 
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "numba"])  # (numba read past the input)

@@ -521,6 +521,18 @@ def test_the_lookahead_reserves_the_page_the_next_token_needs(backend):
     assert m.reserved == 1          # a full 4th page: the next token needs a 5th
 
 
+def test_a_reservation_takes_at_most_the_unreserved_pages(backend):
+    """A reservation clamped one page late (helper-127's mutation run) survived every test: the mirror would
+    set aside a page the pool does not have (unreserved -1), and a later step it promised would fail."""
+    pool, table, m = _setup(backend, 6, rows=2, max_pages=8)
+    r0, _ = m.admit([PS, PS])                 # each: 1 page held, 1 reserved for its next token
+    assert m.unreserved == 2
+    assert m.reserve(r0, 5 * PS) == 3         # 4 more wanted, the 2 unreserved taken
+    assert m.unreserved == 0 and m.reserved == 4
+    res = m.decode([r0, 1 - r0])
+    assert res.ok.tolist() == [True, True]
+
+
 def test_a_rollback_of_no_rows_leaves_the_mirror_exact(backend):
     """It marked free inexact (a snapshot needed) although nothing changed."""
     pool, table, m = _setup(backend, num_pages=16, rows=4)
