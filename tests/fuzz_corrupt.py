@@ -1006,11 +1006,9 @@ def _setup(args):
     torch.set_num_threads(1)
     if args.raw_check and args.backend == "numba":
         install_raw_checks()
-    if args.backend == "triton":
+    if args.backend == "triton":   # (the parent runs its workers with TRITON_INTERPRET=1)
         import triton_guard
-        triton_guard.install()
-        if args.block is not None:
-            triton_guard.force_block(args.block)
+        triton_guard.setup(args.block)
 
 
 def worker(args) -> int:

@@ -305,15 +305,6 @@ def shrink(backends, cfg, ops):
     return ops
 
 
-def setup_triton(block) -> None:
-    """The address check under the interpreter (``tests/triton_guard.py``), and ``block`` lanes per chunk."""
-    import triton_guard
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        triton_guard.install()
-    if block is not None:
-        triton_guard.force_block(block)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -331,7 +322,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     backends = args.backends.split(",")
     if "triton" in backends:
-        setup_triton(args.block)
+        import triton_guard
+        triton_guard.setup(args.block)
     t0, done, seed = time.time(), 0, args.seed
     while done < args.ops:
         rng = random.Random(seed)

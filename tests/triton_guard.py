@@ -16,6 +16,8 @@ they are gone rather than check nothing. ``tests/test_fuzz.py`` shows it catchin
 out-of-bounds load.
 """
 
+import os
+
 import numpy as np
 
 _spans = []        # (first byte, end, argument name) of each tensor argument of the current launch
@@ -116,6 +118,16 @@ def install() -> None:
     builder.create_masked_load, builder.create_masked_store = create_masked_load, create_masked_store
     builder.create_atomic_rmw, builder.create_atomic_cas = create_atomic_rmw, create_atomic_cas
     _installed[0] = True
+
+
+def setup(block=None) -> None:
+    """What the fuzzers call before their first Triton launch: the address check when the interpreter
+    runs (``TRITON_INTERPRET=1``; compiled kernels on a GPU are left alone), and ``block`` lanes per
+    chunk if given (:func:`force_block`)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        install()
+    if block is not None:
+        force_block(block)
 
 
 def force_block(lanes: int) -> None:

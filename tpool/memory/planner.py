@@ -244,11 +244,15 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
         pages = max(pool_budget, 0) // bytes_per_page
         return static, pool_budget, pages if max_pages is None else min(pages, max_pages)
 
+    def left_after(pages):
+        """The memory left after the pool, the memory in use and the extra reserve."""
+        return total - used - reserve_bytes - pages * bytes_per_page
+
     def beside(pages):
         """What the pool takes beside its pages (from_pool's scratch page, the PagePool state), and whether
-        the memory left after the pool, the memory in use and the extra reserve holds it."""
+        :func:`left_after` its pages holds it."""
         need = bytes_per_page + pool_state_bytes(pages)
-        return need, pages == 0 or total - used - reserve_bytes - pages * bytes_per_page >= need   # (0: no pool)
+        return need, pages == 0 or left_after(pages) >= need   # (0: no pool)
 
     static, pool_budget, pages = pages_at(fraction)
     if pages < min_pages:
@@ -281,7 +285,7 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
         raise PlanError(
             f"the runtime reserve ({total - static:,} B = total - static budget) cannot hold what the pool takes "
             f"beside its {pages:,} pages: PagedKVCache.from_pool's scratch page and the PagePool state, {need:,} "
-            f"B (after the pool, {total - used - reserve_bytes - pages * bytes_per_page:,} B would be left): "
+            f"B (after the pool, {left_after(pages):,} B would be left): "
             f"{fix}", suggested)
     return PagePlan(bytes_per_page, float(fraction), total, free, pending, used, static,
                     total - static, reserve_bytes, pool_budget, pages, pages * bytes_per_page, source)
