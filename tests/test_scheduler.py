@@ -1136,6 +1136,18 @@ def test_queries_refuse_non_integers_and_a_priority_list_of_another_length(backe
             with pytest.raises(ValueError, match=rf"priority: expected one per row \(3\), got {len(prio)}"):
                 m.preemption(rows, prio, 9)
         assert m.preemption(rows, [0, 1, 2], 9) == [rows[0]]  # one per row: the lowest priority first
+        # No sequence, or priorities that do not compare: a ValueError, as for every other bad argument
+        # (a TypeError from len() or the sort before; a lone int max_len went as a list of one to admit)
+        for call, match in ((lambda: m.preemption(rows, None, 9), "priority: expected a sequence, got NoneType"),
+                            (lambda: m.preemption(rows, [0, "a", None], 9), "priority: expected values that compare"),
+                            (lambda: m.can_admit(5), "prompt_lens: expected a sequence, got int 5"),
+                            (lambda: m.can_admit([4], 5), "max_lens: expected a sequence, got int 5"),
+                            (lambda: m.shortfall(np.array(4)), "prompt_lens: expected a sequence, got ndarray"),
+                            (lambda: m.admit(4), "prompt_lens: expected a sequence, got int 4"),
+                            (lambda: m.admit([4], 8), "max_lens: expected a sequence, got int 8"),
+                            (lambda: m.step(rows, 1, [4], 8), "max_lens: expected a sequence, got int 8")):
+            with pytest.raises(ValueError, match=match):
+                call()
         for call, match in ((lambda: m.fits([0.5]), "rows: expected int row ids"),
                             (lambda: m.fits(rows, 0.5), "n: expected"),
                             (lambda: m.can_admit([2.5]), r"prompt_lens: expected ints, got float64 \[2.5\]"),

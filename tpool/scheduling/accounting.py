@@ -84,6 +84,14 @@ def _int_array(values, name: str, what: str = "ints"):
     raise ValueError(f"{name}: expected {what}, got {_shown(a)}")
 
 
+def _length(values, name: str) -> int:
+    """``len(values)``; a ``ValueError`` naming ``name`` when ``values`` is no sequence (an int, None)."""
+    try:
+        return len(values)
+    except TypeError:
+        raise ValueError(f"{name}: expected a sequence, got {type(values).__name__} {values!r:.40}") from None
+
+
 def _int_list(values, name: str) -> list:
     """``values`` as a list of Python ints, checked as :func:`_int_array` checks them; a list of ints
     is returned as it is (no numpy call: a scheduler asks with lists every step)."""
@@ -180,7 +188,14 @@ class Accounting:
     def _prompts(self, prompt_lens, max_lens):
         """``prompt_lens`` and ``max_lens`` (default the capacity) as int64 arrays, checked before a
         call changes anything: one max_len per prompt, ``0 <= prompt <= max_len <= capacity``."""
-        if not len(prompt_lens) and (max_lens is None or not len(max_lens)):
+        try:  # (both read: numpy would take a lone int for a list of one)
+            n_max = 0 if max_lens is None else len(max_lens)
+            empty = not len(prompt_lens) and not n_max
+        except TypeError:  # one is no sequence: say which
+            _length(prompt_lens, "prompt_lens")
+            _length(max_lens, "max_lens")
+            raise
+        if empty:
             return EMPTY, EMPTY  # a step with no admissions (most steps): nothing to check
         p = _plain(_int_array(prompt_lens, "prompt_lens").reshape(-1))
         lim = self._caps[:p.size] if max_lens is None and p.size <= self._caps.size else \
@@ -359,8 +374,9 @@ class Accounting:
         reservation, in order: one per free row and lane, up to the first that could never be
         admitted), and the unreserved pages left after the step's lanes (``rows``, ``n``): -1 when
         a row would pass its max_len (``refuse``: a ``ValueError`` naming it)."""
-        if max_lens is not None and len(max_lens) != len(prompt_lens):
-            raise ValueError(f"max_lens: expected one per prompt ({len(prompt_lens)}), got {len(max_lens)}")
+        k = _length(prompt_lens, "prompt_lens")
+        if max_lens is not None and _length(max_lens, "max_lens") != k:
+            raise ValueError(f"max_lens: expected one per prompt ({k}), got {len(max_lens)}")
         head = min(self.rows_free, self.max_batch)
         p = _int_list(prompt_lens[:head], "prompt_lens")  # (plain ints: the loop reads them fastest)
         lim = None if max_lens is None else _int_list(max_lens[:head], "max_lens")
@@ -460,7 +476,7 @@ class Accounting:
             The rows to release, in release order; empty when the step fits.
         """
         r, n, key = self._batch(rows, n)
-        if len(priority) != r.shape[0]:
+        if _length(priority, "priority") != r.shape[0]:
             raise ValueError(f"priority: expected one per row ({r.shape[0]}), got {len(priority)}")
         room = self.unreserved + self._evictable(count_cached)
         if key == self._full and n.ndim == 0 and n <= self.lookahead:
@@ -477,7 +493,12 @@ class Accounting:
         if deficit <= 0:
             return out
         back = np.maximum(_cdiv(self.lo[r], self.page_size) - self.shared[r], 0) + self.res[r] + extra
-        for i in sorted(range(len(r)), key=lambda i: (priority[i], -i)):
+        try:
+            order = sorted(range(len(r)), key=lambda i: (priority[i], -i))
+        except TypeError:
+            raise ValueError(f"priority: expected values that compare with each other (numbers), "
+                             f"got {list(priority)!r:.80}") from None
+        for i in order:
             out.append(int(r[i]))
             deficit -= int(back[i])
             if deficit <= 0:
