@@ -22,16 +22,25 @@ lists (restored untimed before it, then one untimed call), so the requests do
 not grow over the run and a warm sample times the steady state; within a sample
 they grow one token a call, and a calibrated sample makes at most ``WARM_INNER``
 calls, so tpool's rows and the baselines' time requests of about the same length.
-Baselines, measured in the same run, each handing out the same pages as tpool:
-``numpy-blocks``, the host truth in numpy arrays (a free stack, a block table,
-lengths) with every step vectorised: the pages popped in one slice, the slot
-mapping computed as vLLM V1's model runner does from its numpy block table, the
-CSR taken with a boolean mask over the batch's rows, no Python loop over
-requests; and ``host-blocks``, per-request Python lists of block ids with a host
-free list, the slot mapping and CSR built in Python and copied into tensors, the
-shape of vLLM's block pool + block table with its per-request loop. Their
-turnover rows release and admit the same requests. Each row's ratio is against
-``numpy-blocks`` of its kind (decode or turnover), above 1 tpool is faster.
+Baselines, measured in the same run, with the same requests and outputs (slots,
+CSR, last page lengths; tpool's step also writes positions, ``qo_indptr`` and
+``kv_lens``, which they do not): ``numpy-blocks``, the host truth in numpy arrays
+(a free stack, a block table, lengths) with every step vectorised: the pages
+popped in one slice, the slot mapping computed as vLLM V1's model runner does
+from its numpy block table, the CSR taken with a boolean mask over the batch's
+rows, no Python loop over requests (the best case of a host block table); and
+``vllm-blocks``, the KV-cache part of vLLM V1's host work per step as its
+scheduler and worker do it: a Python loop over the requests taking pages from
+vLLM's free queue (a linked list of block objects with reference counts,
+``KVCacheManager.allocate_slots`` -> ``BlockPool.get_new_blocks``), the new ids
+appended to the worker's numpy block table (``BlockTable.append_row``), then
+``numpy-blocks``' vectorised slot mapping and CSR over the persistent batch's
+rows (prefix caching off; the rest of vLLM's scheduler not counted). On CUDA
+both hand their outputs to the GPU as vLLM does: into pinned buffers kept from
+step to step, then a non-blocking copy each. Their turnover rows release and
+admit the same requests. ``vllm-blocks`` is left out of a pool-size sweep (a
+page is a Python object). Each row's ratio is against ``numpy-blocks`` of its
+kind (decode or turnover), above 1 tpool is faster.
 
 ``--cold``: in a serving loop the forward pass evicts the CPU caches between two
 scheduler steps. This mode also times the decode and turnover rows (and their
@@ -68,7 +77,9 @@ from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, calibrate, check_b
 
 import tpool  # noqa: E402
 
-EPILOG = ("Progress goes to stderr, one line per row. Rows: numpy-blocks (the ratios' baseline), host-blocks, "
+EPILOG = ("Progress goes to stderr, one line per row. Rows: numpy-blocks (a host block table in numpy, every step "
+          "vectorised: the ratios' baseline), vllm-blocks (vLLM V1's per-step KV-cache work: its free queue of "
+          "block objects, a Python loop per request, its numpy block table; not in a --pool-sizes sweep), "
           "tpool's step, bound step, extend + csr, extend only, csr only, turnover (release then step, in one "
           "call, and bound), the reference step and an np.copyto floor (CPU).")
 from tpool.graphs import capture, state_tensors  # noqa: E402
@@ -83,46 +94,177 @@ WARM_INNER = 64
 HEADROOM = 4096       # tokens a request may grow by during a sample, beyond its longest prompt
 
 
-class HostBlocks:
-    """Host truth: a free list and per-request block lists; outputs rebuilt each step."""
+class KVBlock:
+    """One page as vLLM V1's ``KVCacheBlock`` holds it (``vllm/v1/core/kv_cache_utils.py``): its id, its
+    reference count and its links in the free queue (prefix caching's block hash is left out: it is off)."""
 
-    def __init__(self, num_pages, B, device):
-        self.free_ids = list(range(num_pages - 1, -1, -1))
-        self.blocks, self.lens = [[] for _ in range(B)], [0] * B
-        self.device = device
+    __slots__ = ("block_id", "ref_cnt", "prev_free_block", "next_free_block")
 
-    def extend(self, r, n):
-        L = self.lens[r]
-        need = -(-(L + n) // PAGE_SIZE) - -(-L // PAGE_SIZE)
-        for _ in range(need):
-            self.blocks[r].append(self.free_ids.pop())
-        self.lens[r] = L + n
-        return [self.blocks[r][(L + t) // PAGE_SIZE] * PAGE_SIZE + (L + t) % PAGE_SIZE for t in range(n)]
+    def __init__(self, block_id):
+        self.block_id, self.ref_cnt, self.prev_free_block, self.next_free_block = block_id, 0, None, None
 
-    def release(self, r):
-        self.free_ids.extend(self.blocks[r])
-        self.blocks[r], self.lens[r] = [], 0
 
-    def decode(self, batch):
-        return self.step(batch, [1] * len(batch))
+class FreeBlockQueue:
+    """vLLM V1's ``FreeKVCacheBlockQueue``: the free pages as a doubly linked list of ``KVBlock``s between
+    two sentinels, in id order at first; pages are taken from the head (``popleft_n``) and freed ones
+    go to the tail (``append_n``), so the page freed longest ago is handed out first."""
+
+    def __init__(self, blocks):
+        self.head, self.tail = KVBlock(-1), KVBlock(-1)
+        self.relink(blocks)
+
+    def relink(self, blocks):
+        """Make ``blocks`` (a list, in queue order) the whole queue."""
+        prev = self.head
+        for b in blocks:
+            prev.next_free_block, b.prev_free_block = b, prev
+            prev = b
+        prev.next_free_block, self.tail.prev_free_block = self.tail, prev
+        self.num_free_blocks = len(blocks)
+
+    def popleft_n(self, n):
+        """The first ``n`` free pages, unlinked."""
+        self.num_free_blocks -= n
+        out, cur = [], self.head.next_free_block
+        for _ in range(n):
+            out.append(cur)
+            nxt = cur.next_free_block
+            cur.prev_free_block = cur.next_free_block = None
+            cur = nxt
+        self.head.next_free_block, cur.prev_free_block = cur, self.head
+        return out
+
+    def append_n(self, blocks):
+        """Link ``blocks`` at the tail, in order."""
+        last = self.tail.prev_free_block
+        for b in blocks:
+            last.next_free_block, b.prev_free_block = b, last
+            last = b
+        last.next_free_block, self.tail.prev_free_block = self.tail, last
+        self.num_free_blocks += len(blocks)
+
+    def order(self):
+        """The free pages, head to tail (a walk of the whole queue)."""
+        out, cur = [], self.head.next_free_block
+        while cur is not self.tail:
+            out.append(cur)
+            cur = cur.next_free_block
+        return out
+
+
+class VllmBlocks:
+    """The KV-cache part of vLLM V1's host work per step, as its scheduler and its GPU worker do it.
+
+    Scheduler (``KVCacheManager.allocate_slots`` for each scheduled request, a Python loop): the pages
+    its tokens need beyond the ones it holds come from ``BlockPool.get_new_blocks`` (``popleft_n`` on
+    the free queue, each page's ``ref_cnt`` raised), are appended to the request's block list, and
+    their ids go to the worker. Worker (``_update_states``): a new request takes a row of the
+    persistent batch (the smallest freed one first, as the model runner fills the rows finished
+    requests left), and each request's new ids are appended to its row of the numpy block table
+    (``BlockTable.append_row``). Then ``_prepare_inputs``, vectorised in numpy as vLLM's model runner
+    has it: positions from the rows' computed tokens, the slot mapping read from the block table, and
+    the FlashInfer CSR taken with a mask over the batch's rows of the table (``block_table[:num_reqs]``,
+    a view: the batch is the persistent batch's first rows, in order). A finished request's pages are
+    freed as ``KVCacheManager.free`` does (its list reversed, each ``ref_cnt`` lowered, the pages at 0
+    appended to the tail of the queue) and its row of the batch is freed.
+
+    Left out: prefix caching (off: no block hashes), the scheduler's token budget and outputs, and
+    vLLM's null block (page 0 is handed out here, so the pages match ``NumpyBlocks``' at first). A page
+    freed goes to the tail, so after a release this hands out other pages than ``NumpyBlocks`` (a
+    stack) would; ``tests/test_benchmarks_run.py`` checks both models' outputs.
+    """
+
+    def __init__(self, num_pages, R, MP, device):
+        self.blocks = [KVBlock(i) for i in range(num_pages)]
+        self.queue = FreeBlockQueue(self.blocks)
+        self.req_blocks, self.num_tokens = [[] for _ in range(R)], [0] * R  # the scheduler's, per request
+        self.index, self.freed_rows, self.num_reqs = [-1] * R, [], 0          # request -> row of the batch
+        self.table = np.full((R, MP), -1, dtype=np.int32)                    # the worker's, per batch row
+        self.num_blocks, self.computed = np.zeros(R, dtype=np.int64), np.zeros(R, dtype=np.int64)
+        self.scheduled = np.zeros(R, dtype=np.int64)
+        self.cols, self.arange = np.arange(MP), np.arange(R * MP * PAGE_SIZE)
+        self.to_device = DeviceOutputs(device)
 
     def step(self, batch, ntoks):
-        slots = []
-        for r, n in zip(batch, ntoks):
-            slots += self.extend(r, n)
-        indptr, indices, last = [0], [], []
-        for r in batch:
-            indices += self.blocks[r]
-            indptr.append(len(indices))
-            last.append(self.lens[r] - (len(self.blocks[r]) - 1) * PAGE_SIZE)
-        return tuple(to_device(v, self.device) for v in (slots, indptr, indices, last))
+        """One step: ``ntoks[i]`` tokens for request ``batch[i]`` (lists of ints, the scheduler's). The batch
+        must be the persistent batch's rows in order (every running request, as in the benchmark)."""
+        ps, queue, index, new = PAGE_SIZE, self.queue, self.index, []
+        for r, n in zip(batch, ntoks):                       # the scheduler: allocate_slots per request
+            blocks = self.req_blocks[r]
+            k = -(-(self.num_tokens[r] + n) // ps) - len(blocks)
+            if k > 0:
+                if k > queue.num_free_blocks:
+                    raise RuntimeError(f"vllm-blocks: request {r} needs {k} pages, {queue.num_free_blocks} free")
+                got = queue.popleft_n(k)
+                for b in got:                                # BlockPool.get_new_blocks
+                    b.ref_cnt += 1
+                blocks.extend(got)
+                new.append((r, [b.block_id for b in got]))
+            self.num_tokens[r] += n
+            i = index[r] if index[r] >= 0 else self._add(r)
+            self.scheduled[i] = n                            # the worker's tokens per row, by row
+        for r, ids in new:                                   # the worker: BlockTable.append_row
+            i = index[r]
+            start = self.num_blocks[i]
+            self.num_blocks[i] = start + len(ids)
+            self.table[i, start:start + len(ids)] = ids
+        B = len(batch)
+        assert index[batch[0]] == 0 and index[batch[-1]] == B - 1 == self.num_reqs - 1, "not the persistent batch"
+        nt = self.scheduled[:B]                              # _prepare_inputs, in numpy
+        cu = np.cumsum(nt)
+        req = np.repeat(self.arange[:B], nt)
+        pos = self.computed[req] + self.arange[:cu[-1]] - np.repeat(cu - nt, nt)
+        slots = self.table.ravel()[req * self.table.shape[1] + pos // ps] * ps + pos % ps
+        self.computed[:B] += nt
+        seq, pages = self.computed[:B], self.num_blocks[:B]
+        indptr = np.zeros(B + 1, dtype=np.int32)
+        np.cumsum(pages, out=indptr[1:])
+        indices = self.table[:B][self.cols < pages[:, None]]
+        last = seq - (pages - 1) * ps
+        return self.to_device(slots, indptr, indices, last)
+
+    def _add(self, r):
+        """The worker's add_request: request ``r`` takes the smallest freed row, else the next one."""
+        if self.freed_rows:
+            self.freed_rows.sort(reverse=True)
+            i = self.freed_rows.pop()
+        else:
+            i = self.num_reqs
+        self.num_reqs += 1
+        self.index[r] = i
+        return i
+
+    def release(self, r):
+        """``KVCacheManager.free`` (tail pages first to the queue) and the worker's remove_request."""
+        gone = []
+        for b in reversed(self.req_blocks[r]):
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                gone.append(b)
+        self.queue.append_n(gone)
+        self.req_blocks[r], self.num_tokens[r] = [], 0
+        i, self.index[r] = self.index[r], -1
+        self.num_blocks[i] = self.computed[i] = 0
+        self.table[i] = -1
+        self.freed_rows.append(i)
+        self.num_reqs -= 1
 
     def snapshot(self):
-        """A reset for the benchmark: puts the lists back as they are now."""
-        saved = (list(self.free_ids), [list(b) for b in self.blocks], list(self.lens))
+        """A reset for the benchmark: puts the model back as it is now (the queue relinked, O(pages))."""
+        order, live = self.queue.order(), [b for blocks in self.req_blocks for b in blocks]
+        saved = ([list(b) for b in self.req_blocks], list(self.num_tokens), list(self.index), list(self.freed_rows),
+                 self.num_reqs, self.table.copy(), self.num_blocks.copy(), self.computed.copy())
 
         def reset():
-            self.free_ids, self.blocks, self.lens = saved[0][:], [b[:] for b in saved[1]], saved[2][:]
+            for b in (b for blocks in self.req_blocks for b in blocks):
+                b.ref_cnt = 0
+            for b in live:  # (taken again: unlinked, one reference)
+                b.ref_cnt, b.prev_free_block, b.next_free_block = 1, None, None
+            self.queue.relink(order)
+            self.req_blocks, self.num_tokens = [list(b) for b in saved[0]], list(saved[1])
+            self.index, self.freed_rows, self.num_reqs = list(saved[2]), list(saved[3]), saved[4]
+            for a, b in zip((self.table, self.num_blocks, self.computed), saved[5:]):
+                np.copyto(a, b)
         return reset
 
 
@@ -135,8 +277,11 @@ class NumpyBlocks:
     block table (positions, then ``block_table[row, pos // page_size]``), and takes the CSR
     with a boolean mask over the batch's rows (what vLLM's FlashInfer metadata does on
     the device). No Python loop over requests, where vLLM's scheduler still has one
-    (``allocate_slots`` per request). It hands out the same pages as ``HostBlocks``
-    (``tests/test_benchmarks_run.py`` checks).
+    (``allocate_slots`` per request; ``VllmBlocks`` models it). A decode step of rows 0..B-1 in order
+    (``persistent=True``, vLLM's persistent batch) reads the CSR from a view of the table's first rows;
+    any other batch gathers its rows first. It hands out the same pages as ``VllmBlocks`` until a
+    release (this frees onto a stack, vLLM to the tail of its queue; ``tests/test_benchmarks_run.py``
+    checks both).
     """
 
     def __init__(self, num_pages, R, MP, device):
@@ -144,10 +289,11 @@ class NumpyBlocks:
         self.table = np.full((R, MP), -1, dtype=np.int32)
         self.pages, self.lens = np.zeros(R, dtype=np.int64), np.zeros(R, dtype=np.int64)
         self.cols = np.arange(MP)
-        self.device = device
+        self.to_device = DeviceOutputs(device)
 
-    def step(self, batch, ntoks):
-        """One step of the lanes ``batch`` (row ids) growing by ``ntoks`` tokens (int64 arrays)."""
+    def step(self, batch, ntoks, persistent=False):
+        """One step of the lanes ``batch`` (row ids) growing by ``ntoks`` tokens (int64 arrays);
+        ``persistent``: ``batch`` is rows 0..B-1 in order."""
         old, new = self.lens[batch], self.lens[batch] + ntoks
         have, want = self.pages[batch], -(-new // PAGE_SIZE)
         need = want - have
@@ -162,9 +308,9 @@ class NumpyBlocks:
         slots = self.table[batch[tok_lane], pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
         indptr = np.zeros(len(batch) + 1, dtype=np.int32)
         np.cumsum(want, out=indptr[1:])
-        indices = self.table[batch][self.cols < want[:, None]]
+        indices = (self.table[:len(batch)] if persistent else self.table[batch])[self.cols < want[:, None]]
         last = new - (want - 1) * PAGE_SIZE
-        return tuple(to_device(v, self.device) for v in (slots, indptr, indices, last))
+        return self.to_device(slots, indptr, indices, last)
 
     def release(self, r):
         k = int(self.pages[r])
@@ -185,21 +331,41 @@ class NumpyBlocks:
 
 
 def release_then_step(blocks, gone, batch, ntok):
-    """A baseline's turnover step (``HostBlocks`` or ``NumpyBlocks``): release the finished requests,
+    """A baseline's turnover step (``VllmBlocks`` or ``NumpyBlocks``): release the finished requests,
     then step the batch; returns the step's outputs."""
     for r in gone:
         blocks.release(r)
     return blocks.step(batch, ntok)
 
 
-def to_device(values, device):
-    """Host values (a list or a numpy array) as an int32 tensor on ``device``. On CUDA through pinned
-    memory and a non-blocking copy, as vLLM's block table commits its rows: a plain ``torch.tensor(...,
-    device="cuda")`` copies from pageable memory and waits for the stream, which would charge the
-    baseline a sync per output."""
-    t = torch.from_numpy(np.asarray(values, dtype=np.int32)) if isinstance(values, np.ndarray) else \
-        torch.tensor(values, dtype=torch.int32)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+class DeviceOutputs:
+    """A baseline's outputs (host arrays) as int32 tensors on ``device``, as vLLM hands its inputs to the GPU.
+
+    On CUDA each output is written into a pinned buffer kept from step to step, then copied by one
+    non-blocking copy into a device buffer kept too (vLLM's ``CpuGpuBuffer.copy_to_gpu``); a buffer
+    grows when an output outgrows it. The benchmark does not wait for the copies, so a step may write
+    a pinned buffer a copy of the step before still reads: only the time is read, not the values. On a
+    CPU the arrays are handed over as they are (``torch.from_numpy``; int64 ones converted to int32).
+    """
+
+    def __init__(self, device):
+        self.device, self.pinned, self.host, self.dev = device, [], [], []
+
+    def __call__(self, *values):
+        if self.device.type != "cuda":
+            return tuple(torch.from_numpy(np.asarray(v, dtype=np.int32)) for v in values)
+        out = []
+        for i, v in enumerate(values):
+            n = len(v)
+            if i == len(self.pinned) or self.host[i].size < n:
+                pinned = torch.empty(2 * max(n, 1), dtype=torch.int32).pin_memory()
+                bufs = (pinned, pinned.numpy(), torch.empty_like(pinned, device=self.device))
+                for kept, buf in zip((self.pinned, self.host, self.dev), bufs):
+                    kept[i:i + 1] = [buf]
+            self.host[i][:n] = v
+            self.dev[i][:n].copy_(self.pinned[i][:n], non_blocking=True)
+            out.append(self.dev[i][:n])
+        return tuple(out)
 
 
 def sizes(B, num_pages=None):
@@ -212,13 +378,29 @@ def setup(B, backend, device, rng, num_pages=None):
     R, MP, num_pages = sizes(B, num_pages)
     pool = tpool.PagePool(num_pages, PAGE_SIZE, device=device, backend=backend)
     table = tpool.PageTable(pool, R, MP)
-    prompts = [rng.randint(*PROMPTS) for _ in range(R)]
-    host = HostBlocks(num_pages, R, device)
+    prompts = draw_prompts(rng, R)
     for r in range(B):
         table.extend(torch.tensor([r], dtype=torch.int32, device=device),
                      torch.tensor([prompts[r]], dtype=torch.int32, device=device), max_tokens=prompts[r])
-        host.extend(r, prompts[r])
-    return pool, table, host, prompts
+    return pool, table, prompts
+
+
+def draw_prompts(rng, R):
+    """One prompt length per row of ``R``, drawn from ``rng`` (rows 0..B-1 hold theirs from the start)."""
+    return [rng.randint(*PROMPTS) for _ in range(R)]
+
+
+def baseline(cls, B, device, num_pages=None):
+    """A baseline (``NumpyBlocks`` or ``VllmBlocks``) holding :func:`setup`'s prompts in rows 0..B-1, admitted in
+    one step (the pages in row order, as setup() gives the table's)."""
+    R, MP, pages = sizes(B, num_pages)
+    blocks = cls(pages, R, MP, device)
+    prompts = draw_prompts(random.Random(B), R)[:B]  # setup()'s, as workloads() draws them
+    if cls is NumpyBlocks:
+        blocks.step(np.arange(B), np.array(prompts))
+    else:
+        blocks.step(list(range(B)), prompts)
+    return blocks
 
 
 def pages_needed(B):
@@ -263,7 +445,7 @@ class Turnover:
 BACKEND_ROWS = ("step", "bound step", "bound step, two StepOuts taking turns", "bound step, table-made inputs",
                 "step, graph replay", "extend + csr", "extend only", "csr only", "turnover", "turnover, one call",
                 "turnover, bound")
-OTHER_ROWS = ("numpy-blocks", "numpy-blocks turnover", "host-blocks", "host-blocks turnover", "tpool-reference step",
+OTHER_ROWS = ("numpy-blocks", "numpy-blocks turnover", "vllm-blocks", "vllm-blocks turnover", "tpool-reference step",
               "floor: np.copyto of the CSR's page ids")
 
 
@@ -276,29 +458,23 @@ def workloads(B, backends, device, *, num_pages=None, extras=True):
     """name -> (fn, owner, kind): owner is restored before each sample; kind is decode, turnover or other.
     Its names are among :func:`row_names`."""
     impls = {}
-    _, _, host, prompts = setup(B, backends[0], device, random.Random(B), num_pages)
-    R, MP, pages = sizes(B, num_pages)
+    prompts = draw_prompts(random.Random(B), sizes(B)[0])
     lanes, ones = np.arange(B), np.ones(B, dtype=np.int64)
-
-    def numpy_blocks():
-        blocks = NumpyBlocks(pages, R, MP, device)
-        for r in range(B):  # the prompts setup() gave the table and HostBlocks, in the same order
-            blocks.step(np.array([r]), np.array([prompts[r]]))
-        return blocks
-    nb = numpy_blocks()
-    impls["numpy-blocks"] = (functools.partial(nb.step, lanes, ones), nb, "decode")
-    nb2 = numpy_blocks()
+    nb = baseline(NumpyBlocks, B, device, num_pages)
+    impls["numpy-blocks"] = (functools.partial(nb.step, lanes, ones, persistent=True), nb, "decode")
+    nb2 = baseline(NumpyBlocks, B, device, num_pages)
     np_phases = [(gone, np.array(batch), np.array(ntok)) for gone, batch, ntok in
                  turnover_phases(B, random.Random(B + 1))]
     impls["numpy-blocks turnover"] = (Turnover(functools.partial(release_then_step, nb2), np_phases), nb2,
                                       "turnover")
-    hb = list(range(B))
-    impls["host-blocks"] = (functools.partial(host.decode, hb), host, "decode")
-    _, _, host2, _ = setup(B, backends[0], device, random.Random(B), num_pages)
-    impls["host-blocks turnover"] = (Turnover(functools.partial(release_then_step, host2),
-                                              turnover_phases(B, random.Random(B + 1))), host2, "turnover")
+    if num_pages is None:  # (a page is a Python object here: not in a pool-size sweep, up to 16M pages)
+        vb = baseline(VllmBlocks, B, device, num_pages)
+        impls["vllm-blocks"] = (functools.partial(vb.step, list(range(B)), [1] * B), vb, "decode")
+        vb2 = baseline(VllmBlocks, B, device, num_pages)
+        impls["vllm-blocks turnover"] = (Turnover(functools.partial(release_then_step, vb2),
+                                                  turnover_phases(B, random.Random(B + 1))), vb2, "turnover")
     for be in backends:
-        _, table, _, _ = setup(B, be, device, random.Random(B), num_pages)
+        _, table, _ = setup(B, be, device, random.Random(B), num_pages)
         ids = torch.arange(B, dtype=torch.int32, device=device)
         ones = torch.ones(B, dtype=torch.int32, device=device)
         # functools.partial rather than a lambda: the harness adds a C call, not a Python frame.
@@ -348,7 +524,7 @@ def workloads(B, backends, device, *, num_pages=None, extras=True):
                 run()
             impls[f"tpool-{be} turnover, bound"] = (Turnover(turn_bound, bound_phases), table, "turnover")
     if extras and device.type == "cpu" and "reference" not in backends:  # the oracle's step, for scale
-        _, ref_table, _, _ = setup(B, "reference", device, random.Random(B), num_pages)
+        _, ref_table, _ = setup(B, "reference", device, random.Random(B), num_pages)
         ids = torch.arange(B, dtype=torch.int32, device=device)
         ones = torch.ones(B, dtype=torch.int32, device=device)
         impls["tpool-reference step"] = (functools.partial(ref_table.step, ids, ones), ref_table, "decode")
@@ -361,13 +537,13 @@ def workloads(B, backends, device, *, num_pages=None, extras=True):
 
 
 def make_reset(fn, owner):
-    """An untimed reset putting ``owner`` (a table, HostBlocks or NumpyBlocks) back as it is now, or None.
+    """An untimed reset putting ``owner`` (a table, VllmBlocks or NumpyBlocks) back as it is now, or None.
 
     For a table, each reset first checks the samples since the last one: ``pool.check()`` (no error
     counted) and no lane refused (``requests.failed`` unchanged); it raises otherwise.
     """
     restart = getattr(fn, "restart", None)
-    if isinstance(owner, (HostBlocks, NumpyBlocks)):  # the baselines grow too: they restart the same way
+    if isinstance(owner, (VllmBlocks, NumpyBlocks)):  # the baselines grow too: they restart the same way
         restore = owner.snapshot()
     elif owner is not None:  # steps grow the table: each sample starts from the same state
         tensors = state_tensors(owner)
@@ -514,9 +690,10 @@ def main(argv=None):
                 note="Ratios: numpy-blocks' median over the row's, of the same kind (decode or turnover; above 1: "
                      "faster); extend-only, csr-only and floor rows have none. numpy-blocks: the host truth in numpy, "
                      "every step vectorised (the pages popped in one slice, the slot mapping as vLLM V1's model "
-                     "runner computes it, the CSR by a boolean mask), no Python loop per request. host-blocks: "
-                     "Python lists per request, the CSR rebuilt in Python (vLLM's block pool and block table with "
-                     "their per-request loop).")
+                     "runner computes it, the CSR by a boolean mask), no Python loop per request. vllm-blocks: "
+                     "vLLM V1's KV-cache work per step (allocate_slots per request on its free queue of block "
+                     "objects, BlockTable.append_row, then the same vectorised slot mapping and CSR; prefix caching "
+                     "off).")
     write_json(args.json, "bench_page_table", rows)
     if args.plot:
         sweep = args.pool_sizes is not None

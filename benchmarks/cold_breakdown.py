@@ -140,7 +140,7 @@ def bound_run(bound):
 def rows_for(B):
     """name -> (fn, reset, settle, after_flush) for one batch size (module note), and what they need kept alive."""
     dev = torch.device("cpu")
-    _, table, _, _ = setup(B, "numba", dev, random.Random(B))
+    _, table, _ = setup(B, "numba", dev, random.Random(B))
     ids = torch.arange(B, dtype=torch.int32)
     ones = torch.ones(B, dtype=torch.int32)
     bound = table.bind_step(ids, ones)
@@ -167,7 +167,7 @@ def rows_for(B):
         indices.copy_(saved_indices)
 
     # Another table of the same shape: its kernel alone, run after the flush, warms the call path's code only.
-    _, other, _, _ = setup(B, "numba", dev, random.Random(B + 1))
+    _, other, _ = setup(B, "numba", dev, random.Random(B + 1))
     other_run = bound_run(other.bind_step(ids, ones))
     other_reset = make_reset(other_run, other)
     out = {

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
         return 2
     rows = []
     for B in a.batch:
-        pool, table, _, _ = setup(B, "triton", "cuda", random.Random(0))
+        pool, table, _ = setup(B, "triton", "cuda", random.Random(0))
         ids = torch.arange(B, dtype=torch.int32, device="cuda")
         ones = torch.ones(B, dtype=torch.int32, device="cuda")
         parts = {"step": lambda: table.step(ids, ones), "extend": lambda: table.extend(ids, ones),

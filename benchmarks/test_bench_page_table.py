@@ -9,7 +9,7 @@ do not grow and a warm round times the steady state.
 Cold rounds are one call each, after one untimed call and 64 MiB written into a
 numpy buffer (the table is restored once before them, not before each: see
 ``_common.sample_cold_us``): the CPU caches are cold, as after a forward pass. Baselines
-(``numpy-blocks`` and ``host-blocks``, each with its turnover) are separate benchmarks
+(``numpy-blocks`` and ``vllm-blocks``, each with its turnover) are separate benchmarks
 in the same groups. ``python benchmarks/bench_page_table.py [--cold]`` prints the same
 workloads as one table with ratios.
 """
@@ -22,10 +22,10 @@ import torch
 
 DEVICE = default_device()
 BACKEND = "triton" if DEVICE == "cuda" else "numba"
-DECODE = ["numpy-blocks", "host-blocks", f"tpool-{BACKEND} step", f"tpool-{BACKEND} bound step",
+DECODE = ["numpy-blocks", "vllm-blocks", f"tpool-{BACKEND} step", f"tpool-{BACKEND} bound step",
           f"tpool-{BACKEND} bound step, two StepOuts taking turns"] + (
     [f"tpool-{BACKEND} bound step, table-made inputs"] if DEVICE == "cpu" else [])
-TURNOVER = ["numpy-blocks turnover", "host-blocks turnover", f"tpool-{BACKEND} turnover",
+TURNOVER = ["numpy-blocks turnover", "vllm-blocks turnover", f"tpool-{BACKEND} turnover",
             f"tpool-{BACKEND} turnover, one call"] + ([f"tpool-{BACKEND} turnover, bound"] if DEVICE == "cpu" else [])
 # the pool-size group: the plain calls, and on a CPU the bound ones the targets are for
 SIZED = [f"tpool-{BACKEND} step", f"tpool-{BACKEND} turnover"] + (

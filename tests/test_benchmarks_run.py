@@ -153,35 +153,61 @@ def test_page_table_cold_mode_reports_warm_and_cold(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "cold median" in text and "cold vs numpy-blocks" in text and "1 MiB written" in text
     rows = {(r["batch"], r["impl"]): r for r in json.loads(out.read_text())["rows"]}
-    for impl in ("numpy-blocks", "numpy-blocks turnover", "host-blocks", "host-blocks turnover", "tpool-numba step",
+    for impl in ("numpy-blocks", "numpy-blocks turnover", "vllm-blocks", "vllm-blocks turnover", "tpool-numba step",
                  "tpool-numba turnover"):
         assert rows[(1, impl)]["cold_median_us"] > 0
     assert "cold_median_us" not in rows[(1, "tpool-numba extend only")]
     assert rows[(1, "tpool-numba turnover")]["kind"] == "turnover" and "cold_vs_numpy_blocks" in rows[
         (1, "tpool-numba turnover")]
-    assert rows[(1, "host-blocks")]["vs_numpy_blocks"] > 0  # every baseline row is against numpy-blocks too
+    assert rows[(1, "vllm-blocks")]["vs_numpy_blocks"] > 0  # every baseline row is against numpy-blocks too
 
 
-def test_the_two_host_baselines_hand_out_the_same_pages():
-    """numpy-blocks (vectorised) and host-blocks (Python lists) from the same prompts: every step's slots and
-    CSR equal, through decode steps and turnover phases (releases, admissions with prompts)."""
+def test_the_two_host_baselines_step_as_the_table_does():
+    """numpy-blocks (vectorised, a free stack) and vllm-blocks (vLLM's free queue of block objects, a loop per
+    request) from the table's prompts, through decode steps and turnover phases (releases, admissions with
+    prompts): every step's outputs are the table's own, but for which pages: the CSR's lengths, the last
+    page lengths, each slot's offset and its page (the CSR's page at that token) as the table has them;
+    the same page ids as the table until the first release (all three hand out pages in id order), then
+    as each allocator's order has them: numpy-blocks' stack and the table's reuse the last page freed,
+    vLLM's queue hands out the page freed longest ago. No page is in two runs, or in a run and free."""
     import random
 
     import numpy as np
     import torch
     bpt = load("bench_page_table")
-    B, cpu = 5, torch.device("cpu")
-    R, MP, pages = bpt.sizes(B)
-    _, _, host, prompts = bpt.setup(B, "numba", cpu, random.Random(B))
-    blocks = bpt.NumpyBlocks(pages, R, MP, cpu)
-    for r in range(B):
-        blocks.step(np.array([r]), np.array([prompts[r]]))
+    B, cpu, ps = 5, torch.device("cpu"), bpt.PAGE_SIZE
+    _, table, _ = bpt.setup(B, "numba", cpu, random.Random(B))
+    nb, vb = bpt.baseline(bpt.NumpyBlocks, B, cpu), bpt.baseline(bpt.VllmBlocks, B, cpu)
+    t32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     steps = [([], list(range(B)), [1] * B)] * 20 + bpt.turnover_phases(B, random.Random(3)) * 2
+    released = False
     for gone, batch, ntok in steps:
-        want = bpt.release_then_step(host, gone, batch, ntok)
-        got = bpt.release_then_step(blocks, gone, np.array(batch), np.array(ntok))
-        assert all(torch.equal(w, g) for w, g in zip(want, got)), (gone, batch, ntok)
-    assert blocks.top == len(host.free_ids) and sorted(blocks.free[:blocks.top]) == sorted(host.free_ids)
+        if gone:
+            table.release(t32(gone))
+        s = table.step(t32(batch), t32(ntok), max_tokens=sum(ntok))
+        want = (s.slots[:sum(ntok)], s.csr.indptr, s.csr.indices[:int(s.csr.indptr[-1])], s.csr.last_page_len)
+        got_nb = bpt.release_then_step(nb, gone, np.array(batch), np.array(ntok))
+        got_vb = bpt.release_then_step(vb, gone, batch, ntok)
+        released |= bool(gone)
+        for got, same_pages in ((got_nb, True), (got_vb, not released)):
+            slots, indptr, indices, last = got
+            assert torch.equal(indptr, want[1]) and torch.equal(last, want[3]), (gone, batch, ntok)
+            assert torch.equal(slots % ps, want[0] % ps)  # each token at its offset
+            # each token on the page its request's run holds at that token's position
+            lane = torch.repeat_interleave(torch.arange(B), t32(ntok))
+            pos = torch.cat([torch.arange(int(L) - n, int(L)) for L, n in zip(s.kv_lens, ntok)])
+            assert torch.equal(slots // ps, indices[indptr[lane] + pos // ps]), (gone, batch, ntok)
+            assert len(set(indices.tolist())) == len(indices)
+            if same_pages:
+                assert torch.equal(indices, want[2]) and torch.equal(slots, want[0])
+        assert not set(got_vb[2].tolist()) & {b.block_id for b in vb.queue.order()}
+        assert vb.queue.num_free_blocks == len(vb.queue.order()) == pages_free(nb)
+    assert released
+
+
+def pages_free(nb):
+    """The free pages of a ``NumpyBlocks``."""
+    return nb.top
 
 
 def test_pool_size_sweeps_and_plots(tmp_path, capsys):
