@@ -25,6 +25,20 @@ def _setup(backend, num_pages=16, rows=4, max_pages=8, capacity=None):
     return pool, m, PrefixCache(m, capacity)
 
 
+def test_shared_prefix_counts_the_pages_an_insert_names(backend):
+    """A row whose pages the cache names (inserted, not shared by anyone yet) may not be cut below them:
+    shared_prefix says so, as the refusal does; without the insert it is 0."""
+    pool, m, cache = _setup(backend)
+    (row,) = m.admit([10])
+    assert m.shared_prefix(row) == 0
+    cache.insert(row, list(range(10)))                   # names the two whole pages
+    assert m.shared_prefix(row) == 2 * PS
+    with pytest.raises(ValueError, match="would drop pages"):
+        m.truncate([row], [2 * PS - 1])
+    m.truncate([row], [2 * PS])                          # at the named pages' end: runs
+    pool.check()
+
+
 def _serve(m, cache, tokens):
     """A request of ``tokens`` admitted (prefilled), then left: its pages named by the cache and CACHED."""
     (row,) = m.admit([len(tokens)])

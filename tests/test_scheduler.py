@@ -617,6 +617,20 @@ def test_calls_wider_than_max_batch_raise_before_the_mirror_changes(backend):
     assert m.free == pool.available()
 
 
+def test_admit_keeps_the_prompts_slots(backend):
+    """admit's extend result is kept: the prompts' tokens' slots, prompt after prompt (then -1 padding),
+    read from the rows as the table has them; the next admit replaces it."""
+    pool, table, m = _setup(backend, num_pages=16, rows=4)
+    assert m.last_admit is None
+    rows = m.admit([3, 6])
+    want = [int(table.block_table[r, t // PS]) * PS + t % PS for r, n in zip(rows, (3, 6)) for t in range(n)]
+    slots = m.last_admit.slots
+    assert slots[:9].tolist() == want and (slots[9:] == -1).all() and m.last_admit.ok[:2].all()
+    (c,) = m.admit([2])
+    assert m.last_admit.slots[:2].tolist() == [int(table.block_table[c, 0]) * PS + t for t in range(2)]
+    pool.check()
+
+
 def test_can_admit_counts_the_lanes_one_table_call_takes(backend):
     """A step takes at most max_batch lanes: the decode rows given, then the prompts."""
     pool = tpool.PagePool(64, PS, device="cpu", backend=backend, max_batch=4)
@@ -742,9 +756,14 @@ def test_token_budgets_stay_within_what_one_table_call_appends(backend):
 def test_mirror_refuses_to_end_a_row_inside_a_page_it_may_share(backend):
     pool, table, m = _setup(backend, num_pages=16, rows=3)
     (a,) = m.admit([8])                                   # two whole pages
+    assert m.shared_prefix(a) == 0
     b = m.fork(a, 8)                                      # shares both
+    assert m.shared_prefix(a) == m.shared_prefix(b) == 8  # both pages, in the source and the fork
+    with pytest.raises(ValueError, match="row: expected a running row"):
+        m.shared_prefix(2)
     clock = pool.stats()["clock"]
     with no_host_sync():
+        assert m.shared_prefix(b) == 8
         with pytest.raises(ValueError, match="may share"):
             m.truncate([b], [6])
         with pytest.raises(ValueError, match="may share"):
@@ -775,6 +794,7 @@ def test_with_a_prefix_cache_no_row_is_cut_below_the_pages_it_may_share(backend)
         else:
             c = m.revive(table.block_table[a, :2].clone(), 8, max_len=20)
         m.decode([b, c], 2)                               # 10 tokens each, pages 0-1 shared
+        assert m.shared_prefix(b) == m.shared_prefix(c) == 8
         if not with_cache:
             m.truncate([b, c], [4, 0])
             pool.check()

@@ -95,6 +95,7 @@ class HostMirror(MixedSteps, Accounting):
             raise ValueError(f"free, cached: pass both or neither, got free={free!r}, cached={cached!r}")
         self.table, self.pool, self.device = table, table.pool, table.device
         self.last_fork = None  # the ForkResult of the last fork (its copy-on-write pair)
+        self.last_admit = None  # the ExtendResult of the last admit (the prompts' slots)
         self.prefix_cache = None  # the PrefixCache on this mirror (set by it): its pages must not go FREE
         if free is None:  # the one sync point: read the counts, and check the table is empty
             s = self.pool.stats()
@@ -224,7 +225,10 @@ class HostMirror(MixedSteps, Accounting):
         """Admit requests with these prompts (one prefill ``extend``); returns their rows.
 
         Raises ``WouldNotFit`` unless ``can_admit`` says all of them fit. The prompts'
-        pages and each request's reservation are taken from the unreserved pages. A prompt
+        pages and each request's reservation are taken from the unreserved pages. The table's
+        :class:`~tpool.table_results.ExtendResult` is kept in :attr:`last_admit`: ``slots[:sum(prompt_lens)]``
+        are where the prompts' K/V go, prompt after prompt, token after token (then ``-1``); device
+        tensors, table-owned, overwritten by the next call of the same shape. A prompt
         that can never fit (longer than its max_len, or a max_len past ``capacity``: a row's
         tokens, or the pool's when it holds fewer pages than a row) or ``max_lens`` not one
         per prompt is a plain ``ValueError``, raised before anything changes.
@@ -244,7 +248,7 @@ class HostMirror(MixedSteps, Accounting):
         r = np.array(rows, dtype=np.int64)
         self._start_new(r, p, lim)
         ids, ntok = self._lane_tensors(self._extend_inputs, r, p)
-        self.table.extend(ids, ntok, max_tokens=_bucket(sum(p.tolist()), self.table.most_tokens))
+        self.last_admit = self.table.extend(ids, ntok, max_tokens=_bucket(sum(p.tolist()), self.table.most_tokens))
         return rows
 
     def decode(self, rows, n=1, out=None, *, run: bool = True):
@@ -383,11 +387,27 @@ class HostMirror(MixedSteps, Accounting):
         self._to_device(host, dev)
         self.table._release(dev, cache)  # (the table's checks pass: its own kept tensor, <= max_batch rows)
 
+    def shared_prefix(self, row: int) -> int:
+        """Tokens at the head of running ``row`` held in pages it may share (revived, forked, or forked
+        from) or, with a :class:`PrefixCache` on the mirror, that the cache names (inserted): what
+        :meth:`truncate` and :meth:`rollback` (its ``min_lens``) must keep in mind.
+
+        A length may not end inside one of those pages (its next token would be written into another
+        request's K/V); with a prefix cache on the mirror it may not go below them at all (finish
+        the row instead). A multiple of ``page_size``; 0 when nothing is shared. A bound, not a
+        count of holders: a page stays "possibly shared" after the others let go of it, until the
+        row is finished or cut below it.
+        """
+        self.length_bounds(row)  # (checks row: a running row)
+        keep = self.shared[row] if self.prefix_cache is None else max(self.shared[row], self.named[row])
+        return int(keep) * self.page_size
+
     def truncate(self, rows, new_lens) -> None:
         """Roll rows back to host-known lengths (``new_lens[i] <= `` the row's sure length, ``length_bounds``).
 
         Refused (``ValueError``, before any work): a length inside one of the row's possibly-shared
-        pages, and, with a :class:`PrefixCache` on the mirror, any length below them.
+        pages, and, with a :class:`PrefixCache` on the mirror, any length below them
+        (:meth:`shared_prefix`).
         """
         r, _, _ = self._batch(rows, 0)
         nl = _plain(_int_array(new_lens, "new_lens").reshape(-1))
