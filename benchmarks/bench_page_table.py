@@ -71,6 +71,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _engines import VllmBlockPool, VllmBlockTable  # noqa: E402
 from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, calibrate, check_backends, default_device,  # noqa: E402
                      device_arg, gc_quiet, int_at_most, out_path, parse_args_for_plot, plot_lines, positive_int,
                      print_table, progress, quantiles, sample_cold_us, sample_us, sync_of, write_json)
@@ -94,64 +95,6 @@ WARM_INNER = 64
 HEADROOM = 4096       # tokens a request may grow by during a sample, beyond its longest prompt
 
 
-class KVBlock:
-    """One page as vLLM V1's ``KVCacheBlock`` holds it (``vllm/v1/core/kv_cache_utils.py``): its id, its
-    reference count and its links in the free queue (prefix caching's block hash is left out: it is off)."""
-
-    __slots__ = ("block_id", "ref_cnt", "prev_free_block", "next_free_block")
-
-    def __init__(self, block_id):
-        self.block_id, self.ref_cnt, self.prev_free_block, self.next_free_block = block_id, 0, None, None
-
-
-class FreeBlockQueue:
-    """vLLM V1's ``FreeKVCacheBlockQueue``: the free pages as a doubly linked list of ``KVBlock``s between
-    two sentinels, in id order at first; pages are taken from the head (``popleft_n``) and freed ones
-    go to the tail (``append_n``), so the page freed longest ago is handed out first."""
-
-    def __init__(self, blocks):
-        self.head, self.tail = KVBlock(-1), KVBlock(-1)
-        self.relink(blocks)
-
-    def relink(self, blocks):
-        """Make ``blocks`` (a list, in queue order) the whole queue."""
-        prev = self.head
-        for b in blocks:
-            prev.next_free_block, b.prev_free_block = b, prev
-            prev = b
-        prev.next_free_block, self.tail.prev_free_block = self.tail, prev
-        self.num_free_blocks = len(blocks)
-
-    def popleft_n(self, n):
-        """The first ``n`` free pages, unlinked."""
-        self.num_free_blocks -= n
-        out, cur = [], self.head.next_free_block
-        for _ in range(n):
-            out.append(cur)
-            nxt = cur.next_free_block
-            cur.prev_free_block = cur.next_free_block = None
-            cur = nxt
-        self.head.next_free_block, cur.prev_free_block = cur, self.head
-        return out
-
-    def append_n(self, blocks):
-        """Link ``blocks`` at the tail, in order."""
-        last = self.tail.prev_free_block
-        for b in blocks:
-            last.next_free_block, b.prev_free_block = b, last
-            last = b
-        last.next_free_block, self.tail.prev_free_block = self.tail, last
-        self.num_free_blocks += len(blocks)
-
-    def order(self):
-        """The free pages, head to tail (a walk of the whole queue)."""
-        out, cur = [], self.head.next_free_block
-        while cur is not self.tail:
-            out.append(cur)
-            cur = cur.next_free_block
-        return out
-
-
 class VllmBlocks:
     """The KV-cache part of vLLM V1's host work per step, as its scheduler and its GPU worker do it.
 
@@ -168,46 +111,39 @@ class VllmBlocks:
     freed as ``KVCacheManager.free`` does (its list reversed, each ``ref_cnt`` lowered, the pages at 0
     appended to the tail of the queue) and its row of the batch is freed.
 
-    Left out: prefix caching (off: no block hashes), the scheduler's token budget and outputs, and
-    vLLM's null block (page 0 is handed out here, so the pages match ``NumpyBlocks``' at first). A page
-    freed goes to the tail, so after a release this hands out other pages than ``NumpyBlocks`` (a
-    stack) would; ``tests/test_benchmarks_run.py`` checks both models' outputs.
+    The pool and the block table are ``_engines``' models of vLLM's, with prefix caching off (no
+    block hashes: a freed block goes back at the head of the queue, reused first, as tpool's stack
+    reuses the page freed last). Left out: the scheduler's token budget and outputs. Block 0 is vLLM's
+    null block, so block ``i + 1`` is tpool's page ``i`` (``tests/test_benchmarks_run.py`` checks the
+    outputs against the table's step).
     """
 
     def __init__(self, num_pages, R, MP, device):
-        self.blocks = [KVBlock(i) for i in range(num_pages)]
-        self.queue = FreeBlockQueue(self.blocks)
+        self.pool = VllmBlockPool(num_pages + 1, enable_caching=False)   # num_pages besides the null block
+        self.worker = VllmBlockTable(R, MP)
+        self.table, self.num_blocks = self.worker.block_table_np, self.worker.num_blocks_per_row
         self.req_blocks, self.num_tokens = [[] for _ in range(R)], [0] * R  # the scheduler's, per request
         self.index, self.freed_rows, self.num_reqs = [-1] * R, [], 0          # request -> row of the batch
-        self.table = np.full((R, MP), -1, dtype=np.int32)                    # the worker's, per batch row
-        self.num_blocks, self.computed = np.zeros(R, dtype=np.int64), np.zeros(R, dtype=np.int64)
-        self.scheduled = np.zeros(R, dtype=np.int64)
+        self.computed, self.scheduled = np.zeros(R, dtype=np.int64), np.zeros(R, dtype=np.int64)
         self.cols, self.arange = np.arange(MP), np.arange(R * MP * PAGE_SIZE)
         self.to_device = DeviceOutputs(device)
 
     def step(self, batch, ntoks):
         """One step: ``ntoks[i]`` tokens for request ``batch[i]`` (lists of ints, the scheduler's). The batch
         must be the persistent batch's rows in order (every running request, as in the benchmark)."""
-        ps, queue, index, new = PAGE_SIZE, self.queue, self.index, []
+        ps, pool, index, new = PAGE_SIZE, self.pool, self.index, []
         for r, n in zip(batch, ntoks):                       # the scheduler: allocate_slots per request
             blocks = self.req_blocks[r]
             k = -(-(self.num_tokens[r] + n) // ps) - len(blocks)
             if k > 0:
-                if k > queue.num_free_blocks:
-                    raise RuntimeError(f"vllm-blocks: request {r} needs {k} pages, {queue.num_free_blocks} free")
-                got = queue.popleft_n(k)
-                for b in got:                                # BlockPool.get_new_blocks
-                    b.ref_cnt += 1
+                got = pool.get_new_blocks(k)                 # (ValueError when fewer are free)
                 blocks.extend(got)
                 new.append((r, [b.block_id for b in got]))
             self.num_tokens[r] += n
             i = index[r] if index[r] >= 0 else self._add(r)
             self.scheduled[i] = n                            # the worker's tokens per row, by row
         for r, ids in new:                                   # the worker: BlockTable.append_row
-            i = index[r]
-            start = self.num_blocks[i]
-            self.num_blocks[i] = start + len(ids)
-            self.table[i, start:start + len(ids)] = ids
+            self.worker.append_row(ids, index[r])
         B = len(batch)
         assert index[batch[0]] == 0 and index[batch[-1]] == B - 1 == self.num_reqs - 1, "not the persistent batch"
         nt = self.scheduled[:B]                              # _prepare_inputs, in numpy
@@ -235,23 +171,18 @@ class VllmBlocks:
         return i
 
     def release(self, r):
-        """``KVCacheManager.free`` (tail pages first to the queue) and the worker's remove_request."""
-        gone = []
-        for b in reversed(self.req_blocks[r]):
-            b.ref_cnt -= 1
-            if b.ref_cnt == 0:
-                gone.append(b)
-        self.queue.append_n(gone)
+        """``KVCacheManager.free`` (the request's blocks, last first) and the worker's remove_request."""
+        self.pool.free_blocks(reversed(self.req_blocks[r]))
         self.req_blocks[r], self.num_tokens[r] = [], 0
         i, self.index[r] = self.index[r], -1
         self.num_blocks[i] = self.computed[i] = 0
-        self.table[i] = -1
         self.freed_rows.append(i)
         self.num_reqs -= 1
 
     def snapshot(self):
         """A reset for the benchmark: puts the model back as it is now (the queue relinked, O(pages))."""
-        order, live = self.queue.order(), [b for blocks in self.req_blocks for b in blocks]
+        queue = self.pool.free_block_queue
+        order, live = queue.blocks(), [b for blocks in self.req_blocks for b in blocks]
         saved = ([list(b) for b in self.req_blocks], list(self.num_tokens), list(self.index), list(self.freed_rows),
                  self.num_reqs, self.table.copy(), self.num_blocks.copy(), self.computed.copy())
 
@@ -260,7 +191,7 @@ class VllmBlocks:
                 b.ref_cnt = 0
             for b in live:  # (taken again: unlinked, one reference)
                 b.ref_cnt, b.prev_free_block, b.next_free_block = 1, None, None
-            self.queue.relink(order)
+            queue.relink(order)
             self.req_blocks, self.num_tokens = [list(b) for b in saved[0]], list(saved[1])
             self.index, self.freed_rows, self.num_reqs = list(saved[2]), list(saved[3]), saved[4]
             for a, b in zip((self.table, self.num_blocks, self.computed), saved[5:]):

@@ -1,11 +1,31 @@
 """Benchmark: one alloc of N pages followed by one free of them, per backend.
 
-Baselines, measured in the same run and re-implemented here (the engines are
-not dependencies): ``host-list``, a Python list used as a free stack on the
-host, the shape of vLLM's free-block queue; ``torch-slice``, a device tensor
-of free pages sliced on alloc and concatenated on free, the shape of SGLang's
-paged allocator without its ``torch.unique``. The ratio column is the
-baseline's time over the row's time (above 1: faster than the baseline).
+Baselines, measured in the same run; the engines' models are in ``_engines.py`` (the
+engines are not dependencies); vllm-queue, sglang-paged and host-list hand out the
+pages tpool does (tests/test_bench_baselines.py checks it):
+
+* ``vllm-queue`` (the first ratio column's baseline): vLLM's ``BlockPool`` with prefix
+  caching on, its default. ``get_new_blocks`` pops ``KVCacheBlock`` objects off the head
+  of ``FreeKVCacheBlockQueue`` (a doubly linked list, ``popleft_n``), checks each for a
+  cached hash to drop and sets its ``ref_cnt``; ``free_blocks`` takes the references back
+  and links the blocks without a hash back at the head (``prepend_n``), those with one at
+  the tail (``append_n``). Host Python objects, no device
+  (vllm/v1/core/block_pool.py, vllm/v1/core/kv_cache_utils.py).
+* ``sglang-paged`` (the second ratio column's baseline): SGLang's
+  ``PagedTokenToKVPoolAllocator`` with pages of 16 tokens: alloc slices the free-page
+  tensor and expands the pages into token slots; free divides the slots by the page
+  size, ``torch.unique`` s them and concatenates them in front of the free pages
+  (python/sglang/srt/mem_cache/allocator/paged.py). State on the pool's device.
+* ``torch-slice``: SGLang's ``TokenToKVPoolAllocator`` (page_size 1): N token slots, not
+  pages, sliced off the front of a tensor and concatenated at its back (so it walks
+  through the pool), no ``torch.unique`` (python/sglang/srt/mem_cache/allocator/token.py).
+* ``host-list``: a Python list's slice and extend, the floor of any host-side free list;
+  no engine's design (vLLM's queue is ``vllm-queue``).
+
+Both engines keep id 0 out of use (vLLM's null block, SGLang's padding page): their
+models get one page more than tpool's pool, so each has as many usable pages, and hand
+out ids one above tpool's. The ratio columns are the baseline's median over the row's
+(above 1: the row is faster).
 
     python benchmarks/bench_pool.py                      # the table, a few seconds
     python benchmarks/bench_pool.py --pool-sizes 65536 1048576 16777216 --sizes 1 256 --plot pool.png
@@ -23,16 +43,27 @@ from _common import (HelpFormatter, calibrate, check_backends, default_device, d
                      out_path, parse_args_for_plot, plot_lines, positive_int, print_table, progress, quantiles, sync_of,
                      time_calls_us, write_json)
 
+from _engines import SGLangPagedPool, VllmBlockPool  # noqa: E402
+
 import tpool  # noqa: E402
 
-EPILOG = ("Progress goes to stderr, one line per row. The tpool rows pass out=pool.alloc_out(...) "
-          "(the hot path); 'tpool-numba (no out=)' is the default alloc, which makes fresh output "
-          "tensors of max_alloc_pages each call; 'tpool-numba bound' binds the alloc and the free to "
-          "their tensors once (pool.bind_alloc / pool.bind_free) and calls them.")
+PAGE_SIZE = 16  # tokens per page of the sglang-paged row (tpool's pool hands out page ids alone)
+
+EPILOG = ("Progress goes to stderr, one line per row. Rows: vllm-queue, vLLM's BlockPool (get_new_blocks: "
+          "KVCacheBlock objects popped off its linked free queue, ref_cnt set; free_blocks: ref_cnt taken back, "
+          "the blocks linked back in); sglang-paged, SGLang's PagedTokenToKVPoolAllocator (pages of 16 tokens: "
+          "slice and expand to slots; free: torch.unique of slot // 16, concatenated back); torch-slice, "
+          "SGLang's page_size-1 TokenToKVPoolAllocator (N token slots sliced and concatenated, no unique); "
+          "host-list, a Python list's slice and extend (the floor of a host free list, no engine's design); "
+          "tpool-<backend>, alloc(out=pool.alloc_out(...)) and free (the hot path); 'tpool-<backend> (no out=)', "
+          "the default alloc, which makes fresh output tensors of max_alloc_pages each call; 'tpool-<backend> "
+          "bound', the alloc and the free bound to their tensors once (pool.bind_alloc / pool.bind_free). "
+          "Ratios: 'vs vllm-queue' and 'vs sglang-paged' are that baseline's median over the row's median, at "
+          "the same N and pool size (above 1: the row is faster).")
 
 
 class HostListPool:
-    """A Python list as the free stack (vLLM-style host truth)."""
+    """A Python list as the free stack: the floor of any host-side free list (not vLLM's design: VllmBlockPool)."""
 
     def __init__(self, num_pages):
         self.free_ids = list(range(num_pages - 1, -1, -1))
@@ -47,7 +78,7 @@ class HostListPool:
 
 
 class TorchSlicePool:
-    """A tensor of free pages, sliced on alloc and concatenated on free (SGLang-style)."""
+    """SGLang's ``TokenToKVPoolAllocator`` (page_size 1): token slots sliced off a tensor, concatenated back."""
 
     def __init__(self, num_pages, device):
         self.free_pages = torch.arange(num_pages, dtype=torch.int32, device=device)
@@ -60,35 +91,59 @@ class TorchSlicePool:
         self.free_pages = torch.cat((self.free_pages, pages))
 
 
-def pair_fns(n, num_pages, device, backends):
-    """name -> zero-arg function doing one alloc of n pages and one free of them.
+VLLM_MAX_PAGES = 1 << 22  # vllm-queue holds a Python object per page (~2 s to build a million): not past this
+
+
+def pair_fns(n, num_pages, device, backends, only=None, skip=()):
+    """name -> zero-arg function doing one alloc of n pages and one free of them (only the names in
+    ``only``, when given, and none in ``skip``).
 
     Each function has a ``verify()`` (untimed, after a row's samples): it raises if an alloc
     failed (a pool's ``requests.failed`` or an error counted) or the free list lost pages, so
     a row can never time allocs that fail (they return at once, and would look fast).
     """
+    def want(name):
+        return (only is None or name in only) and name not in skip
+
     fns = {}
-    host = HostListPool(num_pages)
-    fns["host-list"] = lambda: host.free(host.alloc(n))
-    fns["host-list"].verify = lambda: _assert(len(host.free_ids) == num_pages, "host-list lost pages")
-    sl = TorchSlicePool(num_pages, device)
-    fns["torch-slice"] = lambda: sl.free(sl.alloc(n))
-    fns["torch-slice"].verify = lambda: _assert(sl.free_pages.numel() == num_pages, "torch-slice lost pages")
+    if want("vllm-queue"):
+        vllm = VllmBlockPool(num_pages + 1)  # block 0 is the null block: num_pages usable, as tpool's pool has
+        fns["vllm-queue"] = lambda: vllm.free_blocks(vllm.get_new_blocks(n))
+        fns["vllm-queue"].verify = lambda: _assert(vllm.get_num_free_blocks() == num_pages
+                                                   and not vllm.blocks[1].ref_cnt, "vllm-queue lost blocks")
+        fns["vllm-queue"].model = vllm
+    if want("sglang-paged"):
+        sgl = SGLangPagedPool(num_pages, PAGE_SIZE, device)
+        fns["sglang-paged"] = lambda: sgl.free(sgl.alloc(n * PAGE_SIZE))
+        fns["sglang-paged"].verify = lambda: _assert(sgl.free_pages.numel() == num_pages, "sglang-paged lost pages")
+        fns["sglang-paged"].model = sgl
+    if want("torch-slice"):
+        sl = TorchSlicePool(num_pages, device)
+        fns["torch-slice"] = lambda: sl.free(sl.alloc(n))
+        fns["torch-slice"].verify = lambda: _assert(sl.free_pages.numel() == num_pages, "torch-slice lost pages")
+    if want("host-list"):
+        host = HostListPool(num_pages)
+        fns["host-list"] = lambda: host.free(host.alloc(n))
+        fns["host-list"].verify = lambda: _assert(len(host.free_ids) == num_pages, "host-list lost pages")
     counts = torch.tensor([n], dtype=torch.int32, device=device)
     for be in backends:
-        pool = tpool.PagePool(num_pages, device=device, backend=be, max_alloc_pages=max(n, 1))
-        out = pool.alloc_out(max_batch=1, max_pages=n)
+        if want(f"tpool-{be}"):
+            pool = tpool.PagePool(num_pages, device=device, backend=be, max_alloc_pages=max(n, 1))
+            out = pool.alloc_out(max_batch=1, max_pages=n)
 
-        def pair(pool=pool, out=out):
-            pool.free(pool.alloc(counts, out=out).pages)
-        fns[f"tpool-{be}"] = _verified(pair, pool)
-        if be != "reference":  # the default alloc: fresh output tensors of max_alloc_pages each call
+            def pair(pool=pool, out=out):
+                pool.free(pool.alloc(counts, out=out).pages)
+            fns[f"tpool-{be}"] = _verified(pair, pool)
+        if be == "reference":
+            continue
+        if want(f"tpool-{be} (no out=)"):  # the default alloc: fresh output tensors of max_alloc_pages each call
             # max_alloc_pages at least n: the default (4096) would refuse every alloc of more pages
             pool2 = tpool.PagePool(num_pages, device=device, backend=be, max_alloc_pages=max(n, min(4096, num_pages)))
 
             def fresh(pool=pool2):
                 pool.free(pool.alloc(counts).pages)
             fns[f"tpool-{be} (no out=)"] = _verified(fresh, pool2)
+        if want(f"tpool-{be} bound"):
             pool3 = tpool.PagePool(num_pages, device=device, backend=be, max_alloc_pages=max(n, 1))
             out3 = pool3.alloc_out(max_batch=1, max_pages=n)
             counts3 = torch.tensor([n], dtype=torch.int32, device=device)
@@ -176,8 +231,11 @@ def main(argv=None):
                  f"{' '.join(map(str, pool_sizes))}), got {' '.join(map(str, too_big))}")
     sync = sync_of(device)
     rows, table = [], []
+    skip = ("vllm-queue",) if max(pool_sizes) > VLLM_MAX_PAGES else ()
+    if skip:
+        progress(f"vllm-queue left out: a pool of more than {VLLM_MAX_PAGES:,} pages would be that many Python objects")
     for n in args.sizes:
-        configs = {P: pair_fns(n, P, device, backends) for P in pool_sizes}  # every size at once (n <= P: main)
+        configs = {P: pair_fns(n, P, device, backends, skip=skip) for P in pool_sizes}  # every size at once (n <= P)
         gc_quiet()  # the baselines' P-element Python lists must not slow every GC pass
         med_of = {P: {} for P in configs}
         for name in next(iter(configs.values())):
@@ -192,22 +250,25 @@ def main(argv=None):
         del configs
         gc.unfreeze()
         for r in rows:
-            if r["pages"] == n:
-                r["vs_host_list"] = med_of[r["num_pages"]]["host-list"] / r["median_us"]
-                r["vs_torch_slice"] = med_of[r["num_pages"]]["torch-slice"] / r["median_us"]
+            for base, key in (("vllm-queue", "vs_vllm_queue"), ("sglang-paged", "vs_sglang_paged")):
+                if r["pages"] == n and base in med_of[r["num_pages"]]:
+                    r[key] = med_of[r["num_pages"]][base] / r["median_us"]
     rows.sort(key=lambda r: (r["num_pages"], r["pages"]))  # stable: the implementations keep their order
     for r in rows:
         table.append([f"{r['num_pages']:,}", r["pages"], r["impl"], f"{r['median_us']:.2f}", f"{r['p20_us']:.2f}",
-                      f"{r['p80_us']:.2f}", f"{r['pages_per_s'] / 1e6:.1f}", f"{r['vs_host_list']:.2f}x",
-                      f"{r['vs_torch_slice']:.2f}x"])
+                      f"{r['p80_us']:.2f}", f"{r['pages_per_s'] / 1e6:.1f}",
+                      *(f"{r[key]:.2f}x" if key in r else "" for key in ("vs_vllm_queue", "vs_sglang_paged"))])
     print_table(f"alloc + free of N pages on {device} (us per pair; ratio = baseline's median / row's median)",
-                ["pool pages", "N", "impl", "median", "p20", "p80", "Mpages/s", "vs host-list", "vs torch-slice"],
-                table, note="Baselines: torch-slice keeps the free pages in a device tensor, sliced on alloc and "
-                            "concatenated on free (SGLang's paged allocator): the like-for-like one, state on the "
-                            "device. host-list is a Python list on the host (vLLM's free-block queue): the floor of "
-                            "a host-side free list, which a pool whose state lives on the device and never syncs is "
-                            "not built to beat on a CPU. Ratios: the baseline's median over the row's (above 1: "
-                            "faster).")
+                ["pool pages", "N", "impl", "median", "p20", "p80", "Mpages/s", "vs vllm-queue", "vs sglang-paged"],
+                table, note="Ratios: the baseline's median over the row's, same N and pool (above 1: the row is "
+                            "faster). vllm-queue: vLLM's BlockPool (get_new_blocks pops KVCacheBlock objects off "
+                            "its linked free queue and sets ref_cnt; free_blocks links them back), host Python "
+                            "objects, as vLLM's scheduler runs it. sglang-paged: SGLang's "
+                            "PagedTokenToKVPoolAllocator, pages of 16 tokens, free through torch.unique, state on "
+                            "the pool's device. torch-slice: SGLang's page_size-1 allocator (N token slots, not "
+                            "pages). host-list: a Python list's slice and extend, the floor of a host free list "
+                            "(no engine's design), which a pool whose state lives on the device and never syncs "
+                            "is not built to beat on a CPU.")
     write_json(args.json, "bench_pool", rows)
     if args.plot:
         sweep = len(pool_sizes) > 1

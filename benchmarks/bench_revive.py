@@ -5,9 +5,16 @@ reference, the row holds them, its length is k pages); then, untimed, the row is
 and released with ``cache=True``, so every sample revives the same CACHED pages into the
 same empty row. Rows, on the same state, in one run:
 
-* ``host-blocks`` (the ratios' baseline): vLLM's block pool on a prefix hit (``touch``):
-  per block, taken off the doubly linked free queue when its ``ref_cnt`` is 0, then
-  ``ref_cnt += 1``, and the blocks listed for the request; Python objects, no device.
+* ``vllm-touch`` (the ratios' baseline): what vLLM does on a prefix hit between finding
+  the blocks and the forward pass, on the blocks tpool revives (block ``i + 1`` is page
+  ``i``; ``_engines.VllmBlockPool``). ``BlockPool.touch``: per block, the null-block
+  test, ``FreeKVCacheBlockQueue.remove`` (its link checks, ``num_free_blocks -= 1``) when
+  ``ref_cnt`` is 0, ``ref_cnt += 1``; the request's block list extended
+  (``save_new_computed_blocks``); ``KVCacheBlocks.get_block_ids`` for the scheduler
+  output; the worker's ``BlockTable.add_row`` into its numpy block table. Host Python
+  objects, one KV cache group (vllm/v1/core/block_pool.py, kv_cache_utils.py,
+  kv_cache_manager.py, single_type_kv_cache_manager.py, vllm/v1/worker/block_table.py).
+  The hash lookup that found the blocks is not timed (tpool's revive takes the pages too).
 * ``tpool-<backend> table.revive``: ``PageTable.revive``, one table call (one numba kernel
   call, one Triton launch), all or none, checked on the device.
 * ``tpool-<backend> by hand``: what a scheduler writes without that call, the same checks
@@ -24,66 +31,87 @@ import functools
 import os
 import sys
 import time
+from collections import defaultdict
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (HelpFormatter, check_backends, default_device, device_arg, out_path, positive_int,  # noqa: E402
                      print_table, progress, quantiles, write_json)
+from _engines import VllmBlockPool, VllmBlockTable, block_hash_key  # noqa: E402
 
 import tpool  # noqa: E402
 from tpool.kernels import layout as L  # noqa: E402
 
 PAGE_SIZE = 16
+EPILOG = ("Progress goes to stderr, one line per k. Rows: vllm-touch, vLLM's path on a prefix hit (BlockPool.touch "
+          "with FreeKVCacheBlockQueue.remove's checks and free count and the null-block test, the request's block "
+          "list, KVCacheBlocks.get_block_ids, the worker's BlockTable.add_row), the ratios' baseline; 'tpool-<backend> "
+          "table.revive', PageTable.revive, one call, checked on the device; 'tpool-<backend> by hand', the same "
+          "checks in a dozen torch ops. vllm-touch revives the pages tpool does into the same row. Ratio 'vs "
+          "vllm-touch': vllm-touch's median over the row's, same k (above 1: the row is faster).")
 
 
-class Block:
-    """vLLM's ``KVCacheBlock``: an id, a reference count and free-queue links."""
-
-    __slots__ = ("block_id", "ref_cnt", "prev", "next")
-
-    def __init__(self, block_id):
-        self.block_id, self.ref_cnt, self.prev, self.next = block_id, 0, None, None
-
-
-class FreeQueue:
-    """vLLM's ``FreeKVCacheBlockQueue``: a doubly linked list with O(1) removal from the middle."""
+class KVCacheBlocks:
+    """vLLM's allocation result handed from the KV cache manager to the scheduler: blocks per group."""
 
     def __init__(self, blocks):
-        self.head, self.tail = Block(-1), Block(-1)
-        self.head.next, self.tail.prev = self.tail, self.head
-        for b in blocks:
-            self.append(b)
+        self.blocks = blocks
 
-    def remove(self, b):
-        b.prev.next, b.next.prev = b.next, b.prev
-        b.prev = b.next = None
-
-    def append(self, b):
-        last = self.tail.prev
-        last.next, b.prev, b.next, self.tail.prev = b, last, self.tail, b
+    def get_block_ids(self):
+        return tuple([blk.block_id for blk in group] for group in self.blocks)
 
 
-def host_sampler(k):
-    """One timed prefix hit on vLLM-style blocks (µs); then, untimed, the request frees them (back on the queue)."""
-    blocks = [Block(i) for i in range(4 * k)]
-    queue = FreeQueue(blocks)
-    hit = blocks[k:2 * k]  # cached blocks (ref_cnt 0, on the free queue, content kept)
-    held = {}
+class VllmRevive:
+    """vLLM's pool of ``4 k + 1`` blocks (block 0: the null block) after request 0 ran a prefill of k blocks,
+    filled and hashed them and finished: its blocks cached, freed (reversed) onto the free queue's tail, as
+    bench_revive's tpool table after ``release(row 0, cache=True)``. Row 1 of the worker's table takes the hits.
+    """
+
+    def __init__(self, k):
+        self.pool = VllmBlockPool(4 * k + 1)
+        prefill = self.pool.get_new_blocks(k)
+        for i, block in enumerate(prefill):
+            self.pool.cache_block(block, block_hash_key(i))
+        self.pool.free_blocks(reversed(prefill))
+        self.hit = prefill  # what get_computed_blocks finds for the same prompt (the lookup is not timed)
+        self.req_to_blocks = defaultdict(list)  # SingleTypeKVCacheManager's books
+        self.num_cached_block = {}
+        self.block_tables = [VllmBlockTable(2, k)]  # MultiGroupBlockTable, one group
+
+    def revive(self, request_id, row_idx):
+        """The timed call: touch, the request's blocks saved, their ids, the worker's row."""
+        self.pool.touch(self.hit)
+        if request_id not in self.num_cached_block:  # save_new_computed_blocks, a new request
+            req_blocks = self.req_to_blocks[request_id]
+            assert len(req_blocks) == 0
+            req_blocks.extend(self.hit)
+            self.num_cached_block[request_id] = len(self.hit)
+        block_ids = KVCacheBlocks((self.req_to_blocks[request_id],)).get_block_ids()
+        for i, block_table in enumerate(self.block_tables):
+            block_table.add_row(block_ids[i], row_idx)
+
+    def release(self, request_id):
+        """Untimed: the request finishes; its blocks are freed, last block first (cached: to the tail)."""
+        self.num_cached_block.pop(request_id)
+        self.pool.free_blocks(reversed(self.req_to_blocks.pop(request_id)))
+
+
+def vllm_sampler(k):
+    """One timed ``VllmRevive.revive`` of the k cached blocks into row 1 (µs); then, untimed, checks the row
+    and releases the request. ``sampler.model``: the VllmRevive."""
+    model = VllmRevive(k)
+    free = model.pool.get_num_free_blocks()
 
     def sample():
         t0 = time.perf_counter_ns()
-        for b in hit:  # BlockPool.touch
-            if b.ref_cnt == 0:
-                queue.remove(b)
-            b.ref_cnt += 1
-        held[1] = list(hit)  # the request's block list
+        model.revive("req-1", 1)
         us = (time.perf_counter_ns() - t0) / 1e3
-        for b in reversed(held.pop(1)):  # BlockPool.free_blocks: evictable again, newest last
-            b.ref_cnt -= 1
-            if b.ref_cnt == 0:
-                queue.append(b)
+        if model.pool.get_num_free_blocks() != free - k or model.block_tables[0].num_blocks_per_row[1] != k:
+            raise AssertionError(f"the vLLM revive of {k} cached blocks left the queue or the row wrong")
+        model.release("req-1")
         return us
+    sample.model = model
     return sample
 
 
@@ -139,8 +167,7 @@ def tpool_sampler(k, backend, device, sync, hand):
 
 def parser() -> argparse.ArgumentParser:
     """The command line: every option with its help and default."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="Progress goes to stderr, one line "
-                                 "per k.", formatter_class=HelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EPILOG, formatter_class=HelpFormatter)
     ap.add_argument("--k", type=positive_int, nargs="+", default=[8, 64, 512],
                     help=f"pages per hit (of {PAGE_SIZE} tokens)")
     ap.add_argument("--device", default=default_device(), type=device_arg, help="torch device of the pools")
@@ -163,7 +190,7 @@ def main(argv=None):
     rows = []
     for k in args.k:
         progress(f"k={k} pages")
-        samplers = {"host-blocks": host_sampler(k)}
+        samplers = {"vllm-touch": vllm_sampler(k)}
         for be in backends:
             samplers[f"tpool-{be} table.revive"] = tpool_sampler(k, be, device, sync, hand=False)
             samplers[f"tpool-{be} by hand"] = tpool_sampler(k, be, device, sync, hand=True)
@@ -177,18 +204,19 @@ def main(argv=None):
             if hasattr(sample, "table"):
                 sample.table.pool.check()
                 sample.table.check_invariants(exclusive=False)
-        base = quantiles(times["host-blocks"])[0]
+        base = quantiles(times["vllm-touch"])[0]
         for name, ts in times.items():
             med, p20, p80 = quantiles(ts)
-            rows.append(dict(k=k, impl=name, median_us=med, p20_us=p20, p80_us=p80, vs_host_blocks=base / med,
+            rows.append(dict(k=k, impl=name, median_us=med, p20_us=p20, p80_us=p80, vs_vllm_touch=base / med,
                              samples=len(ts), device=str(device)))
     table = [[r["k"], r["impl"], f"{r['median_us']:.2f}", f"{r['p20_us']:.2f}", f"{r['p80_us']:.2f}",
-              f"{r['vs_host_blocks']:.2f}x"] for r in rows]
+              f"{r['vs_vllm_touch']:.2f}x"] for r in rows]
     print_table(f"revive k cached pages into an empty row (a prefix-cache hit), pages of {PAGE_SIZE}, on {device} "
-                "(us per call)", ["k", "impl", "median", "p20", "p80", "vs host-blocks"], table,
-                note="Ratios: host-blocks' median over the row's (above 1: faster). host-blocks: vLLM's block pool "
-                     "on a prefix hit (each block off the free queue if unreferenced, ref_cnt += 1), on the host, "
-                     "unchecked. by hand: the same device checks as table.revive in a dozen torch ops.")
+                "(us per call)", ["k", "impl", "median", "p20", "p80", "vs vllm-touch"], table,
+                note="Ratios: vllm-touch's median over the row's (above 1: faster). vllm-touch: vLLM on a prefix "
+                     "hit (BlockPool.touch with the free queue's checks and count, the request's block list, "
+                     "get_block_ids, the worker's BlockTable.add_row), host Python objects and numpy. by hand: the "
+                     "same device checks as table.revive in a dozen torch ops.")
     write_json(args.json, "bench_revive", rows)
 
 

@@ -165,11 +165,10 @@ def test_page_table_cold_mode_reports_warm_and_cold(tmp_path, capsys):
 def test_the_two_host_baselines_step_as_the_table_does():
     """numpy-blocks (vectorised, a free stack) and vllm-blocks (vLLM's free queue of block objects, a loop per
     request) from the table's prompts, through decode steps and turnover phases (releases, admissions with
-    prompts): every step's outputs are the table's own, but for which pages: the CSR's lengths, the last
-    page lengths, each slot's offset and its page (the CSR's page at that token) as the table has them;
-    the same page ids as the table until the first release (all three hand out pages in id order), then
-    as each allocator's order has them: numpy-blocks' stack and the table's reuse the last page freed,
-    vLLM's queue hands out the page freed longest ago. No page is in two runs, or in a run and free."""
+    prompts): every step's outputs are the table's own, page for page (vLLM's block ids are the pages plus
+    one, block 0 being its null block): the pages come in id order at first, and a freed page is reused
+    first by all three (the table's and numpy-blocks' stacks, vLLM's queue head without prefix caching).
+    No page is in two runs, or in a run and free."""
     import random
 
     import numpy as np
@@ -180,16 +179,15 @@ def test_the_two_host_baselines_step_as_the_table_does():
     nb, vb = bpt.baseline(bpt.NumpyBlocks, B, cpu), bpt.baseline(bpt.VllmBlocks, B, cpu)
     t32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     steps = [([], list(range(B)), [1] * B)] * 20 + bpt.turnover_phases(B, random.Random(3)) * 2
-    released = False
     for gone, batch, ntok in steps:
         if gone:
             table.release(t32(gone))
         s = table.step(t32(batch), t32(ntok), max_tokens=sum(ntok))
         want = (s.slots[:sum(ntok)], s.csr.indptr, s.csr.indices[:int(s.csr.indptr[-1])], s.csr.last_page_len)
         got_nb = bpt.release_then_step(nb, gone, np.array(batch), np.array(ntok))
-        got_vb = bpt.release_then_step(vb, gone, batch, ntok)
-        released |= bool(gone)
-        for got, same_pages in ((got_nb, True), (got_vb, not released)):
+        slots, indptr, indices, last = bpt.release_then_step(vb, gone, batch, ntok)
+        got_vb = (slots - ps, indptr, indices - 1, last)  # vLLM's block i + 1 is page i
+        for got in (got_nb, got_vb):
             slots, indptr, indices, last = got
             assert torch.equal(indptr, want[1]) and torch.equal(last, want[3]), (gone, batch, ntok)
             assert torch.equal(slots % ps, want[0] % ps)  # each token at its offset
@@ -198,11 +196,10 @@ def test_the_two_host_baselines_step_as_the_table_does():
             pos = torch.cat([torch.arange(int(L) - n, int(L)) for L, n in zip(s.kv_lens, ntok)])
             assert torch.equal(slots // ps, indices[indptr[lane] + pos // ps]), (gone, batch, ntok)
             assert len(set(indices.tolist())) == len(indices)
-            if same_pages:
-                assert torch.equal(indices, want[2]) and torch.equal(slots, want[0])
-        assert not set(got_vb[2].tolist()) & {b.block_id for b in vb.queue.order()}
-        assert vb.queue.num_free_blocks == len(vb.queue.order()) == pages_free(nb)
-    assert released
+            assert torch.equal(indices, want[2]) and torch.equal(slots, want[0])
+        queue = vb.pool.free_block_queue
+        assert not set(got_vb[2].tolist()) & {b - 1 for b in queue.block_ids()}
+        assert queue.num_free_blocks == len(queue.block_ids()) == pages_free(nb) == table.pool.available()
 
 
 def pages_free(nb):
