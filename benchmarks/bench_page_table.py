@@ -279,17 +279,20 @@ class DeviceOutputs:
     CPU the arrays are handed over as they are (``torch.from_numpy``; int64 ones converted to int32).
     """
 
-    def __init__(self, device):
+    def __init__(self, device, staged=None):
+        """``staged``: through the kept buffers (default: on CUDA; on a CPU unpinned, for the tests)."""
         self.device, self.pinned, self.host, self.dev = device, [], [], []
+        self.staged = device.type == "cuda" if staged is None else staged
 
     def __call__(self, *values):
-        if self.device.type != "cuda":
+        if not self.staged:
             return tuple(torch.from_numpy(np.asarray(v, dtype=np.int32)) for v in values)
         out = []
         for i, v in enumerate(values):
             n = len(v)
             if i == len(self.pinned) or self.host[i].size < n:
-                pinned = torch.empty(2 * max(n, 1), dtype=torch.int32).pin_memory()
+                pinned = torch.empty(2 * max(n, 1), dtype=torch.int32)
+                pinned = pinned.pin_memory() if self.device.type == "cuda" else pinned
                 bufs = (pinned, pinned.numpy(), torch.empty_like(pinned, device=self.device))
                 for kept, buf in zip((self.pinned, self.host, self.dev), bufs):
                     kept[i:i + 1] = [buf]

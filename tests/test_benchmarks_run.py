@@ -202,6 +202,20 @@ def test_the_two_host_baselines_step_as_the_table_does():
         assert queue.num_free_blocks == len(queue.block_ids()) == pages_free(nb) == table.pool.available()
 
 
+def test_the_baselines_staged_copies_hand_over_each_steps_values():
+    """DeviceOutputs as on CUDA (buffers kept from step to step, grown when an output outgrows them), run
+    on the CPU: every call hands over its own values, whatever the step before wrote."""
+    import numpy as np
+    import torch
+    bpt = load("bench_page_table")
+    out = bpt.DeviceOutputs(torch.device("cpu"), staged=True)
+    for n in (3, 1, 9, 40, 2):
+        vals = [np.arange(n, dtype=np.int64) * 7, list(range(n, 0, -1))]
+        got = out(*vals)
+        assert [g.tolist() for g in got] == [list(v) for v in vals] and got[0].dtype == torch.int32
+    assert out.dev[0].numel() == 80  # grown twice: 6 -> 18 -> 80 entries
+
+
 def pages_free(nb):
     """The free pages of a ``NumpyBlocks``."""
     return nb.top
