@@ -20,6 +20,7 @@ vLLM V1 (``vllm/v1/core/kv_cache_utils.py``, ``vllm/v1/core/block_pool.py``,
   blocks no hit can use go back at the head, reused first, cached ones at the tail, evicted
   last), ``cache_block``. Block 0 is the null block, never handed out: a model with ``P + 1``
   blocks has tpool's ``P`` pages, block ``i + 1`` standing for page ``i``.
+* :class:`KVCacheBlocks`: the blocks handed to the scheduler, and their ids.
 * :class:`VllmBlockTable`: the worker's numpy block table (``append_row``, ``add_row``).
 
 SGLang (``python/sglang/srt/mem_cache/allocator``): :class:`SGLangPagedPool`, the paged
@@ -28,6 +29,10 @@ token-to-KV allocator (a tensor of free pages; page 0 is its padding page).
 
 import numpy as np
 import torch
+
+# A model of vLLM's pool holds a Python object per page (~2 s to build a million): the benchmarks leave it
+# out of pools larger than this.
+VLLM_MAX_PAGES = 1 << 22
 
 
 class KVCacheBlock:
@@ -193,23 +198,35 @@ class VllmBlockPool:
             b.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks):
-        """Each block dereferenced; those left unreferenced go back on the queue: a block no prefix hit can
-        use (no hash, or caching off) at the head, reused first, a cached one at the tail, evicted last.
-        A request's blocks come last block first, so its tail is reused (or evicted) first."""
+        """Each block dereferenced; those left unreferenced go back on the queue. With caching, a block no
+        prefix hit can use (no hash) goes to the head, reused first, and a cached one to the tail, evicted
+        last; without, every block goes to the tail (the rule of the vLLM sources read for this model; some
+        versions send every unhashed block to the head, caching or not: the same work). A request's blocks
+        come last block first, so its tail is reused (or evicted) first."""
         blocks = list(ordered_blocks)
-        reuse_first, keep = [], []
+        reuse_first, reuse_last = [], []
         for b in blocks:
             b.ref_cnt -= 1
             if b.ref_cnt == 0 and not b.is_null:
-                (reuse_first if b.block_hash is None or not self.enable_caching else keep).append(b)
+                (reuse_first if b.block_hash is None and self.enable_caching else reuse_last).append(b)
         self.free_block_queue.prepend_n(reuse_first)
-        self.free_block_queue.append_n(keep)
+        self.free_block_queue.append_n(reuse_last)
 
     def cache_block(self, block, key):
         """A full block entered in the prefix cache under ``key`` (what ``cache_full_blocks`` does for it)."""
         assert block.block_hash is None, f"block {block.block_id} is cached already"
         block.block_hash = key
         self.cached_block_hash_to_block.insert(key, block)
+
+
+class KVCacheBlocks:
+    """vLLM's allocation result, handed from the KV cache manager to the scheduler: blocks per group."""
+
+    def __init__(self, blocks):
+        self.blocks = blocks
+
+    def get_block_ids(self):
+        return tuple([b.block_id for b in group] for group in self.blocks)
 
 
 class VllmBlockTable:

@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import (HelpFormatter, check_backends, default_device, device_arg, gc_quiet, multiple_of,  # noqa: E402
                      out_path, parse_args_for_plot, plot_lines, positive_int, print_table, progress, quantiles,
                      write_json)
-from _engines import VllmBlockPool, block_hash_key  # noqa: E402
+from _engines import VLLM_MAX_PAGES, VllmBlockPool, block_hash_key  # noqa: E402
 
 import tpool  # noqa: E402
 from tpool.graphs import state_tensors  # noqa: E402
@@ -239,16 +239,20 @@ def main(argv=None):
     rows = []
     pools = {}  # every size at once: the sizes take turns sample by sample
     vllm = {}  # vLLM's pool of each size, in the state of the first backend's: the two take the same samples
+    with_vllm = max(args.pages) <= VLLM_MAX_PAGES
+    if not with_vllm:
+        progress(f"vllm-queue left out: a pool of more than {VLLM_MAX_PAGES:,} pages would be that many Python objects")
     for P in args.pages:
-        progress(f"pool {P:,} pages: caching half of them; the vLLM model of it")
+        progress(f"pool {P:,} pages: caching half of them" + ("; the vLLM model of it" if with_vllm else ""))
         pools[P] = cached_pools(P, backends, device)
-        vllm[P] = VllmEvict(pools[P][backends[0]])
+        if with_vllm:
+            vllm[P] = VllmEvict(pools[P][backends[0]])
     gc_quiet()  # vLLM's blocks are a Python object per page: no GC pass may walk them while a row times
     with malloc_keeps_memory():
         for k in args.k:
             sizes = "pool sizes taking turns" if len(pools) > 1 else f"pool {args.pages[0]:,} pages"
-            samplers = {"vllm-queue": {P: vllm_sampler(model, k) for P, model in vllm.items()},
-                        "numpy-argpartition": {P: numpy_sampler(p[backends[0]], k) for P, p in pools.items()}}
+            samplers = {"vllm-queue": {P: vllm_sampler(model, k) for P, model in vllm.items()}} if with_vllm else {}
+            samplers["numpy-argpartition"] = {P: numpy_sampler(p[backends[0]], k) for P, p in pools.items()}
             for be in backends:
                 samplers[f"tpool-{be}"] = {P: tpool_sampler(p[be], k, sync) for P, p in pools.items()}
             times = {}
@@ -264,17 +268,18 @@ def main(argv=None):
                 for pool in p.values():
                     pool.check()
             for P in pools:
-                base = None
+                base = quantiles(times["vllm-queue"][P])[0] if with_vllm else None
                 for name, ts in times.items():
                     med, p20, p80 = quantiles(ts[P])
-                    base = base or med
                     rows.append(dict(pages=P, k=k, impl=name, median_us=med, p20_us=p20, p80_us=p80,
-                                     vs_vllm_queue=base / med, device=str(device)))
+                                     device=str(device)))
+                    if base:
+                        rows[-1]["vs_vllm_queue"] = base / med
     del pools, vllm
     gc.unfreeze()
     rows.sort(key=lambda r: (r["pages"], args.k.index(r["k"])))  # stable: the implementations keep their order
     table = [[f"{r['pages']:,}", r["k"], r["impl"], f"{r['median_us']:.1f}", f"{r['p20_us']:.1f}",
-              f"{r['p80_us']:.1f}", f"{r['vs_vllm_queue']:.2f}x"] for r in rows]
+              f"{r['p80_us']:.1f}", f"{r['vs_vllm_queue']:.2f}x" if "vs_vllm_queue" in r else ""] for r in rows]
     print_table(f"evict k of the oldest cached pages (half the pool cached), on {device} (us per call)",
                 ["pages", "k", "impl", "median", "p20", "p80", "vs vllm-queue"], table,
                 note="Ratios: vllm-queue's median over the row's (above 1: faster). vllm-queue: vLLM's eviction, "

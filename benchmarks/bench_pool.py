@@ -43,7 +43,7 @@ from _common import (HelpFormatter, calibrate, check_backends, default_device, d
                      out_path, parse_args_for_plot, plot_lines, positive_int, print_table, progress, quantiles, sync_of,
                      time_calls_us, write_json)
 
-from _engines import SGLangPagedPool, VllmBlockPool  # noqa: E402
+from _engines import VLLM_MAX_PAGES, SGLangPagedPool, VllmBlockPool  # noqa: E402
 
 import tpool  # noqa: E402
 
@@ -89,9 +89,6 @@ class TorchSlicePool:
 
     def free(self, pages):
         self.free_pages = torch.cat((self.free_pages, pages))
-
-
-VLLM_MAX_PAGES = 1 << 22  # vllm-queue holds a Python object per page (~2 s to build a million): not past this
 
 
 def pair_fns(n, num_pages, device, backends, only=None, skip=()):

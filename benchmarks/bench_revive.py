@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (HelpFormatter, check_backends, default_device, device_arg, out_path, positive_int,  # noqa: E402
                      print_table, progress, quantiles, write_json)
-from _engines import VllmBlockPool, VllmBlockTable, block_hash_key  # noqa: E402
+from _engines import KVCacheBlocks, VllmBlockPool, VllmBlockTable, block_hash_key  # noqa: E402
 
 import tpool  # noqa: E402
 from tpool.kernels import layout as L  # noqa: E402
@@ -50,16 +50,6 @@ EPILOG = ("Progress goes to stderr, one line per k. Rows: vllm-touch, vLLM's pat
           "table.revive', PageTable.revive, one call, checked on the device; 'tpool-<backend> by hand', the same "
           "checks in a dozen torch ops. vllm-touch revives the pages tpool does into the same row. Ratio 'vs "
           "vllm-touch': vllm-touch's median over the row's, same k (above 1: the row is faster).")
-
-
-class KVCacheBlocks:
-    """vLLM's allocation result handed from the KV cache manager to the scheduler: blocks per group."""
-
-    def __init__(self, blocks):
-        self.blocks = blocks
-
-    def get_block_ids(self):
-        return tuple([blk.block_id for blk in group] for group in self.blocks)
 
 
 class VllmRevive:

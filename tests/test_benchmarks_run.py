@@ -165,10 +165,12 @@ def test_page_table_cold_mode_reports_warm_and_cold(tmp_path, capsys):
 def test_the_two_host_baselines_step_as_the_table_does():
     """numpy-blocks (vectorised, a free stack) and vllm-blocks (vLLM's free queue of block objects, a loop per
     request) from the table's prompts, through decode steps and turnover phases (releases, admissions with
-    prompts): every step's outputs are the table's own, page for page (vLLM's block ids are the pages plus
-    one, block 0 being its null block): the pages come in id order at first, and a freed page is reused
-    first by all three (the table's and numpy-blocks' stacks, vLLM's queue head without prefix caching).
-    No page is in two runs, or in a run and free."""
+    prompts): every step's outputs are the table's own. numpy-blocks' page for page (a stack, as the
+    table's); vllm-blocks' page for page until the first release (vLLM's block ids are the pages plus one,
+    block 0 being its null block), then other pages (without prefix caching vLLM frees to its queue's
+    tail), but each token at its offset on the page its request's run holds at that position, no page in
+    two runs or in a run and free, as many pages free as the table has. vllm-blocks hands over the batch's
+    block-table rows, from which the CSR's page ids are read here (vLLM gathers them on the GPU)."""
     import random
 
     import numpy as np
@@ -179,27 +181,62 @@ def test_the_two_host_baselines_step_as_the_table_does():
     nb, vb = bpt.baseline(bpt.NumpyBlocks, B, cpu), bpt.baseline(bpt.VllmBlocks, B, cpu)
     t32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     steps = [([], list(range(B)), [1] * B)] * 20 + bpt.turnover_phases(B, random.Random(3)) * 2
+    released = False
     for gone, batch, ntok in steps:
         if gone:
             table.release(t32(gone))
         s = table.step(t32(batch), t32(ntok), max_tokens=sum(ntok))
-        want = (s.slots[:sum(ntok)], s.csr.indptr, s.csr.indices[:int(s.csr.indptr[-1])], s.csr.last_page_len)
+        want = (s.slots[:sum(ntok)], s.csr.indptr, s.csr.last_page_len, s.csr.indices[:int(s.csr.indptr[-1])])
         got_nb = bpt.release_then_step(nb, gone, np.array(batch), np.array(ntok))
-        slots, indptr, indices, last = bpt.release_then_step(vb, gone, batch, ntok)
-        got_vb = (slots - ps, indptr, indices - 1, last)  # vLLM's block i + 1 is page i
-        for got in (got_nb, got_vb):
-            slots, indptr, indices, last = got
-            assert torch.equal(indptr, want[1]) and torch.equal(last, want[3]), (gone, batch, ntok)
+        slots, indptr, last, rows = bpt.release_then_step(vb, gone, batch, ntok)
+        pages = indptr[1:] - indptr[:-1]
+        indices = rows.view(B, -1)[torch.arange(rows.numel() // B) < pages[:, None]]  # (vLLM: on the GPU)
+        got_vb = (slots - ps, indptr, last, indices - 1)  # vLLM's block i + 1 is page i
+        released |= bool(gone)
+        for got, same_pages in ((got_nb, True), (got_vb, not released)):
+            slots, indptr, last, indices = got
+            assert torch.equal(indptr, want[1]) and torch.equal(last, want[2]), (gone, batch, ntok)
             assert torch.equal(slots % ps, want[0] % ps)  # each token at its offset
             # each token on the page its request's run holds at that token's position
             lane = torch.repeat_interleave(torch.arange(B), t32(ntok))
             pos = torch.cat([torch.arange(int(L) - n, int(L)) for L, n in zip(s.kv_lens, ntok)])
             assert torch.equal(slots // ps, indices[indptr[lane] + pos // ps]), (gone, batch, ntok)
             assert len(set(indices.tolist())) == len(indices)
-            assert torch.equal(indices, want[2]) and torch.equal(slots, want[0])
+            if same_pages:
+                assert torch.equal(indices, want[3]) and torch.equal(slots, want[0])
         queue = vb.pool.free_block_queue
-        assert not set(got_vb[2].tolist()) & {b - 1 for b in queue.block_ids()}
-        assert queue.num_free_blocks == len(queue.block_ids()) == pages_free(nb) == table.pool.available()
+        assert not set(got_vb[3].tolist()) & {b - 1 for b in queue.block_ids()}
+        assert queue.num_free_blocks == len(queue.block_ids()) == nb.top == table.pool.available()
+    assert released
+
+
+def test_the_baselines_resets_repeat_their_steps():
+    """A baseline's snapshot, taken mid-turnover and reset after more steps, puts it back exactly: the same
+    steps then give the same outputs, and vLLM's free queue and reference counts are as they were."""
+    import random
+
+    import numpy as np
+    import torch
+    bpt = load("bench_page_table")
+    B, cpu = 5, torch.device("cpu")
+    steps = ([([], list(range(B)), [1] * B)] * 7 + bpt.turnover_phases(B, random.Random(3))) * 2
+    for cls in (bpt.NumpyBlocks, bpt.VllmBlocks):
+        blocks = bpt.baseline(cls, B, cpu)
+        args = (lambda b, n: (np.array(b), np.array(n))) if cls is bpt.NumpyBlocks else (lambda b, n: (b, n))
+        for at in (3, 9, 20):
+            for gone, batch, ntok in steps[:at]:
+                bpt.release_then_step(blocks, gone, *args(batch, ntok))
+            reset = blocks.snapshot()
+            state = (blocks.pool.free_block_queue.block_ids(), [b.ref_cnt for b in blocks.pool.blocks]) \
+                if cls is bpt.VllmBlocks else None
+            runs = []
+            for _ in range(2):
+                runs.append([[t.clone() for t in bpt.release_then_step(blocks, gone, *args(batch, ntok))]
+                             for gone, batch, ntok in steps[at:]])
+                reset()
+            assert all(torch.equal(x, y) for a, b in zip(*runs) for x, y in zip(a, b)), (cls.__name__, at)
+            if state:
+                assert (blocks.pool.free_block_queue.block_ids(), [b.ref_cnt for b in blocks.pool.blocks]) == state
 
 
 def test_the_baselines_staged_copies_hand_over_each_steps_values():
@@ -207,18 +244,13 @@ def test_the_baselines_staged_copies_hand_over_each_steps_values():
     on the CPU: every call hands over its own values, whatever the step before wrote."""
     import numpy as np
     import torch
-    bpt = load("bench_page_table")
-    out = bpt.DeviceOutputs(torch.device("cpu"), staged=True)
+    load("bench_page_table")  # (puts benchmarks/ on the path)
+    out = load("_baselines").DeviceOutputs(torch.device("cpu"), staged=True)
     for n in (3, 1, 9, 40, 2):
         vals = [np.arange(n, dtype=np.int64) * 7, list(range(n, 0, -1))]
         got = out(*vals)
         assert [g.tolist() for g in got] == [list(v) for v in vals] and got[0].dtype == torch.int32
     assert out.dev[0].numel() == 80  # grown twice: 6 -> 18 -> 80 entries
-
-
-def pages_free(nb):
-    """The free pages of a ``NumpyBlocks``."""
-    return nb.top
 
 
 def test_pool_size_sweeps_and_plots(tmp_path, capsys):

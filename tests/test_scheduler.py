@@ -1159,15 +1159,22 @@ def test_queries_refuse_non_integers_and_a_priority_list_of_another_length(backe
         # No sequence, or priorities that do not compare: a ValueError, as for every other bad argument
         # (a TypeError from len() or the sort before; a lone int max_len went as a list of one to admit)
         for call, match in ((lambda: m.preemption(rows, None, 9), "priority: expected a sequence, got NoneType"),
-                            (lambda: m.preemption(rows, [0, "a", None], 9), "priority: expected values that compare"),
+                            (lambda: m.preemption(rows, [0, "a", None], 9), "priority: expected a sequence of values that compare"),
                             (lambda: m.can_admit(5), "prompt_lens: expected a sequence, got int 5"),
                             (lambda: m.can_admit([4], 5), "max_lens: expected a sequence, got int 5"),
                             (lambda: m.shortfall(np.array(4)), "prompt_lens: expected a sequence, got ndarray"),
                             (lambda: m.admit(4), "prompt_lens: expected a sequence, got int 4"),
                             (lambda: m.admit([4], 8), "max_lens: expected a sequence, got int 8"),
-                            (lambda: m.step(rows, 1, [4], 8), "max_lens: expected a sequence, got int 8")):
+                            (lambda: m.step(rows, 1, [4], 8), "max_lens: expected a sequence, got int 8"),
+                            # a set or a dict: numpy reads it as one object (a TypeError from slicing before)
+                            (lambda: m.can_admit({4}), r"prompt_lens: expected ints, got object"),
+                            (lambda: m.shortfall({0: 4}), r"prompt_lens: expected ints, got object"),
+                            # a nan sorted anywhere: row 2 (priority 0) would not have been the one released
+                            (lambda: m.preemption(rows, [1, float("nan"), 0], 9), "no nan"),
+                            (lambda: m.preemption(rows, {0: 1, 1: 2, 5: 0}, 9), "compare with each other")):
             with pytest.raises(ValueError, match=match):
                 call()
+        assert m.can_admit(np.array([[4]])) == 1 and m.can_admit((4,), np.array([8])) == 1  # read as admit reads them
         for call, match in ((lambda: m.fits([0.5]), "rows: expected int row ids"),
                             (lambda: m.fits(rows, 0.5), "n: expected"),
                             (lambda: m.can_admit([2.5]), r"prompt_lens: expected ints, got float64 \[2.5\]"),

@@ -92,6 +92,24 @@ def _length(values, name: str) -> int:
         raise ValueError(f"{name}: expected a sequence, got {type(values).__name__} {values!r:.40}") from None
 
 
+def _queue_head(values, k: int, name: str):
+    """The first ``k`` of the prompts or max_lens ``values``: of a numpy array its first ``k`` read flat, as
+    ``admit`` reads it; of any other sequence its slice (the rest never read: a long waiting queue costs no
+    more than its head); what slices not (a set, a dict) as numpy reads it (so a ``ValueError`` names it)."""
+    if isinstance(values, np.ndarray):
+        return values.reshape(-1)[:k]
+    try:
+        return values[:k]
+    except (TypeError, KeyError):
+        return _int_array(values, name).reshape(-1)[:k]
+
+
+def _count(values, name: str) -> int:
+    """How many prompts or max_lens ``values`` holds, as ``admit`` counts them (an array's size; a 0-d
+    array, as an int, is no sequence)."""
+    return values.size if isinstance(values, np.ndarray) and values.ndim else _length(values, name)
+
+
 def _int_list(values, name: str) -> list:
     """``values`` as a list of Python ints, checked as :func:`_int_array` checks them; a list of ints
     is returned as it is (no numpy call: a scheduler asks with lists every step)."""
@@ -374,12 +392,12 @@ class Accounting:
         reservation, in order: one per free row and lane, up to the first that could never be
         admitted), and the unreserved pages left after the step's lanes (``rows``, ``n``): -1 when
         a row would pass its max_len (``refuse``: a ``ValueError`` naming it)."""
-        k = _length(prompt_lens, "prompt_lens")
-        if max_lens is not None and _length(max_lens, "max_lens") != k:
-            raise ValueError(f"max_lens: expected one per prompt ({k}), got {len(max_lens)}")
+        k = _count(prompt_lens, "prompt_lens")
+        if max_lens is not None and (got := _count(max_lens, "max_lens")) != k:
+            raise ValueError(f"max_lens: expected one per prompt ({k}), got {got}")
         head = min(self.rows_free, self.max_batch)
-        p = _int_list(prompt_lens[:head], "prompt_lens")  # (plain ints: the loop reads them fastest)
-        lim = None if max_lens is None else _int_list(max_lens[:head], "max_lens")
+        p = _int_list(_queue_head(prompt_lens, head, "prompt_lens"), "prompt_lens")  # (plain ints: read fastest)
+        lim = None if max_lens is None else _int_list(_queue_head(max_lens, head, "max_lens"), "max_lens")
         room, lanes = self.unreserved, self.max_batch
         if rows is not None:
             r, nn, _ = self._batch(rows, n)
@@ -463,7 +481,8 @@ class Accounting:
         rows : sequence of int
             The running rows of the next step.
         priority : sequence
-            One sortable value per row; higher is more important.
+            One sortable value per row; higher is more important. Read only when a release is
+            needed (a bad one is a ``ValueError`` then; an empty answer reads none).
         n : int or sequence of int
             Tokens the step adds per row, as in :meth:`fits`.
         count_cached : bool
@@ -494,10 +513,13 @@ class Accounting:
             return out
         back = np.maximum(_cdiv(self.lo[r], self.page_size) - self.shared[r], 0) + self.res[r] + extra
         try:
-            order = sorted(range(len(r)), key=lambda i: (priority[i], -i))
-        except TypeError:
-            raise ValueError(f"priority: expected values that compare with each other (numbers), "
-                             f"got {list(priority)!r:.80}") from None
+            keys = [(priority[i], -i) for i in range(len(r))]
+            if any(p != p for p, _ in keys):  # (a nan compares false with everything: the sort would misplace it)
+                raise TypeError
+            order = sorted(range(len(r)), key=keys.__getitem__)
+        except (TypeError, KeyError, IndexError):
+            raise ValueError(f"priority: expected a sequence of values that compare with each other (numbers, "
+                             f"no nan), got {priority!r:.80}") from None
         for i in order:
             out.append(int(r[i]))
             deficit -= int(back[i])
