@@ -14,6 +14,7 @@ from tpool.testing import count_host_reads
 
 pytest.importorskip("transformers")
 
+from tpool import demo  # noqa: E402
 from tpool.serving import engine  # noqa: E402
 
 SMALL = dict(num_pages=16, page_size=4, max_batch=4)   # preempts, forks (with a CoW page), rolls back
@@ -369,3 +370,76 @@ def test_random_configurations_serve_the_tokens_of_generate(llama):
         for k in seen:
             seen[k] += getattr(eng.stats, k)
     assert all(seen.values()), seen
+
+
+# Checks of the engine a mutation run (session 37, helper-129) could move by one unseen; each test fails on
+# its mutant (S06-S14 in its report).
+
+def test_check_fits_bounds_a_request_by_the_pool_too_not_only_max_pages(llama):
+    """S06: cap = min(max_pages, num_pages) * page_size. With max_pages (4) past the pool's 2 pages, a request
+    holding 9..16 tokens fits a row but never the pool: refused up front, not admitted to wait forever."""
+    eng = engine.Engine(llama, num_pages=2, page_size=4, max_batch=1, max_pages=4, backend="reference",
+                        spec_every=0, draft_len=0)
+    eng.check_fits([engine.Request(0, list(range(5, 13)), 1)])           # 8 tokens: the whole pool
+    with pytest.raises(engine.RequestTooLong, match=r"<= 8 tokens \(max_pages and the pool\), got 9"):
+        eng.check_fits([engine.Request(0, list(range(5, 14)), 1)])
+
+
+def test_eos_token_id_zero_is_a_token_id():
+    """S13: token id 0 is an id like any other (an int >= 0, as the error message says)."""
+    assert engine.eos_ids(None, 0) == frozenset({0})
+    assert engine.eos_ids(None, [0, 7]) == frozenset({0, 7})
+
+
+def test_the_demo_takes_a_system_prompt_whose_longest_request_holds_exactly_the_models_positions(monkeypatch):
+    """S14: ``held > positions`` refuses; a request holding exactly max_position_embeddings tokens is served."""
+    positions = 512
+    kw = dict(vocab_size=256, max_new=(4, 16))
+    held = lambda s: max(engine.max_len(r, spec_every=3, draft_len=3)  # noqa: E731
+                         for r in engine.make_requests(2, seed=0, system_len=s, **kw))
+    s = next(s for s in range(positions - 120, positions) if held(s) == positions)
+
+    class Built(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Built
+    monkeypatch.setattr(engine, "Engine", stop)
+    with pytest.raises(Built):                   # past the option checks: the engine is built
+        engine.run_demo("llama", requests=2, backend="reference", device="cpu", system_len=s, out=None)
+    past = next(s2 for s2 in range(s + 1, positions + 1) if held(s2) > positions)
+    with pytest.raises(demo.OptionError, match="past the model's 512 positions"):
+        engine.run_demo("llama", requests=2, backend="reference", device="cpu", system_len=past, out=None)
+
+
+def test_shared_past_the_parents_prompt_is_refused_even_when_the_requests_own_prompt_is_shorter(llama):
+    """S08: ``r.shared > len(p.prompt)`` refuses; off by one, shared = len(parent's prompt) + 1 passed whenever
+    the request's own prompt was no longer than the parent's (the prefix comparison saw equal lists)."""
+    eng = engine.Engine(llama, num_pages=32, page_size=4, max_batch=4, max_pages=8, backend="reference",
+                        spec_every=0, draft_len=0)
+    R = engine.Request
+    with pytest.raises(ValueError, match="but request 0 has a 2-token prompt"):
+        eng.check_fits([R(0, [5, 6], 3), R(1, [5], 3, parent=0, shared=3)])
+
+
+def test_a_request_whose_whole_prompt_is_its_parents_start_is_served_as_generate(llama):
+    """S10: a fork takes ``shared < len(prompt)`` tokens only: a request whose prompt is all shared has no
+    token left to feed; forking it all gave a lane of 0 tokens that read another lane's prediction."""
+    R = engine.Request
+    reqs = [R(0, [5, 6, 7, 8, 9], 4), R(1, [5, 6, 7], 4, arrival=1, parent=0, shared=3)]
+    eng = engine.Engine(llama, num_pages=32, page_size=4, max_batch=4, max_pages=8, backend="reference",
+                        spec_every=0, draft_len=0, prefix_cache=False)
+    assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
+    eng.check()
+
+
+def test_a_child_forks_a_parent_holding_exactly_the_shared_tokens(llama):
+    """S11: ``parent.cached >= w.shared``: a parent whose pages hold exactly the shared tokens is forked (not
+    recomputed)."""
+    R = engine.Request
+    reqs = [R(0, [5, 6, 7], 3), R(1, [5, 6, 7, 9], 3, arrival=1, parent=0, shared=3)]
+    eng = engine.Engine(llama, num_pages=32, page_size=4, max_batch=4, max_pages=8, backend="reference",
+                        spec_every=0, draft_len=0, prefix_cache=False)
+    assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
+    assert eng.stats.forks == 1
+    eng.check()

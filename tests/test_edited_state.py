@@ -1,0 +1,89 @@
+"""State edited by hand exactly one step past a bound: counted as an error, and nothing else touched.
+
+A mutation run (session 37, helper-129) moved each bound the kernels check on stored values by one
+(``<`` to ``<=``, ``limit`` to ``limit + 1``) and found these edits untested: each test below fails
+on such a mutant (on the numba backend; the reference backend is checked alike), and passes on
+every CPU backend as written. ``tests/test_safety.py`` covers edits far past the bounds.
+"""
+
+import pytest
+import torch
+
+import tpool
+from tpool.kernels import layout as L
+from tpool.serving import PagedKVCache
+
+from conftest import i32
+
+
+def test_a_pop_below_the_free_stack_hands_out_no_page_and_is_counted(backend):
+    """An alloc whose eviction finds none of the CACHED pages the (edited) count promised pops below the
+    bottom of the free stack: those pops are -1 and counted. Unchecked, the index wraps to the top of the
+    stack and hands out pages already USED (the first alloc's) a second time."""
+    pool = tpool.PagePool(4, 4, device="cpu", backend=backend)
+    first = pool.alloc(i32([2])).pages[:2].tolist()
+    pool.state.counters[L.CACHED_COUNT] = 2               # 2 CACHED pages on no LRU queue
+    got = pool.alloc(i32([4]), evict=True).pages[:4].tolist()
+    assert not set(first) & {p for p in got if p >= 0}, (first, got)
+    assert got[2:] == [-1, -1]
+    assert pool.stats()["errors.corrupt_state"] == 3       # the eviction that found nothing, two pops below 0
+
+
+def test_a_release_of_a_row_one_token_past_its_limit_counts_it_and_frees_nothing(backend):
+    """A length of limit + 1 is corrupt: the release leaves the row alone and counts it. Taken as valid, it
+    reads one block-table entry past the row (the next row's first page) and frees that page."""
+    pool = tpool.PagePool(16, 4, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 4, 4)                    # a row holds 4 pages of 4 tokens
+    table.extend(i32([0, 1]), i32([16, 4]), max_tokens=20)
+    table.seq_lens[0] = 17
+    table.release(i32([0]))
+    assert int(pool.state.counters[L.ERR_CORRUPT_STATE]) == 1
+    assert table.seq_lens[:2].tolist() == [17, 4]
+    assert pool.stats()["pages.free.current"] == 11        # row 1's first page least of all
+
+
+def test_an_extend_of_a_row_one_token_past_its_limit_is_corrupt_not_an_overflow(backend):
+    pool = tpool.PagePool(16, 4, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 4, 4)
+    table.extend(i32([0]), i32([16]), max_tokens=16)
+    table.seq_lens[0] = 17
+    res = table.extend(i32([0]), i32([0]), max_tokens=1)
+    assert res.ok.tolist() == [False]
+    c = pool.state.counters
+    assert int(c[L.ERR_CORRUPT_STATE]) == 1 and int(c[L.ERR_TABLE_OVERFLOW]) == 0
+    assert int(table.seq_lens[0]) == 17
+
+
+def test_an_lru_queue_spanning_one_position_past_its_length_evicts_nothing(backend):
+    """Queue positions spanning Q + 1 (an edited tail) are out of bounds: the eviction takes nothing and
+    counts it."""
+    pool = tpool.PagePool(4, 4, device="cpu", backend=backend)
+    pool.free(pool.alloc(i32([1])).pages[:1].clone(), cache=True)  # one CACHED page, its entry at 0
+    c = pool.state.counters
+    assert [int(c[i]) for i in (L.LRU_HEAD, L.LRU_HOLE, L.LRU_SCAN, L.LRU_TAIL)] == [0, 0, 0, 1]
+    c[L.LRU_TAIL] = L.LRU_FACTOR * 4 + 1
+    pool.evict(1)
+    assert int(c[L.ERR_CORRUPT_STATE]) == 1
+    assert pool.stats()["pages.cached.current"] == 1
+
+
+def test_a_release_counts_one_bad_request_per_bad_lane(backend):
+    """Not an edit, but the same count: an id past the rows and a repeated id are one bad_request each
+    (padding none), and the row is released once."""
+    pool = tpool.PagePool(16, 4, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 4, 4)
+    table.extend(i32([0]), i32([5]), max_tokens=5)
+    table.release(i32([0, 9, 0, -1]))
+    assert int(pool.state.counters[L.ERR_BAD_REQUEST]) == 2
+    assert pool.stats()["pages.free.current"] == 16
+
+
+def test_a_kv_copy_to_the_page_one_past_the_cache_is_counted_not_done():
+    """A destination of num_pages is out of the cache: counted as invalid_copy_page. Off by one it was taken
+    for a page (the scratch page) and copied into, unseen."""
+    pool = tpool.PagePool(6, 4, device="cpu", backend="reference")
+    kv = PagedKVCache.from_pool(pool, 2, 2, 3, dtype=torch.float32)
+    kv.copy_pages(i32([1]), i32([6]))
+    with pytest.raises(tpool.InvalidPage) as e:
+        kv.check()
+    assert e.value.counts == {"invalid_copy_page": 1}
