@@ -166,6 +166,11 @@ def malloc_keeps_memory():
         libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024)
 
 
+def _ratio(x) -> str:
+    """A ratio for the table: two decimals, or two significant digits below 0.01 (0.00x says nothing)."""
+    return "" if x is None else f"{x:.2f}x" if x >= 0.01 else f"{x:.2g}x"
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line: every option with its help and default."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EPILOG, formatter_class=HelpFormatter)
@@ -239,19 +244,18 @@ def main(argv=None):
     rows = []
     pools = {}  # every size at once: the sizes take turns sample by sample
     vllm = {}  # vLLM's pool of each size, in the state of the first backend's: the two take the same samples
-    with_vllm = max(args.pages) <= VLLM_MAX_PAGES
-    if not with_vllm:
-        progress(f"vllm-queue left out: a pool of more than {VLLM_MAX_PAGES:,} pages would be that many Python objects")
+    if max(args.pages) > VLLM_MAX_PAGES:
+        progress(f"vllm-queue left out of pools past {VLLM_MAX_PAGES:,} pages: that many Python objects")
     for P in args.pages:
-        progress(f"pool {P:,} pages: caching half of them" + ("; the vLLM model of it" if with_vllm else ""))
+        progress(f"pool {P:,} pages: caching half of them" + ("; the vLLM model of it" if P <= VLLM_MAX_PAGES else ""))
         pools[P] = cached_pools(P, backends, device)
-        if with_vllm:
+        if P <= VLLM_MAX_PAGES:
             vllm[P] = VllmEvict(pools[P][backends[0]])
     gc_quiet()  # vLLM's blocks are a Python object per page: no GC pass may walk them while a row times
     with malloc_keeps_memory():
         for k in args.k:
             sizes = "pool sizes taking turns" if len(pools) > 1 else f"pool {args.pages[0]:,} pages"
-            samplers = {"vllm-queue": {P: vllm_sampler(model, k) for P, model in vllm.items()}} if with_vllm else {}
+            samplers = {"vllm-queue": {P: vllm_sampler(model, k) for P, model in vllm.items()}} if vllm else {}
             samplers["numpy-argpartition"] = {P: numpy_sampler(p[backends[0]], k) for P, p in pools.items()}
             for be in backends:
                 samplers[f"tpool-{be}"] = {P: tpool_sampler(p[be], k, sync) for P, p in pools.items()}
@@ -268,8 +272,10 @@ def main(argv=None):
                 for pool in p.values():
                     pool.check()
             for P in pools:
-                base = quantiles(times["vllm-queue"][P])[0] if with_vllm else None
+                base = quantiles(times["vllm-queue"][P])[0] if P in vllm else None
                 for name, ts in times.items():
+                    if P not in ts:
+                        continue
                     med, p20, p80 = quantiles(ts[P])
                     rows.append(dict(pages=P, k=k, impl=name, median_us=med, p20_us=p20, p80_us=p80,
                                      device=str(device)))
@@ -279,7 +285,7 @@ def main(argv=None):
     gc.unfreeze()
     rows.sort(key=lambda r: (r["pages"], args.k.index(r["k"])))  # stable: the implementations keep their order
     table = [[f"{r['pages']:,}", r["k"], r["impl"], f"{r['median_us']:.1f}", f"{r['p20_us']:.1f}",
-              f"{r['p80_us']:.1f}", f"{r['vs_vllm_queue']:.2f}x" if "vs_vllm_queue" in r else ""] for r in rows]
+              f"{r['p80_us']:.1f}", _ratio(r.get("vs_vllm_queue"))] for r in rows]
     print_table(f"evict k of the oldest cached pages (half the pool cached), on {device} (us per call)",
                 ["pages", "k", "impl", "median", "p20", "p80", "vs vllm-queue"], table,
                 note="Ratios: vllm-queue's median over the row's (above 1: faster). vllm-queue: vLLM's eviction, "

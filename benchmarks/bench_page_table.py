@@ -184,6 +184,7 @@ class Turnover:
 BACKEND_ROWS = ("step", "bound step", "bound step, two StepOuts taking turns", "bound step, table-made inputs",
                 "step, graph replay", "extend + csr", "extend only", "csr only", "turnover", "turnover, one call",
                 "turnover, bound")
+BASELINES = ("numpy-blocks", "vllm-blocks")  # the ratio columns, in order
 OTHER_ROWS = ("numpy-blocks", "numpy-blocks turnover", "vllm-blocks", "vllm-blocks turnover", "tpool-reference step",
               "floor: np.copyto of the CSR's page ids")
 
@@ -391,43 +392,51 @@ def main(argv=None):
         gc_quiet()  # the baselines' P-element Python lists must not slow every GC pass
         if not configs:
             continue
-        base = {P: {} for P in configs}
+        if args.pool_sizes:
+            progress("vllm-blocks left out of a pool-size sweep: a page would be a Python object")
+        base = {P: {} for P in configs}  # P -> (baseline, kind) -> (warm, cold) medians
         for name in next(iter(configs.values())):
             kind = next(iter(configs.values()))[name][2]
             progress(f"B={B}: {name}" + (", pool sizes taking turns" if len(configs) > 1 else ""))
             runs = {P: (impls[name][0], make_reset(impls[name][0], impls[name][1])) for P, impls in configs.items()}
             timed = time_row(runs, args, sync, flush, kind)
             for P, (warm, cold) in timed.items():
-                if name.startswith("numpy-blocks"):  # the baseline of its kind: rows after it get a ratio
-                    base[P][kind] = (warm[0], cold[0] if cold else None)
+                for b in BASELINES:  # the baselines of its kind: rows after them get a ratio
+                    if name.startswith(b):
+                        base[P][b, kind] = (warm[0], cold[0] if cold else None)
                 row = dict(batch=B, num_pages=P or impls_pages(configs[P]), impl=name, kind=kind,
                            median_us=warm[0], p20_us=warm[1], p80_us=warm[2], device=str(device))
-                if kind in base[P]:
-                    row["vs_numpy_blocks"] = base[P][kind][0] / warm[0]
                 if cold:
                     row.update(cold_median_us=cold[0], cold_p20_us=cold[1], cold_p80_us=cold[2])
-                    if base[P].get(kind, (0, None))[1]:
-                        row["cold_vs_numpy_blocks"] = base[P][kind][1] / cold[0]
+                for b in BASELINES:
+                    key, (w, c) = b.replace("-", "_"), base[P].get((b, kind), (None, None))
+                    if w and name != b + (" turnover" if kind == "turnover" else ""):
+                        row[f"vs_{key}"] = w / warm[0]
+                        if c and cold:
+                            row[f"cold_vs_{key}"] = c / cold[0]
                 rows.append(row)
+                ratio = lambda k: f"{row[k]:.2f}x" if k in row else ""  # noqa: E731
                 cells = [B] + ([f"{P:,}"] if args.pool_sizes else []) + [
                     name, f"{warm[0]:.2f}", f"{warm[1]:.2f}", f"{warm[2]:.2f}",
-                    f"{row['vs_numpy_blocks']:.2f}x" if "vs_numpy_blocks" in row else ""]
+                    *(ratio(f"vs_{b.replace('-', '_')}") for b in BASELINES)]
                 if args.cold:
                     cells += [f"{cold[0]:.2f}", f"{cold[1]:.2f}", f"{cold[2]:.2f}",
-                              f"{row['cold_vs_numpy_blocks']:.2f}x" if "cold_vs_numpy_blocks" in row else ""] \
-                        if cold else ["", "", "", ""]
+                              *(ratio(f"cold_vs_{b.replace('-', '_')}") for b in BASELINES)] \
+                        if cold else [""] * (3 + len(BASELINES))
                 table_rows.append(cells)
         del configs
         gc.unfreeze()
-    header = ["B"] + (["pool pages"] if args.pool_sizes else []) + ["impl", "median", "p20", "p80", "vs numpy-blocks"]
+    header = ["B"] + (["pool pages"] if args.pool_sizes else []) + ["impl", "median", "p20", "p80"] + [
+        f"vs {b}" for b in BASELINES]
     if args.cold:
-        header += ["cold median", "cold p20", "cold p80", "cold vs numpy-blocks"]
+        header += ["cold median", "cold p20", "cold p80"] + [f"cold vs {b}" for b in BASELINES]
     print_table(f"decode step (extend 1 token + slot mapping + FlashInfer CSR), page size {PAGE_SIZE}, "
                 f"prompts {PROMPTS[0]}-{PROMPTS[1]} tokens, on {device} (us per step"
                 + (f"; cold: {args.cold_bytes >> 20} MiB written before each call" if args.cold else "") + ")",
                 header, table_rows,
-                note="Ratios: numpy-blocks' median over the row's, of the same kind (decode or turnover; above 1: "
-                     "faster); extend-only, csr-only and floor rows have none. numpy-blocks: the host truth in numpy, "
+                note="Ratios: the baseline's median over the row's, of the same kind (decode or turnover; above 1: "
+                     "faster); extend-only, csr-only and floor rows have none, nor vllm-blocks in a pool-size sweep "
+                     "(left out). numpy-blocks: the host truth in numpy, "
                      "every step vectorised (the pages popped in one slice, the slot mapping as vLLM V1's model "
                      "runner computes it, the CSR's page ids by a boolean mask), no Python loop per request. "
                      "vllm-blocks: vLLM V1's host KV-cache work per step (allocate_slots per request on its free "

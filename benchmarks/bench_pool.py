@@ -228,17 +228,18 @@ def main(argv=None):
                  f"{' '.join(map(str, pool_sizes))}), got {' '.join(map(str, too_big))}")
     sync = sync_of(device)
     rows, table = [], []
-    skip = ("vllm-queue",) if max(pool_sizes) > VLLM_MAX_PAGES else ()
-    if skip:
-        progress(f"vllm-queue left out: a pool of more than {VLLM_MAX_PAGES:,} pages would be that many Python objects")
+    if max(pool_sizes) > VLLM_MAX_PAGES:
+        progress(f"vllm-queue left out of pools past {VLLM_MAX_PAGES:,} pages: that many Python objects")
     for n in args.sizes:
-        configs = {P: pair_fns(n, P, device, backends, skip=skip) for P in pool_sizes}  # every size at once (n <= P)
+        configs = {P: pair_fns(n, P, device, backends, skip=("vllm-queue",) if P > VLLM_MAX_PAGES else ())
+                   for P in pool_sizes}  # every size at once (n <= P: main)
         gc_quiet()  # the baselines' P-element Python lists must not slow every GC pass
         med_of = {P: {} for P in configs}
-        for name in next(iter(configs.values())):
+        for name in dict.fromkeys(name for fns in configs.values() for name in fns):  # (in order, once each)
             progress(f"N={n}: {name}" + (", pool sizes taking turns" if len(configs) > 1 else
                                          f", pool {next(iter(configs)):,} pages"))
-            timed = time_row({P: fns[name] for P, fns in configs.items()}, args.inner, args.samples, sync)
+            timed = time_row({P: fns[name] for P, fns in configs.items() if name in fns}, args.inner, args.samples,
+                             sync)
             for P, us in timed.items():
                 med, p20, p80 = quantiles(us)
                 med_of[P][name] = med
@@ -265,7 +266,9 @@ def main(argv=None):
                             "the pool's device. torch-slice: SGLang's page_size-1 allocator (N token slots, not "
                             "pages). host-list: a Python list's slice and extend, the floor of a host free list "
                             "(no engine's design), which a pool whose state lives on the device and never syncs "
-                            "is not built to beat on a CPU.")
+                            "is not built to beat on a CPU. sglang-paged and torch-slice free by concatenating onto the "
+                            "whole free tensor, as SGLang does: their time grows with the pool. vllm-queue is left out "
+                            "of pools past 4,194,304 pages (a Python object per page).")
     write_json(args.json, "bench_pool", rows)
     if args.plot:
         sweep = len(pool_sizes) > 1

@@ -268,6 +268,22 @@ def test_pool_size_sweeps_and_plots(tmp_path, capsys):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+def test_a_sweep_past_the_vllm_models_size_keeps_its_ratios_for_the_smaller_pools(tmp_path, capsys):
+    """vllm-queue is a Python object per page: left out of pools past VLLM_MAX_PAGES only (here 600), so the
+    smaller pools of a sweep keep their ratio against it and the larger ones show none, not a wrong one."""
+    for name, argv in (("bench_pool", ["--sizes", "1", "--pool-sizes", "512", "1024", "--inner", "2"]),
+                       ("bench_evict", ["--pool-sizes", "512", "1024", "--k", "1"])):
+        module, out = load(name), tmp_path / f"{name}.json"
+        module.VLLM_MAX_PAGES = 600  # (the module's own name for it: a fresh copy of the module)
+        module.main(argv + ["--samples", "3", "--backends", "numba", "--json", str(out)])
+        rows = json.loads(out.read_text())["rows"]
+        size = "num_pages" if name == "bench_pool" else "pages"
+        assert {r[size] for r in rows if r["impl"] == "vllm-queue"} == {512}, name
+        for r in rows:
+            assert ("vs_vllm_queue" in r) == (r[size] == 512), (name, r)
+    assert "left out of pools past 600 pages" in capsys.readouterr().err
+
+
 def test_churn_cold_mode_reports_warm_and_cold_and_plots_every_step(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "churn.json", tmp_path / "churn.png"
