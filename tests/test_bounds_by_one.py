@@ -1,0 +1,174 @@
+"""The façade's bounds at their edge: exactly at a bound passes, one past it is refused as documented.
+
+A mutation run (session 37, helper-134) moved each of these checks by one and no test noticed; each
+test below fails on its mutant (the name's prefix is the mutant's id in the report).
+"""
+
+import pytest
+import torch
+
+import tpool
+from tpool.scheduling import HostMirror, PrefixCache
+
+from conftest import i32 as _i32
+
+PS = 4
+
+
+def test_p08_insert_of_the_row_one_past_the_mirror_is_a_value_error(backend):
+    """insert(row = number of rows): ValueError naming a running row (P08: row <= live.size let it
+    through to live[row], an IndexError)."""
+    pool = tpool.PagePool(16, page_size=PS, device="cpu", backend=backend)
+    m = HostMirror(tpool.PageTable(pool, 4, 8), free=16, cached=0)
+    cache = PrefixCache(m)
+    m.admit([5])
+    with pytest.raises(ValueError, match="expected a running row"):
+        cache.insert(m.live.size, [1, 2, 3, 4])
+    assert len(cache) == 0
+
+
+def test_f02_free_group_capacity_one_past_the_limit_is_refused(backend):
+    """capacity max(4096, 2 * num_pages) is accepted, one more refused (F02: > most + 1)."""
+    pool = tpool.PagePool(8, page_size=PS, device="cpu", backend=backend)
+    with pool.free_group(capacity=4096):
+        pass
+    with pytest.raises(ValueError, match="capacity: expected at most 4096"):
+        pool.free_group(capacity=4097)
+    big = tpool.PagePool(3000, page_size=PS, device="cpu", backend=backend)
+    with big.free_group(capacity=6000):
+        pass
+    with pytest.raises(ValueError, match="capacity: expected at most 6000"):
+        big.free_group(capacity=6001)
+
+
+def test_f03_a_free_of_exactly_capacity_pages_is_deferred(backend):
+    """A free of exactly `capacity` ids fits the buffer: deferred to the group's exit, not applied at
+    once (F03: n >= capacity applied it in the group)."""
+    pool = tpool.PagePool(8, page_size=PS, device="cpu", backend=backend)
+    pages = pool.alloc(_i32([4])).pages[:4].clone()
+    assert pool.available() == 4
+    with pool.free_group(capacity=4) as group:
+        pool.free(pages)
+        assert pool.available() == 4 and group.flushes == 0   # still held: deferred
+    assert pool.available() == 8 and group.flushes == 1
+
+
+def test_f04_a_ninth_distinct_group_capacity_is_refused(backend):
+    """A pool keeps MAX_CAPACITIES (8) group buffers: the 9th distinct capacity is refused, a known
+    one still accepted (F04: > MAX_CAPACITIES let a 9th buffer in)."""
+    from tpool.free_group import MAX_CAPACITIES
+    pool = tpool.PagePool(8, page_size=PS, device="cpu", backend=backend)
+    for c in range(1, MAX_CAPACITIES + 1):
+        with pool.free_group(capacity=c):
+            pass
+    with pytest.raises(ValueError, match="group capacities"):
+        pool.free_group(capacity=MAX_CAPACITIES + 1)
+    assert len(pool._group_buffers) == MAX_CAPACITIES
+    with pool.free_group(capacity=1):
+        pass
+
+
+def test_f05_an_enqueue_one_past_the_buffer_flushes_first(backend):
+    """Buffered 2 of capacity 4, then 3 more (one past): what is buffered is applied first and the
+    3 buffered (F05: > capacity + 1 skipped the flush and copied 3 ids into 2 places)."""
+    pool = tpool.PagePool(8, page_size=PS, device="cpu", backend=backend)
+    pages = pool.alloc(_i32([5])).pages[:5].clone()
+    assert pool.available() == 3
+    with pool.free_group(capacity=4) as group:
+        pool.free(pages[:2].clone())
+        pool.free(pages[2:].clone())
+        assert pool.available() == 5 and group.flushes == 1
+    assert pool.available() == 8 and group.flushes == 2
+    pool.check_invariants()
+
+
+def test_t04_bind_step_batch_one_past_max_batch_is_refused_as_batch(backend):
+    """bind_step(batch=max_batch + 1) is refused naming batch, before any buffer is made (T04:
+    > max_batch + 1 let it reach the req_ids check instead, after allocating)."""
+    pool = tpool.PagePool(16, page_size=PS, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 4, 4)
+    mb = pool.max_batch
+    table.bind_step(batch=mb)
+    kept = table.kept_shapes()
+    with pytest.raises(ValueError, match=f"batch: expected at most max_batch={mb} lanes, got {mb + 1}"):
+        table.bind_step(batch=mb + 1)
+    assert table.kept_shapes() == kept
+
+
+def test_t08_max_tokens_one_past_most_tokens_is_refused(backend):
+    """max_tokens = most_tokens is accepted, one more refused (T08: > most_tokens + 1)."""
+    pool = tpool.PagePool(16, page_size=PS, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 4, 4)
+    ids, n = _i32([0]), _i32([1])
+    table.extend(ids, n, max_tokens=table.most_tokens)
+    with pytest.raises(ValueError, match=f"max_tokens: expected at most {table.most_tokens}"):
+        table.extend(_i32([1]), _i32([1]), max_tokens=table.most_tokens + 1)
+    with pytest.raises(ValueError, match=f"max_tokens: expected at most {table.most_tokens}"):
+        table.step(_i32([1]), _i32([1]), max_tokens=table.most_tokens + 1)
+    assert table.seq_lens.tolist() == [1, 0, 0, 0]
+
+
+def test_t10_step_release_one_past_max_batch_is_refused(backend):
+    """step(release=) of max_batch + 1 ids is refused by the release check (T10: <= max_batch + 1
+    let it through unchecked to the backend)."""
+    pool = tpool.PagePool(16, page_size=PS, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 4, 4)
+    table.extend(_i32([0]), _i32([3]), max_tokens=3)
+    mb = pool.max_batch
+    with pytest.raises(ValueError, match=f"release: expected at most {mb} entries, got {mb + 1}"):
+        table.step(_i32([1]), _i32([1]), release=torch.full((mb + 1,), -1, dtype=torch.int32))
+    assert table.seq_lens.tolist() == [3, 0, 0, 0]
+
+
+class _Storage:
+    def __init__(self, lo, n):
+        self.lo, self.n = lo, n
+
+    def data_ptr(self):
+        return self.lo
+
+    def nbytes(self):
+        return self.n
+
+
+def test_c03_a_storage_starting_where_a_written_range_ends_does_not_overlap():
+    """Byte ranges are half-open: [200, 250) does not overlap [100, 200) (C03: reach >= lo flagged it),
+    [199, 250) does."""
+    from tpool._checks import Written
+    w = Written({100: 200})
+    assert not w.storage_hit(_Storage(200, 50))
+    assert w.storage_hit(_Storage(199, 50))
+    assert not w.storage_hit(_Storage(50, 50))     # [50, 100): ends where the range starts
+    assert w.storage_hit(_Storage(50, 51))
+    # real tensors: two halves of one buffer, seen as separate storages over adjacent memory
+    base = torch.zeros(8, dtype=torch.int32)
+    a = torch.from_numpy(base.numpy()[:4])
+    b = torch.from_numpy(base.numpy()[4:])
+    from tpool._checks import written_storages
+    assert not written_storages([a]).hit(b) and not written_storages([b]).hit(a)
+
+
+def test_b01_a_bound_release_shrunk_in_place_is_stale(backend):
+    """release.resize_(1) keeps the address and the storage's size but not the length: stale (B01:
+    without the length compare the call ran and consumed 2 ids of a 1-id tensor)."""
+    table = tpool.PageTable(tpool.PagePool(64, PS, device="cpu", backend=backend), 4, 8)
+    ids, ntok, rel = _i32([0, 1]), _i32([3, 5]), _i32([-1, -1])
+    run = table.bind_step(ids, ntok, max_tokens=8, release=rel)
+    run()
+    before = [t.clone() for t in (table.seq_lens, table.block_table)]
+    rel.resize_(1)                       # same data_ptr, same storage nbytes, numel 1
+    with pytest.raises(tpool.StaleBinding, match="release"):
+        run()
+    assert all(torch.equal(a, b) for a, b in zip(before, (table.seq_lens, table.block_table)))
+
+
+def test_x01_an_entry_equal_to_num_pages_breaks_the_page_id_invariant(backend):
+    """A hand-edited entry of num_pages (one past the last page) is an InvariantViolation naming it
+    (X01: bt > num_pages let it through to a scatter out of bounds, a RuntimeError)."""
+    from tpool.errors import InvariantViolation
+    pool = tpool.PagePool(8, page_size=PS, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 4, 4)
+    table.extend(_i32([0]), _i32([3]), max_tokens=3)
+    table.block_table[0, 0] = pool.num_pages
+    with pytest.raises(InvariantViolation, match="are page ids"):
+        table.check_invariants()
