@@ -1,14 +1,19 @@
 """The façade's bounds at their edge: exactly at a bound passes, one past it is refused as documented.
 
-A mutation run (session 37, helper-134) moved each of these checks by one and no test noticed; each
-test below fails on its mutant (the name's prefix is the mutant's id in the report).
+Two mutation runs (session 37, helper-134 and -136) moved each of these checks by one and no test
+noticed; each test below fails on its mutant (the name's prefix is the mutant's id in the reports).
 """
+
+import copy
 
 import pytest
 import torch
 
 import tpool
+from tpool.memory.owned_cache import OwnedCache
+from tpool.memory.planner import PlanError, plan_pages
 from tpool.scheduling import HostMirror, PrefixCache
+from tpool.state import pool_state_bytes
 
 from conftest import i32 as _i32
 
@@ -172,3 +177,113 @@ def test_x01_an_entry_equal_to_num_pages_breaks_the_page_id_invariant(backend):
     table.block_table[0, 0] = pool.num_pages
     with pytest.raises(InvariantViolation, match="are page ids"):
         table.check_invariants()
+
+
+# The planner, the owned cache, forward_step's checks and the mixed step (helper-136).
+
+PAGE = 4096
+
+
+def test_q01_a_zero_fraction_is_refused_as_a_fraction():
+    """mem_fraction_static=0 is outside (0, 1] (Q01: 0 <= f let it through to a 0-page plan)."""
+    for f in (0, 0.0):
+        with pytest.raises(ValueError, match=r"mem_fraction_static: expected a float in \(0, 1\]"):
+            plan_pages(PAGE, f, total_bytes=1 << 30, free_bytes=1 << 30, min_pages=0)
+
+
+def test_q02_free_one_byte_past_total_is_refused():
+    """free = total passes, total + 1 is refused (Q02: free > total + 1)."""
+    plan_pages(PAGE, 0.5, total_bytes=1 << 30, free_bytes=1 << 30)
+    with pytest.raises(ValueError, match="free_bytes must be <= total_bytes"):
+        plan_pages(PAGE, 0.5, total_bytes=1 << 30, free_bytes=(1 << 30) + 1)
+
+
+def test_q04_room_beside_the_pool_exactly_what_it_takes_fits():
+    """left_after(pages) == scratch page + pool state is room enough (Q04: > need refused it)."""
+    n = 1000
+    total = n * PAGE + PAGE + pool_state_bytes(n)
+    p = plan_pages(PAGE, 1.0, total_bytes=total, free_bytes=total, max_pages=n)
+    assert p.num_pages == n
+    with pytest.raises(PlanError):   # one byte less is refused
+        plan_pages(PAGE, 1.0, total_bytes=total - 1, free_bytes=total - 1, max_pages=n)
+
+
+def test_q06_a_suggested_fraction_of_exactly_one_is_suggested():
+    """min_pages that only mem_fraction_static=1.0 gives: suggested 1.0 (Q06: step < 100 made it None)."""
+    n, BIG = 1000, 1 << 20   # pages dwarf the pool state
+    total = n * BIG + BIG + pool_state_bytes(n)
+    assert n * BIG * 100 > 99 * total   # ceil(need / total * 100) == 100
+    with pytest.raises(PlanError) as info:
+        plan_pages(BIG, 0.5, total_bytes=total, free_bytes=total, min_pages=n, max_pages=n)
+    assert info.value.suggested_fraction == 1.0
+    assert plan_pages(BIG, 1.0, total_bytes=total, free_bytes=total, min_pages=n, max_pages=n).num_pages == n
+
+
+def test_o01_a_budget_one_byte_below_the_pinned_charge_is_refused():
+    """set_budget(pinned charge) passes, one byte less is a ValueError, nothing changed (O01: > budget + 1)."""
+    cache = OwnedCache(1 << 20)
+    cache.put("a", torch.ones(256))
+    cache.pin("a")
+    charged = cache.stats().current_bytes
+    with pytest.raises(ValueError, match="pinned entries are charged"):
+        cache.set_budget(charged - 1)
+    assert cache.budget_bytes == 1 << 20 and cache.keys() == ["a"]
+    cache.set_budget(charged)
+    assert cache.budget_bytes == charged and cache.keys() == ["a"]
+
+
+def test_h02_input_ids_one_short_of_max_tokens_are_refused():
+    """input_ids of max_tokens - 1 ids: ValueError before the forward (H02: numel() > t let it through)."""
+    pytest.importorskip("transformers")
+    from test_serving_refusals import _ctx, _llama, _untouched
+    from tpool.serving.hf import forward_step
+    model = _llama()
+    ctx = _ctx(model)   # max_tokens 8
+    with pytest.raises(ValueError, match=r"input_ids: expected shape \(8,\)"):
+        forward_step(model, torch.zeros(7, dtype=torch.long), ctx)
+    assert _untouched(ctx)
+
+
+def test_h03_a_model_with_one_of_two_layers_through_the_pages_is_refused():
+    """Layer 1 attends eagerly (its own config), layer 0 through ctx: 'got 1' (H03: layers + 1 < layers)."""
+    pytest.importorskip("transformers")
+    from test_serving_refusals import _ctx, _llama
+    from tpool.serving.hf import forward_step
+    model = _llama()
+    attn = model.model.layers[1].self_attn
+    attn.config = copy.deepcopy(attn.config)
+    attn.config._attn_implementation = "eager"
+    ctx = _ctx(model)
+    with pytest.raises(ValueError, match="model: expected all 2 layers to attend through tpool_paged, got 1"):
+        forward_step(model, torch.zeros(8, dtype=torch.long), ctx)
+
+
+def _mirror():
+    pool = tpool.PagePool(16, page_size=4, device="cpu", backend="reference")
+    return HostMirror(tpool.PageTable(pool, 2, 4), free=16, cached=0)
+
+
+def _books(m):
+    return m.free, m.reserved, m.rows_free, m.live.tolist(), m.hi.tolist()
+
+
+def test_x03_max_tokens_one_past_most_tokens_is_refused_before_the_mirror_changes():
+    """step(max_tokens=most_tokens + 1): ValueError, books unchanged (X03: > most + 1 left it to the table)."""
+    m = _mirror()
+    (a,) = m.admit([4])
+    before = _books(m)
+    with pytest.raises(ValueError, match="max_tokens: expected at most"):
+        m.step([a], 1, [3], max_tokens=m.table.most_tokens + 1)
+    assert _books(m) == before
+
+
+def test_x05_one_prompt_more_than_the_free_rows_is_would_not_fit_unchanged():
+    """All rows taken: step with one prompt is WouldNotFit, books unchanged (X05: rows_free + 1)."""
+    from tpool.scheduling import WouldNotFit
+    m = _mirror()
+    m.admit([4, 4])
+    assert m.rows_free == 0
+    before = _books(m)
+    with pytest.raises(WouldNotFit, match="prompts need rows"):
+        m.step([], 1, [3])
+    assert _books(m) == before
