@@ -12,7 +12,7 @@ import torch
 import tpool
 from tpool.memory.owned_cache import OwnedCache
 from tpool.memory.planner import PlanError, plan_pages
-from tpool.scheduling import HostMirror, PrefixCache
+from tpool.scheduling import HostMirror, PrefixCache, WouldNotFit
 from tpool.state import pool_state_bytes
 
 from conftest import i32 as _i32
@@ -279,7 +279,6 @@ def test_x03_max_tokens_one_past_most_tokens_is_refused_before_the_mirror_change
 
 def test_x05_one_prompt_more_than_the_free_rows_is_would_not_fit_unchanged():
     """All rows taken: step with one prompt is WouldNotFit, books unchanged (X05: rows_free + 1)."""
-    from tpool.scheduling import WouldNotFit
     m = _mirror()
     m.admit([4, 4])
     assert m.rows_free == 0
@@ -287,3 +286,80 @@ def test_x05_one_prompt_more_than_the_free_rows_is_would_not_fit_unchanged():
     with pytest.raises(WouldNotFit, match="prompts need rows"):
         m.step([], 1, [3])
     assert _books(m) == before
+
+
+# The mirror's fork, revive, out= and admission-only step (helper-136's list, run after its report).
+
+def _full_mirror(backend):
+    """4 pages of 4, rows of 4 pages: a and b admitted with 8 tokens each (max_len 8), b finished into the
+    cache: 0 free, 2 CACHED (b's pages, returned too), capacity 16 tokens."""
+    pool = tpool.PagePool(4, page_size=PS, device="cpu", backend=backend)
+    m = HostMirror(tpool.PageTable(pool, 4, 4), free=4, cached=0)
+    a, b = m.admit([8, 8], [8, 8])
+    pages = m.table.block_table[b, :2].clone()
+    m.finish([b], cache=True)
+    assert (m.free, m.cached, m.unreserved, m.capacity) == (0, 2, 0, 16)
+    return pool, m, a, pages
+
+
+def test_y01_y04_fork_and_revive_take_max_len_up_to_the_capacity_and_no_further(backend):
+    pool = tpool.PagePool(32, page_size=PS, device="cpu", backend=backend)
+    m = HostMirror(tpool.PageTable(pool, 4, 4), free=32, cached=0)
+    (a,) = m.admit([8])
+    cap = m.capacity
+    with pytest.raises(ValueError, match="fork: expected"):
+        m.fork(a, 8, max_len=cap + 1)
+    with pytest.raises(ValueError, match="revive: expected"):
+        m.revive(m.table.block_table[a, :2].clone(), 8, max_len=cap + 1)
+    m.fork(a, 8, max_len=cap)
+    m.revive(m.table.block_table[a, :2].clone(), 8, max_len=cap)
+    pool.check()
+
+
+def test_y02_a_fork_needing_a_copy_page_with_none_free_is_refused_though_cached_pages_count(backend):
+    """The copy-on-write page comes from free pages, which count_cached does not add to (Y02: cow > free + 1
+    let the fork through with 0 free)."""
+    pool, m, a, _ = _full_mirror(backend)
+    before = _books(m)
+    with pytest.raises(WouldNotFit, match="fork: needs 1 page"):
+        m.fork(a, 6, max_len=6, count_cached=True)
+    assert _books(m) == before
+
+
+def test_y05_a_revive_counts_the_cached_pages_it_takes_out_of_its_room(backend):
+    """Reviving both CACHED pages leaves none to evict for its reservation (Y05: evictable - k + 1 counted
+    one)."""
+    pool, m, a, pages = _full_mirror(backend)
+    before = _books(m)
+    with pytest.raises(WouldNotFit, match="revive: its reservation needs pages"):
+        m.revive(pages, 8, max_len=9, count_cached=True)
+    assert _books(m) == before
+    m.revive(pages, 8, max_len=8, count_cached=True)      # no reservation needed: runs
+    pool.check()
+
+
+def test_y09_a_step_one_token_past_its_stepout_is_refused_before_the_mirror_changes(backend):
+    pool = tpool.PagePool(32, page_size=PS, device="cpu", backend=backend)
+    m = HostMirror(tpool.PageTable(pool, 4, 8), free=32, cached=0)
+    rows = m.admit([4, 4])
+    before = _books(m)
+    with pytest.raises(ValueError, match="out: the step has 2 lanes and 4 tokens"):
+        m.decode(rows, 2, out=m.table.step_out(2, max_tokens=3))
+    assert _books(m) == before
+    m.decode(rows, 2, out=m.table.step_out(2, max_tokens=4))
+    pool.check()
+
+
+def test_x06_an_admission_only_step_one_page_past_the_unreserved_ones_does_not_fit(backend):
+    """No decode lanes: the prompts' pages and reservations against the unreserved pages (X06: admit >
+    unreserved + 1 let one page too many through)."""
+    pool = tpool.PagePool(5, page_size=PS, device="cpu", backend=backend)
+    m = HostMirror(tpool.PageTable(pool, 4, 8), free=5, cached=0)
+    m.admit([4], [4])                                     # 1 page, no reservation: 4 unreserved
+    assert m.unreserved == 4 and m.capacity == 20
+    before = _books(m)
+    with pytest.raises(WouldNotFit):
+        m.step([], 1, [17], [20])                         # 5 pages with its reservation
+    assert _books(m) == before
+    m.step([], 1, [16], [16])                             # 4: fits
+    pool.check()
