@@ -41,8 +41,9 @@ the rest of vLLM's scheduler not counted). tpool's step also writes positions,
 GPU as vLLM does: into pinned buffers kept from step to step, then a
 non-blocking copy each. Their turnover rows release and admit the same
 requests. ``vllm-blocks`` is left out of a pool-size sweep (a page is a Python
-object). Each row's ratio is against ``numpy-blocks`` of its kind (decode or
-turnover), above 1 tpool is faster.
+object). Each row has a ratio against each baseline of its kind (decode or
+turnover), ``vs numpy-blocks`` and ``vs vllm-blocks``: the baseline's median over
+the row's, above 1 the row is faster.
 
 ``--cold``: in a serving loop the forward pass evicts the CPU caches between two
 scheduler steps. This mode also times the decode and turnover rows (and their
@@ -81,12 +82,14 @@ from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, calibrate, check_b
 import tpool  # noqa: E402
 
 EPILOG = ("Progress goes to stderr, one line per row. Rows: numpy-blocks (a host block table in numpy, every step "
-          "vectorised, the CSR built on the host: the ratios' baseline), vllm-blocks (vLLM V1's per-step host "
+          "vectorised, the CSR built on the host), vllm-blocks (vLLM V1's per-step host "
           "KV-cache work: its free queue of block objects, a Python loop per request, its numpy block table, the "
           "slot mapping, indptr and the rows handed over; the CSR's page ids, which vLLM gathers on the GPU, not "
           "counted; not in a --pool-sizes sweep), "
           "tpool's step, bound step, extend + csr, extend only, csr only, turnover (release then step, in one "
-          "call, and bound), the reference step and an np.copyto floor (CPU).")
+          "call, and bound), the reference step and an np.copyto floor (CPU). Ratios 'vs numpy-blocks' and 'vs "
+          "vllm-blocks': that baseline's median over the row's, of the same kind (decode or turnover; above 1: "
+          "the row is faster).")
 from tpool.graphs import capture, state_tensors  # noqa: E402
 
 PAGE_SIZE = 16
