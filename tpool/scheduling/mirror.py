@@ -399,8 +399,13 @@ class HostMirror(MixedSteps, Accounting):
         row is finished or cut below it.
         """
         self.length_bounds(row)  # (checks row: a running row)
-        keep = self.shared[row] if self.prefix_cache is None else max(self.shared[row], self.named[row])
-        return int(keep) * self.page_size
+        return int(self._kept_pages(row)) * self.page_size
+
+    def _kept_pages(self, r):
+        """How many head pages of rows ``r`` bound a truncate (:meth:`shared_prefix`): the possibly-shared ones
+        (no length may end inside them) or, with a prefix cache on the mirror, those and the ones it names
+        (no length may go below them)."""
+        return self.shared[r] if self.prefix_cache is None else np.maximum(self.shared[r], self.named[r])
 
     def truncate(self, rows, new_lens) -> None:
         """Roll rows back to host-known lengths (``new_lens[i] <= `` the row's sure length, ``length_bounds``).
@@ -469,7 +474,7 @@ class HostMirror(MixedSteps, Accounting):
         ``use_after_free``); a named page written again would hold other K/V than its entry says.
         ``shared`` is a bound, so this may refuse a page whose other holders are gone; such a row
         is finished, never cut below its prefix."""
-        keep = np.maximum(self.shared[r], self.named[r])
+        keep = self._kept_pages(r)
         below = lens < keep * self.page_size
         if below.any():
             raise ValueError(f"{what}: rows {r[below].tolist()} would drop pages they may share or that the "
