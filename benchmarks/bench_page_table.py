@@ -187,7 +187,7 @@ class Turnover:
 BACKEND_ROWS = ("step", "bound step", "bound step, two StepOuts taking turns", "bound step, table-made inputs",
                 "step, graph replay", "extend + csr", "extend only", "csr only", "turnover", "turnover, one call",
                 "turnover, bound")
-BASELINES = ("numpy-blocks", "vllm-blocks")  # the ratio columns, in order
+BASELINES = {"numpy-blocks": "numpy_blocks", "vllm-blocks": "vllm_blocks"}  # the ratio columns (row -> JSON key)
 OTHER_ROWS = ("numpy-blocks", "numpy-blocks turnover", "vllm-blocks", "vllm-blocks turnover", "tpool-reference step",
               "floor: np.copyto of the CSR's page ids")
 
@@ -411,9 +411,9 @@ def main(argv=None):
                            median_us=warm[0], p20_us=warm[1], p80_us=warm[2], device=str(device))
                 if cold:
                     row.update(cold_median_us=cold[0], cold_p20_us=cold[1], cold_p80_us=cold[2])
-                for b in BASELINES:
-                    key, (w, c) = b.replace("-", "_"), base[P].get((b, kind), (None, None))
-                    if w and name != b + (" turnover" if kind == "turnover" else ""):
+                for b, key in BASELINES.items():
+                    w, c = base[P].get((b, kind), (None, None))
+                    if w:
                         row[f"vs_{key}"] = w / warm[0]
                         if c and cold:
                             row[f"cold_vs_{key}"] = c / cold[0]
@@ -421,10 +421,10 @@ def main(argv=None):
                 ratio = lambda k: f"{row[k]:.2f}x" if k in row else ""  # noqa: E731
                 cells = [B] + ([f"{P:,}"] if args.pool_sizes else []) + [
                     name, f"{warm[0]:.2f}", f"{warm[1]:.2f}", f"{warm[2]:.2f}",
-                    *(ratio(f"vs_{b.replace('-', '_')}") for b in BASELINES)]
+                    *(ratio(f"vs_{key}") for key in BASELINES.values())]
                 if args.cold:
                     cells += [f"{cold[0]:.2f}", f"{cold[1]:.2f}", f"{cold[2]:.2f}",
-                              *(ratio(f"cold_vs_{b.replace('-', '_')}") for b in BASELINES)] \
+                              *(ratio(f"cold_vs_{key}") for key in BASELINES.values())] \
                         if cold else [""] * (3 + len(BASELINES))
                 table_rows.append(cells)
         del configs
