@@ -123,7 +123,8 @@ def alloc_kernel(
     M,               # output capacity in pages
     indptr_ptr,      # *int32 [BO + 1]: request i got pages[indptr[i]:indptr[i+1]]
     ok_ptr,          # *bool [BO]: request granted
-    BO,              # output batch capacity, BO >= B
+    BO,              # output batch capacity (B is at most BO: the wrapper clamps it)
+    extra,           # requests past BO (the façade refuses them): each fails, one out_overflow
     evicted_ptr,     # *int32 [M]: pages evicted to cover the shortfall, oldest first, -1 padded
     free_stack_ptr,  # *int32 [P]
     refcount_ptr,    # *int32 [P]
@@ -156,8 +157,8 @@ def alloc_kernel(
     negs = tl.zeros((), tl.int32)      # negative counts so far
     csum = tl.zeros((), tl.int64)      # sum of non-negative counts so far
     total = tl.zeros((), tl.int64)     # pages granted so far
-    failed = tl.zeros((), tl.int32)
-    overflow = tl.zeros((), tl.int32)
+    failed = tl.zeros((), tl.int32) + extra
+    overflow = (tl.zeros((), tl.int32) + extra > 0).to(tl.int32)
     tl.store(indptr_ptr + lanes, tl.zeros((BLOCK,), tl.int32), mask=lanes < 1)
     for start in range(0, B, BLOCK):
         i = start + lanes
@@ -168,8 +169,8 @@ def alloc_kernel(
         fits = (negs + tl.cumsum(neg, 0) == 0) & (cs <= avail)
         ok = fits & (cs <= M)
         granted = tl.where(ok, n, 0)
-        tl.store(ok_ptr + i, ok, mask=live & (i < BO))  # BO >= B is the caller's contract
-        tl.store(indptr_ptr + i + 1, (total + tl.cumsum(granted, 0)).to(tl.int32), mask=live & (i < BO))
+        tl.store(ok_ptr + i, ok, mask=live)
+        tl.store(indptr_ptr + i + 1, (total + tl.cumsum(granted, 0)).to(tl.int32), mask=live)
         negs += tl.sum(neg)
         csum += tl.sum(tl.maximum(n, 0))
         total += tl.sum(granted)
@@ -213,8 +214,8 @@ def alloc_kernel(
 def alloc_triton(st, counts, pages, indptr, ok, evicted, evict) -> None:
     """Grant ``counts[i]`` pages per request, first come first served (one launch; see module note)."""
     B, M, BO = counts.numel(), pages.numel(), ok.numel()
-    alloc_kernel[(1,)](
-        counts, B, pages, M, indptr, ok, BO, evicted,
+    alloc_kernel[(1,)](  # requests past BO fail, as in alloc_numba: none of them takes a page
+        counts, min(B, BO), pages, M, indptr, ok, BO, max(B - BO, 0), evicted,
         st.free_stack, st.refcount, st.page_state, st.page_gen, st.counters, st.lru_queue, st.lru_pos, st.num_pages,
         st.lru_queue.numel(), HAS_EVICT=bool(evict), **queue_settings(max(B, M, BO), st, evict),
     )

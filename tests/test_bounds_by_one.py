@@ -2,6 +2,7 @@
 
 Two mutation runs (session 37, helper-134 and -136) moved each of these checks by one and no test
 noticed; each test below fails on its mutant (the name's prefix is the mutant's id in the reports).
+k01 is from session 38's review of the Triton kernels: a kernel called one request past its outputs.
 """
 
 import copy
@@ -18,6 +19,34 @@ from tpool.state import pool_state_bytes
 from conftest import i32 as _i32
 
 PS = 4
+
+
+def test_k01_an_alloc_kernel_with_one_request_past_its_output_lanes_fails_that_request(backend):
+    """Called directly with B = BO + 1 (the façade refuses it), every backend's alloc grants the first BO
+    requests, fails the one past them (failed_requests, one out_overflow) and pops nothing for it. The
+    Triton kernel popped its pages and left them USED with no owner (session 38, helper-138); the
+    reference backend raised a shape error."""
+    from tpool.backends import reference
+    from tpool.kernels import alloc, layout as L
+    pool = tpool.PagePool(16, page_size=PS, device="cpu", backend=backend)
+    st = pool.state
+    counts = _i32([1, 2, 3])
+    pages, evicted = torch.full((8,), 7, dtype=torch.int32), torch.full((8,), 7, dtype=torch.int32)
+    indptr, ok = torch.full((3,), 7, dtype=torch.int32), torch.zeros(2, dtype=torch.bool)
+    if backend == "numba":
+        alloc.alloc_numba(counts.data_ptr(), 3, pages.data_ptr(), 8, indptr.data_ptr(), ok.data_ptr(), 2,
+                          evicted.data_ptr(), False, st.free_stack.numpy(), st.refcount.numpy(),
+                          st.page_state.numpy(), st.page_gen.numpy(), st.counters.numpy(), st.lru_queue.numpy(),
+                          st.lru_pos.numpy())
+    else:
+        (reference.alloc if backend == "reference" else alloc.alloc_triton)(st, counts, pages, indptr, ok,
+                                                                             evicted, False)
+    assert ok.tolist() == [True, True] and indptr.tolist() == [0, 1, 3]
+    assert pages.tolist()[3:] == [-1] * 5 and evicted.tolist() == [-1] * 8
+    c = st.counters
+    assert int(c[L.FREE_COUNT]) == 13 and int(c[L.ALLOCATED]) == 3
+    assert int(c[L.FAILED_REQUESTS]) == 1 and int(c[L.ERR_OUT_OVERFLOW]) == 1
+    assert int((st.refcount > 0).sum()) == 3
 
 
 def test_p08_insert_of_the_row_one_past_the_mirror_is_a_value_error(backend):

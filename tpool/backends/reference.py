@@ -264,7 +264,11 @@ def alloc(st, counts, out_pages, out_indptr, out_ok, out_evicted, evict: bool) -
     """Grant ``counts[i]`` pages per request, first come first served (see module note)."""
     c = st.counters
     c[L.CLOCK] += 1
-    B, M = counts.numel(), out_pages.numel()
+    B, M, BO = counts.numel(), out_pages.numel(), out_ok.numel()
+    if B > BO:  # more requests than the outputs have lanes (the façade refuses it): those past BO fail
+        count_overflow(c, L.OVERFLOW_PAGES, 1)
+        c[L.FAILED_REQUESTS] += B - BO
+        B, counts = BO, counts[:BO]
     n = counts.long()
     neg = n < 0
     bad = torch.cumsum(neg.long(), 0) > 0
