@@ -14,7 +14,10 @@ naming page ``p`` does ``atomic_min(claim[p], i)`` and
 ``claim[p] == i`` is the page's first occurrence and ``occur[p]`` its number
 of occurrences. Both are order-free (a minimum and a count), and their
 returned old values are never used. ``reset_lanes`` restores
-``claim = INT32_MAX`` and ``occur = 0``.
+``claim = INT32_MAX`` and ``occur = 0``; ``count_pages`` runs it first too, so
+a value a hand edit left in the scratch changes nothing (a stale ``claim``
+below every lane would leave a page with no first lane, a stale ``occur`` a
+wrong count: a free that raises a reference count).
 """
 
 from ._triton_shim import tl, triton
@@ -153,7 +156,10 @@ def raise_peaks(c, num_pages):
 # --------------------------------------------------------------- lane passes
 @triton.jit
 def count_pages(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK: tl.constexpr):
-    """Pass 1 of free/incref/touch: first lane and occurrences per page; returns #invalid ids."""
+    """Pass 1 of free/incref/touch: first lane and occurrences per page; returns #invalid ids. The
+    lanes' scratch entries are reset first (see the module note)."""
+    reset_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
+    tl.debug_barrier()
     lanes = tl.arange(0, BLOCK)
     invalid = tl.zeros((), tl.int32)
     for start in range(0, n_pages, BLOCK):

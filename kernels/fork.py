@@ -246,6 +246,12 @@ def fork_kernel(
         bad_len += tl.sum(wrong.to(tl.int64))
         failed += tl.sum((live & ~pad & ~ok).to(tl.int64))
     tl.debug_barrier()
+    for start in range(0, total, BLOCK):  # the pages' scratch reset first (see _triton_util's module note)
+        f = start + lanes
+        _, p, shared = _shared(f, total, lane_end_ptr, SEARCH, src_ptr, dst_ptr, lens_ptr, B, ok_ptr,
+                               block_table_ptr, MP, page_size)
+        reset_pages(p, shared, page_claim_ptr, occur_ptr, num_pages)
+    tl.debug_barrier()
     invalid = tl.zeros((), tl.int64)
     for start in range(0, total, BLOCK):
         f = start + lanes

@@ -260,6 +260,12 @@ def release_kernel(
         tl.store(lane_end_ptr + i, total + tl.cumsum(n, 0), mask=live)
         total += tl.sum(n)
     tl.debug_barrier()
+    for start in range(0, total, BLOCK):  # the pages' scratch reset first (see _triton_util's module note)
+        f = start + lanes
+        _, p, drop = _dropped(f, total, lane_end_ptr, SEARCH, req_ids_ptr, new_lens_ptr, B, claim_ptr,
+                              seq_lens_ptr, block_table_ptr, R, MP, page_size, HAS_LENS, CACHE)
+        reset_pages(p, drop, page_claim_ptr, occur_ptr, num_pages)
+    tl.debug_barrier()
     invalid = tl.zeros((), tl.int64)
     for start in range(0, total, BLOCK):
         f = start + lanes
