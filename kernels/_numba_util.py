@@ -452,10 +452,13 @@ def count_pages(pages, num_pages, occur, counters):
 
 @numba.njit(nogil=True)
 def claim_requests(ids, R, claim, counters, count_bad):
-    """Mark each request's first lane in ``claim`` (scratch); count the other non-padding lanes as bad."""
+    """Mark each request's first lane in ``claim`` (scratch); count the other non-padding lanes as bad.
+
+    ``claim[r] = min(claim[r], lanes naming r)``, as Triton's ``atomic_min``: a value a hand edit left
+    below a request's first lane leaves that request without a valid lane."""
     for i in range(ids.shape[0]):
         r = ids[i]
-        if r >= 0 and r < R and claim[r] == INT32_MAX:
+        if r >= 0 and r < R and i <= claim[r]:
             claim[r] = i
     if count_bad:
         for i in range(ids.shape[0]):

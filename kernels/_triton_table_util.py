@@ -6,9 +6,12 @@ program that loops over fixed-size chunks and separates its phases with
 
 * Request ids are deduplicated by ``atomic_min(claim[r], lane)``; after a
   barrier the lane with ``claim[r] == lane`` is ``r``'s first (valid) lane.
-  Claims go back to INT32_MAX after the last phase that reads them, either
-  write-only for every id (``reset_requests``) or by each row's valid lane
-  itself, so no lane mistakes a reset claim for its own.
+  Claims go back to INT32_MAX for every id, write-only (``reset_requests``),
+  after a barrier behind the last phase that reads them, so no lane mistakes
+  a reset claim for its own. A value a hand edit left in a claim acts as a
+  lane: below a request's first lane, that request has no valid lane
+  (its lanes count ``bad_request``); the reset then clears it. numba's
+  ``claim_requests`` keeps the same rule.
 * Pages a call frees or shares form a list in (lane, column) order. The lane
   pass writes each lane's running end into the ``lane_end`` scratch; entry
   ``f`` of the list belongs to the first lane whose end exceeds ``f``

@@ -31,7 +31,7 @@ from . import layout as L
 from . import _numba_util as nu
 from ._numba_util import (fill_null_range, i32_array, i64_array, mark_popped, page_shift, pages_for, pop_page,
                           stack_run_ok, stamp_rows, state_arrays, table_arrays, u8_array)
-from .layout import CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE, INT32_MAX
+from .layout import CD_OK, CD_OUT, CD_SLOTS, CD_SLOTS_LEN, CD_STATE
 from ._triton_table_util import (ERR_BAD_REQUEST, ERR_TABLE_OVERFLOW, cdiv, claim_requests, reset_requests,
                                  request_lanes)
 from ._triton_util import (ALLOCATED, ERR_BAD_COUNT, ERR_CORRUPT_STATE, FAILED_REQUESTS, FREE_COUNT, NULL_PAGE,
@@ -168,7 +168,7 @@ def extend_numba(
     for i in range(B):
         r = ids[i]
         n = ntok[i]
-        if r >= 0 and r < R and (distinct or claim[r] == INT32_MAX):  # a request's first lane
+        if r >= 0 and r < R and (distinct or i <= claim[r]):  # a request's first lane (claim_requests' rule)
             tail_at = np.int64(-1)  # the row's page index whose id tail_page is, without distinct
             if not distinct:
                 claim[r] = i

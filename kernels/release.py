@@ -20,8 +20,9 @@ from . import _numba_util as nu
 from ._numba_util import i32_array, lane_valid, page_gens, stamp_rows, state_arrays, table_arrays
 from .layout import CD_OUT, CD_STATE
 from ._triton_table_util import (ERR_BAD_LENGTH, ERR_BAD_REQUEST, cdiv, claim_pages, claim_requests,
-                                 check_lane_scratch, first_pages, list_lane, request_lanes, reset_pages)
-from ._triton_util import (ERR_CORRUPT_STATE, FREE_COUNT, INT32_MAX, LRU_HEAD, LRU_TAIL, NULL_PAGE, apply_free,
+                                 check_lane_scratch, first_pages, list_lane, request_lanes, reset_pages,
+                                 reset_requests)
+from ._triton_util import (ERR_CORRUPT_STATE, FREE_COUNT, LRU_HEAD, LRU_TAIL, NULL_PAGE, apply_free,
                            count_freed, counter_add, counter_get, load_counters, lru_prepare, queue_settings,
                            store_counters, tick)
 
@@ -304,10 +305,9 @@ def release_kernel(
         i = start + lanes
         r, valid, _, _, _, act, keep, _c = _lanes(req_ids_ptr, new_lens_ptr, i, B, claim_ptr, seq_lens_ptr, R,
                                                   MP * page_size, HAS_LENS)
-        # Only the row's own (valid) lane writes it: a repeated lane reads either its claim or
-        # INT32_MAX, never its own index, whichever order the lanes run in.
         tl.store(seq_lens_ptr + r, keep, mask=act)
-        tl.store(claim_ptr + r, tl.full((BLOCK,), INT32_MAX, tl.int32), mask=valid)
+    tl.debug_barrier()  # every lane has read its claim (in _lanes) before any is reset
+    reset_requests(req_ids_ptr, B, claim_ptr, R, BLOCK)
     c = counter_add(c, ERR_BAD_REQUEST, bad)
     c = counter_add(c, ERR_BAD_LENGTH, bad_len)
     c = counter_add(c, ERR_CORRUPT_STATE, wrong)

@@ -58,6 +58,44 @@ def test_a_value_left_in_the_page_scratch_changes_nothing(backend, op, edit):
         assert torch.equal(a[name], b[name]), name
 
 
+def _table_ops(table, ids):
+    """Each table operation that deduplicates its requests through the table's claim scratch."""
+    return {
+        "extend": lambda: table.extend(i32(ids), i32([1, 3]), max_tokens=4),
+        "release": lambda: table.release(i32(ids)),
+        "truncate": lambda: table.truncate(i32(ids), i32([4, 4])),
+        "fork": lambda: table.fork(i32([0, 1]), i32([2, 3 if ids[1] >= 0 else -1]), i32([8, 6])),
+    }
+
+
+@pytest.mark.parametrize("op", ["extend", "release", "truncate", "fork"])
+@pytest.mark.parametrize("stale", [2, 1, 0, -7])
+def test_a_value_left_in_a_table_claim_acts_as_a_lane_and_is_cleared(backend, op, stale):
+    """A table's claim (INT32_MAX between calls) edited for the request of lane 1 (row 1; the fork's row 3)
+    takes part in the call as a lane would, on every backend: at or above that lane (1, 2) the call is what
+    it is on a clean table; below it (0, -7) the request has no valid lane, so that lane is one bad_request
+    and the rest is what the call does with the lane as padding. Either way the claim is reset after it.
+    Before session 38 numba refused the request for any value left there, Triton refused it only below
+    its lane and, in a release, never reset it, and the reference backend ignored the scratch."""
+    def run(ids, edit):
+        pool = tpool.PagePool(16, 4, device="cpu", backend=backend)
+        table = tpool.PageTable(pool, 4, 4)
+        table.extend(i32([0, 1]), i32([8, 6]), max_tokens=16)
+        if edit:
+            table.state.claim[3 if op == "fork" else 1] = stale
+        _table_ops(table, ids)[op]()
+        assert table.state.claim.tolist() == [2**31 - 1] * 4
+        state = {n: t.tolist() for n, t in pool.state.tensors().items() if n not in ("claim", "occur")}
+        return state, table.block_table.tolist(), table.seq_lens.tolist(), pool.stats()["errors.bad_request"]
+    if stale >= 1:
+        assert run([0, 1], True) == run([0, 1], False)
+    else:
+        got, want = run([0, 1], True), run([0, -1], False)
+        assert got[3] == 1 and got[1:3] == want[1:3]
+        for name in ("refcount", "page_state", "page_gen"):
+            assert got[0][name] == want[0][name], name
+
+
 def test_a_pop_below_the_free_stack_hands_out_no_page_and_is_counted(backend):
     """An alloc whose eviction finds none of the CACHED pages the (edited) count promised pops below the
     bottom of the free stack: those pops are -1 and counted. Unchecked, the index wraps to the top of the

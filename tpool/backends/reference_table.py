@@ -76,6 +76,7 @@ per request, in a step too), so no page id outside the pool reaches an attention
 import torch
 
 from tpool.kernels import layout as L
+from tpool.kernels.layout import INT32_MAX
 from tpool.state import set_cell
 from tpool.backends.reference import (_put, apply_free, apply_incref, count_overflow, count_pages, free_gate,
                                      pop_pages, raise_peaks)
@@ -94,9 +95,13 @@ def claim_requests(ts, ids, dedupe=True):
     idx = torch.where(inr, r, R)
     valid = inr
     if dedupe:
+        # The table's claim scratch (INT32_MAX between calls) takes part as the kernels' atomic_min: a
+        # value a hand edit left below a request's first lane leaves it no valid lane. Then reset.
         lane = torch.arange(B, device=r.device)
-        first = torch.full((R + 1,), B, dtype=torch.int64, device=r.device).scatter_reduce_(0, idx, lane, "amin")
+        held = torch.cat([ts.claim, ts.claim.new_full((1,), B)])
+        first = held.long().scatter_reduce_(0, idx, lane, "amin")
         valid = inr & (first[idx] == lane)
+        ts.claim.copy_(held.scatter_(0, idx, INT32_MAX)[:R])
     return idx.clamp(max=R - 1), valid, pad, ~pad & ~valid
 
 
