@@ -435,7 +435,7 @@ def padded_tail_start(pages):
 
 @numba.njit(nogil=True)
 def count_pages(pages, num_pages, occur, counters):
-    """Pass 1 of free/incref/touch: occurrences per page into ``occur``; count invalid ids. ``occur`` is
+    """Pass 1 of free/incref/touch/revive: occurrences per page into ``occur``; count invalid ids. ``occur`` is
     zeroed for the pages first: a value left there (a hand edit; 0 between calls) changes no count."""
     for i in range(pages.shape[0]):
         p = pages[i]

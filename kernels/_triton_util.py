@@ -156,7 +156,7 @@ def raise_peaks(c, num_pages):
 # --------------------------------------------------------------- lane passes
 @triton.jit
 def count_pages(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK: tl.constexpr):
-    """Pass 1 of free/incref/touch: first lane and occurrences per page; returns #invalid ids. The
+    """Pass 1 of free/incref/touch/revive: first lane and occurrences per page; returns #invalid ids. The
     lanes' scratch entries are reset first (see the module note)."""
     reset_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
     tl.debug_barrier()

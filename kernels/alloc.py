@@ -115,7 +115,7 @@ def alloc_numba_entry(counts_ptr, B, ad, evict):
 # shortfall (see ``evict.evict_oldest_body``), then a pop pass over the output.
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["extra"])  # (a direct call past BO must not compile a variant of its own)
 def alloc_kernel(
     counts_ptr,      # *int32 [B]: pages wanted per request
     B,               # batch size

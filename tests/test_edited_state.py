@@ -18,38 +18,44 @@ from conftest import i32
 
 
 def _page_ops(table):
-    """Each operation that counts a page's occurrences in the pool's scratch (``claim``/``occur``)."""
+    """Each operation that counts a page's occurrences in the pool's scratch (``claim``/``occur``), called
+    as ``op(pages, edit)``: ``edit()`` right before the operation (a revive's after the release it needs)."""
     pool, i = table.pool, i32
     return {
-        "free": lambda p: pool.free(i([p[0], p[1], p[0]])),
-        "free-cache": lambda p: pool.free(i([p[0], p[1]]), cache=True),
-        "incref": lambda p: pool.incref(i([p[1], p[0], p[1]])),
-        "touch": lambda p: pool.touch(i([p[0], p[1], p[0]])),
-        "release": lambda p: table.release(i([0, 1])),
-        "release-cache": lambda p: table.release(i([0]), cache=True),
-        "truncate": lambda p: table.truncate(i([0]), i([3])),
-        "fork": lambda p: table.fork(i([0, 0]), i([2, 3]), i([8, 5])),
-        "revive": lambda p: (table.release(i([0]), cache=True), table.revive(2, i([p[0], p[1]]), 8)),
+        "free": lambda p, edit: (edit(), pool.free(i([p[0], p[1], p[0]]))),
+        "free-cache": lambda p, edit: (edit(), pool.free(i([p[0], p[1]]), cache=True)),
+        "incref": lambda p, edit: (edit(), pool.incref(i([p[1], p[0], p[1]]))),
+        "touch": lambda p, edit: (edit(), pool.touch(i([p[0], p[1], p[0]]))),
+        "release": lambda p, edit: (edit(), table.release(i([0, 1]))),
+        "release-cache": lambda p, edit: (edit(), table.release(i([0]), cache=True)),
+        "truncate": lambda p, edit: (edit(), table.truncate(i([0]), i([3]))),
+        "fork": lambda p, edit: (edit(), table.fork(i([0, 0]), i([2, 3]), i([8, 5]))),
+        "revive": lambda p, edit: (table.release(i([0]), cache=True), edit(), table.revive(2, i([p[0], p[1]]), 8)),
     }
 
 
 @pytest.mark.parametrize("op", ["free", "free-cache", "incref", "touch", "release", "release-cache", "truncate",
                                 "fork", "revive"])
-@pytest.mark.parametrize("edit", [("occur", -5), ("occur", 2), ("claim", 0), ("claim", -1)])
+@pytest.mark.parametrize("edit", [("occur", -5), ("occur", -1), ("occur", 2), ("claim", 0), ("claim", -1)],
+                         ids=["occur-5", "occur-1", "occur+2", "claim0", "claim-1"])
 def test_a_value_left_in_the_page_scratch_changes_nothing(backend, op, edit):
     """The pool's scratch (``claim`` INT32_MAX, ``occur`` 0 between calls) edited for the pages an operation
     names: the operation does exactly what it does on a clean twin. Before session 38 a stale ``occur`` of -5
-    made a free raise the page's reference count to 5 (numba and Triton), and a stale ``claim`` below every
-    lane left the page with no first lane, so a Triton free skipped it (helper-138)."""
+    made a free raise the page's reference count to 5 (numba and Triton), one of -1 made a page named once
+    count 0 occurrences (skipped), and a stale ``claim`` below every lane left the page with no first lane,
+    so a Triton free, touch, release or fork skipped it (helper-138). (The pool's ``claim`` is Triton's
+    alone: numba and the reference backend never read it, nor reset it.)"""
     results = []
     for edited in (False, True):
         pool = tpool.PagePool(16, 4, device="cpu", backend=backend)
         table = tpool.PageTable(pool, 4, 4)
         table.extend(i32([0, 1]), i32([8, 6]), max_tokens=16)
         pages = table.block_table[0, :2].tolist()
-        if edited:
-            getattr(pool.state, edit[0])[pages] = edit[1]
-        _page_ops(table)[op](pages)
+
+        def edit_scratch():
+            if edited:
+                getattr(pool.state, edit[0])[pages] = edit[1]
+        _page_ops(table)[op](pages, edit_scratch)
         state = {name: t.clone() for name, t in pool.state.tensors().items() if name not in ("claim", "occur")}
         results.append((state, table.block_table.tolist(), table.seq_lens.tolist(), pool.stats()))
     (a, *rest_a), (b, *rest_b) = results
