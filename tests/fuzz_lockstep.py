@@ -10,7 +10,8 @@ counts, double frees), hand edits of the state followed by
 ``invalidate_csr()``, or for half the table edits ``invalidate_csr(row)`` (any value
 into ``seq_lens``, ``block_table``, ``free_stack``, the free and cached counts and the
 clock, the LRU queue's head, tail, hole and scan, ``refcount``, ``page_state``, ``stamp``, ``page_gen``, ``lru_queue``,
-``lru_pos``), and snapshot restores
+``lru_pos``, and the pool's scratch ``claim`` and ``occur``: a value left there must change no
+result), and snapshot restores
 (``tpool.graphs.state_tensors``). After every operation every output and every
 state tensor (scratch excepted) must be equal on all backends (``torch.equal``);
 an exception must be the same type on all of them.
@@ -39,6 +40,7 @@ OPS_PER_EPISODE = 150  # operations on one set of pools before a fresh one (defa
 EDIT_COUNTERS = (0, 1, 2, 20, 21, 22, 23)  # FREE_COUNT, CACHED_COUNT, CLOCK, LRU_HEAD, LRU_TAIL, LRU_HOLE, LRU_SCAN
 EDIT_VALUES = (-10**9, -6, -2, -1, 0, 1, 2, 3, 5, 7, 10**6, 2**31 - 2, 2**31 - 1)
 SCRATCH = {"keys", "lane_end", "version", "row_version"}  # per-backend scratch, not compared
+POOL_SCRATCH = {"claim", "occur"}  # the pool's (Triton's claim, numba's and Triton's occur), not compared
 BOUND_BATCH, BOUND_RELEASE, BOUND_TOKENS = 4, 3, 12  # the shape of the bound steps ("bstep") and StepOuts
 
 
@@ -110,9 +112,10 @@ def gen_op(rng: random.Random, cfg: dict, edits: bool) -> tuple:
         return (kind, _ids(rng, cfg, b), _ids(rng, cfg, b), lens)
     if kind == "edit":
         name = rng.choice(["seq_lens", "block_table", "free_stack", "counters", "refcount", "page_state", "stamp",
-                           "page_gen", "lru_queue", "lru_pos"])
+                           "page_gen", "lru_queue", "lru_pos", "claim", "occur"])
         size = {"seq_lens": R, "block_table": R * MP, "free_stack": P, "refcount": P, "page_state": P,
-                "stamp": P, "page_gen": P, "counters": len(EDIT_COUNTERS), "lru_queue": 4 * P, "lru_pos": P}[name]
+                "stamp": P, "page_gen": P, "counters": len(EDIT_COUNTERS), "lru_queue": 4 * P, "lru_pos": P,
+                "claim": P, "occur": P}[name]
         value = rng.choice(EDIT_VALUES + tuple(range(-1, P + 2)))
         if name == "stamp":
             value = rng.choice([-2**62, -1, 0, 1, 5, 40, 2**62])
@@ -180,7 +183,7 @@ class System:
         out = {}
         for prefix, st in (("pool.", self.pool.state), ("table.", self.table.state)):
             for name, t in st.tensors().items():
-                if name not in SCRATCH:
+                if name not in SCRATCH and not (prefix == "pool." and name in POOL_SCRATCH):
                     out[prefix + name] = t
         return out
 
@@ -246,7 +249,8 @@ class System:
                      "free_stack": pool.state.free_stack, "refcount": pool.state.refcount,
                      "page_state": pool.state.page_state, "stamp": pool.state.stamp,
                      "page_gen": pool.state.page_gen, "counters": pool.state.counters,
-                     "lru_queue": pool.state.lru_queue, "lru_pos": pool.state.lru_pos}[name]
+                     "lru_queue": pool.state.lru_queue, "lru_pos": pool.state.lru_pos, "claim": pool.state.claim,
+                     "occur": pool.state.occur}[name]
                 if name == "counters":
                     t[EDIT_COUNTERS[at]] = value
                 else:
