@@ -11,7 +11,8 @@ program that loops over fixed-size chunks and separates its phases with
   a reset claim for its own. A value a hand edit left in a claim acts as a
   lane: below a request's first lane, that request has no valid lane
   (its lanes count ``bad_request``); the reset then clears it. numba's
-  ``claim_requests`` keeps the same rule.
+  ``claim_requests`` keeps the same rule (its step's decode fast path, from
+  the memo, reads no claim).
 * Pages a call frees or shares form a list in (lane, column) order. The lane
   pass writes each lane's running end into the ``lane_end`` scratch; entry
   ``f`` of the list belongs to the first lane whose end exceeds ``f``

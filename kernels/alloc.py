@@ -5,7 +5,8 @@ inclusive prefix sum of counts is at most the available pages (free, plus
 cached with ``evict``) and at most the output capacity ``M``. Granted pages
 are popped from the top of the free stack in request order; entries of
 ``pages`` past the total are -1; ``indptr`` (``[BO+1]``) and ``ok``
-(``[BO]``) are padded past ``B`` with the total and False.
+(``[BO]``) are padded past ``B`` with the total and False. Requests past ``BO``
+(a direct kernel call; the façade refuses it) fail, with one ``out_overflow``.
 """
 
 import numba
@@ -31,7 +32,7 @@ def alloc_numba(
     M,            # output capacity in pages
     indptr_ptr,   # address of int32 [BO + 1], offsets of each request's pages
     ok_ptr,       # address of bool [BO], request granted
-    BO,           # output batch capacity, BO >= B
+    BO,           # output batch capacity (requests past it fail: the façade refuses B > BO)
     evicted_ptr,  # address of int32 [M], pages evicted to cover the shortfall
     evict,        # bool, may evict cached pages
     free_stack,   # int32 [P]
@@ -217,5 +218,5 @@ def alloc_triton(st, counts, pages, indptr, ok, evicted, evict) -> None:
     alloc_kernel[(1,)](  # requests past BO fail, as in alloc_numba: none of them takes a page
         counts, min(B, BO), pages, M, indptr, ok, BO, max(B - BO, 0), evicted,
         st.free_stack, st.refcount, st.page_state, st.page_gen, st.counters, st.lru_queue, st.lru_pos, st.num_pages,
-        st.lru_queue.numel(), HAS_EVICT=bool(evict), **queue_settings(max(B, M, BO), st, evict),
+        st.lru_queue.numel(), HAS_EVICT=bool(evict), **queue_settings(max(M, BO), st, evict),
     )

@@ -162,10 +162,11 @@ def truncate_numba_entry(req_ids_ptr, lens_ptr, B, drop, cd):
 # ``cache`` column ``ceil(L_i / ps) - 1 - (f - start_i)`` (the row's last page
 # first), so list order is the reference's (lane, column) order; each pass recomputes an entry
 # from the inputs, the claims and the lengths, which change only in the last
-# pass. Three passes over the
-# entries run the pool's ``free`` (claim; apply to first occurrences, pushes
-# placed by a running prefix sum; restore the scratch and reset the entries),
-# then each valid lane writes its length and restores its row's claim.
+# pass. Four passes over the
+# entries run the pool's ``free`` (reset the pages' scratch; claim; apply to
+# first occurrences, pushes placed by a running prefix sum; restore the scratch
+# and reset the entries), then each valid lane writes its length and, after a
+# barrier, every named row's claim is restored (write-only).
 
 
 @triton.jit

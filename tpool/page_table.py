@@ -898,7 +898,7 @@ class PageTable:
         return table_checks.keeps_csr(self, req_ids, capacity)
 
     def invalidate_csr(self, req_ids: torch.Tensor | None = None) -> None:
-        """After writing ``block_table`` or ``seq_lens`` by hand: make the next steps read the edited rows.
+        """After a hand edit of ``block_table``, ``seq_lens`` or ``state.claim``: the next steps read the edited rows.
 
         Only needed after such an edit: tpool's own calls, and restoring a whole snapshot of
         the table's state (``tpool.graphs.state_tensors``, ``version`` and ``row_version``

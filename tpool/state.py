@@ -21,8 +21,9 @@ descriptor) recorded stay valid for the owner's lifetime.
   keeps the GIL (:func:`copy_between_calls`), and a table's books of its output buffers
   change under it (:mod:`tpool.buffers`).
 * Scratch tensors (``claim``, ``occur``, ``keys``, ``lane_end``) carry nothing
-  between calls: ``claim`` is INT32_MAX and ``occur`` 0 whenever no call runs (and both are
-  reset for an operation's pages before it counts them, so a value left there is harmless).
+  between calls: ``claim`` is INT32_MAX and ``occur`` 0 whenever no call runs. The pool's ``occur`` and
+  ``claim`` are also reset for an operation's pages before it counts them, so a value left there
+  changes no result; a table's ``claim`` takes part as a lane would (README, "Bad input and bad state").
 * On a CPU every tensor here (and every output buffer a pool or table makes) is made by
   :func:`fixed_full`, over numpy memory: torch refuses to resize it, so no hand edit can
   free the memory a numba descriptor points into.

@@ -3,7 +3,9 @@
 Note: one call is one step of the device clock, whatever pool work it does
 inside. Request ids are rows of ``block_table``; ``-1`` is padding (nothing
 happens, ``ok`` is False, no error). An id outside ``[0, R)`` or named twice
-in one call (after its first occurrence) is a ``bad_request`` and skipped.
+in one call (after its first occurrence) is a ``bad_request`` and skipped; the
+table's ``claim`` scratch takes part as the kernels' ``atomic_min`` (a value
+below a request's first lane leaves it no valid lane) and is reset after.
 Every state read happens before any write, so a call behaves as if all its
 lanes saw the table as it was when the call began.
 
