@@ -144,9 +144,9 @@ def fork_numba_entry(src_ptr, dst_ptr, lens_ptr, B, ok_ptr, cow_src_ptr, cow_dst
 # the shared-page list to ``lane_end``. Entry f of the list is column
 # ``f - start_i`` (< lens_i // ps) of src_i's row (``list_lane``); four passes
 # run the pool's ``incref`` over them (reset the pages' scratch; claim; apply to
-# first occurrences and copy the entries into the dst rows; restore the scratch). Last, lanes ending
-# inside a page pop a fresh page (offsets from a prefix sum), the copy pairs
-# and lengths are written and the claims restored.
+# first occurrences and copy the entries into the dst rows; restore the
+# scratch). Last, lanes ending inside a page pop a fresh page (offsets from a
+# prefix sum), the copy pairs and lengths are written and the claims restored.
 
 
 @triton.jit

@@ -49,9 +49,10 @@ def free_numba_entry(pages_ptr, N, cache, sd):
 
 # ---------------------------------------------------------------------- Triton
 # One program, three passes over the entries: claim (the pages' scratch reset,
-# then first lane and occurrences per page), apply (first occurrences only; released pages take
-# stack slots from a running prefix sum, in first-occurrence order), release
-# (scratch back to INT32_MAX / 0). Barriers separate the passes.
+# then first lane and occurrences per page), apply (first occurrences only;
+# released pages take stack slots from a running prefix sum, in
+# first-occurrence order), release (scratch back to INT32_MAX / 0). Barriers
+# separate the passes.
 
 
 @triton.jit
