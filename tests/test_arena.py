@@ -235,3 +235,47 @@ def test_memory_bytes_counts_the_whole_buffer_and_its_blocks():
     assert 4096 <= arena.memory_bytes()["storage_bytes"] <= 4096 + 255  # cut from up to alignment - 1 more
     arena.free(a)
     assert arena.memory_bytes()["allocated_bytes"] == 512 and arena.memory_bytes()["free_bytes"] == 3584
+
+
+def test_can_alloc_refuses_a_stale_foreign_or_repeated_block_in_also_free():
+    """A stale or foreign block counted as free, and a block listed twice restarted the merge of the free
+    ranges: ``can_alloc(768, also_free=[b1, b1])`` said no where ``[b1]`` says yes."""
+    arena = Arena(1024, "cpu", alignment=256)
+    b0, b1, b2, b3 = [arena.alloc(256) for _ in range(4)]
+    arena.free(b0)
+    arena.free(b2)
+    assert arena.can_alloc(768, also_free=[b1])
+    with pytest.raises(ValueError, match="offset 256 is listed twice"):
+        arena.can_alloc(768, also_free=[b1, b1])
+    with pytest.raises(ValueError, match="not a live block"):
+        arena.can_alloc(256, also_free=[b0])  # freed: stale
+    with pytest.raises(ValueError, match="not a live block"):
+        arena.can_alloc(256, also_free=[Arena(1024, "cpu").alloc(256)])
+    with pytest.raises(TypeError, match="expected an arena Block"):
+        arena.can_alloc(256, also_free=[(0, 256)])
+
+
+def test_view_checks_the_address_alignment_not_the_offset_in_the_block():
+    """A float64 view at byte 4 of the arena (offset 0 of a block starting at 4) is misaligned."""
+    arena = Arena(64, "cpu", alignment=4)
+    arena.alloc(4)
+    block = arena.alloc(12)
+    assert block.offset == 4
+    with pytest.raises(ValueError, match="expected a multiple of 8"):
+        arena.view(block, torch.float64, 1)
+    assert arena.view(block, torch.float64, 1, offset=4).shape == (1,)  # byte 8 of the arena
+
+
+def test_memory_bytes_counts_the_storage_of_a_buffer_cut_to_align_it():
+    """``storage_bytes`` is the storage's size, ``alignment - 1`` more than the capacity when the buffer
+    was cut from a larger one (an allocation the allocator did not align to 64 KiB)."""
+    keep = []
+    for _ in range(8):
+        arena = Arena(1 << 16, "cpu", alignment=1 << 16)
+        keep.append(arena)
+        if arena.buffer.untyped_storage().nbytes() != arena.capacity_bytes:
+            break
+    else:
+        pytest.skip("every buffer came 64 KiB-aligned: none was cut")
+    assert arena.memory_bytes()["storage_bytes"] == (1 << 16) + (1 << 16) - 1
+    assert arena.memory_bytes()["capacity_bytes"] == 1 << 16

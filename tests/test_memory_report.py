@@ -3,6 +3,7 @@
 import gc
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -307,3 +308,61 @@ def test_report_lists_a_page_table_an_arena_and_an_owned_caches_arena():
     assert "pool PageTable[1]: total_bytes" in text and "pool Arena[2]: allocated_bytes" in text
     assert "cache OwnedCache[0]: arena_bytes" in text
     json.dumps(report.to_dict())
+
+
+class _Numbers:
+    """A pool whose ``memory_bytes()`` returns ``numbers`` itself."""
+
+    def __init__(self, numbers, name="p"):
+        self.numbers, self.name = numbers, name
+
+    def memory_bytes(self):
+        return self.numbers
+
+
+def test_the_report_keeps_a_copy_of_what_memory_bytes_returned():
+    pool = _Numbers({"state_bytes": 4096})
+    report = memory_report("cpu", pools=[pool])
+    pool.numbers["state_bytes"] = 1
+    assert report.tracked.pools == {"p": {"state_bytes": 4096}}
+
+
+def _rusage_with_maxrss(monkeypatch, maxrss):
+    import resource
+
+    real = resource.getrusage
+
+    class Usage:
+        def __init__(self, r):
+            self.r = r
+
+        def __getattr__(self, name):
+            return maxrss if name == "ru_maxrss" else getattr(self.r, name)
+
+    monkeypatch.setattr(resource, "getrusage", lambda who: Usage(real(who)))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss is in KiB on Linux")
+def test_the_peak_rss_reads_ru_maxrss_in_kib(monkeypatch):
+    _rusage_with_maxrss(monkeypatch, 64 << 20)  # 64 GiB in KiB, above any RSS of this process
+    assert memory_report("cpu").process.peak_rss_bytes == 64 << 30
+
+
+def test_the_peak_rss_is_never_below_the_current_rss(monkeypatch):
+    """``ru_maxrss`` can lag the current RSS: the peak is then the current RSS."""
+    _rusage_with_maxrss(monkeypatch, 1)
+    p = memory_report("cpu").process
+    assert p.rss_bytes > 1 << 20 and p.peak_rss_bytes == p.rss_bytes
+
+
+def test_format_report_shows_mib_only_for_byte_quantities_and_a_bool_as_text():
+    lines = format_report(memory_report("cpu", pools=[_Numbers({"blocks": 3 << 20, "pinned": True})])).splitlines()
+    blocks = next(line for line in lines if "pool p: blocks" in line)
+    assert blocks.rstrip().endswith("3,145,728") and "3.00" not in blocks  # a count: no MiB column
+    pinned = next(line for line in lines if "pool p: pinned" in line)
+    assert pinned.rstrip().endswith("True") and " 1 " not in pinned
+
+
+def test_an_empty_name_is_replaced_by_the_type_and_index():
+    report = memory_report("cpu", pools=[_Numbers({"a_bytes": 1}, name=""), _Numbers({"b_bytes": 2}, name=None)])
+    assert report.tracked.pools == {"_Numbers[0]": {"a_bytes": 1}, "_Numbers[1]": {"b_bytes": 2}}

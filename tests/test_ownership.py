@@ -4,6 +4,7 @@ import collections
 import dataclasses
 import functools
 import gc
+import sys
 import types
 import weakref
 
@@ -586,3 +587,114 @@ def test_map_tensors_rebuilds_an_attribute_that_holds_the_containers_own_item():
 
 class _Rows(list):
     pass
+
+
+# --- Pinned by helper-141's mutation run over tpool/memory (session 39) ---------------------------------------------
+
+def test_three_storages_over_one_memory_count_once():
+    """Byte ranges merge up to the furthest end seen, not the last one: ``b`` lies inside ``t`` past ``a``."""
+    t = torch.zeros(1000, 256)  # 1,024,000 bytes
+    a, b = torch.from_numpy(t.numpy()[10:20]), torch.from_numpy(t.numpy()[500:510])
+    assert retained_bytes([t, a, b]) == retained_bytes([t, b, a]) == 1_024_000
+
+
+def test_leaf_bytes_charges_ints_over_128_bytes_not_at_128():
+    at, over = 2 ** 750, 2 ** 780
+    assert (sys.getsizeof(at), sys.getsizeof(over)) == (128, 132)
+    assert values.leaf_bytes([at]) == 0 and values.leaf_bytes([over]) == 132
+
+
+def test_map_tensors_itself_refuses_a_dict_key_holding_a_tensor():
+    with pytest.raises(TypeError, match="dict key"):
+        map_tensors({(torch.zeros(2),): torch.ones(1)}, lambda t: t)
+
+
+def test_a_key_holding_a_numpy_scalar_over_1024_bytes_is_refused():
+    @dataclasses.dataclass(eq=False)  # hashes by id: a key
+    class IdKey:
+        v: object
+
+    big = np.frombuffer(bytes(2000), dtype="V2000").reshape(())[()]
+    assert isinstance(big, np.void) and big.base is None and big.nbytes == 2000
+    with pytest.raises(TypeError, match="numpy void of 2000 bytes"):
+        retained_bytes({IdKey(big): torch.zeros(1)})
+
+
+def test_a_key_nested_a_few_dozen_levels_is_accepted_and_past_100_refused():
+    def nest(n):
+        k = "leaf"
+        for _ in range(n):
+            k = (k,)
+        return k
+
+    assert retained_bytes({nest(50): torch.zeros(1)}) == 4
+    with pytest.raises(TypeError, match="nested over 100 levels"):
+        retained_bytes({nest(150): torch.zeros(1)})
+
+
+def test_compact_of_a_permuted_dense_view_is_contiguous():
+    """A view whose span equals its distinct elements is copied contiguous, not with its strides."""
+    view = torch.arange(4000.0).reshape(1000, 4)[:10].t()  # [4, 10], strides (1, 4)
+    for c in (ownership.compact(view), own(view)):
+        assert c.is_contiguous() and torch.equal(c, view)
+
+
+def test_compact_refuses_an_out_of_the_wrong_size():
+    t = torch.arange(100.0)[10:20]
+    want = compact_bytes(t)
+    for n in (want - 4, want + 4, want + 64):
+        with pytest.raises(ValueError, match="out must be uint8"):
+            ownership.compact(t, out=torch.empty(n, dtype=torch.uint8))
+
+
+def test_a_tensor_with_a_post_accumulate_grad_hook_is_kept_detached():
+    t = torch.zeros(8, requires_grad=True)
+    t.register_post_accumulate_grad_hook(lambda p: None)
+    o = own(t)
+    assert o is not t and o.requires_grad and o.data_ptr() == t.data_ptr()
+
+
+def test_a_conj_or_neg_view_beside_its_tensor_keeps_its_bit_when_copied():
+    """Views of one range that differ only in their conj or neg bit are not merged into one copy."""
+    z = torch.randn(100, dtype=torch.complex64)[:2]  # 2 of 100 elements: copied
+    for value in ([z, z.conj()], [z.conj(), z], [z, z.conj().imag], [z.conj().imag, z]):
+        out = plan_ownership(value).apply()
+        assert all(torch.equal(o, v.resolve_conj().resolve_neg()) for o, v in zip(out, value))
+
+
+def test_a_view_that_requires_grad_and_one_that_does_not_are_not_merged():
+    leaf = torch.zeros(100)
+    a, b = leaf[:10], leaf[:10].detach().requires_grad_(True)
+    assert [o.requires_grad for o in plan_ownership([a, b]).apply()] == [False, True]
+    assert [o.requires_grad for o in plan_ownership([b, a]).apply()] == [True, False]
+
+
+def test_a_cluster_is_not_copied_as_one_range_when_its_slot_would_be_larger():
+    """``copy_bytes`` is never above the views' separate copies: with ``align=3``, lcm(3, 8) rounds the
+    cluster's 29 bytes up to a 48-byte slot, more than 24 + 9."""
+    buf = torch.zeros(1000, dtype=torch.uint8)
+    f, u = buf[:24].view(torch.float64), buf[20:29]  # bytes [0, 24) and [20, 29)
+    alone = plan_ownership([f], align=3).copy_bytes + plan_ownership([u], align=3).copy_bytes
+    plan = plan_ownership([f, u], align=3)
+    assert alone == 33 and plan.copy_bytes <= alone
+    out = plan.apply()
+    assert torch.equal(out[0], f) and torch.equal(out[1], u)
+
+
+def test_a_plans_payload_counts_every_element_of_an_expand():
+    value = [torch.ones(4096).expand(1000, 4096), torch.arange(16.0).unfold(0, 4, 2)]
+    assert plan_ownership(value).payload_bytes == payload_bytes(value[0]) + payload_bytes(value[1]) == 16_384_112
+
+
+def test_a_cluster_whose_rounded_range_ends_past_the_storage_is_copied_without_touching_it():
+    """The cluster's 17 bytes round up to 24, past the 1001-byte storage: copying 24 bytes made ``set_``
+    grow (and move) the caller's storage, or raise for memory torch did not allocate."""
+    for buf in (torch.arange(1001).to(torch.uint8), torch.from_numpy(np.arange(1001, dtype=np.uint8))):
+        f, u = buf[984:1000].view(torch.float64), buf[985:1001]  # bytes [984, 1000) and [985, 1001)
+        ptr = buf.data_ptr()
+        plan = plan_ownership([f, u])
+        assert [(p.start, p.nbytes) for p in plan.pieces] == [(984, 24)]
+        out = plan.apply()
+        assert torch.equal(out[0], f) and torch.equal(out[1], u)
+        assert out[0].untyped_storage().data_ptr() == out[1].untyped_storage().data_ptr()  # still aliased
+        assert (buf.untyped_storage().nbytes(), buf.data_ptr()) == (1001, ptr)  # the caller's storage as it was

@@ -256,12 +256,16 @@ class Arena:
         ------
         ValueError
             ``nbytes`` is not a positive int, or a block in ``also_free`` is
-            not live in this arena.
+            not live in this arena or is listed twice (freeing it twice
+            would fail).
         TypeError
             An item of ``also_free`` is not a :class:`Block`.
         """
         size = self.block_size(nbytes)
         extra = sorted((self._check_live(b).offset, b.size) for b in also_free)
+        twice = next((o for (o, _), (p, _) in zip(extra, extra[1:]) if o == p), None)
+        if twice is not None:  # its range would restart the merge below: a false "no"
+            raise ValueError(f"also_free: the block at offset {twice} is listed twice")
         if not extra:
             return self.largest_free_block >= size
         ranges = sorted(self.free_ranges() + extra)
