@@ -267,6 +267,20 @@ def test_cuda_own_and_devices_counted_apart():
     assert storage_key(batch)[:2] == ("cuda", batch.device.index)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_one_out_for_views_on_two_devices_is_refused():
+    """One ``out`` cannot hold copies from a CPU and a CUDA storage: refused before any copy."""
+    value = [torch.zeros(1000)[:10], torch.zeros(1000, device="cuda")[:10]]
+    plan = plan_ownership(value)
+    for device in ("cpu", "cuda"):
+        out = torch.zeros(plan.copy_bytes, dtype=torch.uint8, device=device)
+        with pytest.raises(ValueError, match="expected the views to copy on one device"):
+            plan.apply(out=out)
+        assert not out.any()
+    assert all(torch.equal(o, v) and o.device == v.device for o, v in zip(plan.apply(), value))
+
+
 # -- memory torch did not allocate, storage identity, history, reach -------------------
 def test_memory_torch_did_not_allocate_is_copied_and_the_owner_freed():
     big = np.zeros((1000, 4096), dtype=np.float32)  # 16_384_000 B
