@@ -181,3 +181,36 @@ def test_a_kv_copy_to_the_page_one_past_the_cache_is_counted_not_done():
     with pytest.raises(tpool.InvalidPage) as e:
         kv.check()
     assert e.value.counts == {"invalid_copy_page": 1}
+
+
+def test_a_backend_alloc_past_its_output_pages_counts_an_alloc_pages_overflow(backend):
+    """Two requests of one page into outputs of one lane and 4 pages (a direct backend call: the façade
+    refuses it): the second fails as an ``alloc_pages`` overflow, not a slots one."""
+    pool = tpool.PagePool(8, device="cpu", backend=backend)
+    out = pool.alloc_out(1, 4)
+    pool.ops.alloc_into(out)(i32([1, 1]), 2, False)
+    c = pool.state.counters
+    assert (int(c[L.OVERFLOW_PAGES]), int(c[L.OVERFLOW_SLOTS])) == (1, 0)
+    assert (int(c[L.ERR_OUT_OVERFLOW]), int(c[L.FAILED_REQUESTS])) == (1, 1)
+    assert out.ok.tolist() == [True] and out.pages.tolist()[0] == 0
+
+
+def test_an_incref_of_a_cached_page_at_int32_max_counts_a_refcount_overflow(backend):
+    pool = tpool.PagePool(4, device="cpu", backend=backend)
+    pool.free(pool.alloc(i32([1])).pages, cache=True)
+    pool.state.refcount[0] = 2**31 - 1
+    pool.incref(i32([0]))
+    assert int(pool.state.refcount[0]) == 2**31 - 1
+    assert int(pool.state.counters[L.ERR_REFCOUNT_OVERFLOW]) == 1
+
+
+def test_a_fork_popping_a_page_id_outside_the_pool_returns_no_half_copy_pair(backend):
+    """A hand-edited stack entry of 99 popped for the fork's partial last page: no copy pair at all
+    (never a source without a destination), and the state is counted corrupt."""
+    pool = tpool.PagePool(8, 4, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, max_requests=2, max_pages_per_request=4)
+    table.extend(i32([0]), i32([6]), max_tokens=6)
+    pool.state.free_stack[int(pool.state.counters[L.FREE_COUNT]) - 1] = 99
+    f = table.fork(i32([0]), i32([1]), i32([6]))
+    assert f.cow_src.tolist() == [-1] and f.cow_dst.tolist() == [-1]
+    assert pool.stats()["errors.corrupt_state"] == 1

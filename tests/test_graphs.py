@@ -295,3 +295,17 @@ def test_hot_path_under_cuda_sync_debug_error(backend):
     pool.check()
     table.check_invariants()
     assert pool.stats()["pages.revived"] == 4
+
+
+def test_preserved_restores_the_state_when_the_block_raises(make_pool):
+    pool = make_pool(8)
+    table = tpool.PageTable(pool, max_requests=2, max_pages_per_request=4)
+    before = [t.clone() for t in state_tensors(table)]
+    with pytest.raises(RuntimeError, match="boom"):
+        with preserved(table):
+            pool.alloc(i32([3]))
+            assert table.extend(i32([0]), i32([3]), max_tokens=3).ok.tolist() == [True]
+            raise RuntimeError("boom")
+    assert all(torch.equal(a, b) for a, b in zip(state_tensors(table), before))
+    assert pool.available() == 8 and table.seq_lens.tolist() == [0, 0]
+    pool.check()

@@ -546,3 +546,13 @@ def test_release_cache_is_checked_without_release(backend):
     for good in (False, np.bool_(True)):
         assert table.step(ids, ones, release_cache=good).kv_lens.tolist() == [1 + (good is not False)]
         table.bind_step(ids, ones, release_cache=good)
+
+
+def test_copy_between_calls_refuses_tensors_of_one_dtype_and_different_shapes():
+    """The numba copy writes ``src``'s bytes into ``dst``: a smaller ``dst`` would be written past its end."""
+    from tpool.state import copy_between_calls
+    dst, src = torch.zeros(2, dtype=torch.int64), torch.arange(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"expected contiguous tensors of one dtype and shape, got "
+                                         r"torch.int64 \(2,\) and torch.int64 \(3,\)"):
+        copy_between_calls([(dst, src)])
+    assert dst.tolist() == [0, 0]

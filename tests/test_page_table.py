@@ -948,3 +948,16 @@ def test_memory_bytes_counts_the_tables_tensors_each_storage_once():
     assert m["csr_memo_bytes"] == 2 * L.memo_len(2) * 8 and m["kept_shapes"] == 3
     parts = sum(v for k, v in m.items() if k.endswith("_bytes") and k != "total_bytes")
     assert m["total_bytes"] == parts == tpool.memory.accounting.retained_bytes(table.state.tensors()) + m["buffer_bytes"] + m["csr_memo_bytes"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_new_shape_beside_pinned_shapes_is_kept_and_reused(backend):
+    """At ``max_shapes`` with every other shape pinned, a new shape is kept (not dropped at once), so its
+    next call reuses its buffers."""
+    pool = tpool.PagePool(16, 4, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, max_requests=4, max_pages_per_request=4, max_shapes=1)
+    table.extend(i32([0]), i32([1]), max_tokens=1)
+    table.pin_shapes()
+    a = table.extend(i32([1, 2]), i32([1, 1]), max_tokens=2)
+    b = table.extend(i32([1, 2]), i32([1, 1]), max_tokens=2)
+    assert a.slots.data_ptr() == b.slots.data_ptr()

@@ -553,3 +553,38 @@ def test_kv_shape_refuses_head_dims_that_differ_per_layer():
     # Layers that all agree are one shape, per-layer config or not.
     assert engine.kv_shape(_transformers_config("gemma4_text", global_head_dim=16, **kw)) == (2, 2, 16)
     assert engine.kv_shape(_transformers_config("llama", head_dim=16)) == (2, 2, 16)
+
+
+# --- Pinned by helper-142's mutation run over tpool/serving (session 39) -------------------------------------------
+
+def test_destinations_send_padding_and_bad_slots_to_the_scratch_pages_first_row():
+    """-1 (padding) and a slot outside the pool both become the scratch page's first row (24 here: 6 pages
+    of 4); only the bad slot is counted."""
+    c = _cache(layers=1, heads=1, dim=1)
+    rows = c.destinations(i32([-1, 3, 24, -5]))
+    assert rows.dtype == torch.int64 and rows.tolist() == [24, 3, 24, 24]
+    with pytest.raises(tpool.InvalidPage):
+        c.check()
+
+
+@pytest.mark.parametrize("arg", range(5))
+def test_a_zero_size_is_refused(arg):
+    sizes = [1, 4, 2, 1, 1]  # num_pages, page_size, layers, heads, head_dim
+    sizes[arg] = 0
+    with pytest.raises(ValueError, match="expected a positive int, got 0"):
+        PagedKVCache(*sizes, dtype=torch.float32, device="cpu")
+
+
+def test_write_rows_refuses_rows_that_are_not_int64():
+    c = _cache(layers=1, heads=1, dim=1)
+    x = torch.ones(2, 1, 1)
+    with pytest.raises(ValueError, match="rows: expected a 1-D int64 tensor"):
+        c._write_rows(0, i32([0, 1]), x, x)
+    c._write_rows(0, c.destinations(i32([0, 1])), x, x)
+    assert c.k[0].flatten()[:2].tolist() == [1.0, 1.0]
+
+
+def test_chunk_tokens_counts_the_scores_when_query_heads_outnumber_kv_elements():
+    """With 64 query heads over one K/V head of 1 element, the scores ([C, Hkv, Hq // Hkv, span], 4096
+    bytes a token over a span of 16) are the larger tensor: 4 tokens in 16 KiB, not 256."""
+    assert attention.chunk_tokens(100, 16, 1, 1, 64, chunk_bytes=4 * 4096) == 4

@@ -624,3 +624,29 @@ def test_naming_rows_leaves_a_memo_without_a_csr_without_one(guard):
         outs[be] = [v.tolist() for v in (r.slots, *r.csr)]
         t.check_invariants()
     assert outs["numba"] == outs["reference"]
+
+
+def test_step_keeps_csr_looks_exactly_keep_lookahead_lanes_ahead():
+    """A row moved KEEP_LOOKAHEAD - 1 lanes is still found (its run kept), one moved KEEP_LOOKAHEAD is not:
+    the host-side answer agrees with the kernel's plan_kept_runs."""
+    n = L.KEEP_LOOKAHEAD + 2
+    pool = tpool.PagePool(64, 16, device="cpu", backend="numba")
+    table = tpool.PageTable(pool, max_requests=16, max_pages_per_request=4)
+    ids = i32(list(range(n)))
+    table.extend(ids, torch.ones(n, dtype=torch.int32))
+    table.step(ids, torch.ones(n, dtype=torch.int32))
+    pad = [-1] * (n - 1)
+    assert table.step_keeps_csr(i32([L.KEEP_LOOKAHEAD - 1] + pad)) == 1
+    assert table.step_keeps_csr(i32([L.KEEP_LOOKAHEAD] + pad)) == 0
+
+
+def test_the_backends_csr_export_into_new_buffers_pads_indices_whole(backend):
+    """``ops.flashinfer_csr`` into buffers it has not seen writes -1 past the CSR's end, over whatever
+    they held (numba keeps a memo per buffer: a fresh memo must count the whole buffer as written)."""
+    pool = tpool.PagePool(8, 4, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, max_requests=2, max_pages_per_request=4)
+    table.extend(i32([0]), i32([5]), max_tokens=5)
+    indptr, last = torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    indices = torch.full((6,), 7, dtype=torch.int32)
+    table.ops.flashinfer_csr(i32([0]), indptr, indices, last)
+    assert indptr.tolist() == [0, 2] and last.tolist() == [1] and indices.tolist() == [0, 1, -1, -1, -1, -1]
