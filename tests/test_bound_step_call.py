@@ -343,3 +343,40 @@ def test_bound_calls_refuse_copies(table):
                 with pytest.raises(TypeError, match=f"a {name} cannot be copied or pickled: its call is bound to "
                                                     "the addresses of its input"):
                     clone(run)
+
+
+
+# --- Pinned by helper-143's mutation run over the pool and page-table façade (session 39) ----------------------------
+
+SHRUNK_RELEASE = """
+import torch, tpool
+table = tpool.PageTable(tpool.PagePool(256, 1, device="cpu", backend="reference", max_batch=64), 64, 8)
+ids, ntok = torch.full((2,), -1, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+for _ in range(40):
+    for small in (128, 192, 240, 252):
+        rel = torch.full((64,), -1, dtype=torch.int32)
+        run = table.bind_step(ids, ntok, release=rel)
+        run()
+        at, storage = rel.data_ptr(), rel.untyped_storage()
+        storage.resize_(4)
+        storage.resize_(small)
+        if rel.data_ptr() == at:
+            try:
+                run()
+                print("ran")
+            except tpool.StaleBinding as e:
+                print("stale" if "release" in str(e) else "other")
+            raise SystemExit
+print("skip")
+"""
+
+
+def test_a_bound_release_whose_storage_shrank_at_the_same_address_is_stale():
+    """A bound release tensor whose storage was shrunk in place and came back at its old address (same
+    data_ptr, same numel): stale (without comparing the storage's size the call wrote -1 past the
+    storage and the process aborted). In a subprocess: a regression is a crash."""
+    import subprocess, sys
+    r = subprocess.run([sys.executable, "-c", SHRUNK_RELEASE], capture_output=True, text=True, timeout=120)
+    if r.returncode == 0 and r.stdout.strip() == "skip":
+        pytest.skip("the allocator never gave a shrunk storage its old address back")
+    assert r.returncode == 0 and r.stdout.strip() == "stale", (r.returncode, r.stdout, r.stderr[-1000:])

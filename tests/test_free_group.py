@@ -315,3 +315,38 @@ def test_entering_while_another_threads_group_is_open_names_it(make_pool):
         with pool.free_group(4):
             with pool.free_group(4):
                 pass
+
+
+
+# --- Pinned by helper-143's mutation run over the pool and page-table façade (session 39) ----------------------------
+
+def test_free_group_default_capacity_is_4096(make_pool):
+    """free_group() buffers 4096 ids by default, as documented."""
+    pool = make_pool(8)
+    group = pool.free_group()
+    assert group.capacity == 4096 and tuple(group.buffer.shape) == (2, 4096)
+
+
+def test_a_free_that_exactly_fills_the_group_does_not_flush_early(make_pool):
+    """capacity 4, two frees of 2 ids: they fit, one pass at exit, none before
+    (a free that exactly fills the buffer is buffered, not flushed early)."""
+    pool = make_pool(8)
+    r = pool.alloc(i32([4]))
+    with pool.free_group(capacity=4) as group:
+        pool.free(r.pages[:2].clone())
+        pool.free(r.pages[2:4].clone())
+        assert group.flushes == 0
+    assert group.flushes == 1 and pool.available() == 8
+
+
+def test_a_group_capacity_counts_plain_and_cached_ids_together(make_pool):
+    """capacity 4: 3 plain ids then 3 cached ones do not fit together, so the plain ones are applied at the
+    second free: the capacity counts both rows together."""
+    pool = make_pool(8)
+    r = pool.alloc(i32([6]))
+    with pool.free_group(capacity=4) as group:
+        pool.free(r.pages[:3].clone())
+        pool.free(r.pages[3:6].clone(), cache=True)
+        assert group.flushes == 1
+    assert group.flushes == 2
+    assert pool.available() == 5 and pool.stats()["pages.cached.current"] == 3

@@ -556,3 +556,54 @@ def test_copy_between_calls_refuses_tensors_of_one_dtype_and_different_shapes():
                                          r"torch.int64 \(2,\) and torch.int64 \(3,\)"):
         copy_between_calls([(dst, src)])
     assert dst.tolist() == [0, 0]
+
+
+
+# --- Pinned by helper-143's mutation run over the pool and page-table façade (session 39) ----------------------------
+
+def test_evict_out_shorter_than_k_is_refused(backend):
+    """evict(k, out=) with fewer than k entries: ValueError naming both, nothing evicted (not len(out) pages
+    evicted silently)."""
+    pool = tpool.PagePool(8, device="cpu", backend=backend)
+    r = pool.alloc(i32([4]))
+    pool.free(r.pages[:4], cache=True)
+    with pytest.raises(ValueError, match=r"out: expected 3 entries \(k\), got 2"):
+        pool.evict(3, out=torch.empty(2, dtype=torch.int32))
+    assert pool.stats()["pages.cached.current"] == 4
+
+
+def test_a_hot_path_input_past_a_shrunk_storage_is_refused(backend):
+    """A view at storage offset 4 whose storage was shrunk to 4 entries: its 4 entries lie past the storage
+    although nbytes >= 4 * numel. free refuses it before any kernel, on the hot path's check
+    and the full one (both must count the storage offset: a kernel would read past the allocation)."""
+    pool = tpool.PagePool(8, device="cpu", backend=backend)
+    base = torch.full((8,), -1, dtype=torch.int32)
+    view = base[4:]
+    base.untyped_storage().resize_(16)
+    with pytest.raises(ValueError, match="expected a storage holding its 4 entries"):
+        pool.free(view)
+
+
+def test_release_of_ids_over_the_pool_state_is_refused(backend):
+    """table.release(req_ids) with req_ids over a pool state tensor: ValueError before any change
+    (without the check the reference backend released whatever ids the free stack held)."""
+    pool = tpool.PagePool(8, 1, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 8, 4)
+    table.extend(i32([0, 1]), i32([2, 2]), max_tokens=4)
+    before = table.seq_lens.clone()
+    with pytest.raises(ValueError, match="req_ids: shares memory with a buffer this call writes"):
+        table.release(pool.state.free_stack[:2])
+    assert torch.equal(table.seq_lens, before)
+
+
+@pytest.mark.parametrize("lens, msg", [(torch.tensor([2, 2], dtype=torch.int64), "lens: expected dtype torch.int32"),
+                                       (i32([2]), r"lens: expected 2 entries \(one per request id\), got 1")])
+def test_fork_checks_its_lens_before_any_change(backend, lens, msg):
+    """fork's lens of another dtype or length: ValueError naming expected and actual, table unchanged."""
+    pool = tpool.PagePool(16, 4, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 4, 4)
+    table.extend(i32([0]), i32([8]), max_tokens=8)
+    before = [t.clone() for t in (table.seq_lens, table.block_table, pool.state.refcount)]
+    with pytest.raises(ValueError, match=msg):
+        table.fork(i32([0, 0]), i32([1, 2]), lens)
+    assert all(torch.equal(a, b) for a, b in zip(before, (table.seq_lens, table.block_table, pool.state.refcount)))

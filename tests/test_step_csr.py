@@ -650,3 +650,15 @@ def test_the_backends_csr_export_into_new_buffers_pads_indices_whole(backend):
     indices = torch.full((6,), 7, dtype=torch.int32)
     table.ops.flashinfer_csr(i32([0]), indptr, indices, last)
     assert indptr.tolist() == [0, 2] and last.tolist() == [1] and indices.tolist() == [0, 1, -1, -1, -1, -1]
+
+
+def test_step_keeps_csr_is_zero_when_the_step_would_grow_the_csr():
+    """After a step, the buffers hold this batch's CSR at the table's version: the next step grows it in
+    place (``step_grows_csr``), so ``step_keeps_csr`` says 0, not every lane; another batch keeps runs."""
+    pool = tpool.PagePool(64, 16, device="cpu", backend="numba")
+    table = tpool.PageTable(pool, max_requests=8, max_pages_per_request=4)
+    ids, ones = i32([0, 1, 2]), torch.ones(3, dtype=torch.int32)
+    table.extend(ids, ones)
+    table.step(ids, ones)
+    assert table.step_grows_csr(ids) and table.step_keeps_csr(ids) == 0
+    assert not table.step_grows_csr(i32([0, 2, -1])) and table.step_keeps_csr(i32([0, 2, -1])) == 2
