@@ -216,88 +216,43 @@ def test_a_fork_popping_a_page_id_outside_the_pool_returns_no_half_copy_pair(bac
     assert pool.stats()["errors.corrupt_state"] == 1
 
 
-
 # --- Pinned by helper-143's mutation run over the pool and page-table façade (session 39) ----------------------------
 
-def _edited(backend, name, index, value):
+@pytest.mark.parametrize("name, index, value, rule", [
+    ("counters", L.USED_PEAK, 1, "peaks >= current"),                 # a peak below the pages in use
+    ("refcount", 5, -1, "refcounts non-negative"),                     # a FREE page: "rc > 0 iff USED" holds
+    ("occur", 2, 1, "scratch reset"),                                  # 0 between calls
+    ("claim", 2, 1, "scratch reset"),                                  # INT32_MAX between calls
+    ("page_gen", 6, -1, "generations non-negative"),
+    ("stamp", 3, "later", "stamp order"),                              # the older queue entry, the later stamp
+])
+def test_check_invariants_names_each_pool_rule_broken_alone(backend, name, index, value, rule):
+    """One hand edit of a pool (pages 0-2 in use, 3 and 4 cached in two calls) breaks one rule, which
+    ``check_invariants`` names."""
     pool = tpool.PagePool(8, device="cpu", backend=backend)
-    pool.alloc(i32([3]))
+    pool.alloc(i32([5]))
+    pool.free(i32([3]), cache=True)
+    pool.free(i32([4]), cache=True)
     pool.check_invariants()
+    if value == "later":
+        value = int(pool.state.stamp[4]) + 5
     getattr(pool.state, name)[index] = value
-    return pool
-
-
-def test_check_invariants_catches_a_used_peak_below_current(backend):
-    """A used peak edited below the pages in use breaks "peaks >= current"."""
-    pool = _edited(backend, "counters", L.USED_PEAK, 1)
-    with pytest.raises(tpool.InvariantViolation, match="peaks >= current"):
+    with pytest.raises(tpool.InvariantViolation, match=rule):
         pool.check_invariants()
 
 
-def test_check_invariants_catches_a_negative_refcount_on_a_free_page(backend):
-    """A FREE page with refcount -1 passes "refcount > 0 iff USED" but not "refcounts non-negative"."""
-    pool = _edited(backend, "refcount", 5, -1)
-    with pytest.raises(tpool.InvariantViolation, match="refcounts non-negative"):
-        pool.check_invariants()
-
-
-@pytest.mark.parametrize("name", ["occur", "claim"])
-def test_check_invariants_catches_a_page_scratch_left_set(backend, name):
-    """The page scratch (claim INT32_MAX, occur 0 between calls) edited: "scratch reset"."""
-    pool = _edited(backend, name, 2, 1)
-    with pytest.raises(tpool.InvariantViolation, match="scratch reset"):
-        pool.check_invariants()
-
-
-def test_check_invariants_catches_a_negative_generation(backend):
-    """A page generation edited to -1: "generations non-negative"."""
-    pool = _edited(backend, "page_gen", 6, -1)
-    with pytest.raises(tpool.InvariantViolation, match="generations non-negative"):
-        pool.check_invariants()
-
-
-def test_check_invariants_catches_lru_entries_out_of_stamp_order(backend):
-    """Two CACHED pages whose stamps are edited so the older queue entry has the later stamp: "the LRU
-    queue's live entries in stamp order"."""
-    pool = tpool.PagePool(8, device="cpu", backend=backend)
-    pool.alloc(i32([2]))
-    pool.free(i32([0]), cache=True)
-    pool.free(i32([1]), cache=True)
-    pool.check_invariants()
-    pool.state.stamp[0] = int(pool.state.stamp[1]) + 5
-    with pytest.raises(tpool.InvariantViolation, match="stamp order"):
-        pool.check_invariants()
-
-
-def _table(backend):
-    pool = tpool.PagePool(16, 4, device="cpu", backend=backend)
-    table = tpool.PageTable(pool, 4, 4)
+@pytest.mark.parametrize("name, index, value, rule", [
+    ("seq_lens", 2, -1, r"seq_lens within \[0, max_pages \* page_size\] \(request 2"),  # else unnamed
+    ("block_table", (0, 2), 9, r"entries past a request's length are -1 \(request 0"),  # nothing else looks there
+    ("claim", 0, 0, "the table's claim scratch is reset"),                               # INT32_MAX between calls
+])
+def test_check_invariants_names_each_table_rule_broken_alone(backend, name, index, value, rule):
+    """One hand edit of a table (request 0 at 3 tokens, pages of 4) breaks one rule, which
+    ``check_invariants`` names."""
+    table = tpool.PageTable(tpool.PagePool(16, 4, device="cpu", backend=backend), 4, 4)
     table.extend(i32([0]), i32([3]), max_tokens=3)
     table.check_invariants()
-    return table
-
-
-def test_check_invariants_catches_a_negative_length(backend):
-    """An empty row's length edited to -1: "seq_lens within [0, ...]" (no other rule
-    names it: at best a partial last page named twice)."""
-    table = _table(backend)
-    table.seq_lens[2] = -1
-    with pytest.raises(tpool.InvariantViolation, match=r"seq_lens within \[0, max_pages \* page_size\] \(request 2"):
+    (table.state.claim if name == "claim" else getattr(table, name))[index] = value
+    with pytest.raises(tpool.InvariantViolation, match=rule):
         table.check_invariants()
 
-
-def test_check_invariants_catches_an_entry_past_the_length(backend):
-    """A FREE page id written past a row's length: "entries past a request's length are -1"
-    (nothing else looks past the length)."""
-    table = _table(backend)
-    table.block_table[0, 2] = 9
-    with pytest.raises(tpool.InvariantViolation, match=r"entries past a request's length are -1 \(request 0"):
-        table.check_invariants()
-
-
-def test_check_invariants_catches_the_table_claim_scratch_left_set(backend):
-    """The table's claim scratch (INT32_MAX between calls) edited: named."""
-    table = _table(backend)
-    table.state.claim[0] = 0
-    with pytest.raises(tpool.InvariantViolation, match="the table's claim scratch is reset"):
-        table.check_invariants()
