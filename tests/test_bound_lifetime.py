@@ -128,6 +128,12 @@ def test_a_storage_shrunk_in_place_at_the_same_address_is_stale():
         run()
         return ids, run
 
+    def bound_step_tokens():
+        ids, tokens = torch.full((64,), -1, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
+        run = table.bind_step(ids, tokens)
+        run()
+        return tokens, run
+
     def bound_free():
         pages = torch.full((64,), -1, dtype=torch.int32)
         pool.free(pages)  # remembered as checked
@@ -135,7 +141,9 @@ def test_a_storage_shrunk_in_place_at_the_same_address_is_stale():
         run()
         return pages, run
 
-    for make, unbound in ((bound_step, lambda t: table.step(t, ntok)), (bound_free, pool.free)):
+    padding = torch.full((64,), -1, dtype=torch.int32)
+    for make, unbound in ((bound_step, lambda t: table.step(t, ntok)), (bound_step_tokens, lambda t: table.step(padding, t)),
+                          (bound_free, pool.free)):
         found = _shrunk_at_the_same_address(make)
         if found is None:
             pytest.skip("the allocator never gave a shrunk storage its old address back")
@@ -144,3 +152,31 @@ def test_a_storage_shrunk_in_place_at_the_same_address_is_stale():
             run()
         with pytest.raises(ValueError, match="storage"):
             unbound(t)
+
+
+def test_a_bound_input_given_other_memory_or_a_shorter_view_is_stale(backend):
+    """Every input of a bound alloc, free and step, given other memory of its size (``set_`` to a copy:
+    another address) or viewed shorter at its address (``set_`` over its own storage): StaleBinding before
+    any kernel runs, nothing changed."""
+    import pytest
+    import torch
+    import tpool
+    from tpool.errors import StaleBinding
+    for edit in ("elsewhere", "shorter"):
+        for name in ("counts", "pages", "req_ids", "num_tokens"):
+            pool = tpool.PagePool(64, 1, device="cpu", backend=backend)
+            table = tpool.PageTable(pool, 8, 8)
+            counts, pages = torch.ones(2, dtype=torch.int32), torch.tensor([0, 1, -1, -1], dtype=torch.int32)
+            ids, tokens = torch.tensor([0, 1], dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+            table.extend(ids, tokens)
+            inputs = {"counts": counts, "pages": pages, "req_ids": ids, "num_tokens": tokens}
+            run = (pool.bind_alloc(counts, out=pool.alloc_out(2, 4)) if name == "counts" else
+                   pool.bind_free(pages) if name == "pages" else table.bind_step(ids, tokens))
+            t = inputs[name]
+            if edit == "elsewhere":
+                t.set_(t.clone())
+            else:
+                t.set_(t.untyped_storage(), 0, (t.numel() - 1,))
+            with pytest.raises(StaleBinding):
+                run()
+            assert pool.available() == 62 and table.seq_lens.tolist()[:2] == [1, 1], (edit, name)

@@ -133,6 +133,7 @@ def test_t08_max_tokens_one_past_most_tokens_is_refused(backend):
     """max_tokens = most_tokens is accepted, one more refused (T08: > most_tokens + 1)."""
     pool = tpool.PagePool(16, page_size=PS, device="cpu", backend=backend)
     table = tpool.PageTable(pool, 4, 4)
+    assert table.most_tokens == pool.max_batch * 4 * PS  # every lane filling a row: tokens, not pages
     ids, n = _i32([0]), _i32([1])
     table.extend(ids, n, max_tokens=table.most_tokens)
     with pytest.raises(ValueError, match=f"max_tokens: expected at most {table.most_tokens}"):
@@ -392,3 +393,17 @@ def test_x06_an_admission_only_step_one_page_past_the_unreserved_ones_does_not_f
     assert _books(m) == before
     m.step([], 1, [16], [16])                             # 4: fits
     pool.check()
+
+
+def test_a_table_of_one_entry_past_max_indexed_is_refused_before_allocating():
+    """max_requests * max_pages_per_request = MAX_INDEXED + 1 table entries: a ValueError naming the product,
+    raised before the table's state (gigabytes at that size) is allocated."""
+    from tpool.kernels.layout import MAX_INDEXED
+    pool = tpool.PagePool(16, page_size=1, device="cpu", backend="reference")
+    with pytest.raises(ValueError, match=f"expected at most {MAX_INDEXED} table entries, got {MAX_INDEXED + 1} \\* 1"):
+        tpool.PageTable(pool, MAX_INDEXED + 1, 1)
+
+
+def test_the_default_max_alloc_pages_is_4096_or_the_pool():
+    assert tpool.PagePool(65536, device="cpu", backend="reference").max_alloc_pages == 4096
+    assert tpool.PagePool(100, device="cpu", backend="reference").max_alloc_pages == 100

@@ -607,3 +607,12 @@ def test_fork_checks_its_lens_before_any_change(backend, lens, msg):
     with pytest.raises(ValueError, match=msg):
         table.fork(i32([0, 0]), i32([1, 2]), lens)
     assert all(torch.equal(a, b) for a, b in zip(before, (table.seq_lens, table.block_table, pool.state.refcount)))
+
+
+def test_bind_alloc_refuses_an_out_of_another_pool_or_type(backend):
+    pool = tpool.PagePool(8, device="cpu", backend=backend)
+    other = tpool.PagePool(8, device="cpu", backend=backend)
+    for out, got in ((other.alloc_out(2, 4), "AllocOut"), (pool.alloc_out(2, 4).result, "AllocResult")):
+        with pytest.raises(ValueError, match=f"out: expected an AllocOut from this pool's alloc_out\\(\\), got {got}"):
+            pool.bind_alloc(i32([1, 1]), out=out)
+    assert pool.available() == other.available() == 8
