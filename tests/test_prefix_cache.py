@@ -860,3 +860,62 @@ def test_on_triton_a_changed_index_tensor_is_refused_before_a_launch():
         with pytest.raises(ValueError, match="slot_gen as it made it"):
             call()
     assert (buf == 77).all() and len(cache) == entries and m.cached == 2 and m.rows_free == 3
+
+
+
+# --- Pinned by helper-144's mutation run over tpool/scheduling (session 39) --------------------------------------
+
+def test_insert_takes_at_most_the_rows_sure_length_after_a_rollback(backend):
+    pool, m, cache = _setup(backend)
+    (a,) = m.admit([8])
+    m.decode([a], 4)                                 # 12 tokens
+    m.rollback([a], torch.tensor([9], dtype=torch.int32), [9])
+    assert m.length_bounds(a) == (9, 12)
+    with pytest.raises(ValueError, match="sure length"):
+        cache.insert(a, list(range(12)))
+    assert len(cache) == 0
+    assert cache.insert(a, list(range(9))) == 2
+
+
+def test_an_insert_past_known_pages_names_every_page_up_to_its_last_entry(backend):
+    pool, m, cache = _setup(backend)
+    a, b = m.admit([8, 8])
+    assert cache.insert(a, list(range(8))) == 2
+    assert cache.insert(b, list(range(4)) + [9, 9, 9, 9]) == 1   # page 0 known (a's): only page 1 named
+    assert m.shared_prefix(b) == 8
+    with pytest.raises(ValueError, match="would drop pages"):
+        m.truncate([b], [4])
+
+
+def test_slots_dropped_while_another_eviction_is_unread_are_not_reused_before_it_is_dropped(backend):
+    pool, m, cache = _setup(backend)
+    (x,) = m.admit([4])
+    cache.insert(x, list(range(4)))                   # parent entry (x's page)
+    m.finish([x], cache=True)                         # released first: evicted first
+    (y,) = m.admit([8])
+    assert cache.insert(y, list(range(8))) == 1       # child entry, under x's
+    m.finish([y], cache=True)
+    cache.evict(1)
+    u1 = cache.unread().tolist()                      # the parent's slot
+    cache.evict(2)
+    u2 = cache.unread().tolist()                      # the child's slot, outstanding
+    assert cache.drop(u1) == 2                        # parent and the child under it
+    (z,) = m.admit([4])
+    assert cache.insert(z, [7, 7, 7, 7]) == 1         # a new entry while u2 is outstanding
+    cache.drop(u2)
+    assert len(cache) == 1
+    assert cache.match([7, 7, 7, 7, 0]).n_tokens == 4
+    cache.check_invariants()
+
+
+def test_a_detached_caches_inserts_bind_no_row_under_the_next_cache(backend):
+    pool, m, cache = _setup(backend)
+    a, b = m.admit([8, 8])
+    cache.insert(a, list(range(8)))
+    cache.insert(b, list(range(4)) + [5, 5, 5, 5])
+    cache.detach()
+    PrefixCache(m)
+    assert m.shared_prefix(a) == 0
+    m.truncate([a], [2])
+    m.finish([b])                                     # cache=False: its pages were named by no live cache
+    assert m.free == pool.available()

@@ -1653,3 +1653,95 @@ def test_asks_refuse_ints_past_int64_and_take_any_layout(backend):
     m.step(rows, [1, 1, 1], np.asarray([4, 9, 4])[::2], np.broadcast_to(np.int64(20), (2,)))
     assert table.seq_lens[:5].tolist() == [7, 8, 9, 4, 4] and m.exact and m.free == pool.available()
     table.check_invariants()
+
+
+
+# --- Pinned by helper-144's mutation run over tpool/scheduling (session 39) --------------------------------------
+
+def _mirror(backend, num_pages=16, rows=4, max_pages=8, lookahead=1):
+    pool, _, m = _setup(backend, num_pages, rows, max_pages, lookahead)
+    return pool, m
+
+
+def test_can_admit_stops_at_the_first_prompt_that_could_never_be_admitted(backend):
+    pool, m = _mirror(backend)                       # capacity 32 tokens
+    assert m.capacity == 32
+    assert m.can_admit([4, 40, 4]) == 1              # 40 > capacity: never fits
+    assert m.can_admit([4, 9, 4], [8, 8, 8]) == 1    # prompt 9 past its max_len 8
+    k = m.can_admit([4, 40, 4])
+    m.admit([4, 40, 4][:k])                          # what a scheduler does with the answer
+
+
+def _three_full_rows(backend):
+    """Three rows at 8 tokens holding a reserved page each, no unreserved page left (as
+    tests/test_scheduler.py::test_preemption_lowest_priority_first_before_the_step)."""
+    pool, m = _mirror(backend, num_pages=9, rows=4, max_pages=12)
+    rows = m.admit([4, 4, 4], [36] * 3)
+    for _ in range(4):
+        m.decode(rows)
+    assert m.unreserved == 0 and m.reserved == 3 and not m.fits(rows, 5)
+    return pool, m, rows
+
+
+def test_preemption_ties_go_to_the_later_row(backend):
+    pool, m, rows = _three_full_rows(backend)
+    assert m.preemption(rows, [1, 1, 1], 5) == [rows[2]]
+    assert m.preemption(rows, [2, 1, 1], 5) == [rows[2]]
+    assert m.preemption(rows[::-1], [1, 1, 1], 5) == [rows[0]]
+
+
+def test_a_fork_at_its_max_len_reserves_nothing(backend):
+    pool, m = _mirror(backend)
+    (a,) = m.admit([8], [32])                        # 2 pages + 1 reserved (its 9th token)
+    before = m.reserved
+    row = m.fork(a, 8, max_len=8)                    # 8 tokens, max_len 8: done growing
+    assert m.res[row] == 0 and m.reserved == before
+    row2 = m.fork(a, 4, max_len=5)                   # 4 tokens, max_len 5: its 5th token needs a page
+    assert m.res[row2] == 1 and m.reserved == before + 1
+    assert m.free == pool.available()
+
+
+def test_a_fork_counting_cached_pages_reserves_what_is_unreserved(backend):
+    pool, m = _mirror(backend, num_pages=8, lookahead=8)
+    (a,) = m.admit([8], [32])                        # 2 pages + 2 reserved
+    (b,) = m.admit([12], [12])                       # 3 pages, none reserved
+    m.finish([b], cache=True)                        # 3 CACHED
+    assert (m.free, m.cached, m.unreserved) == (3, 3, 1)
+    row = m.fork(a, 8, max_len=32, count_cached=True)   # needs 2 reserved: 1 unreserved + 3 cached
+    assert m.res[row] == 1 and m.unreserved == 0
+
+
+def test_shortfall_is_zero_when_the_step_fits_and_counts_the_pages_missing_otherwise(backend):
+    pool, m = _mirror(backend, num_pages=8)
+    assert m.shortfall() == 0 and m.shortfall([4]) == 0
+    rows = m.admit([4, 4])                           # 2 pages + 2 reserved: 4 unreserved
+    assert m.shortfall([4], rows=rows) == 0
+    assert m.shortfall([16], [32], rows=rows) == 1   # 4 pages + 1 reserved: one short
+    m.evict(m.shortfall([4]))                        # evict(0): what a loop does when it fits
+
+
+def test_a_row_reused_by_a_fork_does_not_keep_the_last_requests_reserve(backend):
+    pool, m = _mirror(backend, num_pages=32)
+    (src,) = m.admit([8], [32])
+    (a,) = m.admit([4], [32])
+    m.reserve(a, 16)                                 # pages set aside through token 20
+    m.finish([a])
+    b = m.fork(src, 8, max_len=32)
+    assert b == a                                    # the freed row is taken again
+    m.decode([b], 4)                                 # 12 tokens, 1 reserved for the 13th
+    m.rollback([b], torch.tensor([10], dtype=torch.int32), [10])
+    m.reconcile(m.snapshot())                        # settles b at 10: its 11th token needs no page
+    assert m.length_bounds(b) == (10, 10)
+    assert m.res[b] == 0
+    assert m.free == pool.available()
+
+
+def test_a_step_wider_than_max_batch_is_refused_before_the_mirror_changes(backend):
+    pool, m = _mirror(backend)
+    rows = m.admit([4, 4])
+    before = _books(pool, m.table, m)
+    with pytest.raises(ValueError, match="width"):
+        m.step(rows, 1, [4], width=m.max_batch + 1)
+    assert _books(pool, m.table, m) == before
+    m.step(rows, 1, [4], width=m.max_batch)
+    assert m.free == pool.available()

@@ -504,8 +504,11 @@ class HostMirror(MixedSteps, Accounting):
         Whole pages are shared; a partial last page is copied into a fresh page: the
         table's :class:`~tpool.table_results.ForkResult` is kept in :attr:`last_fork` (device
         tensors, table-owned) so the caller copies the KV of ``cow_src`` into ``cow_dst``.
-        ``n_tokens`` must be within ``src``'s sure length. ``count_cached``: as for :meth:`revive`
-        (the copy-on-write page is taken by the fork itself, so it comes from ``free``).
+        ``n_tokens`` must be within ``src``'s sure length. ``count_cached``: its reservation may
+        be covered by the ``cached`` pages, as for :meth:`revive` (the copy-on-write page is taken by
+        the fork itself, so it comes from ``free``); unlike revive, it reserves only the pages
+        unreserved now (``unreserved`` stays >= 0), so a later ``decode`` or ``step`` of the row
+        counts the rest as any row's growth.
         """
         src, n_tokens = _checks.check_size(src, "src"), _checks.check_size(n_tokens, "n_tokens")
         ps, m = self.page_size, self.capacity if max_len is None else _checks.check_size(max_len, "max_len")
