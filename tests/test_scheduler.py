@@ -302,6 +302,9 @@ def test_preemption_lowest_priority_first_before_the_step(backend):
         assert not m.fits(rows, 5)                # 5 more tokens: 1 reserved + 1 more page each, 0 unreserved
         victims = m.preemption(rows, [3, 1, 2], 5)
         assert victims == [rows[1]]                # lowest priority first; its 2 pages + 1 reserved cover 2
+        assert m.preemption(rows, [1, 1, 1], 5) == [rows[2]]         # a tie goes to the later row
+        assert m.preemption(rows, [2, 1, 1], 5) == [rows[2]]
+        assert m.preemption(rows[::-1], [1, 1, 1], 5) == [rows[0]]   # later in the list given, not the row id
         clock = table.pool.state.counters[L.CLOCK].clone()
         with pytest.raises(WouldNotFit):
             m.decode(rows, 5)
@@ -1670,24 +1673,6 @@ def test_can_admit_stops_at_the_first_prompt_that_could_never_be_admitted(backen
     assert m.can_admit([4, 9, 4], [8, 8, 8]) == 1    # prompt 9 past its max_len 8
     k = m.can_admit([4, 40, 4])
     m.admit([4, 40, 4][:k])                          # what a scheduler does with the answer
-
-
-def _three_full_rows(backend):
-    """Three rows at 8 tokens holding a reserved page each, no unreserved page left (as
-    tests/test_scheduler.py::test_preemption_lowest_priority_first_before_the_step)."""
-    pool, m = _mirror(backend, num_pages=9, rows=4, max_pages=12)
-    rows = m.admit([4, 4, 4], [36] * 3)
-    for _ in range(4):
-        m.decode(rows)
-    assert m.unreserved == 0 and m.reserved == 3 and not m.fits(rows, 5)
-    return pool, m, rows
-
-
-def test_preemption_ties_go_to_the_later_row(backend):
-    pool, m, rows = _three_full_rows(backend)
-    assert m.preemption(rows, [1, 1, 1], 5) == [rows[2]]
-    assert m.preemption(rows, [2, 1, 1], 5) == [rows[2]]
-    assert m.preemption(rows[::-1], [1, 1, 1], 5) == [rows[0]]
 
 
 def test_a_fork_at_its_max_len_reserves_nothing(backend):
