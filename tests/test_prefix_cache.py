@@ -919,3 +919,33 @@ def test_a_detached_caches_inserts_bind_no_row_under_the_next_cache(backend):
     m.truncate([a], [2])
     m.finish([b])                                     # cache=False: its pages were named by no live cache
     assert m.free == pool.available()
+
+
+def test_a_page_named_again_while_its_old_entry_waits_keeps_its_new_name(backend):
+    """A child entry's page is evicted (its slot unread, the entry still live on the host), handed out
+    again and named by a new entry; then the parent is evicted and its drop, read first, drops the
+    child under it. The page must keep its new entry's name: a later eviction of it then hands out
+    that entry's slot and the entry goes with it."""
+    pool, m, cache = _setup(backend, num_pages=8)
+    (x,) = m.admit([4])
+    cache.insert(x, list(range(4)))                   # parent entry
+    (y,) = m.admit([8])
+    assert cache.insert(y, list(range(8))) == 1       # child entry, under the parent
+    m.finish([y], cache=True)                         # released first: its pages are evicted first
+    m.finish([x], cache=True)
+    cache.evict(1)
+    child = cache.unread().tolist()                   # the child's slot, outstanding
+    (z,) = m.admit([4])
+    page = m.table.block_table[z, 0].item()
+    assert cache.insert(z, [7, 7, 7, 7]) == 1         # names the child's old page
+    new_slot = cache.page_slot[page].item()
+    assert new_slot >= 0 and [new_slot] != child
+    m.finish([z], cache=True)
+    cache.evict(2)
+    assert cache.drop(cache.unread().tolist()) == 2   # the parent, and the child under it
+    assert cache.page_slot[page].item() == new_slot
+    assert cache.drop(child) == 0 and not cache.closed
+    assert len(cache) == 1 and cache.match([7, 7, 7, 7, 0]).n_tokens == 4
+    cache.check_invariants()
+    cache.evict(1)
+    assert cache.unread().tolist() == [new_slot]
