@@ -732,15 +732,19 @@ def test_the_numba_updates_refuse_rows_slots_and_sizes_outside_their_arrays():
     for row, first, slots in [(2, 0, i64(0)), (-1, 0, i64(0)), (0, 2, i64(0, 1)), (0, 0, i64(4)), (0, 0, i64(-1))]:
         assert X.insert_pages(at, 2, 3, row, first, slots, gat, 4, sp, sg, ps) == -1
     assert X.insert_pages(at, 2, 3, 0, 0, i64(0), gat, 4, sp, sg, ps[:4]) == -1   # page_slot not [P + 1]
+    assert X.insert_pages(at, 2, 3, 0, 0, i64(3), gat, 4, sp, sg[:3], ps) == -1   # slot_gen shorter than slot_page
     assert (sp == -1).all() and (sg == -1).all() and (ps == -1).all()
     assert X.insert_pages(at, 2, 3, 1, 0, i64(0, 1, 2), gat, 4, sp, sg, ps) == 0
     assert sp.tolist() == [2, 9, 0, -1] and sg.tolist() == [12, -1, 10, -1] and ps.tolist() == [2, -1, 0, -1, -1]
-    ev, out = np.array([2, -1, 7], dtype=np.int32), np.full(3, 5, np.int32)
-    assert X.forget_pages(ev.ctypes.data, 3, ps, out[:2]) == -1 and (out == 5).all()
-    assert X.forget_pages(ev.ctypes.data, 3, ps, out) == 0
-    assert out.tolist() == [0, -1, -1] and ps.tolist() == [2, -1, -1, -1, -1]
+    ev, out = np.array([2, -1, 7, -5], dtype=np.int32), np.full(4, 5, np.int32)   # -5: would wrap to page 0
+    assert X.forget_pages(ev.ctypes.data, 4, ps, out[:3]) == -1 and (out == 5).all()
+    assert X.forget_pages(ev.ctypes.data, 4, ps, out) == 0
+    assert out.tolist() == [0, -1, -1, -1] and ps.tolist() == [2, -1, -1, -1, -1]
     pages, gens = np.zeros(2, np.int32), np.zeros(2, np.int32)
     assert X.gather_slots(i64(0, 4), sp, sg, pages, gens) == -1 and X.gather_slots(i64(0), sp, sg, pages, gens) == -1
+    assert X.gather_slots(i64(0, 3), sp, sg[:3], pages, gens) == -1             # slot_gen shorter than slot_page
+    assert X.gather_slots(i64(0, 2), sp, sg, pages[:1], gens) == -1             # pages shorter than the slots
+    assert X.gather_slots(i64(0, 2), sp, sg, pages, gens[:1]) == -1             # gens shorter than the slots
     assert (pages == 0).all() and X.gather_slots(i64(2, 0), sp, sg, pages, gens) == 0
     assert pages.tolist() == [0, 2] and gens.tolist() == [10, 12]
 

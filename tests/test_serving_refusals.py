@@ -218,6 +218,24 @@ def test_row_global_rope_of_one_layer_type_is_refused():
         checks.check_config(cfg)
 
 
+def test_phimoe_rope_other_than_default_is_refused(monkeypatch):
+    """PhiMoE's rotary embedding multiplies cos/sin by short_mscale or long_mscale, picked from the row's
+    largest position, for every rope type but "default" (even "linear", fixed for other models): a short
+    lane packed next to one past original_max_position_embeddings got the long one's scale. Shown with the
+    check bypassed, then refused."""
+    rope = {"rope_type": "linear", "factor": 1.0, "rope_theta": 10000.0, "short_mscale": 1.0, "long_mscale": 2.0,
+            "original_max_position_embeddings": 16}
+    model = _build(transformers.PhimoeConfig, transformers.PhimoeForCausalLM,
+                   **{k: v for k, v in LLAMA.items() if k != "head_dim"}, num_local_experts=4,
+                   num_experts_per_tok=2, rope_parameters=rope)
+    with pytest.raises(ValueError, match="got rope_parameters rope_type 'linear' in phimoe's config: PhiMoE scales "
+                                         "cos/sin by short_mscale or long_mscale"):
+        check_model(model)
+    monkeypatch.setattr(checks, "ROW_GLOBAL_ROPE_MODELS", {})
+    got, want = _packed_logits_of_a_short_lane(model)
+    assert (got - want).abs().max() > 1e-2
+
+
 @pytest.mark.parametrize("rope", [
     {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
     {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 16},
