@@ -1602,3 +1602,173 @@ def test_a_value_that_holds_itself_is_a_type_error():
                      lambda v: OwnedCache(1 << 20).put("k", v)):
             with pytest.raises(TypeError, match="holds itself"):
                 call(value)
+
+
+def test_arena_bytes_saved_subtracts_the_block_not_the_payload():
+    """bytes_saved is what the value kept alive less what the cache charges: with an arena, the block size."""
+    cache = OwnedCache(1 << 16, arena=Arena(1 << 16, "cpu", alignment=256))
+    batch = torch.zeros(1000)                 # 4,000-byte storage
+    assert cache.put("c", batch[:3])          # 12 B payload in a 256 B block
+    assert cache.stats().current_bytes == 256
+    assert cache.stats().bytes_saved == 4000 - 256
+    cache.check_invariants()
+
+
+def test_arena_payload_bytes_are_the_values_not_the_blocks():
+    """memory_bytes() reports the payload (what the tensors need) apart from the block bytes charged."""
+    cache = OwnedCache(1 << 16, arena=Arena(1 << 16, "cpu", alignment=256))
+    assert cache.put("a", torch.ones(3))      # 12 B in a 256 B block
+    m = cache.memory_bytes()
+    assert (m["payload_bytes"], m["storage_bytes"]) == (12, 256)
+    cache.remove("a")
+    m = cache.memory_bytes()
+    assert (m["payload_bytes"], m["storage_bytes"]) == (0, 0)
+    cache.check_invariants()
+
+
+def test_memory_bytes_peak_is_the_peak_not_the_current_charge():
+    """memory_bytes()["peak_bytes"] keeps the high-water mark after entries go, as stats() does."""
+    cache = OwnedCache(1 << 20)
+    cache.put("a", torch.ones(256))
+    cache.put("b", torch.ones(512))
+    cache.remove("a")
+    cache.remove("b")
+    m = cache.memory_bytes()
+    assert m["storage_bytes"] == 0
+    assert m["peak_bytes"] == cache.stats().peak_bytes == 3 * 1024
+
+
+def test_pop_of_a_pinned_entry_is_refused_and_keeps_it():
+    """pop, like remove and clear, never removes a pinned entry: ValueError, nothing removed."""
+    cache = OwnedCache(1 << 20)
+    t = torch.arange(8.0)
+    cache.put("a", t)
+    cache.pin("a")
+    charge = cache.stats().current_bytes
+    with pytest.raises(ValueError, match="pinned"):
+        cache.pop("a")
+    with pytest.raises(ValueError, match="pinned"):
+        cache.pop("a", None)
+    assert "a" in cache and cache.pins("a") == 1 and cache.stats().current_bytes == charge
+    assert torch.equal(cache.get("a"), t)
+    cache.unpin("a")
+    assert torch.equal(cache.pop("a"), t) and len(cache) == 0
+    cache.check_invariants()
+
+
+def test_pinned_entries_counts_entries_not_pins():
+    """stats().pinned_entries is the number of pinned entries, however many pins each has."""
+    cache = OwnedCache(1 << 20)
+    cache.put("a", torch.ones(4))
+    cache.put("b", torch.ones(4))
+    for _ in range(3):
+        cache.pin("a")
+    assert cache.pins("a") == 3 and cache.stats().pinned_entries == 1
+    cache.pin("b")
+    assert cache.stats().pinned_entries == 2
+
+
+def test_pinned_block_is_no_hit_and_keeps_recency():
+    """with cache.pinned(key): neither a hit nor a recency refresh (the next eviction candidate stays)."""
+    cache = OwnedCache(1 << 20)
+    cache.put("a", torch.ones(4))
+    cache.put("b", torch.ones(4))
+    with cache.pinned("a") as value:
+        assert torch.equal(value, torch.ones(4))
+        assert cache.pins("a") == 1
+    s = cache.stats()
+    assert (s.hits, s.misses) == (0, 0)
+    assert cache.keys() == ["a", "b"] and cache.pins("a") == 0
+
+
+def test_check_invariants_detects_an_overcharge():
+    """A charge above what the entries hold is a broken invariant, not only one below it."""
+    cache = OwnedCache(1 << 20)
+    cache.put("a", torch.ones(256))
+    cache.check_invariants()
+    cache._current += 1     # the ledger counts one byte more than the entries hold
+    cache._peak += 1        # (so only the recount can see it)
+    with pytest.raises(InvariantViolation, match="current_bytes"):
+        cache.check_invariants()
+
+
+def test_pinned_str_leaves_count_in_the_room_check():
+    """A pinned entry's str leaves are charged, so a put that cannot fit beside them is refused with
+    nothing evicted, and the budget cannot go below them."""
+    cache = OwnedCache(1 << 20)
+    cache.put("a", {"t": torch.ones(256), "s": "x" * 2000})
+    cache.pin("a")
+    charge_a = cache.stats().current_bytes
+    assert charge_a > 1024 + 2000
+    cache.put("b", torch.ones(256))                          # 1024 B, unpinned
+    cache.set_budget(charge_a + 1024)                        # a and b exactly
+    assert not cache.put("c", torch.ones(512))               # 2048 B: does not fit even without b
+    assert cache.keys() == ["a", "b"] and cache.stats().evictions == 0
+    with pytest.raises(ValueError, match="pinned entries are charged"):
+        cache.set_budget(charge_a - 1)
+    assert cache.keys() == ["a", "b"] and cache.budget_bytes == charge_a + 1024
+    cache.check_invariants()
+
+
+def test_arena_pinned_blocks_count_in_the_room_check():
+    """With an arena a pinned entry is charged its block: a put that cannot fit in the budget beside it
+    is refused with nothing evicted, and the budget cannot go below it."""
+    cache = OwnedCache(700, arena=Arena(4096, "cpu", alignment=256))
+    cache.put("a", torch.ones(64))                           # 256 B block
+    cache.pin("a")
+    cache.put("x", torch.ones(64))                           # 256 B block, unpinned
+    assert not cache.put("c", torch.ones(128))               # 512 B: 256 + 512 > 700 even without x
+    assert cache.keys() == ["a", "x"] and cache.stats().evictions == 0
+    with pytest.raises(ValueError, match="pinned entries are charged"):
+        cache.set_budget(255)
+    assert cache.keys() == ["a", "x"] and cache.budget_bytes == 700
+    cache.check_invariants()
+
+
+def test_arena_put_over_budget_without_its_sources_evicts_nothing():
+    """A value read from the cache and put back, that fits the byte budget only by evicting its own
+    source, is refused before anything (another entry) is evicted."""
+    cache = OwnedCache(768, arena=Arena(4096, "cpu", alignment=256))
+    cache.put("x", torch.zeros(64))                          # 256 B
+    cache.put("a", torch.arange(128.0))                      # 512 B
+    assert not cache.put("b", cache.get("a"))                # 512 + 512 > 768 with a kept
+    assert cache.keys() == ["x", "a"]
+    s = cache.stats()
+    assert (s.evictions, s.rejections, s.current_bytes) == (0, 1, 768)
+    cache.check_invariants()
+
+
+def test_arena_put_back_does_not_protect_the_block_just_before_its_source():
+    """Only the blocks a put-back value reads are kept for it: the entry whose block ends where the
+    source's starts may be evicted to make room."""
+    cache = OwnedCache(512, arena=Arena(1024, "cpu", alignment=256))
+    cache.put("a", torch.zeros(64))                          # [0, 256)
+    cache.put("b", torch.full((64,), 2.0))                   # [256, 512)
+    assert cache.put("c", cache.get("b"))                    # evicts a, keeps b (read)
+    assert cache.keys() == ["b", "c"] and cache.stats().evictions == 1
+    assert bool((cache.get("c") == 2.0).all()) and bool((cache.get("b") == 2.0).all())
+    cache.check_invariants()
+
+
+def test_arena_put_back_of_an_expanded_view_reads_only_its_span():
+    """An expanded (stride 0) view of an entry reads its span, not numel() elements: free arena bytes
+    past the block are not read, and the put is admitted."""
+    arena = Arena(4096, "cpu", alignment=256)
+    cache = OwnedCache(4096, arena=arena)
+    cache.put("a", torch.arange(4.0))                        # [0, 256); the rest free
+    v = cache.get("a")[:1].expand(512)                       # 512 elements over 4 bytes
+    assert cache.put("b", v)
+    assert torch.equal(cache.get("b"), v) and cache.keys() == ["a", "b"]
+    cache.check_invariants()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_a_tensor_on_another_device_than_the_arena_is_refused():
+    """A CUDA tensor cannot enter a CPU arena: ValueError naming both devices, before anything changes."""
+    cache = OwnedCache(1 << 16, arena=Arena(1 << 16, "cpu"))
+    cache.put("a", torch.ones(4))
+    with pytest.raises(ValueError, match="tensor on cuda:0 cannot enter an arena on cpu"):
+        cache.put("g", torch.ones(4, device="cuda"))
+    assert cache.keys() == ["a"] and cache.stats().rejections == 0
+    cache.check_invariants()

@@ -281,3 +281,62 @@ def test_the_note_states_sglangs_base_and_how_to_match_it():
     assert plan_pages(PAGE, f, total_bytes=before, free_bytes=after).num_pages == sglang
     ours = plan_pages(PAGE, f, total_bytes=total, free_bytes=after).num_pages
     assert abs((sglang - ours) * PAGE - (1 - f) * (ctx + other)) <= PAGE
+
+
+def test_the_suggested_fraction_counts_the_extra_reserve():
+    """Too few pages with reserve_bytes: the suggestion must cover in use + extra reserve + min_pages pages."""
+    kw = dict(total_bytes=80 * GIB, free_bytes=60 * GIB, reserve_bytes=8 * GIB)
+    with pytest.raises(PlanError, match=r"use mem_fraction_static >= 0\.36") as info:
+        plan_pages(PAGE, 0.2, **kw)
+    # (20 GiB in use + 8 GiB reserve + one 2 MiB page) / 80 GiB = 0.350025 -> 0.36
+    assert info.value.suggested_fraction == 0.36
+    assert plan_pages(PAGE, 0.36, **kw).num_pages >= 1
+    with pytest.raises(PlanError):
+        plan_pages(PAGE, 0.35, **kw)
+
+
+def test_need_exactly_the_total_is_not_called_short():
+    """min_pages that fill the device to the byte: no fraction leaves room beside them, which the message
+    says; it is not "short by 0 B" of the device."""
+    with pytest.raises(PlanError) as info:
+        plan_pages(PAGE, 0.5, total_bytes=100 * PAGE, free_bytes=10 * PAGE, min_pages=10)
+    assert info.value.suggested_fraction is None
+    assert "no fraction leaves room" in str(info.value)
+    assert "short by" not in str(info.value)
+
+
+def test_no_room_beside_the_pool_at_a_fraction_between_percents():
+    """At 0.995 the reserve cannot hold the scratch page and state: the suggestion is the largest
+    whole-percent fraction below it that can (0.99), not one step lower."""
+    kw = dict(total_bytes=GIB, free_bytes=GIB)
+    with pytest.raises(PlanError, match=r"mem_fraction_static <= 0\.99") as info:
+        plan_pages(8 * MIB, 0.995, **kw)
+    assert info.value.suggested_fraction == 0.99
+    assert plan_pages(8 * MIB, 0.99, **kw).num_pages == 126
+
+
+def test_no_room_beside_the_pool_suggests_a_fraction_giving_exactly_min_pages():
+    """The largest smaller fraction that leaves room may give exactly min_pages: that one is suggested."""
+    kw = dict(total_bytes=GIB, free_bytes=GIB, min_pages=126)
+    with pytest.raises(PlanError, match="cannot hold") as info:
+        plan_pages(8 * MIB, 1.0, **kw)
+    assert info.value.suggested_fraction == 0.99
+    assert plan_pages(8 * MIB, 0.99, **kw).num_pages == 126
+
+
+def test_weights_over_the_static_budget_with_min_pages_0_plan_no_pool():
+    """A negative pool budget with min_pages=0 is a plan of 0 pages (0 bytes), not an error."""
+    p = plan_pages(PAGE, 0.5, total_bytes=80 * GIB, free_bytes=10 * GIB, min_pages=0)
+    assert p.pool_budget_bytes < 0
+    assert (p.num_pages, p.pool_bytes) == (0, 0)
+    q = plan_pages(PAGE, 0.5, total_bytes=80 * GIB, free_bytes=10 * GIB, min_pages=0, max_pages=5)
+    assert (q.num_pages, q.pool_bytes) == (0, 0)
+
+
+def test_a_given_total_is_kept_when_free_is_measured(monkeypatch):
+    """total_bytes given, free_bytes measured: the plan's total is the given one, not the device's."""
+    fake = _FakeCuda(monkeypatch, free=30 * GIB, total=80 * GIB)
+    p = plan_pages(PAGE, 0.8, device="cuda:0", total_bytes=40 * GIB)
+    assert ("mem_get_info", "cuda:0") in fake.calls
+    assert (p.total_bytes, p.free_bytes) == (40 * GIB, 30 * GIB)
+    assert p.num_pages == 22 * GIB // PAGE      # static 32 GiB, in use 40 - 30 = 10 GiB: a pool of 22 GiB
