@@ -47,8 +47,11 @@ CONSTRUCTS = {
     "argwhere": lambda: torch.argwhere(t),
     "unique": lambda: torch.unique(t),
     "unique_consecutive": lambda: torch.unique_consecutive(t),
+    "unique along a dim": lambda: torch.unique(t.view(2, 3), dim=0),
     "mask index": lambda: t[mask],
     "mask assign": lambda: t.clone().__setitem__(mask, 0),
+    "uint8 mask index": lambda: t[mask.to(torch.uint8)],                 # torch's older mask dtype
+    "uint8 mask assign": lambda: t.clone().__setitem__(mask.to(torch.uint8), 0),
     "masked_select": lambda: torch.masked_select(t, mask),
     "equal": lambda: torch.equal(t, t),
     "bincount": lambda: torch.bincount(t),
@@ -63,9 +66,21 @@ CONSTRUCTS = {
 
 @pytest.mark.parametrize("name", list(CONSTRUCTS))
 def test_guard_catches(name):
-    with pytest.raises(HostSyncError):
+    with pytest.raises(HostSyncError), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)     # torch: indexing with uint8 is deprecated
         with no_host_sync():
             CONSTRUCTS[name]()
+
+
+def test_guard_allows_histc_with_a_range():
+    """Only ``histc`` without a range reads the data's min and max; given one (positionally or by
+    keyword, one bound 0 or not) it runs on the device alone."""
+    f = t.float()
+    with no_host_sync():
+        a = torch.histc(f, 4, 0, 5)
+        b = torch.histc(f, bins=3, min=-2, max=0)
+        c = torch.histc(f, bins=2, min=1, max=4)
+    assert a.sum().item() == 6 and b.sum().item() == 1 and c.sum().item() == 4
 
 
 def test_guard_allows_fixed_shape_code_and_restores_methods():
