@@ -621,3 +621,123 @@ def test_llama4_without_chunks_or_temperature_tuning_runs_and_with_tuning_is_ref
                      ).k[1].abs().sum() > 0
     with pytest.raises(ValueError, match="attn_temperature_tuning: expected False on a layer without rope"):
         _one_step(_tiny("llama4_text", no_rope_layers=[1, 0], attn_temperature_tuning=True, floor_scale=4, **extra))
+
+
+def _llama_context():
+    """The tiny llama's first attention module, a prefill step's context on fresh pages, q and K/V."""
+    model = engine.tiny_model("llama", seed=0)
+    pool = tpool.PagePool(8, 4, device="cpu", backend="reference")
+    table = tpool.PageTable(pool, 2, 2)
+    cache = PagedKVCache.from_pool(pool, *engine.kv_shape(model.config), dtype=torch.float32)
+    ctx = PagedContext(cache, step_metadata(table, table.step(i32([0]), i32([8]), max_tokens=8)))
+    torch.manual_seed(0)
+    return model.model.layers[0].self_attn, ctx, torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
+
+
+def test_llama4_temperature_tuning_on_rope_layers_only_is_served():
+    """Llama4's attn_temperature_tuning scales the queries of its NoPE layers only: a model whose layers
+    all use rope, tuning on, runs (only a NoPE layer with tuning is refused)."""
+    extra = dict(attention_chunk_size=512, num_local_experts=2, intermediate_size_mlp=128, num_hidden_layers=2)
+    cache = _one_step(_tiny("llama4_text", no_rope_layers=[1, 1], attn_temperature_tuning=True, floor_scale=4,
+                            **extra))
+    assert cache.k[1].abs().sum() > 0
+
+
+def test_a_module_without_an_is_causal_attribute_attends_causally():
+    """``is_causal=None`` reads the module's ``is_causal``; a module without one is causal (as transformers'
+    sdpa takes it), not refused."""
+    attn, ctx, q, kv = _llama_context()
+
+    class Bare(torch.nn.Module):   # an attention module with a layer_idx and nothing else
+        layer_idx = 0
+
+    bare = Bare().eval()
+    assert not hasattr(bare, "is_causal")
+    got = paged_attention_forward(bare, q, kv, kv, scaling=0.25, tpool_context=ctx)[0]
+    ctx.layers.clear()
+    want = paged_attention_forward(attn, q, kv, kv, scaling=0.25, is_causal=True, tpool_context=ctx)[0]
+    assert got.shape == (1, 8, 4, 16) and torch.equal(got, want)
+
+
+def test_unsupported_attention_keywords_passed_as_none_are_accepted():
+    """``position_bias``, ``sinks``, ... are refused only when given: a model passing them as None (not in
+    use) is served."""
+    attn, ctx, q, kv = _llama_context()
+    out = paged_attention_forward(attn, q, kv, kv, position_bias=None, sinks=None, indices=None,
+                                  cu_seq_lens_q=None, tpool_context=ctx)[0]
+    assert out.shape == (1, 8, 4, 16)
+
+
+def test_a_cache_of_another_head_dim_is_refused_naming_both():
+    """K/V whose head_dim is not the cache's is refused before any write, naming the module's heads and
+    head_dim and the cache's (as for another K/V head count)."""
+    attn, ctx, q, kv = _llama_context()
+    pool = tpool.PagePool(8, 4, device="cpu", backend="reference")
+    table = tpool.PageTable(pool, 2, 2)
+    cache = PagedKVCache.from_pool(pool, 2, 2, 8, dtype=torch.float32)       # head_dim 8, the model's is 16
+    bad = PagedContext(cache, step_metadata(table, table.step(i32([0]), i32([8]), max_tokens=8)))
+    with pytest.raises(ValueError, match=r"tpool_paged: cache: expected K/V of 2 heads of head_dim 16 \(what "
+                                         r"LlamaAttention, layer 0, attends with\), the cache holds 2 heads of 8"):
+        paged_attention_forward(attn, q, kv, kv, tpool_context=bad)
+    assert cache.k[0].abs().sum() == 0 and not bad.layers
+
+
+def test_the_attention_output_has_the_querys_dtype_whatever_attend_returns():
+    """The layer gets its output in the query's dtype, as eager attention gives it, also from an ``attend``
+    that computes in another dtype."""
+    attn, ctx, q, kv = _llama_context()
+    wide = PagedContext(ctx.cache, ctx.meta, attend=lambda q, k, v, meta, **kw: torch.ones(q.shape, dtype=torch.float64))
+    out = paged_attention_forward(attn, q, kv, kv, tpool_context=wide)[0]
+    assert out.dtype == q.dtype == torch.float32 and out.shape == (1, 8, 4, 16)
+
+
+def test_check_model_checks_again_a_config_put_on_a_checked_model():
+    """The checks are kept per model and config: a config put on an already checked model (here one
+    whose rope frequencies depend on the row's longest position) is checked, and refused."""
+    import copy
+
+    from tpool.serving.hf import check_model
+    model = engine.tiny_model("llama", seed=0)
+    assert check_model(model) is model.config
+    cfg = copy.deepcopy(model.config)
+    cfg.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    model.config = cfg
+    with pytest.raises(ValueError, match="expected a rope_type whose frequencies are fixed .*got rope_parameters "
+                                         "rope_type 'dynamic' in llama's config"):
+        check_model(model)
+
+
+def test_int32_input_ids_give_the_logits_of_int64():
+    """forward_step takes int32 token ids as well as int64."""
+    model = engine.tiny_model("llama", seed=0)
+    x = torch.randint(1, 256, (8,))
+    pool = tpool.PagePool(16, 4, device="cpu", backend="reference")
+    table = tpool.PageTable(pool, 2, 4)
+    cache = PagedKVCache.from_pool(pool, *engine.kv_shape(model.config), dtype=torch.float32)
+    meta = step_metadata(table, table.step(i32([0, 1]), i32([5, 3]), max_tokens=8))
+    with torch.no_grad():
+        want = forward_step(model, x, PagedContext(cache, meta))
+        got = forward_step(model, x.to(torch.int32), PagedContext(cache, meta))
+    assert torch.equal(got, want)
+
+
+def test_padding_positions_reach_a_learned_position_table_as_zero():
+    """Padding has position -1 in the metadata; the model sees 0 there, so a learned position table
+    (GPT-2's) is never indexed at -1: a step with padding runs and its lanes' logits are those without."""
+    import transformers
+    cfg = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                  initializer_range=0.25, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION).eval()
+    x = torch.randint(3, 256, (8,))
+
+    def logits(lanes, max_tokens):
+        pool = tpool.PagePool(16, 4, device="cpu", backend="reference")
+        table = tpool.PageTable(pool, 2, 4)
+        cache = PagedKVCache.from_pool(pool, *engine.kv_shape(model.config), dtype=torch.float32)
+        meta = step_metadata(table, table.step(i32([0, 1]), i32(list(lanes)), max_tokens=max_tokens))
+        with torch.no_grad():
+            return forward_step(model, x[:max_tokens], PagedContext(cache, meta))[:sum(lanes)]
+
+    padded, whole = logits((5, 2), 8), logits((5, 2), 7)
+    assert (padded - whole).abs().max() < 1e-5

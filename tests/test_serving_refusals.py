@@ -142,6 +142,9 @@ def test_a_decoder_that_takes_no_position_ids_is_refused(name):
                                          f"without it in {name}"):
         forward_step(model, torch.randint(3, V, (8,)), ctx)
     assert _untouched(ctx)
+    if name != "trocr":                 # the check a config alone cannot answer runs on the model it builds
+        with pytest.raises(ValueError, match=f"expected a decoder that takes position_ids .*in {name}"):
+            hf.from_config(cfg_cls(vocab_size=V, **SEQ))
 
 
 def test_models_whose_decoder_takes_position_ids_are_still_served():
@@ -289,6 +292,11 @@ def test_a_model_with_its_own_attention_table_is_refused_at_build(tmp_path):
     assert llama.config._attn_implementation == ATTN_IMPLEMENTATION
     with pytest.raises(ValueError, match="got diffllama"):
         hf.from_config(transformers.DiffLlamaConfig(**LLAMA))
+
+    def build():                        # any other KeyError is the builder's own, raised as it is
+        raise KeyError("some_weight")
+    with pytest.raises(KeyError, match="some_weight"):
+        hf._build(transformers.LlamaConfig(**LLAMA), build)
 
 
 def test_from_pretrained_checks_the_config_the_model_is_built_from(tmp_path):

@@ -15,6 +15,7 @@ from tpool.testing import count_host_reads
 pytest.importorskip("transformers")
 
 from tpool import demo  # noqa: E402
+from tpool.scheduling.snapshot import MirrorSnapshot  # noqa: E402
 from tpool.serving import engine  # noqa: E402
 
 SMALL = dict(num_pages=16, page_size=4, max_batch=4)   # preempts, forks (with a CoW page), rolls back
@@ -443,3 +444,297 @@ def test_a_child_forks_a_parent_holding_exactly_the_shared_tokens(llama):
     assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
     assert eng.stats.forks == 1
     eng.check()
+
+
+R = engine.Request
+
+
+def test_without_speculation_a_running_request_reserves_one_token(llama, monkeypatch):
+    """``lookahead`` is ``1 + draft_len`` only with speculation: with ``spec_every=0`` a request reserves its
+    next token only, whatever ``draft_len``. Two 3-token prompts then start together on a 3-page pool of
+    4-token pages (a page each); reserving 4 tokens ahead (2 pages each) would have admitted one alone."""
+    prefills = []
+    step = HostMirror.step
+    monkeypatch.setattr(HostMirror, "step", lambda self, *a, **k: (prefills.append(len(a[2])), step(self, *a, **k))[1])
+    eng = engine.Engine(llama, num_pages=3, page_size=4, max_batch=2, max_pages=2, backend="reference",
+                        spec_every=0, draft_len=3, prefix_cache=False)
+    reqs = [R(0, [5, 6, 7], 6), R(1, [8, 9, 10], 6)]
+    assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
+    assert prefills[0] == 2
+    assert eng.lookahead == 1 and eng.mirror.lookahead == 1
+    assert eng.stats.drafted == 0
+    eng.check()
+
+
+def test_drafts_are_the_tokens_after_the_last_earlier_occurrence_of_the_last_token(llama):
+    """Prompt lookup: the ``draft_len`` tokens that followed the last earlier occurrence of the last token,
+    an occurrence at index 0 included; the occurrence itself is not drafted."""
+    eng = engine.Engine(llama, num_pages=16, page_size=4, max_batch=2, max_pages=4, backend="reference",
+                        spec_every=1, draft_len=2)
+    r = R(0, [5, 6, 7], 4)
+    r.out = [5]
+    assert eng._draft(r) == [6, 7]                 # the earlier 5 is the prompt's first token
+    r = R(0, [1, 5, 6, 9, 5, 8], 4)
+    r.out = [5]
+    assert eng._draft(r) == [8, 5]                 # the last earlier 5 (index 4), not the first
+    r = R(0, [1, 2, 3], 4)
+    r.out = [4]
+    assert eng._draft(r) == [3, 4]                 # no earlier occurrence: the last draft_len tokens
+
+
+def test_a_request_with_cached_tokens_set_is_refused_as_already_served(llama):
+    """``cached`` is the engine's own record of the tokens in a row's pages: a Request arriving with it set
+    (out empty, no row) is one already served, refused before any step."""
+    eng = engine.Engine(llama, num_pages=32, page_size=4, max_batch=4, max_pages=8, backend="reference",
+                        spec_every=0, draft_len=0)
+    r = R(0, [5, 6, 7], 3)
+    r.cached = 2
+    for call in (eng.check_fits, eng.run):
+        with pytest.raises(ValueError, match=r"request 0: expected a new Request, got one already served \(out has "
+                                             r"0 tokens, row=None, cached=2\)"):
+            call([r])
+    assert eng.stats.steps == 0
+
+
+def test_a_request_naming_itself_as_parent_is_refused(llama):
+    """A request's ``parent`` is another request: one naming its own rid is refused, naming it."""
+    eng = engine.Engine(llama, num_pages=32, page_size=4, max_batch=4, max_pages=8, backend="reference",
+                        spec_every=0, draft_len=0)
+    reqs = [R(0, [5, 6, 7], 3), R(1, [5, 6, 8], 3, parent=1, shared=2)]
+    for call in (eng.check_fits, eng.run):
+        with pytest.raises(ValueError, match=r"request 1: expected parent 1's prompt to start with its first "
+                                             r"shared=2 prompt tokens, but request 1 is the request itself"):
+            call(reqs)
+    assert eng.stats.steps == 0
+
+
+def test_at_most_one_snapshot_of_the_pool_is_in_flight(llama, monkeypatch):
+    """The loop starts a snapshot only when none is on its way: while one has not landed (here: each
+    lands on its third ``ready()``), steps neither wait for it nor start another."""
+    calls = {}
+    ready = MirrorSnapshot.ready
+
+    def slow_ready(self):
+        calls[id(self)] = calls.get(id(self), 0) + 1
+        return calls[id(self)] >= 3 and ready(self)
+
+    monkeypatch.setattr(MirrorSnapshot, "ready", slow_ready)
+    in_flight = []
+    reconcile = engine.Engine._reconcile
+    monkeypatch.setattr(engine.Engine, "_reconcile",
+                        lambda self, **k: (reconcile(self, **k), in_flight.append(len(self._snapshots)))[0])
+    reqs = engine.make_requests(10, share_every=5)          # forks: releases leave the mirror inexact
+    max_pages = -(-max(engine.max_len(r, spec_every=3, draft_len=3) for r in reqs) // 4)
+    eng = engine.Engine(llama, num_pages=24, page_size=4, max_batch=4, max_pages=max_pages, backend="numba",
+                        prefix_cache=False)
+    assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
+    eng.check()
+    assert eng.stats.forks > 0 and 1 in in_flight          # some snapshot stayed in flight across a step
+    assert max(in_flight) == 1
+
+
+def test_a_bool_rid_or_arrival_is_refused(llama):
+    """``rid`` and ``arrival`` are ints; a bool (an int subclass) is refused as it is for every other count."""
+    eng = engine.Engine(llama, num_pages=32, page_size=4, max_batch=4, max_pages=8, backend="reference",
+                        spec_every=0, draft_len=0)
+    for r, match in ((R(True, [1, 2], 2), "request True: expected rid an int, got True"),
+                     (R(0, [1, 2], 2, arrival=False), "request 0: expected arrival an int, got False")):
+        for call in (eng.check_fits, eng.run):
+            with pytest.raises(ValueError, match=match):
+                call([r])
+    assert eng.stats.steps == 0
+
+
+def test_admission_is_first_come_first_served_by_arrival_not_by_rid(llama, monkeypatch):
+    """Waiting requests are admitted in arrival order (rid breaks ties): with one row, request 2 (arrived
+    at step 0) goes before request 0 (arrived at step 1), though its rid is higher."""
+    admitted = []
+    take = engine.Engine._take
+    monkeypatch.setattr(engine.Engine, "_take", lambda self, w, *a: (admitted.append(w.rid), take(self, w, *a))[1])
+    eng = engine.Engine(llama, num_pages=16, page_size=4, max_batch=1, max_pages=4, backend="reference",
+                        spec_every=0, draft_len=0, prefix_cache=False)
+    reqs = [R(0, [5, 6, 7], 3, arrival=1), R(1, [8, 9], 3, arrival=0), R(2, [10, 11, 12], 3, arrival=0)]
+    assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
+    assert admitted == [1, 2, 0]
+    eng.check()
+
+
+def test_run_reports_progress_at_its_first_step_and_every_tenth(llama):
+    """``run(out=...)`` prints one progress line at step 0 and then every 10 steps."""
+    lines = []
+    reqs = [R(0, [5, 6, 7], 12), R(1, [8, 9], 12)]
+    eng = engine.Engine(llama, num_pages=16, page_size=4, max_batch=2, max_pages=4, backend="reference",
+                        spec_every=0, draft_len=0, prefix_cache=False)
+    eng.run(reqs, out=lambda s, **k: lines.append(s))
+    assert eng.stats.steps == 12
+    assert [s.split(":")[0] for s in lines] == ["step    0", "step   10"]
+
+
+def test_only_a_decoding_lane_with_one_pending_token_is_fed_drafts(llama):
+    """A speculative lane drafts only when it decodes: one pending token after generated ones. A lane
+    still feeding prompt tokens (a forked or revived request's last prompt token) or recomputing after a
+    preemption (its whole prompt and output pending) is fed its pending tokens alone."""
+    eng = engine.Engine(llama, num_pages=16, page_size=4, max_batch=2, max_pages=4, backend="reference",
+                        spec_every=1, draft_len=2)
+    decoding = R(0, [5, 6, 7], 4)
+    decoding.out, decoding.cached = [5], 3
+    prompt_left = R(1, [5, 6, 7, 5], 4)
+    prompt_left.cached = 3
+    recompute = R(2, [5, 6, 7], 4)
+    recompute.out = [5]
+    assert eng._feeds([decoding, prompt_left, recompute]) == {0: [5, 6, 7], 1: [5], 2: [5, 6, 7, 5]}
+
+
+def test_a_request_is_admitted_at_the_step_it_arrives(llama, monkeypatch):
+    """``arrival`` is the step a request may first be admitted at: with room, it prefills in that step."""
+    seen = []
+    admit = engine.Engine._admit
+
+    def spy(self, step, *a):
+        decode, prefill = admit(self, step, *a)
+        seen.extend((step, r.rid) for r in prefill)
+        return decode, prefill
+
+    monkeypatch.setattr(engine.Engine, "_admit", spy)
+    eng = engine.Engine(llama, num_pages=16, page_size=4, max_batch=2, max_pages=4, backend="reference",
+                        spec_every=0, draft_len=0, prefix_cache=False)
+    reqs = [R(0, [5, 6, 7], 4, arrival=0), R(1, [8, 9], 4, arrival=2)]
+    assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
+    assert seen == [(0, 0), (2, 1)]
+
+
+def test_a_step_of_prefills_only_evicts_the_cached_pages_it_needs(llama):
+    """With the prefix cache, CACHED pages are room for an admission: a prefill arriving when nothing is
+    running, on a pool whose free pages are short only by CACHED ones, evicts them before its step."""
+    eng = engine.Engine(llama, num_pages=4, page_size=4, max_batch=1, max_pages=4, backend="reference",
+                        spec_every=0, draft_len=0, prefix_cache=True)
+    reqs = [R(0, list(range(10, 18)), 1, arrival=0), R(1, list(range(30, 42)), 1, arrival=1)]
+    assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
+    stats = eng.check()
+    assert eng.stats.evicted >= 1 and stats["requests.failed"] == 0 and stats["pages.used.current"] == 0
+
+
+def test_a_fork_without_a_free_page_shares_whole_pages_only(llama, monkeypatch):
+    """A fork's copy-on-write page (the shared prefix's partial last page) comes from the FREE pages at
+    once. With none free (the pool's other pages CACHED), a child still forks its running parent, sharing
+    only the prefix's whole pages, and computes the rest: its tokens are generate's, nothing fails."""
+    eng = engine.Engine(llama, num_pages=4, page_size=4, max_batch=2, max_pages=2, backend="reference",
+                        spec_every=0, draft_len=0, prefix_cache=True)
+    parent = list(range(40, 46))                                     # 6 tokens: a page and a half
+    reqs = [R(0, list(range(10, 18)), 1),                            # leaves 2 CACHED pages at step 0
+            R(1, parent, 3),
+            R(2, parent + [77], 2, arrival=1, parent=1, shared=6)]   # arrives with 0 FREE pages
+    shares = []
+    take = engine.Engine._take
+
+    def spy(self, w, share, *a):
+        shares.append((w.rid, share, self.mirror.free))
+        return take(self, w, share, *a)
+
+    monkeypatch.setattr(engine.Engine, "_take", spy)
+    got = eng.run(reqs)
+    assert got == engine.reference_tokens(llama, reqs)
+    stats = eng.check()
+    assert stats["requests.failed"] == 0 and stats["pages.used.current"] == 0
+    assert (2, 4, 0) in shares and eng.stats.forks == 1
+
+
+def test_stats_count_the_prompt_and_fed_tokens_the_forward_computed(llama):
+    """``prompt_tokens``: prompt tokens computed once (not again while decoding, nor those a fork shares);
+    ``fed_tokens``: every token the forward computed, all lanes."""
+    eng = engine.Engine(llama, num_pages=16, page_size=4, max_batch=2, max_pages=4, backend="reference",
+                        spec_every=0, draft_len=0, prefix_cache=False)
+    reqs = [R(0, [5, 6, 7, 8, 9], 4), R(1, [5, 6, 7, 8, 9, 10], 3, arrival=1, parent=0, shared=4)]
+    assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
+    assert eng.stats.forks == 1
+    assert eng.stats.prompt_tokens == 5 + 2               # request 1 computes its 2 unshared prompt tokens
+    assert eng.stats.fed_tokens == (5 + 3) + (2 + 2)      # prompts, then one token per later step and lane
+
+
+def test_packed_batches_are_padded_to_a_power_of_two_tokens(llama, monkeypatch):
+    """A step's ``max_tokens`` is the smallest power of two holding its tokens, at least
+    ``MIN_TOKEN_BUCKET``: few distinct shapes for the forward, whatever the lanes feed."""
+    sizes = []
+    step = HostMirror.step
+    monkeypatch.setattr(HostMirror, "step", lambda self, *a, **k: (sizes.append((sum(a[1]) + sum(a[2]),
+                                                                                 k["max_tokens"])),
+                                                                   step(self, *a, **k))[1])
+    eng = engine.Engine(llama, num_pages=32, page_size=4, max_batch=4, max_pages=8, backend="reference",
+                        spec_every=0, draft_len=0, prefix_cache=False)
+    reqs = [R(0, list(range(5, 16)), 2), R(1, list(range(20, 29)), 3), R(2, [7], 2)]
+    assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
+    assert sizes[0] == (21, 32)
+    assert all(t <= m and m >= engine.MIN_TOKEN_BUCKET and m & (m - 1) == 0 and (m == 8 or t > m // 2)
+               for t, m in sizes), sizes
+
+
+def test_stats_count_drafts_accepted_rollbacks_and_tokens_exactly(llama, monkeypatch):
+    """With drafts whose fate is known (an oracle that drafts generate's next tokens, the last of them
+    wrong for requests 1 and 2): ``drafted`` and ``accepted`` count draft tokens, ``rollbacks`` counts
+    the lanes with rejected drafts (two per step here), ``tokens_out`` the tokens kept: a lane whose
+    accepted drafts pass its ``max_new`` keeps only ``max_new``."""
+    prompts = {0: [5, 6, 7, 8], 1: [9, 10, 11, 12], 2: [13, 14, 15, 16]}
+    max_new = {0: 3, 1: 5, 2: 5}
+    ahead = engine.reference_tokens(llama, [R(i, p, max_new[i] + 3) for i, p in prompts.items()])
+
+    def oracle(self, r):
+        d = list(ahead[r.rid][len(r.out):len(r.out) + self.draft_len])
+        if r.rid:
+            d[-1] = (d[-1] + 1) % self.vocab      # the last draft rejected
+        return d
+
+    monkeypatch.setattr(engine.Engine, "_draft", oracle)
+    eng = engine.Engine(llama, num_pages=32, page_size=4, max_batch=3, max_pages=4, backend="reference",
+                        spec_every=1, draft_len=3, prefix_cache=False)
+    reqs = [R(i, p, max_new[i]) for i, p in prompts.items()]
+    got = eng.run(reqs)
+    assert got == engine.reference_tokens(llama, reqs)
+    s = eng.stats
+    # request 0: 3 drafts, all accepted, 2 kept; requests 1 and 2: 3 drafts (2 accepted) twice, rolled back twice
+    assert (s.drafted, s.accepted, s.rollbacks) == (3 + 6 + 6, 3 + 4 + 4, 4)
+    assert s.tokens_out == sum(map(len, got.values())) == 13
+    eng.check()
+
+
+def test_a_bool_eos_token_id_is_refused():
+    """A token id is an int >= 0, not a bool (``True`` is no token id, though an int subclass)."""
+    for bad in (True, [3, False]):
+        with pytest.raises(ValueError, match="eos_token_id: expected 'model' .*got"):
+            engine.eos_ids(None, bad)
+
+
+def test_preemptions_count_every_request_released_not_every_release(llama, monkeypatch):
+    """``stats.preemptions`` counts preempted requests: a step that releases two (here the mirror is made
+    to answer the two newest rows once three are running) counts two, and they still match generate."""
+    answers = []
+    preemption = HostMirror.preemption
+
+    def two_at_once(self, rows, priority, n=1, **k):
+        victims = preemption(self, rows, priority, n, **k)
+        if not victims and len(rows) >= 3 and not answers:
+            victims = [rows[-1], rows[-2]]                 # the newest two (releasing more than needed is safe)
+        answers.append(list(victims))
+        return victims
+
+    monkeypatch.setattr(HostMirror, "preemption", two_at_once)
+    eng = engine.Engine(llama, num_pages=32, page_size=4, max_batch=4, max_pages=4, backend="reference",
+                        spec_every=0, draft_len=0, prefix_cache=False)
+    reqs = [R(0, [5, 6, 7], 4), R(1, [8, 9], 4), R(2, [10, 11, 12, 13], 4)]
+    assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
+    assert [len(v) for v in answers if v] == [2]
+    assert eng.stats.preemptions == 2
+    eng.check()
+
+
+def test_kv_shape_refuses_a_v_head_dim_other_than_the_k_head_dim():
+    """Without latent attention too: a config whose ``v_head_dim`` differs from its head_dim has no one
+    K/V shape (ValueError naming both); one equal to it is served."""
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    cfg.v_head_dim = 16
+    assert engine.kv_shape(cfg) == (2, 2, 16)
+    cfg.v_head_dim = 8
+    with pytest.raises(ValueError, match=r"llama: not supported by tpool.serving: K and V head dims differ "
+                                         r"\(head_dim 16, v_head_dim 8\)"):
+        engine.kv_shape(cfg)
