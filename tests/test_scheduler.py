@@ -1730,3 +1730,96 @@ def test_a_step_wider_than_max_batch_is_refused_before_the_mirror_changes(backen
     assert _books(pool, m.table, m) == before
     m.step(rows, 1, [4], width=m.max_batch)
     assert m.free == pool.available()
+
+
+# --- Pinned by helper-147's mutation run over tpool/scheduling/snapshot.py (session 40) -----------------------------
+
+def test_a_reconciled_cached_count_is_never_negative(backend):
+    """An evict asked while the cached count is inexact is booked as k pages gone; a snapshot taken before
+    it, reconciled after, sets ``cached`` to the truth plus that flow, floored at 0 (the device had fewer
+    cached pages than k): a negative count is no bound."""
+    pool, table, m = _setup(backend, 20, 4, 8)
+    (a,) = m.admit([8])
+    b = m.fork(a, 8)                                  # shares a's 2 pages
+    m.finish([a], cache=True)
+    m.finish([b], cache=True)                         # the device caches 2 pages; the mirror is unsure: 0
+    assert m.cached == 0 and not m.cached_exact and pool.stats()["pages.cached.current"] == 2
+    snap = m.snapshot()
+    m.evict(10)                                       # the device evicts its 2
+    assert snap.ready()
+    m.reconcile(snap)
+    assert m.cached == 0 == pool.stats()["pages.cached.current"]
+    assert m.free <= pool.available()
+
+
+def test_reconcile_raises_when_the_device_has_fewer_cached_pages_than_promised(backend):
+    """An evict made around the mirror: the device has fewer CACHED pages than the mirror promised (its
+    free count is higher, which alone would be a gap the mirror may close): a MirrorError naming both,
+    and the mirror is left as it was."""
+    pool, table, m = _setup(backend, 20, 4, 8)
+    (a,) = m.admit([8])
+    m.finish([a], cache=True)
+    assert m.cached == 2 and m.cached_exact
+    pool.evict(2)                                     # around the mirror
+    snap = m.snapshot()
+    assert snap.ready()
+    with pytest.raises(MirrorError, match=r"promised 18 free and 2 cached pages, the device had 20 and 0"):
+        m.reconcile(snap)
+    assert (m.free, m.cached) == (18, 2)
+
+
+def test_a_snapshot_keeps_which_rows_ran_when_it_was_taken(backend):
+    """A row finished after the snapshot is checked against its bounds at the snapshot (its true length
+    then), not taken for a row that was not running (bound 0): no MirrorError, and the mirror is exact."""
+    pool, table, m = _setup(backend, 20, 4, 8)
+    a, b = m.admit([8, 4])
+    snap = m.snapshot()
+    m.finish([a])
+    assert snap.ready()
+    m.reconcile(snap)
+    assert m.free == pool.available() == 19 and m.exact and m.running() == [b]
+
+
+def test_reconcile_keeps_the_cached_pages_changed_since_the_snapshot(backend):
+    """``cached`` after a reconciliation is the truth at the snapshot plus what the mirror changed since:
+    pages evicted since are not promised again, pages cached since are counted."""
+    pool, table, m = _setup(backend, 20, 4, 8)
+    (a,) = m.admit([8])
+    m.finish([a], cache=True)                         # 2 cached, exact
+    snap = m.snapshot()
+    m.evict(2)                                        # since the snapshot: both FREE
+    (b,) = m.admit([4])
+    m.finish([b], cache=True)                         # since the snapshot: 1 cached
+    assert snap.ready()
+    m.reconcile(snap)
+    assert m.cached == 1 == pool.stats()["pages.cached.current"] and m.free == pool.available() == 19
+
+
+def test_a_snapshot_taken_right_after_an_unsure_cache_makes_cached_exact(backend):
+    """A snapshot taken after the call that made ``cached`` inexact holds its truth: reconciled, the
+    count is exact again."""
+    pool, table, m = _setup(backend, 20, 4, 8)
+    (a,) = m.admit([8])
+    b = m.fork(a, 8)
+    m.finish([a], cache=True)
+    m.finish([b], cache=True)
+    assert not m.cached_exact
+    snap = m.snapshot()
+    assert snap.ready()
+    m.reconcile(snap)
+    assert m.cached == 2 == pool.stats()["pages.cached.current"] and m.cached_exact
+
+
+def test_a_settling_reconciliation_gives_back_the_trimmed_reservation(backend):
+    """A rollback's reservation is sized from its wide bounds; the reconciliation that settles the row
+    trims it, and the mirror's total ``reserved`` is the rows' reservations again."""
+    pool, table, m = _setup(backend, 40, 4, 10)
+    (row,) = m.admit([4], [40])
+    m.decode([row], 8)                                # 12 tokens
+    m.rollback([row], table.seq_lens[:1] - 7, [5])    # the device keeps 5
+    before = m.reserved
+    snap = m.snapshot()
+    assert snap.ready()
+    m.reconcile(snap)
+    assert m.reserved == int(m.res[row]) < before
+    assert m.unreserved == m.free - m.reserved
