@@ -1,14 +1,20 @@
 """The demo: runs to the end, schedules without reading the device, never loops forever, fails cleanly."""
 
+import argparse
 import os
 import re
+import statistics
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
 
 from tpool import demo
+from tpool.page_table import PageTable
+from tpool.pool import PagePool
+from tpool.scheduling import HostMirror
 from tpool.testing import count_host_reads
 
 
@@ -190,3 +196,225 @@ def test_a_seed_out_of_range_is_an_error_naming_it(seed, capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and "argument --seed: expected an int from 0 to 18446744073709551615" in err, err
     assert demo.seed_int(str(2**64 - 1)) == 2**64 - 1 and demo.seed_int("0") == 0
+
+
+# --- Pinned by helper-147's mutation run over tpool/demo.py (session 40) ---------------------------------------
+
+def _run(**kw):
+    lines = []
+    s = demo.run(backend="numba", out=lambda x, **_: lines.append(x), **kw)
+    return s, lines
+
+
+def test_admits_in_arrival_order_preempts_the_newest_and_recomputes_them(monkeypatch):
+    """Admissions take the oldest waiting requests (a preempted one goes back in arrival order, ahead of
+    newer ones), preemption releases the newest running requests, a readmitted request decodes all its
+    output again from its prompt, and the summary counts every request released as a preemption."""
+    requests, batch, num_pages = 256, 64, 4096
+    prompts, outputs = demo.request_lengths(requests)
+    pairs = [(p, p + o) for p, o in zip(prompts, outputs)]
+    assert len(set(pairs)) == requests                      # each admission names its request
+    mirrors = []
+
+    class Recording(HostMirror):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.real = bool(mirrors)                       # the first one is the warm-up's
+            self.waiting, self.running, self.decoded = list(range(requests)), {}, {}
+            self.victims, self.preempted, self.done = [], 0, 0
+            mirrors.append(self)
+
+        def admit(self, prompt_lens, max_lens=None):
+            rows = super().admit(prompt_lens, max_lens)
+            if not self.real:
+                return rows
+            got = [pairs.index((int(p), int(m))) for p, m in zip(prompt_lens, max_lens)]
+            assert got == sorted(self.waiting)[:len(got)], (got, sorted(self.waiting)[:len(got)])
+            for r, q in zip(rows, got):
+                self.waiting.remove(q)
+                self.running[r], self.decoded[r] = q, 0
+            return rows
+
+        def preemption(self, rows, priority, *a, **kw):
+            self.victims = list(super().preemption(rows, priority, *a, **kw))
+            if self.victims and self.real:
+                newest = sorted(self.running.values())[-len(self.victims):]
+                assert sorted(self.running[r] for r in self.victims) == newest
+            return self.victims
+
+        def decode(self, rows, *a, **kw):
+            res = super().decode(rows, *a, **kw)
+            for r in rows:
+                if r in self.decoded:
+                    self.decoded[r] += 1
+            return res
+
+        def finish(self, rows, *a, **kw):
+            super().finish(rows, *a, **kw)
+            rows = list(rows)
+            if not self.real:
+                return
+            preempting = rows == self.victims
+            for r in rows:
+                q = self.running.pop(r)
+                if preempting:
+                    self.waiting.append(q)
+                    self.preempted += 1
+                else:
+                    assert self.decoded[r] == outputs[q], (q, self.decoded[r], outputs[q])
+                    self.done += 1
+            self.victims = []
+
+    monkeypatch.setattr(demo, "HostMirror", Recording)
+    _, lines = _run(requests=requests, batch=batch, num_pages=num_pages, every=10)
+    m = mirrors[-1]
+    assert m.preempted > 0 and m.done == requests and not m.running and not m.waiting
+    assert f"requests done {requests}, rejected 0, preemptions {m.preempted} " in lines[-1], lines[-1]
+
+
+def test_a_row_shows_the_pages_reserved_for_the_running_requests():
+    """The reserved column: pages set aside for the running requests' next token, at most one each,
+    none once nothing runs."""
+    _, lines = _run(requests=40, batch=12, num_pages=700, every=10)
+    rows = [line.split() for line in _rows(lines)]
+    assert all(0 <= int(c[8]) <= int(c[1]) for c in rows), [c for c in rows if not 0 <= int(c[8]) <= int(c[1])][:3]
+    assert any(int(c[8]) > 0 for c in rows) and rows[-1][8] == "0"
+
+
+def test_progress_counts_rejected_requests_as_settled():
+    """progress = requests done or rejected, of all: the last row of a run with rejections says 100%."""
+    _, lines = _run(requests=30, batch=8, num_pages=100)
+    rejected = int(re.search(r"rejected (\d+);?", lines[-1]).group(1))
+    rows = _rows(lines)
+    assert rejected > 0 and rows[-1].endswith("100%"), rows[-1]
+
+
+def test_the_summary_names_the_peak_of_pages_in_use():
+    """``peak in use N of P``: the pool's peak, not what is in use at the end (nothing)."""
+    s, lines = _run(requests=30, batch=8, num_pages=100)
+    peak = int(re.search(r"peak in use (\d+) of 100", lines[-1]).group(1))
+    assert peak == s["pages.used.peak"] > 0 and s["pages.used.current"] == 0
+
+
+def test_a_rejected_request_names_the_pages_its_prompt_and_output_need():
+    """The rejection message's page count covers the whole request (prompt + output), rounded up."""
+    _, lines = _run(requests=10, num_pages=84)
+    msgs = [line for line in lines if line.startswith("rejected request")]
+    assert len(msgs) == 3 and not any("more requests rejected" in line for line in lines)
+    for line in msgs:
+        need, p, o, ps = map(int, re.search(r"needs (\d+) pages \(prompt (\d+) \+ output (\d+) tokens of (\d+)\)",
+                                            line).groups())
+        assert need == -(-(p + o) // ps) > 84, line
+
+
+def test_only_the_first_rejections_are_named_and_no_table_is_printed_when_nothing_runs():
+    """Every request rejected: SHOW_REJECTED named, the rest counted, and no legend or header for an
+    empty table."""
+    _, lines = _run(num_pages=10)
+    assert len([line for line in lines if line.startswith("rejected request")]) == demo.SHOW_REJECTED
+    assert demo.HEADER not in lines and not any(line.startswith("columns:") for line in lines)
+
+
+def test_a_request_that_fills_the_pool_exactly_runs():
+    """A request of exactly the pool's tokens fits (only one past it is rejected)."""
+    (p,), (o,) = demo.request_lengths(1)
+    s, lines = _run(requests=1, page_size=1, num_pages=p + o)
+    assert "requests done 1, rejected 0" in lines[-1] and s["pages.used.peak"] == p + o
+
+
+def test_step_times_are_medians_of_the_steps_since_the_last_row(monkeypatch):
+    """``step us``: row 0 is the first step alone, each later row the median of the steps since the
+    row before; the summary gives the median, p20 and p80 of every step (a clock where step k takes
+    k + 1 us)."""
+    calls = [0]
+
+    def perf_counter():
+        n, calls[0] = calls[0], calls[0] + 1
+        k = n // 2
+        return float(k) if n % 2 == 0 else k + (k + 1) * 1e-6
+    monkeypatch.setattr(demo, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    _, lines = _run(requests=40, batch=12, num_pages=700, every=10)
+    rows = [line.split() for line in _rows(lines)]
+    prev = None
+    for c in rows:
+        step = int(c[0])
+        want = 1.0 if prev is None else (prev + 2 + step + 1) / 2
+        assert float(c[10]) == pytest.approx(want, abs=0.051), (c, want)
+        prev = step
+    n = int(re.search(r"^(\d+) steps", lines[-2].strip()).group(1))
+    times = list(range(1, n + 1))
+    q = statistics.quantiles(times, n=10)
+    assert f"median {statistics.median(times):.1f} us (p20 {q[1]:.1f}, p80 {q[7]:.1f})" in lines[-2], lines[-2]
+
+
+def test_every_sets_the_steps_between_rows(capsys):
+    """``--every N`` (the CLI option) prints a row at every N-th step and one at the end."""
+    demo.main(["--requests", "3", "--every", "7", "--backend", "numba"])
+    rows = _rows(capsys.readouterr().out.splitlines())
+    steps = [int(r.split()[0]) for r in rows]
+    assert len(steps) > 3 and all(s % 7 == 0 for s in steps[:-1]) and steps[:3] == [0, 7, 14], steps
+
+
+@pytest.mark.parametrize("option, largest", [("--requests", demo.MAX_REQUESTS), ("--batch", demo.MAX_BATCH),
+                                             ("--num-pages", demo.MAX_PAGES)])
+def test_each_bound_itself_is_accepted(option, largest, capsys):
+    """The bounds are inclusive: the largest count is parsed (``--help`` after it stops before a run)."""
+    with pytest.raises(SystemExit) as e:
+        demo.main([option, str(largest), "--help"])
+    assert e.value.code == 0
+    assert demo.at_most(5, "why")("5") == 5
+    with pytest.raises(argparse.ArgumentTypeError, match="expected at most 5"):
+        demo.at_most(5, "why")("6")
+
+
+def test_a_model_named_after_a_double_dash_is_not_an_option():
+    """``--model`` after ``--`` is an argument, not the option: the simulation's parser decides."""
+    assert demo.wants_model(["--model", "llama"]) and demo.wants_model(["--model=llama"])
+    assert not demo.wants_model(["--", "--model", "llama"])
+    assert not demo.wants_model(["--requests", "2", "--", "--model=llama"])
+
+
+def _small():
+    pool = PagePool(8, 4, device="cpu", backend="numba")
+    table = PageTable(pool, 2, 16)
+    return pool, table, HostMirror(table, lookahead=1, free=8, cached=0)
+
+
+def test_the_final_check_wants_the_mirror_equal_to_the_device():
+    """The end of the run: a mirror counting fewer free pages than the device (a release made around it)
+    is a failure too, not only one promising more."""
+    pool, table, m = _small()
+    rows = m.admit([8])
+    table.release(torch.tensor(rows, dtype=torch.int32))   # the device frees 2 pages; the mirror does not know
+    assert m.free == 6 and pool.available() == 8
+    with pytest.raises(AssertionError, match="mirror 6 free pages, device 8"):
+        demo._final_check(pool, table, m)
+
+
+def test_the_final_check_fails_on_a_failed_extend():
+    """A failed extend (out of pages: not an error pool.check() raises) fails the final check."""
+    pool, table, m = _small()
+    table.extend(torch.tensor([0], dtype=torch.int32), torch.tensor([40], dtype=torch.int32), max_tokens=40)
+    pool.check()
+    assert pool.stats()["requests.failed"] == 1 and m.free == pool.available()
+    with pytest.raises(AssertionError, match="failed extends 1"):
+        demo._final_check(pool, table, m)
+
+
+def test_auto_every_estimates_the_run_from_the_requests_the_pool_holds_at_once():
+    """The default demo gets 25; a pool holding 10 of 100 requests at once (batch 64) runs ~10,000 steps:
+    a row every 200 for about 50 rows."""
+    prompts, outputs = demo.request_lengths(256)
+    assert demo.auto_every(prompts, outputs, 64, 4096 * 16) == 25
+    assert demo.auto_every([1000] * 100, [1000] * 100, 64, 20_000) == 200
+    assert demo.auto_every([1000] * 100, [1000] * 100, 5, 20_000) == 400     # the batch bounds it first
+
+
+def test_sizes_that_may_be_zero_take_zero():
+    """``count_int`` (the serving demo's ``--system-prompt``): 0 is a size, only a negative one is refused."""
+    assert demo.count_int("0") == 0 and demo.count_int("7") == 7
+    with pytest.raises(argparse.ArgumentTypeError, match="expected an int of at least 0, got -1"):
+        demo.count_int("-1")
+    assert demo.positive_int("1") == 1
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a positive int, got 0"):
+        demo.positive_int("0")

@@ -42,6 +42,14 @@ since the last row (admit + plan + decode + finish, no device sync: on CUDA the 
 it; row 0 is the first step alone, with its admissions); progress = requests done or rejected, of all."""
 
 
+def request_lengths(requests: int, seed: int = 0) -> tuple:
+    """The demo's requests: ``(prompts, outputs)``, each a list of token counts drawn from ``seed``
+    (prompts of 128-2048 tokens, outputs of 16-384)."""
+    rng = random.Random(seed)
+    prompts = [rng.randint(128, 2048) for _ in range(requests)]
+    return prompts, [rng.randint(16, 384) for _ in range(requests)]
+
+
 def run(requests=256, batch=64, num_pages=4096, page_size=16, seed=0, device=None, backend="auto",
         every=None, out=print):
     """Run the demo; returns the pool's final ``stats()``. ``out`` prints a line (``flush=`` accepted).
@@ -49,9 +57,7 @@ def run(requests=256, batch=64, num_pages=4096, page_size=16, seed=0, device=Non
     ``every``: steps between report rows; None picks a multiple of 25 that prints about
     50 rows (:func:`auto_every`).
     """
-    rng = random.Random(seed)
-    prompts = [rng.randint(128, 2048) for _ in range(requests)]
-    outputs = [rng.randint(16, 384) for _ in range(requests)]
+    prompts, outputs = request_lengths(requests, seed)
     max_pages = (max(prompts) + max(outputs)) // page_size + 1
     pool, table = _build(num_pages, page_size, device, backend, batch, max_pages)
     out(f"tpool demo: {requests} requests, up to {batch} running, {pool!r}", flush=True)
