@@ -1,0 +1,233 @@
+"""The backends' bound calls and the buffers they write (tpool/backends: numba, and the reference and
+triton bindings of contract.py): a bound call keeps the flags and the memory it was made with, and the
+compiled overlap guards cover every range the call writes.
+
+Found unpinned by helper-148's mutation run over tpool/backends (session 40).
+"""
+
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import tpool
+from conftest import i32
+
+
+@pytest.mark.parametrize("evict", [False, True])
+def test_bind_alloc_keeps_its_evict_flag(backend, evict):
+    """A bound alloc evicts cached pages only when bound with evict=True: with evict=False a
+    request larger than the free pages fails and the cached pages stay cached."""
+    pool = tpool.PagePool(4, 1, device="cpu", backend=backend)
+    pool.free(pool.alloc(i32([4])).pages, cache=True)       # 4 cached pages, none free
+    out = pool.alloc_out(max_batch=1, max_pages=4)
+    res = pool.bind_alloc(i32([2]), out=out, evict=evict)()
+    assert res.ok.tolist() == [evict]
+    assert pool.stats()["pages.cached.current"] == (2 if evict else 4)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_bind_free_keeps_its_cache_flag(backend, cache):
+    """A bound free with cache=True leaves its pages CACHED; with cache=False they go back FREE."""
+    pool = tpool.PagePool(8, 1, device="cpu", backend=backend)
+    pages = pool.alloc(i32([3])).pages[:3].clone()
+    pool.bind_free(pages, cache=cache)()
+    assert pool.stats()["pages.cached.current"] == (3 if cache else 0)
+    assert pool.available() == (5 if cache else 8)  # cached pages are off the free stack
+    pool.check()
+
+
+def test_an_alloc_out_whose_tensors_are_repointed_keeps_writing_the_memory_it_was_made_with(backend):
+    """Re-pointing an AllocOut's tensors by hand (``set_``) is not followed: the alloc writes the
+    memory the AllocOut was made with (still readable through a view taken before), and the
+    tensors it was re-pointed to stay as they were."""
+    pool = tpool.PagePool(8, 1, device="cpu", backend=backend)
+    out = pool.alloc_out(max_batch=2, max_pages=4)
+    kept = [t.view(t.shape) for t in out.result]            # the original memory
+    moved = [torch.full_like(t, 5 if t.dtype != torch.bool else 1) for t in out.result]
+    for t, m in zip(out.result, moved):
+        t.set_(m.clone())
+    pool.alloc(i32([1, 2]), out=out)
+    pages, indptr, ok, _ = kept
+    assert ok.tolist() == [True, True] and indptr.tolist() == [0, 1, 3]
+    assert sorted(pages[:3].tolist()) == sorted(set(pages[:3].tolist())) and min(pages[:3].tolist()) >= 0
+    for t, m in zip(out.result, moved):
+        assert t.tolist() == m.tolist()                     # untouched
+
+
+def test_an_extend_result_whose_tensors_are_repointed_keeps_writing_the_memory_it_was_made_with(backend):
+    """Re-pointing the table-owned ExtendResult's tensors by hand (``set_``) is not followed: the next
+    extend of that shape writes the memory the result was made with, and the tensors it was
+    re-pointed to stay as they were."""
+    table = tpool.PageTable(tpool.PagePool(32, 4, device="cpu", backend=backend), 4, 8)
+    res = table.extend(i32([0, 1]), i32([1, 2]), max_tokens=4)
+    kept = [t.view(t.shape) for t in res]
+    moved = [torch.full((4,), 99, dtype=torch.int32), torch.ones(2, dtype=torch.bool)]
+    for t, m in zip(res, moved):
+        t.set_(m.clone())
+    table.extend(i32([2, 3]), i32([2, 1]), max_tokens=4)
+    assert kept[1].tolist() == [True, True] and all(s >= 0 for s in kept[0][:3].tolist())
+    assert kept[0][3].item() == -1
+    for t, m in zip(res, moved):
+        assert t.tolist() == m.tolist()                     # untouched
+
+
+def test_alloc_into_out_refuses_counts_over_the_pool_state(backend):
+    """An alloc into an AllocOut refuses counts that share memory with the pool's own state (which
+    the call writes), as the alloc without out= does (on numba its compiled guard checks the state's
+    ranges too, not only the outputs'). Nothing changes."""
+    pool = tpool.PagePool(8, 1, device="cpu", backend=backend)
+    out = pool.alloc_out(max_batch=2, max_pages=4)
+    before = [t.clone() for t in (pool.state.refcount, pool.state.free_stack, pool.state.counters)]
+    for counts in (pool.state.refcount[:1], pool.state.free_stack[:2]):
+        with pytest.raises(ValueError, match="counts: shares memory"):
+            pool.alloc(counts, out=out)
+    for t, b in zip((pool.state.refcount, pool.state.free_stack, pool.state.counters), before):
+        assert t.tolist() == b.tolist()
+    assert pool.available() == 8
+
+
+def test_extend_refuses_inputs_over_its_own_table_owned_outputs(backend):
+    """An extend whose num_tokens lies over the slots buffer that call writes (the table-owned
+    ExtendResult of the same shape, returned by the previous extend) is refused before any change."""
+    pool = tpool.PagePool(64, 4, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 4, 8)
+    res = table.extend(i32([0, 1]), i32([2, 3]), max_tokens=8)
+    before = (table.seq_lens.clone(), table.block_table.clone(), pool.available())
+    with pytest.raises(ValueError, match="num_tokens: shares memory"):
+        table.extend(i32([0, 1]), res.slots[:2], max_tokens=8)
+    with pytest.raises(ValueError, match="req_ids: shares memory"):
+        table.extend(res.slots[2:4], i32([1, 1]), max_tokens=8)
+    assert table.seq_lens.tolist() == before[0].tolist() and table.block_table.tolist() == before[1].tolist()
+    assert pool.available() == before[2]
+    table.check_invariants()
+
+
+@pytest.mark.parametrize("field", ["positions", "qo_indptr", "kv_lens"])
+def test_step_refuses_inputs_over_its_own_attention_metadata(backend, field):
+    """A step whose num_tokens lies over the attention metadata that step writes (positions,
+    qo_indptr, kv_lens of the table-owned StepResult of the same shape) is refused before any change."""
+    pool = tpool.PagePool(64, 4, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 4, 8)
+    ids = i32([0, 1])
+    res = table.step(ids, i32([2, 3]), max_tokens=8)
+    before = (table.seq_lens.clone(), table.block_table.clone(), pool.available())
+    with pytest.raises(ValueError, match="num_tokens: shares memory"):
+        table.step(ids, getattr(res, field)[:2], max_tokens=8)
+    assert table.seq_lens.tolist() == before[0].tolist() and table.block_table.tolist() == before[1].tolist()
+    assert pool.available() == before[2]
+    table.check_invariants()
+
+
+def test_invalidate_csr_restamps_the_rows_named_and_no_others():
+    """invalidate_csr(req_ids) gives the rows it names a fresh stamp and leaves every other row's
+    stamp as it was, even when the ids are a view whose memory goes on with other valid row ids."""
+    pool = tpool.PagePool(64, 4, device="cpu", backend="numba")
+    table = tpool.PageTable(pool, 4, 8)
+    table.step(i32([0, 1, 2, 3]), i32([3, 3, 3, 3]))
+    buf = i32([1, 2, 3, 0])
+    for n in (1, 2, 3):
+        before = table.state.row_version.tolist()
+        table.invalidate_csr(buf[:n])
+        after = table.state.row_version.tolist()
+        named = set(buf[:n].tolist())
+        assert all((a != b) == (r in named) for r, (a, b) in enumerate(zip(after, before))), (n, before, after)
+
+
+# --- numba: the compiled calls hold addresses ------------------------------------------------------------
+
+
+ALLOC_OUT_REPOINTED = """
+import gc, numpy as np, torch, tpool
+i32 = lambda v: torch.tensor(v, dtype=torch.int32)
+pool = tpool.PagePool(4096, 1, device="cpu", backend="numba")
+out = pool.alloc_out(max_batch=64, max_pages=4096)
+for t in out.result:                      # re-pointed: the bound alloc still writes the old memory
+    t.set_(torch.zeros(1, dtype=t.dtype))
+gc.collect()
+junk = [torch.full((n,), 7, dtype=torch.int32) for n in (4096, 1024, 65, 64) for _ in range(50)]
+junk += [np.full(n, 7, dtype=np.int32) for n in (4096, 1024, 65, 64) for _ in range(50)]
+counts = torch.full((64,), 2, dtype=torch.int32)
+for _ in range(20):                       # 2560 of the 4096 pages
+    pool.alloc(counts, out=out)
+assert pool.available() == 4096 - 2560
+assert all(bool((j == 7).all()) for j in junk), "an alloc into an AllocOut wrote into memory it does not own"
+print("ok")
+"""
+
+
+def test_an_alloc_out_keeps_its_buffers_alive_when_its_tensors_are_repointed():
+    """An AllocOut's compiled alloc holds the storages it writes: re-pointing the AllocOut's
+    tensors (``set_``) leaves the old memory alive for the kernel, which writes nothing else.
+    In a subprocess: a regression is a crash or a corrupted heap."""
+    r = subprocess.run([sys.executable, "-c", ALLOC_OUT_REPOINTED], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
+    assert r.stdout.split() == ["ok"]
+
+
+def test_allocs_without_out_from_several_threads_each_write_their_own_result():
+    """Allocs without out= racing in several threads: every call writes its own fresh result
+    (ok, indptr, pages), never another call's, and every page is granted exactly once."""
+    threads_n, calls = 4, 4000
+    pool = tpool.PagePool(3 * threads_n * calls, 1, device="cpu", backend="numba")
+    results = [[] for _ in range(threads_n)]
+
+    def work(k):
+        counts = i32([1, 2])
+        for _ in range(calls):
+            results[k].append(pool.alloc(counts))
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter lets them
+    try:
+        ts = [threading.Thread(target=work, args=(k,)) for k in range(threads_n)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    granted = []
+    for res in (r for rs in results for r in rs):
+        assert res.ok.tolist() == [True, True] and res.indptr.tolist() == [0, 1, 3]
+        granted += res.pages[:3].tolist()
+    assert sorted(granted) == list(range(3 * threads_n * calls))
+    assert pool.available() == 0
+    pool.check()
+
+
+VERSION_OF_A_FRESH_PROCESS = """
+import torch, tpool
+table = tpool.PageTable(tpool.PagePool(16, 4, device="cpu", backend="numba"), 2, 4)
+table.extend(torch.tensor([0], dtype=torch.int32), torch.tensor([3], dtype=torch.int32))
+print(int(table.state.row_version[0]))
+"""
+
+
+def test_table_versions_do_not_repeat_across_processes():
+    """The numba tables' version counter starts at a random value in each process (and stays
+    below 2**62): the first version a table takes in two fresh processes differs, so a state
+    brought in from another process never carries a version this process has used."""
+    got = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", VERSION_OF_A_FRESH_PROCESS], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        got.append(int(r.stdout.split()[-1]))
+    assert got[0] != got[1] and all(1 <= v < 2**62 for v in got), got
+
+
+def test_addresses_refuses_any_name_that_is_not_a_table_or_state_entry():
+    """Table.addresses takes only TD_* and SD_* descriptor entries: one other name among valid ones
+    (a call-descriptor or alloc-descriptor slot, which would index the wrong descriptor) is a
+    ValueError, not an address of something else."""
+    table = tpool.PageTable(tpool.PagePool(16, 4, device="cpu", backend="numba"), 2, 4)
+    ops = table.ops
+    assert ops.addresses("TD_BLOCK_TABLE", "SD_REFCOUNT") == (table.block_table.data_ptr(),
+                                                              table.pool.state.refcount.data_ptr())
+    for names in (("TD_BLOCK_TABLE", "CD_STATE"), ("SD_REFCOUNT", "CD_OUT"), ("CD_STATE",),
+                  ("TD_SEQ_LENS", "AD_PAGES")):
+        with pytest.raises(ValueError, match="names"):
+            ops.addresses(*names)
