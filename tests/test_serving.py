@@ -565,15 +565,22 @@ def _tiny(kind, **extra):
                                                          dtype=torch.float32).eval()
 
 
+def _step_context(config, lanes=(5, 3), max_tokens=8, num_pages=16, max_pages=4, kv_shape=None):
+    """A PagedContext of one prefill step of ``lanes`` tokens on fresh reference pages of 4 tokens, its
+    cache of ``kv_shape`` (``(layers, kv_heads, head_dim)``; the config's by default)."""
+    pool = tpool.PagePool(num_pages, 4, device="cpu", backend="reference")
+    table = tpool.PageTable(pool, len(lanes), max_pages)
+    cache = PagedKVCache.from_pool(pool, *(kv_shape or engine.kv_shape(config)), dtype=torch.float32)
+    meta = step_metadata(table, table.step(i32(list(range(len(lanes)))), i32(list(lanes)), max_tokens=max_tokens))
+    return PagedContext(cache, meta)
+
+
 def _one_step(model):
     """One prefill step of two lanes through forward_step; returns the cache (its layer 0 K)."""
-    pool = tpool.PagePool(16, 4, device="cpu", backend="reference")
-    table = tpool.PageTable(pool, 2, 4)
-    cache = PagedKVCache.from_pool(pool, *engine.kv_shape(model.config), dtype=torch.float32)
-    ctx = PagedContext(cache, step_metadata(table, table.step(i32([0, 1]), i32([5, 3]), max_tokens=8)))
+    ctx = _step_context(model.config)
     with torch.no_grad():
         forward_step(model, torch.randint(1, 256, (8,)), ctx)
-    return cache
+    return ctx.cache
 
 
 def test_forward_step_refuses_a_model_whose_layers_do_not_all_attend_through_the_pages(models):
@@ -626,10 +633,7 @@ def test_llama4_without_chunks_or_temperature_tuning_runs_and_with_tuning_is_ref
 def _llama_context():
     """The tiny llama's first attention module, a prefill step's context on fresh pages, q and K/V."""
     model = engine.tiny_model("llama", seed=0)
-    pool = tpool.PagePool(8, 4, device="cpu", backend="reference")
-    table = tpool.PageTable(pool, 2, 2)
-    cache = PagedKVCache.from_pool(pool, *engine.kv_shape(model.config), dtype=torch.float32)
-    ctx = PagedContext(cache, step_metadata(table, table.step(i32([0]), i32([8]), max_tokens=8)))
+    ctx = _step_context(model.config, lanes=(8,), num_pages=8, max_pages=2)
     torch.manual_seed(0)
     return model.model.layers[0].self_attn, ctx, torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
 
@@ -672,10 +676,8 @@ def test_a_cache_of_another_head_dim_is_refused_naming_both():
     """K/V whose head_dim is not the cache's is refused before any write, naming the module's heads and
     head_dim and the cache's (as for another K/V head count)."""
     attn, ctx, q, kv = _llama_context()
-    pool = tpool.PagePool(8, 4, device="cpu", backend="reference")
-    table = tpool.PageTable(pool, 2, 2)
-    cache = PagedKVCache.from_pool(pool, 2, 2, 8, dtype=torch.float32)       # head_dim 8, the model's is 16
-    bad = PagedContext(cache, step_metadata(table, table.step(i32([0]), i32([8]), max_tokens=8)))
+    bad = _step_context(None, lanes=(8,), num_pages=8, max_pages=2, kv_shape=(2, 2, 8))   # the model's is 16
+    cache = bad.cache
     with pytest.raises(ValueError, match=r"tpool_paged: cache: expected K/V of 2 heads of head_dim 16 \(what "
                                          r"LlamaAttention, layer 0, attends with\), the cache holds 2 heads of 8"):
         paged_attention_forward(attn, q, kv, kv, tpool_context=bad)
@@ -711,13 +713,10 @@ def test_int32_input_ids_give_the_logits_of_int64():
     """forward_step takes int32 token ids as well as int64."""
     model = engine.tiny_model("llama", seed=0)
     x = torch.randint(1, 256, (8,))
-    pool = tpool.PagePool(16, 4, device="cpu", backend="reference")
-    table = tpool.PageTable(pool, 2, 4)
-    cache = PagedKVCache.from_pool(pool, *engine.kv_shape(model.config), dtype=torch.float32)
-    meta = step_metadata(table, table.step(i32([0, 1]), i32([5, 3]), max_tokens=8))
+    ctx = _step_context(model.config)
     with torch.no_grad():
-        want = forward_step(model, x, PagedContext(cache, meta))
-        got = forward_step(model, x.to(torch.int32), PagedContext(cache, meta))
+        want = forward_step(model, x, ctx)
+        got = forward_step(model, x.to(torch.int32), PagedContext(ctx.cache, ctx.meta))
     assert torch.equal(got, want)
 
 
@@ -732,12 +731,8 @@ def test_padding_positions_reach_a_learned_position_table_as_zero():
     x = torch.randint(3, 256, (8,))
 
     def logits(lanes, max_tokens):
-        pool = tpool.PagePool(16, 4, device="cpu", backend="reference")
-        table = tpool.PageTable(pool, 2, 4)
-        cache = PagedKVCache.from_pool(pool, *engine.kv_shape(model.config), dtype=torch.float32)
-        meta = step_metadata(table, table.step(i32([0, 1]), i32(list(lanes)), max_tokens=max_tokens))
         with torch.no_grad():
-            return forward_step(model, x[:max_tokens], PagedContext(cache, meta))[:sum(lanes)]
+            return forward_step(model, x[:max_tokens], _step_context(model.config, lanes, max_tokens))[:sum(lanes)]
 
     padded, whole = logits((5, 2), 8), logits((5, 2), 7)
     assert (padded - whole).abs().max() < 1e-5
