@@ -1,14 +1,16 @@
 """The backends' bound calls and the buffers they write (tpool/backends: numba, and the reference and
 triton bindings of contract.py): a bound call keeps the flags and the memory it was made with, and the
-compiled overlap guards cover every range the call writes.
+compiled overlap guards cover every range the call writes, counting an input's bytes from its address;
+the reference and Triton bindings hold the pool's state lock around each call.
 
-Found unpinned by helper-148's mutation run over tpool/backends (session 40).
+Found unpinned by helper-148's and helper-149's mutation runs over tpool/backends (session 40).
 """
 
 import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -231,3 +233,160 @@ def test_addresses_refuses_any_name_that_is_not_a_table_or_state_entry():
                   ("TD_SEQ_LENS", "AD_PAGES")):
         with pytest.raises(ValueError, match="names"):
             ops.addresses(*names)
+
+
+# ------------------------------------------------- the numba guards' byte arithmetic
+# The pool's and table's own buffers are whole storages, which no input can start before, so the
+# tests below put a scratch range first in every list of written ranges the numba backend builds:
+# an input of n int32 lanes covers 4*n bytes from its address and overlaps a range [lo, hi) when
+# it starts before hi and ends after lo, also when it starts before lo and when the range is the
+# list's first; an input that only touches a range's end is not refused. The scratch memory is
+# never written: it is in the ranges checked, not in the descriptor's slots.
+
+@pytest.fixture
+def scratch_range(monkeypatch):
+    """``make(fill)``: 16 int32 lanes whose lanes [4, 8) are a written range of every numba pool
+    and table built afterwards (first in each list of ranges)."""
+    from tpool.backends import numba as nb
+    extra, bufs, ranges = [], [], nb.storage_ranges
+    monkeypatch.setattr(nb, "storage_ranges", lambda tensors: np.concatenate([*extra, ranges(tensors)]))
+
+    def make(fill):
+        buf = torch.full((16,), fill, dtype=torch.int32)
+        bufs.append(buf)                                  # alive as long as the test
+        extra.append(np.array([buf.data_ptr() + 16, buf.data_ptr() + 32], np.int64))
+        return buf
+    return make
+
+
+def test_numba_free_refuses_pages_that_start_before_a_written_range(scratch_range):
+    buf = scratch_range(-1)
+    pool = tpool.PagePool(32, 4, device="cpu", backend="numba")
+    for inside in (buf[2:6], buf[5:6]):                   # 4*n bytes from lane 2 reach lane 4
+        with pytest.raises(ValueError, match="pages: shares memory"):
+            pool.free(inside)
+    pool.free(buf[8:12])                                  # starts where the range ends
+    pool.free(buf[0:4])                                   # ends where the range starts
+    pool.check()
+
+
+@pytest.mark.parametrize("with_out", [False, True])
+def test_numba_alloc_refuses_counts_that_start_before_a_written_range(scratch_range, with_out):
+    buf = scratch_range(0)
+    pool = tpool.PagePool(32, 4, device="cpu", backend="numba")
+    kw = {"out": pool.alloc_out(max_batch=4, max_pages=8)} if with_out else {}
+    with pytest.raises(ValueError, match="counts: shares memory"):
+        pool.alloc(buf[2:6], **kw)
+    pool.alloc(buf[8:12], **kw)
+    pool.alloc(buf[0:4], **kw)
+    assert pool.available() == 32
+
+
+def test_numba_extend_and_step_refuse_lanes_that_start_before_a_written_range(scratch_range):
+    """req_ids and num_tokens are each checked over their 4*B bytes, in an extend and in a step."""
+    ids, ntok = scratch_range(-1), scratch_range(0)
+    table = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend="numba"), 4, 8)
+    pad, zeros = torch.full((4,), -1, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    for call in (table.extend, table.step):
+        with pytest.raises(ValueError, match="req_ids: shares memory"):
+            call(ids[2:6], zeros, max_tokens=4)
+        with pytest.raises(ValueError, match="num_tokens: shares memory"):
+            call(pad, ntok[2:6], max_tokens=4)
+        call(ids[8:12], ntok[8:12], max_tokens=4)         # touching the ranges' ends only
+    table.check_invariants()
+
+
+def test_numba_step_refuses_a_release_longer_than_the_batch_that_reaches_a_written_range(scratch_range):
+    """A release of K ids is checked over its 4*K bytes, not the batch's 4*B."""
+    rel = scratch_range(-1)
+    table = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend="numba"), 4, 8)
+    with pytest.raises(ValueError, match="release: shares memory"):   # K=4 from lane 1 reach lane 4; B=1
+        table.step(i32([-1]), i32([0]), max_tokens=4, release=rel[1:5])
+    table.step(i32([-1]), i32([0]), max_tokens=4, release=rel[0:4])
+
+
+def test_numba_csr_refuses_ids_that_start_before_a_written_range(scratch_range):
+    ids = scratch_range(-1)
+    table = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend="numba"), 4, 8)
+    with pytest.raises(ValueError, match="req_ids: shares memory"):
+        table.flashinfer_csr(ids[2:6])
+    table.flashinfer_csr(ids[8:12])
+
+
+# ---------------------------------------------------------------- the state lock
+# The reference and Triton bindings hold the pool's state lock around each call (numba runs under
+# the GIL). Dropping a lock changes no single-threaded result, so these tests watch the lock.
+
+class _WatchedLock:
+    """The pool's lock, counting: ``depth`` now, ``entries`` acquisitions from depth 0."""
+
+    def __init__(self, inner):
+        self.inner, self.depth, self.entries = inner, 0, 0
+
+    def __enter__(self):
+        self.inner.__enter__()
+        self.depth += 1
+        self.entries += self.depth == 1
+        return self
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        return self.inner.__exit__(*exc)
+
+
+def _watched_pool(backend, num_pages, page_size):
+    pool = tpool.PagePool(num_pages, page_size, device="cpu", backend=backend)
+    lock = _WatchedLock(pool.state.lock)
+    object.__setattr__(pool.state, "lock", lock)
+    object.__setattr__(pool.ops.st, "lock", lock)
+    return pool, lock
+
+
+def _record_depth(monkeypatch, owner, name, lock, seen):
+    fn = getattr(owner, name)
+
+    def call(*args, **kwargs):
+        seen.append((name, lock.depth))
+        return fn(*args, **kwargs)
+    monkeypatch.setattr(owner, name, call)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_pool_calls_run_their_state_function_under_the_state_lock(monkeypatch, backend):
+    """alloc (fresh outputs, into an AllocOut, bound), free and evict."""
+    pool, lock = _watched_pool(backend, 16, 1)
+    seen = []
+    for name in ("_alloc", "_free", "_evict"):
+        _record_depth(monkeypatch, pool.ops, name, lock, seen)
+    res = pool.alloc(i32([2]))
+    out = pool.alloc_out(max_batch=1, max_pages=4)
+    pool.alloc(i32([1]), out=out)
+    pool.bind_alloc(i32([1]), out=out)()
+    pool.free(res.pages[:2].clone(), cache=True)
+    pool.evict(1)
+    assert [n for n, _ in seen] == ["_alloc", "_alloc", "_alloc", "_free", "_evict"]
+    assert all(depth >= 1 for _, depth in seen), seen
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_extend_and_step_hold_the_state_lock_once_per_call(monkeypatch, backend):
+    """An extend is one acquisition; a step holds the lock from its release through its extend to
+    its export (one acquisition: no other thread's call falls between), with or without a release.
+    On Triton the step's kernel itself runs under it."""
+    pool, lock = _watched_pool(backend, 64, 4)
+    table = tpool.PageTable(pool, 4, 8)
+    seen = []
+    if backend == "triton":
+        from tpool.kernels import step
+        _record_depth(monkeypatch, step, "step_triton", lock, seen)
+    table.extend(i32([0, 1]), i32([3, 5]), max_tokens=8)
+    table.step(i32([2, 3]), i32([1, 1]), max_tokens=8, release=i32([0]))   # each shape's first call
+    table.step(i32([2, 3]), i32([1, 1]), max_tokens=8)
+    seen.clear()
+    for call in (lambda: table.extend(i32([2, 3]), i32([1, 1]), max_tokens=8),
+                 lambda: table.step(i32([2, 3]), i32([1, 1]), max_tokens=8),
+                 lambda: table.step(i32([2, 3]), i32([1, 1]), max_tokens=8, release=i32([1]))):
+        lock.entries = 0
+        call()
+        assert lock.entries == 1
+    assert all(depth >= 1 for _, depth in seen) and len(seen) == (2 if backend == "triton" else 0), seen
