@@ -639,6 +639,38 @@ def test_a_fork_without_a_free_page_shares_whole_pages_only(llama, monkeypatch):
     assert (2, 4, 0) in shares and eng.stats.forks == 1
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_a_preempted_child_takes_the_longer_of_its_running_parent_and_its_own_cached_pages(llama, monkeypatch,
+                                                                                          cached):
+    """Request 1 forks its parent's 8 prompt tokens, is preempted (the newest) with 12 tokens out while
+    its parent runs, and comes back when request 2 finishes. Without a prefix cache it forks its
+    parent again and computes its one unshared prompt token again, not all 9; with one, its own pages
+    (CACHED when it was preempted: 20 tokens) hold more than the fork, and it revives them."""
+    prompt = list(range(40, 48))
+    reqs = [R(0, prompt, 30), R(2, [7, 8, 9, 10, 11], 14), R(1, prompt + [99], 20, arrival=1, parent=0, shared=8)]
+    eng = engine.Engine(llama, num_pages=14, page_size=4, max_batch=3, max_pages=10, backend="reference",
+                        spec_every=0, draft_len=0, prefix_cache=cached)
+    taken = []
+    take = engine.Engine._take
+
+    def spy(self, w, share, hit, by_id, *a):  # (rid, tokens out, fork, revive, the parent runs)
+        taken.append((w.rid, len(w.out), share, hit.n_tokens, by_id[0].row is not None))
+        return take(self, w, share, hit, by_id, *a)
+
+    monkeypatch.setattr(engine.Engine, "_take", spy)
+    assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
+    assert eng.stats.preemptions == 1
+    assert taken[2] == (1, 0, 8, 0, True)
+    if cached:
+        assert taken[3] == (1, 12, 0, 20, True) and eng.stats.forks == 1 and eng.stats.cache_hits == 1
+        assert eng.stats.prompt_tokens == 8 + 5 + 1                   # nothing of request 1's prompt again
+    else:
+        assert taken[3] == (1, 12, 8, 0, True) and eng.stats.forks == 2
+        assert eng.stats.prompt_tokens == 8 + 5 + 1 + 1               # its one unshared prompt token again
+    stats = eng.check()
+    assert stats["requests.failed"] == 0 and stats["pages.used.current"] == 0
+
+
 def test_stats_count_the_prompt_and_fed_tokens_the_forward_computed(llama):
     """``prompt_tokens``: prompt tokens computed once (not again while decoding, nor those a fork shares);
     ``fed_tokens``: every token the forward computed, all lanes."""

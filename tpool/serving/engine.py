@@ -445,17 +445,18 @@ class Engine:
         return decode, prefill
 
     def _plan(self, w, by_id) -> tuple:
-        """``(share, hit)``: the prompt tokens ``w`` may fork from its running parent (0: none), else
-        the prefix cache's entries its tokens start with. A fork takes its copy-on-write page (a
-        partial last page) at once, from the FREE pages: without one it shares whole pages only."""
+        """``(share, hit)``: the prompt tokens ``w`` may fork from its running parent (0: none), or the
+        prefix cache's entries its tokens start with, whichever holds more tokens (the other empty). A
+        preempted child forks its parent again while it runs, unless its own pages, CACHED when it was
+        preempted, hold more. A fork takes its copy-on-write page (a partial last page) at once, from
+        the FREE pages: without one it shares whole pages only."""
         parent = by_id.get(w.parent) if w.parent is not None else None
-        share = (w.shared if parent is not None and parent.row is not None and not w.out
+        share = (w.shared if parent is not None and parent.row is not None
                  and parent.cached >= w.shared and w.shared < len(w.prompt) else 0)
         if share % self.ps and self.mirror.free < 1:
             share -= share % self.ps
-        if share or self.prefix is None:
-            return share, PrefixMatch()
-        return 0, self._timed(self.prefix.match, w.tokens)
+        hit = self._timed(self.prefix.match, w.tokens) if self.prefix is not None else PrefixMatch()
+        return (0, hit) if hit.n_tokens > share else (share, PrefixMatch())
 
     def _take(self, w, share, hit, by_id, feed, decode, prefill) -> None:
         """Admit ``w``: fork its parent's first ``share`` tokens, or revive ``hit``, into a row (a decode
