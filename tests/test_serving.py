@@ -709,6 +709,28 @@ def test_check_model_checks_again_a_config_put_on_a_checked_model():
         check_model(model)
 
 
+def test_a_composite_model_is_checked_on_its_text_decoders_attention_implementation():
+    """A composite model (Llava: a vision tower and a Llama) names an attention implementation per
+    sub-config: the text decoder's is the one that serves the step. Refused when only the top-level
+    config names tpool_paged, accepted when the text config does (whatever the vision tower uses)."""
+    import transformers
+
+    from tpool.serving.hf import check_model
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=32, patch_size=16)
+    text = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0)
+    cfg = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=255)
+
+    def build(text_impl, top_impl):
+        impl = {"text_config": text_impl, "vision_config": "eager", "": top_impl}
+        return transformers.LlavaForConditionalGeneration._from_config(cfg, attn_implementation=impl)
+    with pytest.raises(ValueError, match="model: expected attn_implementation='tpool_paged' .*got 'eager' from llama"):
+        check_model(build("eager", ATTN_IMPLEMENTATION))
+    model = build(ATTN_IMPLEMENTATION, "eager")
+    assert check_model(model) is model.config.get_text_config(decoder=True)
+
+
 def test_int32_input_ids_give_the_logits_of_int64():
     """forward_step takes int32 token ids as well as int64."""
     model = engine.tiny_model("llama", seed=0)
