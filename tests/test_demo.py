@@ -91,10 +91,13 @@ def test_counts_past_the_demos_bounds_are_usage_errors(args, words, capsys):
     assert e.value.code == 2 and words in capsys.readouterr().err
 
 
-def test_cuda_without_cuda_is_a_clean_error(capsys):
+@pytest.mark.parametrize("device, words", [("cuda", "expected cpu, got cuda: CUDA is not available here"),
+                                           ("cuda:x", "expected a cpu or cuda device, got 'cuda:x'")])
+def test_cuda_without_cuda_is_a_clean_error(device, words, capsys):
+    """Checked before the run, naming the option as typed."""
     with pytest.raises(SystemExit) as e:
-        demo.main(["--device", "cuda"])
-    assert e.value.code == 2 and "CUDA is not available here" in capsys.readouterr().err
+        demo.main(["--device", device])
+    assert e.value.code == 2 and f"error: --device: {words}" in capsys.readouterr().err
 
 
 def test_help_gives_every_option_a_default(capsys):
