@@ -59,19 +59,39 @@ def test_an_alloc_out_whose_tensors_are_repointed_keeps_writing_the_memory_it_wa
         assert t.tolist() == m.tolist()                     # untouched
 
 
-def test_an_extend_result_whose_tensors_are_repointed_keeps_writing_the_memory_it_was_made_with(backend):
-    """Re-pointing the table-owned ExtendResult's tensors by hand (``set_``) is not followed: the next
-    extend of that shape writes the memory the result was made with, and the tensors it was
-    re-pointed to stay as they were."""
-    table = tpool.PageTable(tpool.PagePool(32, 4, device="cpu", backend=backend), 4, 8)
-    res = table.extend(i32([0, 1]), i32([1, 2]), max_tokens=4)
-    kept = [t.view(t.shape) for t in res]
-    moved = [torch.full((4,), 99, dtype=torch.int32), torch.ones(2, dtype=torch.bool)]
-    for t, m in zip(res, moved):
-        t.set_(m.clone())
-    table.extend(i32([2, 3]), i32([2, 1]), max_tokens=4)
-    assert kept[1].tolist() == [True, True] and all(s >= 0 for s in kept[0][:3].tolist())
-    assert kept[0][3].item() == -1
+def _tensors(res):
+    """A result's tensors, nested tuples (a step's CSR) flattened."""
+    return [x for t in res for x in (_tensors(t) if isinstance(t, tuple) else [t])]
+
+
+_TABLE_CALLS = {
+    "extend": lambda table, ids, n: table.extend(ids, n, max_tokens=4),
+    "flashinfer_csr": lambda table, ids, n: table.flashinfer_csr(ids),
+    "step": lambda table, ids, n: table.step(ids, n, max_tokens=4),
+}
+
+
+@pytest.mark.parametrize("call", sorted(_TABLE_CALLS))
+def test_a_table_owned_result_whose_tensors_are_repointed_keeps_writing_the_memory_it_was_made_with(backend,
+                                                                                                   call):
+    """Re-pointing a table-owned result's tensors by hand (``set_``) is not followed: the next call of
+    that shape writes the memory the result was made with (what a table nobody re-pointed returns),
+    and the tensors it was re-pointed to stay as they were."""
+    run, got = _TABLE_CALLS[call], []
+    for repoint in (False, True):                           # a twin table first, then the re-pointed one
+        table = tpool.PageTable(tpool.PagePool(32, 4, device="cpu", backend=backend), 4, 8)
+        table.extend(i32([0, 1, 2, 3]), i32([1, 6, 3, 5]), max_tokens=16)
+        res = _tensors(run(table, i32([0, 1]), i32([1, 2])))
+        first = [t.tolist() for t in res]
+        kept = [t.view(t.shape) for t in res]
+        if repoint:
+            moved = [torch.full_like(t, 1 if t.dtype == torch.bool else 99) for t in res]
+            for t, m in zip(res, moved):
+                t.set_(m.clone())
+        run(table, i32([2, 3]), i32([2, 1]))
+        got.append([t.tolist() for t in kept])
+        assert got[-1] != first                             # the second call wrote something else
+    assert got[0] == got[1]
     for t, m in zip(res, moved):
         assert t.tolist() == m.tolist()                     # untouched
 
