@@ -16,6 +16,7 @@ Timings are never asserted (``benchmarks/bench_startup.py`` measures them).
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -210,6 +211,71 @@ def test_a_function_of_another_module_cached_through_tpool_carries_the_kernels_s
     stamp = probe._cache._impl.locator.get_source_stamp()
     assert stamp[0] == nb.kernels_stamp() and stamp[1]  # and the probe's own file's stamp
     assert nb.kernel(alloc.alloc_numba_entry)._cache._impl.locator.get_source_stamp() == nb.kernels_stamp()
+
+
+def test_a_plain_numba_function_of_another_module_keeps_numbas_own_cache(tmp_path, monkeypatch):
+    """tpool's locators take tpool's kernels and what goes through ``cached_njit`` only: a user's
+    ``numba.njit(cache=True)`` function in its own module keeps numba's locator and stamp (its cache
+    is not invalidated by every change to tpool's kernels)."""
+    import numba
+
+    from tpool.backends import numba as nb
+    (tmp_path / "user_mod.py").write_text("def twice(x):\n    return 2 * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import user_mod
+    locator = numba.njit(cache=True)(user_mod.twice)._cache._impl.locator
+    assert not type(locator).__name__.startswith("Kernel"), type(locator)
+    stamp = locator.get_source_stamp()
+    assert not isinstance(stamp, tuple) and stamp != nb.kernels_stamp(), stamp  # numba's: its file's alone
+
+
+@pytest.fixture
+def stamp_sources(tmp_path, monkeypatch):
+    """Copies of the kernel modules and of ``tpool/backends/numba.py`` that :func:`kernels_stamp` reads
+    instead; its memo is cleared before and after (the next call stamps the real sources again)."""
+    from tpool.backends import numba as nb
+    kernels = tmp_path / "kernels"
+    shutil.copytree(nb._KERNELS_DIR, kernels, ignore=shutil.ignore_patterns("__pycache__"))
+    backend = tmp_path / "numba.py"
+    shutil.copy(nb.__file__, backend)
+    monkeypatch.setattr(nb, "_KERNELS_DIR", str(kernels))
+    monkeypatch.setattr(nb, "__file__", str(backend))
+    nb.kernels_stamp.cache_clear()
+    yield kernels, backend
+    nb.kernels_stamp.cache_clear()
+
+
+@pytest.mark.parametrize("edited", ["a kernel module", "the numba backend"])
+def test_the_kernels_stamp_changes_with_every_kernel_module_and_the_numba_backend(stamp_sources, edited):
+    """The numba backend compiles its guards and calls in itself (``alloc_guarded`` ...): an edit to it,
+    as to any kernel module, must recompile every cached entry, or a process loads stale machine code."""
+    from tpool.backends import numba as nb
+    kernels, backend = stamp_sources
+    before = nb.kernels_stamp()
+    path = kernels / "_numba_util.py" if edited == "a kernel module" else backend
+    path.write_text(path.read_text() + "\n# edited\n")
+    nb.kernels_stamp.cache_clear()
+    assert nb.kernels_stamp() != before
+
+
+def test_cached_njit_compiles_uncached_only_where_numba_finds_no_cache_location(monkeypatch, capsys):
+    """numba's "no locator available" means nowhere writable to cache: the function compiles uncached,
+    said once. Any other error making the cache is raised, not taken for that."""
+    from tpool.backends import numba as nb
+    said = []
+    monkeypatch.setattr(nb, "announce_no_cache", lambda: said.append(1))
+
+    def fails(message):
+        def make(py_func):
+            raise RuntimeError(message)
+        return make
+
+    monkeypatch.setattr(nb, "KernelCache", fails("cannot cache function 'f': no locator available for file 'f.py'"))
+    f = nb.cached_njit(lambda x: x + 1)
+    assert f(1) == 2 and f._cache.__class__.__name__ == "NullCache" and said == [1]
+    monkeypatch.setattr(nb, "KernelCache", fails("disk full"))
+    with pytest.raises(RuntimeError, match="disk full"):
+        nb.cached_njit(lambda x: x + 1)
 
 
 def test_a_cache_miss_names_its_kernel_by_name(monkeypatch):
