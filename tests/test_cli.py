@@ -1,5 +1,6 @@
 """The command line as a user meets it: help, version, an early-closed pipe, unknown commands."""
 
+import io
 import os
 import subprocess
 import sys
@@ -144,3 +145,77 @@ def test_a_demo_where_no_request_fits_exits_1():
     """`demo --num-pages 10`: every request is rejected and nothing runs; a script sees a failure."""
     r = tpool_cli("demo", "--num-pages", "10", "--backend", "reference")
     assert r.returncode == 1 and "nothing to run" in r.stdout, r.stdout + r.stderr
+
+
+# --- Pinned by helper-150's mutation run over tpool/__main__.py ---------------------------------------------
+
+def test_dash_h_is_help_too(capsys):
+    from tpool.__main__ import main
+    assert main(["-h"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("usage: ") and "commands:" in out and err == ""
+
+
+def test_main_returns_the_commands_exit_status(capsys):
+    """``main`` returns 0 for a demo that ran (``demo.main`` returns None then) and the report's 2 for a
+    device it cannot measure: a script calling ``main`` sees what the process would exit with."""
+    from tpool.__main__ import main
+    assert main(["demo", "--requests", "2", "--backend", "numba"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("no errors, invariants hold")
+    assert main(["report", "--device", "bogus"]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_version_only_as_the_first_argument(capsys):
+    """``tpool report --version`` is the report's unknown option, not tpool's version."""
+    from tpool.__main__ import main
+    with pytest.raises(SystemExit) as e:
+        main(["report", "--version"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and "unrecognized arguments: --version" in err and tpool.__version__ not in out
+
+
+def test_main_puts_sys_stdout_back(capsys):
+    from tpool.__main__ import main
+    before = sys.stdout
+    assert main(["--version"]) == 0
+    assert sys.stdout is before and capsys.readouterr().out.strip() == f"tpool {tpool.__version__}"
+
+
+class _BrokenPipeStream(io.TextIOBase):
+    """An output whose reader is gone, with no descriptor (``fileno`` raises ``error``)."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def fileno(self):
+        raise self.error("no descriptor")
+
+
+@pytest.mark.parametrize("error", [io.UnsupportedOperation, ValueError])
+def test_a_broken_output_without_a_descriptor_is_replaced_by_devnull(monkeypatch, error):
+    """An stdout with no descriptor (``io.UnsupportedOperation``; ``ValueError`` from a closed file) whose
+    reader is gone: exit status 141, and ``sys.stdout`` is then a stream on devnull, so the flush at exit
+    has nowhere to fail (the broken stream put back would raise there)."""
+    from tpool.__main__ import main
+    broken = _BrokenPipeStream(error)
+    monkeypatch.setattr(sys, "stdout", broken)
+    assert main(["--version"]) == 141
+    now = sys.stdout
+    assert now is not broken
+    now.write("dropped\n")
+    now.flush()
+    now.close()
+
+
+def test_a_closed_stdout_is_no_error():
+    """``tpool --version >&-``: Python's ``sys.stdout`` is None; the command prints nothing and exits 0."""
+    r = subprocess.run(f"{sys.executable} -m tpool --version >&-", shell=True, cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stderr == "", r.stderr

@@ -1,6 +1,7 @@
 """The demo: runs to the end, schedules without reading the device, never loops forever, fails cleanly."""
 
 import argparse
+import inspect
 import os
 import re
 import statistics
@@ -120,10 +121,16 @@ def test_triton_without_triton_is_a_clean_error(monkeypatch, capsys):
     assert e.value.code == 2 and "error: backend 'triton' needs triton" in err and "pip install 'triton>=3.0'" in err
 
 
-def test_model_demo_without_transformers_is_a_clean_error(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "transformers", None)
+def _without(monkeypatch, *names):
+    """Imports of ``names`` fail (ModuleNotFoundError), the serving engine imported again."""
     for name in ("tpool.serving.engine", "tpool.serving.hf"):
         monkeypatch.delitem(sys.modules, name, raising=False)
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_model_demo_without_transformers_is_a_clean_error(monkeypatch, capsys):
+    _without(monkeypatch, "transformers")
     from tpool.__main__ import main
     with pytest.raises(SystemExit) as e:
         main(["demo", "--model", "llama"])
@@ -421,3 +428,80 @@ def test_sizes_that_may_be_zero_take_zero():
     assert demo.positive_int("1") == 1
     with pytest.raises(argparse.ArgumentTypeError, match="expected a positive int, got 0"):
         demo.positive_int("0")
+
+
+# --- Pinned by helper-150's mutation run over tpool/serving/cli.py ------------------------------------------
+
+def _served(monkeypatch, argv):
+    """``tpool.serving.cli.main(argv)`` with the serving demo replaced by a recorder: what it was asked to run."""
+    pytest.importorskip("transformers")
+    from tpool.serving import cli, engine
+    seen = []
+    monkeypatch.setattr(engine, "run_demo", lambda model, **kw: seen.append((model, kw)))
+    assert cli.main(argv) == 0
+    (call,) = seen
+    return call
+
+
+def test_the_model_demos_defaults_are_run_demos(monkeypatch):
+    """No option given: the serving demo runs with ``run_demo``'s own defaults (llama, the prefix cache on),
+    each as the option's help text says."""
+    pytest.importorskip("transformers")
+    from tpool.serving import engine
+    defaults = {k: p.default for k, p in inspect.signature(engine.run_demo).parameters.items()}
+    model, kw = _served(monkeypatch, [])
+    assert model == defaults["model"] == "llama"
+    assert kw == dict(requests=32, num_pages=48, page_size=4, max_batch=8, backend="auto", device=None, seed=0,
+                      system_len=8, prefix_cache=True)
+    assert all(kw[k] == defaults[k] for k in kw)
+
+
+def test_every_model_demo_option_reaches_run_demo(monkeypatch):
+    model, kw = _served(monkeypatch, ["--model", "gpt-neox", "--requests", "5", "--num-pages", "20", "--page-size",
+                                      "2", "--batch", "3", "--system-prompt", "0", "--no-prefix-cache", "--backend",
+                                      "reference", "--seed", "7", "--device", "cpu"])
+    assert model == "gpt-neox"
+    assert kw == dict(requests=5, num_pages=20, page_size=2, max_batch=3, backend="reference", device="cpu", seed=7,
+                      system_len=0, prefix_cache=False)
+
+
+@pytest.mark.parametrize("option, most", [("--requests", 10_000), ("--num-pages", 1 << 18), ("--batch", 1 << 10)])
+def test_the_model_demos_limits_are_inclusive(option, most, capsys):
+    from tpool.serving.cli import parser
+    dest = {"--requests": "requests", "--num-pages": "num_pages", "--batch": "max_batch"}[option]
+    assert getattr(parser().parse_args([option, str(most)]), dest) == most
+    with pytest.raises(SystemExit) as e:
+        parser().parse_args([option, str(most + 1)])
+    assert e.value.code == 2 and f"expected at most {most:,} (" in capsys.readouterr().err
+
+
+def test_the_model_demo_takes_each_backend_and_model_and_no_other(capsys):
+    from tpool.serving.cli import parser
+    for backend in ("auto", "reference", "numba", "triton"):
+        assert parser().parse_args(["--backend", backend]).backend == backend
+    for model in ("llama", "gpt-neox"):
+        assert parser().parse_args(["--model", model]).model == model
+    with pytest.raises(SystemExit) as e:
+        parser().parse_args(["--model", "gpt2"])
+    assert e.value.code == 2 and "argument --model: invalid choice: 'gpt2'" in capsys.readouterr().err
+
+
+def test_a_bad_device_is_refused_before_transformers_is_needed_naming_the_model(monkeypatch, capsys):
+    """``--device`` is checked before transformers is imported (a machine without it hears of its device
+    first), and errors after the options are parsed name the model asked for."""
+    from tpool.serving.cli import main as serve_main
+    _without(monkeypatch, "transformers")
+    with pytest.raises(SystemExit) as e:
+        serve_main(["--model", "gpt-neox", "--device", "nonsense"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "demo --model gpt-neox: error: --device: " in err, err
+    assert "transformers" not in err
+
+
+def test_another_missing_module_is_not_called_transformers(monkeypatch):
+    """Only transformers missing is the "needs transformers" option error; another module missing is raised."""
+    from tpool.serving.cli import main as serve_main
+    _without(monkeypatch, "tpool.serving.engine")
+    with pytest.raises(ModuleNotFoundError) as e:
+        serve_main(["--model", "llama"])
+    assert e.value.name == "tpool.serving.engine"

@@ -1823,3 +1823,40 @@ def test_a_settling_reconciliation_gives_back_the_trimmed_reservation(backend):
     m.reconcile(snap)
     assert m.reserved == int(m.res[row]) < before
     assert m.unreserved == m.free - m.reserved
+
+
+# --- Pinned by helper-150's mutation run over tpool/stats_async.py ------------------------------------------
+
+def test_async_read_refuses_no_tensors_mixed_devices_and_non_tensors():
+    from tpool.stats_async import AsyncRead
+    with pytest.raises(ValueError, match="expected at least one tensor, got none"):
+        AsyncRead([])
+    with pytest.raises(ValueError, match=r"expected tensors on one device \(cpu\), got meta"):
+        AsyncRead([torch.zeros(2), torch.zeros(2, device="meta")])
+    with pytest.raises(ValueError, match=r"expected tensors on one device \(cpu\), got list$"):
+        AsyncRead([torch.zeros(2), [1, 2]])
+
+
+class _Event:
+    """A CUDA event stand-in whose copy has not landed until ``synchronize``."""
+
+    def __init__(self):
+        self.landed, self.waits = False, 0
+
+    def query(self):
+        return self.landed
+
+    def synchronize(self):
+        self.waits += 1
+        self.landed = True
+
+
+def test_values_wait_for_a_copy_that_has_not_landed_and_only_then():
+    """``values()`` before the copy landed waits on the event (once); after ``ready()`` said True it reads
+    the host copies with no wait."""
+    from tpool.stats_async import AsyncRead
+    r = AsyncRead([torch.arange(3)])
+    r._event = event = _Event()
+    assert not r.ready()
+    assert r.values() == [[0, 1, 2]] and event.waits == 1
+    assert r.ready() and r.values() == [[0, 1, 2]] and event.waits == 1

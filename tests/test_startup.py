@@ -291,20 +291,77 @@ def test_a_cache_miss_names_its_kernel_by_name(monkeypatch):
     assert heard == [(cache.cache_path, "alloc_numba_entry")]
 
 
-def test_a_chain_of_compiles_is_named_when_the_last_line_is_old(monkeypatch, caplog):
-    """The whole notice at a process's first compile; a compile within ``_STILL_AFTER_S`` of the last
-    line says nothing; a later one names its kernel (a benchmark's first run of a new call compiled
-    for 16 s without a word)."""
+def _compile_lines(monkeypatch, caplog, steps, name="k"):
+    """``announce_compile`` of kernel ``name`` (or one name per call) at a fake clock: 100 s, then each of
+    ``steps`` seconds later. Returns whether each call said a line, and the lines said."""
     from tpool import _startup
     caplog.set_level("INFO", logger="tpool")   # (under pytest the lines go to the logger, which has handlers)
     clock = [100.0]
     monkeypatch.setattr(_startup, "_compile_announced", None)
     monkeypatch.setattr(_startup.time, "perf_counter", lambda: clock[0])
-    _startup.announce_compile("/cache", "alloc_numba_entry")
-    clock[0] += 1.0
-    _startup.announce_compile("/cache", "free_numba_entry")
-    clock[0] += _startup._STILL_AFTER_S + 0.5
-    _startup.announce_compile("/cache", "step_release_bound_numba_entry")
-    lines = [r.getMessage() for r in caplog.records if r.name == "tpool"]
+    said = []
+    names = [name] * (len(steps) + 1) if isinstance(name, str) else name
+    for step, kernel in zip([0.0, *steps], names):
+        clock[0] += step
+        before = len(caplog.records)
+        _startup.announce_compile("/cache", kernel)
+        said.append(len(caplog.records) > before)
+    return said, [r.getMessage() for r in caplog.records if r.name == "tpool"]
+
+
+def test_a_chain_of_compiles_is_named_when_the_last_line_is_old(monkeypatch, caplog):
+    """The whole notice at a process's first compile; a compile within ``_STILL_AFTER_S`` of the last
+    line says nothing; a later one names its kernel (a benchmark's first run of a new call compiled
+    for 16 s without a word)."""
+    from tpool import _startup
+    _, lines = _compile_lines(monkeypatch, caplog, [1.0, _startup._STILL_AFTER_S + 0.5],
+                              ["alloc_numba_entry", "free_numba_entry", "step_release_bound_numba_entry"])
     assert len(lines) == 2 and lines[0].startswith("tpool: compiling numba kernels") and lines[0].endswith("/cache")
     assert lines[1] == "tpool: still compiling numba kernels (step_release_bound_numba_entry, not cached yet)"
+
+
+# --- Pinned by helper-150's mutation run over tpool/_startup.py ---------------------------------------------
+
+def test_a_compile_is_named_only_when_the_last_line_is_more_than_still_after_s_old(monkeypatch, caplog):
+    """Exactly ``_STILL_AFTER_S`` after the last line is not "more than": silent; ten seconds is (a chain of
+    compiles is never silent for tens of seconds)."""
+    from tpool import _startup
+    said, _ = _compile_lines(monkeypatch, caplog, [_startup._STILL_AFTER_S])
+    assert said == [True, False]
+    said, _ = _compile_lines(monkeypatch, caplog, [10.0])
+    assert said == [True, True]
+
+
+def test_the_clock_restarts_at_each_still_compiling_line(monkeypatch, caplog):
+    """A "still compiling" line is the last line said: the next compile within ``_STILL_AFTER_S`` of it is
+    silent, though the first notice is older."""
+    from tpool import _startup
+    gap = _startup._STILL_AFTER_S
+    said, lines = _compile_lines(monkeypatch, caplog, [gap + 1, gap - 1, 2.5, gap])
+    assert said == [True, True, False, True, False]
+    assert lines[1:] == ["tpool: still compiling numba kernels (k, not cached yet)"] * 2
+
+
+def test_a_compile_without_a_name_is_another(monkeypatch, caplog):
+    from tpool import _startup
+    _, lines = _compile_lines(monkeypatch, caplog, [_startup._STILL_AFTER_S + 1], name="")
+    assert lines[-1] == "tpool: still compiling numba kernels (another, not cached yet)"
+
+
+def test_no_cache_is_said_once_a_process_naming_numba_cache_dir(monkeypatch, caplog):
+    """``cached_njit`` calls it for every kernel it decorates: one line, whatever the count."""
+    from tpool import _startup
+    caplog.set_level("INFO", logger="tpool")
+    monkeypatch.setattr(_startup, "_no_cache_announced", False)
+    for _ in range(3):
+        _startup.announce_no_cache()
+    lines = [r.getMessage() for r in caplog.records if r.name == "tpool"]
+    assert len(lines) == 1 and lines[0].startswith("tpool: no writable place to cache numba kernels"), lines
+    assert "set NUMBA_CACHE_DIR to a writable directory" in lines[0]
+
+
+def test_without_logging_configured_the_notice_goes_to_stderr():
+    code = "from tpool import _startup; _startup.announce_compile('/the/cache', 'k')"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr.startswith("tpool: compiling numba kernels") and r.stderr.rstrip().endswith("/the/cache")
