@@ -182,20 +182,25 @@ def test_main_puts_sys_stdout_back(capsys):
     assert sys.stdout is before and capsys.readouterr().out.strip() == f"tpool {tpool.__version__}"
 
 
-class _BrokenPipeStream(io.TextIOBase):
-    """An output whose reader is gone, with no descriptor (``fileno`` raises ``error``)."""
+class _Output(io.TextIOBase):
+    """An output with no descriptor (``fileno`` raises ``no_fd``) whose writes or flushes raise the
+    errors given (None: they succeed; the text is kept)."""
 
-    def __init__(self, error):
-        self.error = error
+    def __init__(self, no_fd=io.UnsupportedOperation, write=None, flush=None):
+        self.no_fd, self.write_error, self.flush_error, self.text = no_fd, write, flush, ""
 
     def write(self, text):
-        raise BrokenPipeError(32, "Broken pipe")
+        if self.write_error:
+            raise self.write_error
+        self.text += text
+        return len(text)
 
     def flush(self):
-        raise BrokenPipeError(32, "Broken pipe")
+        if self.flush_error:
+            raise self.flush_error
 
     def fileno(self):
-        raise self.error("no descriptor")
+        raise self.no_fd("no descriptor")
 
 
 @pytest.mark.parametrize("error", [io.UnsupportedOperation, ValueError])
@@ -204,7 +209,8 @@ def test_a_broken_output_without_a_descriptor_is_replaced_by_devnull(monkeypatch
     reader is gone: exit status 141, and ``sys.stdout`` is then a stream on devnull, so the flush at exit
     has nowhere to fail (the broken stream put back would raise there)."""
     from tpool.__main__ import main
-    broken = _BrokenPipeStream(error)
+    gone = BrokenPipeError(32, "Broken pipe")
+    broken = _Output(error, write=gone, flush=gone)
     monkeypatch.setattr(sys, "stdout", broken)
     assert main(["--version"]) == 141
     now = sys.stdout
@@ -219,3 +225,20 @@ def test_a_closed_stdout_is_no_error():
     r = subprocess.run(f"{sys.executable} -m tpool --version >&-", shell=True, cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+@pytest.mark.parametrize("at", ["write", "flush"])
+def test_an_output_error_at_a_write_or_at_the_last_flush_ends_the_command_as_the_output_said(monkeypatch, capsys,
+                                                                                             at):
+    """A write that fails (a full disk, not only a broken pipe) is the one-line error and status 1; a
+    broken pipe met only by the flush after the command (the output was buffered) is still status 141
+    in the handler, not a traceback when the interpreter flushes at exit."""
+    from tpool.__main__ import main
+    full, gone = OSError(28, "No space left on device"), BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(sys, "stdout", _Output(write=full) if at == "write" else _Output(flush=gone))
+    status = main(["--version"])
+    err = capsys.readouterr().err
+    if at == "write":
+        assert status == 1 and err == "tpool: cannot write the output: No space left on device\n", err
+    else:
+        assert status == 141 and err == "", err
