@@ -74,3 +74,70 @@ def test_import_tpool_unshadows_the_kernels_package_transformers_imports(tmp_pat
     assert where("import kernels; print(getattr(kernels, 'WHERE', 'tpool'))") == "tpool"  # the shadowing
     assert where("import tpool, kernels; print(getattr(kernels, 'WHERE', 'tpool'))") == "hub"
     assert where("import tpool, kernels.sub, tpool.kernels.layout as L; print(kernels.sub.WHERE, L.FREE)") == "hub 0"
+
+
+def _package(folder, *files):
+    folder.mkdir(parents=True)
+    for name in ("__init__.py", *files):
+        (folder / name).write_text("")
+    return folder / "__init__.py"
+
+
+@pytest.fixture
+def finder(monkeypatch):
+    """A HubKernelsFinder whose view the test sets in ``seen``: ``origin``, what the path finders would
+    load for any top-level name (None: nothing; "namespace": a folder without ``__init__.py``), and
+    ``init``, the ``kernels`` distribution's ``__init__.py`` (None: not installed)."""
+    import importlib.machinery
+    import types
+
+    from tpool._hub_kernels import HubKernelsFinder
+    seen = {"origin": None, "init": None}
+
+    def path_spec(name, path=None, target=None):
+        origin = seen["origin"]
+        return None if origin is None else types.SimpleNamespace(origin=None if origin == "namespace" else str(origin))
+
+    def distribution(name):
+        if name != "kernels" or seen["init"] is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return types.SimpleNamespace(locate_file=lambda rel: seen["init"].parent.parent / rel)
+
+    monkeypatch.setattr(importlib.machinery.PathFinder, "find_spec", path_spec)
+    monkeypatch.setattr(importlib.metadata, "distribution", distribution)
+    return HubKernelsFinder(), seen
+
+
+def test_the_hub_kernels_finder_takes_a_top_level_kernels_only_from_tpools_folder(finder, tmp_path):
+    """It answers for a top-level ``kernels`` that would load tpool's folder, with the installed
+    distribution's package (its folder the search path of its submodules); for anything else, None."""
+    hub, seen = finder
+    tpools = _package(tmp_path / "repo" / "kernels", "layout.py", "_numba_util.py")
+    other = _package(tmp_path / "elsewhere" / "kernels", "layout.py")           # one marker only
+    installed = _package(tmp_path / "site" / "kernels", "sub.py")
+    seen.update(origin=tpools, init=installed)
+    spec = hub.find_spec("kernels")
+    assert spec.origin == str(installed) and spec.submodule_search_locations == [str(installed.parent)]
+    assert hub.find_spec("kernels", path=[str(tmp_path)]) is None                 # a submodule named kernels
+    assert hub.find_spec("numpy") is None                                          # whatever its folder holds
+    seen.update(origin="namespace")
+    assert hub.find_spec("kernels") is None
+    seen.update(origin=other)
+    assert hub.find_spec("kernels") is None                                        # not tpool's folder
+    seen.update(origin=None)
+    assert hub.find_spec("kernels") is None                                        # nothing to shadow
+    seen.update(origin=tpools, init=None)
+    assert hub.find_spec("kernels") is None                                        # no distribution
+    seen.update(init=tmp_path / "gone" / "kernels" / "__init__.py")
+    assert hub.find_spec("kernels") is None                                        # its files are gone
+    seen.update(init=tpools)
+    assert hub.find_spec("kernels") is None                                        # the distribution is tpool's
+
+
+def test_installing_the_hub_kernels_finder_twice_puts_one_first(monkeypatch):
+    from tpool import _hub_kernels
+    monkeypatch.setattr(sys, "meta_path", [m for m in sys.meta_path if not isinstance(m, _hub_kernels.HubKernelsFinder)])
+    rest = list(sys.meta_path)
+    _hub_kernels.install()
+    _hub_kernels.install()
+    assert isinstance(sys.meta_path[0], _hub_kernels.HubKernelsFinder) and sys.meta_path[1:] == rest
