@@ -1,12 +1,16 @@
 """The benchmark scripts run and print their tables (tiny sizes; timings are not checked)."""
 
 import argparse
+import errno
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -583,3 +587,239 @@ def test_the_gpu_step_profile_refuses_to_run_without_cuda(capsys):
     """gpu_step_phases.py times Triton kernels on a GPU: without CUDA it says so and exits 2."""
     assert load("gpu_step_phases").main([]) == 2
     assert "needs CUDA" in capsys.readouterr().err
+
+
+# --- Pinned by helper-151's mutation run over benchmarks/_common.py and _baselines.py (session 41) ---------
+# No timing is asserted: the timing helpers run on a fake clock that each call of the timed function
+# advances by a given amount, so what is checked is their arithmetic and the order of their calls.
+
+def test_the_count_types_take_their_bounds_and_say_why(capsys):
+    """non_negative_int takes 0; int_at_most takes its limit and refuses one past it, saying why; multiple_of
+    takes any multiple and refuses others, saying why; both name the type "int" in argparse's error."""
+    common = load("_common")
+    assert common.non_negative_int("0") == 0 and common.non_negative_int("3") == 3
+    with pytest.raises(argparse.ArgumentTypeError, match="at least 0, got -1"):
+        common.non_negative_int("-1")
+    at_most = common.int_at_most(8, "the pool's pages")
+    assert at_most("1") == 1 and at_most("8") == 8
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^at most 8 \(the pool's pages\), got 9$"):
+        at_most("9")
+    with pytest.raises(argparse.ArgumentTypeError):
+        at_most("0")
+    mult = common.multiple_of(4, "four equal frees")
+    assert mult("4") == 4 and mult("12") == 12
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^must be a multiple of 4 \(four equal frees\), got 6$"):
+        mult("6")
+    ap = argparse.ArgumentParser(prog="x")
+    ap.add_argument("--k", type=at_most)
+    ap.add_argument("--m", type=mult)
+    for option in ("--k", "--m"):
+        with pytest.raises(SystemExit):
+            ap.parse_args([option, "two"])
+        assert f"argument {option}: invalid int value: 'two'" in capsys.readouterr().err
+
+
+def test_output_paths_are_checked_by_making_a_file(tmp_path, monkeypatch):
+    """out_path and writable_dir: a path under a file, a directory where no file can be made (a read-only
+    file system, where root's os.access still says yes) are refused saying why; writable_dir takes a
+    directory several levels below the nearest one that exists (it is made later)."""
+    common = load("_common")
+    assert common.out_path(str(tmp_path / "x.json")) == str(tmp_path / "x.json") and common.out_path("") == ""
+    deep = str(tmp_path / "a" / "b" / "c")
+    assert common.writable_dir(deep) == deep and common.writable_dir("") == ""
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(f"{a_file} is not a directory")):
+        common.out_path(str(a_file / "x.json"))
+
+    def read_only(*_, **__):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    monkeypatch.setattr(common.tempfile, "TemporaryFile", read_only)
+    says = f"directory {tmp_path} is not writable (making a file in it: {os.strerror(errno.EROFS)})"
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(f"cannot write {tmp_path / 'x.json'}: {says}")):
+        common.out_path(str(tmp_path / "x.json"))
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(f"cannot write into {deep}: {says}")):
+        common.writable_dir(deep)
+
+
+def test_backend_model_and_device_errors_read_cleanly(capsys):
+    """check_backends and device_arg drop the inner message's own prefix (no "--backend: backend:"),
+    check_model says the --hidden it needs a divisor of, and takes a vocabulary of 2 (tokens 0 and 1)."""
+    common = load("_common")
+    ap = argparse.ArgumentParser(prog="x")
+    with pytest.raises(SystemExit):
+        common.check_backends(ap, "--backend", ["numba", "foo"], "cpu")
+    err = capsys.readouterr().err
+    assert "argument --backend: expected 'auto' or one of" in err and "--backend: backend:" not in err, err
+    common.check_model(ap, argparse.Namespace(hidden=64, heads=8, kv_heads=4, vocab=2))  # accepted: no exit
+    with pytest.raises(SystemExit):
+        common.check_model(ap, argparse.Namespace(hidden=64, heads=7, kv_heads=7, vocab=64))
+    assert "argument --heads: expected a divisor of --hidden (64), got 7" in capsys.readouterr().err
+    ap.add_argument("--device", type=common.device_arg)
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--device", "meta"])
+    err = capsys.readouterr().err
+    assert "argument --device: expected a cpu or cuda device" in err and "--device: --device" not in err, err
+
+
+def test_help_shows_a_default_once_and_no_false_flag_default():
+    """HelpFormatter: a flag (default False) shows no default; a help text that says its default gets no
+    second one; a default of 0 is shown."""
+    common = load("_common")
+    ap = argparse.ArgumentParser(prog="x", formatter_class=common.HelpFormatter)
+    ap.add_argument("--cold", action="store_true", help="time cold calls too")
+    ap.add_argument("--inner", type=int, default=7, help="calls per sample (default: calibrated)")
+    ap.add_argument("--warmup", type=int, default=0, help="untimed steps first")
+    text = " ".join(ap.format_help().split())
+    assert "time cold calls too (default" not in text
+    assert text.count("(default") == 2 and "(default: calibrated)" in text and "untimed steps first (default: 0)" in text
+
+
+class FakeClock:
+    """perf_counter_ns for _common: advanced only by the timed function (``cost_us`` per call)."""
+
+    def __init__(self, common, monkeypatch, costs_us):
+        self.now, self.calls, self.log, self.costs = 0, 0, [], costs_us
+        monkeypatch.setattr(common, "time", types.SimpleNamespace(perf_counter_ns=lambda: self.now,
+                                                                  perf_counter=lambda: self.now / 1e9))
+
+    def fn(self):
+        self.now += int(self.costs(self.calls) * 1000)
+        self.calls += 1
+        self.log.append("fn")
+
+    def sync(self):
+        self.log.append("sync")
+
+    def reset(self):
+        self.log.append("reset")
+
+    def flush(self):
+        self.log.append("flush")
+
+
+def test_time_calls_us_and_sample_us_on_a_fake_clock(monkeypatch):
+    """time_calls_us: n calls between two clock reads, sync before and after (a cold call too); sample_us:
+    per-call microseconds per sample, a warm-up of inner // 4 calls, reset before each sample and at the
+    end, settle's untimed call after each reset."""
+    common = load("_common")
+    c = FakeClock(common, monkeypatch, lambda i: 10.0)
+    assert common.time_calls_us(c.fn, 1, c.sync) == 10.0 and c.log == ["sync", "fn", "sync"]
+    c.log.clear()
+    assert common.time_calls_us(c.fn, 7, c.sync) == 70.0 and c.log == ["sync"] + ["fn"] * 7 + ["sync"]
+    c.log.clear()
+    assert common.sample_us(c.fn, inner=8, samples=3, reset=c.reset) == [10.0] * 3
+    assert c.log == ["fn"] * 2 + (["reset"] + ["fn"] * 8) * 3 + ["reset"]
+    c.log.clear()
+    assert common.sample_us(c.fn, inner=2, samples=2, reset=c.reset, settle=True) == [10.0] * 2
+    assert c.log == ["fn"] + (["reset", "fn"] + ["fn"] * 2) * 2 + ["reset"]
+
+
+def test_calibrate_on_a_fake_clock(monkeypatch):
+    """calibrate: three warm-up calls, then n = 1, 10, 100, ... until a sample takes a tenth of the target;
+    n scaled to the target, at most max_inner; the search runs twice and the larger answer wins."""
+    common = load("_common")
+    c = FakeClock(common, monkeypatch, lambda i: 10.0)  # 10 us a call: 100 calls take 1 ms >= 2 ms / 10
+    assert common.calibrate(c.fn) == 200
+    assert c.calls == 3 + 2 * (1 + 10 + 100)
+    c = FakeClock(common, monkeypatch, lambda i: 0.001)  # 1 ns a call: stops at max_inner
+    assert common.calibrate(c.fn, max_inner=100) == 100 and c.calls == 3 + 2 * (1 + 10 + 100)
+    # 20 us a call in the first search (3 warm-up calls, then 1 and 10), 10 us after: 100 vs 200 calls
+    c = FakeClock(common, monkeypatch, lambda i: 20.0 if i < 14 else 10.0)
+    assert common.calibrate(c.fn, reset=c.reset) == 200
+    assert c.log[:3] == ["fn"] * 3 and c.log[3] == "reset"
+
+
+def test_sample_cold_us_flushes_before_every_timed_call(monkeypatch):
+    """sample_cold_us: one untimed call, reset once before the first sample and once at the end (not before
+    each), a flush right before each timed call, settle's call before the flush; a sample is that one call."""
+    common = load("_common")
+    c = FakeClock(common, monkeypatch, lambda i: 10.0)
+    assert common.sample_cold_us(c.fn, samples=3, flush=c.flush, reset=c.reset) == [10.0] * 3
+    assert c.log == ["fn", "reset"] + ["flush", "fn"] * 3 + ["reset"]
+    c.log.clear()
+    assert common.sample_cold_us(c.fn, samples=2, flush=c.flush, sync=c.sync, settle=True) == [10.0] * 2
+    assert c.log == ["fn"] + ["fn", "flush", "sync", "fn", "sync"] * 2
+
+
+def test_cache_flusher_writes_its_whole_buffer_anew():
+    common = load("_common")
+    flush = common.CacheFlusher(1 << 20)
+    assert flush.buf.nbytes == 1 << 20 and common.CacheFlusher().buf.nbytes == common.COLD_BYTES
+    flush()
+    before = flush.buf.copy()
+    flush()
+    assert (flush.buf != before).all()
+
+
+def test_quantiles_are_the_median_p20_and_p80():
+    common = load("_common")
+    assert common.quantiles(list(range(1, 12))) == (6, 3, 9)  # inclusive: the 20th and 80th of 1..11
+    assert common.quantiles([1.0, 2.0, 3.0, 100.0])[0] == 2.5  # the median, not the mean
+    assert common.quantiles([4.5]) == (4.5, 4.5, 4.5)
+
+
+def test_print_table_and_write_json(tmp_path, capsys):
+    """print_table: the title, then the header and rows right-aligned in columns as wide as their widest
+    cell, then the note; write_json: the benchmark's name, the machine and the rows."""
+    common = load("_common")
+    common.print_table("T", ["impl", "median"], [["a-long-name", 1.5], ["b", 22]], note="what the rows are")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["", "T", "       impl  median", "a-long-name     1.5", "          b      22", "what the rows are"]
+    path = tmp_path / "x.json"
+    common.write_json(str(path), "bench_x", [{"impl": "a", "median_us": 1.5}])
+    assert capsys.readouterr().out == f"\nwrote {path}\n"
+    got = json.loads(path.read_text())
+    assert set(got) == {"benchmark", "machine", "rows"} and got["benchmark"] == "bench_x"
+    assert got["rows"] == [{"impl": "a", "median_us": 1.5}]
+    assert {"cpu", "cores", "caches", "gpu", "python", "torch", "numba", "triton", "time"} <= set(got["machine"])
+    assert got["machine"]["cores"] == os.cpu_count()
+
+
+def test_vllm_blocks_frees_last_block_first_and_reuses_the_smallest_row():
+    """VllmBlocks.release frees a request's blocks last first, to the free queue's tail (no prefix caching);
+    a new request takes the smallest freed row of the batch."""
+    load("bench_page_table")  # (puts benchmarks/ on the path)
+    bl = load("_baselines")
+    vb = bl.VllmBlocks(20, 3, 8, torch.device("cpu"))
+    vb.step([0, 1], [40, 1])  # request 0: blocks 1, 2, 3; request 1: block 4
+    vb.release(0)
+    vb.release(1)
+    assert vb.pool.free_block_queue.block_ids()[-4:] == [3, 2, 1, 4]
+    vb.step([2, 1], [1, 1])  # rows 0 and 1 freed in that order: request 2 takes row 0, request 1 row 1
+    assert vb.index[2] == 0 and vb.index[1] == 1
+
+
+def test_device_outputs_on_a_cpu_are_int32_and_not_overwritten():
+    """DeviceOutputs on a CPU (not staged by default): int32 tensors a later call does not overwrite;
+    staged, a kept buffer grows only when an output outgrows it."""
+    load("bench_page_table")
+    bl = load("_baselines")
+    out = bl.DeviceOutputs(torch.device("cpu"))
+    assert out.staged is False
+    first = out(np.arange(3, dtype=np.int64))[0]
+    out(np.arange(3, dtype=np.int64) + 10)
+    assert first.tolist() == [0, 1, 2] and first.dtype == torch.int32
+    staged = bl.DeviceOutputs(torch.device("cpu"), staged=True)
+    staged(np.arange(3))
+    kept = staged.dev[0]
+    assert staged(np.arange(6))[0].tolist() == list(range(6)) and staged.dev[0] is kept  # 6 fits 2 * 3
+
+
+def test_plot_draws_a_cold_series_dashed_in_its_warm_series_colour(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    common = load("_common")
+    figs = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (figs.append(fig), close(fig)))
+    png = tmp_path / "p.png"
+    common.plot_lines(str(png), {"a, warm": [(4, 2, 1, 3), (1, 3, 2, 4)], "a, cold": [(1, 5, 4, 6), (4, 6, 5, 7)],
+                                 "b": [(1, 1, 1, 1), (4, 2, 2, 2)]}, title="t", xlabel="x")
+    lines = {line.get_label(): line for line in figs[0].axes[0].lines}
+    assert lines["a, cold"].get_linestyle() == "--" and lines["a, warm"].get_linestyle() == "-"
+    assert lines["a, cold"].get_color() == lines["a, warm"].get_color() != lines["b"].get_color()
+    assert list(lines["a, warm"].get_xdata()) == [1, 4]  # points sorted by x
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
