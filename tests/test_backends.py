@@ -312,7 +312,8 @@ def test_numba_extend_and_step_refuse_lanes_that_start_before_a_written_range(sc
             call(ids[2:6], zeros, max_tokens=4)
         with pytest.raises(ValueError, match="num_tokens: shares memory"):
             call(pad, ntok[2:6], max_tokens=4)
-        call(ids[8:12], ntok[8:12], max_tokens=4)         # touching the ranges' ends only
+        call(ids[8:12], ntok[8:12], max_tokens=4)         # starting where the ranges end
+        call(ids[0:4], ntok[0:4], max_tokens=4)           # ending where they start
     table.check_invariants()
 
 
@@ -331,6 +332,7 @@ def test_numba_csr_refuses_ids_that_start_before_a_written_range(scratch_range):
     with pytest.raises(ValueError, match="req_ids: shares memory"):
         table.flashinfer_csr(ids[2:6])
     table.flashinfer_csr(ids[8:12])
+    table.flashinfer_csr(ids[0:4])
 
 
 # ---------------------------------------------------------------- the state lock

@@ -728,6 +728,10 @@ def test_calibrate_on_a_fake_clock(monkeypatch):
     c = FakeClock(common, monkeypatch, lambda i: 20.0 if i < 14 else 10.0)
     assert common.calibrate(c.fn, reset=c.reset) == 200
     assert c.log[:3] == ["fn"] * 3 and c.log[3] == "reset"
+    # the reverse, 10 us a call in the first search and 20 us in the second (1 and 10 calls): the first's
+    # 200 wins over the second's, the last, 100
+    c = FakeClock(common, monkeypatch, lambda i: 10.0 if i < 114 else 20.0)
+    assert common.calibrate(c.fn) == 200 and c.calls == 3 + (1 + 10 + 100) + (1 + 10)
 
 
 def test_sample_cold_us_flushes_before_every_timed_call(monkeypatch):

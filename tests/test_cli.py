@@ -228,7 +228,7 @@ def test_a_closed_stdout_is_no_error():
 
 
 @pytest.mark.parametrize("at", ["write", "flush"])
-def test_an_output_error_at_a_write_or_at_the_last_flush_ends_the_command_as_the_output_said(monkeypatch, capsys,
+def test_an_output_error_at_a_write_or_at_the_last_flush_ends_the_command_as_the_output_said(capsys, monkeypatch,
                                                                                              at):
     """A write that fails (a full disk, not only a broken pipe) is the one-line error and status 1; a
     broken pipe met only by the flush after the command (the output was buffered) is still status 141
@@ -237,6 +237,7 @@ def test_an_output_error_at_a_write_or_at_the_last_flush_ends_the_command_as_the
     full, gone = OSError(28, "No space left on device"), BrokenPipeError(32, "Broken pipe")
     monkeypatch.setattr(sys, "stdout", _Output(write=full) if at == "write" else _Output(flush=gone))
     status = main(["--version"])
+    sys.stdout.close()  # (devnull, opened by main: the output had no descriptor)
     err = capsys.readouterr().err
     if at == "write":
         assert status == 1 and err == "tpool: cannot write the output: No space left on device\n", err

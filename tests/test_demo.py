@@ -92,8 +92,10 @@ def test_counts_past_the_demos_bounds_are_usage_errors(args, words, capsys):
     assert e.value.code == 2 and words in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("device, words", [("cuda", "expected cpu, got cuda: CUDA is not available here"),
-                                           ("cuda:x", "expected a cpu or cuda device, got 'cuda:x'")])
+@pytest.mark.parametrize("device, words", [
+    pytest.param("cuda", "expected cpu, got cuda: CUDA is not available here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")),
+    ("cuda:x", "expected a cpu or cuda device, got 'cuda:x'")])
 def test_cuda_without_cuda_is_a_clean_error(device, words, capsys):
     """Checked before the run, naming the option as typed."""
     with pytest.raises(SystemExit) as e:

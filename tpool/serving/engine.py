@@ -416,8 +416,8 @@ class Engine:
 
     def _admit(self, step, waiting, running, feed, by_id) -> tuple:
         """3. Admissions, in arrival order while the mirror says they fit after the decode lanes: a
-        request that shares a running parent's prompt forks it, one whose tokens start with the
-        prefix cache's entries revives their pages, others prefill. Each is asked as its whole
+        request that shares a running parent's prompt forks it, or revives the prefix cache's entries
+        its tokens start with, whichever holds more tokens (:meth:`_plan`); others prefill. Each is asked as its whole
         prompt (a fork costs at most that; a revive takes the rest and its revived pages, which
         come out of the CACHED pages that count as room with a prefix cache). Then, the
         admissions done, one ``evict`` of what the step still lacks: after the revives, so no
