@@ -279,6 +279,10 @@ def scratch_range(monkeypatch):
     return make
 
 
+def _numba_table():
+    return tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend="numba"), 4, 8)
+
+
 def test_numba_free_refuses_pages_that_start_before_a_written_range(scratch_range):
     buf = scratch_range(-1)
     pool = tpool.PagePool(32, 4, device="cpu", backend="numba")
@@ -305,7 +309,7 @@ def test_numba_alloc_refuses_counts_that_start_before_a_written_range(scratch_ra
 def test_numba_extend_and_step_refuse_lanes_that_start_before_a_written_range(scratch_range):
     """req_ids and num_tokens are each checked over their 4*B bytes, in an extend and in a step."""
     ids, ntok = scratch_range(-1), scratch_range(0)
-    table = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend="numba"), 4, 8)
+    table = _numba_table()
     pad, zeros = torch.full((4,), -1, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
     for call in (table.extend, table.step):
         with pytest.raises(ValueError, match="req_ids: shares memory"):
@@ -320,7 +324,7 @@ def test_numba_extend_and_step_refuse_lanes_that_start_before_a_written_range(sc
 def test_numba_step_refuses_a_release_longer_than_the_batch_that_reaches_a_written_range(scratch_range):
     """A release of K ids is checked over its 4*K bytes, not the batch's 4*B."""
     rel = scratch_range(-1)
-    table = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend="numba"), 4, 8)
+    table = _numba_table()
     with pytest.raises(ValueError, match="release: shares memory"):   # K=4 from lane 1 reach lane 4; B=1
         table.step(i32([-1]), i32([0]), max_tokens=4, release=rel[1:5])
     table.step(i32([-1]), i32([0]), max_tokens=4, release=rel[0:4])
@@ -328,7 +332,7 @@ def test_numba_step_refuses_a_release_longer_than_the_batch_that_reaches_a_writt
 
 def test_numba_csr_refuses_ids_that_start_before_a_written_range(scratch_range):
     ids = scratch_range(-1)
-    table = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend="numba"), 4, 8)
+    table = _numba_table()
     with pytest.raises(ValueError, match="req_ids: shares memory"):
         table.flashinfer_csr(ids[2:6])
     table.flashinfer_csr(ids[8:12])

@@ -136,7 +136,8 @@ def test_the_hub_kernels_finder_takes_a_top_level_kernels_only_from_tpools_folde
 
 def test_installing_the_hub_kernels_finder_twice_puts_one_first(monkeypatch):
     from tpool import _hub_kernels
-    monkeypatch.setattr(sys, "meta_path", [m for m in sys.meta_path if not isinstance(m, _hub_kernels.HubKernelsFinder)])
+    others = [m for m in sys.meta_path if not isinstance(m, _hub_kernels.HubKernelsFinder)]
+    monkeypatch.setattr(sys, "meta_path", others)
     rest = list(sys.meta_path)
     _hub_kernels.install()
     _hub_kernels.install()

@@ -34,6 +34,13 @@ def _engine(model, backend, requests, prefix_cache=False, **kw):
                          **kw)
 
 
+def _plain(model, num_pages, max_batch, max_pages, **kw):
+    """An engine on the reference backend with pages of 4 tokens and no speculation (``kw``: e.g.
+    ``prefix_cache``), as most tests below want: every admission, fork and revive exact to count."""
+    return engine.Engine(model, num_pages=num_pages, page_size=4, max_batch=max_batch, max_pages=max_pages,
+                         backend="reference", spec_every=0, draft_len=0, **kw)
+
+
 def _functions(stack):
     return {name for _, name in stack}
 
@@ -379,8 +386,7 @@ def test_random_configurations_serve_the_tokens_of_generate(llama):
 def test_check_fits_bounds_a_request_by_the_pool_too_not_only_max_pages(llama):
     """S06: cap = min(max_pages, num_pages) * page_size. With max_pages (4) past the pool's 2 pages, a request
     holding 9..16 tokens fits a row but never the pool: refused up front, not admitted to wait forever."""
-    eng = engine.Engine(llama, num_pages=2, page_size=4, max_batch=1, max_pages=4, backend="reference",
-                        spec_every=0, draft_len=0)
+    eng = _plain(llama, 2, 1, 4)
     eng.check_fits([engine.Request(0, list(range(5, 13)), 1)])           # 8 tokens: the whole pool
     with pytest.raises(engine.RequestTooLong, match=r"<= 8 tokens \(max_pages and the pool\), got 9"):
         eng.check_fits([engine.Request(0, list(range(5, 14)), 1)])
@@ -416,8 +422,7 @@ def test_the_demo_takes_a_system_prompt_whose_longest_request_holds_exactly_the_
 def test_shared_past_the_parents_prompt_is_refused_even_when_the_requests_own_prompt_is_shorter(llama):
     """S08: ``r.shared > len(p.prompt)`` refuses; off by one, shared = len(parent's prompt) + 1 passed whenever
     the request's own prompt was no longer than the parent's (the prefix comparison saw equal lists)."""
-    eng = engine.Engine(llama, num_pages=32, page_size=4, max_batch=4, max_pages=8, backend="reference",
-                        spec_every=0, draft_len=0)
+    eng = _plain(llama, 32, 4, 8)
     R = engine.Request
     with pytest.raises(ValueError, match="but request 0 has a 2-token prompt"):
         eng.check_fits([R(0, [5, 6], 3), R(1, [5], 3, parent=0, shared=3)])
@@ -428,8 +433,7 @@ def test_a_request_whose_whole_prompt_is_its_parents_start_is_served_as_generate
     token left to feed; forking it all gave a lane of 0 tokens that read another lane's prediction."""
     R = engine.Request
     reqs = [R(0, [5, 6, 7, 8, 9], 4), R(1, [5, 6, 7], 4, arrival=1, parent=0, shared=3)]
-    eng = engine.Engine(llama, num_pages=32, page_size=4, max_batch=4, max_pages=8, backend="reference",
-                        spec_every=0, draft_len=0, prefix_cache=False)
+    eng = _plain(llama, 32, 4, 8, prefix_cache=False)
     assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
     eng.check()
 
@@ -439,8 +443,7 @@ def test_a_child_forks_a_parent_holding_exactly_the_shared_tokens(llama):
     recomputed)."""
     R = engine.Request
     reqs = [R(0, [5, 6, 7], 3), R(1, [5, 6, 7, 9], 3, arrival=1, parent=0, shared=3)]
-    eng = engine.Engine(llama, num_pages=32, page_size=4, max_batch=4, max_pages=8, backend="reference",
-                        spec_every=0, draft_len=0, prefix_cache=False)
+    eng = _plain(llama, 32, 4, 8, prefix_cache=False)
     assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
     assert eng.stats.forks == 1
     eng.check()
@@ -485,8 +488,7 @@ def test_drafts_are_the_tokens_after_the_last_earlier_occurrence_of_the_last_tok
 def test_a_request_with_cached_tokens_set_is_refused_as_already_served(llama):
     """``cached`` is the engine's own record of the tokens in a row's pages: a Request arriving with it set
     (out empty, no row) is one already served, refused before any step."""
-    eng = engine.Engine(llama, num_pages=32, page_size=4, max_batch=4, max_pages=8, backend="reference",
-                        spec_every=0, draft_len=0)
+    eng = _plain(llama, 32, 4, 8)
     r = R(0, [5, 6, 7], 3)
     r.cached = 2
     for call in (eng.check_fits, eng.run):
@@ -498,8 +500,7 @@ def test_a_request_with_cached_tokens_set_is_refused_as_already_served(llama):
 
 def test_a_request_naming_itself_as_parent_is_refused(llama):
     """A request's ``parent`` is another request: one naming its own rid is refused, naming it."""
-    eng = engine.Engine(llama, num_pages=32, page_size=4, max_batch=4, max_pages=8, backend="reference",
-                        spec_every=0, draft_len=0)
+    eng = _plain(llama, 32, 4, 8)
     reqs = [R(0, [5, 6, 7], 3), R(1, [5, 6, 8], 3, parent=1, shared=2)]
     for call in (eng.check_fits, eng.run):
         with pytest.raises(ValueError, match=r"request 1: expected parent 1's prompt to start with its first "
@@ -535,8 +536,7 @@ def test_at_most_one_snapshot_of_the_pool_is_in_flight(llama, monkeypatch):
 
 def test_a_bool_rid_or_arrival_is_refused(llama):
     """``rid`` and ``arrival`` are ints; a bool (an int subclass) is refused as it is for every other count."""
-    eng = engine.Engine(llama, num_pages=32, page_size=4, max_batch=4, max_pages=8, backend="reference",
-                        spec_every=0, draft_len=0)
+    eng = _plain(llama, 32, 4, 8)
     for r, match in ((R(True, [1, 2], 2), "request True: expected rid an int, got True"),
                      (R(0, [1, 2], 2, arrival=False), "request 0: expected arrival an int, got False")):
         for call in (eng.check_fits, eng.run):
@@ -551,8 +551,7 @@ def test_admission_is_first_come_first_served_by_arrival_not_by_rid(llama, monke
     admitted = []
     take = engine.Engine._take
     monkeypatch.setattr(engine.Engine, "_take", lambda self, w, *a: (admitted.append(w.rid), take(self, w, *a))[1])
-    eng = engine.Engine(llama, num_pages=16, page_size=4, max_batch=1, max_pages=4, backend="reference",
-                        spec_every=0, draft_len=0, prefix_cache=False)
+    eng = _plain(llama, 16, 1, 4, prefix_cache=False)
     reqs = [R(0, [5, 6, 7], 3, arrival=1), R(1, [8, 9], 3, arrival=0), R(2, [10, 11, 12], 3, arrival=0)]
     assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
     assert admitted == [1, 2, 0]
@@ -563,8 +562,7 @@ def test_run_reports_progress_at_its_first_step_and_every_tenth(llama):
     """``run(out=...)`` prints one progress line at step 0 and then every 10 steps."""
     lines = []
     reqs = [R(0, [5, 6, 7], 12), R(1, [8, 9], 12)]
-    eng = engine.Engine(llama, num_pages=16, page_size=4, max_batch=2, max_pages=4, backend="reference",
-                        spec_every=0, draft_len=0, prefix_cache=False)
+    eng = _plain(llama, 16, 2, 4, prefix_cache=False)
     eng.run(reqs, out=lambda s, **k: lines.append(s))
     assert eng.stats.steps == 12
     assert [s.split(":")[0] for s in lines] == ["step    0", "step   10"]
@@ -596,8 +594,7 @@ def test_a_request_is_admitted_at_the_step_it_arrives(llama, monkeypatch):
         return decode, prefill
 
     monkeypatch.setattr(engine.Engine, "_admit", spy)
-    eng = engine.Engine(llama, num_pages=16, page_size=4, max_batch=2, max_pages=4, backend="reference",
-                        spec_every=0, draft_len=0, prefix_cache=False)
+    eng = _plain(llama, 16, 2, 4, prefix_cache=False)
     reqs = [R(0, [5, 6, 7], 4, arrival=0), R(1, [8, 9], 4, arrival=2)]
     assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
     assert seen == [(0, 0), (2, 1)]
@@ -606,8 +603,7 @@ def test_a_request_is_admitted_at_the_step_it_arrives(llama, monkeypatch):
 def test_a_step_of_prefills_only_evicts_the_cached_pages_it_needs(llama):
     """With the prefix cache, CACHED pages are room for an admission: a prefill arriving when nothing is
     running, on a pool whose free pages are short only by CACHED ones, evicts them before its step."""
-    eng = engine.Engine(llama, num_pages=4, page_size=4, max_batch=1, max_pages=4, backend="reference",
-                        spec_every=0, draft_len=0, prefix_cache=True)
+    eng = _plain(llama, 4, 1, 4, prefix_cache=True)
     reqs = [R(0, list(range(10, 18)), 1, arrival=0), R(1, list(range(30, 42)), 1, arrival=1)]
     assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
     stats = eng.check()
@@ -618,8 +614,7 @@ def test_a_fork_without_a_free_page_shares_whole_pages_only(llama, monkeypatch):
     """A fork's copy-on-write page (the shared prefix's partial last page) comes from the FREE pages at
     once. With none free (the pool's other pages CACHED), a child still forks its running parent, sharing
     only the prefix's whole pages, and computes the rest: its tokens are generate's, nothing fails."""
-    eng = engine.Engine(llama, num_pages=4, page_size=4, max_batch=2, max_pages=2, backend="reference",
-                        spec_every=0, draft_len=0, prefix_cache=True)
+    eng = _plain(llama, 4, 2, 2, prefix_cache=True)
     parent = list(range(40, 46))                                     # 6 tokens: a page and a half
     reqs = [R(0, list(range(10, 18)), 1),                            # leaves 2 CACHED pages at step 0
             R(1, parent, 3),
@@ -648,8 +643,7 @@ def test_a_preempted_child_takes_the_longer_of_its_running_parent_and_its_own_ca
     (CACHED when it was preempted: 20 tokens) hold more than the fork, and it revives them."""
     prompt = list(range(40, 48))
     reqs = [R(0, prompt, 30), R(2, [7, 8, 9, 10, 11], 14), R(1, prompt + [99], 20, arrival=1, parent=0, shared=8)]
-    eng = engine.Engine(llama, num_pages=14, page_size=4, max_batch=3, max_pages=10, backend="reference",
-                        spec_every=0, draft_len=0, prefix_cache=cached)
+    eng = _plain(llama, 14, 3, 10, prefix_cache=cached)
     taken = []
     take = engine.Engine._take
 
@@ -674,8 +668,7 @@ def test_a_preempted_child_takes_the_longer_of_its_running_parent_and_its_own_ca
 def test_stats_count_the_prompt_and_fed_tokens_the_forward_computed(llama):
     """``prompt_tokens``: prompt tokens computed once (not again while decoding, nor those a fork shares);
     ``fed_tokens``: every token the forward computed, all lanes."""
-    eng = engine.Engine(llama, num_pages=16, page_size=4, max_batch=2, max_pages=4, backend="reference",
-                        spec_every=0, draft_len=0, prefix_cache=False)
+    eng = _plain(llama, 16, 2, 4, prefix_cache=False)
     reqs = [R(0, [5, 6, 7, 8, 9], 4), R(1, [5, 6, 7, 8, 9, 10], 3, arrival=1, parent=0, shared=4)]
     assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
     assert eng.stats.forks == 1
@@ -691,8 +684,7 @@ def test_packed_batches_are_padded_to_a_power_of_two_tokens(llama, monkeypatch):
     monkeypatch.setattr(HostMirror, "step", lambda self, *a, **k: (sizes.append((sum(a[1]) + sum(a[2]),
                                                                                  k["max_tokens"])),
                                                                    step(self, *a, **k))[1])
-    eng = engine.Engine(llama, num_pages=32, page_size=4, max_batch=4, max_pages=8, backend="reference",
-                        spec_every=0, draft_len=0, prefix_cache=False)
+    eng = _plain(llama, 32, 4, 8, prefix_cache=False)
     reqs = [R(0, list(range(5, 16)), 2), R(1, list(range(20, 29)), 3), R(2, [7], 2)]
     assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
     assert sizes[0] == (21, 32)
@@ -749,8 +741,7 @@ def test_preemptions_count_every_request_released_not_every_release(llama, monke
         return victims
 
     monkeypatch.setattr(HostMirror, "preemption", two_at_once)
-    eng = engine.Engine(llama, num_pages=32, page_size=4, max_batch=4, max_pages=4, backend="reference",
-                        spec_every=0, draft_len=0, prefix_cache=False)
+    eng = _plain(llama, 32, 4, 4, prefix_cache=False)
     reqs = [R(0, [5, 6, 7], 4), R(1, [8, 9], 4), R(2, [10, 11, 12, 13], 4)]
     assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
     assert [len(v) for v in answers if v] == [2]
