@@ -41,6 +41,31 @@ def _plain(model, num_pages, max_batch, max_pages, **kw):
                          backend="reference", spec_every=0, draft_len=0, **kw)
 
 
+class _Admissions(list):
+    """Every ``Engine._take`` call of a run, in order: a dict per admitted request of its ``rid``, its
+    tokens ``out`` so far, the prompt tokens it forks (``share``) or revives from the prefix cache
+    (``revive``), the mirror's ``free`` pages then, and whether its parent ``runs``."""
+
+    def of(self, *keys):
+        """The admissions' ``keys``, a tuple each (a bare value for one key)."""
+        return [a[keys[0]] if len(keys) == 1 else tuple(a[k] for k in keys) for a in self]
+
+
+@pytest.fixture
+def admissions(monkeypatch):
+    seen = _Admissions()
+    take = engine.Engine._take
+
+    def spy(self, w, share, hit, by_id, *a):
+        parent = by_id.get(w.parent) if w.parent is not None else None
+        seen.append(dict(rid=w.rid, out=len(w.out), share=share, revive=hit.n_tokens, free=self.mirror.free,
+                         runs=parent is not None and parent.row is not None))
+        return take(self, w, share, hit, by_id, *a)
+
+    monkeypatch.setattr(engine.Engine, "_take", spy)
+    return seen
+
+
 def _functions(stack):
     return {name for _, name in stack}
 
@@ -545,16 +570,13 @@ def test_a_bool_rid_or_arrival_is_refused(llama):
     assert eng.stats.steps == 0
 
 
-def test_admission_is_first_come_first_served_by_arrival_not_by_rid(llama, monkeypatch):
+def test_admission_is_first_come_first_served_by_arrival_not_by_rid(llama, admissions):
     """Waiting requests are admitted in arrival order (rid breaks ties): with one row, request 2 (arrived
     at step 0) goes before request 0 (arrived at step 1), though its rid is higher."""
-    admitted = []
-    take = engine.Engine._take
-    monkeypatch.setattr(engine.Engine, "_take", lambda self, w, *a: (admitted.append(w.rid), take(self, w, *a))[1])
     eng = _plain(llama, 16, 1, 4, prefix_cache=False)
     reqs = [R(0, [5, 6, 7], 3, arrival=1), R(1, [8, 9], 3, arrival=0), R(2, [10, 11, 12], 3, arrival=0)]
     assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
-    assert admitted == [1, 2, 0]
+    assert admissions.of("rid") == [1, 2, 0]
     eng.check()
 
 
@@ -610,7 +632,7 @@ def test_a_step_of_prefills_only_evicts_the_cached_pages_it_needs(llama):
     assert eng.stats.evicted >= 1 and stats["requests.failed"] == 0 and stats["pages.used.current"] == 0
 
 
-def test_a_fork_without_a_free_page_shares_whole_pages_only(llama, monkeypatch):
+def test_a_fork_without_a_free_page_shares_whole_pages_only(llama, admissions):
     """A fork's copy-on-write page (the shared prefix's partial last page) comes from the FREE pages at
     once. With none free (the pool's other pages CACHED), a child still forks its running parent, sharing
     only the prefix's whole pages, and computes the rest: its tokens are generate's, nothing fails."""
@@ -619,23 +641,15 @@ def test_a_fork_without_a_free_page_shares_whole_pages_only(llama, monkeypatch):
     reqs = [R(0, list(range(10, 18)), 1),                            # leaves 2 CACHED pages at step 0
             R(1, parent, 3),
             R(2, parent + [77], 2, arrival=1, parent=1, shared=6)]   # arrives with 0 FREE pages
-    shares = []
-    take = engine.Engine._take
-
-    def spy(self, w, share, *a):
-        shares.append((w.rid, share, self.mirror.free))
-        return take(self, w, share, *a)
-
-    monkeypatch.setattr(engine.Engine, "_take", spy)
     got = eng.run(reqs)
     assert got == engine.reference_tokens(llama, reqs)
     stats = eng.check()
     assert stats["requests.failed"] == 0 and stats["pages.used.current"] == 0
-    assert (2, 4, 0) in shares and eng.stats.forks == 1
+    assert (2, 4, 0) in admissions.of("rid", "share", "free") and eng.stats.forks == 1
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["no-prefix-cache", "prefix-cache"])
-def test_a_preempted_child_takes_the_longer_of_its_running_parent_and_its_own_cached_pages(llama, monkeypatch,
+def test_a_preempted_child_takes_the_longer_of_its_running_parent_and_its_own_cached_pages(llama, admissions,
                                                                                           cached):
     """Request 1 forks its parent's 8 prompt tokens, is preempted (the newest) with 12 tokens out while
     its parent runs, and comes back when request 2 finishes. Without a prefix cache it forks its
@@ -644,15 +658,8 @@ def test_a_preempted_child_takes_the_longer_of_its_running_parent_and_its_own_ca
     prompt = list(range(40, 48))
     reqs = [R(0, prompt, 30), R(2, [7, 8, 9, 10, 11], 14), R(1, prompt + [99], 20, arrival=1, parent=0, shared=8)]
     eng = _plain(llama, 14, 3, 10, prefix_cache=cached)
-    taken = []
-    take = engine.Engine._take
-
-    def spy(self, w, share, hit, by_id, *a):  # (rid, tokens out, fork, revive, the parent runs)
-        taken.append((w.rid, len(w.out), share, hit.n_tokens, by_id[0].row is not None))
-        return take(self, w, share, hit, by_id, *a)
-
-    monkeypatch.setattr(engine.Engine, "_take", spy)
     assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
+    taken = admissions.of("rid", "out", "share", "revive", "runs")
     assert eng.stats.preemptions == 1
     assert taken[2] == (1, 0, 8, 0, True)
     if cached:
@@ -663,6 +670,27 @@ def test_a_preempted_child_takes_the_longer_of_its_running_parent_and_its_own_ca
         assert eng.stats.prompt_tokens == 8 + 5 + 1 + 1               # its one unshared prompt token again
     stats = eng.check()
     assert stats["requests.failed"] == 0 and stats["pages.used.current"] == 0
+
+
+@pytest.mark.parametrize("cached_len", [4, 8], ids=["match-shorter", "tie"])
+def test_a_child_forks_its_running_parent_unless_the_prefix_cache_matches_more(llama, monkeypatch, admissions,
+                                                                              cached_len):
+    """Request 2 leaves its first ``cached_len`` tokens (the parent's too) in the prefix cache, and the
+    parent revives them. Its child then matches those ``cached_len`` tokens in the cache, against 8 it
+    may fork from its running parent: the fork wins when it holds more, and on a tie."""
+    prompt = list(range(40, 48))
+    reqs = [R(2, prompt[:cached_len] + [50], 1), R(0, prompt + [60], 10, arrival=1),
+            R(1, prompt + [99], 6, arrival=2, parent=0, shared=8)]
+    eng = _plain(llama, 32, 4, 10, prefix_cache=True)
+    matched = []
+    match = engine.PrefixCache.match
+    monkeypatch.setattr(engine.PrefixCache, "match",
+                        lambda self, tokens: (m := match(self, tokens), matched.append(m.n_tokens))[0])
+    assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
+    assert matched == [0, cached_len, cached_len]           # request 2, the parent, the child
+    assert admissions.of("rid", "share", "revive") == [(2, 0, 0), (0, 0, cached_len), (1, 8, 0)]
+    assert eng.stats.forks == 1 and eng.stats.cache_hits == 1
+    assert eng.stats.prompt_tokens == (cached_len + 1) + (9 - cached_len) + 1
 
 
 def test_stats_count_the_prompt_and_fed_tokens_the_forward_computed(llama):
