@@ -14,9 +14,9 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import textwrap
 import time
+from tempfile import TemporaryFile
 
 import numpy as np
 import torch
@@ -68,7 +68,7 @@ def _why_unwritable(d: str):
     if not os.path.isdir(d):
         return f"{d} is not a directory" if os.path.exists(d) else f"directory {d} does not exist"
     try:
-        with tempfile.TemporaryFile(dir=d):
+        with TemporaryFile(dir=d):
             pass
     except OSError as e:
         return f"directory {d} is not writable (making a file in it: {e.strerror})"

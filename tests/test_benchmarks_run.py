@@ -634,7 +634,7 @@ def test_output_paths_are_checked_by_making_a_file(tmp_path, monkeypatch):
 
     def read_only(*_, **__):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
-    monkeypatch.setattr(common.tempfile, "TemporaryFile", read_only)
+    monkeypatch.setattr(common, "TemporaryFile", read_only)
     says = f"directory {tmp_path} is not writable (making a file in it: {os.strerror(errno.EROFS)})"
     with pytest.raises(argparse.ArgumentTypeError, match=re.escape(f"cannot write {tmp_path / 'x.json'}: {says}")):
         common.out_path(str(tmp_path / "x.json"))

@@ -87,11 +87,11 @@ def _package(folder, *files):
 def finder(monkeypatch):
     """A HubKernelsFinder whose view the test sets in ``seen``: ``origin``, what the path finders would
     load for any top-level name (None: nothing; "namespace": a folder without ``__init__.py``), and
-    ``init``, the ``kernels`` distribution's ``__init__.py`` (None: not installed)."""
-    import importlib.machinery
+    ``init``, the ``kernels`` distribution's ``__init__.py`` (None: not installed). Only the finder's
+    module sees the stand-ins, not the process's imports."""
     import types
 
-    from tpool._hub_kernels import HubKernelsFinder
+    from tpool import _hub_kernels
     seen = {"origin": None, "init": None}
 
     def path_spec(name, path=None, target=None):
@@ -103,9 +103,9 @@ def finder(monkeypatch):
             raise importlib.metadata.PackageNotFoundError(name)
         return types.SimpleNamespace(locate_file=lambda rel: seen["init"].parent.parent / rel)
 
-    monkeypatch.setattr(importlib.machinery.PathFinder, "find_spec", path_spec)
-    monkeypatch.setattr(importlib.metadata, "distribution", distribution)
-    return HubKernelsFinder(), seen
+    monkeypatch.setattr(_hub_kernels, "PathFinder", types.SimpleNamespace(find_spec=path_spec))
+    monkeypatch.setattr(_hub_kernels, "distribution", distribution)
+    return _hub_kernels.HubKernelsFinder(), seen
 
 
 def test_the_hub_kernels_finder_takes_a_top_level_kernels_only_from_tpools_folder(finder, tmp_path):

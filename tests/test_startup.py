@@ -14,6 +14,7 @@ Timings are never asserted (``benchmarks/bench_startup.py`` measures them).
 """
 
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -195,7 +196,17 @@ def test_the_startup_benchmark_prints_its_table(tmp_path, capsys):
     assert ratio > 0
 
 
-def test_a_function_of_another_module_cached_through_tpool_carries_the_kernels_stamp(tmp_path, monkeypatch):
+def _module(path, source):
+    """``source`` run as a module from the file ``path`` (its numba cache sits beside it), kept out of
+    ``sys.modules``."""
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_function_of_another_module_cached_through_tpool_carries_the_kernels_stamp(tmp_path):
     """numba's cache checks only a function's own file. A probe outside ``tpool.kernels`` compiled
     through ``cached_njit`` (``cold_breakdown.py``'s, through ``entry_point``) compiles in tpool's
     helpers and layout constants: its entries carry the kernels' stamp too, or a layout change loads
@@ -203,26 +214,22 @@ def test_a_function_of_another_module_cached_through_tpool_carries_the_kernels_s
     tensor). A kernel module's function keeps the kernels' stamp alone."""
     from tpool.backends import numba as nb
     from tpool.kernels import alloc
-    (tmp_path / "probe_mod.py").write_text("from tpool.kernels import layout as L\n\n\n"
-                                           "def probe(x):\n    return x + L.STATE_DESC_LEN\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import probe_mod
+    probe_mod = _module(tmp_path / "probe_mod.py", "from tpool.kernels import layout as L\n\n\n"
+                                                   "def probe(x):\n    return x + L.STATE_DESC_LEN\n")
     probe = nb.cached_njit(probe_mod.probe)
     stamp = probe._cache._impl.locator.get_source_stamp()
     assert stamp[0] == nb.kernels_stamp() and stamp[1]  # and the probe's own file's stamp
     assert nb.kernel(alloc.alloc_numba_entry)._cache._impl.locator.get_source_stamp() == nb.kernels_stamp()
 
 
-def test_a_plain_numba_function_of_another_module_keeps_numbas_own_cache(tmp_path, monkeypatch):
+def test_a_plain_numba_function_of_another_module_keeps_numbas_own_cache(tmp_path):
     """tpool's locators take tpool's kernels and what goes through ``cached_njit`` only: a user's
     ``numba.njit(cache=True)`` function in its own module keeps numba's locator and stamp (its cache
     is not invalidated by every change to tpool's kernels)."""
     import numba
 
     from tpool.backends import numba as nb
-    (tmp_path / "user_mod.py").write_text("def twice(x):\n    return 2 * x\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import user_mod
+    user_mod = _module(tmp_path / "user_mod.py", "def twice(x):\n    return 2 * x\n")
     locator = numba.njit(cache=True)(user_mod.twice)._cache._impl.locator
     assert not type(locator).__name__.startswith("Kernel"), type(locator)
     stamp = locator.get_source_stamp()

@@ -13,10 +13,10 @@ nothing when the name resolves elsewhere or no ``kernels`` distribution is insta
 """
 
 import importlib.abc
-import importlib.machinery
-import importlib.metadata
 import importlib.util
 import sys
+from importlib.machinery import PathFinder
+from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
 NAME = "kernels"
@@ -37,11 +37,11 @@ class HubKernelsFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name != NAME or path is not None:
             return None
-        if not _tpool_folder(importlib.machinery.PathFinder.find_spec(name)):
+        if not _tpool_folder(PathFinder.find_spec(name)):
             return None  # the name resolves to something else: leave it to the usual finders
         try:
-            init = Path(importlib.metadata.distribution(NAME).locate_file(f"{NAME}/__init__.py"))
-        except importlib.metadata.PackageNotFoundError:
+            init = Path(distribution(NAME).locate_file(f"{NAME}/__init__.py"))
+        except PackageNotFoundError:
             return None
         if not init.is_file() or all((init.parent / marker).is_file() for marker in MARKERS):
             return None
