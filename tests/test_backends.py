@@ -41,6 +41,15 @@ def test_bind_free_keeps_its_cache_flag(backend, cache):
     pool.check()
 
 
+def _repoint(tensors):
+    """Re-point each of ``tensors`` by hand (``set_``) to new memory holding 99 (True for a bool);
+    returns what they hold then, for checking that no later call writes them."""
+    moved = [torch.full_like(t, True if t.dtype == torch.bool else 99) for t in tensors]
+    for t, m in zip(tensors, moved):
+        t.set_(m.clone())
+    return moved
+
+
 def test_an_alloc_out_whose_tensors_are_repointed_keeps_writing_the_memory_it_was_made_with(backend):
     """Re-pointing an AllocOut's tensors by hand (``set_``) is not followed: the alloc writes the
     memory the AllocOut was made with (still readable through a view taken before), and the
@@ -48,9 +57,7 @@ def test_an_alloc_out_whose_tensors_are_repointed_keeps_writing_the_memory_it_wa
     pool = tpool.PagePool(8, 1, device="cpu", backend=backend)
     out = pool.alloc_out(max_batch=2, max_pages=4)
     kept = [t.view(t.shape) for t in out.result]            # the original memory
-    moved = [torch.full_like(t, 5 if t.dtype != torch.bool else 1) for t in out.result]
-    for t, m in zip(out.result, moved):
-        t.set_(m.clone())
+    moved = _repoint(out.result)
     pool.alloc(i32([1, 2]), out=out)
     pages, indptr, ok, _ = kept
     assert ok.tolist() == [True, True] and indptr.tolist() == [0, 1, 3]
@@ -85,9 +92,7 @@ def test_a_table_owned_result_whose_tensors_are_repointed_keeps_writing_the_memo
         first = [t.tolist() for t in res]
         kept = [t.view(t.shape) for t in res]
         if repoint:
-            moved = [torch.full_like(t, 1 if t.dtype == torch.bool else 99) for t in res]
-            for t, m in zip(res, moved):
-                t.set_(m.clone())
+            moved = _repoint(res)
         run(table, i32([2, 3]), i32([2, 1]))
         got.append([t.tolist() for t in kept])
         assert got[-1] != first                             # the second call wrote something else
