@@ -193,6 +193,27 @@ def test_flashinfer_csr_matches_hand_built(make_table, guard):
     assert rows.tolist() == [bt[1], [-1] * 4]
 
 
+def test_block_table_rows_counts_an_id_out_of_range_as_flashinfer_csr_does(make_table, guard):
+    """An id outside ``[0, max_requests)`` gets a row of -1 and one ``bad_request`` (raised by the next
+    ``check()``), as it does in ``flashinfer_csr``; padding (-1) and a repeated id count nothing."""
+    table = make_table(32, 4, 3, 4)
+    table.extend(i32([0, 1]), i32([5, 4]), max_tokens=9)
+    bt = table.block_table.tolist()
+    with guard():
+        rows = table.block_table_rows(i32([1, -1, 1, 0]))
+    assert rows.tolist() == [bt[1], [-1] * 4, bt[1], bt[0]] and table.pool.stats()["errors.bad_request"] == 0
+    with guard():
+        rows = table.block_table_rows(i32([3, 0, -2, 1 << 30]))
+    assert rows.tolist() == [[-1] * 4, bt[0], [-1] * 4, [-1] * 4]
+    with pytest.raises(tpool.InvalidRequest) as rows_error:
+        table.pool.check()
+    table.flashinfer_csr(i32([3, 0, -2, 1 << 30]))
+    with pytest.raises(tpool.InvalidRequest) as csr_error:
+        table.pool.check()                                                  # what came since the last check
+    assert rows_error.value.counts == csr_error.value.counts == {"bad_request": 3}
+    table.check_invariants()
+
+
 def test_step_exports_the_pages_it_just_added(make_table, guard):
     table = make_table(16, 4, 2, 4)
     table.extend(i32([0, 1]), i32([4, 2]), max_tokens=6)   # request 0: page 0 (full); 1: page 1

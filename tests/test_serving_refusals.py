@@ -5,6 +5,8 @@ error) or crashed deep inside transformers; each test fails without its check. S
 transformers.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -80,8 +82,25 @@ def test_attention_with_other_kv_heads_than_the_config_names_is_refused_naming_i
     model = _build(transformers.JetMoeConfig, transformers.JetMoeForCausalLM, **cfg)
     eng = engine.Engine(model, num_pages=32, page_size=4, max_batch=2, max_pages=16, backend="reference")
     with pytest.raises(ValueError, match=r"expected K/V of 4 heads of head_dim 16 \(what JetMoeAttention, layer 0, "
-                                         r"attends with\), the cache holds 2 heads of 16 .*kv_shape"):
+                                         r"attends with\), the cache holds 2 heads of 16 .*kv_shape.*does not use the K/V heads "
+                                         r"its config names"):
         eng.run([engine.Request(0, [5, 6, 7, 8, 9], 3)])
+
+
+@pytest.mark.parametrize("heads, dim", [(4, 16), (2, 8)])
+def test_a_cache_built_for_other_kv_heads_than_the_config_names_says_to_build_it_with_kv_shape(heads, dim):
+    """A model whose attention uses the K/V heads its config names, on a cache built by hand with another
+    head count or head_dim: the message gives the shape to build it with (not JetMoE's refusal)."""
+    model = _llama()
+    ctx = _ctx(model)
+    ctx.cache = PagedKVCache.from_pool(tpool.PagePool(32, 4, device="cpu", backend="reference"), 2, heads, dim,
+                                       dtype=torch.float32)
+    with pytest.raises(ValueError, match=re.escape(
+            f"expected K/V of 2 heads of head_dim 16 (what LlamaAttention, layer 0, attends with), the cache holds "
+            f"{heads} heads of {dim}: build the PagedKVCache with the shape engine.kv_shape(model.config) gives, "
+            f"(2, 2, 16) (num_layers, num_kv_heads, head_dim)")) as e:
+        forward_step(model, torch.zeros(8, dtype=torch.long), ctx)
+    assert "JetMoE" not in str(e.value) and _untouched(ctx)
 
 
 # ------------------------------------------------------------ attention twice per layer

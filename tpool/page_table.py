@@ -834,9 +834,11 @@ class PageTable:
         -------
         torch.Tensor
             shape ``[B, max_pages_per_request]``, int32, on the table's device (a table-owned
-            buffer); a row of -1 for padding and for ids outside ``[0, max_requests)``. Rows
-            are copied as they are: bound what you read of row ``i`` by a step's
-            ``kv_lens[i]``, 0 for a corrupt row (whose entries may not be page ids).
+            buffer); a row of -1 for padding and for ids outside ``[0, max_requests)``, each of
+            those but padding one ``bad_request`` (raised by the next ``check()``). Rows are
+            copied as they are: bound what you read of row ``i`` by a step's ``kv_lens[i]``,
+            0 for a corrupt row (whose entries may not be page ids). Read-only but for that
+            counter: no clock step.
         """
         b = self._ids(req_ids)
         key = ("rows", b)

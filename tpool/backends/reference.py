@@ -423,7 +423,7 @@ class Table(BoundByTensors):
 
     @locked
     def block_table_rows(self, req_ids, out):
-        reference_table.block_table_rows(self.ts, req_ids, out)
+        reference_table.block_table_rows(self.st, self.ts, req_ids, out)
 
 
 from tpool.backends import reference_table  # noqa: E402  (it imports the pool rules above)

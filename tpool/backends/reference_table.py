@@ -372,7 +372,9 @@ def flashinfer_csr(st, ts, req_ids, indptr, indices, last_page_len, count=True, 
     indices.copy_(torch.where(u < end[-1], ts.block_table[rr[lane], col], L.NULL_PAGE))
 
 
-def block_table_rows(ts, req_ids, out):
-    """vLLM-style block-table rows for a batch (``-1`` rows for padding and bad ids)."""
-    rr, valid, _, _ = claim_requests(ts, req_ids, dedupe=False)
+def block_table_rows(st, ts, req_ids, out):
+    """vLLM-style block-table rows for a batch (``-1`` rows for padding and bad ids, each bad id one
+    ``bad_request``)."""
+    rr, valid, _, bad = claim_requests(ts, req_ids, dedupe=False)
+    st.counters[L.ERR_BAD_REQUEST] += bad.sum()
     out.copy_(torch.where(valid[:, None], ts.block_table[rr], L.NULL_PAGE))

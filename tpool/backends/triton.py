@@ -94,4 +94,4 @@ class Table(BoundByTensors):
 
     @locked
     def block_table_rows(self, req_ids, out):
-        block_table_rows.block_table_rows_triton(req_ids, out, self.ts)
+        block_table_rows.block_table_rows_triton(req_ids, out, self.st, self.ts)

@@ -112,6 +112,26 @@ def _refuse_unsupported(module, attention_mask, dropout, is_causal, kwargs):
             refuse(name, "None", type(kwargs[name]).__name__)
 
 
+def _kv_shape_message(module, layer, key, cache) -> str:
+    """Why the K/V ``module`` attends with do not fit ``cache``: the cache was built for another shape than
+    the config names, or the attention does not use the K/V heads its config names."""
+    from tpool.serving.engine import kv_shape  # (engine imports this module)
+    attends = (key.shape[1], key.shape[3])
+    head = (f"{ATTN_IMPLEMENTATION}: cache: expected K/V of {attends[0]} heads of head_dim {attends[1]} (what "
+            f"{type(module).__name__}, layer {layer}, attends with), the cache holds {cache.num_kv_heads} heads of "
+            f"{cache.head_dim}")
+    try:
+        named = kv_shape(module.config)
+    except (AttributeError, ValueError):
+        named = None
+    if named is not None and tuple(named[1:]) == attends:
+        return (f"{head}: build the PagedKVCache with the shape engine.kv_shape(model.config) gives, "
+                f"{tuple(named)} (num_layers, num_kv_heads, head_dim)")
+    return (f"{head} (engine.kv_shape reads num_key_value_heads and head_dim from the config): this model's "
+            f"attention does not use the K/V heads its config names (JetMoE repeats them per expert): the Engine, "
+            f"which sizes the cache by kv_shape, does not serve it")
+
+
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask=None, scaling: float | None = None, dropout: float = 0.0,
                             sliding_window=_NOT_PASSED, softcap: float | None = None,
@@ -166,12 +186,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                          f"call for layer {layer} from {type(module).__name__} (its K/V would overwrite the "
                          f"first call's in the pages: later steps would read them); this model is not served")
     if key.shape[1] != cache.num_kv_heads or key.shape[3] != cache.head_dim:
-        raise ValueError(f"{ATTN_IMPLEMENTATION}: cache: expected K/V of {key.shape[1]} heads of head_dim "
-                         f"{key.shape[3]} (what {type(module).__name__}, layer {layer}, attends with), the cache "
-                         f"holds {cache.num_kv_heads} heads of {cache.head_dim} (engine.kv_shape reads "
-                         f"num_key_value_heads and head_dim from the config): this model's attention does not use "
-                         f"the K/V heads its config names (JetMoE repeats them per expert): the Engine, which sizes "
-                         f"the cache by kv_shape, does not serve it")
+        raise ValueError(_kv_shape_message(module, layer, key, cache))
     if key.dtype != cache.dtype and not _is_float8(cache.dtype):
         raise ValueError(f"{ATTN_IMPLEMENTATION}: cache: expected dtype {key.dtype} (the K/V of "
                          f"{type(module).__name__}, layer {layer}), got {cache.dtype}: build the cache with "
