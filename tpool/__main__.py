@@ -32,13 +32,20 @@ def _usage():
     return USAGE.replace("python -m tpool", prog())
 
 
+def _usage_error(message):
+    """The usage, then ``<the command's name>: error: message``, on stderr, as argparse words its errors
+    (the subcommands' too); returns 2, argparse's exit status."""
+    from tpool._prog import prog
+    print(f"{_usage()}\n{prog()}: error: {message}", file=sys.stderr)
+    return 2
+
+
 def _dispatch(argv):
     if argv and argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
-    if not argv:  # a command is required: the usage on stderr, exit 2 (as argparse does)
-        print(f"{_usage()}\ntpool: error: a command is required (demo or report)", file=sys.stderr)
-        return 2
+    if not argv:
+        return _usage_error("a command is required (demo or report)")
     if argv[0] == "--version":
         from tpool._version import __version__
         print(f"tpool {__version__}")
@@ -50,8 +57,7 @@ def _dispatch(argv):
     if cmd == "report":
         from tpool.memory.report import main as report_main
         return report_main(rest) or 0
-    print(f"tpool: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
-    return 2
+    return _usage_error(f"unknown command {cmd!r} (demo or report)")
 
 
 class _OutputError(Exception):

@@ -243,6 +243,10 @@ def check_vector(t, name: str, dtype: torch.dtype, device: torch.device, max_len
             _raise_outside_storage(t, name)
         _raise_unreadable(t, name)
     if type(t) is not torch.Tensor:  # subclasses too: a FakeTensor or a wrapper has no memory to read
+        if isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a plain torch.Tensor, got {type(t).__name__}, a subclass (a "
+                             f"FakeTensor or a wrapper subclass has no memory a kernel can read; for a Parameter "
+                             f"pass {name}.detach(), the same memory)")
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype is not dtype:
         how = "" if t.is_floating_point() or t.is_complex() or t.dtype is torch.bool else \
