@@ -250,6 +250,12 @@ class CacheFlusher:
         self.buf.fill(self.value)
 
 
+def size_text(nbytes: int) -> str:
+    """A byte count for a title: "64 MiB" when it is a whole number of MiB, else the bytes ("1,000,000 bytes"),
+    never a count rounded down to "0 MiB"."""
+    return f"{nbytes >> 20} MiB" if nbytes and nbytes % (1 << 20) == 0 else f"{nbytes:,} bytes"
+
+
 def sample_cold_us(fn, *, samples: int, flush: CacheFlusher, sync=None, reset=None, settle: bool = False) -> list:
     """Time ``fn`` once per sample, right after ``flush`` (untimed); microseconds per call.
 
@@ -302,6 +308,23 @@ def device_arg(value: str) -> str:
 def sync_of(device: torch.device):
     """What waits for ``device``'s work before a clock is read (None on a CPU): that device's, not the current one's."""
     return functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else None
+
+
+def device_clock(benchmark, device: torch.device) -> None:
+    """On CUDA, make pytest-benchmark's ``benchmark`` fixture read its clock after waiting for ``device``'s
+    work, so a round of calls times the work they launched, as :func:`time_calls_us` does, not only their
+    launches (a round's calls run between two reads of its clock). Nothing on a CPU: there a call's work is
+    done when it returns. pytest-benchmark keeps its clock in the fixture's ``_timer`` (its own option,
+    ``--benchmark-timer``, takes only a dotted name, and a synchronize needs the device)."""
+    sync = sync_of(device)
+    if sync is None:
+        return
+    clock = benchmark._timer
+
+    def synced():
+        sync()
+        return clock()
+    benchmark._timer = synced
 
 
 def _cache_sizes() -> dict:

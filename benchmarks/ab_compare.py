@@ -33,8 +33,8 @@ import tarfile
 import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (CacheFlusher, HelpFormatter, calibrate, check_backends, positive_int, print_table,  # noqa: E402
-                     progress, quantiles, time_calls_us)
+from _common import (CacheFlusher, HelpFormatter, calibrate, check_backends, int_at_most, positive_int,  # noqa: E402
+                     print_table, progress, quantiles, time_calls_us)
 
 import torch  # noqa: E402
 
@@ -79,8 +79,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=positive_int, default=256, help="requests in the batch")
     ap.add_argument("--backend", default="numba", help="tpool backend (on the CPU)")
     ap.add_argument("--samples", type=positive_int, default=40, help="samples per row and version")
-    ap.add_argument("--inner", type=positive_int, default=None,
-                    help="calls per warm sample (default: calibrated to about 2 ms); cold: calls per sample")
+    ap.add_argument("--inner", type=int_at_most(bpt.MAX_INNER, "each call adds a token to every request"),
+                    default=None, help=f"calls per warm sample, at most {bpt.MAX_INNER} as in bench_page_table.py "
+                                       "(default: calibrated to about 2 ms); cold: calls per sample")
     ap.add_argument("--cold", action="store_true", help="time one call after 64 MiB written, --inner (default 10) "
                                                         "calls a sample")
     ap.add_argument("--seed", type=int, default=0, help="the order the versions take in each round")

@@ -77,7 +77,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _baselines import NumpyBlocks, VllmBlocks  # noqa: E402
 from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, calibrate, check_backends, default_device,  # noqa: E402
                      device_arg, gc_quiet, int_at_most, out_path, parse_args_for_plot, plot_lines, positive_int,
-                     print_table, progress, quantiles, sample_cold_us, sample_us, sync_of, write_json)
+                     print_table, progress, quantiles, sample_cold_us, sample_us, size_text, sync_of,
+                     write_json)
 
 import tpool  # noqa: E402
 
@@ -435,7 +436,7 @@ def main(argv=None):
         header += ["cold median", "cold p20", "cold p80"] + [f"cold vs {b}" for b in BASELINES]
     print_table(f"decode step (extend 1 token + slot mapping + FlashInfer CSR), page size {PAGE_SIZE}, "
                 f"prompts {PROMPTS[0]}-{PROMPTS[1]} tokens, on {device} (us per step"
-                + (f"; cold: {args.cold_bytes >> 20} MiB written before each call" if args.cold else "") + ")",
+                + (f"; cold: {size_text(flush.buf.nbytes)} written before each call" if args.cold else "") + ")",
                 header, table_rows,
                 note="Ratios: the baseline's median over the row's, of the same kind (decode or turnover; above 1: "
                      "faster); extend-only, csr-only and floor rows have none, nor vllm-blocks in a pool-size sweep "

@@ -54,7 +54,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, check_backends, device_arg,  # noqa: E402
                      non_negative_int, out_path, parse_args_for_plot, positive_int, print_table, progress, quantiles,
-                     write_json)
+                     size_text, write_json)
 
 import tpool  # noqa: E402
 from tpool.scheduling import HostMirror, WouldNotFit  # noqa: E402
@@ -382,7 +382,8 @@ def main(argv=None):
                         gap=r["gaps"], **{k: r[k] for k in ("forked", "evictions", "cached") if k in r}))
     print_table(f"churn: {args.requests} running, prompts {PROMPTS[0]}-{PROMPTS[1]} tokens, pages of {PAGE_SIZE}, "
                 f"{args.turnover} out / {args.turnover} in every {args.every} steps, {args.steps} steps"
-                + (f" ({args.cold_steps} cold, {args.cold_bytes >> 20} MiB written before each)" if args.cold else "")
+                + (f" ({args.cold_steps} cold, {size_text(modes[-1][2].buf.nbytes)} written before each)" if args.cold
+                   else "")
                 + f", {args.backend} on {device} (host us per step; ratio = read-ok's median / row's median, "
                   "warm against warm, cold against cold)",
                 ["scheduler", "median us", "p20", "p80", "vs read-ok", "device reads/step", "admissions/s",

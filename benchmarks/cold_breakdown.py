@@ -51,7 +51,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, out_path, positive_int, print_table,  # noqa: E402
-                     progress, quantiles, write_json)
+                     progress, quantiles, size_text, write_json)
 from bench_page_table import PAGE_SIZE, make_reset, setup  # noqa: E402
 
 from tpool.kernels import layout as L  # noqa: E402
@@ -244,7 +244,7 @@ def main(argv=None):
             med, p20, p80 = quantiles(xs)
             out.append(dict(batch=B, row=name, cold_median_us=med, cold_p20_us=p20, cold_p80_us=p80))
             table_rows.append([B, name, f"{med:.2f}", f"{p20:.2f}", f"{p80:.2f}", f"{med / base:.2f}"])
-    print_table(f"cold decode step, {args.cold_bytes >> 20} MiB written before each call, pages of {PAGE_SIZE} "
+    print_table(f"cold decode step, {size_text(flush.buf.nbytes)} written before each call, pages of {PAGE_SIZE} "
                 f"(us per call)", ["B", "row", "cold median", "p20", "p80", "x bound step"], table_rows)
     write_json(args.json, "cold_breakdown", out)
 

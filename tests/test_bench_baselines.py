@@ -7,19 +7,25 @@ Each test runs a model and tpool (or the older baseline) on the benchmark's work
 compares what they return, id for id, so a model that does other work than its engine
 (fresh blocks freed to the tail, a refill in the wrong order, a hit left on the free
 queue) fails here; the last test makes such mistakes on purpose and checks they are caught.
+The tests after it check _baselines.py's host block tables (bench_page_table.py's ``numpy-blocks``
+and ``vllm-blocks``) step for step against the table.
 Both engines keep id 0 out of use (vLLM's null block, SGLang's padding page): their ids
 are tpool's plus one.
 """
 
 import os
+import random
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import _baselines  # noqa: E402
 import bench_evict  # noqa: E402
 import _engines  # noqa: E402
+import bench_page_table  # noqa: E402
 import bench_pool  # noqa: E402
 import bench_revive  # noqa: E402
 
@@ -228,3 +234,113 @@ def test_a_wrong_model_is_caught(mistake, monkeypatch):
             self, "free_pages", torch.cat((self.free_pages, torch.unique(idx // self.page_size)))))
         out = pool_rounds(5, 67)
         assert out["sglang-paged"] != out["tpool"]
+
+
+# ------------------------------------------------ _baselines.py: bench_page_table.py's host block tables
+def test_the_two_host_baselines_step_as_the_table_does():
+    """numpy-blocks (vectorised, a free stack) and vllm-blocks (vLLM's free queue of block objects, a loop per
+    request) from the table's prompts, through decode steps and turnover phases (releases, admissions with
+    prompts): every step's outputs are the table's own. numpy-blocks' page for page (a stack, as the
+    table's); vllm-blocks' page for page until the first release (vLLM's block ids are the pages plus one,
+    block 0 being its null block), then other pages (without prefix caching vLLM frees to its queue's
+    tail), but each token at its offset on the page its request's run holds at that position, no page in
+    two runs or in a run and free, as many pages free as the table has. vllm-blocks hands over the batch's
+    block-table rows, from which the CSR's page ids are read here (vLLM gathers them on the GPU)."""
+    bpt = bench_page_table
+    B, cpu, ps = 5, torch.device("cpu"), bpt.PAGE_SIZE
+    _, table, _ = bpt.setup(B, "numba", cpu, random.Random(B))
+    nb, vb = bpt.baseline(bpt.NumpyBlocks, B, cpu), bpt.baseline(bpt.VllmBlocks, B, cpu)
+    t32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    steps = [([], list(range(B)), [1] * B)] * 20 + bpt.turnover_phases(B, random.Random(3)) * 2
+    released = False
+    for gone, batch, ntok in steps:
+        if gone:
+            table.release(t32(gone))
+        s = table.step(t32(batch), t32(ntok), max_tokens=sum(ntok))
+        want = (s.slots[:sum(ntok)], s.csr.indptr, s.csr.last_page_len, s.csr.indices[:int(s.csr.indptr[-1])])
+        got_nb = bpt.release_then_step(nb, gone, np.array(batch), np.array(ntok))
+        slots, indptr, last, rows = bpt.release_then_step(vb, gone, batch, ntok)
+        pages = indptr[1:] - indptr[:-1]
+        indices = rows.view(B, -1)[torch.arange(rows.numel() // B) < pages[:, None]]  # (vLLM: on the GPU)
+        got_vb = (slots - ps, indptr, last, indices - 1)  # vLLM's block i + 1 is page i
+        released |= bool(gone)
+        for got, same_pages in ((got_nb, True), (got_vb, not released)):
+            slots, indptr, last, indices = got
+            assert torch.equal(indptr, want[1]) and torch.equal(last, want[2]), (gone, batch, ntok)
+            assert torch.equal(slots % ps, want[0] % ps)  # each token at its offset
+            # each token on the page its request's run holds at that token's position
+            lane = torch.repeat_interleave(torch.arange(B), t32(ntok))
+            pos = torch.cat([torch.arange(int(L) - n, int(L)) for L, n in zip(s.kv_lens, ntok)])
+            assert torch.equal(slots // ps, indices[indptr[lane] + pos // ps]), (gone, batch, ntok)
+            assert len(set(indices.tolist())) == len(indices)
+            if same_pages:
+                assert torch.equal(indices, want[3]) and torch.equal(slots, want[0])
+        queue = vb.pool.free_block_queue
+        assert not set(got_vb[3].tolist()) & {b - 1 for b in queue.block_ids()}
+        assert queue.num_free_blocks == len(queue.block_ids()) == nb.top == table.pool.available()
+    assert released
+
+
+def test_the_baselines_resets_repeat_their_steps():
+    """A baseline's snapshot, taken mid-turnover and reset after more steps, puts it back exactly: the same
+    steps then give the same outputs, and vLLM's free queue and reference counts are as they were."""
+    bpt = bench_page_table
+    B, cpu = 5, torch.device("cpu")
+    steps = ([([], list(range(B)), [1] * B)] * 7 + bpt.turnover_phases(B, random.Random(3))) * 2
+    for cls in (bpt.NumpyBlocks, bpt.VllmBlocks):
+        blocks = bpt.baseline(cls, B, cpu)
+        args = (lambda b, n: (np.array(b), np.array(n))) if cls is bpt.NumpyBlocks else (lambda b, n: (b, n))
+        for at in (3, 9, 20):
+            for gone, batch, ntok in steps[:at]:
+                bpt.release_then_step(blocks, gone, *args(batch, ntok))
+            reset = blocks.snapshot()
+            state = (blocks.pool.free_block_queue.block_ids(), [b.ref_cnt for b in blocks.pool.blocks]) \
+                if cls is bpt.VllmBlocks else None
+            runs = []
+            for _ in range(2):
+                runs.append([[t.clone() for t in bpt.release_then_step(blocks, gone, *args(batch, ntok))]
+                             for gone, batch, ntok in steps[at:]])
+                reset()
+            assert all(torch.equal(x, y) for a, b in zip(*runs) for x, y in zip(a, b)), (cls.__name__, at)
+            if state:
+                assert (blocks.pool.free_block_queue.block_ids(), [b.ref_cnt for b in blocks.pool.blocks]) == state
+
+
+def test_the_baselines_staged_copies_hand_over_each_steps_values():
+    """DeviceOutputs as on CUDA (buffers kept from step to step, grown when an output outgrows them), run
+    on the CPU: every call hands over its own values, whatever the step before wrote."""
+    out = _baselines.DeviceOutputs(torch.device("cpu"), staged=True)
+    for n in (3, 1, 9, 40, 2):
+        vals = [np.arange(n, dtype=np.int64) * 7, list(range(n, 0, -1))]
+        got = out(*vals)
+        assert [g.tolist() for g in got] == [list(v) for v in vals] and got[0].dtype == torch.int32
+    assert out.dev[0].numel() == 80  # grown twice: 6 -> 18 -> 80 entries
+
+
+
+def test_vllm_blocks_frees_last_block_first_and_reuses_the_smallest_row():
+    """VllmBlocks.release frees a request's blocks last first, to the free queue's tail (no prefix caching);
+    a new request takes the smallest freed row of the batch."""
+    bl = _baselines
+    vb = bl.VllmBlocks(20, 3, 8, torch.device("cpu"))
+    vb.step([0, 1], [40, 1])  # request 0: blocks 1, 2, 3; request 1: block 4
+    vb.release(0)
+    vb.release(1)
+    assert vb.pool.free_block_queue.block_ids()[-4:] == [3, 2, 1, 4]
+    vb.step([2, 1], [1, 1])  # rows 0 and 1 freed in that order: request 2 takes row 0, request 1 row 1
+    assert vb.index[2] == 0 and vb.index[1] == 1
+
+
+def test_device_outputs_on_a_cpu_are_int32_and_not_overwritten():
+    """DeviceOutputs on a CPU (not staged by default): int32 tensors a later call does not overwrite;
+    staged, a kept buffer grows only when an output outgrows it."""
+    bl = _baselines
+    out = bl.DeviceOutputs(torch.device("cpu"))
+    assert out.staged is False
+    first = out(np.arange(3, dtype=np.int64))[0]
+    out(np.arange(3, dtype=np.int64) + 10)
+    assert first.tolist() == [0, 1, 2] and first.dtype == torch.int32
+    staged = bl.DeviceOutputs(torch.device("cpu"), staged=True)
+    staged(np.arange(3))
+    kept = staged.dev[0]
+    assert staged(np.arange(6))[0].tolist() == list(range(6)) and staged.dev[0] is kept  # 6 fits 2 * 3

@@ -10,33 +10,13 @@ import subprocess
 import sys
 import types
 
-import numpy as np
 import pytest
 import torch
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+from bench_scripts import BENCH, TINY, FakeClock, load
+
 SCRIPTS = ["bench_pool", "bench_page_table", "bench_evict", "bench_scheduler", "cold_breakdown", "bench_startup",
            "bench_revive", "bench_prefix", "bench_lru"]
-
-
-def load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-TINY = {
-    "bench_pool": ["--sizes", "1", "4", "--num-pages", "64", "--samples", "3", "--inner", "2",
-                   "--backends", "numba"],
-    "bench_page_table": ["--batch", "1", "3", "--samples", "3", "--inner", "2", "--backends", "numba"],
-    "bench_evict": ["--pool-sizes", "512", "--k", "1", "8", "--samples", "3", "--backends", "numba"],
-    "bench_lru": ["--pool-sizes", "512", "--steps", "120", "--touch", "32", "--k", "4"],
-    "bench_revive": ["--k", "1", "8", "--samples", "3", "--backends", "numba", "reference"],
-    "bench_prefix": ["--requests", "10", "--repeats", "2", "--system-len", "8", "--prompt-len", "2", "6", "--max-new",
-                     "2", "6", "--num-pages", "12", "--page-size", "4", "--max-batch", "4", "--hidden", "32",
-                     "--layers", "1", "--heads", "4", "--kv-heads", "2", "--vocab", "64"],
-}
 
 
 @pytest.mark.parametrize("name, header", [
@@ -164,97 +144,6 @@ def test_page_table_cold_mode_reports_warm_and_cold(tmp_path, capsys):
     assert rows[(1, "tpool-numba turnover")]["kind"] == "turnover" and "cold_vs_numpy_blocks" in rows[
         (1, "tpool-numba turnover")]
     assert rows[(1, "vllm-blocks")]["vs_numpy_blocks"] > 0  # every baseline row is against numpy-blocks too
-
-
-def test_the_two_host_baselines_step_as_the_table_does():
-    """numpy-blocks (vectorised, a free stack) and vllm-blocks (vLLM's free queue of block objects, a loop per
-    request) from the table's prompts, through decode steps and turnover phases (releases, admissions with
-    prompts): every step's outputs are the table's own. numpy-blocks' page for page (a stack, as the
-    table's); vllm-blocks' page for page until the first release (vLLM's block ids are the pages plus one,
-    block 0 being its null block), then other pages (without prefix caching vLLM frees to its queue's
-    tail), but each token at its offset on the page its request's run holds at that position, no page in
-    two runs or in a run and free, as many pages free as the table has. vllm-blocks hands over the batch's
-    block-table rows, from which the CSR's page ids are read here (vLLM gathers them on the GPU)."""
-    import random
-
-    import numpy as np
-    import torch
-    bpt = load("bench_page_table")
-    B, cpu, ps = 5, torch.device("cpu"), bpt.PAGE_SIZE
-    _, table, _ = bpt.setup(B, "numba", cpu, random.Random(B))
-    nb, vb = bpt.baseline(bpt.NumpyBlocks, B, cpu), bpt.baseline(bpt.VllmBlocks, B, cpu)
-    t32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    steps = [([], list(range(B)), [1] * B)] * 20 + bpt.turnover_phases(B, random.Random(3)) * 2
-    released = False
-    for gone, batch, ntok in steps:
-        if gone:
-            table.release(t32(gone))
-        s = table.step(t32(batch), t32(ntok), max_tokens=sum(ntok))
-        want = (s.slots[:sum(ntok)], s.csr.indptr, s.csr.last_page_len, s.csr.indices[:int(s.csr.indptr[-1])])
-        got_nb = bpt.release_then_step(nb, gone, np.array(batch), np.array(ntok))
-        slots, indptr, last, rows = bpt.release_then_step(vb, gone, batch, ntok)
-        pages = indptr[1:] - indptr[:-1]
-        indices = rows.view(B, -1)[torch.arange(rows.numel() // B) < pages[:, None]]  # (vLLM: on the GPU)
-        got_vb = (slots - ps, indptr, last, indices - 1)  # vLLM's block i + 1 is page i
-        released |= bool(gone)
-        for got, same_pages in ((got_nb, True), (got_vb, not released)):
-            slots, indptr, last, indices = got
-            assert torch.equal(indptr, want[1]) and torch.equal(last, want[2]), (gone, batch, ntok)
-            assert torch.equal(slots % ps, want[0] % ps)  # each token at its offset
-            # each token on the page its request's run holds at that token's position
-            lane = torch.repeat_interleave(torch.arange(B), t32(ntok))
-            pos = torch.cat([torch.arange(int(L) - n, int(L)) for L, n in zip(s.kv_lens, ntok)])
-            assert torch.equal(slots // ps, indices[indptr[lane] + pos // ps]), (gone, batch, ntok)
-            assert len(set(indices.tolist())) == len(indices)
-            if same_pages:
-                assert torch.equal(indices, want[3]) and torch.equal(slots, want[0])
-        queue = vb.pool.free_block_queue
-        assert not set(got_vb[3].tolist()) & {b - 1 for b in queue.block_ids()}
-        assert queue.num_free_blocks == len(queue.block_ids()) == nb.top == table.pool.available()
-    assert released
-
-
-def test_the_baselines_resets_repeat_their_steps():
-    """A baseline's snapshot, taken mid-turnover and reset after more steps, puts it back exactly: the same
-    steps then give the same outputs, and vLLM's free queue and reference counts are as they were."""
-    import random
-
-    import numpy as np
-    import torch
-    bpt = load("bench_page_table")
-    B, cpu = 5, torch.device("cpu")
-    steps = ([([], list(range(B)), [1] * B)] * 7 + bpt.turnover_phases(B, random.Random(3))) * 2
-    for cls in (bpt.NumpyBlocks, bpt.VllmBlocks):
-        blocks = bpt.baseline(cls, B, cpu)
-        args = (lambda b, n: (np.array(b), np.array(n))) if cls is bpt.NumpyBlocks else (lambda b, n: (b, n))
-        for at in (3, 9, 20):
-            for gone, batch, ntok in steps[:at]:
-                bpt.release_then_step(blocks, gone, *args(batch, ntok))
-            reset = blocks.snapshot()
-            state = (blocks.pool.free_block_queue.block_ids(), [b.ref_cnt for b in blocks.pool.blocks]) \
-                if cls is bpt.VllmBlocks else None
-            runs = []
-            for _ in range(2):
-                runs.append([[t.clone() for t in bpt.release_then_step(blocks, gone, *args(batch, ntok))]
-                             for gone, batch, ntok in steps[at:]])
-                reset()
-            assert all(torch.equal(x, y) for a, b in zip(*runs) for x, y in zip(a, b)), (cls.__name__, at)
-            if state:
-                assert (blocks.pool.free_block_queue.block_ids(), [b.ref_cnt for b in blocks.pool.blocks]) == state
-
-
-def test_the_baselines_staged_copies_hand_over_each_steps_values():
-    """DeviceOutputs as on CUDA (buffers kept from step to step, grown when an output outgrows them), run
-    on the CPU: every call hands over its own values, whatever the step before wrote."""
-    import numpy as np
-    import torch
-    load("bench_page_table")  # (puts benchmarks/ on the path)
-    out = load("_baselines").DeviceOutputs(torch.device("cpu"), staged=True)
-    for n in (3, 1, 9, 40, 2):
-        vals = [np.arange(n, dtype=np.int64) * 7, list(range(n, 0, -1))]
-        got = out(*vals)
-        assert [g.tolist() for g in got] == [list(v) for v in vals] and got[0].dtype == torch.int32
-    assert out.dev[0].numel() == 80  # grown twice: 6 -> 18 -> 80 entries
 
 
 def test_pool_size_sweeps_and_plots(tmp_path, capsys):
@@ -387,6 +276,7 @@ BAD_OPTIONS = [  # (script, argv, the option its error names): argparse refuses 
     ("bench_prefix", ["--num-pages", "2"], "--num-pages"),
     ("bench_prefix", ["--prompt-len", "9", "3"], "--prompt-len"),
     ("ab_compare", ["tpool-numba step", "--batch", "0"], "--batch"),
+    ("ab_compare", ["tpool-numba step", "--inner", "5000"], "--inner"),  # past the table's room: a TableOverflow
     # a pool too small for what the run asks of it: refused, not a hang, a crash or a row left out
     ("bench_scheduler", ["--num-pages", "16384", "--steps", "10", "--warmup", "0"], "--num-pages"),
     ("bench_scheduler", ["--num-pages", "10"], "--num-pages"),
@@ -419,9 +309,10 @@ BAD_OPTIONS = [  # (script, argv, the option its error names): argparse refuses 
 
 
 @pytest.mark.parametrize("name, argv, option", BAD_OPTIONS, ids=[f"{n} {' '.join(a)}" for n, a, _ in BAD_OPTIONS])
-def test_a_bad_count_is_an_argparse_error_naming_the_option(name, argv, option, capsys):
+def test_a_bad_count_is_an_argparse_error_naming_the_option(name, argv, option, capsys, monkeypatch, tmp_path):
     """Every count takes a positive int (and its limit, where it has one): a clean usage error (exit code 2)
     naming the option, not a traceback after minutes of work."""
+    monkeypatch.setenv("TPOOL_AB_CACHE", str(tmp_path))  # (ab_compare: an option not refused extracts nowhere else)
     with pytest.raises(SystemExit) as e:
         load(name).main(argv)
     err = capsys.readouterr().err
@@ -676,29 +567,6 @@ def test_help_shows_a_default_once_and_no_false_flag_default():
     assert "untimed steps first (default: 0)" in text
 
 
-class FakeClock:
-    """perf_counter_ns for _common: advanced only by the timed function (``cost_us`` per call)."""
-
-    def __init__(self, common, monkeypatch, costs_us):
-        self.now, self.calls, self.log, self.costs = 0, 0, [], costs_us
-        monkeypatch.setattr(common, "time", types.SimpleNamespace(perf_counter_ns=lambda: self.now,
-                                                                  perf_counter=lambda: self.now / 1e9))
-
-    def fn(self):
-        self.now += int(self.costs(self.calls) * 1000)
-        self.calls += 1
-        self.log.append("fn")
-
-    def sync(self):
-        self.log.append("sync")
-
-    def reset(self):
-        self.log.append("reset")
-
-    def flush(self):
-        self.log.append("flush")
-
-
 def test_time_calls_us_and_sample_us_on_a_fake_clock(monkeypatch):
     """time_calls_us: n calls between two clock reads, sync before and after (a cold call too); sample_us:
     per-call microseconds per sample, a warm-up of inner // 4 calls, reset before each sample and at the
@@ -747,6 +615,28 @@ def test_sample_cold_us_flushes_before_every_timed_call(monkeypatch):
     assert c.log == ["fn"] + ["fn", "flush", "sync", "fn", "sync"] * 2
 
 
+def test_size_text_never_rounds_a_count_down_to_0_mib():
+    common = load("_common")
+    assert common.size_text(64 << 20) == "64 MiB" and common.size_text(1 << 20) == "1 MiB"
+    assert common.size_text(1_000_000) == "1,000,000 bytes" and common.size_text(3 << 19) == "1,572,864 bytes"
+
+
+def test_the_pytest_benchmark_suites_read_their_clock_after_the_device_work(monkeypatch):
+    """device_clock (benchmarks/conftest.py's benchmark fixture): on CUDA each read of pytest-benchmark's clock
+    waits for the device first, so a round's calls are timed with the GPU work they launched; on a CPU the
+    clock is left as it is."""
+    common = load("_common")
+    reads = iter([10.0, 12.5])
+    bench = types.SimpleNamespace(_timer=lambda: (log.append("clock"), next(reads))[1])
+    log, clock = [], bench._timer
+    common.device_clock(bench, torch.device("cpu"))
+    assert bench._timer is clock
+    monkeypatch.setattr(common, "sync_of", lambda device: lambda: log.append(("sync", str(device))))
+    common.device_clock(bench, torch.device("cuda", 1))
+    assert [bench._timer(), bench._timer()] == [10.0, 12.5]
+    assert log == [("sync", "cuda:1"), "clock"] * 2
+
+
 def test_cache_flusher_writes_its_whole_buffer_anew():
     common = load("_common")
     flush = common.CacheFlusher(1 << 20)
@@ -779,36 +669,6 @@ def test_print_table_and_write_json(tmp_path, capsys):
     assert got["rows"] == [{"impl": "a", "median_us": 1.5}]
     assert {"cpu", "cores", "caches", "gpu", "python", "torch", "numba", "triton", "time"} <= set(got["machine"])
     assert got["machine"]["cores"] == os.cpu_count()
-
-
-def test_vllm_blocks_frees_last_block_first_and_reuses_the_smallest_row():
-    """VllmBlocks.release frees a request's blocks last first, to the free queue's tail (no prefix caching);
-    a new request takes the smallest freed row of the batch."""
-    load("bench_page_table")  # (puts benchmarks/ on the path)
-    bl = load("_baselines")
-    vb = bl.VllmBlocks(20, 3, 8, torch.device("cpu"))
-    vb.step([0, 1], [40, 1])  # request 0: blocks 1, 2, 3; request 1: block 4
-    vb.release(0)
-    vb.release(1)
-    assert vb.pool.free_block_queue.block_ids()[-4:] == [3, 2, 1, 4]
-    vb.step([2, 1], [1, 1])  # rows 0 and 1 freed in that order: request 2 takes row 0, request 1 row 1
-    assert vb.index[2] == 0 and vb.index[1] == 1
-
-
-def test_device_outputs_on_a_cpu_are_int32_and_not_overwritten():
-    """DeviceOutputs on a CPU (not staged by default): int32 tensors a later call does not overwrite;
-    staged, a kept buffer grows only when an output outgrows it."""
-    load("bench_page_table")
-    bl = load("_baselines")
-    out = bl.DeviceOutputs(torch.device("cpu"))
-    assert out.staged is False
-    first = out(np.arange(3, dtype=np.int64))[0]
-    out(np.arange(3, dtype=np.int64) + 10)
-    assert first.tolist() == [0, 1, 2] and first.dtype == torch.int32
-    staged = bl.DeviceOutputs(torch.device("cpu"), staged=True)
-    staged(np.arange(3))
-    kept = staged.dev[0]
-    assert staged(np.arange(6))[0].tolist() == list(range(6)) and staged.dev[0] is kept  # 6 fits 2 * 3
 
 
 def test_plot_draws_a_cold_series_dashed_in_its_warm_series_colour(tmp_path, monkeypatch):
