@@ -156,8 +156,11 @@ def compare(args, into):
             runs[(row, label)] = (fn, bpt.make_reset(fn, owner))
     bpt.tpool = new
     flush = CacheFlusher() if args.cold else None
-    inner = {k: (args.inner or 10) if args.cold else (args.inner or calibrate(fn, reset=reset, max_inner=bpt.WARM_INNER))
-             for k, (fn, reset) in runs.items()}
+    inner = {}  # calls per sample, one count per row for both versions: paired samples do the same work
+    for row in args.rows:
+        fn, reset = runs[(row, "base")]
+        n = (args.inner or 10) if args.cold else (args.inner or calibrate(fn, reset=reset, max_inner=bpt.WARM_INNER))
+        inner[(row, "base")] = inner[(row, "new")] = n
     keys, rng = list(runs), random.Random(args.seed)
     out = {k: [] for k in keys}
     for s in range(args.samples):

@@ -627,7 +627,8 @@ def test_ab_compare_sample_is_per_call_and_steps_between_cold_calls(monkeypatch)
 def test_ab_compare_table_from_made_up_samples(monkeypatch, capsys, tmp_path):
     """ab_compare.compare on an A/A pair (the working tree loaded as the base too) with made-up samples, the
     base's 2 µs, the new version's 1, 1 and 3: new / base is the new median over the base's (0.500), and the
-    paired count counts the samples where the new version was faster (2/3)."""
+    paired count counts the samples where the new version was faster (2/3). Without --inner, both versions
+    of a row take the base's calibrated calls per sample, so paired samples do the same work."""
     import tpool
     ab = load("ab_compare")
     monkeypatch.setattr(sys, "path", list(sys.path))  # (compare puts the base's folder first on it)
@@ -641,10 +642,18 @@ def test_ab_compare_table_from_made_up_samples(monkeypatch, capsys, tmp_path):
         return impls
     monkeypatch.setattr(ab.bpt, "workloads", tagged)
     made_up = {"base": iter([2.0, 2.0, 2.0]), "new": iter([1.0, 1.0, 3.0])}
-    monkeypatch.setattr(ab, "time_sample", lambda fn, reset, inner, flush: next(made_up[labels[id(fn)]]))
+    inners = []
+    monkeypatch.setattr(ab, "time_sample", lambda fn, reset, inner, flush: (inners.append((labels[id(fn)], inner)),
+                                                                            next(made_up[labels[id(fn)]]))[1])
     args = ab.parser().parse_args(["tpool-numba step", "--batch", "2", "--samples", "3", "--inner", "2"])
     ab.compare(args, str(tmp_path))
     text = capsys.readouterr().out
     assert re.search(r"tpool-numba step +2\.00 +2\.00 / 2\.00 +1\.00 +1\.00 / \S+ +0\.500 +2/3", text), text
-    assert ab.bpt.tpool is tpool
+    assert ab.bpt.tpool is tpool and {n for _, n in inners} == {2}
+    made_up = {"base": iter([2.0] * 3), "new": iter([1.0] * 3)}
+    inners.clear()
+    monkeypatch.setattr(ab, "calibrate", lambda fn, **kw: 5 if labels[id(fn)] == "base" else 9)
+    ab.compare(ab.parser().parse_args(["tpool-numba step", "--batch", "2", "--samples", "3"]), str(tmp_path))
+    capsys.readouterr()
+    assert sorted(inners) == [("base", 5)] * 3 + [("new", 5)] * 3
 
