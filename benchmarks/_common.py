@@ -310,6 +310,14 @@ def sync_of(device: torch.device):
     return functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else None
 
 
+class Distinct(argparse.Action):
+    """A list option's values, each once, in the order given (``--sizes 1 1`` is ``--sizes 1``): a value
+    given twice would run its rows twice, and the later rows' baselines would set the earlier rows' ratios."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, list(dict.fromkeys(values)))
+
+
 def device_clock(benchmark, device: torch.device) -> None:
     """On CUDA, make pytest-benchmark's ``benchmark`` fixture read its clock after waiting for ``device``'s
     work, so a round of calls times the work they launched, as :func:`time_calls_us` does, not only their

@@ -33,8 +33,8 @@ import tarfile
 import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (CacheFlusher, HelpFormatter, calibrate, check_backends, int_at_most, positive_int,  # noqa: E402
-                     print_table, progress, quantiles, time_calls_us)
+from _common import (Distinct, CacheFlusher, HelpFormatter, calibrate, check_backends, int_at_most,  # noqa: E402
+                     positive_int, print_table, progress, quantiles, time_calls_us)
 
 import torch  # noqa: E402
 
@@ -74,7 +74,7 @@ def parser() -> argparse.ArgumentParser:
                                         "\"tpool-numba turnover, bound\", \"tpool-numba turnover, one call\". The base "
                                         "revision is extracted (and its numba kernels cached) under $TPOOL_AB_CACHE, "
                                         "default ~/.cache/tpool-ab.")
-    ap.add_argument("rows", nargs="+", help="bench_page_table.py rows to compare")
+    ap.add_argument("rows", nargs="+", action=Distinct, help="bench_page_table.py rows to compare")
     ap.add_argument("--base", default="HEAD", help="the git revision to compare the working tree against")
     ap.add_argument("--batch", type=positive_int, default=256, help="requests in the batch")
     ap.add_argument("--backend", default="numba", help="tpool backend (on the CPU)")

@@ -27,8 +27,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (HelpFormatter, check_backends, check_model, out_path, positive_int, print_table,  # noqa: E402
-                     progress, quantiles, write_json)
+from _common import (Distinct, HelpFormatter, check_backends, check_model, out_path, positive_int,  # noqa: E402
+                     print_table, progress, quantiles, write_json)
 
 import tpool  # noqa: E402
 from tpool.serving import PagedKVCache, step_metadata  # noqa: E402
@@ -126,10 +126,11 @@ def run_baseline(prompts, model, a):
     return samples
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=HelpFormatter)
-    ap.add_argument("--batch", type=positive_int, nargs="+", default=[4, 32], help="requests decoding at once (B)")
+    ap.add_argument("--batch", type=positive_int, nargs="+", action=Distinct,
+                    default=[4, 32], help="requests decoding at once (B)")
     ap.add_argument("--prompt", type=positive_int, default=64, help="prompt tokens per request")
     ap.add_argument("--page-size", type=positive_int, default=16, help="tokens per page")
     ap.add_argument("--hidden", type=positive_int, default=256, help="model hidden size")
@@ -143,6 +144,11 @@ def main(argv=None):
     ap.add_argument("--backend", default="numba", help="pool backend (the pool is on the CPU)")
     ap.add_argument("--threads", type=positive_int, default=1, help="torch threads (more stall on a 2-core machine)")
     ap.add_argument("--json", type=out_path, default=None, metavar="PATH", help="write the rows as JSON to this path")
+    return ap
+
+
+def main(argv=None):
+    ap = parser()
     a = ap.parse_args(argv)
     check_model(ap, a)
     check_backends(ap, "--backend", [a.backend], "cpu")

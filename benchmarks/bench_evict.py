@@ -48,9 +48,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (HelpFormatter, check_backends, default_device, device_arg, gc_quiet, multiple_of,  # noqa: E402
-                     out_path, parse_args_for_plot, plot_lines, positive_int, print_table, progress, quantiles,
-                     write_json)
+from _common import (Distinct, HelpFormatter, check_backends, default_device, device_arg, gc_quiet,  # noqa: E402
+                     multiple_of, out_path, parse_args_for_plot, plot_lines, positive_int, print_table, progress,
+                     quantiles, write_json)
 from _engines import VLLM_MAX_PAGES, VllmBlockPool, block_hash_key  # noqa: E402
 
 import tpool  # noqa: E402
@@ -174,15 +174,16 @@ def _ratio(x) -> str:
 def parser() -> argparse.ArgumentParser:
     """The command line: every option with its help and default."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EPILOG, formatter_class=HelpFormatter)
-    ap.add_argument("--pool-sizes", "--pages", dest="pages", nargs="+", default=[65536, 1048576], metavar="P",
+    ap.add_argument("--pool-sizes", "--pages", dest="pages", nargs="+", action=Distinct,
+                    default=[65536, 1048576], metavar="P",
                     type=multiple_of(2 * CACHE_CALLS, f"half the pool is cached in {CACHE_CALLS} equal frees"),
                     help=f"pages in the pool, a multiple of {2 * CACHE_CALLS}, half of them cached (tpool's eviction "
                          "is flat in P, the numpy baseline's linear); several sizes are built at once and take "
                          "turns sample by sample")
-    ap.add_argument("--k", type=positive_int, nargs="+", default=[1, 64, 4096],
+    ap.add_argument("--k", type=positive_int, nargs="+", action=Distinct, default=[1, 64, 4096],
                     help="pages evicted per call, each at most half the smallest --pool-sizes")
     ap.add_argument("--device", default=default_device(), type=device_arg, help="torch device of the pools")
-    ap.add_argument("--backends", nargs="+", default=None,
+    ap.add_argument("--backends", nargs="+", action=Distinct, default=None,
                     help="tpool backends to time (default: numba and reference on CPU; triton and reference on CUDA)")
     ap.add_argument("--samples", type=positive_int, default=20,
                     help="calls timed per row, one call each (the reference backend: a fifth, at least 3)")

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (HelpFormatter, check_backends, default_device, device_arg, out_path, positive_int,  # noqa: E402
-                     print_table, progress, quantiles, write_json)
+from _common import (Distinct, HelpFormatter, check_backends, default_device, device_arg, out_path,  # noqa: E402
+                     positive_int, print_table, progress, quantiles, write_json)
 
 import tpool  # noqa: E402
 from tpool.kernels import layout as L  # noqa: E402
@@ -42,7 +42,8 @@ def parser() -> argparse.ArgumentParser:
     """The command line: every option with its help and default."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter,
                                  epilog="Progress goes to stderr, one line per pool size and implementation.")
-    ap.add_argument("--pool-sizes", "--pages", dest="pages", nargs="+", type=positive_int, default=[65536],
+    ap.add_argument("--pool-sizes", "--pages", dest="pages", nargs="+", action=Distinct,
+                    type=positive_int, default=[65536],
                     metavar="P", help="pages in the pool, every one of them cached before the first step")
     ap.add_argument("--steps", type=positive_int, default=4000, help="steps timed per pool size and implementation")
     ap.add_argument("--touch", type=positive_int, default=256,

@@ -75,9 +75,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _baselines import NumpyBlocks, VllmBlocks  # noqa: E402
-from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, calibrate, check_backends, default_device,  # noqa: E402
-                     device_arg, gc_quiet, int_at_most, out_path, parse_args_for_plot, plot_lines, positive_int,
-                     print_table, progress, quantiles, sample_cold_us, sample_us, size_text, sync_of,
+from _common import (Distinct, COLD_BYTES, CacheFlusher, HelpFormatter, calibrate, check_backends,  # noqa: E402
+                     default_device, device_arg, gc_quiet, int_at_most, out_path, parse_args_for_plot, plot_lines,
+                     positive_int, print_table, progress, quantiles, sample_cold_us, sample_us, size_text, sync_of,
                      write_json)
 
 import tpool  # noqa: E402
@@ -318,10 +318,10 @@ def parser() -> argparse.ArgumentParser:
     """The command line: every option with its help and default."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EPILOG,
                                  formatter_class=HelpFormatter)
-    ap.add_argument("--batch", type=positive_int, nargs="+", default=[1, 64, 256, 1024], metavar="B",
+    ap.add_argument("--batch", type=positive_int, nargs="+", action=Distinct, default=[1, 64, 256, 1024], metavar="B",
                     help="requests in the batch (one group of rows per B)")
     ap.add_argument("--device", default=default_device(), type=device_arg, help="torch device of the pool and table")
-    ap.add_argument("--backends", nargs="+", default=None,
+    ap.add_argument("--backends", nargs="+", action=Distinct, default=None,
                     help="tpool backends to time (default: numba on CPU, triton on CUDA); on a CPU the reference "
                          "backend's step is also timed once, for scale, unless reference is listed")
     ap.add_argument("--samples", type=positive_int, default=30, help="samples per row (median, p20, p80 over them)")
@@ -335,7 +335,7 @@ def parser() -> argparse.ArgumentParser:
                     default=100, help=f"calls timed per row in --cold mode, at most {MAX_INNER // 2} (each sample "
                                       "steps twice and the samples run from one reset)")
     ap.add_argument("--cold-bytes", type=positive_int, default=COLD_BYTES, help="bytes written between two cold calls")
-    ap.add_argument("--pool-sizes", type=positive_int, nargs="+", default=None, metavar="P",
+    ap.add_argument("--pool-sizes", type=positive_int, nargs="+", action=Distinct, default=None, metavar="P",
                     help="sweep the pool size (pages) instead of sizing the pool to the batch, e.g. "
                          "65536 1048576 16777216: only the decode and turnover rows, to show they stay flat "
                          "(default: (B + 2) x 384 pages, sized to the batch)")

@@ -39,9 +39,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (HelpFormatter, calibrate, check_backends, default_device, device_arg, gc_quiet,  # noqa: E402
-                     out_path, parse_args_for_plot, plot_lines, positive_int, print_table, progress, quantiles, sync_of,
-                     time_calls_us, write_json)
+from _common import (Distinct, HelpFormatter, calibrate, check_backends, default_device, device_arg,  # noqa: E402
+                     gc_quiet, out_path, parse_args_for_plot, plot_lines, positive_int, print_table, progress,
+                     quantiles, sync_of, time_calls_us, write_json)
 
 from _engines import VLLM_MAX_PAGES, SGLangPagedPool, VllmBlockPool  # noqa: E402
 
@@ -194,16 +194,16 @@ def parser() -> argparse.ArgumentParser:
     """The command line: every option with its help and default."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EPILOG,
                                  formatter_class=HelpFormatter)
-    ap.add_argument("--sizes", type=positive_int, nargs="+", default=[1, 16, 256, 4096], metavar="N",
+    ap.add_argument("--sizes", type=positive_int, nargs="+", action=Distinct, default=[1, 16, 256, 4096], metavar="N",
                     help="pages per alloc (one row per size and implementation), each at most the smallest pool "
                          "size")
     ap.add_argument("--num-pages", type=positive_int, default=65536, help="pages in the pool (without --pool-sizes)")
-    ap.add_argument("--pool-sizes", type=positive_int, nargs="+", default=None, metavar="P",
+    ap.add_argument("--pool-sizes", type=positive_int, nargs="+", action=Distinct, default=None, metavar="P",
                     help="sweep the pool size instead of --num-pages, e.g. 65536 262144 1048576 4194304 "
                          "16777216: every size is built at once and they take turns sample by sample "
                          "(alloc/free should stay flat; default: --num-pages alone)")
     ap.add_argument("--device", default=default_device(), type=device_arg, help="torch device of the pools")
-    ap.add_argument("--backends", nargs="+", default=None,
+    ap.add_argument("--backends", nargs="+", action=Distinct, default=None,
                     help="tpool backends to time (default: numba and reference on CPU; triton and reference on CUDA)")
     ap.add_argument("--samples", type=positive_int, default=30, help="samples per row (median, p20, p80 over them)")
     ap.add_argument("--inner", type=positive_int, default=None,

@@ -36,8 +36,8 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (HelpFormatter, check_backends, default_device, device_arg, out_path, positive_int,  # noqa: E402
-                     print_table, progress, quantiles, write_json)
+from _common import (Distinct, HelpFormatter, check_backends, default_device, device_arg, out_path,  # noqa: E402
+                     positive_int, print_table, progress, quantiles, write_json)
 from _engines import KVCacheBlocks, VllmBlockPool, VllmBlockTable, block_hash_key  # noqa: E402
 
 import tpool  # noqa: E402
@@ -158,10 +158,10 @@ def tpool_sampler(k, backend, device, sync, hand):
 def parser() -> argparse.ArgumentParser:
     """The command line: every option with its help and default."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EPILOG, formatter_class=HelpFormatter)
-    ap.add_argument("--k", type=positive_int, nargs="+", default=[8, 64, 512],
+    ap.add_argument("--k", type=positive_int, nargs="+", action=Distinct, default=[8, 64, 512],
                     help=f"pages per hit (of {PAGE_SIZE} tokens)")
     ap.add_argument("--device", default=default_device(), type=device_arg, help="torch device of the pools")
-    ap.add_argument("--backends", nargs="+", default=None,
+    ap.add_argument("--backends", nargs="+", action=Distinct, default=None,
                     help="tpool backends to time (default: numba and reference on CPU; triton and reference on CUDA)")
     ap.add_argument("--samples", type=positive_int, default=200,
                     help="calls timed per row, one call each, the rows taking turns (the reference backend: a "

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, check_backends, device_arg,  # noqa: E402
+from _common import (Distinct, COLD_BYTES, CacheFlusher, HelpFormatter, check_backends, device_arg,  # noqa: E402
                      non_negative_int, out_path, parse_args_for_plot, positive_int, print_table, progress, quantiles,
                      size_text, write_json)
 
@@ -324,7 +324,7 @@ def parser():
     ap.add_argument("--snapshot-every", type=positive_int, default=16, help="steps between async snapshots")
     ap.add_argument("--reconcile-every", type=positive_int, default=256,
                     help="steps between reconciliations; a multiple of --snapshot-every")
-    ap.add_argument("--scenarios", nargs="+", default=["plain", "shared"], choices=["plain", "shared"],
+    ap.add_argument("--scenarios", nargs="+", action=Distinct, default=["plain", "shared"], choices=["plain", "shared"],
                     help="mirror scenarios to run (default: plain shared)")
     ap.add_argument("--cold", action="store_true",
                     help="also run every scheduler with the CPU caches evicted before each step (a forward "

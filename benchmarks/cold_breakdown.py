@@ -50,8 +50,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import (COLD_BYTES, CacheFlusher, HelpFormatter, out_path, positive_int, print_table,  # noqa: E402
-                     progress, quantiles, size_text, write_json)
+from _common import (Distinct, COLD_BYTES, CacheFlusher, HelpFormatter, out_path, positive_int,  # noqa: E402
+                     print_table, progress, quantiles, size_text, write_json)
 from bench_page_table import PAGE_SIZE, make_reset, setup  # noqa: E402
 
 from tpool.kernels import layout as L  # noqa: E402
@@ -199,7 +199,8 @@ def rows_for(B):
 def parser():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter,
                                  epilog="Progress goes to stderr.")
-    ap.add_argument("--batch", type=positive_int, nargs="+", default=[256], metavar="B", help="requests in the batch")
+    ap.add_argument("--batch", type=positive_int, nargs="+", action=Distinct,
+                    default=[256], metavar="B", help="requests in the batch")
     ap.add_argument("--samples", type=positive_int, default=200, help="cold calls timed per row")
     ap.add_argument("--cold-bytes", type=positive_int, default=COLD_BYTES, help="bytes written before each timed call")
     ap.add_argument("--json", type=out_path, default="", metavar="PATH", help="also write the rows as JSON")

@@ -24,7 +24,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import HelpFormatter, out_path, positive_int, print_table, progress, quantiles, write_json  # noqa: E402
+from _common import (Distinct, HelpFormatter, out_path, positive_int, print_table, progress, quantiles,  # noqa: E402
+                     write_json)
 from bench_page_table import setup  # noqa: E402
 
 from tpool.graphs import preserved  # noqa: E402
@@ -33,7 +34,8 @@ from tpool.graphs import preserved  # noqa: E402
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
                                  epilog="Progress goes to stderr, one line per batch size and part.")
-    ap.add_argument("--batch", type=positive_int, nargs="+", default=[256], help="requests decoding at once (B)")
+    ap.add_argument("--batch", type=positive_int, nargs="+", action=Distinct,
+                    default=[256], help="requests decoding at once (B)")
     ap.add_argument("--samples", type=positive_int, default=20, help="calls timed per part")
     ap.add_argument("--json", type=out_path, metavar="PATH", help="also write the rows as JSON to this path")
     return ap

@@ -107,6 +107,27 @@ def test_every_page_table_row_starts_from_the_same_workload(extra, monkeypatch, 
         assert all(x == s[0] for x in s)
 
 
+LIST_VALUES = {"backends": ["numba", "reference"], "rows": ["tpool-numba step", "tpool-numba extend"]}
+
+
+@pytest.mark.parametrize("name", sorted(set(SCRIPTS) - {"bench_startup", "bench_prefix"})
+                         + ["ab_compare", "gpu_step_phases", "bench_e2e"])
+def test_a_list_option_keeps_each_value_once(name):
+    """Every option that takes a list (sizes, pool sizes, batches, k, backends, scenarios, rows) keeps a value
+    given twice once, in the order given: bench_pool.py --sizes 1 1 ran its rows twice and the second run's
+    baselines set the first rows' ratios (vllm-queue 0.22x against itself)."""
+    parser = load(name).parser()
+    lists = [a for a in parser._actions if a.nargs == "+"]
+    assert lists
+    for action in lists:
+        default = action.default if isinstance(action.default, list) and len(action.default) > 1 else None
+        values = [str(v) for v in (action.choices or LIST_VALUES.get(action.dest) or default or [4, 64])][:2]
+        option = action.option_strings[:1] or ["--"]                  # (ab_compare's rows: positional)
+        lead = ["tpool-numba step"] if name == "ab_compare" and action.dest != "rows" else []
+        got = getattr(parser.parse_args(lead + option + values + values), action.dest)
+        assert [str(v) for v in got] == values, (action.dest, got)
+
+
 @pytest.mark.parametrize("name", SCRIPTS + ["ab_compare", "gpu_step_phases"])
 def test_help_explains_every_option_and_its_default(name, monkeypatch):
     module = load(name)
