@@ -318,6 +318,23 @@ class Distinct(argparse.Action):
         setattr(namespace, self.dest, list(dict.fromkeys(values)))
 
 
+def device_timed_benchmark():
+    """A ``benchmark`` fixture for a pytest-benchmark suite's module (``benchmark = device_timed_benchmark()``):
+    pytest-benchmark's, whose clock on CUDA waits for the device's work before each read
+    (:func:`device_clock`), so the suite times what its calls do on the GPU, as the scripts' samples do. Not
+    for a suite that times host work alone (``test_bench_scheduler.py``: the mirror never waits for the
+    device, and its script reads the clock without a sync). A fixture of the module, not a ``conftest.py``:
+    the tests import helpers from ``tests/conftest.py`` by that module name, which a second conftest would
+    take over when both folders are collected in one run."""
+    import pytest
+
+    @pytest.fixture
+    def benchmark(benchmark):
+        device_clock(benchmark, torch.device(default_device()))
+        return benchmark
+    return benchmark
+
+
 def device_clock(benchmark, device: torch.device) -> None:
     """On CUDA, make pytest-benchmark's ``benchmark`` fixture read its clock after waiting for ``device``'s
     work, so a round of calls times the work they launched, as :func:`time_calls_us` does, not only their

@@ -158,9 +158,9 @@ def compare(args, into):
     flush = CacheFlusher() if args.cold else None
     inner = {}  # calls per sample, one count per row for both versions: paired samples do the same work
     for row in args.rows:
-        fn, reset = runs[(row, "base")]
-        n = (args.inner or 10) if args.cold else (args.inner or calibrate(fn, reset=reset, max_inner=bpt.WARM_INNER))
-        inner[(row, "base")] = inner[(row, "new")] = n
+        counts = [calibrate(fn, reset=reset, max_inner=bpt.WARM_INNER)  # (also each version's warm-up)
+                  for fn, reset in (runs[(row, "base")], runs[(row, "new")])]
+        inner[(row, "base")] = inner[(row, "new")] = (args.inner or 10) if args.cold else (args.inner or counts[0])
     keys, rng = list(runs), random.Random(args.seed)
     out = {k: [] for k in keys}
     for s in range(args.samples):

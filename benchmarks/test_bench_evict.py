@@ -14,10 +14,11 @@ and vLLM's are flat in the pool size; the scan's is linear.
 import pytest
 import torch
 
-from _common import default_device
+from _common import default_device, device_timed_benchmark
 from bench_evict import VllmEvict, cached_pools, malloc_keeps_memory, numpy_select
 
 DEVICE = default_device()
+benchmark = device_timed_benchmark()  # on CUDA its clock waits for the device (_common)
 BACKENDS = ["triton", "reference"] if DEVICE == "cuda" else ["numba", "reference"]
 POOL_SIZES = [65536, 1048576, 16777216]
 ROUNDS = 20

@@ -16,11 +16,12 @@ workloads as one table with ratios.
 
 import pytest
 
-from _common import CacheFlusher, calibrate, default_device, sync_of
+from _common import CacheFlusher, calibrate, default_device, device_timed_benchmark, sync_of
 from bench_page_table import WARM_INNER, make_reset, workloads
 import torch
 
 DEVICE = default_device()
+benchmark = device_timed_benchmark()  # on CUDA its clock waits for the device (_common)
 BACKEND = "triton" if DEVICE == "cuda" else "numba"
 DECODE = ["numpy-blocks", "vllm-blocks", f"tpool-{BACKEND} step", f"tpool-{BACKEND} bound step",
           f"tpool-{BACKEND} bound step, two StepOuts taking turns"] + (

@@ -18,10 +18,11 @@ import pytest
 
 import torch
 
-from _common import calibrate, default_device, sync_of
+from _common import calibrate, default_device, device_timed_benchmark, sync_of
 from bench_pool import pair_fns
 
 DEVICE = default_device()
+benchmark = device_timed_benchmark()  # on CUDA its clock waits for the device (_common)
 BACKENDS = ["triton", "reference"] if DEVICE == "cuda" else ["numba", "reference"]
 FAST = BACKENDS[0]
 IMPLS = (["vllm-queue", "sglang-paged", "torch-slice", "host-list"] + [f"tpool-{be}" for be in BACKENDS]

@@ -42,9 +42,10 @@ def test_bind_free_keeps_its_cache_flag(backend, cache):
 
 
 def _repoint(tensors):
-    """Re-point each of ``tensors`` by hand (``set_``) to new memory holding 99 (True for a bool);
-    returns what they hold then, for checking that no later call writes them."""
-    moved = [torch.full_like(t, True if t.dtype == torch.bool else 99) for t in tensors]
+    """Re-point each of ``tensors`` by hand (``set_``) to new memory holding 99 (False for a bool: the
+    calls below write True to every ``ok``); returns what they hold then, for checking that no later call
+    writes them."""
+    moved = [torch.full_like(t, False if t.dtype == torch.bool else 99) for t in tensors]
     for t, m in zip(tensors, moved):
         t.set_(m.clone())
     return moved

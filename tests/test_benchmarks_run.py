@@ -643,19 +643,25 @@ def test_size_text_never_rounds_a_count_down_to_0_mib():
 
 
 def test_the_pytest_benchmark_suites_read_their_clock_after_the_device_work(monkeypatch):
-    """device_clock (benchmarks/conftest.py's benchmark fixture): on CUDA each read of pytest-benchmark's clock
-    waits for the device first, so a round's calls are timed with the GPU work they launched; on a CPU the
-    clock is left as it is."""
+    """device_clock (the suites' benchmark fixture, device_timed_benchmark): on CUDA each read of
+    pytest-benchmark's clock waits for the device first, so a round's calls are timed with the GPU work
+    they launched; on a CPU the clock is left as it is. Checked through pytest-benchmark's own runner, which
+    reads the fixture's ``_timer`` around the calls it times."""
+    from pytest_benchmark.fixture import BenchmarkFixture
     common = load("_common")
     reads = iter([10.0, 12.5])
-    bench = types.SimpleNamespace(_timer=lambda: (log.append("clock"), next(reads))[1])
-    log, clock = [], bench._timer
+
+    def clock():
+        log.append("clock")
+        return next(reads)
+    log, bench = [], types.SimpleNamespace(_timer=clock, _disable_gc=False)
     common.device_clock(bench, torch.device("cpu"))
     assert bench._timer is clock
     monkeypatch.setattr(common, "sync_of", lambda device: lambda: log.append(("sync", str(device))))
     common.device_clock(bench, torch.device("cuda", 1))
-    assert [bench._timer(), bench._timer()] == [10.0, 12.5]
-    assert log == [("sync", "cuda:1"), "clock"] * 2
+    runner = BenchmarkFixture._make_runner(bench, lambda: log.append("call"), (), {})
+    assert runner(None) == (2.5, None)
+    assert log == [("sync", "cuda:1"), "clock", "call", ("sync", "cuda:1"), "clock"]
 
 
 def test_cache_flusher_writes_its_whole_buffer_anew():

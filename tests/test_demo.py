@@ -223,7 +223,7 @@ def test_admits_in_arrival_order_preempts_the_newest_and_recomputes_them(monkeyp
     newer ones), preemption releases the newest running requests, a readmitted request decodes all its
     output again from its prompt, and the summary counts every request released as a preemption. The
     mirror names one victim a step in this run; the first time, the recording mirror names the next
-    newest too (the most a step may release), and the summary counts both."""
+    newest too, so that one step releases two, and the summary must count both."""
     requests, batch, num_pages = 256, 64, 4096
     prompts, outputs = demo.request_lengths(requests)
     pairs = [(p, p + o) for p, o in zip(prompts, outputs)]

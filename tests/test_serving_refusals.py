@@ -6,6 +6,7 @@ transformers.
 """
 
 import re
+import types
 
 import pytest
 import torch
@@ -101,6 +102,20 @@ def test_a_cache_built_for_other_kv_heads_than_the_config_names_says_to_build_it
             f"(2, 2, 16) (num_layers, num_kv_heads, head_dim)")) as e:
         forward_step(model, torch.zeros(8, dtype=torch.long), ctx)
     assert "JetMoE" not in str(e.value) and _untouched(ctx)
+
+
+def test_a_kv_shape_mismatch_without_a_usable_config_names_the_shape_the_attention_uses():
+    """With no config to read (a module without one, or a config kv_shape cannot read: no heads), the message
+    gives the K/V shape the attention uses, claims nothing about the config, and raises nothing else."""
+    key = torch.zeros(1, 2, 3, 16)
+    cache = types.SimpleNamespace(num_kv_heads=4, head_dim=16)
+    bare = torch.nn.Module()
+    odd = torch.nn.Module()
+    odd.config = types.SimpleNamespace(model_type="odd", num_hidden_layers=2, num_attention_heads=0, hidden_size=64)
+    for module in (bare, odd):
+        text = hf._kv_shape_message(module, 0, key, cache)
+        assert text.endswith("the cache holds 4 heads of 16: build the PagedKVCache for 2 K/V heads of head_dim 16 "
+                             "(engine.kv_shape(model.config) gives the shape a config names)"), text
 
 
 # ------------------------------------------------------------ attention twice per layer

@@ -33,10 +33,11 @@ def _usage():
 
 
 def _usage_error(message):
-    """The usage, then ``<the command's name>: error: message``, on stderr, as argparse words its errors
-    (the subcommands' too); returns 2, argparse's exit status."""
+    """The usage line, then ``<the command's name>: error: message``, on stderr, as argparse words its
+    errors (the subcommands' too); returns 2, argparse's exit status."""
     from tpool._prog import prog
-    print(f"{_usage()}\n{prog()}: error: {message}", file=sys.stderr)
+    usage = _usage().splitlines()[0]
+    print(f"{usage}\n{prog()}: error: {message}", file=sys.stderr)
     return 2
 
 

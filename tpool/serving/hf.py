@@ -122,9 +122,12 @@ def _kv_shape_message(module, layer, key, cache) -> str:
             f"{cache.head_dim}")
     try:
         named = kv_shape(module.config)
-    except (AttributeError, ValueError):
+    except Exception:  # (only wording the refusal: no error of the config's may replace it)
         named = None
-    if named is not None and tuple(named[1:]) == attends:
+    if named is None:
+        return (f"{head}: build the PagedKVCache for {attends[0]} K/V heads of head_dim {attends[1]} "
+                f"(engine.kv_shape(model.config) gives the shape a config names)")
+    if tuple(named[1:]) == attends:
         return (f"{head}: build the PagedKVCache with the shape engine.kv_shape(model.config) gives, "
                 f"{tuple(named)} (num_layers, num_kv_heads, head_dim)")
     return (f"{head} (engine.kv_shape reads num_key_value_heads and head_dim from the config): this model's "
