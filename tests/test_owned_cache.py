@@ -355,6 +355,9 @@ def test_unsupported_values_raise_before_anything(copies):
         cache.put("b", [sliced(), np.zeros(3)])
     with pytest.raises(TypeError, match="layout"):
         cache.put("b", torch.randn(3, 3).to_sparse())
+    raw = torch.zeros(4 * UNIT, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="quantized dtype torch.qint8"):   # torch's copy of it raised RuntimeError,
+        cache.put("b", raw.view(torch.qint8)[1:])                       # after "a" was evicted for it
     assert copies == [] and cache.keys() == ["a"]
     with pytest.raises(ValueError):
         OwnedCache(-1)
@@ -799,7 +802,10 @@ def test_tensors_the_walkers_would_not_reach_are_refused_before_anything_is_evic
     big = torch.zeros(1 << 20)  # 4 MiB the cache would keep alive uncharged
     tagged = full(1)
     tagged.scales = big
-    for value, what in [({big: 1}, "dict key"), ({"w": tagged}, "attributes"), ([{(1, big): "x"}], "dict key")]:
+    stored = full(1)
+    stored.untyped_storage().scales = big  # torch keeps the storage's Python object, and what it holds
+    for value, what in [({big: 1}, "dict key"), ({"w": tagged}, "attributes"), ([{(1, big): "x"}], "dict key"),
+                        ([stored], "the tensor's storage's attributes")]:
         with pytest.raises(TypeError, match=what):
             cache.put("new", value)
         with pytest.raises(TypeError, match=what):

@@ -144,6 +144,7 @@ class _FakeDispatch(torch.Tensor):
     (lambda: torch.empty(3, device="meta"), "meta"),
     (lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)], layout=torch.jagged), "nested"),
     (lambda: torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8), "quantized"),
+    (lambda: torch.zeros(64, dtype=torch.uint8).view(torch.qint8)[1:20], "quantized dtype torch.qint8"),
     (lambda: torch.randn(4).as_subclass(_FakeDispatch), "__torch_dispatch__"),
     (lambda: torch._efficientzerotensor(10), "zero tensor"),   # storage_bytes said 40 B that do not exist
     (lambda: np.zeros(3), "torch.Tensor"),

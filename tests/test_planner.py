@@ -86,15 +86,18 @@ def test_suggested_fraction_is_the_smallest_that_works(page, percent, total, dat
         s = e.suggested_fraction
         if s is not None:
             assert plan_pages(page, s, **kw).num_pages >= 1
+            d = next(d for d in (2, 3, 4) if round(s, d) == s)   # its step: 0.01, else 0.001 or 0.0001
+            if d > 2:                                            # no multiple of 0.01 works on that side
+                assert round(s, 2) != s
             if s > percent / 100:   # too few pages: the smallest fraction that gives them
-                if s > 0.01:
+                if s > 10 ** -d:
                     with pytest.raises(PlanError):
-                        plan_pages(page, round(s - 0.01, 2), **kw)
+                        plan_pages(page, round(s - 10 ** -d, d), **kw)
             else:                   # no room beside the pool: the largest smaller fraction that leaves it
                 assert s < percent / 100
-                if round(s + 0.01, 2) < percent / 100:
+                if round(s + 10 ** -d, d) < percent / 100:
                     with pytest.raises(PlanError):
-                        plan_pages(page, round(s + 0.01, 2), **kw)
+                        plan_pages(page, round(s + 10 ** -d, d), **kw)
     else:
         assert plan.num_pages >= 1 and plan.pool_bytes <= plan.pool_budget_bytes < plan.pool_bytes + page
         assert plan.used_bytes + plan.pool_budget_bytes <= plan.static_budget_bytes <= total
@@ -313,6 +316,21 @@ def test_no_room_beside_the_pool_at_a_fraction_between_percents():
         plan_pages(8 * MIB, 0.995, **kw)
     assert info.value.suggested_fraction == 0.99
     assert plan_pages(8 * MIB, 0.99, **kw).num_pages == 126
+
+
+@pytest.mark.parametrize("fraction, says, suggested", [(0.9, ">=", 0.994), (1.0, "<=", 0.999)])
+def test_a_suggestion_finer_than_a_percent_when_no_percent_works(fraction, says, suggested):
+    """79.5 GiB of 80 in use after the weights: every whole percent either gives no page or, rounded up to
+    give them, so many (1.00: 255) that nothing is left beside them for the scratch page and the state; a
+    step of 0.001 finds the fraction that works (0.994: 10 pages, 0.999: 215), where the suggestion used to
+    be None ("no fraction leaves room")."""
+    kw = dict(total_bytes=80 * GIB, free_bytes=GIB // 2)
+    with pytest.raises(PlanError, match=f"use mem_fraction_static {says} {suggested}$") as info:
+        plan_pages(2 * MIB, fraction, **kw)
+    assert info.value.suggested_fraction == suggested
+    assert plan_pages(2 * MIB, suggested, **kw).num_pages == (10 if fraction < 1 else 215)
+    with pytest.raises(PlanError):                           # the next step past it does not work
+        plan_pages(2 * MIB, round(suggested - 0.001 if fraction < 1 else suggested + 0.001, 3), **kw)
 
 
 def test_no_room_beside_the_pool_suggests_a_fraction_giving_exactly_min_pages():

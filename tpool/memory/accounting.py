@@ -55,6 +55,9 @@ __all__ = ["payload_bytes", "storage_bytes", "compact_bytes", "storage_key", "re
 StorageKey = tuple[str, int, int]  # (device type, device index or -1, storage object id)
 
 
+_QUANTIZED_DTYPES = frozenset((torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4))
+
+
 def check_ownable(t: Any) -> torch.Tensor:
     """Return ``t`` if it is a dense strided tensor with real storage, else raise.
 
@@ -73,7 +76,7 @@ def check_ownable(t: Any) -> torch.Tensor:
     ------
     TypeError
         ``t`` is not a tensor, or its kind has no countable storage (nested,
-        sparse or another non-strided layout, quantized, meta, a subclass with
+        sparse or another non-strided layout, quantized or of a quantized dtype, meta, a subclass with
         ``__torch_dispatch__``, a functorch-wrapped tensor, a ZeroTensor).
     ValueError
         ``t`` is not empty and its offset and strides reach past the end of
@@ -89,6 +92,8 @@ def check_ownable(t: Any) -> torch.Tensor:
         kind = f"layout {t.layout}"
     elif t.is_quantized:
         kind = "quantized tensor"
+    elif t.dtype in _QUANTIZED_DTYPES:  # raw bytes viewed as one (not is_quantized): torch's copy refuses it
+        kind = f"tensor of quantized dtype {t.dtype} (a view of raw bytes: torch copies it only from floats)"
     elif t.is_meta:
         kind = "meta tensor (it holds no data)"
     elif type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:

@@ -142,7 +142,11 @@ class OwnedCache:
     Parameters
     ----------
     budget_bytes : int
-        Most storage bytes the cache may charge, >= 0.
+        Most storage bytes the cache may charge, >= 0: the storages that stay
+        alive and the values' text leaves, not an entry's host objects (~1.5 KB
+        of Python objects and records an entry, uncharged: a value of 0 bytes is
+        charged 0) nor, on CUDA, the caching allocator's rounding of a copy up to
+        512 B. Bound the entries by count where they are tiny (``len(cache)``).
     arena : Arena, optional
         Store entries in this arena (tensors must be on ``arena.device``); its
         alignment must be at least ``MIN_ARENA_ALIGNMENT`` (16 bytes). The

@@ -34,7 +34,9 @@ Note:
     The fraction is read as the decimal it is written as (0.88 is 22/25),
     so the numbers are exact. When ``N < min_pages`` (the weights already
     fill the static budget) :class:`PlanError` names the smallest fraction,
-    rounded up to 0.01, that would give ``min_pages`` pages.
+    rounded up to 0.01, that would give ``min_pages`` pages and leave room
+    beside them (to 0.001 or 0.0001 when no multiple of 0.01 does: rounding
+    up by up to 0.01 of a device adds pages that can take that room).
 
     ``N`` is the number of pages to ask for, and ``pool`` = ``N x
     bytes_per_page`` their K/V only: ``PagedKVCache.from_pool`` of an
@@ -61,7 +63,8 @@ from tpool.state import pool_state_bytes
 __all__ = ["plan_pages", "PagePlan", "PlanError"]
 
 GIB = 1 << 30  # bytes in a GiB, for explain()
-FRACTION_STEP = 100  # suggested fractions are rounded up to 1 / FRACTION_STEP
+FRACTION_STEP = 100  # suggested fractions are rounded to 1 / FRACTION_STEP ...
+FINER_STEPS = (1000, 10000)  # ... or, where no such fraction works, to the coarsest of these that does
 
 
 class PlanError(ValueError):
@@ -152,6 +155,12 @@ def _measure(device, total_bytes, free_bytes) -> tuple[int, int, str]:
             f"torch.cuda.mem_get_info({device}) after empty_cache()")
 
 
+def _decimal(fraction: Fraction) -> str:
+    """A suggested fraction (a multiple of 0.01, 0.001 or 0.0001) written exactly: 0.94, 0.90, 0.994."""
+    digits = next(d for d in range(2, 5) if (fraction * 10 ** d).denominator == 1)
+    return f"{float(fraction):.{digits}f}"
+
+
 def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, total_bytes: int | None = None,
                free_bytes: int | None = None, reserve_bytes: int = 0, weights_bytes: int | None = None,
                min_pages: int = 1, max_pages: int | None = None) -> PagePlan:
@@ -194,11 +203,12 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
     ------
     PlanError
         Fewer than ``min_pages`` pages fit; its ``suggested_fraction`` is the
-        smallest fraction (rounded up to 0.01) that gives ``min_pages``, or
-        None if even 1.0 does not. Or the memory left beside the pool (the
+        smallest fraction (rounded up to 0.01, or to 0.001 or 0.0001 when no
+        multiple of 0.01 works) that gives ``min_pages`` and room beside them,
+        or None if none does. Or the memory left beside the pool (the
         runtime reserve, at a fraction near 1) cannot hold its scratch page
         and state; ``suggested_fraction`` is then the largest smaller fraction
-        that can. A subclass of ``ValueError``.
+        that can (the same steps). A subclass of ``ValueError``.
     ValueError
         An argument of the wrong type (a bool is not a size or a fraction)
         or out of its range, ``free_bytes > total_bytes``, or total or free
@@ -254,14 +264,34 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
         need = bytes_per_page + pool_state_bytes(pages)
         return need, pages == 0 or left_after(pages) >= need   # (0: no pool)
 
+    def smallest_that_fits(need):
+        """The smallest fraction, at the coarsest step that has one, whose pages (>= min_pages: its static
+        budget holds ``need``) leave room beside them; None if none does. At exactly ``need`` what is left
+        beside min_pages pages is fixed; a fraction rounded up past it adds pages, which a fine enough
+        step keeps from eating that room."""
+        for resolution in (FRACTION_STEP, *FINER_STEPS):
+            step = math.ceil(Fraction(need, total) * resolution)
+            if step <= resolution and beside(pages_at(Fraction(step, resolution))[2])[1]:
+                return Fraction(step, resolution)
+        return None
+
+    def largest_that_fits():
+        """The largest fraction below ``fraction``, at the coarsest step that has one, that still gives
+        min_pages pages and leaves room beside them; None if none does. Fewer pages leave more room, so
+        each step's search goes down until a fraction fits or gives fewer than min_pages."""
+        for resolution in (FRACTION_STEP, *FINER_STEPS):
+            step = math.ceil(fraction * resolution) - 1
+            while step > 0 and (p := pages_at(Fraction(step, resolution))[2]) >= min_pages:
+                if beside(p)[1]:
+                    return Fraction(step, resolution)
+                step -= 1
+        return None
+
     static, pool_budget, pages = pages_at(fraction)
     if pages < min_pages:
         need = used + reserve_bytes + min_pages * bytes_per_page
-        step = math.ceil(Fraction(need, total) * FRACTION_STEP)
-        suggested = step / FRACTION_STEP if step <= FRACTION_STEP else None
-        if suggested is not None and not beside(pages_at(Fraction(step, FRACTION_STEP))[2])[1]:
-            suggested = None   # the fraction that gives min_pages leaves no room beside them
-        fix = (f"use mem_fraction_static >= {suggested:.2f}" if suggested is not None
+        suggested = smallest_that_fits(need) if need <= total else None
+        fix = (f"use mem_fraction_static >= {_decimal(suggested)}" if suggested is not None
                else f"even mem_fraction_static=1.0 is short by {need - total:,} B; use a bigger device "
                     "or fewer weights per device" if need > total
                else "no fraction leaves room for them and for the pool's scratch page and state beside them; "
@@ -270,22 +300,19 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
             f"the static budget ({static:,} B = {total:,} B x {mem_fraction_static}) leaves "
             f"{pool_budget:,} B for the pool after {used:,} B in use (weights, context, other) and "
             f"{reserve_bytes:,} B extra reserve; {min_pages} page(s) of {bytes_per_page:,} B need "
-            f"{min_pages * bytes_per_page:,} B: {fix}", suggested)
+            f"{min_pages * bytes_per_page:,} B: {fix}", None if suggested is None else float(suggested))
     need, fits = beside(pages)
     if not fits:
         # At a fraction near 1 the runtime reserve is smaller than the scratch page and the state the pool
         # takes from it: the plan could not be allocated at its own numbers. The largest fraction below
         # that leaves room (and still gives min_pages), if any.
-        step = math.ceil(fraction * FRACTION_STEP) - 1
-        while step > 0 and not ((p := pages_at(Fraction(step, FRACTION_STEP))[2]) >= min_pages and beside(p)[1]):
-            step -= 1
-        suggested = step / FRACTION_STEP if step > 0 else None
-        fix = f"use mem_fraction_static <= {suggested:.2f}" if suggested is not None else \
+        suggested = largest_that_fits()
+        fix = f"use mem_fraction_static <= {_decimal(suggested)}" if suggested is not None else \
             "no fraction leaves room for both; use a bigger device or fewer weights per device"
         raise PlanError(
             f"the runtime reserve ({total - static:,} B = total - static budget) cannot hold what the pool takes "
             f"beside its {pages:,} pages: PagedKVCache.from_pool's scratch page and the PagePool state, {need:,} "
             f"B (after the pool, {left_after(pages):,} B would be left): "
-            f"{fix}", suggested)
+            f"{fix}", None if suggested is None else float(suggested))
     return PagePlan(bytes_per_page, float(fraction), total, free, pending, used, static,
                     total - static, reserve_bytes, pool_budget, pages, pages * bytes_per_page, source)

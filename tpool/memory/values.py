@@ -96,6 +96,8 @@ def _kind(obj: Any, check: bool = True) -> str:
             if base is not None and (attrs := tensor_attrs(base)):
                 _check_attrs(attrs, "the viewed tensor", hint=(", or pass a copy or a detach() of the view (a view "
                                                                      "keeps the tensor it views alive)"))
+            if attrs := storage_attrs(obj):
+                _check_attrs(attrs, "the tensor's storage", hint=", or pass a copy (a copy has a storage of its own)")
         return kind
     if kind == "dict" and check:
         for k in obj:
@@ -107,6 +109,15 @@ def _kind(obj: Any, check: bool = True) -> str:
             if _check_attrs(attrs, f"a {type(obj).__name__}", obj) if check else _aliases(attrs, obj):
                 kind += "+attrs"
     return kind
+
+
+def storage_attrs(t: torch.Tensor) -> dict:
+    """The Python attributes set on ``t``'s storage (``t.untyped_storage().extra = ...``: torch keeps the
+    storage's Python object, and what it holds, alive with the tensor); {} for a tensor without one."""
+    try:
+        return getattr(t.untyped_storage(), "__dict__", None) or {}
+    except (NotImplementedError, RuntimeError):  # (sparse, nested: refused by check_ownable)
+        return {}
 
 
 def tensor_attrs(t: torch.Tensor) -> dict:
