@@ -237,8 +237,10 @@ def own(t: torch.Tensor) -> torch.Tensor:
         (same storage and strides, no copy): the history could keep saved
         activations alive, and the ``.grad``, the hooks' closures or the
         viewed tensor's attributes would stay alive uncharged; they stay
-        with ``t``. An ``nn.Parameter`` comes back a plain tensor, as a copy
-        does.
+        with ``t``. An ``nn.Parameter`` detached or copied comes back a plain
+        tensor; one that holds nothing more comes back itself (a later
+        ``.grad`` on it would stay alive uncharged in an ``OwnedCache``, whose
+        ``check_invariants()`` reports it).
         Otherwise a
         new tensor of ``t``'s shape, dtype, device and values, in exactly
         :func:`compact_bytes` bytes (see :func:`compact`).
