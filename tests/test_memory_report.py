@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tpool import PagePool, PageTable
+from tpool.memory import report as report_module
 from tpool.memory.owned_cache import OwnedCache
 from tpool.memory.report import MemoryReport, format_report, main, memory_report
 
@@ -340,6 +341,7 @@ def _rusage_with_maxrss(monkeypatch, maxrss):
             return maxrss if name == "ru_maxrss" else getattr(self.r, name)
 
     monkeypatch.setattr(resource, "getrusage", lambda who: Usage(real(who)))
+    monkeypatch.setattr(report_module, "_PEAK_SEEN", [0])  # (what earlier reports in this process read)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss is in KiB on Linux")
@@ -353,6 +355,17 @@ def test_the_peak_rss_is_never_below_the_current_rss(monkeypatch):
     _rusage_with_maxrss(monkeypatch, 1)
     p = memory_report("cpu").process
     assert p.rss_bytes > 1 << 20 and p.peak_rss_bytes == p.rss_bytes
+
+
+def test_the_peak_rss_never_goes_down_between_reports(monkeypatch):
+    """With ``ru_maxrss`` lagging, the peak is the highest RSS a report has read: a later report, after
+    the RSS fell, still says the earlier, higher one (it said the current RSS, lower than it had said)."""
+    _rusage_with_maxrss(monkeypatch, 1)
+    seen = iter([100 << 20, 50 << 20])
+    monkeypatch.setattr(report_module, "_rss", lambda: next(seen))
+    first, second = memory_report("cpu").process, memory_report("cpu").process
+    assert (first.rss_bytes, first.peak_rss_bytes) == (100 << 20, 100 << 20)
+    assert (second.rss_bytes, second.peak_rss_bytes) == (50 << 20, 100 << 20)
 
 
 def test_format_report_shows_mib_only_for_byte_quantities_and_a_bool_as_text():

@@ -1221,6 +1221,9 @@ def test_dict_keys_are_charged_and_only_keys_that_cannot_be_are_refused():
             with pytest.raises(TypeError, match="the cache key"):
                 cache.put(cache_key, full(0))
             assert (cache.keys(), cache.stats().current_bytes, cache.stats().duplicates) == before
+    with pytest.raises(TypeError, match=r"key: expected a hashable key, as a dict's, got a list \(unhashable type"):
+        cache.put([1, 2], full(0))                   # (it said the key's bytes could not be counted)
+    assert (cache.keys(), cache.stats().current_bytes, cache.stats().duplicates) == before
     prompt, path = "p" * 2000, pathlib.Path("images") / "a.png"
     keys = {tuple(range(100)): 1, prompt: 2, uuid.uuid4(): 3, datetime.date(2024, 1, 1): 4, torch.Tensor: 5,
             path: 6, datetime.datetime(2024, 1, 1, tzinfo=datetime.timezone.utc): 7, datetime.timedelta(3): 8,

@@ -252,6 +252,11 @@ class OwnedCache:
             not stored; the cache's charge is still exact.
         """
         if type(key) is not str and type(key) is not int:  # (the common keys at two tests)
+            try:
+                hash(key)
+            except TypeError as e:
+                raise TypeError(f"key: expected a hashable key, as a dict's, got a {type(key).__name__} ({e}); "
+                                "a tuple for a list of token ids") from None
             # The key stays alive with the entry: one holding a tensor is refused, before anything changes. Its
             # text is not charged (a key is the caller's name for the entry, as in any dict; a value's is).
             values._check_key(key, "the cache key")

@@ -150,12 +150,20 @@ def _tracked(objs: Any, kind: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+_PEAK_SEEN = [0]  # the highest RSS a report of this process has read: a peak never goes down
+
+
+def _rss() -> int:
+    """The process's resident bytes now (``OSError``/``ValueError``/``IndexError`` where unreadable)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def _process() -> Process:
     rss = peak = None
     reasons = []
     try:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        rss = _rss()
     except (OSError, ValueError, IndexError):
         reasons.append("rss: /proc/self/statm unreadable")
     try:
@@ -163,7 +171,8 @@ def _process() -> Process:
 
         scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB elsewhere
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-        peak = peak if rss is None else max(peak, rss)  # ru_maxrss can lag the current RSS
+        peak = max(peak, rss or 0, _PEAK_SEEN[0])  # ru_maxrss can lag the current RSS, which an earlier report read
+        _PEAK_SEEN[0] = peak
     except (ImportError, OSError):
         reasons.append("peak rss: module resource unavailable")
     return Process(rss, peak, "; ".join(reasons) or None)
