@@ -72,9 +72,10 @@ def block_table_rows_kernel(
         live = f < n_cells
         r = tl.load(req_ids_ptr + f // MP, mask=live, other=NULL_PAGE)
         valid = live & (r >= 0) & (r < R)
-        page = tl.load(block_table_ptr + r.to(tl.int64) * MP + f % MP, mask=valid, other=NULL_PAGE)
+        col = f % MP
+        page = tl.load(block_table_ptr + r.to(tl.int64) * MP + col, mask=valid, other=NULL_PAGE)
         tl.store(out_ptr + f, page, mask=live)
-        bad += tl.sum((live & (f % MP == 0) & ~valid & (r != NULL_PAGE)).to(tl.int64), axis=0)
+        bad += tl.sum((live & (col == 0) & ~valid & (r != NULL_PAGE)).to(tl.int64), axis=0)
     store_counters(counters_ptr, counter_add(load_counters(counters_ptr), ERR_BAD_REQUEST, bad))
 
 

@@ -225,18 +225,26 @@ def test_page_table_time_row_settles_and_splits_its_samples(monkeypatch):
     assert [(e[0], e[2]["samples"]) for e in log if e[0] != "calibrate"] == [("warm", 3)]
 
 
+def _label_workloads(monkeypatch, bpt, label):
+    """Wrap ``bpt.workloads`` so that each function it makes is labelled ``label(row name)`` (read when it is
+    made); returns the labels by ``id(fn)``, for stand-ins that take the function only."""
+    labels, workloads = {}, bpt.workloads
+
+    def labelled(*a, **k):
+        impls = workloads(*a, **k)
+        labels.update({id(fn): label(name) for name, (fn, _, _) in impls.items()})
+        return impls
+    monkeypatch.setattr(bpt, "workloads", labelled)
+    return labels
+
+
 def test_page_table_ratios_are_the_baseline_of_the_rows_kind_over_the_row(tmp_path, monkeypatch, capsys):
     """bench_page_table.py with each row's quantiles made up (a warm and a cold median per row): every decode
     row's ratio is numpy-blocks' (vllm-blocks') decode median over the row's, every turnover row's that of the
     baselines' turnover rows, warm against warm and cold against cold; extend-only, csr-only and the floor
     have none."""
     bpt = load("bench_page_table")
-    names, workloads = {}, bpt.workloads
-
-    def tagged(*a, **k):
-        impls = workloads(*a, **k)
-        names.update({id(fn): name for name, (fn, _, _) in impls.items()})
-        return impls
+    names = _label_workloads(monkeypatch, bpt, lambda name: name)
     cost = {"numpy-blocks": 40.0, "numpy-blocks turnover": 100.0, "vllm-blocks": 30.0, "vllm-blocks turnover": 120.0}
 
     def warm_of(name):
@@ -248,7 +256,6 @@ def test_page_table_ratios_are_the_baseline_of_the_rows_kind_over_the_row(tmp_pa
             w = warm_of(names[id(fn)])
             out[k] = ((w, w, w), (w + 7, w + 7, w + 7) if flush and kind != "other" else None)
         return out
-    monkeypatch.setattr(bpt, "workloads", tagged)
     monkeypatch.setattr(bpt, "time_row", time_row)
     out = tmp_path / "pt.json"
     bpt.main(["--batch", "2", "--backends", "numba", "--cold", "--cold-bytes", "4096", "--json", str(out)])
@@ -655,13 +662,7 @@ def test_ab_compare_table_from_made_up_samples(monkeypatch, capsys, tmp_path):
     base = types.SimpleNamespace(PagePool=tpool.PagePool, PageTable=tpool.PageTable)
     monkeypatch.setitem(sys.modules, ab.BASE_NAME, base)
     monkeypatch.setattr(ab.bpt, "tpool", ab.bpt.tpool)  # (compare sets it: put back even if the test fails)
-    labels, workloads = {}, ab.bpt.workloads
-
-    def tagged(*a, **k):
-        impls = workloads(*a, **k)
-        labels.update({id(fn): "base" if ab.bpt.tpool is base else "new" for fn, _, _ in impls.values()})
-        return impls
-    monkeypatch.setattr(ab.bpt, "workloads", tagged)
+    labels = _label_workloads(monkeypatch, ab.bpt, lambda name: "base" if ab.bpt.tpool is base else "new")
     made_up = {"base": iter([2.0, 2.0, 2.0]), "new": iter([1.0, 1.0, 3.0])}
     inners = []
     monkeypatch.setattr(ab, "time_sample", lambda fn, reset, inner, flush: (inners.append((labels[id(fn)], inner)),
