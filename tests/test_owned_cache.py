@@ -126,6 +126,52 @@ def test_pinned_entries_block_admission_without_eviction(copies):
     assert cache.keys() == ["pinned", "d"] and cache.stats().evictions == 1
 
 
+def test_max_entries_bounds_the_entries_as_the_budget_bounds_their_bytes():
+    """Empty values are charged 0 B, so the budget alone admits any number of them (each ~1.5 KB of
+    host objects, uncharged): max_entries bounds them, evicting the least recently used unpinned entry."""
+    cache = OwnedCache(0, max_entries=3)
+    assert cache.max_entries == 3
+    for i in range(1000):
+        assert cache.put(i, torch.empty(0))
+    assert cache.keys() == [997, 998, 999] and cache.stats().evictions == 997
+    cache.get(997)
+    cache.pin(998)
+    assert cache.put("new", torch.empty(0)) and cache.keys() == [998, 997, "new"]  # 999: least recent, unpinned
+    assert cache.put(997, torch.empty(0)) and len(cache) == 3  # a duplicate evicts nothing
+    cache.pin(997)
+    cache.pin("new")
+    s = cache.stats()
+    assert not cache.put("refused", torch.empty(0))  # every entry pinned: refused, nothing evicted
+    assert cache.keys() == [998, "new", 997]
+    assert (cache.stats().rejections, cache.stats().evictions) == (s.rejections + 1, s.evictions)
+    assert cache.stats().fragmentation_evictions == 0  # an eviction for the count is not one for the arena's room
+    cache.check_invariants()
+
+
+def test_max_entries_with_an_arena_and_the_budget_together():
+    cache = OwnedCache(4 * UNIT, max_entries=2, arena=Arena(8 * UNIT, "cpu", alignment=256))
+    assert cache.put("a", full()) and cache.put("b", full())
+    assert cache.put("c", full()) and cache.keys() == ["b", "c"]  # the count, not the bytes, evicted "a"
+    assert cache.put("d", full(4)) and cache.keys() == ["d"]  # the bytes evicted both
+    assert cache.stats().evictions == 3 and cache.arena.num_blocks == 1
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
+def test_max_entries_must_be_a_count(bad):
+    with pytest.raises(ValueError, match="max_entries"):
+        OwnedCache(UNIT, max_entries=bad)
+
+
+def test_check_invariants_counts_the_entries_against_max_entries():
+    cache = OwnedCache(4 * UNIT, max_entries=2)
+    cache.put("a", full())
+    cache.put("b", full())
+    cache._max_entries = 1  # hand-edited state: the entries outgrew it
+    with pytest.raises(InvariantViolation, match="2 entries, max_entries 1"):
+        cache.check_invariants()
+
+
 def test_evicts_before_copying(copies):
     cache = OwnedCache(4 * UNIT)
     copies.cache = cache
@@ -651,10 +697,10 @@ OPS = st.lists(st.tuples(st.sampled_from(["put", "put", "get", "pin", "unpin", "
 
 
 @settings(max_examples=150, deadline=None)
-@given(OPS)
-def test_random_ops_match_an_lru_model(ops):
+@given(OPS, st.sampled_from([None, None, 0, 1, 2, 4]))
+def test_random_ops_match_an_lru_model(ops, max_entries):
     budget = 6 * UNIT
-    cache = OwnedCache(budget)
+    cache = OwnedCache(budget, max_entries=max_entries)
     order, size, pins = [], {}, {}  # the model
     evictions = rejections = 0
     for op, k, units, view in ops:
@@ -663,10 +709,12 @@ def test_random_ops_match_an_lru_model(ops):
             if k in size:
                 order.remove(k)
                 order.append(k)
-            elif units * UNIT + sum(size[p] for p in order if pins[p]) > budget:
+            elif units * UNIT + sum(size[p] for p in order if pins[p]) > budget or (
+                    max_entries is not None and sum(1 for p in order if pins[p]) >= max_entries):
                 rejections += 1
             else:
-                while sum(size.values()) + units * UNIT > budget:
+                while sum(size.values()) + units * UNIT > budget or (
+                        max_entries is not None and len(size) >= max_entries):
                     victim = next(p for p in order if not pins[p])
                     order.remove(victim)
                     del size[victim], pins[victim]

@@ -8,8 +8,8 @@ Note:
     2. plan (:func:`tpool.memory.ownership.plan_ownership`): check every leaf and
        price the entry, copying nothing;
     3. reject, evicting nothing, if it cannot fit even with every unpinned
-       entry gone (budget; with an arena also a free range between pinned
-       blocks). With an arena, an entry whose block the value reads (a
+       entry gone (budget and ``max_entries``; with an arena also a free
+       range between pinned blocks). With an arena, an entry whose block the value reads (a
        value from ``get``, put back) counts as pinned for this put: its
        block must outlive the copy;
     4. evict unpinned entries, least recently used first, until it fits;
@@ -146,7 +146,12 @@ class OwnedCache:
         alive and the values' text leaves, not an entry's host objects (~1.5 KB
         of Python objects and records an entry, uncharged: a value of 0 bytes is
         charged 0) nor, on CUDA, the caching allocator's rounding of a copy up to
-        512 B. Bound the entries by count where they are tiny (``len(cache)``).
+        512 B: bound those with ``max_entries`` where entries are tiny.
+    max_entries : int, optional
+        Most entries the cache holds, >= 0; None (the default) bounds them by
+        ``budget_bytes`` alone. A ``put`` of a new key into a full cache evicts
+        the least recently used unpinned entry, as the budget does, or is
+        refused when every entry is pinned.
     arena : Arena, optional
         Store entries in this arena (tensors must be on ``arena.device``); its
         alignment must be at least ``MIN_ARENA_ALIGNMENT`` (16 bytes). The
@@ -155,8 +160,8 @@ class OwnedCache:
     Raises
     ------
     ValueError
-        ``budget_bytes`` is not an int >= 0 (a bool is not), or the arena's
-        alignment is below 16 bytes.
+        ``budget_bytes`` or ``max_entries`` is not an int >= 0 (a bool is not),
+        or the arena's alignment is below 16 bytes.
     TypeError
         ``arena`` is not an :class:`~tpool.memory.arena.Arena`.
 
@@ -170,13 +175,16 @@ class OwnedCache:
     819200
     """
 
-    def __init__(self, budget_bytes: int, *, arena: Arena | None = None):
+    def __init__(self, budget_bytes: int, *, max_entries: int | None = None, arena: Arena | None = None):
         budget_bytes = check_size(budget_bytes, "budget_bytes", 0)
+        if max_entries is not None:
+            max_entries = check_size(max_entries, "max_entries", 0)
         if arena is not None and not isinstance(arena, Arena):
             raise TypeError(f"arena must be an Arena, got {type(arena).__name__}")
         if arena is not None and arena.alignment < MIN_ARENA_ALIGNMENT:
             raise ValueError(f"arena.alignment must be >= {MIN_ARENA_ALIGNMENT}, got {arena.alignment}")
         self._budget = budget_bytes
+        self._max_entries = max_entries
         self.arena = arena
         self._lock = threading.RLock()  # every public call holds it: threads may share one cache
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()  # LRU first
@@ -196,9 +204,10 @@ class OwnedCache:
 
         Runs the admission order of the module note: a duplicate ``key`` keeps
         the old value (nothing copied) and refreshes its recency; a value that
-        cannot fit even with every unpinned entry gone is refused with nothing
-        evicted; otherwise unpinned entries are evicted, least recently used
-        first, until it fits. With an arena an entry whose block ``value``
+        cannot fit even with every unpinned entry gone (in the budget, and
+        below ``max_entries``) is refused with nothing evicted; otherwise
+        unpinned entries are evicted, least recently used first, until it
+        fits. With an arena an entry whose block ``value``
         reads (a value from :meth:`get` put back under another key) is
         never evicted for it: if it cannot fit without that block, it is
         refused. What is stored is ``value`` rebuilt (new containers) around
@@ -266,15 +275,15 @@ class OwnedCache:
             return True
         plan = self._plan(value)
         stay = self._read_by(plan) | self._pinned.keys()
-        if not self._fits(plan, stay=stay):
+        if not self._fits(plan, stay=stay) or self._full(len(stay)):
             self._counts["rejections"] += 1
             return False
-        while not self._fits(plan):
+        while not self._fits(plan) or self._full(len(self._entries)):
             victim = next((k for k in self._entries if k not in stay), None)
             if victim is None:  # (not reached while the room check above is exact; refuse, never raise)
                 self._counts["rejections"] += 1
                 return False
-            if self._current + self._cost(plan) <= self.budget_bytes:
+            if self._current + self._cost(plan) <= self.budget_bytes and not self._full(len(self._entries)):
                 self._counts["fragmentation_evictions"] += 1
             self._drop(victim)
             self._counts["evictions"] += 1
@@ -286,6 +295,10 @@ class OwnedCache:
         self._counts["bytes_saved"] += max(0, self._retained_elsewhere(plan) - entry.nbytes)
         self._peak = max(self._peak, self._current)
         return True
+
+    def _full(self, entries: int) -> bool:
+        """Whether a cache holding ``entries`` entries has no room for one more."""
+        return self._max_entries is not None and entries >= self._max_entries
 
     def _retained_elsewhere(self, plan: OwnershipPlan) -> int:
         """What ``plan``'s value kept alive as given, less the arena's own buffer: a value read from
@@ -368,6 +381,11 @@ class OwnedCache:
     def budget_bytes(self) -> int:
         """The most bytes the cache charges; change it with :meth:`set_budget`."""
         return self._budget
+
+    @property
+    def max_entries(self) -> int | None:
+        """The most entries the cache holds (None: bounded by ``budget_bytes`` alone)."""
+        return self._max_entries
 
     @_locked
     def set_budget(self, budget_bytes: int) -> None:
@@ -711,7 +729,8 @@ class OwnedCache:
         of the charged size and holds its tensors, and that the arena has no
         other live block: a block no entry holds is leaked), the storage
         ledger, the storages it holds and its reference counts,
-        ``0 <= current <= peak``, ``current <= budget``, that no counter is negative, and that
+        ``0 <= current <= peak``, ``current <= budget``, the entries against ``max_entries``,
+        that no counter is negative, and that
         every entry still holds only what ``put`` admits (a caller may add a tensor to the
         attributes of a tensor it shares with the cache: ``cache.get("t").extra = big``).
 
@@ -772,6 +791,7 @@ class OwnedCache:
                  f"current_bytes {self._current} != recounted {sum(held.values()) + in_blocks + leaves}")
         _require(0 <= self._current <= min(self._peak, self.budget_bytes),  # (set_budget may lower it below peak)
                  f"not 0 <= current {self._current} <= peak {self._peak} and budget {self.budget_bytes}")
+        _require(not self._full(len(self._entries) - 1), f"{len(self._entries)} entries, max_entries {self._max_entries}")
         _require(min(self._counts.values()) >= 0, f"negative counter in {self._counts}")
         _require(all(k in self._entries for k in self._pinned), f"pinned keys not in the cache: "
                  f"{[k for k in self._pinned if k not in self._entries][:8]}")
