@@ -1696,6 +1696,30 @@ def test_a_fork_counting_cached_pages_reserves_what_is_unreserved(backend):
     assert m.res[row] == 1 and m.unreserved == 0
 
 
+def test_a_forks_copy_on_write_page_counting_cached_pages_is_repaid_by_an_eviction(backend):
+    """The copy-on-write page comes from FREE pages: with count_cached, the one FREE page may be another row's
+    reservation (session 43, helper-157: the docstring said unreserved stays >= 0). It goes to -1; the refused
+    decode names the eviction, not a preemption (which would release a request whose reservation was lent);
+    evicting shortfall() CACHED pages repays it and the decode runs, every lane granted."""
+    pool, m = _mirror(backend, num_pages=8, rows=4, max_pages=6)
+    (a,) = m.admit([8], [8])
+    m.finish([a], cache=True)                        # 2 CACHED
+    (b,) = m.admit([8], [20])                        # 2 pages + 1 reserved
+    (c,) = m.admit([5], [6])                         # 2 pages, none reserved
+    m.admit([4], [4])                                # 1 page: the one FREE page is b's reservation
+    assert (m.free, m.unreserved, m.cached) == (1, 0, 2)
+    m.fork(c, 5, 5, count_cached=True)               # 1 shared page + the copy-on-write page, taken now
+    assert (m.free, m.unreserved, m.shortfall()) == (0, -1, 1)
+    with pytest.raises(WouldNotFit, match=r"-1 unreserved \(a count_cached revive or fork took 1 page\(s\) the "
+                                          r"CACHED pages are to repay: evict shortfall\(\) CACHED pages first"):
+        m.decode([b])
+    m.evict(m.shortfall())
+    assert m.unreserved == 0
+    assert m.decode([b]).ok.tolist() == [True]
+    m.reconcile(m.snapshot())
+    assert m.free == pool.available() and m.exact
+
+
 def test_shortfall_is_zero_when_the_step_fits_and_counts_the_pages_missing_otherwise(backend):
     pool, m = _mirror(backend, num_pages=8)
     assert m.shortfall() == 0 and m.shortfall([4]) == 0

@@ -277,6 +277,15 @@ class Accounting:
         """Table rows no request holds (what ``admit``, ``fork`` and ``revive`` take)."""
         return len(self._free_rows)
 
+    def _no_room_hint(self, ask: str) -> str:
+        """What a refused step should do first: ``ask`` (preemption), or, while a ``count_cached``
+        revive or fork has left ``unreserved`` negative, evict the CACHED pages that repay it: preempting
+        a running request would not be needed."""
+        if self.unreserved >= 0:
+            return ask
+        return (f"a count_cached revive or fork took {-self.unreserved} page(s) the CACHED pages are to repay: "
+                f"evict shortfall() CACHED pages first (PrefixCache.evict), not preemption")
+
     def running(self) -> list:
         """The rows that hold a request, ascending (a host list: no device read)."""
         return np.flatnonzero(self.live).tolist()

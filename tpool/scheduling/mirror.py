@@ -305,7 +305,8 @@ class HostMirror(MixedSteps, Accounting):
         if code == NO_ROOM:
             need = self._need(r, n)
             raise WouldNotFit(f"decode: needs {int((need - np.minimum(need, self.res[r])).sum())} pages beyond "
-                              f"reservations, {self.unreserved} unreserved (ask preemption first)")
+                              f"reservations, {self.unreserved} unreserved "
+                              f"({self._no_room_hint('ask preemption first')})")
         self._seq += 1
         taken, used, granted, full, uncertain = acct.tolist()
         if uncertain:
@@ -505,10 +506,14 @@ class HostMirror(MixedSteps, Accounting):
         table's :class:`~tpool.table_results.ForkResult` is kept in :attr:`last_fork` (device
         tensors, table-owned) so the caller copies the KV of ``cow_src`` into ``cow_dst``.
         ``n_tokens`` must be within ``src``'s sure length. ``count_cached``: its reservation may
-        be covered by the ``cached`` pages, as for :meth:`revive` (the copy-on-write page is taken by
-        the fork itself, so it comes from ``free``); unlike revive, it reserves only the pages
-        unreserved now (``unreserved`` stays >= 0), so a later ``decode`` or ``step`` of the row
-        counts the rest as any row's growth.
+        be covered by the ``cached`` pages, as for :meth:`revive`; unlike revive, it reserves only the
+        pages unreserved now, so a later ``decode`` or ``step`` of the row counts the rest as any
+        row's growth. The copy-on-write page (a partial last page) is taken by the fork itself, so it
+        comes from ``free``: with ``count_cached`` that may be a page reserved for another row when
+        none is unreserved, which leaves ``unreserved`` at -1 until :meth:`shortfall` pages are
+        evicted, and no step runs before (``decode`` and ``step`` refuse it, naming the eviction);
+        without ``count_cached`` ``unreserved`` stays >= 0. A loop that evicts once after its
+        admissions, as for revive, repays it there.
         """
         src, n_tokens = _checks.check_size(src, "src"), _checks.check_size(n_tokens, "n_tokens")
         ps, m = self.page_size, self.capacity if max_len is None else _checks.check_size(max_len, "max_len")

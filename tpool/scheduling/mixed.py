@@ -133,7 +133,7 @@ class MixedSteps:
         if code == NO_ROOM:
             raise WouldNotFit(f"step: the decode lanes need {max(self._extra(r, nn), 0)} pages beyond their "
                               f"reservations and the {k} prompts {admit} with theirs, {self.unreserved} unreserved "
-                              f"(ask can_admit with these rows, and preemption, first)")
+                              f"({self._no_room_hint('ask can_admit with these rows, and preemption, first')})")
         self._seq += 1
         self._full = None
         if b:
