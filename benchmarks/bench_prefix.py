@@ -96,7 +96,7 @@ def requests(a):
 def held(a) -> int:
     """The most tokens a request of the workload ever holds in a row."""
     from tpool.serving.engine import max_len
-    return max(max_len(r, spec_every=a.spec_every, draft_len=a.draft_len) for r in requests(a))
+    return max(max_len(r) for r in requests(a))
 
 
 def check_args(ap, a) -> None:

@@ -73,6 +73,9 @@ def test_a_pool_too_small_rejects_instead_of_looping():
     lines.clear()   # one page, smaller than a warm-up request's max_len was: still a clean "nothing to run"
     demo.run(num_pages=1, requests=4, backend="numba", out=lambda s, **_: lines.append(s))
     assert "nothing to run" in "\n".join(lines) and lines[-1].endswith("no errors, invariants hold")
+    lines.clear()   # one page of one token: a warm-up request with no token to decode (it asked for a second)
+    demo.run(num_pages=1, page_size=1, requests=4, backend="numba", out=lambda s, **_: lines.append(s))
+    assert "nothing to run" in "\n".join(lines) and lines[-1].endswith("no errors, invariants hold")
 
 
 def test_some_requests_rejected_the_rest_finish():
@@ -147,7 +150,7 @@ def test_model_demo_without_transformers_is_a_clean_error(monkeypatch, capsys):
                                          (["--backend", "bogus"], "invalid choice"),
                                          (["--batch", "0"], "argument --batch/--max-batch: expected a positive"),
                                          (["--num-pages", "1"], "request 0: expected prompt"),
-                                         (["--num-pages", "10"], "raise --num-pages to at least 16 (pages of "
+                                         (["--num-pages", "10"], "raise --num-pages to at least 15 (pages of "
                                                                  "--page-size 4 tokens)")])
 def test_model_demo_bad_options_are_clean_errors(args, words, capsys):
     pytest.importorskip("transformers")

@@ -345,6 +345,20 @@ def test_the_engine_keeps_its_pages_on_the_models_device():
         engine.Engine(bare, **size)
 
 
+def test_the_model_demo_bounds_the_tokens_of_its_kv_pages(capsys):
+    """--page-size had no bound: 10,000,000 tokens a page passed the option checks and failed allocating
+    ~125 GB of K/V with a traceback. The pool's tokens (pages x page size) are bounded, before anything is built."""
+    from tpool.serving.cli import MAX_POOL_TOKENS, main as serve_main
+    with pytest.raises(SystemExit) as e:
+        serve_main(["--model", "llama", "--page-size", "10000000", "--requests", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and (f"error: --num-pages x --page-size: expected at most {MAX_POOL_TOKENS:,} tokens "
+                                  f"of K/V pages, got 48 x 10,000,000 = 480,000,000") in err, err
+    with pytest.raises(SystemExit):
+        serve_main(["--model", "llama", "--num-pages", str(MAX_POOL_TOKENS // 4), "--page-size", "5"])
+    assert f"got {MAX_POOL_TOKENS // 4:,} x 5 = {MAX_POOL_TOKENS // 4 * 5:,}" in capsys.readouterr().err
+
+
 def test_the_model_demo_on_cuda_without_cuda_is_an_option_error(capsys):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")

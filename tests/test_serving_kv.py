@@ -129,12 +129,14 @@ def test_two_threads_checking_at_once_raise_the_counts_once():
         sys.setswitchinterval(old)
 
 
-def test_copy_pages_copies_every_layer_and_skips_minus_one(guard):
-    c = _cache()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])  # (index_copy_ has no float8 kernel)
+def test_copy_pages_copies_every_layer_and_skips_minus_one(guard, dtype):
+    c = _cache(dtype=dtype)
     torch.manual_seed(0)
     for t in c.k + c.v:
-        t.copy_(torch.randn_like(t))
-    before_k, before_v = [t.clone() for t in c.k], [t.clone() for t in c.v]
+        t.copy_(torch.randn(t.shape).to(dtype))
+    raw = lambda ts: [t.view(torch.uint8) for t in ts]  # noqa: E731  (torch.equal has no float8 kernel either)
+    before_k, before_v = [t.clone() for t in raw(c.k)], [t.clone() for t in raw(c.v)]
     with guard():
         c.copy_pages(i32([1, -1, 4, 2, 6, -1, 0]), i32([3, 0, -1, 5, 1, 9, -2]))  # the last three: outside
     with pytest.raises(tpool.InvalidPage, match="invalid_copy_page: 3") as e:
@@ -144,7 +146,7 @@ def test_copy_pages_copies_every_layer_and_skips_minus_one(guard):
         want_k, want_v = before_k[layer].clone(), before_v[layer].clone()
         want_k[3], want_v[3] = before_k[layer][1], before_v[layer][1]
         want_k[5], want_v[5] = before_k[layer][2], before_v[layer][2]
-        assert torch.equal(c.k[layer], want_k) and torch.equal(c.v[layer], want_v)
+        assert torch.equal(raw(c.k)[layer], want_k) and torch.equal(raw(c.v)[layer], want_v)
     with pytest.raises(ValueError, match="dst: expected 2 entries, got 1"):
         c.copy_pages(i32([1, 2]), i32([3]))
 

@@ -230,19 +230,20 @@ def test_gpu_engine_run_never_syncs_but_for_the_sampled_tokens(monkeypatch):
     assert 0 < seen_clock[0] <= stats["clock"]
 
 
-@pytest.mark.parametrize("rid, prompt_len", [(1, 5), (3, 2)])   # plain: 5 + 4 - 1; speculative: 2 + 4 - 1 + 3
-def test_a_request_at_the_limit_runs_and_one_past_it_is_refused(llama, rid, prompt_len):
+@pytest.mark.parametrize("rid", [1, 3])   # plain, speculative: 5 + 4 - 1 either way (no draft past max_new)
+def test_a_request_at_the_limit_runs_and_one_past_it_is_refused(llama, rid):
     """A row holds 2 pages of 4 tokens: a request holding exactly 8 tokens at most (its last token is
-    never fed; a speculative one feeds 3 drafts past its last) runs and matches generate."""
+    never fed; a speculative one drafts no token past the ones it may keep) runs and matches generate."""
     kw = dict(num_pages=2, page_size=4, max_batch=2, max_pages=2, backend="reference", spec_every=3, draft_len=3)
-    fits = engine.Request(rid, list(range(5, 5 + prompt_len)), max_new=4)
+    fits = engine.Request(rid, [5, 6, 7, 5, 6], max_new=4)   # (a repeat: prompt lookup drafts from it)
     assert engine.Engine(llama, **kw)._max_len(fits) == 8
     eng = engine.Engine(llama, **kw)
     assert eng.run([fits]) == engine.reference_tokens(llama, [fits])
     assert eng.check()["pages.used.peak"] == 2
-    past = engine.Request(rid, list(range(5, 6 + prompt_len)), max_new=4)
-    with pytest.raises(ValueError, match=rf"request {rid}: expected prompt \+ max_new - 1 \(\+ draft_len if "
-                                         rf"speculative\) <= 8 tokens .*got 9"):
+    assert eng.stats.drafted == (0 if rid == 1 else eng.stats.drafted) and (rid == 1 or eng.stats.drafted > 0)
+    past = engine.Request(rid, list(range(5, 11)), max_new=4)
+    with pytest.raises(engine.RequestTooLong, match=rf"request {rid}: expected prompt \+ max_new - 1 <= 8 tokens "
+                                                    rf"\(max_pages and the pool\), got 9"):
         engine.Engine(llama, **kw).run([past])
 
 
@@ -259,7 +260,7 @@ def test_the_demo_sizes_rows_by_the_tokens_a_request_holds(monkeypatch):
     engine.run_demo("llama", backend="reference", out=None, requests=4, num_pages=16, page_size=4, max_batch=4,
                     max_new=(3, 6))
     reqs = engine.make_requests(4, max_new=(3, 6), system_len=8)   # (the demo's system prompt)
-    held = max(len(r.prompt) + r.max_new - 1 + (3 if r.rid % 3 == 0 else 0) for r in reqs)
+    held = max(len(r.prompt) + r.max_new - 1 for r in reqs)
     assert seen["max_pages"] == -(-held // 4) and seen["spec_every"] == 3 and seen["draft_len"] == 3
 
 
@@ -381,7 +382,7 @@ def _random_config(seed, vocab):
     reqs = engine.make_requests(rng.randint(4, 12), seed=seed, vocab_size=vocab, max_new=(1, rng.randint(1, 9)),
                                 prompt_len=(1, rng.randint(2, 20)), share_every=rng.choice([0, 2, 3, 5]),
                                 system_len=rng.choice([0, 3, 8, 12]))
-    need = -(-max(engine.max_len(r, spec_every=spec_every, draft_len=draft_len) for r in reqs) // ps)
+    need = -(-max(engine.max_len(r) for r in reqs) // ps)
     kw = dict(num_pages=need + rng.randint(0, 3 * need), page_size=ps, max_batch=rng.randint(1, 6), max_pages=need,
               spec_every=spec_every, draft_len=draft_len, prefix_cache=rng.random() < 0.75)
     return reqs, kw
@@ -427,8 +428,7 @@ def test_the_demo_takes_a_system_prompt_whose_longest_request_holds_exactly_the_
     """S14: ``held > positions`` refuses; a request holding exactly max_position_embeddings tokens is served."""
     positions = 512
     kw = dict(vocab_size=256, max_new=(4, 16))
-    held = lambda s: max(engine.max_len(r, spec_every=3, draft_len=3)  # noqa: E731
-                         for r in engine.make_requests(2, seed=0, system_len=s, **kw))
+    held = lambda s: max(engine.max_len(r) for r in engine.make_requests(2, seed=0, system_len=s, **kw))  # noqa: E731
     s = next(s for s in range(positions - 120, positions) if held(s) == positions)
 
     class Built(Exception):
@@ -550,7 +550,7 @@ def test_at_most_one_snapshot_of_the_pool_is_in_flight(llama, monkeypatch):
     monkeypatch.setattr(engine.Engine, "_reconcile",
                         lambda self, **k: (reconcile(self, **k), in_flight.append(len(self._snapshots)))[0])
     reqs = engine.make_requests(10, share_every=5)          # forks: releases leave the mirror inexact
-    max_pages = -(-max(engine.max_len(r, spec_every=3, draft_len=3) for r in reqs) // 4)
+    max_pages = -(-max(engine.max_len(r) for r in reqs) // 4)
     eng = engine.Engine(llama, num_pages=24, page_size=4, max_batch=4, max_pages=max_pages, backend="numba",
                         prefix_cache=False)
     assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
@@ -620,6 +620,19 @@ def test_a_request_is_admitted_at_the_step_it_arrives(llama, monkeypatch):
     reqs = [R(0, [5, 6, 7], 4, arrival=0), R(1, [8, 9], 4, arrival=2)]
     assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
     assert seen == [(0, 0), (2, 1)]
+
+
+def test_the_loop_skips_the_steps_before_the_next_arrival_when_nothing_runs(llama, monkeypatch):
+    """An arrival far ahead (a timestamp-like step number) made run() loop through every empty step to it.
+    With nothing running, the loop goes to the next arrival at once; a request arriving while others run
+    still waits for its step."""
+    steps = []
+    reconcile = engine.Engine._reconcile
+    monkeypatch.setattr(engine.Engine, "_reconcile", lambda self, **k: (steps.append(1), reconcile(self, **k))[1])
+    eng = _plain(llama, 16, 2, 4, prefix_cache=False)
+    reqs = [R(0, [5, 6, 7], 2, arrival=2000), R(1, [8, 9], 2, arrival=2001), R(2, [3, 4], 4, arrival=5000)]
+    assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
+    assert len(steps) == eng.stats.steps < 20        # one loop a step: no empty step between
 
 
 def test_a_step_of_prefills_only_evicts_the_cached_pages_it_needs(llama):
@@ -723,8 +736,8 @@ def test_packed_batches_are_padded_to_a_power_of_two_tokens(llama, monkeypatch):
 def test_stats_count_drafts_accepted_rollbacks_and_tokens_exactly(llama, monkeypatch):
     """With drafts whose fate is known (an oracle that drafts generate's next tokens, the last of them
     wrong for requests 1 and 2): ``drafted`` and ``accepted`` count draft tokens, ``rollbacks`` counts
-    the lanes with rejected drafts (two per step here), ``tokens_out`` the tokens kept: a lane whose
-    accepted drafts pass its ``max_new`` keeps only ``max_new``."""
+    the lanes with rejected drafts, ``tokens_out`` the tokens kept. A lane feeds at most the drafts it
+    may still keep less one, whatever the drafter proposes: a draft past them would be cut at ``max_new``."""
     prompts = {0: [5, 6, 7, 8], 1: [9, 10, 11, 12], 2: [13, 14, 15, 16]}
     max_new = {0: 3, 1: 5, 2: 5}
     ahead = engine.reference_tokens(llama, [R(i, p, max_new[i] + 3) for i, p in prompts.items()])
@@ -742,8 +755,9 @@ def test_stats_count_drafts_accepted_rollbacks_and_tokens_exactly(llama, monkeyp
     got = eng.run(reqs)
     assert got == engine.reference_tokens(llama, reqs)
     s = eng.stats
-    # request 0: 3 drafts, all accepted, 2 kept; requests 1 and 2: 3 drafts (2 accepted) twice, rolled back twice
-    assert (s.drafted, s.accepted, s.rollbacks) == (3 + 6 + 6, 3 + 4 + 4, 4)
+    # After the prefill (1 token each): request 0 may keep 2 more, so it feeds 1 draft (accepted: done); requests 1
+    # and 2 may keep 4, feed 3 drafts (2 accepted, rolled back: 4 tokens), then may keep 1 and feed none.
+    assert (s.drafted, s.accepted, s.rollbacks) == (1 + 3 + 3, 1 + 2 + 2, 2)
     assert s.tokens_out == sum(map(len, got.values())) == 13
     eng.check()
 
@@ -789,3 +803,103 @@ def test_kv_shape_refuses_a_v_head_dim_other_than_the_k_head_dim():
     with pytest.raises(ValueError, match=r"llama: not supported by tpool.serving: K and V head dims differ "
                                          r"\(head_dim 16, v_head_dim 8\)"):
         engine.kv_shape(cfg)
+
+
+# A review of the serving engine (session 43, helper-158): a learned position table, an error inside a run,
+# a composite model.
+
+def _gpt2(n_positions):
+    import transformers
+    from tpool.serving import hf
+    cfg = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2, n_positions=n_positions,
+                                  initializer_range=0.25, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return hf.from_config(cfg, dtype=torch.float32).eval()
+
+
+def test_drafts_stop_at_max_new_so_a_request_filling_a_learned_position_table_runs():
+    """A speculative lane fed up to draft_len drafts past the tokens it could still keep: cut at max_new
+    anyway, they reached positions generate never does, past GPT-2's n_positions (IndexError; on CUDA a
+    device assert). A request of exactly n_positions - 1 fed tokens, speculative, now matches generate."""
+    model = _gpt2(24)
+    reqs = [engine.Request(0, [5, 6, 7, 5, 6, 7, 5], max_new=17)]   # rid 0: speculative; 7 + 17 - 1 = 23 fed
+    eng = engine.Engine(model, num_pages=8, page_size=4, max_batch=2, max_pages=6, backend="numba",
+                        eos_token_id=None)
+    assert eng.positions == (24, "transformer.wpe") and engine.max_len(reqs[0]) == 23
+    want = engine.reference_tokens(model, reqs, eos_token_id=None)
+    assert eng.run(reqs) == want and eng.stats.drafted > 0
+    eng.check()
+
+
+def test_a_request_past_a_learned_position_table_is_refused_before_the_run():
+    """check_fits bounds prompt + max_new - 1 by the table's rows (generate fails past it too), naming the
+    table: it used to be admitted and fail inside the model, its row and pages left taken."""
+    model = _gpt2(16)
+    eng = engine.Engine(model, num_pages=8, page_size=4, max_batch=2, max_pages=8, backend="numba")
+    eng.check_fits([engine.Request(0, list(range(1, 13)), max_new=5)])             # 12 + 5 - 1 = 16
+    with pytest.raises(ValueError, match=r"request 1: expected prompt \+ max_new - 1 <= 16 tokens \(the model's "
+                                         r"position table transformer\.wpe has 16 rows\), got 17"):
+        eng.run([engine.Request(1, list(range(1, 13)), max_new=6)])
+    assert eng.check()["pages.used.current"] == 0
+
+
+@pytest.mark.parametrize("prefix_cache, where", [(False, "forward"), (True, "forward"), (False, "fork")])
+def test_an_error_inside_a_run_releases_its_rows_and_the_engine_serves_the_next_run(llama, monkeypatch,
+                                                                                    prefix_cache, where):
+    """An exception in the model's forward (a bad model, an interrupt) or in a fork's page copy (a float8
+    cache's, before copy_pages copied bytes) left the running requests' rows and pages taken (the fork's
+    too: it was not running yet), and the next run and check() passed over them. run() releases them
+    before it raises."""
+    reqs = engine.make_requests(10, system_len=8 if prefix_cache else 0)
+    eng = _engine(llama, "numba", reqs, prefix_cache=prefix_cache, **CACHED)
+    calls = [0]
+
+    def failing(real, after):
+        def call(*a, **k):
+            calls[0] += 1
+            if calls[0] == after:
+                raise RuntimeError(f"the {where} failed")
+            return real(*a, **k)
+        return call
+    if where == "forward":
+        monkeypatch.setattr(engine, "forward_step", failing(engine.forward_step, 6))
+    else:
+        monkeypatch.setattr(eng.cache, "copy_pages", failing(eng.cache.copy_pages, 1))
+    with pytest.raises(RuntimeError, match=f"the {where} failed"):
+        eng.run(reqs)
+    assert all(r.row is None for r in reqs)
+    stats = eng.check()                                    # no row held, no page in use, the mirror exact
+    assert stats["pages.used.current"] == 0 and eng.mirror.rows_free == eng.max_batch
+    monkeypatch.undo()
+    again = engine.make_requests(10, system_len=8 if prefix_cache else 0)
+    assert eng.run(again) == engine.reference_tokens(llama, again)
+    eng.check()
+
+
+def test_check_refuses_a_row_held_or_a_page_in_use_after_a_run(llama):
+    eng = _plain(llama, 8, 2, 4)
+    eng.mirror.admit([5], [8])                            # a row and its pages taken outside any run
+    with pytest.raises(AssertionError, match="2 pages in use, 1 rows held"):
+        eng.check()
+
+
+def test_a_composite_models_engine_reads_its_text_config():
+    """Gemma 3 as AutoModelForCausalLM builds it (Gemma3ForConditionalGeneration: a vision tower and a text
+    decoder) passed check_model and forward_step, but Engine read the top config, which names no layers, and
+    refused it as not supported. kv_shape reads the text decoder's config; the engine serves it as generate."""
+    import transformers
+    from tpool.serving import hf
+    text = transformers.Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                                         pad_token_id=0, eos_token_id=None, bos_token_id=None)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=32, patch_size=16)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                    image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    torch.manual_seed(0)
+    model = hf.from_config(cfg, dtype=torch.float32).eval()
+    assert engine.kv_shape(model.config) == (2, 2, 16) == engine.kv_shape(text)
+    reqs = engine.make_requests(4, vocab_size=290, share_every=0)
+    eng = engine.Engine(model, num_pages=32, page_size=4, max_batch=4, max_pages=16, backend="numba")
+    assert eng.run(reqs) == engine.reference_tokens(model, reqs)
+    eng.check()

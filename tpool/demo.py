@@ -64,13 +64,15 @@ def run(requests=256, batch=64, num_pages=4096, page_size=16, seed=0, device=Non
 
     # Warm up every kernel once (compilation: the table's and the mirror's), leaving no trace in the state.
     # The warm request may grow past its first page, but never past a row of the table (max_pages == 1
-    # when a page holds the longest request) nor past the pool (--num-pages 1): the mirror's capacity.
+    # when a page holds the longest request) nor past the pool (--num-pages 1): the mirror's capacity. A
+    # capacity of one token (--num-pages 1 --page-size 1) leaves it no token to decode.
     from tpool.graphs import preserved
     with preserved(table):
         warm = HostMirror(table, lookahead=LOOKAHEAD, free=num_pages, cached=0)
         rows = warm.admit([1], [min(page_size + 2, warm.capacity)])
-        warm.preemption(rows, [0])
-        warm.decode(rows)
+        if warm.capacity > 1:
+            warm.preemption(rows, [0])
+            warm.decode(rows)
         warm.finish(rows)
     mirror = HostMirror(table, lookahead=LOOKAHEAD, free=num_pages, cached=0)  # a fresh pool: nothing to read
 

@@ -34,6 +34,9 @@ the built model. Both are Python only, no tensor is read.
 """
 
 import inspect
+import re
+
+from torch import nn
 
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")  # the layer types the paged attention serves
 # Model types whose attention module is called more than once per forward with one layer_idx.
@@ -102,6 +105,46 @@ def check_config(cfg) -> None:
             raise ValueError(f"model: expected a rope_type whose frequencies are fixed ('default', 'linear', 'yarn', "
                              f"'llama3', ...), got {at} rope_type {kind!r} in {name}'s config: {why}, so a lane "
                              f"packed next to a longer one would get other frequencies than alone")
+
+
+_POSITION_TABLE = re.compile(r"(^|_)(pos|position|positions)(_|$)|^wpe$")  # a table's name: wpe, embed_positions, ...
+
+
+def position_limit(model) -> tuple[int, str] | None:
+    """``(positions, table)``: how many positions ``model``'s absolute position table holds and its
+    name, or None where none bounds them (rotary embeddings compute any position).
+
+    A learned table is an ``nn.Embedding`` other than the input embeddings whose name says
+    position (GPT-2's and GPT-Neo's ``wpe``, OPT's and BioGPT's ``embed_positions``, less the
+    ``offset`` they add to each position); a fixed one a 2-D buffer so named (CTRL's
+    ``pos_encoding``, GPT-J's and CodeGen's ``embed_positions`` of sin/cos rows, XGLM's
+    ``embed_positions.weights``). A position past it indexes out of the table: an ``IndexError``
+    on a CPU, a device-side assert (the process ends) on CUDA. The smallest table bounds the
+    model. Only the text decoder's count (a composite model's vision tower has tables of
+    patches), and only floating ones (``position_ids`` buffers are indices). Python only: no
+    tensor is read.
+    """
+    inputs = model.get_input_embeddings()
+    try:
+        dec = model.get_decoder()
+    except (AttributeError, ValueError, NotImplementedError):
+        dec = None
+    if not isinstance(dec, nn.Module) or not any(m is inputs for m in dec.modules()):
+        dec = model   # (get_decoder is best effort: ModernBERT-decoder's returns its LM head's projection)
+    found, inside = [], {id(m) for m in dec.modules()}
+    for name, module in model.named_modules():   # (the names the model's own state dict uses)
+        if id(module) not in inside:
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if (isinstance(module, nn.Embedding) and module is not inputs and module.weight.is_floating_point()
+                and _POSITION_TABLE.search(leaf)):
+            found.append((module.num_embeddings - int(getattr(module, "offset", 0) or 0), name))
+        for buf_name, buf in module.named_buffers(recurse=False):
+            if (buf.dim() == 2 and buf.is_floating_point()
+                    and (_POSITION_TABLE.search(buf_name) or _POSITION_TABLE.search(leaf))):
+                rows = buf.shape[0] - int(getattr(module, "offset", 0) or 0)
+                found.append((rows, f"{name}.{buf_name}" if name else buf_name))
+    return min(found) if found else None
 
 
 def decoder_forward(model):

@@ -16,6 +16,7 @@ INSTALL_HF = "pip install 'transformers>=5' (the hf extra; pip install -e \".[hf
 MAX_REQUESTS = 10_000    # each request is generated again by transformers to check it
 MAX_PAGES = 1 << 18      # 262,144 pages, each with the K/V of every layer
 MAX_BATCH = 1 << 10      # lanes of one forward
+MAX_POOL_TOKENS = MAX_PAGES * 4   # num_pages x page_size: the K/V of 1,048,576 tokens (the default page size's most)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -29,7 +30,8 @@ def parser() -> argparse.ArgumentParser:
                     help=f"number of prompts, at most {MAX_REQUESTS:,} (default 32)")
     ap.add_argument("--num-pages", type=at_most(MAX_PAGES, "each page holds the K/V of every layer"), default=48,
                     help=f"pool pages, too few for all, at most {MAX_PAGES:,} (default 48)")
-    ap.add_argument("--page-size", type=positive_int, default=4, help="tokens per page (default 4)")
+    ap.add_argument("--page-size", type=positive_int, default=4,
+                    help=f"tokens per page (default 4); --num-pages x --page-size at most {MAX_POOL_TOKENS:,}")
     ap.add_argument("--batch", "--max-batch", dest="max_batch", type=at_most(MAX_BATCH, "lanes of one forward"),
                     default=8, metavar="N", help=f"most requests running at once, lanes per step, at most "
                                                  f"{MAX_BATCH:,} (default 8)")

@@ -5,7 +5,8 @@ Note: the loop schedules on a host mirror of the pool
 integers kept from what the loop itself asked for, never from a device read,
 and the loop never reads a step's ``ok``. Each running request holds a
 reservation of the pages its next ``1 + draft_len`` tokens need (the worst
-case of a speculative lane: every draft accepted), so no step can fail for
+case of a speculative lane: every draft accepted; never past its ``max_len``, as
+a lane drafts no token past its ``max_new``), so no step can fail for
 lack of pages; the pages of drafts the model rejects come back at
 ``truncate``, and the reservation is topped up again from there. Before a step the
 mirror names the requests to preempt if the step's lanes would not fit
@@ -49,7 +50,7 @@ from tpool.pool import DEFAULT_MAX_BATCH, PagePool
 from tpool.scheduling import HostMirror, PrefixCache, PrefixMatch
 from tpool.serving import checks
 from tpool.serving.attention import step_metadata
-from tpool.serving.cli import MODELS
+from tpool.serving.cli import MAX_POOL_TOKENS, MODELS
 from tpool.serving.hf import ATTN_IMPLEMENTATION, PagedContext, check_model, forward_step
 from tpool.serving.kv import PagedKVCache
 
@@ -83,7 +84,9 @@ def tiny_model(name: str, *, seed: int = 0, vocab_size: int = 256):
 
 def kv_shape(config):
     """``(num_layers, num_kv_heads, head_dim)`` of a transformers config: one K/V shape for every layer,
-    K and V alike (what :class:`PagedKVCache` holds).
+    K and V alike (what :class:`PagedKVCache` holds). A composite model's config (Gemma 3's, Llava's: a
+    vision tower and a text decoder) is read through its text decoder's, as ``check_model`` and
+    ``forward_step`` read it.
 
     Raises ``ValueError`` naming the model type for a config no such shape describes: multi-head
     latent attention (DeepSeek-V2/V3: ``kv_lora_rank``; K and V are per query head, with their own
@@ -92,6 +95,8 @@ def kv_shape(config):
     config whose layers are not all attention (:func:`tpool.serving.checks.check_layers`: Mamba,
     Qwen3-Next, ...) or that names no attention heads.
     """
+    if callable(getattr(config, "get_text_config", None)):
+        config = config.get_text_config(decoder=True)
     kind = getattr(config, "model_type", None) or type(config).__name__
     checks.check_layers(config)
     missing = [a for a in ("num_hidden_layers", "num_attention_heads") if getattr(config, a, None) is None]
@@ -159,12 +164,13 @@ class Request:
         return self.prompt + self.out
 
 
-def max_len(r: Request, *, spec_every: int, draft_len: int) -> int:
-    """The most tokens ``r`` ever holds in an :class:`Engine`'s table (the mirror's ``max_len``):
-    its last token is never fed; a speculative lane (``rid`` a multiple of ``spec_every``)
-    feeds up to ``draft_len`` drafts past its last fed token."""
-    spec = bool(spec_every) and r.rid % spec_every == 0
-    return len(r.prompt) + max(r.max_new - 1, 0) + (draft_len if spec else 0)
+def max_len(r: Request) -> int:
+    """The most tokens ``r`` ever holds in an :class:`Engine`'s table (the mirror's ``max_len``), the
+    positions it ever feeds: its prompt and ``max_new - 1`` new tokens (its last token is never fed).
+    A speculative lane drafts at most the tokens it may still keep less one (``Engine._feeds``): a
+    draft past them would be cut at ``max_new`` whatever the model says, and would feed a position
+    ``generate`` never reaches (past a learned position table: GPT-2's ``n_positions``)."""
+    return len(r.prompt) + max(r.max_new - 1, 0)
 
 
 @dataclass
@@ -224,6 +230,7 @@ class Engine:
         max_batch = _checks.check_size(max_batch, "max_batch", 1)
         self.model = model
         self.vocab = model.get_input_embeddings().num_embeddings   # token ids run checks against
+        self.positions = checks.position_limit(model)              # (rows, name) of a position table, or None
         # The pool's max_batch bounds a step's lanes: at least the table's rows (its default otherwise).
         self.pool = PagePool(num_pages, page_size, device=device, backend=backend,
                              max_batch=max(max_batch, DEFAULT_MAX_BATCH))
@@ -262,9 +269,11 @@ class Engine:
         return bool(self.spec_every) and r.rid % self.spec_every == 0
 
     def _max_len(self, r):
-        return max_len(r, spec_every=self.spec_every, draft_len=self.draft_len)
+        return max_len(r)
 
     def _draft(self, r):
+        """Prompt-lookup drafts: the ``draft_len`` tokens that followed the last earlier occurrence of
+        ``r``'s last token (else its last tokens)."""
         if not self.draft_len:
             return []  # (``toks[-0:]`` below would be every token)
         toks = r.tokens
@@ -300,7 +309,8 @@ class Engine:
 
     def check_fits(self, requests) -> None:
         """Raise ``ValueError`` naming the first request that could never fit a row and the pool: the
-        tokens it ever holds (:func:`max_len`: prompt + max_new - 1, + draft_len if speculative), or
+        tokens it ever holds (:func:`max_len`: prompt + max_new - 1), or one past the model's
+        position table (GPT-2's ``n_positions``: :func:`tpool.serving.checks.position_limit`), or
         an empty prompt (nothing to predict the first token from: the loop would never end). Also one
         whose fields are not what they should be (``rid`` and ``arrival`` ints, ``prompt`` a list of
         token ids in ``[0, vocab)``, the model's embedding rows, ``max_new`` an int >= 1, as
@@ -335,9 +345,13 @@ class Engine:
                                  f"shared={r.shared} prompt tokens, but request {r.parent} {got}")
         cap = min(self.max_pages, self.pool.num_pages) * self.ps
         for r in requests:
+            if self.positions is not None and self._max_len(r) > self.positions[0]:
+                raise ValueError(f"request {r.rid}: expected prompt + max_new - 1 <= {self.positions[0]} tokens "
+                                 f"(the model's position table {self.positions[1]} has {self.positions[0]} rows), "
+                                 f"got {self._max_len(r)}")
             if self._max_len(r) > cap:
-                raise RequestTooLong(f"request {r.rid}: expected prompt + max_new - 1 (+ draft_len if speculative) "
-                                     f"<= {cap} tokens (max_pages and the pool), got {self._max_len(r)}")
+                raise RequestTooLong(f"request {r.rid}: expected prompt + max_new - 1 <= {cap} tokens (max_pages "
+                                     f"and the pool), got {self._max_len(r)}")
 
     def _check_fields(self, r) -> None:
         if not isinstance(r, Request):
@@ -359,12 +373,27 @@ class Engine:
                              f"embedding rows), got {bad}")
 
     def run(self, requests, out=None):
-        """Serve ``requests`` (a list of :class:`Request`) to completion; return ``{rid: tokens}``."""
+        """Serve ``requests`` (a list of :class:`Request`) to completion; return ``{rid: tokens}``.
+
+        An exception inside the loop (the model's forward, an interrupt) releases the rows of the
+        requests running then (:meth:`_abandon`) before it propagates: the pool and the table hold
+        nothing of the run, and the engine serves the next ``run``."""
         self.check_fits(requests)
         by_id = {r.rid: r for r in requests}
         waiting = sorted(requests, key=lambda r: (r.arrival, r.rid))
-        running, step = [], 0                       # running: admission order, the newest last
+        running = []                                # admission order, the newest last
+        try:
+            self._loop(waiting, running, by_id, out)
+        except BaseException:
+            self._abandon(running)
+            raise
+        return {r.rid: list(r.out) for r in requests}
+
+    def _loop(self, waiting, running, by_id, out) -> None:
+        step = 0
         while waiting or running:
+            if not running:   # nothing runs before the next arrival: skip the steps between (an arrival is a step)
+                step = max(step, min(w.arrival for w in waiting))
             t_step = time.perf_counter()
             self._reconcile()
             feed = self._feeds(running)
@@ -383,16 +412,28 @@ class Engine:
                         f"{self.stats.forks}, cache hits {self.stats.cache_hits}, rollbacks {self.stats.rollbacks}, "
                         f"free pages (mirror) {self.mirror.free}", flush=True)
             step += 1
-        return {r.rid: list(r.out) for r in requests}
+
+    def _abandon(self, running) -> None:
+        """After an exception in :meth:`run`: release the rows of ``running`` as a preemption does (with
+        a prefix cache their computed whole pages stay CACHED and named), so nothing of the run stays
+        in use. The requests keep the tokens they got."""
+        held = [r for r in running if r.row is not None]
+        if held:
+            self._finish(held, [r.row for r in held])
+        for r in running:
+            r.row, r.cached = None, 0
 
     def _feeds(self, running) -> dict:
         """1. What each running request feeds this step (``{rid: tokens}``): its tokens not yet in
-        the pages, plus drafted tokens for a speculative lane with one pending token."""
+        the pages, plus drafted tokens for a speculative lane with one pending token: at most the
+        tokens it may still keep less one (the model's own next token comes with the accepted drafts),
+        so it never feeds past :func:`max_len`."""
         feed = {}
         for r in running:
             pending = r.tokens[r.cached:]
-            spec = self._spec(r) and r.out and len(pending) == 1
-            feed[r.rid] = pending + (self._draft(r) if spec else [])
+            keep = r.max_new - len(r.out) - 1
+            spec = self._spec(r) and r.out and len(pending) == 1 and keep > 0
+            feed[r.rid] = pending + (self._draft(r)[:keep] if spec else [])
         return feed
 
     def _preempt(self, running, waiting, feed) -> None:
@@ -437,9 +478,9 @@ class Engine:
         for w in [w for w in waiting if w.arrival <= step][:m.rows_free]:
             if self._timed(m.can_admit, *ask((w,)), count_cached=pc) <= len(prefill):
                 break
-            self._take(w, *self._plan(w, by_id), by_id, feed, decode, prefill)
             waiting.remove(w)
-            running.append(w)
+            running.append(w)   # (first: a row its fork or revive takes is released if what follows raises)
+            self._take(w, *self._plan(w, by_id), by_id, feed, decode, prefill)
         if pc and decode + prefill:
             self._evict(self._timed(m.shortfall, *ask()))
         return decode, prefill
@@ -562,7 +603,8 @@ class Engine:
 
     def check(self) -> dict:
         """The end of a run (a sync point): the pool's, the K/V cache's and the table's checks, no failed extend,
-        and the mirror equal to the device's free pages. Returns the pool's ``stats()``."""
+        no row held and no page in use, and the mirror equal to the device's free pages. Returns the pool's
+        ``stats()``."""
         self._reconcile(wait=True)
         self.pool.check()
         self.cache.check()
@@ -572,10 +614,11 @@ class Engine:
             self.prefix.check_invariants()
         s, m = self.pool.stats(), self.mirror
         if (s["requests.failed"] or m.free != s["pages.free.current"] or m.cached != s["pages.cached.current"]
-                or not (m.exact and m.cached_exact)):
+                or not (m.exact and m.cached_exact) or s["pages.used.current"] or m.rows_free != self.max_batch):
             raise AssertionError(f"failed extends {s['requests.failed']}; the mirror counts {m.free} free and "
                                  f"{m.cached} cached pages (exact: {m.exact}, {m.cached_exact}), the device has "
-                                 f"{s['pages.free.current']} and {s['pages.cached.current']}")
+                                 f"{s['pages.free.current']} and {s['pages.cached.current']}; "
+                                 f"{s['pages.used.current']} pages in use, {self.max_batch - m.rows_free} rows held")
         return s
 
 
@@ -693,6 +736,10 @@ def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, p
     are left in use, or the pool's or the prefix cache's checks fail.
     """
     try:  # what the options describe: errors here are the caller's (OptionError), not the run's
+        tokens = _checks.check_size(num_pages, "num_pages", 1) * _checks.check_size(page_size, "page_size", 1)
+        if tokens > MAX_POOL_TOKENS:  # (before the K/V pages are allocated: they hold every layer's K/V of each)
+            raise ValueError(f"--num-pages x --page-size: expected at most {MAX_POOL_TOKENS:,} tokens of K/V pages, "
+                             f"got {num_pages:,} x {page_size:,} = {tokens:,}")
         dev = _checks.resolve_device(device, backend=requested_backend(backend))
         lm = tiny_model(model, seed=seed).to(dev)
         positions = lm.config.max_position_embeddings
@@ -702,10 +749,10 @@ def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, p
         reqs = make_requests(requests, seed=seed, vocab_size=lm.config.vocab_size, max_new=max_new,
                              system_len=system_len)
         spec_every, draft_len = 3, 3
-        held = max(max_len(r, spec_every=spec_every, draft_len=draft_len) for r in reqs)
+        held = max(max_len(r) for r in reqs)
         if held > positions:
             raise ValueError(f"system_len (--system-prompt): a request would hold {held} tokens (system prompt, "
-                             f"its own, new tokens and drafts), past the model's {positions} positions")
+                             f"its own and new tokens), past the model's {positions} positions")
         max_pages = -(-held // page_size)  # a row holds the longest request
         eng = Engine(lm, num_pages=num_pages, page_size=page_size, max_batch=max_batch, max_pages=max_pages,
                      backend=backend, device=dev, spec_every=spec_every, draft_len=draft_len,

@@ -100,6 +100,8 @@ class PagedKVCache:
         self.v = [self._v[i, :num_pages] for i in range(num_layers)]
         rows = (num_layers, (num_pages + SCRATCH_PAGES) * page_size, num_kv_heads, head_dim)
         self._k_rows, self._v_rows = self._k.view(rows), self._v.view(rows)
+        # Their bytes, which copy_pages copies: index_copy_ has no float8 kernel (CPU nor CUDA), bytes copy alike.
+        self._raw = (self._k.view(torch.uint8), self._v.view(torch.uint8))
         self._num_slots = num_pages * page_size  # slots >= this (the scratch page) are never exported
         self._scratch = torch.tensor(self._num_slots, dtype=torch.int64, device=self.device)
         self._scratch_page = torch.tensor(num_pages, dtype=torch.int64, device=self.device)
@@ -211,7 +213,7 @@ class PagedKVCache:
         self.misuse[BAD_COPIES].add_(((s_in != s) | (d_in != d)).sum())
         ok = (s_in == s) & (d_in == d) & (s >= 0) & (d >= 0)
         s, d = torch.where(ok, s, self._scratch_page), torch.where(ok, d, self._scratch_page)
-        for store in (self._k, self._v):   # index_select copies first, so src and dst may overlap
+        for store in self._raw:   # index_select copies first, so src and dst may overlap
             store.index_copy_(1, d, store.index_select(1, s))
 
     # ---------------------------------------------------------- sync points
