@@ -825,7 +825,7 @@ def test_drafts_stop_at_max_new_so_a_request_filling_a_learned_position_table_ru
     reqs = [engine.Request(0, [5, 6, 7, 5, 6, 7, 5], max_new=17)]   # rid 0: speculative; 7 + 17 - 1 = 23 fed
     eng = engine.Engine(model, num_pages=8, page_size=4, max_batch=2, max_pages=6, backend="numba",
                         eos_token_id=None)
-    assert eng.positions == (24, "transformer.wpe") and engine.max_len(reqs[0]) == 23
+    assert eng.positions == (24, "position table transformer.wpe") and engine.max_len(reqs[0]) == 23
     want = engine.reference_tokens(model, reqs, eos_token_id=None)
     assert eng.run(reqs) == want and eng.stats.drafted > 0
     eng.check()
@@ -838,7 +838,7 @@ def test_a_request_past_a_learned_position_table_is_refused_before_the_run():
     eng = engine.Engine(model, num_pages=8, page_size=4, max_batch=2, max_pages=8, backend="numba")
     eng.check_fits([engine.Request(0, list(range(1, 13)), max_new=5)])             # 12 + 5 - 1 = 16
     with pytest.raises(ValueError, match=r"request 1: expected prompt \+ max_new - 1 <= 16 tokens \(the model's "
-                                         r"position table transformer\.wpe has 16 rows\), got 17"):
+                                         r"position table transformer\.wpe bounds positions to 16\), got 17"):
         eng.run([engine.Request(1, list(range(1, 13)), max_new=6)])
     assert eng.check()["pages.used.current"] == 0
 
@@ -874,6 +874,27 @@ def test_an_error_inside_a_run_releases_its_rows_and_the_engine_serves_the_next_
     again = engine.make_requests(10, system_len=8 if prefix_cache else 0)
     assert eng.run(again) == engine.reference_tokens(llama, again)
     eng.check()
+
+
+def test_llama4s_chunk_bounds_a_request_where_its_chunked_layers_are_served_as_full_attention():
+    """check_layers serves Llama 4's chunked layers when one chunk spans max_position_embeddings; a longer
+    sequence (which nothing stopped) would be chunked by eager attention and not on the pages: refused."""
+    import transformers
+    from tpool.serving import hf
+    cfg = transformers.Llama4TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        max_position_embeddings=16, attention_chunk_size=16, num_local_experts=2,
+                                        intermediate_size_mlp=128, no_rope_layers=[1, 1], attn_temperature_tuning=False,
+                                        eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    model = hf.from_config(cfg, dtype=torch.float32).eval()
+    eng = engine.Engine(model, num_pages=16, page_size=4, max_batch=2, max_pages=8, backend="numba",
+                        eos_token_id=None)
+    fits = [engine.Request(0, list(range(1, 9)), max_new=9)]          # 8 + 9 - 1 = 16
+    assert eng.run(fits) == engine.reference_tokens(model, fits, eos_token_id=None)
+    with pytest.raises(ValueError, match=r"<= 16 tokens \(the model's attention_chunk_size \(its chunked layers, "
+                                         r"served as full attention within one chunk\) bounds positions to 16\)"):
+        eng.run([engine.Request(1, list(range(1, 9)), max_new=10)])
 
 
 def test_check_refuses_a_row_held_or_a_page_in_use_after_a_run(llama):

@@ -111,8 +111,9 @@ _POSITION_TABLE = re.compile(r"(^|_)(pos|position|positions)(_|$)|^wpe$")  # a t
 
 
 def position_limit(model) -> tuple[int, str] | None:
-    """``(positions, table)``: how many positions ``model``'s absolute position table holds and its
-    name, or None where none bounds them (rotary embeddings compute any position).
+    """``(positions, what)``: how many positions ``model`` serves exactly on pages and what bounds
+    them (``"position table transformer.wpe"``), or None where nothing does (rotary embeddings
+    compute any position).
 
     A learned table is an ``nn.Embedding`` other than the input embeddings whose name says
     position (GPT-2's and GPT-Neo's ``wpe``, OPT's and BioGPT's ``embed_positions``, less the
@@ -121,7 +122,10 @@ def position_limit(model) -> tuple[int, str] | None:
     ``embed_positions.weights``). A position past it indexes out of the table: an ``IndexError``
     on a CPU, a device-side assert (the process ends) on CUDA. The smallest table bounds the
     model. Only the text decoder's count (a composite model's vision tower has tables of
-    patches), and only floating ones (``position_ids`` buffers are indices). Python only: no
+    patches), and only floating ones (``position_ids`` buffers are indices). Chunked attention
+    layers, which :func:`check_layers` serves as full attention when one chunk spans
+    ``max_position_embeddings`` (Llama 4), bound a sequence by ``attention_chunk_size`` too: past
+    it eager attention attends within the chunk, the pages over every position. Python only: no
     tensor is read.
     """
     inputs = model.get_input_embeddings()
@@ -138,12 +142,16 @@ def position_limit(model) -> tuple[int, str] | None:
         leaf = name.rsplit(".", 1)[-1]
         if (isinstance(module, nn.Embedding) and module is not inputs and module.weight.is_floating_point()
                 and _POSITION_TABLE.search(leaf)):
-            found.append((module.num_embeddings - int(getattr(module, "offset", 0) or 0), name))
+            found.append((module.num_embeddings - int(getattr(module, "offset", 0) or 0), f"position table {name}"))
         for buf_name, buf in module.named_buffers(recurse=False):
             if (buf.dim() == 2 and buf.is_floating_point()
                     and (_POSITION_TABLE.search(buf_name) or _POSITION_TABLE.search(leaf))):
                 rows = buf.shape[0] - int(getattr(module, "offset", 0) or 0)
-                found.append((rows, f"{name}.{buf_name}" if name else buf_name))
+                found.append((rows, f"position table {name}.{buf_name}" if name else f"position table {buf_name}"))
+    cfg = model.config.get_text_config(decoder=True)
+    chunk = getattr(cfg, "attention_chunk_size", None)
+    if chunk and "chunked_attention" in (getattr(cfg, "layer_types", None) or ()):
+        found.append((chunk, "attention_chunk_size (its chunked layers, served as full attention within one chunk)"))
     return min(found) if found else None
 
 

@@ -230,7 +230,7 @@ class Engine:
         max_batch = _checks.check_size(max_batch, "max_batch", 1)
         self.model = model
         self.vocab = model.get_input_embeddings().num_embeddings   # token ids run checks against
-        self.positions = checks.position_limit(model)              # (rows, name) of a position table, or None
+        self.positions = checks.position_limit(model)              # (positions, what bounds them), or None
         # The pool's max_batch bounds a step's lanes: at least the table's rows (its default otherwise).
         self.pool = PagePool(num_pages, page_size, device=device, backend=backend,
                              max_batch=max(max_batch, DEFAULT_MAX_BATCH))
@@ -347,7 +347,7 @@ class Engine:
         for r in requests:
             if self.positions is not None and self._max_len(r) > self.positions[0]:
                 raise ValueError(f"request {r.rid}: expected prompt + max_new - 1 <= {self.positions[0]} tokens "
-                                 f"(the model's position table {self.positions[1]} has {self.positions[0]} rows), "
+                                 f"(the model's {self.positions[1]} bounds positions to {self.positions[0]}), "
                                  f"got {self._max_len(r)}")
             if self._max_len(r) > cap:
                 raise RequestTooLong(f"request {r.rid}: expected prompt + max_new - 1 <= {cap} tokens (max_pages "
