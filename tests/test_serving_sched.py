@@ -897,6 +897,31 @@ def test_llama4s_chunk_bounds_a_request_where_its_chunked_layers_are_served_as_f
         eng.run([engine.Request(1, list(range(1, 9)), max_new=10)])
 
 
+def test_an_interrupt_between_a_release_and_its_bookkeeping_releases_the_rest_only(llama, monkeypatch):
+    """A request released (a preemption's finish) but still listed as running when an interrupt lands is not
+    released again: the other running requests are, and check() passes."""
+    eng = _plain(llama, 16, 2, 4)
+
+    def interrupted(self, running, waiting, feed):
+        if len(running) == 2:
+            self._finish(running[:1], [running[0].row])   # released, but still listed as running
+            raise KeyboardInterrupt
+    monkeypatch.setattr(engine.Engine, "_preempt", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        eng.run([R(0, [5, 6, 7], 4), R(1, [8, 9], 4)])
+    eng.check()
+
+
+def test_a_release_failing_after_an_error_warns_and_the_runs_own_error_propagates(llama, monkeypatch):
+    eng = _plain(llama, 16, 2, 4)
+    monkeypatch.setattr(engine, "forward_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("the model")))
+    monkeypatch.setattr(eng.mirror, "finish", lambda *a, **k: (_ for _ in ()).throw(ValueError("finish failed")))
+    with pytest.warns(RuntimeWarning, match=r"releasing the running requests' rows after an error failed too "
+                                            r"\(ValueError: finish failed\)"):
+        with pytest.raises(RuntimeError, match="the model"):
+            eng.run([R(0, [5, 6, 7], 4)])
+
+
 def test_check_refuses_a_row_held_or_a_page_in_use_after_a_run(llama):
     eng = _plain(llama, 8, 2, 4)
     eng.mirror.admit([5], [8])                            # a row and its pages taken outside any run

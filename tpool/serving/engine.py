@@ -38,6 +38,7 @@ rejected drafts and one ``finish`` (release) for the finished requests
 import numbers
 import random
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -385,7 +386,12 @@ class Engine:
         try:
             self._loop(waiting, running, by_id, out)
         except BaseException:
-            self._abandon(running)
+            try:
+                self._abandon(running)
+            except Exception as e:   # the run's own exception is the one to see; check() names what is left
+                warnings.warn(f"Engine.run: releasing the running requests' rows after an error failed too "
+                              f"({type(e).__name__}: {e}); Engine.check() names what is still held", RuntimeWarning,
+                              stacklevel=2)
             raise
         return {r.rid: list(r.out) for r in requests}
 
@@ -417,7 +423,7 @@ class Engine:
         """After an exception in :meth:`run`: release the rows of ``running`` as a preemption does (with
         a prefix cache their computed whole pages stay CACHED and named), so nothing of the run stays
         in use. The requests keep the tokens they got."""
-        held = [r for r in running if r.row is not None]
+        held = [r for r in running if r.row is not None and self.mirror.live[r.row]]   # (not released already)
         if held:
             self._finish(held, [r.row for r in held])
         for r in running:
