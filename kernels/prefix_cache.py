@@ -2,7 +2,8 @@
 
 Their numba twins are ``tpool.scheduling._prefix`` (the same arguments in the same order, the
 same writes); the reference backend runs the torch code in ``PrefixCache``, the spec of both.
-``insert_pages`` names pages ``first ..`` of a table row by the cache's slots, ``forget_pages``
+``insert_pages`` names pages ``first ..`` of a table row by the cache's slots (a slot that named
+another page lets it go first), ``forget_pages``
 reads and clears the slots that named an eviction's pages, ``gather_slots`` reads slots' pages
 and generations for a revive. Every index is bounded before use: a page id outside the pool (a
 hand-edited row, padding) is aimed at ``page_slot``'s spare last entry, which keeps its -1; an
@@ -22,7 +23,9 @@ INSERT_BLOCK = 64  # lanes per chunk of insert_pages, at most: its duplicate che
 # ---------------------------------------------------------------------- Triton
 # One program each. insert_pages matches its twin's sequential loop where two lanes
 # name one slot or page (a hand-edited row): within a chunk a lane writes only if no
-# later lane names the same, and a barrier puts each chunk's writes after the last's.
+# later lane names the same, and a barrier puts each chunk's writes after the last's. Before
+# those writes, a first pass lets go of the pages the slots named (where they still name them),
+# in any order: it only writes -1.
 # forget_pages reads every slot before it clears any (a page evicted twice reads its
 # slot in both lanes).
 
@@ -47,7 +50,9 @@ def insert_pages_kernel(
     BLOCK: tl.constexpr,  # lanes per chunk
 ):
     """For p_i = block_table[row, first + i], i < N: slot_page[slots[i]] = p_i, slot_gen[slots[i]] =
-    page_gen[p_i] and page_slot[p_i] = slots[i], or for p_i outside [0, P) slot_gen -1 and page_slot[P] = -1."""
+    page_gen[p_i] and page_slot[p_i] = slots[i], or for p_i outside [0, P) slot_gen -1 and page_slot[P] = -1;
+    before any of that, for o_i = slot_page[slots[i]] (the page the slot named; outside [0, P): P),
+    page_slot[o_i] = -1 where it is slots[i]."""
     lanes = tl.arange(0, BLOCK)
     bad = tl.zeros((), tl.int32)  # slots outside the cache
     for start in range(0, N, BLOCK):
@@ -57,6 +62,19 @@ def insert_pages_kernel(
     fits = (row >= 0) & (row < R) & (first >= 0) & (first <= MP - N) & (bad == 0)
     n = tl.where(fits, N, 0)  # a call outside the arrays writes nothing (as its twin)
     base = tl.where(fits, row, 0).to(tl.int64) * MP + tl.where(fits, first, 0)
+    # The pages the slots named (a live entry's slot: re-pointed to the row's copy) are let go first:
+    # a clear only where page_slot still names the lane's slot, so the lanes' order does not matter
+    # (two lanes on one old page: at most one matches, and both would write -1).
+    for start in range(0, n, BLOCK):
+        i = start + lanes
+        live = i < n
+        s = tl.load(slots_ptr + i, mask=live, other=-1)
+        own = live & (s >= 0) & (s < capacity)
+        old = tl.load(slot_page_ptr + s, mask=own, other=NULL_PAGE)
+        at = tl.where((old >= 0) & (old < num_pages), old, num_pages)
+        named = own & (tl.load(page_slot_ptr + at, mask=own, other=NULL_PAGE) == s)
+        tl.store(page_slot_ptr + at, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=named)
+    tl.debug_barrier()
     after = lanes[None, :] > lanes[:, None]  # [i, j]: lane j comes after lane i
     for start in range(0, n, BLOCK):
         i = start + lanes

@@ -76,16 +76,169 @@ def test_a_match_leaves_a_token_to_compute_and_stops_at_the_first_other_token(ba
     assert not cache.match(list(range(4)))
 
 
-def test_a_prefix_computed_twice_keeps_the_older_entry(backend):
+def test_a_prefix_computed_twice_names_the_copy_inserted_last(backend):
+    """The second insert of a prefix computed apart makes no entry but re-points the entries to its own
+    pages (the same K/V), which its row then holds named: counted in shared_prefix, as an insert's."""
     pool, m, cache = _setup(backend)
     (a,) = m.admit([8])
     (b,) = m.admit([8])                                          # the same 8 tokens, computed apart
-    older = _pages(m, a, 2)
+    newer = _pages(m, b, 2)
     assert cache.insert(a, list(range(8))) == 2 and cache.insert(b, list(range(8))) == 0
+    assert m.shared_prefix(b) == 8 and cache.inserted == 2
+    with pytest.raises(ValueError, match="would drop pages"):
+        m.truncate([b], [4])
     m.finish([a, b], cache=True)
     hit = cache.match(list(range(9)))
-    assert _pages(m, cache.revive(hit), 2) == older
+    assert _pages(m, cache.revive(hit), 2) == newer
     cache.check_invariants()
+    pool.check()
+
+
+def test_a_prefix_computed_apart_stays_matchable_while_one_copy_of_it_is_resident(backend):
+    """Two requests with one system prompt prefilled in one step (no hit possible), inserted and finished
+    together. The second's insert re-points the prompt's entries to its own pages, so the first's copy,
+    older on the LRU and named by nothing now, is evicted first and drops only the first's own suffix
+    entry: the prompt and the second's suffix stay matchable until the second's own pages go. (Before,
+    the older copy stayed named: its eviction dropped every entry, the second's suffix too, while the
+    second's copy of the prompt stayed CACHED, named by nothing, never matchable.)"""
+    pool, m, cache = _setup(backend, num_pages=16)
+    system = list(range(100, 108))                  # two pages
+    a_toks, b_toks = system + [1, 2, 3, 4], system + [5, 6, 7, 8]
+    a, b = m.admit([12, 12])                        # one step: neither can hit the other
+    a_pages, b_pages = _pages(m, a, 3), _pages(m, b, 3)
+    assert cache.insert(a, a_toks) == 3 and cache.insert(b, b_toks) == 1
+    m.finish([a, b], cache=True)                    # a's pages released first: older on the LRU
+    cache.check_invariants()
+    assert [cache.slot_page[s].item() for s in cache.match(b_toks + [9]).slots] == b_pages
+    assert sorted(cache.evict(3).tolist()) == sorted(a_pages)
+    assert cache.sync() == 1 and len(cache) == 3    # a's suffix entry only
+    cache.check_invariants()
+    assert cache.match(system + [9]).n_tokens == 8 and cache.match(a_toks + [9]).n_tokens == 8
+    assert cache.match(b_toks + [9]).n_tokens == 12
+    # b's pages go last page first: its suffix, then the prompt's second page, then its first
+    for page, entries, prompt_hit in zip(b_pages[::-1], (2, 1, 0), (8, 4, 0)):
+        assert cache.evict(1).tolist() == [page]
+        assert cache.sync() == 1 and len(cache) == entries
+        assert cache.match(system + [9]).n_tokens == prompt_hit == cache.match(b_toks + [9]).n_tokens
+        cache.check_invariants()
+    assert pool.stats()["pages.cached.current"] == 0
+    pool.check()
+
+
+def test_a_row_on_the_entries_own_pages_reinserted_changes_nothing(backend):
+    """A row that revived the entries, and one forked from it, inserted with the same tokens: every
+    entry names the row's page already, so the device index stays as it was (an insert past them
+    names only the new pages), and the rows count the pages as named from page 0."""
+    pool, m, cache = _setup(backend)
+    tokens = list(range(12))
+    _serve(m, cache, tokens)
+    hit = cache.match(tokens + [7])
+    row = cache.revive(hit, max_len=16)
+    child = m.fork(row, 12)                         # whole pages: the same three
+    state = lambda: [t.tolist() for t in (cache.slot_page, cache.slot_gen, cache.page_slot)]
+    before = state()
+    with no_host_sync():
+        assert cache.insert(row, tokens) == 0 and cache.insert(child, tokens) == 0
+    assert state() == before and len(cache) == 3 and m.named[row] == 3 == m.named[child]
+    cache.check_invariants()
+    m.decode([row], 4)
+    assert cache.insert(row, tokens + [1, 2, 3, 4]) == 1
+    sp, sg, ps = state()
+    assert [sp[s] for s in hit.slots] == [before[0][s] for s in hit.slots] == _pages(m, row, 3)
+    assert [sg[s] for s in hit.slots] == [before[1][s] for s in hit.slots]
+    new = cache.match(tokens + [1, 2, 3, 4, 0]).slots[3]
+    assert sp[new] == _pages(m, row, 4)[3] and ps[sp[new]] == new
+    assert [v for i, v in enumerate(ps) if i != sp[new]] == [v for i, v in enumerate(before[2]) if i != sp[new]]
+    m.finish([row, child], cache=True)
+    assert cache.match(tokens + [7]) == hit
+    cache.check_invariants()
+    pool.check()
+
+
+def test_a_match_made_before_its_entries_were_re_pointed_revives_the_copy_named_now(backend):
+    """A match of A's pages is made; then B, which computed the same prefix apart, is inserted, which
+    re-points the entries to B's pages, and A's copy (named by nothing now) is evicted. The match stays
+    good (the entries keep their slots and ids): its revive takes B's pages, which hold the same prefix,
+    with the generations the entries took from them (accepted: no use_after_free)."""
+    pool, m, cache = _setup(backend)
+    S = list(range(8))
+    holds = {}                                      # page -> the tokens from the prompt's start to its end
+
+    def prefill(tokens):
+        (row,) = m.admit([len(tokens)])
+        for j, page in enumerate(_pages(m, row, len(tokens) // PS)):
+            holds[page] = tuple(tokens[:(j + 1) * PS])
+        return row
+
+    a = prefill(S)
+    assert cache.insert(a, S) == 2
+    m.finish([a], cache=True)
+    hit = cache.match(S + [9])
+    b = prefill(S)                                  # admitted without the hit: computed apart
+    a_pages, b_pages = [cache.slot_page[s].item() for s in hit.slots], _pages(m, b, 2)
+    assert cache.insert(b, S) == 0
+    m.finish([b], cache=True)
+    assert sorted(cache.evict(2).tolist()) == sorted(a_pages)   # A's copy: released first, named by nothing
+    assert cache.sync() == 0 and len(cache) == 2
+    row = cache.revive(hit, max_len=16)
+    assert _pages(m, row, 2) == b_pages and int(m.table.seq_lens[row]) == 8
+    assert [holds[p] for p in _pages(m, row, 2)] == [tuple(S[:4]), tuple(S)]
+    assert pool.stats()["pages.revived"] == 2 and cache.hits == 1
+    pool.check()                                    # the generations were B's pages': accepted
+    m.finish([row], cache=True)
+    cache.check_invariants()
+
+
+def test_an_entry_re_pointed_while_its_eviction_is_unread_lets_its_new_page_go_when_dropped(backend):
+    """An eviction takes A's pages (their entries stay on the host until its drop); B, which computed the
+    same prefix apart, is inserted before the drop, so its insert re-points those entries to B's pages.
+    The drop must let B's pages go as well (the eviction forgot A's only): they end named by nothing,
+    and a later insert of the same prefix names them anew."""
+    pool, m, cache = _setup(backend)
+    S = list(range(8))
+    a, b = m.admit([8, 8])
+    b_pages = _pages(m, b, 2)
+    cache.insert(a, S)
+    m.finish([a], cache=True)
+    cache.evict(2)                                  # A's pages; their entries wait for the drop
+    assert cache.insert(b, S) == 0                  # the entries, still on the host, name B's pages now
+    assert min(cache.page_slot[p].item() for p in b_pages) >= 0
+    assert cache.sync() == 2 and len(cache) == 0
+    assert [cache.page_slot[p].item() for p in b_pages] == [-1, -1]
+    cache.check_invariants()
+    c = m.fork(b, 8)
+    m.finish([b], cache=True)
+    assert cache.insert(c, S) == 2                  # B's pages, named anew
+    m.finish([c], cache=True)
+    assert [cache.slot_page[s].item() for s in cache.match(S + [0]).slots] == b_pages
+    cache.check_invariants()
+    pool.check()
+
+
+def test_an_entry_that_names_no_page_is_re_pointed_with_its_old_id_bounded(backend):
+    """Entries made from a hand-edited row name page ids outside the pool (-1, num_pages + 3); a row that
+    computed the same prefix apart re-points them: the old ids are aimed at page_slot's spare last entry
+    (no index outside it, the spare keeps its -1), and the entries name the row's pages from then on."""
+    pool, m, cache = _setup(backend)
+    (row,) = m.admit([12])
+    m.table.block_table[row, 1] = -1
+    m.table.block_table[row, 2] = pool.num_pages + 3
+    m.table.invalidate_csr()
+    assert cache.insert(row, list(range(12))) == 3
+    (other,) = m.admit([12])
+    with no_host_sync():
+        assert cache.insert(other, list(range(12))) == 0
+    slots, pages = cache.match(list(range(13))).slots, _pages(m, other, 3)
+    assert [cache.slot_page[s].item() for s in slots] == pages
+    assert [cache.page_slot[p].item() for p in pages] == list(slots)
+    assert cache.page_slot[-1].item() == -1 and sum(v >= 0 for v in cache.page_slot.tolist()) == 3
+    m.finish([row, other], cache=True)              # the release skips the two ids (invalid_page)
+    cache.check_invariants()
+    with pytest.raises(InvalidPage):
+        pool.check()
+    new = cache.revive(cache.match(list(range(13))), max_len=16)
+    assert _pages(m, new, 3) == pages and int(m.table.seq_lens[new]) == 12
+    pool.check()
 
 
 def test_two_requests_share_a_hit_and_leave_it_cached_again(backend):
@@ -166,16 +319,17 @@ def test_an_entry_is_dropped_with_the_entries_under_it(backend):
 
 
 def test_a_prefix_computed_apart_and_forked_is_named_once(backend):
-    """Y and P prefill the same prefix apart, C forks P. Y's entries name it; P's last page is keyed
-    under them. Evicting Y's pages drops P's entry with them (C still holds its page), so when C
+    """Y and P prefill the same prefix apart, C forks P. P is inserted first, then Y, whose insert
+    re-points the prefix's entries to Y's pages; P's last page is keyed under them. Y is released
+    first, so evicting Y's pages drops P's entry with them (C still holds its page), so when C
     leaves, its insert names P's pages once, and evicting everything leaves no entry behind."""
     pool, m, cache = _setup(backend, num_pages=16, max_pages=4)
     S, T = [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9]
     y, p = m.admit([8, 12])
     c = m.fork(p, 12)
-    cache.insert(y, S)
-    m.finish([y], cache=True)
     cache.insert(p, S + T)
+    cache.insert(y, S)                             # the prefix's entries name Y's pages now
+    m.finish([y], cache=True)
     m.finish([p], cache=True)
     assert len(cache) == 3
     cache.evict(2)                                 # Y's two pages, released first
@@ -303,18 +457,22 @@ def test_two_entries_dropped_under_one_that_name_one_page_leave_it_named_by_noth
         m.finish([row], cache=True)
         return row
 
-    serve([1, 1])                                  # entry a
-    serve([1, 1, 2, 2])                            # the same first page computed apart; entry b under a
+    x, y = m.admit([4, 2])
+    cache.insert(x, [1, 1, 2, 2])                  # entry a, entry b under it
+    cache.insert(y, [1, 1])                        # the same first page computed apart: a names y's now
+    m.finish([y, x], cache=True)                   # y released first: a's page is the oldest
+    b_old = cache.slot_page[cache.match([1, 1, 2, 2, 0]).slots[1]].item()
     serve([9, 9])
     cache.evict(1)                                 # a's page
     first = cache.unread()                         # in flight
-    cache.evict(3)                                 # b's page among them, b still live on the host
+    cache.evict(2)                                 # b's page and x's first, b still live on the host
     (row,) = m.admit([4])
-    b_page = m.table.block_table[row, 1].item()
-    assert cache.page_slot[b_page].item() == -1
-    cache.insert(row, [1, 1, 3, 3])                # b2 under the stale a, naming b's old page
+    a_page, b_page = _pages(m, row, 2)
+    assert cache.page_slot[b_page].item() == -1 and b_page == b_old
+    cache.insert(row, [1, 1, 3, 3])                # a (stale) re-pointed to the row's page; b2 under it,
+    assert cache.page_slot[a_page].item() >= 0     # naming b's old page
     assert cache.drop(first.tolist()) == 3         # a, and b and b2 under it
-    assert cache.page_slot[b_page].item() == -1
+    assert cache.page_slot[b_page].item() == -1 == cache.page_slot[a_page].item()
     cache.drop(cache.unread().tolist())
     cache.check_invariants()
     m.finish([row], cache=True)
@@ -503,8 +661,10 @@ def test_a_token_that_is_not_an_int_is_refused_before_any_entry_is_made(backend)
     a float (even 2.0, which matched 2: token ids are ints, as a float numpy array was refused already) or a
     string is refused as well."""
     pool, m, cache = _setup(backend)
-    _serve(m, cache, [1, 2, 3, 4])
-    _serve(m, cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    a, b = m.admit([4, 8])
+    cache.insert(b, [1, 2, 3, 4, 5, 6, 7, 8])
+    cache.insert(a, [1, 2, 3, 4])                  # the first entry names a's page (inserted last) ...
+    m.finish([a, b], cache=True)                   # ... released first
     cache.evict(1)      # the oldest page (the first prompt's): both entries dropped, the second page CACHED
     assert cache.sync() == 2 and len(cache) == 0
     (row,) = m.admit([8])
@@ -815,6 +975,53 @@ def test_the_triton_updates_give_what_the_numba_ones_give_and_bound_every_index(
     assert [g.tolist() for g in got] == [[-1, -1, big], [-1, -1, -1]]
 
 
+def test_the_numba_insert_lets_a_slots_old_page_go_only_where_it_still_names_the_slot():
+    """A slot passed to insert_pages that named a page (a live entry, re-pointed to the row's copy): the
+    old page is let go where page_slot still names that slot, before any slot is written; an old id
+    outside the pool (-1, P, P + 3, -5, 2**31 - 1) is aimed at the spare entry (-5 must not wrap to
+    page 2, which names slot 5), and a page another slot names keeps it."""
+    from tpool.scheduling import _prefix as X
+    P, big = 6, 2**31 - 1
+    gen = np.arange(10, 10 + P, dtype=np.int32)
+    bt = np.array([[3, -1, P + 3, 4, 5]], dtype=np.int32)
+    sp = np.array([0, 1, -1, P, P + 3, -5, big, 4], dtype=np.int32)
+    sg, ps = np.full(8, 77, np.int32), np.array([0, 5, 5, -1, 7, -1, -1], dtype=np.int32)
+    slots = np.array([0, 1, 5, 7, 6], dtype=np.int64)
+    assert X.insert_pages(bt.ctypes.data, 1, 5, 0, 0, slots, gen.ctypes.data, P, sp, sg, ps) == 0
+    assert sp.tolist() == [3, -1, -1, P, P + 3, P + 3, 5, 4]
+    assert sg.tolist() == [13, -1, 77, 77, 77, -1, 15, 14]
+    assert ps.tolist() == [-1, 5, 5, 0, 7, 6, -1]   # page 0 let go by slot 0; page 4 kept by slot 7
+
+
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs triton under its interpreter (TRITON_INTERPRET=1)")
+def test_the_triton_insert_lets_old_pages_go_as_the_numba_one_does():
+    """Slots that named pages (ids in and outside the pool) re-pointed to a row's pages, over two chunks of
+    lanes, from random states: the triton kernel writes what its numba twin writes."""
+    from tpool.kernels import prefix_cache as K
+    from tpool.scheduling import _prefix as X
+    rng = np.random.default_rng(7)
+    P, C, W = 12, 100, 80
+    gen = np.arange(10, 10 + P, dtype=np.int32)
+    odd = np.array([-1, P, P + 3, -5, 2**31 - 1, -(2**31)], dtype=np.int32)
+    for trial in range(4):
+        bt = rng.integers(-2, P + 2, size=(2, W)).astype(np.int32)
+        sp = rng.integers(0, P, size=C).astype(np.int32)
+        sp[rng.integers(0, C, size=12)] = odd[rng.integers(0, odd.size, size=12)]
+        sg = np.full(C, 77, np.int32)
+        ps = np.append(rng.integers(-1, C, size=P), -1).astype(np.int32)
+        n = (W, 40, W - 3, 1)[trial]
+        slots = rng.permutation(C)[:n].astype(np.int64)
+        for s in slots[:6]:                          # pages that name the slot whose page they are
+            if 0 <= sp[s] < P:
+                ps[sp[s]] = s
+        want = [a.copy() for a in (sp, sg, ps)]
+        got = [torch.from_numpy(a.copy()) for a in (sp, sg, ps)]
+        assert X.insert_pages(bt.ctypes.data, 2, W, 1, W - n, slots, gen.ctypes.data, P, *want) == 0
+        K.insert_pages_triton(torch.from_numpy(bt), 1, W - n, torch.from_numpy(slots), torch.from_numpy(gen), *got)
+        assert [g.tolist() for g in got] == [w.tolist() for w in want], trial
+        assert want[2][P] == -1
+
+
 @pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs triton under its interpreter (TRITON_INTERPRET=1)")
 def test_on_triton_insert_evict_and_revive_gather_in_one_launch_each(monkeypatch):
     from tpool.kernels import prefix_cache as K
@@ -893,11 +1100,10 @@ def test_an_insert_past_known_pages_names_every_page_up_to_its_last_entry(backen
 
 def test_slots_dropped_while_another_eviction_is_unread_are_not_reused_before_it_is_dropped(backend):
     pool, m, cache = _setup(backend)
-    (x,) = m.admit([4])
-    cache.insert(x, list(range(4)))                   # parent entry (x's page)
+    x, y = m.admit([4, 8])
+    assert cache.insert(y, list(range(8))) == 2       # parent entry, child entry under it
+    cache.insert(x, list(range(4)))                   # parent entry (x's page now)
     m.finish([x], cache=True)                         # released first: evicted first
-    (y,) = m.admit([8])
-    assert cache.insert(y, list(range(8))) == 1       # child entry, under x's
     m.finish([y], cache=True)
     cache.evict(1)
     u1 = cache.unread().tolist()                      # the parent's slot

@@ -25,6 +25,12 @@ def insert_pages(bt_addr, rows, width, row, first, slots, page_gen_addr, num_pag
     (a hand-edited row) gets generation -1 and is aimed at ``page_slot``'s spare last entry,
     which keeps its -1. ``block_table`` is int32 ``[rows, width]`` at ``bt_addr``.
 
+    A slot may be a live entry's (``PrefixCache.insert`` passes the entries the row's leading pages
+    were found by, then the new ones): first, for every slot, the page it named (``slot_page``,
+    bounded as a row's page is: outside the pool, the spare entry) is let go if it still names that
+    slot (``page_slot[old] = -1``), then every slot is written as above. A slot that names the row's
+    page already ends as it was; one that named another copy of the same prefix names the row's now.
+
     Returns 0, or -1 (nothing written) when the pages or a slot lie outside the arrays."""
     n = slots.shape[0]
     cap = slot_page.shape[0]
@@ -37,6 +43,12 @@ def insert_pages(bt_addr, rows, width, row, first, slots, page_gen_addr, num_pag
     bt = i32_array(bt_addr, rows * width)
     gens = i32_array(page_gen_addr, num_pages)
     base = row * width + first
+    for i in range(n):  # the pages the slots named: let go first (every read of slot_page before a write)
+        s = slots[i]
+        old = slot_page[s]
+        at = old if 0 <= old < num_pages else num_pages
+        if page_slot[at] == s:
+            page_slot[at] = -1
     for i in range(n):
         s = slots[i]
         p = bt[base + i]

@@ -25,8 +25,14 @@ freed since its entry was made is refused on the device (``use_after_free``,
 raised by the next ``pool.check()``), never shared.
 
 An entry is dropped with every entry under it (a lookup walks from the first
-page, so they could never be reached again): a page is named by one entry at
-most, and a request that computed the same prefix apart names its pages anew.
+page, so they could never be reached again), and a page is named by one entry at
+most. A request that computed a known prefix apart (two requests with one system
+prompt prefilled in one step), or revived it, names its own copy: its ``insert``
+re-points the prefix's entries to its pages (the same K/V; the entries keep their
+slots and ids, so the entries under them and matches made before stay valid).
+The copy named is the one inserted last, released last when requests are inserted
+in the order they finish, so the copies named by nothing are evicted first, and
+the prefix, with every entry under it, stays while the named copy does.
 
 The caller's contract: ``insert`` a request just before its ``finish(...,
 cache=True)`` and with the tokens its pages hold (host ints). A named page going
@@ -175,6 +181,7 @@ class PrefixCache:
         self._eid = [_ROOT] * n           # slot -> its entry id (never reused: a match made before a drop is seen)
         self._free = list(range(n - 1, -1, -1))
         self._held = []                   # slots dropped while an eviction is outstanding: reused after it
+        self._moved = set()               # known slots an insert re-pointed while an eviction was outstanding
         self._children = {}               # entry id -> {slot: None} of the entries keyed under it
         self._unread = []                 # device slots of evictions not handed to unread() yet
         self._inflight = 0                # unread() results not dropped yet
@@ -311,9 +318,13 @@ class PrefixCache:
     def insert(self, row: int, tokens) -> int:
         """Name the whole pages of running ``row`` by ``tokens`` (the tokens its pages hold, in order;
         at most its sure length), before the caller's ``finish(..., cache=True)``. Pages whose
-        key is known already are skipped (the same prefix computed twice: the older entry
-        stays). Returns the entries made. Device copies only (the row's pages and their
-        generations): no host read."""
+        key is known already (the same prefix computed apart, or revived or forked from the
+        entries) keep their entries, re-pointed to this row's pages: an entry that named
+        another copy of the prefix (the same K/V) names the row's now, and the other copy,
+        named by nothing, is evicted as any CACHED page (released earlier, so before the
+        row's). Matches made before stay valid (entries keep their slots and ids). Returns
+        the entries made. Device copies only (the row's pages and their generations): no
+        host read."""
         self._attached("insert")
         made = self._made() if self._kernels is not None else None  # (before the index changes)
         m, tokens = self.mirror, self._tokens(tokens, "insert")
@@ -330,6 +341,9 @@ class PrefixCache:
             # (before the index changes: a token that failed to hash at page i > 0 left the pages
             # before it named, over a slot whose old page and generation a revive then took)
             tokens = _host_ints(tokens, "insert")
+        # slots: the entries of pages 0 .. in order, the known ones (found by their keys) first, then
+        # the new ones from ``first`` on. One run: a key missed makes a new entry id, under which
+        # nothing is known yet, so every deeper key misses too.
         first, slots, eid = None, [], _ROOT
         for i in range(n):
             key = self._key(eid, tokens, i)
@@ -342,37 +356,51 @@ class PrefixCache:
                 self._index[key], self._keys[slot] = slot, key
                 self._children.setdefault(eid, {})[slot] = None
                 first = i if first is None else first
-                slots.append(slot)
+            slots.append(slot)
             eid = self._eid[slot]
+        known = len(slots) if first is None else first
+        if known and self.closed:
+            # An entry an unread eviction took (its page forgotten on the device) may be re-pointed
+            # here: its drop must let the page it names now go (drop takes an evicted entry's page
+            # as forgotten already).
+            self._moved.update(slots[:known])
+        # Every slot, known or new, is written with the row's page at its position (one call from page
+        # 0), after the page it named before is let go where it still names the slot: a known entry
+        # that named the row's page (revived, forked) ends as it was; one that named another copy of
+        # its prefix (computed apart: the same K/V) names the row's, released after that copy (as the
+        # loop inserts a request just before its finish), so the copy named by nothing goes first.
         if slots and self._np is not None:  # (the numba backend: one compiled call, as below)
             bt, rows, width, gen, P = self._at
             with self.pool.state.lock:
-                if insert_pages(bt, rows, width, row, first, np.array(slots, dtype=np.int64), gen, P, *self._np):
-                    raise AssertionError(f"insert: row {row} pages {first}..{first + len(slots)} or slots {slots} "
+                if insert_pages(bt, rows, width, row, 0, np.array(slots, dtype=np.int64), gen, P, *self._np):
+                    raise AssertionError(f"insert: row {row} pages 0..{len(slots)} or slots {slots} "
                                          f"outside the arrays (checked before: a bug)")
         elif slots and self._kernels is not None:  # (the triton backend: one copy of the slots, one launch)
             idx = self._to_device(slots)
             with self.pool.state.lock:
-                self._kernels.insert_pages_triton(self._bt, row, first, idx, self._gen, *made)
+                self._kernels.insert_pages_triton(self._bt, row, 0, idx, self._gen, *made)
         elif slots:
-            # The new entries are the pages from ``first`` on, one run: a key missed makes a new
-            # entry id, under which nothing is known yet, so every deeper key misses too.
             idx, P = self._to_device(slots), self.pool.num_pages
             with self.pool.state.lock:   # between two calls, never inside one
-                pages = self._bt[row, first:first + len(slots)]
+                pages = self._bt[row, :len(slots)]
                 # A page id outside the pool (a hand-edited row) names nothing: it is aimed at the
                 # spare last entry of page_slot, which keeps its -1, and its generation is -1 (a
                 # revive of the entry is refused on the device, as invalid_page).
                 at = pages.long().clamp_(-1, P).remainder_(P + 1)
                 bad = at == P
                 gens = self._gen.index_select(0, at.clamp(max=P - 1)).masked_fill_(bad, -1)
+                # the pages the slots named (bounded alike: outside the pool, the spare entry), let go
+                # where they still name their slot, before any slot is written
+                old = self.slot_page.index_select(0, idx).long().clamp_(-1, P).remainder_(P + 1)
+                mine = self.page_slot.index_select(0, old) == idx.int()
+                self.page_slot.index_fill_(0, torch.where(mine, old, P), -1)
                 self.slot_page.index_copy_(0, idx, pages)
             self.slot_gen.index_copy_(0, idx, gens)
             self.page_slot.index_copy_(0, at, idx.int().masked_fill_(bad, -1))
         if slots:
-            self.inserted += len(slots)
-            m.named[row] = max(int(m.named[row]), first + len(slots))  # (finish: cache=True only)
-        return len(slots)
+            self.inserted += len(slots) - known
+            m.named[row] = max(int(m.named[row]), len(slots))  # (from page 0; finish: cache=True only)
+        return len(slots) - known
 
     def evict(self, k: int) -> torch.Tensor:
         """``mirror.evict(k)``, and on the device the slots that named the evicted pages (-1 for a page
@@ -436,8 +464,11 @@ class PrefixCache:
             if self._keys[s] is not None:   # (not evicted too)
                 under.append(s)
                 stack.extend(self._forget(s))
-        if under:                        # entries under an evicted one: their pages stay, named by nothing
-            idx = self._to_device(under)
+        # Entries under an evicted one: their pages stay, named by nothing. An evicted entry an insert
+        # re-pointed after its eviction (while it was unread) names a page the eviction did not forget.
+        fix = under + [s for s in gone if s in self._moved] if self._moved else under
+        if fix:
+            idx = self._to_device(fix)
             pages, valid = self._bounded(self.slot_page.index_select(0, idx))
             # only the pages that still name their slot (one renamed since keeps its new slot); two of
             # these entries may name one page (one evicted since, named again), so only -1 is written,
@@ -449,6 +480,7 @@ class PrefixCache:
         if not self.closed:              # no eviction outstanding can name a held slot any more
             self._free.extend(self._held)
             self._held.clear()
+            self._moved.clear()          # (nor a slot re-pointed since it took it)
         self.dropped += len(gone) + len(under)
         return len(gone) + len(under)
 
