@@ -831,6 +831,55 @@ def test_drafts_stop_at_max_new_so_a_request_filling_a_learned_position_table_ru
     eng.check()
 
 
+def _position_model(kind):
+    import transformers as T
+    small = dict(vocab_size=64)
+    cfg = {
+        "gpt2": lambda: T.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=24, **small),
+        "opt": lambda: T.OPTConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, ffn_dim=64,
+                                   max_position_embeddings=40, word_embed_proj_dim=32, **small),  # offset 2
+        "ctrl": lambda: T.CTRLConfig(n_layer=1, n_embd=32, n_head=2, dff=64, n_positions=20, **small),
+        "gptj": lambda: T.GPTJConfig(n_layer=1, n_embd=32, n_head=2, rotary_dim=8, n_positions=36, **small),
+        "roberta": lambda: T.RobertaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                           intermediate_size=64, max_position_embeddings=42, is_decoder=True,
+                                           **small),                   # an int position_ids buffer beside its table
+        "reformer": lambda: T.ReformerConfig(attn_layers=["local"], hidden_size=32, num_attention_heads=2,
+                                             feed_forward_size=64, axial_pos_shape=[8, 8], axial_pos_embds_dim=[16, 16],
+                                             max_position_embeddings=64, is_decoder=True, **small),
+        "llama": lambda: T.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                                       max_position_embeddings=16, **small),
+    }[kind]()
+    torch.manual_seed(0)
+    return T.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("kind, want", [("gpt2", (24, "transformer.wpe")), ("opt", (40, "model.decoder.embed_positions")),
+                                        ("ctrl", (20, "transformer.pos_encoding")),
+                                        ("gptj", (36, "transformer.rotary_emb.embed_positions")),
+                                        ("roberta", (42, "roberta.embeddings.position_embeddings")),
+                                        ("reformer", (64, "reformer.embeddings.position_embeddings")),
+                                        ("llama", None)])
+def test_position_limit_is_the_first_position_the_model_cannot_embed(kind, want):
+    """Learned (GPT-2, OPT less its offset, RoBERTa beside its int position_ids buffer), fixed (CTRL, GPT-J's
+    sin/cos) and axial (Reformer) tables: a position one below the limit runs, the limit raises. Rotary: None,
+    and a position far past max_position_embeddings runs."""
+    from tpool.serving.checks import position_limit
+    model = _position_model(kind)
+    got = position_limit(model)
+
+    def at(p):
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[1]]), position_ids=torch.tensor([[p]]))
+    if want is None:
+        assert got is None
+        at(4096)
+        return
+    assert got[0] == want[0] and got[1].startswith(f"position table {want[1]}")
+    at(got[0] - 1)
+    with pytest.raises((IndexError, RuntimeError, ValueError)):
+        at(got[0])
+
+
 def test_a_request_past_a_learned_position_table_is_refused_before_the_run():
     """check_fits bounds prompt + max_new - 1 by the table's rows (generate fails past it too), naming the
     table: it used to be admitted and fail inside the model, its row and pages left taken."""

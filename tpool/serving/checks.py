@@ -34,6 +34,7 @@ the built model. Both are Python only, no tensor is read.
 """
 
 import inspect
+import math
 import re
 
 from torch import nn
@@ -119,8 +120,10 @@ def position_limit(model) -> tuple[int, str] | None:
     position (GPT-2's and GPT-Neo's ``wpe``, OPT's and BioGPT's ``embed_positions``, less the
     ``offset`` they add to each position); a fixed one a 2-D buffer so named (CTRL's
     ``pos_encoding``, GPT-J's and CodeGen's ``embed_positions`` of sin/cos rows, XGLM's
-    ``embed_positions.weights``). A position past it indexes out of the table: an ``IndexError``
-    on a CPU, a device-side assert (the process ends) on CUDA. The smallest table bounds the
+    ``embed_positions.weights``), or axial factors (Reformer's ``axial_pos_shape``: their product).
+    A position past it indexes out of the table: an exception on a CPU (``IndexError``, a
+    ``RuntimeError`` from a gather, ...), a device-side assert (the process ends) on CUDA. The
+    smallest table bounds the
     model. Only the text decoder's count (a composite model's vision tower has tables of
     patches), and only floating ones (``position_ids`` buffers are indices). Chunked attention
     layers, which :func:`check_layers` serves as full attention when one chunk spans
@@ -140,6 +143,9 @@ def position_limit(model) -> tuple[int, str] | None:
         if id(module) not in inside:
             continue
         leaf = name.rsplit(".", 1)[-1]
+        axial = getattr(module, "axial_pos_shape", None)
+        if isinstance(axial, (tuple, list)) and axial and all(isinstance(a, int) for a in axial):
+            found.append((math.prod(axial), f"position table {name} (axial_pos_shape {tuple(axial)})"))
         if (isinstance(module, nn.Embedding) and module is not inputs and module.weight.is_floating_point()
                 and _POSITION_TABLE.search(leaf)):
             found.append((module.num_embeddings - int(getattr(module, "offset", 0) or 0), f"position table {name}"))
