@@ -848,6 +848,10 @@ def _position_model(kind):
                                              max_position_embeddings=64, is_decoder=True, **small),
         "llama": lambda: T.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
                                        max_position_embeddings=16, **small),
+        "git": lambda: T.GitConfig(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                      num_attention_heads=2, image_size=32, patch_size=16),
+                                   hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                   max_position_embeddings=48, **small),   # its image encoder has a table of patches
     }[kind]()
     torch.manual_seed(0)
     return T.AutoModelForCausalLM.from_config(cfg).eval()
@@ -858,11 +862,12 @@ def _position_model(kind):
                                         ("gptj", (36, "transformer.rotary_emb.embed_positions")),
                                         ("roberta", (42, "roberta.embeddings.position_embeddings")),
                                         ("reformer", (64, "reformer.embeddings.position_embeddings")),
-                                        ("llama", None)])
+                                        ("git", (48, "git.embeddings.position_embeddings")), ("llama", None)])
 def test_position_limit_is_the_first_position_the_model_cannot_embed(kind, want):
     """Learned (GPT-2, OPT less its offset, RoBERTa beside its int position_ids buffer), fixed (CTRL, GPT-J's
-    sin/cos) and axial (Reformer) tables: a position one below the limit runs, the limit raises. Rotary: None,
-    and a position far past max_position_embeddings runs."""
+    sin/cos) and axial (Reformer) tables, GIT's text table (not its image encoder's of 5 patches): a position
+    one below the limit runs, the limit raises. Rotary: None, and a position far past max_position_embeddings
+    runs."""
     from tpool.serving.checks import position_limit
     model = _position_model(kind)
     got = position_limit(model)

@@ -124,8 +124,8 @@ def position_limit(model) -> tuple[int, str] | None:
     A position past it indexes out of the table: an exception on a CPU (``IndexError``, a
     ``RuntimeError`` from a gather, ...), a device-side assert (the process ends) on CUDA. The
     smallest table bounds the
-    model. Only the text decoder's count (a composite model's vision tower has tables of
-    patches), and only floating ones (``position_ids`` buffers are indices). Chunked attention
+    model. Only the text decoder's count, not a model inside it that does not embed the tokens (a
+    composite model's vision tower, GIT's image encoder: tables of patches), and only floating ones (``position_ids`` buffers are indices). Chunked attention
     layers, which :func:`check_layers` serves as full attention when one chunk spans
     ``max_position_embeddings`` (Llama 4), bound a sequence by ``attention_chunk_size`` too: past
     it eager attention attends within the chunk, the pages over every position. Python only: no
@@ -138,7 +138,12 @@ def position_limit(model) -> tuple[int, str] | None:
         dec = None
     if not isinstance(dec, nn.Module) or not any(m is inputs for m in dec.modules()):
         dec = model   # (get_decoder is best effort: ModernBERT-decoder's returns its LM head's projection)
-    found, inside = [], {id(m) for m in dec.modules()}
+    inside = {id(m) for m in dec.modules()}
+    for sub in dec.modules():   # another model inside the decoder (GIT's image encoder): tables of its own patches
+        if sub is not dec and hasattr(sub, "config") and hasattr(sub, "get_input_embeddings") and not any(
+                m is inputs for m in sub.modules()):
+            inside -= {id(m) for m in sub.modules()}
+    found = []
     for name, module in model.named_modules():   # (the names the model's own state dict uses)
         if id(module) not in inside:
             continue
