@@ -897,13 +897,15 @@ def test_a_request_past_a_learned_position_table_is_refused_before_the_run():
     assert eng.check()["pages.used.current"] == 0
 
 
-@pytest.mark.parametrize("prefix_cache, where", [(False, "forward"), (True, "forward"), (False, "fork")])
+@pytest.mark.parametrize("prefix_cache, where", [(False, "forward"), (True, "forward"), (False, "fork"),
+                                                 (True, "drop")])
 def test_an_error_inside_a_run_releases_its_rows_and_the_engine_serves_the_next_run(llama, monkeypatch,
                                                                                     prefix_cache, where):
     """An exception in the model's forward (a bad model, an interrupt) or in a fork's page copy (a float8
     cache's, before copy_pages copied bytes) left the running requests' rows and pages taken (the fork's
     too: it was not running yet), and the next run and check() passed over them. run() releases them
-    before it raises."""
+    before it raises. One between the step's read of the evicted slots and their drop (helper-161) left
+    the prefix cache closed for good (no hit ever again, check() failing): run() drops them first."""
     reqs = engine.make_requests(10, system_len=8 if prefix_cache else 0)
     eng = _engine(llama, "numba", reqs, prefix_cache=prefix_cache, **CACHED)
     calls = [0]
@@ -917,6 +919,8 @@ def test_an_error_inside_a_run_releases_its_rows_and_the_engine_serves_the_next_
         return call
     if where == "forward":
         monkeypatch.setattr(engine, "forward_step", failing(engine.forward_step, 6))
+    elif where == "drop":
+        monkeypatch.setattr(eng.prefix, "drop", failing(eng.prefix.drop, 1))
     else:
         monkeypatch.setattr(eng.cache, "copy_pages", failing(eng.cache.copy_pages, 1))
     with pytest.raises(RuntimeError, match=f"the {where} failed"):
@@ -925,8 +929,11 @@ def test_an_error_inside_a_run_releases_its_rows_and_the_engine_serves_the_next_
     stats = eng.check()                                    # no row held, no page in use, the mirror exact
     assert stats["pages.used.current"] == 0 and eng.mirror.rows_free == eng.max_batch
     monkeypatch.undo()
+    assert not (prefix_cache and eng.prefix.closed)
+    hits = eng.stats.cache_hits
     again = engine.make_requests(10, system_len=8 if prefix_cache else 0)
     assert eng.run(again) == engine.reference_tokens(llama, again)
+    assert (eng.stats.cache_hits > hits) == prefix_cache    # the cache serves the next run
     eng.check()
 
 
@@ -1003,3 +1010,27 @@ def test_a_composite_models_engine_reads_its_text_config():
     eng = engine.Engine(model, num_pages=32, page_size=4, max_batch=4, max_pages=16, backend="numba")
     assert eng.run(reqs) == engine.reference_tokens(model, reqs)
     eng.check()
+
+
+def test_a_preemption_inserts_and_releases_its_victims_in_one_order(llama, monkeypatch):
+    """_preempt inserted its victims in running order (oldest first) and released them newest first: of two
+    copies of one prefix the one the entries name (inserted last) was released first, older on the LRU,
+    and evicted before the copy named by nothing (helper-161). Every finish now releases in insert order."""
+    seen = []
+    finish = engine.Engine._finish
+
+    def spy(self, reqs, rows):
+        seen.append(([r.row for r in reqs], list(rows)))
+        return finish(self, reqs, rows)
+    monkeypatch.setattr(engine.Engine, "_finish", spy)
+    reqs = engine.make_requests(16, seed=7, vocab_size=llama.config.vocab_size, system_len=8, max_new=(20, 30),
+                                prompt_len=(5, 8), share_every=0)
+    for r in reqs:
+        r.arrival = 0                     # all at once: one system prompt prefilled apart in one step
+    need = -(-max(engine.max_len(r) for r in reqs) // 4)
+    eng = engine.Engine(llama, num_pages=need * 3, page_size=4, max_batch=8, max_pages=need, backend="numba",
+                        spec_every=0)
+    assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
+    eng.check()
+    assert any(len(rows) > 1 for _, rows in seen) and eng.stats.preemptions > 1
+    assert all(inserted == released for inserted, released in seen)

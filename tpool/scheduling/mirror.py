@@ -510,8 +510,8 @@ class HostMirror(MixedSteps, Accounting):
         pages unreserved now, so a later ``decode`` or ``step`` of the row counts the rest as any
         row's growth. The copy-on-write page (a partial last page) is taken by the fork itself, so it
         comes from ``free``: with ``count_cached`` that may be a page reserved for another row when
-        none is unreserved, which leaves ``unreserved`` at -1 until :meth:`shortfall` pages are
-        evicted, and no step runs before (``decode`` and ``step`` refuse it, naming the eviction);
+        none is unreserved, which leaves ``unreserved`` one lower (-1 from 0; lower still after a
+        ``count_cached`` revive) until :meth:`shortfall` pages are evicted, and no step runs before (``decode`` and ``step`` refuse it, naming the eviction);
         without ``count_cached`` ``unreserved`` stays >= 0. A loop that evicts once after its
         admissions, as for revive, repays it there.
         """

@@ -245,6 +245,7 @@ class Engine:
         self.dev = self.pool.device
         self.stats = Stats()
         self._snapshots = []   # started snapshots of the pool, oldest first, applied once landed
+        self._evicted = None   # the prefix cache's evicted slots sample() has handed out and not dropped yet
         self._names = {}       # stats.calls' name of each function _timed has run
 
     def _timed(self, fn, *args, **kwargs):
@@ -294,8 +295,10 @@ class Engine:
         evicted = self.prefix.unread() if self.prefix is not None else None
         if evicted is None:
             return ids.tolist()
+        self._evicted = evicted   # handed out: if the read or the drop does not finish, _abandon drops it
         host = torch.cat([ids, evicted.to(ids.dtype)]).tolist()
         self.prefix.drop(host[ids.numel():])
+        self._evicted = None
         return host[:ids.numel()]
 
     def _reconcile(self, wait=False):
@@ -420,9 +423,15 @@ class Engine:
             step += 1
 
     def _abandon(self, running) -> None:
-        """After an exception in :meth:`run`: release the rows of ``running`` as a preemption does (with
-        a prefix cache their computed whole pages stay CACHED and named), so nothing of the run stays
-        in use. The requests keep the tokens they got."""
+        """After an exception in :meth:`run`: drop the prefix cache's evictions not dropped yet (handed
+        out by :meth:`sample` or not yet: until then it matches nothing), then release the rows of
+        ``running`` as a preemption does (with a prefix cache their computed whole pages stay CACHED and
+        named), so nothing of the run stays in use. The requests keep the tokens they got."""
+        if self.prefix is not None:
+            if self._evicted is not None:   # (a read on the error path: a sync point, as check() is)
+                evicted, self._evicted = self._evicted, None
+                self.prefix.drop(evicted.tolist())
+            self.prefix.sync()
         held = [r for r in running if r.row is not None and self.mirror.live[r.row]]   # (not released already)
         if held:
             self._finish(held, [r.row for r in held])
@@ -453,7 +462,7 @@ class Engine:
         if victims:
             gone = set(victims)
             back = [r for r in running if r.row in gone]
-            self._finish(back, victims)
+            self._finish(back, [r.row for r in back])   # (inserted and released in one order: see _finish)
             for v in back:
                 running.remove(v)
                 feed.pop(v.rid)
@@ -535,7 +544,8 @@ class Engine:
 
     def _finish(self, reqs, rows) -> None:
         """Release ``reqs`` (their ``rows``, in that order): with a prefix cache their whole pages become
-        its entries and stay CACHED."""
+        its entries and stay CACHED. Inserted and released in the same order, so of two copies of one
+        prefix the one the entries name (inserted last) is released last, and evicted after the other."""
         if self.prefix is not None:
             for r in reqs:
                 self._timed(self.prefix.insert, r.row, r.tokens[:r.cached])
