@@ -31,7 +31,7 @@ INSERT_BLOCK = 64  # lanes per chunk of insert_pages, at most: its duplicate che
 
 
 # Not specialised on the row, its first page or the count (values, not shapes: see revive_kernel).
-@triton.jit(do_not_specialize=["row", "first", "N"])
+@triton.jit(do_not_specialize=["row", "first", "N", "need", "known"])
 def insert_pages_kernel(
     block_table_ptr,  # *int32 [R, MP]
     R,                # rows of block_table
@@ -46,21 +46,30 @@ def insert_pages_kernel(
     slot_gen_ptr,     # *int32 [C]
     page_slot_ptr,    # *int32 [P + 1]: the last entry spare, -1
     capacity,         # C: the cache's slots
+    seq_lens_ptr,     # *int32 [R]: the rows' device lengths
+    need,             # tokens row must hold for its pages to be named ((first + N) * page_size)
+    known,            # the leading slots that are live entries (kept as they are when the row falls short)
     # Meta-parameters
     BLOCK: tl.constexpr,  # lanes per chunk
 ):
     """For p_i = block_table[row, first + i], i < N: slot_page[slots[i]] = p_i, slot_gen[slots[i]] =
     page_gen[p_i] and page_slot[p_i] = slots[i], or for p_i outside [0, P) slot_gen -1 and page_slot[P] = -1;
     before any of that, for o_i = slot_page[slots[i]] (the page the slot named; outside [0, P): P),
-    page_slot[o_i] = -1 where it is slots[i]."""
+    page_slot[o_i] = -1 where it is slots[i]. Only if seq_lens[row] >= need: else (the row does not hold
+    the tokens named) slot_page and slot_gen of slots[i], i >= known, are -1, and nothing else is written."""
     lanes = tl.arange(0, BLOCK)
     bad = tl.zeros((), tl.int32)  # slots outside the cache
     for start in range(0, N, BLOCK):
         i = start + lanes
         s = tl.load(slots_ptr + i, mask=i < N, other=0)
         bad += tl.sum(((i < N) & ((s < 0) | (s >= capacity))).to(tl.int32))
-    fits = (row >= 0) & (row < R) & (first >= 0) & (first <= MP - N) & (bad == 0)
+    fits = (row >= 0) & (row < R) & (first >= 0) & (first <= MP - N) & (known >= 0) & (known <= N) & (bad == 0)
     n = tl.where(fits, N, 0)  # a call outside the arrays writes nothing (as its twin)
+    # the row's device length, at the bounded row (read in every lane: a block, as the masks it joins):
+    # short of ``need``, no page is named (as its twin)
+    r = row + tl.zeros((BLOCK,), tl.int64)
+    in_rows = (r >= 0) & (r < R)
+    held = tl.load(seq_lens_ptr + tl.where(in_rows, r, 0), mask=in_rows, other=0) >= need
     base = tl.where(fits, row, 0).to(tl.int64) * MP + tl.where(fits, first, 0)
     # The pages the slots named (a live entry's slot: re-pointed to the row's copy) are let go first:
     # a clear only where page_slot still names the lane's slot, so the lanes' order does not matter
@@ -72,7 +81,7 @@ def insert_pages_kernel(
         own = live & (s >= 0) & (s < capacity)
         old = tl.load(slot_page_ptr + s, mask=own, other=NULL_PAGE)
         at = tl.where((old >= 0) & (old < num_pages), old, num_pages)
-        named = own & (tl.load(page_slot_ptr + at, mask=own, other=NULL_PAGE) == s)
+        named = held & own & (tl.load(page_slot_ptr + at, mask=own, other=NULL_PAGE) == s)
         tl.store(page_slot_ptr + at, tl.full((BLOCK,), NULL_PAGE, tl.int32), mask=named)
     tl.debug_barrier()
     after = lanes[None, :] > lanes[:, None]  # [i, j]: lane j comes after lane i
@@ -80,17 +89,20 @@ def insert_pages_kernel(
         i = start + lanes
         live = i < n
         s = tl.load(slots_ptr + i, mask=live, other=-1)
-        p = tl.load(block_table_ptr + base + i, mask=live, other=NULL_PAGE)
+        p = tl.load(block_table_ptr + base + i, mask=live & held, other=NULL_PAGE)
         own = live & (s >= 0) & (s < capacity)
-        valid = live & (p >= 0) & (p < num_pages)
+        valid = held & live & (p >= 0) & (p < num_pages)
         s_last = own & (tl.sum((after & own[None, :] & (s[None, :] == s[:, None])).to(tl.int32), axis=1) == 0)
         p_last = valid & (tl.sum((after & valid[None, :] & (p[None, :] == p[:, None])).to(tl.int32), axis=1) == 0)
         gen = tl.load(page_gen_ptr + p, mask=valid, other=NULL_PAGE)
-        tl.store(slot_page_ptr + s, p, mask=s_last)
-        tl.store(slot_gen_ptr + s, gen, mask=s_last)
+        # short of ``need``: the known slots kept, the new ones named nothing (p, gen: -1)
+        write = s_last & (held | (i >= known))
+        tl.store(slot_page_ptr + s, p, mask=write)
+        tl.store(slot_gen_ptr + s, gen, mask=write)
         # a page outside the pool: -1 into the spare entry, as its twin writes
         at = tl.where(valid, p, num_pages)
-        tl.store(page_slot_ptr + at, tl.where(valid, s, NULL_PAGE).to(tl.int32), mask=(p_last & own) | (live & ~valid))
+        tl.store(page_slot_ptr + at, tl.where(valid, s, NULL_PAGE).to(tl.int32),
+                 mask=held & ((p_last & own) | (live & ~valid)))
         tl.debug_barrier()
 
 
@@ -150,18 +162,22 @@ def _check(t, n, name, dtype=torch.int32):
                          f"the cache was changed in place (set_, resize_) or rebound; make a new PrefixCache")
 
 
-def insert_pages_triton(block_table, row, first, slots, page_gen, slot_page, slot_gen, page_slot) -> None:
+def insert_pages_triton(block_table, row, first, slots, page_gen, slot_page, slot_gen, page_slot, seq_lens, need,
+                        known) -> None:
     """Name pages ``first ..`` of ``block_table`` (int32 ``[R, MP]``, contiguous) row ``row`` (host ints)
-    by ``slots`` (int64 ``[n]``), with ``page_gen``'s (int32 ``[P]``) generations (one launch)."""
+    by ``slots`` (int64 ``[n]``), with ``page_gen``'s (int32 ``[P]``) generations (one launch), if the
+    row's length in ``seq_lens`` (int32 ``[R]``) is at least ``need``; else the slots after the first
+    ``known`` name nothing (page and generation -1) and nothing else is written."""
     R, MP = block_table.shape
     n = slots.numel()
     _check(slot_gen, slot_page.numel(), "slot_gen")
     _check(page_slot, page_gen.numel() + 1, "page_slot")
+    _check(seq_lens, R, "seq_lens")
     if not n:
         return
     insert_pages_kernel[(1,)](
         block_table, R, MP, row, first, slots, n, page_gen, page_gen.numel(), slot_page, slot_gen, page_slot,
-        slot_page.numel(), **settings(min(n, INSERT_BLOCK)),
+        slot_page.numel(), seq_lens, need, known, **settings(min(n, INSERT_BLOCK)),
     )
 
 

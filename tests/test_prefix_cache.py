@@ -496,6 +496,48 @@ def test_a_stale_entry_is_refused_on_the_device_by_its_generation(backend):
         pool.check()
 
 
+def test_a_row_a_refused_revive_left_empty_names_no_page_when_inserted(backend):
+    """A broken contract (the entries' pages evicted behind the cache): the revive is refused on the device
+    (the row empty there, the mirror counting the prefix), later steps put other tokens' pages at the row's
+    start. Its insert (the device length short of the tokens named) re-points no known entry and names none
+    of those pages: the next hit of the prefix is refused on the device again (use_after_free), and the new
+    entries name page -1 (invalid_page). (Before, the known entries named the suffix's pages with fresh
+    generations, and the next hit was accepted: wrong K/V served silently.)"""
+    pool, m, cache = _setup(backend)
+    prefix, suffix = list(range(100, 108)), list(range(200, 208))
+    _serve(m, cache, prefix)
+    hit = cache.match(prefix + [1])
+    named = _slot_pages(cache, hit.slots)
+    pool.evict(2)                                   # around the cache: the named pages FREE
+    row = cache.revive(hit, max_len=32)
+    assert int(m.table.seq_lens[row]) == 0
+    with pytest.raises(UseAfterFree):
+        pool.check()
+    m.decode([row], 8)                              # the suffix, at the row's start on the device
+    state = [t.clone() for t in (cache.slot_page, cache.slot_gen, cache.page_slot)]
+    with no_host_sync():
+        assert cache.insert(row, prefix + suffix) == 2
+    after = (cache.slot_page, cache.slot_gen, cache.page_slot)
+    assert torch.equal(after[2], state[2])
+    known = torch.tensor(hit.slots)                 # the known entries as they were: stale generations (the
+    assert [a[known].tolist() for a in after[:2]] == [b[known].tolist() for b in state[:2]]   # pages reused)
+    assert after[1][known].tolist() != pool.generations(torch.tensor(named, dtype=torch.int32)).tolist()
+    longer = cache.match(prefix + suffix + [5])
+    new = torch.tensor(longer.slots[2:])            # the new entries name nothing
+    assert longer.n_tokens == 16 and after[0][new].tolist() == after[1][new].tolist() == [-1, -1]
+    m.finish([row], cache=True)
+    pool.check()
+    again = cache.revive(cache.match(prefix + [5]), max_len=32)
+    assert int(m.table.seq_lens[again]) == 0 and _pages(m, again, 2) == [-1, -1]
+    with pytest.raises(UseAfterFree):
+        pool.check()
+    m.finish([again], cache=True)
+    third = cache.revive(longer, max_len=32)
+    assert int(m.table.seq_lens[third]) == 0
+    with pytest.raises((UseAfterFree, InvalidPage)):
+        pool.check()
+
+
 def test_a_hand_edited_row_makes_entries_that_name_nothing_and_are_refused(backend):
     """Page ids outside the pool in a row (a hand edit) become entries that name no page: no index
     outside page_slot, the spare entry stays -1, a revive of them is refused on the device
@@ -887,14 +929,17 @@ def test_the_numba_updates_refuse_rows_slots_and_sizes_outside_their_arrays():
     bt = np.array([[3, 1, -1], [2, 9, 0]], dtype=np.int32)     # a table of 2 rows, 3 pages each; 9: outside
     gen = np.array([10, 11, 12, 13], dtype=np.int32)          # a pool of 4 pages
     sp, sg, ps = np.full(4, -1, np.int32), np.full(4, -1, np.int32), np.full(5, -1, np.int32)
-    at, gat = bt.ctypes.data, gen.ctypes.data
+    lens = np.array([12, 12], dtype=np.int32)                 # the rows' lengths: 3 pages of 4 tokens
+    at, gat, sl = bt.ctypes.data, gen.ctypes.data, lens.ctypes.data
     i64 = lambda *v: np.array(v, dtype=np.int64)
     for row, first, slots in [(2, 0, i64(0)), (-1, 0, i64(0)), (0, 2, i64(0, 1)), (0, 0, i64(4)), (0, 0, i64(-1))]:
-        assert X.insert_pages(at, 2, 3, row, first, slots, gat, 4, sp, sg, ps) == -1
-    assert X.insert_pages(at, 2, 3, 0, 0, i64(0), gat, 4, sp, sg, ps[:4]) == -1   # page_slot not [P + 1]
-    assert X.insert_pages(at, 2, 3, 0, 0, i64(3), gat, 4, sp, sg[:3], ps) == -1   # slot_gen shorter than slot_page
+        assert X.insert_pages(at, 2, 3, row, first, slots, gat, 4, sp, sg, ps, sl, 0, 0) == -1
+    assert X.insert_pages(at, 2, 3, 0, 0, i64(0), gat, 4, sp, sg, ps[:4], sl, 0, 0) == -1   # page_slot not [P + 1]
+    assert X.insert_pages(at, 2, 3, 0, 0, i64(3), gat, 4, sp, sg[:3], ps, sl, 0, 0) == -1   # slot_gen short
+    assert X.insert_pages(at, 2, 3, 0, 0, i64(0), gat, 4, sp, sg, ps, sl, 0, 2) == -1   # known past the slots
+    assert X.insert_pages(at, 2, 3, 0, 0, i64(0), gat, 4, sp, sg, ps, sl, 0, -1) == -1
     assert (sp == -1).all() and (sg == -1).all() and (ps == -1).all()
-    assert X.insert_pages(at, 2, 3, 1, 0, i64(0, 1, 2), gat, 4, sp, sg, ps) == 0
+    assert X.insert_pages(at, 2, 3, 1, 0, i64(0, 1, 2), gat, 4, sp, sg, ps, sl, 12, 0) == 0
     assert sp.tolist() == [2, 9, 0, -1] and sg.tolist() == [12, -1, 10, -1] and ps.tolist() == [2, -1, 0, -1, -1]
     ev, out = np.array([2, -1, 7, -5], dtype=np.int32), np.full(4, 5, np.int32)   # -5: would wrap to page 0
     assert X.forget_pages(ev.ctypes.data, 4, ps, out[:3]) == -1 and (out == 5).all()
@@ -945,15 +990,27 @@ def test_the_triton_updates_give_what_the_numba_ones_give_and_bound_every_index(
     start = (np.full(C, 77, np.int32), np.full(C, 77, np.int32), np.array([-1] * 5 + [88, -1], np.int32))
     i64 = lambda *v: np.array(v, dtype=np.int64)
 
-    def both(row, first, slots):
+    lens = np.array([320, 36], dtype=np.int32)             # the rows' lengths (row 1: 9 pages of 4 tokens)
+
+    def both(row, first, slots, need=0, known=0):
         want, got = [a.copy() for a in start], [torch.from_numpy(a.copy()) for a in start]
-        X.insert_pages(bt.ctypes.data, 2, 80, row, first, slots, gen.ctypes.data, P, *want)
-        K.insert_pages_triton(torch.from_numpy(bt), row, first, torch.from_numpy(slots), torch.from_numpy(gen), *got)
+        X.insert_pages(bt.ctypes.data, 2, 80, row, first, slots, gen.ctypes.data, P, *want, lens.ctypes.data, need,
+                       known)
+        K.insert_pages_triton(torch.from_numpy(bt), row, first, torch.from_numpy(slots), torch.from_numpy(gen), *got,
+                              torch.from_numpy(lens), need, known)
         assert [g.tolist() for g in got] == [w.tolist() for w in want]
         return got
 
     for row, first, slots in [(2, 0, i64(0)), (-1, 0, i64(0)), (0, 79, i64(0, 1)), (0, 0, i64(C)), (0, 0, i64(-1))]:
         assert [g.tolist() for g in both(row, first, slots)] == [a.tolist() for a in start]
+    for known in (-1, 2):                                   # known outside [0, n]: a call outside the arrays
+        assert [g.tolist() for g in both(1, 0, i64(0), 4, known)] == [a.tolist() for a in start]
+    # a row shorter than the tokens named (37 > 36): the known slots (the first 3) kept, the others -1 and
+    # -1, page_slot (its slot 88 of the spare entry too) unwritten; 36 tokens: every page named
+    sp, sg, ps = both(1, 0, i64(7, 0, 5, 2, 6, 1, 4, 3, 8), 37, 3)
+    assert (np.delete(sp.numpy(), [2, 6, 1, 4, 3, 8]) == 77).all() and (sp[i64(2, 6, 1, 4, 3, 8)] == -1).all()
+    assert sg.tolist() == sp.tolist() and ps.tolist() == start[2].tolist()
+    assert both(1, 0, i64(7, 0, 5, 2, 6, 1, 4, 3, 8), 36, 3)[0][7].item() == 0
     both(0, 0, np.arange(89, 9, -1))
     slots = i64(7, 0, 5, 2, 6, 1, 4, 3)
     sp, sg, ps = both(1, 1, slots)
@@ -987,7 +1044,9 @@ def test_the_numba_insert_lets_a_slots_old_page_go_only_where_it_still_names_the
     sp = np.array([0, 1, -1, P, P + 3, -5, big, 4], dtype=np.int32)
     sg, ps = np.full(8, 77, np.int32), np.array([0, 5, 5, -1, 7, -1, -1], dtype=np.int32)
     slots = np.array([0, 1, 5, 7, 6], dtype=np.int64)
-    assert X.insert_pages(bt.ctypes.data, 1, 5, 0, 0, slots, gen.ctypes.data, P, sp, sg, ps) == 0
+    lens = np.array([20], dtype=np.int32)
+    assert X.insert_pages(bt.ctypes.data, 1, 5, 0, 0, slots, gen.ctypes.data, P, sp, sg, ps, lens.ctypes.data, 20,
+                          0) == 0
     assert sp.tolist() == [3, -1, -1, P, P + 3, P + 3, 5, 4]
     assert sg.tolist() == [13, -1, 77, 77, 77, -1, 15, 14]
     assert ps.tolist() == [-1, 5, 5, 0, 7, 6, -1]   # page 0 let go by slot 0; page 4 kept by slot 7
@@ -1016,8 +1075,11 @@ def test_the_triton_insert_lets_old_pages_go_as_the_numba_one_does():
                 ps[sp[s]] = s
         want = [a.copy() for a in (sp, sg, ps)]
         got = [torch.from_numpy(a.copy()) for a in (sp, sg, ps)]
-        assert X.insert_pages(bt.ctypes.data, 2, W, 1, W - n, slots, gen.ctypes.data, P, *want) == 0
-        K.insert_pages_triton(torch.from_numpy(bt), 1, W - n, torch.from_numpy(slots), torch.from_numpy(gen), *got)
+        lens = np.full(2, W * PS, np.int32)
+        assert X.insert_pages(bt.ctypes.data, 2, W, 1, W - n, slots, gen.ctypes.data, P, *want, lens.ctypes.data,
+                              W * PS, 0) == 0
+        K.insert_pages_triton(torch.from_numpy(bt), 1, W - n, torch.from_numpy(slots), torch.from_numpy(gen), *got,
+                              torch.from_numpy(lens), W * PS, 0)
         assert [g.tolist() for g in got] == [w.tolist() for w in want], trial
         assert want[2][P] == -1
 

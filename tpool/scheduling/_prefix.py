@@ -18,7 +18,8 @@ from tpool.kernels._numba_util import i32_array
 
 
 @cached_njit
-def insert_pages(bt_addr, rows, width, row, first, slots, page_gen_addr, num_pages, slot_page, slot_gen, page_slot):
+def insert_pages(bt_addr, rows, width, row, first, slots, page_gen_addr, num_pages, slot_page, slot_gen, page_slot,
+                 seq_lens_addr, need, known):
     """Name pages ``first ..`` of table row ``row`` by ``slots`` (int64 ``[n]``): each slot gets its
     page (``slot_page``) and the page's generation (``slot_gen``, read from the pool's ``page_gen``
     at ``page_gen_addr``), and the page gets its slot (``page_slot``). A page id outside the pool
@@ -31,15 +32,27 @@ def insert_pages(bt_addr, rows, width, row, first, slots, page_gen_addr, num_pag
     slot (``page_slot[old] = -1``), then every slot is written as above. A slot that names the row's
     page already ends as it was; one that named another copy of the same prefix names the row's now.
 
-    Returns 0, or -1 (nothing written) when the pages or a slot lie outside the arrays."""
+    Only where the row holds the tokens named: its device length (``seq_lens``, int32 ``[rows]`` at
+    ``seq_lens_addr``, read at the bounded row) at least ``need``. Else (a row a refused revive left
+    empty, whose pages hold other tokens) no page is named: the first ``known`` slots (live entries)
+    keep what they name, the others get page -1 and generation -1 (a revive of them is refused,
+    invalid_page), and ``page_slot`` is not written.
+
+    Returns 0, or -1 (nothing written) when the pages, ``known`` or a slot lie outside the arrays."""
     n = slots.shape[0]
     cap = slot_page.shape[0]
-    if row < 0 or row >= rows or first < 0 or first + n > width or slot_gen.shape[0] != cap \
+    if row < 0 or row >= rows or first < 0 or first + n > width or known < 0 or known > n \
+            or slot_gen.shape[0] != cap \
             or page_slot.shape[0] != num_pages + 1:
         return -1
     for i in range(n):
         if slots[i] < 0 or slots[i] >= cap:
             return -1
+    if i32_array(seq_lens_addr, rows)[row] < need:   # (row bounded above)
+        for i in range(known, n):
+            slot_page[slots[i]] = -1
+            slot_gen[slots[i]] = -1
+        return 0
     bt = i32_array(bt_addr, rows * width)
     gens = i32_array(page_gen_addr, num_pages)
     base = row * width + first

@@ -155,13 +155,13 @@ class PrefixCache:
         sizes = (n, n, self.pool.num_pages + 1)
         # Elsewhere (reference, triton) the updates read the block table and page_gen the table's backend
         # holds (tpool.state.held_view: a tensor re-pointed by hand is followed by neither).
-        self._bt, self._gen = table.ops.ts.block_table, table.ops.st.page_gen
+        self._bt, self._gen, self._sl = table.ops.ts.block_table, table.ops.st.page_gen, table.ops.ts.seq_lens
         self._np = self._at = None
         at = getattr(table.ops, "addresses", None)
         if self.pool.backend == "numba" and at is not None and at("SD_PAGES") == (self.pool.num_pages,):
             self._np = tuple(np.full(k, -1, dtype=np.int32) for k in sizes)
             self.slot_page, self.slot_gen, self.page_slot = map(torch.from_numpy, self._np)
-            self._at = at("TD_BLOCK_TABLE", "TD_REQUESTS", "TD_MAX_PAGES", "SD_PAGE_GEN", "SD_PAGES")
+            self._at = at("TD_BLOCK_TABLE", "TD_REQUESTS", "TD_MAX_PAGES", "SD_PAGE_GEN", "SD_PAGES", "TD_SEQ_LENS")
             # revive's gather: its pages and generations, one pair of int32 views per length (made once)
             self._gather_np, self._gathered = np.empty((2, table.max_pages), dtype=np.int32), {}
         else:
@@ -369,19 +369,28 @@ class PrefixCache:
         # that named the row's page (revived, forked) ends as it was; one that named another copy of
         # its prefix (computed apart: the same K/V) names the row's, released after that copy (as the
         # loop inserts a request just before its finish), so the copy named by nothing goes first.
+        # Only if the row's device length holds the tokens named (``need``): a row a refused revive left
+        # empty (a broken contract: its pages freed behind the cache) has other tokens' pages there, so
+        # on the device nothing is named: the known entries keep what they name (their next hit is
+        # refused again, as use_after_free) and the new ones name page -1, generation -1 (refused as
+        # invalid_page). Decided on the device; normal operation always holds them (lo <= seq_lens).
+        need = len(slots) * self.page_size
         if slots and self._np is not None:  # (the numba backend: one compiled call, as below)
-            bt, rows, width, gen, P = self._at
+            bt, rows, width, gen, P, sl = self._at
             with self.pool.state.lock:
-                if insert_pages(bt, rows, width, row, 0, np.array(slots, dtype=np.int64), gen, P, *self._np):
+                if insert_pages(bt, rows, width, row, 0, np.array(slots, dtype=np.int64), gen, P, *self._np,
+                                sl, need, known):
                     raise AssertionError(f"insert: row {row} pages 0..{len(slots)} or slots {slots} "
                                          f"outside the arrays (checked before: a bug)")
         elif slots and self._kernels is not None:  # (the triton backend: one copy of the slots, one launch)
             idx = self._to_device(slots)
             with self.pool.state.lock:
-                self._kernels.insert_pages_triton(self._bt, row, 0, idx, self._gen, *made)
+                self._kernels.insert_pages_triton(self._bt, row, 0, idx, self._gen, *made, self._sl, need, known)
         elif slots:
             idx, P = self._to_device(slots), self.pool.num_pages
             with self.pool.state.lock:   # between two calls, never inside one
+                held = self._sl[row] >= need   # (0-d, on the device; row: a running row, checked above)
+                new = torch.arange(len(slots), device=self.device) >= known
                 pages = self._bt[row, :len(slots)]
                 # A page id outside the pool (a hand-edited row) names nothing: it is aimed at the
                 # spare last entry of page_slot, which keeps its -1, and its generation is -1 (a
@@ -392,11 +401,14 @@ class PrefixCache:
                 # the pages the slots named (bounded alike: outside the pool, the spare entry), let go
                 # where they still name their slot, before any slot is written
                 old = self.slot_page.index_select(0, idx).long().clamp_(-1, P).remainder_(P + 1)
-                mine = self.page_slot.index_select(0, old) == idx.int()
+                mine = held & (self.page_slot.index_select(0, old) == idx.int())
                 self.page_slot.index_fill_(0, torch.where(mine, old, P), -1)
+                # short of ``need``: the known slots as they are, the new ones -1
+                pages = torch.where(held, pages, torch.where(new, -1, self.slot_page.index_select(0, idx)))
+                gens = torch.where(held, gens, torch.where(new, -1, self.slot_gen.index_select(0, idx)))
                 self.slot_page.index_copy_(0, idx, pages)
             self.slot_gen.index_copy_(0, idx, gens)
-            self.page_slot.index_copy_(0, at, idx.int().masked_fill_(bad, -1))
+            self.page_slot.index_copy_(0, torch.where(held, at, P), idx.int().masked_fill_(bad | ~held, -1))
         if slots:
             self.inserted += len(slots) - known
             m.named[row] = max(int(m.named[row]), len(slots))  # (from page 0; finish: cache=True only)
