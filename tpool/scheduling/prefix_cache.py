@@ -398,11 +398,7 @@ class PrefixCache:
                 at = pages.long().clamp_(-1, P).remainder_(P + 1)
                 bad = at == P
                 gens = self._gen.index_select(0, at.clamp(max=P - 1)).masked_fill_(bad, -1)
-                # the pages the slots named (bounded alike: outside the pool, the spare entry), let go
-                # where they still name their slot, before any slot is written
-                old = self.slot_page.index_select(0, idx).long().clamp_(-1, P).remainder_(P + 1)
-                mine = held & (self.page_slot.index_select(0, old) == idx.int())
-                self.page_slot.index_fill_(0, torch.where(mine, old, P), -1)
+                self._let_go(idx, held)   # the pages the slots named, before any slot is written
                 # short of ``need``: the known slots as they are, the new ones -1
                 pages = torch.where(held, pages, torch.where(new, -1, self.slot_page.index_select(0, idx)))
                 gens = torch.where(held, gens, torch.where(new, -1, self.slot_gen.index_select(0, idx)))
@@ -480,13 +476,7 @@ class PrefixCache:
         # re-pointed after its eviction (while it was unread) names a page the eviction did not forget.
         fix = under + [s for s in gone if s in self._moved] if self._moved else under
         if fix:
-            idx = self._to_device(fix)
-            pages, valid = self._bounded(self.slot_page.index_select(0, idx))
-            # only the pages that still name their slot (one renamed since keeps its new slot); two of
-            # these entries may name one page (one evicted since, named again), so only -1 is written,
-            # the others aimed at the spare last entry
-            named = valid & (self.page_slot.index_select(0, pages) == idx.int())
-            self.page_slot.index_fill_(0, torch.where(named, pages, self.pool.num_pages), -1)
+            self._let_go(self._to_device(fix))
         self._inflight -= 1
         self._held.extend(gone + under)
         if not self.closed:              # no eviction outstanding can name a held slot any more
@@ -551,6 +541,17 @@ class PrefixCache:
                 states = self.pool.state.page_state.index_select(0, idx.long()).tolist()
             bad = [(s, p, st) for s, p, st in zip(live, pages, states) if st not in (L.USED, L.CACHED)]
             assert not bad, f"entries whose page is neither USED nor CACHED: (slot, page, state) {bad[:8]}"
+
+    def _let_go(self, idx, where=None) -> None:
+        """Clear ``page_slot`` of the pages the slots ``idx`` name, only where it still names the slot (a
+        page named again since keeps its new slot) and ``where`` (a device mask) holds. Two of the slots
+        may name one page (one evicted since, named again), so only -1 is written; an id outside the pool
+        (a hand-edited one) is aimed at the spare last entry, which never names a slot."""
+        pages, valid = self._bounded(self.slot_page.index_select(0, idx))
+        named = valid & (self.page_slot.index_select(0, pages) == idx.int())
+        if where is not None:
+            named &= where
+        self.page_slot.index_fill_(0, torch.where(named, pages, self.pool.num_pages), -1)
 
     def _bounded(self, pages):
         """``(at, valid)``: ``pages`` as int64 indices into ``page_slot``, an id outside the pool (a
