@@ -538,6 +538,34 @@ def test_a_row_a_refused_revive_left_empty_names_no_page_when_inserted(backend):
         pool.check()
 
 
+def test_a_shorter_insert_of_a_row_a_refused_revive_left_empty_names_no_page_either(backend):
+    """The same broken contract, the row then decoding 16 tokens: an insert of only the prefix and half the
+    suffix (16 tokens) names no more than the row holds on the device, but the row is still short of its
+    sure length by the refused prefix (helper-163): nothing is named, the next hit is refused again."""
+    pool, m, cache = _setup(backend)
+    prefix, suffix = list(range(100, 108)), list(range(200, 216))
+    _serve(m, cache, prefix)
+    hit = cache.match(prefix + [1])
+    pool.evict(2)                                   # around the cache: the named pages FREE
+    row = cache.revive(hit, max_len=32)
+    with pytest.raises(UseAfterFree):
+        pool.check()
+    m.decode([row], 16)                             # the device holds 16 tokens: as many as the insert names
+    assert int(m.table.seq_lens[row]) == 16 and m.length_bounds(row) == (24, 24)
+    state = [t.clone() for t in (cache.slot_page, cache.slot_gen, cache.page_slot)]
+    with no_host_sync():
+        assert cache.insert(row, prefix + suffix[:8]) == 2
+    known = torch.tensor(hit.slots)
+    assert [t[known].tolist() for t in (cache.slot_page, cache.slot_gen)] == [t[known].tolist() for t in state[:2]]
+    assert torch.equal(cache.page_slot, state[2])
+    m.finish([row], cache=True)
+    pool.check()
+    again = cache.revive(cache.match(prefix + [5]), max_len=32)
+    assert int(m.table.seq_lens[again]) == 0       # refused again: its generations are stale
+    with pytest.raises(UseAfterFree):
+        pool.check()
+
+
 def test_a_hand_edited_row_makes_entries_that_name_nothing_and_are_refused(backend):
     """Page ids outside the pool in a row (a hand edit) become entries that name no page: no index
     outside page_slot, the spare entry stays -1, a revive of them is refused on the device

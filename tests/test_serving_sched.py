@@ -898,14 +898,14 @@ def test_a_request_past_a_learned_position_table_is_refused_before_the_run():
 
 
 @pytest.mark.parametrize("prefix_cache, where", [(False, "forward"), (True, "forward"), (False, "fork"),
-                                                 (True, "drop")])
+                                                 (True, "drop"), (True, "after drop")])
 def test_an_error_inside_a_run_releases_its_rows_and_the_engine_serves_the_next_run(llama, monkeypatch,
                                                                                     prefix_cache, where):
     """An exception in the model's forward (a bad model, an interrupt) or in a fork's page copy (a float8
     cache's, before copy_pages copied bytes) left the running requests' rows and pages taken (the fork's
     too: it was not running yet), and the next run and check() passed over them. run() releases them
     before it raises. One between the step's read of the evicted slots and their drop (helper-161) left
-    the prefix cache closed for good (no hit ever again, check() failing): run() drops them first."""
+    the prefix cache closed for good (no hit ever again, check() failing): run() drops them first, once."""
     reqs = engine.make_requests(10, system_len=8 if prefix_cache else 0)
     eng = _engine(llama, "numba", reqs, prefix_cache=prefix_cache, **CACHED)
     calls = [0]
@@ -921,10 +921,23 @@ def test_an_error_inside_a_run_releases_its_rows_and_the_engine_serves_the_next_
         monkeypatch.setattr(engine, "forward_step", failing(engine.forward_step, 6))
     elif where == "drop":
         monkeypatch.setattr(eng.prefix, "drop", failing(eng.prefix.drop, 1))
+    elif where == "after drop":   # the drop done, the error before sample() marks it (helper-163: dropped twice,
+        real_drop = eng.prefix.drop   # which failed and left every row held)
+
+        def dropped(*a, **k):
+            n = real_drop(*a, **k)
+            calls[0] += 1
+            if calls[0] == 1:
+                raise RuntimeError(f"the {where} failed")
+            return n
+        monkeypatch.setattr(eng.prefix, "drop", dropped)
     else:
         monkeypatch.setattr(eng.cache, "copy_pages", failing(eng.cache.copy_pages, 1))
-    with pytest.raises(RuntimeError, match=f"the {where} failed"):
+    import warnings
+    with warnings.catch_warnings(record=True) as seen, pytest.raises(RuntimeError, match=f"the {where} failed"):
+        warnings.simplefilter("always")
         eng.run(reqs)
+    assert not [w for w in seen if issubclass(w.category, RuntimeWarning)]   # the cleanup itself did not fail
     assert all(r.row is None for r in reqs)
     stats = eng.check()                                    # no row held, no page in use, the mirror exact
     assert stats["pages.used.current"] == 0 and eng.mirror.rows_free == eng.max_batch
@@ -981,6 +994,15 @@ def test_a_release_failing_after_an_error_warns_and_the_runs_own_error_propagate
                                             r"\(ValueError: finish failed\)"):
         with pytest.raises(RuntimeError, match="the model"):
             eng.run([R(0, [5, 6, 7], 4)])
+
+
+def test_the_rows_are_released_even_when_the_prefix_caches_cleanup_fails(llama, monkeypatch):
+    eng = _plain(llama, 16, 2, 4, prefix_cache=True)
+    monkeypatch.setattr(engine, "forward_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("the model")))
+    monkeypatch.setattr(eng.prefix, "sync", lambda: (_ for _ in ()).throw(ValueError("sync failed")))
+    with pytest.warns(RuntimeWarning, match=r"\(ValueError: sync failed\)"), pytest.raises(RuntimeError):
+        eng.run([R(0, [5, 6, 7], 4), R(1, [8, 9], 4)])
+    assert eng.mirror.rows_free == eng.max_batch and eng.pool.stats()["pages.used.current"] == 0
 
 
 def test_check_refuses_a_row_held_or_a_page_in_use_after_a_run(llama):

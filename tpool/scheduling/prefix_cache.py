@@ -369,12 +369,15 @@ class PrefixCache:
         # that named the row's page (revived, forked) ends as it was; one that named another copy of
         # its prefix (computed apart: the same K/V) names the row's, released after that copy (as the
         # loop inserts a request just before its finish), so the copy named by nothing goes first.
-        # Only if the row's device length holds the tokens named (``need``): a row a refused revive left
-        # empty (a broken contract: its pages freed behind the cache) has other tokens' pages there, so
-        # on the device nothing is named: the known entries keep what they name (their next hit is
-        # refused again, as use_after_free) and the new ones name page -1, generation -1 (refused as
-        # invalid_page). Decided on the device; normal operation always holds them (lo <= seq_lens).
-        need = len(slots) * self.page_size
+        # Only if the row's device length is at least its sure length (``need``, the mirror's lo, which
+        # bounds the tokens named): a row a refused revive left empty (a broken contract: its pages freed
+        # behind the cache) is shorter on the device by the revived tokens, and has other tokens' pages
+        # there, so on the device nothing is named: the known entries keep what they name (their next hit
+        # is refused again, as use_after_free) and the new ones name page -1, generation -1 (refused as
+        # invalid_page). Decided on the device; normal operation always holds them (lo <= seq_lens). The
+        # sure length, not the tokens named: a row that decoded past the revived tokens' count since would
+        # hold as many tokens on the device as a shorter insert names (helper-163).
+        need = int(m.lo[row])
         if slots and self._np is not None:  # (the numba backend: one compiled call, as below)
             bt, rows, width, gen, P, sl = self._at
             with self.pool.state.lock:

@@ -427,16 +427,18 @@ class Engine:
         out by :meth:`sample` or not yet: until then it matches nothing), then release the rows of
         ``running`` as a preemption does (with a prefix cache their computed whole pages stay CACHED and
         named), so nothing of the run stays in use. The requests keep the tokens they got."""
-        if self.prefix is not None:
-            if self._evicted is not None:   # (a read on the error path: a sync point, as check() is)
+        try:
+            if self.prefix is not None:
                 evicted, self._evicted = self._evicted, None
-                self.prefix.drop(evicted.tolist())
-            self.prefix.sync()
-        held = [r for r in running if r.row is not None and self.mirror.live[r.row]]   # (not released already)
-        if held:
-            self._finish(held, [r.row for r in held])
-        for r in running:
-            r.row, r.cached = None, 0
+                if evicted is not None and self.prefix.closed:   # (not dropped already; a read on the error
+                    self.prefix.drop(evicted.tolist())          # path: a sync point, as check() is)
+                self.prefix.sync()
+        finally:   # the rows are released whatever the cache's cleanup does
+            held = [r for r in running if r.row is not None and self.mirror.live[r.row]]   # (not released already)
+            if held:
+                self._finish(held, [r.row for r in held])
+            for r in running:
+                r.row, r.cached = None, 0
 
     def _feeds(self, running) -> dict:
         """1. What each running request feeds this step (``{rid: tokens}``): its tokens not yet in
