@@ -47,7 +47,7 @@ def insert_pages_kernel(
     page_slot_ptr,    # *int32 [P + 1]: the last entry spare, -1
     capacity,         # C: the cache's slots
     seq_lens_ptr,     # *int32 [R]: the rows' device lengths
-    need,             # tokens row must hold for its pages to be named ((first + N) * page_size)
+    need,             # the row's sure length (the host mirror's): shorter on the device, its pages hold other tokens
     known,            # the leading slots that are live entries (kept as they are when the row falls short)
     # Meta-parameters
     BLOCK: tl.constexpr,  # lanes per chunk
@@ -55,8 +55,8 @@ def insert_pages_kernel(
     """For p_i = block_table[row, first + i], i < N: slot_page[slots[i]] = p_i, slot_gen[slots[i]] =
     page_gen[p_i] and page_slot[p_i] = slots[i], or for p_i outside [0, P) slot_gen -1 and page_slot[P] = -1;
     before any of that, for o_i = slot_page[slots[i]] (the page the slot named; outside [0, P): P),
-    page_slot[o_i] = -1 where it is slots[i]. Only if seq_lens[row] >= need: else (the row does not hold
-    the tokens named) slot_page and slot_gen of slots[i], i >= known, are -1, and nothing else is written."""
+    page_slot[o_i] = -1 where it is slots[i]. Only if seq_lens[row] >= need: else (the row shorter than the
+    host counts) slot_page and slot_gen of slots[i], i >= known, are -1, and nothing else is written."""
     lanes = tl.arange(0, BLOCK)
     bad = tl.zeros((), tl.int32)  # slots outside the cache
     for start in range(0, N, BLOCK):

@@ -32,8 +32,8 @@ def insert_pages(bt_addr, rows, width, row, first, slots, page_gen_addr, num_pag
     slot (``page_slot[old] = -1``), then every slot is written as above. A slot that names the row's
     page already ends as it was; one that named another copy of the same prefix names the row's now.
 
-    Only where the row holds the tokens named: its device length (``seq_lens``, int32 ``[rows]`` at
-    ``seq_lens_addr``, read at the bounded row) at least ``need``. Else (a row a refused revive left
+    Only where the row holds what the host counts: its device length (``seq_lens``, int32 ``[rows]`` at
+    ``seq_lens_addr``, read at the bounded row) at least ``need`` (its sure length). Else (a row a refused revive left
     empty, whose pages hold other tokens) no page is named: the first ``known`` slots (live entries)
     keep what they name, the others get page -1 and generation -1 (a revive of them is refused,
     invalid_page), and ``page_slot`` is not written.

@@ -398,8 +398,8 @@ class PrefixCache:
                 # A page id outside the pool (a hand-edited row) names nothing: it is aimed at the
                 # spare last entry of page_slot, which keeps its -1, and its generation is -1 (a
                 # revive of the entry is refused on the device, as invalid_page).
-                at = pages.long().clamp_(-1, P).remainder_(P + 1)
-                bad = at == P
+                at, inside = self._bounded(pages)
+                bad = ~inside
                 gens = self._gen.index_select(0, at.clamp(max=P - 1)).masked_fill_(bad, -1)
                 self._let_go(idx, held)   # the pages the slots named, before any slot is written
                 # short of ``need``: the known slots as they are, the new ones -1

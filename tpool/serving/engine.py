@@ -270,9 +270,6 @@ class Engine:
     def _spec(self, r):
         return bool(self.spec_every) and r.rid % self.spec_every == 0
 
-    def _max_len(self, r):
-        return max_len(r)
-
     def _draft(self, r):
         """Prompt-lookup drafts: the ``draft_len`` tokens that followed the last earlier occurrence of
         ``r``'s last token (else its last tokens)."""
@@ -349,13 +346,14 @@ class Engine:
                                  f"shared={r.shared} prompt tokens, but request {r.parent} {got}")
         cap = min(self.max_pages, self.pool.num_pages) * self.ps
         for r in requests:
-            if self.positions is not None and self._max_len(r) > self.positions[0]:
+            held = max_len(r)
+            if self.positions is not None and held > self.positions[0]:
                 raise ValueError(f"request {r.rid}: expected prompt + max_new - 1 <= {self.positions[0]} tokens "
                                  f"(the model's {self.positions[1]} bounds positions to {self.positions[0]}), "
-                                 f"got {self._max_len(r)}")
-            if self._max_len(r) > cap:
+                                 f"got {held}")
+            if held > cap:
                 raise RequestTooLong(f"request {r.rid}: expected prompt + max_new - 1 <= {cap} tokens (max_pages "
-                                     f"and the pool), got {self._max_len(r)}")
+                                     f"and the pool), got {held}")
 
     def _check_fields(self, r) -> None:
         if not isinstance(r, Request):
@@ -489,7 +487,7 @@ class Engine:
         decode, prefill = list(running), []
 
         def ask(extra=()):   # the step's prompts (prefills so far, then ``extra``) and its decode lanes
-            return ([len(w.tokens) for w in (*prefill, *extra)], [self._max_len(w) for w in (*prefill, *extra)],
+            return ([len(w.tokens) for w in (*prefill, *extra)], [max_len(w) for w in (*prefill, *extra)],
                     [r.row for r in decode], [len(feed[r.rid]) for r in decode])
 
         for w in [w for w in waiting if w.arrival <= step][:m.rows_free]:
@@ -521,12 +519,12 @@ class Engine:
         lane, fed the rest of its tokens), or else leave it to prefill."""
         m, pc = self.mirror, self.prefix is not None
         if share:
-            w.row = self._timed(m.fork, by_id[w.parent].row, share, self._max_len(w), count_cached=pc)
+            w.row = self._timed(m.fork, by_id[w.parent].row, share, max_len(w), count_cached=pc)
             fork = m.last_fork
             self._timed(self.cache.copy_pages, fork.cow_src, fork.cow_dst)
             self.stats.forks += 1
         elif hit:
-            w.row = self._timed(self.prefix.revive, hit, self._max_len(w), count_cached=pc)
+            w.row = self._timed(self.prefix.revive, hit, max_len(w), count_cached=pc)
             self.stats.cache_hits += 1
             self.stats.cached_tokens += hit.n_tokens
         else:
@@ -566,7 +564,7 @@ class Engine:
         if self.dev.type != "cpu":
             x = x.pin_memory().to(self.dev, non_blocking=True)
         res = self._timed(self.mirror.step, [r.row for r in decode], [len(feed[r.rid]) for r in decode],
-                          [len(feed[r.rid]) for r in prefill], [self._max_len(r) for r in prefill],
+                          [len(feed[r.rid]) for r in prefill], [max_len(r) for r in prefill],
                           width=self.max_batch, max_tokens=t_max)
         for r, row in zip(prefill, res.rows):
             r.row = row
