@@ -2,7 +2,7 @@
 
 Their numba twins are ``tpool.scheduling._prefix`` (the same arguments in the same order, the
 same writes); the reference backend runs the torch code in ``PrefixCache``, the spec of both.
-``insert_pages`` names pages ``first ..`` of a table row by the cache's slots (a slot that named
+``insert_pages`` names the leading pages of a table row by the cache's slots (a slot that named
 another page lets it go first), ``forget_pages``
 reads and clears the slots that named an eviction's pages, ``gather_slots`` reads slots' pages
 and generations for a revive. Every index is bounded before use: a page id outside the pool (a
@@ -30,15 +30,14 @@ INSERT_BLOCK = 64  # lanes per chunk of insert_pages, at most: its duplicate che
 # slot in both lanes).
 
 
-# Not specialised on the row, its first page or the count (values, not shapes: see revive_kernel).
-@triton.jit(do_not_specialize=["row", "first", "N", "need", "known"])
+# Not specialised on the row or the count (values, not shapes: see revive_kernel).
+@triton.jit(do_not_specialize=["row", "N", "need", "known"])
 def insert_pages_kernel(
     block_table_ptr,  # *int32 [R, MP]
     R,                # rows of block_table
     MP,               # columns of block_table
     row,              # the table row
-    first,            # the row's first page to name
-    slots_ptr,        # *int64 [N]: the slot naming page first + i
+    slots_ptr,        # *int64 [N]: the slot naming the row's page i
     N,                # number of pages
     page_gen_ptr,     # *int32 [P]
     num_pages,        # P
@@ -52,7 +51,7 @@ def insert_pages_kernel(
     # Meta-parameters
     BLOCK: tl.constexpr,  # lanes per chunk
 ):
-    """For p_i = block_table[row, first + i], i < N: slot_page[slots[i]] = p_i, slot_gen[slots[i]] =
+    """For p_i = block_table[row, i], i < N: slot_page[slots[i]] = p_i, slot_gen[slots[i]] =
     page_gen[p_i] and page_slot[p_i] = slots[i], or for p_i outside [0, P) slot_gen -1 and page_slot[P] = -1;
     before any of that, for o_i = slot_page[slots[i]] (the page the slot named; outside [0, P): P),
     page_slot[o_i] = -1 where it is slots[i]. Only if seq_lens[row] >= need: else (the row shorter than the
@@ -63,14 +62,14 @@ def insert_pages_kernel(
         i = start + lanes
         s = tl.load(slots_ptr + i, mask=i < N, other=0)
         bad += tl.sum(((i < N) & ((s < 0) | (s >= capacity))).to(tl.int32))
-    fits = (row >= 0) & (row < R) & (first >= 0) & (first <= MP - N) & (known >= 0) & (known <= N) & (bad == 0)
+    fits = (row >= 0) & (row < R) & (N <= MP) & (known >= 0) & (known <= N) & (bad == 0)
     n = tl.where(fits, N, 0)  # a call outside the arrays writes nothing (as its twin)
     # the row's device length, at the bounded row (read in every lane: a block, as the masks it joins):
     # short of ``need``, no page is named (as its twin)
     r = row + tl.zeros((BLOCK,), tl.int64)
     in_rows = (r >= 0) & (r < R)
     held = tl.load(seq_lens_ptr + tl.where(in_rows, r, 0), mask=in_rows, other=0) >= need
-    base = tl.where(fits, row, 0).to(tl.int64) * MP + tl.where(fits, first, 0)
+    base = tl.where(fits, row, 0).to(tl.int64) * MP
     # The pages the slots named (a live entry's slot: re-pointed to the row's copy) are let go first:
     # a clear only where page_slot still names the lane's slot, so the lanes' order does not matter
     # (two lanes on one old page: at most one matches, and both would write -1).
@@ -116,13 +115,15 @@ def forget_pages_kernel(
     # Meta-parameters
     BLOCK: tl.constexpr,  # lanes per chunk
 ):
-    """out[i] = page_slot[a_i], then page_slot[a_i] = -1, for a_i = ev[i] if in [0, P), else P."""
+    """out[i] = page_slot[a_i] (-1 for padding, whatever the spare entry holds), then page_slot[a_i] = -1,
+    for a_i = ev[i] if in [0, P), else P."""
     lanes = tl.arange(0, BLOCK)
     for start in range(0, K, BLOCK):
         i = start + lanes
         p = tl.load(ev_ptr + i, mask=i < K, other=NULL_PAGE)
-        at = tl.where((p >= 0) & (p < num_pages), p, num_pages)
-        tl.store(out_ptr + i, tl.load(page_slot_ptr + at, mask=i < K, other=NULL_PAGE), mask=i < K)
+        inside = (p >= 0) & (p < num_pages)
+        at = tl.where(inside, p, num_pages)
+        tl.store(out_ptr + i, tl.load(page_slot_ptr + at, mask=(i < K) & inside, other=NULL_PAGE), mask=i < K)
     tl.debug_barrier()
     for start in range(0, K, BLOCK):
         i = start + lanes
@@ -162,9 +163,9 @@ def _check(t, n, name, dtype=torch.int32):
                          f"the cache was changed in place (set_, resize_) or rebound; make a new PrefixCache")
 
 
-def insert_pages_triton(block_table, row, first, slots, page_gen, slot_page, slot_gen, page_slot, seq_lens, need,
+def insert_pages_triton(block_table, row, slots, page_gen, slot_page, slot_gen, page_slot, seq_lens, need,
                         known) -> None:
-    """Name pages ``first ..`` of ``block_table`` (int32 ``[R, MP]``, contiguous) row ``row`` (host ints)
+    """Name the leading pages of ``block_table`` (int32 ``[R, MP]``, contiguous) row ``row`` (host ints)
     by ``slots`` (int64 ``[n]``), with ``page_gen``'s (int32 ``[P]``) generations (one launch), if the
     row's length in ``seq_lens`` (int32 ``[R]``) is at least ``need``; else the slots after the first
     ``known`` name nothing (page and generation -1) and nothing else is written."""
@@ -176,7 +177,7 @@ def insert_pages_triton(block_table, row, first, slots, page_gen, slot_page, slo
     if not n:
         return
     insert_pages_kernel[(1,)](
-        block_table, R, MP, row, first, slots, n, page_gen, page_gen.numel(), slot_page, slot_gen, page_slot,
+        block_table, R, MP, row, slots, n, page_gen, page_gen.numel(), slot_page, slot_gen, page_slot,
         slot_page.numel(), seq_lens, need, known, **settings(min(n, INSERT_BLOCK)),
     )
 

@@ -289,6 +289,24 @@ def test_sync_drops_the_evicted_entries_and_padding_names_nothing(backend):
     cache.check_invariants()
 
 
+def test_padding_reads_as_no_slot_whatever_the_spare_entry_holds(backend):
+    """The evicted pages' padding (-1) is aimed at page_slot's spare last entry; it read that entry, so a
+    hand-edited spare naming a live entry handed it out as evicted and drop forgot an entry whose page
+    stayed (named by a slot that could be reused). Padding is -1 on the three backends."""
+    pool, m, cache = _setup(backend, num_pages=8)
+    _serve(m, cache, list(range(4)))
+    _serve(m, cache, list(range(100, 104)))
+    (kept,) = cache.match(list(range(100, 105))).slots
+    pool.incref(cache.slot_page[kept:kept + 1])           # (around the mirror) its page USED: not evicted
+    cache.page_slot[-1] = kept                            # hand-edited spare entry
+    ev = cache.evict(8).tolist()
+    slots = cache.unread().tolist()
+    assert ev.count(-1) == 7 and slots.count(-1) == 7 and kept not in slots
+    assert cache.drop(slots) == 1 and cache.match(list(range(100, 105))).slots == (kept,)
+    assert cache.page_slot[-1].item() == -1
+    cache.check_invariants()
+
+
 def test_an_entry_is_dropped_with_the_entries_under_it(backend):
     """Once a chain's first page is evicted, its second entry goes too (it could never be reached,
     and its page, still held, would be named twice by a later insert of the same prefix); and keys
@@ -411,6 +429,34 @@ def test_drop_refuses_what_is_not_the_unread_values_before_anything_changes(back
     cache.check_invariants()
     cache.evict(0)                                   # nothing evicted: match stays open, no read needed
     assert not cache.closed and cache.unread() is None
+
+
+def test_a_drop_that_fails_on_the_device_changes_nothing_and_may_be_retried(backend, monkeypatch):
+    """A device error inside drop (letting go of the pages under an evicted entry) left the host index
+    without those entries and their slots nowhere: check_invariants failed for good. Now the index
+    changes only after the device writes, so the same drop runs again."""
+    pool, m, cache = _setup(backend, num_pages=8)
+    tokens = list(range(8))
+    _serve(m, cache, tokens)
+    s0, s1 = cache.match(tokens + [0]).slots
+    p1 = cache.slot_page[s1].item()
+    pool.incref(torch.tensor([p1], dtype=torch.int32))   # page 1 USED: evict takes page 0, its entry under it
+    cache.evict(1)
+    slots = cache.unread().tolist()
+    real = cache._let_go
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(cache, "_let_go", fails)
+    with pytest.raises(RuntimeError, match="device lost"):
+        cache.drop(slots)
+    assert len(cache) == 2 and cache.closed and cache.dropped == 0 and cache.page_slot[p1].item() == s1
+    monkeypatch.setattr(cache, "_let_go", real)
+    assert cache.drop(slots) == 2 and len(cache) == 0 and not cache.closed
+    assert cache.page_slot[p1].item() == -1
+    cache.check_invariants()
+    assert sorted(cache._free) == list(range(len(cache._keys)))   # every slot back
 
 
 def test_revives_of_several_lengths_each_hold_their_own_pages(backend):
@@ -960,14 +1006,14 @@ def test_the_numba_updates_refuse_rows_slots_and_sizes_outside_their_arrays():
     lens = np.array([12, 12], dtype=np.int32)                 # the rows' lengths: 3 pages of 4 tokens
     at, gat, sl = bt.ctypes.data, gen.ctypes.data, lens.ctypes.data
     i64 = lambda *v: np.array(v, dtype=np.int64)
-    for row, first, slots in [(2, 0, i64(0)), (-1, 0, i64(0)), (0, 2, i64(0, 1)), (0, 0, i64(4)), (0, 0, i64(-1))]:
-        assert X.insert_pages(at, 2, 3, row, first, slots, gat, 4, sp, sg, ps, sl, 0, 0) == -1
-    assert X.insert_pages(at, 2, 3, 0, 0, i64(0), gat, 4, sp, sg, ps[:4], sl, 0, 0) == -1   # page_slot not [P + 1]
-    assert X.insert_pages(at, 2, 3, 0, 0, i64(3), gat, 4, sp, sg[:3], ps, sl, 0, 0) == -1   # slot_gen short
-    assert X.insert_pages(at, 2, 3, 0, 0, i64(0), gat, 4, sp, sg, ps, sl, 0, 2) == -1   # known past the slots
-    assert X.insert_pages(at, 2, 3, 0, 0, i64(0), gat, 4, sp, sg, ps, sl, 0, -1) == -1
+    for row, slots in [(2, i64(0)), (-1, i64(0)), (0, i64(0, 1, 2, 3)), (0, i64(4)), (0, i64(-1))]:
+        assert X.insert_pages(at, 2, 3, row, slots, gat, 4, sp, sg, ps, sl, 0, 0) == -1
+    assert X.insert_pages(at, 2, 3, 0, i64(0), gat, 4, sp, sg, ps[:4], sl, 0, 0) == -1   # page_slot not [P + 1]
+    assert X.insert_pages(at, 2, 3, 0, i64(3), gat, 4, sp, sg[:3], ps, sl, 0, 0) == -1   # slot_gen short
+    assert X.insert_pages(at, 2, 3, 0, i64(0), gat, 4, sp, sg, ps, sl, 0, 2) == -1   # known past the slots
+    assert X.insert_pages(at, 2, 3, 0, i64(0), gat, 4, sp, sg, ps, sl, 0, -1) == -1
     assert (sp == -1).all() and (sg == -1).all() and (ps == -1).all()
-    assert X.insert_pages(at, 2, 3, 1, 0, i64(0, 1, 2), gat, 4, sp, sg, ps, sl, 12, 0) == 0
+    assert X.insert_pages(at, 2, 3, 1, i64(0, 1, 2), gat, 4, sp, sg, ps, sl, 12, 0) == 0
     assert sp.tolist() == [2, 9, 0, -1] and sg.tolist() == [12, -1, 10, -1] and ps.tolist() == [2, -1, 0, -1, -1]
     ev, out = np.array([2, -1, 7, -5], dtype=np.int32), np.full(4, 5, np.int32)   # -5: would wrap to page 0
     assert X.forget_pages(ev.ctypes.data, 4, ps, out[:3]) == -1 and (out == 5).all()
@@ -1007,41 +1053,40 @@ def test_the_triton_updates_give_what_the_numba_ones_give_and_bound_every_index(
     updates (tpool.scheduling._prefix) write: a hand-edited row's ids outside the pool (-1, P, P + 3, -5,
     2**31 - 1) name nothing (generation -1, the spare entry kept -1, nothing else written), a page named
     twice ends with the later slot (in one chunk and across chunks), a call outside the arrays writes
-    nothing; an eviction's padding and ids outside the pool read the spare entry and clear nothing else."""
+    nothing; an eviction's padding and ids outside the pool read as no slot and clear only the spare entry."""
     from tpool.kernels import prefix_cache as K
     from tpool.scheduling import _prefix as X
     P, C, big = 6, 90, 2**31 - 1
     gen = np.arange(10, 10 + P, dtype=np.int32)
     bt = np.full((2, 80), -1, dtype=np.int32)
     bt[0] = [(i * 5) % (P + 2) - 1 for i in range(80)]   # two chunks of lanes; each page many times, -1 and P
-    bt[1, :9] = [0, 3, -1, P, P + 3, -5, big, 3, 1]
+    bt[1, :9] = [3, -1, P, P + 3, -5, big, 3, 1, 0]
     start = (np.full(C, 77, np.int32), np.full(C, 77, np.int32), np.array([-1] * 5 + [88, -1], np.int32))
     i64 = lambda *v: np.array(v, dtype=np.int64)
 
     lens = np.array([320, 36], dtype=np.int32)             # the rows' lengths (row 1: 9 pages of 4 tokens)
 
-    def both(row, first, slots, need=0, known=0):
+    def both(row, slots, need=0, known=0):
         want, got = [a.copy() for a in start], [torch.from_numpy(a.copy()) for a in start]
-        X.insert_pages(bt.ctypes.data, 2, 80, row, first, slots, gen.ctypes.data, P, *want, lens.ctypes.data, need,
-                       known)
-        K.insert_pages_triton(torch.from_numpy(bt), row, first, torch.from_numpy(slots), torch.from_numpy(gen), *got,
+        X.insert_pages(bt.ctypes.data, 2, 80, row, slots, gen.ctypes.data, P, *want, lens.ctypes.data, need, known)
+        K.insert_pages_triton(torch.from_numpy(bt), row, torch.from_numpy(slots), torch.from_numpy(gen), *got,
                               torch.from_numpy(lens), need, known)
         assert [g.tolist() for g in got] == [w.tolist() for w in want]
         return got
 
-    for row, first, slots in [(2, 0, i64(0)), (-1, 0, i64(0)), (0, 79, i64(0, 1)), (0, 0, i64(C)), (0, 0, i64(-1))]:
-        assert [g.tolist() for g in both(row, first, slots)] == [a.tolist() for a in start]
+    for row, slots in [(2, i64(0)), (-1, i64(0)), (0, np.arange(81)), (0, i64(C)), (0, i64(-1))]:
+        assert [g.tolist() for g in both(row, slots)] == [a.tolist() for a in start]
     for known in (-1, 2):                                   # known outside [0, n]: a call outside the arrays
-        assert [g.tolist() for g in both(1, 0, i64(0), 4, known)] == [a.tolist() for a in start]
+        assert [g.tolist() for g in both(1, i64(0), 4, known)] == [a.tolist() for a in start]
     # a row shorter than the tokens named (37 > 36): the known slots (the first 3) kept, the others -1 and
     # -1, page_slot (its slot 88 of the spare entry too) unwritten; 36 tokens: every page named
-    sp, sg, ps = both(1, 0, i64(7, 0, 5, 2, 6, 1, 4, 3, 8), 37, 3)
+    sp, sg, ps = both(1, i64(7, 0, 5, 2, 6, 1, 4, 3, 8), 37, 3)
     assert (np.delete(sp.numpy(), [2, 6, 1, 4, 3, 8]) == 77).all() and (sp[i64(2, 6, 1, 4, 3, 8)] == -1).all()
     assert sg.tolist() == sp.tolist() and ps.tolist() == start[2].tolist()
-    assert both(1, 0, i64(7, 0, 5, 2, 6, 1, 4, 3, 8), 36, 3)[0][7].item() == 0
-    both(0, 0, np.arange(89, 9, -1))
+    assert both(1, i64(7, 0, 5, 2, 6, 1, 4, 3, 8), 36, 3)[0][7].item() == 3
+    both(0, np.arange(89, 9, -1))
     slots = i64(7, 0, 5, 2, 6, 1, 4, 3)
-    sp, sg, ps = both(1, 1, slots)
+    sp, sg, ps = both(1, slots)
     assert sp[slots].tolist() == [3, -1, P, P + 3, -5, big, 3, 1] and sg[slots].tolist() == [13] + [-1] * 5 + [13, 11]
     assert ps.tolist() == [-1, 3, -1, 4, -1, 88, -1] and (np.delete(sp.numpy(), slots) == 77).all()
 
@@ -1073,8 +1118,7 @@ def test_the_numba_insert_lets_a_slots_old_page_go_only_where_it_still_names_the
     sg, ps = np.full(8, 77, np.int32), np.array([0, 5, 5, -1, 7, -1, -1], dtype=np.int32)
     slots = np.array([0, 1, 5, 7, 6], dtype=np.int64)
     lens = np.array([20], dtype=np.int32)
-    assert X.insert_pages(bt.ctypes.data, 1, 5, 0, 0, slots, gen.ctypes.data, P, sp, sg, ps, lens.ctypes.data, 20,
-                          0) == 0
+    assert X.insert_pages(bt.ctypes.data, 1, 5, 0, slots, gen.ctypes.data, P, sp, sg, ps, lens.ctypes.data, 20, 0) == 0
     assert sp.tolist() == [3, -1, -1, P, P + 3, P + 3, 5, 4]
     assert sg.tolist() == [13, -1, 77, 77, 77, -1, 15, 14]
     assert ps.tolist() == [-1, 5, 5, 0, 7, 6, -1]   # page 0 let go by slot 0; page 4 kept by slot 7
@@ -1104,9 +1148,9 @@ def test_the_triton_insert_lets_old_pages_go_as_the_numba_one_does():
         want = [a.copy() for a in (sp, sg, ps)]
         got = [torch.from_numpy(a.copy()) for a in (sp, sg, ps)]
         lens = np.full(2, W * PS, np.int32)
-        assert X.insert_pages(bt.ctypes.data, 2, W, 1, W - n, slots, gen.ctypes.data, P, *want, lens.ctypes.data,
-                              W * PS, 0) == 0
-        K.insert_pages_triton(torch.from_numpy(bt), 1, W - n, torch.from_numpy(slots), torch.from_numpy(gen), *got,
+        assert X.insert_pages(bt.ctypes.data, 2, W, 1, slots, gen.ctypes.data, P, *want, lens.ctypes.data, W * PS,
+                              0) == 0
+        K.insert_pages_triton(torch.from_numpy(bt), 1, torch.from_numpy(slots), torch.from_numpy(gen), *got,
                               torch.from_numpy(lens), W * PS, 0)
         assert [g.tolist() for g in got] == [w.tolist() for w in want], trial
         assert want[2][P] == -1

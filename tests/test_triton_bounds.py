@@ -142,7 +142,7 @@ def test_a_prefix_cache_insert_naming_slot_c_writes_nothing():
     gen = torch.arange(10, 10 + P, dtype=torch.int32, device=dev)
     slot_page, slot_gen = (torch.full((C,), 77, dtype=torch.int32, device=dev) for _ in range(2))
     page_slot = torch.full((P + 1,), -1, dtype=torch.int32, device=dev)
-    K.insert_pages_triton(bt, 0, 0, torch.tensor([C, 0], dtype=torch.int64, device=dev), gen, slot_page,
+    K.insert_pages_triton(bt, 0, torch.tensor([C, 0], dtype=torch.int64, device=dev), gen, slot_page,
                           slot_gen, page_slot, i32([8], dev), 8, 0)
     assert slot_page.tolist() == slot_gen.tolist() == [77] * C and page_slot.tolist() == [-1] * (P + 1)
 

@@ -18,9 +18,9 @@ from tpool.kernels._numba_util import i32_array
 
 
 @cached_njit
-def insert_pages(bt_addr, rows, width, row, first, slots, page_gen_addr, num_pages, slot_page, slot_gen, page_slot,
+def insert_pages(bt_addr, rows, width, row, slots, page_gen_addr, num_pages, slot_page, slot_gen, page_slot,
                  seq_lens_addr, need, known):
-    """Name pages ``first ..`` of table row ``row`` by ``slots`` (int64 ``[n]``): each slot gets its
+    """Name the leading pages of table row ``row`` by ``slots`` (int64 ``[n]``): each slot gets its
     page (``slot_page``) and the page's generation (``slot_gen``, read from the pool's ``page_gen``
     at ``page_gen_addr``), and the page gets its slot (``page_slot``). A page id outside the pool
     (a hand-edited row) gets generation -1 and is aimed at ``page_slot``'s spare last entry,
@@ -41,7 +41,7 @@ def insert_pages(bt_addr, rows, width, row, first, slots, page_gen_addr, num_pag
     Returns 0, or -1 (nothing written) when the pages, ``known`` or a slot lie outside the arrays."""
     n = slots.shape[0]
     cap = slot_page.shape[0]
-    if row < 0 or row >= rows or first < 0 or first + n > width or known < 0 or known > n \
+    if row < 0 or row >= rows or n > width or known < 0 or known > n \
             or slot_gen.shape[0] != cap \
             or page_slot.shape[0] != num_pages + 1:
         return -1
@@ -55,7 +55,7 @@ def insert_pages(bt_addr, rows, width, row, first, slots, page_gen_addr, num_pag
         return 0
     bt = i32_array(bt_addr, rows * width)
     gens = i32_array(page_gen_addr, num_pages)
-    base = row * width + first
+    base = row * width
     for i in range(n):  # the pages the slots named: let go first (every read of slot_page before a write)
         s = slots[i]
         old = slot_page[s]
@@ -78,15 +78,15 @@ def insert_pages(bt_addr, rows, width, row, first, slots, page_gen_addr, num_pag
 @cached_njit
 def forget_pages(ev_addr, k, page_slot, out):
     """For each page id of the evicted pages (int32 ``[k]`` at ``ev_addr``, -1 padding) write the slot
-    that named it into ``out`` (int32 ``[k]``; -1 for none and for padding), then name it by nothing.
-    Returns 0, or -1 (nothing written) when ``out`` is not ``[k]``."""
+    that named it into ``out`` (int32 ``[k]``; -1 for none and for padding, whatever the spare entry
+    holds), then name it by nothing. Returns 0, or -1 (nothing written) when ``out`` is not ``[k]``."""
     spare = page_slot.shape[0] - 1
     if out.shape[0] != k or k < 0 or spare < 0:
         return -1
     ev = i32_array(ev_addr, k)
     for i in range(k):
         p = ev[i]
-        out[i] = page_slot[p if 0 <= p < spare else spare]
+        out[i] = page_slot[p] if 0 <= p < spare else -1
     for i in range(k):
         p = ev[i]
         page_slot[p if 0 <= p < spare else spare] = -1

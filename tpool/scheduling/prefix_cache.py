@@ -381,14 +381,14 @@ class PrefixCache:
         if slots and self._np is not None:  # (the numba backend: one compiled call, as below)
             bt, rows, width, gen, P, sl = self._at
             with self.pool.state.lock:
-                if insert_pages(bt, rows, width, row, 0, np.array(slots, dtype=np.int64), gen, P, *self._np,
+                if insert_pages(bt, rows, width, row, np.array(slots, dtype=np.int64), gen, P, *self._np,
                                 sl, need, known):
                     raise AssertionError(f"insert: row {row} pages 0..{len(slots)} or slots {slots} "
                                          f"outside the arrays (checked before: a bug)")
         elif slots and self._kernels is not None:  # (the triton backend: one copy of the slots, one launch)
             idx = self._to_device(slots)
             with self.pool.state.lock:
-                self._kernels.insert_pages_triton(self._bt, row, 0, idx, self._gen, *made, self._sl, need, known)
+                self._kernels.insert_pages_triton(self._bt, row, idx, self._gen, *made, self._sl, need, known)
         elif slots:
             idx, P = self._to_device(slots), self.pool.num_pages
             with self.pool.state.lock:   # between two calls, never inside one
@@ -432,8 +432,8 @@ class PrefixCache:
             with self.pool.state.lock:
                 self._unread.append(self._kernels.forget_pages_triton(ev, made[2]))
             return ev
-        at = torch.where(ev >= 0, ev, self.pool.num_pages).long()  # padding: the spare last entry
-        self._unread.append(self.page_slot.index_select(0, at))
+        at, inside = self._bounded(ev)        # padding: the spare last entry, read as -1
+        self._unread.append(self.page_slot.index_select(0, at).masked_fill_(~inside, -1))
         self.page_slot.index_fill_(0, at, -1)
         return ev
 
@@ -468,18 +468,24 @@ class PrefixCache:
             raise ValueError(f"drop: expected slots in [-1, {n}) (the unread() values), got "
                              f"{_head(np.asarray(slots))}")
         gone = [s for s in dict.fromkeys(slots) if s >= 0 and self._keys[s] is not None]
-        stack = [c for s in gone for c in self._forget(s)]   # the evicted entries first: the eviction
-        under = []                                           # forgot their pages on the device
+        # All or nothing: the entries under the evicted ones are found without changing the index, the
+        # device is written, and only then does the host forget them (a device error in between leaves
+        # the cache as it was, the eviction still outstanding: the same drop may be retried).
+        evicted = set(gone)                  # (the eviction forgot their pages on the device)
+        stack = [c for s in gone for c in self._children.get(self._eid[s], ())]
+        under = []
         while stack:
             s = stack.pop()
-            if self._keys[s] is not None:   # (not evicted too)
+            if s not in evicted:             # (an entry evicted too is walked from ``gone``)
                 under.append(s)
-                stack.extend(self._forget(s))
+                stack.extend(self._children.get(self._eid[s], ()))
         # Entries under an evicted one: their pages stay, named by nothing. An evicted entry an insert
         # re-pointed after its eviction (while it was unread) names a page the eviction did not forget.
         fix = under + [s for s in gone if s in self._moved] if self._moved else under
         if fix:
             self._let_go(self._to_device(fix))
+        for s in gone + under:
+            self._forget(s)
         self._inflight -= 1
         self._held.extend(gone + under)
         if not self.closed:              # no eviction outstanding can name a held slot any more
@@ -489,15 +495,15 @@ class PrefixCache:
         self.dropped += len(gone) + len(under)
         return len(gone) + len(under)
 
-    def _forget(self, s) -> list:
-        """Drop entry ``s`` from the host index; returns the slots of the entries under it."""
-        key, eid = self._keys[s], self._eid[s]
+    def _forget(self, s) -> None:
+        """Drop entry ``s`` from the host index (the entries under it are dropped by the caller)."""
+        key = self._keys[s]
         del self._index[key]
         self._keys[s] = None
         siblings = self._children.get(key[0])
         if siblings is not None:        # (None: its parent was dropped first)
             del siblings[s]
-        return list(self._children.pop(eid, ()))
+        self._children.pop(self._eid[s], None)
 
     def sync(self) -> int:
         """Read the unread evictions' slots and drop them (a sync point); returns the entries dropped."""
