@@ -128,6 +128,43 @@ def test_a_revive_or_fork_in_a_group_sees_the_frees_before_it(make_pool, guard):
             assert ends[0][1][1] == 0   # refused: the row stays empty
 
 
+def test_a_truncate_or_cached_release_in_a_group_sees_the_frees_before_it(make_pool, guard):
+    """A truncate reads reference counts (it refuses to end inside a shared page) and a release with
+    cache decides CACHED or FREE by which call drops a page's last reference; neither flushed the
+    group. A prefix cache's extra references dropped in a group made a rollback into such a page a
+    bad_length (the request kept its rejected tokens), and a cached release of the row then left its
+    pages FREE instead of CACHED. Grouped or not, all three calls end the same now."""
+    import contextlib
+
+    import tpool
+    for call in ("truncate", "release", "step"):
+        ends = []
+        for grouped in (False, True):
+            pool = make_pool(8, page_size=4)
+            table = tpool.PageTable(pool, 3, 2)
+            with guard():
+                table.extend(i32([0]), i32([8]), max_tokens=8)   # request 0: pages 0, 1
+                extra = table.block_table[0].clone()
+                pool.incref(extra)                               # a prefix cache's references
+            with pool.free_group(capacity=4) if grouped else contextlib.nullcontext():
+                with guard():
+                    pool.free(extra)                             # the cache lets go of them
+                    if call == "truncate":
+                        table.truncate(i32([0]), i32([6]))       # a rollback into page 1
+                    elif call == "release":
+                        table.release(i32([0]), cache=True)
+                    else:
+                        table.step(i32([-1]), i32([0]), release=i32([0]), release_cache=True)
+            pool.check()                                         # no error, grouped or not
+            ends.append((table.seq_lens.tolist(), pool.state.page_state.tolist(), pool.available()))
+            pool.check_invariants()
+        assert ends[0] == ends[1], call
+        if call == "truncate":
+            assert ends[0][0][0] == 6
+        else:
+            assert ends[0][1][:2] == [2, 2]                      # both pages CACHED
+
+
 def test_a_flush_that_raises_at_exit_still_closes_the_group(make_pool, monkeypatch):
     """An exception inside the exit's flush (an interrupt, say) left the group open: every later free of the
     thread was deferred into a group nobody would exit, and no new group could open."""

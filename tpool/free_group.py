@@ -15,7 +15,13 @@ plain frees in enqueue order as one pass, then all ``cache=True`` frees as
 another. An enqueue larger than the whole buffer is applied at once (after
 flushing what is buffered). An ``incref`` or ``touch`` in the group's thread
 flushes it first: they read page states, and a page freed earlier in the group
-must be FREE there (a use after free counted, as without the group). No free
+must be FREE there (a use after free counted, as without the group). So do a
+table's ``fork`` and ``revive`` (they take references), ``truncate`` (it reads
+reference counts: a page whose other reference was freed in the group is no
+longer shared) and ``release`` with ``cache=True`` (or a ``step`` releasing with
+``release_cache=True``: which call drops a page's last reference decides whether
+it ends CACHED or FREE). A step bound with ``release_cache=True``
+(``bind_step``) does not flush, as bound frees are never deferred. No free
 is ever lost, and the schedule of flushes depends only on shapes and calls,
 so it is deterministic.
 

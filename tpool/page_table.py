@@ -348,6 +348,8 @@ class PageTable:
             _checks.check_vector(release, "release", torch.int32, self.device, self.pool.max_batch)
         if self._check_written:  # numba's compiled step checks it itself
             _checks.check_not_written(release, "release", written)
+        if release_cache:  # as release(cache=True): this thread's open free group's frees first
+            self.pool._flush_group()
         run(req_ids, num_tokens, b, release, release_cache)
         return result
 
@@ -560,6 +562,8 @@ class PageTable:
         """:meth:`release` of inputs that pass its checks by construction: a plain int32 vector of at most
         ``max_batch`` ids on the table's device, on memory no table call writes (``HostMirror``'s kept
         inputs: its own tensors, their checks a few microseconds each once a forward pass cooled the caches)."""
+        if cache:  # which call drops a page's last reference decides CACHED or FREE: this thread's open free
+            self.pool._flush_group()  # group's frees come first, as without the group
         self.ops.release(req_ids, cache)
 
     def truncate(self, req_ids: torch.Tensor, new_lens: torch.Tensor | None = None, *,
@@ -598,6 +602,7 @@ class PageTable:
     def _truncate(self, req_ids, lens, drop: bool) -> None:
         """:meth:`truncate` of inputs that pass its checks by construction (as :meth:`_release`'s: two
         such vectors of one length, the lengths or the drops as ``drop`` says)."""
+        self.pool._flush_group()  # it reads reference counts (a shared page): this thread's group's frees first
         self.ops.truncate(req_ids, lens, drop)
 
     def fork(self, src_ids: torch.Tensor, dst_ids: torch.Tensor, lens: torch.Tensor) -> ForkResult:
