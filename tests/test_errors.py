@@ -183,6 +183,32 @@ def test_bad_request_id(make_pool, guard):
     assert "[0, max_requests)" in text and "larger max_requests" in text
 
 
+def test_fork_of_a_freed_page_and_revive_into_a_busy_row_are_explained(make_pool, guard):
+    """A fork meeting a page its source row names that was freed through the pool counts use_after_free,
+    and a revive into a row that is not empty counts bad_request; the hints spoke of incref and touch,
+    and of out-of-range or repeated ids and forks, only: a scheduler reading them looked in the wrong place."""
+    pool = make_pool(16, page_size=4)
+    table = tpool.PageTable(pool, 3, 4)
+    with guard():
+        table.extend(i32([0]), i32([8]), max_tokens=8)
+    pool.free(table.block_table[0, :1].clone())        # a page the row still names, freed through the pool
+    with guard():
+        r = table.fork(i32([0]), i32([1]), i32([8]))
+    assert not r.ok[0]
+    e, text = raised(pool, tpool.UseAfterFree)
+    assert e.counts == {"use_after_free": 1} and "fork met a page of its source row" in text
+    assert "fork" in tpool.UseAfterFree.__doc__
+    with guard():
+        table.revive(0, i32([1]), 4)                     # row 0 is not empty
+    e, text = raised(pool, tpool.InvalidRequest)
+    assert e.counts == {"bad_request": 1} and "revive into a row that is not empty" in text
+    assert "revive" in tpool.InvalidRequest.__doc__
+    with guard():
+        table.revive(2, i32([99]), 4)                    # a page id outside the pool
+    _, text = raised(pool, tpool.InvalidPage)
+    assert "revive" in text
+
+
 def test_request_longer_than_its_row(make_pool, guard):
     pool = make_pool(16, page_size=4)
     table = tpool.PageTable(pool, 2, 2)

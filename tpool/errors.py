@@ -21,7 +21,7 @@ class PoolError(RuntimeError):
 
 class InvalidPage(PoolError):
     """A page id outside ``[0, num_pages)`` (and not the padding id -1) was passed to
-    ``free``, ``incref`` or ``touch``; the entry was skipped. A ``PagedKVCache``'s ``check``
+    ``free``, ``incref``, ``touch`` or a table's ``revive``; the entry was skipped. A ``PagedKVCache``'s ``check``
     raises it too, for slots or pages outside the cache given to ``write`` or ``copy_pages``."""
 
 
@@ -31,7 +31,10 @@ class DoubleFree(PoolError):
 
 
 class UseAfterFree(PoolError):
-    """``incref`` or ``touch`` named a FREE page; the entry was skipped."""
+    """``incref``, ``touch`` or a table's ``revive`` named a FREE page (the entry was skipped; a revive
+    takes none of its pages), a ``revive`` with generations named a page freed since they were recorded,
+    or a ``fork`` met a page of its source row that is no longer USED (freed or cached through the pool
+    while the row named it; that lane failed)."""
 
 
 class InvalidCount(PoolError):
@@ -48,7 +51,9 @@ class OutputOverflow(PoolError):
 
 
 class InvalidRequest(PoolError):
-    """A page-table request id outside ``[0, max_requests)`` (and not -1); the lane was skipped."""
+    """A page-table lane named a request it may not: an id outside ``[0, max_requests)`` (and not -1),
+    an id named twice in one call (every lane after its first), a ``fork`` into a request that is not
+    empty (or from itself), or a ``revive`` into a row that is not empty; the lane was skipped."""
 
 
 class TableOverflow(PoolError):
@@ -100,18 +105,20 @@ ERROR_CLASSES = {
 # What each kind means and which argument to change, shown under the counts by check().
 HINTS = {
     L.ERR_INVALID_PAGE: (
-        "a page id outside [0, num_pages) (and not the padding id -1) was passed to free, incref or touch; "
-        "the entry was skipped. Pass only ids this pool's alloc returned, or -1 for padding."),
+        "a page id outside [0, num_pages) (and not the padding id -1) was passed to free, incref, touch or a "
+        "table's revive; the entry was skipped. Pass only ids this pool's alloc returned, or -1 for padding."),
     L.ERR_DOUBLE_FREE: (
         "a page lost more references than it held (free or a table's release/truncate of a page already "
         "freed); the extra release was skipped. Free each granted page once per reference (incref adds one), "
         "and do not free pages a PageTable holds: release the request instead."),
     L.ERR_USE_AFTER_FREE: (
-        "incref or touch named a FREE page (freed earlier, or never allocated), or a revive with generations "
-        "named a page whose generation changed since it was recorded (evicted or freed, perhaps handed to another "
-        "request since); the entry was skipped (a revive then takes none of its pages). Keep a reference (or "
-        "cache=True on free) while the page is in use; record pool.generations(pages) when a prefix-cache entry "
-        "is made."),
+        "incref, touch or a revive named a FREE page (freed earlier, or never allocated), or a revive with "
+        "generations named a page whose generation changed since it was recorded (evicted or freed, perhaps "
+        "handed to another request since); the entry was skipped (a revive then takes none of its pages). Or a "
+        "fork met a page of its source row that is not USED (freed or cached through the pool while the row "
+        "named it); that lane failed (ok False, nothing shared). Keep a reference (or cache=True on free) while "
+        "the page is in use, do not free pages a PageTable holds (release the request instead); record "
+        "pool.generations(pages) when a prefix-cache entry is made."),
     L.ERR_BAD_COUNT: (
         "alloc, or a page table's extend or step, received a negative count. alloc failed that request and "
         "every later one in the call; extend and step failed that lane only (ok False, nothing appended), the "
@@ -119,9 +126,10 @@ HINTS = {
     L.ERR_OUT_OVERFLOW: "an output buffer was too small",  # then what OVERFLOW_HINTS says of each buffer
     L.ERR_BAD_REQUEST: (
         "a page-table lane named a request it may not: an id outside [0, max_requests) (and not the padding "
-        "id -1), an id named twice in one call (every lane after its first), or a fork into a request "
-        "that is not empty (or from itself); the lane was skipped. Pass ids below max_requests (or make "
-        "the PageTable with a larger max_requests), each id once per call, and fork into released rows."),
+        "id -1), an id named twice in one call (every lane after its first), a fork into a request "
+        "that is not empty (or from itself), or a revive into a row that is not empty; the lane was skipped. "
+        "Pass ids below max_requests (or make the PageTable with a larger max_requests), each id once per "
+        "call, and fork or revive into released rows."),
     L.ERR_TABLE_OVERFLOW: (
         "a request would need more than max_pages_per_request pages; it failed and is unchanged. Make the "
         "PageTable with a larger max_pages_per_request (at least ceil(longest sequence / page_size)), or "
