@@ -609,6 +609,22 @@ def test_fork_checks_its_lens_before_any_change(backend, lens, msg):
     assert all(torch.equal(a, b) for a, b in zip(before, (table.seq_lens, table.block_table, pool.state.refcount)))
 
 
+def test_a_per_lane_vector_longer_than_max_batch_names_the_batch(backend):
+    """num_tokens (new_lens, drop, src_ids, lens) must have one entry per request id; one longer than the
+    pool's max_batch was refused as "expected at most max_batch entries", which a caller with a batch of 2
+    could only read as a limit it had not reached."""
+    pool = tpool.PagePool(16, 4, device="cpu", backend=backend, max_batch=8)
+    table = tpool.PageTable(pool, 4, 4)
+    ids, long = i32([0, 1]), torch.ones(9, dtype=torch.int32)
+    calls = {"num_tokens": lambda: table.extend(ids, long), "new_lens": lambda: table.truncate(ids, long),
+             "drop": lambda: table.truncate(ids, drop=long), "src_ids": lambda: table.fork(long, ids, ids),
+             "lens": lambda: table.fork(ids, ids, long)}
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=rf"{name}: expected 2 entries \(one per request id\), got 9"):
+            call()
+    assert table.seq_lens.tolist() == [0, 0, 0, 0] and pool.available() == 16
+
+
 def test_bind_alloc_refuses_an_out_of_another_pool_or_type(backend):
     pool = tpool.PagePool(8, device="cpu", backend=backend)
     other = tpool.PagePool(8, device="cpu", backend=backend)

@@ -124,7 +124,7 @@ class PageTable:
     def _lane_vector(self, t, name, b):
         """Check a per-lane int32 vector of ``b`` entries."""
         if i32_len(t, self.device) != b:
-            n = _checks.check_vector(t, name, torch.int32, self.device, self.pool.max_batch)
+            n = _checks.check_vector(t, name, torch.int32, self.device)  # (no cap: its length must be b)
             if n != b:
                 raise ValueError(f"{name}: expected {b} entries (one per request id), got {n}")
 
