@@ -440,6 +440,24 @@ def test_sizes_that_may_be_zero_take_zero():
         demo.positive_int("0")
 
 
+
+@pytest.mark.parametrize("argv, option, expected", [
+    (["--requests", "1e3"], "--requests", "expected a positive int, got '1e3'"),   # at_most: was "invalid parse value"
+    (["--num-pages", "abc"], "--num-pages", "expected a positive int, got 'abc'"),
+    (["--page-size", "x"], "--page-size", "expected a positive int, got 'x'"),
+    (["--seed", "1.5"], "--seed", "expected an int from 0 to 18446744073709551615 (2**64 - 1), got '1.5'"),
+])
+def test_a_count_that_is_not_an_int_says_what_was_expected(argv, option, expected, capsys):
+    """argparse words a ValueError from a type function with the function's name ("invalid parse value: '1e3'",
+    naming at_most's inner function); the demos' types say what they expected instead."""
+    with pytest.raises(SystemExit) as e:
+        demo.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: {expected}" in err and "invalid" not in err, err
+    with pytest.raises(argparse.ArgumentTypeError, match="expected an int of at least 0, got 'x'"):
+        demo.count_int("x")
+
 # --- Pinned by helper-150's mutation run over tpool/serving/cli.py ------------------------------------------
 
 def _served(monkeypatch, argv):

@@ -182,9 +182,18 @@ def _final_check(pool, table, mirror):
     return s
 
 
+def _int(text, what: str) -> int:
+    """``text`` as an int, or the argparse error saying ``what`` was expected: argparse words a
+    ``ValueError`` from a type function with the function's own name (``invalid parse value: '1e3'``)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+
 def positive_int(text):
     """argparse type of the demos' counts: an int of at least 1."""
-    v = int(text)
+    v = _int(text, "a positive int")
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected a positive int, got {text}")
     return v
@@ -208,7 +217,7 @@ MAX_BATCH = 1 << 16           # 65,536 table rows
 
 def count_int(text):
     """argparse type of the demos' sizes that may be 0: an int of at least 0."""
-    v = int(text)
+    v = _int(text, "an int of at least 0")
     if v < 0:
         raise argparse.ArgumentTypeError(f"expected an int of at least 0, got {text}")
     return v
@@ -219,7 +228,7 @@ SEED_MAX = 2**64 - 1   # torch.manual_seed's largest seed (the serving demo seed
 
 def seed_int(text):
     """argparse type of the demos' ``--seed``: an int from 0 to ``SEED_MAX`` (what ``torch.manual_seed`` takes)."""
-    v = int(text)
+    v = _int(text, f"an int from 0 to {SEED_MAX} (2**64 - 1)")
     if not 0 <= v <= SEED_MAX:
         raise argparse.ArgumentTypeError(f"expected an int from 0 to {SEED_MAX} (2**64 - 1), got {text}")
     return v
