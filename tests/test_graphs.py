@@ -64,6 +64,30 @@ def test_capture_needs_cuda():
         capture(lambda: None)
 
 
+
+def test_capture_refuses_owners_off_cuda_before_running_anything(make_pool, monkeypatch):
+    """On a machine with CUDA, capture over a CPU pool (a host tier on numba, say) ran the step for real
+    while "capturing" (a CPU kernel does not wait for a replay), left that call's changes in the state
+    (nothing restores after the capture) and returned a graph that replays nothing. It is refused first."""
+    import types
+    pool = make_pool(8)
+    table = tpool.PageTable(pool, 2, 4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, as far as capture asks
+    ran = []
+
+    def step():
+        ran.append(1)
+        table.extend(i32([0]), i32([1]))
+    before = [t.clone() for t in state_tensors(table)]
+    with pytest.raises(ValueError, match=r"owners\[0\]: expected a PagePool or PageTable on a CUDA device, got "
+                                         r"PageTable on cpu"):
+        capture(step, table)
+    with pytest.raises(ValueError, match=r"owners\[1\]: .* got PagePool on cpu"):
+        capture(step, types.SimpleNamespace(device=torch.device("cuda", 0)), pool)
+    with pytest.raises(ValueError, match="one CUDA device, got cuda:0, cuda:1"):
+        capture(step, *(types.SimpleNamespace(device=torch.device("cuda", i)) for i in (0, 1)))
+    assert not ran and all(torch.equal(a, b) for a, b in zip(state_tensors(table), before))
+
 # ----------------------------------------------------------------- GPU only
 GPU_BACKENDS = ["triton", "reference"]
 

@@ -142,11 +142,28 @@ def capture(step, *owners, warmup: int = 2) -> "torch.cuda.CUDAGraph":
     ------
     RuntimeError
         CUDA is not available.
+    ValueError
+        An owner is not on a CUDA device (a CPU pool's calls would run for real while the
+        graph is captured, changing its state, and the graph would replay nothing), or the
+        owners are on more than one device.
     """
     if not torch.cuda.is_available():
         raise RuntimeError("tpool.graphs.capture needs CUDA; on a CPU call the step directly")
-    device = next((o.device for o in owners if getattr(o, "device", None) is not None
-                   and o.device.type == "cuda"), None)
+    devices = []
+    for i, o in enumerate(owners):
+        dev = getattr(o, "device", None)
+        if not isinstance(dev, torch.device) or dev.type != "cuda":
+            raise ValueError(f"owners[{i}]: expected a PagePool or PageTable on a CUDA device, got "
+                             f"{type(o).__name__}{'' if dev is None else f' on {dev}'}: a CUDA graph records CUDA "
+                             "work only; a CPU pool's calls would run for real during the capture (changing its "
+                             "state, which nothing restores) and the graph would replay nothing. Call the step "
+                             "directly on a CPU pool")
+        if dev not in devices:
+            devices.append(dev)
+    if len(devices) > 1:
+        raise ValueError(f"owners: expected pools and tables on one CUDA device, got {', '.join(map(str, devices))}: "
+                         "one graph is captured on one device's stream")
+    device = devices[0] if devices else None
     with torch.cuda.device(device):  # the owners' device, whatever device is current (None: as it is)
         side = torch.cuda.Stream()
         with preserved(*owners):  # queues the snapshot's clones on the current stream
