@@ -62,6 +62,18 @@ def test_weights_exceed_static_budget_suggests_fraction():
     assert plan_pages(PAGE, 0.92, total_bytes=24 * GIB, free_bytes=2 * GIB).num_pages == 40
 
 
+
+def test_a_plan_error_survives_pickle_and_copy():
+    """An engine's worker process sends its exceptions to the driver pickled; pickle and copy rebuild an
+    exception from its message alone, then restore its attributes. PlanError required suggested_fraction,
+    so unpickling it raised TypeError (missing argument) instead of giving the driver the PlanError."""
+    import copy
+    import pickle
+    with pytest.raises(PlanError) as info:
+        plan_pages(PAGE, 0.88, total_bytes=24 * GIB, free_bytes=2 * GIB)
+    for back in (pickle.loads(pickle.dumps(info.value)), copy.copy(info.value), copy.deepcopy(info.value)):
+        assert type(back) is PlanError and str(back) == str(info.value) and back.suggested_fraction == 0.92
+
 def test_min_pages_counts_in_the_suggestion():
     with pytest.raises(PlanError) as info:
         plan_pages(PAGE, 0.8, total_bytes=80 * GIB, free_bytes=60 * GIB, min_pages=30_000)

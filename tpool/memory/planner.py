@@ -68,9 +68,13 @@ FINER_STEPS = (1000, 10000)  # ... or, where no such fraction works, to the coar
 
 
 class PlanError(ValueError):
-    """The static budget leaves too little for the pool; ``suggested_fraction`` fixes it (None if nothing can)."""
+    """The static budget leaves too little for the pool; ``suggested_fraction`` fixes it (None if nothing can).
 
-    def __init__(self, message: str, suggested_fraction: float | None):
+    ``suggested_fraction`` has a default so that the error survives ``pickle`` and ``copy``, which rebuild an
+    exception from its message alone and then restore its attributes (an engine's worker process sends its
+    exceptions to the driver pickled)."""
+
+    def __init__(self, message: str, suggested_fraction: float | None = None):
         super().__init__(message)
         self.suggested_fraction = suggested_fraction
 
