@@ -310,6 +310,51 @@ def test_what_resizable_says_for_torch_allocated_storages():
     assert needs_compaction(pinned[2:4])  # a pinned view is judged by its size like any other
 
 
+
+def test_a_copy_of_a_pinned_view_is_pinned(monkeypatch):
+    """A pinned view that needs compaction (a slice of a pinned host batch: a host KV tier, say) was copied
+    into pageable memory, so a later ``.to("cuda", non_blocking=True)`` of what own() or an OwnedCache
+    returned waited on the host. The copy is pinned too, alone (compact) or as a cluster's range. On a
+    machine without an accelerator pinned memory is faked: storages report pinned, and torch.empty records
+    what it was asked for. Pinning is asked only where CUDA is initialised (no context is created for it)."""
+    asked = []
+    try:
+        batch = torch.arange(64.0).pin_memory()
+    except RuntimeError:  # no accelerator: fake one whose every host storage is pinned
+        batch = torch.arange(64.0)
+        empty = torch.empty
+
+        def recording_empty(*args, pin_memory=False, **kwargs):
+            asked.append(pin_memory)
+            return empty(*args, **kwargs)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.UntypedStorage, "is_pinned", lambda self, device="cuda": True)
+        monkeypatch.setattr(torch, "empty", recording_empty)
+    item = own(batch[8:12])                                     # compact: one view
+    windows = plan_ownership([batch[0:10], batch[5:15]]).apply()  # one range, both views on it
+    assert torch.equal(item, batch[8:12]) and item.untyped_storage().data_ptr() != batch.untyped_storage().data_ptr()
+    assert torch.equal(windows[1], batch[5:15]) and windows[0][5].data_ptr() == windows[1][0].data_ptr()
+    if asked:
+        assert asked[:1] == [True] and True in asked[1:], asked   # (the cluster's other empties are set_ shells)
+    else:
+        assert item.is_pinned() and windows[0].is_pinned()
+
+
+def test_pinning_is_not_asked_before_cuda_is_initialised(monkeypatch):
+    """``is_pinned()`` on a host storage makes a CUDA context where none exists (GPU memory, start-up time, and an
+    error in a worker forked from a process that had one). Before CUDA is initialised nothing can be pinned, so
+    own() does not ask: not for a from_numpy view (always copied), nor for a copy of a torch-allocated view."""
+    import numpy as np
+
+    def asked(self, device="cuda"):
+        raise AssertionError("is_pinned() asked before CUDA was initialised")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)     # a GPU machine ...
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # ... in a process that has not used it
+    monkeypatch.setattr(torch.UntypedStorage, "is_pinned", asked)
+    x = torch.arange(64.0)
+    assert torch.equal(own(x[3:9]), x[3:9]) and torch.equal(own(torch.from_numpy(np.arange(8.0))[2:5]), x[2:5].double())
+    assert torch.equal(plan_ownership([x[0:10], x[5:15]]).apply()[1], x[5:15])
+
 def test_storage_key_is_the_storage_object_not_its_address():
     arr = np.zeros((1000, 1024), dtype=np.float32)  # 4_096_000 B
     head, whole = torch.from_numpy(arr[:1]), torch.from_numpy(arr)  # two storages at one address

@@ -13,8 +13,9 @@ Note:
     A storage torch did not allocate (not resizable, see
     :mod:`tpool.memory.accounting`) has an unknown true size, so it is always
     copied. A pinned storage (``pin_memory()``) is torch's own and is judged
-    by its size like any other (a copy would be pageable, and a later
-    ``non_blocking`` copy to the GPU would then wait).
+    by its size like any other; a copy of a pinned view is made in pinned
+    memory too (a pageable copy would make a later ``non_blocking`` copy to
+    the GPU wait for it on the host).
 
     Several views of one storage (:func:`plan_ownership`): views whose byte
     ranges overlap (``x`` and ``x.t()``, sliding windows, overlapping
@@ -120,13 +121,14 @@ def compact(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     out : torch.Tensor, optional
         Shape ``[compact_bytes(t)]``, uint8, on ``t.device``, its start
         aligned to ``t.element_size()``: where to put the copy (an arena
-        block). By default a fresh tensor is allocated.
+        block). By default a fresh tensor is allocated (in pinned memory when
+        ``t``'s storage is pinned).
 
     Returns
     -------
     torch.Tensor
-        Same shape, dtype, device, values and ``requires_grad`` as ``t``; a
-        new autograd leaf. The distinct part of ``t`` (every stride-0
+        Same shape, dtype, device, values and ``requires_grad`` as ``t``
+        (pinned if ``t`` is, without ``out``); a new autograd leaf. The distinct part of ``t`` (every stride-0
         dimension cut to size 1) copied contiguous and expanded back to the
         shape (stride 0 where ``t`` has it), or for an overlapping view the
         strides of ``t`` over a copy of its reachable range. With ``out``, a
@@ -146,8 +148,8 @@ def compact(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     span, distinct = _span_elems(t), _distinct_elems(t)
     keep_strides = span < distinct
     n = span if keep_strides else distinct
-    if out is None:
-        flat = torch.empty(n, dtype=t.dtype, device=t.device)
+    if out is None:  # (pinned memory stays pinned: a pageable copy would make non_blocking copies wait)
+        flat = torch.empty(n, dtype=t.dtype, device=t.device, pin_memory=_pinned(t.untyped_storage()))
     else:
         want = n * t.element_size()
         if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != want or out.device != t.device:
@@ -188,11 +190,17 @@ def _copy_values(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def _torch_sized(storage: torch.UntypedStorage) -> bool:
     """Whether ``storage.nbytes()`` is taken as the memory behind it: torch allocated it (resizable), or
-    it is pinned (``pin_memory()``; asked only where CUDA exists, since without it nothing is pinned).
+    it is pinned (``pin_memory()``; asked only once CUDA is initialised, see :func:`_pinned`).
     The pinned case is approximate (the accounting module's note): torch rounds pinned blocks up to a
     power of two, and memory pinned by other code is pinned too."""
-    return storage.resizable() or (storage.device.type == "cpu" and torch.cuda.is_available()
-                                   and storage.is_pinned())
+    return storage.resizable() or _pinned(storage)
+
+
+def _pinned(storage: torch.UntypedStorage) -> bool:
+    """Whether ``storage`` is pinned host memory. Asked only once this process has initialised CUDA: memory is
+    pinned through CUDA, so before that nothing is, and ``is_pinned()`` would otherwise create a CUDA context
+    (GPU memory, start-up time; an error in a worker forked from a process that had one)."""
+    return storage.device.type == "cpu" and torch.cuda.is_initialized() and storage.is_pinned()
 
 
 def _holds_more(t: torch.Tensor) -> bool:
@@ -486,8 +494,8 @@ def _copy_span(piece: _Piece, views: dict[tuple, torch.Tensor], buf: torch.Tenso
     storage = first.untyped_storage()
     n = min(piece.nbytes, storage.nbytes() - piece.start)
     src = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, piece.start, (n,), (1,))
-    if buf is None:
-        buf = torch.empty(piece.nbytes, dtype=torch.uint8, device=first.device)
+    if buf is None:  # (pinned stays pinned, as in compact)
+        buf = torch.empty(piece.nbytes, dtype=torch.uint8, device=first.device, pin_memory=_pinned(storage))
     buf[:n].copy_(src)
     storage, shift = buf.untyped_storage(), buf.storage_offset() - piece.start  # source byte b is at b + shift
     rebuilt = {}
