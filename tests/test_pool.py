@@ -24,6 +24,28 @@ def test_alloc_fcfs_hand_worked(make_pool, guard):
     pool.check_invariants()
 
 
+
+def test_a_pool_made_under_inference_mode_works_outside_it(make_pool):
+    """Engines often build their caches under torch.inference_mode(); the pool's and table's state, output
+    buffers and memos were then inference tensors, which torch refuses to update in place outside that mode:
+    on numba check() raised RuntimeError (so no counted error could ever be raised), on the reference backend
+    every call did. They are made as normal tensors whatever the caller's mode."""
+    with torch.inference_mode():
+        pool = make_pool(8)
+        table = tpool.PageTable(pool, 2, 4)
+        out = pool.alloc_out(2, 4)
+        table.step(i32([0]), i32([1]))             # a shape's buffers and memo made under the mode too
+    r = pool.alloc(i32([2]), out=out)
+    table.step(i32([0]), i32([1]))
+    pool.free(r.pages)
+    pool.free(i32([int(r.pages[0])]))           # a double free, counted ...
+    with pytest.raises(tpool.DoubleFree):       # ... and raised
+        pool.check()
+    table.check_invariants()
+    assert table.seq_lens.tolist() == [2, 0] and pool.available() == 6   # the row holds 2 pages (page_size 1)
+    from tpool.graphs import state_tensors
+    assert not any(t.is_inference() for t in state_tensors(table))
+
 @pytest.mark.parametrize("edit, said", [
     (lambda st: st.free_stack.__setitem__(3, st.free_stack[5]), r"free stack ids distinct \(entries 3 and 5 are "
                                                                  r"both page \d+\)"),

@@ -80,11 +80,16 @@ def fixed_full(shape, fill, dtype: torch.dtype, device: torch.device) -> torch.T
     into. The numba backend also holds each such storage, so ``set_`` cannot free it
     either. On CUDA torch has no such storage: a plain ``torch.full`` (do not resize a
     pool's or table's tensors there: a captured graph holds their addresses).
+
+    Never an inference tensor, whatever mode the caller is in: a pool or table made under
+    ``torch.inference_mode()`` (an engine's set-up often is) is written in place by every
+    later call, and torch refuses an in-place update of an inference tensor outside that mode.
     """
     device = torch.device(device)
-    if device.type == "cpu":
-        return torch.from_numpy(np.full(shape, fill, dtype=_NUMPY_DTYPES[dtype]))
-    return torch.full(shape if isinstance(shape, tuple) else (shape,), fill, dtype=dtype, device=device)
+    with torch.inference_mode(False):
+        if device.type == "cpu":
+            return torch.from_numpy(np.full(shape, fill, dtype=_NUMPY_DTYPES[dtype]))
+        return torch.full(shape if isinstance(shape, tuple) else (shape,), fill, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
