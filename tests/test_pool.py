@@ -24,7 +24,6 @@ def test_alloc_fcfs_hand_worked(make_pool, guard):
     pool.check_invariants()
 
 
-
 def test_a_pool_made_under_inference_mode_works_outside_it(make_pool):
     """Engines often build their caches under torch.inference_mode(); the pool's and table's state, output
     buffers and memos were then inference tensors, which torch refuses to update in place outside that mode:
@@ -45,6 +44,7 @@ def test_a_pool_made_under_inference_mode_works_outside_it(make_pool):
     assert table.seq_lens.tolist() == [2, 0] and pool.available() == 6   # the row holds 2 pages (page_size 1)
     from tpool.graphs import state_tensors
     assert not any(t.is_inference() for t in state_tensors(table))
+
 
 @pytest.mark.parametrize("edit, said", [
     (lambda st: st.free_stack.__setitem__(3, st.free_stack[5]), r"free stack ids distinct \(entries 3 and 5 are "

@@ -190,17 +190,24 @@ def _copy_values(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def _torch_sized(storage: torch.UntypedStorage) -> bool:
     """Whether ``storage.nbytes()`` is taken as the memory behind it: torch allocated it (resizable), or
-    it is pinned (``pin_memory()``; asked only once CUDA is initialised, see :func:`_pinned`).
+    it is pinned (``pin_memory()``; see :func:`_pinned`).
     The pinned case is approximate (the accounting module's note): torch rounds pinned blocks up to a
     power of two, and memory pinned by other code is pinned too."""
     return storage.resizable() or _pinned(storage)
 
 
 def _pinned(storage: torch.UntypedStorage) -> bool:
-    """Whether ``storage`` is pinned host memory. Asked only once this process has initialised CUDA: memory is
-    pinned through CUDA, so before that nothing is, and ``is_pinned()`` would otherwise create a CUDA context
-    (GPU memory, start-up time; an error in a worker forked from a process that had one)."""
-    return storage.device.type == "cpu" and torch.cuda.is_initialized() and storage.is_pinned()
+    """Whether ``storage`` is pinned host memory. Asked only where CUDA exists (without it nothing is pinned);
+    torch answers False without making a context while CUDA is not initialised (its ``isPinnedPtr``). Where
+    the runtime cannot be asked (a worker forked from a process that used CUDA, which cannot use CUDA
+    either) nothing counts as pinned. (Not ``torch.cuda.is_initialized()``: pinning initialises CUDA in
+    C++ and may leave that Python flag False.)"""
+    if storage.device.type != "cpu" or not torch.cuda.is_available():
+        return False
+    try:
+        return storage.is_pinned()
+    except RuntimeError:
+        return False
 
 
 def _holds_more(t: torch.Tensor) -> bool:
