@@ -46,6 +46,23 @@ def test_a_pool_made_under_inference_mode_works_outside_it(make_pool):
     assert not any(t.is_inference() for t in state_tensors(table))
 
 
+def test_sync_points_work_under_another_default_device(make_pool):
+    """A loop run under ``with torch.device("cuda"):`` (model code often sets one) made the host tensors of
+    check() and check_invariants() there, so a CPU pool's check failed (the meta device stands for it here)."""
+    pool = make_pool(8)
+    table = tpool.PageTable(pool, 2, 4)
+    r = pool.alloc(i32([2]))
+    table.extend(i32([0]), i32([3]))
+    pool.free(r.pages)
+    pool.free(r.pages[:1])                          # a double free, counted
+    with torch.device("meta"):
+        with pytest.raises(tpool.DoubleFree):
+            pool.check()
+        pool.check()                                # what it raised is not raised again
+        pool.check_invariants()
+        table.check_invariants()
+
+
 @pytest.mark.parametrize("edit, said", [
     (lambda st: st.free_stack.__setitem__(3, st.free_stack[5]), r"free stack ids distinct \(entries 3 and 5 are "
                                                                  r"both page \d+\)"),

@@ -289,6 +289,19 @@ def test_sync_drops_the_evicted_entries_and_padding_names_nothing(backend):
     cache.check_invariants()
 
 
+def test_a_cache_made_under_inference_mode_works_outside_it(backend):
+    """Engines build their caches under torch.inference_mode(); the cache's index tensors were then inference
+    tensors, and the reference backend's insert and evict (in-place torch ops) failed outside that mode."""
+    with torch.inference_mode():
+        pool, m, cache = _setup(backend)
+    _serve(m, cache, list(range(8)))
+    assert cache.match(list(range(9))).n_tokens == 8
+    cache.evict(16)
+    assert cache.sync() == 2 and len(cache) == 0
+    cache.check_invariants()
+    assert not any(t.is_inference() for t in (cache.slot_page, cache.slot_gen, cache.page_slot))
+
+
 def test_padding_reads_as_no_slot_whatever_the_spare_entry_holds(backend):
     """The evicted pages' padding (-1) is aimed at page_slot's spare last entry; it read that entry, so a
     hand-edited spare naming a live entry handed it out as evicted and drop forgot an entry whose page

@@ -52,6 +52,21 @@ def test_write_puts_tokens_at_their_slots_and_never_writes_padding(guard):
     assert torch.equal(naive[23], k[1])
 
 
+def test_a_cache_made_under_inference_mode_is_written_outside_it():
+    """Engines build their caches under torch.inference_mode(); the K/V storage and the misuse counters were
+    then inference tensors, and every write, page copy and check outside that mode failed (torch refuses an
+    in-place update of an inference tensor there)."""
+    with torch.inference_mode():
+        c = _cache(layers=1)
+    k = torch.ones(2, 2, 3)
+    c.write(0, i32([1, 99]), k, -k)                 # 99: outside, counted
+    c.copy_pages(i32([0]), i32([2]))
+    assert torch.equal(c.k[0].reshape(-1, 2, 3)[8 + 1], k[0])
+    with pytest.raises(tpool.InvalidPage):
+        c.check()
+    assert not any(t.is_inference() for t in (c._k, c._v, c.misuse))
+
+
 def test_write_accepts_transposed_inputs(guard):
     c = _cache(layers=1)
     k = torch.randn(2, 4, 3).transpose(0, 1)     # [4, 2, 3], non-contiguous, as a model hands it

@@ -419,6 +419,7 @@ class PageTable:
         cap = b * self.max_pages if capacity is None else _checks.check_size(capacity, "capacity")
         return ("step", b, t, cap)
 
+    @torch.inference_mode(False)   # (its buffers normal tensors, as the table's: written in place every step)
     def bind_step(self, req_ids: torch.Tensor | None = None, num_tokens: torch.Tensor | None = None, *,
                   batch: int | None = None, max_tokens: int | None = None, capacity: int | None = None,
                   release: "torch.Tensor | int | None" = None, release_cache: bool = False,

@@ -551,7 +551,7 @@ class PagePool:
             # Counts are int64 that wrap: the difference is taken modulo 2**64, so errors counted past a
             # counter edited to near INT64_MAX are raised, not read as a count gone down.
             delta = {slot: _counted_since(c[slot], seen[slot]) for slot in (*L.ERROR_NAMES, *L.OVERFLOW_NAMES)}
-            self.state.checked.copy_(torch.tensor(c, dtype=torch.int64))
+            self.state.checked.copy_(torch.tensor(c, dtype=torch.int64, device="cpu"))
         raise_for_errors(delta)
 
     def check_invariants(self) -> None:
@@ -593,11 +593,12 @@ class PagePool:
         stack = st["free_stack"][:fc].long()
         every((stack >= 0) & (stack < P), "free stack ids in range", lambda i: f"entry {i} is {int(stack[i])}")
         ids, first = torch.unique(stack, return_inverse=True)
-        seen = torch.full((ids.numel(),), fc).scatter_reduce_(0, first, torch.arange(fc), "amin")
-        every(seen[first] == torch.arange(fc), "free stack ids distinct",
+        seen = torch.full((ids.numel(),), fc, device="cpu").scatter_reduce_(0, first, torch.arange(fc, device="cpu"),
+                                                                           "amin")
+        every(seen[first] == torch.arange(fc, device="cpu"), "free stack ids distinct",
               lambda i: f"entries {int(seen[first[i]])} and {i} are both page {int(stack[i])}")
         every(state[stack] == L.FREE, "every id on the free stack is FREE", lambda i: f"entry {i}, {page(int(stack[i]))}")
-        on_stack = torch.zeros(P, dtype=torch.bool).index_fill_(0, stack, True)
+        on_stack = torch.zeros(P, dtype=torch.bool, device="cpu").index_fill_(0, stack, True)
         every(on_stack | (state != L.FREE), "every FREE page is on the free stack", page)
         n_cached = int((state == L.CACHED).sum())
         need(n_cached == cc, f"cached count matches CACHED pages (cached={cc}, CACHED pages={n_cached})")
@@ -615,7 +616,8 @@ class PagePool:
         Q = queue.numel()
         need(0 <= head <= hole <= scan <= tail <= min(head + Q, L.LRU_POS_LIMIT),
              f"LRU queue bounds (head={head}, hole={hole}, scan={scan}, tail={tail}, length={Q})")
-        where = torch.cat([torch.arange(head, hole), torch.arange(scan, tail)])  # (the gap is never read)
+        where = torch.cat([torch.arange(head, hole, device="cpu"),   # (the gap is never read)
+                           torch.arange(scan, tail, device="cpu")])
         entries = queue[where % Q]
         need(bool(((entries >= 0) & (entries < P)).all()), "LRU queue entries are page ids")
         live = entries[(state[entries] == L.CACHED) & (pos[entries] == where)]

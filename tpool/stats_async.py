@@ -50,7 +50,7 @@ class AsyncRead:
                                  f"{t.device if isinstance(t, torch.Tensor) else type(t).__name__}")
         self.device = device
         if device.type == "cuda":
-            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            self._host = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True) for t in tensors]
             with torch.cuda.device(device):  # the copies and the event on the tensors' device's stream
                 for h, t in zip(self._host, tensors):
                     h.copy_(t, non_blocking=True)

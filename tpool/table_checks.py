@@ -50,7 +50,7 @@ def check_table(table, exclusive: bool) -> None:
         raise InvariantViolation("invariant broken: the table's claim scratch is reset (INT32_MAX)")
     bt, lens = bt.cpu().long(), lens.cpu().long()
     npages = (lens + table.page_size - 1) // table.page_size
-    col = torch.arange(table.max_pages)
+    col = torch.arange(table.max_pages, device="cpu")
     inside = col[None, :] < npages[:, None]
     if (r := first_breach((lens < 0) | (npages > table.max_pages))) is not None:
         raise InvariantViolation(f"invariant broken: seq_lens within [0, max_pages * page_size] (request {r}: "
@@ -64,7 +64,7 @@ def check_table(table, exclusive: bool) -> None:
         raise InvariantViolation(f"invariant broken: entries within a request's length are page ids (request {r}: "
                                  f"entry {k} is {int(bt[r, k])}, pages {table.pool.num_pages})")
     pages = bt[inside]
-    held = torch.zeros(table.pool.num_pages, dtype=torch.long).scatter_add_(0, pages, torch.ones_like(pages))
+    held = torch.zeros(table.pool.num_pages, dtype=torch.long, device="cpu").scatter_add_(0, pages, torch.ones_like(pages))
     rc = pool_state["refcount"].cpu().long()
     if (p := first_breach(rc < held if not exclusive else rc != held)) is not None:
         raise InvariantViolation(f"invariant broken: reference counts match table entries (page {p}: refcount "

@@ -138,6 +138,7 @@ class PrefixCache:
     >>> row = cache.revive(hit, max_len=16)        # its first 8 tokens' pages, no prefill
     """
 
+    @torch.inference_mode(False)   # (normal tensors, as the pool's: every later call writes them in place)
     def __init__(self, mirror, capacity: int | None = None):
         table = mirror.table
         if mirror.prefix_cache is not None:

@@ -559,8 +559,8 @@ class Engine:
         self.stats.fed_tokens += total
         self.stats.prompt_tokens += sum(max(len(r.prompt) - r.cached, 0) for r in lanes)
         t_max = max(MIN_TOKEN_BUCKET, 1 << (total - 1).bit_length())
-        x = torch.zeros(t_max, dtype=torch.long)
-        x[:total] = torch.tensor([t for r in lanes for t in feed[r.rid]], dtype=torch.long)
+        x = torch.zeros(t_max, dtype=torch.long, device="cpu")   # (host tokens, whatever the default device)
+        x[:total] = torch.tensor([t for r in lanes for t in feed[r.rid]], dtype=torch.long, device="cpu")
         if self.dev.type != "cpu":
             x = x.pin_memory().to(self.dev, non_blocking=True)
         res = self._timed(self.mirror.step, [r.row for r in decode], [len(feed[r.rid]) for r in decode],

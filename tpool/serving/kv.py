@@ -79,6 +79,7 @@ class PagedKVCache:
 
     layout = NHD
 
+    @torch.inference_mode(False)   # (normal tensors, as the pool's: written in place outside the mode too)
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype, device):
         for name, val in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
