@@ -274,6 +274,30 @@ def test_decode_writes_the_buffers_the_table_keeps_for_its_shape(backend):
     assert got is again and got.kv_lens.tolist() == table.seq_lens[rows].tolist() == [10, 10]
 
 
+def test_the_inputs_a_mirror_keeps_are_normal_tensors_whatever_the_mode(backend):
+    """A mirror keeps its calls' device inputs per width (admit, decode, truncate, finish), made by the
+    first call of that width. Made under torch.inference_mode() they were inference tensors, and on CUDA
+    the next call of that width outside the mode failed copying its ids into them (torch refuses an
+    in-place update of an inference tensor there; on a CPU they share the host arrays' memory, so the
+    kind of tensor is what this test can see). They are normal tensors whatever the caller's mode."""
+    pool, table, m = _setup(backend, num_pages=32)
+    with torch.inference_mode():
+        rows = m.admit([5, 6], [16, 16])
+        m.decode(rows, 1)
+        m.truncate(rows, [4, 5])
+        m.finish(rows[:1])
+    kept = [t for d in (m._extend_inputs, m._truncate_inputs, m._release_inputs) for _, dev in d.values()
+            for t in (dev if isinstance(dev, tuple) else (dev,))]
+    kept += [t for (got, _) in m._decode_steps.values() for t in got[1:]]
+    assert len(kept) == 7 and not any(t.is_inference() for t in kept)
+    (row,) = m.admit([3], [16])                   # widths kept under the mode, called outside it
+    m.decode([row, rows[1]], 1)
+    m.truncate([row, rows[1]], [2, 6])
+    m.finish([row])
+    assert table.seq_lens[rows[1]].item() == 6 and table.seq_lens.sum().item() == 6
+    assert m.free == pool.available()
+
+
 def test_truncate_tops_reservations_up_only_from_what_is_unreserved_or_credited(backend):
     pool, table, m = _setup(backend, num_pages=4, rows=2, lookahead=4)
     with no_host_sync():

@@ -149,8 +149,9 @@ class HostMirror(MixedSteps, Accounting):
         entry = kept.get(w)
         if entry is None:
             host = tuple(np.empty(w, np.int32) for _ in range(n))
-            dev = tuple(map(torch.from_numpy, host)) if self.device.type == "cpu" else \
-                tuple(torch.empty(w, dtype=torch.int32, device=self.device) for _ in host)
+            with torch.inference_mode(False):  # normal tensors whatever the caller's mode: later calls copy_ into them
+                dev = tuple(map(torch.from_numpy, host)) if self.device.type == "cpu" else \
+                    tuple(torch.empty(w, dtype=torch.int32, device=self.device) for _ in host)
             entry = self._keep(kept, w, (host, dev) if n > 1 else (host[0], dev[0]))
         return entry
 
@@ -181,7 +182,9 @@ class HostMirror(MixedSteps, Accounting):
         entry = self._decode_steps.get(key)
         if entry is None:
             run = self.table.bind_step(batch=w, max_tokens=max_tokens, out=out)
-            dev = tuple(torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in (run.req_ids, run.num_tokens))
+            with torch.inference_mode(False):  # (as _kept_ids': kept across calls of either mode)
+                dev = tuple(torch.from_numpy(a) if isinstance(a, np.ndarray) else a
+                            for a in (run.req_ids, run.num_tokens))
             host = (run.req_ids, run.num_tokens) if self.device.type == "cpu" else \
                 tuple(np.empty(w, np.int32) for _ in dev)
             entry = self._keep(self._decode_steps, key, ((run, *dev), host))
