@@ -67,6 +67,19 @@ def test_a_cache_made_under_inference_mode_is_written_outside_it():
     assert not any(t.is_inference() for t in (c._k, c._v, c.misuse))
 
 
+def test_check_works_under_another_default_device():
+    """A loop run under ``with torch.device("cuda"):`` made check()'s host copy of the counts there (the pool's
+    check was fixed for this, the K/V cache's was not): a CPU cache's check failed (the meta device stands
+    for it here), or on a GPU machine made a CUDA context to subtract a few host ints."""
+    c = _cache(layers=1)
+    c.write(0, i32([1, 99]), torch.ones(2, 2, 3), torch.ones(2, 2, 3))   # 99: outside, counted
+    with torch.device("meta"):
+        with pytest.raises(tpool.InvalidPage) as info:
+            c.check()
+    assert info.value.counts == {"invalid_slot": 1} and c.misuse.tolist() == [0] * c.misuse.numel()
+    c.check()                                       # read once: nothing left to raise
+
+
 def test_write_accepts_transposed_inputs(guard):
     c = _cache(layers=1)
     k = torch.randn(2, 4, 3).transpose(0, 1)     # [4, 2, 3], non-contiguous, as a model hands it
