@@ -204,6 +204,10 @@ def test_a_flush_on_the_other_side_of_a_capture_is_refused(make_pool, monkeypatc
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
         with pytest.raises(RuntimeError, match="flush .*inside a CUDA graph capture the group was opened outside"):
             table.fork(i32([0]), i32([1]), i32([8]))
+        for call, what in ((lambda: table.truncate(i32([0]), i32([4])), "truncate"),
+                           (lambda: table.release(i32([0]), cache=True), "release with cache=True")):
+            with pytest.raises(RuntimeError, match=f"flush .*{what}.* inside a CUDA graph capture"):
+                call()                # (these flush too since session 44: the message names them)
         monkeypatch.undo()
         group._cuda = False
     assert pool.available() == 6 and table.seq_lens.tolist() == [8, 0, 0]   # the free applied at exit, no fork

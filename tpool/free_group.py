@@ -198,8 +198,8 @@ class FreeGroup:
         on the other side of a CUDA-graph capture than the group was opened on, when it has frees to
         apply (a captured flush would free whatever the buffer holds at each replay, and not these)."""
         if self._cuda and any(self._fill) and torch.cuda.is_current_stream_capturing() != self._capturing:
-            raise RuntimeError("a free group's flush (at an incref, touch, revive or fork of this thread, or its "
-                               "exit) inside a CUDA graph capture the group was opened outside of (or the other "
+            raise RuntimeError("a free group's flush (at an incref, touch, revive, fork, truncate or release with "
+                               "cache=True of this thread, or its exit) inside a CUDA graph capture the group was opened outside of (or the other "
                                "way round): open and close the group inside the captured region, or make these "
                                "calls outside it")
         for flag in (0, 1):

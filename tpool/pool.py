@@ -374,8 +374,9 @@ class PagePool:
         self.ops.incref(pages)
 
     def _flush_group(self) -> None:
-        """Apply this thread's open free group's frees now: a call that reads page states (incref,
-        touch) must see them, or a use after free inside the group would pass uncounted."""
+        """Apply this thread's open free group's frees now: a call that reads page states or reference
+        counts (incref, touch, a table's fork, revive, truncate, release with cache) must see them, or a
+        use after free inside the group would pass uncounted (see :mod:`tpool.free_group`)."""
         group = self._group  # read once: another thread may close its group meanwhile
         if group is not None and group.owned_here():
             group.flush()
