@@ -277,6 +277,7 @@ class FlashInferAttention:
     workspace_bytes : int  FlashInfer's float workspace (default 128 MiB).
     """
 
+    @torch.inference_mode(False)   # (its workspace and FlashInfer's buffers, written by every plan, in any mode)
     def __init__(self, device, workspace_bytes: int = 128 << 20):
         import flashinfer  # an optional dependency: only this class needs it
         self.device = torch.device(device)
