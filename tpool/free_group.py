@@ -21,7 +21,8 @@ reference counts: a page whose other reference was freed in the group is no
 longer shared) and ``release`` with ``cache=True`` (or a ``step`` releasing with
 ``release_cache=True``: which call drops a page's last reference decides whether
 it ends CACHED or FREE). A step bound with ``release_cache=True``
-(``bind_step``) does not flush, as bound frees are never deferred, and neither
+(``bind_step``) does not flush (a bound call runs no host work beyond its launch:
+call ``flush()`` before it inside a group), and neither
 does a plain release: a page whose ``cache=True`` free is still buffered then
 ends CACHED, where the same calls without the group leave it FREE (as mixed
 frees inside a group do, see Order). No free
