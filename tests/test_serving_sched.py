@@ -950,6 +950,19 @@ def test_an_error_inside_a_run_releases_its_rows_and_the_engine_serves_the_next_
     eng.check()
 
 
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_an_engine_made_under_inference_mode_serves_outside_it(llama, backend):
+    """Engines build their model and caches under torch.inference_mode(): every tensor tpool made there (the
+    pool's and table's state, the prefix cache's index, the K/V storage) was an inference tensor, and the
+    first run outside the mode failed writing one in place (on numba at its first check())."""
+    reqs = engine.make_requests(10, system_len=8)
+    with torch.inference_mode():
+        eng = _engine(llama, backend, reqs, prefix_cache=True, **CACHED)
+    assert eng.run(reqs) == engine.reference_tokens(llama, reqs)
+    assert eng.stats.cache_hits > 0
+    eng.check()
+
+
 def test_llama4s_chunk_bounds_a_request_where_its_chunked_layers_are_served_as_full_attention():
     """check_layers serves Llama 4's chunked layers when one chunk spans max_position_embeddings; a longer
     sequence (which nothing stopped) would be chunked by eager attention and not on the pages: refused."""
