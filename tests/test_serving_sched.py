@@ -963,6 +963,37 @@ def test_an_engine_made_under_inference_mode_serves_outside_it(llama, backend):
     eng.check()
 
 
+def test_a_sample_that_failed_to_drop_its_evictions_has_the_next_sample_drop_them(llama, monkeypatch):
+    """sample() hands the prefix cache's evictions out and drops them in the same read; one that raised
+    outside run() (its drop failed) left them handed out and never dropped: the cache matched nothing from
+    then on (only run()'s error path dropped them). The next sample drops them, with its own."""
+    reqs = engine.make_requests(6, system_len=8)
+    eng = _engine(llama, "reference", reqs, prefix_cache=True, **CACHED)
+    eng.run(reqs)
+    n = len(eng.prefix)
+    eng.prefix.evict(2)
+    logits = torch.randn(3, eng.vocab)
+    real, calls = eng.prefix.drop, [0]
+
+    def fails_once(slots):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("the drop failed")
+        return real(slots)
+    monkeypatch.setattr(eng.prefix, "drop", fails_once)
+    with pytest.raises(RuntimeError, match="the drop failed"):
+        eng.sample(logits)
+    assert eng.prefix.closed
+    eng.prefix.evict(1)                                   # another eviction before the next read
+    assert eng.sample(logits) == logits.argmax(-1).tolist()
+    assert calls[0] == 3 and not eng.prefix.closed and len(eng.prefix) < n
+    eng.prefix.check_invariants()
+    again = engine.make_requests(6, system_len=8)
+    hits = eng.stats.cache_hits
+    assert eng.run(again) == engine.reference_tokens(llama, again) and eng.stats.cache_hits > hits
+    eng.check()
+
+
 def test_llama4s_chunk_bounds_a_request_where_its_chunked_layers_are_served_as_full_attention():
     """check_layers serves Llama 4's chunked layers when one chunk spans max_position_embeddings; a longer
     sequence (which nothing stopped) would be chunked by eager attention and not on the pages: refused."""

@@ -245,7 +245,7 @@ class Engine:
         self.dev = self.pool.device
         self.stats = Stats()
         self._snapshots = []   # started snapshots of the pool, oldest first, applied once landed
-        self._evicted = None   # the prefix cache's evicted slots sample() has handed out and not dropped yet
+        self._evicted = []     # the prefix cache's evicted slots sample() has handed out and not dropped yet
         self._names = {}       # stats.calls' name of each function _timed has run
 
     def _timed(self, fn, *args, **kwargs):
@@ -286,16 +286,27 @@ class Engine:
 
         logits : torch.Tensor  shape ``[max_tokens, vocab]``, float, on the model's device.
         Returns the ``argmax`` of every row as a list of ints. The prefix cache's evictions
-        since the last read come back in the same copy, and their entries are dropped.
+        since the last read come back in the same copy, and their entries are dropped (with
+        those a ``sample`` that raised handed out and did not drop: until dropped the cache
+        matches nothing).
         """
         ids = logits.argmax(-1)
-        evicted = self.prefix.unread() if self.prefix is not None else None
-        if evicted is None:
+        if self.prefix is None:
             return ids.tolist()
-        self._evicted = evicted   # handed out: if the read or the drop does not finish, _abandon drops it
-        host = torch.cat([ids, evicted.to(ids.dtype)]).tolist()
-        self.prefix.drop(host[ids.numel():])
-        self._evicted = None
+        if self._evicted and not self.prefix.closed:
+            self._evicted.clear()   # (dropped, the error after the drop)
+        evicted = self.prefix.unread()
+        if evicted is not None:
+            self._evicted.append(evicted)   # handed out: dropped below, else by the next sample or _abandon
+        if not self._evicted:
+            return ids.tolist()
+        host = torch.cat([ids] + [t.to(ids.dtype) for t in self._evicted]).tolist()
+        at = ids.numel()
+        while self._evicted:               # each unread() dropped apart, oldest first
+            n = self._evicted[0].numel()
+            self.prefix.drop(host[at:at + n])
+            del self._evicted[0]
+            at += n
         return host[:ids.numel()]
 
     def _reconcile(self, wait=False):
@@ -427,9 +438,10 @@ class Engine:
         named), so nothing of the run stays in use. The requests keep the tokens they got."""
         try:
             if self.prefix is not None:
-                evicted, self._evicted = self._evicted, None
-                if evicted is not None and self.prefix.closed:   # (not dropped already; a read on the error
-                    self.prefix.drop(evicted.tolist())          # path: a sync point, as check() is)
+                while self._evicted and self.prefix.closed:   # (not dropped already; a read on the error
+                    self.prefix.drop(self._evicted[0].tolist())   # path: a sync point, as check() is)
+                    del self._evicted[0]
+                self._evicted.clear()
                 self.prefix.sync()
         finally:   # the rows are released whatever the cache's cleanup does
             held = [r for r in running if r.row is not None and self.mirror.live[r.row]]   # (not released already)
