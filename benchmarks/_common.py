@@ -21,7 +21,7 @@ from tempfile import TemporaryFile
 import numpy as np
 import torch
 
-from tpool.demo import positive_int  # noqa: F401  (the scripts' counts: an int of at least 1)
+from tpool.demo import count_int, positive_int
 from tpool import _checks
 from tpool.backends import resolve_backend
 
@@ -31,13 +31,9 @@ COLD_BYTES = 64 << 20      # bytes written between two cold calls (64 MiB)
 
 _T0 = time.perf_counter()
 
-
-def non_negative_int(text):
-    """argparse type of a count that may be 0 (0 skips something): an int of at least 0."""
-    v = int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an int of at least 0, got {text}")
-    return v
+# The scripts' counts, as the demo's: an int of at least 1 (positive_int) and one that may be 0 (0 skips
+# something); a non-int is refused saying what was expected.
+non_negative_int = count_int
 
 
 def int_at_most(limit: int, why: str):
@@ -47,7 +43,6 @@ def int_at_most(limit: int, why: str):
         if v > limit:
             raise argparse.ArgumentTypeError(f"at most {limit} ({why}), got {text}")
         return v
-    parse.__name__ = "int"  # argparse names the type in its error for a non-int: "invalid int value"
     return parse
 
 
@@ -58,7 +53,6 @@ def multiple_of(m: int, why: str):
         if v % m:
             raise argparse.ArgumentTypeError(f"must be a multiple of {m} ({why}), got {text}")
         return v
-    parse.__name__ = "int"
     return parse
 
 

@@ -507,11 +507,13 @@ def test_the_gpu_step_profile_refuses_to_run_without_cuda(capsys):
 
 def test_the_count_types_take_their_bounds_and_say_why(capsys):
     """non_negative_int takes 0; int_at_most takes its limit and refuses one past it, saying why; multiple_of
-    takes any multiple and refuses others, saying why; both name the type "int" in argparse's error."""
+    takes any multiple and refuses others, saying why; a non-int is refused as "expected a positive int"."""
     common = load("_common")
     assert common.non_negative_int("0") == 0 and common.non_negative_int("3") == 3
     with pytest.raises(argparse.ArgumentTypeError, match="at least 0, got -1"):
         common.non_negative_int("-1")
+    with pytest.raises(argparse.ArgumentTypeError, match="expected an int of at least 0, got 'x'"):
+        common.non_negative_int("x")
     at_most = common.int_at_most(8, "the pool's pages")
     assert at_most("1") == 1 and at_most("8") == 8
     with pytest.raises(argparse.ArgumentTypeError, match=r"^at most 8 \(the pool's pages\), got 9$"):
@@ -528,7 +530,7 @@ def test_the_count_types_take_their_bounds_and_say_why(capsys):
     for option in ("--k", "--m"):
         with pytest.raises(SystemExit):
             ap.parse_args([option, "two"])
-        assert f"argument {option}: invalid int value: 'two'" in capsys.readouterr().err
+        assert f"argument {option}: expected a positive int, got 'two'" in capsys.readouterr().err
 
 
 def test_output_paths_are_checked_by_making_a_file(tmp_path, monkeypatch):
