@@ -419,7 +419,6 @@ class PageTable:
         cap = b * self.max_pages if capacity is None else _checks.check_size(capacity, "capacity")
         return ("step", b, t, cap)
 
-    @torch.inference_mode(False)   # (its buffers normal tensors, as the table's: written in place every step)
     def bind_step(self, req_ids: torch.Tensor | None = None, num_tokens: torch.Tensor | None = None, *,
                   batch: int | None = None, max_tokens: int | None = None, capacity: int | None = None,
                   release: "torch.Tensor | int | None" = None, release_cache: bool = False,
@@ -533,10 +532,9 @@ class PageTable:
             ids, ntok, rel = [o[:] for o in owners] + [None] * (k is None)
             return BoundStep(self, ids, ntok, max_tokens, capacity, fixed=tuple(map(weakref.ref, owners)),
                              release=rel, release_cache=release_cache, out=out)
-        fill = dict(dtype=torch.int32, device=self.device)
-        rel = None if k is None else torch.full((k,), -1, **fill)
-        return BoundStep(self, torch.full((b,), -1, **fill), torch.zeros(b, **fill), max_tokens, capacity,
-                         release=rel, release_cache=release_cache, out=out)
+        rel = None if k is None else fixed_full(k, -1, torch.int32, self.device)
+        return BoundStep(self, fixed_full(b, -1, torch.int32, self.device), fixed_full(b, 0, torch.int32, self.device),
+                         max_tokens, capacity, release=rel, release_cache=release_cache, out=out)
 
     def release(self, req_ids: torch.Tensor, *, cache: bool = False) -> None:
         """Drop every page reference of these requests and reset their rows.

@@ -59,6 +59,7 @@ from tpool import _checks
 from tpool.kernels import layout as L
 from tpool.scheduling._prefix import forget_pages, gather_slots, insert_pages
 from tpool.scheduling.accounting import _head
+from tpool.state import fixed_full
 
 __all__ = ["PrefixCache", "PrefixMatch"]
 
@@ -138,7 +139,6 @@ class PrefixCache:
     >>> row = cache.revive(hit, max_len=16)        # its first 8 tokens' pages, no prefill
     """
 
-    @torch.inference_mode(False)   # (normal tensors, as the pool's: every later call writes them in place)
     def __init__(self, mirror, capacity: int | None = None):
         table = mirror.table
         if mirror.prefix_cache is not None:
@@ -159,15 +159,13 @@ class PrefixCache:
         self._bt, self._gen, self._sl = table.ops.ts.block_table, table.ops.st.page_gen, table.ops.ts.seq_lens
         self._np = self._at = None
         at = getattr(table.ops, "addresses", None)
+        # (fixed_full: as the pool's state, never an inference tensor, whatever mode the cache is made in)
+        self.slot_page, self.slot_gen, self.page_slot = (fixed_full(k, -1, torch.int32, self.device) for k in sizes)
         if self.pool.backend == "numba" and at is not None and at("SD_PAGES") == (self.pool.num_pages,):
-            self._np = tuple(np.full(k, -1, dtype=np.int32) for k in sizes)
-            self.slot_page, self.slot_gen, self.page_slot = map(torch.from_numpy, self._np)
+            self._np = (self.slot_page.numpy(), self.slot_gen.numpy(), self.page_slot.numpy())
             self._at = at("TD_BLOCK_TABLE", "TD_REQUESTS", "TD_MAX_PAGES", "SD_PAGE_GEN", "SD_PAGES", "TD_SEQ_LENS")
             # revive's gather: its pages and generations, one pair of int32 views per length (made once)
             self._gather_np, self._gathered = np.empty((2, table.max_pages), dtype=np.int32), {}
-        else:
-            self.slot_page, self.slot_gen, self.page_slot = (torch.full((k,), -1, dtype=torch.int32,
-                                                                        device=self.device) for k in sizes)
         # On the triton backend each update is one launch (tpool.kernels.prefix_cache), imported only
         # there: the numba backend runs without triton installed.
         self._kernels = None

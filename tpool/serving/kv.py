@@ -232,7 +232,7 @@ class PagedKVCache:
             seen = self.misuse.tolist()
             if not any(seen):
                 return
-            self.misuse.sub_(torch.tensor(seen, dtype=torch.int64, device="cpu").to(self.device))  # (whatever the default device)
+            self.misuse.sub_(torch.tensor(seen, dtype=torch.int64, device=self.device))  # (not the default device)
         counts = {MISUSE_NAMES[i]: n for i, n in enumerate(seen) if n}
         raise InvalidPage(f"PagedKVCache: {', '.join(f'{k}: {n}' for k, n in counts.items())}. A slot outside "
                           f"[0, {self._num_slots}) (num_pages * page_size) given to write, or a page outside "
