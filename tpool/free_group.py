@@ -20,13 +20,12 @@ table's ``fork`` and ``revive`` (they take references), ``truncate`` (it reads
 reference counts: a page whose other reference was freed in the group is no
 longer shared) and ``release`` with ``cache=True`` (or a ``step`` releasing with
 ``release_cache=True``: which call drops a page's last reference decides whether
-it ends CACHED or FREE). A step bound with ``release_cache=True``
-(``bind_step``) does not flush (a bound call runs no host work beyond its launch:
-call ``flush()`` before it inside a group), and neither
-does a plain release: a page whose ``cache=True`` free is still buffered then
-ends CACHED, where the same calls without the group leave it FREE (as mixed
-frees inside a group do, see Order). No free
-is ever lost, and the schedule of flushes depends only on shapes and calls,
+it ends CACHED or FREE). A step bound with ``release_cache=True`` (``bind_step``)
+does not flush (a bound call runs no host work beyond its launch: call
+``flush()`` before it inside a group), and neither does a plain release: a page
+whose ``cache=True`` free is still buffered then ends CACHED, where the same
+calls without the group leave it FREE (as mixed frees inside a group do, see
+Order). No free is ever lost, and the schedule of flushes depends only on shapes and calls,
 so it is deterministic.
 
 ``tpool.graphs.preserved`` (and ``capture``, which uses it) is refused in the
@@ -200,9 +199,9 @@ class FreeGroup:
         apply (a captured flush would free whatever the buffer holds at each replay, and not these)."""
         if self._cuda and any(self._fill) and torch.cuda.is_current_stream_capturing() != self._capturing:
             raise RuntimeError("a free group's flush (at an incref, touch, revive, fork, truncate or release with "
-                               "cache=True of this thread, or its exit) inside a CUDA graph capture the group was opened outside of (or the other "
-                               "way round): open and close the group inside the captured region, or make these "
-                               "calls outside it")
+                               "cache=True of this thread, or its exit) inside a CUDA graph capture the group was "
+                               "opened outside of (or the other way round): open and close the group inside the "
+                               "captured region, or make these calls outside it")
         for flag in (0, 1):
             n = self._fill[flag]
             if n:

@@ -594,9 +594,9 @@ class PagePool:
         stack = st["free_stack"][:fc].long()
         every((stack >= 0) & (stack < P), "free stack ids in range", lambda i: f"entry {i} is {int(stack[i])}")
         ids, first = torch.unique(stack, return_inverse=True)
-        seen = torch.full((ids.numel(),), fc, device="cpu").scatter_reduce_(0, first, torch.arange(fc, device="cpu"),
-                                                                           "amin")
-        every(seen[first] == torch.arange(fc, device="cpu"), "free stack ids distinct",
+        order = torch.arange(fc, device="cpu")   # (host tensors: not the default device)
+        seen = torch.full((ids.numel(),), fc, device="cpu").scatter_reduce_(0, first, order, "amin")
+        every(seen[first] == order, "free stack ids distinct",
               lambda i: f"entries {int(seen[first[i]])} and {i} are both page {int(stack[i])}")
         every(state[stack] == L.FREE, "every id on the free stack is FREE", lambda i: f"entry {i}, {page(int(stack[i]))}")
         on_stack = torch.zeros(P, dtype=torch.bool, device="cpu").index_fill_(0, stack, True)

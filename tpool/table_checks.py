@@ -64,7 +64,8 @@ def check_table(table, exclusive: bool) -> None:
         raise InvariantViolation(f"invariant broken: entries within a request's length are page ids (request {r}: "
                                  f"entry {k} is {int(bt[r, k])}, pages {table.pool.num_pages})")
     pages = bt[inside]
-    held = torch.zeros(table.pool.num_pages, dtype=torch.long, device="cpu").scatter_add_(0, pages, torch.ones_like(pages))
+    held = torch.zeros(table.pool.num_pages, dtype=torch.long, device="cpu").scatter_add_(0, pages,
+                                                                                         torch.ones_like(pages))
     rc = pool_state["refcount"].cpu().long()
     if (p := first_breach(rc < held if not exclusive else rc != held)) is not None:
         raise InvariantViolation(f"invariant broken: reference counts match table entries (page {p}: refcount "

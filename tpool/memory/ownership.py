@@ -128,8 +128,8 @@ def compact(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     -------
     torch.Tensor
         Same shape, dtype, device, values and ``requires_grad`` as ``t``
-        (pinned if ``t`` is, without ``out``); a new autograd leaf. The distinct part of ``t`` (every stride-0
-        dimension cut to size 1) copied contiguous and expanded back to the
+        (pinned if ``t`` is, without ``out``); a new autograd leaf. The
+        distinct part of ``t`` (every stride-0 dimension cut to size 1) copied contiguous and expanded back to the
         shape (stride 0 where ``t`` has it), or for an overlapping view the
         strides of ``t`` over a copy of its reachable range. With ``out``, a
         view of ``out``'s storage.

@@ -514,9 +514,10 @@ class HostMirror(MixedSteps, Accounting):
         row's growth. The copy-on-write page (a partial last page) is taken by the fork itself, so it
         comes from ``free``: with ``count_cached`` that may be a page reserved for another row when
         none is unreserved, which leaves ``unreserved`` one lower (-1 from 0; lower still after a
-        ``count_cached`` revive) until :meth:`shortfall` pages are evicted, and no step runs before (``decode`` and ``step`` refuse it, naming the eviction);
-        without ``count_cached`` ``unreserved`` stays >= 0. A loop that evicts once after its
-        admissions, as for revive, repays it there.
+        ``count_cached`` revive) until :meth:`shortfall` pages are evicted, and no step runs before
+        (``decode`` and ``step`` refuse it, naming the eviction); without ``count_cached``
+        ``unreserved`` stays >= 0. A loop that evicts once after its admissions, as for revive,
+        repays it there.
         """
         src, n_tokens = _checks.check_size(src, "src"), _checks.check_size(n_tokens, "n_tokens")
         ps, m = self.page_size, self.capacity if max_len is None else _checks.check_size(max_len, "max_len")

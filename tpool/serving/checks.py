@@ -123,9 +123,9 @@ def position_limit(model) -> tuple[int, str] | None:
     ``embed_positions.weights``), or axial factors (Reformer's ``axial_pos_shape``: their product).
     A position past it indexes out of the table: an exception on a CPU (``IndexError``, a
     ``RuntimeError`` from a gather, ...), a device-side assert (the process ends) on CUDA. The
-    smallest table bounds the
-    model. Only the text decoder's count, not a model inside it that does not embed the tokens (a
-    composite model's vision tower, GIT's image encoder: tables of patches), and only floating ones (``position_ids`` buffers are indices). Chunked attention
+    smallest table bounds the model. Only the text decoder's count, not a model inside it that
+    does not embed the tokens (a composite model's vision tower, GIT's image encoder: tables of
+    patches), and only floating ones (``position_ids`` buffers are indices). Chunked attention
     layers, which :func:`check_layers` serves as full attention when one chunk spans
     ``max_position_embeddings`` (Llama 4), bound a sequence by ``attention_chunk_size`` too: past
     it eager attention attends within the chunk, the pages over every position. Python only: no
