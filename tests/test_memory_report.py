@@ -86,7 +86,7 @@ def test_a_device_torch_cannot_parse_or_tpool_cannot_use_is_a_valueerror(device,
     assert main(["report", "--device", device]) == 2
     err = capsys.readouterr().err
     assert "expected a cpu or cuda device" in err
-    assert err.startswith("usage: ") and "report: error: device: expected" in err   # (the demo's form too)
+    assert err.startswith("usage: ") and "report: error: --device: expected" in err   # (the demo's form too)
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -144,7 +144,8 @@ def test_cuda_requested_without_cuda(capsys):
     with pytest.raises(ValueError, match="CUDA is not available"):
         memory_report("cuda:0")
     assert main(["report", "--device", "cuda"]) == 2
-    assert "CUDA is not available" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "report: error: --device: expected cpu, got cuda" in err and "CUDA is not available" in err
 
 
 @pytest.mark.gpu
@@ -216,7 +217,7 @@ STATS = {  # a distinct number for every key, so a field reading the wrong (or a
 def _fake_cuda(monkeypatch, stats, free=70 * GIB, total=80 * GIB):
     from tpool.memory import report as R
 
-    monkeypatch.setattr(R._checks, "resolve_device", lambda d: torch.device("cuda", 0))
+    monkeypatch.setattr(R._checks, "resolve_device", lambda d, name="device": torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "memory_stats", stats if callable(stats) else lambda d=None: stats)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (free, total))
 

@@ -332,8 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--device", default=None, help="cuda:N or cpu (default: current CUDA device, else cpu)")
     args = parser.parse_args(argv)
-    try:
-        report = memory_report(args.device)
+    try:  # (the device as the option that named it, as the demo words it: "--device: expected ...")
+        report = memory_report(_checks.resolve_device(args.device, "--device"))
     except (ValueError, RuntimeError) as exc:  # (as argparse reports a usage error, and as the demo does)
         parser.print_usage(sys.stderr)
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
