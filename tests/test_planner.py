@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tpool
+from tpool.kernels.layout import MAX_INDEXED
 from tpool.memory import planner
 from tpool.memory.planner import PagePlan, PlanError, plan_pages
 from tpool.state import pool_state_bytes
@@ -51,6 +52,19 @@ def test_fraction_is_read_as_its_decimal():
 def test_max_pages_caps():
     p = plan_pages(PAGE, 0.8, total_bytes=80 * GIB, free_bytes=60 * GIB, max_pages=1000)
     assert (p.num_pages, p.pool_bytes, p.pool_budget_bytes) == (1000, 1000 * PAGE, 44 * GIB)
+
+
+def test_pages_stop_at_what_a_page_pool_takes():
+    """A plan gave more pages than PagePool accepts (MAX_INDEXED: its kernels' offsets are int32), and past
+    int64 its state's size overflowed (OverflowError, not a plan). The most a pool takes is the cap."""
+    p = plan_pages(64, 0.5, total_bytes=400 * GIB, free_bytes=400 * GIB)   # 200 GiB of 64 B pages: 3.36e9
+    assert p.num_pages == MAX_INDEXED and p.pool_bytes == MAX_INDEXED * 64
+    with pytest.raises(ValueError, match=f"num_pages: expected at most {MAX_INDEXED}"):
+        tpool.PagePool(p.num_pages + 1, device="cpu", backend="reference")   # (refused before allocating)
+    huge = plan_pages(PAGE, 0.8, total_bytes=10 ** 30, free_bytes=10 ** 30, max_pages=MAX_INDEXED + 1)
+    assert huge.num_pages == MAX_INDEXED
+    with pytest.raises(ValueError, match=f"min_pages: expected at most {MAX_INDEXED} .* got {MAX_INDEXED + 1}"):
+        plan_pages(PAGE, 0.8, total_bytes=10 ** 30, free_bytes=10 ** 30, min_pages=MAX_INDEXED + 1)
 
 
 def test_weights_exceed_static_budget_suggests_fraction():
@@ -111,7 +125,8 @@ def test_suggested_fraction_is_the_smallest_that_works(page, percent, total, dat
                     with pytest.raises(PlanError):
                         plan_pages(page, round(s + 10 ** -d, d), **kw)
     else:
-        assert plan.num_pages >= 1 and plan.pool_bytes <= plan.pool_budget_bytes < plan.pool_bytes + page
+        assert plan.num_pages >= 1 and plan.pool_bytes <= plan.pool_budget_bytes
+        assert plan.pool_budget_bytes < plan.pool_bytes + page or plan.num_pages == MAX_INDEXED  # (a pool's most)
         assert plan.used_bytes + plan.pool_budget_bytes <= plan.static_budget_bytes <= total
         # what from_pool and PagePool take beside the pages fits in what the plan leaves
         assert total - plan.used_bytes - plan.pool_bytes >= page + pool_state_bytes(plan.num_pages)

@@ -14,7 +14,7 @@ Note:
         static        S = floor(total * fraction)
         reserve       R = total - S                   (runtime reserve)
         pool budget   P = S - U - extra_reserve       ( = free - pending - R - extra )
-        pages         N = min(P // bytes_per_page, max_pages)
+        pages         N = min(P // bytes_per_page, max_pages, MAX_INDEXED)
 
     The base differs from the engines' knobs of the same name:
 
@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from tpool._checks import check_size, resolve_device
+from tpool.kernels.layout import MAX_INDEXED
 from tpool.state import pool_state_bytes
 
 __all__ = ["plan_pages", "PagePlan", "PlanError"]
@@ -193,9 +194,11 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
         Weights NOT yet loaded when ``free_bytes`` was measured, >= 0
         (None: loaded).
     min_pages : int
-        Fewest pages accepted, >= 0 (else :class:`PlanError`); default 1.
+        Fewest pages accepted (fewer fit: :class:`PlanError`), >= 0 and at
+        most ``MAX_INDEXED``; default 1.
     max_pages : int, optional
-        Most pages wanted, >= ``min_pages``; default no cap.
+        Most pages wanted, >= ``min_pages``; default, and at most, the most
+        a ``PagePool`` takes (``MAX_INDEXED``, 2**31 - 2**16).
 
     Returns
     -------
@@ -231,8 +234,10 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
     bytes_per_page = check_size(bytes_per_page, "bytes_per_page", 1)
     reserve_bytes = check_size(reserve_bytes, "reserve_bytes", 0)
     min_pages = check_size(min_pages, "min_pages", 0)
-    if max_pages is not None:
-        max_pages = check_size(max_pages, "max_pages", min_pages)
+    if min_pages > MAX_INDEXED:  # (PagePool refuses more pages: its kernels' chunk offsets are int32)
+        raise ValueError(f"min_pages: expected at most {MAX_INDEXED} (the most pages a PagePool takes), "
+                         f"got {min_pages}")
+    max_pages = MAX_INDEXED if max_pages is None else min(check_size(max_pages, "max_pages", min_pages), MAX_INDEXED)
     if isinstance(mem_fraction_static, (bool, np.bool_)) or \
             not isinstance(mem_fraction_static, (numbers.Integral, float, np.floating, Fraction)):
         raise ValueError(f"mem_fraction_static: expected a float in (0, 1], got a {type(mem_fraction_static).__name__} "
@@ -256,7 +261,7 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
         static = math.floor(total * fraction)
         pool_budget = static - used - reserve_bytes
         pages = max(pool_budget, 0) // bytes_per_page
-        return static, pool_budget, pages if max_pages is None else min(pages, max_pages)
+        return static, pool_budget, min(pages, max_pages)
 
     def left_after(pages):
         """The memory left after the pool, the memory in use and the extra reserve."""
