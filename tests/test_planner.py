@@ -257,6 +257,18 @@ def test_measuring_empties_the_cache_of_that_device_first(monkeypatch, device, n
     assert fake.calls == []  # nothing measured, nothing emptied
 
 
+def test_the_source_says_which_of_total_and_free_was_given(monkeypatch):
+    """total_bytes given (SGLang's base: the free memory before the weights) and free measured: explain()'s
+    total line said the total came from mem_get_info, which gives 80 GiB, not the 70 GiB planned with."""
+    _FakeCuda(monkeypatch)
+    measured = "torch.cuda.mem_get_info(cuda:0) after empty_cache()"
+    p = plan_pages(PAGE, 0.8, total_bytes=70 * GIB)
+    assert (p.total_bytes, p.free_bytes, p.source) == (70 * GIB, 60 * GIB, f"given; free: {measured}")
+    assert p.explain().splitlines()[0].endswith(f"70.00 GiB   given; free: {measured}")
+    p = plan_pages(PAGE, 0.8, free_bytes=40 * GIB)
+    assert (p.total_bytes, p.free_bytes, p.source) == (80 * GIB, 40 * GIB, f"{measured}; free given")
+
+
 @pytest.mark.parametrize("device, match", [
     ("bogus", "device: expected a cpu or cuda device, got 'bogus'"),
     ("meta", "device: expected a cpu or cuda device, got meta"),

@@ -96,7 +96,7 @@ class PagePlan:
     pool_budget_bytes: int  # static budget - used - extra reserve
     num_pages: int
     pool_bytes: int  # num_pages * bytes_per_page
-    source: str  # where total and free came from
+    source: str  # where total and free came from ("given", measured, or which of the two was given)
 
     def explain(self) -> str:
         """The arithmetic, one line per step, with bytes and GiB.
@@ -156,8 +156,11 @@ def _measure(device, total_bytes, free_bytes) -> tuple[int, int, str]:
         # first, or mem_get_info counts them as in use (as SGLang's get_available_gpu_memory does).
         torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    return (total if total_bytes is None else total_bytes, free if free_bytes is None else free_bytes,
-            f"torch.cuda.mem_get_info({device}) after empty_cache()")
+    measured = f"torch.cuda.mem_get_info({device}) after empty_cache()"
+    # One of the two may be given (total_bytes = the free memory before the weights, SGLang's base): say which.
+    source = measured if total_bytes is None and free_bytes is None else \
+        f"given; free: {measured}" if free_bytes is None else f"{measured}; free given"
+    return (total if total_bytes is None else total_bytes, free if free_bytes is None else free_bytes, source)
 
 
 def _decimal(fraction: Fraction) -> str:
