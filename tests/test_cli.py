@@ -116,6 +116,26 @@ def test_report_piped_into_head():
     assert r.stdout.splitlines()[0].startswith("tpool memory report:") and len(r.stdout.splitlines()) == 3
 
 
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_report_is_one_write(monkeypatch, json_flag):
+    """The report reaches stdout in one write, its newline included: with an unbuffered stdout
+    (PYTHONUNBUFFERED=1) print's separate newline write could meet the pipe `head -3` had closed
+    (exit status 141 instead of the README's 0)."""
+    from tpool.memory import report
+
+    class Writes(io.StringIO):
+        calls = 0
+
+        def write(self, text):
+            Writes.calls += 1
+            return super().write(text)
+
+    out = Writes()
+    monkeypatch.setattr(sys, "stdout", out)
+    assert report.main(["--device", "cpu", *json_flag]) == 0
+    assert Writes.calls == 1 and out.getvalue().endswith("\n") and not out.getvalue().endswith("\n\n")
+
+
 def test_report_on_a_cpu_says_what_it_measured():
     r = tpool_cli("report", "--device", "cpu")
     assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith("note: on a CPU only the process ledger")

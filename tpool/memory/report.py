@@ -339,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
     note = CLI_NOTE_CPU if str(report.device) == "cpu" else CLI_NOTE
-    if args.json:
-        print(json.dumps({**report.to_dict(), "note": note}, indent=2))
-    else:
-        print(format_report(report, note))
+    text = json.dumps({**report.to_dict(), "note": note}, indent=2) if args.json else format_report(report, note)
+    # One write, the newline included: print() writes the newline apart, which an unbuffered stdout
+    # (PYTHONUNBUFFERED=1, common in containers) sends as a second write after `head -3` may have gone.
+    sys.stdout.write(text + "\n")
     return 0
