@@ -255,7 +255,7 @@ def sample_cold_us(fn, *, samples: int, flush: CacheFlusher, sync=None, reset=No
 
     ``reset`` (untimed) runs once, before the first sample, and again at the end:
     not before each sample, because restoring a large state right before a timed
-    call slows that call even after the flush (a 16M-page pool's state is ~500 MB:
+    call slows that call even after the flush (a 16M-page pool's state is ~1 GB:
     restored before each sample, a decode step measured 38 µs cold instead of 15),
     and a serving loop never rewrites its state between two steps. The samples
     then drift a little (a decode step adds a token per call), as a loop does.

@@ -53,7 +53,7 @@ Each cold sample: one untimed step, write 64 MiB, time one step (so the timed
 step grows the CSR of the step before, as in a decode loop); the clock is read
 right before and after the call, with no loop between (a loop's code is cold too). The table is
 restored once before the cold samples, not before each: restoring a large
-pool's state (~500 MB at 16M pages) right before a timed step slows that step
+pool's state (~1 GB at 16M pages) right before a timed step slows that step
 even after the 64 MiB, which a serving loop never does (``_common.sample_cold_us``).
 
     python benchmarks/bench_page_table.py                       # the table, about 10 s
