@@ -1908,3 +1908,32 @@ def test_values_wait_for_a_copy_that_has_not_landed_and_only_then():
     assert not r.ready()
     assert r.values() == [[0, 1, 2]] and event.waits == 1
     assert r.ready() and r.values() == [[0, 1, 2]] and event.waits == 1
+
+
+def test_pages_needed_and_pages_for_take_counts_only_and_never_wrap(backend):
+    """Before, pages_needed counted in int64: n = 2 ** 63 - 1 wrapped and answered a negative count, and
+    2 ** 63 raised OverflowError; pages_for took anything, answering 0 for -1 and 1.0 for 1.5."""
+    pool, m = _mirror(backend)
+    (row,) = m.admit([5])
+    for n in (2 ** 63 - 1, 2 ** 64):   # row 0 holds 5 tokens in 2 pages: its next n take what 5 + n need
+        assert m.pages_needed(row, n) == min((5 + n + PS - 1) // PS - 2, (n + PS - 1) // PS) > 0
+    assert m.pages_needed(row, np.int64(4)) == 1 and m.pages_for(np.int64(5)) == 2 and m.pages_for(0) == 0
+    for bad in (-1, 1.5, True, None, "5", [5]):
+        with pytest.raises(ValueError, match="tokens: expected a non-negative int, got"):
+            m.pages_for(bad)
+
+
+def test_ints_numpy_reads_as_uint64_are_refused_with_the_values_given(backend):
+    """numpy reads [2 ** 63] as uint64, which was cast to int64 (-2 ** 63): can_admit answered 0 instead of
+    refusing it as it refuses 2 ** 64, and the refusals of the other calls named the wrapped value. A nested
+    list of prompts made can_admit and shortfall raise TypeError; they read it flat, as admit does."""
+    pool, m = _mirror(backend)
+    rows = m.admit([5])
+    for call in (lambda: m.can_admit([2 ** 63]), lambda: m.shortfall([3], [2 ** 63]),
+                 lambda: m.truncate(rows, [2 ** 63]), lambda: m.decode(np.array([2 ** 64 - 1], dtype=np.uint64)),
+                 lambda: m.admit(np.array([2 ** 63], dtype=np.uint64))):
+        with pytest.raises(ValueError, match=rf"within int64, got uint64 \[({2 ** 63}|{2 ** 64 - 1})\]"):
+            call()
+    assert m.can_admit([[3], [4]]) == 2 == m.can_admit(np.array([[3], [4]])) and m.shortfall([[3], [4]]) == 0
+    assert m.can_admit(np.array([3, 4], dtype=np.uint64)) == 2
+    assert m.admit([[3], [4]]) == [1, 2] and m.exact and m.free == pool.available()

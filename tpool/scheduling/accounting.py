@@ -79,6 +79,8 @@ def _int_array(values, name: str, what: str = "ints"):
     a = _as_array(values, name)
     if a.dtype is _I64:
         return a
+    if a.dtype.kind == "u" and a.size and a.max() > _I64_MAX:  # (numpy reads [2 ** 63] as uint64: it would wrap)
+        raise ValueError(f"{name}: expected {what} within int64, got {_shown(a)}")
     if a.dtype.kind in "iu" or a.size == 0:  # (an empty list comes as float64)
         return a.astype(np.int64)
     raise ValueError(f"{name}: expected {what}, got {_shown(a)}")
@@ -116,7 +118,8 @@ def _int_list(values, name: str) -> list:
     if type(values) is list and _exact_ints(values) and (not values or _I64_MIN <= min(values) and
                                                           max(values) <= _I64_MAX):
         return values
-    return _int_array(values, name).tolist()  # (an int past int64 is refused there, as numpy reads it)
+    # (an int past int64 is refused there, as numpy reads it; nested lists are read flat, as admit reads them)
+    return _int_array(values, name).reshape(-1).tolist()
 
 
 def _exact_ints(values) -> bool:
@@ -301,8 +304,9 @@ class Accounting:
         return int(self.lo[row]), int(self.hi[row])
 
     def pages_for(self, tokens: int) -> int:
-        """Pages that ``tokens`` tokens fill: ``ceil(tokens / page_size)``."""
-        return _cdiv(tokens, self.page_size)
+        """Pages that ``tokens`` tokens fill: ``ceil(tokens / page_size)``. ``tokens`` a non-negative int
+        (numpy's too), else a ``ValueError``."""
+        return _cdiv(_checks.check_size(tokens, "tokens"), self.page_size)
 
     def pages_needed(self, row: int, n: int) -> int:
         """Pages request ``row`` may need for ``n`` more tokens (exact unless its length is uncertain).
@@ -320,7 +324,8 @@ class Accounting:
             Pages from its upper bound ``hi``, before its reservation is taken into account.
         """
         r, n = self._row(row, n, "pages_needed", "n")
-        return int(self._need(r, np.int64(n))[0])
+        q, ps = int(r[0]), self.page_size   # (Python ints: any n, where int64 would wrap past 2 ** 63 - hi)
+        return min(_cdiv(int(self.hi[q]) + n, ps) - _cdiv(int(self.lo[q]), ps), _cdiv(n, ps))
 
     def _row(self, row, n, what, n_name):
         """``row`` as a one-row array and ``n`` as an int, after checking that ``row`` is a running row
