@@ -1306,3 +1306,24 @@ def test_a_page_named_again_while_its_old_entry_waits_keeps_its_new_name(backend
     cache.check_invariants()
     cache.evict(1)
     assert cache.unread().tolist() == [new_slot]
+
+
+def test_a_cache_refuses_what_is_not_a_mirror_a_match_or_tokens(backend):
+    """Before, each of these raised AttributeError or TypeError, not a ValueError naming what was expected."""
+    pool, m, cache = _setup(backend)
+    (row,) = m.admit([10])
+    cache.insert(row, list(range(10)))
+    m.finish([row], cache=True)
+    hit = cache.match(list(range(10)) + [7])
+    (row,) = m.admit([10])
+    bad = [(lambda: PrefixCache(m.table), "mirror: expected a HostMirror, got PageTable"),
+           (lambda: cache.revive(hit.slots), r"revive: expected a PrefixMatch \(made by match\(\)\), got tuple"),
+           (lambda: cache.revive(None), r"revive: expected a PrefixMatch \(made by match\(\)\), got NoneType"),
+           (lambda: cache.match(12), "match: expected the tokens as host ints .* got int 12"),
+           (lambda: cache.match({1, 2, 3, 4, 5}), "match: expected the tokens .* got set"),
+           (lambda: cache.insert(row, dict.fromkeys(range(8))), "insert: expected the tokens .* got dict")]
+    for call, match in bad:
+        with no_host_sync(), pytest.raises(ValueError, match=match):
+            call()
+    assert len(cache) == 2 and m.rows_free == 3 and cache.revive(hit, 16) == 1 and m.lo[1] == 8
+    cache.check_invariants()

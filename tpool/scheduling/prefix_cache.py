@@ -48,6 +48,7 @@ A :class:`PrefixMatch` is used at once: ``revive`` refuses one whose entries wer
 dropped since (their slots may name other pages by then).
 """
 
+import collections.abc
 import itertools
 import operator
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ from tpool import _checks
 from tpool.kernels import layout as L
 from tpool.scheduling._prefix import forget_pages, gather_slots, insert_pages
 from tpool.scheduling.accounting import _head
+from tpool.scheduling.mirror import HostMirror
 from tpool.state import fixed_full
 
 __all__ = ["PrefixCache", "PrefixMatch"]
@@ -140,6 +142,8 @@ class PrefixCache:
     """
 
     def __init__(self, mirror, capacity: int | None = None):
+        if not isinstance(mirror, HostMirror):
+            raise ValueError(f"mirror: expected a HostMirror, got {type(mirror).__name__} {mirror!r:.60}")
         table = mirror.table
         if mirror.prefix_cache is not None:
             raise ValueError("mirror: expected a HostMirror without a prefix cache, got one that has one (its "
@@ -231,6 +235,9 @@ class PrefixCache:
             if tokens.dtype.kind not in "iu":
                 raise ValueError(f"{what}: expected an integer numpy array of tokens, got dtype {tokens.dtype}")
             return tokens.tolist()   # Python ints at C speed (numpy scalars would take the slow check per page)
+        if not isinstance(tokens, collections.abc.Sequence):  # (an int, None, a set or a dict has no pages to key)
+            raise ValueError(f"{what}: expected the tokens as host ints (a list, tuple or numpy int array), got "
+                             f"{type(tokens).__name__} {tokens!r:.60}")
         return tokens
 
     def _key(self, eid, tokens, i, what=None):
@@ -269,6 +276,9 @@ class PrefixCache:
         ``count_cached``); returns its row. Raises as ``HostMirror.revive`` does (``WouldNotFit``
         without a row or room), and ``ValueError`` for an empty match, while an eviction is not
         dropped, or for a match whose entries were dropped since it was made."""
+        if not isinstance(match, PrefixMatch):
+            raise ValueError(f"revive: expected a PrefixMatch (made by match()), got {type(match).__name__} "
+                             f"{match!r:.60}")
         if not match:
             raise ValueError("revive: expected a match of at least one page, got an empty PrefixMatch")
         self._attached("revive")
