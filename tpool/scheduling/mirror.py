@@ -8,10 +8,10 @@ from what was asked. Each call checks all of its input first and raises before
 the mirror changes: a refused call changes nothing, on the host or the device.
 The checks include the table's and the pool's, with their messages: a count,
 length or row is an int (numpy's too), never a float or a bool; a list or
-array of them must be what numpy reads as integers, so floats, an array of
-bools and a list of bools only are refused (a bool among ints reads as 0/1,
-numpy's promotion); tensors' dtype, device and layout; a free row for a
-``fork`` or a ``revive``. What the mirror promises:
+array of them must be what numpy reads as integers within int64, so floats,
+an array of bools, a list of bools only and an int past int64 are refused (a
+bool among ints reads as 0/1, numpy's promotion); tensors' dtype, device and
+layout; a free row for a ``fork`` or a ``revive``. What the mirror promises:
 
 * ``free`` is a lower bound on the pool's FREE pages (what ``extend`` and
   ``fork`` take; ``extend`` never evicts). It is exact (``exact`` is True and
