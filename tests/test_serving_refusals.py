@@ -308,6 +308,44 @@ def test_alibi_is_refused_before_the_forward(name):
     assert _untouched(ctx)
 
 
+WINDOWED = dict(sliding_window=6, max_position_embeddings=256)
+
+
+def _window_config(name, **kw):
+    if name == "olmoe":
+        return transformers.OlmoeConfig(**{**LLAMA, **WINDOWED, "num_experts": 4, "num_experts_per_tok": 2, **kw})
+    return transformers.SmolLM3Config(**{**LLAMA, **WINDOWED, "layer_types": ["sliding_attention", "full_attention"],
+                                         **kw})
+
+
+@pytest.mark.parametrize("name, why", [("olmoe", "OLMoE passes it to every layer's attention but builds a plain "
+                                                 "causal mask"),
+                                       ("smollm3", "SmolLM3 with use_sliding_window=False passes no window")])
+def test_a_window_the_attention_and_the_mask_disagree_on_is_refused(name, why):
+    """OLMoE passes its config's sliding_window to the attention but masks causally (generate's cache keeps the
+    window); SmolLM3 with use_sliding_window=False passes none while its mask and cache apply the window on
+    sliding_attention layers. Both were served with the attention's window: every request of an 8-request
+    Engine run differed from generate, no error."""
+    with pytest.raises(ValueError, match=f"expected the attention and the mask to apply one sliding window, got "
+                                         f"sliding_window=6 in {name}'s config: {why}"):
+        hf.from_config(_window_config(name), dtype=torch.float32)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_window_config(name), dtype=torch.float32,
+                                                          attn_implementation=ATTN_IMPLEMENTATION).eval()
+    with pytest.raises(ValueError, match="expected the attention and the mask to apply one sliding window"):
+        engine.Engine(model, num_pages=16, page_size=4, max_batch=2, max_pages=8, backend="reference")
+
+
+@pytest.mark.parametrize("name, kw", [("olmoe", dict(sliding_window=None)), ("smollm3", dict(use_sliding_window=True))])
+def test_the_same_models_with_one_window_are_served_as_generate(name, kw):
+    torch.manual_seed(0)
+    model = hf.from_config(_window_config(name, **kw), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    reqs = lambda: engine.make_requests(4, max_new=(4, 8), prompt_len=(8, 16), share_every=0)   # noqa: E731
+    eng = engine.Engine(model, num_pages=32, page_size=4, max_batch=4, max_pages=8, backend="reference")
+    assert eng.run(reqs()) == engine.reference_tokens(model, reqs())
+
+
 def test_a_model_with_its_own_attention_table_is_refused_at_build(tmp_path):
     """GPT-Neo picks its attention class from a table of its own: building it on tpool_paged raised
     ``KeyError: 'tpool_paged'`` inside transformers. hf.from_config / from_pretrained say why."""

@@ -21,7 +21,11 @@ that returned other tokens with no error:
   recomputes per forward from ``max(position_ids)``; PhiMoE's ``mscale`` for any rope type
   but ``"default"``): a short lane packed next to a long one gets the long one's frequencies.
   ``"default"``, ``"linear"``, ``"yarn"``, ``"llama3"`` and ``"proportional"`` are fixed at
-  build time and served.
+  build time and served;
+- a ``sliding_window`` the attention is given otherwise than the mask and the cache of
+  ``generate`` apply it (:data:`WINDOW_DISAGREES`: OLMoE with one, SmolLM3 with
+  ``use_sliding_window=False`` and ``sliding_attention`` layers): the pages see only the
+  attention's, so ``generate``'s tokens come from another window.
 
 At each layer's attention call ``tpool.serving.hf.paged_attention_forward`` refuses what only
 shows there: a mask, attention that is not causal (the ``is_causal`` keyword, else the module's
@@ -43,6 +47,18 @@ ATTENTION_LAYERS = ("full_attention", "sliding_attention")  # the layer types th
 # Model types whose attention module is called more than once per forward with one layer_idx.
 ATTENDS_TWICE = {"diffllama": "DiffLlama attends twice per layer (differential attention: two calls, one "
                               "per half of V, same layer_idx)"}
+# Model types whose attention is given another sliding window than their mask and generate's cache apply, when
+# the config has one: (whether the config is such a one, why). The paged attention applies the attention's.
+WINDOW_DISAGREES = {
+    "olmoe": (lambda cfg: True,
+              "OLMoE passes it to every layer's attention but builds a plain causal mask (eager attention attends "
+              "over the whole prompt) while generate's cache keeps only the window (its decode steps see the last "
+              "sliding_window tokens)"),
+    "smollm3": (lambda cfg: not getattr(cfg, "use_sliding_window", False)
+                and "sliding_attention" in (getattr(cfg, "layer_types", None) or ()),
+                "SmolLM3 with use_sliding_window=False passes no window to the attention, but its mask and "
+                "generate's cache apply it on the sliding_attention layers of layer_types"),
+}
 # Model types whose own rotary embedding reads the row's largest position for rope types other than "default".
 ROW_GLOBAL_ROPE_MODELS = {"phimoe": "PhiMoE scales cos/sin by short_mscale or long_mscale from max(position_ids)"}
 
@@ -83,7 +99,8 @@ def _row_global(rope_type) -> bool:
 
 def check_config(cfg) -> None:
     """Raise ``ValueError`` for a (text) config whose model a packed step would not serve exactly (see the
-    module's note): other layer types, attention twice per layer, ALiBi, row-global rotary embeddings.
+    module's note): other layer types, attention twice per layer, a window the attention and the mask
+    disagree on, ALiBi, row-global rotary embeddings.
 
     Needs only the config, so it can run before a model is built.
     """
@@ -93,6 +110,12 @@ def check_config(cfg) -> None:
         raise ValueError(f"model: expected one attention call per layer per forward, got {name}: "
                          f"{ATTENDS_TWICE[name]}; the pages hold one K/V per layer, so later steps would read "
                          f"the wrong half")
+    disagrees = WINDOW_DISAGREES.get(name)
+    window = getattr(cfg, "sliding_window", None)
+    if disagrees is not None and window is not None and disagrees[0](cfg):
+        raise ValueError(f"model: expected the attention and the mask to apply one sliding window, got "
+                         f"sliding_window={window!r} in {name}'s config: {disagrees[1]}; the paged attention "
+                         f"applies the attention's, so it would give other tokens than generate")
     attn_cfg = getattr(cfg, "attn_config", None)
     if getattr(cfg, "alibi", False) or getattr(attn_cfg, "alibi", False) or name == "bloom":
         raise ValueError(f"model: expected rotary or learned positions from position_ids, got ALiBi in {name}'s "
