@@ -275,6 +275,26 @@ def test_an_empty_prompt_is_refused_instead_of_looping(llama):
     assert eng.stats.steps == 0
 
 
+def test_a_generator_of_requests_is_served_and_checked_as_the_list_it_yields(llama):
+    """run() and check_fits() each read their requests several times: a generator was exhausted by the first
+    pass, so run() served nothing and returned {} and check_fits() skipped its parent and length checks."""
+    eng = engine.Engine(llama, num_pages=16, page_size=4, max_batch=4, max_pages=8, backend="reference")
+    reqs = engine.make_requests(3, max_new=(3, 5), prompt_len=(5, 12))
+    assert eng.run(r for r in reqs) == engine.reference_tokens(llama, reqs)
+    assert all(r.out for r in reqs)
+    eng.check()
+    long = engine.Request(0, [5] * 30, 4)
+    with pytest.raises(engine.RequestTooLong, match="request 0: expected prompt"):
+        eng.check_fits(iter([long]))
+    orphan = engine.Request(1, [5, 6, 7], 2, parent=9, shared=2)
+    with pytest.raises(ValueError, match="expected parent 9's prompt"):
+        eng.run(iter([orphan]))
+    with pytest.raises(ValueError, match=r"requests: expected a list \(or another iterable\) of Request objects, "
+                                         r"got Request"):
+        eng.run(long)
+    assert eng.stats.steps > 0 and eng.check()["pages.used.current"] == 0
+
+
 def test_requests_the_loop_would_serve_wrongly_are_refused(llama):
     """Two requests with one rid both came back with the second one's tokens (feeds and results are
     keyed by rid); a parent whose prompt differs would have lent its K/V to other tokens."""

@@ -329,7 +329,9 @@ class Engine:
         ``generate`` requires), and one the loop would serve wrongly: a ``rid`` given twice (feeds and results are keyed by it), a
         request already served (its ``out``, ``row`` or ``cached`` set: make a new one), or a
         ``parent`` that is not in ``requests`` or whose prompt does not start with the same ``shared``
-        tokens (the fork would give it the parent's K/V for other tokens)."""
+        tokens (the fork would give it the parent's K/V for other tokens). ``requests``: a list, or any
+        iterable of them (read once: a generator's requests are all checked)."""
+        requests = _request_list(requests)
         by_id = {}
         for r in requests:
             self._check_fields(r)
@@ -386,11 +388,13 @@ class Engine:
                              f"embedding rows), got {bad}")
 
     def run(self, requests, out=None):
-        """Serve ``requests`` (a list of :class:`Request`) to completion; return ``{rid: tokens}``.
+        """Serve ``requests`` (a list of :class:`Request`, or any iterable of them: a generator is read
+        once, here) to completion; return ``{rid: tokens}``.
 
         An exception inside the loop (the model's forward, an interrupt) releases the rows of the
         requests running then (:meth:`_abandon`) before it propagates: the pool and the table hold
         nothing of the run, and the engine serves the next ``run``."""
+        requests = _request_list(requests)   # (check_fits and the loop below each read it: a generator once)
         self.check_fits(requests)
         by_id = {r.rid: r for r in requests}
         waiting = sorted(requests, key=lambda r: (r.arrival, r.rid))
@@ -695,6 +699,16 @@ def eos_ids(model, eos_token_id=EOS_FROM_MODEL) -> frozenset:
         raise ValueError(f"eos_token_id: expected {EOS_FROM_MODEL!r} (the model's generation_config), None (never "
                          f"stop early), a token id (an int >= 0) or a list of them, got {given!r}")
     return frozenset(ids)
+
+
+def _request_list(requests) -> list:
+    """``requests`` as a list: each pass of :meth:`Engine.check_fits` and :meth:`Engine.run` over a generator
+    would see only what the passes before it left (nothing), and serve or check nothing, silently."""
+    try:
+        return list(requests)
+    except TypeError:
+        raise ValueError(f"requests: expected a list (or another iterable) of Request objects, got "
+                         f"{type(requests).__name__}") from None
 
 
 def _model_device(model, device):
