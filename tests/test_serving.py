@@ -400,8 +400,10 @@ def test_bench_e2e_prints_its_table(tmp_path, capsys):
     assert all(r["tokens_per_s"] > 0 and 0 < r["tpool_share"] < 1 and r["baseline_tokens_per_s"] > 0 for r in rows)
 
 
-def test_a_sliding_window_model_matches_generate_and_the_window_matters():
-    """Mistral passes ``sliding_window`` to the attention function; prompts are longer than the window."""
+def test_a_sliding_window_model_matches_generate_and_the_window_matters(monkeypatch):
+    """Mistral passes ``sliding_window`` to the attention function; prompts are longer than the window.
+    (Served without it, with the check that refuses a window only generate's cache keeps switched off,
+    the tokens differ.)"""
     from transformers import AttentionInterface, MistralConfig, MistralForCausalLM
     from tpool.serving import hf
     cfg = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -417,6 +419,7 @@ def test_a_sliding_window_model_matches_generate_and_the_window_matters():
 
     want = engine.reference_tokens(model, engine.make_requests(6, max_new=(4, 10)))
     assert serve() == want
+    monkeypatch.setattr(hf, "_refuse_window_in_cache_only", lambda module, layer: None)
     AttentionInterface.register(ATTN_IMPLEMENTATION, lambda *a, **k: hf.paged_attention_forward(
         *a, **{**k, "sliding_window": None}))
     try:

@@ -15,7 +15,8 @@ this name, so transformers' ``create_causal_mask`` returns None, and
 causality, lanes and padding come from the metadata. A keyword that would
 change the result and that is not implemented here (a mask, ``is_causal=False``,
 dropout in training, a position bias, ...) is a ``ValueError`` naming it and the
-model, never ignored. A model a packed step would not serve exactly (other layer
+model, never ignored; so is a layer given no window whose config's ``sliding_window``
+makes ``generate``'s cache keep only a window of it. A model a packed step would not serve exactly (other layer
 types, a layer attending twice, ALiBi, no ``position_ids``, row-global rotary
 frequencies: :mod:`tpool.serving.checks`) is refused by :func:`check_model`, which
 :func:`forward_step` runs first. Needs transformers 5 (``pip install "transformers>=5"``, the ``hf`` extra);
@@ -112,6 +113,34 @@ def _refuse_unsupported(module, attention_mask, dropout, is_causal, kwargs):
             refuse(name, "None", type(kwargs[name]).__name__)
 
 
+def _cache_window(module, layer):
+    """The window ``generate``'s ``DynamicCache`` keeps for ``layer`` of ``module``'s config (transformers'
+    ``get_layer_types_and_kwargs``): its ``sliding_window`` on a ``sliding_attention`` layer of its
+    ``layer_types``, or on every layer of a config without ``layer_types``; None where it keeps all."""
+    cfg = getattr(module, "config", None)
+    try:
+        window, types = getattr(cfg, "sliding_window", None), getattr(cfg, "layer_types", None)
+    except Exception:   # (a per-layer config that names no one window: nothing to compare)
+        return None
+    if not isinstance(window, int) or isinstance(window, bool):
+        return None
+    if types is None:
+        return window
+    return window if layer < len(types) and types[layer] == "sliding_attention" else None
+
+
+def _refuse_window_in_cache_only(module, layer):
+    """Raise ``ValueError`` where the attention gets no window but ``generate``'s cache keeps one: its decode
+    steps then attend over the window alone, its prefill (and a packed step) over every position."""
+    window = _cache_window(module, layer)
+    if window is not None:
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: sliding_window: expected the window generate applies, got None "
+                         f"from {type(module).__name__}, layer {layer}: its config's sliding_window={window} makes "
+                         f"generate's cache keep only the last tokens of this layer while its attention and mask "
+                         f"apply no window, so no window gives generate's tokens; set the config's sliding_window "
+                         f"to None for full attention")
+
+
 def _kv_shape_message(module, layer, key, cache) -> str:
     """Why the K/V ``module`` attends with do not fit ``cache``: the cache was built for another shape than
     the config names, or the attention does not use the K/V heads its config names."""
@@ -182,6 +211,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         sliding_window = getattr(module, "sliding_window", None)
         if sliding_window is None and type(module).__name__ in WINDOW_IN_MASK_ONLY:
             sliding_window = getattr(module.config, "sliding_window", None)
+    if sliding_window is None:
+        _refuse_window_in_cache_only(module, layer)
     extra = {name: val for name, val in (("softcap", softcap), ("sinks", s_aux)) if val is not None}
     cache, meta = ctx.cache, ctx.meta
     if layer in ctx.layers:
