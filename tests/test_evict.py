@@ -390,3 +390,45 @@ def test_queue_positions_past_int32(make_pool, backend, guard, base):
     assert outs[0] == outs[1] == [15 % P, 16 % P, 17 % P]  # the last touch's order
     for name in ("lru_queue", "lru_pos", "counters"):
         assert torch.equal(getattr(pools[0].state, name), getattr(pools[1].state, name)), name
+
+
+def test_a_clean_after_pushes_past_the_position_limit_moves_live_entries_as_below_it(make_pool, backend, guard):
+    """A queue just under ``LRU_POS_LIMIT`` whose tail a touch's push takes past it: the clean that ends
+    the call reads its stretch as any other (the bounds were checked when the call began; the next call
+    that may push empties the queue), on every backend as on the reference. The reference's clean once
+    saw no live entry there (its walk also checked the bounds), so page 1 kept its entry at ``base + 3``
+    where numba and Triton moved it down to the hole."""
+    from tpool.kernels import layout as L
+    P, Q = 2, 2 * L.LRU_FACTOR
+    base = L.LRU_POS_LIMIT - 4
+    pools = (make_pool(P, max_alloc_pages=P), tpool.PagePool(P, device="cpu", backend="reference", max_alloc_pages=P))
+    for pool in pools:
+        pool.alloc(i32([P]))
+        pool.free(i32([1, 0]), cache=True)
+        st = pool.state
+        # positions base .. base + 3: pages 1, 0 (stale), 0 (live), 1 (live)
+        for j, p in enumerate((1, 0, 0, 1)):
+            st.lru_queue[(base + j) % Q] = p
+        st.lru_pos[0], st.lru_pos[1] = base + 2, base + 3
+        for slot, v in ((L.LRU_HEAD, base), (L.LRU_HOLE, base), (L.LRU_SCAN, base), (L.LRU_TAIL, base + 4)):
+            st.counters[slot] = v
+        pool.check_invariants()
+        with guard():
+            pool.touch(i32([0]))          # page 0 pushed at base + 4: the tail is LRU_POS_LIMIT + 1
+        c = st.counters
+        # the clean read [base, base + 4): page 1's live entry moved down to base
+        assert [int(c[k]) - base for k in (L.LRU_HEAD, L.LRU_HOLE, L.LRU_SCAN, L.LRU_TAIL)] == [0, 1, 4, 5]
+        assert int(st.lru_pos[1]) == base and int(st.lru_queue[base % Q]) == 1
+        assert int(c[L.ERR_CORRUPT_STATE]) == 0
+    for name in ("lru_queue", "lru_pos", "counters"):
+        assert torch.equal(getattr(pools[0].state, name), getattr(pools[1].state, name)), name
+    for pool in pools:  # past the limit: an eviction is refused, the next push empties the queue
+        with guard():
+            out = pool.evict(1)
+            pool.touch(i32([1]))
+        assert out.tolist() == [-1]
+        c = pool.state.counters
+        assert [int(c[k]) for k in (L.LRU_HEAD, L.LRU_HOLE, L.LRU_SCAN, L.LRU_TAIL)] == [0, 0, 0, 1]
+        assert int(c[L.ERR_CORRUPT_STATE]) == 2
+    for name in ("lru_queue", "lru_pos", "counters"):
+        assert torch.equal(getattr(pools[0].state, name), getattr(pools[1].state, name)), name

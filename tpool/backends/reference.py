@@ -165,12 +165,16 @@ def lru_bounds(st) -> tuple:
     return ok, h, w, s, t
 
 
-def lru_live(st) -> tuple:
+def lru_live(st, checked: bool = False) -> tuple:
     """``(live, pages, pos)`` over the LRU queue in position order (``pos = head + arange(Q)``, slot
     ``pos % Q``): which entries are live (``kernels.layout``), the page each names (clamped into
-    ``[0, P)``), and the positions; none live when the bounds are broken."""
+    ``[0, P)``), and the positions; none live when the bounds are broken, unless ``checked``: the
+    call checked them first (``lru_prepare``) and only its pushes moved the tail since, maybe past
+    ``LRU_POS_LIMIT`` (the next call that may push empties the queue; this one's clean reads its
+    stretch as the other backends do)."""
     P, q = st.num_pages, st.lru_queue
     ok, h, w, s, t = lru_bounds(st)
+    ok = ok | checked
     pos = h.clamp(min=0, max=L.LRU_POS_LIMIT) + torch.arange(q.numel(), device=q.device)
     p = q[pos % q.numel()].long()
     idx = p.clamp(min=0, max=P - 1)
@@ -227,7 +231,7 @@ def lru_clean(st, pushed) -> None:
     _, h, w, s, t = lru_bounds(st)
     due = t - h > L.LRU_CLEAN_AT * st.num_pages
     end = torch.where(due, torch.minimum(t, s + L.LRU_CLEAN_RATE * pushed), s)
-    live, idx, pos = lru_live(st)
+    live, idx, pos = lru_live(st, checked=True)
     w = w + _lru_move(st, live & (pos >= s) & (pos < end), idx, w)
     done = due & (end == t)
     c[L.LRU_TAIL] = torch.where(done, w, t)
