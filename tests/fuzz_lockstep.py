@@ -24,6 +24,13 @@ process: run it in a subprocess, as ``tests/test_fuzz.py`` does. Interpreted Tri
 outside its tensors raises instead of reading host memory unseen. ``--block 4`` makes Triton's
 kernels work in chunks of 4 lanes, so the fuzzer's small batches run their multi-chunk paths.
 
+``--mix lru`` weights the operations towards the LRU queue (allocs that evict, frees and releases
+into the cache, touches, revives, evictions) and adds ``shift``: the whole queue moved to other
+positions with its order kept (head, hole, scan, tail and ``lru_pos`` by one amount, the ring rotated
+to match), past int32 and near ``LRU_POS_LIMIT``, as a long-running pool holds it. ``--pages N`` fixes
+every pool at ``N`` pages and lets half the batches name up to ``N + 2`` ids, so a call pushes many
+entries and the cleaner reads long stretches.
+
 Usage: ``python tests/fuzz_lockstep.py --ops 20000 --backends reference,numba --seed 0``
 (``--help`` lists every option). Triton needs ``TRITON_INTERPRET=1`` without a GPU.
 """
@@ -65,14 +72,30 @@ def _counts(rng, b, hi):
     return [rng.choice([-1, -4]) if rng.random() < 0.05 else rng.randint(0, hi) for _ in range(b)]
 
 
-def gen_op(rng: random.Random, cfg: dict, edits: bool) -> tuple:
+KINDS = ("alloc", "free", "incref", "touch", "evict", "extend", "step", "csr", "rows", "release", "truncate", "fork",
+         "edit", "snapshot", "restore", "alias", "bstep", "turns", "revive", "shift")
+MIXES = {  # weights per kind, in KINDS order ("edit" is zeroed without edits)
+    "all": (8, 8, 4, 3, 3, 12, 12, 5, 2, 6, 4, 6, 6, 2, 2, 2, 6, 8, 5, 0),
+    # the LRU queue: pages cached, touched, revived and evicted, so the ring wraps and the cleaner runs
+    "lru": (14, 14, 5, 12, 6, 6, 2, 0, 0, 8, 1, 1, 2, 1, 1, 0, 2, 0, 5, 2),
+}
+# Where a "shift" moves the LRU queue's head: past int32, and near the position limit (layout.LRU_POS_LIMIT);
+# rarely right below it, where the tail may pass the limit (the queue is then emptied, its cached pages
+# left without entries: every later eviction of them is refused as corrupt_state)
+SHIFT_TO = (2**31 - 3, 2**32 - 1, 2**40 + 7, 2**62 - 2**20)
+SHIFT_PAST = 2**62 - 5
+
+
+def gen_op(rng: random.Random, cfg: dict, edits: bool, mix: str = "all") -> tuple:
     """One operation as plain data (so a failing sequence prints as a reproducer)."""
     b = rng.randint(0, 5)
     P, R, MP = cfg["num_pages"], cfg["max_requests"], cfg["max_pages"]
-    kind = rng.choices(["alloc", "free", "incref", "touch", "evict", "extend", "step", "csr", "rows",
-                        "release", "truncate", "fork", "edit", "snapshot", "restore", "alias", "bstep", "turns",
-                        "revive"],
-                       weights=[8, 8, 4, 3, 3, 12, 12, 5, 2, 6, 4, 6, 6 if edits else 0, 2, 2, 2, 6, 8, 5])[0]
+    if cfg.get("wide") and rng.random() < 0.5:  # a batch of up to the pool's pages (a --pages run)
+        b = rng.randint(0, P + 2)
+    weights = [0 if k == "edit" and not edits else w for k, w in zip(KINDS, MIXES[mix])]
+    kind = rng.choices(KINDS, weights=weights)[0]
+    if kind == "shift":  # the whole queue moved to other positions (its order kept): a long-running pool
+        return (kind, SHIFT_PAST if rng.random() < 0.05 else rng.choice(SHIFT_TO))
     if kind == "bstep":  # a bound step (table-made inputs, BOUND_RELEASE release lanes), filled, then run
         return (kind, _ids(rng, cfg, BOUND_BATCH), _counts(rng, BOUND_BATCH, rng.choice([1, 1, 3])),
                 _ids(rng, cfg, BOUND_RELEASE) if rng.random() < 0.5 else [-1] * BOUND_RELEASE, rng.random() < 0.4)
@@ -82,9 +105,9 @@ def gen_op(rng: random.Random, cfg: dict, edits: bool) -> tuple:
             return (kind, None, None, k)
         return (kind, _ids(rng, cfg, BOUND_BATCH), _counts(rng, BOUND_BATCH, rng.choice([1, 1, 3])), k)
     if kind == "alloc":
-        return (kind, _counts(rng, b, 3), rng.random() < 0.4)
+        return (kind, _counts(rng, b, 3), rng.random() < (0.8 if mix == "lru" else 0.4))
     if kind in ("free", "incref", "touch"):
-        return (kind, _pages(rng, cfg, b), rng.random() < 0.4)
+        return (kind, _pages(rng, cfg, b), rng.random() < (0.8 if mix == "lru" else 0.4))
     if kind == "evict":
         return (kind, rng.randint(0, P + 2))
     if kind in ("extend", "step"):
@@ -98,7 +121,7 @@ def gen_op(rng: random.Random, cfg: dict, edits: bool) -> tuple:
     if kind in ("csr", "rows"):
         return (kind, _ids(rng, cfg, b), rng.randint(0, b * MP + 2))
     if kind == "release":
-        return (kind, _ids(rng, cfg, b), rng.random() < 0.4)
+        return (kind, _ids(rng, cfg, b), rng.random() < (0.8 if mix == "lru" else 0.4))
     if kind == "truncate":
         # absolute lengths, or tokens to drop from each request's end (speculative decoding)
         return (kind, _ids(rng, cfg, b), [rng.randint(-1, MP * cfg["page_size"]) for _ in range(b)], rng.random() < 0.5)
@@ -124,7 +147,10 @@ def gen_op(rng: random.Random, cfg: dict, edits: bool) -> tuple:
             value = rng.choice([0, 1, 2, 0, 1, 2, 5, -1])
         if name == "counters" and rng.random() < 0.3:  # around the LRU queue's room and its position limit
             value = rng.choice([2 * P, 3 * P, 3 * P + 1, 4 * P, 4 * P + 1, 2**62, 2**62 + 1])
-        return (kind, name, rng.randrange(size), value)
+        at = rng.randrange(size)
+        if mix == "lru" and name == "counters" and at == 2 and rng.random() < 0.3:  # a clock about to wrap
+            value = rng.choice([2**63 - 1, 2**63 - 2, -2**63])
+        return (kind, name, at, value)
     if kind == "alias":
         return (kind, rng.randrange(len(ALIASES)))
     return (kind, rng.randrange(2))
@@ -262,6 +288,13 @@ class System:
                     table.invalidate_csr(i32([at if name == "seq_lens" else at // table.max_pages]))
                 else:
                     table.invalidate_csr()
+            elif kind == "shift":  # head to op[1], every position moved by the same amount: the same queue
+                st = pool.state
+                delta = op[1] - int(st.counters[20])
+                st.counters[20:24] += delta
+                st.lru_pos.add_(delta)
+                st.lru_queue.copy_(torch.roll(st.lru_queue, delta % st.lru_queue.numel()))
+                table.invalidate_csr()
             elif kind == "snapshot":
                 self.snaps[op[1]] = [t.clone() for t in state_tensors(table)]
             elif kind == "alias":
@@ -323,6 +356,12 @@ def main(argv=None) -> int:
     ap.add_argument("--episode", type=int, default=OPS_PER_EPISODE,
                     help=f"operations per episode, each on fresh pools (default {OPS_PER_EPISODE})")
     ap.add_argument("--no-edits", action="store_true", help="no hand edits of the state (default: edits on)")
+    ap.add_argument("--pages", type=int, default=None,
+                    help="every episode's pool of this many pages, and batches of up to that many entries "
+                         "half the time (default: 4 to 24 pages, batches of 0 to 5)")
+    ap.add_argument("--mix", choices=sorted(MIXES), default="all",
+                    help="the operations' mix: all kinds, or lru (caching, touches, revivals and evictions "
+                         "mostly: the LRU queue wraps and is cleaned) (default all)")
     ap.add_argument("--block", type=int, default=None,
                     help="Triton's lanes per chunk, a power of two (default: the kernels' own, 32 to 2048)")
     args = ap.parse_args(argv)
@@ -335,8 +374,10 @@ def main(argv=None) -> int:
     while done < args.ops:
         rng = random.Random(seed)
         cfg = episode_config(rng)
+        if args.pages:
+            cfg.update(num_pages=args.pages, max_batch=max(args.pages + 2, 8), wide=True)
         n = min(args.episode, args.ops - done)
-        ops = [gen_op(rng, cfg, not args.no_edits) for _ in range(n)]
+        ops = [gen_op(rng, cfg, not args.no_edits, args.mix) for _ in range(n)]
         bad = run_ops(backends, cfg, ops)
         if bad:
             small = shrink(backends, cfg, ops[:bad[0] + 1])

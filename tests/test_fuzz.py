@@ -28,6 +28,22 @@ def test_fuzz_numba_20000_ops():
     fuzz("--ops", "20000", "--backends", "reference,numba", "--seed", "0")
 
 
+@pytest.mark.parametrize("pages", ["2", "13", "48"])
+def test_fuzz_numba_lru_mix(pages):
+    """The LRU-heavy mix (``--mix lru``: caching, touches, revivals and evictions, the queue shifted past
+    int32 and near its position limit) on pools of ``pages`` pages, batches up to the pool: long episodes
+    so the ring wraps and the cleaner runs passes. On 2 pages it found the reference's clean seeing no
+    live entry after a push past ``LRU_POS_LIMIT`` (seed 1122)."""
+    fuzz("--ops", "6000", "--episode", "1500", "--mix", "lru", "--pages", pages, "--backends", "reference,numba",
+         "--seed", "1120")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_fuzz_interpreted_triton_lru_mix():
+    fuzz("--ops", "600", "--episode", "300", "--mix", "lru", "--pages", "3", "--block", "4", "--backends",
+         "reference,numba,triton", "--seed", "1120", triton=True)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_fuzz_interpreted_triton_1000_ops():
     fuzz("--ops", "1000", "--episode", "60", "--backends", "reference,numba,triton", "--seed", "0", triton=True)
