@@ -160,8 +160,9 @@ def _kv_shape_message(module, layer, key, cache) -> str:
         return (f"{head}: build the PagedKVCache with the shape engine.kv_shape(model.config) gives, "
                 f"{tuple(named)} (num_layers, num_kv_heads, head_dim)")
     return (f"{head} (engine.kv_shape reads num_key_value_heads and head_dim from the config): this model's "
-            f"attention does not use the K/V heads its config names (JetMoE repeats them per expert): the Engine, "
-            f"which sizes the cache by kv_shape, does not serve it")
+            f"attention does not use the K/V heads its config names (JetMoE repeats them per expert; a head_dim "
+            f"key the model ignores, as GPT-2's, names a shape it never attends with): the Engine, which sizes "
+            f"the cache by kv_shape, does not serve it")
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
