@@ -43,8 +43,11 @@ import time
 
 import torch
 
+from tpool.kernels import layout as L
+
 OPS_PER_EPISODE = 150  # operations on one set of pools before a fresh one (default)
-EDIT_COUNTERS = (0, 1, 2, 20, 21, 22, 23)  # FREE_COUNT, CACHED_COUNT, CLOCK, LRU_HEAD, LRU_TAIL, LRU_HOLE, LRU_SCAN
+LRU_COUNTERS = (L.LRU_HEAD, L.LRU_TAIL, L.LRU_HOLE, L.LRU_SCAN)  # the queue's four positions
+EDIT_COUNTERS = (L.FREE_COUNT, L.CACHED_COUNT, L.CLOCK, *LRU_COUNTERS)
 EDIT_VALUES = (-10**9, -6, -2, -1, 0, 1, 2, 3, 5, 7, 10**6, 2**31 - 2, 2**31 - 1)
 SCRATCH = {"keys", "lane_end", "version", "row_version"}  # per-backend scratch, not compared
 POOL_SCRATCH = {"claim", "occur"}  # the pool's: not compared once an episode has edited them (Triton resets
@@ -148,7 +151,7 @@ def gen_op(rng: random.Random, cfg: dict, edits: bool, mix: str = "all") -> tupl
         if name == "counters" and rng.random() < 0.3:  # around the LRU queue's room and its position limit
             value = rng.choice([2 * P, 3 * P, 3 * P + 1, 4 * P, 4 * P + 1, 2**62, 2**62 + 1])
         at = rng.randrange(size)
-        if mix == "lru" and name == "counters" and at == 2 and rng.random() < 0.3:  # a clock about to wrap
+        if mix == "lru" and name == "counters" and EDIT_COUNTERS[at] == L.CLOCK and rng.random() < 0.3:  # a clock about to wrap
             value = rng.choice([2**63 - 1, 2**63 - 2, -2**63])
         return (kind, name, at, value)
     if kind == "alias":
@@ -290,8 +293,8 @@ class System:
                     table.invalidate_csr()
             elif kind == "shift":  # head to op[1], every position moved by the same amount: the same queue
                 st = pool.state
-                delta = op[1] - int(st.counters[20])
-                st.counters[20:24] += delta
+                delta = op[1] - int(st.counters[L.LRU_HEAD])
+                st.counters[list(LRU_COUNTERS)] += delta
                 st.lru_pos.add_(delta)
                 st.lru_queue.copy_(torch.roll(st.lru_queue, delta % st.lru_queue.numel()))
                 table.invalidate_csr()
