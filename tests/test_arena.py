@@ -189,7 +189,8 @@ def test_sizes_must_be_ints_not_bools():
         (lambda: arena.view(b, torch.float32, (2,), offset=-4), "offset: expected a non-negative int, got -4"),
         (lambda: arena.bytes_of(b, True), "nbytes: expected a non-negative int, got True"),
         (lambda: arena.bytes_of(b, 8, offset=-4), "offset: expected a non-negative int, got -4"),
-        (lambda: arena.bytes_of(b, offset=300), r"range \[300, 256\) does not fit"),
+        (lambda: arena.bytes_of(b, offset=300), r"offset: expected at most 256 \(the block's size\), got 300"),
+        (lambda: arena.bytes_of(b, 300), r"range \[0, 300\) does not fit in a block of 256 bytes"),
     ]:
         with pytest.raises(ValueError, match=match):
             call()

@@ -5,6 +5,7 @@ import json
 import re
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -320,6 +321,17 @@ class _Numbers:
 
     def memory_bytes(self):
         return self.numbers
+
+
+def test_numpy_numbers_from_memory_bytes_are_read_as_python_numbers():
+    """A pool summing its arrays with numpy returns numpy.int64: a TypeError, where it is an int."""
+    report = memory_report("cpu", pools=[_Numbers({"state_bytes": np.int64(4096), "share": np.float32(0.5)})])
+    numbers = report.tracked.pools["p"]
+    assert numbers == {"state_bytes": 4096, "share": 0.5}
+    assert type(numbers["state_bytes"]) is int and type(numbers["share"]) is float
+    json.dumps(report.to_dict())
+    with pytest.raises(TypeError, match="not nan or inf"):
+        memory_report("cpu", pools=[_Numbers({"x_bytes": np.float64("nan")})])
 
 
 def test_the_report_keeps_a_copy_of_what_memory_bytes_returned():

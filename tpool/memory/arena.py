@@ -361,8 +361,10 @@ class Arena:
         """
         self._check_live(block)
         offset = check_size(offset, "offset", 0)
+        if offset > block.size:
+            raise ValueError(f"offset: expected at most {block.size} (the block's size), got {offset}")
         nbytes = block.size - offset if nbytes is None else check_size(nbytes, "nbytes", 0)
-        if nbytes < 0 or offset + nbytes > block.size:  # nbytes < 0: a default past the block
+        if offset + nbytes > block.size:
             raise ValueError(f"range [{offset}, {offset + nbytes}) does not fit in a block of {block.size} bytes")
         start = block.offset + offset
         return self.buffer[start : start + nbytes]

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from numbers import Integral, Real
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -141,13 +142,27 @@ def _tracked(objs: Any, kind: str) -> dict[str, dict[str, Any]]:
         if not callable(fn):
             raise TypeError(f"{kind}[{i}]: expected an object with memory_bytes(), got {type(obj).__name__}")
         numbers = fn()
-        if not isinstance(numbers, dict) or not all(
-                isinstance(k, str) and isinstance(v, _SCALARS) and not (isinstance(v, float) and not math.isfinite(v))
-                for k, v in numbers.items()):
+        scalars = {k: _scalar(v) for k, v in numbers.items()} if isinstance(numbers, dict) else None
+        if scalars is None or not all(isinstance(k, str) and v is not _NOT_SCALAR for k, v in scalars.items()):
             raise TypeError(f"{kind}[{i}].memory_bytes(): expected a dict of str -> int (or another "
                             f"JSON scalar; not nan or inf, which JSON cannot hold), got {numbers!r}")
-        out[_name(obj, i, out)] = dict(numbers)
+        out[_name(obj, i, out)] = scalars
     return out
+
+
+_NOT_SCALAR = object()
+
+
+def _scalar(v: Any) -> Any:
+    """``v`` as a JSON scalar (a numpy integer or float read as int or float), or ``_NOT_SCALAR``."""
+    if not isinstance(v, _SCALARS):
+        if isinstance(v, Integral):  # numpy.int64 from a user's sum over an array
+            v = int(v)
+        elif isinstance(v, Real):
+            v = float(v)
+        else:
+            return _NOT_SCALAR
+    return _NOT_SCALAR if isinstance(v, float) and not math.isfinite(v) else v
 
 
 _PEAK_SEEN = [0]  # the highest RSS a report of this process has read: a peak never goes down
