@@ -23,8 +23,9 @@ Note:
     a copy is copied, and charged, once per key. A tensor kept as is stays
     the caller's object (or a ``detach()`` of it, if it holds more than its
     storage: autograd history, a ``.grad``, hooks, a viewed tensor with any of
-    these or with attributes; see :func:`~tpool.memory.ownership.own`): a ``resize_`` or ``set_`` of it by the caller changes what the
-    cache keeps alive behind its back, which is outside the budget promise
+    these or with attributes; see :func:`~tpool.memory.ownership.own`): a
+    ``resize_`` or ``set_`` of it by the caller changes what the cache keeps
+    alive behind its back, which is outside the budget promise
     (:meth:`OwnedCache.check_invariants` detects it). With an arena every tensor
     is copied into ONE block per entry; its storage is then the whole arena
     buffer, so an entry is charged its block size instead, and a tensor from
@@ -100,7 +101,7 @@ class CacheStats:
     evictions: int  # LRU evictions to make room (all causes)
     fragmentation_evictions: int  # of those, made when bytes fit but no arena range did
     compactions: int  # tensors copied at admission
-    bytes_saved: int  # storage the admitted values kept alive (an arena's own buffer aside) minus what the cache charges
+    bytes_saved: int  # storage the admitted values kept alive (an arena's own buffer aside) minus the cache's charge
     current_bytes: int
     peak_bytes: int
     budget_bytes: int
@@ -791,7 +792,8 @@ class OwnedCache:
                  f"current_bytes {self._current} != recounted {sum(held.values()) + in_blocks + leaves}")
         _require(0 <= self._current <= min(self._peak, self.budget_bytes),  # (set_budget may lower it below peak)
                  f"not 0 <= current {self._current} <= peak {self._peak} and budget {self.budget_bytes}")
-        _require(not self._full(len(self._entries) - 1), f"{len(self._entries)} entries, max_entries {self._max_entries}")
+        _require(not self._full(len(self._entries) - 1),
+                 f"{len(self._entries)} entries, max_entries {self._max_entries}")
         _require(min(self._counts.values()) >= 0, f"negative counter in {self._counts}")
         _require(all(k in self._entries for k in self._pinned), f"pinned keys not in the cache: "
                  f"{[k for k in self._pinned if k not in self._entries][:8]}")

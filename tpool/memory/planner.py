@@ -136,8 +136,9 @@ class PagePlan:
             ("pool", self.pool_bytes, f"{self.num_pages:,} pages x {self.bytes_per_page:,} B"),
         ]
         lines = [f"{name:<16} {value:>20,} B {value / GIB:>9.2f} GiB   {why}" for name, value, why in rows]
+        # (not in the pool line: see the module note)
         lines.append(f"note: PagedKVCache.from_pool adds 1 scratch page ({self.bytes_per_page:,} B), PagePool "
-                     f"state {pool_state_bytes(self.num_pages):,} B: from the reserve")  # not in the pool line: see the module note
+                     f"state {pool_state_bytes(self.num_pages):,} B: from the reserve")
         return "\n".join(lines)
 
 

@@ -198,7 +198,8 @@ class Accounting:
         self._members = 0                 # bumped whenever a row starts or stops running
         self._checked = (None, -1)        # (rows bytes, _members) of the last batch that passed the checks
         # The last list of row ids and of tokens per row that _batch converted: (the list's copy, its
-        # int64 array (which no call writes), its bytes or its sum); and the last array of tokens _batch checked, with its sum (_tokens).
+        # int64 array (which no call writes), its bytes or its sum); and the last array of tokens _batch
+        # checked, with its sum (_tokens).
         self._rows_memo, self._n_memo, self._n_total = (None, None, None), (None, None, 0), (None, 0)
         self._full = None                 # rows bytes of a batch whose every row holds its full reservation
         self._scratch = np.zeros(R, dtype=np.int64)
@@ -253,8 +254,9 @@ class Accounting:
         if "live" not in self.__dict__:  # (a traceback of a failed __init__ shows self)
             return f"{type(self).__name__}(not made)"
         rows = len(self.live)
+        word = {True: "exact", False: "inexact"}
         exact = "exact" if self.exact and self.cached_exact else \
-            f"lower bounds: free {'exact' if self.exact else 'inexact'}, cached {'exact' if self.cached_exact else 'inexact'}"
+            f"lower bounds: free {word[self.exact]}, cached {word[self.cached_exact]}"
         return (f"{type(self).__name__}({rows - self.rows_free} of {rows} rows running, free={self.free}, "
                 f"cached={self.cached}, reserved={self.reserved}, unreserved={self.unreserved}, "
                 f"lookahead={self.lookahead}, page_size={self.page_size}; {exact})")

@@ -118,9 +118,9 @@ class HostMirror(MixedSteps, Accounting):
         # cache on the mirror such rows, and those that may share pages (revived, forked, forked from),
         # are finished with cache=True only; a revive makes them possibly shared (it may take them).
         self.named = np.zeros(self.live.size, dtype=np.int64)
-        # The inputs kept per width of admit and truncate (_lane_tensors) and finish (_kept_ids), and the bound steps of decode and the
-        # mixed step per width, max_tokens and StepOut (_lanes_run), which write the table's buffers
-        # of their shape: forgotten when the table drops that shape (_shape_dropped).
+        # The inputs kept per width of admit and truncate (_lane_tensors) and finish (_kept_ids), and the
+        # bound steps of decode and the mixed step per width, max_tokens and StepOut (_lanes_run), which
+        # write the table's buffers of their shape: forgotten when the table drops that shape (_shape_dropped).
         self._decode_steps, self._truncate_inputs, self._release_inputs, self._extend_inputs = {}, {}, {}, {}
         table._shapes.on_drop(self._shape_dropped)
         # On the numba backend a snapshot is one compiled copy (``_decode.snapshot_copy``) of the pool's
@@ -594,7 +594,8 @@ class HostMirror(MixedSteps, Accounting):
         return self._revive(pages, n_tokens, m, k, generations, count_cached)
 
     def _revive_lengths(self, n_tokens, max_len) -> tuple:
-        """:meth:`revive`'s checks of ``n_tokens`` and ``max_len``; returns them as ints (``max_len``'s default filled in)."""
+        """:meth:`revive`'s checks of ``n_tokens`` and ``max_len``; returns them as ints (``max_len``'s default
+        filled in)."""
         n_tokens = _checks.check_size(n_tokens, "n_tokens")
         ps, m = self.page_size, self.capacity if max_len is None else _checks.check_size(max_len, "max_len")
         if not n_tokens <= m <= self.capacity:

@@ -121,7 +121,8 @@ class MixedSteps:
         if k > self.rows_free:
             self._refuse_past_max_len("step", r, nn)  # work no release makes fit is refused first
             raise WouldNotFit(f"step: {k} prompts need rows, {self.rows_free} are free")
-        admit = sum(_cdiv(min(q + self.lookahead, m), ps) for q, m in zip(p.tolist(), lim.tolist())) if k else 0  # pages + reservations
+        # the prompts' pages and reservations
+        admit = sum(_cdiv(min(q + self.lookahead, m), ps) for q, m in zip(p.tolist(), lim.tolist())) if k else 0
         per_row = nn.ndim > 0
         acct = self._acct
         # Decode lanes first, leaving the admissions' pages and reservations unreserved; writes only if it fits.

@@ -326,11 +326,11 @@ class Engine:
         an empty prompt (nothing to predict the first token from: the loop would never end). Also one
         whose fields are not what they should be (``rid`` and ``arrival`` ints, ``prompt`` a list of
         token ids in ``[0, vocab)``, the model's embedding rows, ``max_new`` an int >= 1, as
-        ``generate`` requires), and one the loop would serve wrongly: a ``rid`` given twice (feeds and results are keyed by it), a
-        request already served (its ``out``, ``row`` or ``cached`` set: make a new one), or a
-        ``parent`` that is not in ``requests`` or whose prompt does not start with the same ``shared``
-        tokens (the fork would give it the parent's K/V for other tokens). ``requests``: a list, or any
-        iterable of them (read once: a generator's requests are all checked)."""
+        ``generate`` requires), and one the loop would serve wrongly: a ``rid`` given twice (feeds and
+        results are keyed by it), a request already served (its ``out``, ``row`` or ``cached`` set:
+        make a new one), or a ``parent`` that is not in ``requests`` or whose prompt does not start
+        with the same ``shared`` tokens (the fork would give it the parent's K/V for other tokens).
+        ``requests``: a list, or any iterable of them (read once: a generator's requests are all checked)."""
         requests = _request_list(requests)
         by_id = {}
         for r in requests:
