@@ -232,6 +232,40 @@ def test_a_flush_on_the_other_side_of_a_capture_is_refused(make_pool, monkeypatc
     assert any("1 buffered frees that may not have been applied" in n for n in info.value.__notes__)
 
 
+def test_a_group_entered_inside_capture_keeps_its_own_buffer(make_pool, monkeypatch):
+    """A graph that captured a free group rewrites that group's buffer at every replay (its ids, the free,
+    then -1). Groups entered inside and outside capture shared the buffer of their capacity, so a replay
+    issued while an eager group of that capacity held frees overwrote them with -1: the eager group's
+    exit freed nothing, and its pages stayed USED with no error counted. Simulated on a CPU pool: the
+    replay is the captured group's three device ops, rerun on the buffer they were recorded on."""
+    pool = make_pool(8)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    group = pool.free_group(capacity=4)  # made outside the capture, entered inside (on a CUDA pool)
+    group._cuda = True
+    capturing[0] = True
+    with group:
+        pool.free(pool.alloc(i32([2])).pages[:2].clone())
+    capturing[0] = False
+    recorded = group.buffer
+    mine = pool.alloc(i32([2])).pages[:2].clone()
+    with pool.free_group(capacity=4) as eager:
+        pool.free(mine)                       # held in the eager group's buffer until its exit
+        theirs = pool.alloc(i32([2])).pages[:2].clone()
+        recorded[0, :2].copy_(theirs)         # a replay: the copy, the flush's free, the reset
+        pool._apply_free(recorded[0, :2], False)
+        recorded[0, :2].fill_(-1)
+    assert pool.available() == 8              # mine freed at the eager group's exit, theirs by the replay
+    assert eager.buffer.data_ptr() != recorded.data_ptr()
+    pool.check()
+    pool.check_invariants()
+    again = pool.free_group(capacity=4)       # a later group inside capture: the captured buffer again
+    again._cuda = capturing[0] = True
+    with again:
+        pass
+    assert again.buffer.data_ptr() == recorded.data_ptr() and len(pool._group_buffers) == 2
+
+
 def test_preserved_is_refused_inside_an_open_group(make_pool):
     """Frees queued inside preserved survived its restore and were applied at the group's exit."""
     from tpool.graphs import preserved

@@ -49,7 +49,11 @@ outside a group when the final state matters.
 Buffers: a group's buffer is pool-owned and kept for later groups of the
 same capacity (a captured graph keeps its address); a pool keeps at most
 ``MAX_CAPACITIES`` of them, and a capacity past ``max(4096, 2 * num_pages)``
-would only make a later flush, so it is refused.
+would only make a later flush, so it is refused. A group entered inside CUDA
+graph capture gets a buffer of its own, apart from the one that groups entered
+outside capture use: every replay of that graph writes its buffer (the copies,
+then -1 after the flush), and a replay issued while an eager group of the same
+capacity holds frees would otherwise overwrite them (lost, or applied twice).
 """
 
 import threading
@@ -72,7 +76,8 @@ class FreeGroup:
         The pool whose ``free`` calls are deferred while the group is open.
     capacity : int
         Page ids the buffer holds, > 0; groups of one capacity share one
-        pool-owned buffer (int32 ``[2, capacity]`` on the pool's device).
+        pool-owned buffer (int32 ``[2, capacity]`` on the pool's device), and
+        those entered inside CUDA graph capture another (see the module note).
 
     Attributes
     ----------
@@ -86,7 +91,8 @@ class FreeGroup:
     ------
     ValueError
         ``capacity`` is not a positive int, is past ``max(4096, 2 * num_pages)``,
-        or would be the pool's ``MAX_CAPACITIES + 1``-th distinct capacity.
+        or would be the pool's ``MAX_CAPACITIES + 1``-th buffer (distinct capacities, those of
+        groups entered inside CUDA graph capture counted apart).
     RuntimeError
         On entering, when the pool already has an open group (groups do not
         nest, and another thread's blocks this one); on CUDA, at a ``free``
@@ -111,22 +117,35 @@ class FreeGroup:
                              f"would only flush later), got {capacity}")
         self.thread = None  # the thread that entered it (__enter__)
         self.pool, self.capacity = pool, capacity
-        # ``buffer``: int32 [2, capacity]; row 0: plain frees, row 1: cached frees.
-        # Pool-owned and kept across groups of the same capacity: no allocation per group,
-        # and a graph that captured a group keeps valid addresses. -1 between groups (but after a flush
-        # that raised: nothing reads past a group's fill, so what it left there is never applied).
-        with pool.state.lock:  # two threads never both make a buffer past MAX_CAPACITIES, or one twice
-            if capacity not in pool._group_buffers and len(pool._group_buffers) >= MAX_CAPACITIES:
-                raise ValueError(f"capacity: expected one of this pool's {MAX_CAPACITIES} group capacities so far "
-                                 f"{sorted(pool._group_buffers)} (each keeps a buffer), got {capacity}")
-            self.buffer = pool._group_buffers.get(capacity)
-            if self.buffer is None:
-                self.buffer = pool._group_buffers[capacity] = fixed_full(
-                    (2, capacity), L.NULL_PAGE, torch.int32, pool.device)
         self._fill = [0, 0]
         self._cuda = pool.device.type == "cuda"
-        self._capturing = False  # set on entering
+        self._capturing = self._cuda and torch.cuda.is_current_stream_capturing()  # set again on entering
+        self.buffer = self._buffer()
         self.flushes = 0  # how many passes were applied (host-side, for tests and stats)
+
+    def _buffer(self) -> torch.Tensor:
+        """The pool's buffer for this group's capacity, on this group's side of a CUDA graph capture.
+
+        ``buffer``: int32 [2, capacity]; row 0: plain frees, row 1: cached frees. Pool-owned and kept
+        across groups of the same capacity: no allocation per group, and a graph that captured a group
+        keeps valid addresses. -1 between groups (but after a flush that raised: nothing reads past a
+        group's fill, so what it left there is never applied). Groups entered inside capture have their
+        own (key ``(capacity, "captured")``): a replay writes it whenever it runs, also while an eager
+        group of the same capacity holds frees in the other.
+        """
+        pool, capacity = self.pool, self.capacity
+        key = (capacity, "captured") if self._capturing else capacity
+        with pool.state.lock:  # two threads never both make a buffer past MAX_CAPACITIES, or one twice
+            if key not in pool._group_buffers and len(pool._group_buffers) >= MAX_CAPACITIES:
+                have = [k if isinstance(k, int) else f"{k[0]} captured"
+                        for k in sorted(pool._group_buffers, key=lambda k: (k, "") if isinstance(k, int) else k)]
+                raise ValueError(f"capacity: expected one of this pool's {MAX_CAPACITIES} group capacities so far "
+                                 f"{have} (each keeps a buffer; groups entered inside CUDA graph capture another), "
+                                 f"got {capacity}{' inside capture' if self._capturing else ''}")
+            buffer = pool._group_buffers.get(key)
+            if buffer is None:
+                buffer = pool._group_buffers[key] = fixed_full((2, capacity), L.NULL_PAGE, torch.int32, pool.device)
+        return buffer
 
     def owned_here(self) -> bool:
         """Whether the calling thread entered this group (its frees are deferred; others' are not)."""
@@ -138,11 +157,15 @@ class FreeGroup:
                 raise RuntimeError("free groups do not nest: this pool already has an open group" if
                                    open_now.owned_here() else "another thread's free group is open on this pool "
                                    "(a pool has one open group at a time)")
+            # whether the group opened inside CUDA graph capture: its buffer positions are decided on the
+            # host, so a group must open and close on the same side of a capture (enqueue checks); and
+            # that side's buffer (made on the other side, or entered on the other: the other's buffer)
+            capturing = self._cuda and torch.cuda.is_current_stream_capturing()
+            if capturing != self._capturing:
+                self._capturing = capturing
+                self.buffer = self._buffer()
             self.thread = threading.get_ident()
             self.pool._group = self
-            # whether the group opened inside CUDA graph capture: its buffer positions are decided on the
-            # host, so a group must open and close on the same side of a capture (enqueue checks)
-            self._capturing = self._cuda and torch.cuda.is_current_stream_capturing()
         return self
 
     def __exit__(self, *exc):

@@ -172,7 +172,7 @@ class PagePool:
         # the kernel reads the bytes it checked as int32 ids and range-checks them.
         self._seen = _checks.NOT_SEEN
         self._group = None
-        self._group_buffers = {}  # capacity -> int32 [2, capacity], see FreeGroup
+        self._group_buffers = {}  # capacity (or (capacity, "captured")) -> int32 [2, capacity], see FreeGroup
 
     def __reduce_ex__(self, protocol):
         raise TypeError("a PagePool cannot be copied or pickled: its kernels are bound to the addresses of "
