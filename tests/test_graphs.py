@@ -64,6 +64,13 @@ def test_capture_needs_cuda():
         capture(lambda: None)
 
 
+@pytest.mark.parametrize("warmup", [-1, True, 1.0, "2"])
+def test_capture_refuses_a_warmup_that_is_no_count(warmup):
+    """range(warmup) took -1 as no warm-up and True as one, and "2" raised TypeError after the checks."""
+    with pytest.raises(ValueError, match=f"warmup: expected a non-negative int, got {warmup!r}"):
+        capture(lambda: None, warmup=warmup)
+
+
 
 def test_capture_refuses_owners_off_cuda_before_running_anything(make_pool, monkeypatch):
     """On a machine with CUDA, capture over a CPU pool (a host tier on numba, say) ran the step for real

@@ -1883,6 +1883,11 @@ def test_async_read_refuses_no_tensors_mixed_devices_and_non_tensors():
         AsyncRead([torch.zeros(2), torch.zeros(2, device="meta")])
     with pytest.raises(ValueError, match=r"expected tensors on one device \(cpu\), got list$"):
         AsyncRead([torch.zeros(2), [1, 2]])
+    with pytest.raises(ValueError, match=r"tensors: expected tensors, got int$"):
+        AsyncRead([3, torch.zeros(2)])         # (the first one named no device: an AttributeError)
+    for strided in (torch.arange(6).view(2, 3).T, torch.arange(4)[::2]):   # (the CPU copy's error named neither)
+        with pytest.raises(ValueError, match=r"expected contiguous tensors, got shape \(\d+,( \d+)?\) with stride"):
+            AsyncRead([torch.zeros(2), strided])
 
 
 class _Event:

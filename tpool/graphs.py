@@ -16,6 +16,7 @@ import dataclasses
 
 import torch
 
+from tpool._checks import check_size
 from tpool.state import clones_between_calls, copy_between_calls
 
 
@@ -130,7 +131,7 @@ def capture(step, *owners, warmup: int = 2) -> "torch.cuda.CUDAGraph":
         what the warm-up wrote: reset them before the first replay.
     warmup : int
         How many times ``step`` runs for real, on a side stream, before the
-        capture (compiles the kernels).
+        capture (compiles the kernels; 0 only for a step that ran before).
 
     Returns
     -------
@@ -143,10 +144,11 @@ def capture(step, *owners, warmup: int = 2) -> "torch.cuda.CUDAGraph":
     RuntimeError
         CUDA is not available.
     ValueError
-        An owner is not on a CUDA device (a CPU pool's calls would run for real while the
-        graph is captured, changing its state, and the graph would replay nothing), or the
-        owners are on more than one device.
+        ``warmup`` is not a non-negative int, an owner is not on a CUDA device (a CPU pool's
+        calls would run for real while the graph is captured, changing its state, and the graph
+        would replay nothing), or the owners are on more than one device.
     """
+    warmup = check_size(warmup, "warmup")  # (range(-1) or range(True) would warm up quietly or not at all)
     if not torch.cuda.is_available():
         raise RuntimeError("tpool.graphs.capture needs CUDA; on a CPU call the step directly")
     devices = []

@@ -299,7 +299,8 @@ class PagePool:
             ``run()`` grants the pages and returns ``out.result`` (an :class:`AllocResult`).
         """
         if type(out) is not AllocOut or out.pool is not self:
-            raise ValueError(f"out: expected an AllocOut from this pool's alloc_out(), got {type(out).__name__}")
+            raise ValueError(f"out: expected an AllocOut from this pool's alloc_out(), got "
+                             f"{'one from another pool' if type(out) is AllocOut else type(out).__name__}")
         b = self._vector(counts, "counts", out.max_batch)
         _checks.check_not_written(counts, "counts", out._written)
         return BoundCall(self, self.ops.bind_alloc(out, counts, b, _checks.flag(evict, "evict")), counts, out.result)

@@ -30,7 +30,7 @@ class AsyncRead:
     Parameters
     ----------
     tensors : sequence of torch.Tensor
-        Any shapes and dtypes, all on one device (CUDA or CPU).
+        Any shapes and dtypes, contiguous, all on one device (CUDA or CPU).
 
     Example
     -------
@@ -43,11 +43,16 @@ class AsyncRead:
         tensors = list(tensors)
         if not tensors:
             raise ValueError("tensors: expected at least one tensor, got none")
+        if not isinstance(tensors[0], torch.Tensor):
+            raise ValueError(f"tensors: expected tensors, got {type(tensors[0]).__name__}")
         device = tensors[0].device
         for t in tensors:
             if not isinstance(t, torch.Tensor) or t.device != device:
                 raise ValueError(f"tensors: expected tensors on one device ({device}), got "
                                  f"{t.device if isinstance(t, torch.Tensor) else type(t).__name__}")
+            if not t.is_contiguous():  # (a CPU copy between two pool calls copies whole byte spans)
+                raise ValueError(f"tensors: expected contiguous tensors, got shape {tuple(t.shape)} with stride "
+                                 f"{t.stride()}; pass .contiguous()")
         self.device = device
         if device.type == "cuda":
             self._host = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True) for t in tensors]
