@@ -327,6 +327,31 @@ def test_a_bound_step_with_no_release_lanes_is_a_step_with_an_empty_release(back
         same_table_state(one, two)
 
 
+def test_a_bound_step_called_inside_capture_pins_its_shape(backend, monkeypatch):
+    """A step inside CUDA graph capture pins its call shape (the graph writes those buffers at every replay);
+    a BoundStep called there did not, so once the caller let go of it (keeping the graph), a table that
+    dropped the shape (max_shapes) let go of buffers the graph still writes. Simulated on a CPU table that
+    says it is on CUDA: an eager call pins nothing, a call inside capture pins, and only its own buffers."""
+    table = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend=backend), 4, 8, max_shapes=1)
+    table._shapes._cuda = True
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    runs = [table.bind_step(i32([0, 1]), i32([1, 1])), table.bind_step(batch=2, max_tokens=4, release=1)]
+    keys = [run._key for run in runs]
+    assert keys[1] in table._shapes.entries and keys[0] not in table._shapes.entries  # (max_shapes=1)
+    for run in runs:
+        run()
+    assert not table._shapes.pinned
+    capturing[0] = True
+    for run in runs:
+        run()
+    capturing[0] = False
+    assert table._shapes.pinned == {keys[1]}   # keys[0]'s buffers are the first binding's own, not the table's
+    table.step(i32([2]), i32([1]))             # another shape: the pinned one stays
+    assert keys[1] in table._shapes.entries and table._shapes.entries[keys[1]][0] is runs[1].result
+    assert table.seq_lens.tolist() == [2, 2, 1, 0]     # (the second binding's lanes are padding)
+
+
 def test_bound_calls_refuse_copies(table):
     """``copy.copy`` of a BoundStep or BoundCall failed with "__new__() missing N required positional
     arguments"; they refuse copies as pools and tables do, saying why."""

@@ -50,6 +50,8 @@ class BoundStep(functools.partial):
             # Each call writes release (sets it to -1): it may share memory with nothing the step reads or writes.
             _checks.check_not_written(release, "release", written | _checks.written_storages([req_ids, num_tokens]))
         run = table.ops.bind_step(result, memo, req_ids, num_tokens, b, release, release_cache)
+        if key is not None and table._shapes._cuda:  # a call inside graph capture pins its shape, as step's does
+            run = functools.partial(_pin_in_capture, table._shapes, key, result, run)
         if fixed:  # memory that cannot move or go away: nothing to check per call
             run.fixed = held, fixed  # (fixed: the weak references that keep numpy from resizing their owners)
             self = super().__new__(cls, _fixed_step, run, result)
@@ -112,6 +114,18 @@ def _bound_release_step(rel_at, rel_len, at_rel, k, rel_nb, nb_rel, step):
         raise StaleBinding("bind_step: release no longer has the memory, the length or the storage size it was "
                            "bound with (reassigned or resized); fill it in place, or bind again")
     return step()
+
+
+def _pin_in_capture(shapes, key, result, run):
+    """What a CUDA :class:`BoundStep` on the table's buffers runs after its checks: ``run()``, pinning call
+    shape ``key`` first when the call is inside CUDA graph capture and the table still keeps this binding's
+    buffers under it. The graph writes them on every replay, so the table must never drop them (an unbound
+    ``step`` there pins its shape too); the caller may let go of the BoundStep once it holds the graph."""
+    if torch.cuda.is_current_stream_capturing():
+        entry = shapes.entries.get(key)
+        if entry is not None and entry[0] is result:
+            shapes.pin(key)
+    run()
 
 
 def _fixed_step(run, result):

@@ -15,7 +15,6 @@ is in :mod:`tpool.table_results`; a step bound to fixed inputs in :mod:`tpool.bo
 the checks at a sync point (``check_invariants``) in :mod:`tpool.table_checks`.
 """
 
-import functools
 import weakref
 
 import numpy as np
@@ -316,13 +315,12 @@ class PageTable:
         thread) comes before, and the binding writes the buffers made again, or after, and
         :meth:`_shape_dropped` forgets it: a repeated step never writes buffers the table no
         longer keeps (which capture would neither pin nor refuse). On CUDA the call pins its
-        shape when it runs inside graph capture, as an unbound call of that shape does."""
+        shape when it runs inside graph capture, as an unbound call of that shape does (as every
+        :class:`BoundStep` on the table's buffers does)."""
         with self.pool.state.lock:
-            run = call = BoundStep(self, req_ids, num_tokens, max_tokens, capacity)
-            if self.device.type == "cuda":
-                call = functools.partial(_pin_when_capturing, self._shapes, run._key, run)
-            self._repeat = (req_ids, num_tokens, max_tokens, capacity, run, call)
-        return call
+            run = BoundStep(self, req_ids, num_tokens, max_tokens, capacity)
+            self._repeat = (req_ids, num_tokens, max_tokens, capacity, run, run)
+        return run
 
     def _shape_dropped(self, key):
         """The table dropped call shape ``key`` (``max_shapes``; under the lock): forget the binding of
@@ -1016,12 +1014,3 @@ class PageTable:
         capturing a graph by other means if any shape the graph uses ran only before capture.
         """
         self._shapes.pin_all()
-
-
-def _pin_when_capturing(shapes, key, run):
-    """What a CUDA table's repeated :meth:`PageTable.step` calls: ``run()`` (its :class:`BoundStep`),
-    pinning call shape ``key`` first when the step runs inside CUDA graph capture (the graph writes
-    its buffers on every replay: the table must never drop them)."""
-    if torch.cuda.is_current_stream_capturing():
-        shapes.pin(key)
-    return run()
