@@ -22,6 +22,22 @@ def test_preserved_restores_pool_and_table_state(make_pool):
     assert all(torch.equal(a, b) for a, b in zip(after, before))
 
 
+def test_preserved_and_state_tensors_refuse_what_is_not_a_pool_or_table(make_pool):
+    """An owner without a pool's or table's state was an AttributeError from deep inside (a HostMirror's
+    host bookkeeping, which nothing would restore, or the PoolState itself)."""
+    from tpool.scheduling import HostMirror
+    pool = make_pool(8)
+    mirror = HostMirror(tpool.PageTable(pool, 2, 4), free=8, cached=0)
+    for owner in (mirror, pool.state, None):
+        with pytest.raises(ValueError, match=rf"owners\[1\]: expected a PagePool or PageTable, got "
+                                             rf"{type(owner).__name__}$"):
+            with preserved(pool, owner):
+                pool.alloc(i32([3]))
+        with pytest.raises(ValueError, match=r"owners\[0\]: expected a PagePool or PageTable"):
+            state_tensors(owner)
+    assert pool.available() == 8
+
+
 def test_preserved_takes_the_locks_of_two_pools_in_one_order_whatever_order_they_come_in(make_pool, monkeypatch):
     """preserved(a, b) in one thread and preserved(b, a) in another each took one pool's lock and waited
     for the other's, for ever (capture too)."""

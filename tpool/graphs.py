@@ -17,6 +17,8 @@ import dataclasses
 import torch
 
 from tpool._checks import check_size
+from tpool.page_table import PageTable
+from tpool.pool import PagePool
 from tpool.state import clones_between_calls, copy_between_calls
 
 
@@ -42,6 +44,7 @@ def state_tensors(*owners) -> list:
     >>> len(state_tensors(pool, pool)) == len(state_tensors(pool))
     True
     """
+    _check_owners(owners)
     out, seen = [], set()
     for owner in owners:
         parts = [owner.state] + ([owner.pool.state] if hasattr(owner, "pool") else [])
@@ -87,6 +90,7 @@ def preserved(*owners):
     >>> pool.available()
     8
     """
+    _check_owners(owners)
     for owner in owners:
         group = getattr(owner, "pool", owner)._group
         if group is not None and group.owned_here():
@@ -101,6 +105,14 @@ def preserved(*owners):
     finally:
         with _locked(owners):
             copy_between_calls(zip(tensors, saved))
+
+
+def _check_owners(owners) -> None:
+    """Refuse (``ValueError``) an owner that is not a PagePool or a PageTable: its state would not be read
+    (an AttributeError deep inside, or a HostMirror whose host bookkeeping nothing restores)."""
+    for i, owner in enumerate(owners):
+        if not isinstance(owner, (PagePool, PageTable)):
+            raise ValueError(f"owners[{i}]: expected a PagePool or PageTable, got {type(owner).__name__}")
 
 
 def _locked(owners) -> contextlib.ExitStack:
