@@ -377,7 +377,7 @@ def machine() -> dict:
 
 def print_table(title: str, header: list, rows: list, note: str = "") -> None:
     """``title``, the header and the rows right-aligned in columns, then ``note`` (what the baselines are)."""
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(header)]
+    widths = [max([len(str(h))] + [len(str(r[i])) for r in rows]) for i, h in enumerate(header)]  # (rows may be [])
     print(f"\n{title}")
     print("  ".join(str(h).rjust(w) for h, w in zip(header, widths)))
     for r in rows:

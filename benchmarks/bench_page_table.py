@@ -381,6 +381,9 @@ def main(argv=None):
     device = torch.device(args.device)
     backends = args.backends or (["triton"] if device.type == "cuda" else ["numba"])
     check_backends(ap, "--backends", backends, device)
+    if args.pool_sizes and max(args.pool_sizes) < pages_needed(min(args.batch)):  # no row could run: not one table
+        ap.error(f"argument --pool-sizes: expected at least {pages_needed(min(args.batch))} pages, what the smallest "
+                 f"--batch ({min(args.batch)}) needs, got {' '.join(map(str, args.pool_sizes))}")
     sync = sync_of(device)
     flush = CacheFlusher(args.cold_bytes) if args.cold else None
     rows, table_rows = [], []

@@ -280,6 +280,7 @@ BAD_OPTIONS = [  # (script, argv, the option its error names): argparse refuses 
     ("bench_page_table", ["--inner", "5000"], "--inner"),
     ("bench_page_table", ["--cold-samples", "1000"], "--cold-samples"),
     ("bench_page_table", ["--pool-sizes", "0"], "--pool-sizes"),
+    ("bench_page_table", ["--batch", "1", "--pool-sizes", "100"], "--pool-sizes"),  # too small for any B: no row
     ("bench_evict", ["--pool-sizes", "100000"], "--pool-sizes"),
     ("bench_evict", ["--pool-sizes", "65536", "--k", "40000"], "--k"),
     ("bench_evict", ["--k", "0"], "--k"),
@@ -717,3 +718,12 @@ def test_plot_draws_a_cold_series_dashed_in_its_warm_series_colour(tmp_path, mon
     assert lines["a, cold"].get_color() == lines["a, warm"].get_color() != lines["b"].get_color()
     assert list(lines["a, warm"].get_xdata()) == [1, 4]  # points sorted by x
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- Found by helper-172's review of the scripts' odd options (session 43) ----------------------------------
+
+def test_print_table_with_no_rows_prints_its_header(capsys):
+    """A run whose every configuration was skipped has no rows: the title and header alone, not a TypeError
+    (``max`` of one int) after the run."""
+    load("_common").print_table("T", ["impl", "median"], [])
+    assert capsys.readouterr().out.splitlines() == ["", "T", "impl  median"]
