@@ -133,7 +133,8 @@ class MirrorChurn:
             ta = time.perf_counter_ns()
             new = []
             for p in self.prompts(args.turnover):
-                if self.scenario == "shared" and rng.random() < SHARE:
+                # (a fork needs a running request: none is left when --turnover finished them all)
+                if self.scenario == "shared" and self.rows and rng.random() < SHARE:
                     src = rng.choice(self.rows)
                     new.append(m.fork(src, min(p, int(m.lo[src]))))
                     self.forked += 1

@@ -727,3 +727,14 @@ def test_print_table_with_no_rows_prints_its_header(capsys):
     (``max`` of one int) after the run."""
     load("_common").print_table("T", ["impl", "median"], [])
     assert capsys.readouterr().out.splitlines() == ["", "T", "impl  median"]
+
+
+def test_shared_churn_admits_prefills_when_every_running_request_finished(tmp_path, capsys):
+    """--turnover equal to --requests: a turnover finishes every running request, so the shared scenario has
+    none to fork from and admits a prefill instead (before, ``rng.choice([])`` raised IndexError mid-run)."""
+    out = tmp_path / "churn.json"
+    load("bench_scheduler").main(["--requests", "2", "--turnover", "2", "--steps", "40", "--warmup", "0",
+                                  "--num-pages", "4096", "--scenarios", "shared", "--json", str(out)])
+    capsys.readouterr()
+    shared = {r["name"]: r for r in json.loads(out.read_text())["rows"]}["mirror-shared"]
+    assert shared["forked"] == 0 and shared["failed_extends"] == 0 and shared["admissions_per_s"] > 0
