@@ -218,6 +218,7 @@ class ReadOkChurn:
 
 TURN = 256      # steps a scheduler runs before the next takes its turn (~2 ms warm: far below a busy spell)
 TURN_COLD = 16  # the same with --cold, where each step also waits for 64 MiB written (~80 ms a turn)
+PROGRESS_S = 5.0  # seconds: a progress line after the first block, the last, and a block ending this long after one
 
 
 def run(churns, args, steps, flush=None, suffix=""):
@@ -237,6 +238,7 @@ def run(churns, args, steps, flush=None, suffix=""):
     names, order = list(churns), random.Random(args.seed + 1)
     total = args.warmup + steps
     turn = TURN_COLD if flush else TURN
+    shown = time.perf_counter()
     for start in range(0, total, turn):
         order.shuffle(names)
         for name in names:
@@ -252,8 +254,10 @@ def run(churns, args, steps, flush=None, suffix=""):
                     step_us[name].append((t1 - t0) / 1e3)
                     if a_us is not None:
                         admit_us[name].append(a_us)
-        if start % 1024 < turn:
-            progress(f"{', '.join(churns)}{suffix}, taking turns: step {start}/{total}")
+        done = min(start + turn, total)  # steps each scheduler has run (a cold one: ~10-30 ms a step)
+        if start == 0 or done == total or time.perf_counter() - shown >= PROGRESS_S:
+            progress(f"{', '.join(churns)}{suffix}, taking turns: {done}/{total} steps done")
+            shown = time.perf_counter()
     return {name: (step_us[name], admit_us[name]) for name in churns}
 
 
