@@ -74,17 +74,27 @@ def main(argv=None) -> int:
         for name, op in parts.items():
             progress(f"B={B}: {name}")
             found[name] = kernel_times(op, table, a.samples)
-        step = quantiles(sorted(sum(found["step"].values(), [])))[0]
-        for name, kernels in found.items():
-            for kernel, ts in kernels.items():
-                med, p20, p80 = quantiles(sorted(ts))
-                rows.append([B, name, kernel, len(ts), f"{med:.1f}", f"{p20:.1f}", f"{p80:.1f}", f"{med / step:.2f}"])
+        rows += phase_rows(B, found)
     print_table(f"GPU time per call, {torch.cuda.get_device_name()} (µs, torch.profiler device time)",
-                ["B", "part", "kernel", "calls", "median", "p20", "p80", "share of step"], rows,
+                ["B", "part", "kernel", "calls", "median", "p20", "p80", "share of step"],
+                [[r["B"], r["part"], r["kernel"], r["calls"], f"{r['median_us']:.1f}", f"{r['p20_us']:.1f}",
+                  f"{r['p80_us']:.1f}", f"{r['share_of_step']:.2f}"] for r in rows],
                 "share of step: the row's median over the step kernel's, measured in the same run.")
-    header = ["B", "part", "kernel", "calls", "median_us", "p20_us", "p80_us", "share_of_step"]
-    write_json(a.json, "gpu_step_phases", [dict(zip(header, r)) for r in rows])
+    write_json(a.json, "gpu_step_phases", rows)
     return 0
+
+
+def phase_rows(B: int, found: dict) -> list:
+    """The rows of one batch size: ``found[part][kernel]`` is that kernel's device times (µs) per call. Numbers
+    stay numbers (the JSON's too: the table formats them)."""
+    step = quantiles(sorted(sum(found["step"].values(), [])))[0]
+    rows = []
+    for name, kernels in found.items():
+        for kernel, ts in kernels.items():
+            med, p20, p80 = quantiles(sorted(ts))
+            rows.append(dict(B=B, part=name, kernel=kernel, calls=len(ts), median_us=med, p20_us=p20, p80_us=p80,
+                             share_of_step=med / step))
+    return rows
 
 
 if __name__ == "__main__":

@@ -757,3 +757,17 @@ def test_churn_progress_says_how_many_steps_are_done(monkeypatch, capsys):
     monkeypatch.setattr(bs, "PROGRESS_S", 0.0)
     bs.main(argv)
     assert done_counts() == ["4/10 steps done", "8/10 steps done", "10/10 steps done"]
+
+
+def test_gpu_step_phases_rows_keep_numbers_as_numbers():
+    """phase_rows, the rows of its table and JSON: medians and shares are numbers (the JSON held the table's
+    strings, "51.0"), a kernel's share being its median over the step part's."""
+    found = {"step": {"step_kernel": [50.0, 52.0, 51.0]}, "extend": {"extend_kernel": [8.0, 9.0, 8.0]},
+             "CSR export": {"csr_kernel": [34.0, 33.0, 35.0]}}
+    rows = load("gpu_step_phases").phase_rows(256, found)
+    assert [(r["B"], r["part"], r["kernel"], r["calls"]) for r in rows] == [
+        (256, "step", "step_kernel", 3), (256, "extend", "extend_kernel", 3), (256, "CSR export", "csr_kernel", 3)]
+    step, extend, csr = rows
+    assert step["median_us"] == 51.0 and step["share_of_step"] == 1.0 and extend["median_us"] == 8.0
+    assert csr["share_of_step"] == pytest.approx(34 / 51)
+    assert all(type(r[k]) is float for r in rows for k in ("median_us", "p20_us", "p80_us", "share_of_step"))
