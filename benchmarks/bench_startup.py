@@ -59,11 +59,11 @@ t.append(time.perf_counter())
 pool = tpool.PagePool({num_pages}, {page_size}, device="cpu", backend="numba")
 t.append(time.perf_counter())
 counts = torch.ones({batch}, dtype=torch.int32)
-pool.alloc(counts)
+got = pool.alloc(counts)
 t.append(time.perf_counter())
 table = tpool.PageTable(pool, max_requests={batch}, max_pages_per_request=64)
 t.append(time.perf_counter())
-table.step(torch.arange({batch}, dtype=torch.int32), counts)
+res = table.step(torch.arange({batch}, dtype=torch.int32), counts)
 t.append(time.perf_counter())
 end = time.time()
 names = ("torch", "import tpool", "PagePool", "first alloc", "PageTable", "first step")
@@ -71,7 +71,8 @@ phases = dict(zip(names, (b - a for a, b in zip(t, t[1:]))))
 phases["in-process total"] = t[-1] - t[0]
 phases["CPU time (process)"] = time.process_time()  # less sensitive than wall time to other processes' load
 phases["next 20,000 objects"] = next_objects()
-print(json.dumps(dict(end=end, phases=phases, triton="triton" in sys.modules, tpool=tpool.__file__)))
+refused = not (bool(got.ok.all()) and bool(res.ok.all()))  # (read after the timed phases)
+print(json.dumps(dict(end=end, phases=phases, triton="triton" in sys.modules, tpool=tpool.__file__, refused=refused)))
 """
 
 
@@ -111,6 +112,8 @@ def run_child(code: str, cache_dir: str) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"the child process failed:\n{proc.stdout}{proc.stderr}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if out.get("refused"):  # a refused alloc or step returns at once: its phases would time less work
+        raise SystemExit("the child process's first alloc or step was refused (the pool ran out of pages)")
     out["phases"]["launch to first step" if "first step" in out["phases"] else "launch to import"] = out["end"] - start
     return out
 
@@ -126,7 +129,11 @@ def summarize(label: str, runs: list, base: float | None, rows: list, table: lis
 
 
 def main(argv=None):
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.num_pages < 2 * args.batch:  # the alloc keeps its --batch pages; the step's new requests take as many
+        ap.error(f"argument --num-pages: expected at least {2 * args.batch} pages (2 x --batch {args.batch}: the "
+                 f"first alloc holds one page per request, the first step takes one more each), got {args.num_pages}")
     code = CHILD.format(num_pages=args.num_pages, page_size=args.page_size, batch=args.batch, torch_only=False)
     torch_code = CHILD.format(num_pages=0, page_size=0, batch=0, torch_only=True)
     progress("one untimed run fills the numba cache the warm runs load from")

@@ -292,6 +292,7 @@ BAD_OPTIONS = [  # (script, argv, the option its error names): argparse refuses 
     ("bench_scheduler", ["--snapshot-every", "0"], "--snapshot-every"),
     ("bench_startup", ["--runs", "0"], "--runs"),
     ("bench_startup", ["--cold", "-1"], "--cold"),
+    ("bench_startup", ["--num-pages", "15", "--batch", "8"], "--num-pages"),  # its first alloc and step: 16 pages
     ("cold_breakdown", ["--batch", "0"], "--batch"),
     ("bench_e2e", ["--layers", "0"], "--layers"),
     ("bench_prefix", ["--requests", "0"], "--requests"),
@@ -771,3 +772,14 @@ def test_gpu_step_phases_rows_keep_numbers_as_numbers():
     assert step["median_us"] == 51.0 and step["share_of_step"] == 1.0 and extend["median_us"] == 8.0
     assert csr["share_of_step"] == pytest.approx(34 / 51)
     assert all(type(r[k]) is float for r in rows for k in ("median_us", "p20_us", "p80_us", "share_of_step"))
+
+
+def test_startup_refuses_a_child_whose_first_alloc_or_step_was_refused():
+    """A child whose pool cannot hold its first alloc and step (8 requests: 16 pages) would time calls that
+    return at once, refused: the parent stops, saying so. With 16 pages both succeed."""
+    bst = load("bench_startup")
+    child = dict(page_size=16, batch=8, torch_only=False)
+    with pytest.raises(SystemExit, match="first alloc or step was refused"):
+        bst.run_child(bst.CHILD.format(num_pages=15, **child), "")
+    got = bst.run_child(bst.CHILD.format(num_pages=16, **child), "")
+    assert got["refused"] is False and got["phases"]["launch to first step"] > 0
