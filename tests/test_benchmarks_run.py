@@ -783,3 +783,17 @@ def test_startup_refuses_a_child_whose_first_alloc_or_step_was_refused():
         bst.run_child(bst.CHILD.format(num_pages=15, **child), "")
     got = bst.run_child(bst.CHILD.format(num_pages=16, **child), "")
     assert got["refused"] is False and got["phases"]["launch to first step"] > 0
+
+
+def test_the_extras_ask_for_a_pytest_benchmark_whose_pedantic_takes_a_teardown():
+    """The page-table and eviction suites pass ``teardown=`` to ``benchmark.pedantic``, which pytest-benchmark
+    takes since 5.2.0 (5.1.0's pedantic has no such argument: every such benchmark fails with a TypeError);
+    the extras that bring pytest-benchmark must not allow an older one (they said >=4)."""
+    import tomllib
+    with open(os.path.join(BENCH, "..", "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    suites = [name for name in sorted(os.listdir(BENCH)) if name.startswith("test_bench_")]
+    assert any("teardown=" in open(os.path.join(BENCH, name)).read() for name in suites)
+    for extra in ("dev", "bench"):
+        (req,) = [r for r in extras[extra] if r.startswith("pytest-benchmark")]
+        assert re.fullmatch(r"pytest-benchmark(\[histogram\])?>=5\.2", req), (extra, req)
