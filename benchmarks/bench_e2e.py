@@ -155,6 +155,7 @@ def main(argv=None):
     if importlib.util.find_spec("transformers") is None:
         ap.error("needs transformers, which is not installed: pip install -e '.[hf]'")
     torch.set_num_threads(a.threads)
+    progress(f"building a random Llama {a.layers}x{a.hidden} (importing transformers) ...")
     model = build_model(a.hidden, a.layers, a.heads, a.kv_heads, a.vocab)
     rows = []
     for b in a.batch:

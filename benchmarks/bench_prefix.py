@@ -152,6 +152,7 @@ def main(argv=None):
         ap.error("needs transformers, which is not installed: pip install -e '.[hf]'")
     check_args(ap, a)
     torch.set_num_threads(a.threads)
+    progress(f"building a random Llama {a.layers}x{a.hidden} (importing transformers) ...")
     model = build_model(a)
     configs = {"prefix cache": True, "no prefix cache": False}
     runs = {name: [] for name in configs}

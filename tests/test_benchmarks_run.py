@@ -50,14 +50,16 @@ def test_lru_benchmark_counts_what_the_cleaner_did(tmp_path, capsys):
 def test_prefix_benchmark_serves_with_and_without_the_cache(tmp_path, capsys):
     """bench_prefix.py: a table row with the prefix cache and one without, the same tokens out of both (the
     script checks them and Engine.check() after every run), the cache reviving the system prompt's pages
-    (and only in its row), a progress line per run (an untimed pair, then 2 repeats of each)."""
+    (and only in its row), a progress line as the model is built, then one per run (an untimed pair, then 2
+    repeats of each)."""
     pytest.importorskip("transformers")
     out = tmp_path / "prefix.json"
     load("bench_prefix").main(TINY["bench_prefix"] + ["--json", str(out)])
     captured = capsys.readouterr()
     assert "prefix cache: 10 requests, system prompt 8" in captured.out and "median of 2 runs" in captured.out
     assert "p20 / p80" in captured.out and "revived" in captured.out
-    assert captured.err.count(" s] ") == 6 and "no prefix cache, run 2/2" in captured.err
+    assert captured.err.count(" s] ") == 7 and "no prefix cache, run 2/2" in captured.err
+    assert 0 <= captured.err.find("building a random Llama") < captured.err.find("warm-up")  # (silent ~10 s before)
     with_cache, without = json.loads(out.read_text())["rows"]
     assert (with_cache["prefix_cache"], without["prefix_cache"]) == (True, False)
     assert with_cache["cache_hits"] > 0 and with_cache["revived"] >= 8 * with_cache["cache_hits"]
