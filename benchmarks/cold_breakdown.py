@@ -243,7 +243,8 @@ def main(argv=None):
         base = quantiles(times["bound step"])[0]
         for name, xs in times.items():
             med, p20, p80 = quantiles(xs)
-            out.append(dict(batch=B, row=name, cold_median_us=med, cold_p20_us=p20, cold_p80_us=p80))
+            out.append(dict(batch=B, row=name, cold_median_us=med, cold_p20_us=p20, cold_p80_us=p80,
+                            x_bound_step=med / base))
             table_rows.append([B, name, f"{med:.2f}", f"{p20:.2f}", f"{p80:.2f}", f"{med / base:.2f}"])
     print_table(f"cold decode step, {size_text(flush.buf.nbytes)} written before each call, pages of {PAGE_SIZE} "
                 f"(us per call)", ["B", "row", "cold median", "p20", "p80", "x bound step"], table_rows)

@@ -228,6 +228,9 @@ def test_cold_breakdown_prints_every_row(tmp_path, capsys):
             "touch: + CSR shift + block-table rows", "kernel alone", "kernel alone, code warm", "façade only",
             "bound step", "step"} <= set(names)
     assert all(r["cold_median_us"] > 0 for r in rows)
+    bound = next(r for r in rows if r["row"] == "bound step")  # the table's "x bound step" column, in the JSON too
+    assert bound["x_bound_step"] == 1.0
+    assert all(r["x_bound_step"] == pytest.approx(r["cold_median_us"] / bound["cold_median_us"]) for r in rows)
 
 
 def test_ab_compare_runs_a_revision_beside_the_working_tree(tmp_path):
