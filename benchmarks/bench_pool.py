@@ -231,6 +231,8 @@ def main(argv=None):
     if max(pool_sizes) > VLLM_MAX_PAGES:
         progress(f"vllm-queue left out of pools past {VLLM_MAX_PAGES:,} pages: that many Python objects")
     for n in args.sizes:
+        # (the pools are built anew for each N: ~10 s for the baselines' and tpool's at 16M pages)
+        progress(f"N={n}: building every row's pool ({', '.join(f'{P:,}' for P in pool_sizes)} pages)")
         configs = {P: pair_fns(n, P, device, backends, skip=("vllm-queue",) if P > VLLM_MAX_PAGES else ())
                    for P in pool_sizes}  # every size at once (n <= P: main)
         gc_quiet()  # the baselines' P-element Python lists must not slow every GC pass
@@ -259,7 +261,8 @@ def main(argv=None):
     print_table(f"alloc + free of N pages on {device} (us per pair; ratio = baseline's median / row's median)",
                 ["pool pages", "N", "impl", "median", "p20", "p80", "Mpages/s", "vs vllm-queue", "vs sglang-paged"],
                 table, note="Ratios: the baseline's median over the row's, same N and pool (above 1: the row is "
-                            "faster). vllm-queue: vLLM's BlockPool (get_new_blocks pops KVCacheBlock objects off "
+                            "faster). Mpages/s: pages allocated and freed per second (a pair moves 2 N). "
+                            "vllm-queue: vLLM's BlockPool (get_new_blocks pops KVCacheBlock objects off "
                             "its linked free queue and sets ref_cnt; free_blocks links them back), host Python "
                             "objects, as vLLM's scheduler runs it. sglang-paged: SGLang's "
                             "PagedTokenToKVPoolAllocator, pages of 16 tokens, free through torch.unique, state on "
@@ -268,7 +271,7 @@ def main(argv=None):
                             "(no engine's design), which a pool whose state lives on the device and never syncs "
                             "is not built to beat on a CPU. sglang-paged and torch-slice free by concatenating onto the "
                             "whole free tensor, as SGLang does: their time grows with the pool. vllm-queue is left out "
-                            "of pools past 4,194,304 pages (a Python object per page).")
+                            f"of pools past {VLLM_MAX_PAGES:,} pages (a Python object per page).")
     write_json(args.json, "bench_pool", rows)
     if args.plot:
         sweep = len(pool_sizes) > 1
