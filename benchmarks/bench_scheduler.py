@@ -57,6 +57,7 @@ from _common import (Distinct, COLD_BYTES, CacheFlusher, HelpFormatter, check_ba
                      size_text, write_json)
 
 import tpool  # noqa: E402
+from tpool.backends import resolve_backend  # noqa: E402
 from tpool.scheduling import HostMirror, WouldNotFit  # noqa: E402
 
 PAGE_SIZE = 16        # tokens per page
@@ -358,6 +359,7 @@ def main(argv=None):
         ap.error(f"argument --num-pages: {too_small(args)}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_backends(ap, "--backend", [args.backend], device)
+    backend = resolve_backend(args.backend, torch.device(device))  # what auto (or TPOOL_BACKEND) runs: the title's
     modes = [("", args.steps, None)]
     if args.cold:
         modes.append((", cold", args.cold_steps, CacheFlusher(args.cold_bytes)))
@@ -384,12 +386,13 @@ def main(argv=None):
         out.append(dict(name=name, cold=cold, step_us_median=med, step_us_p20=p20, step_us_p80=p80,
                         vs_read_ok=base / med, admissions_per_s=args.turnover / amed * 1e6 if amed else None,
                         failed_extends=r["failed"], device_reads_per_step=r["reads"], step_us=r["step_us"],
-                        gap=r["gaps"], **{k: r[k] for k in ("forked", "evictions", "cached") if k in r}))
+                        gap=r["gaps"], backend=backend, device=str(device),
+                        **{k: r[k] for k in ("forked", "evictions", "cached") if k in r}))
     print_table(f"churn: {args.requests} running, prompts {PROMPTS[0]}-{PROMPTS[1]} tokens, pages of {PAGE_SIZE}, "
                 f"{args.turnover} out / {args.turnover} in every {args.every} steps, {args.steps} steps"
                 + (f" ({args.cold_steps} cold, {size_text(modes[-1][2].buf.nbytes)} written before each)" if args.cold
                    else "")
-                + f", {args.backend} on {device} (host us per step; ratio = read-ok's median / row's median, "
+                + f", {backend} on {device} (host us per step; ratio = read-ok's median / row's median, "
                   "warm against warm, cold against cold)",
                 ["scheduler", "median us", "p20", "p80", "vs read-ok", "device reads/step", "admissions/s",
                  "failed extends", "gap median / max"], rows)

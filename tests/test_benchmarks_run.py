@@ -807,3 +807,14 @@ def test_the_extras_ask_for_a_pytest_benchmark_whose_pedantic_takes_a_teardown()
     for extra in ("dev", "bench"):
         (req,) = [r for r in extras[extra] if r.startswith("pytest-benchmark")]
         assert re.fullmatch(r"pytest-benchmark(\[histogram\])?>=5\.2", req), (extra, req)
+
+
+def test_churn_names_the_backend_auto_ran(tmp_path, monkeypatch, capsys):
+    """bench_scheduler.py --backend auto (its default): the title and the JSON rows name the backend the pools
+    ran on (here TPOOL_BACKEND's), not "auto"."""
+    monkeypatch.setenv("TPOOL_BACKEND", "numba")
+    out = tmp_path / "churn.json"
+    load("bench_scheduler").main(["--requests", "8", "--steps", "16", "--warmup", "0", "--num-pages", "4096",
+                                  "--scenarios", "plain", "--json", str(out)])
+    assert ", numba on cpu (host us per step" in capsys.readouterr().out
+    assert {(r["backend"], r["device"]) for r in json.loads(out.read_text())["rows"]} == {("numba", "cpu")}
