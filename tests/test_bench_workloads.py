@@ -601,6 +601,31 @@ def test_e2e_baseline_crops_its_cache_back_to_the_prompt_every_sample(monkeypatc
     prompts = torch.randint(1, 64, (2, 10), generator=torch.Generator().manual_seed(0))
     samples = be.run_baseline(prompts, model, argparse.Namespace(samples=2, inner=3))
     assert len(samples) == 2 and seen == [13, 10] * 3
+    seen.clear()  # one step a sample: the untimed first one still makes WARMUP_STEPS (3), and crops them all
+    samples = be.run_baseline(prompts, model, argparse.Namespace(samples=2, inner=1))
+    assert len(samples) == 2 and seen == [13, 10] + [11, 10] * 2
+
+
+def test_e2e_first_sample_binds_the_step_even_with_one_step_samples(monkeypatch):
+    """run_tpool with --inner 1: the untimed first sample makes WARMUP_STEPS decode steps, so the bound step
+    table.step makes on its second call on the same inputs (~20 ms on 2 cores) is made before the timing; it
+    made one, and the first timed sample's table.step read 21 ms instead of ~6 µs. Each timed sample: --inner
+    steps, from the prompt again."""
+    pytest.importorskip("transformers")
+    import tpool
+    be = load("bench_e2e")
+    model = be.build_model(32, 1, 4, 2, 64)
+    step, decodes = tpool.PageTable.step, []
+
+    def counting(table, req_ids, num_tokens, *args, **kw):
+        if bool((num_tokens == 1).all()):
+            decodes.append(table.seq_lens[: len(req_ids)].tolist())  # the lengths before the step
+        return step(table, req_ids, num_tokens, *args, **kw)
+    monkeypatch.setattr(tpool.PageTable, "step", counting)
+    prompts = torch.randint(1, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+    samples = be.run_tpool(model, prompts, argparse.Namespace(samples=2, inner=1, page_size=4, backend="numba"))
+    assert len(samples) == 2 and be.WARMUP_STEPS == 3
+    assert decodes == [[10, 10], [11, 11], [12, 12], [10, 10], [10, 10]]
 
 
 def test_prefix_table_from_made_up_runs(tmp_path, monkeypatch, capsys):
