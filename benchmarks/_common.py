@@ -285,6 +285,12 @@ def quantiles(xs: list) -> tuple:
     return statistics.median(xs), q[1], q[7]
 
 
+def ratio_text(x) -> str:
+    """A ratio for a table: two decimals ("1.50x"), or two significant digits below 0.01 ("0.0042x": a slow
+    row, the reference backend's, would read "0.00x", which says nothing); "" for None (no ratio)."""
+    return "" if x is None else f"{x:.2f}x" if x >= 0.01 else f"{x:.2g}x"
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 

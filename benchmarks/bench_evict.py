@@ -50,7 +50,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (Distinct, HelpFormatter, check_backends, default_device, device_arg, gc_quiet,  # noqa: E402
                      multiple_of, out_path, parse_args_for_plot, plot_lines, positive_int, print_table, progress,
-                     quantiles, write_json)
+                     quantiles, ratio_text, write_json)
 from _engines import VLLM_MAX_PAGES, VllmBlockPool, block_hash_key  # noqa: E402
 
 import tpool  # noqa: E402
@@ -164,11 +164,6 @@ def malloc_keeps_memory():
     finally:  # glibc's defaults (its dynamic mmap threshold stays off: fixed at its 128 KiB default)
         libc.mallopt(M_MMAP_MAX, 65536)
         libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024)
-
-
-def _ratio(x) -> str:
-    """A ratio for the table: two decimals, or two significant digits below 0.01 (0.00x says nothing)."""
-    return "" if x is None else f"{x:.2f}x" if x >= 0.01 else f"{x:.2g}x"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -286,7 +281,7 @@ def main(argv=None):
     gc.unfreeze()
     rows.sort(key=lambda r: (r["pages"], args.k.index(r["k"])))  # stable: the implementations keep their order
     table = [[f"{r['pages']:,}", r["k"], r["impl"], f"{r['median_us']:.1f}", f"{r['p20_us']:.1f}",
-              f"{r['p80_us']:.1f}", _ratio(r.get("vs_vllm_queue"))] for r in rows]
+              f"{r['p80_us']:.1f}", ratio_text(r.get("vs_vllm_queue"))] for r in rows]
     print_table(f"evict k of the oldest cached pages (half the pool cached), on {device} (us per call)",
                 ["pages", "k", "impl", "median", "p20", "p80", "vs vllm-queue"], table,
                 note="Ratios: vllm-queue's median over the row's (above 1: faster). vllm-queue: vLLM's eviction, "

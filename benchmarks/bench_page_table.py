@@ -77,8 +77,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _baselines import NumpyBlocks, VllmBlocks  # noqa: E402
 from _common import (Distinct, COLD_BYTES, CacheFlusher, HelpFormatter, calibrate, check_backends,  # noqa: E402
                      default_device, device_arg, gc_quiet, int_at_most, out_path, parse_args_for_plot, plot_lines,
-                     positive_int, print_table, progress, quantiles, sample_cold_us, sample_us, size_text, sync_of,
-                     write_json)
+                     positive_int, print_table, progress, quantiles, ratio_text, sample_cold_us, sample_us, size_text,
+                     sync_of, write_json)
 
 import tpool  # noqa: E402
 
@@ -422,7 +422,7 @@ def main(argv=None):
                         if c and cold:
                             row[f"cold_vs_{key}"] = c / cold[0]
                 rows.append(row)
-                ratio = lambda k: f"{row[k]:.2f}x" if k in row else ""  # noqa: E731
+                ratio = lambda k: ratio_text(row.get(k))  # noqa: E731
                 cells = [B] + ([f"{P:,}"] if args.pool_sizes else []) + [
                     name, f"{warm[0]:.2f}", f"{warm[1]:.2f}", f"{warm[2]:.2f}",
                     *(ratio(f"vs_{key}") for key in BASELINES.values())]

@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (Distinct, HelpFormatter, calibrate, check_backends, default_device, device_arg,  # noqa: E402
                      gc_quiet, out_path, parse_args_for_plot, plot_lines, positive_int, print_table, progress,
-                     quantiles, sync_of, time_calls_us, write_json)
+                     quantiles, ratio_text, sync_of, time_calls_us, write_json)
 
 from _engines import VLLM_MAX_PAGES, SGLangPagedPool, VllmBlockPool  # noqa: E402
 
@@ -257,7 +257,7 @@ def main(argv=None):
     for r in rows:
         table.append([f"{r['num_pages']:,}", r["pages"], r["impl"], f"{r['median_us']:.2f}", f"{r['p20_us']:.2f}",
                       f"{r['p80_us']:.2f}", f"{r['pages_per_s'] / 1e6:.1f}",
-                      *(f"{r[key]:.2f}x" if key in r else "" for key in ("vs_vllm_queue", "vs_sglang_paged"))])
+                      *(ratio_text(r.get(key)) for key in ("vs_vllm_queue", "vs_sglang_paged"))])
     print_table(f"alloc + free of N pages on {device} (us per pair; ratio = baseline's median / row's median)",
                 ["pool pages", "N", "impl", "median", "p20", "p80", "Mpages/s", "vs vllm-queue", "vs sglang-paged"],
                 table, note="Ratios: the baseline's median over the row's, same N and pool (above 1: the row is "

@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (Distinct, HelpFormatter, check_backends, default_device, device_arg, out_path,  # noqa: E402
-                     positive_int, print_table, progress, quantiles, write_json)
+                     positive_int, print_table, progress, quantiles, ratio_text, write_json)
 from _engines import KVCacheBlocks, VllmBlockPool, VllmBlockTable, block_hash_key  # noqa: E402
 
 import tpool  # noqa: E402
@@ -200,7 +200,7 @@ def main(argv=None):
             rows.append(dict(k=k, impl=name, median_us=med, p20_us=p20, p80_us=p80, vs_vllm_touch=base / med,
                              samples=len(ts), device=str(device)))
     table = [[r["k"], r["impl"], f"{r['median_us']:.2f}", f"{r['p20_us']:.2f}", f"{r['p80_us']:.2f}",
-              f"{r['vs_vllm_touch']:.2f}x"] for r in rows]
+              ratio_text(r["vs_vllm_touch"])] for r in rows]
     print_table(f"revive k cached pages into an empty row (a prefix-cache hit), pages of {PAGE_SIZE}, on {device} "
                 "(us per call)", ["k", "impl", "median", "p20", "p80", "vs vllm-touch"], table,
                 note="Ratios: vllm-touch's median over the row's (above 1: faster). vllm-touch: vLLM on a prefix "

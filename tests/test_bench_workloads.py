@@ -158,6 +158,19 @@ def test_pool_table_from_a_fake_clock(tmp_path, monkeypatch, capsys):
         assert {calls for (nm, _), calls in timed if nm == name} == {4}
 
 
+def test_pool_table_prints_a_ratio_below_a_hundredth_with_its_digits(monkeypatch, capsys):
+    """A row 1,000 times slower than its baseline (the reference backend's, ~700 µs against vLLM's ~1 µs at
+    N=1) prints its ratio with two significant digits, "0.001x", not "0.00x" (ratio_text)."""
+    bp = load("bench_pool")
+    _fake_pool_clock(bp, monkeypatch, lambda name, n: {"vllm-queue": 1.0, "sglang-paged": 40.0}.get(name, 1000.0))
+    bp.main(["--sizes", "1", "--num-pages", "64", "--samples", "3", "--backends", "reference"])
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if " tpool-reference " in line]
+    assert row.split()[-2:] == ["0.001x", "0.04x"], row
+    common = load("_common")
+    assert [common.ratio_text(x) for x in (None, 2.0, 0.01, 0.0042, 4.2e-05)] == ["", "2.00x", "0.01x", "0.0042x",
+                                                                                 "4.2e-05x"]
+
+
 def test_page_table_rows_give_tpool_and_baselines_the_same_work():
     """bench_page_table.py: from the same start, every decode row (the baselines' and tpool's) adds one token
     to each of the B requests a call, and every turnover row releases and admits the same requests with the
