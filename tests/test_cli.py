@@ -264,3 +264,39 @@ def test_an_output_error_at_a_write_or_at_the_last_flush_ends_the_command_as_the
         assert status == 1 and err == "tpool: cannot write the output: No space left on device\n", err
     else:
         assert status == 141 and err == "", err
+
+
+def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
+    """Ctrl-C in a long demo (``--backend reference`` runs ~1 min) printed a traceback from wherever the
+    loop was; it is one line on stderr now, after the rows already written, and status 130."""
+    import tpool.__main__ as cli
+
+    def interrupted(argv):
+        print("a row")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_dispatch", interrupted)
+    try:
+        status = cli.main(["demo"])
+    except KeyboardInterrupt:  # (escaping, it would stop pytest itself)
+        pytest.fail("KeyboardInterrupt escaped main")
+    assert status == 130
+    out, err = capsys.readouterr()
+    assert out == "a row\n" and err == "tpool: interrupted\n", err
+
+
+def test_ctrl_c_during_the_demo_ends_it_without_a_traceback():
+    """SIGINT sent to a running demo once its first row is out."""
+    import signal
+    p = subprocess.Popen([sys.executable, "-m", "tpool", "demo", "--backend", "reference", "--every", "1"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (not ignored, as `&` is)
+    try:
+        while not p.stdout.readline().lstrip().startswith("1 "):  # row 1: the loop is running
+            assert p.poll() is None, p.stderr.read()
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == "tpool: interrupted"

@@ -95,7 +95,9 @@ def main(argv=None):
     A reader that closes the pipe early (``python -m tpool report | head -3``)
     ends the command quietly: the rest of the output is dropped, no traceback,
     exit status 141 (as a process killed by SIGPIPE). An output that cannot be
-    written (``> /dev/full``) is one line on stderr and exit status 1. Errors
+    written (``> /dev/full``) is one line on stderr and exit status 1. Ctrl-C
+    (``KeyboardInterrupt``) is one line on stderr and exit status 130 (128 + SIGINT,
+    as shells report it): the rows printed so far show how far the run got. Errors
     of anything else (another file, a pipe the command opened) are raised.
     """
     argv = sys.argv[1:] if argv is None else argv
@@ -119,6 +121,13 @@ def main(argv=None):
             return 141
         print(f"tpool: cannot write the output: {e.strerror or e}", file=sys.stderr)  # `tpool demo > /dev/full`
         return 1
+    except KeyboardInterrupt:  # Ctrl-C in a long demo: one line, not a traceback from wherever the loop was
+        try:
+            _flush()
+        except _OutputError:
+            stdout = _drop_stdout(stdout)
+        print("tpool: interrupted", file=sys.stderr)
+        return 130
     finally:
         sys.stdout = stdout
 
