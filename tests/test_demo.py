@@ -533,3 +533,37 @@ def test_another_missing_module_is_not_called_transformers(monkeypatch):
     with pytest.raises(ModuleNotFoundError) as e:
         serve_main(["--model", "llama"])
     assert e.value.name == "tpool.serving.engine"
+
+
+def test_a_preemption_does_not_sort_the_whole_queue_again(monkeypatch):
+    """With --requests 1,000,000 the run took about an hour, most of it re-sorting the waiting queue at
+    every preemption and deleting a list's head at every admission; the queue is a deque now, and
+    preempted requests (older than every waiting one) go back at its head. One sort of the whole queue,
+    at the start."""
+    big = []
+
+    def counting(items, *a, **kw):
+        out = sorted(items, *a, **kw)
+        if len(out) > 12:
+            big.append(len(out))
+        return out
+
+    monkeypatch.setattr(demo, "sorted", counting, raising=False)   # (module globals come before builtins)
+    _, lines = _run(requests=300, batch=12, num_pages=700, every=50)
+    assert int(re.search(r"preemptions (\d+)", lines[-1]).group(1)) > 0, "the run exercises preemption"
+    assert "requests done 300, rejected 0" in lines[-1]
+    assert big == [300], big
+
+
+def test_requeue_keeps_arrival_order():
+    """Preempted requests go back ahead of the waiting ones when older than all (the demo's case), and in
+    arrival order among them otherwise."""
+    import collections
+    waiting = collections.deque([7, 9])
+    demo._requeue(waiting, [5, 3])
+    assert list(waiting) == [3, 5, 7, 9]
+    demo._requeue(waiting, [8, 1])
+    assert list(waiting) == [1, 3, 5, 7, 8, 9]
+    empty = collections.deque()
+    demo._requeue(empty, [4, 2])
+    assert list(empty) == [2, 4]
