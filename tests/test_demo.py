@@ -567,3 +567,23 @@ def test_requeue_keeps_arrival_order():
     empty = collections.deque()
     demo._requeue(empty, [4, 2])
     assert list(empty) == [2, 4]
+
+
+@pytest.mark.parametrize("args", [["--page-size", "524288"], ["--num-pages", "1", "--page-size", str(2**31)],
+                                  ["--page-size", "99999999999999999999"]])
+def test_a_pool_of_more_tokens_than_int32_slots_is_an_error_naming_both_options(args, capsys):
+    """``--page-size 2147483648`` was refused by the table's own check, naming ``max_pages_per_request``,
+    which is no option of the demo; ``--page-size 524288`` by the pool's, naming neither option."""
+    with pytest.raises(SystemExit) as e:
+        demo.main(args)
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert e.value.code == 2 and "error: --num-pages x --page-size: expected at most 2,147,483,647 tokens" in err, err
+    pages = int(args[args.index("--num-pages") + 1]) if "--num-pages" in args else 4096
+    size = int(args[args.index("--page-size") + 1])
+    assert err.endswith(f"got {pages:,} x {size:,} = {pages * size:,}"), err
+
+
+def test_a_pool_of_exactly_int32_slots_runs(capsys):
+    """The product's bound is inclusive: one page of 2**31 - 1 tokens holds every request."""
+    assert demo.main(["--num-pages", "1", "--page-size", str(2**31 - 1), "--requests", "3"]) is None
+    assert capsys.readouterr().out.splitlines()[-1].startswith("pages allocated 3, freed 3, peak in use 1 of 1;")

@@ -231,6 +231,7 @@ def at_most(hi: int, why: str):
 MAX_REQUESTS = 1_000_000      # the queue's lengths are host lists made up front
 MAX_PAGES = 1 << 24           # 16,777,216 pages: ~1 GiB of pool state; the library itself takes more
 MAX_BATCH = 1 << 16           # 65,536 table rows
+MAX_POOL_TOKENS = 2**31 - 1   # num_pages x page_size: slot indices are int32
 
 
 def count_int(text):
@@ -290,7 +291,8 @@ def main(argv=None):
                     help=f"most requests running at once, the table's rows, at most {MAX_BATCH:,} (default 64)")
     ap.add_argument("--num-pages", type=at_most(MAX_PAGES, "~64 B of pool state a page; PagePool itself takes more"),
                     default=4096, help=f"pages in the pool, at most {MAX_PAGES:,} (default 4096)")
-    ap.add_argument("--page-size", type=positive_int, default=16, help="tokens per page (default 16)")
+    ap.add_argument("--page-size", type=positive_int, default=16,
+                    help=f"tokens per page (default 16); --num-pages x --page-size at most {MAX_POOL_TOKENS:,}")
     ap.add_argument("--seed", type=seed_int, default=0, help="seed of the prompt (128-2048) and output (16-384) "
                     "lengths, 0 to 2**64 - 1 (default 0)")
     ap.add_argument("--device", default=None, help="torch device of the pool, e.g. cpu, cuda, cuda:1 "
@@ -305,6 +307,9 @@ def main(argv=None):
                          "`demo --model llama --help`; "
                          "default: none, the simulation)")
     a = ap.parse_args(argv)
+    if a.num_pages * a.page_size > MAX_POOL_TOKENS:  # (else the pool's or the table's own check, naming neither)
+        ap.error(f"--num-pages x --page-size: expected at most {MAX_POOL_TOKENS:,} tokens (slot indices are int32), "
+                 f"got {a.num_pages:,} x {a.page_size:,} = {a.num_pages * a.page_size:,}")
     if a.device is not None:
         try:
             _checks.resolve_device(a.device, "--device")
