@@ -300,3 +300,18 @@ def test_ctrl_c_during_the_demo_ends_it_without_a_traceback():
         p.kill()
     assert p.returncode == 130 and "Traceback" not in err, err
     assert err.splitlines()[-1] == "tpool: interrupted"
+
+
+def test_the_reports_help_says_its_process_holds_no_pools():
+    """The usage said the report prints "what tpool's caches and pools hold"; the command's own process
+    holds none (its table says n/a): the help now names memory_report() in the engine's process."""
+    for args in (["--help"], ["report", "--help"]):
+        text = " ".join(tpool_cli(*args).stdout.split())
+        assert "what tpool's caches and pools hold, the caching" not in text
+        assert "memory_report(" in text and "in the engine's process" in text, text
+
+
+def test_both_demos_say_triton_on_a_cpu_needs_the_interpreter():
+    for args in (["demo", "--help"], ["demo", "--model", "llama", "--help"]):
+        text = " ".join(tpool_cli(*args).stdout.split())
+        assert "triton on a CPU needs TRITON_INTERPRET=1" in text, args

@@ -16,9 +16,10 @@ commands:
            With --model llama|gpt-neox: serve a tiny random-weight transformers model
            on tpool pages and check its tokens against generate (needs transformers: the hf extra).
            `python -m tpool demo --help` lists its options.
-  report   print the memory ledgers of a device: what tpool's caches and pools
-           hold, the caching allocator, the driver and the process (--json for
-           JSON, --device cuda:N or cpu). `python -m tpool report --help`.
+  report   print the memory ledgers of a device as this command's own process sees
+           them: the caching allocator, the driver and the process (--json for JSON,
+           --device cuda:N or cpu); what tpool's pools and caches hold is counted by
+           tpool.memory_report() in the engine's process. `python -m tpool report --help`.
 
 options:
   -h, --help  show this message and exit

@@ -298,7 +298,8 @@ def main(argv=None):
     ap.add_argument("--device", default=None, help="torch device of the pool, e.g. cpu, cuda, cuda:1 "
                     "(default: cuda if available, else cpu; cpu with the numba backend)")
     ap.add_argument("--backend", default="auto", choices=["auto", "reference", "numba", "triton"],
-                    help="kernels (default auto: triton on CUDA, numba on a CPU)")
+                    help="kernels (default auto: triton on CUDA, numba on a CPU; triton on a CPU "
+                         "needs TRITON_INTERPRET=1)")
     ap.add_argument("--every", type=positive_int, default=None, help="print a report row every N steps (default: "
                     "a multiple of 25 that prints about 50 rows; 25 for the default run)")
     ap.add_argument("--model", choices=["llama", "gpt-neox"], default=None,

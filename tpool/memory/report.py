@@ -343,7 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["report"]:
         argv = argv[1:]
-    parser = argparse.ArgumentParser(prog=prog("report"), description="Print the memory ledgers of a device.")
+    parser = argparse.ArgumentParser(
+        prog=prog("report"),
+        description="Print the memory ledgers of a device as this process sees them: the caching allocator, the "
+                    "driver and the process. It holds no pools or caches; call memory_report(pools=..., "
+                    "caches=...) in the engine's process for what they hold.")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--device", default=None, help="cuda:N or cpu (default: current CUDA device, else cpu)")
     args = parser.parse_args(argv)
