@@ -587,3 +587,13 @@ def test_a_pool_of_exactly_int32_slots_runs(capsys):
     """The product's bound is inclusive: one page of 2**31 - 1 tokens holds every request."""
     assert demo.main(["--num-pages", "1", "--page-size", str(2**31 - 1), "--requests", "3"]) is None
     assert capsys.readouterr().out.splitlines()[-1].startswith("pages allocated 3, freed 3, peak in use 1 of 1;")
+
+
+def test_progress_says_100_only_when_every_request_is_settled():
+    """255 of 256 requests done rounded to 100% while one still ran (with --requests 1000 five rows
+    said 100% with requests running); the percentage is rounded down now."""
+    _, lines = _run(requests=256, every=1)
+    rows = [line.split() for line in _rows(lines)]
+    assert [c[-1] for c in rows].count("100%") == 1 and rows[-1][-1] == "100%"
+    assert all(c[-1] == f"{100 * (int(c[3]) + int(c[4])) // 256}%" for c in rows)
+    assert any(c[-1] == "99%" and int(c[3]) == 255 for c in rows)

@@ -41,7 +41,8 @@ read at this row (the loop's only sync point); mirror = free pages the scheduler
 set aside for the running requests' next token (only a request whose last page is full needs one);
 preempted = requests released to make room, total; step us = median host time of a scheduler step
 since the last row (admit + plan + decode + finish, no device sync: on CUDA the kernels run behind
-it; row 0 is the first step alone, with its admissions); progress = requests done or rejected, of all."""
+it; row 0 is the first step alone, with its admissions); progress = requests done or rejected, of all
+(rounded down: 100% only once every request is settled)."""
 
 
 def request_lengths(requests: int, seed: int = 0) -> tuple:
@@ -136,7 +137,7 @@ def run(requests=256, batch=64, num_pages=4096, page_size=16, seed=0, device=Non
         window.append((time.perf_counter() - t0) * 1e6)
         if step % every == 0 or not (waiting or row_of):
             _report(out, mirror, step, len(row_of), len(waiting), finished, len(rejected), preempted, window,
-                    (finished + len(rejected)) / requests)
+                    100 * (finished + len(rejected)) // requests)
             step_us += window
             window = []
         step += 1
@@ -180,13 +181,14 @@ def auto_every(prompts, outputs, batch, pool_tokens, rows=50):
     return 25 * max(1, round(steps / rows / 25))
 
 
-def _report(out, mirror, step, running, waiting, done, rejected, preempted, window, progress):
-    """One report row: the loop's sync point (the snapshot is read at once), which also reconciles."""
+def _report(out, mirror, step, running, waiting, done, rejected, preempted, window, percent):
+    """One report row: the loop's sync point (the snapshot is read at once), which also reconciles.
+    ``percent``: the requests settled, rounded down, so that 100% means all (995 of 1,000 rounded is 100%)."""
     s = mirror.reconcile(mirror.snapshot())
     med = statistics.median(window) if window else 0.0
     out(f"{step:>6} {running:>7} {waiting:>7} {done:>5} {rejected:>8} {s['pages.used.current']:>6} "
         f"{s['pages.free.current']:>6} {mirror.free:>6} {mirror.reserved:>8} {preempted:>9} {med:>8.1f} "
-        f"{progress:>8.0%}", flush=True)
+        f"{percent:>7}%", flush=True)
 
 
 def _final_check(pool, table, mirror):
