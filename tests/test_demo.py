@@ -597,3 +597,20 @@ def test_progress_says_100_only_when_every_request_is_settled():
     assert [c[-1] for c in rows].count("100%") == 1 and rows[-1][-1] == "100%"
     assert all(c[-1] == f"{100 * (int(c[3]) + int(c[4])) // 256}%" for c in rows)
     assert any(c[-1] == "99%" and int(c[3]) == 255 for c in rows)
+
+
+def test_the_readmes_sample_output_is_the_default_runs():
+    """The README shows rows of a default run and says its counts are the same on every machine: its
+    header, the counts of each row it shows (all but the step time) and the number of steps."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    sample = readme[readme.index("\n## The demo\n"):]
+    sample = sample[:sample.index("(The counts are the same on every machine")]
+    shown = [line.split() for line in _rows(sample.splitlines())]
+    _, lines = _run()
+    assert demo.HEADER.strip() in sample
+    ran = {c[0]: c for c in (line.split() for line in _rows(lines))}
+    assert len(shown) >= 3 and all(c[:10] == ran[c[0]][:10] and c[11] == ran[c[0]][11] for c in shown), \
+        [(c, ran.get(c[0])) for c in shown]
+    steps = re.search(r"^\s*(\d+) steps;", sample, re.M).group(1)
+    assert any(line.strip().startswith(f"{steps} steps;") for line in lines), lines[-2:]
