@@ -58,6 +58,8 @@ from tpool.serving.kv import PagedKVCache
 EOS_FROM_MODEL = "model"  # eos_token_id's default: the model's generation_config.eos_token_id
 INITIALIZER_RANGE = 0.25  # std of the random weights: large enough that a position off by one changes tokens
 MIN_TOKEN_BUCKET = 8      # smallest packed-batch size (tokens); sizes are powers of two from here
+CHECK_PROGRESS_S = 5.0    # seconds: the demo's check says how far it got when its last line is older than this
+CHECK_CHUNK = 16          # requests checked between two looks at the clock
 
 
 def tiny_model(name: str, *, seed: int = 0, vocab_size: int = 256):
@@ -763,6 +765,21 @@ def reference_tokens(model, requests, *, eos_token_id=EOS_FROM_MODEL):
         model.generation_config = saved
 
 
+def _checked_tokens(lm, reqs, out) -> dict:
+    """:func:`reference_tokens` of ``reqs``, a line to ``out`` whenever the last is older than ``CHECK_PROGRESS_S``:
+    ``generate`` decodes each request alone (0.17-0.33 s each on a busy 2-core machine), so the check of
+    ``--requests 10000`` would otherwise print nothing for most of an hour."""
+    if not out:
+        return reference_tokens(lm, reqs)
+    want, last = {}, time.monotonic()
+    for i in range(0, len(reqs), CHECK_CHUNK):
+        want.update(reference_tokens(lm, reqs[i:i + CHECK_CHUNK]))
+        if len(want) < len(reqs) and time.monotonic() - last > CHECK_PROGRESS_S:
+            out(f"  checked {len(want)} of {len(reqs)} requests", flush=True)
+            last = time.monotonic()
+    return want
+
+
 def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, page_size: int = 4,
              max_batch: int = 8, max_new: tuple = (4, 16), backend: str = "auto", device=None, seed: int = 0,
              system_len: int = 8, prefix_cache: bool = True, out=print) -> dict:
@@ -812,7 +829,7 @@ def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, p
     ps = eng.check()
     if out:  # (most of a warm run: generate decodes each request alone, token by token)
         out(f"checking the {len(reqs)} requests against the model's own generate (eager attention) ...", flush=True)
-    want = reference_tokens(lm, reqs)
+    want = _checked_tokens(lm, reqs, out)
     bad = [rid for rid in got if got[rid] != want[rid]]
     s, used = eng.stats, ps["pages.used.current"]
     report = dict(steps=s.steps, preemptions=s.preemptions, forks=s.forks, cache_hits=s.cache_hits,
