@@ -372,3 +372,13 @@ def test_without_logging_configured_the_notice_goes_to_stderr():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout == "", r.stdout + r.stderr
     assert r.stderr.startswith("tpool: compiling numba kernels") and r.stderr.rstrip().endswith("/the/cache")
+
+
+def test_with_stderr_closed_the_notice_goes_nowhere_not_to_stdout():
+    """``tpool demo 2>&-``: Python's ``sys.stderr`` is None, and ``print(file=None)`` writes to stdout, so
+    the compile notice landed among the demo's rows (or a caller's own output)."""
+    code = ("from tpool import _startup; _startup.announce_compile('/the/cache', 'k'); "
+            "_startup.announce_no_cache(); print('data')")
+    r = subprocess.run(f"{sys.executable} -c \"{code}\" 2>&-", shell=True, cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout == "data\n", r.stdout

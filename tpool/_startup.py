@@ -62,9 +62,11 @@ def announce_no_cache() -> None:
 
 
 def _say(msg: str) -> None:
-    """A line to the ``tpool`` logger (INFO) when the application has configured logging, else stderr."""
+    """A line to the ``tpool`` logger (INFO) when the application has configured logging, else stderr;
+    nowhere when stderr is closed (``2>&-``: ``sys.stderr`` is None, and ``print`` would write to stdout,
+    into the data a command such as ``tpool demo`` or a caller's own writes there)."""
     log = logging.getLogger("tpool")
     if log.hasHandlers():
         log.info(msg)
-    else:
+    elif sys.stderr is not None:
         print(msg, file=sys.stderr, flush=True)
