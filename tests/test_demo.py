@@ -631,3 +631,24 @@ def test_the_model_demos_check_says_how_far_it_got(monkeypatch):
     start = next(i for i, line in enumerate(lines) if line.startswith("checking the 6 requests"))
     assert lines[start + 1:start + 3] == ["  checked 2 of 6 requests", "  checked 4 of 6 requests"], lines[start:]
     assert lines[start + 3].endswith("requests matching generate: 6/6") and r["mismatches"] == 0
+
+
+def test_a_mirror_counting_fewer_free_pages_than_the_device_fails_the_run(monkeypatch):
+    """Each row reconciled the mirror before printing it, so the mirror column always showed the device's
+    count, and the final check compared a mirror the last row had just set to the device's: a mirror that
+    lost track of pages (counting fewer free than there are) ran to "no errors". The row now shows the
+    count the scheduler kept and fails when it differs."""
+    class Losing(HostMirror):
+        lost = False
+
+        def decode(self, rows, *a, **kw):
+            res = super().decode(rows, *a, **kw)
+            if not Losing.lost and len(rows) > 1:
+                Losing.lost = True
+                self.free -= 1          # a page the scheduler will never hand out again
+            return res
+
+    monkeypatch.setattr(demo, "HostMirror", Losing)
+    with pytest.raises(AssertionError, match=r"step 0: mirror \d+ free pages, device \d+"):
+        _run(requests=40, batch=12, num_pages=700, every=1)
+    assert Losing.lost

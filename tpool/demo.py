@@ -183,11 +183,19 @@ def auto_every(prompts, outputs, batch, pool_tokens, rows=50):
 
 def _report(out, mirror, step, running, waiting, done, rejected, preempted, window, percent):
     """One report row: the loop's sync point (the snapshot is read at once), which also reconciles.
-    ``percent``: the requests settled, rounded down, so that 100% means all (995 of 1,000 rounded is 100%)."""
+    ``percent``: the requests settled, rounded down, so that 100% means all (995 of 1,000 rounded is 100%).
+
+    The mirror column is the free count the scheduler kept, taken before the reconciliation (which
+    would set it to the device's), and must equal the device's: nothing is shared or cached, so the
+    mirror is exact; one counting fewer (safe, but pages lost to the scheduler) fails the run here,
+    as one counting more fails ``reconcile``."""
+    counted = mirror.free
     s = mirror.reconcile(mirror.snapshot())
+    if counted != s["pages.free.current"]:
+        raise AssertionError(f"step {step}: mirror {counted} free pages, device {s['pages.free.current']}")
     med = statistics.median(window) if window else 0.0
     out(f"{step:>6} {running:>7} {waiting:>7} {done:>5} {rejected:>8} {s['pages.used.current']:>6} "
-        f"{s['pages.free.current']:>6} {mirror.free:>6} {mirror.reserved:>8} {preempted:>9} {med:>8.1f} "
+        f"{s['pages.free.current']:>6} {counted:>6} {mirror.reserved:>8} {preempted:>9} {med:>8.1f} "
         f"{percent:>7}%", flush=True)
 
 
