@@ -28,6 +28,7 @@ from the start. Without triton installed, :func:`load` raises
 
 import functools
 import importlib.util
+import os
 import sys
 import threading
 import types
@@ -44,6 +45,12 @@ def available() -> bool:
         return "triton" in sys.modules or importlib.util.find_spec("triton") is not None
     except (ImportError, ValueError):  # a finder that refuses triton
         return False
+
+
+def interpreting() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks for triton's interpreter, read as triton reads it: ``1``, ``true``,
+    ``on``, ``yes`` or ``y`` in any case (imports nothing)."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes", "y")
 
 
 def loaded() -> bool:

@@ -24,6 +24,7 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile("tpool")
 
 import tpool  # noqa: E402
+from tpool.kernels import _triton_shim  # noqa: E402
 from tpool.testing import no_host_sync  # noqa: E402
 
 
@@ -32,7 +33,6 @@ def _triton_ready() -> bool:
     first use), so that ``no_host_sync`` finds the interpreter's launcher from the first test on."""
     if importlib.util.find_spec("triton") is None:
         return False
-    from tpool.kernels import _triton_shim
     _triton_shim.load()
     return True
 
@@ -40,11 +40,11 @@ def _triton_ready() -> bool:
 HAS_TRITON = _triton_ready()
 HAS_CUDA = torch.cuda.is_available()
 # Where the Triton differential tests run: compiled on a GPU, else interpreted on the CPU.
-TRITON_DEVICE = ("cuda" if HAS_CUDA else "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None) \
+TRITON_DEVICE = ("cuda" if HAS_CUDA else "cpu" if _triton_shim.interpreting() else None) \
     if HAS_TRITON else None
 # Triton runs on CPU pools only under its interpreter; on a GPU machine the Triton
 # differential tests (test_triton_*.py) run it compiled on CUDA instead.
-CPU_BACKENDS = ["reference", "numba"] + (["triton"] if HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1" else [])
+CPU_BACKENDS = ["reference", "numba"] + (["triton"] if HAS_TRITON and _triton_shim.interpreting() else [])
 
 
 def i32(values, device="cpu"):

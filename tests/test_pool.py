@@ -631,6 +631,23 @@ def test_tpool_backend_auto_is_no_override(monkeypatch):
         tpool.PagePool(4, device="cpu")
 
 
+@pytest.mark.parametrize("value, interprets", [("1", True), ("true", True), ("ON", True), ("yes", True),
+                                               ("y", True), ("0", False), ("false", False), ("2", False),
+                                               ("", False)])
+def test_triton_interpret_is_read_as_triton_reads_it(monkeypatch, value, interprets):
+    """TRITON_INTERPRET=true runs triton's interpreter, but tpool refused a CPU triton pool unless it was "1"."""
+    from tpool.backends import resolve_backend
+    from tpool.kernels import _triton_shim
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert _triton_shim.interpreting() is interprets
+    if interprets and _triton_shim.available():
+        assert resolve_backend("triton", torch.device("cpu")) == "triton"
+    elif not interprets:
+        with pytest.raises((ValueError, ImportError), match="TRITON_INTERPRET=1|needs triton"):
+            resolve_backend("triton", torch.device("cpu"))
+
+
 def test_alloc_out_is_bounded_by_the_pool_max_batch(backend):
     """``alloc_out(max_batch=)`` took any size (10**5, or 2**31 - 2: ~10 GB), so an alloc of more
     requests than the pool's ``max_batch`` went through with it; alloc without ``out=`` refuses them."""

@@ -16,9 +16,9 @@ they are gone rather than check nothing. ``tests/test_fuzz.py`` shows it catchin
 out-of-bounds load.
 """
 
-import os
-
 import numpy as np
+
+from tpool.kernels import _triton_shim
 
 _spans = []        # (first byte, end, argument name) of each tensor argument of the current launch
 _launch = ["?"]    # the current kernel's name
@@ -124,7 +124,7 @@ def setup(block=None) -> None:
     """What the fuzzers call before their first Triton launch: the address check when the interpreter
     runs (``TRITON_INTERPRET=1``; compiled kernels on a GPU are left alone), and ``block`` lanes per
     chunk if given (:func:`force_block`)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if _triton_shim.interpreting():
         install()
     if block is not None:
         force_block(block)

@@ -204,10 +204,11 @@ def _device_region(name, original):
 
 
 def _interpreter_executor():
-    """Triton's interpreted launcher class when TRITON_INTERPRET=1 and triton is loaded, else None."""
-    import os
+    """Triton's interpreted launcher class when TRITON_INTERPRET asks for it and triton is loaded, else None."""
     import sys
-    if os.environ.get("TRITON_INTERPRET") != "1" or "triton" not in sys.modules:
+
+    from tpool.kernels import _triton_shim
+    if not _triton_shim.interpreting() or "triton" not in sys.modules:
         return None
     from triton.runtime import interpreter
     return interpreter.GridExecutor

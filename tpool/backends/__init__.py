@@ -52,10 +52,15 @@ def resolve_backend(name: str, device: torch.device) -> str:
         from tpool.kernels._triton_shim import INSTALL_HINT  # (imports no triton)
         raise ImportError(f"backend 'triton'{where} needs triton, which is not installed: {INSTALL_HINT} "
                           f"(or pass backend='reference'{'' if device.type == 'cuda' else ', or numba on a CPU'})")
-    if name == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if name == "triton" and device.type == "cpu" and not _interpreting():
         raise ValueError(f"backend 'triton'{where} on a CPU pool needs TRITON_INTERPRET=1 set before triton is "
                          "imported")
     return name
+
+
+def _interpreting() -> bool:
+    from tpool.kernels import _triton_shim  # imports no triton
+    return _triton_shim.interpreting()
 
 
 def _triton_installed() -> bool:
