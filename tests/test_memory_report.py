@@ -90,6 +90,14 @@ def test_a_device_torch_cannot_parse_or_tpool_cannot_use_is_a_valueerror(device,
     assert err.startswith("usage: ") and "report: error: --device: expected" in err   # (the demo's form too)
 
 
+def test_the_report_takes_no_abbreviated_option(capsys):
+    """``report --js`` ran as ``--json`` where the demos refuse an abbreviation: one rule for the CLI."""
+    with pytest.raises(SystemExit) as e:
+        main(["report", "--js"])
+    assert e.value.code == 2
+    assert "unrecognized arguments: --js" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("bad, match", [
     (object(), "memory_bytes"),
     (type("P", (), {"memory_bytes": lambda s: [1]})(), "dict"),

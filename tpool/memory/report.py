@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["report"]:
         argv = argv[1:]
     parser = argparse.ArgumentParser(
-        prog=prog("report"),
+        prog=prog("report"), allow_abbrev=False,  # as the demos': an abbreviation is a usage error
         description="Print the memory ledgers of a device as this process sees them: the caching allocator, the "
                     "driver and the process. It holds no pools or caches; call memory_report(pools=..., "
                     "caches=...) in the engine's process for what they hold.")
