@@ -1,4 +1,5 @@
-"""Packaging basics: the license text, one version, py.typed and the license in the wheel."""
+"""Packaging basics: the license text, one version, py.typed and the license in the wheel, what the wheel and
+the sdist hold."""
 
 import importlib.metadata
 import os
@@ -32,15 +33,22 @@ def test_wheels_are_ignored_by_git():
     assert "*.whl" in open(os.path.join(ROOT, ".gitignore")).read().split()
 
 
-def test_wheel_ships_py_typed_license_and_version(tmp_path):
+@pytest.fixture(scope="module")
+def wheel_names(tmp_path_factory):
+    """The file names in the wheel ``pip wheel`` builds from the checkout, and its METADATA."""
     pytest.importorskip("setuptools")  # --no-build-isolation builds with the installed setuptools
-    cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", ROOT, "-w", str(tmp_path)]
+    out = tmp_path_factory.mktemp("wheel")
+    cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", ROOT, "-w", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
-    (wheel,) = tmp_path.glob("tpool-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+    (wheel,) = out.glob("tpool-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        return z.namelist(), z.read(f"tpool-{tpool.__version__}.dist-info/METADATA").decode()
+
+
+def test_wheel_ships_py_typed_license_and_version(wheel_names):
+    names, meta = wheel_names
     assert "tpool/py.typed" in names and "tpool/kernels/layout.py" in names
     assert f"tpool-{tpool.__version__}.dist-info/licenses/LICENSE" in names
-    meta = zipfile.ZipFile(wheel).read(f"tpool-{tpool.__version__}.dist-info/METADATA").decode()
     assert "License-Expression: Apache-2.0" in meta and f"Version: {tpool.__version__}" in meta
     assert "tpool/kernels/_triton_shim.py" in names
     # triton is optional: required only by the extras that name it (the numba backend runs without it)
@@ -49,6 +57,56 @@ def test_wheel_ships_py_typed_license_and_version(tmp_path):
     assert [r for r in requires if r.startswith("triton")] == ['triton>=3.0; extra == "triton"',
                                                                'triton>=3.0; extra == "dev"']
     assert any(r.startswith("numba") and "extra" not in r for r in requires)
+
+
+def _sources(folder, prefix):
+    """The wheel names of the ``.py`` files under ``folder`` (caches skipped), as installed under ``prefix``."""
+    top = os.path.join(ROOT, folder)
+    return {prefix + os.path.relpath(os.path.join(d, f), top).replace(os.sep, "/")
+            for d, dirs, files in os.walk(top) if "__pycache__" not in d.split(os.sep)
+            for f in files if f.endswith(".py")}
+
+
+def test_wheel_holds_every_module_of_the_source_tree_and_nothing_else(wheel_names):
+    """pyproject.toml lists the packages by name: a new subpackage left off that list is missing from the
+    wheel, while an editable install (which maps the folder) and so the whole suite still import it. And
+    setuptools packs whatever its ``build/lib`` holds: a module removed or renamed after an earlier build in
+    the same checkout ships on, stale, beside the new one."""
+    names, _ = wheel_names
+    shipped = {n for n in names if ".dist-info/" not in n}
+    expected = _sources("tpool", "tpool/") | _sources("kernels", "tpool/kernels/") | {"tpool/py.typed"}
+    assert not expected - shipped, f"left out of the wheel (a package missing from [tool.setuptools] packages " \
+                                   f"in pyproject.toml?): {sorted(expected - shipped)}"
+    assert not shipped - expected, f"in the wheel but not in the source tree (stale copies in {ROOT}/build/lib " \
+                                   f"from an earlier build? remove build/): {sorted(shipped - expected)}"
+
+
+def test_sdist_carries_the_whole_test_suite_and_no_cache(tmp_path):
+    """setuptools' default sdist took tests/test*.py and nothing else: the test files without the
+    conftest.py and helpers they import, nor the benchmarks and changelog they read (MANIFEST.in)."""
+    pytest.importorskip("setuptools")
+    cache = os.path.join(ROOT, "kernels", "__pycache__")
+    planted = os.path.join(cache, "numba.tpool_test_planted-1.py311.nbi")  # as numba leaves in a dev tree
+    os.makedirs(cache, exist_ok=True)
+    open(planted, "w").close()
+    try:
+        # run as a script, as a build frontend runs the backend: with `python -c` the root's kernels/ would
+        # shadow the hf extra's `kernels`, whose egg_info writer setuptools loads
+        script = tmp_path / "build_sdist.py"
+        script.write_text("import sys\nfrom setuptools import build_meta\nprint(build_meta.build_sdist(sys.argv[1]))\n")
+        run = subprocess.run([sys.executable, str(script), str(tmp_path / "dist")], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)
+    finally:
+        os.remove(planted)
+    assert run.returncode == 0, run.stderr
+    import tarfile
+    with tarfile.open(tmp_path / "dist" / run.stdout.strip().splitlines()[-1]) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    wanted = {f"{folder}/{f}" for folder in ("tests", "benchmarks") for f in os.listdir(os.path.join(ROOT, folder))
+              if f.endswith((".py", ".md", ".sh"))}
+    wanted |= {"CHANGELOG.md", "LICENSE", "README.md", "pyproject.toml", ".gitignore", "kernels/layout.py"}
+    assert not wanted - names, sorted(wanted - names)
+    assert not [n for n in names if n.endswith((".pyc", ".nbi", ".nbc")) or "__pycache__" in n]
 
 
 def test_import_tpool_unshadows_the_kernels_package_transformers_imports(tmp_path):
@@ -74,6 +132,36 @@ def test_import_tpool_unshadows_the_kernels_package_transformers_imports(tmp_pat
     assert where("import kernels; print(getattr(kernels, 'WHERE', 'tpool'))") == "tpool"  # the shadowing
     assert where("import tpool, kernels; print(getattr(kernels, 'WHERE', 'tpool'))") == "hub"
     assert where("import tpool, kernels.sub, tpool.kernels.layout as L; print(kernels.sub.WHERE, L.FREE)") == "hub 0"
+
+
+def test_a_checkout_imported_without_an_editable_install_finds_its_kernels():
+    """After a plain ``pip install .`` (no editable finder maps ``kernels/``), Python started in the
+    checkout's root imports the checkout's ``tpool/`` before the installed one: ``import tpool`` (so
+    ``python -m tpool demo`` and ``python -m pytest``) failed with ``No module named 'tpool.kernels'``."""
+    code = ("import sys\n"
+            "sys.meta_path[:] = [f for f in sys.meta_path if not f.__module__.startswith('__editable__')]\n"
+            "import tpool, tpool.kernels.layout as L\n"
+            "print(tpool.__file__)\nprint(L.__file__)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSAFEPATH", "PYTHONPATH")}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    root = os.path.realpath(ROOT)
+    found = [os.path.realpath(p) for p in run.stdout.splitlines()]
+    assert found == [os.path.join(root, "tpool", "__init__.py"), os.path.join(root, "kernels", "layout.py")]
+
+
+def test_an_installed_or_editable_tpool_keeps_its_path(tmp_path):
+    """``map_checkout_kernels`` adds the checkout's root to tpool's path only where nothing else finds
+    ``tpool.kernels``: not for an installed package (its own ``kernels/``), nor where an install maps it."""
+    from tpool import _hub_kernels
+    _package(tmp_path / "kernels", "layout.py", "_numba_util.py")  # a checkout's kernels/ beside tpool/
+    (tmp_path / "tpool").mkdir()
+    path = [str(tmp_path / "tpool")]
+    _hub_kernels.map_checkout_kernels(path)   # this process finds tpool.kernels already (installed or editable)
+    assert path == [str(tmp_path / "tpool")]
+    (tmp_path / "tpool" / "kernels").mkdir()  # an installed tpool holds its kernels
+    _hub_kernels.map_checkout_kernels(path)
+    assert path == [str(tmp_path / "tpool")]
 
 
 def _package(folder, *files):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from tpool import _hub_kernels
 
 _hub_kernels.install()  # tpool's kernels/ folder must not shadow transformers' kernels (tpool._hub_kernels)
+_hub_kernels.map_checkout_kernels(__path__)  # a checkout imported without an editable install finds its kernels/
 
 from tpool._version import __version__  # noqa: E402
 from tpool.errors import (CorruptState, DoubleFree, InvalidCount, InvalidLength, InvalidPage,  # noqa: E402

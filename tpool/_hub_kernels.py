@@ -10,6 +10,10 @@ imports with its models: ``ImportError: cannot import name 'CUDAProperties' from
 distribution's package instead. It does nothing until something imports ``kernels``, and
 nothing when the name resolves elsewhere or no ``kernels`` distribution is installed.
 ``import tpool.kernels`` is not a top-level import and never reaches it.
+
+The other way round, a checkout's ``tpool/`` imported where no editable install maps ``kernels/`` to
+``tpool.kernels`` (a plain ``pip install .``, then Python started in the checkout's root) finds that
+folder through :func:`map_checkout_kernels`.
 """
 
 import importlib.abc
@@ -52,3 +56,21 @@ def install() -> None:
     """Put one :class:`HubKernelsFinder` first on ``sys.meta_path`` (again: nothing)."""
     if not any(isinstance(finder, HubKernelsFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, HubKernelsFinder())
+
+
+def map_checkout_kernels(package_path: list) -> None:
+    """Let ``tpool.kernels`` resolve to a source checkout's ``kernels/`` folder where no install maps it.
+
+    Python started in a checkout's root (``python -m tpool``, ``python -m pytest``) imports the
+    checkout's ``tpool/`` before an installed one. An editable install maps ``kernels/`` to
+    ``tpool.kernels``; after a plain ``pip install .`` nothing does, and ``import tpool`` failed with
+    ``No module named 'tpool.kernels'``. Then the checkout's root joins ``package_path`` (tpool's
+    ``__path__``), where the import system finds ``kernels/``: the folder an editable install maps.
+    An installed tpool (which holds ``kernels/``) and an editable one (which maps it) are left alone.
+    """
+    here = Path(package_path[0])
+    if (here / NAME).is_dir() or importlib.util.find_spec(f"{__package__}.{NAME}") is not None:
+        return
+    root = here.parent
+    if str(root) not in package_path and all((root / NAME / marker).is_file() for marker in MARKERS):
+        package_path.append(str(root))
