@@ -4,10 +4,12 @@ Each block runs in a fresh namespace (nothing carried over from an earlier block
 A bare expression followed by a comment that starts with a Python literal
 (``r.ok       # [True, True, False]   9 more pages ...``) is checked: its value
 (tensors as lists) must equal that literal. A block containing the comment
-``# needs CUDA`` is skipped without a CUDA device.
+``# needs CUDA`` is skipped without a CUDA device, and one that imports a module of an optional extra
+(transformers: the hf extra) is skipped where that module is not installed, as the serving tests skip.
 """
 
 import ast
+import importlib.util
 import io
 import os
 import re
@@ -20,6 +22,7 @@ import tpool
 
 README = os.path.join(os.path.dirname(__file__), "..", "README.md")
 NEEDS_CUDA = "# needs CUDA"
+OPTIONAL = {"transformers": "the hf extra"}  # top-level modules a block may import that tpool does not require
 
 
 def python_blocks(path=README):
@@ -74,6 +77,19 @@ def run_block(source: str) -> int:
     return checked
 
 
+def missing_optional(source: str, optional=OPTIONAL):
+    """Why ``source`` cannot run here: the first module of ``optional`` it imports that is not installed
+    (None when every one is). A module outside ``optional`` never skips a block: a wrong import fails."""
+    for node in ast.walk(ast.parse(source)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+        for name in names:
+            top = name.split(".")[0]
+            if top in optional and importlib.util.find_spec(top) is None:
+                return f"the block needs {top} ({optional[top]}), which is not installed"
+    return None
+
+
 BLOCKS = python_blocks()
 
 
@@ -85,7 +101,25 @@ def test_the_readme_has_python_blocks():
 def test_readme_block_runs_on_its_own(line, source):
     if NEEDS_CUDA in source and not torch.cuda.is_available():
         pytest.skip("the block needs CUDA")
+    missing = missing_optional(source)
+    if missing:
+        pytest.skip(missing)
     run_block(source)
+
+
+def test_a_block_is_skipped_only_for_a_missing_module_of_an_optional_extra():
+    """Without the hf extra the serving block was run and failed (ModuleNotFoundError), where every test
+    that needs transformers skips; a missing module that no extra provides still fails the block."""
+    absent = "tpool_no_such_module_"
+    assert importlib.util.find_spec(absent) is None
+    optional = {absent: "an extra"}
+    said = f"the block needs {absent} (an extra), which is not installed"
+    assert missing_optional(f"import torch\nfrom {absent}.sub import X\n", optional) == said
+    assert missing_optional(f"import {absent} as t\n", optional) == said
+    assert missing_optional("import torch\nimport tpool\n", optional) is None       # installed
+    assert missing_optional(f"import {absent}\n", {}) is None                         # not an extra's: it fails
+    with pytest.raises(ModuleNotFoundError):
+        run_block(f"import {absent}\n")
 
 
 def test_claimed_values_are_checked():
