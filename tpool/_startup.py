@@ -28,7 +28,7 @@ def announce_compile(cache_dir: str, name: str = "") -> None:
     call, would otherwise be silent for tens of seconds).
 
     A first process on a machine (or after an upgrade of tpool or numba) spends seconds
-    in each kernel's first call, ~20 s for a first alloc and step on a 2-core machine;
+    in each kernel's first call, ~30 s for a first alloc and step on a 2-core machine;
     without a word it looks hung. The line goes to the ``tpool`` logger (INFO) when the
     application has configured logging, else straight to stderr.
     """
@@ -36,7 +36,7 @@ def announce_compile(cache_dir: str, name: str = "") -> None:
     now = time.perf_counter()
     if _compile_announced is None:
         msg = ("tpool: compiling numba kernels that are not cached yet (first use on this machine, or after an "
-               f"upgrade): seconds per kernel, ~20 s for a first alloc and step on 2 cores, once; cache: {cache_dir}")
+               f"upgrade): seconds per kernel, ~30 s for a first alloc and step on 2 cores, once; cache: {cache_dir}")
     elif now - _compile_announced > _STILL_AFTER_S:
         msg = f"tpool: still compiling numba kernels ({name or 'another'}, not cached yet)"
     else:
@@ -57,7 +57,7 @@ def announce_no_cache() -> None:
         _no_cache_announced = True
         _say("tpool: no writable place to cache numba kernels (NUMBA_CACHE_DIR unset or not writable, tpool's "
              "package directory read-only, the user's cache directory (~/.cache/numba) not writable): every "
-             "process compiles them again, ~20 s for a first alloc and step on 2 cores; set NUMBA_CACHE_DIR to a "
+             "process compiles them again, ~30 s for a first alloc and step on 2 cores; set NUMBA_CACHE_DIR to a "
              "writable directory to keep them")
 
 
