@@ -322,7 +322,7 @@ def test_a_rejected_request_names_the_pages_its_prompt_and_output_need():
     msgs = [line for line in lines if line.startswith("rejected request")]
     assert len(msgs) == 3 and not any("more requests rejected" in line for line in lines)
     for line in msgs:
-        need, p, o, ps = map(int, re.search(r"needs (\d+) pages \(prompt (\d+) \+ output (\d+) tokens of (\d+)\)",
+        need, p, o, ps = map(int, re.search(r"needs (\d+) pages \(prompt (\d+) \+ output (\d+) tokens, (\d+) a page\)",
                                             line).groups())
         assert need == -(-(p + o) // ps) > 84, line
 

@@ -90,7 +90,7 @@ def run(requests=256, batch=64, num_pages=4096, page_size=16, seed=0, device=Non
                            num_pages * page_size)
     for q in rejected[:SHOW_REJECTED]:
         out(f"rejected request {q}: it needs {mirror.pages_for(prompts[q] + outputs[q])} pages (prompt {prompts[q]} "
-            f"+ output {outputs[q]} tokens of {page_size}), the pool has {num_pages}")
+            f"+ output {outputs[q]} tokens, {page_size} a page), the pool has {num_pages}")
     if len(rejected) > SHOW_REJECTED:
         out(f"... and {len(rejected) - SHOW_REJECTED} more requests rejected for the same reason")
     if len(rejected) < requests:

@@ -29,7 +29,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=at_most(MAX_REQUESTS, "each is checked against generate"), default=32,
                     help=f"number of prompts, at most {MAX_REQUESTS:,} (default 32)")
     ap.add_argument("--num-pages", type=at_most(MAX_PAGES, "each page holds the K/V of every layer"), default=48,
-                    help=f"pool pages, too few for all, at most {MAX_PAGES:,} (default 48)")
+                    help=f"pool pages, at most {MAX_PAGES:,} (default 48: fewer than the running requests "
+                         "can grow to, so the loop preempts)")
     ap.add_argument("--page-size", type=positive_int, default=4,
                     help=f"tokens per page (default 4); --num-pages x --page-size at most {MAX_POOL_TOKENS:,}")
     ap.add_argument("--batch", "--max-batch", dest="max_batch", type=at_most(MAX_BATCH, "lanes of one forward"),
