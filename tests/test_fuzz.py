@@ -83,6 +83,17 @@ for name, n, m in (("load", 5, 4), ("store", 4, 5)):        # one lane past src 
 def at(src, dst, off):
     tl.store(dst, tl.load(src + off.to(tl.int64)))
 
+@triton.jit
+def run_into(a, b, off):   # a: int32; off lands in b, an int64 argument (an index run past a)
+    tl.store(a, tl.load(a + off.to(tl.int64)))
+
+wide = torch.zeros(4, dtype=torch.int64)
+try:
+    run_into[(1,)](out, wide, (wide.data_ptr() - out.data_ptr()) // 4)
+    print("dtype unseen")
+except Exception as e:
+    print("dtype raised", "OutOfBounds" in repr(e))
+
 if GUARDED:   # an address 4 bytes below 2**64 (src + off wraps): checked without an addition that would wrap too
     try:
         at[(1,)](big, out, -(big.data_ptr() // 4) - 1)
@@ -95,7 +106,8 @@ if GUARDED:   # an address 4 bytes below 2**64 (src + off wraps): checked withou
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_the_triton_address_check_catches_an_access_past_a_view(tmp_path):
     """``tests/triton_guard.py`` on a planted kernel: reading one lane past a 4-element view of a larger
-    tensor, and writing one past another, raise before the access (nothing past the view is written);
+    tensor, and writing one past another, raise before the access (nothing past the view is written), and
+    so does an int32 load that lands in an int64 argument (the wrong element size);
     the interpreter alone reads and writes the neighbouring elements without a word."""
     script = tmp_path / "guard_demo.py"
     script.write_text(GUARD_DEMO)
@@ -103,13 +115,15 @@ def test_the_triton_address_check_catches_an_access_past_a_view(tmp_path):
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.splitlines() == ["ok [4, 5, 6, 7, 0]", "load raised InterpreterError True True",
-                                     "store raised InterpreterError True True", "wrap raised True"], \
+                                     "store raised InterpreterError True True", "dtype raised True",
+                                     "wrap raised True"], \
         p.stdout + p.stderr[-2000:]
     unguarded = GUARD_DEMO.replace("GUARDED = True\ntriton_guard.install()", "GUARDED = False")
     assert unguarded != GUARD_DEMO
     script.write_text(unguarded)
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
-    assert p.stdout.splitlines()[1:] == ["load unseen", "store unseen"], p.stdout + p.stderr[-2000:]
+    assert p.stdout.splitlines()[1:] == ["load unseen", "store unseen", "dtype unseen"], \
+        p.stdout + p.stderr[-2000:]
 
 
 @pytest.mark.stress

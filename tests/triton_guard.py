@@ -5,8 +5,10 @@ there (or kills the process), and most do neither visibly: the interpreter check
 fuzzers (``tests/fuzz_lockstep.py``, ``tests/fuzz_corrupt.py --backend triton``) call
 :func:`install` before the first launch: from then on every load, store and atomic of a launch
 must address, on each lane its mask leaves on, bytes inside one of the launch's tensor
-arguments; otherwise :class:`OutOfBounds` is raised before the access (the interpreter wraps it
-in its ``InterpreterError``). A tensor's bytes run from its ``data_ptr`` over its strides
+arguments whose element size is the access's (an int32 load run into a neighbouring int64
+argument is caught too; a wrapper such as ``triton.reinterpret`` takes any size); otherwise
+:class:`OutOfBounds` is raised before the access (the interpreter wraps it in its
+``InterpreterError``). A tensor's bytes run from its ``data_ptr`` over its strides
 (``storage_offset`` included, the rest of its storage not: a kernel is given a view, not what
 lies around it).
 
@@ -20,7 +22,7 @@ import numpy as np
 
 from tpool.kernels import _triton_shim
 
-_spans = []        # (first byte, end, argument name) of each tensor argument of the current launch
+_spans = []        # (first byte, end, argument name, element size) of each tensor argument of the current launch
 _launch = ["?"]    # the current kernel's name
 _installed = [False]
 
@@ -44,9 +46,10 @@ def _add_spans(a, name: str) -> None:
         for i, x in enumerate(a):
             _add_spans(x, f"{name}[{i}]")
     elif hasattr(a, "data_ptr") and hasattr(a, "stride") and hasattr(a, "numel"):
-        _spans.append((*_span(a), name))
+        _spans.append((*_span(a), name, a.element_size()))
     elif hasattr(a, "base") and a.base is not a:
         _add_spans(a.base, name)
+        _spans[-1] = (*_spans[-1][:3], 0)  # (a wrapper may reinterpret its base: any element size)
 
 
 def _check(kind: str, ptrs, mask, nbytes: int) -> None:
@@ -57,16 +60,19 @@ def _check(kind: str, ptrs, mask, nbytes: int) -> None:
     if a.size == 0:
         return
     inside = np.zeros(a.shape, bool)
-    for lo, hi, _ in _spans:   # (no a + nbytes: an address near 2**64 would wrap to a small one)
-        inside |= (a >= np.uint64(lo)) & (a < np.uint64(hi)) & (np.uint64(hi) - a >= np.uint64(nbytes))
+    # An access must lie in a tensor argument of its own element size: one that lands in a neighbouring
+    # argument of another dtype (an index run past an int32 array into an int64 one) is caught too.
+    for lo, hi, _, size in _spans:   # (no a + nbytes: an address near 2**64 would wrap to a small one)
+        if size in (0, nbytes):
+            inside |= (a >= np.uint64(lo)) & (a < np.uint64(hi)) & (np.uint64(hi) - a >= np.uint64(nbytes))
     if inside.all():
         return
     bad = [int(x) for x in a[~inside][:3]]
-    near = [min(_spans, key=lambda s: min(abs(b - s[0]), abs(b - s[1])), default=(0, 0, "none")) for b in bad]
-    said = "; ".join(f"{b:#x} ({(b - s[0]) // nbytes:+d} elements from {s[2]}, which holds {(s[1] - s[0]) // nbytes})"
-                     for b, s in zip(bad, near))
-    raise OutOfBounds(f"{_launch[0]}: {kind} of {int((~inside).sum())} lanes outside every tensor argument, e.g. "
-                      f"{said}")
+    near = [min(_spans, key=lambda s: min(abs(b - s[0]), abs(b - s[1])), default=(0, 0, "none", 0)) for b in bad]
+    said = "; ".join(f"{b:#x} ({(b - s[0]) // nbytes:+d} elements from {s[2]}, which holds {(s[1] - s[0]) // nbytes}"
+                     f"{'' if s[3] in (0, nbytes) else f' of {s[3]} bytes each'})" for b, s in zip(bad, near))
+    raise OutOfBounds(f"{_launch[0]}: {kind} of {int((~inside).sum())} {nbytes}-byte lanes outside every tensor "
+                      f"argument of that element size, e.g. {said}")
 
 
 def install() -> None:
