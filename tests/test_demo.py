@@ -633,6 +633,20 @@ def test_the_model_demos_check_says_how_far_it_got(monkeypatch):
     assert lines[start + 3].endswith("requests matching generate: 6/6") and r["mismatches"] == 0
 
 
+def test_the_model_demo_counts_apart_the_requests_not_arrived_yet():
+    """Its step rows said "waiting 28" at step 0 for requests that arrive at later steps (arrival i // 4):
+    waiting counts the arrived ones, and "+N to arrive" the rest; every request is in one column."""
+    pytest.importorskip("transformers")
+    from tpool.serving import engine
+    lines = []
+    engine.run_demo("llama", backend="numba", requests=12, num_pages=16, page_size=4, max_batch=4, system_len=0,
+                    prefix_cache=False, out=lambda s, **_: lines.append(s))
+    m = re.match(r"step    0: running +(\d+), waiting +(\d+) \(\+(\d+) to arrive\)", lines[1])
+    assert m, lines[:3]
+    running, waiting, later = map(int, m.groups())
+    assert running + waiting == 4 and later == 8   # requests 0-3 arrive at step 0, 4-11 at steps 1 and 2
+
+
 def test_a_mirror_counting_fewer_free_pages_than_the_device_fails_the_run(monkeypatch):
     """Each row reconciled the mirror before printing it, so the mirror column always showed the device's
     count, and the final check compared a mirror the last row had just set to the device's: a mirror that

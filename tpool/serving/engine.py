@@ -431,7 +431,9 @@ class Engine:
                 self.stats.steps += 1
                 self.stats.step_s.append(time.perf_counter() - t_step)
                 if out is not None and step % 10 == 0:
-                    out(f"step {step:>4}: running {len(running):>2}, waiting {len(waiting):>2}, tokens this step "
+                    arrived = sum(w.arrival <= step for w in waiting)   # (the rest arrive at later steps)
+                    out(f"step {step:>4}: running {len(running):>2}, waiting {arrived:>2} (+{len(waiting) - arrived} "
+                        f"to arrive), tokens this step "
                         f"{sum(len(feed[r.rid]) for r in lanes):>3}, preemptions {self.stats.preemptions}, forks "
                         f"{self.stats.forks}, cache hits {self.stats.cache_hits}, rollbacks {self.stats.rollbacks}, "
                         f"free pages (mirror) {self.mirror.free}", flush=True)
