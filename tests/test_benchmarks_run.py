@@ -731,7 +731,7 @@ def test_plot_draws_a_cold_series_dashed_in_its_warm_series_colour(tmp_path, mon
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-# --- Found by helper-172's review of the scripts' odd options (session 43) ----------------------------------
+# --- Found by helper-172's review of the scripts' odd options (session 46) ----------------------------------
 
 def test_print_table_with_no_rows_prints_its_header(capsys):
     """A run whose every configuration was skipped has no rows: the title and header alone, not a TypeError

@@ -25,6 +25,7 @@ import time
 
 from tpool import _checks
 from tpool._prog import prog
+from tpool.kernels.layout import INT32_MAX
 from tpool.page_table import PageTable
 from tpool.pool import PagePool
 from tpool.scheduling import HostMirror
@@ -241,7 +242,7 @@ def at_most(hi: int, why: str):
 MAX_REQUESTS = 1_000_000      # the queue's lengths are host lists made up front
 MAX_PAGES = 1 << 24           # 16,777,216 pages: ~1 GiB of pool state; the library itself takes more
 MAX_BATCH = 1 << 16           # 65,536 table rows
-MAX_POOL_TOKENS = 2**31 - 1   # num_pages x page_size: slot indices are int32
+MAX_POOL_TOKENS = INT32_MAX   # num_pages x page_size: slot indices are int32 (PageTable's own bound)
 
 
 def count_int(text):

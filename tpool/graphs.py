@@ -88,14 +88,13 @@ def preserved(*owners):
     >>> pool.available()
     8
     """
-    _check_owners(owners)
+    tensors = state_tensors(*owners)  # (which refuses an owner that is not a pool or table first)
     for owner in owners:
         group = getattr(owner, "pool", owner)._group
         if group is not None and group.owned_here():
             raise RuntimeError("preserved: a free group of this pool is open in this thread; the frees it would "
                                "queue are not in the state preserved restores (they would be applied at the "
                                "group's exit): exit the free group first")
-    tensors = state_tensors(*owners)
     with _locked(owners):
         saved = clones_between_calls(tensors)
     try:

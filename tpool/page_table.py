@@ -100,7 +100,7 @@ class PageTable:
         # one tuple, replaced whole: another thread reads the old tuple or the new, never a mix; and what
         # a memo says holds of the tensors it names, whichever thread's call checked them.
         self._seen_ids, self._seen_nums = _checks.NOT_SEEN, _checks.NOT_SEEN  # the last inputs checked (_lanes)
-        self._repeat = (*(_checks.UNCHECKED,) * 4, None, None)  # None: no BoundStep yet (step_binding)
+        self._repeat = (*(_checks.UNCHECKED,) * 4, None)  # None: no BoundStep yet (step_binding)
         self._shapes.on_drop(self._shape_dropped)
 
     def __reduce_ex__(self, protocol):
@@ -296,7 +296,7 @@ class PageTable:
         if (req_ids is last[0] and num_tokens is last[1]
                 and (max_tokens is last[2] or (type(max_tokens) is int and max_tokens == last[2]))
                 and (capacity is last[3] or (type(capacity) is int and capacity == last[3]))):
-            run = last[5]
+            run = last[4]
             if run is None:  # the second step in a row on these tensors: bind them (checked once, there)
                 run = self._bind_repeat(req_ids, num_tokens, last[2], last[3])
             try:
@@ -304,7 +304,7 @@ class PageTable:
             except StaleBinding:  # reassigned or resized since: check them as new inputs
                 pass
         b, entry = self._step_shape(req_ids, num_tokens, max_tokens, capacity)
-        self._repeat = (req_ids, num_tokens, max_tokens, capacity, None, None)
+        self._repeat = (req_ids, num_tokens, max_tokens, capacity, None)
         entry[1](req_ids, num_tokens, b)
         return entry[0]
 
@@ -314,12 +314,11 @@ class PageTable:
         Made and noted under the pool's lock, so a drop of its shape (``max_shapes``, on any
         thread) comes before, and the binding writes the buffers made again, or after, and
         :meth:`_shape_dropped` forgets it: a repeated step never writes buffers the table no
-        longer keeps (which capture would neither pin nor refuse). On CUDA the call pins its
-        shape when it runs inside graph capture, as an unbound call of that shape does (as every
-        :class:`BoundStep` on the table's buffers does)."""
+        longer keeps (which capture would neither pin nor refuse). On CUDA the BoundStep pins its
+        shape when it runs inside graph capture, as an unbound call of that shape does."""
         with self.pool.state.lock:
             run = BoundStep(self, req_ids, num_tokens, max_tokens, capacity)
-            self._repeat = (req_ids, num_tokens, max_tokens, capacity, run, run)
+            self._repeat = (req_ids, num_tokens, max_tokens, capacity, run)
         return run
 
     def _shape_dropped(self, key):
@@ -327,7 +326,7 @@ class PageTable:
         :meth:`step` that writes its buffers. The inputs stay noted, so the next step binds them again."""
         last = self._repeat
         if last[4] is not None and last[4]._key == key:
-            self._repeat = (*last[:4], None, None)
+            self._repeat = (*last[:4], None)
 
     def _step_into(self, req_ids, num_tokens, max_tokens, capacity, out, release=None, release_cache=False):
         """:meth:`step` into caller-owned outputs (``out``), or releasing requests first (``release``)."""

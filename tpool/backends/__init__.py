@@ -48,19 +48,16 @@ def resolve_backend(name: str, device: torch.device) -> str:
         raise ValueError(f"backend: expected 'auto' or one of {BACKENDS}, got {name!r}{where}")
     if name == "numba" and device.type != "cpu":
         raise ValueError(f"backend 'numba'{where} runs on host memory: expected device cpu, got {device}")
-    if name == "triton" and not _triton_installed():
-        from tpool.kernels._triton_shim import INSTALL_HINT  # (imports no triton)
-        raise ImportError(f"backend 'triton'{where} needs triton, which is not installed: {INSTALL_HINT} "
-                          f"(or pass backend='reference'{'' if device.type == 'cuda' else ', or numba on a CPU'})")
-    if name == "triton" and device.type == "cpu" and not _interpreting():
-        raise ValueError(f"backend 'triton'{where} on a CPU pool needs TRITON_INTERPRET=1 set before triton is "
-                         "imported")
+    if name == "triton":
+        from tpool.kernels import _triton_shim  # imports no triton
+        if not _triton_installed():
+            raise ImportError(f"backend 'triton'{where} needs triton, which is not installed: "
+                              f"{_triton_shim.INSTALL_HINT} (or pass backend='reference'"
+                              f"{'' if device.type == 'cuda' else ', or numba on a CPU'})")
+        if device.type == "cpu" and not _triton_shim.interpreting():
+            raise ValueError(f"backend 'triton'{where} on a CPU pool needs TRITON_INTERPRET=1 set before triton "
+                             "is imported")
     return name
-
-
-def _interpreting() -> bool:
-    from tpool.kernels import _triton_shim  # imports no triton
-    return _triton_shim.interpreting()
 
 
 def _triton_installed() -> bool:
