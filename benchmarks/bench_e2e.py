@@ -155,6 +155,10 @@ def main(argv=None):
     ap = parser()
     a = ap.parse_args(argv)
     check_model(ap, a)
+    held = a.prompt + max(a.inner, WARMUP_STEPS)        # tokens a request holds after a sample's decode steps
+    if held > POSITIONS:
+        ap.error(f"argument --prompt: a request would hold {held} tokens (--prompt {a.prompt} + "
+                 f"{max(a.inner, WARMUP_STEPS)} decoded), past the model's {POSITIONS} positions")
     check_backends(ap, "--backend", [a.backend], "cpu")
     if importlib.util.find_spec("transformers") is None:
         ap.error("needs transformers, which is not installed: pip install -e '.[hf]'")

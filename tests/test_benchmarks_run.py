@@ -326,6 +326,7 @@ BAD_OPTIONS = [  # (script, argv, the option its error names): argparse refuses 
     ("bench_e2e", ["--heads", "3", "--kv-heads", "2"], "--heads"),
     ("bench_e2e", ["--hidden", "24"], "--heads"),  # a head size of 3: rotary embeddings need an even one
     ("bench_e2e", ["--vocab", "1"], "--vocab"),
+    ("bench_e2e", ["--prompt", "4090", "--inner", "8"], "--prompt"),  # 4,098 tokens: past the 4,096 positions
     ("bench_prefix", ["--kv-heads", "3"], "--kv-heads"),
     # an output the run could not write at its end, or a cache directory numba could not write
     ("bench_startup", ["--cache-dir", os.path.join(__file__, "sub")], "--cache-dir"),  # under a file
@@ -818,3 +819,14 @@ def test_churn_names_the_backend_auto_ran(tmp_path, monkeypatch, capsys):
                                   "--scenarios", "plain", "--json", str(out)])
     assert ", numba on cpu (host us per step" in capsys.readouterr().out
     assert {(r["backend"], r["device"]) for r in json.loads(out.read_text())["rows"]} == {("numba", "cpu")}
+
+
+def test_progress_counts_from_the_process_start():
+    """The progress lines' clock starts when the process does, not when _common is imported: a process that
+    spends 1 s (as importing torch and transformers does) before importing it prints at least 1.0 s."""
+    code = ("import sys, time; time.sleep(1.0); sys.path.insert(0, sys.argv[1]); "
+            "import _common; _common.progress('first')")
+    run = subprocess.run([sys.executable, "-c", code, BENCH], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    seconds = float(re.search(r"\[\s*([\d.]+) s\] first", run.stderr).group(1))
+    assert seconds >= 1.0, run.stderr
