@@ -149,10 +149,10 @@ def main(argv=None):
     print_table(f"LRU churn, every page cached: a step touches {args.touch}, evicts {args.k} and caches them again, "
                 f"on {device} (us per step)",
                 ["pages", "impl", "median", "p20", "p80", "p99", "max", "cleaned", "passes", "span", "vs host"], table,
-                note="cleaned: steps in which the LRU queue's cleaner ran (the queue spanned more than 2 pools); passes: cleaning passes that "
-                     "ended (the tail brought back); span: the widest the queue was after a step, in pool sizes "
-                     "(past 3, the next call that pushes compacts it whole). vs host: the OrderedDict's median "
-                     "over tpool's (above 1, tpool is faster).")
+                note="cleaned: steps in which the LRU queue's cleaner ran (the queue spanned more than 2 pools); "
+                     "passes: cleaning passes that ended (the tail brought back); span: the widest the queue was "
+                     "after a step, in pool sizes (past 3, the next call that pushes compacts it whole). vs host: "
+                     "the OrderedDict's median over tpool's (above 1, tpool is faster).")
     write_json(args.json, "bench_lru", rows)
 
 

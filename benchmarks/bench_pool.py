@@ -269,9 +269,9 @@ def main(argv=None):
                             "the pool's device. torch-slice: SGLang's page_size-1 allocator (N token slots, not "
                             "pages). host-list: a Python list's slice and extend, the floor of a host free list "
                             "(no engine's design), which a pool whose state lives on the device and never syncs "
-                            "is not built to beat on a CPU. sglang-paged and torch-slice free by concatenating onto the "
-                            "whole free tensor, as SGLang does: their time grows with the pool. vllm-queue is left out "
-                            f"of pools past {VLLM_MAX_PAGES:,} pages (a Python object per page).")
+                            "is not built to beat on a CPU. sglang-paged and torch-slice free by concatenating onto "
+                            "the whole free tensor, as SGLang does: their time grows with the pool. vllm-queue is left "
+                            f"out of pools past {VLLM_MAX_PAGES:,} pages (a Python object per page).")
     write_json(args.json, "bench_pool", rows)
     if args.plot:
         sweep = len(pool_sizes) > 1

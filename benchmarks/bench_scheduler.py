@@ -315,14 +315,16 @@ def plot(path, results, every):
 def parser():
     """The command line: every option with its help and default."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
-                                 epilog=f"Progress goes to stderr. The schedulers take turns in blocks of {TURN} steps ({TURN_COLD} "
-                                        "cold; in an order shuffled every block). With --cold, they run twice: warm "
+                                 epilog=f"Progress goes to stderr. The schedulers take turns in blocks of {TURN} "
+                                        f"steps ({TURN_COLD} cold; in an order shuffled every block). With --cold, "
+                                        "they run twice: warm "
                                         "(--steps steps), then cold (--cold-steps steps, --cold-bytes written "
                                         "before each step, untimed).")
     ap.add_argument("--steps", type=positive_int, default=4000, help="timed steps per scheduler (warm)")
     ap.add_argument("--warmup", type=non_negative_int, default=64, help="untimed steps first, for compilation")
     ap.add_argument("--requests", type=positive_int, default=256, help="running requests")
-    ap.add_argument("--turnover", type=positive_int, default=2, help="requests finished and admitted each --every steps")
+    ap.add_argument("--turnover", type=positive_int, default=2,
+                    help="requests finished and admitted each --every steps")
     ap.add_argument("--every", type=positive_int, default=8, help="steps between turnovers")
     ap.add_argument("--num-pages", type=positive_int, default=65536,
                     help="pages in the pool, at least what the --requests prompts admitted at the start take")

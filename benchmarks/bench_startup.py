@@ -8,8 +8,8 @@ process to the step's end (the interpreter's own start-up included).
 Warm runs find every kernel in numba's disk cache (one untimed run fills it
 first, and Python's bytecode cache too: children run without
 ``PYTHONDONTWRITEBYTECODE``, as a user's Python does); cold runs start with an
-empty numba cache directory and compile every kernel they use. Baseline, in the same run: as many fresh interpreters that
-only ``import torch``, the floor under any library built on torch; the ratio
+empty numba cache directory and compile every kernel they use. Baseline, in the same run: as many fresh
+interpreters that only ``import torch``, the floor under any library built on torch; the ratio
 is tpool's launch-to-first-step over torch's launch-to-import. After its timed
 phases each process makes 20,000 small objects (``next 20,000 objects``), as its
 next work would: a garbage collection that start-up made due but put off (under

@@ -271,8 +271,8 @@ def new_version(td):
 
     Called by every numba entry point that may change ``block_table`` or
     ``seq_lens``: directly by the step and ``restamp_table``, by extend, release,
-    truncate and fork through ``stamp_rows`` when the call names a row. The source is not part of any table's state, so restoring a
-    snapshot (which puts the old version back with the old contents) never
+    truncate and fork through ``stamp_rows`` when the call names a row. The source is not part of any table's state,
+    so restoring a snapshot (which puts the old version back with the old contents) never
     makes two different contents share a version; a step's CSR memo relies on
     that (see ``kernels/step.py``). Contents changed by hand (not through
     tpool calls or a whole-state restore) keep their version: call

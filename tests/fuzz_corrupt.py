@@ -418,7 +418,8 @@ def check_step(r, cfg, B, T):
     check_indptr(r.qo_indptr, T, "step.qo_indptr")
     check_csr(r.csr, B, P, ps, "step.csr", r.kv_lens, MP)
     s, pos = r.slots.tolist(), r.positions.tolist()
-    _need(all((a < 0) == (b < 0) for a, b in zip(s, pos)), f"step: slots and positions -1 at different places: {s} {pos}")
+    _need(all((a < 0) == (b < 0) for a, b in zip(s, pos)),
+          f"step: slots and positions -1 at different places: {s} {pos}")
 
 
 # ------------------------------------------------------------------ execution

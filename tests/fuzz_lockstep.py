@@ -151,7 +151,8 @@ def gen_op(rng: random.Random, cfg: dict, edits: bool, mix: str = "all") -> tupl
         if name == "counters" and rng.random() < 0.3:  # around the LRU queue's room and its position limit
             value = rng.choice([2 * P, 3 * P, 3 * P + 1, 4 * P, 4 * P + 1, 2**62, 2**62 + 1])
         at = rng.randrange(size)
-        if mix == "lru" and name == "counters" and EDIT_COUNTERS[at] == L.CLOCK and rng.random() < 0.3:  # a clock about to wrap
+        # a clock about to wrap
+        if mix == "lru" and name == "counters" and EDIT_COUNTERS[at] == L.CLOCK and rng.random() < 0.3:
             value = rng.choice([2**63 - 1, 2**63 - 2, -2**63])
         return (kind, name, at, value)
     if kind == "alias":

@@ -143,8 +143,8 @@ def test_a_storage_shrunk_in_place_at_the_same_address_is_stale():
         return pages, run
 
     padding = torch.full((64,), -1, dtype=torch.int32)
-    for make, unbound in ((bound_step, lambda t: table.step(t, ntok)), (bound_step_tokens, lambda t: table.step(padding, t)),
-                          (bound_free, pool.free)):
+    for make, unbound in ((bound_step, lambda t: table.step(t, ntok)),
+                          (bound_step_tokens, lambda t: table.step(padding, t)), (bound_free, pool.free)):
         found = _shrunk_at_the_same_address(make)
         if found is None:
             pytest.skip("the allocator never gave a shrunk storage its old address back")

@@ -18,7 +18,8 @@ def test_preserved_restores_pool_and_table_state(make_pool):
         pool.alloc(i32([5]))
         assert not torch.equal(table.seq_lens, before[1])
     after = state_tensors(table)
-    assert len(after) == len(before) == len(tpool.graphs.state_tensors(pool)) + 6  # block_table, seq_lens, 2 scratch, 2 versions
+    # block_table, seq_lens, 2 scratch, 2 versions
+    assert len(after) == len(before) == len(tpool.graphs.state_tensors(pool)) + 6
     assert all(torch.equal(a, b) for a, b in zip(after, before))
 
 

@@ -118,8 +118,8 @@ class TableOps(Protocol):
         """Empty row ``row`` takes ``pages`` (int32 ``[k]``, a prefix-cache hit) and ``k * page_size``
         tokens, all or none, one reference each (with ``gens``, int32 ``[k]``: only if every page still
         has the generation recorded there, else each stale entry is a ``use_after_free``); then, as
-        ``restamp_rows`` of that row (numba), the CSR ``memos`` forget it and it gets a fresh stamp. One call (numba: one kernel call besides the
-        memos'; triton: one launch)."""
+        ``restamp_rows`` of that row (numba), the CSR ``memos`` forget it and it gets a fresh stamp. One call (numba:
+        one kernel call besides the memos'; triton: one launch)."""
 
     def block_table_rows(self, req_ids: Tensor, out: Tensor) -> None:
         """vLLM-style rows of the batch into ``out`` (int32 ``[B, max_pages]``)."""
