@@ -6,7 +6,8 @@ prompts of 512-2048 tokens, pages of 16, one decode token each): ``table.extend`
 and ``table.step``, each called ``--samples`` times under ``torch.profiler``, the state restored after
 each burst (within a burst every call appends one more token, a new page every 16th; each burst starts
 from the same table). A row is the kernel's own device time per call
-(median, p20/p80), not the host's launch cost, and its share of the step kernel's median.
+(median, p20/p80), not the host's launch cost, and its share of the step's device time per call (the sum
+of the medians of the kernels ``table.step`` launches: one on the Triton backend today).
 
 On an NVIDIA H200 (session 25), B=256: extend 8.0 µs, CSR export 34.0 µs, step 51.0 µs: the
 export's entries pass (one program searching indptr for each of ~20,000 page ids) is two thirds of
@@ -79,15 +80,18 @@ def main(argv=None) -> int:
                 ["B", "part", "kernel", "calls", "median", "p20", "p80", "share of step"],
                 [[r["B"], r["part"], r["kernel"], r["calls"], f"{r['median_us']:.1f}", f"{r['p20_us']:.1f}",
                   f"{r['p80_us']:.1f}", f"{r['share_of_step']:.2f}"] for r in rows],
-                "share of step: the row's median over the step kernel's, measured in the same run.")
+                "share of step: the row's median over the step's device time per call (the sum of its kernels' "
+                "medians), measured in the same run.")
     write_json(a.json, "gpu_step_phases", rows)
     return 0
 
 
 def phase_rows(B: int, found: dict) -> list:
-    """The rows of one batch size: ``found[part][kernel]`` is that kernel's device times (µs) per call. Numbers
-    stay numbers (the JSON's too: the table formats them)."""
-    step = quantiles(sorted(sum(found["step"].values(), [])))[0]
+    """The rows of one batch size: ``found[part][kernel]`` is that kernel's device times (µs) per call. A row's
+    share is its median over the step's time per call, the sum of its kernels' medians (pooling their times
+    into one median would take one kernel's time, or the middle of two). Numbers stay numbers (the JSON's
+    too: the table formats them)."""
+    step = sum(quantiles(sorted(ts))[0] for ts in found["step"].values())
     rows = []
     for name, kernels in found.items():
         for kernel, ts in kernels.items():

@@ -786,6 +786,17 @@ def test_gpu_step_phases_rows_keep_numbers_as_numbers():
     assert all(type(r[k]) is float for r in rows for k in ("median_us", "p20_us", "p80_us", "share_of_step"))
 
 
+def test_gpu_step_phases_share_of_step_adds_the_step_kernels():
+    """A step that launches two kernels (40 and 10 µs a call) takes 50 µs a call: each row's share is over 50,
+    not over the median of the two kernels' times pooled (10 or 40, whichever the pooled middle lands on)."""
+    found = {"step": {"step_kernel": [40.0, 40.0, 40.0], "memset": [10.0, 10.0, 10.0]},
+             "extend": {"extend_kernel": [5.0, 5.0, 5.0]}}
+    rows = {r["kernel"]: r for r in load("gpu_step_phases").phase_rows(256, found)}
+    assert rows["step_kernel"]["share_of_step"] == pytest.approx(0.8)
+    assert rows["memset"]["share_of_step"] == pytest.approx(0.2)
+    assert rows["extend_kernel"]["share_of_step"] == pytest.approx(0.1)
+
+
 def test_startup_refuses_a_child_whose_first_alloc_or_step_was_refused():
     """A child whose pool cannot hold its first alloc and step (8 requests: 16 pages) would time calls that
     return at once, refused: the parent stops, saying so. With 16 pages both succeed."""
