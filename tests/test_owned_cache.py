@@ -508,6 +508,29 @@ def test_plain_put_of_values_read_from_the_cache_may_evict_their_entries(copy):
     cache.check_invariants()
 
 
+def test_eviction_skips_entries_that_free_nothing_for_the_new_value():
+    """An entry holding only storages the new value keeps as they are (the same owned tensor under two
+    keys), or none of any size, frees no bytes when evicted: the storage stays alive, charged to the new
+    entry. It was evicted anyway, least recently used first, and lost for nothing."""
+    shared = torch.zeros(2 * UNIT // 4)  # 2 units, owns its storage: kept as it is, charged once
+    cache = OwnedCache(4 * UNIT)
+    cache.put("shared", shared)
+    cache.put("empty", torch.zeros(0))
+    cache.put("other", full(2))
+    assert cache.stats().current_bytes == 4 * UNIT
+    assert cache.put("new", [shared, full(1)])  # 3 units with "shared" or without it: "other" must go
+    assert cache.keys() == ["shared", "empty", "new"] and cache.stats().evictions == 1
+    assert cache.stats().current_bytes == 3 * UNIT
+    cache.check_invariants()
+    # When the count is what binds, any entry makes room, least recently used first
+    counted = OwnedCache(4 * UNIT, max_entries=2)
+    counted.put("shared", shared)
+    counted.put("other", full(1))
+    assert counted.put("new", [shared, full(1)])
+    assert counted.keys() == ["other", "new"]
+    counted.check_invariants()
+
+
 # -- arena-backed ------------------------------------------------------------
 def test_arena_entries_live_in_the_arena_and_count_block_size():
     arena = Arena(4096, "cpu", alignment=256)

@@ -12,7 +12,9 @@ Note:
        range between pinned blocks). With an arena, an entry whose block the value reads (a
        value from ``get``, put back) counts as pinned for this put: its
        block must outlive the copy;
-    4. evict unpinned entries, least recently used first, until it fits;
+    4. evict unpinned entries, least recently used first, until it fits; for bytes
+       an entry whose eviction frees none is passed over (it holds only storages
+       the new value keeps as they are, or none: they stay alive, charged to it);
     5. copy what does not own its storage, rebuild the container, insert
        (with an arena, a copy that raises frees the new block again).
 
@@ -208,7 +210,8 @@ class OwnedCache:
         cannot fit even with every unpinned entry gone (in the budget, and
         below ``max_entries``) is refused with nothing evicted; otherwise
         unpinned entries are evicted, least recently used first, until it
-        fits. With an arena an entry whose block ``value``
+        fits (for bytes, passing over an entry whose eviction frees none: it
+        holds only storages ``value`` keeps as they are, or none). With an arena an entry whose block ``value``
         reads (a value from :meth:`get` put back under another key) is
         never evicted for it: if it cannot fit without that block, it is
         refused. What is stored is ``value`` rebuilt (new containers) around
@@ -279,8 +282,11 @@ class OwnedCache:
         if not self._fits(plan, stay=stay) or self._full(len(stay)):
             self._counts["rejections"] += 1
             return False
-        while not self._fits(plan) or self._full(len(self._entries)):
-            victim = next((k for k in self._entries if k not in stay), None)
+        while (short := not self._fits(plan)) or self._full(len(self._entries)):
+            victim = next((k for k in self._entries if k not in stay and not self._frees_nothing(k, plan)), None) \
+                if short else None
+            if victim is None and self._full(len(self._entries)):  # (a count: any entry makes room)
+                victim = next((k for k in self._entries if k not in stay), None)
             if victim is None:  # (not reached while the room check above is exact; refuse, never raise)
                 self._counts["rejections"] += 1
                 return False
@@ -296,6 +302,12 @@ class OwnedCache:
         self._counts["bytes_saved"] += max(0, self._retained_elsewhere(plan) - entry.nbytes)
         self._peak = max(self._peak, self._current)
         return True
+
+    def _frees_nothing(self, key: Hashable, plan: OwnershipPlan) -> bool:
+        """Whether evicting ``key`` frees no bytes for ``plan``: it holds no block, no text, and only
+        storages of 0 bytes or that ``plan`` keeps as they are (they stay alive, charged to the new entry)."""
+        e = self._entries[key]
+        return e.block is None and not e.leaf_bytes and all(n == 0 or k in plan.keep for k, n in e.storages.items())
 
     def _full(self, entries: int) -> bool:
         """Whether a cache holding ``entries`` entries has no room for one more."""
