@@ -531,6 +531,24 @@ def test_eviction_skips_entries_that_free_nothing_for_the_new_value():
     counted.check_invariants()
 
 
+def test_eviction_skips_entries_whose_storages_a_pinned_entry_holds():
+    """An entry holding only what a pinned entry holds too frees nothing when evicted, by put or by
+    set_budget: it stays."""
+    shared = torch.zeros(2 * UNIT // 4)
+    cache = OwnedCache(4 * UNIT)
+    cache.put("alias", shared)
+    cache.put("pinned", shared)
+    cache.pin("pinned")
+    cache.put("other", full(2))
+    assert cache.stats().current_bytes == 4 * UNIT
+    assert cache.put("new", full(1))
+    assert cache.keys() == ["alias", "pinned", "new"] and cache.stats().current_bytes == 3 * UNIT
+    cache.set_budget(2 * UNIT)  # "new" goes; "alias" frees nothing
+    assert cache.keys() == ["alias", "pinned"] and cache.stats().current_bytes == 2 * UNIT
+    assert cache.stats().evictions == 2
+    cache.check_invariants()
+
+
 # -- arena-backed ------------------------------------------------------------
 def test_arena_entries_live_in_the_arena_and_count_block_size():
     arena = Arena(4096, "cpu", alignment=256)

@@ -14,7 +14,8 @@ Note:
        block must outlive the copy;
     4. evict unpinned entries, least recently used first, until it fits; for bytes
        an entry whose eviction frees none is passed over (it holds only storages
-       the new value keeps as they are, or none: they stay alive, charged to it);
+       the new value keeps as they are or pinned entries hold, or none: they stay
+       alive, charged all the same);
     5. copy what does not own its storage, rebuild the container, insert
        (with an arena, a copy that raises frees the new block again).
 
@@ -211,7 +212,8 @@ class OwnedCache:
         below ``max_entries``) is refused with nothing evicted; otherwise
         unpinned entries are evicted, least recently used first, until it
         fits (for bytes, passing over an entry whose eviction frees none: it
-        holds only storages ``value`` keeps as they are, or none). With an arena an entry whose block ``value``
+        holds only storages ``value`` keeps as they are or pinned entries hold,
+        or none). With an arena an entry whose block ``value``
         reads (a value from :meth:`get` put back under another key) is
         never evicted for it: if it cannot fit without that block, it is
         refused. What is stored is ``value`` rebuilt (new containers) around
@@ -282,8 +284,11 @@ class OwnedCache:
         if not self._fits(plan, stay=stay) or self._full(len(stay)):
             self._counts["rejections"] += 1
             return False
+        alive = None  # storages charged whatever is evicted: the plan keeps them, or entries in stay hold them
         while (short := not self._fits(plan)) or self._full(len(self._entries)):
-            victim = next((k for k in self._entries if k not in stay and not self._frees_nothing(k, plan)), None) \
+            if short and alive is None:
+                alive = plan.keep.keys() | self._charge_of(stay)[0].keys()
+            victim = next((k for k in self._entries if k not in stay and not self._frees_nothing(k, alive)), None) \
                 if short else None
             if victim is None and self._full(len(self._entries)):  # (a count: any entry makes room)
                 victim = next((k for k in self._entries if k not in stay), None)
@@ -303,11 +308,12 @@ class OwnedCache:
         self._peak = max(self._peak, self._current)
         return True
 
-    def _frees_nothing(self, key: Hashable, plan: OwnershipPlan) -> bool:
-        """Whether evicting ``key`` frees no bytes for ``plan``: it holds no block, no text, and only
-        storages of 0 bytes or that ``plan`` keeps as they are (they stay alive, charged to the new entry)."""
+    def _frees_nothing(self, key: Hashable, alive) -> bool:
+        """Whether evicting ``key`` frees no bytes: it holds no block, no text, and only storages of 0 bytes
+        or in ``alive`` (storage keys that stay charged: a new value keeps them as they are, or entries that
+        are not evicted, pinned ones, hold them)."""
         e = self._entries[key]
-        return e.block is None and not e.leaf_bytes and all(n == 0 or k in plan.keep for k, n in e.storages.items())
+        return e.block is None and not e.leaf_bytes and all(n == 0 or k in alive for k, n in e.storages.items())
 
     def _full(self, entries: int) -> bool:
         """Whether a cache holding ``entries`` entries has no room for one more."""
@@ -403,7 +409,8 @@ class OwnedCache:
     @_locked
     def set_budget(self, budget_bytes: int) -> None:
         """Change the budget; unpinned entries are evicted, least recently used first, until the
-        charge fits it (counted as evictions).
+        charge fits it (counted as evictions), passing over an entry whose eviction frees no bytes (it
+        holds only storages that pinned entries hold too, or nothing of any size).
 
         Parameters
         ----------
@@ -422,8 +429,9 @@ class OwnedCache:
             raise ValueError(f"budget_bytes: expected at least the {charged} B the pinned entries are charged, "
                              f"got {budget}")
         self._budget = budget
+        alive = self._charge_of(pinned)[0].keys()  # (an entry holding only these frees nothing: it stays)
         while self._current > budget:
-            self._drop(next(k for k in self._entries if k not in pinned))
+            self._drop(next(k for k in self._entries if k not in pinned and not self._frees_nothing(k, alive)))
             self._counts["evictions"] += 1
 
     def _materialize(self, plan: OwnershipPlan) -> _Entry:
