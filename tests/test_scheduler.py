@@ -1942,3 +1942,14 @@ def test_ints_numpy_reads_as_uint64_are_refused_with_the_values_given(backend):
     assert m.can_admit([[3], [4]]) == 2 == m.can_admit(np.array([[3], [4]])) and m.shortfall([[3], [4]]) == 0
     assert m.can_admit(np.array([3, 4], dtype=np.uint64)) == 2
     assert m.admit([[3], [4]]) == [1, 2] and m.exact and m.free == pool.available()
+
+
+def test_nested_prompts_are_counted_flat_against_max_lens(backend):
+    """can_admit and shortfall counted a nested list of prompts by its outer length, so max_lens of one per
+    prompt, which admit takes (it reads the prompts flat), was refused: "expected one per prompt (1), got 2"."""
+    _, m = _mirror(backend)
+    assert m.can_admit([[3, 4]], max_lens=[8, 8]) == 2 == m.can_admit(np.array([[3, 4]]), max_lens=[8, 8])
+    assert m.shortfall([[3, 4]], max_lens=[8, 8]) == 0
+    with pytest.raises(ValueError, match=r"max_lens: expected one per prompt \(2\), got 1"):
+        m.can_admit([[3, 4]], max_lens=[8])
+    assert m.admit([[3, 4]], max_lens=[[8, 8]]) == [0, 1] and m.exact

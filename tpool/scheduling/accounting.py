@@ -108,8 +108,13 @@ def _queue_head(values, k: int, name: str):
 
 def _count(values, name: str) -> int:
     """How many prompts or max_lens ``values`` holds, as ``admit`` counts them (an array's size; a 0-d
-    array, as an int, is no sequence)."""
-    return values.size if isinstance(values, np.ndarray) and values.ndim else _length(values, name)
+    array, as an int, is no sequence; a nested list or tuple, read flat as numpy reads it, its size)."""
+    if isinstance(values, np.ndarray) and values.ndim:
+        return values.size
+    n = _length(values, name)
+    if n and type(values) in (list, tuple) and isinstance(values[0], (list, tuple, np.ndarray)):
+        return _int_array(values, name).size  # (nested: read whole, as admit reads it; not the outer length)
+    return n
 
 
 def _int_list(values, name: str) -> list:
