@@ -522,6 +522,9 @@ def test_eviction_skips_entries_that_free_nothing_for_the_new_value():
     assert cache.keys() == ["shared", "empty", "new"] and cache.stats().evictions == 1
     assert cache.stats().current_bytes == 3 * UNIT
     cache.check_invariants()
+    cache.set_budget(0)  # every byte goes; the entry of 0 bytes frees none and stays
+    assert cache.keys() == ["empty"] and cache.stats().current_bytes == 0
+    cache.check_invariants()
     # When the count is what binds, any entry makes room, least recently used first
     counted = OwnedCache(4 * UNIT, max_entries=2)
     counted.put("shared", shared)
