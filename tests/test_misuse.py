@@ -448,7 +448,8 @@ def test_flags_are_bools_and_sizes_are_bounded(backend):
     pages = pool.alloc(i32([1])).pages[:1].clone()
     for call, name in ((lambda v: pool.free(pages, cache=v), "cache"), (lambda v: pool.alloc(i32([1]), evict=v), "evict"),
                        (lambda v: table.release(i32([0]), cache=v), "cache"),
-                       (lambda v: pool.bind_free(pages, cache=v), "cache")):
+                       (lambda v: pool.bind_free(pages, cache=v), "cache"),
+                       (lambda v: table.check_invariants(exclusive=v), "exclusive")):
         for bad in ("no", None, 2.5, torch.tensor([True, False])):
             with pytest.raises(ValueError, match=f"{name}: expected a bool, got"):
                 call(bad)

@@ -950,7 +950,10 @@ class PageTable:
         Raises
         ------
         InvariantViolation
+        ValueError
+            ``exclusive`` not a bool (``"no"`` would read as True, None as False).
         """
+        exclusive = _checks.flag(exclusive, "exclusive")
         with self.pool.state.lock:  # the state between two calls, never inside one (reference, triton)
             table_checks.check_table(self, exclusive)
 
