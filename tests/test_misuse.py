@@ -464,6 +464,25 @@ def test_flags_are_bools_and_sizes_are_bounded(backend):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_invalidate_csr_counts_an_id_outside_the_table(backend):
+    """``invalidate_csr(rows)`` skipped an id outside ``[0, max_requests)`` without a word, so a row named
+    wrong after a hand edit kept its old CSR run on numba unseen; it now counts ``bad_request``, as every
+    table call does, on every backend."""
+    pool = tpool.PagePool(8, 2, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 4, 2)
+    table.extend(i32([0, 3]), i32([3, 1]), max_tokens=4)
+    table.invalidate_csr(i32([-1, 0, 3]))  # padding and rows: nothing counted
+    table.invalidate_csr(i32([]))
+    table.invalidate_csr()
+    pool.check()
+    table.invalidate_csr(i32([4, -2, 2**31 - 1, -2**31, 1]))
+    with pytest.raises(tpool.InvalidRequest, match="bad_request: 4"):
+        pool.check()
+    assert table.seq_lens.tolist() == [3, 0, 0, 1]  # nothing else changed
+    table.check_invariants()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_alloc_counts_sharing_the_pool_state_are_refused_without_out(backend):
     pool = tpool.PagePool(8, 1, device="cpu", backend=backend)
     with pytest.raises(ValueError, match="counts: shares memory"):

@@ -918,12 +918,17 @@ class PageTable:
         once a snapshot taken between the edit and this call is restored. Such a snapshot
         still holds the edited rows under their old stamps: after restoring it, call this
         again with the same rows before the next step (a step would note the edited pages
-        under stamps that a snapshot from before the edit shares). Name every row you edited.
+        under stamps that a snapshot from before the edit shares). Name every row you edited:
+        an id outside ``[0, max_requests)`` (not -1) names no row and counts ``bad_request``
+        (raised by the next ``pool.check()``), on every backend, as every table call counts it.
         Not a hot-path call.
         """
         if req_ids is not None:
             _checks.check_vector(req_ids, "req_ids", torch.int32, self.device)
         with self.pool.state.lock:
+            if req_ids is not None:  # no host read: the count is a device op, as the table calls' own
+                bad = (req_ids != L.NULL_PAGE) & ((req_ids < 0) | (req_ids >= self.max_requests))
+                self.pool.state.counters.narrow(0, L.ERR_BAD_REQUEST, 1).add_(bad.sum())
             memos = self._shapes.memo_list()  # every memo alive, kept by the table, a BoundStep or a StepOut
             self.ops.restamp_rows(req_ids, memos)
             if req_ids is None:
