@@ -464,6 +464,21 @@ def test_flags_are_bools_and_sizes_are_bounded(backend):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_step_grows_and_keeps_csr_check_their_sizes(backend):
+    """``step_grows_csr`` and ``step_keeps_csr`` take ``max_tokens`` so a call can pass a step's own
+    arguments, but never checked it: -1, True or 2.5 passed where the step they describe raises."""
+    pool = tpool.PagePool(8, 2, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 4, 2)
+    table.step(i32([0]), i32([1]), max_tokens=1)
+    for call in (table.step_grows_csr, table.step_keeps_csr):
+        for bad in (-1, True, 2.5, torch.tensor(1)):
+            for name in ("max_tokens", "capacity"):
+                with pytest.raises(ValueError, match=f"{name}: expected a non-negative int"):
+                    call(i32([0]), **{name: bad})
+        assert call(i32([0]), max_tokens=1) == call(i32([0]))  # the step's own arguments: the same answer
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_invalidate_csr_counts_an_id_outside_the_table(backend):
     """``invalidate_csr(rows)`` skipped an id outside ``[0, max_requests)`` without a word, so a row named
     wrong after a hand edit kept its old CSR run on numba unseen; it now counts ``bad_request``, as every

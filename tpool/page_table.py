@@ -883,7 +883,7 @@ class PageTable:
         -------
         bool
         """
-        return table_checks.grows_csr(self, req_ids, capacity)
+        return table_checks.grows_csr(self, req_ids, capacity, max_tokens)
 
     def step_keeps_csr(self, req_ids: torch.Tensor, *, max_tokens: int | None = None,
                        capacity: int | None = None) -> int:
@@ -898,7 +898,7 @@ class PageTable:
         CSR fits; the step rebuilds otherwise. A sync point, for tests and
         profiling; arguments and shapes as in :meth:`step_grows_csr`.
         """
-        return table_checks.keeps_csr(self, req_ids, capacity)
+        return table_checks.keeps_csr(self, req_ids, capacity, max_tokens)
 
     def invalidate_csr(self, req_ids: torch.Tensor | None = None) -> None:
         """After a hand edit of ``block_table``, ``seq_lens`` or ``state.claim``: the next steps read the edited rows.

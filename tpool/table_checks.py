@@ -117,10 +117,11 @@ def check_table(table, exclusive: bool) -> None:
                     "them: were its indices written to, or the state edited by hand without invalidate_csr()?)")
 
 
-def step_memo(table, req_ids, capacity):
-    """The CSR memo of ``table``'s step buffers for this batch size and capacity, or None."""
+def step_memo(table, req_ids, capacity, max_tokens=None):
+    """The CSR memo of ``table``'s step buffers for this batch size and capacity, or None (``max_tokens``
+    is checked as a step checks it, though the CSR buffers do not depend on it)."""
     b = table._ids(req_ids)
-    _, _, _, cap = table._step_key(b, None, capacity)
+    _, _, _, cap = table._step_key(b, max_tokens, capacity)
     bufs = table._shapes.buffers.get(("step-csr", b, cap))
     return bufs[1] if bufs is not None else None
 
@@ -131,15 +132,16 @@ def memo_grows(memo, req_ids, version, appended_from=-1) -> bool:
     return grows is not None and grows[0] == req_ids.tolist()
 
 
-def grows_csr(table, req_ids, capacity) -> bool:
+def grows_csr(table, req_ids, capacity, max_tokens=None) -> bool:
     """:meth:`tpool.PageTable.step_grows_csr`."""
+    memo = step_memo(table, req_ids, capacity, max_tokens)
     now, appended_from = table.state.version.tolist()
-    return memo_grows(step_memo(table, req_ids, capacity), req_ids, now, appended_from)
+    return memo_grows(memo, req_ids, now, appended_from)
 
 
-def keeps_csr(table, req_ids, capacity) -> int:
+def keeps_csr(table, req_ids, capacity, max_tokens=None) -> int:
     """:meth:`tpool.PageTable.step_keeps_csr`."""
-    memo = step_memo(table, req_ids, capacity)
+    memo = step_memo(table, req_ids, capacity, max_tokens)
     if memo is None or memo_grows(memo, req_ids, int(table.state.version[L.VERSION_NOW])):
         return 0
     return len(memo.kept_lanes(req_ids.tolist(), table.state.row_version.tolist()))
