@@ -229,6 +229,26 @@ def test_a_bound_release_is_consumed_so_a_readmitted_request_keeps_its_pages(bac
     table.check_invariants()
 
 
+def test_a_release_made_under_inference_mode_is_consumed_outside_it(backend):
+    """Inputs made under ``torch.inference_mode()`` (an engine's set-up often is), bound and run outside it:
+    the reference and Triton backends reset the release ids with ``fill_``, which torch refuses on an
+    inference tensor outside that mode, and raised after the release and the step had run, leaving the id
+    unconsumed (the next call released the row again); numba wrote the memory. Now every backend consumes it."""
+    table = tpool.PageTable(tpool.PagePool(32, 4, device="cpu", backend=backend), 2, 8)
+    with torch.inference_mode():
+        ids, ntok, gone = i32([0, 1]), i32([6, 6]), i32([-1])
+    run = table.bind_step(ids, ntok, max_tokens=8, release=gone)
+    run()
+    with torch.inference_mode():
+        gone[0], ntok[0], ntok[1] = 1, 1, 5            # request 1 ends; a 5-token prompt takes row 1
+    assert run().kv_lens.tolist() == [7, 5] and gone.tolist() == [-1]
+    with torch.inference_mode():
+        ntok.fill_(1)
+    assert run().kv_lens.tolist() == [8, 6]            # row 1 kept its pages: the id was released once
+    assert table.seq_lens.tolist() == [8, 6] and table.pool.stats()["pages.used.current"] == 4
+    table.check_invariants()
+
+
 def test_a_stale_bound_release_leaves_the_table_as_it_was(backend):
     table = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend=backend), 4, 8)
     ids, ntok, rel = i32([0, 1]), i32([3, 5]), i32([-1])

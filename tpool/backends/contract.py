@@ -231,8 +231,16 @@ class BoundByTensors:
         if release is None:
             return lambda: step(req_ids, num_tokens, b)
 
+        def in_inference_mode(value, fill=release.fill_):
+            with torch.inference_mode():
+                fill(value)
+
+        # A release made under torch.inference_mode(): torch refuses its in-place update outside that mode, and
+        # would raise after the release and the step had run (numba writes the memory as it is).
+        reset = in_inference_mode if release.is_inference() else release.fill_
+
         def run():
             with lock:  # re-entrant: the release, its reset and the step are one call
                 step(req_ids, num_tokens, b, release, cache)
-                release.fill_(L.NULL_PAGE)
+                reset(L.NULL_PAGE)
         return run
