@@ -1201,7 +1201,7 @@ def test_queries_refuse_non_integers_and_a_priority_list_of_another_length(backe
                             (lambda: m.preemption(rows, {0: 1, 1: 2, 5: 0}, 9), "compare with each other")):
             with pytest.raises(ValueError, match=match):
                 call()
-        assert m.can_admit(np.array([[4]])) == 1 and m.can_admit((4,), np.array([8])) == 1  # read as admit reads them
+        assert m.can_admit((4,), np.array([8])) == 1  # read as admit reads them
         for call, match in ((lambda: m.fits([0.5]), "rows: expected int row ids"),
                             (lambda: m.fits(rows, 0.5), "n: expected"),
                             (lambda: m.can_admit([2.5]), r"prompt_lens: expected ints, got float64 \[2.5\]"),
@@ -1930,8 +1930,7 @@ def test_pages_needed_and_pages_for_take_counts_only_and_never_wrap(backend):
 
 def test_ints_numpy_reads_as_uint64_are_refused_with_the_values_given(backend):
     """numpy reads [2 ** 63] as uint64, which was cast to int64 (-2 ** 63): can_admit answered 0 instead of
-    refusing it as it refuses 2 ** 64, and the refusals of the other calls named the wrapped value. A nested
-    list of prompts made can_admit and shortfall raise TypeError; they read it flat, as admit does."""
+    refusing it as it refuses 2 ** 64, and the refusals of the other calls named the wrapped value."""
     pool, m = _mirror(backend)
     rows = m.admit([5])
     for call in (lambda: m.can_admit([2 ** 63]), lambda: m.shortfall([3], [2 ** 63]),
@@ -1939,17 +1938,31 @@ def test_ints_numpy_reads_as_uint64_are_refused_with_the_values_given(backend):
                  lambda: m.admit(np.array([2 ** 63], dtype=np.uint64))):
         with pytest.raises(ValueError, match=rf"within int64, got uint64 \[({2 ** 63}|{2 ** 64 - 1})\]"):
             call()
-    assert m.can_admit([[3], [4]]) == 2 == m.can_admit(np.array([[3], [4]])) and m.shortfall([[3], [4]]) == 0
     assert m.can_admit(np.array([3, 4], dtype=np.uint64)) == 2
-    assert m.admit([[3], [4]]) == [1, 2] and m.exact and m.free == pool.available()
+    assert m.admit([3, 4]) == [1, 2] and m.exact and m.free == pool.available()
 
 
-def test_nested_prompts_are_counted_flat_against_max_lens(backend):
-    """can_admit and shortfall counted a nested list of prompts by its outer length, so max_lens of one per
-    prompt, which admit takes (it reads the prompts flat), was refused: "expected one per prompt (1), got 2"."""
-    _, m = _mirror(backend)
-    assert m.can_admit([[3, 4]], max_lens=[8, 8]) == 2 == m.can_admit(np.array([[3, 4]]), max_lens=[8, 8])
-    assert m.shortfall([[3, 4]], max_lens=[8, 8]) == 0
-    with pytest.raises(ValueError, match=r"max_lens: expected one per prompt \(2\), got 1"):
-        m.can_admit([[3, 4]], max_lens=[8])
-    assert m.admit([[3, 4]], max_lens=[[8, 8]]) == [0, 1] and m.exact
+def test_nested_sequences_are_refused_not_read_flat(backend):
+    """Every int sequence a mirror call takes holds one int per request or row. Read flat (as numpy reads a
+    nested list), a list of token lists passed as prompt_lens admitted one request per token: admit([[5, 9,
+    2]]) admitted 3 requests of 5, 9 and 2 tokens, and can_admit counted the outer length (1) against max_lens
+    while admit counted 3. A nested list, a ragged one or an array of 2 dimensions is a ValueError naming the
+    argument, in every call, and nothing changes."""
+    pool, m = _mirror(backend)
+    rows = m.admit([3, 4])
+    before = (m.free, pool.available(), m.table.seq_lens.clone())
+    prompts = r"prompt_lens: expected a flat sequence of ints, one per request or row, got a nested one of shape "
+    for call, match in ((lambda: m.admit([[5, 9, 2]]), prompts + r"\(1, 3\) \(lists of tokens\? pass their lengths\)"),
+                        (lambda: m.admit(np.array([[3], [4]])), prompts + r"\(2, 1\)"),
+                        (lambda: m.can_admit([[3, 4]], max_lens=[8, 8]), prompts + r"\(1, 2\)"),
+                        (lambda: m.can_admit(np.array([[4]])), prompts + r"\(1, 1\)"),
+                        (lambda: m.shortfall([[3], [4]]), prompts),
+                        (lambda: m.admit([[1, 2], [3]]), r"prompt_lens: .* got a ragged nested list"),
+                        (lambda: m.admit([3], max_lens=[[8]]), r"max_lens: expected a flat sequence"),
+                        (lambda: m.step([], 1, [[3]]), prompts),
+                        (lambda: m.decode([rows]), r"rows: expected a flat sequence .* shape \(1, 2\)"),
+                        (lambda: m.decode(np.array([rows])), r"rows: expected a flat sequence"),
+                        (lambda: m.decode(rows, np.array([[1, 1]])), r"n: expected a flat sequence")):
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert (m.free, pool.available()) == before[:2] and torch.equal(m.table.seq_lens, before[2]) and m.exact

@@ -33,9 +33,11 @@ def _as_array(values, name: str):
     them reads as 0/1, numpy's promotion), bool for a list of bools only, floats if one is a float.
     A tensor, or a list or tuple that starts with one, is a ``ValueError`` naming ``name``: the mirror
     plans on host ints, and numpy would read a tensor's values, a host sync on a GPU (the prefix cache
-    refuses tensors too)."""
+    refuses tensors too). So is a nested sequence or an array of more than one dimension: every int
+    sequence a mirror call takes holds one int per request or row, and read flat, a list of token lists
+    passed as ``prompt_lens`` would admit one request per token."""
     if type(values) is np.ndarray:
-        return values
+        return _flat(values, name)
     head = values[0] if type(values) in (list, tuple) and values else values
     if type(head) is not int and isinstance(head, torch.Tensor):
         got = f"a tensor on {head.device}" if head is values else f"a {type(values).__name__} of tensors"
@@ -49,7 +51,24 @@ def _as_array(values, name: str):
             return np.frombuffer(array.array("q", values), dtype=np.int64)
         except (TypeError, OverflowError):
             pass  # numpy's inference tells what came
-    return np.asarray(values)
+    try:
+        a = np.asarray(values)
+    except ValueError:  # (numpy: a ragged nested list, "inhomogeneous shape")
+        raise ValueError(_nested(name, f"a ragged nested {type(values).__name__}")) from None
+    return _flat(a, name)
+
+
+def _nested(name: str, got: str) -> str:
+    """The refusal of a nested sequence given as ``name``."""
+    hint = " (lists of tokens? pass their lengths)" if name == "prompt_lens" else ""
+    return f"{name}: expected a flat sequence of ints, one per request or row, got {got}{hint}"
+
+
+def _flat(a, name: str):
+    """Array ``a``, refused (a ``ValueError`` naming ``name``) when it has more than one dimension."""
+    if a.ndim > 1:
+        raise ValueError(_nested(name, f"a nested one of shape {a.shape}"))
+    return a
 
 
 def _plain(a):
@@ -95,11 +114,12 @@ def _length(values, name: str) -> int:
 
 
 def _queue_head(values, k: int, name: str):
-    """The first ``k`` of the prompts or max_lens ``values``: of a numpy array its first ``k`` read flat, as
-    ``admit`` reads it; of any other sequence its slice (the rest never read: a long waiting queue costs no
-    more than its head); what slices not (a set, a dict) as numpy reads it (so a ``ValueError`` names it)."""
+    """The first ``k`` of the prompts or max_lens ``values``: of a numpy array its first ``k`` (one of more
+    than one dimension refused, as ``admit`` refuses it); of any other sequence its slice (the rest never
+    read: a long waiting queue costs no more than its head); what slices not (a set, a dict) as numpy reads
+    it (so a ``ValueError`` names it)."""
     if isinstance(values, np.ndarray):
-        return values.reshape(-1)[:k]
+        return _as_array(values, name).reshape(-1)[:k]
     try:
         return values[:k]
     except (TypeError, KeyError):
@@ -108,12 +128,13 @@ def _queue_head(values, k: int, name: str):
 
 def _count(values, name: str) -> int:
     """How many prompts or max_lens ``values`` holds, as ``admit`` counts them (an array's size; a 0-d
-    array, as an int, is no sequence; a nested list or tuple, read flat as numpy reads it, its size)."""
+    array, as an int, is no sequence; a nested list or tuple, or an array of more than one dimension, is
+    refused as ``admit`` refuses it, not counted by its outer length)."""
     if isinstance(values, np.ndarray) and values.ndim:
-        return values.size
+        return _as_array(values, name).size
     n = _length(values, name)
     if n and type(values) in (list, tuple) and isinstance(values[0], (list, tuple, np.ndarray)):
-        return _int_array(values, name).size  # (nested: read whole, as admit reads it; not the outer length)
+        _as_array(values, name)  # (raises: a nested sequence)
     return n
 
 
@@ -123,7 +144,7 @@ def _int_list(values, name: str) -> list:
     if type(values) is list and _exact_ints(values) and (not values or _I64_MIN <= min(values) and
                                                           max(values) <= _I64_MAX):
         return values
-    # (an int past int64 is refused there, as numpy reads it; nested lists are read flat, as admit reads them)
+    # (an int past int64 is refused there, as numpy reads it; so is a nested list)
     return _int_array(values, name).reshape(-1).tolist()
 
 
@@ -578,7 +599,7 @@ class Accounting:
         else:
             r = rows if type(rows) is np.ndarray and rows.dtype is _I64 else _int_array(rows, "rows", "int row ids")
             if r.ndim != 1:
-                r = r.reshape(-1)
+                r = _flat(r, "rows").reshape(-1)  # (a 0-d array: one row; more dimensions refused)
             r = _plain(r)
             key = r.tobytes()
             if type(rows) is list and _exact_ints(rows):
