@@ -315,3 +315,14 @@ def test_both_demos_say_triton_on_a_cpu_needs_the_interpreter():
     for args in (["demo", "--help"], ["demo", "--model", "llama", "--help"]):
         text = " ".join(tpool_cli(*args).stdout.split())
         assert "triton on a CPU needs TRITON_INTERPRET=1" in text, args
+
+
+def test_report_report_is_a_usage_error(capsys):
+    """``tpool report report`` ran the report: the command's word went to ``report.main``, which drops one
+    leading ``report``, and the second one was dropped with it. Now the extra word is the report's error."""
+    from tpool.__main__ import main
+    with pytest.raises(SystemExit) as e:
+        main(["report", "report"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and "report: error: unrecognized arguments: report" in err, err
+    assert main(["report", "--device", "cpu"]) == 0 and capsys.readouterr().out.startswith("tpool memory report")

@@ -56,9 +56,9 @@ def _dispatch(argv):
     if cmd == "demo":  # with --model, demo.main hands the options to the serving demo (tpool.serving.cli)
         from tpool import demo
         return demo.main(rest) or 0
-    if cmd == "report":
+    if cmd == "report":  # (report.main drops one leading "report": this one, so `report report` is an error)
         from tpool.memory.report import main as report_main
-        return report_main(rest) or 0
+        return report_main(argv) or 0
     return _usage_error(f"unknown command {cmd!r} (demo or report)")
 
 
