@@ -326,3 +326,19 @@ def test_report_report_is_a_usage_error(capsys):
     out, err = capsys.readouterr()
     assert e.value.code == 2 and out == "" and "report: error: unrecognized arguments: report" in err, err
     assert main(["report", "--device", "cpu"]) == 0 and capsys.readouterr().out.startswith("tpool memory report")
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--version", "anything"], "unrecognized arguments: anything"),
+    (["--version", "demo", "-x"], "unrecognized arguments: demo -x"),
+    (["--bogus"], "unknown option '--bogus' (-h, --help or --version; or a command: demo or report)"),
+    (["-v", "demo"], "unknown option '-v' (-h, --help or --version; or a command: demo or report)"),
+    (["-"], "unknown command '-' (demo or report)"),
+])
+def test_extra_arguments_after_version_and_an_unknown_option_are_usage_errors(capsys, argv, error):
+    """``tpool --version anything`` printed the version, dropping the rest; ``tpool --bogus`` said "unknown
+    command". Both are usage errors now, worded as what they are; nothing goes to stdout."""
+    from tpool.__main__ import main
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines()[1:] == [f"python -m tpool: error: {error}"], err

@@ -48,17 +48,21 @@ def _dispatch(argv):
         return 0
     if not argv:
         return _usage_error("a command is required (demo or report)")
-    if argv[0] == "--version":
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "--version":
+        if rest:  # (as the subcommands' argparse words arguments it does not take)
+            return _usage_error(f"unrecognized arguments: {' '.join(rest)}")
         from tpool._version import __version__
         print(f"tpool {__version__}")
         return 0
-    cmd, rest = argv[0], argv[1:]
     if cmd == "demo":  # with --model, demo.main hands the options to the serving demo (tpool.serving.cli)
         from tpool import demo
         return demo.main(rest) or 0
     if cmd == "report":  # (report.main drops one leading "report": this one, so `report report` is an error)
         from tpool.memory.report import main as report_main
         return report_main(argv) or 0
+    if cmd.startswith("-") and cmd != "-":
+        return _usage_error(f"unknown option {cmd!r} (-h, --help or --version; or a command: demo or report)")
     return _usage_error(f"unknown command {cmd!r} (demo or report)")
 
 
