@@ -342,3 +342,27 @@ def test_extra_arguments_after_version_and_an_unknown_option_are_usage_errors(ca
     assert main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.splitlines()[1:] == [f"python -m tpool: error: {error}"], err
+
+
+@pytest.mark.parametrize("args", ["--bogus", "report --device bogus", "report --js", "demo --requests 0"])
+def test_with_stderr_closed_no_error_line_goes_to_stdout(args):
+    """``2>&-``: ``sys.stderr`` is None, and ``print(..., file=sys.stderr)`` writes to stdout, as does
+    argparse's usage line (``print_usage(None)``): the error went into the data a reader of stdout takes.
+    The lines meant for stderr go nowhere now; the exit status still says what happened."""
+    r = subprocess.run(f"{sys.executable} -m tpool {args} 2>&-", shell=True, cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+
+
+def test_with_stderr_closed_main_puts_none_back(monkeypatch, capsys):
+    import tpool.__main__ as cli
+
+    def interrupted(argv):
+        print("a row")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys, "stderr", None)
+    assert cli.main(["--bogus"]) == 2 and sys.stderr is None
+    monkeypatch.setattr(cli, "_dispatch", interrupted)
+    assert cli.main(["demo"]) == 130 and sys.stderr is None
+    assert capsys.readouterr().out == "a row\n"

@@ -103,12 +103,16 @@ def main(argv=None):
     written (``> /dev/full``) is one line on stderr and exit status 1. Ctrl-C
     (``KeyboardInterrupt``) is one line on stderr and exit status 130 (128 + SIGINT,
     as shells report it): the rows printed so far show how far the run got. Errors
-    of anything else (another file, a pipe the command opened) are raised.
+    of anything else (another file, a pipe the command opened) are raised. With stderr
+    closed (``2>&-``) the lines meant for it go nowhere, never into stdout.
     """
     argv = sys.argv[1:] if argv is None else argv
-    stdout = sys.stdout
+    stdout, stderr = sys.stdout, sys.stderr
     if stdout is not None:  # (None: stdout closed, `>&-`)
         sys.stdout = _Stdout(stdout)
+    sink = None  # stderr closed (`2>&-`): print(file=None) and argparse's usage line would go to stdout, into the
+    if stderr is None:  # data; they go nowhere instead, as argparse's error message does
+        sys.stderr = sink = open(os.devnull, "w")
     try:
         try:
             status = _dispatch(argv)
@@ -135,6 +139,9 @@ def main(argv=None):
         return 130
     finally:
         sys.stdout = stdout
+        if sink is not None:
+            sys.stderr = stderr
+            sink.close()
 
 
 def _flush():
