@@ -366,3 +366,31 @@ def test_with_stderr_closed_main_puts_none_back(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_dispatch", interrupted)
     assert cli.main(["demo"]) == 130 and sys.stderr is None
     assert capsys.readouterr().out == "a row\n"
+
+
+@pytest.mark.parametrize("at", ["write", "flush"])
+def test_an_stderr_that_cannot_be_written_keeps_the_commands_exit_status(monkeypatch, at):
+    """``tpool --bogus 2>/dev/full`` exited 1 with a traceback nobody could read: the usage error's own
+    line raised. The line is dropped now, as argparse drops its own, and the status stays 2 (130 for
+    Ctrl-C, 1 for an output that cannot be written)."""
+    import tpool.__main__ as cli
+    full = OSError(28, "No space left on device")
+    monkeypatch.setattr(sys, "stderr", _Output(write=full) if at == "write" else _Output(flush=full))
+    assert cli.main(["--bogus"]) == 2
+    monkeypatch.setattr(sys, "stdout", _Output(write=full))
+    assert cli.main(["--version"]) == 1
+    sys.stdout.close()  # (devnull, opened by main: the output had no descriptor)
+    monkeypatch.setattr(sys, "stdout", _Output())
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_dispatch", interrupted)
+    assert cli.main(["demo"]) == 130
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_usage_error_into_a_full_stderr_exits_2():
+    r = subprocess.run(f"{sys.executable} -m tpool --bogus 2>/dev/full", shell=True, cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout)

@@ -38,8 +38,17 @@ def _usage_error(message):
     errors (the subcommands' too); returns 2, argparse's exit status."""
     from tpool._prog import prog
     usage = _usage().splitlines()[0]
-    print(f"{usage}\n{prog()}: error: {message}", file=sys.stderr)
+    _to_stderr(f"{usage}\n{prog()}: error: {message}")
     return 2
+
+
+def _to_stderr(line):
+    """``line`` on stderr; an stderr that cannot be written (``2>/dev/full``, a closed pipe) drops it, as
+    argparse drops its own error message, so the exit status is still the command's, not 1 for a traceback."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
 
 
 def _dispatch(argv):
@@ -128,14 +137,14 @@ def main(argv=None):
         e = out.args[0]
         if isinstance(e, BrokenPipeError):
             return 141
-        print(f"tpool: cannot write the output: {e.strerror or e}", file=sys.stderr)  # `tpool demo > /dev/full`
+        _to_stderr(f"tpool: cannot write the output: {e.strerror or e}")  # `tpool demo > /dev/full`
         return 1
     except KeyboardInterrupt:  # Ctrl-C in a long demo: one line, not a traceback from wherever the loop was
         try:
             _flush()
         except _OutputError:
             stdout = _drop_stdout(stdout)
-        print("tpool: interrupted", file=sys.stderr)
+        _to_stderr("tpool: interrupted")
         return 130
     finally:
         sys.stdout = stdout
