@@ -55,7 +55,7 @@ def test_alloc_out_run_is_not_public_and_batch_is_checked(backend):
     pool = tpool.PagePool(16, device="cpu", backend=backend)
     out = pool.alloc_out(max_batch=2, max_pages=4)
     assert not hasattr(out, "run")
-    with pytest.raises(ValueError, match="counts: expected at most 2 entries, got 3"):
+    with pytest.raises(ValueError, match=r"counts: expected at most 2 entries \(.*\), got 3"):
         pool.alloc(i32([1, 1, 1]), out=out)
 
 
@@ -75,7 +75,7 @@ def test_the_sizes_a_call_is_checked_against_cannot_be_reassigned(backend):
                 setattr(obj, name, 4096)
     with pytest.raises(ValueError, match="batch: expected 2"):
         table.step(torch.arange(64, dtype=torch.int32), torch.ones(64, dtype=torch.int32), out=step_out)
-    with pytest.raises(ValueError, match="counts: expected at most 2 entries, got 64"):
+    with pytest.raises(ValueError, match=r"counts: expected at most 2 entries \(.*\), got 64"):
         pool.alloc(torch.ones(64, dtype=torch.int32), out=alloc_out)
     table.step(i32([0, 1]), i32([1, 1]), out=step_out)
     assert step_out.result.ok.tolist() == [True, True]

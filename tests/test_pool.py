@@ -382,12 +382,16 @@ def test_bad_inputs_raise_before_launch(make_pool, bad, match):
 
 
 def test_capacity_checks(make_pool):
+    # The error names where the bound comes from: "at most 1 entries" alone did not say which argument to change.
     pool = make_pool(4, max_batch=2)
-    with pytest.raises(ValueError, match="counts: expected at most 2 entries, got 3"):
+    with pytest.raises(ValueError, match=r"counts: expected at most 2 entries \(one per request; the pool's "
+                                         r"max_batch, PagePool\(\.\.\., max_batch=N\)\), got 3"):
         pool.alloc(i32([1, 1, 1]))
     out = pool.alloc_out(max_batch=1, max_pages=2)
-    with pytest.raises(ValueError, match="counts: expected at most 1 entries, got 2"):
-        pool.alloc(i32([1, 1]), out=out)
+    for call in (lambda: pool.alloc(i32([1, 1]), out=out), lambda: pool.bind_alloc(i32([1, 1]), out=out)):
+        with pytest.raises(ValueError, match=r"counts: expected at most 1 entries \(one per request; out's "
+                                             r"max_batch, pool.alloc_out\(max_batch=N\)\), got 2"):
+            call()
     with pytest.raises(ValueError, match="expected an AllocOut"):
         pool.alloc(i32([1]), out=(torch.zeros(1),))
 

@@ -221,11 +221,13 @@ def check_not_written(t, name: str, written: Written) -> None:
         raise overlap_error(name)
 
 
-def check_vector(t, name: str, dtype: torch.dtype, device: torch.device, max_len: int | None = None) -> int:
+def check_vector(t, name: str, dtype: torch.dtype, device: torch.device, max_len: int | None = None,
+                 bound: str = "") -> int:
     """Check ``t`` is a contiguous 1-D ``dtype`` tensor on ``device``; return its length.
 
-    Raises ``ValueError`` naming the expected and the actual value. The common
-    (valid) case is one short condition: it runs on every hot-path call.
+    Raises ``ValueError`` naming the expected and the actual value (and ``bound``, where
+    ``max_len`` comes from, when given). The common (valid) case is one short condition:
+    it runs on every hot-path call.
     """
     if (
         type(t) is torch.Tensor
@@ -238,7 +240,7 @@ def check_vector(t, name: str, dtype: torch.dtype, device: torch.device, max_len
         if (max_len is None or n <= max_len) and in_storage(t) and (t.data_ptr() or not n) and not t.is_neg():
             return n
         if max_len is not None and n > max_len:
-            raise ValueError(f"{name}: expected at most {max_len} entries, got {n}")
+            _raise_too_long(name, max_len, n, bound)
         if not in_storage(t):
             _raise_outside_storage(t, name)
         _raise_unreadable(t, name)
@@ -260,12 +262,16 @@ def check_vector(t, name: str, dtype: torch.dtype, device: torch.device, max_len
         raise ValueError(f"{name}: expected a contiguous tensor, got stride {t.stride()}; pass .contiguous()")
     n = t.numel()
     if max_len is not None and n > max_len:
-        raise ValueError(f"{name}: expected at most {max_len} entries, got {n}")
+        _raise_too_long(name, max_len, n, bound)
     if not in_storage(t):
         _raise_outside_storage(t, name)
     if _unreadable(t):
         _raise_unreadable(t, name)
     return n
+
+
+def _raise_too_long(name: str, max_len: int, n: int, bound: str):
+    raise ValueError(f"{name}: expected at most {max_len} entries{f' ({bound})' if bound else ''}, got {n}")
 
 
 def _raise_unreadable(t, name: str):

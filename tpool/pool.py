@@ -28,6 +28,9 @@ from tpool.stats_async import StatsHandle, stats_from_counters
 
 DEFAULT_MAX_BATCH = 4096        # requests per alloc call
 DEFAULT_MAX_ALLOC_PAGES = 4096  # pages per alloc call without an out= buffer
+# Where the most requests one alloc takes comes from, for the error of a longer counts.
+_POOL_BATCH = "one per request; the pool's max_batch, PagePool(..., max_batch=N)"
+_OUT_BATCH = "one per request; out's max_batch, pool.alloc_out(max_batch=N)"
 
 
 class AllocResult(NamedTuple):
@@ -183,8 +186,8 @@ class PagePool:
                 f"device={self.device}, backend={self.backend!r})")
 
     # ------------------------------------------------------------ hot path
-    def _vector(self, t, name, max_len=None, dtype=torch.int32):
-        return _checks.check_vector(t, name, dtype, self.device, max_len)
+    def _vector(self, t, name, max_len=None, dtype=torch.int32, bound=""):
+        return _checks.check_vector(t, name, dtype, self.device, max_len, bound)
 
     def _pages(self, t, name="pages") -> int:
         """Check a page-id vector the call reads (never one of the buffers it writes); its length."""
@@ -253,7 +256,7 @@ class PagePool:
         AllocResult ``(pages, indptr, ok, evicted)``; see :class:`AllocResult`.
         """
         if out is None:  # fresh outputs, written whole by the call (AllocOut's would be bound to, ~3x the cost)
-            b = self._vector(counts, "counts", self.max_batch)
+            b = self._vector(counts, "counts", self.max_batch, bound=_POOL_BATCH)
             if not self.ops.checks_overlap:  # (numba's compiled alloc refuses it itself)
                 _checks.check_not_written(counts, "counts", self._written)
             M, dev = self.max_alloc_pages, self.device
@@ -271,7 +274,7 @@ class PagePool:
                              f"{'one from another pool' if type(out) is AllocOut else type(out).__name__}")
         else:
             if not 0 <= (b := self._input_len(counts, self.device, out._written)) <= out.max_batch:
-                b = self._vector(counts, "counts", out.max_batch)  # raises with the expected and actual values
+                b = self._vector(counts, "counts", out.max_batch, bound=_OUT_BATCH)  # raises, naming the bound
                 _checks.check_not_written(counts, "counts", out._written)
             out._seen = _checks.seen(counts)
         out._run(counts, b, evict if type(evict) is bool else _checks.flag(evict, "evict"))
@@ -301,7 +304,7 @@ class PagePool:
         if type(out) is not AllocOut or out.pool is not self:
             raise ValueError(f"out: expected an AllocOut from this pool's alloc_out(), got "
                              f"{'one from another pool' if type(out) is AllocOut else type(out).__name__}")
-        b = self._vector(counts, "counts", out.max_batch)
+        b = self._vector(counts, "counts", out.max_batch, bound=_OUT_BATCH)
         _checks.check_not_written(counts, "counts", out._written)
         return BoundCall(self, self.ops.bind_alloc(out, counts, b, _checks.flag(evict, "evict")), counts, out.result)
 
