@@ -285,6 +285,32 @@ def test_paged_attention_matches_dense_attention_per_sequence(make_pool, guard, 
                                                   sliding_window=window), out, atol=1e-3)
 
 
+@pytest.mark.parametrize("option", [None, "softcap", "sinks"])
+def test_non_finite_values_in_slots_a_lane_does_not_hold_never_reach_its_output(make_pool, guard, option):
+    """Keys a token may not see weigh 0, but 0 * inf is NaN: the stale tail of a reused page, the pages
+    gathered as padding (another request's page 0) and every free page may hold anything (an overflowed
+    half-precision value, NaN from an earlier model); the output is the one with zeros there, bit for bit.
+    (The values were multiplied by their zero weight: every token of every lane came out NaN.)"""
+    torch.manual_seed(2)
+    pool = make_pool(8, page_size=4)
+    table = tpool.PageTable(pool, 2, 3)
+    cache = PagedKVCache.from_pool(pool, 1, 1, 2, dtype=torch.float32)
+    meta = step_metadata(table, table.step(i32([0, 1]), i32([2, 3]), max_tokens=6))   # one padding token
+    cache.write(0, meta.slots, torch.randn(6, 1, 2), torch.randn(6, 1, 2))
+    q = torch.randn(6, 2, 2)
+    extra = {None: {}, "softcap": {"softcap": 2.0}, "sinks": {"sinks": torch.randn(2)}}[option]
+    with guard():
+        clean = paged_attention(q, cache.k[0], cache.v[0], meta, **extra)
+    held = torch.zeros(8 * 4, dtype=torch.bool)
+    held[meta.slots[meta.slots >= 0].long()] = True
+    for x, bad in ((cache.k[0], float("nan")), (cache.v[0], float("inf"))):
+        x.view(-1, 2)[~held] = bad
+    with guard():
+        dirty = paged_attention(q, cache.k[0], cache.v[0], meta, **extra)
+    assert torch.isfinite(clean).all() and clean[:5].ne(0).any(-1).all()
+    assert torch.equal(dirty, clean)
+
+
 class _LargestTensor(TorchDispatchMode):
     """Inside the block: the bytes of the largest tensor any op returned (``numel * element_size``)."""
 

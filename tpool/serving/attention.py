@@ -245,6 +245,9 @@ def _attend_chunk(qg, pages, pos, kv_len, k_cache, v_cache, scale, sliding_windo
     else:   # query head h = kv head h // g, group member h % g: the layout of qg
         p = torch.softmax(torch.cat([scores, sink.expand(c, -1, -1, -1)], dim=-1), dim=-1)[..., :-1]
     p = p * allowed[:, None, None, :]   # a row with no key: all zeros
+    # Keys a token may not see weigh 0, but 0 * inf or 0 * NaN is NaN: a value there (another request's
+    # page 0, gathered as padding, or the stale tail of a reused page) must not reach the output.
+    v = torch.where(allowed[:, :, None, None], v, 0.0)
     return torch.einsum("thgs,tshd->thgd", p, v)
 
 
