@@ -367,6 +367,23 @@ def test_a_window_only_generates_cache_keeps_is_refused_before_it_writes(name):
     forward_step(model, torch.randint(1, V, (8,)), _ctx(model))
 
 
+def test_a_layers_missing_window_is_checked_once_and_a_refusal_every_time(monkeypatch):
+    """The check of a layer given no window reads its config (~2-8 µs a layer): it ran on every attention call
+    of every step. It now runs once per module and config; a refused layer is refused at every forward."""
+    calls = []
+    window = hf._cache_window
+    monkeypatch.setattr(hf, "_cache_window", lambda module, layer: calls.append(layer) or window(module, layer))
+    model = _llama()
+    for _ in range(3):
+        forward_step(model, torch.randint(1, V, (8,)), _ctx(model))
+    assert calls == [0, 1]                       # two layers, three forwards: once a layer
+    stray = _llama(sliding_window=4)             # a stray window: refused at every forward, never memoized
+    for _ in range(2):
+        with pytest.raises(ValueError, match="sliding_window: expected the window generate applies"):
+            forward_step(stray, torch.randint(1, V, (8,)), _ctx(stray))
+    assert calls == [0, 1, 0, 0]
+
+
 def test_a_model_with_its_own_attention_table_is_refused_at_build(tmp_path):
     """GPT-Neo picks its attention class from a table of its own: building it on tpool_paged raised
     ``KeyError: 'tpool_paged'`` inside transformers. hf.from_config / from_pretrained say why."""

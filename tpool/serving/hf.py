@@ -47,6 +47,9 @@ _NOT_PASSED = object()  # sliding_window's default: "not passed" differs from "p
 # model -> the text config its layers, positions and decoder passed the checks with: they are fixed once a
 # model is built (the signature inspection costs ~45 µs, paid once instead of every forward_step)
 _CHECKED = weakref.WeakKeyDictionary()
+# attention module -> the config its sliding_window None passed _refuse_window_in_cache_only with: a config's
+# attribute reads cost ~2-8 µs, per layer per step when checked every call
+_WINDOW_CHECKED = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -212,8 +215,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         sliding_window = getattr(module, "sliding_window", None)
         if sliding_window is None and type(module).__name__ in WINDOW_IN_MASK_ONLY:
             sliding_window = getattr(module.config, "sliding_window", None)
-    if sliding_window is None:
+    if sliding_window is None and _WINDOW_CHECKED.get(module, _NOT_PASSED) is not getattr(module, "config", None):
         _refuse_window_in_cache_only(module, layer)
+        _WINDOW_CHECKED[module] = getattr(module, "config", None)
     extra = {name: val for name, val in (("softcap", softcap), ("sinks", s_aux)) if val is not None}
     cache, meta = ctx.cache, ctx.meta
     if layer in ctx.layers:
