@@ -295,6 +295,19 @@ def test_a_generator_of_requests_is_served_and_checked_as_the_list_it_yields(lla
     assert eng.stats.steps > 0 and eng.check()["pages.used.current"] == 0
 
 
+def test_run_makes_one_list_of_its_requests(llama, monkeypatch):
+    """run() made a list of its requests and check_fits() a second copy of that list; the checks now take
+    run's list."""
+    made = []
+    listed = engine._request_list
+    monkeypatch.setattr(engine, "_request_list", lambda reqs: made.append(1) or listed(reqs))
+    eng = engine.Engine(llama, num_pages=16, page_size=4, max_batch=4, max_pages=8, backend="reference")
+    reqs = engine.make_requests(2, max_new=(2, 3), prompt_len=(3, 5))
+    assert eng.run(iter(reqs)) == engine.reference_tokens(llama, reqs) and made == [1]
+    eng.check_fits(iter(engine.make_requests(2, prompt_len=(3, 5))))   # any iterable still: listed once
+    assert made == [1, 1]
+
+
 def test_requests_the_loop_would_serve_wrongly_are_refused(llama):
     """Two requests with one rid both came back with the second one's tokens (feeds and results are
     keyed by rid); a parent whose prompt differs would have lent its K/V to other tokens."""

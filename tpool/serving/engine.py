@@ -333,7 +333,10 @@ class Engine:
         make a new one), or a ``parent`` that is not in ``requests`` or whose prompt does not start
         with the same ``shared`` tokens (the fork would give it the parent's K/V for other tokens).
         ``requests``: a list, or any iterable of them (read once: a generator's requests are all checked)."""
-        requests = _request_list(requests)
+        self._check_fits(_request_list(requests))
+
+    def _check_fits(self, requests: list) -> None:
+        """:meth:`check_fits` of a list (:meth:`run` has made one already: no second copy)."""
         by_id = {}
         for r in requests:
             self._check_fields(r)
@@ -396,8 +399,8 @@ class Engine:
         An exception inside the loop (the model's forward, an interrupt) releases the rows of the
         requests running then (:meth:`_abandon`) before it propagates: the pool and the table hold
         nothing of the run, and the engine serves the next ``run``."""
-        requests = _request_list(requests)   # (check_fits and the loop below each read it: a generator once)
-        self.check_fits(requests)
+        requests = _request_list(requests)   # (the checks and the loop below each read it: a generator once)
+        self._check_fits(requests)
         by_id = {r.rid: r for r in requests}
         waiting = sorted(requests, key=lambda r: (r.arrival, r.rid))
         running = []                                # admission order, the newest last
