@@ -180,6 +180,55 @@ def test_logits_of_a_packed_batch_match_eager_within_tolerance(arch, models):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
+@pytest.mark.parametrize("page_size", [1, 3])
+@pytest.mark.parametrize("arch", engine.MODELS)
+def test_random_steps_on_reused_pages_match_eager_forwards(arch, page_size, models):
+    """Random steps of chunked prefills, decodes and a padding lane, requests released and their pages
+    taken by new ones, lanes failing for lack of pages; the pages start as NaN (never-written memory, as
+    ``torch.empty`` on a GPU). Every granted lane's logits are eager's over its whole sequence so far: no
+    stale or unwritten K/V reaches a request (the NaN reached every token before c0eb309)."""
+    import random
+    model, rng = models[arch], random.Random(page_size)
+    pool = tpool.PagePool(-(-32 // page_size), page_size, device="cpu", backend="reference")
+    table = tpool.PageTable(pool, 3, -(-32 // page_size))
+    cache = PagedKVCache.from_pool(pool, *engine.kv_shape(model.config), dtype=torch.float32)
+    for x in (*cache.k, *cache.v):
+        x.fill_(float("nan"))
+    seqs, checked, failed = {}, 0, 0   # row -> [its tokens, how many are in the pages]
+    for _ in range(12):
+        for r in [r for r in seqs if rng.random() < 0.25 or seqs[r][1] == len(seqs[r][0])]:
+            table.release(i32([r]))
+            del seqs[r]
+        for r in range(3):
+            if r not in seqs:
+                seqs[r] = [[rng.randrange(1, 256) for _ in range(rng.randint(2, 24))], 0]
+        lanes = [(r, 1 if done and rng.random() < 0.5 else rng.randint(1, len(toks) - done))
+                 for r, (toks, done) in seqs.items()] + [(-1, 0)]
+        t = sum(n for _, n in lanes) + 2
+        res = table.step(i32([r for r, _ in lanes]), i32([n for _, n in lanes]), max_tokens=t)
+        feed = [tok for r, n in lanes if r >= 0 for tok in seqs[r][0][seqs[r][1]:seqs[r][1] + n]]
+        with torch.no_grad():
+            logits = forward_step(model, torch.tensor(feed + [0] * (t - len(feed))),
+                                  PagedContext(cache, step_metadata(table, res)))
+        model.set_attn_implementation("eager")
+        try:
+            at = 0
+            for (r, n), ok in zip(lanes, res.ok.tolist()):
+                if r >= 0 and ok:
+                    seqs[r][1] += n
+                    with torch.no_grad():
+                        want = model(torch.tensor([seqs[r][0][:seqs[r][1]]])).logits[0, -n:]
+                    assert (logits[at:at + n] - want).abs().max() < LOGITS_ATOL
+                    checked += n
+                failed += r >= 0 and not ok
+                at += n
+        finally:
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    pool.check()
+    cache.check()
+    assert checked > 40 and failed > 0
+
+
 @pytest.mark.parametrize("arch", engine.MODELS)
 def test_a_position_off_by_one_changes_tokens(arch, models):
     """The check is sharp: with the initializer range used, a shifted position changes greedy tokens."""
