@@ -517,7 +517,8 @@ def test_bad_inputs(make_table):
         table.extend(i32([0, 1]), i32([1]))
     with pytest.raises(ValueError, match="req_ids: expected dtype torch.int32, got torch.int64"):
         table.release(torch.zeros(1, dtype=torch.int64))
-    with pytest.raises(ValueError, match="req_ids: expected at most 4096 entries, got 4097"):
+    with pytest.raises(ValueError, match=r"req_ids: expected at most 4096 entries \(one per lane; the pool's "
+                       r"max_batch, PagePool\(\.\.\., max_batch=N\)\), got 4097"):
         table.truncate(torch.zeros(4097, dtype=torch.int32), torch.zeros(4097, dtype=torch.int32))
 
 

@@ -32,6 +32,9 @@ from tpool.pool import PagePool
 from tpool.state import CsrMemo, TableState, fixed_full, held_view
 from tpool.table_results import ExtendResult, ForkResult, PagedKVCSR, StepOut, StepResult
 
+# Where the most lanes one table call takes comes from, for the error of a longer id vector.
+_LANES = "one per lane; the pool's max_batch, PagePool(..., max_batch=N)"
+
 
 class PageTable:
     """Page maps for up to ``max_requests`` requests of ``max_pages_per_request`` pages each.
@@ -116,7 +119,7 @@ class PageTable:
         if _checks.still_seen(t, seen := self._seen_ids):  # (read once: another thread may replace it)
             return seen[2]  # the tensor the last call checked, as it was (see _lanes)
         if not 0 <= (n := i32_len(t, self.device)) <= self.pool.max_batch:
-            n = _checks.check_vector(t, name, torch.int32, self.device, self.pool.max_batch)
+            n = _checks.check_vector(t, name, torch.int32, self.device, self.pool.max_batch, _LANES)
         self._seen_ids = _checks.seen(t)
         return n
 
@@ -342,7 +345,7 @@ class PageTable:
             run(req_ids, num_tokens, b)
             return result
         if not 0 <= i32_len(release, self.device) <= self.pool.max_batch:
-            _checks.check_vector(release, "release", torch.int32, self.device, self.pool.max_batch)
+            _checks.check_vector(release, "release", torch.int32, self.device, self.pool.max_batch, _LANES)
         if self._check_written:  # numba's compiled step checks it itself
             _checks.check_not_written(release, "release", written)
         if release_cache:  # as release(cache=True): this thread's open free group's frees first
