@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tpool
-from tpool.kernels.layout import MAX_INDEXED
+from tpool.kernels.layout import INT32_MAX, MAX_INDEXED
 from tpool.memory import planner
 from tpool.memory.planner import PagePlan, PlanError, plan_pages
 from tpool.state import pool_state_bytes
@@ -25,7 +25,8 @@ def test_hand_worked_80_gib():
     # static 64 GiB, in use 20 GiB, reserve 16 GiB, pool 44 GiB = 22_528 pages of 2 MiB.
     p = plan_pages(PAGE, 0.8, total_bytes=80 * GIB, free_bytes=60 * GIB)
     assert dataclasses.astuple(p) == (
-        PAGE, 0.8, 80 * GIB, 60 * GIB, 0, 20 * GIB, 64 * GIB, 16 * GIB, 0, 44 * GIB, 22_528, 44 * GIB, "given")
+        PAGE, 0.8, 80 * GIB, 60 * GIB, 0, 20 * GIB, 64 * GIB, 16 * GIB, 0, 0, None, None, 44 * GIB, 22_528, 44 * GIB,
+        "given")
     text = p.explain()
     for number in ("85,899,345,920", "68,719,476,736", "47,244,640,256", "22,528 pages"):
         assert number in text
@@ -397,3 +398,136 @@ def test_a_given_total_is_kept_when_free_is_measured(monkeypatch):
     assert ("mem_get_info", "cuda:0") in fake.calls
     assert (p.total_bytes, p.free_bytes) == (40 * GIB, 30 * GIB)
     assert p.num_pages == 22 * GIB // PAGE      # static 32 GiB, in use 40 - 30 = 10 GiB: a pool of 22 GiB
+
+
+# ------------------------------------------------------------------ the page table's state (helper-182)
+def _storage_bytes(tensors):
+    """Bytes of the distinct storages behind ``tensors``, measured from the storages themselves."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("max_requests, max_len, page_size, max_batch", [
+    (1, 1, 1, None), (7, 100, 16, 5), (3, 33, 32, None), (5, 4096, 1, 13), (256, 128 << 10, 16, None)])
+def test_the_planned_table_is_what_a_page_table_allocates(max_requests, max_len, page_size, max_batch):
+    """The table's state came out of the runtime reserve unplanned: at page_size 1, 256 requests of 128k tokens
+    hold a 128 MiB block table. The plan counts what a PageTable with those arguments allocates, byte for byte."""
+    kw = {} if max_batch is None else {"max_batch": max_batch}
+    plan = plan_pages(PAGE, 0.8, total_bytes=80 * GIB, free_bytes=60 * GIB, max_requests=max_requests,
+                      max_len=max_len, page_size=page_size, **kw)
+    pages = -(-max_len // page_size)
+    assert (plan.max_requests, plan.max_pages_per_request) == (max_requests, pages)
+    pool = tpool.PagePool(8, page_size=page_size, device="cpu", backend="reference", **kw)
+    table = tpool.PageTable(pool, plan.max_requests, plan.max_pages_per_request)
+    assert plan.table_bytes == _storage_bytes(table.state.tensors().values()) == table.memory_bytes()["total_bytes"]
+    assert f"block table {_storage_bytes([table.block_table]):,} B" in plan.explain()
+    # it comes out of the pool budget: the pages are what is left after it
+    assert plan.pool_budget_bytes == 44 * GIB - plan.table_bytes
+    assert plan.num_pages == (44 * GIB - plan.table_bytes) // PAGE
+
+
+def test_the_table_from_the_brief_and_explain():
+    """256 requests of 128k tokens at page_size 1: 128 MiB of block table, its own line in explain()."""
+    plan = plan_pages(PAGE, 0.8, total_bytes=80 * GIB, free_bytes=60 * GIB, max_requests=256, max_len=128 << 10,
+                      page_size=1)
+    # the block table; per row seq_lens, claim, row_version (int32, int32, int64); version (2 x int64); lane_end
+    rows, cells, lanes = 256 * (4 + 4 + 8), 2 * 8, 4096 * 4
+    assert plan.table_bytes == 256 * 131_072 * 4 + rows + cells + lanes == 128 * MIB + 20_496 == 134_238_224
+    assert plan.num_pages == 22_528 - 65   # 134,238,224 B is 64.01 pages
+    lines = plan.explain().splitlines()
+    assert [line.split("  ")[0] for line in lines[:-1]] == [
+        "total", "free", "in use", "static budget", "runtime reserve", "extra reserve", "page table", "pool budget",
+        "pool"]
+    assert "134,238,224 B" in lines[6] and "PageTable(256 x 131,072)" in lines[6] and "134,217,728 B" in lines[6]
+    assert lines[7].endswith("static budget - in use - extra reserve - page table")
+    assert "PageTable's call-shape buffers" in lines[-1] and lines[-1].endswith("from the reserve")
+    # without a table the text is what it was: eight lines and the note
+    bare = plan_pages(PAGE, 0.8, total_bytes=80 * GIB, free_bytes=60 * GIB).explain().splitlines()
+    assert len(bare) == 9 and not any(line.startswith("page table") for line in bare)
+    assert "PageTable" not in bare[-1] and bare[6].endswith("static budget - in use - extra reserve")
+
+
+def test_a_table_that_does_not_fit_is_a_plan_error_with_a_suggestion():
+    kw = dict(total_bytes=80 * GIB, free_bytes=60 * GIB)
+    table = dict(max_requests=256, max_len=128 << 10, page_size=1)
+    assert plan_pages(PAGE, 0.251, **kw).num_pages == 40          # 85,899,345 B without the table
+    with pytest.raises(PlanError, match=r"0 B extra reserve and 134,238,224 B of page table; .* "
+                                        r"use mem_fraction_static >= 0\.26$") as info:
+        plan_pages(PAGE, 0.251, **kw, **table)
+    # (20 GiB + 134,238,224 B + one page) / 80 GiB = 0.25159 -> 0.26
+    assert info.value.suggested_fraction == 0.26
+    assert plan_pages(PAGE, 0.26, **kw, **table).num_pages >= 1
+    # a table bigger than the device: no fraction helps
+    with pytest.raises(PlanError, match="even mem_fraction_static=1.0 is short by") as info:
+        plan_pages(PAGE, 0.5, total_bytes=GIB, free_bytes=GIB, max_requests=4096, max_len=128 << 10, page_size=1)
+    assert info.value.suggested_fraction is None
+
+
+def test_a_table_leaves_room_beside_the_pool_at_a_fraction_of_one():
+    """The table's bytes count in what is left beside the pool too: at 1.0 the scratch page and state still fit."""
+    kw = dict(total_bytes=GIB, free_bytes=GIB, max_requests=100, max_len=1000, page_size=16)
+    with pytest.raises(PlanError, match="cannot hold") as info:
+        plan_pages(8 * MIB, 1.0, **kw)
+    p = plan_pages(8 * MIB, info.value.suggested_fraction, **kw)
+    assert GIB - p.used_bytes - p.table_bytes - p.pool_bytes >= 8 * MIB + pool_state_bytes(p.num_pages)
+
+
+def test_with_a_table_the_pages_stop_where_its_slots_pass_int32():
+    """A PageTable refuses a pool with num_pages * page_size over INT32_MAX: the plan stops below it."""
+    kw = dict(total_bytes=1 << 50, free_bytes=1 << 50, max_requests=1, max_len=64, page_size=64)
+    assert plan_pages(64, 0.5, **kw).num_pages == INT32_MAX // 64
+    assert plan_pages(64, 0.5, total_bytes=1 << 50, free_bytes=1 << 50).num_pages == MAX_INDEXED   # no table
+    with pytest.raises(ValueError, match=f"min_pages: expected at most {INT32_MAX // 64} .* got {INT32_MAX // 64 + 1}"):
+        plan_pages(64, 0.5, **kw, min_pages=INT32_MAX // 64 + 1)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_requests=8), r"expected all three, got max_requests=8, max_len=None, page_size=None "
+                           r"\(missing max_len, page_size\)"),
+    (dict(max_len=4096, page_size=16), r"got max_requests=None, max_len=4096, page_size=16 \(missing max_requests\)"),
+    (dict(page_size=16), r"\(missing max_requests, max_len\)"),
+    (dict(max_batch=64), "max_batch sizes a PageTable's scratch: expected max_requests, max_len and page_size with "
+                         "it, got max_batch=64 alone"),
+    (dict(max_requests=0, max_len=1, page_size=1), "max_requests: expected a positive int, got 0"),
+    (dict(max_requests=True, max_len=1, page_size=1), "max_requests: expected a positive int, got True"),
+    (dict(max_requests=1, max_len=0, page_size=1), "max_len: expected a positive int, got 0"),
+    (dict(max_requests=1, max_len=1, page_size=2.0), "page_size: expected a positive int, got 2.0"),
+    (dict(max_requests=1, max_len=1, page_size=1, max_batch=0), "max_batch: expected a positive int, got 0"),
+    (dict(max_requests=1, max_len=1, page_size=1, max_batch=MAX_INDEXED + 1),
+     f"max_batch: expected at most {MAX_INDEXED} .*, got {MAX_INDEXED + 1}"),
+    (dict(max_requests=1, max_len=INT32_MAX + 1, page_size=1), r"max_len: lengths are int32, so ceil\(max_len / "
+     rf"page_size\) \* page_size must be at most {INT32_MAX}, got {INT32_MAX + 1} \* 1"),
+    (dict(max_requests=1, max_len=INT32_MAX, page_size=16), rf"got {(INT32_MAX + 15) // 16} \* 16"),
+    (dict(max_requests=1 << 16, max_len=1 << 16, page_size=1),
+     rf"expected at most {MAX_INDEXED} table entries, got 65536 \* 65536"),
+])
+def test_bad_table_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match) as info:
+        plan_pages(PAGE, 0.8, total_bytes=80 * GIB, free_bytes=60 * GIB, **kwargs)
+    assert not isinstance(info.value, PlanError)
+
+
+@pytest.mark.parametrize("max_requests, max_len, page_size", [(1, INT32_MAX, 16), (1 << 16, 1 << 16, 1)])
+def test_a_page_table_refuses_what_the_plan_refuses(max_requests, max_len, page_size):
+    """The plan's refusals are PageTable's own (checked before it allocates)."""
+    pool = tpool.PagePool(8, page_size=page_size, device="cpu", backend="reference")
+    with pytest.raises(ValueError):
+        tpool.PageTable(pool, max_requests, -(-max_len // page_size))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 1 << 24), st.integers(1, 100), st.integers(1 << 20, 1 << 40), st.integers(1, 512),
+       st.integers(1, 1 << 17), st.sampled_from([1, 16, 64]), st.data())
+def test_a_plan_with_a_table_holds_the_table(page, percent, total, requests, max_len, page_size, data):
+    free = data.draw(st.integers(0, total))
+    kw = dict(total_bytes=total, free_bytes=free, max_requests=requests, max_len=max_len, page_size=page_size)
+    try:
+        plan = plan_pages(page, percent / 100, **kw)
+    except PlanError as e:
+        if e.suggested_fraction is not None:
+            assert plan_pages(page, e.suggested_fraction, **kw).num_pages >= 1
+    else:
+        assert plan.used_bytes + plan.table_bytes + plan.pool_bytes <= plan.static_budget_bytes
+        most = min(INT32_MAX // page_size, MAX_INDEXED)   # the most pages a PageTable's pool may have
+        assert plan.pool_budget_bytes < plan.pool_bytes + page or plan.num_pages == most
+        assert total - plan.used_bytes - plan.table_bytes - plan.pool_bytes >= page + pool_state_bytes(plan.num_pages)

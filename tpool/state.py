@@ -260,6 +260,15 @@ class TableState(_Tensors):
         return ts
 
 
+def table_state_bytes(max_requests: int, max_pages: int, max_batch: int) -> int:
+    """Bytes of the state tensors of a ``PageTable(pool, max_requests, max_pages)`` on a pool of
+    ``max_batch`` (``TableState``: the block table, the lengths, per-row and per-lane scratch;
+    ``PageTable.memory_bytes()`` of a fresh table), read off the layout on the meta device like
+    :func:`pool_state_bytes`: nothing is allocated. Not its call shapes' output buffers."""
+    ts = TableState.create(max_requests, max_pages, 1, max_batch, torch.device("meta"))
+    return sum(t.nbytes for t in ts.tensors().values())
+
+
 class CsrMemo(SetOnce):
     """The bookkeeping kept with one set of CSR output buffers (one per call shape).
 

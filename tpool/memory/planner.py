@@ -13,8 +13,20 @@ Note:
         in use        U = total - free + pending      (pending: weights not loaded yet)
         static        S = floor(total * fraction)
         reserve       R = total - S                   (runtime reserve)
-        pool budget   P = S - U - extra_reserve       ( = free - pending - R - extra )
+        page table    T = PageTable state bytes       (0 unless max_requests, max_len, page_size are given)
+        pool budget   P = S - U - extra_reserve - T   ( = free - pending - R - extra - T )
         pages         N = min(P // bytes_per_page, max_pages, MAX_INDEXED)
+
+    ``T`` is what ``PageTable(pool, max_requests, ceil(max_len / page_size))`` on a
+    pool of ``max_batch`` allocates when it is made (``tpool.state.table_state_bytes``,
+    read off its layout): the block table, ``max_requests x max_pages_per_request``
+    int32 (128 MiB for 256 requests of 128k tokens at page_size 1), the lengths and
+    the per-row and per-lane scratch. It is as static as the pool, so the static
+    budget holds it; pass it only when the table is not made yet when ``free`` is
+    measured (as ``weights_bytes`` for weights not loaded yet). The output buffers
+    of the table's call shapes (slots, CSR) depend on the batches an engine runs
+    and come out of the runtime reserve. With a table planned, ``N`` also stops at
+    ``INT32_MAX // page_size``: a table refuses a pool whose slots pass int32.
 
     The base differs from the engines' knobs of the same name:
 
@@ -58,8 +70,9 @@ import numpy as np
 import torch
 
 from tpool._checks import check_size, resolve_device
-from tpool.kernels.layout import MAX_INDEXED
-from tpool.state import pool_state_bytes
+from tpool.kernels.layout import INT32_MAX, MAX_INDEXED
+from tpool.pool import DEFAULT_MAX_BATCH
+from tpool.state import pool_state_bytes, table_state_bytes
 
 __all__ = ["plan_pages", "PagePlan", "PlanError"]
 
@@ -93,7 +106,10 @@ class PagePlan:
     static_budget_bytes: int  # floor(total * fraction)
     runtime_reserve_bytes: int  # total - static budget
     extra_reserve_bytes: int  # kept back inside the static budget
-    pool_budget_bytes: int  # static budget - used - extra reserve
+    table_bytes: int  # the state a PageTable of max_requests x max_pages_per_request allocates (0: none planned)
+    max_requests: int | None  # the table's rows (None: no table planned)
+    max_pages_per_request: int | None  # ceil(max_len / page_size): PageTable's third argument (None: no table)
+    pool_budget_bytes: int  # static budget - used - extra reserve - table
     num_pages: int
     pool_bytes: int  # num_pages * bytes_per_page
     source: str  # where total and free came from ("given", measured, or which of the two was given)
@@ -106,9 +122,12 @@ class PagePlan:
         str
             Eight lines: total, free, in use, static budget, runtime reserve,
             extra reserve, pool budget, pool; each with its bytes, GiB and
-            where it comes from. Then one note: a ``PagedKVCache`` built on a
-            pool of ``num_pages`` pages also takes one scratch page, and the
-            pool its state (its bytes read off the layout), from the runtime reserve.
+            where it comes from, and a ninth, page table, before the pool
+            budget when the plan counts one. Then one note: a
+            ``PagedKVCache`` built on a pool of ``num_pages`` pages also takes
+            one scratch page, and the pool its state (its bytes read off the
+            layout), from the runtime reserve (and a planned table the output
+            buffers of its call shapes).
 
         Example
         -------
@@ -124,6 +143,8 @@ class PagePlan:
         pool                   47,244,640,256 B     44.00 GiB   22,528 pages x 2,097,152 B
         note: PagedKVCache.from_pool adds 1 scratch page (2,097,152 B), PagePool state 1,374,640 B: from the reserve
         """
+        table = self.max_requests is not None
+        block = self.max_requests * self.max_pages_per_request * 4 if table else 0  # int32 entries
         rows = [
             ("total", self.total_bytes, self.source),
             ("free", self.free_bytes, "with the weights loaded" if not self.pending_weights_bytes
@@ -132,13 +153,17 @@ class PagePlan:
             ("static budget", self.static_budget_bytes, f"total x {self.mem_fraction_static}"),
             ("runtime reserve", self.runtime_reserve_bytes, "total - static budget (activations, graphs)"),
             ("extra reserve", self.extra_reserve_bytes, "kept back inside the static budget"),
-            ("pool budget", self.pool_budget_bytes, "static budget - in use - extra reserve"),
+            *([("page table", self.table_bytes, f"PageTable({self.max_requests:,} x {self.max_pages_per_request:,}): "
+                f"block table {block:,} B + lengths and scratch")] if table else []),
+            ("pool budget", self.pool_budget_bytes, "static budget - in use - extra reserve"
+             + (" - page table" if table else "")),
             ("pool", self.pool_bytes, f"{self.num_pages:,} pages x {self.bytes_per_page:,} B"),
         ]
         lines = [f"{name:<16} {value:>20,} B {value / GIB:>9.2f} GiB   {why}" for name, value, why in rows]
         # (not in the pool line: see the module note)
+        shapes = ", the PageTable's call-shape buffers (slots, CSR)" if table else ""
         lines.append(f"note: PagedKVCache.from_pool adds 1 scratch page ({self.bytes_per_page:,} B), PagePool "
-                     f"state {pool_state_bytes(self.num_pages):,} B: from the reserve")
+                     f"state {pool_state_bytes(self.num_pages):,} B{shapes}: from the reserve")
         return "\n".join(lines)
 
 
@@ -170,9 +195,40 @@ def _decimal(fraction: Fraction) -> str:
     return f"{float(fraction):.{digits}f}"
 
 
+def _table(max_requests, max_len, page_size, max_batch) -> tuple[int, int | None, int | None, int]:
+    """``(bytes, max_requests, max_pages_per_request, most pages)`` of the PageTable the arguments
+    describe, checked as ``PagePool`` and ``PageTable`` check theirs; ``(0, None, None, MAX_INDEXED)``
+    when none is given."""
+    given = {"max_requests": max_requests, "max_len": max_len, "page_size": page_size}
+    if all(v is None for v in given.values()):
+        if max_batch is not None:
+            raise ValueError(f"max_batch sizes a PageTable's scratch: expected max_requests, max_len and page_size "
+                             f"with it, got max_batch={max_batch!r} alone")
+        return 0, None, None, MAX_INDEXED
+    if any(v is None for v in given.values()):
+        got = ", ".join(f"{k}={v!r}" for k, v in given.items())
+        missing = ", ".join(k for k, v in given.items() if v is None)
+        raise ValueError(f"a PageTable is planned from max_requests, max_len and page_size together: expected all "
+                         f"three, got {got} (missing {missing})")
+    max_requests, max_len, page_size = (check_size(v, k, 1) for k, v in given.items())
+    max_batch = DEFAULT_MAX_BATCH if max_batch is None else check_size(max_batch, "max_batch", 1)
+    if max_batch > MAX_INDEXED:
+        raise ValueError(f"max_batch: expected at most {MAX_INDEXED} (the most a PagePool takes), got {max_batch}")
+    pages = -(-max_len // page_size)
+    if pages * page_size > INT32_MAX:
+        raise ValueError(f"max_len: lengths are int32, so ceil(max_len / page_size) * page_size must be at most "
+                         f"{INT32_MAX}, got {pages} * {page_size} (max_len={max_len})")
+    if max_requests * pages > MAX_INDEXED:
+        raise ValueError(f"max_requests * ceil(max_len / page_size): expected at most {MAX_INDEXED} table entries, "
+                         f"got {max_requests} * {pages}")
+    most = min(INT32_MAX // page_size, MAX_INDEXED)  # PageTable refuses a pool with num_pages * page_size > INT32_MAX
+    return table_state_bytes(max_requests, pages, max_batch), max_requests, pages, most
+
+
 def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, total_bytes: int | None = None,
                free_bytes: int | None = None, reserve_bytes: int = 0, weights_bytes: int | None = None,
-               min_pages: int = 1, max_pages: int | None = None) -> PagePlan:
+               min_pages: int = 1, max_pages: int | None = None, max_requests: int | None = None,
+               max_len: int | None = None, page_size: int | None = None, max_batch: int | None = None) -> PagePlan:
     """Plan the page count of a KV pool.
 
     Parameters
@@ -202,7 +258,20 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
         most ``MAX_INDEXED``; default 1.
     max_pages : int, optional
         Most pages wanted, >= ``min_pages``; default, and at most, the most
-        a ``PagePool`` takes (``MAX_INDEXED``, 2**31 - 2**16).
+        a ``PagePool`` takes (``MAX_INDEXED``, 2**31 - 2**16), and with a
+        table planned at most ``INT32_MAX // page_size`` (its slots are int32).
+    max_requests, max_len, page_size : int, optional
+        The ``PageTable`` to plan for, all three or none: its rows (the most
+        requests holding pages at once), the longest request in tokens, and
+        the pool's page size (the page ``bytes_per_page`` describes), each
+        >= 1. The table's state, with ``max_pages_per_request =
+        ceil(max_len / page_size)``, comes out of the static budget (module
+        note); leave them out if the table exists when ``free_bytes`` is
+        measured. None: no table counted, as before.
+    max_batch : int, optional
+        The pool's ``max_batch`` (``PagePool(..., max_batch=)``), which sizes
+        the table's per-lane scratch (int32 ``[max_batch]``); only with a
+        table; default ``PagePool``'s, 4096.
 
     Returns
     -------
@@ -216,7 +285,7 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
         Fewer than ``min_pages`` pages fit; its ``suggested_fraction`` is the
         smallest fraction (rounded up to 0.01, or to 0.001 or 0.0001 when no
         multiple of 0.01 works) that gives ``min_pages`` and room beside them,
-        or None if none does. Or the memory left beside the pool (the
+        or None if none does (a table planned counts in both). Or the memory left beside the pool (the
         runtime reserve, at a fraction near 1) cannot hold its scratch page
         and state; ``suggested_fraction`` is then the largest smaller fraction
         that can (the same steps). A subclass of ``ValueError``.
@@ -225,7 +294,12 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
         or out of its range, ``free_bytes > total_bytes``, or total or free
         not given and no CUDA device to measure them on (``device`` not a
         cpu or cuda device, CUDA unavailable, an index out of range, or the
-        CPU).
+        CPU); some but not all of ``max_requests``, ``max_len`` and
+        ``page_size``, or ``max_batch`` without them; a table that
+        ``PageTable`` or ``PagePool`` refuses (``max_pages_per_request *
+        page_size`` over ``INT32_MAX``, more than ``MAX_INDEXED`` entries,
+        ``max_batch`` over ``MAX_INDEXED``), or ``min_pages`` over
+        ``INT32_MAX // page_size``.
 
     Example
     -------
@@ -234,6 +308,16 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
 
     >>> plan_pages(2 << 20, 0.8, total_bytes=80 << 30, free_bytes=60 << 30).num_pages
     22528
+
+    The same device with a table for 256 requests of 128k tokens at page_size 16
+    (8,192 pages a request): its block table is 256 x 8,192 x 4 B = 8 MiB, and
+    with the lengths and scratch (256 x 16 B a row, 4,096 x 4 B a lane, 16 B)
+    the table takes 8,409,104 B of the pool budget, just over four pages: five pages fewer.
+
+    >>> p = plan_pages(2 << 20, 0.8, total_bytes=80 << 30, free_bytes=60 << 30,
+    ...                max_requests=256, max_len=128 << 10, page_size=16)
+    >>> p.table_bytes, p.max_pages_per_request, p.num_pages
+    (8409104, 8192, 22523)
     """
     bytes_per_page = check_size(bytes_per_page, "bytes_per_page", 1)
     reserve_bytes = check_size(reserve_bytes, "reserve_bytes", 0)
@@ -241,7 +325,11 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
     if min_pages > MAX_INDEXED:  # (PagePool refuses more pages: its kernels' chunk offsets are int32)
         raise ValueError(f"min_pages: expected at most {MAX_INDEXED} (the most pages a PagePool takes), "
                          f"got {min_pages}")
-    max_pages = MAX_INDEXED if max_pages is None else min(check_size(max_pages, "max_pages", min_pages), MAX_INDEXED)
+    table_bytes, max_requests, pages_per_request, most = _table(max_requests, max_len, page_size, max_batch)
+    if min_pages > most:
+        raise ValueError(f"min_pages: expected at most {most} (INT32_MAX // page_size: a PageTable refuses a pool "
+                         f"whose slots pass int32), got {min_pages}")
+    max_pages = most if max_pages is None else min(check_size(max_pages, "max_pages", min_pages), most)
     if isinstance(mem_fraction_static, (bool, np.bool_)) or \
             not isinstance(mem_fraction_static, (numbers.Integral, float, np.floating, Fraction)):
         raise ValueError(f"mem_fraction_static: expected a float in (0, 1], got a {type(mem_fraction_static).__name__} "
@@ -261,15 +349,17 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
         else Fraction(mem_fraction_static)
     used = total - free + pending
 
+    kept = reserve_bytes + table_bytes  # what the static budget keeps back beside what is in use
+
     def pages_at(fraction):
         static = math.floor(total * fraction)
-        pool_budget = static - used - reserve_bytes
+        pool_budget = static - used - kept
         pages = max(pool_budget, 0) // bytes_per_page
         return static, pool_budget, min(pages, max_pages)
 
     def left_after(pages):
-        """The memory left after the pool, the memory in use and the extra reserve."""
-        return total - used - reserve_bytes - pages * bytes_per_page
+        """The memory left after the pool, the memory in use, the extra reserve and the table."""
+        return total - used - kept - pages * bytes_per_page
 
     def beside(pages):
         """What the pool takes beside its pages (from_pool's scratch page, the PagePool state), and whether
@@ -302,17 +392,19 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
 
     static, pool_budget, pages = pages_at(fraction)
     if pages < min_pages:
-        need = used + reserve_bytes + min_pages * bytes_per_page
+        need = used + kept + min_pages * bytes_per_page
         suggested = smallest_that_fits(need) if need <= total else None
         fix = (f"use mem_fraction_static >= {_decimal(suggested)}" if suggested is not None
                else f"even mem_fraction_static=1.0 is short by {need - total:,} B; use a bigger device "
                     "or fewer weights per device" if need > total
                else "no fraction leaves room for them and for the pool's scratch page and state beside them; "
                     "use a bigger device or fewer weights per device")
+        besides = f" and {reserve_bytes:,} B extra reserve" if max_requests is None else \
+            f", {reserve_bytes:,} B extra reserve and {table_bytes:,} B of page table"
         raise PlanError(
             f"the static budget ({static:,} B = {total:,} B x {mem_fraction_static}) leaves "
-            f"{pool_budget:,} B for the pool after {used:,} B in use (weights, context, other) and "
-            f"{reserve_bytes:,} B extra reserve; {min_pages} page(s) of {bytes_per_page:,} B need "
+            f"{pool_budget:,} B for the pool after {used:,} B in use (weights, context, other){besides}; "
+            f"{min_pages} page(s) of {bytes_per_page:,} B need "
             f"{min_pages * bytes_per_page:,} B: {fix}", None if suggested is None else float(suggested))
     need, fits = beside(pages)
     if not fits:
@@ -327,5 +419,8 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
             f"beside its {pages:,} pages: PagedKVCache.from_pool's scratch page and the PagePool state, {need:,} "
             f"B (after the pool, {left_after(pages):,} B would be left): "
             f"{fix}", None if suggested is None else float(suggested))
-    return PagePlan(bytes_per_page, float(fraction), total, free, pending, used, static,
-                    total - static, reserve_bytes, pool_budget, pages, pages * bytes_per_page, source)
+    return PagePlan(bytes_per_page=bytes_per_page, mem_fraction_static=float(fraction), total_bytes=total,
+                    free_bytes=free, pending_weights_bytes=pending, used_bytes=used, static_budget_bytes=static,
+                    runtime_reserve_bytes=total - static, extra_reserve_bytes=reserve_bytes, table_bytes=table_bytes,
+                    max_requests=max_requests, max_pages_per_request=pages_per_request,
+                    pool_budget_bytes=pool_budget, num_pages=pages, pool_bytes=pages * bytes_per_page, source=source)
