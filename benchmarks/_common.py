@@ -30,7 +30,6 @@ MAX_INNER = 10_000         # at most this many calls per sample
 COLD_BYTES = 64 << 20      # bytes written between two cold calls (64 MiB)
 
 
-
 def _process_start() -> float:
     """``time.perf_counter()``'s reading when this process started (Linux: /proc), so progress lines count the
     seconds spent importing torch and transformers too; elsewhere the time this module was imported."""
