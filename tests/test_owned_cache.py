@@ -510,8 +510,8 @@ def test_plain_put_of_values_read_from_the_cache_may_evict_their_entries(copy):
 
 def test_eviction_skips_entries_that_free_nothing_for_the_new_value():
     """An entry holding only storages the new value keeps as they are (the same owned tensor under two
-    keys), or none of any size, frees no bytes when evicted: the storage stays alive, charged to the new
-    entry. It was evicted anyway, least recently used first, and lost for nothing."""
+    keys) frees no bytes when evicted: the storage stays alive, charged to the new entry. It was evicted
+    anyway, least recently used first, and lost for nothing. An entry of 0 bytes is evicted in its turn."""
     shared = torch.zeros(2 * UNIT // 4)  # 2 units, owns its storage: kept as it is, charged once
     cache = OwnedCache(4 * UNIT)
     cache.put("shared", shared)
@@ -519,11 +519,11 @@ def test_eviction_skips_entries_that_free_nothing_for_the_new_value():
     cache.put("other", full(2))
     assert cache.stats().current_bytes == 4 * UNIT
     assert cache.put("new", [shared, full(1)])  # 3 units with "shared" or without it: "other" must go
-    assert cache.keys() == ["shared", "empty", "new"] and cache.stats().evictions == 1
+    assert cache.keys() == ["shared", "new"] and cache.stats().evictions == 2  # "empty" went in its turn
     assert cache.stats().current_bytes == 3 * UNIT
     cache.check_invariants()
-    cache.set_budget(0)  # every byte goes; the entry of 0 bytes frees none and stays
-    assert cache.keys() == ["empty"] and cache.stats().current_bytes == 0
+    cache.set_budget(0)  # every byte goes: "new" holds "shared"'s storage unpinned, so both go
+    assert cache.keys() == [] and cache.stats().current_bytes == 0
     cache.check_invariants()
     # When the count is what binds, any entry makes room, least recently used first
     counted = OwnedCache(4 * UNIT, max_entries=2)
@@ -532,6 +532,22 @@ def test_eviction_skips_entries_that_free_nothing_for_the_new_value():
     assert counted.put("new", [shared, full(1)])
     assert counted.keys() == ["other", "new"]
     counted.check_invariants()
+
+
+def test_entries_of_0_bytes_do_not_pile_up_in_a_cache_bounded_by_bytes():
+    """Entries of 0 bytes (an empty tensor, an empty list) free nothing when evicted, but passed over they
+    would never leave a cache without max_entries, and every eviction would look at each of them: they
+    are evicted in their turn, least recently used first, by put and by set_budget."""
+    cache = OwnedCache(4 * UNIT)
+    for i in range(50):
+        cache.put(("empty", i), [torch.zeros(0)] if i % 2 else [])
+    for i in range(8):
+        assert cache.put(i, full(1))
+    assert cache.keys() == [4, 5, 6, 7] and cache.stats().evictions == 54
+    cache.put("empty", torch.zeros(0))  # (no eviction: it fits)
+    cache.set_budget(0)  # evicts until the charge fits: 4 to 7; "empty", used after them, stays
+    assert cache.keys() == ["empty"] and cache.stats().evictions == 58
+    cache.check_invariants()
 
 
 def test_eviction_skips_entries_whose_storages_a_pinned_entry_holds():

@@ -13,9 +13,10 @@ Note:
        value from ``get``, put back) counts as pinned for this put: its
        block must outlive the copy;
     4. evict unpinned entries, least recently used first, until it fits; for bytes
-       an entry whose eviction frees none is passed over (it holds only storages
-       the new value keeps as they are or pinned entries hold, or none: they stay
-       alive, charged all the same);
+       an entry whose storages stay charged anyway is passed over (every storage
+       of it that has bytes the new value keeps as it is or a pinned entry holds:
+       evicting it would free nothing). An entry of 0 bytes is evicted in its
+       turn, as any other: kept, such entries would pile up uncharged;
     5. copy what does not own its storage, rebuild the container, insert
        (with an arena, a copy that raises frees the new block again).
 
@@ -211,9 +212,9 @@ class OwnedCache:
         cannot fit even with every unpinned entry gone (in the budget, and
         below ``max_entries``) is refused with nothing evicted; otherwise
         unpinned entries are evicted, least recently used first, until it
-        fits (for bytes, passing over an entry whose eviction frees none: it
-        holds only storages ``value`` keeps as they are or pinned entries hold,
-        or none). With an arena an entry whose block ``value``
+        fits (for bytes, passing over an entry whose storages stay charged
+        anyway: every storage of it with bytes is one ``value`` keeps as it is
+        or a pinned entry holds; an entry of 0 bytes is evicted in its turn). With an arena an entry whose block ``value``
         reads (a value from :meth:`get` put back under another key) is
         never evicted for it: if it cannot fit without that block, it is
         refused. What is stored is ``value`` rebuilt (new containers) around
@@ -309,11 +310,14 @@ class OwnedCache:
         return True
 
     def _frees_nothing(self, key: Hashable, alive) -> bool:
-        """Whether evicting ``key`` frees no bytes: it holds no block, no text, and only storages of 0 bytes
-        or in ``alive`` (storage keys that stay charged: a new value keeps them as they are, or entries that
-        are not evicted, pinned ones, hold them)."""
+        """Whether evicting ``key`` frees no bytes although it holds some: no block, no text, at least one
+        storage with bytes, and every such storage in ``alive`` (storage keys that stay charged: a new value
+        keeps them as they are, or entries that are not evicted, pinned ones, hold them). An entry of 0 bytes
+        is not one of these: eviction takes it in its turn (passed over, such entries would never leave a
+        cache bounded by bytes alone, and each would cost every eviction a look)."""
         e = self._entries[key]
-        return e.block is None and not e.leaf_bytes and all(n == 0 or k in alive for k, n in e.storages.items())
+        sized = [k for k, n in e.storages.items() if n]
+        return e.block is None and not e.leaf_bytes and bool(sized) and all(k in alive for k in sized)
 
     def _full(self, entries: int) -> bool:
         """Whether a cache holding ``entries`` entries has no room for one more."""
@@ -409,8 +413,8 @@ class OwnedCache:
     @_locked
     def set_budget(self, budget_bytes: int) -> None:
         """Change the budget; unpinned entries are evicted, least recently used first, until the
-        charge fits it (counted as evictions), passing over an entry whose eviction frees no bytes (it
-        holds only storages that pinned entries hold too, or nothing of any size).
+        charge fits it (counted as evictions), passing over an entry whose storages with bytes pinned
+        entries all hold too (evicting it would free nothing); an entry of 0 bytes goes in its turn.
 
         Parameters
         ----------
