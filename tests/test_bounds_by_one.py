@@ -150,8 +150,8 @@ def test_t10_step_release_one_past_max_batch_is_refused(backend):
     table = tpool.PageTable(pool, 4, 4)
     table.extend(_i32([0]), _i32([3]), max_tokens=3)
     mb = pool.max_batch
-    with pytest.raises(ValueError, match=rf"release: expected at most {mb} entries \(one per lane; the pool's max_batch, "
-                       rf"PagePool\(\.\.\., max_batch=N\)\), got {mb + 1}"):
+    with pytest.raises(ValueError, match=rf"release: expected at most {mb} entries \(one per lane; the pool's "
+                       rf"max_batch, PagePool\(\.\.\., max_batch=N\)\), got {mb + 1}"):
         table.step(_i32([1]), _i32([1]), release=torch.full((mb + 1,), -1, dtype=torch.int32))
     assert table.seq_lens.tolist() == [3, 0, 0, 0]
 

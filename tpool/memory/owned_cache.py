@@ -214,8 +214,8 @@ class OwnedCache:
         unpinned entries are evicted, least recently used first, until it
         fits (for bytes, passing over an entry whose storages stay charged
         anyway: every storage of it with bytes is one ``value`` keeps as it is
-        or a pinned entry holds; an entry of 0 bytes is evicted in its turn). With an arena an entry whose block ``value``
-        reads (a value from :meth:`get` put back under another key) is
+        or a pinned entry holds; an entry of 0 bytes is evicted in its turn).
+        With an arena an entry whose block ``value`` reads (a value from :meth:`get` put back under another key) is
         never evicted for it: if it cannot fit without that block, it is
         refused. What is stored is ``value`` rebuilt (new containers) around
         owned copies of the views that do not own their storage
