@@ -1133,3 +1133,28 @@ def test_a_preemption_inserts_and_releases_its_victims_in_one_order(llama, monke
     eng.check()
     assert any(len(rows) > 1 for _, rows in seen) and eng.stats.preemptions > 1
     assert all(inserted == released for inserted, released in seen)
+
+
+def test_reconciling_rarely_preempts_more_and_the_counts_repeat(llama):
+    """``reconcile_every``: the same fixed-seed workload (prefix cache, speculative decoding) preempts more with
+    a snapshot every 16 steps than every step, takes fewer snapshots, gives the same tokens, and repeats its
+    counts run after run (what benchmarks/bench_reconcile.py prints). With a snapshot due never, the loop still
+    ends: a pass with nothing running reconciles at once (the mirror's under-count refused every admission)."""
+    def counts(every):
+        reqs = engine.make_requests(40, seed=0, vocab_size=256, system_len=8)
+        max_pages = -(-max(engine.max_len(r) for r in reqs) // 4)
+        eng = engine.Engine(llama, num_pages=24, page_size=4, max_batch=4, max_pages=max_pages, backend="numba",
+                            reconcile_every=every)
+        tokens = eng.run(reqs)
+        eng.check()
+        s = eng.stats
+        return (s.steps, s.preemptions, s.calls["HostMirror.snapshot"][1]), tokens
+
+    every_step, every_16 = counts(1), counts(16)
+    assert every_16[0][1] > every_step[0][1] and every_16[0][2] < every_step[0][2]
+    assert every_16[1] == every_step[1]
+    assert counts(1) == every_step and counts(16) == every_16
+    assert counts(10**9)[1] == every_step[1]
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="reconcile_every"):
+            engine.Engine(llama, num_pages=24, page_size=4, max_batch=4, max_pages=8, reconcile_every=bad)

@@ -218,11 +218,16 @@ class Engine:
 
     ``device`` (default: the model's): where the pool, the page table and the K/V pages live;
     it must be the model's (``ValueError`` naming both otherwise: the forward reads the pages).
+
+    ``reconcile_every`` (default 1): a snapshot of the pool is started only on steps whose count is
+    a multiple of it (and only while the mirror is inexact, none on its way); each is reconciled once
+    it has landed. Until then the mirror under-promises, so a larger value preempts and admits on
+    staler, smaller counts (``Stats.preemptions``; ``benchmarks/bench_reconcile.py`` compares them).
     """
 
     def __init__(self, model, *, num_pages: int, page_size: int, max_batch: int, max_pages: int,
                  backend: str = "auto", device=None, spec_every: int = 3, draft_len: int = 3,
-                 prefix_cache: bool = True, eos_token_id=EOS_FROM_MODEL):
+                 prefix_cache: bool = True, eos_token_id=EOS_FROM_MODEL, reconcile_every: int = 1):
         layers, kv_heads, head_dim = kv_shape(model.config)   # before the pool is made: nothing to undo
         check_model(model)  # (memoized: forward_step's own check costs nothing more)
         device = _model_device(model, device)
@@ -231,6 +236,7 @@ class Engine:
         draft_len = _checks.check_size(draft_len, "draft_len")
         prefix_cache = _checks.flag(prefix_cache, "prefix_cache")
         max_batch = _checks.check_size(max_batch, "max_batch", 1)
+        self.reconcile_every = _checks.check_size(reconcile_every, "reconcile_every", 1)
         self.model = model
         self.vocab = model.get_input_embeddings().num_embeddings   # token ids run checks against
         self.positions = checks.position_limit(model)              # (positions, what bounds them), or None
@@ -311,12 +317,15 @@ class Engine:
             at += n
         return host[:ids.numel()]
 
-    def _reconcile(self, wait=False):
+    def _reconcile(self, wait=False, idle=False):
         """Start a snapshot of the pool if the mirror is inexact (a shared prefix was released, or a
-        revive took pages that may have been USED) and none is on its way; apply those that have
+        revive took pages that may have been USED), none is on its way, and the steps run so far are a
+        multiple of ``reconcile_every`` or nothing runs (``idle``: no step would come to count, and the
+        mirror's under-count could refuse every admission for good) or ``wait``; apply those that have
         landed (never waits unless ``wait``: a sync point)."""
         m = self.mirror
-        if not (m.exact and m.cached_exact) and not self._snapshots:
+        due = wait or idle or self.stats.steps % self.reconcile_every == 0
+        if due and not (m.exact and m.cached_exact) and not self._snapshots:
             self._snapshots.append(self._timed(m.snapshot))
         while self._snapshots and (wait or self._snapshots[0].ready()):
             self._timed(m.reconcile, self._snapshots.pop(0))
@@ -422,7 +431,7 @@ class Engine:
             if not running:   # nothing runs before the next arrival: skip the steps between (an arrival is a step)
                 step = max(step, min(w.arrival for w in waiting))
             t_step = time.perf_counter()
-            self._reconcile()
+            self._reconcile(idle=not running)
             feed = self._feeds(running)
             self._preempt(running, waiting, feed)
             decode, prefill = self._admit(step, waiting, running, feed, by_id)
