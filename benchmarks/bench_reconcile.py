@@ -23,7 +23,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import Distinct, HelpFormatter, out_path, positive_int, print_table, progress, write_json  # noqa: E402
+from _common import (Distinct, HelpFormatter, check_backends, out_path, positive_int, print_table,  # noqa: E402
+                     progress, write_json)
 
 from tpool.serving.engine import Engine, make_requests, max_len, tiny_model  # noqa: E402
 
@@ -41,7 +42,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--system-len", type=positive_int, default=8, help="system prompt tokens, shared by every prompt")
     ap.add_argument("--backend", default="numba", help="pool backend")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the requests")
-    ap.add_argument("--json", type=out_path, default="", metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument("--json", type=out_path, default=None, metavar="PATH", help="also write the rows as JSON")
     return ap
 
 
@@ -49,9 +50,6 @@ def run_once(model, a, every: int) -> tuple:
     """Serve ``a``'s requests with ``reconcile_every=every``; returns ``(stats, tokens)``."""
     reqs = make_requests(a.requests, seed=a.seed, vocab_size=model.config.vocab_size, system_len=a.system_len)
     max_pages = -(-max(max_len(r) for r in reqs) // a.page_size)
-    if max_pages > a.num_pages:
-        raise SystemExit(f"--num-pages: expected at least {max_pages}, the pages of the longest request, "
-                         f"got {a.num_pages}")
     eng = Engine(model, num_pages=a.num_pages, page_size=a.page_size, max_batch=a.max_batch, max_pages=max_pages,
                  backend=a.backend, reconcile_every=every)
     tokens = eng.run(reqs)
@@ -60,9 +58,16 @@ def run_once(model, a, every: int) -> tuple:
 
 
 def main(argv=None):
-    a = parser().parse_args(argv)
+    ap = parser()
+    a = ap.parse_args(argv)
+    check_backends(ap, "--backend", [a.backend], "cpu")
     torch.set_num_threads(1)
     model = tiny_model("llama", seed=a.seed)
+    longest = max(max_len(r) for r in make_requests(a.requests, seed=a.seed, vocab_size=model.config.vocab_size,
+                                                     system_len=a.system_len))
+    if (pages := -(-longest // a.page_size)) > a.num_pages:  # (before any run: a usage error, not a failed run)
+        ap.error(f"argument --num-pages: expected at least {pages}, the pages of the longest request, "
+                 f"got {a.num_pages}")
     rows, out, first = [], [], None
     for every in a.reconcile_every:
         s, tokens = run_once(model, a, every)

@@ -16,7 +16,7 @@ import torch
 from bench_scripts import BENCH, TINY, FakeClock, load
 
 SCRIPTS = ["bench_pool", "bench_page_table", "bench_evict", "bench_scheduler", "cold_breakdown", "bench_startup",
-           "bench_revive", "bench_prefix", "bench_lru"]
+           "bench_revive", "bench_prefix", "bench_lru", "bench_reconcile"]
 
 
 @pytest.mark.parametrize("name, header", [
@@ -308,6 +308,8 @@ BAD_OPTIONS = [  # (script, argv, the option its error names): argparse refuses 
     ("bench_e2e", ["--layers", "0"], "--layers"),
     ("bench_prefix", ["--requests", "0"], "--requests"),
     ("bench_prefix", ["--num-pages", "2"], "--num-pages"),
+    ("bench_reconcile", ["--num-pages", "2"], "--num-pages"),  # fewer than its longest request's pages
+    ("bench_reconcile", ["--reconcile-every", "0"], "--reconcile-every"),
     ("bench_prefix", ["--prompt-len", "9", "3"], "--prompt-len"),
     ("ab_compare", ["tpool-numba step", "--batch", "0"], "--batch"),
     ("ab_compare", ["tpool-numba step", "--inner", "5000"], "--inner"),  # past the table's room: a TableOverflow
@@ -334,7 +336,8 @@ BAD_OPTIONS = [  # (script, argv, the option its error names): argparse refuses 
     ("bench_pool", ["--json", BENCH], "--json"),  # a directory
 ] + [(name, [option, "foo"], option) for option, names in (
     ("--backends", ("bench_pool", "bench_evict", "bench_revive")),
-    ("--backend", ("bench_lru", "bench_scheduler", "bench_e2e", "bench_prefix"))) for name in names
+    ("--backend", ("bench_lru", "bench_scheduler", "bench_e2e", "bench_prefix", "bench_reconcile")))
+    for name in names
 ] + [(name, ["--device", device], "--device")  # a device tpool refuses (no CUDA here, no 100th GPU anywhere)
      for name in ("bench_pool", "bench_page_table", "bench_evict", "bench_lru", "bench_revive", "bench_scheduler")
      for device in ("cuda:99", "meta")
@@ -842,3 +845,15 @@ def test_progress_counts_from_the_process_start():
     assert run.returncode == 0, run.stderr
     seconds = float(re.search(r"\[\s*([\d.]+) s\] first", run.stderr).group(1))
     assert seconds >= 1.0, run.stderr
+
+
+def test_reconcile_benchmark_counts_each_value_with_the_same_tokens(tmp_path, capsys):
+    """bench_reconcile.py serves the same requests once per --reconcile-every value: a row each, the same
+    output tokens in every run (the script fails otherwise), fewer snapshots when they are rarer."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "reconcile.json"
+    load("bench_reconcile").main(["--requests", "40", "--num-pages", "24", "--max-batch", "4", "--json", str(out)])
+    assert "reconcile every" in capsys.readouterr().out
+    every1, every16 = json.loads(out.read_text())["rows"]
+    assert (every1["reconcile_every"], every16["reconcile_every"]) == (1, 16)
+    assert every1["tokens"] == every16["tokens"] > 0 and every16["snapshots"] < every1["snapshots"]
