@@ -429,11 +429,11 @@ class OwnedCache:
         """
         budget = check_size(budget_bytes, "budget_bytes", 0)
         pinned = set(self._pinned)
-        if (charged := self._charge_of(pinned)[1]) > budget:
+        alive, charged = self._charge_of(pinned)  # (an entry holding only storages in alive frees nothing)
+        if charged > budget:
             raise ValueError(f"budget_bytes: expected at least the {charged} B the pinned entries are charged, "
                              f"got {budget}")
         self._budget = budget
-        alive = self._charge_of(pinned)[0].keys()  # (an entry holding only these frees nothing: it stays)
         while self._current > budget:
             self._drop(next(k for k in self._entries if k not in pinned and not self._frees_nothing(k, alive)))
             self._counts["evictions"] += 1
