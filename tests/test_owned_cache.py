@@ -1085,7 +1085,8 @@ def test_transformers_model_outputs_and_batch_features_are_cached_as_they_work()
     back = in_arena.get("out")
     assert back.last_hidden_state is back[0] and back.hidden_states is back["hidden_states"]
     assert back.last_hidden_state.untyped_storage().data_ptr() == arena.buffer.untyped_storage().data_ptr()
-    assert torch.equal(back.last_hidden_state, got.last_hidden_state) and in_arena.stats().current_bytes == 2048 + accounting.leaf_bytes(got)
+    assert torch.equal(back.last_hidden_state, got.last_hidden_state)
+    assert in_arena.stats().current_bytes == 2048 + accounting.leaf_bytes(got)
     in_arena.check_invariants()
 
 

@@ -345,8 +345,8 @@ def test_a_lane_of_no_tokens_never_overflows_the_slots(make_table, guard):
 def test_check_invariants_finds_two_rows_naming_a_partial_last_page(make_table, other_len):
     """extend reads no reference count, so two rows naming one request's partial last page would
     append into the same slots. fork and truncate never make such a pair, a hand edit does (or a
-    page freed under a row and popped by another), and check_invariants reports it; a pool incref of the page (another holder, not a row) is no
-    such pair: the row appends past the tokens the holder has."""
+    page freed under a row and popped by another), and check_invariants reports it; a pool incref of
+    the page (another holder, not a row) is no such pair: the row appends past the tokens the holder has."""
     table = make_table(8, 4, 3, 4)
     table.extend(i32([0]), i32([6]), max_tokens=6)                    # pages 0 and 1 (partial)
     table.pool.incref(i32([1]))
@@ -969,7 +969,8 @@ def test_memory_bytes_counts_the_tables_tensors_each_storage_once():
     assert m["buffer_bytes"] == out + csr(4096) + csr(8) + (8 + 2)
     assert m["csr_memo_bytes"] == 2 * L.memo_len(2) * 8 and m["kept_shapes"] == 3
     parts = sum(v for k, v in m.items() if k.endswith("_bytes") and k != "total_bytes")
-    assert m["total_bytes"] == parts == tpool.memory.accounting.retained_bytes(table.state.tensors()) + m["buffer_bytes"] + m["csr_memo_bytes"]
+    state_bytes = tpool.memory.accounting.retained_bytes(table.state.tensors())
+    assert m["total_bytes"] == parts == state_bytes + m["buffer_bytes"] + m["csr_memo_bytes"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

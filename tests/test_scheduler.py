@@ -485,8 +485,9 @@ def test_reconcile_raises_when_the_contract_is_broken(backend):
             m.reconcile(landed(m.snapshot()))
     pool2, table2, m2 = _setup(backend, num_pages=20, rows=2)
     table2.extend(i32([1]), i32([8]), max_tokens=8)       # a call made around the mirror
-    with pytest.raises(MirrorError, match=r"the device had 18 and 0 .*finish the running rows \(and table.release "
-                                          r"any row a call around the mirror filled\), and make a new HostMirror\(table\)"):
+    with pytest.raises(MirrorError, match=r"the device had 18 and 0 .*finish the running rows \(and "
+                                          r"table.release any row a call around the mirror filled\), "
+                                          r"and make a new HostMirror\(table\)"):
         m2.reconcile(landed(m2.snapshot()))
     table2.release(i32([1]))                              # the advice, followed: a new mirror, exact again
     assert HostMirror(table2).free == 20 == pool2.available()
@@ -1186,7 +1187,8 @@ def test_queries_refuse_non_integers_and_a_priority_list_of_another_length(backe
         # No sequence, or priorities that do not compare: a ValueError, as for every other bad argument
         # (a TypeError from len() or the sort before; a lone int max_len went as a list of one to admit)
         for call, match in ((lambda: m.preemption(rows, None, 9), "priority: expected a sequence, got NoneType"),
-                            (lambda: m.preemption(rows, [0, "a", None], 9), "priority: expected a sequence of values that compare"),
+                            (lambda: m.preemption(rows, [0, "a", None], 9),
+                             "priority: expected a sequence of values that compare"),
                             (lambda: m.can_admit(5), "prompt_lens: expected a sequence, got int 5"),
                             (lambda: m.can_admit([4], 5), "max_lens: expected a sequence, got int 5"),
                             (lambda: m.shortfall(np.array(4)), "prompt_lens: expected a sequence, got ndarray"),
@@ -1487,7 +1489,8 @@ def test_counts_past_a_rows_capacity_are_refused_before_the_mirror_changes(backe
     before = (m.free, m.reserved, m.lo.tolist(), m.hi.tolist())
     for n in (2**63 - 1, 17, [17]):
         for call in (lambda: m.decode([a], n), lambda: m.fits([a], n), lambda: m.preemption([a], [0], n)):
-            with pytest.raises(ValueError, match=r"each at most 16, a row's capacity \(4 pages of 4: max_pages_per_request \* page_size\)"):
+            with pytest.raises(ValueError, match=r"each at most 16, a row's capacity "
+                                                 r"\(4 pages of 4: max_pages_per_request \* page_size\)"):
                 call()
         assert (m.free, m.reserved, m.lo.tolist(), m.hi.tolist()) == before
     m.decode([a], 12)  # up to the row's capacity: fine
@@ -1660,7 +1663,8 @@ def test_the_mirror_loops_refuse_arrays_that_do_not_match():
 def test_a_refused_truncate_of_a_wide_batch_names_its_first_values_only(backend):
     pool, table, m = _setup(backend, num_pages=200, rows=12)
     rows = m.admit([5] * 12)
-    with pytest.raises(ValueError, match=r"got \[9, 9, 9, 9, 9, 9, 9, 9, \.\.\.\] \(12 values\) \(lo \[5, 5, .* \(12 values\)\)$"):
+    with pytest.raises(ValueError,
+                       match=r"got \[9, 9, 9, 9, 9, 9, 9, 9, \.\.\.\] \(12 values\) \(lo \[5, 5, .* \(12 values\)\)$"):
         m.truncate(rows, [9] * 12)
     assert m.lo[rows].tolist() == [5] * 12 and m.exact
 
@@ -1671,8 +1675,8 @@ def test_asks_refuse_ints_past_int64_and_take_any_layout(backend):
     copied before the compiled loops, which take one layout."""
     pool, table, m = _setup(backend, num_pages=60, rows=6)
     rows = m.admit([5, 6, 7])
-    for call in (lambda: m.can_admit([2 ** 64]), lambda: m.can_admit([5], [2 ** 64]), lambda: m.shortfall([-2 ** 63 - 1]),
-                 lambda: m.can_admit([3], None, rows, [1, 2 ** 64, 1])):
+    for call in (lambda: m.can_admit([2 ** 64]), lambda: m.can_admit([5], [2 ** 64]),
+                 lambda: m.shortfall([-2 ** 63 - 1]), lambda: m.can_admit([3], None, rows, [1, 2 ** 64, 1])):
         with pytest.raises(ValueError, match="expected"):
             call()
     m.decode(np.asarray(rows * 2, dtype=np.int64)[::2], np.broadcast_to(np.int64(2), (3,)))
