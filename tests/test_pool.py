@@ -321,7 +321,7 @@ def test_evict_into_an_out_longer_than_k_is_refused(make_pool):
     """evict(1, out=<3 entries>) evicting 3 pages would drop cached prefixes the caller did not ask to drop."""
     pool = make_pool(8)
     pool.free(pool.alloc(i32([3])).pages[:3].clone(), cache=True)
-    with pytest.raises(ValueError, match=r"out: expected 1 entries \(k\), got 3"):
+    with pytest.raises(ValueError, match=r"out: expected 1 entry \(k\), got 3"):
         pool.evict(1, out=torch.empty(3, dtype=torch.int32))
     assert pool.stats()["pages.cached.current"] == 3
 
@@ -389,7 +389,7 @@ def test_capacity_checks(make_pool):
         pool.alloc(i32([1, 1, 1]))
     out = pool.alloc_out(max_batch=1, max_pages=2)
     for call in (lambda: pool.alloc(i32([1, 1]), out=out), lambda: pool.bind_alloc(i32([1, 1]), out=out)):
-        with pytest.raises(ValueError, match=r"counts: expected at most 1 entries \(one per request; out's "
+        with pytest.raises(ValueError, match=r"counts: expected at most 1 entry \(one per request; out's "
                                              r"max_batch, pool.alloc_out\(max_batch=N\)\), got 2"):
             call()
     with pytest.raises(ValueError, match="expected an AllocOut"):

@@ -208,7 +208,7 @@ def test_input_checks(backend):
                            "page_size = 8 (whole pages only), got 3"),
         ((1, i32([0] * 5), 10), "got 10"),
         ((1, i32([0]), 2.0), "n_tokens: expected a non-negative int, got 2.0"),
-        ((1, i32([0, 1]), 2), "pages: expected 1 entries (n_tokens / page_size), got 2"),
+        ((1, i32([0, 1]), 2), "pages: expected 1 entry (n_tokens / page_size), got 2"),
         ((1, torch.tensor([0], dtype=torch.int64), 2), "pages: expected dtype torch.int32, got torch.int64"),
         ((1, i32([[0]]), 2), "pages: expected a 1-D tensor, got shape (1, 1)"),
         ((1, i32([0, 9, 1, 9])[::2], 4), "pages: expected a contiguous tensor"),

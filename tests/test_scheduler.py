@@ -731,7 +731,7 @@ def test_rollback_refuses_new_lens_the_table_would_refuse_before_the_mirror_chan
     m.decode([a], 4)
     before = (m.lo.tolist(), m.hi.tolist(), m._seq, m.exact, table.seq_lens.tolist())
     for bad, words in ((torch.tensor([9]), "dtype torch.int32, got torch.int64"),   # torch.tensor's default
-                       (i32([9, 9]), "expected 1 entries"),
+                       (i32([9, 9]), "expected 1 entry "),
                        (table.seq_lens[a:a + 1], "shares memory")):                # the table's own lengths
         with no_host_sync(), pytest.raises(ValueError, match=words):
             m.rollback([a], bad, [9])

@@ -270,8 +270,13 @@ def check_vector(t, name: str, dtype: torch.dtype, device: torch.device, max_len
     return n
 
 
+def entries(n: int) -> str:
+    """``n`` entries, for an error message: "1 entry", "3 entries"."""
+    return f"{n} entry" if n == 1 else f"{n} entries"
+
+
 def _raise_too_long(name: str, max_len: int, n: int, bound: str):
-    raise ValueError(f"{name}: expected at most {max_len} entries{f' ({bound})' if bound else ''}, got {n}")
+    raise ValueError(f"{name}: expected at most {entries(max_len)}{f' ({bound})' if bound else ''}, got {n}")
 
 
 def _raise_unreadable(t, name: str):

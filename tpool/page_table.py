@@ -128,7 +128,7 @@ class PageTable:
         if i32_len(t, self.device) != b:
             n = _checks.check_vector(t, name, torch.int32, self.device)  # (no cap: its length must be b)
             if n != b:
-                raise ValueError(f"{name}: expected {b} entries (one per request id), got {n}")
+                raise ValueError(f"{name}: expected {_checks.entries(b)} (one per request id), got {n}")
 
     def _lanes(self, req_ids, num_tokens) -> int:
         """Batch size of an (ids, per-lane int32) pair, both checked.
@@ -772,7 +772,7 @@ class PageTable:
             checked.append(("generations", generations, "as pages"))
         for name, t, why in checked:
             if i32_len(t, self.device) != k and _checks.check_vector(t, name, torch.int32, self.device) != k:
-                raise ValueError(f"{name}: expected {k} entries ({why}), got {t.numel()}")
+                raise ValueError(f"{name}: expected {_checks.entries(k)} ({why}), got {t.numel()}")
             _checks.check_not_written(t, name, self._written)
 
     def _revive(self, req_id: int, pages, generations=None) -> None:

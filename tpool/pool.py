@@ -438,7 +438,7 @@ class PagePool:
         """
         n = self._pages(pages)
         if out is not None and self._pages(out, "out") != n:
-            raise ValueError(f"out: expected {n} entries (as pages), got {out.numel()}")
+            raise ValueError(f"out: expected {_checks.entries(n)} (as pages), got {out.numel()}")
         p, P = pages.long(), self.num_pages
         with self.state.lock:  # between two calls, never inside one
             gens = self.state.page_gen.index_select(0, p.clamp(0, P - 1))
@@ -471,7 +471,7 @@ class PagePool:
         if out is None:
             out = torch.empty(min(k, self.num_pages), dtype=torch.int32, device=self.device)
         elif self._pages(out, "out") != k:
-            raise ValueError(f"out: expected {k} entries (k), got {out.numel()}")
+            raise ValueError(f"out: expected {_checks.entries(k)} (k), got {out.numel()}")
         self.ops.evict(out)
         return out
 
