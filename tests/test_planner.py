@@ -531,3 +531,92 @@ def test_a_plan_with_a_table_holds_the_table(page, percent, total, requests, max
         most = min(INT32_MAX // page_size, MAX_INDEXED)   # the most pages a PageTable's pool may have
         assert plan.pool_budget_bytes < plan.pool_bytes + page or plan.num_pages == most
         assert total - plan.used_bytes - plan.table_bytes - plan.pool_bytes >= page + pool_state_bytes(plan.num_pages)
+
+
+# ------------------------------------------------- the sizes the plan accepts are the ones the classes accept
+class _Reached(Exception):
+    """Raised where a constructor starts allocating: every check of its sizes has passed."""
+
+
+@pytest.fixture
+def no_alloc(monkeypatch):
+    """PagePool and PageTable checked at any size without allocating: a pool's state is an 8-page one (its
+    ``num_pages`` stays what was asked), and a table stops where it would allocate its state. (The names in
+    their modules only: the planner reads the sizes off the real layouts.)"""
+    import tpool.page_table
+    import tpool.pool
+    from tpool.state import PoolState
+
+    class SmallPool:
+        @staticmethod
+        def create(num_pages, device):
+            return PoolState.create(8, device)
+
+    class NoTable:
+        @staticmethod
+        def create(*args):
+            raise _Reached
+    monkeypatch.setattr(tpool.pool, "PoolState", SmallPool)
+    monkeypatch.setattr(tpool.page_table, "TableState", NoTable)
+
+
+def _classes_accept(max_requests, pages, page_size, num_pages, max_batch) -> bool:
+    """Whether PagePool(num_pages, page_size, max_batch=) and a PageTable(pool, max_requests, pages) over it
+    pass their checks (``no_alloc``: nothing is allocated)."""
+    try:
+        pool = tpool.PagePool(num_pages, page_size, device="cpu", backend="reference", max_batch=max_batch)
+        tpool.PageTable(pool, max_requests, pages)
+    except _Reached:
+        return True
+    except ValueError:
+        return False
+    raise AssertionError("PageTable was made without allocating its state")
+
+
+def _plan_accepts(max_requests, max_len, page_size, num_pages, max_batch) -> bool:
+    """Whether plan_pages plans exactly ``num_pages`` pages with that table (on a device that holds them)."""
+    try:
+        plan = plan_pages(1, 0.5, total_bytes=1 << 50, free_bytes=1 << 50, min_pages=num_pages, max_pages=num_pages,
+                          max_requests=max_requests, max_len=max_len, page_size=page_size, max_batch=max_batch)
+    except PlanError:
+        raise AssertionError("the device holds any table and pool these sizes allow") from None
+    except ValueError:
+        return False
+    assert (plan.num_pages, plan.max_pages_per_request) == (num_pages, -(-max_len // page_size))
+    return True
+
+
+_EDGE = INT32_MAX // 3   # pages of 3 tokens whose slots reach INT32_MAX
+_ROWS = MAX_INDEXED // (1 << 16)   # rows of 65,536 entries that make MAX_INDEXED entries
+
+
+@pytest.mark.parametrize("max_requests, max_len, page_size, num_pages, max_batch, ok", [
+    (1, 1, INT32_MAX, 1, 1, True),                          # the longest page
+    (1, 1, INT32_MAX + 1, 1, 1, False),                     # one token longer: no slot of it is int32
+    (1, 2047 << 20, 1 << 20, 2047, 1, True),                # a row of INT32_MAX // page_size pages
+    (1, (2047 << 20) + 1, 1 << 20, 2048, 1, False),         # one token more takes a page more: past int32
+    (1, 3, 3, _EDGE, 1, True),                              # the pool's slots up to INT32_MAX
+    (1, 3, 3, _EDGE + 1, 1, False),                         # one page more
+    (_ROWS, 1 << 16, 1, 8, 1, True),                        # MAX_INDEXED table entries
+    (_ROWS + 1, 1 << 16, 1, 8, 1, False),                   # a row more
+    (1, 1, 1, MAX_INDEXED, MAX_INDEXED, True),              # the most pages and lanes a pool takes
+    (1, 1, 1, MAX_INDEXED + 1, 1, False),
+    (1, 1, 1, 8, MAX_INDEXED + 1, False),
+])
+def test_the_plan_accepts_the_sizes_a_page_pool_and_table_accept(no_alloc, max_requests, max_len, page_size,
+                                                                  num_pages, max_batch, ok):
+    """Each bound of PagePool and PageTable at its edge and one past it: the plan takes a size exactly when
+    the classes do. A page over INT32_MAX tokens was a pool PagePool made and no PageTable took (the plan
+    refused it as a max_len error); the table's bounds are one check shared by the two (_checks)."""
+    pages = -(-max_len // page_size)
+    assert _classes_accept(max_requests, pages, page_size, num_pages, max_batch) is ok
+    assert _plan_accepts(max_requests, max_len, page_size, num_pages, max_batch) is ok
+
+
+def test_a_page_over_int32_tokens_is_refused_by_the_pool_and_the_plan_alike():
+    """PagePool(8, page_size=2**40) was made, and only a PageTable over it refused it; the plan named max_len."""
+    match = f"page_size: expected at most {INT32_MAX} tokens .*got {2 ** 40}"
+    with pytest.raises(ValueError, match=match):
+        tpool.PagePool(8, page_size=2 ** 40, device="cpu", backend="reference")
+    with pytest.raises(ValueError, match=match):
+        plan_pages(PAGE, 0.8, total_bytes=80 * GIB, free_bytes=60 * GIB, max_requests=1, max_len=1, page_size=2 ** 40)

@@ -7,6 +7,8 @@ import numbers
 import numpy as np
 import torch
 
+from tpool.kernels.layout import INT32_MAX, MAX_INDEXED
+
 _Tensor, _int32 = torch.Tensor, torch.int32  # module globals: read on every hot-path call
 # ``t.stride() == (1,)``: 1-D and contiguous in one metadata call. It misses only 1-D
 # tensors of at most one element with another stride; those take the full check.
@@ -148,6 +150,43 @@ def check_size(v, name: str, minimum: int = 0) -> int:
         what = {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
         raise ValueError(f"{name}: expected {what}, got {_describe(v)}")
     return int(v)
+
+
+def check_page_size(page_size: int) -> None:
+    """Refuse a page of more than ``INT32_MAX`` tokens (``ValueError``): its offsets, lengths and slots are
+    int32, so no ``PageTable`` or slot layout could index it (``PagePool`` and ``plan_pages`` both check it)."""
+    if page_size > INT32_MAX:
+        raise ValueError(f"page_size: expected at most {INT32_MAX} tokens (a page's offsets, lengths and slots are "
+                         f"int32), got {page_size}")
+
+
+def most_table_pages(page_size: int) -> int:
+    """The most pages a pool under a ``PageTable`` may have: its slots, ``num_pages * page_size``, are int32,
+    and a pool takes at most ``MAX_INDEXED`` pages."""
+    return min(INT32_MAX // page_size, MAX_INDEXED)
+
+
+def check_table_bounds(max_requests: int, pages: int, page_size: int, num_pages: int | None = None, *,
+                       named: str = "max_pages_per_request", pages_is: str = "max_pages_per_request",
+                       given: str = "") -> None:
+    """The bounds of a ``PageTable`` of ``max_requests`` rows of ``pages`` pages of ``page_size`` tokens, over
+    a pool of ``num_pages`` pages (None: not checked), as ``ValueError`` before anything is allocated.
+
+    A row's tokens (``pages * page_size``) and the pool's slots (``num_pages * page_size``) are int32, and
+    the table's entries (``max_requests * pages``) at most ``MAX_INDEXED`` (a kernel's chunk offsets are
+    int32). ``PageTable`` and ``plan_pages`` both call this, each naming its own arguments: ``named`` is the
+    argument to change where a row passes int32, ``pages_is`` how the caller writes ``pages`` (``plan_pages``:
+    ``"ceil(max_len / page_size)"``), ``given`` what it adds to that error (``" (max_len=100)"``).
+    """
+    if pages * page_size > INT32_MAX:
+        raise ValueError(f"{named}: lengths are int32, so {pages_is} * page_size must be at most {INT32_MAX}, "
+                         f"got {pages} * {page_size}{given}")
+    if num_pages is not None and num_pages > INT32_MAX // page_size:  # (num_pages * page_size > INT32_MAX)
+        raise ValueError(f"pool: slots are int32, so num_pages * page_size must be at most {INT32_MAX}, "
+                         f"got {num_pages} * {page_size}")
+    if max_requests * pages > MAX_INDEXED:  # (a kernel's chunk offsets are int32)
+        raise ValueError(f"max_requests * {pages_is}: expected at most {MAX_INDEXED} table entries, "
+                         f"got {max_requests} * {pages}")
 
 
 def storage_spans(tensors) -> dict:

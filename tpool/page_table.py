@@ -27,7 +27,7 @@ from tpool.bound_step import BoundStep
 from tpool.buffers import DEFAULT_MAX_SHAPES, ShapeBuffers, _tensors
 from tpool.errors import StaleBinding
 from tpool.kernels import layout as L
-from tpool.kernels.layout import INT32_MAX, MAX_INDEXED
+from tpool.kernels.layout import MAX_INDEXED
 from tpool.pool import PagePool
 from tpool.state import CsrMemo, TableState, fixed_full, held_view
 from tpool.table_results import ExtendResult, ForkResult, PagedKVCSR, StepOut, StepResult
@@ -76,15 +76,8 @@ class PageTable:
         max_requests, max_pages_per_request, max_shapes = (_checks.check_size(v, name, 1) for name, v in (
             ("max_requests", max_requests), ("max_pages_per_request", max_pages_per_request),
             ("max_shapes", max_shapes)))
-        if max_pages_per_request * pool.page_size > INT32_MAX:
-            raise ValueError(f"max_pages_per_request: lengths are int32, so max_pages_per_request * page_size must "
-                             f"be at most {INT32_MAX}, got {max_pages_per_request} * {pool.page_size}")
-        if pool.num_pages * pool.page_size > INT32_MAX:
-            raise ValueError(f"pool: slots are int32, so num_pages * page_size must be at most {INT32_MAX}, "
-                             f"got {pool.num_pages} * {pool.page_size}")
-        if max_requests * max_pages_per_request > MAX_INDEXED:  # (a kernel's chunk offsets are int32)
-            raise ValueError(f"max_requests * max_pages_per_request: expected at most {MAX_INDEXED} table entries, "
-                             f"got {max_requests} * {max_pages_per_request}")
+        # (plan_pages checks the same, naming its own arguments)
+        _checks.check_table_bounds(max_requests, max_pages_per_request, pool.page_size, pool.num_pages)
         self.pool, self.device = pool, pool.device
         self.max_requests, self.max_pages, self.page_size = max_requests, max_pages_per_request, pool.page_size
         # the most one call appends (within what a kernel indexes: a slot buffer is int32-indexed)

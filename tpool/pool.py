@@ -124,7 +124,9 @@ class PagePool:
     num_pages : int
         Pages in the pool; ids are ``0 .. num_pages - 1``.
     page_size : int
-        Tokens per page (used by page tables for slot indices).
+        Tokens per page, at most ``INT32_MAX`` (a page's offsets and slots are int32). The pool
+        itself never reads it: its page tables and K/V caches do (a ``PageTable`` also needs
+        ``num_pages * page_size <= INT32_MAX``, the slots of the whole pool).
     device : torch.device or str, optional
         Where the state lives; default CUDA if available, else CPU (the CPU for backend
         ``"numba"``, passed or from ``TPOOL_BACKEND``).
@@ -158,6 +160,7 @@ class PagePool:
         for name, v in (("num_pages", num_pages), ("max_batch", max_batch)):
             if v > MAX_INDEXED:  # (a kernel's chunk offsets are int32)
                 raise ValueError(f"{name}: expected at most {MAX_INDEXED}, got {v}")
+        _checks.check_page_size(page_size)  # (no table could index a longer page: slots are int32)
         self.device = _checks.resolve_device(device, backend=requested_backend(backend))
         self.num_pages, self.page_size, self.max_batch = num_pages, page_size, max_batch
         if max_alloc_pages is None:

@@ -69,8 +69,8 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from tpool._checks import check_size, resolve_device
-from tpool.kernels.layout import INT32_MAX, MAX_INDEXED
+from tpool._checks import check_page_size, check_size, check_table_bounds, most_table_pages, resolve_device
+from tpool.kernels.layout import MAX_INDEXED
 from tpool.pool import DEFAULT_MAX_BATCH
 from tpool.state import pool_state_bytes, table_state_bytes
 
@@ -214,15 +214,13 @@ def _table(max_requests, max_len, page_size, max_batch) -> tuple[int, int | None
     max_batch = DEFAULT_MAX_BATCH if max_batch is None else check_size(max_batch, "max_batch", 1)
     if max_batch > MAX_INDEXED:
         raise ValueError(f"max_batch: expected at most {MAX_INDEXED} (the most a PagePool takes), got {max_batch}")
+    check_page_size(page_size)  # PagePool's check
     pages = -(-max_len // page_size)
-    if pages * page_size > INT32_MAX:
-        raise ValueError(f"max_len: lengths are int32, so ceil(max_len / page_size) * page_size must be at most "
-                         f"{INT32_MAX}, got {pages} * {page_size} (max_len={max_len})")
-    if max_requests * pages > MAX_INDEXED:
-        raise ValueError(f"max_requests * ceil(max_len / page_size): expected at most {MAX_INDEXED} table entries, "
-                         f"got {max_requests} * {pages}")
-    most = min(INT32_MAX // page_size, MAX_INDEXED)  # PageTable refuses a pool with num_pages * page_size > INT32_MAX
-    return table_state_bytes(max_requests, pages, max_batch), max_requests, pages, most
+    # PageTable's checks, naming the planner's arguments; its pool's slots (num_pages * page_size) are int32
+    # too, which the plan meets by stopping the pages at most_table_pages(page_size)
+    check_table_bounds(max_requests, pages, page_size, named="max_len", pages_is="ceil(max_len / page_size)",
+                       given=f" (max_len={max_len})")
+    return table_state_bytes(max_requests, pages, max_batch), max_requests, pages, most_table_pages(page_size)
 
 
 def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, total_bytes: int | None = None,
