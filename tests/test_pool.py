@@ -381,6 +381,24 @@ def test_bad_inputs_raise_before_launch(make_pool, bad, match):
     assert torch.equal(pool.state.counters, before)  # nothing launched
 
 
+def test_max_batch_costs_what_the_docstring_states():
+    """PagePool(max_batch=2**30) is accepted and its default alloc_out() takes 5 GiB: the docstring and the
+    README state the cost a lane (5 B there, 4 B of every PageTable's state, nothing in the pool itself)."""
+    def nbytes(tensors):
+        return sum(t.untyped_storage().nbytes() for t in tensors)
+    sizes = {}
+    for mb in (100, 1000):
+        pool = tpool.PagePool(8, page_size=4, device="cpu", backend="reference", max_batch=mb)
+        table = tpool.PageTable(pool, 3, 5)
+        sizes[mb] = (pool.memory_bytes()["state_bytes"], nbytes(pool.alloc_out().result),
+                     nbytes(table.state.tensors().values()))
+    assert sizes[1000][0] == sizes[100][0]                                   # the pool: nothing a lane
+    assert sizes[1000][1] == 5 * 1000 + 4 + 2 * 8 * 4                        # indptr, ok; pages, evicted
+    assert sizes[1000][2] - sizes[100][2] == 4 * 900                         # a table: 4 B a lane
+    for doc in (tpool.PagePool.__doc__, tpool.PagePool.alloc_out.__doc__):
+        assert "5 bytes a lane" in " ".join(doc.split())
+
+
 def test_capacity_checks(make_pool):
     # The error names where the bound comes from: "at most 1 entries" alone did not say which argument to change.
     pool = make_pool(4, max_batch=2)

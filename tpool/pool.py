@@ -133,7 +133,12 @@ class PagePool:
     backend : {"auto", "reference", "numba", "triton"}
         ``auto`` is triton on CUDA and numba on CPU; ``TPOOL_BACKEND`` overrides it.
     max_batch : int
-        Most requests in one ``alloc`` call.
+        Most requests in one ``alloc`` call and lanes in one call of a ``PageTable`` on the
+        pool, at most ``MAX_INDEXED``; default 4096. Like an engine's ``max_num_seqs`` it sizes
+        buffers, so set it to the batches you run: ``alloc_out()``'s default ``indptr`` and
+        ``ok`` take 5 bytes a lane, and every ``PageTable`` on the pool 4 bytes a lane of
+        state (``plan_pages(..., max_batch=)`` counts those); ``max_batch=2**30`` would be
+        5 GiB and 4 GiB. The pool itself allocates nothing for it.
     max_alloc_pages : int, optional
         Length of ``pages`` returned by ``alloc`` without ``out=``
         (default ``min(num_pages, 4096)``).
@@ -204,9 +209,10 @@ class PagePool:
         Parameters
         ----------
         max_batch : int, optional
-            Sizes ``indptr`` (``[max_batch + 1]``) and ``ok`` (``[max_batch]``), which are
-            padded past the batch on every call: size it to the batches you run. At most,
-            and by default, ``self.max_batch`` (the most requests one ``alloc`` takes).
+            Sizes ``indptr`` (``[max_batch + 1]``) and ``ok`` (``[max_batch]``), 5 bytes a
+            lane, which are padded past the batch on every call: size it to the batches you
+            run. At most, and by default, ``self.max_batch`` (the most requests one ``alloc``
+            takes).
         max_pages : int, optional
             Sizes ``pages`` and ``evicted`` (``[max_pages]``): the most pages one call can
             grant. Default ``self.max_alloc_pages``.
