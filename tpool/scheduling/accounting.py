@@ -352,8 +352,7 @@ class Accounting:
             Pages from its upper bound ``hi``, before its reservation is taken into account.
         """
         r, n = self._row(row, n, "pages_needed", "n")
-        q, ps = int(r[0]), self.page_size   # (Python ints: any n, where int64 would wrap past 2 ** 63 - hi)
-        return min(_cdiv(int(self.hi[q]) + n, ps) - _cdiv(int(self.lo[q]), ps), _cdiv(n, ps))
+        return int(self._need(r, n, exact=True)[0])
 
     def _row(self, row, n, what, n_name):
         """``row`` as a one-row array and ``n`` as an int, after checking that ``row`` is a running row
@@ -364,9 +363,15 @@ class Accounting:
                              f"request), got {row!r}")
         return np.array([row], dtype=np.int64), n
 
-    def _need(self, r, n):
-        ps = self.page_size
-        return np.minimum(_cdiv(self.hi[r] + n, ps) - _cdiv(self.lo[r], ps), _cdiv(n, ps))
+    def _need(self, r, n, exact=False):
+        """Pages rows ``r`` may need for ``n`` more tokens (an int, or one per row): what their upper bound
+        ``hi`` plus ``n`` fills past the pages their sure length ``lo`` fills, never more than ``n`` tokens
+        fill. ``exact``: in Python ints (object arrays), for any ``n``, where int64 would wrap past
+        ``2 ** 63 - hi``."""
+        hi, lo, ps = self.hi[r], self.lo[r], self.page_size
+        if exact:
+            hi, lo = hi.astype(object), lo.astype(object)
+        return np.minimum(_cdiv(hi + n, ps) - _cdiv(lo, ps), _cdiv(n, ps))
 
     def _target(self, r):
         """Pages the reservation of rows ``r`` should hold: their next ``lookahead`` tokens, capped."""
