@@ -12,7 +12,7 @@ import tpool
 from tpool.kernels.layout import INT32_MAX, MAX_INDEXED
 from tpool.memory import planner
 from tpool.memory.planner import PagePlan, PlanError, plan_pages
-from tpool.state import pool_state_bytes
+from tpool.state import pool_state_bytes, table_state_bytes
 from tpool.serving.kv import PagedKVCache
 
 GIB = 1 << 30
@@ -25,8 +25,8 @@ def test_hand_worked_80_gib():
     # static 64 GiB, in use 20 GiB, reserve 16 GiB, pool 44 GiB = 22_528 pages of 2 MiB.
     p = plan_pages(PAGE, 0.8, total_bytes=80 * GIB, free_bytes=60 * GIB)
     assert dataclasses.astuple(p) == (
-        PAGE, 0.8, 80 * GIB, 60 * GIB, 0, 20 * GIB, 64 * GIB, 16 * GIB, 0, 0, None, None, 44 * GIB, 22_528, 44 * GIB,
-        "given")
+        PAGE, 0.8, 80 * GIB, 60 * GIB, 0, 20 * GIB, 64 * GIB, 16 * GIB, 0, 0, None, None, None, None, 44 * GIB, 22_528,
+        44 * GIB, "given")
     text = p.explain()
     for number in ("85,899,345,920", "68,719,476,736", "47,244,640,256", "22,528 pages"):
         assert number in text
@@ -620,3 +620,65 @@ def test_a_page_over_int32_tokens_is_refused_by_the_pool_and_the_plan_alike():
         tpool.PagePool(8, page_size=2 ** 40, device="cpu", backend="reference")
     with pytest.raises(ValueError, match=match):
         plan_pages(PAGE, 0.8, total_bytes=80 * GIB, free_bytes=60 * GIB, max_requests=1, max_len=1, page_size=2 ** 40)
+
+
+def test_a_plan_records_the_page_size_and_max_batch_of_its_table():
+    """PagePlan kept max_requests and max_pages_per_request but not the page_size and max_batch it was given,
+    so the pool it planned could not be built from the plan alone."""
+    kw = dict(total_bytes=80 * GIB, free_bytes=60 * GIB)
+    bare = plan_pages(PAGE, 0.8, **kw)
+    assert (bare.page_size, bare.max_batch) == (None, None)
+    p = plan_pages(PAGE, 0.8, **kw, max_requests=3, max_len=100, page_size=16, max_batch=5)
+    assert (p.max_requests, p.max_pages_per_request, p.page_size, p.max_batch) == (3, 7, 16, 5)
+    assert "(page_size 16, max_batch 5)" in p.explain()
+    assert plan_pages(PAGE, 0.8, **kw, max_requests=3, max_len=100, page_size=16).max_batch == 4096   # the default
+
+
+@pytest.mark.parametrize("table, kept", [
+    ({}, "what is in use and the extra reserve"),                                           # weights over it
+    (dict(max_requests=4096, max_len=128 << 10, page_size=1), "what is in use, the extra reserve and the page table"),
+])
+def test_a_plan_of_no_pages_says_why_no_pool_fits(table, kept):
+    """With min_pages=0, weights or a table over the static budget planned 0 pages with a negative pool budget,
+    and explain() still spoke of the scratch page and PagePool state of a pool that cannot exist (PagePool takes
+    at least one page). The plan stays an answer (as for the weights before), and its note says why no pool
+    fits and by how much; min_pages=1 gives the PlanError with the fraction."""
+    # 70 GiB of weights on an 80 GiB device; a 2 GiB block table on a 1 GiB one
+    kw = dict(total_bytes=GIB, free_bytes=GIB, **table) if table else dict(total_bytes=80 * GIB, free_bytes=10 * GIB)
+    p = plan_pages(PAGE, 0.5, min_pages=0, **kw)
+    assert p.num_pages == 0 and p.pool_budget_bytes < 0
+    note = p.explain().splitlines()[-1]
+    assert note == (f"note: no pool fits (the static budget is {-p.pool_budget_bytes:,} B short of {kept}); "
+                    f"plan_pages(..., min_pages=1) raises a PlanError naming the fraction that gives one, if any")
+    with pytest.raises(PlanError):
+        plan_pages(PAGE, 0.5, **kw)
+
+
+def test_a_plan_of_no_pages_for_a_budget_under_a_page_or_max_pages_0():
+    kw = dict(total_bytes=80 * GIB, free_bytes=60 * GIB)
+    small = plan_pages(64 * GIB, 0.8, min_pages=0, **kw)              # 44 GiB budget, 64 GiB pages
+    assert small.num_pages == 0 and small.pool_budget_bytes == 44 * GIB
+    assert small.explain().splitlines()[-1].startswith("note: no pool fits (the pool budget holds no page of "
+                                                       "68,719,476,736 B)")
+    assert plan_pages(PAGE, 0.8, min_pages=0, max_pages=0, **kw).explain().splitlines()[-1] == \
+        "note: no pool (max_pages=0)"
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 4096), st.integers(1, 300), st.integers(1, 64), st.integers(1, 40), st.integers(1, 100),
+       st.data())
+def test_the_plans_bytes_are_the_storages_of_the_pool_and_table_it_plans(page, pages, requests, page_size,
+                                                                         max_batch, data):
+    """Random sizes: the pool and table built from the plan's own fields hold exactly the bytes it counts
+    (the table's state, the PagePool state its note gives) and its pages, in storages measured directly."""
+    max_len = data.draw(st.integers(1, 50 * page_size))
+    table_kw = dict(max_requests=requests, max_len=max_len, page_size=page_size, max_batch=max_batch)
+    table = table_state_bytes(requests, -(-max_len // page_size), max_batch)
+    total = 4 * (table + pages * page + page + pool_state_bytes(pages))   # pages fit at 0.5, room beside them
+    p = plan_pages(page, 0.5, total_bytes=total, free_bytes=total, max_pages=pages, **table_kw)
+    assert p.num_pages == pages
+    pool = tpool.PagePool(p.num_pages, p.page_size, device="cpu", backend="reference", max_batch=p.max_batch)
+    t = tpool.PageTable(pool, p.max_requests, p.max_pages_per_request)
+    assert p.table_bytes == _storage_bytes(t.state.tensors().values()) == table
+    assert f"PagePool state {_storage_bytes(pool.state.tensors().values()):,} B" in p.explain()
+    assert p.pool_bytes == pages * page and p.pool_budget_bytes == total // 2 - table

@@ -109,6 +109,8 @@ class PagePlan:
     table_bytes: int  # the state a PageTable of max_requests x max_pages_per_request allocates (0: none planned)
     max_requests: int | None  # the table's rows (None: no table planned)
     max_pages_per_request: int | None  # ceil(max_len / page_size): PageTable's third argument (None: no table)
+    page_size: int | None  # tokens a page, as given for the table: PagePool's page_size (None: no table)
+    max_batch: int | None  # the pool's max_batch the table's lane scratch is sized for (None: no table)
     pool_budget_bytes: int  # static budget - used - extra reserve - table
     num_pages: int
     pool_bytes: int  # num_pages * bytes_per_page
@@ -127,7 +129,10 @@ class PagePlan:
             ``PagedKVCache`` built on a pool of ``num_pages`` pages also takes
             one scratch page, and the pool its state (its bytes read off the
             layout), from the runtime reserve (and a planned table the output
-            buffers of its call shapes).
+            buffers of its call shapes). With no page planned (``min_pages=0``)
+            the note says instead why no pool fits: by how many bytes the static
+            budget is short of what it must hold first (weights or a table alike),
+            or that the pool budget holds no page.
 
         Example
         -------
@@ -154,12 +159,24 @@ class PagePlan:
             ("runtime reserve", self.runtime_reserve_bytes, "total - static budget (activations, graphs)"),
             ("extra reserve", self.extra_reserve_bytes, "kept back inside the static budget"),
             *([("page table", self.table_bytes, f"PageTable({self.max_requests:,} x {self.max_pages_per_request:,}): "
-                f"block table {block:,} B + lengths and scratch")] if table else []),
+                f"block table {block:,} B + lengths and scratch (page_size {self.page_size:,}, max_batch "
+                f"{self.max_batch:,})")] if table else []),
             ("pool budget", self.pool_budget_bytes, "static budget - in use - extra reserve"
              + (" - page table" if table else "")),
             ("pool", self.pool_bytes, f"{self.num_pages:,} pages x {self.bytes_per_page:,} B"),
         ]
         lines = [f"{name:<16} {value:>20,} B {value / GIB:>9.2f} GiB   {why}" for name, value, why in rows]
+        if not self.num_pages:  # (min_pages=0: no pool, so nothing beside it either)
+            if self.pool_budget_bytes >= self.bytes_per_page:
+                lines.append("note: no pool (max_pages=0)")
+                return "\n".join(lines)
+            kept = "what is in use, the extra reserve and the page table" if table else \
+                "what is in use and the extra reserve"
+            why = f"the static budget is {-self.pool_budget_bytes:,} B short of {kept}" \
+                if self.pool_budget_bytes < 0 else f"the pool budget holds no page of {self.bytes_per_page:,} B"
+            lines.append(f"note: no pool fits ({why}); plan_pages(..., min_pages=1) raises a PlanError naming the "
+                         "fraction that gives one, if any")
+            return "\n".join(lines)
         # (not in the pool line: see the module note)
         shapes = ", the PageTable's call-shape buffers (slots, CSR)" if table else ""
         lines.append(f"note: PagedKVCache.from_pool adds 1 scratch page ({self.bytes_per_page:,} B), PagePool "
@@ -195,16 +212,16 @@ def _decimal(fraction: Fraction) -> str:
     return f"{float(fraction):.{digits}f}"
 
 
-def _table(max_requests, max_len, page_size, max_batch) -> tuple[int, int | None, int | None, int]:
-    """``(bytes, max_requests, max_pages_per_request, most pages)`` of the PageTable the arguments
-    describe, checked as ``PagePool`` and ``PageTable`` check theirs; ``(0, None, None, MAX_INDEXED)``
-    when none is given."""
+def _table(max_requests, max_len, page_size, max_batch) -> tuple:
+    """``(bytes, max_requests, max_pages_per_request, page_size, max_batch, most pages)`` of the PageTable
+    the arguments describe (``max_batch`` PagePool's default when not given), checked as ``PagePool`` and
+    ``PageTable`` check theirs; ``(0, None, None, None, None, MAX_INDEXED)`` when none is given."""
     given = {"max_requests": max_requests, "max_len": max_len, "page_size": page_size}
     if all(v is None for v in given.values()):
         if max_batch is not None:
             raise ValueError(f"max_batch sizes a PageTable's scratch: expected max_requests, max_len and page_size "
                              f"with it, got max_batch={max_batch!r} alone")
-        return 0, None, None, MAX_INDEXED
+        return 0, None, None, None, None, MAX_INDEXED
     if any(v is None for v in given.values()):
         got = ", ".join(f"{k}={v!r}" for k, v in given.items())
         missing = ", ".join(k for k, v in given.items() if v is None)
@@ -220,7 +237,8 @@ def _table(max_requests, max_len, page_size, max_batch) -> tuple[int, int | None
     # too, which the plan meets by stopping the pages at most_table_pages(page_size)
     check_table_bounds(max_requests, pages, page_size, named="max_len", pages_is="ceil(max_len / page_size)",
                        given=f" (max_len={max_len})")
-    return table_state_bytes(max_requests, pages, max_batch), max_requests, pages, most_table_pages(page_size)
+    return (table_state_bytes(max_requests, pages, max_batch), max_requests, pages, page_size, max_batch,
+            most_table_pages(page_size))
 
 
 def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, total_bytes: int | None = None,
@@ -253,7 +271,10 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
         (None: loaded).
     min_pages : int
         Fewest pages accepted (fewer fit: :class:`PlanError`), >= 0 and at
-        most ``MAX_INDEXED``; default 1.
+        most ``MAX_INDEXED``; default 1. With 0, a plan of 0 pages is an
+        answer, not an error, even where what is in use (or a planned table)
+        passes the static budget: ``pool_budget_bytes`` is then negative and
+        :meth:`PagePlan.explain` says by how much.
     max_pages : int, optional
         Most pages wanted, >= ``min_pages``; default, and at most, the most
         a ``PagePool`` takes (``MAX_INDEXED``, 2**31 - 2**16), and with a
@@ -275,7 +296,11 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
     -------
     PagePlan
         Every number of the arithmetic in the module note; ``num_pages`` is
-        the answer and :meth:`PagePlan.explain` prints the steps.
+        the answer and :meth:`PagePlan.explain` prints the steps. With a
+        table planned, ``page_size`` and ``max_batch`` (``PagePool``'s default
+        when not given) are recorded too: ``PagePool(plan.num_pages,
+        plan.page_size, max_batch=plan.max_batch)`` and ``PageTable(pool,
+        plan.max_requests, plan.max_pages_per_request)`` are what was planned.
 
     Raises
     ------
@@ -323,7 +348,8 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
     if min_pages > MAX_INDEXED:  # (PagePool refuses more pages: its kernels' chunk offsets are int32)
         raise ValueError(f"min_pages: expected at most {MAX_INDEXED} (the most pages a PagePool takes), "
                          f"got {min_pages}")
-    table_bytes, max_requests, pages_per_request, most = _table(max_requests, max_len, page_size, max_batch)
+    table_bytes, max_requests, pages_per_request, page_size, max_batch, most = _table(max_requests, max_len,
+                                                                                      page_size, max_batch)
     if min_pages > most:
         raise ValueError(f"min_pages: expected at most {most} (INT32_MAX // page_size: a PageTable refuses a pool "
                          f"whose slots pass int32), got {min_pages}")
@@ -420,5 +446,6 @@ def plan_pages(bytes_per_page: int, mem_fraction_static: float, *, device=None, 
     return PagePlan(bytes_per_page=bytes_per_page, mem_fraction_static=float(fraction), total_bytes=total,
                     free_bytes=free, pending_weights_bytes=pending, used_bytes=used, static_budget_bytes=static,
                     runtime_reserve_bytes=total - static, extra_reserve_bytes=reserve_bytes, table_bytes=table_bytes,
-                    max_requests=max_requests, max_pages_per_request=pages_per_request,
+                    max_requests=max_requests, max_pages_per_request=pages_per_request, page_size=page_size,
+                    max_batch=max_batch,
                     pool_budget_bytes=pool_budget, num_pages=pages, pool_bytes=pages * bytes_per_page, source=source)
