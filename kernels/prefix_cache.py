@@ -5,7 +5,8 @@ same writes); the reference backend runs the torch code in ``PrefixCache``, the 
 ``insert_pages`` names the leading pages of a table row by the cache's slots (a slot that named
 another page lets it go first), ``forget_pages``
 reads and clears the slots that named an eviction's pages, ``gather_slots`` reads slots' pages
-and generations for a revive. Every index is bounded before use: a page id outside the pool (a
+and generations for a revive (a generation -1 where the page does not name its slot back: a
+hand-edited ``slot_page``, refused by the revive). Every index is bounded before use: a page id outside the pool (a
 hand-edited row, padding) is aimed at ``page_slot``'s spare last entry, which keeps its -1; an
 insert whose row, run of pages or slots lie outside the arrays writes nothing (its twin returns
 -1); a gathered slot outside the cache reads -1 (its twin refuses the call; the host refuses
@@ -138,20 +139,26 @@ def gather_slots_kernel(
     N,              # number of slots
     slot_page_ptr,  # *int32 [C]
     slot_gen_ptr,   # *int32 [C]
+    page_slot_ptr,  # *int32 [P + 1]: the last entry spare, -1
     pages_ptr,      # *int32 [N] out
     gens_ptr,       # *int32 [N] out
     capacity,       # C
+    num_pages,      # P
     # Meta-parameters
     BLOCK: tl.constexpr,  # lanes per chunk
 ):
-    """pages[i], gens[i] = slot_page[slots[i]], slot_gen[slots[i]]; -1, -1 for a slot outside [0, C)."""
+    """pages[i], gens[i] = slot_page[slots[i]], slot_gen[slots[i]]; -1, -1 for a slot outside [0, C); gens[i]
+    -1 where page_slot[pages[i]] (P for a page outside [0, P)) is not slots[i] (the page does not name it back)."""
     lanes = tl.arange(0, BLOCK)
     for start in range(0, N, BLOCK):
         i = start + lanes
         s = tl.load(slots_ptr + i, mask=i < N, other=-1)
         own = (i < N) & (s >= 0) & (s < capacity)
-        tl.store(pages_ptr + i, tl.load(slot_page_ptr + s, mask=own, other=NULL_PAGE), mask=i < N)
-        tl.store(gens_ptr + i, tl.load(slot_gen_ptr + s, mask=own, other=NULL_PAGE), mask=i < N)
+        p = tl.load(slot_page_ptr + s, mask=own, other=NULL_PAGE)
+        at = tl.where((p >= 0) & (p < num_pages), p, num_pages)
+        back = own & (tl.load(page_slot_ptr + at, mask=own, other=NULL_PAGE) == s)
+        tl.store(pages_ptr + i, p, mask=i < N)
+        tl.store(gens_ptr + i, tl.load(slot_gen_ptr + s, mask=back, other=NULL_PAGE), mask=i < N)
 
 
 def _check(t, n, name, dtype=torch.int32):
@@ -193,13 +200,15 @@ def forget_pages_triton(ev, page_slot) -> torch.Tensor:
     return out
 
 
-def gather_slots_triton(slots, slot_page, slot_gen) -> tuple:
-    """``(pages, gens)``, int32 ``[n]`` each: the pages and generations of ``slots`` (int64 ``[n]``) (one launch)."""
+def gather_slots_triton(slots, slot_page, slot_gen, page_slot) -> tuple:
+    """``(pages, gens)``, int32 ``[n]`` each: the pages and generations of ``slots`` (int64 ``[n]``), a
+    generation -1 where ``page_slot`` (int32 ``[P + 1]``) does not name the slot back (one launch)."""
     pages = torch.empty(slots.numel(), dtype=torch.int32, device=slots.device)
     gens = torch.empty_like(pages)
     _check(slot_gen, slot_page.numel(), "slot_gen")
+    _check(page_slot, page_slot.numel(), "page_slot")
     if not slots.numel():
         return pages, gens
-    gather_slots_kernel[(1,)](slots, slots.numel(), slot_page, slot_gen, pages, gens, slot_page.numel(),
-                              **settings(slots.numel()))
+    gather_slots_kernel[(1,)](slots, slots.numel(), slot_page, slot_gen, page_slot, pages, gens, slot_page.numel(),
+                              page_slot.numel() - 1, **settings(slots.numel()))
     return pages, gens

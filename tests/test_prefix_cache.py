@@ -597,6 +597,32 @@ def test_a_row_a_refused_revive_left_empty_names_no_page_when_inserted(backend):
         pool.check()
 
 
+def test_an_entry_hand_edited_to_name_another_page_of_its_generation_is_refused_on_the_device(backend):
+    """A hand edit of ``slot_page`` that aims an entry at another page with the same generation (every page
+    starts at 0) would pass the generation check and hand out that page's K/V, another prefix's. The page
+    does not name the slot back (``page_slot``), so the revive gathers generation -1: refused on the device
+    (the row empty, ``use_after_free`` raised by ``pool.check()``), the other page left CACHED as it was."""
+    pool, m, cache = _setup(backend)
+    _serve(m, cache, list(range(100, 110)))         # 2 pages named, the partial third CACHED and unnamed
+    _serve(m, cache, list(range(200, 210)))
+    hit = cache.match(list(range(100, 109)))
+    other = cache.match(list(range(200, 209)))
+    theirs = _slot_pages(cache, other.slots)
+    assert hit.n_tokens == 8 and pool.generations(torch.tensor(theirs, dtype=torch.int32)).tolist() == [0, 0]
+    cache.slot_page[hit.slots[1]] = theirs[1]       # a hand edit: the entry names the other prefix's page
+    states = pool.state.page_state.clone()
+    with no_host_sync():
+        row = cache.revive(hit, max_len=16)
+    assert int(m.table.seq_lens[row]) == 0 and _pages(m, row, 2) == [-1, -1]
+    assert torch.equal(pool.state.page_state, states)
+    with pytest.raises(UseAfterFree):
+        pool.check()
+    m.finish([row], cache=True)
+    row = cache.revive(other, max_len=16)           # the page's own entry still revives it
+    assert _pages(m, row, 2) == theirs
+    pool.check()
+
+
 def test_a_shorter_insert_of_a_row_a_refused_revive_left_empty_names_no_page_either(backend):
     """The same broken contract, the row then decoding 16 tokens: an insert of only the prefix and half the
     suffix (16 tokens) names no more than the row holds on the device, but the row is still short of its
@@ -1033,12 +1059,18 @@ def test_the_numba_updates_refuse_rows_slots_and_sizes_outside_their_arrays():
     assert X.forget_pages(ev.ctypes.data, 4, ps, out) == 0
     assert out.tolist() == [0, -1, -1, -1] and ps.tolist() == [2, -1, -1, -1, -1]
     pages, gens = np.zeros(2, np.int32), np.zeros(2, np.int32)
-    assert X.gather_slots(i64(0, 4), sp, sg, pages, gens) == -1 and X.gather_slots(i64(0), sp, sg, pages, gens) == -1
-    assert X.gather_slots(i64(0, 3), sp, sg[:3], pages, gens) == -1             # slot_gen shorter than slot_page
-    assert X.gather_slots(i64(0, 2), sp, sg, pages[:1], gens) == -1             # pages shorter than the slots
-    assert X.gather_slots(i64(0, 2), sp, sg, pages, gens[:1]) == -1             # gens shorter than the slots
-    assert (pages == 0).all() and X.gather_slots(i64(2, 0), sp, sg, pages, gens) == 0
+    ps[:] = [2, -1, 0, -1, -1]                                # (the forget above cleared page 0's slot)
+    assert X.gather_slots(i64(0, 4), sp, sg, ps, pages, gens) == -1
+    assert X.gather_slots(i64(0), sp, sg, ps, pages, gens) == -1
+    assert X.gather_slots(i64(0, 3), sp, sg[:3], ps, pages, gens) == -1         # slot_gen shorter than slot_page
+    assert X.gather_slots(i64(0, 2), sp, sg, ps, pages[:1], gens) == -1         # pages shorter than the slots
+    assert X.gather_slots(i64(0, 2), sp, sg, ps, pages, gens[:1]) == -1         # gens shorter than the slots
+    assert X.gather_slots(i64(0, 2), sp, sg, ps[:0], pages, gens) == -1         # no spare entry
+    assert (pages == 0).all() and X.gather_slots(i64(2, 0), sp, sg, ps, pages, gens) == 0
     assert pages.tolist() == [0, 2] and gens.tolist() == [10, 12]
+    ps[0] = 1                                                 # page 0 names another slot: generation -1
+    assert X.gather_slots(i64(2, 0, 1), sp, sg, ps, np.zeros(3, np.int32), gens := np.zeros(3, np.int32)) == 0
+    assert gens.tolist() == [-1, 12, -1]                      # (slot 1 names page 9, outside: its spare entry)
 
 
 def test_a_rebound_block_table_is_not_followed_on_the_numba_backend():
@@ -1111,10 +1143,11 @@ def test_the_triton_updates_give_what_the_numba_ones_give_and_bound_every_index(
     assert ps.tolist() == want_ps.tolist() == [-1] * 7
 
     pages, gens = np.empty(3, np.int32), np.empty(3, np.int32)
-    assert X.gather_slots(i64(7, 0, 4), sp.numpy(), sg.numpy(), pages, gens) == 0
-    got = K.gather_slots_triton(torch.from_numpy(i64(7, 0, 4)), sp, sg)
-    assert [g.tolist() for g in got] == [pages.tolist(), gens.tolist()] == [[3, -1, 3], [13, -1, 13]]
-    got = K.gather_slots_triton(torch.from_numpy(i64(C, -1, 1)), sp, sg)   # (refused on the host before)
+    ps[3] = 7                                               # page 3 names slot 7 back (not slot 4)
+    assert X.gather_slots(i64(7, 0, 4), sp.numpy(), sg.numpy(), ps.numpy(), pages, gens) == 0
+    got = K.gather_slots_triton(torch.from_numpy(i64(7, 0, 4)), sp, sg, ps)
+    assert [g.tolist() for g in got] == [pages.tolist(), gens.tolist()] == [[3, -1, 3], [13, -1, -1]]
+    got = K.gather_slots_triton(torch.from_numpy(i64(C, -1, 1)), sp, sg, ps)   # (refused on the host before)
     assert [g.tolist() for g in got] == [[-1, -1, big], [-1, -1, -1]]
 
 

@@ -94,16 +94,23 @@ def forget_pages(ev_addr, k, page_slot, out):
 
 
 @cached_njit
-def gather_slots(slots, slot_page, slot_gen, pages, gens):
-    """``pages[i], gens[i] = slot_page[slots[i]], slot_gen[slots[i]]`` (``slots`` int64 ``[n]``).
-    Returns 0, or -1 (nothing written) when a slot lies outside the arrays or the outputs are not ``[n]``."""
+def gather_slots(slots, slot_page, slot_gen, page_slot, pages, gens):
+    """``pages[i], gens[i] = slot_page[slots[i]], slot_gen[slots[i]]`` (``slots`` int64 ``[n]``), the
+    generation -1 where the page does not name the slot back (``page_slot``, int32 ``[P + 1]``; a page
+    outside the pool reads its spare last entry, -1): a hand-edited ``slot_page`` naming another page of
+    the same generation would otherwise hand out that page's K/V, and the table's revive refuses a
+    generation -1 (``use_after_free``). Returns 0, or -1 (nothing written) when a slot lies outside the
+    arrays or the outputs are not ``[n]``."""
     n, cap = slots.shape[0], slot_page.shape[0]
-    if pages.shape[0] != n or gens.shape[0] != n or slot_gen.shape[0] != cap:
+    spare = page_slot.shape[0] - 1
+    if pages.shape[0] != n or gens.shape[0] != n or slot_gen.shape[0] != cap or spare < 0:
         return -1
     for i in range(n):
         if slots[i] < 0 or slots[i] >= cap:
             return -1
     for i in range(n):
-        pages[i] = slot_page[slots[i]]
-        gens[i] = slot_gen[slots[i]]
+        s = slots[i]
+        p = slot_page[s]
+        pages[i] = p
+        gens[i] = slot_gen[s] if page_slot[p if 0 <= p < spare else spare] == s else -1
     return 0

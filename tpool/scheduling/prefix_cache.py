@@ -22,7 +22,8 @@ hit may be revived between an ``evict`` and that read: ``match`` finds nothing
 while an eviction is unread. A loop that evicts after its revives, right before
 its step, loses no hit. Generations are the second line: a revive of a page
 freed since its entry was made is refused on the device (``use_after_free``,
-raised by the next ``pool.check()``), never shared.
+raised by the next ``pool.check()``), never shared; so is one whose page does not
+name the entry's slot back (``page_slot``: a hand-edited ``slot_page``).
 
 An entry is dropped with every entry under it (a lookup walks from the first
 page, so they could never be reached again), and a page is named by one entry at
@@ -306,7 +307,7 @@ class PrefixCache:
                 got = self._gathered[k] = (self._gather_np[0, :k], self._gather_np[1, :k],
                                            torch.from_numpy(self._gather_np[0, :k]),
                                            torch.from_numpy(self._gather_np[1, :k]))
-            if gather_slots(np.array(slots, dtype=np.int64), self._np[0], self._np[1], got[0], got[1]):
+            if gather_slots(np.array(slots, dtype=np.int64), *self._np, got[0], got[1]):
                 raise AssertionError(f"revive: slots {slots} outside the arrays (checked before: a bug)")
             # The buffers are plain int32 [k] CPU tensors no table writes: the table's checks are known to pass.
             row = self.mirror._revive(got[2], n_tokens, m, k, got[3], count_cached)
@@ -314,9 +315,13 @@ class PrefixCache:
             idx = self._to_device(slots)
             if self._kernels is not None:  # (the triton backend: one launch, on the pool's device)
                 with self.pool.state.lock:
-                    pages, gens = self._kernels.gather_slots_triton(idx, *made[:2])
+                    pages, gens = self._kernels.gather_slots_triton(idx, *made)
             else:
                 pages, gens = self.slot_page.index_select(0, idx), self.slot_gen.index_select(0, idx)
+                # a page that does not name its slot back (a hand-edited slot_page: it may name another
+                # page of the same generation, whose K/V are another prefix's) gets generation -1, which
+                # the table's revive refuses on the device (use_after_free), as the kernels do
+                gens.masked_fill_(self.page_slot.index_select(0, self._bounded(pages)[0]) != idx, -1)
             # (the lengths are checked above; the table checks these fresh tensors, as mirror.revive would)
             row = self.mirror._revive(pages, n_tokens, m, self.table._revive_inputs(pages, n_tokens, gens), gens,
                                       count_cached)
