@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from torch._C._profiler import _EventType
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -345,7 +346,8 @@ def test_paged_attention_in_chunks_bounds_memory_and_matches_one_chunk(make_pool
     cache.write(0, meta.slots, torch.randn(t, hkv, d), torch.randn(t, hkv, d))
     q = torch.randn(t, hq, d) * 3
     extra = {None: {}, "softcap": {"softcap": 2.0}, "sinks": {"sinks": torch.randn(hq) * 2}}[option]
-    per_token = mp * ps * hkv * d * 4                                        # bytes of one token's keys
+    keys, scores = mp * ps * hkv * d * 4, (mp * ps + 1) * hq * 4             # bytes of one token's keys, scores
+    per_token = max(2 * keys + scores + hq * d * 4, 3 * scores) + 24 * mp * ps   # chunk_tokens' count of a token
     chunks = []
     chunk = attention._attend_chunk
     monkeypatch.setattr(attention, "_attend_chunk", lambda qg, *a: chunks.append(qg.shape[0]) or chunk(qg, *a))
@@ -358,14 +360,75 @@ def test_paged_attention_in_chunks_bounds_memory_and_matches_one_chunk(make_pool
         return out, largest.nbytes, list(chunks)
 
     whole, whole_peak, whole_chunks = run(1 << 30)
-    assert whole_chunks == [t] and whole_peak >= t * per_token                # one chunk: over every budget below
+    assert whole_chunks == [t] and whole_peak >= t * keys                     # one chunk: all keys at once
     assert whole.abs().sum(-1).sum(-1).ne(0).tolist() == [True] * 10 + [False] * 2   # padding tokens: zeros
     for budget, c in ((per_token * 3, 3), (per_token * 5 + 7, 5), (per_token * 2, 2), (per_token - 1, 2)):
         assert attention.chunk_tokens(t, mp * ps, hkv, d, hq, budget) == c
         out, peak, ran = run(budget)
         assert ran == [c] * -(-t // c)                                      # ceil(t / c) chunks, all of c tokens
-        assert peak <= max(budget, 2 * per_token) < whole_peak
+        assert peak <= max(budget, 2 * per_token) and peak < whole_peak
         assert torch.equal(out, whole)
+
+
+def _peak_bytes(fn):
+    """The most bytes the allocations made while ``fn()`` runs hold at once: torch's profiler records
+    every allocation and free of the CPU allocator, in order (einsum's internal copies included);
+    tensors made before ``fn`` are not counted. At one timestamp allocations go first (an upper bound)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        if e.tag == _EventType.Allocation:
+            events.append((e.start_time_ns, -e.extra_fields.alloc_size))
+        todo.extend(e.children)
+    live = peak = 0
+    for _, minus_n in sorted(events):
+        live -= minus_n
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("heads", [(8, 2, 16), (4, 4, 8), (64, 1, 1)])   # GQA, MHA, scores larger than keys
+@pytest.mark.parametrize("page_size, max_pages", [(1, 64), (16, 4), (64, 1)])
+def test_paged_attention_temporaries_stay_within_chunk_bytes(page_size, max_pages, heads):
+    """The bytes a real call allocates, all of them at once (not tensor by tensor), stay within
+    ``chunk_bytes`` plus what the call holds outside its chunks (q and the output in float32,
+    ``[T, Hq, D]`` each, the result in q's dtype, int64 page ids and token indices). The budget is a quarter of a
+    one-chunk call's peak, so several chunks of 3 or more tokens run (the two-token floor excuses
+    nothing). Before chunk_tokens counted every temporary, it sized a chunk by its largest tensor
+    alone while keys, values, einsum's copies of them, the masked values and two score tensors were
+    alive together: 3 to 4.6 times the budget."""
+    torch.manual_seed(0)
+    hq, hkv, d = heads
+    ps, mp, t = page_size, max_pages, 32
+    span = mp * ps
+    for dtype, window, extra in ((torch.float32, None, {}), (torch.float32, 5, {"softcap": 2.0}),
+                                 (torch.float32, None, {"sinks": torch.randn(hq)}), (torch.bfloat16, None, {})):
+        pool = tpool.PagePool(4 * mp, ps, device="cpu", backend="reference")
+        table = tpool.PageTable(pool, 4, mp)
+        cache = PagedKVCache.from_pool(pool, 1, hkv, d, dtype=dtype)
+        hist = span - t                                                       # a lane whose pages fill its row
+        res = table.extend(i32([0]), i32([hist]), max_tokens=hist)
+        cache.write(0, res.slots, torch.randn(hist, hkv, d, dtype=dtype), torch.randn(hist, hkv, d, dtype=dtype))
+        meta = step_metadata(table, table.step(i32([0, 1, -1]), i32([1, t - 2, 0]), max_tokens=t))  # 1 padding
+        cache.write(0, meta.slots, torch.randn(t, hkv, d, dtype=dtype), torch.randn(t, hkv, d, dtype=dtype))
+        q = torch.randn(t, hq, d, dtype=dtype)
+
+        def call(budget):
+            return paged_attention(q, cache.k[0], cache.v[0], meta, sliding_window=window, chunk_bytes=budget,
+                                   **extra)
+
+        with torch.no_grad():
+            whole = call(1 << 40)
+            budget = _peak_bytes(lambda: call(1 << 40)) // 4
+            c = attention.chunk_tokens(t, span, hkv, d, hq, budget)
+            assert 3 <= c < t
+            # q and the output in float32, the result in q's dtype (not float32), page ids and indices
+            outside = t * hq * d * (8 + q.element_size() * (dtype != torch.float32)) + 8 * (3 * mp + 8 * t)
+            peak = _peak_bytes(lambda: call(budget))
+            assert peak <= budget + outside, (dtype, window, list(extra), c, peak, budget + outside)
+            assert torch.equal(call(budget), whole)
 
 
 def test_paged_attention_rejects_mismatched_heads():
@@ -641,6 +704,8 @@ def test_write_rows_refuses_rows_that_are_not_int64():
 
 
 def test_chunk_tokens_counts_the_scores_when_query_heads_outnumber_kv_elements():
-    """With 64 query heads over one K/V head of 1 element, the scores ([C, Hkv, Hq // Hkv, span], 4096
-    bytes a token over a span of 16) are the larger tensor: 4 tokens in 16 KiB, not 256."""
-    assert attention.chunk_tokens(100, 16, 1, 1, 64, chunk_bytes=4 * 4096) == 4
+    """With 64 query heads over one K/V head of 1 element, the scores ([C, Hkv, Hq // Hkv, span + 1], 4352
+    bytes a token over a span of 16, three at once with a softcap or sinks) outweigh the keys (64 bytes):
+    3 * 4352 + 24 * 16 (masks, page ids) = 13,440 bytes a token, 4 tokens in 4 of those, not 840."""
+    assert attention.chunk_tokens(100, 16, 1, 1, 64, chunk_bytes=4 * 13440) == 4
+    assert attention.chunk_tokens(100, 16, 1, 1, 64, chunk_bytes=4 * 13440 - 1) == 3

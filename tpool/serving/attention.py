@@ -17,12 +17,13 @@ capacity, padding lanes, failed lanes) get zeros.
 :func:`paged_attention` is the reference in plain torch: fixed shapes from
 static capacities (``max_pages`` per request), no host sync, so it runs on
 any device and inside a CUDA graph. It gathers each token's lane pages, ``C`` tokens at a
-time (``[C, max_pages * page_size, Hkv, D]`` float32 keys and values, ``[C, Hq, max_pages *
-page_size]`` scores), so each tensor of a chunk takes at most ``chunk_bytes`` (64 MiB by default;
-a few are alive at once), or two tokens' worth where one token alone needs more than half of it:
-``C = min(T, max(2, chunk_bytes // (max_pages * page_size * max(Hkv * D, Hq) * 4)))``
-(:func:`chunk_tokens`, from static shapes only: the number of chunks is a Python int). An
-oracle, not a fast path.
+time (``[C, max_pages * page_size, Hkv, D]`` float32 keys, then values, ``[C, Hq, max_pages *
+page_size]`` scores), so the temporaries of a chunk, all of them together, take at most
+``chunk_bytes`` (64 MiB by default), or two tokens' worth where one token alone needs more than
+half of it: ``C = min(T, max(2, chunk_bytes // per_token))`` (:func:`chunk_tokens` counts
+``per_token``, from static shapes only: the number of chunks is a Python int). Outside the chunks
+the call holds ``[T, Hq, D]`` float32 twice (q and the output) and its page ids and token indices
+(int64, ``[B, max_pages]`` and a few ``[T]``). An oracle, not a fast path.
 :class:`FlashInferAttention` is the CUDA path (FlashInfer's paged wrappers
 fed the step's CSR as it is).
 """
@@ -35,7 +36,7 @@ import torch
 from tpool import _checks
 from tpool.table_results import PagedKVCSR
 
-CHUNK_BYTES = 64 << 20  # bytes: the most one tensor of a paged_attention chunk takes (two tokens' worth at least)
+CHUNK_BYTES = 64 << 20  # bytes: the most a paged_attention chunk's temporaries take (two tokens' worth at least)
 
 
 @dataclass(frozen=True)
@@ -141,22 +142,34 @@ def chunk_tokens(t: int, span: int, num_kv_heads: int, head_dim: int, num_qo_hea
                  chunk_bytes: int = CHUNK_BYTES) -> int:
     """Tokens per chunk of :func:`paged_attention`: Python ints in, a Python int in ``[min(t, 2), t]`` out.
 
-    A chunk of ``C`` tokens holds its keys and values ``[C, span, Hkv, D]`` and its scores
-    ``[C, Hkv, Hq // Hkv, span]`` in float32 (``span = max_pages * page_size``): ``C`` is the
-    most tokens whose larger tensor fits ``chunk_bytes``, at most ``t`` and at least 2 (1 when
-    ``t == 1``): torch's einsum takes another path for a single token, which rounds differently,
-    so a floor of 2 keeps the result the same, bit for bit, for every ``chunk_bytes``.
+    ``C`` is the most tokens whose chunk fits ``chunk_bytes``, at most ``t`` and at least 2 (1 when
+    ``t == 1``): torch's einsum takes another path for a single token, which rounds differently, so a
+    floor of 2 keeps the result the same, bit for bit, for every ``chunk_bytes``. A chunk's bytes are
+    the most its temporaries hold at once, per token (``span = max_pages * page_size`` keys, float32):
+    ``keys = 4 * span * Hkv * D`` (as many for the values), ``scores = 4 * (span + 1) * Hq`` (one more
+    column with attention sinks), ``out = 4 * Hq * D``:
+
+    - ``2 * keys + scores + out``: in either einsum, the gathered keys (values) and the copy einsum
+      makes of them in its own layout (it cannot batch ``[C, span, Hkv, D]`` over ``C`` and ``Hkv``
+      without one), the scores (the weights ``p``) and einsum's output;
+    - ``3 * scores``: the softcap's ``tanh(scores / softcap) * softcap``, the sinks' concatenation and
+      its softmax;
+    - plus ``24 * span``: the mask (bool), its float copy in ``p * mask`` and the lanes' page ids (int64,
+      ``max_pages`` of them, at most ``span``), and the key index (int64, once per chunk).
 
     Example
     -------
-    >>> chunk_tokens(512, 4096, 8, 128, 32)      # 16 MiB a token: 4 tokens in 64 MiB, 128 chunks
-    4
-    >>> chunk_tokens(512, 4096, 8, 128, 32, chunk_bytes=1), chunk_tokens(1, 4096, 8, 128, 32, chunk_bytes=1)
-    (2, 1)
-    >>> chunk_tokens(3, 16, 2, 4, 4)             # 512 bytes a token: the whole step in one chunk
+    >>> chunk_tokens(512, 4096, 8, 128, 32)      # 32.6 MiB a token: 1 fits 64 MiB, 2 are taken (the floor)
+    2
+    >>> chunk_tokens(512, 4096, 8, 128, 32, chunk_bytes=1 << 30), chunk_tokens(1, 4096, 8, 128, 32, chunk_bytes=1)
+    (31, 1)
+    >>> chunk_tokens(3, 16, 2, 4, 4)             # 1,744 bytes a token: the whole step in one chunk
     3
     """
-    per_token = span * max(num_kv_heads * head_dim, num_qo_heads) * 4   # bytes, float32
+    keys = 4 * span * num_kv_heads * head_dim          # bytes, float32: one token's keys (or values)
+    scores = 4 * (span + 1) * num_qo_heads             # one token's scores, a sink's column included
+    out = 4 * num_qo_heads * head_dim                  # one token's output
+    per_token = max(2 * keys + scores + out, 3 * scores) + 24 * span
     return min(t, max(2, chunk_bytes // per_token))
 
 
@@ -182,8 +195,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         One extra logit per query head in the softmax's denominator (gpt-oss's ``s_aux``).
     chunk_bytes : int, default ``CHUNK_BYTES`` (64 MiB)
         Memory bound: tokens go through in chunks of :func:`chunk_tokens` tokens (two at least),
-        each chunk's gathered keys, values and scores at most this many bytes each. The result
-        does not depend on it (bit for bit on a CPU).
+        each chunk's temporaries (gathered keys and values, scores, masks) at most this many bytes
+        together; the call also holds q and its output in float32 (``[T, Hq, D]`` each), and in
+        q's dtype its result. The result does not depend on it (bit for bit on a CPU).
 
     Returns
     -------
@@ -225,18 +239,23 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _attend_chunk(qg, pages, pos, kv_len, k_cache, v_cache, scale, sliding_window, softcap, sink):
-    """Attention of ``C`` tokens (``qg`` ``[C, Hkv, G, D]`` float32) over their lanes' ``pages`` ``[C, max_pages]``."""
+    """Attention of ``C`` tokens (``qg`` ``[C, Hkv, G, D]`` float32) over their lanes' ``pages`` ``[C, max_pages]``.
+
+    The keys are dropped before the values are gathered, the scores once ``p`` is made, and the values are
+    masked in place: at most the bytes :func:`chunk_tokens` counts are alive at once.
+    """
     c, hkv, g, d = qg.shape
     span = pages.shape[1] * k_cache.shape[1]
-    # The chunk's keys/values, [C, max_pages * page_size, Hkv, D].
-    k = k_cache[pages].reshape(c, span, hkv, d).float()
-    v = v_cache[pages].reshape(c, span, hkv, d).float()
     pos = pos[:, None]
     key = torch.arange(span, device=qg.device)[None, :]
     allowed = (key <= pos) & (key < kv_len[:, None]) & (pos >= 0)
     if sliding_window is not None:
         allowed &= key > pos - sliding_window
-    scores = torch.einsum("thgd,tshd->thgs", qg, k) * scale
+    # The chunk's keys, [C, max_pages * page_size, Hkv, D] (the values below, once the keys are gone).
+    k = k_cache[pages].reshape(c, span, hkv, d).float()
+    scores = torch.einsum("thgd,tshd->thgs", qg, k)
+    del k
+    scores = scores * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed[:, None, None, :], torch.finfo(torch.float32).min)
@@ -244,10 +263,13 @@ def _attend_chunk(qg, pages, pos, kv_len, k_cache, v_cache, scale, sliding_windo
         p = torch.softmax(scores, dim=-1)
     else:   # query head h = kv head h // g, group member h % g: the layout of qg
         p = torch.softmax(torch.cat([scores, sink.expand(c, -1, -1, -1)], dim=-1), dim=-1)[..., :-1]
+    del scores
     p = p * allowed[:, None, None, :]   # a row with no key: all zeros
     # Keys a token may not see weigh 0, but 0 * inf or 0 * NaN is NaN: a value there (another request's
-    # page 0, gathered as padding, or the stale tail of a reused page) must not reach the output.
-    v = torch.where(allowed[:, :, None, None], v, 0.0)
+    # page 0, gathered as padding, or the stale tail of a reused page) must not reach the output. (In
+    # place: the gather made v, and .float() of a float32 v is v.)
+    v = v_cache[pages].reshape(c, span, hkv, d).float()
+    v.masked_fill_(~allowed[:, :, None, None], 0.0)
     return torch.einsum("thgs,tshd->thgd", p, v)
 
 
