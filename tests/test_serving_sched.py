@@ -439,6 +439,34 @@ def test_random_configurations_serve_the_tokens_of_generate(llama):
     assert all(seen.values()), seen
 
 
+def test_attention_in_chunks_of_two_tokens_serves_the_same_logits_and_tokens(llama, monkeypatch):
+    """A run whose attention budget forces chunks of two tokens (``chunk_bytes=1``: the floor) gets
+    every step's logits bit for bit as a run with one chunk a call, so the same tokens, those of
+    ``generate``: a smaller budget (a larger model, a longer row) never changes what is served."""
+    import functools
+
+    from tpool.serving import attention
+    made, chunk, step = engine.PagedContext, attention._attend_chunk, engine.forward_step
+
+    def served(budget):
+        sizes, logits = set(), []
+        monkeypatch.setattr(engine, "PagedContext", lambda cache, meta: made(
+            cache, meta, attend=functools.partial(attention.paged_attention, chunk_bytes=budget)))
+        monkeypatch.setattr(attention, "_attend_chunk", lambda qg, *a: sizes.add(qg.shape[0]) or chunk(qg, *a))
+        monkeypatch.setattr(engine, "forward_step", lambda *a, **k: logits.append(step(*a, **k)) or logits[-1])
+        reqs = engine.make_requests(6, seed=5, system_len=8)
+        eng = _engine(llama, "numba", reqs, prefix_cache=True, **CACHED)
+        got = eng.run(reqs)
+        eng.check()
+        return got, sizes, logits, reqs
+
+    one, one_sizes, one_logits, reqs = served(1 << 40)
+    two, two_sizes, two_logits, _ = served(1)
+    assert two_sizes == {2} and max(one_sizes) > 2                   # the budget did force smaller chunks
+    assert len(two_logits) == len(one_logits) and all(torch.equal(a, b) for a, b in zip(two_logits, one_logits))
+    assert two == one == engine.reference_tokens(llama, reqs)
+
+
 # Checks of the engine a mutation run (session 37, helper-129) could move by one unseen; each test fails on
 # its mutant (S06-S14 in its report).
 
