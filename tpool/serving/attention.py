@@ -22,8 +22,9 @@ page_size]`` scores), so the temporaries of a chunk, all of them together, take 
 ``chunk_bytes`` (64 MiB by default), or two tokens' worth where one token alone needs more than
 half of it: ``C = min(T, max(2, chunk_bytes // per_token))`` (:func:`chunk_tokens` counts
 ``per_token``, from static shapes only: the number of chunks is a Python int). Outside the chunks
-the call holds ``[T, Hq, D]`` float32 twice (q and the output) and its page ids and token indices
-(int64, ``[B, max_pages]`` and a few ``[T]``). An oracle, not a fast path.
+the call holds ``[T, Hq, D]`` float32 twice (q and the output), its result in q's dtype, and int64
+page ids and token indices: a few ``[B, max_pages]`` (three at once while it makes them, one kept
+through the chunks) and ``[T]``. An oracle, not a fast path.
 :class:`FlashInferAttention` is the CUDA path (FlashInfer's paged wrappers
 fed the step's CSR as it is).
 """
