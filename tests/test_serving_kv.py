@@ -398,13 +398,15 @@ def test_paged_attention_temporaries_stay_within_chunk_bytes(page_size, max_page
     one-chunk call's peak, so several chunks of 3 or more tokens run (the two-token floor excuses
     nothing). Before chunk_tokens counted every temporary, it sized a chunk by its largest tensor
     alone while keys, values, einsum's copies of them, the masked values and two score tensors were
-    alive together: 3 to 4.6 times the budget."""
+    alive together: 3 to 4.6 times the budget; and a float64 cache's gather beside its float32 copy,
+    uncounted, took 1.3 times it."""
     torch.manual_seed(0)
     hq, hkv, d = heads
     ps, mp, t = page_size, max_pages, 32
     span = mp * ps
     for dtype, window, extra in ((torch.float32, None, {}), (torch.float32, 5, {"softcap": 2.0}),
-                                 (torch.float32, None, {"sinks": torch.randn(hq)}), (torch.bfloat16, None, {})):
+                                 (torch.float32, None, {"sinks": torch.randn(hq)}), (torch.bfloat16, None, {}),
+                                 (torch.float64, None, {})):
         pool = tpool.PagePool(4 * mp, ps, device="cpu", backend="reference")
         table = tpool.PageTable(pool, 4, mp)
         cache = PagedKVCache.from_pool(pool, 1, hkv, d, dtype=dtype)

@@ -140,7 +140,7 @@ def _check(q, k_cache, v_cache, meta, softcap=None, sinks=None):
 
 
 def chunk_tokens(t: int, span: int, num_kv_heads: int, head_dim: int, num_qo_heads: int,
-                 chunk_bytes: int = CHUNK_BYTES) -> int:
+                 chunk_bytes: int = CHUNK_BYTES, kv_itemsize: int = 4) -> int:
     """Tokens per chunk of :func:`paged_attention`: Python ints in, a Python int in ``[min(t, 2), t]`` out.
 
     ``C`` is the most tokens whose chunk fits ``chunk_bytes``, at most ``t`` and at least 2 (1 when
@@ -148,13 +148,15 @@ def chunk_tokens(t: int, span: int, num_kv_heads: int, head_dim: int, num_qo_hea
     floor of 2 keeps the result the same, bit for bit, for every ``chunk_bytes``. A chunk's bytes are
     the most its temporaries hold at once, per token (``span = max_pages * page_size`` keys, float32):
     ``keys = 4 * span * Hkv * D`` (as many for the values), ``scores = 4 * (span + 1) * Hq`` (one more
-    column with attention sinks), ``out = 4 * Hq * D``:
+    column with attention sinks), ``out = 4 * Hq * D``; the largest of
 
     - ``2 * keys + scores + out``: in either einsum, the gathered keys (values) and the copy einsum
       makes of them in its own layout (it cannot batch ``[C, span, Hkv, D]`` over ``C`` and ``Hkv``
       without one), the scores (the weights ``p``) and einsum's output;
     - ``3 * scores``: the softcap's ``tanh(scores / softcap) * softcap``, the sinks' concatenation and
       its softmax;
+    - ``keys * (4 + kv_itemsize) / 4``: a cache of ``kv_itemsize`` bytes an element gathered, and its
+      float32 copy (3 keys' bytes for a float64 cache; within the first moment for 4 bytes or fewer);
     - plus ``24 * span``: the mask (bool), its float copy in ``p * mask`` and the lanes' page ids (int64,
       ``max_pages`` of them, at most ``span``), and the key index (int64, once per chunk).
 
@@ -170,7 +172,7 @@ def chunk_tokens(t: int, span: int, num_kv_heads: int, head_dim: int, num_qo_hea
     keys = 4 * span * num_kv_heads * head_dim          # bytes, float32: one token's keys (or values)
     scores = 4 * (span + 1) * num_qo_heads             # one token's scores, a sink's column included
     out = 4 * num_qo_heads * head_dim                  # one token's output
-    per_token = max(2 * keys + scores + out, 3 * scores) + 24 * span
+    per_token = max(2 * keys + scores + out, 3 * scores, keys * (4 + kv_itemsize) // 4) + 24 * span
     return min(t, max(2, chunk_bytes // per_token))
 
 
@@ -230,7 +232,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     pos, kv_len = meta.positions.long(), meta.kv_lens.long()[lane]
     qg = q.float().reshape(t, hkv, hq // hkv, d)
     sink = None if sinks is None else sinks.float().reshape(1, hkv, hq // hkv, 1)
-    c = chunk_tokens(t, mp * ps, hkv, d, hq, chunk_bytes)
+    c = chunk_tokens(t, mp * ps, hkv, d, hq, chunk_bytes, k_cache.element_size())
     out = torch.empty(t, hkv, hq // hkv, d, dtype=torch.float32, device=dev)
     for s in range(0, t, c):   # Python ints: ceil(T / c) chunks of c tokens, the last one ending at T
         a = min(s, t - c)      # tokens a..s-1 were done by the chunk before: same values, kept from there
