@@ -200,7 +200,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         Memory bound: tokens go through in chunks of :func:`chunk_tokens` tokens (two at least),
         each chunk's temporaries (gathered keys and values, scores, masks) at most this many bytes
         together; the call also holds q and its output in float32 (``[T, Hq, D]`` each), and in
-        q's dtype its result. The result does not depend on it (bit for bit on a CPU).
+        q's dtype its result (under ``torch.no_grad()`` or inference mode, as serving runs: autograd
+        keeps what it saves for a backward alive longer). The result does not depend on it (bit for
+        bit on a CPU).
 
     Returns
     -------
