@@ -178,6 +178,8 @@ def test_copy_pages_copies_every_layer_and_skips_minus_one(guard, dtype):
         assert torch.equal(raw(c.k)[layer], want_k) and torch.equal(raw(c.v)[layer], want_v)
     with pytest.raises(ValueError, match="dst: expected 2 entries, got 1"):
         c.copy_pages(i32([1, 2]), i32([3]))
+    with pytest.raises(ValueError, match="dst: expected 1 entry, got 2"):
+        c.copy_pages(i32([1]), i32([3, 4]))
 
 
 def test_memory_bytes_counts_storage_and_shows_in_the_report():

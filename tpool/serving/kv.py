@@ -41,7 +41,7 @@ def _vector(t, name, device, n=None):
     if t.dim() != 1:
         raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(t.shape)}")
     if n is not None and t.numel() != n:
-        raise ValueError(f"{name}: expected {n} entries, got {t.numel()}")
+        raise ValueError(f"{name}: expected {_checks.entries(n)}, got {t.numel()}")
 
 
 class PagedKVCache:
