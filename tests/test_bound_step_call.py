@@ -1,6 +1,8 @@
 """A BoundStep's call (``functools.partial`` over ``bound_step._bound_step``): it takes no
 arguments of its own, and a stale binding raises before the step touches the table."""
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -67,14 +69,40 @@ def test_the_inputs_the_table_makes_keep_their_memory_whatever_is_done_to_them(b
     for made in (run.req_ids, run.num_tokens, run.release):
         for refcheck in (True, False):  # refcheck=False would free memory the step still writes
             with pytest.raises(ValueError, match="does not own its data"):
-                made.resize(1 << 20, refcheck=refcheck)  # numpy refuses: a view of what the binding keeps
-            # nor its owner, reachable as .base, which numpy reallocated with refcheck=False (session 25)
-            with pytest.raises(ValueError, match="references or is referenced"):
-                made.base.resize(1 << 20, refcheck=refcheck)
+                made.resize(1 << 20, refcheck=refcheck)  # numpy refuses: an array over what the binding keeps
+        # nor what its .base views, a ctypes array over the table's memory, which owns none of it (an owner of
+        # numpy's own, reachable as .base, was reallocated with refcheck=False until session 25)
+        with pytest.raises(ValueError, match="doesn't own it"):
+            ctypes.resize(made.base.obj, 1 << 20)
     ids = run.req_ids
     del run.req_ids, run.num_tokens, ids, table       # the step holds its memory and its table
     assert run().ok.tolist() == [True, True]
     assert run().kv_lens.tolist() == [2, 2]
+    run.table.pool.check()
+
+
+def test_no_array_reachable_from_the_inputs_the_table_makes_owns_their_memory(backend):
+    """numpy < 2 lets ``data`` be assigned (deprecated; numpy 2 refuses): on an array that owns its memory, numpy
+    frees that memory at once, whoever points into it. The owners the table made were reachable as ``.base``, so
+    ``run.release.base.data = ...`` left the step writing its release ids' -1s into freed memory. Now no numpy
+    array reachable from the inputs owns their memory (it is a table-made tensor's, whose storage the step holds);
+    with numpy < 2 the assignment itself is tried too."""
+    table = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend=backend), 4, 8)
+    run = table.bind_step(batch=2, release=2)
+    for made in (run.req_ids, run.num_tokens, run.release):
+        chain = [made]
+        while isinstance(chain[-1].base, np.ndarray):
+            chain.append(chain[-1].base)
+        assert not any(a.flags.owndata for a in chain)
+    run.req_ids[:], run.num_tokens[:], run.release[:] = [0, 1], 1, -1
+    assert run().kv_lens.tolist() == [1, 1]
+    if np.lib.NumpyVersion(np.__version__) < "2.0.0":
+        with pytest.warns(DeprecationWarning):
+            run.release.data = np.full(2, 5, np.int32).data  # re-points this view; frees nothing
+        victims = [np.full(2, 7, np.int32) for _ in range(64)]
+        run.req_ids[:] = [0, 1]
+        assert run().kv_lens.tolist() == [2, 2]
+        assert all(v.tolist() == [7, 7] for v in victims)  # the step wrote into no memory numpy handed out again
     run.table.pool.check()
 
 

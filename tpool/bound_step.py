@@ -53,7 +53,7 @@ class BoundStep(functools.partial):
         if key is not None and table._shapes._cuda:  # a call inside graph capture pins its shape, as step's does
             run = functools.partial(_pin_in_capture, table._shapes, key, result, run)
         if fixed:  # memory that cannot move or go away: nothing to check per call
-            run.fixed = held, fixed  # (fixed: the weak references that keep numpy from resizing their owners)
+            run.fixed = held, fixed  # (fixed: the storages of the tensors the arrays are over)
             self = super().__new__(cls, _fixed_step, run, result)
         else:
             step = functools.partial(_bound_step, req_ids.data_ptr, num_tokens.data_ptr, req_ids.numel,
@@ -131,9 +131,9 @@ def _pin_in_capture(shapes, key, result, run):
 def _fixed_step(run, result):
     """What a :class:`BoundStep` on table-made CPU inputs runs: ``run()``, return ``result``.
 
-    The inputs are numpy arrays that the binding holds; numpy neither resizes nor
-    re-points an array whose memory others use, so that memory cannot move or go away
-    and there is nothing to check: no torch call at all, which saves ~6 µs a step
+    The inputs are numpy arrays over tensors whose storages the binding holds; numpy
+    neither resizes nor frees memory an array does not own, so that memory cannot move
+    or go away and there is nothing to check: no torch call at all, which saves ~6 µs a step
     when a forward pass has cooled the caches.
     """
     run()

@@ -15,7 +15,7 @@ is in :mod:`tpool.table_results`; a step bound to fixed inputs in :mod:`tpool.bo
 the checks at a sync point (``check_invariants``) in :mod:`tpool.table_checks`.
 """
 
-import weakref
+import ctypes
 
 import numpy as np
 import torch
@@ -34,6 +34,14 @@ from tpool.table_results import ExtendResult, ForkResult, PagedKVCSR, StepOut, S
 
 # Where the most lanes one table call takes comes from, for the error of a longer id vector.
 _LANES = "one per lane; the pool's max_batch, PagePool(..., max_batch=N)"
+
+
+def _array_over(t: torch.Tensor) -> np.ndarray:
+    """A numpy int32 array over the memory of ``t`` (int32, contiguous, on the CPU) that owns none of it: its
+    ``.base`` is a memoryview of a ctypes array made from the address, which owns nothing either (Tensor.numpy()
+    would do, but the sync guard counts it as a host read, and the array may be made on a scheduler's hot path).
+    The caller keeps ``t``'s storage alive as long as the array is used."""
+    return np.ctypeslib.as_array((ctypes.c_int32 * t.numel()).from_address(t.data_ptr()))
 
 
 class PageTable:
@@ -427,9 +435,9 @@ class PageTable:
 
         ``run = table.bind_step(batch=B)`` makes the two inputs itself (``run.req_ids``
         filled with -1, ``run.num_tokens`` with 0; fill them in place). On a CPU they
-        are numpy int32 arrays ``[B]`` held by ``run``, views of arrays the binding keeps:
-        numpy refuses to resize a view at all (``refcheck=False`` too) and cannot re-point
-        one, so the memory stays put and ``run()`` checks nothing at all
+        are numpy int32 arrays ``[B]`` held by ``run``, over tensors whose storages the binding
+        keeps: numpy resizes no array that does not own its memory (``refcheck=False`` too),
+        and none can free it, so the memory stays put and ``run()`` checks nothing at all
         and makes no torch call, the fastest step when the caches are cold (a forward
         pass between two steps). Every call runs exactly ``B`` lanes from that memory,
         as a captured graph reads its static inputs. On CUDA they are tensors under the
@@ -517,13 +525,15 @@ class PageTable:
             if k > self.pool.max_batch:
                 raise ValueError(f"release: expected at most max_batch={self.pool.max_batch} lanes, got {k}")
         if self.device.type == "cpu":
-            # Views ([:]) of arrays the step holds a weak reference to: numpy resizes neither a view (it does
-            # not own its memory) nor its owner, reachable as .base (an array with a weak reference), even
-            # with refcheck=False; so the memory the bound call points into cannot move.
-            owners = [np.full(b, -1, dtype=np.int32), np.zeros(b, dtype=np.int32)]
-            owners += [] if k is None else [np.full(k, -1, dtype=np.int32)]
-            ids, ntok, rel = [o[:] for o in owners] + [None] * (k is None)
-            return BoundStep(self, ids, ntok, max_tokens, capacity, fixed=tuple(map(weakref.ref, owners)),
+            # numpy arrays over table-made tensors (fixed_full: storages that cannot be resized), whose storages
+            # the step holds: an array that does not own its memory is never resized by numpy (refcheck=False
+            # too), and nothing reachable from it owns that memory (_array_over), so no numpy call frees it:
+            # numpy < 2 frees an owning array's memory at once when its ``data`` is assigned, whoever points
+            # into it (the release ids' -1s were then written into freed memory).
+            owners = [fixed_full(b, -1, torch.int32, self.device), fixed_full(b, 0, torch.int32, self.device)]
+            owners += [] if k is None else [fixed_full(k, -1, torch.int32, self.device)]
+            ids, ntok, rel = [_array_over(o) for o in owners] + [None] * (k is None)
+            return BoundStep(self, ids, ntok, max_tokens, capacity, fixed=tuple(o.untyped_storage() for o in owners),
                              release=rel, release_cache=release_cache, out=out)
         rel = None if k is None else fixed_full(k, -1, torch.int32, self.device)
         return BoundStep(self, fixed_full(b, -1, torch.int32, self.device), fixed_full(b, 0, torch.int32, self.device),
