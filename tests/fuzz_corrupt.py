@@ -44,10 +44,15 @@ crash or a hang of the worker process.
 With ``--raw-check`` (default for numba) the worker also replaces, before any kernel is
 compiled, the kernels' raw-memory helpers (``move_i32``, ``copy_i32``,
 ``fill_null_i32``, and the arrays made from an address plus an offset: ``i32_array``,
-``i64_array``, ``u8_array``, ``i64_cell``) with checked twins: every memory range they
-touch must lie inside one allocation tpool made (``tpool.state.fixed_full``), which
+``i64_array``, ``u8_array``, ``i64_cell``) with checked twins: no memory range they
+touch may straddle the edge of an allocation tpool made (``tpool.state.fixed_full``), which
 numba's bounds check alone cannot see (a ``carray`` over ``address + 4 * offset`` has
-the bounds it is given). Raw checks use their own numba cache directory.
+the bounds it is given). Raw checks use their own numba cache directory. A range wholly
+outside every such allocation passes (the inputs are the caller's tensors), so a raw
+write that starts at or past a tensor's end (into the allocator's padding beside it) is
+not seen there: ``--canary`` (default for numba) gives every ``fixed_full`` allocation
+``CANARY`` guard bytes on each side and checks them after every operation, so such a
+write is a finding.
 
 With ``--backend triton`` the workers run Triton's interpreter (``TRITON_INTERPRET=1``) under
 ``tests/triton_guard.py``'s address check: every load, store and atomic of a kernel must lie
@@ -90,6 +95,10 @@ I32_SPECIAL = (INT32_MIN, INT32_MIN + 1, -10**9, -65536, -7, -2, -1, 0, 1, 2, 3,
 I64_SPECIAL = I32_SPECIAL + (INT64_MIN, INT64_MIN + 1, -2**62, -2**32, 2**31, 2**32 - 1, 2**32, 2**32 + 3,
                              2**62, INT64_MAX - 1, INT64_MAX)
 I8_SPECIAL = (-128, -1, 0, 1, 2, 3, 4, 127)
+
+CANARY = 64  # guard bytes on each side of every fixed_full allocation, with --canary (kept 16-byte aligned)
+GUARD_BYTE = 0x5A
+_GUARDED = []  # weak references to the guarded allocations (uint8 arrays: guard, tensor bytes, guard)
 
 CHECK_PADDING = True  # -1 past indptr[B] (off with --memo-edits: a memo's MEMO_WRITTEN edited smaller leaves stale
 #                       entries there, which no reader bounded by indptr sees)
@@ -766,6 +775,8 @@ def run_episode(cfg, ops, backend, log=None):
             return k, type(e).__name__, str(e), traceback.format_exc(limit=-6)
         except Exception as e:  # noqa: BLE001 - every other exception is a finding
             return k, type(e).__name__, str(e), traceback.format_exc(limit=-6)
+        if _GUARDED and (bad := overwritten_guards()):
+            return k, "Violation", f"bytes written beside a tpool allocation (size, guard before, after): {bad}", ""
     return None
 
 
@@ -831,7 +842,64 @@ def _fixed_registry(n):
     return np.ctypeslib.as_array((ctypes.c_int64 * n).from_address(REGISTRY_ADDR))
 
 
-def install_raw_checks():
+def guarded_full(shape, fill, np_dtype):
+    """``np.full(shape, fill)`` inside a larger allocation: ``CANARY`` guard bytes before and after it
+    (``GUARD_BYTE``), checked by :func:`overwritten_guards`. The array is a view that keeps it alive."""
+    import weakref
+
+    import numpy as np
+    dims = shape if isinstance(shape, tuple) else (shape,)
+    itemsize = np.dtype(np_dtype).itemsize
+    nbytes = itemsize * int(np.prod(dims, dtype=np.int64))
+    raw = np.full(nbytes + 2 * CANARY, GUARD_BYTE, np.uint8)
+    arr = raw[CANARY:CANARY + nbytes].view(np_dtype).reshape(dims)
+    arr[...] = fill
+    _GUARDED.append(weakref.ref(raw))
+    return arr
+
+
+def overwritten_guards() -> list:
+    """``(bytes of the allocation, guard before, guard after)`` (hex) of every live guarded allocation whose
+    guard bytes changed since the last check (they are then restored, so each write is reported once)."""
+    live, bad = [], []
+    for ref in _GUARDED:
+        raw = ref()
+        if raw is None:
+            continue
+        live.append(ref)
+        before, after = raw[:CANARY], raw[raw.size - CANARY:]
+        if (before != GUARD_BYTE).any() or (after != GUARD_BYTE).any():
+            bad.append((raw.size - 2 * CANARY, before.tobytes().hex(), after.tobytes().hex()))
+            before[:] = GUARD_BYTE
+            after[:] = GUARD_BYTE
+    _GUARDED[:] = live
+    return bad
+
+
+def install_canaries():
+    """Make tpool's CPU ``fixed_full`` allocations guarded (:func:`guarded_full`); the raw checks' version
+    (:func:`install_raw_checks`, installed first) guards its allocations itself. Before any pool is made."""
+    import torch
+
+    import tpool.state
+    current = tpool.state.fixed_full
+    if getattr(current, "guarded", False):
+        return
+    np_dtypes = tpool.state._NUMPY_DTYPES
+
+    def fixed_full(shape, fill, dtype, device):
+        if torch.device(device).type != "cpu":
+            return current(shape, fill, dtype, device)
+        with torch.inference_mode(False):
+            return torch.from_numpy(guarded_full(shape, fill, np_dtypes[dtype]))
+
+    fixed_full.guarded = True
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("tpool") and getattr(mod, "fixed_full", None) is current:
+            mod.fixed_full = fixed_full
+
+
+def install_raw_checks(canary=False):
     """Replace the kernels' raw-memory helpers with checked twins (module note). Call before any
     kernel is compiled (it patches module globals that numba reads at compile time)."""
     import weakref
@@ -876,7 +944,8 @@ def install_raw_checks():
     def fixed_full(shape, fill, dtype, device):
         if torch.device(device).type != "cpu":
             return original(shape, fill, dtype, device)
-        arr = np.full(shape, fill, dtype=np_dtypes[dtype])  # as tpool.state.fixed_full, its range registered
+        # as tpool.state.fixed_full, its range registered (and guarded, with canary)
+        arr = guarded_full(shape, fill, np_dtypes[dtype]) if canary else np.full(shape, fill, dtype=np_dtypes[dtype])
         if arr.nbytes > 0:
             lo = arr.ctypes.data
             if lo in where:  # a stale entry (finalizers drop them first: should not happen)
@@ -885,6 +954,7 @@ def install_raw_checks():
             weakref.finalize(arr, drop, lo)  # torch.from_numpy holds arr as long as the storage lives
         return torch.from_numpy(arr)
 
+    fixed_full.guarded = canary
     for name, mod in list(sys.modules.items()):
         if name.startswith("tpool") and getattr(mod, "fixed_full", None) is original:
             mod.fixed_full = fixed_full
@@ -1006,7 +1076,9 @@ def _setup(args):
     import torch
     torch.set_num_threads(1)
     if args.raw_check and args.backend == "numba":
-        install_raw_checks()
+        install_raw_checks(args.canary)
+    if args.canary and args.backend == "numba":
+        install_canaries()
     if args.backend == "triton":   # (the parent runs its workers with TRITON_INTERPRET=1)
         import triton_guard
         triton_guard.setup(args.block)
@@ -1074,6 +1146,8 @@ def parent(args) -> int:
                "--ops", str(args.ops), "--backend", args.backend, "--findings", args.findings]
         if not args.raw_check:
             cmd.append("--no-raw-check")
+        if not args.canary:
+            cmd.append("--no-canary")
         if args.memo_edits:
             cmd.append("--memo-edits")
         if args.contract:
@@ -1114,6 +1188,7 @@ def parent(args) -> int:
               f"{len(crashes)} crashes", file=sys.stderr, flush=True)
     summary = dict(backend=args.backend, seeds=[args.seed, end - 1], ops=total_ops, findings=len(findings),
                    crashes=crashes, seconds=round(time.time() - t0, 1), raw_check=args.raw_check,
+                   canary=args.canary and args.backend == "numba",
                    memo_edits=args.memo_edits, contract=args.contract, no_version_edits=args.no_version_edits)
     print(json.dumps(summary))
     return 1 if findings or crashes else 0
@@ -1137,6 +1212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--findings", default=DEFAULT_FINDINGS, help=f"where findings go (default {DEFAULT_FINDINGS})")
     ap.add_argument("--no-raw-check", dest="raw_check", action="store_false",
                     help="do not patch the raw-memory helpers with checked twins")
+    ap.add_argument("--no-canary", dest="canary", action="store_false",
+                    help="no guard bytes around tpool's allocations (numba; see the module note)")
     ap.add_argument("--memo-edits", action="store_true", help="also edit a step's CSR memo (outside the promise)")
     ap.add_argument("--contract", action="store_true",
                     help="follow every hand edit by invalidate_csr() (or invalidate_csr(rows) naming every row "

@@ -231,6 +231,31 @@ def test_a_short_corruption_fuzz_finds_nothing(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     assert summary["ops"] == 900 and summary["findings"] == 0 and summary["crashes"] == []
+    assert summary["raw_check"] and summary["canary"]
+
+
+_PAST_THE_END = """
+import ctypes, sys
+sys.path.insert(0, sys.argv[1])
+import fuzz_corrupt as F
+F.install_canaries()
+import tpool
+pool = tpool.PagePool(4, device="cpu", backend="numba")
+assert F.overwritten_guards() == []
+t = pool.state.free_stack
+ctypes.c_int32.from_address(t.data_ptr() + t.nbytes).value = -1  # one id past the stack, as a memset would write
+print([size for size, _, _ in F.overwritten_guards()], F.overwritten_guards())
+"""
+
+
+def test_the_corruption_fuzzer_sees_a_raw_write_starting_at_a_tensors_end():
+    """The raw check refuses a range that straddles the edge of a tpool allocation; one that starts at its end
+    lies outside every allocation and passes (inputs are the caller's tensors). ``--canary`` (default for numba)
+    puts guard bytes around every allocation and checks them after each operation: such a write is seen,
+    once."""
+    p = subprocess.run([sys.executable, "-c", _PAST_THE_END, str(HERE)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["[16]", "[]"]  # the 4-page stack's 16 bytes; reported once, then restored
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
