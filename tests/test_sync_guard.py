@@ -21,7 +21,8 @@ mask = t > 2
 def _patch_points():
     """Everything a guard patches, as it is now."""
     found = {f"Tensor.{n}": getattr(torch.Tensor, n) for n in ("tolist", "numpy", "cpu", "item")}
-    found.update({f"torch.{n}": getattr(torch, n) for n in ("tensor", "as_tensor")})
+    found.update({f"torch.{n}": getattr(torch, n) for n in ("tensor", "as_tensor", "asarray")})
+    found["Tensor.new_tensor"] = torch.Tensor.new_tensor
     executor = _interpreter_executor()                 # conftest loaded triton, if it is installed
     if executor is not None:
         found["GridExecutor.__call__"] = executor.__call__
@@ -61,6 +62,8 @@ CONSTRUCTS = {
     "histc without a range": lambda: torch.histc(t.float()),
     "torch.tensor of a list of tensors": lambda: torch.tensor([t[0], t[1]]),   # read one by one in C++
     "as_tensor of nested tuples of tensors": lambda: torch.as_tensor(((t[0],), (t[1],))),
+    "asarray of a list of tensors": lambda: torch.asarray([t[0], t[1]]),    # (unseen before: as torch.tensor)
+    "new_tensor of a list of tensors": lambda: t.new_tensor([t[0], t[1]]),
 }
 
 
@@ -122,13 +125,15 @@ def test_guard_sees_a_sync_inside_pool_code(monkeypatch):
 def test_host_data_mode_refuses_tensors_built_from_host_values():
     with no_host_sync():
         torch.tensor([1, 2])                           # allowed by default (free on a CPU)
-    for build in (lambda: torch.tensor([1, 2]), lambda: torch.as_tensor(3)):
+    for build in (lambda: torch.tensor([1, 2]), lambda: torch.as_tensor(3), lambda: torch.asarray([1, 2]),
+                  lambda: t.new_tensor([1, 2]), lambda: t.new_tensor(3)):   # (the last three unseen before)
         with pytest.raises(HostSyncError, match="host data"):
             with no_host_sync(host_data=True):
                 build()
     with no_host_sync(host_data=True):
         torch.full((3,), 5)                            # a fill on the device: no host data
         torch.as_tensor(t)                             # a tensor already: no copy
+        torch.asarray(t)
         t.clone()[1:3] = 7                             # a slice set: a fill_ taking the number as an argument
         t.clone()[0] = 7                               # one element: on a device the scalar is made there
         #                                                (at::scalar_tensor; tests/meta_device.py shows it)

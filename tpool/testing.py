@@ -13,9 +13,11 @@ host wait for the device raises :class:`HostSyncError`:
   without a range (its CUDA kernel reads the min and max);
 * methods that read memory without dispatch, patched while any guard is
   active: ``Tensor.tolist``, ``Tensor.numpy``, ``Tensor.cpu``,
-  ``Tensor.item``, ``torch.tensor`` / ``torch.as_tensor`` of a list or
-  tuple holding tensors (each read one by one, past the dispatcher), and of
-  any host data for a guard with ``host_data=True``.
+  ``Tensor.item``, ``torch.tensor`` / ``torch.as_tensor`` / ``torch.asarray``
+  / ``Tensor.new_tensor`` of a list or tuple holding tensors (each read one
+  by one, past the dispatcher), and of any host data for a guard with
+  ``host_data=True``. (The legacy constructors, ``torch.LongTensor(list)``
+  and the like, are not patched: they make host tensors.)
 
 An op whose own kernel reads the device inside (as ``isin`` and ``histc``
 do) is seen only if listed here. ``t.to("cpu")`` is not refused: on a CPU it
@@ -74,7 +76,8 @@ _BANNED = {
 }
 _MASK_INDEX = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
 _METHODS = ("tolist", "numpy", "cpu", "item")  # Tensor methods that read memory without dispatch
-_BUILDERS = ("tensor", "as_tensor")             # torch functions that copy host data
+_BUILDERS = ("tensor", "as_tensor", "asarray")  # torch functions that copy host data
+_NEW = ("new_tensor",)                          # Tensor methods that do
 
 
 def _has_bool_index(args) -> bool:
@@ -168,19 +171,34 @@ def _read(name, original):
     return method
 
 
+def _report_host_data(name, data):
+    """Report ``name`` (a builder) given ``data`` to the calling thread's innermost guard if it reads tensors
+    one by one, or if it is host data and that guard has ``host_data``."""
+    guard = _innermost(_thread.guards)
+    if guard is not None and _holds_tensor(data):
+        guard.report(f"{name}() of a list or tuple holding tensors (each is read to the host one by "
+                     f"one, as .item() would; use torch.stack)")
+    elif guard is not None and guard.host_data and not isinstance(data, torch.Tensor):
+        guard.report(f"{name}() of host data (on CUDA a copy from pageable memory, which waits for "
+                     f"the stream; use torch.full or a tensor made beforehand)")
+
+
 def _from_host(name, original):
-    """``torch.tensor`` / ``torch.as_tensor`` reporting a tensor built from Python data (not from a
+    """``torch.tensor`` / ``as_tensor`` / ``asarray`` reporting a tensor built from Python data (not from a
     tensor) where the calling thread's innermost guard has ``host_data``."""
     @functools.wraps(original)
     def build(data, *args, **kwargs):
-        guard = _innermost(_thread.guards)
-        if guard is not None and _holds_tensor(data):
-            guard.report(f"torch.{name}() of a list or tuple holding tensors (each is read to the host one by "
-                         f"one, as .item() would; use torch.stack)")
-        elif guard is not None and guard.host_data and not isinstance(data, torch.Tensor):
-            guard.report(f"torch.{name}() of host data (on CUDA a copy from pageable memory, which waits for "
-                         f"the stream; use torch.full or a tensor made beforehand)")
+        _report_host_data(f"torch.{name}", data)
         return original(data, *args, **kwargs)
+    return build
+
+
+def _new_from_host(name, original):
+    """``Tensor.new_tensor``, reported as :func:`_from_host` reports ``torch.tensor``."""
+    @functools.wraps(original)
+    def build(self, data, *args, **kwargs):
+        _report_host_data(f"Tensor.{name}", data)
+        return original(self, data, *args, **kwargs)
     return build
 
 
@@ -223,6 +241,7 @@ _INHERITED = object()
 def _patch_points():
     yield from ((torch.Tensor, name, _read) for name in _METHODS)
     yield from ((torch, name, _from_host) for name in _BUILDERS)
+    yield from ((torch.Tensor, name, _new_from_host) for name in _NEW)
     executor = _interpreter_executor()
     if executor is not None:
         yield executor, "__call__", _device_region
@@ -286,8 +305,8 @@ def no_host_sync(*, host_data: bool = False):
     Parameters
     ----------
     host_data : bool, default False
-        Also refuse ``torch.tensor`` / ``torch.as_tensor`` of host data (a Python
-        number, list or array; not of a tensor): free on a CPU, but on CUDA a copy
+        Also refuse ``torch.tensor`` / ``as_tensor`` / ``asarray`` and ``Tensor.new_tensor``
+        of host data (a Python number, list or array; not of a tensor): free on a CPU, but on CUDA a copy
         from pageable memory that waits for the stream, so a CPU test sees the syncs
         a GPU would have. Build the call's inputs before the block.
 
@@ -349,8 +368,8 @@ def count_host_reads(*, host_data: bool = False):
     Parameters
     ----------
     host_data : bool, default False
-        Also count ``torch.tensor`` / ``torch.as_tensor`` of host data (a Python number,
-        list or array; not of a tensor) as reads, one per call: on CUDA each is a copy
+        Also count ``torch.tensor`` / ``as_tensor`` / ``asarray`` and ``Tensor.new_tensor`` of host
+        data (a Python number, list or array; not of a tensor) as reads, one per call: on CUDA each is a copy
         from pageable memory that waits for the stream.
 
     Yields
