@@ -48,8 +48,16 @@ elif part == "pool-and-table":
     ids, ntok, rel, pad = i32([0, 1], "meta"), i32([3, 2], "meta"), i32([-1], "meta"), i32([-1, -1], "meta")
     page, gen = i32([0], "meta"), torch.empty(1, dtype=torch.int32, device="meta")
     out = table.step_out(batch=2, max_tokens=8)
+    more = (lambda: pool.free(pool.alloc(ids).pages),    # alloc without out=, a CSR with a capacity
+            lambda: table.flashinfer_csr(ids, capacity=16))
+    for call in more:       # (each shape's first call makes its buffers)
+        call()
     with watched():
         run()
+        for call in more:
+            call()
+        pool.stats_async()                  # the start of the copy (its get() is a read, after the block)
+        table.step(ids, ntok, release=rel, release_cache=True)
         table.step(ids, ntok, release=rel)
         table.step(ids, ntok, out=out)
         table.bind_step(ids, ntok, out=out)()
@@ -72,6 +80,9 @@ elif part == "mirror":
             m.step(rows, 1, [6], width=4)
             m.preemption(rows, [0, 1], n=1)
             m.fits(rows), m.shortfall([4])
+            m.reserve(rows[0], 4), m.unreserve(rows[0])
+            m.shared_prefix(rows[0]), m.length_bounds(rows[0]), m.pages_needed(rows[1], 3), m.running()
+            m.snapshot()                    # the start of the copy (reconcile is the read, after the block)
             m.truncate([rows[0]], [8])
             m.rollback([rows[1]], torch.full((1,), 5, dtype=torch.int32, device="meta"), [4])
             forked = m.fork(rows[0], 6)
@@ -87,10 +98,19 @@ elif part == "mirror":
             m.finish([row], cache=True)
     with watched():         # last: reading what an eviction took is a sync point (match stays closed until then)
         cache.evict(3)
+        n = cache.unread().shape[0]         # the slots, on the device; their values are read at a sync point
+        cache.drop([-1] * n)                # (meta holds none: -1 is skipped) host ints, reopening match
+        cache.match(list(range(10)))
     other = tpool.PagePool(16, page_size=4, device="meta", backend="reference")
     plain = HostMirror(tpool.PageTable(other, 2, 8), free=16, cached=0)
     (r,) = plain.admit([8])
-    with watched():         # a mirror without a cache evicts itself
+    first = plain.table.block_table[r, :2].clone()      # its two pages, CACHED once it finishes
+    gens = other.generations(first)
+    with watched():         # a mirror without a cache revives and evicts itself
+        plain.finish([r], cache=True)
+        r = plain.revive(first, 8, max_len=12, generations=gens)
+        plain.finish([r], cache=True)
+        r = plain.revive(first[:1], 4, count_cached=True)
         plain.finish([r], cache=True)
         plain.evict(1)
 print("events:", *watch.events, sep="\n  ")

@@ -310,7 +310,8 @@ def test_the_meta_device_refuses_every_read_of_data_and_records_blocking_copies(
 def test_hot_paths_on_the_meta_device_read_no_data_and_make_no_blocking_copy(part):
     """The CUDA side of every branch, on a CPU: the reference backend on the meta device (tpool branches on
     device.type == "cpu"), where any read of device data raises whatever path it takes, and a copy a CUDA
-    stream would wait for is recorded. pool-and-table: conftest.hot_path_calls and the step forms it leaves
-    out (release=, out=, bound with out=, a free group, generations(out=)); mirror: every HostMirror call
-    and the PrefixCache's insert/match/revive/evict."""
+    stream would wait for is recorded. pool-and-table: conftest.hot_path_calls and the forms it leaves out
+    (step with release= and release_cache=, out=, bound with out=, a free group, generations(out=), alloc
+    without out=, a CSR with capacity=, the start of stats_async); mirror: every HostMirror call (revive
+    direct, the start of a snapshot) and the PrefixCache's insert/match/revive/evict/unread/drop."""
     assert _meta(part) == ["events:"]
