@@ -16,8 +16,8 @@ host wait for the device raises :class:`HostSyncError`:
   ``Tensor.item``, ``torch.tensor`` / ``torch.as_tensor`` / ``torch.asarray``
   / ``Tensor.new_tensor`` of a list or tuple holding tensors (each read one
   by one, past the dispatcher), and of any host data for a guard with
-  ``host_data=True``. (The legacy constructors, ``torch.LongTensor(list)``
-  and the like, are not patched: they make host tensors.)
+  ``host_data=True``. (The legacy constructors, ``torch.LongTensor(list)``,
+  ``t.new(list)`` and the like, are not patched.)
 
 An op whose own kernel reads the device inside (as ``isin`` and ``histc``
 do) is seen only if listed here. ``t.to("cpu")`` is not refused: on a CPU it
