@@ -315,3 +315,22 @@ def test_hot_paths_on_the_meta_device_read_no_data_and_make_no_blocking_copy(par
     without out=, a CSR with capacity=, the start of stats_async); mirror: every HostMirror call (revive
     direct, the start of a snapshot) and the PrefixCache's insert/match/revive/evict/unread/drop."""
     assert _meta(part) == ["events:"]
+
+
+def test_a_read_names_the_callers_frames_whatever_their_files_are_called(tmp_path):
+    """A read's stack leaves out torch's and tpool.testing's own frames only. Before, it left out every
+    file whose name ended in "testing.py" and every path holding "/torch/": an engine's
+    ``engine_testing.py``, kept in a folder called ``torch``, vanished from the stack."""
+    import importlib.util
+    folder = tmp_path / "torch"
+    folder.mkdir()
+    (folder / "engine_testing.py").write_text("def read_it(t):\n    return t.tolist()\n")
+    spec = importlib.util.spec_from_file_location("engine_testing", folder / "engine_testing.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with count_host_reads() as seen:
+        module.read_it(t)
+    ((what, stack),) = seen.reads
+    assert what == "Tensor.tolist()"
+    assert stack[:2] == [(str(folder / "engine_testing.py"), "read_it"),
+                         (__file__, "test_a_read_names_the_callers_frames_whatever_their_files_are_called")]

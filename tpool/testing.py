@@ -47,6 +47,7 @@ thread), and the simulated-launch depth is per thread too.
 
 import contextlib
 import functools
+import os
 import threading
 import traceback
 
@@ -337,6 +338,9 @@ def no_host_sync(*, host_data: bool = False):
         yield
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep   # torch's own frames, left out of a read's stack
+
+
 class HostReads:
     """What :func:`count_host_reads` saw: ``reads`` (device reads) and ``snapshot_reads``, each a
     list of ``(what, stack)``; ``stack`` names the ``(file, function)`` frames outside torch and
@@ -348,7 +352,7 @@ class HostReads:
     @staticmethod
     def _stack():
         return [(f.filename, f.name) for f in reversed(traceback.extract_stack())
-                if "/torch/" not in f.filename and not f.filename.endswith("testing.py")]
+                if not f.filename.startswith(_TORCH_DIR) and f.filename != __file__]
 
     def add(self, what):
         self.reads.append((what, self._stack()))
