@@ -334,3 +334,32 @@ def test_a_read_names_the_callers_frames_whatever_their_files_are_called(tmp_pat
     assert what == "Tensor.tolist()"
     assert stack[:2] == [(str(folder / "engine_testing.py"), "read_it"),
                          (__file__, "test_a_read_names_the_callers_frames_whatever_their_files_are_called")]
+
+
+def test_a_grid_read_from_device_data_is_seen_inside_an_interpreted_launch():
+    """A callable grid runs on the host before a GPU launch: one that reads device data is a sync. Under
+    the interpreter the guard is suspended inside the launch, and the grid is evaluated there: before,
+    ``kernel[lambda meta: (int(n),)]`` passed no_host_sync(). A grid of static values and the kernel's
+    own arguments still passes, and the launch's own copies are still not reads."""
+    if _interpreter_executor() is None:
+        pytest.skip("needs triton under TRITON_INTERPRET=1")
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+    x, n = torch.zeros(8, dtype=torch.int32), torch.tensor(2)
+    with no_host_sync():
+        add_one[(2,)](x, 8, BLOCK=4)
+        add_one[lambda meta: (triton.cdiv(meta["n"], meta["BLOCK"]),)](x, 8, BLOCK=4)
+    assert x.tolist() == [2] * 8
+    with pytest.raises(HostSyncError, match="scalar read"):
+        with no_host_sync():
+            add_one[lambda meta: (int(n),)](x, 8, BLOCK=4)
+    with count_host_reads() as seen:
+        add_one[lambda meta: (n.item(),)](x, 8, BLOCK=4)
+    assert [what for what, _ in seen.reads] == ["Tensor.item()"] and x.tolist() == [3] * 8
+    assert _still_patched() == []

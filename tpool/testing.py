@@ -31,7 +31,8 @@ Wrap every hot-path call in it; read results after the block.
 (to check that a whole loop reads the device only at its sync points). Under
 ``TRITON_INTERPRET=1`` the interpreter stands in for the GPU and copies
 kernel arguments to numpy around each launch; those copies are the simulated
-device's, not the host's, so the guard is suspended inside a launch.
+device's, not the host's, so the guard is suspended inside a launch (but not in a
+callable grid, which a GPU launch runs on the host).
 
 Threads: a guard sees only the thread that entered it. The patches are
 installed by the first guard entered in the process and removed by the last
@@ -211,15 +212,33 @@ def _holds_tensor(data) -> bool:
 
 
 def _device_region(name, original):
-    """The interpreter's launch: the calling thread's guards are suspended inside it."""
+    """The interpreter's launch: the calling thread's guards are suspended inside it, except while it
+    evaluates a callable grid (on a GPU the host does that, before the launch: a grid read from device
+    data is a sync)."""
     @functools.wraps(original)
-    def launch(*args, **kwargs):
+    def launch(executor, *args, **kwargs):
+        grid = executor.grid
+        if callable(grid):
+            executor.grid = _on_the_host(grid)
         _thread.in_device += 1
         try:
-            return original(*args, **kwargs)
+            return original(executor, *args, **kwargs)
         finally:
             _thread.in_device -= 1
+            executor.grid = grid
     return launch
+
+
+def _on_the_host(grid):
+    """A launch's grid callable, run with the calling thread's guards as they were before the launch."""
+    @functools.wraps(grid)
+    def evaluate(*args, **kwargs):
+        _thread.in_device -= 1
+        try:
+            return grid(*args, **kwargs)
+        finally:
+            _thread.in_device += 1
+    return evaluate
 
 
 def _interpreter_executor():
