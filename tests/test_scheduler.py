@@ -899,6 +899,25 @@ def test_stats_async_matches_stats_and_is_taken_in_order(backend):
     assert pool.stats_async().get() == pool.stats()
 
 
+def test_stats_async_shows_counted_errors_and_leaves_raising_them_to_check(backend):
+    """``get()`` is ``stats()`` as of the copy: it shows a counted error (``errors.<kind>``) and raises
+    nothing, as ``stats()`` does; ``check()`` still raises it after any number of ``get()`` calls. Each
+    ``get()`` is a fresh dict: changing one changes neither the next nor the pool."""
+    pool = tpool.PagePool(8, device="cpu", backend=backend)
+    pages = pool.alloc(i32([1])).pages[:1]
+    with no_host_sync():
+        pool.free(pages)
+        pool.free(pages)                                 # a double free: counted on the device
+        h = pool.stats_async()
+        assert h.ready()
+        first = h.get()
+    first["errors.double_free"] = 0
+    assert h.get()["errors.double_free"] == 1 == pool.stats()["errors.double_free"]
+    with pytest.raises(tpool.DoubleFree):
+        pool.check()
+    assert pool.stats_async().get()["errors.double_free"] == 1   # a total: check() reads it, never resets it
+
+
 def test_a_snapshot_read_before_ready_said_true_is_reported():
     """On CUDA ``get()`` before ``ready()`` said True waits for the copy: a stall the CPU guard reports,
     though on a CPU the copy is done at once."""
