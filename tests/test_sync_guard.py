@@ -363,3 +363,24 @@ def test_a_grid_read_from_device_data_is_seen_inside_an_interpreted_launch():
         add_one[lambda meta: (n.item(),)](x, 8, BLOCK=4)
     assert [what for what, _ in seen.reads] == ["Tensor.item()"] and x.tolist() == [3] * 8
     assert _still_patched() == []
+
+
+def test_builders_take_their_data_by_keyword_under_a_guard():
+    """The patched builders pass every argument on as given: ``torch.asarray(obj=...)`` (its parameter's
+    name) raised TypeError under a guard, the wrapper wanting ``data`` first. By keyword the data is
+    still seen, and a call with no data gets the builder's own error."""
+    with no_host_sync():
+        got = [torch.asarray(obj=[1, 2]), torch.tensor(data=[1, 2]), torch.as_tensor(data=[1, 2]),
+               t.new_tensor(data=[1, 2])]
+    assert all(g.tolist() == [1, 2] for g in got)
+    for build in (lambda: torch.asarray(obj=[t[0]]), lambda: torch.tensor(data=[t[0]]),
+                  lambda: t.new_tensor(data=[t[0]])):
+        with pytest.raises(HostSyncError, match="holding tensors"):
+            with no_host_sync():
+                build()
+    with pytest.raises(HostSyncError, match="host data"):
+        with no_host_sync(host_data=True):
+            torch.asarray(obj=[1, 2])
+    with pytest.raises(TypeError):
+        with no_host_sync(host_data=True):
+            torch.tensor()

@@ -173,14 +173,18 @@ def _read(name, original):
     return method
 
 
-def _report_host_data(name, data):
-    """Report ``name`` (a builder) given ``data`` to the calling thread's innermost guard if it reads tensors
-    one by one, or if it is host data and that guard has ``host_data``."""
+def _report_host_data(name, args, kwargs):
+    """Report ``name`` (a builder) called with ``args`` and ``kwargs`` to the calling thread's innermost guard
+    if its data (the first argument, or ``data=`` / ``obj=``, asarray's name) holds tensors it reads one by
+    one, or if it is host data and that guard has ``host_data``."""
     guard = _innermost(_thread.guards)
-    if guard is not None and _holds_tensor(data):
+    if guard is None or not (args or "data" in kwargs or "obj" in kwargs):
+        return                                          # (no data: the builder's own TypeError follows)
+    data = args[0] if args else kwargs.get("data", kwargs.get("obj"))
+    if _holds_tensor(data):
         guard.report(f"{name}() of a list or tuple holding tensors (each is read to the host one by "
                      f"one, as .item() would; use torch.stack)")
-    elif guard is not None and guard.host_data and not isinstance(data, torch.Tensor):
+    elif guard.host_data and not isinstance(data, torch.Tensor):
         guard.report(f"{name}() of host data (on CUDA a copy from pageable memory, which waits for "
                      f"the stream; use torch.full or a tensor made beforehand)")
 
@@ -189,18 +193,18 @@ def _from_host(name, original):
     """``torch.tensor`` / ``as_tensor`` / ``asarray`` reporting a tensor built from Python data (not from a
     tensor) where the calling thread's innermost guard has ``host_data``."""
     @functools.wraps(original)
-    def build(data, *args, **kwargs):
-        _report_host_data(f"torch.{name}", data)
-        return original(data, *args, **kwargs)
+    def build(*args, **kwargs):
+        _report_host_data(f"torch.{name}", args, kwargs)
+        return original(*args, **kwargs)
     return build
 
 
 def _new_from_host(name, original):
     """``Tensor.new_tensor``, reported as :func:`_from_host` reports ``torch.tensor``."""
     @functools.wraps(original)
-    def build(self, data, *args, **kwargs):
-        _report_host_data(f"Tensor.{name}", data)
-        return original(self, data, *args, **kwargs)
+    def build(self, *args, **kwargs):
+        _report_host_data(f"Tensor.{name}", args, kwargs)
+        return original(self, *args, **kwargs)
     return build
 
 
