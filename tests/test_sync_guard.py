@@ -384,3 +384,17 @@ def test_builders_take_their_data_by_keyword_under_a_guard():
     with pytest.raises(TypeError):
         with no_host_sync(host_data=True):
             torch.tensor()
+
+
+def test_a_launcher_without_a_grid_attribute_launches_as_before():
+    """The interpreted launch's wrapper reads ``grid`` (triton 3.x's attribute) only if it is there: a
+    launcher that names it otherwise is called as it is, inside the suspended region."""
+    from tpool.testing import _device_region
+
+    class Launcher:
+        def __call__(self, x):
+            return x.tolist()                          # the simulated device's copy: not a host read
+
+    launch = _device_region("__call__", Launcher.__call__)
+    with no_host_sync():
+        assert launch(Launcher(), t) == list(range(6))

@@ -221,7 +221,7 @@ def _device_region(name, original):
     data is a sync)."""
     @functools.wraps(original)
     def launch(executor, *args, **kwargs):
-        grid = executor.grid
+        grid = getattr(executor, "grid", None)   # (triton 3.x's name; another triton: the launch as it is)
         if callable(grid):
             executor.grid = _on_the_host(grid)
         _thread.in_device += 1
@@ -229,7 +229,8 @@ def _device_region(name, original):
             return original(executor, *args, **kwargs)
         finally:
             _thread.in_device -= 1
-            executor.grid = grid
+            if callable(grid):
+                executor.grid = grid
     return launch
 
 
