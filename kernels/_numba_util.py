@@ -490,8 +490,11 @@ def apply_free(pages, cache, clock, free_stack, refcount, page_state, stamp, pag
     dropped and ``k - d`` entries count as ``double_free`` (all ``k`` when the
     page is not USED); pages reaching 0 are pushed in the order of their first
     occurrence (FREE, their generation bumped), or with ``cache`` become CACHED
-    stamped ``clock`` and go on the LRU queue in that order. Used by
-    ``free`` and by the page table's ``release`` / ``truncate``.
+    stamped ``clock`` and go on the LRU queue in the order of their LAST
+    occurrence (a page shared by rows released together goes after every row's
+    deeper pages). Used by ``free`` and by the page table's ``release`` /
+    ``truncate``. With ``cache``, a page released at its first occurrence keeps
+    ``-(occurrences left)`` in ``occur`` until its last one queues it (0 again).
     """
     P = refcount.shape[0]
     tail = lru_prepare(lru_queue, lru_pos, page_state, counters) if cache else 0
@@ -506,9 +509,16 @@ def apply_free(pages, cache, clock, free_stack, refcount, page_state, stamp, pag
     lost = 0
     for i in range(pages.shape[0]):
         p = pages[i]
-        if p < 0 or p >= P or occur[p] == 0:
-            continue  # padding, invalid, or not the first occurrence
+        if p < 0 or p >= P:
+            continue  # padding or invalid
         k = occur[p]
+        if k < 0:  # (cache) a later occurrence of a page this call released: queued at its last
+            occur[p] = k + 1
+            if k == -1:
+                lru_push(p, lru_queue, lru_pos, counters)
+            continue
+        if k == 0:
+            continue  # not the first occurrence
         occur[p] = 0
         if page_state[p] != L.USED:
             double += k
@@ -522,7 +532,10 @@ def apply_free(pages, cache, clock, free_stack, refcount, page_state, stamp, pag
             if cache:
                 page_state[p] = L.CACHED
                 stamp[p] = clock
-                lru_push(p, lru_queue, lru_pos, counters)
+                if k == 1:
+                    lru_push(p, lru_queue, lru_pos, counters)
+                else:
+                    occur[p] = 1 - k  # named again later: queued at its last occurrence
             else:
                 page_state[p] = L.FREE
                 bump_gen(page_gen, p)

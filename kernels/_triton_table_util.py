@@ -18,7 +18,8 @@ program that loops over fixed-size chunks and separates its phases with
   ``f`` of the list belongs to the first lane whose end exceeds ``f``
   (``list_lane``, a binary search), so passes over the list cost its length,
   not the batch times its widest lane. Pages are deduplicated like the pool's
-  ``free``: ``atomic_min(claim[p], f)`` picks the first occurrence,
+  ``free``: ``atomic_min(claim[p], f)`` picks the first occurrence (with
+  ``LAST``, a release into the cache, the key is ``-f``: the last),
   ``atomic_add(occur[p], 1)`` counts them (both order-free).
 * Besides ``lane_end``, no kernel keeps per-lane results in scratch: later
   phases read them back from the call's outputs (``ok``, ``indptr``) or
@@ -29,7 +30,7 @@ program that loops over fixed-size chunks and separates its phases with
 from ._triton_shim import tl, triton
 
 from . import layout as L
-from ._triton_util import INT32_MAX, NULL_PAGE
+from ._triton_util import INT32_MAX, NULL_PAGE, lane_key
 
 ERR_BAD_REQUEST = tl.constexpr(L.ERR_BAD_REQUEST)
 ERR_TABLE_OVERFLOW = tl.constexpr(L.ERR_TABLE_OVERFLOW)
@@ -98,19 +99,21 @@ def list_lane(f, live, lane_end_ptr, B, SEARCH):
 
 
 @triton.jit
-def claim_pages(p, f, m, claim_ptr, occur_ptr, num_pages):
-    """First entry (min ``f``) and occurrences per page for entries ``m``; returns #invalid ids."""
+def claim_pages(p, f, m, claim_ptr, occur_ptr, num_pages, LAST: tl.constexpr):
+    """First entry (min ``f``; ``LAST``: last, max ``f``) and occurrences per page for entries ``m``;
+    returns #invalid ids."""
     ok = m & (p >= 0) & (p < num_pages)
-    tl.atomic_min(claim_ptr + p, f.to(tl.int32), mask=ok, sem="relaxed")
+    tl.atomic_min(claim_ptr + p, lane_key(f.to(tl.int32), LAST), mask=ok, sem="relaxed")
     tl.atomic_add(occur_ptr + p, 1, mask=ok, sem="relaxed")
     return tl.sum((m & (p != NULL_PAGE) & ~ok).to(tl.int64))
 
 
 @triton.jit
-def first_pages(p, f, m, claim_ptr, occur_ptr, num_pages):
-    """``(first occurrence?, occurrences)`` of entries ``m`` (after ``claim_pages`` and a barrier)."""
+def first_pages(p, f, m, claim_ptr, occur_ptr, num_pages, LAST: tl.constexpr):
+    """``(first occurrence? (LAST: last occurrence?), occurrences)`` of entries ``m`` (after
+    ``claim_pages`` and a barrier)."""
     ok = m & (p >= 0) & (p < num_pages)
-    first = ok & (tl.load(claim_ptr + p, mask=ok, other=-1) == f)
+    first = ok & (tl.load(claim_ptr + p, mask=ok, other=-1) == lane_key(f.to(tl.int32), LAST))
     return first, tl.load(occur_ptr + p, mask=first, other=0)
 
 

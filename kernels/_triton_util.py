@@ -12,8 +12,10 @@ Duplicates in a batch (``count_pages`` / ``reset_lanes``): lane ``i``
 naming page ``p`` does ``atomic_min(claim[p], i)`` and
 ``atomic_add(occur[p], 1)``; after a barrier, the lane with
 ``claim[p] == i`` is the page's first occurrence and ``occur[p]`` its number
-of occurrences. Both are order-free (a minimum and a count), and their
-returned old values are never used. ``reset_lanes`` restores
+of occurrences. With ``LAST`` (a free into the cache, which queues each page
+at its last occurrence) the key is ``-i`` instead (``lane_key``), so the
+minimum names the last lane. Both are order-free (a minimum and a count), and
+their returned old values are never used. ``reset_lanes`` restores
 ``claim = INT32_MAX`` and ``occur = 0``; ``count_pages`` runs it first too, so
 a value a hand edit left in the scratch changes nothing (a stale ``claim``
 below every lane would leave a page with no first lane, a stale ``occur`` a
@@ -155,9 +157,19 @@ def raise_peaks(c, num_pages):
 
 # --------------------------------------------------------------- lane passes
 @triton.jit
-def count_pages(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK: tl.constexpr):
-    """Pass 1 of free/incref/touch/revive: first lane and occurrences per page; returns #invalid ids. The
-    lanes' scratch entries are reset first (see the module note)."""
+def lane_key(i, LAST: tl.constexpr):
+    """The claim key of lanes (or list entries) ``i``: ``atomic_min`` over it picks a page's first
+    lane, or with ``LAST`` its last (``-i``)."""
+    if LAST:
+        return -i
+    else:
+        return i
+
+
+@triton.jit
+def count_pages(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK: tl.constexpr, LAST: tl.constexpr):
+    """Pass 1 of free/incref/touch/revive: first lane (``LAST``: last lane) and occurrences per page;
+    returns #invalid ids. The lanes' scratch entries are reset first (see the module note)."""
     reset_lanes(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
     tl.debug_barrier()
     lanes = tl.arange(0, BLOCK)
@@ -167,18 +179,20 @@ def count_pages(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK: tl.c
         p = tl.load(pages_ptr + i, mask=i < n_pages, other=NULL_PAGE)
         valid = (p >= 0) & (p < num_pages)
         invalid += tl.sum(((p != NULL_PAGE) & ~valid).to(tl.int32))
-        tl.atomic_min(claim_ptr + p, i, mask=valid, sem="relaxed")
+        tl.atomic_min(claim_ptr + p, lane_key(i, LAST), mask=valid, sem="relaxed")
         tl.atomic_add(occur_ptr + p, 1, mask=valid, sem="relaxed")
     return invalid
 
 
 @triton.jit
-def first_lanes(pages_ptr, start, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK: tl.constexpr):
-    """Pass 2 helper: ``(page, first occurrence?, occurrences)`` for one chunk of lanes."""
+def first_lanes(pages_ptr, start, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK: tl.constexpr,
+                LAST: tl.constexpr):
+    """Pass 2 helper: ``(page, first occurrence? (LAST: last occurrence?), occurrences)`` for one chunk
+    of lanes."""
     i = start + tl.arange(0, BLOCK)
     p = tl.load(pages_ptr + i, mask=i < n_pages, other=NULL_PAGE)
     valid = (p >= 0) & (p < num_pages)
-    first = valid & (tl.load(claim_ptr + p, mask=valid, other=-1) == i)
+    first = valid & (tl.load(claim_ptr + p, mask=valid, other=-1) == lane_key(i, LAST))
     k = tl.load(occur_ptr + p, mask=first, other=0)
     return p, first, k
 
@@ -335,11 +349,14 @@ def count_freed(c, invalid, double, released, pushed, tail, lost, ACTIVE, lru_qu
 def apply_free(p, first, k, top, clock, free_stack_ptr, refcount_ptr, page_state_ptr, stamp_ptr, page_gen_ptr,
                num_pages, head, tail, lru_queue_ptr, lru_pos_ptr, queue_len, CACHE: tl.constexpr,
                BLOCK: tl.constexpr):
-    """Drop k references of each distinct page p (lanes ``first``): the pool's free rule for one chunk.
+    """Drop k references of each distinct page p (lanes ``first``: each page's first occurrence, or
+    with CACHE its last): the pool's free rule for one chunk.
 
     Pages reaching 0 become CACHED stamped ``clock``, with entries on the LRU queue from ``tail``
-    on (CACHE), or FREE, their generation bumped, pushed at ``top + rank`` in lane order; a
-    slot outside ``[0, P)`` (a corrupt free count) leaves the page FREE unpushed. Returns
+    on in lane order (CACHE: so a page is queued at its last occurrence, after every row's deeper
+    pages when rows sharing it are released together), or FREE, their generation bumped, pushed at
+    ``top + rank`` in lane order; a slot outside ``[0, P)`` (a corrupt free count) leaves the page
+    FREE unpushed. Returns
     (double frees, pages released, pages pushed, the LRU tail after them, pages the queue left out).
     """
     used = first & (tl.load(page_state_ptr + p, mask=first, other=FREE) == USED)

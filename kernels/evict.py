@@ -2,8 +2,9 @@
 
 Order: the LRU queue's (``layout.LRU_FACTOR``): pages in the order they became
 CACHED or were last touched while CACHED, the pages of one call in the order of
-their first occurrence in its input. With stamps from the clock alone (no hand
-edits) that is ascending stamp, ties in first-occurrence order. Evicted pages
+their last occurrence in its input when it cached them (``free``/``release``
+with ``cache``), of their first when it touched them. With stamps from the clock
+alone (no hand edits) that is ascending stamp, ties in that order. Evicted pages
 are returned in that order (padded with -1) and pushed on the free stack in
 that order; each one's generation is bumped (it became FREE).
 """

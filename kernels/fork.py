@@ -257,7 +257,7 @@ def fork_kernel(
         f = start + lanes
         _, p, shared = _shared(f, total, lane_end_ptr, SEARCH, src_ptr, dst_ptr, lens_ptr, B, ok_ptr,
                                block_table_ptr, MP, page_size)
-        invalid += claim_pages(p, f, shared, page_claim_ptr, occur_ptr, num_pages)
+        invalid += claim_pages(p, f, shared, page_claim_ptr, occur_ptr, num_pages, False)
     tl.debug_barrier()
     revived = tl.zeros((), tl.int64)
     over = tl.zeros((), tl.int64)
@@ -265,7 +265,7 @@ def fork_kernel(
         f = start + lanes
         cell, p, shared = _shared(f, total, lane_end_ptr, SEARCH, src_ptr, dst_ptr, lens_ptr, B, ok_ptr,
                                   block_table_ptr, MP, page_size)
-        first, k = first_pages(p, f, shared, page_claim_ptr, occur_ptr, num_pages)
+        first, k = first_pages(p, f, shared, page_claim_ptr, occur_ptr, num_pages, False)
         state = tl.load(page_state_ptr + p, mask=first, other=FREE)
         uaf += tl.sum(tl.where(first & (state == FREE), k, 0).to(tl.int64))
         cached = first & (state == CACHED)

@@ -4,7 +4,9 @@ Per distinct page named ``k`` times: ``d = min(k, refcount)`` references are
 dropped and ``k - d`` entries count as ``double_free`` (all ``k`` when the page
 is not USED). Pages reaching 0 are pushed on the free stack in the order of
 their first occurrence (FREE, their generation bumped), or with ``cache`` become
-CACHED stamped with the clock, on the LRU queue in that order. ``-1`` is padding; other ids
+CACHED stamped with the clock, on the LRU queue in the order of their LAST
+occurrence (a page shared by rows released together after every row's deeper
+pages: leaves are evicted first). ``-1`` is padding; other ids
 outside ``[0, P)`` count ``invalid_page``.
 """
 
@@ -49,9 +51,10 @@ def free_numba_entry(pages_ptr, N, cache, sd):
 
 # ---------------------------------------------------------------------- Triton
 # One program, three passes over the entries: claim (the pages' scratch reset,
-# then first lane and occurrences per page), apply (first occurrences only;
-# released pages take stack slots from a running prefix sum, in
-# first-occurrence order), release (scratch back to INT32_MAX / 0). Barriers
+# then first lane, with CACHE last lane, and occurrences per page), apply (those
+# lanes only; released pages take stack slots from a running prefix sum, in
+# first-occurrence order, or LRU entries from the tail in last-occurrence order),
+# release (scratch back to INT32_MAX / 0). Barriers
 # separate the passes.
 
 
@@ -83,14 +86,14 @@ def free_kernel(
     head = counter_get(c, LRU_HEAD)
     tail = counter_get(c, LRU_TAIL)
     lost = tl.zeros((), tl.int64)
-    invalid = count_pages(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
+    invalid = count_pages(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK, CACHE)
     tl.debug_barrier()
     top = counter_get(c, FREE_COUNT)
     double = tl.zeros((), tl.int64)
     released = tl.zeros((), tl.int64)
     pushed = tl.zeros((), tl.int64)
     for start in range(0, n_pages, BLOCK):
-        p, first, k = first_lanes(pages_ptr, start, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
+        p, first, k = first_lanes(pages_ptr, start, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK, CACHE)
         dbl, rel, push, tail, gone = apply_free(p, first, k, top + released, clock, free_stack_ptr, refcount_ptr,
                                                 page_state_ptr, stamp_ptr, page_gen_ptr, num_pages, head, tail,
                                                 lru_queue_ptr, lru_pos_ptr, queue_len, CACHE, BLOCK)

@@ -73,14 +73,14 @@ def incref_kernel(
     """Per distinct page named k times: USED/CACHED -> refcount += k (CACHED revived); FREE -> k use-after-free."""
     c = load_counters(counters_ptr)
     c, _clock = tick(c)
-    invalid = count_pages(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
+    invalid = count_pages(pages_ptr, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK, False)
     tl.debug_barrier()
     uaf = tl.zeros((), tl.int64)
     revived = tl.zeros((), tl.int64)
     over = tl.zeros((), tl.int64)
     wrong = tl.zeros((), tl.int64)  # pages in no known state: corrupt, left alone
     for start in range(0, n_pages, BLOCK):
-        p, first, k = first_lanes(pages_ptr, start, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK)
+        p, first, k = first_lanes(pages_ptr, start, n_pages, claim_ptr, occur_ptr, num_pages, BLOCK, False)
         state = tl.load(page_state_ptr + p, mask=first, other=FREE)
         uaf += tl.sum(tl.where(first & (state == FREE), k, 0).to(tl.int64))
         wrong += tl.sum(tl.where(first & (state != FREE) & (state != USED) & (state != CACHED), k, 0).to(tl.int64))

@@ -3,8 +3,10 @@
 The pages dropped by one call are freed as ONE ``free`` over the lanes' pages,
 lane by lane in table order (so a page shared by two released requests loses
 two references, and pushes follow first occurrence); a release into the cache
-takes each lane's pages from its row's last page down, so the LRU queue evicts
-a request's tail before its head. Their table entries
+takes each lane's pages from its row's last page down and queues each page at
+its last occurrence, so the LRU queue evicts a request's tail before its head,
+and a head page shared by several requests released together after all their
+tails (leaves first). Their table entries
 become -1 and the length is set. Truncating to a length above the current one
 (or below 0), or to a length that ends inside a page another request also holds
 (its next token would overwrite that request's K/V), is ``bad_length`` and leaves
@@ -164,7 +166,7 @@ def truncate_numba_entry(req_ids_ptr, lens_ptr, B, drop, cd):
 # from the inputs, the claims and the lengths, which change only in the last
 # pass. Four passes over the
 # entries run the pool's ``free`` (reset the pages' scratch; claim; apply to
-# first occurrences, pushes placed by a running prefix sum; restore the scratch
+# first occurrences, with ``cache`` last ones, pushes placed by a running prefix sum; restore the scratch
 # and reset the entries), then each valid lane writes its length and, after a
 # barrier, every named row's claim is restored (write-only).
 
@@ -273,7 +275,7 @@ def release_kernel(
         f = start + lanes
         _, p, drop = _dropped(f, total, lane_end_ptr, SEARCH, req_ids_ptr, new_lens_ptr, B, claim_ptr,
                               seq_lens_ptr, block_table_ptr, R, MP, page_size, HAS_LENS, CACHE)
-        invalid += claim_pages(p, f, drop, page_claim_ptr, occur_ptr, num_pages)
+        invalid += claim_pages(p, f, drop, page_claim_ptr, occur_ptr, num_pages, CACHE)
     tl.debug_barrier()
     top = counter_get(c, FREE_COUNT)
     double = tl.zeros((), tl.int64)
@@ -283,7 +285,7 @@ def release_kernel(
         f = start + lanes
         _, p, drop = _dropped(f, total, lane_end_ptr, SEARCH, req_ids_ptr, new_lens_ptr, B, claim_ptr,
                               seq_lens_ptr, block_table_ptr, R, MP, page_size, HAS_LENS, CACHE)
-        first, k = first_pages(p, f, drop, page_claim_ptr, occur_ptr, num_pages)
+        first, k = first_pages(p, f, drop, page_claim_ptr, occur_ptr, num_pages, CACHE)
         dbl, rel, push, tail, gone = apply_free(p, first, k, top + released, clock, free_stack_ptr, refcount_ptr,
                                                 page_state_ptr, stamp_ptr, page_gen_ptr, num_pages, head, tail,
                                                 lru_queue_ptr, lru_pos_ptr, queue_len, CACHE, BLOCK)

@@ -156,7 +156,7 @@ def revive_kernel(
     empty = tl.load(seq_lens_ptr + r, mask=fits, other=1) == 0
     good = fits & empty
     n = tl.where(good, N, 0)  # lanes of the passes: none for a refused row
-    invalid = count_pages(pages_ptr, n, claim_ptr, occur_ptr, num_pages, BLOCK)
+    invalid = count_pages(pages_ptr, n, claim_ptr, occur_ptr, num_pages, BLOCK, False)
     tl.debug_barrier()
     untaken = tl.zeros((), tl.int64)  # entries that cannot be taken, and taken pages named twice
     uaf = tl.zeros((), tl.int64)

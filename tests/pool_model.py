@@ -90,6 +90,7 @@ class PoolModel:
 
     def free(self, pages, cache=False):
         self.clock += 1
+        cached = []
         for p, k in self._groups(pages):
             if self.state[p] != USED:
                 self.errors["double_free"] += k
@@ -101,11 +102,14 @@ class PoolModel:
                 self.freed += 1
                 if cache:
                     self.state[p], self.stamp[p] = CACHED, self.clock
-                    self.lru[p] = None
+                    cached.append(p)
                 else:
                     self.state[p] = FREE
                     self._bump(p)
                     self.stack.append(p)
+        last = {p: i for i, p in enumerate(pages)}
+        for p in sorted(cached, key=last.__getitem__):  # queued in the order of their last occurrence
+            self.lru[p] = None
         self._peaks()
 
     def incref(self, pages):

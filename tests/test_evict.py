@@ -20,21 +20,50 @@ def test_cached_pages_are_not_free_and_keep_their_stamp(make_pool, guard):
     pool.check_invariants()
 
 
-def test_evict_oldest_first_ties_in_first_occurrence_order(make_pool, guard):
+def test_evict_oldest_first_ties_in_last_occurrence_order(make_pool, guard):
     pool = make_pool(8)
     with guard():
         pool.alloc(i32([6]))                     # clock 1: pages 0..5
-        pool.free(i32([5, 2]), cache=True)       # clock 2: stamps 2
-        pool.free(i32([4]), cache=True)          # clock 3
-        pool.free(i32([3, 0, 3]), cache=True)    # clock 4: 3 first (its first occurrence), then 0
-        pool.touch(i32([2]))                     # clock 5: page 2 is now the youngest
+        pool.incref(i32([3]))                    # clock 2: page 3 has two references
+        pool.free(i32([5, 2]), cache=True)       # clock 3: stamps 3
+        pool.free(i32([4]), cache=True)          # clock 4
+        pool.free(i32([3, 0, 3]), cache=True)    # clock 5: 0 first, then 3 (its last occurrence)
+        pool.touch(i32([2]))                     # clock 6: page 2 is now the youngest
         out = pool.evict(4)
-    assert out.tolist() == [5, 4, 3, 0]
+    assert out.tolist() == [5, 4, 0, 3]
     with guard():
         rest = pool.evict(3)
     assert rest.tolist() == [2, -1, -1]
     assert pool.available() == 7 and pool.stats()["pages.evicted"] == 5
     pool.check_invariants()
+
+
+def test_free_into_the_cache_queues_a_repeated_page_at_its_last_occurrence(make_pool, guard):
+    """``free(pages, cache=True)`` queues each page it caches at its LAST occurrence in the input; the
+    references dropped and the double frees are counted as before, and a free without the cache still
+    pushes pages in the order of their first occurrence."""
+    pages = [0, 1, 2, 1, 3, 4, 1, 5, 4, 4]      # page 1 three times (three references), page 4 three (two)
+    model = PoolModel(8)
+    for cache in (True, False):
+        pool = make_pool(8)
+        with guard():
+            pool.alloc(i32([6]))                 # pages 0..5
+            pool.incref(i32([1, 1, 4]))
+            pool.free(i32(pages), cache=cache)
+        assert pool.stats()["errors.double_free"] == 1
+        if cache:
+            model.alloc([6], 8)
+            model.incref([1, 1, 4])
+            model.free(pages, cache=True)
+            model.assert_matches(pool)
+        with guard():
+            out = pool.evict(8) if cache else pool.alloc(i32([6])).pages[:6]
+        if cache:
+            assert out.tolist() == [0, 2, 3, 1, 5, 4] + [-1, -1] == model.evict(8)
+            model.assert_matches(pool)
+        else:                                    # pushed 0, 1, 2, 3, 4, 5: popped from the top
+            assert out.tolist() == [5, 4, 3, 2, 1, 0]
+        pool.check_invariants()
 
 
 def test_evicted_pages_are_pushed_oldest_first(make_pool, guard):

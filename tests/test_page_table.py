@@ -172,6 +172,30 @@ def test_release_into_the_cache_queues_each_rows_last_page_first(make_table, gua
     table.check_invariants(exclusive=False)         # (the pool's alloc holds pages the table does not)
 
 
+def test_release_into_the_cache_queues_shared_pages_after_every_rows_tail(make_table, guard):
+    """Forked rows released into the cache in ONE call: a page they share is queued at its last
+    occurrence, after every row's own pages, so eviction takes the leaves before the prefix they hang
+    from, as when each row is released in a call of its own (before: at its first occurrence, between
+    the first row's tail and the second's, so the shared prefix went before a tail that needs it)."""
+    orders = []
+    for one_call in (True, False):
+        table = make_table(16, 4, 3, 4)
+        with guard():
+            table.extend(i32([0]), i32([8]), max_tokens=8)               # pages 0, 1: the shared head
+            table.fork(i32([0, 0]), i32([1, 2]), i32([8, 8]))
+            table.extend(i32([0, 1, 2]), i32([4, 4, 2]), max_tokens=12)  # tails 2, 3, 4
+            if one_call:
+                table.release(i32([0, 1, 2]), cache=True)
+            else:
+                for r in (0, 1, 2):
+                    table.release(i32([r]), cache=True)
+            out = table.pool.evict(5)
+        table.pool.check()
+        orders.append(out.tolist())
+    assert orders[0] == orders[1] == [2, 3, 4, 1, 0]
+    table.check_invariants()
+
+
 def test_flashinfer_csr_matches_hand_built(make_table, guard):
     table = make_table(32, 4, 4, 4)
     with guard():

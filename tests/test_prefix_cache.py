@@ -374,6 +374,38 @@ def test_a_prefix_computed_apart_and_forked_is_named_once(backend):
     pool.check()
 
 
+def test_forked_rows_finished_in_one_call_are_evicted_leaves_first(backend):
+    """Two rows forked from one prompt, inserted and finished into the cache in ONE call: the shared
+    head pages are queued after both tails, so evicting two pages takes the two tails (leaves) and
+    keeps the prefix both hang from, with no CACHED page left that no entry names: as when the rows
+    finish in two calls. (Queued at its first occurrence, the head went between the tails: the
+    eviction dropped it with every entry under it and left b's tail cached, named by nothing.)"""
+    results = []
+    for one_call in (True, False):
+        pool, m, cache = _setup(backend)
+        prompt = list(range(2 * PS))
+        (a,) = m.admit([2 * PS])
+        b = m.fork(a, 2 * PS, 4 * PS)                  # shares a's two whole pages
+        m.decode([a, b], PS)                           # a page of its own each: the tails
+        ta, tb = prompt + [1] * PS, prompt + [2] * PS
+        cache.insert(a, ta)
+        cache.insert(b, tb)
+        tails = [m.table.block_table[r, 2].item() for r in (a, b)]
+        if one_call:
+            m.finish([a, b], cache=True)
+        else:
+            m.finish([a], cache=True)
+            m.finish([b], cache=True)
+        out = cache.evict(2).tolist()
+        assert cache.sync() == 2
+        cached = int((pool.state.page_state == 2).sum())
+        results.append((out, len(cache), cache.match(tb + [0]).n_tokens, cached - len(cache)))
+        assert out == tails
+        cache.check_invariants()
+        pool.check()
+    assert results[0] == results[1] == (tails, 2, 2 * PS, 0)
+
+
 def test_a_match_made_before_a_drop_is_refused(backend):
     """A match kept across an eviction and a drop may name slots reused for other pages since."""
     pool, m, cache = _setup(backend, num_pages=8)

@@ -170,6 +170,23 @@ def test_many_duplicates_across_chunks(chunking):
     tw.alloc([rng.randrange(0, 3) for _ in range(40)], evict=True)
 
 
+def test_free_into_the_cache_queues_at_the_last_occurrence_across_chunks(chunking):
+    """A free into the cache queues each page it caches at its last occurrence, wherever its occurrences
+    fall among the 32-lane chunks; pages that keep a reference or run out of them (double frees) too."""
+    P, rng = 48, random.Random(7)
+    tw = Twin(P)
+    tw.alloc([P])
+    pages = [rng.randrange(P) for _ in range(150)] + [-1, 60]
+    k = {p: pages.count(p) for p in range(P)}
+    refs = {p: k[p] + 1 if p % 5 == 0 else max(k[p] - (p % 5 == 1), 1) for p in range(P)}
+    tw.incref([p for p in range(P) for _ in range(refs[p] - 1)])
+    tw.free(pages, cache=True)
+    cached = [p for p in range(P) if 0 < k[p] and refs[p] <= k[p]]
+    assert tw.counter(L.ERR_DOUBLE_FREE) == sum(k[p] - refs[p] for p in cached)
+    last = {p: i for i, p in enumerate(pages)}
+    assert tw.evict(P) == sorted(cached, key=last.__getitem__) + [-1] * (P - len(cached))
+
+
 # ------------------------------------------------------------------- free
 def test_free_duplicates_double_free_invalid(chunking):
     tw = Twin(8)
@@ -198,17 +215,17 @@ def test_free_cache_touch_incref_revive(chunking):
 
 
 # ------------------------------------------------------------------ evict
-def test_evict_oldest_first_ties_in_first_occurrence_order(chunking):
+def test_evict_oldest_first_ties_in_last_occurrence_order(chunking):
     tw = Twin(8)
     tw.alloc([6])                       # clock 1
     tw.free([5, 2], cache=True)         # clock 2
     tw.free([4], cache=True)            # clock 3
-    tw.free([3, 0, 3], cache=True)      # clock 4: 3 first
+    tw.free([3, 0, 3], cache=True)      # clock 4: 0 first, then 3
     tw.touch([2])                       # clock 5
     assert tw.evict(2) == [5, 4]
-    assert tw.evict(1) == [3]           # a tie group split across calls: first occurrence first
+    assert tw.evict(1) == [0]           # a tie group split across calls: 0, then 3 (its last occurrence)
     assert tw.evict(0) == []
-    assert tw.evict(20) == [0, 2] + [-1] * 18   # K > P
+    assert tw.evict(20) == [3, 2] + [-1] * 18   # K > P
     assert tw.evict(3) == [-1, -1, -1]
 
 
@@ -246,7 +263,7 @@ def test_evict_through_stale_entries_and_cleaning(chunking):
 def test_evict_single_stamp_partial(chunking):
     tw = Twin(40)
     tw.alloc([40])
-    tw.free(list(range(39, -1, -1)), cache=True)   # all 40 share one stamp: first occurrence first
+    tw.free(list(range(39, -1, -1)), cache=True)   # all 40 share one stamp: in the order given
     assert tw.evict(5) == [39, 38, 37, 36, 35]
     tw.evict(35)
 

@@ -200,6 +200,21 @@ def test_release_shared_pages_and_cache():
     tw.extend([1], [4], T=4)
 
 
+def test_release_into_the_cache_queues_shared_pages_at_their_last_occurrence(chunking):
+    """Twelve rows sharing a six-page head released into the cache in one call: 96 list entries, so a
+    shared page's occurrences span 32-lane chunks; each page is queued at its last occurrence, so the
+    rows' tails (row order, each last page first) are evicted before the head they share."""
+    tw = Twin(64, 2, 12, 8)
+    tw.extend([0], [12], T=12)                                 # pages 0..5
+    tw.fork([0] * 11, list(range(1, 12)), [12] * 11)           # rows 1..11 share all six
+    tw.extend(list(range(12)), [4] * 12, T=48)                 # row r's tail: pages 6 + 2r, 7 + 2r
+    tw.release(list(range(12)), cache=True)
+    assert tw.counter(L.CACHED_COUNT) == 30 and tw.counter(L.ERR_DOUBLE_FREE) == 0
+    outs = [t.pool.evict(30).tolist() for t in tw.tables]
+    want = [p for r in range(12) for p in (7 + 2 * r, 6 + 2 * r)] + [5, 4, 3, 2, 1, 0]
+    assert outs[0] == outs[1] == want
+
+
 def test_release_pushes_in_lane_then_column_order():
     tw = Twin(12, 1, 3, 4)
     tw.extend([0, 1, 2], [3, 2, 4], T=9)

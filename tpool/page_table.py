@@ -546,7 +546,8 @@ class PageTable:
         ``cache=True`` pages whose last reference goes become CACHED (a prefix cache
         keeps them), else FREE. Cached, each row's pages go on the pool's LRU queue last
         page first, so eviction takes a request's tail before its head (a prefix cache
-        can only reuse a prefix).
+        can only reuse a prefix); a page shared by rows released in this call goes at
+        its last occurrence, after every one of those rows' deeper pages.
 
         Parameters
         ----------

@@ -9,7 +9,8 @@ The host learns results only at the sync points ``available()``, ``stats()``,
 ``stats_async()``. The device clock advances by one per hot-path call (a
 call's LRU stamps all carry the same value). Eviction takes pages in LRU order from a queue on
 the device (``PoolState.lru_queue``): the order pages became CACHED or were last touched, a
-call's pages in the order of their first occurrence; it reads what it evicts, not the pool.
+call's pages in the order of their last occurrence in a free into the cache, their first in a
+touch; it reads what it evicts, not the pool.
 """
 
 import functools
@@ -459,7 +460,7 @@ class PagePool:
 
     def evict(self, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Free up to ``k`` CACHED pages, least recently cached or touched first (one call's pages in the order
-        of their first occurrence in its input).
+        of their last occurrence in its input when it cached them, of their first when it touched them).
 
         Parameters
         ----------

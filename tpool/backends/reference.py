@@ -18,8 +18,10 @@ the same outputs and the same state, bit for bit. The rules:
   ``[0, num_pages)`` is an ``invalid_page`` error. Releasing more references
   than a page holds is a ``double_free`` per excess entry. Pages whose count
   reaches 0 are pushed on the free stack in the order of their first
-  occurrence in the input (or become CACHED with the call's stamp, and go on
-  the LRU queue's tail in that order).
+  occurrence in the input, or become CACHED with the call's stamp and go on
+  the LRU queue's tail in the order of their LAST occurrence (a page shared by
+  rows released together is queued after every row's deeper pages, so
+  eviction takes leaves before the prefix they hang from).
 * The LRU queue (``lru_queue``, a ring of positions ``[LRU_HEAD, LRU_HOLE)`` and
   ``[LRU_SCAN, LRU_TAIL)``, see :mod:`tpool.kernels.layout`): a page gets an entry at
   the tail when it becomes CACHED or is touched while CACHED (``lru_pos[p]`` notes
@@ -34,7 +36,7 @@ the same outputs and the same state, bit for bit. The rules:
   nothing else changes a generation.
 * ``evict``: the first live entries of the LRU queue go first (least recently
   cached or touched; with stamps from the clock alone, ascending stamp, ties in
-  first-occurrence order); they are returned oldest first and pushed on the
+  the order their call queued them); they are returned oldest first and pushed on the
   free stack in that order, and the queue's head moves past the last one.
 * ``incref`` saturates: a count that would pass INT32_MAX stays at INT32_MAX;
   each reference that could not be added counts one ``refcount_overflow``.
@@ -91,8 +93,9 @@ def raise_peaks(st) -> None:
     c[L.CACHED_PEAK] = torch.maximum(c[L.CACHED_PEAK], c[L.CACHED_COUNT])
 
 
-def count_pages(st, pages: torch.Tensor):
-    """Per input lane: page index (clamped), first-occurrence flag, occurrences, invalid flag."""
+def count_pages(st, pages: torch.Tensor, last: bool = False):
+    """Per input lane: page index (clamped), first-occurrence flag (``last``: last-occurrence flag),
+    occurrences, invalid flag."""
     P, N = st.num_pages, pages.numel()
     p = pages.long()
     valid = (p >= 0) & (p < P)
@@ -100,8 +103,9 @@ def count_pages(st, pages: torch.Tensor):
     idx = torch.where(valid, p, P)
     lane = torch.arange(N, device=p.device)
     occ = torch.zeros(P + 1, dtype=torch.int64, device=p.device).scatter_add_(0, idx, torch.ones_like(idx))
-    first = torch.full((P + 1,), N, dtype=torch.int64, device=p.device).scatter_reduce_(0, idx, lane, "amin")
-    is_first = valid & (first[idx] == lane)
+    init, how = (-1, "amax") if last else (N, "amin")
+    pick = torch.full((P + 1,), init, dtype=torch.int64, device=p.device).scatter_reduce_(0, idx, lane, how)
+    is_first = valid & (pick[idx] == lane)
     return idx.clamp(max=P - 1), is_first, occ[idx], invalid
 
 
@@ -310,17 +314,19 @@ def free(st, pages, cache: bool) -> None:
 
 
 def apply_free(st, pages, cache: bool) -> None:
-    """``free`` without the clock tick (page tables call it inside their own step)."""
+    """``free`` without the clock tick (page tables call it inside their own step). Each distinct
+    page is applied at one lane: its first occurrence (the free stack's order), or with ``cache`` its
+    last (the LRU queue's order: a page shared by rows released together goes after all of them)."""
     c = st.counters
     if cache:
         lru_prepare(st)
         tail = c[L.LRU_TAIL].clone()
-    idx, first, k, invalid = count_pages(st, pages)
+    idx, lead, k, invalid = count_pages(st, pages, last=cache)
     c[L.ERR_INVALID_PAGE] += invalid.sum()
-    used = first & (st.page_state[idx] == L.USED)
+    used = lead & (st.page_state[idx] == L.USED)
     rc = st.refcount[idx].long()
     d = torch.where(used, torch.minimum(k, rc), 0)
-    c[L.ERR_DOUBLE_FREE] += torch.where(first, k - d, 0).sum()
+    c[L.ERR_DOUBLE_FREE] += torch.where(lead, k - d, 0).sum()
     _put(st.refcount, idx, rc - d, used)
     zero = used & (rc == d)
     c[L.FREED] += zero.sum()
