@@ -26,6 +26,8 @@ TINY = {
     "bench_prefix": ["--requests", "10", "--repeats", "2", "--system-len", "8", "--prompt-len", "2", "6", "--max-new",
                      "2", "6", "--num-pages", "12", "--page-size", "4", "--max-batch", "4", "--hidden", "32",
                      "--layers", "1", "--heads", "4", "--kv-heads", "2", "--vocab", "64"],
+    "bench_logits": ["--tokens", "32", "--lanes", "3", "--keep", "8", "--vocab", "64", "--hidden", "32", "--layers",
+                     "1", "--heads", "4", "--kv-heads", "2", "--samples", "2"],
 }
 
 

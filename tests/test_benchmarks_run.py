@@ -33,6 +33,22 @@ def test_benchmark_prints_its_table_and_progress(name, header, tmp_path, capsys)
     assert rows and all(r["median_us"] > 0 for r in rows)
 
 
+def test_logits_benchmark_keeps_the_rows_asked_and_says_which_path_ran(tmp_path, capsys):
+    """bench_logits.py: per model, the logits of 32 tokens against 8 kept rows (the lanes' last tokens, then
+    padding), the LM head's path (``nokeep``: its forward does not name logits_to_keep, so indexed), the
+    kept rows those of the full logits, and a step that allocates the full logits at least."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "logits.json"
+    load("bench_logits").main(TINY["bench_logits"] + ["--json", str(out)])
+    rows = {r["model"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"llama", "qwen2", "gpt-neox", "gemma2", "mistral", "nokeep"}
+    assert {m for m, r in rows.items() if not r["takes_logits_to_keep"]} == {"nokeep"}
+    assert all(r["full_logits_bytes"] == 32 * 64 * 4 and r["kept_logits_bytes"] == 8 * 64 * 4
+               and r["max_abs_diff"] < 1e-5 and r["full_peak_bytes"] >= r["full_logits_bytes"] for r in rows.values())
+    printed = capsys.readouterr().out
+    assert "| nokeep | indexed |" in printed and "| llama | taken |" in printed and "p20 / p80" in printed
+
+
 def test_lru_benchmark_counts_what_the_cleaner_did(tmp_path, capsys):
     """bench_lru.py on 512 pages, 36 pushes a step for 120 steps: the queue comes to span more than twice the
     pool, so the cleaner runs in some steps and ends at least one pass, and both are counted; the queue never

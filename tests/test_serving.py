@@ -824,3 +824,66 @@ def test_padding_positions_reach_a_learned_position_table_as_zero():
 
     padded, whole = logits((5, 2), 8), logits((5, 2), 7)
     assert (padded - whole).abs().max() < 1e-5
+
+
+# ------------------------------------------- logits_to_keep: the logits of the tokens read, only
+def _no_keep_llama():
+    """The engine's tiny Llama, as a class whose forward does not name ``logits_to_keep``."""
+    from transformers import LlamaForCausalLM
+
+    class NoKeepLlama(LlamaForCausalLM):
+        def forward(self, input_ids=None, position_ids=None, **kwargs):
+            return super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
+
+    model = engine.tiny_model("llama", seed=0)
+    model.__class__ = NoKeepLlama
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt-neox", "gemma2", "no-logits-to-keep"])
+def test_forward_step_computes_only_the_kept_tokens_logits_the_rows_of_the_full_ones(models, kind):
+    """With ``logits_to_keep`` a model whose forward takes it runs its LM head on the kept tokens only, and
+    the rows are those of the full logits, in the order asked, repeats allowed; a model whose forward does
+    not name it computes every token's logits, indexed after."""
+    from tpool.serving.hf import takes_logits_to_keep
+    model = {"gemma2": lambda: _tiny("gemma2", sliding_window=4, attn_logit_softcapping=5.0,
+                                     final_logit_softcapping=3.0),
+             "no-logits-to-keep": _no_keep_llama}.get(kind, lambda: models[kind])()
+    takes = kind != "no-logits-to-keep"
+    assert takes_logits_to_keep(model) is takes
+    ctx = _step_context(model.config, lanes=(5, 3, 2), max_tokens=16)
+    x = torch.randint(1, 256, (16,), generator=torch.Generator().manual_seed(0))
+    heads = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, i, o: heads.append(i[0].shape[1]))
+    keep = torch.tensor([4, 7, 9, 0, 0, 4])                    # each lane's last token, padding rows, a repeat
+    try:
+        with torch.no_grad():
+            full = forward_step(model, x, ctx)
+            kept = forward_step(model, x, ctx, logits_to_keep=keep)
+    finally:
+        hook.remove()
+    assert full.shape == (16, 256) and kept.shape == (6, 256)
+    assert heads == [16, 6 if takes else 16]                    # the LM head's rows: the kept ones only
+    # (6 rows: MKL rounds rows 5-6 ~1e-6 apart at 2 threads, the BLAS's choice: see Engine.logits_rows)
+    torch.testing.assert_close(kept, full[keep], rtol=0, atol=1e-5)
+
+
+def test_forward_step_refuses_logits_to_keep_that_are_not_token_indices_and_a_model_ignoring_them(models):
+    from transformers import LlamaForCausalLM
+    model = models["llama"]
+    ctx = _step_context(model.config)
+    for bad, got in ((1, "got 1"), (torch.tensor([[0, 1]]), r"got torch.int64 of shape \(1, 2\)"),
+                     (torch.tensor([0.0]), "got torch.float32")):
+        with pytest.raises(ValueError, match=r"logits_to_keep: expected None \(every token's logits\) or a 1-D int64 "
+                                             r"\(or int32\) tensor of token indices in \[0, 8\) on cpu .*" + got):
+            forward_step(model, torch.arange(8), ctx, logits_to_keep=bad)
+
+    class AllRows(LlamaForCausalLM):   # names logits_to_keep, returns every token's logits
+        def forward(self, input_ids=None, position_ids=None, logits_to_keep=0, **kwargs):
+            return super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
+
+    other = engine.tiny_model("llama", seed=0)
+    other.__class__ = AllRows
+    with pytest.raises(ValueError, match="model: expected logits of the 2 tokens logits_to_keep names, got 8 rows "
+                                         "from AllRows"), torch.no_grad():
+        forward_step(other, torch.arange(8), ctx, logits_to_keep=torch.tensor([4, 7]))

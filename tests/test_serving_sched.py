@@ -1186,3 +1186,53 @@ def test_reconciling_rarely_preempts_more_and_the_counts_repeat(llama):
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="reconcile_every"):
             engine.Engine(llama, num_pages=24, page_size=4, max_batch=4, max_pages=8, reconcile_every=bad)
+
+
+def _no_keep_llama():
+    """The tiny Llama, as a class whose forward does not name ``logits_to_keep``."""
+    from transformers import LlamaForCausalLM
+
+    class NoKeepLlama(LlamaForCausalLM):
+        def forward(self, input_ids=None, position_ids=None, **kwargs):
+            return super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
+
+    model = engine.tiny_model("llama", seed=0)
+    model.__class__ = NoKeepLlama
+    return model
+
+
+@pytest.mark.parametrize("takes", [True, False], ids=["logits_to_keep", "no-logits-to-keep"])
+def test_a_step_computes_the_logits_of_the_tokens_it_reads(llama, monkeypatch, takes):
+    """A step asks for the logits it reads (``logits_to_keep``): each lane's last token not in the pages and
+    its drafts, then padding, ``logits_rows(max_tokens)`` rows (a multiple of 8, one shape per token bucket).
+    A model whose forward takes ``logits_to_keep`` runs its LM head on those rows only (a prefill of
+    64 tokens: 16 rows); another computes every token's and the step indexes them. Tokens: generate's."""
+    model = llama if takes else _no_keep_llama()
+    seen, heads, step = [], [], engine.forward_step
+
+    def spy(model, x, ctx, **kw):
+        out = step(model, x, ctx, **kw)
+        seen.append((x.numel(), kw["logits_to_keep"].shape, out.shape))
+        return out
+
+    monkeypatch.setattr(engine, "forward_step", spy)
+    reqs = engine.make_requests(6)
+    eng = _engine(model, "numba", reqs, **SMALL)              # 4 lanes, 1 + 3 drafts a lane: 16 rows at most
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: heads.append(i[0].shape[1]))
+    try:
+        got = eng.run(reqs)
+    finally:
+        hook.remove()
+    eng.check()
+    assert eng.logits_rows(8) == 8 and eng.logits_rows(64) == 16 and eng.stats.accepted > 0
+    assert seen[0][0] == 64 and all(k == (eng.logits_rows(t),) and out == (k[0], eng.vocab) for t, k, out in seen)
+    assert heads == [k[0] if takes else t for t, k, _ in seen]
+    assert got == engine.reference_tokens(model, reqs)
+
+
+def test_logits_rows_are_lanes_times_lookahead_up_to_a_multiple_of_8_at_most_the_steps_tokens(llama):
+    eng = _plain(llama, 16, 3, 8)                              # 3 lanes, one token read a lane
+    assert [eng.logits_rows(t) for t in (8, 16, 64)] == [8, 8, 8]
+    eng = engine.Engine(llama, num_pages=16, page_size=4, max_batch=5, max_pages=8, backend="reference",
+                        draft_len=2)                           # 5 lanes, 1 + 2 drafts a lane: 15 rows, 16 kept
+    assert [eng.logits_rows(t) for t in (8, 16, 64)] == [8, 16, 16]

@@ -58,6 +58,7 @@ from tpool.serving.kv import PagedKVCache
 EOS_FROM_MODEL = "model"  # eos_token_id's default: the model's generation_config.eos_token_id
 INITIALIZER_RANGE = 0.25  # std of the random weights: large enough that a position off by one changes tokens
 MIN_TOKEN_BUCKET = 8      # smallest packed-batch size (tokens); sizes are powers of two from here
+LOGITS_ROW_MULTIPLE = 8   # a step's kept logits rows are a multiple of this (rows); see Engine.logits_rows
 CHECK_PROGRESS_S = 5.0    # seconds: the demo's check says how far it got when its last line is older than this
 CHECK_CHUNK = 16          # requests checked between two looks at the clock
 
@@ -292,7 +293,8 @@ class Engine:
     def sample(self, logits: torch.Tensor) -> list:
         """Greedy tokens of a step: the loop's one host read per step (its sync point).
 
-        logits : torch.Tensor  shape ``[max_tokens, vocab]``, float, on the model's device.
+        logits : torch.Tensor  shape ``[logits_rows(max_tokens), vocab]``, float, on the model's device:
+        the logits of the step's kept tokens (:meth:`_kept_tokens`, then padding rows).
         Returns the ``argmax`` of every row as a list of ints. The prefix cache's evictions
         since the last read come back in the same copy, and their entries are dropped (with
         those a ``sample`` that raised handed out and did not drop: until dropped the cache
@@ -585,16 +587,25 @@ class Engine:
 
     def _forward(self, decode, prefill, feed) -> list:
         """4. One ``HostMirror.step`` for every lane (the prefills get their rows), the forward over
-        the packed batch and greedy sampling (the step's host read); returns the sampled tokens."""
+        the packed batch and greedy sampling (the step's host read); returns the sampled tokens of the
+        kept tokens (:meth:`_kept_tokens`; the model computes only their logits, ``logits_to_keep``, when
+        its forward takes it: :func:`tpool.serving.hf.forward_step`), then of padding rows."""
         lanes = decode + prefill
         total = sum(len(feed[r.rid]) for r in lanes)
         self.stats.fed_tokens += total
         self.stats.prompt_tokens += sum(max(len(r.prompt) - r.cached, 0) for r in lanes)
         t_max = max(MIN_TOKEN_BUCKET, 1 << (total - 1).bit_length())
-        x = torch.zeros(t_max, dtype=torch.long, device="cpu")   # (host tokens, whatever the default device)
-        x[:total] = torch.tensor([t for r in lanes for t in feed[r.rid]], dtype=torch.long, device="cpu")
+        keep = self._kept_tokens(lanes, feed)
+        k_max = self.logits_rows(t_max)
+        assert len(keep) <= k_max, (len(keep), k_max)
+        # one host buffer, one copy: the step's tokens (padded with 0), then the tokens whose logits are read
+        # (padded with token 0: rows nobody reads)
+        buf = torch.zeros(t_max + k_max, dtype=torch.long, device="cpu")   # (host, whatever the default device)
+        buf[:total] = torch.tensor([t for r in lanes for t in feed[r.rid]], dtype=torch.long, device="cpu")
+        buf[t_max:t_max + len(keep)] = torch.tensor(keep, dtype=torch.long, device="cpu")
         if self.dev.type != "cpu":
-            x = x.pin_memory().to(self.dev, non_blocking=True)
+            buf = buf.pin_memory().to(self.dev, non_blocking=True)
+        x, keep = buf[:t_max], buf[t_max:]
         res = self._timed(self.mirror.step, [r.row for r in decode], [len(feed[r.rid]) for r in decode],
                           [len(feed[r.rid]) for r in prefill], [max_len(r) for r in prefill],
                           width=self.max_batch, max_tokens=t_max)
@@ -603,20 +614,43 @@ class Engine:
         meta = self._timed(step_metadata, self.table, res.result)
         t1 = time.perf_counter()
         with torch.no_grad():
-            preds = self.sample(forward_step(self.model, x, PagedContext(self.cache, meta)))
+            preds = self.sample(forward_step(self.model, x, PagedContext(self.cache, meta), logits_to_keep=keep))
         self.stats.forward_s += time.perf_counter() - t1
         return preds
 
-    def _accept(self, lanes, feed, preds) -> tuple:
-        """5. Host bookkeeping of the sampled tokens: each lane keeps its drafts up to the first one the
-        model rejects, plus the model's next token. Returns ``(rollback, done)``: the lanes with
-        rejected drafts, and the finished requests."""
-        start, rollback, done = 0, [], []
+    def logits_rows(self, max_tokens: int) -> int:
+        """The logits a step of ``max_tokens`` packed tokens computes: ``max_batch * lookahead`` rounded up to
+        a multiple of ``LOGITS_ROW_MULTIPLE``, at most ``max_tokens``. A step reads at most ``lookahead``
+        tokens' logits a lane (:meth:`_kept_tokens`) over at most ``max_batch`` lanes; the shape is fixed
+        by the step's ``max_tokens`` (one per token bucket, as the forward's own), never by what the lanes
+        feed. The multiple of 8: on a 2-core x86 CPU, MKL's float32 matmul rounded the products of 1 to 3
+        rows, and at 2 threads of 5-7 and 9-11, otherwise than the same rows of a longer product (~1e-6
+        apart); of a multiple of 8 rows, bit for bit as the full product (what one BLAS did, not a
+        promise: the tests compare tokens with ``generate``)."""
+        rows = -(-self.max_batch * self.lookahead // LOGITS_ROW_MULTIPLE) * LOGITS_ROW_MULTIPLE
+        return min(max_tokens, rows)
+
+    @staticmethod
+    def _kept_tokens(lanes, feed) -> list:
+        """The packed tokens whose logits :meth:`_accept` reads, in lane order: each lane's last token not
+        in the pages (a prefill lane's last prompt token, a decode lane's one token) and its drafts
+        (the prediction after each)."""
+        keep, at = [], 0
         for r in lanes:
             n = len(feed[r.rid])
+            keep.extend(range(at + len(r.tokens) - r.cached - 1, at + n))
+            at += n
+        return keep
+
+    def _accept(self, lanes, feed, preds) -> tuple:
+        """5. Host bookkeeping of the sampled tokens: each lane keeps its drafts up to the first one the
+        model rejects, plus the model's next token (``preds``: one per kept token, :meth:`_kept_tokens`).
+        Returns ``(rollback, done)``: the lanes with rejected drafts, and the finished requests."""
+        start, rollback, done = 0, [], []
+        for r in lanes:
             pending = len(r.tokens) - r.cached
-            got = preds[start + pending - 1:start + n]     # predictions after each fed token
             drafts = feed[r.rid][pending:]
+            got = preds[start:start + len(drafts) + 1]     # predictions after the last pending token and each draft
             a = 0
             while a < len(drafts) and drafts[a] == got[a]:
                 a += 1
@@ -634,7 +668,7 @@ class Engine:
             self.stats.tokens_out += len(new)
             if len(r.out) >= r.max_new or end is not None:
                 done.append(r)
-            start += n
+            start += len(drafts) + 1
         return rollback, done
 
     def _release(self, rollback, done, running) -> None:

@@ -24,6 +24,7 @@ tested with transformers 5.24.0 and 5.25.0.
 """
 
 import copy
+import inspect
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
@@ -50,6 +51,8 @@ _CHECKED = weakref.WeakKeyDictionary()
 # attention module -> the config its sliding_window None passed _refuse_window_in_cache_only with: a config's
 # attribute reads cost ~2-8 µs, per layer per step when checked every call
 _WINDOW_CHECKED = weakref.WeakKeyDictionary()
+# model -> whether its forward names a logits_to_keep parameter (read from its signature once per model)
+_KEEPS_LOGITS = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -342,12 +345,44 @@ def _build(config, build):
     return model
 
 
-def forward_step(model, input_ids: torch.Tensor, ctx: PagedContext, **kwargs) -> torch.Tensor:
-    """Run ``model`` on one packed step; return its logits ``[T, vocab]`` (fp32 or the model's dtype).
+def takes_logits_to_keep(model) -> bool:
+    """Whether ``model.forward`` names a ``logits_to_keep`` parameter (transformers' causal LMs do: the
+    positions whose logits to compute; 192 of the 200 causal-LM classes of transformers 5.25). Read from
+    the forward's signature once per model. A forward that would get it only through ``**kwargs`` does not
+    count: it may pass it on, or drop it and return every position's logits."""
+    takes = _KEEPS_LOGITS.get(model)
+    if takes is None:
+        try:
+            takes = "logits_to_keep" in inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):   # (no signature to read: the full logits, indexed)
+            takes = False
+        _KEEPS_LOGITS[model] = takes
+    return takes
+
+
+def _check_keep(keep, t, device):
+    if not isinstance(keep, torch.Tensor) or keep.dim() != 1 or keep.dtype not in (torch.int64, torch.int32) \
+            or keep.device != device:
+        got = (f"{keep.dtype} of shape {tuple(keep.shape)} on {keep.device}" if isinstance(keep, torch.Tensor)
+               else repr(keep))
+        raise ValueError(f"logits_to_keep: expected None (every token's logits) or a 1-D int64 (or int32) tensor of "
+                         f"token indices in [0, {t}) on {device} (the step's), got {got}")
+
+
+def forward_step(model, input_ids: torch.Tensor, ctx: PagedContext, *, logits_to_keep=None,
+                 **kwargs) -> torch.Tensor:
+    """Run ``model`` on one packed step; return its logits ``[T, vocab]`` (fp32 or the model's dtype),
+    or ``[K, vocab]``: those of the ``K`` tokens ``logits_to_keep`` names.
 
     input_ids : torch.Tensor  shape ``[T]``, int64, on the model's device: the step's tokens in
     lane order (anything, e.g. 0, at padding), T = the step's ``max_tokens``. Positions come
     from ``ctx.meta.positions``.
+    logits_to_keep : torch.Tensor, optional
+        shape ``[K]``, int64 (or int32), on the step's device: the tokens (indices in ``[0, T)``,
+        repeats allowed) whose logits to return, in that order. A model whose forward takes
+        ``logits_to_keep`` (:func:`takes_logits_to_keep`) computes only those rows (its LM head runs on
+        ``K`` tokens, not ``T``); any other model's full logits are computed, then indexed.
+        Either way the shape is ``[K, vocab]`` and no device value is read.
 
     Raises ``ValueError`` for a model :func:`check_model` refuses and for a cache whose
     ``num_layers`` is not the model's ``num_hidden_layers``, before the forward; during it for a
@@ -367,6 +402,10 @@ def forward_step(model, input_ids: torch.Tensor, ctx: PagedContext, **kwargs) ->
     if input_ids.dtype not in (torch.int64, torch.int32) or input_ids.device != ctx.meta.positions.device:
         raise ValueError(f"input_ids: expected int64 (or int32) token ids on {ctx.meta.positions.device} (the "
                          f"step's), got {input_ids.dtype} on {input_ids.device}")
+    if logits_to_keep is not None:
+        _check_keep(logits_to_keep, t, ctx.meta.positions.device)
+        if takes_logits_to_keep(model):
+            kwargs["logits_to_keep"] = logits_to_keep
     positions = ctx.meta.positions.long().clamp(min=0)[None]
     ctx.layers.clear()
     ctx._rows = ctx.cache.destinations(ctx.meta.slots)   # once for every layer (a bad slot counted once)
@@ -380,4 +419,12 @@ def forward_step(model, input_ids: torch.Tensor, ctx: PagedContext, **kwargs) ->
                          f"{len(ctx.layers)} ({type(model).__name__}: its attention does not dispatch through "
                          f"transformers' AttentionInterface, or some layers are not attention); the step's "
                          f"logits are not from its pages")
-    return out.logits[0]
+    logits = out.logits[0]
+    if logits_to_keep is None:
+        return logits
+    if "logits_to_keep" not in kwargs:
+        return logits[logits_to_keep]
+    if logits.shape[0] != logits_to_keep.numel():
+        raise ValueError(f"model: expected logits of the {logits_to_keep.numel()} tokens logits_to_keep names, got "
+                         f"{logits.shape[0]} rows from {type(model).__name__}, whose forward takes logits_to_keep")
+    return logits
