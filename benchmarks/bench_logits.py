@@ -25,6 +25,7 @@ import tpool
 from tpool.serving import PagedKVCache, step_metadata
 from tpool.serving.engine import kv_shape
 from tpool.serving.hf import ATTN_IMPLEMENTATION, PagedContext, forward_step, takes_logits_to_keep
+from tpool.testing import peak_alloc_bytes, without_logits_to_keep
 
 MODELS = ("llama", "qwen2", "gpt-neox", "gemma2", "mistral", "nokeep")
 PAGE_SIZE = 16  # tokens
@@ -38,7 +39,7 @@ def build(name, a):
     gqa = dict(num_key_value_heads=a.kv_heads, head_dim=a.hidden // a.heads)
     cfg, cls = {
         "llama": lambda: (tf.LlamaConfig(**common, **gqa), tf.LlamaForCausalLM),
-        "nokeep": lambda: (tf.LlamaConfig(**common, **gqa), _no_keep_llama()),
+        "nokeep": lambda: (tf.LlamaConfig(**common, **gqa), without_logits_to_keep(tf.LlamaForCausalLM)),
         "qwen2": lambda: (tf.Qwen2Config(**common, **gqa), tf.Qwen2ForCausalLM),
         "gpt-neox": lambda: (tf.GPTNeoXConfig(rotary_pct=0.25, **common), tf.GPTNeoXForCausalLM),
         # softcaps of the attention logits and of the final logits, a window on the sliding layers
@@ -48,18 +49,6 @@ def build(name, a):
     }[name]()
     torch.manual_seed(0)
     return cls._from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32).eval()
-
-
-def _no_keep_llama():
-    from transformers import LlamaForCausalLM
-
-    class NoKeepLlama(LlamaForCausalLM):
-        """A Llama whose forward does not name ``logits_to_keep`` (it computes every token's logits)."""
-
-        def forward(self, input_ids=None, position_ids=None, **kwargs):
-            return super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
-
-    return NoKeepLlama
 
 
 def step(model, tokens, lanes):
@@ -76,24 +65,6 @@ def step(model, tokens, lanes):
     x = torch.randint(0, model.config.vocab_size, (tokens,), generator=g)
     lasts = torch.tensor(per).cumsum(0) - 1
     return x, PagedContext(cache, step_metadata(table, res)), lasts
-
-
-def peak_bytes(fn):
-    """The most bytes the allocations made while ``fn()`` runs hold at once (torch's profiler, in order)."""
-    from torch._C._profiler import _EventType
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while todo:
-        e = todo.pop()
-        if e.tag == _EventType.Allocation:
-            events.append((e.start_time_ns, -e.extra_fields.alloc_size))
-        todo.extend(e.children)
-    live = peak = 0
-    for _, minus_n in sorted(events):
-        live -= minus_n
-        peak = max(peak, live)
-    return peak
 
 
 def quantiles(fn, samples):
@@ -123,7 +94,7 @@ def measure(name, a):
         row["max_abs_diff"] = (full[keep] - kept).abs().max().item()
         for what, kw, rows in (("full", {}, a.tokens), ("kept", dict(logits_to_keep=keep), a.keep)):
             row[f"{what}_logits_bytes"] = rows * a.vocab * 4
-            row[f"{what}_peak_bytes"] = peak_bytes(lambda: forward_step(model, x, ctx, **kw))
+            row[f"{what}_peak_bytes"] = peak_alloc_bytes(lambda: forward_step(model, x, ctx, **kw))
             row[f"{what}_step_ms"] = quantiles(lambda: forward_step(model, x, ctx, **kw), a.samples)
             row[f"{what}_lm_head_ms"] = quantiles(lambda: head(h[:rows]), a.samples)
     return row

@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 
 from tpool.serving import PagedKVCache, paged_attention, step_metadata  # noqa: E402
 from tpool.serving import engine  # noqa: E402
+from tpool.testing import without_logits_to_keep  # noqa: E402
 from tpool.serving.hf import ATTN_IMPLEMENTATION, PagedContext, forward_step, paged_attention_forward  # noqa: E402
 
 LOGITS_ATOL = 1e-4  # float32 paged forward vs transformers' eager forward (observed ~1e-5)
@@ -831,12 +832,8 @@ def _no_keep_llama():
     """The engine's tiny Llama, as a class whose forward does not name ``logits_to_keep``."""
     from transformers import LlamaForCausalLM
 
-    class NoKeepLlama(LlamaForCausalLM):
-        def forward(self, input_ids=None, position_ids=None, **kwargs):
-            return super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
-
     model = engine.tiny_model("llama", seed=0)
-    model.__class__ = NoKeepLlama
+    model.__class__ = without_logits_to_keep(LlamaForCausalLM)
     return model
 
 

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-from torch._C._profiler import _EventType
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -12,6 +11,7 @@ import tpool
 from conftest import i32
 from tpool.serving import PagedKVCache, attention, paged_attention, step_metadata
 from tpool.serving.kv import SCRATCH_PAGES
+from tpool.testing import peak_alloc_bytes
 
 
 def _cache(num_pages=6, page_size=4, layers=2, heads=2, dim=3, dtype=torch.float32):
@@ -372,25 +372,6 @@ def test_paged_attention_in_chunks_bounds_memory_and_matches_one_chunk(make_pool
         assert torch.equal(out, whole)
 
 
-def _peak_bytes(fn):
-    """The most bytes the allocations made while ``fn()`` runs hold at once: torch's profiler records
-    every allocation and free of the CPU allocator, in order (einsum's internal copies included);
-    tensors made before ``fn`` are not counted. At one timestamp allocations go first (an upper bound)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while todo:
-        e = todo.pop()
-        if e.tag == _EventType.Allocation:
-            events.append((e.start_time_ns, -e.extra_fields.alloc_size))
-        todo.extend(e.children)
-    live = peak = 0
-    for _, minus_n in sorted(events):
-        live -= minus_n
-        peak = max(peak, live)
-    return peak
-
-
 @pytest.mark.parametrize("heads", [(8, 2, 16), (4, 4, 8), (64, 1, 1)])   # GQA, MHA, scores larger than keys
 @pytest.mark.parametrize("page_size, max_pages", [(1, 64), (16, 4), (64, 1)])
 def test_paged_attention_temporaries_stay_within_chunk_bytes(page_size, max_pages, heads):
@@ -425,12 +406,12 @@ def test_paged_attention_temporaries_stay_within_chunk_bytes(page_size, max_page
 
         with torch.no_grad():
             whole = call(1 << 40)
-            budget = _peak_bytes(lambda: call(1 << 40)) // 4
+            budget = peak_alloc_bytes(lambda: call(1 << 40)) // 4
             c = attention.chunk_tokens(t, span, hkv, d, hq, budget)
             assert 3 <= c < t
             # q and the output in float32, the result in q's dtype (not float32), page ids and indices
             outside = t * hq * d * (8 + q.element_size() * (dtype != torch.float32)) + 8 * (3 * mp + 8 * t)
-            peak = _peak_bytes(lambda: call(budget))
+            peak = peak_alloc_bytes(lambda: call(budget))
             assert peak <= budget + outside, (dtype, window, list(extra), c, peak, budget + outside)
             assert torch.equal(call(budget), whole)
 

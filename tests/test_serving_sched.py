@@ -10,7 +10,7 @@ import torch
 
 from conftest import requires_cuda
 from tpool.scheduling import HostMirror
-from tpool.testing import count_host_reads
+from tpool.testing import count_host_reads, without_logits_to_keep
 
 pytest.importorskip("transformers")
 
@@ -1192,12 +1192,8 @@ def _no_keep_llama():
     """The tiny Llama, as a class whose forward does not name ``logits_to_keep``."""
     from transformers import LlamaForCausalLM
 
-    class NoKeepLlama(LlamaForCausalLM):
-        def forward(self, input_ids=None, position_ids=None, **kwargs):
-            return super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
-
     model = engine.tiny_model("llama", seed=0)
-    model.__class__ = NoKeepLlama
+    model.__class__ = without_logits_to_keep(LlamaForCausalLM)
     return model
 
 

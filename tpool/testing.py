@@ -1,4 +1,5 @@
-"""Test helpers for engines that embed tpool: a host-sync guard.
+"""Test helpers for engines that embed tpool: a host-sync guard, and two aids for serving tests
+(``peak_alloc_bytes``, ``without_logits_to_keep``).
 
 Note: torch has no CPU equivalent of ``torch.cuda.set_sync_debug_mode``, so
 ``no_host_sync()`` builds one. Inside it, any construct that would make the
@@ -418,3 +419,37 @@ def count_host_reads(*, host_data: bool = False):
     seen = HostReads()
     with _guarded(seen.add, seen.add_snapshot, host_data):
         yield seen
+
+
+def peak_alloc_bytes(fn) -> int:
+    """The most bytes the allocations made while ``fn()`` runs hold at once, on the CPU: torch's profiler
+    records every allocation and free of the CPU allocator in order (einsum's internal copies included);
+    tensors made before ``fn`` are not counted. At one timestamp allocations go first (an upper bound).
+    What tests of ``paged_attention``'s ``chunk_bytes`` and ``benchmarks/bench_logits.py`` measure."""
+    from torch._C._profiler import _EventType
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        if e.tag == _EventType.Allocation:
+            events.append((e.start_time_ns, -e.extra_fields.alloc_size))
+        todo.extend(e.children)
+    live = peak = 0
+    for _, minus_n in sorted(events):
+        live -= minus_n
+        peak = max(peak, live)
+    return peak
+
+
+def without_logits_to_keep(model_class):
+    """A subclass of a transformers causal LM class whose ``forward`` does not name ``logits_to_keep`` (it
+    passes ``input_ids``, ``position_ids`` and the rest on, and the model computes every token's logits):
+    the models :func:`tpool.serving.hf.forward_step` indexes after the forward, to test that path."""
+
+    class WithoutLogitsToKeep(model_class):
+        def forward(self, input_ids=None, position_ids=None, **kwargs):
+            return super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
+
+    WithoutLogitsToKeep.__name__ = WithoutLogitsToKeep.__qualname__ = f"{model_class.__name__}WithoutLogitsToKeep"
+    return WithoutLogitsToKeep
