@@ -2,6 +2,7 @@
 arguments of its own, and a stale binding raises before the step touches the table."""
 
 import ctypes
+import gc
 
 import numpy as np
 import pytest
@@ -416,3 +417,19 @@ def test_bound_calls_refuse_copies(table):
                 with pytest.raises(TypeError, match=f"a {name} cannot be copied or pickled: its call is bound to "
                                                     "the addresses of its input"):
                     clone(run)
+
+
+def test_an_input_the_table_made_keeps_its_memory_after_the_step_is_dropped(backend):
+    """``run.req_ids`` (and the other inputs the table makes) kept past its step: the array holds the memory it
+    is over, so filling it writes into no memory numpy has handed out again (it did: the step alone held the
+    storages, and the array wrote into arrays made after the step was dropped)."""
+    table = tpool.PageTable(tpool.PagePool(64, 4, device="cpu", backend=backend), 4, 8)
+    run = table.bind_step(batch=4, release=4)
+    kept = (run.req_ids, run.num_tokens, run.release)
+    del run
+    gc.collect()
+    victims = [np.full(4, 7, np.int32) for _ in range(256)]
+    for made in kept:
+        made[:] = 3
+    assert all(v.tolist() == [7] * 4 for v in victims)
+    assert [made.tolist() for made in kept] == [[3] * 4] * 3

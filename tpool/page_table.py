@@ -40,8 +40,11 @@ def _array_over(t: torch.Tensor) -> np.ndarray:
     """A numpy int32 array over the memory of ``t`` (int32, contiguous, on the CPU) that owns none of it: its
     ``.base`` is a memoryview of a ctypes array made from the address, which owns nothing either (Tensor.numpy()
     would do, but the sync guard counts it as a host read, and the array may be made on a scheduler's hot path).
-    The caller keeps ``t``'s storage alive as long as the array is used."""
-    return np.ctypeslib.as_array((ctypes.c_int32 * t.numel()).from_address(t.data_ptr()))
+    The ctypes array holds ``t``, so the memory lives as long as the array does (a caller that keeps only
+    ``run.req_ids`` of a dropped step writes into memory nobody else is handed)."""
+    view = (ctypes.c_int32 * t.numel()).from_address(t.data_ptr())
+    view._tpool_owner = t   # (.base.obj._tpool_owner: the array keeps t, and so its memory, alive)
+    return np.ctypeslib.as_array(view)
 
 
 class PageTable:
