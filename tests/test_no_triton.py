@@ -112,7 +112,7 @@ LAZY = WORKLOAD + textwrap.dedent("""
     assert isinstance(_triton_util.NULL_PAGE, tl.constexpr) and _triton_util.NULL_PAGE.value == -1
     assert isinstance(_triton_util.count_pages, KernelInterface)  # an InterpretedFunction under TRITON_INTERPRET
     params = JITFunction(_triton_util.count_pages.fn).params
-    assert [p.name for p in params if p.is_constexpr] == ["BLOCK"]
+    assert [p.name for p in params if p.is_constexpr] == ["BLOCK", "LAST"]
     # a reference taken before the load launches the real kernel
     assert stale and all(type(k[(1,)]) is type(_triton_shim._real[k][(1,)]) for k in stale)
     print("triton loaded at its first use")
