@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 from tpool.serving import PagedKVCache, paged_attention, step_metadata  # noqa: E402
 from tpool.serving import engine  # noqa: E402
-from tpool.testing import without_logits_to_keep  # noqa: E402
+from tpool.testing import no_host_sync, without_logits_to_keep  # noqa: E402
 from tpool.serving.hf import ATTN_IMPLEMENTATION, PagedContext, forward_step, paged_attention_forward  # noqa: E402
 
 LOGITS_ATOL = 1e-4  # float32 paged forward vs transformers' eager forward (observed ~1e-5)
@@ -863,6 +863,30 @@ def test_forward_step_computes_only_the_kept_tokens_logits_the_rows_of_the_full_
     assert heads == [16, 6 if takes else 16]                    # the LM head's rows: the kept ones only
     # (6 rows: MKL rounds rows 5-6 ~1e-6 apart at 2 threads, the BLAS's choice: see Engine.logits_rows)
     torch.testing.assert_close(kept, full[keep], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "no-logits-to-keep"])
+def test_forward_step_counts_logits_to_keep_indices_outside_the_step_and_reads_no_row_outside(models, kind):
+    """An index outside ``[0, T)`` (negative ones too: torch would wrap them) is not a host check (it would read
+    a device value) nor an IndexError midway (a device-side assert on a GPU): it is counted on the device,
+    raised by the cache's check() as InvalidPage naming it, and its row holds token 0's logits."""
+    model = {"no-logits-to-keep": _no_keep_llama}.get(kind, lambda: models[kind])()
+    ctx = _step_context(model.config)
+    x = torch.arange(8)
+    keep = torch.tensor([7, 8, -1, 3, 1 << 40])
+    with torch.no_grad():
+        full = forward_step(model, x, ctx)
+        with no_host_sync():
+            kept = forward_step(model, x, ctx, logits_to_keep=keep)
+    torch.testing.assert_close(kept, full[[7, 0, 0, 3, 0]], rtol=0, atol=1e-5)
+    with pytest.raises(tpool.InvalidPage, match=r"invalid_logits_row: 3\. Each is a logits_to_keep index outside "
+                                          r"\[0, T\) \(the step's max_tokens\) given to forward_step: its row "
+                                          r"holds token 0's logits") as info:
+        ctx.cache.check()
+    assert info.value.counts == {"invalid_logits_row": 3}
+    ctx.cache.check()                                            # taken off the counters: raised once
+    forward_step(model, x, ctx, logits_to_keep=torch.tensor([0, 7], dtype=torch.int32))
+    ctx.cache.check()                                            # indices of the step count nothing
 
 
 def test_forward_step_refuses_logits_to_keep_that_are_not_token_indices_and_a_model_ignoring_them(models):

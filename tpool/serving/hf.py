@@ -34,7 +34,7 @@ from transformers import AttentionInterface
 
 from tpool.serving import checks
 from tpool.serving.attention import StepMetadata, check_pages, paged_attention
-from tpool.serving.kv import PagedKVCache
+from tpool.serving.kv import BAD_KEEP, PagedKVCache
 
 ATTN_IMPLEMENTATION = "tpool_paged"  # the name to pass as attn_implementation
 CONTEXT_KWARG = "tpool_context"      # the forward keyword that carries a PagedContext
@@ -382,7 +382,9 @@ def forward_step(model, input_ids: torch.Tensor, ctx: PagedContext, *, logits_to
         repeats allowed) whose logits to return, in that order. A model whose forward takes
         ``logits_to_keep`` (:func:`takes_logits_to_keep`) computes only those rows (its LM head runs on
         ``K`` tokens, not ``T``); any other model's full logits are computed, then indexed.
-        Either way the shape is ``[K, vocab]`` and no device value is read.
+        Either way the shape is ``[K, vocab]`` and no device value is read: an index outside
+        ``[0, T)`` is counted on the device (``invalid_logits_row``, raised by the cache's
+        ``check()``), and its row holds token 0's logits.
 
     Raises ``ValueError`` for a model :func:`check_model` refuses and for a cache whose
     ``num_layers`` is not the model's ``num_hidden_layers``, before the forward; during it for a
@@ -404,6 +406,13 @@ def forward_step(model, input_ids: torch.Tensor, ctx: PagedContext, *, logits_to
                          f"step's), got {input_ids.dtype} on {input_ids.device}")
     if logits_to_keep is not None:
         _check_keep(logits_to_keep, t, ctx.meta.positions.device)
+        # An index outside the step would be a device-side assert on a GPU (an IndexError midway on a CPU,
+        # after some layers wrote K/V): counted on the device instead, raised by the cache's check(), and
+        # read as token 0's row. No value is read on the host.
+        keep = logits_to_keep.long()
+        bad = (keep < 0) | (keep >= t)
+        ctx.cache.misuse[BAD_KEEP].add_(bad.sum())
+        logits_to_keep = keep.masked_fill(bad, 0)
         if takes_logits_to_keep(model):
             kwargs["logits_to_keep"] = logits_to_keep
     positions = ctx.meta.positions.long().clamp(min=0)[None]

@@ -23,9 +23,18 @@ import torch
 from tpool import _checks
 from tpool.errors import InvalidPage
 
-# The cache's misuse counters: slots outside it given to write, page pairs outside it given to copy_pages
-BAD_SLOTS, BAD_COPIES = 0, 1
-MISUSE_NAMES = {BAD_SLOTS: "invalid_slot", BAD_COPIES: "invalid_copy_page"}
+# The cache's misuse counters: slots outside it given to write, page pairs outside it given to copy_pages,
+# logits_to_keep indices outside a step given to forward_step (which counts them here: the step's one counter)
+BAD_SLOTS, BAD_COPIES, BAD_KEEP = 0, 1, 2
+MISUSE_NAMES = {BAD_SLOTS: "invalid_slot", BAD_COPIES: "invalid_copy_page", BAD_KEEP: "invalid_logits_row"}
+# What each kind was, and what was done with it, for check's message
+_MISUSE_TEXT = {
+    BAD_SLOTS: "a slot outside [0, {slots}) (num_pages * page_size), not the padding -1, given to write: it was "
+               "written to the scratch page, which no view shows",
+    BAD_COPIES: "a page outside [0, {pages}), not -1, given to copy_pages: the pair was copied in the scratch page",
+    BAD_KEEP: "a logits_to_keep index outside [0, T) (the step's max_tokens) given to forward_step: its row holds "
+              "token 0's logits",
+}
 
 NHD = "NHD"   # the only layout: [num_pages, page_size, num_kv_heads, head_dim]
 SCRATCH_PAGES = 1  # pages per layer behind the exported views; padding writes land there
@@ -63,8 +72,9 @@ class PagedKVCache:
         Per layer, ``[num_pages, page_size, num_kv_heads, head_dim]`` views (NHD), each
         contiguous: pass ``(cache.k[l], cache.v[l])`` as FlashInfer's ``paged_kv_cache``.
     misuse : torch.Tensor
-        int64 ``[2]`` on the device: slots (``invalid_slot``) and page pairs
-        (``invalid_copy_page``) outside the cache counted since the last :meth:`check`.
+        int64 ``[3]`` on the device: slots (``invalid_slot``) and page pairs
+        (``invalid_copy_page``) outside the cache, and ``forward_step``'s ``logits_to_keep``
+        indices outside its step (``invalid_logits_row``), counted since the last :meth:`check`.
 
     Example
     -------
@@ -106,7 +116,8 @@ class PagedKVCache:
         self._num_slots = num_pages * page_size  # slots >= this (the scratch page) are never exported
         self._scratch = torch.tensor(self._num_slots, dtype=torch.int64, device=self.device)
         self._scratch_page = torch.tensor(num_pages, dtype=torch.int64, device=self.device)
-        # Misuse counted on the device (BAD_SLOTS, BAD_COPIES), raised by check(): fixed, so a graph keeps it
+        # Misuse counted on the device (BAD_SLOTS, BAD_COPIES, BAD_KEEP), raised by check(): fixed, so a graph
+        # keeps it
         self.misuse = torch.zeros(len(MISUSE_NAMES), dtype=torch.int64, device=self.device)
         self._check_lock = threading.Lock()  # check's read and its subtraction as one (two threads raise once)
 
@@ -224,7 +235,9 @@ class PagedKVCache:
         Its ``counts`` names each kind seen: ``invalid_slot`` (slots given to :meth:`write` or
         :meth:`destinations` outside ``[0, num_pages * page_size)``, not -1), ``invalid_copy_page``
         (:meth:`copy_pages` pairs with an id outside ``[0, num_pages)``, not -1), one per bad slot
-        or pair in each call. Nothing was written for them but in the scratch page. What was read is taken
+        or pair in each call; nothing was written for them but in the scratch page. ``invalid_logits_row``
+        (``forward_step``'s ``logits_to_keep`` indices outside ``[0, T)``): their rows of the logits
+        returned are token 0's. What was read is taken
         off the counters, so a count added meanwhile is raised by the next check; two threads
         checking at once never both raise the same counts.
         """
@@ -234,12 +247,12 @@ class PagedKVCache:
                 return
             self.misuse.sub_(torch.tensor(seen, dtype=torch.int64, device=self.device))  # (not the default device)
         counts = {MISUSE_NAMES[i]: n for i, n in enumerate(seen) if n}
-        raise InvalidPage(f"PagedKVCache: {', '.join(f'{k}: {n}' for k, n in counts.items())}. A slot outside "
-                          f"[0, {self._num_slots}) (num_pages * page_size) given to write, or a page outside "
-                          f"[0, {self.num_pages}) given to copy_pages, and not the padding -1; it was sent to "
-                          f"the scratch page (nothing the views show was written or copied). Pass a step's "
-                          f"slots and a fork's cow_src/cow_dst as the table made them, on a cache of the "
-                          f"table's pool (PagedKVCache.from_pool).", counts)
+        said = "; ".join(_MISUSE_TEXT[i].format(slots=self._num_slots, pages=self.num_pages)
+                         for i, n in enumerate(seen) if n)
+        raise InvalidPage(f"PagedKVCache: {', '.join(f'{k}: {n}' for k, n in counts.items())}. Each is {said}. "
+                          f"Pass a step's slots and a fork's cow_src/cow_dst as the table made them, on a cache "
+                          f"of the table's pool (PagedKVCache.from_pool), and logits_to_keep indices of the "
+                          f"step's tokens.", counts)
 
     def memory_bytes(self) -> dict:
         """Bytes of the K/V storage (for ``tpool.memory_report(pools=[...])``).
