@@ -187,6 +187,37 @@ def test_backends_carry_their_state_as_held_views(backend):
             assert h is not t and (h.data_ptr(), h.shape, h.dtype) == (t.data_ptr(), t.shape, t.dtype), name
 
 
+@pytest.mark.parametrize("owner", ["pool", "table"])
+def test_check_invariants_names_a_state_tensor_re_pointed_by_hand(backend, owner):
+    """A state tensor re-pointed by hand (``set_``, ``.data =``) is not what the calls run on: check_invariants
+    raised a bare IndexError / RuntimeError (a smaller tensor), or checked memory no call uses (one of the same
+    size). It raises InvariantViolation naming the tensor and both places, on the pool and on a table."""
+    import torch
+    import tpool
+    pool = tpool.PagePool(16, page_size=4, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 3, 4)
+    table.extend(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([5, 2], dtype=torch.int32))
+    state, name = (pool.state, "page_state") if owner == "pool" else (table.state, "seq_lens")
+    t = getattr(state, name)
+    n = t.numel()
+    for edit in ("smaller", "same size", "data"):
+        kept = t.view(t.shape)
+        if edit == "data":
+            t.data = t.clone()
+        else:
+            t.set_(torch.zeros(n - 1 if edit == "smaller" else n, dtype=t.dtype))
+        for check in (table.check_invariants,) + ((pool.check_invariants,) if owner == "pool" else ()):
+            with pytest.raises(tpool.InvariantViolation,
+                               match=rf"invariant broken: {'PagePool' if owner == 'pool' else 'PageTable'}'s state "
+                                     rf"tensor '{name}' was re-pointed by hand \(set_ or .data =\): it is torch.int"
+                                     rf"\d+ \(\d+,\) at 0x[0-9a-f]+ on cpu, its calls run on torch.int\d+ "
+                                     rf"\({n},\)"):
+                check()
+        t.set_(kept)                                   # set back: checked again
+        table.check_invariants()
+        pool.check_invariants()
+
+
 def test_a_memo_naming_a_request_twice_stays_within_the_csr(backend):
     """A memo edited to name one request in every lane, one step behind: the CSR ends within its
     capacity on every backend; on numba (the only one that reads the memo) the step, whose lanes hold

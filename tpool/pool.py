@@ -582,6 +582,7 @@ class PagePool:
         InvariantViolation
         """
         with self.state.lock:  # a copy of the state between two calls, never inside one
+            self.state.check_held(self.ops.st, "PagePool")
             names, tensors = zip(*self.state.tensors().items())
             self._check_state(dict(zip(names, clones_between_calls(tensors))))
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 import torch
 
+from tpool.errors import InvariantViolation
 from tpool.kernels import layout as L
 from tpool.kernels.layout import INT32_MAX
 
@@ -102,6 +103,26 @@ class _Tensors:
         """The same state over :func:`held_view` s of its tensors (and the same lock): what a backend
         is made with, so a state tensor re-pointed by hand is not followed by any kernel."""
         return replace(self, **{name: held_view(t) for name, t in self.tensors().items()})
+
+    def check_held(self, held: "_Tensors", owner: str) -> None:
+        """Raise :class:`InvariantViolation` naming the first tensor re-pointed by hand (``set_``,
+        ``.data =``) away from ``held`` (what the kernels run on, :meth:`held`): a sync point that
+        checked it would check memory no call reads or writes."""
+        for name, t in self.tensors().items():
+            h = getattr(held, name)
+            if _where(t) != _where(h):
+                raise InvariantViolation(
+                    f"invariant broken: {owner}'s state tensor {name!r} was re-pointed by hand (set_ or .data =): "
+                    f"it is {_described(t)}, its calls run on {_described(h)} and never follow such an edit, "
+                    f"so checking it would check memory no call uses")
+
+
+def _where(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.dtype, t.device, tuple(t.shape), t.stride()
+
+
+def _described(t: torch.Tensor) -> str:
+    return f"{t.dtype} {tuple(t.shape)} at {t.data_ptr():#x} on {t.device}"
 
 
 class CallLock:

@@ -44,6 +44,8 @@ def check_table(table, exclusive: bool) -> None:
     """Raise :class:`InvariantViolation` unless ``table`` and its pool hold the invariants
     :meth:`tpool.PageTable.check_invariants` lists (the caller holds the pool's lock). Everything is
     read from one copy of the pool's and the table's state, taken between two calls."""
+    table.pool.state.check_held(table.ops.st, "PagePool")
+    table.state.check_held(table.ops.ts, "PageTable")
     pool_state, claim, bt, lens, version, row_version, memos = _copies(table)
     table.pool._check_state(pool_state)
     if not bool((claim == INT32_MAX).all()):  # the next call's request dedup relies on it
