@@ -190,23 +190,17 @@ def _report_host_data(name, args, kwargs):
                      f"the stream; use torch.full or a tensor made beforehand)")
 
 
-def _from_host(name, original):
-    """``torch.tensor`` / ``as_tensor`` / ``asarray`` reporting a tensor built from Python data (not from a
-    tensor) where the calling thread's innermost guard has ``host_data``."""
-    @functools.wraps(original)
-    def build(*args, **kwargs):
-        _report_host_data(f"torch.{name}", args, kwargs)
-        return original(*args, **kwargs)
-    return build
-
-
-def _new_from_host(name, original):
-    """``Tensor.new_tensor``, reported as :func:`_from_host` reports ``torch.tensor``."""
-    @functools.wraps(original)
-    def build(self, *args, **kwargs):
-        _report_host_data(f"Tensor.{name}", args, kwargs)
-        return original(self, *args, **kwargs)
-    return build
+def _from_host(owner: str, method: bool = False):
+    """The wrapper of ``owner``'s builders (``torch.tensor`` / ``as_tensor`` / ``asarray``; with ``method``,
+    ``Tensor.new_tensor``, whose first argument is the tensor it is called on) reporting a tensor built from
+    Python data (not from a tensor) where the calling thread's innermost guard has ``host_data``."""
+    def wrap(name, original):
+        @functools.wraps(original)
+        def build(*args, **kwargs):
+            _report_host_data(f"{owner}.{name}", args[1:] if method else args, kwargs)
+            return original(*args, **kwargs)
+        return build
+    return wrap
 
 
 def _holds_tensor(data) -> bool:
@@ -266,8 +260,8 @@ _INHERITED = object()
 
 def _patch_points():
     yield from ((torch.Tensor, name, _read) for name in _METHODS)
-    yield from ((torch, name, _from_host) for name in _BUILDERS)
-    yield from ((torch.Tensor, name, _new_from_host) for name in _NEW)
+    yield from ((torch, name, _from_host("torch")) for name in _BUILDERS)
+    yield from ((torch.Tensor, name, _from_host("Tensor", method=True)) for name in _NEW)
     executor = _interpreter_executor()
     if executor is not None:
         yield executor, "__call__", _device_region
