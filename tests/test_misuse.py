@@ -446,7 +446,8 @@ def test_flags_are_bools_and_sizes_are_bounded(backend):
     pool = tpool.PagePool(8, 1, device="cpu", backend=backend)
     table = tpool.PageTable(pool, 4, 4)
     pages = pool.alloc(i32([1])).pages[:1].clone()
-    for call, name in ((lambda v: pool.free(pages, cache=v), "cache"), (lambda v: pool.alloc(i32([1]), evict=v), "evict"),
+    for call, name in ((lambda v: pool.free(pages, cache=v), "cache"),
+                       (lambda v: pool.alloc(i32([1]), evict=v), "evict"),
                        (lambda v: table.release(i32([0]), cache=v), "cache"),
                        (lambda v: pool.bind_free(pages, cache=v), "cache"),
                        (lambda v: table.check_invariants(exclusive=v), "exclusive")):

@@ -292,7 +292,8 @@ def test_index_out_of_range_is_a_valueerror(monkeypatch):
 
 
 def test_explain_says_what_a_cache_built_on_the_plan_adds():
-    """from_pool allocates num_pages + 1 pages, and the pool its state: beyond the pool line, the state's bytes exact."""
+    """from_pool allocates num_pages + 1 pages, and the pool its state: beyond the pool line, the state's bytes
+    exact."""
     layers, heads, dim, page = 2, 2, 64, 16
     bpp = 2 * layers * page * heads * dim * 4
     plan = plan_pages(bpp, 0.5, total_bytes=1 << 30, free_bytes=(1 << 29) + 100 * bpp)

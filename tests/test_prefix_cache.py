@@ -857,7 +857,8 @@ def test_a_token_that_is_not_an_int_is_refused_before_any_entry_is_made(backend)
     (row,) = m.admit([8])
     for bad, said in ((np.array([0, 1]), "numpy.ndarray array"), (2.5, "float 2.5"), (2.0, "float 2.0"),
                       ("x", "str 'x'"), ([3], "list"), (np.float64(1), "numpy.float64")):
-        for call in (lambda: cache.insert(row, [9, 9, 9, 9, bad, 0, 0, 0]), lambda: cache.match([bad] * 5)):   # (match: the pages it walks)
+        # (match: the pages it walks)
+        for call in (lambda: cache.insert(row, [9, 9, 9, 9, bad, 0, 0, 0]), lambda: cache.match([bad] * 5)):
             with pytest.raises(ValueError, match=f"tokens as host ints .*got {said}"):
                 call()
         assert len(cache) == 0 and cache.inserted == 2 and not cache.match([9, 9, 9, 9, 1])   # (2: the two served)

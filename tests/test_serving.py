@@ -755,7 +755,8 @@ def test_the_attention_output_has_the_querys_dtype_whatever_attend_returns():
     """The layer gets its output in the query's dtype, as eager attention gives it, also from an ``attend``
     that computes in another dtype."""
     attn, ctx, q, kv = _llama_context()
-    wide = PagedContext(ctx.cache, ctx.meta, attend=lambda q, k, v, meta, **kw: torch.ones(q.shape, dtype=torch.float64))
+    wide = PagedContext(ctx.cache, ctx.meta,
+                        attend=lambda q, k, v, meta, **kw: torch.ones(q.shape, dtype=torch.float64))
     out = paged_attention_forward(attn, q, kv, kv, tpool_context=wide)[0]
     assert out.dtype == q.dtype == torch.float32 and out.shape == (1, 8, 4, 16)
 

@@ -83,8 +83,8 @@ def test_attention_with_other_kv_heads_than_the_config_names_is_refused_naming_i
     model = _build(transformers.JetMoeConfig, transformers.JetMoeForCausalLM, **cfg)
     eng = engine.Engine(model, num_pages=32, page_size=4, max_batch=2, max_pages=16, backend="reference")
     with pytest.raises(ValueError, match=r"expected K/V of 4 heads of head_dim 16 \(what JetMoeAttention, layer 0, "
-                                         r"attends with\), the cache holds 2 heads of 16 .*kv_shape.*does not use the K/V heads "
-                                         r"its config names"):
+                                         r"attends with\), the cache holds 2 heads of 16 .*kv_shape.*does not use "
+                                         r"the K/V heads its config names"):
         eng.run([engine.Request(0, [5, 6, 7, 8, 9], 3)])
 
 

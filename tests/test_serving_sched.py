@@ -918,7 +918,8 @@ def _position_model(kind):
     return T.AutoModelForCausalLM.from_config(cfg).eval()
 
 
-@pytest.mark.parametrize("kind, want", [("gpt2", (24, "transformer.wpe")), ("opt", (40, "model.decoder.embed_positions")),
+@pytest.mark.parametrize("kind, want", [("gpt2", (24, "transformer.wpe")),
+                                        ("opt", (40, "model.decoder.embed_positions")),
                                         ("ctrl", (20, "transformer.pos_encoding")),
                                         ("gptj", (36, "transformer.rotary_emb.embed_positions")),
                                         ("roberta", (42, "roberta.embeddings.position_embeddings")),

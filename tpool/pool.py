@@ -613,7 +613,8 @@ class PagePool:
         seen = torch.full((ids.numel(),), fc, device="cpu").scatter_reduce_(0, first, order, "amin")
         every(seen[first] == order, "free stack ids distinct",
               lambda i: f"entries {int(seen[first[i]])} and {i} are both page {int(stack[i])}")
-        every(state[stack] == L.FREE, "every id on the free stack is FREE", lambda i: f"entry {i}, {page(int(stack[i]))}")
+        every(state[stack] == L.FREE, "every id on the free stack is FREE",
+              lambda i: f"entry {i}, {page(int(stack[i]))}")
         on_stack = torch.zeros(P, dtype=torch.bool, device="cpu").index_fill_(0, stack, True)
         every(on_stack | (state != L.FREE), "every FREE page is on the free stack", page)
         n_cached = int((state == L.CACHED).sum())
