@@ -14,18 +14,22 @@ logits and indexes them (the path for such models).
 """
 
 import argparse
-import json
-import platform
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-import tpool
-from tpool.serving import PagedKVCache, step_metadata
-from tpool.serving.engine import kv_shape
-from tpool.serving.hf import ATTN_IMPLEMENTATION, PagedContext, forward_step, takes_logits_to_keep
-from tpool.testing import peak_alloc_bytes, without_logits_to_keep
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import (Distinct, HelpFormatter, check_model, out_path, positive_int, progress,  # noqa: E402
+                     ratio_text, write_json)
+
+import tpool  # noqa: E402
+from tpool.serving import PagedKVCache, step_metadata  # noqa: E402
+from tpool.serving.engine import kv_shape  # noqa: E402
+from tpool.serving.hf import ATTN_IMPLEMENTATION, PagedContext, forward_step, takes_logits_to_keep  # noqa: E402
+from tpool.testing import peak_alloc_bytes, without_logits_to_keep  # noqa: E402
 
 MODELS = ("llama", "qwen2", "gpt-neox", "gemma2", "mistral", "nokeep")
 PAGE_SIZE = 16  # tokens
@@ -79,6 +83,7 @@ def quantiles(fn, samples):
 
 
 def measure(name, a):
+    progress(f"{name}: building the model and its step")
     model = build(name, a)
     x, ctx, lasts = step(model, a.tokens, a.lanes)
     keep = torch.zeros(a.keep, dtype=torch.long)
@@ -93,6 +98,7 @@ def measure(name, a):
         row["bit_equal"] = torch.equal(full[keep], kept)
         row["max_abs_diff"] = (full[keep] - kept).abs().max().item()
         for what, kw, rows in (("full", {}, a.tokens), ("kept", dict(logits_to_keep=keep), a.keep)):
+            progress(f"{name}: {what} logits ({rows} rows), {a.samples} samples")
             row[f"{what}_logits_bytes"] = rows * a.vocab * 4
             row[f"{what}_peak_bytes"] = peak_alloc_bytes(lambda: forward_step(model, x, ctx, **kw))
             row[f"{what}_step_ms"] = quantiles(lambda: forward_step(model, x, ctx, **kw), a.samples)
@@ -100,32 +106,51 @@ def measure(name, a):
     return row
 
 
+EPILOG = ("Progress goes to stderr, one line per model and way. Rows: one per model, its step asked for every "
+          "token's logits (full, the baseline) and for --keep rows (kept), in that order as 'full → kept'; the "
+          "ratio is the full step's median over the kept one's (above 1: keeping is faster). A model whose forward "
+          "does not name logits_to_keep is 'indexed' (its full logits computed, then the rows taken), else 'taken'.")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help and default."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=EPILOG, formatter_class=HelpFormatter)
+    ap.add_argument("--models", nargs="+", choices=MODELS, action=Distinct, default=list(MODELS),
+                    help="model families to build, random weights, seed 0 (nokeep: a Llama whose forward does not "
+                         "name logits_to_keep)")
+    ap.add_argument("--tokens", type=positive_int, default=512, help="packed tokens in the step")
+    ap.add_argument("--lanes", type=positive_int, default=4, help="prefill lanes the tokens are split into")
+    ap.add_argument("--keep", type=positive_int, default=32, help="logits rows kept: the lanes' last tokens, then "
+                    "padding (default 32, Engine's for max_batch 8 and draft_len 3)")
+    ap.add_argument("--vocab", type=positive_int, default=32000, help="vocabulary size (the LM head's rows)")
+    ap.add_argument("--hidden", type=positive_int, default=256, help="hidden size")
+    ap.add_argument("--layers", type=positive_int, default=2, help="decoder layers")
+    ap.add_argument("--heads", type=positive_int, default=8, help="attention heads (--hidden must divide by it)")
+    ap.add_argument("--kv-heads", type=positive_int, default=2, help="K/V heads (grouped-query; --heads must "
+                    "divide by it)")
+    ap.add_argument("--samples", type=positive_int, default=5, help="timed calls per figure (at least 2)")
+    ap.add_argument("--threads", type=positive_int, default=1, help="torch threads (one: more stall on a loaded "
+                    "2-core machine)")
+    ap.add_argument("--json", type=out_path, default="", metavar="PATH", help="also write the rows as JSON")
+    return ap
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    p.add_argument("--tokens", type=int, default=512, help="packed tokens in the step (default 512)")
-    p.add_argument("--lanes", type=int, default=4, help="prefill lanes the tokens are split into (default 4)")
-    p.add_argument("--keep", type=int, default=32, help="logits rows kept: the lanes' last tokens, then padding "
-                   "(default 32, Engine's for max_batch 8 and draft_len 3)")
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--samples", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", help="write the rows here, with the machine and versions")
-    a = p.parse_args(argv)
-    if not 1 <= a.lanes <= a.keep <= a.tokens:
-        p.error(f"expected 1 <= --lanes <= --keep <= --tokens, got {a.lanes}, {a.keep}, {a.tokens}")
+    ap = parser()
+    a = ap.parse_args(argv)
+    if not a.lanes <= a.keep <= a.tokens:
+        ap.error(f"argument --keep: expected --lanes <= --keep <= --tokens (a kept row per lane, at most one per "
+                 f"token), got {a.lanes}, {a.keep}, {a.tokens}")
     if a.samples < 2:
-        p.error(f"--samples: expected at least 2 (for p20 / p80), got {a.samples}")
+        ap.error(f"argument --samples: expected at least 2 (for p20 / p80), got {a.samples}")
+    check_model(ap, a)
     torch.set_num_threads(a.threads)
     rows = []
     print(f"{a.tokens} tokens in {a.lanes} lanes, vocab {a.vocab:,}, hidden {a.hidden}, {a.layers} layers, float32, "
           f"{a.threads} thread(s); ms: median (p20 / p80) of {a.samples}")
-    print("| model | logits_to_keep | kept rows bit-equal | logits MB | step peak MB | step ms | lm_head ms |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+    print("| model | logits_to_keep | kept rows bit-equal | logits MB | step peak MB | step ms | lm_head ms "
+          "| step full / kept |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for name in a.models:
         r = measure(name, a)
         rows.append(r)
@@ -138,13 +163,8 @@ def main(argv=None):
         print(f"| {name} | {'taken' if r['takes_logits_to_keep'] else 'indexed'} | {r['bit_equal']} "
               f"(max diff {r['max_abs_diff']:.1e}) | {both('logits_bytes', lambda b: f'{b / 2**20:.1f}')} | "
               f"{both('peak_bytes', lambda b: f'{b / 2**20:.1f}')} | {both('step_ms', ms)} | "
-              f"{both('lm_head_ms', ms)} |", flush=True)
-    if a.json:
-        import transformers
-        meta = dict(machine=platform.machine(), processor=platform.processor(), python=platform.python_version(),
-                    torch=torch.__version__, transformers=transformers.__version__, time=time.time())
-        with open(a.json, "w") as f:
-            json.dump(dict(meta=meta, args=vars(a), rows=rows), f, indent=1)
+              f"{both('lm_head_ms', ms)} | {ratio_text(r['full_step_ms'][0] / r['kept_step_ms'][0])} |", flush=True)
+    write_json(a.json, "bench_logits", rows)
     return rows
 
 

@@ -16,7 +16,7 @@ import torch
 from bench_scripts import BENCH, TINY, FakeClock, load
 
 SCRIPTS = ["bench_pool", "bench_page_table", "bench_evict", "bench_scheduler", "cold_breakdown", "bench_startup",
-           "bench_revive", "bench_prefix", "bench_lru", "bench_reconcile"]
+           "bench_revive", "bench_prefix", "bench_lru", "bench_reconcile", "bench_logits"]
 
 
 @pytest.mark.parametrize("name, header", [
@@ -347,6 +347,8 @@ BAD_OPTIONS = [  # (script, argv, the option its error names): argparse refuses 
     ("bench_e2e", ["--vocab", "1"], "--vocab"),
     ("bench_e2e", ["--prompt", "4090", "--inner", "8"], "--prompt"),  # 4,098 tokens: past the 4,096 positions
     ("bench_prefix", ["--kv-heads", "3"], "--kv-heads"),
+    ("bench_logits", ["--kv-heads", "3"], "--kv-heads"), ("bench_logits", ["--keep", "2"], "--keep"),
+    ("bench_logits", ["--samples", "1"], "--samples"), ("bench_logits", ["--tokens", "0"], "--tokens"),
     # an output the run could not write at its end, or a cache directory numba could not write
     ("bench_startup", ["--cache-dir", os.path.join(__file__, "sub")], "--cache-dir"),  # under a file
     ("bench_pool", ["--json", BENCH], "--json"),  # a directory
