@@ -131,8 +131,10 @@ def run_baseline(prompts, model, a):
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=HelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
+                                 epilog="Progress goes to stderr: the model's build, then each batch size's tpool "
+                                        "loop and its baseline (transformers' eager attention and DynamicCache, "
+                                        "the same prompts); the ratio is tpool's tokens/s over the baseline's.")
     ap.add_argument("--batch", type=positive_int, nargs="+", action=Distinct,
                     default=[4, 32], help="requests decoding at once (B)")
     ap.add_argument("--prompt", type=positive_int, default=64, help="prompt tokens per request")

@@ -147,7 +147,7 @@ def test_a_list_option_keeps_each_value_once(name):
         assert [str(v) for v in got] == values, (action.dest, got)
 
 
-@pytest.mark.parametrize("name", SCRIPTS + ["ab_compare", "gpu_step_phases"])
+@pytest.mark.parametrize("name", SCRIPTS + ["ab_compare", "gpu_step_phases", "bench_e2e"])
 def test_help_explains_every_option_and_its_default(name, monkeypatch):
     module = load(name)
     parser = module.parser()
