@@ -758,3 +758,15 @@ def test_a_cluster_whose_rounded_range_ends_past_the_storage_is_copied_without_t
         assert torch.equal(out[0], f) and torch.equal(out[1], u)
         assert out[0].untyped_storage().data_ptr() == out[1].untyped_storage().data_ptr()  # still aliased
         assert (buf.untyped_storage().nbytes(), buf.data_ptr()) == (1001, ptr)  # the caller's storage as it was
+
+
+def test_a_bool_view_of_raw_bytes_comes_back_byte_for_byte():
+    # torch's bool copy writes 1 for any nonzero byte: a mask read from raw bytes (.view(torch.bool)) and viewed
+    # back as uint8 after caching would have changed, and differently from a cluster's copy, which moves bytes.
+    raw = torch.tensor([[0, 1, 2, 255], [7, 0, 1, 128]] * 4, dtype=torch.uint8)
+    mask = raw.view(torch.bool)
+    assert torch.equal(own(mask[1:3]).view(torch.uint8), raw[1:3])
+    assert torch.equal(own(mask[1:2].expand(3, -1)).view(torch.uint8), raw[1:2].expand(3, -1))
+    alone, cluster = plan_ownership([mask[1:3].t()]).apply(), plan_ownership([mask[1:3], mask[2:4]]).apply()
+    assert torch.equal(alone[0].view(torch.uint8), raw[1:3].t())
+    assert [c.view(torch.uint8).tolist() for c in cluster] == [raw[1:3].tolist(), raw[2:4].tolist()]

@@ -172,17 +172,19 @@ def compact(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     return result
 
 
-# Dtypes torch has no copy kernel for (sub-byte and bit shells): compact copies their bytes as an int of the size.
-_NO_COPY_KERNEL = frozenset(d for d in (getattr(torch, f"{kind}{n}", None) for kind in ("uint", "int")
-                                         for n in range(1, 8)) if isinstance(d, torch.dtype)) | frozenset(
+# Dtypes compact copies as an int of their size: those torch has no copy kernel for (sub-byte and bit shells), and
+# bool, whose copy kernel writes 1 for any byte that is not 0 (a bool view of raw bytes would not come back as it was;
+# a cluster's copy moves bytes, so the two paths agree).
+_BYTE_COPIED = frozenset(d for d in (getattr(torch, f"{kind}{n}", None) for kind in ("uint", "int")
+                                      for n in range(1, 8)) if isinstance(d, torch.dtype)) | frozenset(
     d for d in (getattr(torch, n, None) for n in ("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16"))
-    if isinstance(d, torch.dtype))
+    if isinstance(d, torch.dtype)) | {torch.bool}
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _copy_values(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` (same dtype and shape), through same-sized ints for a dtype without a copy kernel."""
-    if src.dtype in _NO_COPY_KERNEL:
+    """``dst.copy_(src)`` (same dtype and shape), through same-sized ints for the dtypes of ``_BYTE_COPIED``."""
+    if src.dtype in _BYTE_COPIED:
         as_int = _INT_OF_SIZE[src.element_size()]
         dst, src = dst.view(as_int), src.view(as_int)
     dst.copy_(src)
