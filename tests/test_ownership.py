@@ -770,3 +770,28 @@ def test_a_bool_view_of_raw_bytes_comes_back_byte_for_byte():
     alone, cluster = plan_ownership([mask[1:3].t()]).apply(), plan_ownership([mask[1:3], mask[2:4]]).apply()
     assert torch.equal(alone[0].view(torch.uint8), raw[1:3].t())
     assert [c.view(torch.uint8).tolist() for c in cluster] == [raw[1:3].tolist(), raw[2:4].tolist()]
+
+
+def test_apply_refuses_a_tensor_changed_since_the_plan_before_copying():
+    # A plan keeps its views: one given another storage (t.data = ..., t.set_) or shrunk under it before apply()
+    # made the cluster's copy read the wrong storage (the other view got 7s and uninitialised bytes, not 5..14).
+    x = torch.arange(1000.0)
+    v = x[0:10]
+    plan = plan_ownership([v, x[5:15]])
+    assert len(plan.pieces) == 1  # one cluster: one range copied
+    v.data = torch.full((10,), 7.0)
+    with pytest.raises(ValueError, match="changed since plan_ownership"):
+        plan.apply()
+    y = torch.arange(1000.0)
+    w = y[0:10]
+    plan = plan_ownership([w, y[5:15]])
+    w.set_(torch.arange(20.0).untyped_storage(), 0, (10,))
+    with pytest.raises(ValueError, match="changed since plan_ownership"):
+        plan.apply(torch.empty(plan.copy_bytes, dtype=torch.uint8))
+    z = torch.arange(1000.0)
+    plan = plan_ownership([z[0:10], z[5:15]])
+    z.untyped_storage().resize_(8)
+    with pytest.raises(ValueError, match="expected a storage of at least"):
+        plan.apply()
+    fresh = plan_ownership([y[0:10], y[5:15]]).apply()  # unchanged: copied as before
+    assert [f.tolist() for f in fresh] == [list(range(10)), list(range(5, 15))]

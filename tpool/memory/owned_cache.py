@@ -443,14 +443,14 @@ class OwnedCache:
         if self.arena is not None and plan.copy_bytes:
             block = self.arena.alloc(plan.copy_bytes)
             try:
-                value = plan.apply(self.arena.bytes_of(block, plan.copy_bytes))
+                value = plan._apply(self.arena.bytes_of(block, plan.copy_bytes))
             except BaseException:
                 self.arena.free(block)
                 raise
             self._current += block.size + plan.leaf_bytes
             self._blocks += 1
             return _Entry(value, block.size, plan.payload_bytes, {}, block, leaf_bytes=plan.leaf_bytes)
-        value = plan.apply()
+        value = plan._apply()  # (planned just now, under the lock: nothing to check again)
         storages = {accounting.storage_key(t): t.untyped_storage() for t in accounting.iter_tensors(value)}
         for skey, storage in storages.items():
             charged = self._ledger.setdefault(skey, _Charged(storage, storage.nbytes()))

@@ -571,9 +571,23 @@ class OwnershipPlan:
         ValueError
             ``out`` is not uint8, 1-D and contiguous, on the copies' device,
             at least ``copy_bytes`` long, or its start is not aligned; or the
-            views to copy are on several devices. Checked before anything is
-            copied.
+            views to copy are on several devices; or a tensor of ``value`` is
+            no longer what the plan priced (its storage resized under it so
+            that it reaches past its end, or another storage, offset, shape,
+            strides, dtype or ``requires_grad`` since ``plan_ownership``, as
+            ``t.data = ...`` or ``t.set_(...)`` make): the copies would read
+            bytes that are not its values. Checked before anything is copied.
         """
+        for sig, t in self.views.items():  # (put applies its plan at once, under its lock: it calls _apply)
+            now = _signature(t)  # (ValueError if t reaches past its storage now)
+            if now != sig:
+                raise ValueError(f"a tensor of the plan changed since plan_ownership: expected storage, offset, "
+                                 f"shape, strides, dtype and flags {sig}, got {now} (t.data = ..., t.set_(...)); "
+                                 "plan again")
+        return self._apply(out)
+
+    def _apply(self, out: torch.Tensor | None = None) -> Any:
+        """:meth:`apply` without checking that the tensors are still what the plan priced (a plan applied at once)."""
         if out is not None:
             self._check_out(out)
         owned = {}
