@@ -418,6 +418,17 @@ def test_check_invariants_detects_tampering():
         cache.check_invariants()
 
 
+@pytest.mark.parametrize("arena", [False, True])
+def test_check_invariants_names_the_key_of_a_tensor_whose_storage_was_freed_under_it(arena):
+    # The caller frees a stored tensor's storage under it (FSDP-style): check_invariants raised check_ownable's
+    # plain ValueError, not the InvariantViolation naming the entry that it promises for any mismatch.
+    cache = OwnedCache(4 * UNIT, arena=Arena(8 * UNIT, "cpu") if arena else None)
+    cache.put("a", full())
+    cache.get("a").untyped_storage().resize_(0)
+    with pytest.raises(InvariantViolation, match="'a' holds what put refuses.*got a storage of 0 bytes"):
+        cache.check_invariants()
+
+
 def test_get_returns_a_fresh_container_so_replacing_items_leaves_the_cache_alone():
     x, y = full(), full()
     cache = OwnedCache(4 * UNIT)

@@ -772,6 +772,8 @@ class OwnedCache:
         for key, e in self._entries.items():
             try:  # what put checked: a caller may change it since (c.get("t").extra = big)
                 tensors = list(accounting.iter_tensors(e.value))
+                for t in tensors:  # (a storage shrunk under a stored tensor: t.untyped_storage().resize_(0))
+                    accounting.check_ownable(t)
                 leaf_bytes = accounting.leaf_bytes(e.value)
             except Exception as err:  # (any: a caller's change may make a read raise anything)
                 raise InvariantViolation(f"OwnedCache invariant broken: {key!r} holds what put refuses, "
