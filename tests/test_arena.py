@@ -280,3 +280,14 @@ def test_memory_bytes_counts_the_storage_of_a_buffer_cut_to_align_it():
         pytest.skip("every buffer came 64 KiB-aligned: none was cut")
     assert arena.memory_bytes()["storage_bytes"] == (1 << 16) + (1 << 16) - 1
     assert arena.memory_bytes()["capacity_bytes"] == 1 << 16
+
+
+def test_an_arena_made_under_inference_mode_is_written_outside_it():
+    # An engine's set-up often runs under torch.inference_mode(): the buffer was an inference tensor then, and
+    # bytes_of(block), the documented place to copy into, refused any in-place write outside the mode.
+    with torch.inference_mode():
+        arena = Arena(4096, "cpu")
+    assert not arena.buffer.is_inference()
+    block = arena.alloc(64)
+    arena.bytes_of(block).fill_(7)
+    assert arena.view(block, torch.uint8, 64).tolist() == [7] * 64

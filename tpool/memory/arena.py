@@ -48,6 +48,7 @@ class Block:
     serial: int  # unique per allocation, across all arenas
 
 
+@torch.inference_mode(False)  # (a normal tensor whatever the caller's mode: blocks are written outside it too)
 def _aligned_bytes(n: int, alignment: int, device: torch.device) -> torch.Tensor:
     """A uint8 tensor of ``n`` bytes whose address is a multiple of ``alignment`` (a power of two)."""
     buf = torch.empty(n, dtype=torch.uint8, device=device)
