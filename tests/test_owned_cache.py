@@ -1901,3 +1901,17 @@ def test_cuda_a_tensor_on_another_device_than_the_arena_is_refused():
         cache.put("g", torch.ones(4, device="cuda"))
     assert cache.keys() == ["a"] and cache.stats().rejections == 0
     cache.check_invariants()
+
+
+@pytest.mark.parametrize("arena", [False, True])
+def test_a_value_put_under_inference_mode_is_written_in_place_outside_it(arena):
+    # README: in-place writes to what get returns reach the cache. A copy made under torch.inference_mode() (a
+    # serving loop's usual mode) was an inference tensor, and such a write outside the mode raised RuntimeError.
+    with torch.inference_mode():
+        cache = OwnedCache(4 * UNIT, arena=Arena(8 * UNIT, "cpu") if arena else None)
+        batch = torch.arange(512.0)
+        assert cache.put("k", {"x": batch[256:], "y": batch[300:310]})
+    got = cache.get("k")
+    got["x"].mul_(2)
+    assert cache.get("k")["x"][:2].tolist() == [512.0, 514.0] and not got["y"].is_inference()
+    cache.check_invariants()

@@ -795,3 +795,18 @@ def test_apply_refuses_a_tensor_changed_since_the_plan_before_copying():
         plan.apply()
     fresh = plan_ownership([y[0:10], y[5:15]]).apply()  # unchanged: copied as before
     assert [f.tolist() for f in fresh] == [list(range(10)), list(range(5, 15))]
+
+
+def test_copies_made_under_inference_mode_are_normal_tensors():
+    # A view of a normal tensor is a normal tensor even when made under torch.inference_mode(); its copy was an
+    # inference tensor, which torch refuses an in-place write (and a place in autograd) outside the mode.
+    batch = torch.arange(40.0).reshape(10, 4)
+    with torch.inference_mode():
+        item = batch[2:4]
+        alone, pair = own(item), plan_ownership([batch[1:3], batch[2:5]]).apply()
+    assert not item.is_inference() and storage_bytes(alone) == 32
+    for t in [alone, *pair]:
+        assert not t.is_inference()
+        t.add_(1)  # outside the mode, as the caller could with the view
+    assert alone.tolist() == [[9.0, 10.0, 11.0, 12.0], [13.0, 14.0, 15.0, 16.0]]
+    assert pair[0][1].tolist() == pair[1][0].tolist() == [10.0, 11.0, 12.0, 13.0]  # one copy: both adds
