@@ -810,3 +810,13 @@ def test_copies_made_under_inference_mode_are_normal_tensors():
         t.add_(1)  # outside the mode, as the caller could with the view
     assert alone.tolist() == [[9.0, 10.0, 11.0, 12.0], [13.0, 14.0, 15.0, 16.0]]
     assert pair[0][1].tolist() == pair[1][0].tolist() == [10.0, 11.0, 12.0, 13.0]  # one copy: both adds
+
+
+def test_compact_refuses_an_out_that_is_not_contiguous():
+    # An overlapping view is rebuilt with its own strides on out's storage: over a strided out (every other byte)
+    # it read bytes the copy never wrote, [[0, 0, 1, 0], ...] for [[0, 1, 2, 3], ...], and nothing said so.
+    windows = torch.arange(16, dtype=torch.uint8).unfold(0, 4, 2)
+    n = compact_bytes(windows)
+    with pytest.raises(ValueError, match=r"contiguous, on cpu, got torch.uint8 \[16\] strides \(2,\)"):
+        ownership.compact(windows, out=torch.zeros(2 * n, dtype=torch.uint8)[::2])
+    assert ownership.compact(windows, out=torch.zeros(n, dtype=torch.uint8)).tolist() == windows.tolist()

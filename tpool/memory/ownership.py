@@ -134,9 +134,9 @@ def compact(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     t : torch.Tensor
         Any shape and dtype; dense strided.
     out : torch.Tensor, optional
-        Shape ``[compact_bytes(t)]``, uint8, on ``t.device``, its start
-        aligned to ``t.element_size()``: where to put the copy (an arena
-        block). By default a fresh tensor is allocated (in pinned memory when
+        Shape ``[compact_bytes(t)]``, uint8, contiguous, on ``t.device``,
+        its start aligned to ``t.element_size()``: where to put the copy (an
+        arena block). By default a fresh tensor is allocated (in pinned memory when
         ``t``'s storage is pinned).
 
     Returns
@@ -157,7 +157,9 @@ def compact(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         ``t`` has no ordinary storage (see :func:`check_ownable`).
     ValueError
         ``t`` reaches past its storage (see :func:`check_ownable`), or ``out``
-        is not uint8 of shape ``[compact_bytes(t)]`` on ``t.device``. (A
+        is not uint8 of shape ``[compact_bytes(t)]``, contiguous, on
+        ``t.device`` (an overlapping view is rebuilt with its own strides on
+        ``out``'s storage, which a strided ``out`` does not hold in order). (A
         start of ``out`` not aligned to ``t.element_size()`` is not checked
         here; torch's ``view(dtype)`` raises ``RuntimeError`` for it.)
     """
@@ -169,10 +171,11 @@ def compact(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         flat = torch.empty(n, dtype=t.dtype, device=t.device, pin_memory=_pinned(t.untyped_storage()))
     else:
         want = n * t.element_size()
-        if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != want or out.device != t.device:
+        if (out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != want or out.device != t.device
+                or not out.is_contiguous()):
             raise ValueError(
-                f"out must be uint8 of shape [{want}] on {t.device}, "
-                f"got {out.dtype} {list(out.shape)} on {out.device}"
+                f"out must be uint8 of shape [{want}], contiguous, on {t.device}, "
+                f"got {out.dtype} {list(out.shape)} strides {out.stride()} on {out.device}"
             )
         flat = out.view(t.dtype)
     with torch.no_grad():
