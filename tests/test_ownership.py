@@ -820,3 +820,19 @@ def test_compact_refuses_an_out_that_is_not_contiguous():
     with pytest.raises(ValueError, match=r"contiguous, on cpu, got torch.uint8 \[16\] strides \(2,\)"):
         ownership.compact(windows, out=torch.zeros(2 * n, dtype=torch.uint8)[::2])
     assert ownership.compact(windows, out=torch.zeros(n, dtype=torch.uint8)).tolist() == windows.tolist()
+
+
+def test_a_fake_tensor_is_refused_for_having_no_storage_not_for_its_attributes():
+    # A FakeTensor keeps its mode in an attribute: retained_bytes and plan_ownership (OwnedCache.put) named that
+    # ("'fake_mode' holds a FakeTensorMode"), sending the caller after its attributes; it has no storage at all.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        fake = torch.empty(10, 10)
+    for fn in (retained_bytes, plan_ownership, own):
+        with pytest.raises(TypeError, match="tensor subclass FakeTensor with __torch_dispatch__"):
+            fn(fake)
+    shrunk = torch.randn(8)
+    shrunk.tag = "kept"  # small plain data: fine; the storage freed under it is what is wrong
+    shrunk.untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match="got a storage of 0 bytes"):
+        retained_bytes([shrunk])

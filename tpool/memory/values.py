@@ -91,6 +91,7 @@ def _kind(obj: Any, check: bool = True) -> str:
         if check:
             attrs = tensor_attrs(obj)
             if attrs:
+                _check_storage(obj)  # (a FakeTensor's fake_mode, a DTensor's local tensor: no storage is the cause)
                 _check_attrs(attrs, "a tensor")
             base = obj._base  # a view keeps the tensor it views alive, with its attributes
             if base is not None and (attrs := tensor_attrs(base)):
@@ -109,6 +110,14 @@ def _kind(obj: Any, check: bool = True) -> str:
             if _check_attrs(attrs, f"a {type(obj).__name__}", obj) if check else _aliases(attrs, obj):
                 kind += "+attrs"
     return kind
+
+
+def _check_storage(t: torch.Tensor) -> None:
+    """:func:`~tpool.memory.accounting.check_ownable`, asked before a tensor's attributes are checked: a tensor
+    without ordinary storage (a FakeTensor, a DTensor: dispatch subclasses that keep their state in attributes)
+    is refused for that, not for what its attributes hold."""
+    from tpool.memory.accounting import check_ownable  # (accounting imports this module)
+    check_ownable(t)
 
 
 def storage_attrs(t: torch.Tensor) -> dict:
