@@ -836,3 +836,15 @@ def test_a_fake_tensor_is_refused_for_having_no_storage_not_for_its_attributes()
     shrunk.untyped_storage().resize_(0)
     with pytest.raises(ValueError, match="got a storage of 0 bytes"):
         retained_bytes([shrunk])
+
+
+def test_an_inference_out_given_under_inference_mode_is_still_written():
+    # Copies leave inference mode to be normal tensors, but not into a caller's inference tensor: torch refuses
+    # that write outside the mode (plan.apply(out) raised RuntimeError for an out made under it).
+    batch = torch.arange(40.0).reshape(10, 4)
+    with torch.inference_mode():
+        out = torch.zeros(256, dtype=torch.uint8)
+        pair = plan_ownership([batch[1:3], batch[2:5]]).apply(out)
+        alone = ownership.compact(batch[2:4], out=out[128:160])
+    assert pair[0].data_ptr() == out.data_ptr() and pair[1][0].tolist() == [8.0, 9.0, 10.0, 11.0]
+    assert alone.tolist() == batch[2:4].tolist()

@@ -39,7 +39,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
-import functools
 import math
 from collections import UserDict
 from collections.abc import Callable
@@ -112,20 +111,14 @@ def _distinct(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _normal_tensors(make):
-    """Run ``make`` with inference mode off when the caller has it on: what it makes is kept (a cache's copy),
-    and torch refuses an inference tensor an in-place write or a place in autograd outside that mode, which
-    the caller's tensor (a view of a normal tensor is one, even made in the mode) had."""
-    @functools.wraps(make)
-    def call(*args, **kwargs):
-        if torch.is_inference_mode_enabled():  # (asked first: entering the mode costs more than the question)
-            with torch.inference_mode(False):
-                return make(*args, **kwargs)
-        return make(*args, **kwargs)
-    return call
+def _make_normal(out: torch.Tensor | None) -> bool:
+    """Whether a copy into ``out`` (fresh memory if None) leaves inference mode first: when the caller has it on
+    and ``out`` is not an inference tensor. What is made is kept (a cache's copy), and torch refuses an
+    inference tensor an in-place write or a place in autograd outside the mode, which the caller's tensor (a
+    view of a normal tensor is one, even made in the mode) had; a caller's inference ``out`` stays in it."""
+    return torch.is_inference_mode_enabled() and (out is None or not out.is_inference())
 
 
-@_normal_tensors
 def compact(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy ``t`` into storage of exactly :func:`compact_bytes` bytes.
 
@@ -145,7 +138,8 @@ def compact(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         Same shape, dtype, device, values and ``requires_grad`` as ``t``
         (pinned if ``t`` is, without ``out``); a new autograd leaf, and a
         normal tensor even under ``torch.inference_mode()`` (an inference
-        tensor could not be written in place or used in autograd outside it). The
+        tensor could not be written in place or used in autograd outside it)
+        unless ``out`` is an inference tensor. The
         distinct part of ``t`` (every stride-0 dimension cut to size 1) copied contiguous and expanded back to the
         shape (stride 0 where ``t`` has it), or for an overlapping view the
         strides of ``t`` over a copy of its reachable range. With ``out``, a
@@ -164,6 +158,9 @@ def compact(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         here; torch's ``view(dtype)`` raises ``RuntimeError`` for it.)
     """
     t = check_ownable(t)
+    if _make_normal(out):  # (asked first: entering the mode costs more than the question)
+        with torch.inference_mode(False):
+            return compact(t, out)
     span, distinct = _span_elems(t), _distinct_elems(t)
     keep_strides = span < distinct
     n = span if keep_strides else distinct
@@ -515,11 +512,13 @@ def _place(pieces: list[_Piece]) -> tuple[tuple[_Piece, ...], int]:
     return tuple(placed), offset
 
 
-@_normal_tensors
 def _copy_span(piece: _Piece, views: dict[tuple, torch.Tensor], buf: torch.Tensor | None) -> dict[tuple, torch.Tensor]:
     """Copy ``piece``'s byte range into ``buf`` (``[piece.nbytes]`` uint8; fresh by default) and rebuild
     each of its views on the copy: same offset, shape, strides and dtype, relative to the range. The
     range may end past the storage (its size rounded up to an element): those bytes no view reads."""
+    if _make_normal(buf):
+        with torch.inference_mode(False):
+            return _copy_span(piece, views, buf)
     first = views[piece.sigs[0]]
     storage = first.untyped_storage()
     n = min(piece.nbytes, storage.nbytes() - piece.start)
