@@ -130,6 +130,39 @@ def test_the_compile_helper_compiles_the_variants_of_an_argument_of_one(tmp_path
         ["compiled", "recorded"], ["compiled", "aligned"], ["FAILED", "ones"]], proc.stdout
 
 
+def test_the_compile_helper_refuses_pipelined_loads(tmp_path):
+    """What the interpreter cannot show: Triton pipelines a loop's loads when asked (``tl.range(...,
+    num_stages=3)``), issuing a later iteration's loads (``cp.async``) before this one's stores and barriers.
+    The kernels' chunk loops read what earlier chunks wrote, so the helper fails a kernel whose PTX has
+    such loads (``HAZARDS``); the same loop over a plain ``range`` compiles to ordinary loads and passes."""
+    (tmp_path / "toy_pipelined.py").write_text(
+        "import triton\nimport triton.language as tl\n\n\n"
+        "@triton.jit(do_not_specialize=['n'])\ndef plain(x, n, BLOCK: tl.constexpr):\n"
+        "    acc = tl.zeros((BLOCK,), tl.int32)\n"
+        "    for s in range(0, n, BLOCK):\n"
+        "        acc += tl.load(x + s + tl.arange(0, BLOCK), mask=s + tl.arange(0, BLOCK) < n, other=0)\n"
+        "    tl.store(x + tl.arange(0, BLOCK), acc)\n\n\n"
+        "@triton.jit(do_not_specialize=['n'])\ndef staged(x, n, BLOCK: tl.constexpr):\n"
+        "    acc = tl.zeros((BLOCK,), tl.int32)\n"
+        "    for s in tl.range(0, n, BLOCK, num_stages=3):\n"
+        "        acc += tl.load(x + s + tl.arange(0, BLOCK), mask=s + tl.arange(0, BLOCK) < n, other=0)\n"
+        "    tl.store(x + tl.arange(0, BLOCK), acc)\n")
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps([dict(module="toy_pipelined", name=name, signature={"x": "*i32", "n": "i32",
+                                     "BLOCK": "constexpr"}, constexprs={"BLOCK": 256}, num_warps=2)
+                                for name in ("plain", "staged")]))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    helper = os.path.join(os.path.dirname(__file__), "_compile_kernels.py")
+    proc = subprocess.run([sys.executable, helper, str(path)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split()[:3] for line in lines] == [["compiled", kind, "plain"] for kind in ("recorded", "aligned",
+                                                                                              "ones")] + [
+        ["FAILED", kind, "staged"] for kind in ("recorded", "aligned", "ones")], proc.stdout
+    assert all("cp.async: pipelined loads" in line for line in lines[3:]), proc.stdout
+
+
 def test_row_numbers_and_page_counts_are_not_specialised():
     """Triton compiles a variant of a kernel for an int argument that is 1 or a multiple of 16 (one per
     kind, at its first launch). A row number or a page count is a value, not a shape: without
