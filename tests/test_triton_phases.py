@@ -45,8 +45,8 @@ def test_the_check_finds_a_lane_writing_what_another_lane_reads(tmp_path):
 def test_every_kernel_is_race_free_between_lanes():
     """Every kernel the library launches, on the compile check's workload, touches that make the LRU cleaner
     move live entries past stale ones, and randomized lockstep episodes (valid calls, misuse, hand edits,
-    LRU-heavy mixes, batches past the pool's pages) in 4-lane chunks: no lane reads or overwrites what another lane of its program wrote or read since the last
-    barrier, and no atomic meets a plain access there."""
+    LRU-heavy mixes, batches past the pool's pages) in 4-lane chunks: no lane reads or overwrites what another
+    lane of its program wrote or read since the last barrier, and no atomic meets a plain access there."""
     code = (
         "import random, torch\ntorch.set_num_threads(1)\n"
         "import tpool.backends.triton\nimport triton_phases, triton_guard\n"
