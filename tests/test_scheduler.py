@@ -1989,3 +1989,35 @@ def test_nested_sequences_are_refused_not_read_flat(backend):
         with pytest.raises(ValueError, match=match):
             call()
     assert (m.free, pool.available()) == before[:2] and torch.equal(m.table.seq_lens, before[2]) and m.exact
+
+
+def test_the_accounting_loops_refuse_rows_past_the_records_and_tokens_of_another_length():
+    """decode_accounting, extra_pages and truncate_accounting indexed the records with their rows, and ``n``
+    or ``new_lens`` with the row's position, unchecked (numba does not bound indexes): given records that are
+    a view of a larger array, row 6 of 4 read and wrote the rows past the view, and ``n`` of one entry for two
+    rows read the entry past it. Now each refuses such input (BAD_INPUT, -2, 3), nothing written, as the
+    other loops of the module do."""
+    from tpool.scheduling import _decode as D
+    big = np.zeros((8, 6), np.int64)
+    big[:, D.LIMIT] = 100
+    st, out = big[:4], np.zeros(5, np.int64)
+    before = big.copy()
+    rows, two = np.array([6], np.int64), np.array([0, 1], np.int64)
+    n_big = np.array([1, 50, 50], np.int64)
+    assert D.decode_accounting(st, rows, D.EMPTY, 1, 4, 1, 10, out) == D.BAD_INPUT
+    assert D.decode_accounting(st, np.array([-1], np.int64), D.EMPTY, 1, 4, 1, 10, out) == D.BAD_INPUT
+    assert D.decode_accounting(st, two, n_big[:1], 0, 4, 1, 10, out) == D.BAD_INPUT
+    assert D.decode_accounting(st, two, D.EMPTY, 1, 4, 1, 10, out[:4]) == D.BAD_INPUT
+    assert D.decode_accounting(big[:4, :5], two, D.EMPTY, 1, 4, 1, 10, out) == D.BAD_INPUT
+    assert D.extra_pages(st, rows, D.EMPTY, 1, 4) == -2
+    assert D.extra_pages(st, two, n_big[:1], 0, 4) == -2
+    assert D.truncate_accounting(st, rows, np.zeros(1, np.int64), 4, 1, 10, out) == 3
+    assert D.truncate_accounting(st, two, np.zeros(1, np.int64), 4, 1, 10, out) == 3
+    assert D.truncate_accounting(st, two, np.zeros(2, np.int64), 4, 1, 10, out[:2]) == 3
+    assert (big == before).all() and (out == 0).all()
+    # (the rows inside the records still run)
+    assert D.decode_accounting(st, two, D.EMPTY, 1, 4, 1, 10, out) == D.FITS and st[:2, D.HI].tolist() == [1, 1]
+    assert D.extra_pages(st, two, np.array([3, 4], np.int64), 0, 4) == 1
+    assert D.truncate_accounting(st, two, np.zeros(2, np.int64), 4, 1, 10, out) == 0
+    assert (big[4:] == before[4:]).all()
+

@@ -17,7 +17,20 @@ from tpool.kernels._numba_util import i32_array, i64_array
 LO, HI, LIMIT, SHARED, RES, GEN = 0, 1, 2, 3, 4, 5
 
 # Return codes of decode_accounting
-FITS, PAST_MAX_LEN, NO_ROOM = 0, 1, 2
+FITS, PAST_MAX_LEN, NO_ROOM, BAD_INPUT = 0, 1, 2, 3
+
+
+@numba.njit(inline="always")
+def _rows_inside(st, rows, n, per_row, out_len, out):
+    """Whether every row of ``rows`` is a row of records ``st`` (of at least 6 columns), ``n`` has one
+    entry per row when ``per_row``, and ``out`` at least ``out_len`` entries: numba does not bound an
+    index, so a loop that indexes the records by its rows checks them first."""
+    if st.shape[1] <= GEN or out.shape[0] < out_len or (per_row and n.shape[0] != rows.shape[0]):
+        return False
+    for i in range(rows.shape[0]):
+        if rows[i] < 0 or rows[i] >= st.shape[0]:
+            return False
+    return True
 
 
 @numba.njit(inline="always")
@@ -49,11 +62,14 @@ def decode_accounting(st, rows, n, n_scalar, ps, lookahead, unreserved, out):
     is left unreserved. ``out`` (int64 ``[5]``) gets: pages taken, reserved pages used,
     reserved pages granted, 1 if every row got its full reservation and has room for
     ``lookahead`` more tokens before its limit (else 0: ``preemption``'s O(1) answer
-    for the next step needs both), and 1 if some row has ``lo != hi`` (else 0).
+    for the next step needs both), and 1 if some row has ``lo != hi`` (else 0). Returns
+    ``BAD_INPUT`` (nothing written) when a row lies outside the records or the arrays do not match.
     """
     B = rows.shape[0]
     shift = _shift(ps)
     per_row = n.shape[0] > 0
+    if not _rows_inside(st, rows, n, per_row, 5, out):
+        return BAD_INPUT
     taken = used = 0
     uncertain = 0
     for i in range(B):
@@ -96,9 +112,12 @@ def decode_accounting(st, rows, n, n_scalar, ps, lookahead, unreserved, out):
 @cached_njit(nogil=True)
 def extra_pages(st, rows, n, n_scalar, ps):
     """Pages ``n`` more tokens of each row need beyond the row's reservation (``n`` as for
-    :func:`decode_accounting`), or -1 if a row would pass its limit. Writes nothing."""
+    :func:`decode_accounting`), or -1 if a row would pass its limit, -2 if a row lies outside the
+    records or ``n`` is not one per row. Writes nothing."""
     shift = _shift(ps)
     per_row = n.shape[0] > 0
+    if not _rows_inside(st, rows, n, per_row, 0, n):
+        return -2
     extra = 0
     for i in range(rows.shape[0]):
         q = rows[i]
@@ -141,10 +160,13 @@ def truncate_accounting(st, rows, new_lens, ps, lookahead, unreserved, out):
     reservations back up to the next ``lookahead`` tokens, in row order, from
     ``unreserved`` plus the pages credited. ``out`` (int64 ``[5]``) gets: pages credited,
     reserved pages granted, 1 if a credit may be short (a length was uncertain or a shared
-    prefix was cut).
+    prefix was cut). Returns 3 (nothing written) when a row lies outside the records or the
+    arrays do not match.
     """
     B = rows.shape[0]
     shift = _shift(ps)
+    if not _rows_inside(st, rows, new_lens, True, 3, out):
+        return 3
     for i in range(B):
         k, q = new_lens[i], rows[i]
         if k < 0 or k > st[q, LO]:

@@ -508,7 +508,10 @@ class Accounting:
         """Pages beyond their reservations that ``n`` more tokens of rows ``r`` need; -1 if a row
         would pass its max_len."""
         per_row = n.ndim > 0
-        return extra_pages(self._st, r, n if per_row else EMPTY, 0 if per_row else int(n), self.page_size)
+        extra = extra_pages(self._st, r, n if per_row else EMPTY, 0 if per_row else int(n), self.page_size)
+        if extra == -2:
+            raise AssertionError(f"HostMirror: rows {_head(r)} outside the books (checked before: a bug)")
+        return extra
 
     def preemption(self, rows, priority, n=1, *, count_cached: bool = False) -> list:
         """Which of ``rows`` to release so that ``decode`` of the rest fits: lowest priority first.

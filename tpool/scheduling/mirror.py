@@ -43,8 +43,8 @@ import torch
 
 from tpool import _checks
 from tpool.kernels import layout as L
-from tpool.scheduling._decode import (EMPTY, NO_ROOM, PAST_MAX_LEN, decode_accounting, fill_lanes, finish_accounting,
-                                     truncate_accounting)
+from tpool.scheduling._decode import (BAD_INPUT, EMPTY, NO_ROOM, PAST_MAX_LEN, decode_accounting, fill_lanes,
+                                     finish_accounting, truncate_accounting)
 from tpool.scheduling.accounting import Accounting, WouldNotFit, _bucket, _cdiv, _head, _int_array, _plain
 from tpool.scheduling.mixed import MixedSteps
 from tpool.scheduling.snapshot import MirrorSnapshot, reconcile
@@ -303,6 +303,8 @@ class HostMirror(MixedSteps, Accounting):
         each = 0 if per_row else int(n)  # the tokens of every row when n is one number
         code = decode_accounting(self._st, r, n if per_row else EMPTY, each, self.page_size, self.lookahead,
                                  self.unreserved, acct)
+        if code == BAD_INPUT:
+            raise AssertionError(f"HostMirror.decode: rows {_head(r)} outside the books (checked before: a bug)")
         if code == PAST_MAX_LEN:
             self._refuse_past_max_len("decode", r, n)
         if code == NO_ROOM:
@@ -425,6 +427,8 @@ class HostMirror(MixedSteps, Accounting):
             self._refuse_below_shared(r, nl, "new_lens")
         code = 1 if nl.shape != r.shape else truncate_accounting(self._st, r, nl, ps, self.lookahead,
                                                                  self.unreserved, out)
+        if code == 3:
+            raise AssertionError(f"HostMirror.truncate: rows {_head(r)} outside the books (checked before: a bug)")
         if code == 2:  # nothing written: name the rows (the same test as the accounting's)
             self._refuse_shared_ends(r, (nl >= 0) & (nl < self.hi[r]) & (nl % ps != 0) & (nl // ps < self.shared[r]),
                                      "new_lens")

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from tpool import _checks
-from tpool.scheduling._decode import EMPTY, FITS, NO_ROOM, PAST_MAX_LEN, decode_accounting
-from tpool.scheduling.accounting import WouldNotFit, _bucket, _cdiv
+from tpool.scheduling._decode import BAD_INPUT, EMPTY, FITS, NO_ROOM, PAST_MAX_LEN, decode_accounting
+from tpool.scheduling.accounting import WouldNotFit, _bucket, _cdiv, _head
 
 
 class MixedStep(NamedTuple):
@@ -129,6 +129,8 @@ class MixedSteps:
         code = decode_accounting(self._st, r, nn if per_row else EMPTY, 0 if per_row else int(nn), ps,
                                  self.lookahead, self.unreserved - admit, acct) if b else \
             (NO_ROOM if admit > self.unreserved else FITS)
+        if code == BAD_INPUT:
+            raise AssertionError(f"HostMirror.step: rows {_head(r)} outside the books (checked before: a bug)")
         if code == PAST_MAX_LEN:
             self._refuse_past_max_len("step", r, nn)
         if code == NO_ROOM:
