@@ -528,7 +528,7 @@ def test_bounds_a_fork_rollback_or_revive_may_not_pass_are_refused_before_anythi
     (r,) = m.admit([3 * PS])
     m.rollback([r], table.seq_lens[r:r + 1] - PS, [PS + 2])   # bounds (PS + 2, 3 * PS) until a reconciliation
     before = (m.free, m.reserved, m.live.tolist(), m.length_bounds(r))
-    for call, match in ((lambda: m.fork(r, 3 * PS), "n_tokens <= its sure length"),
+    for call, match in ((lambda: m.fork(r, 3 * PS), r"n_tokens at most src's sure length \(6 tokens"),
                         (lambda: m.rollback([r], table.seq_lens[r:r + 1].clone(), [3 * PS + 1]),
                          r"min_lens: expected one per row within \[0, hi\]"),
                         (lambda: m.revive(i32([0, 1]), PS + 1), "whole pages")):
@@ -2021,3 +2021,21 @@ def test_the_accounting_loops_refuse_rows_past_the_records_and_tokens_of_another
     assert D.truncate_accounting(st, two, np.zeros(2, np.int64), 4, 1, 10, out) == 0
     assert (big[4:] == before[4:]).all()
 
+
+def test_a_refused_fork_names_what_to_change(backend):
+    """The refusal said "expected a running src and 0 <= n_tokens <= its sure length <= max_len" whichever part
+    failed, without the sure length, and asked for a sure length within max_len, which is not checked (a fork of
+    the first 3 tokens of a row of 5 with max_len 4 runs). Each refusal now names the part and its bound."""
+    pool, table, m = _setup(backend, num_pages=16, rows=4, max_pages=4)
+    (row,) = m.admit([5], [16])
+    before = _books(pool, table, m)
+    with pytest.raises(ValueError, match=r"fork: expected a running src \(an int in \[0, 4\) .*got src=3$"):
+        m.fork(3, 1)
+    with pytest.raises(ValueError, match=r"fork: expected n_tokens at most src's sure length \(5 tokens, .*got "
+                                         r"n_tokens=6$"):
+        m.fork(row, 6)
+    with pytest.raises(ValueError, match=r"fork: expected n_tokens <= max_len <= 16 .*got n_tokens=3, max_len=2$"):
+        m.fork(row, 3, 2)
+    assert _books(pool, table, m) == before
+    new = m.fork(row, 3, 4)       # a sure length past max_len is no reason to refuse
+    assert m.length_bounds(new) == (3, 3)

@@ -525,10 +525,15 @@ class HostMirror(MixedSteps, Accounting):
         """
         src, n_tokens = _checks.check_size(src, "src"), _checks.check_size(n_tokens, "n_tokens")
         ps, m = self.page_size, self.capacity if max_len is None else _checks.check_size(max_len, "max_len")
-        if not (0 <= src < self.live.size and self.live[src] and 0 <= n_tokens <= self.lo[src]
-                and n_tokens <= m <= self.capacity):
-            raise ValueError(f"fork: expected a running src and 0 <= n_tokens <= its sure length <= max_len, got "
-                             f"src={src}, n_tokens={n_tokens}, max_len={max_len}")
+        if not (0 <= src < self.live.size and self.live[src]):
+            raise ValueError(f"fork: expected a running src (an int in [0, {self.live.size}) that holds a request), "
+                             f"got src={src}")
+        if not n_tokens <= self.lo[src]:
+            raise ValueError(f"fork: expected n_tokens at most src's sure length ({int(self.lo[src])} tokens, "
+                             f"length_bounds(src)[0]), got n_tokens={n_tokens}")
+        if not n_tokens <= m <= self.capacity:
+            raise ValueError(f"fork: expected n_tokens <= max_len <= {self.capacity} (the mirror's capacity), got "
+                             f"n_tokens={n_tokens}, max_len={max_len}")
         cow = int(n_tokens % ps != 0)
         room = self.unreserved + self._evictable(count_cached)
         if cow > self.free or cow + int(self._target_new(n_tokens, m)) > room:
