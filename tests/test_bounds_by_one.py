@@ -362,7 +362,8 @@ def test_y05_a_revive_counts_the_cached_pages_it_takes_out_of_its_room(backend):
     one)."""
     pool, m, a, pages = _full_mirror(backend)
     before = _books(m)
-    with pytest.raises(WouldNotFit, match="revive: its reservation needs pages"):
+    with pytest.raises(WouldNotFit, match=r"revive: its reservation needs 1 page\(s\), 0 can be taken \(0 "
+                                          r"unreserved and 0 of the CACHED pages it does not revive\)"):
         m.revive(pages, 8, max_len=9, count_cached=True)
     assert _books(m) == before
     m.revive(pages, 8, max_len=8, count_cached=True)      # no reservation needed: runs

@@ -621,7 +621,9 @@ class HostMirror(MixedSteps, Accounting):
         gather buffers, plain int32 tensors of its making that it need not check again."""
         room = self.unreserved + max(self._evictable(count_cached) - k, 0)
         if (need := self._target_new(n_tokens, m)) > room:
-            raise WouldNotFit(f"revive: its reservation needs pages, {self.unreserved} unreserved")
+            cached = f" and {room - self.unreserved} of the CACHED pages it does not revive" if count_cached else ""
+            raise WouldNotFit(f"revive: its reservation needs {need} page(s), {room} can be taken ({self.unreserved} "
+                              f"unreserved{cached}): preempt, evict or wait")
         (row,) = self._take_rows(1)  # (WouldNotFit without a free row, before anything changes)
         self._seq += 1
         self._full = None
