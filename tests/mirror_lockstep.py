@@ -531,7 +531,9 @@ class Driver:
         m, rng = self.m, self.rng
         before, dev = self.books(), self.device()
         run = self.running()
-        kind = rng.randrange(7)
+        kind = rng.randrange(12)
+        ps = self.ps
+        shared = [r for r in run if m.shared[r] and ps > 1 and m.lo[r] >= m.shared[r] * ps]
         try:
             if kind == 0 and run:
                 r = rng.choice(run)
@@ -553,6 +555,23 @@ class Driver:
                 if m.fits(run, n):
                     return
                 m.decode(run, n)
+            elif kind == 7 and shared:   # to the middle of a page the row may share
+                r = rng.choice(shared)
+                m.truncate([r], [int(m.shared[r]) * ps - 1])
+            elif kind == 8 and self.cache is not None:
+                named = [r for r in run if m.named[r] or m.shared[r]]
+                if named and rng.random() < 0.5:
+                    m.finish([rng.choice(named)])   # would leave the cache's entries naming FREE pages
+                else:
+                    m.evict(1)                      # through the cache only
+            elif kind == 9 and run:
+                r = rng.choice(run)
+                m.rollback([r], self.table.seq_lens[r:r + 1].clone(), [int(m.hi[r]) + 1])
+            elif kind == 10 and m.capacity > 0 and -(-m.capacity // ps) > m.unreserved:
+                m.step([], 1, [m.capacity], [m.capacity])
+            elif kind == 11 and run:
+                r = rng.choice(run)
+                m.fork(r, int(m.lo[r]) + 1)
             else:
                 return
         except ValueError as e:   # WouldNotFit included
