@@ -480,6 +480,8 @@ def test_with_a_table_the_pages_stop_where_its_slots_pass_int32():
     assert plan_pages(64, 0.5, total_bytes=1 << 50, free_bytes=1 << 50).num_pages == MAX_INDEXED   # no table
     with pytest.raises(ValueError, match=f"min_pages: expected at most {INT32_MAX // 64} .* got {INT32_MAX // 64 + 1}"):
         plan_pages(64, 0.5, **kw, min_pages=INT32_MAX // 64 + 1)
+    # a max_pages given stops there too (a mutation test, helper-196: min(max_pages, MAX_INDEXED) passed)
+    assert plan_pages(64, 0.5, **kw, max_pages=MAX_INDEXED).num_pages == INT32_MAX // 64
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -663,6 +665,15 @@ def test_a_plan_of_no_pages_for_a_budget_under_a_page_or_max_pages_0():
                                                        "68,719,476,736 B)")
     assert plan_pages(PAGE, 0.8, min_pages=0, max_pages=0, **kw).explain().splitlines()[-1] == \
         "note: no pool (max_pages=0)"
+    # The edges (a mutation test, helper-196: >= and < could each move by one with no test failing): a
+    # budget of exactly one page holds one, so only max_pages=0 left it out; a budget of exactly 0 is short
+    # of nothing, it holds no page.
+    assert plan_pages(44 * GIB, 0.8, min_pages=0, max_pages=0, **kw).explain().splitlines()[-1] == \
+        "note: no pool (max_pages=0)"
+    zero = plan_pages(PAGE, 0.25, min_pages=0, **kw)                   # 20 GiB budget, 20 GiB in use
+    assert zero.num_pages == 0 and zero.pool_budget_bytes == 0
+    assert zero.explain().splitlines()[-1].startswith(f"note: no pool fits (the pool budget holds no page of "
+                                                      f"{PAGE:,} B)")
 
 
 @settings(max_examples=25, deadline=None)
