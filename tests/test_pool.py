@@ -326,6 +326,14 @@ def test_evict_into_an_out_longer_than_k_is_refused(make_pool):
     assert pool.stats()["pages.cached.current"] == 3
 
 
+def test_an_error_counts_zero_entries_in_the_plural(make_pool):
+    """A mutation test (helper-196): ``entries(n)`` said "1 entry" for 1 and "entries" otherwise, but no
+    test had n = 0, so "0 entry" (``n <= 1``) passed; an ``evict(0)`` into a one-entry out names it."""
+    pool = make_pool(4)
+    with pytest.raises(ValueError, match=r"out: expected 0 entries \(k\), got 1"):
+        pool.evict(0, out=torch.empty(1, dtype=torch.int32))
+
+
 def test_stats_follow_a_sequence(make_pool, guard):
     pool = make_pool(10)
     with guard():
