@@ -864,6 +864,8 @@ def test_forward_step_computes_only_the_kept_tokens_logits_the_rows_of_the_full_
     assert heads == [16, 6 if takes else 16]                    # the LM head's rows: the kept ones only
     # (6 rows: MKL rounds rows 5-6 ~1e-6 apart at 2 threads, the BLAS's choice: see Engine.logits_rows)
     torch.testing.assert_close(kept, full[keep], rtol=0, atol=1e-5)
+    with torch.no_grad():                                       # int32 indices: the same rows
+        assert torch.equal(forward_step(model, x, ctx, logits_to_keep=keep.int()), kept)
 
 
 @pytest.mark.parametrize("kind", ["llama", "no-logits-to-keep"])
@@ -895,7 +897,9 @@ def test_forward_step_refuses_logits_to_keep_that_are_not_token_indices_and_a_mo
     model = models["llama"]
     ctx = _step_context(model.config)
     for bad, got in ((1, "got 1"), (torch.tensor([[0, 1]]), r"got torch.int64 of shape \(1, 2\)"),
-                     (torch.tensor([0.0]), "got torch.float32")):
+                     (torch.tensor([0.0]), "got torch.float32"),
+                     (torch.tensor(4), r"got torch.int64 of shape \(\) on cpu"),      # 0-d: one row, no [K] dim
+                     (torch.tensor([4], device="meta"), r"got torch.int64 of shape \(1,\) on meta")):
         with pytest.raises(ValueError, match=r"logits_to_keep: expected None \(every token's logits\) or a 1-D int64 "
                                              r"\(or int32\) tensor of token indices in \[0, 8\) on cpu .*" + got):
             forward_step(model, torch.arange(8), ctx, logits_to_keep=bad)
