@@ -695,3 +695,12 @@ def test_chunk_tokens_counts_the_scores_when_query_heads_outnumber_kv_elements()
     3 * 4352 + 24 * 16 (masks, page ids) = 13,440 bytes a token, 4 tokens in 4 of those, not 840."""
     assert attention.chunk_tokens(100, 16, 1, 1, 64, chunk_bytes=4 * 13440) == 4
     assert attention.chunk_tokens(100, 16, 1, 1, 64, chunk_bytes=4 * 13440 - 1) == 3
+
+
+def test_chunk_tokens_counts_each_tokens_output_beside_its_keys_and_scores():
+    """A mutation test (helper-196): the einsum's output (``[C, Hq, D]`` float32, 64 bytes a token here) could
+    be dropped from a token's bytes with no test failing. Span 16, 2 K/V heads of 4, 4 query heads: keys 512
+    bytes (twice: einsum's copy), scores 4 * 17 * 4 = 272, output 64, masks and page ids 24 * 16 = 384:
+    1,744 bytes a token, so 3 tokens in 3 of those and 2 in a byte less (3 with 1,680, the output left out)."""
+    assert attention.chunk_tokens(100, 16, 2, 4, 4, chunk_bytes=3 * 1744) == 3
+    assert attention.chunk_tokens(100, 16, 2, 4, 4, chunk_bytes=3 * 1744 - 1) == 2
