@@ -63,7 +63,7 @@ FAILED_REQUESTS = 7  # alloc requests answered ok=False, total
 EVICTED = 8          # cached pages turned free by eviction, total
 REVIVED = 9          # cached pages taken back into use by incref (prefix hits)
 # Error counters: misuse, counted and never used as an address.
-ERR_INVALID_PAGE = 10    # page id outside [0, num_pages) and not -1
+ERR_INVALID_PAGE = 10    # page id outside [0, num_pages) and not -1 (revive: also -1, a page named twice)
 ERR_DOUBLE_FREE = 11     # free of a page that holds no reference
 ERR_USE_AFTER_FREE = 12  # incref / touch of a FREE page
 ERR_BAD_COUNT = 13       # negative count passed to alloc / extend

@@ -8,7 +8,9 @@ entries are -1 and its length 0, and the entries that could not be taken are
 counted as ``incref`` counts them, once per entry: ``invalid_page`` (an id
 outside the pool), ``use_after_free`` (FREE, or USED / CACHED under another
 generation than the recorded one: freed since), ``corrupt_state`` (no known
-state); a -1 or a page named twice counts nothing. A row outside ``[0, R)`` is
+state). A prefix has no padding and names each page once: a -1 counts one
+``invalid_page``, and so does each entry naming a page an earlier entry names,
+where it would be taken otherwise. A row outside ``[0, R)`` is
 ``bad_request``, else ``k > max_pages`` ``table_overflow``, else a row that is
 not empty ``bad_request``: nothing else happens. The clock ticks once.
 """
@@ -55,19 +57,25 @@ def revive_numba(
     elif seq_lens[row] != 0:
         counters[L.ERR_BAD_REQUEST] += 1
     else:
-        nu.count_pages(pages, P, occur, counters)  # occurrences per page; counts the ids outside the pool
+        nu.count_pages(pages, P, occur, counters)  # occurrences per page (>= 1); counts the ids outside the pool
         whole = True  # every page USED or CACHED and named once
         for i in range(N):
             p = pages[i]
-            if p < 0 or p >= P:  # padding, or counted above
+            if p < 0 or p >= P:  # outside the pool (counted above), or -1: no padding in a prefix
                 whole = False
+                if p == L.NULL_PAGE:
+                    counters[L.ERR_INVALID_PAGE] += 1
                 continue
+            again = occur[p] < 0  # an earlier entry names it (-1: seen)
+            occur[p] = -1
             state = page_state[p]
             if (state == L.USED or state == L.CACHED) and gens_ptr != 0 and gens[i] != page_gen[p]:
                 whole = False  # freed since its generation was recorded (and maybe handed out again)
                 counters[L.ERR_USE_AFTER_FREE] += 1
             elif state == L.USED or state == L.CACHED:
-                whole = whole and occur[p] == 1
+                if again:  # a page named twice: would be taken twice
+                    whole = False
+                    counters[L.ERR_INVALID_PAGE] += 1
             else:  # an entry that cannot be taken, counted as incref counts it
                 whole = False
                 if state == L.FREE:
@@ -115,7 +123,7 @@ def forget_row_numba(memo_ptr, b, row, td):
 
 
 # ---------------------------------------------------------------------- Triton
-# One program: the pool's claim pass over the pages (occurrences), a barrier, a
+# One program: the pool's claim pass over the pages (first entry per page), a barrier, a
 # pass that decides ``whole`` (all taken, none repeated, none of another generation
 # than recorded) and counts the entries
 # that cannot be taken, a barrier, a pass that increfs the pages and writes the
@@ -161,6 +169,7 @@ def revive_kernel(
     untaken = tl.zeros((), tl.int64)  # entries that cannot be taken, and taken pages named twice
     uaf = tl.zeros((), tl.int64)
     wrong = tl.zeros((), tl.int64)  # pages in no known state: corrupt
+    misnamed = tl.zeros((), tl.int64)  # -1s (no padding in a prefix), and pages an earlier entry names
     for start in range(0, n, BLOCK):
         i = start + lanes
         live = i < n
@@ -174,10 +183,11 @@ def revive_kernel(
         else:
             stale = tl.zeros((BLOCK,), tl.int1)
         taken = live_page & ~stale
-        once = tl.load(occur_ptr + p, mask=taken, other=0) == 1
+        first = tl.load(claim_ptr + p, mask=taken, other=-1) == i  # the first entry naming p (count_pages)
         uaf += tl.sum((valid & (state == FREE)).to(tl.int64)) + tl.sum(stale.to(tl.int64))
         wrong += tl.sum((valid & ~live_page & (state != FREE)).to(tl.int64))
-        untaken += tl.sum((live & ~(taken & once)).to(tl.int64))
+        misnamed += tl.sum(((live & (p == NULL_PAGE)) | (taken & ~first)).to(tl.int64))
+        untaken += tl.sum((live & ~(taken & first)).to(tl.int64))
     whole = good & (untaken == 0)
     tl.debug_barrier()
     revived = tl.zeros((), tl.int64)
@@ -197,7 +207,7 @@ def revive_kernel(
     tl.store(seq_lens_ptr + r, tl.where(whole, n.to(tl.int64) * page_size, 0).to(tl.int32), mask=good)
     c = counter_add(c, ERR_BAD_REQUEST, (~inr | (fits & ~empty)).to(tl.int64))
     c = counter_add(c, ERR_TABLE_OVERFLOW, (inr & ~fits).to(tl.int64))
-    c = counter_add(c, ERR_INVALID_PAGE, invalid)
+    c = counter_add(c, ERR_INVALID_PAGE, invalid.to(tl.int64) + misnamed)
     c = counter_add(c, ERR_USE_AFTER_FREE, uaf)
     c = counter_add(c, ERR_CORRUPT_STATE, wrong)
     c = counter_add(c, ERR_REFCOUNT_OVERFLOW, over)

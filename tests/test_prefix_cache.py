@@ -625,8 +625,9 @@ def test_a_row_a_refused_revive_left_empty_names_no_page_when_inserted(backend):
     m.finish([again], cache=True)
     third = cache.revive(longer, max_len=32)
     assert int(m.table.seq_lens[third]) == 0
-    with pytest.raises((UseAfterFree, InvalidPage)):
+    with pytest.raises((UseAfterFree, InvalidPage)) as e:
         pool.check()
+    assert e.value.counts == {"use_after_free": 2, "invalid_page": 2}   # the known entries stale, the new page -1
 
 
 def test_an_entry_hand_edited_to_name_another_page_of_its_generation_is_refused_on_the_device(backend):

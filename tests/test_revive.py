@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tpool
-from conftest import i32
+from conftest import CPU_BACKENDS, i32
 from tpool.kernels import layout as L
 from tpool.kernels.layout import INT32_MAX
 
@@ -15,13 +15,17 @@ SCRATCH = {"keys", "lane_end", "version", "row_version"}  # versions come from o
 
 
 def old_revive(table, row, pages, n_tokens):
-    """What ``HostMirror.revive`` did before ``PageTable.revive``: a dozen torch ops (the oracle)."""
+    """What ``HostMirror.revive`` did before ``PageTable.revive``: a dozen torch ops (the oracle), and
+    the counts it did not make: a -1, and a page an earlier entry names (where it would be taken), one
+    ``invalid_page`` each (a prefix has no padding and names each page once)."""
     pool, k = table.pool, n_tokens // table.page_size
     state = pool.state.page_state.index_select(0, pages.clamp(0, pool.num_pages - 1))
     taken = (pages >= 0) & (pages < pool.num_pages) & ((state == L.USED) | (state == L.CACHED))
     ids = pages.sort().values
     whole = taken.all() & (ids[1:] != ids[:-1]).all()
     pool.incref(torch.where(whole, pages, torch.where(taken, L.NULL_PAGE, pages)))
+    again = (pages[:, None] == pages[None, :]).tril(-1).any(1)  # an earlier entry names the same page
+    pool.state.counters[L.ERR_INVALID_PAGE] += ((pages == L.NULL_PAGE) | (taken & again)).sum()
     table.block_table[row, :k] = torch.where(whole, pages, L.NULL_PAGE)
     table.seq_lens[row:row + 1] = whole.to(torch.int32) * n_tokens
     table.invalidate_csr(i32([row]))
@@ -133,41 +137,118 @@ def test_revive_a_cached_prefix(backend, guard):
     table.check_invariants(exclusive=False)
 
 
-@pytest.mark.parametrize("pages, error", [
-    ([0, 0], None),        # named twice: refused, nothing counted
-    ([0, -1], None),       # padding: refused, nothing counted
-    ([0, 5], "use_after_free"),    # page 5 is FREE
-    ([0, 99], "invalid_page"),     # outside the pool
+@pytest.mark.parametrize("pages, errors", [
+    ([0, 0], {"invalid_page": 1}),        # named twice: the second entry (before: refused, nothing counted)
+    ([0, -1], {"invalid_page": 1}),       # -1: a prefix has no padding (before: refused, nothing counted)
+    ([-1, -1], {"invalid_page": 2}),
+    ([1, 0, 1, 1], {"invalid_page": 2}),  # every entry after the first naming page 1
+    ([0, 5], {"use_after_free": 1}),      # page 5 is FREE
+    ([5, 5], {"use_after_free": 2}),      # a FREE page named twice: as incref counts it, once per entry
+    ([0, 99], {"invalid_page": 1}),       # outside the pool
+    ([99, 99], {"invalid_page": 2}),
+    ([0, 99, -1, 0], {"invalid_page": 3}),
+    ([-1, 5, 0, 0], {"invalid_page": 2, "use_after_free": 1}),
 ])
-def test_a_refused_revive_leaves_the_row_empty(backend, guard, pages, error):
+def test_a_refused_revive_leaves_the_row_empty(backend, guard, pages, errors):
     pool = tpool.PagePool(8, 2, device="cpu", backend=backend)
     table = tpool.PageTable(pool, 3, 4)
     table.extend(i32([0]), i32([4]), max_tokens=4)
     table.release(i32([0]), cache=True)
     before = pool.state.refcount.clone(), pool.state.page_state.clone()
     with guard():
-        table.revive(2, i32(pages), 4)
+        table.revive(2, i32(pages), 2 * len(pages))
     assert table.block_table[2].tolist() == [-1] * 4 and table.seq_lens.tolist() == [0, 0, 0]
     assert torch.equal(pool.state.refcount, before[0]) and torch.equal(pool.state.page_state, before[1])
-    errors = {k: v for k, v in pool.stats().items() if k.startswith("errors.") and v}
-    assert errors == ({} if error is None else {f"errors.{error}": 1})
+    counted = {k: v for k, v in pool.stats().items() if k.startswith("errors.") and v}
+    assert counted == {f"errors.{kind}": n for kind, n in errors.items()}
     assert pool.stats()["pages.revived"] == 0
     table.check_invariants(exclusive=False)
+    with pytest.raises(tpool.PoolError) as e:   # never silent: the next sync point raises
+        pool.check()
+    assert e.value.counts == errors
 
 
-def test_a_row_that_is_not_empty_is_a_bad_request(backend, guard):
+@pytest.mark.parametrize("pages", [[0, 1], [0, 0], [0, -1], [-1, 99], [6, 6]])  # (page 6 FREE)
+def test_a_row_that_is_not_empty_is_a_bad_request(backend, guard, pages):
+    """Only the bad_request: the pages are not looked at (a -1 or a repeat counts nothing more)."""
     pool = tpool.PagePool(8, 2, device="cpu", backend=backend)
     table = tpool.PageTable(pool, 3, 4)
     table.extend(i32([0, 1]), i32([4, 3]), max_tokens=7)
     table.release(i32([0]), cache=True)
     before = state(table)
     with guard():
-        table.revive(1, i32([0, 1]), 4)
+        table.revive(1, i32(pages), 4)
     after = state(table)
     assert after.pop("pool.counters")[L.ERR_BAD_REQUEST] == 1
     before.pop("pool.counters")
     assert_same(before, after)
     table.check_invariants(exclusive=False)
+
+
+KINDS = {L.ERR_INVALID_PAGE: "invalid_page", L.ERR_USE_AFTER_FREE: "use_after_free",
+         L.ERR_CORRUPT_STATE: "corrupt_state", L.ERR_BAD_REQUEST: "bad_request"}
+
+
+def counts_by_entry(pages, gens, page_state, page_gen, P, empty):
+    """The errors a revive counts, entry by entry in plain Python (the spec): ``{kind: count}``; none
+    means every page is taken. A row that is not empty is one bad_request, its pages not looked at."""
+    if not empty:
+        return {"bad_request": 1}
+    out, seen = {}, set()
+    for i, p in enumerate(pages):
+        kind = None
+        if not 0 <= p < P:
+            kind = "invalid_page"              # outside the pool, or -1: a prefix has no padding
+        else:
+            again, s = p in seen, page_state[p]
+            seen.add(p)
+            if s in (L.USED, L.CACHED):
+                if gens is not None and gens[i] != page_gen[p]:
+                    kind = "use_after_free"    # freed since its generation was recorded
+                elif again:
+                    kind = "invalid_page"      # an earlier entry names it: it would be taken twice
+            else:
+                kind = "use_after_free" if s == L.FREE else "corrupt_state"
+        if kind:
+            out[kind] = out.get(kind, 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_every_backend_counts_each_mix_alike(guard, seed):
+    """Random mixes (valid, -1, repeats, stale generations, FREE, outside the pool, corrupt states, a row
+    that is not empty) revived on every backend in lockstep (Triton, interpreted, on a few seeds): the
+    same state and counts everywhere, the counts those of ``counts_by_entry``, and a refused revive
+    always counts (before, a -1 or a repeat was refused without a count)."""
+    backends = ["reference", "numba"] + (["triton"] if "triton" in CPU_BACKENDS and seed < 3 else [])
+    built = [build(b, seed) for b in backends]
+    tables, (_, seen, (P, ps, MP)) = [t for t, _, _ in built], built[0]
+    rng = random.Random(2000 + seed)
+    for _ in range(4):
+        ref = tables[0]
+        lens = ref.seq_lens.tolist()
+        empty = [r for r in range(ref.max_requests) if lens[r] == 0]
+        row = rng.choice(empty) if empty and rng.random() < 0.85 else rng.randrange(ref.max_requests)
+        pages = random_pages(rng, seen, P, MP)
+        if pages and rng.random() < 0.3:
+            pages[rng.randrange(len(pages))] = rng.choice([-1, pages[0]])
+        page_state, page_gen = ref.pool.state.page_state.tolist(), ref.pool.state.page_gen.tolist()
+        gens = None
+        if rng.random() < 0.6:  # recorded generations, some stale
+            gens = [page_gen[p] if 0 <= p < P else 0 for p in pages]
+            gens = [g + 1 if rng.random() < 0.15 else g for g in gens]
+        want = counts_by_entry(pages, gens, page_state, page_gen, P, lens[row] == 0)
+        before = ref.pool.state.counters.clone()
+        for table in tables:
+            with guard():
+                table.revive(row, i32(pages), len(pages) * ps, generations=None if gens is None else i32(gens))
+        got = ref.pool.state.counters - before
+        assert {name: int(got[k]) for k, name in KINDS.items() if got[k]} == want, (pages, gens, row)
+        taken = lens[row] == 0 and not want
+        assert ref.seq_lens[row].item() == (len(pages) * ps if taken else lens[row])
+        for other in tables[1:]:
+            assert_same(state(ref), state(other))
+
 
 
 @pytest.mark.parametrize("row", [-1, 3, 2**31 - 1])

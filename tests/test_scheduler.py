@@ -1411,9 +1411,10 @@ def test_can_admit_reads_and_checks_only_the_prompts_that_may_fit(backend):
 def test_a_revive_naming_a_page_twice_takes_none_and_reconcile_names_its_row(backend):
     """Before, revive([p, p]) of a CACHED page p took it twice: refcount 2, the row's tokens 4-7 read the
     K/V of tokens 0-3, and nothing (pool.check, reconcile, the table's invariants) found it. Now a page
-    named twice makes the revive take none, decided on the device (sorted ids, fixed shapes, no sync):
-    the row is empty, nothing is counted (no incref was refused), and reconcile names the row. A -1
-    (padding to incref) is the same: nothing counted, the row empty, reconcile names it."""
+    named twice makes the revive take none, decided on the device (fixed shapes, no sync): the row is
+    empty, the second entry counts invalid_page (raised by pool.check: a prefix names each page once),
+    and reconcile names the row. A -1 (not padding in a prefix) is the same: one invalid_page, the row
+    empty, reconcile names it. (Before, both were refused without a count: only reconcile saw them.)"""
     pool, table, m = _setup(backend, num_pages=16, rows=4, max_pages=4)
     (a,) = m.admit([8], [8])
     pages = table.block_table[a, :2].clone()
@@ -1426,7 +1427,9 @@ def test_a_revive_naming_a_page_twice_takes_none_and_reconcile_names_its_row(bac
             c = m.revive(given, 4 * len(named))
         assert table.seq_lens[c].item() == 0 and table.block_table[c].tolist() == [-1] * 4, named
         assert (pool.state.refcount.tolist(), pool.stats()["pages.cached.current"]) == before == (before[0], 2)
-        pool.check()                                      # nothing refused by the incref: nothing counted
+        with pytest.raises(tpool.InvalidPage) as e:       # the repeat or the -1, at the next sync point
+            pool.check()
+        assert e.value.counts == {"invalid_page": 1}
         with no_host_sync(), pytest.raises(MirrorError, match=rf"rows \[{c}\]: true lengths \[0\] outside"):
             m.reconcile(landed(m.snapshot()))
         with no_host_sync():

@@ -21,8 +21,10 @@ class PoolError(RuntimeError):
 
 class InvalidPage(PoolError):
     """A page id outside ``[0, num_pages)`` (and not the padding id -1) was passed to
-    ``free``, ``incref``, ``touch`` or a table's ``revive``; the entry was skipped. A ``PagedKVCache``'s ``check``
-    raises it too, for slots or pages outside the cache given to ``write`` or ``copy_pages``."""
+    ``free``, ``incref``, ``touch`` or a table's ``revive``; the entry was skipped. A ``revive`` counts a
+    -1 too (a prefix has no padding), and a page an earlier entry of its call names, and then takes none of
+    its pages. A ``PagedKVCache``'s ``check`` raises it too, for slots or pages outside the cache given to
+    ``write`` or ``copy_pages``."""
 
 
 class DoubleFree(PoolError):
@@ -106,7 +108,9 @@ ERROR_CLASSES = {
 HINTS = {
     L.ERR_INVALID_PAGE: (
         "a page id outside [0, num_pages) (and not the padding id -1) was passed to free, incref, touch or a "
-        "table's revive; the entry was skipped. Pass only ids this pool's alloc returned, or -1 for padding."),
+        "table's revive, or a revive named -1 (a prefix has no padding) or one page twice; the entry was skipped "
+        "(a revive then takes none of its pages). Pass only ids this pool's alloc returned, or -1 for padding "
+        "(not to revive: its pages are a prefix's, each once)."),
     L.ERR_DOUBLE_FREE: (
         "a page lost more references than it held (free or a table's release/truncate of a page already "
         "freed); the extra release was skipped. Free each granted page once per reference (incref adds one), "

@@ -664,9 +664,11 @@ class PageTable:
         taken are counted as ``pool.incref`` counts them: a FREE page (evicted since it was
         cached) as ``use_after_free``, an id outside the pool as ``invalid_page``, a page in
         no known state as ``corrupt_state``, once per entry, and with ``generations`` a USED or
-        CACHED page of another generation than recorded as ``use_after_free`` too; a -1 and a
-        page named twice are refused without a count (``pool.check()`` raises the others). A
-        row that is not empty (length not 0, on the device) is a ``bad_request`` and changes
+        CACHED page of another generation than recorded as ``use_after_free`` too. A prefix has no
+        padding and names each page once: a -1 (not padding here) counts one ``invalid_page``, and
+        so does each entry naming a page an earlier entry names, where it would be taken otherwise
+        (an entry counts one error at most, a refused call at least one: ``pool.check()`` raises
+        them). A row that is not empty (length not 0, on the device) is a ``bad_request`` and changes
         nothing. Only whole pages are revived: the request's next token goes to a fresh page,
         never into a page another revive of the same prefix also holds. The row's CSR runs are forgotten as
         :meth:`invalidate_csr` of that row forgets them (no step keeps or grows a run of it
@@ -739,6 +741,8 @@ class PageTable:
         >>> table.revive(0, i32([1, 1]), 8)       # a page named twice: refused, row 0 stays empty
         >>> table.block_table[0].tolist(), table.seq_lens.tolist(), pool.state.refcount[:2].tolist()
         ([-1, -1, -1, -1], [0, 8], [1, 1])
+        >>> pool.stats()["errors.invalid_page"]   # its second entry (pool.check() raises InvalidPage)
+        1
 
         With generations, a stale entry is refused:
 

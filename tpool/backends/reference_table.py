@@ -56,7 +56,10 @@ lanes saw the table as it was when the call began.
   counts them: ``invalid_page`` for an id outside the pool, ``use_after_free``
   for a FREE page or a USED / CACHED one of another generation than recorded,
   ``corrupt_state`` for a page in no known state, once per
-  entry; a -1 and a page named twice count nothing. A row outside ``[0, R)``
+  entry. A prefix has no padding and names each page once: a -1 (not padding
+  here) counts one ``invalid_page``, and so does each entry naming a page an
+  earlier entry names, where it would be taken otherwise (an entry counts one
+  error at most; a refused call at least one). A row outside ``[0, R)``
   is a ``bad_request``, else ``k > max_pages`` a ``table_overflow``, else a
   row that is not empty (length not 0) a ``bad_request``: then nothing else
   happens (the clock ticks).
@@ -313,17 +316,20 @@ def revive(st, ts, row, pages, gens=None):
         return
     empty = ts.seq_lens[row] == 0
     c[L.ERR_BAD_REQUEST] += (~empty).long()
-    idx, _, occ, _ = count_pages(st, pages)
+    idx, first, _, _ = count_pages(st, pages)
     state = st.page_state[idx]
     live = (pages >= 0) & (pages < P) & ((state == L.USED) | (state == L.CACHED))
     # A live page of another generation than recorded was freed since (and maybe handed out again).
     stale = live & (gens != st.page_gen[idx]) if gens is not None else torch.zeros_like(live)
     taken = live & ~stale
-    whole = empty & (taken & (occ == 1)).all()  # 0-d: every page taken and named once, or none is
+    whole = empty & (taken & first).all()  # 0-d: every page taken and named once, or none is
     # The pool's incref of every page, or (refused) of the entries in no live state, which it counts
-    # (and one use_after_free per stale entry); nothing for a row that is not empty.
+    # (and one use_after_free per stale entry); nothing for a row that is not empty. A prefix has no
+    # padding and names each page once: a -1, and a page an earlier entry names (one that would be
+    # taken otherwise), count one invalid_page each.
     apply_incref(st, torch.where(empty, torch.where(whole | ~live, pages, L.NULL_PAGE), L.NULL_PAGE))
     c[L.ERR_USE_AFTER_FREE] += torch.where(empty, stale.sum(), 0)
+    c[L.ERR_INVALID_PAGE] += torch.where(empty, ((pages == L.NULL_PAGE) | (taken & ~first)).sum(), 0)
     cells = ts.block_table[row, :k]
     cells.copy_(torch.where(empty, torch.where(whole, pages, L.NULL_PAGE), cells))
     ts.seq_lens[row:row + 1] = torch.where(empty, whole.to(torch.int32) * (k * ts.page_size), ts.seq_lens[row])

@@ -584,12 +584,12 @@ class HostMirror(MixedSteps, Accounting):
         takes none of them, and the row stays empty (length 0, no page), so no later
         admission can be handed a page this row holds. The refused entries are counted as
         ``pool.incref`` counts them: a page evicted and FREE now as ``use_after_free``, an id
-        outside the pool as ``invalid_page`` (``pool.check()`` raises them); a ``-1`` and a
-        page named twice are refused without a count. In every case the mirror, which cannot see it,
+        outside the pool as ``invalid_page``; a ``-1`` (a prefix has no padding) and each entry
+        naming a page an earlier one names as ``invalid_page`` too (``pool.check()`` raises
+        them). In every case the mirror, which cannot see it,
         counts the row at ``n_tokens``; the next :meth:`reconcile` raises ``MirrorError``
-        naming the row (its true length 0 below its bounds): for a ``-1`` or a repeated page,
-        that is the only report. ``finish`` it: its release frees only what it appended
-        since. A page evicted and then handed to another request is USED again, which its
+        naming the row (its true length 0 below its bounds). ``finish`` it: its release frees
+        only what it appended since. A page evicted and then handed to another request is USED again, which its
         state cannot tell from a page shared by a ``revive`` or ``fork``; its generation can
         (each page's grows every time it becomes FREE). With ``generations`` such an entry is
         refused as above, each such page counted as ``use_after_free``, and the request that
