@@ -44,11 +44,14 @@ def _page_ops(table):
         "truncate": lambda p, edit: (edit(), table.truncate(i([0]), i([3]))),
         "fork": lambda p, edit: (edit(), table.fork(i([0, 0]), i([2, 3]), i([8, 5]))),
         "revive": lambda p, edit: (table.release(i([0]), cache=True), edit(), table.revive(2, i([p[0], p[1]]), 8)),
+        # refused: each repeat counts invalid_page (numba marks a page seen in occur, after its count)
+        "revive-twice": lambda p, edit: (table.release(i([0]), cache=True), edit(),
+                                         table.revive(2, i([p[1], p[0], p[1], p[1]]), 16)),
     }
 
 
 @pytest.mark.parametrize("op", ["free", "free-cache", "incref", "touch", "release", "release-cache", "truncate",
-                                "fork", "revive"])
+                                "fork", "revive", "revive-twice"])
 @pytest.mark.parametrize("edit", [("occur", -5), ("occur", -1), ("occur", 2), ("claim", 0), ("claim", -1)],
                          ids=["occur-5", "occur-1", "occur+2", "claim0", "claim-1"])
 def test_a_value_left_in_the_page_scratch_changes_nothing(backend, op, edit):
