@@ -710,8 +710,9 @@ class PageTable:
             The row, in ``[0, max_requests)``; empty (``seq_lens[req_id] == 0``).
         pages : torch.Tensor
             shape ``[n_tokens // page_size]``, int32, contiguous, on the table's device: the
-            pages of the prefix in token order. Read, never written (it must not share memory
-            with the pool's or the table's state).
+            pages of the prefix in token order, each once and no -1 (no padding: each entry is
+            one of the row's pages; a -1 or a repeat is counted as ``invalid_page``). Read, never
+            written (it must not share memory with the pool's or the table's state).
         n_tokens : int
             The tokens they hold: a multiple of ``page_size``, at most
             ``max_pages_per_request * page_size``.

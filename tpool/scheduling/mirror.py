@@ -554,8 +554,9 @@ class HostMirror(MixedSteps, Accounting):
         """A new request on cached pages (a prefix-cache hit): ``table.revive`` them into a fresh row.
 
         pages : torch.Tensor  shape ``[n_tokens / page_size]``, int32, on the table's
-            device. They are revived into the row by one table call (:meth:`PageTable.revive`:
-            one kernel call on numba, one launch on triton); the mirror counts them as possibly shared.
+            device, each page once and no -1 (no padding). They are revived into the row by one
+            table call (:meth:`PageTable.revive`: one kernel call on numba, one launch on triton);
+            the mirror counts them as possibly shared.
         generations : torch.Tensor, optional  shape ``[n_tokens / page_size]``, int32, on the
             table's device: the pages' generations (``pool.generations``) recorded with the
             prefix-cache entry; a page whose generation changed since (freed) is not taken.
