@@ -1620,7 +1620,7 @@ def test_get_never_checks_and_check_invariants_raises_only_invariant_violation()
 def test_a_list_of_token_ids_is_walked_without_asking_each_id_its_kind():
     """put and get of 1,000 token ids got 18-20% slower: each int went through the kind dispatch (and a
     generator) of the walkers. An exact scalar in a container is taken as it is."""
-    cache = OwnedCache(4 * UNIT)
+    cache = OwnedCache(64 * UNIT)  # (the ids are charged: the list's 8 KB and 743 int objects of 28 B)
     value = {"ids": list(range(1000)), "t": full(1)}
     calls = []
     real = values._kind
@@ -1630,6 +1630,113 @@ def test_a_list_of_token_ids_is_walked_without_asking_each_id_its_kind():
         mp.setattr(ownership, "_kind", counting)
         assert cache.put("k", value) and cache.get("k")["ids"] == value["ids"]
     assert int not in calls
+
+
+IDS = 100_000  # token ids of one request
+IDS_LIST = 800_056  # bytes: sys.getsizeof(list(range(IDS))), a list copied without spare room (64-bit CPython)
+IDS_TUPLE = 800_040  # bytes: sys.getsizeof(tuple(range(IDS)))
+INT = 28  # bytes: sys.getsizeof(1000), an int of up to 30 bits
+
+
+def test_a_list_of_token_ids_is_charged_its_list_and_its_ints():
+    """A value holding 100,000 token ids as a Python list kept ~3.6 MB alive (the list, 800 KB, and 2.8 MB of
+    int objects) and was charged only its tensor and its keys' text: 20 such entries were charged 2,520 B while
+    the process grew by 86 MB. A list of numbers is charged its sys.getsizeof and its int objects'."""
+    ids = list(range(1000, 1000 + IDS))  # (no shared small int: 100,000 int objects of 28 B)
+    assert (sys.getsizeof(ids), sys.getsizeof(ids[0]), sys.getsizeof(1000 + IDS)) == (IDS_LIST, INT, INT)
+    cache = OwnedCache(16 << 20)
+    assert cache.put("r", {"input_ids": ids, "emb": torch.zeros(4)})
+    charge = _keys("input_ids", "emb") + IDS_LIST + IDS * INT
+    assert cache.stats().current_bytes == 16 + charge == 3_600_182
+    stored = cache._entries["r"].value["input_ids"]
+    assert stored == ids and stored is not ids  # a copy: the caller's list may still change
+    ids.append(7)
+    got = cache.get("r")["input_ids"]
+    got.append(8)  # (get returns a copy too)
+    assert cache.stats().current_bytes == 16 + charge
+    cache.check_invariants()
+    assert cache.put("r2", {"input_ids": list(range(5000, 5000 + IDS)), "emb": torch.zeros(4)})
+    assert cache.stats().current_bytes == 32 + 2 * charge  # (another tensor, other ids)
+    cache.set_budget(4 << 20)  # room for one: the least recently used goes, and its charge with it
+    assert cache.keys() == ["r2"] and cache.stats().current_bytes == 16 + charge
+    cache.check_invariants()
+    assert cache.pop("r2") is not None and cache.stats().current_bytes == 0
+    cache.check_invariants()
+
+
+def test_a_list_of_token_ids_over_the_budget_is_refused():
+    """The charge is what admission prices: 100,000 ids do not fit in 1 MB, whatever tensor they come with."""
+    cache = OwnedCache(1 << 20)
+    assert not cache.put("r", {"input_ids": list(range(1000, 1000 + IDS)), "emb": torch.zeros(4)})
+    assert cache.put("r", {"input_ids": torch.arange(1000, 1000 + IDS), "emb": torch.zeros(4)})  # 800 KB, charged
+    cache.check_invariants()
+
+
+def test_a_tuple_of_token_ids_as_a_dict_key_is_charged_its_tuple_and_its_ints():
+    """A dict key of 100,000 ids (a prefix) kept its tuple and its ints alive, charged ~0."""
+    prefix = tuple(range(1000, 1000 + IDS))
+    cache = OwnedCache(16 << 20)
+    assert cache.put("p", {prefix: torch.zeros(4)}) and cache.put("q", {("layer", prefix): torch.zeros(4)})
+    assert cache.stats().current_bytes == 2 * 16 + 2 * (IDS_TUPLE + IDS * INT) + _keys("layer")
+    assert next(iter(cache._entries["p"].value)) is prefix  # (a key is kept as it is)
+    assert accounting.leaf_bytes({prefix: 1, (prefix, 2): 3}) == IDS_TUPLE + IDS * INT  # the same tuple: once
+    cache.check_invariants()
+    cache.clear()
+    assert cache.stats().current_bytes == 0
+
+
+def test_a_list_of_numbers_held_twice_and_a_number_in_two_lists_are_charged_once():
+    """Each object once, by identity: a list held under two keys of a value is stored as one copy (still one
+    object) and charged once; an int in two lists, once; the shared small ints and bools, never."""
+    big = int("1000000")  # (made at run time: no constant of the test's code shares it)
+    ids = [big, 2000, 3000]
+    value = {"a": ids, "b": ids, "c": [big, 7, True], "d": (big, 4000)}
+    cache = OwnedCache(1 << 20)
+    assert cache.put("k", value)
+    stored = cache._entries["k"].value
+    assert stored["a"] is stored["b"] and stored["a"] is not ids and stored["d"] is value["d"]
+    lists = sys.getsizeof(list(ids)) + sys.getsizeof(list(value["c"])) + sys.getsizeof(value["d"])
+    assert cache.stats().current_bytes == _keys("a", "b", "c", "d") + lists + 4 * INT  # big, 2000, 3000, 4000
+    got = cache.get("k")
+    assert got["a"] is got["b"] and got == value
+    cache.check_invariants()
+
+
+def test_a_list_of_small_ints_is_charged_its_container_only():
+    """The ints -5..256 are objects CPython shares: never charged. An empty list is charged (it stays alive),
+    the empty tuple, one object the interpreter shares, is not."""
+    cache = OwnedCache(1 << 20)
+    ids = [1, 2, 3, 256, -5]
+    assert cache.put("k", {"ids": ids, "none": [], "nil": ()})
+    assert cache.stats().current_bytes == _keys("ids", "none", "nil") + sys.getsizeof(list(ids)) + 56
+    bools = [True, False, 0]
+    assert accounting.leaf_bytes(bools) == sys.getsizeof(bools)
+    cache.check_invariants()
+
+
+def test_floats_and_complex_numbers_in_a_list_are_charged():
+    half = float("0.5")
+    scores = [half, half, 1.5]
+    assert accounting.leaf_bytes(scores) == sys.getsizeof(scores) + 2 * 24  # the list, and two float objects
+    assert accounting.leaf_bytes({1j, 2.0}) == sys.getsizeof({1j, 2.0}) + 32 + 24
+    assert accounting.leaf_bytes(frozenset((np.float64(1.5),))) == sys.getsizeof(frozenset((1,))) + 32
+    cache = OwnedCache(1 << 20)
+    assert cache.put("k", {"scores": scores})
+    assert cache.stats().current_bytes == _keys("scores") + sys.getsizeof(list(scores)) + 2 * 24  # (its copy)
+    cache.check_invariants()
+
+
+def test_a_list_holding_a_tensor_or_text_is_structure_not_charged():
+    """A list that holds a tensor, text or another container is the value's structure, uncharged as before
+    (its text, big ints and lists of numbers are charged as leaves; its small ints are not)."""
+    t = torch.zeros(4)
+    cache = OwnedCache(1 << 20)
+    assert cache.put("k", [t, 1000, 2000])
+    assert cache.stats().current_bytes == 16
+    assert accounting.leaf_bytes(["a", 1000]) == _keys("a")
+    batch = [[1000, 2000], [3000]]
+    assert accounting.leaf_bytes(batch) == sum(map(sys.getsizeof, batch)) + 3 * INT  # its rows are charged
+    cache.check_invariants()
 
 
 def _dies_with(make_value, put=True):

@@ -661,7 +661,23 @@ def test_three_storages_over_one_memory_count_once():
 def test_leaf_bytes_charges_ints_over_128_bytes_not_at_128():
     at, over = 2 ** 750, 2 ** 780
     assert (sys.getsizeof(at), sys.getsizeof(over)) == (128, 132)
-    assert values.leaf_bytes([at]) == 0 and values.leaf_bytes([over]) == 132
+    t = torch.zeros(1)  # (beside a tensor: the list is the value's structure, its ints leaves)
+    assert values.leaf_bytes([at, t]) == 0 and values.leaf_bytes([over, t]) == 132
+
+
+def test_map_tensors_copies_a_list_of_numbers_once_and_keeps_a_tuple_of_them():
+    """A list of numbers held twice is rebuilt as one copy (what a cache stores is charged once, as it holds it
+    once); a tuple of numbers cannot change, so it is kept as it is, as text is; a plan prices the rebuild."""
+    ids, pair = [1000, 2000], (1000, 2000)
+    value = {"a": ids, "b": ids, "c": pair, "d": [ids, torch.zeros(1)]}
+    out = map_tensors(value, lambda t: t)
+    assert out["a"] is out["b"] is out["d"][0] and out["a"] == ids and out["a"] is not ids and out["c"] is pair
+    grown = []
+    for i in range(1000, 1100):
+        grown.append(i)  # (spare room a copy does not have)
+    assert sys.getsizeof(grown) > sys.getsizeof(list(grown))
+    assert plan_ownership({"ids": grown}).leaf_bytes == values.leaf_bytes(map_tensors({"ids": grown}, lambda t: t))
+    assert plan_ownership({"ids": grown}).leaf_bytes < values.leaf_bytes({"ids": grown})
 
 
 def test_map_tensors_itself_refuses_a_dict_key_holding_a_tensor():

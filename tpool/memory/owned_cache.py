@@ -36,8 +36,12 @@ Note:
     ``get`` is a view of a block that is reused once the entry is evicted:
     pin (``pin``/``unpin`` count in-flight readers) while reading it. In both
     modes an entry's ``str`` and ``bytes`` leaves (a prompt's text, an image
-    file's bytes) are charged too, their ``sys.getsizeof`` once per entry
-    (:func:`~tpool.memory.values.leaf_bytes`). Pinned
+    file's bytes), its ints of over 128 bytes and its lists, tuples, sets and
+    frozensets of numbers (a request's token ids: the container and its
+    number objects, but CPython's shared small ints) are charged too, their
+    ``sys.getsizeof``, each object once per entry, as the entry holds them
+    (:func:`~tpool.memory.values.leaf_bytes`); the value's other containers
+    (its dicts, its lists of tensors) are not. Pinned
     entries are never evicted, popped or cleared. The cache must be the
     arena's only user (:meth:`OwnedCache.check_invariants` counts every
     live block of it as the cache's): a ``put`` finds the room that
@@ -138,7 +142,7 @@ class _Entry:
     storages: dict[StorageKey, int]  # plain mode: storage key -> nbytes held
     block: Block | None = None
     pins: int = 0
-    leaf_bytes: int = 0  # its str and bytes leaves (accounting.leaf_bytes), charged besides storages
+    leaf_bytes: int = 0  # its text, big ints and lists of numbers (accounting.leaf_bytes), charged besides storages
 
 
 class OwnedCache:
@@ -148,9 +152,10 @@ class OwnedCache:
     ----------
     budget_bytes : int
         Most storage bytes the cache may charge, >= 0: the storages that stay
-        alive and the values' text leaves, not an entry's host objects (~1.5 KB
-        of Python objects and records an entry, uncharged: a value of 0 bytes is
-        charged 0) nor, on CUDA, the caching allocator's rounding of a copy up to
+        alive and the values' text leaves and lists of numbers (token ids kept
+        as Python lists: :func:`~tpool.memory.values.leaf_bytes`), not an
+        entry's host objects (~1.5 KB of Python objects and records an entry,
+        uncharged: a value of 0 bytes is charged 0) nor, on CUDA, the caching allocator's rounding of a copy up to
         512 B: bound those with ``max_entries`` where entries are tiny.
     max_entries : int, optional
         Most entries the cache holds, >= 0; None (the default) bounds them by
@@ -224,7 +229,9 @@ class OwnedCache:
         (a ``detach()`` of it, on the same storage, if it holds more than its
         storage, as :func:`~tpool.memory.ownership.own` tells), so in-place
         writes to it reach the cache;
-        its ``str`` and ``bytes`` leaves are charged their size.
+        its ``str`` and ``bytes`` leaves, ints of over 128 bytes and lists,
+        tuples, sets and frozensets of numbers (with their numbers) are
+        charged their size (:func:`~tpool.memory.values.leaf_bytes`).
 
         Parameters
         ----------
@@ -510,7 +517,7 @@ class OwnedCache:
             self._counts["hits"] += 1
             self._entries.move_to_end(key)
             value = entry.value
-        return ownership._map(value, _same, False)  # (what put checked is not read again: check_invariants does)
+        return ownership._map(value, _same, False, {})  # (what put checked is not read again: check_invariants does)
 
     @_locked
     def pin(self, key: Hashable) -> None:
@@ -577,7 +584,7 @@ class OwnedCache:
         """
         self.pin(key)
         try:
-            yield ownership._map(self._entries[key].value, _same, False)
+            yield ownership._map(self._entries[key].value, _same, False, {})
         finally:
             self.unpin(key)
 
@@ -736,7 +743,7 @@ class OwnedCache:
             ``entries``; ``payload_bytes`` (what the values need);
             ``storage_bytes`` (what the cache charges: storages held, or
             block sizes with an arena, and the entries' ``str`` and ``bytes``
-            leaves); ``budget_bytes``; ``peak_bytes``; and with an arena,
+            leaves, big ints and lists of numbers); ``budget_bytes``; ``peak_bytes``; and with an arena,
             ``arena_bytes``: what the arena's buffer keeps alive, whatever is
             in it (its ``memory_bytes()["storage_bytes"]``).
         """
@@ -781,7 +788,7 @@ class OwnedCache:
             _require(e.pins >= 0 and (e.pins > 0) == (key in self._pinned),
                      f"{key!r} has {e.pins} pins, {'' if key in self._pinned else 'not '}listed as pinned")
             _require(e.leaf_bytes == leaf_bytes,
-                     f"{key!r} was charged {e.leaf_bytes} B of str and bytes leaves, holds {leaf_bytes}")
+                     f"{key!r} was charged {e.leaf_bytes} B of text, big ints and lists of numbers, holds {leaf_bytes}")
             leaves += e.leaf_bytes
             _require(not any(t.grad is not None for t in tensors if t.is_leaf),
                      f"{key!r} holds a tensor with a .grad (a backward through a value from get): alive and "

@@ -50,8 +50,8 @@ import torch
 from tpool._checks import check_size
 from tpool.memory.accounting import (StorageKey, _alive_bytes, _distinct_elems, _span_elems, _with_grads, check_ownable,
                                      compact_bytes, storage_bytes, storage_key)
-from tpool.memory.values import (_LEAF_TYPES, _field_names, _instance_dict, _kind, _own_attrs, _slot_members,
-                                 _slot_values, leaf_bytes, tensor_attrs, walking)
+from tpool.memory.values import (_LEAF_TYPES, _NUMBER_ITEMS, _NUMBERS, _field_names, _instance_dict, _kind, _numbers,
+                                 _own_attrs, _slot_members, _slot_values, leaf_bytes, tensor_attrs, walking)
 
 __all__ = ["needs_compaction", "own", "compact", "map_tensors", "plan_ownership", "OwnershipPlan"]
 
@@ -331,7 +331,10 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     -------
     Any
         ``fn(obj)`` for a tensor; the scalar itself for a scalar leaf; else a
-        new container of the same type (``obj`` is not modified).
+        new container of the same type (``obj`` is not modified), but for a
+        tuple or frozenset of numbers (int, float, complex, bool), kept as it
+        is, as text is; a list or set of numbers that ``obj`` holds twice is
+        copied once, both places holding the copy.
 
     Raises
     ------
@@ -349,12 +352,13 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         holds itself (:func:`~tpool.memory.values.walking`).
     """
     with walking():
-        return _map(obj, fn, True)
+        return _map(obj, fn, True, {})
 
 
-def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], check: bool) -> Any:
+def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], check: bool, copies: dict) -> Any:
     """:func:`map_tensors`; ``check=False`` skips what ``put`` checked of a value the cache stored
-    (attributes, dict keys: see :func:`~tpool.memory.values._kind`) and never raises for it, for ``get``."""
+    (attributes, dict keys: see :func:`~tpool.memory.values._kind`) and never raises for it, for ``get``.
+    ``copies`` (empty at the top) maps the id of each list or set of numbers copied so far to its copy."""
     kind = _kind(obj, check)
     if kind == "tensor":
         return fn(obj)
@@ -363,12 +367,20 @@ def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], check: bool) -> A
     if kind == "dict":
         new = copy.copy(obj)
         for k, v in obj.items():
-            new[k] = fn(v) if type(v) is torch.Tensor and not check else _map(v, fn, check)  # (get: tensors, inline)
+            new[k] = fn(v) if type(v) is torch.Tensor and not check else _map(v, fn, check, copies)  # (get: inline)
         if type(obj) is not dict and type(obj) is not UserDict:
             _rebuild_attrs(obj, new, _NO_ALIASES)  # a subclass's attributes: the copy gets its own
         return new
     if kind == "items" or kind == "items+attrs":
-        items = [v if type(v) in _LEAF_TYPES else _map(v, fn, check) for v in obj]
+        t = type(obj)
+        if t in _NUMBER_ITEMS and _numbers(obj, _NUMBERS):  # token ids: charged by leaf_bytes, as it is stored
+            if t is tuple or t is frozenset:
+                return obj  # (nothing can be added to it: kept, as a str is)
+            new = copies.get(id(obj))  # a list held twice is copied once: the charge counts it once
+            if new is None:
+                new = copies[id(obj)] = t(obj)
+            return new
+        items = [v if type(v) in _LEAF_TYPES else _map(v, fn, check, copies) for v in obj]
         new = type(obj)(*items) if isinstance(obj, tuple) and hasattr(obj, "_fields") else type(obj)(items)
         if type(obj) not in (list, tuple, set, frozenset):
             attrs = _instance_dict(obj)
@@ -382,18 +394,18 @@ def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], check: bool) -> A
         new = copy.copy(obj)
         done = {}  # id(item) -> its rebuild
         for k, v in obj.items():
-            new[k] = done[id(v)] = _map(v, fn, check)
+            new[k] = done[id(v)] = _map(v, fn, check, copies)
         _rebuild_attrs(obj, new, done)
         return new
     new = copy.copy(obj)  # a dataclass instance
     names, slots = _field_names(type(obj))
     for name in names:
-        object.__setattr__(new, name, _map(getattr(obj, name), fn, check))
+        object.__setattr__(new, name, _map(getattr(obj, name), fn, check, copies))
     for name, v in (_instance_dict(obj) or {}).items():
         if name not in names:  # past any descriptor, as __post_init__ or cached_property stored it
-            vars(new)[name] = _map(v, fn, check)
+            vars(new)[name] = _map(v, fn, check, copies)
     for d, v in _slot_values(obj, slots):  # a __slots__ base's (through its descriptor: no name to mangle)
-        d.__set__(new, _map(v, fn, check))
+        d.__set__(new, _map(v, fn, check, copies))
     return new
 
 
@@ -557,7 +569,7 @@ class OwnershipPlan:
     payload_bytes: int
     align: int  # bytes
     pieces: tuple[_Piece, ...] = ()  # the copies in ``out`` order, each with its views, bytes and offset
-    leaf_bytes: int = 0  # its str and bytes leaves, kept as they are (accounting.leaf_bytes)
+    leaf_bytes: int = 0  # its text, big ints and lists of numbers, as apply rebuilds it (accounting.leaf_bytes)
 
     def apply(self, out: torch.Tensor | None = None) -> Any:
         """Make the copies and return ``value`` rebuilt around them (:func:`map_tensors`).
@@ -711,7 +723,7 @@ def plan_ownership(value: Any, *, copy_all: bool = False, align: int = 1) -> Own
     """
     align = check_size(align, "align", 1)
     views: dict[tuple, torch.Tensor] = {}
-    map_tensors(value, lambda t: views.setdefault(_signature(t), t))
+    rebuilt = map_tensors(value, lambda t: views.setdefault(_signature(t), t))  # (as apply will rebuild it)
     groups: dict[StorageKey, list[tuple]] = {}
     for sig in views:
         groups.setdefault(sig[0], []).append(sig)
@@ -729,4 +741,4 @@ def plan_ownership(value: Any, *, copy_all: bool = False, align: int = 1) -> Own
     retained = _alive_bytes({storage_key(t): t for t in alive}.values())
     payload = sum(t.numel() * t.element_size() for t in views.values())
     return OwnershipPlan(value, views, tuple(s for s in views if s in copied), keep, copy_bytes, retained,
-                         payload, align, placed, leaf_bytes(value))
+                         payload, align, placed, leaf_bytes(rebuilt))

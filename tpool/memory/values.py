@@ -63,6 +63,30 @@ _ATTR_TUPLES = (tuple, list, set, frozenset, torch.Size)  # exact types: a subcl
 _FIXED_SCALARS = frozenset((type(None), bool, float, complex, torch.dtype, torch.device))  # exact types, fixed size
 _SMALL_INT = 1 << 62  # an exact int below it in magnitude is small without asking its size
 
+# Numbers in a list, tuple, set or frozenset: such a container (a request's token ids) and its numbers are charged.
+_NUMBER_ITEMS = frozenset((list, tuple, set, frozenset))  # exact types (a subclass's attributes may hold more)
+_NUMBERS = frozenset((int, float, complex, bool, np.float64, np.complex128))  # exact types a value's walk takes
+_KEY_NUMBERS = _NUMBERS | frozenset(t for t in np.sctypeDict.values() if issubclass(t, (np.number, np.bool_)))
+_SHARED = (*range(-5, 257), True, False, np.True_, np.False_, ())  # one object each in CPython, numpy: never charged
+_SHARED_IDS = set(map(id, _SHARED))  # (a set, not a frozenset: `kept.keys() & it` then reads the smaller)
+
+
+def _numbers(items: Any, types: frozenset) -> bool:
+    """Whether every item of ``items`` (an exact list, tuple, set or frozenset) is of an exact type in ``types``:
+    :func:`leaf_bytes` charges such a container and its items. An empty one is one too (a list with no ids yet:
+    56 B that stay alive), but ``()``, one object the interpreter shares, is never charged (``_SHARED``)."""
+    return all(map(types.__contains__, map(type, items)))
+
+
+class _Numbers:
+    """What :func:`_walk` yields for a list, tuple, set or frozenset of numbers (:func:`_numbers`), instead of
+    its items: :func:`leaf_bytes` charges the container and its numbers."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: Any):
+        self.items = items
+
 
 def _kind(obj: Any, check: bool = True) -> str:
     """How the walkers (:func:`iter_tensors`, hence :func:`retained_bytes` and :func:`leaf_bytes`, and
@@ -200,6 +224,9 @@ def _key_problem(k: Any, out: list, depth: int) -> str | None:
             return problem
         items = _own_attrs(k).values()
     elif isinstance(k, (tuple, frozenset)):
+        if (t is tuple or t is frozenset) and _numbers(k, _KEY_NUMBERS):  # a token-id prefix: charged whole
+            out.append(_Numbers(k))
+            return None
         items = k if t is tuple or t is frozenset else [*k, *_own_attrs(k).values()]
     elif _is_dataclass(k) and not isinstance(k, (list, set, dict, UserDict)):
         names = _field_names(t)[0]
@@ -549,7 +576,8 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 def _walk(obj: Any) -> Iterator[Any]:
     """Every tensor and plain scalar in ``obj``, depth first, in container order (the rule of :func:`_kind`),
-    and the leaves of each dict key that :func:`leaf_bytes` charges (:func:`_key_problem`), before its value."""
+    and the leaves of each dict key that :func:`leaf_bytes` charges (:func:`_key_problem`), before its value; a
+    list, tuple, set or frozenset of numbers (:func:`_numbers`) as one :class:`_Numbers`, not its items."""
     kind = _kind(obj)
     if kind in ("tensor", "leaf"):
         yield obj
@@ -564,6 +592,9 @@ def _walk(obj: Any) -> Iterator[Any]:
             else:
                 yield from _walk(v)
     elif kind == "items" or kind == "items+attrs":
+        if type(obj) in _NUMBER_ITEMS and _numbers(obj, _NUMBERS):  # (100,000 token ids: one yield, not 100,000)
+            yield _Numbers(obj)
+            return
         for v in obj:
             if type(v) in _LEAF_TYPES:
                 yield v
@@ -577,11 +608,15 @@ def _walk(obj: Any) -> Iterator[Any]:
 
 
 def leaf_bytes(obj: Any) -> int:
-    """Bytes of the ``str`` and ``bytes`` objects and of the ints over ``_ATTR_NUMBER_MAX`` bytes among
-    the leaves of ``obj`` and among its dict keys (a tuple of them, a path's text too: see
-    :func:`_key_problem`), ``sys.getsizeof``, each object once: what a cache keeping ``obj`` keeps alive
-    besides tensor storages. Other scalars (smaller ints, floats, None, dtypes, ...) are a few dozen
-    bytes each and not counted.
+    """Bytes of what a cache keeping ``obj`` keeps alive besides tensor storages, ``sys.getsizeof``, each
+    object once (by identity): among the leaves of ``obj`` and among its dict keys (a tuple of them, a path's
+    text too: see :func:`_key_problem`), the ``str`` and ``bytes`` objects and the ints over
+    ``_ATTR_NUMBER_MAX`` bytes; and each list, tuple, set or frozenset of numbers (every item an int, float,
+    complex or bool, or a numpy scalar where a dict key may hold one: a request's token ids; an empty one too),
+    with each of its numbers, except the objects CPython shares (the ints -5..256, True, False and ``()``;
+    numpy's two bools). Other scalars (a smaller int, a float, None, a dtype alone, ...) are a few dozen
+    bytes each, and the value's structure (its dicts, and its lists holding tensors, text or other
+    containers) a few dozen per container: not counted.
 
     Parameters
     ----------
@@ -591,24 +626,41 @@ def leaf_bytes(obj: Any) -> int:
     Returns
     -------
     int
-        0 when ``obj`` holds no ``str`` or ``bytes``.
+        0 when ``obj`` holds none of those.
 
     Raises
     ------
     TypeError
         As :func:`iter_tensors`.
 
+    Note
+    ----
+    ``OwnedCache`` charges the value it stores, a rebuild of ``obj`` (:func:`~tpool.memory.ownership.map_tensors`):
+    its lists and sets are copies, each copied once however often ``obj`` holds it, sized as ``list(items)``
+    sizes them (a list grown by ``append`` may hold more spare room: 800,984 B for 100,000 ids, its copy
+    800,056), and its tuples and frozensets of numbers are ``obj``'s own objects.
+
     Example
     -------
     >>> leaf_bytes({"ids": torch.zeros(4), "jpeg": bytes(1 << 20)}) >= 1 << 20
     True
+    >>> leaf_bytes({"ids": list(range(255, 259))})  # "ids" 52, the list 88, the ints 257 and 258 (28 each)
+    196
     """
     kept = {}  # id -> the object (held, so that no id is reused while counting)
+    numbers = False
     with walking():
         for x in _walk(obj):
             t = type(x)
             if t is int and -_SMALL_INT < x < _SMALL_INT or t is torch.Tensor:  # (the common leaves at two tests)
                 continue
-            if isinstance(x, (str, bytes)) or isinstance(x, int) and sys.getsizeof(x) > _ATTR_NUMBER_MAX:
+            if t is _Numbers:  # a list of 100,000 token ids: 800 KB, and 2.8 MB of int objects
+                kept[id(x.items)] = x.items
+                kept.update(zip(map(id, x.items), x.items))  # (at C speed; the shared objects are dropped below)
+                numbers = True
+            elif isinstance(x, (str, bytes)) or isinstance(x, int) and sys.getsizeof(x) > _ATTR_NUMBER_MAX:
                 kept[id(x)] = x  # 10**100000: 41 KiB
-    return sum(sys.getsizeof(x) for x in kept.values())
+    if numbers:
+        for i in kept.keys() & _SHARED_IDS:
+            del kept[i]
+    return sum(map(sys.getsizeof, kept.values()))
