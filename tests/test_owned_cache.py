@@ -1739,6 +1739,73 @@ def test_a_list_holding_a_tensor_or_text_is_structure_not_charged():
     cache.check_invariants()
 
 
+def _model_leaf_charge(value) -> int:
+    """leaf_bytes by a plain recursive reading of its rule (shared small ints and bools by value, not by id)."""
+    seen = {}
+
+    def items(x):
+        if all(type(y) in (int, float, complex, bool) for y in x):
+            if x != ():
+                seen[id(x)] = x
+            seen.update((id(y), y) for y in x if type(y) is not bool and not (type(y) is int and -5 <= y <= 256))
+        else:
+            for y in x:
+                walk(y)
+
+    def walk(x):
+        if type(x) in (str, bytes) or type(x) is int and sys.getsizeof(x) > 128:
+            seen[id(x)] = x
+        elif type(x) in (list, tuple, set, frozenset):
+            items(x)
+        elif type(x) is dict:
+            for k, v in x.items():
+                walk(k)
+                walk(v)
+
+    walk(value)
+    return sum(sys.getsizeof(x) for x in seen.values())
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_values_are_charged_their_text_and_lists_of_numbers(seed):
+    """Random nests of dicts, lists, tuples and sets with shared lists, shared big ints, floats, small ints,
+    text and tensors: the cache charges what the model reads in what it stores, and check_invariants agrees."""
+    rng = np.random.default_rng(seed)
+    pool = [int(rng.integers(257, 1 << 40)), 10 ** 50, 0.5, "w"]  # objects a value may hold twice
+
+    def number():
+        return [lambda: int(rng.integers(-10, 300)), lambda: int(rng.integers(1 << 20)), lambda: float(rng.random()),
+                lambda: bool(rng.integers(2)), lambda: pool[int(rng.integers(3))]][int(rng.integers(5))]()
+
+    def make(depth):
+        kind = int(rng.integers(7 if depth < 3 else 2))
+        if kind == 0:
+            return [number() for _ in range(int(rng.integers(0, 6)))]
+        if kind == 1:
+            return tuple(number() for _ in range(int(rng.integers(0, 4))))
+        if kind == 2:
+            return torch.zeros(int(rng.integers(1, 4)))
+        if kind == 3:
+            return "t" * int(rng.integers(1, 5))
+        if kind == 4:
+            shared = make(depth + 1)
+            return [shared, make(depth + 1), shared]
+        if kind == 5:
+            return {(f"k{i}" if i % 2 else tuple(number() for _ in range(2))): make(depth + 1) for i in range(3)}
+        return {number() for _ in range(int(rng.integers(1, 4)))}
+
+    cache = OwnedCache(1 << 30)
+    for i in range(6):
+        value = {"v": make(0)}
+        assert cache.put(i, value)
+        stored = cache._entries[i].value
+        assert cache._entries[i].leaf_bytes == _model_leaf_charge(stored)
+        assert accounting.leaf_bytes(value) == _model_leaf_charge(value)
+    cache.check_invariants()
+    cache.clear()
+    assert cache.stats().current_bytes == 0
+
+
 def _dies_with(make_value, put=True):
     """``(alive, cache)``: a weak reference to what ``make_value()`` (``(value, extra)``) holds beside its
     storages, after the value was put (or not) and every other reference dropped."""
