@@ -6,14 +6,18 @@ Note:
     ``own`` and ``OwnedCache``) walk a value by :func:`_kind`: tensors, plain
     scalars, dicts and ``UserDict``s (their values), lists, tuples, sets and
     dataclasses (fields, other attributes, slots). What one walker counts, the
-    other rebuilds. Bytes no walker reaches would stay alive uncharged, so
-    whatever could hide them is refused (``TypeError``) before a cache changes:
-    a tensor (or anything but small plain data) in a tensor's, a scalar
-    subclass's or a container subclass's attributes (``__dict__`` and slots),
-    and dict keys that cannot be charged (keys are charged like leaves: their
-    text and big ints). Slots are found as member descriptors along the class's
-    MRO, so name mangling, shadowing class attributes and ``__getattr__``
-    fallbacks never mislead the walk.
+    other rebuilds: :func:`leaf_bytes` charges a list, tuple, set or frozenset
+    of numbers (token ids) whole, and ``map_tensors`` copies such a list or set
+    once per value and keeps such a tuple or frozenset, so the charge of the
+    caller's value's rebuild is the charge of what a cache stores. Bytes no
+    walker reaches would stay alive uncharged, so whatever could hide them is
+    refused (``TypeError``) before a cache changes: a tensor (or anything but
+    small plain data) in a tensor's, a scalar subclass's or a container
+    subclass's attributes (``__dict__`` and slots), and dict keys that cannot be
+    charged (keys are charged like leaves: their text, big ints and tuples of
+    numbers). Slots are found as member descriptors along the class's MRO, so
+    name mangling, shadowing class attributes and ``__getattr__`` fallbacks
+    never mislead the walk.
 """
 
 from __future__ import annotations
