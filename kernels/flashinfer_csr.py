@@ -287,8 +287,9 @@ def flashinfer_csr_body(
 
 
 @triton.jit
-def flashinfer_csr_kernel(req_ids_ptr, B, indptr_ptr, indices_ptr, cap, last_page_len_ptr, block_table_ptr, seq_lens_ptr,
-               counters_ptr, written_ptr, R, MP, num_pages, page_size, SEARCH, BLOCK: tl.constexpr):
+def flashinfer_csr_kernel(req_ids_ptr, B, indptr_ptr, indices_ptr, cap, last_page_len_ptr, block_table_ptr,
+                          seq_lens_ptr, counters_ptr, written_ptr, R, MP, num_pages, page_size, SEARCH,
+                          BLOCK: tl.constexpr):
     """One launch of ``flashinfer_csr_body`` (arguments documented there)."""
     flashinfer_csr_body(req_ids_ptr, B, indptr_ptr, indices_ptr, cap, last_page_len_ptr, block_table_ptr, seq_lens_ptr,
              counters_ptr, written_ptr, indptr_ptr, R, MP, num_pages, page_size, SEARCH, BLOCK)

@@ -534,7 +534,8 @@ class Table:
         run(row, pages.data_ptr(), 0 if gens is None else gens.data_ptr(), pages.numel(), self.cd)  # 0: no gens
 
     def block_table_rows(self, req_ids, out):
-        kernel(block_table_rows.block_table_rows_numba_entry)(req_ids.data_ptr(), req_ids.numel(), out.data_ptr(), self.cd)
+        kernel(block_table_rows.block_table_rows_numba_entry)(req_ids.data_ptr(), req_ids.numel(), out.data_ptr(),
+                                                              self.cd)
 
     def restamp_rows(self, req_ids=None, memos=()):
         if req_ids is None:

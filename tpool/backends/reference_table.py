@@ -74,8 +74,8 @@ as empty); a fork whose shared range or partial page holds an id outside ``[0, P
 -1 (one count per such slot; the lane and the row are as otherwise), so slots
 never point outside the K/V cache; a request whose pages hold such an id is exported
 by ``flashinfer_csr`` (and a step's CSR) as empty, with ``kv_lens`` 0 in a step (one count
-per request, in a step too), so no page id outside the pool reaches an attention kernel; pops and pushes follow the pool's rules
-(:mod:`tpool.backends.reference`).
+per request, in a step too), so no page id outside the pool reaches an attention kernel; pops and pushes
+follow the pool's rules (:mod:`tpool.backends.reference`).
 """
 
 import torch
