@@ -15,7 +15,6 @@ logits and indexes them (the path for such models).
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (Distinct, HelpFormatter, check_model, out_path, positive_int, progress,  # noqa: E402
-                     ratio_text, write_json)
+                     quantiles, ratio_text, write_json)
 
 import tpool  # noqa: E402
 from tpool.serving import PagedKVCache, step_metadata  # noqa: E402
@@ -71,15 +70,14 @@ def step(model, tokens, lanes):
     return x, PagedContext(cache, step_metadata(table, res)), lasts
 
 
-def quantiles(fn, samples):
-    """Median, p20 and p80 of ``fn()``'s wall time over ``samples`` calls, in ms."""
+def timed_ms(fn, samples):
+    """Median, p20 and p80 of ``fn()``'s wall time over ``samples`` calls, in ms (``_common.quantiles``)."""
     ts = []
     for _ in range(samples):
         t0 = time.perf_counter()
         fn()
         ts.append((time.perf_counter() - t0) * 1e3)
-    q = statistics.quantiles(ts, n=5, method="inclusive")
-    return statistics.median(ts), q[0], q[3]
+    return quantiles(ts)
 
 
 def measure(name, a):
@@ -101,8 +99,8 @@ def measure(name, a):
             progress(f"{name}: {what} logits ({rows} rows), {a.samples} samples")
             row[f"{what}_logits_bytes"] = rows * a.vocab * 4
             row[f"{what}_peak_bytes"] = peak_alloc_bytes(lambda: forward_step(model, x, ctx, **kw))
-            row[f"{what}_step_ms"] = quantiles(lambda: forward_step(model, x, ctx, **kw), a.samples)
-            row[f"{what}_lm_head_ms"] = quantiles(lambda: head(h[:rows]), a.samples)
+            row[f"{what}_step_ms"] = timed_ms(lambda: forward_step(model, x, ctx, **kw), a.samples)
+            row[f"{what}_lm_head_ms"] = timed_ms(lambda: head(h[:rows]), a.samples)
     return row
 
 
