@@ -50,7 +50,7 @@ import torch
 from tpool._checks import check_size
 from tpool.memory.accounting import (StorageKey, _alive_bytes, _distinct_elems, _span_elems, _with_grads, check_ownable,
                                      compact_bytes, storage_bytes, storage_key)
-from tpool.memory.values import (_LEAF_TYPES, _NUMBER_ITEMS, _NUMBERS, _field_names, _instance_dict, _kind, _numbers,
+from tpool.memory.values import (_LEAF_TYPES, _NUMBERS, _field_names, _instance_dict, _kind, _numbers,
                                  _own_attrs, _slot_members, _slot_values, leaf_bytes, tensor_attrs, walking)
 
 __all__ = ["needs_compaction", "own", "compact", "map_tensors", "plan_ownership", "OwnershipPlan"]
@@ -372,8 +372,8 @@ def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], check: bool, copi
             _rebuild_attrs(obj, new, _NO_ALIASES)  # a subclass's attributes: the copy gets its own
         return new
     if kind == "items" or kind == "items+attrs":
-        t = type(obj)
-        if t in _NUMBER_ITEMS and _numbers(obj, _NUMBERS):  # token ids: charged by leaf_bytes, as it is stored
+        if _numbers(obj, _NUMBERS):  # token ids: charged by leaf_bytes, as it is stored
+            t = type(obj)
             if t is tuple or t is frozenset:
                 return obj  # (nothing can be added to it: kept, as a str is)
             new = copies.get(id(obj))  # a list held twice is copied once: the charge counts it once

@@ -76,10 +76,11 @@ _SHARED_IDS = set(map(id, _SHARED))  # (a set, not a frozenset: `kept.keys() & i
 
 
 def _numbers(items: Any, types: frozenset) -> bool:
-    """Whether every item of ``items`` (an exact list, tuple, set or frozenset) is of an exact type in ``types``:
-    :func:`leaf_bytes` charges such a container and its items. An empty one is one too (a list with no ids yet:
-    56 B that stay alive), but ``()``, one object the interpreter shares, is never charged (``_SHARED``)."""
-    return all(map(types.__contains__, map(type, items)))
+    """Whether ``items`` is an exact list, tuple, set or frozenset (``_NUMBER_ITEMS``) whose every item is of an
+    exact type in ``types``: :func:`leaf_bytes` charges such a container and its items. An empty one is one too
+    (a list with no ids yet: 56 B that stay alive), but ``()``, one object the interpreter shares, is never
+    charged (``_SHARED``)."""
+    return type(items) in _NUMBER_ITEMS and all(map(types.__contains__, map(type, items)))
 
 
 class _Numbers:
@@ -228,7 +229,7 @@ def _key_problem(k: Any, out: list, depth: int) -> str | None:
             return problem
         items = _own_attrs(k).values()
     elif isinstance(k, (tuple, frozenset)):
-        if (t is tuple or t is frozenset) and _numbers(k, _KEY_NUMBERS):  # a token-id prefix: charged whole
+        if _numbers(k, _KEY_NUMBERS):  # a token-id prefix: charged whole
             out.append(_Numbers(k))
             return None
         items = k if t is tuple or t is frozenset else [*k, *_own_attrs(k).values()]
@@ -596,7 +597,7 @@ def _walk(obj: Any) -> Iterator[Any]:
             else:
                 yield from _walk(v)
     elif kind == "items" or kind == "items+attrs":
-        if type(obj) in _NUMBER_ITEMS and _numbers(obj, _NUMBERS):  # (100,000 token ids: one yield, not 100,000)
+        if _numbers(obj, _NUMBERS):  # (100,000 token ids: one yield, not 100,000)
             yield _Numbers(obj)
             return
         for v in obj:
