@@ -1714,6 +1714,23 @@ def test_a_list_of_small_ints_is_charged_its_container_only():
     cache.check_invariants()
 
 
+def test_a_batch_of_id_lists_padded_with_none_is_charged_its_ids():
+    """A batch of token-id rows padded with None to one length (`[ids..., None, None]`) was structure, charged
+    0, though it kept its ids alive (100,000 ids and one None: 3.6 MB, charged 0). None is a padding among
+    numbers, one object CPython shares: the row is charged its list and its ints, never the None."""
+    ids = list(range(1000, 1000 + IDS))
+    assert accounting.leaf_bytes(ids + [None]) == sys.getsizeof(ids + [None]) + IDS * INT
+    rows = [list(range(1000, 1100)) + [None] * 4, list(range(2000, 2104))]
+    cache = OwnedCache(1 << 20)
+    assert cache.put("k", {"ids": rows})
+    assert cache.stats().current_bytes == _keys("ids") + sum(sys.getsizeof(list(r)) for r in rows) + 204 * INT
+    got = cache.get("k")["ids"]
+    assert got == rows and got[0] is not rows[0]
+    assert accounting.leaf_bytes([None, None]) == sys.getsizeof([None, None])  # the list; the None, never
+    assert accounting.leaf_bytes({(1000, None): 1}) == sys.getsizeof((1000, None)) + INT  # a padded prefix key
+    cache.check_invariants()
+
+
 def test_floats_and_complex_numbers_in_a_list_are_charged():
     half = float("0.5")
     scores = [half, half, 1.5]

@@ -69,9 +69,10 @@ _SMALL_INT = 1 << 62  # an exact int below it in magnitude is small without aski
 
 # Numbers in a list, tuple, set or frozenset: such a container (a request's token ids) and its numbers are charged.
 _NUMBER_ITEMS = frozenset((list, tuple, set, frozenset))  # exact types (a subclass's attributes may hold more)
-_NUMBERS = frozenset((int, float, complex, bool, np.float64, np.complex128))  # exact types a value's walk takes
+# exact types a value's walk takes; None too, the padding of a batch of id lists ([5, 9, None]), never charged
+_NUMBERS = frozenset((int, float, complex, bool, np.float64, np.complex128, type(None)))
 _KEY_NUMBERS = _NUMBERS | frozenset(t for t in np.sctypeDict.values() if issubclass(t, (np.number, np.bool_)))
-_SHARED = (*range(-5, 257), True, False, np.True_, np.False_, ())  # one object each in CPython, numpy: never charged
+_SHARED = (*range(-5, 257), True, False, None, np.True_, np.False_, ())  # one object each: not charged
 _SHARED_IDS = set(map(id, _SHARED))  # (a set, not a frozenset: `kept.keys() & it` then reads the smaller)
 
 
@@ -617,11 +618,11 @@ def leaf_bytes(obj: Any) -> int:
     object once (by identity): among the leaves of ``obj`` and among its dict keys (a tuple of them, a path's
     text too: see :func:`_key_problem`), the ``str`` and ``bytes`` objects and the ints over
     ``_ATTR_NUMBER_MAX`` bytes; and each list, tuple, set or frozenset of numbers (every item an int, float,
-    complex or bool, or a numpy scalar where a dict key may hold one: a request's token ids; an empty one too),
-    with each of its numbers, except the objects CPython shares (the ints -5..256, True, False and ``()``;
-    numpy's two bools). Other scalars (a smaller int, a float, None, a dtype alone, ...) are a few dozen
-    bytes each, and the value's structure (its dicts, and its lists holding tensors, text or other
-    containers) a few dozen per container: not counted.
+    complex or bool, or a numpy scalar where a dict key may hold one: a request's token ids; None among them, a
+    padding; an empty one too), with each of its numbers, except the objects CPython shares (the ints -5..256,
+    True, False, None and ``()``; numpy's two bools). Other scalars (a smaller int, a float, None, a dtype
+    alone, ...) are a few dozen bytes each, and the value's structure (its dicts, and its lists holding
+    tensors, text or other containers) a few dozen per container: not counted.
 
     Parameters
     ----------
