@@ -14,6 +14,7 @@ logits and indexes them (the path for such models).
 """
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -26,8 +27,6 @@ from _common import (Distinct, HelpFormatter, check_model, out_path, positive_in
 
 import tpool  # noqa: E402
 from tpool.serving import PagedKVCache, step_metadata  # noqa: E402
-from tpool.serving.engine import kv_shape  # noqa: E402
-from tpool.serving.hf import ATTN_IMPLEMENTATION, PagedContext, forward_step, takes_logits_to_keep  # noqa: E402
 from tpool.testing import peak_alloc_bytes, without_logits_to_keep  # noqa: E402
 
 MODELS = ("llama", "qwen2", "gpt-neox", "gemma2", "mistral", "nokeep")
@@ -37,6 +36,8 @@ PAGE_SIZE = 16  # tokens
 def build(name, a):
     """A random-weight model of family ``name`` on tpool's attention (seed 0, float32)."""
     import transformers as tf
+
+    from tpool.serving.hf import ATTN_IMPLEMENTATION
     common = dict(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=2 * a.hidden,
                   num_hidden_layers=a.layers, num_attention_heads=a.heads, max_position_embeddings=4096)
     gqa = dict(num_key_value_heads=a.kv_heads, head_dim=a.hidden // a.heads)
@@ -57,6 +58,8 @@ def build(name, a):
 def step(model, tokens, lanes):
     """One prefill step of ``tokens`` tokens in ``lanes`` lanes on a fresh pool: ``(input_ids, ctx, lasts)``,
     ``lasts`` each lane's last packed token."""
+    from tpool.serving.engine import kv_shape
+    from tpool.serving.hf import PagedContext
     per = [tokens // lanes + (i < tokens % lanes) for i in range(lanes)]
     pages = sum(-(-n // PAGE_SIZE) for n in per)
     pool = tpool.PagePool(pages, PAGE_SIZE, device="cpu", backend="reference")
@@ -81,6 +84,7 @@ def timed_ms(fn, samples):
 
 
 def measure(name, a):
+    from tpool.serving.hf import forward_step, takes_logits_to_keep  # (transformers: imported when a run starts)
     progress(f"{name}: building the model and its step")
     model = build(name, a)
     x, ctx, lasts = step(model, a.tokens, a.lanes)
@@ -142,6 +146,8 @@ def main(argv=None):
     if a.samples < 2:
         ap.error(f"argument --samples: expected at least 2 (for p20 / p80), got {a.samples}")
     check_model(ap, a)
+    if importlib.util.find_spec("transformers") is None:
+        ap.error("needs transformers, which is not installed: pip install -e '.[hf]'")
     torch.set_num_threads(a.threads)
     rows = []
     print(f"{a.tokens} tokens in {a.lanes} lanes, vocab {a.vocab:,}, hidden {a.hidden}, {a.layers} layers, float32, "

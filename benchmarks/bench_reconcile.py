@@ -17,6 +17,7 @@ how often the loop reconciles must not change a token), or the script fails.
 """
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -26,7 +27,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import (Distinct, HelpFormatter, check_backends, out_path, positive_int, print_table,  # noqa: E402
                      progress, write_json)
 
-from tpool.serving.engine import Engine, make_requests, max_len, tiny_model  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:
@@ -48,6 +48,7 @@ def parser() -> argparse.ArgumentParser:
 
 def run_once(model, a, every: int) -> tuple:
     """Serve ``a``'s requests with ``reconcile_every=every``; returns ``(stats, tokens)``."""
+    from tpool.serving.engine import Engine, make_requests, max_len
     reqs = make_requests(a.requests, seed=a.seed, vocab_size=model.config.vocab_size, system_len=a.system_len)
     max_pages = -(-max(max_len(r) for r in reqs) // a.page_size)
     eng = Engine(model, num_pages=a.num_pages, page_size=a.page_size, max_batch=a.max_batch, max_pages=max_pages,
@@ -61,6 +62,9 @@ def main(argv=None):
     ap = parser()
     a = ap.parse_args(argv)
     check_backends(ap, "--backend", [a.backend], "cpu")
+    if importlib.util.find_spec("transformers") is None:
+        ap.error("needs transformers, which is not installed: pip install -e '.[hf]'")
+    from tpool.serving.engine import make_requests, max_len, tiny_model  # (transformers: --help works without it)
     torch.set_num_threads(1)
     model = tiny_model("llama", seed=a.seed)
     longest = max(max_len(r) for r in make_requests(a.requests, seed=a.seed, vocab_size=model.config.vocab_size,

@@ -169,6 +169,28 @@ def test_help_explains_every_option_and_its_default(name, monkeypatch):
     assert r.returncode == 0 and "--json" in r.stdout and "stderr" in r.stdout, r.stderr
 
 
+_NO_TRANSFORMERS = """
+import runpy, sys
+class NoTransformers:  # as if it were not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "transformers":
+            raise ModuleNotFoundError("No module named 'transformers'", name=name)
+sys.meta_path.insert(0, NoTransformers())
+sys.argv = [sys.argv[1], "--help"]
+sys.path.insert(0, sys.argv[0].rsplit("/", 1)[0])
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("name", SCRIPTS + ["gpu_step_phases", "bench_e2e"])
+def test_help_works_without_transformers(name):
+    """--help (and a usage error) needs no model library: bench_logits imported tpool.serving.hf, hence
+    transformers, at its top, so its --help failed with ModuleNotFoundError where transformers is not installed."""
+    r = subprocess.run([sys.executable, "-c", _NO_TRANSFORMERS, os.path.join(BENCH, f"{name}.py")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "usage:" in r.stdout, r.stderr[-2000:]
+
+
 def test_page_table_cold_mode_reports_warm_and_cold(tmp_path, capsys):
     out = tmp_path / "pt.json"
     load("bench_page_table").main(TINY["bench_page_table"][:2] + [
