@@ -119,6 +119,13 @@ def check_backends(ap: argparse.ArgumentParser, option: str, names, device) -> N
             ap.error(f"argument {option}: {str(e).removeprefix('backend: ')}")
 
 
+def need_transformers(ap: argparse.ArgumentParser) -> None:
+    """A usage error when transformers (the ``hf`` extra) is not installed: the scripts that serve a model
+    import it when a run starts, so that ``--help`` works without it."""
+    if importlib.util.find_spec("transformers") is None:
+        ap.error("needs transformers, which is not installed: pip install -e '.[hf]'")
+
+
 def check_model(ap: argparse.ArgumentParser, a) -> None:
     """Usage errors for a random Llama (``a.hidden``, ``a.heads``, ``a.kv_heads``, ``a.vocab``) its config
     refuses or its forward fails on: --heads must divide --hidden into an even head size (rotary embeddings

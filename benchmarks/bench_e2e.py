@@ -18,7 +18,6 @@ workload.
 """
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -28,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (Distinct, HelpFormatter, check_backends, check_model, out_path, positive_int,  # noqa: E402
-                     print_table, progress, quantiles, write_json)
+                     need_transformers, print_table, progress, quantiles, write_json)
 
 import tpool  # noqa: E402
 from tpool.serving import PagedKVCache, step_metadata  # noqa: E402
@@ -162,8 +161,7 @@ def main(argv=None):
         ap.error(f"argument --prompt: a request would hold {held} tokens (--prompt {a.prompt} + "
                  f"{max(a.inner, WARMUP_STEPS)} decoded), past the model's {POSITIONS} positions")
     check_backends(ap, "--backend", [a.backend], "cpu")
-    if importlib.util.find_spec("transformers") is None:
-        ap.error("needs transformers, which is not installed: pip install -e '.[hf]'")
+    need_transformers(ap)
     torch.set_num_threads(a.threads)
     progress(f"building a random Llama {a.layers}x{a.hidden} (importing transformers) ...")
     model = build_model(a.hidden, a.layers, a.heads, a.kv_heads, a.vocab)

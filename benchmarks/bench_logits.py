@@ -14,7 +14,6 @@ logits and indexes them (the path for such models).
 """
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (Distinct, HelpFormatter, check_model, out_path, positive_int, progress,  # noqa: E402
-                     quantiles, ratio_text, write_json)
+                     need_transformers, quantiles, ratio_text, write_json)
 
 import tpool  # noqa: E402
 from tpool.serving import PagedKVCache, step_metadata  # noqa: E402
@@ -146,8 +145,7 @@ def main(argv=None):
     if a.samples < 2:
         ap.error(f"argument --samples: expected at least 2 (for p20 / p80), got {a.samples}")
     check_model(ap, a)
-    if importlib.util.find_spec("transformers") is None:
-        ap.error("needs transformers, which is not installed: pip install -e '.[hf]'")
+    need_transformers(ap)
     torch.set_num_threads(a.threads)
     rows = []
     print(f"{a.tokens} tokens in {a.lanes} lanes, vocab {a.vocab:,}, hidden {a.hidden}, {a.layers} layers, float32, "

@@ -22,7 +22,6 @@ the first run's (greedy decoding: the cache must not change a token), or the scr
 
 import argparse
 import gc
-import importlib.util
 import os
 import statistics
 import sys
@@ -32,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (HelpFormatter, check_backends, check_model, non_negative_int, out_path, positive_int,  # noqa: E402
-                     print_table, progress, quantiles, write_json)
+                     need_transformers, print_table, progress, quantiles, write_json)
 from bench_e2e import POSITIONS, build_model as build_llama  # noqa: E402
 
 QUICK = dict(requests=16, repeats=2)   # --quick: what it changes, where the option is not given
@@ -148,8 +147,7 @@ def main(argv=None):
     for k, v in (QUICK if a.quick else FULL).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
-    if importlib.util.find_spec("transformers") is None:
-        ap.error("needs transformers, which is not installed: pip install -e '.[hf]'")
+    need_transformers(ap)
     check_args(ap, a)
     torch.set_num_threads(a.threads)
     progress(f"building a random Llama {a.layers}x{a.hidden} (importing transformers) ...")

@@ -17,7 +17,6 @@ how often the loop reconciles must not change a token), or the script fails.
 """
 
 import argparse
-import importlib.util
 import os
 import sys
 
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (Distinct, HelpFormatter, check_backends, out_path, positive_int, print_table,  # noqa: E402
-                     progress, write_json)
+                     need_transformers, progress, write_json)
 
 
 
@@ -62,8 +61,7 @@ def main(argv=None):
     ap = parser()
     a = ap.parse_args(argv)
     check_backends(ap, "--backend", [a.backend], "cpu")
-    if importlib.util.find_spec("transformers") is None:
-        ap.error("needs transformers, which is not installed: pip install -e '.[hf]'")
+    need_transformers(ap)
     from tpool.serving.engine import make_requests, max_len, tiny_model  # (transformers: --help works without it)
     torch.set_num_threads(1)
     model = tiny_model("llama", seed=a.seed)
