@@ -32,6 +32,12 @@ class AsyncRead:
     tensors : sequence of torch.Tensor
         Any shapes and dtypes, contiguous, all on one device (CUDA or CPU).
 
+    Raises
+    ------
+    ValueError
+        ``tensors`` is a tensor itself (pass ``[t]``), is empty, holds something that is not a
+        tensor, or tensors that are not contiguous or not on one device.
+
     Example
     -------
     >>> r = AsyncRead([torch.arange(3)])
@@ -40,6 +46,8 @@ class AsyncRead:
     """
 
     def __init__(self, tensors):
+        if isinstance(tensors, torch.Tensor):  # (list() would make one 0-d tensor of each entry)
+            raise ValueError(f"tensors: expected a sequence of tensors, got a {type(tensors).__name__}; pass [t]")
         tensors = list(tensors)
         if not tensors:
             raise ValueError("tensors: expected at least one tensor, got none")
