@@ -7,7 +7,8 @@ copies; ``ready()`` asks the event (``cudaEventQuery``, never a wait) and
 ready yet (the one case that stalls: ask ``ready()`` first). On a CPU the copy
 is done at once and ``ready()`` is always True. The copies are taken in stream
 order: they show the state after every call issued before the read started,
-and none issued after it.
+and none issued after it. A read of CUDA tensors is refused (``RuntimeError``) while the
+current stream captures a CUDA graph: start it between replays.
 
 The host copies carry the attribute :data:`HOST_SNAPSHOT_ATTR`, a one-item
 list that ``ready()`` sets to True once it has said so, so the test guards in
@@ -37,6 +38,9 @@ class AsyncRead:
     ValueError
         ``tensors`` is a tensor itself (pass ``[t]``), is empty, holds something that is not a
         tensor, or tensors that are not contiguous or not on one device.
+    RuntimeError
+        CUDA tensors while the current stream is capturing a CUDA graph (start the read between
+        replays: a captured copy would land at each replay, not now).
 
     Example
     -------
@@ -62,6 +66,12 @@ class AsyncRead:
                 raise ValueError(f"tensors: expected contiguous tensors, got shape {tuple(t.shape)} with stride "
                                  f"{t.stride()}; pass .contiguous()")
         self.device = device
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Captured, the copy and the event would run only at replays, into pinned memory this handle
+            # may no longer hold, and an event recorded in a capture cannot be asked (cudaEventQuery).
+            raise RuntimeError("AsyncRead inside CUDA graph capture (pool.stats_async(), a mirror's snapshot()): "
+                               "the graph would repeat the copy at every replay, into host memory this read may "
+                               "no longer own, and nothing would be read now; start it between replays")
         if device.type == "cuda":
             self._host = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True) for t in tensors]
             with torch.cuda.device(device):  # the copies and the event on the tensors' device's stream
