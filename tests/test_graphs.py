@@ -112,6 +112,17 @@ def test_capture_refuses_owners_off_cuda_before_running_anything(make_pool, monk
         capture(step, *(types.SimpleNamespace(device=torch.device("cuda", i)) for i in (0, 1)))
     assert not ran and all(torch.equal(a, b) for a, b in zip(state_tensors(table), before))
 
+def test_capture_refuses_no_owners_before_running_anything(monkeypatch):
+    """``capture(step)`` with no owners ran the warm-up for real and restored nothing: two decode steps
+    the scheduler never asked for stayed in the table (README: "the warm-up leaves no trace"). It is
+    refused before the step runs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, as far as capture asks
+    ran = []
+    with pytest.raises(ValueError, match=r"owners: expected at least one PagePool or PageTable .*got none"):
+        capture(lambda: ran.append(1))
+    assert not ran
+
+
 # ----------------------------------------------------------------- GPU only
 GPU_BACKENDS = ["triton", "reference"]
 

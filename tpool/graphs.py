@@ -157,13 +157,16 @@ def capture(step, *owners, warmup: int = 2) -> "torch.cuda.CUDAGraph":
     RuntimeError
         CUDA is not available.
     ValueError
-        ``warmup`` is not a non-negative int, an owner is not on a CUDA device (a CPU pool's
+        ``warmup`` is not a non-negative int, no owner is given, an owner is not on a CUDA device (a CPU pool's
         calls would run for real while the graph is captured, changing its state, and the graph
         would replay nothing), or the owners are on more than one device.
     """
     warmup = check_size(warmup, "warmup")  # (range(-1) or range(True) would warm up quietly or not at all)
     if not torch.cuda.is_available():
         raise RuntimeError("tpool.graphs.capture needs CUDA; on a CPU call the step directly")
+    if not owners:  # (the warm-up would run for real, with nothing to restore)
+        raise ValueError("owners: expected at least one PagePool or PageTable whose state the step changes (the "
+                         "warm-up runs it for real and capture restores their state), got none")
     devices = []
     for i, o in enumerate(owners):
         dev = getattr(o, "device", None)
@@ -178,8 +181,8 @@ def capture(step, *owners, warmup: int = 2) -> "torch.cuda.CUDAGraph":
     if len(devices) > 1:
         raise ValueError(f"owners: expected pools and tables on one CUDA device, got {', '.join(map(str, devices))}: "
                          "one graph is captured on one device's stream")
-    device = devices[0] if devices else None
-    with torch.cuda.device(device):  # the owners' device, whatever device is current (None: as it is)
+    device = devices[0]
+    with torch.cuda.device(device):  # the owners' device, whatever device is current
         side = torch.cuda.Stream()
         with preserved(*owners):  # queues the snapshot's clones on the current stream
             side.wait_stream(torch.cuda.current_stream())  # so the warm-up starts after the clones, not before
