@@ -18,9 +18,34 @@ def test_preserved_restores_pool_and_table_state(make_pool):
         pool.alloc(i32([5]))
         assert not torch.equal(table.seq_lens, before[1])
     after = state_tensors(table)
-    # block_table, seq_lens, 2 scratch, 2 versions
-    assert len(after) == len(before) == len(tpool.graphs.state_tensors(pool)) + 6
+    # block_table, seq_lens, 2 scratch, 2 versions; the pool brings its table's too
+    assert len(after) == len(before) == len(pool.state.tensors()) + 6 == len(tpool.graphs.state_tensors(pool))
     assert all(torch.equal(a, b) for a, b in zip(after, before))
+
+
+def test_preserved_restores_every_table_of_a_pool_it_restores(make_pool):
+    """``preserved(a)`` (and ``capture(step, a)``, whose warm-up it wraps) restored the pool with table ``a``
+    only: a table ``b`` on the same pool kept the pages the block gave it, which the restored pool held FREE
+    (the next alloc handed them out again: two requests on one page). ``preserved(pool)`` left every table
+    so. A pool's state and its tables' hold each other's page references: they are restored together,
+    whichever of them is named."""
+    import gc
+    pool = make_pool(16, page_size=4)
+    a, b = tpool.PageTable(pool, 2, 4), tpool.PageTable(pool, 2, 4)
+    b.step(i32([1]), i32([3]), max_tokens=3)                 # b holds a row before
+    for owner in (a, pool):
+        before = [t.clone() for t in state_tensors(a, b)]
+        with preserved(owner):
+            a.step(i32([0]), i32([4]), max_tokens=4)
+            b.step(i32([0, 1]), i32([4, 2]), max_tokens=6)
+        assert all(torch.equal(x, y) for x, y in zip(state_tensors(a, b), before))
+        a.check_invariants(exclusive=False)
+        b.check_invariants(exclusive=False)
+    assert len(state_tensors(a)) == len(state_tensors(pool)) == len(state_tensors(b, a)) == len(before)
+    del b
+    gc.collect()                                             # a table dropped is no longer restored
+    assert len(state_tensors(pool)) == len(state_tensors(a)) < len(before)
+    pool.check()
 
 
 def test_preserved_and_state_tensors_refuse_what_is_not_a_pool_or_table(make_pool):

@@ -21,19 +21,25 @@ from tpool.state import clones_between_calls, copy_between_calls
 
 
 def state_tensors(*owners) -> list:
-    """Every state tensor of the given pools and tables (tables include their pool's).
+    """Every state tensor of the given pools and tables, and of each one's pool and every live table on it.
+
+    A pool's state and its tables' hold each other's page references (a row's pages are USED in
+    the pool): restoring the pool without one of its tables would leave that table naming pages
+    the pool holds FREE, which the next alloc hands out again. So a table brings its pool's state
+    and a pool every live ``PageTable``'s on it.
 
     Parameters
     ----------
     *owners : PagePool or PageTable
         Objects with a ``state`` dataclass; a table (an object with ``pool``)
-        adds its pool's state.
+        adds its pool's state, and a pool the states of the tables made on it.
 
     Returns
     -------
     list of torch.Tensor
         Each tensor field of each state, once (by identity) in the order
-        met; the tensors themselves, not copies (their shapes and dtypes
+        met (an owner's own state, its pool's, then its pool's tables' in the order they were made);
+        the tensors themselves, not copies (their shapes and dtypes
         are the state's own, see :mod:`tpool.state`), on the owners' devices.
 
     Example
@@ -45,8 +51,10 @@ def state_tensors(*owners) -> list:
     _check_owners(owners)
     out, seen = [], set()
     for owner in owners:
-        parts = [owner.state] + ([owner.pool.state] if hasattr(owner, "pool") else [])
-        for st in parts:
+        pool = getattr(owner, "pool", owner)
+        with pool.state.lock:  # (a table made meanwhile on another thread adds itself under it)
+            tables = list(getattr(pool, "_tables", {}).values())  # (another revision's pool keeps none)
+        for st in [owner.state, pool.state, *(t.state for t in tables)]:
             for f in dataclasses.fields(st):
                 t = getattr(st, f.name)
                 if isinstance(t, torch.Tensor) and id(t) not in seen:
@@ -74,7 +82,8 @@ def preserved(*owners):
     Parameters
     ----------
     *owners : PagePool or PageTable
-        Whose state to restore (see :func:`state_tensors`).
+        Whose state to restore (see :func:`state_tensors`: a table's pool and every table on
+        that pool are restored with it).
 
     Yields
     ------
@@ -139,7 +148,8 @@ def capture(step, *owners, warmup: int = 2) -> "torch.cuda.CUDAGraph":
         inputs must be tensors that live as long as the graph (fill them before
         each replay).
     *owners : PagePool or PageTable
-        Whose state the warm-up may change (restored before capture). Tensors of the
+        Whose state the warm-up may change (restored before capture, with their pools and every
+        table on those pools: :func:`state_tensors`). Tensors of the
         caller's that ``step`` writes (a buffer holding last step's pages, say) keep
         what the warm-up wrote: reset them before the first replay.
     warmup : int

@@ -109,6 +109,8 @@ class PageTable:
         self._seen_ids, self._seen_nums = _checks.NOT_SEEN, _checks.NOT_SEEN  # the last inputs checked (_lanes)
         self._repeat = (*(_checks.UNCHECKED,) * 4, None)  # None: no BoundStep yet (step_binding)
         self._shapes.on_drop(self._shape_dropped)
+        with pool.state.lock:  # (tpool.graphs.state_tensors lists them under it)
+            pool._tables[id(self)] = self
 
     def __reduce_ex__(self, protocol):
         raise TypeError("a PageTable cannot be copied or pickled: its kernels are bound to the addresses of "

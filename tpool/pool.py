@@ -14,6 +14,7 @@ touch; it reads what it evicts, not the pool.
 """
 
 import functools
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -185,6 +186,9 @@ class PagePool:
         self._seen = _checks.NOT_SEEN
         self._group = None
         self._group_buffers = {}  # capacity (or (capacity, "captured")) -> int32 [2, capacity], see FreeGroup
+        # The live PageTables on this pool, oldest first (id -> table, held weakly): their states and the pool's
+        # hold each other's page references, so tpool.graphs.preserved restores them together.
+        self._tables = weakref.WeakValueDictionary()
 
     def __reduce_ex__(self, protocol):
         raise TypeError("a PagePool cannot be copied or pickled: its kernels are bound to the addresses of "
