@@ -209,6 +209,17 @@ class TableModel:
             indices = indices + [-1] * (cap - len(indices))
         return indptr, indices, last
 
+    def rows_of(self, ids):
+        """``block_table_rows``: each request's row, -1 padded; a row of -1 for padding and for ids out of
+        range, each of those but padding one ``bad_request`` (a repeated id is copied again)."""
+        out = []
+        for r in ids:
+            if r != -1 and not 0 <= r < self.R:
+                self._err("bad_request")
+            row = self.rows[r] if 0 <= r < self.R else []
+            out.append(row + [-1] * (self.MP - len(row)))
+        return out
+
     def assert_matches(self, table):
         assert table.seq_lens.tolist() == self.lens
         expect = [row + [-1] * (self.MP - len(row)) for row in self.rows]

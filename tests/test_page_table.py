@@ -546,16 +546,25 @@ def test_bad_inputs(make_table):
         table.truncate(torch.zeros(4097, dtype=torch.int32), torch.zeros(4097, dtype=torch.int32))
 
 
+def _random_ids(rng, R):
+    """A batch of 1-4 ids: distinct ids in ``[-1, R]`` mostly; a quarter of the time repeats and ids below -1."""
+    if rng.random() < 0.75:
+        return rng.sample(range(-1, R + 1), rng.randint(1, 4))
+    return [rng.choice([-1, -2, R, R + 5] if rng.random() < 0.3 else range(R)) for _ in range(rng.randint(1, 4))]
+
+
 @pytest.mark.parametrize("ps,MP", [(1, 5), (3, 5), (16, 5), (1, 12), (2, 10)])
 def test_random_workload_matches_model(make_table, guard, ps, MP, seed):
-    # MP >= 8 lets the numba CSR copy whole rows in blocks of 8 (and run past a row's end).
+    # MP >= 8 lets the numba CSR copy whole rows in blocks of 8 (and run past a row's end). Besides
+    # valid calls: repeated ids and ids below -1, negative and too long truncates, truncates by a drop,
+    # fork sources out of range, steps that release requests first, and block_table_rows.
     rng = random.Random(seed + ps + 100 * MP)
     P, R = 40, 6
     table = make_table(P, ps, R, MP)
     model = TableModel(PoolModel(P), R, MP, ps)
     for _ in range(50):
-        op = rng.choice(["extend", "extend", "decode", "step", "release", "truncate", "fork", "csr"])
-        ids = rng.sample(range(-1, R + 1), rng.randint(1, 4))
+        op = rng.choice(["extend", "extend", "decode", "step", "release", "truncate", "fork", "csr", "rows"])
+        ids = _random_ids(rng, R)
         # A CSR capacity: the default (always enough), or one near the batch's page count,
         # from too small to several entries spare. Buffers are reused per (B, capacity).
         pages = sum(-(-model.lens[r] // ps) for r in ids if 0 <= r < R)
@@ -564,11 +573,15 @@ def test_random_workload_matches_model(make_table, guard, ps, MP, seed):
             ntok = [1] * len(ids) if op == "decode" else [rng.randint(-1, 2 * ps + 1) for _ in ids]
             cap = sum(max(n, 0) for n in ntok) + rng.randint(-1, 2)
             cap = max(cap, 0)
+            gone = _random_ids(rng, R) if op == "step" and rng.random() < 0.3 else None
             with guard():
                 if op == "step":
-                    r = table.step(i32(ids), i32(ntok), max_tokens=cap, capacity=csr_cap)
+                    r = table.step(i32(ids), i32(ntok), max_tokens=cap, capacity=csr_cap,
+                                   release=None if gone is None else i32(gone))
                 else:
                     r = table.extend(i32(ids), i32(ntok), max_tokens=cap)
+            if gone is not None:
+                model.release(gone)
             assert (r.slots.tolist(), r.ok.tolist()) == model.extend(ids, ntok, cap)
             if op == "step":
                 indptr, indices, last = model.csr(ids, csr_cap if csr_cap is not None else len(ids) * MP,
@@ -582,16 +595,25 @@ def test_random_workload_matches_model(make_table, guard, ps, MP, seed):
                 table.release(i32(ids), cache=cache)
             model.release(ids, cache)
         elif op == "truncate":
-            lens = [max(0, model.lens[r] - rng.randint(-1, 2 * ps)) if 0 <= r < R else 0 for r in ids]
-            with guard():
-                table.truncate(i32(ids), i32(lens))
+            lens = [model.lens[r] - rng.randint(-1, 2 * ps) if 0 <= r < R else 0 for r in ids]
+            if rng.random() < 0.5:  # the lengths as tokens to drop, worked out from the lengths before the call
+                with guard():
+                    table.truncate(i32(ids), drop=i32([model.lens[r] - n if 0 <= r < R else 0
+                                                       for r, n in zip(ids, lens)]))
+            else:
+                with guard():
+                    table.truncate(i32(ids), i32(lens))
             model.truncate(ids, lens)
         elif op == "fork":
-            src = [rng.randrange(R) for _ in ids]
-            lens = [rng.randint(0, model.lens[s] + 1) for s in src]
+            src = [rng.randrange(R) if rng.random() < 0.9 else rng.choice([-1, R]) for _ in ids]
+            lens = [rng.randint(0, model.lens[s] + 1) if 0 <= s < R else 1 for s in src]
             with guard():
                 f = table.fork(i32(src), i32(ids), i32(lens))
             assert (f.ok.tolist(), f.cow_src.tolist(), f.cow_dst.tolist()) == model.fork(src, ids, lens)
+        elif op == "rows":
+            with guard():
+                rows = table.block_table_rows(i32(ids))
+            assert rows.tolist() == model.rows_of(ids)
         else:
             with guard():
                 c = table.flashinfer_csr(i32(ids), capacity=csr_cap)
