@@ -5,7 +5,8 @@ random operations on all of them in lockstep: valid calls (revives of pages in a
 them, half of them with generations recorded when pages were last cached, so stale after evictions
 and frees; bound steps that
 release requests first among them, steps into two ``StepOut`` buffers taking turns,
-mostly decoding the same batch, as overlap scheduling does), misuse (bad and repeated ids, negative
+mostly decoding the same batch, as overlap scheduling does, the first of a run sometimes releasing
+requests first), misuse (bad and repeated ids, negative
 counts, double frees), hand edits of the state followed by
 ``invalidate_csr()``, or for half the table edits ``invalidate_csr(row)`` (any value
 into ``seq_lens``, ``block_table``, ``free_stack``, the free and cached counts and the
@@ -106,7 +107,10 @@ def gen_op(rng: random.Random, cfg: dict, edits: bool, mix: str = "all") -> tupl
         k = rng.randint(1, 4)
         if rng.random() < 0.7:
             return (kind, None, None, k)
-        return (kind, _ids(rng, cfg, BOUND_BATCH), _counts(rng, BOUND_BATCH, rng.choice([1, 1, 3])), k)
+        op = (kind, _ids(rng, cfg, BOUND_BATCH), _counts(rng, BOUND_BATCH, rng.choice([1, 1, 3])), k)
+        if rng.random() < 0.3:  # the first step releases finished requests first (out= and release= together)
+            op += (_ids(rng, cfg, rng.randint(0, 3)), rng.random() < 0.4)
+        return op
     if kind == "alloc":
         return (kind, _counts(rng, b, 3), rng.random() < (0.8 if mix == "lru" else 0.4))
     if kind in ("free", "incref", "touch"):
@@ -250,7 +254,8 @@ class System:
                 outs = []
                 for j in range(op[3]):
                     out, self.turn, self.turn_ids = self.outs[self.turn], 1 - self.turn, ids
-                    r = table.step(i32(ids), i32(ntok if j == 0 else [1] * BOUND_BATCH), out=out)
+                    gone = dict(release=i32(op[4]), release_cache=op[5]) if j == 0 and len(op) > 4 else {}
+                    r = table.step(i32(ids), i32(ntok if j == 0 else [1] * BOUND_BATCH), out=out, **gone)
                     outs += [t.clone() for t in (r.slots, r.ok, *r.csr, *r.metadata)]
                 return outs
             elif kind == "step":
