@@ -1288,6 +1288,55 @@ def test_on_triton_a_changed_index_tensor_is_refused_before_a_launch():
 
 
 
+
+@pytest.mark.parametrize("name", ["slot_page", "slot_gen", "page_slot"])
+def test_an_index_tensor_changed_in_place_is_refused_on_every_backend_before_anything_changes(backend, name):
+    """Every backend's updates index the cache's three tensors, the torch code too (a drop's let-go on all
+    three, every update on the reference backend): one changed in place (``set_`` to a shorter storage) is
+    refused by insert, evict, revive and drop (``ValueError`` naming it), before the index, the mirror or
+    the device changes, instead of an index out of range (an ``IndexError`` on a CPU, a device assert on
+    CUDA) half-way through. An attribute rebound to another tensor is not followed, as on triton."""
+    pool, m, cache = _setup(backend, num_pages=8)
+    S = list(range(8))
+    a, b = m.admit([8, 8])
+    cache.insert(a, S)
+    m.finish([a], cache=True)
+    cache.evict(2)                                   # A's pages; their entries wait for the drop ...
+    cache.insert(b, S)                               # ... re-pointed to B's: the drop lets B's go (torch code)
+    t = getattr(cache, name)
+    kept = t.view(-1)                                # (its storage, to set it back)
+    buf = torch.full((16,), 77, dtype=torch.int32)
+    t.set_(buf[:1])
+    before = (len(cache), cache.closed, m.cached, m.free, m.rows_free, pool.state.counters.clone())
+    for call in (lambda: cache.sync(), lambda: cache.insert(b, S), lambda: cache.evict(1)):
+        with pytest.raises(ValueError, match=f"{name} as it made it"):
+            call()
+    assert (buf == 77).all()
+    after = (len(cache), cache.closed, m.cached, m.free, m.rows_free, pool.state.counters.clone())
+    assert before[:5] == after[:5] and torch.equal(before[5], after[5])
+    t.set_(kept)                                     # (the tensor back)
+    assert cache.sync() == 2 and len(cache) == 0
+    cache.check_invariants()
+    c = m.fork(b, 8)
+    m.finish([b], cache=True)
+    cache.insert(c, S)
+    m.finish([c], cache=True)
+    hit = cache.match(S + [0])
+    t.set_(buf[:1])
+    before = (m.rows_free, m.cached, m.free, pool.state.counters.clone())
+    with pytest.raises(ValueError, match=f"{name} as it made it"):
+        cache.revive(hit, 12)
+    assert (buf == 77).all() and (m.rows_free, m.cached, m.free) == before[:3]
+    assert torch.equal(pool.state.counters, before[3])
+    t.set_(kept)
+    made = getattr(cache, name)
+    setattr(cache, name, buf[:1])                    # rebound: not followed
+    row = cache.revive(hit, 12)
+    assert int(m.table.seq_lens[row]) == 8 and (buf == 77).all()
+    setattr(cache, name, made)
+    cache.check_invariants()
+    pool.check()
+
 # --- Pinned by helper-144's mutation run over tpool/scheduling (session 39) --------------------------------------
 
 def test_insert_takes_at_most_the_rows_sure_length_after_a_rollback(backend):

@@ -171,15 +171,15 @@ class PrefixCache:
             self._at = at("TD_BLOCK_TABLE", "TD_REQUESTS", "TD_MAX_PAGES", "SD_PAGE_GEN", "SD_PAGES", "TD_SEQ_LENS")
             # revive's gather: its pages and generations, one pair of int32 views per length (made once)
             self._gather_np, self._gathered = np.empty((2, table.max_pages), dtype=np.int32), {}
+        # Every update gets the tensors the cache made, not whatever its attributes name later, their
+        # sizes checked first (_made): the kernels, the torch code (a drop's let-go on every backend).
+        self._dev = (self.slot_page, self.slot_gen, self.page_slot)
         # On the triton backend each update is one launch (tpool.kernels.prefix_cache), imported only
         # there: the numba backend runs without triton installed.
         self._kernels = None
         if self.pool.backend == "triton":
             from tpool.kernels import prefix_cache as kernels
             self._kernels = kernels
-            # The kernels get the tensors the cache made, not whatever its attributes name later; their
-            # sizes are checked before each launch (tpool.kernels.prefix_cache._check).
-            self._dev = (self.slot_page, self.slot_gen, self.page_slot)
         self._index = {}                  # (parent entry id, page tokens) -> slot
         self._keys = [None] * n           # slot -> its key (None: free)
         self._eid = [_ROOT] * n           # slot -> its entry id (never reused: a match made before a drop is seen)
@@ -301,7 +301,7 @@ class PrefixCache:
         if n_tokens != k * self.page_size:
             raise ValueError(f"revive: expected a match of {k} pages to hold {k * self.page_size} tokens, got "
                              f"n_tokens {n_tokens} (a PrefixMatch not made by match())")
-        made = self._made() if self._kernels is not None else None
+        made = self._made()
         if self._np is not None:  # (the numba backend: one compiled gather into buffers of the cache's own)
             if (got := self._gathered.get(k)) is None:
                 got = self._gathered[k] = (self._gather_np[0, :k], self._gather_np[1, :k],
@@ -317,11 +317,11 @@ class PrefixCache:
                 with self.pool.state.lock:
                     pages, gens = self._kernels.gather_slots_triton(idx, *made)
             else:
-                pages, gens = self.slot_page.index_select(0, idx), self.slot_gen.index_select(0, idx)
+                pages, gens = made[0].index_select(0, idx), made[1].index_select(0, idx)
                 # a page that does not name its slot back (a hand-edited slot_page: it may name another
                 # page of the same generation, whose K/V are another prefix's) gets generation -1, which
                 # the table's revive refuses on the device (use_after_free), as the kernels do
-                gens.masked_fill_(self.page_slot.index_select(0, self._bounded(pages)[0]) != idx, -1)
+                gens.masked_fill_(made[2].index_select(0, self._bounded(pages)[0]) != idx, -1)
             # (the lengths are checked above; the table checks these fresh tensors, as mirror.revive would)
             row = self.mirror._revive(pages, n_tokens, m, self.table._revive_inputs(pages, n_tokens, gens), gens,
                                       count_cached)
@@ -340,7 +340,7 @@ class PrefixCache:
         the entries made. Device copies only (the row's pages and their generations): no
         host read."""
         self._attached("insert")
-        made = self._made() if self._kernels is not None else None  # (before the index changes)
+        made = self._made()  # (before the index changes)
         m, tokens = self.mirror, self._tokens(tokens, "insert")
         row = _checks.check_size(row, "row")
         if not (row < m.live.size and m.live[row]):
@@ -417,11 +417,11 @@ class PrefixCache:
                 gens = self._gen.index_select(0, at.clamp(max=P - 1)).masked_fill_(bad, -1)
                 self._let_go(idx, held)   # the pages the slots named, before any slot is written
                 # short of ``need``: the known slots as they are, the new ones -1
-                pages = torch.where(held, pages, torch.where(new, -1, self.slot_page.index_select(0, idx)))
-                gens = torch.where(held, gens, torch.where(new, -1, self.slot_gen.index_select(0, idx)))
-                self.slot_page.index_copy_(0, idx, pages)
-            self.slot_gen.index_copy_(0, idx, gens)
-            self.page_slot.index_copy_(0, torch.where(held, at, P), idx.int().masked_fill_(bad | ~held, -1))
+                pages = torch.where(held, pages, torch.where(new, -1, made[0].index_select(0, idx)))
+                gens = torch.where(held, gens, torch.where(new, -1, made[1].index_select(0, idx)))
+                made[0].index_copy_(0, idx, pages)
+            made[1].index_copy_(0, idx, gens)
+            made[2].index_copy_(0, torch.where(held, at, P), idx.int().masked_fill_(bad | ~held, -1))
         if slots:
             self.inserted += len(slots) - known
             m.named[row] = max(int(m.named[row]), len(slots))  # (from page 0; finish: cache=True only)
@@ -432,7 +432,7 @@ class PrefixCache:
         no entry named and for padding), which it forgets; they are kept for :meth:`unread`, and
         :meth:`match` finds nothing until they are dropped. Returns the evicted page ids (device)."""
         self._attached("evict")
-        made = self._made() if self._kernels is not None else None
+        made = self._made()
         ev = self.mirror._evict(k)
         if not ev.shape[0]:       # evict(0): nothing to forget, and match stays open
             return ev
@@ -447,8 +447,8 @@ class PrefixCache:
                 self._unread.append(self._kernels.forget_pages_triton(ev, made[2]))
             return ev
         at, inside = self._bounded(ev)        # padding: the spare last entry, read as -1
-        self._unread.append(self.page_slot.index_select(0, at).masked_fill_(~inside, -1))
-        self.page_slot.index_fill_(0, at, -1)
+        self._unread.append(made[2].index_select(0, at).masked_fill_(~inside, -1))
+        made[2].index_fill_(0, at, -1)
         return ev
 
     def unread(self) -> torch.Tensor | None:
@@ -481,6 +481,7 @@ class PrefixCache:
         if any(s < -1 or s >= n for s in slots):         # before anything changes
             raise ValueError(f"drop: expected slots in [-1, {n}) (the unread() values), got "
                              f"{_head(np.asarray(slots))}")
+        self._made()                                     # (the let-go below indexes them)
         gone = [s for s in dict.fromkeys(slots) if s >= 0 and self._keys[s] is not None]
         # All or nothing: the entries under the evicted ones are found without changing the index, the
         # device is written, and only then does the host forget them (a device error in between leaves
@@ -522,6 +523,7 @@ class PrefixCache:
     def sync(self) -> int:
         """Read the unread evictions' slots and drop them (a sync point); returns the entries dropped."""
         self._attached("sync")
+        self._made()              # (drop's check, before unread() hands the eviction out)
         ev = self.unread()
         return 0 if ev is None else self.drop(ev.tolist())
 
@@ -548,7 +550,7 @@ class PrefixCache:
         assert set(under) <= eids, f"entries under dropped ones: {sorted(set(under) - eids)[:8]}"
         kept = {e: set(c) for e, c in self._children.items() if c}
         assert kept == under, "the children map disagrees with the entries"
-        sp, sg, ps = self.slot_page.tolist(), self.slot_gen.tolist(), self.page_slot.tolist()
+        sp, sg, ps = (t.tolist() for t in self._made())
         pages = [sp[s] for s in live]
         assert len(set(pages)) == len(pages), f"two entries name one page: {sorted(pages)}"
         assert all(0 <= p < self.pool.num_pages for p in pages), f"entries name pages outside the pool: {pages}"
@@ -570,11 +572,12 @@ class PrefixCache:
         page named again since keeps its new slot) and ``where`` (a device mask) holds. Two of the slots
         may name one page (one evicted since, named again), so only -1 is written; an id outside the pool
         (a hand-edited one) is aimed at the spare last entry, which never names a slot."""
-        pages, valid = self._bounded(self.slot_page.index_select(0, idx))
-        named = valid & (self.page_slot.index_select(0, pages) == idx.int())
+        slot_page, _, page_slot = self._dev   # (checked by the caller: _made)
+        pages, valid = self._bounded(slot_page.index_select(0, idx))
+        named = valid & (page_slot.index_select(0, pages) == idx.int())
         if where is not None:
             named &= where
-        self.page_slot.index_fill_(0, torch.where(named, pages, self.pool.num_pages), -1)
+        page_slot.index_fill_(0, torch.where(named, pages, self.pool.num_pages), -1)
 
     def _bounded(self, pages):
         """``(at, valid)``: ``pages`` as int64 indices into ``page_slot``, an id outside the pool (a
@@ -583,11 +586,18 @@ class PrefixCache:
         return torch.where(valid, pages.long(), self.pool.num_pages), valid
 
     def _made(self) -> tuple:
-        """The triton backend's index tensors as the cache made them, checked to keep their sizes (before
-        any state changes; the kernels' wrappers check them against each other and the pool again)."""
+        """The index tensors as the cache made them, checked to keep their sizes (before any state changes):
+        every backend indexes them (the torch code of a drop's let-go and of the reference backend, the
+        triton kernels, whose wrappers check them against each other and the pool again), so one changed in
+        place since (``set_``, ``resize_``) is a ``ValueError`` here, not an index out of range (an
+        ``IndexError`` half-way through a call on a CPU, a device assert on CUDA)."""
         for t, n, name in zip(self._dev, (len(self._keys), len(self._keys), self.pool.num_pages + 1),
                               ("slot_page", "slot_gen", "page_slot")):
-            self._kernels._check(t, n, name)
+            if not (type(t) is torch.Tensor and t.dtype is torch.int32 and t.dim() == 1 and t.numel() == n
+                    and t.is_contiguous()):
+                raise ValueError(f"PrefixCache: expected its {name} as it made it (contiguous torch.int32 [{n}]), "
+                                 f"got {type(t).__name__} {t.dtype} {tuple(t.shape)}: a tensor of the cache was "
+                                 f"changed in place (set_, resize_); make a new PrefixCache")
         return self._dev
 
     def _bad_slots(self, slots) -> ValueError:
