@@ -8,7 +8,12 @@ a page handed out was FREE, that no token is written into a page another request
 page holds the tokens of the prompt it is revived for, that a call the mirror refuses changes nothing
 (its books or the device), that every step the mirror let run succeeded (``ok``), that the mirror never
 promises more than the device has (equal where it says it is exact, and after a reconciliation of a
-snapshot with nothing asked since), and the pool's and table's state against the model.
+snapshot with nothing asked since), and the pool's and table's state against the model. The model keeps
+the LRU order too (a release queues each row's pages last page first, a page shared by rows of one call
+at its last occurrence; a revive takes a page out): every eviction must take its oldest CACHED pages,
+in that order. In ``cache`` mode it keeps the prefix cache's index as the README states it (``Index``):
+with no eviction outstanding, every recent prompt must match exactly the pages the model names, no
+fewer (a hit missed) and no others.
 
 Modes: ``plain`` (admit, chunked prefill, decode with preemption, into StepOuts taking turns and booked
 for replays, mixed steps, finish, truncate, reserve, snapshots reconciled in any order, refused calls),
@@ -38,6 +43,86 @@ class Fail(AssertionError):
     pass
 
 
+class Index:
+    """The prefix cache's index as plain dicts (the README's rules): an entry per whole page, keyed by
+    (the entry before it, the page's tokens); an insert re-points the entries it finds to its row's
+    pages and adds the rest while slots are left; an eviction takes the entries naming its pages, which
+    go (with every entry under them) at their drop, and an entry an insert re-pointed meanwhile lets its
+    new page go then too; slots dropped while an eviction is outstanding are reused after it."""
+
+    def __init__(self, ps, capacity):
+        self.ps, self.free, self.held = ps, capacity, 0
+        self.ids, self.key, self.page, self.kids, self.named = {}, {}, {}, {}, {}
+        self.next, self.pending, self.inflight, self.moved = 1, [], [], set()
+
+    @property
+    def closed(self):
+        return bool(self.pending or self.inflight)
+
+    def insert(self, pages, tokens):
+        ps, e, es, first = self.ps, 0, [], None
+        for i in range(len(tokens) // ps):
+            key = (e, tuple(tokens[i * ps:(i + 1) * ps]))
+            if key not in self.ids:
+                if not self.free:
+                    break
+                self.free -= 1
+                self.ids[key] = self.next
+                self.key[self.next] = key
+                self.kids.setdefault(e, set()).add(self.next)
+                self.next += 1
+                first = i if first is None else first
+            e = self.ids[key]
+            es.append(e)
+        known = len(es) if first is None else first
+        if known and self.closed:
+            self.moved.update(es[:known])
+        for e in es:
+            if self.named.get(self.page.get(e)) == e:
+                del self.named[self.page[e]]
+        for e, p in zip(es, pages):
+            self.page[e], self.named[p] = p, e
+        return len(es) - known
+
+    def evict(self, pages):
+        self.pending.append([self.named.pop(p, None) for p in pages])
+
+    def sync(self):
+        self.inflight.append([e for ev in self.pending for e in ev])
+        self.pending = []
+        gone = [e for e in dict.fromkeys(self.inflight.pop(0)) if e in self.key]
+        under, stack = [], [c for e in gone for c in self.kids.get(e, ())]
+        while stack:
+            e = stack.pop()
+            if e not in gone:
+                under.append(e)
+                stack.extend(self.kids.get(e, ()))
+        for e in under + [e for e in gone if e in self.moved]:
+            if self.named.get(self.page.get(e)) == e:
+                del self.named[self.page[e]]
+        for e in gone + under:
+            key = self.key.pop(e)
+            del self.ids[key]
+            self.kids.get(key[0], set()).discard(e)
+            self.kids.pop(e, None)
+            self.page.pop(e, None)
+        self.held += len(gone) + len(under)
+        if not self.closed:
+            self.free, self.held = self.free + self.held, 0
+            self.moved.clear()
+        return len(gone) + len(under)
+
+    def match(self, tokens):
+        """The pages of the entries ``tokens`` starts with (at least one token left to compute)."""
+        ps, e, pages = self.ps, 0, []
+        for i in range((len(tokens) - 1) // ps):
+            e = self.ids.get((e, tuple(tokens[i * ps:(i + 1) * ps])))
+            if e is None:
+                break
+            pages.append(self.page[e])
+        return pages
+
+
 def need(cond, msg):
     if not cond:
         raise Fail(msg)
@@ -56,10 +141,12 @@ class Driver:
         self.table = tpool.PageTable(self.pool, self.R, self.maxp)
         self.m = HostMirror(self.table, lookahead=self.la, free=self.P, cached=0)
         self.cache = PrefixCache(self.m) if mode == "cache" else None
+        self.index = Index(ps, self.P) if mode == "cache" else None
         # the model
         self.state = [FREE] * self.P
         self.ref = [0] * self.P
         self.gen = [0] * self.P             # +1 each time a page goes FREE
+        self.lru = {}                      # the CACHED pages, least recently released first
         self.ptok = [None] * self.P        # tokens each page holds (list of ps, None = not written)
         self.pages, self.lens, self.toks = {}, {}, {}
         self.prio, self.arrivals = {}, 0
@@ -109,9 +196,11 @@ class Driver:
             if self.ref[p] == 0:
                 self.state[p] = CACHED if cache else FREE
                 self.gen[p] += not cache
+                if cache:
+                    self.lru[p] = None   # (a page is queued at its last occurrence: where it goes to 0)
 
     def _end(self, row, cache):
-        self._drop_pages(self.pages.pop(row), cache)
+        self._drop_pages(self.pages.pop(row)[::-1], cache)   # (a release queues a row's last page first)
         toks = self.toks.pop(row)
         del self.lens[row], self.prio[row]
         if toks:
@@ -187,8 +276,17 @@ class Driver:
                 if self.ref[p] > 1:
                     need(i < m.shared[r] or (self.cache is not None and i < m.named[r]),
                          f"row {r}: page {i} ({p}) held {self.ref[p]} times, shared bound {m.shared[r]}")
+        need(sorted(self.lru) == [p for p in range(self.P) if self.state[p] == CACHED], "LRU vs cached pages")
+        if self.cache is not None:
+            need(self.cache.closed == self.index.closed, f"closed {self.cache.closed}")
         if self.cache is not None and not self.cache.closed:
             self.cache.check_invariants()
+            sp = self.cache.slot_page.tolist()
+            for toks in self.finished[-4:] + [self.toks[r] for r in self.lens]:
+                got = [sp[s] for s in self.cache.match(toks).slots]
+                want = self.index.match(toks)
+                need(got == want, f"match of {toks}: pages {got}, the index model's {want}")
+                self.hit("matched" if want else "no match")
 
     # ------------------------------------------------------------------ ops
     def running(self):
@@ -209,6 +307,12 @@ class Driver:
         self.hit("evicted" if ids else "evict none")
         need(len(ids) == min(k, self.state.count(CACHED)), f"evict({k}) took {len(ids)} of "
              f"{self.state.count(CACHED)} cached")
+        need(ids == list(self.lru)[:k], f"evict({k}) took {ids}, the least recently released are "
+             f"{list(self.lru)[:k]}")
+        for p in ids:
+            del self.lru[p]
+        if self.index is not None and ev.shape[0]:   # (evict(0) leaves match open)
+            self.index.evict(ids)
         for p in ids:
             need(self.state[p] == CACHED, f"evicted page {p} in state {self.state[p]}")
             self.state[p] = FREE
@@ -221,7 +325,7 @@ class Driver:
 
     def op_sync(self):
         if self.cache is not None and self.cache.closed:
-            self.cache.sync()
+            need(self.cache.sync() == self.index.sync(), "entries dropped")
 
     def _prompt(self):
         rng = self.rng
@@ -344,7 +448,9 @@ class Driver:
             for r in rows:
                 lo, hi = m.length_bounds(r)
                 if cache or m.named[r] or m.shared[r]:
-                    self.cache.insert(r, self.toks[r][:lo])
+                    t = self.toks[r][:lo]
+                    need(self.cache.insert(r, t) == self.index.insert(self.pages[r][:lo // self.ps], t),
+                         "entries made")
             cache = cache or any(m.named[r] or m.shared[r] for r in rows)
         elif cache and self.rng.random() < 0.7:
             for r in rows:
@@ -495,6 +601,7 @@ class Driver:
                  f"revived page {p} holds {self.ptok[p]}, the prompt {tokens[j * self.ps:(j + 1) * self.ps]}")
             if self.state[p] == CACHED:
                 self.state[p] = USED
+                del self.lru[p]
             self.ref[p] += 1
         self._start(row, pages, len(tokens))
         self.hit("revive")
