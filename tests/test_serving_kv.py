@@ -10,6 +10,7 @@ from torch.utils._pytree import tree_leaves
 import tpool
 from conftest import i32
 from tpool.serving import PagedKVCache, attention, paged_attention, step_metadata
+from tpool.scheduling.mixed import MixedStep
 from tpool.serving.kv import SCRATCH_PAGES
 from tpool.testing import peak_alloc_bytes
 
@@ -450,6 +451,34 @@ def test_paged_attention_refuses_pages_other_than_the_tables(num_pages, page_siz
     with pytest.raises(ValueError, match=f"k_cache: expected 4 pages of 2 tokens .*got {num_pages} pages of "
                                          f"{page_size}"):
         paged_attention(torch.zeros(3, 4, 4), other.k[0], other.v[0], meta)
+
+
+def test_objects_of_another_kind_are_refused_naming_what_was_expected():
+    """A newcomer's likely slips (the step's result where its metadata goes, the pool or the mirror's step
+    where the table or the table's step goes, a cache's list of layers for one layer) got an AttributeError
+    from deep inside (``'StepResult' object has no attribute 'num_pages'``); each is a ValueError naming the
+    object expected and the one given, before any tensor is touched."""
+    pool = tpool.PagePool(8, 4, device="cpu", backend="reference")
+    table = tpool.PageTable(pool, 2, 4)
+    res = table.step(i32([0, 1]), i32([3, 2]), max_tokens=6)
+    with pytest.raises(ValueError, match=r"table: expected a PageTable \(the one that ran the step\), got PagePool"):
+        step_metadata(pool, res)
+    for bad, got in ((None, "NoneType"), (res.csr, "PagedKVCSR"), (table, "PageTable")):
+        with pytest.raises(ValueError, match=f"step: expected a StepResult \\(what table.step returns.*got {got}"):
+            step_metadata(table, bad)
+    with pytest.raises(ValueError, match=r"step: expected a StepResult .*got MixedStep: pass its \.result"):
+        step_metadata(table, MixedStep([], res, i32([0, 1]), i32([3, 2])))   # HostMirror.step's result
+    meta = step_metadata(table, res)
+    cache = PagedKVCache.from_pool(pool, 1, 1, 4, dtype=torch.float32)
+    q = torch.zeros(6, 2, 4)
+    for bad, got in ((res, "StepResult: pass step_metadata\\(table, step\\)"), (None, "NoneType")):
+        with pytest.raises(ValueError, match=f"meta: expected a StepMetadata \\(step_metadata\\(table, step\\)\\), "
+                                             f"got {got}"):
+            paged_attention(q, cache.k[0], cache.v[0], bad)
+    with pytest.raises(ValueError, match=r"k_cache, v_cache: expected two \[num_pages, page_size, num_kv_heads, "
+                                         r"head_dim\] tensors .*got list and list"):
+        paged_attention(q, cache.k, cache.v, meta)
+    assert paged_attention(q, cache.k[0], cache.v[0], meta).shape == (6, 2, 4)
 
 
 @pytest.mark.parametrize("module", ["kv", "attention"])

@@ -463,6 +463,30 @@ def test_kv_shape_of_a_config_without_attention_is_a_value_error():
         engine.kv_shape(NoHeads())
 
 
+def test_a_context_of_other_objects_is_refused_naming_what_was_expected():
+    """``PagedContext(cache, table.step(...))`` (the step's result, not its metadata) and ``forward_step(model, x,
+    meta)`` (the metadata, not a context) got an AttributeError from inside (``'StepResult' object has no attribute
+    'num_pages'``, ``'StepMetadata' object has no attribute 'cache'``); a ValueError names what was expected."""
+    model = _llama()
+    ctx = _ctx(model)
+    res = ctx.meta   # (the metadata's fields are the step's: a StepResult with them)
+    step = tpool.table_results.StepResult(res.slots, torch.ones(2, dtype=torch.bool), res.csr, res.positions,
+                                          res.qo_indptr, res.kv_lens)
+    with pytest.raises(ValueError, match=r"meta: expected a StepMetadata \(step_metadata\(table, step\)\), got "
+                                         r"StepResult: pass step_metadata\(table, step\)"):
+        PagedContext(ctx.cache, step)
+    for bad in (None, ctx.cache.k):
+        with pytest.raises(ValueError, match=f"cache: expected a PagedKVCache .*got {type(bad).__name__}"):
+            PagedContext(bad, ctx.meta)
+    x = torch.randint(1, V, (8,))
+    for bad in (ctx.meta, (ctx.cache, ctx.meta), None):
+        with pytest.raises(ValueError, match=f"ctx: expected a PagedContext\\(cache, meta\\), got "
+                                             f"{type(bad).__name__}"):
+            forward_step(model, x, bad)
+    assert _untouched(ctx)
+    assert forward_step(model, x, ctx).shape == (8, V)
+
+
 # ------------------------------------------------------------ the cache
 def test_a_cache_of_another_dtype_is_refused_and_from_pool_takes_no_default():
     """from_pool defaulted to float16, and the attention cast an fp32 model's K/V to it silently (tokens

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from tpool import _checks
-from tpool.table_results import PagedKVCSR
+from tpool.page_table import PageTable
+from tpool.table_results import PagedKVCSR, StepResult
 
 CHUNK_BYTES = 64 << 20  # bytes: the most a paged_attention chunk's temporaries take (two tokens' worth at least)
 
@@ -79,6 +80,9 @@ def step_metadata(table, step) -> StepMetadata:
     table : PageTable
     step : StepResult  the result of ``table.step(req_ids, num_tokens, ...)`` (or ``out.result``).
 
+    Raises ``ValueError`` for a ``table`` that is not a ``PageTable`` or a ``step`` that is not a
+    ``StepResult`` (a ``HostMirror.step``'s result holds one in ``.result``).
+
     Example
     -------
     >>> i32 = lambda v: torch.tensor(v, dtype=torch.int32)
@@ -90,8 +94,21 @@ def step_metadata(table, step) -> StepMetadata:
     >>> m.positions.tolist(), m.qo_indptr.tolist(), m.kv_lens.tolist()   # slot 3: unused capacity
     ([3, 0, 1, -1], [0, 1, 3, 3], [4, 2, 0])
     """
+    if not isinstance(table, PageTable):
+        raise ValueError(f"table: expected a PageTable (the one that ran the step), got {type(table).__name__}")
+    if not isinstance(step, StepResult):
+        hint = ": pass its .result" if isinstance(getattr(step, "result", None), StepResult) else ""
+        raise ValueError(f"step: expected a StepResult (what table.step returns), got {type(step).__name__}{hint}")
     return StepMetadata(step.slots, step.positions, step.qo_indptr, step.kv_lens, step.csr, table.max_pages,
                         table.page_size, table.pool.num_pages)
+
+
+def check_meta(meta, name: str = "meta") -> None:
+    """Raise ``ValueError`` unless ``meta`` is a :class:`StepMetadata` (a step's own result is not one)."""
+    if not isinstance(meta, StepMetadata):
+        hint = ": pass step_metadata(table, step)" if isinstance(meta, StepResult) else ""
+        raise ValueError(f"{name}: expected a StepMetadata (step_metadata(table, step)), got "
+                         f"{type(meta).__name__}{hint}")
 
 
 def check_pages(k_cache: torch.Tensor, meta: StepMetadata, name: str = "k_cache") -> None:
@@ -113,9 +130,14 @@ def check_window(sliding_window) -> None:
 
 
 def _check(q, k_cache, v_cache, meta, softcap=None, sinks=None):
+    check_meta(meta)
     if not (isinstance(q, torch.Tensor) and q.dim() == 3):
         raise ValueError(f"q: expected a [T, num_qo_heads, head_dim] tensor, got "
                          f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    if not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)):
+        raise ValueError(f"k_cache, v_cache: expected two [num_pages, page_size, num_kv_heads, head_dim] tensors "
+                         f"(one layer of a PagedKVCache: cache.k[layer], cache.v[layer]), got "
+                         f"{type(k_cache).__name__} and {type(v_cache).__name__}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache, v_cache: expected two [num_pages, page_size, num_kv_heads, head_dim] tensors "
                          f"of one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -322,6 +344,7 @@ class FlashInferAttention:
              sliding_window: int | None = None, decode: bool = False) -> None:
         """Plan the step's attention (every layer of the step shares the plan). ``page_size`` defaults to
         the metadata's (the pool's); given, it must be that."""
+        check_meta(meta)
         if page_size is None:
             page_size = meta.page_size
         elif page_size != meta.page_size:

@@ -33,7 +33,7 @@ import torch
 from transformers import AttentionInterface
 
 from tpool.serving import checks
-from tpool.serving.attention import StepMetadata, check_pages, paged_attention
+from tpool.serving.attention import StepMetadata, check_meta, check_pages, paged_attention
 from tpool.serving.kv import BAD_KEEP, PagedKVCache
 
 ATTN_IMPLEMENTATION = "tpool_paged"  # the name to pass as attn_implementation
@@ -69,8 +69,10 @@ class PagedContext:
         planned FlashInfer path (eager only): the planned
         :class:`~tpool.serving.attention.FlashInferAttention` itself, ``attend=fi``.
 
-    Raises ``ValueError`` if the cache's pages are not the table's (``page_size``,
-    ``num_pages`` of ``meta``): checked once per step here, per layer in the attention.
+    Raises ``ValueError`` for a ``cache`` that is not a ``PagedKVCache`` or a ``meta`` that is
+    not a ``StepMetadata`` (the step's own result is not: ``step_metadata(table, step)`` makes
+    it), and if the cache's pages are not the table's (``page_size``, ``num_pages`` of ``meta``):
+    checked once per step here, per layer in the attention.
     One context serves one forward: a layer whose attention runs through it a second
     time (before :func:`forward_step` starts the next forward) is a ``ValueError``, raised
     before that call writes anything: its K/V would overwrite the first call's.
@@ -87,6 +89,10 @@ class PagedContext:
     layers: set = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        if not isinstance(self.cache, PagedKVCache):
+            raise ValueError(f"cache: expected a PagedKVCache (PagedKVCache.from_pool(pool, ...)), got "
+                             f"{type(self.cache).__name__}")
+        check_meta(self.meta)
         check_pages(self.cache.k[0], self.meta, "cache")
 
 
@@ -386,13 +392,16 @@ def forward_step(model, input_ids: torch.Tensor, ctx: PagedContext, *, logits_to
         ``[0, T)`` is counted on the device (``invalid_logits_row``, raised by the cache's
         ``check()``), and its row holds token 0's logits.
 
-    Raises ``ValueError`` for a model :func:`check_model` refuses and for a cache whose
+    Raises ``ValueError`` for a model :func:`check_model` refuses, a ``ctx`` that is not a
+    :class:`PagedContext`, and for a cache whose
     ``num_layers`` is not the model's ``num_hidden_layers``, before the forward; during it for a
     layer that attends twice, or K/V of another dtype than the cache's (but a float8 cache's);
     after it when not every layer's attention ran through ``ctx`` (a model whose attention
     does not dispatch through ``AttentionInterface``, or that has other layers).
     """
     layers = check_model(model).num_hidden_layers
+    if not isinstance(ctx, PagedContext):
+        raise ValueError(f"ctx: expected a PagedContext(cache, meta), got {type(ctx).__name__}")
     if ctx.cache.num_layers != layers:
         raise ValueError(f"cache: expected {layers} layers (the model's num_hidden_layers: one cache holds one "
                          f"model's K/V), got {ctx.cache.num_layers}")
