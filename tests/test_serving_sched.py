@@ -264,6 +264,14 @@ def test_the_demo_sizes_rows_by_the_tokens_a_request_holds(monkeypatch):
     assert seen["max_pages"] == -(-held // 4) and seen["spec_every"] == 3 and seen["draft_len"] == 3
 
 
+@pytest.mark.parametrize("requests, got", [(0, "0"), (-3, "-3"), (2.5, "2.5")])
+def test_the_demo_refuses_a_request_count_below_one_naming_it(requests, got):
+    """``run_demo(requests=0)`` raised ``OptionError: max() arg is an empty sequence`` (the longest of no
+    requests); the command line's own check never let 0 through, the function's callers had none."""
+    with pytest.raises(demo.OptionError, match=f"^requests: expected a positive int, got {got}$"):
+        engine.run_demo("llama", requests=requests, backend="reference", out=None)
+
+
 def test_an_empty_prompt_is_refused_instead_of_looping(llama):
     """Nothing predicts the first token of an empty prompt: run() used to step forever."""
     eng = engine.Engine(llama, num_pages=32, page_size=4, max_batch=4, max_pages=8, backend="numba", spec_every=0,

@@ -843,6 +843,7 @@ def run_demo(model: str = "llama", *, requests: int = 32, num_pages: int = 48, p
     are left in use, or the pool's or the prefix cache's checks fail.
     """
     try:  # what the options describe: errors here are the caller's (OptionError), not the run's
+        requests = _checks.check_size(requests, "requests", 1)   # (0: the longest of no requests below)
         tokens = _checks.check_size(num_pages, "num_pages", 1) * _checks.check_size(page_size, "page_size", 1)
         if tokens > MAX_POOL_TOKENS:  # (before the K/V pages are allocated: they hold every layer's K/V of each)
             raise ValueError(f"--num-pages x --page-size: expected at most {MAX_POOL_TOKENS:,} tokens of K/V pages, "
