@@ -437,6 +437,25 @@ def test_building_on_tpool_leaves_the_callers_config_alone(tmp_path):
         assert eager.config._attn_implementation == "eager" and cfg._attn_implementation == "eager"
 
 
+def test_the_builders_take_attn_implementation_tpool_paged_and_refuse_another(tmp_path):
+    """``hf.from_config(cfg, attn_implementation="tpool_paged")`` (the keyword the README's plain transformers
+    example passes) raised transformers' ``TypeError: got multiple values for keyword argument
+    'attn_implementation'``, and so did any other implementation, whose model tpool would not serve. The
+    builders' own name is taken; another is a ValueError naming it, before anything is read or built."""
+    cfg = transformers.LlamaConfig(**LLAMA)
+    transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="eager").save_pretrained(tmp_path)
+    for build in (lambda **kw: hf.from_config(cfg, **kw), lambda **kw: hf.from_pretrained(tmp_path, **kw)):
+        model = build(attn_implementation=ATTN_IMPLEMENTATION)
+        assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+        check_model(model)
+        for other in ("eager", "sdpa", None):
+            with pytest.raises(ValueError, match=f"attn_implementation: expected {ATTN_IMPLEMENTATION!r} .*got "
+                                                 f"{other!r}"):
+                build(attn_implementation=other)
+    with pytest.raises(ValueError, match="attn_implementation: expected"):
+        hf.from_pretrained(tmp_path / "missing", attn_implementation="eager")   # (before the config is read)
+
+
 @pytest.mark.parametrize("ids, match", [(torch.zeros(8), "got torch.float32 on cpu"),
                                         (torch.zeros(8, dtype=torch.bool), "got torch.bool on cpu"),
                                         (torch.zeros(8, dtype=torch.long, device="meta"), "got torch.int64 on meta")])

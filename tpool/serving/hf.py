@@ -300,7 +300,8 @@ def check_model(model):
 def from_config(config, **kwargs):
     """``AutoModelForCausalLM.from_config(config, attn_implementation="tpool_paged", **kwargs)``, checked.
 
-    Raises ``ValueError`` before building for a config :func:`tpool.serving.checks.check_config`
+    Raises ``ValueError`` before building for an ``attn_implementation`` keyword other than
+    ``"tpool_paged"`` (that one is taken), for a config :func:`tpool.serving.checks.check_config`
     refuses, for a model that has no ``"tpool_paged"`` in its own table of attention classes
     (GPT-Neo: transformers raises ``KeyError: 'tpool_paged'`` while building), and after building
     for one :func:`check_model` refuses.
@@ -310,6 +311,7 @@ def from_config(config, **kwargs):
     config (an eager baseline beside this one) to tpool's attention.
     """
     from transformers import AutoModelForCausalLM
+    _take_attn_implementation(kwargs)
     config = copy.deepcopy(config)
     return _build(config, lambda: AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION,
                                                                    **kwargs))
@@ -322,6 +324,7 @@ def from_pretrained(name_or_path, **kwargs):
     the keyword overrides transformers applies (``rope_parameters=...``: a keyword naming a config
     attribute). A ``config=`` object is copied first, as :func:`from_config` copies its config."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    _take_attn_implementation(kwargs)
     config = kwargs.get("config")
     if config is not None and not (isinstance(config, (str, bytes)) or hasattr(config, "__fspath__")):
         config = kwargs["config"] = copy.deepcopy(config)  # built on a copy, as from_config's
@@ -333,6 +336,15 @@ def from_pretrained(name_or_path, **kwargs):
                 setattr(config, k, v)
     return _build(config, lambda: AutoModelForCausalLM.from_pretrained(
         name_or_path, attn_implementation=ATTN_IMPLEMENTATION, **kwargs))
+
+
+def _take_attn_implementation(kwargs) -> None:
+    """Drop an ``attn_implementation`` keyword naming tpool's (the builders pass it themselves); refuse another:
+    a model on it would not be served (:func:`check_model`)."""
+    given = kwargs.pop("attn_implementation", ATTN_IMPLEMENTATION)
+    if given != ATTN_IMPLEMENTATION:
+        raise ValueError(f"attn_implementation: expected {ATTN_IMPLEMENTATION!r} or none (these builders build on "
+                         f"tpool's paged attention; use transformers' own for another), got {given!r}")
 
 
 def _build(config, build):
