@@ -666,3 +666,18 @@ def test_a_mirror_counting_fewer_free_pages_than_the_device_fails_the_run(monkey
     with pytest.raises(AssertionError, match=r"step 0: mirror \d+ free pages, device \d+"):
         _run(requests=40, batch=12, num_pages=700, every=1)
     assert Losing.lost
+
+
+@pytest.mark.parametrize("kw, words", [(dict(requests=0), "requests: expected a positive int, got 0"),
+                                       (dict(requests=-1), "requests: expected a positive int, got -1"),
+                                       (dict(page_size=0), "page_size: expected a positive int, got 0"),
+                                       (dict(every=0), "every: expected a positive int, got 0"),
+                                       (dict(every=-5), "every: expected a positive int, got -5")])
+def test_run_refuses_counts_below_one_naming_them(kw, words):
+    """``demo.run`` (the command's loop, callable alone) raised ``max() arg is an empty sequence`` for no
+    requests and ``ZeroDivisionError`` for ``page_size=0`` or ``every=0``; ``every=-5`` ran. The command line's
+    types never let them through; the function now says which count it expected, before a pool is made."""
+    built = []
+    with pytest.raises(demo.OptionError, match=f"^{words}$"):
+        demo.run(**{"requests": 4, **kw}, out=built.append)
+    assert built == []

@@ -59,8 +59,15 @@ def run(requests=256, batch=64, num_pages=4096, page_size=16, seed=0, device=Non
     """Run the demo; returns the pool's final ``stats()``. ``out`` prints a line (``flush=`` accepted).
 
     ``every``: steps between report rows; None picks a multiple of 25 that prints about
-    50 rows (:func:`auto_every`).
+    50 rows (:func:`auto_every`). A count below 1 (``requests``, ``page_size``, ``every``; the pool
+    and the table check ``num_pages`` and ``batch``) is an :class:`OptionError` naming it.
     """
+    try:  # (the command line's types check these; a caller of run has only this)
+        requests = _checks.check_size(requests, "requests", 1)       # 0: the longest of no requests below
+        page_size = _checks.check_size(page_size, "page_size", 1)    # divides below, before the pool checks it
+        every = None if every is None else _checks.check_size(every, "every", 1)
+    except ValueError as e:
+        raise OptionError(str(e)) from None
     prompts, outputs = request_lengths(requests, seed)
     max_pages = (max(prompts) + max(outputs)) // page_size + 1
     pool, table = _build(num_pages, page_size, device, backend, batch, max_pages)
