@@ -481,6 +481,18 @@ def test_objects_of_another_kind_are_refused_naming_what_was_expected():
     assert paged_attention(q, cache.k[0], cache.v[0], meta).shape == (6, 2, 4)
 
 
+def test_from_pool_refuses_what_is_not_a_pool_naming_it():
+    """``PagedKVCache.from_pool(table, ...)`` (the table where its pool goes) raised ``AttributeError: 'PageTable'
+    object has no attribute 'num_pages'``; a ValueError names what was expected, and for a table where its pool is."""
+    pool = tpool.PagePool(8, 4, device="cpu", backend="reference")
+    table = tpool.PageTable(pool, 2, 4)
+    with pytest.raises(ValueError, match=r"pool: expected a PagePool, got PageTable \(its pool is table.pool\)"):
+        PagedKVCache.from_pool(table, 1, 1, 4, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"pool: expected a PagePool, got NoneType$"):
+        PagedKVCache.from_pool(None, 1, 1, 4, dtype=torch.float32)
+    assert PagedKVCache.from_pool(table.pool, 1, 1, 4, dtype=torch.float32).num_pages == 8
+
+
 @pytest.mark.parametrize("module", ["kv", "attention"])
 def test_docstring_examples(module):
     import doctest

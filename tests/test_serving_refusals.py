@@ -497,6 +497,9 @@ def test_a_context_of_other_objects_is_refused_naming_what_was_expected():
     for bad in (None, ctx.cache.k):
         with pytest.raises(ValueError, match=f"cache: expected a PagedKVCache .*got {type(bad).__name__}"):
             PagedContext(bad, ctx.meta)
+    with pytest.raises(ValueError, match=r"attend: expected a callable \(q, k_cache, v_cache, meta, scale=, "
+                                         r"sliding_window=\) such as paged_attention, got str"):
+        PagedContext(ctx.cache, ctx.meta, attend="flashinfer")   # (it failed at the first layer, after its write)
     x = torch.randint(1, V, (8,))
     for bad in (ctx.meta, (ctx.cache, ctx.meta), None):
         with pytest.raises(ValueError, match=f"ctx: expected a PagedContext\\(cache, meta\\), got "

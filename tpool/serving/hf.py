@@ -69,10 +69,10 @@ class PagedContext:
         planned FlashInfer path (eager only): the planned
         :class:`~tpool.serving.attention.FlashInferAttention` itself, ``attend=fi``.
 
-    Raises ``ValueError`` for a ``cache`` that is not a ``PagedKVCache`` or a ``meta`` that is
+    Raises ``ValueError`` for a ``cache`` that is not a ``PagedKVCache``, a ``meta`` that is
     not a ``StepMetadata`` (the step's own result is not: ``step_metadata(table, step)`` makes
-    it), and if the cache's pages are not the table's (``page_size``, ``num_pages`` of ``meta``):
-    checked once per step here, per layer in the attention.
+    it), an ``attend`` that is not callable, and if the cache's pages are not the table's
+    (``page_size``, ``num_pages`` of ``meta``): checked once per step here, per layer in the attention.
     One context serves one forward: a layer whose attention runs through it a second
     time (before :func:`forward_step` starts the next forward) is a ``ValueError``, raised
     before that call writes anything: its K/V would overwrite the first call's.
@@ -93,6 +93,9 @@ class PagedContext:
             raise ValueError(f"cache: expected a PagedKVCache (PagedKVCache.from_pool(pool, ...)), got "
                              f"{type(self.cache).__name__}")
         check_meta(self.meta)
+        if not callable(self.attend):
+            raise ValueError(f"attend: expected a callable (q, k_cache, v_cache, meta, scale=, sliding_window=) such "
+                             f"as paged_attention, got {type(self.attend).__name__}")
         check_pages(self.cache.k[0], self.meta, "cache")
 
 

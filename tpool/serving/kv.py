@@ -22,6 +22,7 @@ import torch
 
 from tpool import _checks
 from tpool.errors import InvalidPage
+from tpool.pool import PagePool
 
 # The cache's misuse counters: slots outside it given to write, page pairs outside it given to copy_pages,
 # logits_to_keep indices outside a step given to forward_step (which counts them here: the step's one counter)
@@ -128,8 +129,12 @@ class PagedKVCache:
 
         ``dtype`` has no default: pass the model's (``model.dtype``). ``tpool.serving.hf`` refuses K/V
         of another dtype than the cache's (a silent cast would change the tokens), but for a float8
-        cache, where storing K/V cast is the point.
+        cache, where storing K/V cast is the point. A ``pool`` that is not a ``PagePool`` (a
+        ``PageTable``: pass ``table.pool``) is a ``ValueError``.
         """
+        if not isinstance(pool, PagePool):
+            hint = " (its pool is table.pool)" if isinstance(getattr(pool, "pool", None), PagePool) else ""
+            raise ValueError(f"pool: expected a PagePool, got {type(pool).__name__}{hint}")
         return cls(num_layers, pool.num_pages, pool.page_size, num_kv_heads, head_dim, dtype=dtype,
                    device=pool.device if device is None else device)
 
