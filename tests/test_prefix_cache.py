@@ -1337,6 +1337,30 @@ def test_an_index_tensor_changed_in_place_is_refused_on_every_backend_before_any
     cache.check_invariants()
     pool.check()
 
+@pytest.mark.parametrize("name", ["slot_page", "slot_gen", "page_slot"])
+def test_an_index_tensor_re_pointed_to_memory_of_the_same_size_is_refused_too(backend, name):
+    """``set_`` to other memory of the same size passed the size check: on numba the compiled updates kept
+    writing the memory the cache made (its numpy views), while check_invariants and a drop's let-go read
+    and wrote the new memory through the tensor (two entries naming one page, a page_slot that disagrees).
+    It is refused as a changed size is, before anything changes, on every backend; set back, it works."""
+    pool, m, cache = _setup(backend, num_pages=8)
+    S = list(range(8))
+    (a,) = m.admit([8])
+    t = getattr(cache, name)
+    kept = t.view(-1)
+    t.set_(t.clone())                                # the same size and contents, other memory
+    before = (len(cache), m.free, m.cached, pool.state.counters.clone())
+    for call in (lambda: cache.insert(a, S), lambda: cache.evict(1), cache.check_invariants):
+        with pytest.raises(ValueError, match=f"{name} as it made it.*other memory"):
+            call()
+    assert (len(cache), m.free, m.cached) == before[:3] and torch.equal(pool.state.counters, before[3])
+    t.set_(kept)
+    assert cache.insert(a, S) == 2
+    m.finish([a], cache=True)
+    cache.check_invariants()
+    assert cache.match(S + [0]).n_tokens == 8
+
+
 # --- Pinned by helper-144's mutation run over tpool/scheduling (session 39) --------------------------------------
 
 def test_insert_takes_at_most_the_rows_sure_length_after_a_rollback(backend):

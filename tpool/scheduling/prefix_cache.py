@@ -174,6 +174,7 @@ class PrefixCache:
         # Every update gets the tensors the cache made, not whatever its attributes name later, their
         # sizes checked first (_made): the kernels, the torch code (a drop's let-go on every backend).
         self._dev = (self.slot_page, self.slot_gen, self.page_slot)
+        self._ptrs = tuple(t.data_ptr() for t in self._dev)  # (numba's _np stay on this memory: _made)
         # On the triton backend each update is one launch (tpool.kernels.prefix_cache), imported only
         # there: the numba backend runs without triton installed.
         self._kernels = None
@@ -590,14 +591,17 @@ class PrefixCache:
         every backend indexes them (the torch code of a drop's let-go and of the reference backend, the
         triton kernels, whose wrappers check them against each other and the pool again), so one changed in
         place since (``set_``, ``resize_``) is a ``ValueError`` here, not an index out of range (an
-        ``IndexError`` half-way through a call on a CPU, a device assert on CUDA)."""
-        for t, n, name in zip(self._dev, (len(self._keys), len(self._keys), self.pool.num_pages + 1),
-                              ("slot_page", "slot_gen", "page_slot")):
+        ``IndexError`` half-way through a call on a CPU, a device assert on CUDA). One re-pointed to other
+        memory of the same size is refused too: numba's compiled updates keep the memory the cache made (its
+        numpy views) while the torch code would follow the tensor, and the two would disagree."""
+        for t, n, name, ptr in zip(self._dev, (len(self._keys), len(self._keys), self.pool.num_pages + 1),
+                                   ("slot_page", "slot_gen", "page_slot"), self._ptrs):
             if not (type(t) is torch.Tensor and t.dtype is torch.int32 and t.dim() == 1 and t.numel() == n
-                    and t.is_contiguous()):
+                    and t.is_contiguous() and t.data_ptr() == ptr):
+                where = "" if type(t) is not torch.Tensor or t.data_ptr() == ptr else " over other memory"
                 raise ValueError(f"PrefixCache: expected its {name} as it made it (contiguous torch.int32 [{n}]), "
-                                 f"got {type(t).__name__} {t.dtype} {tuple(t.shape)}: a tensor of the cache was "
-                                 f"changed in place (set_, resize_); make a new PrefixCache")
+                                 f"got {type(t).__name__} {t.dtype} {tuple(t.shape)}{where}: a tensor of the cache "
+                                 f"was changed in place (set_, resize_); make a new PrefixCache")
         return self._dev
 
     def _bad_slots(self, slots) -> ValueError:
