@@ -48,6 +48,33 @@ def test_preserved_restores_every_table_of_a_pool_it_restores(make_pool):
     pool.check()
 
 
+def test_preserved_empties_a_table_made_on_its_pool_inside_the_block(make_pool):
+    """A table made inside ``preserved(pool)`` (or ``preserved(table)`` of that pool) kept the pages the
+    block gave it, which the restored pool held FREE: the next alloc handed them out again, to another
+    table (two requests on one page), the table broke its invariants. Such a table is put back as it was
+    made, empty, as the pool is put back: the block leaves no trace."""
+    pool = make_pool(16, page_size=4)
+    a = tpool.PageTable(pool, 2, 4)
+    a.step(i32([1]), i32([3]), max_tokens=3)
+    for owner in (pool, a):
+        before = [t.clone() for t in state_tensors(pool)]
+        with preserved(owner):
+            c = tpool.PageTable(pool, 2, 4)
+            c.step(i32([0, 1]), i32([8, 5]), max_tokens=13)
+        assert c.seq_lens.tolist() == [0, 0] and (c.block_table == -1).all()
+        assert all(torch.equal(x, y) for x, y in zip(state_tensors(pool), before))
+        c.check_invariants(exclusive=False)
+        a.step(i32([0]), i32([8]), max_tokens=8)
+        c.step(i32([0]), i32([8]), max_tokens=8)
+        pages = a.block_table[:, :2].flatten().tolist() + c.block_table[0, :2].tolist()
+        assert len({p for p in pages if p >= 0}) == 5, pages
+        a.check_invariants(exclusive=False)
+        c.check_invariants(exclusive=False)
+        a.release(i32([0]))
+        del c
+    pool.check()
+
+
 def test_preserved_and_state_tensors_refuse_what_is_not_a_pool_or_table(make_pool):
     """An owner without a pool's or table's state was an AttributeError from deep inside (a HostMirror's
     host bookkeeping, which nothing would restore, or the PoolState itself)."""

@@ -17,7 +17,7 @@ import dataclasses
 import torch
 
 from tpool._checks import check_size
-from tpool.state import clones_between_calls, copy_between_calls
+from tpool.state import TableState, clones_between_calls, copy_between_calls
 
 
 def state_tensors(*owners) -> list:
@@ -52,9 +52,7 @@ def state_tensors(*owners) -> list:
     out, seen = [], set()
     for owner in owners:
         pool = getattr(owner, "pool", owner)
-        with pool.state.lock:  # (a table made meanwhile on another thread adds itself under it)
-            tables = list(getattr(pool, "_tables", {}).values())  # (another revision's pool keeps none)
-        for st in [owner.state, pool.state, *(t.state for t in tables)]:
+        for st in [owner.state, pool.state, *(t.state for t in _tables(pool))]:
             for f in dataclasses.fields(st):
                 t = getattr(st, f.name)
                 if isinstance(t, torch.Tensor) and id(t) not in seen:
@@ -77,7 +75,9 @@ def preserved(*owners):
     release ids (sets them to -1), so warm it up with padding there (-1) and
     write the ids of finished requests after the block. Refused (``RuntimeError``)
     in the thread of an open free group of one of the pools: the frees it would
-    queue lie outside the state restored.
+    queue lie outside the state restored. A ``PageTable`` made on one of the pools
+    inside the block is put back as it was made, empty (the restored pool holds
+    its pages FREE).
 
     Parameters
     ----------
@@ -97,20 +97,36 @@ def preserved(*owners):
     >>> pool.available()
     8
     """
-    tensors = state_tensors(*owners)  # (which refuses an owner that is not a pool or table first)
-    for owner in owners:
-        group = getattr(owner, "pool", owner)._group
+    _check_owners(owners)  # (an owner that is not a pool or table first)
+    pools = list({id(p): p for p in (getattr(o, "pool", o) for o in owners)}.values())
+    for pool in pools:
+        group = pool._group
         if group is not None and group.owned_here():
             raise RuntimeError("preserved: a free group of this pool is open in this thread; the frees it would "
                                "queue are not in the state preserved restores (they would be applied at the "
                                "group's exit): exit the free group first")
-    with _locked(owners):
+    with _locked(owners):  # (the tables listed and their states cloned with no table made in between)
+        tensors = state_tensors(*owners)
+        known = [t for pool in pools for t in _tables(pool)]  # (held: no id of theirs is reused meanwhile)
         saved = clones_between_calls(tensors)
     try:
         yield
     finally:
         with _locked(owners):
             copy_between_calls(zip(tensors, saved))
+            # A table made on one of the pools inside the block holds pages the restored pool has FREE
+            # again: it goes back to how it was made, empty.
+            ids = set(map(id, known))
+            for table in (t for pool in pools for t in _tables(pool) if id(t) not in ids):
+                fresh = TableState.create(table.max_requests, table.max_pages, table.page_size,
+                                          table.pool.max_batch, table.device)
+                copy_between_calls(zip(table.state.tensors().values(), fresh.tensors().values()))
+
+
+def _tables(pool) -> list:
+    """The live ``PageTable`` s made on ``pool``, oldest first (another revision's pool keeps none)."""
+    with pool.state.lock:  # (a table made meanwhile on another thread adds itself under it)
+        return list(getattr(pool, "_tables", {}).values())
 
 
 def _check_owners(owners) -> None:
