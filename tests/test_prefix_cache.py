@@ -1361,6 +1361,31 @@ def test_an_index_tensor_re_pointed_to_memory_of_the_same_size_is_refused_too(ba
     assert cache.match(S + [0]).n_tokens == 8
 
 
+@pytest.mark.parametrize("name", ["slot_page", "slot_gen", "page_slot"])
+def test_drop_itself_refuses_an_index_tensor_changed_in_place(backend, name):
+    """drop checks the tensors itself, not only through sync: the unread() values dropped by hand while a
+    tensor is changed are refused (``ValueError`` naming it) before the host index or the device changes,
+    and the same drop goes through once the tensor is set back. (Only sync's check was run by a test.)"""
+    pool, m, cache = _setup(backend, num_pages=8)
+    S = list(range(8))
+    a, b = m.admit([8, 8])
+    cache.insert(a, S)
+    m.finish([a], cache=True)
+    cache.evict(2)
+    cache.insert(b, S)                               # re-pointed while unread: the drop lets B's pages go
+    ev = cache.unread().tolist()
+    t = getattr(cache, name)
+    kept = t.view(-1)
+    t.set_(torch.full((16,), 77, dtype=torch.int32)[:1])
+    with pytest.raises(ValueError, match=f"{name} as it made it"):
+        cache.drop(ev)
+    assert len(cache) == 2 and cache.closed
+    t.set_(kept)
+    assert cache.drop(ev) == 2 and len(cache) == 0 and not cache.closed
+    cache.check_invariants()
+    pool.check()
+
+
 # --- Pinned by helper-144's mutation run over tpool/scheduling (session 39) --------------------------------------
 
 def test_insert_takes_at_most_the_rows_sure_length_after_a_rollback(backend):
