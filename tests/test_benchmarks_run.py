@@ -191,6 +191,26 @@ def test_help_works_without_transformers(name):
     assert r.returncode == 0 and "usage:" in r.stdout, r.stderr[-2000:]
 
 
+_TRANSFORMERS_MISSING = """
+import runpy, sys
+sys.modules["transformers"] = None  # as where it is not installed: find_spec answers None, an import fails
+sys.argv = sys.argv[1:]
+sys.path.insert(0, sys.argv[0].rsplit("/", 1)[0])
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("name", ["bench_e2e", "bench_logits", "bench_prefix", "bench_reconcile"])
+def test_a_run_without_transformers_is_a_usage_error(name):
+    """The scripts that serve a model say what to install (need_transformers: a usage error, exit 2) where
+    transformers is not installed, not a ModuleNotFoundError; bench_logits and bench_reconcile imported
+    tpool.serving at their top, before it. (The --help test above makes find_spec itself raise, so it
+    never reaches need_transformers.)"""
+    r = subprocess.run([sys.executable, "-c", _TRANSFORMERS_MISSING, os.path.join(BENCH, f"{name}.py")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "error: needs transformers, which is not installed" in r.stderr, r.stderr[-2000:]
+
+
 def test_page_table_cold_mode_reports_warm_and_cold(tmp_path, capsys):
     out = tmp_path / "pt.json"
     load("bench_page_table").main(TINY["bench_page_table"][:2] + [
