@@ -113,14 +113,14 @@ def preserved(*owners):
         yield
     finally:
         with _locked(owners):
-            copy_between_calls(zip(tensors, saved))
             # A table made on one of the pools inside the block holds pages the restored pool has FREE
-            # again: it goes back to how it was made, empty.
-            ids = set(map(id, known))
+            # again: it goes back to how it was made, empty (in the same copy: no call lands in between).
+            ids, pairs = set(map(id, known)), list(zip(tensors, saved))
             for table in (t for pool in pools for t in _tables(pool) if id(t) not in ids):
                 fresh = TableState.create(table.max_requests, table.max_pages, table.page_size,
                                           table.pool.max_batch, table.device)
-                copy_between_calls(zip(table.state.tensors().values(), fresh.tensors().values()))
+                pairs += zip(table.state.tensors().values(), fresh.tensors().values())
+            copy_between_calls(pairs)
 
 
 def _tables(pool) -> list:
