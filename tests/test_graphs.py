@@ -164,6 +164,7 @@ def test_capture_refuses_owners_off_cuda_before_running_anything(make_pool, monk
         capture(step, *(types.SimpleNamespace(device=torch.device("cuda", i)) for i in (0, 1)))
     assert not ran and all(torch.equal(a, b) for a, b in zip(state_tensors(table), before))
 
+
 def test_capture_refuses_no_owners_before_running_anything(monkeypatch):
     """``capture(step)`` with no owners ran the warm-up for real and restored nothing: two decode steps
     the scheduler never asked for stayed in the table (README: "the warm-up leaves no trace"). It is

@@ -1287,8 +1287,6 @@ def test_on_triton_a_changed_index_tensor_is_refused_before_a_launch():
     assert (buf == 77).all() and len(cache) == entries and m.cached == 2 and m.rows_free == 3
 
 
-
-
 @pytest.mark.parametrize("name", ["slot_page", "slot_gen", "page_slot"])
 def test_an_index_tensor_changed_in_place_is_refused_on_every_backend_before_anything_changes(backend, name):
     """Every backend's updates index the cache's three tensors, the torch code too (a drop's let-go on all
@@ -1336,6 +1334,7 @@ def test_an_index_tensor_changed_in_place_is_refused_on_every_backend_before_any
     setattr(cache, name, made)
     cache.check_invariants()
     pool.check()
+
 
 @pytest.mark.parametrize("name", ["slot_page", "slot_gen", "page_slot"])
 def test_an_index_tensor_re_pointed_to_memory_of_the_same_size_is_refused_too(backend, name):
