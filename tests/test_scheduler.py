@@ -2025,6 +2025,24 @@ def test_the_accounting_loops_refuse_rows_past_the_records_and_tokens_of_another
     assert (big[4:] == before[4:]).all()
 
 
+def test_the_accounting_loops_refuse_the_row_just_past_the_records():
+    """Row 4 of 4 records, the first row past them, is refused by each loop as row 6 is (helper-204's mutation
+    run: a bound of ``row > len(records)`` passed the test above, which asks row 6 only, and read and wrote the
+    row past a view of a larger array); the last row inside still runs."""
+    from tpool.scheduling import _decode as D
+    big = np.zeros((8, 6), np.int64)
+    big[:, D.LIMIT] = 100
+    st, out = big[:4], np.zeros(5, np.int64)
+    before = big.copy()
+    past, last = np.array([4], np.int64), np.array([3], np.int64)
+    assert D.decode_accounting(st, past, D.EMPTY, 1, 4, 1, 10, out) == D.BAD_INPUT
+    assert D.extra_pages(st, past, D.EMPTY, 1, 4) == -2
+    assert D.truncate_accounting(st, past, np.zeros(1, np.int64), 4, 1, 10, out) == 3
+    assert (big == before).all() and (out == 0).all()
+    assert D.decode_accounting(st, last, D.EMPTY, 1, 4, 1, 10, out) == D.FITS and big[3, D.HI] == 1
+    assert (big[4:] == before[4:]).all()
+
+
 def test_a_refused_fork_names_what_to_change(backend):
     """The refusal said "expected a running src and 0 <= n_tokens <= its sure length <= max_len" whichever part
     failed, without the sure length, and asked for a sure length within max_len, which is not checked (a fork of
