@@ -2057,6 +2057,8 @@ def test_a_refused_fork_names_what_to_change(backend):
         m.fork(row, 6)
     with pytest.raises(ValueError, match=r"fork: expected n_tokens <= max_len <= 16 .*got n_tokens=3, max_len=2$"):
         m.fork(row, 3, 2)
+    with pytest.raises(ValueError, match=r"fork: expected n_tokens <= max_len <= 16 .*got n_tokens=3, max_len=17$"):
+        m.fork(row, 3, 17)        # past the mirror's capacity (the table's max_pages * page_size)
     assert _books(pool, table, m) == before
     new = m.fork(row, 3, 4)       # a sure length past max_len is no reason to refuse
     assert m.length_bounds(new) == (3, 3)
