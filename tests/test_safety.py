@@ -218,6 +218,37 @@ def test_check_invariants_names_a_state_tensor_re_pointed_by_hand(backend, owner
         pool.check_invariants()
 
 
+@pytest.mark.parametrize("owner, name, edit", [
+    ("pool", "refcount", "fewer entries"),      # same address, dtype and strides; one entry fewer
+    ("pool", "page_gen", "another dtype"),      # same address, shape and strides, read as uint32
+    ("table", "block_table", "other strides"),  # same address, dtype and shape, read column-major
+])
+def test_check_invariants_names_a_state_tensor_re_pointed_at_its_own_address(backend, owner, name, edit):
+    """Re-pointed by hand at the memory it starts at (the same ``data_ptr``) but with one entry fewer, another
+    dtype or other strides, a state tensor is not what the calls run on either: check_invariants names it as
+    it names one moved elsewhere (helper-204's mutation run: comparing addresses alone passed every test)."""
+    import torch
+    import tpool
+    pool = tpool.PagePool(16, page_size=4, device="cpu", backend=backend)
+    table = tpool.PageTable(pool, 3, 4)
+    table.extend(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([5, 2], dtype=torch.int32))
+    t = getattr(pool.state if owner == "pool" else table.state, name)
+    kept, ptr = t.view(t.shape), t.data_ptr()
+    if edit == "fewer entries":
+        t.set_(t.untyped_storage(), t.storage_offset(), (t.numel() - 1,))
+    elif edit == "another dtype":
+        t.data = t.view(torch.uint32)
+    else:
+        t.set_(t.untyped_storage(), t.storage_offset(), t.shape, (1, t.shape[0]))
+    assert t.data_ptr() == ptr
+    for check in (table.check_invariants,) + ((pool.check_invariants,) if owner == "pool" else ()):
+        with pytest.raises(tpool.InvariantViolation, match=rf"state tensor '{name}' was re-pointed by hand"):
+            check()
+    t.data = kept                                  # set back (set_ keeps the dtype): checked again
+    table.check_invariants()
+    pool.check_invariants()
+
+
 def test_a_memo_naming_a_request_twice_stays_within_the_csr(backend):
     """A memo edited to name one request in every lane, one step behind: the CSR ends within its
     capacity on every backend; on numba (the only one that reads the memo) the step, whose lanes hold
