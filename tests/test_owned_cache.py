@@ -1685,6 +1685,19 @@ def test_a_tuple_of_token_ids_as_a_dict_key_is_charged_its_tuple_and_its_ints():
     assert cache.stats().current_bytes == 0
 
 
+def test_a_tuple_of_numpy_ids_as_a_dict_key_is_charged_its_tuple_and_its_scalars():
+    """A prefix key made of a numpy array's ids (``tuple(ids)``: one np.int64 object per id, which a value's
+    list could not hold) is charged as a tuple of ints is, its tuple and each scalar (helper-204's mutation
+    run: reading keys with the value's number types charged this one 0 and no test failed)."""
+    prefix = tuple(np.arange(1000, 2000, dtype=np.int64))
+    want = sys.getsizeof(prefix) + sum(map(sys.getsizeof, prefix))  # 8,040 + 1,000 * 32
+    assert accounting.leaf_bytes({prefix: torch.zeros(4)}) == want
+    cache = OwnedCache(1 << 20)
+    assert cache.put("p", {prefix: torch.zeros(4)})
+    assert cache.stats().current_bytes == 16 + want
+    cache.check_invariants()
+
+
 def test_a_list_of_numbers_held_twice_and_a_number_in_two_lists_are_charged_once():
     """Each object once, by identity: a list held under two keys of a value is stored as one copy (still one
     object) and charged once; an int in two lists, once; the shared small ints and bools, never."""
