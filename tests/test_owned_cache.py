@@ -1698,6 +1698,19 @@ def test_a_tuple_of_numpy_ids_as_a_dict_key_is_charged_its_tuple_and_its_scalars
     cache.check_invariants()
 
 
+def test_a_tuple_of_numpy_bools_as_a_dict_key_is_charged_its_tuple_only():
+    """A dict key of numpy bools (a mask as a tuple) is a tuple of numbers: its tuple is charged, and never
+    numpy's two bools, one object each that every such key shares (helper-204's mutation run: numpy's bools
+    dropped from the numbers or from the shared objects, and no test failed)."""
+    mask = tuple(np.array([True, False, True, True]))
+    assert mask[0] is np.True_ and mask[1] is np.False_
+    assert accounting.leaf_bytes({mask: torch.zeros(4)}) == sys.getsizeof(mask)
+    cache = OwnedCache(1 << 20)
+    assert cache.put("m", {mask: torch.zeros(4)})
+    assert cache.stats().current_bytes == 16 + sys.getsizeof(mask)
+    cache.check_invariants()
+
+
 def test_a_list_of_numbers_held_twice_and_a_number_in_two_lists_are_charged_once():
     """Each object once, by identity: a list held under two keys of a value is stored as one copy (still one
     object) and charged once; an int in two lists, once; the shared small ints and bools, never."""
