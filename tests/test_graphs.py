@@ -75,6 +75,19 @@ def test_preserved_empties_a_table_made_on_its_pool_inside_the_block(make_pool):
     pool.check()
 
 
+
+def test_state_tensors_lists_an_owner_then_its_pool_then_the_pools_tables(make_pool):
+    """The order its docstring gives (helper-204's mutation run: the pool's state listed before a table's own
+    passed every test): an owner's own state, its pool's, then every table on the pool, oldest first, each
+    tensor once."""
+    pool = make_pool(8)
+    a, b = tpool.PageTable(pool, 2, 4), tpool.PageTable(pool, 2, 4)
+    mine = {name: list(st.tensors().values()) for name, st in (("pool", pool.state), ("a", a.state),
+                                                                ("b", b.state))}
+    assert [id(t) for t in state_tensors(b)] == [id(t) for t in mine["b"] + mine["pool"] + mine["a"]]
+    assert [id(t) for t in state_tensors(pool)] == [id(t) for t in mine["pool"] + mine["a"] + mine["b"]]
+    assert [id(t) for t in state_tensors(a, b)] == [id(t) for t in mine["a"] + mine["pool"] + mine["b"]]
+
 def test_preserved_and_state_tensors_refuse_what_is_not_a_pool_or_table(make_pool):
     """An owner without a pool's or table's state was an AttributeError from deep inside (a HostMirror's
     host bookkeeping, which nothing would restore, or the PoolState itself)."""
