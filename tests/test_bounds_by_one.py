@@ -370,6 +370,23 @@ def test_y05_a_revive_counts_the_cached_pages_it_takes_out_of_its_room(backend):
     pool.check()
 
 
+def test_a_revive_refused_for_room_counts_the_cached_pages_it_leaves_in_what_can_be_taken(backend):
+    """Reviving one of two CACHED pages leaves the other to evict: the refusal's "can be taken" counts it
+    beside the unreserved pages (helper-204's mutation run: the unreserved count alone passed, every
+    refusal asked leaving no CACHED page)."""
+    pool = tpool.PagePool(4, page_size=PS, device="cpu", backend=backend)
+    m = HostMirror(tpool.PageTable(pool, 4, 4), free=4, cached=0, lookahead=8)
+    _, b = m.admit([8, 8], [8, 8])
+    pages = m.table.block_table[b, :1].clone()
+    m.finish([b], cache=True)
+    before = _books(m)
+    with pytest.raises(WouldNotFit, match=r"revive: its reservation needs 2 page\(s\), 1 can be taken \(0 "
+                                          r"unreserved and 1 of the CACHED pages it does not revive\)"):
+        m.revive(pages, 4, max_len=16, count_cached=True)   # tokens 4..12 need 2 pages: 1 to evict
+    assert _books(m) == before
+    pool.check()
+
+
 def test_y09_a_step_one_token_past_its_stepout_is_refused_before_the_mirror_changes(backend):
     pool = tpool.PagePool(32, page_size=PS, device="cpu", backend=backend)
     m = HostMirror(tpool.PageTable(pool, 4, 8), free=32, cached=0)
