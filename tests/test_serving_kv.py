@@ -170,7 +170,9 @@ def test_copy_pages_copies_every_layer_and_skips_minus_one(guard, dtype):
     before_k, before_v = [t.clone() for t in raw(c.k)], [t.clone() for t in raw(c.v)]
     with guard():
         c.copy_pages(i32([1, -1, 4, 2, 6, -1, 0]), i32([3, 0, -1, 5, 1, 9, -2]))  # the last three: outside
-    with pytest.raises(tpool.InvalidPage, match="invalid_copy_page: 3") as e:
+    # the message names the bound, the cache's pages (helper-204's mutation run: naming its slots passed)
+    with pytest.raises(tpool.InvalidPage, match=rf"invalid_copy_page: 3\. Each is a page outside \[0, "
+                                                rf"{c.num_pages}\), not -1, given to copy_pages") as e:
         c.check()
     assert e.value.counts == {"invalid_copy_page": 3}
     for layer in range(2):
