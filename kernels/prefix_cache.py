@@ -32,7 +32,7 @@ INSERT_BLOCK = 64  # lanes per chunk of insert_pages, at most: its duplicate che
 
 
 # Not specialised on the row or the count (values, not shapes: see revive_kernel).
-@triton.jit(do_not_specialize=["row", "N", "need", "known"])
+@triton.jit(do_not_specialize=["row", "N", "need", "known", "first"])
 def insert_pages_kernel(
     block_table_ptr,  # *int32 [R, MP]
     R,                # rows of block_table
@@ -49,10 +49,11 @@ def insert_pages_kernel(
     seq_lens_ptr,     # *int32 [R]: the rows' device lengths
     need,             # the row's sure length (the host mirror's): shorter on the device, its pages hold other tokens
     known,            # the leading slots that are live entries (kept as they are when the row falls short)
+    first,            # the row's page slots[0] names (the pages before it are not named here)
     # Meta-parameters
     BLOCK: tl.constexpr,  # lanes per chunk
 ):
-    """For p_i = block_table[row, i], i < N: slot_page[slots[i]] = p_i, slot_gen[slots[i]] =
+    """For p_i = block_table[row, first + i], i < N: slot_page[slots[i]] = p_i, slot_gen[slots[i]] =
     page_gen[p_i] and page_slot[p_i] = slots[i], or for p_i outside [0, P) slot_gen -1 and page_slot[P] = -1;
     before any of that, for o_i = slot_page[slots[i]] (the page the slot named; outside [0, P): P),
     page_slot[o_i] = -1 where it is slots[i]. Only if seq_lens[row] >= need: else (the row shorter than the
@@ -63,14 +64,14 @@ def insert_pages_kernel(
         i = start + lanes
         s = tl.load(slots_ptr + i, mask=i < N, other=0)
         bad += tl.sum(((i < N) & ((s < 0) | (s >= capacity))).to(tl.int32))
-    fits = (row >= 0) & (row < R) & (N <= MP) & (known >= 0) & (known <= N) & (bad == 0)
+    fits = (row >= 0) & (row < R) & (first >= 0) & (first + N <= MP) & (known >= 0) & (known <= N) & (bad == 0)
     n = tl.where(fits, N, 0)  # a call outside the arrays writes nothing (as its twin)
     # the row's device length, at the bounded row (read in every lane: a block, as the masks it joins):
     # short of ``need``, no page is named (as its twin)
     r = row + tl.zeros((BLOCK,), tl.int64)
     in_rows = (r >= 0) & (r < R)
     held = tl.load(seq_lens_ptr + tl.where(in_rows, r, 0), mask=in_rows, other=0) >= need
-    base = tl.where(fits, row, 0).to(tl.int64) * MP
+    base = tl.where(fits, row, 0).to(tl.int64) * MP + tl.where(fits, first, 0)
     # The pages the slots named (a live entry's slot: re-pointed to the row's copy) are let go first:
     # a clear only where page_slot still names the lane's slot, so the lanes' order does not matter
     # (two lanes on one old page: at most one matches, and both would write -1).
@@ -171,9 +172,9 @@ def _check(t, n, name, dtype=torch.int32):
 
 
 def insert_pages_triton(block_table, row, slots, page_gen, slot_page, slot_gen, page_slot, seq_lens, need,
-                        known) -> None:
-    """Name the leading pages of ``block_table`` (int32 ``[R, MP]``, contiguous) row ``row`` (host ints)
-    by ``slots`` (int64 ``[n]``), with ``page_gen``'s (int32 ``[P]``) generations (one launch), if the
+                        known, first=0) -> None:
+    """Name pages ``first .. first + n - 1`` of ``block_table`` (int32 ``[R, MP]``, contiguous) row ``row``
+    (host ints) by ``slots`` (int64 ``[n]``), with ``page_gen``'s (int32 ``[P]``) generations (one launch), if the
     row's length in ``seq_lens`` (int32 ``[R]``) is at least ``need``; else the slots after the first
     ``known`` name nothing (page and generation -1) and nothing else is written."""
     R, MP = block_table.shape
@@ -185,7 +186,7 @@ def insert_pages_triton(block_table, row, slots, page_gen, slot_page, slot_gen, 
         return
     insert_pages_kernel[(1,)](
         block_table, R, MP, row, slots, n, page_gen, page_gen.numel(), slot_page, slot_gen, page_slot,
-        slot_page.numel(), seq_lens, need, known, **settings(min(n, INSERT_BLOCK)),
+        slot_page.numel(), seq_lens, need, known, first, **settings(min(n, INSERT_BLOCK)),
     )
 
 

@@ -46,7 +46,8 @@ class Fail(AssertionError):
 class Index:
     """The prefix cache's index as plain dicts (the README's rules): an entry per whole page, keyed by
     (the entry before it, the page's tokens); an insert re-points the entries it finds to its row's
-    pages and adds the rest while slots are left; an eviction takes the entries naming its pages, which
+    pages, but for the leading ones a running reviver (not inserted since its revive) holds, and adds the
+    rest while slots are left; an eviction takes the entries naming its pages, which
     go (with every entry under them) at their drop, and an entry an insert re-pointed meanwhile lets its
     new page go then too; slots dropped while an eviction is outstanding are reused after it."""
 
@@ -54,12 +55,20 @@ class Index:
         self.ps, self.free, self.held = ps, capacity, 0
         self.ids, self.key, self.page, self.kids, self.named = {}, {}, {}, {}, {}
         self.next, self.pending, self.inflight, self.moved = 1, [], [], set()
+        self.revivers = {}   # row -> the entries it revived, while it runs and is not inserted
+
+    def revive(self, row, tokens, k):
+        ps, e, es = self.ps, 0, []
+        for i in range(k):
+            e = self.ids[(e, tuple(tokens[i * ps:(i + 1) * ps]))]
+            es.append(e)
+        self.revivers[row] = es
 
     @property
     def closed(self):
         return bool(self.pending or self.inflight)
 
-    def insert(self, pages, tokens):
+    def insert(self, row, pages, tokens):
         ps, e, es, first = self.ps, 0, [], None
         for i in range(len(tokens) // ps):
             key = (e, tuple(tokens[i * ps:(i + 1) * ps]))
@@ -75,12 +84,19 @@ class Index:
             e = self.ids[key]
             es.append(e)
         known = len(es) if first is None else first
-        if known and self.closed:
-            self.moved.update(es[:known])
-        for e in es:
+        keep = 0
+        for q, held in self.revivers.items():
+            j = 0
+            while q != row and j < min(known, len(held)) and es[j] == held[j]:
+                j += 1
+            keep = max(keep, j)
+        self.revivers.pop(row, None)
+        if known > keep and self.closed:
+            self.moved.update(es[keep:known])
+        for e in es[keep:]:
             if self.named.get(self.page.get(e)) == e:
                 del self.named[self.page[e]]
-        for e, p in zip(es, pages):
+        for e, p in zip(es[keep:], pages[keep:]):
             self.page[e], self.named[p] = p, e
         return len(es) - known
 
@@ -203,6 +219,8 @@ class Driver:
         self._drop_pages(self.pages.pop(row)[::-1], cache)   # (a release queues a row's last page first)
         toks = self.toks.pop(row)
         del self.lens[row], self.prio[row]
+        if self.index is not None:
+            self.index.revivers.pop(row, None)   # (its row may hold another request next)
         if toks:
             self.finished.append(toks)
 
@@ -449,7 +467,7 @@ class Driver:
                 lo, hi = m.length_bounds(r)
                 if cache or m.named[r] or m.shared[r]:
                     t = self.toks[r][:lo]
-                    need(self.cache.insert(r, t) == self.index.insert(self.pages[r][:lo // self.ps], t),
+                    need(self.cache.insert(r, t) == self.index.insert(r, self.pages[r][:lo // self.ps], t),
                          "entries made")
             cache = cache or any(m.named[r] or m.shared[r] for r in rows)
         elif cache and self.rng.random() < 0.7:
@@ -581,6 +599,7 @@ class Driver:
                 return
             k = hit.n_tokens // self.ps
             pages = self.table.block_table[row, :k].tolist()
+            self.index.revive(row, toks, k)
             tokens = toks[:hit.n_tokens]
         else:
             if not self.entries:

@@ -125,6 +125,62 @@ def test_a_prefix_computed_apart_stays_matchable_while_one_copy_of_it_is_residen
     pool.check()
 
 
+def test_a_duplicate_inserted_while_a_reviver_holds_the_first_copy_leaves_the_entries_on_it(backend):
+    """A and B prefill one prompt apart (one step); A is inserted and left, C revives A's pages and keeps
+    running, then B is inserted and left. B's insert leaves the entries C holds alone (C's own insert
+    names them later), so B's copy, named by nothing, is what an eviction takes, and a new request still
+    hits the prompt while C holds it. (Before, B's insert re-pointed them to B's copy: evicting it dropped
+    them, and a request matched nothing though C held the prompt.)"""
+    pool, m, cache = _setup(backend)
+    S = list(range(100, 108))                       # two pages
+    a, b = m.admit([8, 8])                          # one step: neither can hit the other
+    a_pages, b_pages = _pages(m, a, 2), _pages(m, b, 2)
+    assert cache.insert(a, S) == 2
+    m.finish([a], cache=True)
+    c = cache.revive(cache.match(S + [9]), max_len=16)
+    assert _pages(m, c, 2) == a_pages
+    with no_host_sync():
+        assert cache.insert(b, S) == 0
+    m.finish([b], cache=True)
+    assert [cache.slot_page[s].item() for s in cache.match(S + [9]).slots] == a_pages
+    cache.check_invariants()
+    assert sorted(cache.evict(2).tolist()) == sorted(b_pages)   # the only CACHED pages: the duplicate
+    assert cache.sync() == 0 and len(cache) == 2
+    assert cache.match(S + [9]).n_tokens == 8       # C still holds the prompt: a hit
+    m.decode([c], 4)
+    assert cache.insert(c, S + [7, 7, 7, 7]) == 1
+    m.finish([c], cache=True)
+    assert [cache.slot_page[s].item() for s in cache.match(S + [9]).slots] == a_pages
+    cache.check_invariants()
+    pool.check()
+
+
+@pytest.mark.parametrize("reviver_first", [True, False])
+def test_a_reviver_and_a_duplicate_finished_in_one_call_keep_the_prompt_while_a_copy_is_resident(backend,
+                                                                                                  reviver_first):
+    """C revived A's copy of a prompt that B computed apart; B and C are inserted (in either order) and
+    finished in one call. Whichever copy the entries name, the other is released first and named by
+    nothing: evicting two pages takes it, and the prompt stays matchable. (C's own insert ends its hold:
+    an insert after it re-points the entries, as for rows inserted and finished together.)"""
+    pool, m, cache = _setup(backend)
+    S = list(range(100, 108))
+    a, b = m.admit([8, 8])
+    a_pages, b_pages = _pages(m, a, 2), _pages(m, b, 2)
+    cache.insert(a, S)
+    m.finish([a], cache=True)
+    c = cache.revive(cache.match(S + [9]), max_len=16)
+    order = [c, b] if reviver_first else [b, c]
+    for row in order:
+        cache.insert(row, S)
+    m.finish(order, cache=True)
+    named = [cache.slot_page[s].item() for s in cache.match(S + [9]).slots]
+    assert named == (b_pages if reviver_first else a_pages)
+    assert sorted(cache.evict(2).tolist()) == sorted(a_pages if reviver_first else b_pages)
+    assert cache.sync() == 0 and cache.match(S + [9]).n_tokens == 8
+    cache.check_invariants()
+    pool.check()
+
+
 def test_a_row_on_the_entries_own_pages_reinserted_changes_nothing(backend):
     """A row that revived the entries, and one forked from it, inserted with the same tokens: every
     entry names the row's page already, so the device index stays as it was (an insert past them
@@ -1080,13 +1136,13 @@ def test_the_numba_updates_refuse_rows_slots_and_sizes_outside_their_arrays():
     at, gat, sl = bt.ctypes.data, gen.ctypes.data, lens.ctypes.data
     i64 = lambda *v: np.array(v, dtype=np.int64)
     for row, slots in [(2, i64(0)), (-1, i64(0)), (0, i64(0, 1, 2, 3)), (0, i64(4)), (0, i64(-1))]:
-        assert X.insert_pages(at, 2, 3, row, slots, gat, 4, sp, sg, ps, sl, 0, 0) == -1
-    assert X.insert_pages(at, 2, 3, 0, i64(0), gat, 4, sp, sg, ps[:4], sl, 0, 0) == -1   # page_slot not [P + 1]
-    assert X.insert_pages(at, 2, 3, 0, i64(3), gat, 4, sp, sg[:3], ps, sl, 0, 0) == -1   # slot_gen short
-    assert X.insert_pages(at, 2, 3, 0, i64(0), gat, 4, sp, sg, ps, sl, 0, 2) == -1   # known past the slots
-    assert X.insert_pages(at, 2, 3, 0, i64(0), gat, 4, sp, sg, ps, sl, 0, -1) == -1
+        assert X.insert_pages(at, 2, 3, row, slots, gat, 4, sp, sg, ps, sl, 0, 0, 0) == -1
+    assert X.insert_pages(at, 2, 3, 0, i64(0), gat, 4, sp, sg, ps[:4], sl, 0, 0, 0) == -1   # page_slot not [P + 1]
+    assert X.insert_pages(at, 2, 3, 0, i64(3), gat, 4, sp, sg[:3], ps, sl, 0, 0, 0) == -1   # slot_gen short
+    assert X.insert_pages(at, 2, 3, 0, i64(0), gat, 4, sp, sg, ps, sl, 0, 2, 0) == -1   # known past the slots
+    assert X.insert_pages(at, 2, 3, 0, i64(0), gat, 4, sp, sg, ps, sl, 0, -1, 0) == -1
     assert (sp == -1).all() and (sg == -1).all() and (ps == -1).all()
-    assert X.insert_pages(at, 2, 3, 1, i64(0, 1, 2), gat, 4, sp, sg, ps, sl, 12, 0) == 0
+    assert X.insert_pages(at, 2, 3, 1, i64(0, 1, 2), gat, 4, sp, sg, ps, sl, 12, 0, 0) == 0
     assert sp.tolist() == [2, 9, 0, -1] and sg.tolist() == [12, -1, 10, -1] and ps.tolist() == [2, -1, 0, -1, -1]
     ev, out = np.array([2, -1, 7, -5], dtype=np.int32), np.full(4, 5, np.int32)   # -5: would wrap to page 0
     assert X.forget_pages(ev.ctypes.data, 4, ps, out[:3]) == -1 and (out == 5).all()
@@ -1145,11 +1201,12 @@ def test_the_triton_updates_give_what_the_numba_ones_give_and_bound_every_index(
 
     lens = np.array([320, 36], dtype=np.int32)             # the rows' lengths (row 1: 9 pages of 4 tokens)
 
-    def both(row, slots, need=0, known=0):
+    def both(row, slots, need=0, known=0, first=0):
         want, got = [a.copy() for a in start], [torch.from_numpy(a.copy()) for a in start]
-        X.insert_pages(bt.ctypes.data, 2, 80, row, slots, gen.ctypes.data, P, *want, lens.ctypes.data, need, known)
+        X.insert_pages(bt.ctypes.data, 2, 80, row, slots, gen.ctypes.data, P, *want, lens.ctypes.data, need, known,
+                       first)
         K.insert_pages_triton(torch.from_numpy(bt), row, torch.from_numpy(slots), torch.from_numpy(gen), *got,
-                              torch.from_numpy(lens), need, known)
+                              torch.from_numpy(lens), need, known, first)
         assert [g.tolist() for g in got] == [w.tolist() for w in want]
         return got
 
@@ -1157,6 +1214,11 @@ def test_the_triton_updates_give_what_the_numba_ones_give_and_bound_every_index(
         assert [g.tolist() for g in both(row, slots)] == [a.tolist() for a in start]
     for known in (-1, 2):                                   # known outside [0, n]: a call outside the arrays
         assert [g.tolist() for g in both(1, i64(0), 4, known)] == [a.tolist() for a in start]
+    for first, slots in [(-1, i64(0)), (3, np.arange(78)), (80, i64(0))]:   # pages first.. outside the row
+        assert [g.tolist() for g in both(0, slots, first=first)] == [a.tolist() for a in start]
+    sp, sg, ps = both(1, i64(7, 0, 5), first=6)             # pages 6.. of row 1 (3, 1, 0), none before them
+    assert sp[i64(7, 0, 5)].tolist() == [3, 1, 0] and sg[i64(7, 0, 5)].tolist() == [13, 11, 10]
+    assert ps.tolist() == [5, 0, -1, 7, -1, 88, -1] and (np.delete(sp.numpy(), i64(7, 0, 5)) == 77).all()
     # a row shorter than the tokens named (37 > 36): the known slots (the first 3) kept, the others -1 and
     # -1, page_slot (its slot 88 of the spare entry too) unwritten; 36 tokens: every page named
     sp, sg, ps = both(1, i64(7, 0, 5, 2, 6, 1, 4, 3, 8), 37, 3)
@@ -1198,7 +1260,8 @@ def test_the_numba_insert_lets_a_slots_old_page_go_only_where_it_still_names_the
     sg, ps = np.full(8, 77, np.int32), np.array([0, 5, 5, -1, 7, -1, -1], dtype=np.int32)
     slots = np.array([0, 1, 5, 7, 6], dtype=np.int64)
     lens = np.array([20], dtype=np.int32)
-    assert X.insert_pages(bt.ctypes.data, 1, 5, 0, slots, gen.ctypes.data, P, sp, sg, ps, lens.ctypes.data, 20, 0) == 0
+    assert X.insert_pages(bt.ctypes.data, 1, 5, 0, slots, gen.ctypes.data, P, sp, sg, ps, lens.ctypes.data, 20, 0,
+                          0) == 0
     assert sp.tolist() == [3, -1, -1, P, P + 3, P + 3, 5, 4]
     assert sg.tolist() == [13, -1, 77, 77, 77, -1, 15, 14]
     assert ps.tolist() == [-1, 5, 5, 0, 7, 6, -1]   # page 0 let go by slot 0; page 4 kept by slot 7
@@ -1229,7 +1292,7 @@ def test_the_triton_insert_lets_old_pages_go_as_the_numba_one_does():
         got = [torch.from_numpy(a.copy()) for a in (sp, sg, ps)]
         lens = np.full(2, W * PS, np.int32)
         assert X.insert_pages(bt.ctypes.data, 2, W, 1, slots, gen.ctypes.data, P, *want, lens.ctypes.data, W * PS,
-                              0) == 0
+                              0, 0) == 0
         K.insert_pages_triton(torch.from_numpy(bt), 1, torch.from_numpy(slots), torch.from_numpy(gen), *got,
                               torch.from_numpy(lens), W * PS, 0)
         assert [g.tolist() for g in got] == [w.tolist() for w in want], trial

@@ -19,18 +19,19 @@ from tpool.kernels._numba_util import i32_array
 
 @cached_njit
 def insert_pages(bt_addr, rows, width, row, slots, page_gen_addr, num_pages, slot_page, slot_gen, page_slot,
-                 seq_lens_addr, need, known):
-    """Name the leading pages of table row ``row`` by ``slots`` (int64 ``[n]``): each slot gets its
+                 seq_lens_addr, need, known, first):
+    """Name pages ``first .. first + n - 1`` of table row ``row`` by ``slots`` (int64 ``[n]``): each slot gets its
     page (``slot_page``) and the page's generation (``slot_gen``, read from the pool's ``page_gen``
     at ``page_gen_addr``), and the page gets its slot (``page_slot``). A page id outside the pool
     (a hand-edited row) gets generation -1 and is aimed at ``page_slot``'s spare last entry,
     which keeps its -1. ``block_table`` is int32 ``[rows, width]`` at ``bt_addr``.
 
     A slot may be a live entry's (``PrefixCache.insert`` passes the entries the row's leading pages
-    were found by, then the new ones): first, for every slot, the page it named (``slot_page``,
-    bounded as a row's page is: outside the pool, the spare entry) is let go if it still names that
-    slot (``page_slot[old] = -1``), then every slot is written as above. A slot that names the row's
-    page already ends as it was; one that named another copy of the same prefix names the row's now.
+    were found by, from page ``first`` on: the ones before it, which a running reviver holds, are left
+    as they are; then the new ones): first, for every slot, the page it named (``slot_page``, bounded
+    as a row's page is: outside the pool, the spare entry) is let go if it still names that slot
+    (``page_slot[old] = -1``), then every slot is written as above. A slot that names the row's page
+    already ends as it was; one that named another copy of the same prefix names the row's now.
 
     Only where the row holds what the host counts: its device length (``seq_lens``, int32 ``[rows]`` at
     ``seq_lens_addr``, read at the bounded row) at least ``need`` (its sure length). Else (a row a refused revive left
@@ -41,7 +42,7 @@ def insert_pages(bt_addr, rows, width, row, slots, page_gen_addr, num_pages, slo
     Returns 0, or -1 (nothing written) when the pages, ``known`` or a slot lie outside the arrays."""
     n = slots.shape[0]
     cap = slot_page.shape[0]
-    if row < 0 or row >= rows or n > width or known < 0 or known > n \
+    if row < 0 or row >= rows or first < 0 or first + n > width or known < 0 or known > n \
             or slot_gen.shape[0] != cap \
             or page_slot.shape[0] != num_pages + 1:
         return -1
@@ -55,7 +56,7 @@ def insert_pages(bt_addr, rows, width, row, slots, page_gen_addr, num_pages, slo
         return 0
     bt = i32_array(bt_addr, rows * width)
     gens = i32_array(page_gen_addr, num_pages)
-    base = row * width
+    base = row * width + first
     for i in range(n):  # the pages the slots named: let go first (every read of slot_page before a write)
         s = slots[i]
         old = slot_page[s]

@@ -33,7 +33,11 @@ re-points the prefix's entries to its pages (the same K/V; the entries keep thei
 slots and ids, so the entries under them and matches made before stay valid).
 The copy named is the one inserted last, released last when requests are inserted
 in the order they finish, so the copies named by nothing are evicted first, and
-the prefix, with every entry under it, stays while the named copy does.
+the prefix, with every entry under it, stays while the named copy does. But an
+insert leaves alone the leading entries a running reviver holds (a row that revived
+them and was not inserted since: the host records it at ``revive``, and its own insert
+ends the hold): the reviver's copy stays named, and the inserted row's, named by
+nothing, is evicted first, so the prefix stays matchable while the reviver runs.
 
 The caller's contract: ``insert`` a request just before its ``finish(...,
 cache=True)`` and with the tokens its pages hold (host ints). A named page going
@@ -59,6 +63,7 @@ import torch
 
 from tpool import _checks
 from tpool.kernels import layout as L
+from tpool.scheduling._decode import GEN
 from tpool.scheduling._prefix import forget_pages, gather_slots, insert_pages
 from tpool.scheduling.accounting import _head
 from tpool.scheduling.mirror import HostMirror
@@ -188,6 +193,8 @@ class PrefixCache:
         self._held = []                   # slots dropped while an eviction is outstanding: reused after it
         self._moved = set()               # known slots an insert re-pointed while an eviction was outstanding
         self._children = {}               # entry id -> {slot: None} of the entries keyed under it
+        self._revivers = {}               # row -> (its generation on the mirror, slots, ids) it revived: not
+        #                                   inserted since (an insert of another row leaves those entries alone)
         self._unread = []                 # device slots of evictions not handed to unread() yet
         self._inflight = 0                # unread() results not dropped yet
         self.hits = self.hit_tokens = self.inserted = self.dropped = 0
@@ -326,6 +333,7 @@ class PrefixCache:
             # (the lengths are checked above; the table checks these fresh tensors, as mirror.revive would)
             row = self.mirror._revive(pages, n_tokens, m, self.table._revive_inputs(pages, n_tokens, gens), gens,
                                       count_cached)
+        self._revivers[row] = (int(self.mirror._st[row, GEN]), slots, match.eids)
         self.hits += 1
         self.hit_tokens += match.n_tokens
         return row
@@ -337,7 +345,9 @@ class PrefixCache:
         entries) keep their entries, re-pointed to this row's pages: an entry that named
         another copy of the prefix (the same K/V) names the row's now, and the other copy,
         named by nothing, is evicted as any CACHED page (released earlier, so before the
-        row's). Matches made before stay valid (entries keep their slots and ids). Returns
+        row's). The leading entries another running row revived (and was not inserted since)
+        are not re-pointed: that row holds their pages, and this row's copy is the one named
+        by nothing. Matches made before stay valid (entries keep their slots and ids). Returns
         the entries made. Device copies only (the row's pages and their generations): no
         host read."""
         self._attached("insert")
@@ -374,16 +384,21 @@ class PrefixCache:
             slots.append(slot)
             eid = self._eid[slot]
         known = len(slots) if first is None else first
-        if known and self.closed:
+        # The leading known entries a running reviver holds stay on its pages (its own insert names them
+        # later): re-pointed here, they would leave the reviver's copy named by nothing while this row's
+        # copy, once evicted, took them and every entry under them with it.
+        keep = self._kept(row, slots, known) if known and self._revivers else 0
+        if known > keep and self.closed:
             # An entry an unread eviction took (its page forgotten on the device) may be re-pointed
             # here: its drop must let the page it names now go (drop takes an evicted entry's page
             # as forgotten already).
-            self._moved.update(slots[:known])
-        # Every slot, known or new, is written with the row's page at its position (one call from page
-        # 0), after the page it named before is let go where it still names the slot: a known entry
-        # that named the row's page (revived, forked) ends as it was; one that named another copy of
-        # its prefix (computed apart: the same K/V) names the row's, released after that copy (as the
-        # loop inserts a request just before its finish), so the copy named by nothing goes first.
+            self._moved.update(slots[keep:known])
+        # Every slot from ``keep`` on, known or new, is written with the row's page at its position (one
+        # call from page ``keep``), after the page it named before is let go where it still names the
+        # slot: a known entry that named the row's page (revived, forked) ends as it was; one that named
+        # another copy of its prefix (computed apart: the same K/V) names the row's, released after that
+        # copy (as the loop inserts a request just before its finish), so the copy named by nothing goes
+        # first.
         # Only if the row's device length is at least its sure length (``need``, the mirror's lo, which
         # bounds the tokens named): a row a refused revive left empty (a broken contract: its pages freed
         # behind the cache) is shorter on the device by the revived tokens, and has other tokens' pages
@@ -392,24 +407,27 @@ class PrefixCache:
         # invalid_page). Decided on the device; normal operation always holds them (lo <= seq_lens). The
         # sure length, not the tokens named: a row that decoded past the revived tokens' count since would
         # hold as many tokens on the device as a shorter insert names (helper-163).
-        need = int(m.lo[row])
-        if slots and self._np is not None:  # (the numba backend: one compiled call, as below)
+        # The update writes the slots from page ``keep`` on (the row's pages keep.., ``known - keep`` of
+        # them known).
+        need, write = int(m.lo[row]), slots[keep:]
+        if write and self._np is not None:  # (the numba backend: one compiled call, as below)
             bt, rows, width, gen, P, sl = self._at
             with self.pool.state.lock:
-                if insert_pages(bt, rows, width, row, np.array(slots, dtype=np.int64), gen, P, *self._np,
-                                sl, need, known):
-                    raise AssertionError(f"insert: row {row} pages 0..{len(slots)} or slots {slots} "
+                if insert_pages(bt, rows, width, row, np.array(write, dtype=np.int64), gen, P, *self._np,
+                                sl, need, known - keep, keep):
+                    raise AssertionError(f"insert: row {row} pages {keep}..{len(slots)} or slots {write} "
                                          f"outside the arrays (checked before: a bug)")
-        elif slots and self._kernels is not None:  # (the triton backend: one copy of the slots, one launch)
-            idx = self._to_device(slots)
+        elif write and self._kernels is not None:  # (the triton backend: one copy of the slots, one launch)
+            idx = self._to_device(write)
             with self.pool.state.lock:
-                self._kernels.insert_pages_triton(self._bt, row, idx, self._gen, *made, self._sl, need, known)
-        elif slots:
-            idx, P = self._to_device(slots), self.pool.num_pages
+                self._kernels.insert_pages_triton(self._bt, row, idx, self._gen, *made, self._sl, need,
+                                                  known - keep, keep)
+        elif write:
+            idx, P = self._to_device(write), self.pool.num_pages
             with self.pool.state.lock:   # between two calls, never inside one
                 held = self._sl[row] >= need   # (0-d, on the device; row: a running row, checked above)
-                new = torch.arange(len(slots), device=self.device) >= known
-                pages = self._bt[row, :len(slots)]
+                new = torch.arange(len(write), device=self.device) >= known - keep
+                pages = self._bt[row, keep:len(slots)]
                 # A page id outside the pool (a hand-edited row) names nothing: it is aimed at the
                 # spare last entry of page_slot, which keeps its -1, and its generation is -1 (a
                 # revive of the entry is refused on the device, as invalid_page).
@@ -426,7 +444,23 @@ class PrefixCache:
         if slots:
             self.inserted += len(slots) - known
             m.named[row] = max(int(m.named[row]), len(slots))  # (from page 0; finish: cache=True only)
+        self._revivers.pop(row, None)   # its entries are named by this insert: its hold ends
         return len(slots) - known
+
+    def _kept(self, row, slots, known) -> int:
+        """How many of the leading ``known`` entries of ``slots`` (an insert of ``row``) a running reviver
+        other than ``row`` holds: the longest run it revived, by the same entries (ids: a slot may be reused
+        since). A reviver whose row finished since (its generation moved on) is forgotten here."""
+        m, keep = self.mirror, 0
+        for q, (gen, held, eids) in list(self._revivers.items()):
+            if not (m.live[q] and m._st[q, GEN] == gen):
+                del self._revivers[q]       # finished (its row may hold another request now)
+                continue
+            j, end = 0, min(known, len(held)) if q != row else 0
+            while j < end and slots[j] == held[j] and self._eid[held[j]] == eids[j]:
+                j += 1
+            keep = max(keep, j)
+        return keep
 
     def evict(self, k: int) -> torch.Tensor:
         """``mirror.evict(k)``, and on the device the slots that named the evicted pages (-1 for a page
