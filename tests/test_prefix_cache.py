@@ -155,6 +155,29 @@ def test_a_duplicate_inserted_while_a_reviver_holds_the_first_copy_leaves_the_en
     pool.check()
 
 
+def test_a_reviver_that_left_without_an_insert_holds_nothing(backend):
+    """C revives A's copy and leaves (finish into the cache without an insert), and a new request takes C's
+    row: C's hold is gone with it, so B's insert of the same prompt re-points the entries to B's copy, and
+    A's, released earlier and named by nothing, is what an eviction takes. (Had the hold outlived C, the
+    entries stayed on A's copy, evicted first, and dropped while B's copy was resident.)"""
+    pool, m, cache = _setup(backend)
+    S = list(range(100, 108))
+    a, b = m.admit([8, 8])
+    a_pages, b_pages = _pages(m, a, 2), _pages(m, b, 2)
+    cache.insert(a, S)
+    m.finish([a], cache=True)
+    c = cache.revive(cache.match(S + [9]), max_len=16)
+    m.finish([c], cache=True)
+    assert m.admit([4]) == [c]                      # another request in C's row
+    cache.insert(b, S)
+    m.finish([b], cache=True)
+    assert [cache.slot_page[s].item() for s in cache.match(S + [9]).slots] == b_pages
+    assert sorted(cache.evict(2).tolist()) == sorted(a_pages)
+    assert cache.sync() == 0 and cache.match(S + [9]).n_tokens == 8
+    cache.check_invariants()
+    pool.check()
+
+
 @pytest.mark.parametrize("reviver_first", [True, False])
 def test_a_reviver_and_a_duplicate_finished_in_one_call_keep_the_prompt_while_a_copy_is_resident(backend,
                                                                                                   reviver_first):
