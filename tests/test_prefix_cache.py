@@ -125,19 +125,26 @@ def test_a_prefix_computed_apart_stays_matchable_while_one_copy_of_it_is_residen
     pool.check()
 
 
+def _revived_while_a_duplicate_runs(backend):
+    """A and B prefill one two-page prompt ``S`` in one step (neither can hit the other); A is inserted and
+    left, and C revives A's pages. Returns ``(pool, m, cache, S, b, a_pages, b_pages, c)``, B still running."""
+    pool, m, cache = _setup(backend)
+    S = list(range(100, 108))                       # two pages
+    a, b = m.admit([8, 8])
+    a_pages, b_pages = _pages(m, a, 2), _pages(m, b, 2)
+    assert cache.insert(a, S) == 2
+    m.finish([a], cache=True)
+    c = cache.revive(cache.match(S + [9]), max_len=16)
+    return pool, m, cache, S, b, a_pages, b_pages, c
+
+
 def test_a_duplicate_inserted_while_a_reviver_holds_the_first_copy_leaves_the_entries_on_it(backend):
     """A and B prefill one prompt apart (one step); A is inserted and left, C revives A's pages and keeps
     running, then B is inserted and left. B's insert leaves the entries C holds alone (C's own insert
     names them later), so B's copy, named by nothing, is what an eviction takes, and a new request still
     hits the prompt while C holds it. (Before, B's insert re-pointed them to B's copy: evicting it dropped
     them, and a request matched nothing though C held the prompt.)"""
-    pool, m, cache = _setup(backend)
-    S = list(range(100, 108))                       # two pages
-    a, b = m.admit([8, 8])                          # one step: neither can hit the other
-    a_pages, b_pages = _pages(m, a, 2), _pages(m, b, 2)
-    assert cache.insert(a, S) == 2
-    m.finish([a], cache=True)
-    c = cache.revive(cache.match(S + [9]), max_len=16)
+    pool, m, cache, S, b, a_pages, b_pages, c = _revived_while_a_duplicate_runs(backend)
     assert _pages(m, c, 2) == a_pages
     with no_host_sync():
         assert cache.insert(b, S) == 0
@@ -160,13 +167,7 @@ def test_a_reviver_that_left_without_an_insert_holds_nothing(backend):
     row: C's hold is gone with it, so B's insert of the same prompt re-points the entries to B's copy, and
     A's, released earlier and named by nothing, is what an eviction takes. (Had the hold outlived C, the
     entries stayed on A's copy, evicted first, and dropped while B's copy was resident.)"""
-    pool, m, cache = _setup(backend)
-    S = list(range(100, 108))
-    a, b = m.admit([8, 8])
-    a_pages, b_pages = _pages(m, a, 2), _pages(m, b, 2)
-    cache.insert(a, S)
-    m.finish([a], cache=True)
-    c = cache.revive(cache.match(S + [9]), max_len=16)
+    pool, m, cache, S, b, a_pages, b_pages, c = _revived_while_a_duplicate_runs(backend)
     m.finish([c], cache=True)
     assert m.admit([4]) == [c]                      # another request in C's row
     cache.insert(b, S)
@@ -185,13 +186,7 @@ def test_a_reviver_and_a_duplicate_finished_in_one_call_keep_the_prompt_while_a_
     finished in one call. Whichever copy the entries name, the other is released first and named by
     nothing: evicting two pages takes it, and the prompt stays matchable. (C's own insert ends its hold:
     an insert after it re-points the entries, as for rows inserted and finished together.)"""
-    pool, m, cache = _setup(backend)
-    S = list(range(100, 108))
-    a, b = m.admit([8, 8])
-    a_pages, b_pages = _pages(m, a, 2), _pages(m, b, 2)
-    cache.insert(a, S)
-    m.finish([a], cache=True)
-    c = cache.revive(cache.match(S + [9]), max_len=16)
+    pool, m, cache, S, b, a_pages, b_pages, c = _revived_while_a_duplicate_runs(backend)
     order = [c, b] if reviver_first else [b, c]
     for row in order:
         cache.insert(row, S)
