@@ -574,14 +574,15 @@ def test_random_workload_matches_model(make_table, guard, ps, MP, seed):
             cap = sum(max(n, 0) for n in ntok) + rng.randint(-1, 2)
             cap = max(cap, 0)
             gone = _random_ids(rng, R) if op == "step" and rng.random() < 0.3 else None
+            gone_cache = gone is not None and rng.random() < 0.5  # released into the cache
             with guard():
                 if op == "step":
                     r = table.step(i32(ids), i32(ntok), max_tokens=cap, capacity=csr_cap,
-                                   release=None if gone is None else i32(gone))
+                                   release=None if gone is None else i32(gone), release_cache=gone_cache)
                 else:
                     r = table.extend(i32(ids), i32(ntok), max_tokens=cap)
             if gone is not None:
-                model.release(gone)
+                model.release(gone, gone_cache)
             assert (r.slots.tolist(), r.ok.tolist()) == model.extend(ids, ntok, cap)
             if op == "step":
                 indptr, indices, last = model.csr(ids, csr_cap if csr_cap is not None else len(ids) * MP,
