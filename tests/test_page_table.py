@@ -557,13 +557,14 @@ def _random_ids(rng, R):
 def test_random_workload_matches_model(make_table, guard, ps, MP, seed):
     # MP >= 8 lets the numba CSR copy whole rows in blocks of 8 (and run past a row's end). Besides
     # valid calls: repeated ids and ids below -1, negative and too long truncates, truncates by a drop,
-    # fork sources out of range, steps that release requests first, and block_table_rows.
+    # fork sources out of range, steps that release requests first, block_table_rows, and evictions
+    # (the order a release into the cache queued its pages in).
     rng = random.Random(seed + ps + 100 * MP)
     P, R = 40, 6
     table = make_table(P, ps, R, MP)
     model = TableModel(PoolModel(P), R, MP, ps)
     for _ in range(50):
-        op = rng.choice(["extend", "extend", "decode", "step", "release", "truncate", "fork", "csr", "rows"])
+        op = rng.choice(["extend", "extend", "decode", "step", "release", "truncate", "fork", "csr", "rows", "evict"])
         ids = _random_ids(rng, R)
         # A CSR capacity: the default (always enough), or one near the batch's page count,
         # from too small to several entries spare. Buffers are reused per (B, capacity).
@@ -617,6 +618,11 @@ def test_random_workload_matches_model(make_table, guard, ps, MP, seed):
             with guard():
                 rows = table.block_table_rows(i32(ids))
             assert rows.tolist() == model.rows_of(ids)
+        elif op == "evict":  # the CACHED pages in the model's order: each released row's last page first
+            k = rng.randint(0, 4)
+            with guard():
+                evicted = table.pool.evict(k)
+            assert evicted.tolist() == model.pool.evict(k)
         else:
             with guard():
                 c = table.flashinfer_csr(i32(ids), capacity=csr_cap)
