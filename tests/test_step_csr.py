@@ -662,3 +662,22 @@ def test_step_keeps_csr_is_zero_when_the_step_would_grow_the_csr():
     table.step(ids, ones)
     assert table.step_grows_csr(ids) and table.step_keeps_csr(ids) == 0
     assert not table.step_grows_csr(i32([0, 2, -1])) and table.step_keeps_csr(i32([0, 2, -1])) == 2
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_request_released_and_stepped_again_in_its_lane_keeps_no_run(cache, guard):
+    """A request released (its row now empty) and stepped again in the same lane of the same batch, with 0
+    tokens and then one: the step's memo must not keep the run the released row had. (A numba release that
+    did not stamp its rows let the next step keep it; helper-207's mutation run found test_fuzz.py's seeds
+    missing that.)"""
+    tables = twins(num_pages=40)
+    batch = [0, 1, 2]
+    for t in tables:
+        t.extend(i32(batch), i32([5, 9, 2]), max_tokens=16)
+    for _ in range(3):
+        step_both(tables, batch, [1, 1, 1], B * MP, guard)
+    for t in tables:
+        t.release(i32([1]), cache=cache)
+    step_both(tables, batch, [1, 0, 1], B * MP, guard)
+    step_both(tables, batch, [1, 1, 1], B * MP, guard)
+    tables[0].pool.check()
