@@ -17,7 +17,7 @@ import dataclasses
 import torch
 
 from tpool._checks import check_size
-from tpool.state import TableState, clones_between_calls, copy_between_calls
+from tpool.state import clones_between_calls, copy_between_calls
 
 
 def state_tensors(*owners) -> list:
@@ -117,9 +117,7 @@ def preserved(*owners):
             # again: it goes back to how it was made, empty (in the same copy: no call lands in between).
             ids, pairs = set(map(id, known)), list(zip(tensors, saved))
             for table in (t for pool in pools for t in _tables(pool) if id(t) not in ids):
-                fresh = TableState.create(table.max_requests, table.max_pages, table.page_size,
-                                          table.pool.max_batch, table.device)
-                pairs += zip(table.state.tensors().values(), fresh.tensors().values())
+                pairs += zip(table.state.tensors().values(), table._empty_state().tensors().values())
             copy_between_calls(pairs)
 
 

@@ -93,8 +93,7 @@ class PageTable:
         self.max_requests, self.max_pages, self.page_size = max_requests, max_pages_per_request, pool.page_size
         # the most one call appends (within what a kernel indexes: a slot buffer is int32-indexed)
         self.most_tokens = min(pool.max_batch * max_pages_per_request * pool.page_size, MAX_INDEXED)
-        self.state = TableState.create(max_requests, max_pages_per_request, pool.page_size, pool.max_batch,
-                                       self.device)
+        self.state = self._empty_state()
         self.block_table, self.seq_lens = self.state.block_table, self.state.seq_lens
         self.ops = make_table_ops(pool.backend, pool.state, self.state)  # the backend's TableOps (tpool.backends)
         # Output buffers per call shape, at most max_shapes of them (tpool.buffers); every call
@@ -111,6 +110,12 @@ class PageTable:
         self._shapes.on_drop(self._shape_dropped)
         with pool.state.lock:  # (tpool.graphs.state_tensors lists them under it)
             pool._tables[id(self)] = self
+
+    def _empty_state(self) -> TableState:
+        """A new, empty ``TableState`` of this table's sizes on its device (every row unused, no pages):
+        the state the table is made with, and what :func:`tpool.graphs.preserved` puts back in a table
+        made inside its block."""
+        return TableState.create(self.max_requests, self.max_pages, self.page_size, self.pool.max_batch, self.device)
 
     def __reduce_ex__(self, protocol):
         raise TypeError("a PageTable cannot be copied or pickled: its kernels are bound to the addresses of "
