@@ -80,7 +80,7 @@ def cached_pools(P, backends, device):
         first.free(row.contiguous(), cache=True)
     for pool in pools.values():
         if pool is not first:
-            for dst, src in zip(state_tensors(pool), state_tensors(first)):
+            for dst, src in zip(state_tensors(pool), state_tensors(first), strict=True):
                 dst.copy_(src)
         pool.check_invariants()
     return pools
@@ -97,7 +97,7 @@ def numpy_select(state, stamp, k):
 def lru_order(pool) -> list:
     """``pool``'s CACHED pages, least recently used first: evicted, by the pool's own LRU queue, from a copy."""
     copy = tpool.PagePool(pool.num_pages, device=pool.device, backend=pool.backend, max_alloc_pages=pool.num_pages)
-    for dst, src in zip(state_tensors(copy), state_tensors(pool)):
+    for dst, src in zip(state_tensors(copy), state_tensors(pool), strict=True):
         dst.copy_(src)
     cached = copy.stats()["pages.cached.current"]
     return copy.evict(cached).tolist() if cached else []

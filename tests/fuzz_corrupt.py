@@ -665,7 +665,7 @@ class System:
             elif kind == "restore":
                 from tpool.graphs import state_tensors
                 if op[1] in self.snaps:
-                    for t, s in zip(state_tensors(table), self.snaps[op[1]]):
+                    for t, s in zip(state_tensors(table), self.snaps[op[1]], strict=True):
                         t.copy_(s)
             else:
                 raise AssertionError(f"unknown op {kind}")

@@ -310,7 +310,7 @@ class System:
                 ALIASES[op[1]](pool, table, self.alloc_out)
             elif kind == "restore":
                 if op[1] in self.snaps:
-                    for t, s in zip(state_tensors(table), self.snaps[op[1]]):
+                    for t, s in zip(state_tensors(table), self.snaps[op[1]], strict=True):
                         t.copy_(s)
         except (ValueError, RuntimeError, TypeError) as e:  # the façade's checks: same on every backend
             return [type(e).__name__]

@@ -180,7 +180,7 @@ def test_a_bound_step_keeps_its_csr_memo_where_invalidate_csr_finds_it(backend, 
         t.block_table[0, 0] = 40
         snap = [x.clone() for x in state_tensors(t)]
         t.invalidate_csr(i32([0]))
-        for x, y in zip(state_tensors(t), snap):
+        for x, y in zip(state_tensors(t), snap, strict=True):
             x.copy_(y)                   # a snapshot from after the edit, before invalidate_csr
     got, want = run(), ref.step(ids.clone(), ntok.clone(), max_tokens=8 if drop == "step_out" else None)
     assert fields(got) == fields(want)

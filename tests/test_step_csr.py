@@ -114,7 +114,7 @@ def test_grown_csr_equals_rebuilt_csr_over_random_workloads(seed, guard):
         elif op == "restore" and snapshots:
             saved = rng.choice(snapshots)
             for t, s in zip(tables, saved):
-                for x, y in zip(state_tensors(t), s):
+                for x, y in zip(state_tensors(t), s, strict=True):
                     x.copy_(y)
         else:
             r = rng.choice([r for r in batch if r >= 0])
@@ -149,7 +149,7 @@ def test_a_restored_snapshot_then_another_change_rebuilds(guard):
     saved = [[x.clone() for x in state_tensors(t)] for t in tables]
     step_both(tables, batch, ones, 3 * MP, guard)      # lengths 5, 9, 4: the CSR of that table
     for t, s in zip(tables, saved):                     # back to 4, 8, 3 ...
-        for x, y in zip(state_tensors(t), s):
+        for x, y in zip(state_tensors(t), s, strict=True):
             x.copy_(y)
     for t in tables:                                    # ... and one other change: 5, 9, 5
         t.extend(i32(batch), i32([1, 1, 2]), max_tokens=4)
@@ -251,9 +251,9 @@ def test_state_copied_from_another_table_or_edited_by_hand(guard):
         t.extend(i32([0, 1]), i32(lens), max_tokens=11)
     for t in (a, b):
         t.step(i32([0, 1]), i32([1, 1]))   # a's CSR memo names a's version; b does as many changes
-    for x, y in zip(state_tensors(a), state_tensors(b)):
+    for x, y in zip(state_tensors(a), state_tensors(b), strict=True):
         x.copy_(y)
-    for x, y in zip(state_tensors(ref), state_tensors(b)):
+    for x, y in zip(state_tensors(ref), state_tensors(b), strict=True):
         x.copy_(y)
     want = ref.step(i32([0, 1]), i32([1, 1]))    # the reference already stands at b's contents; align a
     with guard():
@@ -409,7 +409,7 @@ def test_step_outs_taking_turns_grow_in_place_and_match_the_reference(page_size,
             snapshots.append([[x.clone() for x in state_tensors(t)] for t in tables])
         elif op == "restore" and snapshots:
             for t, saved in zip(tables, rng.choice(snapshots)):
-                for x, y in zip(state_tensors(t), saved):
+                for x, y in zip(state_tensors(t), saved, strict=True):
                     x.copy_(y)
         elif op == "other":
             for o in others:
@@ -467,7 +467,7 @@ def test_a_snapshot_from_before_a_hand_edit_restored_after_invalidate_keeps_noth
     table.invalidate_csr()                                    # ... made known
     with guard():
         table.step(i32([0]), i32([1]))                        # notes the edited row's pages
-    for x, y in zip(state_tensors(table), saved):             # back to before the edit
+    for x, y in zip(state_tensors(table), saved, strict=True):             # back to before the edit
         x.copy_(y)
     assert table.step_keeps_csr(i32([0])) == 0
     with guard():
@@ -485,7 +485,7 @@ def test_rows_stamped_zero_are_never_kept(guard):
     refs[0].extend(i32([0]), i32([5]), max_tokens=5)
     refs[1].extend(i32([1, 0]), i32([4, 5]), max_tokens=9)    # request 0 holds other pages here
     for ref in refs:
-        for x, y in zip(state_tensors(table), state_tensors(ref)):
+        for x, y in zip(state_tensors(table), state_tensors(ref), strict=True):
             x.copy_(y)
         assert table.step_keeps_csr(i32([0])) == 0
         with guard():
@@ -520,7 +520,7 @@ def test_invalidating_the_rows_edited_keeps_every_other_run(guard):
         for x, y in zip((got.slots, *got.csr), (want.slots, *want.csr)):
             assert x.tolist() == y.tolist()
     same_table_state(table, ref)
-    for x, y in zip(state_tensors(table), saved):  # back to before the edit
+    for x, y in zip(state_tensors(table), saved, strict=True):  # back to before the edit
         x.copy_(y)
     with guard():
         got = table.step(i32([0, 1, 2]), i32([1, 1, 1]))
@@ -546,7 +546,7 @@ def test_a_snapshot_between_a_hand_edit_and_naming_its_rows_is_safe_to_restore(g
         snap = [s.clone() for s in state_tensors(t)]                # taken before the rows are named
         t.invalidate_csr(i32([0, 2]))
         t.step(i32([0, 1, 2, 3]), i32([1, 1, 1, 1]), out=a)
-        for s, v in zip(state_tensors(t), snap):
+        for s, v in zip(state_tensors(t), snap, strict=True):
             s.copy_(v)
         with guard():
             res = t.step(i32([0, 1, 2, 3]), i32([1, 1, 1, 1]), out=b)  # b's memo is from before the edit
@@ -578,7 +578,7 @@ def test_a_snapshot_between_a_hand_edit_and_naming_its_rows_is_safe_to_restore_o
         snap = [s.clone() for s in state_tensors(t)]                # taken before the rows are named
         t.invalidate_csr(i32([0, 2]))
         t.step(ids, ones)                                           # the table's buffers: a, b untouched
-        for s, v in zip(state_tensors(t), snap):
+        for s, v in zip(state_tensors(t), snap, strict=True):
             s.copy_(v)
         with guard():
             res = t.step(ids, ones, out=a)  # a's memo names the version the snapshot's step came from
