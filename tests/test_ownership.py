@@ -864,3 +864,33 @@ def test_an_inference_out_given_under_inference_mode_is_still_written():
         alone = ownership.compact(batch[2:4], out=out[128:160])
     assert pair[0].data_ptr() == out.data_ptr() and pair[1][0].tolist() == [8.0, 9.0, 10.0, 11.0]
     assert alone.tolist() == batch[2:4].tolist()
+
+
+def test_apply_refuses_an_out_that_overlaps_the_views_it_copies():
+    # out a slice of the batch the views are of: the first copy (b[10:20], at out's start) overwrote b[0:5] before
+    # the second copy read it, and apply returned [10.0, ..., 14.0] for b[0:5] without a word.
+    b = torch.arange(100, dtype=torch.float32)
+    plan = plan_ownership([b[10:20], b[0:5]], copy_all=True)
+    for out in (b.view(torch.uint8)[:plan.copy_bytes], b.view(torch.uint8)[40:40 + plan.copy_bytes]):
+        with pytest.raises(ValueError, match=r"out: expected memory apart from the views it copies, got out's 60 "
+                                             r"bytes at 0x[0-9a-f]+ overlapping the \d+ bytes"):
+            plan.apply(out)
+        assert torch.equal(b, torch.arange(100, dtype=torch.float32))  # checked before anything was copied
+    windows = plan_ownership([b[30:34], b[32:36]], copy_all=True)  # a cluster: its copied range is what counts
+    with pytest.raises(ValueError, match="overlapping the 24 bytes"):
+        windows.apply(b.view(torch.uint8)[136:136 + windows.copy_bytes])
+    a, c = plan.apply(b.view(torch.uint8)[200:200 + plan.copy_bytes])  # the same batch, other bytes: fine
+    assert a.tolist() == list(range(10, 20)) and c.tolist() == list(range(5))
+    assert a.data_ptr() == b[50:].data_ptr()
+
+
+def test_compact_refuses_an_out_that_is_not_a_tensor_or_overlaps_what_it_copies():
+    b = torch.arange(100, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"out must be a uint8 tensor of shape \[40\], got a list"):
+        ownership.compact(b[10:20], out=[0] * 40)  # (an AttributeError: 'list' object has no attribute ...)
+    with pytest.raises(ValueError, match="out must be a uint8 tensor of shape \\[40\\], got a ndarray"):
+        ownership.compact(b[10:20], out=np.zeros(40, dtype=np.uint8))
+    with pytest.raises(ValueError, match="out: expected memory apart from the views it copies"):
+        ownership.compact(b[10:20], out=b.view(torch.uint8)[20:60])  # (torch's RuntimeError, partial overlap)
+    assert torch.equal(b, torch.arange(100, dtype=torch.float32))
+    assert ownership.compact(b[10:20], out=b.view(torch.uint8)[80:120]).tolist() == list(range(10, 20))

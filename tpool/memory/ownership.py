@@ -151,13 +151,16 @@ def compact(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         ``t`` has no ordinary storage (see :func:`check_ownable`).
     ValueError
         ``t`` reaches past its storage (see :func:`check_ownable`), or ``out``
-        is not uint8 of shape ``[compact_bytes(t)]``, contiguous, on
+        is not a uint8 tensor of shape ``[compact_bytes(t)]``, contiguous, on
         ``t.device`` (an overlapping view is rebuilt with its own strides on
-        ``out``'s storage, which a strided ``out`` does not hold in order). (A
+        ``out``'s storage, which a strided ``out`` does not hold in order), or
+        it overlaps the memory ``t`` reads (a slice of ``t``'s batch). (A
         start of ``out`` not aligned to ``t.element_size()`` is not checked
         here; torch's ``view(dtype)`` raises ``RuntimeError`` for it.)
     """
     t = check_ownable(t)
+    if out is not None and not isinstance(out, torch.Tensor):
+        raise ValueError(f"out must be a uint8 tensor of shape [{compact_bytes(t)}], got a {type(out).__name__}")
     if _make_normal(out):  # (asked first: entering the mode costs more than the question)
         with torch.inference_mode(False):
             return compact(t, out)
@@ -174,6 +177,7 @@ def compact(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
                 f"out must be uint8 of shape [{want}], contiguous, on {t.device}, "
                 f"got {out.dtype} {list(out.shape)} strides {out.stride()} on {out.device}"
             )
+        _check_apart(out, want, [(t.data_ptr(), t.data_ptr() + span * t.element_size(), t)])
         flat = out.view(t.dtype)
     with torch.no_grad():
         if keep_strides:
@@ -602,7 +606,10 @@ class OwnershipPlan:
         ------
         ValueError
             ``out`` is not uint8, 1-D and contiguous, on the copies' device,
-            at least ``copy_bytes`` long, or its start is not aligned; or the
+            at least ``copy_bytes`` long, or its start is not aligned, or its
+            first ``copy_bytes`` bytes overlap memory a copy reads (``out`` a
+            slice of the batch the views are of: a copy would overwrite values
+            a later one reads); or the
             views to copy are on several devices; or a tensor of ``value`` is
             no longer what the plan priced (its storage resized under it so
             that it reaches past its end, or another storage, offset, shape,
@@ -638,6 +645,20 @@ class OwnershipPlan:
 
         return map_tensors(self.value, swap)
 
+    def _sources(self) -> list[tuple[int, int, torch.Tensor]]:
+        """``(start, end, view)``: the memory each copy reads (a view's span, or a cluster's copied range)."""
+        out = []
+        for p in self.pieces:
+            t = self.views[p.sigs[0]]
+            if p.start < 0:
+                lo = t.data_ptr()
+                out.append((lo, lo + _span_elems(t) * t.element_size(), t))
+            else:
+                storage = t.untyped_storage()
+                lo = storage.data_ptr() + p.start
+                out.append((lo, lo + min(p.nbytes, storage.nbytes() - p.start), t))
+        return out
+
     def _check_out(self, out: torch.Tensor) -> None:
         devices = sorted({str(self.views[s].device) for s in self.copy})
         if len(devices) > 1:
@@ -653,6 +674,22 @@ class OwnershipPlan:
             raise ValueError(f"out: expected uint8 of shape [n >= {self.copy_bytes}], contiguous, on {device}, "
                              f"at a storage offset that is a multiple of {elem} (the largest element size "
                              f"copied); got {got}")
+        _check_apart(out, self.copy_bytes, self._sources())
+
+
+def _check_apart(out: torch.Tensor, nbytes: int, sources: list[tuple[int, int, torch.Tensor]]) -> None:
+    """Raise ``ValueError`` if the first ``nbytes`` bytes of ``out`` overlap memory a copy reads (``sources``:
+    ``(start, end, view)`` addresses): one copy would overwrite values that it or a later copy still reads (out a
+    slice of the batch the views are of). Addresses are compared on cpu and cuda only, where they are addresses."""
+    if out.device.type not in ("cpu", "cuda") or not nbytes:
+        return
+    lo, hi = out.data_ptr(), out.data_ptr() + nbytes
+    for start, end, t in sources:
+        if start < hi and lo < end and t.device == out.device:
+            raise ValueError(f"out: expected memory apart from the views it copies, got out's {nbytes} bytes at "
+                             f"{lo:#x} overlapping the {end - start} bytes at {start:#x} that a copy reads (a "
+                             f"{t.dtype} view of shape {list(t.shape)}): a copy written there would overwrite "
+                             "values still to be read")
 
 
 def plan_ownership(value: Any, *, copy_all: bool = False, align: int = 1) -> OwnershipPlan:
