@@ -894,3 +894,11 @@ def test_compact_refuses_an_out_that_is_not_a_tensor_or_overlaps_what_it_copies(
         ownership.compact(b[10:20], out=b.view(torch.uint8)[20:60])  # (torch's RuntimeError, partial overlap)
     assert torch.equal(b, torch.arange(100, dtype=torch.float32))
     assert ownership.compact(b[10:20], out=b.view(torch.uint8)[80:120]).tolist() == list(range(10, 20))
+
+
+@pytest.mark.parametrize("copy_all", ["no", 0, 1.0, None])
+def test_plan_ownership_refuses_a_copy_all_that_is_not_a_bool(copy_all):
+    # "no" was read as True: every view copied, nothing said
+    with pytest.raises(ValueError, match=r"copy_all: expected a bool, got a \w+"):
+        plan_ownership(torch.arange(10.0)[2:5], copy_all=copy_all)
+    assert plan_ownership(torch.arange(10.0), copy_all=np.bool_(True)).copy_bytes == 40

@@ -739,8 +739,8 @@ def plan_ownership(value: Any, *, copy_all: bool = False, align: int = 1) -> Own
         (:func:`map_tensors`), or a tensor without ordinary storage
         (:func:`check_ownable`).
     ValueError
-        ``align`` is not a positive int, or a tensor reaches past its storage
-        (:func:`check_ownable`).
+        ``align`` is not a positive int, ``copy_all`` is not a bool, or a
+        tensor reaches past its storage (:func:`check_ownable`).
 
     Example
     -------
@@ -759,6 +759,8 @@ def plan_ownership(value: Any, *, copy_all: bool = False, align: int = 1) -> Own
     True
     """
     align = check_size(align, "align", 1)
+    if not isinstance(copy_all, (bool, np.bool_)):  # ("no" or 0.0 would read as a truth value, silently)
+        raise ValueError(f"copy_all: expected a bool, got a {type(copy_all).__name__} ({copy_all!r})")
     views: dict[tuple, torch.Tensor] = {}
     rebuilt = map_tensors(value, lambda t: views.setdefault(_signature(t), t))  # (as apply will rebuild it)
     groups: dict[StorageKey, list[tuple]] = {}
