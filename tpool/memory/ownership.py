@@ -323,7 +323,7 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         device, Enum; a subclass's own attributes, and those of a member of
         an enum made at run time, must be small plain data). Dict keys are
         kept as they are and must be chargeable: numbers, str, bytes, None,
-        enums, dtypes, devices, classes, numpy scalars, UUIDs, dates and
+        enums, dtypes, devices, classes its module holds, numpy scalars, UUIDs, dates and
         times, paths, and tuples, frozensets and dataclasses of them (their
         text is charged, :func:`~tpool.memory.values.leaf_bytes`).
         :func:`~tpool.memory.accounting.retained_bytes` walks by the same

@@ -173,8 +173,9 @@ def _check_key(k: Any, what: str = "a dict key") -> None:
     if problem is not None:
         raise TypeError(f"cannot count the bytes held by {what} ({problem}): a key stays alive with the "
                         "value, uncharged. Keys may be numbers, strings, bytes, None, enums, dtypes, devices, "
-                        "classes, numpy scalars, UUIDs, dates and times, paths, and tuples, frozensets and "
-                        "dataclasses of them (their text charged); no tensor, no array, no other object; key by "
+                        "classes defined at module level, numpy scalars, UUIDs, dates and times, paths, and "
+                        "tuples, frozensets and dataclasses of them (their text charged); no tensor, no array, "
+                        "no other object, no class made at run time; key by "
                         "something else (an id, a string) and keep the object as a value")
 
 
@@ -189,9 +190,10 @@ def _key_problem(k: Any, out: list, depth: int) -> str | None:
     """None if dict key ``k`` can be charged, else what it holds that cannot; appends to ``out`` the
     leaves :func:`leaf_bytes` charges (its str, bytes and ints; a path's text). Chargeable: what a
     value's leaf may be (None, bool, int, float, complex, str, bytes, dtype, device), a numpy scalar of at
-    most ``_ATTR_TEXT_MAX`` bytes, an enum member (:func:`_enum_reachable`, else its value and attributes
-    read as one more level), a class, a ``uuid.UUID``, a ``datetime`` date, time, datetime or timedelta
-    (a tzinfo of ``datetime.timezone`` or ``zoneinfo``), a ``pathlib`` path (its ``str`` charged), a
+    most ``_ATTR_TEXT_MAX`` bytes, an enum member (:func:`_class_reachable`, else its value and attributes
+    read as one more level), a class its module holds (:func:`_class_reachable`), a ``uuid.UUID``, a
+    ``datetime`` date, time, datetime or timedelta (a tzinfo of ``datetime.timezone`` or ``zoneinfo``), a
+    ``pathlib`` path (its ``str`` charged), a
     ``Decimal`` or a ``Fraction`` of at most ``_ATTR_NUMBER_MAX`` bytes (each part of a Fraction); a
     subclass of one of those scalars, its own attributes read as one more level; a tuple, frozenset,
     named tuple or dataclass instance of them, any size, ``_KEY_DEPTH_MAX`` levels deep at most."""
@@ -199,8 +201,11 @@ def _key_problem(k: Any, out: list, depth: int) -> str | None:
     if t is str or t is bytes or t is int:
         out.append(k)
         return None
-    if t in _FIXED_SCALARS or t in _KEY_ATOMS or isinstance(k, type):
+    if t in _FIXED_SCALARS or t in _KEY_ATOMS:
         return None
+    if isinstance(k, type):  # (its class attributes live with it: nothing to charge while its module holds it)
+        return None if _class_reachable(k) else (f"a class made at run time ({k.__qualname__}: its module does not "
+                                                  "hold it, so it lives with the key, with all it holds)")
     if depth > _KEY_DEPTH_MAX:
         return f"a {t.__name__} nested over {_KEY_DEPTH_MAX} levels"
     if t in _KEY_TIMES:
@@ -213,7 +218,7 @@ def _key_problem(k: Any, out: list, depth: int) -> str | None:
     if t is fractions.Fraction:
         return _attr_problem(k, [_ATTR_ITEMS_MAX, _ATTR_TEXT_MAX], _ATTR_DEPTH_MAX)
     if isinstance(k, enum.Enum):
-        items = () if _enum_reachable(t) else _enum_attrs(k).values()
+        items = () if _class_reachable(t) else _enum_attrs(k).values()
     elif isinstance(k, np.generic):
         if (problem := _void_problem(k)) is not None:
             return problem
@@ -254,26 +259,31 @@ def _key_leaves(k: Any) -> list:
     return out
 
 
-_REACHABLE: dict[type, bool] = {}  # enum class -> _enum_reachable(class)
+_REACHABLE: dict[type, bool] = {}  # class -> True: what _class_reachable found its module holds
 
 
-def _enum_reachable(cls: type) -> bool:
-    """Whether enum class ``cls`` is what its module holds under its qualified name: its members then
-    live as long as the module, whatever they hold, and a cache keeping one keeps nothing alive. A
-    class made at run time (``enum.Enum("E", ...)``, a local ``class``) lives only as long as its
-    members: what they hold is the cache's to charge. Remembered per class."""
-    reachable = _REACHABLE.get(cls)
-    if reachable is None:
-        x: Any = sys.modules.get(cls.__module__)
-        try:
-            for part in cls.__qualname__.split("."):
-                x = getattr(x, part, None)
-        except Exception:  # (a module's __getattr__ may raise anything)
-            x = None
-        if len(_REACHABLE) >= _SLOTS_MAX:
-            _REACHABLE.clear()
-        reachable = _REACHABLE[cls] = x is cls
-    return reachable
+def _class_reachable(cls: type) -> bool:
+    """Whether class ``cls`` lives as long as the interpreter or its module whatever a cache holds: a type
+    the interpreter made (``int``, ``NoneType``), or one its module holds under its qualified name. Its
+    members (of an enum) and its class attributes then stay alive anyway, and a cache keeping the class
+    or a member keeps nothing alive. A class made at run time (``enum.Enum("E", ...)``, ``type("K", (),
+    {...})``, a local ``class``) lives only as long as what refers to it: what it holds is the cache's to
+    charge. A reachable class is remembered (a class made at run time is not: the memo would keep it and
+    all it holds alive)."""
+    if cls in _REACHABLE or not cls.__flags__ & _HEAPTYPE:
+        return True
+    x: Any = sys.modules.get(cls.__module__)
+    try:
+        for part in cls.__qualname__.split("."):
+            x = getattr(x, part, None)
+    except Exception:  # (a module's __getattr__ may raise anything)
+        x = None
+    if x is not cls:
+        return False
+    if len(_REACHABLE) >= _SLOTS_MAX:
+        _REACHABLE.clear()
+    _REACHABLE[cls] = True
+    return True
 
 
 def _enum_attrs(member: enum.Enum) -> dict:
@@ -332,7 +342,7 @@ def _attr_problem(v: Any, room: list[int], depth: int) -> str | None:
         n = sys.getsizeof(v)
         return None if n <= _ATTR_NUMBER_MAX else f"an int of {n} bytes (over {_ATTR_NUMBER_MAX})"
     if isinstance(v, enum.Enum):  # a member of a class its module holds lives there, whatever it holds
-        return None if _enum_reachable(t) else _items_problem(v, list(_enum_attrs(v).values()), room, depth)
+        return None if _class_reachable(t) else _items_problem(v, list(_enum_attrs(v).values()), room, depth)
     if isinstance(v, (str, bytes)):  # (numpy's str_ and bytes_ too: text, counted as text)
         room[1] -= len(v)
         if room[1] < 0:
@@ -492,7 +502,7 @@ def _kind_of_subclass(obj: Any, check: bool = True) -> str:
         if not check:
             return "leaf"
         if isinstance(obj, enum.Enum):  # a member of a class its module holds lives there, whatever it holds
-            if not _enum_reachable(type(obj)):
+            if not _class_reachable(type(obj)):
                 attrs = _enum_attrs(obj)
                 _check_attrs(attrs, f"a {type(obj).__name__} member (its class made at run time)",
                              hint=", or define the enum at module level")
