@@ -882,6 +882,12 @@ def test_apply_refuses_an_out_that_overlaps_the_views_it_copies():
     a, c = plan.apply(b.view(torch.uint8)[200:200 + plan.copy_bytes])  # the same batch, other bytes: fine
     assert a.tolist() == list(range(10, 20)) and c.tolist() == list(range(5))
     assert a.data_ptr() == b[50:].data_ptr()
+    kept = torch.zeros(100)  # kept as it is (owns its storage): a copy into it changed the value apply returned
+    plan = plan_ownership([kept, b[2:5]])
+    assert plan.copy_bytes == 12 and plan.keep
+    with pytest.raises(ValueError, match="overlapping the 400 bytes at 0x[0-9a-f]+ that a copy reads or the value"):
+        plan.apply(kept.view(torch.uint8)[388:])
+    assert not kept.any()
 
 
 def test_compact_refuses_an_out_that_is_not_a_tensor_or_overlaps_what_it_copies():

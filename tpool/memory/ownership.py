@@ -607,9 +607,10 @@ class OwnershipPlan:
         ValueError
             ``out`` is not uint8, 1-D and contiguous, on the copies' device,
             at least ``copy_bytes`` long, or its start is not aligned, or its
-            first ``copy_bytes`` bytes overlap memory a copy reads (``out`` a
-            slice of the batch the views are of: a copy would overwrite values
-            a later one reads); or the
+            first ``copy_bytes`` bytes overlap memory a copy reads or a tensor
+            kept as it is holds (``out`` a slice of the batch the views are of:
+            a copy would overwrite values a later one reads, or that the
+            rebuilt value returns); or the
             views to copy are on several devices; or a tensor of ``value`` is
             no longer what the plan priced (its storage resized under it so
             that it reaches past its end, or another storage, offset, shape,
@@ -646,8 +647,11 @@ class OwnershipPlan:
         return map_tensors(self.value, swap)
 
     def _sources(self) -> list[tuple[int, int, torch.Tensor]]:
-        """``(start, end, view)``: the memory each copy reads (a view's span, or a cluster's copied range)."""
-        out = []
+        """``(start, end, view)``: the memory each copy reads (a view's span, or a cluster's copied range), and
+        the memory of each view kept as it is (the rebuilt value holds it: a copy written there changes it)."""
+        copied = set(self.copy)
+        out = [(t.data_ptr(), t.data_ptr() + _span_elems(t) * t.element_size(), t)
+               for s, t in self.views.items() if s not in copied]
         for p in self.pieces:
             t = self.views[p.sigs[0]]
             if p.start < 0:
@@ -687,9 +691,9 @@ def _check_apart(out: torch.Tensor, nbytes: int, sources: list[tuple[int, int, t
     for start, end, t in sources:
         if start < hi and lo < end and t.device == out.device:
             raise ValueError(f"out: expected memory apart from the views it copies, got out's {nbytes} bytes at "
-                             f"{lo:#x} overlapping the {end - start} bytes at {start:#x} that a copy reads (a "
-                             f"{t.dtype} view of shape {list(t.shape)}): a copy written there would overwrite "
-                             "values still to be read")
+                             f"{lo:#x} overlapping the {end - start} bytes at {start:#x} that a copy reads or the "
+                             f"value keeps (a {t.dtype} view of shape {list(t.shape)}): a copy written there would "
+                             "overwrite values still to be read or returned")
 
 
 def plan_ownership(value: Any, *, copy_all: bool = False, align: int = 1) -> OwnershipPlan:
