@@ -400,3 +400,15 @@ def test_format_report_shows_mib_only_for_byte_quantities_and_a_bool_as_text():
 def test_an_empty_name_is_replaced_by_the_type_and_index():
     report = memory_report("cpu", pools=[_Numbers({"a_bytes": 1}, name=""), _Numbers({"b_bytes": 2}, name=None)])
     assert report.tracked.pools == {"_Numbers[0]": {"a_bytes": 1}, "_Numbers[1]": {"b_bytes": 2}}
+
+
+def test_format_report_refuses_what_is_not_a_report():
+    # a report's to_dict() (or its JSON, read back) raised AttributeError: 'dict' object has no attribute 'device'
+    report = memory_report("cpu")
+    for bad in (report.to_dict(), None, "cpu"):
+        with pytest.raises(ValueError, match=r"report: expected a MemoryReport \(what memory_report\(\) returns\), "
+                                             f"got a {type(bad).__name__}"):
+            format_report(bad)
+    with pytest.raises(ValueError, match="note: expected a str or None, got a int"):
+        format_report(report, 3)
+    assert format_report(report, "n").endswith("note: n")

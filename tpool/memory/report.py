@@ -298,7 +298,18 @@ def format_report(report: MemoryReport, note: str | None = None) -> str:
         integers with thousands separators, and MiB for quantities whose name
         ends in ``bytes``; a text value (a name, a backend) in the note column;
         a ledger with nothing measured is one ``n/a`` line; then ``note`` if given.
+
+    Raises
+    ------
+    ValueError
+        ``report`` is not a :class:`MemoryReport` (its ``to_dict()`` or JSON, say), or ``note`` is neither
+        None nor a ``str``.
     """
+    if not isinstance(report, MemoryReport):
+        raise ValueError(f"report: expected a MemoryReport (what memory_report() returns), got a "
+                         f"{type(report).__name__}")
+    if note is not None and not isinstance(note, str):
+        raise ValueError(f"note: expected a str or None, got a {type(note).__name__}")
     lines = [f"tpool memory report: {report.device}",
              f"{'ledger':<11} {'quantity':<40} {'bytes':>16} {'MiB':>11}  note"]
     for ledger, what, value, why in _rows(report):
