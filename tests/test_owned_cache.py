@@ -1391,6 +1391,40 @@ def test_a_dict_key_that_is_a_class_made_at_run_time_is_refused():
     gc.collect()
     assert ref() is None  # nothing kept the refused class (a memo of the classes found unreachable would)
 
+
+def _classes_made_at_run_time(payload):
+    """A dataclass whose field default is ``payload`` and a slotted list subclass holding it as a class attribute,
+    made in a function: no module holds them."""
+    @dataclasses.dataclass
+    class Request:
+        x: torch.Tensor = payload
+
+    class Slotted(list):
+        __slots__ = ("tag",)
+        held = payload
+
+    return Request, Slotted
+
+
+def test_the_walkers_memos_do_not_keep_a_class_made_at_run_time_alive():
+    """The walkers remember each class's slots and a dataclass's field names; the memo (256 dataclasses, 4,096
+    classes) held classes made at run time too, so once the cache let a value go, its class and all the class
+    held (a 4 MiB field default here) stayed alive in the memo. Only classes a module holds are remembered now."""
+    big = torch.zeros(1 << 20)
+    ref = weakref.ref(big)
+    request, slotted = _classes_made_at_run_time(big)
+    del big
+    cache = OwnedCache(64 << 10)
+    value = slotted([request(full(1))])
+    value.tag = "t"
+    assert cache.put("r", value)
+    assert cache.get("r")[0].x.shape == (256,) and cache.get("r").tag == "t"
+    cache.check_invariants()
+    cache.remove("r")
+    del request, slotted, value
+    gc.collect()
+    assert ref() is None
+
 class _SlottedList(list):
     __slots__ = ("x",)
 

@@ -28,7 +28,6 @@ import datetime
 import decimal
 import enum
 import fractions
-import functools
 import numbers
 import pathlib
 import sys
@@ -416,14 +415,17 @@ def _slot_members(cls: type) -> tuple:
     not a C type's fields such as ``complex.real``). Read from the descriptors, not rebuilt from
     ``__slots__`` (an iterator, reassigned after the class was made, a ``__private`` name mangled by the
     class name, or shadowed by a subclass's class attribute). Read one with :func:`_slot_values`, write
-    it with ``d.__set__(new, value)``. Remembered in ``_SLOTS``: always ask through this function, the
-    memo may have been cleared since."""
+    it with ``d.__set__(new, value)``. Remembered in ``_SLOTS`` for a class :func:`_class_reachable` finds
+    (not one made at run time: the memo would keep it alive): always ask through this function, the memo
+    may have been cleared since."""
     members = _SLOTS.get(cls)
     if members is None:
-        if len(_SLOTS) >= _SLOTS_MAX:
-            _SLOTS.clear()
-        members = _SLOTS[cls] = tuple(d for c in cls.__mro__ if c.__flags__ & _HEAPTYPE
-                                      for d in vars(c).values() if type(d) is types.MemberDescriptorType)
+        members = tuple(d for c in cls.__mro__ if c.__flags__ & _HEAPTYPE
+                        for d in vars(c).values() if type(d) is types.MemberDescriptorType)
+        if _class_reachable(cls):  # (not a class made at run time: the memo would keep it alive, with all it holds)
+            if len(_SLOTS) >= _SLOTS_MAX:
+                _SLOTS.clear()
+            _SLOTS[cls] = members
     return members
 
 
@@ -463,12 +465,23 @@ def _own_attrs(obj: Any) -> dict:
     return attrs
 
 
-@functools.lru_cache(maxsize=256)
+_FIELDS: dict[type, tuple] = {}  # dataclass -> _field_names(class), for the classes its module holds
+
+
 def _field_names(cls: type) -> tuple[tuple[str, ...], tuple]:
     """The field names of dataclass ``cls`` (``dataclasses.fields`` costs ~1 µs a call), and its other
-    slots (:func:`_slot_members` no field names: a ``__slots__`` base's; they hold values no field names)."""
-    names = tuple(f.name for f in dataclasses.fields(cls))
-    return names, tuple(d for d in _slot_members(cls) if d.__name__ not in names)
+    slots (:func:`_slot_members` no field names: a ``__slots__`` base's; they hold values no field names).
+    Remembered for a class :func:`_class_reachable` finds (not one made at run time, which the memo would
+    keep alive after the cache let it go, with its class attributes: a field's default)."""
+    found = _FIELDS.get(cls)
+    if found is None:
+        names = tuple(f.name for f in dataclasses.fields(cls))
+        found = names, tuple(d for d in _slot_members(cls) if d.__name__ not in names)
+        if _class_reachable(cls):
+            if len(_FIELDS) >= _SLOTS_MAX:
+                _FIELDS.clear()
+            _FIELDS[cls] = found
+    return found
 
 
 def _subclass_attrs(obj: Any) -> dict:
