@@ -122,6 +122,23 @@ class MirrorChurn:
     def prompts(self, k):
         return [self.rng.randint(*PROMPTS) for _ in range(k)]
 
+    def fork(self, src, n):
+        """``m.fork(src, n)``; when room is short, cached pages are evicted first, as for an admission (its
+        copy-on-write page and its reservation: at most ``pages_for(lookahead) + 1``), and with no room
+        left the run stops with ``churn_too_big`` (before, ``WouldNotFit`` ended it with a traceback)."""
+        m = self.m
+        try:
+            return m.fork(src, n)
+        except WouldNotFit:
+            if not m.cached:
+                raise SystemExit(churn_too_big(self.args)) from None
+        m.evict(m.pages_for(self.args.lookahead) + 1)
+        self.evicted += 1
+        try:
+            return m.fork(src, n)
+        except WouldNotFit:
+            raise SystemExit(churn_too_big(self.args)) from None
+
     def step(self, step):
         """One churn step (the timed part); returns the µs its admissions took, or None."""
         args, m, rng = self.args, self.m, self.rng
@@ -137,7 +154,7 @@ class MirrorChurn:
                 # (a fork needs a running request: none is left when --turnover finished them all)
                 if self.scenario == "shared" and self.rows and rng.random() < SHARE:
                     src = rng.choice(self.rows)
-                    new.append(m.fork(src, min(p, int(m.lo[src]))))
+                    new.append(self.fork(src, min(p, int(m.lo[src]))))
                     self.forked += 1
                     continue
                 if m.can_admit([p]) == 0 and m.cached:   # room is short: evict cached pages first

@@ -948,14 +948,19 @@ def test_count_host_reads_counts_each_read_once_and_sees_snapshots():
             t.tolist()
 
 
-def test_bench_scheduler_runs_without_failed_extends(tmp_path, capsys):
+def _bench_scheduler():
     import importlib.util
-    import json
     import os
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_scheduler.py")
     spec = importlib.util.spec_from_file_location("bench_scheduler", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_scheduler_runs_without_failed_extends(tmp_path, capsys):
+    import json
+    bench = _bench_scheduler()
     out = tmp_path / "sched.json"
     bench.main(["--steps", "200", "--warmup", "8", "--requests", "24", "--num-pages", "8192", "--snapshot-every", "4",
                 "--reconcile-every", "64", "--backend", "numba", "--json", str(out)])
@@ -966,6 +971,30 @@ def test_bench_scheduler_runs_without_failed_extends(tmp_path, capsys):
     assert rows["mirror-plain"]["gap"] and all(g == 0 for _, g in rows["mirror-plain"]["gap"])
     gaps = [g for _, g in rows["mirror-shared"]["gap"]]
     assert min(gaps) >= 0 and max(gaps) > 0 and rows["mirror-shared"]["forked"] > 0
+
+
+def test_bench_scheduler_stops_cleanly_when_a_fork_finds_no_room():
+    """The shared churn forks a running request for a quarter of its admissions. A fork with no room raised
+    WouldNotFit out of the benchmark (a traceback: 8 requests, 1,200 pages, a turnover every 2 steps), where
+    an admission evicts cached pages first and otherwise stops with "the pool is too small for the churn".
+    A fork now does the same: with nothing cached it stops with that message, and with cached pages it
+    evicts what its copy-on-write page and reservation need, then forks."""
+    bench = _bench_scheduler()
+    with pytest.raises(SystemExit, match="the pool is too small for the churn"):
+        bench.main(["--requests", "8", "--num-pages", "1200", "--steps", "600", "--warmup", "0", "--scenarios",
+                    "shared", "--every", "2", "--turnover", "2", "--seed", "0", "--backend", "numba"])
+    small = ["--requests", "4", "--num-pages", "100000", "--backend", "numba"]
+    small[3] = str(bench.startup_pages(bench.parser().parse_args(small)))   # nothing left over
+    churn = bench.MirrorChurn(bench.parser().parse_args(small), "shared", "cpu", random.Random(0))
+    m, rows = churn.m, churn.rows
+    assert (m.free, m.cached, m.lo[rows[0]] % 16) == (0, 0, 4)
+    with pytest.raises(SystemExit, match="the pool is too small for the churn"):
+        churn.fork(rows[0], int(m.lo[rows[0]]) - 1)            # a copy-on-write page, none free, none cached
+    m.finish([rows[3]], cache=True)
+    cached = m.cached
+    row = churn.fork(rows[0], int(m.lo[rows[0]]) - 1)          # two cached pages evicted, one of them taken
+    assert churn.evicted == 1 and m.cached == cached - 2 and m.free == 1 and m.live[row]
+    assert m.exact and m.free == churn.pool.available()
 
 
 def _gpu_mirror():
