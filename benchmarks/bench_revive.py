@@ -38,12 +38,15 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (Distinct, HelpFormatter, check_backends, default_device, device_arg, out_path,  # noqa: E402
                      positive_int, print_table, progress, quantiles, ratio_text, write_json)
-from _engines import KVCacheBlocks, VllmBlockPool, VllmBlockTable, block_hash_key  # noqa: E402
+from _engines import VLLM_MAX_PAGES, KVCacheBlocks, VllmBlockPool, VllmBlockTable, block_hash_key  # noqa: E402
 
 import tpool  # noqa: E402
 from tpool.kernels import layout as L  # noqa: E402
 
 PAGE_SIZE = 16
+# Pages per hit at most: each k builds pools of 4 k pages, and the vLLM model of its pool a Python object per page
+# (VLLM_MAX_PAGES at most, as the other scripts keep it); more hung building it before the first sample.
+MAX_K = VLLM_MAX_PAGES // 4
 EPILOG = ("Progress goes to stderr, one line per k. Rows: vllm-touch, vLLM's path on a prefix hit (BlockPool.touch "
           "with FreeKVCacheBlockQueue.remove's checks and free count and the null-block test, the request's block "
           "list, KVCacheBlocks.get_block_ids, the worker's BlockTable.add_row), the ratios' baseline; 'tpool-<backend> "
@@ -159,7 +162,8 @@ def parser() -> argparse.ArgumentParser:
     """The command line: every option with its help and default."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EPILOG, formatter_class=HelpFormatter)
     ap.add_argument("--k", type=positive_int, nargs="+", action=Distinct, default=[8, 64, 512],
-                    help=f"pages per hit (of {PAGE_SIZE} tokens)")
+                    help=f"pages per hit (of {PAGE_SIZE} tokens), at most {MAX_K:,} (the pools hold 4 k pages, "
+                         "the vLLM model's a Python object each)")
     ap.add_argument("--device", default=default_device(), type=device_arg, help="torch device of the pools")
     ap.add_argument("--backends", nargs="+", action=Distinct, default=None,
                     help="tpool backends to time (default: numba and reference on CPU; triton and reference on CUDA)")
@@ -173,6 +177,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None):
     ap = parser()
     args = ap.parse_args(argv)
+    if max(args.k) > MAX_K:
+        ap.error(f"argument --k: expected at most {MAX_K:,} pages per hit (pools of 4 k pages; the vLLM model holds "
+                 f"a Python object per page), got {max(args.k)}")
     device = torch.device(args.device)
     backends = args.backends or (["triton", "reference"] if device.type == "cuda" else ["numba", "reference"])
     check_backends(ap, "--backends", backends, device)

@@ -379,6 +379,7 @@ BAD_OPTIONS = [  # (script, argv, the option its error names): argparse refuses 
     ("bench_pool", ["--sizes", "16", "100000"], "--sizes"),
     ("bench_pool", ["--pool-sizes", "64", "256", "--sizes", "1", "100"], "--sizes"),
     ("bench_lru", ["--k", "100000"], "--k"),
+    ("bench_revive", ["--k", "1048577"], "--k"),  # pools of 4 k pages: it hung building a vLLM model of 4M blocks
     ("bench_lru", ["--pool-sizes", "512", "1024", "--touch", "513"], "--touch"),
     # a backend tpool does not know (one among good ones too), a model shape the model refuses
     ("bench_page_table", ["--backends", "numba", "foo"], "--backends"),
@@ -439,6 +440,8 @@ def test_a_bad_count_on_the_command_line_exits_2(name, argv, option):
                                                 "got 100000"),
     ("bench_pool", ["--pool-sizes", "64", "256", "--sizes", "1", "100"], "64 pages (--pool-sizes 64 256), got 100"),
     ("bench_lru", ["--k", "100000"], "at most the smallest pool's 65536 pages (--pool-sizes 65536), got 100000"),
+    ("bench_revive", ["--k", "8", "1048577"], "expected at most 1,048,576 pages per hit (pools of 4 k pages; the "
+                                             "vLLM model holds a Python object per page), got 1048577"),
     ("bench_scheduler", ["--backend", "foo"], "expected 'auto' or one of ('reference', 'numba', 'triton'), "
                                               "got 'foo'"),
     ("bench_e2e", ["--kv-heads", "3"], "expected a divisor of --heads (8), got 3"),
