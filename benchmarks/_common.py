@@ -126,6 +126,13 @@ def need_transformers(ap: argparse.ArgumentParser) -> None:
         ap.error("needs transformers, which is not installed: pip install -e '.[hf]'")
 
 
+def serving_hf():
+    """``tpool.serving.hf`` (it imports transformers), imported when a run starts, after
+    :func:`need_transformers`: ``--help`` and usage errors work without transformers."""
+    from tpool.serving import hf
+    return hf
+
+
 def check_model(ap: argparse.ArgumentParser, a) -> None:
     """Usage errors for a random Llama (``a.hidden``, ``a.heads``, ``a.kv_heads``, ``a.vocab``) its config
     refuses or its forward fails on: --heads must divide --hidden into an even head size (rotary embeddings

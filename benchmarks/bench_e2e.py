@@ -27,16 +27,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (Distinct, HelpFormatter, check_backends, check_model, out_path, positive_int,  # noqa: E402
-                     need_transformers, print_table, progress, quantiles, write_json)
+                     need_transformers, print_table, progress, quantiles, serving_hf, write_json)
 
 import tpool  # noqa: E402
 from tpool.serving import PagedKVCache, step_metadata  # noqa: E402
-
-
-def _hf():
-    """``tpool.serving.hf`` (it needs transformers), imported when a run starts: ``--help`` works without it."""
-    from tpool.serving import hf
-    return hf
 
 
 POSITIONS = 4096   # the model's max_position_embeddings (tokens)
@@ -55,12 +49,13 @@ def build_model(hidden, layers, heads, kv_heads, vocab, seed=0, initializer_rang
                       max_position_embeddings=POSITIONS, eos_token_id=None, bos_token_id=None, pad_token_id=0,
                       **spread)
     torch.manual_seed(seed)
-    return LlamaForCausalLM._from_config(cfg, attn_implementation=_hf().ATTN_IMPLEMENTATION, dtype=torch.float32).eval()
+    return LlamaForCausalLM._from_config(cfg, attn_implementation=serving_hf().ATTN_IMPLEMENTATION,
+                                         dtype=torch.float32).eval()
 
 
 def run_tpool(model, prompts, a):
     """Per sample: (step, tpool, forward, table.step, metadata) seconds per decode step, means over ``inner``."""
-    hf = _hf()
+    hf = serving_hf()
     forward_step, PagedContext = hf.forward_step, hf.PagedContext
     b, plen = len(prompts), len(prompts[0])
     max_pages = -(-(plen + max(a.inner, WARMUP_STEPS) + 1) // a.page_size)
@@ -125,7 +120,7 @@ def run_baseline(prompts, model, a):
                 if s:
                     samples.append(total / a.inner)
     finally:
-        model.set_attn_implementation(_hf().ATTN_IMPLEMENTATION)
+        model.set_attn_implementation(serving_hf().ATTN_IMPLEMENTATION)
     return samples
 
 

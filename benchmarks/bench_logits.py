@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (Distinct, HelpFormatter, check_model, out_path, positive_int, progress,  # noqa: E402
-                     need_transformers, quantiles, ratio_text, write_json)
+                     need_transformers, quantiles, ratio_text, serving_hf, write_json)
 
 import tpool  # noqa: E402
 from tpool.serving import PagedKVCache, step_metadata  # noqa: E402
@@ -36,7 +36,6 @@ def build(name, a):
     """A random-weight model of family ``name`` on tpool's attention (seed 0, float32)."""
     import transformers as tf
 
-    from tpool.serving.hf import ATTN_IMPLEMENTATION
     common = dict(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=2 * a.hidden,
                   num_hidden_layers=a.layers, num_attention_heads=a.heads, max_position_embeddings=4096)
     gqa = dict(num_key_value_heads=a.kv_heads, head_dim=a.hidden // a.heads)
@@ -51,14 +50,13 @@ def build(name, a):
         "mistral": lambda: (tf.MistralConfig(sliding_window=64, **common, **gqa), tf.MistralForCausalLM),
     }[name]()
     torch.manual_seed(0)
-    return cls._from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32).eval()
+    return cls._from_config(cfg, attn_implementation=serving_hf().ATTN_IMPLEMENTATION, dtype=torch.float32).eval()
 
 
 def step(model, tokens, lanes):
     """One prefill step of ``tokens`` tokens in ``lanes`` lanes on a fresh pool: ``(input_ids, ctx, lasts)``,
     ``lasts`` each lane's last packed token."""
     from tpool.serving.engine import kv_shape
-    from tpool.serving.hf import PagedContext
     per = [tokens // lanes + (i < tokens % lanes) for i in range(lanes)]
     pages = sum(-(-n // PAGE_SIZE) for n in per)
     pool = tpool.PagePool(pages, PAGE_SIZE, device="cpu", backend="reference")
@@ -69,7 +67,7 @@ def step(model, tokens, lanes):
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, model.config.vocab_size, (tokens,), generator=g)
     lasts = torch.tensor(per).cumsum(0) - 1
-    return x, PagedContext(cache, step_metadata(table, res)), lasts
+    return x, serving_hf().PagedContext(cache, step_metadata(table, res)), lasts
 
 
 def timed_ms(fn, samples):
@@ -83,7 +81,8 @@ def timed_ms(fn, samples):
 
 
 def measure(name, a):
-    from tpool.serving.hf import forward_step, takes_logits_to_keep  # (transformers: imported when a run starts)
+    hf = serving_hf()
+    forward_step = hf.forward_step
     progress(f"{name}: building the model and its step")
     model = build(name, a)
     x, ctx, lasts = step(model, a.tokens, a.lanes)
@@ -91,7 +90,7 @@ def measure(name, a):
     keep[:lasts.numel()] = lasts
     head = model.get_output_embeddings()
     h = torch.randn(a.tokens, a.hidden, generator=torch.Generator().manual_seed(2))
-    row = dict(model=name, takes_logits_to_keep=takes_logits_to_keep(model), tokens=a.tokens, keep=a.keep,
+    row = dict(model=name, takes_logits_to_keep=hf.takes_logits_to_keep(model), tokens=a.tokens, keep=a.keep,
                vocab=a.vocab)
     with torch.no_grad():
         full = forward_step(model, x, ctx)
