@@ -616,6 +616,28 @@ def test_the_readmes_sample_output_is_the_default_runs():
     assert any(line.strip().startswith(f"{steps} steps;") for line in lines), lines[-2:]
 
 
+def test_the_readmes_model_demo_counts_are_the_default_runs():
+    """The README gives the counts of a default model demo, with the prefix cache and without it; the
+    scheduling is decided on host integers from fixed seeds, so they are the same on every run. They had
+    gone stale (62 steps, 24 hits holding 212 tokens, 201 pages evicted, 5 forks) after the prefix cache
+    began to leave a running reviver's entries on its pages."""
+    pytest.importorskip("transformers")
+    from tpool.serving import engine
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8") as f:
+        readme = " ".join(f.read().split())
+    said = re.search(r"A default run \(the same counts on every machine, from the fixed seeds\): (\d+) steps, "
+                     r"(\d+) tokens, (\d+) prefix-cache hits holding (\d+) tokens, (\d+) pages evicted, (\d+) "
+                     r"preemptions?, (\d+) forks?; with `--no-prefix-cache`, (\d+) steps and (\d+) preemptions?\.",
+                     readme)
+    assert said, "the README's sentence on a default model demo's counts moved"
+    said = [int(g) for g in said.groups()]
+    r = engine.run_demo("llama", backend="numba", out=None)
+    plain = engine.run_demo("llama", backend="numba", out=None, prefix_cache=False)
+    ran = [r["steps"], r["tokens"], r["cache_hits"], r["cached_tokens"], r["evicted"], r["preemptions"], r["forks"],
+           plain["steps"], plain["preemptions"]]
+    assert ran == said, (ran, said)
+
+
 def test_the_model_demos_check_says_how_far_it_got(monkeypatch):
     """After its last step row the model demo checks every request against ``generate``, each alone
     (~0.3 s a request on 2 cores): ``--requests 300`` printed nothing for 98 s, ``--requests 10000`` would
