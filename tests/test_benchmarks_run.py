@@ -920,3 +920,20 @@ def test_reconcile_benchmark_counts_each_value_with_the_same_tokens(tmp_path, ca
     every1, every16 = json.loads(out.read_text())["rows"]
     assert (every1["reconcile_every"], every16["reconcile_every"]) == (1, 16)
     assert every1["tokens"] == every16["tokens"] > 0 and every16["snapshots"] < every1["snapshots"]
+
+
+def test_the_readmes_reconcile_counts_are_the_default_runs(tmp_path, capsys):
+    """The README quotes a default bench_reconcile.py run (preemptions and steps, a snapshot every step and
+    every 16): counts from fixed seeds and host-side decisions, the same on every run. They had gone stale
+    (616 and 814 steps, 100 preemptions) as the engine changed."""
+    pytest.importorskip("transformers")
+    with open(os.path.join(BENCH, "..", "README.md"), encoding="utf-8") as f:
+        readme = " ".join(f.read().split())
+    said = re.search(r"`python benchmarks/bench_reconcile.py` serves .*? prints (\d+) preemptions in (\d+) steps "
+                     r"with a snapshot every step, (\d+) in (\d+) steps with one every 16", readme)
+    assert said, "the README's sentence on a default bench_reconcile.py run moved"
+    out = tmp_path / "reconcile.json"
+    load("bench_reconcile").main(["--json", str(out)])
+    every1, every16 = json.loads(out.read_text())["rows"]
+    ran = [every1["preemptions"], every1["steps"], every16["preemptions"], every16["steps"]]
+    assert ran == [int(g) for g in said.groups()], (ran, said.groups())
