@@ -21,7 +21,7 @@ from tempfile import TemporaryFile
 import numpy as np
 import torch
 
-from tpool.demo import count_int, positive_int
+from tpool.demo import count_int, positive_int, seed_int as _seed_int
 from tpool import _checks
 from tpool.backends import resolve_backend
 
@@ -49,6 +49,9 @@ _T0 = _process_start()
 # The scripts' counts, as the demo's: an int of at least 1 (positive_int) and one that may be 0 (0 skips
 # something); a non-int is refused saying what was expected.
 non_negative_int = count_int
+# The --seed of the scripts that seed torch or numpy with it, as the demos': 0 to 2**64 - 1 (torch.manual_seed's
+# range; numpy refuses a negative seed), else a usage error.
+seed_int = _seed_int
 
 
 def int_at_most(limit: int, why: str):

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (Distinct, HelpFormatter, check_backends, default_device, device_arg, out_path,  # noqa: E402
-                     positive_int, print_table, progress, quantiles, write_json)
+                     positive_int, print_table, progress, quantiles, seed_int, write_json)
 
 import tpool  # noqa: E402
 from tpool.kernels import layout as L  # noqa: E402
@@ -52,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
                     help="pages evicted (and cached again) per step, at most the smallest pool size")
     ap.add_argument("--device", default=default_device(), type=device_arg, help="torch device of the pools")
     ap.add_argument("--backend", default=None, help="tpool backend (default: numba on CPU, triton on CUDA)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the pages touched")
+    ap.add_argument("--seed", type=seed_int, default=0, help="seed of the pages touched, 0 to 2**64 - 1")
     ap.add_argument("--json", type=out_path, default="", metavar="PATH", help="also write the rows as JSON")
     return ap
 

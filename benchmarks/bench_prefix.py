@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (HelpFormatter, check_backends, check_model, non_negative_int, out_path, positive_int,  # noqa: E402
-                     need_transformers, print_table, progress, quantiles, write_json)
+                     need_transformers, print_table, progress, quantiles, seed_int, write_json)
 from bench_e2e import POSITIONS, build_model as build_llama  # noqa: E402
 
 QUICK = dict(requests=16, repeats=2)   # --quick: what it changes, where the option is not given
@@ -68,7 +68,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--heads", type=positive_int, default=8, help="query heads: divide --hidden into even head sizes")
     ap.add_argument("--kv-heads", type=positive_int, default=2, help="key/value heads (grouped-query): divide --heads")
     ap.add_argument("--vocab", type=positive_int, default=1024, help="vocabulary size, at least 2")
-    ap.add_argument("--seed", type=non_negative_int, default=0, help="seed of the weights and the requests")
+    ap.add_argument("--seed", type=seed_int, default=0, help="seed of the weights and the requests, 0 to 2**64 - 1")
     ap.add_argument("--threads", type=positive_int, default=1, help="torch threads (more stall on a 2-core machine)")
     ap.add_argument("--calls", action="store_true",
                     help="also print the tpool calls of the loop, one row each per configuration: calls per step, "

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (Distinct, HelpFormatter, check_backends, out_path, positive_int, print_table,  # noqa: E402
-                     need_transformers, progress, write_json)
+                     need_transformers, progress, seed_int, write_json)
 
 
 
@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-batch", type=positive_int, default=32, help="requests running at once (the table's rows)")
     ap.add_argument("--system-len", type=positive_int, default=8, help="system prompt tokens, shared by every prompt")
     ap.add_argument("--backend", default="numba", help="pool backend")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the requests")
+    ap.add_argument("--seed", type=seed_int, default=0, help="seed of the weights and the requests, 0 to 2**64 - 1")
     ap.add_argument("--json", type=out_path, default=None, metavar="PATH", help="also write the rows as JSON")
     return ap
 

@@ -380,6 +380,9 @@ BAD_OPTIONS = [  # (script, argv, the option its error names): argparse refuses 
     ("bench_pool", ["--pool-sizes", "64", "256", "--sizes", "1", "100"], "--sizes"),
     ("bench_lru", ["--k", "100000"], "--k"),
     ("bench_revive", ["--k", "1048577"], "--k"),  # pools of 4 k pages: it hung building a vLLM model of 4M blocks
+    # a seed numpy or torch.manual_seed refuses: a traceback after the run started (a model built), not a usage error
+    ("bench_lru", ["--seed", "-1"], "--seed"),
+    ("bench_reconcile", ["--seed", str(2**64)], "--seed"), ("bench_prefix", ["--seed", str(2**64)], "--seed"),
     ("bench_lru", ["--pool-sizes", "512", "1024", "--touch", "513"], "--touch"),
     # a backend tpool does not know (one among good ones too), a model shape the model refuses
     ("bench_page_table", ["--backends", "numba", "foo"], "--backends"),
