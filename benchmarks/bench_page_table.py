@@ -323,8 +323,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default=default_device(), type=device_arg, help="torch device of the pool and table")
     ap.add_argument("--backends", nargs="+", action=Distinct, default=None,
                     help="tpool backends to time (default: numba on CPU, triton on CUDA); on a CPU the reference "
-                         "backend's plain decode step gets a row too, sampled as the others, for scale (not in a pool-size sweep), "
-                         "unless reference is listed (then every row of it)")
+                         "backend's plain decode step gets a row too, sampled as the others, for scale (not in a "
+                         "pool-size sweep), unless reference is listed (then every row of it)")
     ap.add_argument("--samples", type=positive_int, default=30, help="samples per row (median, p20, p80 over them)")
     ap.add_argument("--inner", type=int_at_most(MAX_INNER, "each call adds a token to every request"), default=None,
                     help=f"calls per warm sample, at most {MAX_INNER}: each call adds a token to every request "
