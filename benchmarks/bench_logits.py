@@ -70,14 +70,17 @@ def step(model, tokens, lanes):
     return x, serving_hf().PagedContext(cache, step_metadata(table, res)), lasts
 
 
-def timed_ms(fn, samples):
-    """Median, p20 and p80 of ``fn()``'s wall time over ``samples`` calls, in ms (``_common.quantiles``)."""
-    ts = []
+def timed_ms(fns, samples):
+    """Median, p20 and p80 of each of ``fns``' wall time over ``samples`` calls, in ms (``_common.quantiles``),
+    one per function; the functions take turns call by call, so a busy moment of a shared machine falls on
+    both ways (full and kept) alike, as the other scripts' rows take turns."""
+    ts = [[] for _ in fns]
     for _ in range(samples):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return quantiles(ts)
+        for fn, t in zip(fns, ts):
+            t0 = time.perf_counter()
+            fn()
+            t.append((time.perf_counter() - t0) * 1e3)
+    return [quantiles(t) for t in ts]
 
 
 def measure(name, a):
@@ -97,18 +100,21 @@ def measure(name, a):
         kept = forward_step(model, x, ctx, logits_to_keep=keep)
         row["bit_equal"] = torch.equal(full[keep], kept)
         row["max_abs_diff"] = (full[keep] - kept).abs().max().item()
-        for what, kw, rows in (("full", {}, a.tokens), ("kept", dict(logits_to_keep=keep), a.keep)):
-            progress(f"{name}: {what} logits ({rows} rows), {a.samples} samples")
+        ways = (("full", {}, a.tokens), ("kept", dict(logits_to_keep=keep), a.keep))
+        for what, kw, rows in ways:
             row[f"{what}_logits_bytes"] = rows * a.vocab * 4
-            row[f"{what}_peak_bytes"] = peak_alloc_bytes(lambda: forward_step(model, x, ctx, **kw))
-            row[f"{what}_step_ms"] = timed_ms(lambda: forward_step(model, x, ctx, **kw), a.samples)
-            row[f"{what}_lm_head_ms"] = timed_ms(lambda: head(h[:rows]), a.samples)
+            row[f"{what}_peak_bytes"] = peak_alloc_bytes(lambda kw=kw: forward_step(model, x, ctx, **kw))
+        progress(f"{name}: full ({a.tokens} rows) and kept ({a.keep} rows) logits in turns, {a.samples} samples")
+        steps = timed_ms([lambda kw=kw: forward_step(model, x, ctx, **kw) for _, kw, _ in ways], a.samples)
+        heads = timed_ms([lambda rows=rows: head(h[:rows]) for _, _, rows in ways], a.samples)
+        for (what, _, _), st, hd in zip(ways, steps, heads):
+            row[f"{what}_step_ms"], row[f"{what}_lm_head_ms"] = st, hd
     return row
 
 
-EPILOG = ("Progress goes to stderr, one line per model and way. Rows: one per model, its step asked for every "
-          "token's logits (full, the baseline) and for --keep rows (kept), in that order as 'full → kept'; the "
-          "ratio is the full step's median over the kept one's (above 1: keeping is faster). A model whose forward "
+EPILOG = ("Progress goes to stderr, a few lines per model. Rows: one per model, its step asked for every "
+          "token's logits (full, the baseline) and for --keep rows (kept), timed in turns, shown as 'full → kept'; "
+          "the ratio is the full step's median over the kept one's (above 1: keeping is faster). A model whose forward "
           "does not name logits_to_keep is 'indexed' (its full logits computed, then the rows taken), else 'taken'.")
 
 

@@ -49,6 +49,17 @@ def test_logits_benchmark_keeps_the_rows_asked_and_says_which_path_ran(tmp_path,
     assert "| nokeep | indexed |" in printed and "| llama | taken |" in printed and "p20 / p80" in printed
 
 
+def test_logits_benchmark_times_the_two_ways_in_turns(monkeypatch):
+    """bench_logits.py timed every sample of the full step, then every sample of the kept one, so a busy
+    stretch of a shared machine fell on one way alone (a run gave the nokeep model, the same work both ways,
+    0.73x); the two now take turns call by call, as the other scripts' rows do."""
+    module = load("bench_logits")
+    clock = FakeClock(module, monkeypatch)
+    full, kept = module.timed_ms([lambda: clock.spend(10_000, "full"), lambda: clock.spend(4_000, "kept")], 3)
+    assert clock.log == ["full", "kept"] * 3
+    assert full == pytest.approx((10.0, 10.0, 10.0)) and kept == pytest.approx((4.0, 4.0, 4.0))
+
+
 def test_lru_benchmark_counts_what_the_cleaner_did(tmp_path, capsys):
     """bench_lru.py on 512 pages, 36 pushes a step for 120 steps: the queue comes to span more than twice the
     pool, so the cleaner runs in some steps and ends at least one pass, and both are counted; the queue never
