@@ -9,7 +9,8 @@ step's host read). Reported: tokens/s, the share of step time spent in tpool
 calls (step + metadata) against the forward, each part's median. Baseline in
 the same run: the same model with transformers' own eager attention and
 ``DynamicCache`` (contiguous K/V per layer, no pages), batched decode of the
-same prompts; ratio = tpool tokens/s over baseline tokens/s. Each sample
+same prompts, the two loops taking turns sample by sample; ratio = tpool tokens/s over baseline tokens/s.
+Each sample
 times ``--inner`` decode steps, then rolls the requests back to their prompts
 (``truncate``; the baseline crops its cache), so every sample times the same
 workload.
@@ -55,6 +56,18 @@ def build_model(hidden, layers, heads, kv_heads, vocab, seed=0, initializer_rang
 
 def run_tpool(model, prompts, a):
     """Per sample: (step, tpool, forward, table.step, metadata) seconds per decode step, means over ``inner``."""
+    return list(tpool_samples(model, prompts, a))
+
+
+def run_baseline(prompts, model, a):
+    """transformers' eager attention + DynamicCache, batched decode of the same prompts: seconds per decode step,
+    one per sample."""
+    return list(baseline_samples(prompts, model, a))
+
+
+def tpool_samples(model, prompts, a):
+    """:func:`run_tpool`'s samples one at a time (the untimed first sample made before the first), so that
+    ``main`` can take turns with the baseline; the pool is checked after the last."""
     hf = serving_hf()
     forward_step, PagedContext = hf.forward_step, hf.PagedContext
     b, plen = len(prompts), len(prompts[0])
@@ -72,7 +85,6 @@ def run_tpool(model, prompts, a):
         logits = forward_step(model, prompts.flatten(), PagedContext(cache, step_metadata(table, res)))
         first = logits[plen - 1::plen].argmax(-1)
     lens = torch.full((b,), plen, dtype=torch.int32)
-    samples = []
     for s in range(a.samples + 1):                      # sample 0 is a warm-up
         tok = first.clone()
         t_tp = t_fw = t_st = 0.0
@@ -92,43 +104,47 @@ def run_tpool(model, prompts, a):
         total = time.perf_counter() - t0
         table.truncate(ids, lens)                           # back to the prompts: same workload each sample
         if s:
-            samples.append((total / a.inner, t_tp / a.inner, t_fw / a.inner, t_st / a.inner, (t_tp - t_st) / a.inner))
+            yield (total / a.inner, t_tp / a.inner, t_fw / a.inner, t_st / a.inner, (t_tp - t_st) / a.inner)
     pool.check()
-    return samples
 
 
-def run_baseline(prompts, model, a):
-    """transformers' eager attention + DynamicCache, batched decode of the same prompts."""
+def baseline_samples(prompts, model, a):
+    """:func:`run_baseline`'s samples one at a time. The model attends eagerly only inside a sample (and the
+    prefill), and is back on ``tpool_paged`` at each yield, so the tpool loop can take its turn in between."""
     from transformers import DynamicCache
-    model.set_attn_implementation("eager")
     b, plen = prompts.shape
-    try:
-        with torch.no_grad():
-            cache = DynamicCache(config=model.config)
+    tpool_attention = serving_hf().ATTN_IMPLEMENTATION
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model.set_attn_implementation("eager")
+        try:
             first = model(prompts, cache=cache, use_cache=True).logits[:, -1].argmax(-1)
-            samples = []
-            for s in range(a.samples + 1):
-                tok = first[:, None]
-                steps = a.inner if s else max(a.inner, WARMUP_STEPS)  # (the same warm-up as the tpool loop)
+        finally:
+            model.set_attn_implementation(tpool_attention)
+        for s in range(a.samples + 1):
+            tok = first[:, None]
+            steps = a.inner if s else max(a.inner, WARMUP_STEPS)  # (the same warm-up as the tpool loop)
+            model.set_attn_implementation("eager")
+            try:
                 t0 = time.perf_counter()
                 for i in range(steps):
                     pos = torch.full((b, 1), plen + i)
                     out = model(tok, cache=cache, position_ids=pos, use_cache=True)
                     tok = torch.tensor(out.logits[:, -1].argmax(-1).tolist())[:, None]
                 total = time.perf_counter() - t0
-                cache.crop(-steps)                     # drop the decoded tokens
-                if s:
-                    samples.append(total / a.inner)
-    finally:
-        model.set_attn_implementation(serving_hf().ATTN_IMPLEMENTATION)
-    return samples
+            finally:
+                model.set_attn_implementation(tpool_attention)
+            cache.crop(-steps)                         # drop the decoded tokens
+            if s:
+                yield total / a.inner
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
                                  epilog="Progress goes to stderr: the model's build, then each batch size's tpool "
                                         "loop and its baseline (transformers' eager attention and DynamicCache, "
-                                        "the same prompts); the ratio is tpool's tokens/s over the baseline's.")
+                                        "the same prompts), taking turns sample by sample; the ratio is tpool's "
+                                        "tokens/s over the baseline's.")
     ap.add_argument("--batch", type=positive_int, nargs="+", action=Distinct,
                     default=[4, 32], help="requests decoding at once (B)")
     ap.add_argument("--prompt", type=positive_int, default=64, help="prompt tokens per request")
@@ -163,10 +179,14 @@ def main(argv=None):
     rows = []
     for b in a.batch:
         prompts = torch.randint(1, a.vocab, (b, a.prompt), generator=torch.Generator().manual_seed(b))
-        progress(f"B={b}: tpool loop ...")
-        tp = run_tpool(model, prompts, a)
-        progress(f"B={b}: baseline (eager + DynamicCache) ...")
-        base = run_baseline(prompts, model, a)
+        progress(f"B={b}: tpool loop and baseline (eager + DynamicCache), taking turns sample by sample ...")
+        tp_samples, base_samples = tpool_samples(model, prompts, a), baseline_samples(prompts, model, a)
+        tp, base = [], []
+        for _ in range(a.samples):  # so a busy stretch of the machine falls on both alike
+            tp.append(next(tp_samples))
+            base.append(next(base_samples))
+        for _ in tp_samples:  # (runs the pool's check after the last sample)
+            pass
         step, p20, p80 = quantiles([s[0] for s in tp])
         share = statistics.median(s[1] / s[0] for s in tp)
         tpool_us = statistics.median(s[1] for s in tp) * 1e6

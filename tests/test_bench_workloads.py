@@ -582,18 +582,32 @@ def test_startup_launch_time_ends_at_the_childs_first_step(monkeypatch):
 def test_e2e_table_from_made_up_samples(tmp_path, monkeypatch, capsys):
     """bench_e2e.py with its two loops stood in for (a tpool step of 4 ms, a baseline step of 6 ms, B = 4):
     tok/s is B over the step, the ratio the baseline's step over tpool's (tpool's tokens/s over the
-    baseline's)."""
+    baseline's). The two loops take turns sample by sample (they ran one after the other, so a busy stretch of
+    the shared machine fell on one of them alone), and the tpool loop runs to its end (its pool's check)."""
     pytest.importorskip("transformers")
     be = load("bench_e2e")
+    log = []
+
+    def tpool_samples(model, prompts, a):
+        for _ in range(a.samples):
+            log.append("tpool")
+            yield (0.004, 0.001, 0.003, 0.0006, 0.0004)
+        log.append("tpool checked")
+
+    def baseline_samples(prompts, model, a):
+        for _ in range(a.samples):
+            log.append("baseline")
+            yield 0.006
     monkeypatch.setattr(be, "build_model", lambda *a, **k: None)
-    monkeypatch.setattr(be, "run_tpool", lambda model, prompts, a: [(0.004, 0.001, 0.003, 0.0006, 0.0004)] * a.samples)
-    monkeypatch.setattr(be, "run_baseline", lambda prompts, model, a: [0.006] * a.samples)
+    monkeypatch.setattr(be, "tpool_samples", tpool_samples)
+    monkeypatch.setattr(be, "baseline_samples", baseline_samples)
     out = tmp_path / "e2e.json"
     be.main(["--batch", "4", "--samples", "3", "--json", str(out)])
     capsys.readouterr()
     (row,) = json_rows(out)
     assert row["tokens_per_s"] == pytest.approx(1000) and row["baseline_tokens_per_s"] == pytest.approx(4 / 0.006)
     assert row["ratio"] == pytest.approx(1.5) and row["tpool_share"] == pytest.approx(0.25)
+    assert log == ["tpool", "baseline"] * 3 + ["tpool checked"]
 
 
 def test_e2e_baseline_crops_its_cache_back_to_the_prompt_every_sample(monkeypatch):
