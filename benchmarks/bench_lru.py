@@ -12,7 +12,8 @@ cleaned and how many cleaning passes ended (the tail brought back), and the
 widest the queue got (positions from head to tail, in pool sizes: a call finding
 it past 3 would compact it whole). Baseline, in the same run:
 ``host-ordereddict``, the same steps
-on a Python ``OrderedDict`` kept in LRU order (``move_to_end`` per touched page,
+(the two taking turns in blocks of 256 steps) on a Python ``OrderedDict`` kept in LRU
+order (``move_to_end`` per touched page,
 ``popitem(last=False)`` per evicted page, an insert per re-cached page), what a
 scheduler without a device pool would keep.
 
@@ -22,6 +23,7 @@ scheduler without a device pool would keep.
 
 import argparse
 import collections
+import itertools
 import os
 import statistics
 import sys
@@ -41,7 +43,8 @@ from tpool.kernels import layout as L  # noqa: E402
 def parser() -> argparse.ArgumentParser:
     """The command line: every option with its help and default."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter,
-                                 epilog="Progress goes to stderr, one line per pool size and implementation.")
+                                 epilog="Progress goes to stderr, two lines per pool size. The OrderedDict and "
+                                        f"tpool take turns in blocks of {BLOCK} steps.")
     ap.add_argument("--pool-sizes", "--pages", dest="pages", nargs="+", action=Distinct,
                     type=positive_int, default=[65536],
                     metavar="P", help="pages in the pool, every one of them cached before the first step")
@@ -62,11 +65,21 @@ def touched_pages(P, steps, touch, seed) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, P, (steps, touch), dtype=np.int32)
 
 
+BLOCK = 256  # steps one implementation runs before the other takes its turn (as bench_scheduler.py's)
+
+
 def run_tpool(P, args, device, backend, touched) -> tuple:
     """Per-step µs of touch + alloc(evict) + free(cache) on a pool whose every page is cached, and what the
     LRU queue's cleaner did: ``{"cleaned": steps that began with the queue spanning more than twice the pool
     (each call in them that pushes cleans) or ended a pass, "passes": passes that ended (the tail went down),
     "span": the widest the queue was after a step, in positions}``."""
+    seen = {}
+    return list(tpool_steps(P, args, device, backend, touched, seen)), seen
+
+
+def tpool_steps(P, args, device, backend, touched, seen):
+    """:func:`run_tpool`'s per-step µs one step at a time (the untimed first step made before the first), what
+    the cleaner did written into ``seen``; the pool is checked after the last step."""
     i32 = dict(dtype=torch.int32, device=device)
     pool = tpool.PagePool(P, device=device, backend=backend, max_alloc_pages=max(P, args.k))
     pool.free(pool.alloc(torch.tensor([P], **i32)).pages, cache=True)
@@ -75,7 +88,7 @@ def run_tpool(P, args, device, backend, touched) -> tuple:
     pages = torch.from_numpy(touched).to(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     c = pool.state.counters
-    times, seen = [], dict(cleaned=0, passes=0, span=0)
+    seen.update(cleaned=0, passes=0, span=0)
     for step in range(-1, len(touched)):  # step -1: untimed (compiles)
         tail = int(c[L.LRU_TAIL])
         span = tail - int(c[L.LRU_HEAD])
@@ -87,22 +100,25 @@ def run_tpool(P, args, device, backend, touched) -> tuple:
         sync()
         us = (time.perf_counter_ns() - t0) / 1e3
         if step >= 0:
-            times.append(us)
             passed = int(c[L.LRU_TAIL]) < tail
             seen["passes"] += passed
             seen["cleaned"] += passed or span > 2 * P
             seen["span"] = max(seen["span"], int(c[L.LRU_TAIL] - c[L.LRU_HEAD]))
+            yield us
     pool.check()
     pool.check_invariants()
     if pool.stats()["pages.evicted"] != args.k * (len(touched) + 1):
         raise AssertionError("a step evicted fewer pages than asked")
-    return times, seen
 
 
 def run_host(P, args, touched) -> list:
     """Per-step µs of the same steps on an OrderedDict in LRU order."""
+    return list(host_steps(P, args, touched))
+
+
+def host_steps(P, args, touched):
+    """:func:`run_host`'s per-step µs one step at a time."""
     lru = collections.OrderedDict.fromkeys(range(P))
-    times = []
     for row in touched:
         row = row.tolist()  # (untimed: the device pool takes a tensor it already has)
         t0 = time.perf_counter_ns()
@@ -111,8 +127,7 @@ def run_host(P, args, touched) -> list:
         gone = [lru.popitem(last=False)[0] for _ in range(args.k)]
         for p in gone:
             lru[p] = None
-        times.append((time.perf_counter_ns() - t0) / 1e3)
-    return times
+        yield (time.perf_counter_ns() - t0) / 1e3
 
 
 def main(argv=None):
@@ -129,10 +144,18 @@ def main(argv=None):
     rows = []
     for P in args.pages:
         touched = touched_pages(P, args.steps, args.touch, args.seed)
-        progress(f"pool {P:,} pages: host OrderedDict, {args.steps} steps")
-        host = run_host(P, args, touched)
-        progress(f"pool {P:,} pages: tpool-{backend}, {args.steps} steps")
-        mine, seen = run_tpool(P, args, device, backend, touched)
+        progress(f"pool {P:,} pages: host OrderedDict and tpool-{backend}, {args.steps} steps, taking turns "
+                 f"in blocks of {BLOCK}")
+        seen = {}
+        host_gen, mine_gen = host_steps(P, args, touched), tpool_steps(P, args, device, backend, touched, seen)
+        host, mine = [], []
+        for start in range(0, args.steps, BLOCK):  # so a busy stretch of the machine falls on both alike
+            n = min(BLOCK, args.steps - start)
+            host.extend(itertools.islice(host_gen, n))
+            mine.extend(itertools.islice(mine_gen, n))
+        for _ in mine_gen:  # (runs the pool's checks after the last step)
+            pass
+        progress(f"pool {P:,} pages: done, the pool checked")
         base = statistics.median(host)
         for name, ts, cleaner in (("host-ordereddict", host, None), (f"tpool-{backend}", mine, seen)):
             med, p20, p80 = quantiles(ts)

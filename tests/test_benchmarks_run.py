@@ -74,6 +74,33 @@ def test_lru_benchmark_counts_what_the_cleaner_did(tmp_path, capsys):
     assert "cleaned" in capsys.readouterr().out
 
 
+def test_lru_benchmark_takes_turns_in_blocks(monkeypatch, capsys):
+    """bench_lru.py ran every step of the OrderedDict and then every step of tpool, so a busy stretch of the
+    shared machine fell on one of them alone; the two now take turns in blocks of BLOCK steps (the last block
+    shorter), and tpool's steps run to their end (the pool's checks)."""
+    module = load("bench_lru")
+    log = []
+
+    def host_steps(P, args, touched):
+        for _ in touched:
+            log.append("host")
+            yield 1.0
+
+    def tpool_steps(P, args, device, backend, touched, seen):
+        seen.update(cleaned=0, passes=0, span=0)
+        for _ in touched:
+            log.append("tpool")
+            yield 2.0
+        log.append("tpool checked")
+    monkeypatch.setattr(module, "host_steps", host_steps)
+    monkeypatch.setattr(module, "tpool_steps", tpool_steps)
+    n = module.BLOCK + 5
+    module.main(["--pool-sizes", "512", "--steps", str(n), "--touch", "4", "--k", "2"])
+    assert "0.50x" in capsys.readouterr().out
+    block, rest = module.BLOCK, 5
+    assert log == ["host"] * block + ["tpool"] * block + ["host"] * rest + ["tpool"] * rest + ["tpool checked"]
+
+
 def test_prefix_benchmark_serves_with_and_without_the_cache(tmp_path, capsys):
     """bench_prefix.py: a table row with the prefix cache and one without, the same tokens out of both (the
     script checks them and Engine.check() after every run), the cache reviving the system prompt's pages
