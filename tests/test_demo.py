@@ -625,7 +625,7 @@ def test_the_readmes_model_demo_counts_are_the_default_runs():
     from tpool.serving import engine
     with open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8") as f:
         readme = " ".join(f.read().split())
-    said = re.search(r"A default run \(the same counts on every machine, from the fixed seeds\): (\d+) steps, "
+    said = re.search(r"A default run \(the same counts on every run, from the fixed seeds\): (\d+) steps, "
                      r"(\d+) tokens, (\d+) prefix-cache hits holding (\d+) tokens, (\d+) pages evicted, (\d+) "
                      r"preemptions?, (\d+) forks?; with `--no-prefix-cache`, (\d+) steps and (\d+) preemptions?\.",
                      readme)
