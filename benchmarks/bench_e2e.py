@@ -9,11 +9,10 @@ step's host read). Reported: tokens/s, the share of step time spent in tpool
 calls (step + metadata) against the forward, each part's median. Baseline in
 the same run: the same model with transformers' own eager attention and
 ``DynamicCache`` (contiguous K/V per layer, no pages), batched decode of the
-same prompts, the two loops taking turns sample by sample; ratio = tpool tokens/s over baseline tokens/s.
-Each sample
-times ``--inner`` decode steps, then rolls the requests back to their prompts
-(``truncate``; the baseline crops its cache), so every sample times the same
-workload.
+same prompts, the two loops taking turns sample by sample; ratio = tpool
+tokens/s over baseline tokens/s. Each sample times ``--inner`` decode steps,
+then rolls the requests back to their prompts (``truncate``; the baseline crops
+its cache), so every sample times the same workload.
 
     python benchmarks/bench_e2e.py [--batch 4 32] [--samples 30] [--inner 8] [--json out.json]
 """
