@@ -18,6 +18,7 @@ its cache), so every sample times the same workload.
 """
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -108,34 +109,39 @@ def tpool_samples(model, prompts, a):
 
 
 def baseline_samples(prompts, model, a):
-    """:func:`run_baseline`'s samples one at a time. The model attends eagerly only inside a sample (and the
-    prefill), and is back on ``tpool_paged`` at each yield, so the tpool loop can take its turn in between."""
+    """:func:`run_baseline`'s samples one at a time. The model attends eagerly, under ``no_grad``, only inside a
+    sample (and the prefill): at each yield it is back on ``tpool_paged`` and grad mode is as the caller had it,
+    so the tpool loop's turn in between runs as it would alone (a ``no_grad`` held across the yields ran the
+    tpool loop's table.step and metadata with grad off from its second sample on, and not in its first)."""
     from transformers import DynamicCache
     b, plen = prompts.shape
     tpool_attention = serving_hf().ATTN_IMPLEMENTATION
-    with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        model.set_attn_implementation("eager")
-        try:
-            first = model(prompts, cache=cache, use_cache=True).logits[:, -1].argmax(-1)
-        finally:
-            model.set_attn_implementation(tpool_attention)
-        for s in range(a.samples + 1):
-            tok = first[:, None]
-            steps = a.inner if s else max(a.inner, WARMUP_STEPS)  # (the same warm-up as the tpool loop)
+
+    @contextlib.contextmanager
+    def eager():
+        with torch.no_grad():
             model.set_attn_implementation("eager")
             try:
-                t0 = time.perf_counter()
-                for i in range(steps):
-                    pos = torch.full((b, 1), plen + i)
-                    out = model(tok, cache=cache, position_ids=pos, use_cache=True)
-                    tok = torch.tensor(out.logits[:, -1].argmax(-1).tolist())[:, None]
-                total = time.perf_counter() - t0
+                yield
             finally:
                 model.set_attn_implementation(tpool_attention)
-            cache.crop(-steps)                         # drop the decoded tokens
-            if s:
-                yield total / a.inner
+
+    cache = DynamicCache(config=model.config)
+    with eager():
+        first = model(prompts, cache=cache, use_cache=True).logits[:, -1].argmax(-1)
+    for s in range(a.samples + 1):
+        tok = first[:, None]
+        steps = a.inner if s else max(a.inner, WARMUP_STEPS)  # (the same warm-up as the tpool loop)
+        with eager():
+            t0 = time.perf_counter()
+            for i in range(steps):
+                pos = torch.full((b, 1), plen + i)
+                out = model(tok, cache=cache, position_ids=pos, use_cache=True)
+                tok = torch.tensor(out.logits[:, -1].argmax(-1).tolist())[:, None]
+            total = time.perf_counter() - t0
+        cache.crop(-steps)                             # drop the decoded tokens
+        if s:
+            yield total / a.inner
 
 
 def parser() -> argparse.ArgumentParser:

@@ -633,6 +633,26 @@ def test_e2e_baseline_crops_its_cache_back_to_the_prompt_every_sample(monkeypatc
     assert len(samples) == 2 and seen == [13, 10] + [11, 10] * 2
 
 
+def test_e2e_baseline_leaves_grad_mode_and_attention_as_they_were_between_its_samples():
+    """baseline_samples yields to the tpool loop between samples: at each yield the model is back on tpool's
+    attention and grad mode is what the caller had. It held one no_grad across its yields, so the tpool loop's
+    table.step and metadata ran with grad off from its second sample on (not in its first), and the caller's
+    grad mode stayed off until the generator was dropped."""
+    pytest.importorskip("transformers")
+    be = load("bench_e2e")
+    hf = be.serving_hf()
+    model = be.build_model(32, 1, 4, 2, 64)
+    prompts = torch.randint(1, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+    samples = be.baseline_samples(prompts, model, argparse.Namespace(samples=2, inner=1))
+    for _ in range(2):
+        assert next(samples) > 0
+        assert torch.is_grad_enabled() and model.config._attn_implementation == hf.ATTN_IMPLEMENTATION
+    with torch.no_grad():  # and a caller's no_grad is left on
+        samples = be.baseline_samples(prompts, model, argparse.Namespace(samples=1, inner=1))
+        next(samples)
+        assert not torch.is_grad_enabled()
+
+
 def test_e2e_first_sample_binds_the_step_even_with_one_step_samples(monkeypatch):
     """run_tpool with --inner 1: the untimed first sample makes WARMUP_STEPS decode steps, so the bound step
     table.step makes on its second call on the same inputs (~20 ms on 2 cores) is made before the timing; it
