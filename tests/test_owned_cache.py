@@ -1392,6 +1392,26 @@ def test_a_dict_key_that_is_a_class_made_at_run_time_is_refused():
     assert ref() is None  # nothing kept the refused class (a memo of the classes found unreachable would)
 
 
+def test_a_class_its_module_no_longer_holds_is_refused_as_a_key(monkeypatch):
+    """A class its module held when first seen was remembered as reachable for good: once the module dropped
+    it (redefined, as a notebook cell run again does), it was still accepted as a key, charged nothing, and
+    the memo kept it alive with its class attributes (a 4 MiB tensor here)."""
+    module = type(sys)("_tpool_redefined")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    source = "import torch\nclass Key:\n    held = torch.zeros(1 << 20)\n"
+    exec(source, module.__dict__)
+    old = module.Key
+    assert retained_bytes({old: 1}) >= 0  # held by its module: fine
+    held = weakref.ref(old.held)
+    exec(source, module.__dict__)  # redefined: the module holds another Key
+    with pytest.raises(TypeError, match=r"a class made at run time \(Key"):
+        retained_bytes({old: 1})
+    assert retained_bytes({module.Key: 1}) >= 0
+    del old
+    gc.collect()
+    assert held() is None  # nothing of tpool's kept the dropped class
+
+
 def _classes_made_at_run_time(payload):
     """A dataclass whose field default is ``payload`` and a slotted list subclass holding it as a class attribute,
     made in a function: no module holds them."""

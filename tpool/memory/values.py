@@ -258,18 +258,16 @@ def _key_leaves(k: Any) -> list:
     return out
 
 
-_REACHABLE: dict[type, bool] = {}  # class -> True: what _class_reachable found its module holds
-
-
 def _class_reachable(cls: type) -> bool:
     """Whether class ``cls`` lives as long as the interpreter or its module whatever a cache holds: a type
-    the interpreter made (``int``, ``NoneType``), or one its module holds under its qualified name. Its
+    the interpreter made (``int``, ``NoneType``), or one its module holds under its qualified name now. Its
     members (of an enum) and its class attributes then stay alive anyway, and a cache keeping the class
     or a member keeps nothing alive. A class made at run time (``enum.Enum("E", ...)``, ``type("K", (),
-    {...})``, a local ``class``) lives only as long as what refers to it: what it holds is the cache's to
-    charge. A reachable class is remembered (a class made at run time is not: the memo would keep it and
-    all it holds alive)."""
-    if cls in _REACHABLE or not cls.__flags__ & _HEAPTYPE:
+    {...})``, a local ``class``), or one its module no longer holds (redefined, as a notebook cell run again
+    does), lives only as long as what refers to it: what it holds is the cache's to charge. Asked each time,
+    not remembered (a few dict look-ups): a memo would answer True for a class its module has since dropped,
+    and keep it alive with all it holds."""
+    if not cls.__flags__ & _HEAPTYPE:
         return True
     x: Any = sys.modules.get(cls.__module__)
     try:
@@ -277,12 +275,7 @@ def _class_reachable(cls: type) -> bool:
             x = getattr(x, part, None)
     except Exception:  # (a module's __getattr__ may raise anything)
         x = None
-    if x is not cls:
-        return False
-    if len(_REACHABLE) >= _SLOTS_MAX:
-        _REACHABLE.clear()
-    _REACHABLE[cls] = True
-    return True
+    return x is cls
 
 
 def _enum_attrs(member: enum.Enum) -> dict:
