@@ -1412,6 +1412,16 @@ def test_a_class_its_module_no_longer_holds_is_refused_as_a_key(monkeypatch):
     assert held() is None  # nothing of tpool's kept the dropped class
 
 
+def test_a_c_extensions_class_is_a_key_even_where_its_module_does_not_name_it():
+    """A C extension's heap type (_thread.lock, re's scanner) is made once by the extension, not at run time,
+    but its module holds no attribute of its qualified name: it was refused as "a class made at run time"
+    (accepted before classes were checked). An immutable type is never a class statement's."""
+    import re
+    for cls in (type(threading.Lock()), type(re.compile("a").scanner("a"))):
+        assert retained_bytes({cls: 1}) >= 0 and values._class_reachable(cls)
+    assert not values._class_reachable(type("K", (), {}))
+
+
 def _classes_made_at_run_time(payload):
     """A dataclass whose field default is ``payload`` and a slotted list subclass holding it as a class attribute,
     made in a function: no module holds them."""

@@ -260,14 +260,15 @@ def _key_leaves(k: Any) -> list:
 
 def _class_reachable(cls: type) -> bool:
     """Whether class ``cls`` lives as long as the interpreter or its module whatever a cache holds: a type
-    the interpreter made (``int``, ``NoneType``), or one its module holds under its qualified name now. Its
+    the interpreter or a C extension made (``int``, ``NoneType``, ``_thread.lock``: a class statement
+    cannot make an immutable type), or one its module holds under its qualified name now. Its
     members (of an enum) and its class attributes then stay alive anyway, and a cache keeping the class
     or a member keeps nothing alive. A class made at run time (``enum.Enum("E", ...)``, ``type("K", (),
     {...})``, a local ``class``), or one its module no longer holds (redefined, as a notebook cell run again
     does), lives only as long as what refers to it: what it holds is the cache's to charge. Asked each time,
     not remembered (a few dict look-ups): a memo would answer True for a class its module has since dropped,
     and keep it alive with all it holds."""
-    if not cls.__flags__ & _HEAPTYPE:
+    if not cls.__flags__ & _HEAPTYPE or cls.__flags__ & _IMMUTABLETYPE:  # (a C extension's: _thread.lock)
         return True
     x: Any = sys.modules.get(cls.__module__)
     try:
@@ -400,6 +401,7 @@ def _scalar_attrs_problem(v: Any, room: list[int], depth: int) -> str | None:
 _SLOTS: dict[type, tuple] = {}  # class -> _slot_members(class): a dict lookup on the get path
 _SLOTS_MAX = 4096  # classes remembered; past it the memo starts again (classes made at run time)
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement (C types' members are fields)
+_IMMUTABLETYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: a C extension's heap type (never a class statement's)
 
 
 def _slot_members(cls: type) -> tuple:
