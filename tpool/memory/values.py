@@ -172,9 +172,9 @@ def _check_key(k: Any, what: str = "a dict key") -> None:
     if problem is not None:
         raise TypeError(f"cannot count the bytes held by {what} ({problem}): a key stays alive with the "
                         "value, uncharged. Keys may be numbers, strings, bytes, None, enums, dtypes, devices, "
-                        "classes defined at module level, numpy scalars, UUIDs, dates and times, paths, and "
+                        "classes their module holds, numpy scalars, UUIDs, dates and times, paths, and "
                         "tuples, frozensets and dataclasses of them (their text charged); no tensor, no array, "
-                        "no other object, no class made at run time; key by "
+                        "no other object, no class made at run time or redefined; key by "
                         "something else (an id, a string) and keep the object as a value")
 
 
