@@ -357,6 +357,40 @@ def test_a_queue_past_its_room_is_compacted_at_once(make_pool, backend, guard):
         assert out.tolist() == order[1:] + [order[0]]
 
 
+@pytest.mark.parametrize("call", ["evict", "alloc"])
+def test_an_eviction_never_takes_an_entry_inside_the_cleaners_gap(make_pool, backend, guard, call):
+    """The LRU queue is ``[head, hole) + [scan, tail)``: the gap ``[hole, scan)`` the cleaner leaves is never
+    read. A gap holds no live entry in a state the calls made (the cleaner moved its live entries down), so
+    only a hand edit shows the skip: hole and scan moved inside the bounds over the entries of pages 2 and 3,
+    whose ``lru_pos`` still names them there. An eviction (``evict``, ``alloc(..., evict=True)``) takes the
+    pages outside the gap, oldest first, and never 2 or 3: those are left without a live entry (README, "Bad
+    input and bad state"), so an eviction that needs them evicts nothing and counts ``corrupt_state``. On
+    every backend as on the reference. (Before this test, numba's walk with its gap skip taken out passed
+    every pool test and the lockstep fuzzer.)"""
+    from tpool.kernels import layout as L
+    P = 6
+    pools = (make_pool(P, max_alloc_pages=P), tpool.PagePool(P, device="cpu", backend="reference", max_alloc_pages=P))
+    for pool in pools:
+        pool.alloc(i32([P]))
+        pool.free(i32(list(range(P))), cache=True)           # queued at positions 0..5, in page order
+        c = pool.state.counters
+        assert [int(c[k]) for k in (L.LRU_HEAD, L.LRU_HOLE, L.LRU_SCAN, L.LRU_TAIL)] == [0, 0, 0, P]
+        c[L.LRU_HOLE], c[L.LRU_SCAN] = 2, 4                   # pages 2 and 3 inside the gap
+        with guard():
+            if call == "evict":
+                first, second = pool.evict(3), pool.evict(2)
+            else:
+                first = pool.alloc(i32([3]), evict=True).evicted[:3].clone()
+                second = pool.alloc(i32([2]), evict=True).evicted[:2]
+        first, second = first.tolist(), second.tolist()
+        assert first == [0, 1, 4]
+        assert second == [-1, -1]                             # page 5 and a page in the gap: nothing
+        assert int(c[L.ERR_CORRUPT_STATE]) == (1 if call == "evict" else 3)  # (the alloc's 2 pops below 0)
+        assert pool.stats()["pages.cached.current"] == 3
+    for name in ("free_stack", "page_state", "page_gen", "lru_queue", "lru_pos", "counters"):
+        assert torch.equal(getattr(pools[0].state, name), getattr(pools[1].state, name)), name
+
+
 @pytest.mark.parametrize("bounds", [(0, 0, -2**40, 8), (3, 3, 2**62, 8), (5, 5, -7, 2), (0, 2, 1, 8),
                                     (0, 0, 0, 2**62 + 1), (-1, 0, 0, 8)])
 def test_an_eviction_refuses_queue_bounds_out_of_order(make_pool, backend, guard, bounds):
