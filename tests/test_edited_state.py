@@ -236,6 +236,32 @@ def test_an_incref_of_a_cached_page_at_int32_max_counts_a_refcount_overflow(back
     assert int(pool.state.counters[L.ERR_REFCOUNT_OVERFLOW]) == 1
 
 
+@pytest.mark.parametrize("depth", [0, 1, 3])
+@pytest.mark.parametrize("value", [16, -1, -2**31, 2**31 - 1])
+def test_an_alloc_popping_a_page_id_outside_the_pool_at_any_depth_hands_out_minus_one(backend, depth, value):
+    """A free-stack entry edited to an id outside ``[0, P)`` (one past the last page among them) at the top,
+    in the middle or at the bottom of a four-page pop: that pop hands out -1 and marks no page, counting
+    ``corrupt_state`` once; the other three are popped as usual. numba checks a whole run of the stack at
+    once before a pop marks any page (``stack_run_ok``): with that run one entry short at its bottom, it
+    wrote the reference count and state of page ``value`` (outside the arrays) and handed it out, and no
+    other test saw it (the lockstep fuzzer's process crashed)."""
+    pool = tpool.PagePool(16, 4, device="cpu", backend=backend)
+    pool.alloc(i32([2]))                                   # pages 0 and 1; the next pops are 2, 3, 4, 5
+    top = int(pool.state.counters[L.FREE_COUNT]) - 1
+    pool.state.free_stack[top - depth] = value
+    before = {n: pool.state.tensors()[n].clone() for n in ("refcount", "page_state")}
+    pages = pool.alloc(i32([4])).pages[:5].tolist()
+    want = [2, 3, 4, 5, -1]
+    want[depth] = -1
+    assert pages == want
+    assert pool.stats()["errors.corrupt_state"] == 1
+    gone = 2 + depth                                       # the page the edit took off the stack: untouched
+    for n, t in before.items():
+        assert int(pool.state.tensors()[n][gone]) == int(t[gone]), n
+    assert pool.state.refcount[[p for p in want if p >= 0]].tolist() == [1, 1, 1]
+
+
+
 def test_a_fork_popping_a_page_id_outside_the_pool_returns_no_half_copy_pair(backend):
     """A hand-edited stack entry of 99 popped for the fork's partial last page: no copy pair at all
     (never a source without a destination), and the state is counted corrupt."""
