@@ -155,6 +155,57 @@ def test_a_pop_below_the_free_stack_hands_out_no_page_and_is_counted(backend):
     assert pool.stats()["errors.corrupt_state"] == 3       # the eviction that found nothing, two pops below 0
 
 
+@pytest.mark.parametrize("free, room", [(6, True), (0, True), (7, False), (-1, False), (-10**9, False),
+                                        (2**63 - 1, False), (-2**63, False)])
+def test_an_eviction_with_no_room_on_the_free_stack_evicts_nothing(backend, free, room):
+    """An eviction of m pages pushes them at ``free_stack[F:F + m]``: with the free count F edited outside
+    ``[0, P - m]`` (one past it, below 0, far out) it evicts nothing, counts ``corrupt_state`` once and leaves
+    the stack, the pages and the queue as they are; at the bounds it evicts. numba pushed at ``F + r``
+    unchecked for F below 0 (a negative index, wrapped or past the stack) and one slot past the stack for
+    F = P - m + 1 with either of its two checks taken out, and no test saw it."""
+    pool = tpool.PagePool(8, 4, device="cpu", backend=backend)
+    pool.alloc(i32([8]))
+    pool.free(i32([0, 1, 2, 3]), cache=True)                # 4 CACHED, queued 0, 1, 2, 3; the stack empty
+    pool.state.counters[L.FREE_COUNT] = free
+    before = {n: t.clone() for n, t in pool.state.tensors().items() if n not in ("counters", "checked")}
+    out = pool.evict(2).tolist()                           # m = 2: room iff 0 <= F <= 6
+    c = pool.state.counters
+    if room:
+        assert out == [0, 1] and pool.state.free_stack[free:free + 2].tolist() == [0, 1]
+        assert int(c[L.FREE_COUNT]) == free + 2 and pool.stats()["errors.corrupt_state"] == 0
+        return
+    assert out == [-1, -1]
+    assert int(c[L.FREE_COUNT]) == free and int(c[L.CACHED_COUNT]) == 4 and int(c[L.EVICTED]) == 0
+    assert pool.stats()["errors.corrupt_state"] == 1
+    for n, t in before.items():
+        assert torch.equal(pool.state.tensors()[n], t), n
+
+
+@pytest.mark.parametrize("cached, granted", [(7, True), (8, False), (-1, False)])
+def test_alloc_sees_an_empty_pool_when_the_cached_count_passes_the_pages_not_free(backend, cached, granted):
+    """The cached count C edited past ``P - F`` (the pages not free; one past it, or below 0): an
+    ``alloc(..., evict=True)`` sees an empty pool, one ``corrupt_state``, and changes nothing but the clock
+    and the failed count; at ``C = P - F`` it serves the request, evicting the shortfall. numba's check one
+    past that bound (``C > P - F + 1``) served it, and no test saw it."""
+    pool = tpool.PagePool(8, 4, device="cpu", backend=backend)
+    pool.alloc(i32([8]))
+    pool.free(i32([0, 1, 2, 3]), cache=True)                # 4 CACHED, queued 0, 1, 2, 3
+    pool.free(i32([4]))                                    # F = 1: P - F = 7
+    pool.state.counters[L.CACHED_COUNT] = cached
+    before = {n: t.clone() for n, t in pool.state.tensors().items() if n not in ("counters", "checked")}
+    r = pool.alloc(i32([2]), evict=True)
+    if granted:
+        assert r.ok.tolist() == [True] and r.pages[:2].tolist() == [0, 4] and r.evicted[:2].tolist() == [0, -1]
+        assert pool.stats()["errors.corrupt_state"] == 0
+        return
+    assert r.ok.tolist() == [False] and r.pages.tolist() == [-1] * 8 and r.evicted.tolist() == [-1] * 8
+    assert pool.stats()["errors.corrupt_state"] == 1 and pool.stats()["requests.failed"] == 1
+    assert int(pool.state.counters[L.FREE_COUNT]) == 1 and int(pool.state.counters[L.CACHED_COUNT]) == cached
+    for n, t in before.items():
+        assert torch.equal(pool.state.tensors()[n], t), n
+
+
+
 def test_a_release_of_a_row_one_token_past_its_limit_counts_it_and_frees_nothing(backend):
     """A length of limit + 1 is corrupt: the release leaves the row alone and counts it. Taken as valid, it
     reads one block-table entry past the row (the next row's first page) and frees that page."""
