@@ -357,6 +357,41 @@ def test_a_queue_past_its_room_is_compacted_at_once(make_pool, backend, guard):
         assert out.tolist() == order[1:] + [order[0]]
 
 
+@pytest.mark.parametrize("span, compacted", [(3 * 4 + 1, True), (3 * 4, False)])
+def test_a_queue_one_past_its_room_is_compacted_and_one_at_it_is_not(make_pool, backend, guard, span, compacted):
+    """The room rule at its bound: a call that may push compacts the queue first when it spans more than
+    ``Q - P`` positions (a call pushes at most P entries), not at ``Q - P``. A consistent queue of 4 pages
+    (Q = 16) spanning ``Q - P + 1`` positions is compacted by an empty touch; one spanning ``Q - P`` is left
+    as it is. Either way a touch of every cached page then finds room for its P entries: no
+    ``corrupt_state``, every page keeps a live entry. numba's threshold moved to ``Q - P + 1`` left the
+    longer queue as it was, and that touch's last push found no room (an entry lost, its page never
+    evicted), and no test saw it."""
+    from tpool.kernels import layout as L
+    P, Q = 4, 4 * L.LRU_FACTOR
+    order, places = [2, 0, 3, 1], [0, 5, 9, span - 1]       # live entries, oldest first; stale ones between
+    for pool in (make_pool(P, max_alloc_pages=P), tpool.PagePool(P, device="cpu", backend="reference")):
+        pool.alloc(i32([P]))
+        pool.free(i32(list(range(P))), cache=True)
+        st, c = pool.state, pool.state.counters
+        st.lru_queue.fill_(order[0])                         # stale everywhere but at its own place
+        for q, j in zip(order, places):
+            st.lru_queue[j % Q] = q
+            st.lru_pos[q] = j
+        c[L.LRU_HEAD], c[L.LRU_HOLE], c[L.LRU_SCAN], c[L.LRU_TAIL] = 0, 0, 0, span
+        pool.check_invariants()
+        with guard():
+            pool.touch(i32([]))
+        bounds = [int(c[k]) for k in (L.LRU_HEAD, L.LRU_HOLE, L.LRU_SCAN, L.LRU_TAIL)]
+        assert bounds == ([0, 0, 0, P] if compacted else [0, 0, 0, span])
+        with guard():
+            pool.touch(i32(order))                            # P pushes: they fit either way
+        assert pool.stats()["errors.corrupt_state"] == 0
+        pool.check_invariants()
+        with guard():
+            out = pool.evict(P)
+        assert out.tolist() == order
+
+
 @pytest.mark.parametrize("call", ["evict", "alloc"])
 def test_an_eviction_never_takes_an_entry_inside_the_cleaners_gap(make_pool, backend, guard, call):
     """The LRU queue is ``[head, hole) + [scan, tail)``: the gap ``[hole, scan)`` the cleaner leaves is never
