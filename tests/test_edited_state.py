@@ -206,6 +206,21 @@ def test_alloc_sees_an_empty_pool_when_the_cached_count_passes_the_pages_not_fre
 
 
 
+@pytest.mark.parametrize("state", [7, -1, 3])
+def test_an_incref_of_a_page_in_no_known_state_counts_each_entry(backend, state):
+    """``page_state`` edited to a value that is no state: an incref leaves that page alone (its count and
+    state) and counts ``corrupt_state`` once per entry naming it, as touch does (``tests/test_safety.py``);
+    the other pages gain their references. numba's incref counting such a page once per call passed every
+    pool and safety test."""
+    pool = tpool.PagePool(4, 4, device="cpu", backend=backend)
+    pool.alloc(i32([2]))                                   # pages 0 and 1, one reference each
+    pool.state.page_state[1] = state
+    pool.incref(i32([1, 0, 1, -1, 1]))
+    assert pool.stats()["errors.corrupt_state"] == 3
+    assert pool.state.refcount[:2].tolist() == [2, 1] and pool.state.page_state[:2].tolist() == [L.USED, state]
+
+
+
 def test_a_release_of_a_row_one_token_past_its_limit_counts_it_and_frees_nothing(backend):
     """A length of limit + 1 is corrupt: the release leaves the row alone and counts it. Taken as valid, it
     reads one block-table entry past the row (the next row's first page) and frees that page."""
