@@ -62,6 +62,7 @@ makes the kernels work in chunks of 4 lanes, so small batches run their multi-ch
 Usage::
 
     python tests/fuzz_corrupt.py --ops 2000 --seed 0 --seeds 20            # numba, bounds-checked
+    python tests/fuzz_corrupt.py --fixed --seeds 0                         # only the hand-written episodes
     python tests/fuzz_corrupt.py --backend reference --ops 2000 --seeds 5
     python tests/fuzz_corrupt.py --backend triton --block 4 --ops 250 --seeds 4
     python tests/fuzz_corrupt.py --replay $TMPDIR/tpool-fuzz-corrupt/findings/numba_seed12_ep0.json --shrink
@@ -1036,6 +1037,25 @@ def install_raw_checks(canary=False):
 
 
 # ------------------------------------------------------------------ worker and parent
+def fixed_episodes() -> list:
+    """Hand-written episodes ``[(cfg, ops), ...]`` for edits a short random run rarely makes, run once
+    before the seeds with ``--fixed``: every LRU-queue entry set to a page id just past the pool (P) or to
+    -1, then the calls that read the queue (evict, touch, a free into the cache, an alloc that evicts).
+    A queue check loosened to accept P read the page state one past its end, which only
+    ``NUMBA_BOUNDSCHECK`` shows (a read: the canaries see only writes)."""
+    from tpool.kernels import layout as L  # (constants only)
+    cfg = dict(num_pages=4, page_size=1, max_requests=2, max_pages=2, max_batch=4, max_shapes=2, edit_weight=0,
+               turns=[[1, 1, None], [1, 1, None]])
+    P, out = cfg["num_pages"], []
+    for value in (P, -1, P + 1):
+        every = [["pool", "lru_queue", i, value, None] for i in range(L.LRU_FACTOR * P)]
+        out.append((cfg, [["alloc", [P], "plain", False, 0], ["free", list(range(P)), True, "plain"],
+                          ["edit", every, "none", []], ["touch", list(range(P)), False, "plain"],
+                          ["evict", P, False], ["evict", 1, True], ["free", list(range(P)), True, "plain"],
+                          ["alloc", [2], "plain", True, 0], ["check"], ["invariants"]]))
+    return out
+
+
 def seed_ops(seed, n_ops, memo_edits, opts=None):
     """The episodes of one seed: [(cfg, ops), ...] with n_ops operations in all."""
     rng = random.Random(seed)
@@ -1084,9 +1104,29 @@ def _setup(args):
         triton_guard.setup(args.block)
 
 
+def _finding(args, seed, e, cfg, ops, bad) -> dict:
+    """Write finding ``bad`` (``run_episode``'s) of episode ``e`` of ``seed`` (an int, or "fixed": the
+    hand-written episodes) to ``--findings``; its summary."""
+    k, kind, msg, tb = bad
+    path = os.path.join(args.findings, f"{args.backend}_{'' if seed == 'fixed' else 'seed'}{seed}_ep{e}.json")
+    with open(path, "w") as f:
+        json.dump(dict(seed=seed, episode=e, cfg=cfg, ops=ops[:k + 1], kind=kind, message=msg, traceback=tb,
+                       backend=args.backend, memo_edits=args.memo_edits, tags=tags(ops[:k + 1])), f)
+    return dict(episode=e, op=k, kind=kind, message=msg[:300], file=path, opname=ops[k][0], tags=tags(ops[:k + 1]))
+
+
 def worker(args) -> int:
     _setup(args)
     os.makedirs(args.findings, exist_ok=True)
+    if args.fixed:
+        print(json.dumps({"start": "fixed"}), flush=True)
+        found, done = [], 0
+        for e, (cfg, ops) in enumerate(fixed_episodes()):
+            bad = run_episode(cfg, ops, args.backend)
+            done += len(ops) if bad is None else bad[0] + 1
+            if bad is not None:
+                found.append(_finding(args, "fixed", e, cfg, ops, bad))
+        print(json.dumps({"fixed": done, "findings": found}), flush=True)
     for seed in range(args.seed, args.seed + args.seeds):
         print(json.dumps({"start": seed}), flush=True)
         t0 = time.time()
@@ -1099,14 +1139,7 @@ def worker(args) -> int:
                 done += len(ops)
                 continue
             done += bad[0] + 1
-            k, kind, msg, tb = bad
-            path = os.path.join(args.findings, f"{args.backend}_seed{seed}_ep{e}.json")
-            with open(path, "w") as f:
-                json.dump(dict(seed=seed, episode=e, cfg=cfg, ops=ops[:k + 1], kind=kind, message=msg,
-                               traceback=tb, backend=args.backend, memo_edits=args.memo_edits,
-                               tags=tags(ops[:k + 1])), f)
-            found.append(dict(episode=e, op=k, kind=kind, message=msg[:300], file=path, opname=ops[k][0],
-                              tags=tags(ops[:k + 1])))
+            found.append(_finding(args, seed, e, cfg, ops, bad))
         print(json.dumps({"seed": seed, "ops": done, "findings": found, "s": round(time.time() - t0, 2)}), flush=True)
     return 0
 
@@ -1138,12 +1171,16 @@ def parent(args) -> int:
     if args.backend == "triton":
         env["TRITON_INTERPRET"] = "1"
     t0 = time.time()
-    total_ops, findings, crashes = 0, [], []
+    total_ops, fixed_ops, findings, crashes = 0, 0, [], []
     seed, end = args.seed, args.seed + args.seeds
-    while seed < end:
+    fixed = args.fixed  # (the first worker runs the hand-written episodes first; once, even if it crashes)
+    while seed < end or fixed:
         k = min(args.batch, end - seed)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--seed", str(seed), "--seeds", str(k),
                "--ops", str(args.ops), "--backend", args.backend, "--findings", args.findings]
+        if fixed:
+            cmd.append("--fixed")
+            fixed = False
         if not args.raw_check:
             cmd.append("--no-raw-check")
         if not args.canary:
@@ -1170,6 +1207,13 @@ def parent(args) -> int:
                 continue
             if "start" in rec:
                 started = rec["start"]
+            elif "fixed" in rec:
+                finished.add("fixed")
+                fixed_ops += rec["fixed"]
+                for fnd in rec["findings"]:
+                    findings.append(dict(fnd, seed="fixed"))
+                    print(f"FINDING fixed ep {fnd['episode']} op {fnd['op']} ({fnd['opname']}): {fnd['kind']}: "
+                          f"{fnd['message'][:200]}  [{fnd['file']}]", file=sys.stderr)
             elif "seed" in rec:
                 finished.add(rec["seed"])
                 total_ops += rec["ops"]
@@ -1181,12 +1225,13 @@ def parent(args) -> int:
             bad = started if started is not None and started not in finished else seed
             crashes.append(dict(seed=bad, rc=rc, stderr=err[-2000:]))
             print(f"CRASH/HANG seed {bad}: rc {rc}\n{err[-1500:]}", file=sys.stderr)
-            seed = bad + 1
+            seed = seed if bad == "fixed" else bad + 1  # (the seeds of a worker that crashed in the fixed ones again)
         else:
             seed += k
         print(f"[{time.time() - t0:7.1f}s] seeds {args.seed}..{seed - 1}: {total_ops} ops, {len(findings)} findings, "
               f"{len(crashes)} crashes", file=sys.stderr, flush=True)
-    summary = dict(backend=args.backend, seeds=[args.seed, end - 1], ops=total_ops, findings=len(findings),
+    summary = dict(backend=args.backend, seeds=[args.seed, end - 1], ops=total_ops, fixed_ops=fixed_ops,
+                   findings=len(findings),
                    crashes=crashes, seconds=round(time.time() - t0, 1), raw_check=args.raw_check,
                    canary=args.canary and args.backend == "numba",
                    memo_edits=args.memo_edits, contract=args.contract, no_version_edits=args.no_version_edits)
@@ -1220,6 +1265,8 @@ def main(argv=None) -> int:
                          "edited), as the README asks")
     ap.add_argument("--no-version-edits", action="store_true",
                     help="no hand edits of the table's version cells and row stamps")
+    ap.add_argument("--fixed", action="store_true",
+                    help="first run the hand-written episodes (fixed_episodes: LRU-queue entries past the pool)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--replay", help="replay a finding's JSON file in this process")
     ap.add_argument("--shrink", action="store_true", help="with --replay: shrink it to a minimal op list")

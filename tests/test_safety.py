@@ -286,13 +286,16 @@ def test_a_short_corruption_fuzz_finds_nothing(tmp_path):
     """``tests/fuzz_corrupt.py`` for three seeds: random calls, misuse and hand edits of the state on numba,
     its kernels compiled with ``NUMBA_BOUNDSCHECK=1`` and their raw-memory helpers checked, every output
     bounded after every call. Seed 244 exported a page outside the pool within 100 operations before the
-    one-step-behind decode checked the pages it copies from rows; longer runs: see the script."""
-    p = subprocess.run([sys.executable, str(HERE / "fuzz_corrupt.py"), "--ops", "300", "--seed", "244", "--seeds", "3",
-                        "--batch", "3", "--cache-dir", str(tmp_path / "cache"), "--findings", str(tmp_path / "found")],
+    one-step-behind decode checked the pages it copies from rows; longer runs: see the script. ``--fixed``
+    first runs its hand-written episodes (LRU-queue entries of P, -1 and P + 1): a queue check accepting
+    page P read one past the page state, which these 900 random operations did not show."""
+    p = subprocess.run([sys.executable, str(HERE / "fuzz_corrupt.py"), "--fixed", "--ops", "300", "--seed", "244",
+                        "--seeds", "3", "--batch", "3", "--cache-dir", str(tmp_path / "cache"), "--findings", str(tmp_path / "found")],
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     summary = json.loads(p.stdout.strip().splitlines()[-1])
-    assert summary["ops"] == 900 and summary["findings"] == 0 and summary["crashes"] == []
+    assert summary["ops"] == 900 and summary["fixed_ops"] == 30
+    assert summary["findings"] == 0 and summary["crashes"] == []
     assert summary["raw_check"] and summary["canary"]
 
 
@@ -326,8 +329,9 @@ def test_a_short_corruption_fuzz_on_interpreted_triton_finds_nothing(tmp_path):
     every access lies inside the tensors a launch was given (the interpreter checks none) and the kernels
     working in chunks of 4 lanes (their multi-chunk paths)."""
     p = subprocess.run([sys.executable, str(HERE / "fuzz_corrupt.py"), "--backend", "triton", "--block", "4",
-                        "--ops", "250", "--seed", "9300", "--seeds", "2", "--batch", "2",
+                        "--fixed", "--ops", "250", "--seed", "9300", "--seeds", "2", "--batch", "2",
                         "--findings", str(tmp_path / "found")], capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     summary = json.loads(p.stdout.strip().splitlines()[-1])
-    assert summary["ops"] == 500 and summary["findings"] == 0 and summary["crashes"] == []
+    assert summary["ops"] == 500 and summary["fixed_ops"] == 30
+    assert summary["findings"] == 0 and summary["crashes"] == []
