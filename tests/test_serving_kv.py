@@ -318,6 +318,86 @@ def test_non_finite_values_in_slots_a_lane_does_not_hold_never_reach_its_output(
     assert torch.equal(dirty, clean)
 
 
+@pytest.mark.parametrize("page_size", [1, 3, 4])
+def test_forks_truncations_and_reused_pages_attend_as_dense_attention(page_size):
+    """Random steps (prefill, decode and padding lanes, lengths ending on a page boundary and one past
+    it), forks with their copy-on-write copy, truncations that leave stale K/V in a page, releases whose
+    pages come back in another order; the pages start as NaN. Each granted lane's output is dense
+    attention over its own sequence so far, and every request's pages still hold exactly its K/V (no
+    write, padding or copy landed in a page another request holds)."""
+    import random
+    rng, hkv, hq, d, mp, rows = random.Random(page_size), 2, 4, 3, -(-20 // page_size), 4
+    torch.manual_seed(page_size)
+    pool = tpool.PagePool(rows * mp + 2, page_size, device="cpu", backend="reference")
+    n = pool.num_pages
+    # The free stack shuffled, the last page on top: the first request takes it, where a padding slot -1
+    # wrapped by torch (the last slot) would land.
+    pool.alloc(i32([n]))
+    pool.free(torch.cat([torch.randperm(n - 1), torch.tensor([n - 1])]).to(torch.int32))
+    table = tpool.PageTable(pool, rows, mp)
+    cache = PagedKVCache.from_pool(pool, 1, hkv, d, dtype=torch.float32)
+    cache.k[0].fill_(float("nan"))
+    cache.v[0].fill_(float("nan"))
+    seqs, seen = {}, dict(cow=0, truncate=0, checked=0)       # row -> (keys, values) of its tokens
+    for _ in range(40):
+        op = rng.random()
+        if op < 0.15 and seqs:
+            r = rng.choice(sorted(seqs))
+            keep = rng.randint(0, len(seqs[r][0]))
+            table.truncate(i32([r]), i32([keep]))
+            if int(table.seq_lens[r]) == keep:
+                seqs[r] = (seqs[r][0][:keep], seqs[r][1][:keep])
+                seen["truncate"] += 1
+            else:                                             # refused: it ended inside a page a fork shares
+                with pytest.raises(tpool.InvalidLength):
+                    pool.check()
+            continue
+        if op < 0.3 and seqs and len(seqs) < rows:
+            src, dst = rng.choice(sorted(seqs)), min(set(range(rows)) - set(seqs))
+            share = rng.randint(0, len(seqs[src][0]))
+            fork = table.fork(i32([src]), i32([dst]), i32([share]))
+            cache.copy_pages(fork.cow_src, fork.cow_dst)
+            seqs[dst] = (seqs[src][0][:share], seqs[src][1][:share])
+            seen["cow"] += int(fork.cow_dst[0]) >= 0
+            continue
+        if op < 0.4 and seqs:
+            r = rng.choice(sorted(seqs))
+            table.release(i32([r]))
+            del seqs[r]
+            continue
+        lanes = []
+        for r in rng.sample(range(rows), rng.randint(1, rows)):
+            have = len(seqs.get(r, ((),))[0])
+            room = mp * page_size - have
+            if room:
+                edge = (have // page_size + 1) * page_size + rng.choice([0, 1]) - have  # to a boundary, or past it
+                lanes.append((r, min(room, rng.choice([1, rng.randint(1, 7), edge]))))
+        lanes.insert(rng.randint(0, len(lanes)), (-1, 0))
+        t = sum(k for _, k in lanes) + rng.randint(0, 2)
+        meta = step_metadata(table, table.step(i32([r for r, _ in lanes]), i32([k for _, k in lanes]), max_tokens=t))
+        k_new, v_new, q = torch.randn(t, hkv, d), torch.randn(t, hkv, d), torch.randn(t, hq, d)
+        cache.write(0, meta.slots, k_new, v_new)
+        out = paged_attention(q, cache.k[0], cache.v[0], meta)
+        qo = meta.qo_indptr.tolist()
+        assert (out[qo[-1]:] == 0).all()
+        for i, (r, _) in enumerate(lanes):
+            a, b = qo[i], qo[i + 1]
+            if r < 0:
+                continue
+            ks, vs = seqs.get(r, (torch.zeros(0, hkv, d),) * 2)
+            seqs[r] = (torch.cat([ks, k_new[a:b]]), torch.cat([vs, v_new[a:b]]))
+            want = _dense(q[a:b], *seqs[r], torch.arange(len(ks), len(ks) + b - a), d ** -0.5, None)
+            torch.testing.assert_close(out[a:b], want, atol=1e-5, rtol=1e-5)
+            seen["checked"] += b - a
+        for r, (ks, vs) in seqs.items():
+            pages = table.block_table[r, :-(-len(ks) // page_size)].long()
+            assert torch.equal(cache.k[0][pages].flatten(0, 1)[:len(ks)], ks)
+            assert torch.equal(cache.v[0][pages].flatten(0, 1)[:len(ks)], vs)
+    pool.check()
+    cache.check()
+    assert (seen["cow"] or page_size == 1) and seen["truncate"] and seen["checked"] > 100, seen   # (1: no CoW)
+
+
 class _LargestTensor(TorchDispatchMode):
     """Inside the block: the bytes of the largest tensor any op returned (``numel * element_size``)."""
 
