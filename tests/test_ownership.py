@@ -404,6 +404,7 @@ def test_expand_of_a_strided_view_copies_its_distinct_values():
 @pytest.mark.parametrize("make, need, have", [
     (lambda: torch.randn(100, 8), 3200, 0),  # freed under it (FSDP-style resize_(0))
     (lambda: torch.randn(100, 8)[10:20], 640, 64),  # a view past a shrunk storage
+    (lambda: torch.randn(100, 8)[10:20], 640, 636),  # one element short: its last value is not there
 ])
 def test_tensor_reaching_past_its_storage_raises(make, need, have):
     t = make()
@@ -413,6 +414,12 @@ def test_tensor_reaching_past_its_storage_raises(make, need, have):
             fn(t)
     empty = t[:0]  # reads nothing: still countable
     assert storage_bytes(empty) == have and compact_bytes(empty) == 0
+
+
+def test_tensor_ending_exactly_at_its_shrunk_storages_end_is_countable():
+    t = torch.randn(100, 8)[10:20]  # bytes [320, 640) of the storage
+    t.untyped_storage().resize_(640)
+    assert storage_bytes(t) == 640 and compact_bytes(t) == 320 and torch.equal(own(t), t)
 
 
 class _Batch(collections.UserDict):
