@@ -909,6 +909,18 @@ def test_compact_refuses_an_out_that_is_not_a_tensor_or_overlaps_what_it_copies(
     assert ownership.compact(b[10:20], out=b.view(torch.uint8)[80:120]).tolist() == list(range(10, 20))
 
 
+@pytest.mark.parametrize("start", [31, 49])
+def test_compact_refuses_an_out_that_overlaps_what_it_copies_by_one_byte(start):
+    # out's last byte on the view's first, or out's first byte on the view's last: one value overwritten
+    b = torch.arange(100, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="out: expected memory apart from the views it copies"):
+        ownership.compact(b[40:50], out=b[start:start + 10])
+    assert torch.equal(b, torch.arange(100, dtype=torch.uint8))
+    for apart in (30, 50):  # touching, not overlapping: fine
+        b = torch.arange(100, dtype=torch.uint8)
+        assert ownership.compact(b[40:50], out=b[apart:apart + 10]).tolist() == list(range(40, 50))
+
+
 @pytest.mark.parametrize("copy_all", ["no", 0, 1.0, None])
 def test_plan_ownership_refuses_a_copy_all_that_is_not_a_bool(copy_all):
     # "no" was read as True: every view copied, nothing said
