@@ -545,6 +545,19 @@ def test_eviction_skips_entries_that_free_nothing_for_the_new_value():
     counted.check_invariants()
 
 
+def test_eviction_takes_an_entry_the_new_value_shares_only_some_storages_with():
+    """An entry of which the new value keeps only some storages frees the others when evicted: it is no
+    entry that frees nothing, and goes in its turn, least recently used first, before a more recent one."""
+    shared = full(1)
+    cache = OwnedCache(3 * UNIT)
+    cache.put("pair", [shared, full(1)])  # 2 units: "shared" and one only it holds
+    cache.put("other", full(1))
+    assert cache.put("new", [shared, full(1)])  # 2 units, 1 while "pair" holds "shared": one entry must go
+    assert cache.keys() == ["other", "new"] and cache.stats().evictions == 1
+    assert cache.stats().current_bytes == 3 * UNIT
+    cache.check_invariants()
+
+
 def test_entries_of_0_bytes_do_not_pile_up_in_a_cache_bounded_by_bytes():
     """Entries of 0 bytes (an empty tensor, an empty list) free nothing when evicted, but passed over they
     would never leave a cache without max_entries, and every eviction would look at each of them: they
