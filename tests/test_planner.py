@@ -1,6 +1,7 @@
 """Capacity planning from a static memory fraction (tpool.memory.planner)."""
 
 import dataclasses
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -694,3 +695,11 @@ def test_the_plans_bytes_are_the_storages_of_the_pool_and_table_it_plans(page, p
     assert p.table_bytes == _storage_bytes(t.state.tensors().values()) == table
     assert f"PagePool state {_storage_bytes(pool.state.tensors().values()):,} B" in p.explain()
     assert p.pool_bytes == pages * page and p.pool_budget_bytes == total // 2 - table
+
+
+def test_room_beside_the_pool_exactly_its_scratch_page_and_state_is_enough():
+    """What is left after the pool may equal, not only exceed, what the pool takes beside its pages."""
+    page, pages = 1 << 20, 100
+    total = pages * page + page + pool_state_bytes(pages)  # left after 100 pages: exactly their page and state
+    plan = plan_pages(page, Fraction(pages * page, total), total_bytes=total, free_bytes=total)
+    assert plan.num_pages == pages and plan.runtime_reserve_bytes == page + pool_state_bytes(pages)
