@@ -583,6 +583,7 @@ def test_apply_out_aligns_every_copy_and_checks_out_before_copying():
     plan = plan_ownership([x32[:5], x32[10:15], x32[20:25]])
     for out, got in [
         (torch.zeros(56, dtype=torch.uint8), r"torch.uint8 \[56\]"),  # too short
+        (torch.zeros(59, dtype=torch.uint8), r"torch.uint8 \[59\]"),  # one byte short: the last copy's end
         (torch.zeros(60, dtype=torch.float32), "torch.float32"),
         (torch.zeros(120, dtype=torch.uint8)[::2], r"strides \(2,\)"),
         (torch.zeros(64, dtype=torch.uint8)[2:], "storage offset 2"),
