@@ -716,6 +716,22 @@ def test_arena_put_of_values_read_from_the_cache_never_evicts_their_blocks():
     cache.check_invariants()
 
 
+def test_arena_put_of_views_starting_inside_blocks_never_evicts_those_blocks():
+    """A view read from an entry need not start at its block's start: the block is read all the same."""
+    arena = Arena(1024, "cpu", alignment=256)
+    cache = OwnedCache(1024, arena=arena)
+    cache.put("p", torch.arange(64.0))  # [0, 256)
+    cache.put("q", torch.arange(64.0) + 100)  # [256, 512)
+    cache.put("r", torch.full((64,), 3.0))  # [512, 768)
+    pair = (cache.get("q")[32:], cache.get("p")[16:])  # from bytes 128 and 64 of their blocks
+    cache.get("r")  # q, p least recently used, and read by the put
+    assert cache.put("qp", pair)
+    assert cache.keys() == ["q", "p", "qp"] and cache.stats().evictions == 1
+    q2, p2 = cache.get("qp")
+    assert q2.tolist() == list(range(132, 164)) and p2.tolist() == list(range(16, 64))
+    cache.check_invariants()
+
+
 def test_arena_put_that_fits_only_by_evicting_its_sources_is_refused(copies):
     arena = Arena(512, "cpu", alignment=256)
     cache = OwnedCache(512, arena=arena)
