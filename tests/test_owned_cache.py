@@ -1200,7 +1200,7 @@ def test_attributes_may_hold_numpy_scalars_and_small_containers_of_scalars():
     cache = OwnedCache(8 * UNIT)
     allowed = [np.bool_(True), np.float32(0.5), np.datetime64("2024-01-01"), (2, 3), torch.Size([2, 3]),
                {0, 1}, frozenset("ab"), [1.5, None, "tag"], _Range(1, 2), _Span(0, None), {"dims": [0, 1], 3: (4, 5)},
-               list(range(64)), ["x" * 512, "y" * 512], 2 ** 750, np.void(bytes(1024))]  # (128 and 1,024 B)
+               list(range(64)), ["x" * 512, "y" * 512], 2 ** 750, _Int(2 ** 640), np.void(bytes(1024))]
     for i, attr in enumerate(allowed):
         t = full(1)
         t.extra = attr
@@ -1220,7 +1220,7 @@ def test_attributes_may_hold_numpy_scalars_and_small_containers_of_scalars():
                ({"w": torch.zeros(4)}, "a dict holding a Tensor"), (list(range(65)), "over 64"),
                ([[[1]]], "nested over 2"), (["x" * 600, "y" * 600], "over 1024"),
                (np.void(bytes(2048)), "numpy void of 2048 bytes"), (np.void(bytes(1025)), "numpy void of 1025"),
-               (2 ** 780, "an int of 132 bytes"),
+               (2 ** 780, "an int of 132 bytes"), (_Int(2 ** 670), "a _Int of 132 bytes"),
                (np.zeros(1 << 20, dtype="i4,i4")[0], "a numpy void viewing an array"),
                ([np.str_("x" * 600), np.str_("y" * 600)], "over 1024"),
                (_ListRecord([torch.zeros(4)]), "a dataclass that is also a container"),
