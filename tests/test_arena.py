@@ -197,6 +197,11 @@ def test_sizes_must_be_ints_not_bools():
     with pytest.raises(TypeError, match="expected an arena Block, got str"):
         arena.view("notablock", torch.float32, (2,))  # the block is checked first
     assert arena.num_blocks == 1 and arena.view(b, torch.float32, (0, 4)).shape == (0, 4)
+    # an empty range at the block's end fits (offset == size), one byte past it does not
+    assert b.size == 256 and arena.bytes_of(b, offset=256).numel() == 0
+    assert arena.view(b, torch.float32, 0, offset=256).numel() == 0
+    with pytest.raises(ValueError, match=r"offset: expected at most 256 \(the block's size\), got 257"):
+        arena.bytes_of(b, 0, offset=257)
 
 
 def test_view_takes_an_int_shape_as_torch_does_and_names_a_bad_shape():
