@@ -703,3 +703,11 @@ def test_room_beside_the_pool_exactly_its_scratch_page_and_state_is_enough():
     total = pages * page + page + pool_state_bytes(pages)  # left after 100 pages: exactly their page and state
     plan = plan_pages(page, Fraction(pages * page, total), total_bytes=total, free_bytes=total)
     assert plan.num_pages == pages and plan.runtime_reserve_bytes == page + pool_state_bytes(pages)
+
+
+def test_a_suggested_fraction_keeps_its_trailing_zero():
+    """A suggestion is written to its step: 0.90, as 0.92 is, not 0.9."""
+    page = 1 << 20
+    with pytest.raises(PlanError, match=r"use mem_fraction_static >= 0\.90$") as info:
+        plan_pages(page, 0.5, total_bytes=1000 * page, free_bytes=1000 * page, min_pages=900)
+    assert info.value.suggested_fraction == 0.9
