@@ -415,13 +415,19 @@ def _slot_members(cls: type) -> tuple:
     may have been cleared since."""
     members = _SLOTS.get(cls)
     if members is None:
-        members = tuple(d for c in cls.__mro__ if c.__flags__ & _HEAPTYPE
-                        for d in vars(c).values() if type(d) is types.MemberDescriptorType)
-        if _class_reachable(cls):  # (not a class made at run time: the memo would keep it alive, with all it holds)
-            if len(_SLOTS) >= _SLOTS_MAX:
-                _SLOTS.clear()
-            _SLOTS[cls] = members
+        members = _remember(_SLOTS, cls, tuple(d for c in cls.__mro__ if c.__flags__ & _HEAPTYPE
+                                               for d in vars(c).values() if type(d) is types.MemberDescriptorType))
     return members
+
+
+def _remember(memo: dict, cls: type, value: Any) -> Any:
+    """``value``, kept in ``memo`` under ``cls`` if :func:`_class_reachable` finds the class (not one made at
+    run time: the memo would keep it alive, with all it holds); a memo of ``_SLOTS_MAX`` classes starts again."""
+    if _class_reachable(cls):
+        if len(memo) >= _SLOTS_MAX:
+            memo.clear()
+        memo[cls] = value
+    return value
 
 
 def _slot_values(obj: Any, members: tuple) -> list[tuple[Any, Any]]:
@@ -471,11 +477,7 @@ def _field_names(cls: type) -> tuple[tuple[str, ...], tuple]:
     found = _FIELDS.get(cls)
     if found is None:
         names = tuple(f.name for f in dataclasses.fields(cls))
-        found = names, tuple(d for d in _slot_members(cls) if d.__name__ not in names)
-        if _class_reachable(cls):
-            if len(_FIELDS) >= _SLOTS_MAX:
-                _FIELDS.clear()
-            _FIELDS[cls] = found
+        found = _remember(_FIELDS, cls, (names, tuple(d for d in _slot_members(cls) if d.__name__ not in names)))
     return found
 
 
