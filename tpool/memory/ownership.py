@@ -177,7 +177,7 @@ def compact(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
                 f"out must be uint8 of shape [{want}], contiguous, on {t.device}, "
                 f"got {out.dtype} {list(out.shape)} strides {out.stride()} on {out.device}"
             )
-        _check_apart(out, want, [(t.data_ptr(), t.data_ptr() + span * t.element_size(), t)])
+        _check_apart(out, want, [(*_address_span(t), t)])
         flat = out.view(t.dtype)
     with torch.no_grad():
         if keep_strides:
@@ -460,6 +460,13 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     return t.storage_offset() * e, (t.storage_offset() + _span_elems(t)) * e
 
 
+def _address_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[start, end)``: the addresses of the bytes ``t`` reaches (:func:`_byte_span` from its storage's start)."""
+    base = t.untyped_storage().data_ptr()
+    start, end = _byte_span(t)
+    return base + start, base + end
+
+
 @dataclasses.dataclass(frozen=True)
 class _Piece:
     """One copy an :class:`OwnershipPlan` makes: one view (by :func:`compact`), or the views of a
@@ -650,13 +657,11 @@ class OwnershipPlan:
         """``(start, end, view)``: the memory each copy reads (a view's span, or a cluster's copied range), and
         the memory of each view kept as it is (the rebuilt value holds it: a copy written there changes it)."""
         copied = set(self.copy)
-        out = [(t.data_ptr(), t.data_ptr() + _span_elems(t) * t.element_size(), t)
-               for s, t in self.views.items() if s not in copied]
+        out = [(*_address_span(t), t) for s, t in self.views.items() if s not in copied]
         for p in self.pieces:
             t = self.views[p.sigs[0]]
             if p.start < 0:
-                lo = t.data_ptr()
-                out.append((lo, lo + _span_elems(t) * t.element_size(), t))
+                out.append((*_address_span(t), t))
             else:
                 storage = t.untyped_storage()
                 lo = storage.data_ptr() + p.start
