@@ -9,6 +9,7 @@ import datetime
 import functools
 import gc
 import importlib.util
+import itertools
 import json
 import os
 import platform
@@ -134,6 +135,20 @@ def serving_hf():
     :func:`need_transformers`: ``--help`` and usage errors work without transformers."""
     from tpool.serving import hf
     return hf
+
+
+def in_turns(samples: list, n: int, block: int = 1) -> list[list]:
+    """The first ``n`` items of each iterator in ``samples`` (a tpool loop and its baseline, say), drawn in
+    turns of ``block`` items each, so that a busy stretch of a shared machine falls on every one alike; then
+    each iterator is run to its end (where a loop checks its pool). One list per iterator."""
+    out = [[] for _ in samples]
+    for start in range(0, n, block):
+        for it, got in zip(samples, out):
+            got.extend(itertools.islice(it, min(block, n - start)))
+    for it in samples:
+        for _ in it:
+            pass
+    return out
 
 
 def check_model(ap: argparse.ArgumentParser, a) -> None:

@@ -28,7 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (Distinct, HelpFormatter, check_backends, check_model, out_path, positive_int,  # noqa: E402
-                     need_transformers, print_table, progress, quantiles, serving_hf, write_json)
+                     in_turns, need_transformers, print_table, progress, quantiles, serving_hf,
+                     write_json)
 
 import tpool  # noqa: E402
 from tpool.serving import PagedKVCache, step_metadata  # noqa: E402
@@ -185,13 +186,7 @@ def main(argv=None):
     for b in a.batch:
         prompts = torch.randint(1, a.vocab, (b, a.prompt), generator=torch.Generator().manual_seed(b))
         progress(f"B={b}: tpool loop and baseline (eager + DynamicCache), taking turns sample by sample ...")
-        tp_samples, base_samples = tpool_samples(model, prompts, a), baseline_samples(prompts, model, a)
-        tp, base = [], []
-        for _ in range(a.samples):  # so a busy stretch of the machine falls on both alike
-            tp.append(next(tp_samples))
-            base.append(next(base_samples))
-        for _ in tp_samples:  # (runs the pool's check after the last sample)
-            pass
+        tp, base = in_turns([tpool_samples(model, prompts, a), baseline_samples(prompts, model, a)], a.samples)
         step, p20, p80 = quantiles([s[0] for s in tp])
         share = statistics.median(s[1] / s[0] for s in tp)
         tpool_us = statistics.median(s[1] for s in tp) * 1e6

@@ -23,7 +23,6 @@ scheduler without a device pool would keep.
 
 import argparse
 import collections
-import itertools
 import os
 import statistics
 import sys
@@ -34,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import (Distinct, HelpFormatter, check_backends, default_device, device_arg, out_path,  # noqa: E402
-                     positive_int, print_table, progress, quantiles, seed_int, write_json)
+                     in_turns, positive_int, print_table, progress, quantiles, seed_int, write_json)
 
 import tpool  # noqa: E402
 from tpool.kernels import layout as L  # noqa: E402
@@ -147,14 +146,8 @@ def main(argv=None):
         progress(f"pool {P:,} pages: host OrderedDict and tpool-{backend}, {args.steps} steps, taking turns "
                  f"in blocks of {BLOCK}")
         seen = {}
-        host_gen, mine_gen = host_steps(P, args, touched), tpool_steps(P, args, device, backend, touched, seen)
-        host, mine = [], []
-        for start in range(0, args.steps, BLOCK):  # so a busy stretch of the machine falls on both alike
-            n = min(BLOCK, args.steps - start)
-            host.extend(itertools.islice(host_gen, n))
-            mine.extend(itertools.islice(mine_gen, n))
-        for _ in mine_gen:  # (runs the pool's checks after the last step)
-            pass
+        host, mine = in_turns([host_steps(P, args, touched), tpool_steps(P, args, device, backend, touched, seen)],
+                              args.steps, BLOCK)
         progress(f"pool {P:,} pages: done, the pool checked")
         base = statistics.median(host)
         for name, ts, cleaner in (("host-ordereddict", host, None), (f"tpool-{backend}", mine, seen)):
